@@ -1,0 +1,201 @@
+"""Memory tiers: one preallocated tensor pool of fixed-size slots.
+
+``cpu`` keeps the pool in host memory (pinned when CUDA is available, so device copies are
+asynchronous DMA); ``gpu`` keeps it on a CUDA device (spare HBM, or another GPU). Capacity in
+bytes becomes a slot count; slots come from a free list. The pool is allocated in ``open()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kvtier.backend import BlockFormat, MemoryBackend
+from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
+
+__all__ = ["TensorPoolBackend", "CpuBackend", "GpuBackend"]
+
+
+class TensorPoolBackend(MemoryBackend):
+    """Slots in one ``[num_slots, block_bytes]`` uint8 tensor on ``device``."""
+
+    name: ClassVar[str] = "pool"
+
+    def __init__(self, *, capacity: int | str, device: str = "cpu", pin_memory: bool | str = "auto") -> None:
+        super().__init__(capacity=capacity)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device: cannot parse {device!r} as a torch device") from exc
+        if pin_memory not in (True, False, "auto"):
+            raise ConfigError(f"pin_memory: expected true, false or 'auto', got {pin_memory!r}")
+        self.pin_memory = pin_memory
+        self._pool: torch.Tensor | None = None
+        self._slot_of: dict[bytes, int] = {}
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+        self.num_slots = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["device"] = str(self.device)
+        if self.device.type == "cpu":
+            data["pin_memory"] = self.pin_memory
+        return data
+
+    async def open(self, fmt: BlockFormat) -> None:
+        await super().open(fmt)
+        self.num_slots = self.capacity_bytes // fmt.block_bytes
+        pin = self.device.type == "cpu" and (
+            self.pin_memory is True or (self.pin_memory == "auto" and torch.cuda.is_available())
+        )
+        try:
+            self._pool = torch.empty(
+                (self.num_slots, fmt.block_bytes), dtype=torch.uint8, device=self.device, pin_memory=pin
+            )
+        except (RuntimeError, MemoryError) as exc:
+            raise BackendError(
+                f"{self.name}: cannot allocate {self.num_slots} slots of {fmt.block_bytes} bytes on {self.device}: {exc}"
+            ) from exc
+        # Pop from the end: slot 0 first, so a fresh pool fills in address order.
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with self._lock:
+            self._pool = None
+            self._slot_of.clear()
+            self._free.clear()
+
+    @property
+    def pool(self) -> torch.Tensor:
+        self._check_open()
+        assert self._pool is not None
+        return self._pool
+
+    def reserve_bytes(self) -> int:
+        return self.format.block_bytes
+
+    @property
+    def max_blocks(self) -> int:
+        return self.num_slots
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def slots(self, keys: Sequence[bytes]) -> list[int]:
+        self._check_open()
+        slot_of = self._slot_of
+        try:
+            return [slot_of[k] for k in keys]
+        except KeyError as exc:
+            raise LifecycleError(f"{self.name}: key {exc.args[0].hex()[:16]}… is not stored") from None
+
+    def reserve(self, keys: Sequence[bytes]) -> list[int] | None:
+        self._check_open()
+        with self._lock:
+            slot_of = self._slot_of
+            new = [k for k in dict.fromkeys(keys) if k not in slot_of]
+            if len(new) > len(self._free):
+                return None
+            for k in new:
+                slot_of[k] = self._free.pop()
+            return [slot_of[k] for k in keys]
+
+    def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        self._check_open()
+        with self._lock:
+            for k in keys:
+                slot = self._slot_of.pop(k, None)
+                if slot is not None:
+                    self._free.append(slot)
+                    self.counters.deleted += 1
+
+    def _check_blocks(self, blocks: Sequence[torch.Tensor], n: int) -> None:
+        size = self.format.block_bytes
+        if len(blocks) != n:
+            raise LayoutError(f"{self.name}: {n} keys but {len(blocks)} blocks")
+        for i, b in enumerate(blocks):
+            if b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != size:
+                raise LayoutError(
+                    f"{self.name}: blocks[{i}] must be a 1-D uint8 tensor of {size} bytes, "
+                    f"got {tuple(b.shape)} {b.dtype}"
+                )
+
+    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        self._check_open()
+        self._check_blocks(blocks, len(keys))
+        if not keys:
+            return []
+        # Reserve one key at a time: a full pool stores what fits and reports the rest as failed.
+        pool = self.pool
+        sizes: list[int | None] = []
+        for key, block in zip(keys, blocks):
+            got = self.reserve([key])
+            if got is None:
+                self.counters.write_failures += 1
+                sizes.append(None)
+                continue
+            pool[got[0]].copy_(block, non_blocking=True)
+            sizes.append(self.format.block_bytes)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        done = sum(1 for s in sizes if s is not None)
+        self.counters.blocks_written += done
+        self.counters.bytes_written += done * self.format.block_bytes
+        return sizes
+
+    def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_open()
+        self._check_blocks(out, len(keys))
+        pool = self.pool
+        found: list[bool] = []
+        for key, dst in zip(keys, out):
+            slot = self._slot_of.get(key)
+            if slot is None:
+                self.counters.read_misses += 1
+                found.append(False)
+                continue
+            dst.copy_(pool[slot], non_blocking=True)
+            found.append(True)
+        if self.device.type == "cuda" or any(o.device.type == "cuda" for o in out):
+            torch.cuda.synchronize()
+        hits = sum(found)
+        self.counters.blocks_read += hits
+        self.counters.bytes_read += hits * self.format.block_bytes
+        return found
+
+    def stats(self) -> dict[str, Any]:
+        data = super().stats()
+        data.update(slots=self.num_slots, used_slots=len(self._slot_of), device=str(self.device))
+        return data
+
+
+class CpuBackend(TensorPoolBackend):
+    """Host-memory pool; pinned when CUDA is available (``pin_memory: auto``)."""
+
+    name: ClassVar[str] = "cpu"
+
+    def __init__(self, *, capacity: int | str, pin_memory: bool | str = "auto", device: str = "cpu") -> None:
+        if torch.device(device).type != "cpu":
+            raise ConfigError(f"device: the cpu backend keeps its pool in host memory, got {device!r}")
+        super().__init__(capacity=capacity, device="cpu", pin_memory=pin_memory)
+
+
+class GpuBackend(TensorPoolBackend):
+    """Device-memory pool on ``device`` (default ``cuda``)."""
+
+    name: ClassVar[str] = "gpu"
+
+    def __init__(self, *, capacity: int | str, device: str = "cuda") -> None:
+        super().__init__(capacity=capacity, device=device, pin_memory=False)
+        if self.device.type == "cpu":
+            raise ConfigError("device: the gpu backend needs an accelerator device such as 'cuda:0'; use 'cpu' for host memory")
+
+    async def open(self, fmt: BlockFormat) -> None:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device: {self.device} requested but CUDA is not available on this machine")
+        await super().open(fmt)

@@ -1,0 +1,37 @@
+"""kvtier: a tiered, persistent KV cache for LLM inference engines."""
+
+from kvtier.errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    CorruptBlockError,
+    DiskError,
+    InvalidKeyError,
+    KVTierError,
+    LayoutError,
+    LifecycleError,
+    MissingDependencyError,
+    UnknownNameError,
+)
+from kvtier.keys import KEY_BYTES, Namespace, block_keys, fold_block_hashes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KEY_BYTES",
+    "BackendError",
+    "ClosedError",
+    "ConfigError",
+    "CorruptBlockError",
+    "DiskError",
+    "InvalidKeyError",
+    "KVTierError",
+    "LayoutError",
+    "LifecycleError",
+    "MissingDependencyError",
+    "Namespace",
+    "UnknownNameError",
+    "__version__",
+    "block_keys",
+    "fold_block_hashes",
+]

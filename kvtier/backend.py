@@ -1,0 +1,232 @@
+"""The backend protocol: what one tier of storage must do.
+
+The manager owns key state (pending / ready / pinned), the policy owns ordering, and a backend
+owns bytes. Every backend stores *records*: one offloaded block per 32-byte key, given to it as
+a 1-D ``uint8`` tensor of exactly ``BlockFormat.block_bytes`` bytes.
+
+Two families answer the same protocol:
+
+* **memory backends** (``is_memory = True``: ``cpu``, ``gpu``) keep every block in one
+  preallocated tensor pool. Besides the keyed calls they expose ``pool`` and ``slots(keys)`` so
+  the transfer engine can gather from and scatter into the engine's KV cache without a staging
+  copy.
+* **byte backends** (``lmdb``, ``file``, ``compressed``, plugins) store one record per key,
+  usually behind a codec, and are reached through a staging buffer.
+
+Rules every backend follows (the conformance suite ``kvtier.testing.BackendTests`` checks them):
+
+* The constructor does no I/O. ``await open(fmt)`` acquires resources, ``await aclose()``
+  releases them; calls after close raise :class:`~kvtier.errors.ClosedError`.
+* The bulk calls (``write_blocks``, ``read_blocks``, ``delete_blocks``, ``scan``) are *blocking*
+  and take a whole job at once; the transfer engine calls them from its worker threads, and the
+  async forms (``write``, ``read``, ``delete``) run them in a thread, one hop per call.
+* A per-key failure is a result, not an exception: ``write_blocks`` returns ``None`` for a key
+  it could not store (disk full, map full) and ``read_blocks`` returns ``False`` for a key that
+  is absent or corrupt (a corrupt record is deleted and counted). Only a failure of the whole
+  call raises :class:`~kvtier.errors.BackendError`.
+* A read never returns bytes other than those written under that key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvtier.errors import ClosedError, ConfigError, LifecycleError
+from kvtier.units import parse_size
+
+__all__ = ["BlockFormat", "RecordInfo", "Backend", "MemoryBackend", "BackendCounters"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """What every record of one store holds.
+
+    ``dtype`` is the element type of the KV data (``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``,
+    ``"float32"``, or ``"uint8"`` for mixed layouts); codecs use it to pick a byte-shuffle width.
+    ``namespace`` is the namespace's public fields, written into persistent stores' meta records.
+    """
+
+    block_bytes: int
+    dtype: str = "uint8"
+    namespace_digest: bytes = b"\0" * 32
+    namespace: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_bytes, int) or self.block_bytes < 1:
+            raise ConfigError(f"block_bytes: expected a positive integer, got {self.block_bytes!r}")
+        if len(self.namespace_digest) != 32:
+            raise ConfigError("namespace_digest: expected 32 bytes")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype`` (1 for unknown or mixed)."""
+        try:
+            return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        except (AttributeError, TypeError):
+            return 1
+
+
+@dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """One stored record, as a persistent backend reports it at open (to rebuild the index)."""
+
+    key: bytes
+    stored_bytes: int
+    stamp: float = 0.0
+
+
+@dataclass(slots=True)
+class BackendCounters:
+    """Counters every backend keeps; ``stats()`` returns them as a dict."""
+
+    blocks_written: int = 0
+    blocks_read: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_failures: int = 0
+    read_misses: int = 0
+    corrupt_records: int = 0
+    deleted: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+class Backend(ABC):
+    """One tier's storage. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: ClassVar[str] = ""
+    is_memory: ClassVar[bool] = False
+    persistent: ClassVar[bool] = False
+
+    def __init__(self, *, capacity: int | str, **options: Any) -> None:
+        if options:
+            raise ConfigError(
+                f"{self.name or type(self).__name__}: unknown option(s) {sorted(options)}"
+            )
+        self.capacity_bytes = parse_size(capacity, field="capacity")
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"capacity: expected a positive byte size, got {capacity!r}")
+        self.counters = BackendCounters()
+        self._fmt: BlockFormat | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def format(self) -> BlockFormat:
+        if self._fmt is None:
+            raise LifecycleError(f"backend {self.name!r} is not open; await open(fmt) first")
+        return self._fmt
+
+    @property
+    def is_open(self) -> bool:
+        return self._fmt is not None and not self._closed
+
+    def _check_open(self) -> BlockFormat:
+        if self._closed:
+            raise ClosedError(f"backend {self.name!r} is closed")
+        return self.format
+
+    async def open(self, fmt: BlockFormat) -> None:
+        """Acquire resources for records of ``fmt``. Subclasses call ``super().open(fmt)`` first."""
+        if self._closed:
+            raise ClosedError(f"backend {self.name!r} is closed and cannot be reopened")
+        if self.capacity_bytes < fmt.block_bytes:
+            raise ConfigError(
+                f"capacity: {self.capacity_bytes} bytes is below one block ({fmt.block_bytes} bytes)"
+            )
+        self._fmt = fmt
+
+    async def aclose(self) -> None:
+        """Release resources. Idempotent."""
+        self._closed = True
+
+    async def __aenter__(self) -> Backend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- configuration ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The options that rebuild this backend with ``from_dict``; always has ``backend``."""
+        return {"backend": self.name, "capacity": self.capacity_bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Backend:
+        options = dict(data)
+        options.pop("backend", None)
+        return cls(**options)
+
+    # -- capacity --------------------------------------------------------------------------
+    def reserve_bytes(self) -> int:
+        """Bytes the manager reserves for one new block before it is written (worst case)."""
+        return self.format.block_bytes
+
+    @property
+    def max_blocks(self) -> int:
+        """How many blocks fit at the worst-case reservation."""
+        return self.capacity_bytes // self.reserve_bytes()
+
+    # -- bulk, blocking I/O (one call per job) -----------------------------------------------
+    @abstractmethod
+    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        """Store ``blocks[i]`` under ``keys[i]``; return the bytes each now occupies, ``None`` on failure."""
+
+    @abstractmethod
+    def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill ``out[i]`` with the block stored under ``keys[i]``; ``False`` means a miss."""
+
+    @abstractmethod
+    def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        """Remove the records of ``keys``; absent keys are ignored."""
+
+    def scan(self) -> Iterator[RecordInfo]:
+        """Yield every stored record (persistent backends), for rebuilding the index at open."""
+        return iter(())
+
+    def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:  # noqa: B027
+        """Persist access stamps so eviction order survives a restart (persistent backends)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": self.name, "capacity_bytes": self.capacity_bytes, **self.counters.as_dict()}
+
+    # -- async forms: one worker-thread hop per call ------------------------------------------
+    async def write(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        return await asyncio.to_thread(self.write_blocks, keys, blocks)
+
+    async def read(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        return await asyncio.to_thread(self.read_blocks, keys, out)
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        await asyncio.to_thread(self.delete_blocks, keys)
+
+
+class MemoryBackend(Backend):
+    """A backend whose blocks live in one tensor pool ``[num_slots, block_bytes]`` (uint8).
+
+    ``slots(keys)`` gives the pool rows of stored keys and ``reserve(keys)`` allocates rows for
+    new keys, so the transfer engine moves bytes between the engine's KV cache and the pool
+    directly with batched tensor ops.
+    """
+
+    is_memory: ClassVar[bool] = True
+
+    @property
+    @abstractmethod
+    def pool(self) -> torch.Tensor:
+        """The ``[num_slots, block_bytes]`` uint8 pool (allocated in ``open``)."""
+
+    @abstractmethod
+    def slots(self, keys: Sequence[bytes]) -> list[int]:
+        """Pool rows of ``keys``; raises ``LifecycleError`` naming a key that is not stored."""
+
+    @abstractmethod
+    def reserve(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Allocate rows for new ``keys`` (existing keys keep theirs); ``None`` and no change if full."""

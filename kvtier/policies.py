@@ -1,0 +1,216 @@
+"""Eviction policies: who goes when a tier is full.
+
+A policy orders the *ready* keys of one tier and picks victims; it never touches bytes or slot
+state. One small interface: ``insert``, ``touch``, ``remove`` and an atomic
+``evict(n, protected)`` that either returns ``n`` victims (and forgets them) or returns ``None``
+and changes nothing. Keys in ``protected`` (pinned by a load, or part of the batch being stored)
+are never chosen. All operations are O(1) amortised, except that ``evict`` steps over protected
+keys. Third-party policies register in the ``kvtier.policies`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Container, Iterator
+from typing import Any, ClassVar
+
+from kvtier.errors import ConfigError
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy"]
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys of one tier. ``capacity`` is the tier's size in blocks (a hint)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, capacity: int = 0) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ConfigError(f"policy capacity: expected a non-negative integer, got {capacity!r}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: bytes) -> None:
+        """A key became ready in this tier."""
+
+    @abstractmethod
+    def touch(self, key: bytes) -> None:
+        """The key was used; unknown keys are ignored."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """The key left the tier for another reason than eviction; unknown keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Container[bytes] = ()) -> list[bytes] | None:
+        """Choose and forget ``n`` victims not in ``protected``; ``None`` (no change) if impossible."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def order(self) -> list[bytes]:
+        """Keys from the next victim to the last; for tests and inspection."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.name}
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    name: ClassVar[str] = "lru"
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def insert(self, key: bytes) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: bytes) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: bytes) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, n: int, protected: Container[bytes] = ()) -> list[bytes] | None:
+        if n <= 0:
+            return []
+        victims: list[bytes] = []
+        for key in self._order:
+            if key not in protected:
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        for key in victims:
+            del self._order[key]
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def order(self) -> list[bytes]:
+        return list(self._order)
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo and Modha, FAST 2003).
+
+    ``T1`` holds keys seen once, ``T2`` keys seen again; the ghost lists ``B1``/``B2`` remember
+    recent victims of each, and a hit on a ghost moves the target size ``p`` of ``T1``. Scans of
+    one-off prefixes therefore do not flush the frequently reused ones (system prompts).
+    """
+
+    name: ClassVar[str] = "arc"
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__(capacity)
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self.p = 0.0
+
+    def _ghost_limit(self) -> int:
+        return max(self.capacity, len(self._t1) + len(self._t2), 1)
+
+    def insert(self, key: bytes) -> None:
+        if key in self._t1 or key in self._t2:
+            self.touch(key)
+            return
+        c = self._ghost_limit()
+        if key in self._b1:
+            self.p = min(float(c), self.p + max(len(self._b2) / max(len(self._b1), 1), 1.0))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(len(self._b1) / max(len(self._b2), 1), 1.0))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def touch(self, key: bytes) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: bytes) -> None:
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    @staticmethod
+    def _unprotected(lst: OrderedDict[bytes, None], protected: Container[bytes]) -> Iterator[bytes]:
+        return (k for k in lst if k not in protected)
+
+    def _plan(self, n: int, protected: Container[bytes]) -> list[tuple[bytes, bool]] | None:
+        it1 = self._unprotected(self._t1, protected)
+        it2 = self._unprotected(self._t2, protected)
+        t1_left = len(self._t1)
+        plan: list[tuple[bytes, bool]] = []
+        exhausted1 = exhausted2 = False
+        while len(plan) < n:
+            prefer_t1 = t1_left > 0 and (t1_left > self.p or exhausted2)
+            key = None
+            if prefer_t1 and not exhausted1:
+                key = next(it1, None)
+                exhausted1 = key is None
+                from_t1 = True
+            if key is None and not exhausted2:
+                key = next(it2, None)
+                exhausted2 = key is None
+                from_t1 = False
+            if key is None and not exhausted1:
+                key = next(it1, None)
+                exhausted1 = key is None
+                from_t1 = True
+            if key is None:
+                return None
+            plan.append((key, from_t1))
+            if from_t1:
+                t1_left -= 1
+        return plan
+
+    def evict(self, n: int, protected: Container[bytes] = ()) -> list[bytes] | None:
+        if n <= 0:
+            return []
+        plan = self._plan(n, protected)
+        if plan is None:
+            return None
+        for key, from_t1 in plan:
+            if from_t1:
+                del self._t1[key]
+                self._b1[key] = None
+            else:
+                del self._t2[key]
+                self._b2[key] = None
+        limit = self._ghost_limit()
+        while len(self._b1) > limit:
+            self._b1.popitem(last=False)
+        while len(self._b2) > limit:
+            self._b2.popitem(last=False)
+        return [k for k, _ in plan]
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def order(self) -> list[bytes]:
+        plan = self._plan(len(self), ())
+        return [k for k, _ in plan] if plan else []

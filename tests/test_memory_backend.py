@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import ConfigError, LifecycleError
+from kvtier.testing import BackendTests, make_key
+
+
+class TestCpuBackend(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> Backend:
+        return registry.backends.get("cpu")(capacity=capacity)
+
+    def test_full_pool_stores_what_fits(self, tmp_path: Path) -> None:
+        with self.opened(tmp_path, capacity=self.block_bytes * 2) as backend:
+            sizes = backend.write_blocks([make_key(i) for i in range(3)], self.blocks(3))
+            assert sizes[:2] == [self.block_bytes] * 2 and sizes[2] is None
+            assert backend.stats()["write_failures"] == 1
+            assert backend.read_blocks([make_key(0)], self.empty(1)) == [True]
+
+    def test_pool_is_allocated_in_open(self, tmp_path: Path) -> None:
+        backend = self.make_backend(tmp_path, self.block_bytes * 4)
+        with pytest.raises(LifecycleError):
+            _ = backend.pool
+        asyncio.run(backend.open(self.block_format()))
+        assert backend.pool.shape == (4, self.block_bytes)
+        assert backend.pool.dtype == torch.uint8
+
+    def test_capacity_becomes_slot_count_and_slots_are_reused(self, tmp_path: Path) -> None:
+        with self.opened(tmp_path, capacity=self.block_bytes * 3 + 17) as backend:
+            assert backend.max_blocks == 3
+            first = backend.reserve([make_key(1), make_key(2), make_key(3)])
+            assert first is not None and sorted(first) == [0, 1, 2]
+            assert backend.reserve([make_key(4)]) is None
+            backend.delete_blocks([make_key(2)])
+            again = backend.reserve([make_key(4)])
+            assert again == [first[1]]
+            assert backend.slots([make_key(4), make_key(1)]) == [first[1], first[0]]
+
+    def test_reserve_is_atomic_when_full(self, tmp_path: Path) -> None:
+        with self.opened(tmp_path, capacity=self.block_bytes * 2) as backend:
+            backend.reserve([make_key(1)])
+            assert backend.reserve([make_key(2), make_key(3)]) is None
+            assert len(backend) == 1
+            with pytest.raises(LifecycleError):
+                backend.slots([make_key(2)])
+
+
+def test_gpu_backend_needs_an_accelerator() -> None:
+    gpu = registry.backends.get("gpu")
+    with pytest.raises(ConfigError, match="device"):
+        gpu(capacity="1MiB", device="cpu")
+    if not torch.cuda.is_available():
+        backend = gpu(capacity="1MiB")
+        with pytest.raises(ConfigError, match="CUDA"):
+            asyncio.run(backend.open(BlockFormat(block_bytes=4096)))
+
+
+def test_cpu_backend_rejects_unknown_options() -> None:
+    with pytest.raises(ConfigError, match="capacity"):
+        registry.backends.get("cpu")(capacity="lots")
+    with pytest.raises(TypeError):
+        registry.backends.get("cpu")(capacity="1MiB", colour="red")
