@@ -14,6 +14,9 @@ from kvtier.errors import (
     UnknownNameError,
 )
 from kvtier.keys import KEY_BYTES, Namespace, block_keys, fold_block_hashes
+from kvtier.layout import KVLayout
+from kvtier.manager import TierManager
+from kvtier.store import KVStore, open
 
 __version__ = "0.1.0"
 
@@ -25,13 +28,17 @@ __all__ = [
     "CorruptBlockError",
     "DiskError",
     "InvalidKeyError",
+    "KVLayout",
+    "KVStore",
     "KVTierError",
     "LayoutError",
     "LifecycleError",
     "MissingDependencyError",
     "Namespace",
+    "TierManager",
     "UnknownNameError",
     "__version__",
     "block_keys",
     "fold_block_hashes",
+    "open",
 ]

@@ -1,0 +1,647 @@
+"""The tier manager: key state across an ordered list of tiers (fastest first).
+
+The manager decides; it never moves bytes. It owns, for every key in every tier, whether the
+key is *pending* (being written, invisible to ``lookup``) or *ready*, and how many loads pin it.
+The policy of each tier orders its ready keys and picks victims; backends own the bytes and are
+driven by the transfer engine, which executes the plans the manager hands out.
+
+Lifecycle (the contract engine authors know from vLLM's offloading manager):
+
+===========================  ===================================================================
+``lookup(keys)``             leading run of keys that are ready in some tier (pending ends it)
+``prepare_store(keys)``      skip keys already present, evict (demoting victims to the next
+                             tier in write-back mode), reserve; **atomic**: ``None`` and no change
+                             when the first tier cannot make room. Never evicts a key of its own
+                             batch or a pinned key. New keys are pending.
+``complete_store(keys, ok)`` pending -> ready (a *stored* event per tier); on failure the
+                             reservations are released
+``prepare_load(keys)``       pin each key in the fastest tier that holds it ready
+``complete_load(keys)``      unpin
+``touch(keys)``              recency for the policies
+``take_events()``            stored / removed events with the tier, for KV-aware routers
+===========================  ===================================================================
+
+Every call validates its whole input first and raises before changing anything. Lifecycle calls
+never block and never await: they are plain dictionary work, callable from an engine's
+scheduler thread or from a coroutine alike. Running out of room is not an error: it is ``None``
+and a counter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from kvtier.errors import ConfigError, LifecycleError
+from kvtier.keys import check_keys
+from kvtier.policies import EvictionPolicy
+
+__all__ = [
+    "TierSpec",
+    "TierManager",
+    "StorePlan",
+    "LoadPlan",
+    "Demotion",
+    "KeyState",
+    "KeyStatus",
+    "CacheEvent",
+]
+
+WriteMode = Literal["back", "through"]
+
+# Entry codes in a tier's index: bit 0 = ready; the rest = pin count. Small ints are shared
+# objects in CPython, so an entry costs only its dictionary slot.
+_PENDING = 0
+_READY = 1
+_PIN = 2
+
+
+class KeyState(str, Enum):
+    MISS = "miss"
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStatus:
+    """Where a key stands: ``tier`` is the fastest tier that holds it (``None`` on a miss)."""
+
+    state: KeyState
+    tier: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """A key became ready in (``stored``) or left (``removed``) the tier named ``tier``."""
+
+    kind: Literal["stored", "removed"]
+    key: bytes
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class Demotion:
+    """Move ``keys`` from tier ``src`` to tier ``dst`` (write-back of evicted blocks)."""
+
+    src: int
+    dst: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What one store job must do, in order: ``drops`` (delete evicted keys from a tier),
+    ``demotions`` (deepest first; each copies its keys from ``src`` to ``dst`` and then deletes
+    them from ``src``), then write ``keys`` into ``tier`` and into every tier of ``write_through``.
+
+    ``positions[i]`` is the index of ``keys[i]`` in the batch given to ``prepare_store``, so the
+    caller can pick the matching engine block ids. ``skipped`` are keys already present.
+    """
+
+    plan_id: int
+    keys: tuple[bytes, ...]
+    positions: tuple[int, ...]
+    tier: int = 0
+    write_through: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    drops: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    demotions: tuple[Demotion, ...] = ()
+    skipped: tuple[bytes, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.keys and not self.drops and not self.demotions
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """The tier each key is read from (``tiers[i]`` for ``keys[i]``); every key is pinned."""
+
+    keys: tuple[bytes, ...]
+    tiers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """What the manager needs to know about one tier."""
+
+    name: str
+    capacity_bytes: int
+    block_reserve: int
+    policy: EvictionPolicy
+    persistent: bool = False
+    #: Stored sizes may be smaller than ``block_reserve`` (compressed tiers).
+    variable_size: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_reserve <= 0:
+            raise ConfigError(f"tiers[{self.name}]: block_reserve must be positive")
+        if self.capacity_bytes < self.block_reserve:
+            raise ConfigError(
+                f"tiers[{self.name}].capacity: {self.capacity_bytes} bytes is below one block ({self.block_reserve} bytes)"
+            )
+
+
+@dataclass(slots=True)
+class _Tier:
+    spec: TierSpec
+    index: dict[bytes, int] = field(default_factory=dict)
+    sizes: dict[bytes, int] = field(default_factory=dict)
+    used: int = 0
+    evictions: int = 0
+    demotions_in: int = 0
+    dropped: int = 0
+    stamps: dict[bytes, float] = field(default_factory=dict)
+
+    def size_of(self, key: bytes) -> int:
+        if self.spec.variable_size:
+            return self.sizes.get(key, self.spec.block_reserve)
+        return self.spec.block_reserve
+
+    def add(self, key: bytes, code: int, nbytes: int) -> None:
+        self.index[key] = code
+        self.used += nbytes
+        if self.spec.variable_size:
+            self.sizes[key] = nbytes
+
+    def discard(self, key: bytes) -> None:
+        code = self.index.pop(key, None)
+        if code is None:
+            return
+        self.used -= self.size_of(key)
+        if self.spec.variable_size:
+            self.sizes.pop(key, None)
+        if code & _READY:
+            self.spec.policy.remove(key)
+
+
+class _Protected:
+    """Keys a policy must not pick: pinned or pending in the tier, or in ``extra``."""
+
+    __slots__ = ("extra", "index")
+
+    def __init__(self, index: dict[bytes, int], extra: Container[bytes]) -> None:
+        self.index = index
+        self.extra = extra
+
+    def __contains__(self, key: object) -> bool:
+        return self.index.get(key, _READY) != _READY or key in self.extra  # type: ignore[call-overload]
+
+
+@dataclass(slots=True)
+class _OpenPlan:
+    plan: StorePlan
+    remaining: set[bytes]
+    pending: list[tuple[int, bytes]]  # demoted / written-through entries to finalise with the plan
+
+
+class TierManager:
+    """Key state over ``tiers`` (fastest first) with write-back or write-through chaining."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        *,
+        write: WriteMode = "back",
+        max_events: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not tiers:
+            raise ConfigError("tiers: at least one tier is required")
+        if write not in ("back", "through"):
+            raise ConfigError(f"write: expected 'back' or 'through', got {write!r}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tiers: names must be unique, got {names}")
+        self._tiers = [_Tier(spec) for spec in tiers]
+        self.write_mode: WriteMode = write
+        self._plans: dict[int, _OpenPlan] = {}
+        self._plan_of: dict[bytes, int] = {}
+        self._plan_ids = itertools.count(1)
+        self._events: deque[CacheEvent] = deque(maxlen=max_events)
+        self._clock = clock
+        self._closed = False
+        self.counters: dict[str, int] = {
+            "lookups": 0,
+            "lookup_keys": 0,
+            "lookup_hits": 0,
+            "store_prepared": 0,
+            "store_skipped": 0,
+            "store_rejected": 0,
+            "store_completed": 0,
+            "store_failed": 0,
+            "load_prepared": 0,
+            "events_dropped": 0,
+        }
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def num_tiers(self) -> int:
+        return len(self._tiers)
+
+    def tier_spec(self, tier: int) -> TierSpec:
+        return self._tiers[tier].spec
+
+    def tier_keys(self, tier: int) -> list[bytes]:
+        """Ready keys of ``tier`` in eviction order (next victim first)."""
+        return self._tiers[tier].spec.policy.order()
+
+    def __len__(self) -> int:
+        return sum(len(t.index) for t in self._tiers)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _check(self) -> None:
+        if self._closed:
+            from kvtier.errors import ClosedError
+
+            raise ClosedError("the tier manager is closed")
+
+    # -- lookup ----------------------------------------------------------------------------
+    def status(self, key: bytes) -> KeyStatus:
+        pending_at: int | None = None
+        for i, t in enumerate(self._tiers):
+            code = t.index.get(key)
+            if code is None:
+                continue
+            if code & _READY:
+                return KeyStatus(KeyState.READY, i)
+            if pending_at is None:
+                pending_at = i
+        if pending_at is not None:
+            return KeyStatus(KeyState.PENDING, pending_at)
+        return KeyStatus(KeyState.MISS)
+
+    def lookup_detail(self, keys: Sequence[bytes]) -> list[KeyStatus]:
+        """Per key: hit (with the fastest ready tier), pending, or miss."""
+        self._check()
+        check_keys(keys)
+        return [self.status(k) for k in keys]
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` ready in some tier; a pending key ends it."""
+        self._check()
+        check_keys(keys)
+        tiers = [t.index for t in self._tiers]
+        hits = 0
+        for key in keys:
+            for index in tiers:
+                code = index.get(key)
+                if code is not None and code & _READY:
+                    break
+            else:
+                break
+            hits += 1
+        self.counters["lookups"] += 1
+        self.counters["lookup_keys"] += len(keys)
+        self.counters["lookup_hits"] += hits
+        return hits
+
+    # -- store -----------------------------------------------------------------------------
+    def _present(self, key: bytes) -> bool:
+        for t in self._tiers:
+            if key in t.index:
+                return True
+        return False
+
+    def _make_room(
+        self,
+        tier: int,
+        nbytes: int,
+        protected: Container[bytes],
+        drops: dict[int, list[bytes]],
+        demotions: list[Demotion],
+        pending: list[tuple[int, bytes]],
+        events: list[CacheEvent],
+        undo: list[Callable[[], None]],
+    ) -> bool:
+        """Free ``nbytes`` in ``tier``, demoting victims down the chain; ``False`` if impossible.
+
+        Mutations are recorded in ``undo`` so the caller can roll the whole plan back.
+        """
+        t = self._tiers[tier]
+        deficit = t.used + nbytes - t.spec.capacity_bytes
+        if deficit <= 0:
+            return True
+        if nbytes > t.spec.capacity_bytes:
+            return False
+        policy = t.spec.policy
+        guard = _Protected(t.index, protected)
+        victims: list[bytes] = []
+        freed = 0
+        while freed < deficit:
+            want = max(1, -(-(deficit - freed) // t.spec.block_reserve))
+            got = policy.evict(want, guard)
+            if got is None:
+                for key in reversed(victims):  # roll back this tier's partial choice
+                    policy.insert(key)
+                return False
+            victims.extend(got)
+            freed += sum(t.size_of(k) for k in got)
+        moved: list[bytes] = []
+        for key in victims:
+            nbytes_v = t.size_of(key)
+            code = t.index.pop(key)
+            t.used -= nbytes_v
+            size_v = t.sizes.pop(key, None)
+            t.evictions += 1
+
+            def restore(t: _Tier = t, key: bytes = key, code: int = code, nb: int = nbytes_v, sz: int | None = size_v) -> None:
+                t.index[key] = code
+                t.used += nb
+                if sz is not None:
+                    t.sizes[key] = sz
+                t.evictions -= 1
+                t.spec.policy.insert(key)
+
+            undo.append(restore)
+            nxt = tier + 1
+            if nxt < len(self._tiers) and self.write_mode == "back" and key not in self._tiers[nxt].index:
+                dst = self._tiers[nxt]
+                reserve = dst.spec.block_reserve
+                if self._make_room(nxt, reserve, (), drops, demotions, pending, events, undo):
+                    dst.add(key, _PENDING, reserve)
+                    dst.demotions_in += 1
+
+                    def unadd(dst: _Tier = dst, key: bytes = key, reserve: int = reserve) -> None:
+                        dst.index.pop(key, None)
+                        dst.sizes.pop(key, None)
+                        dst.used -= reserve
+                        dst.demotions_in -= 1
+
+                    undo.append(unadd)
+                    moved.append(key)
+                    pending.append((nxt, key))
+                    continue
+            # Dropped from this tier: still readable elsewhere (write-through) or gone.
+            drops.setdefault(tier, []).append(key)
+            t.dropped += 1
+            events.append(CacheEvent("removed", key, t.spec.name))
+        if moved:
+            # Deeper demotions were appended first by the recursive calls: deepest first.
+            demotions.append(Demotion(tier, tier + 1, tuple(moved)))
+        return True
+
+    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
+        """Reserve room in the first tier for the keys not yet present; see the module doc."""
+        self._check()
+        check_keys(keys)
+        new: list[bytes] = []
+        positions: list[int] = []
+        skipped: list[bytes] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key in seen:
+                continue
+            seen.add(key)
+            if self._present(key):
+                skipped.append(key)
+            else:
+                new.append(key)
+                positions.append(i)
+        plan_id = next(self._plan_ids)
+        self.counters["store_skipped"] += len(skipped)
+        if not new:
+            return StorePlan(plan_id, (), (), skipped=tuple(skipped))
+        drops: dict[int, list[bytes]] = {}
+        demotions: list[Demotion] = []
+        pending: list[tuple[int, bytes]] = []
+        events: list[CacheEvent] = []
+        undo: list[Callable[[], None]] = []
+        first = self._tiers[0]
+        batch = set(new)
+        if not self._make_room(0, first.spec.block_reserve * len(new), batch, drops, demotions, pending, events, undo):
+            for fn in reversed(undo):
+                fn()
+            self.counters["store_rejected"] += 1
+            return None
+        for key in new:
+            first.add(key, _PENDING, first.spec.block_reserve)
+        through: list[tuple[int, tuple[bytes, ...]]] = []
+        if self.write_mode == "through":
+            for ti in range(1, len(self._tiers)):
+                t = self._tiers[ti]
+                room = [k for k in new if k not in t.index]
+                # Best effort: a lower tier that cannot make room simply does not get the copy.
+                sub_undo: list[Callable[[], None]] = []
+                if room and self._make_room(ti, t.spec.block_reserve * len(room), batch, drops, demotions, pending, events, sub_undo):
+                    for key in room:
+                        t.add(key, _PENDING, t.spec.block_reserve)
+                        pending.append((ti, key))
+                    through.append((ti, tuple(room)))
+                else:
+                    for fn in reversed(sub_undo):
+                        fn()
+        plan = StorePlan(
+            plan_id=plan_id,
+            keys=tuple(new),
+            positions=tuple(positions),
+            tier=0,
+            write_through=tuple(through),
+            drops=tuple((ti, tuple(ks)) for ti, ks in sorted(drops.items(), reverse=True)),
+            demotions=tuple(demotions),
+            skipped=tuple(skipped),
+        )
+        self._plans[plan_id] = _OpenPlan(plan, set(new), pending)
+        for key in new:
+            self._plan_of[key] = plan_id
+        self._emit(events)
+        self.counters["store_prepared"] += len(new)
+        return plan
+
+    def complete_store(
+        self,
+        keys: Sequence[bytes],
+        success: bool = True,
+        *,
+        sizes: dict[int, dict[bytes, int]] | None = None,
+        failed: dict[int, Iterable[bytes]] | None = None,
+    ) -> None:
+        """Finish the store of ``keys`` (pending -> ready, or released on failure).
+
+        ``sizes`` gives the stored size per tier for variable-size tiers; ``failed`` names
+        keys whose write to a given tier (a demotion or a write-through copy) failed, which are
+        then dropped from that tier. When the last key of a plan completes, the plan's
+        demotions and write-through copies become ready too.
+        """
+        self._check()
+        check_keys(keys)
+        keys = list(dict.fromkeys(keys))
+        for i, key in enumerate(keys):
+            if self._plan_of.get(key) is None:
+                raise LifecycleError(f"complete_store: keys[{i}] ({key.hex()[:16]}…) was never prepared or is already complete")
+        failed_sets = {ti: set(ks) for ti, ks in (failed or {}).items()}
+        events: list[CacheEvent] = []
+        first = self._tiers[0]
+        for key in keys:
+            plan_id = self._plan_of.pop(key)
+            if success and key not in failed_sets.get(0, ()):
+                self._finish_entry(0, key, sizes, events)
+                self.counters["store_completed"] += 1
+            else:
+                first.discard(key)
+                self.counters["store_failed"] += 1
+            open_plan = self._plans[plan_id]
+            open_plan.remaining.discard(key)
+            if not open_plan.remaining:
+                del self._plans[plan_id]
+                for ti, pkey in open_plan.pending:
+                    t = self._tiers[ti]
+                    if t.index.get(pkey) != _PENDING:
+                        continue
+                    written_through = any(ti == wt for wt, _ in open_plan.plan.write_through) and pkey in open_plan.plan.keys
+                    if pkey in failed_sets.get(ti, ()) or (written_through and not success):
+                        t.discard(pkey)
+                        t.dropped += 1
+                    else:
+                        self._finish_entry(ti, pkey, sizes, events)
+        self._emit(events)
+
+    def _finish_entry(self, ti: int, key: bytes, sizes: dict[int, dict[bytes, int]] | None, events: list[CacheEvent]) -> None:
+        t = self._tiers[ti]
+        if t.spec.variable_size and sizes and key in sizes.get(ti, {}):
+            actual = sizes[ti][key]
+            t.used += actual - t.size_of(key)
+            t.sizes[key] = actual
+        t.index[key] = _READY
+        t.spec.policy.insert(key)
+        if t.spec.persistent:
+            t.stamps[key] = self._clock()
+        events.append(CacheEvent("stored", key, t.spec.name))
+
+    # -- load ------------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Pin every key in the fastest tier that holds it ready."""
+        self._check()
+        check_keys(keys)
+        where: list[int] = []
+        for i, key in enumerate(keys):
+            for ti, t in enumerate(self._tiers):
+                code = t.index.get(key)
+                if code is not None and code & _READY:
+                    where.append(ti)
+                    break
+            else:
+                raise LifecycleError(f"prepare_load: keys[{i}] ({key.hex()[:16]}…) is not ready in any tier")
+        now = self._clock()
+        for key, ti in zip(keys, where):
+            t = self._tiers[ti]
+            t.index[key] += _PIN
+            t.spec.policy.touch(key)
+            if t.spec.persistent:
+                t.stamps[key] = now
+        self.counters["load_prepared"] += len(keys)
+        return LoadPlan(tuple(keys), tuple(where))
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Unpin keys pinned by ``prepare_load`` (once per pin)."""
+        self._check()
+        check_keys(keys)
+        located: list[_Tier] = []
+        counts: dict[tuple[int, bytes], int] = {}
+        for i, key in enumerate(keys):
+            for ti, t in enumerate(self._tiers):
+                code = t.index.get(key)
+                if code is not None and code >= _PIN and counts.get((ti, key), 0) < code // _PIN:
+                    counts[(ti, key)] = counts.get((ti, key), 0) + 1
+                    located.append(t)
+                    break
+            else:
+                raise LifecycleError(f"complete_load: keys[{i}] ({key.hex()[:16]}…) is not pinned")
+        for key, t in zip(keys, located):
+            t.index[key] -= _PIN
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark keys as recently used in every tier that holds them ready."""
+        self._check()
+        check_keys(keys)
+        now = self._clock()
+        for t in self._tiers:
+            index, policy = t.index, t.spec.policy
+            for key in keys:
+                code = index.get(key)
+                if code is not None and code & _READY:
+                    policy.touch(key)
+                    if t.spec.persistent:
+                        t.stamps[key] = now
+
+    def remove(self, keys: Sequence[bytes], tier: int) -> list[bytes]:
+        """Forget ready, unpinned ``keys`` in ``tier`` (after a failed read found them gone or
+        corrupt). Returns the keys removed; the caller deletes their bytes."""
+        self._check()
+        check_keys(keys)
+        t = self._tiers[tier]
+        removed = [k for k in keys if t.index.get(k) == _READY]
+        for key in removed:
+            t.discard(key)
+            self._events_append(CacheEvent("removed", key, t.spec.name))
+        return removed
+
+    # -- persistence -----------------------------------------------------------------------
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """Rebuild ``tier``'s index from stored records ``(key, stored_bytes, stamp)`` at open.
+
+        Records are inserted oldest stamp first, so eviction order survives a restart. Records
+        beyond the tier's capacity (oldest first) are not adopted and are returned for deletion.
+        """
+        t = self._tiers[tier]
+        ordered = sorted(records, key=lambda r: r[2])
+        total = sum(r[1] if t.spec.variable_size else t.spec.block_reserve for r in ordered)
+        excess: list[bytes] = []
+        for key, nbytes, _stamp in ordered:
+            size = nbytes if t.spec.variable_size else t.spec.block_reserve
+            if total > t.spec.capacity_bytes or key in t.index:
+                excess.append(key)
+                total -= size
+                continue
+            t.add(key, _READY, size)
+            t.spec.policy.insert(key)
+        return excess
+
+    def take_stamps(self, tier: int) -> list[tuple[bytes, float]]:
+        """Access stamps recorded since the last call, for a persistent tier to save."""
+        t = self._tiers[tier]
+        stamps = [(k, s) for k, s in t.stamps.items() if k in t.index]
+        t.stamps.clear()
+        return stamps
+
+    # -- events and stats ------------------------------------------------------------------
+    def _events_append(self, event: CacheEvent) -> None:
+        if len(self._events) == self._events.maxlen:
+            self.counters["events_dropped"] += 1
+        self._events.append(event)
+
+    def _emit(self, events: list[CacheEvent]) -> None:
+        for event in events:
+            self._events_append(event)
+
+    def take_events(self) -> list[CacheEvent]:
+        """Stored / removed events since the last call, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        tiers = []
+        for t in self._tiers:
+            ready = sum(1 for c in t.index.values() if c & _READY)
+            tiers.append(
+                {
+                    "name": t.spec.name,
+                    "capacity_bytes": t.spec.capacity_bytes,
+                    "used_bytes": t.used,
+                    "blocks": len(t.index),
+                    "ready": ready,
+                    "pending": len(t.index) - ready,
+                    "pinned": sum(1 for c in t.index.values() if c >= _PIN),
+                    "evictions": t.evictions,
+                    "demotions_in": t.demotions_in,
+                    "dropped": t.dropped,
+                }
+            )
+        return {**self.counters, "open_plans": len(self._plans), "tiers": tiers}

@@ -1,0 +1,256 @@
+"""The on-disk record format shared by every byte backend, and the store-level meta record.
+
+A record is a fixed 32-byte little-endian header followed by the payload::
+
+    offset size field
+    0      4    magic            b"KVTB"
+    4      1    format version   RECORD_VERSION (1)
+    5      1    codec id         see kvtier.codec.BUILTIN_CODEC_IDS
+    6      1    dtype code       DTYPE_CODES; tells a shuffling codec the element width
+    7      1    flags            0 (reserved; a non-zero value is a format this build cannot read)
+    8      8    raw length       bytes of the block once decoded
+    16     8    stored length    bytes of payload that follow the header
+    24     4    reserved         0
+    28     4    checksum         CRC32C over header[0:28] + the 32-byte key + payload
+
+The key is bound into the checksum but not stored, so a record copied or renamed under another
+key fails its check. Readers parse and check the header *before* touching the payload: magic,
+version, the raw length against the store's block size and the stored length against the bytes
+actually present; only then is anything decoded, into a buffer of exactly the raw length. An
+unknown version raises :class:`~kvtier.codec.UnsupportedRecordError` (a miss, never parsed);
+every other failure raises :class:`~kvtier.errors.CorruptBlockError`.
+
+The meta record (``encode_meta`` / ``decode_meta``) says which format version and namespace a
+store holds: ``b"KVTM"``, a version byte, a CRC32C of the body, then a msgpack map (never
+pickle). A store whose meta record names a different namespace digest, block size or dtype is
+refused at open with a :class:`~kvtier.errors.ConfigError` (see ``check_meta``): its records
+could never be hits, and silently wiping another model's cache would be worse.
+
+Changing any byte of this layout is a format break: bump ``RECORD_VERSION`` and update the
+golden vector in ``tests/test_record.py``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import msgpack
+import numpy as np
+
+from kvtier.backend import BlockFormat
+from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
+from kvtier.errors import ConfigError, CorruptBlockError
+
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "META_VERSION",
+    "RECORD_VERSION",
+    "DTYPE_CODES",
+    "RecordHeader",
+    "StoreMeta",
+    "check_meta",
+    "crc32c",
+    "decode_meta",
+    "decode_record",
+    "dtype_code",
+    "encode_meta",
+    "encode_record",
+    "parse_header",
+]
+
+MAGIC = b"KVTB"
+RECORD_VERSION = 1
+HEADER = struct.Struct("<4sBBBBQQII")
+HEADER_SIZE = HEADER.size  # 32
+_CHECKED = 28  # header bytes covered by the checksum (all but the checksum itself)
+
+META_MAGIC = b"KVTM"
+META_VERSION = 1
+_META_PREFIX = struct.Struct("<4sBI")
+
+#: dtype name -> (code, element width). Code 0 is "opaque bytes".
+DTYPE_CODES: dict[str, tuple[int, int]] = {
+    "uint8": (0, 1),
+    "bfloat16": (1, 2),
+    "float16": (2, 2),
+    "float8_e4m3fn": (3, 1),
+    "float8_e5m2": (4, 1),
+    "float32": (5, 4),
+}
+_WIDTH_OF_CODE = {code: width for code, width in DTYPE_CODES.values()}
+
+
+def dtype_code(dtype: str) -> int:
+    """The header code for ``dtype``; unknown dtypes are stored as opaque bytes (code 0)."""
+    return DTYPE_CODES.get(dtype, (0, 1))[0]
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC32C of any contiguous buffer (the C extension only takes read-only, release-free buffers)."""
+    if not isinstance(data, bytes):
+        data = np.frombuffer(data, dtype=np.uint8)
+    return google_crc32c.extend(crc, data)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    version: int
+    codec_id: int
+    dtype_code: int
+    raw_length: int
+    stored_length: int
+    checksum: int
+
+    @property
+    def itemsize(self) -> int:
+        return _WIDTH_OF_CODE.get(self.dtype_code, 1)
+
+    @property
+    def record_length(self) -> int:
+        return HEADER_SIZE + self.stored_length
+
+
+def parse_header(buf: Any, *, raw_length: int, available: int | None = None) -> RecordHeader:
+    """Parse and check a header without trusting anything after it.
+
+    ``raw_length`` is the store's block size (the only raw length a record may claim);
+    ``available`` is the record's full length when known (LMDB value, file size).
+    """
+    if len(buf) < HEADER_SIZE:
+        raise CorruptBlockError(f"record truncated: {len(buf)} bytes, the header alone is {HEADER_SIZE}")
+    magic, version, codec_id, code, flags, raw, stored, reserved, checksum = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad record magic {bytes(magic)!r}")
+    if version != RECORD_VERSION or flags or reserved:
+        raise UnsupportedRecordError(f"record format version {version} (flags {flags}) is not supported")
+    if raw != raw_length:
+        raise CorruptBlockError(f"record claims {raw} raw bytes, the store's block is {raw_length}")
+    if stored > raw or (codec_id == NoneCodec.codec_id and stored != raw):
+        raise CorruptBlockError(f"record claims {stored} stored bytes for a {raw}-byte block")
+    if available is not None and available != HEADER_SIZE + stored:
+        raise CorruptBlockError(f"record is {available} bytes, its header says {HEADER_SIZE + stored}")
+    return RecordHeader(version, codec_id, code, raw, stored, checksum)
+
+
+def encode_record(key: bytes, raw: memoryview, codec: Codec, code: int) -> tuple[bytes, bytes | memoryview]:
+    """Return ``(header, payload)`` for one block; the record is their concatenation.
+
+    Falls back to the raw bytes (codec id 0) whenever the codec does not shrink the block.
+    """
+    itemsize = _WIDTH_OF_CODE.get(code, 1)
+    payload: bytes | memoryview = raw
+    codec_id = NoneCodec.codec_id
+    if codec.codec_id != NoneCodec.codec_id:
+        encoded = codec.encode(raw, itemsize)
+        if len(encoded) < len(raw):
+            payload, codec_id = encoded, codec.codec_id
+    head = HEADER.pack(MAGIC, RECORD_VERSION, codec_id, code, 0, len(raw), len(payload), 0, 0)
+    crc = crc32c(payload, crc32c(key, crc32c(head[:_CHECKED])))
+    return head[:_CHECKED] + struct.pack("<I", crc), payload
+
+
+def decode_record(key: bytes, record: Any, out: memoryview, *, available: int | None = None) -> RecordHeader:
+    """Check ``record`` (header + payload) and decode it into ``out`` (``len(out)`` raw bytes).
+
+    On a raw record the payload is copied first and the checksum computed over ``out`` (the copy
+    leaves it in cache, which beats a second pass over the source); ``out`` then holds garbage if
+    the check fails, which callers treat as a miss.
+    """
+    view = memoryview(record)
+    header = parse_header(view, raw_length=len(out), available=len(view) if available is None else available)
+    payload = view[HEADER_SIZE : HEADER_SIZE + header.stored_length]
+    prefix = crc32c(key, crc32c(view[:_CHECKED]))
+    if header.codec_id == NoneCodec.codec_id:
+        out[:] = payload
+        if crc32c(out, prefix) != header.checksum:
+            raise CorruptBlockError("record checksum mismatch")
+        return header
+    if crc32c(payload, prefix) != header.checksum:
+        raise CorruptBlockError("record checksum mismatch")
+    codec_for_id(header.codec_id).decode_into(payload, out, header.itemsize)
+    return header
+
+
+def verify_payload(key: bytes, header_bytes: Any, header: RecordHeader, payload: Any) -> None:
+    """Check the checksum of a record read in pieces (header, then payload)."""
+    crc = crc32c(payload, crc32c(key, crc32c(memoryview(header_bytes)[:_CHECKED])))
+    if crc != header.checksum:
+        raise CorruptBlockError("record checksum mismatch")
+
+
+# -- meta record -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMeta:
+    format_version: int
+    block_bytes: int
+    dtype: str
+    namespace_digest: bytes
+    namespace: dict[str, Any]
+
+
+def encode_meta(fmt: BlockFormat) -> bytes:
+    body = msgpack.packb(
+        {
+            "format_version": RECORD_VERSION,
+            "block_bytes": fmt.block_bytes,
+            "dtype": fmt.dtype,
+            "namespace_digest": fmt.namespace_digest,
+            "namespace": fmt.namespace,
+        },
+        use_bin_type=True,
+        default=str,  # namespace values are plain data; anything else is recorded by its text
+    )
+    return _META_PREFIX.pack(META_MAGIC, META_VERSION, crc32c(body)) + body
+
+
+def decode_meta(data: Any) -> StoreMeta:
+    data = bytes(data)
+    if len(data) < _META_PREFIX.size:
+        raise CorruptBlockError("meta record truncated")
+    magic, version, crc = _META_PREFIX.unpack_from(data, 0)
+    if magic != META_MAGIC:
+        raise CorruptBlockError("bad meta record magic")
+    if version != META_VERSION:
+        raise UnsupportedRecordError(f"meta record version {version} is not supported")
+    body = data[_META_PREFIX.size :]
+    if crc32c(body) != crc:
+        raise CorruptBlockError("meta record checksum mismatch")
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return StoreMeta(
+            format_version=int(fields["format_version"]),
+            block_bytes=int(fields["block_bytes"]),
+            dtype=str(fields["dtype"]),
+            namespace_digest=bytes(fields["namespace_digest"]),
+            namespace=dict(fields["namespace"]),
+        )
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise CorruptBlockError(f"meta record is not readable: {exc}") from exc
+
+
+def check_meta(meta: StoreMeta, fmt: BlockFormat, *, where: str) -> None:
+    """Refuse a store written for another namespace, block size, dtype or format version."""
+    if meta.format_version != RECORD_VERSION:
+        raise ConfigError(
+            f"{where}: the store holds record format {meta.format_version}, this kvtier writes "
+            f"{RECORD_VERSION}; point the tier at a new path"
+        )
+    mismatch = []
+    if meta.namespace_digest != fmt.namespace_digest:
+        mismatch.append(f"namespace digest {meta.namespace_digest.hex()[:16]}… != {fmt.namespace_digest.hex()[:16]}…")
+    if meta.block_bytes != fmt.block_bytes:
+        mismatch.append(f"block_bytes {meta.block_bytes} != {fmt.block_bytes}")
+    if meta.dtype != fmt.dtype:
+        mismatch.append(f"dtype {meta.dtype!r} != {fmt.dtype!r}")
+    if mismatch:
+        raise ConfigError(
+            f"{where}: the store was written for another namespace ({'; '.join(mismatch)}; stored namespace "
+            f"{meta.namespace}). Use one path per model/namespace, or delete the store to reuse the path"
+        )

@@ -1,0 +1,293 @@
+"""The engine-facing store: tiers, manager and transfers behind one asyncio object.
+
+``store = await kvtier.open(config, kv_caches=caches)`` (or ``async with kvtier.open(...)``)
+builds the backends named in ``config`` through the plugin registry, opens them, rebuilds the
+index of persistent tiers, and starts the transfer workers. The lifecycle calls are the
+manager's (see :mod:`kvtier.manager`); ``save`` and ``load`` run prepare -> transfer ->
+complete for engines that want no connector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.config import StoreConfig, load_config
+from kvtier.errors import ClosedError, ConfigError, LayoutError
+from kvtier.keys import Namespace, check_keys
+from kvtier.layout import KVLayout
+from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.transfer import JobResult, TransferEngine
+
+__all__ = ["KVStore", "open"]
+
+log = logging.getLogger("kvtier")
+
+
+def build_backend(tier: Any, index: int) -> Backend:
+    """Instantiate the backend of ``tier`` (a :class:`~kvtier.config.TierConfig`)."""
+    cls = registry.backends.get(tier.backend)
+    try:
+        return cls(**tier.options())
+    except TypeError as exc:
+        raise ConfigError(f"tiers[{index}] ({tier.backend}): {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"tiers[{index}].{exc}") from exc
+
+
+class KVStore:
+    """Tiers + manager + transfer engine. Build it with :func:`kvtier.open`."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        kv_caches: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        namespace: Namespace | None = None,
+    ) -> None:
+        self.config = config
+        self.layout: KVLayout | None = None
+        if kv_caches is not None:
+            self.layout = KVLayout(kv_caches, engine_blocks_per_block=config.engine_blocks_per_block)
+            block_bytes = self.layout.block_bytes
+            dtype = self.layout.dtype
+        elif config.block_bytes is not None:
+            block_bytes, dtype = config.block_bytes, "uint8"
+        else:
+            raise ConfigError("block_bytes: give kv_caches, or set block_bytes in the config for a store without a KV cache")
+        if namespace is None:
+            ns_fields = dict(config.namespace or {"model_id": "default"})
+            if self.layout is not None:
+                ns_fields.setdefault("kv_layout", self.layout.fingerprint())
+            namespace = Namespace.from_dict(ns_fields)
+        self.namespace = namespace
+        self.format = BlockFormat(
+            block_bytes=block_bytes, dtype=dtype, namespace_digest=namespace.digest, namespace=namespace.to_dict()
+        )
+        self.backends: list[Backend] = [build_backend(t, i) for i, t in enumerate(config.tiers)]
+        self.manager: TierManager | None = None
+        self.transfers: TransferEngine | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> KVStore:
+        opened: list[Backend] = []
+        try:
+            for i, backend in enumerate(self.backends):
+                try:
+                    await backend.open(self.format)
+                except ConfigError as exc:
+                    raise ConfigError(f"tiers[{i}].{exc}") from exc
+                opened.append(backend)
+        except BaseException:
+            for backend in opened:
+                await backend.aclose()
+            raise
+        specs = []
+        names: set[str] = set()
+        for i, (tier, backend) in enumerate(zip(self.config.tiers, self.backends)):
+            name = tier.name or backend.name
+            if name in names:
+                name = f"{name}{i}"
+            names.add(name)
+            policy_cls = registry.policies.get(tier.policy or self.config.policy)
+            specs.append(
+                TierSpec(
+                    name=name,
+                    capacity_bytes=backend.capacity_bytes,
+                    block_reserve=backend.reserve_bytes(),
+                    policy=policy_cls(capacity=backend.max_blocks),
+                    persistent=backend.persistent,
+                    variable_size=backend.reserve_bytes() != self.format.block_bytes or getattr(backend, "variable_size", False),
+                )
+            )
+        self.manager = TierManager(specs, write=self.config.write)
+        for i, backend in enumerate(self.backends):
+            if backend.persistent:
+                records = await asyncio.to_thread(lambda b=backend: [(r.key, r.stored_bytes, r.stamp) for r in b.scan()])
+                excess = self.manager.adopt(i, records)
+                if excess:
+                    await backend.delete(excess)
+        if self.layout is not None:
+            self.transfers = TransferEngine(self.layout, self.backends, staging_blocks=self.config.staging_blocks)
+        return self
+
+    async def aclose(self) -> None:
+        """Finish queued jobs, persist access stamps, close every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.transfers is not None:
+            await asyncio.to_thread(self.transfers.close)
+        if self.manager is not None:
+            await self.flush_stamps()
+            self.manager.close()
+        for backend in self.backends:
+            await backend.aclose()
+
+    async def flush_stamps(self) -> None:
+        """Save access stamps of persistent tiers, so eviction order survives a restart."""
+        assert self.manager is not None
+        for i, backend in enumerate(self.backends):
+            if backend.persistent:
+                stamps = self.manager.take_stamps(i)
+                if stamps:
+                    await asyncio.to_thread(backend.touch_stamps, stamps)
+
+    async def __aenter__(self) -> KVStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _mgr(self) -> TierManager:
+        if self._closed:
+            raise ClosedError("the store is closed")
+        if self.manager is None:
+            raise ClosedError("the store is not open; use 'await kvtier.open(...)'")
+        return self.manager
+
+    def _xfer(self) -> TransferEngine:
+        self._mgr()
+        if self.transfers is None:
+            raise LayoutError("this store was opened without kv_caches, so it cannot move blocks")
+        return self.transfers
+
+    # -- lifecycle calls (see kvtier.manager) ----------------------------------------------
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        return self._mgr().lookup(keys)
+
+    async def lookup_detail(self, keys: Sequence[bytes]) -> list[KeyStatus]:
+        return self._mgr().lookup_detail(keys)
+
+    async def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
+        return self._mgr().prepare_store(keys)
+
+    async def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        self._mgr().complete_store(keys, success)
+
+    async def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        return self._mgr().prepare_load(keys)
+
+    async def complete_load(self, keys: Sequence[bytes]) -> None:
+        self._mgr().complete_load(keys)
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        self._mgr().touch(keys)
+
+    def take_events(self) -> list[CacheEvent]:
+        return self._mgr().take_events()
+
+    def stats(self) -> dict[str, Any]:
+        data = self._mgr().stats()
+        data["backends"] = [b.stats() for b in self.backends]
+        if self.transfers is not None:
+            data["transfers"] = dict(self.transfers.counters)
+        return data
+
+    def finish_store(self, plan: StorePlan, result: JobResult) -> int:
+        """Apply a finished store job to the manager; return how many blocks became ready."""
+        mgr = self._mgr()
+        failed = {t: list(ks) for t, ks in result.failed.items()}
+        ok = result.error is None
+        mgr.complete_store(plan.keys, ok, sizes=result.sizes, failed=failed)
+        return len(plan.keys) - len(result.failed.get(plan.tier, ())) if ok else 0
+
+    def finish_load(self, plan: LoadPlan, result: JobResult) -> None:
+        """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt."""
+        mgr = self._mgr()
+        mgr.complete_load(plan.keys)
+        if result.error is not None:
+            return
+        for key, tier in zip(result.missed, result.missed_tiers):
+            mgr.remove([key], tier)
+
+    # -- convenience: prepare -> transfer -> complete ----------------------------------------
+    async def save(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Store the blocks ``block_ids`` (``n`` engine ids per key) under ``keys``.
+
+        Returns the number of blocks newly stored (keys already present are skipped). A full
+        tier or a failing disk gives 0 for the blocks concerned; nothing raises."""
+        check_keys(keys)
+        transfers = self._xfer()
+        n = self.config.engine_blocks_per_block
+        ids = list(block_ids)
+        if len(ids) != len(keys) * n:
+            raise LayoutError(f"block_ids: expected {len(keys) * n} engine block ids for {len(keys)} keys, got {len(ids)}")
+        transfers.layout.check_block_ids(ids, len(keys))
+        plan = self._mgr().prepare_store(keys)
+        if plan is None or plan.empty:
+            return 0
+        chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
+        job = transfers.submit_store(plan, chosen)
+        result = await transfers.wait_async(job)
+        transfers.poll_finished()
+        return self.finish_store(plan, result)
+
+    async def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many
+        leading blocks were filled with the right bytes (the rest must be recomputed)."""
+        check_keys(keys)
+        transfers = self._xfer()
+        n = self.config.engine_blocks_per_block
+        ids = list(block_ids)
+        if len(ids) != len(keys) * n:
+            raise LayoutError(f"block_ids: expected {len(keys) * n} engine block ids for {len(keys)} keys, got {len(ids)}")
+        transfers.layout.check_block_ids(ids, len(keys))
+        mgr = self._mgr()
+        hits = mgr.lookup(keys)
+        if hits == 0:
+            return 0
+        plan = mgr.prepare_load(list(keys[:hits]))
+        job = transfers.submit_load(plan, ids[: hits * n])
+        result = await transfers.wait_async(job)
+        transfers.poll_finished()
+        self.finish_load(plan, result)
+        if result.error is not None:
+            return 0
+        missed = set(result.missed)
+        for i, key in enumerate(plan.keys):
+            if key in missed:
+                return i
+        return hits
+
+
+class _Opener:
+    """``await kvtier.open(...)`` or ``async with kvtier.open(...) as store``."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+
+    def __await__(self) -> Generator[Any, None, KVStore]:
+        return self._store.start().__await__()
+
+    async def __aenter__(self) -> KVStore:
+        return await self._store.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._store.aclose()
+
+
+def open(  # noqa: A001 - the natural name: kvtier.open
+    config: Mapping[str, Any] | StoreConfig | str | Any,
+    *,
+    kv_caches: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    namespace: Namespace | None = None,
+) -> _Opener:
+    """Build a :class:`KVStore` from ``config`` (a dict, or a YAML/TOML file path)."""
+    if not isinstance(config, (Mapping, StoreConfig)):
+        from kvtier import config as config_module
+
+        loader = getattr(config_module, "load_config_file", None)
+        if loader is None:
+            raise ConfigError(f"config: expected a mapping, got {type(config).__name__}")
+        cfg = loader(config)
+    else:
+        cfg = load_config(config)
+    return _Opener(KVStore(cfg, kv_caches=kv_caches, namespace=namespace))
