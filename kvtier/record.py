@@ -33,16 +33,19 @@ golden vector in ``tests/test_record.py``.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import google_crc32c
 import msgpack
 import numpy as np
+import torch
 
-from kvtier.backend import BlockFormat
-from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
-from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.backend import Backend, BlockFormat
+from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id, resolve_codec
+from kvtier.errors import ConfigError, CorruptBlockError, LayoutError
+from kvtier.keys import check_keys
 
 __all__ = [
     "HEADER",
@@ -51,6 +54,7 @@ __all__ = [
     "META_VERSION",
     "RECORD_VERSION",
     "DTYPE_CODES",
+    "RecordBackend",
     "RecordHeader",
     "StoreMeta",
     "check_meta",
@@ -61,6 +65,7 @@ __all__ = [
     "encode_meta",
     "encode_record",
     "parse_header",
+    "verify_payload",
 ]
 
 MAGIC = b"KVTB"
@@ -254,3 +259,63 @@ def check_meta(meta: StoreMeta, fmt: BlockFormat, *, where: str) -> None:
             f"{where}: the store was written for another namespace ({'; '.join(mismatch)}; stored namespace "
             f"{meta.namespace}). Use one path per model/namespace, or delete the store to reuse the path"
         )
+
+
+# -- shared plumbing for backends that store records ---------------------------------------------
+
+
+class RecordBackend(Backend):
+    """Base for byte backends that keep one :mod:`kvtier.record` record per key behind a codec.
+
+    Subclasses get option handling for ``codec``, block/key validation, record encoding and a
+    uniform way to treat corrupt or unsupported records on read.
+    """
+
+    def __init__(self, *, capacity: int | str, codec: str | dict[str, Any] | Codec | None = "none") -> None:
+        super().__init__(capacity=capacity)
+        self.codec = resolve_codec(codec)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["codec"] = self.codec.to_dict()
+        return data
+
+    def _dtype_code(self) -> int:
+        return dtype_code(self.format.dtype)
+
+    def _check_io(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> int:
+        """Validate a job before anything is touched; returns the block size."""
+        size = self._check_open().block_bytes
+        check_keys(keys)
+        if len(tensors) != len(keys):
+            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(tensors)} blocks")
+        for i, t in enumerate(tensors):
+            if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != size:
+                raise LayoutError(
+                    f"{self.name}: blocks[{i}] must be a 1-D uint8 tensor of {size} bytes, got {tuple(t.shape)} {t.dtype}"
+                )
+        return size
+
+    def _encode(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[tuple[bytes, Any]]:
+        """(header, payload) per block; raw payloads are views of the (host) block, not copies."""
+        code = self._dtype_code()
+        parts = []
+        for key, block in zip(keys, blocks):
+            host = block if block.device.type == "cpu" and block.is_contiguous() else block.contiguous().cpu()
+            parts.append(encode_record(key, memoryview(host.numpy()), self.codec, code))
+        return parts
+
+    @staticmethod
+    def _host_view(out: torch.Tensor) -> tuple[memoryview, torch.Tensor | None]:
+        """A writable view of ``out``, or of a host staging tensor to copy back afterwards."""
+        if out.device.type == "cpu" and out.is_contiguous():
+            return memoryview(out.numpy()), None
+        staging = torch.empty(out.numel(), dtype=torch.uint8)
+        return memoryview(staging.numpy()), staging
+
+    def _count_reads(self, found: list[bool], size: int, *, corrupt: int) -> None:
+        hits = sum(found)
+        self.counters.blocks_read += hits
+        self.counters.bytes_read += hits * size
+        self.counters.read_misses += len(found) - hits - corrupt
+        self.counters.corrupt_records += corrupt

@@ -274,7 +274,7 @@ class _Opener:
         await self._store.aclose()
 
 
-def open(  # noqa: A001 - the natural name: kvtier.open
+def open(
     config: Mapping[str, Any] | StoreConfig | str | Any,
     *,
     kv_caches: Sequence[torch.Tensor] | torch.Tensor | None = None,
