@@ -119,10 +119,14 @@ class StorePlan:
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """The tier each key is read from (``tiers[i]`` for ``keys[i]``); every key is pinned."""
+    """The tier each key is read from (``tiers[i]`` for ``keys[i]``); every key is pinned.
+
+    ``promote`` lists keys read from a lower tier that the load job also copies into the first
+    tier (reserved, pending until ``complete_load``)."""
 
     keys: tuple[bytes, ...]
     tiers: tuple[int, ...]
+    promote: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +225,7 @@ class TierManager:
         self.write_mode: WriteMode = write
         self._plans: dict[int, _OpenPlan] = {}
         self._plan_of: dict[bytes, int] = {}
+        self._promoting: dict[bytes, int] = {}
         self._plan_ids = itertools.count(1)
         self._events: deque[CacheEvent] = deque(maxlen=max_events)
         self._clock = clock
@@ -235,6 +240,8 @@ class TierManager:
             "store_completed": 0,
             "store_failed": 0,
             "load_prepared": 0,
+            "promotions": 0,
+            "promotions_failed": 0,
             "events_dropped": 0,
         }
 
@@ -515,8 +522,11 @@ class TierManager:
         events.append(CacheEvent("stored", key, t.spec.name))
 
     # -- load ------------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
-        """Pin every key in the fastest tier that holds it ready."""
+    def prepare_load(self, keys: Sequence[bytes], *, promote: bool = True) -> LoadPlan:
+        """Pin every key in the fastest tier that holds it ready.
+
+        With ``promote``, keys served from a lower tier are also reserved in the first tier when
+        it has free room (promotion never evicts: a load must not wait for write-backs)."""
         self._check()
         check_keys(keys)
         where: list[int] = []
@@ -536,10 +546,21 @@ class TierManager:
             if t.spec.persistent:
                 t.stamps[key] = now
         self.counters["load_prepared"] += len(keys)
-        return LoadPlan(tuple(keys), tuple(where))
+        promoted: list[bytes] = []
+        if promote and len(self._tiers) > 1:
+            first = self._tiers[0]
+            reserve = first.spec.block_reserve
+            for key, ti in zip(keys, where):
+                if ti == 0 or key in first.index or first.used + reserve > first.spec.capacity_bytes:
+                    continue
+                first.add(key, _PENDING, reserve)
+                self._promoting[key] = self._promoting.get(key, 0) + 1
+                promoted.append(key)
+        return LoadPlan(tuple(keys), tuple(where), tuple(promoted))
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
-        """Unpin keys pinned by ``prepare_load`` (once per pin)."""
+    def complete_load(self, keys: Sequence[bytes], *, failed_promotions: Iterable[bytes] = ()) -> None:
+        """Unpin keys pinned by ``prepare_load`` (once per pin) and settle their promotions:
+        ready in the first tier, or released if named in ``failed_promotions``."""
         self._check()
         check_keys(keys)
         located: list[_Tier] = []
@@ -555,6 +576,22 @@ class TierManager:
                 raise LifecycleError(f"complete_load: keys[{i}] ({key.hex()[:16]}…) is not pinned")
         for key, t in zip(keys, located):
             t.index[key] -= _PIN
+        bad = set(failed_promotions)
+        events: list[CacheEvent] = []
+        first = self._tiers[0]
+        for key in keys:
+            if key not in self._promoting:
+                continue
+            del self._promoting[key]
+            if first.index.get(key) != _PENDING:
+                continue
+            if key in bad:
+                first.discard(key)
+                self.counters["promotions_failed"] += 1
+            else:
+                self._finish_entry(0, key, None, events)
+                self.counters["promotions"] += 1
+        self._emit(events)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark keys as recently used in every tier that holds them ready."""

@@ -202,7 +202,8 @@ class KVStore:
     def finish_load(self, plan: LoadPlan, result: JobResult) -> None:
         """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt."""
         mgr = self._mgr()
-        mgr.complete_load(plan.keys)
+        failed = plan.promote if result.error is not None else result.failed.get(0, ())
+        mgr.complete_load(plan.keys, failed_promotions=failed)
         if result.error is not None:
             return
         for key, tier in zip(result.missed, result.missed_tiers):

@@ -351,6 +351,8 @@ class TransferEngine:
         for i, tier in enumerate(plan.tiers):
             by_tier.setdefault(tier, []).append(i)
         missed: list[int] = []
+        failed: dict[int, list[bytes]] = {}
+        promote = set(plan.promote)
         nbytes = 0
         staging = self._staging_rows("load")
         chunk = staging.shape[0]
@@ -368,6 +370,10 @@ class TransferEngine:
                 dst = [b for i in good for b in ids[i * n : (i + 1) * n]]
                 self.layout.scatter(backend.pool, [slot_of[i] for i in good], dst, non_blocking=True)
                 nbytes += len(good) * self.layout.block_bytes
+                up = [i for i in good if plan.keys[i] in promote]
+                if up:
+                    self._sync()
+                    self._promote([plan.keys[i] for i in up], [backend.pool[slot_of[i]] for i in up], failed)
                 continue
             for c in range(0, len(positions), chunk):
                 part = positions[c : c + chunk]
@@ -377,6 +383,9 @@ class TransferEngine:
                 missed.extend(i for i, ok in zip(part, found) if not ok)
                 dst = [b for j in rows for b in ids[part[j] * n : (part[j] + 1) * n]]
                 self.layout.scatter(staging, rows, dst, non_blocking=True)
+                up = [j for j in rows if plan.keys[part[j]] in promote]
+                if up:
+                    self._promote([plan.keys[part[j]] for j in up], [staging[j] for j in up], failed)
                 self._sync()  # the staging rows are reused by the next chunk
                 nbytes += len(rows) * self.layout.block_bytes
         self._sync()
@@ -390,7 +399,17 @@ class TransferEngine:
             seconds=time.perf_counter() - start,
             missed=tuple(plan.keys[i] for i in missed),
             missed_tiers=tuple(plan.tiers[i] for i in missed),
+            failed={0: tuple(set(failed.get(0, ())) | {plan.keys[i] for i in missed} & promote)} if promote else {},
         )
+
+    def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: dict[int, list[bytes]]) -> None:
+        """Copy blocks just read from a lower tier into the first tier."""
+        try:
+            got = self.backends[0].write_blocks(keys, rows)
+        except Exception as exc:  # a failed promotion is a miss in the first tier, nothing more
+            log.warning("promotion of %d blocks failed: %s", len(keys), exc)
+            got = [None] * len(keys)
+        failed.setdefault(0, []).extend(k for k, size in zip(keys, got) if size is None)
 
 
 def _resolve(fut: asyncio.Future[JobResult], result: JobResult) -> None:
