@@ -1,0 +1,128 @@
+"""Tier chaining end to end: write-back demotion, write-through copies and promotion on load,
+checked byte for byte through a real KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+import kvtier
+from kvtier.testing import make_key
+
+BLOCK_SHAPE = (2, 16, 2, 8)  # per layer and engine block: K/V, tokens, heads, head dim
+
+
+def caches(num_blocks: int = 64, layers: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_blocks, *BLOCK_SHAPE, generator=g).to(torch.bfloat16) for _ in range(layers)]
+
+
+def block_bytes(kv: list[torch.Tensor]) -> int:
+    return sum(t[0].numel() * t.element_size() for t in kv)
+
+
+def config(kv: list[torch.Tensor], first: int, second: int, write: str = "back") -> dict:
+    bb = block_bytes(kv)
+    return {
+        "tiers": [
+            {"backend": "cpu", "capacity": first * bb, "name": "fast"},
+            {"backend": "cpu", "capacity": second * bb, "name": "slow"},
+        ],
+        "write": write,
+    }
+
+
+def snapshot(kv: list[torch.Tensor], block: int) -> list[torch.Tensor]:
+    return [t[block].clone() for t in kv]
+
+
+def assert_block(kv: list[torch.Tensor], block: int, want: list[torch.Tensor]) -> None:
+    for t, w in zip(kv, want):
+        assert torch.equal(t[block], w)
+
+
+async def test_write_back_demotes_victims_and_serves_them_exactly() -> None:
+    kv = caches()
+    keys = [make_key(i) for i in range(6)]
+    originals = [snapshot(kv, i) for i in range(6)]
+    async with kvtier.open(config(kv, 4, 8), kv_caches=kv) as store:
+        assert await store.save(keys[:4], [0, 1, 2, 3]) == 4
+        assert await store.save(keys[4:], [4, 5]) == 2
+        tiers = store.stats()["tiers"]
+        assert (tiers[0]["ready"], tiers[1]["ready"]) == (4, 2)
+        detail = await store.lookup_detail(keys)
+        assert [d.tier for d in detail] == [1, 1, 0, 0, 0, 0]
+        stored = [e for e in store.take_events() if e.kind == "stored"]
+        assert sorted(e.tier for e in stored if e.key in keys[:2]) == ["fast", "fast", "slow", "slow"]
+        for t in kv:
+            t.zero_()
+        assert await store.load(keys, [20, 21, 22, 23, 24, 25]) == 6
+        for i in range(6):
+            assert_block(kv, 20 + i, originals[i])
+
+
+async def test_last_tier_victims_are_dropped_with_an_event() -> None:
+    kv = caches()
+    keys = [make_key(i) for i in range(5)]
+    async with kvtier.open(config(kv, 2, 2), kv_caches=kv) as store:
+        for i, key in enumerate(keys):
+            assert await store.save([key], [i]) == 1
+        # 2 in the fast tier, 2 in the slow one, the oldest is gone.
+        assert await store.lookup(keys) == 0
+        assert await store.lookup(keys[1:]) == 4
+        removed = [e for e in store.take_events() if e.kind == "removed"]
+        assert [(e.key, e.tier) for e in removed if e.tier == "slow"] == [(keys[0], "slow")]
+
+
+async def test_write_through_keeps_a_copy_in_every_tier() -> None:
+    keys = [make_key(i) for i in range(3)]
+    kv = caches(seed=1)
+    original = snapshot(kv, 1)
+    async with kvtier.open(config(kv, 2, 8, write="through"), kv_caches=kv) as store:
+        assert await store.save(keys[:2], [0, 1]) == 2
+        tiers = store.stats()["tiers"]
+        assert (tiers[0]["ready"], tiers[1]["ready"]) == (2, 2)
+        assert await store.save(keys[2:], [2]) == 1
+        tiers = store.stats()["tiers"]
+        # The victim is dropped from the fast tier (its copy below stays): no demotion needed.
+        assert (tiers[0]["ready"], tiers[1]["ready"]) == (2, 3)
+        assert tiers[1]["demotions_in"] == 0
+        for t in kv:
+            t.zero_()
+        assert await store.load(keys, [30, 31, 32]) == 3
+        assert_block(kv, 31, original)
+
+
+async def test_a_batch_larger_than_the_first_tier_is_refused_without_change() -> None:
+    kv = caches()
+    keys = [make_key(i) for i in range(3)]
+    async with kvtier.open(config(kv, 2, 8), kv_caches=kv) as store:
+        assert await store.save(keys, [0, 1, 2]) == 0
+        assert store.stats()["store_rejected"] == 1
+        assert store.stats()["tiers"][0]["used_bytes"] == 0
+        assert await store.lookup(keys) == 0
+
+
+async def test_lower_tier_hits_are_promoted_when_the_first_tier_has_room() -> None:
+    kv = caches()
+    keys = [make_key(i) for i in range(4)]
+    originals = [snapshot(kv, i) for i in range(4)]
+    async with kvtier.open(config(kv, 2, 8), kv_caches=kv) as store:
+        assert await store.save(keys[:2], [0, 1]) == 2
+        assert await store.save(keys[2:], [2, 3]) == 2  # keys 0 and 1 demoted
+        # Make room in the fast tier: forget its two blocks.
+        mgr = store.manager
+        assert mgr is not None
+        removed = mgr.remove(keys[2:], 0)
+        store.backends[0].delete_blocks(removed)
+        assert [d.tier for d in await store.lookup_detail(keys[:2])] == [1, 1]
+        for t in kv:
+            t.zero_()
+        assert await store.load(keys[:2], [40, 41]) == 2
+        assert_block(kv, 40, originals[0])
+        assert store.stats()["promotions"] == 2
+        assert [d.tier for d in await store.lookup_detail(keys[:2])] == [0, 0]
+        # The promoted copy is exact too.
+        for t in kv:
+            t.zero_()
+        assert await store.load(keys[:1], [50]) == 1
+        assert_block(kv, 50, originals[0])
