@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -140,8 +140,13 @@ class TierSpec:
     persistent: bool = False
     #: Stored sizes may be smaller than ``block_reserve`` (compressed tiers).
     variable_size: bool = False
+    #: Admission rule: a block enters this tier (by demotion or write-through) only once it has
+    #: been seen this many times (stored or loaded), which spares an SSD one-off prefixes.
+    admit_after: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.admit_after, int) or self.admit_after < 1:
+            raise ConfigError(f"tiers[{self.name}].admit_after: expected an integer >= 1, got {self.admit_after!r}")
         if self.block_reserve <= 0:
             raise ConfigError(f"tiers[{self.name}]: block_reserve must be positive")
         if self.capacity_bytes < self.block_reserve:
@@ -226,6 +231,10 @@ class TierManager:
         self._plans: dict[int, _OpenPlan] = {}
         self._plan_of: dict[bytes, int] = {}
         self._promoting: dict[bytes, int] = {}
+        # Use counts for admission rules, bounded to a few times the blocks the tiers hold.
+        self._admission = any(t.admit_after > 1 for t in tiers)
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._seen_cap = 4 * sum(max(1, t.capacity_bytes // t.block_reserve) for t in tiers)
         self._plan_ids = itertools.count(1)
         self._events: deque[CacheEvent] = deque(maxlen=max_events)
         self._clock = clock
@@ -310,6 +319,19 @@ class TierManager:
         return hits
 
     # -- store -----------------------------------------------------------------------------
+    def _note_seen(self, keys: Iterable[bytes]) -> None:
+        if not self._admission:
+            return
+        seen = self._seen
+        for key in keys:
+            seen[key] = seen.pop(key, 0) + 1
+        while len(seen) > self._seen_cap:
+            seen.popitem(last=False)
+
+    def _admits(self, tier: int, key: bytes) -> bool:
+        need = self._tiers[tier].spec.admit_after
+        return need <= 1 or self._seen.get(key, 0) >= need
+
     def _present(self, key: bytes) -> bool:
         for t in self._tiers:
             if key in t.index:
@@ -368,7 +390,12 @@ class TierManager:
 
             undo.append(restore)
             nxt = tier + 1
-            if nxt < len(self._tiers) and self.write_mode == "back" and key not in self._tiers[nxt].index:
+            if (
+                nxt < len(self._tiers)
+                and self.write_mode == "back"
+                and key not in self._tiers[nxt].index
+                and self._admits(nxt, key)
+            ):
                 dst = self._tiers[nxt]
                 reserve = dst.spec.block_reserve
                 if self._make_room(nxt, reserve, (), drops, demotions, pending, events, undo):
@@ -411,6 +438,7 @@ class TierManager:
             else:
                 new.append(key)
                 positions.append(i)
+        self._note_seen(seen)
         plan_id = next(self._plan_ids)
         self.counters["store_skipped"] += len(skipped)
         if not new:
@@ -433,7 +461,7 @@ class TierManager:
         if self.write_mode == "through":
             for ti in range(1, len(self._tiers)):
                 t = self._tiers[ti]
-                room = [k for k in new if k not in t.index]
+                room = [k for k in new if k not in t.index and self._admits(ti, k)]
                 # Best effort: a lower tier that cannot make room simply does not get the copy.
                 sub_undo: list[Callable[[], None]] = []
                 if room and self._make_room(ti, t.spec.block_reserve * len(room), batch, drops, demotions, pending, events, sub_undo):
@@ -546,6 +574,7 @@ class TierManager:
             if t.spec.persistent:
                 t.stamps[key] = now
         self.counters["load_prepared"] += len(keys)
+        self._note_seen(keys)
         promoted: list[bytes] = []
         if promote and len(self._tiers) > 1:
             first = self._tiers[0]

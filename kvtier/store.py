@@ -30,11 +30,16 @@ __all__ = ["KVStore", "open"]
 log = logging.getLogger("kvtier")
 
 
+#: Per-tier options that belong to the manager, not to the backend.
+MANAGER_OPTIONS = frozenset({"admit_after"})
+
+
 def build_backend(tier: Any, index: int) -> Backend:
     """Instantiate the backend of ``tier`` (a :class:`~kvtier.config.TierConfig`)."""
     cls = registry.backends.get(tier.backend)
+    options = {k: v for k, v in tier.options().items() if k not in MANAGER_OPTIONS}
     try:
-        return cls(**tier.options())
+        return cls(**options)
     except TypeError as exc:
         raise ConfigError(f"tiers[{index}] ({tier.backend}): {exc}") from exc
     except ConfigError as exc:
@@ -105,6 +110,7 @@ class KVStore:
                     policy=policy_cls(capacity=backend.max_blocks),
                     persistent=backend.persistent,
                     variable_size=backend.reserve_bytes() != self.format.block_bytes or getattr(backend, "variable_size", False),
+                    admit_after=int(tier.options().get("admit_after", 1)),
                 )
             )
         self.manager = TierManager(specs, write=self.config.write)

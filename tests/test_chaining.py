@@ -126,3 +126,23 @@ async def test_lower_tier_hits_are_promoted_when_the_first_tier_has_room() -> No
             t.zero_()
         assert await store.load(keys[:1], [50]) == 1
         assert_block(kv, 50, originals[0])
+
+
+def test_admission_rule_keeps_one_off_blocks_out_of_the_lower_tier() -> None:
+    from kvtier.manager import TierManager, TierSpec
+    from kvtier.policies import LRUPolicy
+
+    mgr = TierManager(
+        [TierSpec("fast", 2, 1, LRUPolicy()), TierSpec("disk", 10, 1, LRUPolicy(), admit_after=2)],
+    )
+    a, b, c, d = (make_key(i) for i in range(4))
+    plan = mgr.prepare_store([a, b])
+    assert plan is not None
+    mgr.complete_store(plan.keys)
+    mgr.complete_load(mgr.prepare_load([a]).keys)  # a is used a second time; b is not
+    plan = mgr.prepare_store([c, d])
+    assert plan is not None
+    assert [d_.keys for d_ in plan.demotions] == [(a,)]
+    assert plan.drops == ((0, (b,)),)
+    mgr.complete_store(plan.keys)
+    assert [s.tier for s in mgr.lookup_detail([a, b])] == [1, None]
