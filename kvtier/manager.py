@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -367,8 +367,7 @@ class TierManager:
             want = max(1, -(-(deficit - freed) // t.spec.block_reserve))
             got = policy.evict(want, guard)
             if got is None:
-                for key in reversed(victims):  # roll back this tier's partial choice
-                    policy.insert(key)
+                policy.restore(victims)  # roll back this tier's partial choice, order included
                 return False
             victims.extend(got)
             freed += sum(t.size_of(k) for k in got)
@@ -386,7 +385,7 @@ class TierManager:
                 if sz is not None:
                     t.sizes[key] = sz
                 t.evictions -= 1
-                t.spec.policy.insert(key)
+                t.spec.policy.restore([key])
 
             undo.append(restore)
             nxt = tier + 1
@@ -401,6 +400,8 @@ class TierManager:
                 if self._make_room(nxt, reserve, (), drops, demotions, pending, events, undo):
                     dst.add(key, _PENDING, reserve)
                     dst.demotions_in += 1
+                    # The key leaves this tier now; routers that track tiers must hear of it.
+                    events.append(CacheEvent("removed", key, t.spec.name))
 
                     def unadd(dst: _Tier = dst, key: bytes = key, reserve: int = reserve) -> None:
                         dst.index.pop(key, None)
@@ -449,7 +450,9 @@ class TierManager:
         events: list[CacheEvent] = []
         undo: list[Callable[[], None]] = []
         first = self._tiers[0]
-        batch = set(new)
+        # The whole batch is protected, skipped keys included: evicting a key the caller just
+        # asked to keep would undo part of this very store.
+        batch = seen
         if not self._make_room(0, first.spec.block_reserve * len(new), batch, drops, demotions, pending, events, undo):
             for fn in reversed(undo):
                 fn()
@@ -494,8 +497,8 @@ class TierManager:
         keys: Sequence[bytes],
         success: bool = True,
         *,
-        sizes: dict[int, dict[bytes, int]] | None = None,
-        failed: dict[int, Iterable[bytes]] | None = None,
+        sizes: Mapping[int, Mapping[bytes, int]] | None = None,
+        failed: Mapping[int, Iterable[bytes]] | None = None,
     ) -> None:
         """Finish the store of ``keys`` (pending -> ready, or released on failure).
 
@@ -537,7 +540,7 @@ class TierManager:
                         self._finish_entry(ti, pkey, sizes, events)
         self._emit(events)
 
-    def _finish_entry(self, ti: int, key: bytes, sizes: dict[int, dict[bytes, int]] | None, events: list[CacheEvent]) -> None:
+    def _finish_entry(self, ti: int, key: bytes, sizes: Mapping[int, Mapping[bytes, int]] | None, events: list[CacheEvent]) -> None:
         t = self._tiers[ti]
         if t.spec.variable_size and sizes and key in sizes.get(ti, {}):
             actual = sizes[ti][key]

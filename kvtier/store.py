@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from kvtier import config as config_module
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.config import StoreConfig, load_config
@@ -23,11 +25,14 @@ from kvtier.errors import ClosedError, ConfigError, LayoutError
 from kvtier.keys import Namespace, check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.transfer import JobResult, TransferEngine
 
 __all__ = ["KVStore", "open"]
 
 log = logging.getLogger("kvtier")
+# A library prints nothing unless the application configures logging.
+log.addHandler(logging.NullHandler())
 
 
 #: Per-tier options that belong to the manager, not to the backend.
@@ -35,15 +40,10 @@ MANAGER_OPTIONS = frozenset({"admit_after"})
 
 
 def build_backend(tier: Any, index: int) -> Backend:
-    """Instantiate the backend of ``tier`` (a :class:`~kvtier.config.TierConfig`)."""
-    cls = registry.backends.get(tier.backend)
-    options = {k: v for k, v in tier.options().items() if k not in MANAGER_OPTIONS}
-    try:
-        return cls(**options)
-    except TypeError as exc:
-        raise ConfigError(f"tiers[{index}] ({tier.backend}): {exc}") from exc
-    except ConfigError as exc:
-        raise ConfigError(f"tiers[{index}].{exc}") from exc
+    """Instantiate the backend of ``tier`` (a :class:`~kvtier.config.TierConfig`); a rejected
+    option is a :class:`ConfigError` naming ``tiers[index].<option>``."""
+    backend: Backend = config_module.build_backend(tier, index)
+    return backend
 
 
 class KVStore:
@@ -76,6 +76,8 @@ class KVStore:
             block_bytes=block_bytes, dtype=dtype, namespace_digest=namespace.digest, namespace=namespace.to_dict()
         )
         self.backends: list[Backend] = [build_backend(t, i) for i, t in enumerate(config.tiers)]
+        self.metrics = StoreMetrics(len(self.backends))
+        self._exporter: Exporter | None = None
         self.manager: TierManager | None = None
         self.transfers: TransferEngine | None = None
         self._closed = False
@@ -116,12 +118,18 @@ class KVStore:
         self.manager = TierManager(specs, write=self.config.write)
         for i, backend in enumerate(self.backends):
             if backend.persistent:
-                records = await asyncio.to_thread(lambda b=backend: [(r.key, r.stored_bytes, r.stamp) for r in b.scan()])
+                records = await asyncio.to_thread(_scan_records, backend)
                 excess = self.manager.adopt(i, records)
                 if excess:
                     await backend.delete(excess)
         if self.layout is not None:
             self.transfers = TransferEngine(self.layout, self.backends, staging_blocks=self.config.staging_blocks)
+        if self.config.metrics.enabled:
+            from kvtier import metrics
+
+            m = self.config.metrics
+            self._exporter = metrics.export(self, store_label=m.store_label, port=m.port, addr=m.addr)
+        log.info("kvtier store open: tiers %s, write-%s", [s.name for s in specs], self.config.write)
         return self
 
     async def aclose(self) -> None:
@@ -129,6 +137,8 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
+        if self._exporter is not None:
+            self._exporter.close()
         if self.transfers is not None:
             await asyncio.to_thread(self.transfers.close)
         if self.manager is not None:
@@ -195,6 +205,7 @@ class KVStore:
         data["backends"] = [b.stats() for b in self.backends]
         if self.transfers is not None:
             data["transfers"] = dict(self.transfers.counters)
+        data["io"] = self.metrics.snapshot()
         return data
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
@@ -203,6 +214,7 @@ class KVStore:
         failed = {t: list(ks) for t, ks in result.failed.items()}
         ok = result.error is None
         mgr.complete_store(plan.keys, ok, sizes=result.sizes, failed=failed)
+        self.metrics.record_store(plan, result, self.format.block_bytes)
         return len(plan.keys) - len(result.failed.get(plan.tier, ())) if ok else 0
 
     def finish_load(self, plan: LoadPlan, result: JobResult) -> None:
@@ -265,6 +277,10 @@ class KVStore:
         return hits
 
 
+def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]]:
+    return [(r.key, r.stored_bytes, r.stamp) for r in backend.scan()]
+
+
 class _Opener:
     """``await kvtier.open(...)`` or ``async with kvtier.open(...) as store``."""
 
@@ -288,13 +304,10 @@ def open(
     namespace: Namespace | None = None,
 ) -> _Opener:
     """Build a :class:`KVStore` from ``config`` (a dict, or a YAML/TOML file path)."""
-    if not isinstance(config, (Mapping, StoreConfig)):
-        from kvtier import config as config_module
-
-        loader = getattr(config_module, "load_config_file", None)
-        if loader is None:
-            raise ConfigError(f"config: expected a mapping, got {type(config).__name__}")
-        cfg = loader(config)
+    if isinstance(config, (str, os.PathLike)):
+        cfg = config_module.load_config_file(config)
+    elif not isinstance(config, (Mapping, StoreConfig)):
+        raise ConfigError(f"config: expected a mapping or a YAML/TOML file path, got {type(config).__name__}")
     else:
         cfg = load_config(config)
     return _Opener(KVStore(cfg, kv_caches=kv_caches, namespace=namespace))
