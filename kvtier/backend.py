@@ -24,7 +24,14 @@ Rules every backend follows (the conformance suite ``kvtier.testing.BackendTests
   it could not store (disk full, map full) and ``read_blocks`` returns ``False`` for a key that
   is absent or corrupt (a corrupt record is deleted and counted). Only a failure of the whole
   call raises :class:`~kvtier.errors.BackendError`.
-* A read never returns bytes other than those written under that key.
+* A read never returns bytes other than those written under that key. When ``read_blocks``
+  returns ``False`` for a key, the contents of its ``out`` row are unspecified (a corrupt record
+  may have been copied in before its checksum failed); callers must not use them.
+* ``reserve_bytes()`` is what the manager reserves per new block before it is written. Fixed-size
+  tiers return the block size; variable-size tiers (compressed) may return an estimate, since the
+  manager replaces each reservation with the size ``write_blocks`` reports.
+* Access stamps (``RecordInfo.stamp``, ``touch_stamps``) are wall-clock seconds
+  (``time.time()``), so they order records across processes and restarts.
 """
 
 from __future__ import annotations

@@ -1,0 +1,437 @@
+"""``file``: a persistent tier with one file per block, for local or shared POSIX filesystems.
+
+Layout under the root ``path``::
+
+    kvtier-meta.kvm                     the store's meta record (format version, namespace)
+    ab/cd/abcd…(64 hex digits).kvb      one record (kvtier.record format) per key
+
+Contract and choices:
+
+* File names are the hex digest of the 32-byte key, so no key can name a path outside the root;
+  every path is still checked to start with the root, and block files are opened ``O_NOFOLLOW``.
+* Writes are atomic: the record goes to ``<name>.<pid>.<n>.tmp`` (``O_EXCL``), is fdatasync'ed
+  (``sync_mode="durable"``), renamed over the final name, and each touched directory is fsync'ed
+  once per job. A crash leaves at most a temp file, never a torn ``.kvb``. Temp files older than
+  ``STALE_TEMP_SECONDS`` are swept at open; younger ones may belong to a live writer on a shared
+  filesystem and are left alone. ``sync_mode="fast"`` skips the syncs: a power loss may lose
+  recent blocks, a process crash loses nothing, and checksums keep torn data from being served.
+* Several instances (processes, hosts) may share one directory: a read looks the file up by name,
+  so a block written by another instance is served even if this one never listed it. Capacity is
+  enforced per instance over the blocks it knows (listed at open or written since).
+* Reads ``pread`` the header, check it, then ``preadv`` the payload straight into the caller's
+  tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``). A bad record is
+  deleted (if it is still the same inode), counted, and reported as a miss.
+* Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so ``scan()`` restores
+  the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
+* A store whose meta record names another namespace is refused at open (``ConfigError``); an
+  unreadable meta record is moved aside with a warning and rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
+from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyError
+from kvtier.record import (
+    HEADER_SIZE,
+    RecordBackend,
+    check_meta,
+    decode_meta,
+    encode_meta,
+    parse_header,
+    verify_payload,
+)
+
+__all__ = ["FileBackend", "STALE_TEMP_SECONDS"]
+
+log = logging.getLogger(__name__)
+
+STALE_TEMP_SECONDS = 600.0
+_SUFFIX = ".kvb"
+_META_NAME = "kvtier-meta.kvm"
+_FS_BLOCK = 4096  # stored sizes are rounded to the usual filesystem block
+_HEX = frozenset("0123456789abcdef")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _is_hex(name: str, length: int) -> bool:
+    return len(name) == length and set(name) <= _HEX
+
+
+def _write_all(fd: int, buffers: Sequence[Any]) -> None:
+    """``pwritev`` until every byte is written (a short write is legal for large buffers)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+    filled = 0
+    while filled < len(view):
+        n = os.preadv(fd, [view[filled:]], offset + filled)
+        if n <= 0:
+            raise CorruptBlockError(f"record truncated: {filled} of {len(view)} payload bytes")
+        filled += n
+
+
+class FileBackend(RecordBackend):
+    """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
+
+    name: ClassVar[str] = "file"
+    persistent: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        capacity: int | str,
+        path: str | os.PathLike[str] | None = None,
+        codec: str | dict[str, Any] | Codec | None = "none",
+        sync_mode: Literal["durable", "fast"] = "durable",
+    ) -> None:
+        super().__init__(capacity=capacity, codec=codec)
+        if path is None or not str(path):
+            raise ConfigError("path: the file backend needs a root directory (option 'path')")
+        if sync_mode not in ("durable", "fast"):
+            raise ConfigError(f"sync_mode: expected 'durable' or 'fast', got {sync_mode!r}")
+        self.path = os.fspath(path)
+        self.sync_mode = sync_mode
+        self._root = ""
+        self._lock = threading.Lock()
+        self._sizes: dict[bytes, int] = {}
+        self._used = 0
+        self._known_dirs: set[str] = set()
+        self._listed: list[RecordInfo] | None = None
+        self._tmp_counter = itertools.count()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data.update(path=self.path, sync_mode=self.sync_mode)
+        return data
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def open(self, fmt: BlockFormat) -> None:
+        await super().open(fmt)
+        await asyncio.to_thread(self._open_root, fmt)
+
+    def _open_root(self, fmt: BlockFormat) -> None:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            self._root = os.path.realpath(self.path)
+            self._check_meta(fmt)
+            self._listed = self._walk(sweep=True)
+        except OSError as exc:
+            raise DiskError(f"file: cannot open the store at {self.path!r}: {exc}") from exc
+        self._sizes = {r.key: r.stored_bytes for r in self._listed}
+        self._used = sum(self._sizes.values())
+        free = shutil.disk_usage(self._root).free
+        if free + self._used < self.capacity_bytes:
+            message = (
+                f"file: capacity {self.capacity_bytes} bytes exceeds what {self._root!r} can hold "
+                f"({free} bytes free + {self._used} in use); writes will fail once the disk is full"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _check_meta(self, fmt: BlockFormat) -> None:
+        meta_path = os.path.join(self._root, _META_NAME)
+        for _ in range(2):
+            try:
+                with open(meta_path, "rb") as f:
+                    data = f.read(1 << 20)
+            except FileNotFoundError:
+                tmp = f"{meta_path}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(encode_meta(fmt))
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, meta_path)  # exclusive create: another instance may race us
+                    self._fsync_dir(self._root)
+                    return
+                except FileExistsError:
+                    continue  # read and check the winner's meta record
+                finally:
+                    os.unlink(tmp)
+            try:
+                meta = decode_meta(data)
+            except UnsupportedRecordError as exc:
+                raise ConfigError(f"file: {self._root!r}: {exc}; point the tier at a new path") from exc
+            except CorruptBlockError as exc:
+                moved = f"{meta_path}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+                os.replace(meta_path, moved)
+                message = f"file: the meta record of {self._root!r} is unreadable ({exc}); moved it to {moved!r}"
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                continue
+            check_meta(meta, fmt, where=f"file {self._root!r}")
+            return
+        raise DiskError(f"file: cannot establish the meta record of {self._root!r}")
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with self._lock:
+            self._sizes.clear()
+            self._listed = None
+
+    # -- paths ---------------------------------------------------------------------------------
+    def _path(self, key: bytes) -> str:
+        if type(key) is not bytes or len(key) != 32:
+            raise InvalidKeyError("file: keys must be 32 bytes")
+        h = key.hex()
+        path = os.path.join(self._root, h[0:2], h[2:4], h + _SUFFIX)
+        if not path.startswith(self._root + os.sep):  # cannot happen with hex names; belt and braces
+            raise InvalidKeyError(f"file: path {path!r} is outside the root {self._root!r}")
+        return path
+
+    @staticmethod
+    def _stored(record_bytes: int) -> int:
+        return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
+
+    def reserve_bytes(self) -> int:
+        return self._stored(HEADER_SIZE + self.format.block_bytes)
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- bulk I/O --------------------------------------------------------------------------------
+    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        self._check_io(keys, blocks)
+        parts = self._encode(keys, blocks)
+        durable = self.sync_mode == "durable"
+        sizes: list[int | None] = []
+        dirty: set[str] = set()
+        written = 0
+        for key, (header, payload) in zip(keys, parts):
+            n = len(header) + len(payload)
+            stored = self._stored(n)
+            with self._lock:
+                grow = stored - self._sizes.get(key, 0)
+                if self._used + grow > self.capacity_bytes:
+                    self.counters.write_failures += 1
+                    sizes.append(None)
+                    continue
+                self._used += grow  # reserved now; given back below if the write fails
+                self._sizes[key] = stored
+            final = self._path(key)
+            try:
+                self._write_file(final, header, payload, durable)
+            except OSError as exc:
+                log.warning("file: write of %s failed: %s", final, exc)
+                with self._lock:
+                    self._used -= grow
+                    if grow == stored:
+                        self._sizes.pop(key, None)
+                self.counters.write_failures += 1
+                sizes.append(None)
+                continue
+            dirty.add(os.path.dirname(final))
+            sizes.append(stored)
+            written += n
+        if durable:
+            try:
+                for d in dirty:  # one fsync per directory per job makes the renames durable
+                    self._fsync_dir(d)
+            except OSError as exc:
+                raise DiskError(f"file: cannot sync directory entries under {self._root!r}: {exc}") from exc
+        done = sum(1 for s in sizes if s is not None)
+        self.counters.blocks_written += done
+        self.counters.bytes_written += written
+        return sizes
+
+    def _write_file(self, final: str, header: bytes, payload: Any, durable: bool) -> None:
+        directory = os.path.dirname(final)
+        if directory not in self._known_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._known_dirs.add(directory)
+        tmp = f"{final}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+        try:
+            try:
+                _write_all(fd, (header, payload))
+                if durable:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        size = self._check_io(keys, out)
+        found: list[bool] = []
+        corrupt = 0
+        for key, dst in zip(keys, out):
+            path = self._path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+            except FileNotFoundError:
+                found.append(False)
+                continue
+            except OSError as exc:
+                log.warning("file: cannot open %s: %s", path, exc)
+                found.append(False)
+                continue
+            try:
+                view, staging = self._host_view(dst)
+                try:
+                    self._read_record(fd, key, view)
+                except UnsupportedRecordError as exc:
+                    log.warning("file: %s cannot be read by this build (%s); dropping it", path, exc)
+                    self._drop(path, fd)
+                    found.append(False)
+                    continue
+                except CorruptBlockError as exc:
+                    log.warning("file: corrupt record %s (%s); deleting it", path, exc)
+                    self._drop(path, fd)
+                    corrupt += 1
+                    found.append(False)
+                    continue
+                except OSError as exc:
+                    log.warning("file: cannot read %s: %s", path, exc)
+                    found.append(False)
+                    continue
+                if staging is not None:
+                    dst.copy_(staging)
+                found.append(True)
+            finally:
+                os.close(fd)
+        self._count_reads(found, size, corrupt=corrupt)
+        return found
+
+    def _read_record(self, fd: int, key: bytes, out: memoryview) -> None:
+        available = os.fstat(fd).st_size
+        head = os.pread(fd, HEADER_SIZE, 0)
+        header = parse_header(head, raw_length=len(out), available=available)  # before any allocation
+        if header.codec_id == NoneCodec.codec_id:
+            _read_exact(fd, out, HEADER_SIZE)
+            verify_payload(key, head, header, out)
+            return
+        payload = bytearray(header.stored_length)  # <= raw length, checked above
+        _read_exact(fd, memoryview(payload), HEADER_SIZE)
+        verify_payload(key, head, header, payload)
+        codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
+
+    def _drop(self, path: str, fd: int) -> None:
+        """Delete a bad record, unless another instance has replaced the file since we opened it."""
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+                self._forget(path)
+                self.counters.deleted += 1
+        except OSError:
+            pass
+
+    def _forget(self, path: str) -> None:
+        key = bytes.fromhex(os.path.basename(path)[: -len(_SUFFIX)])
+        with self._lock:
+            self._used -= self._sizes.pop(key, 0)
+
+    def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        self._check_open()
+        for key in keys:
+            path = self._path(key)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise DiskError(f"file: cannot delete {path!r}: {exc}") from exc
+            self._forget(path)
+            self.counters.deleted += 1
+
+    def scan(self) -> Iterator[RecordInfo]:
+        self._check_open()
+        listed, self._listed = self._listed, None  # the walk done at open, used once
+        if listed is None:
+            try:
+                listed = self._walk(sweep=False)
+            except OSError as exc:
+                raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
+        return iter(listed)
+
+    def _walk(self, *, sweep: bool) -> list[RecordInfo]:
+        records: list[RecordInfo] = []
+        now = time.time()
+        with os.scandir(self._root) as top:
+            level1 = [e.path for e in top if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False)]
+        for d1 in level1:
+            with os.scandir(d1) as mid:
+                level2 = [e.path for e in mid if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False)]
+            for d2 in level2:
+                prefix = os.path.basename(d1) + os.path.basename(d2)
+                with os.scandir(d2) as leaf:
+                    for entry in leaf:
+                        name = entry.name
+                        if name.endswith(".tmp"):
+                            if sweep and self._stale(entry, now):
+                                try:
+                                    os.unlink(entry.path)
+                                except FileNotFoundError:
+                                    pass
+                            continue
+                        stem = name[: -len(_SUFFIX)]
+                        if not name.endswith(_SUFFIX) or not _is_hex(stem, 64) or not stem.startswith(prefix):
+                            continue
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue  # deleted by another instance while we walked
+                        if not entry.is_file(follow_symlinks=False):
+                            continue
+                        records.append(RecordInfo(bytes.fromhex(stem), self._stored(st.st_size), st.st_mtime))
+        return records
+
+    @staticmethod
+    def _stale(entry: os.DirEntry[str], now: float) -> bool:
+        try:
+            return now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
+        except FileNotFoundError:
+            return False
+
+    def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
+        self._check_open()
+        for key, stamp in stamps:
+            try:
+                os.utime(self._path(key), (float(stamp), float(stamp)), follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.debug("file: stamp of %s… not persisted: %s", key.hex()[:16], exc)
+
+    def stats(self) -> dict[str, Any]:
+        data = super().stats()
+        data.update(path=self.path, used_bytes=self._used, known_blocks=len(self._sizes))
+        return data

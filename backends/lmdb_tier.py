@@ -1,0 +1,375 @@
+"""``lmdb``: a persistent tier in one LMDB environment.
+
+Layout: three named databases in the environment at ``path``:
+
+* ``blocks``: key -> record (:mod:`kvtier.record` header + payload),
+* ``index``:  key -> ``<d Q`` (last-access stamp, stored bytes), written in the same transaction
+  as the record, so ``scan()`` rebuilds the manager's index without touching any block page,
+* ``meta``:   the store's meta record (format version, namespace); a store written for another
+  namespace is refused at open with a ``ConfigError``.
+
+Contract and choices:
+
+* ``map_size`` is the tier's capacity and is never grown. A put that does not fit
+  (``MapFullError``) makes that key's write return ``None`` and counts a write failure; nothing
+  stored earlier is touched. The manager owns eviction and retries.
+* ``sync_mode="durable"`` (default): ``sync=True, metasync=False`` and an ``env.sync()`` at the end
+  of every ``write_blocks``, so a block is on stable storage before its write returns.
+  ``sync_mode="fast"``: no syncs; a power loss may lose recently written blocks (a process crash
+  loses nothing), and the record checksum still keeps a torn record from being served.
+* One transaction per value: measured (``benchmarks/bench_disk.py``, ``docs/tiers.md``) no slower
+  than batching for 2 MiB values, and it confines a map-full failure to one key.
+* Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` off
+  (values are large and read at random); ``reader_check()`` at open clears slots of dead readers.
+* The environment is opened in ``open()``, in the process that uses it, never across ``fork``.
+* Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` and the deletion of corrupt records
+  found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
+  straight from the map into the caller's tensor, and never hold a transaction across an await.
+* A corrupt environment at open is renamed ``data.mdb.corrupt-<UTC time>`` and a fresh one is
+  started, with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Literal
+
+import lmdb
+import torch
+
+from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.codec import Codec, UnsupportedRecordError
+from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
+from kvtier.record import (
+    HEADER_SIZE,
+    RecordBackend,
+    check_meta,
+    decode_meta,
+    decode_record,
+    encode_meta,
+)
+
+__all__ = ["LmdbBackend"]
+
+log = logging.getLogger(__name__)
+
+_INDEX = struct.Struct("<dQ")
+_META_KEY = b"kvtier-meta"
+_EPOCH_KEY = b"kvtier-epoch"
+# LMDB errors that mean "this file is not a sound environment": move it aside and start afresh.
+_CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
+# Errors confined to one put: the write of that key fails, the job goes on.
+_PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
+_PAGE_HEADER = 16  # bytes of an LMDB page header before overflow data
+
+
+class LmdbBackend(RecordBackend):
+    """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
+
+    name: ClassVar[str] = "lmdb"
+    persistent: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        capacity: int | str,
+        path: str | os.PathLike[str] | None = None,
+        codec: str | dict[str, Any] | Codec | None = "none",
+        sync_mode: Literal["durable", "fast"] = "durable",
+        max_readers: int = 126,
+    ) -> None:
+        super().__init__(capacity=capacity, codec=codec)
+        if path is None or not str(path):
+            raise ConfigError("path: the lmdb backend needs a directory for its environment (option 'path')")
+        if sync_mode not in ("durable", "fast"):
+            raise ConfigError(f"sync_mode: expected 'durable' or 'fast', got {sync_mode!r}")
+        if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 1:
+            raise ConfigError(f"max_readers: expected a positive integer, got {max_readers!r}")
+        self.path = os.fspath(path)
+        self.sync_mode = sync_mode
+        self.max_readers = max_readers
+        self._env: lmdb.Environment | None = None
+        self._blocks: Any = None
+        self._index: Any = None
+        self._meta: Any = None
+        self._psize = 4096
+        self._pid = 0
+        self._write_lock = threading.Lock()
+        self._staging = bytearray()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data.update(path=self.path, sync_mode=self.sync_mode, max_readers=self.max_readers)
+        return data
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def open(self, fmt: BlockFormat) -> None:
+        await super().open(fmt)
+        await asyncio.to_thread(self._open_env, fmt)
+
+    def _open_env(self, fmt: BlockFormat) -> None:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise DiskError(f"lmdb: cannot create {self.path!r}: {exc}") from exc
+        try:
+            self._try_open(fmt)
+        except (*_CORRUPT, CorruptBlockError) as exc:
+            self._close_env()
+            moved = self._move_aside()
+            message = f"lmdb: the environment at {self.path!r} is corrupt ({exc}); moved it to {moved!r} and started a fresh one"
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            try:
+                self._try_open(fmt)
+            except lmdb.Error as again:
+                self._close_env()
+                raise DiskError(f"lmdb: cannot start a fresh environment at {self.path!r}: {again}") from again
+        except ConfigError:
+            self._close_env()
+            raise
+        except lmdb.Error as exc:
+            self._close_env()
+            raise DiskError(f"lmdb: cannot open {self.path!r}: {exc}") from exc
+        self._pid = os.getpid()
+
+    def _try_open(self, fmt: BlockFormat) -> None:
+        durable = self.sync_mode == "durable"
+        env = self._env = lmdb.open(
+            self.path,
+            map_size=self.capacity_bytes,
+            subdir=True,
+            max_dbs=3,
+            max_readers=self.max_readers,
+            sync=durable,
+            metasync=False,  # the env.sync() at the end of each job writes the meta page
+            writemap=False,
+            map_async=False,
+            readahead=False,
+            meminit=False,
+            lock=True,
+        )
+        env.reader_check()
+        self._psize = int(env.stat()["psize"])
+        self._blocks = env.open_db(b"blocks")
+        self._index = env.open_db(b"index")
+        meta_db = self._meta = env.open_db(b"meta")
+        with env.begin(write=True, db=meta_db) as txn:
+            stored = txn.get(_META_KEY)
+            if stored is None:
+                txn.put(_META_KEY, encode_meta(fmt))
+            else:
+                try:
+                    meta = decode_meta(stored)
+                except UnsupportedRecordError as exc:
+                    raise ConfigError(f"lmdb: {self.path!r}: {exc}; point the tier at a new path") from exc
+                check_meta(meta, fmt, where=f"lmdb {self.path!r}")
+        if durable:
+            env.sync(True)
+
+    def _move_aside(self) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        data = os.path.join(self.path, "data.mdb")
+        target = f"{data}.corrupt-{stamp}"
+        try:
+            os.replace(data, target)
+            lock = os.path.join(self.path, "lock.mdb")
+            if os.path.exists(lock):
+                os.unlink(lock)
+        except OSError as exc:
+            raise DiskError(f"lmdb: cannot move the corrupt environment {data!r} aside: {exc}") from exc
+        return target
+
+    def _close_env(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with self._write_lock:
+            self._close_env()
+
+    def _env_or_raise(self) -> lmdb.Environment:
+        self._check_open()
+        env = self._env
+        if env is None:
+            raise BackendError(f"lmdb: {self.path!r} is not open")
+        if self._pid != os.getpid():
+            raise BackendError("lmdb: the environment was opened in another process; open the backend after fork")
+        return env
+
+    # -- capacity ------------------------------------------------------------------------------
+    def _pages(self, record_bytes: int) -> int:
+        """Bytes of map a record of ``record_bytes`` occupies (values above a page overflow)."""
+        psize = self._psize
+        return -(-(record_bytes + _PAGE_HEADER) // psize) * psize
+
+    def reserve_bytes(self) -> int:
+        return self._pages(HEADER_SIZE + self.format.block_bytes)
+
+    # -- bulk I/O --------------------------------------------------------------------------------
+    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        self._check_io(keys, blocks)
+        env = self._env_or_raise()
+        parts = self._encode(keys, blocks)  # compression runs outside the write lock
+        sizes: list[int | None] = []
+        written = 0
+        bumped = False
+        with self._write_lock:
+            if self._env is None:
+                raise BackendError(f"lmdb: {self.path!r} was closed during the write")
+            need = max((len(h) + len(p) for h, p in parts), default=0)
+            if len(self._staging) < need:
+                self._staging = bytearray(need)
+            staging = memoryview(self._staging)
+            for key, (header, payload) in zip(keys, parts):
+                n = len(header) + len(payload)
+                staging[: len(header)] = header
+                staging[len(header) : n] = payload
+                stored = self._pages(n)
+                try:
+                    try:
+                        self._put(env, key, staging[:n], stored)
+                    except lmdb.MapFullError:
+                        if bumped:
+                            raise
+                        # Pages freed by the latest transaction (the manager's eviction) become
+                        # reusable only to a transaction after the next one: commit a tiny one,
+                        # then retry this key once.
+                        bumped = True
+                        self._bump_txnid(env)
+                        self._put(env, key, staging[:n], stored)
+                except _PUT_FAILED as exc:
+                    log.debug("lmdb: write of %s… failed: %s", key.hex()[:16], exc)
+                    self.counters.write_failures += 1
+                    sizes.append(None)
+                    continue
+                except lmdb.Error as exc:
+                    raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+                sizes.append(stored)
+                written += n
+            if self.sync_mode == "durable" and any(s is not None for s in sizes):
+                try:
+                    env.sync(True)
+                except lmdb.Error as exc:
+                    raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
+        done = sum(1 for s in sizes if s is not None)
+        self.counters.blocks_written += done
+        self.counters.bytes_written += written
+        return sizes
+
+    def _put(self, env: lmdb.Environment, key: bytes, record: memoryview, stored: int) -> None:
+        with env.begin(write=True) as txn:
+            txn.put(key, record, db=self._blocks)
+            txn.put(key, _INDEX.pack(time.time(), stored), db=self._index)
+
+    def _bump_txnid(self, env: lmdb.Environment) -> None:
+        try:
+            with env.begin(write=True, db=self._meta) as txn:
+                txn.put(_EPOCH_KEY, struct.pack("<d", time.time()))
+        except _PUT_FAILED:
+            pass  # even this did not fit; the retry will report the key as failed
+
+    def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        size = self._check_io(keys, out)
+        env = self._env_or_raise()
+        found: list[bool] = []
+        bad: list[bytes] = []
+        corrupt = 0
+        try:
+            with env.begin(buffers=True) as txn:
+                for key, dst in zip(keys, out):
+                    value = txn.get(key, db=self._blocks)
+                    if value is None:
+                        found.append(False)
+                        continue
+                    view, staging = self._host_view(dst)
+                    try:
+                        decode_record(key, value, view)
+                    except UnsupportedRecordError as exc:
+                        log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
+                        bad.append(key)
+                        found.append(False)
+                        continue
+                    except CorruptBlockError as exc:
+                        log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
+                        bad.append(key)
+                        corrupt += 1
+                        found.append(False)
+                        continue
+                    if staging is not None:
+                        dst.copy_(staging)
+                    found.append(True)
+        except lmdb.Error as exc:
+            raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
+        if bad:
+            self._delete(bad)  # after the read transaction: one writer, never nested in a reader
+        self._count_reads(found, size, corrupt=corrupt)
+        return found
+
+    def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        self._env_or_raise()
+        self._delete(list(keys))
+
+    def _delete(self, keys: list[bytes]) -> None:
+        with self._write_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} is closed")
+            try:
+                with env.begin(write=True) as txn:
+                    for key in keys:
+                        if txn.delete(key, db=self._blocks):
+                            self.counters.deleted += 1
+                        txn.delete(key, db=self._index)
+            except lmdb.Error as exc:
+                raise DiskError(f"lmdb: delete in {self.path!r} failed: {exc}") from exc
+
+    def scan(self) -> Iterator[RecordInfo]:
+        env = self._env_or_raise()
+        # Collected inside one short read transaction, yielded after it ends.
+        records: list[RecordInfo] = []
+        try:
+            with env.begin(db=self._index) as txn:
+                for key, value in txn.cursor():
+                    stamp, stored = _INDEX.unpack(value)
+                    records.append(RecordInfo(key, stored, stamp))
+        except (lmdb.Error, struct.error) as exc:
+            raise DiskError(f"lmdb: scan of {self.path!r} failed: {exc}") from exc
+        return iter(records)
+
+    def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
+        if not stamps:
+            return
+        self._env_or_raise()
+        with self._write_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} is closed")
+            try:
+                with env.begin(write=True, db=self._index) as txn:
+                    for key, stamp in stamps:
+                        value = txn.get(key)
+                        if value is not None:  # never resurrect an index entry for a deleted block
+                            _, stored = _INDEX.unpack(value)
+                            txn.put(key, _INDEX.pack(float(stamp), stored))
+            except _PUT_FAILED as exc:
+                log.debug("lmdb: stamps not persisted: %s", exc)  # advisory; eviction order only
+            except lmdb.Error as exc:
+                raise DiskError(f"lmdb: touch in {self.path!r} failed: {exc}") from exc
+
+    def stats(self) -> dict[str, Any]:
+        data = super().stats()
+        env = self._env
+        if env is not None and self.is_open:
+            info = env.info()
+            data.update(path=self.path, map_size=info["map_size"], used_bytes=(info["last_pgno"] + 1) * self._psize)
+        return data

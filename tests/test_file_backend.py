@@ -1,0 +1,243 @@
+"""The file tier: conformance suite plus layout, sharing, corruption, sweeping and path safety."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import ConfigError, InvalidKeyError
+from kvtier.record import HEADER_SIZE
+from kvtier.testing import BackendTests, make_key, random_block
+
+
+def file_backend(path: Path, capacity: int, **options: object) -> Backend:
+    return registry.backends.get("file")(capacity=capacity, path=str(path / "store"), **options)
+
+
+class TestFileBackend(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> Backend:
+        return file_backend(path, capacity)
+
+
+class TestFileBackendZstdFast(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> Backend:
+        return file_backend(path, capacity, codec={"name": "zstd", "level": 1}, sync_mode="fast")
+
+
+FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+def _open(backend: Backend, fmt: BlockFormat = FMT) -> Backend:
+    asyncio.run(backend.open(fmt))
+    return backend
+
+
+def _close(*backends: Backend) -> None:
+    for b in backends:
+        asyncio.run(b.aclose())
+
+
+def _blocks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    return [random_block(FMT.block_bytes, seed * 1000 + i) for i in range(n)]
+
+
+def _empty(n: int) -> list[torch.Tensor]:
+    return [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(n)]
+
+
+def _record_path(root: Path, key: bytes) -> Path:
+    h = key.hex()
+    return root / "store" / h[:2] / h[2:4] / f"{h}.kvb"
+
+
+def test_layout_is_a_sharded_hex_tree(tmp_path: Path) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        key = make_key(3)
+        size = backend.write_blocks([key], _blocks(1))[0]
+        path = _record_path(tmp_path, key)
+        assert path.is_file() and path.stat().st_size == FMT.block_bytes + HEADER_SIZE
+        assert size == backend.reserve_bytes() and size % 4096 == 0
+        assert not list(path.parent.glob("*.tmp"))
+    finally:
+        _close(backend)
+
+
+def test_missing_path_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="path"):
+        registry.backends.get("file")(capacity="1MiB")
+
+
+def test_two_instances_share_one_directory(tmp_path: Path) -> None:
+    a = _open(file_backend(tmp_path, 1 << 20))
+    b = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        assert list(b.scan()) == []
+        data = _blocks(2, seed=2)
+        keys = [make_key(1), make_key(2)]
+        a.write_blocks(keys, data)
+        out = _empty(2)
+        assert b.read_blocks(keys, out) == [True, True]
+        assert all(torch.equal(x, y) for x, y in zip(out, data))
+        b.delete_blocks(keys[:1])
+        assert a.read_blocks(keys, _empty(2)) == [False, True]
+    finally:
+        _close(a, b)
+
+
+def test_capacity_is_enforced_over_known_blocks(tmp_path: Path) -> None:
+    backend = _open(file_backend(tmp_path, 2 * 20480))
+    try:
+        sizes = backend.write_blocks([make_key(i) for i in range(3)], _blocks(3))
+        assert sizes[0] is not None and sizes[1] is not None and sizes[2] is None
+        assert backend.stats()["write_failures"] == 1
+        backend.write_blocks([make_key(0)], _blocks(1))  # overwriting does not grow usage
+        backend.delete_blocks([make_key(1)])
+        assert backend.write_blocks([make_key(2)], _blocks(1))[0] is not None
+    finally:
+        _close(backend)
+
+
+def test_enospc_fails_the_write_and_keeps_earlier_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        data = _blocks(3, seed=6)
+        keys = [make_key(i) for i in range(3)]
+        assert None not in backend.write_blocks(keys[:1], data[:1])
+        real = os.pwritev
+
+        def full(fd: int, buffers: object, offset: int) -> int:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "pwritev", full)
+        assert backend.write_blocks(keys[1:], data[1:]) == [None, None]
+        monkeypatch.setattr(os, "pwritev", real)
+        assert backend.stats()["write_failures"] == 2
+        out = _empty(3)
+        assert backend.read_blocks(keys, out) == [True, False, False]
+        assert torch.equal(out[0], data[0])
+        assert not list((tmp_path / "store").rglob("*.tmp"))
+        assert backend.write_blocks(keys[1:2], data[1:2])[0] is not None  # usage was given back
+    finally:
+        _close(backend)
+
+
+def test_flipped_byte_is_detected_deleted_counted_and_a_miss(tmp_path: Path) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        keys = [make_key(i) for i in range(2)]
+        data = _blocks(2, seed=1)
+        backend.write_blocks(keys, data)
+        path = _record_path(tmp_path, keys[0])
+        raw = bytearray(path.read_bytes())
+        raw[HEADER_SIZE + 77] ^= 0x01
+        path.write_bytes(bytes(raw))
+        out = _empty(2)
+        assert backend.read_blocks(keys, out) == [False, True]
+        assert backend.stats()["corrupt_records"] == 1 and not path.exists()
+        assert torch.equal(out[1], data[1])
+    finally:
+        _close(backend)
+
+
+@pytest.mark.parametrize("cut", [0, 10, HEADER_SIZE, HEADER_SIZE + 100])
+def test_truncated_record_is_corrupt(tmp_path: Path, cut: int) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        backend.write_blocks([make_key(1)], _blocks(1))
+        path = _record_path(tmp_path, make_key(1))
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        assert backend.read_blocks([make_key(1)], _empty(1)) == [False]
+        assert backend.stats()["corrupt_records"] == 1 and not path.exists()
+    finally:
+        _close(backend)
+
+
+def test_stale_temp_files_are_swept_and_fresh_ones_kept(tmp_path: Path) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    backend.write_blocks([make_key(1)], _blocks(1))
+    _close(backend)
+    shard = _record_path(tmp_path, make_key(1)).parent
+    stale = shard / f"{make_key(1).hex()}.kvb.123.0.tmp"
+    fresh = shard / f"{make_key(1).hex()}.kvb.124.0.tmp"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        assert not stale.exists() and fresh.exists()
+        assert [r.key for r in backend.scan()] == [make_key(1)]
+    finally:
+        _close(backend)
+
+
+def test_stamps_survive_reopen(tmp_path: Path) -> None:
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    backend.write_blocks(keys, _blocks(3))
+    backend.touch_stamps([(keys[0], 3000.0), (keys[1], 1000.0), (keys[2], 2000.0), (make_key(9), 1.0)])
+    _close(backend)
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        stamps = {r.key: r.stamp for r in backend.scan()}
+        assert stamps == {keys[0]: 3000.0, keys[1]: 1000.0, keys[2]: 2000.0}
+    finally:
+        _close(backend)
+
+
+def test_scan_ignores_foreign_files_and_symlinks(tmp_path: Path) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    backend.write_blocks([make_key(1)], _blocks(1))
+    _close(backend)
+    root = tmp_path / "store"
+    (root / "zz").mkdir()
+    (root / "zz" / "notes.kvb").write_bytes(b"x")
+    h = make_key(2).hex()
+    shard = root / h[:2] / h[2:4]
+    shard.mkdir(parents=True, exist_ok=True)
+    outside = tmp_path / "outside.kvb"
+    outside.write_bytes(b"secret")
+    (shard / f"{h}.kvb").symlink_to(outside)
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        assert [r.key for r in backend.scan()] == [make_key(1)]
+        assert backend.read_blocks([make_key(2)], _empty(1)) == [False]  # O_NOFOLLOW
+        assert outside.read_bytes() == b"secret"
+    finally:
+        _close(backend)
+
+
+def test_keys_that_are_not_32_bytes_are_rejected(tmp_path: Path) -> None:
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    try:
+        for bad in (b"../../etc/passwd", b"\x00" * 31, "a" * 32):
+            with pytest.raises(InvalidKeyError):
+                backend.write_blocks([bad], _blocks(1))  # type: ignore[list-item]
+            with pytest.raises(InvalidKeyError):
+                backend.read_blocks([bad], _empty(1))  # type: ignore[list-item]
+        assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["kvtier-meta.kvm"]
+    finally:
+        _close(backend)
+
+
+def test_other_namespace_is_refused_and_corrupt_meta_is_replaced(tmp_path: Path) -> None:
+    _close(_open(file_backend(tmp_path, 1 << 20)))
+    other = BlockFormat(block_bytes=FMT.block_bytes, dtype="bfloat16", namespace_digest=b"\2" * 32)
+    with pytest.raises(ConfigError, match="namespace"):
+        asyncio.run(file_backend(tmp_path, 1 << 20).open(other))
+    (tmp_path / "store" / "kvtier-meta.kvm").write_bytes(b"garbage")
+    backend = file_backend(tmp_path, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="meta"):
+        _open(backend)
+    _close(backend)
+    assert list((tmp_path / "store").glob("kvtier-meta.kvm.corrupt-*"))
+    _close(_open(file_backend(tmp_path, 1 << 20)))  # the rewritten meta record is accepted

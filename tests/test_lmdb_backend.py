@@ -1,0 +1,263 @@
+"""The lmdb tier: conformance suite plus persistence, map-full, corruption and thread tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import ConfigError
+from kvtier.record import HEADER, HEADER_SIZE, RECORD_VERSION
+from kvtier.testing import BackendTests, make_key, random_block
+
+
+def lmdb_backend(path: Path, capacity: int, **options: object) -> Backend:
+    return registry.backends.get("lmdb")(capacity=capacity, path=str(path / "env"), **options)
+
+
+class TestLmdbBackend(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> Backend:
+        return lmdb_backend(path, capacity)
+
+
+class TestLmdbBackendZstdShuffleFast(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> Backend:
+        return lmdb_backend(path, capacity, codec={"name": "zstd-shuffle", "level": 1}, sync_mode="fast")
+
+
+FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+def _open(backend: Backend, fmt: BlockFormat = FMT) -> Backend:
+    asyncio.run(backend.open(fmt))
+    return backend
+
+
+def _blocks(n: int, seed: int = 0, size: int = FMT.block_bytes) -> list[torch.Tensor]:
+    return [random_block(size, seed * 1000 + i) for i in range(n)]
+
+
+def _env(path: Path) -> tuple[lmdb.Environment, object]:
+    env = lmdb.open(str(path / "env"), max_dbs=3)
+    return env, env.open_db(b"blocks")
+
+
+def test_missing_path_is_a_config_error_naming_path() -> None:
+    with pytest.raises(ConfigError, match="path"):
+        registry.backends.get("lmdb")(capacity="1MiB")
+
+
+def test_bad_options_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="sync_mode"):
+        lmdb_backend(tmp_path, 1 << 20, sync_mode="sometimes")
+    with pytest.raises(ConfigError, match="codec"):
+        lmdb_backend(tmp_path, 1 << 20, codec={"level": 3})
+    with pytest.raises(ConfigError, match="level"):
+        lmdb_backend(tmp_path, 1 << 20, codec={"name": "zstd", "level": 99})
+
+
+def test_map_full_fails_only_the_keys_that_do_not_fit(tmp_path: Path) -> None:
+    backend = _open(lmdb_backend(tmp_path, 8 * FMT.block_bytes))
+    try:
+        keys = [make_key(i) for i in range(20)]
+        data = _blocks(20)
+        sizes = backend.write_blocks(keys, data)
+        stored = [i for i, s in enumerate(sizes) if s is not None]
+        failed = [i for i, s in enumerate(sizes) if s is None]
+        assert stored and failed
+        assert backend.stats()["write_failures"] == len(failed)
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in stored]
+        assert backend.read_blocks([keys[i] for i in stored], out) == [True] * len(stored)
+        assert all(torch.equal(o, data[i]) for o, i in zip(out, stored))
+        # Deleting makes room again: the manager's evict-and-retry works.
+        backend.delete_blocks([keys[stored[0]]])
+        assert backend.write_blocks([keys[failed[0]]], [data[failed[0]]])[0] is not None
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_map_size_is_the_capacity_and_sizes_are_page_rounded(tmp_path: Path) -> None:
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        assert backend.stats()["map_size"] == 1 << 20
+        size = backend.write_blocks([make_key(1)], _blocks(1))[0]
+        assert size == backend.reserve_bytes()
+        assert size is not None and size % 4096 == 0 and size >= FMT.block_bytes + HEADER_SIZE
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_flipped_byte_is_detected_deleted_counted_and_a_miss(tmp_path: Path) -> None:
+    keys = [make_key(i) for i in range(3)]
+    data = _blocks(3, seed=4)
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks(keys, data)
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(keys[1]))
+        value[HEADER_SIZE + 1234] ^= 0x10
+        txn.put(keys[1], bytes(value))
+    env.close()
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True, False, True]
+        stats = backend.stats()
+        assert stats["corrupt_records"] == 1 and stats["deleted"] == 1
+        assert {r.key for r in backend.scan()} == {keys[0], keys[2]}
+        assert backend.read_blocks([keys[1]], out[:1]) == [False]
+        assert backend.stats()["corrupt_records"] == 1  # gone, so now a plain miss
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_record_under_another_key_fails_its_checksum(tmp_path: Path) -> None:
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks([make_key(1)], _blocks(1))
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin(write=True, db=db) as txn:
+        txn.put(make_key(2), bytes(txn.get(make_key(1))))
+    env.close()
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
+        assert backend.read_blocks([make_key(2)], out) == [False]
+        assert backend.stats()["corrupt_records"] == 1
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_unknown_record_version_is_a_miss_not_corrupt(tmp_path: Path) -> None:
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks([make_key(1)], _blocks(1))
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(make_key(1)))
+        fields = list(HEADER.unpack_from(value))
+        fields[1] = RECORD_VERSION + 1
+        HEADER.pack_into(value, 0, *fields)
+        txn.put(make_key(1), bytes(value))
+    env.close()
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8)]
+        assert backend.read_blocks([make_key(1)], out) == [False]
+        stats = backend.stats()
+        assert stats["corrupt_records"] == 0 and stats["read_misses"] == 1
+        assert bool((out[0] == 7).all())  # never parsed, never copied
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_corrupt_environment_is_moved_aside_with_a_warning(tmp_path: Path) -> None:
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks([make_key(1)], _blocks(1))
+    asyncio.run(backend.aclose())
+    data_file = tmp_path / "env" / "data.mdb"
+    data_file.write_bytes(b"\xde\xad" * 8192)
+    backend = lmdb_backend(tmp_path, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        _open(backend)
+    try:
+        moved = list((tmp_path / "env").glob("data.mdb.corrupt-*"))
+        assert len(moved) == 1 and moved[0].read_bytes().startswith(b"\xde\xad")
+        assert list(backend.scan()) == []
+        assert backend.write_blocks([make_key(2)], _blocks(1))[0] is not None
+        assert backend.read_blocks([make_key(2)], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)]) == [True]
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_other_namespace_is_refused_at_open(tmp_path: Path) -> None:
+    _open(lmdb_backend(tmp_path, 1 << 20))
+    other = BlockFormat(block_bytes=FMT.block_bytes, dtype="bfloat16", namespace_digest=b"\1" * 32)
+    backend = lmdb_backend(tmp_path, 1 << 20)
+    with pytest.raises(ConfigError, match="namespace"):
+        asyncio.run(backend.open(other))
+    again = lmdb_backend(tmp_path, 1 << 20)
+    with pytest.raises(ConfigError, match="block_bytes"):
+        asyncio.run(again.open(BlockFormat(block_bytes=8192, dtype="bfloat16")))
+
+
+def test_stamps_survive_reopen(tmp_path: Path) -> None:
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks(keys, _blocks(3))
+    backend.touch_stamps([(keys[0], 30.0), (keys[1], 10.0), (keys[2], 20.0), (make_key(99), 5.0)])
+    asyncio.run(backend.aclose())
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        records = {r.key: r for r in backend.scan()}
+        assert set(records) == set(keys)
+        assert [records[k].stamp for k in keys] == [30.0, 10.0, 20.0]
+        assert all(r.stored_bytes == backend.reserve_bytes() for r in records.values())
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_compressed_records_take_less_space_and_round_trip(tmp_path: Path) -> None:
+    plain = _open(lmdb_backend(tmp_path / "a", 1 << 22))
+    packed = _open(lmdb_backend(tmp_path / "b", 1 << 22, codec="zstd-shuffle"))
+    try:
+        fmt = FMT
+        base = torch.linspace(0.0, 1.0, fmt.block_bytes // 2).to(torch.bfloat16).view(torch.uint8)
+        keys = [make_key(1)]
+        a = plain.write_blocks(keys, [base])[0]
+        b = packed.write_blocks(keys, [base])[0]
+        assert a is not None and b is not None and b < a
+        out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8)]
+        assert packed.read_blocks(keys, out) == [True] and torch.equal(out[0], base)
+    finally:
+        asyncio.run(plain.aclose())
+        asyncio.run(packed.aclose())
+
+
+def test_concurrent_reads_while_writing_and_deleting(tmp_path: Path) -> None:
+    backend = _open(lmdb_backend(tmp_path, 1 << 24, sync_mode="fast"))
+    data = _blocks(16, seed=8)
+    keys = [make_key(i) for i in range(16)]
+    backend.write_blocks(keys[:8], data[:8])
+    errors: list[BaseException] = []
+    wrong: list[int] = []
+
+    def reader() -> None:
+        try:
+            out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+            for _ in range(40):
+                found = backend.read_blocks(keys, out)
+                wrong.extend(i for i, ok in enumerate(found) if ok and not torch.equal(out[i], data[i]))
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for round_ in range(10):
+        backend.write_blocks(keys[8:], data[8:])
+        backend.delete_blocks(keys[round_ % 8 : round_ % 8 + 4])
+        backend.write_blocks(keys[:8], data[:8])
+    thread.join()
+    try:
+        assert not errors and not wrong
+        assert backend.stats()["corrupt_records"] == 0
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_use_after_fork_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        monkeypatch.setattr("os.getpid", lambda: -1)
+        with pytest.raises(Exception, match="another process"):
+            backend.read_blocks([make_key(1)], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)])
+    finally:
+        monkeypatch.undo()
+        asyncio.run(backend.aclose())

@@ -1,0 +1,168 @@
+"""The record format: golden bytes, header checks before allocation, bombs, versions, meta."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import pytest
+import torch
+import zstandard
+
+from kvtier.backend import BlockFormat
+from kvtier.codec import NoneCodec, UnsupportedRecordError, resolve_codec
+from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.record import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    RECORD_VERSION,
+    check_meta,
+    crc32c,
+    decode_meta,
+    decode_record,
+    dtype_code,
+    encode_meta,
+    encode_record,
+    parse_header,
+)
+
+KEY = bytes(range(32))
+GOLDEN_RECORD = bytes.fromhex(
+    "4b5654420100010010000000000000001000000000000000000000008fc49474"
+    "6b76746965722d676f6c64656e2d3136"
+)
+GOLDEN_META = bytes.fromhex(
+    "4b56544d01f123ea7a85ae666f726d61745f76657273696f6e01ab626c6f636b5f627974657310a56474797065a862"
+    "666c6f61743136b06e616d6573706163655f646967657374c420000102030405060708090a0b0c0d0e0f1011121314"
+    "15161718191a1b1c1d1e1fa96e616d65737061636581a86d6f64656c5f6964a16d"
+)
+GOLDEN_FMT = BlockFormat(block_bytes=16, dtype="bfloat16", namespace_digest=KEY, namespace={"model_id": "m"})
+
+
+def _record(key: bytes, raw: bytes, codec: object = None, dtype: str = "bfloat16") -> bytes:
+    header, payload = encode_record(key, memoryview(raw), resolve_codec(codec), dtype_code(dtype))  # type: ignore[arg-type]
+    return header + bytes(payload)
+
+
+def _forge(key: bytes, codec_id: int, raw_length: int, payload: bytes, version: int = RECORD_VERSION) -> bytes:
+    """A record with a valid checksum and whatever header fields an attacker likes."""
+    head = HEADER.pack(MAGIC, version, codec_id, 1, 0, raw_length, len(payload), 0, 0)[:28]
+    crc = crc32c(payload, crc32c(key, crc32c(head)))
+    return head + struct.pack("<I", crc) + payload
+
+
+def test_golden_record_bytes() -> None:
+    assert HEADER_SIZE == 32
+    assert _record(KEY, b"kvtier-golden-16") == GOLDEN_RECORD
+    out = bytearray(16)
+    header = decode_record(KEY, GOLDEN_RECORD, memoryview(out))
+    assert bytes(out) == b"kvtier-golden-16"
+    assert (header.codec_id, header.dtype_code, header.raw_length, header.stored_length) == (0, 1, 16, 16)
+
+
+def test_golden_meta_bytes() -> None:
+    assert encode_meta(GOLDEN_FMT) == GOLDEN_META
+    meta = decode_meta(GOLDEN_META)
+    assert meta.namespace_digest == KEY and meta.namespace == {"model_id": "m"} and meta.block_bytes == 16
+    check_meta(meta, GOLDEN_FMT, where="test")
+
+
+def test_meta_mismatch_and_damage() -> None:
+    meta = decode_meta(GOLDEN_META)
+    with pytest.raises(ConfigError, match="namespace"):
+        check_meta(meta, BlockFormat(block_bytes=16, dtype="bfloat16"), where="test")
+    with pytest.raises(ConfigError, match="dtype"):
+        check_meta(meta, BlockFormat(block_bytes=16, dtype="float16", namespace_digest=KEY), where="test")
+    damaged = bytearray(GOLDEN_META)
+    damaged[-1] ^= 1
+    with pytest.raises(CorruptBlockError):
+        decode_meta(bytes(damaged))
+    newer = bytearray(GOLDEN_META)
+    newer[4] = 99
+    with pytest.raises(UnsupportedRecordError):
+        decode_meta(bytes(newer))
+
+
+def test_compressed_record_round_trips_and_is_smaller() -> None:
+    raw = torch.linspace(-1, 1, 2048).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    record = _record(KEY, raw, "zstd-shuffle")
+    assert len(record) < len(raw)
+    out = bytearray(len(raw))
+    assert decode_record(KEY, record, memoryview(out)).codec_id == 2
+    assert bytes(out) == raw
+
+
+def test_incompressible_block_falls_back_to_raw() -> None:
+    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    record = _record(KEY, raw, {"name": "zstd", "level": 19})
+    assert len(record) == len(raw) + HEADER_SIZE
+    assert parse_header(record, raw_length=4096).codec_id == NoneCodec.codec_id
+
+
+@pytest.mark.parametrize(
+    "mutate, error",
+    [
+        (lambda r: r[:20], "truncated"),
+        (lambda r: r[:-1], "bytes"),
+        (lambda r: b"XXXX" + r[4:], "magic"),
+        (lambda r: r[:40] + bytes([r[40] ^ 1]) + r[41:], "checksum"),
+        (lambda r: r[:29] + bytes([r[29] ^ 1]) + r[30:], "checksum"),
+        (lambda r: r + b"\0", "bytes"),
+    ],
+)
+def test_damaged_records_are_corrupt(mutate: object, error: str) -> None:
+    with pytest.raises(CorruptBlockError, match=error):
+        decode_record(KEY, mutate(GOLDEN_RECORD), memoryview(bytearray(16)))  # type: ignore[operator]
+
+
+def test_wrong_key_fails_the_checksum() -> None:
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_record(bytes(32), GOLDEN_RECORD, memoryview(bytearray(16)))
+
+
+def test_unknown_version_is_unsupported_and_never_parsed() -> None:
+    record = bytearray(GOLDEN_RECORD)
+    record[4] = RECORD_VERSION + 1
+    record[8:16] = (1 << 62).to_bytes(8, "little")  # absurd lengths are not even looked at
+    out = bytearray(b"\x55" * 16)
+    with pytest.raises(UnsupportedRecordError):
+        decode_record(KEY, bytes(record), memoryview(out))
+    assert out == bytearray(b"\x55" * 16)
+
+
+def test_header_lengths_are_checked_before_allocating() -> None:
+    huge = _forge(KEY, 1, 1 << 40, b"\0" * 64)
+    with pytest.raises(CorruptBlockError, match="raw bytes"):
+        parse_header(huge, raw_length=4096)
+    longer = _forge(KEY, 1, 4096, b"\0" * 5000)
+    with pytest.raises(CorruptBlockError, match="stored bytes"):
+        parse_header(longer, raw_length=4096)
+
+
+@pytest.mark.parametrize("content_size", [True, False])
+@pytest.mark.parametrize("codec_id", [1, 2])
+def test_decompression_bomb_is_rejected_without_a_big_allocation(content_size: bool, codec_id: int) -> None:
+    bomb = zstandard.ZstdCompressor(level=19, write_content_size=content_size)
+    if content_size:
+        payload = bomb.compress(bytes(64 << 20))
+    else:
+        cobj = bomb.compressobj()
+        payload = cobj.compress(bytes(64 << 20)) + cobj.flush()
+    assert len(payload) < 4096
+    record = _forge(KEY, codec_id, 4096, payload)
+    out = bytearray(4096)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptBlockError):
+            decode_record(KEY, record, memoryview(out))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_unknown_codec_id_is_unsupported() -> None:
+    record = _forge(KEY, 200, 16, b"\1" * 8)
+    with pytest.raises(UnsupportedRecordError, match="codec id 200"):
+        decode_record(KEY, record, memoryview(bytearray(16)))
