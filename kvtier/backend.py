@@ -176,10 +176,15 @@ class Backend(ABC):
         """Bytes the manager reserves for one new block before it is written (worst case)."""
         return self.format.block_bytes
 
+    def usable_bytes(self) -> int:
+        """Bytes the manager may fill with reservations: the capacity less what the backend's own
+        bookkeeping needs (a database's index pages and free-page slack, for instance)."""
+        return self.capacity_bytes
+
     @property
     def max_blocks(self) -> int:
         """How many blocks fit at the worst-case reservation."""
-        return self.capacity_bytes // self.reserve_bytes()
+        return self.usable_bytes() // self.reserve_bytes()
 
     # -- bulk, blocking I/O (one call per job) -----------------------------------------------
     @abstractmethod
