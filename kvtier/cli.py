@@ -1,36 +1,399 @@
-"""The ``kvtier`` command: one entry point, one subcommand per job."""
+"""The ``kvtier`` command: one entry point, one subcommand per job.
+
+``kvtier config check FILE``   validate a config file and print the resolved tiers
+``kvtier config show``         print the default config (what ``kvtier sim`` uses)
+``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of a tier directory
+``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
+``kvtier bench``               run the benchmark scripts, collect their JSON, plot if possible
+``kvtier sim``                 the workload simulator (registered by :mod:`kvtier.sim.cli`)
+
+Output is a readable table on stdout; ``--json`` prints one JSON document instead. Progress of
+long operations goes to stderr, and only when stderr is a terminal. Exit status: 0 success,
+1 a problem was found (invalid config, bad records, a failed benchmark), 2 usage error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-__all__ = ["main", "build_parser"]
+from kvtier.errors import KVTierError
+
+__all__ = ["build_parser", "main"]
+
+BENCH_SCRIPTS = ("bench_core.py", "bench_disk.py", "bench_connector.py")
+
+
+# -- output helpers ------------------------------------------------------------------------
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+class _ProgressBar:
+    """A one-line progress bar on stderr; silent when stderr is not a terminal."""
+
+    def __init__(self, label: str, stream: Any = None) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.1 and done < total):
+            return
+        self._last = now
+        width = 30
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * width)
+        self.stream.write(f"\r{self.label} [{bar:<{width}}] {done}/{total}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _size(n: int | None) -> str:
+    from kvtier.units import format_size
+
+    return "-" if n is None else format_size(n)
+
+
+# -- config --------------------------------------------------------------------------------
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from kvtier.config import load_config_file
+    from kvtier.units import parse_size
+
+    cfg = load_config_file(args.file, env=not args.no_env, block_bytes=args.block_bytes)
+    block = cfg.block_bytes or (parse_size(args.block_bytes, field="--block-bytes") if args.block_bytes else None)
+    tiers = []
+    for i, tier in enumerate(cfg.tiers):
+        options = {k: v for k, v in tier.options().items() if k != "capacity"}
+        tiers.append(
+            {
+                "index": i,
+                "name": tier.name or tier.backend,
+                "backend": tier.backend,
+                "capacity_bytes": tier.capacity,
+                "slots": tier.capacity // block if block else None,
+                "policy": tier.policy or cfg.policy,
+                "options": options,
+            }
+        )
+    if args.json:
+        _print_json({"file": str(args.file), "valid": True, "block_bytes": block, "config": cfg.to_dict(), "tiers": tiers})
+        return 0
+    print(f"{args.file}: valid")
+    print(f"write: {cfg.write}   policy: {cfg.policy}   block: {_size(block) if block else 'unknown (give --block-bytes)'}")
+    rows = [
+        [t["index"], t["name"], t["backend"], _size(t["capacity_bytes"]), "-" if t["slots"] is None else t["slots"], t["policy"],
+         ", ".join(f"{k}={v}" for k, v in t["options"].items())]
+        for t in tiers
+    ]
+    print(_table(["#", "name", "backend", "capacity", "slots", "policy", "options"], rows))
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from kvtier import registry
+    from kvtier.config import default_config
+
+    data = default_config()
+    if args.json:
+        _print_json(data)
+        return 0
+    import yaml
+
+    print("# kvtier default configuration (used by `kvtier sim` when no config is given)")
+    print(yaml.safe_dump(data, sort_keys=False).rstrip())
+    print()
+    for reg in (registry.backends, registry.codecs, registry.policies):
+        entries = reg.entries()
+        listed = ", ".join(f"{n} ({'/'.join(d)})" for n, d in sorted(entries.items())) or "(none)"
+        print(f"# installed {'policies' if reg.kind == 'policy' else reg.kind + 's'}: {listed}")
+    return 0
+
+
+# -- inspect / verify ----------------------------------------------------------------------
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from kvtier.tools import inspect_tier
+
+    bar = _ProgressBar("inspect")
+    try:
+        report = inspect_tier(args.path, progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        _print_json(report.to_dict())
+        return 0
+    ratio = report.codec_ratio
+    rows = [
+        ["path", report.path],
+        ["backend", report.kind],
+        ["format version", report.format_version],
+        ["block size", _size(report.block_bytes)],
+        ["dtype", report.dtype],
+        ["blocks", report.blocks],
+        ["stored bytes", _size(report.stored_bytes)],
+        ["raw bytes", _size(report.raw_bytes)],
+        ["codec ratio", "-" if ratio is None else f"{ratio:.2f}x"],
+        ["codecs", ", ".join(f"{k}: {v}" for k, v in sorted(report.codecs.items())) or "-"],
+        ["unreadable headers", report.unreadable],
+    ]
+    for ns in report.namespaces:
+        rows.append(["namespace", ", ".join(f"{k}={v}" for k, v in ns.items() if v not in ("", None))])
+    print(_table(["field", "value"], rows))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from kvtier.tools import verify_tier
+
+    bar = _ProgressBar("verify")
+    try:
+        report = verify_tier(args.path, delete=args.delete, progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(f"{report.path}: checked {report.checked} records, {len(report.bad)} bad, {report.deleted} deleted")
+        if report.bad:
+            print(_table(["key", "problem"], [[b["key"][:16] + "…", b["reason"]] for b in report.bad]))
+            if not args.delete:
+                print("run again with --delete to remove them")
+    return 0 if report.ok or args.delete else 1
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+
+def _bench_dir(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    here = Path.cwd() / "benchmarks"
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _last_json(text: str) -> Any:
+    """The JSON object a benchmark printed (the last line that parses as one)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise ValueError("no JSON object in its output")
+
+
+def _walk_numbers(data: Any, prefix: str = "") -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out += _walk_numbers(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            out += _walk_numbers(v, f"{prefix}[{i}]")
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        out.append((prefix, float(data)))
+    return out
+
+
+def _plot(results: dict[str, Any], target: Path) -> bool:
+    """Bar charts of every ``*gbps*`` / ``*GB/s*`` figure and every hit rate; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    numbers = [(f"{name}:{path}", v) for name, res in results.items() for path, v in _walk_numbers(res)]
+    speed = [(k, v) for k, v in numbers if "gbps" in k.lower() or "gb_s" in k.lower() or "gb/s" in k.lower()]
+    hits = [(k, v) for k, v in numbers if "hit_rate" in k.lower() or "hitrate" in k.lower()]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 3 + 0.3 * (len(speed) + len(hits))))
+    for ax, series, label in ((axes[0], speed, "GB/s"), (axes[1], hits, "hit rate")):
+        if series:
+            ax.barh([k for k, _ in series], [v for _, v in series])
+        ax.set_xlabel(label)
+        ax.set_title(f"{label} per tier" if label == "GB/s" else label)
+    fig.tight_layout()
+    fig.savefig(target)
+    plt.close(fig)
+    return True
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    bench_dir = _bench_dir(args.bench_dir)
+    wanted = args.only or [Path(s).stem.removeprefix("bench_") for s in BENCH_SCRIPTS]
+    scripts = [bench_dir / f"bench_{name}.py" for name in wanted]
+    present = [s for s in scripts if s.is_file()]
+    for missing in sorted(set(scripts) - set(present)):
+        print(f"kvtier bench: {missing.name} not found in {bench_dir}; skipped", file=sys.stderr)
+    if not present:
+        print(f"kvtier bench: no benchmark scripts in {bench_dir}", file=sys.stderr)
+        return 1
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    for i, script in enumerate(present, 1):
+        name = script.stem.removeprefix("bench_")
+        print(f"[{i}/{len(present)}] {script.name}{' --quick' if args.quick else ''}", file=sys.stderr)
+        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=args.timeout)
+        if proc.returncode != 0:
+            failures[name] = f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"
+            continue
+        try:
+            results[name] = _last_json(proc.stdout)
+        except ValueError as exc:
+            failures[name] = str(exc)
+    combined = {"quick": args.quick, "results": results, "failures": failures}
+    output = Path(args.output)
+    output.write_text(json.dumps(combined, indent=2, sort_keys=True), encoding="utf-8")
+    plot_note = "skipped (--no-plot)"
+    if not args.no_plot:
+        plot_path = output.with_suffix(".png")
+        if _plot(results, plot_path):
+            plot_note = str(plot_path)
+        else:
+            plot_note = "not written: matplotlib is not installed (pip install 'kvtier[plot]')"
+    if args.json:
+        _print_json({**combined, "output": str(output), "plot": plot_note})
+    else:
+        rows = [[n, "ok", len(_walk_numbers(r))] for n, r in results.items()]
+        rows += [[n, "FAILED", f] for n, f in failures.items()]
+        print(_table(["benchmark", "status", "figures / error"], rows))
+        print(f"results: {output}")
+        print(f"plot: {plot_note}")
+    return 1 if failures else 0
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvtier import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvtier",
         description="kvtier: a tiered, persistent KV cache for LLM inference engines.",
+        epilog="Run 'kvtier COMMAND --help' for the options of one command.",
     )
-    from kvtier import __version__
-
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from kvtier.sim.cli import add_parser as add_sim
 
-    add_sim(sub)
+    config = sub.add_parser("config", help="validate or show a store configuration",
+                            description="Validate a config file, or show the defaults.")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
+    check = config_sub.add_parser("check", help="validate FILE and print the resolved tiers",
+                                  description="Validate a YAML or TOML config file (with KVTIER_* overrides "
+                                  "applied) and print each tier with its capacity and slot count.")
+    check.add_argument("file", metavar="FILE", help="a .yaml, .yml, .json or .toml file")
+    check.add_argument("--block-bytes", metavar="SIZE", help="block size for slot counts when FILE sets none (e.g. 2MiB)")
+    check.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment overrides")
+    _add_json(check)
+    check.set_defaults(func=_cmd_config_check)
+    show = config_sub.add_parser("show", help="print the default configuration",
+                                 description="Print the default config (pinned cpu + lmdb in the user cache "
+                                 "directory) and the installed backends, codecs and policies.")
+    _add_json(show)
+    show.set_defaults(func=_cmd_config_show)
+    config.set_defaults(func=lambda a: _help(config))
+
+    inspect = sub.add_parser("inspect", help="summarise a tier directory",
+                             description="Blocks, bytes, namespaces, codec ratio and format version of an lmdb tier.")
+    inspect.add_argument("path", metavar="PATH", help="the tier's directory")
+    _add_json(inspect)
+    inspect.set_defaults(func=_cmd_inspect)
+
+    verify = sub.add_parser("verify", help="check every record's checksum",
+                            description="Check the header and CRC32C checksum of every record of a tier; "
+                            "exit status 1 if any is bad (unless --delete removed them).")
+    verify.add_argument("path", metavar="PATH", help="the tier's directory")
+    verify.add_argument("--delete", action="store_true", help="delete the bad records")
+    _add_json(verify)
+    verify.set_defaults(func=_cmd_verify)
+
+    bench = sub.add_parser("bench", help="run the benchmarks and collect their results",
+                           description="Run benchmarks/bench_{core,disk,connector}.py, collect the JSON each prints "
+                           "into one file, and plot GB/s per tier and hit rate (needs the 'plot' extra).")
+    bench.add_argument("--quick", action="store_true", help="pass --quick to every benchmark (small sizes)")
+    bench.add_argument("--only", nargs="+", metavar="NAME", help="run only these (core, disk, connector)")
+    bench.add_argument("--bench-dir", metavar="DIR", help="where the scripts are (default: ./benchmarks)")
+    bench.add_argument("--output", "-o", default="kvtier-bench.json", metavar="FILE",
+                       help="combined JSON results (default: kvtier-bench.json; the plot goes next to it as .png)")
+    bench.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    bench.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per benchmark")
+    _add_json(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+    try:
+        from kvtier.sim.cli import add_parser as add_sim
+    except ModuleNotFoundError as exc:  # the simulator is optional in a partial checkout
+        if exc.name not in ("kvtier.sim", "kvtier.sim.cli"):
+            raise
+    else:
+        add_sim(sub)
     return parser
+
+
+def _help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except KVTierError as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

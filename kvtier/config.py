@@ -1,83 +1,538 @@
-"""Store configuration: which tiers, in what order, with which policy.
+"""Store configuration: block size, the ordered tiers, write mode, policy and namespace.
 
-``load_config`` accepts a dict (or an already validated :class:`StoreConfig`) and returns a
-validated, frozen configuration. Errors name the field path, e.g. ``tiers[1].capacity``.
+Sources, applied in this order:
+
+1. a mapping, or a YAML (``.yaml``/``.yml``/``.json``) or TOML (``.toml``) file
+   (:func:`load_config_file`);
+2. environment overrides ``KVTIER_<FIELD>[__<FIELD or INDEX>...]`` (:func:`apply_env`), e.g.
+   ``KVTIER_POLICY=arc``, ``KVTIER_WRITE=through``, ``KVTIER_TIERS__0__CAPACITY=4GiB``. Segments
+   are separated by a double underscore and matched case-insensitively; a number indexes a
+   list (one past the end appends); values are read as YAML scalars, so quote a value to keep
+   it a string (``KVTIER_NAMESPACE__REVISION='"0123"'``). ``KVTIER_CONFIG`` (a file path) is not
+   an override; any other ``KVTIER_`` variable must name a setting.
+
+Validation happens in two passes that report together: the schema (pydantic: unknown keys,
+sizes, names of backends, codecs and policies checked against :mod:`kvtier.registry`, capacity
+against the block size), then every tier's backend is *instantiated* with its options
+(constructors do no I/O), so an option the backend rejects is reported under its own path.
+Every problem becomes part of ONE :class:`~kvtier.errors.ConfigError` whose message names the
+source (the file, or ``config``), the field path (``tiers[1].capacity``), the environment
+variable that set it if any, and what was expected.
+
+Every configurable object round-trips: ``load_config(cfg.to_dict()) == cfg``, and the same
+holds for :class:`TierConfig` and :class:`MetricsConfig`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
+import copy
+import inspect
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from kvtier.errors import ConfigError
+from kvtier import registry
+from kvtier.errors import ConfigError, MissingDependencyError, UnknownNameError
 from kvtier.units import parse_size
 
-__all__ = ["TierConfig", "StoreConfig", "load_config", "DEFAULT_CONFIG"]
+__all__ = [
+    "ENV_PREFIX",
+    "MetricsConfig",
+    "StoreConfig",
+    "TierConfig",
+    "apply_env",
+    "build_backend",
+    "default_config",
+    "load_config",
+    "load_config_file",
+    "read_config_file",
+]
+
+ENV_PREFIX = "KVTIER_"
+#: ``KVTIER_`` variables that are not configuration overrides.
+ENV_RESERVED = frozenset({"KVTIER_CONFIG"})
+
+
+def _strip_field(message: str, name: str) -> str:
+    """``"capacity: cannot read ..."`` -> ``"cannot read ..."`` (the caller adds the full path)."""
+    prefix = f"{name}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def _size(name: str, *, allow_zero: bool = False) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            size = parse_size(value, field=name)
+        except ConfigError as exc:
+            raise ValueError(_strip_field(str(exc), name)) from None
+        if size == 0 and not allow_zero:
+            raise ValueError(f"expected a positive byte size such as '4GiB', got {value!r}")
+        return size
+
+    return parse
+
+
+def _known(reg: registry.Registry) -> str:
+    plural = reg.kind[:-1] + "ies" if reg.kind.endswith("y") else reg.kind + "s"
+    return f"known {plural}: {', '.join(reg.names()) or '(none)'}"
+
+
+def _check_name(reg: registry.Registry, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a {reg.kind} name; {_known(reg)}")
+    if value not in reg:
+        raise ValueError(f"unknown {reg.kind} {value!r}; {_known(reg)}")
+    if ":" in value:  # a fully qualified name must import now, not when the store opens
+        try:
+            reg.get(value)
+        except (ConfigError, MissingDependencyError) as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
+BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
 
 
 class TierConfig(BaseModel):
-    """One tier: a backend name plus that backend's own options (passed through)."""
+    """One tier: a backend name, its capacity, and the backend's own options (passed through).
+
+    Options other than ``backend``, ``name``, ``capacity``, ``policy`` and ``admit_after`` are handed to the
+    backend's constructor unchanged (``path``, ``device``, ``codec``, ``sync_mode``, ...).
+    """
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     backend: str
     name: str | None = None
-    capacity: int | str
+    capacity: ByteSize
     policy: str | None = None
+    #: Admission rule (manager-side): a block enters this tier once it was offered this many times.
+    admit_after: int = Field(default=1, ge=1)
 
-    @field_validator("capacity")
+    @field_validator("backend")
     @classmethod
-    def _size(cls, value: int | str) -> int:
-        size = parse_size(value, field="capacity")
-        if size <= 0:
-            raise ValueError("expected a positive byte size")
-        return size
+    def _known_backend(cls, value: str) -> str:
+        return _check_name(registry.backends, value)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str | None) -> str | None:
+        return None if value is None else _check_name(registry.policies, value)
 
     def options(self) -> dict[str, Any]:
-        """The options given to the backend's constructor."""
-        data = self.model_dump(exclude={"backend", "name", "policy"})
+        """The keyword arguments for the backend's constructor."""
+        data: dict[str, Any] = {"capacity": self.capacity}
         data.update(self.model_extra or {})
         return data
 
+    def to_dict(self) -> dict[str, Any]:
+        data = self.model_dump(exclude_none=True)
+        if self.admit_after == 1:
+            del data["admit_after"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TierConfig:
+        return cls.model_validate(dict(data))
+
+
+class MetricsConfig(BaseModel):
+    """Prometheus export (needs the ``metrics`` extra). Off by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Register the store with prometheus_client's default registry while it is open.
+    prometheus: bool = False
+    #: Also serve ``/metrics`` over HTTP on this port (implies ``prometheus``).
+    port: int | None = Field(default=None, ge=0, le=65535)
+    #: Address the HTTP server binds to.
+    addr: str = "127.0.0.1"
+    #: Value of the ``store`` label, to tell several stores of one process apart.
+    store_label: str = Field(default="kvtier", min_length=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.prometheus or self.port is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
 
 class StoreConfig(BaseModel):
+    """A whole store. ``tiers`` are ordered fastest first."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tiers: list[TierConfig] = Field(min_length=1)
     policy: str = "lru"
     write: Literal["back", "through"] = "back"
     engine_blocks_per_block: int = Field(default=1, ge=1)
-    block_bytes: int | None = Field(default=None, ge=1)
+    block_bytes: BlockBytes | None = None
     staging_blocks: int = Field(default=32, ge=1)
     namespace: dict[str, Any] | None = None
+    metrics: MetricsConfig = MetricsConfig()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        return _check_name(registry.policies, value)
+
+    @field_validator("namespace")
+    @classmethod
+    def _valid_namespace(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from kvtier.keys import Namespace
+
+        try:
+            Namespace.from_dict(value)
+        except ConfigError as exc:
+            raise ValueError(_strip_field(str(exc), "namespace")) from None
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        data = self.model_dump(exclude_none=True)
+        data["tiers"] = [t.to_dict() for t in self.tiers]
+        if self.metrics == MetricsConfig():
+            del data["metrics"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StoreConfig:
+        return load_config(data)
 
 
-DEFAULT_CONFIG: dict[str, Any] = {
-    "tiers": [{"backend": "cpu", "capacity": "2GiB"}],
-    "policy": "lru",
-}
+def default_config() -> dict[str, Any]:
+    """The default store: a pinned host-memory tier in front of a persistent LMDB tier in the
+    user's cache directory (what ``kvtier sim`` uses when given no config). A fresh dict."""
+    from platformdirs import user_cache_dir
+
+    return {
+        "tiers": [
+            {"backend": "cpu", "capacity": "4GiB", "pin_memory": "auto"},
+            {"backend": "lmdb", "capacity": "32GiB", "path": os.path.join(user_cache_dir("kvtier"), "lmdb")},
+        ],
+        "policy": "lru",
+        "write": "back",
+    }
 
 
-def _field_path(loc: tuple[Any, ...]) -> str:
+# -- errors ----------------------------------------------------------------------------------
+
+
+def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
-def load_config(config: Mapping[str, Any] | StoreConfig, *, source: str = "config") -> StoreConfig:
-    """Validate ``config``; a :class:`~kvtier.errors.ConfigError` names ``source`` and the field."""
-    if isinstance(config, StoreConfig):
-        return config
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"{source}: expected a mapping of settings, got {type(config).__name__}")
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = StoreConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(str(part))
+        ann = getattr(info, "annotation", None) if info else None
+        if ann is MetricsConfig:
+            model = MetricsConfig
+        elif part == "tiers":
+            model = TierConfig
+    return sorted(model.model_fields)
+
+
+def _describe(error: Any) -> tuple[str, str]:
+    """(field path, message) for one pydantic error, with messages a person can act on."""
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    msg = str(error["msg"])
+    if kind == "extra_forbidden":
+        return _field_path(loc), f"unknown key; expected one of: {', '.join(_allowed_keys(loc))}"
+    if kind == "missing":
+        return _field_path(loc), "required setting is missing"
+    if kind == "too_short" and loc == ("tiers",):
+        return "tiers", "expected at least one tier"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if "input" in error and kind not in ("missing",) and not isinstance(error["input"], (dict, list)):
+        if repr(error["input"]) not in msg:
+            msg = f"{msg} (got {error['input']!r})"
+    return _field_path(loc), msg
+
+
+class _Problems:
+    """Collects (path, message) pairs and raises them as one ConfigError."""
+
+    def __init__(self, source: str, origins: Mapping[str, str]) -> None:
+        self.source = source
+        self.origins = origins
+        self.items: list[str] = []
+
+    def add(self, path: str, message: str) -> None:
+        origin = next((var for p, var in self.origins.items() if path == p or path.startswith((p + ".", p + "["))), None)
+        where = f"{path} (set by {origin})" if origin else path
+        self.items.append(f"{where}: {message}" if where else message)
+
+    def raise_if_any(self) -> None:
+        if not self.items:
+            return
+        if len(self.items) == 1:
+            raise ConfigError(f"{self.source}: {self.items[0]}")
+        body = "\n".join(f"  - {item}" for item in self.items)
+        raise ConfigError(f"{self.source}: {len(self.items)} problems in the kvtier configuration:\n{body}")
+
+
+# -- backends --------------------------------------------------------------------------------
+
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+_MISSING = re.compile(r"missing \d+ required (?:keyword-only |positional )?arguments?: (.*)")
+_UNKNOWN_OPTIONS = re.compile(r"unknown option\(s\) \[([^\]]*)\]")
+_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
+
+
+def _accepted_options(cls: type) -> list[str]:
     try:
-        return StoreConfig.model_validate(dict(config))
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return sorted(
+        p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+    )
+
+
+def _backend_problems(tier: TierConfig, index: int, cls: type) -> list[tuple[str, str]]:
+    """Problems with ``tier``'s options, found by instantiating the backend (no I/O)."""
+    here = f"tiers[{index}]"
+    options = tier.options()
+    codec = options.get("codec")
+    if codec is not None:
+        name = codec.get("name") if isinstance(codec, Mapping) else codec
+        if isinstance(name, str) and ":" not in name and name not in registry.codecs.names():
+            return [(f"{here}.codec", f"unknown codec {name!r}; {_known(registry.codecs)}")]
+    model = getattr(cls, "options_model", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        try:
+            model.model_validate(options)
+        except ValidationError as exc:
+            return [(_field_path((here, *e["loc"])), _describe(e)[1]) for e in exc.errors()]
+    try:
+        cls(**options)
+    except TypeError as exc:
+        text = str(exc)
+        accepted = _accepted_options(cls)
+        if m := _UNEXPECTED.search(text):
+            return [(f"{here}.{m.group(1)}", f"unknown option for the {tier.backend!r} backend; accepted: {', '.join(accepted)}")]
+        if m := _MISSING.search(text):
+            names = re.findall(r"'(\w+)'", m.group(1))
+            return [(f"{here}.{n}", f"required by the {tier.backend!r} backend") for n in names]
+        return [(here, f"{tier.backend!r} backend rejected its options: {text}")]
+    except UnknownNameError as exc:
+        return [(f"{here}.codec" if "codec" in str(exc) else here, str(exc))]
+    except MissingDependencyError as exc:
+        return [(f"{here}.backend", str(exc))]
+    except ConfigError as exc:
+        text = str(exc)
+        if m := _UNKNOWN_OPTIONS.search(text):
+            names = re.findall(r"'(\w+)'", m.group(1))
+            accepted = ", ".join(_accepted_options(cls))
+            return [(f"{here}.{n}", f"unknown option for the {tier.backend!r} backend; accepted: {accepted}") for n in names]
+        if m := _LEADING_FIELD.match(text):
+            path, rest = m.groups()
+            if path.startswith("tiers["):
+                return [(path, rest)]
+            return [(f"{here}.{path}", rest)]
+        return [(here, text)]
+    return []
+
+
+def build_backend(tier: TierConfig, index: int = 0) -> Any:
+    """Instantiate ``tier``'s backend; a rejected option is a ConfigError naming ``tiers[index].<option>``."""
+    cls = registry.backends.get(tier.backend)
+    problems = _Problems("config", {})
+    for path, message in _backend_problems(tier, index, cls):
+        problems.add(path, message)
+    problems.raise_if_any()
+    return cls(**tier.options())
+
+
+# -- environment -----------------------------------------------------------------------------
+
+
+def _env_value(text: str) -> Any:
+    if text == "":
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_env(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Return ``data`` with ``KVTIER_...`` overrides applied, and {field path: variable} of what they set.
+
+    Raises :class:`ConfigError` naming the variable when it names no setting or indexes past
+    the end of a list.
+    """
+    environ = os.environ if environ is None else environ
+    out = copy.deepcopy(dict(data))
+    origins: dict[str, str] = {}
+    top = set(StoreConfig.model_fields)
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var in ENV_RESERVED:
+            continue
+        parts = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
+        if not parts[0] or parts[0] not in top or any(p == "" for p in parts):
+            raise ConfigError(
+                f"{var}: does not name a kvtier setting; use KVTIER_<SETTING>[__<KEY or INDEX>...] "
+                f"with a setting from: {', '.join(sorted(top))}"
+            )
+        path: list[str | int] = [int(p) if p.isdigit() else p for p in parts]
+        node: Any = out
+        for depth, seg in enumerate(path[:-1]):
+            nxt = path[depth + 1]
+            node = _descend(node, seg, isinstance(nxt, int), var, path[: depth + 1])
+        last = path[-1]
+        value = _env_value(environ[var])
+        if isinstance(last, int):
+            if not isinstance(node, list) or last > len(node):
+                raise ConfigError(f"{var}: {_field_path(path)} does not exist (index out of range)")
+            if last == len(node):
+                node.append(value)
+            else:
+                node[last] = value
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError(f"{var}: {_field_path(path[:-1])} is not a mapping")
+            node[last] = value
+        origins[_field_path(path)] = var
+    return out, origins
+
+
+def _descend(node: Any, seg: str | int, want_list: bool, var: str, path: list[str | int]) -> Any:
+    if isinstance(seg, int):
+        if not isinstance(node, list):
+            raise ConfigError(f"{var}: {_field_path(path[:-1])} is not a list")
+        if seg > len(node):
+            raise ConfigError(
+                f"{var}: {_field_path(path)} does not exist (the list has {len(node)} entries; "
+                f"index {len(node)} appends one)"
+            )
+        if seg == len(node):
+            node.append({})
+        if not isinstance(node[seg], (dict, list)):
+            node[seg] = [] if want_list else {}
+        return node[seg]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{var}: {_field_path(path[:-1])} is not a mapping")
+    child = node.get(seg)
+    if not isinstance(child, (dict, list)):
+        child = node[seg] = [] if want_list else {}
+    return child
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load_config(
+    config: Mapping[str, Any] | StoreConfig,
+    *,
+    source: str = "config",
+    env: Mapping[str, str] | bool = False,
+    block_bytes: int | str | None = None,
+) -> StoreConfig:
+    """Validate ``config`` into a frozen :class:`StoreConfig`.
+
+    ``env=True`` applies ``KVTIER_...`` overrides from ``os.environ`` (or pass a mapping).
+    ``block_bytes`` (when the config has none) is used only to check that every capacity holds
+    at least one block. Every problem is reported in one :class:`ConfigError` naming ``source``.
+    """
+    if isinstance(config, StoreConfig) and env is False and block_bytes is None:
+        return config  # already validated
+    if isinstance(config, StoreConfig):
+        data: Mapping[str, Any] = config.to_dict()
+    elif isinstance(config, Mapping):
+        data = config
+    else:
+        raise ConfigError(f"{source}: expected a mapping of settings, got {type(config).__name__}")
+    origins: dict[str, str] = {}
+    if env is not False:
+        try:
+            data, origins = apply_env(data, None if env is True else env)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    problems = _Problems(source, origins)
+    try:
+        cfg = StoreConfig.model_validate(dict(data))
     except ValidationError as exc:
-        problems = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"{source}: {problems}") from None
+        for error in exc.errors():
+            problems.add(*_describe(error))
+        problems.raise_if_any()
+        raise AssertionError("unreachable") from None
+    size = cfg.block_bytes
+    if size is None and block_bytes is not None:
+        size = parse_size(block_bytes, field="block_bytes")
+    for i, tier in enumerate(cfg.tiers):
+        if size and tier.capacity < size:
+            problems.add(
+                f"tiers[{i}].capacity",
+                f"{tier.capacity} bytes is below one block ({size} bytes); expected at least block_bytes",
+            )
+            continue
+        try:
+            cls = registry.backends.get(tier.backend)
+        except (UnknownNameError, MissingDependencyError, ConfigError) as exc:
+            problems.add(f"tiers[{i}].backend", str(exc))
+            continue
+        for path, message in _backend_problems(tier, i, cls):
+            problems.add(path, message)
+    problems.raise_if_any()
+    return cfg
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a YAML, JSON or TOML file into a dict (no validation). Errors name the file."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read the config file: {exc.strerror or exc}") from exc
+    if file.suffix.lower() == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ModuleNotFoundError as exc:
+                raise MissingDependencyError(f"{file}: reading TOML on Python 3.10 needs 'pip install tomli'") from exc
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{file}: not valid TOML: {exc}") from exc
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a mapping of settings at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config_file(
+    path: str | os.PathLike[str],
+    *,
+    env: Mapping[str, str] | bool = True,
+    block_bytes: int | str | None = None,
+) -> StoreConfig:
+    """Read and validate a config file; ``KVTIER_...`` overrides apply unless ``env=False``."""
+    return load_config(read_config_file(path), source=str(path), env=env, block_bytes=block_bytes)

@@ -66,7 +66,7 @@ class KVLayout:
         if strategy not in ("auto", "index", "foreach"):
             raise LayoutError(f"strategy: expected 'auto', 'index' or 'foreach', got {strategy!r}")
         num = None
-        device = caches[0].device
+        device = caches[0].device if isinstance(caches[0], torch.Tensor) else None
         infos: list[_TensorInfo] = []
         offset = 0
         n = engine_blocks_per_block
@@ -88,7 +88,7 @@ class KVLayout:
                 raise LayoutError(f"kv_caches[{i}]: empty blocks, shape {tuple(t.shape)}")
             infos.append(_TensorInfo(offset, per))
             offset += n * per
-        assert num is not None
+        assert num is not None and device is not None
         self.kv_caches = caches
         self.device = device
         self.engine_blocks_per_block = n

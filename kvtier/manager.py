@@ -397,7 +397,7 @@ class TierManager:
             ):
                 dst = self._tiers[nxt]
                 reserve = dst.spec.block_reserve
-                if self._make_room(nxt, reserve, (), drops, demotions, pending, events, undo):
+                if self._make_room(nxt, reserve, protected, drops, demotions, pending, events, undo):
                     dst.add(key, _PENDING, reserve)
                     dst.demotions_in += 1
                     # The key leaves this tier now; routers that track tiers must hear of it.
@@ -686,8 +686,12 @@ class TierManager:
         self._events.append(event)
 
     def _emit(self, events: list[CacheEvent]) -> None:
-        for event in events:
-            self._events_append(event)
+        if not events:
+            return
+        limit = self._events.maxlen
+        if limit is not None:
+            self.counters["events_dropped"] += max(0, len(self._events) + len(events) - limit)
+        self._events.extend(events)
 
     def take_events(self) -> list[CacheEvent]:
         """Stored / removed events since the last call, oldest first."""

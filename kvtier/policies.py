@@ -46,6 +46,17 @@ class EvictionPolicy(ABC):
     def evict(self, n: int, protected: Container[bytes] = ()) -> list[bytes] | None:
         """Choose and forget ``n`` victims not in ``protected``; ``None`` (no change) if impossible."""
 
+    def restore(self, victims: list[bytes]) -> None:
+        """Undo the ``evict`` that returned ``victims``: they become the next victims again, in
+        the same order (exactly the old order when no protected key was skipped).
+
+        The manager calls this when a multi-step eviction turns out impossible, so a rejected
+        store leaves the order as it was. The default re-inserts them (as most recent), which
+        keeps them but loses their place; built-in policies put them back in front.
+        """
+        for key in victims:
+            self.insert(key)
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -94,6 +105,11 @@ class LRUPolicy(EvictionPolicy):
         for key in victims:
             del self._order[key]
         return victims
+
+    def restore(self, victims: list[bytes]) -> None:
+        for key in reversed(victims):
+            self._order[key] = None
+            self._order.move_to_end(key, last=False)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -204,6 +220,16 @@ class ARCPolicy(EvictionPolicy):
         while len(self._b2) > limit:
             self._b2.popitem(last=False)
         return [k for k, _ in plan]
+
+    def restore(self, victims: list[bytes]) -> None:
+        # Victims went to the tail of a ghost list; take them back to the head of their list.
+        for key in reversed(victims):
+            if key in self._t1 or key in self._t2:
+                continue
+            target = self._t2 if self._b2.pop(key, False) is None else self._t1
+            self._b1.pop(key, None)
+            target[key] = None
+            target.move_to_end(key, last=False)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

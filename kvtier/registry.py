@@ -127,8 +127,7 @@ class Registry:
             raise UnknownNameError(
                 f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(self.names()) or '(none)'}"
             )
-        values = {e.value for e in candidates}
-        if len(values) > 1:
+        if len(candidates) > 1:  # identical listings were merged in _scan
             dists = " and ".join(sorted(f"{e.distribution} ({e.value})" for e in candidates))
             raise ConfigError(f"{self.kind} name {name!r} is claimed by more than one distribution: {dists}")
         entry = candidates[0]

@@ -35,10 +35,6 @@ log = logging.getLogger("kvtier")
 log.addHandler(logging.NullHandler())
 
 
-#: Per-tier options that belong to the manager, not to the backend.
-MANAGER_OPTIONS = frozenset({"admit_after"})
-
-
 def build_backend(tier: Any, index: int) -> Backend:
     """Instantiate the backend of ``tier`` (a :class:`~kvtier.config.TierConfig`); a rejected
     option is a :class:`ConfigError` naming ``tiers[index].<option>``."""
@@ -107,12 +103,12 @@ class KVStore:
             specs.append(
                 TierSpec(
                     name=name,
-                    capacity_bytes=backend.capacity_bytes,
+                    capacity_bytes=backend.usable_bytes(),
                     block_reserve=backend.reserve_bytes(),
                     policy=policy_cls(capacity=backend.max_blocks),
                     persistent=backend.persistent,
                     variable_size=backend.reserve_bytes() != self.format.block_bytes or getattr(backend, "variable_size", False),
-                    admit_after=int(tier.options().get("admit_after", 1)),
+                    admit_after=tier.admit_after,
                 )
             )
         self.manager = TierManager(specs, write=self.config.write)
@@ -222,6 +218,7 @@ class KVStore:
         mgr = self._mgr()
         failed = plan.promote if result.error is not None else result.failed.get(0, ())
         mgr.complete_load(plan.keys, failed_promotions=failed)
+        self.metrics.record_load(plan, result, self.format.block_bytes)
         if result.error is not None:
             return
         for key, tier in zip(result.missed, result.missed_tiers):

@@ -1,0 +1,169 @@
+"""The installed ``kvtier`` command, run in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvtier import registry
+
+KVTIER = shutil.which("kvtier")
+pytestmark = pytest.mark.skipif(KVTIER is None, reason="the kvtier command is not installed (pip install -e .)")
+
+
+def kvtier(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    full_env.update(env or {})
+    return subprocess.run([KVTIER or "kvtier", *args], capture_output=True, text=True, env=full_env, cwd=cwd, check=False)
+
+
+def test_help_lists_every_command() -> None:
+    proc = kvtier("--help")
+    assert proc.returncode == 0
+    for command in ("config", "inspect", "verify", "bench"):
+        assert command in proc.stdout
+    assert kvtier().returncode == 2
+
+
+def test_config_check_prints_tiers_and_slots(tmp_path: Path) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text("tiers:\n  - {backend: cpu, capacity: 8MiB, name: host}\n  - {backend: cpu, capacity: 64MiB}\n")
+    proc = kvtier("config", "check", str(path), "--block-bytes", "2MiB")
+    assert proc.returncode == 0, proc.stderr
+    assert "valid" in proc.stdout and "host" in proc.stdout
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert ["0", "host", "cpu", "8.0MiB", "4", "lru"] in lines
+    data = json.loads(kvtier("config", "check", str(path), "--block-bytes", "2MiB", "--json").stdout)
+    assert [t["slots"] for t in data["tiers"]] == [4, 32]
+
+
+def test_config_check_applies_environment_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "store.toml"
+    path.write_text('block_bytes = "1MiB"\n[[tiers]]\nbackend = "cpu"\ncapacity = "8MiB"\n')
+    data = json.loads(kvtier("config", "check", str(path), "--json", env={"KVTIER_TIERS__0__CAPACITY": "16MiB"}).stdout)
+    assert data["tiers"][0]["slots"] == 16
+    data = json.loads(kvtier("config", "check", str(path), "--json", "--no-env", env={"KVTIER_TIERS__0__CAPACITY": "16MiB"}).stdout)
+    assert data["tiers"][0]["slots"] == 8
+
+
+def test_config_check_reports_errors_with_file_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers:\n  - {backend: cpu, capacity: 1MiB}\n  - {backend: tape, capacity: 1MiB}\n")
+    proc = kvtier("config", "check", str(path))
+    assert proc.returncode == 1
+    assert str(path) in proc.stderr and "tiers[1].backend" in proc.stderr and "cpu" in proc.stderr
+
+
+def test_config_show_prints_the_defaults() -> None:
+    proc = kvtier("config", "show", "--json")
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    assert [t["backend"] for t in data["tiers"]] == ["cpu", "lmdb"]
+    text = kvtier("config", "show").stdout
+    assert "installed backends" in text and "lmdb" in text
+
+
+def _lmdb_store(path: Path, blocks: int) -> None:
+    from kvtier.backend import BlockFormat
+    from kvtier.testing import make_key, random_block
+
+    backend = registry.backends.get("lmdb")(capacity="16MiB", path=str(path), codec="zstd-shuffle", sync_mode="fast")
+    fmt = BlockFormat(block_bytes=4096, dtype="bfloat16", namespace_digest=b"\1" * 32, namespace={"model_id": "cli-test"})
+
+    async def fill() -> None:
+        await backend.open(fmt)
+        await backend.write([make_key(i) for i in range(blocks)], [random_block(4096, i) for i in range(blocks)])
+        await backend.aclose()
+
+    asyncio.run(fill())
+
+
+def _corrupt_one(path: Path) -> str:
+    """Flip one payload byte of one record, in place, through LMDB itself."""
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=3, subdir=True)
+    db = env.open_db(b"blocks")
+    with env.begin(write=True, db=db) as txn:
+        key, value = next(iter(txn.cursor()))
+        broken = bytearray(value)
+        broken[-1] ^= 0xFF
+        txn.put(key, bytes(broken))
+    env.close()
+    return bytes(key).hex()
+
+
+@pytest.fixture
+def lmdb_dir(tmp_path: Path) -> Path:
+    if "lmdb" not in registry.backends.names():
+        pytest.skip("the lmdb backend is not registered in this checkout")
+    path = tmp_path / "tier"
+    _lmdb_store(path, 6)
+    return path
+
+
+def test_inspect_an_lmdb_tier(lmdb_dir: Path) -> None:
+    proc = kvtier("inspect", str(lmdb_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["kind"] == "lmdb" and data["blocks"] == 6 and data["block_bytes"] == 4096
+    assert data["raw_bytes"] == 6 * 4096 and data["format_version"] == 1
+    assert data["namespaces"][0]["model_id"] == "cli-test"
+    assert sum(data["codecs"].values()) == 6 and data["codec_ratio"] > 1.0
+    table = kvtier("inspect", str(lmdb_dir)).stdout
+    assert "codec ratio" in table and "cli-test" in table
+
+
+def test_verify_finds_and_deletes_a_corrupt_record(lmdb_dir: Path) -> None:
+    assert kvtier("verify", str(lmdb_dir)).returncode == 0
+    bad_key = _corrupt_one(lmdb_dir)
+    proc = kvtier("verify", str(lmdb_dir), "--json")
+    assert proc.returncode == 1
+    data = json.loads(proc.stdout)
+    assert data["checked"] == 6 and [b["key"] for b in data["bad"]] == [bad_key] and data["deleted"] == 0
+    assert "checksum" in data["bad"][0]["reason"]
+    proc = kvtier("verify", str(lmdb_dir), "--delete")
+    assert proc.returncode == 0 and "1 deleted" in proc.stdout
+    data = json.loads(kvtier("verify", str(lmdb_dir), "--json").stdout)
+    assert data["checked"] == 5 and data["ok"] is True
+
+
+def test_inspect_rejects_a_directory_that_is_not_a_tier(tmp_path: Path) -> None:
+    proc = kvtier("inspect", str(tmp_path))
+    assert proc.returncode == 1 and "not a kvtier tier directory" in proc.stderr
+
+
+def test_bench_collects_json_from_each_script(tmp_path: Path) -> None:
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "bench_core.py").write_text(
+        textwrap.dedent(
+            """
+            import json, sys
+            print("warming up")
+            print(json.dumps({"quick": "--quick" in sys.argv, "tiers": {"cpu": {"save_gbps": 12.5}}}))
+            """
+        )
+    )
+    (scripts / "bench_disk.py").write_text("import sys\nsys.exit(3)\n")
+    out = tmp_path / "results.json"
+    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--output", str(out))
+    assert proc.returncode == 1  # bench_disk failed, and says so
+    data = json.loads(out.read_text())
+    assert data["results"]["core"] == {"quick": True, "tiers": {"cpu": {"save_gbps": 12.5}}}
+    assert "exit 3" in data["failures"]["disk"]
+    assert "bench_connector.py not found" in proc.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout and "kvtier[plot]" in proc.stdout
+    else:
+        assert out.with_suffix(".png").is_file()

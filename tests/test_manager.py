@@ -1,0 +1,426 @@
+"""TierManager scenarios, each run for every eviction policy."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kvtier.errors import ClosedError, ConfigError, InvalidKeyError, LifecycleError
+from kvtier.manager import CacheEvent, Demotion, KeyState, TierManager, TierSpec
+from kvtier.policies import ARCPolicy, LRUPolicy
+from kvtier.testing import make_key
+
+BLOCK = 100
+K = [make_key(i) for i in range(64)]
+POLICY = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+@pytest.fixture(params=sorted(POLICY))
+def policy_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def tier(name: str, blocks: int, policy: str, **kw: Any) -> TierSpec:
+    return TierSpec(name=name, capacity_bytes=blocks * BLOCK, block_reserve=BLOCK, policy=POLICY[policy](blocks), **kw)
+
+
+def one_tier(policy: str, blocks: int = 4, **kw: Any) -> TierManager:
+    return TierManager([tier("cpu", blocks, policy, **kw)])
+
+
+def two_tiers(policy: str, fast: int = 2, slow: int = 3, write: str = "back") -> TierManager:
+    return TierManager([tier("cpu", fast, policy), tier("disk", slow, policy, persistent=True)], write=write)  # type: ignore[arg-type]
+
+
+def store(m: TierManager, keys: list[bytes], success: bool = True) -> Any:
+    plan = m.prepare_store(keys)
+    assert plan is not None
+    m.complete_store(plan.keys, success)
+    return plan
+
+
+def snapshot(m: TierManager) -> Any:
+    """Everything observable about the manager except monotonic counters."""
+    keys = K
+    return (
+        m.stats()["tiers"],
+        [m.tier_keys(i) for i in range(m.num_tiers)],
+        [s for s in m.lookup_detail(keys)],
+        list(m._events),
+        copy.deepcopy({ti: dict(t.index) for ti, t in enumerate(m._tiers)}),
+    )
+
+
+def used(m: TierManager, ti: int = 0) -> int:
+    return m.stats()["tiers"][ti]["used_bytes"]
+
+
+# -- single tier ------------------------------------------------------------------------------
+def test_eviction_order(policy_name: str) -> None:
+    m = one_tier(policy_name, 3)
+    for key in K[:3]:
+        store(m, [key])
+    assert m.tier_keys(0) == K[:3]
+    m.take_events()
+    plan = store(m, [K[3]])
+    assert plan.drops == ((0, (K[0],)),)
+    assert m.take_events() == [CacheEvent("removed", K[0], "cpu"), CacheEvent("stored", K[3], "cpu")]
+    assert m.lookup([K[0]]) == 0 and m.lookup(K[1:4]) == 3
+    assert m.tier_keys(0) == K[1:4]
+    assert used(m) == 3 * BLOCK
+
+
+def test_pending_keys_are_invisible(policy_name: str) -> None:
+    m = one_tier(policy_name)
+    store(m, [K[0]])
+    plan = m.prepare_store([K[1], K[2]])
+    assert plan is not None and plan.keys == (K[1], K[2])
+    assert m.lookup([K[1]]) == 0
+    m.complete_store([K[2]])
+    # A pending key ends the run even though the keys around it are ready.
+    assert m.lookup([K[0], K[1], K[2]]) == 1
+    assert m.lookup([K[2]]) == 1
+    detail = m.lookup_detail([K[0], K[1], K[9]])
+    assert [d.state for d in detail] == [KeyState.READY, KeyState.PENDING, KeyState.MISS]
+    assert [d.tier for d in detail] == [0, 0, None]
+    # Pending keys cannot be loaded, and a second store of them is skipped.
+    with pytest.raises(LifecycleError, match="not ready"):
+        m.prepare_load([K[1]])
+    again = m.prepare_store([K[1]])
+    assert again is not None and again.empty and again.skipped == (K[1],)
+    m.complete_store([K[1]])
+    assert m.lookup([K[0], K[1], K[2]]) == 3
+
+
+def test_events_only_after_complete_store(policy_name: str) -> None:
+    m = one_tier(policy_name)
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None
+    assert m.take_events() == []
+    m.complete_store([K[1]])
+    assert m.take_events() == [CacheEvent("stored", K[1], "cpu")]
+    m.complete_store([K[0]], success=False)
+    assert m.take_events() == []
+    assert m.take_events() == []
+
+
+def test_failed_store_frees_its_slots(policy_name: str) -> None:
+    m = one_tier(policy_name, 2)
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None and used(m) == 2 * BLOCK
+    m.complete_store(plan.keys, success=False)
+    assert used(m) == 0 and len(m) == 0
+    assert m.lookup_detail([K[0]])[0].state is KeyState.MISS
+    assert m.stats()["store_failed"] == 2
+    # The room is really free: a full batch fits again without evicting anything.
+    plan = store(m, [K[2], K[3]])
+    assert plan.drops == () and m.lookup([K[2], K[3]]) == 2
+    assert m.stats()["open_plans"] == 0
+
+
+def test_rejected_store_changes_nothing(policy_name: str) -> None:
+    m = one_tier(policy_name, 3)
+    for key in K[:3]:
+        store(m, [key])
+    m.touch([K[0]])
+    m.prepare_load([K[0], K[1]])
+    before = snapshot(m)
+    # Two new blocks need two victims but only one key is unpinned.
+    assert m.prepare_store([K[5], K[6]]) is None
+    # A batch larger than the tier can never fit.
+    assert m.prepare_store(K[10:14]) is None
+    assert snapshot(m) == before
+    assert m.stats()["store_rejected"] == 2
+    assert m.stats()["open_plans"] == 0
+
+
+def test_batch_keys_and_pinned_keys_are_never_evicted(policy_name: str) -> None:
+    m = one_tier(policy_name, 4)
+    for key in K[:4]:
+        store(m, [key])
+    m.prepare_load([K[0]])
+    plan = m.prepare_store([K[4], K[5]])
+    assert plan is not None
+    dropped = set(plan.drops[0][1])
+    assert dropped == {K[1], K[2]}
+    assert m.lookup([K[0]]) == 1
+    # The pending keys of a batch are not victims for the next batch either.
+    assert m.prepare_store([K[6], K[7], K[8]]) is None
+    m.complete_store(plan.keys)
+    # A batch with a present key skips it, and never evicts its own new keys.
+    plan2 = m.prepare_store([K[4], K[9], K[10]])
+    assert plan2 is not None and plan2.skipped == (K[4],) and plan2.positions == (1, 2)
+    assert K[4] not in set(plan2.drops[0][1]) and K[0] not in set(plan2.drops[0][1])
+    m.complete_store(plan2.keys)
+    assert m.lookup([K[0], K[4], K[9], K[10]]) == 4
+
+
+def test_batch_larger_than_room_is_rejected_not_self_evicting(policy_name: str) -> None:
+    m = one_tier(policy_name, 2)
+    assert m.prepare_store(K[:3]) is None
+    assert len(m) == 0
+
+
+def test_touch_reorders(policy_name: str) -> None:
+    m = one_tier(policy_name, 3)
+    for key in K[:3]:
+        store(m, [key])
+    m.touch([K[0], K[9]])
+    plan = store(m, [K[3]])
+    assert plan.drops == ((0, (K[1],)),)
+    assert m.lookup([K[0]]) == 1
+
+
+def test_prepare_load_pins_until_complete_load(policy_name: str) -> None:
+    m = one_tier(policy_name, 2)
+    store(m, [K[0], K[1]])
+    load = m.prepare_load([K[0], K[0]])  # two pins on one key
+    assert load.keys == (K[0], K[0]) and load.tiers == (0, 0)
+    assert m.stats()["tiers"][0]["pinned"] == 1
+    m.complete_load([K[0]])
+    assert m.prepare_store([K[2], K[3]]) is None  # still pinned once
+    m.complete_load([K[0]])
+    with pytest.raises(LifecycleError, match="not pinned"):
+        m.complete_load([K[0]])
+    assert m.prepare_store([K[2], K[3]]) is not None
+
+
+def test_complete_store_of_unknown_keys_changes_nothing(policy_name: str) -> None:
+    m = one_tier(policy_name)
+    store(m, [K[0]])
+    plan = m.prepare_store([K[1]])
+    assert plan is not None
+    before = snapshot(m)
+    with pytest.raises(LifecycleError, match=r"keys\[1\]"):
+        m.complete_store([K[1], K[7]])
+    with pytest.raises(LifecycleError, match=r"keys\[0\]"):
+        m.complete_store([K[0]])  # already complete
+    assert snapshot(m) == before
+    m.complete_store([K[1]])
+    with pytest.raises(LifecycleError):
+        m.complete_store([K[1]])
+
+
+def test_complete_load_of_unpinned_keys_changes_nothing(policy_name: str) -> None:
+    m = one_tier(policy_name)
+    store(m, [K[0], K[1]])
+    m.prepare_load([K[0]])
+    before = snapshot(m)
+    with pytest.raises(LifecycleError, match=r"keys\[1\]"):
+        m.complete_load([K[0], K[1]])
+    with pytest.raises(LifecycleError, match=r"keys\[1\]"):
+        m.complete_load([K[0], K[0]])  # one pin, two unpins
+    with pytest.raises(LifecycleError):
+        m.complete_load([K[5]])
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("bad", [[b"short"], [K[0], b"\x00" * 33], ["x" * 32], K[0]])
+def test_bad_keys_raise_before_any_change(policy_name: str, bad: Any) -> None:
+    m = one_tier(policy_name, 2)
+    store(m, [K[0]])
+    m.prepare_load([K[0]])
+    before = snapshot(m)
+    calls = [
+        m.lookup,
+        m.lookup_detail,
+        m.prepare_store,
+        m.complete_store,
+        m.prepare_load,
+        m.complete_load,
+        m.touch,
+        lambda keys: m.remove(keys, 0),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidKeyError):
+            call(bad)
+    assert snapshot(m) == before
+
+
+def test_remove_forgets_ready_unpinned_keys(policy_name: str) -> None:
+    m = one_tier(policy_name)
+    store(m, [K[0], K[1], K[2]])
+    m.prepare_load([K[1]])
+    m.take_events()
+    assert m.remove([K[0], K[1], K[9]], 0) == [K[0]]
+    assert m.take_events() == [CacheEvent("removed", K[0], "cpu")]
+    assert m.lookup([K[0]]) == 0 and m.lookup([K[1]]) == 1
+    assert used(m) == 2 * BLOCK
+
+
+# -- two tiers ---------------------------------------------------------------------------------
+def test_write_back_demotes_victims(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=2)
+    store(m, [K[0], K[1]])
+    m.take_events()
+    plan = m.prepare_store([K[2]])
+    assert plan is not None
+    assert plan.demotions == (Demotion(0, 1, (K[0],)),)
+    assert plan.drops == ()
+    # The demoted key is pending in tier 1 until the plan completes.
+    assert m.lookup_detail([K[0]])[0].state is KeyState.PENDING
+    assert m.lookup([K[0]]) == 0
+    assert m.take_events() == [CacheEvent("removed", K[0], "cpu")]
+    m.complete_store([K[2]])
+    status = m.lookup_detail([K[0], K[2]])
+    assert (status[0].state, status[0].tier) == (KeyState.READY, 1)
+    assert (status[1].state, status[1].tier) == (KeyState.READY, 0)
+    assert m.take_events() == [CacheEvent("stored", K[2], "cpu"), CacheEvent("stored", K[0], "disk")]
+    store(m, [K[3]])  # demotes K[1]; tier 1 now full with K[0], K[1]
+    assert m.tier_keys(1) == [K[0], K[1]]
+    m.take_events()
+    plan = m.prepare_store([K[4]])  # demotes K[2] into tier 1, whose victim K[0] is dropped
+    assert plan is not None
+    assert plan.demotions == (Demotion(0, 1, (K[2],)),)
+    assert plan.drops == ((1, (K[0],)),)
+    events = m.take_events()
+    assert CacheEvent("removed", K[0], "disk") in events
+    m.complete_store([K[4]])
+    assert m.lookup([K[0]]) == 0
+    assert set(m.tier_keys(1)) == {K[1], K[2]} and set(m.tier_keys(0)) == {K[3], K[4]}
+    for ti in (0, 1):
+        assert used(m, ti) == 2 * BLOCK
+    load = m.prepare_load([K[3], K[1]])
+    assert load.tiers == (0, 1)
+    m.complete_load(load.keys)
+
+
+def test_demotion_failure_drops_the_key(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=1, slow=2)
+    store(m, [K[0]])
+    plan = m.prepare_store([K[1]])
+    assert plan is not None and plan.demotions == (Demotion(0, 1, (K[0],)),)
+    m.complete_store([K[1]], failed={1: [K[0]]})
+    assert m.lookup([K[0]]) == 0 and m.lookup([K[1]]) == 1
+    assert used(m, 1) == 0
+    assert m.stats()["tiers"][1]["dropped"] == 1
+
+
+def test_demotions_complete_with_the_last_key_of_the_plan(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=4)
+    store(m, [K[0], K[1]])
+    plan = m.prepare_store([K[2], K[3]])
+    assert plan is not None and plan.demotions == (Demotion(0, 1, (K[0], K[1])),)
+    m.complete_store([K[2]])
+    assert m.lookup_detail([K[0]])[0].state is KeyState.PENDING
+    m.complete_store([K[3]], success=False)
+    assert m.lookup([K[0], K[1]]) == 2
+    assert m.lookup([K[3]]) == 0
+
+
+def test_write_through_keeps_keys_in_both_tiers(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=4, write="through")
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None and plan.write_through == ((1, (K[0], K[1])),)
+    assert [s.state for s in m.lookup_detail(plan.keys)] == [KeyState.PENDING] * 2
+    m.complete_store(plan.keys)
+    assert set(m.tier_keys(0)) == set(m.tier_keys(1)) == {K[0], K[1]}
+    assert {(e.key, e.tier) for e in m.take_events()} == {(K[0], "cpu"), (K[1], "cpu"), (K[0], "disk"), (K[1], "disk")}
+    plan = m.prepare_store([K[2]])  # evicting K[0] from tier 0 is a drop: tier 1 still has it
+    assert plan is not None and plan.drops == ((0, (K[0],)),) and plan.demotions == ()
+    m.complete_store([K[2]])
+    status = m.lookup_detail([K[0]])[0]
+    assert (status.state, status.tier) == (KeyState.READY, 1)
+    # A failed write-through store leaves the key in neither tier.
+    plan = m.prepare_store([K[5]])
+    assert plan is not None
+    m.complete_store([K[5]], success=False)
+    assert m.lookup_detail([K[5]])[0].state is KeyState.MISS
+    assert used(m, 1) == 3 * BLOCK
+
+
+def test_variable_size_tier_accounting(policy_name: str) -> None:
+    m = one_tier(policy_name, 3, variable_size=True)
+    for i in range(4):
+        plan = m.prepare_store([K[i]])
+        assert plan is not None and plan.drops == ()
+        assert used(m) == i * 40 + BLOCK
+        m.complete_store([K[i]], sizes={0: {K[i]: 40}})
+        assert used(m) == (i + 1) * 40
+    # Two new blocks reserve 200 bytes: 360 > 300, so 60 bytes must go: two 40-byte victims.
+    plan = m.prepare_store([K[4], K[5]])
+    assert plan is not None and plan.drops == ((0, (K[0], K[1])),)
+    assert used(m) == 2 * 40 + 2 * BLOCK
+    m.complete_store(plan.keys, sizes={0: {K[4]: 10, K[5]: 90}})
+    assert used(m) == 2 * 40 + 10 + 90
+
+
+def test_variable_size_rejection_keeps_the_order(policy_name: str) -> None:
+    m = one_tier(policy_name, 3, variable_size=True)
+    for i in range(4):
+        plan = m.prepare_store([K[i]])
+        assert plan is not None
+        m.complete_store([K[i]], sizes={0: {K[i]: 40}})
+    m.prepare_load([K[1], K[2], K[3]])
+    before = snapshot(m)
+    before_p = getattr(m.tier_spec(0).policy, "p", None)
+    # 60 bytes must go, but K[0] alone frees only 40 and every other key is pinned.
+    assert m.prepare_store([K[4], K[5]]) is None
+    assert snapshot(m) == before
+    assert getattr(m.tier_spec(0).policy, "p", None) == before_p
+
+
+def test_adopt_orders_by_stamp_and_returns_excess(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=3)
+    records = [(K[0], BLOCK, 5.0), (K[1], BLOCK, 1.0), (K[2], BLOCK, 3.0), (K[3], BLOCK, 4.0)]
+    excess = m.adopt(1, records)
+    assert excess == [K[1]]
+    assert m.tier_keys(1) == [K[2], K[3], K[0]]
+    assert used(m, 1) == 3 * BLOCK
+    assert m.lookup([K[2], K[3], K[0]]) == 3 and m.lookup([K[1]]) == 0
+
+
+def test_persistent_tier_records_stamps() -> None:
+    now = [100.0]
+    m = TierManager([tier("cpu", 1, "lru"), tier("disk", 4, "lru", persistent=True)], clock=lambda: now[0])
+    store(m, [K[0]])
+    store(m, [K[1]])  # K[0] demoted to the persistent tier, stamped at completion
+    assert m.take_stamps(1) == [(K[0], 100.0)]
+    now[0] = 200.0
+    m.touch([K[0]])
+    assert m.take_stamps(1) == [(K[0], 200.0)]
+    assert m.take_stamps(1) == []
+    assert m.take_stamps(0) == []
+
+
+def test_calls_after_close_raise(policy_name: str) -> None:
+    m = one_tier(policy_name)
+    store(m, [K[0]])
+    m.close()
+    for call in (m.lookup, m.lookup_detail, m.prepare_store, m.complete_store, m.prepare_load, m.complete_load, m.touch):
+        with pytest.raises(ClosedError):
+            call([K[0]])
+    with pytest.raises(ClosedError):
+        m.remove([K[0]], 0)
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigError, match="tiers"):
+        TierManager([])
+    with pytest.raises(ConfigError, match="unique"):
+        TierManager([tier("a", 1, "lru"), tier("a", 1, "lru")])
+    with pytest.raises(ConfigError, match="write"):
+        TierManager([tier("a", 1, "lru")], write="sideways")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="below one block"):
+        TierSpec(name="a", capacity_bytes=BLOCK - 1, block_reserve=BLOCK, policy=LRUPolicy())
+
+
+def test_event_buffer_is_bounded() -> None:
+    m = TierManager([tier("cpu", 8, "lru")], max_events=3)
+    store(m, K[:5])
+    assert [e.key for e in m.take_events()] == K[2:5]
+    assert m.stats()["events_dropped"] == 2
+
+
+def test_a_skipped_key_in_a_lower_tier_is_not_evicted_by_its_own_batch(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=1, slow=1)
+    store(m, [K[0]])
+    store(m, [K[1]])  # K[0] demoted to tier 1
+    plan = m.prepare_store([K[2], K[0]])
+    assert plan is not None and plan.skipped == (K[0],)
+    # Tier 1 holds only K[0], which this batch asked to keep: K[1] is dropped instead.
+    assert plan.demotions == () and plan.drops == ((0, (K[1],)),)
+    m.complete_store(plan.keys)
+    assert m.lookup([K[2], K[0]]) == 2

@@ -1,0 +1,169 @@
+"""Random schedules against the TierManager, checked against a simple model after every step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvtier.manager import KeyState, TierManager, TierSpec
+from kvtier.policies import ARCPolicy, LRUPolicy
+from kvtier.testing import make_key
+
+BLOCK = 10
+UNIVERSE = [make_key(i) for i in range(8)]
+keys_st = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=3)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """The model: open plans, pins, and per-tier ready sets rebuilt from the event stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m: TierManager
+        self.open: dict[int, set[bytes]] = {}  # plan id -> keys not yet completed
+        self.pins: dict[bytes, list[int]] = {}  # key -> tier of each pin
+        self.ready: list[set[bytes]] = []  # per tier, from stored / removed events
+
+    @initialize(
+        tiers=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+        policy=st.sampled_from([LRUPolicy, ARCPolicy]),
+        write=st.sampled_from(["back", "through"]),
+    )
+    def setup(self, tiers: list[int], policy: Any, write: str) -> None:
+        specs = [TierSpec(f"t{i}", n * BLOCK, BLOCK, policy(n)) for i, n in enumerate(tiers)]
+        self.m = TierManager(specs, write=write)  # type: ignore[arg-type]
+        self.ready = [set() for _ in tiers]
+
+    def _apply_events(self) -> None:
+        for event in self.m.take_events():
+            ti = next(i for i in range(self.m.num_tiers) if self.m.tier_spec(i).name == event.tier)
+            if event.kind == "stored":
+                assert event.key not in self.ready[ti], "stored twice without a removal"
+                self.ready[ti].add(event.key)
+            else:
+                assert event.key in self.ready[ti], "removed a key that was never stored"
+                self.ready[ti].discard(event.key)
+
+    def _pending(self) -> set[bytes]:
+        return set().union(*self.open.values()) if self.open else set()
+
+    @rule(keys=keys_st)
+    def prepare_store(self, keys: list[bytes]) -> None:
+        before = (self.m.stats()["tiers"], [self.m.tier_keys(i) for i in range(self.m.num_tiers)])
+        plan = self.m.prepare_store(keys)
+        if plan is None:
+            after = (self.m.stats()["tiers"], [self.m.tier_keys(i) for i in range(self.m.num_tiers)])
+            assert after == before
+            assert self.m.take_events() == []
+            return
+        assert set(plan.keys) | set(plan.skipped) == set(keys)
+        assert not set(plan.keys) & self._pending()
+        evicted: dict[int, set[bytes]] = {}
+        for ti, ks in plan.drops:
+            evicted.setdefault(ti, set()).update(ks)
+        for d in plan.demotions:
+            evicted.setdefault(d.src, set()).update(d.keys)
+        for ti, ks in evicted.items():
+            assert not ks & set(keys), f"a key of the batch was evicted from tier {ti}"
+            assert not {k for k in ks if ti in self.pins.get(k, ())}, f"a pinned key was evicted from tier {ti}"
+        self._apply_events()
+        if plan.keys:
+            self.open[plan.plan_id] = set(plan.keys)
+
+    @precondition(lambda self: bool(self.open))
+    @rule(data=st.data(), success=st.booleans(), whole=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool, whole: bool) -> None:
+        plan_id = data.draw(st.sampled_from(sorted(self.open)))
+        remaining = sorted(self.open[plan_id])
+        keys = remaining if whole else [data.draw(st.sampled_from(remaining))]
+        self.m.complete_store(keys, success)
+        self.open[plan_id] -= set(keys)
+        if not self.open[plan_id]:
+            del self.open[plan_id]
+        for status in self.m.lookup_detail(keys):
+            if success:
+                assert (status.state, status.tier) == (KeyState.READY, 0)
+            elif plan_id in self.open:
+                # A write-through copy settles with the whole plan; it is never ready before.
+                assert status.state in (KeyState.MISS, KeyState.PENDING) and status.tier != 0
+            else:
+                assert status.state is KeyState.MISS
+        self._apply_events()
+
+    @rule(keys=keys_st)
+    def prepare_load(self, keys: list[bytes]) -> None:
+        hits = self.m.lookup(keys)
+        if hits == 0:
+            return
+        plan = self.m.prepare_load(keys[:hits])
+        for key, ti in zip(plan.keys, plan.tiers):
+            assert key in self.ready[ti]
+            self.pins.setdefault(key, []).append(ti)
+
+    @precondition(lambda self: bool(self.pins))
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pins)))
+        self.m.complete_load([key])
+        self.pins[key].pop()
+        if not self.pins[key]:
+            del self.pins[key]
+
+    @rule(keys=keys_st)
+    def touch(self, keys: list[bytes]) -> None:
+        self.m.touch(keys)
+
+    @rule(keys=keys_st)
+    def lookup(self, keys: list[bytes]) -> None:
+        hits = self.m.lookup(keys)
+        pending = self._pending()
+        expected = 0
+        for key in keys:
+            if key in pending or not any(key in r for r in self.ready):
+                break
+            expected += 1
+        assert hits == expected
+
+    @invariant()
+    def capacity_is_respected(self) -> None:
+        for t in self.m.stats()["tiers"]:
+            assert 0 <= t["used_bytes"] <= t["capacity_bytes"]
+            assert t["used_bytes"] == t["blocks"] * BLOCK
+
+    @invariant()
+    def pinned_keys_stay_where_they_were_pinned(self) -> None:
+        for key, tiers in self.pins.items():
+            # A load may also promote the key into the first tier; the pinned copy stays put.
+            assert self.m.lookup_detail([key])[0].state is KeyState.READY
+            for ti in tiers:
+                assert key in self.m.tier_keys(ti)
+                assert key in self.ready[ti]
+
+    @invariant()
+    def pending_keys_are_invisible(self) -> None:
+        for key in self._pending():
+            assert self.m.lookup([key]) == 0
+            assert self.m.lookup_detail([key])[0].state is KeyState.PENDING
+
+    @invariant()
+    def events_match_the_ready_sets(self) -> None:
+        if not self.ready:
+            return
+        self._apply_events()
+        for ti in range(self.m.num_tiers):
+            assert set(self.m.tier_keys(ti)) == self.ready[ti]
+
+    @invariant()
+    def no_leaked_plans(self) -> None:
+        if self.ready:
+            assert self.m.stats()["open_plans"] == len(self.open)
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(
+    max_examples=120, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+

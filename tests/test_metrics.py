@@ -1,0 +1,153 @@
+"""The per-job recorder, the Prometheus exporter built on KVStore.stats(), and quiet logging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.metrics import StoreMetrics, export
+from kvtier.testing import make_key
+
+BLOCK = 4096
+
+
+def caches() -> torch.Tensor:
+    return torch.arange(16 * BLOCK, dtype=torch.int32).to(torch.uint8).reshape(16, BLOCK)
+
+
+CONFIG = {
+    "tiers": [{"backend": "cpu", "capacity": 2 * BLOCK, "name": "host"}, {"backend": "cpu", "capacity": 8 * BLOCK, "name": "spill"}],
+    "write": "back",
+}
+
+
+async def exercise() -> tuple[kvtier.KVStore, dict]:
+    store = await kvtier.open(CONFIG, kv_caches=caches())
+    keys = [make_key(i) for i in range(4)]
+    for i, key in enumerate(keys):  # the first tier holds two: two blocks are demoted
+        assert await store.save([key], [i]) == 1
+    assert await store.load(keys, [8, 9, 10, 11]) == 4
+    await store.lookup([*keys, make_key(99)])
+    return store, store.stats()
+
+
+def test_store_stats_include_per_tier_io() -> None:
+    async def run() -> dict:
+        store, stats = await exercise()
+        await store.aclose()
+        return stats
+
+    stats = asyncio.run(run())
+    io = stats["io"]
+    hits = [t["hits"] for t in io["tiers"]]
+    assert sum(hits) == 4 and hits[1] == 2  # two blocks served from the lower tier...
+    # promotion into the first tier happens only where it has room; both counts agree
+    assert io["tiers"][1]["promotions"] == stats.get("promotions", 0)
+    assert io["tiers"][0]["promotions"] == 0
+    assert io["tiers"][0]["bytes_loaded"] == 2 * BLOCK
+    assert io["tiers"][0]["bytes_stored"] == 4 * BLOCK and io["tiers"][1]["bytes_stored"] == 2 * BLOCK
+    assert io["latency_seconds"]["store"]["count"] == 4 and io["latency_seconds"]["load"]["count"] == 1
+
+
+def test_recorder_counts_failures_by_cause() -> None:
+    from kvtier.manager import LoadPlan, StorePlan
+    from kvtier.transfer import JobResult
+
+    m = StoreMetrics(2)
+    keys = (make_key(1), make_key(2))
+    plan = StorePlan(1, keys, (0, 1), tier=0, write_through=((1, keys),))
+    m.record_store(plan, JobResult(1, "store", True, keys, seconds=0.002, failed={1: (keys[0],)}), BLOCK)
+    m.record_store(plan, JobResult(2, "store", False, keys, seconds=20.0, error="boom"), BLOCK)
+    m.record_load(LoadPlan(keys, (1, 1)), JobResult(3, "load", True, keys, missed=(keys[1],), missed_tiers=(1,)), BLOCK)
+    snap = m.snapshot()
+    assert snap["store_failures"] == {"write_failed": 1, "job_error": 1}
+    assert snap["tiers"][0]["bytes_stored"] == 2 * BLOCK and snap["tiers"][1]["bytes_stored"] == BLOCK
+    assert (snap["tiers"][1]["hits"], snap["tiers"][1]["misses"]) == (1, 1)
+    buckets = snap["latency_seconds"]["store"]["buckets"]
+    assert buckets["0.0025"] == 1 and buckets["10.0"] == 1 and buckets["+Inf"] == 2
+
+
+def test_prometheus_exporter_reads_stats_on_scrape() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+
+    async def run() -> None:
+        store, _ = await exercise()
+        handle = export(store, registry=registry, store_label="s1")
+        try:
+            value = registry.get_sample_value
+            assert value("kvtier_tier_hits_total", {"store": "s1", "tier": "spill"}) == 2
+            promoted = store.stats().get("promotions", 0)
+            assert value("kvtier_tier_promotions_total", {"store": "s1", "tier": "spill"}) == promoted
+            assert value("kvtier_tier_evictions_total", {"store": "s1", "tier": "host"}) == 2
+            assert value("kvtier_tier_demotions_total", {"store": "s1", "tier": "spill"}) == 2
+            assert value("kvtier_lookup_hits_total", {"store": "s1"}) == 8  # load() looks up too
+            assert value("kvtier_lookup_misses_total", {"store": "s1"}) == 1
+            assert value("kvtier_tier_bytes_stored_total", {"store": "s1", "tier": "host"}) == 4 * BLOCK
+            assert value("kvtier_corrupt_records_total", {"store": "s1", "tier": "host"}) == 0
+            assert value("kvtier_store_failures_total", {"store": "s1", "cause": "tier_full"}) == 0
+            assert value("kvtier_job_latency_seconds_count", {"store": "s1", "kind": "store"}) == 4
+            # a second store with the same label is told apart, not merged
+            other = export(store, registry=registry, store_label="s1")
+            assert other.label == "s1-2"
+            other.close()
+        finally:
+            handle.close()
+            await store.aclose()
+        assert registry.get_sample_value("kvtier_tier_hits_total", {"store": "s1", "tier": "spill"}) is None
+
+    asyncio.run(run())
+
+
+def test_metrics_config_registers_while_open() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+
+    async def run() -> None:
+        cfg = {**CONFIG, "metrics": {"prometheus": True, "store_label": "from-config"}}
+        async with kvtier.open(cfg, kv_caches=caches()) as store:
+            await store.save([make_key(1)], [0])
+            value = prometheus_client.REGISTRY.get_sample_value("kvtier_tier_blocks", {"store": "from-config", "tier": "host"})
+            assert value == 1
+        gone = prometheus_client.REGISTRY.get_sample_value("kvtier_tier_blocks", {"store": "from-config", "tier": "host"})
+        assert gone is None
+
+    asyncio.run(run())
+
+
+def test_without_prometheus_export_is_a_noop_with_a_message() -> None:
+    code = """
+import asyncio, logging, sys
+sys.modules["prometheus_client"] = None  # as if the extra were not installed
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+import kvtier
+from kvtier.metrics import export
+from kvtier.errors import MissingDependencyError
+async def main():
+    async with kvtier.open({"block_bytes": 4096, "tiers": [{"backend": "cpu", "capacity": 65536}]}) as store:
+        handle = export(store)
+        print("active", handle.active)
+        try:
+            export(store, require=True)
+        except MissingDependencyError as exc:
+            print("raised", exc)
+asyncio.run(main())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "active False" in proc.stdout
+    assert "raised" in proc.stdout and "kvtier[metrics]" in proc.stdout
+    assert "kvtier.metrics" in proc.stderr and "prometheus_client is not installed" in proc.stderr
+
+
+def test_library_logging_is_silent_by_default() -> None:
+    handlers = logging.getLogger("kvtier").handlers
+    assert any(isinstance(h, logging.NullHandler) for h in handlers)
+    code = "import asyncio, kvtier\nasync def m():\n    async with kvtier.open({'block_bytes': 4096, 'tiers': [{'backend': 'cpu', 'capacity': 65536}]}):\n        pass\nasyncio.run(m())\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == ""
