@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -82,6 +82,9 @@ class CacheEvent:
     kind: Literal["stored", "removed"]
     key: bytes
     tier: str
+
+
+_RawEvent = tuple[Literal["stored", "removed"], bytes, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +168,8 @@ class _Tier:
     demotions_in: int = 0
     dropped: int = 0
     stamps: dict[bytes, float] = field(default_factory=dict)
+    #: Keys with a pin count above zero; with the batch, what eviction must step over.
+    pinned: set[bytes] = field(default_factory=set)
 
     def size_of(self, key: bytes) -> int:
         if self.spec.variable_size:
@@ -186,19 +191,6 @@ class _Tier:
             self.sizes.pop(key, None)
         if code & _READY:
             self.spec.policy.remove(key)
-
-
-class _Protected:
-    """Keys a policy must not pick: pinned or pending in the tier, or in ``extra``."""
-
-    __slots__ = ("extra", "index")
-
-    def __init__(self, index: dict[bytes, int], extra: Container[bytes]) -> None:
-        self.index = index
-        self.extra = extra
-
-    def __contains__(self, key: object) -> bool:
-        return self.index.get(key, _READY) != _READY or key in self.extra  # type: ignore[call-overload]
 
 
 @dataclass(slots=True)
@@ -236,7 +228,9 @@ class TierManager:
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._seen_cap = 4 * sum(max(1, t.capacity_bytes // t.block_reserve) for t in tiers)
         self._plan_ids = itertools.count(1)
-        self._events: deque[CacheEvent] = deque(maxlen=max_events)
+        # Events are kept as plain tuples and become CacheEvent objects in take_events():
+        # building a frozen dataclass per key would dominate the cost of a store.
+        self._events: deque[_RawEvent] = deque(maxlen=max_events)
         self._clock = clock
         self._closed = False
         self.counters: dict[str, int] = {
@@ -342,16 +336,17 @@ class TierManager:
         self,
         tier: int,
         nbytes: int,
-        protected: Container[bytes],
+        protected: set[bytes],
         drops: dict[int, list[bytes]],
         demotions: list[Demotion],
         pending: list[tuple[int, bytes]],
-        events: list[CacheEvent],
-        undo: list[Callable[[], None]],
+        events: list[_RawEvent],
     ) -> bool:
         """Free ``nbytes`` in ``tier``, demoting victims down the chain; ``False`` if impossible.
 
-        Mutations are recorded in ``undo`` so the caller can roll the whole plan back.
+        ``False`` is only ever returned before anything changed (the policy's partial choice is
+        restored), so callers need no undo log: once victims are chosen, every later step either
+        succeeds or degrades to dropping a victim instead of demoting it.
         """
         t = self._tiers[tier]
         deficit = t.used + nbytes - t.spec.capacity_bytes
@@ -360,7 +355,8 @@ class TierManager:
         if nbytes > t.spec.capacity_bytes:
             return False
         policy = t.spec.policy
-        guard = _Protected(t.index, protected)
+        # Pending keys are not in the policy; pinned ones and the batch are stepped over.
+        guard = protected | t.pinned if t.pinned else protected
         victims: list[bytes] = []
         freed = 0
         while freed < deficit:
@@ -370,53 +366,36 @@ class TierManager:
                 policy.restore(victims)  # roll back this tier's partial choice, order included
                 return False
             victims.extend(got)
-            freed += sum(t.size_of(k) for k in got)
+            freed += sum(t.size_of(k) for k in got) if t.spec.variable_size else len(got) * t.spec.block_reserve
         moved: list[bytes] = []
+        dropped: list[bytes] = []
+        index, sizes, name = t.index, t.sizes, t.spec.name
+        nxt = tier + 1
+        dst = self._tiers[nxt] if nxt < len(self._tiers) and self.write_mode == "back" else None
+        if t.spec.variable_size:
+            t.used -= sum(sizes.pop(k, t.spec.block_reserve) for k in victims)
+        else:
+            t.used -= freed
         for key in victims:
-            nbytes_v = t.size_of(key)
-            code = t.index.pop(key)
-            t.used -= nbytes_v
-            size_v = t.sizes.pop(key, None)
-            t.evictions += 1
-
-            def restore(t: _Tier = t, key: bytes = key, code: int = code, nb: int = nbytes_v, sz: int | None = size_v) -> None:
-                t.index[key] = code
-                t.used += nb
-                if sz is not None:
-                    t.sizes[key] = sz
-                t.evictions -= 1
-                t.spec.policy.restore([key])
-
-            undo.append(restore)
-            nxt = tier + 1
-            if (
-                nxt < len(self._tiers)
-                and self.write_mode == "back"
-                and key not in self._tiers[nxt].index
-                and self._admits(nxt, key)
-            ):
-                dst = self._tiers[nxt]
+            del index[key]
+        t.evictions += len(victims)
+        for key in victims:
+            if dst is not None and key not in dst.index and self._admits(nxt, key):
                 reserve = dst.spec.block_reserve
-                if self._make_room(nxt, reserve, protected, drops, demotions, pending, events, undo):
+                if self._make_room(nxt, reserve, protected, drops, demotions, pending, events):
                     dst.add(key, _PENDING, reserve)
                     dst.demotions_in += 1
-                    # The key leaves this tier now; routers that track tiers must hear of it.
-                    events.append(CacheEvent("removed", key, t.spec.name))
-
-                    def unadd(dst: _Tier = dst, key: bytes = key, reserve: int = reserve) -> None:
-                        dst.index.pop(key, None)
-                        dst.sizes.pop(key, None)
-                        dst.used -= reserve
-                        dst.demotions_in -= 1
-
-                    undo.append(unadd)
                     moved.append(key)
                     pending.append((nxt, key))
+                    # The key leaves this tier now; routers that track tiers must hear of it.
+                    events.append(("removed", key, name))
                     continue
             # Dropped from this tier: still readable elsewhere (write-through) or gone.
-            drops.setdefault(tier, []).append(key)
-            t.dropped += 1
-            events.append(CacheEvent("removed", key, t.spec.name))
+            dropped.append(key)
+            events.append(("removed", key, name))
+        if dropped:
+            drops.setdefault(tier, []).extend(dropped)
+            t.dropped += len(dropped)
         if moved:
             # Deeper demotions were appended first by the recursive calls: deepest first.
             demotions.append(Demotion(tier, tier + 1, tuple(moved)))
@@ -430,12 +409,15 @@ class TierManager:
         positions: list[int] = []
         skipped: list[bytes] = []
         seen: set[bytes] = set()
+        indexes = [t.index for t in self._tiers]
         for i, key in enumerate(keys):
             if key in seen:
                 continue
             seen.add(key)
-            if self._present(key):
-                skipped.append(key)
+            for index in indexes:
+                if key in index:
+                    skipped.append(key)
+                    break
             else:
                 new.append(key)
                 positions.append(i)
@@ -447,34 +429,32 @@ class TierManager:
         drops: dict[int, list[bytes]] = {}
         demotions: list[Demotion] = []
         pending: list[tuple[int, bytes]] = []
-        events: list[CacheEvent] = []
-        undo: list[Callable[[], None]] = []
+        events: list[_RawEvent] = []
         first = self._tiers[0]
         # The whole batch is protected, skipped keys included: evicting a key the caller just
         # asked to keep would undo part of this very store.
         batch = seen
-        if not self._make_room(0, first.spec.block_reserve * len(new), batch, drops, demotions, pending, events, undo):
-            for fn in reversed(undo):
-                fn()
+        reserve0 = first.spec.block_reserve
+        if not self._make_room(0, reserve0 * len(new), batch, drops, demotions, pending, events):
             self.counters["store_rejected"] += 1
             return None
+        index0 = first.index
         for key in new:
-            first.add(key, _PENDING, first.spec.block_reserve)
+            index0[key] = _PENDING
+        first.used += reserve0 * len(new)
+        if first.spec.variable_size:
+            first.sizes.update(dict.fromkeys(new, reserve0))
         through: list[tuple[int, tuple[bytes, ...]]] = []
         if self.write_mode == "through":
             for ti in range(1, len(self._tiers)):
                 t = self._tiers[ti]
                 room = [k for k in new if k not in t.index and self._admits(ti, k)]
                 # Best effort: a lower tier that cannot make room simply does not get the copy.
-                sub_undo: list[Callable[[], None]] = []
-                if room and self._make_room(ti, t.spec.block_reserve * len(room), batch, drops, demotions, pending, events, sub_undo):
+                if room and self._make_room(ti, t.spec.block_reserve * len(room), batch, drops, demotions, pending, events):
                     for key in room:
                         t.add(key, _PENDING, t.spec.block_reserve)
                         pending.append((ti, key))
                     through.append((ti, tuple(room)))
-                else:
-                    for fn in reversed(sub_undo):
-                        fn()
         plan = StorePlan(
             plan_id=plan_id,
             keys=tuple(new),
@@ -486,8 +466,7 @@ class TierManager:
             skipped=tuple(skipped),
         )
         self._plans[plan_id] = _OpenPlan(plan, set(new), pending)
-        for key in new:
-            self._plan_of[key] = plan_id
+        self._plan_of.update(dict.fromkeys(new, plan_id))
         self._emit(events)
         self.counters["store_prepared"] += len(new)
         return plan
@@ -510,20 +489,30 @@ class TierManager:
         self._check()
         check_keys(keys)
         keys = list(dict.fromkeys(keys))
+        plan_of = self._plan_of
         for i, key in enumerate(keys):
-            if self._plan_of.get(key) is None:
+            if key not in plan_of:
                 raise LifecycleError(f"complete_store: keys[{i}] ({key.hex()[:16]}…) was never prepared or is already complete")
         failed_sets = {ti: set(ks) for ti, ks in (failed or {}).items()}
-        events: list[CacheEvent] = []
+        events: list[_RawEvent] = []
         first = self._tiers[0]
+        failed0 = failed_sets.get(0, ())
+        fast = not first.spec.variable_size and not first.spec.persistent
+        index0, insert0, name0 = first.index, first.spec.policy.insert, first.spec.name
+        done = bad = 0
         for key in keys:
-            plan_id = self._plan_of.pop(key)
-            if success and key not in failed_sets.get(0, ()):
-                self._finish_entry(0, key, sizes, events)
-                self.counters["store_completed"] += 1
+            plan_id = plan_of.pop(key)
+            if success and key not in failed0:
+                if fast:
+                    index0[key] = _READY
+                    insert0(key)
+                    events.append(("stored", key, name0))
+                else:
+                    self._finish_entry(0, key, sizes, events)
+                done += 1
             else:
                 first.discard(key)
-                self.counters["store_failed"] += 1
+                bad += 1
             open_plan = self._plans[plan_id]
             open_plan.remaining.discard(key)
             if not open_plan.remaining:
@@ -538,9 +527,11 @@ class TierManager:
                         t.dropped += 1
                     else:
                         self._finish_entry(ti, pkey, sizes, events)
+        self.counters["store_completed"] += done
+        self.counters["store_failed"] += bad
         self._emit(events)
 
-    def _finish_entry(self, ti: int, key: bytes, sizes: Mapping[int, Mapping[bytes, int]] | None, events: list[CacheEvent]) -> None:
+    def _finish_entry(self, ti: int, key: bytes, sizes: Mapping[int, Mapping[bytes, int]] | None, events: list[_RawEvent]) -> None:
         t = self._tiers[ti]
         if t.spec.variable_size and sizes and key in sizes.get(ti, {}):
             actual = sizes[ti][key]
@@ -550,7 +541,7 @@ class TierManager:
         t.spec.policy.insert(key)
         if t.spec.persistent:
             t.stamps[key] = self._clock()
-        events.append(CacheEvent("stored", key, t.spec.name))
+        events.append(("stored", key, t.spec.name))
 
     # -- load ------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes], *, promote: bool = True) -> LoadPlan:
@@ -561,9 +552,10 @@ class TierManager:
         self._check()
         check_keys(keys)
         where: list[int] = []
+        indexes = list(enumerate(t.index for t in self._tiers))
         for i, key in enumerate(keys):
-            for ti, t in enumerate(self._tiers):
-                code = t.index.get(key)
+            for ti, index in indexes:
+                code = index.get(key)
                 if code is not None and code & _READY:
                     where.append(ti)
                     break
@@ -573,6 +565,7 @@ class TierManager:
         for key, ti in zip(keys, where):
             t = self._tiers[ti]
             t.index[key] += _PIN
+            t.pinned.add(key)
             t.spec.policy.touch(key)
             if t.spec.persistent:
                 t.stamps[key] = now
@@ -596,20 +589,36 @@ class TierManager:
         self._check()
         check_keys(keys)
         located: list[_Tier] = []
-        counts: dict[tuple[int, bytes], int] = {}
-        for i, key in enumerate(keys):
-            for ti, t in enumerate(self._tiers):
-                code = t.index.get(key)
-                if code is not None and code >= _PIN and counts.get((ti, key), 0) < code // _PIN:
-                    counts[(ti, key)] = counts.get((ti, key), 0) + 1
-                    located.append(t)
-                    break
-            else:
-                raise LifecycleError(f"complete_load: keys[{i}] ({key.hex()[:16]}…) is not pinned")
+        tiers = self._tiers
+        if len(set(keys)) == len(keys):  # the common case: each key once
+            for i, key in enumerate(keys):
+                for t in tiers:
+                    code = t.index.get(key)
+                    if code is not None and code >= _PIN:
+                        located.append(t)
+                        break
+                else:
+                    raise LifecycleError(f"complete_load: keys[{i}] ({key.hex()[:16]}…) is not pinned")
+        else:
+            counts: dict[tuple[int, bytes], int] = {}
+            for i, key in enumerate(keys):
+                for ti, t in enumerate(tiers):
+                    code = t.index.get(key)
+                    if code is not None and code >= _PIN and counts.get((ti, key), 0) < code // _PIN:
+                        counts[(ti, key)] = counts.get((ti, key), 0) + 1
+                        located.append(t)
+                        break
+                else:
+                    raise LifecycleError(f"complete_load: keys[{i}] ({key.hex()[:16]}…) is not pinned")
         for key, t in zip(keys, located):
-            t.index[key] -= _PIN
+            code = t.index[key] - _PIN
+            t.index[key] = code
+            if code < _PIN:
+                t.pinned.discard(key)
+        if not self._promoting:
+            return
         bad = set(failed_promotions)
-        events: list[CacheEvent] = []
+        events: list[_RawEvent] = []
         first = self._tiers[0]
         for key in keys:
             if key not in self._promoting:
@@ -648,7 +657,7 @@ class TierManager:
         removed = [k for k in keys if t.index.get(k) == _READY]
         for key in removed:
             t.discard(key)
-            self._events_append(CacheEvent("removed", key, t.spec.name))
+            self._events_append(("removed", key, t.spec.name))
         return removed
 
     # -- persistence -----------------------------------------------------------------------
@@ -680,12 +689,12 @@ class TierManager:
         return stamps
 
     # -- events and stats ------------------------------------------------------------------
-    def _events_append(self, event: CacheEvent) -> None:
+    def _events_append(self, event: _RawEvent) -> None:
         if len(self._events) == self._events.maxlen:
             self.counters["events_dropped"] += 1
         self._events.append(event)
 
-    def _emit(self, events: list[CacheEvent]) -> None:
+    def _emit(self, events: list[_RawEvent]) -> None:
         if not events:
             return
         limit = self._events.maxlen
@@ -695,7 +704,7 @@ class TierManager:
 
     def take_events(self) -> list[CacheEvent]:
         """Stored / removed events since the last call, oldest first."""
-        events = list(self._events)
+        events = [CacheEvent(kind, key, tier) for kind, key, tier in self._events]
         self._events.clear()
         return events
 

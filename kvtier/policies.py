@@ -81,8 +81,11 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def insert(self, key: bytes) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        else:
+            order[key] = None
 
     def touch(self, key: bytes) -> None:
         if key in self._order:
