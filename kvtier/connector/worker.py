@@ -1,0 +1,174 @@
+"""Worker side of the connector: executes :class:`StepMetadata` on one worker's KV cache.
+
+Per step, in this order (the engine's model runner calls them):
+
+1. ``handle_preemptions(meta)`` - before the step's compute. Every job in
+   ``meta.jobs_to_flush`` that is still unsubmitted (deferred from the previous step, or built
+   in this very step) is submitted, then the worker waits for every flushed job. Stores are
+   submitted in the order the scheduler built them, so flushing job ``j`` also submits the
+   unsubmitted jobs built before it: the manager's plans (evictions, demotions) assume that
+   order.
+2. ``start_load_kv(meta)`` - submits the stores deferred from earlier steps (their blocks were
+   computed by the previous step's compute) and this step's loads. This step's stores wait for
+   the next step, so token generation is never slowed by them.
+3. the step's compute.
+4. ``get_finished()`` - a :class:`WorkerOutput` with every job that finished since the last call
+   (store and load, with failed / missed keys and sizes), to send to the scheduler side.
+
+Nothing raises into the engine's step loop for a job: a job that cannot even be submitted is
+reported as failed, and a failed load is reported as missed keys (the engine recomputes them).
+The worker connector owns the completions of its :class:`~kvtier.transfer.TransferEngine`: it
+drains ``poll_finished`` and ignores results of jobs it did not submit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Container
+from typing import Literal
+
+from kvtier.connector.types import JobReport, StepMetadata, StoreJob, WorkerOutput
+from kvtier.transfer import JobResult, TransferEngine
+
+__all__ = ["WorkerConnector"]
+
+log = logging.getLogger("kvtier.connector")
+
+
+class WorkerConnector:
+    """The worker half for rank ``rank``; see the module docstring for the call order."""
+
+    def __init__(self, transfers: TransferEngine, *, rank: int = 0) -> None:
+        self.transfers = transfers
+        self.rank = rank
+        # Unsubmitted stores in build order, with the step that built them.
+        self._queue: OrderedDict[int, tuple[StoreJob, int]] = OrderedDict()
+        self._inflight: dict[int, tuple[int, Literal["store", "load"], tuple[int, ...]]] = {}  # transfer id -> job
+        self._transfer_of: dict[int, int] = {}  # connector job id -> transfer id, until reported
+        self._failed: list[JobReport] = []
+        self._waited: set[int] = set()  # transfer ids known finished (flushed and waited)
+        self._last_step: int | None = None
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def num_unsubmitted(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def unfinished_store_blocks(
+        self, *, exclude_step: int | None = None, exclude_requests: Container[str] = ()
+    ) -> set[int]:
+        """Engine blocks read by store jobs that are unsubmitted or not yet known finished.
+
+        Jobs built in step ``exclude_step`` for a request in ``exclude_requests`` are left out:
+        they read blocks that this step's compute is about to fill, by design."""
+        blocks: set[int] = set()
+        for job, built in self._queue.values():
+            if built == exclude_step and job.request_id in exclude_requests:
+                continue
+            blocks.update(job.block_ids)
+        for tid, (_, kind, ids) in self._inflight.items():
+            if kind == "store" and tid not in self._waited:
+                blocks.update(ids)
+        return blocks
+
+    # -- step calls ------------------------------------------------------------------------
+    def _accept(self, meta: StepMetadata | bytes) -> StepMetadata:
+        if not isinstance(meta, StepMetadata):
+            meta = StepMetadata.from_bytes(bytes(meta))
+        if meta.step != self._last_step:
+            self._last_step = meta.step
+            for job in meta.stores:
+                self._queue[job.job_id] = (job, meta.step)
+        return meta
+
+    def _submit_store(self, job: StoreJob) -> None:
+        try:
+            tid = self.transfers.submit_store(job.plan, job.block_ids)
+        except Exception as exc:  # reported as a failed job; the scheduler releases the keys
+            log.warning("store job %d could not be submitted: %s", job.job_id, exc)
+            self._failed.append(JobReport(job.job_id, "store", False, error=repr(exc)))
+            return
+        self._inflight[tid] = (job.job_id, "store", job.block_ids)
+        self._transfer_of[job.job_id] = tid
+
+    def handle_preemptions(self, meta: StepMetadata | bytes) -> None:
+        """Submit every flushed job still unsubmitted (and those built before it), then wait."""
+        meta = self._accept(meta)
+        if not meta.jobs_to_flush:
+            return
+        flush = set(meta.jobs_to_flush)
+        last = None
+        for jid in self._queue:
+            if jid in flush:
+                last = jid
+        if last is not None:
+            while self._queue:
+                jid, (job, _) = self._queue.popitem(last=False)
+                self._submit_store(job)
+                if jid == last:
+                    break
+        waiting = [self._transfer_of[j] for j in meta.jobs_to_flush if j in self._transfer_of]
+        if waiting:
+            self.transfers.wait(waiting)
+            self._waited.update(waiting)
+
+    def start_load_kv(self, meta: StepMetadata | bytes) -> None:
+        """Submit the stores deferred from earlier steps, then this step's loads."""
+        meta = self._accept(meta)
+        while self._queue:
+            jid = next(iter(self._queue))
+            job, built = self._queue[jid]
+            if built >= meta.step:
+                break
+            del self._queue[jid]
+            self._submit_store(job)
+        for load in meta.loads:
+            try:
+                tid = self.transfers.submit_load(load.plan, load.block_ids)
+            except Exception as exc:
+                log.warning("load job %d could not be submitted: %s", load.job_id, exc)
+                self._failed.append(JobReport(load.job_id, "load", False, error=repr(exc)))
+                continue
+            self._inflight[tid] = (load.job_id, "load", load.block_ids)
+            self._transfer_of[load.job_id] = tid
+
+    def flush(self) -> None:
+        """Submit every unsubmitted store now (an idle engine has no compute to protect)."""
+        while self._queue:
+            _, (job, _) = self._queue.popitem(last=False)
+            self._submit_store(job)
+
+    def get_finished(self, *, block: bool = False) -> WorkerOutput:
+        """Jobs finished since the last call. ``block`` first waits for every submitted job
+        (deterministic runs and shutdown); engines normally poll."""
+        if block and self._inflight:
+            self.transfers.wait(list(self._inflight))
+        reports, self._failed = self._failed, []
+        for result in self.transfers.poll_finished():
+            entry = self._inflight.pop(result.job_id, None)
+            if entry is None:
+                continue
+            jid, _, _ = entry
+            self._transfer_of.pop(jid, None)
+            self._waited.discard(result.job_id)
+            reports.append(_report(jid, result))
+        return WorkerOutput(self.rank, tuple(reports))
+
+
+def _report(job_id: int, result: JobResult) -> JobReport:
+    return JobReport(
+        job_id=job_id,
+        kind=result.kind,
+        success=result.success,
+        nbytes=result.nbytes,
+        failed=dict(result.failed),
+        missed=result.missed,
+        missed_tiers=result.missed_tiers,
+        sizes={t: dict(per) for t, per in result.sizes.items()},
+        error=result.error,
+    )

@@ -1,0 +1,184 @@
+"""``kvtier sim``: run the reference engine on a workload and report what the cache did.
+
+By default the store is the default tier chain (pinned host memory in front of LMDB), sized
+for a simulation, with the LMDB environment in its own directory under the user's cache
+directory (so a simulation never touches a real cache's records). ``--config FILE`` uses a
+YAML/JSON/TOML store config instead (same schema as the dict config). Progress goes to stderr;
+the result is a table on stdout, or one JSON object with ``--json``. The exit status is 1 when
+a corrupt block was served, a fence was violated, or request state / jobs were left over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kvtier.errors import KVTierError
+
+__all__ = ["add_parser", "default_sim_config", "run"]
+
+SIM_CPU_CAPACITY = "4MiB"
+SIM_DISK_CAPACITY = "256MiB"
+
+
+def _lmdb_available() -> bool:
+    from kvtier import registry
+
+    try:
+        return "lmdb" in registry.backends.names()
+    except KVTierError:
+        return False
+
+
+def default_sim_config() -> dict[str, Any]:
+    """The default tiers, sized for a simulation: host memory, then LMDB under the cache dir."""
+    from platformdirs import user_cache_dir
+
+    path = os.path.join(user_cache_dir("kvtier"), "sim", "lmdb")
+    tiers: list[dict[str, Any]] = [{"backend": "cpu", "capacity": SIM_CPU_CAPACITY, "pin_memory": "auto"}]
+    if _lmdb_available():
+        tiers.append({"backend": "lmdb", "capacity": SIM_DISK_CAPACITY, "path": path})
+    return {"tiers": tiers, "policy": "lru", "write": "back"}
+
+
+def _load_config_file(path: str) -> dict[str, Any]:
+    from kvtier import config as config_module
+
+    reader = getattr(config_module, "read_config_file", None)
+    if reader is not None:
+        data = reader(path)
+    else:
+        import yaml
+
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    if not isinstance(data, dict):
+        raise KVTierError(f"{path}: expected a mapping with 'tiers'")
+    # Validate now, so a bad file fails with the file's name before anything is opened.
+    loader = getattr(config_module, "load_config_file", None)
+    if loader is not None:
+        loader(path)
+    else:
+        config_module.load_config(data, source=path)
+    return data
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvtier sim``."""
+    from kvtier.sim.workloads import WORKLOADS
+
+    p = subparsers.add_parser(
+        "sim",
+        help="run the reference engine on a workload and report cache hits and checks",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--workload", choices=WORKLOADS, default="chat", help="workload to run (default: chat)")
+    p.add_argument("--requests", type=int, default=48, help="number of requests (turns) (default: 48)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--config", metavar="FILE", help="store config file (YAML/JSON/TOML); default: host memory + LMDB")
+    p.add_argument("--gpu-blocks", type=int, default=None, help="engine blocks in the simulated GPU pool")
+    p.add_argument(
+        "--async-scheduling", action="store_true", help="model async scheduling (sampled tokens seen one step late)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+    return p
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most every few steps."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = max(1, total)
+        self.enabled = enabled
+        self._last = -1
+
+    def __call__(self, engine: Any) -> None:
+        if not self.enabled:
+            return
+        done = engine.report.requests - len(engine.waiting) - len(engine.running) - len(engine.loading)
+        pct = min(100, int(100 * done / self.total))
+        if pct == self._last:
+            return
+        self._last = pct
+        bar = "#" * (pct // 4)
+        sys.stderr.write(f"\rkvtier sim [{bar:<25}] {pct:3d}%  step {engine.step_no}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._last >= 0:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _table(report: dict[str, Any]) -> str:
+    rows = [
+        ("workload", report["workload"]),
+        ("requests", report["requests"]),
+        ("steps", report["steps"]),
+        ("prompt tokens", report["prompt_tokens"]),
+        ("prefill tokens", report["prefill_tokens"]),
+        ("  from GPU prefix cache", report["gpu_hit_tokens"]),
+        ("  loaded from kvtier", report["loaded_tokens"]),
+    ]
+    for tier, tokens in sorted(report["loaded_tokens_by_tier"].items()):
+        rows.append((f"    from {tier}", tokens))
+    rows += [
+        ("  recomputed", report["recomputed_tokens"]),
+        ("hit tokens / unbounded oracle", f"{report['hit_tokens']} / {report['oracle_hit_tokens']}"),
+        ("decode tokens", report["decode_tokens"]),
+        ("bytes stored", report["bytes_stored"]),
+        ("bytes loaded", report["bytes_loaded"]),
+        ("last-block stores at finish", report["last_block_jobs"]),
+        ("flushed store jobs", report["flushed_jobs"]),
+        ("preemptions", report["preemptions"]),
+        ("verified loaded blocks", report["verified_blocks"]),
+        ("corrupt blocks", report["corrupt_blocks"]),
+        ("fence violations", report["fence_violations"]),
+        ("live request states", report["live_request_states"]),
+        ("live jobs", report["live_jobs"]),
+        ("seconds", f"{report['seconds']:.2f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.sim.engine import SimConfig, run_sim
+
+    try:
+        config = _load_config_file(args.config) if args.config else default_sim_config()
+        options: dict[str, Any] = {"async_scheduling": bool(args.async_scheduling)}
+        if args.gpu_blocks is not None:
+            options["num_gpu_blocks"] = args.gpu_blocks
+        sim = SimConfig(**options)
+        progress = _Progress(args.requests, enabled=not args.no_progress and not args.json and sys.stderr.isatty())
+        try:
+            report = run_sim(
+                config, workload=args.workload, requests=args.requests, seed=args.seed, sim=sim, on_step=progress
+            )
+        finally:
+            progress.close()
+    except KVTierError as exc:
+        print(f"kvtier sim: {exc}", file=sys.stderr)
+        return 1
+    data = report.to_dict()
+    data["tiers"] = [t.get("backend") for t in config.get("tiers", [])]
+    if args.json:
+        print(json.dumps(data, sort_keys=True))
+    else:
+        print(_table(data))
+    if not report.ok:
+        print(
+            "kvtier sim: FAILED: "
+            f"corrupt_blocks={report.corrupt_blocks} fence_violations={report.fence_violations} "
+            f"live_request_states={report.live_request_states} live_jobs={report.live_jobs} "
+            f"fenced_blocks={report.fenced_blocks}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,710 @@
+"""The reference engine: a small, honest model of a paged-attention engine on CPU tensors.
+
+It exists to exercise the connector the way a real engine does, and to check every byte:
+
+- a **block allocator** with a free queue: blocks are handed out from the front, freed blocks go
+  to the back (a request's tail first), so the most recently freed are reused last, as in real
+  prefix caches; allocating a block evicts its hash from the engine's own prefix cache;
+- a **GPU prefix cache** (engine block hash -> block), filled with every block whose slots are
+  all computed (or loaded and verified);
+- a **scheduler** with chunked prefill under a token budget, decode steps, EOS and ``max_tokens``,
+  preemption under memory pressure (newest running request first, recomputed later), and
+  optional async-scheduling lag (the newest sampled token is invisible to the connector until
+  the next step, as with placeholder tokens);
+- a **forward pass** that writes deterministic content into every computed slot: a hash of
+  ``(position, prefix hash)`` expanded to the slot's bytes in bf16, differently in each layer
+  tensor. The "model" samples the next token from the prefix hash too, so a whole run is a pure
+  function of the workload and seed.
+
+Every block a load fills is compared byte for byte with what recomputation writes
+(``corrupt_blocks`` must stay 0), and every step checks that no block still read by an
+unfinished store job is written (``fence_violations`` must stay 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import kvtier
+from kvtier.connector import (
+    SchedulerConnector,
+    SchedulerStep,
+    StepMetadata,
+    WorkerConnector,
+    WorkerOutput,
+)
+from kvtier.errors import ConfigError
+from kvtier.keys import Namespace
+from kvtier.sim.workloads import Session, make_workload
+
+__all__ = ["SimConfig", "SimReport", "SimRequest", "Simulator", "BlockPool", "run_sim", "kv_content", "prefix_hash"]
+
+_MASK = (1 << 64) - 1
+_SIM_REVISION = "sim-content-v1"  # part of the namespace: a change of kv_content must never hit old records
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
+
+
+def prefix_hash(previous: int, token: int) -> int:
+    """Hash of a prefix extended by ``token`` (63 bits, so it fits an int64 tensor)."""
+    return _mix(previous ^ (token * 0x9E3779B97F4A7C15 & _MASK)) >> 1
+
+
+def kv_content(position_hashes: torch.Tensor, layer: int, width: int) -> torch.Tensor:
+    """The bf16 content of slots whose prefix hashes (one per slot, int64) are given, for one layer.
+
+    Every value is finite (the exponent field stays below 0x7F), so bf16 round trips are exact.
+    """
+    cols = torch.arange(width, dtype=torch.int64) + (layer + 1) * 0x10001
+    x = position_hashes.view(-1, 1) * 0x2545F4914F6CDD1D + cols.view(1, -1) * 0x5851F42D4C957F2D
+    x = x ^ (x >> 29)
+    x = x * 0x1656067
+    x = x ^ (x >> 32)
+    return (x & 0x3FFF).to(torch.int16).view(torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Shape of the simulated engine. ``block_size`` is tokens per engine block; one offloaded
+    block spans ``engine_blocks_per_block`` engine blocks."""
+
+    block_size: int = 8
+    engine_blocks_per_block: int = 2
+    num_gpu_blocks: int = 256
+    num_layers: int = 4
+    head_dim: int = 32
+    max_num_batched_tokens: int = 512
+    max_running: int = 8
+    async_scheduling: bool = False
+    #: The engine's own GPU prefix cache; off, every reused prefix must come from kvtier.
+    prefix_caching: bool = True
+    store_last_block_at_finish: bool = True
+    answer_mean: int = 40  # expected answer length (the model's EOS rate)
+    vocab_size: int = 32000
+    eos_token: int = 2
+    #: Wait for each step's transfers before reporting (deterministic results); engines poll.
+    wait_for_transfers: bool = True
+    max_steps: int = 200_000
+
+    def __post_init__(self) -> None:
+        for name in (
+            "block_size",
+            "engine_blocks_per_block",
+            "num_gpu_blocks",
+            "num_layers",
+            "head_dim",
+            "max_num_batched_tokens",
+            "max_running",
+            "answer_mean",
+            "max_steps",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"sim.{name}: expected a positive integer, got {value!r}")
+
+    @property
+    def width(self) -> int:
+        """bf16 values per slot and layer (K and V side by side)."""
+        return 2 * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SimConfig:
+        return cls(**dict(data))
+
+
+class BlockPool:
+    """Engine blocks with ref counts, a free queue and the engine's own prefix cache."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` blocks from the front of the free queue, or ``None`` (and no change)."""
+        if count > len(self._free):
+            return None
+        out = []
+        for _ in range(count):
+            b, _ = self._free.popitem(last=False)
+            h = self._hash_of[b]
+            if h is not None:  # reallocation evicts the block from the prefix cache
+                self._hash_of[b] = None
+                if self._cached.get(h) == b:
+                    del self._cached[h]
+                self.evictions += 1
+            self._refs[b] = 1
+            out.append(b)
+        return out
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Blocks of the leading run of ``hashes`` held by the prefix cache (not yet taken)."""
+        out = []
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def count_free(self, blocks: list[int]) -> int:
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def take(self, blocks: list[int]) -> None:
+        """Share cached ``blocks`` with one more request."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Release a request's blocks, tail first: its prefix stays cached the longest."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
+            elif self._refs[b] < 0:
+                raise AssertionError(f"block {b} freed twice")
+
+    def cache(self, block: int, h: int) -> None:
+        if h not in self._cached and self._hash_of[block] is None:
+            self._cached[h] = block
+            self._hash_of[block] = h
+
+
+class SimRequest:
+    """One request as the engine tracks it; satisfies :class:`kvtier.connector.Request`."""
+
+    __slots__ = (
+        "admit_len",
+        "block_ids",
+        "hashes",
+        "hidden",
+        "load_base",
+        "max_tokens",
+        "num_computed_tokens",
+        "num_output",
+        "request_id",
+        "session",
+        "status",
+        "tokens",
+        "turn",
+    )
+
+    def __init__(
+        self, request_id: str, prompt: list[int], prompt_hashes: list[int], max_tokens: int, session: int, turn: int
+    ) -> None:
+        self.request_id = request_id
+        self.tokens = prompt
+        self.hashes = prompt_hashes
+        self.max_tokens = max_tokens
+        self.num_output = 0
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = "waiting"
+        self.hidden = 0  # sampled tokens the scheduler has not seen yet (async scheduling)
+        self.admit_len = 0
+        self.load_base = 0
+        self.session = session
+        self.turn = turn
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens[: len(self.tokens) - self.hidden] if self.hidden else self.tokens
+
+
+@dataclass(slots=True)
+class SimReport:
+    """What a run did. ``corrupt_blocks``, ``fence_violations``, ``live_request_states``,
+    ``live_jobs`` and ``fenced_blocks`` must all be 0 after a correct run."""
+
+    workload: str = ""
+    requests: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
+    decode_tokens: int = 0
+    oracle_hit_tokens: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    stored_blocks: int = 0
+    last_block_jobs: int = 0
+    flushed_jobs: int = 0
+    deferred_lookups: int = 0
+    preemptions: int = 0
+    load_missed_blocks: int = 0
+    verified_blocks: int = 0
+    corrupt_blocks: int = 0
+    fence_violations: int = 0
+    live_request_states: int = 0
+    live_jobs: int = 0
+    fenced_blocks: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.gpu_hit_tokens + self.loaded_tokens
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.corrupt_blocks
+            or self.fence_violations
+            or self.live_request_states
+            or self.live_jobs
+            or self.fenced_blocks
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["hit_tokens"] = self.hit_tokens
+        data["ok"] = self.ok
+        return data
+
+
+class Simulator:
+    """The engine loop over one :class:`kvtier.KVStore`; drive it with :meth:`run` or :meth:`step`."""
+
+    def __init__(self, store: Any, config: SimConfig, *, worker: WorkerConnector | None = None) -> None:
+        self.config = config
+        self.store = store
+        c = config
+        self.caches = store.layout.kv_caches
+        self.pool = BlockPool(c.num_gpu_blocks)
+        self.connector = SchedulerConnector.from_store(
+            store, block_size=c.block_size, store_last_block_at_finish=c.store_last_block_at_finish
+        )
+        self.worker = worker or WorkerConnector(store.transfers)
+        self.block_tokens = c.block_size * c.engine_blocks_per_block
+        self.report = SimReport()
+        self.step_no = 0
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.loading: dict[str, SimRequest] = {}
+        self.delayed: dict[str, SimRequest] = {}  # finished, blocks kept while a load writes
+        self._finished_ids: list[str] = []
+        self._load_plans: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._oracle: set[int] = set()
+        self._pending: list[
+            tuple[int, int, Session, int, list[int], list[int]]
+        ] = []  # (due, seq, session, turn, tokens, hashes)
+        self._seq = 0
+        self._sessions: dict[int, Session] = {}
+        self.on_step: Callable[[Simulator], None] | None = None
+        self._tier_names = [store.manager.tier_spec(i).name for i in range(store.manager.num_tiers)]
+
+    # -- workload --------------------------------------------------------------------------
+    def submit(
+        self, session: Session, *, turn: int = 0, history: list[int] | None = None, hashes: list[int] | None = None
+    ) -> None:
+        """Queue ``session``'s turn ``turn`` (its first turn arrives at ``session.start_step``)."""
+        tokens = list(history or []) + list(session.turns[turn].message)
+        hs = list(hashes or [])
+        h = hs[-1] if hs else 0
+        for t in tokens[len(hs) :]:
+            h = prefix_hash(h, t)
+            hs.append(h)
+        limit = self.config.num_gpu_blocks * self.config.block_size
+        if len(tokens) + session.turns[turn].max_tokens > limit:
+            raise ConfigError(
+                f"sim: session {session.session_id} turn {turn} needs {len(tokens) + session.turns[turn].max_tokens} "
+                f"tokens of KV cache, more than the {limit} the GPU pool holds"
+            )
+        due = session.start_step if turn == 0 else self.step_no + session.think_steps
+        self._seq += 1
+        self._pending.append((due, self._seq, session, turn, tokens, hs))
+
+    def _arrivals(self) -> None:
+        due = [p for p in self._pending if p[0] <= self.step_no]
+        if not due:
+            return
+        self._pending = [p for p in self._pending if p[0] > self.step_no]
+        for _, _, session, turn, tokens, hs in sorted(due, key=lambda p: (p[0], p[1])):
+            rid = f"{session.session_id}/t{turn}"
+            req = SimRequest(rid, tokens, hs, session.turns[turn].max_tokens, 0, turn)
+            req.session = id(session)
+            self._sessions[id(session)] = session
+            self.waiting.append(req)
+            self.report.requests += 1
+            self.report.prompt_tokens += len(tokens)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _engine_hashes(self, req: SimRequest, blocks: int) -> list[int]:
+        b = self.config.block_size
+        return [req.hashes[(i + 1) * b - 1] for i in range(blocks)]
+
+    def _preempt(self, victim: SimRequest, preempted: list[str]) -> None:
+        self.running.remove(victim)
+        self.pool.free(victim.block_ids)
+        victim.block_ids = []
+        victim.num_computed_tokens = 0
+        victim.hidden = 0
+        victim.status = "waiting"
+        self.waiting.appendleft(victim)
+        preempted.append(victim.request_id)
+        self.report.preemptions += 1
+
+    def _admit_hits(self, req: SimRequest) -> tuple[list[int], int]:
+        b = self.config.block_size
+        if not self.config.prefix_caching:
+            return [], 0
+        hits = self.pool.lookup(self._engine_hashes(req, (len(req.tokens) - 1) // b))
+        return hits, len(hits) * b
+
+    def _oracle_hits(self, req: SimRequest) -> int:
+        """Prefix tokens an unbounded cache of every block ever computed would serve."""
+        b = self.config.block_size
+        oracle = 0
+        for h in self._engine_hashes(req, (len(req.tokens) - 1) // b):
+            if h not in self._oracle:
+                break
+            oracle += 1
+        return oracle * b
+
+    def _schedule(self) -> tuple[dict[str, int], list[int], list[str]]:
+        c = self.config
+        budget = c.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        allocated: list[int] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            want = min(len(req.tokens) - req.num_computed_tokens, budget)
+            need = self._blocks_for(req.num_computed_tokens + want) - len(req.block_ids)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim, preempted)
+                if victim is req:
+                    break
+            if req.status != "running":
+                break
+            got = self.pool.allocate(need) if need > 0 else []
+            assert got is not None
+            req.block_ids.extend(got)
+            allocated.extend(got)
+            scheduled[req.request_id] = want
+            budget -= want
+            i += 1
+        if preempted:
+            return scheduled, allocated, preempted
+        skipped: list[SimRequest] = []
+        while self.waiting and len(self.running) < c.max_running and budget > 0:
+            req = self.waiting.popleft()
+            hits, computed = self._admit_hits(req)
+            external, is_async = self.connector.get_num_new_matched_tokens(req, computed)
+            if external is None:  # the connector asks us to try again next step
+                skipped.append(req)
+                continue
+            if external > 0 and is_async:
+                total = computed + external
+                need = self._blocks_for(total) - len(hits)
+            else:
+                want = min(len(req.tokens) - computed, budget)
+                need = self._blocks_for(computed + want) - len(hits)
+            # Cached hits with no other user sit in the free queue: taking them uses it up too.
+            if need + self.pool.count_free(hits) > self.pool.num_free:
+                self.waiting.appendleft(req)
+                break
+            self.pool.take(hits)
+            got = self.pool.allocate(need)
+            assert got is not None
+            req.block_ids = hits + got
+            allocated.extend(got)
+            req.num_computed_tokens = computed
+            req.admit_len = len(req.tokens)
+            self.report.prefill_tokens += len(req.tokens)
+            self.report.gpu_hit_tokens += computed
+            self.report.oracle_hit_tokens += self._oracle_hits(req)
+            self.connector.update_state_after_alloc(req, req.block_ids, external if is_async else 0)
+            if external > 0 and is_async:
+                req.status = "loading"
+                req.load_base = computed
+                self.loading[req.request_id] = req
+                continue
+            req.status = "running"
+            self.running.append(req)
+            scheduled[req.request_id] = want
+            budget -= want
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)
+        return scheduled, allocated, preempted
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> None:
+        """One engine step: schedule, connector metadata, worker calls, forward, outputs."""
+        self.step_no += 1
+        self._arrivals()
+        scheduled, allocated, preempted = self._schedule()
+        finished_ids, self._finished_ids = self._finished_ids, []
+        sched_step = SchedulerStep(self.step_no, scheduled, tuple(allocated), tuple(finished_ids), tuple(preempted))
+        meta = self.connector.build_connector_meta(sched_step)
+        # Scheduler and workers talk bytes, as they would across processes.
+        wmeta = StepMetadata.from_bytes(meta.to_bytes())
+        for load in wmeta.loads:
+            self._load_plans[load.request_id] = (load.plan.tiers, load.job_id)
+        self.worker.handle_preemptions(wmeta)
+        self.worker.start_load_kv(wmeta)
+        written = self._written_blocks(scheduled, wmeta)
+        if written:
+            reading = self.worker.unfinished_store_blocks(exclude_step=self.step_no, exclude_requests=scheduled)
+            self.report.fence_violations += len(written & reading)
+        finished = self._forward(scheduled)
+        out = self.worker.get_finished(block=self.config.wait_for_transfers)
+        update = self.connector.update_connector_output(WorkerOutput.from_bytes(out.to_bytes()))
+        for rid, valid in update.loaded.items():
+            self._load_done(rid, valid)
+        for rid in update.freed:
+            req = self.delayed.pop(rid, None)
+            if req is not None:
+                self.pool.free(req.block_ids)
+                req.block_ids = []
+        for req in finished:
+            self._finish(req)
+        self.report.steps = self.step_no
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def _written_blocks(self, scheduled: Mapping[str, int], meta: StepMetadata) -> set[int]:
+        """Engine blocks this step's compute and loads write (a load's rewrite of blocks the
+        engine already holds with the same bytes excluded)."""
+        b = self.config.block_size
+        out: set[int] = set()
+        by_id = {r.request_id: r for r in self.running}
+        for rid, count in scheduled.items():
+            req = by_id[rid]
+            first = req.num_computed_tokens // b
+            last = (req.num_computed_tokens + count - 1) // b
+            out.update(req.block_ids[first : last + 1])
+        for load in meta.loads:
+            req = self.loading.get(load.request_id)
+            held = set(req.block_ids[: req.load_base // b]) if req is not None else set()
+            out.update(x for x in load.block_ids if x not in held)
+        return out
+
+    def _forward(self, scheduled: Mapping[str, int]) -> list[SimRequest]:
+        c = self.config
+        b = c.block_size
+        if not scheduled:
+            return []
+        by_id = {r.request_id: r for r in self.running}
+        slots: list[int] = []
+        seeds: list[int] = []
+        finished: list[SimRequest] = []
+        newly_full: list[tuple[SimRequest, int, int]] = []
+        for rid, count in scheduled.items():
+            req = by_id[rid]
+            start = req.num_computed_tokens
+            for p in range(start, start + count):
+                slots.append(req.block_ids[p // b] * b + p % b)
+                seeds.append(req.hashes[p])
+            prefill = max(0, min(start + count, req.admit_len) - start)
+            self.report.recomputed_tokens += prefill
+            self.report.decode_tokens += count - prefill
+            req.num_computed_tokens = start + count
+            for blk in range(start // b, (start + count) // b):
+                newly_full.append((req, blk, req.hashes[(blk + 1) * b - 1]))
+        idx = torch.tensor(slots, dtype=torch.int64)
+        seed_t = torch.tensor(seeds, dtype=torch.int64)
+        for layer, cache in enumerate(self.caches):
+            cache.view(-1, c.width).index_copy_(0, idx, kv_content(seed_t, layer, c.width))
+        for req, blk, h in newly_full:
+            self.pool.cache(req.block_ids[blk], h)
+            self._oracle.add(h)
+        # Sample: a request whose every known token is computed produces the next one.
+        for rid in scheduled:
+            req = by_id[rid]
+            if req.num_computed_tokens < len(req.tokens):
+                continue
+            h = req.hashes[-1]
+            r = _mix(h ^ 0x5EED)
+            token = c.eos_token if r % c.answer_mean == 0 else 3 + (r >> 8) % (c.vocab_size - 3)
+            req.tokens.append(token)
+            req.hashes.append(prefix_hash(h, token))
+            req.num_output += 1
+            req.hidden = 1 if c.async_scheduling else 0
+            if token == c.eos_token or req.num_output >= req.max_tokens:
+                finished.append(req)
+        return finished
+
+    def _finish(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        req.status = "finished"
+        req.hidden = 0  # the finished request's whole output is known
+        delay, _ = self.connector.request_finished(req, req.block_ids)
+        if delay:
+            self.delayed[req.request_id] = req
+        else:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        self._finished_ids.append(req.request_id)
+        session = self._sessions[req.session]
+        if req.turn + 1 < len(session.turns):
+            self.submit(session, turn=req.turn + 1, history=req.tokens, hashes=req.hashes)
+
+    def _load_done(self, rid: str, valid: int) -> None:
+        req = self.loading.pop(rid, None)
+        if req is None:
+            return
+        c = self.config
+        b = c.block_size
+        bt = self.block_tokens
+        tiers, _ = self._load_plans.pop(rid, ((), 0))
+        first_block = req.load_base // bt
+        valid = min(valid, len(req.tokens) - 1)
+        loaded = max(0, valid - req.load_base)
+        self.report.loaded_tokens += loaded
+        # Attribute loaded tokens to the tier each offloaded block came from.
+        for i, tier in enumerate(tiers):
+            lo = max((first_block + i) * bt, req.load_base)
+            hi = min((first_block + i + 1) * bt, valid)
+            if hi > lo:
+                name = self._tier_names[tier]
+                self.report.loaded_tokens_by_tier[name] = self.report.loaded_tokens_by_tier.get(name, 0) + hi - lo
+        # Check every engine block the load filled against what recomputation writes.
+        for blk in range(first_block * c.engine_blocks_per_block, valid // b):
+            if not self._verify_block(req, blk):
+                self.report.corrupt_blocks += 1
+            self.report.verified_blocks += 1
+        for blk in range(req.load_base // b, valid // b):
+            h = req.hashes[(blk + 1) * b - 1]
+            self.pool.cache(req.block_ids[blk], h)
+            self._oracle.add(h)
+        req.num_computed_tokens = max(req.load_base, valid)
+        # Keep the blocks allocated for the load; compute resumes from the first invalid token.
+        req.status = "running"
+        self.running.append(req)
+
+    def _verify_block(self, req: SimRequest, blk: int) -> bool:
+        c = self.config
+        b = c.block_size
+        seeds = torch.tensor(req.hashes[blk * b : (blk + 1) * b], dtype=torch.int64)
+        engine_block = req.block_ids[blk]
+        for layer, cache in enumerate(self.caches):
+            want = kv_content(seeds, layer, c.width).view(torch.int16)
+            got = cache[engine_block].reshape(b, c.width).view(torch.int16)
+            if not torch.equal(want, got):
+                return False
+        return True
+
+    # -- driving ---------------------------------------------------------------------------
+    def idle(self) -> bool:
+        return not (self._pending or self.waiting or self.running or self.loading or self.delayed)
+
+    def run(self, sessions: list[Session]) -> SimReport:
+        """Run every session to completion, then drain the connector."""
+        started = time.perf_counter()
+        for s in sessions:
+            self.submit(s)
+        while not self.idle():
+            if self.step_no >= self.config.max_steps:
+                raise RuntimeError(f"sim: no progress after {self.step_no} steps")
+            self.step()
+        # Idle steps (nothing scheduled) until every job is acknowledged: what an engine's
+        # loop does while the connector still has work.
+        for _ in range(1000):
+            if not (self.connector.has_pending_work() or self.worker.num_unsubmitted or self.worker.num_in_flight):
+                break
+            self.step()
+            if not self.config.wait_for_transfers:
+                time.sleep(0.001)
+        self._collect()
+        self.report.seconds = time.perf_counter() - started
+        return self.report
+
+    def _collect(self) -> None:
+        r = self.report
+        k = self.connector.counters
+        r.bytes_stored = k["bytes_stored"]
+        r.bytes_loaded = k["bytes_loaded"]
+        r.stored_blocks = k["store_blocks"] - k["store_failed_blocks"]
+        r.last_block_jobs = k["last_block_jobs"]
+        r.flushed_jobs = k["flushed_jobs"]
+        r.deferred_lookups = k["deferred_lookups"]
+        r.load_missed_blocks = k["load_missed_blocks"]
+        r.live_request_states = self.connector.num_request_states
+        r.live_jobs = self.connector.num_jobs + self.worker.num_unsubmitted + self.worker.num_in_flight
+        r.fenced_blocks = self.connector.num_fenced_blocks
+
+
+def make_caches(config: SimConfig) -> list[torch.Tensor]:
+    """The engine's paged KV cache: one bf16 tensor per layer, ``[blocks, block_size, 2*head_dim]``."""
+    return [
+        torch.zeros((config.num_gpu_blocks, config.block_size, config.width), dtype=torch.bfloat16)
+        for _ in range(config.num_layers)
+    ]
+
+
+def sim_namespace(config: SimConfig, kv_layout: str) -> Namespace:
+    return Namespace(
+        model_id="kvtier-sim",
+        revision=_SIM_REVISION,
+        dtype="bfloat16",
+        kv_layout=kv_layout,
+        block_size=config.block_size * config.engine_blocks_per_block,
+    )
+
+
+def run_sim(
+    store_config: Mapping[str, Any],
+    *,
+    workload: str = "chat",
+    requests: int = 48,
+    seed: int = 0,
+    sim: SimConfig | None = None,
+    on_step: Callable[[Simulator], None] | None = None,
+) -> SimReport:
+    """Open a store from ``store_config``, run ``workload`` on the reference engine, close it."""
+    sim = sim or SimConfig()
+    sessions = make_workload(workload, requests=requests, seed=seed, vocab=sim.vocab_size)
+    cfg = dict(store_config)
+    cfg["engine_blocks_per_block"] = sim.engine_blocks_per_block
+    caches = make_caches(sim)
+    layout = kvtier.KVLayout(caches, engine_blocks_per_block=sim.engine_blocks_per_block)
+    namespace = sim_namespace(sim, layout.fingerprint())
+
+    async def _open() -> Any:
+        return await kvtier.open(cfg, kv_caches=caches, namespace=namespace)
+
+    loop = asyncio.new_event_loop()
+    try:
+        store = loop.run_until_complete(_open())
+        try:
+            engine = Simulator(store, sim)
+            engine.on_step = on_step
+            report = engine.run(sessions)
+            report.workload = workload
+        finally:
+            loop.run_until_complete(store.aclose())
+    finally:
+        loop.close()
+    return report

@@ -1,0 +1,405 @@
+"""Connector scenarios with hand-built scheduler steps (no engine loop).
+
+Each test drives the scheduler half and one or two worker halves over real stores (host-memory
+tiers, real transfer threads) and checks both the connector's bookkeeping and the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import msgpack
+import pytest
+import torch
+
+import kvtier
+from kvtier.connector import (
+    ConnectorConfig,
+    ConnectorError,
+    JobReport,
+    SchedulerConnector,
+    SchedulerStep,
+    StepMetadata,
+    WorkerConnector,
+    WorkerOutput,
+)
+from kvtier.keys import Namespace, block_keys
+
+BLOCK = 4  # tokens per engine block
+NUM_BLOCKS = 32
+WIDTH = 8
+
+
+@dataclass
+class Req:
+    request_id: str
+    tokens: list[int]
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    hidden: int = 0  # newest tokens the scheduler has not seen (async scheduling)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens[: len(self.tokens) - self.hidden]
+
+
+class Rig:
+    """A scheduler connector over a store, plus ``world`` workers each with its own store."""
+
+    def __init__(self, n: int = 1, world: int = 1, capacity: str = "1MiB", **options: object) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.n = n
+        self.caches: list[list[torch.Tensor]] = []
+        self.stores = []
+        self.namespace = Namespace(model_id="test", block_size=BLOCK * n)
+        for _ in range(world):
+            caches = [torch.zeros((NUM_BLOCKS, BLOCK, WIDTH), dtype=torch.float32) for _ in range(2)]
+            cfg = {"tiers": [{"backend": "cpu", "capacity": capacity}], "engine_blocks_per_block": n}
+            self.stores.append(self.loop.run_until_complete(self._open(cfg, caches)))
+            self.caches.append(caches)
+        store = self.stores[0]
+        self.manager = store.manager
+        self.sched = SchedulerConnector(
+            store.manager,
+            self.namespace,
+            ConnectorConfig(block_size=BLOCK, engine_blocks_per_block=n, world_size=world, **options),  # type: ignore[arg-type]
+        )
+        self.workers = [WorkerConnector(s.transfers, rank=i) for i, s in enumerate(self.stores)]
+        self.step_no = 0
+
+    async def _open(self, cfg: dict, caches: list[torch.Tensor]) -> kvtier.KVStore:
+        return await kvtier.open(cfg, kv_caches=caches, namespace=self.namespace)
+
+    def close(self) -> None:
+        for s in self.stores:
+            self.loop.run_until_complete(s.aclose())
+        self.loop.close()
+
+    def fill(self, block: int, value: float, rank: int | None = None) -> None:
+        """The engine's compute writing ``block``."""
+        for r, caches in enumerate(self.caches):
+            if rank is None or r == rank:
+                for c in caches:
+                    c[block].fill_(value)
+
+    def content(self, block: int, rank: int = 0) -> list[torch.Tensor]:
+        return [c[block].clone() for c in self.caches[rank]]
+
+    def meta(self, scheduled: dict[str, int] | None = None, allocated=(), finished=(), preempted=()) -> StepMetadata:
+        self.step_no += 1
+        step = SchedulerStep(self.step_no, scheduled or {}, tuple(allocated), tuple(finished), tuple(preempted))
+        meta = self.sched.build_connector_meta(step)
+        return StepMetadata.from_bytes(meta.to_bytes())
+
+    def run_workers(self, meta: StepMetadata, compute=None, *, ack: bool = True):
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.start_load_kv(meta)
+        if compute is not None:
+            compute()
+        outs = [WorkerOutput.from_bytes(w.get_finished(block=True).to_bytes()) for w in self.workers]
+        if ack:
+            return self.sched.update_connector_output(outs)
+        return outs
+
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        return block_keys(tokens, block_size=BLOCK * self.n, namespace=self.namespace)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def _admit(rig: Rig, req: Req, blocks: list[int], computed: int = 0) -> None:
+    ext, _ = rig.sched.get_num_new_matched_tokens(req, computed)
+    assert ext == 0
+    req.block_ids = list(blocks)
+    req.num_computed_tokens = computed
+    rig.sched.update_state_after_alloc(req, req.block_ids, 0)
+
+
+def test_stores_cover_exactly_the_computed_blocks(rig: Rig) -> None:
+    req = Req("a", list(range(10, 21)))  # 11 tokens: blocks 0, 1 full, block 2 partial
+    _admit(rig, req, [5, 6, 7])
+    meta = rig.meta({"a": 6}, allocated=[5, 6, 7])  # chunked prefill: 6 of 11 tokens
+    assert [j.block_ids for j in meta.stores] == [(5,)]  # block 1 is half computed: not stored
+    rig.run_workers(meta, lambda: (rig.fill(5, 1.0), rig.fill(6, 2.0)))
+    req.num_computed_tokens = 6
+    meta = rig.meta({"a": 5})
+    assert [j.block_ids for j in meta.stores] == [(6,)]  # 11 computed: block 2 still partial
+    rig.run_workers(meta)
+    req.num_computed_tokens = 11
+    req.tokens.append(99)  # the sampled 12th token fills block 2, but its slot is not computed
+    assert rig.sched.request_finished(req, req.block_ids) == (False, None)
+    meta = rig.meta(finished=["a"])
+    assert meta.stores == ()  # the final sampled token's slot is never stored
+    rig.run_workers(meta)
+    assert rig.manager.lookup(rig.keys(req.tokens)) == 2
+    assert (rig.sched.num_request_states, rig.sched.num_jobs, rig.sched.num_fenced_blocks) == (0, 0, 0)
+
+
+def _finish_with_hidden_last_block(rig: Rig) -> Req:
+    """A request whose last block is completed by its final decode step, under async
+    scheduling: that block's last token is seen by the scheduler only at finish."""
+    req = Req("a", list(range(100, 107)))  # 7 prompt tokens
+    _admit(rig, req, [3, 4])
+    meta = rig.meta({"a": 7}, allocated=[3, 4])
+    assert [j.block_ids for j in meta.stores] == [(3,)]
+    rig.run_workers(meta, lambda: (rig.fill(3, 3.0), rig.fill(4, 4.0)))
+    req.num_computed_tokens = 7
+    req.tokens.append(107)
+    req.hidden = 1  # sampled, not yet visible to the scheduler
+    meta = rig.meta({"a": 1})  # decode writes slot 7: block 1 is now complete
+    assert meta.stores == ()  # its key is not known yet
+    rig.run_workers(meta, lambda: rig.fill(4, 4.5))
+    req.num_computed_tokens = 8
+    req.tokens.append(2)  # EOS
+    req.hidden = 0
+    return req
+
+
+def test_last_block_is_stored_at_finish_and_served_to_the_next_turn(rig: Rig) -> None:
+    req = _finish_with_hidden_last_block(rig)
+    assert rig.sched.request_finished(req, req.block_ids) == (False, None)
+    assert rig.sched.num_request_states == 1  # kept for the finish walk
+    meta = rig.meta(finished=["a"])
+    assert [j.block_ids for j in meta.stores] == [(4,)]
+    assert meta.jobs_to_flush == ()
+    rig.run_workers(meta)  # deferred: not submitted yet
+    assert rig.sched.num_jobs == 1
+    rig.run_workers(rig.meta())
+    assert (rig.sched.num_request_states, rig.sched.num_jobs, rig.sched.num_fenced_blocks) == (0, 0, 0)
+    # The next turn (history + a new message) loads both blocks.
+    nxt = Req("b", [*req.tokens[:8], 7, 7, 7])
+    ext, is_async = rig.sched.get_num_new_matched_tokens(nxt, 0)
+    assert (ext, is_async) == (8, True)
+    nxt.block_ids = [10, 11, 12]
+    rig.sched.update_state_after_alloc(nxt, nxt.block_ids, 8)
+    update = rig.run_workers(rig.meta(allocated=[10, 11, 12]))
+    assert update.loaded == {"b": 8}
+    assert torch.equal(rig.content(11)[0], torch.full((BLOCK, WIDTH), 4.5))
+
+
+def test_disabling_the_finish_walk_loses_the_last_block() -> None:
+    rig = Rig(store_last_block_at_finish=False)
+    try:
+        req = _finish_with_hidden_last_block(rig)
+        rig.sched.request_finished(req, req.block_ids)
+        meta = rig.meta(finished=["a"])
+        assert meta.stores == ()
+        assert rig.sched.num_request_states == 0
+        assert rig.manager.lookup(rig.keys(req.tokens)) == 1
+    finally:
+        rig.close()
+
+
+def test_block_reused_before_the_store_is_submitted_is_flushed_with_old_bytes(rig: Rig) -> None:
+    req = _finish_with_hidden_last_block(rig)
+    old = rig.content(4)
+    rig.sched.request_finished(req, req.block_ids)
+    assert rig.sched.fenced_blocks() == set()
+    # The engine frees block 4 at once and hands it to a new request in the very next step.
+    other = Req("b", [9] * 4)
+    _admit(rig, other, [4])
+    meta = rig.meta({"b": 4}, allocated=[4], finished=["a"])
+    (job,) = [j for j in meta.stores if j.request_id == "a"]
+    assert job.block_ids == (4,)
+    assert meta.jobs_to_flush == (job.job_id,)
+    for w in rig.workers:
+        w.handle_preemptions(meta)
+        assert w.num_unsubmitted == 1  # only b's own store, which waits for b's compute
+    rig.fill(4, -1.0)  # b's compute overwrites the block
+    for w in rig.workers:
+        w.start_load_kv(meta)
+    rig.sched.update_connector_output([w.get_finished(block=True) for w in rig.workers])
+    rig.run_workers(rig.meta())
+    key = rig.keys(req.tokens)[1]
+    loaded = Req("c", [*req.tokens[:8], 1])
+    assert rig.sched.get_num_new_matched_tokens(loaded, 0) == (8, True)
+    loaded.block_ids = [20, 21, 22]
+    rig.sched.update_state_after_alloc(loaded, loaded.block_ids, 8)
+    rig.run_workers(rig.meta(allocated=[20, 21, 22]))
+    assert rig.manager.lookup([key]) == 1
+    for got, want in zip(rig.content(21), old):
+        assert torch.equal(got, want)  # the old content, not b's
+
+
+def test_copy_on_write_destination_flushes_a_pending_store(rig: Rig) -> None:
+    req = Req("a", [*list(range(8)), 50])
+    _admit(rig, req, [1, 2, 3])
+    meta = rig.meta({"a": 9}, allocated=[1, 2, 3])
+    rig.run_workers(meta, lambda: rig.fill(1, 1.0))
+    req.num_computed_tokens = 9
+    (pending,) = rig.sched._jobs  # deferred, not yet submitted
+    assert 1 in rig.sched.fenced_blocks()
+    meta = rig.meta({"a": 1}, allocated=[1])  # block 1 becomes a copy-on-write destination
+    assert pending in meta.jobs_to_flush
+
+
+def test_preemption_flushes_the_requests_stores_and_readmission_is_deferred(rig: Rig) -> None:
+    req = Req("a", list(range(30, 39)))
+    _admit(rig, req, [7, 8, 9])
+    meta = rig.meta({"a": 9}, allocated=[7, 8, 9])
+    job_ids = {j.job_id for j in meta.stores}
+    assert job_ids
+    rig.run_workers(meta, lambda: (rig.fill(7, 7.0), rig.fill(8, 8.0)))
+    req.num_computed_tokens = 9
+    # Preempted: blocks freed, the request goes back to waiting with nothing computed.
+    req.block_ids, req.num_computed_tokens = [], 0
+    meta = rig.meta(preempted=["a"])
+    assert set(meta.jobs_to_flush) == job_ids
+    outs = rig.run_workers(meta, ack=False)
+    assert all(w.num_unsubmitted == 0 for w in rig.workers)
+    # Re-admitted before the flushed stores are acknowledged: asked to wait, no load.
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    rig.sched.update_connector_output(outs)
+    ext, is_async = rig.sched.get_num_new_matched_tokens(req, 0)
+    assert (ext, is_async) == (8, True)
+
+
+def test_aborted_never_scheduled_request_builds_no_store(rig: Rig) -> None:
+    req = Req("a", list(range(16)))
+    _admit(rig, req, [1, 2, 3, 4])
+    req.num_computed_tokens = 12  # whatever the engine says: it never ran a step
+    assert rig.sched.request_finished(req, req.block_ids) == (False, None)
+    meta = rig.meta(finished=["a"])
+    assert meta.stores == ()
+    assert rig.sched.num_request_states == 0
+
+
+def test_concurrent_lookups_of_one_prefix_load_it_once(rig: Rig) -> None:
+    src = Req("src", list(range(200, 209)))
+    _admit(rig, src, [1, 2, 3])
+    rig.run_workers(rig.meta({"src": 9}, allocated=[1, 2, 3]), lambda: (rig.fill(1, 1.0), rig.fill(2, 2.0)))
+    src.num_computed_tokens = 9
+    rig.sched.request_finished(src, src.block_ids)
+    rig.run_workers(rig.meta(finished=["src"]))
+    rig.run_workers(rig.meta())
+    a, b = Req("a", [*src.tokens[:8], 1, 2]), Req("b", [*src.tokens[:8], 3, 4])
+    assert rig.sched.get_num_new_matched_tokens(a, 0) == (8, True)
+    a.block_ids = [10, 11, 12]
+    rig.sched.update_state_after_alloc(a, a.block_ids, 8)
+    assert rig.sched.get_num_new_matched_tokens(b, 0) == (None, False)
+    meta = rig.meta(allocated=[10, 11, 12])
+    assert len(meta.loads) == 1
+    update = rig.run_workers(meta)
+    assert update.loaded == {"a": 8}
+    # Now the engine's own prefix cache holds a's blocks; b finds nothing more to load.
+    assert rig.sched.get_num_new_matched_tokens(b, 8) == (0, False)
+
+
+def test_failed_load_becomes_recompute(rig: Rig) -> None:
+    src = Req("src", list(range(300, 313)))
+    _admit(rig, src, [1, 2, 3, 4])
+    rig.run_workers(rig.meta({"src": 13}, allocated=[1, 2, 3, 4]))
+    src.num_computed_tokens = 13
+    rig.sched.request_finished(src, src.block_ids)
+    rig.run_workers(rig.meta(finished=["src"]))
+    rig.run_workers(rig.meta())
+    keys = rig.keys(src.tokens)
+    assert rig.manager.lookup(keys) == 3
+    rig.stores[0].backends[0].delete_blocks([keys[1]])  # the bytes vanish behind the manager's back
+    req = Req("r", [*src.tokens[:12], 5])
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    req.block_ids = [10, 11, 12, 13]
+    rig.sched.update_state_after_alloc(req, req.block_ids, 12)
+    update = rig.run_workers(rig.meta(allocated=req.block_ids))
+    assert update.loaded == {"r": 4}  # block 0 is valid; from block 1 on the engine recomputes
+    assert rig.manager.lookup(keys) == 1  # the missing key is forgotten
+    assert rig.sched.num_jobs == 0
+
+
+def test_load_starting_inside_an_offloaded_block() -> None:
+    rig = Rig(n=2)
+    try:
+        src = Req("src", list(range(400, 417)))  # 17 tokens: two offloaded blocks of 8
+        _admit(rig, src, [1, 2, 3, 4, 5])
+        rig.run_workers(
+            rig.meta({"src": 17}, allocated=[1, 2, 3, 4, 5]), lambda: [rig.fill(b, float(b)) for b in (1, 2, 3, 4)]
+        )
+        src.num_computed_tokens = 17
+        rig.sched.request_finished(src, src.block_ids)
+        rig.run_workers(rig.meta(finished=["src"]))
+        rig.run_workers(rig.meta())
+        req = Req("r", [*src.tokens[:16], 1])
+        # The engine's own prefix cache holds 3 engine blocks (12 tokens): mid offloaded block 1.
+        ext, is_async = rig.sched.get_num_new_matched_tokens(req, 12)
+        assert (ext, is_async) == (4, True)
+        req.block_ids = [1, 2, 3, 9, 10]
+        rig.sched.update_state_after_alloc(req, req.block_ids, 4)
+        update = rig.run_workers(rig.meta(allocated=[9, 10]))
+        assert update.loaded == {"r": 16}
+        assert torch.equal(rig.content(9)[0], torch.full((BLOCK, WIDTH), 4.0))
+        assert torch.equal(rig.content(3)[0], torch.full((BLOCK, WIDTH), 3.0))
+    finally:
+        rig.close()
+
+
+def test_world_size_two_needs_both_acks() -> None:
+    rig = Rig(world=2)
+    try:
+        req = Req("a", list(range(9)))
+        _admit(rig, req, [1, 2, 3])
+        rig.run_workers(rig.meta({"a": 9}, allocated=[1, 2, 3]))
+        meta = rig.meta()
+        for w in rig.workers:
+            w.handle_preemptions(meta)
+            w.start_load_kv(meta)
+        out0, out1 = (w.get_finished(block=True) for w in rig.workers)
+        assert out0.finished and out1.finished
+        keys = rig.keys(req.tokens)
+        rig.sched.update_connector_output(out0.to_bytes())
+        rig.sched.update_connector_output(out0)  # a duplicate from rank 0 is not rank 1's ack
+        assert rig.sched.num_jobs == 1 and rig.manager.lookup(keys) == 0
+        rig.sched.update_connector_output(out1.to_bytes())
+        assert rig.sched.num_jobs == 0 and rig.manager.lookup(keys) == 2
+        with pytest.raises(ConnectorError):
+            rig.sched.update_connector_output(WorkerOutput(rank=2))
+    finally:
+        rig.close()
+
+
+def test_step_metadata_and_worker_output_round_trip(rig: Rig) -> None:
+    req = Req("a", list(range(9)))
+    _admit(rig, req, [1, 2, 3])
+    meta = rig.meta({"a": 9}, allocated=[1, 2, 3])
+    assert meta.stores
+    again = StepMetadata.from_bytes(meta.to_bytes())
+    assert again == meta
+    out = WorkerOutput(
+        rank=1,
+        finished=(
+            JobReport(
+                7, "load", False, 10, failed={0: (b"k" * 32,)}, missed=(b"m" * 32,), missed_tiers=(1,), error="x"
+            ),
+            JobReport(8, "store", True, 4096, sizes={1: {b"s" * 32: 100}}),
+        ),
+    )
+    assert WorkerOutput.from_bytes(out.to_bytes()) == out
+    with pytest.raises(ConnectorError):
+        StepMetadata.from_bytes(b"\x80not msgpack")
+    with pytest.raises(ConnectorError):
+        StepMetadata.from_bytes(msgpack.packb([99, 1, [], [], []]))
+    with pytest.raises(ConnectorError):
+        WorkerOutput.from_bytes(msgpack.packb([1, 0, [[1, "bogus", True, 0, [], [], [], [], None]]]))
+
+
+def test_request_state_is_freed_when_prepare_store_is_rejected() -> None:
+    rig = Rig(capacity="1KiB")  # one block of 2 tensors x 4 slots x 8 floats x 4 bytes = 256 B: 4 slots
+    try:
+        req = Req("a", list(range(41)))  # 10 full blocks: more than the tier holds
+        _admit(rig, req, list(range(11)))
+        meta = rig.meta({"a": 41}, allocated=range(11))
+        assert meta.stores == ()
+        assert rig.sched.counters["store_rejected_blocks"] == 10
+        req.num_computed_tokens = 41
+        rig.sched.request_finished(req, req.block_ids)
+        rig.meta(finished=["a"])
+        assert rig.sched.num_request_states == 0
+    finally:
+        rig.close()

@@ -1,0 +1,342 @@
+"""kvtier inside the continuous-batching engine of ``transformers``, on CPU.
+
+A tiny random ``LlamaForCausalLM`` (2 layers, hidden 256, 4 heads, 2 KV heads, vocab 1000,
+``initializer_range=0.2`` so that its output depends on its context) is served by
+``ContinuousBatchingManager`` with a paged cache of 16-token pages, float32, sdpa, greedy.
+
+What is compared:
+
+* **bit-identical**: a 3-turn chat over 3 conversations at once. The reference run reuses each
+  turn's prefix from the engine's own in-memory prefix cache; the kvtier runs switch the
+  engine's cache off (``engine_prefix_cache=False``), so every reused prefix block comes from
+  kvtier: the cpu tier, an lmdb-only tier, and a fresh process that reads that lmdb tier for the
+  last turn. Turn lengths are chosen so that no block completes in a finishing step, so both
+  sides reuse exactly the same number of tokens and run exactly the same batches; token ids and
+  logprobs must then be equal bit for bit.
+* **within tolerance**: the last turn recomputed from scratch (no reuse at all) gives the same
+  greedy tokens and logprobs within 1e-4 (a prefill of a different length is not bit-identical).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "kvtier[hf]" to run these tests)'
+)
+
+from kvtier.integrations.transformers import TransformersKVTier, attach  # noqa: E402
+
+PAGE = 16
+MODEL_ID = "tiny-llama-seed0"
+LMDB_CAPACITY = "64MiB"
+TOL = 1e-4
+
+logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+
+
+# -- engine helpers ------------------------------------------------------------------------------
+def build_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def start_manager(num_blocks: int = 64) -> Any:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = build_model()
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(
+        page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=256, return_logprobs=True, use_async_batching=False
+    )
+    return model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+
+
+def run_turn(manager: Any, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
+    ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens)
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + 60
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            assert result.error is None, result.error
+            done[result.request_id] = result
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+    return [done[i] for i in ids]
+
+
+def conversations() -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Three opening prompts of 40 tokens and, per turn, three user messages of 11 tokens."""
+    g = torch.Generator().manual_seed(1)
+    openings = [torch.randint(1, 1000, (40,), generator=g).tolist() for _ in range(3)]
+    users = [[torch.randint(1, 1000, (11,), generator=g).tolist() for _ in range(3)] for _ in range(3)]
+    return openings, users
+
+
+NEW_TOKENS = 8  # 40 + 8 - 1 = 47, 59 + 7 = 66, 78 + 7 = 85 computed at finish: never a full page
+
+
+def chat(config: dict[str, Any] | None, *, turns: int = 3, engine_prefix_cache: bool = False) -> dict[str, Any]:
+    """Run the chat; return per turn the (tokens, logprobs) of each conversation, the adapter's
+    prefix matches, and the prompts of every turn."""
+    manager = start_manager()
+    kv = attach(manager, config, model_id=MODEL_ID, engine_prefix_cache=engine_prefix_cache) if config else None
+    openings, users = conversations()
+    history = [o[:] for o in openings]
+    out: dict[str, Any] = {"turns": [], "matches": [], "prompts": []}
+    manager.start()
+    try:
+        for t in range(turns):
+            out["prompts"].append([h[:] for h in history])
+            results = run_turn(manager, history, NEW_TOKENS)
+            out["turns"].append([(r.generated_tokens, r.logprobs) for r in results])
+            for i, r in enumerate(results):
+                history[i] = history[i] + r.generated_tokens + users[t][i]
+    finally:
+        manager.stop(block=True)
+        if kv is not None:
+            out["matches"] = list(kv.matches.values())
+            out["stats"] = kv.stats()
+            kv.close()
+    return out
+
+
+def fresh_process_turn(lmdb_path: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """The last turn in a new process whose only prefix source is the lmdb tier."""
+    manager = start_manager()
+    kv = attach(manager, lmdb_config(lmdb_path), model_id=MODEL_ID, engine_prefix_cache=False)
+    manager.start()
+    try:
+        results = run_turn(manager, prompts, NEW_TOKENS)
+    finally:
+        manager.stop(block=True)
+        matches = [m.kvtier_tokens for m in kv.matches.values()]
+        kv.close()
+    return {"turn": [(r.generated_tokens, r.logprobs) for r in results], "kvtier_tokens": matches}
+
+
+def cpu_config() -> dict[str, Any]:
+    return {"tiers": [{"backend": "cpu", "capacity": "32MiB"}]}
+
+
+def lmdb_config(path: str) -> dict[str, Any]:
+    return {"tiers": [{"backend": "lmdb", "path": path, "capacity": LMDB_CAPACITY}]}
+
+
+def assert_close(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> None:
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(a, b, strict=True):
+        assert tok_a == tok_b
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) <= TOL
+
+
+# -- the chat runs, shared by the comparisons ----------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("hf")
+    lmdb_path = str(root / "lmdb")
+    data: dict[str, Any] = {"engine": chat(None, engine_prefix_cache=True)}
+    data["cpu"] = chat(cpu_config())
+    data["lmdb"] = chat(lmdb_config(lmdb_path))
+    last = data["lmdb"]["prompts"][-1]
+    prompts_file = root / "prompts.json"
+    prompts_file.write_text(json.dumps(last))
+    proc = subprocess.run(
+        [sys.executable, __file__, "fresh", lmdb_path, str(prompts_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data["fresh"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The last turn with nothing reused: a brand-new engine and no kvtier.
+    manager = start_manager()
+    manager.start()
+    try:
+        data["recompute"] = [(r.generated_tokens, r.logprobs) for r in run_turn(manager, last, NEW_TOKENS)]
+    finally:
+        manager.stop(block=True)
+    return data
+
+
+def test_prefixes_come_from_kvtier(runs: dict[str, Any]) -> None:
+    for name in ("cpu", "lmdb"):
+        matches = runs[name]["matches"]
+        assert [m.engine_tokens for m in matches] == [0] * 9
+        # turn 1: nothing; turn 2: 47 computed tokens -> 2 pages; turn 3: 66 -> 4 pages
+        assert [m.kvtier_tokens for m in matches] == [0] * 3 + [2 * PAGE] * 3 + [4 * PAGE] * 3
+        assert runs[name]["stats"]["errors"] == 0
+    assert runs["fresh"]["kvtier_tokens"] == [4 * PAGE] * 3
+
+
+def test_chat_bit_identical_to_engine_prefix_cache(runs: dict[str, Any]) -> None:
+    reference = runs["engine"]["turns"]
+    assert runs["cpu"]["turns"] == reference
+    assert runs["lmdb"]["turns"] == reference
+    fresh = [(list(t), list(lp)) for t, lp in runs["fresh"]["turn"]]
+    assert fresh == [(list(t), list(lp)) for t, lp in reference[-1]]
+
+
+def test_greedy_tokens_match_full_recompute(runs: dict[str, Any]) -> None:
+    assert_close(runs["cpu"]["turns"][-1], runs["recompute"])
+    assert_close(runs["engine"]["turns"][-1], runs["recompute"])
+
+
+# -- byte-level checks ---------------------------------------------------------------------------
+def spy_stores(kv: TransformersKVTier) -> dict[bytes, torch.Tensor]:
+    """Record, at the moment each store job is submitted, the bytes of the blocks it will read."""
+    snapshots: dict[bytes, torch.Tensor] = {}
+    transfers = kv.store.transfers
+    assert transfers is not None
+    submit = transfers.submit_store
+
+    def spy(plan: Any, block_ids: Any) -> int:
+        for key, block in zip(plan.keys, block_ids, strict=True):
+            snapshots[key] = kv.kv_cache[block].clone()
+        return submit(plan, block_ids)
+
+    transfers.submit_store = spy  # type: ignore[method-assign]
+    return snapshots
+
+
+def load_back(kv: TransformersKVTier, keys: list[bytes]) -> list[torch.Tensor]:
+    """Load ``keys`` into spare engine blocks (the engine is stopped) and return their contents."""
+    pool, idx = kv.cache.pool, kv.allocator.index
+    while pool.count_free_blocks(idx) < len(keys):
+        pool.allocate_sector(idx)
+    blocks = pool.get_free_blocks(idx, len(keys))
+    for b in blocks:
+        kv.kv_cache[b].fill_(float("nan"))
+    loaded = asyncio.run(kv.store.load(keys, blocks))
+    assert loaded == len(keys)
+    out = [kv.kv_cache[b].clone() for b in blocks]
+    pool.free_blocks(idx, blocks)
+    return out
+
+
+@pytest.mark.parametrize("tier", ["cpu", "lmdb"])
+def test_stored_bytes_equal_loaded_bytes(tier: str, tmp_path: Path) -> None:
+    manager = start_manager()
+    config = cpu_config() if tier == "cpu" else lmdb_config(str(tmp_path / "db"))
+    kv = attach(manager, config, model_id=MODEL_ID)
+    snapshots = spy_stores(kv)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (37, 70)]
+    manager.start()
+    try:
+        run_turn(manager, prompts, 12)
+    finally:
+        manager.stop(block=True)
+    try:
+        kv.flush()
+        # 37 + 11 = 48 and 70 + 11 = 81 computed tokens: 3 + 5 full pages
+        assert len(snapshots) == 8
+        assert kv.stats()["blocks_stored"] == 8
+        keys = list(snapshots)
+        for key, got in zip(keys, load_back(kv, keys), strict=True):
+            want = snapshots[key]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                "a loaded block differs from the stored one"
+            )
+    finally:
+        kv.close()
+
+
+def test_last_block_completed_at_finish_is_served(tmp_path: Path) -> None:
+    # 40 prompt + 9 new: the finishing step computes token 47 and so completes page 2, which the
+    # engine never hashes; kvtier stores it and serves it to the next turn on top of the engine's 2.
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, 1000, (40,), generator=g).tolist()
+    user = torch.randint(1, 1000, (10,), generator=g).tolist()
+    manager = start_manager()
+    kv = attach(manager, cpu_config(), model_id=MODEL_ID, engine_prefix_cache=True)
+    manager.start()
+    try:
+        first = run_turn(manager, [prompt], 9)[0]
+        second_prompt = prompt + first.generated_tokens + user  # 59 tokens: 3 pages may be reused
+        second = run_turn(manager, [second_prompt], 6)[0]
+    finally:
+        manager.stop(block=True)
+    matches = list(kv.matches.values())
+    kv.close()
+    assert (matches[1].engine_tokens, matches[1].kvtier_tokens) == (2 * PAGE, PAGE)
+    fresh = start_manager()
+    fresh.start()
+    try:
+        recomputed = run_turn(fresh, [second_prompt], 6)[0]
+    finally:
+        fresh.stop(block=True)
+    assert_close([(second.generated_tokens, second.logprobs)], [(recomputed.generated_tokens, recomputed.logprobs)])
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fenced", "unfenced"])
+def test_freed_block_reused_at_once_is_not_overwritten_before_stored(fence: bool) -> None:
+    """Request A finishes and its blocks go back to the engine's pool; B is admitted at once and
+    its prefill takes them (the pool hands out the most recently freed first) while A's store is
+    still in flight (its gather is held back 0.5 s). With the fence the stored bytes are A's;
+    without it (the control) they are B's, which shows the test sees the race."""
+    manager = start_manager(num_blocks=16)
+    kv = attach(manager, cpu_config(), model_id=MODEL_ID, engine_prefix_cache=False)
+    kv._fence = fence
+    snapshots = spy_stores(kv)
+    transfers = kv.store.transfers
+    assert transfers is not None
+    gather = transfers.layout.gather
+
+    def slow_gather(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.5)
+        gather(*args, **kwargs)
+
+    transfers.layout.gather = slow_gather  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(1, 1000, (40,), generator=g).tolist()
+    b = torch.randint(1, 1000, (100,), generator=g).tolist()
+    manager.start()
+    try:
+        run_turn(manager, [a], 9)  # 48 computed tokens: 3 full pages stored at finish
+        a_keys = list(snapshots)
+        assert len(a_keys) == 3
+        run_turn(manager, [b], 2)
+    finally:
+        manager.stop(block=True)
+    try:
+        kv.flush()
+        same = [
+            torch.equal(got.view(torch.uint8), snapshots[k].view(torch.uint8))
+            for k, got in zip(a_keys, load_back(kv, a_keys))
+        ]
+    finally:
+        kv.close()
+    if fence:
+        assert all(same)
+    else:
+        assert not all(same)
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "fresh":
+    result = fresh_process_turn(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
+    print(json.dumps(result))

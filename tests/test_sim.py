@@ -1,0 +1,171 @@
+"""The reference engine end to end: every workload, the finish walk, a long random run with a
+tiny GPU pool, and the ``kvtier sim`` command."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from kvtier.cli import main
+from kvtier.sim import BlockPool, SimConfig, kv_content, make_workload, run_sim
+from kvtier.sim.workloads import Session, Turn
+
+CPU = {"tiers": [{"backend": "cpu", "capacity": "16MiB"}]}
+
+
+@pytest.mark.parametrize("workload", ["chat", "shared", "docqa"])
+def test_workloads_run_clean_and_account_for_every_prefill_token(workload: str) -> None:
+    report = run_sim(CPU, workload=workload, requests=24, sim=SimConfig(num_gpu_blocks=2048))
+    assert report.ok, report.to_dict()
+    assert report.preemptions == 0
+    assert report.prefill_tokens == report.gpu_hit_tokens + report.loaded_tokens + report.recomputed_tokens
+    assert report.hit_tokens > 0
+
+
+def test_small_gpu_pool_serves_from_kvtier_and_verifies_every_loaded_block() -> None:
+    report = run_sim(CPU, workload="chat", requests=48, sim=SimConfig(num_gpu_blocks=256))
+    assert report.ok, report.to_dict()
+    assert report.loaded_tokens > 0 and report.verified_blocks > 0
+    assert report.loaded_tokens_by_tier.get("cpu", 0) == report.loaded_tokens
+    assert report.hit_tokens >= 0.95 * report.oracle_hit_tokens
+
+
+def test_finish_walk_adds_hits_under_async_scheduling() -> None:
+    # The engine's own prefix cache off and no memory pressure: every hit is a kvtier hit, and
+    # the two runs schedule identically until a walked block is served.
+    def sim(flag: bool) -> SimConfig:
+        return SimConfig(
+            async_scheduling=True,
+            prefix_caching=False,
+            num_gpu_blocks=2048,
+            engine_blocks_per_block=1,
+            store_last_block_at_finish=flag,
+        )
+
+    on = run_sim(CPU, workload="chat", requests=100, sim=sim(True))
+    off = run_sim(CPU, workload="chat", requests=100, sim=sim(False))
+    assert on.ok and off.ok
+    assert on.preemptions == off.preemptions == 0
+    assert on.last_block_jobs > 0 and off.last_block_jobs == 0
+    assert on.loaded_tokens > off.loaded_tokens
+
+
+def _random_sessions(rng: random.Random, count: int) -> list[Session]:
+    shared = [rng.randrange(3, 500) for _ in range(rng.randint(8, 40))]
+    sessions = []
+    for i in range(count):
+        turns = []
+        for t in range(rng.randint(1, 3)):
+            head = shared if (t == 0 and rng.random() < 0.6) else []
+            turns.append(
+                Turn(tuple(head + [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))]), rng.randint(1, 24))
+            )
+        # The last session arrives at step 10000, so the run spans at least that many steps.
+        start = 10_000 if i == count - 1 else rng.randint(0, 10_000)
+        sessions.append(Session(f"s{i}", start_step=start, turns=tuple(turns), think_steps=rng.randint(0, 3)))
+    return sessions
+
+
+def test_tiny_gpu_pool_random_run_never_reuses_a_fenced_block_nor_serves_corrupt_bytes() -> None:
+    """A seeded random driver: 10k+ steps with a GPU pool a few requests wide, async
+    scheduling, preemption, and a host tier small enough to evict."""
+    rng = random.Random(1234)
+    sim = SimConfig(
+        block_size=4,
+        engine_blocks_per_block=2,
+        num_gpu_blocks=64,
+        num_layers=2,
+        head_dim=4,
+        max_num_batched_tokens=48,
+        max_running=6,
+        async_scheduling=True,
+        answer_mean=12,
+    )
+    import asyncio
+
+    import kvtier
+    from kvtier.sim.engine import Simulator, make_caches, sim_namespace
+
+    caches = make_caches(sim)
+    layout = kvtier.KVLayout(caches, engine_blocks_per_block=2)
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 96 * layout.block_bytes}], "engine_blocks_per_block": 2}
+
+    async def _open():
+        return await kvtier.open(cfg, kv_caches=caches, namespace=sim_namespace(sim, layout.fingerprint()))
+
+    loop = asyncio.new_event_loop()
+    store = loop.run_until_complete(_open())
+    try:
+        engine = Simulator(store, sim)
+        report = engine.run(_random_sessions(rng, 900))
+    finally:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+    assert report.steps >= 10_000
+    assert report.preemptions > 0 and report.flushed_jobs > 0 and report.verified_blocks > 0
+    assert report.fence_violations == 0
+    assert report.corrupt_blocks == 0
+    assert (report.live_request_states, report.live_jobs, report.fenced_blocks) == (0, 0, 0)
+
+
+def test_kv_content_is_deterministic_finite_and_prefix_dependent() -> None:
+    seeds = torch.tensor([1, 2, 3], dtype=torch.int64)
+    a = kv_content(seeds, 0, 16)
+    assert torch.equal(a.view(torch.int16), kv_content(seeds, 0, 16).view(torch.int16))
+    assert torch.isfinite(a.float()).all()
+    assert not torch.equal(a[0].view(torch.int16), a[1].view(torch.int16))
+    assert not torch.equal(a.view(torch.int16), kv_content(seeds, 1, 16).view(torch.int16))
+
+
+def test_block_pool_reuses_most_recently_freed_blocks_last_and_evicts_their_hash() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    assert a == [0, 1] and b == [2, 3]
+    pool.cache(a[0], 111)
+    pool.free(a)
+    pool.free(b)
+    assert pool.allocate(1) == [1]  # a's tail went back first
+    assert pool.lookup([111]) == [0]
+    assert pool.allocate(1) == [0]
+    assert pool.lookup([111]) == []  # reallocation evicted it from the prefix cache
+
+
+def test_workloads_are_deterministic() -> None:
+    assert make_workload("docqa", requests=7, seed=3) == make_workload("docqa", requests=7, seed=3)
+    assert make_workload("chat", requests=7, seed=3) != make_workload("chat", requests=7, seed=4)
+
+
+def test_cli_sim_json_with_config_file(tmp_path, capsys) -> None:
+    cfg = tmp_path / "store.yaml"
+    cfg.write_text("tiers:\n  - backend: cpu\n    capacity: 8MiB\npolicy: lru\n")
+    rc = main(["sim", "--json", "--config", str(cfg), "--requests", "8", "--workload", "shared", "--seed", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(out)
+    assert data["ok"] is True and data["requests"] == 8 and data["corrupt_blocks"] == 0
+    assert data["tiers"] == ["cpu"]
+
+
+def test_cli_sim_default_tiers_live_under_the_user_cache_dir(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    from kvtier.sim.cli import default_sim_config
+
+    tiers = default_sim_config()["tiers"]
+    assert tiers[0]["backend"] == "cpu"
+    assert [t["backend"] for t in tiers] == ["cpu", "lmdb"]
+    assert tiers[1]["path"].startswith(str(tmp_path))
+    rc = main(["sim", "--requests", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "corrupt blocks" in out and "hit tokens / unbounded oracle" in out
+
+
+def test_cli_sim_rejects_a_bad_config(tmp_path, capsys) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("tiers: []\n")
+    assert main(["sim", "--config", str(cfg), "--requests", "2"]) == 1
+    assert "kvtier sim" in capsys.readouterr().err
