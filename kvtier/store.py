@@ -225,37 +225,34 @@ class KVStore:
             mgr.remove([key], tier)
 
     # -- convenience: prepare -> transfer -> complete ----------------------------------------
+    def _job_input(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[TransferEngine, list[int]]:
+        """Validate ``keys`` and their engine ``block_ids`` (``n`` per key) before any change."""
+        check_keys(keys)
+        transfers = self._xfer()
+        ids = transfers.layout.check_block_ids(block_ids, len(keys))
+        return transfers, ids
+
     async def save(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Store the blocks ``block_ids`` (``n`` engine ids per key) under ``keys``.
 
         Returns the number of blocks newly stored (keys already present are skipped). A full
         tier or a failing disk gives 0 for the blocks concerned; nothing raises."""
-        check_keys(keys)
-        transfers = self._xfer()
+        transfers, ids = self._job_input(keys, block_ids)
         n = self.config.engine_blocks_per_block
-        ids = list(block_ids)
-        if len(ids) != len(keys) * n:
-            raise LayoutError(f"block_ids: expected {len(keys) * n} engine block ids for {len(keys)} keys, got {len(ids)}")
-        transfers.layout.check_block_ids(ids, len(keys))
         plan = self._mgr().prepare_store(keys)
         if plan is None or plan.empty:
             return 0
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
         job = transfers.submit_store(plan, chosen)
         result = await transfers.wait_async(job)
-        transfers.poll_finished()
+        transfers.forget([job])
         return self.finish_store(plan, result)
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many
         leading blocks were filled with the right bytes (the rest must be recomputed)."""
-        check_keys(keys)
-        transfers = self._xfer()
+        transfers, ids = self._job_input(keys, block_ids)
         n = self.config.engine_blocks_per_block
-        ids = list(block_ids)
-        if len(ids) != len(keys) * n:
-            raise LayoutError(f"block_ids: expected {len(keys) * n} engine block ids for {len(keys)} keys, got {len(ids)}")
-        transfers.layout.check_block_ids(ids, len(keys))
         mgr = self._mgr()
         hits = mgr.lookup(keys)
         if hits == 0:
@@ -263,7 +260,7 @@ class KVStore:
         plan = mgr.prepare_load(list(keys[:hits]))
         job = transfers.submit_load(plan, ids[: hits * n])
         result = await transfers.wait_async(job)
-        transfers.poll_finished()
+        transfers.forget([job])
         self.finish_load(plan, result)
         if result.error is not None:
             return 0

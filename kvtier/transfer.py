@@ -168,6 +168,17 @@ class TransferEngine:
                 self._jobs.pop(r.job_id, None)
         return done
 
+    def forget(self, job_ids: Sequence[int]) -> None:
+        """Drop finished jobs whose results the caller already has (from ``wait`` or
+        ``wait_async``), so ``poll_finished`` does not report them to anyone else."""
+        drop = set(job_ids)
+        with self._lock:
+            for jid in drop:
+                job = self._jobs.get(jid)
+                if job is not None and job.result is not None:
+                    del self._jobs[jid]
+            self._finished = [r for r in self._finished if r.job_id not in drop]
+
     def pending_jobs(self) -> int:
         with self._lock:
             return sum(1 for j in self._jobs.values() if j.result is None)
@@ -269,20 +280,59 @@ class TransferEngine:
             src, dst = self.backends[d.src], self.backends[d.dst]
             for c in range(0, len(d.keys), chunk):
                 keys = d.keys[c : c + chunk]
-                rows, found = self._rows_of(src, keys, staging)
-                move = [(k, r) for k, r, ok in zip(keys, rows, found) if ok]
-                failed.setdefault(d.dst, []).extend(k for k, ok in zip(keys, found) if not ok)
-                if move:
-                    got = dst.write_blocks([k for k, _ in move], [r for _, r in move])
-                    for (k, _), size in zip(move, got):
-                        if size is None:
-                            failed.setdefault(d.dst, []).append(k)
-                        else:
-                            sizes.setdefault(d.dst, {})[k] = size
-                src.delete_blocks(keys)
+                try:
+                    rows, found = self._rows_of(src, keys, staging)
+                    move = [(k, r) for k, r, ok in zip(keys, rows, found) if ok]
+                    failed.setdefault(d.dst, []).extend(k for k, ok in zip(keys, found) if not ok)
+                    if move:
+                        got = dst.write_blocks([k for k, _ in move], [r for _, r in move])
+                        for (k, _), size in zip(move, got):
+                            if size is None:
+                                failed.setdefault(d.dst, []).append(k)
+                            else:
+                                sizes.setdefault(d.dst, {})[k] = size
+                except Exception as exc:  # the victims are lost (a miss later), the job goes on
+                    log.warning("demotion of %d blocks to tier %d failed: %s", len(keys), d.dst, exc)
+                    failed.setdefault(d.dst, []).extend(keys)
+                finally:
+                    # The manager already counts these keys as gone from the source: free them
+                    # whatever happened, or the source's slots would leak.
+                    src.delete_blocks(keys)
         # 3. the new blocks.
         if self._cuda and event is not None:
             torch.cuda.current_stream(self.layout.device).wait_event(event)
+        try:
+            nbytes = self._store_new(plan, ids, staging, failed, sizes)
+        except BaseException:
+            # The manager releases this job's reservations; release the bytes to match.
+            for tier, keys in ((plan.tier, plan.keys), *plan.write_through):
+                try:
+                    self.backends[tier].delete_blocks(keys)
+                except Exception as exc:
+                    log.warning("cleanup of a failed store in tier %d failed: %s", tier, exc)
+            raise
+        ok_all = not failed.get(plan.tier)
+        return JobResult(
+            job_id,
+            "store",
+            ok_all,
+            plan.keys,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - start,
+            failed={t: tuple(ks) for t, ks in failed.items() if ks},
+            sizes=sizes,
+        )
+
+    def _store_new(
+        self,
+        plan: StorePlan,
+        ids: list[int],
+        staging: torch.Tensor,
+        failed: dict[int, list[bytes]],
+        sizes: dict[int, dict[bytes, int]],
+    ) -> int:
+        """Write the plan's new blocks into its tier and its write-through tiers; return bytes."""
+        chunk = staging.shape[0]
         n = self.layout.engine_blocks_per_block
         target = self.backends[plan.tier]
         nbytes = 0
@@ -313,17 +363,7 @@ class TransferEngine:
                             sizes.setdefault(tier, {})[k] = size
                             if tier == plan.tier:
                                 nbytes += self.layout.block_bytes
-        ok_all = not failed.get(plan.tier)
-        return JobResult(
-            job_id,
-            "store",
-            ok_all,
-            plan.keys,
-            nbytes=nbytes,
-            seconds=time.perf_counter() - start,
-            failed={t: tuple(ks) for t, ks in failed.items() if ks},
-            sizes=sizes,
-        )
+        return nbytes
 
     def _write_from(
         self,

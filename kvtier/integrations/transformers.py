@@ -77,12 +77,10 @@ Private ``transformers`` internals this module relies on -- all of them, and onl
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import math
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -92,6 +90,7 @@ import torch
 
 from kvtier.config import StoreConfig, load_config
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.integrations._sync import run_sync
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import KeyState
@@ -119,28 +118,6 @@ def _import_transformers() -> Any:
             TESTED_VERSION,
         )
     return transformers
-
-
-def _run(coro: Any) -> Any:
-    """Run a coroutine to completion from synchronous code, even under a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=target, name="kvtier-open")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def _config_fingerprint(model_config: Any) -> str:
@@ -237,7 +214,7 @@ class TransformersKVTier:
         self.engine_prefix_cache = engine_prefix_cache
         self.transformers_version = tf.__version__
         self.store = KVStore(cfg, kv_caches=[self.kv_cache], namespace=namespace)
-        _run(self.store.start())
+        run_sync(self.store.start())
         self.counters: dict[str, int] = {
             "lookups": 0,
             "prompt_tokens": 0,
@@ -494,7 +471,7 @@ class TransformersKVTier:
         finally:
             self._uninstall()
             self._closed = True
-            _run(self.store.aclose())
+            run_sync(self.store.aclose())
 
     def __enter__(self) -> TransformersKVTier:
         return self

@@ -76,12 +76,11 @@ vLLM internals this module relies on (all imported lazily, only here):
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Collection, Coroutine, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -89,6 +88,7 @@ import torch
 
 from kvtier.config import load_config, load_config_file
 from kvtier.errors import ConfigError
+from kvtier.integrations._sync import run_sync
 from kvtier.keys import Namespace, fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan, TierManager
 from kvtier.store import KVStore
@@ -190,28 +190,6 @@ def engine_stats(engine_id: str | None = None) -> dict[str, Any]:
     if engine_id is not None or len(out) != 1:
         return out.get(engine_id, {}) if engine_id is not None else out
     return next(iter(out.values()))
-
-
-def _run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to completion from synchronous code, even under a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="kvtier-vllm-sync")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
 
 
 def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -536,7 +514,7 @@ def _build() -> dict[str, type]:
             with _ENGINES_LOCK:
                 if _ENGINES.get(self._engine.engine_id) is self._engine:
                     del _ENGINES[self._engine.engine_id]
-            _run_sync(self._engine.store.aclose())
+            run_sync(self._engine.store.aclose())
 
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""
@@ -572,7 +550,7 @@ def _build() -> dict[str, type]:
             layout = KVLayout(views)
             namespace = _namespace(self.config, self.tokens_per_block[0], layout.fingerprint(), overrides)
             cfg = load_config(cfg_dict, source="kv_connector_extra_config.kvtier", block_bytes=layout.block_bytes)
-            store = _run_sync(KVStore(cfg, kv_caches=views, namespace=namespace).start())
+            store = run_sync(KVStore(cfg, kv_caches=views, namespace=namespace).start())
             engine = _Engine(self.config.engine_id, store)
             assert store.manager is not None
             engine.counters["blocks_adopted"] = sum(t["ready"] for t in store.manager.stats()["tiers"])
