@@ -154,14 +154,12 @@ class KVLayout:
         return "index" if pool.device == self.device else "foreach"
 
     def _dst_views(self, pool: torch.Tensor) -> list[torch.Tensor]:
-        """Per tensor, the pool's bytes for that tensor as ``[slots, n, words]``."""
+        """Per tensor, the pool's words for that tensor as a 2-D ``[slots, n * words]`` view
+        (two-dimensional on purpose: ``index_copy_`` into ``[slots, n, words]`` was slower)."""
         n = self.engine_blocks_per_block
         wide = pool.view(_WIDE[self._width])
         w = self._width
-        return [
-            wide[:, info.offset // w : (info.offset + n * info.engine_block_bytes) // w].unflatten(1, (n, info.engine_block_bytes // w))
-            for info in self._infos
-        ]
+        return [wide[:, info.offset // w : (info.offset + n * info.engine_block_bytes) // w] for info in self._infos]
 
     # -- movement --------------------------------------------------------------------------
     def gather(self, block_ids: Sequence[int], pool: torch.Tensor, rows: Sequence[int], *, non_blocking: bool = False) -> None:
@@ -173,9 +171,9 @@ class KVLayout:
         if self._pick(pool) == "index":
             src_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
             dst_idx = torch.tensor(list(rows), dtype=torch.long, device=pool.device)
-            k, n = len(rows), self.engine_blocks_per_block
+            k = len(rows)
             for src, dst in zip(self._src, self._dst_views(pool)):
-                picked = src.index_select(0, src_idx).view(k, n, -1)
+                picked = src.index_select(0, src_idx).view(k, -1)  # a block's n rows are consecutive
                 dst.index_copy_(0, dst_idx, picked)
             return
         dsts, srcs = self._pairs(ids, pool, rows)
@@ -190,8 +188,9 @@ class KVLayout:
         if self._pick(pool) == "index":
             src_idx = torch.tensor(list(rows), dtype=torch.long, device=pool.device)
             dst_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+            n = self.engine_blocks_per_block
             for cache, view in zip(self._src, self._dst_views(pool)):
-                picked = view.index_select(0, src_idx).flatten(0, 1)
+                picked = view.index_select(0, src_idx).view(len(rows) * n, -1)
                 cache.index_copy_(0, dst_idx, picked)
             return
         dsts, srcs = self._pairs(ids, pool, rows)
@@ -205,7 +204,7 @@ class KVLayout:
         srcs: list[torch.Tensor] = []
         for j, row in enumerate(rows):
             for src, view in zip(self._src, views):
-                piece = view[row]
+                piece = view[row].view(n, -1)
                 for m in range(n):
                     dsts.append(piece[m])
                     srcs.append(src[ids[j * n + m]])
