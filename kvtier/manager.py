@@ -517,11 +517,13 @@ class TierManager:
             open_plan.remaining.discard(key)
             if not open_plan.remaining:
                 del self._plans[plan_id]
+                through_tiers = {wt for wt, _ in open_plan.plan.write_through}
+                plan_keys = set(open_plan.plan.keys) if through_tiers else set()
                 for ti, pkey in open_plan.pending:
                     t = self._tiers[ti]
                     if t.index.get(pkey) != _PENDING:
                         continue
-                    written_through = any(ti == wt for wt, _ in open_plan.plan.write_through) and pkey in open_plan.plan.keys
+                    written_through = ti in through_tiers and pkey in plan_keys
                     if pkey in failed_sets.get(ti, ()) or (written_through and not success):
                         t.discard(pkey)
                         t.dropped += 1
