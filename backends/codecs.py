@@ -142,7 +142,7 @@ class ZstdShuffleCodec(Codec):
         _check_options(self.level, self.threads)
 
     def encode(self, raw: memoryview, itemsize: int) -> bytes | memoryview:
-        return _compressor(self.level, self.threads).compress(shuffle_bytes(raw, itemsize))
+        return _compressor(self.level, self.threads).compress(shuffle_bytes(raw, itemsize).data)
 
     def decode_into(self, payload: memoryview, out: memoryview, itemsize: int) -> None:
         if itemsize not in _UINT or len(out) % itemsize:
@@ -150,7 +150,7 @@ class ZstdShuffleCodec(Codec):
             return
         # Bounded by len(out), which the caller checked against the header before calling.
         planes = np.empty(len(out), dtype=np.uint8)
-        _decompress_into(payload, memoryview(planes))
+        _decompress_into(payload, planes.data)
         unshuffle_bytes(planes, out, itemsize)
 
     def to_dict(self) -> dict[str, Any]:

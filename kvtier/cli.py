@@ -87,7 +87,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
     cfg = load_config_file(args.file, env=not args.no_env, block_bytes=args.block_bytes)
     block = cfg.block_bytes or (parse_size(args.block_bytes, field="--block-bytes") if args.block_bytes else None)
-    tiers = []
+    tiers: list[dict[str, Any]] = []
     for i, tier in enumerate(cfg.tiers):
         options = {k: v for k, v in tier.options().items() if k != "capacity"}
         tiers.append(
@@ -150,7 +150,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         _print_json(report.to_dict())
         return 0
     ratio = report.codec_ratio
-    rows = [
+    rows: list[list[Any]] = [
         ["path", report.path],
         ["backend", report.kind],
         ["format version", report.format_version],

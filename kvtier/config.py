@@ -327,9 +327,9 @@ def _backend_problems(tier: TierConfig, index: int, cls: type) -> list[tuple[str
         cls(**options)
     except TypeError as exc:
         text = str(exc)
-        accepted = _accepted_options(cls)
+        accepted_names = _accepted_options(cls)
         if m := _UNEXPECTED.search(text):
-            return [(f"{here}.{m.group(1)}", f"unknown option for the {tier.backend!r} backend; accepted: {', '.join(accepted)}")]
+            return [(f"{here}.{m.group(1)}", f"unknown option for the {tier.backend!r} backend; accepted: {', '.join(accepted_names)}")]
         if m := _MISSING.search(text):
             names = re.findall(r"'(\w+)'", m.group(1))
             return [(f"{here}.{n}", f"required by the {tier.backend!r} backend") for n in names]

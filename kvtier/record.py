@@ -302,16 +302,16 @@ class RecordBackend(Backend):
         parts = []
         for key, block in zip(keys, blocks):
             host = block if block.device.type == "cpu" and block.is_contiguous() else block.contiguous().cpu()
-            parts.append(encode_record(key, memoryview(host.numpy()), self.codec, code))
+            parts.append(encode_record(key, host.numpy().data, self.codec, code))
         return parts
 
     @staticmethod
     def _host_view(out: torch.Tensor) -> tuple[memoryview, torch.Tensor | None]:
         """A writable view of ``out``, or of a host staging tensor to copy back afterwards."""
         if out.device.type == "cpu" and out.is_contiguous():
-            return memoryview(out.numpy()), None
+            return out.numpy().data, None
         staging = torch.empty(out.numel(), dtype=torch.uint8)
-        return memoryview(staging.numpy()), staging
+        return staging.numpy().data, staging
 
     def _count_reads(self, found: list[bool], size: int, *, corrupt: int) -> None:
         hits = sum(found)

@@ -506,8 +506,8 @@ class Simulator:
             last = (req.num_computed_tokens + count - 1) // b
             out.update(req.block_ids[first : last + 1])
         for load in meta.loads:
-            req = self.loading.get(load.request_id)
-            held = set(req.block_ids[: req.load_base // b]) if req is not None else set()
+            loading = self.loading.get(load.request_id)
+            held = set(loading.block_ids[: loading.load_base // b]) if loading is not None else set()
             out.update(x for x in load.block_ids if x not in held)
         return out
 
