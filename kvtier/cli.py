@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_cmd_inspect)
 
     verify = sub.add_parser("verify", help="check every record's checksum",
-                            description="Check the header and CRC32C checksum of every record of a tier; "
+                            description="Check the header and checksum of every record of a tier; "
                             "exit status 1 if any is bad (unless --delete removed them).")
     verify.add_argument("path", metavar="PATH", help="the tier's directory")
     verify.add_argument("--delete", action="store_true", help="delete the bad records")

@@ -10,8 +10,11 @@ A record is a fixed 32-byte little-endian header followed by the payload::
     7      1    flags            0 (reserved; a non-zero value is a format this build cannot read)
     8      8    raw length       bytes of the block once decoded
     16     8    stored length    bytes of payload that follow the header
-    24     4    reserved         0
-    28     4    checksum         CRC32C over header[0:28] + the 32-byte key + payload
+    24     8    checksum         XXH3-64 over header[0:24] + the 32-byte key + payload
+
+XXH3 rather than CRC32C: both catch bit rot and torn writes, and XXH3 runs at about 54 GB/s here
+against 23 GB/s for hardware CRC32C, which kept loads from a warm LMDB at 0.6-0.75 of a raw get
+(the check is a second pass over every loaded block).
 
 The key is bound into the checksum but not stored, so a record copied or renamed under another
 key fails its check. Readers parse and check the header *before* touching the payload: magic,
@@ -41,6 +44,7 @@ import google_crc32c
 import msgpack
 import numpy as np
 import torch
+import xxhash
 
 from kvtier.backend import Backend, BlockFormat
 from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id, resolve_codec
@@ -65,14 +69,15 @@ __all__ = [
     "encode_meta",
     "encode_record",
     "parse_header",
+    "record_checksum",
     "verify_payload",
 ]
 
 MAGIC = b"KVTB"
 RECORD_VERSION = 1
-HEADER = struct.Struct("<4sBBBBQQII")
+HEADER = struct.Struct("<4sBBBBQQQ")
 HEADER_SIZE = HEADER.size  # 32
-_CHECKED = 28  # header bytes covered by the checksum (all but the checksum itself)
+_CHECKED = 24  # header bytes covered by the checksum (all but the checksum itself)
 
 META_MAGIC = b"KVTM"
 META_VERSION = 1
@@ -93,6 +98,15 @@ _WIDTH_OF_CODE = {code: width for code, width in DTYPE_CODES.values()}
 def dtype_code(dtype: str) -> int:
     """The header code for ``dtype``; unknown dtypes are stored as opaque bytes (code 0)."""
     return DTYPE_CODES.get(dtype, (0, 1))[0]
+
+
+def record_checksum(head: Any, key: bytes, payload: Any) -> int:
+    """The record checksum: XXH3-64 over the checked header bytes, the key and the payload."""
+    h = xxhash.xxh3_64()
+    h.update(head)
+    h.update(key)
+    h.update(payload)
+    return h.intdigest()
 
 
 def crc32c(data: Any, crc: int = 0) -> int:
@@ -128,10 +142,10 @@ def parse_header(buf: Any, *, raw_length: int, available: int | None = None) -> 
     """
     if len(buf) < HEADER_SIZE:
         raise CorruptBlockError(f"record truncated: {len(buf)} bytes, the header alone is {HEADER_SIZE}")
-    magic, version, codec_id, code, flags, raw, stored, reserved, checksum = HEADER.unpack_from(buf, 0)
+    magic, version, codec_id, code, flags, raw, stored, checksum = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad record magic {bytes(magic)!r}")
-    if version != RECORD_VERSION or flags or reserved:
+    if version != RECORD_VERSION or flags:
         raise UnsupportedRecordError(f"record format version {version} (flags {flags}) is not supported")
     if raw != raw_length:
         raise CorruptBlockError(f"record claims {raw} raw bytes, the store's block is {raw_length}")
@@ -154,9 +168,8 @@ def encode_record(key: bytes, raw: memoryview, codec: Codec, code: int) -> tuple
         encoded = codec.encode(raw, itemsize)
         if len(encoded) < len(raw):
             payload, codec_id = encoded, codec.codec_id
-    head = HEADER.pack(MAGIC, RECORD_VERSION, codec_id, code, 0, len(raw), len(payload), 0, 0)
-    crc = crc32c(payload, crc32c(key, crc32c(head[:_CHECKED])))
-    return head[:_CHECKED] + struct.pack("<I", crc), payload
+    head = HEADER.pack(MAGIC, RECORD_VERSION, codec_id, code, 0, len(raw), len(payload), 0)[:_CHECKED]
+    return head + struct.pack("<Q", record_checksum(head, key, payload)), payload
 
 
 def decode_record(key: bytes, record: Any, out: memoryview, *, available: int | None = None) -> RecordHeader:
@@ -169,13 +182,13 @@ def decode_record(key: bytes, record: Any, out: memoryview, *, available: int | 
     view = memoryview(record)
     header = parse_header(view, raw_length=len(out), available=len(view) if available is None else available)
     payload = view[HEADER_SIZE : HEADER_SIZE + header.stored_length]
-    prefix = crc32c(key, crc32c(view[:_CHECKED]))
+    head = view[:_CHECKED]
     if header.codec_id == NoneCodec.codec_id:
         out[:] = payload
-        if crc32c(out, prefix) != header.checksum:
+        if record_checksum(head, key, out) != header.checksum:
             raise CorruptBlockError("record checksum mismatch")
         return header
-    if crc32c(payload, prefix) != header.checksum:
+    if record_checksum(head, key, payload) != header.checksum:
         raise CorruptBlockError("record checksum mismatch")
     codec_for_id(header.codec_id).decode_into(payload, out, header.itemsize)
     return header
@@ -183,8 +196,7 @@ def decode_record(key: bytes, record: Any, out: memoryview, *, available: int | 
 
 def verify_payload(key: bytes, header_bytes: Any, header: RecordHeader, payload: Any) -> None:
     """Check the checksum of a record read in pieces (header, then payload)."""
-    crc = crc32c(payload, crc32c(key, crc32c(memoryview(header_bytes)[:_CHECKED])))
-    if crc != header.checksum:
+    if record_checksum(memoryview(header_bytes)[:_CHECKED], key, payload) != header.checksum:
         raise CorruptBlockError("record checksum mismatch")
 
 

@@ -18,18 +18,18 @@ from kvtier.record import (
     MAGIC,
     RECORD_VERSION,
     check_meta,
-    crc32c,
     decode_meta,
     decode_record,
     dtype_code,
     encode_meta,
     encode_record,
     parse_header,
+    record_checksum,
 )
 
 KEY = bytes(range(32))
 GOLDEN_RECORD = bytes.fromhex(
-    "4b5654420100010010000000000000001000000000000000000000008fc49474"
+    "4b5654420100010010000000000000001000000000000000850900d371df32ef"
     "6b76746965722d676f6c64656e2d3136"
 )
 GOLDEN_META = bytes.fromhex(
@@ -47,9 +47,8 @@ def _record(key: bytes, raw: bytes, codec: object = None, dtype: str = "bfloat16
 
 def _forge(key: bytes, codec_id: int, raw_length: int, payload: bytes, version: int = RECORD_VERSION) -> bytes:
     """A record with a valid checksum and whatever header fields an attacker likes."""
-    head = HEADER.pack(MAGIC, version, codec_id, 1, 0, raw_length, len(payload), 0, 0)[:28]
-    crc = crc32c(payload, crc32c(key, crc32c(head)))
-    return head + struct.pack("<I", crc) + payload
+    head = HEADER.pack(MAGIC, version, codec_id, 1, 0, raw_length, len(payload), 0)[:24]
+    return head + struct.pack("<Q", record_checksum(head, key, payload)) + payload
 
 
 def test_golden_record_bytes() -> None:
