@@ -7,6 +7,7 @@ tiers, real transfer threads) and checks both the connector's bookkeeping and th
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -403,3 +404,152 @@ def test_request_state_is_freed_when_prepare_store_is_rejected() -> None:
         assert rig.sched.num_request_states == 0
     finally:
         rig.close()
+
+
+# -- engines without a step loop (build_immediate_meta / run_now / wait_for) -------------------
+@pytest.fixture
+def sync_rig() -> Iterator[Rig]:
+    r = Rig(step_loop=False)
+    r.workers = [WorkerConnector.from_store(s, rank=i) for i, s in enumerate(r.stores)]
+    yield r
+    r.close()
+
+
+def _slow_gather(rig: Rig, seconds: float) -> None:
+    """Hold every store's read of the engine blocks back by ``seconds``."""
+    layout = rig.stores[0].transfers.layout
+    gather = layout.gather
+
+    def slow(*args: object, **kwargs: object) -> None:
+        time.sleep(seconds)
+        gather(*args, **kwargs)
+
+    layout.gather = slow  # type: ignore[method-assign]
+
+
+def _finish_now(rig: Rig, req: Req) -> StepMetadata:
+    """A synchronous engine's finish: no step ever reported; the stores are built at once."""
+    ext, _ = rig.sched.get_num_new_matched_tokens(req, 0)  # the request's state starts at its match
+    assert ext == 0
+    rig.sched.update_state_after_alloc(req, req.block_ids, 0)
+    assert rig.sched.request_finished(req, req.block_ids) == (False, None)
+    return StepMetadata.from_bytes(rig.sched.build_immediate_meta().to_bytes())
+
+
+def test_immediate_finish_store_is_in_the_metadata_and_then_hits(sync_rig: Rig) -> None:
+    rig = sync_rig
+    _slow_gather(rig, 0.2)  # so that the store is certainly still in flight after run_now
+    req = Req("a", list(range(500, 509)), num_computed_tokens=9, block_ids=[3, 4, 5])  # 2 full blocks
+    rig.fill(3, 3.0)
+    rig.fill(4, 4.0)
+    meta = _finish_now(rig, req)
+    (job,) = meta.stores
+    assert job.block_ids == (3, 4)
+    assert meta.loads == () and meta.jobs_to_flush == ()
+    assert rig.sched.counters["last_block_jobs"] == 1
+    assert rig.sched.fenced_blocks() == {3, 4}
+    keys = rig.keys(req.tokens)
+    assert rig.manager.lookup(keys) == 0  # pending until acknowledged
+    nxt = Req("b", [*req.tokens[:8], 1, 2])
+    out = rig.workers[0].run_now(meta)
+    assert rig.workers[0].num_unsubmitted == 0  # submitted at once, not deferred to a next step
+    assert rig.sched.update_connector_output(out).unfenced == ()
+    assert rig.sched.num_jobs == 1
+    # The next turn's lookup names the store writing its prefix; the engine waits for it.
+    assert rig.sched.get_num_new_matched_tokens(nxt, 0) == (0, False)
+    assert rig.sched.pending_prefix_stores(nxt, 0) == (job.job_id,)
+    update = rig.sched.update_connector_output(rig.workers[0].wait_for([job.job_id]))
+    assert sorted(update.unfenced) == [3, 4]
+    assert rig.sched.pending_prefix_stores(nxt, 0) == ()
+    assert rig.manager.lookup(keys) == 2
+    assert rig.sched.counters["stored_blocks"] == 2
+    assert rig.sched.get_num_new_matched_tokens(nxt, 0) == (8, True)
+    rig.sched.update_state_after_alloc(nxt, [], 0)  # not loaded after all
+    rig.sched.request_finished(nxt, [])
+    assert (rig.sched.num_request_states, rig.sched.num_jobs, rig.sched.num_fenced_blocks) == (0, 0, 0)
+    # The worker built from the store records the job in the store's I/O metrics.
+    assert rig.stores[0].metrics.snapshot()["tiers"][0]["bytes_stored"] > 0
+
+
+def test_stepped_connector_never_stores_an_unscheduled_request_but_a_stepless_one_does() -> None:
+    for step_loop, stored in ((True, 0), (False, 2)):
+        rig = Rig(step_loop=step_loop)
+        try:
+            req = Req("a", list(range(600, 609)), num_computed_tokens=9, block_ids=[1, 2, 3])
+            meta = _finish_now(rig, req)
+            assert sum(len(j.plan.keys) for j in meta.stores) == stored
+            rig.sched.update_connector_output(rig.workers[0].run_now(meta))
+            rig.sched.update_connector_output(rig.workers[0].get_finished(block=True))
+            assert rig.manager.lookup(rig.keys(req.tokens)) == stored
+            assert rig.sched.num_request_states == 0
+        finally:
+            rig.close()
+
+
+def test_synchronous_load_fills_the_blocks_and_counts_valid_tokens(sync_rig: Rig) -> None:
+    rig = sync_rig
+    src = Req("src", list(range(700, 713)), num_computed_tokens=13, block_ids=[1, 2, 3, 4])  # 3 full blocks
+    for b in (1, 2, 3):
+        rig.fill(b, float(b))
+    meta = _finish_now(rig, src)
+    rig.sched.update_connector_output(rig.workers[0].run_now(meta))
+    rig.sched.update_connector_output(rig.workers[0].get_finished(block=True))
+    keys = rig.keys(src.tokens)
+    assert rig.manager.lookup(keys) == 3
+    # The engine's own cache holds block 0 (4 tokens); kvtier serves blocks 1 and 2 at once.
+    req = Req("r", [*src.tokens[:12], 9], block_ids=[1])
+    assert rig.sched.pending_prefix_stores(req, 4) == ()
+    assert rig.sched.get_num_new_matched_tokens(req, 4) == (8, True)
+    req.block_ids = [1, 20, 21]
+    rig.sched.update_state_after_alloc(req, req.block_ids, 8)
+    meta = rig.sched.build_immediate_meta()
+    (load,) = meta.loads
+    assert load.block_ids == (20, 21) and meta.stores == ()
+    update = rig.sched.update_connector_output(rig.workers[0].run_now(meta))
+    assert update.loaded == {"r": 12}
+    assert torch.equal(rig.content(20)[0], torch.full((BLOCK, WIDTH), 2.0))
+    assert torch.equal(rig.content(21)[1], torch.full((BLOCK, WIDTH), 3.0))
+    assert rig.sched.num_jobs == 0 and not rig.sched.has_pending_work()
+    # A record gone behind the manager's back: the load stops there, the rest is recomputed.
+    rig.stores[0].backends[0].delete_blocks([keys[2]])
+    again = Req("q", [*src.tokens[:12], 8])
+    assert rig.sched.get_num_new_matched_tokens(again, 0) == (12, True)
+    rig.sched.update_state_after_alloc(again, [24, 25, 26], 12)
+    update = rig.sched.update_connector_output(rig.workers[0].run_now(rig.sched.build_immediate_meta()))
+    assert update.loaded == {"q": 8}
+    assert rig.manager.lookup(keys) == 2
+    assert rig.sched.counters["load_missed_blocks"] == 1
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["fenced", "unfenced"])
+def test_fence_holds_for_an_immediately_submitted_store(sync_rig: Rig, flush: bool) -> None:
+    """A store submitted at once by ``run_now`` is still reading block 4 (its gather is held
+    back) when a later step hands block 4 out again: the step's ``jobs_to_flush`` names it and
+    the worker waits for it before the compute overwrites the block. The control skips the
+    flush and sees the overwrite stored, which shows the test sees the race."""
+    rig = sync_rig
+    _slow_gather(rig, 0.3)
+    req = Req("a", list(range(800, 809)), num_computed_tokens=9, block_ids=[3, 4, 5])
+    rig.fill(3, 3.0)
+    rig.fill(4, 4.0)
+    meta = _finish_now(rig, req)
+    (job,) = meta.stores
+    rig.sched.update_connector_output(rig.workers[0].run_now(meta))
+    assert rig.workers[0].num_in_flight == 1  # in flight, the engine has already freed the blocks
+    other = Req("b", [9] * 4)
+    _admit(rig, other, [4])
+    step = rig.meta({"b": 4}, allocated=[4])
+    assert step.jobs_to_flush == (job.job_id,)
+    if flush:
+        rig.workers[0].handle_preemptions(step)
+    rig.fill(4, -1.0)  # b's compute
+    rig.workers[0].start_load_kv(step)
+    update = rig.sched.update_connector_output(rig.workers[0].get_finished(block=True))
+    assert 3 in update.unfenced
+    loaded = Req("c", [*req.tokens[:8], 1])
+    assert rig.sched.get_num_new_matched_tokens(loaded, 0) == (8, True)
+    rig.sched.update_state_after_alloc(loaded, [20, 21, 22], 8)
+    update = rig.sched.update_connector_output(rig.workers[0].run_now(rig.sched.build_immediate_meta()))
+    assert update.loaded == {"c": 8}
+    want = 4.0 if flush else -1.0
+    assert torch.equal(rig.content(21)[0], torch.full((BLOCK, WIDTH), want))

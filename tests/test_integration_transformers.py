@@ -122,6 +122,8 @@ def chat(config: dict[str, Any] | None, *, turns: int = 3, engine_prefix_cache: 
             out["matches"] = list(kv.matches.values())
             out["stats"] = kv.stats()
             kv.close()
+            c = kv.connector
+            out["leftover"] = (c.num_request_states, c.num_jobs, c.num_fenced_blocks, len(kv._pinned))
     return out
 
 
@@ -190,6 +192,11 @@ def test_prefixes_come_from_kvtier(runs: dict[str, Any]) -> None:
         # turn 1: nothing; turn 2: 47 computed tokens -> 2 pages; turn 3: 66 -> 4 pages
         assert [m.kvtier_tokens for m in matches] == [0] * 3 + [2 * PAGE] * 3 + [4 * PAGE] * 3
         assert runs[name]["stats"]["errors"] == 0
+        # Every lookup, load and store went through the connector, and nothing is left behind.
+        connector = runs[name]["stats"]["connector"]
+        assert connector["load_jobs"] == 6 and connector["load_blocks"] == 6 * 3
+        assert connector["last_block_jobs"] == 9
+        assert runs[name]["leftover"] == (0, 0, 0, 0)
     assert runs["fresh"]["kvtier_tokens"] == [4 * PAGE] * 3
 
 

@@ -25,7 +25,31 @@ Contract (the calls engine authors know from vLLM's KV connector):
 ``update_connector_output(worker_output)``
     Counts acknowledgements; once all ``world_size`` workers reported a job it is applied to
     the manager. Returns a :class:`ConnectorUpdate` (tokens now valid per loaded request,
-    requests whose delayed blocks may now be freed).
+    requests whose delayed blocks may now be freed, engine blocks no longer read by any store).
+
+Engines without a step loop (synchronous engines: a prefix match must be complete when it
+returns, the engine frees a finished request's blocks at once and does not schedule while
+idle) use ``ConnectorConfig(step_loop=False)`` and three more calls:
+
+``build_immediate_meta()``
+    A :class:`StepMetadata` with everything due *now*: the loads queued by
+    ``update_state_after_alloc`` and the stores of the requests finished since the last build
+    (the finish walk, run at once instead of at the next step). The worker runs it with
+    :meth:`~kvtier.connector.WorkerConnector.run_now` (submitted at once, loads waited for), and
+    ``update_connector_output`` of what that returns reports the load's valid tokens. A stepping
+    engine may call it too, e.g. when it goes idle with finished requests to store.
+``pending_prefix_stores(request, num_computed_tokens)``
+    Store jobs, built and not yet acknowledged, that write the blocks right after what kvtier
+    can serve the request now (typically the previous turn of the same conversation, finished a
+    moment ago). A synchronous engine waits for them
+    (:meth:`~kvtier.connector.WorkerConnector.wait_for`), applies the output, then asks
+    ``get_num_new_matched_tokens``: a store is cheaper to wait for than a prefill to redo.
+With ``step_loop=False``, ``request_finished`` trusts ``request.num_computed_tokens`` (no
+step reports told the connector that the request ran), and every block of a request is stored
+by the finish walk. The fence then works by reference count, since such an engine cannot list
+the blocks it allocates: the engine pins every block of ``meta.stores`` (once per block) before
+it frees them, and unpins the blocks of ``ConnectorUpdate.unfenced``. A fenced block also still
+goes into ``jobs_to_flush`` if a later ``build_connector_meta`` reports it allocated.
 
 The fence: every engine block read by a store job that is built and not yet acknowledged maps
 to that job. A job goes into ``jobs_to_flush`` when one of its source blocks is handed out again
@@ -69,6 +93,8 @@ class ConnectorConfig:
     own chained block hashes (``request.block_hashes``, one per engine block) instead of
     hashing token ids. ``store_last_block_at_finish=False`` disables the finish walk (for
     measurement only: it loses every block completed by a request's last steps).
+    ``step_loop=False`` is for engines that never call ``build_connector_meta`` (see the module
+    docstring): ``request_finished`` then trusts ``request.num_computed_tokens``.
     """
 
     block_size: int
@@ -76,6 +102,7 @@ class ConnectorConfig:
     world_size: int = 1
     store_last_block_at_finish: bool = True
     key_source: Literal["tokens", "block_hashes"] = "tokens"
+    step_loop: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "engine_blocks_per_block", "world_size"):
@@ -137,6 +164,8 @@ class SchedulerConnector:
         self._jobs: dict[int, _Job] = {}
         self._fence: dict[int, set[int]] = {}
         self._loading: dict[bytes, int] = {}  # key -> loads in flight that fill it
+        self._storing: dict[bytes, int] = {}  # key -> the unacknowledged store job writing it
+        self._last_step = 0
         self._walk: list[_RequestState] = []
         self._new_loads: list[LoadJob] = []
         self._ready_loads: dict[str, int] = {}  # loads settled without a job (see update_state_after_alloc)
@@ -146,6 +175,7 @@ class SchedulerConnector:
             "store_blocks": 0,
             "store_rejected_blocks": 0,
             "store_failed_blocks": 0,
+            "stored_blocks": 0,
             "load_jobs": 0,
             "load_blocks": 0,
             "load_missed_blocks": 0,
@@ -260,6 +290,29 @@ class SchedulerConnector:
         st.intent = (start, end, num_computed_tokens)
         return external, True
 
+    def pending_prefix_stores(self, request: Request, num_computed_tokens: int) -> tuple[int, ...]:
+        """Unacknowledged store jobs writing the blocks right after the prefix kvtier holds for
+        ``request`` now (past ``num_computed_tokens``); empty when there is nothing to wait for."""
+        if not self._storing:
+            return ()
+        st = self._state(request)
+        bt = self._block_tokens
+        max_blocks = (len(request.token_ids) - 1) // bt
+        start = num_computed_tokens // bt
+        if max_blocks <= start:
+            return ()
+        self._extend_keys(st, max_blocks)
+        keys = st.keys[start:max_blocks]
+        hits = self.manager.lookup(keys) if keys else 0
+        jobs: list[int] = []
+        for key in keys[hits:]:
+            jid = self._storing.get(key)
+            if jid is None:
+                break
+            if jid not in jobs:
+                jobs.append(jid)
+        return tuple(jobs)
+
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Record the allocation; build the load job promised by ``get_num_new_matched_tokens``."""
         st = self._state(request)
@@ -336,6 +389,8 @@ class SchedulerConnector:
         job = _Job(next(self._job_ids), "store", st.request.request_id, plan, tuple(ids))
         self._jobs[job.job_id] = job
         st.jobs.add(job.job_id)
+        for key in plan.keys:
+            self._storing[key] = job.job_id
         fence = self._fence
         for b in job.block_ids:
             holders = fence.get(b)
@@ -350,7 +405,7 @@ class SchedulerConnector:
     def _mark_finished(self, st: _RequestState, block_ids: Sequence[int] | None) -> None:
         st.finished = True
         st.intent = None
-        if self.config.store_last_block_at_finish and st.scheduled:
+        if self.config.store_last_block_at_finish and (st.scheduled or not self.config.step_loop):
             req = st.request
             st.final_block_ids = tuple(int(b) for b in (req.block_ids if block_ids is None else block_ids))
             st.final_computed = int(req.num_computed_tokens)
@@ -390,21 +445,16 @@ class SchedulerConnector:
             if st is not None and not st.finished:
                 self._mark_finished(st, None)
                 self._maybe_free(st)
+        self._last_step = step.step
         stores: list[StoreJob] = []
         # Finished requests first: workers submit stores in build order, and flushing one of
         # these must not drag along a job that reads blocks this step's compute still fills.
-        if self._walk:
-            walk, self._walk = self._walk, []
-            for st in walk:
-                job = self._build_store(st, st.final_computed, st.final_block_ids)
-                if job is not None:
-                    stores.append(job)
-                    self.counters["last_block_jobs"] += 1
-                    # Its blocks were freed at finish; handed out in this very step, the job
-                    # must run before this step's compute overwrites them.
-                    if not allocated.isdisjoint(job.block_ids):
-                        flush.add(job.job_id)
-                self._maybe_free(st)
+        for walked in self._run_walk():
+            stores.append(walked)
+            # Its blocks were freed at finish; handed out in this very step, the job must run
+            # before this step's compute overwrites them.
+            if not allocated.isdisjoint(walked.block_ids):
+                flush.add(walked.job_id)
         bt = self._block_tokens
         for rid, count in step.num_scheduled_tokens.items():
             st = states.get(rid)
@@ -421,6 +471,29 @@ class SchedulerConnector:
         loads, self._new_loads = self._new_loads, []
         self.counters["flushed_jobs"] += len(flush)
         return StepMetadata(step.step, tuple(stores), tuple(loads), tuple(sorted(flush)))
+
+    def _run_walk(self) -> list[StoreJob]:
+        """Build the stores of the requests finished since the last walk (their last blocks)."""
+        if not self._walk:
+            return []
+        stores: list[StoreJob] = []
+        walk, self._walk = self._walk, []
+        for st in walk:
+            job = self._build_store(st, st.final_computed, st.final_block_ids)
+            if job is not None:
+                stores.append(job)
+                self.counters["last_block_jobs"] += 1
+            self._maybe_free(st)
+        return stores
+
+    def build_immediate_meta(self) -> StepMetadata:
+        """Everything due now, for an engine without a step loop: the loads queued by
+        ``update_state_after_alloc`` and the finish walk's stores. Run it with
+        :meth:`WorkerConnector.run_now`; its stores are submitted at once (not deferred), so
+        the engine must fence their blocks (see the module docstring)."""
+        stores = self._run_walk()
+        loads, self._new_loads = self._new_loads, []
+        return StepMetadata(self._last_step, tuple(stores), tuple(loads), ())
 
     # -- finish ----------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, None]:
@@ -440,13 +513,14 @@ class SchedulerConnector:
         self, worker_output: WorkerOutput | bytes | Iterable[WorkerOutput | bytes]
     ) -> ConnectorUpdate:
         """Apply worker reports; a job completes once every one of ``world_size`` workers reported it."""
-        outputs: Iterable[WorkerOutput | bytes]
+        outputs: Iterable[WorkerOutput | bytes | bytearray | memoryview]
         if isinstance(worker_output, (WorkerOutput, bytes, bytearray, memoryview)):
             outputs = (worker_output,)
         else:
             outputs = worker_output
         loaded: dict[str, int] = {}
         freed: list[str] = []
+        unfenced: list[int] = []
         world = self.config.world_size
         for out in outputs:
             if not isinstance(out, WorkerOutput):
@@ -473,13 +547,13 @@ class SchedulerConnector:
                         mine[key] = max(size, mine.get(key, 0))
                 job.nbytes += report.nbytes
                 if len(job.acked) == world:
-                    self._complete(job, loaded, freed)
+                    self._complete(job, loaded, freed, unfenced)
         if self._ready_loads:
             loaded.update(self._ready_loads)
             self._ready_loads.clear()
-        return ConnectorUpdate(loaded, tuple(freed))
+        return ConnectorUpdate(loaded, tuple(freed), tuple(unfenced))
 
-    def _complete(self, job: _Job, loaded: dict[str, int], freed: list[str]) -> None:
+    def _complete(self, job: _Job, loaded: dict[str, int], freed: list[str], unfenced: list[int]) -> None:
         del self._jobs[job.job_id]
         st = self._states.get(job.request_id)
         if job.kind == "store":
@@ -492,11 +566,16 @@ class SchedulerConnector:
                     holders.discard(job.job_id)
                     if not holders:
                         del fence[b]
+                        unfenced.append(b)
+            for key in plan.keys:
+                if self._storing.get(key) == job.job_id:
+                    del self._storing[key]
             ok = job.error is None
             failed = {t: list(ks) for t, ks in job.failed.items()}
             self.manager.complete_store(plan.keys, ok, sizes=job.sizes, failed=failed)
             lost = len(plan.keys) if not ok else len(job.failed.get(plan.tier, ()))
             self.counters["store_failed_blocks"] += lost
+            self.counters["stored_blocks"] += len(plan.keys) - lost
             self.counters["bytes_stored"] += job.nbytes
         else:
             plan = job.plan

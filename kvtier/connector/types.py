@@ -158,6 +158,10 @@ class StepMetadata:
     the worker submits each one still unsubmitted (even one built in this very step) and waits
     for it before the step's compute. ``stores`` are in build order, which is the order workers
     submit them in; stores of finished requests (whose blocks are already complete) come first.
+
+    Built by :meth:`SchedulerConnector.build_immediate_meta` instead, it is run at once by
+    :meth:`WorkerConnector.run_now`: stores submitted right away, loads waited for. The wire
+    form is the same.
     """
 
     step: int
@@ -310,11 +314,14 @@ class ConnectorUpdate:
     ``loaded[request_id]`` is the number of leading tokens whose K/V is now valid in the
     request's blocks; when it is below what ``get_num_new_matched_tokens`` promised, the engine
     recomputes the rest (a failed or partial load is never an error). ``freed`` lists finished
-    requests whose blocks the engine kept (``delay_free``) and may free now.
+    requests whose blocks the engine kept (``delay_free``) and may free now. ``unfenced`` lists
+    engine blocks that no store job reads any more (their last reader was acknowledged in this
+    update): an engine that fences by reference count unpins them.
     """
 
     loaded: Mapping[str, int] = field(default_factory=dict)
     freed: tuple[str, ...] = ()
+    unfenced: tuple[int, ...] = ()
 
 
 def _unpack(data: bytes, what: str) -> Any:

@@ -15,6 +15,19 @@ Per step, in this order (the engine's model runner calls them):
 4. ``get_finished()`` - a :class:`WorkerOutput` with every job that finished since the last call
    (store and load, with failed / missed keys and sizes), to send to the scheduler side.
 
+An engine without a step loop (see :mod:`kvtier.connector.scheduler`) calls instead:
+
+- ``run_now(meta)`` with the metadata of ``build_immediate_meta``: submits every unsubmitted
+  store (earlier ones first, in build order), then ``meta.stores`` and ``meta.loads``, waits
+  for the loads (and for ``meta.jobs_to_flush``), and returns :meth:`get_finished`'s output.
+  Its stores are in flight when it returns: the engine fences their blocks until the scheduler
+  side reports them ``unfenced``.
+- ``wait_for(job_ids)``: submits the given jobs if still unsubmitted (with those built before
+  them), waits for them, and returns :meth:`get_finished`'s output.
+
+Built with :meth:`WorkerConnector.from_store`, the worker also records every finished job in
+the store's I/O metrics (per-tier bytes, latency), as the store's own ``save`` / ``load`` do.
+
 Nothing raises into the engine's step loop for a job: a job that cannot even be submitted is
 reported as failed, and a failed load is reported as missed keys (the engine recomputes them).
 The worker connector owns the completions of its :class:`~kvtier.transfer.TransferEngine`: it
@@ -25,10 +38,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Container
-from typing import Literal
+from collections.abc import Container, Iterable
+from typing import Any, Literal
 
-from kvtier.connector.types import JobReport, StepMetadata, StoreJob, WorkerOutput
+from kvtier.connector.types import JobReport, LoadJob, StepMetadata, StoreJob, WorkerOutput
+from kvtier.errors import LifecycleError
 from kvtier.transfer import JobResult, TransferEngine
 
 __all__ = ["WorkerConnector"]
@@ -39,16 +53,27 @@ log = logging.getLogger("kvtier.connector")
 class WorkerConnector:
     """The worker half for rank ``rank``; see the module docstring for the call order."""
 
-    def __init__(self, transfers: TransferEngine, *, rank: int = 0) -> None:
+    def __init__(self, transfers: TransferEngine, *, rank: int = 0, metrics: Any = None, block_bytes: int = 0) -> None:
         self.transfers = transfers
         self.rank = rank
+        self._metrics = metrics  # a kvtier.metrics.StoreMetrics, or None
+        self._block_bytes = block_bytes
         # Unsubmitted stores in build order, with the step that built them.
         self._queue: OrderedDict[int, tuple[StoreJob, int]] = OrderedDict()
-        self._inflight: dict[int, tuple[int, Literal["store", "load"], tuple[int, ...]]] = {}  # transfer id -> job
+        # transfer id -> (job id, kind, engine blocks, plan)
+        self._inflight: dict[int, tuple[int, Literal["store", "load"], tuple[int, ...], Any]] = {}
         self._transfer_of: dict[int, int] = {}  # connector job id -> transfer id, until reported
         self._failed: list[JobReport] = []
         self._waited: set[int] = set()  # transfer ids known finished (flushed and waited)
         self._last_step: int | None = None
+
+    @classmethod
+    def from_store(cls, store: Any, *, rank: int = 0) -> WorkerConnector:
+        """The worker half over an open :class:`kvtier.KVStore`, recording into its metrics."""
+        transfers = store.transfers
+        if transfers is None:
+            raise LifecycleError("the store is not open; use 'await kvtier.open(...)' first")
+        return cls(transfers, rank=rank, metrics=store.metrics, block_bytes=store.format.block_bytes)
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -71,7 +96,7 @@ class WorkerConnector:
             if built == exclude_step and job.request_id in exclude_requests:
                 continue
             blocks.update(job.block_ids)
-        for tid, (_, kind, ids) in self._inflight.items():
+        for tid, (_, kind, ids, _) in self._inflight.items():
             if kind == "store" and tid not in self._waited:
                 blocks.update(ids)
         return blocks
@@ -93,15 +118,25 @@ class WorkerConnector:
             log.warning("store job %d could not be submitted: %s", job.job_id, exc)
             self._failed.append(JobReport(job.job_id, "store", False, error=repr(exc)))
             return
-        self._inflight[tid] = (job.job_id, "store", job.block_ids)
+        self._inflight[tid] = (job.job_id, "store", job.block_ids, job.plan)
         self._transfer_of[job.job_id] = tid
 
-    def handle_preemptions(self, meta: StepMetadata | bytes) -> None:
-        """Submit every flushed job still unsubmitted (and those built before it), then wait."""
-        meta = self._accept(meta)
-        if not meta.jobs_to_flush:
+    def _submit_load(self, load: LoadJob) -> int | None:
+        try:
+            tid = self.transfers.submit_load(load.plan, load.block_ids)
+        except Exception as exc:
+            log.warning("load job %d could not be submitted: %s", load.job_id, exc)
+            self._failed.append(JobReport(load.job_id, "load", False, error=repr(exc)))
+            return None
+        self._inflight[tid] = (load.job_id, "load", load.block_ids, load.plan)
+        self._transfer_of[load.job_id] = tid
+        return tid
+
+    def _flush_jobs(self, job_ids: Iterable[int]) -> None:
+        """Submit ``job_ids`` still unsubmitted (and the stores built before them), then wait."""
+        flush = set(job_ids)
+        if not flush:
             return
-        flush = set(meta.jobs_to_flush)
         last = None
         for jid in self._queue:
             if jid in flush:
@@ -112,10 +147,15 @@ class WorkerConnector:
                 self._submit_store(job)
                 if jid == last:
                     break
-        waiting = [self._transfer_of[j] for j in meta.jobs_to_flush if j in self._transfer_of]
+        waiting = [self._transfer_of[j] for j in sorted(flush) if j in self._transfer_of]
         if waiting:
             self.transfers.wait(waiting)
             self._waited.update(waiting)
+
+    def handle_preemptions(self, meta: StepMetadata | bytes) -> None:
+        """Submit every flushed job still unsubmitted (and those built before it), then wait."""
+        meta = self._accept(meta)
+        self._flush_jobs(meta.jobs_to_flush)
 
     def start_load_kv(self, meta: StepMetadata | bytes) -> None:
         """Submit the stores deferred from earlier steps, then this step's loads."""
@@ -128,20 +168,37 @@ class WorkerConnector:
             del self._queue[jid]
             self._submit_store(job)
         for load in meta.loads:
-            try:
-                tid = self.transfers.submit_load(load.plan, load.block_ids)
-            except Exception as exc:
-                log.warning("load job %d could not be submitted: %s", load.job_id, exc)
-                self._failed.append(JobReport(load.job_id, "load", False, error=repr(exc)))
-                continue
-            self._inflight[tid] = (load.job_id, "load", load.block_ids)
-            self._transfer_of[load.job_id] = tid
+            self._submit_load(load)
 
     def flush(self) -> None:
         """Submit every unsubmitted store now (an idle engine has no compute to protect)."""
         while self._queue:
             _, (job, _) = self._queue.popitem(last=False)
             self._submit_store(job)
+
+    # -- engines without a step loop -------------------------------------------------------
+    def run_now(self, meta: StepMetadata | bytes) -> WorkerOutput:
+        """Run ``meta`` (from ``build_immediate_meta``) at once: submit every unsubmitted store,
+        then its stores and loads; wait for its loads and ``jobs_to_flush``; return the output
+        for the scheduler side. Its stores are still in flight when this returns."""
+        if not isinstance(meta, StepMetadata):
+            meta = StepMetadata.from_bytes(bytes(meta))
+        # Earlier stores first: the manager's plans (evictions, demotions) assume build order.
+        self.flush()
+        for job in meta.stores:
+            if job.job_id not in self._transfer_of:
+                self._submit_store(job)
+        loads = [tid for tid in map(self._submit_load, meta.loads) if tid is not None]
+        if loads:
+            self.transfers.wait(loads)
+        self._flush_jobs(meta.jobs_to_flush)
+        return self.get_finished()
+
+    def wait_for(self, job_ids: Iterable[int]) -> WorkerOutput:
+        """Submit ``job_ids`` if still unsubmitted (with the stores built before them), wait for
+        them, and return the output for the scheduler side."""
+        self._flush_jobs(job_ids)
+        return self.get_finished()
 
     def get_finished(self, *, block: bool = False) -> WorkerOutput:
         """Jobs finished since the last call. ``block`` first waits for every submitted job
@@ -153,9 +210,17 @@ class WorkerConnector:
             entry = self._inflight.pop(result.job_id, None)
             if entry is None:
                 continue
-            jid, _, _ = entry
+            jid, kind, _, plan = entry
             self._transfer_of.pop(jid, None)
             self._waited.discard(result.job_id)
+            if self._metrics is not None:
+                try:
+                    if kind == "store":
+                        self._metrics.record_store(plan, result, self._block_bytes)
+                    else:
+                        self._metrics.record_load(plan, result, self._block_bytes)
+                except Exception as exc:  # accounting must never fail a job
+                    log.debug("metrics: job %d not recorded: %s", jid, exc)
             reports.append(_report(jid, result))
         return WorkerOutput(self.rank, tuple(reports))
 

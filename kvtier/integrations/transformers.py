@@ -13,39 +13,48 @@ content hash until memory runs short. This module puts kvtier behind that cache:
     manager.stop(block=True)
     kv.close()
 
-What it does, in the engine's own thread:
+It drives kvtier's engine-agnostic connector (:mod:`kvtier.connector`): a
+:class:`~kvtier.connector.SchedulerConnector` with ``ConnectorConfig(step_loop=False)`` and a
+:class:`~kvtier.connector.WorkerConnector`, both in the engine's own thread, as a synchronous
+engine (``docs/integrating.md``, "Engines without a step loop"). This engine has no scheduler
+step the connector could follow: a prefix match must be complete when ``search_prefix_match``
+returns, blocks are allocated inside ``can_store_request_tokens`` without a report, a finished
+request's blocks are freed at once, and an idle engine does not schedule. So:
 
 * **Prefix match** (scheduler, a new request): the engine first matches what it still holds in
-  memory; kvtier then looks up the following blocks, allocates engine blocks for the run it
-  holds, loads them (one transfer job, waited for), registers their content hashes with the
-  engine so its own bookkeeping stays consistent, and reports the longer prefix. The match never
-  covers the whole prompt: at least one token is always prefilled, as the engine requires.
-* **Finish** (the request's last step, before the engine frees its blocks): every full block
-  whose K/V has been computed -- ``position_offset`` tokens, so the final sampled token, whose
-  slot is never written, is excluded -- is stored. This includes the block completed in the
-  finishing step, which the engine itself never hashes.
-* **Fence before reuse**: a store runs on kvtier's worker thread while the engine goes on. Each
-  block it reads is held with one extra reference in the engine's block ledger, so the engine
-  cannot hand it to another request until the store job has finished; the reference is dropped
-  (and the block returned to the engine's pool) at the next scheduling step after the job
-  finishes. If the engine ever finds no room while stores are in flight, the adapter waits for
-  them and lets the scheduler try again, so a slow tier never starves the engine.
+  memory. If the blocks right after that are being stored by a connector job (typically the
+  previous turn of this conversation, finished a moment ago), ``pending_prefix_stores`` names
+  the jobs and the adapter waits for them (``WorkerConnector.wait_for``): a store is far
+  cheaper to wait for than a prefill to redo, and the hit no longer depends on thread timing.
+  Then ``get_num_new_matched_tokens`` offers the following blocks (never the whole prompt: at
+  least one token is always prefilled, as the engine requires); the adapter allocates engine
+  blocks for them (only if the whole prompt then fits), ``update_state_after_alloc`` queues the
+  load, ``build_immediate_meta`` + ``WorkerConnector.run_now`` run it at once, and
+  ``update_connector_output`` reports how many tokens are valid. The loaded blocks' content
+  hashes are registered with the engine so its own bookkeeping stays consistent, and the
+  longer prefix is reported.
+* **Finish** (the request's last step, before the engine frees its blocks):
+  ``request_finished`` with the request's computed tokens -- ``position_offset`` of them, so
+  the final sampled token, whose slot is never written, is excluded -- then
+  ``build_immediate_meta`` builds the finish walk's stores at once (every full block not yet
+  stored, including the block completed in the finishing step, which the engine itself never
+  hashes) and ``run_now`` submits them to kvtier's worker thread.
+* **Fence before reuse**, by reference count: before ``run_now`` submits a store, the adapter
+  takes one extra reference on each block of ``meta.stores`` in the engine's block ledger, so
+  the engine cannot hand it to another request; the reference is dropped (and the block
+  returned to the engine's pool) when ``update_connector_output`` lists it in ``unfenced``,
+  which the adapter polls at each scheduling step. If the engine ever finds no room while
+  blocks are fenced, the adapter waits for the stores and lets the scheduler try again, so a
+  slow tier never starves the engine.
 * A full or failing tier, a corrupt record or a failed load is a miss: the engine recomputes.
   Nothing kvtier does raises into the engine's loop (errors are logged and counted).
 
-Why not :mod:`kvtier.connector`: its scheduler half expects what vLLM's scheduler provides.
-``get_num_new_matched_tokens`` answers with asynchronous loads, so the request must be able to
-wait for ``update_connector_output`` to report its tokens valid; ``SchedulerStep`` must list every
-block id allocated in the step (the fence); ``request_finished`` may ask to delay the free; and
-the engine keeps stepping while the connector ``has_pending_work``. This engine has none of it:
-a prefix match must be complete when ``search_prefix_match`` returns (no "waiting for remote
-KV" state), blocks are allocated inside ``can_store_request_tokens`` without a report (it
-would take diffing every block table each step), a finished request's blocks are freed at
-once, and an idle engine does not schedule -- so the connector's finish walk (built at the next
-step, then deferred one more step) would not have stored a turn's last blocks when the next
-turn looks them up. The adapter therefore makes the store's lifecycle calls itself (the
-``lookup`` / ``prepare_*`` / ``finish_*`` calls the connector makes), loads synchronously at
-the match, and fences by reference count instead of ``jobs_to_flush``.
+What stays in the adapter, because it is the engine's side of the contract and not the
+connector's: allocating the engine blocks a load fills and adopting them into the request's
+block table and the engine's ledger (the connector never allocates engine memory), and the
+reference counts of the fence (the connector says which blocks to pin and when to unpin them;
+only the engine's ledger can hold them). Every lookup, load, store, the finish walk and the
+fence's bookkeeping go through the connector.
 
 Requirements: only full-attention layers (the engine disables prefix sharing otherwise),
 ``allow_block_sharing=True`` (the default; it is what makes the engine call the prefix match),
@@ -89,11 +98,11 @@ from typing import Any
 import torch
 
 from kvtier.config import StoreConfig, load_config
+from kvtier.connector import ConnectorUpdate, SchedulerConnector, StepMetadata, WorkerConnector, WorkerOutput
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations._sync import run_sync
-from kvtier.keys import Namespace, block_keys
+from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
-from kvtier.manager import KeyState
 from kvtier.store import KVStore
 
 __all__ = ["TESTED_VERSION", "PrefixMatch", "TransformersKVTier", "attach"]
@@ -126,6 +135,17 @@ def _config_fingerprint(model_config: Any) -> str:
     public = {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
     raw = json.dumps(public, sort_keys=True, default=str).encode("utf-8")
     return hashlib.sha256(raw).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class _RequestView:
+    """One engine request as the connector reads it (:class:`kvtier.connector.Request`), taken
+    at the moment of the call: this engine has no step at which the connector reads it again."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +235,8 @@ class TransformersKVTier:
         self.transformers_version = tf.__version__
         self.store = KVStore(cfg, kv_caches=[self.kv_cache], namespace=namespace)
         run_sync(self.store.start())
+        self.connector = SchedulerConnector.from_store(self.store, block_size=self.page_size, step_loop=False)
+        self.worker = WorkerConnector.from_store(self.store)
         self.counters: dict[str, int] = {
             "lookups": 0,
             "prompt_tokens": 0,
@@ -222,15 +244,11 @@ class TransformersKVTier:
             "kvtier_hit_tokens": 0,
             "blocks_loaded": 0,
             "load_failures": 0,
-            "blocks_stored": 0,
-            "store_jobs": 0,
-            "store_rejected": 0,
-            "store_failures": 0,
             "fence_waits": 0,
             "errors": 0,
         }
         self.matches: OrderedDict[str, PrefixMatch] = OrderedDict()
-        self._stores: dict[int, tuple[Any, list[int]]] = {}  # job id -> (plan, fenced engine blocks)
+        self._pinned: set[int] = set()  # engine blocks holding one fence reference of ours
         self._fence = True  # tests turn it off to show the race it prevents
         self._closed = False
         self._install()
@@ -299,42 +317,34 @@ class TransformersKVTier:
         return engine_tokens + extra
 
     def _load_prefix(self, request_id: str, prompt_ids: list[int], engine_tokens: int) -> int:
-        alloc, pool, mgr = self.allocator, self.cache.pool, self.store.manager
-        assert mgr is not None and self.store.transfers is not None
+        alloc, pool, sched = self.allocator, self.cache.pool, self.connector
         page = self.page_size
         have = engine_tokens // page
-        limit = (len(prompt_ids) - 1) // page  # keep >= 1 token to prefill
-        if limit <= have:
+        table = list(alloc.block_table.get(request_id, ()))[:have]
+        view = _RequestView(request_id, prompt_ids, engine_tokens, table)
+        pending = sched.pending_prefix_stores(view, engine_tokens)
+        if pending:
+            self._apply(self.worker.wait_for(pending))
+        external, _ = sched.get_num_new_matched_tokens(view, engine_tokens)
+        if not external:
             return 0
-        keys = block_keys(prompt_ids[: limit * page], block_size=page, namespace=self.namespace)
-        hits = mgr.lookup(keys)
-        if hits < limit and self._stores and mgr.lookup_detail(keys[hits : hits + 1])[0].state == KeyState.PENDING:
-            # The next block is being stored by one of our own jobs (typically the previous turn of
-            # this conversation, finished a moment ago): a store is far cheaper to wait for than a
-            # prefill to redo, and waiting makes the hit independent of thread timing.
-            self._poll(wait=True)
-            hits = mgr.lookup(keys)
-        if hits <= have:
-            return 0
-        want = list(keys[have:hits])
+        count = external // page  # engine_tokens is whole pages: the load starts on a block boundary
         # Load only if the whole prompt then fits: half a prefix that starves the request helps no one.
         idx, per_sector = alloc.index, alloc.blocks_per_sector
         free = pool.count_free_blocks(idx)
         if free + pool.num_free_sectors * per_sector < math.ceil(len(prompt_ids) / page) - have:
+            sched.update_state_after_alloc(view, table, 0)  # drops the offer
             return 0
-        for _ in range(max(0, math.ceil((len(want) - free) / per_sector))):
+        for _ in range(max(0, math.ceil((count - free) / per_sector))):
             pool.allocate_sector(idx)
-        blocks = pool.get_free_blocks(idx, len(want))
+        blocks = pool.get_free_blocks(idx, count)
         ok = 0
         try:
-            plan = mgr.prepare_load(want)
-            job = self.store.transfers.submit_load(plan, blocks)
-            (result,) = self.store.transfers.wait([job])
-            self.store.finish_load(plan, result)
-            if result.error is None:
-                missed = {plan.keys.index(k) for k in result.missed}
-                ok = min(missed) if missed else len(want)
-            if ok < len(want):
+            sched.update_state_after_alloc(view, table + blocks, external)
+            update = self._run(sched.build_immediate_meta())
+            valid = update.loaded.get(request_id, engine_tokens)
+            ok = max(0, min(count, (valid - engine_tokens) // page))
+            if ok < count:
                 self.counters["load_failures"] += 1
         finally:
             used = self._adopt(request_id, prompt_ids, have, blocks[:ok])
@@ -376,43 +386,26 @@ class TransformersKVTier:
             self.cache.evict_cached_blocks()
 
     def _store_finished(self, request_id: str) -> None:
+        table = list(self.allocator.block_table.get(request_id, ()))
         state = self.scheduler.active_requests.get(request_id)
-        if state is None or state.status != self._finished_status or state.error is not None:
-            return
-        table = self.allocator.block_table.get(request_id)
-        if not table:
-            return
-        page = self.page_size
-        computed = (list(state.initial_tokens) + list(state.generated_tokens))[: state.position_offset]
-        full = min(len(computed) // page, len(table))
-        if full == 0:
-            return
-        mgr = self.store.manager
-        assert mgr is not None and self.store.transfers is not None
-        keys = block_keys(computed[: full * page], block_size=page, namespace=self.namespace)
-        plan = mgr.prepare_store(keys)
-        if plan is None:
-            self.counters["store_rejected"] += 1
-            return
-        if plan.empty:
-            return
-        ids = [table[p] for p in plan.positions]
-        fenced = ids if self._fence else []
-        for block in fenced:
-            self.allocator.ledger.acquire(block)
-        try:
-            job = self.store.transfers.submit_store(plan, ids)
-        except BaseException:
-            self._release(fenced)
-            mgr.complete_store(plan.keys, False)
-            raise
-        self._stores[job] = (plan, fenced)
-        self.counters["store_jobs"] += 1
+        tokens: list[int] = []
+        if state is not None and state.status == self._finished_status and state.error is None:
+            # Only the slots the engine wrote: the final sampled token's slot never is.
+            computed = min(int(state.position_offset), len(table) * self.page_size)
+            tokens = (list(state.initial_tokens) + list(state.generated_tokens))[:computed]
+        # An errored or cancelled request reports nothing computed: its state is just dropped.
+        view = _RequestView(request_id, tokens, len(tokens), table)
+        delay_free, _ = self.connector.request_finished(view, table)
+        if delay_free:  # pragma: no cover - loads are waited for at the match, never in flight here
+            log.warning("kvtier: request %s finished with a load in flight", request_id)
+        meta = self.connector.build_immediate_meta()
+        if not meta.empty:
+            self._run(meta)
 
     def _schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
         self._poll()
         out = self._orig["schedule_batch"](token_budget, cache_budget)
-        if out[0] is None and self._stores:
+        if out[0] is None and self._pinned:
             # No room, and fenced blocks are part of why: wait for the stores and try again.
             self.counters["fence_waits"] += 1
             self._poll(wait=True)
@@ -423,39 +416,56 @@ class TransformersKVTier:
         self._poll(wait=True)
         self._orig["reset"]()
 
-    def _poll(self, wait: bool = False) -> None:
-        """Apply finished store jobs and drop their fences (engine thread, or after it stopped)."""
-        transfers = self.store.transfers
-        if transfers is None or self._closed:
-            return
-        if wait and self._stores:
-            transfers.wait(list(self._stores))
-        for result in transfers.poll_finished():
-            entry = self._stores.pop(result.job_id, None)
-            if entry is None:
-                continue  # a load, already applied where it was waited for
-            plan, fenced = entry
-            stored = self.store.finish_store(plan, result)
-            self.counters["blocks_stored"] += stored
-            if stored < len(plan.keys):
-                self.counters["store_failures"] += 1
-            self._release(fenced)
+    # -- connector plumbing ----------------------------------------------------------------
+    def _run(self, meta: StepMetadata) -> ConnectorUpdate:
+        """Fence ``meta``'s stores, run it at once on the worker side, apply the output."""
+        if self._fence:
+            ledger = self.allocator.ledger
+            for job in meta.stores:
+                for block in job.block_ids:
+                    if block not in self._pinned:
+                        ledger.acquire(block)
+                        self._pinned.add(block)
+        return self._apply(self.worker.run_now(meta))
 
-    def _release(self, blocks: Sequence[int]) -> None:
-        alloc = self.allocator
-        back = [b for b in blocks if alloc.ledger.release(b)]
-        if back:
-            self.cache.pool.free_blocks(alloc.index, back)
+    def _apply(self, output: WorkerOutput) -> ConnectorUpdate:
+        """Hand the worker's output to the scheduler side; unpin the blocks it unfenced."""
+        update = self.connector.update_connector_output(output)
+        if update.unfenced and self._pinned:
+            alloc = self.allocator
+            back = []
+            for block in update.unfenced:
+                if block in self._pinned:
+                    self._pinned.discard(block)
+                    if alloc.ledger.release(block):
+                        back.append(block)
+            if back:
+                self.cache.pool.free_blocks(alloc.index, back)
+        return update
+
+    def _poll(self, wait: bool = False) -> None:
+        """Apply finished jobs and drop their fences (engine thread, or after it stopped)."""
+        if self._closed or self.store.transfers is None:
+            return
+        self._apply(self.worker.get_finished(block=wait))
 
     # -- public ----------------------------------------------------------------------------
     def flush(self) -> None:
         """Wait for every store in flight and apply it. Call it only while the engine's loop is
         not running (before ``start``, after ``stop``): the engine's ledger is not thread-safe."""
+        if not self._closed:
+            self.worker.flush()
         self._poll(wait=True)
 
     def stats(self) -> dict[str, Any]:
         """Adapter counters plus the store's statistics."""
         data: dict[str, Any] = dict(self.counters)
+        k = self.connector.counters
+        data["blocks_stored"] = k["stored_blocks"]
+        data["store_jobs"] = k["store_jobs"]
+        data["store_rejected"] = k["store_rejected_blocks"]
+        data["store_failures"] = k["store_failed_blocks"]
+        data["connector"] = dict(k)
         prompt = data["prompt_tokens"]
         data["hit_rate"] = (data["engine_hit_tokens"] + data["kvtier_hit_tokens"]) / prompt if prompt else 0.0
         if not self._closed:
