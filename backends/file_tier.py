@@ -48,7 +48,7 @@ from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyError
 from kvtier.record import (
     HEADER_SIZE,
-    RecordBackend,
+    PersistentRecordBackend,
     check_meta,
     decode_meta,
     encode_meta,
@@ -98,11 +98,11 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         filled += n
 
 
-class FileBackend(RecordBackend):
+class FileBackend(PersistentRecordBackend):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
     name: ClassVar[str] = "file"
-    persistent: ClassVar[bool] = True
+    path_meaning: ClassVar[str] = "a root directory"
 
     def __init__(
         self,
@@ -112,13 +112,7 @@ class FileBackend(RecordBackend):
         codec: str | dict[str, Any] | Codec | None = "none",
         sync_mode: Literal["durable", "fast"] = "durable",
     ) -> None:
-        super().__init__(capacity=capacity, codec=codec)
-        if path is None or not str(path):
-            raise ConfigError("path: the file backend needs a root directory (option 'path')")
-        if sync_mode not in ("durable", "fast"):
-            raise ConfigError(f"sync_mode: expected 'durable' or 'fast', got {sync_mode!r}")
-        self.path = os.fspath(path)
-        self.sync_mode = sync_mode
+        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode)
         self._root = ""
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
@@ -126,11 +120,6 @@ class FileBackend(RecordBackend):
         self._known_dirs: set[str] = set()
         self._listed: list[RecordInfo] | None = None
         self._tmp_counter = itertools.count()
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data.update(path=self.path, sync_mode=self.sync_mode)
-        return data
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def open(self, fmt: BlockFormat) -> None:

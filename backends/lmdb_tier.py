@@ -49,7 +49,7 @@ from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.record import (
     HEADER_SIZE,
-    RecordBackend,
+    PersistentRecordBackend,
     check_meta,
     decode_meta,
     decode_record,
@@ -70,11 +70,11 @@ _PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
 _PAGE_HEADER = 16  # bytes of an LMDB page header before overflow data
 
 
-class LmdbBackend(RecordBackend):
+class LmdbBackend(PersistentRecordBackend):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
     name: ClassVar[str] = "lmdb"
-    persistent: ClassVar[bool] = True
+    path_meaning: ClassVar[str] = "a directory for its environment"
 
     def __init__(
         self,
@@ -85,15 +85,9 @@ class LmdbBackend(RecordBackend):
         sync_mode: Literal["durable", "fast"] = "durable",
         max_readers: int = 126,
     ) -> None:
-        super().__init__(capacity=capacity, codec=codec)
-        if path is None or not str(path):
-            raise ConfigError("path: the lmdb backend needs a directory for its environment (option 'path')")
-        if sync_mode not in ("durable", "fast"):
-            raise ConfigError(f"sync_mode: expected 'durable' or 'fast', got {sync_mode!r}")
+        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode)
         if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 1:
             raise ConfigError(f"max_readers: expected a positive integer, got {max_readers!r}")
-        self.path = os.fspath(path)
-        self.sync_mode = sync_mode
         self.max_readers = max_readers
         self._env: lmdb.Environment | None = None
         self._blocks: Any = None
@@ -106,7 +100,7 @@ class LmdbBackend(RecordBackend):
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
-        data.update(path=self.path, sync_mode=self.sync_mode, max_readers=self.max_readers)
+        data.update(max_readers=self.max_readers)
         return data
 
     # -- lifecycle -----------------------------------------------------------------------------
