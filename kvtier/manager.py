@@ -379,20 +379,24 @@ class TierManager:
         for key in victims:
             del index[key]
         t.evictions += len(victims)
-        for key in victims:
-            if dst is not None and key not in dst.index and self._admits(nxt, key):
-                reserve = dst.spec.block_reserve
-                if self._make_room(nxt, reserve, protected, drops, demotions, pending, events):
-                    dst.add(key, _PENDING, reserve)
-                    dst.demotions_in += 1
-                    moved.append(key)
-                    pending.append((nxt, key))
-                    # The key leaves this tier now; routers that track tiers must hear of it.
-                    events.append(("removed", key, name))
-                    continue
-            # Dropped from this tier: still readable elsewhere (write-through) or gone.
-            dropped.append(key)
-            events.append(("removed", key, name))
+        if dst is None:  # the last tier, or write-through: victims are simply dropped
+            dropped = victims
+            events.extend([("removed", key, name) for key in victims])
+        else:
+            for key in victims:
+                if key not in dst.index and self._admits(nxt, key):
+                    reserve = dst.spec.block_reserve
+                    if self._make_room(nxt, reserve, protected, drops, demotions, pending, events):
+                        dst.add(key, _PENDING, reserve)
+                        dst.demotions_in += 1
+                        moved.append(key)
+                        pending.append((nxt, key))
+                        # The key leaves this tier now; routers that track tiers must hear of it.
+                        events.append(("removed", key, name))
+                        continue
+                # Dropped from this tier: still readable elsewhere (write-through) or gone.
+                dropped.append(key)
+                events.append(("removed", key, name))
         if dropped:
             drops.setdefault(tier, []).extend(dropped)
             t.dropped += len(dropped)
@@ -410,17 +414,27 @@ class TierManager:
         skipped: list[bytes] = []
         seen: set[bytes] = set()
         indexes = [t.index for t in self._tiers]
-        for i, key in enumerate(keys):
-            if key in seen:
-                continue
-            seen.add(key)
-            for index in indexes:
+        if len(indexes) == 1 and len(set(keys)) == len(keys):  # the common shape, kept tight
+            index = indexes[0]
+            seen = set(keys)
+            for i, key in enumerate(keys):
                 if key in index:
                     skipped.append(key)
-                    break
-            else:
-                new.append(key)
-                positions.append(i)
+                else:
+                    new.append(key)
+                    positions.append(i)
+        else:
+            for i, key in enumerate(keys):
+                if key in seen:
+                    continue
+                seen.add(key)
+                for index in indexes:
+                    if key in index:
+                        skipped.append(key)
+                        break
+                else:
+                    new.append(key)
+                    positions.append(i)
         self._note_seen(seen)
         plan_id = next(self._plan_ids)
         self.counters["store_skipped"] += len(skipped)
@@ -497,38 +511,42 @@ class TierManager:
         events: list[_RawEvent] = []
         first = self._tiers[0]
         failed0 = failed_sets.get(0, ())
-        fast = not first.spec.variable_size and not first.spec.persistent
-        index0, insert0, name0 = first.index, first.spec.policy.insert, first.spec.name
-        done = bad = 0
-        for key in keys:
-            plan_id = plan_of.pop(key)
-            if success and key not in failed0:
-                if fast:
-                    index0[key] = _READY
-                    insert0(key)
-                    events.append(("stored", key, name0))
-                else:
+        plan_ids = {plan_of.pop(key) for key in keys}
+        if success and not failed0 and not first.spec.variable_size and not first.spec.persistent:
+            # The common case, kept tight: every key became ready in a fixed-size memory tier.
+            index0, insert0, name0 = first.index, first.spec.policy.insert, first.spec.name
+            for key in keys:
+                index0[key] = _READY
+                insert0(key)
+            events.extend([("stored", key, name0) for key in keys])
+            done, bad = len(keys), 0
+        else:
+            done = bad = 0
+            for key in keys:
+                if success and key not in failed0:
                     self._finish_entry(0, key, sizes, events)
-                done += 1
-            else:
-                first.discard(key)
-                bad += 1
+                    done += 1
+                else:
+                    first.discard(key)
+                    bad += 1
+        for plan_id in plan_ids:
             open_plan = self._plans[plan_id]
-            open_plan.remaining.discard(key)
-            if not open_plan.remaining:
-                del self._plans[plan_id]
-                through_tiers = {wt for wt, _ in open_plan.plan.write_through}
-                plan_keys = set(open_plan.plan.keys) if through_tiers else set()
-                for ti, pkey in open_plan.pending:
-                    t = self._tiers[ti]
-                    if t.index.get(pkey) != _PENDING:
-                        continue
-                    written_through = ti in through_tiers and pkey in plan_keys
-                    if pkey in failed_sets.get(ti, ()) or (written_through and not success):
-                        t.discard(pkey)
-                        t.dropped += 1
-                    else:
-                        self._finish_entry(ti, pkey, sizes, events)
+            open_plan.remaining.difference_update(keys)
+            if open_plan.remaining:
+                continue
+            del self._plans[plan_id]
+            through_tiers = {wt for wt, _ in open_plan.plan.write_through}
+            plan_keys = set(open_plan.plan.keys) if through_tiers else set()
+            for ti, pkey in open_plan.pending:
+                t = self._tiers[ti]
+                if t.index.get(pkey) != _PENDING:
+                    continue
+                written_through = ti in through_tiers and pkey in plan_keys
+                if pkey in failed_sets.get(ti, ()) or (written_through and not success):
+                    t.discard(pkey)
+                    t.dropped += 1
+                else:
+                    self._finish_entry(ti, pkey, sizes, events)
         self.counters["store_completed"] += done
         self.counters["store_failed"] += bad
         self._emit(events)
