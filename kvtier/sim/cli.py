@@ -73,7 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "sim",
         help="run the reference engine on a workload and report cache hits and checks",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Run the reference engine on a workload and report what the cache did: hits per tier, recomputed tokens, bytes moved, and the safety checks (corrupt blocks, fence violations, leftover state).",
     )
     p.add_argument("--workload", choices=WORKLOADS, default="chat", help="workload to run (default: chat)")
     p.add_argument("--requests", type=int, default=48, help="number of requests (turns) (default: 48)")
