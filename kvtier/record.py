@@ -297,36 +297,6 @@ class RecordBackend(Backend):
     def _dtype_code(self) -> int:
         return dtype_code(self.format.dtype)
 
-
-class PersistentRecordBackend(RecordBackend):
-    """A record backend that lives under a filesystem ``path`` and honours ``sync_mode``:
-    ``durable`` (a write returns once its data is on stable storage) or ``fast`` (no syncs)."""
-
-    persistent: ClassVar[bool] = True
-    #: What ``path`` names, for the error when it is missing.
-    path_meaning: ClassVar[str] = "a directory"
-
-    def __init__(
-        self,
-        *,
-        capacity: int | str,
-        path: str | os.PathLike[str] | None = None,
-        codec: str | dict[str, Any] | Codec | None = "none",
-        sync_mode: Literal["durable", "fast"] = "durable",
-    ) -> None:
-        super().__init__(capacity=capacity, codec=codec)
-        if path is None or not str(path):
-            raise ConfigError(f"path: the {self.name} backend needs {self.path_meaning} (option 'path')")
-        if sync_mode not in ("durable", "fast"):
-            raise ConfigError(f"sync_mode: expected 'durable' or 'fast', got {sync_mode!r}")
-        self.path = os.fspath(path)
-        self.sync_mode: Literal["durable", "fast"] = sync_mode
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data.update(path=self.path, sync_mode=self.sync_mode)
-        return data
-
     def _check_io(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> int:
         """Validate a job before anything is touched; returns the block size."""
         size = self._check_open().block_bytes
@@ -363,3 +333,33 @@ class PersistentRecordBackend(RecordBackend):
         self.counters.bytes_read += hits * size
         self.counters.read_misses += len(found) - hits - corrupt
         self.counters.corrupt_records += corrupt
+
+
+class PersistentRecordBackend(RecordBackend):
+    """A record backend that lives under a filesystem ``path`` and honours ``sync_mode``:
+    ``durable`` (a write returns once its data is on stable storage) or ``fast`` (no syncs)."""
+
+    persistent: ClassVar[bool] = True
+    #: What ``path`` names, for the error when it is missing.
+    path_meaning: ClassVar[str] = "a directory"
+
+    def __init__(
+        self,
+        *,
+        capacity: int | str,
+        path: str | os.PathLike[str] | None = None,
+        codec: str | dict[str, Any] | Codec | None = "none",
+        sync_mode: Literal["durable", "fast"] = "durable",
+    ) -> None:
+        super().__init__(capacity=capacity, codec=codec)
+        if path is None or not str(path):
+            raise ConfigError(f"path: the {self.name} backend needs {self.path_meaning} (option 'path')")
+        if sync_mode not in ("durable", "fast"):
+            raise ConfigError(f"sync_mode: expected 'durable' or 'fast', got {sync_mode!r}")
+        self.path = os.fspath(path)
+        self.sync_mode: Literal["durable", "fast"] = sync_mode
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data.update(path=self.path, sync_mode=self.sync_mode)
+        return data
