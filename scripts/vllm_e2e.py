@@ -37,6 +37,16 @@ EXTRA = 24  # tokens B appends to P_0
 MAX_TOKENS = 16
 NUM_TTFT = 4  # prompts per TTFT measurement
 VOCAB = 1000
+LMDB_CAPACITY = 2 << 30  # the LMDB tier's capacity (its map size)
+
+
+def _corrupt_positions() -> dict[int, str]:
+    """Blocks of P_0 that step C corrupts in the LMDB tier, and how (all in the payload)."""
+    return {
+        PREFIX_BLOCKS // 2: "every payload byte inverted",  # the first corrupt block: mid-prefix
+        3 * PREFIX_BLOCKS // 4: "one bit flipped mid-payload",
+        PREFIX_BLOCKS - 1: "last payload byte inverted",
+    }
 
 
 def _set_prefix_blocks(n: int) -> None:
@@ -79,6 +89,74 @@ def make_model(path: str, layers: int = 2, hidden: int = 256) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+def _block_keys(llm: Any, tokens: list[int]) -> list[str]:
+    """The kvtier keys (hex) of the full blocks of ``tokens`` in this process's engine: vLLM's
+    chained block hash (its configured hash function, from the ``NONE_HASH`` it seeded at
+    start-up) plus KV-cache group 0, folded with the kvtier store's namespace, as the
+    integration's manager does. Plain token prompts carry no extra hash keys."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from kvtier.integrations import vllm as kv_vllm
+    from kvtier.keys import fold_block_hashes
+
+    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    parent, offload_keys = None, []
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK])
+        offload_keys.append(make_offload_key(parent, 0))
+    (engine,) = kv_vllm._ENGINES.values()
+    return [k.hex() for k in fold_block_hashes(offload_keys, namespace=engine.store.namespace)]
+
+
+class _Spy:
+    """What process C observes of vLLM's side: tokens the scheduler scheduled, block ids kvtier
+    reported as failed loads, and vLLM's warnings (its recovery message)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.scheduled_tokens = 0
+        self.reported_block_ids: list[int] = []
+        self.warnings: list[str] = []
+        spy = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                spy.warnings.append(record.getMessage())
+
+        logging.getLogger("vllm").addHandler(_Handler(level=logging.WARNING))
+
+    def reset(self) -> None:
+        self.scheduled_tokens = 0
+        self.reported_block_ids = []
+        self.warnings = []
+
+    def patch_connector(self, cls: Any) -> None:
+        original = cls.get_block_ids_with_load_errors
+        spy = self
+
+        def get_block_ids_with_load_errors(connector: Any) -> set[int]:
+            ids = original(connector)
+            spy.reported_block_ids.extend(sorted(ids))
+            return ids
+
+        cls.get_block_ids_with_load_errors = get_block_ids_with_load_errors
+
+    def patch_scheduler(self, llm: Any) -> None:
+        # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): count every token scheduled.
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        original = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            self.scheduled_tokens += sum(output.num_scheduled_tokens.values())
+            return output
+
+        scheduler.schedule = schedule
+
+
 def child(role: str, model: str, lmdb_path: str, out: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -86,9 +164,12 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
 
     from kvtier.integrations import vllm as kv_vllm
 
+    spy = None if role == "A" else _Spy()
+    if spy is not None and role != "ref":
+        spy.patch_connector(kv_vllm.KvtierConnector)
     kwargs: dict[str, Any] = {}
     if role != "ref":
-        tiers = [{"backend": "lmdb", "path": lmdb_path, "capacity": "2GiB"}]
+        tiers = [{"backend": "lmdb", "path": lmdb_path, "capacity": LMDB_CAPACITY}]
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_vllm.kv_transfer_config({"tiers": tiers}))
     llm = LLM(
         model=model,
@@ -101,6 +182,8 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         seed=0,
         **kwargs,
     )
+    if spy is not None:
+        spy.patch_scheduler(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, detokenize=False)
     first = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     length = PREFIX_BLOCKS * BLOCK
@@ -112,8 +195,9 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         return outs[0], time.perf_counter() - start
 
-    # Warm up on unrelated tokens: the first prefill of a shape is slow.
-    for warm in _prompts(3 if role == "A" else 5, 2, length):
+    # Warm up on unrelated tokens: the first prefill of a shape is slow. (B stores its warm-up
+    # prompts too, so C uses others: its LMDB traffic before the target is then all misses.)
+    for warm in _prompts({"A": 3, "C": 6}.get(role, 5), 2, length):
         run(warm, first)
     result: dict[str, Any] = {"role": role}
 
@@ -124,12 +208,18 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
 
     if role == "A":
         result["stored"] = [record(run(p, greedy)[0]) for p in stored]
+        result["p0_keys"] = _block_keys(llm, stored[0])
     else:
-        target = stored[0] + _prompts(4, 1, EXTRA)[0]
-        o, _ = run(target, greedy)
+        assert spy is not None
+        spy.reset()
+        o, _ = run(stored[0] + _prompts(4, 1, EXTRA)[0], greedy)
         result["target"] = record(o)
+        result["scheduled_tokens"] = spy.scheduled_tokens
+        result["reported_block_ids"] = spy.reported_block_ids
+        result["vllm_warnings"] = spy.warnings
         if role != "ref":
             result["kvtier_after_target"] = kv_vllm.engine_stats()
+    if role in ("B", "ref"):
         # Alternate hit and miss prompts so drift in machine load affects both alike.
         result["ttft_stored"], result["ttft_unseen"] = [], []
         for hit, miss in zip(stored[1:], unseen):
@@ -139,6 +229,74 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         result["kvtier"] = kv_vllm.engine_stats()
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def _open_lmdb(path: str) -> Any:
+    import lmdb
+
+    env = lmdb.open(path, map_size=LMDB_CAPACITY, subdir=True, max_dbs=3, readahead=False, lock=True)
+    return env, env.open_db(b"blocks"), env.open_db(b"index")
+
+
+def _check_record(key: bytes, value: Any) -> str | None:
+    """None if the record passes kvtier's checks, else the reason it does not."""
+    from kvtier.errors import CorruptBlockError
+    from kvtier.record import HEADER, decode_record
+
+    raw_length = HEADER.unpack_from(value, 0)[5]
+    try:
+        decode_record(key, bytes(value), memoryview(bytearray(raw_length)))
+    except CorruptBlockError as exc:
+        return str(exc)
+    return None
+
+
+def corrupt_records(lmdb_path: str, keys: list[bytes], positions: dict[int, str]) -> int:
+    """Damage the payload of the records of ``keys[p]`` for ``p`` in ``positions`` in place
+    (header untouched: only the checksum can tell). Returns the payload bytes of one record."""
+    from kvtier.record import HEADER_SIZE
+
+    env, blocks, _ = _open_lmdb(lmdb_path)
+    try:
+        with env.begin(write=True, db=blocks) as txn:
+            for pos, how in positions.items():
+                key = keys[pos]
+                value = txn.get(key)
+                if value is None:
+                    raise SystemExit(f"VLLM E2E FAILED: block {pos} of P_0 ({key.hex()[:16]}…) is not in the LMDB tier")
+                if _check_record(key, value) is not None:
+                    raise SystemExit(f"VLLM E2E FAILED: block {pos} of P_0 is corrupt before step C corrupted it")
+                record = bytearray(value)
+                payload = len(record) - HEADER_SIZE
+                if how.startswith("every"):
+                    record[HEADER_SIZE:] = bytes(b ^ 0xFF for b in record[HEADER_SIZE:])
+                elif how.startswith("one bit"):
+                    record[HEADER_SIZE + payload // 2] ^= 0x10
+                else:
+                    record[-1] ^= 0xFF
+                if _check_record(key, record) is None:
+                    raise SystemExit(f"VLLM E2E FAILED: the damaged record of block {pos} still passes its checksum")
+                txn.put(key, bytes(record))
+    finally:
+        env.close()
+    return payload
+
+
+def inspect_records(lmdb_path: str, keys: list[bytes]) -> list[str]:
+    """State of each key's record: "ok", "absent" or "corrupt"."""
+    env, blocks, index = _open_lmdb(lmdb_path)
+    try:
+        with env.begin() as txn:
+            out = []
+            for key in keys:
+                value = txn.get(key, db=blocks)
+                if value is None:
+                    out.append("absent" if txn.get(key, db=index) is None else "absent (index entry left)")
+                else:
+                    out.append("ok" if _check_record(key, value) is None else "corrupt")
+            return out
+    finally:
+        env.close()
 
 
 def spawn(role: str, model: str, lmdb_path: str, work: str) -> dict[str, Any]:
@@ -167,9 +325,67 @@ def spawn(role: str, model: str, lmdb_path: str, work: str) -> dict[str, Any]:
         return json.load(f)  # type: ignore[no-any-return]
 
 
+def check_step_c(
+    c: dict[str, Any],
+    tr: dict[str, Any],
+    before: list[str],
+    after: list[str],
+    positions: dict[int, str],
+    atol: float,
+) -> list[str]:
+    """Failures of step C (process C ran P_0 + E after P_0's records at ``positions`` were
+    damaged). vLLM 0.32 with ``kv_load_failure_policy="recompute"`` truncates the request's
+    computed tokens at the first block reported as failed and recomputes from there, so exactly
+    the leading ``min(positions)`` blocks are reused even though kvtier read the later good
+    ones too."""
+    failures: list[str] = []
+    prefix = PREFIX_BLOCKS * BLOCK
+    bad = len(positions)
+    first_bad = min(positions)
+    if before != ["ok"] * PREFIX_BLOCKS:
+        failures.append(f"P_0's records before step C: {before}, expected all {PREFIX_BLOCKS} ok")
+    tc, kc = c["target"], c["kvtier_after_target"]
+    if tc["tokens"] != tr["tokens"]:
+        failures.append(f"C's tokens differ from the recompute: {tc['tokens']} != {tr['tokens']}")
+    diffs = [abs(x - y) for x, y in zip(tc["logprobs"], tr["logprobs"])]
+    if not diffs or max(diffs) > atol:
+        failures.append(f"C's log-probs differ by {max(diffs, default=float('inf')):.3g} > atol {atol}")
+    # kvtier: every block was a lookup hit (the index still lists them), so one load job read
+    # all of them; the damaged ones failed their checksum, were counted and deleted.
+    if kc.get("blocks_loaded") != PREFIX_BLOCKS - bad or kc.get("blocks_load_failed") != bad:
+        failures.append(
+            f"C: kvtier loaded {kc.get('blocks_loaded')} / failed {kc.get('blocks_load_failed')} blocks, "
+            f"expected {PREFIX_BLOCKS - bad} / {bad}"
+        )
+    corrupt = sum(t.get("corrupt_records", 0) for t in kc.get("tiers", []))
+    if corrupt != bad:
+        failures.append(f"C: kvtier counted {corrupt} corrupt records, expected {bad}")
+    if len(set(c["reported_block_ids"])) != bad or len(c["reported_block_ids"]) != bad:
+        failures.append(f"C: kvtier reported block ids {c['reported_block_ids']} to vLLM, expected {bad} distinct ids")
+    # vLLM: recompute from the first failed block on.
+    prefilled = c["scheduled_tokens"] - (MAX_TOKENS - 1)
+    if prefilled != prefix + EXTRA - first_bad * BLOCK:
+        failures.append(
+            f"C: vLLM prefilled {prefilled} tokens, expected {prefix + EXTRA - first_bad * BLOCK} "
+            f"(reusing the {first_bad} blocks before the first corrupt one)"
+        )
+    recovered = [w for w in c["vllm_warnings"] if "Recovered from KV load failure" in w]
+    want = f"({prefix - first_bad * BLOCK} tokens affected)"
+    if len(recovered) != 1 or want not in recovered[0]:
+        failures.append(f"C: vLLM's recovery warnings {recovered}, expected one saying {want!r}")
+    # Never served, and gone from the tier (or stored again from the recomputed KV: then sound).
+    for pos in positions:
+        if after[pos] not in ("absent", "ok"):
+            failures.append(f"C: block {pos}'s record after C is {after[pos]!r}, expected it deleted (or rewritten)")
+    others = [after[i] for i in range(PREFIX_BLOCKS) if i not in positions]
+    if others != ["ok"] * len(others):
+        failures.append(f"C: the undamaged records of P_0 after C: {others}, expected all ok")
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", choices=["ref", "A", "B"])
+    ap.add_argument("--child", choices=["ref", "A", "B", "C"])
     ap.add_argument("--model")
     ap.add_argument("--lmdb")
     ap.add_argument("--out")
@@ -195,8 +411,14 @@ def main() -> int:
         model = os.path.join(work, "tiny-llama")
         make_model(model, args.layers, args.hidden)
         lmdb_path = os.path.join(work, "lmdb")
-        spawn("A", model, lmdb_path, work)
+        a = spawn("A", model, lmdb_path, work)
         b = spawn("B", model, lmdb_path, work)
+        p0_keys = [bytes.fromhex(k) for k in a["p0_keys"]]
+        positions = _corrupt_positions()
+        before_c = inspect_records(lmdb_path, p0_keys)
+        payload_bytes = corrupt_records(lmdb_path, p0_keys, positions)
+        c = spawn("C", model, lmdb_path, work)
+        after_c = inspect_records(lmdb_path, p0_keys)
         ref = spawn("ref", model, lmdb_path, work)
     failures: list[str] = []
     prefix = PREFIX_BLOCKS * BLOCK
@@ -222,6 +444,20 @@ def main() -> int:
         failures.append(f"kvtier loaded {loaded} blocks for B's request, expected {PREFIX_BLOCKS}")
     if b["kvtier_after_target"].get("blocks_load_failed", 0):
         failures.append("kvtier reported failed loads in B")
+    if b["reported_block_ids"]:
+        failures.append(f"B reported load errors to vLLM: blocks {b['reported_block_ids']}")
+    decode_steps = MAX_TOKENS - 1  # one token per step after the prefill step's first token
+    prefilled = {r: x["scheduled_tokens"] - decode_steps for r, x in (("B", b), ("C", c), ("ref", ref))}
+    if prefilled["B"] != EXTRA:
+        failures.append(f"vLLM prefilled {prefilled['B']} tokens in B, expected the {EXTRA} not stored")
+    if prefilled["ref"] != prefix + EXTRA:
+        failures.append(f"vLLM prefilled {prefilled['ref']} tokens in ref, expected all {prefix + EXTRA}")
+
+    # Step C: the same prompt after some of P_0's records were damaged in the LMDB tier.
+    failures += check_step_c(c, tr, before_c, after_c, positions, args.atol)
+    first_bad = min(positions)
+    tc, kc = c["target"], c["kvtier_after_target"]
+    c_diffs = [abs(x - y) for x, y in zip(tc["logprobs"], tr["logprobs"])]
     ms = 1000.0
     summary = {
         "prompt_tokens": prefix + EXTRA,
@@ -240,6 +476,24 @@ def main() -> int:
             "no_kvtier": [round(x * ms, 1) for x in ref["ttft_stored"] + ref["ttft_unseen"]],
             "kvtier_hit": [round(x * ms, 1) for x in b["ttft_stored"]],
             "kvtier_miss": [round(x * ms, 1) for x in b["ttft_unseen"]],
+        },
+        "B_tokens_prefilled": prefilled["B"],
+        "ref_tokens_prefilled": prefilled["ref"],
+        "C": {
+            "corrupted_blocks": {str(p): how for p, how in positions.items()},
+            "payload_bytes_per_record": payload_bytes,
+            "kvtier_blocks_loaded": kc.get("blocks_loaded"),
+            "kvtier_blocks_load_failed": kc.get("blocks_load_failed"),
+            "kvtier_corrupt_records": sum(t.get("corrupt_records", 0) for t in kc.get("tiers", [])),
+            "block_ids_reported_to_vllm": c["reported_block_ids"],
+            "vllm_tokens_prefilled": prefilled["C"],
+            "vllm_tokens_reused": prefix + EXTRA - prefilled["C"],
+            "expected_tokens_reused": first_bad * BLOCK,
+            "num_cached_tokens": tc["num_cached_tokens"],
+            "vllm_recovery_warnings": [w for w in c["vllm_warnings"] if "KV load failure" in w],
+            "records_after_C": {str(p): after_c[p] for p in positions},
+            "tokens_equal": tc["tokens"] == tr["tokens"],
+            "max_logprob_abs_diff": max(c_diffs) if c_diffs else None,
         },
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32", "block_size": BLOCK},
     }

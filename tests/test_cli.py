@@ -166,4 +166,4 @@ def test_bench_collects_json_from_each_script(tmp_path: Path) -> None:
     except ImportError:
         assert "matplotlib is not installed" in proc.stdout and "kvtier[plot]" in proc.stdout
     else:
-        assert out.with_suffix(".png").is_file()
+        assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -57,13 +57,28 @@ in a step (new allocation or copy-on-write destination) or when its request is p
 request's state is freed as soon as it is finished and has no jobs: the tables are empty
 whenever the engine is idle.
 
+Deletes, for ``world_size > 1``: every worker holds its own shard of a block under the same key
+in its own tiers, but there is one manager. A job that failed (wholly or for some keys in some
+tier) on one worker may have succeeded on another; when the manager then releases those keys
+(``complete_store`` with ``failed``/``success=False``, a failed promotion, ``remove`` after a
+missed load), the workers where the write succeeded still hold the bytes - leaked pool slots
+that the manager believes free (a later store on that rank fails), orphan records on disk that
+a persistent tier would re-adopt at restart. So when a job completes that was not a clean
+success everywhere, the (tier, key) pairs it touched are remembered, and the next
+``build_connector_meta`` / ``build_immediate_meta`` ships, in ``StepMetadata.deletes``, those
+the manager does not hold (pending or ready) in that tier at build time. The check runs before
+the build prepares any store, so a key stored again in that same build or later is written
+after the delete on every worker (the worker runs deletes on its store queue in build order),
+and a key the manager already holds again (re-stored, or being promoted) is never deleted.
+``has_pending_work`` is true while deletes wait for a build.
+
 All calls are plain dictionary work on the scheduler thread; none blocks or awaits.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -170,6 +185,9 @@ class SchedulerConnector:
         self._new_loads: list[LoadJob] = []
         self._ready_loads: dict[str, int] = {}  # loads settled without a job (see update_state_after_alloc)
         self._job_ids = itertools.count(1)
+        # tier -> keys whose bytes workers may hold although the manager released them in that
+        # tier (jobs that were not a clean success everywhere); shipped by the next build.
+        self._deletes: dict[int, dict[bytes, None]] = {}
         self.counters: dict[str, int] = {
             "store_jobs": 0,
             "store_blocks": 0,
@@ -184,6 +202,7 @@ class SchedulerConnector:
             "deferred_lookups": 0,
             "last_block_jobs": 0,
             "unknown_reports": 0,
+            "deleted_blocks": 0,
             "bytes_stored": 0,
             "bytes_loaded": 0,
         }
@@ -220,7 +239,12 @@ class SchedulerConnector:
 
     def has_pending_work(self) -> bool:
         """Whether the engine must keep stepping (jobs outstanding or a finish walk due)."""
-        return bool(self._jobs or self._walk or self._new_loads or self._ready_loads)
+        return bool(self._jobs or self._walk or self._new_loads or self._ready_loads or self._deletes)
+
+    @property
+    def num_pending_deletes(self) -> int:
+        """Keys waiting for the next build to be shipped as deletes."""
+        return sum(len(ks) for ks in self._deletes.values())
 
     # -- keys ------------------------------------------------------------------------------
     def _extend_keys(self, st: _RequestState, want: int) -> None:
@@ -446,6 +470,7 @@ class SchedulerConnector:
                 self._mark_finished(st, None)
                 self._maybe_free(st)
         self._last_step = step.step
+        deletes = self._take_deletes()  # before any prepare_store of this build (see the docstring)
         stores: list[StoreJob] = []
         # Finished requests first: workers submit stores in build order, and flushing one of
         # these must not drag along a job that reads blocks this step's compute still fills.
@@ -470,7 +495,7 @@ class SchedulerConnector:
                 stores.append(job)
         loads, self._new_loads = self._new_loads, []
         self.counters["flushed_jobs"] += len(flush)
-        return StepMetadata(step.step, tuple(stores), tuple(loads), tuple(sorted(flush)))
+        return StepMetadata(step.step, tuple(stores), tuple(loads), tuple(sorted(flush)), deletes)
 
     def _run_walk(self) -> list[StoreJob]:
         """Build the stores of the requests finished since the last walk (their last blocks)."""
@@ -491,9 +516,40 @@ class SchedulerConnector:
         ``update_state_after_alloc`` and the finish walk's stores. Run it with
         :meth:`WorkerConnector.run_now`; its stores are submitted at once (not deferred), so
         the engine must fence their blocks (see the module docstring)."""
+        deletes = self._take_deletes()
         stores = self._run_walk()
         loads, self._new_loads = self._new_loads, []
-        return StepMetadata(self._last_step, tuple(stores), tuple(loads), ())
+        return StepMetadata(self._last_step, tuple(stores), tuple(loads), (), deletes)
+
+    # -- deletes ---------------------------------------------------------------------------
+    def _forget_on_workers(self, tier: int, keys: Collection[bytes]) -> None:
+        """Remember that workers may hold ``keys`` in ``tier`` although the manager may not."""
+        if keys:
+            self._deletes.setdefault(tier, {}).update(dict.fromkeys(keys))
+
+    def _holds(self, tier: int, key: bytes) -> bool:
+        # Pending or ready in that very tier. ``TierManager.status`` names only one tier, so
+        # this reads the tier's index; a per-tier membership query on the manager would do.
+        return key in self.manager._tiers[tier].index
+
+    def _take_deletes(self) -> tuple[tuple[int, tuple[bytes, ...]], ...]:
+        """The remembered (tier, key) pairs the manager does not hold now; clears the record.
+
+        A key the manager holds again (re-stored everywhere, or pending in a job or promotion
+        that has its own completion) is dropped from the record: its bytes are wanted."""
+        if not self._deletes:
+            return ()
+        pending, self._deletes = self._deletes, {}
+        out: list[tuple[int, tuple[bytes, ...]]] = []
+        num_tiers = self.manager.num_tiers
+        for tier in sorted(pending):
+            if not 0 <= tier < num_tiers:
+                continue
+            keys = tuple(k for k in pending[tier] if not self._holds(tier, k))
+            if keys:
+                out.append((tier, keys))
+                self.counters["deleted_blocks"] += len(keys)
+        return tuple(out)
 
     # -- finish ----------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, None]:
@@ -573,6 +629,18 @@ class SchedulerConnector:
             ok = job.error is None
             failed = {t: list(ks) for t, ks in job.failed.items()}
             self.manager.complete_store(plan.keys, ok, sizes=job.sizes, failed=failed)
+            for tier, failed_keys in job.failed.items():
+                self._forget_on_workers(tier, failed_keys)
+            if not ok:
+                # A worker that failed may have stopped anywhere in the plan (even before its
+                # drops and demotions); another may have run all of it. Every pair the plan
+                # touched is a candidate; the build ships those the manager does not hold.
+                self._forget_on_workers(plan.tier, plan.keys)
+                for tier, ks in (*plan.write_through, *plan.drops):
+                    self._forget_on_workers(tier, ks)
+                for d in plan.demotions:
+                    self._forget_on_workers(d.src, d.keys)
+                    self._forget_on_workers(d.dst, d.keys)
             lost = len(plan.keys) if not ok else len(job.failed.get(plan.tier, ()))
             self.counters["store_failed_blocks"] += lost
             self.counters["stored_blocks"] += len(plan.keys) - lost
@@ -581,14 +649,18 @@ class SchedulerConnector:
             plan = job.plan
             assert isinstance(plan, LoadPlan)
             if job.error is not None:
-                bad: Iterable[bytes] = plan.promote
+                bad: Collection[bytes] = plan.promote
             else:
                 bad = job.failed.get(0, ())
             self.manager.complete_load(plan.keys, failed_promotions=bad)
+            # A promotion that failed on one worker may have been written on another.
+            self._forget_on_workers(0, bad)
             if job.error is None:
                 for key, tier in job.missed.items():
-                    # Gone or corrupt in that tier: forget it, so it is never offered again.
+                    # Gone or corrupt in that tier: forget it, so it is never offered again, and
+                    # drop the other workers' shards of it (they would never be read).
                     self.manager.remove([key], tier)
+                    self._forget_on_workers(tier, (key,))
             for key in plan.keys:
                 left = self._loading.get(key, 0) - 1
                 if left > 0:

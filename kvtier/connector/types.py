@@ -7,6 +7,10 @@ everything that crosses between them is a frozen value with a canonical msgpack 
 can only ever decode into these types, and a malformed one raises :class:`ConnectorError`
 (a ``ValueError``) rather than executing anything.
 
+``StepMetadata.deletes`` was added within wire version 1 as an optional trailing element: it is
+written only when there are deletes, so a metadata without deletes encodes to the same bytes as
+before, and a blob without it decodes with ``deletes=()``.
+
 :class:`Request` is the small protocol an engine's request object satisfies (usually with a few
 properties), and :class:`SchedulerStep` is what an engine reports about one scheduler step.
 """
@@ -112,6 +116,20 @@ def _encode_store_plan(plan: StorePlan) -> list[Any]:
     ]
 
 
+def _tier_key_lists(value: Any, what: str) -> tuple[tuple[int, tuple[bytes, ...]], ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConnectorError(f"{what}: expected a list of [tier, keys] pairs")
+    out: list[tuple[int, tuple[bytes, ...]]] = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ConnectorError(f"{what}: expected a list of [tier, keys] pairs")
+        tier, keys = item
+        if not isinstance(tier, int) or isinstance(tier, bool) or tier < 0:
+            raise ConnectorError(f"{what}: a tier must be a non-negative integer, got {tier!r}")
+        out.append((tier, _keys(keys, what)))
+    return tuple(out)
+
+
 def _decode_store_plan(raw: Any) -> StorePlan:
     try:
         plan_id, keys, positions, tier, through, drops, demotions = raw
@@ -162,16 +180,25 @@ class StepMetadata:
     Built by :meth:`SchedulerConnector.build_immediate_meta` instead, it is run at once by
     :meth:`WorkerConnector.run_now`: stores submitted right away, loads waited for. The wire
     form is the same.
+
+    ``deletes`` lists, per tier, keys whose bytes every worker must drop: keys of a job that
+    did not succeed on every worker (a store that failed on one rank but was written on
+    another, a key one rank could not load), which the scheduler side's manager no longer holds
+    in that tier. The worker runs them on its store queue *before* this step's stores (and after
+    every store of earlier steps), so the store queue executes deletes and stores in exactly the
+    order the scheduler decided them: a delete never overtakes an earlier write of the key and
+    a later re-store of the key never runs before it. Deleting an absent key is a no-op.
     """
 
     step: int
     stores: tuple[StoreJob, ...] = ()
     loads: tuple[LoadJob, ...] = ()
     jobs_to_flush: tuple[int, ...] = ()
+    deletes: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.stores and not self.loads and not self.jobs_to_flush
+        return not self.stores and not self.loads and not self.jobs_to_flush and not self.deletes
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(
@@ -191,6 +218,8 @@ class StepMetadata:
                     for j in self.loads
                 ],
                 list(self.jobs_to_flush),
+                # Optional trailing element (see the module docstring): absent when empty.
+                *([[[t, list(ks)] for t, ks in self.deletes]] if self.deletes else []),
             ],
             use_bin_type=True,
         )
@@ -198,11 +227,11 @@ class StepMetadata:
     @classmethod
     def from_bytes(cls, data: bytes) -> StepMetadata:
         raw = _unpack(data, "step metadata")
-        try:
-            version, step, stores, loads, flush = raw
-        except (TypeError, ValueError):
-            raise ConnectorError("step metadata: expected [version, step, stores, loads, flush]") from None
+        if not isinstance(raw, list) or len(raw) not in (5, 6):
+            raise ConnectorError("step metadata: expected [version, step, stores, loads, flush(, deletes)]")
+        version, step, stores, loads, flush = raw[:5]
         _check_version(version, "step metadata")
+        deletes = _tier_key_lists(raw[5], "deletes") if len(raw) == 6 else ()
         try:
             return cls(
                 step=int(step),
@@ -222,6 +251,7 @@ class StepMetadata:
                     for jid, rid, keys, tiers, promote, ids in loads
                 ),
                 jobs_to_flush=_ints(flush, "jobs_to_flush"),
+                deletes=deletes,
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConnectorError):

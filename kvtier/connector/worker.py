@@ -2,7 +2,8 @@
 
 Per step, in this order (the engine's model runner calls them):
 
-1. ``handle_preemptions(meta)`` - before the step's compute. Every job in
+1. ``handle_preemptions(meta)`` - before the step's compute. If ``meta.deletes`` is not empty,
+   the deferred stores and then the deletes are submitted first (see below). Every job in
    ``meta.jobs_to_flush`` that is still unsubmitted (deferred from the previous step, or built
    in this very step) is submitted, then the worker waits for every flushed job. Stores are
    submitted in the order the scheduler built them, so flushing job ``j`` also submits the
@@ -18,12 +19,24 @@ Per step, in this order (the engine's model runner calls them):
 An engine without a step loop (see :mod:`kvtier.connector.scheduler`) calls instead:
 
 - ``run_now(meta)`` with the metadata of ``build_immediate_meta``: submits every unsubmitted
-  store (earlier ones first, in build order), then ``meta.stores`` and ``meta.loads``, waits
-  for the loads (and for ``meta.jobs_to_flush``), and returns :meth:`get_finished`'s output.
+  store (earlier ones first, in build order), then ``meta.deletes``, ``meta.stores`` and
+  ``meta.loads``, waits for the loads (and for ``meta.jobs_to_flush``), and returns
+  :meth:`get_finished`'s output.
   Its stores are in flight when it returns: the engine fences their blocks until the scheduler
   side reports them ``unfenced``.
 - ``wait_for(job_ids)``: submits the given jobs if still unsubmitted (with those built before
   them), waits for them, and returns :meth:`get_finished`'s output.
+
+Deletes (``meta.deletes``: keys the scheduler side released after a job that did not succeed on
+every worker) run on the transfer engine's store queue as a store job with nothing but drops,
+submitted when the worker first sees the metadata, after every store built in an earlier step
+(submitted then if still deferred: their blocks were computed by an earlier step's compute) and
+before this metadata's stores. The store queue is FIFO, so deletes and stores run in the order
+the scheduler built them: the scheduler ships a delete only for keys its manager does not hold
+in that tier, so no earlier job still writes them there, and a later re-store of a key always runs after
+its delete. Promotions are the one write outside the store queue (the load thread writes them
+into the first tier): a load that promotes a key with a delete still queued for the first tier
+waits for that delete before it is submitted. Delete jobs are not reported to the scheduler.
 
 Built with :meth:`WorkerConnector.from_store`, the worker also records every finished job in
 the store's I/O metrics (per-tier bytes, latency), as the store's own ``save`` / ``load`` do.
@@ -43,6 +56,7 @@ from typing import Any, Literal
 
 from kvtier.connector.types import JobReport, LoadJob, StepMetadata, StoreJob, WorkerOutput
 from kvtier.errors import LifecycleError
+from kvtier.manager import StorePlan
 from kvtier.transfer import JobResult, TransferEngine
 
 __all__ = ["WorkerConnector"]
@@ -66,6 +80,9 @@ class WorkerConnector:
         self._failed: list[JobReport] = []
         self._waited: set[int] = set()  # transfer ids known finished (flushed and waited)
         self._last_step: int | None = None
+        # delete transfer id -> the first tier's keys it deletes (what promotions must wait for)
+        self._deleting: dict[int, frozenset[bytes]] = {}
+        self.counters: dict[str, int] = {"delete_jobs": 0, "deleted_keys": 0, "failed_delete_jobs": 0}
 
     @classmethod
     def from_store(cls, store: Any, *, rank: int = 0) -> WorkerConnector:
@@ -83,6 +100,10 @@ class WorkerConnector:
     @property
     def num_in_flight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def num_deletes_in_flight(self) -> int:
+        return len(self._deleting)
 
     def unfinished_store_blocks(
         self, *, exclude_step: int | None = None, exclude_requests: Container[str] = ()
@@ -107,9 +128,28 @@ class WorkerConnector:
             meta = StepMetadata.from_bytes(bytes(meta))
         if meta.step != self._last_step:
             self._last_step = meta.step
+            if meta.deletes:
+                # Every store built before this metadata goes first (their compute is done),
+                # then the deletes, then this metadata's stores: build order (module docstring).
+                self.flush()
+                self._submit_deletes(meta.deletes)
             for job in meta.stores:
                 self._queue[job.job_id] = (job, meta.step)
         return meta
+
+    def _submit_deletes(self, deletes: tuple[tuple[int, tuple[bytes, ...]], ...]) -> None:
+        if not deletes:
+            return
+        plan = StorePlan(plan_id=0, keys=(), positions=(), drops=deletes)
+        try:
+            tid = self.transfers.submit_store(plan, ())
+        except Exception as exc:  # the bytes stay behind (capacity, not correctness)
+            log.warning("delete of %d keys could not be submitted: %s", sum(len(k) for _, k in deletes), exc)
+            self.counters["failed_delete_jobs"] += 1
+            return
+        self._deleting[tid] = frozenset(k for t, ks in deletes if t == 0 for k in ks)
+        self.counters["delete_jobs"] += 1
+        self.counters["deleted_keys"] += sum(len(ks) for _, ks in deletes)
 
     def _submit_store(self, job: StoreJob) -> None:
         try:
@@ -122,6 +162,13 @@ class WorkerConnector:
         self._transfer_of[job.job_id] = tid
 
     def _submit_load(self, load: LoadJob) -> int | None:
+        if self._deleting and load.plan.promote:
+            # A promotion is written by the load thread: it must not race a queued delete of
+            # the same key in the first tier (the delete would drop the fresh copy).
+            promote = set(load.plan.promote)
+            before = [tid for tid, keys in self._deleting.items() if not keys.isdisjoint(promote)]
+            if before:
+                self.transfers.wait(before)
         try:
             tid = self.transfers.submit_load(load.plan, load.block_ids)
         except Exception as exc:
@@ -179,12 +226,13 @@ class WorkerConnector:
     # -- engines without a step loop -------------------------------------------------------
     def run_now(self, meta: StepMetadata | bytes) -> WorkerOutput:
         """Run ``meta`` (from ``build_immediate_meta``) at once: submit every unsubmitted store,
-        then its stores and loads; wait for its loads and ``jobs_to_flush``; return the output
+        then its deletes, stores and loads; wait for its loads and ``jobs_to_flush``; return the output
         for the scheduler side. Its stores are still in flight when this returns."""
         if not isinstance(meta, StepMetadata):
             meta = StepMetadata.from_bytes(bytes(meta))
         # Earlier stores first: the manager's plans (evictions, demotions) assume build order.
         self.flush()
+        self._submit_deletes(meta.deletes)
         for job in meta.stores:
             if job.job_id not in self._transfer_of:
                 self._submit_store(job)
@@ -201,14 +249,17 @@ class WorkerConnector:
         return self.get_finished()
 
     def get_finished(self, *, block: bool = False) -> WorkerOutput:
-        """Jobs finished since the last call. ``block`` first waits for every submitted job
-        (deterministic runs and shutdown); engines normally poll."""
-        if block and self._inflight:
-            self.transfers.wait(list(self._inflight))
+        """Jobs finished since the last call. ``block`` first waits for every submitted job,
+        deletes included (deterministic runs and shutdown); engines normally poll."""
+        if block and (self._inflight or self._deleting):
+            self.transfers.wait([*self._inflight, *self._deleting])
         reports, self._failed = self._failed, []
         for result in self.transfers.poll_finished():
             entry = self._inflight.pop(result.job_id, None)
             if entry is None:
+                if self._deleting.pop(result.job_id, None) is not None and not result.success:
+                    log.warning("delete job %d failed: %s", result.job_id, result.error)
+                    self.counters["failed_delete_jobs"] += 1
                 continue
             jid, kind, _, plan = entry
             self._transfer_of.pop(jid, None)

@@ -182,7 +182,11 @@ def engine_stats(engine_id: str | None = None) -> dict[str, Any]:
         if mgr is not None:
             data["manager"] = dict(mgr.counters)
             data["tiers"] = [
-                {k: t[k] for k in ("name", "blocks", "ready", "pinned", "used_bytes")} for t in mgr.stats()["tiers"]
+                {
+                    **{k: t[k] for k in ("name", "blocks", "ready", "pinned", "used_bytes")},
+                    "corrupt_records": backend.counters.corrupt_records,
+                }
+                for t, backend in zip(mgr.stats()["tiers"], eng.store.backends)
             ]
         if eng.store.transfers is not None:
             data["transfers"] = dict(eng.store.transfers.counters)
