@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,22 @@ def test_cli_sim_rejects_a_bad_config(tmp_path, capsys) -> None:
     cfg.write_text("tiers: []\n")
     assert main(["sim", "--config", str(cfg), "--requests", "2"]) == 1
     assert "kvtier sim" in capsys.readouterr().err
+
+
+def test_cli_default_run_uses_both_tiers_and_keep_disk_reuses_an_earlier_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["sim", "--json", "--no-progress"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    # The default host tier is small: blocks are demoted and some hits come from disk.
+    assert first["loaded_tokens_by_tier"].get("lmdb", 0) > 0
+    assert first["corrupt_blocks"] == 0 and first["live_jobs"] == 0
+    assert main(["sim", "--json", "--no-progress"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert fresh["recomputed_tokens"] == first["recomputed_tokens"]  # a fresh tier each run
+    assert main(["sim", "--json", "--no-progress", "--keep-disk"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    # What the earlier process stored on disk is served: fewer tokens recomputed.
+    assert kept["recomputed_tokens"] < first["recomputed_tokens"]
+    assert kept["corrupt_blocks"] == 0

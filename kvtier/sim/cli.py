@@ -11,6 +11,7 @@ a corrupt block was served, a fence was violated, or request state / jobs were l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ from kvtier.errors import KVTierError
 
 __all__ = ["add_parser", "default_sim_config", "run"]
 
-SIM_CPU_CAPACITY = "4MiB"
+# Small on purpose: a default run overflows host memory, so blocks are demoted to LMDB and some
+# hits are served from disk, and the whole tier chain is exercised and verified.
+SIM_CPU_CAPACITY = "1MiB"
 SIM_DISK_CAPACITY = "256MiB"
 
 
@@ -33,11 +36,16 @@ def _lmdb_available() -> bool:
         return False
 
 
-def default_sim_config() -> dict[str, Any]:
-    """The default tiers, sized for a simulation: host memory, then LMDB under the cache dir."""
+def sim_disk_path() -> str:
+    """The simulation's own LMDB directory (never a real cache's)."""
     from platformdirs import user_cache_dir
 
-    path = os.path.join(user_cache_dir("kvtier"), "sim", "lmdb")
+    return os.path.join(user_cache_dir("kvtier"), "sim", "lmdb")
+
+
+def default_sim_config() -> dict[str, Any]:
+    """The default tiers, sized for a simulation: host memory, then LMDB under the cache dir."""
+    path = sim_disk_path()
     tiers: list[dict[str, Any]] = [{"backend": "cpu", "capacity": SIM_CPU_CAPACITY, "pin_memory": "auto"}]
     if _lmdb_available():
         tiers.append({"backend": "lmdb", "capacity": SIM_DISK_CAPACITY, "path": path})
@@ -82,6 +90,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu-blocks", type=int, default=None, help="engine blocks in the simulated GPU pool")
     p.add_argument(
         "--async-scheduling", action="store_true", help="model async scheduling (sampled tokens seen one step late)"
+    )
+    p.add_argument(
+        "--keep-disk",
+        action="store_true",
+        help="reuse what earlier runs stored in the simulation's LMDB tier (shows persistence across "
+        "processes; hits may then exceed this run's oracle). Default: start from an empty tier.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -152,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = _load_config_file(args.config) if args.config else default_sim_config()
+        if not args.config and not args.keep_disk:
+            # Only the simulation's own directory, and only its LMDB files, are ever removed.
+            for name in ("data.mdb", "lock.mdb"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(sim_disk_path(), name))
         options: dict[str, Any] = {"async_scheduling": bool(args.async_scheduling)}
         if args.gpu_blocks is not None:
             options["num_gpu_blocks"] = args.gpu_blocks
