@@ -317,6 +317,7 @@ def spawn(role: str, model: str, lmdb_path: str, work: str) -> dict[str, Any]:
     ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    open(f"/tmp/e2e-{role}.err", "w").write(proc.stdout + proc.stderr)  # DEBUG
     if proc.returncode != 0 or not os.path.exists(out):
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"VLLM E2E FAILED: process {role} exited with {proc.returncode}")

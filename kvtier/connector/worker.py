@@ -35,8 +35,8 @@ before this metadata's stores. The store queue is FIFO, so deletes and stores ru
 the scheduler built them: the scheduler ships a delete only for keys its manager does not hold
 in that tier, so no earlier job still writes them there, and a later re-store of a key always runs after
 its delete. Promotions are the one write outside the store queue (the load thread writes them
-into the first tier): a load that promotes a key with a delete still queued for the first tier
-waits for that delete before it is submitted. Delete jobs are not reported to the scheduler.
+into the first tier, in room the manager reserved assuming earlier deletes already ran): a load
+with promotions waits for the first tier's queued deletes before it is submitted. Delete jobs are not reported to the scheduler.
 
 Built with :meth:`WorkerConnector.from_store`, the worker also records every finished job in
 the store's I/O metrics (per-tier bytes, latency), as the store's own ``save`` / ``load`` do.
@@ -80,8 +80,8 @@ class WorkerConnector:
         self._failed: list[JobReport] = []
         self._waited: set[int] = set()  # transfer ids known finished (flushed and waited)
         self._last_step: int | None = None
-        # delete transfer id -> the first tier's keys it deletes (what promotions must wait for)
-        self._deleting: dict[int, frozenset[bytes]] = {}
+        # delete transfer id -> whether it deletes from the first tier (promotions wait for it)
+        self._deleting: dict[int, bool] = {}
         self.counters: dict[str, int] = {"delete_jobs": 0, "deleted_keys": 0, "failed_delete_jobs": 0}
 
     @classmethod
@@ -147,7 +147,7 @@ class WorkerConnector:
             log.warning("delete of %d keys could not be submitted: %s", sum(len(k) for _, k in deletes), exc)
             self.counters["failed_delete_jobs"] += 1
             return
-        self._deleting[tid] = frozenset(k for t, ks in deletes if t == 0 for k in ks)
+        self._deleting[tid] = any(t == 0 for t, _ in deletes)
         self.counters["delete_jobs"] += 1
         self.counters["deleted_keys"] += sum(len(ks) for _, ks in deletes)
 
@@ -163,10 +163,11 @@ class WorkerConnector:
 
     def _submit_load(self, load: LoadJob) -> int | None:
         if self._deleting and load.plan.promote:
-            # A promotion is written by the load thread: it must not race a queued delete of
-            # the same key in the first tier (the delete would drop the fresh copy).
-            promote = set(load.plan.promote)
-            before = [tid for tid, keys in self._deleting.items() if not keys.isdisjoint(promote)]
+            # Promotions are written into the first tier by the load thread, outside the store
+            # queue's order. The manager reserved them assuming the queued deletes already ran:
+            # they may free the very room a promotion needs, and a delete of a key must not
+            # drop its fresh promoted copy. Rare (deletes follow failures): wait for them.
+            before = [tid for tid, first_tier in self._deleting.items() if first_tier]
             if before:
                 self.transfers.wait(before)
         try:
