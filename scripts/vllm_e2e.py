@@ -1,18 +1,27 @@
 #!/usr/bin/env python3
 """End-to-end check of kvtier under vLLM (``kvtier.integrations.vllm``), on CPU.
 
-Three fresh processes share one tiny random Llama and one LMDB tier under a temp dir:
+Four fresh processes share one tiny random Llama and one LMDB tier under a temp dir, run in
+this order:
 
-* **ref**  - vLLM without kvtier: the recompute reference (tokens, log-probs, TTFT on misses);
 * **A**    - vLLM with kvtier on the empty LMDB tier: generates for prompts ``P_i`` and stores
   their blocks;
 * **B**    - vLLM with kvtier on the same LMDB tier, started after A exited: generates for
-  ``P_0 + E`` (a longer prompt with the same prefix) and must load ``P_0``'s blocks.
+  ``P_0 + E`` (a longer prompt with the same prefix) and must load ``P_0``'s blocks;
+* **C**    - after this script damaged the payload of three of ``P_0``'s records in the LMDB
+  file (python-lmdb, between processes; headers intact, so only the checksum can tell): the
+  same prompt, then the same prompt again with vLLM's own prefix cache emptied (the retry);
+* **ref**  - vLLM without kvtier: the recompute reference (tokens, log-probs, TTFT on misses).
 
-Checks (any failure exits 1): B's greedy tokens equal ref's; the log-prob of each generated
-token differs by at most ``--atol`` (float32 model); B's ``num_cached_tokens`` equals the
-stored prefix (vLLM's count of tokens it did not prefill, and B's GPU prefix cache is empty,
-so they came from kvtier); kvtier's own counters show the blocks loaded from the LMDB tier.
+Checks (any failure exits 1): B's and C's greedy tokens equal ref's; the log-prob of each
+generated token differs by at most ``--atol`` (float32 model); B's ``num_cached_tokens`` equals
+the stored prefix (vLLM's count of tokens it did not prefill, and B's GPU prefix cache is empty,
+so they came from kvtier); kvtier's own counters show the blocks loaded from the LMDB tier; the
+tokens vLLM's scheduler scheduled match the prefill each process should have done. Step C
+(see ``check_step_c``): kvtier counts, logs and deletes the damaged records and reports their
+GPU block ids to vLLM, which recomputes from the first of them on (the blocks before it are
+reused); on the retry kvtier serves the leading run without errors and stores the recomputed
+blocks again, and no damaged record is left in the tier.
 It also prints TTFT (one request, ``max_tokens=1``) with and without kvtier hits.
 
 If vLLM cannot be imported it prints one line ``VLLM E2E SKIPPED: <reason>`` and exits 0.
@@ -111,27 +120,17 @@ def _block_keys(llm: Any, tokens: list[int]) -> list[str]:
 
 
 class _Spy:
-    """What process C observes of vLLM's side: tokens the scheduler scheduled, block ids kvtier
-    reported as failed loads, and vLLM's warnings (its recovery message)."""
+    """What a process observes around its target request: tokens vLLM's scheduler scheduled,
+    block ids kvtier reported to vLLM as failed loads, and warnings of vLLM's scheduler (its
+    recovery message) and of kvtier."""
 
     def __init__(self) -> None:
-        import logging
-
-        self.scheduled_tokens = 0
-        self.reported_block_ids: list[int] = []
-        self.warnings: list[str] = []
-        spy = self
-
-        class _Handler(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                spy.warnings.append(record.getMessage())
-
-        logging.getLogger("vllm").addHandler(_Handler(level=logging.WARNING))
+        self.reset()
 
     def reset(self) -> None:
         self.scheduled_tokens = 0
-        self.reported_block_ids = []
-        self.warnings = []
+        self.reported_block_ids: list[int] = []
+        self.warnings: list[str] = []
 
     def patch_connector(self, cls: Any) -> None:
         original = cls.get_block_ids_with_load_errors
@@ -144,17 +143,28 @@ class _Spy:
 
         cls.get_block_ids_with_load_errors = get_block_ids_with_load_errors
 
-    def patch_scheduler(self, llm: Any) -> None:
-        # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): count every token scheduled.
+    def patch_engine(self, llm: Any) -> None:
+        """Count every scheduled token (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        and collect warnings; after the engine is built, since vLLM configures logging on start."""
+        import logging
+
+        spy = self
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         original = scheduler.schedule
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
             output = original(*args, **kwargs)
-            self.scheduled_tokens += sum(output.num_scheduled_tokens.values())
+            spy.scheduled_tokens += sum(output.num_scheduled_tokens.values())
             return output
 
         scheduler.schedule = schedule
+
+        class _Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                spy.warnings.append(f"{record.name}: {record.getMessage()}")
+
+        for name in (type(scheduler).__module__, "kvtier"):
+            logging.getLogger(name).addHandler(_Handler(level=logging.WARNING))
 
 
 def child(role: str, model: str, lmdb_path: str, out: str) -> None:
@@ -183,7 +193,7 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         **kwargs,
     )
     if spy is not None:
-        spy.patch_scheduler(llm)
+        spy.patch_engine(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, detokenize=False)
     first = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     length = PREFIX_BLOCKS * BLOCK
@@ -216,9 +226,22 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         result["target"] = record(o)
         result["scheduled_tokens"] = spy.scheduled_tokens
         result["reported_block_ids"] = spy.reported_block_ids
-        result["vllm_warnings"] = spy.warnings
+        result["warnings"] = spy.warnings
         if role != "ref":
             result["kvtier_after_target"] = kv_vllm.engine_stats()
+        if role == "C":
+            # The same prompt again, with vLLM's own prefix cache emptied: kvtier now misses
+            # the deleted records and serves the leading run before the first of them.
+            llm.reset_prefix_cache()
+            spy.reset()
+            o, _ = run(stored[0] + _prompts(4, 1, EXTRA)[0], greedy)
+            result["retry"] = record(o)
+            result["retry_scheduled_tokens"] = spy.scheduled_tokens
+            result["retry_reported_block_ids"] = spy.reported_block_ids
+            result["retry_warnings"] = spy.warnings
+            result["kvtier_after_retry"] = kv_vllm.engine_stats()
+            for warm in _prompts(7, 2, length):  # a few more engine steps: stores complete
+                run(warm, first)
     if role in ("B", "ref"):
         # Alternate hit and miss prompts so drift in machine load affects both alike.
         result["ttft_stored"], result["ttft_unseen"] = [], []
@@ -317,13 +340,18 @@ def spawn(role: str, model: str, lmdb_path: str, work: str) -> dict[str, Any]:
     ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
-    open(f"/tmp/e2e-{role}.err", "w").write(proc.stdout + proc.stderr)  # DEBUG
     if proc.returncode != 0 or not os.path.exists(out):
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"VLLM E2E FAILED: process {role} exited with {proc.returncode}")
     print(f"process {role}: {time.perf_counter() - start:.1f} s")
     with open(out) as f:
         return json.load(f)  # type: ignore[no-any-return]
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any], name: str, section: str | None = None) -> int:
+    if section is not None:
+        after, before = after.get(section, {}), before.get(section, {})
+    return int(after.get(name, 0)) - int(before.get(name, 0))
 
 
 def check_step_c(
@@ -334,25 +362,34 @@ def check_step_c(
     positions: dict[int, str],
     atol: float,
 ) -> list[str]:
-    """Failures of step C (process C ran P_0 + E after P_0's records at ``positions`` were
-    damaged). vLLM 0.32 with ``kv_load_failure_policy="recompute"`` truncates the request's
-    computed tokens at the first block reported as failed and recomputes from there, so exactly
-    the leading ``min(positions)`` blocks are reused even though kvtier read the later good
-    ones too."""
+    """Failures of step C: process C ran P_0 + E after the payloads of P_0's records at
+    ``positions`` were damaged in the LMDB tier, then ran it again with vLLM's prefix cache
+    emptied (the retry).
+
+    What vLLM 0.32 does (``kv_load_failure_policy="recompute"``): kvtier reports the GPU block ids
+    of the records that failed their checksum; vLLM truncates the request's computed tokens at
+    the first reported block and recomputes everything from there, so exactly the leading
+    ``min(positions)`` blocks are reused although kvtier read the later good ones too.
+    """
     failures: list[str] = []
-    prefix = PREFIX_BLOCKS * BLOCK
-    bad = len(positions)
-    first_bad = min(positions)
+    prefix, prompt = PREFIX_BLOCKS * BLOCK, PREFIX_BLOCKS * BLOCK + EXTRA
+    bad, first_bad = len(positions), min(positions)
+    reused = first_bad * BLOCK
     if before != ["ok"] * PREFIX_BLOCKS:
         failures.append(f"P_0's records before step C: {before}, expected all {PREFIX_BLOCKS} ok")
+
+    def same_as_recompute(run: str, rec: dict[str, Any]) -> None:
+        if rec["tokens"] != tr["tokens"]:
+            failures.append(f"C ({run}): tokens differ from the recompute: {rec['tokens']} != {tr['tokens']}")
+        diffs = [abs(x - y) for x, y in zip(rec["logprobs"], tr["logprobs"])]
+        if not diffs or max(diffs) > atol:
+            failures.append(f"C ({run}): log-probs differ by {max(diffs, default=float('inf')):.3g} > atol {atol}")
+
+    # First run: every block was a lookup hit (the index still lists them), so one load job
+    # read all of them; the damaged ones failed their checksum, were counted, logged, deleted
+    # and reported to vLLM.
     tc, kc = c["target"], c["kvtier_after_target"]
-    if tc["tokens"] != tr["tokens"]:
-        failures.append(f"C's tokens differ from the recompute: {tc['tokens']} != {tr['tokens']}")
-    diffs = [abs(x - y) for x, y in zip(tc["logprobs"], tr["logprobs"])]
-    if not diffs or max(diffs) > atol:
-        failures.append(f"C's log-probs differ by {max(diffs, default=float('inf')):.3g} > atol {atol}")
-    # kvtier: every block was a lookup hit (the index still lists them), so one load job read
-    # all of them; the damaged ones failed their checksum, were counted and deleted.
+    same_as_recompute("first run", tc)
     if kc.get("blocks_loaded") != PREFIX_BLOCKS - bad or kc.get("blocks_load_failed") != bad:
         failures.append(
             f"C: kvtier loaded {kc.get('blocks_loaded')} / failed {kc.get('blocks_load_failed')} blocks, "
@@ -361,23 +398,52 @@ def check_step_c(
     corrupt = sum(t.get("corrupt_records", 0) for t in kc.get("tiers", []))
     if corrupt != bad:
         failures.append(f"C: kvtier counted {corrupt} corrupt records, expected {bad}")
+    logged = [w for w in c["warnings"] if "corrupt record" in w]
+    if len(logged) != bad:
+        failures.append(f"C: kvtier logged {len(logged)} corrupt records, expected {bad}")
     if len(set(c["reported_block_ids"])) != bad or len(c["reported_block_ids"]) != bad:
         failures.append(f"C: kvtier reported block ids {c['reported_block_ids']} to vLLM, expected {bad} distinct ids")
-    # vLLM: recompute from the first failed block on.
     prefilled = c["scheduled_tokens"] - (MAX_TOKENS - 1)
-    if prefilled != prefix + EXTRA - first_bad * BLOCK:
+    if prefilled != prompt - reused:
         failures.append(
-            f"C: vLLM prefilled {prefilled} tokens, expected {prefix + EXTRA - first_bad * BLOCK} "
+            f"C: vLLM prefilled {prefilled} tokens, expected {prompt - reused} "
             f"(reusing the {first_bad} blocks before the first corrupt one)"
         )
-    recovered = [w for w in c["vllm_warnings"] if "Recovered from KV load failure" in w]
-    want = f"({prefix - first_bad * BLOCK} tokens affected)"
+    recovered = [w for w in c["warnings"] if "Recovered from KV load failure" in w]
+    want = f"1 request(s) rescheduled ({prefix - reused} tokens affected)"
     if len(recovered) != 1 or want not in recovered[0]:
         failures.append(f"C: vLLM's recovery warnings {recovered}, expected one saying {want!r}")
-    # Never served, and gone from the tier (or stored again from the recomputed KV: then sound).
+    # vLLM fixes num_cached_tokens when it first schedules the request (all the tokens the
+    # connector offered) and does not lower it after a failed load: documented, checked here.
+    if tc["num_cached_tokens"] != prefix:
+        failures.append(f"C: num_cached_tokens is {tc['num_cached_tokens']}, vLLM 0.32 reports {prefix} here")
+
+    # Retry: kvtier's lookup stops at the first deleted record; no error, nothing corrupt, and
+    # the recomputed blocks that kvtier lacks are stored again (the others are skipped).
+    tk, kr = c["retry"], c["kvtier_after_retry"]
+    same_as_recompute("retry", tk)
+    loaded, failed = _delta(kr, kc, "blocks_loaded"), _delta(kr, kc, "blocks_load_failed")
+    if (loaded, failed) != (first_bad, 0) or c["retry_reported_block_ids"] or c["retry_warnings"]:
+        failures.append(
+            f"C (retry): kvtier loaded {loaded} / failed {failed} blocks, reported {c['retry_reported_block_ids']}, "
+            f"warnings {c['retry_warnings']}; expected {first_bad} / 0, none, none"
+        )
+    if c["retry_scheduled_tokens"] - (MAX_TOKENS - 1) != prompt - reused or tk["num_cached_tokens"] != reused:
+        failures.append(
+            f"C (retry): vLLM prefilled {c['retry_scheduled_tokens'] - (MAX_TOKENS - 1)} tokens with "
+            f"num_cached_tokens {tk['num_cached_tokens']}, expected {prompt - reused} and {reused}"
+        )
+    prepared, skipped = _delta(kr, kc, "store_prepared", "manager"), _delta(kr, kc, "store_skipped", "manager")
+    if (prepared, skipped) != (bad, PREFIX_BLOCKS - first_bad - bad):
+        failures.append(
+            f"C (retry): kvtier prepared {prepared} / skipped {skipped} stores, "
+            f"expected the {bad} deleted blocks / the {PREFIX_BLOCKS - first_bad - bad} it still had"
+        )
+
+    # The tier afterwards: no damaged record left; the deleted ones hold the recomputed KV.
     for pos in positions:
-        if after[pos] not in ("absent", "ok"):
-            failures.append(f"C: block {pos}'s record after C is {after[pos]!r}, expected it deleted (or rewritten)")
+        if after[pos] != "ok":
+            failures.append(f"C: block {pos}'s record after C is {after[pos]!r}, expected it rewritten (ok)")
     others = [after[i] for i in range(PREFIX_BLOCKS) if i not in positions]
     if others != ["ok"] * len(others):
         failures.append(f"C: the undamaged records of P_0 after C: {others}, expected all ok")
@@ -395,6 +461,8 @@ def main() -> int:
     ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS, help=f"{BLOCK}-token blocks per stored prompt")
     ap.add_argument("--atol", type=float, default=1e-3, help="max |logprob_B - logprob_ref| per generated token")
     args = ap.parse_args()
+    if args.prefix_blocks < 4:
+        ap.error("--prefix-blocks must be at least 4 (step C damages blocks in the middle of the prefix)")
     _set_prefix_blocks(args.prefix_blocks)
     if args.child:
         child(args.child, args.model, args.lmdb, args.out)
@@ -456,8 +524,7 @@ def main() -> int:
 
     # Step C: the same prompt after some of P_0's records were damaged in the LMDB tier.
     failures += check_step_c(c, tr, before_c, after_c, positions, args.atol)
-    first_bad = min(positions)
-    tc, kc = c["target"], c["kvtier_after_target"]
+    tc, kc, kr = c["target"], c["kvtier_after_target"], c["kvtier_after_retry"]
     c_diffs = [abs(x - y) for x, y in zip(tc["logprobs"], tr["logprobs"])]
     ms = 1000.0
     summary = {
@@ -481,7 +548,7 @@ def main() -> int:
         "B_tokens_prefilled": prefilled["B"],
         "ref_tokens_prefilled": prefilled["ref"],
         "C": {
-            "corrupted_blocks": {str(p): how for p, how in positions.items()},
+            "damaged_blocks_of_P0": {str(p): how for p, how in positions.items()},
             "payload_bytes_per_record": payload_bytes,
             "kvtier_blocks_loaded": kc.get("blocks_loaded"),
             "kvtier_blocks_load_failed": kc.get("blocks_load_failed"),
@@ -489,12 +556,16 @@ def main() -> int:
             "block_ids_reported_to_vllm": c["reported_block_ids"],
             "vllm_tokens_prefilled": prefilled["C"],
             "vllm_tokens_reused": prefix + EXTRA - prefilled["C"],
-            "expected_tokens_reused": first_bad * BLOCK,
             "num_cached_tokens": tc["num_cached_tokens"],
-            "vllm_recovery_warnings": [w for w in c["vllm_warnings"] if "KV load failure" in w],
-            "records_after_C": {str(p): after_c[p] for p in positions},
             "tokens_equal": tc["tokens"] == tr["tokens"],
-            "max_logprob_abs_diff": max(c_diffs) if c_diffs else None,
+            "max_logprob_abs_diff": max(c_diffs, default=None),
+            "warnings": c["warnings"],
+            "retry_kvtier_blocks_loaded": _delta(kr, kc, "blocks_loaded"),
+            "retry_kvtier_blocks_restored": _delta(kr, kc, "store_prepared", "manager"),
+            "retry_vllm_tokens_prefilled": c["retry_scheduled_tokens"] - decode_steps,
+            "retry_num_cached_tokens": c["retry"]["num_cached_tokens"],
+            "retry_tokens_equal": c["retry"]["tokens"] == tr["tokens"],
+            "records_after_C": {str(p): after_c[p] for p in positions},
         },
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32", "block_size": BLOCK},
     }
