@@ -136,7 +136,7 @@ class KVStore:
         if self._exporter is not None:
             self._exporter.close()
         if self.transfers is not None:
-            await asyncio.to_thread(self.transfers.close)
+            await _off_loop(self.transfers.close)
         if self.manager is not None:
             await self.flush_stamps()
             self.manager.close()
@@ -150,7 +150,7 @@ class KVStore:
             if backend.persistent:
                 stamps = self.manager.take_stamps(i)
                 if stamps:
-                    await asyncio.to_thread(backend.touch_stamps, stamps)
+                    await _off_loop(backend.touch_stamps, stamps)
 
     async def __aenter__(self) -> KVStore:
         return self
@@ -269,6 +269,17 @@ class KVStore:
             if key in missed:
                 return i
         return hits
+
+
+async def _off_loop(fn: Any, *args: Any) -> Any:
+    """Run blocking ``fn`` in a worker thread; during interpreter shutdown, when no new thread
+    can start (engines often close their stores from exit hooks), run it inline instead."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except RuntimeError as exc:
+        if "shutdown" not in str(exc):
+            raise
+        return fn(*args)
 
 
 def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]]:
