@@ -545,7 +545,7 @@ class SchedulerConnector:
         for tier in sorted(pending):
             if not 0 <= tier < num_tiers:
                 continue
-            keys = tuple(k for k in pending[tier] if not self._holds(tier, k))
+            keys = tuple(sorted(k for k in pending[tier] if not self._holds(tier, k)))  # deterministic
             if keys:
                 out.append((tier, keys))
                 self.counters["deleted_blocks"] += len(keys)

@@ -32,11 +32,12 @@ every worker) run on the transfer engine's store queue as a store job with nothi
 submitted when the worker first sees the metadata, after every store built in an earlier step
 (submitted then if still deferred: their blocks were computed by an earlier step's compute) and
 before this metadata's stores. The store queue is FIFO, so deletes and stores run in the order
-the scheduler built them: the scheduler ships a delete only for keys its manager does not hold
-in that tier, so no earlier job still writes them there, and a later re-store of a key always runs after
-its delete. Promotions are the one write outside the store queue (the load thread writes them
-into the first tier, in room the manager reserved assuming earlier deletes already ran): a load
-with promotions waits for the first tier's queued deletes before it is submitted. Delete jobs are not reported to the scheduler.
+the scheduler built them. The scheduler ships a delete only for keys its manager does not hold
+(pending or ready) in that tier, so no earlier job still writes them there, and a later
+re-store of a key always runs after its delete. Promotions are the one write outside the store
+queue (the load thread writes them into the first tier, in room the manager reserved assuming
+earlier deletes already ran): a load with promotions waits for the first tier's queued deletes
+before it is submitted. Delete jobs are not reported to the scheduler side.
 
 Built with :meth:`WorkerConnector.from_store`, the worker also records every finished job in
 the store's I/O metrics (per-tier bytes, latency), as the store's own ``save`` / ``load`` do.
@@ -227,8 +228,8 @@ class WorkerConnector:
     # -- engines without a step loop -------------------------------------------------------
     def run_now(self, meta: StepMetadata | bytes) -> WorkerOutput:
         """Run ``meta`` (from ``build_immediate_meta``) at once: submit every unsubmitted store,
-        then its deletes, stores and loads; wait for its loads and ``jobs_to_flush``; return the output
-        for the scheduler side. Its stores are still in flight when this returns."""
+        then its deletes, stores and loads; wait for its loads and ``jobs_to_flush``; return the
+        output for the scheduler side. Its stores are still in flight when this returns."""
         if not isinstance(meta, StepMetadata):
             meta = StepMetadata.from_bytes(bytes(meta))
         # Earlier stores first: the manager's plans (evictions, demotions) assume build order.
