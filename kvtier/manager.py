@@ -287,6 +287,10 @@ class TierManager:
             return KeyStatus(KeyState.PENDING, pending_at)
         return KeyStatus(KeyState.MISS)
 
+    def holds(self, key: bytes, tier: int) -> bool:
+        """Whether ``tier`` has ``key`` at all (pending or ready): its bytes may be there."""
+        return key in self._tiers[tier].index
+
     def lookup_detail(self, keys: Sequence[bytes]) -> list[KeyStatus]:
         """Per key: hit (with the fastest ready tier), pending, or miss."""
         self._check()

@@ -527,11 +527,6 @@ class SchedulerConnector:
         if keys:
             self._deletes.setdefault(tier, {}).update(dict.fromkeys(keys))
 
-    def _holds(self, tier: int, key: bytes) -> bool:
-        # Pending or ready in that very tier. ``TierManager.status`` names only one tier, so
-        # this reads the tier's index; a per-tier membership query on the manager would do.
-        return key in self.manager._tiers[tier].index
-
     def _take_deletes(self) -> tuple[tuple[int, tuple[bytes, ...]], ...]:
         """The remembered (tier, key) pairs the manager does not hold now; clears the record.
 
@@ -545,7 +540,7 @@ class SchedulerConnector:
         for tier in sorted(pending):
             if not 0 <= tier < num_tiers:
                 continue
-            keys = tuple(sorted(k for k in pending[tier] if not self._holds(tier, k)))  # deterministic
+            keys = tuple(sorted(k for k in pending[tier] if not self.manager.holds(k, tier)))  # deterministic
             if keys:
                 out.append((tier, keys))
                 self.counters["deleted_blocks"] += len(keys)
