@@ -274,7 +274,10 @@ class TransferEngine:
         for tier, keys in plan.drops:
             gone = [k for k in keys if k not in demoted]
             if gone:
-                self.backends[tier].delete_blocks(gone)
+                try:
+                    self.backends[tier].delete_blocks(gone)
+                except Exception as exc:  # an orphan costs room, never correctness: go on
+                    log.warning("dropping %d evicted blocks from tier %d failed: %s", len(gone), tier, exc)
         # 2. write-back, deepest first: copy down, then free the source.
         for d in plan.demotions:
             src, dst = self.backends[d.src], self.backends[d.dst]

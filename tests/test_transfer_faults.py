@@ -56,3 +56,23 @@ async def test_a_failing_demotion_frees_the_source_and_the_store_goes_on(monkeyp
         assert await store.lookup([make_key(1)]) == 0
         assert await store.load([make_key(3)], [10]) == 1
         assert torch.equal(kv[1][10], kv[1][2])
+
+
+async def test_a_failing_delete_of_evicted_blocks_does_not_stop_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = caches()
+    bb = 2 * 4 * 8 * 4
+    async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 2 * bb}, {"backend": "cpu", "capacity": 2 * bb}]}, kv_caches=kv) as store:
+        for i in range(4):
+            assert await store.save([make_key(i)], [i]) == 1
+        real = store.backends[1].delete_blocks
+
+        def broken(keys: Any) -> None:
+            raise RuntimeError("injected delete failure")
+
+        monkeypatch.setattr(store.backends[1], "delete_blocks", broken)
+        # Tier 1 is full: this store drops its oldest block (the delete fails) and demotes one.
+        assert await store.save([make_key(10)], [10]) == 1
+        monkeypatch.setattr(store.backends[1], "delete_blocks", real)
+        assert await store.load([make_key(10)], [11]) == 1
+        assert torch.equal(kv[0][11], kv[0][10])
+        assert store.stats()["transfers"]["failed_jobs"] == 0
