@@ -25,6 +25,11 @@ Contract and choices:
   the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
   unreadable meta record is moved aside with a warning and rewritten.
+
+Offline access (``kvtier inspect`` / ``kvtier verify``, see :mod:`kvtier.tools`) goes through the
+classmethods ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
+``delete_raw_records``: they need no ``BlockFormat`` or capacity, create nothing, sweep no temp
+file, and only the deletion writes (it unlinks the named records).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyE
 from kvtier.record import (
     HEADER_SIZE,
     PersistentRecordBackend,
+    StoreMeta,
     check_meta,
     decode_meta,
     encode_meta,
@@ -419,6 +425,118 @@ class FileBackend(PersistentRecordBackend):
                 continue
             except OSError as exc:
                 log.debug("file: stamp of %s… not persisted: %s", key.hex()[:16], exc)
+
+    # -- offline, read-only access (kvtier inspect / verify) ---------------------------------------
+    @classmethod
+    def is_store_dir(cls, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` is a directory holding a file tier's meta record (``kvtier-meta.kvm``)."""
+        return os.path.isfile(os.path.join(path, _META_NAME))
+
+    @classmethod
+    def _offline_root(cls, path: str | os.PathLike[str]) -> str:
+        if not cls.is_store_dir(path):
+            raise ConfigError(f"file: {os.fspath(path)!r} is not a file tier (no {_META_NAME})")
+        return os.path.realpath(path)
+
+    @classmethod
+    def read_store_meta(cls, path: str | os.PathLike[str]) -> StoreMeta:
+        """The meta record of the tier at ``path`` (read-only).
+
+        Raises ``ConfigError`` if ``path`` is not a file tier, ``CorruptBlockError`` or
+        ``UnsupportedRecordError`` if its meta record cannot be read.
+        """
+        root = cls._offline_root(path)
+        meta_path = os.path.join(root, _META_NAME)
+        try:
+            with open(meta_path, "rb") as f:
+                data = f.read(1 << 20)
+        except OSError as exc:
+            raise DiskError(f"file: cannot read the meta record {meta_path!r}: {exc}") from exc
+        return decode_meta(data)
+
+    @staticmethod
+    def _offline_walk(root: str) -> Iterator[tuple[bytes, str]]:
+        """``(key, path)`` of every record file under ``root``, by the rules of ``_walk``
+        (two levels of 2-hex directories, ``<64 hex>.kvb`` matching them, no symlinks, no
+        temp files), without sweeping anything."""
+        with os.scandir(root) as top:
+            level1 = sorted(e.path for e in top if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
+        for d1 in level1:
+            with os.scandir(d1) as mid:
+                level2 = sorted(e.path for e in mid if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
+            for d2 in level2:
+                prefix = os.path.basename(d1) + os.path.basename(d2)
+                with os.scandir(d2) as leaf:
+                    entries = sorted(
+                        (e.name, e.path)
+                        for e in leaf
+                        if e.name.endswith(_SUFFIX)
+                        and _is_hex(e.name[: -len(_SUFFIX)], 64)
+                        and e.name.startswith(prefix)
+                        and e.is_file(follow_symlinks=False)
+                    )
+                for name, entry_path in entries:
+                    yield bytes.fromhex(name[: -len(_SUFFIX)]), entry_path
+
+    @classmethod
+    def count_raw_records(cls, path: str | os.PathLike[str]) -> int:
+        """How many record files the tier at ``path`` holds (a directory walk; nothing is read)."""
+        root = cls._offline_root(path)
+        try:
+            return sum(1 for _ in cls._offline_walk(root))
+        except OSError as exc:
+            raise DiskError(f"file: cannot list {root!r}: {exc}") from exc
+
+    @classmethod
+    def iter_raw_records(cls, path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bytes]]:
+        """Yield ``(key, record)`` for every record file of the tier at ``path``, unchecked and in
+        key order (read-only; files are opened ``O_NOFOLLOW``). A file deleted by another
+        instance during the walk is skipped; any other read error raises ``DiskError``."""
+        root = cls._offline_root(path)
+        try:
+            for key, record_path in cls._offline_walk(root):
+                try:
+                    fd = os.open(record_path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+                except FileNotFoundError:
+                    continue
+                try:
+                    with os.fdopen(fd, "rb", closefd=True) as f:
+                        data = f.read()
+                except FileNotFoundError:
+                    continue
+                yield key, data
+        except OSError as exc:
+            raise DiskError(f"file: cannot read the records under {root!r}: {exc}") from exc
+
+    @classmethod
+    def delete_raw_records(cls, path: str | os.PathLike[str], keys: Sequence[bytes]) -> int:
+        """Unlink the record files of ``keys`` from the tier at ``path``; returns how many existed.
+
+        Only ``<root>/ab/cd/<64 hex>.kvb`` names derived from 32-byte keys are removed (never a
+        symlink's target), and the touched directories are fsync'ed. Instances sharing the
+        directory see the deletion on their next read (a miss)."""
+        root = cls._offline_root(path)
+        deleted = 0
+        dirty: set[str] = set()
+        for key in keys:
+            if type(key) is not bytes or len(key) != 32:
+                raise InvalidKeyError("file: keys must be 32 bytes")
+            h = key.hex()
+            record_path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
+            try:
+                os.unlink(record_path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise DiskError(f"file: cannot delete {record_path!r}: {exc}") from exc
+            deleted += 1
+            dirty.add(os.path.dirname(record_path))
+        try:
+            for d in dirty:
+                cls._fsync_dir(d)
+        except OSError as exc:
+            raise DiskError(f"file: cannot sync directory entries under {root!r}: {exc}") from exc
+        return deleted
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

@@ -2,7 +2,7 @@
 
 ``kvtier config check FILE``   validate a config file and print the resolved tiers
 ``kvtier config show``         print the default config (what ``kvtier sim`` uses)
-``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of a tier directory
+``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
 ``kvtier bench``               run the benchmark scripts, collect their JSON, plot if possible
 ``kvtier sim``                 the workload simulator (registered by :mod:`kvtier.sim.cli`)
@@ -335,16 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=lambda a: _help(config))
 
     inspect = sub.add_parser("inspect", help="summarise a tier directory",
-                             description="Blocks, bytes, namespaces, codec ratio and format version of an lmdb tier.")
-    inspect.add_argument("path", metavar="PATH", help="the tier's directory")
+                             description="Blocks, bytes, namespaces, codec ratio and format version of a "
+                             "persistent tier: an lmdb tier (a directory holding data.mdb) or a file tier "
+                             "(a directory holding kvtier-meta.kvm). Read-only.")
+    inspect.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
     _add_json(inspect)
     inspect.set_defaults(func=_cmd_inspect)
 
     verify = sub.add_parser("verify", help="check every record's checksum",
-                            description="Check the header and checksum of every record of a tier; "
-                            "exit status 1 if any is bad (unless --delete removed them).")
-    verify.add_argument("path", metavar="PATH", help="the tier's directory")
-    verify.add_argument("--delete", action="store_true", help="delete the bad records")
+                            description="Check the header and checksum of every record of an lmdb or file "
+                            "tier; exit status 1 if any is bad (unless --delete removed them). Read-only "
+                            "unless --delete.")
+    verify.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
+    verify.add_argument("--delete", action="store_true", help="delete the bad records (lmdb: and their index entries)")
     _add_json(verify)
     verify.set_defaults(func=_cmd_verify)
 

@@ -3,28 +3,35 @@
 
 Both read the directory without knowing the model: the store's meta record gives the block
 size, dtype, namespace and format version. Records are checked with :mod:`kvtier.record`'s
-public functions only (``parse_header``, ``decode_record``), never unpickled. ``verify`` reads
-nothing into the store it checks; with ``delete=True`` the bad records are then removed through
-the backend's own public ``delete_blocks``, so the backend's index stays consistent.
+public functions only (``parse_header``, ``decode_record``), never unpickled.
 
-Supported layouts: an ``lmdb`` tier (a directory holding ``data.mdb``). Other layouts raise a
-:class:`~kvtier.errors.ConfigError` that says so.
+Supported layouts, detected in this order:
+
+* ``lmdb``: a directory holding ``data.mdb``;
+* ``file``: a directory holding the file tier's meta record ``kvtier-meta.kvm``.
+
+Any other directory raises a :class:`~kvtier.errors.ConfigError` that says so, and nothing is
+created in it. The tools use only the backends' public offline classmethods (``is_store_dir``,
+``read_store_meta``, ``count_raw_records``, ``iter_raw_records``, ``delete_raw_records``); the
+reading ones open nothing for writing and create no file. ``verify`` writes only with
+``delete=True``, and then removes exactly the bad records (for lmdb with their index entries, in
+one transaction) through ``delete_raw_records``. That is used rather than opening the backend
+normally, which would need a capacity and has side effects of its own at open (the file tier
+sweeps stale temp files, the lmdb tier moves an environment it cannot read aside).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier import registry
-from kvtier.backend import BlockFormat
 from kvtier.codec import BUILTIN_CODEC_IDS, UnsupportedRecordError
 from kvtier.errors import ConfigError, CorruptBlockError
-from kvtier.record import HEADER_SIZE, StoreMeta, decode_meta, decode_record, parse_header
+from kvtier.record import StoreMeta, decode_record, parse_header
 
 __all__ = ["TierReport", "VerifyReport", "detect_tier", "inspect_tier", "verify_tier"]
 
@@ -76,57 +83,37 @@ class VerifyReport:
         return data
 
 
+#: Backend names whose layouts the tools read, in detection order, with what marks each.
+TIER_KINDS: dict[str, str] = {"lmdb": "an lmdb tier holding data.mdb", "file": "a file tier holding kvtier-meta.kvm"}
+
+
+def _backend_class(kind: str) -> Any:
+    """The registered backend class for ``kind``, if it offers the offline classmethods."""
+    if kind not in registry.backends:
+        return None
+    cls = registry.backends.get(kind)
+    return cls if callable(getattr(cls, "is_store_dir", None)) else None
+
+
 def detect_tier(path: str | os.PathLike[str]) -> str:
-    """The backend name whose on-disk layout ``path`` holds."""
+    """The backend name whose on-disk layout ``path`` holds (``"lmdb"`` or ``"file"``)."""
     root = Path(path)
-    if not root.exists():
+    if not root.is_dir():
         raise ConfigError(f"{root}: no such directory")
-    if (root / "data.mdb").is_file():
-        return "lmdb"
-    raise ConfigError(f"{root}: not a kvtier tier directory this build can read (expected an lmdb tier holding data.mdb)")
+    for kind in TIER_KINDS:
+        cls = _backend_class(kind)
+        if cls is not None and cls.is_store_dir(root):
+            return kind
+    expected = " or ".join(TIER_KINDS.values())
+    raise ConfigError(f"{root}: not a kvtier tier directory this build can read (expected {expected})")
 
 
-class _LmdbReader:
-    """Read-only view of an lmdb tier, in the layout documented in ``kvtier.backends.lmdb_tier``."""
-
-    def __init__(self, path: Path) -> None:
-        import lmdb
-
-        from kvtier.backends import lmdb_tier
-
-        self.path = path
-        self._meta_key: bytes = getattr(lmdb_tier, "_META_KEY", b"kvtier-meta")
-        try:
-            self.env = lmdb.open(str(path), readonly=True, max_dbs=3, subdir=True, lock=os.access(path, os.W_OK))
-            self.blocks = self.env.open_db(b"blocks", create=False)
-            self.meta_db = self.env.open_db(b"meta", create=False)
-        except lmdb.Error as exc:
-            raise ConfigError(f"{path}: cannot open the lmdb environment read-only: {exc}") from exc
-
-    def meta(self) -> StoreMeta | None:
-        with self.env.begin(db=self.meta_db) as txn:
-            raw = txn.get(self._meta_key)
-        return None if raw is None else decode_meta(raw)
-
-    def count(self) -> int:
-        with self.env.begin() as txn:
-            return int(txn.stat(self.blocks)["entries"])
-
-    def map_size(self) -> int:
-        return int(self.env.info()["map_size"])
-
-    def records(self) -> Iterator[tuple[bytes, bytes]]:
-        with self.env.begin(db=self.blocks) as txn:
-            for key, value in txn.cursor():
-                yield bytes(key), value
-
-    def close(self) -> None:
-        self.env.close()
-
-
-def _open(path: str | os.PathLike[str]) -> tuple[str, _LmdbReader]:
+def _open(path: str | os.PathLike[str]) -> tuple[str, Any, StoreMeta | None]:
+    """The tier's kind, its backend class and its meta record (``None`` if it has none)."""
     kind = detect_tier(path)
-    return kind, _LmdbReader(Path(path))
+    cls = _backend_class(kind)
+    meta: StoreMeta | None = cls.read_store_meta(path)
+    return kind, cls, meta
 
 
 def _codec_name(codec_id: int) -> str:
@@ -135,81 +122,53 @@ def _codec_name(codec_id: int) -> str:
 
 def inspect_tier(path: str | os.PathLike[str], *, progress: Progress | None = None) -> TierReport:
     """Count blocks, bytes, codecs and versions of the tier at ``path`` (headers only)."""
-    kind, reader = _open(path)
-    try:
-        meta = reader.meta()
-        report = TierReport(
-            path=str(path),
-            kind=kind,
-            format_version=meta.format_version if meta else None,
-            block_bytes=meta.block_bytes if meta else None,
-            dtype=meta.dtype if meta else None,
-            namespaces=[{**meta.namespace, "digest": meta.namespace_digest.hex()}] if meta else [],
-        )
-        total = reader.count()
-        for done, (_key, value) in enumerate(reader.records(), 1):
-            report.blocks += 1
-            try:
-                header = parse_header(value, raw_length=meta.block_bytes if meta else 0, available=len(value))
-            except CorruptBlockError:
-                report.unreadable += 1
-                report.stored_bytes += len(value)
-                continue
+    kind, cls, meta = _open(path)
+    report = TierReport(
+        path=str(path),
+        kind=kind,
+        format_version=meta.format_version if meta else None,
+        block_bytes=meta.block_bytes if meta else None,
+        dtype=meta.dtype if meta else None,
+        namespaces=[{**meta.namespace, "digest": meta.namespace_digest.hex()}] if meta else [],
+    )
+    total = cls.count_raw_records(path) if progress is not None else 0
+    for done, (_key, value) in enumerate(cls.iter_raw_records(path), 1):
+        report.blocks += 1
+        try:
+            header = parse_header(value, raw_length=meta.block_bytes if meta else 0, available=len(value))
+        except CorruptBlockError:
+            report.unreadable += 1
+            report.stored_bytes += len(value)
+        else:
             report.stored_bytes += header.record_length
             report.raw_bytes += header.raw_length
             name = _codec_name(header.codec_id)
             report.codecs[name] = report.codecs.get(name, 0) + 1
             version = str(header.version)
             report.record_versions[version] = report.record_versions.get(version, 0) + 1
-            if progress is not None:
-                progress(done, total)
-        return report
-    finally:
-        reader.close()
+        if progress is not None:
+            progress(done, max(total, done))
+    return report
 
 
 def verify_tier(path: str | os.PathLike[str], *, delete: bool = False, progress: Progress | None = None) -> VerifyReport:
     """Check every record's header and checksum (and that it decodes); optionally delete bad ones."""
-    kind, reader = _open(path)
+    kind, cls, meta = _open(path)
+    if meta is None:
+        raise ConfigError(f"{path}: the tier has no meta record, so its block size is unknown")
     report = VerifyReport(path=str(path), kind=kind)
-    try:
-        meta = reader.meta()
-        if meta is None:
-            raise ConfigError(f"{path}: the tier has no meta record, so its block size is unknown")
-        out = memoryview(bytearray(meta.block_bytes))
-        total = reader.count()
-        for done, (key, value) in enumerate(reader.records(), 1):
-            report.checked += 1
-            try:
-                decode_record(key, value, out, available=len(value))
-            except UnsupportedRecordError as exc:
-                report.bad.append({"key": key.hex(), "reason": f"unsupported: {exc}"})
-            except CorruptBlockError as exc:
-                report.bad.append({"key": key.hex(), "reason": str(exc)})
-            if progress is not None:
-                progress(done, total)
-        map_size = reader.map_size()
-    finally:
-        reader.close()
-    if delete and report.bad:
-        report.deleted = _delete(kind, Path(path), meta, map_size, [bytes.fromhex(b["key"]) for b in report.bad])
-    return report
-
-
-def _delete(kind: str, path: Path, meta: StoreMeta, capacity: int, keys: list[bytes]) -> int:
-    """Remove ``keys`` through the backend's public API (it keeps its own index consistent)."""
-    backend = registry.backends.get(kind)(capacity=max(capacity, HEADER_SIZE + meta.block_bytes), path=str(path))
-    fmt = BlockFormat(
-        block_bytes=meta.block_bytes, dtype=meta.dtype, namespace_digest=meta.namespace_digest, namespace=meta.namespace
-    )
-
-    async def run() -> int:
-        await backend.open(fmt)
+    out = memoryview(bytearray(meta.block_bytes))
+    total = cls.count_raw_records(path) if progress is not None else 0
+    for done, (key, value) in enumerate(cls.iter_raw_records(path), 1):
+        report.checked += 1
         try:
-            before = backend.stats().get("deleted", 0)
-            await backend.delete(keys)
-            return int(backend.stats().get("deleted", 0) - before)
-        finally:
-            await backend.aclose()
-
-    return asyncio.run(run())
+            decode_record(key, value, out, available=len(value))
+        except UnsupportedRecordError as exc:
+            report.bad.append({"key": key.hex(), "reason": f"unsupported: {exc}"})
+        except CorruptBlockError as exc:
+            report.bad.append({"key": key.hex(), "reason": str(exc)})
+        if progress is not None:
+            progress(done, max(total, done))
+    if delete and report.bad:
+        report.deleted = int(cls.delete_raw_records(path, [bytes.fromhex(b["key"]) for b in report.bad]))
+    return report

@@ -136,9 +136,57 @@ def test_verify_finds_and_deletes_a_corrupt_record(lmdb_dir: Path) -> None:
     assert data["checked"] == 5 and data["ok"] is True
 
 
+def _file_store(path: Path, blocks: int) -> None:
+    from kvtier.backend import BlockFormat
+    from kvtier.testing import make_key, random_block
+
+    backend = registry.backends.get("file")(capacity="16MiB", path=str(path), codec="zstd-shuffle", sync_mode="fast")
+    fmt = BlockFormat(block_bytes=4096, dtype="bfloat16", namespace_digest=b"\3" * 32, namespace={"model_id": "cli-file"})
+
+    async def fill() -> None:
+        await backend.open(fmt)
+        await backend.write([make_key(i) for i in range(blocks)], [random_block(4096, i) for i in range(blocks)])
+        await backend.aclose()
+
+    asyncio.run(fill())
+
+
+def test_inspect_and_verify_a_file_tier(tmp_path: Path) -> None:
+    if "file" not in registry.backends.names():
+        pytest.skip("the file backend is not registered in this checkout")
+    from kvtier.testing import make_key
+
+    path = tmp_path / "tier"
+    _file_store(path, 4)
+    proc = kvtier("inspect", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["kind"] == "file" and data["blocks"] == 4 and data["raw_bytes"] == 4 * 4096
+    assert data["namespaces"][0]["model_id"] == "cli-file" and data["codec_ratio"] > 1.0
+    table = kvtier("inspect", str(path)).stdout
+    assert "file" in table and "cli-file" in table
+
+    h = make_key(3).hex()
+    record = path / h[:2] / h[2:4] / f"{h}.kvb"
+    broken = bytearray(record.read_bytes())
+    broken[-1] ^= 0xFF
+    record.write_bytes(bytes(broken))
+    proc = kvtier("verify", str(path))
+    assert proc.returncode == 1 and "1 bad" in proc.stdout and "--delete" in proc.stdout
+    proc = kvtier("verify", str(path), "--delete", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["kind"] == "file" and [b["key"] for b in data["bad"]] == [h] and data["deleted"] == 1
+    assert not record.exists()
+    proc = kvtier("verify", str(path))
+    assert proc.returncode == 0 and "checked 3 records, 0 bad" in proc.stdout
+
+
 def test_inspect_rejects_a_directory_that_is_not_a_tier(tmp_path: Path) -> None:
     proc = kvtier("inspect", str(tmp_path))
     assert proc.returncode == 1 and "not a kvtier tier directory" in proc.stderr
+    assert "data.mdb" in proc.stderr and "kvtier-meta.kvm" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_collects_json_from_each_script(tmp_path: Path) -> None:
