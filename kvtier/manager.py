@@ -17,6 +17,9 @@ Lifecycle (the contract engine authors know from vLLM's offloading manager):
                              reservations are released
 ``prepare_load(keys)``       pin each key in the fastest tier that holds it ready
 ``complete_load(keys)``      unpin
+``prepare_promote(keys)``    after a load: bring keys ready only in a lower tier back into the
+                             first tier, making room exactly like ``prepare_store`` (atomic,
+                             victims demoted); a ``StorePlan`` completed with ``complete_store``
 ``touch(keys)``              recency for the policies
 ``take_events()``            stored / removed events with the tier, for KV-aware routers
 ===========================  ===================================================================
@@ -32,7 +35,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -170,6 +173,8 @@ class _Tier:
     stamps: dict[bytes, float] = field(default_factory=dict)
     #: Keys with a pin count above zero; with the batch, what eviction must step over.
     pinned: set[bytes] = field(default_factory=set)
+    #: Blocks promoted from this (lower) tier into the first tier.
+    promotions_out: int = 0
 
     def size_of(self, key: bytes) -> int:
         if self.spec.variable_size:
@@ -198,6 +203,8 @@ class _OpenPlan:
     plan: StorePlan
     remaining: set[bytes]
     pending: list[tuple[int, bytes]]  # demoted / written-through entries to finalise with the plan
+    #: Promotion plans only: the lower tier each key was ready in when the plan was made.
+    sources: dict[bytes, int] | None = None
 
 
 class TierManager:
@@ -222,7 +229,8 @@ class TierManager:
         self.write_mode: WriteMode = write
         self._plans: dict[int, _OpenPlan] = {}
         self._plan_of: dict[bytes, int] = {}
-        self._promoting: dict[bytes, int] = {}
+        self._promoting: dict[bytes, int] = {}  # in-load promotions (prepare_load(promote=True))
+        self._promotion_plans = 0  # open plans made by prepare_promote
         # Use counts for admission rules, bounded to a few times the blocks the tiers hold.
         self._admission = any(t.admit_after > 1 for t in tiers)
         self._seen: OrderedDict[bytes, int] = OrderedDict()
@@ -245,6 +253,8 @@ class TierManager:
             "load_prepared": 0,
             "promotions": 0,
             "promotions_failed": 0,
+            "promotions_prepared": 0,
+            "promotions_rejected": 0,
             "events_dropped": 0,
         }
 
@@ -489,6 +499,80 @@ class TierManager:
         self.counters["store_prepared"] += len(new)
         return plan
 
+    def prepare_promote(self, keys: Sequence[bytes]) -> StorePlan | None:
+        """Bring ``keys`` just loaded from a lower tier back into the first tier.
+
+        Only keys ready in a lower tier and absent from the first tier (neither pending nor
+        ready there) are promoted; the others are ``skipped``. Room is made exactly as for
+        ``prepare_store``: tier-0 victims are demoted down the chain (write-back) or dropped,
+        never a key of this batch (skipped ones included) nor a pinned key; **atomic**, ``None``
+        and no change when the first tier cannot make room. Promoted keys are pending in the
+        first tier and stay ready in their lower tier meanwhile, so lookups and loads keep
+        hitting them; the lower copy is kept afterwards too (evicting the promoted copy later
+        then just drops it, with no write-back).
+
+        The returned plan is executed as an ordinary store job whose source is the engine
+        blocks the load just filled (they hold exactly the stored bytes; ``positions`` index
+        ``keys``), on the store direction, so a load never waits for the write-backs; it is
+        finished with ``complete_store``.
+        """
+        self._check()
+        check_keys(keys)
+        new: list[bytes] = []
+        positions: list[int] = []
+        sources: list[int] = []
+        skipped: list[bytes] = []
+        seen: set[bytes] = set()
+        first = self._tiers[0]
+        lower = [(ti, t.index) for ti, t in enumerate(self._tiers) if ti > 0]
+        for i, key in enumerate(keys):
+            if key in seen:
+                continue
+            seen.add(key)
+            src = None
+            if key not in first.index:
+                for ti, index in lower:
+                    code = index.get(key)
+                    if code is not None and code & _READY:
+                        src = ti
+                        break
+            if src is None:
+                skipped.append(key)
+            else:
+                new.append(key)
+                positions.append(i)
+                sources.append(src)
+        plan_id = next(self._plan_ids)
+        if not new:
+            return StorePlan(plan_id, (), (), skipped=tuple(skipped))
+        drops: dict[int, list[bytes]] = {}
+        demotions: list[Demotion] = []
+        pending: list[tuple[int, bytes]] = []
+        events: list[_RawEvent] = []
+        reserve0 = first.spec.block_reserve
+        # The batch is protected in every tier: the promoted keys' lower copies stay readable,
+        # and the load's other keys (already in the first tier) are not evicted for them.
+        if not self._make_room(0, reserve0 * len(new), seen, drops, demotions, pending, events):
+            self.counters["promotions_rejected"] += 1
+            return None
+        for key in new:
+            first.add(key, _PENDING, reserve0)
+        plan = StorePlan(
+            plan_id=plan_id,
+            keys=tuple(new),
+            positions=tuple(positions),
+            tier=0,
+            drops=tuple((ti, tuple(ks)) for ti, ks in sorted(drops.items(), reverse=True)),
+            demotions=tuple(demotions),
+            skipped=tuple(skipped),
+        )
+        self._plans[plan_id] = _OpenPlan(plan, set(new), pending, dict(zip(new, sources)))
+        self._plan_of.update(dict.fromkeys(new, plan_id))
+        self._promotion_plans += 1
+        self._emit(events)
+        self.counters["promotions_prepared"] += len(new)
+        return plan
+
     def complete_store(
         self,
         keys: Sequence[bytes],
@@ -533,12 +617,16 @@ class TierManager:
                 else:
                     first.discard(key)
                     bad += 1
+        if self._promotion_plans:
+            done, bad = self._count_promotions(keys, plan_ids, success, failed0, done, bad)
         for plan_id in plan_ids:
             open_plan = self._plans[plan_id]
             open_plan.remaining.difference_update(keys)
             if open_plan.remaining:
                 continue
             del self._plans[plan_id]
+            if open_plan.sources is not None:
+                self._promotion_plans -= 1
             through_tiers = {wt for wt, _ in open_plan.plan.write_through}
             plan_keys = set(open_plan.plan.keys) if through_tiers else set()
             for ti, pkey in open_plan.pending:
@@ -554,6 +642,28 @@ class TierManager:
         self.counters["store_completed"] += done
         self.counters["store_failed"] += bad
         self._emit(events)
+
+    def _count_promotions(
+        self, keys: list[bytes], plan_ids: set[int], success: bool, failed0: Collection[bytes], done: int, bad: int
+    ) -> tuple[int, int]:
+        """Count the promotion keys among ``keys`` as promotions, not stores; return the
+        store counts (``done``, ``bad``) without them."""
+        for plan_id in plan_ids:
+            sources = self._plans[plan_id].sources
+            if sources is None:
+                continue
+            for key in keys:
+                src = sources.get(key)
+                if src is None:
+                    continue
+                if success and key not in failed0:
+                    self.counters["promotions"] += 1
+                    self._tiers[src].promotions_out += 1
+                    done -= 1
+                else:
+                    self.counters["promotions_failed"] += 1
+                    bad -= 1
+        return done, bad
 
     def _finish_entry(self, ti: int, key: bytes, sizes: Mapping[int, Mapping[bytes, int]] | None, events: list[_RawEvent]) -> None:
         t = self._tiers[ti]
@@ -571,8 +681,14 @@ class TierManager:
     def prepare_load(self, keys: Sequence[bytes], *, promote: bool = True) -> LoadPlan:
         """Pin every key in the fastest tier that holds it ready.
 
-        With ``promote``, keys served from a lower tier are also reserved in the first tier when
-        it has free room (promotion never evicts: a load must not wait for write-backs)."""
+        With ``promote`` (in-load promotion), keys served from a lower tier are also reserved in
+        the first tier when it has *free* room, and the load job copies them up as it reads
+        them (listed in ``LoadPlan.promote``, settled by ``complete_load``). This never evicts,
+        so in steady state, with the first tier full, it promotes nothing. Callers that can run
+        a store job on the loaded engine blocks afterwards (``KVStore.load``, the connector with
+        a step loop) pass ``promote=False`` and use :meth:`prepare_promote` instead, which
+        evicts and demotes like a store; the in-load form stays for callers that cannot (an
+        engine's own offloading manager, engines without a step loop)."""
         self._check()
         check_keys(keys)
         where: list[int] = []
@@ -656,6 +772,11 @@ class TierManager:
             else:
                 self._finish_entry(0, key, None, events)
                 self.counters["promotions"] += 1
+                for t in tiers[1:]:
+                    code = t.index.get(key)
+                    if code is not None and code & _READY:
+                        t.promotions_out += 1
+                        break
         self._emit(events)
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -748,6 +869,7 @@ class TierManager:
                     "evictions": t.evictions,
                     "demotions_in": t.demotions_in,
                     "dropped": t.dropped,
+                    "promotions": t.promotions_out,
                 }
             )
         return {**self.counters, "open_plans": len(self._plans), "tiers": tiers}

@@ -248,27 +248,47 @@ class KVStore:
         transfers.forget([job])
         return self.finish_store(plan, result)
 
-    async def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many
-        leading blocks were filled with the right bytes (the rest must be recomputed)."""
+        leading blocks were filled with the right bytes (the rest must be recomputed).
+
+        With ``promote``, the filled blocks that were served from a lower tier are then
+        promoted into the first tier (:meth:`TierManager.prepare_promote`: room is made by
+        demoting the first tier's victims) by a store job that reads them from ``block_ids``.
+        That job is awaited before this returns, so the caller may reuse its blocks at once;
+        a promotion that cannot make room or fails is skipped, never an error."""
         transfers, ids = self._job_input(keys, block_ids)
         n = self.config.engine_blocks_per_block
         mgr = self._mgr()
         hits = mgr.lookup(keys)
         if hits == 0:
             return 0
-        plan = mgr.prepare_load(list(keys[:hits]))
+        plan = mgr.prepare_load(list(keys[:hits]), promote=False)
         job = transfers.submit_load(plan, ids[: hits * n])
         result = await transfers.wait_async(job)
         transfers.forget([job])
         self.finish_load(plan, result)
         if result.error is not None:
             return 0
-        missed = set(result.missed)
-        for i, key in enumerate(plan.keys):
-            if key in missed:
-                return i
-        return hits
+        filled = hits
+        if result.missed:
+            missed = set(result.missed)
+            filled = next(i for i, key in enumerate(plan.keys) if key in missed)
+        if promote and any(tier > 0 for tier in plan.tiers[:filled]):
+            await self._promote(plan.keys[:filled], ids, transfers)
+        return filled
+
+    async def _promote(self, keys: Sequence[bytes], ids: Sequence[int], transfers: TransferEngine) -> None:
+        """Store ``keys`` (just loaded into ``ids``, ``n`` per key) into the first tier."""
+        plan = self._mgr().prepare_promote(keys)
+        if plan is None or not plan.keys:
+            return
+        n = self.config.engine_blocks_per_block
+        chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
+        job = transfers.submit_store(plan, chosen)
+        result = await transfers.wait_async(job)
+        transfers.forget([job])
+        self.finish_store(plan, result)
 
 
 async def _off_loop(fn: Any, *args: Any) -> Any:

@@ -146,3 +146,68 @@ def test_admission_rule_keeps_one_off_blocks_out_of_the_lower_tier() -> None:
     assert plan.drops == ((0, (b,)),)
     mgr.complete_store(plan.keys)
     assert [s.tier for s in mgr.lookup_detail([a, b])] == [1, None]
+
+
+def lmdb_config(kv: list[torch.Tensor], first: int, path: str) -> dict:
+    return {
+        "tiers": [
+            {"backend": "cpu", "capacity": first * block_bytes(kv), "name": "fast"},
+            {"backend": "lmdb", "capacity": "64MiB", "path": path, "name": "disk"},
+        ],
+        "write": "back",
+    }
+
+
+async def test_steady_state_hits_from_disk_are_promoted_by_evicting_and_demoting(tmp_path) -> None:
+    """The first tier is full: a block served from disk comes back into it, the first tier's
+    least recent block is demoted (not lost), and a pinned block is never the victim."""
+    kv = caches(seed=3)
+    keys = [make_key(300 + i) for i in range(6)]
+    originals = [snapshot(kv, i) for i in range(6)]
+    async with kvtier.open(lmdb_config(kv, 3, str(tmp_path / "db")), kv_caches=kv) as store:
+        mgr = store.manager
+        assert mgr is not None
+        for i, key in enumerate(keys):
+            assert await store.save([key], [i]) == 1
+        # Steady state: the fast tier is full (keys 3-5), keys 0-2 were demoted to disk.
+        assert [d.tier for d in await store.lookup_detail(keys)] == [1, 1, 1, 0, 0, 0]
+        pin = mgr.prepare_load([keys[3]], promote=False)  # the next victim, pinned by a load
+        for t in kv:
+            t.zero_()
+        assert await store.load(keys[:1], [40]) == 1
+        assert_block(kv, 40, originals[0])
+        stats = store.stats()
+        assert stats["promotions"] == 1 and stats["tiers"][1]["promotions"] == 1
+        # The pinned key stayed; the next least recent (key 4) was demoted to disk.
+        assert [d.tier for d in await store.lookup_detail(keys)] == [0, 1, 1, 0, 1, 0]
+        assert stats["tiers"][1]["demotions_in"] == 4
+        mgr.complete_load(pin.keys)
+        # The promoted copy is exact and served from the fast tier; the victim from disk.
+        for t in kv:
+            t.zero_()
+        load = mgr.prepare_load([keys[0], keys[4]], promote=False)
+        assert load.tiers == (0, 1)
+        mgr.complete_load(load.keys)
+        assert await store.load([keys[0]], [50], promote=False) == 1
+        assert await store.load([keys[4]], [51], promote=False) == 1
+        assert_block(kv, 50, originals[0])
+        assert_block(kv, 51, originals[4])
+
+
+async def test_promotion_never_evicts_pinned_keys_nor_the_loaded_batch(tmp_path) -> None:
+    kv = caches(seed=4)
+    keys = [make_key(400 + i) for i in range(4)]
+    async with kvtier.open(lmdb_config(kv, 2, str(tmp_path / "db")), kv_caches=kv) as store:
+        mgr = store.manager
+        assert mgr is not None
+        for i, key in enumerate(keys):
+            assert await store.save([key], [i]) == 1
+        assert [d.tier for d in await store.lookup_detail(keys)] == [1, 1, 0, 0]
+        pin = mgr.prepare_load([keys[2]], promote=False)
+        # keys[3] is in the loaded batch, keys[2] is pinned: no room can be made, no change.
+        assert await store.load([keys[3], keys[0]], [20, 21]) == 2
+        assert store.stats()["promotions_rejected"] == 1 and store.stats()["promotions"] == 0
+        assert [d.tier for d in await store.lookup_detail(keys)] == [1, 1, 0, 0]
+        mgr.complete_load(pin.keys)
+        assert await store.load([keys[3], keys[0]], [20, 21]) == 2
+        assert [d.tier for d in await store.lookup_detail(keys)] == [0, 1, 1, 0]

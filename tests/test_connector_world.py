@@ -10,8 +10,6 @@ proves that every rank got its own shard back.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,13 +340,12 @@ def test_engine_without_step_loop_runs_the_delete_before_the_restore_in_one_meta
         w.close()
 
 
-def test_key_held_again_at_build_time_is_not_deleted_and_promotions_wait_for_deletes() -> None:
+def test_promotion_after_a_partly_failed_store_is_built_after_the_deletes_and_needs_their_room() -> None:
     """Tier 0 (4 slots) over a compressed tier, write-back. A store that demotes two blocks and
-    then fails on rank 1 leaves rank 0 with two orphan slots in tier 0, and the demoted keys
-    are no longer in tier 0 (delete candidates). Before the next build a load of the demoted
-    keys promotes them back into tier 0 (pending): the build must not delete them, and the
-    promotion on rank 0 needs the room that the orphans' delete frees. The delete is held back
-    on rank 0, so the promotion would find the tier full if it did not wait for it."""
+    then fails on rank 1 leaves rank 0 with two orphan slots in tier 0. A load of the demoted
+    keys reads them from tier 1 and queues their promotion; the load's build ships the deletes
+    first, and the promotion is a store job of a later build, so on rank 0 it runs after the
+    deletes freed the orphans' slots (it would find the tier full otherwise)."""
     w = World([CPU4, {"backend": "compressed", "capacity": "1MiB"}])
     try:
         tokens_a = list(range(300, 317))  # four full blocks: tier 0 is full
@@ -364,27 +361,18 @@ def test_key_held_again_at_build_time_is_not_deleted_and_promotions_wait_for_del
         assert w.manager.lookup(kb) == 0
         assert [s.tier for s in w.manager.lookup_detail(ka)] == [1, 1, 0, 0]
         assert len(w.backend(0, 0)) == 4 and len(w.backend(1, 0)) == 2  # rank 0: a[2:], b (orphans)
-        # Hold rank 0's tier-0 deletes back, so a promotion racing them would find no room.
-        slow = w.backend(0, 0)
-        delete = slow.delete_blocks
-        deleting = threading.Event()
-
-        def slow_delete(keys: Sequence[bytes]) -> None:
-            if threading.current_thread().name == "kvtier-store":
-                deleting.set()
-                time.sleep(0.3)
-            delete(keys)
-
-        slow.delete_blocks = slow_delete
         ext, update = w.load("r", [*tokens_a[:16], 9], [10, 11, 12, 13, 14])
-        del slow.delete_blocks
         meta = w.metas[-1]
-        assert deleting.is_set()
-        # a's first two keys are pending promotions in tier 0 at build time: not deleted there.
-        assert dict(meta.deletes) == {0: tuple(sorted(kb))}
-        assert meta.loads[0].plan.promote == tuple(ka[:2])
+        assert dict(meta.deletes) == {0: tuple(sorted([*ka[:2], *kb]))}
+        assert meta.loads[0].plan.promote == ()  # nothing is written into tier 0 by the load
         assert ext == 16 and update.loaded == {"r": 16}
         w.assert_loaded([10, 11, 12, 13], [1, 2, 3, 4], salt=0.0)
+        assert [s.tier for s in w.manager.lookup_detail(ka)] == [1, 1, 0, 0]
+        w.step()
+        (promotion,) = w.metas[-1].stores
+        assert promotion.plan.keys == tuple(ka[:2]) and promotion.block_ids == (10, 11)
+        assert w.metas[-1].deletes == ()
+        w.drain()
         assert w.manager.stats()["promotions"] == 2 and w.manager.stats()["promotions_failed"] == 0
         assert [s.tier for s in w.manager.lookup_detail(ka)] == [0, 0, 0, 0]
         for rank in (0, 1):
@@ -403,20 +391,24 @@ def test_failed_promotion_on_one_rank_is_deleted_on_the_other() -> None:
         w.store("b", list(range(600, 609)), [4, 5, 6], salt=1.0)  # demotes a's blocks to tier 1
         ka = w.keys(tokens_a)[:2]
         assert [s.tier for s in w.manager.lookup_detail(ka)] == [1, 1]
-        w.manager.remove(w.keys(list(range(600, 609)))[:2], 0)  # room in tier 0 for promotions
-        for rank in (0, 1):
-            w.backend(rank, 0).delete_blocks(w.keys(list(range(600, 609)))[:2])
         undo = _break_reserve(w.backend(1, 0))  # rank 1's promotions fail
         ext, update = w.load("r", [*tokens_a[:8], 3], [10, 11, 12])
-        undo()
         assert ext == 8 and update.loaded == {"r": 8}  # the load itself is fine (read from tier 1)
         w.assert_loaded([10, 11], [1, 2], salt=0.0)
+        w.step()  # builds the promotion: it evicts b's blocks (demoted to tier 1)
+        (promotion,) = w.metas[-1].stores
+        assert promotion.plan.keys == tuple(ka) and promotion.plan.demotions[0].keys == tuple(w.keys(range(600, 609))[:2])
+        w.step()  # runs it (deferred one step, like every store): it fails on rank 1
+        undo()
         assert w.manager.stats()["promotions_failed"] == 2
         assert w.holds(0, ka, tier=0) == [True, True]  # rank 0 promoted them
         w.step()
-        assert w.metas[-1].deletes == ((0, tuple(sorted(ka))),)
-        assert w.holds(0, ka, tier=0) == [False, False] and len(w.backend(0, 0)) == 0
+        # Every tier-0 key the failed job touched and the manager does not hold: ka and the
+        # demoted victims (which the manager holds in tier 1, so nothing is deleted there).
+        assert dict(w.metas[-1].deletes) == {0: tuple(sorted([*ka, *w.keys(range(600, 609))[:2]]))}
+        assert w.holds(0, ka, tier=0) == [False, False]
         assert w.holds(0, ka, tier=1) == [True, True]  # the lower tier's copies stay
+        assert [s.tier for s in w.manager.lookup_detail(ka)] == [1, 1]
     finally:
         w.close()
 
@@ -449,5 +441,66 @@ def test_world_size_one_failed_store_ships_a_harmless_delete() -> None:
         assert any(m.deletes for m in w.metas)
         w.store("b", TOKENS_A, [4, 5, 6], salt=2.0)
         assert w.manager.lookup(keys) == 2 and len(w.backend(0)) == 2
+    finally:
+        w.close()
+
+
+def test_promotion_job_is_fenced_and_flushed_when_its_block_is_handed_out_again() -> None:
+    """A promotion reads the engine blocks a load just filled: it is fenced like any store, so
+    when one of them is handed out again in the very step that builds it, the worker runs it
+    before that step's compute overwrites the block, and the promoted copy is exact."""
+    w = World([{"backend": "cpu", "capacity": 2 * SLOT}, {"backend": "compressed", "capacity": "1MiB"}])
+    try:
+        tokens_a = list(range(700, 709))
+        w.store("a", tokens_a, [1, 2, 3], salt=0.0)
+        w.store("b", list(range(800, 809)), [4, 5, 6], salt=1.0)  # tier 0 full, a demoted
+        ka = w.keys(tokens_a)[:2]
+        assert [s.tier for s in w.manager.lookup_detail(ka)] == [1, 1]
+        ext, update = w.load("r", [*tokens_a[:8], 3], [10, 11, 12])
+        assert ext == 8 and update.loaded == {"r": 8}
+        assert w.sched.has_pending_work()  # the queued promotion keeps the engine stepping
+        # Block 10 goes to another request in the step that builds the promotion; its compute
+        # overwrites it.
+        w.step(allocated=[10], compute=lambda: w.fill([10, 11], salt=99.0))
+        meta = w.metas[-1]
+        (promotion,) = meta.stores
+        assert promotion.plan.keys == tuple(ka) and promotion.block_ids == (10, 11)
+        assert meta.jobs_to_flush == (promotion.job_id,)
+        w.drain()
+        assert w.sched.counters["promoted_blocks"] == 2 and w.sched.num_fenced_blocks == 0
+        assert [s.tier for s in w.manager.lookup_detail(ka)] == [0, 0]
+        for c in w.caches:
+            for t in c:
+                t.zero_()
+        ext, update = w.load("s", [*tokens_a[:8], 4], [20, 21, 22])
+        assert ext == 8 and update.loaded == {"s": 8}
+        assert w.metas[-1].loads[0].plan.tiers == (0, 0)
+        w.assert_loaded([20, 21], [1, 2], salt=0.0)
+    finally:
+        w.close()
+
+
+def test_unflushed_promotion_fences_its_blocks_until_acknowledged() -> None:
+    w = World([{"backend": "cpu", "capacity": 2 * SLOT}, {"backend": "compressed", "capacity": "1MiB"}])
+    try:
+        tokens_a = list(range(900, 909))
+        w.store("a", tokens_a, [1, 2, 3], salt=0.0)
+        w.store("b", list(range(950, 959)), [4, 5, 6], salt=1.0)
+        w.load("r", [*tokens_a[:8], 3], [10, 11, 12])
+        step = SchedulerStep(w.step_no + 1, {}, ())
+        meta = w.sched.build_connector_meta(step)
+        (promotion,) = meta.stores
+        assert meta.jobs_to_flush == () and {10, 11} <= w.sched.fenced_blocks()
+        # Handed out in a later step while still unsubmitted: flushed then.
+        later = w.sched.build_connector_meta(SchedulerStep(step.step + 1, {}, (11,)))
+        assert later.jobs_to_flush == (promotion.job_id,)
+        for wk in w.workers:
+            wk.handle_preemptions(meta)
+            wk.handle_preemptions(later)
+            assert wk.num_unsubmitted == 0
+        outs = [wk.get_finished(block=True) for wk in w.workers]
+        update = w.sched.update_connector_output(outs)
+        assert {10, 11} <= set(update.unfenced) and w.sched.num_fenced_blocks == 0
+        assert w.manager.stats()["promotions"] == 2
     finally:
         w.close()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ClosedError, ConfigError, InvalidKeyError, LifecycleError
-from kvtier.manager import CacheEvent, Demotion, KeyState, TierManager, TierSpec
+from kvtier.manager import CacheEvent, Demotion, KeyState, KeyStatus, TierManager, TierSpec
 from kvtier.policies import ARCPolicy, LRUPolicy
 from kvtier.testing import make_key
 
@@ -424,3 +424,49 @@ def test_a_skipped_key_in_a_lower_tier_is_not_evicted_by_its_own_batch(policy_na
     assert plan.demotions == () and plan.drops == ((0, (K[1],)),)
     m.complete_store(plan.keys)
     assert m.lookup([K[2], K[0]]) == 2
+
+
+def test_prepare_promote_evicts_like_a_store_and_keeps_the_lower_copy_readable(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=4)
+    store(m, [K[0], K[1]])
+    store(m, [K[2], K[3]])  # K0, K1 demoted
+    assert [s.tier for s in m.lookup_detail(K[:4])] == [1, 1, 0, 0]
+    m.take_events()
+    # K2 is in the first tier already, K9 nowhere: both skipped (and K2 protected as batch).
+    plan = m.prepare_promote([K[2], K[0], K[9]])
+    assert plan is not None
+    assert plan.keys == (K[0],) and plan.positions == (1,) and set(plan.skipped) == {K[2], K[9]}
+    assert plan.demotions == (Demotion(0, 1, (K[3],)),)
+    # Pending in the first tier, still served from the lower one meanwhile.
+    assert m.lookup([K[0]]) == 1 and m.status(K[0]) == KeyStatus(KeyState.READY, 1)
+    assert m.prepare_promote([K[0]]) == type(plan)(plan.plan_id + 1, (), (), skipped=(K[0],))
+    m.complete_store(plan.keys)
+    assert [s.tier for s in m.lookup_detail(K[:4])] == [0, 1, 0, 1]
+    assert m.holds(K[0], 1)  # the lower copy stays: evicting the promoted one just drops it
+    assert m.counters["promotions"] == 1 and m.counters["store_completed"] == 4
+    assert m.stats()["tiers"][1]["promotions"] == 1
+    assert ("stored", K[0], "cpu") in [(e.kind, e.key, e.tier) for e in m.take_events()]
+    m.touch([K[2]])
+    plan = m.prepare_store([K[5]])  # the promoted copy is the victim: dropped, no write-back
+    assert plan is not None and plan.drops == ((0, (K[0],)),) and plan.demotions == ()
+    assert m.status(K[0]) == KeyStatus(KeyState.READY, 1)
+
+
+def test_prepare_promote_is_atomic_and_a_failed_promotion_leaves_the_lower_copy(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=4)
+    store(m, [K[0], K[1]])
+    store(m, [K[2], K[3]])
+    m.prepare_load([K[2]], promote=False)
+    m.prepare_load([K[3]], promote=False)
+    before = (m.stats(), [m.tier_keys(i) for i in range(2)])
+    m.take_events()
+    assert m.prepare_promote([K[0]]) is None  # every first-tier key is pinned
+    assert (m.stats()["tiers"], [m.tier_keys(i) for i in range(2)]) == (before[0]["tiers"], before[1])
+    assert m.take_events() == [] and m.counters["promotions_rejected"] == 1
+    m.complete_load([K[2], K[3]])
+    plan = m.prepare_promote([K[0], K[1]])
+    assert plan is not None and plan.keys == (K[0], K[1])
+    m.complete_store(plan.keys, failed={0: [K[1]]})
+    assert [s.tier for s in m.lookup_detail([K[0], K[1]])] == [0, 1]
+    assert (m.counters["promotions"], m.counters["promotions_failed"]) == (1, 1)
+    assert m.counters["store_failed"] == 0

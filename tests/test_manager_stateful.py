@@ -24,6 +24,8 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m: TierManager
         self.open: dict[int, set[bytes]] = {}  # plan id -> keys not yet completed
+        self.promotions: set[int] = set()  # open plans made by prepare_promote
+        self.load_promoted: set[bytes] = set()  # in-load promotions, settled by complete_load
         self.pins: dict[bytes, list[int]] = {}  # key -> tier of each pin
         self.ready: list[set[bytes]] = []  # per tier, from stored / removed events
 
@@ -48,7 +50,21 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.ready[ti].discard(event.key)
 
     def _pending(self) -> set[bytes]:
-        return set().union(*self.open.values()) if self.open else set()
+        """Keys of open store plans (promotions excluded: their lower copy stays visible)."""
+        return set().union(*(ks for pid, ks in self.open.items() if pid not in self.promotions))
+
+    def _promoting(self) -> set[bytes]:
+        return set().union(*(self.open[pid] for pid in self.promotions))
+
+    def _check_evictions(self, plan: Any, batch: list[bytes]) -> None:
+        evicted: dict[int, set[bytes]] = {}
+        for ti, ks in plan.drops:
+            evicted.setdefault(ti, set()).update(ks)
+        for d in plan.demotions:
+            evicted.setdefault(d.src, set()).update(d.keys)
+        for ti, ks in evicted.items():
+            assert not ks & set(batch), f"a key of the batch was evicted from tier {ti}"
+            assert not {k for k in ks if ti in self.pins.get(k, ())}, f"a pinned key was evicted from tier {ti}"
 
     @rule(keys=keys_st)
     def prepare_store(self, keys: list[bytes]) -> None:
@@ -60,18 +76,35 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.m.take_events() == []
             return
         assert set(plan.keys) | set(plan.skipped) == set(keys)
-        assert not set(plan.keys) & self._pending()
-        evicted: dict[int, set[bytes]] = {}
-        for ti, ks in plan.drops:
-            evicted.setdefault(ti, set()).update(ks)
-        for d in plan.demotions:
-            evicted.setdefault(d.src, set()).update(d.keys)
-        for ti, ks in evicted.items():
-            assert not ks & set(keys), f"a key of the batch was evicted from tier {ti}"
-            assert not {k for k in ks if ti in self.pins.get(k, ())}, f"a pinned key was evicted from tier {ti}"
+        assert not set(plan.keys) & (self._pending() | self._promoting())
+        self._check_evictions(plan, keys)
         self._apply_events()
         if plan.keys:
             self.open[plan.plan_id] = set(plan.keys)
+
+    @rule(keys=keys_st)
+    def prepare_promote(self, keys: list[bytes]) -> None:
+        before = (self.m.stats()["tiers"], [self.m.tier_keys(i) for i in range(self.m.num_tiers)])
+        # Model: promoted = ready in a lower tier, absent from the first (neither ready nor in
+        # any open plan that holds it there).
+        in_first = set(self.ready[0]) | self._pending() | self._promoting() | self.load_promoted
+        want = {k for k in keys if k not in in_first and any(k in r for r in self.ready[1:])}
+        plan = self.m.prepare_promote(keys)
+        if plan is None:
+            assert want, "refused a promotion with nothing to promote"
+            after = (self.m.stats()["tiers"], [self.m.tier_keys(i) for i in range(self.m.num_tiers)])
+            assert after == before
+            assert self.m.take_events() == []
+            return
+        assert set(plan.keys) == want and set(plan.skipped) == set(keys) - want
+        assert all(keys[p] == k for p, k in zip(plan.positions, plan.keys))
+        self._check_evictions(plan, keys)
+        self._apply_events()
+        for key in plan.keys:  # still served from the lower tier meanwhile
+            assert self.m.lookup_detail([key])[0].state is KeyState.READY
+        if plan.keys:
+            self.open[plan.plan_id] = set(plan.keys)
+            self.promotions.add(plan.plan_id)
 
     @precondition(lambda self: bool(self.open))
     @rule(data=st.data(), success=st.booleans(), whole=st.booleans())
@@ -81,11 +114,16 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = remaining if whole else [data.draw(st.sampled_from(remaining))]
         self.m.complete_store(keys, success)
         self.open[plan_id] -= set(keys)
+        promotion = plan_id in self.promotions
         if not self.open[plan_id]:
             del self.open[plan_id]
+            self.promotions.discard(plan_id)
         for status in self.m.lookup_detail(keys):
             if success:
                 assert (status.state, status.tier) == (KeyState.READY, 0)
+            elif promotion:
+                # Released from the first tier; the lower copy (unless evicted since) remains.
+                assert status.tier != 0
             elif plan_id in self.open:
                 # A write-through copy settles with the whole plan; it is never ready before.
                 assert status.state in (KeyState.MISS, KeyState.PENDING) and status.tier != 0
@@ -93,12 +131,35 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert status.state is KeyState.MISS
         self._apply_events()
 
+    @rule()
+    def complete_every_plan(self) -> None:
+        """Settle everything: without it, full tiers of pending keys rarely let a demotion (and
+        so a lower-tier-only key to promote) happen within a schedule."""
+        for plan_id in sorted(self.open):
+            keys = sorted(self.open.pop(plan_id))
+            self.promotions.discard(plan_id)
+            self.m.complete_store(keys)
+            for status in self.m.lookup_detail(keys):
+                assert (status.state, status.tier) == (KeyState.READY, 0)
+        self._apply_events()
+
+    @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=2, max_size=6, unique=True))
+    def store_one_by_one(self, keys: list[bytes]) -> None:
+        """Store and complete keys one at a time: the steady state of a full first tier, with
+        victims demoted (write-back), which is what promotions need."""
+        for key in keys:
+            self.prepare_store([key])
+            self.complete_every_plan()
+        self.prepare_promote(keys[:2])  # the oldest: demoted, if the first tier is small
+
     @rule(keys=keys_st)
     def prepare_load(self, keys: list[bytes]) -> None:
         hits = self.m.lookup(keys)
         if hits == 0:
             return
         plan = self.m.prepare_load(keys[:hits])
+        assert set(plan.promote) <= {k for k, ti in zip(plan.keys, plan.tiers) if ti > 0}
+        self.load_promoted.update(plan.promote)
         for key, ti in zip(plan.keys, plan.tiers):
             assert key in self.ready[ti]
             self.pins.setdefault(key, []).append(ti)
@@ -108,6 +169,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def complete_load(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pins)))
         self.m.complete_load([key])
+        self.load_promoted.discard(key)
         self.pins[key].pop()
         if not self.pins[key]:
             del self.pins[key]

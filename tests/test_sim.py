@@ -189,3 +189,27 @@ def test_cli_default_run_uses_both_tiers_and_keep_disk_reuses_an_earlier_process
     # What the earlier process stored on disk is served: fewer tokens recomputed.
     assert kept["recomputed_tokens"] < first["recomputed_tokens"]
     assert kept["corrupt_blocks"] == 0
+
+
+def test_promotion_brings_disk_hits_back_to_host_memory(tmp_path: Path) -> None:
+    """Host memory (1 MiB) over LMDB, the engine's own prefix cache off so every reuse is served
+    by kvtier: promoting lower-tier hits serves more from host memory and less from disk, with
+    every loaded block verified and the fence intact."""
+    reports = {}
+    for promote in (True, False):
+        cfg = {
+            "tiers": [
+                {"backend": "cpu", "capacity": "1MiB"},
+                {"backend": "lmdb", "capacity": "64MiB", "path": str(tmp_path / f"db-{promote}")},
+            ],
+            "policy": "lru",
+            "write": "back",
+        }
+        sim = SimConfig(prefix_caching=False, promote=promote)
+        reports[promote] = run_sim(cfg, workload="chat", requests=48, sim=sim)
+    on, off = reports[True], reports[False]
+    for r in (on, off):
+        assert r.ok, r.to_dict()
+        assert r.corrupt_blocks == 0 and r.fence_violations == 0 and r.verified_blocks > 0
+    assert on.loaded_tokens_by_tier["cpu"] > off.loaded_tokens_by_tier["cpu"]
+    assert on.loaded_tokens_by_tier["lmdb"] < off.loaded_tokens_by_tier["lmdb"]

@@ -72,6 +72,21 @@ after the delete on every worker (the worker runs deletes on its store queue in 
 and a key the manager already holds again (re-stored, or being promoted) is never deleted.
 ``has_pending_work`` is true while deletes wait for a build.
 
+Promotion: a load that served keys from a lower tier (e.g. disk) leaves them there; in steady
+state the first tier is full, so they would be served from the slow tier at every later hit.
+When such a load completes (``update_connector_output``) for a request that is still live, its
+valid keys and engine blocks are queued, and the next ``build_connector_meta`` (or
+``build_immediate_meta``) turns them into a store job with :meth:`TierManager.prepare_promote`:
+room is made in the first tier as for any store (victims demoted, the batch and pinned keys
+never evicted), and the job copies the keys from the request's engine blocks, which hold exactly
+the loaded bytes. It is an ordinary store job: in build order on the store queue (so the load
+never waits for the write-backs), fenced (flushed at once if one of its blocks is handed out
+again, or its request preempted, in that very step), and completed with ``complete_store``.
+Between the load and the build no compute or load writes those blocks: a block handed out again
+shows up in the build's ``allocated_block_ids``. Without a step loop the engine may free loaded
+blocks right after the load, so there the load job itself promotes, into free room only
+(``prepare_load(promote=True)``).
+
 All calls are plain dictionary work on the scheduler thread; none blocks or awaits.
 """
 
@@ -110,6 +125,8 @@ class ConnectorConfig:
     measurement only: it loses every block completed by a request's last steps).
     ``step_loop=False`` is for engines that never call ``build_connector_meta`` (see the module
     docstring): ``request_finished`` then trusts ``request.num_computed_tokens``.
+    ``promote=False`` turns off promotion of lower-tier hits into the first tier (see the
+    module docstring; for measurement).
     """
 
     block_size: int
@@ -118,6 +135,7 @@ class ConnectorConfig:
     store_last_block_at_finish: bool = True
     key_source: Literal["tokens", "block_hashes"] = "tokens"
     step_loop: bool = True
+    promote: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "engine_blocks_per_block", "world_size"):
@@ -161,6 +179,7 @@ class _Job:
     missed: dict[bytes, int] = field(default_factory=dict)
     sizes: dict[int, dict[bytes, int]] = field(default_factory=dict)
     nbytes: int = 0
+    promotion: bool = False  # stores: a promotion (see _build_promotion)
     first_block: int = 0  # loads: offloaded block index of plan.keys[0]
     base_tokens: int = 0  # loads: tokens valid before the load
     end_tokens: int = 0  # loads: tokens valid if every key loads
@@ -188,6 +207,9 @@ class SchedulerConnector:
         # tier -> keys whose bytes workers may hold although the manager released them in that
         # tier (jobs that were not a clean success everywhere); shipped by the next build.
         self._deletes: dict[int, dict[bytes, None]] = {}
+        # Finished loads with keys served from a lower tier: (request id, keys, engine blocks
+        # that hold them), promoted into the first tier by the next build.
+        self._promotions: list[tuple[str, tuple[bytes, ...], tuple[int, ...]]] = []
         self.counters: dict[str, int] = {
             "store_jobs": 0,
             "store_blocks": 0,
@@ -203,6 +225,11 @@ class SchedulerConnector:
             "last_block_jobs": 0,
             "unknown_reports": 0,
             "deleted_blocks": 0,
+            "promotion_jobs": 0,
+            "promotion_blocks": 0,
+            "promotion_rejected_jobs": 0,
+            "promoted_blocks": 0,
+            "promotion_failed_blocks": 0,
             "bytes_stored": 0,
             "bytes_loaded": 0,
         }
@@ -239,7 +266,9 @@ class SchedulerConnector:
 
     def has_pending_work(self) -> bool:
         """Whether the engine must keep stepping (jobs outstanding or a finish walk due)."""
-        return bool(self._jobs or self._walk or self._new_loads or self._ready_loads or self._deletes)
+        return bool(
+            self._jobs or self._walk or self._new_loads or self._ready_loads or self._deletes or self._promotions
+        )
 
     @property
     def num_pending_deletes(self) -> int:
@@ -358,7 +387,9 @@ class SchedulerConnector:
             )
         keys = st.keys[start:end]
         try:
-            plan = self.manager.prepare_load(keys)
+            # With a step loop, lower-tier hits are promoted after the load by a store job
+            # (_build_promotion); without one, only into free room, by the load job itself.
+            plan = self.manager.prepare_load(keys, promote=self.config.promote and not self.config.step_loop)
         except LifecycleError:
             # Evicted between lookup and allocation: a miss, the engine recomputes.
             self._ready_loads[request.request_id] = base
@@ -411,10 +442,18 @@ class SchedulerConnector:
             b = (first + p) * n
             ids.extend(int(x) for x in block_ids[b : b + n])
         job = _Job(next(self._job_ids), "store", st.request.request_id, plan, tuple(ids))
-        self._jobs[job.job_id] = job
-        st.jobs.add(job.job_id)
         for key in plan.keys:
             self._storing[key] = job.job_id
+        self._register_store(job, st)
+        self.counters["store_jobs"] += 1
+        self.counters["store_blocks"] += len(plan.keys)
+        return StoreJob(job.job_id, job.request_id, plan, job.block_ids)
+
+    def _register_store(self, job: _Job, st: _RequestState | None) -> None:
+        """Track a built store job and fence the engine blocks it reads."""
+        self._jobs[job.job_id] = job
+        if st is not None:
+            st.jobs.add(job.job_id)
         fence = self._fence
         for b in job.block_ids:
             holders = fence.get(b)
@@ -422,9 +461,37 @@ class SchedulerConnector:
                 fence[b] = {job.job_id}
             else:
                 holders.add(job.job_id)
-        self.counters["store_jobs"] += 1
-        self.counters["store_blocks"] += len(plan.keys)
-        return StoreJob(job.job_id, job.request_id, plan, job.block_ids)
+
+    def _build_promotion(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreJob | None:
+        """A store job that promotes ``keys`` (just loaded into ``block_ids``, ``n`` per key)
+        into the first tier, or ``None`` (nothing left to promote, or no room could be made)."""
+        plan = self.manager.prepare_promote(keys)
+        if plan is None:
+            self.counters["promotion_rejected_jobs"] += 1
+            return None
+        if not plan.keys:
+            return None
+        n = self._n
+        ids = tuple(b for p in plan.positions for b in block_ids[p * n : (p + 1) * n])
+        job = _Job(next(self._job_ids), "store", request_id, plan, ids, promotion=True)
+        self._register_store(job, self._states.get(request_id))
+        self.counters["promotion_jobs"] += 1
+        self.counters["promotion_blocks"] += len(plan.keys)
+        return StoreJob(job.job_id, request_id, plan, ids)
+
+    def _run_promotions(self, allocated: Collection[int], preempted: Collection[str], flush: set[int]) -> list[StoreJob]:
+        """Build the queued promotions. One whose blocks are handed out again in this step, or
+        whose request is preempted in it, is flushed: it runs before this step's compute."""
+        stores: list[StoreJob] = []
+        queued, self._promotions = self._promotions, []
+        for rid, keys, ids in queued:
+            job = self._build_promotion(rid, keys, ids)
+            if job is None:
+                continue
+            stores.append(job)
+            if rid in preempted or any(b in allocated for b in job.block_ids):
+                flush.add(job.job_id)
+        return stores
 
     def _mark_finished(self, st: _RequestState, block_ids: Sequence[int] | None) -> None:
         st.finished = True
@@ -480,6 +547,9 @@ class SchedulerConnector:
             # before this step's compute overwrites them.
             if not allocated.isdisjoint(walked.block_ids):
                 flush.add(walked.job_id)
+        if self._promotions:
+            # Their blocks are complete (loaded): built before this step's stores, like the walk.
+            stores.extend(self._run_promotions(allocated, step.preempted_request_ids, flush))
         bt = self._block_tokens
         for rid, count in step.num_scheduled_tokens.items():
             st = states.get(rid)
@@ -518,6 +588,8 @@ class SchedulerConnector:
         the engine must fence their blocks (see the module docstring)."""
         deletes = self._take_deletes()
         stores = self._run_walk()
+        if self._promotions:
+            stores.extend(self._run_promotions((), (), set()))
         loads, self._new_loads = self._new_loads, []
         return StepMetadata(self._last_step, tuple(stores), tuple(loads), (), deletes)
 
@@ -637,8 +709,12 @@ class SchedulerConnector:
                     self._forget_on_workers(d.src, d.keys)
                     self._forget_on_workers(d.dst, d.keys)
             lost = len(plan.keys) if not ok else len(job.failed.get(plan.tier, ()))
-            self.counters["store_failed_blocks"] += lost
-            self.counters["stored_blocks"] += len(plan.keys) - lost
+            if job.promotion:
+                self.counters["promotion_failed_blocks"] += lost
+                self.counters["promoted_blocks"] += len(plan.keys) - lost
+            else:
+                self.counters["store_failed_blocks"] += lost
+                self.counters["stored_blocks"] += len(plan.keys) - lost
             self.counters["bytes_stored"] += job.nbytes
         else:
             plan = job.plan
@@ -673,6 +749,15 @@ class SchedulerConnector:
                         break
             self.counters["load_missed_blocks"] += len(plan.keys) - valid
             self.counters["bytes_loaded"] += job.nbytes
+            if (
+                valid
+                and self.config.promote
+                and self.config.step_loop
+                and st is not None
+                and not st.finished  # aborted while loading: its blocks are freed now
+                and any(tier > 0 for tier in plan.tiers[:valid])
+            ):
+                self._promotions.append((job.request_id, plan.keys[:valid], job.block_ids[: valid * self._n]))
             tokens = job.end_tokens if valid == len(plan.keys) else (job.first_block + valid) * self._block_tokens
             loaded[job.request_id] = max(job.base_tokens, tokens)
             if st is not None:

@@ -34,10 +34,12 @@ submitted when the worker first sees the metadata, after every store built in an
 before this metadata's stores. The store queue is FIFO, so deletes and stores run in the order
 the scheduler built them. The scheduler ships a delete only for keys its manager does not hold
 (pending or ready) in that tier, so no earlier job still writes them there, and a later
-re-store of a key always runs after its delete. Promotions are the one write outside the store
-queue (the load thread writes them into the first tier, in room the manager reserved assuming
-earlier deletes already ran): a load with promotions waits for the first tier's queued deletes
-before it is submitted. Delete jobs are not reported to the scheduler side.
+re-store of a key always runs after its delete. With a step loop, promotions of lower-tier hits
+are store jobs like any other (see :mod:`kvtier.connector.scheduler`). Only the in-load
+promotions of a connector without a step loop write outside the store queue (the load thread
+writes them into the first tier, in room the manager reserved assuming earlier deletes already
+ran): a load with promotions waits for the first tier's queued deletes before it is submitted.
+Delete jobs are not reported to the scheduler side.
 
 Built with :meth:`WorkerConnector.from_store`, the worker also records every finished job in
 the store's I/O metrics (per-tier bytes, latency), as the store's own ``save`` / ``load`` do.

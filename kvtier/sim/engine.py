@@ -91,6 +91,8 @@ class SimConfig:
     #: The engine's own GPU prefix cache; off, every reused prefix must come from kvtier.
     prefix_caching: bool = True
     store_last_block_at_finish: bool = True
+    #: Promote lower-tier hits into the first tier after a load (the connector's ``promote``).
+    promote: bool = True
     answer_mean: int = 40  # expected answer length (the model's EOS rate)
     vocab_size: int = 32000
     eos_token: int = 2
@@ -298,7 +300,10 @@ class Simulator:
         self.caches = store.layout.kv_caches
         self.pool = BlockPool(c.num_gpu_blocks)
         self.connector = SchedulerConnector.from_store(
-            store, block_size=c.block_size, store_last_block_at_finish=c.store_last_block_at_finish
+            store,
+            block_size=c.block_size,
+            store_last_block_at_finish=c.store_last_block_at_finish,
+            promote=c.promote,
         )
         self.worker = worker or WorkerConnector(store.transfers)
         self.block_tokens = c.block_size * c.engine_blocks_per_block
