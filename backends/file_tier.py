@@ -379,35 +379,43 @@ class FileBackend(PersistentRecordBackend):
 
     def _walk(self, *, sweep: bool) -> list[RecordInfo]:
         records: list[RecordInfo] = []
-        now = time.time()
-        with os.scandir(self._root) as top:
-            level1 = [e.path for e in top if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False)]
+        for key, entry in self._record_entries(self._root, sweep_now=time.time() if sweep else None):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted by another instance while we walked
+            records.append(RecordInfo(key, self._stored(st.st_size), st.st_mtime))
+        return records
+
+    @classmethod
+    def _record_entries(cls, root: str, *, sweep_now: float | None = None) -> Iterator[tuple[bytes, os.DirEntry[str]]]:
+        """``(key, entry)`` of every record file under ``root``, in key order, by the tier's naming
+        rules: two levels of 2-hex directories, ``<64 hex>.kvb`` names matching them, regular
+        files only (no symlinks). Temp files are skipped; with ``sweep_now`` (a ``time.time()``)
+        the stale ones are unlinked as they are met."""
+        with os.scandir(root) as top:
+            level1 = sorted(e.path for e in top if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
         for d1 in level1:
             with os.scandir(d1) as mid:
-                level2 = [e.path for e in mid if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False)]
+                level2 = sorted(e.path for e in mid if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
             for d2 in level2:
                 prefix = os.path.basename(d1) + os.path.basename(d2)
                 with os.scandir(d2) as leaf:
-                    for entry in leaf:
-                        name = entry.name
-                        if name.endswith(".tmp"):
-                            if sweep and self._stale(entry, now):
-                                try:
-                                    os.unlink(entry.path)
-                                except FileNotFoundError:
-                                    pass
-                            continue
-                        stem = name[: -len(_SUFFIX)]
-                        if not name.endswith(_SUFFIX) or not _is_hex(stem, 64) or not stem.startswith(prefix):
-                            continue
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue  # deleted by another instance while we walked
-                        if not entry.is_file(follow_symlinks=False):
-                            continue
-                        records.append(RecordInfo(bytes.fromhex(stem), self._stored(st.st_size), st.st_mtime))
-        return records
+                    entries = sorted(leaf, key=lambda e: e.name)
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(".tmp"):
+                        if sweep_now is not None and cls._stale(entry, sweep_now):
+                            try:
+                                os.unlink(entry.path)
+                            except FileNotFoundError:
+                                pass
+                        continue
+                    stem = name[: -len(_SUFFIX)]
+                    if not name.endswith(_SUFFIX) or not _is_hex(stem, 64) or not stem.startswith(prefix):
+                        continue
+                    if entry.is_file(follow_symlinks=False):
+                        yield bytes.fromhex(stem), entry
 
     @staticmethod
     def _stale(entry: os.DirEntry[str], now: float) -> bool:
@@ -454,36 +462,12 @@ class FileBackend(PersistentRecordBackend):
             raise DiskError(f"file: cannot read the meta record {meta_path!r}: {exc}") from exc
         return decode_meta(data)
 
-    @staticmethod
-    def _offline_walk(root: str) -> Iterator[tuple[bytes, str]]:
-        """``(key, path)`` of every record file under ``root``, by the rules of ``_walk``
-        (two levels of 2-hex directories, ``<64 hex>.kvb`` matching them, no symlinks, no
-        temp files), without sweeping anything."""
-        with os.scandir(root) as top:
-            level1 = sorted(e.path for e in top if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
-        for d1 in level1:
-            with os.scandir(d1) as mid:
-                level2 = sorted(e.path for e in mid if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
-            for d2 in level2:
-                prefix = os.path.basename(d1) + os.path.basename(d2)
-                with os.scandir(d2) as leaf:
-                    entries = sorted(
-                        (e.name, e.path)
-                        for e in leaf
-                        if e.name.endswith(_SUFFIX)
-                        and _is_hex(e.name[: -len(_SUFFIX)], 64)
-                        and e.name.startswith(prefix)
-                        and e.is_file(follow_symlinks=False)
-                    )
-                for name, entry_path in entries:
-                    yield bytes.fromhex(name[: -len(_SUFFIX)]), entry_path
-
     @classmethod
     def count_raw_records(cls, path: str | os.PathLike[str]) -> int:
         """How many record files the tier at ``path`` holds (a directory walk; nothing is read)."""
         root = cls._offline_root(path)
         try:
-            return sum(1 for _ in cls._offline_walk(root))
+            return sum(1 for _ in cls._record_entries(root))
         except OSError as exc:
             raise DiskError(f"file: cannot list {root!r}: {exc}") from exc
 
@@ -494,9 +478,9 @@ class FileBackend(PersistentRecordBackend):
         instance during the walk is skipped; any other read error raises ``DiskError``."""
         root = cls._offline_root(path)
         try:
-            for key, record_path in cls._offline_walk(root):
+            for key, entry in cls._record_entries(root):
                 try:
-                    fd = os.open(record_path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+                    fd = os.open(entry.path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
                 except FileNotFoundError:
                     continue
                 try:
