@@ -340,12 +340,6 @@ class TierManager:
         need = self._tiers[tier].spec.admit_after
         return need <= 1 or self._seen.get(key, 0) >= need
 
-    def _present(self, key: bytes) -> bool:
-        for t in self._tiers:
-            if key in t.index:
-                return True
-        return False
-
     def _make_room(
         self,
         tier: int,

@@ -35,13 +35,6 @@ log = logging.getLogger("kvtier")
 log.addHandler(logging.NullHandler())
 
 
-def build_backend(tier: Any, index: int) -> Backend:
-    """Instantiate the backend of ``tier`` (a :class:`~kvtier.config.TierConfig`); a rejected
-    option is a :class:`ConfigError` naming ``tiers[index].<option>``."""
-    backend: Backend = config_module.build_backend(tier, index)
-    return backend
-
-
 class KVStore:
     """Tiers + manager + transfer engine. Build it with :func:`kvtier.open`."""
 
@@ -71,7 +64,7 @@ class KVStore:
         self.format = BlockFormat(
             block_bytes=block_bytes, dtype=dtype, namespace_digest=namespace.digest, namespace=namespace.to_dict()
         )
-        self.backends: list[Backend] = [build_backend(t, i) for i, t in enumerate(config.tiers)]
+        self.backends: list[Backend] = [config_module.build_backend(t, i) for i, t in enumerate(config.tiers)]
         self.metrics = StoreMetrics(len(self.backends))
         self._exporter: Exporter | None = None
         self.manager: TierManager | None = None
