@@ -194,8 +194,15 @@ def block_keys(
     one ``bytes`` for every block, or one entry per block. ``parent`` continues a chain from a
     previously computed key, so keys can be extended incrementally as a request grows.
     """
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise InvalidKeyError(f"block_size: expected a positive integer, got {block_size!r}")
+    if block_size != namespace.block_size:
+        # The namespace digest covers the block size, so keys cut at another size would be
+        # filed under a namespace that promises blocks of a different shape.
+        raise InvalidKeyError(
+            f"block_size: {block_size} tokens per block, but namespace.block_size is {namespace.block_size}; "
+            "pass the namespace built for this block size"
+        )
     num_blocks = len(token_ids) // block_size
     extras = _extras(extra, num_blocks)
     prev = namespace.digest if parent is None else parent

@@ -26,6 +26,7 @@ copy per (block, tensor) slice in a single ``_foreach_copy_`` call on the transf
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -39,6 +40,24 @@ __all__ = ["KVLayout", "Strategy"]
 Strategy = Literal["auto", "index", "foreach"]
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
+
+
+def _block_id_list(block_ids: Sequence[int], what: str) -> list[int]:
+    """``block_ids`` as plain ints. A float (``1.5`` is not block 1) or a bool is an error
+    naming its position; numpy and 0-d torch integers are accepted."""
+    if isinstance(block_ids, (str, bytes)):
+        raise LayoutError(f"{what}: expected a sequence of integer block ids, got {type(block_ids).__name__}")
+    ids = list(block_ids)
+    if set(map(type, ids)) <= {int}:
+        return ids
+    for i, b in enumerate(ids):
+        if isinstance(b, bool) or getattr(b, "dtype", None) == torch.bool:
+            raise LayoutError(f"{what}[{i}]: expected an integer block id, got {b!r}")
+        try:
+            ids[i] = operator.index(b)
+        except TypeError:
+            raise LayoutError(f"{what}[{i}]: expected an integer block id, got {b!r} ({type(b).__name__})") from None
+    return ids
 
 @dataclass(frozen=True, slots=True)
 class _TensorInfo:
@@ -130,7 +149,7 @@ class KVLayout:
     # -- validation ------------------------------------------------------------------------
     def check_block_ids(self, block_ids: Sequence[int], num_blocks: int, *, what: str = "block_ids") -> list[int]:
         """Validate engine block ids for ``num_blocks`` offloaded blocks (``n`` ids each)."""
-        ids = [int(b) for b in block_ids]
+        ids = _block_id_list(block_ids, what)
         want = num_blocks * self.engine_blocks_per_block
         if len(ids) != want:
             raise LayoutError(

@@ -231,6 +231,10 @@ def test_chaining_makes_keys_depend_on_the_prefix() -> None:
         ({"token_ids": [0, 1, 2, 3], "block_size": 0}, "block_size"),
         ({"token_ids": [0, 1, 2, 3], "block_size": -4}, "block_size"),
         ({"token_ids": [0, 1, 2, 3], "parent": b"\x00" * 31}, "parent"),
+        ({"token_ids": [0, 1, 2, 3], "block_size": True}, "block_size"),
+        # The namespace was built for blocks of 4 tokens: keys cut at 8 or 2 would be wrong.
+        ({"token_ids": list(range(16)), "block_size": 8}, r"block_size: 8 .*namespace.block_size is 4"),
+        ({"token_ids": list(range(16)), "block_size": 2}, r"namespace.block_size is 4"),
     ],
 )
 def test_bad_inputs_raise_invalid_key_error(kwargs: dict[str, object], match: str) -> None:
