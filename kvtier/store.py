@@ -22,11 +22,12 @@ from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.config import StoreConfig, load_config
 from kvtier.errors import ClosedError, ConfigError, LayoutError
+from kvtier.jobs import Applied, JobResult, apply_result
 from kvtier.keys import Namespace, check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
-from kvtier.transfer import JobResult, TransferEngine
+from kvtier.transfer import TransferEngine
 
 __all__ = ["KVStore", "open"]
 
@@ -199,23 +200,15 @@ class KVStore:
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
         """Apply a finished store job to the manager; return how many blocks became ready."""
-        mgr = self._mgr()
-        failed = {t: list(ks) for t, ks in result.failed.items()}
-        ok = result.error is None
-        mgr.complete_store(plan.keys, ok, sizes=result.sizes, failed=failed)
+        applied = apply_result(self._mgr(), plan, result)
         self.metrics.record_store(plan, result, self.format.block_bytes)
-        return len(plan.keys) - len(result.failed.get(plan.tier, ())) if ok else 0
+        return applied.done
 
-    def finish_load(self, plan: LoadPlan, result: JobResult) -> None:
+    def finish_load(self, plan: LoadPlan, result: JobResult) -> Applied:
         """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt."""
-        mgr = self._mgr()
-        failed = plan.promote if result.error is not None else result.failed.get(0, ())
-        mgr.complete_load(plan.keys, failed_promotions=failed)
+        applied = apply_result(self._mgr(), plan, result)
         self.metrics.record_load(plan, result, self.format.block_bytes)
-        if result.error is not None:
-            return
-        for key, tier in zip(result.missed, result.missed_tiers):
-            mgr.remove([key], tier)
+        return applied
 
     # -- convenience: prepare -> transfer -> complete ----------------------------------------
     def _job_input(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[TransferEngine, list[int]]:

@@ -29,31 +29,13 @@ import torch
 
 from kvtier.backend import Backend, MemoryBackend
 from kvtier.errors import ClosedError, LayoutError, LifecycleError
+from kvtier.jobs import JobResult
 from kvtier.layout import KVLayout
 from kvtier.manager import LoadPlan, StorePlan
 
 __all__ = ["TransferEngine", "JobResult"]
 
 log = logging.getLogger("kvtier.transfer")
-
-
-@dataclass(frozen=True, slots=True)
-class JobResult:
-    """How a job ended. ``failed[tier]`` lists keys whose write to that tier failed;
-    ``missed`` lists keys a load could not read (the engine recomputes them);
-    ``sizes[tier]`` gives stored bytes per key for the manager's accounting."""
-
-    job_id: int
-    kind: Literal["store", "load"]
-    success: bool
-    keys: tuple[bytes, ...]
-    nbytes: int = 0
-    seconds: float = 0.0
-    failed: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
-    missed: tuple[bytes, ...] = ()
-    missed_tiers: tuple[int, ...] = ()
-    sizes: dict[int, dict[bytes, int]] = field(default_factory=dict)
-    error: str | None = None
 
 
 @dataclass(slots=True)

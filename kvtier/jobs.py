@@ -1,0 +1,239 @@
+"""One home for a job's life: job records, results, and applying a finished job to the manager.
+
+A *job* executes one plan of the :class:`~kvtier.manager.TierManager`: a store job (engine
+blocks -> tiers) or a load job (tiers -> engine blocks). Everything that drives jobs (the store
+facade :class:`kvtier.KVStore`, the connector, the vLLM adapter) shares what is here, and keeps
+no bookkeeping of its own that duplicates it.
+
+API (stable; other modules build on it):
+
+* :class:`JobResult` - how a job ended (also importable from :mod:`kvtier.transfer`).
+* :class:`Phase` - where a job is: ``QUEUED`` -> ``DEVICE`` -> ``TIERS`` -> ``DONE``.
+  A store job's ``DEVICE`` phase reads the engine blocks (into the first tier or into host
+  staging that the job owns); its ``TIERS`` phase writes the tiers (write-back, write-through,
+  byte tiers). Fence-before-reuse waits for the end of ``DEVICE`` and nothing else. A load job's
+  ``DEVICE`` phase is its whole life (it writes engine blocks up to its end).
+* :class:`StoreRecord` / :class:`LoadRecord` (base :class:`JobRecord`) - one job: id, plan,
+  engine block ids, phase, deadline; plus the thread-safe signals the transfer engine sets
+  (``device_done`` once the engine blocks are no longer touched, ``done`` at the end).
+* :func:`apply_result` ``(manager, plan, result) -> Applied`` - the *only* code that applies a
+  finished job to the manager (``complete_store`` / ``complete_load`` / ``remove``). It runs on
+  the manager's thread (the event loop, or the engine's scheduler thread).
+* :func:`combine_results` - one :class:`JobResult` from the results of several ranks that ran
+  the same plan (a key failed on any rank failed; sizes are the largest reported).
+* :func:`deadline_at` - the monotonic deadline of a job given a budget in seconds (or ``None``).
+
+The fence index and the delete ledger of the connector also belong here (see
+:mod:`kvtier.connector`).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvtier.manager import LoadPlan, StorePlan, TierManager
+
+__all__ = [
+    "Applied",
+    "JobRecord",
+    "JobResult",
+    "LoadRecord",
+    "Phase",
+    "StoreRecord",
+    "apply_result",
+    "combine_results",
+    "deadline_at",
+]
+
+JobKind = Literal["store", "load"]
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How a job ended. ``failed[tier]`` lists keys whose write to that tier failed (or never
+    happened); ``missed`` lists keys a load could not read (the engine recomputes them), with
+    ``missed_tiers`` the tier each was read from; ``sizes[tier]`` gives stored bytes per key for
+    the manager's accounting. ``error`` is set when the job as a whole failed (an exception,
+    a full queue, a cancellation, a deadline); then no key of it counts as stored or loaded."""
+
+    job_id: int
+    kind: JobKind
+    success: bool
+    keys: tuple[bytes, ...]
+    nbytes: int = 0
+    seconds: float = 0.0
+    failed: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
+    missed: tuple[bytes, ...] = ()
+    missed_tiers: tuple[int, ...] = ()
+    sizes: dict[int, dict[bytes, int]] = field(default_factory=dict)
+    error: str | None = None
+
+
+class Phase(enum.IntEnum):
+    """A job's phase; it only moves forward."""
+
+    QUEUED = 0  #: submitted, the engine blocks not touched yet
+    DEVICE = 1  #: reading (store) or writing (load) the engine blocks
+    TIERS = 2  #: store only: the engine blocks are released, the tiers are being written
+    DONE = 3  #: the result is known
+
+
+@dataclass(slots=True, eq=False)
+class JobRecord:
+    """One job. ``block_ids`` are the engine blocks it reads (store) or writes (load).
+
+    ``deadline`` (``time.monotonic()`` seconds, or ``None``) bounds the job's tier work: past
+    it the job is reported failed and its keys released, but never before its device phase has
+    ended (a store's engine blocks stay fenced until they have been read; a load is stopped
+    before its next write into engine blocks, and waited for if a write is under way)."""
+
+    job_id: int
+    plan: StorePlan | LoadPlan
+    block_ids: tuple[int, ...]
+    deadline: float | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.QUEUED
+    #: set by ``cancel`` or a passed deadline: the job stops at its next check.
+    cancelled: bool = False
+    #: the job's result, once known (``phase`` is then ``DONE``).
+    result: JobResult | None = None
+    #: engine blocks are no longer read or written by this job (the fence waits for this).
+    device_done: threading.Event = field(default_factory=threading.Event)
+    #: the result is known.
+    done: threading.Event = field(default_factory=threading.Event)
+    #: held while the job touches engine blocks; ``cancel`` takes it to wait for such a copy.
+    device_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: CUDA event recorded on the engine's compute stream at submit (``None`` on CPU).
+    compute_event: Any = None
+    #: (loop, future) pairs resolved with the result (``TransferEngine.wait_async``).
+    waiters: list[tuple[Any, Any]] = field(default_factory=list)
+
+    @property
+    def kind(self) -> JobKind:
+        raise NotImplementedError
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (time.monotonic() if now is None else now) >= self.deadline
+
+
+@dataclass(slots=True, eq=False)
+class StoreRecord(JobRecord):
+    """A store job: ``plan`` is a :class:`StorePlan`; ``block_ids`` are read in its device phase."""
+
+    @property
+    def kind(self) -> JobKind:
+        return "store"
+
+    @property
+    def store_plan(self) -> StorePlan:
+        assert isinstance(self.plan, StorePlan)
+        return self.plan
+
+
+@dataclass(slots=True, eq=False)
+class LoadRecord(JobRecord):
+    """A load job: ``plan`` is a :class:`LoadPlan`; ``block_ids`` are written."""
+
+    @property
+    def kind(self) -> JobKind:
+        return "load"
+
+    @property
+    def load_plan(self) -> LoadPlan:
+        assert isinstance(self.plan, LoadPlan)
+        return self.plan
+
+
+def deadline_at(seconds: float | None, now: float | None = None) -> float | None:
+    """The monotonic deadline ``seconds`` from ``now`` (``None``: no deadline)."""
+    if seconds is None:
+        return None
+    return (time.monotonic() if now is None else now) + seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What :func:`apply_result` did. ``done``: blocks newly stored (store), or the leading
+    run of blocks loaded with the right bytes (load); ``lost`` the rest of the plan's keys.
+    ``failed_promotions``: in-load promotions released; ``removed``: (key, tier) pairs the
+    manager forgot because a load found them missing or corrupt."""
+
+    kind: JobKind
+    ok: bool
+    done: int
+    lost: int
+    failed_promotions: tuple[bytes, ...] = ()
+    removed: tuple[tuple[bytes, int], ...] = ()
+
+
+def apply_result(manager: TierManager, plan: StorePlan | LoadPlan, result: JobResult) -> Applied:
+    """Apply the finished job ``result`` of ``plan`` to ``manager``; see the module doc.
+
+    Store: pending keys become ready, or are released when the job failed (``result.error``)
+    or their write failed (``result.failed``); demoted and written-through copies named in
+    ``result.failed`` are dropped. Load: the keys are unpinned, in-load promotions settled, and
+    keys the load found missing or corrupt are forgotten in the tier they were read from."""
+    ok = result.error is None
+    if isinstance(plan, StorePlan):
+        if not plan.keys:
+            return Applied("store", ok, 0, 0)
+        failed = {t: list(ks) for t, ks in result.failed.items()}
+        manager.complete_store(plan.keys, ok, sizes=result.sizes, failed=failed)
+        stored = len(plan.keys) - len(set(result.failed.get(plan.tier, ()))) if ok else 0
+        return Applied("store", ok, stored, len(plan.keys) - stored)
+    bad: tuple[bytes, ...] = tuple(plan.promote) if not ok else tuple(result.failed.get(0, ()))
+    manager.complete_load(plan.keys, failed_promotions=bad)
+    removed: list[tuple[bytes, int]] = []
+    valid = 0
+    if ok:
+        for key, tier in zip(result.missed, result.missed_tiers):
+            if manager.remove([key], tier):
+                removed.append((key, tier))
+        valid = len(plan.keys)
+        if result.missed:
+            missed = set(result.missed)
+            valid = next(i for i, key in enumerate(plan.keys) if key in missed)
+    return Applied("load", ok, valid, len(plan.keys) - valid, bad, tuple(removed))
+
+
+def combine_results(results: Sequence[JobResult]) -> JobResult:
+    """One result for a plan that several ranks executed (each its own shard of the blocks)."""
+    if not results:
+        raise ValueError("results: expected at least one JobResult")
+    first = results[0]
+    failed: dict[int, set[bytes]] = {}
+    sizes: dict[int, dict[bytes, int]] = {}
+    missed: dict[bytes, int] = {}
+    error = None
+    for r in results:
+        if r.kind != first.kind:
+            raise ValueError(f"results: mixed kinds {first.kind!r} and {r.kind!r}")
+        error = error or r.error
+        for tier, keys in r.failed.items():
+            failed.setdefault(tier, set()).update(keys)
+        for tier, per in r.sizes.items():
+            mine = sizes.setdefault(tier, {})
+            for key, size in per.items():
+                mine[key] = max(size, mine.get(key, 0))
+        for key, tier in zip(r.missed, r.missed_tiers):
+            missed.setdefault(key, tier)
+    order = {k: i for i, k in enumerate(first.keys)}
+    missed_keys = sorted(missed, key=lambda k: order.get(k, len(order)))
+    return JobResult(
+        job_id=first.job_id,
+        kind=first.kind,
+        success=all(r.success for r in results),
+        keys=first.keys,
+        nbytes=sum(r.nbytes for r in results),
+        seconds=max(r.seconds for r in results),
+        failed={t: tuple(ks) for t, ks in failed.items() if ks},
+        missed=tuple(missed_keys),
+        missed_tiers=tuple(missed[k] for k in missed_keys),
+        sizes=sizes,
+        error=error,
+    )
