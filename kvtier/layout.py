@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 
+from kvtier import staging as _staging
 from kvtier.errors import LayoutError
 
 __all__ = ["KVLayout", "Strategy"]
@@ -85,7 +86,7 @@ class KVLayout:
         if strategy not in ("auto", "index", "foreach"):
             raise LayoutError(f"strategy: expected 'auto', 'index' or 'foreach', got {strategy!r}")
         num = None
-        device = caches[0].device if isinstance(caches[0], torch.Tensor) else None
+        device = _staging.tensor_device(caches[0]) if isinstance(caches[0], torch.Tensor) else None
         infos: list[_TensorInfo] = []
         offset = 0
         n = engine_blocks_per_block
@@ -96,8 +97,8 @@ class KVLayout:
                 raise LayoutError(f"kv_caches[{i}]: expected a tensor with the block dimension first, got shape {tuple(t.shape)}")
             if not t.is_contiguous():
                 raise LayoutError(f"kv_caches[{i}]: expected a contiguous tensor (block dimension first), got strides {t.stride()}")
-            if t.device != device:
-                raise LayoutError(f"kv_caches[{i}]: on {t.device}, but kv_caches[0] is on {device}")
+            if _staging.tensor_device(t) != device:
+                raise LayoutError(f"kv_caches[{i}]: on {_staging.tensor_device(t)}, but kv_caches[0] is on {device}")
             if num is None:
                 num = t.shape[0]
             elif t.shape[0] != num:
@@ -170,7 +171,7 @@ class KVLayout:
     def _pick(self, pool: torch.Tensor) -> Strategy:
         if self.strategy != "auto":
             return self.strategy
-        return "index" if pool.device == self.device else "foreach"
+        return "index" if _staging.tensor_device(pool) == self.device else "foreach"
 
     def _dst_views(self, pool: torch.Tensor) -> list[torch.Tensor]:
         """Per tensor, the pool's words for that tensor as a 2-D ``[slots, n * words]`` view
