@@ -184,6 +184,8 @@ class CpuBackend(TensorPoolBackend):
     """Host-memory pool; pinned when CUDA is available (``pin_memory: auto``)."""
 
     name: ClassVar[str] = "cpu"
+    #: Accepted for symmetry with ``gpu`` (only ``cpu`` is valid) but not listed as an option.
+    hidden_options: ClassVar[frozenset[str]] = frozenset({"device"})
 
     def __init__(self, *, capacity: int | str, pin_memory: bool | str = "auto", device: str = "cpu") -> None:
         if torch.device(device).type != "cpu":

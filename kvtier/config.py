@@ -26,6 +26,8 @@ holds for :class:`TierConfig` and :class:`MetricsConfig`.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import inspect
 import os
 import re
@@ -37,7 +39,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier import registry
-from kvtier.errors import ConfigError, MissingDependencyError, UnknownNameError
+from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, UnknownNameError
 from kvtier.units import parse_size
 
 __all__ = [
@@ -303,9 +305,26 @@ def _accepted_options(cls: type) -> list[str]:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
         return []
+    hidden = set(getattr(cls, "hidden_options", ()))
     return sorted(
-        p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+        p.name
+        for p in params
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self" and p.name not in hidden
     )
+
+
+def _backend_option_names(cls: type) -> list[str] | None:
+    """Every option ``cls`` accepts, or ``None`` when it takes ``**kwargs`` (any name may be valid)."""
+    model = getattr(cls, "options_model", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return None if model.model_config.get("extra") == "allow" else sorted(model.model_fields)
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
 
 
 def _backend_problems(tier: TierConfig, index: int, cls: type) -> list[tuple[str, str]]:
@@ -469,17 +488,28 @@ def load_config(
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     problems = _Problems(source, origins)
+    data, unknown = _strip_unknown_keys(data)
+    suggested: set[str] = set()
+    for where, key, message, hint in unknown:
+        var = origins.get(f"{where}.{key}" if where else key)
+        problems.add(where, f"{message} (set by {var})" if var else message)
+        if hint:
+            suggested.add(f"{where}.{hint}" if where else hint)
+    cfg: StoreConfig | None = None
     try:
         cfg = StoreConfig.model_validate(dict(data))
     except ValidationError as exc:
         for error in exc.errors():
-            problems.add(*_describe(error))
-        problems.raise_if_any()
-        raise AssertionError("unreachable") from None
-    size = cfg.block_bytes
+            path, message = _describe(error)
+            if error["type"] == "missing" and path in suggested:
+                continue  # already reported as the misspelt key
+            problems.add(path, message)
+    # The tiers are checked against their backends even when other settings are wrong, so one
+    # run reports every problem rather than one layer at a time.
+    size = cfg.block_bytes if cfg is not None else _quiet_size(data.get("block_bytes"))
     if size is None and block_bytes is not None:
         size = parse_size(block_bytes, field="block_bytes")
-    for i, tier in enumerate(cfg.tiers):
+    for i, tier in _valid_tiers(cfg, data):
         if size and tier.capacity < size:
             problems.add(
                 f"tiers[{i}].capacity",
@@ -488,13 +518,101 @@ def load_config(
             continue
         try:
             cls = registry.backends.get(tier.backend)
-        except (UnknownNameError, MissingDependencyError, ConfigError) as exc:
+        except KVTierError as exc:
             problems.add(f"tiers[{i}].backend", str(exc))
+            continue
+        except Exception as exc:  # a plugin that fails to import in some other way
+            problems.add(f"tiers[{i}].backend", f"the {tier.backend!r} backend cannot be loaded: {type(exc).__name__}: {exc}")
             continue
         for path, message in _backend_problems(tier, i, cls):
             problems.add(path, message)
     problems.raise_if_any()
+    assert cfg is not None
     return cfg
+
+
+def _quiet_size(value: Any) -> int | None:
+    try:
+        return None if value is None else parse_size(value, field="block_bytes") or None
+    except ConfigError:
+        return None
+
+
+def _valid_tiers(cfg: StoreConfig | None, data: Mapping[str, Any]) -> list[tuple[int, TierConfig]]:
+    if cfg is not None:
+        return list(enumerate(cfg.tiers))
+    raw = data.get("tiers")
+    out: list[tuple[int, TierConfig]] = []
+    for i, tier in enumerate(raw if isinstance(raw, list) else []):
+        try:
+            out.append((i, TierConfig.model_validate(tier)))
+        except ValidationError:
+            continue  # its errors came with the whole config's
+    return out
+
+
+def _suggest(key: Any, allowed: list[str]) -> str | None:
+    match = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _tier_keys(backend: Any) -> tuple[set[str], list[str]] | None:
+    """(every key a tier of ``backend`` accepts, the ones to suggest), or ``None`` when unknown."""
+    if not isinstance(backend, str):
+        return None
+    try:
+        if backend not in registry.backends:
+            return None
+        cls = registry.backends.get(backend)
+    except Exception:  # reported by the backend check
+        return None
+    options = _backend_option_names(cls)
+    if options is None:
+        return None
+    accepted = set(TierConfig.model_fields) | set(options)
+    return accepted, sorted(accepted - set(getattr(cls, "hidden_options", ())))
+
+
+def _strip_unknown_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str, str, str | None]]]:
+    """A copy of ``data`` without unknown keys, and (where, key, message, suggestion) for each one.
+
+    Keys are checked at every level (top, ``metrics``, ``namespace``, each tier against its
+    backend's options) before the schema runs, so a misspelt key is reported by its own name
+    with the nearest known one, instead of as a missing setting.
+    """
+    from kvtier.keys import Namespace
+
+    found: list[tuple[str, str, str, str | None]] = []
+
+    def sift(node: Mapping[str, Any], where: str, accepted: set[str], listed: list[str]) -> dict[str, Any]:
+        kept = {}
+        for key, value in node.items():
+            if key in accepted:
+                kept[key] = value
+                continue
+            hint = _suggest(key, listed)
+            tail = f"did you mean {hint!r}?" if hint else f"expected one of: {', '.join(listed)}"
+            found.append((where, str(key), f"unknown key {key!r} — {tail}", hint))
+        return kept
+
+    top = sorted(StoreConfig.model_fields)
+    out = sift(data, "", set(top), top)
+    metrics = out.get("metrics")
+    if isinstance(metrics, Mapping):
+        names = sorted(MetricsConfig.model_fields)
+        out["metrics"] = sift(metrics, "metrics", set(names), names)
+    namespace = out.get("namespace")
+    if isinstance(namespace, Mapping):
+        names = sorted(f.name for f in dataclasses.fields(Namespace) if f.init)
+        out["namespace"] = sift(namespace, "namespace", set(names), names)
+    tiers = out.get("tiers")
+    if isinstance(tiers, list):
+        checked: list[Any] = []
+        for i, tier in enumerate(tiers):
+            keys = _tier_keys(tier.get("backend")) if isinstance(tier, Mapping) else None
+            checked.append(tier if keys is None else sift(tier, f"tiers[{i}]", *keys))
+        out["tiers"] = checked
+    return out, found
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -93,7 +93,49 @@ def test_unknown_top_level_key_lists_the_known_ones() -> None:
 
 def test_unknown_metrics_key_is_reported_with_its_path() -> None:
     message = error_of({**BASE, "metrics": {"prot": 1}})
-    assert "metrics.prot" in message and "port" in message
+    assert "metrics: unknown key 'prot' — did you mean 'port'?" in message
+
+
+def test_misspelt_tier_key_is_named_with_a_suggestion_not_reported_as_missing() -> None:
+    message = error_of({"tiers": [{"backend": "cpu", "capacty": "1MiB"}]})
+    assert message == "config: tiers[0]: unknown key 'capacty' — did you mean 'capacity'?"
+
+
+def test_unknown_keys_at_every_level_and_option_errors_come_together() -> None:
+    need(registry.backends, "lmdb")
+    message = error_of(
+        {
+            "polcy": "lru",
+            "namespace": {"model_id": "m", "revison": "3"},
+            "tiers": [
+                {"backend": "cpu", "capacty": "1MiB"},
+                {"backend": "cpu", "capacity": "1MiB", "pin_memory": "sometimes"},
+                {"backend": "lmdb", "capacity": "1GiB", "path": "/tmp/x", "sync_mod": "durable"},
+            ],
+        }
+    )
+    assert "5 problems" in message
+    for part in (
+        "unknown key 'polcy' — did you mean 'policy'?",
+        "namespace: unknown key 'revison' — did you mean 'revision'?",
+        "tiers[0]: unknown key 'capacty' — did you mean 'capacity'?",
+        "tiers[2]: unknown key 'sync_mod' — did you mean 'sync_mode'?",
+        # The backends still check their options in the same run.
+        "tiers[1].pin_memory",
+    ):
+        assert part in message, part
+
+
+def test_unknown_key_set_by_the_environment_names_the_variable() -> None:
+    message = error_of(BASE, env={"KVTIER_TIERS__0__PIN_MEMROY": "false"})
+    assert "unknown key 'pin_memroy' — did you mean 'pin_memory'? (set by KVTIER_TIERS__0__PIN_MEMROY)" in message
+
+
+def test_cpu_option_list_does_not_offer_device() -> None:
+    message = error_of({"tiers": [{"backend": "cpu", "capacity": "1MiB", "colour": "red"}]})
+    assert "pin_memory" in message and "device" not in message
+    # still accepted, for symmetry with the gpu backend
+    assert load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB", "device": "cpu"}]}).tiers[0].options()["device"] == "cpu"
 
 
 def test_bad_size_string() -> None:
@@ -142,7 +184,7 @@ def test_missing_path_for_a_disk_backend() -> None:
 
 def test_unknown_backend_option_names_the_option_and_accepted_ones() -> None:
     message = error_of({"tiers": [{"backend": "cpu", "capacity": "1MiB", "colour": "red"}]})
-    assert "tiers[0].colour" in message and "pin_memory" in message
+    assert "tiers[0]: unknown key 'colour'" in message and "pin_memory" in message
 
 
 def test_option_rejected_by_the_backend_names_the_option() -> None:
