@@ -11,6 +11,7 @@ from kvtier.errors import (
     LayoutError,
     LifecycleError,
     MissingDependencyError,
+    PluginLoadError,
     UnknownNameError,
 )
 from kvtier.keys import KEY_BYTES, Namespace, block_keys, fold_block_hashes
@@ -35,6 +36,7 @@ __all__ = [
     "LifecycleError",
     "MissingDependencyError",
     "Namespace",
+    "PluginLoadError",
     "TierManager",
     "UnknownNameError",
     "__version__",

@@ -20,6 +20,7 @@ __all__ = [
     "ClosedError",
     "UnknownNameError",
     "MissingDependencyError",
+    "PluginLoadError",
 ]
 
 
@@ -65,3 +66,8 @@ class UnknownNameError(ConfigError, LookupError):
 
 class MissingDependencyError(KVTierError, ImportError):
     """An optional dependency is not installed. The message says what to install."""
+
+
+class PluginLoadError(ConfigError):
+    """A plugin's entry point failed to load: its module raised on import, or it names an object
+    the module does not have. The message names the distribution and the entry point."""

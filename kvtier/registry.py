@@ -5,7 +5,10 @@ Built-in and third-party plugins are found the same way, through the entry-point
 kvtier's own ``pyproject.toml``). Entries are *listed* when a registry is first used and
 *loaded* on first use of a name. A name may also be a fully qualified ``package.module:Object``.
 Two distributions claiming one name is an error that names both; an unknown name is an error
-that lists the known ones.
+that lists the known ones. An entry point that fails to load raises
+:class:`~kvtier.errors.MissingDependencyError` (an ``ImportError``) or
+:class:`~kvtier.errors.PluginLoadError` (anything else), naming the distribution and the entry
+point; its original exception is chained.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from kvtier.errors import ConfigError, MissingDependencyError, UnknownNameError
+from kvtier.errors import ConfigError, MissingDependencyError, PluginLoadError, UnknownNameError
 
 __all__ = ["Registry", "backends", "codecs", "policies", "load_object"]
 
@@ -131,12 +134,18 @@ class Registry:
             dists = " and ".join(sorted(f"{e.distribution} ({e.value})" for e in candidates))
             raise ConfigError(f"{self.kind} name {name!r} is claimed by more than one distribution: {dists}")
         entry = candidates[0]
+        where = f"entry point {entry.name} = {entry.value!r} (group {self.group}) of distribution {entry.distribution}"
         try:
             obj = entry.entry_point.load() if entry.entry_point is not None else load_object(entry.value)
         except ImportError as exc:
             raise MissingDependencyError(
-                f"{self.kind} {name!r} from {entry.distribution} cannot be imported: {exc}. "
+                f"{self.kind} {name!r}: {where} cannot be imported: {exc}. "
                 f"Install its dependencies (e.g. pip install '{entry.distribution}')."
+            ) from exc
+        except Exception as exc:  # a plugin's own bug must not surface as a foreign error
+            raise PluginLoadError(
+                f"{self.kind} {name!r}: {where} failed to load: {type(exc).__name__}: {exc}. "
+                f"Fix or reinstall {entry.distribution}, or remove it."
             ) from exc
         with self._lock:
             self._loaded[name] = obj

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,22 +86,27 @@ class BackendTests:
         return [torch.zeros(self.block_bytes, dtype=torch.uint8) for _ in range(n)]
 
     # -- the contract ----------------------------------------------------------------------
+    # Every assertion says what the backend did wrong, in terms of the protocol in kvtier.backend.
     def test_constructor_does_no_io(self, tmp_path: Path) -> None:
         before = sorted(p.name for p in tmp_path.iterdir())
         backend = self.make_backend(tmp_path, self.block_bytes * self.capacity_blocks)
-        assert not backend.is_open
-        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        assert not backend.is_open, "a new backend must not be open before `await open(fmt)`"
+        after = sorted(p.name for p in tmp_path.iterdir())
+        assert after == before, f"the constructor created {sorted(set(after) - set(before))}: constructors do no I/O"
 
     def test_round_trip_is_byte_exact(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
             keys = [make_key(i) for i in range(8)]
             data = self.blocks(8)
-            sizes = backend.write_blocks(keys, data)
-            assert all(isinstance(s, int) and s > 0 for s in sizes)
+            sizes = _checked_sizes(backend.write_blocks(keys, data), 8)
+            assert all(s is not None for s in sizes), (
+                f"write_blocks of 8 blocks into an empty backend with room for {self.capacity_blocks} returned {sizes}"
+            )
             out = self.empty(8)
-            assert backend.read_blocks(keys, out) == [True] * 8
-            for got, want in zip(out, data):
-                assert torch.equal(got, want)
+            found = _checked_found(backend.read_blocks(keys, out), 8)
+            assert found == [True] * 8, f"read_blocks of 8 keys just written returned {found}"
+            for i, (got, want) in enumerate(zip(out, data)):
+                _assert_same_bytes(got, want, f"block {i} read back")
 
     def test_read_in_other_order_and_subset(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
@@ -109,17 +115,21 @@ class BackendTests:
             backend.write_blocks(keys, data)
             order = [4, 0, 5]
             out = self.empty(3)
-            assert backend.read_blocks([keys[i] for i in order], out) == [True] * 3
+            found = _checked_found(backend.read_blocks([keys[i] for i in order], out), 3)
+            assert found == [True] * 3, f"read_blocks of 3 of 6 written keys, in another order, returned {found}"
             for got, i in zip(out, order):
-                assert torch.equal(got, data[i])
+                _assert_same_bytes(got, data[i], f"block {i} read in the order {order} (out[i] must match keys[i])")
 
     def test_missing_key_is_a_miss(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
             backend.write_blocks([make_key(1)], self.blocks(1))
             out = self.empty(2)
             sentinel = out[1].clone()
-            assert backend.read_blocks([make_key(1), make_key(2)], out) == [True, False]
-            assert torch.equal(out[1], sentinel)
+            found = _checked_found(backend.read_blocks([make_key(1), make_key(2)], out), 2)
+            assert found == [True, False], (
+                f"read_blocks([written key, never-written key]) returned {found}; a missing key is False, not an exception"
+            )
+            _assert_same_bytes(out[1], sentinel, "the out row of a missing key (a miss must not write into it)")
 
     def test_delete_makes_a_miss_and_keeps_others(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
@@ -128,8 +138,13 @@ class BackendTests:
             backend.write_blocks(keys, data)
             backend.delete_blocks([keys[1], make_key(99)])
             out = self.empty(3)
-            assert backend.read_blocks(keys, out) == [True, False, True]
-            assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[2])
+            found = _checked_found(backend.read_blocks(keys, out), 3)
+            assert found == [True, False, True], (
+                f"after delete_blocks([keys[1], a never-written key]), read_blocks(keys[0:3]) returned {found}; "
+                "expected only keys[1] to be gone (absent keys are ignored by delete)"
+            )
+            _assert_same_bytes(out[0], data[0], "block 0 after deleting block 1")
+            _assert_same_bytes(out[2], data[2], "block 2 after deleting block 1")
 
     def test_rewrite_after_delete_serves_new_bytes(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
@@ -139,16 +154,21 @@ class BackendTests:
             backend.delete_blocks([key])
             backend.write_blocks([key], [second])
             out = self.empty(1)
-            assert backend.read_blocks([key], out) == [True]
-            assert torch.equal(out[0], second)
+            found = _checked_found(backend.read_blocks([key], out), 1)
+            assert found == [True], f"a key written, deleted and written again reads as {found}"
+            _assert_same_bytes(out[0], second, "a key rewritten after a delete (the old bytes were served)")
 
     def test_wrong_block_shape_is_rejected_before_any_write(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
             good = self.blocks(1)[0]
             bad = torch.zeros(self.block_bytes + 1, dtype=torch.uint8)
-            with pytest.raises(LayoutError):
+            with _must_raise(LayoutError, f"write_blocks with a block of {self.block_bytes + 1} bytes (one too many)"):
                 backend.write_blocks([make_key(1), make_key(2)], [good, bad])
-            assert backend.read_blocks([make_key(1)], self.empty(1)) == [False]
+            found = backend.read_blocks([make_key(1)], self.empty(1))
+            assert found == [False], (
+                f"the good block of a rejected write_blocks call was stored (read_blocks returned {found}); "
+                "check every block before writing any"
+            )
 
     def test_counters_track_io(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
@@ -156,21 +176,25 @@ class BackendTests:
             backend.write_blocks(keys, self.blocks(3))
             backend.read_blocks(keys[:2], self.empty(2))
             stats = backend.stats()
-            assert stats["blocks_written"] == 3
-            assert stats["blocks_read"] == 2
+            for name, want in (("blocks_written", 3), ("blocks_read", 2)):
+                assert name in stats, f"stats() has no {name!r}; keep super().stats() (BackendCounters) in it"
+                assert stats[name] == want, (
+                    f"stats()[{name!r}] is {stats[name]} after writing 3 blocks and reading 2; "
+                    f"count each block in self.counters.{name}"
+                )
 
     def test_capacity_below_one_block_is_a_config_error(self, tmp_path: Path) -> None:
         backend = self.make_backend(tmp_path, self.block_bytes // 2)
-        with pytest.raises(ConfigError, match="capacity"):
+        with _must_raise(ConfigError, f"open() with a capacity of half a block ({self.block_bytes // 2} bytes)", "capacity"):
             asyncio.run(backend.open(self.block_format()))
 
     def test_calls_after_close_raise(self, tmp_path: Path) -> None:
         backend = self.make_backend(tmp_path, self.block_bytes * self.capacity_blocks)
         asyncio.run(backend.open(self.block_format()))
         asyncio.run(backend.aclose())
-        with pytest.raises(ClosedError):
+        with _must_raise(ClosedError, "write_blocks after aclose()"):
             backend.write_blocks([make_key(1)], self.blocks(1))
-        with pytest.raises(ClosedError):
+        with _must_raise(ClosedError, "read_blocks after aclose()"):
             backend.read_blocks([make_key(1)], self.empty(1))
 
     def test_async_forms_match_blocking_ones(self, tmp_path: Path) -> None:
@@ -184,18 +208,28 @@ class BackendTests:
                 await backend.write(keys, data)
                 out = self.empty(2)
                 found = await backend.read(keys, out)
-                assert all(torch.equal(a, b) for a, b in zip(out, data))
+                for i in range(2):
+                    _assert_same_bytes(out[i], data[i], f"block {i} through the async write/read")
                 await backend.delete(keys[:1])
-                return found + await backend.read(keys, self.empty(2))
+                return list(found) + list(await backend.read(keys, self.empty(2)))
 
-        assert asyncio.run(scenario()) == [True, True, False, True]
+        got = asyncio.run(scenario())
+        assert got == [True, True, False, True], (
+            f"await read() after await write() gave {got[:2]}, and after await delete(keys[:1]) {got[2:]}; "
+            "expected [True, True] then [False, True]"
+        )
 
     def test_to_dict_round_trip(self, tmp_path: Path) -> None:
         backend = self.make_backend(tmp_path, self.block_bytes * self.capacity_blocks)
         data = backend.to_dict()
-        assert data["backend"] == backend.name
+        assert data.get("backend") == backend.name, (
+            f"to_dict()['backend'] is {data.get('backend')!r}, expected the class's name {backend.name!r}"
+        )
         again = type(backend).from_dict(data)
-        assert again.to_dict() == data
+        assert again.to_dict() == data, (
+            f"from_dict(to_dict()) built a backend whose to_dict() is {again.to_dict()}, not {data}; "
+            "to_dict() must list every option the constructor takes"
+        )
 
     def test_reopen_serves_earlier_blocks_if_persistent(self, tmp_path: Path) -> None:
         persistent = self.persistent
@@ -207,10 +241,58 @@ class BackendTests:
         keys = [make_key(i) for i in range(4)]
         data = self.blocks(4, seed=13)
         with self.opened(tmp_path) as first:
-            assert all(s is not None for s in first.write_blocks(keys, data))
+            sizes = first.write_blocks(keys, data)
+            assert all(s is not None for s in sizes), f"write_blocks of 4 blocks returned {sizes}"
         with self.opened(tmp_path) as second:
             listed: dict[bytes, Any] = {r.key: r for r in second.scan()}
-            assert set(listed) == set(keys)
+            assert set(listed) == set(keys), (
+                f"scan() of a reopened backend lists {len(set(listed) & set(keys))} of the 4 keys written before "
+                f"close, and {len(set(listed) - set(keys))} others"
+            )
             out = self.empty(4)
-            assert second.read_blocks(keys, out) == [True] * 4
-            assert all(torch.equal(a, b) for a, b in zip(out, data))
+            found = second.read_blocks(keys, out)
+            assert found == [True] * 4, f"a reopened backend's read_blocks of 4 keys written before close returned {found}"
+            for i in range(4):
+                _assert_same_bytes(out[i], data[i], f"block {i} after reopening")
+
+
+def _checked_sizes(sizes: Any, n: int) -> list[int | None]:
+    assert isinstance(sizes, list) and len(sizes) == n, (
+        f"write_blocks of {n} blocks returned {sizes!r}; expected a list of {n} sizes (bytes stored, None on failure)"
+    )
+    for s in sizes:
+        assert s is None or (isinstance(s, int) and not isinstance(s, bool) and s > 0), (
+            f"write_blocks returned {sizes!r}; each entry is the positive number of bytes stored, or None"
+        )
+    return sizes
+
+
+def _checked_found(found: Any, n: int) -> list[bool]:
+    assert isinstance(found, list) and len(found) == n and all(isinstance(f, bool) for f in found), (
+        f"read_blocks of {n} keys returned {found!r}; expected a list of {n} bools (False is a miss)"
+    )
+    return found
+
+
+def _assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if torch.equal(got, want):
+        return
+    differ = (got != want).nonzero()
+    first = int(differ[0]) if differ.numel() else -1
+    raise AssertionError(
+        f"{what}: {differ.numel()} of {want.numel()} bytes differ from those written (first at offset {first}); "
+        "a read must return exactly the bytes stored under that key"
+    )
+
+
+@contextmanager
+def _must_raise(expected: type[BaseException], call: str, match: str | None = None) -> Iterator[None]:
+    try:
+        yield
+    except expected as exc:
+        if match is not None and not re.search(match, str(exc)):
+            raise AssertionError(f"{call} raised {type(exc).__name__}({exc}), which should mention {match!r}") from exc
+        return
+    except Exception as exc:
+        raise AssertionError(f"{call} raised {type(exc).__name__}: {exc}; expected {expected.__name__}") from exc
+    raise AssertionError(f"{call} returned normally; expected it to raise {expected.__name__}")

@@ -1,10 +1,19 @@
-"""Third-party plugins, for real: the distribution under tests/plugin_fixture/ is built and
-installed into a throwaway virtual environment, and everything runs in that interpreter."""
+"""Third-party plugins, for real: the example plugin distribution under
+examples/kvtier-dict-backend/ (the one docs/plugins.md shows) is built into a wheel, installed
+into a throwaway virtual environment, and everything runs in that interpreter.
+
+The wheel is built by the running interpreter (its own setuptools, offline, no build isolation),
+so the test needs nothing the test extra does not install. The throwaway environment is made
+without ``--system-site-packages`` (that would expose the *base* interpreter's packages, not the
+ones this interpreter runs with); a ``.pth`` file adds this interpreter's site directories
+after its own, so kvtier, torch and pytest come from here and the plugin only from the wheel.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -12,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-FIXTURE = Path(__file__).parent / "plugin_fixture"
+PLUGIN = Path(__file__).resolve().parent.parent / "examples" / "kvtier-dict-backend"
 
 
 def _run(python: Path, code: str, *, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -21,23 +30,61 @@ def _run(python: Path, code: str, *, env: dict[str, str] | None = None, cwd: Pat
     )
 
 
+def _checked(cmd: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed ({' '.join(cmd)}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _site_dirs() -> list[str]:
+    """Where this interpreter finds its packages (kvtier itself, torch, pytest)."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def build_plugin_wheel(source: Path, out: Path) -> Path:
+    """Build ``source`` into a wheel in ``out`` with this interpreter's setuptools."""
+    work = out / "src"
+    shutil.copytree(source, work, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+    _checked(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "-w", str(out), str(work)],
+        "building the plugin wheel with this interpreter's setuptools (>=70.1, in kvtier's dev extra)",
+    )
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+def make_venv_with(wheel: Path, root: Path) -> Path:
+    """A fresh virtual environment that sees this interpreter's packages and has ``wheel`` installed."""
+    _checked([sys.executable, "-m", "venv", "--without-pip", str(root)], "creating a virtual environment")
+    python = root / ("Scripts" if os.name == "nt" else "bin") / ("python.exe" if os.name == "nt" else "python")
+    purelib = _checked(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], "asking the venv for its site directory"
+    ).stdout.strip()
+    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in _site_dirs())
+    (Path(purelib) / "zz_outer_site.pth").write_text(lines)  # after the venv's own packages
+    _checked(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        "installing the plugin wheel into the throwaway venv",
+    )
+    return python
+
+
 @pytest.fixture(scope="module")
 def venv_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("plugin-venv")
-    source = root / "src"
-    shutil.copytree(FIXTURE, source)  # build outputs land in the copy, not in the repository
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root / "venv")], check=True)
-    bindir = "Scripts" if os.name == "nt" else "bin"
-    python = root / "venv" / bindir / "python"
-    proc = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(source)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"installing the plugin fixture failed:\n{proc.stdout}\n{proc.stderr}")
-    return python
+    root = tmp_path_factory.mktemp("plugin")
+    wheel = build_plugin_wheel(PLUGIN, root / "dist")
+    return make_venv_with(wheel, root / "venv")
+
+
+def test_plugin_is_not_visible_outside_its_venv() -> None:
+    """The plugin reaches kvtier only through the wheel installed in the throwaway venv."""
+    proc = _run(Path(sys.executable), "import importlib.util; print(importlib.util.find_spec('kvtier_dict_backend'))")
+    assert proc.stdout.strip() == "None", "kvtier_dict_backend must not be installed in the test interpreter"
 
 
 def test_plugin_names_are_listed_and_loaded(venv_python: Path) -> None:
@@ -53,7 +100,7 @@ def test_plugin_names_are_listed_and_loaded(venv_python: Path) -> None:
         """,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["['kvtier-demo-plugin']", "DictBackend", "FifoPolicy", "True"]
+    assert proc.stdout.split() == ["['kvtier-dict-backend']", "DictBackend", "FifoPolicy", "True"]
 
 
 def test_plugin_selected_from_a_config_file(venv_python: Path, tmp_path: Path) -> None:
@@ -65,7 +112,7 @@ def test_plugin_selected_from_a_config_file(venv_python: Path, tmp_path: Path) -
             tiers:
               - {backend: cpu, capacity: 64KiB}
               - {backend: demo-dict, capacity: 1MiB, label: remote, policy: demo-fifo}
-              - {backend: "kvtier_demo_plugin:DictBackend", capacity: 1MiB}
+              - {backend: "kvtier_dict_backend:DictBackend", capacity: 1MiB}
             """
         )
     )
@@ -99,15 +146,16 @@ def test_plugin_option_errors_name_the_field(venv_python: Path, tmp_path: Path) 
 
 
 def test_plugin_passes_the_conformance_suite(venv_python: Path, tmp_path: Path) -> None:
-    tests = tmp_path / "test_demo_conformance.py"
-    tests.write_text(
+    """The example's own tests (shown in docs/plugins.md), plus the backend built from a config."""
+    tests = tmp_path / "tests"
+    shutil.copytree(PLUGIN / "tests", tests)  # away from the source, so the wheel is what is imported
+    (tests / "test_from_config.py").write_text(
         textwrap.dedent(
             """
-            from kvtier import registry
             from kvtier.config import build_backend, load_config
             from kvtier.testing import BackendTests
 
-            class TestDictBackend(BackendTests):
+            class TestDictBackendFromConfig(BackendTests):
                 def make_backend(self, path, capacity):
                     cfg = load_config({"tiers": [{"backend": "demo-dict", "capacity": capacity, "label": "t"}]})
                     return build_backend(cfg.tiers[0], 0)
@@ -122,7 +170,9 @@ def test_plugin_passes_the_conformance_suite(venv_python: Path, tmp_path: Path) 
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    summary = proc.stdout.strip().splitlines()[-1]
+    passed = int(summary.split(" passed")[0].split()[-1])
+    assert passed >= 2 * 11 + 1 and "failed" not in summary, summary
 
 
 def _clash_distribution(root: Path, name: str) -> Path:
@@ -134,7 +184,7 @@ def _clash_distribution(root: Path, name: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize(("name", "other"), [("demo-dict", "kvtier-demo-plugin"), ("cpu", "kvtier")])
+@pytest.mark.parametrize(("name", "other"), [("demo-dict", "kvtier-dict-backend"), ("cpu", "kvtier")])
 def test_two_distributions_claiming_one_name_fail_naming_both(venv_python: Path, tmp_path: Path, name: str, other: str) -> None:
     site = _clash_distribution(tmp_path / "site", name)
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -156,3 +206,61 @@ def test_two_distributions_claiming_one_name_fail_naming_both(venv_python: Path,
     assert "kvtier-clash-plugin" in proc.stdout
     assert f"{other} (" in proc.stdout
     assert name in proc.stdout
+
+
+def _broken_distribution(root: Path) -> Path:
+    """An installed distribution whose entry points fail to load in three different ways."""
+    info = root / "kvtier_broken_plugin-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtier-broken-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[kvtier.policies]\n"
+        "no-such-class = kvtier_broken_plugin:FifoPolicy\n"
+        "raises = kvtier_broken_raises:Policy\n"
+        "needs-missing = kvtier_broken_needs:Policy\n"
+    )
+    (root / "kvtier_broken_plugin.py").write_text("class LruPolicy: ...\n")
+    (root / "kvtier_broken_raises.py").write_text("raise RuntimeError('plugin bug at import')\n")
+    (root / "kvtier_broken_needs.py").write_text("import kvtier_dependency_not_installed_xyz\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "cause"),
+    [
+        ("no-such-class", "PluginLoadError", "AttributeError"),
+        ("raises", "PluginLoadError", "RuntimeError: plugin bug at import"),
+        ("needs-missing", "MissingDependencyError", "kvtier_dependency_not_installed_xyz"),
+    ],
+)
+def test_a_plugin_that_fails_to_load_is_a_kvtier_error_naming_it(tmp_path: Path, name: str, error: str, cause: str) -> None:
+    site_dir = _broken_distribution(tmp_path / "site")
+    env = {**os.environ, "PYTHONPATH": str(site_dir)}
+    proc = _run(
+        Path(sys.executable),
+        f"""
+        import asyncio, torch, kvtier
+        from kvtier import registry
+        for attempt in ("get", "open"):
+            try:
+                if attempt == "get":
+                    registry.policies.get({name!r})
+                else:
+                    config = {{"tiers": [{{"backend": "cpu", "capacity": "1MiB", "policy": {name!r}}}]}}
+                    async def main():
+                        async with kvtier.open(config, kv_caches=[torch.zeros(4, 4096, dtype=torch.uint8)]):
+                            pass
+                    asyncio.run(main())
+            except kvtier.KVTierError as exc:
+                print(type(exc).__name__, "|", exc)
+            else:
+                print("no error")
+        """,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        assert line.startswith(f"{error} |"), line
+        assert "kvtier-broken-plugin" in line and name in line and cause in line, line
