@@ -52,7 +52,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyError
 from kvtier.record import (
-    HEADER_SIZE,
+    HEAD_MAX,
     PersistentRecordBackend,
     StoreMeta,
     check_meta,
@@ -117,8 +117,12 @@ class FileBackend(PersistentRecordBackend):
         path: str | os.PathLike[str] | None = None,
         codec: str | dict[str, Any] | Codec | None = "none",
         sync_mode: Literal["durable", "fast"] = "durable",
+        mac_key: bytes | str | None = None,
+        mac_key_env: str | None = None,
     ) -> None:
-        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode)
+        super().__init__(
+            capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key, mac_key_env=mac_key_env
+        )
         self._root = ""
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
@@ -207,7 +211,7 @@ class FileBackend(PersistentRecordBackend):
         return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
 
     def reserve_bytes(self) -> int:
-        return self._stored(HEADER_SIZE + self.format.block_bytes)
+        return self._stored(self._head_bytes() + self.format.block_bytes)
 
     @staticmethod
     def _fsync_dir(path: str) -> None:
@@ -312,6 +316,7 @@ class FileBackend(PersistentRecordBackend):
                     log.warning("file: corrupt record %s (%s); deleting it", path, exc)
                     self._drop(path, fd)
                     corrupt += 1
+                    self._count_auth(exc)
                     found.append(False)
                     continue
                 except OSError as exc:
@@ -328,15 +333,17 @@ class FileBackend(PersistentRecordBackend):
 
     def _read_record(self, fd: int, key: bytes, out: memoryview) -> None:
         available = os.fstat(fd).st_size
-        head = os.pread(fd, HEADER_SIZE, 0)
-        header = parse_header(head, raw_length=len(out), available=available)  # before any allocation
+        head = os.pread(fd, HEAD_MAX, 0)  # the header, and the tag of a keyed record
+        mac = self.mac
+        header = parse_header(head, raw_length=len(out), available=available, mac=mac)  # before any allocation
+        start = header.payload_offset
         if header.codec_id == NoneCodec.codec_id:
-            _read_exact(fd, out, HEADER_SIZE)
-            verify_payload(key, head, header, out)
+            _read_exact(fd, out, start)
+            verify_payload(key, head, header, out, mac=mac)
             return
         payload = bytearray(header.stored_length)  # <= raw length, checked above
-        _read_exact(fd, memoryview(payload), HEADER_SIZE)
-        verify_payload(key, head, header, payload)
+        _read_exact(fd, memoryview(payload), start)
+        verify_payload(key, head, header, payload, mac=mac)
         codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
 
     def _drop(self, path: str, fd: int) -> None:

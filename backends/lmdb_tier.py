@@ -54,7 +54,6 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.record import (
-    HEADER_SIZE,
     PersistentRecordBackend,
     StoreMeta,
     check_meta,
@@ -91,8 +90,12 @@ class LmdbBackend(PersistentRecordBackend):
         codec: str | dict[str, Any] | Codec | None = "none",
         sync_mode: Literal["durable", "fast"] = "durable",
         max_readers: int = 126,
+        mac_key: bytes | str | None = None,
+        mac_key_env: str | None = None,
     ) -> None:
-        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode)
+        super().__init__(
+            capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key, mac_key_env=mac_key_env
+        )
         if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 1:
             raise ConfigError(f"max_readers: expected a positive integer, got {max_readers!r}")
         self.max_readers = max_readers
@@ -214,7 +217,7 @@ class LmdbBackend(PersistentRecordBackend):
         return -(-(record_bytes + _PAGE_HEADER) // psize) * psize
 
     def reserve_bytes(self) -> int:
-        return self._pages(HEADER_SIZE + self.format.block_bytes)
+        return self._pages(self._head_bytes() + self.format.block_bytes)
 
     def usable_bytes(self) -> int:
         """The map less LMDB's own needs: B-tree and index pages, and freed pages that stay
@@ -304,7 +307,7 @@ class LmdbBackend(PersistentRecordBackend):
                         continue
                     view, staging = self._host_view(dst)
                     try:
-                        decode_record(key, value, view)
+                        decode_record(key, value, view, mac=self.mac)
                     except UnsupportedRecordError as exc:
                         log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
                         bad.append(key)
@@ -314,6 +317,7 @@ class LmdbBackend(PersistentRecordBackend):
                         log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
                         bad.append(key)
                         corrupt += 1
+                        self._count_auth(exc)
                         found.append(False)
                         continue
                     if staging is not None:

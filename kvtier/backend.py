@@ -99,6 +99,8 @@ class BackendCounters:
     write_failures: int = 0
     read_misses: int = 0
     corrupt_records: int = 0
+    #: Of ``corrupt_records``, those refused by a keyed MAC (forged, unkeyed, another secret).
+    auth_failures: int = 0
     deleted: int = 0
 
     def as_dict(self) -> dict[str, int]:

@@ -174,7 +174,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     bar = _ProgressBar("verify")
     try:
-        report = verify_tier(args.path, delete=args.delete, progress=bar)
+        from kvtier.record import RecordMac
+
+        mac = RecordMac.from_options(mac_key_env=args.mac_key_env) if args.mac_key_env else None
+        report = verify_tier(args.path, delete=args.delete, progress=bar, mac=mac)
     finally:
         bar.close()
     if args.json:
@@ -348,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "unless --delete.")
     verify.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
     verify.add_argument("--delete", action="store_true", help="delete the bad records (lmdb: and their index entries)")
+    verify.add_argument("--mac-key-env", metavar="VAR", default=None,
+                        help="check keyed records with the MAC secret held in environment variable VAR")
     _add_json(verify)
     verify.set_defaults(func=_cmd_verify)
 

@@ -31,7 +31,7 @@ from typing import Any
 from kvtier import registry
 from kvtier.codec import BUILTIN_CODEC_IDS, UnsupportedRecordError
 from kvtier.errors import ConfigError, CorruptBlockError
-from kvtier.record import StoreMeta, decode_record, parse_header
+from kvtier.record import RecordMac, StoreMeta, decode_record, parse_header
 
 __all__ = ["TierReport", "VerifyReport", "detect_tier", "inspect_tier", "verify_tier"]
 
@@ -135,7 +135,7 @@ def inspect_tier(path: str | os.PathLike[str], *, progress: Progress | None = No
     for done, (_key, value) in enumerate(cls.iter_raw_records(path), 1):
         report.blocks += 1
         try:
-            header = parse_header(value, raw_length=meta.block_bytes if meta else 0, available=len(value))
+            header = parse_header(value, raw_length=meta.block_bytes if meta else 0, available=len(value), any_keying=True)
         except CorruptBlockError:
             report.unreadable += 1
             report.stored_bytes += len(value)
@@ -151,8 +151,17 @@ def inspect_tier(path: str | os.PathLike[str], *, progress: Progress | None = No
     return report
 
 
-def verify_tier(path: str | os.PathLike[str], *, delete: bool = False, progress: Progress | None = None) -> VerifyReport:
-    """Check every record's header and checksum (and that it decodes); optionally delete bad ones."""
+def verify_tier(
+    path: str | os.PathLike[str],
+    *,
+    delete: bool = False,
+    progress: Progress | None = None,
+    mac: RecordMac | None = None,
+) -> VerifyReport:
+    """Check every record's header and checksum (and that it decodes); optionally delete bad ones.
+
+    With ``mac`` (the tier's keyed MAC), records are checked against it and unkeyed or forged
+    ones are bad; without it, keyed records are reported as unsupported (they cannot be checked)."""
     kind, cls, meta = _open(path)
     if meta is None:
         raise ConfigError(f"{path}: the tier has no meta record, so its block size is unknown")
@@ -162,7 +171,7 @@ def verify_tier(path: str | os.PathLike[str], *, delete: bool = False, progress:
     for done, (key, value) in enumerate(cls.iter_raw_records(path), 1):
         report.checked += 1
         try:
-            decode_record(key, value, out, available=len(value))
+            decode_record(key, value, out, available=len(value), mac=mac)
         except UnsupportedRecordError as exc:
             report.bad.append({"key": key.hex(), "reason": f"unsupported: {exc}"})
         except CorruptBlockError as exc:

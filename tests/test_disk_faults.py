@@ -189,3 +189,57 @@ def test_lmdb_failed_sync_raises_disk_error(tmp_path: Path, monkeypatch: pytest.
     finally:
         monkeypatch.undo()
         asyncio.run(backend.aclose())
+
+
+# -- item 10: keyed records on stores others can write to -------------------------------------
+
+MAC_SECRET = "fleet-secret-for-tests-0123456789"
+
+
+def _plant_forgery(name: str, path: Path, key: bytes, raw: torch.Tensor) -> None:
+    """What anyone with write access can do: a well-formed record with a valid checksum."""
+    plain = _backend(name, path)
+    asyncio.run(plain.open(FMT))
+    try:
+        assert plain.write_blocks([key], [raw]) != [None]
+    finally:
+        asyncio.run(plain.aclose())
+
+
+@pytest.mark.parametrize("name", ["lmdb", "file"])
+def test_keyed_store_serves_no_forged_record(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_FAULT_SECRET", MAC_SECRET)
+    path = tmp_path / name
+
+    def keyed_backend() -> Backend:
+        return registry.backends.get(name)(capacity=64 << 20, path=str(path), mac_key_env="KV_FAULT_SECRET")
+
+    good = [make_key(i) for i in range(4)]
+    keyed = keyed_backend()
+    asyncio.run(keyed.open(FMT))
+    try:
+        assert None not in keyed.write_blocks(good, [_block(i) for i in range(4)])
+    finally:
+        asyncio.run(keyed.aclose())
+    forged = make_key(100)
+    _plant_forgery(name, path, forged, _block(999))
+    keys = [*good, forged]
+    out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+    # A reader without the secret cannot check keyed records: misses, never served.
+    plain = _backend(name, path)
+    asyncio.run(plain.open(FMT))
+    try:
+        assert plain.read_blocks(good[:1], out[:1]) == [False]
+    finally:
+        asyncio.run(plain.aclose())
+    keyed = keyed_backend()
+    asyncio.run(keyed.open(FMT))
+    try:
+        found = keyed.read_blocks(keys[1:], out[1:])
+        stats = keyed.stats()
+        print(f"{name}: served {sum(found)} keyed, refused {stats['auth_failures']} forged, deleted {stats['deleted']}")
+        assert found == [True, True, True, False]
+        assert all(torch.equal(out[i], _block(i)) for i in range(1, 4))
+        assert stats["auth_failures"] == 1 and stats["corrupt_records"] == 1
+    finally:
+        asyncio.run(keyed.aclose())

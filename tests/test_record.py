@@ -165,3 +165,89 @@ def test_unknown_codec_id_is_unsupported() -> None:
     record = _forge(KEY, 200, 16, b"\1" * 8)
     with pytest.raises(UnsupportedRecordError, match="codec id 200"):
         decode_record(KEY, record, memoryview(bytearray(16)))
+
+
+# -- keyed records (MAC) ---------------------------------------------------------------------
+
+SECRET = b"fleet-secret-0123456789abcdef"
+
+
+def _keyed(key: bytes, raw: bytes, mac: object, codec: object = None) -> bytes:
+    head, payload = encode_record(key, memoryview(raw), resolve_codec(codec), dtype_code("bfloat16"), mac)  # type: ignore[arg-type]
+    return head + bytes(payload)
+
+
+@pytest.mark.parametrize("codec", [None, {"name": "zstd", "level": 1}])
+def test_keyed_record_round_trips_and_refuses_everything_else(codec: object) -> None:
+    from kvtier.record import MAC_TAG_SIZE, RecordAuthError, RecordMac
+
+    mac = RecordMac(SECRET)
+    raw = bytes(4096)
+    record = _keyed(KEY, raw, mac, codec)
+    out = bytearray(4096)
+    header = decode_record(KEY, record, memoryview(out), mac=mac)
+    assert header.keyed and header.payload_offset == HEADER_SIZE + MAC_TAG_SIZE and bytes(out) == raw
+    refused = 0
+    # A forged record, well formed and with its checksum recomputed, carries no MAC.
+    with pytest.raises(RecordAuthError):
+        decode_record(KEY, _record(KEY, raw, codec), memoryview(out), mac=mac)
+    refused += 1
+    # The same bytes keyed with another secret, or under another key.
+    with pytest.raises(RecordAuthError):
+        decode_record(KEY, _keyed(KEY, raw, RecordMac(b"another-secret-0123456789")), memoryview(out), mac=mac)
+    refused += 1
+    with pytest.raises(RecordAuthError):
+        decode_record(bytes(32), record, memoryview(out), mac=mac)
+    refused += 1
+    # One flipped payload bit, or the MAC flag cleared (and the checksum made valid).
+    flipped = bytearray(record)
+    flipped[-1] ^= 1
+    with pytest.raises(RecordAuthError):
+        decode_record(KEY, bytes(flipped), memoryview(out), mac=mac)
+    refused += 1
+    # A reader without the secret cannot check it: unsupported (a miss), never served.
+    with pytest.raises(UnsupportedRecordError):
+        decode_record(KEY, record, memoryview(out))
+    refused += 1
+    print(f"keyed records: 1 served, {refused} refused")
+    assert refused == 5
+
+
+def test_keyed_header_cannot_be_stripped() -> None:
+    from kvtier.record import RecordAuthError, RecordMac
+
+    mac = RecordMac(SECRET)
+    record = bytearray(_keyed(KEY, b"x" * 16, mac))
+    record[7] = 0  # clear FLAG_MAC: the tag now reads as payload, the lengths no longer match
+    with pytest.raises(CorruptBlockError):
+        decode_record(KEY, bytes(record), memoryview(bytearray(16)), mac=mac)
+    with pytest.raises(RecordAuthError):
+        decode_record(KEY, _forge(KEY, 0, 16, b"y" * 16), memoryview(bytearray(16)), mac=mac)
+
+
+def test_mac_options_and_secret_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.record import RecordMac
+
+    assert RecordMac.from_options() is None
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        RecordMac(b"short")
+    with pytest.raises(ConfigError, match="not set"):
+        RecordMac.from_options(mac_key_env="KV_TEST_UNSET_SECRET")
+    with pytest.raises(ConfigError, match="not both"):
+        RecordMac.from_options(mac_key=SECRET, mac_key_env="X")
+    monkeypatch.setenv("KV_TEST_SECRET", SECRET.decode())
+    from_env = RecordMac.from_options(mac_key_env="KV_TEST_SECRET")
+    assert from_env is not None
+    assert from_env.tag(b"h", KEY, b"p") == RecordMac(SECRET).tag(b"h", KEY, b"p")
+    assert SECRET.decode() not in repr(from_env)
+    from kvtier import registry
+
+    for options in ({"mac_key": SECRET.decode()}, {"mac_key_env": "KV_TEST_SECRET"}):
+        backend = registry.backends.get("lmdb")(capacity=1 << 20, path="/nonexistent-kvtier", **options)
+        data = backend.to_dict()
+        assert SECRET.decode() not in repr(data)
+        if "mac_key" in options:
+            with pytest.raises(ConfigError, match="not serialised"):
+                type(backend).from_dict(data)
+        else:
+            assert type(backend).from_dict(data).mac is not None

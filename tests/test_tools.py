@@ -249,3 +249,21 @@ def test_offline_classmethods_match_the_backend(tmp_path: Path) -> None:
         assert all(len(r) == HEADER_SIZE + BLOCK for r in records.values())
         assert cls.delete_raw_records(path, [make_key(0), make_key(0), make_key(99)]) == 1
         assert cls.count_raw_records(path) == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_checks_keyed_records_with_the_secret(kind: str, tmp_path: Path) -> None:
+    from kvtier.record import RecordMac
+
+    secret = "tools-test-secret-0123456789"
+    _fill(kind, tmp_path / kind, 3, mac_key=secret)
+    inspected = inspect_tier(tmp_path / kind)
+    with_mac = verify_tier(tmp_path / kind, mac=RecordMac(secret))
+    without = verify_tier(tmp_path / kind)
+    other = verify_tier(tmp_path / kind, mac=RecordMac("another-secret-0123456789"))
+    print(f"{kind}: inspect {inspected.blocks} blocks ({inspected.unreadable} unreadable); verify keyed "
+          f"{len(with_mac.bad)} bad, unkeyed {len(without.bad)} bad, other secret {len(other.bad)} bad")
+    assert inspected.blocks == 3 and inspected.unreadable == 0
+    assert with_mac.ok and with_mac.checked == 3
+    assert len(without.bad) == 3 and all("unsupported" in b["reason"] for b in without.bad)
+    assert len(other.bad) == 3 and all("MAC" in b["reason"] for b in other.bad)
