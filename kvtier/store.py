@@ -10,6 +10,7 @@ complete for engines that want no connector.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Generator, Mapping, Sequence
@@ -61,6 +62,10 @@ class KVStore:
             if self.layout is not None:
                 ns_fields.setdefault("kv_layout", self.layout.fingerprint())
             namespace = Namespace.from_dict(ns_fields)
+        if self.layout is not None:
+            # Whatever namespace the caller passes, the layout is part of what persistent tiers
+            # check at open and of the keys built from ``store.namespace`` (issue 11, item 2).
+            namespace = _with_layout(namespace, self.layout.fingerprint())
         self.namespace = namespace
         self.format = BlockFormat(
             block_bytes=block_bytes, dtype=dtype, namespace_digest=namespace.digest, namespace=namespace.to_dict()
@@ -286,6 +291,14 @@ async def _off_loop(fn: Any, *args: Any) -> Any:
         if "shutdown" not in str(exc):
             raise
         return fn(*args)
+
+
+def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:
+    """``namespace`` with the KV layout's fingerprint in ``kv_layout`` (kept if already there)."""
+    if fingerprint in namespace.kv_layout:
+        return namespace
+    layout = f"{namespace.kv_layout};{fingerprint}" if namespace.kv_layout else fingerprint
+    return dataclasses.replace(namespace, kv_layout=layout)
 
 
 def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]]:

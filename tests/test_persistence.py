@@ -104,3 +104,29 @@ async def test_churn_through_a_small_lmdb_tier_never_fails_a_store(tmp_path: Pat
     assert stats["store_failed"] == 0
     assert stats["backends"][0]["write_failures"] == 0
     assert stats["tiers"][0]["ready"] > 0
+
+
+async def test_a_layout_change_under_an_explicit_namespace_is_never_served(tmp_path: Path) -> None:
+    """Issue 11, item 2: a Namespace given without kv_layout still gets the layout checked."""
+    import pytest
+
+    from kvtier.errors import ConfigError
+
+    ns = kvtier.Namespace(model_id="layout-test", dtype="bfloat16", block_size=16)
+    cfg = lmdb_config(tmp_path / "db", 16, first="none")
+    kv = make_caches(seed=4)
+    keys = [make_key(300 + i) for i in range(4)]
+    async with kvtier.open(cfg, kv_caches=kv, namespace=ns) as store:
+        assert await store.save(keys, [0, 1, 2, 3]) == 4
+        assert store.namespace.kv_layout.endswith(store.layout.fingerprint())  # type: ignore[union-attr]
+    # The same bytes per block and the same dtype, another shape: the old records are not this layout's.
+    reshaped = [t.reshape(t.shape[0], 16, 4, 2, 32).contiguous() for t in make_caches(seed=5)]
+    hits = 0
+    with pytest.raises(ConfigError, match="namespace") as info:
+        async with kvtier.open(cfg, kv_caches=reshaped, namespace=ns) as store:
+            hits = await store.lookup(keys)
+    print(f"layout change: {hits} hits, refused at open: {info.value}")
+    assert hits == 0
+    # The original layout still opens and serves its blocks.
+    async with kvtier.open(cfg, kv_caches=make_caches(seed=6), namespace=ns) as store:
+        assert await store.lookup(keys) == 4
