@@ -137,6 +137,8 @@ class FileBackend(PersistentRecordBackend):
         await asyncio.to_thread(self._open_root, fmt)
 
     def _open_root(self, fmt: BlockFormat) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ConfigError(f"path: {self.path!r} exists and is not a directory; a file tier needs a directory of its own")
         try:
             os.makedirs(self.path, exist_ok=True)
             self._root = os.path.realpath(self.path)

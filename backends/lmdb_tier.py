@@ -61,6 +61,7 @@ from kvtier.record import (
     decode_record,
     encode_meta,
 )
+from kvtier.units import format_size
 
 __all__ = ["LmdbBackend"]
 
@@ -119,10 +120,12 @@ class LmdbBackend(PersistentRecordBackend):
         await asyncio.to_thread(self._open_env, fmt)
 
     def _open_env(self, fmt: BlockFormat) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ConfigError(f"path: {self.path!r} exists and is not a directory; an lmdb tier needs a directory of its own")
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
-            raise DiskError(f"lmdb: cannot create {self.path!r}: {exc}") from exc
+            raise ConfigError(f"path: cannot create the directory {self.path!r}: {exc.strerror or exc}") from exc
         try:
             self._try_open(fmt)
         except (*_CORRUPT, CorruptBlockError) as exc:
@@ -139,6 +142,13 @@ class LmdbBackend(PersistentRecordBackend):
         except ConfigError:
             self._close_env()
             raise
+        except lmdb.MemoryError as exc:
+            self._close_env()
+            raise ConfigError(
+                f"capacity: {format_size(self.capacity_bytes)} cannot be mapped at {self.path!r}: "
+                f"LMDB reserves the whole capacity as address space when it opens, and the system refused ({exc}); "
+                "lower the capacity"
+            ) from exc
         except lmdb.Error as exc:
             self._close_env()
             raise DiskError(f"lmdb: cannot open {self.path!r}: {exc}") from exc

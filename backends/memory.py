@@ -8,6 +8,7 @@ bytes becomes a slot count; slots come from a free list. The pool is allocated i
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -16,8 +17,21 @@ import torch
 
 from kvtier.backend import BlockFormat, MemoryBackend
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
+from kvtier.units import format_size
 
 __all__ = ["TensorPoolBackend", "CpuBackend", "GpuBackend"]
+
+
+def _memory_note(device: torch.device) -> str:
+    """``", which has 23.5GiB in all"``: the memory to compare a capacity against."""
+    try:
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except Exception:
+        return ""
+    return f", which has {format_size(total)} in all"
 
 
 class TensorPoolBackend(MemoryBackend):
@@ -58,8 +72,10 @@ class TensorPoolBackend(MemoryBackend):
                 (self.num_slots, fmt.block_bytes), dtype=torch.uint8, device=self.device, pin_memory=pin
             )
         except (RuntimeError, MemoryError) as exc:
+            # Name the setting: the capacity is what was too big for this machine.
             raise BackendError(
-                f"{self.name}: cannot allocate {self.num_slots} slots of {fmt.block_bytes} bytes on {self.device}: {exc}"
+                f"capacity: cannot allocate {format_size(self.capacity_bytes)} ({self.num_slots} slots of "
+                f"{fmt.block_bytes} bytes) on {self.device}{_memory_note(self.device)}; lower the capacity ({exc})"
             ) from exc
         if self.device.type == "cpu" and not pin:
             # Touch every page now, off the event loop: a first write into a fresh mapping

@@ -83,9 +83,12 @@ def _size(n: int | None) -> str:
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
+    from kvtier.deploy import check_deployment
     from kvtier.units import parse_size
 
     cfg = load_config_file(args.file, env=not args.no_env, block_bytes=args.block_bytes)
+    findings = [] if args.no_deploy_check else check_deployment(cfg)
+    errors = [f for f in findings if f.severity == "error"]
     block = cfg.block_bytes or (parse_size(args.block_bytes, field="--block-bytes") if args.block_bytes else None)
     tiers: list[dict[str, Any]] = []
     for i, tier in enumerate(cfg.tiers):
@@ -102,9 +105,26 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        _print_json({"file": str(args.file), "valid": True, "block_bytes": block, "config": cfg.to_dict(), "tiers": tiers})
-        return 0
-    print(f"{args.file}: valid")
+        _print_json(
+            {
+                "file": str(args.file),
+                "valid": not errors,
+                "deploy_checked": not args.no_deploy_check,
+                "findings": [f.to_dict() for f in findings],
+                "block_bytes": block,
+                "config": cfg.to_dict(),
+                "tiers": tiers,
+            }
+        )
+        return 1 if errors else 0
+    if errors:
+        print(f"{args.file}: well formed, but cannot run on this machine ({len(errors)} problem{'s' if len(errors) > 1 else ''}):")
+    elif args.no_deploy_check:
+        print(f"{args.file}: valid (not checked against this machine: --no-deploy-check)")
+    else:
+        print(f"{args.file}: valid, and deployable on this machine")
+    for f in findings:
+        print(f"  {f.severity}: {f}")
     print(f"write: {cfg.write}   policy: {cfg.policy}   block: {_size(block) if block else 'unknown (give --block-bytes)'}")
     rows = [
         [t["index"], t["name"], t["backend"], _size(t["capacity_bytes"]), "-" if t["slots"] is None else t["slots"], t["policy"],
@@ -112,7 +132,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         for t in tiers
     ]
     print(_table(["#", "name", "backend", "capacity", "slots", "policy", "options"], rows))
-    return 0
+    return 1 if errors else 0
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -324,10 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
     check = config_sub.add_parser("check", help="validate FILE and print the resolved tiers",
                                   description="Validate a YAML or TOML config file (with KVTIER_* overrides "
-                                  "applied) and print each tier with its capacity and slot count.")
+                                  "applied), check that it can run on this machine, and print each tier with its "
+                                  "capacity and slot count. Exit status 1 on any error.")
     check.add_argument("file", metavar="FILE", help="a .yaml, .yml, .json or .toml file")
     check.add_argument("--block-bytes", metavar="SIZE", help="block size for slot counts when FILE sets none (e.g. 2MiB)")
     check.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment overrides")
+    check.add_argument("--no-deploy-check", action="store_true",
+                       help="only check the file, not this machine (free disk space against capacity, paths and "
+                       "permissions, plugins that fail to import, host/pinned/device memory)")
     _add_json(check)
     check.set_defaults(func=_cmd_config_check)
     show = config_sub.add_parser("show", help="print the default configuration",

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
@@ -22,13 +23,14 @@ from kvtier import config as config_module
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.config import StoreConfig, load_config
-from kvtier.errors import ClosedError, ConfigError, LayoutError
+from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
 from kvtier.jobs import Applied, JobResult, apply_result
 from kvtier.keys import Namespace, check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.transfer import TransferEngine
+from kvtier.units import format_size
 
 __all__ = ["KVStore", "open"]
 
@@ -79,14 +81,19 @@ class KVStore:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> KVStore:
+        from kvtier.deploy import log_findings
+
+        log_findings(self.config, log)  # warnings only: what `kvtier config check` would report
         opened: list[Backend] = []
         try:
             for i, backend in enumerate(self.backends):
                 try:
                     await backend.open(self.format)
-                except ConfigError as exc:
-                    raise ConfigError(f"tiers[{i}].{exc}") from exc
+                except (ConfigError, BackendError) as exc:
+                    raise _tier_error(i, backend, exc) from exc
                 opened.append(backend)
+                if backend.max_blocks < 1:
+                    raise ConfigError(_no_room(i, backend, self.config.tiers[i].capacity))
         except BaseException:
             for backend in opened:
                 await backend.aclose()
@@ -280,6 +287,33 @@ class KVStore:
         result = await transfers.wait_async(job)
         transfers.forget([job])
         self.finish_store(plan, result)
+
+
+_FIELD_FIRST = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
+
+
+def _tier_error(index: int, backend: Backend, exc: KVTierError) -> KVTierError:
+    """``exc`` from ``backend.open`` re-raised under the tier's path in the config
+    (``tiers[0].capacity: ...``), so the message says which setting to change."""
+    text = str(exc)
+    prefix = f"{backend.name}: "
+    if text.startswith(prefix):
+        text = text[len(prefix) :]
+    message = f"tiers[{index}].{text}" if _FIELD_FIRST.match(text) else f"tiers[{index}] ({backend.name}): {text}"
+    try:
+        return type(exc)(message)
+    except TypeError:
+        return ConfigError(message) if isinstance(exc, ConfigError) else BackendError(message)
+
+
+def _no_room(index: int, backend: Backend, capacity: int) -> str:
+    reserve = backend.reserve_bytes()
+    overhead = capacity - backend.usable_bytes()
+    kept = f", and the {backend.name} tier keeps {format_size(overhead)} of it for its own bookkeeping" if overhead > 0 else ""
+    return (
+        f"tiers[{index}].capacity: {format_size(capacity)} holds no block: one block needs {format_size(reserve)}{kept}; "
+        "give a capacity of several blocks"
+    )
 
 
 async def _off_loop(fn: Any, *args: Any) -> Any:

@@ -62,6 +62,37 @@ def test_config_check_reports_errors_with_file_and_field(tmp_path: Path) -> None
     assert str(path) in proc.stderr and "tiers[1].backend" in proc.stderr and "cpu" in proc.stderr
 
 
+def test_config_check_fails_a_deployment_this_machine_cannot_run(tmp_path: Path) -> None:
+    st = __import__("os").statvfs(tmp_path)
+    path = tmp_path / "impossible.yaml"
+    path.write_text(
+        "tiers:\n"
+        "  - {backend: cpu, capacity: 1MiB}\n"
+        f"  - {{backend: lmdb, capacity: {st.f_blocks * st.f_frsize * 4}, path: {tmp_path / 'db'}}}\n"
+        "  - {backend: file, capacity: 1MiB, path: /etc/passwd}\n"
+    )
+    proc = kvtier("config", "check", str(path))
+    assert proc.returncode == 1
+    assert "cannot run on this machine (2 problems)" in proc.stdout
+    assert "error: tiers[1].capacity:" in proc.stdout and "whole filesystem" in proc.stdout
+    assert "error: tiers[2].path: '/etc/passwd' exists and is not a directory" in proc.stdout
+    data = json.loads(kvtier("config", "check", str(path), "--json").stdout)
+    assert data["valid"] is False and [f["field"] for f in data["findings"]] == ["tiers[2].path", "tiers[1].capacity"]
+    # --no-deploy-check checks the file alone, and says so
+    proc = kvtier("config", "check", str(path), "--no-deploy-check")
+    assert proc.returncode == 0 and "not checked against this machine" in proc.stdout
+
+
+def test_config_check_reports_every_typo_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "typos.yaml"
+    path.write_text("polcy: lru\ntiers:\n  - {backend: cpu, capacty: 1MiB}\n")
+    proc = kvtier("config", "check", str(path))
+    assert proc.returncode == 1
+    assert "unknown key 'polcy' — did you mean 'policy'?" in proc.stderr
+    assert "tiers[0]: unknown key 'capacty' — did you mean 'capacity'?" in proc.stderr
+    assert "required setting is missing" not in proc.stderr
+
+
 def test_config_show_prints_the_defaults() -> None:
     proc = kvtier("config", "show", "--json")
     assert proc.returncode == 0
