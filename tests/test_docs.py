@@ -1,28 +1,199 @@
-"""The code in the README and the quick start runs as written and prints what it promises."""
+"""Every code block in the docs and every program in examples/ runs, as written, in CI.
+
+Conventions for fenced ``python`` blocks in README.md, docs/**/*.md and examples/**/*.md:
+
+* A plain block is a complete program. It runs in this interpreter with ``HOME``,
+  ``XDG_CACHE_HOME`` and the working directory in a temporary folder; the literal prefixes
+  ``/tmp/`` and ``/var/cache/`` in it are pointed into that folder, so nothing lands outside it.
+* A block right after ``<!-- file: PATH -->`` shows the file PATH (relative to the repository
+  root) and must equal it; the file itself is run or tested elsewhere (examples/ below). This
+  works for any fence language (``toml`` too).
+* A block right after ``<!-- excerpt: PATH -->`` is a run of consecutive lines of PATH (after
+  removing common indentation), so a guide can quote a program that runs in CI.
+* A block right after ``<!-- fragment: why -->`` is an excerpt that cannot run alone (it names
+  the engine's own objects). It must still compile (top-level ``await`` allowed). Keep these few.
+"""
 
 from __future__ import annotations
 
+import ast
+import asyncio
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+_FENCE = re.compile(r"(?:<!--\s*(?P<kind>file|excerpt|fragment):\s*(?P<arg>.*?)\s*-->\s*\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<code>.*?)^```", re.S | re.M)
 
 
-def python_blocks(path: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+@dataclass(frozen=True)
+class Block:
+    doc: Path
+    line: int
+    lang: str
+    code: str
+    kind: str | None  # None (a program), "file", "excerpt" or "fragment"
+    arg: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.line}"
 
 
-def test_readme_quick_start_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (code,) = python_blocks(ROOT / "README.md")
-    assert "/tmp/kvtier-demo" in code
-    exec(compile(code.replace("/tmp/kvtier-demo", str(tmp_path / "demo")), "README.md", "exec"), {})
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted(EXAMPLES.rglob("*.md"))]
+
+
+def blocks(path: Path) -> list[Block]:
+    text = path.read_text()
+    return [
+        Block(path, text.count("\n", 0, m.start("code")), m["lang"], m["code"], m["kind"], m["arg"] or "")
+        for m in _FENCE.finditer(text)
+    ]
+
+
+ALL = [b for doc in doc_files() for b in blocks(doc)]
+PROGRAMS = [b for b in ALL if b.lang == "python" and b.kind is None]
+FRAGMENTS = [b for b in ALL if b.kind == "fragment"]
+FILES = [b for b in ALL if b.kind == "file"]
+EXCERPTS = [b for b in ALL if b.kind == "excerpt"]
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HOME, cache and working directory."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def sandboxed(code: str, root: Path) -> str:
+    return code.replace("/tmp/", f"{root}/tmp/").replace("/var/cache/", f"{root}/var/cache/")
+
+
+@pytest.mark.parametrize("block", PROGRAMS, ids=[b.id for b in PROGRAMS])
+def test_python_block_runs(block: Block, sandbox: Path) -> None:
+    code = compile(sandboxed(block.code, sandbox), block.id, "exec")
+    exec(code, {"__name__": "__main__"})
+    try:  # a block that left an event loop set must not leak it into the next test
+        asyncio.get_event_loop_policy().set_event_loop(None)
+    except Exception:
+        pass
+
+
+@pytest.mark.parametrize("block", FRAGMENTS, ids=[b.id for b in FRAGMENTS])
+def test_fragment_compiles_and_says_why(block: Block) -> None:
+    assert block.arg, f"{block.id}: say why the block cannot run: <!-- fragment: why -->"
+    compile(block.code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
+@pytest.mark.parametrize("block", FILES, ids=[b.id for b in FILES])
+def test_block_shows_its_file_exactly(block: Block) -> None:
+    path = ROOT / block.arg
+    assert path.is_file(), f"{block.id}: <!-- file: {block.arg} --> names no file"
+    assert block.code == path.read_text(), f"{block.id} differs from {block.arg}: copy the file into the docs again"
+
+
+@pytest.mark.parametrize("block", EXCERPTS, ids=[b.id for b in EXCERPTS])
+def test_excerpt_is_quoted_from_its_file(block: Block) -> None:
+    path = ROOT / block.arg
+    assert path.is_file(), f"{block.id}: <!-- excerpt: {block.arg} --> names no file"
+    want = textwrap.dedent(block.code).splitlines()
+    lines = path.read_text().splitlines()
+    windows = (textwrap.dedent("\n".join(lines[i : i + len(want)])).splitlines() for i in range(len(lines)))
+    assert want in windows, f"{block.id} is not a run of lines of {block.arg}: quote the file again"
+
+
+def test_every_python_block_is_classified() -> None:
+    """Blocks of other languages are fine; python ones are programs, files or fragments (no silent skips)."""
+    assert PROGRAMS and FILES and FRAGMENTS
+    assert len(FRAGMENTS) <= len(PROGRAMS) + len(FILES) + len(EXCERPTS), "fragments are the exception: make blocks runnable"
+    for b in ALL:
+        assert b.kind in (None, "file", "excerpt", "fragment"), b.id
+
+
+def test_readme_quick_start_prints_what_it_promises(sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (code,) = [b for b in PROGRAMS if b.doc.name == "README.md"]
+    exec(compile(sandboxed(code.code, sandbox), code.id, "exec"), {"__name__": "__main__"})
     assert capsys.readouterr().out.split() == ["4", "4", "4"]
+    assert (sandbox / "tmp" / "kvtier-demo").is_dir()  # the LMDB tier went where the sandbox put it
 
 
-def test_quickstart_example_runs() -> None:
-    first = python_blocks(ROOT / "docs" / "quickstart.md")[0]
-    namespace: dict[str, object] = {}
-    exec(compile(first, "docs/quickstart.md", "exec"), namespace)  # its asserts are the test
-    assert "main" in namespace
+def _normal(command: str) -> str:
+    return " ".join(w for w in command.replace("python -m ", "").split() if w != "-q")
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    (command,) = [b.code.strip() for b in ALL if b.doc.name == "README.md" and "pytest" in b.code and b.lang == "bash"]
+    ci = {_normal(line) for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.startswith("#")}
+    for part in command.split("&&"):
+        assert _normal(part) in ci, f"the README's test command runs {part.strip()!r}, .ci/run does not"
+    assert _normal(command.split("&&")[-1]) == "pytest", "the README's test command runs the whole suite"
+
+
+# -- examples/ ----------------------------------------------------------------------------------
+def _run_example(args: list[str], sandbox: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, "HOME": str(sandbox / "home"), "XDG_CACHE_HOME": str(sandbox / "home" / ".cache"), **env}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=sandbox, env=environ, check=False, timeout=600
+    )
+
+
+def test_examples_are_all_covered() -> None:
+    """A new program in examples/ needs a test here."""
+    programs = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert programs == ["minimal_engine.py", "store_only.py"]
+    assert (EXAMPLES / "kvtier.yaml").is_file() and (EXAMPLES / "kvtier-dict-backend" / "pyproject.toml").is_file()
+
+
+def test_minimal_engine_reuses_the_shared_prefix_and_the_finished_turn(sandbox: Path) -> None:
+    proc = _run_example([str(EXAMPLES / "minimal_engine.py")], sandbox)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    # b and c share a's 48-token system prompt; a's next turn reuses all 4 full blocks of a,
+    # the last one stored when a finished.
+    assert lines[:3] == [
+        "b: 48 of 51 prompt tokens loaded from kvtier",
+        "c: 48 of 54 prompt tokens loaded from kvtier",
+        "a-turn-2: 64 of 67 prompt tokens loaded from kvtier",
+    ], proc.stdout
+    assert not (sandbox / "home" / ".cache").exists()
+
+
+def test_store_only_script_serves_a_new_store_from_lmdb(sandbox: Path) -> None:
+    lmdb = sandbox / "lmdb"
+    proc = _run_example([str(EXAMPLES / "store_only.py")], sandbox, KVTIER_TIERS__1__PATH=str(lmdb))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "saved 4 blocks; lookup finds 4",
+        "new store: loaded 4 blocks into engine blocks 10-13",
+        "byte-exact: yes",
+    ]
+    assert lmdb.is_dir()  # the KVTIER_* override the config file's comment shows was applied
+
+
+def test_example_config_file_checks_clean(sandbox: Path) -> None:
+    proc = _run_example(
+        ["-m", "kvtier.cli", "config", "check", str(EXAMPLES / "kvtier.yaml"), "--block-bytes", "32KiB"],
+        sandbox,
+        KVTIER_TIERS__1__PATH=str(sandbox / "lmdb"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "valid" in proc.stdout and "zstd-shuffle" in proc.stdout
+
+
+def test_example_plugin_is_shown_in_full_in_plugins_md() -> None:
+    shown = {b.arg for b in FILES if b.doc.name == "plugins.md"}
+    package = EXAMPLES / "kvtier-dict-backend"
+    sources = {str(p.relative_to(ROOT)) for p in package.rglob("*") if p.suffix in (".py", ".toml") and "__pycache__" not in p.parts}
+    assert sources <= shown, f"plugins.md does not show {sorted(sources - shown)}"

@@ -103,6 +103,18 @@ def test_plugin_names_are_listed_and_loaded(venv_python: Path) -> None:
     assert proc.stdout.split() == ["['kvtier-dict-backend']", "DictBackend", "FifoPolicy", "True"]
 
 
+def test_plugins_md_shows_what_config_show_prints(venv_python: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(venv_python), "-m", "kvtier.cli", "config", "show"], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    installed = [line for line in proc.stdout.splitlines() if line.startswith("# installed")]
+    assert len(installed) == 3 and all("(kvtier-dict-backend)" in line for line in installed), proc.stdout
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    for line in installed:
+        assert line in doc, f"docs/plugins.md should show {line!r}"
+
+
 def test_plugin_selected_from_a_config_file(venv_python: Path, tmp_path: Path) -> None:
     config = tmp_path / "store.yaml"
     config.write_text(
