@@ -553,3 +553,98 @@ def test_fence_holds_for_an_immediately_submitted_store(sync_rig: Rig, flush: bo
     assert update.loaded == {"c": 8}
     want = 4.0 if flush else -1.0
     assert torch.equal(rig.content(21)[0], torch.full((BLOCK, WIDTH), want))
+
+
+# -- a full tier, the final slot, unknown requests -----------------------------------------------
+def _full_tier_rig(b: Req, computed: int) -> Rig:
+    """A tier of two blocks. In step 1 request ``a``'s store takes both (pending: nothing can be
+    evicted until it is acknowledged), so ``b``'s store of its first ``computed`` tokens is refused."""
+    rig = Rig(capacity="512B")  # 2 caches x 4 tokens x 8 floats = 256 bytes a block
+    a = Req("a", list(range(500, 509)))
+    _admit(rig, a, [1, 2, 3])
+    _admit(rig, b, [10, 11, 12])
+    meta = rig.meta({"a": 9, "b": computed}, allocated=[1, 2, 3, 10, 11, 12])
+    assert [(j.request_id, len(j.plan.keys)) for j in meta.stores] == [("a", 2)]
+    assert rig.sched.counters["store_rejected_blocks"] == computed // BLOCK
+    rig.run_workers(meta)  # a's store is deferred to the next step
+    a.num_computed_tokens, b.num_computed_tokens = 9, computed
+    return rig
+
+
+def test_refused_store_is_retried_and_never_stored_past_a_gap() -> None:
+    b = Req("b", list(range(600, 609)))  # 9 tokens: 2 full blocks
+    rig = _full_tier_rig(b, 4)
+    try:
+        meta = rig.meta({"b": 4})  # block 1 completes; a's store is still pending
+        assert meta.stores == ()  # not block 1 alone, after the gap left by block 0
+        rig.run_workers(meta)  # a's store runs and is acknowledged: there is room again
+        b.num_computed_tokens = 8
+        meta = rig.meta({"b": 1})
+        assert [j.block_ids for j in meta.stores] == [(10, 11)]  # block 0 asked for again
+        rig.run_workers(meta)
+        rig.run_workers(rig.meta())
+        assert rig.manager.lookup(rig.keys(b.tokens)) == 2
+    finally:
+        rig.close()
+
+
+def test_refused_store_is_retried_at_finish() -> None:
+    b = Req("b", list(range(700, 709)))
+    rig = _full_tier_rig(b, 8)
+    try:
+        rig.run_workers(rig.meta())  # a's store runs and is acknowledged
+        b.tokens.append(2)  # EOS
+        rig.sched.request_finished(b, b.block_ids)
+        meta = rig.meta(finished=["b"])
+        assert [j.block_ids for j in meta.stores] == [(10, 11)]
+        rig.run_workers(meta)
+        rig.run_workers(rig.meta())
+        assert rig.manager.lookup(rig.keys(b.tokens)) == 2
+        assert (rig.sched.num_request_states, rig.sched.num_jobs) == (1, 0)  # a is still running
+    finally:
+        rig.close()
+
+
+def test_finish_walk_never_stores_the_final_sampled_slot(rig: Rig) -> None:
+    # An engine that counts the scheduled but unwritten slot of the final token (vLLM #54288):
+    # 7 prompt tokens computed, token 8 sampled, and num_computed_tokens says 8 at finish.
+    req = Req("a", list(range(800, 807)))
+    _admit(rig, req, [1, 2])
+    meta = rig.meta({"a": 7}, allocated=[1, 2])
+    assert [j.block_ids for j in meta.stores] == [(1,)]
+    rig.run_workers(meta)
+    req.tokens.append(2)  # EOS: it fills block 1, but its slot is never written
+    req.num_computed_tokens = 8
+    rig.sched.request_finished(req, req.block_ids)
+    meta = rig.meta(finished=["a"])
+    assert meta.stores == ()
+    rig.run_workers(meta)
+    assert rig.manager.lookup(rig.keys(req.tokens)) == 1
+    assert rig.sched.num_request_states == 0
+
+
+def test_finishing_an_unknown_request_warns_once(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    for rid in ("x", "y"):
+        req = Req(rid, list(range(900, 909)), num_computed_tokens=8, block_ids=[1, 2, 3])
+        with caplog.at_level("WARNING", logger="kvtier.connector"):
+            assert rig.sched.request_finished(req, req.block_ids) == (False, None)
+    warnings = [r for r in caplog.records if "never saw this request" in r.getMessage()]
+    assert len(warnings) == 1 and "'x'" in warnings[0].getMessage()
+    assert rig.sched.counters["unknown_finished_requests"] == 2
+    assert rig.meta(finished=["x", "y"]).stores == ()
+    assert rig.sched.num_request_states == 0
+
+
+def test_without_a_step_loop_an_unknown_finished_request_is_stored() -> None:
+    rig = Rig(step_loop=False)
+    try:
+        req = Req("x", list(range(900, 910)), num_computed_tokens=9, block_ids=[1, 2, 3])
+        assert rig.sched.request_finished(req, req.block_ids) == (False, None)
+        meta = rig.sched.build_immediate_meta()
+        assert [j.block_ids for j in meta.stores] == [(1, 2)]
+        rig.sched.update_connector_output(rig.workers[0].run_now(meta))
+        rig.sched.update_connector_output(rig.workers[0].get_finished(block=True))
+        assert rig.manager.lookup(rig.keys(req.tokens)) == 2
+        assert (rig.sched.num_request_states, rig.sched.num_jobs) == (0, 0)
+    finally:
+        rig.close()

@@ -344,6 +344,35 @@ def test_freed_block_reused_at_once_is_not_overwritten_before_stored(fence: bool
         assert not all(same)
 
 
+def test_cancelled_requests_leave_no_connector_state() -> None:
+    """The engine removes cancelled requests without ``finish_request``; the connector must
+    still forget them (before the fix, 4 of 4 left their state behind after ``close()``)."""
+    manager = start_manager()
+    kv = attach(manager, cpu_config(), model_id=MODEL_ID)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 1000, (40,), generator=g).tolist() for _ in range(4)]
+    sched = kv.scheduler
+    manager.start()
+    try:
+        ids = manager.add_requests(prompts, max_new_tokens=200)
+        deadline = time.monotonic() + 60
+        while not all(i in kv.matches for i in ids):  # each went through the connector
+            assert time.monotonic() < deadline, "the engine did not admit the requests in time"
+            time.sleep(0.005)
+        for i in ids:
+            manager.cancel_request(i)
+        while any(i in sched.active_requests or i in sched.waiting_requests for i in ids):
+            assert time.monotonic() < deadline, "the engine did not drop the cancelled requests in time"
+            time.sleep(0.005)
+    finally:
+        manager.stop(block=True)
+    kv.close()
+    c = kv.connector
+    assert c.counters["last_block_jobs"] == 0  # none of them finished normally: all were cancelled
+    assert (c.num_request_states, c.num_jobs, c.num_fenced_blocks, len(kv._pinned)) == (0, 0, 0, 0)
+    assert kv.stats()["errors"] == 0
+
+
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "fresh":
     result = fresh_process_turn(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
     print(json.dumps(result))

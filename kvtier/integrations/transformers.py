@@ -39,6 +39,9 @@ request's blocks are freed at once, and an idle engine does not schedule. So:
   ``build_immediate_meta`` builds the finish walk's stores at once (every full block not yet
   stored, including the block completed in the finishing step, which the engine itself never
   hashes) and ``run_now`` submits them to kvtier's worker thread.
+* **Cancellation**: the engine drops cancelled requests in ``clear_cancelled_requests`` without
+  calling ``finish_request``; the adapter ends them in the connector there (nothing of a
+  cancelled request is stored), so no connector state is left behind.
 * **Fence before reuse**, by reference count: before ``run_now`` submits a store, the adapter
   takes one extra reference on each block of ``meta.stores`` in the engine's block ledger, so
   the engine cannot hand it to another request; the reference is dropped (and the block
@@ -78,8 +81,8 @@ Private ``transformers`` internals this module relies on -- all of them, and onl
   ``cache_allocators.cache_allocator.compute_block_hash``;
 * ``CachePool``: ``count_free_blocks``, ``num_free_sectors``, ``allocate_sector``,
   ``get_free_blocks``, ``free_blocks``;
-* ``Scheduler``: ``active_requests``, ``finish_request`` and ``schedule_batch`` (wrapped per
-  instance);
+* ``Scheduler``: ``active_requests``, ``finish_request``, ``clear_cancelled_requests`` and
+  ``schedule_batch`` (wrapped per instance);
 * ``RequestState``: ``initial_tokens``, ``generated_tokens``, ``position_offset``, ``status``,
   ``error``, and ``RequestStatus.FINISHED``.
 """
@@ -284,17 +287,19 @@ class TransformersKVTier:
             "search_prefix_match": cache.search_prefix_match,
             "reset": cache.reset,
             "finish_request": sched.finish_request,
+            "clear_cancelled_requests": sched.clear_cancelled_requests,
             "schedule_batch": sched.schedule_batch,
         }
         cache.search_prefix_match = self._search_prefix_match
         cache.reset = self._reset
         sched.finish_request = self._finish_request
+        sched.clear_cancelled_requests = self._clear_cancelled_requests
         sched.schedule_batch = self._schedule_batch
 
     def _uninstall(self) -> None:
         for name in ("search_prefix_match", "reset"):
             self.cache.__dict__.pop(name, None)
-        for name in ("finish_request", "schedule_batch"):
+        for name in ("finish_request", "clear_cancelled_requests", "schedule_batch"):
             self.scheduler.__dict__.pop(name, None)
 
     def _search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
@@ -385,16 +390,30 @@ class TransformersKVTier:
         if not self.engine_prefix_cache:
             self.cache.evict_cached_blocks()
 
-    def _store_finished(self, request_id: str) -> None:
+    def _clear_cancelled_requests(self) -> Any:
+        # The engine drops cancelled requests here without finish_request: end them in the
+        # connector too (their K/V is not stored), or their state would stay behind.
+        cancelled = self._orig["clear_cancelled_requests"]()
+        if not self._closed:
+            for state in cancelled:
+                try:
+                    self._store_finished(state.request_id, cancelled=True)
+                except Exception as exc:
+                    self.counters["errors"] += 1
+                    log.warning("kvtier cleanup of cancelled %s failed: %s", state.request_id, exc, exc_info=True)
+        return cancelled
+
+    def _store_finished(self, request_id: str, *, cancelled: bool = False) -> None:
         table = list(self.allocator.block_table.get(request_id, ()))
-        state = self.scheduler.active_requests.get(request_id)
+        state = None if cancelled else self.scheduler.active_requests.get(request_id)
         tokens: list[int] = []
+        computed = 0
         if state is not None and state.status == self._finished_status and state.error is None:
             # Only the slots the engine wrote: the final sampled token's slot never is.
-            computed = min(int(state.position_offset), len(table) * self.page_size)
-            tokens = (list(state.initial_tokens) + list(state.generated_tokens))[:computed]
+            tokens = list(state.initial_tokens) + list(state.generated_tokens)
+            computed = min(int(state.position_offset), len(table) * self.page_size, len(tokens) - 1)
         # An errored or cancelled request reports nothing computed: its state is just dropped.
-        view = _RequestView(request_id, tokens, len(tokens), table)
+        view = _RequestView(request_id, tokens, max(0, computed), table)
         delay_free, _ = self.connector.request_finished(view, table)
         if delay_free:  # pragma: no cover - loads are waited for at the match, never in flight here
             log.warning("kvtier: request %s finished with a load in flight", request_id)

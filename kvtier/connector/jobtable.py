@@ -1,0 +1,151 @@
+"""The scheduler side's table of jobs built and not yet acknowledged by every worker.
+
+It owns, for those jobs: their records and ids, the :class:`~kvtier.connector.fence.FenceIndex`
+of the engine blocks that store jobs read, which key each store writes (``storing``), and how
+many loads fill each key (``loading``). A job is settled when all ``world_size`` workers have
+reported it: :meth:`JobTable.settle` removes it everywhere and returns the one
+:class:`~kvtier.jobs.JobResult` of its ranks (:func:`~kvtier.jobs.combine_results`), which the connector applies to the manager.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.connector.fence import FenceIndex
+from kvtier.connector.types import JobReport
+from kvtier.jobs import JobResult, combine_results
+from kvtier.manager import LoadPlan, StorePlan
+
+__all__ = ["JobTable", "TrackedJob"]
+
+
+@dataclass(slots=True, eq=False)
+class TrackedJob:
+    """One connector job and the reports of the ranks that finished it so far."""
+
+    job_id: int
+    kind: Literal["store", "load"]
+    request_id: str
+    plan: StorePlan | LoadPlan
+    block_ids: tuple[int, ...]
+    reports: dict[int, JobReport] = field(default_factory=dict)  # rank -> report
+    promotion: bool = False  # stores: a promotion of keys a load served from a lower tier
+    first_block: int = 0  # loads: offloaded block index of plan.keys[0]
+    base_tokens: int = 0  # loads: tokens valid before the load
+    end_tokens: int = 0  # loads: tokens valid if every key loads
+
+
+class JobTable:
+    """Jobs in flight, their fence, and the keys they write or fill."""
+
+    __slots__ = ("_ids", "_jobs", "_loading", "_storing", "fence", "generation", "world_size")
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._jobs: dict[int, TrackedJob] = {}
+        self._ids = itertools.count(1)
+        self.fence = FenceIndex()
+        self._storing: dict[bytes, int] = {}  # key -> the unacknowledged store job writing it
+        self._loading: dict[bytes, int] = {}  # key -> loads in flight that fill it
+        #: bumped by every settled job: the manager may have room again (refused stores retry).
+        self.generation = 0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._jobs)
+
+    def get(self, job_id: int) -> TrackedJob | None:
+        return self._jobs.get(job_id)
+
+    def kind(self, job_id: int) -> str:
+        return self._jobs[job_id].kind
+
+    # -- building ----------------------------------------------------------------------------
+    def add_store(
+        self, request_id: str, plan: StorePlan, block_ids: tuple[int, ...], *, promotion: bool = False
+    ) -> TrackedJob:
+        """Track a new store job and fence the engine blocks it reads."""
+        job = TrackedJob(next(self._ids), "store", request_id, plan, block_ids, promotion=promotion)
+        self._jobs[job.job_id] = job
+        if not promotion:  # a promotion's keys are already ready in a lower tier
+            for key in plan.keys:
+                self._storing[key] = job.job_id
+        self.fence.add(job.job_id, block_ids)
+        return job
+
+    def add_load(
+        self, request_id: str, plan: LoadPlan, block_ids: tuple[int, ...], first_block: int, base: int, end: int
+    ) -> TrackedJob:
+        """Track a new load job filling ``block_ids``."""
+        job = TrackedJob(next(self._ids), "load", request_id, plan, block_ids, first_block=first_block)
+        job.base_tokens, job.end_tokens = base, end
+        self._jobs[job.job_id] = job
+        loading = self._loading
+        for key in plan.keys:
+            loading[key] = loading.get(key, 0) + 1
+        return job
+
+    def storing(self, key: bytes) -> int | None:
+        """The unacknowledged store job writing ``key``, if any."""
+        return self._storing.get(key)
+
+    @property
+    def any_storing(self) -> bool:
+        return bool(self._storing)
+
+    def any_loading(self, keys: list[bytes]) -> bool:
+        """Whether a load in flight fills one of ``keys``."""
+        loading = self._loading
+        return bool(loading) and any(k in loading for k in keys)
+
+    # -- completion --------------------------------------------------------------------------
+    def acknowledge(self, job: TrackedJob, rank: int, report: JobReport) -> bool:
+        """Record ``rank``'s report; true once every rank has reported (a duplicate counts once)."""
+        if rank not in job.reports:
+            job.reports[rank] = report
+        return len(job.reports) == self.world_size
+
+    def settle(self, job: TrackedJob, unfenced: list[int]) -> JobResult:
+        """Remove a fully acknowledged job; append the blocks no job reads any more to
+        ``unfenced``; return its ranks' results as one (a key that failed anywhere failed)."""
+        del self._jobs[job.job_id]
+        self.generation += 1
+        keys = job.plan.keys
+        if job.kind == "store":
+            unfenced.extend(self.fence.release(job.job_id, job.block_ids))
+            storing = self._storing
+            for key in keys:
+                if storing.get(key) == job.job_id:
+                    del storing[key]
+        else:
+            loading = self._loading
+            for key in keys:
+                left = loading.get(key, 0) - 1
+                if left > 0:
+                    loading[key] = left
+                else:
+                    loading.pop(key, None)
+        return combine_results([_result(job.job_id, keys, job.reports[rank]) for rank in sorted(job.reports)])
+
+
+def _result(job_id: int, keys: tuple[bytes, ...], r: JobReport) -> JobResult:
+    return JobResult(
+        job_id=job_id,
+        kind=r.kind,
+        success=r.success,
+        keys=keys,
+        nbytes=r.nbytes,
+        failed=dict(r.failed),
+        missed=r.missed,
+        missed_tiers=r.missed_tiers,
+        sizes={t: dict(per) for t, per in r.sizes.items()},
+        error=r.error,
+    )
