@@ -177,6 +177,8 @@ class StoreConfig(BaseModel):
     engine_blocks_per_block: int = Field(default=1, ge=1)
     block_bytes: BlockBytes | None = None
     staging_blocks: int = Field(default=32, ge=1)
+    #: seconds a transfer job may take before it is failed and its keys released (None: no limit)
+    job_deadline_s: float | None = Field(default=120.0, gt=0)
     namespace: dict[str, Any] | None = None
     metrics: MetricsConfig = MetricsConfig()
 

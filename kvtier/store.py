@@ -78,6 +78,9 @@ class KVStore:
         self.manager: TierManager | None = None
         self.transfers: TransferEngine | None = None
         self._closed = False
+        # Jobs whose caller was cancelled: job id -> plan, applied to the manager when they end.
+        self._unsettled: dict[int, StorePlan | LoadPlan] = {}
+        self._settlers: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> KVStore:
@@ -125,7 +128,12 @@ class KVStore:
                 if excess:
                     await backend.delete(excess)
         if self.layout is not None:
-            self.transfers = TransferEngine(self.layout, self.backends, staging_blocks=self.config.staging_blocks)
+            self.transfers = TransferEngine(
+                self.layout,
+                self.backends,
+                staging_blocks=self.config.staging_blocks,
+                deadline_s=self.config.job_deadline_s,
+            )
         if self.config.metrics.enabled:
             from kvtier import metrics
 
@@ -143,6 +151,7 @@ class KVStore:
             self._exporter.close()
         if self.transfers is not None:
             await _off_loop(self.transfers.close)
+            self._settle_finished()
         if self.manager is not None:
             await self.flush_stamps()
             self.manager.close()
@@ -236,15 +245,14 @@ class KVStore:
         Returns the number of blocks newly stored (keys already present are skipped). A full
         tier or a failing disk gives 0 for the blocks concerned; nothing raises."""
         transfers, ids = self._job_input(keys, block_ids)
+        self._settle_finished()
         n = self.config.engine_blocks_per_block
         plan = self._mgr().prepare_store(keys)
         if plan is None or plan.empty:
             return 0
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
         job = transfers.submit_store(plan, chosen)
-        result = await transfers.wait_async(job)
-        transfers.forget([job])
-        return self.finish_store(plan, result)
+        return self.finish_store(plan, await self._run_job(transfers, job, plan))
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many
@@ -256,6 +264,7 @@ class KVStore:
         That job is awaited before this returns, so the caller may reuse its blocks at once;
         a promotion that cannot make room or fails is skipped, never an error."""
         transfers, ids = self._job_input(keys, block_ids)
+        self._settle_finished()
         n = self.config.engine_blocks_per_block
         mgr = self._mgr()
         hits = mgr.lookup(keys)
@@ -263,8 +272,7 @@ class KVStore:
             return 0
         plan = mgr.prepare_load(list(keys[:hits]), promote=False)
         job = transfers.submit_load(plan, ids[: hits * n])
-        result = await transfers.wait_async(job)
-        transfers.forget([job])
+        result = await self._run_job(transfers, job, plan)
         self.finish_load(plan, result)
         if result.error is not None:
             return 0
@@ -284,9 +292,58 @@ class KVStore:
         n = self.config.engine_blocks_per_block
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
         job = transfers.submit_store(plan, chosen)
-        result = await transfers.wait_async(job)
+        self.finish_store(plan, await self._run_job(transfers, job, plan))
+
+    async def _run_job(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
+        """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
+        never touches the caller's blocks; a copy under way is waited for), and its plan is
+        applied to the manager whenever it ends, so no pin or reservation is left behind."""
+        try:
+            result = await transfers.wait_async(job)
+        except asyncio.CancelledError:
+            transfers.cancel(job)
+            self._settle_later(transfers, job, plan)
+            raise
         transfers.forget([job])
-        self.finish_store(plan, result)
+        return result
+
+    def _settle_later(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> None:
+        self._unsettled[job] = plan
+        if transfers.result(job) is not None:
+            self._settle_finished()
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._settle_when_done(transfers, job))
+        except RuntimeError:  # no loop to wait on: settled by the next call or by aclose
+            return
+        self._settlers.add(task)
+        task.add_done_callback(self._settlers.discard)
+
+    async def _settle_when_done(self, transfers: TransferEngine, job: int) -> None:
+        try:
+            await transfers.wait_async(job)
+        except (asyncio.CancelledError, Exception):  # settled by the next call or by aclose
+            return
+        self._settle_finished()
+
+    def _settle_finished(self) -> None:
+        """Apply the jobs of cancelled callers that have ended since."""
+        transfers = self.transfers
+        if not self._unsettled or transfers is None or self.manager is None:
+            return
+        for job, plan in list(self._unsettled.items()):
+            result = transfers.result(job)
+            if result is None:
+                continue
+            del self._unsettled[job]
+            transfers.forget([job])
+            try:
+                if isinstance(plan, StorePlan):
+                    self.finish_store(plan, result)
+                else:
+                    self.finish_load(plan, result)
+            except Exception as exc:  # a closed manager: nothing is left to release
+                log.debug("job %d of a cancelled call not applied: %s", job, exc)
 
 
 _FIELD_FIRST = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")

@@ -338,36 +338,42 @@ class TransferEngine:
         with self._lock:
             self._queued[kind] -= 1
 
+    def expire_overdue(self, now: float | None = None) -> int:
+        """Fail the jobs whose deadline has passed (the watchdog thread calls this); return how
+        many. A store still reading engine blocks is waited for, never reported before."""
+        now = time.monotonic() if now is None else now
+        overdue: list[JobRecord] = []
+        with self._lock:
+            for rec in self._jobs.values():
+                if rec.result is None and rec.deadline is not None:
+                    if rec.deadline > now:
+                        break  # deadlines follow submission order
+                    overdue.append(rec)
+        count = 0
+        for rec in overdue:
+            if self._stop(rec, f"deadline of {self.deadline_s} s passed", allow_tier_phase=True):
+                count += 1
+                with self._lock:
+                    self.counters["expired_jobs"] += 1
+                log.warning(
+                    "transfer job %d (%s, %d keys) passed its %.3g s deadline: failed, its keys released",
+                    rec.job_id,
+                    rec.kind,
+                    len(rec.plan.keys),
+                    self.deadline_s,
+                )
+        return count
+
     def _watch_deadlines(self) -> None:
         while not self._wake.is_set():
-            now = time.monotonic()
-            expired: list[JobRecord] = []
-            wake_at = now + 1.0
+            try:
+                self.expire_overdue()
+            except Exception as exc:  # the watchdog must survive anything
+                log.warning("deadline check failed: %s", exc, exc_info=True)
             with self._lock:
-                for rec in self._jobs.values():
-                    if rec.result is not None or rec.deadline is None:
-                        continue
-                    if rec.deadline <= now:
-                        expired.append(rec)
-                    else:
-                        wake_at = min(wake_at, rec.deadline)
-                        break  # deadlines follow submission order
-            for rec in expired:
-                try:
-                    if self._stop(rec, f"deadline of {self.deadline_s} s passed", allow_tier_phase=True):
-                        with self._lock:
-                            self.counters["expired_jobs"] += 1
-                        log.warning(
-                            "transfer job %d (%s, %d keys) passed its %.3g s deadline in phase %s: failed, keys released",
-                            rec.job_id,
-                            rec.kind,
-                            len(rec.plan.keys),
-                            self.deadline_s,
-                            rec.phase.name,
-                        )
-                except Exception as exc:  # the watchdog must survive anything
-                    log.warning("deadline check of job %d failed: %s", rec.job_id, exc)
-            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+                pending = [r.deadline for r in self._jobs.values() if r.result is None and r.deadline is not None]
+            wait = 1.0 if not pending else min(pending) - time.monotonic()
+            self._wake.wait(min(1.0, max(0.001, wait)))
 
     # -- store: the device phase -----------------------------------------------------------
     def _run_store(self) -> None:
@@ -421,8 +427,9 @@ class TransferEngine:
                 rec.phase = Phase.TIERS
                 rec.device_done.set()
         if work.mode == "done":
-            self._finish_store(work)
-            return None
+            if self._finish_store(work):
+                return None
+            return _TierWork(rec, "cleanup", start)  # reported failed meanwhile: undo, in order
         return work
 
     def _wait_compute(self, rec: JobRecord) -> None:
