@@ -18,16 +18,25 @@ the same through an int64 view of the bytes            10.0 GB/s
 ====================================================  =========
 
 so the default ``index`` strategy views each tensor's bytes as the widest integer type that
-divides every slice and moves a whole job with one gather and one scatter per tensor. Across
-devices (a CUDA cache and a pinned host pool) the ``foreach`` strategy issues one asynchronous
-copy per (block, tensor) slice in a single ``_foreach_copy_`` call on the transfer stream.
+divides every slice and moves a whole job with one gather and one scatter per tensor. On a
+device (a ``gpu`` tier beside the cache), where the pool rows of a job form a few runs of
+consecutive rows, each run is one ``index_select`` per tensor straight into the pool (or one
+``index_copy_`` out of it), with no intermediate buffer.
+
+Across devices (a CUDA cache and a host pool) the default ``staged`` strategy hands the job to
+the layout's :class:`~kvtier.staging.StagedCopier` (``layout.staging``): a gather per tensor
+into a bounded device staging buffer, then large DMAs to the host rows, pipelined in chunks
+(see :mod:`kvtier.staging`). The ``foreach`` strategy issues one asynchronous copy per (block,
+tensor) slice in a single ``_foreach_copy_`` call; it is also the last fallback when no
+staging memory can be spared. ``gather_chunks`` / ``scatter_chunks`` move a job chunk by chunk
+through host staging rows for byte tiers, with a callback per chunk.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,11 +44,14 @@ import torch
 
 from kvtier import staging as _staging
 from kvtier.errors import LayoutError
+from kvtier.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
 __all__ = ["KVLayout", "Strategy"]
 
-Strategy = Literal["auto", "index", "foreach"]
+Strategy = Literal["auto", "index", "foreach", "staged"]
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Beyond this many runs of consecutive pool rows, one gather plus one scatter per tensor wins.
+_MAX_RUNS = 4
 
 
 
@@ -75,6 +87,7 @@ class KVLayout:
         *,
         engine_blocks_per_block: int = 1,
         strategy: Strategy = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         if isinstance(kv_caches, torch.Tensor):
             kv_caches = [kv_caches]
@@ -83,8 +96,10 @@ class KVLayout:
             raise LayoutError("kv_caches: expected at least one tensor")
         if not isinstance(engine_blocks_per_block, int) or engine_blocks_per_block < 1:
             raise LayoutError(f"engine_blocks_per_block: expected an integer >= 1, got {engine_blocks_per_block!r}")
-        if strategy not in ("auto", "index", "foreach"):
-            raise LayoutError(f"strategy: expected 'auto', 'index' or 'foreach', got {strategy!r}")
+        if strategy not in ("auto", "index", "foreach", "staged"):
+            raise LayoutError(f"strategy: expected 'auto', 'index', 'foreach' or 'staged', got {strategy!r}")
+        if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or staging_bytes < 0:
+            raise LayoutError(f"staging_bytes: expected an integer >= 0, got {staging_bytes!r}")
         num = None
         device = _staging.tensor_device(caches[0]) if isinstance(caches[0], torch.Tensor) else None
         infos: list[_TensorInfo] = []
@@ -125,6 +140,8 @@ class KVLayout:
         wide = _WIDE[self._width]
         self._src = [t.view(-1).view(torch.uint8).view(num, info.engine_block_bytes).view(wide) for t, info in zip(caches, infos)]
         self.strategy: Strategy = strategy
+        # Device staging for cross-device jobs; allocated on the first such job (or open()).
+        self.staging = StagedCopier(self, staging_bytes)
 
     # -- description -----------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -169,9 +186,12 @@ class KVLayout:
                 raise LayoutError(f"rows[{i}]: pool row {r} is out of range [0, {pool.shape[0]})")
 
     def _pick(self, pool: torch.Tensor) -> Strategy:
+        same = _staging.tensor_device(pool) == self.device
+        if self.strategy == "staged" and same:
+            return "index"  # nothing to stage on one device
         if self.strategy != "auto":
             return self.strategy
-        return "index" if _staging.tensor_device(pool) == self.device else "foreach"
+        return "index" if same else "staged"
 
     def _dst_views(self, pool: torch.Tensor) -> list[torch.Tensor]:
         """Per tensor, the pool's words for that tensor as a 2-D ``[slots, n * words]`` view
@@ -183,21 +203,24 @@ class KVLayout:
 
     # -- movement --------------------------------------------------------------------------
     def gather(self, block_ids: Sequence[int], pool: torch.Tensor, rows: Sequence[int], *, non_blocking: bool = False) -> None:
-        """Copy the blocks made of engine ``block_ids`` (``n`` per block) into ``pool[rows]``."""
+        """Copy the blocks made of engine ``block_ids`` (``n`` per block) into ``pool[rows]``.
+
+        On a device the copies are queued on the current stream (``staged``: that stream
+        waits for them); ``non_blocking=False`` then waits for the stream."""
         ids = self.check_block_ids(block_ids, len(rows))
         self._check_pool(pool, rows)
         if not rows:
             return
-        if self._pick(pool) == "index":
-            src_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-            dst_idx = torch.tensor(list(rows), dtype=torch.long, device=pool.device)
-            k = len(rows)
-            for src, dst in zip(self._src, self._dst_views(pool)):
-                picked = src.index_select(0, src_idx).view(k, -1)  # a block's n rows are consecutive
-                dst.index_copy_(0, dst_idx, picked)
-            return
-        dsts, srcs = self._pairs(ids, pool, rows)
-        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        pick = self._pick(pool)
+        if pick == "index":
+            self._gather_index(ids, pool, rows)
+        elif pick == "staged":
+            self.staging.save(ids, pool, rows)
+        else:
+            dsts, srcs = self._pairs(ids, pool, rows)
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        if not non_blocking and self.device.type != "cpu":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def scatter(self, pool: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], *, non_blocking: bool = False) -> None:
         """Copy ``pool[rows]`` into the engine blocks ``block_ids`` (``n`` per block)."""
@@ -205,16 +228,88 @@ class KVLayout:
         self._check_pool(pool, rows)
         if not rows:
             return
-        if self._pick(pool) == "index":
-            src_idx = torch.tensor(list(rows), dtype=torch.long, device=pool.device)
-            dst_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-            n = self.engine_blocks_per_block
-            for cache, view in zip(self._src, self._dst_views(pool)):
-                picked = view.index_select(0, src_idx).view(len(rows) * n, -1)
-                cache.index_copy_(0, dst_idx, picked)
+        pick = self._pick(pool)
+        if pick == "index":
+            self._scatter_index(ids, pool, rows)
+        elif pick == "staged":
+            self.staging.load(pool, rows, ids)
+        else:
+            dsts, srcs = self._pairs(ids, pool, rows)
+            torch._foreach_copy_(srcs, dsts, non_blocking=non_blocking)
+        if not non_blocking and self.device.type != "cpu":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def gather_chunks(
+        self, block_ids: Sequence[int], sink: ChunkSink, *, on_device_done: Callable[[], None] | None = None
+    ) -> None:
+        """Copy a job's blocks (``n`` engine ids each) out in chunks of host rows, handing
+        each chunk to ``sink(first_position, rows)`` in order; see
+        :meth:`StagedCopier.save_chunks`. ``on_device_done()`` runs once the engine's blocks
+        have all been read."""
+        n = self.engine_blocks_per_block
+        ids = self.check_block_ids(block_ids, len(block_ids) // n)
+        self.staging.save_chunks(ids, sink, on_device_done=on_device_done)
+
+    def scatter_chunks(self, block_ids: Sequence[int], source: ChunkSource) -> list[bool]:
+        """Fill a job's blocks chunk by chunk from ``source(first_position, rows)``, which
+        reads the records into host rows and returns found flags; returns them all."""
+        n = self.engine_blocks_per_block
+        ids = self.check_block_ids(block_ids, len(block_ids) // n)
+        return self.staging.load_chunks(ids, source)
+
+    def _row_runs(self, pool: torch.Tensor, rows: Sequence[int]) -> list[tuple[list[int], int, int]] | None:
+        """On a device, the job as runs of consecutive pool rows (positions, first row,
+        length) when there are few enough of them to beat a gather plus a scatter."""
+        if self.device.type == "cpu" or len(rows) < 2:
+            return None
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        runs: list[tuple[list[int], int, int]] = []
+        for p in order:
+            if runs and rows[p] == runs[-1][1] + runs[-1][2]:
+                runs[-1][0].append(p)
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append(([p], rows[p], 1))
+        return runs if len(runs) <= _MAX_RUNS else None
+
+    def _gather_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
+        n = self.engine_blocks_per_block
+        pool_device = _staging.tensor_device(pool)
+        runs = self._row_runs(pool, rows) if n == 1 else None
+        if runs is not None:  # straight into the pool: one index_select per (run, tensor)
+            order = [p for run in runs for p in run[0]]
+            idx = torch.tensor([ids[p] for p in order], dtype=torch.long, device=self.device)
+            j = 0
+            for _, r0, length in runs:
+                for src, dst in zip(self._src, self._dst_views(pool)):
+                    torch.index_select(src, 0, idx[j : j + length], out=dst[r0 : r0 + length])
+                j += length
             return
-        dsts, srcs = self._pairs(ids, pool, rows)
-        torch._foreach_copy_(srcs, dsts, non_blocking=non_blocking)
+        src_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        dst_idx = torch.tensor(list(rows), dtype=torch.long, device=pool_device)
+        k = len(rows)
+        for src, dst in zip(self._src, self._dst_views(pool)):
+            picked = src.index_select(0, src_idx).view(k, -1)  # a block's n rows are consecutive
+            dst.index_copy_(0, dst_idx, picked)
+
+    def _scatter_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
+        n = self.engine_blocks_per_block
+        pool_device = _staging.tensor_device(pool)
+        runs = self._row_runs(pool, rows) if n == 1 else None
+        if runs is not None:  # straight out of the pool: one index_copy_ per (run, tensor)
+            order = [p for run in runs for p in run[0]]
+            idx = torch.tensor([ids[p] for p in order], dtype=torch.long, device=self.device)
+            j = 0
+            for _, r0, length in runs:
+                for cache, view in zip(self._src, self._dst_views(pool)):
+                    cache.index_copy_(0, idx[j : j + length], view[r0 : r0 + length])
+                j += length
+            return
+        src_idx = torch.tensor(list(rows), dtype=torch.long, device=pool_device)
+        dst_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for cache, view in zip(self._src, self._dst_views(pool)):
+            picked = view.index_select(0, src_idx).view(len(rows) * n, -1)
+            cache.index_copy_(0, dst_idx, picked)
 
     def _pairs(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(pool piece, cache slice) pairs, one per (block, tensor, engine block)."""
