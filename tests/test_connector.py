@@ -648,3 +648,49 @@ def test_without_a_step_loop_an_unknown_finished_request_is_stored() -> None:
         assert (rig.sched.num_request_states, rig.sched.num_jobs) == (0, 0)
     finally:
         rig.close()
+
+
+def test_fence_waits_for_the_device_read_only(tmp_path) -> None:
+    """A flushed store whose tier write stalls (a disk that hangs) must not hold the engine's
+    step: ``handle_preemptions`` returns once the job has read its engine blocks."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    ns = Namespace(model_id="test", block_size=BLOCK)
+    caches = [torch.zeros((NUM_BLOCKS, BLOCK, WIDTH), dtype=torch.float32) for _ in range(2)]
+    cfg = {"tiers": [{"backend": "file", "path": str(tmp_path / "kv"), "capacity": "1MiB"}]}
+    store = loop.run_until_complete(kvtier.open(cfg, kv_caches=caches, namespace=ns))
+    release = threading.Event()
+    disk = store.backends[0]
+    write = disk.write_blocks
+
+    def stalled_write(keys, blocks):  # type: ignore[no-untyped-def]
+        release.wait()
+        return write(keys, blocks)
+
+    disk.write_blocks = stalled_write  # type: ignore[method-assign]
+    sched = SchedulerConnector.from_store(store, block_size=BLOCK)
+    worker = WorkerConnector.from_store(store)
+    try:
+        req = Req("a", list(range(1000, 1009)))
+        sched.get_num_new_matched_tokens(req, 0)
+        req.block_ids = [1, 2, 3]
+        sched.update_state_after_alloc(req, req.block_ids, 0)
+        meta = sched.build_connector_meta(SchedulerStep(1, {"a": 9}, (1, 2, 3)))
+        (job,) = meta.stores
+        worker.handle_preemptions(meta)
+        worker.start_load_kv(meta)
+        meta = sched.build_connector_meta(SchedulerStep(2, preempted_request_ids=("a",)))
+        assert meta.jobs_to_flush == (job.job_id,)
+        fence = threading.Thread(target=worker.handle_preemptions, args=(meta,))
+        fence.start()
+        fence.join(timeout=30)  # a hang guard, not a speed check: the write never ends by itself
+        assert not fence.is_alive(), "the fence waited for the stalled tier write"
+        assert worker.unfinished_store_blocks() == set()  # the engine may reuse blocks 1, 2
+        release.set()
+        sched.update_connector_output(worker.get_finished(block=True))
+        assert store.manager.lookup(block_keys(req.tokens, block_size=BLOCK, namespace=store.namespace)) == 2
+    finally:
+        release.set()
+        loop.run_until_complete(store.aclose())
+        loop.close()

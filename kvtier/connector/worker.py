@@ -5,7 +5,10 @@ Per step, in this order (the engine's model runner calls them):
 1. ``handle_preemptions(meta)`` - before the step's compute. If ``meta.deletes`` is not empty,
    the deferred stores and then the deletes are submitted first (see below). Every job in
    ``meta.jobs_to_flush`` that is still unsubmitted (deferred from the previous step, or built
-   in this very step) is submitted, then the worker waits for every flushed job. Stores are
+   in this very step) is submitted, then the worker waits until every flushed job has read
+   its engine blocks (the device read, ``TransferEngine.wait_device``; its tier writes, such as
+   write-back to disk, go on after the step's compute starts, so a stalled or failing tier never
+   holds the engine's blocks). Stores are
    submitted in the order the scheduler built them, so flushing job ``j`` also submits the
    unsubmitted jobs built before it: the manager's plans (evictions, demotions) assume that
    order.
@@ -16,7 +19,7 @@ Per step, in this order (the engine's model runner calls them):
 4. ``get_finished()`` - a :class:`WorkerOutput` with every job that finished since the last call
    (store and load, with failed / missed keys and sizes), to send to the scheduler side.
 
-An engine without a step loop (see :mod:`kvtier.connector.scheduler`) calls instead:
+An engine without a step loop (``docs/integrating.md``, section 6) calls instead:
 
 - ``run_now(meta)`` with the metadata of ``build_immediate_meta``: submits every unsubmitted
   store (earlier ones first, in build order), then ``meta.deletes``, ``meta.stores`` and
@@ -25,7 +28,8 @@ An engine without a step loop (see :mod:`kvtier.connector.scheduler`) calls inst
   Its stores are in flight when it returns: the engine fences their blocks until the scheduler
   side reports them ``unfenced``.
 - ``wait_for(job_ids)``: submits the given jobs if still unsubmitted (with those built before
-  them), waits for them, and returns :meth:`get_finished`'s output.
+  them), waits for them to finish (tier writes included: their keys are then stored), and
+  returns :meth:`get_finished`'s output.
 
 Deletes (``meta.deletes``: keys the scheduler side released after a job that did not succeed on
 every worker) run on the transfer engine's store queue as a store job with nothing but drops,
@@ -35,7 +39,7 @@ before this metadata's stores. The store queue is FIFO, so deletes and stores ru
 the scheduler built them. The scheduler ships a delete only for keys its manager does not hold
 (pending or ready) in that tier, so no earlier job still writes them there, and a later
 re-store of a key always runs after its delete. With a step loop, promotions of lower-tier hits
-are store jobs like any other (see :mod:`kvtier.connector.scheduler`). Only the in-load
+are store jobs like any other (``docs/integrating.md``, section 5a). Only the in-load
 promotions of a connector without a step loop write outside the store queue (the load thread
 writes them into the first tier, in room the manager reserved assuming earlier deletes already
 ran): a load with promotions waits for the first tier's queued deletes before it is submitted.
@@ -81,7 +85,7 @@ class WorkerConnector:
         self._inflight: dict[int, tuple[int, Literal["store", "load"], tuple[int, ...], Any]] = {}
         self._transfer_of: dict[int, int] = {}  # connector job id -> transfer id, until reported
         self._failed: list[JobReport] = []
-        self._waited: set[int] = set()  # transfer ids known finished (flushed and waited)
+        self._waited: set[int] = set()  # store transfer ids known past their device read (flushed)
         self._last_step: int | None = None
         # delete transfer id -> whether it deletes from the first tier (promotions wait for it)
         self._deleting: dict[int, bool] = {}
@@ -183,8 +187,9 @@ class WorkerConnector:
         self._transfer_of[load.job_id] = tid
         return tid
 
-    def _flush_jobs(self, job_ids: Iterable[int]) -> None:
-        """Submit ``job_ids`` still unsubmitted (and the stores built before them), then wait."""
+    def _flush_jobs(self, job_ids: Iterable[int], *, whole: bool = False) -> None:
+        """Submit ``job_ids`` still unsubmitted (and the stores built before them), then wait
+        until they no longer read engine blocks (the device read; ``whole``: the whole job)."""
         flush = set(job_ids)
         if not flush:
             return
@@ -200,7 +205,12 @@ class WorkerConnector:
                     break
         waiting = [self._transfer_of[j] for j in sorted(flush) if j in self._transfer_of]
         if waiting:
-            self.transfers.wait(waiting)
+            if whole:
+                self.transfers.wait(waiting)
+            else:
+                # The fence: a store's tier writes (write-back, disk) go on after this; a
+                # stalled or failing tier never holds the engine's blocks.
+                self.transfers.wait_device(waiting)
             self._waited.update(waiting)
 
     def handle_preemptions(self, meta: StepMetadata | bytes) -> None:
@@ -248,8 +258,8 @@ class WorkerConnector:
 
     def wait_for(self, job_ids: Iterable[int]) -> WorkerOutput:
         """Submit ``job_ids`` if still unsubmitted (with the stores built before them), wait for
-        them, and return the output for the scheduler side."""
-        self._flush_jobs(job_ids)
+        them to finish (their keys are then stored), and return the output for the scheduler side."""
+        self._flush_jobs(job_ids, whole=True)
         return self.get_finished()
 
     def get_finished(self, *, block: bool = False) -> WorkerOutput:
