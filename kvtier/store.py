@@ -52,7 +52,9 @@ class KVStore:
         self.config = config
         self.layout: KVLayout | None = None
         if kv_caches is not None:
-            self.layout = KVLayout(kv_caches, engine_blocks_per_block=config.engine_blocks_per_block)
+            self.layout = KVLayout(
+                kv_caches, engine_blocks_per_block=config.engine_blocks_per_block, staging_bytes=config.staging_bytes
+            )
             block_bytes = self.layout.block_bytes
             dtype = self.layout.dtype
         elif config.block_bytes is not None:
@@ -216,6 +218,8 @@ class KVStore:
         data["backends"] = [b.stats() for b in self.backends]
         if self.transfers is not None:
             data["transfers"] = dict(self.transfers.counters)
+        if self.layout is not None:
+            data["staging"] = self.layout.staging.stats()
         data["io"] = self.metrics.snapshot()
         return data
 

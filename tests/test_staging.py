@@ -338,3 +338,24 @@ def test_load_chunks_refills_a_host_half_only_after_its_dma(cuda_standin: CudaSt
     assert not s.happens_before(dmas[1], fills[2])
     for c in caches:
         assert torch.equal(c.view(torch.uint8)[20:26], c.view(torch.uint8)[1:7])
+
+
+async def test_store_config_staging_bytes_reaches_the_layout_and_stats(cuda_standin: CudaStandIn) -> None:
+    import kvtier
+    from kvtier.testing import make_key
+
+    caches = [random_bytes((16, 2, 8, 16), torch.bfloat16, i, device="cuda") for i in range(4)]
+    block = 4 * 2 * 8 * 16 * 2
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 16 * block}], "staging_bytes": 4 * 2 * block}
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        assert store.stats()["staging"]["device_staging_allocated"] == 0, "allocated lazily"
+        keys = [make_key(i) for i in range(5)]
+        assert await store.save(keys, [1, 2, 3, 4, 5]) == 5
+        before = [c.clone() for c in caches]
+        assert await store.load(keys, [10, 11, 12, 13, 14]) == 5
+        for c, b in zip(caches, before):
+            assert torch.equal(c.view(torch.uint8)[10:15], b.view(torch.uint8)[1:6])
+        st = store.stats()["staging"]
+    assert st["staging_bytes"] == 4 * 2 * block and st["chunk_blocks"] == 2
+    assert st["save_mode"] == st["load_mode"] == "staged" and st["staged_jobs"] == 2
+    assert st["device_staging_allocated"] == 2 * 2 * 2 * block
