@@ -1,7 +1,8 @@
 """The ``kvtier`` command: one entry point, one subcommand per job.
 
 ``kvtier config check FILE``   validate a config file and print the resolved tiers
-``kvtier config show``         print the default config (what ``kvtier sim`` uses)
+``kvtier config show``         print the default config (``--sim``: the small tiers ``kvtier sim`` uses)
+``kvtier cache show|clear``    what kvtier keeps in its cache directory; remove it
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
 ``kvtier bench``               run the benchmark scripts, collect their JSON, plot if possible
@@ -139,19 +140,65 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     from kvtier import registry
     from kvtier.config import default_config
 
-    data = default_config()
+    if args.sim:
+        from kvtier.sim.cli import default_sim_config
+
+        data = default_sim_config()
+        title = "# the tiers `kvtier sim` uses when given no --config (small on purpose, emptied before each run)"
+    else:
+        data = default_config()
+        title = (
+            "# kvtier default configuration (kvtier.config.default_config()).\n"
+            "# `kvtier sim` does not use it: it has its own small tiers (`kvtier config show --sim`)."
+        )
     if args.json:
         _print_json(data)
         return 0
     import yaml
 
-    print("# kvtier default configuration (used by `kvtier sim` when no config is given)")
+    print(title)
     print(yaml.safe_dump(data, sort_keys=False).rstrip())
     print()
     for reg in (registry.backends, registry.codecs, registry.policies):
         entries = reg.entries()
         listed = ", ".join(f"{n} ({'/'.join(d)})" for n, d in sorted(entries.items())) or "(none)"
         print(f"# installed {'policies' if reg.kind == 'policy' else reg.kind + 's'}: {listed}")
+    return 0
+
+
+# -- cache -------------------------------------------------------------------------------
+
+
+def _cmd_cache_show(args: argparse.Namespace) -> int:
+    from kvtier.cache import cache_dir, cache_entries
+
+    root = cache_dir()
+    entries = cache_entries(root)
+    if args.json:
+        _print_json({"cache_dir": root, "entries": [{"path": e.path, "bytes": e.bytes, "kind": e.kind} for e in entries]})
+        return 0
+    print(f"kvtier cache directory: {root}" + ("" if entries else " (empty)"))
+    if entries:
+        print(_table(["path", "kind", "on disk"], [[e.path, e.kind, _size(e.bytes)] for e in entries]))
+        print(f"total: {_size(sum(e.bytes for e in entries))}; `kvtier cache clear` removes it")
+    return 0
+
+
+def _cmd_cache_clear(args: argparse.Namespace) -> int:
+    from kvtier.cache import cache_dir, clear_cache
+
+    root = cache_dir()
+    removed = clear_cache(root, only="sim" if args.sim else None, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    if args.json:
+        _print_json({"cache_dir": root, "dry_run": args.dry_run, verb.replace(" ", "_"): [{"path": e.path, "bytes": e.bytes} for e in removed]})
+        return 0
+    if not removed:
+        print(f"nothing to remove under {root}")
+        return 0
+    for e in removed:
+        print(f"{verb} {e.path} ({e.kind}, {_size(e.bytes)})")
+    print(f"{verb} {_size(sum(e.bytes for e in removed))} in all")
     return 0
 
 
@@ -355,11 +402,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(check)
     check.set_defaults(func=_cmd_config_check)
     show = config_sub.add_parser("show", help="print the default configuration",
-                                 description="Print the default config (pinned cpu + lmdb in the user cache "
+                                 description="Print the default config (pinned cpu + lmdb in the kvtier cache "
                                  "directory) and the installed backends, codecs and policies.")
+    show.add_argument("--sim", action="store_true", help="print the small tiers `kvtier sim` uses instead")
     _add_json(show)
     show.set_defaults(func=_cmd_config_show)
     config.set_defaults(func=lambda a: _help(config))
+
+    cache = sub.add_parser("cache", help="show or clear what kvtier keeps in its cache directory",
+                           description="The kvtier cache directory ($KVTIER_CACHE_DIR, or the platform's user "
+                           "cache directory) holds the default config's LMDB tier (lmdb/) and kvtier sim's "
+                           "tiers (sim/). Tiers configured elsewhere are never touched.")
+    cache_sub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
+    cache_show = cache_sub.add_parser("show", help="list what is in the cache directory, with sizes")
+    _add_json(cache_show)
+    cache_show.set_defaults(func=_cmd_cache_show)
+    cache_clear = cache_sub.add_parser("clear", help="remove what is in the cache directory",
+                                       description="Remove everything under the kvtier cache directory (or, with "
+                                       "--sim, only kvtier sim's tiers) and print what went. Close stores that use "
+                                       "these tiers first.")
+    cache_clear.add_argument("--sim", action="store_true", help="only kvtier sim's tiers (sim/)")
+    cache_clear.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    _add_json(cache_clear)
+    cache_clear.set_defaults(func=_cmd_cache_clear)
+    cache.set_defaults(func=lambda a: _help(cache))
 
     inspect = sub.add_parser("inspect", help="summarise a tier directory",
                              description="Blocks, bytes, namespaces, codec ratio and format version of a "

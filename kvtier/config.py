@@ -8,8 +8,9 @@ Sources, applied in this order:
    ``KVTIER_POLICY=arc``, ``KVTIER_WRITE=through``, ``KVTIER_TIERS__0__CAPACITY=4GiB``. Segments
    are separated by a double underscore and matched case-insensitively; a number indexes a
    list (one past the end appends); values are read as YAML scalars, so quote a value to keep
-   it a string (``KVTIER_NAMESPACE__REVISION='"0123"'``). ``KVTIER_CONFIG`` (a file path) is not
-   an override; any other ``KVTIER_`` variable must name a setting.
+   it a string (``KVTIER_NAMESPACE__REVISION='"0123"'``). ``KVTIER_CONFIG`` (a file path) and
+   ``KVTIER_CACHE_DIR`` (see :mod:`kvtier.cache`) are not overrides; any other ``KVTIER_``
+   variable must name a setting.
 
 Validation happens in two passes that report together: the schema (pydantic: unknown keys,
 sizes, names of backends, codecs and policies checked against :mod:`kvtier.registry`, capacity
@@ -57,7 +58,7 @@ __all__ = [
 
 ENV_PREFIX = "KVTIER_"
 #: ``KVTIER_`` variables that are not configuration overrides.
-ENV_RESERVED = frozenset({"KVTIER_CONFIG"})
+ENV_RESERVED = frozenset({"KVTIER_CONFIG", "KVTIER_CACHE_DIR"})
 
 
 def _strip_field(message: str, name: str) -> str:
@@ -99,7 +100,6 @@ def _check_name(reg: registry.Registry, value: Any) -> str:
 
 ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
 BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
-StagingBytes = Annotated[int, BeforeValidator(_size("staging_bytes", allow_zero=True))]
 
 
 class TierConfig(BaseModel):
@@ -178,10 +178,6 @@ class StoreConfig(BaseModel):
     engine_blocks_per_block: int = Field(default=1, ge=1)
     block_bytes: BlockBytes | None = None
     staging_blocks: int = Field(default=32, ge=1)
-    #: device staging for copies between a GPU cache and host tiers (0: none, copy slices in batches)
-    staging_bytes: StagingBytes = 256 << 20
-    #: seconds a transfer job may take before it is failed and its keys released (None: no limit)
-    job_deadline_s: float | None = Field(default=120.0, gt=0)
     namespace: dict[str, Any] | None = None
     metrics: MetricsConfig = MetricsConfig()
 
@@ -219,13 +215,14 @@ class StoreConfig(BaseModel):
 
 def default_config() -> dict[str, Any]:
     """The default store: a pinned host-memory tier in front of a persistent LMDB tier in the
-    user's cache directory (what ``kvtier sim`` uses when given no config). A fresh dict."""
-    from platformdirs import user_cache_dir
+    kvtier cache directory (:func:`kvtier.cache.cache_dir`). ``kvtier sim`` uses smaller tiers of
+    its own (``kvtier.sim.cli.default_sim_config``). A fresh dict."""
+    from kvtier.cache import cache_dir
 
     return {
         "tiers": [
             {"backend": "cpu", "capacity": "4GiB", "pin_memory": "auto"},
-            {"backend": "lmdb", "capacity": "32GiB", "path": os.path.join(user_cache_dir("kvtier"), "lmdb")},
+            {"backend": "lmdb", "capacity": "32GiB", "path": os.path.join(cache_dir(), "lmdb")},
         ],
         "policy": "lru",
         "write": "back",

@@ -102,6 +102,38 @@ def test_config_show_prints_the_defaults() -> None:
     assert "installed backends" in text and "lmdb" in text
 
 
+def test_config_show_says_what_kvtier_sim_uses(tmp_path: Path) -> None:
+    text = kvtier("config", "show", env={"KVTIER_CACHE_DIR": str(tmp_path)}).stdout
+    assert "`kvtier sim` does not use it" in text and "config show --sim" in text
+    data = json.loads(kvtier("config", "show", "--sim", "--json", env={"KVTIER_CACHE_DIR": str(tmp_path)}).stdout)
+    assert [(t["backend"], t["capacity"]) for t in data["tiers"]] == [("cpu", "2MiB"), ("lmdb", "256MiB")]
+    assert data["tiers"][1]["path"] == str(tmp_path / "sim" / "lmdb")
+
+
+def test_cache_show_and_clear_remove_only_the_cache_dir(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = {"KVTIER_CACHE_DIR": str(cache)}
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    proc = kvtier("sim", "--requests", "8", "--no-progress", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{cache / 'sim' / 'lmdb'}: " in proc.stdout and "kvtier cache clear removes it" in proc.stdout
+    (cache / "lmdb").mkdir()
+    (cache / "lmdb" / "data.mdb").write_bytes(b"\0" * 8192)
+    shown = json.loads(kvtier("cache", "show", "--json", env=env).stdout)
+    assert shown["cache_dir"] == str(cache)
+    assert {Path(e["path"]).name: e["kind"] for e in shown["entries"]} == {"lmdb": "lmdb tier", "sim": "simulator tiers"}
+    dry = kvtier("cache", "clear", "--sim", "--dry-run", env=env)
+    assert f"would remove {cache / 'sim'}" in dry.stdout and (cache / "sim").is_dir()
+    proc = kvtier("cache", "clear", "--sim", env=env)
+    assert proc.returncode == 0 and f"removed {cache / 'sim'}" in proc.stdout
+    assert not (cache / "sim").exists() and (cache / "lmdb" / "data.mdb").exists()
+    proc = kvtier("cache", "clear", env=env)
+    assert f"removed {cache / 'lmdb'} (lmdb tier" in proc.stdout
+    assert list(cache.iterdir()) == [] and outside.read_text() == "keep me"
+    assert "nothing to remove" in kvtier("cache", "clear", env=env).stdout
+
+
 def _lmdb_store(path: Path, blocks: int) -> None:
     from kvtier.backend import BlockFormat
     from kvtier.testing import make_key, random_block

@@ -41,9 +41,9 @@ def _lmdb_available() -> bool:
 
 def sim_disk_path() -> str:
     """The simulation's own LMDB directory (never a real cache's)."""
-    from platformdirs import user_cache_dir
+    from kvtier.cache import cache_dir
 
-    return os.path.join(user_cache_dir("kvtier"), "sim", "lmdb")
+    return os.path.join(cache_dir(), "sim", "lmdb")
 
 
 def default_sim_config() -> dict[str, Any]:
@@ -89,7 +89,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=WORKLOADS, default="chat", help="workload to run (default: chat)")
     p.add_argument("--requests", type=int, default=48, help="number of requests (turns) (default: 48)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    p.add_argument("--config", metavar="FILE", help="store config file (YAML/JSON/TOML); default: host memory + LMDB")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="store config file (YAML/JSON/TOML); default: its own small tiers, "
+        f"{SIM_CPU_CAPACITY} of host memory + {SIM_DISK_CAPACITY} of LMDB under the kvtier cache directory "
+        "(kvtier config show --sim prints them)",
+    )
     p.add_argument("--gpu-blocks", type=int, default=None, help="engine blocks in the simulated GPU pool")
     p.add_argument(
         "--async-scheduling", action="store_true", help="model async scheduling (sampled tokens seen one step late)"
@@ -97,8 +103,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-disk",
         action="store_true",
-        help="reuse what earlier runs stored in the simulation's LMDB tier (shows persistence across "
-        "processes; hits may then exceed this run's oracle). Default: start from an empty tier.",
+        help="reuse what earlier runs stored in the persistent tiers (shows persistence across "
+        "processes; hits may then exceed this run's oracle). Default: empty them first (only the "
+        "simulator's own records; a tier of another namespace is refused).",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -132,24 +139,62 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _describe_tiers(tiers: list[dict[str, Any]]) -> str:
+    from kvtier.units import format_size
+
+    parts = []
+    for t in tiers:
+        where = f" at {t['path']}" if t.get("path") else " (host memory)" if t["backend"] == "cpu" else ""
+        parts.append(f"{t['name']} {format_size(t['capacity_bytes'])}{where}")
+    return " -> ".join(parts)
+
+
+def _disk_usage(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
 def _table(report: dict[str, Any]) -> str:
-    rows = [
+    from kvtier.units import format_size
+
+    rows: list[tuple[str, Any]] = [
         ("workload", report["workload"]),
         ("requests", report["requests"]),
         ("steps", report["steps"]),
+        ("tiers", _describe_tiers(report["tiers"])),
+    ]
+    if any(t.get("path") for t in report["tiers"]):
+        note = (
+            f"emptied before the run ({report['emptied_records']} records); --keep-disk keeps them"
+            if report.get("emptied")
+            else "kept from earlier runs (--keep-disk): hits may exceed the oracle"
+        )
+        rows.append(("  persistent tiers", note))
+    reprefill = report["reprefill_tokens"]
+    rows += [
         ("prompt tokens", report["prompt_tokens"]),
-        ("prefill tokens", report["prefill_tokens"]),
+        (
+            "prefill tokens",
+            f"{report['prefill_tokens']}"
+            + (f"  (prompts + {reprefill} prefilled again after {report['preemptions']} preemptions)" if reprefill else ""),
+        ),
         ("  from GPU prefix cache", report["gpu_hit_tokens"]),
         ("  loaded from kvtier", report["loaded_tokens"]),
     ]
-    for tier, tokens in sorted(report["loaded_tokens_by_tier"].items()):
-        rows.append((f"    from {tier}", tokens))
+    for i, tier in enumerate(report["tiers"]):
+        rows.append((f"    from {tier['name']} (tiers[{i}])", report["loaded_tokens_by_tier"].get(tier["name"], 0)))
+    rows.append(("  recomputed", report["recomputed_tokens"]))
+    if report["preempted_unfinished_tokens"] or reprefill:
+        rows.append(("  preempted before computed", f"{report['preempted_unfinished_tokens']}  (prefilled again at readmission)"))
     rows += [
-        ("  recomputed", report["recomputed_tokens"]),
         ("hit tokens / unbounded oracle", f"{report['hit_tokens']} / {report['oracle_hit_tokens']}"),
         ("decode tokens", report["decode_tokens"]),
-        ("bytes stored", report["bytes_stored"]),
-        ("bytes loaded", report["bytes_loaded"]),
+        ("bytes stored", f"{report['bytes_stored']} ({format_size(report['bytes_stored'])})"),
+        ("bytes loaded", f"{report['bytes_loaded']} ({format_size(report['bytes_loaded'])})"),
         ("last-block stores at finish", report["last_block_jobs"]),
         ("flushed store jobs", report["flushed_jobs"]),
         ("preemptions", report["preemptions"]),
@@ -160,6 +205,8 @@ def _table(report: dict[str, Any]) -> str:
         ("live jobs", report["live_jobs"]),
         ("seconds", f"{report['seconds']:.2f}"),
     ]
+    for disk in report.get("disk", []):
+        rows.append(("on disk", f"{disk['path']}: {format_size(disk['bytes'])}" + ("  (kvtier cache clear removes it)" if disk["in_cache_dir"] else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -169,27 +216,42 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = _load_config_file(args.config) if args.config else default_sim_config()
-        if not args.config and not args.keep_disk:
-            # Only the simulation's own directory, and only its LMDB files, are ever removed.
-            for name in ("data.mdb", "lock.mdb"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(sim_disk_path(), name))
         options: dict[str, Any] = {"async_scheduling": bool(args.async_scheduling)}
         if args.gpu_blocks is not None:
             options["num_gpu_blocks"] = args.gpu_blocks
         sim = SimConfig(**options)
         progress = _Progress(args.requests, enabled=not args.no_progress and not args.json and sys.stderr.isatty())
         try:
+            # Persistent tiers start empty unless --keep-disk: only records of the simulator's own
+            # namespace are deleted (a tier written for a real model fails to open, untouched).
             report = run_sim(
-                config, workload=args.workload, requests=args.requests, seed=args.seed, sim=sim, on_step=progress
+                config,
+                workload=args.workload,
+                requests=args.requests,
+                seed=args.seed,
+                sim=sim,
+                on_step=progress,
+                empty_persistent=not args.keep_disk,
             )
         finally:
             progress.close()
     except KVTierError as exc:
         print(f"kvtier sim: {exc}", file=sys.stderr)
         return 1
+    from kvtier.cache import cache_dir
+
     data = report.to_dict()
-    data["tiers"] = [t.get("backend") for t in config.get("tiers", [])]
+    data["emptied"] = not args.keep_disk
+    root = os.path.realpath(cache_dir())
+    data["disk"] = [
+        {
+            "path": t["path"],
+            "bytes": _disk_usage(t["path"]),
+            "in_cache_dir": os.path.realpath(t["path"]).startswith(root + os.sep),
+        }
+        for t in report.tiers
+        if t.get("path") and os.path.isdir(t["path"])
+    ]
     if args.json:
         print(json.dumps(data, sort_keys=True))
     else:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import kvtier
+from kvtier.config import load_config
 from kvtier.connector import (
     SchedulerConnector,
     SchedulerStep,
@@ -40,9 +41,10 @@ from kvtier.connector import (
     WorkerConnector,
     WorkerOutput,
 )
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import Namespace
 from kvtier.sim.workloads import Session, make_workload
+from kvtier.store import _tier_error as tier_error
 
 __all__ = ["SimConfig", "SimReport", "SimRequest", "Simulator", "BlockPool", "run_sim", "kv_content", "prefix_hash"]
 
@@ -246,11 +248,22 @@ class SimReport:
     requests: int = 0
     steps: int = 0
     prompt_tokens: int = 0
+    #: Every admission's tokens: the prompts, plus each preempted request's tokens again when
+    #: it is readmitted. Equals gpu_hit + loaded + recomputed + preempted_unfinished_tokens.
     prefill_tokens: int = 0
     gpu_hit_tokens: int = 0
     loaded_tokens: int = 0
     loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
+    #: Tokens of readmissions after a preemption (part of ``prefill_tokens``).
+    reprefill_tokens: int = 0
+    #: Tokens admitted for prefill whose request was preempted before they were computed; they
+    #: are prefilled again (and counted again) when it is readmitted.
+    preempted_unfinished_tokens: int = 0
+    #: The store's tiers, fastest first: name, backend, capacity_bytes, path (persistent tiers).
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+    #: Records removed from persistent tiers before the run (``run_sim(empty_persistent=True)``).
+    emptied_records: int = 0
     decode_tokens: int = 0
     oracle_hit_tokens: int = 0
     bytes_stored: int = 0
@@ -323,6 +336,12 @@ class Simulator:
         self._sessions: dict[int, Session] = {}
         self.on_step: Callable[[Simulator], None] | None = None
         self._tier_names = [store.manager.tier_spec(i).name for i in range(store.manager.num_tiers)]
+        for name, backend in zip(self._tier_names, store.backends):
+            path = getattr(backend, "path", None)
+            self.report.tiers.append(
+                {"name": name, "backend": backend.name, "capacity_bytes": backend.capacity_bytes, "path": None if path is None else str(path)}
+            )
+            self.report.loaded_tokens_by_tier[name] = 0  # a tier that served nothing shows 0
 
     # -- workload --------------------------------------------------------------------------
     def submit(
@@ -369,6 +388,7 @@ class Simulator:
 
     def _preempt(self, victim: SimRequest, preempted: list[str]) -> None:
         self.running.remove(victim)
+        self.report.preempted_unfinished_tokens += max(0, victim.admit_len - victim.num_computed_tokens)
         self.pool.free(victim.block_ids)
         victim.block_ids = []
         victim.num_computed_tokens = 0
@@ -446,6 +466,8 @@ class Simulator:
             req.block_ids = hits + got
             allocated.extend(got)
             req.num_computed_tokens = computed
+            if req.admit_len:  # admitted before: readmitted after a preemption
+                self.report.reprefill_tokens += len(req.tokens)
             req.admit_len = len(req.tokens)
             self.report.prefill_tokens += len(req.tokens)
             self.report.gpu_hit_tokens += computed
@@ -679,6 +701,32 @@ def sim_namespace(config: SimConfig, kv_layout: str) -> Namespace:
     )
 
 
+def _all_keys(backend: Any) -> list[bytes]:
+    return [r.key for r in backend.scan()]
+
+
+async def _empty_persistent(cfg: Mapping[str, Any], caches: list[torch.Tensor], namespace: Namespace) -> int:
+    """Delete every record of ``cfg``'s persistent tiers; returns how many. Each tier is opened
+    on its own with the simulator's format, so its namespace check runs before anything goes."""
+    shell = kvtier.KVStore(load_config(cfg), kv_caches=caches, namespace=namespace)  # builds backends, no I/O
+    removed = 0
+    for i, backend in enumerate(shell.backends):
+        if not backend.persistent:
+            continue
+        try:
+            await backend.open(shell.format)
+        except KVTierError as exc:
+            raise tier_error(i, backend, exc) from exc
+        try:
+            keys = await asyncio.to_thread(_all_keys, backend)
+            if keys:
+                await backend.delete(keys)
+            removed += len(keys)
+        finally:
+            await backend.aclose()
+    return removed
+
+
 def run_sim(
     store_config: Mapping[str, Any],
     *,
@@ -687,8 +735,14 @@ def run_sim(
     seed: int = 0,
     sim: SimConfig | None = None,
     on_step: Callable[[Simulator], None] | None = None,
+    empty_persistent: bool = False,
 ) -> SimReport:
-    """Open a store from ``store_config``, run ``workload`` on the reference engine, close it."""
+    """Open a store from ``store_config``, run ``workload`` on the reference engine, close it.
+
+    ``empty_persistent`` first deletes every record of the persistent tiers (in the
+    simulator's namespace only: a tier written for another namespace fails to open, untouched),
+    so hits are this run's own and never exceed the oracle.
+    """
     sim = sim or SimConfig()
     sessions = make_workload(workload, requests=requests, seed=seed, vocab=sim.vocab_size)
     cfg = dict(store_config)
@@ -702,12 +756,14 @@ def run_sim(
 
     loop = asyncio.new_event_loop()
     try:
+        emptied = loop.run_until_complete(_empty_persistent(cfg, caches, namespace)) if empty_persistent else 0
         store = loop.run_until_complete(_open())
         try:
             engine = Simulator(store, sim)
             engine.on_step = on_step
             report = engine.run(sessions)
             report.workload = workload
+            report.emptied_records = emptied
         finally:
             loop.run_until_complete(store.aclose())
     finally:
