@@ -100,6 +100,7 @@ def _check_name(reg: registry.Registry, value: Any) -> str:
 
 ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
 BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
+StagingBytes = Annotated[int, BeforeValidator(_size("staging_bytes", allow_zero=True))]
 
 
 class TierConfig(BaseModel):
@@ -178,6 +179,10 @@ class StoreConfig(BaseModel):
     engine_blocks_per_block: int = Field(default=1, ge=1)
     block_bytes: BlockBytes | None = None
     staging_blocks: int = Field(default=32, ge=1)
+    #: device staging for copies between a GPU cache and host tiers (0: none, copy slices in batches)
+    staging_bytes: StagingBytes = 256 << 20
+    #: seconds a transfer job may take before it is failed and its keys released (None: no limit)
+    job_deadline_s: float | None = Field(default=120.0, gt=0)
     namespace: dict[str, Any] | None = None
     metrics: MetricsConfig = MetricsConfig()
 
