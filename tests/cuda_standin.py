@@ -64,6 +64,11 @@ log (``stream=None`` means host ops; omit it for all); ``happens_before(a, b)`` 
 ``is_device(t)``, ``is_pinned(t)``, ``device_tensor(t)`` (register an existing CPU tensor as
 device memory) and ``pinned_tensor(t)``.
 
+Host synchronisation is a fact in real time: once any host thread has seen an event or a stream
+complete (``synchronize``, ``query``, a blocking copy), every op logged after that, by any
+thread, is ordered after the completed work. So a worker thread that synchronises before it
+reports a job finished orders the engine's later ops after the job's copies, as on a device.
+
 Event semantics follow CUDA: waiting on an event that was never recorded is a no-op (logged
 with ``op.detail == "unrecorded"``); an event re-recorded later captures the new position,
 and a wait sees the position at the time of the wait call.
@@ -241,6 +246,7 @@ class CudaStandIn:
         self._event_ids = itertools.count(1)
         self._tls = threading.local()
         self._host_clocks: dict[str, Clock] = {}
+        self._completed: Clock = {}  # work some host thread has seen complete
         self._device: dict[int, torch.UntypedStorage] = {}
         self._pinned: dict[int, torch.UntypedStorage] = {}
         self.default_stream: FakeStream | None = None
@@ -287,6 +293,7 @@ class CudaStandIn:
         """Log an op: on ``stream`` (after the host's knowledge), or on the calling thread."""
         with self._lock:
             host, hclock = self._thread_clock()
+            _join(hclock, self._completed)
             if stream is None:
                 hclock[host] = hclock.get(host, 0) + 1
                 clock, where = dict(hclock), host
@@ -322,6 +329,7 @@ class CudaStandIn:
         with self._lock:
             _, hclock = self._thread_clock()
             _join(hclock, clock)
+            _join(self._completed, clock)
             self._append(name, None, event=event, other=stream)
 
     def synchronize(self, device: Any = None) -> None:
@@ -330,6 +338,7 @@ class CudaStandIn:
             for op in self.log:
                 if op.stream is not None:
                     _join(hclock, op.stream.clock)
+                    _join(self._completed, op.stream.clock)
             self._append("synchronize", None, detail="device")
 
     # -- ops ---------------------------------------------------------------------------------

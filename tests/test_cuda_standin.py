@@ -124,3 +124,20 @@ def test_a_layout_on_the_stand_in_device_moves_exact_bytes(cuda_standin: CudaSta
 
 def s_ops_on_device(s: CudaStandIn) -> list[object]:
     return [op for op in s.ops(kind="device") if op.name not in ("record", "wait_event", "wait_stream")]
+
+
+def test_completion_seen_by_one_thread_orders_later_ops_of_every_thread(cuda_standin: CudaStandIn) -> None:
+    s = cuda_standin
+    side = torch.cuda.Stream()
+    dev = torch.zeros(8, device="cuda")
+    with torch.cuda.stream(side):
+        dev.fill_(1)
+    copy = s.ops("fill_")[-1]
+    early = s.mark("engine op before the worker synced")
+    ev = torch.cuda.Event()
+    ev.record(side)
+    t = threading.Thread(target=ev.synchronize)
+    t.start()
+    t.join()
+    late = s.mark("engine op after the worker synced")
+    assert not s.happens_before(copy, early) and s.happens_before(copy, late)

@@ -34,7 +34,9 @@ SHAPES = [
 ]
 
 
-def make_layout(shape: tuple[int, ...], dtype: torch.dtype, layers: int, blocks: int, n: int, staging: int, seed: int = 0) -> tuple[KVLayout, list[torch.Tensor]]:
+def make_layout(
+    shape: tuple[int, ...], dtype: torch.dtype, layers: int, blocks: int, n: int, staging: int, seed: int = 0
+) -> tuple[KVLayout, list[torch.Tensor]]:
     caches = [random_bytes((blocks, *shape), dtype, seed + i, device="cuda") for i in range(layers)]
     return KVLayout(caches, engine_blocks_per_block=n, staging_bytes=staging), caches
 
@@ -43,11 +45,9 @@ def expected_records(caches: list[torch.Tensor], ids: list[int], n: int) -> torc
     """The records of ``ids`` (``n`` per block), built the slow obvious way."""
     rows = []
     for j in range(len(ids) // n):
-        parts = [c[ids[j * n + m]].reshape(-1).view(torch.uint8) for c in caches for m in range(n)]
         # tensor by tensor, n slices each
         per_tensor = [torch.cat([c[ids[j * n + m]].reshape(-1).view(torch.uint8) for m in range(n)]) for c in caches]
         rows.append(torch.cat(per_tensor))
-        del parts
     return torch.stack(rows)
 
 
@@ -304,7 +304,9 @@ def test_save_into_pool_rows_reuses_a_half_only_after_its_dma(cuda_standin: Cuda
     with torch.cuda.stream(side):
         layout.gather([1, 2, 3, 4, 5, 6], pool, [0, 1, 2, 3, 4, 5], non_blocking=True)
     lane = layout.staging._lanes["save"]
-    gathers = [o for o in s.ops("index_select") if o.stream is side and any(s.overlaps(w, lane.buf()) for w in o.writes)]
+    gathers = [
+        o for o in s.ops("index_select") if o.stream is side and any(s.overlaps(w, lane.buf()) for w in o.writes)
+    ]
     dmas = s.ops("copy_", writes=pool)
     assert len(gathers) == 3 * layers and len(dmas) == 3, "rows 0-5 are one run: one DMA per chunk"
     by_chunk = [gathers[i * layers : (i + 1) * layers] for i in range(3)]
@@ -350,9 +352,19 @@ async def test_store_config_staging_bytes_reaches_the_layout_and_stats(cuda_stan
     async with kvtier.open(cfg, kv_caches=caches) as store:
         assert store.stats()["staging"]["device_staging_allocated"] == 0, "allocated lazily"
         keys = [make_key(i) for i in range(5)]
+        writer = cuda_standin.mark("compute kernel writing the cache", writes=caches)
         assert await store.save(keys, [1, 2, 3, 4, 5]) == 5
+        reads = [o for c in caches for o in cuda_standin.ops("index_select", reads=c)]
+        assert len(reads) == len(caches) * 3, "one gather per tensor and chunk (2 + 2 + 1 blocks)"
+        assert all(cuda_standin.happens_before(writer, o) for o in reads), "a save read bytes still being written"
         before = [c.clone() for c in caches]
+        reader = cuda_standin.mark("compute kernel reading the cache", reads=caches)
         assert await store.load(keys, [10, 11, 12, 13, 14]) == 5
+        writes = [o for c in caches for o in cuda_standin.ops("index_copy_", writes=c)]
+        assert len(writes) == len(caches) * 3
+        assert all(cuda_standin.happens_before(reader, o) for o in writes), "a load overwrote blocks still being read"
+        done = cuda_standin.mark("engine reads the loaded blocks", reads=caches)
+        assert all(cuda_standin.happens_before(o, done) for o in writes), "finished before its copies completed"
         for c, b in zip(caches, before):
             assert torch.equal(c.view(torch.uint8)[10:15], b.view(torch.uint8)[1:6])
         st = store.stats()["staging"]
