@@ -127,8 +127,11 @@ class KVStore:
             if backend.persistent:
                 records = await asyncio.to_thread(_scan_records, backend)
                 excess = self.manager.adopt(i, records)
-                if excess:
+                if excess and not getattr(backend, "shared", False):  # a shared tier's records are every host's
                     await backend.delete(excess)
+            bind_index = getattr(backend, "bind_index", None)
+            if bind_index is not None:  # a shared tier keeps this index in step with its server
+                bind_index(self.manager, i)
         if self.layout is not None:
             self.transfers = TransferEngine(
                 self.layout,

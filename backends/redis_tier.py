@@ -1,0 +1,622 @@
+"""``redis``: a tier shared by every host, on a Redis server or a Redis Cluster.
+
+One :mod:`kvtier.record` record (header, optional MAC tag, codec payload) per key, stored under
+``<prefix>:<namespace digest, 16 hex>:<32-byte key>``, so namespaces never meet and one ``SCAN``
+pattern lists a store's records. Records bind their key (checksum or, with ``mac_key``, an
+HMAC): a record copied under another key, damaged, or planted by someone without the secret is a
+miss, deleted and counted, never wrong data.
+
+I/O: each job is one pipelined exchange per server node, never a round trip per block. Writes
+are ``SET`` (``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them;
+reads are ``GET`` (``GETEX ... PX`` with ``ttl_s``, a sliding expiry) with a bounded window of
+requests in flight (a few MiB: deeper pipelines of large replies were measured slower than a
+serial loop). With ``cluster: true`` a job is split by hash slot into one batch per primary,
+and the batches run in parallel.
+
+The index lives on the server. :class:`kvtier.shared_index.SharedIndexView` keeps the manager's
+local index of this tier in step (periodic ``SCAN``, every ``sync_interval_s``); lookups never
+touch the network. A key the view still claims but the server evicted is a load miss.
+
+Faults: every socket call has a timeout (``socket_timeout_s``, ``connect_timeout_s``). A
+connection failure marks the tier *down*: one warning is logged, ``outages`` counts it, and
+until the next retry (exponential backoff, 0.1 s to 5 s) stores fail at once (``None``) and
+loads miss, with no network wait. The next call or index sweep after the backoff reconnects;
+success logs the outage's length. Nothing here raises into the engine for a dead server.
+
+Secrets (``password``, ``mac_key``) are never logged, never in ``repr`` or ``to_dict``; give them
+through ``password_env`` / ``mac_key_env`` to keep them out of config files. A password in the
+URL (``redis://user:secret@host``) is moved out of it at construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import torch
+
+from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.codec import Codec, UnsupportedRecordError
+from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
+from kvtier.record import RecordBackend, check_meta, decode_meta, decode_record, encode_meta
+from kvtier.shared_index import SharedIndexView
+
+try:
+    import redis
+    from redis.cluster import RedisCluster
+    from redis.exceptions import AskError, MovedError, RedisError, ResponseError, TryAgainError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
+    raise MissingDependencyError(f"the redis backend needs redis-py: pip install 'redis[hiredis]' ({exc})") from exc
+
+__all__ = ["RedisBackend"]
+
+log = logging.getLogger("kvtier")
+
+_HIDDEN = "<hidden>"
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_KEY_BYTES = 32
+#: Bytes of GET replies in flight per connection. Measured here with 2 MiB and 64 KiB values:
+#: a pipeline of whole jobs ran at about a third of a serial GET loop for 2 MiB values.
+_READ_WINDOW_BYTES = 4 << 20
+#: Socket read size of the hiredis parser (redis-py's default is 64 KiB): fewer recv calls.
+_SOCKET_READ_BYTES = 1 << 20
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 5.0
+_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class _Down(Exception):
+    """A node could not be reached; the caller fails the group and marks the tier down."""
+
+
+class _Health:
+    """Up/down state with exponential backoff, shared by the data path and the index sweeps."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.down_since: float | None = None
+        self._retry_at = 0.0
+        self._backoff = _BACKOFF_FIRST_S
+        self._lock = threading.Lock()
+        self.outages = 0
+        self.connection_errors = 0
+        self.fast_failures = 0
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
+
+    def allow(self) -> bool:
+        """Whether to touch the network now (up, or the backoff since the last failure ran out)."""
+        return self.down_since is None or time.monotonic() >= self._retry_at
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.connection_errors += 1
+            if self.down_since is None:
+                self.down_since = now
+                self.outages += 1
+                self._backoff = _BACKOFF_FIRST_S
+                log.warning(
+                    "redis: %s unreachable (%s: %s); stores fail and loads miss until it is back",
+                    self.where, type(exc).__name__, exc,
+                )
+            else:
+                self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+            self._retry_at = now + self._backoff
+
+    def succeeded(self) -> bool:
+        """Mark up; ``True`` if this ended an outage."""
+        if self.down_since is None:
+            return False
+        with self._lock:
+            since, self.down_since = self.down_since, None
+            self._backoff = _BACKOFF_FIRST_S
+        if since is not None:
+            log.warning("redis: %s is back after %.1f s", self.where, time.monotonic() - since)
+            return True
+        return False
+
+
+def _split_url(url: str) -> tuple[str, str | None, str | None]:
+    """``(url without credentials, username, password)``; checks the scheme."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"url: expected a redis:// or rediss:// URL, got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"url: expected a redis:// or rediss:// URL, got scheme {parts.scheme!r}")
+    if not parts.hostname:
+        raise ConfigError("url: the URL names no host")
+    username = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password is not None else None
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, "")), username, password
+
+
+class RedisBackend(RecordBackend):
+    """Records on a Redis server (``url``) or a Redis Cluster (``cluster: true``)."""
+
+    name: ClassVar[str] = "redis"
+    #: Records outlive the process; at open the store adopts what the server holds.
+    persistent: ClassVar[bool] = True
+    #: Other hosts write here too: the store never deletes records it has no room to adopt.
+    shared: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        capacity: int | str,
+        url: str = "redis://127.0.0.1:6379/0",
+        cluster: bool = False,
+        username: str | None = None,
+        password: str | None = None,
+        password_env: str | None = None,
+        prefix: str = "kvtier",
+        ttl_s: float | None = None,
+        codec: str | dict[str, Any] | Codec | None = "none",
+        mac_key: bytes | str | None = None,
+        mac_key_env: str | None = None,
+        max_connections: int = 32,
+        socket_timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        sync_interval_s: float = 1.0,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+    ) -> None:
+        super().__init__(capacity=capacity, codec=codec, mac_key=mac_key, mac_key_env=mac_key_env)
+        self.url, url_user, url_password = _split_url(url)
+        if not isinstance(cluster, bool):
+            raise ConfigError(f"cluster: expected true or false, got {cluster!r}")
+        if url_user is not None and username is not None and url_user != username:
+            raise ConfigError("username: given both in the URL and as an option, with different values")
+        self.username = username if username is not None else url_user
+        if password == _HIDDEN:
+            raise ConfigError("password: secrets are not serialised; give the password again, or use password_env")
+        given = [n for n, v in (("password", password), ("password_env", password_env), ("url", url_password)) if v is not None]
+        if len(given) > 1:
+            raise ConfigError(f"password: give it one way only, got {' and '.join(given)}")
+        self._password_env = password_env
+        self._password_inline = password is not None or url_password is not None
+        if password_env is not None:
+            if not isinstance(password_env, str) or not password_env:
+                raise ConfigError(f"password_env: expected an environment variable name, got {password_env!r}")
+            password = os.environ.get(password_env)
+            if password is None:
+                raise ConfigError(f"password_env: the environment variable {password_env!r} is not set")
+        self._password = password if password is not None else url_password
+        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+            raise ConfigError(f"prefix: expected 1-64 characters of [A-Za-z0-9_.-], got {prefix!r}")
+        self.prefix = prefix
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
+            raise ConfigError(f"ttl_s: expected a positive number of seconds, got {ttl_s!r}")
+        self.ttl_s = None if ttl_s is None else float(ttl_s)
+        for field, value in (
+            ("socket_timeout_s", socket_timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("sync_interval_s", sync_interval_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{field}: expected a positive number of seconds, got {value!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ConfigError(f"max_connections: expected a positive integer, got {max_connections!r}")
+        self.cluster = cluster
+        self.max_connections = max_connections
+        self.socket_timeout_s = float(socket_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.sync_interval_s = float(sync_interval_s)
+        self.tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file}
+        if any(self.tls.values()) and not self.url.startswith("rediss://"):
+            raise ConfigError("url: TLS files are given, so the URL must use rediss://")
+        self._health = _Health(self.url)
+        self._client: Any = None  # redis.Redis or RedisCluster, built in open()
+        self._client_lock = threading.Lock()
+        self._pool_threads: ThreadPoolExecutor | None = None
+        self._prefix_bytes = b""
+        self._meta_key = b""
+        self._ttl_ms = b""
+        self._refresh_slots = False
+        self.view: SharedIndexView | None = None
+
+    def __repr__(self) -> str:
+        kind = "cluster" if self.cluster else "server"
+        return f"RedisBackend({kind} {self.url!r}, prefix={self.prefix!r})"
+
+    # -- configuration ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data.update(url=self.url, cluster=self.cluster, prefix=self.prefix)
+        if self.username is not None:
+            data["username"] = self.username
+        if self._password_env is not None:
+            data["password_env"] = self._password_env
+        elif self._password_inline:
+            data["password"] = _HIDDEN  # never the secret; from_dict asks for it again
+        if self.ttl_s is not None:
+            data["ttl_s"] = self.ttl_s
+        data.update(
+            max_connections=self.max_connections,
+            socket_timeout_s=self.socket_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            sync_interval_s=self.sync_interval_s,
+        )
+        data.update({k: v for k, v in self.tls.items() if v is not None})
+        return data
+
+    def reserve_bytes(self) -> int:
+        return self.format.block_bytes + self._head_bytes()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def open(self, fmt: BlockFormat) -> None:
+        await super().open(fmt)
+        self._prefix_bytes = f"{self.prefix}:{fmt.namespace_digest[:8].hex()}:".encode()
+        self._meta_key = self._prefix_bytes + b"meta"
+        if self.ttl_s is not None:
+            self._ttl_ms = str(max(1, round(self.ttl_s * 1000))).encode()
+        self.view = SharedIndexView(
+            f"redis {self.url}", self._sweep, record_bytes=self.reserve_bytes(), interval_s=self.sync_interval_s
+        )
+        await asyncio.to_thread(self._connect_and_check)
+
+    def _connect_and_check(self) -> None:
+        """Connect and check the meta record. An unreachable server is an outage, not an error:
+        the tier starts empty and fills once the server answers. A server that holds records of
+        another format under this namespace's prefix is a ConfigError."""
+        try:
+            client = self._get_client()
+            raw = client.get(self._meta_key)
+            if raw is None:
+                client.set(self._meta_key, encode_meta(self.format), nx=True)
+            else:
+                try:
+                    meta = decode_meta(raw)
+                except CorruptBlockError as exc:
+                    log.warning("redis: the meta record under %r is unreadable (%s); rewriting it", self._meta_key, exc)
+                    client.set(self._meta_key, encode_meta(self.format))
+                else:
+                    check_meta(meta, self.format, where=f"redis {self.url} prefix {self._prefix_bytes.decode()}")
+        except _DOWN_ERRORS as exc:
+            self._health.failed(exc)
+        except RedisError as exc:  # refused auth, ACL denial, cluster not ready: loud, but not fatal
+            log.error("redis: %s refused the connection set-up: %s", self.url, exc)
+            self._health.failed(exc)
+        else:
+            self._health.succeeded()
+
+    def _client_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_read_size": _SOCKET_READ_BYTES,
+            "max_connections": self.max_connections,
+            "health_check_interval": 0,
+        }
+        if self.username is not None:
+            options["username"] = self.username
+        if self._password is not None:
+            options["password"] = self._password
+        if self.tls["tls_ca_file"]:
+            options["ssl_ca_certs"] = self.tls["tls_ca_file"]
+        if self.tls["tls_cert_file"]:
+            options["ssl_certfile"] = self.tls["tls_cert_file"]
+        if self.tls["tls_key_file"]:
+            options["ssl_keyfile"] = self.tls["tls_key_file"]
+        return options
+
+    def _get_client(self) -> Any:
+        client = self._client
+        if client is not None:
+            return client
+        with self._client_lock:
+            if self._client is None:
+                self._check_open()
+                options = self._client_options()
+                if self.cluster:
+                    # The constructor reads the slot map: I/O, hence here and not in __init__.
+                    self._client = RedisCluster.from_url(self.url, **options)
+                    nodes = len(self._client.get_primaries())
+                    self._pool_threads = ThreadPoolExecutor(max_workers=max(1, nodes), thread_name_prefix="kvtier-redis")
+                else:
+                    self._client = redis.Redis.from_url(self.url, **options)
+            return self._client
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        await super().aclose()
+        view, self.view = self.view, None
+        if view is not None:
+            await asyncio.to_thread(view.stop)
+        threads, self._pool_threads = self._pool_threads, None
+        if threads is not None:
+            threads.shutdown(wait=True)
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # closing sockets of a dead server must not fail a close
+                log.debug("redis: close: %s", exc)
+
+    def bind_index(self, manager: Any, tier: int) -> None:
+        """Keep ``manager``'s index of ``tier`` in step with the server (called by the store)."""
+        if self.view is not None:
+            self.view.bind(manager, tier)
+
+    # -- routing ---------------------------------------------------------------------------------
+    def _rkey(self, key: bytes) -> bytes:
+        return self._prefix_bytes + key
+
+    def _groups(self, rkeys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
+        """``(connection pool, positions)`` per node that holds the keys' slots."""
+        client = self._get_client()
+        if not self.cluster:
+            return [(client.connection_pool, list(range(len(rkeys))))]
+        nodes = client.nodes_manager
+        slot_of = client.keyslot
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, rk in enumerate(rkeys):
+            node = nodes.get_node_from_slot(slot_of(rk))
+            entry = groups.get(node.name)
+            if entry is None:
+                entry = groups[node.name] = (client.get_redis_connection(node).connection_pool, [])
+            entry[1].append(i)
+        return list(groups.values())
+
+    def _run_groups(self, fn: Any, groups: list[tuple[Any, list[int]]]) -> list[Any]:
+        threads = self._pool_threads
+        if len(groups) == 1 or threads is None:
+            return [fn(pool, pos) for pool, pos in groups]
+        return list(threads.map(lambda g: fn(*g), groups))
+
+    def _exchange(self, pool: Any, body: Any) -> Any:
+        conn = pool.get_connection()
+        try:
+            return body(conn)
+        except _DOWN_ERRORS as exc:
+            conn.disconnect()
+            raise _Down(exc) from exc
+        finally:
+            pool.release(conn)
+
+    def _note_cluster_error(self, exc: BaseException) -> None:
+        if isinstance(exc, (MovedError, AskError, TryAgainError)):
+            self._refresh_slots = True
+
+    # -- bulk I/O --------------------------------------------------------------------------------
+    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        self._check_io(keys, blocks)
+        n = len(keys)
+        if not self._health.allow():
+            self._health.fast_failures += n
+            self.counters.write_failures += n
+            return [None] * n
+        parts = self._encode(keys, blocks)
+        rkeys = [self._rkey(k) for k in keys]
+        sizes: list[int | None] = [None] * n
+        ttl = self._ttl_ms
+
+        def write_group(pool: Any, positions: list[int]) -> None:
+            def body(conn: Any) -> None:
+                out: list[Any] = []
+                for i in positions:
+                    head, payload = parts[i]
+                    rk = rkeys[i]
+                    length = len(head) + len(payload)
+                    if ttl:
+                        out.append(b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rk), rk, length, head))
+                        out.append(payload)
+                        out.append(b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl))
+                    else:
+                        out.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rk), rk, length, head))
+                        out.append(payload)
+                        out.append(b"\r\n")
+                conn.send_packed_command(out, check_health=False)
+                for i in positions:
+                    try:
+                        conn.read_response()
+                    except ResponseError as exc:  # OOM under noeviction, MOVED while resharding
+                        self._note_cluster_error(exc)
+                        log.debug("redis: SET refused: %s", exc)
+                        continue
+                    head, payload = parts[i]
+                    sizes[i] = len(head) + len(payload)
+
+            self._exchange(pool, body)
+
+        self._run_io(write_group, rkeys)
+        done = [keys[i] for i in range(n) if sizes[i] is not None]
+        self.counters.blocks_written += len(done)
+        self.counters.bytes_written += sum(s for s in sizes if s is not None)
+        self.counters.write_failures += n - len(done)
+        if done and self.view is not None:
+            self.view.note_written(done)
+        return sizes
+
+    def _run_io(self, fn: Any, rkeys: list[bytes]) -> bool:
+        """Run ``fn(pool, positions)`` per node; ``False`` (tier marked down) on a dead server."""
+        try:
+            groups = self._groups(rkeys)
+            self._run_groups(fn, groups)
+        except _Down as exc:
+            self._health.failed(exc.__cause__ or exc)
+            return False
+        except _DOWN_ERRORS as exc:  # building the client or the slot map
+            self._health.failed(exc)
+            return False
+        except RedisError as exc:
+            self._note_cluster_error(exc)
+            self._health.failed(exc)
+            return False
+        if self._health.succeeded() and self.view is not None:
+            self.view.wake()
+        return True
+
+    def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        size = self._check_io(keys, out)
+        n = len(keys)
+        found = [False] * n
+        if not self._health.allow():
+            self._health.fast_failures += n
+            self._count_reads(found, size, corrupt=0)
+            return found
+        rkeys = [self._rkey(k) for k in keys]
+        bad: list[bytes] = []
+        corrupt = 0
+        window = max(1, _READ_WINDOW_BYTES // (size + self._head_bytes()))
+        ttl = self._ttl_ms
+
+        def command(rk: bytes) -> bytes:
+            if ttl:
+                return b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(rk), rk, len(ttl), ttl)
+            return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(rk), rk)
+
+        def read_group(pool: Any, positions: list[int]) -> None:
+            nonlocal corrupt
+
+            def body(conn: Any) -> None:
+                nonlocal corrupt
+                sent = min(window, len(positions))
+                conn.send_packed_command([b"".join(command(rkeys[i]) for i in positions[:sent])], check_health=False)
+                for i in positions:
+                    try:
+                        value = conn.read_response()
+                    except ResponseError as exc:
+                        self._note_cluster_error(exc)
+                        value = None
+                    if sent < len(positions):
+                        conn.send_packed_command([command(rkeys[positions[sent]])], check_health=False)
+                        sent += 1
+                    if value is None:
+                        continue
+                    key, dst = keys[i], out[i]
+                    view, staging = self._host_view(dst)
+                    try:
+                        decode_record(key, value, view, mac=self.mac)
+                    except UnsupportedRecordError as exc:
+                        # Another writer's format or secret: a miss here, theirs to keep.
+                        log.debug("redis: record %s… not readable here (%s)", key.hex()[:16], exc)
+                        continue
+                    except CorruptBlockError as exc:
+                        log.warning("redis: bad record %s… on %s (%s); deleting it", key.hex()[:16], self.url, exc)
+                        self._count_auth(exc)
+                        bad.append(key)
+                        corrupt += 1
+                        continue
+                    if staging is not None:
+                        dst.copy_(staging)
+                    found[i] = True
+
+            self._exchange(pool, body)
+
+        if not self._run_io(read_group, rkeys):
+            found = [False] * n  # a half-read job is a whole miss: simpler for callers, and rare
+        if bad:
+            self._delete(bad)
+        self._count_reads(found, size, corrupt=corrupt)
+        return found
+
+    def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        self._check_open()
+        self._delete(list(keys))
+
+    def _delete(self, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        if self.view is not None:
+            self.view.note_deleted(keys)
+        if not self._health.allow():
+            self._health.fast_failures += len(keys)
+            return  # the server is gone; its LRU (or TTL) reclaims the records later
+        rkeys = [self._rkey(k) for k in keys]
+        deleted = 0
+
+        def delete_group(pool: Any, positions: list[int]) -> None:
+            nonlocal deleted
+
+            def body(conn: Any) -> None:
+                nonlocal deleted
+                # One UNLINK per key: a multi-key UNLINK would be refused across cluster slots.
+                conn.send_packed_command(
+                    [b"".join(b"*2\r\n$6\r\nUNLINK\r\n$%d\r\n%b\r\n" % (len(rkeys[i]), rkeys[i]) for i in positions)],
+                    check_health=False,
+                )
+                for _ in positions:
+                    try:
+                        deleted += int(conn.read_response())
+                    except ResponseError as exc:
+                        self._note_cluster_error(exc)
+
+            self._exchange(pool, body)
+
+        self._run_io(delete_group, rkeys)
+        self.counters.deleted += deleted
+
+    # -- the shared index --------------------------------------------------------------------------
+    def _sweep(self) -> set[bytes] | None:
+        """Every key of this namespace on the server (``SCAN`` on each primary), or ``None``
+        when the server is down or its backoff has not run out."""
+        if self._closed or not self._health.allow():
+            return None
+        plen = len(self._prefix_bytes)
+        pattern = self._prefix_bytes + b"*"
+        want = plen + _KEY_BYTES
+        found: set[bytes] = set()
+        try:
+            client = self._get_client()
+            if self.cluster:
+                if self._refresh_slots:
+                    self._refresh_slots = False
+                    client.nodes_manager.initialize()
+                nodes = [client.get_redis_connection(node) for node in client.get_primaries()]
+            else:
+                nodes = [client]
+            for node in nodes:
+                for rk in node.scan_iter(match=pattern, count=1000):
+                    if len(rk) == want:
+                        found.add(rk[plen:])
+        except _DOWN_ERRORS as exc:
+            self._health.failed(exc)
+            return None
+        except RedisError as exc:
+            self._note_cluster_error(exc)
+            self._health.failed(exc)
+            return None
+        self._health.succeeded()
+        return found
+
+    def scan(self) -> Iterator[RecordInfo]:
+        self._check_open()
+        found = self._sweep()
+        if found is None:
+            return iter(())
+        now = time.time()
+        size = self.reserve_bytes()
+        return iter([RecordInfo(k, size, now) for k in found])
+
+    def stats(self) -> dict[str, Any]:
+        data = super().stats()
+        health = self._health
+        data.update(
+            url=self.url,
+            cluster=self.cluster,
+            up=health.up,
+            outages=health.outages,
+            connection_errors=health.connection_errors,
+            fast_failures=health.fast_failures,
+        )
+        if self.view is not None:
+            data["index"] = self.view.stats()
+        return data

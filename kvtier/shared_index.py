@@ -1,0 +1,183 @@
+"""A local view of a shared tier's key set, kept current off the engine's step.
+
+A shared tier (a Redis server or cluster that several hosts write to) has its index on the
+server: another host may store or evict a key at any time. The engine's step never waits on
+the network, so ``TierManager.lookup`` keeps answering from the manager's local index, and this
+view keeps that index close to the server's truth:
+
+* a background thread *sweeps* the server every ``interval_s`` seconds (``sweep()`` returns
+  the full key set, e.g. by ``SCAN``), compares it with the keys the manager holds ready in the
+  tier, and applies the difference through the manager's public calls: ``adopt`` for keys
+  another host stored, ``remove`` for keys the server no longer holds (evicted, expired, deleted
+  by a peer). Both take the manager's lock, so the lock-free lookups see whole updates.
+* The staleness is bounded by ``interval_s`` plus one sweep. Within it the view can be wrong in
+  both directions, and both are safe: a key it claims that the server lost is a load miss (the
+  backend reports it, the manager forgets it, the engine recomputes); a key it does not know yet
+  is a store that is skipped by the server (``SET`` overwrites the same bytes) or a recompute.
+* Writes and deletes made by this process are journalled with the sweep clock, so a sweep that
+  started before them neither forgets a key just written nor adopts a key just deleted.
+* A sweep that fails (server down) changes nothing; the caller's ``sweep`` raises or returns
+  ``None`` and the next attempt follows the backend's backoff.
+
+The manager is reached duck-typed (``holds``, ``tier_keys``, ``adopt``, ``remove``); this module
+imports nothing from it, so layers still point one way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from kvtier.errors import ClosedError
+
+__all__ = ["IndexTarget", "SharedIndexView"]
+
+log = logging.getLogger("kvtier")
+
+_APPLY_CHUNK = 2048  # keys per adopt/remove call, so one call never holds the manager long
+
+
+class IndexTarget(Protocol):
+    """What the view needs of the manager (``kvtier.manager.TierManager`` answers it)."""
+
+    def holds(self, key: bytes, tier: int) -> bool: ...
+    def tier_keys(self, tier: int) -> list[bytes]: ...
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]: ...
+    def remove(self, keys: list[bytes], tier: int) -> list[bytes]: ...
+
+
+class SharedIndexView:
+    """Keeps tier ``tier`` of a manager in step with a shared server's key set."""
+
+    def __init__(
+        self,
+        name: str,
+        sweep: Callable[[], set[bytes] | None],
+        *,
+        record_bytes: int,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: expected a positive number of seconds, got {interval_s!r}")
+        self.name = name
+        self.interval_s = float(interval_s)
+        self._sweep = sweep
+        self._record_bytes = int(record_bytes)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._written: dict[bytes, float] = {}
+        self._deleted: dict[bytes, float] = {}
+        self._target: IndexTarget | None = None
+        self._tier = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counters: dict[str, Any] = {
+            "sweeps": 0,
+            "sweep_failures": 0,
+            "adopted": 0,
+            "forgotten": 0,
+            "last_sweep_keys": 0,
+            "last_sweep_s": 0.0,
+        }
+
+    # -- wiring --------------------------------------------------------------------------------
+    def bind(self, target: IndexTarget, tier: int, *, start: bool = True) -> None:
+        """Attach the manager whose tier ``tier`` this view keeps current; start the thread."""
+        self._target, self._tier = target, tier
+        if start and self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=f"kvtier-{self.name}-index", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (waits for a sweep in progress). Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._target = None
+
+    def wake(self) -> None:
+        """Sweep now instead of at the end of the current interval (e.g. after a reconnect)."""
+        self._wake.set()
+
+    # -- journal of this process's own changes -------------------------------------------------
+    def note_written(self, keys: Iterable[bytes]) -> None:
+        now = self._clock()
+        with self._lock:
+            for key in keys:
+                self._written[key] = now
+                self._deleted.pop(key, None)
+
+    def note_deleted(self, keys: Iterable[bytes]) -> None:
+        now = self._clock()
+        with self._lock:
+            for key in keys:
+                self._deleted[key] = now
+                self._written.pop(key, None)
+
+    # -- sweeping ------------------------------------------------------------------------------
+    def sweep_once(self) -> tuple[int, int] | None:
+        """One sweep, applied to the bound manager; ``(adopted, forgotten)``, or ``None`` when
+        the server could not be listed (nothing changes then)."""
+        target, tier = self._target, self._tier
+        started = self._clock()
+        t0 = time.perf_counter()
+        try:
+            found = self._sweep()
+        except Exception as exc:  # the backend translates and logs outages; never kill the thread
+            log.debug("%s: index sweep failed: %s", self.name, exc)
+            found = None
+        if found is None:
+            self.counters["sweep_failures"] += 1
+            return None
+        with self._lock:
+            # Journal entries older than this sweep's start are reflected in `found` already.
+            recent_w = {k for k, t in self._written.items() if t >= started}
+            recent_d = {k for k, t in self._deleted.items() if t >= started}
+            self._written = {k: self._written[k] for k in recent_w}
+            self._deleted = {k: self._deleted[k] for k in recent_d}
+        adopted = forgotten = 0
+        if target is not None:
+            held = target.tier_keys(tier)
+            gone = [k for k in held if k not in found and k not in recent_w]
+            holds = target.holds
+            new = [k for k in found if k not in recent_d and not holds(k, tier)]
+            for i in range(0, len(gone), _APPLY_CHUNK):
+                forgotten += len(target.remove(gone[i : i + _APPLY_CHUNK], tier))
+            now = time.time()
+            size = self._record_bytes
+            for i in range(0, len(new), _APPLY_CHUNK):
+                chunk = new[i : i + _APPLY_CHUNK]
+                excess = target.adopt(tier, [(k, size, now) for k in chunk])
+                adopted += len(chunk) - len(excess)  # excess: no room in this host's view; kept on the server
+        self.counters["sweeps"] += 1
+        self.counters["adopted"] += adopted
+        self.counters["forgotten"] += forgotten
+        self.counters["last_sweep_keys"] = len(found)
+        self.counters["last_sweep_s"] = time.perf_counter() - t0
+        return adopted, forgotten
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set() or self._target is None:
+                break
+            try:
+                self.sweep_once()
+            except ClosedError:  # the store closed its manager; the backend stops us next
+                break
+            except Exception:  # a manager that closed under us, or a bug: log, keep the engine alive
+                log.exception("%s: applying an index sweep failed", self.name)
+                if self._target is None:
+                    break
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counters, interval_s=self.interval_s)

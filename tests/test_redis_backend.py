@@ -1,0 +1,398 @@
+"""The ``redis`` tier against a real private redis-server and a real 3-master Redis Cluster.
+
+Fixtures (tests/redis_servers.py) start the servers on free localhost ports; without the
+``redis-server`` binary every test here is skipped with a loud reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from kvtier.backends.redis_tier import RedisBackend
+from redis_servers import RedisClusterServers, RedisServer
+
+import kvtier
+from kvtier.backend import BlockFormat
+from kvtier.codec import NoneCodec
+from kvtier.errors import ConfigError
+from kvtier.record import encode_record
+from kvtier.testing import BackendTests, make_key, random_block
+
+BLOCK = 4096
+MAC = "a-fleet-wide-secret-of-32-bytes!"
+
+
+def _prefix(path: Path) -> str:
+    return "t" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+
+
+class TestRedisServerConformance(BackendTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer) -> None:
+        self.server = redis_server
+
+    def make_backend(self, path: Path, capacity: int) -> RedisBackend:
+        return RedisBackend(capacity=capacity, url=self.server.url, prefix=_prefix(path))
+
+
+class TestRedisClusterConformance(BackendTests):
+    @pytest.fixture(autouse=True)
+    def _cluster(self, redis_cluster: RedisClusterServers) -> None:
+        self.cluster = redis_cluster
+
+    def make_backend(self, path: Path, capacity: int) -> RedisBackend:
+        return RedisBackend(capacity=capacity, url=self.cluster.url, cluster=True, prefix=_prefix(path))
+
+
+class TestRedisMacConformance(BackendTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.server = redis_server
+        monkeypatch.setenv("KVTIER_TEST_MAC", MAC)
+
+    def make_backend(self, path: Path, capacity: int) -> RedisBackend:
+        return RedisBackend(capacity=capacity, url=self.server.url, prefix=_prefix(path), mac_key_env="KVTIER_TEST_MAC", codec="zstd")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def fmt(block: int = BLOCK) -> BlockFormat:
+    return BlockFormat(block_bytes=block, dtype="bfloat16", namespace_digest=hashlib.sha256(b"redis-tests").digest())
+
+
+def opened(**options: Any) -> RedisBackend:
+    options.setdefault("capacity", 64 * BLOCK)
+    backend = RedisBackend(**options)
+    asyncio.run(backend.open(fmt()))
+    return backend
+
+
+def close(backend: RedisBackend) -> None:
+    asyncio.run(backend.aclose())
+
+
+def blocks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    return [random_block(BLOCK, seed * 1000 + i) for i in range(n)]
+
+
+def empty(n: int) -> list[torch.Tensor]:
+    return [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(n)]
+
+
+# -- configuration and secrets -------------------------------------------------------------------
+
+def test_secrets_never_in_repr_or_to_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    inline = RedisBackend(capacity="1MiB", url="redis://kv:hunter2-secret@127.0.0.1:1/0", mac_key=MAC)
+    for text in (repr(inline), str(inline.to_dict())):
+        assert "hunter2-secret" not in text and MAC not in text
+    assert inline.url == "redis://127.0.0.1:1/0" and inline.username == "kv"
+    with pytest.raises(ConfigError, match="password"):
+        RedisBackend.from_dict({**inline.to_dict(), "mac_key": MAC})  # a hidden secret must be given again
+    monkeypatch.setenv("KV_REDIS_PW", "from-the-env")
+    via_env = RedisBackend(capacity="1MiB", url="rediss://127.0.0.1:1/0", username="kv", password_env="KV_REDIS_PW")
+    data = via_env.to_dict()
+    assert "from-the-env" not in str(data) and data["password_env"] == "KV_REDIS_PW"
+    assert RedisBackend.from_dict(data).to_dict() == data
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"url": "http://127.0.0.1"}, "url"),
+        ({"prefix": "has space"}, "prefix"),
+        ({"ttl_s": 0}, "ttl_s"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"socket_timeout_s": -1}, "socket_timeout_s"),
+        ({"password_env": "KVTIER_TEST_UNSET_VARIABLE"}, "password_env"),
+        ({"password": "a", "url": "redis://u:b@127.0.0.1/0"}, "password"),
+        ({"tls_ca_file": "/ca.pem"}, "url"),
+    ],
+)
+def test_bad_options_name_the_field(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        RedisBackend(capacity="1MiB", **options)
+
+
+def test_config_builds_the_tier_through_the_registry(redis_server: RedisServer) -> None:
+    cfg = kvtier.config.load_config({"block_bytes": BLOCK, "tiers": [{"backend": "redis", "capacity": "1MiB", "url": redis_server.url}]})
+    backend = kvtier.config.build_backend(cfg.tiers[0], 0)
+    assert isinstance(backend, RedisBackend) and backend.url == redis_server.url
+
+
+# -- records on a shared server ------------------------------------------------------------------
+
+def test_keys_carry_the_namespace_prefix(redis_server: RedisServer, tmp_path: Path) -> None:
+    backend = opened(url=redis_server.url, prefix=_prefix(tmp_path))
+    try:
+        backend.write_blocks([make_key(1)], blocks(1))
+        raw = redis.Redis.from_url(redis_server.url).keys(f"{_prefix(tmp_path)}:*")
+        digest = fmt().namespace_digest[:8].hex()
+        assert sorted(raw) == sorted([f"{_prefix(tmp_path)}:{digest}:meta".encode(), f"{_prefix(tmp_path)}:{digest}:".encode() + make_key(1)])
+    finally:
+        close(backend)
+
+
+def test_forged_and_damaged_records_are_misses_and_deleted(redis_server: RedisServer, tmp_path: Path) -> None:
+    backend = opened(url=redis_server.url, prefix=_prefix(tmp_path), mac_key=MAC)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(3)]
+        data = blocks(3)
+        backend.write_blocks(keys, data)
+        rk = [backend._rkey(k) for k in keys]
+        # A forger without the secret writes a well-formed record with a valid plain checksum.
+        head, payload = encode_record(keys[0], data[1].numpy().data, NoneCodec(), 1)
+        client.set(rk[0], head + bytes(payload))
+        # Bit rot in another one.
+        damaged = bytearray(client.get(rk[1]))
+        damaged[-1] ^= 0xFF
+        client.set(rk[1], bytes(damaged))
+        out = empty(3)
+        assert backend.read_blocks(keys, out) == [False, False, True]
+        assert torch.equal(out[2], data[2])
+        stats = backend.stats()
+        # Both fail the MAC (an unkeyed record is refused where a MAC is configured), both deleted.
+        assert stats["corrupt_records"] == 2 and stats["auth_failures"] == 2
+        assert client.exists(rk[0], rk[1]) == 0 and client.exists(rk[2]) == 1
+    finally:
+        close(backend)
+
+
+def test_ttl_expires_records(redis_server: RedisServer, tmp_path: Path) -> None:
+    backend = opened(url=redis_server.url, prefix=_prefix(tmp_path), ttl_s=0.3)
+    try:
+        backend.write_blocks([make_key(1)], blocks(1))
+        ttl = redis.Redis.from_url(redis_server.url).pttl(backend._rkey(make_key(1)))
+        assert 0 < ttl <= 300
+        time.sleep(0.5)
+        assert backend.read_blocks([make_key(1)], empty(1)) == [False]
+    finally:
+        close(backend)
+
+
+def test_cluster_splits_a_job_across_every_primary(redis_cluster: RedisClusterServers, tmp_path: Path) -> None:
+    backend = opened(url=redis_cluster.url, cluster=True, prefix=_prefix(tmp_path))
+    try:
+        keys = [make_key(i) for i in range(48)]
+        data = blocks(48, seed=4)
+        assert all(s is not None for s in backend.write_blocks(keys, data))
+        per_node = [len(redis.Redis(port=n.port).keys(f"{_prefix(tmp_path)}:*")) for n in redis_cluster.nodes]
+        assert all(c > 0 for c in per_node), per_node
+        out = empty(48)
+        assert backend.read_blocks(keys, out) == [True] * 48
+        assert all(torch.equal(a, b) for a, b in zip(out, data))
+        assert backend._sweep() == set(keys)
+    finally:
+        close(backend)
+
+
+def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix = _prefix(tmp_path)
+    own_redis_server.cli("ACL", "SETUSER", "kvtier", "on", ">pw-kvtier-1234", f"~{prefix}:*", "+@all", "-@dangerous", "+info")
+    own_redis_server.cli("ACL", "SETUSER", "default", "off")
+    monkeypatch.setenv("KVTIER_TEST_REDIS_PW", "pw-kvtier-1234")
+    backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="KVTIER_TEST_REDIS_PW")
+    try:
+        assert backend.write_blocks([make_key(1)], blocks(1)) != [None]
+        assert backend.read_blocks([make_key(1)], empty(1)) == [True]
+    finally:
+        close(backend)
+    monkeypatch.setenv("KVTIER_TEST_REDIS_PW", "wrong")
+    denied = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="KVTIER_TEST_REDIS_PW")
+    try:
+        assert denied.write_blocks([make_key(2)], blocks(1)) == [None]  # refused, counted, no exception
+        assert denied.read_blocks([make_key(1)], empty(1)) == [False]
+        assert denied.stats()["up"] is False
+    finally:
+        close(denied)
+
+
+# -- the shared index through a store --------------------------------------------------------------
+
+NUM_BLOCKS = 8
+
+
+def make_caches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (NUM_BLOCKS, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
+
+
+def store_config(url: str, prefix: str, *, cluster: bool = False, cpu: bool = True, **redis_extra: Any) -> dict[str, Any]:
+    block = 2 * 2 * 512
+    tiers: list[dict[str, Any]] = [{"backend": "cpu", "capacity": 4 * block}] if cpu else []
+    tiers.append({"backend": "redis", "capacity": 64 * block, "url": url, "cluster": cluster, "prefix": prefix, "sync_interval_s": 3600, **redis_extra})
+    return {"tiers": tiers, "write": "through", "namespace": {"model_id": "redis-test"}}
+
+
+def engine_blocks(caches: list[torch.Tensor], ids: list[int]) -> list[list[torch.Tensor]]:
+    return [[c[i].view(torch.uint8).clone() for c in caches] for i in ids]
+
+
+async def test_a_key_stored_by_another_host_is_found_after_a_sweep_and_a_lost_key_is_a_miss(redis_server: RedisServer, tmp_path: Path) -> None:
+    prefix = _prefix(tmp_path)
+    keys = [make_key(i) for i in range(4)]
+    a_caches, b_caches = make_caches(1), make_caches(2)
+    want = engine_blocks(a_caches, [0, 1, 2, 3])
+    async with kvtier.open(store_config(redis_server.url, prefix), kv_caches=b_caches) as b:
+        async with kvtier.open(store_config(redis_server.url, prefix), kv_caches=a_caches) as a:
+            assert await a.save(keys, [0, 1, 2, 3]) == 4
+        assert await b.lookup(keys) == 0  # no round trip in lookup: B has not swept yet
+        view = b.backends[1].view
+        assert view.sweep_once() == (4, 0)
+        assert await b.lookup(keys) == 4
+        assert await b.load(keys, [4, 5, 6, 7]) == 4
+        got = engine_blocks(b_caches, [4, 5, 6, 7])
+        assert all(torch.equal(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
+        # The server loses keys 2 and 3 (evicted); B's view still claims them.
+        client = redis.Redis.from_url(redis_server.url)
+        client.delete(*(b.backends[1]._rkey(k) for k in keys[2:]))
+        b.manager.remove(keys[2:], 0)  # only the cpu copy; the redis view is stale on purpose
+        b_caches[0].view(torch.uint8)[6:].zero_()
+        assert await b.lookup(keys) == 4
+        assert await b.load(keys[2:], [6, 7]) == 0  # a miss, never an exception or wrong bytes
+        assert b.stats()["tiers"][1]["pinned"] == 0
+        assert await b.lookup(keys) == 2  # the failed load made the manager forget them
+        assert view.sweep_once() == (0, 0)
+
+
+def test_view_journal_keeps_a_key_written_during_a_sweep() -> None:
+    from kvtier.shared_index import SharedIndexView
+
+    class Target:
+        def __init__(self) -> None:
+            self.ready = {b"k" * 32}
+            self.removed: list[bytes] = []
+
+        def holds(self, key: bytes, tier: int) -> bool:
+            return key in self.ready
+
+        def tier_keys(self, tier: int) -> list[bytes]:
+            return list(self.ready)
+
+        def adopt(self, tier: int, records: Any) -> list[bytes]:
+            self.ready.update(k for k, _, _ in records)
+            return []
+
+        def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+            self.removed += keys
+            return keys
+
+    view: SharedIndexView
+    target = Target()
+
+    def sweep() -> set[bytes]:
+        view.note_written([b"k" * 32])  # written while the SCAN runs, so the SCAN did not see it
+        view.note_deleted([b"d" * 32])
+        return {b"d" * 32}
+
+    view = SharedIndexView("test", sweep, record_bytes=1)
+    view.bind(target, 0, start=False)
+    assert view.sweep_once() == (0, 0)
+    assert target.removed == [] and b"d" * 32 not in target.ready
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+async def test_server_killed_mid_run_then_restarted(own_redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    prefix = _prefix(tmp_path)
+    keys = [make_key(i) for i in range(8)]
+    caches = make_caches(3)
+    cfg = store_config(own_redis_server.url, prefix, cpu=False, socket_timeout_s=1.0, connect_timeout_s=0.5)
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        assert await store.save(keys[:4], [0, 1, 2, 3]) == 4
+        own_redis_server.kill()
+        assert await store.save(keys[4:], [4, 5, 6, 7]) == 0  # fails cleanly
+        assert await store.load(keys[:4], [4, 5, 6, 7]) == 0  # a miss
+        stats = store.stats()
+        assert stats["tiers"][0]["pinned"] == 0 and stats["tiers"][0]["pending"] == 0
+        backend = stats["backends"][0]
+        assert backend["up"] is False and backend["outages"] == 1
+        assert any("unreachable" in r.getMessage() for r in caplog.records)
+        own_redis_server.start()  # same port, empty (no persistence)
+        deadline = time.monotonic() + 30
+        while await store.save(keys[4:], [4, 5, 6, 7]) == 0:  # reconnects once the backoff runs out
+            assert time.monotonic() < deadline, "no reconnect"
+            await asyncio.sleep(0.1)
+        assert await store.load(keys[4:], [0, 1, 2, 3]) == 4
+        assert store.stats()["backends"][0]["up"] is True
+        assert any("is back after" in r.getMessage() for r in caplog.records)
+
+
+def test_server_eviction_under_maxmemory_is_a_miss_never_wrong_data(own_redis_server: RedisServer, tmp_path: Path) -> None:
+    own_redis_server.cli("CONFIG", "SET", "maxmemory", "2mb")
+    own_redis_server.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+    backend = opened(url=own_redis_server.url, prefix=_prefix(tmp_path), capacity=4096 * BLOCK)
+    try:
+        keys = [make_key(i) for i in range(1200)]
+        data = blocks(1200, seed=7)
+        for i in range(0, 1200, 100):
+            backend.write_blocks(keys[i : i + 100], data[i : i + 100])
+        out = empty(1200)
+        found = backend.read_blocks(keys, out)
+        assert 0 < sum(found) < 1200  # the server evicted some
+        assert all(torch.equal(out[i], data[i]) for i in range(1200) if found[i])
+    finally:
+        close(backend)
+
+
+# -- two hosts, for real: separate processes --------------------------------------------------------
+
+_HOST = textwrap.dedent(
+    """
+    import asyncio, json, sys, torch, kvtier
+    role, url, prefix, cluster = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    def caches(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, 256, (16, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
+    keys = [kvtier.testing.make_key(i) for i in range(12)]
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 16 * 2048},
+                     {"backend": "redis", "capacity": "8MiB", "url": url, "cluster": cluster, "prefix": prefix}],
+           "write": "through", "namespace": {"model_id": "two-hosts"}}
+    async def main():
+        if role == "A":
+            kv = caches(11)
+            async with kvtier.open(cfg, kv_caches=kv) as store:
+                print(json.dumps({"saved": await store.save(keys, list(range(12)))}))
+        else:
+            kv = caches(99)
+            async with kvtier.open(cfg, kv_caches=kv) as store:
+                hits = await store.lookup(keys)
+                loaded = await store.load(keys, list(range(4, 16)))
+                ref = caches(11)
+                same = all(torch.equal(kv[l][4 + i].view(torch.uint8), ref[l][i].view(torch.uint8)) for l in range(2) for i in range(loaded))
+                print(json.dumps({"hits": hits, "loaded": loaded, "byte_exact": same}))
+    asyncio.run(main())
+    """
+)
+
+
+def _host(role: str, url: str, prefix: str, cluster: bool) -> dict[str, Any]:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import kvtier.testing\n" + _HOST, role, url, prefix, "1" if cluster else "0"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["server", "cluster"])
+def test_two_processes_share_blocks(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    target = request.getfixturevalue("redis_server" if kind == "server" else "redis_cluster")
+    prefix = _prefix(tmp_path)
+    assert _host("A", target.url, prefix, kind == "cluster") == {"saved": 12}
+    assert _host("B", target.url, prefix, kind == "cluster") == {"hits": 12, "loaded": 12, "byte_exact": True}
