@@ -123,7 +123,7 @@ def test_every_python_block_is_classified() -> None:
 
 
 def test_readme_quick_start_prints_what_it_promises(sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (code,) = [b for b in PROGRAMS if b.doc.name == "README.md"]
+    (code,) = [b for b in PROGRAMS if b.doc == ROOT / "README.md"]
     exec(compile(sandboxed(code.code, sandbox), code.id, "exec"), {"__name__": "__main__"})
     assert capsys.readouterr().out.split() == ["4", "4", "4"]
     assert (sandbox / "tmp" / "kvtier-demo").is_dir()  # the LMDB tier went where the sandbox put it
@@ -134,7 +134,7 @@ def _normal(command: str) -> str:
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
-    (command,) = [b.code.strip() for b in ALL if b.doc.name == "README.md" and "pytest" in b.code and b.lang == "bash"]
+    (command,) = [b.code.strip() for b in ALL if b.doc == ROOT / "README.md" and "pytest" in b.code and b.lang == "bash"]
     ci = {_normal(line) for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.startswith("#")}
     for part in command.split("&&"):
         assert _normal(part) in ci, f"the README's test command runs {part.strip()!r}, .ci/run does not"
