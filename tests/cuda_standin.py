@@ -33,7 +33,7 @@ While installed (the fixture installs it through ``monkeypatch`` and undoes it a
   ``elapsed_time(end)`` (host time between the two records, in ms).
 - ``torch.cuda.current_stream()`` / ``default_stream()`` / ``set_stream(s)`` and the
   ``torch.cuda.stream(s)`` context manager; the current stream is per thread, as in CUDA.
-- ``torch.cuda.synchronize()``.
+- ``torch.cuda.synchronize()``; ``torch.cuda._sleep(cycles)`` logs a ``_sleep`` op.
 - Allocation with ``device="cuda"`` (``torch.empty``, ``zeros``, ``ones``, ``full``,
   ``tensor``, ``as_tensor``, ``arange``, ``randint``, ``*_like``) gives a CPU tensor that is
   registered as device memory; ``pin_memory=True`` gives a CPU tensor registered as pinned
@@ -440,6 +440,7 @@ class CudaStandIn:
             "set_stream": lambda stream: setattr(self._tls, "stream", stream),
             "stream": _stream_context,
             "synchronize": self.synchronize,
+            "_sleep": lambda cycles: self.mark("_sleep"),
         }
         for name, value in cuda.items():
             monkeypatch.setattr(torch.cuda, name, value)
