@@ -71,7 +71,7 @@ def make_caches(layers: int, shape: tuple[int, ...], blocks: int) -> list[torch.
     ]
 
 
-def timed(fn: Callable[[], None], reps: int) -> list[float]:
+def timed(fn: Callable[[], object], reps: int) -> list[float]:
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
