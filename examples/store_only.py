@@ -18,6 +18,8 @@ CONFIG = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("kvt
 
 async def main() -> None:
     # The engine's paged KV cache: one tensor per layer, block dimension first (64 blocks of 16 tokens).
+    # Seeded: K/V are a function of the tokens, so a second run stores the same bytes under the same keys.
+    torch.manual_seed(0)
     caches = [torch.randn(64, 16, 2, 4, 32).to(torch.bfloat16) for _ in range(4)]
     namespace = kvtier.Namespace(model_id="example-model", dtype="bfloat16", block_size=16)
     tokens = list(range(100, 164))  # 64 tokens: 4 full blocks

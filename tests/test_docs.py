@@ -180,6 +180,9 @@ def test_store_only_script_serves_a_new_store_from_lmdb(sandbox: Path) -> None:
         "byte-exact: yes",
     ]
     assert lmdb.is_dir()  # the KVTIER_* override the config file's comment shows was applied
+    again = _run_example([str(EXAMPLES / "store_only.py")], sandbox, KVTIER_TIERS__1__PATH=str(lmdb))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.splitlines()[0] == "saved 0 blocks; lookup finds 4"  # a second run finds them on disk
 
 
 def test_example_config_file_checks_clean(sandbox: Path) -> None:
