@@ -150,6 +150,8 @@ class _Engine:
     #: (plan key, JobResult) pairs the worker has seen finish; drained by the manager's thread.
     results: deque[tuple[tuple[str, int], JobResult]] = field(default_factory=deque)
     reports_load_errors: bool = False
+    #: load ids the worker has submitted (a load never submitted can be completed at any time).
+    submitted_loads: set[int] = field(default_factory=set)
     counters: dict[str, int] = field(
         default_factory=lambda: {
             "lookup_hits": 0,
@@ -160,6 +162,8 @@ class _Engine:
             "blocks_store_failed": 0,
             "store_rejected": 0,
             "blocks_adopted": 0,
+            "submit_failed": 0,
+            "complete_load_unmatched": 0,
         }
     )
 
@@ -264,6 +268,193 @@ def _page_views(kv_caches: Any, dtype: str) -> list[torch.Tensor]:
     return views
 
 
+# -- the bookkeeping of both sides, without vLLM (the vLLM classes below delegate to it) -----
+
+
+class _SchedulerSide:
+    """Plans handed out by vLLM's ``OffloadingManager`` and their results, by id.
+
+    Finished jobs are applied to the manager through :func:`kvtier.jobs.apply_result` (via the
+    store's ``finish_store`` / ``finish_load``), the one place that does so."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self._engine = engine
+        assert engine.store.manager is not None
+        self._mgr: TierManager = engine.store.manager
+        self._store_plans: dict[int, StorePlan] = {}
+        self._plan_of: dict[bytes, int] = {}
+        self._loads: dict[int, LoadPlan] = {}
+        self._load_ids = itertools.count(1)
+        self._results: dict[tuple[str, int], JobResult] = {}
+        self._finished_loads: OrderedDict[int, None] = OrderedDict()  # load ids with a result, in order
+
+    def drain(self) -> None:
+        results = self._engine.results
+        while results:
+            plan_key, result = results.popleft()
+            self._results[plan_key] = result
+            if plan_key[0] == "load":
+                self._finished_loads[plan_key[1]] = None
+
+    def prepare_load(self, kkeys: list[bytes]) -> tuple[int, LoadPlan]:
+        plan = self._mgr.prepare_load(kkeys)
+        load_id = next(self._load_ids)
+        self._loads[load_id] = plan
+        return load_id, plan
+
+    def complete_load(self, kkeys: Collection[bytes]) -> None:
+        """Settle the load of ``kkeys`` whose job has finished (the earliest such load id).
+
+        vLLM names a load by its keys only. Only a load whose job has finished, or that was
+        never submitted, is settled: unpinning a load still in flight would let its source be
+        evicted while it is read."""
+        self.drain()
+        wanted = set(kkeys)
+        load_id = next((i for i in self._finished_loads if set(self._loads[i].keys) == wanted), None)
+        if load_id is None:
+            submitted = self._engine.submitted_loads
+            load_id = next((i for i, p in self._loads.items() if i not in submitted and set(p.keys) == wanted), None)
+        if load_id is None:
+            self._engine.counters["complete_load_unmatched"] += 1
+            log.warning("complete_load: no finished load of these %d keys; ignored", len(wanted))
+            return
+        self._finished_loads.pop(load_id, None)
+        self._engine.submitted_loads.discard(load_id)
+        plan = self._loads.pop(load_id)
+        result = self._results.pop(("load", load_id), None)
+        if result is None:  # never submitted: nothing was read, unpin
+            result = JobResult(0, "load", False, plan.keys, error="the load was never submitted")
+        self._engine.store.finish_load(plan, result)
+
+    def prepare_store(self, kkeys: list[bytes]) -> StorePlan | None:
+        plan = self._mgr.prepare_store(kkeys)
+        if plan is None:
+            self._engine.counters["store_rejected"] += 1
+            return None
+        if plan.keys:
+            self._store_plans[plan.plan_id] = plan
+            for k in plan.keys:
+                self._plan_of[k] = plan.plan_id
+        return plan
+
+    def complete_store(self, kkeys: Collection[bytes], success: bool) -> None:
+        self.drain()
+        plan_ids = {self._plan_of.get(k) for k in kkeys}
+        for plan_id in plan_ids:
+            if plan_id is None:
+                continue
+            plan = self._store_plans.pop(plan_id)
+            for k in plan.keys:
+                self._plan_of.pop(k, None)
+            result = self._results.pop(("store", plan_id), None)
+            if result is None:
+                result = JobResult(0, "store", success, plan.keys, error=None if success else "failed in vLLM")
+            stored = self._engine.store.finish_store(plan, result)
+            self._engine.counters["blocks_stored"] += stored
+            self._engine.counters["blocks_store_failed"] += len(plan.keys) - stored
+
+
+class _WorkerSide:
+    """Submits plans to the store's transfer engine; never raises into vLLM's step loop.
+
+    A job that cannot be submitted (bad block ids, a closed store) is reported as a failed
+    job by ``finished`` (counted in ``submit_failed``, logged), so the scheduler side releases
+    its keys as for any failed job."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self._engine = engine
+        transfers = engine.store.transfers
+        assert transfers is not None
+        self._transfers = transfers
+        # kvtier job id -> (vLLM job id, plan key, engine block ids)
+        self._jobs: dict[int, tuple[int, tuple[str, int], list[int]]] = {}
+        self._refused: list[tuple[int, tuple[str, int], list[int], JobResult]] = []
+        self._failed_blocks: set[int] = set()
+        self._lock = threading.Lock()
+
+    def submit_store(self, job_id: int, plan: StorePlan, block_ids: Collection[Any]) -> None:
+        self._submit(job_id, ("store", plan.plan_id), plan, block_ids)
+
+    def submit_load(self, job_id: int, load_id: int, plan: LoadPlan, block_ids: Collection[Any]) -> None:
+        self._submit(job_id, ("load", load_id), plan, block_ids)
+
+    def _submit(
+        self, job_id: int, plan_key: tuple[str, int], plan: StorePlan | LoadPlan, block_ids: Collection[Any]
+    ) -> None:
+        ids: list[int] = []
+        try:
+            ids = [int(b) for b in block_ids]
+            if isinstance(plan, StorePlan):
+                kid = self._transfers.submit_store(plan, ids)
+            else:
+                self._engine.submitted_loads.add(plan_key[1])
+                kid = self._transfers.submit_load(plan, ids)
+        except Exception as exc:  # reported as a failed job, never raised into vLLM
+            if plan_key[0] == "load":
+                self._engine.submitted_loads.discard(plan_key[1])
+            self._engine.counters["submit_failed"] += 1
+            log.warning("kvtier: %s job %d could not be submitted: %s", plan_key[0], job_id, exc)
+            kind: Any = plan_key[0]
+            with self._lock:
+                self._refused.append((job_id, plan_key, ids, JobResult(0, kind, False, plan.keys, error=repr(exc))))
+            return
+        with self._lock:
+            self._jobs[kid] = (job_id, plan_key, ids)
+
+    def finished(self) -> list[tuple[int, bool, int, float]]:
+        """(vLLM job id, success, bytes, seconds) of every job finished since the last call."""
+        with self._lock:
+            entries, self._refused = self._refused, []
+        for result in self._transfers.poll_finished():
+            with self._lock:
+                entry = self._jobs.pop(result.job_id, None)
+            if entry is not None:
+                entries.append((*entry, result))
+        out = []
+        for job_id, plan_key, ids, result in entries:
+            success = True
+            if result.kind == "load":
+                bad = _failed_load_blocks(result, ids)
+                counters = self._engine.counters
+                counters["blocks_load_failed"] += len(bad)
+                counters["blocks_loaded"] += len(result.keys) - len(bad)
+                if bad:
+                    if self._engine.reports_load_errors:
+                        with self._lock:
+                            self._failed_blocks.update(bad)
+                    else:
+                        # vLLM's stock connector cannot recompute a failed load: fail loudly.
+                        success = False
+                    log.warning("kvtier: %d of %d blocks of load job %d could not be read", len(bad), len(ids), job_id)
+            self._engine.results.append((plan_key, result))
+            out.append((job_id, success, result.nbytes, result.seconds))
+        return out
+
+    def take_failed_block_ids(self) -> set[int]:
+        with self._lock:
+            bad, self._failed_blocks = self._failed_blocks, set()
+        return bad
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        """The fence: until these jobs no longer touch engine blocks (a store's device read has
+        ended; its tier writes go on)."""
+        with self._lock:
+            mine = [kid for kid, (jid, _, _) in self._jobs.items() if jid in job_ids]
+        try:
+            self._transfers.wait_device(mine)
+        except Exception as exc:  # never raised into vLLM
+            log.warning("kvtier: waiting for jobs %s failed: %s", sorted(job_ids), exc)
+
+
+def _failed_load_blocks(result: JobResult, ids: list[int]) -> list[int]:
+    if result.error is not None:
+        return list(ids)
+    if not result.missed:
+        return []
+    missed = set(result.missed)
+    return [ids[i] for i, k in enumerate(result.keys) if k in missed]
+
+
 # -- the vLLM classes, built on first access ----------------------------------------------
 
 
@@ -321,11 +512,7 @@ def _build() -> dict[str, type]:
                     for i in range(self._mgr.num_tiers)
                 ),
             )
-            self._store_plans: dict[int, StorePlan] = {}
-            self._plan_of: dict[bytes, int] = {}
-            self._loads: dict[int, LoadPlan] = {}
-            self._load_ids = itertools.count(1)
-            self._results: dict[tuple[str, int], JobResult] = {}
+            self._side = _SchedulerSide(engine)
             self._media = [
                 Medium.CPU if store.backends[i].is_memory else Medium.STORAGE for i in range(self._mgr.num_tiers)
             ]
@@ -348,12 +535,6 @@ def _build() -> dict[str, type]:
             while len(self._offload_key) > self._cap:
                 self._offload_key.popitem(last=False)
 
-        def _drain(self) -> None:
-            results = self._engine.results
-            while results:
-                plan_key, result = results.popleft()
-                self._results[plan_key] = result
-
         # lifecycle
         def lookup(self, key: Any, req_context: Any) -> Any:
             if self._mgr.lookup([self._k(key)]) == 1:
@@ -365,61 +546,29 @@ def _build() -> dict[str, type]:
         def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
             keys = list(keys)
             kkeys = [self._k(k) for k in keys]
-            plan = self._mgr.prepare_load(kkeys)
+            load_id, plan = self._side.prepare_load(kkeys)
             self._remember(kkeys, keys)
-            load_id = next(self._load_ids)
-            self._loads[load_id] = plan
             return KvtierLoadSpec(load_id, plan)
 
         def touch(self, keys: Collection[Any], req_context: Any) -> None:
             self._mgr.touch([self._k(k) for k in keys])
 
         def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
-            self._drain()
-            wanted = {self._k(k) for k in keys}
-            load_id = next((i for i, p in self._loads.items() if set(p.keys) == wanted), None)
-            if load_id is None:
-                log.warning("complete_load: no open load for %d keys; ignored", len(wanted))
-                return
-            plan = self._loads.pop(load_id)
-            result = self._results.pop(("load", load_id), None)
-            if result is None:
-                self._mgr.complete_load(plan.keys)
-            else:
-                self._engine.store.finish_load(plan, result)
+            self._side.complete_load([self._k(k) for k in keys])
 
         def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
             keys = list(keys)
             kkeys = [self._k(k) for k in keys]
-            plan = self._mgr.prepare_store(kkeys)
+            plan = self._side.prepare_store(kkeys)
             if plan is None:
-                self._engine.counters["store_rejected"] += 1
                 return None
             chosen = [keys[p] for p in plan.positions]
             if plan.keys:
-                self._store_plans[plan.plan_id] = plan
-                for k in plan.keys:
-                    self._plan_of[k] = plan.plan_id
                 self._remember(plan.keys, chosen)
             return PrepareStoreOutput(keys_to_store=chosen, store_spec=KvtierStoreSpec(plan), evicted_keys=[])
 
         def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
-            self._drain()
-            plan_ids = {self._plan_of.get(self._k(k)) for k in keys}
-            for plan_id in plan_ids:
-                if plan_id is None:
-                    continue
-                plan = self._store_plans.pop(plan_id)
-                for k in plan.keys:
-                    self._plan_of.pop(k, None)
-                result = self._results.pop(("store", plan_id), None)
-                if result is None:
-                    self._mgr.complete_store(plan.keys, success)
-                    stored = len(plan.keys) if success else 0
-                else:
-                    stored = self._engine.store.finish_store(plan, result)
-                self._engine.counters["blocks_stored"] += stored
-                self._engine.counters["blocks_store_failed"] += len(plan.keys) - stored
+            self._side.complete_store([self._k(k) for k in keys], success)
 
         def on_new_request(self, req_context: Any) -> Any:
             return RequestOffloadingContext()
@@ -442,77 +591,33 @@ def _build() -> dict[str, type]:
 
         def __init__(self, engine: _Engine) -> None:
             self._engine = engine
-            transfers = engine.store.transfers
-            assert transfers is not None
-            self._transfers = transfers
-            # kvtier job id -> (vLLM job id, plan key, destination block ids of a load)
-            self._jobs: dict[int, tuple[int, tuple[str, int], list[int]]] = {}
-            self._failed_blocks: set[int] = set()
-            self._lock = threading.Lock()
+            self._side = _WorkerSide(engine)
 
         def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            assert isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, KvtierStoreSpec)
-            plan = dst_spec.plan
-            ids = [int(b) for b in src_spec.block_ids]
-            kid = self._transfers.submit_store(plan, ids)
-            with self._lock:
-                self._jobs[kid] = (job_id, ("store", plan.plan_id), ids)
+            if not (isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, KvtierStoreSpec)):
+                log.warning("kvtier: store job %d with unexpected specs %r -> %r; ignored", job_id, src_spec, dst_spec)
+                return False
+            self._side.submit_store(job_id, dst_spec.plan, src_spec.block_ids)
             return True
 
         def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            assert isinstance(src_spec, KvtierLoadSpec) and isinstance(dst_spec, GPULoadStoreSpec)
-            ids = [int(b) for b in dst_spec.block_ids]
-            kid = self._transfers.submit_load(src_spec.plan, ids)
-            with self._lock:
-                self._jobs[kid] = (job_id, ("load", src_spec.load_id), ids)
+            if not (isinstance(src_spec, KvtierLoadSpec) and isinstance(dst_spec, GPULoadStoreSpec)):
+                log.warning("kvtier: load job %d with unexpected specs %r -> %r; ignored", job_id, src_spec, dst_spec)
+                return False
+            self._side.submit_load(job_id, src_spec.load_id, src_spec.plan, dst_spec.block_ids)
             return True
 
         def get_finished(self) -> list[Any]:
-            out = []
-            for result in self._transfers.poll_finished():
-                with self._lock:
-                    entry = self._jobs.pop(result.job_id, None)
-                if entry is None:
-                    continue
-                job_id, plan_key, ids = entry
-                success = True
-                if result.kind == "load":
-                    bad = self._failed_load_blocks(result, ids)
-                    counters = self._engine.counters
-                    counters["blocks_load_failed"] += len(bad)
-                    counters["blocks_loaded"] += len(result.keys) - len(bad)
-                    if bad:
-                        if self._engine.reports_load_errors:
-                            with self._lock:
-                                self._failed_blocks.update(bad)
-                        else:
-                            # vLLM's stock connector cannot recompute a failed load: fail loudly.
-                            success = False
-                        log.warning(
-                            "kvtier: %d of %d blocks of load job %d could not be read", len(bad), len(ids), job_id
-                        )
-                self._engine.results.append((plan_key, result))
-                out.append(TransferResult(job_id, success, transfer_size=result.nbytes, transfer_time=result.seconds))
-            return out
-
-        @staticmethod
-        def _failed_load_blocks(result: JobResult, ids: list[int]) -> list[int]:
-            if result.error is not None:
-                return list(ids)
-            if not result.missed:
-                return []
-            missed = set(result.missed)
-            return [ids[i] for i, k in enumerate(result.keys) if k in missed]
+            return [
+                TransferResult(job_id, success, transfer_size=nbytes, transfer_time=seconds)
+                for job_id, success, nbytes, seconds in self._side.finished()
+            ]
 
         def take_failed_block_ids(self) -> set[int]:
-            with self._lock:
-                bad, self._failed_blocks = self._failed_blocks, set()
-            return bad
+            return self._side.take_failed_block_ids()
 
         def wait(self, job_ids: set[int]) -> None:
-            with self._lock:
-                mine = [kid for kid, (jid, _, _) in self._jobs.items() if jid in job_ids]
-            self._transfers.wait(mine)
+            self._side.wait(job_ids)
 
         def shutdown(self) -> None:
             with _ENGINES_LOCK:
