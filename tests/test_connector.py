@@ -687,8 +687,16 @@ def test_fence_waits_for_the_device_read_only(tmp_path) -> None:
         fence.join(timeout=30)  # a hang guard, not a speed check: the write never ends by itself
         assert not fence.is_alive(), "the fence waited for the stalled tier write"
         assert worker.unfinished_store_blocks() == set()  # the engine may reuse blocks 1, 2
+        # The scheduler side hears it too: the fence is lifted while the job still runs.
+        out = WorkerOutput.from_bytes(worker.get_finished().to_bytes())
+        assert (out.finished, out.released) == ((), (job.job_id,))
+        update = sched.update_connector_output(out)
+        assert sorted(update.unfenced) == [1, 2]
+        assert (sched.num_fenced_blocks, sched.num_jobs) == (0, 1)
+        assert worker.get_finished().released == ()  # reported once
         release.set()
-        sched.update_connector_output(worker.get_finished(block=True))
+        update = sched.update_connector_output(worker.get_finished(block=True))
+        assert update.unfenced == () and sched.num_jobs == 0
         assert store.manager.lookup(block_keys(req.tokens, block_size=BLOCK, namespace=store.namespace)) == 2
     finally:
         release.set()

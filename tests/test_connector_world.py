@@ -397,7 +397,9 @@ def test_failed_promotion_on_one_rank_is_deleted_on_the_other() -> None:
         w.assert_loaded([10, 11], [1, 2], salt=0.0)
         w.step()  # builds the promotion: it evicts b's blocks (demoted to tier 1)
         (promotion,) = w.metas[-1].stores
-        assert promotion.plan.keys == tuple(ka) and promotion.plan.demotions[0].keys == tuple(w.keys(range(600, 609))[:2])
+        assert promotion.plan.keys == tuple(ka) and promotion.plan.demotions[0].keys == tuple(
+            w.keys(range(600, 609))[:2]
+        )
         w.step()  # runs it (deferred one step, like every store): it fails on rank 1
         undo()
         assert w.manager.stats()["promotions_failed"] == 2
@@ -504,3 +506,44 @@ def test_unflushed_promotion_fences_its_blocks_until_acknowledged() -> None:
         assert w.manager.stats()["promotions"] == 2
     finally:
         w.close()
+
+
+def test_fence_is_lifted_once_every_rank_has_read_the_blocks() -> None:
+    """A store still writing its tiers no longer holds the engine's blocks once every worker
+    reported it done reading them (``WorkerOutput.released``); one rank alone is not enough."""
+    w = World([CPU4], world=2)
+    try:
+        req = Req("a", TOKENS_A)
+        w.sched.get_num_new_matched_tokens(req, 0)
+        req.block_ids = [1, 2, 3]
+        w.sched.update_state_after_alloc(req, req.block_ids, 0)
+        meta = w.sched.build_connector_meta(SchedulerStep(1, {"a": len(TOKENS_A)}, (1, 2, 3)))
+        (job,) = meta.stores
+        assert w.sched.fenced_blocks() == set(job.block_ids)
+        update = w.sched.update_connector_output(WorkerOutput(0, released=(job.job_id,)))
+        assert update.unfenced == () and w.sched.fenced_blocks() == set(job.block_ids)
+        update = w.sched.update_connector_output(WorkerOutput(1, released=(job.job_id, 999)).to_bytes())
+        assert sorted(update.unfenced) == sorted(job.block_ids)
+        assert (w.sched.num_fenced_blocks, w.sched.num_jobs) == (0, 1)
+        assert w.sched.counters["unknown_reports"] == 0  # a stale release is not an error
+        for worker in w.workers:
+            worker.handle_preemptions(meta)
+            worker.start_load_kv(meta)
+        w.drain()
+        assert w.manager.lookup(w.keys(TOKENS_A)) == len(job.plan.keys)
+        assert (w.sched.num_jobs, w.sched.num_request_states) == (0, 1)
+    finally:
+        w.close()
+
+
+def test_released_round_trips_and_old_outputs_decode() -> None:
+    out = WorkerOutput(1, released=(4, 7))
+    assert WorkerOutput.from_bytes(out.to_bytes()) == out
+    # Without releases the encoding is exactly the three-element form of this wire version.
+    assert msgpack.unpackb(WorkerOutput(1).to_bytes()) == [1, 1, []]
+    assert WorkerOutput.from_bytes(msgpack.packb([1, 1, []])) == WorkerOutput(1)
+    for bad in (["x"], [True], 3):
+        with pytest.raises(ConnectorError):
+            WorkerOutput.from_bytes(msgpack.packb([1, 1, [], bad]))
+    with pytest.raises(ConnectorError):
+        WorkerOutput.from_bytes(msgpack.packb([1, 1, [], [], []]))

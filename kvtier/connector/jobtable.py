@@ -32,6 +32,7 @@ class TrackedJob:
     plan: StorePlan | LoadPlan
     block_ids: tuple[int, ...]
     reports: dict[int, JobReport] = field(default_factory=dict)  # rank -> report
+    released: set[int] = field(default_factory=set)  # stores: ranks done reading the engine blocks
     promotion: bool = False  # stores: a promotion of keys a load served from a lower tier
     first_block: int = 0  # loads: offloaded block index of plan.keys[0]
     base_tokens: int = 0  # loads: tokens valid before the load
@@ -113,6 +114,13 @@ class JobTable:
             job.reports[rank] = report
         return len(job.reports) == self.world_size
 
+    def release(self, job: TrackedJob, rank: int, unfenced: list[int]) -> None:
+        """``rank`` no longer reads ``job``'s engine blocks (its tier writes go on); once no rank
+        does, lift its fence and append the blocks no job reads any more to ``unfenced``."""
+        job.released.add(rank)
+        if len(job.released) == self.world_size:
+            unfenced.extend(self.fence.release(job.job_id, job.block_ids))
+
     def settle(self, job: TrackedJob, unfenced: list[int]) -> JobResult:
         """Remove a fully acknowledged job; append the blocks no job reads any more to
         ``unfenced``; return its ranks' results as one (a key that failed anywhere failed)."""
@@ -133,6 +141,9 @@ class JobTable:
                     loading[key] = left
                 else:
                     loading.pop(key, None)
+        if len(job.reports) == 1:  # one worker: its result as it is
+            (report,) = job.reports.values()
+            return _result(job.job_id, keys, report)
         return combine_results([_result(job.job_id, keys, job.reports[rank]) for rank in sorted(job.reports)])
 
 
@@ -143,9 +154,9 @@ def _result(job_id: int, keys: tuple[bytes, ...], r: JobReport) -> JobResult:
         success=r.success,
         keys=keys,
         nbytes=r.nbytes,
-        failed=dict(r.failed),
+        failed=r.failed if isinstance(r.failed, dict) else dict(r.failed),
         missed=r.missed,
         missed_tiers=r.missed_tiers,
-        sizes={t: dict(per) for t, per in r.sizes.items()},
+        sizes={t: dict(per) for t, per in r.sizes.items()} if r.sizes else {},
         error=r.error,
     )

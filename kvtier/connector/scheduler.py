@@ -319,6 +319,10 @@ class SchedulerConnector:
                     self.counters["unknown_reports"] += 1
                 elif jobs.acknowledge(job, out.rank, report):
                     self._complete(job, jobs.settle(job, unfenced), loaded, freed)
+            for job_id in out.released:  # still running, done with the engine's blocks
+                job = jobs.get(job_id)
+                if job is not None and job.kind == "store":
+                    jobs.release(job, out.rank, unfenced)
         if self._loads.ready:
             loaded.update(self._loads.ready)
             self._loads.ready.clear()

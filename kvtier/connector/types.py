@@ -7,9 +7,9 @@ everything that crosses between them is a frozen value with a canonical msgpack 
 can only ever decode into these types, and a malformed one raises :class:`ConnectorError`
 (a ``ValueError``) rather than executing anything.
 
-``StepMetadata.deletes`` was added within wire version 1 as an optional trailing element: it is
-written only when there are deletes, so a metadata without deletes encodes to the same bytes as
-before, and a blob without it decodes with ``deletes=()``.
+``StepMetadata.deletes`` and ``WorkerOutput.released`` were added within wire version 1 as
+optional trailing elements: each is written only when not empty, so a message without them
+encodes to the same bytes as before, and a blob without them decodes with ``()``.
 
 :class:`Request` is the small protocol an engine's request object satisfies (usually with a few
 properties), and :class:`SchedulerStep` is what an engine reports about one scheduler step.
@@ -316,25 +316,40 @@ class JobReport:
 
 @dataclass(frozen=True, slots=True)
 class WorkerOutput:
-    """What one worker reports after a step: the jobs it saw finish, with their results."""
+    """What one worker reports after a step: the jobs it saw finish, with their results.
+
+    ``released`` lists store jobs, still running, that no longer read the engine's blocks on
+    this worker (their device read ended; their tier writes go on). Once every worker released
+    a job, the scheduler side lifts its fence (``ConnectorUpdate.unfenced``) before the job
+    completes, so a slow or stalled tier never holds engine blocks."""
 
     rank: int = 0
     finished: tuple[JobReport, ...] = ()
+    released: tuple[int, ...] = ()
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb([WIRE_VERSION, self.rank, [r._encode() for r in self.finished]], use_bin_type=True)
+        return msgpack.packb(
+            [
+                WIRE_VERSION,
+                self.rank,
+                [r._encode() for r in self.finished],
+                # Optional trailing element (as StepMetadata.deletes): absent when empty.
+                *([list(self.released)] if self.released else []),
+            ],
+            use_bin_type=True,
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> WorkerOutput:
         raw = _unpack(data, "worker output")
-        try:
-            version, rank, finished = raw
-        except (TypeError, ValueError):
-            raise ConnectorError("worker output: expected [version, rank, finished]") from None
+        if not isinstance(raw, list) or len(raw) not in (3, 4):
+            raise ConnectorError("worker output: expected [version, rank, finished(, released)]")
+        version, rank, finished = raw[:3]
         _check_version(version, "worker output")
         if not isinstance(finished, list):
             raise ConnectorError("worker output: finished must be a list")
-        return cls(rank=int(rank), finished=tuple(JobReport._decode(r) for r in finished))
+        released = _ints(raw[3], "worker output: released") if len(raw) == 4 else ()
+        return cls(rank=int(rank), finished=tuple(JobReport._decode(r) for r in finished), released=released)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,8 +360,9 @@ class ConnectorUpdate:
     request's blocks; when it is below what ``get_num_new_matched_tokens`` promised, the engine
     recomputes the rest (a failed or partial load is never an error). ``freed`` lists finished
     requests whose blocks the engine kept (``delay_free``) and may free now. ``unfenced`` lists
-    engine blocks that no store job reads any more (their last reader was acknowledged in this
-    update): an engine that fences by reference count unpins them.
+    engine blocks that no store job reads any more (in this update their last reader was
+    acknowledged, or every worker released it: done reading, tier writes still going on): an
+    engine that fences by reference count unpins them.
     """
 
     loaded: Mapping[str, int] = field(default_factory=dict)

@@ -17,7 +17,9 @@ Per step, in this order (the engine's model runner calls them):
    the next step, so token generation is never slowed by them.
 3. the step's compute.
 4. ``get_finished()`` - a :class:`WorkerOutput` with every job that finished since the last call
-   (store and load, with failed / missed keys and sizes), to send to the scheduler side.
+   (store and load, with failed / missed keys and sizes), and the store jobs that finished
+   reading the engine's blocks while their tier writes go on (``released``: the scheduler side
+   lifts their fence), to send to the scheduler side.
 
 An engine without a step loop (``docs/integrating.md``, section 6) calls instead:
 
@@ -85,7 +87,8 @@ class WorkerConnector:
         self._inflight: dict[int, tuple[int, Literal["store", "load"], tuple[int, ...], Any]] = {}
         self._transfer_of: dict[int, int] = {}  # connector job id -> transfer id, until reported
         self._failed: list[JobReport] = []
-        self._waited: set[int] = set()  # store transfer ids known past their device read (flushed)
+        self._waited: set[int] = set()  # store transfer ids known past their device read
+        self._released: set[int] = set()  # of those, the ones reported in WorkerOutput.released
         self._last_step: int | None = None
         # delete transfer id -> whether it deletes from the first tier (promotions wait for it)
         self._deleting: dict[int, bool] = {}
@@ -262,11 +265,17 @@ class WorkerConnector:
         self._flush_jobs(job_ids, whole=True)
         return self.get_finished()
 
-    def get_finished(self, *, block: bool = False) -> WorkerOutput:
-        """Jobs finished since the last call. ``block`` first waits for every submitted job,
-        deletes included (deterministic runs and shutdown); engines normally poll."""
+    def get_finished(self, *, block: bool = False, device_only: bool = False) -> WorkerOutput:
+        """Jobs finished since the last call, and store jobs that stopped reading engine blocks
+        (``WorkerOutput.released``). ``block`` first waits for every submitted job, deletes
+        included (deterministic runs and shutdown); with ``device_only`` it waits only until
+        every submitted job is done with the engine's blocks (an engine out of blocks that
+        fences by reference count). Engines normally poll."""
         if block and (self._inflight or self._deleting):
-            self.transfers.wait([*self._inflight, *self._deleting])
+            if device_only:
+                self.transfers.wait_device(list(self._inflight))
+            else:
+                self.transfers.wait([*self._inflight, *self._deleting])
         reports, self._failed = self._failed, []
         for result in self.transfers.poll_finished():
             entry = self._inflight.pop(result.job_id, None)
@@ -278,6 +287,7 @@ class WorkerConnector:
             jid, kind, _, plan = entry
             self._transfer_of.pop(jid, None)
             self._waited.discard(result.job_id)
+            self._released.discard(result.job_id)
             if self._metrics is not None:
                 try:
                     if kind == "store":
@@ -287,7 +297,22 @@ class WorkerConnector:
                 except Exception as exc:  # accounting must never fail a job
                     log.debug("metrics: job %d not recorded: %s", jid, exc)
             reports.append(_report(jid, result))
-        return WorkerOutput(self.rank, tuple(reports))
+        return WorkerOutput(self.rank, tuple(reports), self._newly_released())
+
+    def _newly_released(self) -> tuple[int, ...]:
+        """Store jobs still running whose device read has ended, not reported so far."""
+        released: list[int] = []
+        for tid, (jid, kind, _, _) in self._inflight.items():
+            if kind != "store" or tid in self._released:
+                continue
+            try:
+                self.transfers.wait_device([tid], timeout=0)
+            except TimeoutError:
+                continue
+            self._released.add(tid)
+            self._waited.add(tid)
+            released.append(jid)
+        return tuple(released)
 
 
 def _report(job_id: int, result: JobResult) -> JobReport:

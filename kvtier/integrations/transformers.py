@@ -45,10 +45,11 @@ request's blocks are freed at once, and an idle engine does not schedule. So:
 * **Fence before reuse**, by reference count: before ``run_now`` submits a store, the adapter
   takes one extra reference on each block of ``meta.stores`` in the engine's block ledger, so
   the engine cannot hand it to another request; the reference is dropped (and the block
-  returned to the engine's pool) when ``update_connector_output`` lists it in ``unfenced``,
-  which the adapter polls at each scheduling step. If the engine ever finds no room while
-  blocks are fenced, the adapter waits for the stores and lets the scheduler try again, so a
-  slow tier never starves the engine.
+  returned to the engine's pool) when ``update_connector_output`` lists it in ``unfenced``
+  (the store has read it; its tier writes may still run), which the adapter polls at each
+  scheduling step. If the engine ever finds no room while blocks are fenced, the adapter waits
+  until the stores have read them and lets the scheduler try again, so a slow tier never
+  starves the engine.
 * A full or failing tier, a corrupt record or a failed load is a miss: the engine recomputes.
   Nothing kvtier does raises into the engine's loop (errors are logged and counted).
 
@@ -425,9 +426,10 @@ class TransformersKVTier:
         self._poll()
         out = self._orig["schedule_batch"](token_budget, cache_budget)
         if out[0] is None and self._pinned:
-            # No room, and fenced blocks are part of why: wait for the stores and try again.
+            # No room, and fenced blocks are part of why: wait until the stores have read them
+            # (not for their tier writes: a slow disk never holds the engine) and try again.
             self.counters["fence_waits"] += 1
-            self._poll(wait=True)
+            self._poll(wait=True, device_only=True)
             out = self._orig["schedule_batch"](token_budget, cache_budget)
         return out
 
@@ -462,11 +464,12 @@ class TransformersKVTier:
                 self.cache.pool.free_blocks(alloc.index, back)
         return update
 
-    def _poll(self, wait: bool = False) -> None:
-        """Apply finished jobs and drop their fences (engine thread, or after it stopped)."""
+    def _poll(self, wait: bool = False, device_only: bool = False) -> None:
+        """Apply finished jobs and drop the fences of stores done reading (engine thread, or
+        after it stopped)."""
         if self._closed or self.store.transfers is None:
             return
-        self._apply(self.worker.get_finished(block=wait))
+        self._apply(self.worker.get_finished(block=wait, device_only=device_only))
 
     # -- public ----------------------------------------------------------------------------
     def flush(self) -> None:
