@@ -159,7 +159,8 @@ def test_other_construction_errors(caches: list[object], kwargs: dict[str, objec
         KVLayout(caches, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA TESTS NOT RUN: no CUDA device here")
 def test_mismatched_devices() -> None:
     with pytest.raises(LayoutError, match="kv_caches\\[1\\]: on cuda"):
         KVLayout([torch.zeros((4, 8)), torch.zeros((4, 8), device="cuda")])
