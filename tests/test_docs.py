@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -139,6 +140,39 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     for part in command.split("&&"):
         assert _normal(part) in ci, f"the README's test command runs {part.strip()!r}, .ci/run does not"
     assert _normal(command.split("&&")[-1]) == "pytest", "the README's test command runs the whole suite"
+
+
+def _parse(block: Block) -> object:
+    if block.lang == "yaml":
+        return yaml.safe_load(block.code)
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.10: no tomllib")
+    return tomllib.loads(block.code)
+
+
+def _config_blocks() -> list[Block]:
+    """Complete configurations shown in the docs (plugins.md's needs its plugin: tests/test_plugins.py)."""
+    out = []
+    for b in ALL:
+        if b.lang in ("yaml", "toml") and b.kind is None and b.doc.name != "plugins.md":
+            if b.lang == "toml" and sys.version_info < (3, 11):
+                continue
+            data = _parse(b)
+            if isinstance(data, dict) and "tiers" in data:
+                out.append(b)
+    return out
+
+
+CONFIGS = _config_blocks()
+
+
+@pytest.mark.parametrize("block", CONFIGS, ids=[b.id for b in CONFIGS])
+def test_config_block_is_a_valid_configuration(block: Block) -> None:
+    from kvtier.config import load_config
+
+    data = _parse(block)
+    assert isinstance(data, dict)
+    config = load_config(data)
+    assert len(config.tiers) == len(data["tiers"])
 
 
 # -- examples/ ----------------------------------------------------------------------------------

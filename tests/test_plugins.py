@@ -12,6 +12,7 @@ after its own, so kvtier, torch and pytest come from here and the plugin only fr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -147,6 +148,18 @@ def test_plugin_selected_from_a_config_file(venv_python: Path, tmp_path: Path) -
     assert lines[0] == "['CpuBackend', 'DictBackend', 'DictBackend']"
     assert lines[1] == "{'backend': 'demo-dict', 'capacity': 1048576, 'label': 'remote'}"
     assert lines[2] == "demo-fifo"
+
+
+def test_plugins_md_config_checks_with_the_plugin_installed(venv_python: Path, tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "demo-dict" in b]
+    config = tmp_path / "store.yaml"
+    config.write_text(block)
+    proc = subprocess.run(
+        [str(venv_python), "-m", "kvtier.cli", "config", "check", str(config)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "demo-dict" in proc.stdout and "demo-fifo" in proc.stdout, proc.stdout
 
 
 def test_plugin_option_errors_name_the_field(venv_python: Path, tmp_path: Path) -> None:
