@@ -173,10 +173,8 @@ class TransferEngine:
             if not (full and kind == "load"):
                 self._queued[kind] += 1  # given back when a thread takes the job (see _take)
         if full:
-            with self._lock:
-                self.counters["rejected_jobs"] += 1
             log.warning("transfer job %d (%s) rejected: %d jobs already queued", rec.job_id, kind, self._max_queued)
-            self._fail_early(rec, "the transfer queue is full")
+            self._fail_early(rec, "the transfer queue is full", "rejected_jobs")
             if isinstance(rec, LoadRecord):
                 return rec.job_id  # nothing to undo: it never ran
         if isinstance(rec, StoreRecord):
@@ -262,13 +260,9 @@ class TransferEngine:
         waited for. A stopped job is reported failed at once (``error`` names the cause)."""
         with self._lock:
             rec = self._jobs.get(job_id)
-        if rec is None or not self._stop(rec, "cancelled", allow_tier_phase=False):
-            return False
-        with self._lock:
-            self.counters["cancelled_jobs"] += 1
-        return True
+        return rec is not None and self._stop(rec, "cancelled", allow_tier_phase=False, counter="cancelled_jobs")
 
-    def _stop(self, rec: JobRecord, reason: str, *, allow_tier_phase: bool) -> bool:
+    def _stop(self, rec: JobRecord, reason: str, *, allow_tier_phase: bool, counter: str) -> bool:
         with rec.device_lock:  # waits for a device copy under way
             if rec.result is not None:
                 return False
@@ -277,9 +271,9 @@ class TransferEngine:
             rec.cancelled = True
             if rec.phase == Phase.QUEUED or isinstance(rec, LoadRecord):
                 rec.device_done.set()  # it never touches an engine block again
-        return self._fail_early(rec, reason)
+        return self._fail_early(rec, reason, counter)
 
-    def _fail_early(self, rec: JobRecord, reason: str) -> bool:
+    def _fail_early(self, rec: JobRecord, reason: str, counter: str | None = None) -> bool:
         """Report ``rec`` failed now; its thread cleans up when it gets to it."""
         if isinstance(rec, StoreRecord):
             plan = rec.store_plan
@@ -298,7 +292,7 @@ class TransferEngine:
             )
         else:
             result = JobResult(rec.job_id, rec.kind, False, tuple(rec.plan.keys), error=reason)
-        return self._finish(rec, result)
+        return self._finish(rec, result, counter)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish queued jobs, then stop the worker threads."""
@@ -312,11 +306,14 @@ class TransferEngine:
         self._wake.set()
 
     # -- the end of a job ------------------------------------------------------------------
-    def _finish(self, rec: JobRecord, result: JobResult) -> bool:
-        """Record ``result`` unless the job already has one; return whether it was recorded."""
+    def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool:
+        """Record ``result`` unless the job already has one (then return ``False``); count it
+        in ``counter`` too, before anyone waiting on the job is woken."""
         with self._lock:
             if rec.result is not None:
                 return False
+            if counter is not None:
+                self.counters[counter] += 1
             rec.result = result
             rec.phase = Phase.DONE
             self.counters["jobs"] += 1
@@ -351,10 +348,10 @@ class TransferEngine:
                     overdue.append(rec)
         count = 0
         for rec in overdue:
-            if self._stop(rec, f"deadline of {self.deadline_s} s passed", allow_tier_phase=True):
+            if self._stop(
+                rec, f"deadline of {self.deadline_s} s passed", allow_tier_phase=True, counter="expired_jobs"
+            ):
                 count += 1
-                with self._lock:
-                    self.counters["expired_jobs"] += 1
                 log.warning(
                     "transfer job %d (%s, %d keys) passed its %.3g s deadline: failed, its keys released",
                     rec.job_id,

@@ -169,7 +169,8 @@ async def test_the_fence_waits_for_the_device_read_only_not_a_stalled_lower_tier
         job = store.transfers.submit_store(plan, [2, 3])
         # The fence returns while the disk write-back is still blocked on the gate.
         await asyncio.to_thread(store.transfers.wait_device, [job], HANG_GUARD)
-        assert gate.entered.is_set() and not gate.opened.is_set()
+        assert await asyncio.to_thread(gate.entered.wait, HANG_GUARD)
+        assert not gate.opened.is_set()
         assert store.transfers.result(job) is None, "the job itself is not finished"
         # The engine reuses blocks 2 and 3 at once: the stored bytes are those read before.
         want = [[x[b].clone() for x in kv] for b in (2, 3)]
