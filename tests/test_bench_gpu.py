@@ -53,3 +53,14 @@ def test_smoke_run_on_the_stand_in_reports_every_figure(
     assert result["staging"]["save_mode"] == "staged" and result["unstaged_mode"] in ("batched", "foreach")
     # The fence ends with the device read, not behind the stalled lower tier.
     assert result["fence_wait_ms"] < result["fence_job_ms"] and result["fence_job_ms"] >= 200
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the verdict without CUDA")
+def test_gpu_check_script_stops_with_no_cuda(tmp_path: Path) -> None:
+    script = SCRIPT.parent.parent / "scripts" / "gpu_check.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "NO CUDA" in summary
+    assert '"cuda_available": false' in (tmp_path / "env.json").read_text()
