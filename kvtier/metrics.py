@@ -22,7 +22,12 @@ Exported families (every one has a ``store`` label; ``tier`` is the tier's name)
 ``kvtier_tier_promotions_total{tier}``, ``kvtier_store_failures_total{cause}`` (``tier_full``,
 ``write_failed``, ``job_error``), ``kvtier_corrupt_records_total{tier}``,
 ``kvtier_tier_used_bytes{tier}``, ``kvtier_tier_capacity_bytes{tier}``, ``kvtier_tier_blocks{tier}``,
-``kvtier_job_latency_seconds{kind}`` (histogram).
+``kvtier_job_latency_seconds{kind}`` (histogram). ``kvtier_scrape_errors_total{store}`` counts
+scrapes that could not read a store (logged, at warning level the first time).
+
+A scrape runs on the exporter's thread while the engine's loop changes the store: ``stats()``
+is safe there (the manager copies its figures under its lock, in time independent of how many
+keys it holds), so one scrape is one consistent moment.
 
 Logging: kvtier logs through :mod:`logging` under ``kvtier.*`` and, with the library's
 ``NullHandler``, prints nothing unless the application configures logging.
@@ -37,7 +42,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kvtier.errors import MissingDependencyError
+from kvtier.errors import ClosedError, MissingDependencyError
 
 __all__ = ["LATENCY_BUCKETS", "Exporter", "StoreMetrics", "collect_families", "export"]
 
@@ -211,6 +216,8 @@ class _Collector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stores: dict[str, weakref.ref[Any]] = {}
+        #: Scrapes that could not read a store's stats, by label (a closed store excepted).
+        self.errors: dict[str, int] = {}
 
     def add(self, store: Any, label: str) -> str:
         with self._lock:
@@ -234,14 +241,25 @@ class _Collector:
                 continue
             try:
                 stats = store.stats()
-            except Exception as exc:  # a closed store stops reporting; a scrape never fails
+            except ClosedError as exc:  # a closed store stops reporting
                 log.debug("metrics: store %s not scraped: %s", label, exc)
+                continue
+            except Exception as exc:  # a scrape never fails, but it is never dropped silently
+                failures = self.errors[label] = self.errors.get(label, 0) + 1
+                log.log(logging.WARNING if failures == 1 else logging.DEBUG, "metrics: store %s not scraped: %r", label, exc)
                 continue
             for fam in collect_families(stats, label):
                 if fam.name in merged:
                     merged[fam.name].samples.extend(fam.samples)
                 else:
                     merged[fam.name] = fam
+        if self.errors:
+            from prometheus_client.core import CounterMetricFamily
+
+            errors = CounterMetricFamily("kvtier_scrape_errors", "scrapes that could not read a store's stats", labels=["store"])
+            for label, count in self.errors.items():
+                errors.add_metric([label], count)
+            merged[errors.name] = errors
         yield from merged.values()
 
     def describe(self) -> list[Any]:

@@ -1,7 +1,8 @@
 """Eviction policies: who goes when a tier is full.
 
 A policy orders the *ready* keys of one tier and picks victims; it never touches bytes or slot
-state. One small interface: ``insert``, ``touch``, ``remove`` and an atomic
+state. One small interface: ``insert``, ``touch`` (each with a batch form, ``insert_many`` and
+``touch_many``, that a policy may override for speed), ``remove`` and an atomic
 ``evict(n, protected)`` that either returns ``n`` victims (and forgets them) or returns ``None``
 and changes nothing. Keys in ``protected`` (pinned by a load, or part of the batch being stored)
 are never chosen. All operations are O(1) amortised, except that ``evict`` steps over protected
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
@@ -37,6 +38,16 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, key: bytes) -> None:
         """The key was used; unknown keys are ignored."""
+
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        """``insert`` each key in order; policies override it with a batch form."""
+        for key in keys:
+            self.insert(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """``touch`` each key in order; policies override it with a batch form."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -90,6 +101,23 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, key: bytes) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        before = len(order)
+        keys = list(keys)
+        for key in keys:
+            order[key] = None
+        if len(order) - before != len(keys):  # some were there (or repeated): insert moves them last
+            for key in keys:
+                order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)

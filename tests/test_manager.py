@@ -48,8 +48,8 @@ def snapshot(m: TierManager) -> Any:
         m.stats()["tiers"],
         [m.tier_keys(i) for i in range(m.num_tiers)],
         [s for s in m.lookup_detail(keys)],
-        list(m._events),
-        copy.deepcopy({ti: dict(t.index) for ti, t in enumerate(m._tiers)}),
+        [(kind, tuple(keys), tier) for kind, keys, tier in m._events._batches],
+        copy.deepcopy({ti: (dict(t.index), dict(t.pins)) for ti, t in enumerate(m._tiers)}),
     )
 
 
@@ -470,3 +470,27 @@ def test_prepare_promote_is_atomic_and_a_failed_promotion_leaves_the_lower_copy(
     assert [s.tier for s in m.lookup_detail([K[0], K[1]])] == [0, 1]
     assert (m.counters["promotions"], m.counters["promotions_failed"]) == (1, 1)
     assert m.counters["store_failed"] == 0
+
+
+def test_in_load_promotion_settles_only_with_the_load_that_copies_it(policy_name: str) -> None:
+    """Two loads read a block from the lower tier; the first one also copies it up. If the
+    second completed first, the block became ready in the first tier before its bytes were
+    written there (a later load would have read garbage), and the copier's failure was lost."""
+    m = two_tiers(policy_name, fast=4, slow=4)
+    store(m, [K[0], K[1], K[2], K[3]])
+    store(m, [K[4], K[5]])  # K0, K1 demoted; two slots of the first tier free again after...
+    m.remove([K[2], K[3]], 0)  # ...these are dropped (say, found corrupt)
+    assert m.status(K[0]) == KeyStatus(KeyState.READY, 1)
+    copier = m.prepare_load([K[0], K[1]])
+    assert copier.promote == (K[0], K[1])
+    reader = m.prepare_load([K[0], K[1]])
+    assert reader.promote == () and reader.tiers == (1, 1)
+    m.complete_load(reader.keys)
+    # The copier has not finished: both are still served from the lower tier.
+    assert [m.status(k) for k in (K[0], K[1])] == [KeyStatus(KeyState.READY, 1)] * 2
+    assert m.holds(K[0], 0) and m.stats()["tiers"][0]["pending"] == 2
+    m.complete_load(copier.keys, failed_promotions=[K[1]])
+    assert m.status(K[0]) == KeyStatus(KeyState.READY, 0)
+    assert m.status(K[1]) == KeyStatus(KeyState.READY, 1) and not m.holds(K[1], 0)
+    assert (m.counters["promotions"], m.counters["promotions_failed"]) == (1, 1)
+    assert m.stats()["tiers"][0]["pending"] == 0 and m.stats()["tiers"][1]["pinned"] == 0

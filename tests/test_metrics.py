@@ -6,6 +6,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -151,3 +152,87 @@ def test_library_logging_is_silent_by_default() -> None:
     code = "import asyncio, kvtier\nasync def m():\n    async with kvtier.open({'block_bytes': 4096, 'tiers': [{'backend': 'cpu', 'capacity': 65536}]}):\n        pass\nasyncio.run(m())\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == ""
+
+
+def test_scrapes_see_one_consistent_moment_while_the_manager_changes() -> None:
+    """Defect 10: the exporter's scrape thread read the manager's dictionaries while the loop
+    thread changed them; some scrapes raised and were dropped silently, and the others could
+    mix two moments. Every scrape must now report the store, with figures that agree."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    block = 4096
+    cfg = {
+        "block_bytes": block,
+        "tiers": [{"backend": "cpu", "capacity": 2048 * block, "name": "host"}, {"backend": "cpu", "capacity": 4096 * block, "name": "spill"}],
+        "write": "back",
+    }
+    problems: list[str] = []
+    scrapes = 0
+    done = threading.Event()
+
+    def scrape(store: kvtier.KVStore) -> None:
+        nonlocal scrapes
+        while not done.is_set():
+            try:
+                samples = {(s.name, s.labels.get("tier")): s.value for fam in registry.collect() for s in fam.samples}
+                stats = store.stats()
+            except Exception as exc:
+                problems.append(f"scrape raised {exc!r}")
+                continue
+            scrapes += 1
+            if ("kvtier_tier_blocks", "host") not in samples:
+                problems.append("a scrape left the store out")
+            if stats["lookup_hits"] > stats["lookup_keys"]:
+                problems.append("lookup counters from two moments")
+            for tier in stats["tiers"]:
+                if tier["ready"] + tier["pending"] != tier["blocks"] or tier["used_bytes"] != tier["blocks"] * block:
+                    problems.append(f"torn tier figures {tier}")
+
+    async def run() -> None:
+        async with kvtier.open(cfg) as store:
+            handle = export(store, registry=registry, store_label="race")
+            mgr = store.manager
+            assert mgr is not None and mgr.tier_spec(0).block_reserve == block
+            scraper = threading.Thread(target=scrape, args=(store,))
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1e-5)  # switch threads often, as a loaded host does
+            scraper.start()
+            try:
+                n = 0
+                while scrapes < 150 and n < 200_000:  # both tiers fill up: stores evict and demote
+                    keys = [make_key(n * 8 + i) for i in range(8)]
+                    plan = mgr.prepare_store(keys)
+                    assert plan is not None
+                    mgr.complete_store(plan.keys)
+                    mgr.lookup(keys)
+                    mgr.complete_load(mgr.prepare_load(keys[:4]).keys)
+                    n += 1
+            finally:
+                done.set()
+                scraper.join()
+                sys.setswitchinterval(interval)
+                handle.close()
+
+    asyncio.run(run())
+    assert scrapes >= 150
+    assert problems == []
+
+
+def test_a_store_that_cannot_be_scraped_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Defect 10, second half: a failed scrape was dropped silently (a debug line at most)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+
+    class Broken:
+        def stats(self) -> dict:
+            raise RuntimeError("dictionary changed size during iteration")
+
+    store = Broken()
+    handle = export(store, registry=registry, store_label="broken")
+    with caplog.at_level(logging.WARNING, logger="kvtier.metrics"):
+        list(registry.collect())
+        list(registry.collect())
+    handle.close()
+    assert registry.get_sample_value("kvtier_scrape_errors_total", {"store": "broken"}) == 2
+    warnings = [r for r in caplog.records if "broken" in r.getMessage() and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "dictionary changed size" in warnings[0].getMessage()

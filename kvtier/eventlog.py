@@ -1,0 +1,71 @@
+"""Cache events for KV-aware routers: a key became ready in, or left, a tier.
+
+The manager records them in batches, one ``(kind, keys, tier)`` entry per plan step, so a store
+pays one append per batch instead of one object per key; :meth:`EventLog.take` builds the
+:class:`CacheEvent` objects when a consumer asks. The log is bounded in events (keys): past the
+limit the oldest are dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["CacheEvent", "EventBatch", "EventLog"]
+
+Kind = Literal["stored", "removed"]
+#: ``(kind, keys, tier name)``; the keys sequence is never modified once recorded.
+EventBatch = tuple[Kind, Sequence[bytes], str]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """A key became ready in (``stored``) or left (``removed``) the tier named ``tier``."""
+
+    kind: Kind
+    key: bytes
+    tier: str
+
+
+class EventLog:
+    """At most ``limit`` events, oldest first; ``dropped`` counts those pushed out."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.dropped = 0
+        self._batches: deque[EventBatch] = deque()
+        self._count = 0
+
+    def add(self, kind: Kind, keys: Sequence[bytes], tier: str) -> None:
+        if keys:
+            self._batches.append((kind, keys, tier))
+            self._count += len(keys)
+            if self._count > self.limit:
+                self._trim()
+
+    def extend(self, batches: Iterable[EventBatch]) -> None:
+        for kind, keys, tier in batches:
+            self.add(kind, keys, tier)
+
+    def _trim(self) -> None:
+        batches = self._batches
+        over = self._count - self.limit
+        self._count -= over
+        self.dropped += over
+        while over:
+            kind, keys, tier = batches[0]
+            if len(keys) > over:
+                batches[0] = (kind, keys[over:], tier)
+                return
+            batches.popleft()
+            over -= len(keys)
+
+    def take(self) -> list[CacheEvent]:
+        """The events since the last call, oldest first."""
+        batches, self._batches, self._count = self._batches, deque(), 0
+        return [CacheEvent(kind, key, tier) for kind, keys, tier in batches for key in keys]
+
+    def __len__(self) -> int:
+        return self._count

@@ -1,0 +1,277 @@
+"""Plans: what a transfer job must do, and how the manager builds and settles them.
+
+:class:`StorePlan`, :class:`LoadPlan` and :class:`Demotion` are the value objects the manager
+hands out (also exported by :mod:`kvtier.manager`). :class:`PlanBuilder` makes one store plan
+for ``prepare_store`` and ``prepare_promote`` alike: ``make_room`` evicts down the chain,
+``reserve`` adds pending entries, ``build`` freezes the result. :class:`OpenPlan` is what the
+manager keeps of a plan until its last key completes, and :class:`PlanBook` keeps the open
+ones and settles them in ``complete_store``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+
+from kvtier.admission import Admission
+from kvtier.eventlog import EventBatch
+from kvtier.promotion import Promotions
+from kvtier.tiers import PENDING, TierState
+
+__all__ = ["Completion", "Demotion", "LoadPlan", "OpenPlan", "PlanBook", "PlanBuilder", "StorePlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Demotion:
+    """Move ``keys`` from tier ``src`` to tier ``dst`` (write-back of evicted blocks)."""
+
+    src: int
+    dst: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What one store job must do, in order: ``drops`` (delete evicted keys from a tier),
+    ``demotions`` (deepest first; each copies its keys from ``src`` to ``dst`` and then deletes
+    them from ``src``), then write ``keys`` into ``tier`` and into every tier of ``write_through``.
+
+    ``positions[i]`` is the index of ``keys[i]`` in the batch given to ``prepare_store``, so the
+    caller can pick the matching engine block ids. ``skipped`` are keys already present.
+    """
+
+    plan_id: int
+    keys: tuple[bytes, ...]
+    positions: tuple[int, ...]
+    tier: int = 0
+    write_through: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    drops: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    demotions: tuple[Demotion, ...] = ()
+    skipped: tuple[bytes, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.keys and not self.drops and not self.demotions
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """The tier each key is read from (``tiers[i]`` for ``keys[i]``); every key is pinned.
+
+    ``promote`` lists keys read from a lower tier that the load job also copies into the first
+    tier (reserved, pending until ``complete_load``)."""
+
+    keys: tuple[bytes, ...]
+    tiers: tuple[int, ...]
+    promote: tuple[bytes, ...] = ()
+
+
+class PlanBuilder:
+    """Accumulates one store plan into the first tier over ``tiers``.
+
+    Keys of ``protected`` (the caller's whole batch) and pinned keys are never evicted. Victims
+    of a tier are demoted to the next one in write-back mode (when it admits them and can make
+    room) and dropped otherwise. ``make_room`` returns ``False`` only before anything changed,
+    so a caller that gets ``False`` for the first tier simply drops the builder.
+    """
+
+    __slots__ = ("admission", "demoted", "demotions", "drops", "events", "keys", "protected", "through", "tiers", "write_back")
+
+    def __init__(self, tiers: Sequence[TierState], protected: AbstractSet[bytes], *, write_back: bool, admission: Admission) -> None:
+        self.tiers = tiers
+        self.protected = protected
+        self.write_back = write_back and len(tiers) > 1
+        self.admission = admission
+        self.keys: list[bytes] = []  # reserved in the first tier: the plan's own keys
+        self.through: dict[int, list[bytes]] = {}  # write-through copies, by tier
+        self.drops: dict[int, list[bytes]] = {}
+        self.demotions: list[Demotion] = []
+        self.demoted: dict[int, list[bytes]] = {}  # demoted keys pending in their new tier
+        self.events: list[EventBatch] = []
+
+    def make_room(self, tier: int, nbytes: int) -> bool:
+        """Free ``nbytes`` in ``tier``, demoting or dropping victims; ``False`` (no change) if
+        impossible."""
+        t = self.tiers[tier]
+        over = t.used + nbytes - t.capacity
+        if over <= 0:
+            return True
+        if nbytes > t.capacity:
+            return False
+        victims = t.evict(over, self.protected)
+        if victims is None:
+            return False
+        # Every victim leaves this tier now; routers that track tiers must hear of it.
+        self.events.append(("removed", victims, t.name))
+        dropped = victims
+        if self.write_back and tier + 1 < len(self.tiers):
+            moved = self._demote(tier, victims)
+            if moved:
+                gone = set(moved)
+                dropped = [key for key in victims if key not in gone]
+        if dropped:
+            # Still readable below (write-through, or a copy already there), or gone.
+            self.drops.setdefault(tier, []).extend(dropped)
+            t.dropped += len(dropped)
+        return True
+
+    def _demote(self, tier: int, victims: list[bytes]) -> list[bytes]:
+        """Reserve ``victims`` of ``tier`` in the next tier; return the keys moved there."""
+        nxt = tier + 1
+        dst = self.tiers[nxt]
+        index = dst.index
+        keys = self.admission.admitted(nxt, [key for key in victims if key not in index])
+        if not keys:
+            return keys
+        if self.make_room(nxt, dst.block * len(keys)):
+            dst.reserve(keys)
+        else:  # not all of them fit (pinned or protected keys below): as many as can, in order
+            fit: list[bytes] = []
+            for key in keys:
+                if not self.make_room(nxt, dst.block):
+                    break
+                dst.reserve((key,))
+                fit.append(key)
+            keys = fit
+            if not keys:
+                return keys
+        dst.demotions_in += len(keys)
+        self.demoted.setdefault(nxt, []).extend(keys)
+        # Deeper demotions were appended by make_room above: the plan lists them first.
+        self.demotions.append(Demotion(tier, nxt, tuple(keys)))
+        return keys
+
+    def reserve(self, tier: int, keys: list[bytes]) -> None:
+        """Pending entries for ``keys`` in ``tier`` (after ``make_room``): the plan's own keys in
+        the first tier, write-through copies in a lower one."""
+        self.tiers[tier].reserve(keys)
+        if tier == 0:
+            self.keys += keys
+        else:
+            self.through.setdefault(tier, []).extend(keys)
+
+    def build(self, plan_id: int, positions: tuple[int, ...], skipped: tuple[bytes, ...]) -> StorePlan:
+        return StorePlan(
+            plan_id=plan_id,
+            keys=tuple(self.keys),
+            positions=positions,
+            tier=0,
+            write_through=tuple((ti, tuple(ks)) for ti, ks in self.through.items()),
+            drops=tuple((ti, tuple(ks)) for ti, ks in sorted(self.drops.items(), reverse=True)),
+            demotions=tuple(self.demotions),
+            skipped=skipped,
+        )
+
+    def open(self, sources: dict[bytes, int] | None = None) -> OpenPlan:
+        """What the manager keeps of the built plan until its last key completes."""
+        return OpenPlan(set(self.keys), self.demoted, self.through, sources)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What ``complete_store`` was told: whether the job succeeded, the keys whose write to a
+    tier failed, and the sizes stored in variable-size tiers."""
+
+    success: bool
+    failed: Mapping[int, Collection[bytes]]
+    sizes: Mapping[int, Mapping[bytes, int]] | None
+    now: float
+
+    def split(self, tier: int, keys: list[bytes], *, all_lost: bool = False) -> tuple[list[bytes], list[bytes]]:
+        """``keys`` written to ``tier``, and those that were not."""
+        lost = self.failed.get(tier)
+        if all_lost:
+            return [], keys
+        if not lost:
+            return keys, []
+        return [key for key in keys if key not in lost], [key for key in keys if key in lost]
+
+    def sizes_in(self, tier: int) -> Mapping[bytes, int] | None:
+        return self.sizes.get(tier) if self.sizes else None
+
+
+@dataclass(slots=True)
+class OpenPlan:
+    """A plan whose ``remaining`` keys have not completed yet. Its lower-tier copies (demoted
+    keys and write-through copies) settle together when the last key completes."""
+
+    remaining: set[bytes]
+    demoted: dict[int, list[bytes]] = field(default_factory=dict)
+    through: dict[int, list[bytes]] = field(default_factory=dict)
+    #: Promotion plans only: the lower tier each key was ready in when the plan was made.
+    sources: dict[bytes, int] | None = None
+
+    def settle(self, tiers: Sequence[TierState], result: Completion, out: list[EventBatch]) -> None:
+        """Copies become ready, except those whose write failed, which are dropped; a failed
+        store fails its write-through copies too."""
+        for copies, all_lost in ((self.demoted, False), (self.through, not result.success)):
+            for ti, keys in copies.items():
+                t = tiers[ti]
+                index = t.index
+                good, lost = result.split(ti, [key for key in keys if index.get(key) == PENDING], all_lost=all_lost)
+                t.settle(good, result.sizes_in(ti), result.now)
+                out.append(("stored", good, t.name))
+                if lost:
+                    t.release(lost)
+                    t.dropped += len(lost)
+
+
+class PlanBook:
+    """The open plans over ``tiers``: the plan of each pending first-tier key, and what settles
+    when a plan's last key completes."""
+
+    def __init__(self, tiers: Sequence[TierState], promotions: Promotions) -> None:
+        self._tiers = tiers
+        self._promotions = promotions
+        self._plans: dict[int, OpenPlan] = {}
+        self._plan_of: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def open(self, plan_id: int, builder: PlanBuilder, sources: dict[bytes, int] | None) -> None:
+        self._plans[plan_id] = builder.open(sources)
+        plan_of = self._plan_of
+        for key in builder.keys:
+            plan_of[key] = plan_id
+
+    def unknown(self, keys: Sequence[bytes]) -> int | None:
+        """The index of the first of ``keys`` that no open plan holds, or ``None``."""
+        plan_of = self._plan_of
+        try:
+            if all(map(plan_of.__contains__, keys)):
+                return None
+        except TypeError:  # unhashable: not a key
+            pass
+        for i, key in enumerate(keys):
+            try:
+                if key not in plan_of:
+                    return i
+            except TypeError:
+                return i
+        return None
+
+    def complete(self, keys: Sequence[bytes], result: Completion, out: list[EventBatch]) -> tuple[int, int]:
+        """Settle ``keys`` (every one open) and the plans they complete; return the stores that
+        succeeded and failed (promotions are counted by :class:`Promotions`)."""
+        unique = list(dict.fromkeys(keys))
+        plan_ids = set(map(self._plan_of.pop, unique))
+        ok, bad = result.split(0, unique, all_lost=not result.success)
+        first = self._tiers[0]
+        first.settle(ok, result.sizes_in(0), result.now)
+        out.append(("stored", ok, first.name))
+        if bad:
+            first.release(bad)
+        done, lost = len(ok), len(bad)
+        for plan_id in plan_ids:
+            plan = self._plans[plan_id]
+            if plan.sources is not None:  # promotions are counted as such, not as stores
+                promoted, not_promoted = self._promotions.plan_completed(plan.sources, ok, bad)
+                done -= promoted
+                lost -= not_promoted
+            plan.remaining.difference_update(unique)
+            if not plan.remaining:
+                del self._plans[plan_id]
+                plan.settle(self._tiers, result, out)
+        return done, lost
