@@ -45,6 +45,8 @@ def load_object(spec: str, *, what: str = "object") -> Any:
         raise MissingDependencyError(
             f"{what}: cannot import {module_name!r} for {spec!r} ({exc}); is the package that provides it installed?"
         ) from exc
+    except Exception as exc:  # the module's own bug must not surface as a foreign error
+        raise PluginLoadError(f"{what}: importing {module_name!r} for {spec!r} raised {type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
         try:

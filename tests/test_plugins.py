@@ -291,3 +291,21 @@ def test_a_plugin_that_fails_to_load_is_a_kvtier_error_naming_it(tmp_path: Path,
     for line in lines:
         assert line.startswith(f"{error} |"), line
         assert "kvtier-broken-plugin" in line and name in line and cause in line, line
+
+
+def test_a_module_colon_name_whose_import_raises_is_a_kvtier_error(tmp_path: Path) -> None:
+    site_dir = _broken_distribution(tmp_path / "site")
+    proc = _run(
+        Path(sys.executable),
+        """
+        from kvtier import registry
+        from kvtier.errors import PluginLoadError
+        try:
+            registry.policies.get("kvtier_broken_raises:Policy")
+        except PluginLoadError as exc:
+            print(exc)
+        """,
+        env={**os.environ, "PYTHONPATH": str(site_dir)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "'kvtier_broken_raises:Policy' raised RuntimeError: plugin bug at import" in proc.stdout
