@@ -42,17 +42,28 @@ from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
+from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, set_command, unlink_command
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.codec import Codec, UnsupportedRecordError
+from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
-from kvtier.record import RecordBackend, check_meta, decode_meta, decode_record, encode_meta
+from kvtier.record import (
+    FLAG_MAC,
+    HEADER_SIZE,
+    MAC_TAG_SIZE,
+    RecordBackend,
+    check_meta,
+    decode_meta,
+    encode_meta,
+    parse_header,
+    verify_payload,
+)
 from kvtier.shared_index import SharedIndexView
 
 try:
     import redis
     from redis.cluster import RedisCluster
-    from redis.exceptions import AskError, MovedError, RedisError, ResponseError, TryAgainError
+    from redis.exceptions import AskError, ClusterDownError, MovedError, RedisError, TryAgainError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
@@ -302,6 +313,7 @@ class RedisBackend(RecordBackend):
             "socket_read_size": _SOCKET_READ_BYTES,
             "max_connections": self.max_connections,
             "health_check_interval": 0,
+            "protocol": 2,  # the wire module reads RESP2 replies
         }
         if self.username is not None:
             options["username"] = self.username
@@ -381,19 +393,49 @@ class RedisBackend(RecordBackend):
             return [fn(pool, pos) for pool, pos in groups]
         return list(threads.map(lambda g: fn(*g), groups))
 
-    def _exchange(self, pool: Any, body: Any) -> Any:
-        conn = pool.get_connection()
+    def _exchange(self, pool: Any, body: Any) -> None:
+        """Run ``body(wire)`` on a pooled connection; a dead socket raises :class:`_Down`."""
+        conn = pool.get_connection()  # connected and authenticated by redis-py
+        clean = False
         try:
-            return body(conn)
+            wire = Wire(conn._sock)
+            body(wire)
+            clean = wire.drained
         except _DOWN_ERRORS as exc:
-            conn.disconnect()
             raise _Down(exc) from exc
         finally:
+            if not clean:  # unknown stream position: never hand this connection out again
+                conn.disconnect()
             pool.release(conn)
 
     def _note_cluster_error(self, exc: BaseException) -> None:
-        if isinstance(exc, (MovedError, AskError, TryAgainError)):
+        if isinstance(exc, (MovedError, AskError, TryAgainError, ClusterDownError)):
             self._refresh_slots = True
+
+    def _refused(self, what: str, exc: ErrorReply) -> None:
+        text = str(exc)
+        if text.startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
+            self._refresh_slots = True
+        log.debug("redis: %s refused: %s", what, text)
+
+    def _run_io(self, fn: Any, rkeys: list[bytes]) -> bool:
+        """Run ``fn(pool, positions)`` per node; ``False`` (tier marked down) on a dead server."""
+        try:
+            groups = self._groups(rkeys)
+            self._run_groups(fn, groups)
+        except _Down as exc:
+            self._health.failed(exc.__cause__ or exc)
+            return False
+        except _DOWN_ERRORS as exc:  # building the client or the slot map
+            self._health.failed(exc)
+            return False
+        except RedisError as exc:  # auth refused, cluster down
+            self._note_cluster_error(exc)
+            self._health.failed(exc)
+            return False
+        if self._health.succeeded() and self.view is not None:
+            self.view.wake()
+        return True
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
@@ -409,27 +451,18 @@ class RedisBackend(RecordBackend):
         ttl = self._ttl_ms
 
         def write_group(pool: Any, positions: list[int]) -> None:
-            def body(conn: Any) -> None:
-                out: list[Any] = []
+            def body(wire: Wire) -> None:
+                buffers: list[Any] = []
                 for i in positions:
                     head, payload = parts[i]
-                    rk = rkeys[i]
-                    length = len(head) + len(payload)
-                    if ttl:
-                        out.append(b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rk), rk, length, head))
-                        out.append(payload)
-                        out.append(b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl))
-                    else:
-                        out.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rk), rk, length, head))
-                        out.append(payload)
-                        out.append(b"\r\n")
-                conn.send_packed_command(out, check_health=False)
+                    before, after = set_command(rkeys[i], head, len(head) + len(payload), ttl)
+                    buffers += (before, payload, after)
+                wire.send(buffers)
                 for i in positions:
                     try:
-                        conn.read_response()
-                    except ResponseError as exc:  # OOM under noeviction, MOVED while resharding
-                        self._note_cluster_error(exc)
-                        log.debug("redis: SET refused: %s", exc)
+                        wire.reply()
+                    except ErrorReply as exc:  # OOM under noeviction, MOVED while resharding
+                        self._refused("SET", exc)
                         continue
                     head, payload = parts[i]
                     sizes[i] = len(head) + len(payload)
@@ -445,25 +478,6 @@ class RedisBackend(RecordBackend):
             self.view.note_written(done)
         return sizes
 
-    def _run_io(self, fn: Any, rkeys: list[bytes]) -> bool:
-        """Run ``fn(pool, positions)`` per node; ``False`` (tier marked down) on a dead server."""
-        try:
-            groups = self._groups(rkeys)
-            self._run_groups(fn, groups)
-        except _Down as exc:
-            self._health.failed(exc.__cause__ or exc)
-            return False
-        except _DOWN_ERRORS as exc:  # building the client or the slot map
-            self._health.failed(exc)
-            return False
-        except RedisError as exc:
-            self._note_cluster_error(exc)
-            self._health.failed(exc)
-            return False
-        if self._health.succeeded() and self.view is not None:
-            self.view.wake()
-        return True
-
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         size = self._check_io(keys, out)
         n = len(keys)
@@ -474,50 +488,25 @@ class RedisBackend(RecordBackend):
             return found
         rkeys = [self._rkey(k) for k in keys]
         bad: list[bytes] = []
-        corrupt = 0
         window = max(1, _READ_WINDOW_BYTES // (size + self._head_bytes()))
         ttl = self._ttl_ms
 
-        def command(rk: bytes) -> bytes:
-            if ttl:
-                return b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(rk), rk, len(ttl), ttl)
-            return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(rk), rk)
-
         def read_group(pool: Any, positions: list[int]) -> None:
-            nonlocal corrupt
-
-            def body(conn: Any) -> None:
-                nonlocal corrupt
-                sent = min(window, len(positions))
-                conn.send_packed_command([b"".join(command(rkeys[i]) for i in positions[:sent])], check_health=False)
+            def body(wire: Wire) -> None:
+                commands = [get_command(rkeys[i], ttl) for i in positions]
+                sent = min(window, len(commands))
+                wire.send([b"".join(commands[:sent])])
                 for i in positions:
                     try:
-                        value = conn.read_response()
-                    except ResponseError as exc:
-                        self._note_cluster_error(exc)
-                        value = None
-                    if sent < len(positions):
-                        conn.send_packed_command([command(rkeys[positions[sent]])], check_health=False)
+                        length = wire.bulk_length()
+                    except ErrorReply as exc:
+                        self._refused("GET", exc)
+                        length = -1
+                    if sent < len(commands):  # keep the server busy while this value arrives
+                        wire.send([commands[sent]])
                         sent += 1
-                    if value is None:
-                        continue
-                    key, dst = keys[i], out[i]
-                    view, staging = self._host_view(dst)
-                    try:
-                        decode_record(key, value, view, mac=self.mac)
-                    except UnsupportedRecordError as exc:
-                        # Another writer's format or secret: a miss here, theirs to keep.
-                        log.debug("redis: record %s… not readable here (%s)", key.hex()[:16], exc)
-                        continue
-                    except CorruptBlockError as exc:
-                        log.warning("redis: bad record %s… on %s (%s); deleting it", key.hex()[:16], self.url, exc)
-                        self._count_auth(exc)
-                        bad.append(key)
-                        corrupt += 1
-                        continue
-                    if staging is not None:
-                        dst.copy_(staging)
-                    found[i] = True
+                    if length >= 0:
+                        found[i] = self._receive(wire, keys[i], out[i], length, bad)
 
             self._exchange(pool, body)
 
@@ -525,8 +514,52 @@ class RedisBackend(RecordBackend):
             found = [False] * n  # a half-read job is a whole miss: simpler for callers, and rare
         if bad:
             self._delete(bad)
-        self._count_reads(found, size, corrupt=corrupt)
+        self._count_reads(found, size, corrupt=len(bad))
         return found
+
+    def _receive(self, wire: Wire, key: bytes, dst: torch.Tensor, length: int, bad: list[bytes]) -> bool:
+        """Read one record of ``length`` bytes (and its CRLF) into ``dst``; ``False`` for a miss.
+
+        The header (and tag) is read and checked first; a raw payload then lands straight in
+        ``dst`` and is verified there. A bad record is consumed, logged and queued in ``bad``."""
+        size = len(dst)
+        head = bytearray(min(length, HEADER_SIZE))
+        wire.read_into(memoryview(head))
+        rest = length - len(head)
+        try:
+            if len(head) == HEADER_SIZE and head[7] & FLAG_MAC and rest >= MAC_TAG_SIZE:
+                tag = bytearray(MAC_TAG_SIZE)
+                wire.read_into(memoryview(tag))
+                head += tag
+                rest -= MAC_TAG_SIZE
+            header = parse_header(head, raw_length=size, available=length, mac=self.mac)
+            view, staging = self._host_view(dst)
+            if header.codec_id == NoneCodec.codec_id:
+                wire.read_into(view)
+                wire.skip(2)
+                rest = -2
+                verify_payload(key, head, header, view, mac=self.mac)
+            else:
+                payload = bytearray(header.stored_length)
+                wire.read_into(memoryview(payload))
+                wire.skip(2)
+                rest = -2
+                verify_payload(key, head, header, payload, mac=self.mac)
+                codec_for_id(header.codec_id).decode_into(memoryview(payload), view, header.itemsize)
+        except UnsupportedRecordError as exc:
+            # Another writer's format or secret: a miss here, theirs to keep.
+            log.debug("redis: record %s… not readable here (%s)", key.hex()[:16], exc)
+            wire.skip(rest + 2)
+            return False
+        except CorruptBlockError as exc:
+            log.warning("redis: bad record %s… on %s (%s); deleting it", key.hex()[:16], self.url, exc)
+            self._count_auth(exc)
+            bad.append(key)
+            wire.skip(rest + 2)
+            return False
+        if staging is not None:
+            dst.copy_(staging)
+        return True
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
@@ -544,20 +577,15 @@ class RedisBackend(RecordBackend):
         deleted = 0
 
         def delete_group(pool: Any, positions: list[int]) -> None:
-            nonlocal deleted
-
-            def body(conn: Any) -> None:
+            def body(wire: Wire) -> None:
                 nonlocal deleted
-                # One UNLINK per key: a multi-key UNLINK would be refused across cluster slots.
-                conn.send_packed_command(
-                    [b"".join(b"*2\r\n$6\r\nUNLINK\r\n$%d\r\n%b\r\n" % (len(rkeys[i]), rkeys[i]) for i in positions)],
-                    check_health=False,
-                )
+                # One UNLINK per key: a multi-key UNLINK is refused across cluster slots.
+                wire.send([b"".join(unlink_command(rkeys[i]) for i in positions)])
                 for _ in positions:
                     try:
-                        deleted += int(conn.read_response())
-                    except ResponseError as exc:
-                        self._note_cluster_error(exc)
+                        deleted += int(wire.reply())
+                    except ErrorReply as exc:
+                        self._refused("UNLINK", exc)
 
             self._exchange(pool, body)
 

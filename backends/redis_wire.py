@@ -1,0 +1,167 @@
+"""The bytes of a redis tier job on the wire: scatter sends and RESP2 replies read into place.
+
+redis-py connects, authenticates (password, ACL user, TLS) and pools connections; a job then
+borrows one connection and talks RESP2 on its socket directly, because redis-py's reply path
+copies every value twice more than needed (into hiredis's buffer, then into a ``bytes``). Here a
+record's header is read into a small buffer and a raw payload straight into the destination
+block, then checksummed there. Writes go out as ``sendmsg`` scatter lists (command, header,
+payload views), never joined.
+
+A :class:`Wire` lives for one exchange: every request sent is answered before the connection
+goes back to the pool. Any exception leaves the stream in an unknown place, so callers then
+disconnect the connection (redis-py reconnects it on next use).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["ErrorReply", "Wire", "set_command", "get_command", "unlink_command"]
+
+_IOV = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
+_BUFFER = 1 << 16
+
+
+class ErrorReply(Exception):
+    """An error reply (``-OOM ...``, ``-MOVED ...``): that request failed, the stream is fine."""
+
+
+def set_command(rkey: bytes, head: bytes, length: int, ttl_ms: bytes) -> tuple[bytes, bytes]:
+    """``(before, after)`` to send around a record's payload: ``SET key <head+payload> [PX ms]``."""
+    if ttl_ms:
+        before = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rkey), rkey, length, head)
+        return before, b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl_ms), ttl_ms)
+    return b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rkey), rkey, length, head), b"\r\n"
+
+
+def get_command(rkey: bytes, ttl_ms: bytes) -> bytes:
+    """``GET key``, or ``GETEX key PX ms`` (a sliding expiry) when the tier has a TTL."""
+    if ttl_ms:
+        return b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(rkey), rkey, len(ttl_ms), ttl_ms)
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(rkey), rkey)
+
+
+def unlink_command(rkey: bytes) -> bytes:
+    return b"*2\r\n$6\r\nUNLINK\r\n$%d\r\n%b\r\n" % (len(rkey), rkey)
+
+
+class Wire:
+    """RESP2 over one connected socket, for one exchange."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._scatter = hasattr(sock, "sendmsg") and type(sock) is socket.socket  # not an SSLSocket
+        self._buf = bytearray(_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(self, buffers: Sequence[Any]) -> None:
+        """Send every buffer, in order, with as few system calls as the kernel allows."""
+        if not self._scatter:
+            for b in buffers:
+                self.sock.sendall(b)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        i = 0
+        while i < len(views):
+            sent = self.sock.sendmsg(views[i : i + _IOV])
+            while sent:
+                n = len(views[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+            while i < len(views) and not len(views[i]):
+                i += 1
+
+    # -- receiving -------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            live = self._end - self._start
+            self._buf[:live] = self._buf[self._start : self._end]
+            self._start, self._end = 0, live
+        got = self.sock.recv_into(self._view[self._end :])
+        if not got:
+            raise ConnectionError("the server closed the connection")
+        self._end += got
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start : i])
+                self._start = i + 2
+                return line
+            if self._end - self._start >= len(self._buf):
+                raise ConnectionError("a reply line longer than the read buffer")
+            self._fill()
+
+    def reply(self) -> Any:
+        """A small reply: ``+`` as bytes, ``:`` as int, ``$`` as bytes or ``None``; ``-`` raises."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b":":
+            return int(rest)
+        if line == b"_":
+            return None
+        if kind == b"-":
+            raise ErrorReply(rest.decode(errors="replace"))
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            data = bytearray(n)
+            self.read_into(memoryview(data))
+            self.skip(2)
+            return bytes(data)
+        raise ConnectionError(f"unexpected reply {line[:32]!r}")
+
+    def bulk_length(self) -> int:
+        """The length of the next bulk reply, ``-1`` for nil; an error reply raises."""
+        line = self._line()
+        if line[:1] == b"$":
+            return int(line[1:])
+        if line == b"_":  # RESP3 null, should a server speak it
+            return -1
+        if line[:1] == b"-":
+            raise ErrorReply(line[1:].decode(errors="replace"))
+        raise ConnectionError(f"expected a bulk reply, got {line[:32]!r}")
+
+    def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` exactly: first from what is buffered, then straight from the socket."""
+        n = len(out)
+        have = min(n, self._end - self._start)
+        if have:
+            out[:have] = self._view[self._start : self._start + have]
+            self._start += have
+        pos = have
+        recv_into = self.sock.recv_into
+        while pos < n:
+            got = recv_into(out[pos:])
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            pos += got
+
+    def skip(self, n: int) -> None:
+        """Discard ``n`` bytes of the stream (the CRLF after a value, or an unwanted value)."""
+        while n > 0:
+            if self._start == self._end:
+                self._fill()
+            take = min(n, self._end - self._start)
+            self._start += take
+            n -= take
+
+    @property
+    def drained(self) -> bool:
+        """Whether nothing was read past the last reply (the connection can be reused)."""
+        return self._start == self._end

@@ -1,0 +1,230 @@
+"""The ``redis`` tier against raw redis-py on the same bytes, in the same run; prints one JSON object.
+
+Raw baselines (the best of several redis-py patterns, since none wins everywhere): a serial
+``SET``/``GET`` loop, one pipeline per job, ``MSET``/``MGET`` (``mset_nonatomic``/``mget_nonatomic``
+on a cluster), and four connections each running a serial loop over a quarter of the job.
+kvtier: ``write_blocks``/``read_blocks`` of whole jobs (records with header and checksum).
+Ratios are kvtier / best raw; GB/s count block bytes.
+
+``lookup_us_per_key``: ``TierManager.lookup`` through a store whose redis tier's index was
+filled by the shared-index sweep (no network in the lookup). ``sweep_us_per_key``: one full
+sweep (SCAN) of the server, per key held.
+
+Servers: ``--url`` / ``--cluster-url``, else private ones started here (tests/redis_servers.py).
+
+    python benchmarks/bench_redis.py [--repeat 3] [--no-cluster]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from kvtier.backends.redis_tier import RedisBackend
+from redis.cluster import RedisCluster
+
+import kvtier
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+
+SHAPES = {"2MiB": (2 << 20, 48, 16), "64KiB": (64 << 10, 768, 128)}  # block bytes, blocks, blocks per job
+
+
+def _timed(fn: Any, nbytes: int, repeat: int) -> float:
+    best = 0.0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def raw_patterns(client: Any, cluster: bool, keys: list[bytes], values: list[bytes], job: int, repeat: int) -> dict[str, float]:
+    """GB/s of each raw pattern, put and get."""
+    nbytes = sum(map(len, values))
+    jobs = [(keys[i : i + job], values[i : i + job]) for i in range(0, len(keys), job)]
+    pool = ThreadPoolExecutor(4)
+
+    def serial_put() -> None:
+        for k, v in zip(keys, values):
+            client.set(k, v)
+
+    def serial_get() -> None:
+        for k in keys:
+            client.get(k)
+
+    def pipe_put() -> None:
+        for ks, vs in jobs:
+            p = client.pipeline(transaction=False)
+            for k, v in zip(ks, vs):
+                p.set(k, v)
+            p.execute()
+
+    def pipe_get() -> None:
+        for ks, _ in jobs:
+            p = client.pipeline(transaction=False)
+            for k in ks:
+                p.get(k)
+            p.execute()
+
+    def multi_put() -> None:
+        for ks, vs in jobs:
+            (client.mset_nonatomic if cluster else client.mset)(dict(zip(ks, vs)))
+
+    def multi_get() -> None:
+        for ks, _ in jobs:
+            (client.mget_nonatomic if cluster else client.mget)(ks)
+
+    def threads_put() -> None:
+        for ks, vs in jobs:
+            list(pool.map(lambda q, ks=ks, vs=vs: [client.set(k, v) for k, v in zip(ks[q::4], vs[q::4])], range(4)))
+
+    def threads_get() -> None:
+        for ks, _ in jobs:
+            list(pool.map(lambda q, ks=ks: [client.get(k) for k in ks[q::4]], range(4)))
+
+    out = {}
+    for name, put, get in (
+        ("serial", serial_put, serial_get),
+        ("pipeline", pipe_put, pipe_get),
+        ("mset_mget", multi_put, multi_get),
+        ("4_connections", threads_put, threads_get),
+    ):
+        out[f"put_{name}"] = round(_timed(put, nbytes, repeat), 3)
+        out[f"get_{name}"] = round(_timed(get, nbytes, repeat), 3)
+    pool.shutdown()
+    client.delete(*keys) if not cluster else [client.delete(k) for k in keys]
+    return out
+
+
+def kvtier_io(url: str, cluster: bool, block: int, n: int, job: int, repeat: int) -> dict[str, float]:
+    fmt = BlockFormat(block_bytes=block, dtype="bfloat16", namespace_digest=hashlib.sha256(b"bench-redis%d" % block).digest())
+    backend = RedisBackend(capacity=4 * n * (block + 64), url=url, cluster=cluster, prefix="bench")
+    asyncio.run(backend.open(fmt))
+    try:
+        keys = [make_key(i) for i in range(n)]
+        data = [random_block(block, i % 8) for i in range(n)]
+        out = [torch.empty(block, dtype=torch.uint8) for _ in range(n)]
+        nbytes = n * block
+
+        def put() -> None:
+            for i in range(0, n, job):
+                assert all(s is not None for s in backend.write_blocks(keys[i : i + job], data[i : i + job]))
+
+        def get() -> None:
+            for i in range(0, n, job):
+                assert all(backend.read_blocks(keys[i : i + job], out[i : i + job]))
+
+        result = {"put": _timed(put, nbytes, repeat), "get": _timed(get, nbytes, repeat)}
+        assert all(torch.equal(a, b) for a, b in zip(out, data))
+        backend.delete_blocks(keys)
+        return result
+    finally:
+        asyncio.run(backend.aclose())
+
+
+async def lookup_cost(url: str, cluster: bool, n: int) -> dict[str, float]:
+    """Lookups through a store whose redis index was filled by one sweep of ``n`` records."""
+    block = 4096
+    cfg = {
+        "block_bytes": block,
+        "tiers": [{"backend": "redis", "capacity": 4 * n * (block + 64), "url": url, "cluster": cluster, "prefix": "benchlookup", "sync_interval_s": 3600}],
+    }
+    writer = RedisBackend(capacity=4 * n * (block + 64), url=url, cluster=cluster, prefix="benchlookup")
+    async with kvtier.open(cfg) as store:
+        await writer.open(store.format)
+        keys = [make_key(i) for i in range(n)]
+        blk = [torch.zeros(block, dtype=torch.uint8)] * 1000
+        for i in range(0, n, 1000):
+            writer.write_blocks(keys[i : i + 1000], blk[: len(keys[i : i + 1000])])
+        view = store.backends[0].view
+        assert view is not None
+        t0 = time.perf_counter()
+        view.sweep_once()
+        sweep_s = time.perf_counter() - t0
+        mgr = store.manager
+        assert mgr is not None
+        queries = [keys[i : i + 64] for i in range(0, n, 64)]
+        t0 = time.perf_counter()
+        hits = sum(mgr.lookup(q) for q in queries)
+        lookup_s = time.perf_counter() - t0
+        assert hits == n, hits
+        writer.delete_blocks(keys)
+        await writer.aclose()
+    return {"lookup_us_per_key": round(lookup_s / n * 1e6, 3), "sweep_us_per_key": round(sweep_s / n * 1e6, 3), "sweep_keys": n}
+
+
+def measure(url: str, cluster: bool, repeat: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    client: Any = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    for label, (block, n, job) in SHAPES.items():
+        keys = [b"bench-raw:" + make_key(i) for i in range(n)]
+        values = [random_block(block, i % 8).numpy().tobytes() for i in range(n)]
+        raw = raw_patterns(client, cluster, keys, values, job, repeat)
+        ours = kvtier_io(url, cluster, block, n, job, repeat)
+        best_put = max(v for k, v in raw.items() if k.startswith("put_"))
+        best_get = max(v for k, v in raw.items() if k.startswith("get_"))
+        result[label] = {
+            "kvtier_put_gbps": round(ours["put"], 3),
+            "kvtier_get_gbps": round(ours["get"], 3),
+            "raw_best_put_gbps": best_put,
+            "raw_best_get_gbps": best_get,
+            "redis_save_ratio": round(ours["put"] / best_put, 3),
+            "redis_load_ratio": round(ours["get"] / best_get, 3),
+            "raw": raw,
+        }
+    client.close()
+    result.update(asyncio.run(lookup_cost(url, cluster, 20000)))
+    # Headline ratios: the 2 MiB cell, the shape of real KV blocks.
+    result["redis_save_ratio"] = result["2MiB"]["redis_save_ratio"]
+    result["redis_load_ratio"] = result["2MiB"]["redis_load_ratio"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url")
+    parser.add_argument("--cluster-url")
+    parser.add_argument("--no-cluster", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    started: list[Any] = []
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    try:
+        from redis_servers import RedisClusterServers, RedisServer, server_version
+
+        tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-"))
+        url = args.url
+        if url is None:
+            server = RedisServer(tmp / "server", extra=("--maxmemory", "4gb")).start()
+            started.append(server)
+            url = server.url
+        report: dict[str, Any] = {"redis_server": server_version(), "cpus": os.cpu_count(), "server": measure(url, False, args.repeat)}
+        report["redis_save_ratio"] = report["server"]["redis_save_ratio"]
+        report["redis_load_ratio"] = report["server"]["redis_load_ratio"]
+        if not args.no_cluster:
+            curl = args.cluster_url
+            if curl is None:
+                cluster = RedisClusterServers(tmp / "cluster").start()
+                started.append(cluster)
+                curl = cluster.url
+            report["cluster"] = measure(curl, True, args.repeat)
+        print(json.dumps(report))
+    finally:
+        for s in started:
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()
