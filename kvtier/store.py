@@ -157,6 +157,8 @@ class KVStore:
         if self.transfers is not None:
             await _off_loop(self.transfers.close)
             self._settle_finished()
+        if self.layout is not None:  # the device staging goes back to the allocator
+            await _off_loop(self.layout.staging.close)
         if self.manager is not None:
             await self.flush_stamps()
             self.manager.close()

@@ -368,6 +368,7 @@ async def test_store_config_staging_bytes_reaches_the_layout_and_stats(cuda_stan
         for c, b in zip(caches, before):
             assert torch.equal(c.view(torch.uint8)[10:15], b.view(torch.uint8)[1:6])
         st = store.stats()["staging"]
+    assert store.layout is not None and store.layout.staging.stats()["device_staging_allocated"] == 0, "kept after close"
     assert st["staging_bytes"] == 4 * 2 * block and st["chunk_blocks"] == 2
     assert st["save_mode"] == st["load_mode"] == "staged" and st["staged_jobs"] == 2
     assert st["device_staging_allocated"] == 2 * 2 * 2 * block
