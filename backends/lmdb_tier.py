@@ -25,8 +25,19 @@ Contract and choices:
 * Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` and the deletion of corrupt records
   found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
-* A corrupt environment at open is renamed ``data.mdb.corrupt-<UTC time>`` and a fresh one is
-  started, with a warning.
+* Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
+  its meta pages are read with ``pread`` and checked against the file's size; at open the
+  blocks database's leaf pages are walked and every value's extent checked against the file,
+  and the index is read. Any damage found (a truncated file, a bad page, an unreadable meta
+  record) moves the environment to ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``,
+  with a ``REASON`` file) and starts an empty one, with a warning. A read never touches a value
+  that lies past the end of the file, and any LMDB error on one key is a miss for that key,
+  which is deleted.
+* One process per environment: ``open()`` takes an exclusive ``flock`` on ``kvtier.lock`` and a
+  second opener (another process, or another instance in this one) gets a ``BackendError``
+  naming the holder's pid. A full filesystem is a ``DiskError`` at open, never a SIGBUS
+  (``lock.mdb`` is preallocated). A capacity lowered below what the file holds drops the oldest
+  records, compacts the file and logs the counts.
 
 Offline access (``kvtier inspect`` / ``kvtier verify``, see :mod:`kvtier.tools`) goes through the
 classmethods ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
@@ -40,6 +51,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -48,7 +60,17 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import lmdb
+import numpy as np
 import torch
+from kvtier.backends.lmdb_files import (
+    DamagedEnvironment,
+    HolderLock,
+    check_data_file,
+    check_free_space,
+    map_base,
+    move_aside,
+    preallocate_lock_file,
+)
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, UnsupportedRecordError
@@ -75,6 +97,14 @@ _CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, l
 # Errors confined to one put: the write of that key fails, the job goes on.
 _PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
 _PAGE_HEADER = 16  # bytes of an LMDB page header before overflow data
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LmdbBackend(PersistentRecordBackend):
@@ -108,6 +138,9 @@ class LmdbBackend(PersistentRecordBackend):
         self._pid = 0
         self._write_lock = threading.Lock()
         self._staging = bytearray()
+        self._holder: HolderLock | None = None
+        self._map_base: int | None = None
+        self._listed: list[RecordInfo] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
@@ -123,53 +156,58 @@ class LmdbBackend(PersistentRecordBackend):
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ConfigError(f"path: {self.path!r} exists and is not a directory; an lmdb tier needs a directory of its own")
         try:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"path: cannot create the directory {self.path!r}: {exc.strerror or exc}") from exc
+        check_free_space(self.path, self.max_readers)
+        holder = HolderLock(self.path)
+        holder.acquire()  # BackendError naming the pid of a process that holds the tier already
+        try:
+            self._open_checked(fmt)
+        except BaseException:
+            self._close_env()
+            holder.release()
+            raise
+        self._holder = holder
+        self._pid = os.getpid()
+
+    def _open_checked(self, fmt: BlockFormat) -> None:
+        """Open, and on damage found before or while opening, move the environment aside and
+        start a fresh one."""
         try:
             self._try_open(fmt)
-        except (*_CORRUPT, CorruptBlockError) as exc:
-            self._close_env()
-            moved = self._move_aside()
-            message = f"lmdb: the environment at {self.path!r} is corrupt ({exc}); moved it to {moved!r} and started a fresh one"
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            try:
-                self._try_open(fmt)
-            except lmdb.Error as again:
-                self._close_env()
-                raise DiskError(f"lmdb: cannot start a fresh environment at {self.path!r}: {again}") from again
         except ConfigError:
-            self._close_env()
             raise
         except lmdb.MemoryError as exc:
-            self._close_env()
             raise ConfigError(
                 f"capacity: {format_size(self.capacity_bytes)} cannot be mapped at {self.path!r}: "
                 f"LMDB reserves the whole capacity as address space when it opens, and the system refused ({exc}); "
                 "lower the capacity"
             ) from exc
-        except lmdb.Error as exc:
+        except (DamagedEnvironment, *_CORRUPT, CorruptBlockError) as exc:
             self._close_env()
+            moved = move_aside(self.path, f"{type(exc).__name__}: {exc}")
+            message = (
+                f"lmdb: the environment at {self.path!r} is damaged ({exc}); moved it to {moved!r} "
+                f"(check it with 'kvtier verify {moved}') and started an empty one"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            try:
+                self._try_open(fmt)
+            except (DamagedEnvironment, lmdb.Error) as again:
+                raise DiskError(f"lmdb: cannot start a fresh environment at {self.path!r}: {again}") from again
+        except lmdb.Error as exc:
             raise DiskError(f"lmdb: cannot open {self.path!r}: {exc}") from exc
-        self._pid = os.getpid()
 
     def _try_open(self, fmt: BlockFormat) -> None:
-        durable = self.sync_mode == "durable"
-        env = self._env = lmdb.open(
-            self.path,
-            map_size=self.capacity_bytes,
-            subdir=True,
-            max_dbs=3,
-            max_readers=self.max_readers,
-            sync=durable,
-            metasync=False,  # the env.sync() at the end of each job writes the meta page
-            writemap=False,
-            map_async=False,
-            readahead=False,
-            meminit=False,
-            lock=True,
-        )
+        used = check_data_file(self.path)  # before anything maps the file
+        preallocate_lock_file(self.path, self.max_readers)
+        map_size = self.capacity_bytes
+        shrinking = used > map_size
+        if shrinking:  # a lowered capacity: open with room to delete the excess, then compact
+            map_size = used + used // 10 + 256 * 65536
+        env = self._env = self._lmdb_open(map_size)
         env.reader_check()
         self._psize = int(env.stat()["psize"])
         self._blocks = env.open_db(b"blocks")
@@ -183,23 +221,103 @@ class LmdbBackend(PersistentRecordBackend):
                 try:
                     meta = decode_meta(stored)
                 except UnsupportedRecordError as exc:
-                    raise ConfigError(f"lmdb: {self.path!r}: {exc}; point the tier at a new path") from exc
+                    raise DamagedEnvironment(f"meta record: {exc}") from exc
                 check_meta(meta, fmt, where=f"lmdb {self.path!r}")
-        if durable:
+        if self.sync_mode == "durable":
             env.sync(True)
+        self._map_base = map_base(self.path)
+        self._listed = self._read_index(env)
+        if shrinking:
+            self._shrink(fmt, used)
 
-    def _move_aside(self) -> str:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        data = os.path.join(self.path, "data.mdb")
-        target = f"{data}.corrupt-{stamp}"
+    def _lmdb_open(self, map_size: int) -> lmdb.Environment:
+        return lmdb.open(
+            self.path,
+            map_size=map_size,
+            subdir=True,
+            max_dbs=3,
+            max_readers=self.max_readers,
+            sync=self.sync_mode == "durable",
+            metasync=False,  # the env.sync() at the end of each job writes the meta page
+            writemap=False,
+            map_async=False,
+            readahead=False,
+            meminit=False,
+            lock=True,
+        )
+
+    def _read_index(self, env: lmdb.Environment) -> list[RecordInfo]:
+        """Every record, from the index; also walks the blocks database's leaf pages (never a
+        value's pages) and checks that each value lies inside the file. LMDB errors propagate:
+        the caller treats them as a damaged environment."""
+        limit = self._valid_bytes(env)
+        extents_ok: set[bytes] = set()
+        with env.begin(db=self._blocks, buffers=True) as txn:
+            for block_key, value in txn.cursor():
+                if not self._inside(value, limit):
+                    raise DamagedEnvironment(f"record {bytes(block_key).hex()[:16]}… lies past the end of the file")
+                extents_ok.add(bytes(block_key))
+        records: list[RecordInfo] = []
         try:
-            os.replace(data, target)
-            lock = os.path.join(self.path, "lock.mdb")
-            if os.path.exists(lock):
-                os.unlink(lock)
-        except OSError as exc:
-            raise DiskError(f"lmdb: cannot move the corrupt environment {data!r} aside: {exc}") from exc
-        return target
+            with env.begin(db=self._index) as txn:
+                for index_key, entry in txn.cursor():
+                    stamp, stored = _INDEX.unpack(entry)
+                    if index_key in extents_ok:
+                        records.append(RecordInfo(bytes(index_key), stored, stamp))
+        except struct.error as exc:
+            raise DamagedEnvironment(f"index entry is not readable: {exc}") from exc
+        return records
+
+    def _valid_bytes(self, env: lmdb.Environment) -> int:
+        """Bytes of the file that committed pages may occupy (checked against its size at open)."""
+        return (int(env.info()["last_pgno"]) + 1) * self._psize
+
+    def _inside(self, value: Any, limit: int) -> bool:
+        """Whether the value buffer ``value`` (a view into the map) lies inside the first
+        ``limit`` bytes of the file; ``True`` when the map's address is unknown."""
+        base = self._map_base
+        if base is None or not len(value):
+            return True
+        start = np.frombuffer(value, dtype=np.uint8, count=1).ctypes.data - base
+        return 0 <= start and start + len(value) <= limit
+
+    def _shrink(self, fmt: BlockFormat, used: int) -> None:
+        """The map holds more than the (lowered) capacity: drop the oldest records until the rest
+        fits, compact the file, and reopen at the capacity. Logged with the counts."""
+        env = self._env
+        assert env is not None
+        records = sorted(self._listed or [], key=lambda r: r.stamp)
+        total = sum(r.stored_bytes for r in records)
+        room = self.usable_bytes()
+        dropped: list[RecordInfo] = []
+        while records and total > room:
+            victim = records.pop(0)
+            dropped.append(victim)
+            total -= victim.stored_bytes
+        with env.begin(write=True) as txn:
+            for r in dropped:
+                txn.delete(r.key, db=self._blocks)
+                txn.delete(r.key, db=self._index)
+        compacted = os.path.join(self.path, "compact.tmp")
+        shutil.rmtree(compacted, ignore_errors=True)
+        os.makedirs(compacted, mode=0o700)
+        try:
+            env.copy(compacted, compact=True)
+            self._close_env()
+            os.replace(os.path.join(compacted, "data.mdb"), os.path.join(self.path, "data.mdb"))
+            _fsync_dir(self.path)
+        except (OSError, lmdb.Error) as exc:
+            log.warning("lmdb: cannot compact %r after lowering its capacity (%s); it keeps its larger file", self.path, exc)
+            return
+        finally:
+            shutil.rmtree(compacted, ignore_errors=True)
+        message = (
+            f"lmdb: {self.path!r} held {used} bytes, more than its capacity of {self.capacity_bytes}: dropped the "
+            f"{len(dropped)} oldest records ({sum(r.stored_bytes for r in dropped)} bytes), kept {len(records)}, "
+            f"compacted the file to {check_data_file(self.path)} bytes"
+        )
+        log.warning(message)
+        self._try_open(fmt)
 
     def _close_env(self) -> None:
         env, self._env = self._env, None
@@ -210,6 +328,9 @@ class LmdbBackend(PersistentRecordBackend):
         await super().aclose()
         with self._write_lock:
             self._close_env()
+            holder, self._holder = self._holder, None
+            if holder is not None:
+                holder.release()
 
     def _env_or_raise(self) -> lmdb.Environment:
         self._check_open()
@@ -250,6 +371,7 @@ class LmdbBackend(PersistentRecordBackend):
         with self._write_lock:
             if self._env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
+            self._listed = None
             need = max((len(h) + len(p) for h, p in parts), default=0)
             if len(self._staging) < need:
                 self._staging = bytearray(need)
@@ -303,40 +425,74 @@ class LmdbBackend(PersistentRecordBackend):
             pass  # even this did not fit; the retry will report the key as failed
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy each record straight from the map into its ``out`` row, checking it on the way.
+
+        Every failure is confined to its key: an absent, corrupt or unsupported record, and an
+        LMDB error while looking one up (a damaged page), are a miss for that key alone; bad
+        records are deleted, so the manager drops them and nobody is offered them again. A value
+        that would lie past the end of the file is never touched (that read would fault)."""
         size = self._check_io(keys, out)
         env = self._env_or_raise()
         found: list[bool] = []
         bad: list[bytes] = []
         corrupt = 0
+        mac = self.mac
+        blocks_db = self._blocks
+        limit = self._valid_bytes(env)
+        txn: lmdb.Transaction | None = None
         try:
-            with env.begin(buffers=True) as txn:
-                for key, dst in zip(keys, out):
-                    value = txn.get(key, db=self._blocks)
-                    if value is None:
-                        found.append(False)
-                        continue
-                    view, staging = self._host_view(dst)
-                    try:
-                        decode_record(key, value, view, mac=self.mac)
-                    except UnsupportedRecordError as exc:
-                        log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
-                        bad.append(key)
-                        found.append(False)
-                        continue
-                    except CorruptBlockError as exc:
-                        log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
-                        bad.append(key)
-                        corrupt += 1
-                        self._count_auth(exc)
-                        found.append(False)
-                        continue
-                    if staging is not None:
-                        dst.copy_(staging)
-                    found.append(True)
-        except lmdb.Error as exc:
+            for key, dst in zip(keys, out):
+                if txn is None:
+                    txn = env.begin(buffers=True)
+                try:
+                    value = txn.get(key, db=blocks_db)
+                    if value is not None and not self._inside(value, limit):
+                        raise CorruptBlockError("record lies past the end of the file")
+                except lmdb.Error as exc:
+                    log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
+                    txn.abort()  # a failed lookup may leave the transaction unusable: start another
+                    txn = None
+                    bad.append(key)
+                    corrupt += 1
+                    found.append(False)
+                    continue
+                except CorruptBlockError as exc:
+                    log.warning("lmdb: record %s… in %s is damaged (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
+                    bad.append(key)
+                    corrupt += 1
+                    found.append(False)
+                    continue
+                if value is None:
+                    found.append(False)
+                    continue
+                view, staging = self._host_view(dst)
+                try:
+                    decode_record(key, value, view, mac=mac)
+                except UnsupportedRecordError as exc:
+                    log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
+                    bad.append(key)
+                    found.append(False)
+                    continue
+                except CorruptBlockError as exc:
+                    log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
+                    bad.append(key)
+                    corrupt += 1
+                    self._count_auth(exc)
+                    found.append(False)
+                    continue
+                if staging is not None:
+                    dst.copy_(staging)
+                found.append(True)
+        except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
+        finally:
+            if txn is not None:
+                txn.abort()
         if bad:
-            self._delete(bad)  # after the read transaction: one writer, never nested in a reader
+            try:
+                self._delete(bad)  # after the read transaction: one writer, never nested in a reader
+            except DiskError as exc:
+                log.warning("lmdb: cannot delete %d bad records from %s: %s", len(bad), self.path, exc)
         self._count_reads(found, size, corrupt=corrupt)
         return found
 
@@ -349,6 +505,7 @@ class LmdbBackend(PersistentRecordBackend):
             env = self._env
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} is closed")
+            self._listed = None  # the listing read at open is stale from now on
             try:
                 with env.begin(write=True) as txn:
                     for key in keys:
@@ -360,16 +517,13 @@ class LmdbBackend(PersistentRecordBackend):
 
     def scan(self) -> Iterator[RecordInfo]:
         env = self._env_or_raise()
-        # Collected inside one short read transaction, yielded after it ends.
-        records: list[RecordInfo] = []
+        listed, self._listed = self._listed, None  # read (and checked) at open, used once
+        if listed is not None:
+            return iter(listed)
         try:
-            with env.begin(db=self._index) as txn:
-                for key, value in txn.cursor():
-                    stamp, stored = _INDEX.unpack(value)
-                    records.append(RecordInfo(key, stored, stamp))
-        except (lmdb.Error, struct.error) as exc:
+            return iter(self._read_index(env))
+        except (lmdb.Error, DamagedEnvironment) as exc:
             raise DiskError(f"lmdb: scan of {self.path!r} failed: {exc}") from exc
-        return iter(records)
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         if not stamps:
@@ -386,10 +540,9 @@ class LmdbBackend(PersistentRecordBackend):
                         if value is not None:  # never resurrect an index entry for a deleted block
                             _, stored = _INDEX.unpack(value)
                             txn.put(key, _INDEX.pack(float(stamp), stored))
-            except _PUT_FAILED as exc:
-                log.debug("lmdb: stamps not persisted: %s", exc)  # advisory; eviction order only
-            except lmdb.Error as exc:
-                raise DiskError(f"lmdb: touch in {self.path!r} failed: {exc}") from exc
+            except (lmdb.Error, struct.error) as exc:
+                # Advisory (eviction order only): never fail a close over them.
+                log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)
 
     # -- offline, read-only access (kvtier inspect / verify) ---------------------------------------
     @classmethod
@@ -409,6 +562,12 @@ class LmdbBackend(PersistentRecordBackend):
         where = os.fspath(path)
         if not cls.is_store_dir(where):
             raise ConfigError(f"lmdb: {where!r} holds no LMDB environment (no data.mdb)")
+        try:
+            check_data_file(where)  # never map a file that would fault
+        except DamagedEnvironment as exc:
+            raise DiskError(f"lmdb: the environment at {where!r} is damaged ({exc}); its records cannot be read safely") from exc
+        except OSError as exc:
+            raise DiskError(f"lmdb: cannot read {where!r}: {exc}") from exc
         lock_file = os.path.join(where, "lock.mdb")
         lock = os.path.isfile(lock_file) and os.access(lock_file, os.R_OK | os.W_OK)
         try:

@@ -21,7 +21,7 @@ import torch
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.errors import DiskError
+from kvtier.errors import BackendError, DiskError
 from kvtier.testing import make_key, random_block
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "win32", reason="needs fork and SIGKILL")
@@ -243,3 +243,430 @@ def test_keyed_store_serves_no_forged_record(name: str, tmp_path: Path, monkeypa
         assert stats["auth_failures"] == 1 and stats["corrupt_records"] == 1
     finally:
         asyncio.run(keyed.aclose())
+
+
+# -- a damaged LMDB environment is a miss or a fresh start, never a crash (issue 11, items 3-8) --
+#
+# Risky probes run in a subprocess: a SIGBUS or SIGSEGV there fails the test instead of killing
+# pytest. Each probe prints one JSON line per trial; the parent checks and prints the counts.
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import struct  # noqa: E402
+import subprocess  # noqa: E402
+import warnings  # noqa: E402
+
+SMALL = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "damage"})
+RECORDS = 24
+
+
+def _small_block(i: int) -> torch.Tensor:
+    return random_block(SMALL.block_bytes, 7000 + i)
+
+
+def _make_pristine(path: Path, n: int = RECORDS, capacity: int = 8 << 20) -> None:
+    backend = registry.backends.get("lmdb")(capacity=capacity, path=str(path))
+    asyncio.run(backend.open(SMALL))
+    try:
+        assert None not in backend.write_blocks([make_key(i) for i in range(n)], [_small_block(i) for i in range(n)])
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def _apply(damage: dict, data: Path) -> None:
+    if damage["kind"] == "truncate":
+        os.truncate(data, damage["size"])
+    elif damage["kind"] == "flip":
+        with open(data, "r+b") as f:
+            f.seek(damage["offset"])
+            byte = f.read(1)[0]
+            f.seek(damage["offset"])
+            f.write(bytes([byte ^ (1 << damage["bit"])]))
+    elif damage["kind"] == "write":
+        with open(data, "r+b") as f:
+            f.seek(damage["offset"])
+            f.write(bytes.fromhex(damage["hex"]))
+
+
+def probe_trials(pristine: str, work: str, trials: list[dict]) -> None:
+    """Subprocess side: damage a copy of ``pristine`` per trial, open it, read every key."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    keys = [make_key(i) for i in range(RECORDS)]
+    for n, damage in enumerate(trials):
+        path = Path(work) / f"t{n}"
+        shutil.copytree(pristine, path)
+        _apply(damage, path / "data.mdb")
+        line: dict[str, object] = {"trial": n, **damage}
+        print(json.dumps({**line, "started": True}), flush=True)
+        backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path))
+        try:
+            asyncio.run(backend.open(SMALL))
+        except Exception as exc:  # a clean refusal is acceptable; a crash is not
+            line.update(opened=False, error=f"{type(exc).__name__}: {exc}")
+            print(json.dumps(line), flush=True)
+            continue
+        try:
+            listed = {r.key for r in backend.scan()}
+            out = [torch.zeros(SMALL.block_bytes, dtype=torch.uint8) for _ in keys]
+            found = backend.read_blocks(keys, out)
+            wrong = sum(1 for i, ok in enumerate(found) if ok and not torch.equal(out[i], _small_block(i)))
+            moved = len(list(path.glob("damaged-*/data.mdb")))
+            line.update(opened=True, listed=len(listed), hits=sum(found), misses=len(found) - sum(found), wrong=wrong, moved=moved)
+            # Writing after damage works too (the store goes on).
+            line["write_ok"] = backend.write_blocks([make_key(500)], [_small_block(500)]) != [None]
+        finally:
+            asyncio.run(backend.aclose())
+        print(json.dumps(line), flush=True)
+
+
+def _run_probe(pristine: Path, work: Path, trials: list[dict]) -> list[dict]:
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import test_disk_faults as t; "
+        "t.probe_trials(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent), str(pristine), str(work), json.dumps(trials)],
+        capture_output=True, text=True, timeout=600,
+    )
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    done = [x for x in lines if "started" not in x]
+    if proc.returncode != 0:
+        last = lines[-1] if lines else None
+        raise AssertionError(
+            f"probe died with status {proc.returncode} (signal {-proc.returncode if proc.returncode < 0 else None}) "
+            f"during trial {last}; stderr: {proc.stderr[-2000:]}"
+        )
+    assert len(done) == len(trials)
+    return done
+
+
+def _summary(name: str, results: list[dict]) -> dict[str, int]:
+    counts = {
+        "trials": len(results),
+        "opened": sum(1 for r in results if r.get("opened")),
+        "refused": sum(1 for r in results if not r.get("opened")),
+        "moved_aside": sum(1 for r in results if r.get("moved")),
+        "hits": sum(int(r.get("hits", 0)) for r in results),
+        "misses": sum(int(r.get("misses", 0)) for r in results),
+        "wrong": sum(int(r.get("wrong", 0)) for r in results),
+        "writes_ok": sum(1 for r in results if r.get("write_ok")),
+    }
+    print(f"{name}: {json.dumps(counts)}")
+    return counts
+
+
+def test_truncated_data_file_never_faults(tmp_path: Path) -> None:
+    """Item 3: a truncated data.mdb used to open, then SIGBUS on the first read past its end."""
+    pristine = tmp_path / "pristine"
+    _make_pristine(pristine)
+    size = (pristine / "data.mdb").stat().st_size
+    rng = random.Random(3)
+    sizes = sorted({rng.randrange(2 * 4096, size) for _ in range(28)} | {size - 4096, size // 2})
+    results = _run_probe(pristine, tmp_path / "work", [{"kind": "truncate", "size": s} for s in sizes])
+    counts = _summary("truncation", results)
+    assert counts["wrong"] == 0
+    assert counts["opened"] == counts["trials"], [r for r in results if not r.get("opened")]
+    assert counts["writes_ok"] == counts["trials"]
+    assert counts["moved_aside"] >= 1  # damage found at open moves the environment aside
+
+
+def test_random_bit_flips_never_crash_or_serve_wrong_bytes(tmp_path: Path) -> None:
+    """Item 3: single-bit flips anywhere in data.mdb (meta, branch, leaf and value pages)."""
+    pristine = tmp_path / "pristine"
+    _make_pristine(pristine)
+    size = (pristine / "data.mdb").stat().st_size
+    rng = random.Random(11)
+    # Half the flips land in the first pages (meta pages, B-tree pages), half anywhere.
+    trials = [{"kind": "flip", "offset": rng.randrange(0, 8 * 4096 if i % 2 else size), "bit": rng.randrange(8)} for i in range(60)]
+    results = _run_probe(pristine, tmp_path / "work", trials)
+    counts = _summary("bit flips", results)
+    assert counts["wrong"] == 0
+    assert counts["opened"] == counts["trials"], [r for r in results if not r.get("opened")]
+    assert counts["hits"] > 0
+
+
+def _page_flags(data: bytes, psize: int = 4096) -> list[int]:
+    return [struct.unpack_from("<H", data, p * psize + 10)[0] for p in range(len(data) // psize)]
+
+
+def _named_db_roots(path: Path) -> dict[bytes, int]:
+    """Root page of each named database, read from the main database's leaf (small stores)."""
+    data = (path / "data.mdb").read_bytes()
+    metas = [struct.unpack_from("<QQ", data, p * 4096 + 136) for p in (0, 1)]
+    main_root = struct.unpack_from("<Q", data, (0 if metas[0][1] > metas[1][1] else 1) * 4096 + 128)[0]
+    page = data[main_root * 4096 : (main_root + 1) * 4096]
+    lower = struct.unpack_from("<H", page, 12)[0]
+    roots = {}
+    for i in range((lower - 16) // 2):
+        off = struct.unpack_from("<H", page, 16 + 2 * i)[0]
+        ksize = struct.unpack_from("<H", page, off + 6)[0]
+        key = page[off + 8 : off + 8 + ksize]
+        roots[key] = struct.unpack_from("<Q", page, off + 8 + ksize + 40)[0]
+    return roots
+
+
+def test_damaged_index_or_meta_record_moves_the_environment_aside(tmp_path: Path) -> None:
+    """Item 4: a damaged index page made every open raise DiskError; a flipped meta version byte
+    made every open raise ConfigError. Both now move the environment aside and start empty."""
+    pristine = tmp_path / "pristine"
+    _make_pristine(pristine)
+    roots = _named_db_roots(pristine)
+    assert set(roots) == {b"blocks", b"index", b"meta"}
+    data = (pristine / "data.mdb").read_bytes()
+    meta_at = data.index(b"KVTM")
+    trials = [
+        # The index's root page: its flags say it is neither a leaf nor a branch.
+        {"kind": "write", "offset": roots[b"index"] * 4096 + 10, "hex": "0000"},
+        # The blocks database's root page, likewise.
+        {"kind": "write", "offset": roots[b"blocks"] * 4096 + 10, "hex": "0000"},
+        # One flipped bit in the meta record's version byte.
+        {"kind": "flip", "offset": meta_at + 4, "bit": 1},
+    ]
+    results = _run_probe(pristine, tmp_path / "work", trials)
+    counts = _summary("index/meta damage", results)
+    assert counts["opened"] == 3 and counts["moved_aside"] == 3 and counts["wrong"] == 0
+    assert counts["writes_ok"] == 3
+    for n in range(3):
+        assert (tmp_path / "work" / f"t{n}").glob("damaged-*/REASON")
+
+
+def test_a_damaged_environment_is_kept_for_verify(tmp_path: Path) -> None:
+    from kvtier.tools import verify_tier
+
+    path = tmp_path / "env"
+    _make_pristine(path)
+    _apply({"kind": "truncate", "size": (path / "data.mdb").stat().st_size // 2}, path / "data.mdb")
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path))
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        asyncio.run(backend.open(SMALL))
+    asyncio.run(backend.aclose())
+    (moved,) = path.glob("damaged-*")
+    assert "truncated" in (moved / "REASON").read_text()
+    # verify can open what was kept (the pages that are still there) without faulting
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "verify", str(moved), "--json"], capture_output=True, text=True)
+    print(f"verify of the kept environment: status {proc.returncode}, {proc.stdout.strip()[:200]} {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 1 and "damaged" in proc.stderr  # refused with a reason, never a fault
+    with pytest.raises(DiskError, match="truncated"):
+        verify_tier(moved)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A 1 MiB tmpfs, filled to the last byte (root only; skipped loudly otherwise)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        warnings.warn("full-filesystem tests skipped: they mount a tmpfs and need root", RuntimeWarning, stacklevel=1)
+        pytest.skip("SKIPPED LOUDLY: needs root to mount a small tmpfs")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        warnings.warn(f"full-filesystem tests skipped: mount failed: {proc.stderr.strip()}", RuntimeWarning, stacklevel=1)
+        pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs: {proc.stderr.strip()}")
+    try:
+        (mount / "tier").mkdir()
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while os.write(fd, b"\0" * 4096) > 0:
+                pass
+        except OSError:
+            pass  # ENOSPC: the filesystem is full
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+_FULL_FS_PROBE = (
+    "import asyncio, sys, torch; from kvtier import registry; from kvtier.backend import BlockFormat\n"
+    "from kvtier.testing import make_key\n"
+    "for name in ('lmdb', 'file'):\n"
+    "    b = registry.backends.get(name)(capacity=8 << 20, path=sys.argv[1] + '/' + name)\n"
+    "    try:\n"
+    "        asyncio.run(b.open(BlockFormat(block_bytes=16384)))\n"
+    "    except Exception as exc:\n"
+    "        print(name, type(exc).__name__, exc)\n"
+    "        continue\n"
+    "    out = [torch.zeros(16384, dtype=torch.uint8)]\n"
+    "    hit = b.read_blocks([make_key(1)], out)[0]\n"
+    "    wrote = b.write_blocks([make_key(2)], [torch.ones(16384, dtype=torch.uint8)])[0] is not None\n"
+    "    asyncio.run(b.aclose())\n"
+    "    print(name, 'opened', 'hit' if hit else 'miss', 'wrote' if wrote else 'write-refused')\n"
+)
+
+
+def test_opening_on_a_full_filesystem_is_a_clean_error(tiny_fs: Path) -> None:
+    """Item 5: opening an LMDB tier on a full filesystem used to die with SIGBUS."""
+    proc = subprocess.run([sys.executable, "-c", _FULL_FS_PROBE, str(tiny_fs / "tier")], capture_output=True, text=True, timeout=120)
+    print(f"full filesystem, new tiers: status {proc.returncode}; {proc.stdout.strip()}")
+    assert proc.returncode == 0, f"died with status {proc.returncode}: {proc.stderr[-1000:]}"
+    lmdb_line = next(line for line in proc.stdout.splitlines() if line.startswith("lmdb"))
+    assert "DiskError" in lmdb_line and "free" in lmdb_line
+
+
+def test_an_existing_tier_on_a_filesystem_that_filled_up_still_serves(tiny_fs: Path) -> None:
+    os.unlink(tiny_fs / "filler")
+    for name in ("lmdb", "file"):
+        b = registry.backends.get(name)(capacity=8 << 20, path=str(tiny_fs / "tier" / name))
+        asyncio.run(b.open(BlockFormat(block_bytes=16384)))
+        assert b.write_blocks([make_key(1)], [torch.full((16384,), 7, dtype=torch.uint8)]) != [None]
+        asyncio.run(b.aclose())
+    fd = os.open(tiny_fs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096) > 0:
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    proc = subprocess.run([sys.executable, "-c", _FULL_FS_PROBE, str(tiny_fs / "tier")], capture_output=True, text=True, timeout=120)
+    print(f"full filesystem, existing tiers: status {proc.returncode}; {proc.stdout.strip()}")
+    assert proc.returncode == 0, f"died with status {proc.returncode}: {proc.stderr[-1000:]}"
+    assert "lmdb opened hit" in proc.stdout
+
+
+def test_lowering_the_capacity_drops_the_oldest_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Item 6: reopening with a smaller capacity failed with MDB_MAP_FULL on every attempt and
+    deleted records silently."""
+    path = tmp_path / "env"
+    big = registry.backends.get("lmdb")(capacity=4 << 20, path=str(path))
+    asyncio.run(big.open(SMALL))
+    n = 0
+    while n < 400:
+        if big.write_blocks([make_key(n)], [_small_block(n)]) == [None]:
+            break
+        big.touch_stamps([(make_key(n), float(n))])  # oldest first
+        n += 1
+    asyncio.run(big.aclose())
+    size_before = (path / "data.mdb").stat().st_size
+    small = registry.backends.get("lmdb")(capacity=2 << 20, path=str(path))
+    with caplog.at_level("WARNING"):
+        asyncio.run(small.open(SMALL))
+    try:
+        kept = sorted(r.key for r in small.scan())
+        size_after = (path / "data.mdb").stat().st_size
+        dropped = n - len(kept)
+        print(f"lowered capacity: stored {n}, kept {len(kept)}, dropped {dropped}; file {size_before} -> {size_after} bytes")
+        assert 0 < len(kept) < n and size_after <= 2 << 20
+        assert any(f"dropped the {dropped} oldest records" in r.getMessage() for r in caplog.records)
+        assert kept == sorted(make_key(i) for i in range(dropped, n))  # the newest survive
+        out = [torch.zeros(SMALL.block_bytes, dtype=torch.uint8) for _ in kept]
+        assert all(small.read_blocks(kept, out))
+        assert small.write_blocks([make_key(900)], [_small_block(900)]) != [None] or small.stats()["write_failures"] == 1
+    finally:
+        asyncio.run(small.aclose())
+    again = registry.backends.get("lmdb")(capacity=2 << 20, path=str(path))
+    asyncio.run(again.open(SMALL))  # and it opens again at the lowered capacity
+    asyncio.run(again.aclose())
+
+
+def test_a_second_opener_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    """Item 7: two processes on one LMDB path both opened and wrote with no error."""
+    path = tmp_path / "env"
+    first = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path))
+    asyncio.run(first.open(SMALL))
+    try:
+        code = (
+            "import asyncio, sys; from kvtier import registry; from kvtier.backend import BlockFormat\n"
+            "b = registry.backends.get('lmdb')(capacity=8 << 20, path=sys.argv[1])\n"
+            "try:\n"
+            "    asyncio.run(b.open(BlockFormat(block_bytes=16384, dtype='bfloat16', namespace={'model_id': 'damage'})))\n"
+            "    print('opened')\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+        print(f"second process: {proc.stdout.strip()}")
+        assert proc.returncode == 0
+        assert proc.stdout.startswith("BackendError") and f"process {os.getpid()}" in proc.stdout
+        same = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path))
+        with pytest.raises(BackendError, match=f"in use by process {os.getpid()}"):
+            asyncio.run(same.open(SMALL))
+    finally:
+        asyncio.run(first.aclose())
+    after = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path))
+    asyncio.run(after.open(SMALL))  # released at close
+    asyncio.run(after.aclose())
+
+
+def test_verify_delete_works_on_a_full_map(tmp_path: Path) -> None:
+    """Item 8: ``kvtier verify --delete`` failed with MDB_MAP_FULL on a real-sized store."""
+    from kvtier.tools import verify_tier
+
+    path = tmp_path / "env"
+    backend = registry.backends.get("lmdb")(capacity=2 << 20, path=str(path), sync_mode="fast")
+    asyncio.run(backend.open(SMALL))
+    n = 0
+    while backend.write_blocks([make_key(n)], [_small_block(n)]) != [None]:
+        n += 1
+    asyncio.run(backend.aclose())
+    data = bytearray((path / "data.mdb").read_bytes())
+    at = data.index(bytes(_small_block(3).numpy()[:64]))  # damage one record's payload
+    data[at + 100] ^= 0xFF
+    (path / "data.mdb").write_bytes(bytes(data))
+    report = verify_tier(path, delete=True)
+    print(f"verify --delete on a full map: {n} records, {len(report.bad)} bad, {report.deleted} deleted")
+    assert len(report.bad) == 1 and report.deleted == 1
+    assert verify_tier(path).ok
+
+
+def test_a_bad_lmdb_read_is_a_per_key_miss_and_the_key_is_dropped(tmp_path: Path) -> None:
+    """Issue 9, defect 5: any LMDB error while reading failed the whole load, and the bad key
+    stayed ready for ever, offered to every later request."""
+    import lmdb
+
+    import kvtier
+    from kvtier.testing import make_key as mk
+
+    caches = [torch.randn(16, 16, 2, 4, 32).to(torch.bfloat16) for _ in range(2)]
+    cfg = {"tiers": [{"backend": "lmdb", "path": str(tmp_path / "env"), "capacity": "64MiB"}], "namespace": {"model_id": "d5"}}
+    keys = [mk(600 + i) for i in range(3)]
+
+    async def run() -> tuple[int, int, int, dict]:
+        async with kvtier.open(cfg, kv_caches=caches) as store:
+            assert await store.save(keys, [0, 1, 2]) == 3
+            backend = store.backends[0]
+            env = backend._env  # type: ignore[attr-defined]
+
+            class Txn:
+                def __init__(self, txn: object) -> None:
+                    self._txn = txn
+
+                def get(self, key: bytes, db: object = None) -> object:
+                    if key == keys[1]:
+                        raise lmdb.CorruptedError("injected MDB_CORRUPTED")
+                    return self._txn.get(key, db=db)  # type: ignore[attr-defined]
+
+                def abort(self) -> None:
+                    self._txn.abort()  # type: ignore[attr-defined]
+
+                def __enter__(self) -> object:
+                    return self._txn.__enter__()  # type: ignore[attr-defined]
+
+                def __exit__(self, *exc: object) -> object:
+                    return self._txn.__exit__(*exc)  # type: ignore[attr-defined]
+
+            class Env:
+                def __getattr__(self, name: str) -> object:
+                    return getattr(env, name)
+
+                def begin(self, **kw: object) -> Txn:
+                    return Txn(env.begin(**kw))
+
+            backend._env = Env()  # type: ignore[attr-defined]
+            try:
+                first = await store.load(keys, [8, 9, 10])
+                ready_after = await store.lookup(keys)
+                second = await store.load(keys[:1], [11])
+            finally:
+                backend._env = env  # type: ignore[attr-defined]
+            return first, ready_after, second, backend.stats()
+
+    first, ready_after, second, stats = asyncio.run(run())
+    print(f"bad read: first load filled {first}, lookup after {ready_after}, next load {second}, corrupt {stats['corrupt_records']}")
+    assert first == 1  # the key before the bad one; the bad one is a miss, not a failed job
+    assert ready_after == 1  # the bad key was dropped: nobody is offered it again
+    assert second == 1

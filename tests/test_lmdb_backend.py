@@ -165,10 +165,10 @@ def test_corrupt_environment_is_moved_aside_with_a_warning(tmp_path: Path) -> No
     data_file = tmp_path / "env" / "data.mdb"
     data_file.write_bytes(b"\xde\xad" * 8192)
     backend = lmdb_backend(tmp_path, 1 << 20)
-    with pytest.warns(RuntimeWarning, match="corrupt"):
+    with pytest.warns(RuntimeWarning, match="damaged"):
         _open(backend)
     try:
-        moved = list((tmp_path / "env").glob("data.mdb.corrupt-*"))
+        moved = list((tmp_path / "env").glob("damaged-*/data.mdb"))
         assert len(moved) == 1 and moved[0].read_bytes().startswith(b"\xde\xad")
         assert list(backend.scan()) == []
         assert backend.write_blocks([make_key(2)], _blocks(1))[0] is not None
@@ -178,7 +178,7 @@ def test_corrupt_environment_is_moved_aside_with_a_warning(tmp_path: Path) -> No
 
 
 def test_other_namespace_is_refused_at_open(tmp_path: Path) -> None:
-    _open(lmdb_backend(tmp_path, 1 << 20))
+    asyncio.run(_open(lmdb_backend(tmp_path, 1 << 20)).aclose())
     other = BlockFormat(block_bytes=FMT.block_bytes, dtype="bfloat16", namespace_digest=b"\1" * 32)
     backend = lmdb_backend(tmp_path, 1 << 20)
     with pytest.raises(ConfigError, match="namespace"):
