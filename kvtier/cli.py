@@ -5,7 +5,7 @@
 ``kvtier cache show|clear``    what kvtier keeps in its cache directory; remove it
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
-``kvtier bench``               run the benchmark scripts, collect their JSON, plot if possible
+``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, a PNG)
 ``kvtier sim``                 the workload simulator (registered by :mod:`kvtier.sim.cli`)
 
 Output is a readable table on stdout; ``--json`` prints one JSON document instead. Progress of
@@ -18,18 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
 
 __all__ = ["build_parser", "main"]
-
-BENCH_SCRIPTS = ("bench_core.py", "bench_disk.py", "bench_connector.py")
 
 
 # -- output helpers ------------------------------------------------------------------------
@@ -261,31 +257,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 # -- bench ---------------------------------------------------------------------------------
 
 
-def _bench_dir(given: str | None) -> Path:
-    if given:
-        return Path(given)
-    here = Path.cwd() / "benchmarks"
-    if here.is_dir():
-        return here
-    return Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _last_json(text: str) -> Any:
-    """The JSON object a benchmark printed (the last line that parses as one)."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                continue
-    raise ValueError("no JSON object in its output")
-
-
 def _walk_numbers(data: Any, prefix: str = "") -> list[tuple[str, float]]:
     out: list[tuple[str, float]] = []
     if isinstance(data, dict):
@@ -299,73 +270,41 @@ def _walk_numbers(data: Any, prefix: str = "") -> list[tuple[str, float]]:
     return out
 
 
-def _plot(results: dict[str, Any], target: Path) -> bool:
-    """Bar charts of every ``*gbps*`` / ``*GB/s*`` figure and every hit rate; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    numbers = [(f"{name}:{path}", v) for name, res in results.items() for path, v in _walk_numbers(res)]
-    speed = [(k, v) for k, v in numbers if "gbps" in k.lower() or "gb_s" in k.lower() or "gb/s" in k.lower()]
-    hits = [(k, v) for k, v in numbers if "hit_rate" in k.lower() or "hitrate" in k.lower()]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 3 + 0.3 * (len(speed) + len(hits))))
-    for ax, series, label in ((axes[0], speed, "GB/s"), (axes[1], hits, "hit rate")):
-        if series:
-            ax.barh([k for k, _ in series], [v for _, v in series])
-        ax.set_xlabel(label)
-        ax.set_title(f"{label} per tier" if label == "GB/s" else label)
-    fig.tight_layout()
-    fig.savefig(target)
-    plt.close(fig)
-    return True
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
-    bench_dir = _bench_dir(args.bench_dir)
-    wanted = args.only or [Path(s).stem.removeprefix("bench_") for s in BENCH_SCRIPTS]
-    scripts = [bench_dir / f"bench_{name}.py" for name in wanted]
-    present = [s for s in scripts if s.is_file()]
-    for missing in sorted(set(scripts) - set(present)):
-        print(f"kvtier bench: {missing.name} not found in {bench_dir}; skipped", file=sys.stderr)
-    if not present:
-        print(f"kvtier bench: no benchmark scripts in {bench_dir}", file=sys.stderr)
+    from kvtier.bench import DEFAULT_BENCHMARKS, available, run_benchmarks, script_dir
+    from kvtier.bench.plot import plot_results
+
+    folder = script_dir(args.bench_dir)
+    names = args.only or list(DEFAULT_BENCHMARKS)
+    if not any(n in available(folder) for n in names):
+        where = folder if folder is not None else "the installed package (kvtier.bench.scripts) or ./benchmarks"
+        print(f"kvtier bench: no benchmark scripts (bench_{{{','.join(names)}}}.py) in {where}", file=sys.stderr)
         return 1
-    results: dict[str, Any] = {}
-    failures: dict[str, str] = {}
-    for i, script in enumerate(present, 1):
-        name = script.stem.removeprefix("bench_")
-        print(f"[{i}/{len(present)}] {script.name}{' --quick' if args.quick else ''}", file=sys.stderr)
-        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=args.timeout)
-        if proc.returncode != 0:
-            failures[name] = f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"
-            continue
-        try:
-            results[name] = _last_json(proc.stdout)
-        except ValueError as exc:
-            failures[name] = str(exc)
-    combined = {"quick": args.quick, "results": results, "failures": failures}
-    output = Path(args.output)
-    output.write_text(json.dumps(combined, indent=2, sort_keys=True), encoding="utf-8")
+
+    def started(i: int, total: int, name: str) -> None:
+        print(f"[{i}/{total}] bench_{name}.py{' --quick' if args.quick else ''}", file=sys.stderr)
+
+    run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started)
+    for name in run.missing:
+        print(f"kvtier bench: bench_{name}.py not found in {folder}; skipped (have: {', '.join(available(folder))})", file=sys.stderr)
+    results_path = run.output / "results.json"
     plot_note = "skipped (--no-plot)"
     if not args.no_plot:
-        plot_path = output.with_suffix(".png")
-        if _plot(results, plot_path):
+        plot_path = run.output / "kvtier-bench.png"
+        if plot_results(run.results, plot_path, quick=args.quick):
             plot_note = str(plot_path)
         else:
             plot_note = "not written: matplotlib is not installed (pip install 'kvtier[plot]')"
     if args.json:
-        _print_json({**combined, "output": str(output), "plot": plot_note})
+        _print_json({**run.to_dict(), "output": str(run.output), "results_file": str(results_path), "plot": plot_note})
     else:
-        rows = [[n, "ok", len(_walk_numbers(r))] for n, r in results.items()]
-        rows += [[n, "FAILED", f] for n, f in failures.items()]
-        print(_table(["benchmark", "status", "figures / error"], rows))
-        print(f"results: {output}")
+        rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", len(_walk_numbers(r))] for n, r in run.results.items()]
+        rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f] for n, f in run.failures.items()]
+        print(_table(["benchmark", "status", "seconds", "figures / error"], rows))
+        print(f"results: {results_path}")
         print(f"plot: {plot_note}")
-    return 1 if failures else 0
+        print(f"logs: {run.output}/<benchmark>.log")
+    return 1 if run.failures else 0
 
 
 # -- parser --------------------------------------------------------------------------------
@@ -446,15 +385,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(verify)
     verify.set_defaults(func=_cmd_verify)
 
-    bench = sub.add_parser("bench", help="run the benchmarks and collect their results",
-                           description="Run benchmarks/bench_{core,disk,connector}.py, collect the JSON each prints "
-                           "into one file, and plot GB/s per tier and hit rate (needs the 'plot' extra).")
-    bench.add_argument("--quick", action="store_true", help="pass --quick to every benchmark (small sizes)")
-    bench.add_argument("--only", nargs="+", metavar="NAME", help="run only these (core, disk, connector)")
-    bench.add_argument("--bench-dir", metavar="DIR", help="where the scripts are (default: ./benchmarks)")
-    bench.add_argument("--output", "-o", default="kvtier-bench.json", metavar="FILE",
-                       help="combined JSON results (default: kvtier-bench.json; the plot goes next to it as .png)")
-    bench.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    bench = sub.add_parser("bench", help="run the benchmarks and draw a picture to choose tiers by",
+                           description="Run the benchmark scripts shipped with kvtier (core: host-memory tier and "
+                           "manager; disk: lmdb, file and compression; connector: hit rates and scheduler cost), "
+                           "each in its own interpreter, and write results.json, kvtier-bench.png (needs the 'plot' "
+                           "extra) and one log per benchmark into the output folder. Every ratio is against a raw "
+                           "baseline run in the same process.")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repetitions (about 15 s in all)")
+    bench.add_argument("--only", nargs="+", metavar="NAME",
+                       help="run only these (default: core disk connector; any bench_NAME.py "
+                       "of the scripts folder, e.g. redis)")
+    bench.add_argument("--bench-dir", metavar="DIR", help="run the scripts in DIR instead of the installed ones")
+    bench.add_argument("--out", "-o", default="kvtier-bench", metavar="DIR",
+                       help="output folder (default: ./kvtier-bench/)")
+    bench.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     bench.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per benchmark")
     _add_json(bench)
     bench.set_defaults(func=_cmd_bench)

@@ -252,7 +252,7 @@ def test_inspect_rejects_a_directory_that_is_not_a_tier(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_collects_json_from_each_script(tmp_path: Path) -> None:
+def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: Path) -> None:
     scripts = tmp_path / "benchmarks"
     scripts.mkdir()
     (scripts / "bench_core.py").write_text(
@@ -260,21 +260,35 @@ def test_bench_collects_json_from_each_script(tmp_path: Path) -> None:
             """
             import json, sys
             print("warming up")
-            print(json.dumps({"quick": "--quick" in sys.argv, "tiers": {"cpu": {"save_gbps": 12.5}}}))
+            print("progress", file=sys.stderr)
+            print(json.dumps({"quick": "--quick" in sys.argv, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}))
             """
         )
     )
     (scripts / "bench_disk.py").write_text("import sys\nsys.exit(3)\n")
-    out = tmp_path / "results.json"
-    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--output", str(out))
+    out = tmp_path / "out"
+    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 1  # bench_disk failed, and says so
-    data = json.loads(out.read_text())
-    assert data["results"]["core"] == {"quick": True, "tiers": {"cpu": {"save_gbps": 12.5}}}
-    assert "exit 3" in data["failures"]["disk"]
+    data = json.loads((out / "results.json").read_text())
+    assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}
+    assert "exit 3" in data["failures"]["disk"] and data["missing"] == ["connector"]
+    assert (out / "core.log").read_text() == "progress\n"
     assert "bench_connector.py not found" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmarks", "out"]  # nothing in the current folder
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "matplotlib is not installed" in proc.stdout and "kvtier[plot]" in proc.stdout
     else:
-        assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / "kvtier-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_default_output_folder_is_ignored_by_git() -> None:
+    root = Path(__file__).resolve().parent.parent
+    assert "/kvtier-bench/" in (root / ".gitignore").read_text().splitlines()
+
+
+def test_bench_without_scripts_says_where_it_looked(tmp_path: Path) -> None:
+    proc = kvtier("bench", "--bench-dir", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 1 and "no benchmark scripts" in proc.stderr and str(tmp_path) in proc.stderr
+

@@ -1,0 +1,139 @@
+"""``kvtier bench``: run the benchmark scripts, collect their JSON, draw one picture.
+
+The scripts live in the source tree's ``benchmarks/`` folder and are installed with the package
+as ``kvtier.bench.scripts`` (see ``[tool.setuptools]`` in ``pyproject.toml``), so a plain
+``pip install kvtier`` can run them. Each runs in its own interpreter (a benchmark must not be
+disturbed by another's threads or memory) and prints one JSON object on stdout; each ratio in
+it is measured against a raw baseline in that same process.
+
+Everything goes to one output folder (default ``./kvtier-bench/``): ``results.json`` (all
+figures), ``kvtier-bench.png`` (the picture, with the ``plot`` extra) and ``<name>.log`` (each
+script's stderr).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_BENCHMARKS", "BenchRun", "available", "last_json", "run_benchmarks", "script_dir"]
+
+#: What ``kvtier bench`` runs by default: the ones that need no service or model download.
+DEFAULT_BENCHMARKS = ("core", "disk", "connector")
+DEFAULT_OUTPUT = "kvtier-bench"
+
+
+def script_dir(given: str | os.PathLike[str] | None = None) -> Path | None:
+    """Where the ``bench_*.py`` scripts are: ``given``, else the installed
+    ``kvtier.bench.scripts`` package, else a source checkout's ``benchmarks/``."""
+    if given is not None:
+        return Path(given)
+    try:
+        spec = importlib.util.find_spec("kvtier.bench.scripts")
+    except ImportError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if any(Path(location).glob("bench_*.py")):
+                return Path(location)
+    checkout = Path(__file__).resolve().parent.parent.parent / "benchmarks"
+    return checkout if checkout.is_dir() else None
+
+
+def available(folder: Path | None) -> list[str]:
+    """Benchmark names (``bench_<name>.py``) present in ``folder``."""
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted(p.stem.removeprefix("bench_") for p in folder.glob("bench_*.py"))
+
+
+def last_json(text: str) -> Any:
+    """The JSON object a benchmark printed (the whole output, or its last line that parses)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise ValueError("no JSON object in its output")
+
+
+@dataclass
+class BenchRun:
+    """What one ``kvtier bench`` did."""
+
+    output: Path
+    quick: bool
+    scripts: Path | None
+    results: dict[str, Any] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quick": self.quick,
+            "scripts": None if self.scripts is None else str(self.scripts),
+            "results": self.results,
+            "failures": self.failures,
+            "missing": self.missing,
+            "seconds": self.seconds,
+        }
+
+
+def run_benchmarks(
+    names: Sequence[str] | None = None,
+    *,
+    quick: bool = False,
+    output: str | os.PathLike[str] = DEFAULT_OUTPUT,
+    scripts: str | os.PathLike[str] | None = None,
+    timeout: float = 3600.0,
+    on_start: Callable[[int, int, str], None] | None = None,
+) -> BenchRun:
+    """Run ``bench_<name>.py`` for each name (default :data:`DEFAULT_BENCHMARKS`), write
+    ``results.json`` and the logs into ``output``, and return what happened."""
+    folder = script_dir(scripts)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    run = BenchRun(output=out, quick=quick, scripts=folder)
+    wanted = list(names or DEFAULT_BENCHMARKS)
+    present = [n for n in wanted if folder is not None and (folder / f"bench_{n}.py").is_file()]
+    run.missing = [n for n in wanted if n not in present]
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    for i, name in enumerate(present, 1):
+        assert folder is not None
+        if on_start is not None:
+            on_start(i, len(present), name)
+        cmd = [sys.executable, str(folder / f"bench_{name}.py"), *(["--quick"] if quick else [])]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            run.failures[name] = f"timed out after {timeout:.0f} s"
+            continue
+        finally:
+            run.seconds[name] = round(time.perf_counter() - started, 2)
+        (out / f"{name}.log").write_text(proc.stderr, encoding="utf-8")
+        if proc.returncode != 0:
+            run.failures[name] = f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"
+            continue
+        try:
+            run.results[name] = last_json(proc.stdout)
+        except ValueError as exc:
+            run.failures[name] = str(exc)
+    (out / "results.json").write_text(json.dumps(run.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
+    return run

@@ -1,0 +1,172 @@
+"""The ``kvtier bench`` picture: what an operator needs to choose tiers.
+
+- **Bandwidth**: each tier's save and load beside the raw limit measured in the same run (a raw
+  copy for host memory, raw LMDB put/get, raw file reads), coloured by tier, labelled in GB/s
+  or MB/s with the ratio to the raw limit.
+- **Hits**: prefix-hit tokens as a share of an unbounded cache, per workload.
+- **Capacity**: blocks per GiB of capacity, plain and compressed.
+- **Costs**: manager and connector time per key or step.
+
+Only figures the results hold are drawn; a benchmark that did not run leaves its panel out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BANDWIDTH", "bandwidth_rows", "plot_results"]
+
+#: (benchmark, tier, operation, kvtier figure, raw figure or None, what the raw figure is)
+BANDWIDTH: tuple[tuple[str, str, str, str, str | None, str], ...] = (
+    ("core", "cpu", "save", "cpu_save_gbps", "raw_copy_gbps", "raw copy"),
+    ("core", "cpu", "load", "cpu_load_gbps", "raw_copy_gbps", "raw copy"),
+    ("disk", "lmdb", "save", "lmdb_save_gbps", "raw_lmdb_put_gbps", "raw LMDB put"),
+    ("disk", "lmdb", "load", "lmdb_load_gbps", "raw_lmdb_get_gbps", "raw LMDB get"),
+    ("disk", "file", "save", "file_save_gbps", None, ""),
+    ("disk", "file", "load", "file_load_gbps", "file_read_preadv_thread_gbps", "raw preadv"),
+)
+TIER_COLOURS = {"cpu": "#1f77b4", "lmdb": "#ff7f0e", "file": "#2ca02c", "compressed": "#9467bd", "redis": "#d62728"}
+RAW_COLOUR = "#b0b0b0"
+WORKLOADS = ("chat", "shared", "docqa")
+
+
+def _num(results: Mapping[str, Any], bench: str, key: str | None) -> float | None:
+    if key is None:
+        return None
+    value = results.get(bench, {}).get(key) if isinstance(results.get(bench), Mapping) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def rate(gbps: float) -> str:
+    """``2.6 GB/s``, ``265 MB/s``: decimal units, as disks and links are quoted."""
+    return f"{gbps:.1f} GB/s" if gbps >= 1 else f"{gbps * 1000:.0f} MB/s"
+
+
+def bandwidth_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per (tier, operation) the results hold: label, value, raw value and label."""
+    rows = []
+    for bench, tier, op, key, raw_key, raw_label in BANDWIDTH:
+        value = _num(results, bench, key)
+        if value is None:
+            continue
+        raw = _num(results, bench, raw_key)
+        rows.append({"tier": tier, "op": op, "gbps": value, "raw_gbps": raw, "raw_label": raw_label})
+    return rows
+
+
+def _bandwidth(ax: Any, rows: list[dict[str, Any]]) -> None:
+    height = 0.38
+    labels, ticks = [], []
+    top = max([r["gbps"] for r in rows] + [r["raw_gbps"] or 0 for r in rows])
+    for i, row in enumerate(rows):
+        y = -i * 1.1
+        colour = TIER_COLOURS.get(row["tier"], "#444444")
+        ax.barh(y + height / 2, row["gbps"], height, color=colour)
+        text = rate(row["gbps"])
+        if row["raw_gbps"]:
+            text += f"  ({row['gbps'] / row['raw_gbps']:.2f}× raw)"
+            ax.barh(y - height / 2, row["raw_gbps"], height, color=RAW_COLOUR)
+            ax.text(row["raw_gbps"] + top * 0.01, y - height / 2, f"{row['raw_label']}: {rate(row['raw_gbps'])}",
+                    va="center", fontsize=8, color="#555555")
+        else:
+            text += "  (no raw baseline measured)"
+        ax.text(row["gbps"] + top * 0.01, y + height / 2, text, va="center", fontsize=9, fontweight="bold")
+        labels.append(f"{row['tier']} {row['op']}")
+        ticks.append(y)
+    ax.set_yticks(ticks, labels)
+    ax.set_xlim(0, top * 1.45)
+    ax.set_xlabel("GB/s (10⁹ bytes per second, more is better)")
+    ax.set_title("Bandwidth per tier (coloured) beside the raw limit measured in the same run (grey)", loc="left")
+    from matplotlib.patches import Patch
+
+    tiers = list(dict.fromkeys(r["tier"] for r in rows))
+    handles = [Patch(color=TIER_COLOURS.get(t, "#444444"), label=f"kvtier {t} tier") for t in tiers]
+    handles.append(Patch(color=RAW_COLOUR, label="raw limit (no kvtier)"))
+    ax.legend(handles=handles, loc="lower right", fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _hits(ax: Any, results: Mapping[str, Any]) -> bool:
+    shares = [(w, _num(results, "connector", f"hit_vs_oracle_{w}")) for w in WORKLOADS]
+    found = [(w, v) for w, v in shares if v is not None]
+    if not found:
+        return False
+    ys = list(range(len(found)))[::-1]
+    ax.barh(ys, [100 * v for _, v in found], color="#1f77b4", height=0.6)
+    for y, (_, v) in zip(ys, found):
+        ax.text(min(100 * v, 100) - 2, y, f"{100 * v:.1f} %", va="center", ha="right", color="white", fontweight="bold")
+    ax.set_yticks(ys, [w for w, _ in found])
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("% of the hits an unbounded cache would give")
+    ax.set_title("Prefix hits (reference engine)", loc="left")
+    return True
+
+
+def _capacity(ax: Any, results: Mapping[str, Any]) -> bool:
+    plain = _num(results, "disk", "cpu_blocks_per_gib")
+    packed = _num(results, "disk", "compressed_blocks_per_gib")
+    if plain is None and packed is None:
+        return False
+    candidates = [("uncompressed", plain, TIER_COLOURS["cpu"]), ("compressed (zstd-shuffle)", packed, TIER_COLOURS["compressed"])]
+    items = [(label, v, colour) for label, v, colour in candidates if v is not None]
+    ys = list(range(len(items)))[::-1]
+    for y, (_, v, colour) in zip(ys, items):
+        ax.barh(y, v, color=colour, height=0.6)
+        ax.text(v * 0.98, y, f"{v:.0f}", va="center", ha="right", color="white", fontweight="bold")
+    ax.set_yticks(ys, [i[0] for i in items])
+    block = _num(results, "disk", "block_bytes")
+    ax.set_xlabel("blocks per GiB of capacity" + (f" ({block / 2**20:.0f} MiB blocks)" if block else ""))
+    ax.set_title("Capacity", loc="left")
+    return True
+
+
+def _costs(ax: Any, results: Mapping[str, Any]) -> bool:
+    lines = []
+    for bench, key, label, unit in (
+        ("core", "lookup_us_per_key", "lookup", "µs/key"),
+        ("core", "store_us_per_key", "store", "µs/key"),
+        ("core", "load_us_per_key", "load", "µs/key"),
+        ("core", "index_bytes_per_key", "index memory", "B/key"),
+        ("connector", "step_ms_256", "scheduler step, 256 requests", "ms"),
+        ("disk", "lmdb_scan_seconds", "LMDB index rebuild at open", "s"),
+    ):
+        value = _num(results, bench, key)
+        if value is not None:
+            lines.append(f"{label}: {value:.3g} {unit}")
+    if not lines:
+        return False
+    ax.axis("off")
+    ax.set_title("Bookkeeping costs", loc="left")
+    ax.text(0.0, 0.95, "\n".join(lines), va="top", ha="left", fontsize=9, family="monospace", transform=ax.transAxes)
+    return True
+
+
+def plot_results(results: Mapping[str, Any], target: str | Path, *, quick: bool = False) -> bool:
+    """Draw the picture into ``target`` (PNG); ``False`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = bandwidth_rows(results)
+    fig = plt.figure(figsize=(13, 4.2 + 0.55 * max(1, len(rows))), layout="constrained")
+    grid = fig.add_gridspec(2, 3, height_ratios=[max(1, len(rows)) * 0.55 + 0.8, 2.4])
+    top = fig.add_subplot(grid[0, :])
+    if rows:
+        _bandwidth(top, rows)
+    else:
+        top.axis("off")
+        top.set_title("Bandwidth: no core or disk results", loc="left")
+    for slot, draw in zip(range(3), (_hits, _capacity, _costs)):
+        ax = fig.add_subplot(grid[1, slot])
+        if not draw(ax, results):
+            ax.axis("off")
+    title = "kvtier bench" + (" (--quick: small sizes, figures are rough)" if quick else "")
+    fig.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return True

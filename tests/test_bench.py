@@ -1,0 +1,111 @@
+"""``kvtier bench``: the picture an operator reads, and the scripts a wheel install ships."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import available, last_json, script_dir
+from kvtier.bench.plot import bandwidth_rows, plot_results, rate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RESULTS = {
+    "core": {"cpu_save_gbps": 2.6, "cpu_load_gbps": 2.7, "raw_copy_gbps": 9.9, "lookup_us_per_key": 0.2},
+    "disk": {
+        "lmdb_save_gbps": 0.265,
+        "lmdb_load_gbps": 2.5,
+        "raw_lmdb_put_gbps": 1.07,
+        "raw_lmdb_get_gbps": 5.6,
+        "file_load_gbps": 3.1,
+        "file_read_preadv_thread_gbps": 4.8,
+        "cpu_blocks_per_gib": 512,
+        "compressed_blocks_per_gib": 704,
+        "block_bytes": 2 * 2**20,
+    },
+    # what bench_connector emits: hit_vs_oracle, not hit_rate
+    "connector": {"hit_vs_oracle_chat": 0.99, "hit_vs_oracle_shared": 1.0, "hit_vs_oracle_docqa": 0.97, "step_ms_256": 0.44},
+}
+
+
+def test_each_tier_is_paired_with_its_raw_limit() -> None:
+    rows = {(r["tier"], r["op"]): (r["gbps"], r["raw_gbps"], r["raw_label"]) for r in bandwidth_rows(RESULTS)}
+    assert rows == {
+        ("cpu", "save"): (2.6, 9.9, "raw copy"),
+        ("cpu", "load"): (2.7, 9.9, "raw copy"),
+        ("lmdb", "save"): (0.265, 1.07, "raw LMDB put"),
+        ("lmdb", "load"): (2.5, 5.6, "raw LMDB get"),
+        ("file", "load"): (3.1, 4.8, "raw preadv"),
+    }
+
+
+def test_rates_are_readable() -> None:
+    assert (rate(2.64), rate(0.265), rate(38.8)) == ("2.6 GB/s", "265 MB/s", "38.8 GB/s")
+
+
+def test_the_picture_draws_hit_rates_from_hit_vs_oracle(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvtier.bench import plot
+
+    fig, ax = plt.subplots()
+    try:
+        assert plot._hits(ax, RESULTS)  # the panel that was blank
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["chat", "shared", "docqa"]
+        assert [round(p.get_width(), 1) for p in ax.patches] == [99.0, 100.0, 97.0]
+    finally:
+        plt.close(fig)
+    target = tmp_path / "p.png"
+    assert plot_results(RESULTS, target)
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_last_json_takes_the_last_object_printed() -> None:
+    assert last_json('warming up\n{"a": 1}\nnoise\n{"b": 2}\n') == {"b": 2}
+    with pytest.raises(ValueError):
+        last_json("no json here")
+
+
+def test_a_source_checkout_finds_its_benchmarks() -> None:
+    folder = script_dir()
+    assert folder is not None and {"core", "disk", "connector"} <= set(available(folder))
+
+
+@pytest.mark.slow
+def test_a_wheel_ships_the_benchmarks_and_finds_them_without_the_source_tree(tmp_path: Path) -> None:
+    """What a plain `pip install .` gets: build the wheel from a copy of the sources, unpack
+    it elsewhere, and ask that copy of kvtier where its benchmark scripts are."""
+    pytest.importorskip("setuptools")
+    pytest.importorskip("wheel")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("kvtier", "backends", "benchmarks"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(tmp_path / "dist")],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = (tmp_path / "dist").glob("kvtier-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for script in ("bench_core.py", "bench_disk.py", "bench_connector.py"):
+        assert f"kvtier/bench/scripts/{script}" in names
+    assert "kvtier/bench/plot.py" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "import kvtier.bench as b; d = b.script_dir(); print(d); print(' '.join(b.available(d)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(site)], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    where, names_line = out.strip().splitlines()
+    assert Path(where) == site / "kvtier" / "bench" / "scripts"
+    assert {"core", "disk", "connector"} <= set(names_line.split())
