@@ -264,13 +264,14 @@ class KVLayout:
             return None
         order = sorted(range(len(rows)), key=rows.__getitem__)
         runs: list[tuple[list[int], int, int]] = []
-        for p in order:
-            if runs and rows[p] == runs[-1][1] + runs[-1][2]:
-                runs[-1][0].append(p)
-                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append(([p], rows[p], 1))
-        return runs if len(runs) <= _MAX_RUNS else None
+        start = 0
+        for j in range(1, len(order) + 1):
+            if j == len(order) or rows[order[j]] != rows[order[j - 1]] + 1:
+                runs.append((order[start:j], rows[order[start]], j - start))
+                start = j
+                if len(runs) > _MAX_RUNS:
+                    return None
+        return runs
 
     def _gather_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
         n = self.engine_blocks_per_block

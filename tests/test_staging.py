@@ -259,6 +259,11 @@ def test_same_device_pool_is_one_index_op_per_tensor(cuda_standin: CudaStandIn) 
         cb, bb = c.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(cb[[10, 11, 12, 13, 15]], bb[[6, 9, 1, 14, 3]])
     assert layout.staging.stats()["device_staging_allocated"] == 0, "no staging on one device"
+    # Three runs of rows: one index op per (run, tensor).
+    s.clear()
+    layout.gather([2, 4, 6, 8, 10], pool, [10, 11, 3, 4, 14])
+    assert torch.equal(pool[[10, 11, 3, 4, 14]], expected_records(caches, [2, 4, 6, 8, 10], 1))
+    assert len(s.ops("index_select")) == 3 * 6 and not s.ops("index_copy_")
     # Fragmented rows: a gather and a scatter per tensor, still exact.
     frag = [0, 2, 9, 11, 13, 15]
     layout.gather([1, 2, 3, 4, 5, 6], pool, frag)
