@@ -396,3 +396,90 @@ def test_two_processes_share_blocks(kind: str, request: pytest.FixtureRequest, t
     prefix = _prefix(tmp_path)
     assert _host("A", target.url, prefix, kind == "cluster") == {"saved": 12}
     assert _host("B", target.url, prefix, kind == "cluster") == {"hits": 12, "loaded": 12, "byte_exact": True}
+
+
+def _sim(config: Path, *extra: str) -> dict[str, Any]:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "sim", "--config", str(config), "--requests", "16", "--json", "--no-progress", *extra],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("kind", ["server", "cluster"])
+def test_kvtier_sim_second_process_is_served_by_the_shared_tier(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    target = request.getfixturevalue("redis_server" if kind == "server" else "redis_cluster")
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            write: through
+            tiers:
+              - backend: cpu
+                capacity: 64MiB
+              - backend: redis
+                capacity: 1GiB
+                url: {target.url}
+                cluster: {"true" if kind == "cluster" else "false"}
+                prefix: {_prefix(tmp_path)}
+            """
+        )
+    )
+    first = _sim(config)
+    second = _sim(config, "--keep-disk")  # keep what the first process stored on the server
+    assert first["loaded_tokens_by_tier"]["redis"] == 0
+    assert second["loaded_tokens_by_tier"]["redis"] > 0  # served what the other process stored
+    assert second["recomputed_tokens"] < first["recomputed_tokens"]
+    assert first["corrupt_blocks"] == 0
+    assert second["corrupt_blocks"] == 0 and second["verified_blocks"] > 0  # every loaded block byte-checked
+
+
+async def _until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + 60  # a hang guard, not a speed check
+    while not await predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_background_sweeps_follow_the_server_through_an_outage(own_redis_server: RedisServer, tmp_path: Path) -> None:
+    prefix = _prefix(tmp_path)
+    k1, k2 = make_key(1), make_key(2)
+    caches = make_caches(5)
+    cfg = store_config(own_redis_server.url, prefix, cpu=False, connect_timeout_s=0.5, socket_timeout_s=1.0)
+    cfg["tiers"][0]["sync_interval_s"] = 0.05
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        peer = RedisBackend(capacity="1MiB", url=own_redis_server.url, prefix=prefix, connect_timeout_s=0.5)
+        await peer.open(store.format)
+        block = [torch.arange(store.format.block_bytes, dtype=torch.int64).to(torch.uint8)]
+
+        async def lookup(keys: list[bytes]) -> int:
+            return await store.lookup(keys)
+
+        assert peer.write_blocks([k1], block) != [None]
+        await _until(lambda: _eq(lookup([k1]), 1), "the other host's key is adopted")
+        own_redis_server.kill()
+        await _until(lambda: _false(store.stats()["backends"][0]["up"]), "the sweep notices the outage")
+        assert await store.lookup([k1]) == 1  # the view is stale, by design
+        assert await store.load([k1], [0]) == 0  # ... and that is a miss, not an error
+        own_redis_server.start()  # back, empty
+        await _until(lambda: _writes(peer, [k2], block), "the peer reconnects")
+        await _until(lambda: _eq(lookup([k2]), 1), "a key written after the restart is adopted")
+        assert await store.lookup([k1]) == 0  # lost with the restart: forgotten
+        assert await store.load([k2], [1]) == 1
+        assert torch.equal(caches[0][1].view(torch.uint8).flatten()[: block[0].numel() // 2], block[0][: block[0].numel() // 2])
+        await peer.aclose()
+
+
+async def _eq(value: Any, want: Any) -> bool:
+    return (await value) == want
+
+
+async def _false(value: Any) -> bool:
+    return value is False
+
+
+async def _writes(backend: RedisBackend, keys: list[bytes], data: list[torch.Tensor]) -> bool:
+    return await asyncio.to_thread(backend.write_blocks, keys, data) != [None]
