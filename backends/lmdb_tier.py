@@ -626,18 +626,25 @@ class LmdbBackend(PersistentRecordBackend):
         """Delete ``keys`` (record and index entry, in one durable transaction) from the tier at
         ``path``; returns how many records were there. Missing keys are ignored.
 
-        Opens the environment for writing with the map size it already has (a smaller one would
-        be written back and shrink the map), alongside any live instance (LMDB allows one writer
-        at a time across processes). Nothing else about the store is touched.
+        Refused (``BackendError`` naming the pid) while a process holds the tier open: its map
+        could not follow a file this grows. Holds the tier's lock itself meanwhile. The map is
+        opened with room past the file's used pages, since deleting copies pages (copy-on-write)
+        and a full map would refuse it. Nothing else about the store is touched.
         """
         where = os.fspath(path)
         with cls._offline_env(where) as (env, _blocks, _meta):
-            map_size = int(env.info()["map_size"])
+            info = env.info()
+            psize = int(env.stat()["psize"])
         if not keys:
             return 0
+        used = (int(info["last_pgno"]) + 1) * psize
+        map_size = max(int(info["map_size"]), used) + max(1 << 20, (64 + 8 * len(keys)) * psize)
+        holder = HolderLock(where)
+        holder.acquire()
         try:
             env = lmdb.open(where, map_size=map_size, create=False, subdir=True, max_dbs=3, sync=True, lock=True)
         except lmdb.Error as exc:
+            holder.release()
             raise DiskError(f"lmdb: cannot open {where!r} for writing: {exc}") from exc
         deleted = 0
         try:
@@ -653,6 +660,7 @@ class LmdbBackend(PersistentRecordBackend):
             raise DiskError(f"lmdb: delete in {where!r} failed: {exc}") from exc
         finally:
             env.close()
+            holder.release()
         return deleted
 
     def stats(self) -> dict[str, Any]:

@@ -607,6 +607,15 @@ def test_verify_delete_works_on_a_full_map(tmp_path: Path) -> None:
     at = data.index(bytes(_small_block(3).numpy()[:64]))  # damage one record's payload
     data[at + 100] ^= 0xFF
     (path / "data.mdb").write_bytes(bytes(data))
+    from kvtier.backends.lmdb_files import HolderLock
+
+    live = HolderLock(str(path))  # what an open tier holds
+    live.acquire()
+    try:  # never behind a live tier's back: its map could not follow
+        with pytest.raises(BackendError, match=f"in use by process {os.getpid()}"):
+            verify_tier(path, delete=True)
+    finally:
+        live.release()
     report = verify_tier(path, delete=True)
     print(f"verify --delete on a full map: {n} records, {len(report.bad)} bad, {report.deleted} deleted")
     assert len(report.bad) == 1 and report.deleted == 1
