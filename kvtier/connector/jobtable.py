@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from kvtier.connector.fence import FenceIndex
 from kvtier.connector.types import JobReport
@@ -32,7 +32,7 @@ class TrackedJob:
     plan: StorePlan | LoadPlan
     block_ids: tuple[int, ...]
     reports: dict[int, JobReport] = field(default_factory=dict)  # rank -> report
-    released: set[int] = field(default_factory=set)  # stores: ranks done reading the engine blocks
+    released: set[int] | None = None  # stores: ranks done reading the engine blocks
     promotion: bool = False  # stores: a promotion of keys a load served from a lower tier
     first_block: int = 0  # loads: offloaded block index of plan.keys[0]
     base_tokens: int = 0  # loads: tokens valid before the load
@@ -117,6 +117,8 @@ class JobTable:
     def release(self, job: TrackedJob, rank: int, unfenced: list[int]) -> None:
         """``rank`` no longer reads ``job``'s engine blocks (its tier writes go on); once no rank
         does, lift its fence and append the blocks no job reads any more to ``unfenced``."""
+        if job.released is None:
+            job.released = set()
         job.released.add(rank)
         if len(job.released) == self.world_size:
             unfenced.extend(self.fence.release(job.job_id, job.block_ids))
@@ -157,6 +159,7 @@ def _result(job_id: int, keys: tuple[bytes, ...], r: JobReport) -> JobResult:
         failed=r.failed if isinstance(r.failed, dict) else dict(r.failed),
         missed=r.missed,
         missed_tiers=r.missed_tiers,
-        sizes={t: dict(per) for t, per in r.sizes.items()} if r.sizes else {},
+        # Decoded reports hold plain dicts already (read only from here on): no copies.
+        sizes=cast(dict, r.sizes) if isinstance(r.sizes, dict) else {t: dict(per) for t, per in r.sizes.items()},
         error=r.error,
     )
