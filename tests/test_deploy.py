@@ -105,3 +105,18 @@ def test_findings_are_logged_as_warnings_at_open(tmp_path: Path, caplog: pytest.
     with caplog.at_level(logging.WARNING, logger="kvtier.deploy"):
         assert len(log_findings(cfg)) == 1
     assert "tiers[0].path" in caplog.text
+
+
+async def test_a_store_logs_the_findings_when_it_opens_and_opens_anyway(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    import kvtier
+
+    st = os.statvfs(tmp_path)
+    too_big = st.f_blocks * st.f_frsize * 2  # LMDB maps it lazily: the store opens
+    caches = [torch.zeros(4, 16, 2, 4, 8, dtype=torch.bfloat16)]
+    config = {"tiers": [{"backend": "lmdb", "capacity": too_big, "path": str(tmp_path / "db")}]}
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        async with kvtier.open(config, kv_caches=caches, namespace=kvtier.Namespace(model_id="m")) as store:
+            assert store.stats()["tiers"][0]["capacity_bytes"] > 0
+    assert "tiers[0].capacity" in caplog.text and "more than the whole filesystem" in caplog.text
