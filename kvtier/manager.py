@@ -52,11 +52,11 @@ from typing import Any, Literal, cast
 
 from kvtier.admission import Admission
 from kvtier.errors import ClosedError, ConfigError, LifecycleError
-from kvtier.eventlog import CacheEvent, EventBatch, EventLog
+from kvtier.eventlog import CacheEvent, EventLog
 from kvtier.keys import KEY_BYTES, check_keys
-from kvtier.plan import Completion, Demotion, LoadPlan, PlanBook, PlanBuilder, StorePlan
+from kvtier.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.promotion import Promotions
-from kvtier.tiers import TierSpec, TierState
+from kvtier.tiers import TierSpec, TierState, unpin
 
 __all__ = [
     "TierSpec",
@@ -117,14 +117,6 @@ def _closed() -> ClosedError:
     return ClosedError("the tier manager is closed")
 
 
-def _positions(keys: Sequence[bytes], new: list[bytes]) -> tuple[int, ...]:
-    """The index in ``keys`` of each key of ``new`` (its first occurrence)."""
-    if len(new) == len(keys):  # every key is new, and none repeats
-        return tuple(range(len(keys)))
-    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
-    return tuple(map(first.__getitem__, new))
-
-
 class TierManager:
     """Key state over ``tiers`` (fastest first) with write-back or write-through chaining."""
 
@@ -154,9 +146,11 @@ class TierManager:
         # (calls, keys, hits), replaced whole: lookups stay lock-free and a reader sees one moment.
         self._lookups = (0, 0, 0)
         self._admission = Admission(tiers)
-        self._promotions = Promotions(self._tiers, self._counts)
-        self._plans = PlanBook(self._tiers, self._promotions)
         self._events = EventLog(max_events)
+        self._promotions = Promotions(self._tiers, self._counts, self._events)
+        self._plans = PlanBook(
+            self._tiers, write_back=write == "back", admission=self._admission, promotions=self._promotions, events=self._events
+        )
         self._clock = clock
         self._lock = threading.Lock()
         self._closed = False
@@ -244,7 +238,7 @@ class TierManager:
                 new = [key for key in new if key not in index]
             self._admission.note(batch)
             self._counts["store_skipped"] += len(batch) - len(new)
-            plan = self._plan(keys, batch, new, None)
+            plan = self._plans.prepare(next(self._plan_ids), keys, batch, new)
             if plan is None:
                 self._counts["store_rejected"] += 1
             else:
@@ -272,36 +266,13 @@ class TierManager:
             raise _closed()
         _check(keys)
         with self._lock:
-            batch = set(keys)
             sources = self._promotions.sources(dict.fromkeys(keys), self._ready_tier)
-            plan = self._plan(keys, batch, list(sources), sources)
+            plan = self._plans.prepare(next(self._plan_ids), keys, set(keys), list(sources), sources)
             if plan is None:
                 self._counts["promotions_rejected"] += 1
             else:
                 self._counts["promotions_prepared"] += len(plan.keys)
             return plan
-
-    def _plan(self, keys: Sequence[bytes], batch: set[bytes], new: list[bytes], sources: dict[bytes, int] | None) -> StorePlan | None:
-        """Make room for ``new`` in the first tier, reserve, and open the plan (or ``None``, no
-        change). The whole ``batch`` is protected, skipped keys included: evicting a key the
-        caller just asked to keep would undo part of this very call."""
-        plan_id = next(self._plan_ids)
-        skipped = () if len(new) == len(batch) else tuple(key for key in dict.fromkeys(keys) if key not in set(new))
-        if not new:
-            return StorePlan(plan_id, (), (), skipped=skipped)
-        builder = PlanBuilder(self._tiers, batch, write_back=self.write_mode == "back", admission=self._admission)
-        if not builder.make_room(0, self._tiers[0].block * len(new)):
-            return None
-        builder.reserve(0, new)
-        if sources is None and self.write_mode == "through":
-            for ti, t in enumerate(self._tiers[1:], start=1):
-                room = self._admission.admitted(ti, [key for key in new if key not in t.index])
-                # Best effort: a lower tier that cannot make room simply does not get the copy.
-                if room and builder.make_room(ti, t.block * len(room)):
-                    builder.reserve(ti, room)
-        self._plans.open(plan_id, builder, sources)
-        self._events.extend(builder.events)
-        return builder.build(plan_id, _positions(keys, new), skipped)
 
     def complete_store(
         self,
@@ -327,11 +298,9 @@ class TierManager:
             if i is not None:
                 raise LifecycleError(f"complete_store: keys[{i}] ({keys[i].hex()[:16]}…) was never prepared or is already complete")
             failed_sets = {ti: set(ks) for ti, ks in failed.items()} if failed else {}
-            out: list[EventBatch] = []
-            done, lost = self._plans.complete(keys, Completion(success, failed_sets, sizes, self._now()), out)
+            done, lost = self._plans.complete(keys, Completion(success, failed_sets, sizes, self._now()))
             self._counts["store_completed"] += done
             self._counts["store_failed"] += lost
-            self._events.extend(out)
 
     # -- load ------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes], *, promote: bool = True) -> LoadPlan:
@@ -374,39 +343,12 @@ class TierManager:
         if self._closed:
             raise _closed()
         with self._lock:
-            failed_at = self._unpin(keys)
+            failed_at = unpin(self._pins, keys)
             if failed_at is not None:
                 _check(keys)
                 raise LifecycleError(f"complete_load: keys[{failed_at}] ({keys[failed_at].hex()[:16]}…) is not pinned")
             if self._promotions.loading:
-                out: list[EventBatch] = []
-                self._promotions.settle_in_load(keys, set(failed_promotions), self._now(), out)
-                self._events.extend(out)
-
-    def _unpin(self, keys: Sequence[bytes]) -> int | None:
-        """Unpin each key once, in the fastest tier that pins it; on a key that is not pinned,
-        undo and return its index."""
-        undo: list[dict[bytes, int]] = []
-        try:
-            for key in keys:
-                for pins in self._pins:
-                    n = pins.get(key)
-                    if n:
-                        if n > 1:
-                            pins[key] = n - 1
-                        else:
-                            del pins[key]
-                        undo.append(pins)
-                        break
-                else:
-                    break
-            else:
-                return None
-        except TypeError:  # unhashable: not a key
-            pass
-        for pins, key in zip(undo, keys):
-            pins[key] = pins.get(key, 0) + 1
-        return len(undo)
+                self._promotions.settle_in_load(keys, set(failed_promotions), self._now())
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark keys as recently used in every tier that holds them ready."""

@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvtier.admission import Admission
-from kvtier.eventlog import EventBatch
+from kvtier.eventlog import EventBatch, EventLog
 from kvtier.promotion import Promotions
 from kvtier.tiers import PENDING, TierState
 
@@ -218,23 +218,50 @@ class OpenPlan:
 
 
 class PlanBook:
-    """The open plans over ``tiers``: the plan of each pending first-tier key, and what settles
-    when a plan's last key completes."""
+    """The open plans over ``tiers``: how a plan is made (``prepare``), the plan of each pending
+    first-tier key, and what settles when a plan's last key completes (``complete``)."""
 
-    def __init__(self, tiers: Sequence[TierState], promotions: Promotions) -> None:
+    def __init__(self, tiers: Sequence[TierState], *, write_back: bool, admission: Admission, promotions: Promotions, events: EventLog) -> None:
         self._tiers = tiers
+        self._write_back = write_back
+        self._admission = admission
         self._promotions = promotions
+        self._events = events
         self._plans: dict[int, OpenPlan] = {}
         self._plan_of: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._plans)
 
-    def open(self, plan_id: int, builder: PlanBuilder, sources: dict[bytes, int] | None) -> None:
+    def prepare(
+        self, plan_id: int, keys: Sequence[bytes], protected: AbstractSet[bytes], new: list[bytes], sources: dict[bytes, int] | None = None
+    ) -> StorePlan | None:
+        """Make room for ``new`` (keys of ``keys``) in the first tier, reserve, and open the plan;
+        ``None`` and no change when the first tier cannot make room. ``sources`` marks a
+        promotion (no write-through copies). Keys of ``protected`` are never evicted."""
+        skipped: tuple[bytes, ...] = ()
+        if len(new) != len(protected):
+            fresh = set(new)
+            skipped = tuple(key for key in dict.fromkeys(keys) if key not in fresh)
+        if not new:
+            return StorePlan(plan_id, (), (), skipped=skipped)
+        tiers = self._tiers
+        builder = PlanBuilder(tiers, protected, write_back=self._write_back, admission=self._admission)
+        if not builder.make_room(0, tiers[0].block * len(new)):
+            return None
+        builder.reserve(0, new)
+        if sources is None and not self._write_back:
+            for ti, t in enumerate(tiers[1:], start=1):
+                room = self._admission.admitted(ti, [key for key in new if key not in t.index])
+                # Best effort: a lower tier that cannot make room simply does not get the copy.
+                if room and builder.make_room(ti, t.block * len(room)):
+                    builder.reserve(ti, room)
         self._plans[plan_id] = builder.open(sources)
         plan_of = self._plan_of
-        for key in builder.keys:
+        for key in new:
             plan_of[key] = plan_id
+        self._events.extend(builder.events)
+        return builder.build(plan_id, _positions(keys, new), skipped)
 
     def unknown(self, keys: Sequence[bytes]) -> int | None:
         """The index of the first of ``keys`` that no open plan holds, or ``None``."""
@@ -252,7 +279,7 @@ class PlanBook:
                 return i
         return None
 
-    def complete(self, keys: Sequence[bytes], result: Completion, out: list[EventBatch]) -> tuple[int, int]:
+    def complete(self, keys: Sequence[bytes], result: Completion) -> tuple[int, int]:
         """Settle ``keys`` (every one open) and the plans they complete; return the stores that
         succeeded and failed (promotions are counted by :class:`Promotions`)."""
         unique = list(dict.fromkeys(keys))
@@ -260,7 +287,7 @@ class PlanBook:
         ok, bad = result.split(0, unique, all_lost=not result.success)
         first = self._tiers[0]
         first.settle(ok, result.sizes_in(0), result.now)
-        out.append(("stored", ok, first.name))
+        out: list[EventBatch] = [("stored", ok, first.name)]
         if bad:
             first.release(bad)
         done, lost = len(ok), len(bad)
@@ -274,4 +301,13 @@ class PlanBook:
             if not plan.remaining:
                 del self._plans[plan_id]
                 plan.settle(self._tiers, result, out)
+        self._events.extend(out)
         return done, lost
+
+
+def _positions(keys: Sequence[bytes], new: list[bytes]) -> tuple[int, ...]:
+    """The index in ``keys`` of each key of ``new`` (its first occurrence)."""
+    if len(new) == len(keys):  # every key is new, and none repeats
+        return tuple(range(len(keys)))
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+    return tuple(map(first.__getitem__, new))

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from kvtier.eventlog import EventBatch
+from kvtier.eventlog import EventLog
 from kvtier.tiers import PENDING, TierState
 
 __all__ = ["Promotions"]
 
 
 class Promotions:
-    """Promotion bookkeeping over ``tiers``; counts go to the manager's ``counts``."""
+    """Promotion bookkeeping over ``tiers``; counts go to the manager's ``counts``, events to
+    its log."""
 
-    def __init__(self, tiers: Sequence[TierState], counts: dict[str, int]) -> None:
+    def __init__(self, tiers: Sequence[TierState], counts: dict[str, int], events: EventLog) -> None:
         self._tiers = tiers
         self._counts = counts
+        self._events = events
         #: In-load promotions: key -> [loads still to complete, failed, source tier].
         self.loading: dict[bytes, list[int]] = {}
 
@@ -75,7 +77,7 @@ class Promotions:
                 promoted.append(key)
         return promoted
 
-    def settle_in_load(self, keys: Iterable[bytes], failed: Collection[bytes], now: float, out: list[EventBatch]) -> None:
+    def settle_in_load(self, keys: Iterable[bytes], failed: Collection[bytes], now: float) -> None:
         """A load of ``keys`` completed; ``failed`` are promotions its job could not write."""
         loading = self.loading
         first = self._tiers[0]
@@ -99,7 +101,7 @@ class Promotions:
                 ok.append(key)
                 self._tiers[entry[2]].promotions_out += 1
         first.settle(ok, None, now)
-        out.append(("stored", ok, first.name))
+        self._events.add("stored", ok, first.name)
         first.release(bad)
         self._counts["promotions"] += len(ok)
         self._counts["promotions_failed"] += len(bad)

@@ -10,7 +10,7 @@ walking the index: ``stats()`` costs the same with ten keys or ten million.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.policies import EvictionPolicy
 
-__all__ = ["PENDING", "READY", "TierSpec", "TierState"]
+__all__ = ["PENDING", "READY", "TierSpec", "TierState", "unpin"]
 
 #: Index entries: a pending key maps to ``PENDING`` (falsy), a ready one to ``READY`` (truthy),
 #: so ``index.get(key)`` is true exactly when the key can be read. Pins live in ``pins``.
@@ -221,3 +221,29 @@ class TierState:
             "dropped": self.dropped,
             "promotions": self.promotions_out,
         }
+
+
+def unpin(pins_by_tier: Sequence[dict[bytes, int]], keys: Iterable[bytes]) -> int | None:
+    """Unpin each key once, in the fastest tier that pins it. On a key no tier pins, undo and
+    return its index; ``None`` when every key was unpinned."""
+    undo: list[dict[bytes, int]] = []
+    try:
+        for key in keys:
+            for pins in pins_by_tier:
+                n = pins.get(key)
+                if n:
+                    if n > 1:
+                        pins[key] = n - 1
+                    else:
+                        del pins[key]
+                    undo.append(pins)
+                    break
+            else:
+                break
+        else:
+            return None
+    except TypeError:  # unhashable: not a key
+        pass
+    for pins, key in zip(undo, keys):
+        pins[key] = pins.get(key, 0) + 1
+    return len(undo)

@@ -494,3 +494,14 @@ def test_in_load_promotion_settles_only_with_the_load_that_copies_it(policy_name
     assert m.status(K[1]) == KeyStatus(KeyState.READY, 1) and not m.holds(K[1], 0)
     assert (m.counters["promotions"], m.counters["promotions_failed"]) == (1, 1)
     assert m.stats()["tiers"][0]["pending"] == 0 and m.stats()["tiers"][1]["pinned"] == 0
+
+
+def test_remove_names_each_key_once(policy_name: str) -> None:
+    """A repeated key was returned (and announced removed) twice: a router counting events saw
+    a key leave a tier twice. Found by the state machine's ``remove`` rule."""
+    m = one_tier(policy_name)
+    store(m, [K[0], K[1]])
+    m.take_events()
+    assert m.remove([K[0], K[0], K[1], K[0]], 0) == [K[0], K[1]]
+    assert m.take_events() == [CacheEvent("removed", K[0], "cpu"), CacheEvent("removed", K[1], "cpu")]
+    assert used(m) == 0 and m.stats()["tiers"][0]["blocks"] == 0

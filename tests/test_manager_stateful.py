@@ -25,7 +25,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m: TierManager
         self.open: dict[int, set[bytes]] = {}  # plan id -> keys not yet completed
         self.promotions: set[int] = set()  # open plans made by prepare_promote
-        self.load_promoted: set[bytes] = set()  # in-load promotions, settled by complete_load
+        # In-load promotions: key -> loads that read it since one began copying it up; the
+        # promotion settles when the last of them completes.
+        self.load_promoting: dict[bytes, int] = {}
         self.pins: dict[bytes, list[int]] = {}  # key -> tier of each pin
         self.ready: list[set[bytes]] = []  # per tier, from stored / removed events
 
@@ -87,7 +89,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = (self.m.stats()["tiers"], [self.m.tier_keys(i) for i in range(self.m.num_tiers)])
         # Model: promoted = ready in a lower tier, absent from the first (neither ready nor in
         # any open plan that holds it there).
-        in_first = set(self.ready[0]) | self._pending() | self._promoting() | self.load_promoted
+        in_first = set(self.ready[0]) | self._pending() | self._promoting() | set(self.load_promoting)
         want = {k for k in keys if k not in in_first and any(k in r for r in self.ready[1:])}
         plan = self.m.prepare_promote(keys)
         if plan is None:
@@ -107,12 +109,14 @@ class ManagerMachine(RuleBasedStateMachine):
             self.promotions.add(plan.plan_id)
 
     @precondition(lambda self: bool(self.open))
-    @rule(data=st.data(), success=st.booleans(), whole=st.booleans())
-    def complete_store(self, data: st.DataObject, success: bool, whole: bool) -> None:
+    @rule(data=st.data(), success=st.booleans(), whole=st.booleans(), copies_fail=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool, whole: bool, copies_fail: bool) -> None:
         plan_id = data.draw(st.sampled_from(sorted(self.open)))
         remaining = sorted(self.open[plan_id])
         keys = remaining if whole else [data.draw(st.sampled_from(remaining))]
-        self.m.complete_store(keys, success)
+        # The plan's demoted and written-through copies may fail to be written (dropped then).
+        failed = {ti: UNIVERSE for ti in range(1, self.m.num_tiers)} if copies_fail else None
+        self.m.complete_store(keys, success, failed=failed)
         self.open[plan_id] -= set(keys)
         promotion = plan_id in self.promotions
         if not self.open[plan_id]:
@@ -159,17 +163,27 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         plan = self.m.prepare_load(keys[:hits])
         assert set(plan.promote) <= {k for k, ti in zip(plan.keys, plan.tiers) if ti > 0}
-        self.load_promoted.update(plan.promote)
+        assert not set(plan.promote) & set(self.load_promoting), "a block copied up by two loads at once"
+        for key in plan.keys:
+            if key in self.load_promoting:
+                self.load_promoting[key] += 1
+            elif key in plan.promote:
+                self.load_promoting[key] = 1
         for key, ti in zip(plan.keys, plan.tiers):
             assert key in self.ready[ti]
             self.pins.setdefault(key, []).append(ti)
 
     @precondition(lambda self: bool(self.pins))
-    @rule(data=st.data())
-    def complete_load(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), fail=st.booleans())
+    def complete_load(self, data: st.DataObject, fail: bool) -> None:
         key = data.draw(st.sampled_from(sorted(self.pins)))
-        self.m.complete_load([key])
-        self.load_promoted.discard(key)
+        self.m.complete_load([key], failed_promotions=[key] if fail else [])
+        if key in self.load_promoting:
+            self.load_promoting[key] -= 1
+            if not self.load_promoting[key]:
+                del self.load_promoting[key]
+            else:  # not settled while another load that reads it is still open
+                assert self.m.holds(key, 0) and self.m.status(key).tier != 0
         self.pins[key].pop()
         if not self.pins[key]:
             del self.pins[key]
@@ -177,6 +191,16 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(keys=keys_st)
     def touch(self, keys: list[bytes]) -> None:
         self.m.touch(keys)
+
+    @rule(keys=keys_st, data=st.data())
+    def remove(self, keys: list[bytes], data: st.DataObject) -> None:
+        """A failed read found blocks gone: only ready, unpinned copies in that tier go."""
+        tier = data.draw(st.integers(0, self.m.num_tiers - 1))
+        self._apply_events()
+        expected = [k for k in dict.fromkeys(keys) if k in self.ready[tier] and tier not in self.pins.get(k, ())]
+        assert self.m.remove(keys, tier) == expected
+        self._apply_events()
+        assert not set(expected) & self.ready[tier]
 
     @rule(keys=keys_st)
     def lookup(self, keys: list[bytes]) -> None:
@@ -194,6 +218,13 @@ class ManagerMachine(RuleBasedStateMachine):
         for t in self.m.stats()["tiers"]:
             assert 0 <= t["used_bytes"] <= t["capacity_bytes"]
             assert t["used_bytes"] == t["blocks"] * BLOCK
+
+    @invariant()
+    def stats_count_what_the_tiers_hold(self) -> None:
+        """stats() keeps running counts (it never walks the index): they must stay exact."""
+        for ti, t in enumerate(self.m.stats()["tiers"] if self.ready else []):
+            assert t["ready"] == len(self.m.tier_keys(ti)) and t["pending"] == t["blocks"] - t["ready"] >= 0
+            assert t["pinned"] == len({k for k, tiers in self.pins.items() if ti in tiers})
 
     @invariant()
     def pinned_keys_stay_where_they_were_pinned(self) -> None:
