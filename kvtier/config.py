@@ -99,6 +99,7 @@ def _check_name(reg: registry.Registry, value: Any) -> str:
 
 
 ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
+FlushBytes = Annotated[int, BeforeValidator(_size("flush_on_close_bytes"))]
 BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
 StagingBytes = Annotated[int, BeforeValidator(_size("staging_bytes", allow_zero=True))]
 
@@ -185,6 +186,11 @@ class StoreConfig(BaseModel):
     job_deadline_s: float | None = Field(default=120.0, gt=0)
     namespace: dict[str, Any] | None = None
     metrics: MetricsConfig = MetricsConfig()
+    #: on a clean close, seconds spent writing blocks held only in memory tiers back to the
+    #: persistent tier (0: no write-back; see kvtier.flush)
+    flush_on_close_s: float = Field(default=60.0, ge=0)
+    #: and at most this many bytes of them (None: no limit)
+    flush_on_close_bytes: FlushBytes | None = None
 
     @field_validator("policy")
     @classmethod

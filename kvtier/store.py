@@ -160,10 +160,30 @@ class KVStore:
         if self.layout is not None:  # the device staging goes back to the allocator
             await _off_loop(self.layout.staging.close)
         if self.manager is not None:
+            await self._flush_on_close()
             await self.flush_stamps()
             self.manager.close()
         for backend in self.backends:
             await backend.aclose()
+
+    async def flush(self, *, budget_s: float | None = None, budget_bytes: int | None = None) -> Any:
+        """Write blocks held only in memory tiers back to the first persistent tier now, most
+        recent first, within the budgets (``None``: no limit); returns a
+        :class:`kvtier.flush.FlushReport`. ``aclose()`` does this with the configured budget."""
+        from kvtier.flush import flush_to_persistent
+
+        return await flush_to_persistent(self._mgr(), self.backends, budget_s=budget_s, budget_bytes=budget_bytes)
+
+    async def _flush_on_close(self) -> None:
+        budget_s = self.config.flush_on_close_s
+        if self.manager is None or not budget_s:
+            return
+        from kvtier.flush import flush_to_persistent
+
+        try:
+            await flush_to_persistent(self.manager, self.backends, budget_s=budget_s, budget_bytes=self.config.flush_on_close_bytes)
+        except Exception as exc:  # a clean close never fails over the write-back
+            log.warning("kvtier: write-back at close failed: %s", exc)
 
     async def flush_stamps(self) -> None:
         """Save access stamps of persistent tiers, so eviction order survives a restart."""

@@ -130,3 +130,58 @@ async def test_a_layout_change_under_an_explicit_namespace_is_never_served(tmp_p
     # The original layout still opens and serves its blocks.
     async with kvtier.open(cfg, kv_caches=make_caches(seed=6), namespace=ns) as store:
         assert await store.lookup(keys) == 4
+
+
+def _readme_config(path: Path, **extra: object) -> dict:
+    """The README's shape: a host-memory tier in front of LMDB, write-back (the default)."""
+    return {
+        "tiers": [{"backend": "cpu", "capacity": 8 * block_bytes()}, {"backend": "lmdb", "path": str(path), "capacity": 64 * (block_bytes() + 8192)}],
+        "namespace": {"model_id": "flush-test"},
+        **extra,
+    }
+
+
+async def test_a_clean_close_writes_memory_tiers_back_to_disk(tmp_path: Path) -> None:
+    """Issue 11, item 1: with the README's configuration a second process found 0 blocks."""
+    kv = make_caches(seed=7)
+    keys = [make_key(700 + i) for i in range(6)]
+    async with kvtier.open(_readme_config(tmp_path / "db"), kv_caches=kv) as store:
+        assert await store.save(keys, list(range(6))) == 6
+        in_lmdb_before_close = sum(store.manager.holds(k, 1) for k in keys)  # type: ignore[union-attr]
+    fresh = [torch.zeros_like(t) for t in kv]
+    async with kvtier.open(_readme_config(tmp_path / "db"), kv_caches=fresh) as store:
+        hits = await store.lookup(keys)
+        loaded = await store.load(keys, [10, 11, 12, 13, 14, 15])
+    print(f"write-back at close: {in_lmdb_before_close} of 6 on disk before close, {hits} hits and {loaded} loaded after")
+    assert in_lmdb_before_close == 0 and hits == 6 and loaded == 6
+    for i in range(6):
+        assert all(torch.equal(f[10 + i], t[i]) for f, t in zip(fresh, kv))
+
+
+async def test_flush_is_bounded_skips_what_is_there_and_keeps_the_accounting(tmp_path: Path) -> None:
+    kv = make_caches(seed=8)
+    keys = [make_key(800 + i) for i in range(6)]
+    async with kvtier.open(_readme_config(tmp_path / "db", flush_on_close_s=0), kv_caches=kv) as store:
+        assert await store.save(keys, list(range(6))) == 6
+        first = await store.flush(budget_bytes=2 * block_bytes())
+        second = await store.flush()
+        third = await store.flush()
+        row = store.stats()["tiers"][1]
+        on_disk = sorted(r.key for r in store.backends[1].scan())
+    print(f"flush: {first.flushed} then {second.flushed} (skipped {second.already_there}) then {third.flushed}")
+    assert (first.flushed, first.left, first.stopped_by) == (2, 4, "bytes")
+    assert (second.flushed, second.already_there) == (4, 2)
+    assert (third.flushed, third.already_there) == (0, 6)
+    assert row["ready"] == 6 and on_disk == sorted(keys)  # the manager knows what the tier holds
+    # flush_on_close_s=0: no write-back at close, and a flushed store needed none
+    async with kvtier.open(_readme_config(tmp_path / "db"), kv_caches=kv) as store:
+        assert await store.lookup(keys) == 6
+
+
+async def test_no_write_back_when_disabled(tmp_path: Path) -> None:
+    kv = make_caches(seed=9)
+    keys = [make_key(900 + i) for i in range(3)]
+    async with kvtier.open(_readme_config(tmp_path / "db", flush_on_close_s=0), kv_caches=kv) as store:
+        assert await store.save(keys, [0, 1, 2]) == 3
+    async with kvtier.open(_readme_config(tmp_path / "db"), kv_caches=kv) as store:
+        assert await store.lookup(keys) == 0

@@ -1,0 +1,193 @@
+"""Write-back on a clean close: blocks held only in memory tiers go to the persistent tier.
+
+In write-back mode a block reaches a lower tier only when it is evicted from the one above it,
+so without a flush everything still in the memory tiers at exit is lost: a new process finds an
+empty cache. :func:`flush_to_persistent` writes those blocks back to the first persistent tier
+(``KVStore.aclose()`` calls it, and ``KVStore.flush()`` lets an engine do it earlier), bounded
+by a time and a byte budget, most recently used first, skipping blocks that tier already holds.
+What survives a crash is what reached a persistent tier before it; what survives a clean exit is
+everything that fits in the persistent tier and the budget.
+
+How: the blocks are pinned in the tier that serves them (``prepare_load``), so nothing evicts
+or reuses them meanwhile, copied out in chunks (rows of a memory pool, or ``read_blocks`` of a
+byte tier), written with the persistent backend's ``write_blocks`` off the event loop, adopted
+into the manager's index of that tier (``adopt``: within its capacity, so a mid-run flush keeps
+the accounting exact; blocks beyond it are deleted again), then unpinned. A failed write or read
+is a block left unflushed, logged and counted, never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvtier.backend import Backend, MemoryBackend
+from kvtier.manager import KeyState, TierManager
+
+__all__ = ["FlushReport", "flush_to_persistent"]
+
+log = logging.getLogger("kvtier.flush")
+
+#: Blocks copied and written per step (bounds the host memory a flush takes).
+CHUNK_BLOCKS = 32
+#: Seconds between progress lines.
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass(slots=True)
+class FlushReport:
+    """What a flush did. ``left`` counts blocks it had to leave (budget, room or failures)."""
+
+    target: str | None = None
+    candidates: int = 0
+    already_there: int = 0
+    flushed: int = 0
+    flushed_bytes: int = 0
+    failed: int = 0
+    left: int = 0
+    seconds: float = 0.0
+    stopped_by: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def flush_to_persistent(
+    manager: TierManager,
+    backends: Sequence[Backend],
+    *,
+    budget_s: float | None = None,
+    budget_bytes: int | None = None,
+) -> FlushReport:
+    """Write blocks ready only in non-persistent tiers back to the first persistent tier below
+    them, most recently used first, within ``budget_s`` seconds and ``budget_bytes`` bytes
+    (``None``: no limit). Safe to call while the store runs."""
+    report = FlushReport()
+    started = time.monotonic()
+    target = next((i for i, b in enumerate(backends) if b.persistent), None)
+    if target is None or target == 0:
+        return report  # nothing above a persistent tier to flush
+    report.target = manager.tier_spec(target).name
+    persistent = backends[target]
+    block = persistent.format.block_bytes
+    keys = _candidates(manager, target, report)
+    report.candidates = len(keys) + report.already_there
+    room = _room(manager, target, persistent)
+    limit = len(keys)
+    if room is not None and room < limit:
+        limit, report.stopped_by = room, "room"
+    if budget_bytes is not None and budget_bytes // block < limit:
+        limit, report.stopped_by = budget_bytes // block, "bytes"
+    last_log = started
+    done = 0
+    while done < limit:
+        if budget_s is not None and time.monotonic() - started > budget_s:
+            report.stopped_by = "time"
+            break
+        chunk = keys[done : min(limit, done + CHUNK_BLOCKS)]
+        done += len(chunk)
+        await _flush_chunk(manager, backends, target, chunk, report)
+        now = time.monotonic()
+        if now - last_log > PROGRESS_EVERY_S:
+            last_log = now
+            log.info("kvtier flush: %d of %d blocks written to %s (%.0f s)", report.flushed, limit, report.target, now - started)
+    report.left = len(keys) - report.flushed
+    report.seconds = round(time.monotonic() - started, 3)
+    if report.candidates:
+        log.info(
+            "kvtier flush: wrote %d blocks (%d bytes) from memory tiers to %s in %.2f s; %d already there, %d left%s, %d failed",
+            report.flushed, report.flushed_bytes, report.target, report.seconds, report.already_there, report.left,
+            f" (stopped by {report.stopped_by})" if report.stopped_by and report.left else "", report.failed,
+        )
+    return report
+
+
+def _candidates(manager: TierManager, target: int, report: FlushReport) -> list[bytes]:
+    """Ready keys of the tiers above ``target`` that ``target`` lacks, most recent first."""
+    seen: set[bytes] = set()
+    keys: list[bytes] = []
+    for tier in range(target):
+        for key in reversed(manager.tier_keys(tier)):  # tier_keys: next victim first
+            if key in seen:
+                continue
+            seen.add(key)
+            if manager.holds(key, target):
+                report.already_there += 1
+            else:
+                keys.append(key)
+    return keys
+
+
+def _room(manager: TierManager, target: int, backend: Backend) -> int | None:
+    row = manager.stats()["tiers"][target]
+    free = int(row["capacity_bytes"]) - int(row["used_bytes"])
+    return max(0, free // max(1, backend.reserve_bytes()))
+
+
+async def _flush_chunk(manager: TierManager, backends: Sequence[Backend], target: int, keys: list[bytes], report: FlushReport) -> None:
+    # Pin: nothing evicts or reuses these blocks while they are copied. A key that went away
+    # since the candidates were listed (evicted, or stored below meanwhile) is skipped.
+    live = [k for k in keys if manager.status(k).state is KeyState.READY and not manager.holds(k, target)]
+    if not live:
+        return
+    plan = manager.prepare_load(live, promote=False)
+    try:
+        rows, ok_keys = await asyncio.to_thread(_copy_out, backends, plan.keys, plan.tiers, target)
+        report.failed += len(plan.keys) - len(ok_keys)
+        if not ok_keys:
+            return
+        try:
+            sizes = await asyncio.to_thread(backends[target].write_blocks, ok_keys, rows)
+        except Exception as exc:  # a failing disk leaves the blocks unflushed, never raises
+            log.warning("kvtier flush: writing %d blocks to %s failed: %s", len(ok_keys), manager.tier_spec(target).name, exc)
+            report.failed += len(ok_keys)
+            return
+        now = time.time()
+        records = [(k, s, now) for k, s in zip(ok_keys, sizes) if s is not None]
+        report.failed += len(ok_keys) - len(records)
+        excess = set(manager.adopt(target, records))
+        # Adopt refuses a key the tier got meanwhile (its bytes are these) and keys beyond its
+        # capacity: delete only the latter.
+        drop = [k for k, _, _ in records if k in excess and not manager.holds(k, target)]
+        if drop:
+            await asyncio.to_thread(backends[target].delete_blocks, drop)
+        stored = len(records) - len(drop)
+        report.flushed += stored
+        report.flushed_bytes += stored * backends[target].format.block_bytes
+    finally:
+        manager.complete_load(plan.keys)
+
+
+def _copy_out(backends: Sequence[Backend], keys: Sequence[bytes], tiers: Sequence[int], target: int) -> tuple[list[torch.Tensor], list[bytes]]:
+    """Host copies of ``keys`` from the tiers that serve them; keys that cannot be read are left out."""
+    rows: list[torch.Tensor] = []
+    ok: list[bytes] = []
+    by_tier: dict[int, list[int]] = {}
+    for i, tier in enumerate(tiers):
+        if tier != target:
+            by_tier.setdefault(tier, []).append(i)
+    for tier, positions in by_tier.items():
+        backend = backends[tier]
+        tier_keys = [keys[i] for i in positions]
+        try:
+            if isinstance(backend, MemoryBackend):
+                slots = torch.tensor(backend.slots(tier_keys), dtype=torch.long, device=backend.pool.device)
+                got = backend.pool.index_select(0, slots).cpu()
+                rows.extend(got.unbind(0))
+                ok.extend(tier_keys)
+            else:
+                out = torch.empty(len(tier_keys), backend.format.block_bytes, dtype=torch.uint8)
+                found = backend.read_blocks(tier_keys, list(out.unbind(0)))
+                for key, hit, row in zip(tier_keys, found, out.unbind(0)):
+                    if hit:
+                        rows.append(row)
+                        ok.append(key)
+        except Exception as exc:
+            log.warning("kvtier flush: reading %d blocks from %s failed: %s", len(tier_keys), backend.name, exc)
+    return rows, ok
