@@ -702,3 +702,33 @@ def test_fence_waits_for_the_device_read_only(tmp_path) -> None:
         release.set()
         loop.run_until_complete(store.aclose())
         loop.close()
+
+
+# -- the connector's bookkeeping on its own ------------------------------------------------------
+def test_fence_index_lifts_a_block_when_its_last_reader_is_released() -> None:
+    from kvtier.connector import FenceIndex
+
+    fence = FenceIndex()
+    fence.add(1, [5, 6])
+    fence.add(2, [6, 7])
+    assert fence.readers([6, 9]) == {1, 2} and fence.readers([7]) == {2} and fence.readers([9]) == set()
+    assert fence.release(1, [5, 6]) == [5]  # 6 is still read by job 2
+    assert fence.blocks() == {6, 7} and 6 in fence and len(fence) == 2
+    assert fence.release(1, [5, 6]) == []  # releasing twice changes nothing
+    assert sorted(fence.release(2, [6, 7])) == [6, 7] and len(fence) == 0
+
+
+def test_delete_ledger_ships_only_what_the_manager_no_longer_holds(rig: Rig) -> None:
+    from kvtier.connector import DeleteLedger
+    from kvtier.manager import Demotion, StorePlan
+
+    k1, k2, k3 = rig.keys(list(range(12)))
+    held = rig.manager.prepare_store([k3])  # pending in tier 0: its bytes are wanted
+    assert held is not None
+    ledger = DeleteLedger()
+    plan = StorePlan(plan_id=0, keys=(k2, k3), positions=(0, 1), demotions=(Demotion(0, 7, (k1,)),))
+    ledger.remember_plan(plan)
+    ledger.remember(0, [k1])
+    assert len(ledger) == 4 and ledger  # k1, k2, k3 in tier 0; k1 in tier 7
+    assert ledger.take(rig.manager) == ((0, tuple(sorted((k1, k2)))),)  # tier 7 does not exist
+    assert not ledger and ledger.take(rig.manager) == ()
