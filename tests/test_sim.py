@@ -281,3 +281,23 @@ def test_promotion_brings_disk_hits_back_to_host_memory(tmp_path: Path) -> None:
         assert r.corrupt_blocks == 0 and r.fence_violations == 0 and r.verified_blocks > 0
     assert on.loaded_tokens_by_tier["cpu"] > off.loaded_tokens_by_tier["cpu"]
     assert on.loaded_tokens_by_tier["lmdb"] < off.loaded_tokens_by_tier["lmdb"]
+
+
+def test_cli_default_run_starts_over_when_its_own_directory_holds_another_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import kvtier
+    from kvtier.sim.cli import sim_disk_path
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    stale = {"tiers": [{"backend": "lmdb", "capacity": "64MiB", "path": sim_disk_path()}], "block_bytes": "64KiB"}
+
+    async def write_stale() -> None:  # e.g. left by an older kvtier's simulator
+        async with kvtier.open(stale, namespace=kvtier.Namespace(model_id="kvtier-sim", revision="older")):
+            pass
+
+    asyncio.run(write_stale())
+    assert main(["sim", "--requests", "4", "--no-progress"]) == 0
+    assert "emptied before the run" in capsys.readouterr().out

@@ -169,7 +169,9 @@ def _table(report: dict[str, Any]) -> str:
     ]
     if any(t.get("path") for t in report["tiers"]):
         note = (
-            f"emptied before the run ({report['emptied_records']} records); --keep-disk keeps them"
+            "emptied before the run"
+            + (f" ({report['emptied_records']} records)" if report["emptied_records"] else "")
+            + "; --keep-disk keeps them"
             if report.get("emptied")
             else "kept from earlier runs (--keep-disk): hits may exceed the oracle"
         )
@@ -216,6 +218,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = _load_config_file(args.config) if args.config else default_sim_config()
+        if not args.config and not args.keep_disk:
+            # The simulator's own directory: its files go whatever namespace wrote them (an
+            # older kvtier's sim records would otherwise refuse to open).
+            for name in ("data.mdb", "lock.mdb"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(sim_disk_path(), name))
         options: dict[str, Any] = {"async_scheduling": bool(args.async_scheduling)}
         if args.gpu_blocks is not None:
             options["num_gpu_blocks"] = args.gpu_blocks
