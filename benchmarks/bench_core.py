@@ -18,7 +18,10 @@ call vLLM's connector makes per block); then two write-back tiers of 500k keys e
 ``evict_store`` (every store evicts, demotes, and the second tier evicts in turn) and
 ``promote`` (``prepare_promote`` + ``complete_store`` of second-tier keys). The raw baseline,
 run in the same process, is a plain function finding the leading run of keys in one ``dict``
-of the same keys (``raw_lookup_us_per_key``, ``raw_lookup1_us``); ``*_vs_raw*`` are the ratios.
+of the same keys (``raw_lookup_us_per_key``, ``raw_lookup1_us``), and for stores the least a
+one-tier LRU store does with one ``dict`` and one ``OrderedDict`` (``raw_store_us_per_key``);
+``*_vs_raw*`` are the ratios. Manager figures are CPU time of the benchmark thread, the best of
+five slices, so other processes on a shared machine disturb them less.
 ``--manager-only`` skips the bandwidth part. ``index_bytes_per_key`` is the memory the manager and its
 policy allocate per key, measured with ``tracemalloc`` (the 32-byte key objects themselves are
 the caller's and are not counted).
@@ -35,6 +38,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +206,20 @@ def raw_lookup(index: dict[bytes, int], keys: Any) -> int:
     return hits
 
 
+def raw_store(index: dict[bytes, int], order: OrderedDict[bytes, None], keys: list[bytes]) -> None:
+    """The floor for a store into a full LRU tier: the new keys replace as many of the oldest,
+    pending first and then ready, in one plain dict and one ``OrderedDict``."""
+    new = [key for key in keys if key not in index]
+    for _ in new:
+        victim, _ = order.popitem(last=False)
+        del index[victim]
+    for key in new:
+        index[key] = 0
+    for key in new:
+        index[key] = 1
+        order[key] = None
+
+
 def manager_cost(capacity: int, batch: int, rounds: int) -> dict[str, float]:
     """Microseconds per key of each manager path at ``capacity`` keys, and the raw floor."""
     keys = keys_of(0, capacity)
@@ -212,6 +230,7 @@ def manager_cost(capacity: int, batch: int, rounds: int) -> dict[str, float]:
     out.update(chain_cost(keys, batches, batch, rounds))
     for name in ("lookup", "load", "store", "evict_store", "promote"):
         out[f"{name}_vs_raw_lookup"] = out[f"{name}_us_per_key"] / out["raw_lookup_us_per_key"]
+    out["store_vs_raw_store"] = out["store_us_per_key"] / out["raw_store_us_per_key"]
     for name in ("lookup1_hit", "lookup1_miss"):
         out[f"{name}_vs_raw"] = out[f"{name}_us"] / out["raw_lookup1_us"]
     return out
@@ -237,7 +256,7 @@ def one_tier_cost(keys: list[bytes], batches: list[list[bytes]], batch: int, rou
     singles = [(k,) for k in keys[::step]][: rounds * 4]
     misses = [(k,) for k in keys_of(10 * capacity, len(singles))]
     assert mgr.lookup(singles[0]) == 1 and mgr.lookup(misses[0]) == 0
-    return {
+    out = {
         "raw_lookup_us_per_key": best_us(lookups, lambda part: raw_lookup(raw_index, part), batch),
         "raw_lookup1_us": best_us(singles, lambda one: raw_lookup(raw_index, one)),
         "lookup_us_per_key": best_us(lookups, mgr.lookup, batch),
@@ -246,6 +265,9 @@ def one_tier_cost(keys: list[bytes], batches: list[list[bytes]], batch: int, rou
         "load_us_per_key": best_us(lookups, lambda part: mgr.complete_load(mgr.prepare_load(part).keys), batch),
         "store_us_per_key": best_us(batches, store_into(mgr), batch),
     }
+    raw_order = OrderedDict.fromkeys(keys)  # the raw store's own index and order (it evicts)
+    out["raw_store_us_per_key"] = best_us(batches, lambda part: raw_store(raw_index, raw_order, part), batch)
+    return out
 
 
 def chain_cost(keys: list[bytes], batches: list[list[bytes]], batch: int, rounds: int) -> dict[str, float]:

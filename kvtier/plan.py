@@ -168,7 +168,7 @@ class PlanBuilder:
         return OpenPlan(set(self.keys), self.demoted, self.through, sources)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Completion:
     """What ``complete_store`` was told: whether the job succeeded, the keys whose write to a
     tier failed, and the sizes stored in variable-size tiers."""

@@ -105,7 +105,7 @@ class LRUPolicy(EvictionPolicy):
     def insert_many(self, keys: Iterable[bytes]) -> None:
         order = self._order
         before = len(order)
-        keys = list(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         for key in keys:
             order[key] = None
         if len(order) - before != len(keys):  # some were there (or repeated): insert moves them last
