@@ -7,8 +7,12 @@ Layout under the root ``path``::
 
 Contract and choices:
 
-* File names are the hex digest of the 32-byte key, so no key can name a path outside the root;
-  every path is still checked to start with the root, and block files are opened ``O_NOFOLLOW``.
+* File names are the hex digest of the 32-byte key, so no key can name a path outside the root.
+  The root is resolved to its real path, created ``0700``, and refused if another user owns it.
+  Every record is reached from the root one directory at a time with ``O_NOFOLLOW`` (``openat``
+  through directory descriptors), so a symlinked shard directory or record is never followed:
+  nothing is read, written or deleted outside the root. New shard directories are fsync'ed into
+  their parent (durable mode).
 * Writes are atomic: the record goes to ``<name>.<pid>.<n>.tmp`` (``O_EXCL``), is fdatasync'ed
   (``sync_mode="durable"``), renamed over the final name, and each touched directory is fsync'ed
   once per job. A crash leaves at most a temp file, never a torn ``.kvb``. Temp files older than
@@ -73,6 +77,7 @@ _FS_BLOCK = 4096  # stored sizes are rounded to the usual filesystem block
 _HEX = frozenset("0123456789abcdef")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 
 
 def _is_hex(name: str, length: int) -> bool:
@@ -127,7 +132,6 @@ class FileBackend(PersistentRecordBackend):
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
         self._used = 0
-        self._known_dirs: set[str] = set()
         self._listed: list[RecordInfo] | None = None
         self._tmp_counter = itertools.count()
 
@@ -140,8 +144,14 @@ class FileBackend(PersistentRecordBackend):
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ConfigError(f"path: {self.path!r} exists and is not a directory; a file tier needs a directory of its own")
         try:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
             self._root = os.path.realpath(self.path)
+            owner = os.stat(self._root).st_uid
+            if hasattr(os, "geteuid") and owner != os.geteuid():
+                raise ConfigError(
+                    f"path: the file tier root {self._root!r} belongs to uid {owner}, not to this process (uid "
+                    f"{os.geteuid()}); another user could plant or swap records there. Use a directory of your own"
+                )
             self._check_meta(fmt)
             self._listed = self._walk(sweep=True)
         except OSError as exc:
@@ -200,13 +210,47 @@ class FileBackend(PersistentRecordBackend):
 
     # -- paths ---------------------------------------------------------------------------------
     def _path(self, key: bytes) -> str:
+        """The record's path, for messages (I/O goes through :meth:`_leaf`, never this string)."""
         if type(key) is not bytes or len(key) != 32:
             raise InvalidKeyError("file: keys must be 32 bytes")
         h = key.hex()
-        path = os.path.join(self._root, h[0:2], h[2:4], h + _SUFFIX)
-        if not path.startswith(self._root + os.sep):  # cannot happen with hex names; belt and braces
-            raise InvalidKeyError(f"file: path {path!r} is outside the root {self._root!r}")
-        return path
+        return os.path.join(self._root, h[0:2], h[2:4], h + _SUFFIX)
+
+    def _leaf(self, key: bytes, *, create: bool = False) -> tuple[int, str] | None:
+        """``(fd of the key's shard directory, file name)``, the directory reached from the root
+        one level at a time with ``O_NOFOLLOW``: a symlinked shard directory is never followed,
+        so no read, write or delete lands outside the root. ``None`` if the directory does not
+        exist (and ``create`` is false). New directories are ``0700`` and, in durable mode,
+        fsync'ed into their parent. The caller closes the descriptor."""
+        return self._leaf_at(self._root, key, create=create, durable=self.sync_mode == "durable")
+
+    @staticmethod
+    def _leaf_at(root: str, key: bytes, *, create: bool = False, durable: bool = True) -> tuple[int, str] | None:
+        if type(key) is not bytes or len(key) != 32:
+            raise InvalidKeyError("file: keys must be 32 bytes")
+        h = key.hex()
+        fd = os.open(root, _DIR_FLAGS)
+        try:
+            for part in (h[0:2], h[2:4]):
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        os.close(fd)
+                        return None
+                    try:
+                        os.mkdir(part, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    if durable:
+                        os.fsync(fd)  # the new directory's entry in its parent survives a power loss
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, h + _SUFFIX
 
     @staticmethod
     def _stored(record_bytes: int) -> int:
@@ -229,52 +273,55 @@ class FileBackend(PersistentRecordBackend):
         parts = self._encode(keys, blocks)
         durable = self.sync_mode == "durable"
         sizes: list[int | None] = []
-        dirty: set[str] = set()
         written = 0
-        for key, (header, payload) in zip(keys, parts):
-            n = len(header) + len(payload)
-            stored = self._stored(n)
-            with self._lock:
-                grow = stored - self._sizes.get(key, 0)
-                if self._used + grow > self.capacity_bytes:
+        dirs: dict[str, int] = {}  # shard directory -> its fd, fsync'ed once per job
+        try:
+            for key, (header, payload) in zip(keys, parts):
+                n = len(header) + len(payload)
+                stored = self._stored(n)
+                with self._lock:
+                    grow = stored - self._sizes.get(key, 0)
+                    if self._used + grow > self.capacity_bytes:
+                        self.counters.write_failures += 1
+                        sizes.append(None)
+                        continue
+                    self._used += grow  # reserved now; given back below if the write fails
+                    self._sizes[key] = stored
+                shard = key.hex()[:4]
+                try:
+                    if shard not in dirs:
+                        leaf = self._leaf(key, create=True)
+                        assert leaf is not None
+                        dirs[shard] = leaf[0]
+                    self._write_file(dirs[shard], key.hex() + _SUFFIX, header, payload, durable)
+                except OSError as exc:
+                    log.warning("file: write of %s failed: %s", self._path(key), exc)
+                    with self._lock:
+                        self._used -= grow
+                        if grow == stored:
+                            self._sizes.pop(key, None)
                     self.counters.write_failures += 1
                     sizes.append(None)
                     continue
-                self._used += grow  # reserved now; given back below if the write fails
-                self._sizes[key] = stored
-            final = self._path(key)
-            try:
-                self._write_file(final, header, payload, durable)
-            except OSError as exc:
-                log.warning("file: write of %s failed: %s", final, exc)
-                with self._lock:
-                    self._used -= grow
-                    if grow == stored:
-                        self._sizes.pop(key, None)
-                self.counters.write_failures += 1
-                sizes.append(None)
-                continue
-            dirty.add(os.path.dirname(final))
-            sizes.append(stored)
-            written += n
-        if durable:
-            try:
-                for d in dirty:  # one fsync per directory per job makes the renames durable
-                    self._fsync_dir(d)
-            except OSError as exc:
-                raise DiskError(f"file: cannot sync directory entries under {self._root!r}: {exc}") from exc
+                sizes.append(stored)
+                written += n
+            if durable:
+                try:
+                    for fd in dirs.values():  # one fsync per directory per job makes the renames durable
+                        os.fsync(fd)
+                except OSError as exc:
+                    raise DiskError(f"file: cannot sync directory entries under {self._root!r}: {exc}") from exc
+        finally:
+            for fd in dirs.values():
+                os.close(fd)
         done = sum(1 for s in sizes if s is not None)
         self.counters.blocks_written += done
         self.counters.bytes_written += written
         return sizes
 
-    def _write_file(self, final: str, header: bytes, payload: Any, durable: bool) -> None:
-        directory = os.path.dirname(final)
-        if directory not in self._known_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._known_dirs.add(directory)
-        tmp = f"{final}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+    def _write_file(self, dir_fd: int, name: str, header: bytes, payload: Any, durable: bool) -> None:
+        tmp = f"{name}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o600, dir_fd=dir_fd)
         try:
             try:
                 _write_all(fd, (header, payload))
@@ -282,10 +329,10 @@ class FileBackend(PersistentRecordBackend):
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
             raise
@@ -297,11 +344,20 @@ class FileBackend(PersistentRecordBackend):
         for key, dst in zip(keys, out):
             path = self._path(key)
             try:
-                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+                leaf = self._leaf(key)
+                if leaf is None:
+                    found.append(False)
+                    continue
+                dir_fd, name = leaf
+                try:
+                    fd = os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
+                except BaseException:
+                    os.close(dir_fd)
+                    raise
             except FileNotFoundError:
                 found.append(False)
                 continue
-            except OSError as exc:
+            except OSError as exc:  # a symlink where a directory or record should be: ELOOP/ENOTDIR
                 log.warning("file: cannot open %s: %s", path, exc)
                 found.append(False)
                 continue
@@ -311,12 +367,12 @@ class FileBackend(PersistentRecordBackend):
                     self._read_record(fd, key, view)
                 except UnsupportedRecordError as exc:
                     log.warning("file: %s cannot be read by this build (%s); dropping it", path, exc)
-                    self._drop(path, fd)
+                    self._drop(key, dir_fd, name, fd)
                     found.append(False)
                     continue
                 except CorruptBlockError as exc:
                     log.warning("file: corrupt record %s (%s); deleting it", path, exc)
-                    self._drop(path, fd)
+                    self._drop(key, dir_fd, name, fd)
                     corrupt += 1
                     self._count_auth(exc)
                     found.append(False)
@@ -330,6 +386,7 @@ class FileBackend(PersistentRecordBackend):
                 found.append(True)
             finally:
                 os.close(fd)
+                os.close(dir_fd)
         self._count_reads(found, size, corrupt=corrupt)
         return found
 
@@ -348,18 +405,17 @@ class FileBackend(PersistentRecordBackend):
         verify_payload(key, head, header, payload, mac=mac)
         codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
 
-    def _drop(self, path: str, fd: int) -> None:
+    def _drop(self, key: bytes, dir_fd: int, name: str, fd: int) -> None:
         """Delete a bad record, unless another instance has replaced the file since we opened it."""
         try:
-            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
-                self._forget(path)
+            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(name, dir_fd=dir_fd)
+                self._forget(key)
                 self.counters.deleted += 1
         except OSError:
             pass
 
-    def _forget(self, path: str) -> None:
-        key = bytes.fromhex(os.path.basename(path)[: -len(_SUFFIX)])
+    def _forget(self, key: bytes) -> None:
         with self._lock:
             self._used -= self._sizes.pop(key, 0)
 
@@ -368,12 +424,22 @@ class FileBackend(PersistentRecordBackend):
         for key in keys:
             path = self._path(key)
             try:
-                os.unlink(path)
+                leaf = self._leaf(key)
+                if leaf is None:
+                    continue
+                try:
+                    os.unlink(leaf[1], dir_fd=leaf[0])
+                finally:
+                    os.close(leaf[0])
             except FileNotFoundError:
                 continue
             except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink in the tree: never followed
+                    log.warning("file: not deleting %s: a symlink in its path (%s)", path, exc)
+                    self._forget(key)
+                    continue
                 raise DiskError(f"file: cannot delete {path!r}: {exc}") from exc
-            self._forget(path)
+            self._forget(key)
             self.counters.deleted += 1
 
     def scan(self) -> Iterator[RecordInfo]:
@@ -437,7 +503,13 @@ class FileBackend(PersistentRecordBackend):
         self._check_open()
         for key, stamp in stamps:
             try:
-                os.utime(self._path(key), (float(stamp), float(stamp)), follow_symlinks=False)
+                leaf = self._leaf(key)
+                if leaf is None:
+                    continue
+                try:
+                    os.utime(leaf[1], (float(stamp), float(stamp)), dir_fd=leaf[0], follow_symlinks=False)
+                finally:
+                    os.close(leaf[0])
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -517,7 +589,13 @@ class FileBackend(PersistentRecordBackend):
             h = key.hex()
             record_path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
             try:
-                os.unlink(record_path)
+                leaf = cls._leaf_at(root, key)  # never through a symlinked shard directory
+                if leaf is None:
+                    continue
+                try:
+                    os.unlink(leaf[1], dir_fd=leaf[0])
+                finally:
+                    os.close(leaf[0])
             except FileNotFoundError:
                 continue
             except OSError as exc:

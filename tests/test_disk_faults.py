@@ -679,3 +679,76 @@ def test_a_bad_lmdb_read_is_a_per_key_miss_and_the_key_is_dropped(tmp_path: Path
     assert first == 1  # the key before the bad one; the bad one is a miss, not a failed job
     assert ready_after == 1  # the bad key was dropped: nobody is offered it again
     assert second == 1
+
+
+# -- file tier: symlinks, ownership, durable shard directories (issue 11, item 9) ------------------
+
+
+def test_file_tier_never_follows_a_symlinked_shard_directory(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    backend = _backend("file", root)
+    asyncio.run(backend.open(FMT))
+    try:
+        key = make_key(1)
+        assert backend.write_blocks([key], [_block(1)]) != [None]
+        h = key.hex()
+        shard = root / h[:2] / h[2:4]
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        victim = outside / f"{h}.kvb"
+        victim.write_bytes(b"not a record, and not the tier's to delete")
+        shutil.rmtree(shard)
+        shard.symlink_to(outside, target_is_directory=True)
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
+        found = backend.read_blocks([key], out)
+        written = backend.write_blocks([key], [_block(1)])
+        backend.delete_blocks([key])
+        stats = backend.stats()
+        left = sorted(p.name for p in outside.iterdir())
+        print(f"symlinked shard: read {found}, write {written}, outside dir holds {left}, corrupt {stats['corrupt_records']}")
+        assert found == [False] and written == [None]
+        assert victim.read_bytes().startswith(b"not a record") and left == [victim.name]  # untouched
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_file_tier_root_is_private_and_refused_when_another_user_owns_it(tmp_path: Path) -> None:
+    root = tmp_path / "new-root"
+    backend = _backend("file", root)
+    asyncio.run(backend.open(FMT))
+    asyncio.run(backend.aclose())
+    mode = root.stat().st_mode & 0o777
+    print(f"new root mode {oct(mode)}")
+    assert mode == 0o700
+    if os.geteuid() != 0:
+        pytest.skip("SKIPPED LOUDLY: chown to another user needs root")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 54321, 54321)
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="belongs to uid 54321"):
+        asyncio.run(_backend("file", foreign).open(FMT))
+
+
+def test_file_tier_fsyncs_new_shard_directories_into_their_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = _backend("file", tmp_path / "root")
+    asyncio.run(backend.open(FMT))
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    try:
+        key = make_key(2)
+        assert backend.write_blocks([key], [_block(2)]) != [None]
+    finally:
+        monkeypatch.undo()
+        asyncio.run(backend.aclose())
+    root = str((tmp_path / "root").resolve())
+    h = key.hex()
+    print(f"fsync'ed directories: {synced}")
+    assert root in synced and os.path.join(root, h[:2]) in synced and os.path.join(root, h[:2], h[2:4]) in synced
