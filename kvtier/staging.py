@@ -121,6 +121,7 @@ class StagedCopier:
     def __init__(self, layout: KVLayout, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.layout = layout
         self.staging_bytes = 0
+        self._count_lock = threading.Lock()
         self.configure(staging_bytes)
         self.batch_copy: BatchCopy | None = None
         self._batch_checked = False
@@ -129,9 +130,12 @@ class StagedCopier:
 
     def configure(self, staging_bytes: int) -> None:
         """Set the device staging size (bytes, split between the save and load directions,
-        each in two halves). 0 disables staging. Only before the first job."""
+        each in two halves). 0 disables staging. Buffers already allocated are released (the
+        next job allocates the new size)."""
         if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or staging_bytes < 0:
             raise ValueError(f"staging_bytes: expected an integer >= 0, got {staging_bytes!r}")
+        if getattr(self, "_lanes", None) is not None:
+            self.close()
         self.staging_bytes = staging_bytes
 
     @property
@@ -242,7 +246,7 @@ class StagedCopier:
                     for j0, r0, length in _runs(plan.rows, c0, c1):
                         pool[r0 : r0 + length].copy_(lane.buf()[h, j0 - c0 : j0 - c0 + length], non_blocking=True)
                     lane.free[h].record(lane.stream)
-                self.counters["chunks"] += 1
+                self._count(lane, chunks=1)
             cur.wait_event(lane.free[h])
             self._count(lane)
 
@@ -267,7 +271,7 @@ class StagedCopier:
                         lane.buf()[h, j0 - c0 : j0 - c0 + length].copy_(pool[r0 : r0 + length], non_blocking=True)
                     lane.ready[h].record(lane.stream)
                 self._scatter_chunk(lane, h, plan.flat, plan.per_m, c0, c1, cur)
-                self.counters["chunks"] += 1
+                self._count(lane, chunks=1)
             self._count(lane)
 
     def save_chunks(
@@ -308,7 +312,7 @@ class StagedCopier:
                 with torch.cuda.stream(lane.stream):
                     host[h, : c1 - c0].copy_(lane.buf()[h, : c1 - c0], non_blocking=True)
                     lane.free[h].record(lane.stream)
-                self.counters["chunks"] += 1
+                self._count(lane, chunks=1)
 
             for i in range(min(2, len(starts))):
                 enqueue(i)
@@ -375,12 +379,16 @@ class StagedCopier:
                     lane.buf()[h, : len(have)].copy_(rows[: len(have)], non_blocking=True)
                     lane.ready[h].record(lane.stream)
                 self._scatter_chunk(lane, h, flat, per_m, m0, m1, cur)
-                self.counters["chunks"] += 1
+                self._count(lane, chunks=1)
             self._count(lane)
         return found
 
-    def _count(self, lane: _Lane) -> None:
-        self.counters[f"{lane.mode}_jobs"] += 1
+    def _count(self, lane: _Lane, *, chunks: int = 0) -> None:
+        with self._count_lock:  # the two directions run on different threads
+            if chunks:
+                self.counters["chunks"] += chunks
+            else:
+                self.counters[f"{lane.mode}_jobs"] += 1
 
     # -- the device ops ------------------------------------------------------------------------
     def _views(self, half: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:

@@ -377,3 +377,16 @@ async def test_store_config_staging_bytes_reaches_the_layout_and_stats(cuda_stan
     assert st["staging_bytes"] == 4 * 2 * block and st["chunk_blocks"] == 2
     assert st["save_mode"] == st["load_mode"] == "staged" and st["staged_jobs"] == 2
     assert st["device_staging_allocated"] == 2 * 2 * 2 * block
+
+
+def test_reconfiguring_releases_and_resizes_the_staging(cuda_standin: CudaStandIn) -> None:
+    layout, caches = make_layout((4, 32), torch.bfloat16, 2, 20, 1, 0)
+    layout.staging.configure(4 * 3 * layout.block_bytes)
+    pool = torch.zeros((8, layout.block_bytes), dtype=torch.uint8, pin_memory=True)
+    layout.gather([1, 2, 3, 4, 5], pool, range(5))
+    assert layout.staging.stats()["device_staging_allocated"] == 2 * 3 * layout.block_bytes
+    layout.staging.configure(4 * 2 * layout.block_bytes)
+    assert layout.staging.stats()["device_staging_allocated"] == 0
+    layout.gather([6, 7, 8, 9, 10], pool, range(5))
+    assert layout.staging.stats()["device_staging_allocated"] == 2 * 2 * layout.block_bytes
+    assert torch.equal(pool[:5], expected_records(caches, [6, 7, 8, 9, 10], 1))
