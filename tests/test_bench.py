@@ -109,3 +109,17 @@ def test_a_wheel_ships_the_benchmarks_and_finds_them_without_the_source_tree(tmp
     where, names_line = out.strip().splitlines()
     assert Path(where) == site / "kvtier" / "bench" / "scripts"
     assert {"core", "disk", "connector"} <= set(names_line.split())
+
+
+def test_device_and_redis_results_join_the_picture_on_a_log_axis(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = {
+        **RESULTS,
+        "gpu": {"cpu_save_GBps": 48.1, "d2h_GBps": 55.0, "gpu_save_GBps": 1800.0, "d2d_GBps": 2100.0},
+        "redis": {"2MiB": {"kvtier_put_gbps": 1.1, "raw_best_put_gbps": 1.4}},
+    }
+    rows = {(r["tier"], r["op"]): (r["gbps"], r["raw_gbps"]) for r in bandwidth_rows(results)}
+    assert rows[("cpu", "save from GPU")] == (48.1, 55.0)
+    assert rows[("gpu", "save")] == (1800.0, 2100.0)
+    assert rows[("redis", "save")] == (1.1, 1.4)
+    assert plot_results(results, tmp_path / "p.png")

@@ -26,16 +26,36 @@ BANDWIDTH: tuple[tuple[str, str, str, str, str | None, str], ...] = (
     ("disk", "lmdb", "load", "lmdb_load_gbps", "raw_lmdb_get_gbps", "raw LMDB get"),
     ("disk", "file", "save", "file_save_gbps", None, ""),
     ("disk", "file", "load", "file_load_gbps", "file_read_preadv_thread_gbps", "raw preadv"),
+    # with a CUDA device (kvtier bench --only gpu): the engine's cache on the GPU
+    ("gpu", "cpu", "save from GPU", "cpu_save_GBps", "d2h_GBps", "raw D2H copy"),
+    ("gpu", "cpu", "load to GPU", "cpu_load_GBps", "h2d_GBps", "raw H2D copy"),
+    ("gpu", "gpu", "save", "gpu_save_GBps", "d2d_GBps", "raw D2D copy"),
+    ("gpu", "gpu", "load", "gpu_load_GBps", "d2d_GBps", "raw D2D copy"),
+    ("gpu", "lmdb", "save from GPU", "lmdb_save_GBps", None, ""),
+    ("gpu", "lmdb", "load to GPU", "lmdb_load_GBps", None, ""),
+    # with a redis server (kvtier bench --only redis): 2 MiB blocks
+    ("redis", "redis", "save", "2MiB.kvtier_put_gbps", "2MiB.raw_best_put_gbps", "best raw redis-py"),
+    ("redis", "redis", "load", "2MiB.kvtier_get_gbps", "2MiB.raw_best_get_gbps", "best raw redis-py"),
 )
-TIER_COLOURS = {"cpu": "#1f77b4", "lmdb": "#ff7f0e", "file": "#2ca02c", "compressed": "#9467bd", "redis": "#d62728"}
+TIER_COLOURS = {
+    "cpu": "#1f77b4",
+    "lmdb": "#ff7f0e",
+    "file": "#2ca02c",
+    "compressed": "#9467bd",
+    "redis": "#d62728",
+    "gpu": "#8c564b",
+}
 RAW_COLOUR = "#b0b0b0"
 WORKLOADS = ("chat", "shared", "docqa")
 
 
 def _num(results: Mapping[str, Any], bench: str, key: str | None) -> float | None:
+    """``results[bench][key]`` as a float (``key`` may be dotted: ``"2MiB.kvtier_put_gbps"``)."""
     if key is None:
         return None
-    value = results.get(bench, {}).get(key) if isinstance(results.get(bench), Mapping) else None
+    value: Any = results.get(bench)
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -59,25 +79,38 @@ def bandwidth_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _bandwidth(ax: Any, rows: list[dict[str, Any]]) -> None:
     height = 0.38
     labels, ticks = [], []
-    top = max([r["gbps"] for r in rows] + [r["raw_gbps"] or 0 for r in rows])
+    values = [r["gbps"] for r in rows] + [r["raw_gbps"] for r in rows if r["raw_gbps"]]
+    top, bottom = max(values), max(min(values), 1e-6)
+    # Host, disk and device tiers differ by three orders of magnitude: a log axis keeps every
+    # bar readable when they share the picture.
+    log = top / bottom > 100
+    floor = bottom / 3 if log else 0.0
+
+    def after(x: float) -> float:
+        return x * 1.08 if log else x + top * 0.01
+
     for i, row in enumerate(rows):
         y = -i * 1.1
         colour = TIER_COLOURS.get(row["tier"], "#444444")
-        ax.barh(y + height / 2, row["gbps"], height, color=colour)
+        ax.barh(y + height / 2, row["gbps"] - floor, height, left=floor, color=colour)
         text = rate(row["gbps"])
         if row["raw_gbps"]:
             text += f"  ({row['gbps'] / row['raw_gbps']:.2f}× raw)"
-            ax.barh(y - height / 2, row["raw_gbps"], height, color=RAW_COLOUR)
-            ax.text(row["raw_gbps"] + top * 0.01, y - height / 2, f"{row['raw_label']}: {rate(row['raw_gbps'])}",
+            ax.barh(y - height / 2, row["raw_gbps"] - floor, height, left=floor, color=RAW_COLOUR)
+            ax.text(after(row["raw_gbps"]), y - height / 2, f"{row['raw_label']}: {rate(row['raw_gbps'])}",
                     va="center", fontsize=8, color="#555555")
         else:
             text += "  (no raw baseline measured)"
-        ax.text(row["gbps"] + top * 0.01, y + height / 2, text, va="center", fontsize=9, fontweight="bold")
+        ax.text(after(row["gbps"]), y + height / 2, text, va="center", fontsize=9, fontweight="bold")
         labels.append(f"{row['tier']} {row['op']}")
         ticks.append(y)
     ax.set_yticks(ticks, labels)
-    ax.set_xlim(0, top * 1.45)
-    ax.set_xlabel("GB/s (10⁹ bytes per second, more is better)")
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(floor, top * 15)
+    else:
+        ax.set_xlim(0, top * 1.45)
+    ax.set_xlabel("GB/s (10⁹ bytes per second, more is better" + (", log scale)" if log else ")"))
     ax.set_title("Bandwidth per tier (coloured) beside the raw limit measured in the same run (grey)", loc="left")
     from matplotlib.patches import Patch
 
@@ -129,8 +162,8 @@ def _costs(ax: Any, results: Mapping[str, Any]) -> bool:
         ("core", "store_us_per_key", "store", "µs/key"),
         ("core", "load_us_per_key", "load", "µs/key"),
         ("core", "index_bytes_per_key", "index memory", "B/key"),
-        ("connector", "step_ms_256", "scheduler step, 256 requests", "ms"),
-        ("disk", "lmdb_scan_seconds", "LMDB index rebuild at open", "s"),
+        ("connector", "step_ms_256", "step, 256 requests", "ms"),
+        ("disk", "lmdb_scan_seconds", "LMDB index scan", "s"),
     ):
         value = _num(results, bench, key)
         if value is not None:
