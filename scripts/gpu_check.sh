@@ -70,7 +70,7 @@ fi
 status=0
 mapfile -t files < <(grep -l "mark.cuda" tests/test_*.py)
 say "CUDA tests in: ${files[*]}"
-timeout 240 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$RESULTS/pytest-cuda.xml" \
+timeout 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$RESULTS/pytest-cuda.xml" \
   "${files[@]}" > "$RESULTS/pytest-cuda.txt" 2>&1
 rc=$?
 say "pytest -m cuda: exit $rc, $(tail -n 1 "$RESULTS/pytest-cuda.txt")"
@@ -80,7 +80,7 @@ if grep -q "CUDA TESTS NOT RUN" "$RESULTS/pytest-cuda.txt"; then
   status=1
 fi
 
-timeout 240 "$PY" benchmarks/bench_gpu.py --out "$RESULTS/bench_gpu.json" > /dev/null 2> "$RESULTS/bench_gpu.txt"
+timeout 150 "$PY" benchmarks/bench_gpu.py --out "$RESULTS/bench_gpu.json" > /dev/null 2> "$RESULTS/bench_gpu.txt"
 rc=$?
 say "bench_gpu.py: exit $rc; $(tail -n 1 "$RESULTS/bench_gpu.txt")"
 if [ "$rc" -ne 0 ]; then status=1; fi
