@@ -10,7 +10,8 @@ view keeps that index close to the server's truth:
   tier, and applies the difference through the manager's public calls: ``adopt`` for keys
   another host stored, ``remove`` for keys the server no longer holds (evicted, expired, deleted
   by a peer). Both take the manager's lock, so the lock-free lookups see whole updates.
-* The staleness is bounded by ``interval_s`` plus one sweep. Within it the view can be wrong in
+* The staleness is bounded by ``max(interval_s, 10 sweeps)`` plus one sweep: sweeping never
+  takes more than a tenth of the thread's time. Within it the view can be wrong in
   both directions, and both are safe: a key it claims that the server lost is a load miss (the
   backend reports it, the manager forgets it, the engine recomputes); a key it does not know yet
   is a store that is skipped by the server (``SET`` overwrites the same bytes) or a recompute.
@@ -38,6 +39,7 @@ __all__ = ["IndexTarget", "SharedIndexView"]
 log = logging.getLogger("kvtier")
 
 _APPLY_CHUNK = 2048  # keys per adopt/remove call, so one call never holds the manager long
+_DUTY = 10  # wait at least this many sweep durations between sweeps
 
 
 class IndexTarget(Protocol):
@@ -166,7 +168,9 @@ class SharedIndexView:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
+            # A sweep's cost grows with the keys held; never spend more than a tenth of the time
+            # sweeping (the staleness bound grows instead: ``interval_s`` or ten sweeps).
+            self._wake.wait(max(self.interval_s, _DUTY * self.counters["last_sweep_s"]))
             self._wake.clear()
             if self._stop.is_set() or self._target is None:
                 break

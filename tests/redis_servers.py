@@ -105,10 +105,14 @@ class RedisServer:
         return self
 
     def cli(self, *args: str) -> str:
+        """Run one redis-cli command; an error reply raises (redis-cli itself exits 0)."""
         assert REDIS_CLI is not None
-        return subprocess.run(
+        out = subprocess.run(
             [REDIS_CLI, "-p", str(self.port), *args], capture_output=True, text=True, check=True, timeout=30
         ).stdout
+        if out.startswith(("ERR", "(error)", "WRONGTYPE", "NOPERM")):
+            raise RuntimeError(f"redis-cli {' '.join(args)}: {out.strip()}")
+        return out
 
     def kill(self) -> None:
         """SIGKILL: the server dies mid-whatever, as a crash would."""

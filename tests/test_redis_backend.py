@@ -60,10 +60,10 @@ class TestRedisMacConformance(BackendTests):
     @pytest.fixture(autouse=True)
     def _server(self, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
         self.server = redis_server
-        monkeypatch.setenv("KVTIER_TEST_MAC", MAC)
+        monkeypatch.setenv("REDIS_TEST_MAC", MAC)
 
     def make_backend(self, path: Path, capacity: int) -> RedisBackend:
-        return RedisBackend(capacity=capacity, url=self.server.url, prefix=_prefix(path), mac_key_env="KVTIER_TEST_MAC", codec="zstd")
+        return RedisBackend(capacity=capacity, url=self.server.url, prefix=_prefix(path), mac_key_env="REDIS_TEST_MAC", codec="zstd")
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_secrets_never_in_repr_or_to_dict(monkeypatch: pytest.MonkeyPatch) -> No
         ({"ttl_s": 0}, "ttl_s"),
         ({"max_connections": 0}, "max_connections"),
         ({"socket_timeout_s": -1}, "socket_timeout_s"),
-        ({"password_env": "KVTIER_TEST_UNSET_VARIABLE"}, "password_env"),
+        ({"password_env": "REDIS_TEST_UNSET_VARIABLE"}, "password_env"),
         ({"password": "a", "url": "redis://u:b@127.0.0.1/0"}, "password"),
         ({"tls_ca_file": "/ca.pem"}, "url"),
     ],
@@ -200,23 +200,36 @@ def test_cluster_splits_a_job_across_every_primary(redis_cluster: RedisClusterSe
 
 def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prefix = _prefix(tmp_path)
-    own_redis_server.cli("ACL", "SETUSER", "kvtier", "on", ">pw-kvtier-1234", f"~{prefix}:*", "+@all", "-@dangerous", "+info")
+    # The user of docs/tiers.md: only the commands the tier sends, only its key prefix.
+    own_redis_server.cli(
+        "ACL", "SETUSER", "kvtier", "on", ">pw-kvtier-1234", f"~{prefix}:*",
+        *"+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards".split(),
+    )
     own_redis_server.cli("ACL", "SETUSER", "default", "off")
-    monkeypatch.setenv("KVTIER_TEST_REDIS_PW", "pw-kvtier-1234")
-    backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="KVTIER_TEST_REDIS_PW")
+    monkeypatch.setenv("REDIS_TEST_PW", "pw-kvtier-1234")
+    backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="REDIS_TEST_PW")
     try:
         assert backend.write_blocks([make_key(1)], blocks(1)) != [None]
         assert backend.read_blocks([make_key(1)], empty(1)) == [True]
     finally:
         close(backend)
-    monkeypatch.setenv("KVTIER_TEST_REDIS_PW", "wrong")
-    denied = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="KVTIER_TEST_REDIS_PW")
+    monkeypatch.setenv("REDIS_TEST_PW", "wrong")
+    denied = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="REDIS_TEST_PW")
     try:
         assert denied.write_blocks([make_key(2)], blocks(1)) == [None]  # refused, counted, no exception
         assert denied.read_blocks([make_key(1)], empty(1)) == [False]
         assert denied.stats()["up"] is False
     finally:
         close(denied)
+
+
+def test_the_shared_deployment_example_is_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_PASSWORD", "a-password")
+    monkeypatch.setenv("FLEET_MAC_KEY", MAC)
+    config = kvtier.config.load_config_file(Path(__file__).resolve().parent.parent / "examples" / "redis-shared.yaml")
+    backend = kvtier.config.build_backend(config.tiers[1], 1)
+    assert isinstance(backend, RedisBackend) and backend.url.startswith("rediss://") and backend.mac is not None
+    assert "a-password" not in str(backend.to_dict()) and MAC not in str(backend.to_dict())
 
 
 # -- the shared index through a store --------------------------------------------------------------
