@@ -28,7 +28,7 @@ def kvtier(*args: str, env: dict[str, str] | None = None, cwd: Path | None = Non
 def test_help_lists_every_command() -> None:
     proc = kvtier("--help")
     assert proc.returncode == 0
-    for command in ("config", "inspect", "verify", "bench"):
+    for command in ("config", "cache", "inspect", "verify", "bench", "sim"):
         assert command in proc.stdout
     assert kvtier().returncode == 2
 
