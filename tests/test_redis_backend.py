@@ -496,3 +496,45 @@ async def _false(value: Any) -> bool:
 
 async def _writes(backend: RedisBackend, keys: list[bytes], data: list[torch.Tensor]) -> bool:
     return await asyncio.to_thread(backend.write_blocks, keys, data) != [None]
+
+
+def test_tls_with_a_ca_file(tmp_path: Path) -> None:
+    import shutil
+
+    from redis_servers import MISSING, REDIS_SERVER, free_port
+
+    if REDIS_SERVER is None:
+        pytest.skip(MISSING)
+    if shutil.which("openssl") is None:
+        pytest.skip("OPENSSL NOT INSTALLED: the redis TLS test is SKIPPED")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=120,
+    )
+    tls_port = free_port()
+    server = RedisServer(tmp_path / "tls", extra=(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+    )).start()
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        backend = opened(url=url, prefix=_prefix(tmp_path), tls_ca_file=str(cert))
+        try:
+            data = blocks(3, seed=8)
+            keys = [make_key(i) for i in range(3)]
+            assert all(s is not None for s in backend.write_blocks(keys, data))
+            out = empty(3)
+            assert backend.read_blocks(keys, out) == [True] * 3
+            assert all(torch.equal(a, b) for a, b in zip(out, data))
+        finally:
+            close(backend)
+        untrusted = opened(url=url, prefix=_prefix(tmp_path), connect_timeout_s=1.0)  # no CA: the certificate is refused
+        try:
+            assert untrusted.read_blocks([make_key(0)], empty(1)) == [False]
+            assert untrusted.stats()["up"] is False
+        finally:
+            close(untrusted)
+    finally:
+        server.stop()
