@@ -636,6 +636,8 @@ class RedisBackend(RecordBackend):
         found = self._sweep()
         if found is None:
             return iter(())
+        if self.view is not None:
+            self.view.note_listed(found)
         now = time.time()
         size = self.reserve_bytes()
         return iter([RecordInfo(k, size, now) for k in found])

@@ -20,7 +20,7 @@ view keeps that index close to the server's truth:
 * A sweep that fails (server down) changes nothing; the caller's ``sweep`` raises or returns
   ``None`` and the next attempt follows the backend's backoff.
 
-The manager is reached duck-typed (``holds``, ``tier_keys``, ``adopt``, ``remove``); this module
+The manager is reached duck-typed (``holds``, ``adopt``, ``remove``: thread-safe calls); this module
 imports nothing from it, so layers still point one way.
 """
 
@@ -46,7 +46,6 @@ class IndexTarget(Protocol):
     """What the view needs of the manager (``kvtier.manager.TierManager`` answers it)."""
 
     def holds(self, key: bytes, tier: int) -> bool: ...
-    def tier_keys(self, tier: int) -> list[bytes]: ...
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]: ...
     def remove(self, keys: list[bytes], tier: int) -> list[bytes]: ...
 
@@ -73,6 +72,9 @@ class SharedIndexView:
         self._lock = threading.Lock()
         self._written: dict[bytes, float] = {}
         self._deleted: dict[bytes, float] = {}
+        #: Every key the manager may hold ready in the tier: the last sweep's keys and this
+        #: process's writes since (what `remove` is offered when the server lost them).
+        self._known: set[bytes] = set()
         self._target: IndexTarget | None = None
         self._tier = 0
         self._stop = threading.Event()
@@ -116,6 +118,7 @@ class SharedIndexView:
             for key in keys:
                 self._written[key] = now
                 self._deleted.pop(key, None)
+                self._known.add(key)
 
     def note_deleted(self, keys: Iterable[bytes]) -> None:
         now = self._clock()
@@ -123,6 +126,12 @@ class SharedIndexView:
             for key in keys:
                 self._deleted[key] = now
                 self._written.pop(key, None)
+                self._known.discard(key)
+
+    def note_listed(self, keys: Iterable[bytes]) -> None:
+        """Keys the store adopted at open (from the backend's own listing)."""
+        with self._lock:
+            self._known.update(keys)
 
     # -- sweeping ------------------------------------------------------------------------------
     def sweep_once(self) -> tuple[int, int] | None:
@@ -145,10 +154,10 @@ class SharedIndexView:
             recent_d = {k for k, t in self._deleted.items() if t >= started}
             self._written = {k: self._written[k] for k in recent_w}
             self._deleted = {k: self._deleted[k] for k in recent_d}
+            gone = [k for k in self._known if k not in found and k not in recent_w]
+            self._known = (found | recent_w) - recent_d
         adopted = forgotten = 0
         if target is not None:
-            held = target.tier_keys(tier)
-            gone = [k for k in held if k not in found and k not in recent_w]
             holds = target.holds
             new = [k for k in found if k not in recent_d and not holds(k, tier)]
             for i in range(0, len(gone), _APPLY_CHUNK):

@@ -291,9 +291,6 @@ def test_view_journal_keeps_a_key_written_during_a_sweep() -> None:
         def holds(self, key: bytes, tier: int) -> bool:
             return key in self.ready
 
-        def tier_keys(self, tier: int) -> list[bytes]:
-            return list(self.ready)
-
         def adopt(self, tier: int, records: Any) -> list[bytes]:
             self.ready.update(k for k, _, _ in records)
             return []
@@ -311,6 +308,7 @@ def test_view_journal_keeps_a_key_written_during_a_sweep() -> None:
         return {b"d" * 32}
 
     view = SharedIndexView("test", sweep, record_bytes=1)
+    view.note_listed([b"k" * 32])
     view.bind(target, 0, start=False)
     assert view.sweep_once() == (0, 0)
     assert target.removed == [] and b"d" * 32 not in target.ready
