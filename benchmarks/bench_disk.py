@@ -8,6 +8,11 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
 * the ``lmdb`` tier's save/load GB/s against raw python-lmdb put/get of the same bytes from/into
   a tensor with the same sync mode and transaction shape (``lmdb_*_ratio``), and the transaction
   shape itself (one value per transaction vs one transaction per job);
+* the same with keyed records (HMAC-SHA256, ``lmdb_mac_*``; ``mac_load_cost`` / ``mac_save_cost``
+  are the keyed tier's GB/s over the plain tier's);
+* a cold-cache load: each run reopens the environment after evicting its file from the page
+  cache (``posix_fadvise(DONTNEED)`` on the file, or ``--drop-caches``: ``echo 3 >
+  /proc/sys/vm/drop_caches``, root only), tier and raw alike (``lmdb_cold_*``);
 * the ``file`` tier's save/load GB/s, and reading records with aiofiles vs ``os.preadv`` into the
   caller's buffer in a worker thread;
 * how many blocks a GiB of the ``compressed`` tier holds vs the ``cpu`` tier;
@@ -16,7 +21,8 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
 
 Disk throughputs are the median of ``--repeat`` interleaved runs (tier and raw alternate, so
 drift in the disk hits both alike); codec speeds are the best run. The page cache is warm, as in
-steady state, so loads measure the CPU path (copy + CRC32C), not the device.
+steady state, so loads measure the CPU path (copy + XXH3 check), not the device; the cold-cache
+figures measure the device.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from kvtier.codec import resolve_codec
 from kvtier.testing import make_key
 
 BLOCK = 2 << 20
+MAC_SECRET = "bench-disk-mac-secret-0123456789"
 JOB = 8  # blocks per write/read job, as the transfer engine batches them
 
 
@@ -92,9 +99,9 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16")
     capacity = 3 * total
 
-    def tier_save() -> float:
+    def tier_save(**options: Any) -> float:
         path = tempfile.mkdtemp(dir=root)
-        backend = open_backend("lmdb", fmt, capacity=capacity, path=path)
+        backend = open_backend("lmdb", fmt, capacity=capacity, path=path, **options)
         t = sum(timed(lambda j=j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])) for j in jobs(n))
         asyncio.run(backend.aclose())
         shutil.rmtree(path)
@@ -136,8 +143,13 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
         with env.begin(write=True, db=db) as txn:
             txn.put(keys[i], blocks[i].numpy())
 
-    def tier_load() -> float:
-        return sum(timed(lambda j=j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(n))
+    mac_path = tempfile.mkdtemp(dir=root)
+    mac_backend = open_backend("lmdb", fmt, capacity=capacity, path=mac_path, mac_key=MAC_SECRET)
+    for j in jobs(n):
+        mac_backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])
+
+    def tier_load(tier: Backend = backend) -> float:
+        return sum(timed(lambda j=j: tier.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(n))
 
     def raw_load() -> float:
         def job(j: range) -> None:
@@ -148,18 +160,22 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
         return sum(timed(lambda j=j: job(j)) for j in jobs(n))
 
     # Interleave tier and raw runs so drift in the disk or page cache hits both alike.
-    save_t, raw_save_t, batch_t, load_t, raw_load_t = [], [], [], [], []
+    save_t, raw_save_t, batch_t, load_t, raw_load_t, mac_save_t, mac_load_t = [], [], [], [], [], [], []
     for _ in range(repeat):
         save_t.append(tier_save())
         raw_save_t.append(raw_save())
         batch_t.append(raw_save(per_job=True))
+        mac_save_t.append(tier_save(mac_key=MAC_SECRET))
         load_t.append(tier_load())
         raw_load_t.append(raw_load())
+        mac_load_t.append(tier_load(mac_backend))
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
     asyncio.run(backend.aclose())
+    asyncio.run(mac_backend.aclose())
     env.close()
     shutil.rmtree(tier_path)
     shutil.rmtree(raw_path)
+    shutil.rmtree(mac_path)
     med = statistics.median
     res = {
         "lmdb_save_gbps": gbps(total, med(save_t)),
@@ -171,12 +187,87 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     }
     res["lmdb_save_ratio"] = round(res["lmdb_save_gbps"] / res["raw_lmdb_put_gbps"], 3)
     res["lmdb_load_ratio"] = round(res["lmdb_load_gbps"] / res["raw_lmdb_get_gbps"], 3)
+    res["lmdb_mac_save_gbps"] = gbps(total, med(mac_save_t))
+    res["lmdb_mac_load_gbps"] = gbps(total, med(mac_load_t))
+    res["lmdb_mac_save_ratio"] = round(res["lmdb_mac_save_gbps"] / res["raw_lmdb_put_gbps"], 3)
+    res["lmdb_mac_load_ratio"] = round(res["lmdb_mac_load_gbps"] / res["raw_lmdb_get_gbps"], 3)
+    res["mac_save_cost"] = round(res["lmdb_mac_save_gbps"] / res["lmdb_save_gbps"], 3)
+    res["mac_load_cost"] = round(res["lmdb_mac_load_gbps"] / res["lmdb_load_gbps"], 3)
+    return res
+
+
+def _evict(path: str, drop_caches: bool) -> str:
+    """Push ``<path>/data.mdb`` out of the page cache (the environment must be closed: mapped
+    pages cannot be evicted). Returns the method used."""
+    data = os.path.join(path, "data.mdb")
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if drop_caches:
+            try:
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+                return "drop_caches"
+            except OSError:
+                pass
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return "fadvise_dontneed"
+    finally:
+        os.close(fd)
+
+
+def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
+    """Loads from a cold page cache: every run opens the environment afresh after its file was
+    evicted, tier and raw alternating."""
+    n = len(blocks)
+    total = n * BLOCK
+    keys = [make_key(i) for i in range(n)]
+    outs = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(n)]
+    fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16")
+    capacity = 3 * total
+    tier_path = tempfile.mkdtemp(dir=root)
+    backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
+    for j in jobs(n):
+        backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])
+    asyncio.run(backend.aclose())
+    raw_path = tempfile.mkdtemp(dir=root)
+    env = lmdb.open(raw_path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=False, meminit=False)
+    db = env.open_db(b"blocks")
+    for i in range(n):
+        with env.begin(write=True, db=db) as txn:
+            txn.put(keys[i], blocks[i].numpy())
+    env.close()
+    tier_t, raw_t = [], []
+    method = ""
+    for _ in range(repeat):
+        method = _evict(tier_path, drop_caches)
+        tier = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
+        tier_t.append(sum(timed(lambda j=j, t=tier: t.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(n)))
+        asyncio.run(tier.aclose())
+        _evict(raw_path, drop_caches)
+        # Readahead on for the raw side: with it off (as the warm raw runs have it) a cold mmap
+        # faults in one page per read, 0.014-0.021 GB/s here, which would flatter the tier.
+        env = lmdb.open(raw_path, map_size=capacity, max_dbs=3, readahead=True, meminit=False)
+        db = env.open_db(b"blocks")
+
+        def raw_job(j: range, env: lmdb.Environment = env, db: Any = db) -> None:
+            with env.begin(buffers=True, db=db) as txn:
+                for i in j:
+                    memoryview(outs[i].numpy())[:] = txn.get(keys[i])
+
+        raw_t.append(sum(timed(lambda j=j: raw_job(j)) for j in jobs(n)))
+        env.close()
+    shutil.rmtree(tier_path)
+    shutil.rmtree(raw_path)
+    med = statistics.median
+    res = {"lmdb_cold_method": method, "lmdb_cold_load_gbps": gbps(total, med(tier_t)), "raw_lmdb_cold_get_gbps": gbps(total, med(raw_t))}
+    res["lmdb_cold_load_ratio"] = round(res["lmdb_cold_load_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
     return res
 
 
 def bench_lmdb_scan(root: str, count: int) -> dict[str, Any]:
-    """Index rebuild time: ``scan()`` of a store with ``count`` records (small blocks: scan never
-    reads block pages, only the index database)."""
+    """Index rebuild time: open + ``scan()`` of a store with ``count`` records (small blocks: open
+    reads the index database and the blocks database's leaf pages, never a block's pages)."""
     fmt = BlockFormat(block_bytes=512, dtype="bfloat16")
     path = tempfile.mkdtemp(dir=root)
     backend = open_backend("lmdb", fmt, capacity=count * 8192 + (64 << 20), path=path, sync_mode="fast")
@@ -186,8 +277,9 @@ def bench_lmdb_scan(root: str, count: int) -> dict[str, Any]:
         ks = [make_key(i) for i in range(start, min(count, start + step))]
         backend.write_blocks(ks, [block] * len(ks))
     asyncio.run(backend.aclose())
-    reopened = open_backend("lmdb", fmt, capacity=count * 8192 + (64 << 20), path=path, sync_mode="fast")
+    # Timed from the open: the index is read (and the blocks database's leaf pages checked) there.
     t = time.perf_counter()
+    reopened = open_backend("lmdb", fmt, capacity=count * 8192 + (64 << 20), path=path, sync_mode="fast")
     listed = sum(1 for _ in reopened.scan())
     seconds = time.perf_counter() - t
     asyncio.run(reopened.aclose())
@@ -326,6 +418,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
     parser.add_argument("--dir", default=None, help="directory for temporary stores (default: system temp)")
     parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--drop-caches", action="store_true", help="cold runs drop the whole page cache (root only)")
     args = parser.parse_args()
     n = 16 if args.quick else 48
     repeat = args.repeat or (3 if args.quick else 5)
@@ -336,6 +429,7 @@ def main() -> None:
     try:
         result: dict[str, Any] = {"block_bytes": BLOCK, "blocks": n, "quick": args.quick, "sync_mode": "durable"}
         result.update(bench_lmdb(root, blocks, repeat))
+        result.update(bench_lmdb_cold(root, blocks, repeat, args.drop_caches))
         result.update(bench_file(root, blocks, repeat))
         result.update(bench_codecs(blocks, repeat))
         result.update(bench_compressed_tier(blocks))
