@@ -37,9 +37,10 @@ stand-in for ``torch.cuda`` can place CPU tensors on a pretend device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -230,17 +231,13 @@ class StagedCopier:
         """Copy the blocks of engine ``ids`` (``n`` per block, device) into host ``pool[rows]``."""
         if not rows:
             return
-        with self._lanes["save"].lock:
-            lane = self._lane("save")
+        with self._job("save") as lane:
             if lane.mode != "staged":
                 self._fallback(lane, ids, pool, rows, save=True)
-                self._count(lane)
                 return
             plan = self._plan(ids, rows)
             cur = torch.cuda.current_stream(self.layout.device)
-            for i, c0 in enumerate(range(0, len(rows), self.chunk_blocks)):
-                c1 = min(c0 + self.chunk_blocks, len(rows))
-                h = i & 1
+            for h, c0, c1 in self._chunks(len(rows)):
                 self._gather_chunk(lane, h, plan, c0, c1, cur)
                 with torch.cuda.stream(lane.stream):
                     for j0, r0, length in _runs(plan.rows, c0, c1):
@@ -248,23 +245,18 @@ class StagedCopier:
                     lane.free[h].record(lane.stream)
                 self._count(lane, chunks=1)
             cur.wait_event(lane.free[h])
-            self._count(lane)
 
     def load(self, pool: torch.Tensor, rows: Sequence[int], ids: Sequence[int]) -> None:
         """Copy host ``pool[rows]`` into the device engine blocks ``ids`` (``n`` per block)."""
         if not rows:
             return
-        with self._lanes["load"].lock:
-            lane = self._lane("load")
+        with self._job("load") as lane:
             if lane.mode != "staged":
                 self._fallback(lane, ids, pool, rows, save=False)
-                self._count(lane)
                 return
             plan = self._plan(ids, rows)
             cur = torch.cuda.current_stream(self.layout.device)
-            for i, c0 in enumerate(range(0, len(rows), self.chunk_blocks)):
-                c1 = min(c0 + self.chunk_blocks, len(rows))
-                h = i & 1
+            for h, c0, c1 in self._chunks(len(rows)):
                 lane.stream.wait_event(lane.free[h])
                 with torch.cuda.stream(lane.stream):
                     for j0, r0, length in _runs(plan.rows, c0, c1):
@@ -272,7 +264,6 @@ class StagedCopier:
                     lane.ready[h].record(lane.stream)
                 self._scatter_chunk(lane, h, plan.flat, plan.per_m, c0, c1, cur)
                 self._count(lane, chunks=1)
-            self._count(lane)
 
     def save_chunks(
         self, ids: Sequence[int], sink: ChunkSink, *, on_device_done: Callable[[], None] | None = None
@@ -286,8 +277,7 @@ class StagedCopier:
             if on_device_done is not None:
                 on_device_done()
             return
-        with self._lanes["save"].lock:
-            lane = self._lane("save")
+        with self._job("save") as lane:
             host = self._host(lane)
             chunk = self.chunk_blocks
             starts = list(range(0, k, chunk))
@@ -300,7 +290,6 @@ class StagedCopier:
                     if c1 == k and on_device_done is not None:
                         on_device_done()
                     sink(c0, host[0, : c1 - c0])
-                self._count(lane)
                 return
             plan = self._plan(ids, range(k))
             cur = torch.cuda.current_stream(self.layout.device)
@@ -332,7 +321,6 @@ class StagedCopier:
                 sink(c0, host[h, : min(c0 + chunk, k) - c0])
                 if i + 2 < len(starts):
                     enqueue(i + 2)
-            self._count(lane)
 
     def load_chunks(self, ids: Sequence[int], source: ChunkSource) -> list[bool]:
         """Fill the job's blocks chunk by chunk: ``source`` reads each chunk's records into
@@ -342,16 +330,13 @@ class StagedCopier:
         found: list[bool] = []
         if k == 0:
             return found
-        with self._lanes["load"].lock:
-            lane = self._lane("load")
+        with self._job("load") as lane:
             host = self._host(lane)
-            chunk = self.chunk_blocks
             staged = lane.mode == "staged"
             plan = self._plan(ids, range(k)) if staged else None
             cur = torch.cuda.current_stream(self.layout.device) if self.on_device else None
-            for i, c0 in enumerate(range(0, k, chunk)):
-                c1 = min(c0 + chunk, k)
-                h = i & 1 if self.on_device else 0
+            for h, c0, c1 in self._chunks(k):
+                h = h if self.on_device else 0
                 if self.on_device:
                     lane.ready[h].synchronize()  # the DMA that last read this host half is done
                 rows = host[h, : c1 - c0]
@@ -380,8 +365,21 @@ class StagedCopier:
                     lane.ready[h].record(lane.stream)
                 self._scatter_chunk(lane, h, flat, per_m, m0, m1, cur)
                 self._count(lane, chunks=1)
-            self._count(lane)
         return found
+
+    @contextlib.contextmanager
+    def _job(self, name: str) -> Iterator[_Lane]:
+        """One job in direction ``name``: its lane, locked and ready; counted when it ends."""
+        lane = self._lanes[name]
+        with lane.lock:
+            self._lane(name)
+            yield lane
+            self._count(lane)
+
+    def _chunks(self, k: int) -> Iterator[tuple[int, int, int]]:
+        """(staging half, first position, end position) of each chunk of a ``k``-block job."""
+        for i, c0 in enumerate(range(0, k, self.chunk_blocks)):
+            yield i & 1, c0, min(c0 + self.chunk_blocks, k)
 
     def _count(self, lane: _Lane, *, chunks: int = 0) -> None:
         with self._count_lock:  # the two directions run on different threads
