@@ -390,18 +390,45 @@ def test_step_metadata_and_worker_output_round_trip(rig: Rig) -> None:
         WorkerOutput.from_bytes(msgpack.packb([1, 0, [[1, "bogus", True, 0, [], [], [], [], None]]]))
 
 
-def test_request_state_is_freed_when_prepare_store_is_rejected() -> None:
+def test_run_longer_than_the_tier_stores_what_fits_at_finish_and_frees_the_state() -> None:
     rig = Rig(capacity="1KiB")  # one block of 2 tensors x 4 slots x 8 floats x 4 bytes = 256 B: 4 slots
     try:
         req = Req("a", list(range(41)))  # 10 full blocks: more than the tier holds
         _admit(rig, req, list(range(11)))
         meta = rig.meta({"a": 41}, allocated=range(11))
-        assert meta.stores == ()
+        assert meta.stores == ()  # while it runs, the whole run waits for room
         assert rig.sched.counters["store_rejected_blocks"] == 10
+        rig.run_workers(meta)
         req.num_computed_tokens = 41
         rig.sched.request_finished(req, req.block_ids)
-        rig.meta(finished=["a"])
-        assert rig.sched.num_request_states == 0
+        meta = rig.meta(finished=["a"])  # the last chance: ten do not fit, nor five; two do
+        assert [j.block_ids for j in meta.stores] == [(0, 1)]
+        rig.run_workers(meta)
+        rig.run_workers(rig.meta())
+        assert rig.manager.lookup(rig.keys(req.tokens)) == 2
+        assert (rig.sched.num_request_states, rig.sched.num_jobs) == (0, 0)
+    finally:
+        rig.close()
+
+
+def test_finish_walk_stores_the_leading_blocks_that_fit() -> None:
+    rig = Rig(capacity="512B")  # two slots
+    try:
+        a, b = Req("a", list(range(1100, 1105))), Req("b", list(range(1200, 1213)))
+        _admit(rig, a, [1, 2])
+        _admit(rig, b, [10, 11, 12, 13])
+        # a's one block takes a slot (pending); b's three blocks do not fit.
+        meta = rig.meta({"a": 5, "b": 13}, allocated=[1, 2, 10, 11, 12, 13])
+        assert [j.request_id for j in meta.stores] == ["a"]
+        rig.run_workers(meta)
+        b.num_computed_tokens = 13
+        b.tokens.append(2)
+        rig.sched.request_finished(b, b.block_ids)
+        meta = rig.meta(finished=["b"])  # a's store still pending: one slot left, for b's first block
+        assert [j.block_ids for j in meta.stores] == [(10,)]
+        rig.run_workers(meta)
+        rig.run_workers(rig.meta())
+        assert rig.manager.lookup(rig.keys(b.tokens)) == 1
     finally:
         rig.close()
 

@@ -1,11 +1,13 @@
 """Store jobs of the scheduler side: a request's completed blocks, and promotions.
 
 A store covers the request's offloaded blocks ``[st.stored, target)``. ``st.stored`` advances
-only when the manager made a plan: when ``prepare_store`` refuses (a full tier whose room is
-held by pending or pinned keys), the same blocks are asked for again once a job has settled
-(the manager may have room then) and at finish, together with the blocks completed meanwhile,
-so a request's stored blocks are always a prefix: nothing is stored past a gap that no prefix
-lookup could reach.
+only over blocks the manager made a plan for: when ``prepare_store`` refuses (a full tier whose
+room is held by pending or pinned keys), the same blocks are asked for again, from the first one, once
+a job has settled (the manager may have room then), together with the blocks completed
+meanwhile; and at finish, where the leading half is tried, and so on down to one block, if the
+whole run does not fit. So a request's stored blocks are always a prefix: nothing is stored
+past a gap that no prefix lookup could reach, and a run longer than the room ever left still
+stores its leading blocks.
 
 Promotions: a load that served keys from a lower tier queues them here; the next build turns
 them into an ordinary store job with :meth:`TierManager.prepare_promote`, reading the engine
@@ -61,13 +63,21 @@ class StoreBuilder:
             )
         keys = st.keys[first:target]
         plan = self.manager.prepare_store(keys)
-        if plan is None:
-            # Nothing changed in the manager; ask again (same first block) later.
+        while plan is None and final and len(keys) > 1:
+            # The last chance (the blocks are freed after it) and no room for all of them
+            # (prepare_store changed nothing): the leading half may fit. Not while the request
+            # runs: a whole run that waits for room costs one write, halves churn the tier.
+            keys = keys[: len(keys) // 2]
+            plan = self.manager.prepare_store(keys)
+        if plan is None or first + len(keys) < target:
+            # The rest is asked for again (from its first block) once a job has settled.
             st.refused_at = self._jobs.generation
-            self._counters["store_rejected_blocks"] += len(keys)
-            return None
-        st.stored = target
-        st.refused_at = -1
+            self._counters["store_rejected_blocks"] += target - first - (0 if plan is None else len(keys))
+            if plan is None:
+                return None
+        else:
+            st.refused_at = -1
+        st.stored = first + len(keys)
         if not plan.keys:
             return None
         ids: list[int] = []
