@@ -334,8 +334,8 @@ class TierManager:
                 self._tiers[ti].pin(mine, now)
             self._counts["load_prepared"] += len(keys)
             self._admission.note(keys)
-            promoted = self._promotions.reserve_in_load(keys, where) if promote and len(self._tiers) > 1 else ()
-        return LoadPlan(tuple(keys), tuple(where), tuple(promoted))  # type: ignore[arg-type]
+            promoted = self._promotions.reserve_in_load(keys, where) if promote and len(self._tiers) > 1 else []
+        return LoadPlan(tuple(keys), tuple(where), tuple(promoted))
 
     def complete_load(self, keys: Sequence[bytes], *, failed_promotions: Iterable[bytes] = ()) -> None:
         """Unpin keys pinned by ``prepare_load`` (once per pin) and settle their promotions:
