@@ -373,6 +373,41 @@ def test_cancelled_requests_leave_no_connector_state() -> None:
     assert kv.stats()["errors"] == 0
 
 
+def test_stalled_tier_write_does_not_hold_engine_blocks(tmp_path: Path) -> None:
+    """A finish store to lmdb whose disk write hangs: once the store has read the engine's
+    blocks, the adapter gives them back (unpins them), while the write is still under way."""
+    import threading
+
+    manager = start_manager()
+    kv = attach(manager, lmdb_config(str(tmp_path / "db")), model_id=MODEL_ID)
+    release = threading.Event()
+    disk = kv.store.backends[0]
+    write = disk.write_blocks
+
+    def stalled_write(keys: Any, blocks: Any) -> Any:
+        release.wait()
+        return write(keys, blocks)
+
+    disk.write_blocks = stalled_write  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(1, 1000, (40,), generator=g).tolist()
+    manager.start()
+    try:
+        run_turn(manager, [prompt], 9)  # 48 computed tokens: 3 pages stored at finish
+    finally:
+        manager.stop(block=True)
+    try:
+        kv._apply(kv.worker.get_finished(block=True, device_only=True))  # the reads, not the disk
+        assert kv._pinned == set() and kv.connector.num_fenced_blocks == 0
+        assert kv.connector.num_jobs == 1  # the store itself is still writing
+    finally:
+        release.set()
+    kv.flush()
+    assert kv.stats()["blocks_stored"] == 3
+    kv.close()
+    assert (kv.connector.num_request_states, kv.connector.num_jobs) == (0, 0)
+
+
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "fresh":
     result = fresh_process_turn(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
     print(json.dumps(result))
