@@ -54,7 +54,6 @@ _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _MAX_RUNS = 4
 
 
-
 def _block_id_list(block_ids: Sequence[int], what: str) -> list[int]:
     """``block_ids`` as plain ints. A float (``1.5`` is not block 1) or a bool is an error
     naming its position; numpy and 0-d torch integers are accepted."""
@@ -71,6 +70,7 @@ def _block_id_list(block_ids: Sequence[int], what: str) -> list[int]:
         except TypeError:
             raise LayoutError(f"{what}[{i}]: expected an integer block id, got {b!r} ({type(b).__name__})") from None
     return ids
+
 
 @dataclass(frozen=True, slots=True)
 class _TensorInfo:
@@ -109,9 +109,13 @@ class KVLayout:
             if not isinstance(t, torch.Tensor):
                 raise LayoutError(f"kv_caches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
             if t.dim() < 1 or t.shape[0] < 1:
-                raise LayoutError(f"kv_caches[{i}]: expected a tensor with the block dimension first, got shape {tuple(t.shape)}")
+                raise LayoutError(
+                    f"kv_caches[{i}]: expected a tensor with the block dimension first, got shape {tuple(t.shape)}"
+                )
             if not t.is_contiguous():
-                raise LayoutError(f"kv_caches[{i}]: expected a contiguous tensor (block dimension first), got strides {t.stride()}")
+                raise LayoutError(
+                    f"kv_caches[{i}]: expected a contiguous tensor (block dimension first), got strides {t.stride()}"
+                )
             if _staging.tensor_device(t) != device:
                 raise LayoutError(f"kv_caches[{i}]: on {_staging.tensor_device(t)}, but kv_caches[0] is on {device}")
             if num is None:
@@ -138,7 +142,9 @@ class KVLayout:
             g = math.gcd(g, info.engine_block_bytes)
         self._width = next(w for w in (8, 4, 2, 1) if g % w == 0)
         wide = _WIDE[self._width]
-        self._src = [t.view(-1).view(torch.uint8).view(num, info.engine_block_bytes).view(wide) for t, info in zip(caches, infos)]
+        self._src = [
+            t.view(-1).view(torch.uint8).view(num, info.engine_block_bytes).view(wide) for t, info in zip(caches, infos)
+        ]
         self.strategy: Strategy = strategy
         # Device staging for cross-device jobs; allocated on the first such job (or open()).
         self.staging = StagedCopier(self, staging_bytes)
@@ -180,7 +186,9 @@ class KVLayout:
 
     def _check_pool(self, pool: torch.Tensor, rows: Sequence[int]) -> None:
         if pool.dim() != 2 or pool.shape[1] != self.block_bytes or pool.dtype != torch.uint8:
-            raise LayoutError(f"pool: expected a [slots, {self.block_bytes}] uint8 tensor, got {tuple(pool.shape)} {pool.dtype}")
+            raise LayoutError(
+                f"pool: expected a [slots, {self.block_bytes}] uint8 tensor, got {tuple(pool.shape)} {pool.dtype}"
+            )
         for i, r in enumerate(rows):
             if not 0 <= r < pool.shape[0]:
                 raise LayoutError(f"rows[{i}]: pool row {r} is out of range [0, {pool.shape[0]})")
@@ -202,7 +210,9 @@ class KVLayout:
         return [wide[:, info.offset // w : (info.offset + n * info.engine_block_bytes) // w] for info in self._infos]
 
     # -- movement --------------------------------------------------------------------------
-    def gather(self, block_ids: Sequence[int], pool: torch.Tensor, rows: Sequence[int], *, non_blocking: bool = False) -> None:
+    def gather(
+        self, block_ids: Sequence[int], pool: torch.Tensor, rows: Sequence[int], *, non_blocking: bool = False
+    ) -> None:
         """Copy the blocks made of engine ``block_ids`` (``n`` per block) into ``pool[rows]``.
 
         On a device the copies are queued on the current stream (``staged``: that stream
@@ -222,7 +232,9 @@ class KVLayout:
         if not non_blocking and self.device.type != "cpu":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def scatter(self, pool: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], *, non_blocking: bool = False) -> None:
+    def scatter(
+        self, pool: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], *, non_blocking: bool = False
+    ) -> None:
         """Copy ``pool[rows]`` into the engine blocks ``block_ids`` (``n`` per block)."""
         ids = self.check_block_ids(block_ids, len(rows))
         self._check_pool(pool, rows)
@@ -279,15 +291,15 @@ class KVLayout:
         runs = self._row_runs(pool, rows) if n == 1 else None
         if runs is not None:  # straight into the pool: one index_select per (run, tensor)
             order = [p for run in runs for p in run[0]]
-            idx = torch.tensor([ids[p] for p in order], dtype=torch.long, device=self.device)
+            idx = _staging.device_index([ids[p] for p in order], self.device)
             j = 0
             for _, r0, length in runs:
                 for src, dst in zip(self._src, self._dst_views(pool)):
                     torch.index_select(src, 0, idx[j : j + length], out=dst[r0 : r0 + length])
                 j += length
             return
-        src_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-        dst_idx = torch.tensor(list(rows), dtype=torch.long, device=pool_device)
+        src_idx = _staging.device_index(ids, self.device)
+        dst_idx = _staging.device_index(list(rows), pool_device)
         k = len(rows)
         for src, dst in zip(self._src, self._dst_views(pool)):
             picked = src.index_select(0, src_idx).view(k, -1)  # a block's n rows are consecutive
@@ -299,20 +311,22 @@ class KVLayout:
         runs = self._row_runs(pool, rows) if n == 1 else None
         if runs is not None:  # straight out of the pool: one index_copy_ per (run, tensor)
             order = [p for run in runs for p in run[0]]
-            idx = torch.tensor([ids[p] for p in order], dtype=torch.long, device=self.device)
+            idx = _staging.device_index([ids[p] for p in order], self.device)
             j = 0
             for _, r0, length in runs:
                 for cache, view in zip(self._src, self._dst_views(pool)):
                     cache.index_copy_(0, idx[j : j + length], view[r0 : r0 + length])
                 j += length
             return
-        src_idx = torch.tensor(list(rows), dtype=torch.long, device=pool_device)
-        dst_idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        src_idx = _staging.device_index(list(rows), pool_device)
+        dst_idx = _staging.device_index(ids, self.device)
         for cache, view in zip(self._src, self._dst_views(pool)):
             picked = view.index_select(0, src_idx).view(len(rows) * n, -1)
             cache.index_copy_(0, dst_idx, picked)
 
-    def _pairs(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _pairs(
+        self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(pool piece, cache slice) pairs, one per (block, tensor, engine block)."""
         n = self.engine_blocks_per_block
         views = self._dst_views(pool)

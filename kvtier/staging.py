@@ -49,7 +49,7 @@ import torch
 if TYPE_CHECKING:
     from kvtier.layout import KVLayout
 
-__all__ = ["DEFAULT_STAGING_BYTES", "ChunkSink", "ChunkSource", "StagedCopier", "tensor_device"]
+__all__ = ["DEFAULT_STAGING_BYTES", "ChunkSink", "ChunkSource", "StagedCopier", "device_index", "tensor_device"]
 
 log = logging.getLogger("kvtier.staging")
 
@@ -65,6 +65,15 @@ BatchCopy = Callable[[list[int], list[int], list[int], Any], None]
 def tensor_device(t: torch.Tensor) -> torch.device:
     """The device ``t`` lives on."""
     return t.device
+
+
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 index on ``device``, copied without making the host wait for
+    the stream (a pageable copy would)."""
+    host = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def load_batch_copy() -> BatchCopy | None:
@@ -220,10 +229,7 @@ class StagedCopier:
         order = sorted(range(len(rows)), key=rows.__getitem__)
         flat = [ids[p * n + m] for p in order for m in range(n)]
         per_m = [flat[j * n + m] for m in range(n) for j in range(len(order))] if n > 1 else []
-        host = torch.tensor(flat + per_m, dtype=torch.long)
-        if torch.cuda.is_available():
-            host = host.pin_memory()
-        index = host.to(self.layout.device, non_blocking=True)
+        index = device_index(flat + per_m, self.layout.device)
         k = len(order)
         return _Plan(order, [rows[p] for p in order], index[: k * n], index[k * n :].view(n, k) if n > 1 else None)
 
