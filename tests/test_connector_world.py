@@ -23,6 +23,7 @@ from kvtier.connector import (
     ConnectorConfig,
     ConnectorError,
     ConnectorUpdate,
+    JobReport,
     SchedulerConnector,
     SchedulerStep,
     StepMetadata,
@@ -526,12 +527,25 @@ def test_fence_is_lifted_once_every_rank_has_read_the_blocks() -> None:
         assert sorted(update.unfenced) == sorted(job.block_ids)
         assert (w.sched.num_fenced_blocks, w.sched.num_jobs) == (0, 1)
         assert w.sched.counters["unknown_reports"] == 0  # a stale release is not an error
+        # A rank that reports a store finished is done reading it as well.
+        other = Req("b", [*range(300, 305)])
+        w.sched.get_num_new_matched_tokens(other, 0)
+        other.block_ids = [8, 9]
+        w.sched.update_state_after_alloc(other, other.block_ids, 0)
+        meta2 = w.sched.build_connector_meta(SchedulerStep(2, {"b": 5}, (8, 9)))
+        (job2,) = meta2.stores
+        done = JobReport(job2.job_id, "store", True)
+        update = w.sched.update_connector_output(WorkerOutput(0, finished=(done,)))
+        assert update.unfenced == () and w.sched.num_jobs == 2
+        update = w.sched.update_connector_output(WorkerOutput(1, released=(job2.job_id,)))
+        assert update.unfenced == (8,) and w.sched.num_jobs == 2
         for worker in w.workers:
-            worker.handle_preemptions(meta)
-            worker.start_load_kv(meta)
+            for m in (meta, meta2):
+                worker.handle_preemptions(m)
+                worker.start_load_kv(m)
         w.drain()
         assert w.manager.lookup(w.keys(TOKENS_A)) == len(job.plan.keys)
-        assert (w.sched.num_jobs, w.sched.num_request_states) == (0, 1)
+        assert (w.sched.num_jobs, w.sched.num_request_states) == (0, 2)
     finally:
         w.close()
 

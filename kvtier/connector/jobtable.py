@@ -108,15 +108,20 @@ class JobTable:
         return bool(loading) and any(k in loading for k in keys)
 
     # -- completion --------------------------------------------------------------------------
-    def acknowledge(self, job: TrackedJob, rank: int, report: JobReport) -> bool:
-        """Record ``rank``'s report; true once every rank has reported (a duplicate counts once)."""
+    def acknowledge(self, job: TrackedJob, rank: int, report: JobReport, unfenced: list[int]) -> bool:
+        """Record ``rank``'s report; true once every rank has reported (a duplicate counts once).
+        A rank that finished a store is done reading its blocks too (see :meth:`release`)."""
         if rank not in job.reports:
             job.reports[rank] = report
-        return len(job.reports) == self.world_size
+        if len(job.reports) == self.world_size:
+            return True
+        if job.kind == "store":
+            self.release(job, rank, unfenced)
+        return False
 
     def release(self, job: TrackedJob, rank: int, unfenced: list[int]) -> None:
-        """``rank`` no longer reads ``job``'s engine blocks (its tier writes go on); once no rank
-        does, lift its fence and append the blocks no job reads any more to ``unfenced``."""
+        """``rank`` no longer reads ``job``'s engine blocks (its tier writes may go on); once no
+        rank does, lift its fence and append the blocks no job reads any more to ``unfenced``."""
         if job.released is None:
             job.released = set()
         job.released.add(rank)

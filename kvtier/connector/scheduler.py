@@ -317,7 +317,7 @@ class SchedulerConnector:
                 job = jobs.get(report.job_id)
                 if job is None or job.kind != report.kind:
                     self.counters["unknown_reports"] += 1
-                elif jobs.acknowledge(job, out.rank, report):
+                elif jobs.acknowledge(job, out.rank, report, unfenced):
                     self._complete(job, jobs.settle(job, unfenced), loaded, freed)
             for job_id in out.released:  # still running, done with the engine's blocks
                 job = jobs.get(job_id)
