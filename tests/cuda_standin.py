@@ -36,7 +36,8 @@ While installed (the fixture installs it through ``monkeypatch`` and undoes it a
 - ``torch.cuda.synchronize()``; ``torch.cuda._sleep(cycles)`` logs a ``_sleep`` op.
 - Allocation with ``device="cuda"`` (``torch.empty``, ``zeros``, ``ones``, ``full``,
   ``tensor``, ``as_tensor``, ``arange``, ``randint``, ``*_like``) gives a CPU tensor that is
-  registered as device memory; ``pin_memory=True`` gives a CPU tensor registered as pinned
+  registered as device memory (``tensor`` / ``as_tensor`` also log the blocking copy from
+  pageable memory: an op on the current stream, then the host waits for it); ``pin_memory=True`` gives a CPU tensor registered as pinned
   (``Tensor.is_pinned()`` and ``Tensor.pin_memory()`` answer from that registry). A device
   allocation larger than ``device_memory_free`` raises ``torch.OutOfMemoryError``.
   ``Tensor.to("cuda")``, ``.cuda()`` and ``.cpu()`` copy between the two registries.
@@ -473,6 +474,8 @@ class CudaStandIn:
             )
 
     def _factory(self, fn: Callable[..., torch.Tensor], *, like: bool = False) -> Callable[..., torch.Tensor]:
+        fn_name = fn.__name__
+
         def make(*args: Any, **kwargs: Any) -> torch.Tensor:
             device = kwargs.get("device")
             to_device = self._is_cuda(device)
@@ -485,6 +488,10 @@ class CudaStandIn:
             if to_device:
                 self._alloc_check(out.untyped_storage().nbytes())
                 self.device_tensor(out)
+                if fn_name in ("tensor", "as_tensor"):  # data from pageable host memory: a blocking copy
+                    stream = self.current_stream()
+                    self._append(fn_name, stream, writes=(_extent(out),))
+                    self._host_join("synchronize", stream.clock, stream=stream)
             elif pin:
                 self.pinned_tensor(out)
             return out

@@ -373,7 +373,9 @@ async def test_store_config_staging_bytes_reaches_the_layout_and_stats(cuda_stan
         for c, b in zip(caches, before):
             assert torch.equal(c.view(torch.uint8)[10:15], b.view(torch.uint8)[1:6])
         st = store.stats()["staging"]
-    assert store.layout is not None and store.layout.staging.stats()["device_staging_allocated"] == 0, "kept after close"
+    assert store.layout is not None and store.layout.staging.stats()["device_staging_allocated"] == 0, (
+        "kept after close"
+    )
     assert st["staging_bytes"] == 4 * 2 * block and st["chunk_blocks"] == 2
     assert st["save_mode"] == st["load_mode"] == "staged" and st["staged_jobs"] == 2
     assert st["device_staging_allocated"] == 2 * 2 * 2 * block
@@ -390,3 +392,23 @@ def test_reconfiguring_releases_and_resizes_the_staging(cuda_standin: CudaStandI
     layout.gather([6, 7, 8, 9, 10], pool, range(5))
     assert layout.staging.stats()["device_staging_allocated"] == 2 * 2 * layout.block_bytes
     assert torch.equal(pool[:5], expected_records(caches, [6, 7, 8, 9, 10], 1))
+
+
+@pytest.mark.parametrize("where", ["cpu-pool", "gpu-pool"])
+def test_queued_copies_never_make_the_host_wait(cuda_standin: CudaStandIn, where: str) -> None:
+    """A job's copies are queued behind the compute stream; the host thread that queues them
+    must not wait for that stream (a pageable index copy would)."""
+    layout, caches = make_layout((4, 32), torch.bfloat16, 3, 20, 1, 1 << 20)
+    if where == "cpu-pool":
+        pool = torch.zeros((8, layout.block_bytes), dtype=torch.uint8, pin_memory=True)
+    else:
+        pool = torch.zeros((8, layout.block_bytes), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    cuda_standin.clear()
+    with torch.cuda.stream(side):
+        layout.gather([3, 1, 4], pool, [0, 1, 2], non_blocking=True)
+        layout.scatter(pool, [0, 1, 2], [10, 11, 12], non_blocking=True)
+    assert not cuda_standin.ops("synchronize", stream=None), cuda_standin.ops(stream=None)
+    torch.cuda.synchronize()
+    for c in caches:
+        assert torch.equal(c.view(torch.uint8)[10:13], c.view(torch.uint8)[[3, 1, 4]])
