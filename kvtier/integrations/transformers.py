@@ -141,6 +141,83 @@ def _config_fingerprint(model_config: Any) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
+def _check_processor(processor: Any) -> None:
+    """Refuse an engine set-up the adapter cannot serve, naming the setting to change."""
+    cache = processor.cache
+    if getattr(processor, "use_async_batching", False):
+        raise ConfigError(
+            "use_async_batching: kvtier needs it off (a finishing request's blocks must be computed when it "
+            "finishes); set ContinuousBatchingConfig(use_async_batching=False)"
+        )
+    if list(cache.cache_allocators) != ["full_attention"]:
+        raise ConfigError(
+            f"kvtier supports models with only full-attention layers; this one has {list(cache.cache_allocators)}"
+        )
+    if not cache.use_prefix_sharing:
+        raise ConfigError(
+            "allow_block_sharing: kvtier needs the engine's prefix matching; set "
+            "ContinuousBatchingConfig(allow_block_sharing=True)"
+        )
+    helper = getattr(processor, "distributed_helper", None)
+    tp_size = int(getattr(helper, "tp_size", 1) or 1)
+    if tp_size > 1:
+        raise ConfigError("tensor parallelism: the transformers adapter supports one process per model only")
+
+
+def _load_config(config: Any) -> StoreConfig:
+    if isinstance(config, Mapping):
+        return load_config(config)
+    from kvtier import config as config_module
+
+    loader = getattr(config_module, "load_config_file", None)
+    if loader is None:
+        raise ConfigError(f"config: expected a mapping, got {type(config).__name__}")
+    return loader(config)
+
+
+def _cache_view(cache: Any, alloc: Any) -> torch.Tensor:
+    """The engine's cache tensor as ``[block, layer, key|value, token, kv_head, head_dim]``."""
+    raw = cache.cache_tensor
+    rows = raw.numel() // alloc.bytes_per_block
+    shape = (rows, alloc.pages_per_block, 2, alloc.tokens_per_page, alloc.num_key_value_heads, alloc.head_dim)
+    try:
+        return raw[: rows * alloc.bytes_per_block].view(alloc.cache_dtype).view(shape)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"the engine's cache layout is not the one this adapter knows (transformers {TESTED_VERSION} is)"
+        ) from exc
+
+
+def _namespace(
+    processor: Any,
+    kv_cache: torch.Tensor,
+    page_size: int,
+    model_id: str | None,
+    revision: str,
+    namespace: Namespace | None,
+) -> Namespace:
+    """The caller's namespace (checked against the page size), or one derived from the model."""
+    if namespace is not None:
+        if namespace.block_size != page_size:
+            raise ConfigError(f"namespace.block_size: {namespace.block_size} != the engine's page_size {page_size}")
+        return namespace
+    model_config = processor.config
+    name = model_id or getattr(model_config, "_name_or_path", "") or ""
+    if not name:
+        raise ConfigError(
+            "model_id: name the model and its weights (e.g. 'org/model@revision'); the model config "
+            "has no name_or_path, and a key must never match blocks of other weights"
+        )
+    return Namespace(
+        model_id=name,
+        revision=revision,
+        dtype=str(kv_cache.dtype).removeprefix("torch."),
+        kv_layout=KVLayout(kv_cache).fingerprint(),
+        block_size=page_size,
+        config_fingerprint=_config_fingerprint(model_config),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _RequestView:
     """One engine request as the connector reads it (:class:`kvtier.connector.Request`), taken
@@ -186,55 +263,17 @@ class TransformersKVTier:
         cache = processor.cache
         self.cache = cache
         self.scheduler = processor.scheduler
-        if getattr(processor, "use_async_batching", False):
-            raise ConfigError(
-                "use_async_batching: kvtier needs it off (a finishing request's blocks must be computed when it "
-                "finishes); set ContinuousBatchingConfig(use_async_batching=False)"
-            )
-        if list(cache.cache_allocators) != ["full_attention"]:
-            raise ConfigError(
-                f"kvtier supports models with only full-attention layers; this one has {list(cache.cache_allocators)}"
-            )
-        if not cache.use_prefix_sharing:
-            raise ConfigError(
-                "allow_block_sharing: kvtier needs the engine's prefix matching; set "
-                "ContinuousBatchingConfig(allow_block_sharing=True)"
-            )
-        helper = getattr(processor, "distributed_helper", None)
-        tp_size = int(getattr(helper, "tp_size", 1) or 1)
-        if tp_size > 1:
-            raise ConfigError("tensor parallelism: the transformers adapter supports one process per model only")
+        _check_processor(processor)
         self.allocator = cache.cache_allocators["full_attention"]
-        alloc = self.allocator
-        self.page_size = int(alloc.tokens_per_page)
-        cfg = config if isinstance(config, StoreConfig) else self._load_config(config)
+        self.page_size = int(self.allocator.tokens_per_page)
+        cfg = config if isinstance(config, StoreConfig) else _load_config(config)
         if cfg.engine_blocks_per_block != 1:
             raise ConfigError(
                 "engine_blocks_per_block: the transformers adapter stores one engine block per record; "
                 "choose ContinuousBatchingConfig(page_size=...) instead"
             )
-        self.kv_cache = self._cache_view()
-        if namespace is None:
-            model_config = processor.config
-            name = model_id or getattr(model_config, "_name_or_path", "") or ""
-            if not name:
-                raise ConfigError(
-                    "model_id: name the model and its weights (e.g. 'org/model@revision'); the model config "
-                    "has no name_or_path, and a key must never match blocks of other weights"
-                )
-            namespace = Namespace(
-                model_id=name,
-                revision=revision,
-                dtype=str(self.kv_cache.dtype).removeprefix("torch."),
-                kv_layout=KVLayout(self.kv_cache).fingerprint(),
-                block_size=self.page_size,
-                config_fingerprint=_config_fingerprint(model_config),
-            )
-        elif namespace.block_size != self.page_size:
-            raise ConfigError(
-                f"namespace.block_size: {namespace.block_size} != the engine's page_size {self.page_size}"
-            )
-        self.namespace = namespace
+        self.kv_cache = _cache_view(cache, self.allocator)
+        self.namespace = namespace = _namespace(processor, self.kv_cache, self.page_size, model_id, revision, namespace)
         self.engine_prefix_cache = engine_prefix_cache
         self.transformers_version = tf.__version__
         self.store = KVStore(cfg, kv_caches=[self.kv_cache], namespace=namespace)
@@ -256,30 +295,6 @@ class TransformersKVTier:
         self._fence = True  # tests turn it off to show the race it prevents
         self._closed = False
         self._install()
-
-    @staticmethod
-    def _load_config(config: Any) -> StoreConfig:
-        if isinstance(config, Mapping):
-            return load_config(config)
-        from kvtier import config as config_module
-
-        loader = getattr(config_module, "load_config_file", None)
-        if loader is None:
-            raise ConfigError(f"config: expected a mapping, got {type(config).__name__}")
-        return loader(config)
-
-    def _cache_view(self) -> torch.Tensor:
-        """The engine's cache tensor as ``[block, layer, key|value, token, kv_head, head_dim]``."""
-        alloc = self.allocator
-        raw = self.cache.cache_tensor
-        rows = raw.numel() // alloc.bytes_per_block
-        shape = (rows, alloc.pages_per_block, 2, alloc.tokens_per_page, alloc.num_key_value_heads, alloc.head_dim)
-        try:
-            return raw[: rows * alloc.bytes_per_block].view(alloc.cache_dtype).view(shape)
-        except RuntimeError as exc:
-            raise ConfigError(
-                f"the engine's cache layout is not the one this adapter knows (transformers {TESTED_VERSION} is)"
-            ) from exc
 
     # -- hooks -----------------------------------------------------------------------------
     def _install(self) -> None:
