@@ -19,8 +19,9 @@ Contract and choices:
   loses nothing), and the record checksum still keeps a torn record from being served.
 * One transaction per value: measured (``benchmarks/bench_disk.py``, ``docs/tiers.md``) no slower
   than batching for 2 MiB values, and it confines a map-full failure to one key.
-* Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` off
-  (values are large and read at random); ``reader_check()`` at open clears slots of dead readers.
+* Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` on
+  (values are read whole: with it off a cold map faults in one page at a time, 20x slower);
+  ``reader_check()`` at open clears slots of dead readers.
 * The environment is opened in ``open()``, in the process that uses it, never across ``fork``.
 * Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` and the deletion of corrupt records
   found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
@@ -240,7 +241,10 @@ class LmdbBackend(PersistentRecordBackend):
             metasync=False,  # the env.sync() at the end of each job writes the meta page
             writemap=False,
             map_async=False,
-            readahead=False,
+            # On: a value is 2 MiB read whole, and with readahead off (MADV_RANDOM) a cold map is
+            # faulted in one 4 KiB page at a time: 0.02 GB/s measured against 0.4-0.6 with it on,
+            # warm loads unchanged (benchmarks/bench_disk.py, lmdb_cold_*).
+            readahead=True,
             meminit=False,
             lock=True,
         )
@@ -270,14 +274,20 @@ class LmdbBackend(PersistentRecordBackend):
         """Bytes of the file that committed pages may occupy (checked against its size at open)."""
         return (int(env.info()["last_pgno"]) + 1) * self._psize
 
-    def _inside(self, value: Any, limit: int) -> bool:
-        """Whether the value buffer ``value`` (a view into the map) lies inside the first
-        ``limit`` bytes of the file; ``True`` when the map's address is unknown."""
-        base = self._map_base
-        if base is None or not len(value):
+    def _address(self, value: Any) -> int | None:
+        """Where the value buffer ``value`` (a view into the map) lies in memory, when the map's
+        base is known (Linux)."""
+        if self._map_base is None or not len(value):
+            return None
+        return int(np.frombuffer(value, dtype=np.uint8, count=1).ctypes.data)
+
+    def _inside_at(self, address: int | None, length: int, limit: int) -> bool:
+        """Whether ``length`` bytes at ``address`` lie inside the first ``limit`` bytes of the
+        file; ``True`` when the address is unknown."""
+        if address is None or self._map_base is None:
             return True
-        start = np.frombuffer(value, dtype=np.uint8, count=1).ctypes.data - base
-        return 0 <= start and start + len(value) <= limit
+        start = address - self._map_base
+        return 0 <= start and start + length <= limit
 
     def _shrink(self, fmt: BlockFormat, used: int) -> None:
         """The map holds more than the (lowered) capacity: drop the oldest records until the rest
@@ -432,35 +442,16 @@ class LmdbBackend(PersistentRecordBackend):
         size = self._check_io(keys, out)
         env = self._env_or_raise()
         found: list[bool] = []
-        bad: list[bytes] = []
+        bad: dict[bytes, str] = {}
         corrupt = 0
         mac = self.mac
-        blocks_db = self._blocks
-        limit = self._valid_bytes(env)
         txn: lmdb.Transaction | None = None
         try:
-            for key, dst in zip(keys, out):
-                if txn is None:
-                    txn = env.begin(buffers=True)
-                try:
-                    value = txn.get(key, db=blocks_db)
-                    if value is not None and not self._inside(value, limit):
-                        raise CorruptBlockError("record lies past the end of the file")
-                except lmdb.Error as exc:
-                    log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
-                    txn.abort()  # a failed lookup may leave the transaction unusable: start another
-                    txn = None
-                    bad.append(key)
-                    corrupt += 1
-                    found.append(False)
-                    continue
-                except CorruptBlockError as exc:
-                    log.warning("lmdb: record %s… in %s is damaged (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
-                    bad.append(key)
-                    corrupt += 1
-                    found.append(False)
-                    continue
+            txn, values = self._lookup(env, keys, bad)
+            for key, dst, value in zip(keys, out, values):
                 if value is None:
+                    if key in bad:
+                        corrupt += 1
                     found.append(False)
                     continue
                 view, staging = self._host_view(dst)
@@ -468,12 +459,12 @@ class LmdbBackend(PersistentRecordBackend):
                     decode_record(key, value, view, mac=mac)
                 except UnsupportedRecordError as exc:
                     log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
-                    bad.append(key)
+                    bad[key] = str(exc)
                     found.append(False)
                     continue
                 except CorruptBlockError as exc:
                     log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
-                    bad.append(key)
+                    bad[key] = str(exc)
                     corrupt += 1
                     self._count_auth(exc)
                     found.append(False)
@@ -488,11 +479,41 @@ class LmdbBackend(PersistentRecordBackend):
                 txn.abort()
         if bad:
             try:
-                self._delete(bad)  # after the read transaction: one writer, never nested in a reader
+                self._delete(list(bad))  # after the read transaction: one writer, never nested in a reader
             except DiskError as exc:
                 log.warning("lmdb: cannot delete %d bad records from %s: %s", len(bad), self.path, exc)
         self._count_reads(found, size, corrupt=corrupt)
         return found
+
+    def _lookup(
+        self, env: lmdb.Environment, keys: Sequence[bytes], bad: dict[bytes, str]
+    ) -> tuple[lmdb.Transaction, list[Any]]:
+        """One read transaction and the value buffer of each key (``None``: absent or bad, with
+        the reason in ``bad``). An LMDB error on a key marks it bad and starts over in a fresh
+        transaction (a failed lookup may leave one unusable, and its buffers with it)."""
+        limit = self._valid_bytes(env)
+        while True:
+            txn = env.begin(buffers=True)
+            values: list[Any] = []
+            try:
+                for key in keys:
+                    if key in bad:
+                        values.append(None)
+                        continue
+                    value = txn.get(key, db=self._blocks)
+                    if value is not None:
+                        address = self._address(value)
+                        if not self._inside_at(address, len(value), limit):
+                            log.warning("lmdb: record %s… in %s lies past the end of the file; a miss, dropping it", key.hex()[:16], self.path)
+                            bad[key] = "past the end of the file"
+                            value = None
+                    values.append(value)
+                return txn, values
+            except lmdb.Error as exc:
+                txn.abort()
+                key = keys[len(values)]
+                log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
+                bad[key] = str(exc)
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._env_or_raise()
