@@ -376,7 +376,7 @@ class TierManager:
             get, pins = t.index.get, t.pins
             removed = [key for key in dict.fromkeys(keys) if get(key) and key not in pins]
             t.forget(removed)
-            self._events.add("removed", removed, t.name)
+            self._events.add("removed", tuple(removed), t.name)  # the list is the caller's
         return removed
 
     # -- persistence -----------------------------------------------------------------------
