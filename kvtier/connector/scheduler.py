@@ -255,9 +255,9 @@ class SchedulerConnector:
         if not self._warned_unknown:
             self._warned_unknown = True
             log.warning(
-                "request_finished(%r): the connector never saw this request, so none of its blocks is stored; "
-                "call get_num_new_matched_tokens and update_state_after_alloc for every request the engine "
-                "admits (counted in counters['unknown_finished_requests']; warned once)",
+                "request_finished(%r): the connector never saw this request (or it was finished already), so "
+                "none of its blocks is stored; call get_num_new_matched_tokens and update_state_after_alloc for "
+                "every request the engine admits (counted in counters['unknown_finished_requests']; warned once)",
                 request.request_id,
             )
 
