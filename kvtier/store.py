@@ -281,7 +281,10 @@ class KVStore:
             return 0
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
         job = transfers.submit_store(plan, chosen)
-        return self.finish_store(plan, await self._run_job(transfers, job, plan))
+        result = await self._run_job(transfers, job, plan)
+        if self._closed:  # closed while the job ran: nothing is left to apply it to
+            return 0
+        return self.finish_store(plan, result)
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many
@@ -302,6 +305,8 @@ class KVStore:
         plan = mgr.prepare_load(list(keys[:hits]), promote=False)
         job = transfers.submit_load(plan, ids[: hits * n])
         result = await self._run_job(transfers, job, plan)
+        if self._closed:
+            return 0
         self.finish_load(plan, result)
         if result.error is not None:
             return 0
@@ -321,7 +326,9 @@ class KVStore:
         n = self.config.engine_blocks_per_block
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
         job = transfers.submit_store(plan, chosen)
-        self.finish_store(plan, await self._run_job(transfers, job, plan))
+        result = await self._run_job(transfers, job, plan)
+        if not self._closed:
+            self.finish_store(plan, result)
 
     async def _run_job(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
         """Await ``job``. When the caller is cancelled, the job is stopped first (after that it

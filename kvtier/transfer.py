@@ -45,7 +45,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,8 @@ class TransferEngine:
         self._jobs: dict[int, JobRecord] = {}
         self._finished: list[JobResult] = []
         self._lock = threading.Lock()
+        self._active = 0  # jobs queued or on a thread, late clean-ups included
+        self._idle = threading.Condition(self._lock)
         self._queued = {"store": 0, "load": 0}
         self._tier_jobs = 0  # store jobs handed to the tiers thread and not through it yet
         self._staged_bytes = 0
@@ -122,7 +124,8 @@ class TransferEngine:
         self._streams: dict[str, Any] = {}
         if self._cuda:
             self._streams = {d: torch.cuda.Stream(device=layout.device) for d in ("store", "tiers", "load")}
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # set at close
+        self._kick = threading.Event()  # set at submit, and at close
         self._closed = False
         self.counters = {
             "jobs": 0,
@@ -172,11 +175,14 @@ class TransferEngine:
             full = self._queued[kind] >= self._max_queued
             if not (full and kind == "load"):
                 self._queued[kind] += 1  # given back when a thread takes the job (see _take)
+                self._active += 1  # given back when a thread is done with it (see _retire)
         if full:
             log.warning("transfer job %d (%s) rejected: %d jobs already queued", rec.job_id, kind, self._max_queued)
             self._fail_early(rec, "the transfer queue is full", "rejected_jobs")
             if isinstance(rec, LoadRecord):
                 return rec.job_id  # nothing to undo: it never ran
+        if rec.deadline is not None:
+            self._kick.set()  # the watchdog learns of the new deadline
         if isinstance(rec, StoreRecord):
             self._store_q.put(rec)  # a rejected store still runs its evictions, in order
         else:
@@ -248,6 +254,19 @@ class TransferEngine:
                     del self._jobs[jid]
             self._finished = [r for r in self._finished if r.job_id not in drop]
 
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Block until no job is queued or running on any thread, including the clean-up of
+        jobs already reported (a stopped job deletes what it wrote when its thread gets to it)."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._active == 0, timeout):
+                raise TimeoutError(f"{self._active} transfer jobs still running after {timeout} s")
+
+    def _retire(self) -> None:
+        with self._idle:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.notify_all()
+
     def pending_jobs(self) -> int:
         with self._lock:
             return sum(1 for j in self._jobs.values() if j.result is None)
@@ -304,6 +323,7 @@ class TransferEngine:
         for t in self._threads[:3]:
             t.join(timeout)
         self._wake.set()
+        self._kick.set()
 
     # -- the end of a job ------------------------------------------------------------------
     def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool:
@@ -370,7 +390,8 @@ class TransferEngine:
             with self._lock:
                 pending = [r.deadline for r in self._jobs.values() if r.result is None and r.deadline is not None]
             wait = 1.0 if not pending else min(pending) - time.monotonic()
-            self._wake.wait(min(1.0, max(0.001, wait)))
+            self._kick.wait(min(1.0, max(0.001, wait)))
+            self._kick.clear()
 
     # -- store: the device phase -----------------------------------------------------------
     def _run_store(self) -> None:
@@ -390,7 +411,9 @@ class TransferEngine:
                 log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
                 rec.device_done.set()
                 work = _TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
-            if work is not None:
+            if work is None:
+                self._retire()
+            else:
                 with self._lock:
                     self._tier_jobs += 1
                 self._tiers_q.put(work)
@@ -402,32 +425,42 @@ class TransferEngine:
         """Read the engine blocks; return the tier work left, or ``None`` when the job is done."""
         plan = rec.store_plan
         start = time.perf_counter()
-        with rec.device_lock:
-            if rec.cancelled or rec.result is not None:
-                rec.device_done.set()
-                return _TierWork(rec, "cleanup", start)
-            rec.phase = Phase.DEVICE
-            try:
-                with self._lock:
-                    tiers_idle = self._tier_jobs == 0
-                direct = (
-                    tiers_idle
-                    and self._is_memory(plan.tier)
-                    and all(self._is_memory(t) for t, _ in plan.drops)
-                    and all(self._is_memory(d.src) and self._is_memory(d.dst) for d in plan.demotions)
-                )
-                if direct:
-                    work = self._store_direct(rec, start)
-                else:
-                    work = self._store_staged(rec, start)
-            finally:
-                rec.phase = Phase.TIERS
-                rec.device_done.set()
+        try:
+            if rec.result is not None:
+                raise _Expired  # stopped before it began
+            with self._lock:
+                tiers_idle = self._tier_jobs == 0
+            direct = (
+                tiers_idle
+                and self._is_memory(plan.tier)
+                and all(self._is_memory(t) for t, _ in plan.drops)
+                and all(self._is_memory(d.src) and self._is_memory(d.dst) for d in plan.demotions)
+            )
+            work = self._store_direct(rec, start) if direct else self._store_staged(rec, start)
+        except _Expired:
+            work = _TierWork(rec, "cleanup", start)
+        finally:
+            rec.device_done.set()  # the engine blocks were read, or never will be
         if work.mode == "done":
             if self._finish_store(work):
                 return None
             return _TierWork(rec, "cleanup", start)  # reported failed meanwhile: undo, in order
         return work
+
+    def _read_engine_blocks(self, rec: StoreRecord, read: Callable[[], object]) -> None:
+        """Run ``read`` (the copy out of the engine blocks) after the compute stream as it was at
+        submit, and wait for it; raise ``_Expired`` instead if the job was stopped."""
+        with rec.device_lock:
+            if rec.cancelled or rec.result is not None:
+                raise _Expired
+            rec.phase = Phase.DEVICE
+            try:
+                self._wait_compute(rec)
+                read()
+                self._sync()
+            finally:
+                rec.phase = Phase.TIERS
+                rec.device_done.set()
 
     def _wait_compute(self, rec: JobRecord) -> None:
         if self._cuda and rec.compute_event is not None:
@@ -445,7 +478,7 @@ class TransferEngine:
         plan = rec.store_plan
         work = _TierWork(rec, "done", start)
         staging = self._staging_rows("store")
-        self._drops_and_demotions(plan, staging, work, check=False)
+        self._drops_and_demotions(plan, staging, work, check=True)
         target = self.backends[plan.tier]
         assert isinstance(target, MemoryBackend)
         try:
@@ -455,16 +488,18 @@ class TransferEngine:
                     raise LifecycleError(
                         f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off"
                     )
-                self._wait_compute(rec)
-                self.layout.gather(list(rec.block_ids), target.pool, slots, non_blocking=True)
-                self._sync()
+                ids = list(rec.block_ids)
+                self._read_engine_blocks(rec, lambda: self.layout.gather(ids, target.pool, slots, non_blocking=True))
                 work.nbytes = len(slots) * self.layout.block_bytes
             byte_tiers = []
             for tier, keys in plan.write_through:
                 if self._is_memory(tier):
+                    self._check_alive(rec)
                     self._write_from(target, tier, keys, staging, work.failed, work.sizes)
                 else:
                     byte_tiers.append(tier)
+        except _Expired:
+            raise
         except Exception as exc:
             log.warning("store job %d failed: %s", rec.job_id, exc, exc_info=True)
             self._delete_new(plan)
@@ -500,12 +535,15 @@ class TransferEngine:
             target = self.backends[plan.tier]
             device = target.pool.device if isinstance(target, MemoryBackend) else torch.device("cpu")
             pin = device.type == "cpu" and self._cuda
-            work.staging = torch.empty(
+            staging = work.staging = torch.empty(
                 (len(plan.keys), self.layout.block_bytes), dtype=torch.uint8, device=device, pin_memory=pin
             )
-            self._wait_compute(rec)
-            self.layout.gather(list(rec.block_ids), work.staging, range(len(plan.keys)), non_blocking=True)
-            self._sync()
+            ids = list(rec.block_ids)
+            self._read_engine_blocks(
+                rec, lambda: self.layout.gather(ids, staging, range(len(plan.keys)), non_blocking=True)
+            )
+        except _Expired:
+            work.mode, work.staging = "cleanup", None  # the tiers thread gives the staging budget back
         except Exception as exc:
             log.warning("store job %d: reading its blocks failed: %s", rec.job_id, exc, exc_info=True)
             work.mode, work.error, work.staging = "degraded", repr(exc), None
@@ -529,6 +567,7 @@ class TransferEngine:
                     work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc))
                 )
             finally:
+                self._retire()
                 with self._lock:
                     self._tier_jobs -= 1
                     self._staged_bytes -= work.staged_bytes
@@ -731,27 +770,34 @@ class TransferEngine:
             if rec is None:
                 return
             self._take("load")
-            if rec.result is not None:
-                continue  # stopped before it began: it never touched anything
-            start = time.perf_counter()
-            promoted: list[bytes] = []
             try:
-                if self._cuda:
-                    with torch.cuda.stream(self._streams["load"]):
-                        result = self._load(rec, start, promoted)
-                else:
-                    result = self._load(rec, start, promoted)
-            except Exception as exc:  # a failed job is reported, never raised into the engine
-                log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)
-                result = JobResult(
-                    rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)
-                )
-            try:
-                if result.error is not None or not self._finish(rec, result):
-                    # Failed, or stopped while it ran: its promotions are released, free them.
-                    self._delete(0, promoted, "cleanup of a stopped load's promotions")
+                if rec.result is None:  # else stopped before it began: it never touched anything
+                    self._load_one(rec)
             except BaseException as exc:  # the thread must survive anything
-                log.warning("load job %d: finishing failed: %s", rec.job_id, exc, exc_info=True)
+                log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
+            finally:
+                self._retire()
+
+    def _load_one(self, rec: LoadRecord) -> None:
+        start = time.perf_counter()
+        promoted: list[bytes] = []
+        try:
+            if self._cuda:
+                with torch.cuda.stream(self._streams["load"]):
+                    result = self._load(rec, start, promoted)
+            else:
+                result = self._load(rec, start, promoted)
+        except Exception as exc:  # a failed job is reported, never raised into the engine
+            log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)
+            result = JobResult(
+                rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)
+            )
+        try:
+            if result.error is not None or not self._finish(rec, result):
+                # Failed, or stopped while it ran: its promotions are released, free them.
+                self._delete(0, promoted, "cleanup of a stopped load's promotions")
+        except BaseException as exc:  # the thread must survive anything
+            log.warning("load job %d: finishing failed: %s", rec.job_id, exc, exc_info=True)
 
     def _load(self, rec: LoadRecord, start: float, promoted: list[bytes]) -> JobResult:
         plan = rec.load_plan

@@ -71,16 +71,10 @@ def no_pins_or_pending(store: KVStore) -> bool:
 
 
 async def drain(store: KVStore) -> None:
-    """Wait until every thread of the store's transfer engine has passed every job queued so
-    far (an empty plan per direction goes through each queue in order), then let callbacks run."""
-    assert store.transfers is not None and store.manager is not None
-    t = store.transfers
-    mgr = store.manager
-    store_plan = mgr.prepare_store([])
-    assert store_plan is not None
-    ids = [t.submit_store(store_plan, []), t.submit_load(mgr.prepare_load([]), [])]
-    await asyncio.to_thread(t.wait, ids, HANG_GUARD)
-    t.forget(ids)
+    """Wait until every job queued so far has left every thread of the transfer engine (late
+    clean-ups included), then let the event loop run the callbacks they scheduled."""
+    assert store.transfers is not None
+    await asyncio.to_thread(store.transfers.wait_idle, HANG_GUARD)
     for _ in range(3):
         await asyncio.sleep(0)
 
