@@ -128,6 +128,10 @@ class KVStore:
                 records = await asyncio.to_thread(_scan_records, backend)
                 excess = self.manager.adopt(i, records)
                 if excess and not getattr(backend, "shared", False):  # a shared tier's records are every host's
+                    log.warning(
+                        "kvtier: tier %d (%s) holds %d records beyond its usable capacity; deleting the %d oldest",
+                        i, backend.name, len(records), len(excess),
+                    )
                     await backend.delete(excess)
             bind_index = getattr(backend, "bind_index", None)
             if bind_index is not None:  # a shared tier keeps this index in step with its server
