@@ -536,3 +536,42 @@ def test_tls_with_a_ca_file(tmp_path: Path) -> None:
             close(untrusted)
     finally:
         server.stop()
+
+
+async def test_a_stalled_server_never_holds_engine_blocks_and_the_write_fails_by_timeout(own_redis_server: RedisServer, tmp_path: Path) -> None:
+    import signal
+
+    keys = [make_key(i) for i in range(2)]
+    caches = make_caches(6)
+    want = engine_blocks(caches, [0, 1])
+    cfg = store_config(own_redis_server.url, _prefix(tmp_path), cpu=False, socket_timeout_s=1.0, connect_timeout_s=0.5)
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        assert store.manager is not None and store.transfers is not None
+        assert own_redis_server.proc is not None
+        os.kill(own_redis_server.proc.pid, signal.SIGSTOP)  # alive, but answers nothing
+        try:
+            plan = store.manager.prepare_store(keys)
+            assert plan is not None
+            job = store.transfers.submit_store(plan, [0, 1])
+            await asyncio.to_thread(store.transfers.wait_device, [job])  # the engine may reuse blocks 0, 1 now
+            for c in caches:
+                c[:2].view(torch.uint8).fill_(0xEE)  # ... and does
+            (result,) = await asyncio.to_thread(store.transfers.wait, [job])  # ends by the socket timeout
+            store.transfers.forget([job])
+            assert store.finish_store(plan, result) == 0  # a failed write, not a hang or an exception
+        finally:
+            os.kill(own_redis_server.proc.pid, signal.SIGCONT)
+        stats = store.stats()
+        assert stats["tiers"][0]["pending"] == 0 and stats["tiers"][0]["pinned"] == 0
+        # The server may still apply the SET it had buffered: then it holds the bytes read before
+        # the engine reused the blocks, never the scribble.
+        view = store.backends[0].view
+        assert view is not None
+        await _until(lambda: _sweeps(view), "the server answers again")
+        filled = await store.load(keys, [4, 5])
+        got = engine_blocks(caches, [4, 5])[:filled]
+        assert all(torch.equal(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
+
+
+async def _sweeps(view: Any) -> bool:
+    return await asyncio.to_thread(view.sweep_once) is not None
