@@ -42,21 +42,16 @@ from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
-from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, set_command, unlink_command
+from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
+from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
 from kvtier.record import (
-    FLAG_MAC,
-    HEADER_SIZE,
-    MAC_TAG_SIZE,
     RecordBackend,
     check_meta,
     decode_meta,
     encode_meta,
-    parse_header,
-    verify_payload,
 )
 from kvtier.shared_index import SharedIndexView
 
@@ -157,6 +152,58 @@ def _split_url(url: str) -> tuple[str, str | None, str | None]:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, "")), username, password
 
 
+def _credentials(
+    url: str, username: str | None, password: str | None, password_env: str | None
+) -> tuple[str, str | None, str | None, bool]:
+    """``(url without credentials, username, password, password given inline)``."""
+    clean, url_user, url_password = _split_url(url)
+    if url_user is not None and username is not None and url_user != username:
+        raise ConfigError("username: given both in the URL and as an option, with different values")
+    if password == _HIDDEN:
+        raise ConfigError("password: secrets are not serialised; give the password again, or use password_env")
+    given = [n for n, v in (("password", password), ("password_env", password_env), ("url", url_password)) if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"password: give it one way only, got {' and '.join(given)}")
+    inline = password is not None or url_password is not None
+    if password_env is not None:
+        if not isinstance(password_env, str) or not password_env:
+            raise ConfigError(f"password_env: expected an environment variable name, got {password_env!r}")
+        password = os.environ.get(password_env)
+        if password is None:
+            raise ConfigError(f"password_env: the environment variable {password_env!r} is not set")
+    return clean, username if username is not None else url_user, password if password is not None else url_password, inline
+
+
+def _check_seconds(**values: Any) -> None:
+    for field, value in values.items():
+        if value is None and field == "ttl_s":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{field}: expected a positive number of seconds, got {value!r}")
+
+
+def _client_options(
+    username: str | None, password: str | None, tls: dict[str, str | None], timeout: float, connect_timeout: float, connections: int
+) -> dict[str, Any]:
+    """Keyword arguments for redis-py's ``from_url`` (secrets included: never log them)."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": connect_timeout,
+        "socket_read_size": _SOCKET_READ_BYTES,
+        "max_connections": connections,
+        "health_check_interval": 0,
+        "protocol": 2,  # the wire module reads RESP2 replies
+    }
+    if username is not None:
+        options["username"] = username
+    if password is not None:
+        options["password"] = password
+    for ours, theirs in (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"), ("tls_key_file", "ssl_keyfile")):
+        if tls.get(ours):
+            options[theirs] = tls[ours]
+    return options
+
+
 class RedisBackend(RecordBackend):
     """Records on a Redis server (``url``) or a Redis Cluster (``cluster: true``)."""
 
@@ -189,41 +236,17 @@ class RedisBackend(RecordBackend):
         tls_key_file: str | None = None,
     ) -> None:
         super().__init__(capacity=capacity, codec=codec, mac_key=mac_key, mac_key_env=mac_key_env)
-        self.url, url_user, url_password = _split_url(url)
+        self.url, self.username, self._password, self._password_inline = _credentials(url, username, password, password_env)
+        self._password_env = password_env
         if not isinstance(cluster, bool):
             raise ConfigError(f"cluster: expected true or false, got {cluster!r}")
-        if url_user is not None and username is not None and url_user != username:
-            raise ConfigError("username: given both in the URL and as an option, with different values")
-        self.username = username if username is not None else url_user
-        if password == _HIDDEN:
-            raise ConfigError("password: secrets are not serialised; give the password again, or use password_env")
-        given = [n for n, v in (("password", password), ("password_env", password_env), ("url", url_password)) if v is not None]
-        if len(given) > 1:
-            raise ConfigError(f"password: give it one way only, got {' and '.join(given)}")
-        self._password_env = password_env
-        self._password_inline = password is not None or url_password is not None
-        if password_env is not None:
-            if not isinstance(password_env, str) or not password_env:
-                raise ConfigError(f"password_env: expected an environment variable name, got {password_env!r}")
-            password = os.environ.get(password_env)
-            if password is None:
-                raise ConfigError(f"password_env: the environment variable {password_env!r} is not set")
-        self._password = password if password is not None else url_password
         if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
             raise ConfigError(f"prefix: expected 1-64 characters of [A-Za-z0-9_.-], got {prefix!r}")
         self.prefix = prefix
-        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
-            raise ConfigError(f"ttl_s: expected a positive number of seconds, got {ttl_s!r}")
-        self.ttl_s = None if ttl_s is None else float(ttl_s)
-        for field, value in (
-            ("socket_timeout_s", socket_timeout_s),
-            ("connect_timeout_s", connect_timeout_s),
-            ("sync_interval_s", sync_interval_s),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{field}: expected a positive number of seconds, got {value!r}")
+        _check_seconds(ttl_s=ttl_s, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s, sync_interval_s=sync_interval_s)
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ConfigError(f"max_connections: expected a positive integer, got {max_connections!r}")
+        self.ttl_s = None if ttl_s is None else float(ttl_s)
         self.cluster = cluster
         self.max_connections = max_connections
         self.socket_timeout_s = float(socket_timeout_s)
@@ -307,27 +330,6 @@ class RedisBackend(RecordBackend):
         else:
             self._health.succeeded()
 
-    def _client_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "socket_timeout": self.socket_timeout_s,
-            "socket_connect_timeout": self.connect_timeout_s,
-            "socket_read_size": _SOCKET_READ_BYTES,
-            "max_connections": self.max_connections,
-            "health_check_interval": 0,
-            "protocol": 2,  # the wire module reads RESP2 replies
-        }
-        if self.username is not None:
-            options["username"] = self.username
-        if self._password is not None:
-            options["password"] = self._password
-        if self.tls["tls_ca_file"]:
-            options["ssl_ca_certs"] = self.tls["tls_ca_file"]
-        if self.tls["tls_cert_file"]:
-            options["ssl_certfile"] = self.tls["tls_cert_file"]
-        if self.tls["tls_key_file"]:
-            options["ssl_keyfile"] = self.tls["tls_key_file"]
-        return options
-
     def _get_client(self) -> Any:
         client = self._client
         if client is not None:
@@ -335,7 +337,9 @@ class RedisBackend(RecordBackend):
         with self._client_lock:
             if self._client is None:
                 self._check_open()
-                options = self._client_options()
+                options = _client_options(
+                    self.username, self._password, self.tls, self.socket_timeout_s, self.connect_timeout_s, self.max_connections
+                )
                 if self.cluster:
                     # The constructor reads the slot map: I/O, hence here and not in __init__.
                     self._client = RedisCluster.from_url(self.url, **options)
@@ -524,44 +528,19 @@ class RedisBackend(RecordBackend):
         return found
 
     def _receive(self, wire: Wire, key: bytes, dst: torch.Tensor, length: int, bad: list[bytes]) -> bool:
-        """Read one record of ``length`` bytes (and its CRLF) into ``dst``; ``False`` for a miss.
-
-        The header (and tag) is read and checked first; a raw payload then lands straight in
-        ``dst`` and is verified there. A bad record is consumed, logged and queued in ``bad``."""
-        size = len(dst)
-        head = bytearray(min(length, HEADER_SIZE))
-        wire.read_into(memoryview(head))
-        rest = length - len(head)
+        """Read one record of ``length`` bytes into ``dst``; ``False`` for a miss. A bad record
+        is consumed, logged and queued in ``bad`` for deletion."""
+        view, staging = self._host_view(dst)
         try:
-            if len(head) == HEADER_SIZE and head[7] & FLAG_MAC and rest >= MAC_TAG_SIZE:
-                tag = bytearray(MAC_TAG_SIZE)
-                wire.read_into(memoryview(tag))
-                head += tag
-                rest -= MAC_TAG_SIZE
-            header = parse_header(head, raw_length=size, available=length, mac=self.mac)
-            view, staging = self._host_view(dst)
-            if header.codec_id == NoneCodec.codec_id:
-                wire.read_into(view)
-                wire.skip(2)
-                rest = -2
-                verify_payload(key, head, header, view, mac=self.mac)
-            else:
-                payload = bytearray(header.stored_length)
-                wire.read_into(memoryview(payload))
-                wire.skip(2)
-                rest = -2
-                verify_payload(key, head, header, payload, mac=self.mac)
-                codec_for_id(header.codec_id).decode_into(memoryview(payload), view, header.itemsize)
+            receive_record(wire, key, view, length, self.mac)
         except UnsupportedRecordError as exc:
             # Another writer's format or secret: a miss here, theirs to keep.
             log.debug("redis: record %s… not readable here (%s)", key.hex()[:16], exc)
-            wire.skip(rest + 2)
             return False
         except CorruptBlockError as exc:
             log.warning("redis: bad record %s… on %s (%s); deleting it", key.hex()[:16], self.url, exc)
             self._count_auth(exc)
             bad.append(key)
-            wire.skip(rest + 2)
             return False
         if staging is not None:
             dst.copy_(staging)

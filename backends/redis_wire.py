@@ -18,7 +18,10 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ErrorReply", "Wire", "set_command", "get_command", "unlink_command"]
+from kvtier.codec import NoneCodec, codec_for_id
+from kvtier.record import FLAG_MAC, HEADER_SIZE, MAC_TAG_SIZE, RecordMac, parse_header, verify_payload
+
+__all__ = ["ErrorReply", "Wire", "get_command", "receive_record", "set_command", "unlink_command"]
 
 _IOV = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 _BUFFER = 1 << 16
@@ -165,3 +168,36 @@ class Wire:
     def drained(self) -> bool:
         """Whether nothing was read past the last reply (the connection can be reused)."""
         return self._start == self._end
+
+
+def receive_record(wire: Wire, key: bytes, out: memoryview, length: int, mac: RecordMac | None) -> None:
+    """Read the ``length``-byte record of ``key`` (and its CRLF) from ``wire`` into ``out``.
+
+    The header (and tag) is read and checked first; a raw payload then lands straight in ``out``
+    and is verified there, a coded one is verified, then decoded into ``out``. A bad record
+    raises ``CorruptBlockError`` (``UnsupportedRecordError`` for another format) only after
+    the whole value was consumed, so the stream stays usable; ``out`` then holds garbage.
+    """
+    head = bytearray(min(length, HEADER_SIZE))
+    wire.read_into(memoryview(head))
+    rest = length - len(head)
+    try:
+        if len(head) == HEADER_SIZE and head[7] & FLAG_MAC and rest >= MAC_TAG_SIZE:
+            tag = bytearray(MAC_TAG_SIZE)
+            wire.read_into(memoryview(tag))
+            head += tag
+            rest -= MAC_TAG_SIZE
+        header = parse_header(head, raw_length=len(out), available=length, mac=mac)
+    except BaseException:
+        wire.skip(rest + 2)
+        raise
+    if header.codec_id == NoneCodec.codec_id:
+        wire.read_into(out)
+        wire.skip(2)
+        verify_payload(key, head, header, out, mac=mac)
+        return
+    payload = bytearray(header.stored_length)
+    wire.read_into(memoryview(payload))
+    wire.skip(2)
+    verify_payload(key, head, header, payload, mac=mac)
+    codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
