@@ -561,3 +561,44 @@ def test_released_round_trips_and_old_outputs_decode() -> None:
             WorkerOutput.from_bytes(msgpack.packb([1, 1, [], bad]))
     with pytest.raises(ConnectorError):
         WorkerOutput.from_bytes(msgpack.packb([1, 1, [], [], []]))
+
+
+def test_store_a_rank_never_reports_is_given_up_after_the_ack_deadline() -> None:
+    """Rank 1 stops answering (dead or stuck). Past ``ack_deadline_s`` (0 here: at the next
+    update) the store counts as failed and its keys are released, but its blocks stay fenced
+    until rank 1 is done reading them; when rank 1 comes back, its late report lifts the fence
+    and the deletes drop rank 0's copies."""
+    w = World([CPU4], world=2, ack_deadline_s=0)
+    try:
+        req = Req("a", TOKENS_A)
+        w.sched.get_num_new_matched_tokens(req, 0)
+        req.block_ids = [1, 2, 3]
+        w.sched.update_state_after_alloc(req, req.block_ids, 0)
+        w.step_no += 1
+        meta = w.sched.build_connector_meta(SchedulerStep(w.step_no, {"a": len(TOKENS_A)}, (1, 2, 3)))
+        (job,) = meta.stores
+        live, stuck = w.workers
+        live.handle_preemptions(meta)
+        live.start_load_kv(meta)
+        live.flush()  # rank 0 runs the store; rank 1 never sees it (yet)
+        update = w.sched.update_connector_output(live.get_finished(block=True))
+        assert w.sched.counters["expired_jobs"] == 1 and w.sched.num_jobs == 0
+        assert w.manager.lookup(w.keys(TOKENS_A)) == 0  # a miss, never a half-written block
+        assert update.unfenced == () and w.sched.fenced_blocks() == set(job.block_ids)  # rank 1 may read them
+        assert w.sched.num_pending_deletes > 0 and len(w.backend(0)) == 2
+        stuck.handle_preemptions(meta)
+        stuck.start_load_kv(meta)
+        stuck.flush()
+        update = w.sched.update_connector_output(stuck.get_finished(block=True))
+        assert sorted(update.unfenced) == sorted(job.block_ids) and w.sched.num_fenced_blocks == 0
+        assert w.sched.counters["late_reports"] == 1 and w.sched.counters["unknown_reports"] == 0
+        w.drain()  # ships the deletes
+        assert len(w.backend(0)) == 0 and len(w.backend(1)) == 0
+    finally:
+        w.close()
+
+
+def test_ack_deadline_must_be_seconds() -> None:
+    for bad in (-1, "1", True):
+        with pytest.raises(ConnectorError, match="ack_deadline_s"):
+            ConnectorConfig(block_size=4, ack_deadline_s=bad)  # type: ignore[arg-type]

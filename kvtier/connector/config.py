@@ -22,7 +22,11 @@ class ConnectorConfig:
     ``step_loop=False`` is for engines that never call ``build_connector_meta`` (see
     ``docs/integrating.md``): ``request_finished`` then trusts ``request.num_computed_tokens``.
     ``promote=False`` turns off promotion of lower-tier hits into the first tier (for
-    measurement).
+    measurement). ``ack_deadline_s`` (``world_size > 1``): a store job that some workers
+    reported and others did not within that many seconds is given up at the next
+    ``update_connector_output`` (a dead or stuck rank): it counts as failed, its keys are
+    released; its fence stays up until the missing workers are done reading its blocks.
+    Loads are never given up (a worker may still write into the engine's blocks).
     """
 
     block_size: int
@@ -32,12 +36,18 @@ class ConnectorConfig:
     key_source: Literal["tokens", "block_hashes"] = "tokens"
     step_loop: bool = True
     promote: bool = True
+    ack_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "engine_blocks_per_block", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConnectorError(f"connector.{name}: expected a positive integer, got {value!r}")
+        deadline = self.ack_deadline_s
+        if deadline is not None and (
+            not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not deadline >= 0
+        ):
+            raise ConnectorError(f"connector.ack_deadline_s: expected seconds >= 0 or None, got {deadline!r}")
         if self.key_source not in ("tokens", "block_hashes"):
             raise ConnectorError(f"connector.key_source: expected 'tokens' or 'block_hashes', got {self.key_source!r}")
 

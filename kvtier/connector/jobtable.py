@@ -10,6 +10,7 @@ reported it: :meth:`JobTable.settle` removes it everywhere and returns the one
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, cast
@@ -42,10 +43,26 @@ class TrackedJob:
 class JobTable:
     """Jobs in flight, their fence, and the keys they write or fill."""
 
-    __slots__ = ("_ids", "_jobs", "_loading", "_storing", "fence", "generation", "world_size")
+    __slots__ = (
+        "_ack_deadline_s",
+        "_ids",
+        "_jobs",
+        "_lingering",
+        "_loading",
+        "_storing",
+        "_waiting",
+        "fence",
+        "generation",
+        "world_size",
+    )
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, ack_deadline_s: float | None = None) -> None:
         self.world_size = world_size
+        self._ack_deadline_s = ack_deadline_s
+        # store job id -> monotonic time past which the ranks that have not reported are given up
+        self._waiting: dict[int, float] = {}
+        # given-up store jobs whose fence stays up until every rank is done reading their blocks
+        self._lingering: dict[int, TrackedJob] = {}
         self._jobs: dict[int, TrackedJob] = {}
         self._ids = itertools.count(1)
         self.fence = FenceIndex()
@@ -117,6 +134,8 @@ class JobTable:
             return True
         if job.kind == "store":
             self.release(job, rank, unfenced)
+            if self._ack_deadline_s is not None and job.job_id not in self._waiting:
+                self._waiting[job.job_id] = time.monotonic() + self._ack_deadline_s
         return False
 
     def release(self, job: TrackedJob, rank: int, unfenced: list[int]) -> None:
@@ -127,15 +146,46 @@ class JobTable:
         job.released.add(rank)
         if len(job.released) == self.world_size:
             unfenced.extend(self.fence.release(job.job_id, job.block_ids))
+            self._lingering.pop(job.job_id, None)
 
-    def settle(self, job: TrackedJob, unfenced: list[int]) -> JobResult:
+    def lingering(self, job_id: int) -> TrackedJob | None:
+        """A store job given up by :meth:`expire` whose blocks a rank may still read."""
+        return self._lingering.get(job_id)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a store job has some ranks' reports and waits for the others."""
+        return bool(self._waiting)
+
+    def expire(self, now: float, unfenced: list[int]) -> list[tuple[TrackedJob, JobResult]]:
+        """Give up the store jobs whose missing ranks did not report by the ack deadline: each
+        is settled as failed (with the ranks that never reported); its fence stays up until
+        every rank is done reading its blocks (a late report or release lifts it)."""
+        out: list[tuple[TrackedJob, JobResult]] = []
+        for job_id, deadline in list(self._waiting.items()):
+            if now < deadline:
+                continue
+            job = self._jobs[job_id]
+            missing = tuple(r for r in range(self.world_size) if r not in job.reports)
+            error = f"rank(s) {list(missing)} did not report within {self._ack_deadline_s} s"
+            job.reports.update((r, JobReport(job_id, job.kind, False, error=error)) for r in missing)
+            released = job.released or set()
+            keep = len(released) < self.world_size
+            out.append((job, self.settle(job, unfenced, keep_fence=keep)))
+            if keep:
+                self._lingering[job_id] = job
+        return out
+
+    def settle(self, job: TrackedJob, unfenced: list[int], *, keep_fence: bool = False) -> JobResult:
         """Remove a fully acknowledged job; append the blocks no job reads any more to
         ``unfenced``; return its ranks' results as one (a key that failed anywhere failed)."""
         del self._jobs[job.job_id]
+        self._waiting.pop(job.job_id, None)
         self.generation += 1
         keys = job.plan.keys
         if job.kind == "store":
-            unfenced.extend(self.fence.release(job.job_id, job.block_ids))
+            if not keep_fence:
+                unfenced.extend(self.fence.release(job.job_id, job.block_ids))
             storing = self._storing
             for key in keys:
                 if storing.get(key) == job.job_id:

@@ -16,6 +16,7 @@ idle. All calls are plain dictionary work on the scheduler thread; none blocks o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ _COUNTERS = (
     "deferred_lookups",
     "last_block_jobs",
     "unknown_reports",
+    "expired_jobs",
+    "late_reports",
     "unknown_finished_requests",
     "deleted_blocks",
     "promotion_jobs",
@@ -81,7 +84,7 @@ class SchedulerConnector:
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._states: dict[str, RequestState] = {}
         self._keys = KeyChain(namespace, config)
-        self._jobs = JobTable(config.world_size)
+        self._jobs = JobTable(config.world_size, config.ack_deadline_s)
         self._stores = StoreBuilder(manager, self._keys, self._jobs, self.counters, self._n, self._block_tokens)
         self._ledger = DeleteLedger()
         self._last_step = 0
@@ -316,17 +319,31 @@ class SchedulerConnector:
             for report in out.finished:
                 job = jobs.get(report.job_id)
                 if job is None or job.kind != report.kind:
-                    self.counters["unknown_reports"] += 1
+                    self._late(report.job_id, out.rank, unfenced)
                 elif jobs.acknowledge(job, out.rank, report, unfenced):
                     self._complete(job, jobs.settle(job, unfenced), loaded, freed)
             for job_id in out.released:  # still running, done with the engine's blocks
-                job = jobs.get(job_id)
+                job = jobs.get(job_id) or jobs.lingering(job_id)
                 if job is not None and job.kind == "store":
                     jobs.release(job, out.rank, unfenced)
+        if jobs.waiting:
+            for job, result in jobs.expire(time.monotonic(), unfenced):
+                self.counters["expired_jobs"] += 1
+                log.warning("store job %d: %s; its keys are released", job.job_id, result.error)
+                self._complete(job, result, loaded, freed)
         if self._loads.ready:
             loaded.update(self._loads.ready)
             self._loads.ready.clear()
         return ConnectorUpdate(loaded, tuple(freed), tuple(unfenced))
+
+    def _late(self, job_id: int, rank: int, unfenced: list[int]) -> None:
+        """A report of a job given up past the ack deadline lifts its fence; any other is unknown."""
+        job = self._jobs.lingering(job_id)
+        if job is None:
+            self.counters["unknown_reports"] += 1
+        else:
+            self.counters["late_reports"] += 1
+            self._jobs.release(job, rank, unfenced)
 
     def _complete(self, job: TrackedJob, result: JobResult, loaded: dict[str, int], freed: list[str]) -> None:
         """Apply a job every worker reported (``apply_result``), then the connector's own part:
