@@ -428,11 +428,9 @@ class RedisBackend(RecordBackend):
         try:
             groups = self._groups(rkeys)
             self._run_groups(fn, groups)
-        except _Down as exc:
-            self._health.failed(exc.__cause__ or exc)
-            return False
-        except _DOWN_ERRORS as exc:  # building the client or the slot map
-            self._health.failed(exc)
+        except (_Down, *_DOWN_ERRORS) as exc:  # a dead node, or no client / slot map to be had
+            self._health.failed(exc.__cause__ or exc if isinstance(exc, _Down) else exc)
+            self._refresh_slots = self.cluster  # after a failover the next sweep finds the new primary
             return False
         except RedisError as exc:  # auth refused, cluster down
             self._note_cluster_error(exc)
