@@ -419,28 +419,36 @@ class FileBackend(PersistentRecordBackend):
         with self._lock:
             self._used -= self._sizes.pop(key, 0)
 
+    @classmethod
+    def _unlink_record(cls, root: str, key: bytes) -> bool:
+        """Unlink ``key``'s record under ``root``, never through a symlink; ``False`` if there was
+        none (or a symlink stood in its path, which is logged and left alone)."""
+        h = key.hex()
+        path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
+        try:
+            leaf = cls._leaf_at(root, key)
+            if leaf is None:
+                return False
+            try:
+                os.unlink(leaf[1], dir_fd=leaf[0])
+            finally:
+                os.close(leaf[0])
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink in the tree: never followed
+                log.warning("file: not deleting %s: a symlink in its path (%s)", path, exc)
+                return False
+            raise DiskError(f"file: cannot delete {path!r}: {exc}") from exc
+        return True
+
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
         for key in keys:
-            path = self._path(key)
-            try:
-                leaf = self._leaf(key)
-                if leaf is None:
-                    continue
-                try:
-                    os.unlink(leaf[1], dir_fd=leaf[0])
-                finally:
-                    os.close(leaf[0])
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink in the tree: never followed
-                    log.warning("file: not deleting %s: a symlink in its path (%s)", path, exc)
-                    self._forget(key)
-                    continue
-                raise DiskError(f"file: cannot delete {path!r}: {exc}") from exc
+            removed = self._unlink_record(self._root, key)
             self._forget(key)
-            self.counters.deleted += 1
+            if removed:
+                self.counters.deleted += 1
 
     def scan(self) -> Iterator[RecordInfo]:
         self._check_open()
@@ -588,18 +596,8 @@ class FileBackend(PersistentRecordBackend):
                 raise InvalidKeyError("file: keys must be 32 bytes")
             h = key.hex()
             record_path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
-            try:
-                leaf = cls._leaf_at(root, key)  # never through a symlinked shard directory
-                if leaf is None:
-                    continue
-                try:
-                    os.unlink(leaf[1], dir_fd=leaf[0])
-                finally:
-                    os.close(leaf[0])
-            except FileNotFoundError:
+            if not cls._unlink_record(root, key):
                 continue
-            except OSError as exc:
-                raise DiskError(f"file: cannot delete {record_path!r}: {exc}") from exc
             deleted += 1
             dirty.add(os.path.dirname(record_path))
         try:
