@@ -1,0 +1,523 @@
+"""The byte movers behind :class:`kvtier.transfer.TransferEngine` (see that module for the
+contract): :class:`StoreMover` runs a store job's two phases, the device read on
+``kvtier-store`` and the tier writes on ``kvtier-store-tiers``; :class:`LoadMover` runs load
+jobs on ``kvtier-load``. They share the engine's locks, counters and queues."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.backend import Backend, MemoryBackend
+from kvtier.errors import LifecycleError
+from kvtier.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
+from kvtier.manager import StorePlan
+
+if TYPE_CHECKING:
+    from kvtier.transfer import TransferEngine
+
+log = logging.getLogger("kvtier.transfer")
+
+_Failed = dict[int, list[bytes]]
+_Sizes = dict[int, dict[bytes, int]]
+
+
+@dataclass(slots=True, eq=False)
+class _TierWork:
+    """A store job's phase 2, handed from the device thread to the tiers thread."""
+
+    rec: StoreRecord
+    mode: str  # "staged" | "rest" (byte write-through after a direct device phase) | "degraded" | "cleanup"
+    start: float
+    staging: torch.Tensor | None = None
+    staged_bytes: int = 0
+    failed: _Failed = field(default_factory=dict)
+    sizes: _Sizes = field(default_factory=dict)
+    nbytes: int = 0
+    error: str | None = None
+
+
+class _Expired(Exception):
+    """The job was reported failed while its tier work ran: stop and clean up."""
+
+
+class StoreMover:
+    """A store job's device read, then its tier writes (evictions, demotions, the staged
+    blocks, write-through), each phase on its own thread, jobs in submission order."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.e = engine
+
+    def run_device(self) -> None:
+        while True:
+            rec = self.e._store_q.get()
+            if rec is None:
+                self.e._tiers_q.put(None)
+                return
+            self.e._take("store")
+            try:
+                if self.e._cuda:
+                    with torch.cuda.stream(self.e._streams["store"]):
+                        work = self._device_phase(rec)
+                else:
+                    work = self._device_phase(rec)
+            except BaseException as exc:  # never reached in practice; the thread must survive
+                log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
+                rec.device_done.set()
+                work = _TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
+            if work is None:
+                self.e._retire()
+            else:
+                with self.e._lock:
+                    self.e._tier_jobs += 1
+                self.e._tiers_q.put(work)
+
+    def _device_phase(self, rec: StoreRecord) -> _TierWork | None:
+        """Read the engine blocks; return the tier work left, or ``None`` when the job is done."""
+        plan = rec.store_plan
+        start = time.perf_counter()
+        try:
+            if rec.result is not None:
+                raise _Expired  # stopped before it began
+            with self.e._lock:
+                tiers_idle = self.e._tier_jobs == 0
+            direct = (
+                tiers_idle
+                and self.e._is_memory(plan.tier)
+                and all(self.e._is_memory(t) for t, _ in plan.drops)
+                and all(self.e._is_memory(d.src) and self.e._is_memory(d.dst) for d in plan.demotions)
+            )
+            work = self._store_direct(rec, start) if direct else self._store_staged(rec, start)
+        except _Expired:
+            work = _TierWork(rec, "cleanup", start)
+        finally:
+            rec.device_done.set()  # the engine blocks were read, or never will be
+        if work.mode == "done":
+            if self._finish_store(work):
+                return None
+            return _TierWork(rec, "cleanup", start)  # reported failed meanwhile: undo, in order
+        return work
+
+    def _read_engine_blocks(self, rec: StoreRecord, read: Callable[[], object]) -> None:
+        """Run ``read`` (the copy out of the engine blocks) after the compute stream as it was at
+        submit, and wait for it; raise ``_Expired`` instead if the job was stopped."""
+        with rec.device_lock:
+            if rec.cancelled or rec.result is not None:
+                raise _Expired
+            rec.phase = Phase.DEVICE
+            try:
+                self.e._wait_compute(rec)
+                read()
+                self.e._sync()
+            finally:
+                rec.phase = Phase.TIERS
+                rec.device_done.set()
+
+    def _store_direct(self, rec: StoreRecord, start: float) -> _TierWork:
+        """Everything in memory tiers, on this thread; byte write-through is left to phase 2."""
+        plan = rec.store_plan
+        work = _TierWork(rec, "done", start)
+        staging = self.e._staging_rows("store")
+        self._drops_and_demotions(plan, staging, work, check=True)
+        target = self.e.backends[plan.tier]
+        assert isinstance(target, MemoryBackend)
+        try:
+            if plan.keys:
+                slots = target.reserve(plan.keys)
+                if slots is None:
+                    raise LifecycleError(
+                        f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off"
+                    )
+                ids = list(rec.block_ids)
+                self._read_engine_blocks(rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True))
+                work.nbytes = len(slots) * self.e.layout.block_bytes
+            byte_tiers = []
+            for tier, keys in plan.write_through:
+                if self.e._is_memory(tier):
+                    self._check_alive(rec)
+                    self._write_from(target, tier, keys, staging, work.failed, work.sizes)
+                else:
+                    byte_tiers.append(tier)
+        except _Expired:
+            raise
+        except Exception as exc:
+            log.warning("store job %d failed: %s", rec.job_id, exc, exc_info=True)
+            self._delete_new(plan)
+            work.error = repr(exc)
+            return work
+        if byte_tiers:
+            work.mode = "rest"
+        return work
+
+    def _store_staged(self, rec: StoreRecord, start: float) -> _TierWork:
+        """Copy the engine blocks into staging the job owns; the tiers thread does the rest."""
+        plan = rec.store_plan
+        if not plan.keys:
+            return _TierWork(rec, "staged", start)
+        need = len(plan.keys) * self.e.layout.block_bytes
+        with self.e._lock:
+            room = self.e._staged_bytes == 0 or self.e._staged_bytes + need <= self.e._max_staged
+            if room:
+                self.e._staged_bytes += need
+                self.e.counters["staged_jobs"] += 1
+            else:
+                self.e.counters["staging_full"] += 1
+        if not room:
+            log.warning(
+                "store job %d: %d bytes of staging in use, its %d keys are not stored",
+                rec.job_id,
+                self.e._staged_bytes,
+                len(plan.keys),
+            )
+            return _TierWork(rec, "degraded", start, error="the store staging is full")
+        work = _TierWork(rec, "staged", start, staged_bytes=need)
+        try:
+            target = self.e.backends[plan.tier]
+            device = target.pool.device if isinstance(target, MemoryBackend) else torch.device("cpu")
+            pin = device.type == "cpu" and self.e._cuda
+            staging = work.staging = torch.empty(
+                (len(plan.keys), self.e.layout.block_bytes), dtype=torch.uint8, device=device, pin_memory=pin
+            )
+            ids = list(rec.block_ids)
+            self._read_engine_blocks(
+                rec, lambda: self.e.layout.gather(ids, staging, range(len(plan.keys)), non_blocking=True)
+            )
+        except _Expired:
+            work.mode, work.staging = "cleanup", None  # the tiers thread gives the staging budget back
+        except Exception as exc:
+            log.warning("store job %d: reading its blocks failed: %s", rec.job_id, exc, exc_info=True)
+            work.mode, work.error, work.staging = "degraded", repr(exc), None
+        return work
+
+    def run_tiers(self) -> None:
+        while True:
+            work = self.e._tiers_q.get()
+            if work is None:
+                return
+            try:
+                if self.e._cuda:
+                    with torch.cuda.stream(self.e._streams["tiers"]):
+                        self._tier_phase(work)
+                else:
+                    self._tier_phase(work)
+            except BaseException as exc:  # the thread must survive anything
+                log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
+                self.e._finish(
+                    work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc))
+                )
+            finally:
+                self.e._retire()
+                with self.e._lock:
+                    self.e._tier_jobs -= 1
+                    self.e._staged_bytes -= work.staged_bytes
+                work.staging = None
+
+    def _tier_phase(self, work: _TierWork) -> None:
+        rec, plan = work.rec, work.rec.store_plan
+        staging = self.e._staging_rows("tiers")
+        try:
+            if work.mode == "cleanup" or rec.result is not None:
+                raise _Expired
+            if work.mode in ("staged", "degraded"):
+                self._drops_and_demotions(plan, staging, work, check=True)
+            if work.mode == "staged" and plan.keys:
+                assert work.staging is not None
+                self._write_staged(work)
+            elif work.mode == "rest":
+                source = self.e.backends[plan.tier]
+                assert isinstance(source, MemoryBackend)
+                for tier, keys in plan.write_through:
+                    if not self.e._is_memory(tier):
+                        self._check_alive(rec)
+                        self._write_from(source, tier, keys, staging, work.failed, work.sizes)
+            self._check_alive(rec)
+        except _Expired:
+            self._cleanup(plan)
+            return
+        except Exception as exc:
+            log.warning("store job %d failed: %s", rec.job_id, exc, exc_info=True)
+            self._delete_new(plan)
+            work.error = repr(exc)
+        if work.mode == "degraded":
+            self._delete_new(plan)
+        if not self._finish_store(work):
+            self._cleanup(plan)  # reported failed while it ran: undo what it wrote
+
+    @staticmethod
+    def _check_alive(rec: JobRecord) -> None:
+        if rec.result is not None:
+            raise _Expired
+
+    def _write_staged(self, work: _TierWork) -> None:
+        rec, plan = work.rec, work.rec.store_plan
+        assert work.staging is not None
+        rows = [work.staging[i] for i in range(len(plan.keys))]
+        target = self.e.backends[plan.tier]
+        if isinstance(target, MemoryBackend):
+            slots = target.reserve(plan.keys)
+            if slots is None:
+                raise LifecycleError(
+                    f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off"
+                )
+            target.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=target.pool.device), work.staging)
+            self.e._sync()
+            work.nbytes = len(slots) * self.e.layout.block_bytes
+        else:
+            got = target.write_blocks(list(plan.keys), rows)
+            self._note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
+            work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
+        for tier, keys in plan.write_through:
+            self._check_alive(rec)
+            pos = {k: i for i, k in enumerate(plan.keys)}
+            got = self.e.backends[tier].write_blocks(list(keys), [rows[pos[k]] for k in keys])
+            self._note_sizes(tier, keys, got, work.failed, work.sizes)
+
+    @staticmethod
+    def _note_sizes(
+        tier: int, keys: Sequence[bytes], got: Sequence[int | None], failed: _Failed, sizes: _Sizes
+    ) -> None:
+        for k, size in zip(keys, got):
+            if size is None:
+                failed.setdefault(tier, []).append(k)
+            else:
+                sizes.setdefault(tier, {})[k] = size
+
+    def _finish_store(self, work: _TierWork) -> bool:
+        plan = work.rec.store_plan
+        ok = work.error is None and not work.failed.get(plan.tier)
+        return self.e._finish(
+            work.rec,
+            JobResult(
+                work.rec.job_id,
+                "store",
+                ok,
+                plan.keys,
+                nbytes=work.nbytes if work.error is None else 0,
+                seconds=time.perf_counter() - work.start,
+                failed={t: tuple(ks) for t, ks in work.failed.items() if ks},
+                sizes=work.sizes,
+                error=work.error,
+            ),
+        )
+
+    def _delete_new(self, plan: StorePlan) -> None:
+        """Release the plan's new blocks (the manager releases their reservations to match)."""
+        for tier, keys in ((plan.tier, plan.keys), *plan.write_through):
+            self.e._delete(tier, keys, "cleanup of a failed store")
+
+    def _cleanup(self, plan: StorePlan) -> None:
+        """A job reported failed before it ended: run its evictions, and delete everything it
+        may have written (the manager released all of it)."""
+        for tier, keys in plan.drops:
+            self.e._delete(tier, keys, "eviction")
+        for d in plan.demotions:
+            self.e._delete(d.src, d.keys, "eviction")
+            self.e._delete(d.dst, d.keys, "cleanup of a stopped demotion")
+        self._delete_new(plan)
+
+    def _drops_and_demotions(self, plan: StorePlan, staging: torch.Tensor, work: _TierWork, *, check: bool) -> None:
+        # 1. evicted keys that are not moving down from that very tier: their room is needed now.
+        moving = {(d.src, k) for d in plan.demotions for k in d.keys}
+        for tier, keys in plan.drops:
+            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], "eviction")
+        # 2. write-back, deepest first: copy down, then free the source.
+        chunk = staging.shape[0]
+        for d in plan.demotions:
+            src, dst = self.e.backends[d.src], self.e.backends[d.dst]
+            for c in range(0, len(d.keys), chunk):
+                keys = d.keys[c : c + chunk]
+                try:
+                    if check:
+                        self._check_alive(work.rec)
+                    rows, found = self._rows_of(src, keys, staging)
+                    move = [(k, r) for k, r, ok in zip(keys, rows, found) if ok]
+                    work.failed.setdefault(d.dst, []).extend(k for k, ok in zip(keys, found) if not ok)
+                    if move:
+                        got = dst.write_blocks([k for k, _ in move], [r for _, r in move])
+                        self._note_sizes(d.dst, [k for k, _ in move], got, work.failed, work.sizes)
+                except _Expired:
+                    raise
+                except Exception as exc:  # the victims are lost (a miss later), the job goes on
+                    log.warning("demotion of %d blocks to tier %d failed: %s", len(keys), d.dst, exc)
+                    work.failed.setdefault(d.dst, []).extend(keys)
+                finally:
+                    # The manager already counts these keys as gone from the source: free them
+                    # whatever happened, or the source's slots would leak.
+                    self.e._delete(d.src, keys, "demotion")
+
+    def _rows_of(
+        self, backend: Backend, keys: Sequence[bytes], staging: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[bool]]:
+        """Blocks of ``keys`` as CPU-readable rows: pool rows of a host pool, else read into staging."""
+        if isinstance(backend, MemoryBackend) and backend.pool.device.type == "cpu":
+            found = []
+            rows = []
+            pool = backend.pool
+            for key in keys:
+                try:
+                    rows.append(pool[backend.slots([key])[0]])
+                    found.append(True)
+                except LifecycleError:
+                    rows.append(staging[0])
+                    found.append(False)
+            return rows, found
+        out = [staging[i] for i in range(len(keys))]
+        return out, backend.read_blocks(keys, out)
+
+    def _write_from(
+        self,
+        source: MemoryBackend,
+        tier: int,
+        keys: Sequence[bytes],
+        staging: torch.Tensor,
+        failed: _Failed,
+        sizes: _Sizes,
+    ) -> None:
+        chunk = staging.shape[0]
+        for c in range(0, len(keys), chunk):
+            part = keys[c : c + chunk]
+            rows, found = self._rows_of(source, part, staging)
+            got = self.e.backends[tier].write_blocks(list(part), rows)
+            for k, size, ok in zip(part, got, found):
+                if size is None or not ok:
+                    failed.setdefault(tier, []).append(k)
+                else:
+                    sizes.setdefault(tier, {})[k] = size
+
+
+class LoadMover:
+    """Load jobs: tiers -> engine blocks, each write after the compute stream as it was at
+    submit and stopped by ``cancel`` before any later write."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.e = engine
+
+    def run(self) -> None:
+        while True:
+            rec = self.e._load_q.get()
+            if rec is None:
+                return
+            self.e._take("load")
+            try:
+                if rec.result is None:  # else stopped before it began: it never touched anything
+                    self._load_one(rec)
+            except BaseException as exc:  # the thread must survive anything
+                log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
+            finally:
+                self.e._retire()
+
+    def _load_one(self, rec: LoadRecord) -> None:
+        start = time.perf_counter()
+        promoted: list[bytes] = []
+        try:
+            if self.e._cuda:
+                with torch.cuda.stream(self.e._streams["load"]):
+                    result = self._load(rec, start, promoted)
+            else:
+                result = self._load(rec, start, promoted)
+        except Exception as exc:  # a failed job is reported, never raised into the engine
+            log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)
+            result = JobResult(
+                rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)
+            )
+        try:
+            if result.error is not None or not self.e._finish(rec, result):
+                # Failed, or stopped while it ran: its promotions are released, free them.
+                self.e._delete(0, promoted, "cleanup of a stopped load's promotions")
+        except BaseException as exc:  # the thread must survive anything
+            log.warning("load job %d: finishing failed: %s", rec.job_id, exc, exc_info=True)
+
+    def _load(self, rec: LoadRecord, start: float, promoted: list[bytes]) -> JobResult:
+        plan = rec.load_plan
+        ids = rec.block_ids
+        n = self.e.layout.engine_blocks_per_block
+        by_tier: dict[int, list[int]] = {}
+        for i, tier in enumerate(plan.tiers):
+            by_tier.setdefault(tier, []).append(i)
+        missed: list[int] = []
+        failed: _Failed = {}
+        promote = set(plan.promote)
+        nbytes = 0
+        staging = self.e._staging_rows("load")
+        chunk = staging.shape[0]
+        waited = False
+
+        def write(src: torch.Tensor, rows: Sequence[int], dst: list[int]) -> bool:
+            """Scatter into engine blocks unless the job was stopped; ``False`` if stopped."""
+            nonlocal waited
+            with rec.device_lock:
+                if rec.cancelled or rec.result is not None:
+                    return False
+                rec.phase = Phase.DEVICE
+                if not waited:
+                    self.e._wait_compute(rec)
+                    waited = True
+                self.e.layout.scatter(src, rows, dst, non_blocking=True)
+                self.e._sync()  # done means done: the engine may read these blocks at once
+            return True
+
+        stopped = False
+        for tier, positions in by_tier.items():
+            backend = self.e.backends[tier]
+            if isinstance(backend, MemoryBackend):
+                slot_of = {}
+                for i in positions:
+                    try:
+                        slot_of[i] = backend.slots([plan.keys[i]])[0]
+                    except LifecycleError:
+                        missed.append(i)
+                good = [i for i in positions if i in slot_of]
+                dst = [b for i in good for b in ids[i * n : (i + 1) * n]]
+                if not write(backend.pool, [slot_of[i] for i in good], dst):
+                    stopped = True
+                    break
+                nbytes += len(good) * self.e.layout.block_bytes
+                up = [i for i in good if plan.keys[i] in promote]
+                if up:
+                    self._promote([plan.keys[i] for i in up], [backend.pool[slot_of[i]] for i in up], failed, promoted)
+                continue
+            for c in range(0, len(positions), chunk):
+                part = positions[c : c + chunk]
+                out = [staging[j] for j in range(len(part))]
+                found = backend.read_blocks([plan.keys[i] for i in part], out)
+                rows = [j for j, ok in enumerate(found) if ok]
+                missed.extend(i for i, ok in zip(part, found) if not ok)
+                dst = [b for j in rows for b in ids[part[j] * n : (part[j] + 1) * n]]
+                if not write(staging, rows, dst):
+                    stopped = True
+                    break
+                up = [j for j in rows if plan.keys[part[j]] in promote]
+                if up:
+                    self._promote([plan.keys[part[j]] for j in up], [staging[j] for j in up], failed, promoted)
+                nbytes += len(rows) * self.e.layout.block_bytes
+            if stopped:
+                break
+        if stopped:
+            return JobResult(rec.job_id, "load", False, plan.keys, error="stopped")
+        missed.sort()
+        return JobResult(
+            rec.job_id,
+            "load",
+            not missed,
+            plan.keys,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - start,
+            missed=tuple(plan.keys[i] for i in missed),
+            missed_tiers=tuple(plan.tiers[i] for i in missed),
+            failed={0: tuple(set(failed.get(0, ())) | {plan.keys[i] for i in missed} & promote)} if promote else {},
+        )
+
+    def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: _Failed, promoted: list[bytes]) -> None:
+        """Copy blocks just read from a lower tier into the first tier."""
+        try:
+            got = self.e.backends[0].write_blocks(keys, rows)
+        except Exception as exc:  # a failed promotion is a miss in the first tier, nothing more
+            log.warning("promotion of %d blocks failed: %s", len(keys), exc)
+            got = [None] * len(keys)
+        failed.setdefault(0, []).extend(k for k, size in zip(keys, got) if size is None)
+        promoted.extend(k for k, size in zip(keys, got) if size is not None)
