@@ -214,8 +214,9 @@ def main() -> None:
             started.append(server)
             url = server.url
         report: dict[str, Any] = {"redis_server": server_version(), "cpus": os.cpu_count(), "server": measure(url, False, args.repeat)}
-        report["redis_save_ratio"] = report["server"]["redis_save_ratio"]
-        report["redis_load_ratio"] = report["server"]["redis_load_ratio"]
+        # Top level: the standalone server's figures (what `kvtier bench` plots), the cluster's below.
+        for field in ("redis_save_ratio", "redis_load_ratio", "2MiB", "64KiB", "lookup_us_per_key", "sweep_us_per_key"):
+            report[field] = report["server"][field]
         if not args.no_cluster:
             curl = args.cluster_url
             if curl is None:
