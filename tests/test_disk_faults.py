@@ -752,3 +752,43 @@ def test_file_tier_fsyncs_new_shard_directories_into_their_parent(tmp_path: Path
     h = key.hex()
     print(f"fsync'ed directories: {synced}")
     assert root in synced and os.path.join(root, h[:2]) in synced and os.path.join(root, h[:2], h[2:4]) in synced
+
+
+def test_stamps_that_cannot_be_written_never_fail_a_close(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Item 4: with a damaged index, the stamp flush at aclose raised DiskError."""
+    import lmdb
+
+    import kvtier
+
+    caches = [torch.randn(8, 16, 2, 4, 32).to(torch.bfloat16)]
+    cfg = {"tiers": [{"backend": "lmdb", "path": str(tmp_path / "env"), "capacity": "32MiB"}], "namespace": {"model_id": "stamps"}}
+    keys = [make_key(40 + i) for i in range(2)]
+
+    async def run() -> None:
+        store = await kvtier.open(cfg, kv_caches=caches)
+        assert await store.save(keys, [0, 1]) == 2
+        assert await store.load(keys, [2, 3]) == 2  # recency to persist at close
+        backend = store.backends[0]
+        env = backend._env  # type: ignore[attr-defined]
+
+        class Env:
+            def __getattr__(self, name: str) -> object:
+                return getattr(env, name)
+
+            def begin(self, **kw: object) -> object:
+                if kw.get("write"):
+                    raise lmdb.CorruptedError("injected MDB_CORRUPTED")
+                return env.begin(**kw)
+
+        backend._env = Env()  # type: ignore[attr-defined]
+        try:
+            await store.aclose()  # must not raise
+        finally:
+            backend._env = env  # type: ignore[attr-defined]
+            await backend.aclose()
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(run())
+    logged = [r.getMessage() for r in caplog.records if "access stamps" in r.getMessage()]
+    print(f"stamps at close on a damaged index: {len(logged)} warning(s), no exception")
+    assert logged
