@@ -165,7 +165,7 @@ class PlanBuilder:
 
     def open(self, sources: dict[bytes, int] | None = None) -> OpenPlan:
         """What the manager keeps of the built plan until its last key completes."""
-        return OpenPlan(set(self.keys), self.demoted, self.through, sources)
+        return OpenPlan(len(self.keys), self.demoted, self.through, sources)
 
 
 @dataclass(slots=True)
@@ -193,10 +193,11 @@ class Completion:
 
 @dataclass(slots=True)
 class OpenPlan:
-    """A plan whose ``remaining`` keys have not completed yet. Its lower-tier copies (demoted
-    keys and write-through copies) settle together when the last key completes."""
+    """A plan with ``remaining`` keys not completed yet (each completes once: completing it
+    takes it out of the book). Its lower-tier copies (demoted keys and write-through copies)
+    settle together when the last key completes."""
 
-    remaining: set[bytes]
+    remaining: int
     demoted: dict[int, list[bytes]] = field(default_factory=dict)
     through: dict[int, list[bytes]] = field(default_factory=dict)
     #: Promotion plans only: the lower tier each key was ready in when the plan was made.
@@ -283,7 +284,8 @@ class PlanBook:
         """Settle ``keys`` (every one open) and the plans they complete; return the stores that
         succeeded and failed (promotions are counted by :class:`Promotions`)."""
         unique = list(dict.fromkeys(keys))
-        plan_ids = set(map(self._plan_of.pop, unique))
+        owners = list(map(self._plan_of.pop, unique))
+        plan_ids = set(owners)
         ok, bad = result.split(0, unique, all_lost=not result.success)
         first = self._tiers[0]
         first.settle(ok, result.sizes_in(0), result.now)
@@ -297,7 +299,7 @@ class PlanBook:
                 promoted, not_promoted = self._promotions.plan_completed(plan.sources, ok, bad)
                 done -= promoted
                 lost -= not_promoted
-            plan.remaining.difference_update(unique)
+            plan.remaining -= len(owners) if len(plan_ids) == 1 else owners.count(plan_id)
             if not plan.remaining:
                 del self._plans[plan_id]
                 plan.settle(self._tiers, result, out)

@@ -505,3 +505,17 @@ def test_remove_names_each_key_once(policy_name: str) -> None:
     assert m.remove([K[0], K[0], K[1], K[0]], 0) == [K[0], K[1]]
     assert m.take_events() == [CacheEvent("removed", K[0], "cpu"), CacheEvent("removed", K[1], "cpu")]
     assert used(m) == 0 and m.stats()["tiers"][0]["blocks"] == 0
+
+
+def test_one_complete_store_call_may_span_plans(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=4, slow=4)
+    store(m, [K[0], K[1], K[2], K[3]])
+    first = m.prepare_store([K[4], K[5]])  # demotes K0, K1
+    second = m.prepare_store([K[6], K[7]])  # demotes K2, K3
+    assert first is not None and second is not None
+    m.complete_store([K[4], K[6], K[5]])  # all of the first plan, half of the second
+    assert [m.status(k).tier for k in K[:4]] == [1, 1, 1, 1]
+    assert [m.status(k).state for k in K[:4]] == [KeyState.READY] * 2 + [KeyState.PENDING] * 2
+    assert m.stats()["open_plans"] == 1
+    m.complete_store([K[7]])
+    assert m.lookup(K[:8]) == 8 and m.stats()["open_plans"] == 0
