@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from kvtier.errors import BackendError, DiskError
 
 __all__ = [
+    "META_KEY",
     "HolderLock",
     "MetaPage",
     "check_data_file",
@@ -54,6 +55,8 @@ _LOCK_SLOT = 64
 #: What creating an environment needs besides the lock file: meta pages, first transactions.
 _OPEN_ROOM = 256 << 10
 HOLDER_FILE = "kvtier.lock"
+#: Key of the store's meta record in the ``meta`` database.
+META_KEY = b"kvtier-meta"
 
 
 class DamagedEnvironment(Exception):

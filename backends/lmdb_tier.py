@@ -28,9 +28,10 @@ Contract and choices:
   straight from the map into the caller's tensor, and never hold a transaction across an await.
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size; at open the
-  blocks database's leaf pages are walked and the index is read. Any damage found (a truncated file, a bad page, an unreadable meta
-  record) moves the environment to ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``,
-  with a ``REASON`` file) and starts an empty one, with a warning. A read never touches a value
+  blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
+  file, a bad page, an unreadable meta record) moves the environment to
+  ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
+  an empty one, with a warning. A read never touches a value
   that lies past the end of the file, and any LMDB error on one key is a miss for that key,
   which is deleted.
 * One process per environment: ``open()`` takes an exclusive ``flock`` on ``kvtier.lock`` and a
@@ -40,7 +41,7 @@ Contract and choices:
   records, compacts the file and logs the counts.
 
 Offline access (``kvtier inspect`` / ``kvtier verify``, see :mod:`kvtier.tools`) goes through the
-classmethods ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
+classmethods (:mod:`kvtier.backends.lmdb_offline`) ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
 ``delete_raw_records``: they need no ``BlockFormat`` or capacity, open the environment read-only
 (only the deletion writes), and never create a file in a directory that holds no ``data.mdb``.
 """
@@ -48,7 +49,6 @@ classmethods ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``ite
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -63,6 +63,7 @@ import lmdb
 import numpy as np
 import torch
 from kvtier.backends.lmdb_files import (
+    META_KEY,
     DamagedEnvironment,
     HolderLock,
     check_data_file,
@@ -71,13 +72,13 @@ from kvtier.backends.lmdb_files import (
     move_aside,
     preallocate_lock_file,
 )
+from kvtier.backends.lmdb_offline import OfflineLmdb
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.record import (
     PersistentRecordBackend,
-    StoreMeta,
     check_meta,
     decode_meta,
     decode_record,
@@ -90,7 +91,6 @@ __all__ = ["LmdbBackend"]
 log = logging.getLogger(__name__)
 
 _INDEX = struct.Struct("<dQ")
-_META_KEY = b"kvtier-meta"
 _EPOCH_KEY = b"kvtier-epoch"
 # LMDB errors that mean "this file is not a sound environment": move it aside and start afresh.
 _CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
@@ -107,7 +107,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LmdbBackend(PersistentRecordBackend):
+class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
     name: ClassVar[str] = "lmdb"
@@ -214,9 +214,9 @@ class LmdbBackend(PersistentRecordBackend):
         self._index = env.open_db(b"index")
         meta_db = self._meta = env.open_db(b"meta")
         with env.begin(write=True, db=meta_db) as txn:
-            stored = txn.get(_META_KEY)
+            stored = txn.get(META_KEY)
             if stored is None:
-                txn.put(_META_KEY, encode_meta(fmt))
+                txn.put(META_KEY, encode_meta(fmt))
             else:
                 try:
                     meta = decode_meta(stored)
@@ -562,125 +562,6 @@ class LmdbBackend(PersistentRecordBackend):
             except (lmdb.Error, struct.error) as exc:
                 # Advisory (eviction order only): never fail a close over them.
                 log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)
-
-    # -- offline, read-only access (kvtier inspect / verify) ---------------------------------------
-    @classmethod
-    def is_store_dir(cls, path: str | os.PathLike[str]) -> bool:
-        """Whether ``path`` is a directory holding an LMDB environment (``data.mdb``)."""
-        return os.path.isfile(os.path.join(path, "data.mdb"))
-
-    @classmethod
-    @contextlib.contextmanager
-    def _offline_env(cls, path: str | os.PathLike[str]) -> Iterator[tuple[lmdb.Environment, Any, Any]]:
-        """The environment at ``path`` opened read-only, with its ``blocks`` and ``meta`` databases.
-
-        The lock file is used only when it already exists and is writable: then this reader is
-        registered and a live writer will not reuse the pages it reads. Without one (a copied
-        ``data.mdb``, read-only media) no writer can be live, and ``lock=False`` creates nothing.
-        """
-        where = os.fspath(path)
-        if not cls.is_store_dir(where):
-            raise ConfigError(f"lmdb: {where!r} holds no LMDB environment (no data.mdb)")
-        try:
-            check_data_file(where)  # never map a file that would fault
-        except DamagedEnvironment as exc:
-            raise DiskError(f"lmdb: the environment at {where!r} is damaged ({exc}); its records cannot be read safely") from exc
-        except OSError as exc:
-            raise DiskError(f"lmdb: cannot read {where!r}: {exc}") from exc
-        lock_file = os.path.join(where, "lock.mdb")
-        lock = os.path.isfile(lock_file) and os.access(lock_file, os.R_OK | os.W_OK)
-        try:
-            env = lmdb.open(where, readonly=True, create=False, subdir=True, max_dbs=3, lock=lock, readahead=False)
-        except lmdb.Error as exc:
-            raise ConfigError(f"lmdb: cannot open the environment at {where!r} read-only: {exc}") from exc
-        try:
-            try:
-                blocks = env.open_db(b"blocks", create=False)
-                meta = env.open_db(b"meta", create=False)
-            except lmdb.Error as exc:
-                raise ConfigError(f"lmdb: {where!r} is an LMDB environment but not a kvtier tier: {exc}") from exc
-            yield env, blocks, meta
-        finally:
-            env.close()
-
-    @classmethod
-    def read_store_meta(cls, path: str | os.PathLike[str]) -> StoreMeta | None:
-        """The meta record of the tier at ``path``, or ``None`` if it has none (read-only).
-
-        Raises ``ConfigError`` if ``path`` is not an lmdb tier, ``CorruptBlockError`` or
-        ``UnsupportedRecordError`` if its meta record cannot be read.
-        """
-        with cls._offline_env(path) as (env, _blocks, meta_db):
-            try:
-                with env.begin(db=meta_db) as txn:
-                    raw = txn.get(_META_KEY)
-            except lmdb.Error as exc:
-                raise DiskError(f"lmdb: cannot read the meta record of {os.fspath(path)!r}: {exc}") from exc
-        return None if raw is None else decode_meta(raw)
-
-    @classmethod
-    def count_raw_records(cls, path: str | os.PathLike[str]) -> int:
-        """How many records the tier at ``path`` holds (from LMDB's statistics; read-only)."""
-        with cls._offline_env(path) as (env, blocks, _meta):
-            with env.begin() as txn:
-                return int(txn.stat(blocks)["entries"])
-
-    @classmethod
-    def iter_raw_records(cls, path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bytes]]:
-        """Yield ``(key, record)`` for every record of the tier at ``path``, unchecked (read-only).
-
-        One read transaction spans the iteration; close the generator (or exhaust it) promptly
-        on a live store, since a long reader keeps the writer from reusing freed pages.
-        """
-        with cls._offline_env(path) as (env, blocks, _meta):
-            try:
-                with env.begin(db=blocks) as txn:
-                    for key, value in txn.cursor():
-                        yield bytes(key), bytes(value)
-            except lmdb.Error as exc:
-                raise DiskError(f"lmdb: cannot read the records of {os.fspath(path)!r}: {exc}") from exc
-
-    @classmethod
-    def delete_raw_records(cls, path: str | os.PathLike[str], keys: Sequence[bytes]) -> int:
-        """Delete ``keys`` (record and index entry, in one durable transaction) from the tier at
-        ``path``; returns how many records were there. Missing keys are ignored.
-
-        Refused (``BackendError`` naming the pid) while a process holds the tier open: its map
-        could not follow a file this grows. Holds the tier's lock itself meanwhile. The map is
-        opened with room past the file's used pages, since deleting copies pages (copy-on-write)
-        and a full map would refuse it. Nothing else about the store is touched.
-        """
-        where = os.fspath(path)
-        with cls._offline_env(where) as (env, _blocks, _meta):
-            info = env.info()
-            psize = int(env.stat()["psize"])
-        if not keys:
-            return 0
-        used = (int(info["last_pgno"]) + 1) * psize
-        map_size = max(int(info["map_size"]), used) + max(1 << 20, (64 + 8 * len(keys)) * psize)
-        holder = HolderLock(where)
-        holder.acquire()
-        try:
-            env = lmdb.open(where, map_size=map_size, create=False, subdir=True, max_dbs=3, sync=True, lock=True)
-        except lmdb.Error as exc:
-            holder.release()
-            raise DiskError(f"lmdb: cannot open {where!r} for writing: {exc}") from exc
-        deleted = 0
-        try:
-            blocks = env.open_db(b"blocks", create=False)
-            index = env.open_db(b"index", create=False)
-            with env.begin(write=True) as txn:
-                for key in keys:
-                    if txn.delete(key, db=blocks):
-                        deleted += 1
-                    txn.delete(key, db=index)
-            env.sync(True)
-        except lmdb.Error as exc:
-            raise DiskError(f"lmdb: delete in {where!r} failed: {exc}") from exc
-        finally:
-            env.close()
-            holder.release()
-        return deleted
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()
