@@ -31,7 +31,7 @@ Contract and choices:
   unreadable meta record is moved aside with a warning and rewritten.
 
 Offline access (``kvtier inspect`` / ``kvtier verify``, see :mod:`kvtier.tools`) goes through the
-classmethods ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
+classmethods (:mod:`kvtier.backends.file_tree`) ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
 ``delete_raw_records``: they need no ``BlockFormat`` or capacity, create nothing, sweep no temp
 file, and only the deletion writes (it unlinks the named records).
 """
@@ -51,6 +51,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
+from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
@@ -58,7 +59,6 @@ from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyE
 from kvtier.record import (
     HEAD_MAX,
     PersistentRecordBackend,
-    StoreMeta,
     check_meta,
     decode_meta,
     encode_meta,
@@ -70,18 +70,7 @@ __all__ = ["FileBackend", "STALE_TEMP_SECONDS"]
 
 log = logging.getLogger(__name__)
 
-STALE_TEMP_SECONDS = 600.0
-_SUFFIX = ".kvb"
-_META_NAME = "kvtier-meta.kvm"
 _FS_BLOCK = 4096  # stored sizes are rounded to the usual filesystem block
-_HEX = frozenset("0123456789abcdef")
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
-
-
-def _is_hex(name: str, length: int) -> bool:
-    return len(name) == length and set(name) <= _HEX
 
 
 def _write_all(fd: int, buffers: Sequence[Any]) -> None:
@@ -109,7 +98,7 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         filled += n
 
 
-class FileBackend(PersistentRecordBackend):
+class FileBackend(FileTree, PersistentRecordBackend):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
     name: ClassVar[str] = "file"
@@ -225,47 +214,11 @@ class FileBackend(PersistentRecordBackend):
         return self._leaf_at(self._root, key, create=create, durable=self.sync_mode == "durable")
 
     @staticmethod
-    def _leaf_at(root: str, key: bytes, *, create: bool = False, durable: bool = True) -> tuple[int, str] | None:
-        if type(key) is not bytes or len(key) != 32:
-            raise InvalidKeyError("file: keys must be 32 bytes")
-        h = key.hex()
-        fd = os.open(root, _DIR_FLAGS)
-        try:
-            for part in (h[0:2], h[2:4]):
-                try:
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        os.close(fd)
-                        return None
-                    try:
-                        os.mkdir(part, 0o700, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                    if durable:
-                        os.fsync(fd)  # the new directory's entry in its parent survives a power loss
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, h + _SUFFIX
-
-    @staticmethod
     def _stored(record_bytes: int) -> int:
         return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
 
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
-
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
@@ -419,29 +372,6 @@ class FileBackend(PersistentRecordBackend):
         with self._lock:
             self._used -= self._sizes.pop(key, 0)
 
-    @classmethod
-    def _unlink_record(cls, root: str, key: bytes) -> bool:
-        """Unlink ``key``'s record under ``root``, never through a symlink; ``False`` if there was
-        none (or a symlink stood in its path, which is logged and left alone)."""
-        h = key.hex()
-        path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
-        try:
-            leaf = cls._leaf_at(root, key)
-            if leaf is None:
-                return False
-            try:
-                os.unlink(leaf[1], dir_fd=leaf[0])
-            finally:
-                os.close(leaf[0])
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink in the tree: never followed
-                log.warning("file: not deleting %s: a symlink in its path (%s)", path, exc)
-                return False
-            raise DiskError(f"file: cannot delete {path!r}: {exc}") from exc
-        return True
-
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
         for key in keys:
@@ -470,43 +400,6 @@ class FileBackend(PersistentRecordBackend):
             records.append(RecordInfo(key, self._stored(st.st_size), st.st_mtime))
         return records
 
-    @classmethod
-    def _record_entries(cls, root: str, *, sweep_now: float | None = None) -> Iterator[tuple[bytes, os.DirEntry[str]]]:
-        """``(key, entry)`` of every record file under ``root``, in key order, by the tier's naming
-        rules: two levels of 2-hex directories, ``<64 hex>.kvb`` names matching them, regular
-        files only (no symlinks). Temp files are skipped; with ``sweep_now`` (a ``time.time()``)
-        the stale ones are unlinked as they are met."""
-        with os.scandir(root) as top:
-            level1 = sorted(e.path for e in top if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
-        for d1 in level1:
-            with os.scandir(d1) as mid:
-                level2 = sorted(e.path for e in mid if _is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
-            for d2 in level2:
-                prefix = os.path.basename(d1) + os.path.basename(d2)
-                with os.scandir(d2) as leaf:
-                    entries = sorted(leaf, key=lambda e: e.name)
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(".tmp"):
-                        if sweep_now is not None and cls._stale(entry, sweep_now):
-                            try:
-                                os.unlink(entry.path)
-                            except FileNotFoundError:
-                                pass
-                        continue
-                    stem = name[: -len(_SUFFIX)]
-                    if not name.endswith(_SUFFIX) or not _is_hex(stem, 64) or not stem.startswith(prefix):
-                        continue
-                    if entry.is_file(follow_symlinks=False):
-                        yield bytes.fromhex(stem), entry
-
-    @staticmethod
-    def _stale(entry: os.DirEntry[str], now: float) -> bool:
-        try:
-            return now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
-        except FileNotFoundError:
-            return False
-
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         self._check_open()
         for key, stamp in stamps:
@@ -522,90 +415,6 @@ class FileBackend(PersistentRecordBackend):
                 continue
             except OSError as exc:
                 log.debug("file: stamp of %s… not persisted: %s", key.hex()[:16], exc)
-
-    # -- offline, read-only access (kvtier inspect / verify) ---------------------------------------
-    @classmethod
-    def is_store_dir(cls, path: str | os.PathLike[str]) -> bool:
-        """Whether ``path`` is a directory holding a file tier's meta record (``kvtier-meta.kvm``)."""
-        return os.path.isfile(os.path.join(path, _META_NAME))
-
-    @classmethod
-    def _offline_root(cls, path: str | os.PathLike[str]) -> str:
-        if not cls.is_store_dir(path):
-            raise ConfigError(f"file: {os.fspath(path)!r} is not a file tier (no {_META_NAME})")
-        return os.path.realpath(path)
-
-    @classmethod
-    def read_store_meta(cls, path: str | os.PathLike[str]) -> StoreMeta:
-        """The meta record of the tier at ``path`` (read-only).
-
-        Raises ``ConfigError`` if ``path`` is not a file tier, ``CorruptBlockError`` or
-        ``UnsupportedRecordError`` if its meta record cannot be read.
-        """
-        root = cls._offline_root(path)
-        meta_path = os.path.join(root, _META_NAME)
-        try:
-            with open(meta_path, "rb") as f:
-                data = f.read(1 << 20)
-        except OSError as exc:
-            raise DiskError(f"file: cannot read the meta record {meta_path!r}: {exc}") from exc
-        return decode_meta(data)
-
-    @classmethod
-    def count_raw_records(cls, path: str | os.PathLike[str]) -> int:
-        """How many record files the tier at ``path`` holds (a directory walk; nothing is read)."""
-        root = cls._offline_root(path)
-        try:
-            return sum(1 for _ in cls._record_entries(root))
-        except OSError as exc:
-            raise DiskError(f"file: cannot list {root!r}: {exc}") from exc
-
-    @classmethod
-    def iter_raw_records(cls, path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bytes]]:
-        """Yield ``(key, record)`` for every record file of the tier at ``path``, unchecked and in
-        key order (read-only; files are opened ``O_NOFOLLOW``). A file deleted by another
-        instance during the walk is skipped; any other read error raises ``DiskError``."""
-        root = cls._offline_root(path)
-        try:
-            for key, entry in cls._record_entries(root):
-                try:
-                    fd = os.open(entry.path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-                except FileNotFoundError:
-                    continue
-                try:
-                    with os.fdopen(fd, "rb", closefd=True) as f:
-                        data = f.read()
-                except FileNotFoundError:
-                    continue
-                yield key, data
-        except OSError as exc:
-            raise DiskError(f"file: cannot read the records under {root!r}: {exc}") from exc
-
-    @classmethod
-    def delete_raw_records(cls, path: str | os.PathLike[str], keys: Sequence[bytes]) -> int:
-        """Unlink the record files of ``keys`` from the tier at ``path``; returns how many existed.
-
-        Only ``<root>/ab/cd/<64 hex>.kvb`` names derived from 32-byte keys are removed (never a
-        symlink's target), and the touched directories are fsync'ed. Instances sharing the
-        directory see the deletion on their next read (a miss)."""
-        root = cls._offline_root(path)
-        deleted = 0
-        dirty: set[str] = set()
-        for key in keys:
-            if type(key) is not bytes or len(key) != 32:
-                raise InvalidKeyError("file: keys must be 32 bytes")
-            h = key.hex()
-            record_path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
-            if not cls._unlink_record(root, key):
-                continue
-            deleted += 1
-            dirty.add(os.path.dirname(record_path))
-        try:
-            for d in dirty:
-                cls._fsync_dir(d)
-        except OSError as exc:
-            raise DiskError(f"file: cannot sync directory entries under {root!r}: {exc}") from exc
-        return deleted
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()
