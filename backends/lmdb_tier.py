@@ -491,9 +491,11 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         """One read transaction and the value buffer of each key (``None``: absent or bad, with
         the reason in ``bad``). An LMDB error on a key marks it bad and starts over in a fresh
         transaction (a failed lookup may leave one unusable, and its buffers with it)."""
-        limit = self._valid_bytes(env)
         while True:
             txn = env.begin(buffers=True)
+            # After the transaction began: a writer may have grown the file just before, and
+            # the newest meta page covers every page this snapshot can see.
+            limit = self._valid_bytes(env)
             values: list[Any] = []
             try:
                 for key in keys:
