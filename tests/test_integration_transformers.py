@@ -77,7 +77,11 @@ def start_manager(num_blocks: int = 64) -> Any:
 
 
 def run_turn(manager: Any, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
-    ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens)
+    # All of a turn's requests enter the engine together: added one by one to a running loop, a
+    # client thread preempted between two adds lets the loop start the first alone, the batches
+    # differ, and so do the last bits of the logprobs (the batch shape changes the float math).
+    with manager.pause():
+        ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens)
     done: dict[str, Any] = {}
     deadline = time.monotonic() + 60
     while len(done) < len(ids):
@@ -206,6 +210,25 @@ def test_chat_bit_identical_to_engine_prefix_cache(runs: dict[str, Any]) -> None
     assert runs["lmdb"]["turns"] == reference
     fresh = [(list(t), list(lp)) for t, lp in runs["fresh"]["turn"]]
     assert fresh == [(list(t), list(lp)) for t, lp in reference[-1]]
+
+
+def test_turn_batches_do_not_depend_on_client_timing(runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client thread preempted between the adds of one turn (here: a pause after each) must not
+    change the engine's batches: the first turn must still be bit-identical to the reference.
+    Before ``run_turn`` paused the loop while adding, the engine started the first request alone
+    and the bit-identical comparison failed under CPU load."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    add = ContinuousBatchingManager.add_request
+
+    def slow_add(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = add(self, *args, **kwargs)
+        time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(ContinuousBatchingManager, "add_request", slow_add)
+    slow = chat(None, turns=1, engine_prefix_cache=True)
+    assert slow["turns"][0] == runs["engine"]["turns"][0]
 
 
 def test_greedy_tokens_match_full_recompute(runs: dict[str, Any]) -> None:
