@@ -91,13 +91,17 @@ def open_backend(name: str, fmt: BlockFormat, **options: Any) -> Backend:
 # -- lmdb ------------------------------------------------------------------------------------------
 
 
-def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, Any]:
+def _lmdb_job(blocks: list[torch.Tensor]) -> tuple[int, int, list[bytes], list[torch.Tensor], BlockFormat, int]:
+    """What both LMDB benchmarks start from: block count, bytes, keys, output buffers, the
+    record format and a map three times the job's size."""
     n = len(blocks)
     total = n * BLOCK
-    keys = [make_key(i) for i in range(n)]
     outs = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(n)]
-    fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16")
-    capacity = 3 * total
+    return n, total, [make_key(i) for i in range(n)], outs, BlockFormat(block_bytes=BLOCK, dtype="bfloat16"), 3 * total
+
+
+def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, Any]:
+    n, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
 
     def tier_save(**options: Any) -> float:
         path = tempfile.mkdtemp(dir=root)
@@ -219,12 +223,7 @@ def _evict(path: str, drop_caches: bool) -> str:
 def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
     """Loads from a cold page cache: every run opens the environment afresh after its file was
     evicted, tier and raw alternating."""
-    n = len(blocks)
-    total = n * BLOCK
-    keys = [make_key(i) for i in range(n)]
-    outs = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(n)]
-    fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16")
-    capacity = 3 * total
+    n, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
     tier_path = tempfile.mkdtemp(dir=root)
     backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
     for j in jobs(n):
