@@ -16,6 +16,7 @@ from typing import Any
 
 import lmdb
 from kvtier.backends.lmdb_files import META_KEY, DamagedEnvironment, HolderLock, check_data_file
+from kvtier.backends.lmdb_layout import join_record
 
 from kvtier.errors import ConfigError, DiskError
 from kvtier.record import StoreMeta, decode_meta
@@ -86,16 +87,18 @@ class OfflineLmdb:
 
     @classmethod
     def iter_raw_records(cls, path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bytes]]:
-        """Yield ``(key, record)`` for every record of the tier at ``path``, unchecked (read-only).
+        """Yield ``(key, record)`` for every record of the tier at ``path``, unchecked (read-only):
+        head and payload joined, whatever the layout (:mod:`kvtier.backends.lmdb_layout`).
 
         One read transaction spans the iteration; close the generator (or exhaust it) promptly
         on a live store, since a long reader keeps the writer from reusing freed pages.
         """
         with cls._offline_env(path) as (env, blocks, _meta):
             try:
+                index = env.open_db(b"index", create=False)
                 with env.begin(db=blocks) as txn:
                     for key, value in txn.cursor():
-                        yield bytes(key), bytes(value)
+                        yield bytes(key), join_record(txn.get(key, db=index), value)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: cannot read the records of {os.fspath(path)!r}: {exc}") from exc
 

@@ -2,9 +2,12 @@
 
 Layout: three named databases in the environment at ``path``:
 
-* ``blocks``: key -> record (:mod:`kvtier.record` header + payload),
-* ``index``:  key -> ``<d Q`` (last-access stamp, stored bytes), written in the same transaction
-  as the record, so ``scan()`` rebuilds the manager's index without touching any block page,
+* ``blocks``: key -> the record's payload,
+* ``index``:  key -> ``<d Q`` (last-access stamp, stored bytes) + the record's head
+  (:mod:`kvtier.record` header [+ tag]), written in the same transaction as the payload, so
+  ``scan()`` rebuilds the manager's index without touching any block page and a save puts the
+  caller's block as it is, with no staging copy (:mod:`kvtier.backends.lmdb_layout`, which also
+  reads stores written by kvtier 0.1-0.2, whose ``blocks`` values hold whole records),
 * ``meta``:   the store's meta record (format version, namespace); a store written for another
   namespace is refused at open with a ``ConfigError``.
 
@@ -26,6 +29,8 @@ Contract and choices:
 * Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` and the deletion of corrupt records
   found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
+  A job's checksums run on a side thread while the job's copies (reads) or puts (writes) run on
+  the calling one (:mod:`kvtier.record_jobs`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size; at open the
   blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
@@ -60,7 +65,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import lmdb
-import numpy as np
 import torch
 from kvtier.backends.lmdb_files import (
     META_KEY,
@@ -72,25 +76,20 @@ from kvtier.backends.lmdb_files import (
     move_aside,
     preallocate_lock_file,
 )
+from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
-from kvtier.record import (
-    PersistentRecordBackend,
-    check_meta,
-    decode_meta,
-    decode_record,
-    encode_meta,
-)
+from kvtier.record import PersistentRecordBackend, check_meta, decode_meta, encode_meta
+from kvtier.record_jobs import EncodedStream
 from kvtier.units import format_size
 
 __all__ = ["LmdbBackend"]
 
 log = logging.getLogger(__name__)
 
-_INDEX = struct.Struct("<dQ")
 _EPOCH_KEY = b"kvtier-epoch"
 # LMDB errors that mean "this file is not a sound environment": move it aside and start afresh.
 _CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
@@ -137,9 +136,8 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         self._psize = 4096
         self._pid = 0
         self._write_lock = threading.Lock()
-        self._staging = bytearray()
         self._holder: HolderLock | None = None
-        self._map_base: int | None = None
+        self._reader: JobReader | None = None
         self._listed: list[RecordInfo] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,7 +223,9 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
                 check_meta(meta, fmt, where=f"lmdb {self.path!r}")
         if self.sync_mode == "durable":
             env.sync(True)
-        self._map_base = map_base(self.path)
+        self._reader = JobReader(
+            blocks=self._blocks, index=self._index, psize=self._psize, map_base=map_base(self.path), path=self.path, block_bytes=fmt.block_bytes
+        )
         self._listed = self._read_index(env)
         if shrinking:
             self._shrink(fmt, used)
@@ -263,31 +263,12 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         try:
             with env.begin(db=self._index) as txn:
                 for index_key, entry in txn.cursor():
-                    stamp, stored = _INDEX.unpack(entry)
+                    stamp, stored = entry_stamp(entry)
                     if index_key in extents_ok:
                         records.append(RecordInfo(bytes(index_key), stored, stamp))
-        except struct.error as exc:
+        except ValueError as exc:
             raise DamagedEnvironment(f"index entry is not readable: {exc}") from exc
         return records
-
-    def _valid_bytes(self, env: lmdb.Environment) -> int:
-        """Bytes of the file that committed pages may occupy (checked against its size at open)."""
-        return (int(env.info()["last_pgno"]) + 1) * self._psize
-
-    def _address(self, value: Any) -> int | None:
-        """Where the value buffer ``value`` (a view into the map) lies in memory, when the map's
-        base is known (Linux)."""
-        if self._map_base is None or not len(value):
-            return None
-        return int(np.frombuffer(value, dtype=np.uint8, count=1).ctypes.data)
-
-    def _inside_at(self, address: int | None, length: int, limit: int) -> bool:
-        """Whether ``length`` bytes at ``address`` lie inside the first ``limit`` bytes of the
-        file; ``True`` when the address is unknown."""
-        if address is None or self._map_base is None:
-            return True
-        start = address - self._map_base
-        return 0 <= start and start + length <= limit
 
     def _shrink(self, fmt: BlockFormat, used: int) -> None:
         """The map holds more than the (lowered) capacity: drop the oldest records until the rest
@@ -372,26 +353,20 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         self._check_io(keys, blocks)
         env = self._env_or_raise()
-        parts = self._encode(keys, blocks)  # compression runs outside the write lock
         sizes: list[int | None] = []
         written = 0
         bumped = False
-        with self._write_lock:
+        # Checksums (and compression) run on a side thread, ahead of the puts: outside the lock.
+        with self._encoded(keys, blocks) as records, self._write_lock:
             if self._env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
-            need = max((len(h) + len(p) for h, p in parts), default=0)
-            if len(self._staging) < need:
-                self._staging = bytearray(need)
-            staging = memoryview(self._staging)
-            for key, (header, payload) in zip(keys, parts):
-                n = len(header) + len(payload)
-                staging[: len(header)] = header
-                staging[len(header) : n] = payload
+            for key, (head, payload) in zip(keys, records):
+                n = len(head) + len(payload)
                 stored = self._pages(n)
                 try:
                     try:
-                        self._put(env, key, staging[:n], stored)
+                        self._put(env, key, head, payload, stored)
                     except lmdb.MapFullError:
                         if bumped:
                             raise
@@ -400,7 +375,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
                         # then retry this key once.
                         bumped = True
                         self._bump_txnid(env)
-                        self._put(env, key, staging[:n], stored)
+                        self._put(env, key, head, payload, stored)
                 except _PUT_FAILED as exc:
                     log.debug("lmdb: write of %s… failed: %s", key.hex()[:16], exc)
                     self.counters.write_failures += 1
@@ -420,10 +395,14 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         self.counters.bytes_written += written
         return sizes
 
-    def _put(self, env: lmdb.Environment, key: bytes, record: memoryview, stored: int) -> None:
+    def _encoded(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> EncodedStream[tuple[bytes, torch.Tensor], tuple[bytes, Any]]:
+        """Each block's ``(head, payload)``, encoded on a side thread ahead of the puts."""
+        return EncodedStream(lambda pair: self._encode_one(*pair), list(zip(keys, blocks)), sizes=[b.numel() for b in blocks])
+
+    def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
         with env.begin(write=True) as txn:
-            txn.put(key, record, db=self._blocks)
-            txn.put(key, _INDEX.pack(time.time(), stored), db=self._index)
+            txn.put(key, payload, db=self._blocks)
+            txn.put(key, index_entry(time.time(), stored, head), db=self._index)
 
     def _bump_txnid(self, env: lmdb.Environment) -> None:
         try:
@@ -433,89 +412,25 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
             pass  # even this did not fit; the retry will report the key as failed
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy each record straight from the map into its ``out`` row, checking it on the way.
-
-        Every failure is confined to its key: an absent, corrupt or unsupported record, and an
-        LMDB error while looking one up (a damaged page), are a miss for that key alone; bad
-        records are deleted, so the manager drops them and nobody is offered them again. A value
-        that would lie past the end of the file is never touched (that read would fault)."""
+        """Copy each record straight from the map into its ``out`` row, checking it meanwhile
+        (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
+        and is a miss; bad records are deleted, so the manager drops them and nobody is offered
+        them again."""
         size = self._check_io(keys, out)
         env = self._env_or_raise()
-        found: list[bool] = []
-        bad: dict[bytes, str] = {}
-        corrupt = 0
-        mac = self.mac
-        txn: lmdb.Transaction | None = None
+        assert self._reader is not None
         try:
-            txn, values = self._lookup(env, keys, bad)
-            for key, dst, value in zip(keys, out, values):
-                if value is None:
-                    if key in bad:
-                        corrupt += 1
-                    found.append(False)
-                    continue
-                view, staging = self._host_view(dst)
-                try:
-                    decode_record(key, value, view, mac=mac)
-                except UnsupportedRecordError as exc:
-                    log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
-                    bad[key] = str(exc)
-                    found.append(False)
-                    continue
-                except CorruptBlockError as exc:
-                    log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
-                    bad[key] = str(exc)
-                    corrupt += 1
-                    self._count_auth(exc)
-                    found.append(False)
-                    continue
-                if staging is not None:
-                    dst.copy_(staging)
-                found.append(True)
+            outcome = self._reader.read(env, keys, out, self.mac)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
-        finally:
-            if txn is not None:
-                txn.abort()
-        if bad:
+        if outcome.bad:
             try:
-                self._delete(list(bad))  # after the read transaction: one writer, never nested in a reader
+                self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
             except DiskError as exc:
-                log.warning("lmdb: cannot delete %d bad records from %s: %s", len(bad), self.path, exc)
-        self._count_reads(found, size, corrupt=corrupt)
-        return found
-
-    def _lookup(
-        self, env: lmdb.Environment, keys: Sequence[bytes], bad: dict[bytes, str]
-    ) -> tuple[lmdb.Transaction, list[Any]]:
-        """One read transaction and the value buffer of each key (``None``: absent or bad, with
-        the reason in ``bad``). An LMDB error on a key marks it bad and starts over in a fresh
-        transaction (a failed lookup may leave one unusable, and its buffers with it)."""
-        while True:
-            txn = env.begin(buffers=True)
-            # After the transaction began: a writer may have grown the file just before, and
-            # the newest meta page covers every page this snapshot can see.
-            limit = self._valid_bytes(env)
-            values: list[Any] = []
-            try:
-                for key in keys:
-                    if key in bad:
-                        values.append(None)
-                        continue
-                    value = txn.get(key, db=self._blocks)
-                    if value is not None:
-                        address = self._address(value)
-                        if not self._inside_at(address, len(value), limit):
-                            log.warning("lmdb: record %s… in %s lies past the end of the file; a miss, dropping it", key.hex()[:16], self.path)
-                            bad[key] = "past the end of the file"
-                            value = None
-                    values.append(value)
-                return txn, values
-            except lmdb.Error as exc:
-                txn.abort()
-                key = keys[len(values)]
-                log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
-                bad[key] = str(exc)
+                log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
+        self.counters.auth_failures += outcome.auth
+        self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
+        return outcome.found
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._env_or_raise()
@@ -559,9 +474,8 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
                     for key, stamp in stamps:
                         value = txn.get(key)
                         if value is not None:  # never resurrect an index entry for a deleted block
-                            _, stored = _INDEX.unpack(value)
-                            txn.put(key, _INDEX.pack(float(stamp), stored))
-            except (lmdb.Error, struct.error) as exc:
+                            txn.put(key, restamp(value, float(stamp)))
+            except (lmdb.Error, ValueError) as exc:
                 # Advisory (eviction order only): never fail a close over them.
                 log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)
 

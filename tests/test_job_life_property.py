@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvtier
+from kvtier import record_jobs
 from kvtier.store import KVStore
 from kvtier.testing import make_key
 
@@ -82,7 +83,13 @@ op = st.one_of(
 
 
 def worker_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kvtier-") and t.name != "kvtier-sync"]
+    """A store's own threads (not the process-wide ones: the sync runner and the side threads
+    that check records, which outlive every store)."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("kvtier-") and t.name != "kvtier-sync" and not t.name.startswith(record_jobs.THREAD_PREFIX)
+    ]
 
 
 async def settle(store: KVStore, chaos: list[Chaos]) -> None:

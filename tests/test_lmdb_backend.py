@@ -9,11 +9,13 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from kvtier.backends.lmdb_layout import INDEX
 
-from kvtier import registry
+from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.codec import NoneCodec
 from kvtier.errors import ConfigError
-from kvtier.record import HEADER, HEADER_SIZE, RECORD_VERSION
+from kvtier.record import HEADER, HEADER_SIZE, RECORD_VERSION, encode_record, parse_header
 from kvtier.testing import BackendTests, make_key, random_block
 
 
@@ -139,13 +141,14 @@ def test_unknown_record_version_is_a_miss_not_corrupt(tmp_path: Path) -> None:
     backend = _open(lmdb_backend(tmp_path, 1 << 20))
     backend.write_blocks([make_key(1)], _blocks(1))
     asyncio.run(backend.aclose())
-    env, db = _env(tmp_path)
-    with env.begin(write=True, db=db) as txn:
-        value = bytearray(txn.get(make_key(1)))
-        fields = list(HEADER.unpack_from(value))
+    env, _ = _env(tmp_path)
+    index = env.open_db(b"index")
+    with env.begin(write=True, db=index) as txn:
+        entry = bytearray(txn.get(make_key(1)))  # the split layout: the head is in the index entry
+        fields = list(HEADER.unpack_from(entry, INDEX.size))
         fields[1] = RECORD_VERSION + 1
-        HEADER.pack_into(value, 0, *fields)
-        txn.put(make_key(1), bytes(value))
+        HEADER.pack_into(entry, INDEX.size, *fields)
+        txn.put(make_key(1), bytes(entry))
     env.close()
     backend = _open(lmdb_backend(tmp_path, 1 << 20))
     try:
@@ -260,4 +263,109 @@ def test_use_after_fork_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             backend.read_blocks([make_key(1)], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)])
     finally:
         monkeypatch.undo()
+        asyncio.run(backend.aclose())
+
+
+# -- record layout ------------------------------------------------------------------------------
+
+
+def test_a_save_puts_the_block_as_it_is_and_its_head_in_the_index(tmp_path: Path) -> None:
+    """The split layout: no staging copy of the block to put a header before it."""
+    data = _blocks(1, seed=8)
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks([make_key(1)], data)
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    index = env.open_db(b"index")
+    with env.begin() as txn:
+        value = txn.get(make_key(1), db=db)
+        entry = txn.get(make_key(1), db=index)
+    env.close()
+    print(f"value {len(value)} bytes, index entry {len(entry)} bytes")
+    assert value == data[0].numpy().tobytes()
+    assert len(entry) == INDEX.size + HEADER_SIZE
+    header = parse_header(entry[INDEX.size :], raw_length=FMT.block_bytes, available=HEADER_SIZE + len(value))
+    assert header.stored_length == FMT.block_bytes
+
+
+def _put_whole_record(path: Path, key: bytes, block: torch.Tensor, *, flip: bool = False) -> None:
+    """Store ``block`` as kvtier 0.1-0.2 did: the whole record in ``blocks``, 16 bytes of index."""
+    head, payload = encode_record(key, block.numpy().data, NoneCodec(), 1)
+    record = bytearray(head + bytes(payload))
+    if flip:
+        record[-5] ^= 0x01
+    env, db = _env(path)
+    index = env.open_db(b"index")
+    with env.begin(write=True) as txn:
+        txn.put(key, bytes(record), db=db)
+        txn.put(key, INDEX.pack(1.0, len(record)), db=index)
+    env.close()
+
+
+def test_a_store_written_with_whole_records_is_read_and_rewritten_split(tmp_path: Path) -> None:
+    data = _blocks(3, seed=9)
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks(keys[:1], data[:1])  # a split record next to the old ones
+    asyncio.run(backend.aclose())
+    _put_whole_record(tmp_path, keys[1], data[1])
+    _put_whole_record(tmp_path, keys[2], data[2], flip=True)
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        assert {r.key for r in backend.scan()} == set(keys)
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        print(f"mixed layouts: found {found}, corrupt {backend.stats()['corrupt_records']}")
+        assert found == [True, True, False]
+        assert torch.equal(out[0], data[0]) and torch.equal(out[1], data[1])
+        assert backend.stats()["corrupt_records"] == 1
+        backend.write_blocks(keys[1:2], data[1:2])  # rewritten: now split
+        assert backend.read_blocks(keys[1:2], out[1:2]) == [True] and torch.equal(out[1], data[1])
+    finally:
+        asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin() as txn:
+        assert txn.get(keys[1], db=db) == data[1].numpy().tobytes()
+    env.close()
+
+
+BIG = BlockFormat(block_bytes=512 << 10, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    options = {"mac_key": "a-test-secret-of-32-bytes-012345"} if keyed else {}
+    keys = [make_key(i) for i in range(4)]
+    data = _blocks(4, seed=10, size=BIG.block_bytes)
+    submitted: list[str] = []
+    real_submit = record_jobs._submit
+
+    def counting(fn: object, *args: object) -> object:
+        submitted.append(getattr(fn, "__name__", repr(fn)))
+        return real_submit(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(record_jobs, "_submit", counting)
+    backend = _open(lmdb_backend(tmp_path, 8 << 20, **options), BIG)
+    assert backend.write_blocks(keys, data) == [backend.reserve_bytes()] * 4
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(keys[2]))
+        value[12345] ^= 0x04
+        txn.put(keys[2], bytes(value))
+    env.close()
+    backend = _open(lmdb_backend(tmp_path, 8 << 20, **options), BIG)
+    try:
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        stats = backend.stats()
+        print(f"side-thread check ({'keyed' if keyed else 'plain'}): found {found}, submitted {submitted}, corrupt {stats['corrupt_records']}")
+        assert found == [True, True, False, True]
+        assert all(torch.equal(out[i], data[i]) for i in (0, 1, 3))
+        assert stats["corrupt_records"] == 1 and stats["auth_failures"] == (1 if keyed else 0)
+        assert submitted.count("_side") == 1  # one hop for the job's checks
+        assert submitted.count("_run") == 1  # and one for its encoding
+    finally:
         asyncio.run(backend.aclose())
