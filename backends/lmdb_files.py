@@ -16,17 +16,22 @@ the sparse ``lock.mdb``. Nothing here maps anything; the tier calls these before
   ``kvtier.lock`` in the environment's directory, holding the holder's pid; a second opener (in
   any process) gets a ``BackendError`` naming that pid.
 * :func:`map_base` finds where LMDB mapped ``data.mdb`` (``/proc/self/maps``), so a read can
-  check that a value lies inside the file before touching its bytes.
+  check that a value lies inside the file before touching its bytes, and
+  :func:`touched_pages_only` can turn readahead off for the walk at open.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import os
 import shutil
 import struct
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtier.errors import BackendError, DiskError
@@ -38,6 +43,7 @@ __all__ = [
     "check_data_file",
     "check_free_space",
     "map_base",
+    "touched_pages_only",
     "move_aside",
     "preallocate_lock_file",
     "read_meta_pages",
@@ -259,6 +265,44 @@ class HolderLock:
             return None
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def touched_pages_only(base: int | None, length: int) -> Iterator[None]:
+    """Inside, a fault in the ``length`` bytes mapped at ``base`` reads only its own page
+    (``MADV_RANDOM``); normal readahead again after (``MADV_NORMAL``). For walks that touch one
+    page per value: under normal readahead (8 MiB per fault on the device here) a walk of the
+    blocks database's keys, which touches each value's first page, read the whole file.
+    Nothing happens where the base is unknown or ``madvise`` is not available."""
+    advise = _madvise()
+    if base is None or advise is None or length <= 0:
+        yield
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = base - base % page
+    span = length + (base - start)
+    advised = advise(start, span, _MADV_RANDOM) == 0
+    try:
+        yield
+    finally:
+        if advised:
+            advise(start, span, _MADV_NORMAL)
+
+
+_MADV_NORMAL = 0
+_MADV_RANDOM = 1
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lambda address, length, advice: int(fn(address, length, advice))
 
 
 def map_base(path: str) -> int | None:

@@ -75,6 +75,7 @@ from kvtier.backends.lmdb_files import (
     map_base,
     move_aside,
     preallocate_lock_file,
+    touched_pages_only,
 )
 from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
@@ -250,24 +251,29 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         )
 
     def _read_index(self, env: lmdb.Environment) -> list[RecordInfo]:
-        """Every record, from the index; also walks the blocks database's leaf pages (never a
-        value's pages), so damage to either tree shows at open. LMDB errors propagate: the
-        caller treats them as a damaged environment."""
-        extents_ok: set[bytes] = set()
-        with env.begin(db=self._blocks, buffers=True) as txn:
-            # Keys only: a value's extent is checked when it is read (a few microseconds a call,
-            # which would double the time of this walk).
-            for block_key in txn.cursor().iternext(keys=True, values=False):
-                extents_ok.add(bytes(block_key))
-        records: list[RecordInfo] = []
-        try:
-            with env.begin(db=self._index) as txn:
-                for index_key, entry in txn.cursor():
-                    stamp, stored = entry_stamp(entry)
-                    if index_key in extents_ok:
-                        records.append(RecordInfo(bytes(index_key), stored, stamp))
-        except ValueError as exc:
-            raise DamagedEnvironment(f"index entry is not readable: {exc}") from exc
+        """Every record, from the index; also walks the blocks database's leaf pages, so damage
+        to either tree shows at open. LMDB errors propagate: the caller treats them as a
+        damaged environment.
+
+        Readahead is off meanwhile: the walk touches each value's first page, and with the
+        device's read-around (8 MiB a fault here) those touches and the index's leaf pages read
+        the whole file; now the pages touched alone (0.4 % of a store of 2 MiB blocks)."""
+        base = self._reader.map_base if self._reader is not None else None
+        with touched_pages_only(base, int(env.info()["map_size"])):
+            extents_ok: set[bytes] = set()
+            with env.begin(db=self._blocks, buffers=True) as txn:
+                # Keys only: a value's extent is checked when it is read.
+                for block_key in txn.cursor().iternext(keys=True, values=False):
+                    extents_ok.add(bytes(block_key))
+            records: list[RecordInfo] = []
+            try:
+                with env.begin(db=self._index) as txn:
+                    for index_key, entry in txn.cursor():
+                        stamp, stored = entry_stamp(entry)
+                        if index_key in extents_ok:
+                            records.append(RecordInfo(bytes(index_key), stored, stamp))
+            except ValueError as exc:
+                raise DamagedEnvironment(f"index entry is not readable: {exc}") from exc
         return records
 
     def _shrink(self, fmt: BlockFormat, used: int) -> None:

@@ -19,25 +19,60 @@ False, not an exception``), never a bare ``AssertionError``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
+import mmap
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 
-__all__ = ["BackendTests", "make_key", "random_block"]
+__all__ = ["BackendTests", "cached_pages", "evict_from_page_cache", "make_key", "random_block"]
 
 
 def make_key(i: int) -> bytes:
     """A deterministic 32-byte key for tests."""
     return hashlib.sha256(b"kvtier-test-key" + i.to_bytes(8, "little")).digest()
+
+
+def evict_from_page_cache(path: str | os.PathLike[str]) -> None:
+    """Write ``path`` back and drop its pages from the page cache (``POSIX_FADV_DONTNEED``; a
+    page mapped by a live process stays). Check with :func:`cached_pages`: some filesystems
+    (tmpfs) keep everything."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached_pages(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(pages of the file at path in the page cache, pages of the file)``, by ``mincore``
+    (Linux; ``OSError`` where it fails)."""
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    if not size:
+        return 0, 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec)
+        del view  # the map cannot close while a view exports it
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), f"mincore of {os.fspath(path)!r} failed")
+    return sum(v & 1 for v in vec), pages
 
 
 def random_block(nbytes: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

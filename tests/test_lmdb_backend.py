@@ -16,7 +16,7 @@ from kvtier.backend import Backend, BlockFormat
 from kvtier.codec import NoneCodec
 from kvtier.errors import ConfigError
 from kvtier.record import HEADER, HEADER_SIZE, RECORD_VERSION, encode_record, parse_header
-from kvtier.testing import BackendTests, make_key, random_block
+from kvtier.testing import BackendTests, cached_pages, evict_from_page_cache, make_key, random_block
 
 
 def lmdb_backend(path: Path, capacity: int, **options: object) -> Backend:
@@ -367,5 +367,29 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
         assert stats["corrupt_records"] == 1 and stats["auth_failures"] == (1 if keyed else 0)
         assert submitted.count("_side") == 1  # one hop for the job's checks
         assert submitted.count("_run") == 1  # and one for its encoding
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_opening_a_store_reads_a_page_per_value_not_the_whole_file(tmp_path: Path) -> None:
+    """The walk at open touches each value's first page; with readahead on (as reads want it)
+    that read the whole file (a store of 2 MiB blocks, the whole store, at every open)."""
+    keys = [make_key(i) for i in range(16)]
+    backend = _open(lmdb_backend(tmp_path, 32 << 20), BIG)
+    backend.write_blocks(keys, _blocks(16, seed=11, size=BIG.block_bytes))
+    asyncio.run(backend.aclose())
+    data = tmp_path / "env" / "data.mdb"
+    evict_from_page_cache(data)
+    evicted, pages = cached_pages(data)
+    if evicted > pages // 10:
+        pytest.skip(f"CANNOT EVICT THE FILE HERE: {evicted} of {pages} pages stay cached after POSIX_FADV_DONTNEED")
+    backend = _open(lmdb_backend(tmp_path, 32 << 20), BIG)
+    try:
+        resident, _ = cached_pages(data)
+        print(f"open of {len(keys)} x 512 KiB records: {resident} of {pages} pages read ({evicted} before)")
+        assert resident <= pages // 10
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * len(keys)  # readahead is back for reads
+        assert cached_pages(data)[0] >= len(keys) * BIG.block_bytes // 4096
     finally:
         asyncio.run(backend.aclose())
