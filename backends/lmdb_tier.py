@@ -207,26 +207,30 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         if shrinking:  # a lowered capacity: open with room to delete the excess, then compact
             map_size = used + used // 10 + 256 * 65536
         env = self._env = self._lmdb_open(map_size)
-        env.reader_check()
-        self._psize = int(env.stat()["psize"])
-        self._blocks = env.open_db(b"blocks")
-        self._index = env.open_db(b"index")
-        meta_db = self._meta = env.open_db(b"meta")
-        with env.begin(write=True, db=meta_db) as txn:
-            stored = txn.get(META_KEY)
-            if stored is None:
-                txn.put(META_KEY, encode_meta(fmt))
-            else:
-                try:
-                    meta = decode_meta(stored)
-                except UnsupportedRecordError as exc:
-                    raise DamagedEnvironment(f"meta record: {exc}") from exc
-                check_meta(meta, fmt, where=f"lmdb {self.path!r}")
-        if self.sync_mode == "durable":
-            env.sync(True)
-        self._reader = JobReader(
-            blocks=self._blocks, index=self._index, psize=self._psize, map_base=map_base(self.path), path=self.path, block_bytes=fmt.block_bytes
-        )
+        # Readahead off while opening: the pages touched here are read alone, not with the
+        # device's read-around (see _read_index).
+        base = map_base(self.path)
+        with touched_pages_only(base, map_size):
+            env.reader_check()
+            self._psize = int(env.stat()["psize"])
+            self._blocks = env.open_db(b"blocks")
+            self._index = env.open_db(b"index")
+            meta_db = self._meta = env.open_db(b"meta")
+            with env.begin(write=True, db=meta_db) as txn:
+                stored = txn.get(META_KEY)
+                if stored is None:
+                    txn.put(META_KEY, encode_meta(fmt))
+                else:
+                    try:
+                        meta = decode_meta(stored)
+                    except UnsupportedRecordError as exc:
+                        raise DamagedEnvironment(f"meta record: {exc}") from exc
+                    check_meta(meta, fmt, where=f"lmdb {self.path!r}")
+            if self.sync_mode == "durable":
+                env.sync(True)
+            self._reader = JobReader(
+                blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes
+            )
         self._listed = self._read_index(env)
         if shrinking:
             self._shrink(fmt, used)
