@@ -18,6 +18,7 @@ calling thread, where the hop would cost more than it saves.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -39,6 +40,7 @@ _WORKERS = 2
 THREAD_PREFIX = "kvtier-check"
 
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 T = TypeVar("T")
@@ -46,11 +48,13 @@ R = TypeVar("R")
 
 
 def side_pool() -> ThreadPoolExecutor:
-    """The process's side threads (created on first use)."""
-    global _pool
+    """The process's side threads (created on first use, and again in a forked child: the
+    parent's pool has no threads there, yet would count its idle ones and never start one)."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():
             _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix=THREAD_PREFIX)
+            _pool_pid = os.getpid()
         return _pool
 
 

@@ -165,3 +165,28 @@ def test_a_closed_stream_stops_its_side_thread() -> None:
     stream.future.result(5)  # the side thread returned
     print(f"closed after the first item: {len(done)} of 50 encoded")
     assert done == [0]
+
+
+def test_a_forked_child_gets_side_threads_of_its_own() -> None:
+    """The parent's pool is inherited without its threads; a child that used it would wait for
+    ever on a check no thread runs."""
+    import multiprocessing
+
+    items, _ = _job(4)
+    assert copy_and_check(items, None) == [None] * 4  # the parent's pool exists now
+    job, _ = _job(4)  # built here: torch's own threads are not fork-safe, numpy and xxhash are
+    _damage(job, 2)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+
+    def child() -> None:
+        queue.put([e is None for e in copy_and_check(job, None)])
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the forked child's job never finished (its side thread never ran)")
+    assert proc.exitcode == 0
+    assert queue.get() == [True, True, False, True]
