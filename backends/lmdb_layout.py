@@ -2,16 +2,16 @@
 
 Two layouts are read; the first is written:
 
-* **split** (written since kvtier 0.3): ``blocks[key]`` holds the payload alone and
+* **split** (what this code writes): ``blocks[key]`` holds the payload alone and
   ``index[key]`` holds ``<d Q`` (last-access stamp, stored bytes) followed by the record's head
   (the :mod:`kvtier.record` header and, keyed, its tag). The payload is put straight from the
   caller's block: python-lmdb has no ``MDB_RESERVE``, so a record whose head had to precede its
   payload in one value cost a staging copy of every block (a save ran at 0.84 of a raw put,
   0.92 without the copy; ``benchmarks/bench_disk.py``).
-* **whole** (kvtier 0.1-0.2): ``blocks[key]`` holds the whole record and ``index[key]`` the 16
+* **whole** (written by earlier code): ``blocks[key]`` holds the whole record and ``index[key]`` the 16
   bytes of stamp and size.
 
-The length of the index entry tells them apart, so a store written by an older kvtier is read
+The length of the index entry tells them apart, so a store written by earlier code is read
 as it is and its records are replaced by split ones as they are rewritten. Both parts are
 written in one transaction; a value without its index entry is treated as corrupt.
 

@@ -7,7 +7,7 @@ Layout: three named databases in the environment at ``path``:
   (:mod:`kvtier.record` header [+ tag]), written in the same transaction as the payload, so
   ``scan()`` rebuilds the manager's index without touching any block page and a save puts the
   caller's block as it is, with no staging copy (:mod:`kvtier.backends.lmdb_layout`, which also
-  reads stores written by kvtier 0.1-0.2, whose ``blocks`` values hold whole records),
+  reads stores written by earlier code, whose ``blocks`` values hold whole records),
 * ``meta``:   the store's meta record (format version, namespace); a store written for another
   namespace is refused at open with a ``ConfigError``.
 

@@ -289,7 +289,7 @@ def test_a_save_puts_the_block_as_it_is_and_its_head_in_the_index(tmp_path: Path
 
 
 def _put_whole_record(path: Path, key: bytes, block: torch.Tensor, *, flip: bool = False) -> None:
-    """Store ``block`` as kvtier 0.1-0.2 did: the whole record in ``blocks``, 16 bytes of index."""
+    """Store ``block`` as earlier code did: the whole record in ``blocks``, 16 bytes of index."""
     head, payload = encode_record(key, block.numpy().data, NoneCodec(), 1)
     record = bytearray(head + bytes(payload))
     if flip:
