@@ -329,6 +329,26 @@ def test_a_store_written_with_whole_records_is_read_and_rewritten_split(tmp_path
     env.close()
 
 
+def test_access_stamps_of_both_layouts_persist_and_keep_their_records_readable(tmp_path: Path) -> None:
+    data = _blocks(2, seed=12)
+    keys = [make_key(i) for i in range(2)]
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.write_blocks(keys[:1], data[:1])
+    asyncio.run(backend.aclose())
+    _put_whole_record(tmp_path, keys[1], data[1])
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    backend.touch_stamps([(keys[0], 1234.5), (keys[1], 6789.0)])
+    asyncio.run(backend.aclose())
+    backend = _open(lmdb_backend(tmp_path, 1 << 20))
+    try:
+        assert {r.key: r.stamp for r in backend.scan()} == {keys[0]: 1234.5, keys[1]: 6789.0}
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True, True]
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+    finally:
+        asyncio.run(backend.aclose())
+
+
 BIG = BlockFormat(block_bytes=512 << 10, dtype="bfloat16", namespace={"model_id": "m"})
 
 
