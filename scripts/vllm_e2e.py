@@ -262,7 +262,8 @@ def _open_lmdb(path: str) -> Any:
 
 
 def _check_record(key: bytes, value: Any) -> str | None:
-    """None if the record passes kvtier's checks, else the reason it does not."""
+    """None if the record (head and payload joined) passes kvtier's checks, else the reason it
+    does not."""
     from kvtier.errors import CorruptBlockError
     from kvtier.record import HEADER, decode_record
 
@@ -277,29 +278,34 @@ def _check_record(key: bytes, value: Any) -> str | None:
 def corrupt_records(lmdb_path: str, keys: list[bytes], positions: dict[int, str]) -> int:
     """Damage the payload of the records of ``keys[p]`` for ``p`` in ``positions`` in place
     (header untouched: only the checksum can tell). Returns the payload bytes of one record."""
+    from kvtier.backends.lmdb_layout import join_record
+
     from kvtier.record import HEADER_SIZE
 
-    env, blocks, _ = _open_lmdb(lmdb_path)
+    env, blocks, index = _open_lmdb(lmdb_path)
     try:
-        with env.begin(write=True, db=blocks) as txn:
+        with env.begin(write=True) as txn:
             for pos, how in positions.items():
                 key = keys[pos]
-                value = txn.get(key)
+                value = txn.get(key, db=blocks)
+                entry = txn.get(key, db=index)
                 if value is None:
                     raise SystemExit(f"VLLM E2E FAILED: block {pos} of P_0 ({key.hex()[:16]}…) is not in the LMDB tier")
-                if _check_record(key, value) is not None:
+                if _check_record(key, join_record(entry, value)) is not None:
                     raise SystemExit(f"VLLM E2E FAILED: block {pos} of P_0 is corrupt before step C corrupted it")
-                record = bytearray(value)
-                payload = len(record) - HEADER_SIZE
+                # The payload alone is stored when the head is in the index entry; else it follows it.
+                start = 0 if len(join_record(entry, value)) > len(value) else HEADER_SIZE
+                stored = bytearray(value)
+                payload = len(stored) - start
                 if how.startswith("every"):
-                    record[HEADER_SIZE:] = bytes(b ^ 0xFF for b in record[HEADER_SIZE:])
+                    stored[start:] = bytes(b ^ 0xFF for b in stored[start:])
                 elif how.startswith("one bit"):
-                    record[HEADER_SIZE + payload // 2] ^= 0x10
+                    stored[start + payload // 2] ^= 0x10
                 else:
-                    record[-1] ^= 0xFF
-                if _check_record(key, record) is None:
+                    stored[-1] ^= 0xFF
+                if _check_record(key, join_record(entry, stored)) is None:
                     raise SystemExit(f"VLLM E2E FAILED: the damaged record of block {pos} still passes its checksum")
-                txn.put(key, bytes(record))
+                txn.put(key, bytes(stored), db=blocks)
     finally:
         env.close()
     return payload
@@ -307,16 +313,19 @@ def corrupt_records(lmdb_path: str, keys: list[bytes], positions: dict[int, str]
 
 def inspect_records(lmdb_path: str, keys: list[bytes]) -> list[str]:
     """State of each key's record: "ok", "absent" or "corrupt"."""
+    from kvtier.backends.lmdb_layout import join_record
+
     env, blocks, index = _open_lmdb(lmdb_path)
     try:
         with env.begin() as txn:
             out = []
             for key in keys:
                 value = txn.get(key, db=blocks)
+                entry = txn.get(key, db=index)
                 if value is None:
-                    out.append("absent" if txn.get(key, db=index) is None else "absent (index entry left)")
+                    out.append("absent" if entry is None else "absent (index entry left)")
                 else:
-                    out.append("ok" if _check_record(key, value) is None else "corrupt")
+                    out.append("ok" if _check_record(key, join_record(entry, value)) is None else "corrupt")
             return out
     finally:
         env.close()
