@@ -23,8 +23,9 @@ Contract and choices:
   so a block written by another instance is served even if this one never listed it. Capacity is
   enforced per instance over the blocks it knows (listed at open or written since).
 * Reads ``pread`` the header, check it, then ``preadv`` the payload straight into the caller's
-  tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``). A bad record is
-  deleted (if it is still the same inode), counted, and reported as a miss.
+  tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``); in a job of 1 MiB or
+  more a side thread checks each row while the next one is read (:mod:`kvtier.record_jobs`). A
+  bad record is deleted (if it is still the same inode), counted, and reported as a miss.
 * Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so ``scan()`` restores
   the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
@@ -59,12 +60,14 @@ from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyE
 from kvtier.record import (
     HEAD_MAX,
     PersistentRecordBackend,
+    RecordHeader,
     check_meta,
     decode_meta,
     encode_meta,
     parse_header,
     verify_payload,
 )
+from kvtier.record_jobs import RawPayload, fill_and_check
 
 __all__ = ["FileBackend", "STALE_TEMP_SECONDS"]
 
@@ -291,72 +294,106 @@ class FileBackend(FileTree, PersistentRecordBackend):
             raise
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+        """Each record's header is read and checked first; raw payloads are then read straight
+        into their rows, a side thread checking each row while the next one is read
+        (:func:`~kvtier.record_jobs.fill_and_check`); compressed ones are read, checked and
+        decoded one by one. Every failure is a miss for its key alone; a bad record is deleted."""
         size = self._check_io(keys, out)
-        found: list[bool] = []
+        found = [False] * len(keys)
         corrupt = 0
-        for key, dst in zip(keys, out):
-            path = self._path(key)
-            try:
-                leaf = self._leaf(key)
-                if leaf is None:
-                    found.append(False)
+        handles: list[tuple[int, str, int]] = []
+        raw: list[RawPayload] = []
+        raw_at: list[tuple[int, tuple[int, str, int], torch.Tensor | None]] = []
+        fds: dict[int, int] = {}
+        try:
+            for i, (key, dst) in enumerate(zip(keys, out)):
+                handle = self._open_record(key)
+                if handle is None:
                     continue
-                dir_fd, name = leaf
-                try:
-                    fd = os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
-                except BaseException:
-                    os.close(dir_fd)
-                    raise
-            except FileNotFoundError:
-                found.append(False)
-                continue
-            except OSError as exc:  # a symlink where a directory or record should be: ELOOP/ENOTDIR
-                log.warning("file: cannot open %s: %s", path, exc)
-                found.append(False)
-                continue
-            try:
+                handles.append(handle)
                 view, staging = self._host_view(dst)
                 try:
-                    self._read_record(fd, key, view)
-                except UnsupportedRecordError as exc:
-                    log.warning("file: %s cannot be read by this build (%s); dropping it", path, exc)
-                    self._drop(key, dir_fd, name, fd)
-                    found.append(False)
+                    head, header = self._read_head(handle[2], view)
+                    if header.codec_id == NoneCodec.codec_id:
+                        item = RawPayload(key, head, header, None, view)
+                        fds[id(item)] = handle[2]
+                        raw.append(item)
+                        raw_at.append((i, handle, staging))
+                        continue
+                    self._read_compressed(handle[2], key, head, header, view)
+                except (CorruptBlockError, OSError) as exc:
+                    corrupt += self._refuse(key, handle, exc)
                     continue
-                except CorruptBlockError as exc:
-                    log.warning("file: corrupt record %s (%s); deleting it", path, exc)
-                    self._drop(key, dir_fd, name, fd)
-                    corrupt += 1
-                    self._count_auth(exc)
-                    found.append(False)
-                    continue
-                except OSError as exc:
-                    log.warning("file: cannot read %s: %s", path, exc)
-                    found.append(False)
-                    continue
-                if staging is not None:
-                    dst.copy_(staging)
-                found.append(True)
-            finally:
+                found[i] = self._settle(dst, staging)
+
+            def fill(item: RawPayload) -> None:
+                _read_exact(fds[id(item)], item.out, item.header.payload_offset)
+
+            for (i, handle, staging), error in zip(raw_at, fill_and_check(raw, fill, self.mac)):
+                if error is None:
+                    found[i] = self._settle(out[i], staging)
+                else:
+                    corrupt += self._refuse(keys[i], handle, error)
+        finally:
+            for dir_fd, _name, fd in handles:
                 os.close(fd)
                 os.close(dir_fd)
         self._count_reads(found, size, corrupt=corrupt)
         return found
 
-    def _read_record(self, fd: int, key: bytes, out: memoryview) -> None:
+    def _open_record(self, key: bytes) -> tuple[int, str, int] | None:
+        """``(directory fd, name, record fd)`` of ``key``'s record, or ``None`` (absent, or a
+        symlink where a directory or record should be: logged)."""
+        try:
+            leaf = self._leaf(key)
+            if leaf is None:
+                return None
+            dir_fd, name = leaf
+            try:
+                return dir_fd, name, os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
+            except BaseException:
+                os.close(dir_fd)
+                raise
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP/ENOTDIR
+            log.warning("file: cannot open %s: %s", self._path(key), exc)
+            return None
+
+    def _read_head(self, fd: int, out: memoryview) -> tuple[bytes, RecordHeader]:
+        """The record's head (header, and the tag of a keyed record), parsed and checked against
+        the file's size before anything is allocated."""
         available = os.fstat(fd).st_size
-        head = os.pread(fd, HEAD_MAX, 0)  # the header, and the tag of a keyed record
-        mac = self.mac
-        header = parse_header(head, raw_length=len(out), available=available, mac=mac)  # before any allocation
-        start = header.payload_offset
-        if header.codec_id == NoneCodec.codec_id:
-            _read_exact(fd, out, start)
-            verify_payload(key, head, header, out, mac=mac)
-            return
-        payload = bytearray(header.stored_length)  # <= raw length, checked above
-        _read_exact(fd, memoryview(payload), start)
-        verify_payload(key, head, header, payload, mac=mac)
+        head = os.pread(fd, HEAD_MAX, 0)
+        return head, parse_header(head, raw_length=len(out), available=available, mac=self.mac)
+
+    def _read_compressed(self, fd: int, key: bytes, head: bytes, header: RecordHeader, out: memoryview) -> None:
+        payload = bytearray(header.stored_length)  # <= raw length, checked by parse_header
+        _read_exact(fd, memoryview(payload), header.payload_offset)
+        verify_payload(key, head, header, payload, mac=self.mac)
         codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
+
+    @staticmethod
+    def _settle(dst: torch.Tensor, staging: torch.Tensor | None) -> bool:
+        if staging is not None:
+            dst.copy_(staging)
+        return True
+
+    def _refuse(self, key: bytes, handle: tuple[int, str, int], exc: Exception) -> int:
+        """Log a record that could not be served and drop it if it is bad; 1 if it was corrupt."""
+        path = self._path(key)
+        dir_fd, name, fd = handle
+        if isinstance(exc, UnsupportedRecordError):
+            log.warning("file: %s cannot be read by this build (%s); dropping it", path, exc)
+            self._drop(key, dir_fd, name, fd)
+            return 0
+        if isinstance(exc, CorruptBlockError):
+            log.warning("file: corrupt record %s (%s); deleting it", path, exc)
+            self._drop(key, dir_fd, name, fd)
+            self._count_auth(exc)
+            return 1
+        log.warning("file: cannot read %s: %s", path, exc)
+        return 0
 
     def _drop(self, key: bytes, dir_fd: int, name: str, fd: int) -> None:
         """Delete a bad record, unless another instance has replaced the file since we opened it."""

@@ -8,6 +8,10 @@ hands the checksums of a whole job to a side thread in one hop and copies meanwh
 plain copy on 2 cores (``benchmarks/bench_disk.py``). A row whose check fails holds garbage and
 is reported as bad, which callers serve as a miss; nothing is reported good before its check.
 
+:func:`fill_and_check` is the same for rows filled by a read (the ``file`` tier's ``preadv``,
+which releases the GIL too): a side thread checks each row once it is filled, while the next one
+is read.
+
 :class:`EncodedStream` does the same for writes: the side thread encodes (checksums, compresses)
 the job's records in order while the writer puts and commits the ones already encoded.
 
@@ -31,7 +35,7 @@ from kvtier.codec import NoneCodec
 from kvtier.errors import CorruptBlockError
 from kvtier.record import RecordHeader, RecordMac, decode_payload, verify_payload
 
-__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "RawPayload", "copy_and_check", "side_pool"]
+__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
 
 #: Jobs with fewer bytes than this are checked on the calling thread (a hop costs ~50 µs).
 SIDE_MIN_BYTES = 1 << 20
@@ -100,7 +104,7 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
     raw = [i for i, item in enumerate(items) if item.header.codec_id == NoneCodec.codec_id]
     shared = None
     if sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
-        shared = _SharedChecks([items[i] for i in raw], mac)
+        shared = _SharedChecks([items[i] for i in raw], mac, _copy_payload, rows=mac is not None)
         if not shared.start():
             shared = None
     for i, item in enumerate(items):
@@ -110,22 +114,60 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
             except CorruptBlockError as exc:
                 errors[i] = exc
     if shared is not None:
-        for i, error in zip(raw, shared.copy_then_help()):
+        for i, error in zip(raw, shared.fill_then_help()):
+            assert not isinstance(error, OSError)
             errors[i] = error
     return errors
 
 
-class _SharedChecks:
-    """One job's raw rows: this thread copies them in order; the side thread checks them from
-    the front (keyed: each once it is copied); this thread, done copying, checks from the back."""
+def fill_and_check(
+    items: Sequence[RawPayload], fill: Callable[[RawPayload], None], mac: RecordMac | None
+) -> list[CorruptBlockError | OSError | None]:
+    """Fill every item's row with ``fill(item)`` (a read into ``item.out``, say), in order, and
+    check each row once filled; per item, the error (``None``: good; the ``OSError`` or
+    ``CorruptBlockError`` that ``fill`` raised, or the check's ``CorruptBlockError``).
 
-    def __init__(self, items: Sequence[RawPayload], mac: RecordMac | None) -> None:
+    Raw payloads only (``item.payload`` is not used). For a job of at least
+    :data:`SIDE_MIN_BYTES`, a side thread checks the rows while this thread fills the next ones
+    (``fill`` must release the GIL: ``os.preadv`` does); smaller jobs are filled and checked
+    here, one row after the other."""
+    shared = None
+    if sum(len(item.out) for item in items) >= SIDE_MIN_BYTES:
+        shared = _SharedChecks(items, mac, fill, rows=True)
+        if not shared.start():
+            shared = None
+    if shared is not None:
+        return shared.fill_then_help()
+    errors: list[CorruptBlockError | OSError | None] = []
+    for item in items:
+        try:
+            fill(item)
+            verify_payload(item.key, item.head, item.header, item.out, mac=mac)
+            errors.append(None)
+        except (CorruptBlockError, OSError) as exc:
+            errors.append(exc)
+    return errors
+
+
+def _copy_payload(item: RawPayload) -> None:
+    # numpy copies without the GIL, so the side thread checks meanwhile
+    np.copyto(np.frombuffer(item.out, dtype=np.uint8), np.frombuffer(item.payload, dtype=np.uint8))
+
+
+class _SharedChecks:
+    """One job's raw rows: this thread fills them in order; the side thread checks them from
+    the front (``rows``: each once it is filled, else the stored payloads); this thread, done
+    filling, checks from the back."""
+
+    def __init__(self, items: Sequence[RawPayload], mac: RecordMac | None, fill: Callable[[RawPayload], None], *, rows: bool) -> None:
         self.items = items
         self.mac = mac
-        self.rows = mac is not None  # check the copied rows, not the source
-        self.errors: list[CorruptBlockError | None] = [None] * len(items)
+        self.fill = fill
+        self.rows = rows  # check the filled rows, not the source
+        self.errors: list[CorruptBlockError | OSError | None] = [None] * len(items)
+        self.failed: set[int] = set()  # rows whose fill failed: never checked
         self.todo = collections.deque(range(len(items)))
-        self.copied = 0  # rows [0, copied) hold their payload
+        self.filled = 0  # rows [0, filled) are filled (or failed)
         self.cond = threading.Condition()
         self.future: Future[None] | None = None
 
@@ -133,18 +175,22 @@ class _SharedChecks:
         self.future = _submit(self._side)
         return self.future is not None
 
-    def copy_then_help(self) -> list[CorruptBlockError | None]:
+    def fill_then_help(self) -> list[CorruptBlockError | OSError | None]:
         try:
             for i, item in enumerate(self.items):
-                # numpy copies without the GIL, so the side thread checks meanwhile
-                np.copyto(np.frombuffer(item.out, dtype=np.uint8), np.frombuffer(item.payload, dtype=np.uint8))
+                try:
+                    self.fill(item)
+                except (CorruptBlockError, OSError) as exc:
+                    self.errors[i] = exc
+                    with self.cond:
+                        self.failed.add(i)
                 if self.rows:
                     with self.cond:
-                        self.copied = i + 1
+                        self.filled = i + 1
                         self.cond.notify()
         finally:
             with self.cond:
-                self.copied = len(self.items)  # (on an error, lets the side thread finish)
+                self.filled = len(self.items)  # (on an error, lets the side thread finish)
                 self.cond.notify()
         while True:
             with self.cond:
@@ -159,7 +205,7 @@ class _SharedChecks:
     def _side(self) -> None:
         while True:
             with self.cond:
-                while self.rows and self.todo and self.todo[0] >= self.copied:
+                while self.rows and self.todo and self.todo[0] >= self.filled:
                     self.cond.wait()
                 if not self.todo:
                     return
@@ -167,6 +213,9 @@ class _SharedChecks:
             self._check(i)
 
     def _check(self, i: int) -> None:
+        with self.cond:
+            if i in self.failed:
+                return
         item = self.items[i]
         try:
             verify_payload(item.key, item.head, item.header, item.out if self.rows else item.payload, mac=self.mac)

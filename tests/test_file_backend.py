@@ -241,3 +241,54 @@ def test_other_namespace_is_refused_and_corrupt_meta_is_replaced(tmp_path: Path)
     _close(backend)
     assert list((tmp_path / "store").glob("kvtier-meta.kvm.corrupt-*"))
     _close(_open(file_backend(tmp_path, 1 << 20)))  # the rewritten meta record is accepted
+
+
+BIG = BlockFormat(block_bytes=512 << 10, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_large_job_is_read_while_a_side_thread_checks_and_each_bad_record_is_its_own_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    """Rows read one after the other while a side thread checks those already read: a flipped
+    byte, a truncated file and a read error each cost only their own key."""
+    from kvtier.backends import file_tier
+
+    from kvtier import record_jobs
+
+    options = {"mac_key": "a-test-secret-of-32-bytes-012345"} if keyed else {}
+    keys = [make_key(i) for i in range(6)]
+    data = [random_block(BIG.block_bytes, 90 + i) for i in range(6)]
+    backend = _open(file_backend(tmp_path, 64 << 20, **options), BIG)
+    backend.write_blocks(keys, data)
+    flipped = _record_path(tmp_path, keys[1])
+    raw = bytearray(flipped.read_bytes())
+    raw[-1000] ^= 0x08
+    flipped.write_bytes(bytes(raw))
+    truncated = _record_path(tmp_path, keys[3])
+    os.truncate(truncated, truncated.stat().st_size - 4096)
+    hops: list[str] = []
+    real_submit = record_jobs._submit
+    monkeypatch.setattr(record_jobs, "_submit", lambda fn, *a: hops.append(fn.__name__) or real_submit(fn, *a))
+    real_read = file_tier._read_exact
+    calls = {"n": 0}
+
+    def flaky_read(fd: int, view: memoryview, offset: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 4:  # the fourth payload read: key 4 (key 3 fails at its header)
+            raise OSError(5, "injected EIO")
+        real_read(fd, view, offset)
+
+    monkeypatch.setattr(file_tier, "_read_exact", flaky_read)
+    try:
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        stats = backend.stats()
+        print(f"file job ({'keyed' if keyed else 'plain'}): found {found}, hops {hops}, corrupt {stats['corrupt_records']}")
+        assert found == [True, False, True, False, False, True]
+        assert all(torch.equal(out[i], data[i]) for i in (0, 2, 5))
+        assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the read error is a plain miss
+        assert not flipped.exists() and not truncated.exists() and _record_path(tmp_path, keys[4]).exists()
+        assert hops == ["_side"]
+    finally:
+        _close(backend)
