@@ -188,10 +188,19 @@ class _SharedChecks:
                     with self.cond:
                         self.filled = i + 1
                         self.cond.notify()
-        finally:
+        except BaseException:
+            # Nothing of the job may be read once this returns (the caller may end the read
+            # transaction, or close the map): stop the side thread and wait for it.
             with self.cond:
-                self.filled = len(self.items)  # (on an error, lets the side thread finish)
+                self.todo.clear()
+                self.filled = len(self.items)
                 self.cond.notify()
+            assert self.future is not None
+            self.future.result()
+            raise
+        with self.cond:
+            self.filled = len(self.items)
+            self.cond.notify()
         while True:
             with self.cond:
                 if not self.todo:

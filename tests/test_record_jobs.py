@@ -190,3 +190,35 @@ def test_a_forked_child_gets_side_threads_of_its_own() -> None:
         pytest.fail("the forked child's job never finished (its side thread never ran)")
     assert proc.exitcode == 0
     assert queue.get() == [True, True, False, True]
+
+
+def test_an_unexpected_error_while_filling_stops_the_side_thread_before_it_propagates() -> None:
+    """The caller ends its read transaction (or closes the map) once the call returns: the side
+    thread must not read a payload after that."""
+    items, _ = _job(6)
+    checked_after: list[int] = []
+    returned = threading.Event()
+    real_verify = record_jobs.verify_payload
+
+    def slow_verify(key: bytes, *args: Any, **kwargs: Any) -> None:
+        import time
+
+        time.sleep(0.02)
+        if returned.is_set():
+            checked_after.append(1)
+        real_verify(key, *args, **kwargs)
+
+    def fill(item: RawPayload) -> None:
+        if item is items[2]:
+            raise ValueError("unexpected")
+        np.copyto(np.frombuffer(item.out, dtype=np.uint8), np.frombuffer(item.payload, dtype=np.uint8))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(record_jobs, "verify_payload", slow_verify)
+        with pytest.raises(ValueError, match="unexpected"):
+            record_jobs.fill_and_check(items, fill, None)
+        returned.set()
+        import time
+
+        time.sleep(0.2)
+    assert checked_after == []
