@@ -4,8 +4,8 @@ Loading a raw record is a copy plus a checksum pass over the same bytes. On one 
 passes add up, however they are interleaved: fused in 64 KiB chunks (:func:`~kvtier.record.decode_payload`),
 a 2 MiB load ran at 0.73-0.79 of a plain copy. The passes are independent, though, and both
 release the GIL (``numpy.copyto`` and XXH3 / HMAC over a buffer), so :func:`copy_and_check`
-hands the checksums of a whole job to a side thread in one hop and copies meanwhile: 0.97 of a
-plain copy on 2 cores (``benchmarks/bench_disk.py``). A row whose check fails holds garbage and
+hands the checksums of a whole job to a side thread in one hop and copies meanwhile: an
+``lmdb`` load then ran at 0.91-1.03 of a raw get and copy on 2 cores (``benchmarks/bench_disk.py``). A row whose check fails holds garbage and
 is reported as bad, which callers serve as a miss; nothing is reported good before its check.
 
 :func:`fill_and_check` is the same for rows filled by a read (the ``file`` tier's ``preadv``,
@@ -60,6 +60,16 @@ def side_pool() -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix=THREAD_PREFIX)
             _pool_pid = os.getpid()
         return _pool
+
+
+def _after_fork_in_child() -> None:
+    # The parent's pool has no threads here, and its lock may have been held by one of them.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _submit(fn: Callable[..., R], *args: Any) -> Future[R] | None:
