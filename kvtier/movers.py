@@ -46,6 +46,14 @@ class _Expired(Exception):
     """The job was reported failed while its tier work ran: stop and clean up."""
 
 
+def _reserve(target: MemoryBackend, plan: StorePlan) -> list[int]:
+    """Slots of ``target`` for the plan's new blocks (the manager reserved the room already)."""
+    slots = target.reserve(plan.keys)
+    if slots is None:
+        raise LifecycleError(f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off")
+    return slots
+
+
 class StoreMover:
     """A store job's device read, then its tier writes (evictions, demotions, the staged
     blocks, write-through), each phase on its own thread, jobs in submission order."""
@@ -61,10 +69,7 @@ class StoreMover:
                 return
             self.e._take("store")
             try:
-                if self.e._cuda:
-                    with torch.cuda.stream(self.e._streams["store"]):
-                        work = self._device_phase(rec)
-                else:
+                with self.e._on_stream("store"):
                     work = self._device_phase(rec)
             except BaseException as exc:  # never reached in practice; the thread must survive
                 log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
@@ -128,11 +133,7 @@ class StoreMover:
         assert isinstance(target, MemoryBackend)
         try:
             if plan.keys:
-                slots = target.reserve(plan.keys)
-                if slots is None:
-                    raise LifecycleError(
-                        f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off"
-                    )
+                slots = _reserve(target, plan)
                 ids = list(rec.block_ids)
                 self._read_engine_blocks(rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True))
                 work.nbytes = len(slots) * self.e.layout.block_bytes
@@ -200,10 +201,7 @@ class StoreMover:
             if work is None:
                 return
             try:
-                if self.e._cuda:
-                    with torch.cuda.stream(self.e._streams["tiers"]):
-                        self._tier_phase(work)
-                else:
+                with self.e._on_stream("tiers"):
                     self._tier_phase(work)
             except BaseException as exc:  # the thread must survive anything
                 log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
@@ -259,11 +257,7 @@ class StoreMover:
         rows = [work.staging[i] for i in range(len(plan.keys))]
         target = self.e.backends[plan.tier]
         if isinstance(target, MemoryBackend):
-            slots = target.reserve(plan.keys)
-            if slots is None:
-                raise LifecycleError(
-                    f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off"
-                )
+            slots = _reserve(target, plan)
             target.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=target.pool.device), work.staging)
             self.e._sync()
             work.nbytes = len(slots) * self.e.layout.block_bytes
@@ -383,11 +377,8 @@ class StoreMover:
             part = keys[c : c + chunk]
             rows, found = self._rows_of(source, part, staging)
             got = self.e.backends[tier].write_blocks(list(part), rows)
-            for k, size, ok in zip(part, got, found):
-                if size is None or not ok:
-                    failed.setdefault(tier, []).append(k)
-                else:
-                    sizes.setdefault(tier, {})[k] = size
+            # A key the source no longer held was written from a placeholder row: failed.
+            self._note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
 
 
 class LoadMover:
@@ -415,10 +406,7 @@ class LoadMover:
         start = time.perf_counter()
         promoted: list[bytes] = []
         try:
-            if self.e._cuda:
-                with torch.cuda.stream(self.e._streams["load"]):
-                    result = self._load(rec, start, promoted)
-            else:
+            with self.e._on_stream("load"):
                 result = self._load(rec, start, promoted)
         except Exception as exc:  # a failed job is reported, never raised into the engine
             log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)

@@ -40,6 +40,7 @@ fails is reported as a failed result; nothing raises into the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -372,6 +373,10 @@ class TransferEngine:
             wait = 1.0 if not pending else min(pending) - time.monotonic()
             self._kick.wait(min(1.0, max(0.001, wait)))
             self._kick.clear()
+
+    def _on_stream(self, direction: str) -> contextlib.AbstractContextManager[Any]:
+        """Where a mover thread queues its copies: its own CUDA stream, or nothing on CPU."""
+        return torch.cuda.stream(self._streams[direction]) if self._cuda else contextlib.nullcontext()
 
     def _is_memory(self, tier: int) -> bool:
         return isinstance(self.backends[tier], MemoryBackend)
