@@ -56,7 +56,7 @@ from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFF
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
-from kvtier.errors import ConfigError, CorruptBlockError, DiskError, InvalidKeyError
+from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.record import (
     HEAD_MAX,
     PersistentRecordBackend,
@@ -203,10 +203,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
     # -- paths ---------------------------------------------------------------------------------
     def _path(self, key: bytes) -> str:
         """The record's path, for messages (I/O goes through :meth:`_leaf`, never this string)."""
-        if type(key) is not bytes or len(key) != 32:
-            raise InvalidKeyError("file: keys must be 32 bytes")
-        h = key.hex()
-        return os.path.join(self._root, h[0:2], h[2:4], h + _SUFFIX)
+        return self._record_path(self._root, key)
 
     def _leaf(self, key: bytes, *, create: bool = False) -> tuple[int, str] | None:
         """``(fd of the key's shard directory, file name)``, the directory reached from the root

@@ -40,6 +40,15 @@ class FileTree:
     """Tree access shared by the live tier and its offline tools."""
 
     @staticmethod
+    def _record_path(root: str, key: bytes) -> str:
+        """``key``'s record path under ``root``, for messages and bookkeeping (I/O goes through
+        :meth:`_leaf_at`, never this string)."""
+        if type(key) is not bytes or len(key) != 32:
+            raise InvalidKeyError("file: keys must be 32 bytes")
+        h = key.hex()
+        return os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
+
+    @staticmethod
     def _leaf_at(root: str, key: bytes, *, create: bool = False, durable: bool = True) -> tuple[int, str] | None:
         if type(key) is not bytes or len(key) != 32:
             raise InvalidKeyError("file: keys must be 32 bytes")
@@ -79,8 +88,7 @@ class FileTree:
     def _unlink_record(cls, root: str, key: bytes) -> bool:
         """Unlink ``key``'s record under ``root``, never through a symlink; ``False`` if there was
         none (or a symlink stood in its path, which is logged and left alone)."""
-        h = key.hex()
-        path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
+        path = cls._record_path(root, key)
         try:
             leaf = cls._leaf_at(root, key)
             if leaf is None:
@@ -204,10 +212,7 @@ class FileTree:
         deleted = 0
         dirty: set[str] = set()
         for key in keys:
-            if type(key) is not bytes or len(key) != 32:
-                raise InvalidKeyError("file: keys must be 32 bytes")
-            h = key.hex()
-            record_path = os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
+            record_path = cls._record_path(root, key)
             if not cls._unlink_record(root, key):
                 continue
             deleted += 1
