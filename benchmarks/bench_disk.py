@@ -41,7 +41,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lmdb
@@ -50,7 +50,7 @@ import torch
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.codec import resolve_codec
-from kvtier.testing import cached_pages, make_key
+from kvtier.testing import cached_pages, evict_from_page_cache, make_key
 
 BLOCK = 2 << 20
 MAC_SECRET = "bench-disk-mac-secret-0123456789"
@@ -106,24 +106,54 @@ def _lmdb_job(blocks: list[torch.Tensor]) -> tuple[int, int, list[bytes], list[t
     return n, total, [make_key(i) for i in range(n)], outs, BlockFormat(block_bytes=BLOCK, dtype="bfloat16"), 3 * total
 
 
+def _tier_write(backend: Backend, keys: list[bytes], blocks: list[torch.Tensor]) -> float:
+    """Write every block, job by job; the seconds spent in the tier."""
+    return sum(timed(lambda j=j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])) for j in jobs(len(keys)))
+
+
+def _tier_read(backend: Backend, keys: list[bytes], outs: list[torch.Tensor]) -> float:
+    """Read every block back, job by job; the seconds spent in the tier."""
+    return sum(timed(lambda j=j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(len(keys)))
+
+
+def _raw_env(path: str, capacity: int, *, readahead: bool = False) -> tuple[lmdb.Environment, Any]:
+    """A raw python-lmdb environment synced as the tier's durable mode is, and its database."""
+    env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=readahead, meminit=False)
+    return env, env.open_db(b"blocks")
+
+
+def _raw_put(env: lmdb.Environment, db: Any, keys: list[bytes], blocks: list[torch.Tensor], which: Iterable[int]) -> None:
+    """Put the blocks at ``which``, one transaction per value (the tier's shape)."""
+    for i in which:
+        with env.begin(write=True, db=db) as txn:
+            txn.put(keys[i], blocks[i].numpy())
+
+
+def _raw_read(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor]) -> float:
+    """A ``get`` and one copy per block, one read transaction per job; the seconds spent."""
+
+    def job(j: range) -> None:
+        with env.begin(buffers=True, db=db) as txn:
+            for i in j:
+                memoryview(outs[i].numpy())[:] = txn.get(keys[i])
+
+    return sum(timed(lambda j=j: job(j)) for j in jobs(len(keys)))
+
+
 def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, Any]:
     n, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
 
     def tier_save(**options: Any) -> float:
         path = tempfile.mkdtemp(dir=root)
         backend = open_backend("lmdb", fmt, capacity=capacity, path=path, **options)
-        t = sum(timed(lambda j=j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])) for j in jobs(n))
+        t = _tier_write(backend, keys, blocks)
         asyncio.run(backend.aclose())
         shutil.rmtree(path)
         return t
 
-    def raw_env(path: str) -> lmdb.Environment:
-        return lmdb.open(path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=False, meminit=False)
-
     def raw_save(per_job: bool = False) -> float:
         path = tempfile.mkdtemp(dir=root)
-        env = raw_env(path)
-        db = env.open_db(b"blocks")
+        env, db = _raw_env(path, capacity)
 
         def job(j: range) -> None:
             if per_job:
@@ -131,9 +161,7 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
                     for i in j:
                         txn.put(keys[i], blocks[i].numpy())
             else:
-                for i in j:
-                    with env.begin(write=True, db=db) as txn:
-                        txn.put(keys[i], blocks[i].numpy())
+                _raw_put(env, db, keys, blocks, j)
             env.sync(True)
 
         t = sum(timed(lambda j=j: job(j)) for j in jobs(n))
@@ -144,30 +172,20 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     # Load: one populated store per side, read back job by job.
     tier_path = tempfile.mkdtemp(dir=root)
     backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
-    for j in jobs(n):
-        backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])
+    _tier_write(backend, keys, blocks)
     raw_path = tempfile.mkdtemp(dir=root)
-    env = raw_env(raw_path)
-    db = env.open_db(b"blocks")
-    for i in range(n):
-        with env.begin(write=True, db=db) as txn:
-            txn.put(keys[i], blocks[i].numpy())
+    env, db = _raw_env(raw_path, capacity)
+    _raw_put(env, db, keys, blocks, range(n))
 
     mac_path = tempfile.mkdtemp(dir=root)
     mac_backend = open_backend("lmdb", fmt, capacity=capacity, path=mac_path, mac_key=MAC_SECRET)
-    for j in jobs(n):
-        mac_backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])
+    _tier_write(mac_backend, keys, blocks)
 
     def tier_load(tier: Backend = backend) -> float:
-        return sum(timed(lambda j=j: tier.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(n))
+        return _tier_read(tier, keys, outs)
 
     def raw_load() -> float:
-        def job(j: range) -> None:
-            with env.begin(buffers=True, db=db) as txn:
-                for i in j:
-                    memoryview(outs[i].numpy())[:] = txn.get(keys[i])
-
-        return sum(timed(lambda j=j: job(j)) for j in jobs(n))
+        return _raw_read(env, db, keys, outs)
 
     save_t, raw_save_t, batch_t, load_t, raw_load_t, mac_save_t, mac_load_t = [], [], [], [], [], [], []
     saves: list[tuple[list[float], Callable[[], float]]] = [
@@ -213,21 +231,15 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
 def _evict(path: str, drop_caches: bool) -> str:
     """Push ``<path>/data.mdb`` out of the page cache (the environment must be closed: mapped
     pages cannot be evicted). Returns the method used."""
-    data = os.path.join(path, "data.mdb")
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if drop_caches:
-            try:
-                with open("/proc/sys/vm/drop_caches", "w") as f:
-                    f.write("3\n")
-                return "drop_caches"
-            except OSError:
-                pass
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return "fadvise_dontneed"
-    finally:
-        os.close(fd)
+    evict_from_page_cache(os.path.join(path, "data.mdb"))  # written back, its pages dropped
+    if drop_caches:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    return "fadvise_dontneed"
 
 
 def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
@@ -236,15 +248,11 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
     n, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
     tier_path = tempfile.mkdtemp(dir=root)
     backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
-    for j in jobs(n):
-        backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])
+    _tier_write(backend, keys, blocks)
     asyncio.run(backend.aclose())
     raw_path = tempfile.mkdtemp(dir=root)
-    env = lmdb.open(raw_path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=False, meminit=False)
-    db = env.open_db(b"blocks")
-    for i in range(n):
-        with env.begin(write=True, db=db) as txn:
-            txn.put(keys[i], blocks[i].numpy())
+    env, db = _raw_env(raw_path, capacity)
+    _raw_put(env, db, keys, blocks, range(n))
     env.close()
     tier_t, raw_t, open_t, open_read = [], [], [], []
     method = ""
@@ -257,20 +265,13 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
         open_t.append(time.perf_counter() - t)
         cached, pages = cached_pages(data)
         open_read.append((cached - cached_before) / pages)
-        tier_t.append(sum(timed(lambda j=j, t=tier: t.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(n)))
+        tier_t.append(_tier_read(tier, keys, outs))
         asyncio.run(tier.aclose())
         _evict(raw_path, drop_caches)
         # Readahead on for the raw side: with it off (as the warm raw runs have it) a cold mmap
         # faults in one page per read, 0.014-0.021 GB/s here, which would flatter the tier.
-        env = lmdb.open(raw_path, map_size=capacity, max_dbs=3, readahead=True, meminit=False)
-        db = env.open_db(b"blocks")
-
-        def raw_job(j: range, env: lmdb.Environment = env, db: Any = db) -> None:
-            with env.begin(buffers=True, db=db) as txn:
-                for i in j:
-                    memoryview(outs[i].numpy())[:] = txn.get(keys[i])
-
-        raw_t.append(sum(timed(lambda j=j: raw_job(j)) for j in jobs(n)))
+        env, db = _raw_env(raw_path, capacity, readahead=True)
+        raw_t.append(_raw_read(env, db, keys, outs))
         env.close()
     shutil.rmtree(tier_path)
     shutil.rmtree(raw_path)
@@ -344,12 +345,12 @@ def _file_round(root: str, blocks: list[torch.Tensor], outs: list[torch.Tensor],
     fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16")
     path = tempfile.mkdtemp(dir=root)
     backend = open_backend("file", fmt, capacity=3 * n * BLOCK, path=path)
-    save = sum(timed(lambda j=j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])) for j in jobs(n))
+    save = _tier_write(backend, keys, blocks)
     paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".kvb"))
     assert len(paths) == n
     times: dict[str, float] = {}
     reads: list[tuple[str, Callable[[], Any]]] = [
-        ("load", lambda: [backend.read_blocks([keys[i] for i in j], [outs[i] for i in j]) for j in jobs(n)]),
+        ("load", lambda: _tier_read(backend, keys, outs)),
         ("aio", lambda: _aio_read(paths, outs)),
         ("pread", lambda: _preadv_read(paths, outs)),
     ]
