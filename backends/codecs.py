@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import numpy as np
 import zstandard
 
-from kvtier.codec import Codec
 from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.records.codec import Codec
 
 __all__ = ["ZstdCodec", "ZstdShuffleCodec", "shuffle_bytes", "unshuffle_bytes"]
 

@@ -1,6 +1,6 @@
 """``compressed``: a host-memory tier of compressed records.
 
-Each block is kept as one :mod:`kvtier.record` record (header + codec payload) in a dict, and
+Each block is kept as one :mod:`kvtier.records.format` record (header + codec payload) in a dict, and
 capacity counts *stored* bytes, so a GiB holds more blocks than the ``cpu`` tier whenever the
 codec shrinks the data (bf16 KV with ``zstd-shuffle``: about 1.4x, see ``docs/tiers.md``).
 
@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvtier.backend import BlockFormat
-from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import CorruptBlockError
-from kvtier.record import HEADER_SIZE, RecordBackend, decode_record
+from kvtier.records.codec import Codec, UnsupportedRecordError
+from kvtier.records.format import HEADER_SIZE, RecordBackend, decode_record
 
 __all__ = ["CompressedBackend"]
 

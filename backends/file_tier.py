@@ -3,7 +3,7 @@
 Layout under the root ``path``::
 
     kvtier-meta.kvm                     the store's meta record (format version, namespace)
-    ab/cd/abcd…(64 hex digits).kvb      one record (kvtier.record format) per key
+    ab/cd/abcd…(64 hex digits).kvb      one record (kvtier.records.format format) per key
 
 Contract and choices:
 
@@ -24,7 +24,7 @@ Contract and choices:
   enforced per instance over the blocks it knows (listed at open or written since).
 * Reads ``pread`` the header, check it, then ``preadv`` the payload straight into the caller's
   tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``); in a job of 1 MiB or
-  more a side thread checks each row while the next one is read (:mod:`kvtier.record_jobs`). A
+  more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
   bad record is deleted (if it is still the same inode), counted, and reported as a miss.
 * Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so ``scan()`` restores
   the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
@@ -55,9 +55,10 @@ import torch
 from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
-from kvtier.record import (
+from kvtier.records.checks import RawPayload, fill_and_check
+from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
+from kvtier.records.format import (
     HEAD_MAX,
     PersistentRecordBackend,
     RecordHeader,
@@ -67,7 +68,6 @@ from kvtier.record import (
     parse_header,
     verify_payload,
 )
-from kvtier.record_jobs import RawPayload, fill_and_check
 
 __all__ = ["FileBackend", "STALE_TEMP_SECONDS"]
 
@@ -293,7 +293,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Each record's header is read and checked first; raw payloads are then read straight
         into their rows, a side thread checking each row while the next one is read
-        (:func:`~kvtier.record_jobs.fill_and_check`); compressed ones are read, checked and
+        (:func:`~kvtier.records.checks.fill_and_check`); compressed ones are read, checked and
         decoded one by one. Every failure is a miss for its key alone; a bad record is deleted."""
         size = self._check_io(keys, out)
         found = [False] * len(keys)

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from kvtier.errors import ConfigError, DiskError, InvalidKeyError
-from kvtier.record import StoreMeta, decode_meta
+from kvtier.records.format import StoreMeta, decode_meta
 
 __all__ = ["FileTree"]
 

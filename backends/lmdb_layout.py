@@ -4,7 +4,7 @@ Two layouts are read; the first is written:
 
 * **split** (what this code writes): ``blocks[key]`` holds the payload alone and
   ``index[key]`` holds ``<d Q`` (last-access stamp, stored bytes) followed by the record's head
-  (the :mod:`kvtier.record` header and, keyed, its tag). The payload is put straight from the
+  (the :mod:`kvtier.records.format` header and, keyed, its tag). The payload is put straight from the
   caller's block: python-lmdb has no ``MDB_RESERVE``, so a record whose head had to precede its
   payload in one value cost a staging copy of every block (a save ran at 0.84 of a raw put,
   0.92 without the copy; ``benchmarks/bench_disk.py``).
@@ -16,7 +16,7 @@ as it is and its records are replaced by split ones as they are rewritten. Both 
 written in one transaction; a value without its index entry is treated as corrupt.
 
 :class:`JobReader` reads a job: one read transaction, every record's head parsed and its extent
-checked before a byte of its payload is touched, then :func:`~kvtier.record_jobs.copy_and_check`.
+checked before a byte of its payload is touched, then :func:`~kvtier.records.checks.copy_and_check`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import lmdb
 import numpy as np
 import torch
 
-from kvtier.codec import UnsupportedRecordError
 from kvtier.errors import CorruptBlockError
-from kvtier.record import HEAD_MAX, HEADER_SIZE, RecordAuthError, RecordBackend, RecordMac, parse_header
-from kvtier.record_jobs import RawPayload, copy_and_check
+from kvtier.records.checks import RawPayload, copy_and_check
+from kvtier.records.codec import UnsupportedRecordError
+from kvtier.records.format import HEAD_MAX, HEADER_SIZE, RecordAuthError, RecordBackend, RecordMac, parse_header
 
 __all__ = ["INDEX", "JobReader", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
 

@@ -19,7 +19,7 @@ from kvtier.backends.lmdb_files import META_KEY, DamagedEnvironment, HolderLock,
 from kvtier.backends.lmdb_layout import join_record
 
 from kvtier.errors import ConfigError, DiskError
-from kvtier.record import StoreMeta, decode_meta
+from kvtier.records.format import StoreMeta, decode_meta
 
 __all__ = ["OfflineLmdb"]
 

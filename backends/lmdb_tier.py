@@ -4,7 +4,7 @@ Layout: three named databases in the environment at ``path``:
 
 * ``blocks``: key -> the record's payload,
 * ``index``:  key -> ``<d Q`` (last-access stamp, stored bytes) + the record's head
-  (:mod:`kvtier.record` header [+ tag]), written in the same transaction as the payload, so
+  (:mod:`kvtier.records.format` header [+ tag]), written in the same transaction as the payload, so
   ``scan()`` rebuilds the manager's index without touching any block page and a save puts the
   caller's block as it is, with no staging copy (:mod:`kvtier.backends.lmdb_layout`, which also
   reads stores written by earlier code, whose ``blocks`` values hold whole records),
@@ -30,7 +30,7 @@ Contract and choices:
   found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
   A job's checksums run on a side thread while the job's copies (reads) or puts (writes) run on
-  the calling one (:mod:`kvtier.record_jobs`).
+  the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size; at open the
   blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
@@ -81,10 +81,10 @@ from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, res
 from kvtier.backends.lmdb_offline import OfflineLmdb
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
-from kvtier.record import PersistentRecordBackend, check_meta, decode_meta, encode_meta
-from kvtier.record_jobs import EncodedStream
+from kvtier.records.checks import EncodedStream
+from kvtier.records.codec import Codec, UnsupportedRecordError
+from kvtier.records.format import PersistentRecordBackend, check_meta, decode_meta, encode_meta
 from kvtier.units import format_size
 
 __all__ = ["LmdbBackend"]

@@ -1,6 +1,6 @@
 """``redis``: a tier shared by every host, on a Redis server or a Redis Cluster.
 
-One :mod:`kvtier.record` record (header, optional MAC tag, codec payload) per key, stored under
+One :mod:`kvtier.records.format` record (header, optional MAC tag, codec payload) per key, stored under
 ``<prefix>:<namespace digest, 16 hex>:<32-byte key>``, so namespaces never meet and one ``SCAN``
 pattern lists a store's records. Records bind their key (checksum or, with ``mac_key``, an
 HMAC): a record copied under another key, damaged, or planted by someone without the secret is a
@@ -13,7 +13,7 @@ requests in flight (16 MiB of replies: whole-job pipelines of large replies meas
 serial loop). With ``cluster: true`` a job is split by hash slot into one batch per primary,
 and the batches run in parallel.
 
-The index lives on the server. :class:`kvtier.shared_index.SharedIndexView` keeps the manager's
+The index lives on the server. :class:`kvtier.backends.shared_index.SharedIndexView` keeps the manager's
 local index of this tier in step (periodic ``SCAN``, every ``sync_interval_s``); lookups never
 touch the network. A key the view still claims but the server evicted is a load miss.
 
@@ -43,17 +43,17 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
+from kvtier.backends.shared_index import SharedIndexView
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.codec import Codec, UnsupportedRecordError
 from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
-from kvtier.record import (
+from kvtier.records.codec import Codec, UnsupportedRecordError
+from kvtier.records.format import (
     RecordBackend,
     check_meta,
     decode_meta,
     encode_meta,
 )
-from kvtier.shared_index import SharedIndexView
 
 try:
     import redis

@@ -18,8 +18,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.codec import NoneCodec, codec_for_id
-from kvtier.record import FLAG_MAC, HEADER_SIZE, MAC_TAG_SIZE, RecordMac, parse_header, verify_payload
+from kvtier.records.codec import NoneCodec, codec_for_id
+from kvtier.records.format import FLAG_MAC, HEADER_SIZE, MAC_TAG_SIZE, RecordMac, parse_header, verify_payload
 
 __all__ = ["ErrorReply", "Wire", "get_command", "receive_record", "set_command", "unlink_command"]
 

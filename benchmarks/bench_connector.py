@@ -29,7 +29,7 @@ from kvtier.connector import (
 )
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager, TierSpec
-from kvtier.policies import LRUPolicy
+from kvtier.manager.policies import LRUPolicy
 from kvtier.sim import SimConfig, run_sim
 
 HOST = {"tiers": [{"backend": "cpu", "capacity": "64MiB"}]}

@@ -46,7 +46,7 @@ import torch
 
 import kvtier
 from kvtier.manager import TierManager, TierSpec
-from kvtier.policies import LRUPolicy
+from kvtier.manager.policies import LRUPolicy
 
 LAYERS = 32
 LAYER_SHAPE = (16, 2, 8, 128)  # tokens, K/V, heads, dims

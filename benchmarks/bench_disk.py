@@ -49,7 +49,7 @@ import torch
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.codec import resolve_codec
+from kvtier.records.codec import resolve_codec
 from kvtier.testing import cached_pages, evict_from_page_cache, make_key
 
 BLOCK = 2 << 20

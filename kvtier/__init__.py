@@ -1,5 +1,6 @@
 """kvtier: a tiered, persistent KV cache for LLM inference engines."""
 
+from kvtier import _moved
 from kvtier.errors import (
     BackendError,
     ClosedError,
@@ -15,11 +16,13 @@ from kvtier.errors import (
     UnknownNameError,
 )
 from kvtier.keys import KEY_BYTES, Namespace, block_keys, fold_block_hashes
-from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
 from kvtier.store import KVStore, open
+from kvtier.transfer.layout import KVLayout
 
 __version__ = "0.1.0"
+
+_moved.install()  # the module paths of kvtier 0.2 keep working (kvtier.policies, kvtier.codec, ...)
 
 __all__ = [
     "KEY_BYTES",

@@ -24,12 +24,12 @@ from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.config import StoreConfig, load_config
 from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
-from kvtier.jobs import Applied, JobResult, apply_result
 from kvtier.keys import Namespace, check_keys
-from kvtier.layout import KVLayout
 from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.jobs import Applied, JobResult, apply_result
+from kvtier.transfer.layout import KVLayout
 from kvtier.units import format_size
 
 __all__ = ["KVStore", "open"]
@@ -86,7 +86,7 @@ class KVStore:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> KVStore:
-        from kvtier.deploy import log_findings
+        from kvtier.config.deploy import log_findings
 
         log_findings(self.config, log)  # warnings only: what `kvtier config check` would report
         opened: list[Backend] = []
@@ -173,8 +173,8 @@ class KVStore:
     async def flush(self, *, budget_s: float | None = None, budget_bytes: int | None = None) -> Any:
         """Write blocks held only in memory tiers back to the first persistent tier now, most
         recent first, within the budgets (``None``: no limit); returns a
-        :class:`kvtier.flush.FlushReport`. ``aclose()`` does this with the configured budget."""
-        from kvtier.flush import flush_to_persistent
+        :class:`kvtier.transfer.flush.FlushReport`. ``aclose()`` does this with the configured budget."""
+        from kvtier.transfer.flush import flush_to_persistent
 
         return await flush_to_persistent(self._mgr(), self.backends, budget_s=budget_s, budget_bytes=budget_bytes)
 
@@ -182,7 +182,7 @@ class KVStore:
         budget_s = self.config.flush_on_close_s
         if self.manager is None or not budget_s:
             return
-        from kvtier.flush import flush_to_persistent
+        from kvtier.transfer.flush import flush_to_persistent
 
         try:
             await flush_to_persistent(self.manager, self.backends, budget_s=budget_s, budget_bytes=self.config.flush_on_close_bytes)

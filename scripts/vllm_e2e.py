@@ -115,7 +115,7 @@ def _block_keys(llm: Any, tokens: list[int]) -> list[str]:
     for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
         parent = hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK])
         offload_keys.append(make_offload_key(parent, 0))
-    (engine,) = kv_vllm._ENGINES.values()
+    (engine,) = kv_vllm.engines._ENGINES.values()
     return [k.hex() for k in fold_block_hashes(offload_keys, namespace=engine.store.namespace)]
 
 
@@ -265,7 +265,7 @@ def _check_record(key: bytes, value: Any) -> str | None:
     """None if the record (head and payload joined) passes kvtier's checks, else the reason it
     does not."""
     from kvtier.errors import CorruptBlockError
-    from kvtier.record import HEADER, decode_record
+    from kvtier.records.format import HEADER, decode_record
 
     raw_length = HEADER.unpack_from(value, 0)[5]
     try:
@@ -280,7 +280,7 @@ def corrupt_records(lmdb_path: str, keys: list[bytes], positions: dict[int, str]
     (header untouched: only the checksum can tell). Returns the payload bytes of one record."""
     from kvtier.backends.lmdb_layout import join_record
 
-    from kvtier.record import HEADER_SIZE
+    from kvtier.records.format import HEADER_SIZE
 
     env, blocks, index = _open_lmdb(lmdb_path)
     try:

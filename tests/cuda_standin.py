@@ -41,7 +41,7 @@ While installed (the fixture installs it through ``monkeypatch`` and undoes it a
   (``Tensor.is_pinned()`` and ``Tensor.pin_memory()`` answer from that registry). A device
   allocation larger than ``device_memory_free`` raises ``torch.OutOfMemoryError``.
   ``Tensor.to("cuda")``, ``.cuda()`` and ``.cpu()`` copy between the two registries.
-- ``kvtier.staging.tensor_device(t)`` (kvtier's one place that asks where a tensor lives)
+- ``kvtier.transfer.staging.tensor_device(t)`` (kvtier's one place that asks where a tensor lives)
   answers ``cuda:0`` for registered device tensors. ``t.device`` itself still says ``cpu``.
 
 The log (``standin.log``, a list of :class:`Op`, in host order) holds:
@@ -451,9 +451,9 @@ class CudaStandIn:
             monkeypatch.setattr(torch, name, self._factory(getattr(torch, name), like=True))
         self._patch_tensor_methods(monkeypatch)
         with contextlib.suppress(ImportError):
-            import kvtier.staging
+            import kvtier.transfer.staging
 
-            monkeypatch.setattr(kvtier.staging, "tensor_device", self.tensor_device)
+            monkeypatch.setattr(kvtier.transfer.staging, "tensor_device", self.tensor_device)
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a, **k: self.is_pinned(t))
 
     def uninstall(self) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import available, last_json, script_dir
-from kvtier.bench.plot import bandwidth_rows, plot_results, rate
+from kvtier.tools.bench import available, last_json, script_dir
+from kvtier.tools.bench.plot import bandwidth_rows, plot_results, rate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def test_the_picture_draws_hit_rates_from_hit_vs_oracle(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from kvtier.bench import plot
+    from kvtier.tools.bench import plot
 
     fig, ax = plt.subplots()
     try:
@@ -97,17 +97,17 @@ def test_a_wheel_ships_the_benchmarks_and_finds_them_without_the_source_tree(tmp
     (wheel,) = (tmp_path / "dist").glob("kvtier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for script in ("bench_core.py", "bench_disk.py", "bench_connector.py"):
-        assert f"kvtier/bench/scripts/{script}" in names
-    assert "kvtier/bench/plot.py" in names
+        assert f"kvtier/tools/bench/scripts/{script}" in names
+    assert "kvtier/tools/bench/plot.py" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "import kvtier.bench as b; d = b.script_dir(); print(d); print(' '.join(b.available(d)))"
+        "import kvtier.tools.bench as b; d = b.script_dir(); print(d); print(' '.join(b.available(d)))"
     )
     out = subprocess.run([sys.executable, "-c", probe, str(site)], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
     where, names_line = out.strip().splitlines()
-    assert Path(where) == site / "kvtier" / "bench" / "scripts"
+    assert Path(where) == site / "kvtier" / "tools" / "bench" / "scripts"
     assert {"core", "disk", "connector"} <= set(names_line.split())
 
 

@@ -8,7 +8,7 @@ import torch
 
 import kvtier
 from kvtier.errors import LayoutError
-from kvtier.layout import KVLayout
+from kvtier.transfer.layout import KVLayout
 
 
 def _layout() -> KVLayout:

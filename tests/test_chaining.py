@@ -130,7 +130,7 @@ async def test_lower_tier_hits_are_promoted_when_the_first_tier_has_room() -> No
 
 def test_admission_rule_keeps_one_off_blocks_out_of_the_lower_tier() -> None:
     from kvtier.manager import TierManager, TierSpec
-    from kvtier.policies import LRUPolicy
+    from kvtier.manager.policies import LRUPolicy
 
     mgr = TierManager(
         [TierSpec("fast", 2, 1, LRUPolicy()), TierSpec("disk", 10, 1, LRUPolicy(), admit_after=2)],

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier import registry
-from kvtier.codec import Codec, NoneCodec, codec_for_id, resolve_codec
 from kvtier.errors import ConfigError, CorruptBlockError, UnknownNameError
+from kvtier.records.codec import Codec, NoneCodec, codec_for_id, resolve_codec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.layout import KVLayout
 from kvtier.testing import make_key
+from kvtier.transfer.layout import KVLayout
 
 pytestmark = [
     pytest.mark.cuda,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-import kvtier.staging
+import kvtier.transfer.staging
 
 if TYPE_CHECKING:
     from cuda_standin import CudaStandIn
@@ -22,9 +22,9 @@ def test_device_and_pinned_allocation(cuda_standin: CudaStandIn) -> None:
     host = torch.empty((4, 8), dtype=torch.uint8, pin_memory=True)
     plain = torch.empty((4, 8), dtype=torch.uint8)
     assert dev.device.type == "cpu", "tensors stay on the CPU"
-    assert kvtier.staging.tensor_device(dev) == torch.device("cuda", 0)
-    assert kvtier.staging.tensor_device(dev[1:]) == torch.device("cuda", 0), "views share the registry"
-    assert kvtier.staging.tensor_device(host) == torch.device("cpu")
+    assert kvtier.transfer.staging.tensor_device(dev) == torch.device("cuda", 0)
+    assert kvtier.transfer.staging.tensor_device(dev[1:]) == torch.device("cuda", 0), "views share the registry"
+    assert kvtier.transfer.staging.tensor_device(host) == torch.device("cpu")
     assert host.is_pinned() and not plain.is_pinned() and not dev.is_pinned()
     back = dev.cpu()
     assert not cuda_standin.is_device(back) and torch.equal(back, dev)
@@ -111,7 +111,7 @@ def test_current_stream_is_per_thread_and_blocking_copies_sync(cuda_standin: Cud
 
 
 def test_a_layout_on_the_stand_in_device_moves_exact_bytes(cuda_standin: CudaStandIn) -> None:
-    from kvtier.layout import KVLayout
+    from kvtier.transfer.layout import KVLayout
 
     cache = torch.randint(0, 256, (6, 64), dtype=torch.uint8, device="cuda")
     layout = KVLayout([cache])

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier import registry
 from kvtier.config import load_config
-from kvtier.deploy import check_deployment, host_memory, log_findings
+from kvtier.config.deploy import check_deployment, host_memory, log_findings
 
 
 def findings(config: dict) -> list[str]:
@@ -102,7 +102,7 @@ def test_findings_are_logged_as_warnings_at_open(tmp_path: Path, caplog: pytest.
     regular = tmp_path / "regular"
     regular.write_text("x")
     cfg = load_config({"tiers": [{"backend": "file", "capacity": "1MiB", "path": str(regular)}]})
-    with caplog.at_level(logging.WARNING, logger="kvtier.deploy"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.config.deploy"):
         assert len(log_findings(cfg)) == 1
     assert "tiers[0].path" in caplog.text
 

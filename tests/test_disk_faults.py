@@ -446,7 +446,7 @@ def test_a_damaged_environment_is_kept_for_verify(tmp_path: Path) -> None:
     (moved,) = path.glob("damaged-*")
     assert "truncated" in (moved / "REASON").read_text()
     # verify can open what was kept (the pages that are still there) without faulting
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "verify", str(moved), "--json"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "verify", str(moved), "--json"], capture_output=True, text=True)
     print(f"verify of the kept environment: status {proc.returncode}, {proc.stdout.strip()[:200]} {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 1 and "damaged" in proc.stderr  # refused with a reason, never a fault
     with pytest.raises(DiskError, match="truncated"):

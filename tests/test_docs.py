@@ -224,7 +224,7 @@ def test_store_only_script_serves_a_new_store_from_lmdb(sandbox: Path) -> None:
 
 def test_example_config_file_checks_clean(sandbox: Path) -> None:
     proc = _run_example(
-        ["-m", "kvtier.cli", "config", "check", str(EXAMPLES / "kvtier.yaml"), "--block-bytes", "32KiB"],
+        ["-m", "kvtier.tools.cli", "config", "check", str(EXAMPLES / "kvtier.yaml"), "--block-bytes", "32KiB"],
         sandbox,
         KVTIER_TIERS__1__PATH=str(sandbox / "lmdb"),
     )

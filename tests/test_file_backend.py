@@ -13,7 +13,7 @@ import torch
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ConfigError, InvalidKeyError
-from kvtier.record import HEADER_SIZE
+from kvtier.records.format import HEADER_SIZE
 from kvtier.testing import BackendTests, make_key, random_block
 
 

@@ -18,13 +18,13 @@ from kvtier.backends.memory import CpuBackend
 
 import kvtier
 from kvtier.backend import BlockFormat
-from kvtier.jobs import JobResult, apply_result, combine_results
-from kvtier.layout import KVLayout
 from kvtier.manager import KeyState, TierManager, TierSpec
-from kvtier.policies import LRUPolicy
+from kvtier.manager.policies import LRUPolicy
 from kvtier.store import KVStore
 from kvtier.testing import make_key
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.jobs import JobResult, apply_result, combine_results
+from kvtier.transfer.layout import KVLayout
 
 K = [make_key(100 + i) for i in range(64)]
 NUM_BLOCKS = 16

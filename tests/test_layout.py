@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.errors import LayoutError
-from kvtier.layout import KVLayout
+from kvtier.transfer.layout import KVLayout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
 NUM_BLOCKS = 12

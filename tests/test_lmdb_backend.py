@@ -13,9 +13,9 @@ from kvtier.backends.lmdb_layout import INDEX
 
 from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.codec import NoneCodec
 from kvtier.errors import ConfigError
-from kvtier.record import HEADER, HEADER_SIZE, RECORD_VERSION, encode_record, parse_header
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import HEADER, HEADER_SIZE, RECORD_VERSION, encode_record, parse_header
 from kvtier.testing import BackendTests, cached_pages, evict_from_page_cache, make_key, random_block
 
 

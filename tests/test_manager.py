@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.errors import ClosedError, ConfigError, InvalidKeyError, LifecycleError
 from kvtier.manager import CacheEvent, Demotion, KeyState, KeyStatus, TierManager, TierSpec
-from kvtier.policies import ARCPolicy, LRUPolicy
+from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.testing import make_key
 
 BLOCK = 100

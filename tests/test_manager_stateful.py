@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.manager import KeyState, TierManager, TierSpec
-from kvtier.policies import ARCPolicy, LRUPolicy
+from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.testing import make_key
 
 BLOCK = 10

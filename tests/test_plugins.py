@@ -106,7 +106,7 @@ def test_plugin_names_are_listed_and_loaded(venv_python: Path) -> None:
 
 def test_plugins_md_shows_what_config_show_prints(venv_python: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [str(venv_python), "-m", "kvtier.cli", "config", "show"], capture_output=True, text=True, cwd=tmp_path, check=False
+        [str(venv_python), "-m", "kvtier.tools.cli", "config", "show"], capture_output=True, text=True, cwd=tmp_path, check=False
     )
     assert proc.returncode == 0, proc.stderr
     installed = [line for line in proc.stdout.splitlines() if line.startswith("# installed")]
@@ -156,7 +156,7 @@ def test_plugins_md_config_checks_with_the_plugin_installed(venv_python: Path, t
     config = tmp_path / "store.yaml"
     config.write_text(block)
     proc = subprocess.run(
-        [str(venv_python), "-m", "kvtier.cli", "config", "check", str(config)], capture_output=True, text=True, check=False
+        [str(venv_python), "-m", "kvtier.tools.cli", "config", "check", str(config)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "demo-dict" in proc.stdout and "demo-fifo" in proc.stdout, proc.stdout
@@ -166,7 +166,7 @@ def test_plugin_option_errors_name_the_field(venv_python: Path, tmp_path: Path) 
     config = tmp_path / "bad.toml"
     config.write_text('[[tiers]]\nbackend = "demo-dict"\ncapacity = "1MiB"\nlabel = ""\n')
     proc = subprocess.run(
-        [str(venv_python), "-m", "kvtier.cli", "config", "check", str(config)], capture_output=True, text=True, check=False
+        [str(venv_python), "-m", "kvtier.tools.cli", "config", "check", str(config)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 1
     assert str(config) in proc.stderr and "tiers[0].label" in proc.stderr

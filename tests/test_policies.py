@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.policies import ARCPolicy, EvictionPolicy, LRUPolicy
+from kvtier.manager.policies import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier.testing import make_key
 
 POLICIES = [LRUPolicy, ARCPolicy]

@@ -10,9 +10,9 @@ import torch
 import zstandard
 
 from kvtier.backend import BlockFormat
-from kvtier.codec import NoneCodec, UnsupportedRecordError, resolve_codec
 from kvtier.errors import ConfigError, CorruptBlockError
-from kvtier.record import (
+from kvtier.records.codec import NoneCodec, UnsupportedRecordError, resolve_codec
+from kvtier.records.format import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -179,7 +179,7 @@ def _keyed(key: bytes, raw: bytes, mac: object, codec: object = None) -> bytes:
 
 @pytest.mark.parametrize("codec", [None, {"name": "zstd", "level": 1}])
 def test_keyed_record_round_trips_and_refuses_everything_else(codec: object) -> None:
-    from kvtier.record import MAC_TAG_SIZE, RecordAuthError, RecordMac
+    from kvtier.records.format import MAC_TAG_SIZE, RecordAuthError, RecordMac
 
     mac = RecordMac(SECRET)
     raw = bytes(4096)
@@ -214,7 +214,7 @@ def test_keyed_record_round_trips_and_refuses_everything_else(codec: object) -> 
 
 
 def test_keyed_header_cannot_be_stripped() -> None:
-    from kvtier.record import RecordAuthError, RecordMac
+    from kvtier.records.format import RecordAuthError, RecordMac
 
     mac = RecordMac(SECRET)
     record = bytearray(_keyed(KEY, b"x" * 16, mac))
@@ -226,7 +226,7 @@ def test_keyed_header_cannot_be_stripped() -> None:
 
 
 def test_mac_options_and_secret_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.record import RecordMac
+    from kvtier.records.format import RecordMac
 
     assert RecordMac.from_options() is None
     with pytest.raises(ConfigError, match="at least 16 bytes"):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvtier import record_jobs
-from kvtier.codec import NoneCodec, resolve_codec
 from kvtier.errors import CorruptBlockError
-from kvtier.record import RecordAuthError, RecordMac, encode_record, parse_header
-from kvtier.record_jobs import SIDE_MIN_BYTES, EncodedStream, RawPayload, copy_and_check
+from kvtier.records.checks import SIDE_MIN_BYTES, EncodedStream, RawPayload, copy_and_check
+from kvtier.records.codec import NoneCodec, resolve_codec
+from kvtier.records.format import RecordAuthError, RecordMac, encode_record, parse_header
 from kvtier.testing import make_key, random_block
 
 BLOCK = 512 << 10

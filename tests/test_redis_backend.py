@@ -25,9 +25,9 @@ from redis_servers import RedisClusterServers, RedisServer
 
 import kvtier
 from kvtier.backend import BlockFormat
-from kvtier.codec import NoneCodec
 from kvtier.errors import ConfigError
-from kvtier.record import encode_record
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import encode_record
 from kvtier.testing import BackendTests, make_key, random_block
 
 BLOCK = 4096
@@ -281,7 +281,7 @@ async def test_a_key_stored_by_another_host_is_found_after_a_sweep_and_a_lost_ke
 
 
 def test_view_journal_keeps_a_key_written_during_a_sweep() -> None:
-    from kvtier.shared_index import SharedIndexView
+    from kvtier.backends.shared_index import SharedIndexView
 
     class Target:
         def __init__(self) -> None:
@@ -413,7 +413,7 @@ def _sim(config: Path, *extra: str) -> dict[str, Any]:
     import json
 
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "sim", "--config", str(config), "--requests", "16", "--json", "--no-progress", *extra],
+        [sys.executable, "-m", "kvtier.tools.cli", "sim", "--config", str(config), "--requests", "16", "--json", "--no-progress", *extra],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

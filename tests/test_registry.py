@@ -11,7 +11,7 @@ from kvtier.backends.memory import CpuBackend, GpuBackend
 
 from kvtier import registry
 from kvtier.errors import ConfigError, MissingDependencyError, UnknownNameError
-from kvtier.policies import ARCPolicy, LRUPolicy
+from kvtier.manager.policies import ARCPolicy, LRUPolicy
 
 
 def test_builtins_are_listed_by_name() -> None:
@@ -37,10 +37,10 @@ def test_unknown_name_lists_the_known_ones() -> None:
 
 
 def test_module_colon_object_names() -> None:
-    assert registry.policies.get("kvtier.policies:LRUPolicy") is LRUPolicy
-    assert registry.load_object("kvtier.policies.ARCPolicy") is ARCPolicy
+    assert registry.policies.get("kvtier.manager.policies:LRUPolicy") is LRUPolicy
+    assert registry.load_object("kvtier.manager.policies.ARCPolicy") is ARCPolicy
     with pytest.raises(ConfigError, match="no attribute"):
-        registry.policies.get("kvtier.policies:NoSuchPolicy")
+        registry.policies.get("kvtier.manager.policies:NoSuchPolicy")
     with pytest.raises(MissingDependencyError, match="no_such_module_xyz"):
         registry.policies.get("no_such_module_xyz:Thing")
     with pytest.raises(ConfigError, match="form"):
@@ -71,9 +71,9 @@ def _entry(name: str, value: str, group: str, dist: str) -> EntryPoint:
 def test_two_distributions_claiming_one_name(monkeypatch: pytest.MonkeyPatch) -> None:
     group = "kvtier.policies"
     fake = [
-        _entry("lru", "kvtier.policies:LRUPolicy", group, "kvtier"),
-        _entry("shared", "kvtier.policies:LRUPolicy", group, "plugin-alpha"),
-        _entry("shared", "kvtier.policies:ARCPolicy", group, "plugin-beta"),
+        _entry("lru", "kvtier.manager.policies:LRUPolicy", group, "kvtier"),
+        _entry("shared", "kvtier.manager.policies:LRUPolicy", group, "plugin-alpha"),
+        _entry("shared", "kvtier.manager.policies:ARCPolicy", group, "plugin-beta"),
     ]
 
     def entry_points(**kwargs: Any) -> list[EntryPoint]:
@@ -92,8 +92,8 @@ def test_two_distributions_claiming_one_name(monkeypatch: pytest.MonkeyPatch) ->
 def test_two_distributions_claiming_one_name_with_the_same_target(monkeypatch: pytest.MonkeyPatch) -> None:
     group = "kvtier.policies"
     fake = [
-        _entry("lru", "kvtier.policies:LRUPolicy", group, "kvtier"),
-        _entry("lru", "kvtier.policies:LRUPolicy", group, "kvtier-fork"),
+        _entry("lru", "kvtier.manager.policies:LRUPolicy", group, "kvtier"),
+        _entry("lru", "kvtier.manager.policies:LRUPolicy", group, "kvtier-fork"),
     ]
     monkeypatch.setattr(registry, "entry_points", lambda **kw: fake)
     fresh = registry.Registry(group, "policy")
@@ -103,7 +103,7 @@ def test_two_distributions_claiming_one_name_with_the_same_target(monkeypatch: p
 
 def test_same_distribution_listed_twice_is_not_a_conflict(monkeypatch: pytest.MonkeyPatch) -> None:
     group = "kvtier.policies"
-    fake = [_entry("lru", "kvtier.policies:LRUPolicy", group, "kvtier")] * 2
+    fake = [_entry("lru", "kvtier.manager.policies:LRUPolicy", group, "kvtier")] * 2
     monkeypatch.setattr(registry, "entry_points", lambda **kw: fake)
     fresh = registry.Registry(group, "policy")
     assert fresh.get("lru") is LRUPolicy

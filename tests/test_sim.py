@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.cli import main
 from kvtier.errors import KVTierError
 from kvtier.sim import BlockPool, SimConfig, kv_content, make_workload, run_sim
 from kvtier.sim.workloads import Session, Turn
+from kvtier.tools.cli import main
 
 CPU = {"tiers": [{"backend": "cpu", "capacity": "16MiB"}]}
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
     from cuda_standin import CudaStandIn, Op

@@ -14,7 +14,7 @@ import torch
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ConfigError
-from kvtier.record import HEADER_SIZE
+from kvtier.records.format import HEADER_SIZE
 from kvtier.testing import make_key, random_block
 from kvtier.tools import detect_tier, inspect_tier, verify_tier
 
@@ -253,7 +253,7 @@ def test_offline_classmethods_match_the_backend(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_checks_keyed_records_with_the_secret(kind: str, tmp_path: Path) -> None:
-    from kvtier.record import RecordMac
+    from kvtier.records.format import RecordMac
 
     secret = "tools-test-secret-0123456789"
     _fill(kind, tmp_path / kind, 3, mac_key=secret)

@@ -11,11 +11,11 @@ from kvtier.backends.memory import CpuBackend
 
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import BackendError, ClosedError, LayoutError
-from kvtier.layout import KVLayout
 from kvtier.manager import TierManager, TierSpec
-from kvtier.policies import LRUPolicy
+from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.layout import KVLayout
 
 NUM_BLOCKS = 16
 K = [make_key(i) for i in range(64)]

@@ -18,12 +18,12 @@ from kvtier.backends.memory import CpuBackend
 
 import kvtier
 from kvtier.backend import BlockFormat
-from kvtier.jobs import apply_result
-from kvtier.layout import KVLayout
 from kvtier.manager import TierManager, TierSpec
-from kvtier.policies import LRUPolicy
+from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.jobs import apply_result
+from kvtier.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
     from cuda_standin import CudaStandIn, Op

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.integrations.vllm import _Engine, _SchedulerSide, _WorkerSide
+from kvtier.integrations.vllm.engines import _Engine
+from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
+from kvtier.integrations.vllm.worker_side import _WorkerSide
 from kvtier.testing import make_key
 
 K = [make_key(900 + i) for i in range(16)]

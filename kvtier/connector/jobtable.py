@@ -4,7 +4,7 @@ It owns, for those jobs: their records and ids, the :class:`~kvtier.connector.fe
 of the engine blocks that store jobs read, which key each store writes (``storing``), and how
 many loads fill each key (``loading``). A job is settled when all ``world_size`` workers have
 reported it: :meth:`JobTable.settle` removes it everywhere and returns the one
-:class:`~kvtier.jobs.JobResult` of its ranks (:func:`~kvtier.jobs.combine_results`), which the connector applies to the manager.
+:class:`~kvtier.transfer.jobs.JobResult` of its ranks (:func:`~kvtier.transfer.jobs.combine_results`), which the connector applies to the manager.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Literal, cast
 
 from kvtier.connector.fence import FenceIndex
 from kvtier.connector.types import JobReport
-from kvtier.jobs import JobResult, combine_results
 from kvtier.manager import LoadPlan, StorePlan
+from kvtier.transfer.jobs import JobResult, combine_results
 
 __all__ = ["JobTable", "TrackedJob"]
 

@@ -17,8 +17,8 @@ from kvtier.connector.jobtable import JobTable, TrackedJob
 from kvtier.connector.state import KeyChain, RequestState
 from kvtier.connector.types import ConnectorError, LoadJob
 from kvtier.errors import LifecycleError
-from kvtier.jobs import Applied
 from kvtier.manager import LoadPlan, TierManager
+from kvtier.transfer.jobs import Applied
 
 __all__ = ["LoadBuilder"]
 

@@ -36,9 +36,9 @@ from kvtier.connector.types import (
     WorkerOutput,
 )
 from kvtier.errors import LifecycleError
-from kvtier.jobs import JobResult, apply_result
 from kvtier.keys import Namespace
 from kvtier.manager import LoadPlan, TierManager
+from kvtier.transfer.jobs import JobResult, apply_result
 
 __all__ = ["ConnectorConfig", "SchedulerConnector"]
 

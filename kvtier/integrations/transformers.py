@@ -106,8 +106,8 @@ from kvtier.connector import ConnectorUpdate, SchedulerConnector, StepMetadata, 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations._sync import run_sync
 from kvtier.keys import Namespace
-from kvtier.layout import KVLayout
 from kvtier.store import KVStore
+from kvtier.transfer.layout import KVLayout
 
 __all__ = ["TESTED_VERSION", "PrefixMatch", "TransformersKVTier", "attach"]
 

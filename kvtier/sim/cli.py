@@ -41,7 +41,7 @@ def _lmdb_available() -> bool:
 
 def sim_disk_path() -> str:
     """The simulation's own LMDB directory (never a real cache's)."""
-    from kvtier.cache import cache_dir
+    from kvtier.config.cache import cache_dir
 
     return os.path.join(cache_dir(), "sim", "lmdb")
 
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     except KVTierError as exc:
         print(f"kvtier sim: {exc}", file=sys.stderr)
         return 1
-    from kvtier.cache import cache_dir
+    from kvtier.config.cache import cache_dir
 
     data = report.to_dict()
     data["emptied"] = not args.keep_disk

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtier.codec import Codec
 from kvtier.errors import CorruptBlockError
+from kvtier.records.codec import Codec
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Container
 from typing import ClassVar
 
-from kvtier.policies import EvictionPolicy
+from kvtier.manager.policies import EvictionPolicy
 
 
 class FifoPolicy(EvictionPolicy):

@@ -2,11 +2,11 @@
 
 A job is one store (the engine's KV cache -> the first tier, after the plan's evictions and
 demotions) or one load (tiers -> the engine's KV cache); its record is a
-:class:`kvtier.jobs.StoreRecord` / :class:`kvtier.jobs.LoadRecord`. ``submit_*`` returns a job
+:class:`kvtier.transfer.jobs.StoreRecord` / :class:`kvtier.transfer.jobs.LoadRecord`. ``submit_*`` returns a job
 id at once and never blocks: when ``max_queued_jobs`` jobs of that direction are already
 waiting, the new job fails at once (counted in ``rejected_jobs``).
 
-A store job has two phases (see :class:`kvtier.jobs.Phase`), each on its own thread:
+A store job has two phases (see :class:`kvtier.transfer.jobs.Phase`), each on its own thread:
 
 1. the *device read*, on ``kvtier-store``: the engine blocks are copied into the first tier
    (a memory tier, when no earlier job still has tier work and the plan's evictions and
@@ -53,10 +53,10 @@ import torch
 
 from kvtier.backend import Backend, MemoryBackend
 from kvtier.errors import ClosedError, LayoutError, LifecycleError
-from kvtier.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
-from kvtier.layout import KVLayout
 from kvtier.manager import LoadPlan, StorePlan
-from kvtier.movers import LoadMover, StoreMover, _Failed, _TierWork
+from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
+from kvtier.transfer.layout import KVLayout
+from kvtier.transfer.movers import LoadMover, StoreMover, _Failed, _TierWork
 
 __all__ = ["TransferEngine", "JobResult"]
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier import registry
-from kvtier.config import StoreConfig
+from kvtier.config.loader import StoreConfig
 from kvtier.units import format_size
 
 __all__ = ["Finding", "check_deployment", "log_findings", "host_memory"]
 
-log = logging.getLogger("kvtier.deploy")
+log = logging.getLogger("kvtier.config.deploy")
 
 #: Backends whose capacity lives in host memory (the compressed tier keeps its records in RAM).
 HOST_MEMORY_BACKENDS = frozenset({"cpu", "compressed"})

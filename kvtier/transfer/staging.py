@@ -42,18 +42,40 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvtier.layout import KVLayout
-
 __all__ = ["DEFAULT_STAGING_BYTES", "ChunkSink", "ChunkSource", "StagedCopier", "device_index", "tensor_device"]
 
-log = logging.getLogger("kvtier.staging")
+log = logging.getLogger("kvtier.transfer.staging")
 
 DEFAULT_STAGING_BYTES = 256 << 20
+
+
+class StagedLayout(Protocol):
+    """What the copier uses of the layout it serves (``KVLayout``), which passes itself in, so
+    this module never imports the layout's."""
+
+    @property
+    def kv_caches(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def engine_blocks_per_block(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def _infos(self) -> Sequence[Any]: ...
+    @property
+    def _width(self) -> int: ...
+    @property
+    def _src(self) -> Sequence[torch.Tensor]: ...
+    def _gather_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None: ...
+    def _scatter_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None: ...
+    def _pairs(
+        self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 Mode = Literal["unused", "staged", "batched", "foreach", "host"]
 ChunkSink = Callable[[int, torch.Tensor], None]
 """``sink(first, rows)``: the records of job positions ``first .. first + len(rows) - 1``."""
@@ -128,7 +150,7 @@ class _Plan:
 class StagedCopier:
     """Moves whole jobs between ``layout``'s device KV cache and host rows (see module doc)."""
 
-    def __init__(self, layout: KVLayout, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, layout: StagedLayout, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.layout = layout
         self.staging_bytes = 0
         self._count_lock = threading.Lock()

@@ -5,7 +5,7 @@ A record is a fixed 32-byte little-endian header followed by the payload::
     offset size field
     0      4    magic            b"KVTB"
     4      1    format version   RECORD_VERSION (1)
-    5      1    codec id         see kvtier.codec.BUILTIN_CODEC_IDS
+    5      1    codec id         see kvtier.records.codec.BUILTIN_CODEC_IDS
     6      1    dtype code       DTYPE_CODES; tells a shuffling codec the element width
     7      1    flags            FLAG_MAC or 0; any other bit is a format this build cannot read
     8      8    raw length       bytes of the block once decoded
@@ -30,7 +30,7 @@ The key is bound into the checksum but not stored, so a record copied or renamed
 key fails its check. Readers parse and check the header *before* touching the payload: magic,
 version, the raw length against the store's block size and the stored length against the bytes
 actually present; only then is anything decoded, into a buffer of exactly the raw length. An
-unknown version raises :class:`~kvtier.codec.UnsupportedRecordError` (a miss, never parsed);
+unknown version raises :class:`~kvtier.records.codec.UnsupportedRecordError` (a miss, never parsed);
 every other failure raises :class:`~kvtier.errors.CorruptBlockError`.
 
 The meta record (``encode_meta`` / ``decode_meta``) says which format version and namespace a
@@ -60,9 +60,9 @@ import torch
 import xxhash
 
 from kvtier.backend import Backend, BlockFormat
-from kvtier.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id, resolve_codec
 from kvtier.errors import ConfigError, CorruptBlockError, LayoutError
 from kvtier.keys import check_keys
+from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id, resolve_codec
 
 __all__ = [
     "HEADER",
@@ -324,7 +324,7 @@ def decode_payload(
     A raw payload is copied in chunks of :data:`COPY_CHUNK` bytes, each checksummed (or MACed)
     right after it lands in ``out``, while it is still in the CPU cache: one pass over memory
     instead of two (measured 0.73 -> 0.88 of a plain copy for 2 MiB blocks). ``out`` then holds
-    garbage if the check fails. (:mod:`kvtier.record_jobs` checks a large job on a side thread
+    garbage if the check fails. (:mod:`kvtier.records.checks` checks a large job on a side thread
     instead, while this thread copies.)
     """
     head = memoryview(head)
@@ -450,7 +450,7 @@ def check_meta(meta: StoreMeta, fmt: BlockFormat, *, where: str) -> None:
 
 
 class RecordBackend(Backend):
-    """Base for byte backends that keep one :mod:`kvtier.record` record per key behind a codec.
+    """Base for byte backends that keep one :mod:`kvtier.records.format` record per key behind a codec.
 
     Subclasses get option handling for ``codec``, block/key validation, record encoding and a
     uniform way to treat corrupt or unsupported records on read.

@@ -1,7 +1,7 @@
 """``kvtier bench``: run the benchmark scripts, collect their JSON, draw one picture.
 
 The scripts live in the source tree's ``benchmarks/`` folder and are installed with the package
-as ``kvtier.bench.scripts`` (see ``[tool.setuptools]`` in ``pyproject.toml``), so a plain
+as ``kvtier.tools.bench.scripts`` (see ``[tool.setuptools]`` in ``pyproject.toml``), so a plain
 ``pip install kvtier`` can run them. Each runs in its own interpreter (a benchmark must not be
 disturbed by another's threads or memory) and prints one JSON object on stdout; each ratio in
 it is measured against a raw baseline in that same process.
@@ -33,11 +33,11 @@ DEFAULT_OUTPUT = "kvtier-bench"
 
 def script_dir(given: str | os.PathLike[str] | None = None) -> Path | None:
     """Where the ``bench_*.py`` scripts are: ``given``, else the installed
-    ``kvtier.bench.scripts`` package, else a source checkout's ``benchmarks/``."""
+    ``kvtier.tools.bench.scripts`` package, else a source checkout's ``benchmarks/``."""
     if given is not None:
         return Path(given)
     try:
-        spec = importlib.util.find_spec("kvtier.bench.scripts")
+        spec = importlib.util.find_spec("kvtier.tools.bench.scripts")
     except ImportError:
         spec = None
     if spec is not None and spec.submodule_search_locations:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.policies import EvictionPolicy
+from kvtier.manager.policies import EvictionPolicy
 
 __all__ = ["PENDING", "READY", "TierSpec", "TierState", "unpin"]
 

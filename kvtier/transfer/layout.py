@@ -24,9 +24,9 @@ consecutive rows, each run is one ``index_select`` per tensor straight into the 
 ``index_copy_`` out of it), with no intermediate buffer.
 
 Across devices (a CUDA cache and a host pool) the default ``staged`` strategy hands the job to
-the layout's :class:`~kvtier.staging.StagedCopier` (``layout.staging``): a gather per tensor
+the layout's :class:`~kvtier.transfer.staging.StagedCopier` (``layout.staging``): a gather per tensor
 into a bounded device staging buffer, then large DMAs to the host rows, pipelined in chunks
-(see :mod:`kvtier.staging`). The ``foreach`` strategy issues one asynchronous copy per (block,
+(see :mod:`kvtier.transfer.staging`). The ``foreach`` strategy issues one asynchronous copy per (block,
 tensor) slice in a single ``_foreach_copy_`` call; it is also the last fallback when no
 staging memory can be spared. ``gather_chunks`` / ``scatter_chunks`` move a job chunk by chunk
 through host staging rows for byte tiers, with a callback per chunk.
@@ -42,9 +42,9 @@ from typing import Literal
 
 import torch
 
-from kvtier import staging as _staging
 from kvtier.errors import LayoutError
-from kvtier.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
+from kvtier.transfer import staging as _staging
+from kvtier.transfer.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
 __all__ = ["KVLayout", "Strategy"]
 

@@ -1,7 +1,7 @@
 """Codecs: the lossless byte transform in front of a byte backend.
 
 A codec turns one raw block (``BlockFormat.block_bytes`` bytes) into a payload and back. The
-record header (:mod:`kvtier.record`) stores the codec's numeric ``codec_id``, so a record is
+record header (:mod:`kvtier.records.format`) stores the codec's numeric ``codec_id``, so a record is
 decoded by the codec that wrote it even after the store's configured codec changed.
 
 Contract for implementations:

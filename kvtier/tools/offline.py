@@ -2,7 +2,7 @@
 (does every record pass its checksum), behind ``kvtier inspect`` and ``kvtier verify``.
 
 Both read the directory without knowing the model: the store's meta record gives the block
-size, dtype, namespace and format version. Records are checked with :mod:`kvtier.record`'s
+size, dtype, namespace and format version. Records are checked with :mod:`kvtier.records.format`'s
 public functions only (``parse_header``, ``decode_record``), never unpickled.
 
 Supported layouts, detected in this order:
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import registry
-from kvtier.codec import BUILTIN_CODEC_IDS, UnsupportedRecordError
 from kvtier.errors import ConfigError, CorruptBlockError
-from kvtier.record import RecordMac, StoreMeta, decode_record, parse_header
+from kvtier.records.codec import BUILTIN_CODEC_IDS, UnsupportedRecordError
+from kvtier.records.format import RecordMac, StoreMeta, decode_record, parse_header
 
 __all__ = ["TierReport", "VerifyReport", "detect_tier", "inspect_tier", "verify_tier"]
 

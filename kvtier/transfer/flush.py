@@ -32,7 +32,7 @@ from kvtier.manager import KeyState, TierManager
 
 __all__ = ["FlushReport", "flush_to_persistent"]
 
-log = logging.getLogger("kvtier.flush")
+log = logging.getLogger("kvtier.transfer.flush")
 
 #: Blocks copied and written per step (bounds the host memory a flush takes).
 CHUNK_BLOCKS = 32

@@ -14,10 +14,10 @@ from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from kvtier.admission import Admission
-from kvtier.eventlog import EventBatch, EventLog
-from kvtier.promotion import Promotions
-from kvtier.tiers import PENDING, TierState
+from kvtier.manager.admission import Admission
+from kvtier.manager.eventlog import EventBatch, EventLog
+from kvtier.manager.promotion import Promotions
+from kvtier.manager.tiers import PENDING, TierState
 
 __all__ = ["Completion", "Demotion", "LoadPlan", "OpenPlan", "PlanBook", "PlanBuilder", "StorePlan"]
 

@@ -9,22 +9,53 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvtier.backend import Backend, MemoryBackend
 from kvtier.errors import LifecycleError
-from kvtier.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
 from kvtier.manager import StorePlan
+from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
 
 if TYPE_CHECKING:
-    from kvtier.transfer import TransferEngine
+    import contextlib
+    import queue
+    import threading
+
+    from kvtier.transfer.layout import KVLayout
 
 log = logging.getLogger("kvtier.transfer")
 
 _Failed = dict[int, list[bytes]]
 _Sizes = dict[int, dict[bytes, int]]
+
+
+class MoverHost(Protocol):
+    """What the movers use of the engine that runs them (``TransferEngine``), passed in at
+    construction so this module never imports the engine's."""
+
+    layout: KVLayout
+    backends: list[Backend]
+    counters: dict[str, int]
+    _cuda: bool
+    _lock: threading.Lock
+    _max_staged: int
+    _staged_bytes: int
+    _tier_jobs: int
+    _store_q: queue.SimpleQueue[StoreRecord | None]
+    _tiers_q: queue.SimpleQueue[_TierWork | None]
+    _load_q: queue.SimpleQueue[LoadRecord | None]
+
+    def _retire(self) -> None: ...
+    def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool: ...
+    def _take(self, kind: str) -> None: ...
+    def _on_stream(self, direction: str) -> contextlib.AbstractContextManager[Any]: ...
+    def _is_memory(self, tier: int) -> bool: ...
+    def _wait_compute(self, rec: JobRecord) -> None: ...
+    def _sync(self) -> None: ...
+    def _delete(self, tier: int, keys: Sequence[bytes], what: str) -> None: ...
+    def _staging_rows(self, direction: str) -> torch.Tensor: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -58,7 +89,7 @@ class StoreMover:
     """A store job's device read, then its tier writes (evictions, demotions, the staged
     blocks, write-through), each phase on its own thread, jobs in submission order."""
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: MoverHost) -> None:
         self.e = engine
 
     def run_device(self) -> None:
@@ -385,7 +416,7 @@ class LoadMover:
     """Load jobs: tiers -> engine blocks, each write after the compute stream as it was at
     submit and stopped by ``cancel`` before any later write."""
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: MoverHost) -> None:
         self.e = engine
 
     def run(self) -> None:

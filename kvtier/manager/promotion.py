@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from kvtier.eventlog import EventLog
-from kvtier.tiers import PENDING, TierState
+from kvtier.manager.eventlog import EventLog
+from kvtier.manager.tiers import PENDING, TierState
 
 __all__ = ["Promotions"]
 

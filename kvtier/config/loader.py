@@ -9,7 +9,7 @@ Sources, applied in this order:
    are separated by a double underscore and matched case-insensitively; a number indexes a
    list (one past the end appends); values are read as YAML scalars, so quote a value to keep
    it a string (``KVTIER_NAMESPACE__REVISION='"0123"'``). ``KVTIER_CONFIG`` (a file path) and
-   ``KVTIER_CACHE_DIR`` (see :mod:`kvtier.cache`) are not overrides; any other ``KVTIER_``
+   ``KVTIER_CACHE_DIR`` (see :mod:`kvtier.config.cache`) are not overrides; any other ``KVTIER_``
    variable must name a setting.
 
 Validation happens in two passes that report together: the schema (pydantic: unknown keys,
@@ -187,7 +187,7 @@ class StoreConfig(BaseModel):
     namespace: dict[str, Any] | None = None
     metrics: MetricsConfig = MetricsConfig()
     #: on a clean close, seconds spent writing blocks held only in memory tiers back to the
-    #: persistent tier (0: no write-back; see kvtier.flush)
+    #: persistent tier (0: no write-back; see kvtier.transfer.flush)
     flush_on_close_s: float = Field(default=60.0, ge=0)
     #: and at most this many bytes of them (None: no limit)
     flush_on_close_bytes: FlushBytes | None = None
@@ -226,9 +226,9 @@ class StoreConfig(BaseModel):
 
 def default_config() -> dict[str, Any]:
     """The default store: a pinned host-memory tier in front of a persistent LMDB tier in the
-    kvtier cache directory (:func:`kvtier.cache.cache_dir`). ``kvtier sim`` uses smaller tiers of
+    kvtier cache directory (:func:`kvtier.config.cache.cache_dir`). ``kvtier sim`` uses smaller tiers of
     its own (``kvtier.sim.cli.default_sim_config``). A fresh dict."""
-    from kvtier.cache import cache_dir
+    from kvtier.config.cache import cache_dir
 
     return {
         "tiers": [

@@ -80,7 +80,7 @@ def _size(n: int | None) -> str:
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
-    from kvtier.deploy import check_deployment
+    from kvtier.config.deploy import check_deployment
     from kvtier.units import parse_size
 
     cfg = load_config_file(args.file, env=not args.no_env, block_bytes=args.block_bytes)
@@ -166,7 +166,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache_show(args: argparse.Namespace) -> int:
-    from kvtier.cache import cache_dir, cache_entries
+    from kvtier.config.cache import cache_dir, cache_entries
 
     root = cache_dir()
     entries = cache_entries(root)
@@ -181,7 +181,7 @@ def _cmd_cache_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
-    from kvtier.cache import cache_dir, clear_cache
+    from kvtier.config.cache import cache_dir, clear_cache
 
     root = cache_dir()
     removed = clear_cache(root, only="sim" if args.sim else None, dry_run=args.dry_run)
@@ -237,7 +237,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     bar = _ProgressBar("verify")
     try:
-        from kvtier.record import RecordMac
+        from kvtier.records.format import RecordMac
 
         mac = RecordMac.from_options(mac_key_env=args.mac_key_env) if args.mac_key_env else None
         report = verify_tier(args.path, delete=args.delete, progress=bar, mac=mac)
@@ -271,13 +271,13 @@ def _walk_numbers(data: Any, prefix: str = "") -> list[tuple[str, float]]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvtier.bench import DEFAULT_BENCHMARKS, available, run_benchmarks, script_dir
-    from kvtier.bench.plot import plot_results
+    from kvtier.tools.bench import DEFAULT_BENCHMARKS, available, run_benchmarks, script_dir
+    from kvtier.tools.bench.plot import plot_results
 
     folder = script_dir(args.bench_dir)
     names = args.only or list(DEFAULT_BENCHMARKS)
     if not any(n in available(folder) for n in names):
-        where = folder if folder is not None else "the installed package (kvtier.bench.scripts) or ./benchmarks"
+        where = folder if folder is not None else "the installed package (kvtier.tools.bench.scripts) or ./benchmarks"
         print(f"kvtier bench: no benchmark scripts (bench_{{{','.join(names)}}}.py) in {where}", file=sys.stderr)
         return 1
 

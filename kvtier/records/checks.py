@@ -1,7 +1,7 @@
 """A job's records, checked on a side thread while the calling thread copies or writes them.
 
 Loading a raw record is a copy plus a checksum pass over the same bytes. On one thread the two
-passes add up, however they are interleaved: fused in 64 KiB chunks (:func:`~kvtier.record.decode_payload`),
+passes add up, however they are interleaved: fused in 64 KiB chunks (:func:`~kvtier.records.format.decode_payload`),
 a 2 MiB load ran at 0.73-0.79 of a plain copy. The passes are independent, though, and both
 release the GIL (``numpy.copyto`` and XXH3 / HMAC over a buffer), so :func:`copy_and_check`
 hands the checksums of a whole job to a side thread in one hop and copies meanwhile: an
@@ -31,9 +31,9 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from kvtier.codec import NoneCodec
 from kvtier.errors import CorruptBlockError
-from kvtier.record import RecordHeader, RecordMac, decode_payload, verify_payload
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
 
 __all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
 
@@ -108,7 +108,7 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
       its copy must not slip through.
 
     The rest (small jobs, compressed payloads) is checked and decoded here, fused
-    (:func:`~kvtier.record.decode_payload`). The payload buffers must stay valid until this
+    (:func:`~kvtier.records.format.decode_payload`). The payload buffers must stay valid until this
     returns (it waits for the side thread)."""
     errors: list[CorruptBlockError | None] = [None] * len(items)
     raw = [i for i, item in enumerate(items) if item.header.codec_id == NoneCodec.codec_id]

@@ -6,7 +6,7 @@ state. One small interface: ``insert``, ``touch`` (each with a batch form, ``ins
 ``evict(n, protected)`` that either returns ``n`` victims (and forgets them) or returns ``None``
 and changes nothing. Keys in ``protected`` (pinned by a load, or part of the batch being stored)
 are never chosen. All operations are O(1) amortised, except that ``evict`` steps over protected
-keys. Third-party policies register in the ``kvtier.policies`` entry-point group.
+keys. Third-party policies register in the ``kvtier.manager.policies`` entry-point group.
 """
 
 from __future__ import annotations

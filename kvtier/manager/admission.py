@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvtier.tiers import TierSpec
+from kvtier.manager.tiers import TierSpec
 
 __all__ = ["Admission"]
 

@@ -34,10 +34,10 @@ read from any thread (a metrics scrape): every call that changes state holds the
 while it does, and the readers copy under it, so a snapshot is one consistent moment and costs
 the same however many keys the tiers hold.
 
-Collaborators, each in its own module: :class:`~kvtier.tiers.TierState` (one tier's keys, pins
-and byte accounting), :class:`~kvtier.plan.PlanBuilder` (eviction, demotion and reservation
-for one store or promotion plan), :class:`~kvtier.admission.Admission` (``admit_after``) and
-:class:`~kvtier.promotion.Promotions` (both forms of promotion).
+Collaborators, each in its own module: :class:`~kvtier.manager.tiers.TierState` (one tier's keys, pins
+and byte accounting), :class:`~kvtier.manager.plan.PlanBuilder` (eviction, demotion and reservation
+for one store or promotion plan), :class:`~kvtier.manager.admission.Admission` (``admit_after``) and
+:class:`~kvtier.manager.promotion.Promotions` (both forms of promotion).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, cast
 
-from kvtier.admission import Admission
 from kvtier.errors import ClosedError, ConfigError, LifecycleError
-from kvtier.eventlog import CacheEvent, EventLog
 from kvtier.keys import KEY_BYTES, check_keys
-from kvtier.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
-from kvtier.promotion import Promotions
-from kvtier.tiers import TierSpec, TierState, unpin
+from kvtier.manager.admission import Admission
+from kvtier.manager.eventlog import CacheEvent, EventLog
+from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
+from kvtier.manager.promotion import Promotions
+from kvtier.manager.tiers import TierSpec, TierState, unpin
 
 __all__ = [
     "TierSpec",

