@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvtier.backend import BlockFormat, MemoryBackend
+from kvtier.devices import wait_for_copies
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
 from kvtier.units import format_size
 
@@ -163,8 +164,10 @@ class TensorPoolBackend(MemoryBackend):
                 continue
             pool[got[0]].copy_(block, non_blocking=True)
             sizes.append(self.format.block_bytes)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        # The copies may be queued on a device (a device pool, or device rows such as staging
+        # or another tier's pool into a host pool): the key is ready and the caller's rows
+        # reusable only once they have landed.
+        wait_for_copies((pool, *blocks))
         done = sum(1 for s in sizes if s is not None)
         self.counters.blocks_written += done
         self.counters.bytes_written += done * self.format.block_bytes
@@ -183,8 +186,10 @@ class TensorPoolBackend(MemoryBackend):
                 continue
             dst.copy_(pool[slot], non_blocking=True)
             found.append(True)
-        if self.device.type == "cuda" or any(o.device.type == "cuda" for o in out):
-            torch.cuda.synchronize()
+        # Only the current streams of the devices these copies ran on: a device-wide
+        # synchronize waits on the current device (the wrong one for a pool on another GPU)
+        # and on the engine's compute stream.
+        wait_for_copies((pool, *out))
         hits = sum(found)
         self.counters.blocks_read += hits
         self.counters.bytes_read += hits * self.format.block_bytes

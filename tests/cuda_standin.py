@@ -23,33 +23,43 @@ Use it through the ``cuda_standin`` fixture; a test module loads it as a plugin:
 
 While installed (the fixture installs it through ``monkeypatch`` and undoes it after the test):
 
-- ``torch.cuda.is_available()`` is True; ``device_count()`` 1; ``current_device()`` 0;
-  ``set_device``, ``device(...)``, ``init``, ``empty_cache``, ``get_device_name``,
-  ``mem_get_info`` (from ``device_memory``) are there.
+- ``torch.cuda.is_available()`` is True; ``device_count()`` is ``devices`` (1 for the
+  ``cuda_standin`` fixture, 2 for ``cuda_standin_two``); ``current_device()``, ``set_device``
+  and the ``device(...)`` context manager keep a current device per thread, as CUDA does;
+  ``init``, ``empty_cache``, ``get_device_name``, ``mem_get_info`` (from ``device_memory``)
+  are there.
 - ``torch.cuda.Stream(device=None, priority=0)``: ``wait_event(e)``, ``wait_stream(s)``,
-  ``record_event(e=None)``, ``synchronize()``, ``query()``, ``with stream:``; ``.name``.
+  ``record_event(e=None)``, ``synchronize()``, ``query()``, ``with stream:``; ``.name``,
+  ``.device``. Each device has its own default stream (``default``, ``default:1``).
 - ``torch.cuda.Event(enable_timing=False, blocking=False, interprocess=False)``:
   ``record(stream=None)``, ``wait(stream=None)``, ``synchronize()``, ``query()``,
   ``elapsed_time(end)`` (host time between the two records, in ms).
-- ``torch.cuda.current_stream()`` / ``default_stream()`` / ``set_stream(s)`` and the
-  ``torch.cuda.stream(s)`` context manager; the current stream is per thread, as in CUDA.
-- ``torch.cuda.synchronize()``; ``torch.cuda._sleep(cycles)`` logs a ``_sleep`` op.
+- ``torch.cuda.current_stream(device=None)`` / ``default_stream()`` / ``set_stream(s)`` and the
+  ``torch.cuda.stream(s)`` context manager; the current stream is per thread and per device,
+  as in CUDA (``set_stream`` and ``stream(s)`` also make ``s``'s device the current one).
+- ``torch.cuda.synchronize(device=None)`` waits for every stream of that device only (the
+  current device when ``None``), as CUDA does; it is logged with ``detail == "device"``.
+  ``torch.cuda._sleep(cycles)`` logs a ``_sleep`` op.
 - Allocation with ``device="cuda"`` (``torch.empty``, ``zeros``, ``ones``, ``full``,
   ``tensor``, ``as_tensor``, ``arange``, ``randint``, ``*_like``) gives a CPU tensor that is
   registered as device memory (``tensor`` / ``as_tensor`` also log the blocking copy from
   pageable memory: an op on the current stream, then the host waits for it); ``pin_memory=True`` gives a CPU tensor registered as pinned
   (``Tensor.is_pinned()`` and ``Tensor.pin_memory()`` answer from that registry). A device
-  allocation larger than ``device_memory_free`` raises ``torch.OutOfMemoryError``.
-  ``Tensor.to("cuda")``, ``.cuda()`` and ``.cpu()`` copy between the two registries.
-- ``kvtier.transfer.staging.tensor_device(t)`` (kvtier's one place that asks where a tensor lives)
-  answers ``cuda:0`` for registered device tensors. ``t.device`` itself still says ``cpu``.
+  allocation larger than ``device_memory_free`` raises ``torch.OutOfMemoryError``; one on a
+  device index past ``devices`` raises as CUDA does. ``device="cuda"`` means the current device.
+  ``Tensor.to("cuda")``, ``.cuda()`` and ``.cpu()`` copy between the registries.
+- ``kvtier.devices.tensor_device(t)`` (kvtier's one place that asks where a tensor lives)
+  answers ``cuda:i`` for a tensor registered on device ``i``, so kvtier takes every branch a
+  GPU takes. ``t.device`` itself still says ``cpu``.
 
 The log (``standin.log``, a list of :class:`Op`, in host order) holds:
 
 - tensor operations: ``copy_``, ``index_select`` (method and function), ``index_copy_``,
   ``index_put_``, ``__setitem__``, ``fill_``, ``zero_``, ``clone`` and ``_foreach_copy_``.
   One that touches a registered device tensor is a *device* op, logged on the calling
-  thread's current stream; one that touches none is a *host* op (``stream is None``) of the
+  thread's current stream of that tensor's device (the destination's, for a copy between two
+  devices, which is ordered after and before the current stream of the source's device, as
+  PyTorch's peer copies are); one that touches none is a *host* op (``stream is None``) of the
   calling thread. ``reads`` / ``writes`` hold the byte ranges ``(start, end)`` of the tensor
   arguments (the whole extent of a view, so index ops count as touching all of ``self``). A
   blocking cross-device ``copy_`` also makes the host wait for its stream, as CUDA does.
@@ -139,10 +149,11 @@ class FakeStream:
     def __init__(self, device: Any = None, priority: int = 0, *, name: str | None = None) -> None:
         s = _active()
         self.standin = s
-        self.device = DEVICE
+        self.device = torch.device("cuda", s._index(device))
         self.priority = priority
         self.name = name or f"stream{next(s._stream_ids)}"
         self.clock: Clock = {}
+        s._streams.append(self)
 
     def wait_event(self, event: FakeEvent) -> None:
         self.standin._wait_event(self, event)
@@ -220,16 +231,32 @@ def _active() -> CudaStandIn:
 
 @contextlib.contextmanager
 def _stream_context(stream: FakeStream | None) -> Iterator[FakeStream | None]:
+    """``torch.cuda.stream(s)``: ``s`` current on its device, and its device the current one."""
     s = _active()
     if stream is None:
         yield None
         return
-    prev = s.current_stream()
-    s._tls.stream = stream
+    prev_device = s.current_device()
+    prev = s.current_stream(stream.device)
+    s._set_stream(stream)
     try:
         yield stream
     finally:
-        s._tls.stream = prev
+        s._set_stream(prev)
+        s._tls.device = prev_device
+
+
+@contextlib.contextmanager
+def _device_context(device: Any = None) -> Iterator[None]:
+    """``torch.cuda.device(d)``: ``d`` is the current device inside."""
+    s = _active()
+    prev = s.current_device()
+    if device is not None:
+        s._tls.device = s._index(device)
+    try:
+        yield
+    finally:
+        s._tls.device = prev
 
 
 class CudaStandIn:
@@ -237,7 +264,8 @@ class CudaStandIn:
 
     device = DEVICE
 
-    def __init__(self, *, device_memory: int = 64 << 30) -> None:
+    def __init__(self, *, device_memory: int = 64 << 30, devices: int = 1) -> None:
+        self.devices = devices
         self.device_memory = device_memory
         self.device_memory_free = device_memory
         self.log: list[Op] = []
@@ -248,19 +276,21 @@ class CudaStandIn:
         self._tls = threading.local()
         self._host_clocks: dict[str, Clock] = {}
         self._completed: Clock = {}  # work some host thread has seen complete
-        self._device: dict[int, torch.UntypedStorage] = {}
+        self._device: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self._pinned: dict[int, torch.UntypedStorage] = {}
-        self.default_stream: FakeStream | None = None
+        self.default_stream: FakeStream | None = None  # device 0's
+        self.default_streams: list[FakeStream] = []
+        self._streams: list[FakeStream] = []
 
     # -- registries --------------------------------------------------------------------------
     @staticmethod
     def _key(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
 
-    def device_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Register ``t`` (a CPU tensor) as device memory; returns ``t``."""
+    def device_tensor(self, t: torch.Tensor, index: int = 0) -> torch.Tensor:
+        """Register ``t`` (a CPU tensor) as memory of device ``index``; returns ``t``."""
         if t.untyped_storage().nbytes():
-            self._device[self._key(t)] = t.untyped_storage()
+            self._device[self._key(t)] = (t.untyped_storage(), index)
         return t
 
     def pinned_tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -275,16 +305,57 @@ class CudaStandIn:
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().nbytes() > 0 and self._key(t) in self._pinned
 
-    def tensor_device(self, t: torch.Tensor) -> torch.device:
-        return DEVICE if self.is_device(t) else t.device
+    def device_index(self, t: torch.Tensor) -> int | None:
+        """The device ``t`` is registered on, or ``None`` for host memory."""
+        if not t.untyped_storage().nbytes():
+            return None
+        entry = self._device.get(self._key(t))
+        return None if entry is None else entry[1]
 
-    # -- streams -----------------------------------------------------------------------------
+    def tensor_device(self, t: torch.Tensor) -> torch.device:
+        index = self.device_index(t)
+        return t.device if index is None else torch.device("cuda", index)
+
+    # -- devices and streams -------------------------------------------------------------------
+    def _index(self, device: Any) -> int:
+        """The device index ``device`` names (``None`` / ``"cuda"``: the current device)."""
+        if device is None:
+            index = self.current_device()
+        elif isinstance(device, int):
+            index = device
+        elif isinstance(device, FakeStream):
+            index = device.device.index
+        else:
+            d = torch.device(device)
+            if d.type != "cuda":
+                raise ValueError(f"CUDA stand-in: expected a cuda device, got {device!r}")
+            index = self.current_device() if d.index is None else d.index
+        if not 0 <= index < self.devices:
+            raise RuntimeError(f"CUDA stand-in: invalid device ordinal {index} ({self.devices} devices)")
+        return index
+
+    def current_device(self) -> int:
+        return int(getattr(self._tls, "device", 0))
+
+    def _set_device(self, device: Any) -> None:
+        self._tls.device = self._index(device)
+
+    def _tls_streams(self) -> dict[int, FakeStream]:
+        streams = getattr(self._tls, "streams", None)
+        if streams is None:
+            streams = self._tls.streams = {}
+        return streams
+
     def current_stream(self, device: Any = None) -> FakeStream:
-        cur = getattr(self._tls, "stream", None)
-        if cur is None:
-            assert self.default_stream is not None
-            return self.default_stream
-        return cur
+        index = self._index(device)
+        cur = self._tls_streams().get(index)
+        return cur if cur is not None else self.default_streams[index]
+
+    def _set_stream(self, stream: FakeStream) -> None:
+        """``torch.cuda.set_stream``: current on its device, which becomes the current one."""
+        index = stream.device.index
+        self._tls_streams()[index] = stream
+        self._tls.device = index
 
     def _thread_clock(self) -> tuple[str, Clock]:
         name = f"host:{threading.current_thread().name}:{threading.get_ident()}"
@@ -334,23 +405,34 @@ class CudaStandIn:
             self._append(name, None, event=event, other=stream)
 
     def synchronize(self, device: Any = None) -> None:
+        """``torch.cuda.synchronize``: every stream of that one device (the current one)."""
+        index = self._index(device)
         with self._lock:
             _, hclock = self._thread_clock()
-            for op in self.log:
-                if op.stream is not None:
-                    _join(hclock, op.stream.clock)
-                    _join(self._completed, op.stream.clock)
-            self._append("synchronize", None, detail="device")
+            for stream in self._streams:
+                if stream.device.index == index:
+                    _join(hclock, stream.clock)
+                    _join(self._completed, stream.clock)
+            self._append("synchronize", None, detail="device", other=self.default_streams[index])
 
     # -- ops ---------------------------------------------------------------------------------
     def _tensor_op(self, name: str, reads: Iterable[Any], writes: Iterable[Any], *, blocking_cross: bool = False) -> Op:
         rt = [t for t in _flatten(reads)]
         wt = [t for t in _flatten(writes)]
-        on_device = any(self.is_device(t) for t in (*rt, *wt))
-        stream = self.current_stream() if on_device else None
-        op = self._append(name, stream, reads=tuple(_extent(t) for t in rt), writes=tuple(_extent(t) for t in wt))
-        if on_device and blocking_cross and any(not self.is_device(t) for t in (*rt, *wt)):
-            assert stream is not None
+        indices = [i for i in (self.device_index(t) for t in (*wt, *rt)) if i is not None]
+        if not indices:
+            return self._append(name, None, reads=tuple(_extent(t) for t in rt), writes=tuple(_extent(t) for t in wt))
+        with self._lock:
+            # On the current stream of the first device touched (the destination's, for a copy);
+            # a peer copy is ordered after, and before, the current stream of every other one.
+            stream = self.current_stream(indices[0])
+            others = [self.current_stream(i) for i in dict.fromkeys(indices[1:]) if i != indices[0]]
+            for other in others:
+                _join(stream.clock, other.clock)
+            op = self._append(name, stream, reads=tuple(_extent(t) for t in rt), writes=tuple(_extent(t) for t in wt))
+            for other in others:
+                _join(other.clock, stream.clock)
+        if blocking_cross and any(not self.is_device(t) for t in (*rt, *wt)):
             self._host_join("synchronize", stream.clock, stream=stream)
         return op
 
@@ -422,23 +504,26 @@ class CudaStandIn:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         _ACTIVE.append(self)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        self.default_stream = FakeStream(name="default")
+        self.default_streams = [
+            FakeStream(i, name="default" if i == 0 else f"default:{i}") for i in range(self.devices)
+        ]
+        self.default_stream = self.default_streams[0]
         cuda: dict[str, Any] = {
             "is_available": lambda: True,
             "is_initialized": lambda: True,
             "init": lambda: None,
-            "device_count": lambda: 1,
-            "current_device": lambda: 0,
-            "set_device": lambda device: None,
-            "device": lambda device=None: contextlib.nullcontext(),
+            "device_count": lambda: self.devices,
+            "current_device": self.current_device,
+            "set_device": self._set_device,
+            "device": _device_context,
             "get_device_name": lambda device=None: "CUDA stand-in",
             "empty_cache": lambda: None,
             "mem_get_info": lambda device=None: (self.device_memory_free, self.device_memory),
             "Stream": FakeStream,
             "Event": FakeEvent,
             "current_stream": self.current_stream,
-            "default_stream": lambda device=None: self.default_stream,
-            "set_stream": lambda stream: setattr(self._tls, "stream", stream),
+            "default_stream": lambda device=None: self.default_streams[self._index(device)],
+            "set_stream": self._set_stream,
             "stream": _stream_context,
             "synchronize": self.synchronize,
             "_sleep": lambda cycles: self.mark("_sleep"),
@@ -451,9 +536,9 @@ class CudaStandIn:
             monkeypatch.setattr(torch, name, self._factory(getattr(torch, name), like=True))
         self._patch_tensor_methods(monkeypatch)
         with contextlib.suppress(ImportError):
-            import kvtier.transfer.staging
+            import kvtier.devices
 
-            monkeypatch.setattr(kvtier.transfer.staging, "tensor_device", self.tensor_device)
+            monkeypatch.setattr(kvtier.devices, "locate", self.tensor_device)
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a, **k: self.is_pinned(t))
 
     def uninstall(self) -> None:
@@ -467,6 +552,10 @@ class CudaStandIn:
             return True
         return torch.device(device).type == "cuda"
 
+    def _target(self, device: Any) -> int | None:
+        """The device index an allocation on ``device`` lands on, ``None`` for the host."""
+        return self._index(device) if self._is_cuda(device) else None
+
     def _alloc_check(self, nbytes: int) -> None:
         if nbytes > self.device_memory_free:
             raise torch.OutOfMemoryError(
@@ -478,18 +567,18 @@ class CudaStandIn:
 
         def make(*args: Any, **kwargs: Any) -> torch.Tensor:
             device = kwargs.get("device")
-            to_device = self._is_cuda(device)
+            index = self._target(device)
             if like and device is None and args and isinstance(args[0], torch.Tensor):
-                to_device = self.is_device(args[0])
-            if to_device:
+                index = self.device_index(args[0])
+            if index is not None:
                 kwargs["device"] = "cpu"
             pin = bool(kwargs.pop("pin_memory", False))
             out = fn(*args, **kwargs)
-            if to_device:
+            if index is not None:
                 self._alloc_check(out.untyped_storage().nbytes())
-                self.device_tensor(out)
+                self.device_tensor(out, index)
                 if fn_name in ("tensor", "as_tensor"):  # data from pageable host memory: a blocking copy
-                    stream = self.current_stream()
+                    stream = self.current_stream(index)
                     self._append(fn_name, stream, writes=(_extent(out),))
                     self._host_join("synchronize", stream.clock, stream=stream)
             elif pin:
@@ -531,7 +620,7 @@ class CudaStandIn:
             if out is None:
                 res = orig["index_select"](t, dim, index)
                 if s.is_device(t):
-                    s.device_tensor(res)
+                    s.device_tensor(res, s.device_index(t) or 0)
             else:
                 res = orig_index_select(t, dim, index, out=out)
             s._tensor_op("index_select", [t, index], [res])
@@ -565,7 +654,7 @@ class CudaStandIn:
         def clone(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             res = orig["clone"](t, *args, **kwargs)
             if s.is_device(t):
-                s.device_tensor(res)
+                s.device_tensor(res, s.device_index(t) or 0)
             s._tensor_op("clone", [t], [res])
             return res
 
@@ -584,13 +673,13 @@ class CudaStandIn:
             non_blocking = bool(kwargs.get("non_blocking", False))
             if device is None:
                 return orig["to"](t, *rest, **kwargs)
-            want_dev = s._is_cuda(device)
-            if want_dev == s.is_device(t):
+            want = s._target(device)
+            if want == s.device_index(t):
                 return orig["to"](t, *rest, **kwargs)
             res = orig["clone"](orig["to"](t, *rest, **kwargs), memory_format=torch.contiguous_format)
-            if want_dev:
+            if want is not None:
                 s._alloc_check(res.untyped_storage().nbytes())
-                s.device_tensor(res)
+                s.device_tensor(res, want)
             s._tensor_op("to", [t], [res], blocking_cross=not non_blocking)
             return res
 
@@ -639,12 +728,22 @@ def _overlap(a: Range, b: Range) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-@pytest.fixture
-def cuda_standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[CudaStandIn]:
-    """Install the stand-in for one test (see the module docstring)."""
-    standin = CudaStandIn()
+def _installed(monkeypatch: pytest.MonkeyPatch, devices: int) -> Iterator[CudaStandIn]:
+    standin = CudaStandIn(devices=devices)
     standin.install(monkeypatch)
     try:
         yield standin
     finally:
         standin.uninstall()
+
+
+@pytest.fixture
+def cuda_standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[CudaStandIn]:
+    """Install the stand-in, one device, for one test (see the module docstring)."""
+    yield from _installed(monkeypatch, 1)
+
+
+@pytest.fixture
+def cuda_standin_two(monkeypatch: pytest.MonkeyPatch) -> Iterator[CudaStandIn]:
+    """Install the stand-in with two devices (``cuda:0``, ``cuda:1``) for one test."""
+    yield from _installed(monkeypatch, 2)

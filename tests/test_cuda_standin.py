@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+import kvtier.devices
 import kvtier.transfer.staging
 
 if TYPE_CHECKING:
@@ -141,3 +142,44 @@ def test_completion_seen_by_one_thread_orders_later_ops_of_every_thread(cuda_sta
     t.join()
     late = s.mark("engine op after the worker synced")
     assert not s.happens_before(copy, early) and s.happens_before(copy, late)
+
+
+def test_two_devices_each_have_their_own_streams_and_synchronize_waits_for_one(cuda_standin_two: CudaStandIn) -> None:
+    s = cuda_standin_two
+    a = torch.zeros(16, dtype=torch.uint8, device="cuda:0")
+    b = torch.zeros(16, dtype=torch.uint8, device="cuda:1")
+    assert kvtier.devices.tensor_device(a) == torch.device("cuda", 0)
+    assert kvtier.devices.tensor_device(b) == torch.device("cuda", 1)
+    assert torch.cuda.device_count() == 2
+    assert torch.cuda.current_stream(1) is not torch.cuda.current_stream(0)
+    b.fill_(1)
+    on_1 = s.ops("fill_")[-1]
+    assert on_1.stream is torch.cuda.current_stream(1)
+    torch.cuda.synchronize()  # the current device: cuda:0 only
+    assert not s.happens_before(on_1, s.mark("host after synchronize(0)", on_host=True))
+    torch.cuda.synchronize(1)
+    assert s.happens_before(on_1, s.mark("host after synchronize(1)", on_host=True))
+
+
+def test_a_stream_context_makes_its_device_current_and_a_peer_copy_orders_both_streams(
+    cuda_standin_two: CudaStandIn,
+) -> None:
+    s = cuda_standin_two
+    a = torch.zeros(16, dtype=torch.uint8, device="cuda:0")
+    side = torch.cuda.Stream(device="cuda:1")
+    assert side.device == torch.device("cuda", 1)
+    with torch.cuda.stream(side):
+        assert torch.cuda.current_device() == 1
+        b = torch.empty(16, dtype=torch.uint8, device="cuda")  # the current device
+        b.fill_(2)
+    assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(1) is not side
+    assert kvtier.devices.tensor_device(b) == torch.device("cuda", 1)
+    fill = s.ops("fill_")[-1]
+    assert fill.stream is side
+    torch.cuda.current_stream(1).wait_stream(side)
+    a.copy_(b, non_blocking=True)  # peer copy: on cuda:0's current stream, after cuda:1's
+    peer = s.ops("copy_")[-1]
+    assert peer.stream is torch.cuda.current_stream(0)
+    assert s.happens_before(fill, peer)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.empty(4, device="cuda:2")

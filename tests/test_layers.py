@@ -20,7 +20,7 @@ SOURCES = [("kvtier", "kvtier"), ("backends", "kvtier.backends"), ("benchmarks",
 #: backend, a backend never imports the manager).
 LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["kvtier.errors"]),
-    ("keys, units, plugin registry", ["kvtier.keys", "kvtier.units", "kvtier.registry", "kvtier._moved"]),
+    ("keys, units, devices, plugin registry", ["kvtier.keys", "kvtier.units", "kvtier.devices", "kvtier.registry", "kvtier._moved"]),
     ("backend protocol, metrics", ["kvtier.backend", "kvtier.metrics"]),
     ("records | conformance suite", ["kvtier.records", "kvtier.testing"]),
     ("manager | backends", ["kvtier.manager", "kvtier.backends"]),
@@ -92,7 +92,9 @@ def test_every_module_has_a_layer() -> None:
 
 def test_the_top_of_kvtier_holds_only_the_foundation_the_protocol_and_the_facade() -> None:
     flat = sorted(p.stem for p in (ROOT / "kvtier").glob("*.py"))
-    assert flat == ["__init__", "_moved", "backend", "errors", "keys", "metrics", "registry", "store", "testing", "units"]
+    assert flat == [
+        "__init__", "_moved", "backend", "devices", "errors", "keys", "metrics", "registry", "store", "testing", "units"
+    ]
 
 
 def test_no_lower_layer_imports_a_higher_one() -> None:

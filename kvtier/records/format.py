@@ -60,6 +60,7 @@ import torch
 import xxhash
 
 from kvtier.backend import Backend, BlockFormat
+from kvtier.devices import tensor_device
 from kvtier.errors import ConfigError, CorruptBlockError, LayoutError
 from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id, resolve_codec
@@ -505,13 +506,13 @@ class RecordBackend(Backend):
         return [self._encode_one(key, block) for key, block in zip(keys, blocks)]
 
     def _encode_one(self, key: bytes, block: torch.Tensor) -> tuple[bytes, Any]:
-        host = block if block.device.type == "cpu" and block.is_contiguous() else block.contiguous().cpu()
+        host = block if tensor_device(block).type == "cpu" and block.is_contiguous() else block.contiguous().cpu()
         return encode_record(key, host.numpy().data, self.codec, self._dtype_code(), self.mac)
 
     @staticmethod
     def _host_view(out: torch.Tensor) -> tuple[memoryview, torch.Tensor | None]:
         """A writable view of ``out``, or of a host staging tensor to copy back afterwards."""
-        if out.device.type == "cpu" and out.is_contiguous():
+        if tensor_device(out).type == "cpu" and out.is_contiguous():
             return out.numpy().data, None
         staging = torch.empty(out.numel(), dtype=torch.uint8)
         return staging.numpy().data, staging

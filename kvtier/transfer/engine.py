@@ -116,6 +116,7 @@ class TransferEngine:
             "staged_jobs": 0,
             "cancelled_jobs": 0,
             "expired_jobs": 0,
+            "read_errors": 0,  # a tier's read_blocks raised in a load: its keys were misses
         }
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)

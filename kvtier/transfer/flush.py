@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvtier.backend import Backend, MemoryBackend
+from kvtier.devices import tensor_device
 from kvtier.manager import KeyState, TierManager
 
 __all__ = ["FlushReport", "flush_to_persistent"]
@@ -177,7 +178,7 @@ def _copy_out(backends: Sequence[Backend], keys: Sequence[bytes], tiers: Sequenc
         tier_keys = [keys[i] for i in positions]
         try:
             if isinstance(backend, MemoryBackend):
-                slots = torch.tensor(backend.slots(tier_keys), dtype=torch.long, device=backend.pool.device)
+                slots = torch.tensor(backend.slots(tier_keys), dtype=torch.long, device=tensor_device(backend.pool))
                 got = backend.pool.index_select(0, slots).cpu()
                 rows.extend(got.unbind(0))
                 ok.extend(tier_keys)

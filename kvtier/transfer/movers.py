@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kvtier.backend import Backend, MemoryBackend
+from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
@@ -149,10 +150,14 @@ class StoreMover:
             try:
                 self.e._wait_compute(rec)
                 read()
-                self.e._sync()
             finally:
-                rec.phase = Phase.TIERS
-                rec.device_done.set()
+                try:
+                    # Also after a failure between two chunks: the chunks already queued
+                    # still read engine blocks and write the job's rows, which are freed next.
+                    self.e._sync()
+                finally:
+                    rec.phase = Phase.TIERS
+                    rec.device_done.set()
 
     def _store_direct(self, rec: StoreRecord, start: float) -> _TierWork:
         """Everything in memory tiers, on this thread; byte write-through is left to phase 2."""
@@ -210,7 +215,7 @@ class StoreMover:
         work = _TierWork(rec, "staged", start, staged_bytes=need)
         try:
             target = self.e.backends[plan.tier]
-            device = target.pool.device if isinstance(target, MemoryBackend) else torch.device("cpu")
+            device = tensor_device(target.pool) if isinstance(target, MemoryBackend) else torch.device("cpu")
             pin = device.type == "cpu" and self.e._cuda
             staging = work.staging = torch.empty(
                 (len(plan.keys), self.e.layout.block_bytes), dtype=torch.uint8, device=device, pin_memory=pin
@@ -289,8 +294,9 @@ class StoreMover:
         target = self.e.backends[plan.tier]
         if isinstance(target, MemoryBackend):
             slots = _reserve(target, plan)
-            target.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=target.pool.device), work.staging)
-            self.e._sync()
+            pool = target.pool
+            pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=tensor_device(pool)), work.staging)
+            wait_for_copies((pool, work.staging))
             work.nbytes = len(slots) * self.e.layout.block_bytes
         else:
             got = target.write_blocks(list(plan.keys), rows)
@@ -379,7 +385,7 @@ class StoreMover:
         self, backend: Backend, keys: Sequence[bytes], staging: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Blocks of ``keys`` as CPU-readable rows: pool rows of a host pool, else read into staging."""
-        if isinstance(backend, MemoryBackend) and backend.pool.device.type == "cpu":
+        if isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu":
             found = []
             rows = []
             pool = backend.pool
@@ -445,7 +451,9 @@ class LoadMover:
                 rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)
             )
         try:
-            if result.error is not None or not self.e._finish(rec, result):
+            # Report first, whatever the result: a failed job is reported like any other.
+            reported = self.e._finish(rec, result)
+            if result.error is not None or not reported:
                 # Failed, or stopped while it ran: its promotions are released, free them.
                 self.e._delete(0, promoted, "cleanup of a stopped load's promotions")
         except BaseException as exc:  # the thread must survive anything
@@ -473,11 +481,15 @@ class LoadMover:
                 if rec.cancelled or rec.result is not None:
                     return False
                 rec.phase = Phase.DEVICE
-                if not waited:
-                    self.e._wait_compute(rec)
-                    waited = True
-                self.e.layout.scatter(src, rows, dst, non_blocking=True)
-                self.e._sync()  # done means done: the engine may read these blocks at once
+                try:
+                    if not waited:
+                        self.e._wait_compute(rec)
+                        waited = True
+                    self.e.layout.scatter(src, rows, dst, non_blocking=True)
+                finally:
+                    # Done means done (the engine may read these blocks at once), and a failed
+                    # scatter's queued chunks are waited for too, before the job is reported.
+                    self.e._sync()
             return True
 
         stopped = False
@@ -503,7 +515,7 @@ class LoadMover:
             for c in range(0, len(positions), chunk):
                 part = positions[c : c + chunk]
                 out = [staging[j] for j in range(len(part))]
-                found = backend.read_blocks([plan.keys[i] for i in part], out)
+                found = self._read(tier, [plan.keys[i] for i in part], out)
                 rows = [j for j, ok in enumerate(found) if ok]
                 missed.extend(i for i, ok in zip(part, found) if not ok)
                 dst = [b for j in rows for b in ids[part[j] * n : (part[j] + 1) * n]]
@@ -530,6 +542,21 @@ class LoadMover:
             missed_tiers=tuple(plan.tiers[i] for i in missed),
             failed={0: tuple(set(failed.get(0, ())) | {plan.keys[i] for i in missed} & promote)} if promote else {},
         )
+
+    def _read(self, tier: int, keys: list[bytes], out: list[torch.Tensor]) -> list[bool]:
+        """``read_blocks`` of tier ``tier``, where a failure of the whole call (any exception,
+        whatever the backend) is a miss of each of its keys: the job goes on, the manager then
+        forgets the keys in that tier (so they are not offered again), the engine recomputes."""
+        try:
+            found = [bool(f) for f in self.e.backends[tier].read_blocks(keys, out)]
+            if len(found) != len(keys):
+                raise LifecycleError(f"read_blocks answered {len(found)} found flags for {len(keys)} keys")
+        except Exception as exc:
+            log.warning("load: reading %d blocks from tier %d failed, each is a miss: %s", len(keys), tier, exc)
+            with self.e._lock:
+                self.e.counters["read_errors"] += 1
+            return [False] * len(keys)
+        return found
 
     def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: _Failed, promoted: list[bytes]) -> None:
         """Copy blocks just read from a lower tier into the first tier."""

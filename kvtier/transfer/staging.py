@@ -31,8 +31,12 @@ copier falls back to a batched copy of the slices: ``cudaMemcpyBatchAsync`` thro
 ``cuda-python`` bindings on a side stream where they import and work, else the per-slice
 ``_foreach_copy_``. ``stats()`` says which path runs and what was allocated.
 
-``tensor_device(t)`` is the one place kvtier asks where a tensor lives, so that a test
-stand-in for ``torch.cuda`` can place CPU tensors on a pretend device.
+``tensor_device(t)`` (from :mod:`kvtier.devices`) is the one place kvtier asks where a tensor
+lives, so that a test stand-in for ``torch.cuda`` can place CPU tensors on a pretend device.
+
+An error between two chunks (a failed gather, an allocation that fails mid-job) still leaves
+the caller's stream behind every copy already queued on the copy stream: synchronising the
+caller's stream after a failed job covers what it started, as after one that succeeded.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+
+from kvtier.devices import tensor_device
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ChunkSink", "ChunkSource", "StagedCopier", "device_index", "tensor_device"]
 
@@ -82,11 +88,6 @@ ChunkSink = Callable[[int, torch.Tensor], None]
 ChunkSource = Callable[[int, torch.Tensor], Sequence[bool]]
 """``source(first, rows)``: fill ``rows`` with the records of those positions; say which exist."""
 BatchCopy = Callable[[list[int], list[int], list[int], Any], None]
-
-
-def tensor_device(t: torch.Tensor) -> torch.device:
-    """The device ``t`` lives on."""
-    return t.device
 
 
 def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -401,7 +402,15 @@ class StagedCopier:
         lane = self._lanes[name]
         with lane.lock:
             self._lane(name)
-            yield lane
+            try:
+                yield lane
+            except BaseException:
+                # Failed between two chunks: the copies already queued on the copy stream
+                # still read or write the caller's rows. Put the caller's stream behind them,
+                # so that the caller's wait for its stream covers them.
+                if lane.stream is not None:
+                    torch.cuda.current_stream(self.layout.device).wait_stream(lane.stream)
+                raise
             self._count(lane)
 
     def _chunks(self, k: int) -> Iterator[tuple[int, int, int]]:

@@ -1,0 +1,45 @@
+"""Where a tensor lives, and waiting for the copies queued on the devices a call touched.
+
+``tensor_device(t)`` is the one place kvtier asks where a tensor lives: a test stand-in for
+``torch.cuda`` (``tests/cuda_standin.py``) places CPU tensors on pretend devices by setting
+:data:`locate`, and every path then takes the branch a GPU would.
+
+``wait_for_copies(tensors)`` is what a blocking tier call runs before it returns after queueing
+asynchronous copies (``copy_(..., non_blocking=True)``): it waits for the *current stream of
+each device* among ``tensors``, and for nothing else. Never ``torch.cuda.synchronize()`` with no
+device there: that waits for the current device only (the wrong one when a pool lives on
+another GPU) and for every stream on it (the engine's compute stream included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["accelerators", "locate", "tensor_device", "wait_for_copies"]
+
+#: Replaced by a test stand-in for ``torch.cuda``; ``None`` asks the tensor itself.
+locate: Callable[[torch.Tensor], torch.device] | None = None
+
+
+def tensor_device(t: torch.Tensor) -> torch.device:
+    """The device ``t`` lives on."""
+    return t.device if locate is None else locate(t)
+
+
+def accelerators(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
+    """The distinct non-CPU devices among ``tensors``, in first-seen order."""
+    seen: dict[torch.device, None] = {}
+    for t in tensors:
+        d = tensor_device(t)
+        if d.type != "cpu":
+            seen.setdefault(d, None)
+    return list(seen)
+
+
+def wait_for_copies(tensors: Iterable[torch.Tensor]) -> None:
+    """Block until the work queued on the current stream of every device among ``tensors`` has
+    completed (nothing to do when they are all host tensors)."""
+    for device in accelerators(tensors):
+        torch.cuda.current_stream(device).synchronize()
