@@ -21,11 +21,15 @@ Faults: every socket call has a timeout (``socket_timeout_s``, ``connect_timeout
 connection failure marks the tier *down*: one warning is logged, ``outages`` counts it, and
 until the next retry (exponential backoff, 0.1 s to 5 s) stores fail at once (``None``) and
 loads miss, with no network wait. The next call or index sweep after the backoff reconnects;
-success logs the outage's length. Nothing here raises into the engine for a dead server.
+success logs the outage's length. Nothing here raises into the engine for a dead server. In a
+cluster each primary has its own down state (one dead primary misses its own slots only), and a
+call returns only once every primary's share has ended, failed ones included, so nothing writes
+into the caller's rows after it returned.
 
 Secrets (``password``, ``mac_key``) are never logged, never in ``repr`` or ``to_dict``; give them
 through ``password_env`` / ``mac_key_env`` to keep them out of config files. A password in the
-URL (``redis://user:secret@host``) is moved out of it at construction.
+URL (``redis://user:secret@host``, or ``?password=secret`` in its query) is moved out of it at
+construction.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, ClassVar
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
@@ -137,7 +141,10 @@ class _Health:
 
 
 def _split_url(url: str) -> tuple[str, str | None, str | None]:
-    """``(url without credentials, username, password)``; checks the scheme."""
+    """``(url without credentials, username, password)``; checks the scheme. Credentials come
+    out of the user part (``redis://user:secret@host``) and out of the query
+    (``?username=...&password=...``, which redis-py accepts too): the URL kept (for ``repr``,
+    ``to_dict`` and every log line) holds neither."""
     if not isinstance(url, str) or not url:
         raise ConfigError(f"url: expected a redis:// or rediss:// URL, got {url!r}")
     parts = urlsplit(url)
@@ -145,11 +152,20 @@ def _split_url(url: str) -> tuple[str, str | None, str | None]:
         raise ConfigError(f"url: expected a redis:// or rediss:// URL, got scheme {parts.scheme!r}")
     if not parts.hostname:
         raise ConfigError("url: the URL names no host")
-    username = unquote(parts.username) if parts.username else None
-    password = unquote(parts.password) if parts.password is not None else None
+    found = {"username": unquote(parts.username) if parts.username else None}
+    found["password"] = unquote(parts.password) if parts.password is not None else None
+    query = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in found:
+            query.append((name, value))
+        elif found[name] is not None:
+            raise ConfigError(f"url: the {name} is given twice in the URL (user part or query)")
+        else:
+            found[name] = value
     host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
     netloc = host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, "")), username, password
+    clean = urlunsplit((parts.scheme, netloc, parts.path, urlencode(query), ""))
+    return clean, found["username"], found["password"]
 
 
 def _credentials(
@@ -259,6 +275,7 @@ class RedisBackend(RecordBackend):
         self._client: Any = None  # redis.Redis or RedisCluster, built in open()
         self._client_lock = threading.Lock()
         self._pool_threads: ThreadPoolExecutor | None = None
+        self._nodes: dict[str, _Health] = {}  # cluster nodes by name
         self._prefix_bytes = b""
         self._meta_key = b""
         self._ttl_ms = b""
@@ -376,27 +393,73 @@ class RedisBackend(RecordBackend):
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix_bytes + key
 
-    def _groups(self, rkeys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
-        """``(connection pool, positions)`` per node that holds the keys' slots."""
+    def _groups(self, rkeys: Sequence[bytes]) -> list[tuple[_Health, Any, list[int]]]:
+        """``(health, connection pool, positions)`` per node that holds the keys' slots: the
+        tier's health for a single server, the node's own in a cluster."""
         client = self._get_client()
         if not self.cluster:
-            return [(client.connection_pool, list(range(len(rkeys))))]
+            return [(self._health, client.connection_pool, list(range(len(rkeys))))]
         nodes = client.nodes_manager
         slot_of = client.keyslot
-        groups: dict[str, tuple[Any, list[int]]] = {}
+        groups: dict[str, tuple[_Health, Any, list[int]]] = {}
         for i, rk in enumerate(rkeys):
             node = nodes.get_node_from_slot(slot_of(rk))
             entry = groups.get(node.name)
             if entry is None:
-                entry = groups[node.name] = (client.get_redis_connection(node).connection_pool, [])
-            entry[1].append(i)
+                pool = client.get_redis_connection(node).connection_pool
+                entry = groups[node.name] = (self._node_health(node.name), pool, [])
+            entry[2].append(i)
         return list(groups.values())
 
-    def _run_groups(self, fn: Any, groups: list[tuple[Any, list[int]]]) -> list[Any]:
+    def _node_health(self, name: str) -> _Health:
+        """The up/down state of one cluster node: a dead primary misses its own slots only."""
+        health = self._nodes.get(name)
+        if health is None:
+            with self._client_lock:
+                health = self._nodes.setdefault(name, _Health(f"{self.url} node {name}"))
+        return health
+
+    def _run_groups(self, fn: Any, groups: list[tuple[_Health, Any, list[int]]]) -> list[int]:
+        """Run ``fn(pool, positions)`` per group, each node whose backoff has not run out
+        skipped; return the positions of the groups that failed or were skipped.
+
+        Every group has ended when this returns, failed ones included: a group still running
+        would go on writing into the caller's rows after the call returned."""
+        runnable = []
+        failed: list[int] = []
+        for health, pool, positions in groups:
+            if health.allow():
+                runnable.append((health, pool, positions))
+            else:
+                health.fast_failures += len(positions)
+                failed.extend(positions)
         threads = self._pool_threads
-        if len(groups) == 1 or threads is None:
-            return [fn(pool, pos) for pool, pos in groups]
-        return list(threads.map(lambda g: fn(*g), groups))
+        if len(runnable) > 1 and threads is not None:
+            futures = [threads.submit(self._run_group, fn, *g) for g in runnable]
+            wait(futures)  # all of them, whatever the first one to fail raised
+            outcomes = [f.result() for f in futures]
+        else:
+            outcomes = [self._run_group(fn, *g) for g in runnable]
+        for (_, _, positions), ok in zip(runnable, outcomes):
+            if not ok:
+                failed.extend(positions)
+        return failed
+
+    def _run_group(self, fn: Any, health: _Health, pool: Any, positions: list[int]) -> bool:
+        """One node's share of a job; ``False`` (that node marked down) when it failed."""
+        try:
+            fn(pool, positions)
+        except (_Down, *_DOWN_ERRORS) as exc:  # a dead node
+            health.failed(exc.__cause__ or exc if isinstance(exc, _Down) else exc)
+            self._refresh_slots = self.cluster  # after a failover the next sweep finds the new primary
+            return False
+        except RedisError as exc:  # auth refused, cluster down
+            self._note_cluster_error(exc)
+            health.failed(exc)
+            return False
+        if health.succeeded() and self.view is not None:
+            self.view.wake()
+        return True
 
     def _exchange(self, pool: Any, body: Any) -> None:
         """Run ``body(wire)`` on a pooled connection; a dead socket raises :class:`_Down`."""
@@ -423,22 +486,22 @@ class RedisBackend(RecordBackend):
             self._refresh_slots = True
         log.debug("redis: %s refused: %s", what, text)
 
-    def _run_io(self, fn: Any, rkeys: list[bytes]) -> bool:
-        """Run ``fn(pool, positions)`` per node; ``False`` (tier marked down) on a dead server."""
+    def _run_io(self, fn: Any, rkeys: list[bytes]) -> list[int]:
+        """Run ``fn(pool, positions)`` per node; return the positions that failed (a dead
+        node's: that node is marked down; every position when there is no client or slot
+        map to be had: the tier is)."""
         try:
             groups = self._groups(rkeys)
-            self._run_groups(fn, groups)
-        except (_Down, *_DOWN_ERRORS) as exc:  # a dead node, or no client / slot map to be had
-            self._health.failed(exc.__cause__ or exc if isinstance(exc, _Down) else exc)
-            self._refresh_slots = self.cluster  # after a failover the next sweep finds the new primary
-            return False
-        except RedisError as exc:  # auth refused, cluster down
-            self._note_cluster_error(exc)
+        except (*_DOWN_ERRORS, RedisError) as exc:
+            if isinstance(exc, RedisError):
+                self._note_cluster_error(exc)
             self._health.failed(exc)
-            return False
-        if self._health.succeeded() and self.view is not None:
+            self._refresh_slots = self.cluster
+            return list(range(len(rkeys)))
+        failed = self._run_groups(fn, groups)
+        if self.cluster and len(failed) < len(rkeys) and self._health.succeeded() and self.view is not None:
             self.view.wake()
-        return True
+        return failed
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
@@ -518,8 +581,8 @@ class RedisBackend(RecordBackend):
 
             self._exchange(pool, body)
 
-        if not self._run_io(read_group, rkeys):
-            found = [False] * n  # a half-read job is a whole miss: simpler for callers, and rare
+        for i in self._run_io(read_group, rkeys):
+            found[i] = False  # a node that failed mid-reply: its whole share is a miss
         if bad:
             self._delete(bad)
         self._count_reads(found, size, corrupt=len(bad))
@@ -587,17 +650,29 @@ class RedisBackend(RecordBackend):
         found: set[bytes] = set()
         try:
             client = self._get_client()
+            nodes: list[tuple[_Health | None, Any]]
             if self.cluster:
                 if self._refresh_slots:
                     self._refresh_slots = False
                     client.nodes_manager.initialize()
-                nodes = [client.get_redis_connection(node) for node in client.get_primaries()]
+                nodes = [(self._node_health(n.name), client.get_redis_connection(n)) for n in client.get_primaries()]
             else:
-                nodes = [client]
-            for node in nodes:
-                for rk in node.scan_iter(match=pattern, count=1000):
-                    if len(rk) == want:
-                        found.add(rk[plen:])
+                nodes = [(None, client)]
+            for health, node in nodes:
+                if health is not None and not health.allow():
+                    continue  # a dead primary: its keys drop out of the index (they miss anyway)
+                try:
+                    for rk in node.scan_iter(match=pattern, count=1000):
+                        if len(rk) == want:
+                            found.add(rk[plen:])
+                except _DOWN_ERRORS as exc:
+                    if health is None:
+                        raise
+                    health.failed(exc)
+                    self._refresh_slots = True
+                    continue
+                if health is not None and health.succeeded() and self.view is not None:
+                    self.view.wake()
         except _DOWN_ERRORS as exc:
             self._health.failed(exc)
             return None
@@ -621,15 +696,17 @@ class RedisBackend(RecordBackend):
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()
-        health = self._health
+        every = [self._health, *self._nodes.values()]
         data.update(
             url=self.url,
             cluster=self.cluster,
-            up=health.up,
-            outages=health.outages,
-            connection_errors=health.connection_errors,
-            fast_failures=health.fast_failures,
+            up=self._health.up,
+            outages=sum(h.outages for h in every),
+            connection_errors=sum(h.connection_errors for h in every),
+            fast_failures=sum(h.fast_failures for h in every),
         )
+        if self.cluster:
+            data["nodes_down"] = sum(1 for h in self._nodes.values() if not h.up)
         if self.view is not None:
             data["index"] = self.view.stats()
         return data

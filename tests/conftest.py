@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from redis_servers import (  # noqa: F401  (fixtures)
     MISSING,
+    own_redis_cluster,
     own_redis_server,
     redis_cluster,
     redis_server,

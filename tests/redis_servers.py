@@ -134,8 +134,8 @@ class RedisServer:
 class RedisClusterServers:
     """Three masters on localhost, joined with ``redis-cli --cluster create``."""
 
-    def __init__(self, directory: Path, masters: int = 3) -> None:
-        self.nodes = [RedisServer(directory / f"node{i}", cluster=True) for i in range(masters)]
+    def __init__(self, directory: Path, masters: int = 3, extra: tuple[str, ...] = ()) -> None:
+        self.nodes = [RedisServer(directory / f"node{i}", cluster=True, extra=extra) for i in range(masters)]
 
     @property
     def url(self) -> str:
@@ -189,6 +189,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
     try:
         yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+    """A 3-master cluster of this test's own, for tests that kill a primary. It keeps serving
+    the live primaries' slots when one is down (``cluster-require-full-coverage no``)."""
+    _need_redis()
+    cluster = RedisClusterServers(tmp_path / "redis-cluster-own", extra=("--cluster-require-full-coverage", "no"))
+    try:
+        yield cluster.start()
     finally:
         cluster.stop()
 
