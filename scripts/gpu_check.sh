@@ -9,7 +9,10 @@
 # See docs/tiers.md, "GPU figures".
 #
 # It installs .whl/*.whl (when present) into a private folder, runs `pytest -m cuda` on the test
-# files that hold CUDA tests, then bench_gpu.py, and writes into the results folder:
+# files that hold CUDA tests (among them the memory tiers' copy orderings in test_cuda_tiers.py:
+# a call's copies have landed when it returns, it waits on the devices it touched only, never
+# on the compute stream; the two-device one needs a second GPU), then bench_gpu.py, and writes
+# into the results folder:
 #   env.json          python, torch, CUDA, device, kvtier version
 #   pytest-cuda.txt   the test output (and pytest-cuda.xml, JUnit)
 #   bench_gpu.json    the benchmark's JSON object (bench_gpu.txt: its stderr)
