@@ -15,7 +15,7 @@ import torch
 
 from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device, wait_for_copies
-from kvtier.errors import LifecycleError
+from kvtier.errors import BackendError, LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
 
@@ -550,7 +550,7 @@ class LoadMover:
         try:
             found = [bool(f) for f in self.e.backends[tier].read_blocks(keys, out)]
             if len(found) != len(keys):
-                raise LifecycleError(f"read_blocks answered {len(found)} found flags for {len(keys)} keys")
+                raise BackendError(f"read_blocks answered {len(found)} found flags for {len(keys)} keys")
         except Exception as exc:
             log.warning("load: reading %d blocks from tier %d failed, each is a miss: %s", len(keys), tier, exc)
             with self.e._lock:
