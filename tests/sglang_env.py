@@ -100,7 +100,8 @@ class HostPool:
 
     def indices(self, pages: list[int]) -> torch.Tensor:
         """The host indices (token slots) of whole pages, as SGLang's allocator hands them out."""
-        return torch.cat([torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages]).to(torch.int64)
+        runs = [torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages]
+        return torch.cat(runs).to(torch.int64) if runs else torch.empty(0, dtype=torch.int64)
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         assert len(indices) % self.page_size == 0
