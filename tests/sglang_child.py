@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import sys
 
-from sglang_env import HostPool, build_backend, sglang_storage
+from sglang_env import build_backend, sglang_storage
+
+from kvtier.integrations.sglang.testing import HostPool
 
 
 def main(spec: dict) -> dict:

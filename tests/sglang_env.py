@@ -10,13 +10,9 @@ its dependencies are CUDA packages and the server. ``import sglang`` runs the pa
 not its ``__init__``) and imports those two modules from it. Where the wheel is missing every
 SGLang test is skipped with a reason in capitals.
 
-SGLang's own host pool classes (``pool_host.mha`` / ``pool_host.mla``) import its server
-(``psutil``, ``msgspec``, ``zmq``, ``triton``, ``starlette``, ...), so they cannot load here.
-:class:`HostPool` stands in for them: it allocates ``kv_buffer`` with the shapes those classes
-use and computes ``get_page_buffer_meta`` with their formulas (MHA ``page_first`` /
-``layer_first``; MLA ``page_first`` / ``layer_first``), as SGLang's own backend tests fake the
-pool. ``page(p)`` slices a page out of ``kv_buffer`` by shape alone, an oracle independent of
-those addresses.
+SGLang's own host pool classes import its server, so they cannot load here; the tests use
+:class:`kvtier.integrations.sglang.testing.HostPool`, which has their shapes and their
+``get_page_buffer_meta`` formulas.
 """
 
 from __future__ import annotations
@@ -27,7 +23,8 @@ import types
 from typing import Any
 
 import pytest
-import torch
+
+from kvtier.integrations.sglang.testing import HostPool
 
 MISSING = (
     "SGLANG WHEEL NOT INSTALLED: the SGLang storage-backend tests are SKIPPED "
@@ -59,75 +56,6 @@ def sglang_storage() -> types.SimpleNamespace:
         PoolTransfer=hicache_storage.PoolTransfer,
         StorageBackendFactory=StorageBackendFactory,
     )
-
-
-class HostPool:
-    """A CPU host KV pool with SGLang's shapes and ``get_page_buffer_meta`` (see the module doc)."""
-
-    def __init__(
-        self,
-        layout: str = "page_first",
-        *,
-        mla: bool = False,
-        pages: int = 16,
-        page_size: int = 4,
-        layer_num: int = 3,
-        head_num: int = 2,
-        head_dim: int = 8,
-        kv_cache_dim: int = 24,
-        dtype: torch.dtype = torch.bfloat16,
-        seed: int = 0,
-    ) -> None:
-        self.layout, self.mla = layout, mla
-        self.page_size, self.size, self.layer_num, self.dtype = page_size, pages * page_size, layer_num, dtype
-        self.head_num, self.head_dim, self.kv_cache_dim = head_num, head_dim, kv_cache_dim
-        if mla:
-            dims = {"page_first": (self.size, layer_num, 1, kv_cache_dim), "layer_first": (layer_num, self.size, 1, kv_cache_dim)}
-        else:
-            dims = {
-                "page_first": (2, self.size, layer_num, head_num, head_dim),
-                "layer_first": (2, layer_num, self.size, head_num, head_dim),
-            }
-        gen = torch.Generator().manual_seed(seed)
-        self.kv_buffer = torch.randn(dims[layout], generator=gen).to(dtype)
-
-    def page(self, p: int) -> torch.Tensor:
-        """Every element of page ``p``, sliced by shape (the test oracle)."""
-        s = slice(p * self.page_size, (p + 1) * self.page_size)
-        if self.mla:
-            return (self.kv_buffer[s] if self.layout == "page_first" else self.kv_buffer[:, s]).clone()
-        return (self.kv_buffer[:, s] if self.layout == "page_first" else self.kv_buffer[:, :, s]).clone()
-
-    def indices(self, pages: list[int]) -> torch.Tensor:
-        """The host indices (token slots) of whole pages, as SGLang's allocator hands them out."""
-        runs = [torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages]
-        return torch.cat(runs).to(torch.int64) if runs else torch.empty(0, dtype=torch.int64)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        assert len(indices) % self.page_size == 0
-        base, item, idx = self.kv_buffer.data_ptr(), self.dtype.itemsize, indices.tolist()
-        starts = idx[:: self.page_size]
-        ptrs: list[int] = []
-        if self.mla:  # pool_host/mla.py
-            dim = self.kv_cache_dim
-            if self.layout == "layer_first":
-                for i in starts:
-                    ptrs += [base + i * dim * item + layer * self.size * dim * item for layer in range(self.layer_num)]
-                return ptrs, [item * self.page_size * dim] * len(ptrs)
-            ptrs = [base + i * self.layer_num * dim * item for i in starts]
-            return ptrs, [self.layer_num * item * self.page_size * dim] * len(ptrs)
-        hd = self.head_num * self.head_dim  # pool_host/mha.py
-        v_offset = self.layer_num * self.size * hd * item
-        if self.layout == "layer_first":
-            for i in starts:
-                for layer in range(self.layer_num):
-                    k = base + i * hd * item + layer * self.size * hd * item
-                    ptrs += [k, k + v_offset]
-            return ptrs, [item * self.page_size * hd] * len(ptrs)
-        for i in starts:
-            k = base + i * self.layer_num * hd * item
-            ptrs += [k, k + v_offset]
-        return ptrs, [self.layer_num * item * self.page_size * hd] * len(ptrs)
 
 
 def storage_config(sgl: Any, pool: HostPool, extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1,

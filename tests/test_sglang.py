@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_env import HostPool, build_backend, sglang_storage
+from sglang_env import build_backend, sglang_storage
 
 from kvtier.errors import ConfigError, LayoutError, MissingDependencyError
 from kvtier.integrations import sglang as kv_sglang
 from kvtier.integrations.sglang.core import SglangStore
 from kvtier.integrations.sglang.identity import SglangIdentity, page_namespace
 from kvtier.integrations.sglang.pages import HostPages
+from kvtier.integrations.sglang.testing import HostPool
 from kvtier.keys import fold_block_hashes
 
 TESTS = Path(__file__).resolve().parent
