@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -423,3 +424,25 @@ def test_a_fresh_process_is_served_anothers_pages_through_redis(sgl: types.Simpl
     prefix = f"sglang-{os.getpid()}"
     two_processes(kv_sglang.extra_config({"tiers": [
         {"backend": "redis", "url": redis_server.url, "prefix": prefix, "capacity": "64MiB"}]}))
+
+
+def test_mla_pages_written_by_one_rank_serve_every_rank_through_redis(sgl: types.SimpleNamespace, redis_server: Any) -> None:
+    extra = kv_sglang.extra_config({"tiers": [{"backend": "redis", "url": redis_server.url, "prefix": f"mla-{os.getpid()}",
+                                               "capacity": "64MiB", "sync_interval_s": 0.05}]})
+    writer_pool, reader_pool = HostPool(mla=True, seed=3), HostPool(mla=True, seed=4)
+    writer = build_backend(sgl, writer_pool, extra, tp_rank=0, tp_size=2)
+    reader = build_backend(sgl, reader_pool, extra, tp_rank=1, tp_size=2)
+    try:
+        keys = hashes(4, "m")
+        want = [writer_pool.page(p) for p in range(4)]
+        assert reader.batch_exists(keys) == 0
+        assert writer.batch_set_v1(keys, writer_pool.indices([0, 1, 2, 3])) == [True] * 4  # SGLang's one MLA writer
+        deadline = time.monotonic() + 30
+        while reader.batch_exists(keys) < 4 and time.monotonic() < deadline:  # the sweep brings rank 0's pages
+            time.sleep(0.05)
+        assert reader.batch_exists(keys) == 4
+        assert reader.batch_get_v1(keys, reader_pool.indices([8, 9, 10, 11])) == [True] * 4
+        assert all(torch.equal(reader_pool.page(8 + i), w) for i, w in enumerate(want))
+    finally:
+        writer.close()
+        reader.close()
