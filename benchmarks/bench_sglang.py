@@ -6,8 +6,8 @@ MHA layout (``kvtier.integrations.sglang.testing.HostPool``), one durable ``lmdb
 
 - ``set_gbps``: ``batch_set_v1`` of jobs of 32 pages (SGLang's batches go up to 128), new pages
   each time; ``raw_set_gbps``: python-lmdb, the same pages gathered from the pool's K and V
-  chunks into one buffer and put one transaction per page, the environment synced once per
-  job (the durability a finished ``batch_set_v1`` has). ``set_vs_raw`` = ``set_gbps / raw_set_gbps``.
+  chunks into one buffer and put one transaction per page, synced as the tier's durable mode
+  is (``sync=True, metasync=False``, and the environment synced at the end of each job). ``set_vs_raw`` = ``set_gbps / raw_set_gbps``.
 - ``get_gbps``: ``batch_get_v1`` of the same jobs into other pages; ``raw_get_gbps``: one read
   transaction per job, ``get`` and a copy into the page's chunks. ``get_vs_raw`` likewise.
 - ``tier_set_gbps`` / ``tier_get_gbps``: the lmdb tier's own ``write_blocks`` / ``read_blocks``
@@ -57,7 +57,7 @@ def _chunks(pool: HostPool, page: int) -> list[torch.Tensor]:
 
 def raw_lmdb(path: str, pool: HostPool, pages: list[int], targets: list[int], page_bytes: int) -> tuple[float, float]:
     """(put seconds, get seconds) of the raw baseline over ``pages``, read back into ``targets``."""
-    env = lmdb.open(path, map_size=4 * len(pages) * page_bytes + (64 << 20), sync=False, meminit=False)
+    env = lmdb.open(path, map_size=4 * len(pages) * page_bytes + (64 << 20), sync=True, metasync=False, meminit=False)
     keys = [f"page-{p}".encode() for p in pages]
     buf = torch.empty(page_bytes, dtype=torch.uint8)
 
