@@ -519,3 +519,61 @@ def test_one_complete_store_call_may_span_plans(policy_name: str) -> None:
     assert m.stats()["open_plans"] == 1
     m.complete_store([K[7]])
     assert m.lookup(K[:8]) == 8 and m.stats()["open_plans"] == 0
+
+
+# -- the single-key lookup path against the general one -----------------------------------------
+class _BytesLike(bytes):
+    """A bytes subclass: not a valid key type, though it hashes like one."""
+
+
+SINGLE_INPUTS: list[Any] = [
+    (K[0],),  # ready in the first tier
+    [K[2]],  # ready only in the second tier
+    (K[4],),  # pending
+    (K[9],),  # absent
+    {K[0]},  # any sized collection
+    {K[9]: None},
+    (K[9][:31],),  # too short
+    (bytearray(K[9]),),  # unhashable
+    (_BytesLike(K[9]),),  # wrong type
+    (K[9].hex(),),
+    (7,),
+    b"x",  # a bytes object is not a sequence of keys
+    "x",
+    (None,),
+]
+
+
+def _outcome(call: Any, keys: Any) -> tuple[Any, ...]:
+    try:
+        return ("value", call(keys))
+    except Exception as exc:  # the error must match too: type and message
+        return ("error", type(exc), str(exc))
+
+
+@pytest.mark.parametrize("keys", SINGLE_INPUTS, ids=repr)
+def test_single_key_lookup_matches_the_general_path(policy_name: str, keys: Any) -> None:
+    """One key takes its own fast path through ``lookup``; the answer, the error and the
+    counters are those of the general path over the same input."""
+    pair = []
+    for _ in range(2):
+        m = two_tiers(policy_name, fast=2, slow=4)
+        store(m, [K[2], K[3]])
+        store(m, [K[0], K[1]])  # K[2], K[3] demoted to the second tier
+        assert m.prepare_store([K[4]]) is not None  # pending
+        pair.append(m)
+    fast, general = pair
+    assert fast.status(K[2]).tier == 1 and fast.status(K[4]).state is KeyState.PENDING
+    got = _outcome(fast.lookup, keys)
+    want = _outcome(general._lookup_run, keys)
+    assert got == want
+    assert fast.counters == general.counters
+    assert got[0] == "error" or fast.counters["lookups"] == 1
+
+
+def test_single_key_lookup_counts_like_a_batch() -> None:
+    m = one_tier("lru")
+    store(m, [K[0]])
+    assert [m.lookup((K[0],)), m.lookup([K[1]]), m.lookup([K[0], K[1]]), m.lookup([])] == [1, 0, 1, 0]
+    c = m.counters
+    assert (c["lookups"], c["lookup_keys"], c["lookup_hits"]) == (4, 4, 2)

@@ -113,6 +113,18 @@ def _check(keys: Sequence[bytes]) -> None:
         check_keys(keys)
 
 
+# The lookup counters (calls, keys asked, keys found) packed into one int, one field per 64
+# bits, so a lookup adds one constant and a reader on another thread sees one moment.
+_FIELD = 64
+_MASK = (1 << _FIELD) - 1
+_ONE_MISS = 1 | 1 << _FIELD
+_ONE_HIT = _ONE_MISS | 1 << 2 * _FIELD
+
+
+def _lookup_counts(calls: int, asked: int, found: int) -> int:
+    return calls | asked << _FIELD | found << 2 * _FIELD
+
+
 def _closed() -> ClosedError:
     return ClosedError("the tier manager is closed")
 
@@ -139,12 +151,14 @@ class TierManager:
         self._tiers = [TierState(spec) for spec in tiers]
         self._indexes = tuple(t.index for t in self._tiers)
         self._ready_gets = tuple(enumerate(t.index.get for t in self._tiers))
+        self._gets = tuple(t.index.get for t in self._tiers)
         self._pins = tuple(t.pins for t in self._tiers)
         self._persistent = any(t.persistent for t in tiers)
         self._plan_ids = itertools.count(1)
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        # (calls, keys, hits), replaced whole: lookups stay lock-free and a reader sees one moment.
-        self._lookups = (0, 0, 0)
+        # (calls, keys, hits) packed by _lookup_counts and replaced whole: lookups stay
+        # lock-free and a reader sees one moment.
+        self._lookups = 0
         self._admission = Admission(tiers)
         self._events = EventLog(max_events)
         self._promotions = Promotions(self._tiers, self._counts, self._events)
@@ -207,9 +221,31 @@ class TierManager:
         return list(map(self.status, keys))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` ready in some tier; a pending key ends it."""
+        """Length of the leading run of ``keys`` ready in some tier; a pending key ends it.
+
+        A single key (an engine scheduler asks block by block, every step, for every waiting
+        request) takes a path of its own: a dictionary probe per tier, and on a
+        miss the type and length check of that one key. It answers, counts and validates
+        exactly as the general path does (a test compares the two)."""
         if self._closed:
             raise _closed()
+        if len(keys) == 1:
+            (key,) = keys  # any sized collection, as the general path iterates it
+            try:
+                for get in self._gets:
+                    if get(key):
+                        self._lookups += _ONE_HIT
+                        return 1
+            except TypeError:  # an unhashable key: check_keys names it
+                check_keys(keys)
+            if type(key) is not bytes or len(key) != KEY_BYTES:
+                check_keys(keys)
+            self._lookups += _ONE_MISS
+            return 0
+        return self._lookup_run(keys)
+
+    def _lookup_run(self, keys: Sequence[bytes]) -> int:
+        """:meth:`lookup` of any number of keys."""
         ready_tier = self._ready_tier
         hits = 0
         try:
@@ -221,8 +257,7 @@ class TierManager:
             hits = -1
         if hits != len(keys) or not hits:  # a key not found (or no key): is the input valid?
             _check(keys)
-        calls, asked, found = self._lookups
-        self._lookups = (calls + 1, asked + len(keys), found + hits)
+        self._lookups += _lookup_counts(1, len(keys), hits)
         return hits
 
     # -- store -----------------------------------------------------------------------------
@@ -404,7 +439,8 @@ class TierManager:
             return self._events.take()
 
     def _counters(self) -> dict[str, int]:
-        calls, asked, found = self._lookups
+        packed = self._lookups
+        calls, asked, found = packed & _MASK, packed >> _FIELD & _MASK, packed >> 2 * _FIELD
         return {"lookups": calls, "lookup_keys": asked, "lookup_hits": found, **self._counts, "events_dropped": self._events.dropped}
 
     @property

@@ -1,0 +1,154 @@
+"""kvtier's TierManager against vLLM's ``CPUOffloadingManager``, phase by phase, in one process.
+
+Needs vLLM importable (a venv with ``vllm`` installed ``--no-deps`` is enough: only its
+``kv_offload`` manager is used). Run it with that venv's python and kvtier on the path::
+
+    PYTHONPATH=. $PEER_VENV/bin/python benchmarks/bench_vllm_manager.py
+
+Each phase is run on both managers in alternating slices (vLLM slice, kvtier slice, ...), so
+both see the same moment of a shared machine, and is timed in CPU time of this thread with the
+garbage collector off. Per phase it prints the best slice of each side in microseconds per key
+and ``speedup`` = vLLM / kvtier (above 1: kvtier is faster). Phases, with the same keys and
+sizes for both: ``store`` (``prepare_store`` + ``complete_store`` of new keys, not full; vLLM's
+``on_request_finished`` of those requests is timed apart as ``vllm_finish``), ``lookup_hit`` and
+``lookup_miss`` (one key per call, as vLLM's scheduler asks), ``load`` (``prepare_load`` +
+``complete_load``), ``touch``, ``store_evict`` (the cache is full: every call evicts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+from kvtier.manager import TierManager, TierSpec
+from kvtier.manager.policies import LRUPolicy
+
+PHASES = ("store", "lookup_hit", "lookup_miss", "load", "touch", "store_evict")
+
+
+def make_keys(n: int) -> list[bytes]:
+    """32-byte keys in vLLM's layout (28 hash bytes + a 4-byte group index); kvtier takes
+    them as they are. Fresh objects per side: CPython caches a bytes object's hash."""
+    raw = os.urandom(28 * n)
+    return [make_offload_key(raw[i * 28 : (i + 1) * 28], 0) for i in range(n)]
+
+
+def twin(keys: list[bytes]) -> list[bytes]:
+    return [bytes(bytearray(k)) for k in keys]
+
+
+def chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def timed(items: list[Any], op: Callable[[Any], Any]) -> float:
+    t0 = time.thread_time_ns()
+    for item in items:
+        op(item)
+    return time.thread_time_ns() - t0
+
+
+def phase(slices: int, v_items: list[Any], k_items: list[Any], v_op: Callable[[Any], Any], k_op: Callable[[Any], Any], per: int) -> dict[str, float]:
+    """Best microseconds per key of each side over ``slices`` alternating slices."""
+    best_v = best_k = float("inf")
+    size = max(1, len(v_items) // slices)
+    for start in range(0, size * slices, size):
+        best_v = min(best_v, timed(v_items[start : start + size], v_op) / (size * per))
+        best_k = min(best_k, timed(k_items[start : start + size], k_op) / (size * per))
+    return {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
+
+
+def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dict[str, float]]:
+    rng = random.Random(seed)
+    v_keys = make_keys(cap + 2 * ops)
+    k_keys = twin(v_keys)
+    v_res, v_fresh, v_absent = v_keys[:cap], v_keys[cap : cap + ops], v_keys[cap + ops :]
+    k_res, k_fresh, k_absent = k_keys[:cap], k_keys[cap : cap + ops], k_keys[cap + ops :]
+    vm = CPUOffloadingManager(num_chunks=cap, cache_policy="lru")
+    km = TierManager([TierSpec(name="cpu", capacity_bytes=cap, block_reserve=1, policy=LRUPolicy(cap))])
+    out: dict[str, dict[str, float]] = {}
+
+    def v_store(item: tuple[list[bytes], ReqContext]) -> None:
+        vm.prepare_store(item[0], item[1])
+        vm.complete_store(item[0], item[1])
+
+    def k_store(kb: list[bytes]) -> None:
+        km.prepare_store(kb)
+        km.complete_store(kb)
+
+    v_fill = [(kb, ReqContext(req_id=f"f{i}")) for i, kb in enumerate(chunks(v_res, batch))]
+    out["store"] = phase(slices, v_fill, chunks(k_res, batch), v_store, k_store, batch)
+    finish = timed([c for _, c in v_fill], vm.on_request_finished) / cap / 1e3
+    assert km.lookup(k_res[-1:]) == 1 and len(km) == cap
+
+    pick = rng.sample(range(cap), ops)
+    ctx = ReqContext(req_id="lookup")
+    k_lookup = km.lookup
+    out["lookup_hit"] = phase(
+        slices, [v_res[i] for i in pick], [(k_res[i],) for i in pick], lambda k: vm.lookup(k, ctx), k_lookup, 1
+    )
+    out["lookup_miss"] = phase(slices, v_absent, [(k,) for k in k_absent], lambda k: vm.lookup(k, ctx), k_lookup, 1)
+
+    def v_load(item: tuple[list[bytes], ReqContext]) -> None:
+        vm.prepare_load(item[0], item[1])
+        vm.complete_load(item[0], item[1])
+
+    def k_load(kb: list[bytes]) -> None:
+        km.prepare_load(kb, promote=False)
+        km.complete_load(kb)
+
+    v_loads = [(kb, ReqContext(req_id=f"l{i}")) for i, kb in enumerate(chunks([v_res[i] for i in pick], batch))]
+    out["load"] = phase(slices, v_loads, chunks([k_res[i] for i in pick], batch), v_load, k_load, batch)
+    for _, c in v_loads:
+        vm.on_request_finished(c)
+
+    touched = rng.sample(range(cap), ops)
+    out["touch"] = phase(
+        slices,
+        chunks([v_res[i] for i in touched], batch),
+        chunks([k_res[i] for i in touched], batch),
+        lambda kb: vm.touch(kb, ctx),
+        km.touch,
+        batch,
+    )
+    v_evict = [(kb, ReqContext(req_id=f"e{i}")) for i, kb in enumerate(chunks(v_fresh, batch))]
+    out["store_evict"] = phase(slices, v_evict, chunks(k_fresh, batch), v_store, k_store, batch)
+    assert len(km) == cap and km.lookup(k_fresh[:1]) == 1
+    out["vllm_finish"] = {"vllm_us": finish}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--capacity", type=int, default=200_000)
+    parser.add_argument("--ops", type=int, default=50_000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--slices", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    gc.disable()  # both sides alike: a collection would land on whichever call triggers it
+    reps = [run(args.capacity, args.ops, args.batch, args.slices, seed) for seed in range(args.reps)]
+    gc.enable()
+    result: dict[str, Any] = {"capacity": args.capacity, "ops": args.ops, "batch": args.batch}
+    for name in PHASES:
+        ups = sorted(r[name]["speedup"] for r in reps)
+        result[name] = {
+            "vllm_us": round(min(r[name]["vllm_us"] for r in reps), 3),
+            "kvtier_us": round(min(r[name]["kvtier_us"] for r in reps), 3),
+            "speedup_range": [round(ups[0], 2), round(ups[-1], 2)],
+        }
+    result["vllm_finish_us"] = round(min(r["vllm_finish"]["vllm_us"] for r in reps), 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
