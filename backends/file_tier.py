@@ -116,9 +116,16 @@ class FileBackend(FileTree, PersistentRecordBackend):
         sync_mode: Literal["durable", "fast"] = "durable",
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
+        mac_algorithm: str = "blake3",
     ) -> None:
         super().__init__(
-            capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key, mac_key_env=mac_key_env
+            capacity=capacity,
+            path=path,
+            codec=codec,
+            sync_mode=sync_mode,
+            mac_key=mac_key,
+            mac_key_env=mac_key_env,
+            mac_algorithm=mac_algorithm,
         )
         self._root = ""
         self._lock = threading.Lock()
@@ -168,7 +175,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
             except FileNotFoundError:
                 tmp = f"{meta_path}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
                 with open(tmp, "wb") as f:
-                    f.write(encode_meta(fmt))
+                    f.write(encode_meta(fmt, self.mac))
                     f.flush()
                     os.fsync(f.fileno())
                 try:
@@ -190,7 +197,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
                 log.warning(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
                 continue
-            check_meta(meta, fmt, where=f"file {self._root!r}")
+            check_meta(meta, fmt, where=f"file {self._root!r}", mac=self.mac)
             return
         raise DiskError(f"file: cannot establish the meta record of {self._root!r}")
 

@@ -123,9 +123,16 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         max_readers: int = 126,
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
+        mac_algorithm: str = "blake3",
     ) -> None:
         super().__init__(
-            capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key, mac_key_env=mac_key_env
+            capacity=capacity,
+            path=path,
+            codec=codec,
+            sync_mode=sync_mode,
+            mac_key=mac_key,
+            mac_key_env=mac_key_env,
+            mac_algorithm=mac_algorithm,
         )
         if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 1:
             raise ConfigError(f"max_readers: expected a positive integer, got {max_readers!r}")
@@ -219,13 +226,13 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
             with env.begin(write=True, db=meta_db) as txn:
                 stored = txn.get(META_KEY)
                 if stored is None:
-                    txn.put(META_KEY, encode_meta(fmt))
+                    txn.put(META_KEY, encode_meta(fmt, self.mac))
                 else:
                     try:
                         meta = decode_meta(stored)
                     except UnsupportedRecordError as exc:
                         raise DamagedEnvironment(f"meta record: {exc}") from exc
-                    check_meta(meta, fmt, where=f"lmdb {self.path!r}")
+                    check_meta(meta, fmt, where=f"lmdb {self.path!r}", mac=self.mac)
             if self.sync_mode == "durable":
                 env.sync(True)
             self._reader = JobReader(

@@ -243,6 +243,7 @@ class RedisBackend(RecordBackend):
         codec: str | dict[str, Any] | Codec | None = "none",
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
+        mac_algorithm: str = "blake3",
         max_connections: int = 32,
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
@@ -251,7 +252,7 @@ class RedisBackend(RecordBackend):
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
     ) -> None:
-        super().__init__(capacity=capacity, codec=codec, mac_key=mac_key, mac_key_env=mac_key_env)
+        super().__init__(capacity=capacity, codec=codec, mac_key=mac_key, mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
         self.url, self.username, self._password, self._password_inline = _credentials(url, username, password, password_env)
         self._password_env = password_env
         if not isinstance(cluster, bool):
@@ -330,15 +331,15 @@ class RedisBackend(RecordBackend):
             client = self._get_client()
             raw = client.get(self._meta_key)
             if raw is None:
-                client.set(self._meta_key, encode_meta(self.format), nx=True)
+                client.set(self._meta_key, encode_meta(self.format, self.mac), nx=True)
             else:
                 try:
                     meta = decode_meta(raw)
                 except CorruptBlockError as exc:
                     log.warning("redis: the meta record under %r is unreadable (%s); rewriting it", self._meta_key, exc)
-                    client.set(self._meta_key, encode_meta(self.format))
+                    client.set(self._meta_key, encode_meta(self.format, self.mac))
                 else:
-                    check_meta(meta, self.format, where=f"redis {self.url} prefix {self._prefix_bytes.decode()}")
+                    check_meta(meta, self.format, where=f"redis {self.url} prefix {self._prefix_bytes.decode()}", mac=self.mac)
         except _DOWN_ERRORS as exc:
             self._health.failed(exc)
         except RedisError as exc:  # refused auth, ACL denial, cluster not ready: loud, but not fatal

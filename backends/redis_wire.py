@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.records.codec import NoneCodec, codec_for_id
-from kvtier.records.format import FLAG_MAC, HEADER_SIZE, MAC_TAG_SIZE, RecordMac, parse_header, verify_payload
+from kvtier.records.format import HEADER_SIZE, MAC_FLAGS, MAC_TAG_SIZE, RecordMac, parse_header, verify_payload
 
 __all__ = ["ErrorReply", "Wire", "get_command", "receive_record", "set_command", "unlink_command"]
 
@@ -182,7 +182,7 @@ def receive_record(wire: Wire, key: bytes, out: memoryview, length: int, mac: Re
     wire.read_into(memoryview(head))
     rest = length - len(head)
     try:
-        if len(head) == HEADER_SIZE and head[7] & FLAG_MAC and rest >= MAC_TAG_SIZE:
+        if len(head) == HEADER_SIZE and head[7] & MAC_FLAGS and rest >= MAC_TAG_SIZE:
             tag = bytearray(MAC_TAG_SIZE)
             wire.read_into(memoryview(tag))
             head += tag

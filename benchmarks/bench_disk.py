@@ -8,8 +8,9 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
 * the ``lmdb`` tier's save/load GB/s against raw python-lmdb put/get of the same bytes from/into
   a tensor with the same sync mode and transaction shape (``lmdb_*_ratio``), and the transaction
   shape itself (one value per transaction vs one transaction per job);
-* the same with keyed records (HMAC-SHA256, ``lmdb_mac_*``; ``mac_load_cost`` / ``mac_save_cost``
-  are the keyed tier's GB/s over the plain tier's);
+* the same with keyed records (the default MAC, keyed BLAKE3: ``lmdb_mac_*``; ``mac_load_cost`` /
+  ``mac_save_cost`` are the keyed tier's GB/s over the plain tier's), and a keyed load with
+  ``mac_algorithm: hmac-sha256`` (``lmdb_hmac_load_gbps``, ``hmac_load_cost``);
 * a cold-cache load: each run reopens the environment after evicting its file from the page
   cache (``posix_fadvise(DONTNEED)`` on the file, or ``--drop-caches``: ``echo 3 >
   /proc/sys/vm/drop_caches``, root only), tier and raw alike (``lmdb_cold_*``), and what the
@@ -180,6 +181,9 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     mac_path = tempfile.mkdtemp(dir=root)
     mac_backend = open_backend("lmdb", fmt, capacity=capacity, path=mac_path, mac_key=MAC_SECRET)
     _tier_write(mac_backend, keys, blocks)
+    hmac_path = tempfile.mkdtemp(dir=root)
+    hmac_backend = open_backend("lmdb", fmt, capacity=capacity, path=hmac_path, mac_key=MAC_SECRET, mac_algorithm="hmac-sha256")
+    _tier_write(hmac_backend, keys, blocks)
 
     def tier_load(tier: Backend = backend) -> float:
         return _tier_read(tier, keys, outs)
@@ -187,14 +191,19 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     def raw_load() -> float:
         return _raw_read(env, db, keys, outs)
 
-    save_t, raw_save_t, batch_t, load_t, raw_load_t, mac_save_t, mac_load_t = [], [], [], [], [], [], []
+    save_t, raw_save_t, batch_t, load_t, raw_load_t, mac_save_t, mac_load_t, hmac_load_t = [], [], [], [], [], [], [], []
     saves: list[tuple[list[float], Callable[[], float]]] = [
         (save_t, tier_save),
         (raw_save_t, raw_save),
         (batch_t, lambda: raw_save(per_job=True)),
         (mac_save_t, lambda: tier_save(mac_key=MAC_SECRET)),
     ]
-    loads: list[tuple[list[float], Callable[[], float]]] = [(load_t, tier_load), (raw_load_t, raw_load), (mac_load_t, lambda: tier_load(mac_backend))]
+    loads: list[tuple[list[float], Callable[[], float]]] = [
+        (load_t, tier_load),
+        (raw_load_t, raw_load),
+        (mac_load_t, lambda: tier_load(mac_backend)),
+        (hmac_load_t, lambda: tier_load(hmac_backend)),
+    ]
     for r in range(repeat + 1):
         for group in (saves, loads):
             for times, run in group if r % 2 else group[::-1]:
@@ -204,10 +213,12 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
     asyncio.run(backend.aclose())
     asyncio.run(mac_backend.aclose())
+    asyncio.run(hmac_backend.aclose())
     env.close()
     shutil.rmtree(tier_path)
     shutil.rmtree(raw_path)
     shutil.rmtree(mac_path)
+    shutil.rmtree(hmac_path)
     med = statistics.median
     res = {
         "lmdb_save_gbps": gbps(total, med(save_t)),
@@ -225,6 +236,8 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     res["lmdb_mac_load_ratio"] = round(res["lmdb_mac_load_gbps"] / res["raw_lmdb_get_gbps"], 3)
     res["mac_save_cost"] = round(res["lmdb_mac_save_gbps"] / res["lmdb_save_gbps"], 3)
     res["mac_load_cost"] = round(res["lmdb_mac_load_gbps"] / res["lmdb_load_gbps"], 3)
+    res["lmdb_hmac_load_gbps"] = gbps(total, med(hmac_load_t))
+    res["hmac_load_cost"] = round(res["lmdb_hmac_load_gbps"] / res["lmdb_load_gbps"], 3)
     return res
 
 
@@ -440,12 +453,16 @@ def bench_compressed_tier(blocks: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
+_PARTS = {"lmdb", "cold", "file", "codecs", "compressed", "scan"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
     parser.add_argument("--dir", default=None, help="directory for temporary stores (default: system temp)")
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--drop-caches", action="store_true", help="cold runs drop the whole page cache (root only)")
+    parser.add_argument("--only", nargs="+", choices=sorted(_PARTS), help="run only these parts")
     args = parser.parse_args()
     n = 16 if args.quick else 48
     repeat = args.repeat or (3 if args.quick else 5)
@@ -455,12 +472,18 @@ def main() -> None:
     started = time.perf_counter()
     try:
         result: dict[str, Any] = {"block_bytes": BLOCK, "blocks": n, "quick": args.quick, "sync_mode": "durable"}
-        result.update(bench_lmdb(root, blocks, repeat))
-        result.update(bench_lmdb_cold(root, blocks, repeat, args.drop_caches))
-        result.update(bench_file(root, blocks, repeat))
-        result.update(bench_codecs(blocks, repeat))
-        result.update(bench_compressed_tier(blocks))
-        result.update(bench_lmdb_scan(root, scan_records))
+        parts: dict[str, Callable[[], dict[str, Any]]] = {
+            "lmdb": lambda: bench_lmdb(root, blocks, repeat),
+            "cold": lambda: bench_lmdb_cold(root, blocks, repeat, args.drop_caches),
+            "file": lambda: bench_file(root, blocks, repeat),
+            "codecs": lambda: bench_codecs(blocks, repeat),
+            "compressed": lambda: bench_compressed_tier(blocks),
+            "scan": lambda: bench_lmdb_scan(root, scan_records),
+        }
+        assert set(parts) == _PARTS
+        for name, part in parts.items():
+            if not args.only or name in args.only:
+                result.update(part())
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["bench_seconds"] = round(time.perf_counter() - started, 1)

@@ -413,3 +413,49 @@ def test_opening_a_store_reads_a_page_per_value_not_the_whole_file(tmp_path: Pat
         assert cached_pages(data)[0] >= len(keys) * BIG.block_bytes // 4096
     finally:
         asyncio.run(backend.aclose())
+
+
+SECRET = "a-test-secret-of-32-bytes-012345"
+
+
+def test_a_store_keyed_before_blake3_still_reads_and_a_mac_mismatch_is_refused_at_open(tmp_path: Path) -> None:
+    """A keyed store written before BLAKE3 was the default (HMAC-SHA256 records, a meta record
+    without a MAC field) opens with the default MAC and serves its records; a store whose meta
+    record names one MAC is refused, at open, by a tier configured for the other."""
+    from kvtier.records.format import decode_meta, encode_meta
+
+    keys = [make_key(i) for i in range(3)]
+    data = _blocks(3, seed=21)
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET, mac_algorithm="hmac-sha256"))
+    backend.write_blocks(keys[:2], data[:2])
+    asyncio.run(backend.aclose())
+    env = lmdb.open(str(tmp_path / "env"), max_dbs=3)
+    meta_db = env.open_db(b"meta")
+    with env.begin(write=True, db=meta_db) as txn:
+        ((meta_key, raw),) = list(txn.cursor())
+        assert decode_meta(raw).mac == "hmac-sha256"
+        txn.put(meta_key, encode_meta(FMT))  # the meta record as older builds wrote it
+    env.close()
+
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET))  # the default: blake3
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys[:2]]
+        assert backend.read_blocks(keys[:2], out) == [True, True]
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        backend.write_blocks(keys[2:], data[2:])
+        back = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        assert backend.read_blocks(keys[2:], [back]) == [True] and torch.equal(back, data[2])
+    finally:
+        asyncio.run(backend.aclose())
+    # The new record is keyed BLAKE3: a tier held to HMAC-SHA256 serves the old two only.
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET, mac_algorithm="hmac-sha256"))
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True, True, False]
+    finally:
+        asyncio.run(backend.aclose())
+
+    fresh = tmp_path / "fresh"
+    asyncio.run(_open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET)).aclose())  # a new store records blake3
+    with pytest.raises(ConfigError, match=r"keyed with blake3.*mac_algorithm: blake3"):
+        _open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET, mac_algorithm="hmac-sha256"))

@@ -251,3 +251,131 @@ def test_mac_options_and_secret_never_shown(monkeypatch: pytest.MonkeyPatch) -> 
                 type(backend).from_dict(data)
         else:
             assert type(backend).from_dict(data).mac is not None
+
+
+# -- the MAC algorithms: keyed BLAKE3 by default, HMAC-SHA256 kept ------------------------------
+
+#: A keyed record of ``b"kvtier-golden-16"`` under KEY and SECRET, as written with each MAC. The
+#: HMAC-SHA256 bytes are those every keyed store held before BLAKE3 became the default.
+GOLDEN_KEYED = {
+    "blake3": bytes.fromhex(
+        "4b565442010001021000000000000000100000000000000000000000000000005bc1506a94814c8f4e8ecf1b479074b6"
+        "651b8de1ba00a6118c5a4d10969c0a576b76746965722d676f6c64656e2d3136"
+    ),
+    "hmac-sha256": bytes.fromhex(
+        "4b5654420100010110000000000000001000000000000000000000000000000088d2c53ea3928150d86ba24af5cf7121"
+        "29c03f3d723924857975c1cf31a8d3f76b76746965722d676f6c64656e2d3136"
+    ),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(GOLDEN_KEYED))
+def test_golden_keyed_record_bytes(algorithm: str) -> None:
+    from kvtier.records.format import RecordMac
+
+    mac = RecordMac(SECRET, algorithm)
+    assert _keyed(KEY, b"kvtier-golden-16", mac) == GOLDEN_KEYED[algorithm]
+    out = bytearray(16)
+    assert decode_record(KEY, GOLDEN_KEYED[algorithm], memoryview(out), mac=mac).flags == mac.flag
+    assert bytes(out) == b"kvtier-golden-16"
+
+
+def test_blake3_is_the_default_mac_and_still_reads_hmac_records() -> None:
+    from kvtier.records.format import FLAG_MAC, FLAG_MAC_BLAKE3, RecordMac
+
+    mac = RecordMac(SECRET)
+    assert mac.algorithm == "blake3" and mac.flag == FLAG_MAC_BLAKE3
+    assert RecordMac.from_options(mac_key=SECRET).algorithm == "blake3"  # type: ignore[union-attr]
+    raw = bytes(range(256)) * 16
+    out = bytearray(len(raw))
+    old = _keyed(KEY, raw, RecordMac(SECRET, "hmac-sha256"))  # a record of a store keyed before
+    assert old[7] == FLAG_MAC
+    assert decode_record(KEY, old, memoryview(out), mac=mac).flags == FLAG_MAC and bytes(out) == raw
+    # ... but only with the same secret.
+    with pytest.raises(CorruptBlockError, match="MAC mismatch"):
+        decode_record(KEY, old, memoryview(out), mac=RecordMac(b"another-secret-0123456789"))
+
+
+def test_hmac_only_store_refuses_blake3_records_as_unsupported() -> None:
+    from kvtier.records.format import RecordMac
+
+    fips = RecordMac(SECRET, "hmac-sha256")
+    new = _keyed(KEY, bytes(4096), RecordMac(SECRET))
+    with pytest.raises(UnsupportedRecordError, match="another MAC"):
+        decode_record(KEY, new, memoryview(bytearray(4096)), mac=fips)
+
+
+def test_mac_algorithm_cannot_be_swapped_in_the_header() -> None:
+    """The flags byte is under the tag: relabelling a BLAKE3 record as HMAC (or back), or
+    setting both bits, never verifies."""
+    from kvtier.records.format import FLAG_MAC, FLAG_MAC_BLAKE3, MAC_FLAGS, RecordAuthError, RecordMac
+
+    mac = RecordMac(SECRET)
+    for algorithm, other in (("blake3", FLAG_MAC), ("hmac-sha256", FLAG_MAC_BLAKE3)):
+        record = bytearray(_keyed(KEY, bytes(64), RecordMac(SECRET, algorithm)))
+        record[7] = other
+        with pytest.raises(RecordAuthError):
+            decode_record(KEY, bytes(record), memoryview(bytearray(64)), mac=mac)
+        record[7] = MAC_FLAGS
+        with pytest.raises(UnsupportedRecordError):
+            decode_record(KEY, bytes(record), memoryview(bytearray(64)), mac=mac)
+
+
+@pytest.mark.parametrize("size", [4096, 4 << 20])  # the large one is hashed on several threads
+def test_blake3_tag_is_the_same_on_one_thread_or_several(size: int) -> None:
+    import blake3
+
+    from kvtier.records.format import RecordMac
+
+    mac = RecordMac(SECRET)
+    payload = bytes(range(256)) * (size // 256)
+    head = b"h" * 24
+    one = blake3.blake3(key=mac._blake3_key)
+    one.update(head + KEY + payload)
+    assert mac.tag(head, KEY, payload) == one.digest()
+    record = _keyed(KEY, payload, mac)
+    out = bytearray(size)
+    decode_record(KEY, record, memoryview(out), mac=mac)
+    assert bytes(out) == payload
+
+
+def test_unknown_mac_algorithm_is_a_config_error_naming_it() -> None:
+    from kvtier import registry
+    from kvtier.records.format import RecordMac
+
+    with pytest.raises(ConfigError, match=r"mac_algorithm.*'sha1'"):
+        RecordMac(SECRET, "sha1")
+    with pytest.raises(ConfigError, match="mac_algorithm"):
+        registry.backends.get("lmdb")(capacity=1 << 20, path="/nonexistent-kvtier", mac_key=SECRET, mac_algorithm="md5")
+
+
+
+def test_mac_algorithm_round_trips_through_to_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier import registry
+
+    monkeypatch.setenv("KV_TEST_SECRET", SECRET.decode())
+    cls = registry.backends.get("lmdb")
+    backend = cls(capacity=1 << 20, path="/nonexistent-kvtier", mac_key_env="KV_TEST_SECRET", mac_algorithm="hmac-sha256")
+    data = backend.to_dict()
+    assert data["mac_algorithm"] == "hmac-sha256"
+    assert cls.from_dict(data).mac.algorithm == "hmac-sha256"
+    assert cls(capacity=1 << 20, path="/nonexistent-kvtier", mac_key_env="KV_TEST_SECRET").to_dict()["mac_algorithm"] == "blake3"
+    assert "mac_algorithm" not in cls(capacity=1 << 20, path="/nonexistent-kvtier").to_dict()
+
+
+def test_meta_record_names_the_mac_of_a_keyed_store() -> None:
+    from kvtier.records.format import RecordMac
+
+    assert encode_meta(GOLDEN_FMT, None) == GOLDEN_META  # an unkeyed store's meta is unchanged
+    assert decode_meta(GOLDEN_META).mac is None
+    for algorithm in ("blake3", "hmac-sha256"):
+        mac = RecordMac(SECRET, algorithm)
+        meta = decode_meta(encode_meta(GOLDEN_FMT, mac))
+        assert meta.mac == algorithm
+        check_meta(meta, GOLDEN_FMT, where="test", mac=mac)
+        other = RecordMac(SECRET, "hmac-sha256" if algorithm == "blake3" else "blake3")
+        with pytest.raises(ConfigError, match=rf"keyed with {algorithm}.*mac_algorithm: {algorithm}"):
+            check_meta(meta, GOLDEN_FMT, where="test", mac=other)
+    # A store keyed before the meta record named its MAC opens with either.
+    for algorithm in ("blake3", "hmac-sha256"):
+        check_meta(decode_meta(GOLDEN_META), GOLDEN_FMT, where="test", mac=RecordMac(SECRET, algorithm))
