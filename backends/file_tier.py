@@ -118,15 +118,8 @@ class FileBackend(FileTree, PersistentRecordBackend):
         mac_key_env: str | None = None,
         mac_algorithm: str = "blake3",
     ) -> None:
-        super().__init__(
-            capacity=capacity,
-            path=path,
-            codec=codec,
-            sync_mode=sync_mode,
-            mac_key=mac_key,
-            mac_key_env=mac_key_env,
-            mac_algorithm=mac_algorithm,
-        )
+        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
+                         mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
         self._root = ""
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
