@@ -164,3 +164,31 @@ def test_other_construction_errors(caches: list[object], kwargs: dict[str, objec
 def test_mismatched_devices() -> None:
     with pytest.raises(LayoutError, match="kv_caches\\[1\\]: on cuda"):
         KVLayout([torch.zeros((4, 8)), torch.zeros((4, 8), device="cuda")])
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[5, 6, 7, 8], [7, 5, 8, 6], [9, 0, 1, 4, 5], [0, 2, 4, 6, 8, 10]],  # one run, shuffled, three runs, six (too many)
+    ids=["one-run", "one-run-shuffled", "three-runs", "six-runs"],
+)
+def test_row_runs_on_the_host_match_the_per_slice_copies(rows: list[int]) -> None:
+    """Consecutive pool rows take one ``index_select`` / ``index_copy_`` per (run, tensor),
+    straight into (or out of) the pool; the bytes are those of the general per-slice copies."""
+    caches = make_caches(torch.bfloat16, fused=False, seed=5)
+    ids = [11, 3, 0, 7, 9, 2][: len(rows)]
+    fast, general = KVLayout(caches, strategy="index"), KVLayout(caches, strategy="foreach")
+    assert (fast._row_runs(torch.empty(0), rows) is None) == (len(rows) == 6)
+    pools = []
+    for layout in (fast, general):
+        pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
+        layout.gather(ids, pool, rows)
+        pools.append(pool)
+    assert torch.equal(pools[0], pools[1]) and pools[0][rows].any()
+    back = []
+    for layout in (fast, general):
+        for c in caches:
+            c.view(torch.uint8).zero_()
+        layout.scatter(pools[0], rows, ids)
+        back.append([c.clone() for c in caches])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*back))
+    assert all(a[ids].view(torch.uint8).any() for a in back[0])
