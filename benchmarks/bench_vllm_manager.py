@@ -26,8 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+try:
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+except ImportError as exc:  # a clear word, not a traceback, where vLLM is not installed
+    raise SystemExit(f"bench_vllm_manager: needs vLLM's kv_offload manager importable ({exc})") from None
 
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
@@ -134,7 +137,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--slices", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a small run (a few seconds)")
     args = parser.parse_args()
+    if args.quick:
+        args.capacity, args.ops, args.reps = 20_000, 5_000, 1
     gc.disable()  # both sides alike: a collection would land on whichever call triggers it
     reps = [run(args.capacity, args.ops, args.batch, args.slices, seed) for seed in range(args.reps)]
     gc.enable()
