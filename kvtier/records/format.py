@@ -291,7 +291,7 @@ class RecordMac:
 
     def tag(self, head: Any, key: bytes, payload: Any) -> bytes:
         """The 32-byte tag over ``head`` (the header's first 24 bytes), ``key`` and ``payload``."""
-        h = self.start(head, key, size=len(memoryview(payload).cast("B")))
+        h = self.start(head, key, size=memoryview(payload).nbytes)
         h.update(payload)
         return bytes(h.digest())
 
