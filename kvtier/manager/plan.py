@@ -235,11 +235,20 @@ class PlanBook:
         return len(self._plans)
 
     def prepare(
-        self, plan_id: int, keys: Sequence[bytes], protected: AbstractSet[bytes], new: list[bytes], sources: dict[bytes, int] | None = None
+        self,
+        plan_id: int,
+        keys: Sequence[bytes],
+        protected: AbstractSet[bytes],
+        new: list[bytes],
+        sources: dict[bytes, int] | None = None,
+        *,
+        partial: bool = False,
     ) -> StorePlan | None:
         """Make room for ``new`` (keys of ``keys``) in the first tier, reserve, and open the plan;
         ``None`` and no change when the first tier cannot make room. ``sources`` marks a
-        promotion (no write-through copies). Keys of ``protected`` are never evicted."""
+        promotion (no write-through copies). Keys of ``protected`` are never evicted. With
+        ``partial``, a first tier without room for all of ``new`` takes the leading run of it
+        that fits (``None`` only when not one block fits)."""
         skipped: tuple[bytes, ...] = ()
         if len(new) != len(protected):
             fresh = set(new)
@@ -249,7 +258,13 @@ class PlanBook:
         tiers = self._tiers
         builder = PlanBuilder(tiers, protected, write_back=self._write_back, admission=self._admission)
         if not builder.make_room(0, tiers[0].block * len(new)):
-            return None
+            fit = min(len(new) - 1, tiers[0].blocks_that_fit(protected)) if partial else 0
+            # blocks_that_fit is exact for fixed-size tiers; a variable-size one may free less.
+            while fit > 0 and not builder.make_room(0, tiers[0].block * fit):
+                fit -= 1
+            if fit <= 0:
+                return None
+            new = new[:fit]
         builder.reserve(0, new)
         if sources is None and not self._write_back:
             for ti, t in enumerate(tiers[1:], start=1):
