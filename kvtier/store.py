@@ -299,7 +299,7 @@ class KVStore:
             # batch's leading run is never cut to make room for its tail.
             if offset and (offset > below or mgr.lookup(keys[:offset]) < offset):
                 break
-            plan = mgr.prepare_store(rest, partial=True)
+            plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset])
             if plan is None or plan.empty:
                 break
             chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
