@@ -29,7 +29,8 @@ Contract and choices:
 * Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so ``scan()`` restores
   the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
-  unreadable meta record is moved aside with a warning and rewritten.
+  unreadable meta record (bad checksum, truncated, or an unknown meta version) is moved aside
+  with a warning and rewritten, as the ``lmdb`` tier moves a damaged environment aside.
 
 Offline access (``kvtier inspect`` / ``kvtier verify``, see :mod:`kvtier.tools`) goes through the
 classmethods (:mod:`kvtier.backends.file_tree`) ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
@@ -181,9 +182,9 @@ class FileBackend(FileTree, PersistentRecordBackend):
                     os.unlink(tmp)
             try:
                 meta = decode_meta(data)
-            except UnsupportedRecordError as exc:
-                raise ConfigError(f"file: {self._root!r}: {exc}; point the tier at a new path") from exc
-            except CorruptBlockError as exc:
+            except (CorruptBlockError, UnsupportedRecordError) as exc:
+                # An unknown meta version is one flipped bit away from ours: damage like any
+                # other, never a refusal to start (the records are checked one by one at read).
                 moved = f"{meta_path}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
                 os.replace(meta_path, moved)
                 message = f"file: the meta record of {self._root!r} is unreadable ({exc}); moved it to {moved!r}"

@@ -32,7 +32,9 @@ Contract and choices:
   A job's checksums run on a side thread while the job's copies (reads) or puts (writes) run on
   the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
-  its meta pages are read with ``pread`` and checked against the file's size; at open the
+  its meta pages are read with ``pread`` and checked against the file's size, and every branch
+  and leaf page of its B-trees is read with ``pread`` and checked the way LMDB will walk it
+  (:mod:`kvtier.backends.lmdb_pages`: LMDB aborts the process on a page it cannot walk); at open the
   blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
@@ -79,6 +81,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
+from kvtier.backends.lmdb_pages import check_file_trees
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
@@ -201,6 +204,8 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
 
     def _try_open(self, fmt: BlockFormat) -> None:
         used = check_data_file(self.path)  # before anything maps the file
+        if used:
+            check_file_trees(self.path)  # LMDB aborts the process on a page it cannot walk
         preallocate_lock_file(self.path, self.max_readers)
         map_size = self.capacity_bytes
         shrinking = used > map_size

@@ -40,12 +40,14 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
+from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -54,9 +56,6 @@ from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import (
     RecordBackend,
-    check_meta,
-    decode_meta,
-    encode_meta,
 )
 
 try:
@@ -79,6 +78,8 @@ _KEY_BYTES = 32
 #: gained from 1 to 16 MiB (0.33 -> 0.56 GB/s); 2 MiB values were flat from 1 to 16 MiB and lost
 #: a quarter with the whole job in flight (1.3 -> 0.99 GB/s), as a redis-py pipeline does.
 _READ_WINDOW_BYTES = 16 << 20
+#: Keys remembered as not loadable (see ``RedisBackend._unreadable``): 32 bytes each.
+_UNREADABLE_MAX = 100_000
 #: Socket read size of the hiredis parser (redis-py's default is 64 KiB): fewer recv calls.
 _SOCKET_READ_BYTES = 1 << 20
 _BACKOFF_FIRST_S = 0.1
@@ -282,6 +283,12 @@ class RedisBackend(RecordBackend):
         self._ttl_ms = b""
         self._refresh_slots = False
         self.view: SharedIndexView | None = None
+        #: The server holds another store's meta record under this prefix: serve nothing from it.
+        self._foreign = False
+        #: Keys under the prefix that failed to load as ours (wrong type, unknown version): the
+        #: sweeps do not adopt them again until this tier writes them (bounded, oldest dropped).
+        self._unreadable: dict[bytes, None] = {}
+        self._unreadable_lock = threading.Lock()
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
@@ -325,21 +332,30 @@ class RedisBackend(RecordBackend):
 
     def _connect_and_check(self) -> None:
         """Connect and check the meta record. An unreachable server is an outage, not an error:
-        the tier starts empty and fills once the server answers. A server that holds records of
-        another format under this namespace's prefix is a ConfigError."""
+        the tier starts empty and fills once the server answers. What a meta record found there
+        means is :mod:`kvtier.backends.redis_meta`'s to judge: a foreign one makes this tier
+        serve nothing, never a refusal to start."""
         try:
             client = self._get_client()
             raw = client.get(self._meta_key)
+            ours = meta_value(self.format, self.mac, self._meta_key)
             if raw is None:
-                client.set(self._meta_key, encode_meta(self.format, self.mac), nx=True)
+                client.set(self._meta_key, ours, nx=True)
             else:
-                try:
-                    meta = decode_meta(raw)
-                except CorruptBlockError as exc:
-                    log.warning("redis: the meta record under %r is unreadable (%s); rewriting it", self._meta_key, exc)
-                    client.set(self._meta_key, encode_meta(self.format, self.mac))
-                else:
-                    check_meta(meta, self.format, where=f"redis {self.url} prefix {self._prefix_bytes.decode()}", mac=self.mac)
+                where = f"redis {self.url} prefix {self._prefix_bytes.decode()}"
+                verdict, reason = judge_meta(bytes(raw), self.format, self.mac, self._meta_key, where=where)
+                if verdict is MetaVerdict.REPLACE:
+                    log.warning("redis: the meta record under %r is not ours (%s); rewriting it", self._meta_key, reason)
+                    client.set(self._meta_key, ours)
+                elif verdict is MetaVerdict.FOREIGN:
+                    self._foreign = True
+                    message = (
+                        f"redis: {where} holds a meta record of another store ({reason}); this tier serves "
+                        "nothing from it (reads miss, writes are refused). Use another prefix, or a mac_key "
+                        "shared by the fleet so a planted record is told apart"
+                    )
+                    log.warning(message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=2)
         except _DOWN_ERRORS as exc:
             self._health.failed(exc)
         except RedisError as exc:  # refused auth, ACL denial, cluster not ready: loud, but not fatal
@@ -508,7 +524,7 @@ class RedisBackend(RecordBackend):
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         self._check_io(keys, blocks)
         n = len(keys)
-        if not self._health.allow():
+        if self._foreign or not self._health.allow():
             self._health.fast_failures += n
             self.counters.write_failures += n
             return [None] * n
@@ -543,18 +559,23 @@ class RedisBackend(RecordBackend):
         self.counters.write_failures += n - len(done)
         if done and self.view is not None:
             self.view.note_written(done)
+        if done and self._unreadable:
+            with self._unreadable_lock:
+                for key in done:
+                    self._unreadable.pop(key, None)
         return sizes
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         size = self._check_io(keys, out)
         n = len(keys)
         found = [False] * n
-        if not self._health.allow():
+        if self._foreign or not self._health.allow():
             self._health.fast_failures += n
             self._count_reads(found, size, corrupt=0)
             return found
         rkeys = [self._rkey(k) for k in keys]
         bad: list[bytes] = []
+        unreadable: list[bytes] = []
         window = max(1, _READ_WINDOW_BYTES // (size + self._head_bytes()))
         ttl = self._ttl_ms
 
@@ -571,6 +592,8 @@ class RedisBackend(RecordBackend):
                     except ErrorReply as exc:
                         self._refused("GET", exc)
                         length = -1
+                        if str(exc).startswith("WRONGTYPE"):  # not a record at all
+                            unreadable.append(keys[i])
                     if sent < total and sent - received < refill:
                         # Top the window up in batches, before this value arrives: the server
                         # works on the next requests while this one is being received.
@@ -578,7 +601,7 @@ class RedisBackend(RecordBackend):
                         wire.send([b"".join(commands[sent:upto])])
                         sent = upto
                     if length >= 0:
-                        found[i] = self._receive(wire, keys[i], out[i], length, bad)
+                        found[i] = self._receive(wire, keys[i], out[i], length, bad, unreadable)
 
             self._exchange(pool, body)
 
@@ -586,18 +609,32 @@ class RedisBackend(RecordBackend):
             found[i] = False  # a node that failed mid-reply: its whole share is a miss
         if bad:
             self._delete(bad)
+        if unreadable:
+            self._remember_unreadable(unreadable)
         self._count_reads(found, size, corrupt=len(bad))
         return found
 
-    def _receive(self, wire: Wire, key: bytes, dst: torch.Tensor, length: int, bad: list[bytes]) -> bool:
+    def _remember_unreadable(self, keys: list[bytes]) -> None:
+        with self._unreadable_lock:
+            book = self._unreadable
+            for key in keys:
+                book[key] = None
+            while len(book) > _UNREADABLE_MAX:
+                del book[next(iter(book))]
+
+    def _receive(
+        self, wire: Wire, key: bytes, dst: torch.Tensor, length: int, bad: list[bytes], unreadable: list[bytes]
+    ) -> bool:
         """Read one record of ``length`` bytes into ``dst``; ``False`` for a miss. A bad record
-        is consumed, logged and queued in ``bad`` for deletion."""
+        is consumed, logged and queued in ``bad`` for deletion; one of another format in
+        ``unreadable``, so the sweeps stop offering it."""
         view, staging = self._host_view(dst)
         try:
             receive_record(wire, key, view, length, self.mac)
         except UnsupportedRecordError as exc:
             # Another writer's format or secret: a miss here, theirs to keep.
             log.debug("redis: record %s… not readable here (%s)", key.hex()[:16], exc)
+            unreadable.append(key)
             return False
         except CorruptBlockError as exc:
             log.warning("redis: bad record %s… on %s (%s); deleting it", key.hex()[:16], self.url, exc)
@@ -682,6 +719,11 @@ class RedisBackend(RecordBackend):
             self._health.failed(exc)
             return None
         self._health.succeeded()
+        if self._foreign:
+            return set()
+        if self._unreadable:
+            with self._unreadable_lock:
+                found.difference_update(self._unreadable)
         return found
 
     def scan(self) -> Iterator[RecordInfo]:

@@ -66,6 +66,12 @@ class Namespace:
     """Everything that changes the bytes of a KV block. Two namespaces with equal fields have
     equal digests; any differing field gives a different digest.
 
+    ``block_size`` is the engine's tokens per *engine* block (vLLM's ``block_size``, a paged
+    cache's page size), whatever the number of engine blocks one offloaded block spans: a
+    store with ``engine_blocks_per_block: n`` cuts keys every ``n * block_size`` tokens, and
+    that ``n`` is part of the KV layout the store folds into the namespace. The connector
+    checks it against its own ``block_size`` when it is built.
+
     ``tenant_salt`` isolates tenants that must not share cache entries; it is part of the digest
     and is never shown in ``repr`` or logs.
     """
@@ -193,15 +199,19 @@ def block_keys(
     ``extra`` folds request-level data into the keys (a multimodal input hash, a cache salt):
     one ``bytes`` for every block, or one entry per block. ``parent`` continues a chain from a
     previously computed key, so keys can be extended incrementally as a request grows.
+
+    ``block_size`` is the tokens per key: ``namespace.block_size`` (the engine's block) or a
+    whole multiple of it (an offloaded block that spans several engine blocks).
     """
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise InvalidKeyError(f"block_size: expected a positive integer, got {block_size!r}")
-    if block_size != namespace.block_size:
-        # The namespace digest covers the block size, so keys cut at another size would be
-        # filed under a namespace that promises blocks of a different shape.
+    if block_size % namespace.block_size:
+        # ``namespace.block_size`` is the engine's tokens per engine block, and a key covers a
+        # whole number of engine blocks (``engine_blocks_per_block`` of them); keys cut at any
+        # other size would be filed under a namespace that promises blocks of another shape.
         raise InvalidKeyError(
-            f"block_size: {block_size} tokens per block, but namespace.block_size is {namespace.block_size}; "
-            "pass the namespace built for this block size"
+            f"block_size: {block_size} tokens per block is not a whole number of engine blocks of "
+            f"namespace.block_size {namespace.block_size} tokens; pass the namespace built for the engine's block size"
         )
     num_blocks = len(token_ids) // block_size
     extras = _extras(extra, num_blocks)

@@ -276,19 +276,47 @@ class KVStore:
         """Store the blocks ``block_ids`` (``n`` engine ids per key) under ``keys``.
 
         Returns the number of blocks newly stored (keys already present are skipped). A full
-        tier or a failing disk gives 0 for the blocks concerned; nothing raises."""
+        tier or a failing disk gives 0 for the blocks concerned; nothing raises.
+
+        A batch larger than the first tier's room is stored in runs, in prefix order: each run
+        is the leading part of what is left that the first tier can take
+        (``prepare_store(partial=True)``), and each run makes room by evicting the run before
+        it, which the lower tiers take (demotion, or the write-through copy already there). So a
+        long prompt is stored as far as the tiers have room, never all or nothing; the store
+        stops at the first run that cannot be placed or fails, and before a run that would push
+        the earlier ones out of the lowest tier."""
         transfers, ids = self._job_input(keys, block_ids)
         self._settle_finished()
         n = self.config.engine_blocks_per_block
-        plan = self._mgr().prepare_store(keys)
-        if plan is None or plan.empty:
-            return 0
-        chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
-        job = transfers.submit_store(plan, chosen)
-        result = await self._run_job(transfers, job, plan)
-        if self._closed:  # closed while the job ran: nothing is left to apply it to
-            return 0
-        return self.finish_store(plan, result)
+        mgr = self._mgr()
+        below = sum(mgr.tier_spec(t).capacity_bytes // mgr.tier_spec(t).block_reserve for t in range(1, mgr.num_tiers))
+        stored = 0
+        rest: Sequence[bytes] = keys
+        offset = 0  # rest[i] is keys[offset + i]
+        while rest:
+            # A later run pushes the earlier ones out of the first tier: go on only while the
+            # lower tiers could hold all of them, and while they still hold every one, so the
+            # batch's leading run is never cut to make room for its tail.
+            if offset and (offset > below or mgr.lookup(keys[:offset]) < offset):
+                break
+            plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset])
+            if plan is None or plan.empty:
+                break
+            chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
+            job = transfers.submit_store(plan, chosen)
+            result = await self._run_job(transfers, job, plan)
+            if self._closed:  # closed while the job ran: nothing is left to apply it to
+                return stored
+            done = self.finish_store(plan, result)
+            stored += done
+            if done < len(plan.keys) or not plan.keys:
+                break  # a failed write: the rest would only fail behind it
+            covered = {*plan.keys, *plan.skipped}
+            taken = next((i for i, key in enumerate(rest) if key not in covered), len(rest))
+            if taken < len(rest):
+                log.debug("kvtier: save of %d blocks: the first tier took %d; storing the next run", len(keys), taken)
+            rest, offset = rest[taken:], offset + taken
+        return stored
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many

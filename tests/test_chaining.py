@@ -92,14 +92,21 @@ async def test_write_through_keeps_a_copy_in_every_tier() -> None:
         assert_block(kv, 31, original)
 
 
-async def test_a_batch_larger_than_the_first_tier_is_refused_without_change() -> None:
+async def test_a_batch_larger_than_the_first_tier_goes_on_into_the_lower_tier() -> None:
+    """The manager's plain ``prepare_store`` stays atomic (``None``, no change); ``save``
+    stores the batch run by run, the lower tier taking what the first cannot hold."""
     kv = caches()
     keys = [make_key(i) for i in range(3)]
+    originals = [snapshot(kv, i) for i in range(3)]
     async with kvtier.open(config(kv, 2, 8), kv_caches=kv) as store:
-        assert await store.save(keys, [0, 1, 2]) == 0
+        assert store.manager is not None and store.manager.prepare_store(keys) is None
         assert store.stats()["store_rejected"] == 1
         assert store.stats()["tiers"][0]["used_bytes"] == 0
-        assert await store.lookup(keys) == 0
+        assert await store.save(keys, [0, 1, 2]) == 3
+        assert await store.lookup(keys) == 3
+        assert await store.load(keys, [10, 11, 12], promote=False) == 3
+        for i in range(3):
+            assert_block(kv, 10 + i, originals[i])
 
 
 async def test_lower_tier_hits_are_promoted_when_the_first_tier_has_room() -> None:

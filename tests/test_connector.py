@@ -54,7 +54,7 @@ class Rig:
         self.n = n
         self.caches: list[list[torch.Tensor]] = []
         self.stores = []
-        self.namespace = Namespace(model_id="test", block_size=BLOCK * n)
+        self.namespace = Namespace(model_id="test", block_size=BLOCK)
         for _ in range(world):
             caches = [torch.zeros((NUM_BLOCKS, BLOCK, WIDTH), dtype=torch.float32) for _ in range(2)]
             cfg = {"tiers": [{"backend": "cpu", "capacity": capacity}], "engine_blocks_per_block": n}
@@ -759,3 +759,33 @@ def test_delete_ledger_ships_only_what_the_manager_no_longer_holds(rig: Rig) -> 
     assert len(ledger) == 4 and ledger  # k1, k2, k3 in tier 0; k1 in tier 7
     assert ledger.take(rig.manager) == ((0, tuple(sorted((k1, k2)))),)  # tier 7 does not exist
     assert not ledger and ledger.take(rig.manager) == ()
+
+
+def test_namespace_of_the_engine_block_size_serves_two_engine_blocks_per_block() -> None:
+    """An engine author builds the namespace for the engine's block size; with
+    ``engine_blocks_per_block: 2`` the step must cut keys every two engine blocks, not raise."""
+    rig = Rig(n=2)
+    try:
+        assert rig.namespace.block_size == BLOCK
+        req = Req("r", list(range(500, 517)))  # 17 tokens: two offloaded blocks of 8
+        ext, _ = rig.sched.get_num_new_matched_tokens(req, 0)
+        assert ext == 0
+        _admit(rig, req, [1, 2, 3, 4, 5])
+        rig.run_workers(rig.meta({"r": 17}, allocated=[1, 2, 3, 4, 5]), lambda: [rig.fill(b, float(b)) for b in (1, 2, 3, 4)])
+        req.num_computed_tokens = 17
+        rig.sched.request_finished(req, req.block_ids)
+        rig.run_workers(rig.meta(finished=["r"]))
+        rig.run_workers(rig.meta())
+        assert rig.manager.lookup(rig.keys(req.tokens)) == 2
+    finally:
+        rig.close()
+
+
+def test_namespace_built_for_another_block_size_is_refused_when_the_connector_is_built() -> None:
+    store_ns = Namespace(model_id="test", block_size=BLOCK * 2)
+    from kvtier.manager import TierManager, TierSpec
+    from kvtier.manager.policies import LRUPolicy
+
+    manager = TierManager([TierSpec("cpu", capacity_bytes=4096, block_reserve=64, policy=LRUPolicy(capacity=64))])
+    with pytest.raises(ConnectorError, match=r"blocks hold 4 tokens but namespace.block_size is 8"):
+        SchedulerConnector(manager, store_ns, ConnectorConfig(block_size=BLOCK, engine_blocks_per_block=2))

@@ -243,6 +243,34 @@ def test_other_namespace_is_refused_and_corrupt_meta_is_replaced(tmp_path: Path)
     _close(_open(file_backend(tmp_path, 1 << 20)))  # the rewritten meta record is accepted
 
 
+@pytest.mark.parametrize("bit", range(8))
+def test_a_flipped_bit_in_the_meta_version_moves_the_meta_record_aside(tmp_path: Path, bit: int) -> None:
+    """The meta record's version byte (offset 4) names an unknown version after one flipped
+    bit: that is damage, so the meta record is moved aside and rewritten, never a refusal to
+    start; the records themselves are checked one by one and still serve their bytes."""
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    keys, blocks = [make_key(i) for i in range(3)], _blocks(3)
+    assert all(backend.write_blocks(keys, blocks))
+    _close(backend)
+    meta = tmp_path / "store" / "kvtier-meta.kvm"
+    data = bytearray(meta.read_bytes())
+    data[4] ^= 1 << bit
+    meta.write_bytes(bytes(data))
+    backend = file_backend(tmp_path, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="meta record"):
+        _open(backend)
+    try:
+        assert list((tmp_path / "store").glob("kvtier-meta.kvm.corrupt-*"))
+        out = _empty(3)
+        found = backend.read_blocks(keys, out)
+        for ok, got, want in zip(found, out, blocks):
+            assert not ok or torch.equal(got, want)  # never wrong bytes
+        assert all(found)
+    finally:
+        _close(backend)
+    _close(_open(file_backend(tmp_path, 1 << 20)))  # the rewritten meta record is accepted
+
+
 BIG = BlockFormat(block_bytes=512 << 10, dtype="bfloat16", namespace={"model_id": "m"})
 
 

@@ -85,7 +85,7 @@ async def drain(store: KVStore) -> None:
 async def test_a_key_dropped_from_one_tier_and_demoted_from_another_leaks_nothing() -> None:
     kv = caches()
     a, b, c, d, e, f = K[:6]
-    async with kvtier.open(cpu_tiers(2, 2, 8), kv_caches=kv) as store:
+    async with kvtier.open({**cpu_tiers(2, 2, 8), "write": "back"}, kv_caches=kv) as store:
         assert await store.save([a, b], [0, 1]) == 2
         assert await store.save([c, d], [2, 3]) == 2  # a, b -> tier 1
         assert await store.load([a], [8]) == 1  # promoted: a is now held in tiers 0 and 1

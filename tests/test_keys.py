@@ -232,9 +232,9 @@ def test_chaining_makes_keys_depend_on_the_prefix() -> None:
         ({"token_ids": [0, 1, 2, 3], "block_size": -4}, "block_size"),
         ({"token_ids": [0, 1, 2, 3], "parent": b"\x00" * 31}, "parent"),
         ({"token_ids": [0, 1, 2, 3], "block_size": True}, "block_size"),
-        # The namespace was built for blocks of 4 tokens: keys cut at 8 or 2 would be wrong.
-        ({"token_ids": list(range(16)), "block_size": 8}, r"block_size: 8 .*namespace.block_size is 4"),
-        ({"token_ids": list(range(16)), "block_size": 2}, r"namespace.block_size is 4"),
+        # The namespace was built for engine blocks of 4 tokens: keys cut at 6 or 2 would be wrong.
+        ({"token_ids": list(range(16)), "block_size": 6}, r"block_size: 6 .*namespace.block_size 4"),
+        ({"token_ids": list(range(16)), "block_size": 2}, r"namespace.block_size 4"),
     ],
 )
 def test_bad_inputs_raise_invalid_key_error(kwargs: dict[str, object], match: str) -> None:
@@ -242,6 +242,15 @@ def test_bad_inputs_raise_invalid_key_error(kwargs: dict[str, object], match: st
     with pytest.raises(InvalidKeyError, match=match):
         block_keys(**args)  # type: ignore[arg-type]
     assert issubclass(InvalidKeyError, ValueError)
+
+
+def test_a_key_may_span_several_engine_blocks_of_the_namespace() -> None:
+    """``namespace.block_size`` is the engine's block: keys of two engine blocks are accepted,
+    cut every 8 tokens, and differ from keys cut every 4."""
+    two = block_keys(list(range(16)), block_size=8, namespace=ns())
+    one = block_keys(list(range(16)), block_size=4, namespace=ns())
+    assert len(two) == 2 and len(one) == 4
+    assert not set(two) & set(one)
 
 
 def test_check_keys() -> None:

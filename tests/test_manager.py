@@ -577,3 +577,29 @@ def test_single_key_lookup_counts_like_a_batch() -> None:
     assert [m.lookup((K[0],)), m.lookup([K[1]]), m.lookup([K[0], K[1]]), m.lookup([])] == [1, 0, 1, 0]
     c = m.counters
     assert (c["lookups"], c["lookup_keys"], c["lookup_hits"]) == (4, 4, 2)
+
+
+def test_partial_store_reserves_the_leading_run_that_fits(policy_name: str) -> None:
+    m = one_tier(policy_name, blocks=4)
+    store(m, K[:2])
+    m.prepare_load(K[:1])  # pinned: 3 slots can be made
+    assert m.prepare_store(K[10:16]) is None  # atomic by default: no change
+    assert m.counters["store_partial"] == 0
+    plan = m.prepare_store([K[0], *K[10:16]], partial=True)
+    assert plan is not None
+    assert plan.keys == tuple(K[10:13]) and plan.positions == (1, 2, 3) and plan.skipped == (K[0],)
+    assert m.counters["store_partial"] == 1
+    m.complete_store(plan.keys)
+    assert m.lookup(K[10:16]) == 3 and m.lookup(K[:1]) == 1
+    m.complete_load(K[:1])
+
+
+def test_partial_store_counts_a_use_only_of_the_keys_it_covers(policy_name: str) -> None:
+    """A key left out of a partial plan is counted as seen when a later call stores it, once."""
+    m = TierManager([tier("fast", 2, policy_name), tier("slow", 8, policy_name, admit_after=2)], write="through")
+    plan = m.prepare_store(K[:4], partial=True)
+    assert plan is not None and plan.keys == tuple(K[:2])
+    m.complete_store(plan.keys)
+    plan = m.prepare_store(K[2:4], partial=True)
+    assert plan is not None and plan.keys == tuple(K[2:4])
+    assert plan.write_through == ()  # seen once: the slow tier does not admit them yet

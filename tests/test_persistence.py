@@ -133,8 +133,10 @@ async def test_a_layout_change_under_an_explicit_namespace_is_never_served(tmp_p
 
 
 def _readme_config(path: Path, **extra: object) -> dict:
-    """The README's shape: a host-memory tier in front of LMDB, write-back (the default)."""
+    """The README's shape: a host-memory tier in front of LMDB, in write-back mode (what a clean
+    close and ``flush`` write back)."""
     return {
+        "write": "back",
         "tiers": [{"backend": "cpu", "capacity": 8 * block_bytes()}, {"backend": "lmdb", "path": str(path), "capacity": 64 * (block_bytes() + 8192)}],
         "namespace": {"model_id": "flush-test"},
         **extra,

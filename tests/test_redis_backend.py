@@ -575,3 +575,86 @@ async def test_a_stalled_server_never_holds_engine_blocks_and_the_write_fails_by
 
 async def _sweeps(view: Any) -> bool:
     return await asyncio.to_thread(view.sweep_once) is not None
+
+
+def _plant_meta(url: str, prefix: str, value: bytes) -> bytes:
+    digest = fmt().namespace_digest[:8].hex()
+    meta_key = f"{prefix}:{digest}:meta".encode()
+    redis.Redis.from_url(url).set(meta_key, value)
+    return meta_key
+
+
+def _other_meta() -> bytes:
+    from kvtier.records.format import encode_meta
+
+    return encode_meta(BlockFormat(block_bytes=BLOCK, dtype="bfloat16", namespace_digest=b"\3" * 32))
+
+
+def test_a_planted_meta_record_is_a_warning_and_a_miss_never_a_refusal_to_start(redis_server: RedisServer, tmp_path: Path) -> None:
+    prefix = _prefix(tmp_path)
+    _plant_meta(redis_server.url, prefix, _other_meta())
+    with pytest.warns(RuntimeWarning, match="meta record of another store"):
+        backend = opened(url=redis_server.url, prefix=prefix)
+    try:
+        assert backend.write_blocks([make_key(1)], blocks(1)) == [None]  # nothing goes to a foreign store
+        assert backend.read_blocks([make_key(1)], empty(1)) == [False]
+        assert list(backend.scan()) == []
+        assert redis.Redis.from_url(redis_server.url).keys(f"{prefix}:*") == [
+            f"{prefix}:{fmt().namespace_digest[:8].hex()}:meta".encode()
+        ]
+    finally:
+        close(backend)
+
+
+@pytest.mark.parametrize("planted", ["foreign", "ours-without-tag", "garbage"])
+def test_with_a_mac_key_a_meta_record_without_a_valid_tag_is_replaced(redis_server: RedisServer, tmp_path: Path, planted: str) -> None:
+    from kvtier.records.format import encode_meta
+
+    prefix = _prefix(tmp_path)
+    value = {"foreign": _other_meta(), "ours-without-tag": encode_meta(fmt()), "garbage": b"x" * 40}[planted]
+    meta_key = _plant_meta(redis_server.url, prefix, value)
+    backend = opened(url=redis_server.url, prefix=prefix, mac_key=MAC)
+    try:
+        assert redis.Redis.from_url(redis_server.url).get(meta_key) != value  # ours, tagged, replaced it
+        assert backend.write_blocks([make_key(1)], blocks(1))[0] is not None
+        out = empty(1)
+        assert backend.read_blocks([make_key(1)], out) == [True] and torch.equal(out[0], blocks(1)[0])
+    finally:
+        close(backend)
+    close(opened(url=redis_server.url, prefix=prefix, mac_key=MAC))  # its own tagged record is accepted
+
+
+def test_a_tagged_meta_record_of_another_format_is_refused(redis_server: RedisServer, tmp_path: Path) -> None:
+    """With a valid tag the record is the fleet's own: another block size is a configuration error."""
+    prefix = _prefix(tmp_path)
+    close(opened(url=redis_server.url, prefix=prefix, mac_key=MAC))
+    other = RedisBackend(capacity=64 * BLOCK, url=redis_server.url, prefix=prefix, mac_key=MAC)
+    bigger = BlockFormat(block_bytes=2 * BLOCK, dtype="bfloat16", namespace_digest=fmt().namespace_digest)
+    with pytest.raises(ConfigError, match="block_bytes"):
+        asyncio.run(other.open(bigger))
+
+
+async def test_junk_under_the_prefix_is_not_adopted_again_after_it_failed_to_load(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Keys of the wrong type and records of an unknown version are misses, and the sweeps stop
+    offering them; a key this tier writes afterwards is adopted again."""
+    prefix = _prefix(tmp_path)
+    caches = make_caches(3)
+    async with kvtier.open(store_config(redis_server.url, prefix, cpu=False), kv_caches=caches) as store:
+        tier = store.backends[0]
+        client = redis.Redis.from_url(redis_server.url)
+        keys = [make_key(100 + i) for i in range(2)]
+        client.hset(tier._rkey(keys[0]), "field", "value")  # wrong type
+        assert await store.save([make_key(7)], [0]) == 1
+        record = bytearray(client.get(tier._rkey(make_key(7))))
+        record[4] = 250  # a record version this build does not read
+        client.set(tier._rkey(keys[1]), bytes(record))
+        view = tier.view
+        assert view.sweep_once() == (2, 0)
+        for key in keys:
+            assert await store.lookup([key]) == 1
+            assert await store.load([key], [1]) == 0  # a miss, never an exception
+        assert view.sweep_once() == (0, 0)  # not offered again
+        assert await store.lookup(keys[:1]) == 0 and await store.lookup(keys[1:]) == 0
+        client.delete(tier._rkey(keys[0]))
+        assert await store.save(keys[:1], [2]) == 1  # ours now: found and served again
+        assert await store.load(keys[:1], [3]) == 1

@@ -209,3 +209,36 @@ async def test_store_without_kv_cache_cannot_move_blocks() -> None:
             await store.save([K[1]], [0])
     with pytest.raises(ConfigError, match="block_bytes"):
         kvtier.open({"tiers": [{"backend": "cpu", "capacity": 4096}]})
+
+
+@pytest.mark.parametrize("write", ["back", "through"])
+async def test_save_larger_than_the_first_tier_stores_it_all_through_the_lower_tiers(tmp_path: Any, write: str) -> None:
+    """12 blocks into an 8-slot host tier in front of LMDB: every block is stored (the lower
+    tier takes what the first cannot hold) and loads back byte-exact."""
+    caches = make_caches()
+    cfg = config(caches, 8, write=write)
+    cfg["tiers"].append({"backend": "lmdb", "path": str(tmp_path / "kv"), "capacity": "64MiB"})
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        want = [engine_block(caches, i) for i in range(12)]
+        assert await store.save(K[:12], list(range(12))) == 12
+        assert await store.lookup(K[:12]) == 12
+        assert store.stats()["store_partial"] >= 1
+        zero(caches)
+        assert await store.load(K[:12], list(range(12)), promote=False) == 12
+        assert all(same(engine_block(caches, i), want[i]) for i in range(12))
+
+
+async def test_save_larger_than_every_tier_stores_the_leading_run_that_fits(tmp_path: Any) -> None:
+    caches = make_caches()
+    cfg = config(caches, 4)
+    cfg["tiers"].append({"backend": "cpu", "capacity": 4 * block_bytes(caches)})
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        # 4 + 4 blocks; a third run would push the first out of the bottom tier: not stored.
+        assert await store.save(K[:12], list(range(12))) == 8
+        assert await store.lookup(K[:12]) == 8
+    async with kvtier.open(config(caches, 8), kv_caches=caches) as store:
+        assert await store.save(K[:2], [0, 1]) == 2
+        pinned = await store.prepare_load(K[:2])  # pinned: 6 slots can be made free
+        assert await store.save(K[2:12], list(range(2, 12))) == 6  # the leading run that fits
+        assert await store.lookup(K[:12]) == 8
+        await store.complete_load(pinned.keys)

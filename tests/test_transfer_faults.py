@@ -40,7 +40,7 @@ async def test_a_store_whose_gather_fails_leaks_no_slot(monkeypatch: pytest.Monk
 async def test_a_failing_demotion_frees_the_source_and_the_store_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     kv = caches()
     bb = 2 * 4 * 8 * 4
-    cfg = {"tiers": [{"backend": "cpu", "capacity": 2 * bb}, {"backend": "cpu", "capacity": 4 * bb}]}
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 2 * bb}, {"backend": "cpu", "capacity": 4 * bb}], "write": "back"}
     async with kvtier.open(cfg, kv_caches=kv) as store:
         assert await store.save([make_key(1), make_key(2)], [0, 1]) == 2
 

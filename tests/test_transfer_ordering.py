@@ -156,6 +156,7 @@ async def test_the_fence_waits_for_the_device_read_only_not_a_stalled_lower_tier
             {"backend": "cpu", "capacity": 2 * bb},
             {"backend": "file", "path": str(tmp_path), "capacity": 64 * bb},
         ],
+        "write": "back",  # the stalled disk is reached by demotion
         "job_deadline_s": None,
     }
     async with kvtier.open(cfg, kv_caches=kv) as store:

@@ -176,7 +176,7 @@ class StoreConfig(BaseModel):
 
     tiers: list[TierConfig] = Field(min_length=1)
     policy: str = "lru"
-    write: Literal["back", "through"] = "back"
+    write: Literal["back", "through"] = "through"
     engine_blocks_per_block: int = Field(default=1, ge=1)
     block_bytes: BlockBytes | None = None
     staging_blocks: int = Field(default=32, ge=1)
@@ -236,7 +236,7 @@ def default_config() -> dict[str, Any]:
             {"backend": "lmdb", "capacity": "32GiB", "path": os.path.join(cache_dir(), "lmdb")},
         ],
         "policy": "lru",
-        "write": "back",
+        "write": "through",
     }
 
 

@@ -77,6 +77,14 @@ class SchedulerConnector:
 
     def __init__(self, manager: TierManager, namespace: Namespace, config: ConnectorConfig) -> None:
         self.manager = manager
+        if config.block_size != namespace.block_size:
+            # Checked here, never in the step: keys are cut every block_size * n tokens, and a
+            # namespace built for another engine block would refuse them mid-request.
+            raise ConnectorError(
+                f"connector.block_size: the engine's blocks hold {config.block_size} tokens but "
+                f"namespace.block_size is {namespace.block_size}; build the Namespace with "
+                f"block_size={config.block_size} (tokens per engine block, whatever engine_blocks_per_block is)"
+            )
         self.namespace = namespace
         self.config = config
         self._n = config.engine_blocks_per_block

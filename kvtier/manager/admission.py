@@ -35,6 +35,18 @@ class Admission:
         while len(seen) > self._cap:
             seen.popitem(last=False)
 
+    def unnote(self, keys: Iterable[bytes]) -> None:
+        """Take back one use of each key (a partial store that did not cover them after all)."""
+        if not self.enabled:
+            return
+        seen = self._seen
+        for key in keys:
+            n = seen.get(key, 0)
+            if n > 1:
+                seen[key] = n - 1
+            elif n:
+                del seen[key]
+
     def admitted(self, tier: int, keys: list[bytes]) -> list[bytes]:
         """The keys of ``keys`` that ``tier`` accepts, in order."""
         need = self._need[tier]

@@ -76,11 +76,24 @@ class PlanBuilder:
     so a caller that gets ``False`` for the first tier simply drops the builder.
     """
 
-    __slots__ = ("admission", "demoted", "demotions", "drops", "events", "keys", "protected", "through", "tiers", "write_back")
+    __slots__ = (
+        "admission", "demoted", "demotions", "drops", "events", "keys", "protected", "protected_below", "through", "tiers", "write_back"
+    )
 
-    def __init__(self, tiers: Sequence[TierState], protected: AbstractSet[bytes], *, write_back: bool, admission: Admission) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[TierState],
+        protected: AbstractSet[bytes],
+        *,
+        write_back: bool,
+        admission: Admission,
+        keep_below: AbstractSet[bytes] = frozenset(),
+    ) -> None:
         self.tiers = tiers
         self.protected = protected
+        #: what lower tiers never evict: the batch, and ``keep_below`` (keys that may leave the
+        #: first tier, but must stay stored: earlier runs of a save larger than the first tier)
+        self.protected_below = protected | keep_below if keep_below else protected
         self.write_back = write_back and len(tiers) > 1
         self.admission = admission
         self.keys: list[bytes] = []  # reserved in the first tier: the plan's own keys
@@ -99,7 +112,7 @@ class PlanBuilder:
             return True
         if nbytes > t.capacity:
             return False
-        victims = t.evict(over, self.protected)
+        victims = t.evict(over, self.protected if tier == 0 else self.protected_below)
         if victims is None:
             return False
         # Every victim leaves this tier now; routers that track tiers must hear of it.
@@ -235,11 +248,22 @@ class PlanBook:
         return len(self._plans)
 
     def prepare(
-        self, plan_id: int, keys: Sequence[bytes], protected: AbstractSet[bytes], new: list[bytes], sources: dict[bytes, int] | None = None
+        self,
+        plan_id: int,
+        keys: Sequence[bytes],
+        protected: AbstractSet[bytes],
+        new: list[bytes],
+        sources: dict[bytes, int] | None = None,
+        *,
+        partial: bool = False,
+        keep_below: AbstractSet[bytes] = frozenset(),
     ) -> StorePlan | None:
         """Make room for ``new`` (keys of ``keys``) in the first tier, reserve, and open the plan;
         ``None`` and no change when the first tier cannot make room. ``sources`` marks a
-        promotion (no write-through copies). Keys of ``protected`` are never evicted."""
+        promotion (no write-through copies). Keys of ``protected`` are never evicted. With
+        ``partial``, a first tier without room for all of ``new`` takes the leading run of it
+        that fits (``None`` only when not one block fits). Keys of ``keep_below`` may be moved
+        out of the first tier but are never evicted from a lower one."""
         skipped: tuple[bytes, ...] = ()
         if len(new) != len(protected):
             fresh = set(new)
@@ -247,9 +271,17 @@ class PlanBook:
         if not new:
             return StorePlan(plan_id, (), (), skipped=skipped)
         tiers = self._tiers
-        builder = PlanBuilder(tiers, protected, write_back=self._write_back, admission=self._admission)
+        # Write-through plans demote too: a victim without a copy below (its write-through was
+        # deferred, refused or failed) falls back to write-back; one with a copy is dropped.
+        builder = PlanBuilder(tiers, protected, write_back=True, admission=self._admission, keep_below=keep_below)
         if not builder.make_room(0, tiers[0].block * len(new)):
-            return None
+            fit = min(len(new) - 1, tiers[0].blocks_that_fit(protected)) if partial else 0
+            # blocks_that_fit is exact for fixed-size tiers; a variable-size one may free less.
+            while fit > 0 and not builder.make_room(0, tiers[0].block * fit):
+                fit -= 1
+            if fit <= 0:
+                return None
+            new = new[:fit]
         builder.reserve(0, new)
         if sources is None and not self._write_back:
             for ti, t in enumerate(tiers[1:], start=1):

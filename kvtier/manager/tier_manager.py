@@ -75,6 +75,7 @@ _COUNTERS = (
     "store_prepared",
     "store_skipped",
     "store_rejected",
+    "store_partial",
     "store_completed",
     "store_failed",
     "load_prepared",
@@ -261,8 +262,18 @@ class TierManager:
         return hits
 
     # -- store -----------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
-        """Reserve room in the first tier for the keys not yet present; see the module doc."""
+    def prepare_store(
+        self, keys: Sequence[bytes], *, partial: bool = False, keep_below: Iterable[bytes] = ()
+    ) -> StorePlan | None:
+        """Reserve room in the first tier for the keys not yet present; see the module doc.
+
+        ``partial=True`` gives up atomicity for a batch larger than the first tier can take:
+        the plan then covers the leading run of the new keys that fits (in the order given), and
+        ``None`` comes only when not one fits. The keys left out are neither reserved nor
+        counted as seen; the caller stores them with a later call once the plan's keys are
+        ready, naming the keys stored by the earlier calls in ``keep_below``: the plan may move
+        those out of the first tier (demoted, or dropped where a lower tier has their copy) but
+        never evicts them from a lower tier, so the batch's head is not cut for its tail."""
         if self._closed:
             raise _closed()
         _check(keys)
@@ -273,11 +284,16 @@ class TierManager:
                 new = [key for key in new if key not in index]
             self._admission.note(batch)
             self._counts["store_skipped"] += len(batch) - len(new)
-            plan = self._plans.prepare(next(self._plan_ids), keys, batch, new)
+            keep = frozenset(keep_below)
+            plan = self._plans.prepare(next(self._plan_ids), keys, batch, new, partial=partial, keep_below=keep)
             if plan is None:
                 self._counts["store_rejected"] += 1
             else:
                 self._counts["store_prepared"] += len(plan.keys)
+                if len(plan.keys) + len(plan.skipped) < len(batch):
+                    covered = {*plan.keys, *plan.skipped}
+                    self._admission.unnote(key for key in batch if key not in covered)
+                    self._counts["store_partial"] += 1
             return plan
 
     def prepare_promote(self, keys: Sequence[bytes]) -> StorePlan | None:

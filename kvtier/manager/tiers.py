@@ -148,6 +148,20 @@ class TierState:
         if self.persistent:
             self.stamps.update(dict.fromkeys(keys, now))
 
+    def blocks_that_fit(self, protected: AbstractSet[bytes]) -> int:
+        """How many blocks ``evict`` and the free room could make space for, never evicting a
+        pinned key nor one of ``protected``: the room free plus every ready key's bytes that
+        may go. Costs the batch and the pins, never a walk of the index."""
+        index, pins = self.index, self.pins
+        kept = pins.keys() | {key for key in protected if index.get(key)}
+        if self.variable:
+            sizes = self.sizes
+            ready_bytes = self.used - self.pending * self.block  # pending entries count one block each
+            movable = ready_bytes - sum(sizes.get(key, 0) for key in kept)
+        else:
+            movable = (len(index) - self.pending - len(kept)) * self.block
+        return max(0, (self.free() + movable) // self.block)
+
     def evict(self, nbytes: int, protected: AbstractSet[bytes]) -> list[bytes] | None:
         """Remove ready, unpinned keys not in ``protected`` that free at least ``nbytes``, in
         the policy's order; ``None`` and no change (the policy's order included) if impossible."""

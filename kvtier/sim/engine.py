@@ -697,7 +697,7 @@ def sim_namespace(config: SimConfig, kv_layout: str) -> Namespace:
         revision=_SIM_REVISION,
         dtype="bfloat16",
         kv_layout=kv_layout,
-        block_size=config.block_size * config.engine_blocks_per_block,
+        block_size=config.block_size,  # tokens per engine block; the layout carries engine_blocks_per_block
     )
 
 

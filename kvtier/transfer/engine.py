@@ -14,7 +14,11 @@ A store job has two phases (see :class:`kvtier.transfer.jobs.Phase`), each on it
    ``max_staged_bytes``; past it the job fails at once, counted in ``staging_full``);
 2. the *tier writes*, on ``kvtier-store-tiers``: evictions, write-back demotions, the write of
    staged blocks into the first tier, and write-through copies to byte tiers. Jobs pass both
-   threads in submission order, so plans run in the order the manager built them.
+   threads in submission order, so plans run in the order the manager built them. When more
+   than ``write_through_backlog`` jobs wait for this thread, a job's write-through copies to
+   byte tiers are skipped and reported failed for those tiers (``write_through_deferred``
+   counts the blocks): the manager keeps them in the first tier only, and demotes them when
+   it evicts them (write-back), so a slow disk sheds copies instead of delaying every store.
 
 ``wait_device(job_ids)`` is the fence before the engine reuses blocks: it returns once those
 jobs no longer read engine blocks, whatever their tier writes are doing. ``wait(job_ids)``
@@ -75,6 +79,7 @@ class TransferEngine:
         max_queued_jobs: int = 4096,
         deadline_s: float | None = None,
         max_staged_bytes: int | None = None,
+        write_through_backlog: int = 4,
     ) -> None:
         if staging_blocks < 1:
             raise LayoutError(f"staging_blocks: expected >= 1, got {staging_blocks}")
@@ -83,6 +88,11 @@ class TransferEngine:
         self.layout = layout
         self.backends = list(backends)
         self.deadline_s = deadline_s
+        #: Store jobs waiting for the tiers thread past which write-through copies to byte
+        #: tiers are skipped (counted in ``write_through_deferred``): those blocks fall back to
+        #: write-back demotion when the first tier evicts them, so a slow disk never backs up
+        #: the stores behind it.
+        self.write_through_backlog = write_through_backlog
         self._cuda = layout.device.type == "cuda"
         self._staging_blocks = staging_blocks
         self._max_queued = max_queued_jobs
@@ -117,6 +127,7 @@ class TransferEngine:
             "cancelled_jobs": 0,
             "expired_jobs": 0,
             "read_errors": 0,  # a tier's read_blocks raised in a load: its keys were misses
+            "write_through_deferred": 0,
         }
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)
