@@ -139,6 +139,7 @@ def __getattr__(name: str) -> Any:
         "KvtierOffloadingWorker",
         "KvtierStoreSpec",
         "KvtierLoadSpec",
+        "KvtierWorkerMetadata",
     ):
         with _CLASSES_LOCK:
             if _CLASSES is None:

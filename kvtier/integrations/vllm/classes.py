@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -13,26 +14,43 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations._sync import run_sync
 from kvtier.integrations.vllm.engines import (
-    _ENGINES,
-    _ENGINES_LOCK,
     MODULE_PATH,
     _check_supported,
     _Engine,
     _namespace,
     _page_views,
+    _register,
+    _SchedulerEngine,
     _store_config,
+    _unregister,
+    rank_tiers,
 )
+from kvtier.integrations.vllm.ranks import RankTiers, build_manager, describe_rank
 from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
 from kvtier.integrations.vllm.worker_side import _WorkerSide
 from kvtier.keys import fold_block_hashes
-from kvtier.manager import LoadPlan, StorePlan, TierManager
+from kvtier.manager import LoadPlan, StorePlan
 from kvtier.store import KVStore
+from kvtier.transfer import JobResult
 
 log = logging.getLogger("kvtier.vllm")
 _T = TypeVar("_T")
 
 
+#: set by KvtierConnector in the extra config: the spec may rely on its channels
+_CHANNELS_KEY = "kvtier_connector_channels"
+
+
+def _public(cls: type) -> type:
+    """Name a class built here as an attribute of the package, so that pickle (vLLM's
+    transport between processes) finds it there; the package's ``__getattr__`` builds it."""
+    cls.__module__ = MODULE_PATH
+    cls.__qualname__ = cls.__name__
+    return cls
+
+
 def build_classes() -> dict[str, type]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.kv_offload.base import (
         GPULoadStoreSpec,
@@ -48,6 +66,7 @@ def build_classes() -> dict[str, type]:
         TransferResult,
     )
 
+    @_public
     class KvtierStoreSpec(LoadStoreSpec):
         """Where a store goes: a kvtier store plan (drops, demotions, new keys)."""
 
@@ -57,6 +76,7 @@ def build_classes() -> dict[str, type]:
         def __repr__(self) -> str:
             return f"KvtierStoreSpec(plan={self.plan.plan_id}, keys={len(self.plan.keys)})"
 
+    @_public
     class KvtierLoadSpec(LoadStoreSpec):
         """Where a load comes from: a kvtier load plan (the tier of each key)."""
 
@@ -67,30 +87,80 @@ def build_classes() -> dict[str, type]:
         def __repr__(self) -> str:
             return f"KvtierLoadSpec(load={self.load_id}, keys={len(self.plan.keys)})"
 
-    class KvtierOffloadingManager(OffloadingManager):
-        """vLLM's OffloadingManager over the engine's kvtier :class:`TierManager`."""
+    @_public
+    @dataclass
+    class KvtierWorkerMetadata(OffloadingWorkerMetadata):
+        """vLLM's worker metadata plus each rank's kvtier results: (rank, kind, id, JobResult)."""
 
-        def __init__(self, engine: _Engine) -> None:
+        kvtier_results: list[tuple[int, str, int, JobResult]] = field(default_factory=list)
+
+        def aggregate(self, other: Any) -> Any:
+            merged = super().aggregate(other)
+            return KvtierWorkerMetadata(
+                completed_jobs=merged.completed_jobs,
+                transfer_stats=merged.transfer_stats,
+                kvtier_results=[*self.kvtier_results, *getattr(other, "kvtier_results", ())],
+            )
+
+    class KvtierOffloadingManager(OffloadingManager):
+        """vLLM's OffloadingManager over kvtier's :class:`TierManager`, in the scheduler's process.
+
+        The manager is built when every worker rank has described its tiers
+        (:meth:`adopt_ranks`, before vLLM's first step); until then every lookup misses and
+        nothing is stored."""
+
+        def __init__(self, engine: _SchedulerEngine, spec: Any, store_cfg: Any, overrides: Mapping[str, Any]) -> None:
             self._engine = engine
-            store = engine.store
-            assert store.manager is not None
-            self._mgr: TierManager = store.manager
-            self._ns = store.namespace
+            self._spec = spec
+            self._store_cfg = store_cfg
+            self._overrides = dict(overrides)
+            self._side: _SchedulerSide | None = None
+            self._ns: Any = None
             self._key_cache: OrderedDict[bytes, bytes] = OrderedDict()  # offload key -> kvtier key
             self._offload_key: OrderedDict[bytes, bytes] = OrderedDict()  # kvtier key -> offload key
+            self._cap = 1024
+            self._media: list[Any] = []
+            self._tier_index: dict[str, int] = {}
+
+        def adopt_ranks(self, ranks: Mapping[int, RankTiers]) -> None:
+            """Build the manager from what every rank opened (see :mod:`.ranks`)."""
+            manager, orphans, adopted = build_manager(ranks, self._store_cfg)
+            rank0 = ranks[0]
+            self._ns = _namespace(self._spec.config, self._spec.tokens_per_block[0], rank0.layout, self._overrides)
+            side = _SchedulerSide(self._engine, manager)
+            for tier, keys in orphans.items():
+                side.ledger.remember(tier, keys)
+            engine = self._engine
+            engine.manager, engine.namespace = manager, self._ns
+            engine.memory_tiers = tuple(t.memory for t in rank0.tiers)
+            engine.counters["blocks_adopted"] = adopted
+            self._media = [Medium.CPU if memory else Medium.STORAGE for memory in engine.memory_tiers]
+            self._tier_index = {manager.tier_spec(i).name: i for i in range(manager.num_tiers)}
             self._cap = max(
                 1024,
                 4
                 * sum(
-                    self._mgr.tier_spec(i).capacity_bytes // self._mgr.tier_spec(i).block_reserve
-                    for i in range(self._mgr.num_tiers)
+                    manager.tier_spec(i).capacity_bytes // manager.tier_spec(i).block_reserve
+                    for i in range(manager.num_tiers)
                 ),
             )
-            self._side = _SchedulerSide(engine)
-            self._media = [
-                Medium.CPU if store.backends[i].is_memory else Medium.STORAGE for i in range(self._mgr.num_tiers)
-            ]
-            self._tier_index = {self._mgr.tier_spec(i).name: i for i in range(self._mgr.num_tiers)}
+            self._key_cache.clear()
+            self._side = side
+            log.info(
+                "kvtier: scheduler side of engine %s over %d ranks: %d blocks adopted, %d orphan records to delete",
+                engine.engine_id,
+                len(ranks),
+                adopted,
+                sum(len(k) for k in orphans.values()),
+            )
+
+        def receive(self, results: Collection[tuple[int, str, int, JobResult]]) -> None:
+            if self._side is not None:
+                for rank, kind, plan_id, result in results:
+                    self._side.receive(rank, kind, plan_id, result)
+
+        def take_deletes(self) -> Any:
+            return self._side.take_deletes() if self._side is not None else ()
 
         # keys
         def _k(self, key: bytes) -> bytes:
@@ -111,13 +181,15 @@ def build_classes() -> dict[str, type]:
 
         # lifecycle
         def lookup(self, key: Any, req_context: Any) -> Any:
-            if self._mgr.lookup([self._k(key)]) == 1:
+            mgr = self._engine.manager
+            if mgr is not None and mgr.lookup([self._k(key)]) == 1:
                 self._engine.counters["lookup_hits"] += 1
                 return LookupResult.HIT
             self._engine.counters["lookup_misses"] += 1
             return LookupResult.MISS
 
         def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
+            assert self._side is not None  # vLLM loads only what a lookup found
             keys = list(keys)
             kkeys = [self._k(k) for k in keys]
             load_id, plan = self._side.prepare_load(kkeys)
@@ -125,12 +197,16 @@ def build_classes() -> dict[str, type]:
             return KvtierLoadSpec(load_id, plan)
 
         def touch(self, keys: Collection[Any], req_context: Any) -> None:
-            self._mgr.touch([self._k(k) for k in keys])
+            if self._engine.manager is not None:
+                self._engine.manager.touch([self._k(k) for k in keys])
 
         def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
-            self._side.complete_load([self._k(k) for k in keys])
+            if self._side is not None:
+                self._side.complete_load([self._k(k) for k in keys])
 
         def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
+            if self._side is None:
+                return None
             keys = list(keys)
             kkeys = [self._k(k) for k in keys]
             plan = self._side.prepare_store(kkeys)
@@ -142,30 +218,36 @@ def build_classes() -> dict[str, type]:
             return PrepareStoreOutput(keys_to_store=chosen, store_spec=KvtierStoreSpec(plan), evicted_keys=[])
 
         def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
-            self._side.complete_store([self._k(k) for k in keys], success)
+            if self._side is not None:
+                self._side.complete_store([self._k(k) for k in keys], success)
 
         def on_new_request(self, req_context: Any) -> Any:
             return RequestOffloadingContext()
 
         def take_events(self) -> Any:
-            for event in self._mgr.take_events():
+            mgr = self._engine.manager
+            if mgr is None:
+                return
+            for event in mgr.take_events():
                 vkey = self._offload_key.get(event.key)
                 if vkey is None:
                     continue  # adopted from a persistent tier: vLLM never named it in this process
-                if event.kind == "removed" and self._mgr.status(event.key).tier is None:
+                if event.kind == "removed" and mgr.status(event.key).tier is None:
                     self._offload_key.pop(event.key, None)
                 medium = self._media[self._tier_index.get(event.tier, 0)]
                 yield OffloadingEvent(keys=[vkey], medium=medium, removed=event.kind == "removed")
 
         def shutdown(self) -> None:
-            return
+            _unregister(self._engine)
 
     class KvtierOffloadingWorker(OffloadingWorker):
-        """Executes kvtier plans between vLLM's paged KV cache and the tiers."""
+        """Executes kvtier plans between this rank's paged KV cache and its own tiers."""
 
-        def __init__(self, engine: _Engine) -> None:
+        def __init__(self, engine: _Engine, description: RankTiers) -> None:
             self._engine = engine
             self._side = _WorkerSide(engine)
+            #: what this rank opened; vLLM hands it to the scheduler side (handshake metadata)
+            self.description = description
 
         def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
             if not (isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, KvtierStoreSpec)):
@@ -187,6 +269,13 @@ def build_classes() -> dict[str, type]:
                 for job_id, success, nbytes, seconds in self._side.finished()
             ]
 
+        def take_results(self) -> list[tuple[int, str, int, JobResult]]:
+            rank = self._engine.rank
+            return [(rank, kind, plan_id, result) for kind, plan_id, result in self._side.take_outbox()]
+
+        def submit_deletes(self, deletes: Any) -> None:
+            self._side.submit_deletes(deletes)
+
         def take_failed_block_ids(self) -> set[int]:
             return self._side.take_failed_block_ids()
 
@@ -194,9 +283,7 @@ def build_classes() -> dict[str, type]:
             self._side.wait(job_ids)
 
         def shutdown(self) -> None:
-            with _ENGINES_LOCK:
-                if _ENGINES.get(self._engine.engine_id) is self._engine:
-                    del _ENGINES[self._engine.engine_id]
+            _unregister(self._engine)
             run_sync(self._engine.store.aclose())
 
     class KvtierOffloadingSpec(OffloadingSpec):
@@ -205,72 +292,139 @@ def build_classes() -> dict[str, type]:
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             _check_supported(config, self.blocks_per_chunk)
-            self._store_cfg = _store_config(self.extra_config)
+            if not self.extra_config.get(_CHANNELS_KEY):
+                raise ConfigError(
+                    "kvtier needs its own connector: set kv_connector 'KvtierConnector' with kv_connector_module_path "
+                    f"{MODULE_PATH!r} (kv_transfer_config() does); vLLM's stock OffloadingConnector has no channel for "
+                    "each worker's job results, which kvtier's scheduler side needs"
+                )
+            cfg_dict = dict(_store_config(self.extra_config))
+            self._overrides = dict(cfg_dict.pop("namespace", None) or {})
+            cfg_dict["engine_blocks_per_block"] = 1
+            cfg_dict.pop("block_bytes", None)
+            self._store_dict = cfg_dict
 
         def get_manager(self) -> Any:
-            with _ENGINES_LOCK:
-                engine = _ENGINES.get(self.config.engine_id)
-            if engine is None:
-                raise ConfigError(
-                    "kvtier: the scheduler side found no kvtier worker for engine "
-                    f"{self.config.engine_id!r} in this process; kvtier's vLLM integration needs the scheduler "
-                    "and the worker in one process (one device, vLLM's 'uni' executor)"
-                )
-            return KvtierOffloadingManager(engine)
+            parallel = self.config.parallel
+            # One block's size is only known on the workers; 1 passes the config's checks here.
+            store_cfg = load_config(
+                rank_tiers(self._store_dict, 0, parallel.world_size),
+                source="kv_connector_extra_config.kvtier",
+                block_bytes=1,
+            )
+            engine = _SchedulerEngine(self.config.engine_id, parallel.world_size)
+            _register(engine)
+            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides)
 
         def get_worker(self, kv_caches: Any) -> Any:
             if len(kv_caches.group_data_refs) != 1:
                 raise ConfigError(
                     f"kvtier's vLLM integration supports one offloaded KV-cache group; got {len(kv_caches.group_data_refs)}"
                 )
+            parallel = self.config.parallel
+            rank, world = int(parallel.rank), int(parallel.world_size)
             views = _page_views(kv_caches, str(self.config.model.dtype))
-            cfg_dict = dict(self._store_cfg)
-            overrides = dict(cfg_dict.pop("namespace", None) or {})
-            cfg_dict["engine_blocks_per_block"] = 1
-            cfg_dict.pop("block_bytes", None)
             from kvtier.transfer.layout import KVLayout
 
             layout = KVLayout(views)
-            namespace = _namespace(self.config, self.tokens_per_block[0], layout.fingerprint(), overrides)
-            cfg = load_config(cfg_dict, source="kv_connector_extra_config.kvtier", block_bytes=layout.block_bytes)
+            fingerprint = layout.fingerprint()
+            namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=rank)
+            cfg = load_config(
+                rank_tiers(self._store_dict, rank, world),
+                source="kv_connector_extra_config.kvtier",
+                block_bytes=layout.block_bytes,
+            )
             store = run_sync(KVStore(cfg, kv_caches=views, namespace=namespace).start())
-            engine = _Engine(self.config.engine_id, store)
-            assert store.manager is not None
-            engine.counters["blocks_adopted"] = sum(t["ready"] for t in store.manager.stats()["tiers"])
-            with _ENGINES_LOCK:
-                _ENGINES[self.config.engine_id] = engine
+            engine = _Engine(self.config.engine_id, store, rank=rank)
+            description = describe_rank(self.config.engine_id, rank, world, store, fingerprint)
+            _register(engine)
             log.info(
-                "kvtier: %d tiers under vLLM engine %s, %d-byte blocks, %d ready blocks adopted",
+                "kvtier: rank %d of %d: %d tiers under vLLM engine %s, %d-byte blocks, %d records found",
+                rank,
+                world,
                 len(store.backends),
                 self.config.engine_id,
                 layout.block_bytes,
-                engine.counters["blocks_adopted"],
+                sum(len(t.records) for t in description.tiers),
             )
-            return KvtierOffloadingWorker(engine)
+            return KvtierOffloadingWorker(engine, description)
 
     class KvtierConnector(OffloadingConnector):
-        """vLLM's OffloadingConnector with kvtier's spec, reporting failed loads to vLLM."""
+        """vLLM's OffloadingConnector with kvtier's spec. Over vLLM's own channels it carries
+        what kvtier's two sides tell each other: each rank's tiers (handshake metadata, at
+        start), each rank's job results (worker metadata) and the deletes the workers owe
+        (connector metadata); and it reports blocks whose load failed to vLLM."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
             extra.setdefault("spec_name", "KvtierOffloadingSpec")
             extra.setdefault("spec_module_path", MODULE_PATH)
+            extra[_CHANNELS_KEY] = True
             super().__init__(vllm_config, role, kv_cache_config)
-
-        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-            super().register_kv_caches(kv_caches)
-            worker = self._kvtier_worker()
-            if worker is not None:
-                worker._engine.reports_load_errors = True
 
         def _kvtier_worker(self) -> Any:
             cw = self.connector_worker
             worker = getattr(cw, "worker", None) if cw is not None else None
             return worker if isinstance(worker, KvtierOffloadingWorker) else None
 
+        def _kvtier_manager(self) -> Any:
+            cs = self.connector_scheduler
+            manager = getattr(cs, "manager", None) if cs is not None else None
+            return manager if isinstance(manager, KvtierOffloadingManager) else None
+
+        # -- worker side ------------------------------------------------------------------
+        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            super().register_kv_caches(kv_caches)
+            worker = self._kvtier_worker()
+            if worker is not None:
+                worker._engine.reports_load_errors = True
+
+        def get_handshake_metadata(self) -> Any:
+            worker = self._kvtier_worker()
+            return worker.description if worker is not None else None
+
+        def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+            worker = self._kvtier_worker()
+            if worker is not None:
+                # Before the stores of earlier steps are submitted (module doc of .scheduler_side).
+                worker.submit_deletes(getattr(kv_connector_metadata, "kvtier_deletes", ()))
+            super().handle_preemptions(kv_connector_metadata)
+
+        def build_connector_worker_meta(self) -> Any:
+            meta = super().build_connector_worker_meta()
+            worker = self._kvtier_worker()
+            results = worker.take_results() if worker is not None else []
+            if not results:
+                return meta
+            base = meta if meta is not None else OffloadingWorkerMetadata()
+            return KvtierWorkerMetadata(
+                completed_jobs=base.completed_jobs, transfer_stats=base.transfer_stats, kvtier_results=results
+            )
+
         def get_block_ids_with_load_errors(self) -> set[int]:
             worker = self._kvtier_worker()
             return worker.take_failed_block_ids() if worker is not None else set()
+
+        # -- scheduler side ---------------------------------------------------------------
+        def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+            manager = self._kvtier_manager()
+            ranks = {r: m for r, m in metadata.items() if isinstance(m, RankTiers)}
+            if manager is not None and ranks:
+                manager.adopt_ranks(ranks)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            manager = self._kvtier_manager()
+            deletes = manager.take_deletes() if manager is not None else ()  # before any store is prepared
+            meta = super().build_connector_meta(scheduler_output)
+            meta.kvtier_deletes = deletes
+            return meta
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            meta = connector_output.kv_connector_worker_meta
+            manager = self._kvtier_manager()
+            if manager is not None and isinstance(meta, KvtierWorkerMetadata):
+                manager.receive(meta.kvtier_results)
+            super().update_connector_output(connector_output)
 
     return {
         "KvtierOffloadingSpec": KvtierOffloadingSpec,
@@ -279,5 +433,6 @@ def build_classes() -> dict[str, type]:
         "KvtierOffloadingWorker": KvtierOffloadingWorker,
         "KvtierStoreSpec": KvtierStoreSpec,
         "KvtierLoadSpec": KvtierLoadSpec,
+        "KvtierWorkerMetadata": KvtierWorkerMetadata,
     }
 

@@ -1,9 +1,12 @@
-"""One kvtier engine under vLLM: the store its worker side builds and its scheduler side uses, and the
-helpers that turn vLLM's offloading config into kvtier's (store config, namespace, page views)."""
+"""One kvtier engine under vLLM: each worker rank's tiers and job outcomes, the scheduler side's
+manager, and the helpers that turn vLLM's offloading config into kvtier's (per-rank store
+config, namespace, page views). The two sides share nothing in memory: they may live in
+different processes (vLLM's default layout), and talk only through vLLM's connector channels."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -15,8 +18,10 @@ import torch
 from kvtier.config import load_config_file
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
+from kvtier.manager import TierManager
 from kvtier.store import KVStore
 from kvtier.transfer import JobResult
+from kvtier.units import parse_size
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -24,63 +29,133 @@ log = logging.getLogger("kvtier.vllm")
 MODULE_PATH = __name__.rpartition(".")[0]
 
 
-@dataclass(eq=False)
-class _Engine:
-    """What the worker side builds and the scheduler side of the same engine uses."""
-
-    engine_id: str
-    store: KVStore
-    #: (plan key, JobResult) pairs the worker has seen finish; drained by the manager's thread.
-    results: deque[tuple[tuple[str, int], JobResult]] = field(default_factory=deque)
-    reports_load_errors: bool = False
-    #: load ids the worker has submitted (a load never submitted can be completed at any time).
-    submitted_loads: set[int] = field(default_factory=set)
-    counters: dict[str, int] = field(
-        default_factory=lambda: {
-            "lookup_hits": 0,
-            "lookup_misses": 0,
-            "blocks_loaded": 0,
-            "blocks_load_failed": 0,
-            "blocks_stored": 0,
-            "blocks_store_failed": 0,
-            "store_rejected": 0,
-            "blocks_adopted": 0,
-            "submit_failed": 0,
-            "complete_load_unmatched": 0,
-        }
+def _counters() -> dict[str, int]:
+    return dict.fromkeys(
+        (
+            "lookup_hits",
+            "lookup_misses",
+            "blocks_loaded",
+            "blocks_load_failed",
+            "blocks_stored",
+            "blocks_store_failed",
+            "store_rejected",
+            "blocks_adopted",
+            "keys_deleted",
+            "submit_failed",
+            "complete_load_unmatched",
+            "results_missing",
+        ),
+        0,
     )
 
 
-_ENGINES: dict[str, _Engine] = {}
+@dataclass(eq=False)
+class _Engine:
+    """One worker rank's side: its own tiers (``store``, for its shard of every block) and the
+    outcomes of its jobs, which travel to the scheduler in the connector's worker metadata."""
+
+    engine_id: str
+    store: KVStore
+    rank: int = 0
+    #: (kind, plan or load id, JobResult) of jobs finished since the last metadata was built.
+    outbox: deque[tuple[str, int, JobResult]] = field(default_factory=deque)
+    reports_load_errors: bool = False
+    counters: dict[str, int] = field(default_factory=_counters)
+
+
+@dataclass(eq=False)
+class _SchedulerEngine:
+    """The scheduler side of one engine: the manager (built once every rank has said which
+    tiers it opened and which records they hold), the key namespace, and counters."""
+
+    engine_id: str
+    world_size: int
+    manager: TierManager | None = None
+    namespace: Namespace | None = None
+    #: per tier: whether it is a memory tier (vLLM's ``Medium`` of its events)
+    memory_tiers: tuple[bool, ...] = ()
+    counters: dict[str, int] = field(default_factory=_counters)
+
+
+#: engines live in this process, by (engine id, side): read by :func:`engine_stats` only.
+_ENGINES: dict[tuple[str, str], _Engine | _SchedulerEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_stats(engine_id: str | None = None) -> dict[str, Any]:
+def _register(engine: _Engine | _SchedulerEngine) -> None:
+    side = "scheduler" if isinstance(engine, _SchedulerEngine) else f"rank{engine.rank}"
+    with _ENGINES_LOCK:
+        _ENGINES[(engine.engine_id, side)] = engine
+
+
+def _unregister(engine: _Engine | _SchedulerEngine) -> None:
+    with _ENGINES_LOCK:
+        for key, value in list(_ENGINES.items()):
+            if value is engine:
+                del _ENGINES[key]
+
+
+def engine_stats(engine_id: str | None = None, worker: Any = None) -> dict[str, Any]:
     """Counters of the kvtier engines live in this process (one engine: its dict; else keyed
-    by engine id). Includes the tier manager's and the transfer engine's counters."""
+    by engine id): the sums of its scheduler side's and its worker ranks' counters, the tier
+    manager's counters and tiers (scheduler side) and the transfer engines' counters (summed
+    over the ranks in this process), and ``ranks``: the worker ranks counted here.
+
+    With vLLM's default process layout the scheduler side lives in the engine-core process and
+    each rank in its own worker process; ``LLM.collective_rpc(engine_stats)`` gathers the
+    workers' (``worker`` is the vLLM worker that ``collective_rpc`` passes; unused)."""
     with _ENGINES_LOCK:
         engines = dict(_ENGINES)
     out: dict[str, Any] = {}
-    for eid, eng in engines.items():
+    for (eid, _side), eng in sorted(engines.items(), key=lambda kv: kv[0]):
         if engine_id is not None and eid != engine_id:
             continue
-        data: dict[str, Any] = dict(eng.counters)
-        mgr = eng.store.manager
-        if mgr is not None:
-            data["manager"] = dict(mgr.counters)
-            data["tiers"] = [
-                {
-                    **{k: t[k] for k in ("name", "blocks", "ready", "pinned", "used_bytes")},
-                    "corrupt_records": backend.counters.corrupt_records,
-                }
-                for t, backend in zip(mgr.stats()["tiers"], eng.store.backends)
-            ]
+        data = out.setdefault(eid, {"ranks": []})
+        for name, value in eng.counters.items():
+            data[name] = data.get(name, 0) + value
+        if isinstance(eng, _SchedulerEngine):
+            mgr = eng.manager
+            if mgr is not None:
+                data["manager"] = dict(mgr.counters)
+                data["tiers"] = [
+                    {k: t[k] for k in ("name", "blocks", "ready", "pinned", "used_bytes")} for t in mgr.stats()["tiers"]
+                ]
+            continue
+        data["ranks"].append(eng.rank)
+        data["corrupt_records"] = data.get("corrupt_records", 0) + sum(
+            b.counters.corrupt_records for b in eng.store.backends
+        )
         if eng.store.transfers is not None:
-            data["transfers"] = dict(eng.store.transfers.counters)
-        out[eid] = data
+            transfers = data.setdefault("transfers", {})
+            for name, value in eng.store.transfers.counters.items():
+                transfers[name] = transfers.get(name, 0) + value
     if engine_id is not None or len(out) != 1:
         return out.get(engine_id, {}) if engine_id is not None else out
     return next(iter(out.values()))
+
+
+def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The store config of worker ``rank`` of ``world_size``: each tier's ``capacity`` divided
+    by ``world_size`` (the config's capacity is the engine's, over all its ranks, so a tier holds
+    as many blocks whatever the TP size), a tier's ``path`` made ``<path>/r<rank>-of-<world>``
+    and a Redis ``prefix`` made ``<prefix>:r<rank>-of-<world>`` (each rank keeps its own
+    records; a process with another world size finds none of them: a miss, never an error)."""
+    out = dict(cfg)
+    tiers = []
+    suffix = f"r{rank}-of-{world_size}"
+    for i, tier in enumerate(cfg.get("tiers") or ()):
+        if not isinstance(tier, Mapping):
+            raise ConfigError(f"kv_connector_extra_config.kvtier.tiers[{i}]: expected a mapping, got {type(tier).__name__}")
+        t = dict(tier)
+        if "capacity" in t:
+            t["capacity"] = max(1, parse_size(t["capacity"], field=f"tiers[{i}].capacity") // world_size)
+        if t.get("path") is not None:
+            t["path"] = os.path.join(str(t["path"]), suffix)
+        if t.get("backend") == "redis":
+            t["prefix"] = f"{t.get('prefix', 'kvtier')}:{suffix}"
+        tiers.append(t)
+    out["tiers"] = tiers
+    return out
 
 
 def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,9 +173,16 @@ def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_supported(config: Any, blocks_per_chunk: int) -> None:
     """Raise ConfigError for the setups this version does not handle (see the module doc)."""
-    if config.parallel.world_size != 1:
+    parallel = config.parallel
+    if parallel.pp_size != 1:
         raise ConfigError(
-            f"kvtier's vLLM integration supports one worker (world_size 1); got world_size {config.parallel.world_size}"
+            f"kvtier's vLLM integration does not support pipeline parallel (pp_size {parallel.pp_size}): the stages "
+            "hold different layers, so a block's bytes differ per rank, and this layout is untested under vLLM"
+        )
+    if parallel.pcp_size != 1 or parallel.dcp_size != 1:
+        raise ConfigError(
+            f"kvtier's vLLM integration does not support context parallel (pcp_size {parallel.pcp_size}, "
+            f"dcp_size {parallel.dcp_size}): a block's tokens are then spread over ranks"
         )
     if len(config.groups) != 1:
         raise ConfigError(f"kvtier's vLLM integration supports one offloaded KV-cache group; got {len(config.groups)}")
@@ -110,13 +192,17 @@ def _check_supported(config: Any, blocks_per_chunk: int) -> None:
         )
 
 
-def _namespace(config: Any, tokens_per_block: int, layout_fingerprint: str, overrides: Mapping[str, Any]) -> Namespace:
+def _namespace(
+    config: Any, tokens_per_block: int, layout_fingerprint: str, overrides: Mapping[str, Any], *, rank: int = 0
+) -> Namespace:
+    """The namespace of kvtier keys (``rank`` 0, the scheduler side's) or of worker ``rank``'s
+    records (what its persistent tiers check at open)."""
     fields: dict[str, Any] = {
         "model_id": str(config.model.name),
         "dtype": str(config.model.dtype),
         "block_size": int(tokens_per_block),
         "kv_layout": f"vllm:{config.kv_cache_layout};{layout_fingerprint}",
-        "tp_rank": 0,
+        "tp_rank": int(rank),
         "tp_size": int(config.parallel.tp_size),
         "pp_size": int(config.parallel.pp_size),
         "config_fingerprint": "vllm-offload-key",

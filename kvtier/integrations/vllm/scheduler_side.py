@@ -1,4 +1,15 @@
-"""The bookkeeping of vLLM's ``OffloadingManager`` side, without vLLM: plans handed out and their results."""
+"""The bookkeeping of vLLM's ``OffloadingManager`` side, without vLLM: plans handed out, the
+results every rank reports for them, and the deletes the workers owe.
+
+vLLM's scheduler calls ``complete_store`` / ``complete_load`` once every worker has reported a
+job (it counts them); kvtier's results of that job, one per rank, arrive just before, in the
+same worker metadata (:meth:`_SchedulerSide.receive`). A job is applied to the manager with the
+ranks' results combined (:func:`~kvtier.transfer.jobs.combine_results`: a key that failed on
+any rank failed), through :func:`~kvtier.transfer.jobs.apply_result`, the one place that does
+so. A rank whose result is missing counts as failed. The copies that ranks may hold of keys the
+manager then released go to the :class:`~kvtier.connector.DeleteLedger`, whose deletes travel
+to every worker with the next step's metadata (:meth:`_SchedulerSide.take_deletes`).
+"""
 
 from __future__ import annotations
 
@@ -7,37 +18,54 @@ import logging
 from collections import OrderedDict
 from collections.abc import Collection
 
-from kvtier.integrations.vllm.engines import _Engine
+from kvtier.connector.ledger import DeleteLedger, Deletes
+from kvtier.integrations.vllm.engines import _SchedulerEngine
 from kvtier.manager import LoadPlan, StorePlan, TierManager
-from kvtier.transfer import JobResult
+from kvtier.transfer.jobs import JobResult, apply_result, combine_results
 
 log = logging.getLogger("kvtier.vllm")
 
+PlanKey = tuple[str, int]  # ("store", plan id) or ("load", load id)
+
 
 class _SchedulerSide:
-    """Plans handed out by vLLM's ``OffloadingManager`` and their results, by id.
+    """Plans handed out by vLLM's ``OffloadingManager`` and their per-rank results, by id."""
 
-    Finished jobs are applied to the manager through :func:`kvtier.transfer.jobs.apply_result` (via the
-    store's ``finish_store`` / ``finish_load``), the one place that does so."""
-
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: _SchedulerEngine, manager: TierManager) -> None:
         self._engine = engine
-        assert engine.store.manager is not None
-        self._mgr: TierManager = engine.store.manager
+        self._mgr = manager
+        self._world = engine.world_size
         self._store_plans: dict[int, StorePlan] = {}
         self._plan_of: dict[bytes, int] = {}
         self._loads: dict[int, LoadPlan] = {}
         self._load_ids = itertools.count(1)
-        self._results: dict[tuple[str, int], JobResult] = {}
-        self._finished_loads: OrderedDict[int, None] = OrderedDict()  # load ids with a result, in order
+        self._results: dict[PlanKey, dict[int, JobResult]] = {}
+        self._finished_loads: OrderedDict[int, None] = OrderedDict()  # load ids every rank finished, in order
+        self.ledger = DeleteLedger()
 
-    def drain(self) -> None:
-        results = self._engine.results
-        while results:
-            plan_key, result = results.popleft()
-            self._results[plan_key] = result
-            if plan_key[0] == "load":
-                self._finished_loads[plan_key[1]] = None
+    def receive(self, rank: int, kind: str, plan_id: int, result: JobResult) -> None:
+        """Rank ``rank``'s result of one job (a duplicate replaces the earlier one)."""
+        key = (kind, plan_id)
+        if plan_id not in (self._store_plans if kind == "store" else self._loads):
+            return  # a plan this side no longer tracks (settled after a missing result)
+        per_rank = self._results.setdefault(key, {})
+        per_rank[rank] = result
+        if kind == "load" and len(per_rank) == self._world:
+            self._finished_loads[plan_id] = None
+
+    def take_deletes(self) -> Deletes:
+        """The deletes every worker runs before this step's stores (see the module doc)."""
+        return self.ledger.take(self._mgr)
+
+    def _combined(self, key: PlanKey, keys: tuple[bytes, ...]) -> JobResult:
+        per_rank = self._results.pop(key, {})
+        missing = [r for r in range(self._world) if r not in per_rank]
+        results = [per_rank[r] for r in sorted(per_rank)]
+        if missing:
+            self._engine.counters["results_missing"] += 1
+            log.warning("kvtier: %s job %d: no result from rank(s) %s; counted as failed", key[0], key[1], missing)
+            results.append(JobResult(0, key[0], False, keys, error=f"no result from rank(s) {missing}"))  # type: ignore[arg-type]
+        return results[0] if len(results) == 1 else combine_results(results)
 
     def prepare_load(self, kkeys: list[bytes]) -> tuple[int, LoadPlan]:
         plan = self._mgr.prepare_load(kkeys)
@@ -46,28 +74,26 @@ class _SchedulerSide:
         return load_id, plan
 
     def complete_load(self, kkeys: Collection[bytes]) -> None:
-        """Settle the load of ``kkeys`` whose job has finished (the earliest such load id).
+        """Settle the load of ``kkeys`` that every rank has finished (the earliest such).
 
-        vLLM names a load by its keys only. Only a load whose job has finished, or that was
-        never submitted, is settled: unpinning a load still in flight would let its source be
-        evicted while it is read."""
-        self.drain()
+        vLLM names a load by its keys only. Only a load every rank has reported is settled:
+        unpinning a load still in flight would let its source be evicted while it is read."""
         wanted = set(kkeys)
         load_id = next((i for i in self._finished_loads if set(self._loads[i].keys) == wanted), None)
         if load_id is None:
-            submitted = self._engine.submitted_loads
-            load_id = next((i for i, p in self._loads.items() if i not in submitted and set(p.keys) == wanted), None)
-        if load_id is None:
             self._engine.counters["complete_load_unmatched"] += 1
-            log.warning("complete_load: no finished load of these %d keys; ignored", len(wanted))
+            log.warning("complete_load: no load of these %d keys finished on every rank; ignored", len(wanted))
             return
-        self._finished_loads.pop(load_id, None)
-        self._engine.submitted_loads.discard(load_id)
+        del self._finished_loads[load_id]
         plan = self._loads.pop(load_id)
-        result = self._results.pop(("load", load_id), None)
-        if result is None:  # never submitted: nothing was read, unpin
-            result = JobResult(0, "load", False, plan.keys, error="the load was never submitted")
-        self._engine.store.finish_load(plan, result)
+        result = self._combined(("load", load_id), plan.keys)
+        applied = apply_result(self._mgr, plan, result)
+        if self._world > 1:
+            # A key one rank found missing or corrupt is forgotten; the other ranks' copies go.
+            for key, tier in applied.removed:
+                self.ledger.remember(tier, [key])
+            if applied.failed_promotions:
+                self.ledger.remember(0, applied.failed_promotions)
 
     def prepare_store(self, kkeys: list[bytes]) -> StorePlan | None:
         plan = self._mgr.prepare_store(kkeys)
@@ -80,8 +106,7 @@ class _SchedulerSide:
                 self._plan_of[k] = plan.plan_id
         return plan
 
-    def complete_store(self, kkeys: Collection[bytes], success: bool) -> None:
-        self.drain()
+    def complete_store(self, kkeys: Collection[bytes], success: bool = True) -> None:
         plan_ids = {self._plan_of.get(k) for k in kkeys}
         for plan_id in plan_ids:
             if plan_id is None:
@@ -89,11 +114,11 @@ class _SchedulerSide:
             plan = self._store_plans.pop(plan_id)
             for k in plan.keys:
                 self._plan_of.pop(k, None)
-            result = self._results.pop(("store", plan_id), None)
-            if result is None:
-                result = JobResult(0, "store", success, plan.keys, error=None if success else "failed in vLLM")
-            stored = self._engine.store.finish_store(plan, result)
-            self._engine.counters["blocks_stored"] += stored
-            self._engine.counters["blocks_store_failed"] += len(plan.keys) - stored
-
-
+            result = self._combined(("store", plan_id), plan.keys)
+            if not success:
+                result = JobResult(result.job_id, "store", False, plan.keys, error="failed in vLLM")
+            applied = apply_result(self._mgr, plan, result)
+            if self._world > 1 and (not applied.ok or any(result.failed.values())):
+                self.ledger.remember_plan(plan)  # some rank may hold what the manager released
+            self._engine.counters["blocks_stored"] += applied.done
+            self._engine.counters["blocks_store_failed"] += applied.lost

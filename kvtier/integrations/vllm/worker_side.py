@@ -1,4 +1,9 @@
-"""The bookkeeping of vLLM's ``OffloadingWorker`` side, without vLLM: submitting plans and reporting jobs."""
+"""The bookkeeping of vLLM's ``OffloadingWorker`` side, without vLLM: submitting plans, reporting
+jobs, and running the deletes the scheduler side ships.
+
+Every finished job leaves its :class:`~kvtier.transfer.JobResult` in the rank's outbox; the
+connector sends the outbox to the scheduler side in the same worker metadata as vLLM's count of
+finished jobs, so the scheduler side has every rank's result when vLLM settles the job."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
+from kvtier.connector.ledger import Deletes
 from kvtier.integrations.vllm.engines import _Engine
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
@@ -47,11 +53,8 @@ class _WorkerSide:
             if isinstance(plan, StorePlan):
                 kid = self._transfers.submit_store(plan, ids)
             else:
-                self._engine.submitted_loads.add(plan_key[1])
                 kid = self._transfers.submit_load(plan, ids)
         except Exception as exc:  # reported as a failed job, never raised into vLLM
-            if plan_key[0] == "load":
-                self._engine.submitted_loads.discard(plan_key[1])
             self._engine.counters["submit_failed"] += 1
             log.warning("kvtier: %s job %d could not be submitted: %s", plan_key[0], job_id, exc)
             kind: Any = plan_key[0]
@@ -86,9 +89,28 @@ class _WorkerSide:
                         # vLLM's stock connector cannot recompute a failed load: fail loudly.
                         success = False
                     log.warning("kvtier: %d of %d blocks of load job %d could not be read", len(bad), len(ids), job_id)
-            self._engine.results.append((plan_key, result))
+            self._engine.outbox.append((plan_key[0], plan_key[1], result))
             out.append((job_id, success, result.nbytes, result.seconds))
         return out
+
+    def take_outbox(self) -> list[tuple[str, int, JobResult]]:
+        """The results of the jobs reported by ``finished`` since the last call."""
+        outbox = self._engine.outbox
+        return [outbox.popleft() for _ in range(len(outbox))]
+
+    def submit_deletes(self, deletes: Deletes) -> int | None:
+        """Delete keys the scheduler side released from this rank's tiers, on the store queue
+        (after the stores submitted so far, before those submitted later: build order).
+        Returns the transfer job id, or None (nothing to delete, or it could not be submitted)."""
+        if not deletes:
+            return None
+        try:
+            kid = self._transfers.submit_store(StorePlan(plan_id=0, keys=(), positions=(), drops=tuple(deletes)), [])
+        except Exception as exc:  # a delete that cannot run leaves an orphan record, never wrong data
+            log.warning("kvtier: delete of %d keys could not be submitted: %s", sum(len(k) for _, k in deletes), exc)
+            return None
+        self._engine.counters["keys_deleted"] += sum(len(k) for _, k in deletes)
+        return kid
 
     def take_failed_block_ids(self) -> set[int]:
         with self._lock:

@@ -1,0 +1,200 @@
+"""The vLLM adapter with several worker ranks, without vLLM: each rank opens its own tiers for
+its own shard, the scheduler side builds one manager from what the ranks describe, and every
+job is settled with every rank's result (as vLLM's channels carry them between processes).
+
+Each rank's KV cache holds different values, so a byte-exact load also proves that every rank
+got its own shard back."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm_world import World, cpu, lmdb, open_world
+
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.engines import rank_tiers
+from kvtier.integrations.vllm.ranks import RankTiers, TierRoom, build_manager
+from kvtier.testing import make_key
+
+K = [make_key(700 + i) for i in range(16)]
+
+
+@pytest.fixture(params=[2, 4])
+async def world(request: Any) -> AsyncIterator[World]:
+    w = await open_world(request.param, [cpu(8, request.param)])
+    yield w
+    await w.close()
+
+
+def test_rank_tiers_divide_capacity_and_keep_records_apart() -> None:
+    cfg = {
+        "tiers": [
+            {"backend": "cpu", "capacity": "4GiB"},
+            {"backend": "lmdb", "path": "/c", "capacity": 1000},
+            {"backend": "redis", "capacity": 1000, "prefix": "p"},
+        ],
+        "write": "through",
+    }
+    r1 = rank_tiers(cfg, 1, 4)
+    assert [t["capacity"] for t in r1["tiers"]] == [1 << 30, 250, 250]
+    assert r1["tiers"][1]["path"] == "/c/r1-of-4" and r1["tiers"][2]["prefix"] == "p:r1-of-4"
+    assert r1["write"] == "through" and cfg["tiers"][1]["path"] == "/c"  # the input is not changed
+    assert rank_tiers(cfg, 0, 1)["tiers"][1]["path"] == "/c/r0-of-1"
+    with pytest.raises(ConfigError, match=r"tiers\[0\]"):
+        rank_tiers({"tiers": ["cpu"]}, 0, 2)
+
+
+async def test_a_store_every_rank_made_is_ready_and_each_rank_loads_its_own_shard(world: World) -> None:
+    world.store(K[:2], [0, 1])
+    assert world.manager.lookup(K[:2]) == 2
+    assert all(world.held(r) == 2 for r in range(world.world))
+    load_id, plan = world.side.prepare_load(K[:2])
+    for w in world.workers:
+        w.submit_load(2, load_id, plan, [6, 7])
+    world.deliver()
+    world.side.complete_load(K[:2])
+    for r in range(world.world):
+        for t in world.caches[r]:
+            assert torch.equal(t[6:8], t[0:2])
+        assert not world.workers[r].take_failed_block_ids()
+    assert sum(t["pinned"] for t in world.manager.stats()["tiers"]) == 0
+
+
+async def test_a_rank_that_never_reports_fails_the_store_and_the_others_copies_go(world: World) -> None:
+    silent = world.world - 1
+    world.store(K[:2], [0, 1], deliver=range(silent))  # vLLM settles the job without that rank's result
+    assert world.manager.lookup(K[:2]) == 0
+    assert world.sched_engine.counters["results_missing"] == 1
+    assert world.held(0) == 2  # rank 0 wrote its copies, which the manager released
+    assert world.run_deletes() == 2
+    assert all(world.held(r) == 0 for r in range(world.world))
+    world.deliver([silent])  # its late result is ignored: the plan is settled
+    assert world.manager.lookup(K[:2]) == 0
+    world.store(K[:2], [0, 1])  # the room is free again on every rank
+    assert world.manager.lookup(K[:2]) == 2
+
+
+async def test_a_rank_whose_write_fails_releases_the_keys_on_every_rank(world: World, monkeypatch: Any) -> None:
+    bad = world.workers[1]._transfers.layout
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected device read failure")
+
+    monkeypatch.setattr(bad, "gather", broken)
+    world.store(K[:3], [0, 1, 2])
+    assert world.manager.lookup(K[:3]) == 0
+    assert world.sched_engine.counters["blocks_store_failed"] == 3
+    assert world.held(0) == 3 and world.held(1) == 0
+    world.run_deletes()
+    assert all(world.held(r) == 0 for r in range(world.world))
+    assert sum(t["pending"] for t in world.manager.stats()["tiers"]) == 0
+
+
+async def test_a_load_missing_on_one_rank_is_recomputed_on_every_rank(tmp_path: Path) -> None:
+    w = await open_world(2, [lmdb(tmp_path)])
+    try:
+        w.store(K[:2], [0, 1])
+        await w.stores[1].backends[0].delete([K[0]])  # rank 1 lost its record of K0
+        load_id, plan = w.side.prepare_load(K[:2])
+        for worker in w.workers:
+            worker.submit_load(2, load_id, plan, [6, 7])
+        w.deliver()
+        # vLLM unions the ranks' failed blocks: block 6 is recomputed on every rank.
+        assert w.workers[1].take_failed_block_ids() == {6} and not w.workers[0].take_failed_block_ids()
+        w.side.complete_load(K[:2])
+        assert w.manager.lookup(K[:2]) == 0 and w.manager.lookup(K[1:2]) == 1
+        assert w.run_deletes() == 1  # rank 0's copy of K0 goes too
+        assert w.held(0) == 1 and w.held(1) == 1
+    finally:
+        await w.close()
+
+
+async def test_a_fresh_world_adopts_the_keys_every_rank_holds_and_deletes_the_orphans(tmp_path: Path) -> None:
+    w = await open_world(2, [lmdb(tmp_path)])
+    w.store(K[:4], [0, 1, 2, 3])
+    await w.stores[1].backends[0].delete([K[3]])  # K3 only on rank 0: an orphan
+    await w.close()
+
+    w = await open_world(2, [lmdb(tmp_path)])
+    try:
+        assert w.adopted == 3 and w.orphans == {0: [K[3]]}
+        assert w.manager.lookup(K[:3]) == 3 and w.manager.lookup(K[3:4]) == 0
+        assert w.run_deletes() == 1
+        assert w.held(0) == 3 and w.held(1) == 3
+        load_id, plan = w.side.prepare_load(K[:3])
+        for worker in w.workers:
+            worker.submit_load(2, load_id, plan, [8, 9, 10])
+        w.deliver()
+        w.side.complete_load(K[:3])
+        for r in range(2):
+            for t in w.caches[r]:
+                assert torch.equal(t[8:11], t[0:3])
+    finally:
+        await w.close()
+
+    # Another world size: other directories, no records, no error.
+    w = await open_world(1, [lmdb(tmp_path)])
+    try:
+        assert w.adopted == 0 and w.manager.lookup(K[:3]) == 0
+    finally:
+        await w.close()
+
+
+def _room(max_blocks: int, reserve: int, records: tuple[Any, ...] = (), *, shared: bool = False) -> TierRoom:
+    return TierRoom("t", max_blocks * reserve, reserve, max_blocks, False, True, shared, False, 1, records)
+
+
+def _ranks(*tiers: TierRoom, layout: str = "L") -> dict[int, RankTiers]:
+    return {r: RankTiers("e", r, len(tiers), 64, layout, (t,)) for r, t in enumerate(tiers)}
+
+
+def test_build_manager_takes_the_smallest_room_of_the_ranks() -> None:
+    # Stages of a pipeline hold different layers: different bytes per block, and so room.
+    cfg = load_config({"tiers": [{"backend": "cpu", "capacity": 1 << 20}]}, block_bytes=64)
+    manager, _, _ = build_manager(_ranks(_room(10, 64), _room(6, 96)), cfg)
+    spec = manager.tier_spec(0)
+    assert spec.block_reserve == 96 and spec.capacity_bytes == 6 * 96
+    assert manager.prepare_store(K[:7]) is None  # 7 blocks do not fit on the smaller rank
+    assert manager.prepare_store(K[:6]) is not None
+
+
+def test_build_manager_ignores_orphans_of_a_shared_tier_and_refuses_another_engine() -> None:
+    cfg = load_config({"tiers": [{"backend": "cpu", "capacity": 1 << 20}]}, block_bytes=64)
+    rec = [(K[i], 64, float(i)) for i in range(3)]
+    _, orphans, adopted = build_manager(_ranks(_room(8, 64, tuple(rec), shared=True), _room(8, 64, tuple(rec[:2]), shared=True)), cfg)
+    assert adopted == 2 and orphans == {}  # K2 may be another host's write in progress
+    _, orphans, _ = build_manager(_ranks(_room(8, 64, tuple(rec)), _room(8, 64, tuple(rec[:2]))), cfg)
+    assert orphans == {0: [K[2]]}
+    with pytest.raises(ConfigError, match=r"ranks 0\.\.1"):
+        build_manager({1: _ranks(_room(8, 64), _room(8, 64))[1]}, cfg)
+    ranks = _ranks(_room(8, 64), _room(8, 64))
+    ranks[1] = _ranks(_room(8, 64), _room(8, 64), layout="other")[1]
+    with pytest.raises(ConfigError, match="layout"):
+        build_manager(ranks, cfg)
+
+
+def test_rank_descriptions_cross_processes() -> None:
+    ranks = _ranks(_room(8, 64, ((K[0], 64, 1.0),)))
+    assert pickle.loads(pickle.dumps(ranks)) == ranks
+
+
+def test_the_worker_metadata_carries_every_rank_s_results() -> None:
+    kv_vllm = pytest.importorskip("kvtier.integrations.vllm")
+    pytest.importorskip("vllm")
+    meta_cls: Callable[..., Any] = kv_vllm.KvtierWorkerMetadata
+    from kvtier.manager import StorePlan
+    from kvtier.transfer import JobResult
+
+    r0 = meta_cls(completed_jobs={3: 1}, kvtier_results=[(0, "store", 9, JobResult(0, "store", True, (K[0],)))])
+    r1 = meta_cls(completed_jobs={3: 1}, kvtier_results=[(1, "store", 9, JobResult(0, "store", False, (K[0],)))])
+    merged = pickle.loads(pickle.dumps(r0)).aggregate(pickle.loads(pickle.dumps(r1)))
+    assert merged.completed_jobs == {3: 2}
+    assert [(r, ok) for r, _, _, res in merged.kvtier_results for ok in [res.success]] == [(0, True), (1, False)]
+    spec = kv_vllm.KvtierStoreSpec(StorePlan(4, (K[1],), (0,)))
+    assert pickle.loads(pickle.dumps(spec)).plan == spec.plan
