@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from kvtier.errors import MissingDependencyError
+from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.integrations import vllm as kv_vllm
 
 
@@ -19,13 +19,10 @@ def test_kv_transfer_config_selects_kvtier_connector() -> None:
     assert cfg["kv_connector_extra_config"]["kvtier"]["tiers"][0]["backend"] == "lmdb"
 
 
-def test_kv_transfer_config_for_stock_offloading_connector() -> None:
-    cfg = kv_vllm.kv_transfer_config({"tiers": []}, connector="OffloadingConnector")
-    assert cfg["kv_connector"] == "OffloadingConnector"
-    assert "kv_connector_module_path" not in cfg
-    extra = cfg["kv_connector_extra_config"]
-    assert extra["spec_name"] == "KvtierOffloadingSpec"
-    assert extra["spec_module_path"] == "kvtier.integrations.vllm"
+def test_kv_transfer_config_refuses_the_stock_offloading_connector() -> None:
+    # Its workers' results never reach kvtier's scheduler side in another process.
+    with pytest.raises(ConfigError, match="KvtierConnector"):
+        kv_vllm.kv_transfer_config({"tiers": []}, connector="OffloadingConnector")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")

@@ -82,6 +82,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.engines import MODULE_PATH, engine_stats
 
 if TYPE_CHECKING:  # built on first access by the module's __getattr__ (needs vLLM)
@@ -109,22 +110,23 @@ def kv_transfer_config(
     """The ``kv_transfer_config`` dict that puts kvtier's tiers under vLLM.
 
     ``kvtier`` is a kvtier store config (a dict with ``tiers``, or a YAML/TOML file path).
-    ``connector="OffloadingConnector"`` selects vLLM's stock connector with kvtier's spec (no
-    load-error reporting). ``extra`` goes into ``kv_connector_extra_config``.
+    ``connector`` names a subclass of :class:`KvtierConnector` in this module (vLLM's stock
+    ``OffloadingConnector`` is refused: it has no channel for each worker's job results).
+    ``extra`` goes into ``kv_connector_extra_config``.
     """
-    extra_config: dict[str, Any] = {"kvtier": kvtier if isinstance(kvtier, str) else dict(kvtier), **extra}
-    cfg: dict[str, Any] = {"kv_role": "kv_both", "kv_load_failure_policy": load_failure_policy}
     if connector == "OffloadingConnector":
-        cfg["kv_connector"] = "OffloadingConnector"
-        extra_config.setdefault("spec_name", "KvtierOffloadingSpec")
-        extra_config.setdefault("spec_module_path", MODULE_PATH)
-    else:
-        cfg["kv_connector"] = connector
-        cfg["kv_connector_module_path"] = MODULE_PATH
-    cfg["kv_connector_extra_config"] = extra_config
-    return cfg
-
-
+        raise ConfigError(
+            "connector: vLLM's stock OffloadingConnector cannot carry each worker's job results to kvtier's "
+            "scheduler side; use 'KvtierConnector' (an OffloadingConnector subclass)"
+        )
+    extra_config: dict[str, Any] = {"kvtier": kvtier if isinstance(kvtier, str) else dict(kvtier), **extra}
+    return {
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": load_failure_policy,
+        "kv_connector": connector,
+        "kv_connector_module_path": MODULE_PATH,
+        "kv_connector_extra_config": extra_config,
+    }
 
 
 _CLASSES: dict[str, type] | None = None

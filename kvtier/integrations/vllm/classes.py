@@ -260,7 +260,8 @@ def build_classes() -> dict[str, type]:
             if not (isinstance(src_spec, KvtierLoadSpec) and isinstance(dst_spec, GPULoadStoreSpec)):
                 log.warning("kvtier: load job %d with unexpected specs %r -> %r; ignored", job_id, src_spec, dst_spec)
                 return False
-            self._side.submit_load(job_id, src_spec.load_id, src_spec.plan, dst_spec.block_ids)
+            indices = getattr(dst_spec, "block_indices", None) or (0,)
+            self._side.submit_load(job_id, src_spec.load_id, src_spec.plan, dst_spec.block_ids, int(indices[0]))
             return True
 
         def get_finished(self) -> list[Any]:
@@ -291,7 +292,7 @@ def build_classes() -> dict[str, type]:
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
-            _check_supported(config, self.blocks_per_chunk)
+            _check_supported(config)
             if not self.extra_config.get(_CHANNELS_KEY):
                 raise ConfigError(
                     "kvtier needs its own connector: set kv_connector 'KvtierConnector' with kv_connector_module_path "
@@ -300,7 +301,7 @@ def build_classes() -> dict[str, type]:
                 )
             cfg_dict = dict(_store_config(self.extra_config))
             self._overrides = dict(cfg_dict.pop("namespace", None) or {})
-            cfg_dict["engine_blocks_per_block"] = 1
+            cfg_dict["engine_blocks_per_block"] = self.blocks_per_chunk  # one record per offloaded chunk
             cfg_dict.pop("block_bytes", None)
             self._store_dict = cfg_dict
 
@@ -326,7 +327,7 @@ def build_classes() -> dict[str, type]:
             views = _page_views(kv_caches, str(self.config.model.dtype))
             from kvtier.transfer.layout import KVLayout
 
-            layout = KVLayout(views)
+            layout = KVLayout(views, engine_blocks_per_block=self.blocks_per_chunk)
             fingerprint = layout.fingerprint()
             namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=rank)
             cfg = load_config(

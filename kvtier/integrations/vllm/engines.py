@@ -171,7 +171,7 @@ def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(raw)
 
 
-def _check_supported(config: Any, blocks_per_chunk: int) -> None:
+def _check_supported(config: Any) -> None:
     """Raise ConfigError for the setups this version does not handle (see the module doc)."""
     parallel = config.parallel
     if parallel.pp_size != 1:
@@ -186,10 +186,6 @@ def _check_supported(config: Any, blocks_per_chunk: int) -> None:
         )
     if len(config.groups) != 1:
         raise ConfigError(f"kvtier's vLLM integration supports one offloaded KV-cache group; got {len(config.groups)}")
-    if blocks_per_chunk != 1:
-        raise ConfigError(
-            f"kvtier's vLLM integration needs blocks_per_chunk 1 (one kvtier block per vLLM block); got {blocks_per_chunk}"
-        )
 
 
 def _namespace(

@@ -32,37 +32,52 @@ class _WorkerSide:
         transfers = engine.store.transfers
         assert transfers is not None
         self._transfers = transfers
-        # kvtier job id -> (vLLM job id, plan key, engine block ids)
-        self._jobs: dict[int, tuple[int, tuple[str, int], list[int]]] = {}
-        self._refused: list[tuple[int, tuple[str, int], list[int], JobResult]] = []
+        self._n = transfers.layout.engine_blocks_per_block
+        # kvtier job id -> (vLLM job id, plan key, the engine block ids of each key)
+        self._jobs: dict[int, tuple[int, tuple[str, int], list[list[int]]]] = {}
+        self._refused: list[tuple[int, tuple[str, int], list[list[int]], JobResult]] = []
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
 
     def submit_store(self, job_id: int, plan: StorePlan, block_ids: Collection[Any]) -> None:
         self._submit(job_id, ("store", plan.plan_id), plan, block_ids)
 
-    def submit_load(self, job_id: int, load_id: int, plan: LoadPlan, block_ids: Collection[Any]) -> None:
-        self._submit(job_id, ("load", load_id), plan, block_ids)
+    def submit_load(
+        self, job_id: int, load_id: int, plan: LoadPlan, block_ids: Collection[Any], first_index: int = 0
+    ) -> None:
+        """``block_ids`` are the engine blocks to fill, from the request's block ``first_index``
+        on. A load that starts (or ends) inside a chunk of several engine blocks has fewer ids
+        than its keys' chunks: the leading (trailing) blocks of the chunk, which the engine
+        already holds (recomputes), are read into vLLM's null block instead (see ``_chunks``)."""
+        self._submit(job_id, ("load", load_id), plan, block_ids, first_index)
 
     def _submit(
-        self, job_id: int, plan_key: tuple[str, int], plan: StorePlan | LoadPlan, block_ids: Collection[Any]
+        self,
+        job_id: int,
+        plan_key: tuple[str, int],
+        plan: StorePlan | LoadPlan,
+        block_ids: Collection[Any],
+        first_index: int | None = None,
     ) -> None:
-        ids: list[int] = []
+        per_key: list[list[int]] = []
         try:
             ids = [int(b) for b in block_ids]
+            per_key = [ids[i : i + self._n] for i in range(0, len(ids), self._n)]
             if isinstance(plan, StorePlan):
                 kid = self._transfers.submit_store(plan, ids)
             else:
+                if first_index is not None and self._n > 1:
+                    ids, per_key = _chunks(ids, first_index, self._n, len(plan.keys))
                 kid = self._transfers.submit_load(plan, ids)
         except Exception as exc:  # reported as a failed job, never raised into vLLM
             self._engine.counters["submit_failed"] += 1
             log.warning("kvtier: %s job %d could not be submitted: %s", plan_key[0], job_id, exc)
             kind: Any = plan_key[0]
             with self._lock:
-                self._refused.append((job_id, plan_key, ids, JobResult(0, kind, False, plan.keys, error=repr(exc))))
+                self._refused.append((job_id, plan_key, per_key, JobResult(0, kind, False, plan.keys, error=repr(exc))))
             return
         with self._lock:
-            self._jobs[kid] = (job_id, plan_key, ids)
+            self._jobs[kid] = (job_id, plan_key, per_key)
 
     def finished(self) -> list[tuple[int, bool, int, float]]:
         """(vLLM job id, success, bytes, seconds) of every job finished since the last call."""
@@ -74,13 +89,14 @@ class _WorkerSide:
             if entry is not None:
                 entries.append((*entry, result))
         out = []
-        for job_id, plan_key, ids, result in entries:
+        for job_id, plan_key, per_key, result in entries:
             success = True
             if result.kind == "load":
-                bad = _failed_load_blocks(result, ids)
+                failed_keys = _failed_load_keys(result, len(per_key))
+                bad = [b for i in failed_keys for b in per_key[i]]
                 counters = self._engine.counters
-                counters["blocks_load_failed"] += len(bad)
-                counters["blocks_loaded"] += len(result.keys) - len(bad)
+                counters["blocks_load_failed"] += len(failed_keys)
+                counters["blocks_loaded"] += len(result.keys) - len(failed_keys)
                 if bad:
                     if self._engine.reports_load_errors:
                         with self._lock:
@@ -88,7 +104,9 @@ class _WorkerSide:
                     else:
                         # vLLM's stock connector cannot recompute a failed load: fail loudly.
                         success = False
-                    log.warning("kvtier: %d of %d blocks of load job %d could not be read", len(bad), len(ids), job_id)
+                    log.warning(
+                        "kvtier: %d of %d blocks of load job %d could not be read", len(failed_keys), len(per_key), job_id
+                    )
             self._engine.outbox.append((plan_key[0], plan_key[1], result))
             out.append((job_id, success, result.nbytes, result.seconds))
         return out
@@ -128,11 +146,30 @@ class _WorkerSide:
             log.warning("kvtier: waiting for jobs %s failed: %s", sorted(job_ids), exc)
 
 
-def _failed_load_blocks(result: JobResult, ids: list[int]) -> list[int]:
+#: vLLM's null block: the placeholder block of its block pool, whose bytes no request reads.
+NULL_BLOCK = 0
+
+
+def _chunks(ids: list[int], first_index: int, n: int, num_keys: int) -> tuple[list[int], list[list[int]]]:
+    """The ``n`` engine block ids per key of a load into ``ids`` (the request's blocks from
+    ``first_index`` on) and the real ones per key. vLLM's keys start at the chunk that holds
+    block ``first_index``: its leading ``first_index % n`` blocks (on the engine already) and
+    the blocks past ``ids`` in the last chunk (a hit that ends inside it) go to the null block,
+    so no block the engine holds or computes is written."""
+    skip = first_index % n
+    tail = num_keys * n - skip - len(ids)
+    if not 0 <= tail < n:
+        raise ValueError(f"{len(ids)} engine blocks from block {first_index} do not fill {num_keys} chunks of {n}")
+    padded = [NULL_BLOCK] * skip + ids + [NULL_BLOCK] * tail
+    real = [ids[max(0, k * n - skip) : max(0, (k + 1) * n - skip)] for k in range(num_keys)]
+    return padded, real
+
+
+def _failed_load_keys(result: JobResult, num_keys: int) -> list[int]:
+    """Positions of the keys a load did not bring back (all of them when the job failed)."""
     if result.error is not None:
-        return list(ids)
+        return list(range(num_keys))
     if not result.missed:
         return []
     missed = set(result.missed)
-    return [ids[i] for i, k in enumerate(result.keys) if k in missed]
-
+    return [i for i, k in enumerate(result.keys) if k in missed]
