@@ -68,6 +68,11 @@ def _set_prefix_blocks(n: int) -> None:
 #: rank in its own under TP=2), and their tensor-parallel size; the others run the engine core
 #: in the script's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where the spies can see it.
 DEFAULT_LAYOUT = {"A": 1, "B": 1, "A2": 2, "B2": 2}
+#: vLLM blocks per offloaded chunk (kvtier record) of each role; 1 for the others
+CHUNK_BLOCKS = {"A2": 2, "B2": 2}
+#: vLLM blocks of P_0 that B2 has in its GPU prefix cache before its target request: the
+#: offloaded prefix then starts inside a chunk, and kvtier's load skips that chunk's first block
+GPU_PREFIX_BLOCKS = 3
 
 
 def _env(role: str) -> dict[str, str]:
@@ -214,7 +219,8 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
     kwargs: dict[str, Any] = {}
     if role != "ref":
         store = {"tiers": _tiers(role, lmdb_path), "write": "through"}
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_vllm.kv_transfer_config(store))
+        chunk = {"blocks_per_chunk": CHUNK_BLOCKS[role]} if role in CHUNK_BLOCKS else {}
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_vllm.kv_transfer_config(store, **chunk))
     tp = DEFAULT_LAYOUT.get(role, 1)
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
@@ -269,6 +275,8 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         namespace = next(ns for v in views for r, ns in v["namespaces"].items() if int(r) == 0)
         result["p0_keys"] = _block_keys(llm, stored[0], namespace)
     else:
+        if role == "B2":  # P_0's leading blocks, computed (and a kvtier hit for the first chunk)
+            run(stored[0][: GPU_PREFIX_BLOCKS * BLOCK + 5], first)
         if spy is not None:
             spy.reset()
         before = kvtier_stats() if role != "ref" else {}
@@ -441,11 +449,11 @@ def spawn(role: str, model: str, lmdb_path: str, work: str) -> dict[str, Any]:
         return json.load(f)  # type: ignore[no-any-return]
 
 
-def check_served(name: str, x: dict[str, Any], tr: dict[str, Any], world: int, atol: float) -> list[str]:
+def check_served(name: str, x: dict[str, Any], tr: dict[str, Any], world: int, atol: float, *, chunks: int) -> list[str]:
     """Failures of a fresh process ``name`` (``world`` worker ranks, vLLM's default process
     layout) that ran P_0 + E after A stored P_0: its tokens are the recompute's, the stored
-    prefix was not prefilled (``num_cached_tokens``; its own prefix cache was empty, so kvtier
-    served it), and every rank loaded every block of it from kvtier without a failure."""
+    prefix was not prefilled (``num_cached_tokens``: what its own prefix cache did not hold came
+    from kvtier), and every rank loaded ``chunks`` records of it from kvtier without a failure."""
     failures: list[str] = []
     t = x["target"]
     prefix = PREFIX_BLOCKS * BLOCK
@@ -458,10 +466,10 @@ def check_served(name: str, x: dict[str, Any], tr: dict[str, Any], world: int, a
         failures.append(f"{name}'s num_cached_tokens is {t['num_cached_tokens']}, expected the {prefix} stored tokens")
     after, before = x["kvtier_after_target"], x["kvtier_before_target"]
     loaded, failed = _delta(after, before, "blocks_loaded"), _delta(after, before, "blocks_load_failed")
-    if sorted(after.get("ranks", [])) != list(range(world)) or (loaded, failed) != (world * PREFIX_BLOCKS, 0):
+    if sorted(after.get("ranks", [])) != list(range(world)) or (loaded, failed) != (world * chunks, 0):
         failures.append(
-            f"{name}: ranks {after.get('ranks')} loaded {loaded} / failed {failed} blocks, expected ranks "
-            f"{list(range(world))} to load {world * PREFIX_BLOCKS} (each rank its shard of {PREFIX_BLOCKS}) / 0"
+            f"{name}: ranks {after.get('ranks')} loaded {loaded} / failed {failed} records, expected ranks "
+            f"{list(range(world))} to load {world * chunks} (each rank its shard of {chunks}) / 0"
         )
     return failures
 
@@ -601,7 +609,8 @@ def main() -> int:
         a = spawn("A", model, lmdb_path, work)
         stored_keys = {r: record_keys(rank_dir(lmdb_path, r, 1)) for r in range(1)}
         b = spawn("B", model, lmdb_path, work)
-        # TP=2 on the same LMDB tier: each rank keeps its own records, apart from TP=1's.
+        # TP=2 (and chunks of 2 blocks) on the same LMDB tier: each rank keeps its own
+        # records, apart from TP=1's.
         spawn("A2", model, lmdb_path, work)
         stored_keys2 = {r: record_keys(rank_dir(lmdb_path, r, 2)) for r in range(2)}
         b2 = spawn("B2", model, lmdb_path, work)
@@ -616,15 +625,22 @@ def main() -> int:
     failures: list[str] = []
     prefix = PREFIX_BLOCKS * BLOCK
     tr = ref["target"]
-    want = NUM_TTFT * PREFIX_BLOCKS + 2 * PREFIX_BLOCKS + 2 * PREFIX_BLOCKS  # prompts + A's warm-ups before and after
+    per_prompt = NUM_TTFT + 2 + 2  # A's stored prompts and its warm-ups before and after
     for name, keys, world in (("A", stored_keys, 1), ("A2", stored_keys2, 2)):
+        want = per_prompt * PREFIX_BLOCKS // CHUNK_BLOCKS.get(name, 1)
         sizes = [len(keys[r]) for r in range(world)]
         if sizes != [want] * world or any(keys[r] != keys[0] for r in range(world)):
             failures.append(f"{name} left {sizes} records per rank in the LMDB tier, expected {want} on each, the same keys")
         if world == 2 and keys[0] & stored_keys[0]:
             failures.append("TP=2 and TP=1 records share keys: another TP size must never be served")
-    failures += check_served("B", b, tr, 1, args.atol)
-    failures += check_served("B2", b2, tr, 2, args.atol)
+    failures += check_served("B", b, tr, 1, args.atol, chunks=PREFIX_BLOCKS)
+    # B2's GPU prefix cache held P_0's first 3 blocks: kvtier loads chunks 1.. (2 blocks each),
+    # the first of them from its second block on.
+    n2 = CHUNK_BLOCKS["B2"]
+    failures += check_served("B2", b2, tr, 2, args.atol, chunks=PREFIX_BLOCKS // n2 - GPU_PREFIX_BLOCKS // n2)
+    mid = _delta(b2["kvtier_after_target"], b2["kvtier_before_target"], "mid_chunk_loads")
+    if mid != 2:
+        failures.append(f"B2: {mid} loads started inside a chunk, expected 2 (one per rank)")
     tb = b["target"]
     max_diff = max((abs(x - y) for x, y in zip(tb["logprobs"], tr["logprobs"])), default=float("inf"))
     loaded = _delta(b["kvtier_after_target"], b["kvtier_before_target"], "blocks_loaded")
@@ -662,6 +678,9 @@ def main() -> int:
         "ref_tokens_prefilled": prefilled["ref"],
         "B2": {
             "tensor_parallel_size": 2,
+            "blocks_per_chunk": CHUNK_BLOCKS["B2"],
+            "gpu_prefix_blocks_before_target": GPU_PREFIX_BLOCKS,
+            "loads_started_mid_chunk": _delta(b2["kvtier_after_target"], b2["kvtier_before_target"], "mid_chunk_loads"),
             "records_per_rank_after_A2": [len(stored_keys2[r]) for r in range(2)],
             "num_cached_tokens": b2["target"]["num_cached_tokens"],
             "kvtier_blocks_loaded_all_ranks": _delta(b2["kvtier_after_target"], b2["kvtier_before_target"], "blocks_loaded"),

@@ -198,3 +198,38 @@ def test_the_worker_metadata_carries_every_rank_s_results() -> None:
     assert [(r, ok) for r, _, _, res in merged.kvtier_results for ok in [res.success]] == [(0, True), (1, False)]
     spec = kv_vllm.KvtierStoreSpec(StorePlan(4, (K[1],), (0,)))
     assert pickle.loads(pickle.dumps(spec)).plan == spec.plan
+
+
+@pytest.mark.parametrize(("first", "ids", "expected"), [
+    (0, [4, 5, 6, 7], ([4, 5, 6, 7], [[4, 5], [6, 7]])),
+    (1, [5, 6, 7], ([0, 5, 6, 7], [[5], [6, 7]])),  # a GPU prefix hit ends inside the first chunk
+    (1, [5, 6], ([0, 5, 6, 0], [[5], [6]])),  # and the hit ends inside the last one
+    (3, [7], ([0, 7], [[7]])),
+])
+def test_chunks_pad_the_blocks_the_engine_holds_with_the_null_block(
+    first: int, ids: list[int], expected: tuple[list[int], list[list[int]]]
+) -> None:
+    from kvtier.integrations.vllm.worker_side import _chunks
+
+    assert _chunks(ids, first, 2, len(expected[1])) == expected
+    with pytest.raises(ValueError, match="do not fill"):
+        _chunks([*ids, 8, 9], first, 2, len(expected[1]))
+
+
+async def test_a_load_from_the_middle_of_a_chunk_writes_no_block_the_engine_holds() -> None:
+    w = await open_world(2, [cpu(4, 2)], n=2)
+    try:
+        w.store(K[:2], [1, 2, 3, 4])  # two chunks of two engine blocks
+        before = [[t.clone() for t in cache] for cache in w.caches]
+        load_id, plan = w.side.prepare_load(K[:2])
+        for worker in w.workers:  # the engine holds the request's block 0 (the first chunk's first) already
+            worker.submit_load(5, load_id, plan, [11, 12, 13], first_index=1)
+        w.deliver()
+        w.side.complete_load(K[:2])
+        for r in range(2):
+            for t, old in zip(w.caches[r], before[r]):
+                assert torch.equal(t[11:14], old[2:5])  # rank r's own shard
+                assert torch.equal(t[1:11], old[1:11]) and torch.equal(t[14:], old[14:])
+            assert w.engines[r].counters["blocks_loaded"] == 2 and not w.workers[r].take_failed_block_ids()
+    finally:
+        await w.close()

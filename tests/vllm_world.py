@@ -78,14 +78,17 @@ class World:
             await s.aclose()
 
 
-async def open_world(world: int, tiers: list[dict[str, Any]], *, reports_load_errors: bool = True) -> World:
-    cfg = {"tiers": tiers, "job_deadline_s": None}
+async def open_world(
+    world: int, tiers: list[dict[str, Any]], *, reports_load_errors: bool = True, n: int = 1
+) -> World:
+    """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``)."""
+    cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n}
     stores, caches = [], []
     for r in range(world):
         kv = _kv(r)
         stores.append(await kvtier.open(rank_tiers(cfg, r, world), kv_caches=kv))
         caches.append(kv)
-    w = World(stores, caches, load_config(rank_tiers(cfg, 0, world), block_bytes=BB))
+    w = World(stores, caches, load_config(rank_tiers(cfg, 0, world), block_bytes=BB * n))
     for e in w.engines:
         e.reports_load_errors = reports_load_errors
     return w

@@ -15,14 +15,16 @@ loads by name from ``kv_connector_extra_config``. This module supplies that spec
 * its worker executes those plans with kvtier's :class:`~kvtier.transfer.TransferEngine` over
   the engine's paged KV cache (a :class:`~kvtier.transfer.layout.KVLayout` over vLLM's per-layer pages).
 
-:class:`KvtierConnector` is ``OffloadingConnector`` with that spec preselected plus one thing
-the stock connector cannot do: report blocks whose load failed (a record that turned out
-missing or corrupt) through ``get_block_ids_with_load_errors``, so that vLLM recomputes them
-(with ``kv_load_failure_policy="recompute"``) instead of attending over garbage. vLLM's stock
-offloading worker asserts that every transfer succeeds, so with the plain ``OffloadingConnector``
-a failed load is reported as a failed job and vLLM stops with an assertion: loud, never wrong
-data. Failed *stores* are never reported to vLLM (they are a normal event): the manager learns
-about them directly and the keys stay absent.
+:class:`KvtierConnector` is ``OffloadingConnector`` with that spec preselected, and it carries
+kvtier's messages over vLLM's own channels, since vLLM may run the scheduler side and each
+worker rank in different processes (its default): each rank's tiers at start (handshake
+metadata), each rank's job results (worker metadata) and the deletes the ranks owe (connector
+metadata); see :mod:`.ranks` and :mod:`.scheduler_side`. It also reports blocks whose load
+failed (a record that turned out missing or corrupt) through
+``get_block_ids_with_load_errors``, so that vLLM recomputes them (with
+``kv_load_failure_policy="recompute"``) instead of attending over garbage. vLLM's stock
+``OffloadingConnector`` with this spec is refused at start. Failed *stores* are never reported
+to vLLM (they are a normal event): the manager learns about them and the keys stay absent.
 
 Turn it on (see ``docs/integrations/vllm.md``; :func:`kv_transfer_config` builds the dict)::
 
@@ -44,15 +46,12 @@ reproducible across processes, which is what lets a new process find an earlier 
 blocks in a persistent tier; with a non-cryptographic hash and no ``PYTHONHASHSEED`` keys are
 random per process and a persistent tier only serves the process that wrote it.
 
-Limits of this version (each is checked at start-up with a clear error):
-
-* one worker (``world_size == 1``), with the scheduler and the worker in one process (vLLM's
-  ``uni`` executor, the default for one device): the manager and the byte mover share one
-  :class:`~kvtier.store.KVStore`, so memory tiers are allocated once and a persistent tier's
-  index is rebuilt once;
-* one offloaded KV-cache group (plain decoder models: full attention in every layer);
-* ``blocks_per_chunk == 1`` (an offloaded block is one vLLM block);
-* vLLM pages must be contiguous per layer (true for the standard layouts).
+Deployments (``docs/integrations/vllm.md`` has the table): one device or tensor parallel, in
+vLLM's default process layout or all in one process; ``blocks_per_chunk`` of one or more vLLM
+blocks (a load that starts inside a chunk skips the blocks the engine holds). Refused at
+start-up with a clear error: pipeline and context parallel, several offloaded KV-cache groups,
+and vLLM pages that are not contiguous per layer. A tier's ``capacity`` is the engine's, over
+all its ranks; each rank keeps its own records (:func:`~.engines.rank_tiers`).
 
 vLLM internals this module relies on (all imported lazily, only here):
 
@@ -67,8 +66,11 @@ vLLM internals this module relies on (all imported lazily, only here):
   ``model.dtype``, ``groups``, ``parallel.world_size``, ``worker_kv_bytes_per_block``,
   ``kv_cache_layout``;
 * ``vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector``
-  (constructor signature, ``connector_worker.worker``, ``register_kv_caches``) and
-  ``KVConnectorBase_V1.get_block_ids_with_load_errors``;
+  (constructor signature, ``connector_worker.worker``, ``connector_scheduler.manager``,
+  ``register_kv_caches``, ``handle_preemptions``, ``build_connector_meta``,
+  ``build_connector_worker_meta``, ``update_connector_output``), ``OffloadingWorkerMetadata``
+  and ``KVConnectorBase_V1``'s ``get_handshake_metadata``, ``set_xfer_handshake_metadata`` and
+  ``get_block_ids_with_load_errors``;
 * the spec factory's ``spec_name`` / ``spec_module_path`` keys and the connector factory's
   ``kv_connector_module_path`` (both look names up with ``getattr`` on this module, which
   builds the classes on first access).

@@ -36,6 +36,7 @@ def _counters() -> dict[str, int]:
             "lookup_misses",
             "blocks_loaded",
             "blocks_load_failed",
+            "mid_chunk_loads",
             "blocks_stored",
             "blocks_store_failed",
             "store_rejected",

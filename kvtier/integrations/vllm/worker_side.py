@@ -68,6 +68,7 @@ class _WorkerSide:
             else:
                 if first_index is not None and self._n > 1:
                     ids, per_key = _chunks(ids, first_index, self._n, len(plan.keys))
+                    self._engine.counters["mid_chunk_loads"] += first_index % self._n != 0
                 kid = self._transfers.submit_load(plan, ids)
         except Exception as exc:  # reported as a failed job, never raised into vLLM
             self._engine.counters["submit_failed"] += 1
