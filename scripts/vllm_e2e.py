@@ -1,24 +1,29 @@
 #!/usr/bin/env python3
 """End-to-end check of kvtier under vLLM (``kvtier.integrations.vllm``), on CPU.
 
-Four fresh processes share one tiny random Llama and one LMDB tier under a temp dir, run in
-this order:
+Six fresh processes share one tiny random Llama and one LMDB tier under a temp dir, run in
+this order (``docs/integrations/vllm.md`` describes each):
 
-* **A**    - vLLM with kvtier on the empty LMDB tier: generates for prompts ``P_i`` and stores
+* **A**    - vLLM's default process layout (engine core and worker each in its own process),
+  kvtier on ``[cpu, lmdb]`` written through, empty: generates for prompts ``P_i`` and stores
   their blocks;
-* **B**    - vLLM with kvtier on the same LMDB tier, started after A exited: generates for
-  ``P_0 + E`` (a longer prompt with the same prefix) and must load ``P_0``'s blocks;
-* **C**    - after this script damaged the payload of three of ``P_0``'s records in the LMDB
-  file (python-lmdb, between processes; headers intact, so only the checksum can tell): the
-  same prompt, then the same prompt again with vLLM's own prefix cache emptied (the retry);
+* **B**    - the same layout, started after A exited: generates for ``P_0 + E`` (a longer
+  prompt with the same prefix) and must load ``P_0``'s blocks;
+* **A2**, **B2** - the same at TP=2 under vLLM's multiprocess executor, with offloaded chunks of
+  2 vLLM blocks; B2 first computes ``P_0``'s first 3 blocks, so its load starts mid-chunk;
+* **C**    - the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
+  spies can watch vLLM's scheduler), after this script damaged the payload of three of
+  ``P_0``'s records in the LMDB file (python-lmdb, between processes; headers intact, so only
+  the checksum can tell): the same prompt, then the same prompt again with vLLM's own prefix
+  cache emptied (the retry);
 * **ref**  - vLLM without kvtier: the recompute reference (tokens, log-probs, TTFT on misses).
 
-Checks (any failure exits 1): B's and C's greedy tokens equal ref's; the log-prob of each
-generated token differs by at most ``--atol`` (float32 model); B's ``num_cached_tokens`` equals
-the stored prefix (vLLM's count of tokens it did not prefill, and B's GPU prefix cache is empty,
-so they came from kvtier); kvtier's own counters show the blocks loaded from the LMDB tier; the
-tokens vLLM's scheduler scheduled match the prefill each process should have done. Step C
-(see ``check_step_c``): kvtier counts, logs and deletes the damaged records and reports their
+Checks (any failure exits 1): A and A2 left the same records on every rank, A2's apart from
+A's; B's, B2's and C's greedy tokens equal ref's; the log-prob of each generated token differs
+by at most ``--atol`` (float32 model); B's and B2's ``num_cached_tokens`` equals the stored
+prefix (what their own prefix cache did not hold came from kvtier), and every rank's kvtier
+counters show its shard of those blocks loaded from the LMDB tier. Step C (see
+``check_step_c``): kvtier counts, logs and deletes the damaged records and reports their
 GPU block ids to vLLM, which recomputes from the first of them on (the blocks before it are
 reused); on the retry kvtier serves the leading run without errors and stores the recomputed
 blocks again, and no damaged record is left in the tier.
