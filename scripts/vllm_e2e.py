@@ -133,23 +133,30 @@ def _worker_view(worker: Any = None) -> dict[str, Any]:
     }
 
 
-def _block_keys(llm: Any, tokens: list[int], namespace: Any) -> list[str]:
-    """The kvtier keys (hex) of the full blocks of ``tokens`` in this process's engine: vLLM's
-    chained block hash (its configured hash function, from the ``NONE_HASH`` it seeded at
-    start-up) plus KV-cache group 0, folded with the key namespace (rank 0's), as the
-    integration's manager does. Plain token prompts carry no extra hash keys."""
+def _block_hashes(llm: Any, tokens: list[int]) -> list[Any]:
+    """vLLM's chained block hashes of the full blocks of ``tokens`` (its configured hash
+    function, from the ``NONE_HASH`` it seeded at start-up). Plain token prompts carry no extra
+    hash keys."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)  # as the engine core did (sha256: a fixed seed, the same in every process)
+    parent, hashes = None, []
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK])
+        hashes.append(parent)
+    return hashes
+
+
+def _block_keys(llm: Any, tokens: list[int], namespace: Any) -> list[str]:
+    """The kvtier keys (hex) of the full blocks of ``tokens``: vLLM's block hash plus KV-cache
+    group 0, folded with the key namespace (rank 0's), as the integration's manager does."""
     from vllm.v1.kv_offload.base import make_offload_key
 
     from kvtier.keys import fold_block_hashes
 
-    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)  # as the engine core did (sha256: a fixed seed, the same in every process)
-    parent, offload_keys = None, []
-    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK])
-        offload_keys.append(make_offload_key(parent, 0))
+    offload_keys = [make_offload_key(h, 0) for h in _block_hashes(llm, tokens)]
     return [k.hex() for k in fold_block_hashes(offload_keys, namespace=namespace)]
 
 
@@ -159,6 +166,8 @@ class _Spy:
     recovery message) and of kvtier."""
 
     def __init__(self) -> None:
+        #: block hashes of every BlockStored event the connector handed vLLM (never reset)
+        self.stored_hashes: set[Any] = set()
         self.reset()
 
     def reset(self) -> None:
@@ -176,6 +185,16 @@ class _Spy:
             return ids
 
         cls.get_block_ids_with_load_errors = get_block_ids_with_load_errors
+        take_events = cls.take_events
+
+        def spied_take_events(connector: Any) -> Any:
+            events = list(take_events(connector))
+            for event in events:
+                if type(event).__name__ == "BlockStored":
+                    spy.stored_hashes.update(event.block_hashes)
+            return events
+
+        cls.take_events = spied_take_events
 
     def patch_engine(self, llm: Any) -> None:
         """Count every scheduled token (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -282,6 +301,14 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
     else:
         if role == "B2":  # P_0's leading blocks, computed (and a kvtier hit for the first chunk)
             run(stored[0][: GPU_PREFIX_BLOCKS * BLOCK + 5], first)
+        if role == "C":
+            # Before its first request for P_0, C told vLLM's event stream (which routers read)
+            # that it holds P_0's blocks: adopted at start, named by the offload key log.
+            from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+            assert spy is not None
+            p0 = [maybe_convert_block_hash(h) for h in _block_hashes(llm, stored[0])]
+            result["p0_blocks_announced"] = sum(h in spy.stored_hashes for h in p0)
         if spy is not None:
             spy.reset()
         before = kvtier_stats() if role != "ref" else {}
@@ -516,6 +543,13 @@ def check_step_c(
         if not diffs or max(diffs) > atol:
             failures.append(f"C ({run}): log-probs differ by {max(diffs, default=float('inf')):.3g} > atol {atol}")
 
+    # C adopted P_0's blocks at start and announced them before the first request.
+    if c.get("p0_blocks_announced") != PREFIX_BLOCKS:
+        failures.append(f"C announced {c.get('p0_blocks_announced')} of P_0's {PREFIX_BLOCKS} adopted blocks as events")
+    kb = c["kvtier_before_target"]
+    if not 0 < kb.get("blocks_announced", 0) <= kb.get("blocks_adopted", 0):
+        failures.append(f"C announced {kb.get('blocks_announced')} adopted blocks, adopted {kb.get('blocks_adopted')}")
+
     # First run: every block was a lookup hit (the index still lists them), so one load job
     # read all of them; the damaged ones failed their checksum, were counted, logged, deleted
     # and reported to vLLM.
@@ -692,6 +726,9 @@ def main() -> int:
             "tokens_equal": b2["target"]["tokens"] == tr["tokens"],
         },
         "C": {
+            "blocks_adopted": c["kvtier_before_target"].get("blocks_adopted"),
+            "blocks_announced_as_events": c["kvtier_before_target"].get("blocks_announced"),
+            "p0_blocks_announced": c.get("p0_blocks_announced"),
             "damaged_blocks_of_P0": {str(p): how for p, how in positions.items()},
             "payload_bytes_per_record": payload_bytes,
             "kvtier_blocks_loaded": kc.get("blocks_loaded"),

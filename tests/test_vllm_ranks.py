@@ -168,7 +168,7 @@ def test_build_manager_ignores_orphans_of_a_shared_tier_and_refuses_another_engi
     cfg = load_config({"tiers": [{"backend": "cpu", "capacity": 1 << 20}]}, block_bytes=64)
     rec = [(K[i], 64, float(i)) for i in range(3)]
     _, orphans, adopted = build_manager(_ranks(_room(8, 64, tuple(rec), shared=True), _room(8, 64, tuple(rec[:2]), shared=True)), cfg)
-    assert adopted == 2 and orphans == {}  # K2 may be another host's write in progress
+    assert adopted == {0: [K[0], K[1]]} and orphans == {}  # K2 may be another host's write in progress
     _, orphans, _ = build_manager(_ranks(_room(8, 64, tuple(rec)), _room(8, 64, tuple(rec[:2]))), cfg)
     assert orphans == {0: [K[2]]}
     with pytest.raises(ConfigError, match=r"ranks 0\.\.1"):
@@ -233,3 +233,27 @@ async def test_a_load_from_the_middle_of_a_chunk_writes_no_block_the_engine_hold
             assert w.engines[r].counters["blocks_loaded"] == 2 and not w.workers[r].take_failed_block_ids()
     finally:
         await w.close()
+
+
+def test_the_offload_key_log_names_the_adopted_blocks_across_processes(tmp_path: Path) -> None:
+    from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements, offload_key_log_path
+
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 1}, {"backend": "lmdb", "path": str(tmp_path), "capacity": 1}]}
+    path = offload_key_log_path(cfg, 2)
+    assert path == str(tmp_path / "vllm-offload-keys-of-2.bin")
+    assert offload_key_log_path({"tiers": [{"backend": "cpu", "capacity": 1}]}, 1) is None
+    writer = OffloadKeyLog(path)  # the process that stored the blocks
+    writer.append([(K[0], b"hash-0"), (K[1], b"hash-1")])
+    writer.append([(K[2], b"hash-2")])
+    with open(path, "ab") as f:
+        f.write(b"\x20\x00" + K[3][:7])  # a process killed mid-append: a torn tail
+    reader = OffloadKeyLog(path)  # a fresh process
+    assert reader.load() == {K[0]: b"hash-0", K[1]: b"hash-1", K[2]: b"hash-2"}
+    # K1's record is gone, K5 was never logged: only K0 and K2 are announced (tier 1, LMDB).
+    events, keep = adopted_announcements({1: [K[0], K[2], K[5]]}, reader.load())
+    assert events == [(1, b"hash-0"), (1, b"hash-2")] and keep == {K[0]: b"hash-0", K[2]: b"hash-2"}
+    reader.rewrite(keep)
+    assert OffloadKeyLog(path).load() == keep and reader.errors == 0
+    blocked = OffloadKeyLog(str(tmp_path / "vllm-offload-keys-of-2.bin" / "not-a-dir"))
+    blocked.append([(K[0], b"x")])  # cannot write: counted and logged, never raised
+    assert blocked.errors == 1 and blocked.load() == {}

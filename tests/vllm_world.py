@@ -36,7 +36,8 @@ class World:
         self.engines = [_Engine("e", s, rank=r) for r, s in enumerate(stores)]
         self.workers = [_WorkerSide(e) for e in self.engines]
         ranks = {r: describe_rank("e", r, self.world, s, "layout") for r, s in enumerate(stores)}
-        self.manager, self.orphans, self.adopted = build_manager(ranks, config)
+        self.manager, self.orphans, adopted = build_manager(ranks, config)
+        self.adopted = sum(len(keys) for keys in adopted.values())
         self.sched_engine = _SchedulerEngine("e", self.world)
         self.side = _SchedulerSide(self.sched_engine, self.manager)
         for tier, keys in self.orphans.items():

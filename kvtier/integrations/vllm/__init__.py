@@ -51,7 +51,9 @@ vLLM's default process layout or all in one process; ``blocks_per_chunk`` of one
 blocks (a load that starts inside a chunk skips the blocks the engine holds). Refused at
 start-up with a clear error: pipeline and context parallel, several offloaded KV-cache groups,
 and vLLM pages that are not contiguous per layer. A tier's ``capacity`` is the engine's, over
-all its ranks; each rank keeps its own records (:func:`~.engines.rank_tiers`).
+all its ranks; each rank keeps its own records (:func:`~.engines.rank_tiers`). Blocks adopted
+from a persistent tier at start are announced as KV events, named by an offload key log kept
+next to the tier (:mod:`.announce`).
 
 vLLM internals this module relies on (all imported lazily, only here):
 

@@ -13,6 +13,7 @@ import torch
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations._sync import run_sync
+from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements, offload_key_log_path
 from kvtier.integrations.vllm.engines import (
     MODULE_PATH,
     _check_supported,
@@ -109,8 +110,12 @@ def build_classes() -> dict[str, type]:
         (:meth:`adopt_ranks`, before vLLM's first step); until then every lookup misses and
         nothing is stored."""
 
-        def __init__(self, engine: _SchedulerEngine, spec: Any, store_cfg: Any, overrides: Mapping[str, Any]) -> None:
+        def __init__(
+            self, engine: _SchedulerEngine, spec: Any, store_cfg: Any, overrides: Mapping[str, Any], key_log: OffloadKeyLog
+        ) -> None:
             self._engine = engine
+            self._key_log = key_log
+            self._announce: list[Any] = []  # events of adopted blocks, before the manager's own
             self._spec = spec
             self._store_cfg = store_cfg
             self._overrides = dict(overrides)
@@ -124,7 +129,8 @@ def build_classes() -> dict[str, type]:
 
         def adopt_ranks(self, ranks: Mapping[int, RankTiers]) -> None:
             """Build the manager from what every rank opened (see :mod:`.ranks`)."""
-            manager, orphans, adopted = build_manager(ranks, self._store_cfg)
+            manager, orphans, adopted_keys = build_manager(ranks, self._store_cfg)
+            adopted = sum(len(keys) for keys in adopted_keys.values())
             rank0 = ranks[0]
             self._ns = _namespace(self._spec.config, self._spec.tokens_per_block[0], rank0.layout, self._overrides)
             side = _SchedulerSide(self._engine, manager)
@@ -146,6 +152,13 @@ def build_classes() -> dict[str, type]:
             )
             self._key_cache.clear()
             self._side = side
+            # Tell routers which blocks this process already holds (vLLM named them in an
+            # earlier process; the log next to the persistent tier remembers their hashes).
+            events, keep = adopted_announcements(adopted_keys, self._key_log.load())
+            self._announce = [OffloadingEvent(keys=[v], medium=self._media[t], removed=False) for t, v in events]
+            self._remember(keep.keys(), keep.values())
+            self._key_log.rewrite(keep)
+            engine.counters["blocks_announced"] = len(keep)
             log.info(
                 "kvtier: scheduler side of engine %s over %d ranks: %d blocks adopted, %d orphan records to delete",
                 engine.engine_id,
@@ -218,8 +231,12 @@ def build_classes() -> dict[str, type]:
             return PrepareStoreOutput(keys_to_store=chosen, store_spec=KvtierStoreSpec(plan), evicted_keys=[])
 
         def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
-            if self._side is not None:
-                self._side.complete_store([self._k(k) for k in keys], success)
+            if self._side is None:
+                return
+            stored = self._side.complete_store([self._k(k) for k in keys], success)
+            pairs = [(k, self._offload_key[k]) for k in stored if k in self._offload_key]
+            if pairs:
+                self._key_log.append(pairs)
 
         def on_new_request(self, req_context: Any) -> Any:
             return RequestOffloadingContext()
@@ -228,10 +245,12 @@ def build_classes() -> dict[str, type]:
             mgr = self._engine.manager
             if mgr is None:
                 return
+            announce, self._announce = self._announce, []
+            yield from announce
             for event in mgr.take_events():
                 vkey = self._offload_key.get(event.key)
                 if vkey is None:
-                    continue  # adopted from a persistent tier: vLLM never named it in this process
+                    continue  # adopted, and not in the offload key log: vLLM's hash is unknown
                 if event.kind == "removed" and mgr.status(event.key).tier is None:
                     self._offload_key.pop(event.key, None)
                 medium = self._media[self._tier_index.get(event.tier, 0)]
@@ -315,7 +334,8 @@ def build_classes() -> dict[str, type]:
             )
             engine = _SchedulerEngine(self.config.engine_id, parallel.world_size)
             _register(engine)
-            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides)
+            key_log = OffloadKeyLog(offload_key_log_path(self._store_dict, parallel.world_size))
+            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides, key_log)
 
         def get_worker(self, kv_caches: Any) -> Any:
             if len(kv_caches.group_data_refs) != 1:

@@ -41,6 +41,7 @@ def _counters() -> dict[str, int]:
             "blocks_store_failed",
             "store_rejected",
             "blocks_adopted",
+            "blocks_announced",
             "keys_deleted",
             "submit_failed",
             "complete_load_unmatched",

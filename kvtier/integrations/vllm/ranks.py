@@ -92,10 +92,10 @@ def describe_rank(engine_id: str, rank: int, world_size: int, store: KVStore, la
 
 def build_manager(
     ranks: Mapping[int, RankTiers], config: StoreConfig
-) -> tuple[TierManager, dict[int, list[bytes]], int]:
+) -> tuple[TierManager, dict[int, list[bytes]], dict[int, list[bytes]]]:
     """The manager of all ``ranks`` (rank -> what it opened), the orphans per tier (records
-    that are not adopted: held by some ranks only, or beyond the room), and the number of
-    blocks adopted. Raises ConfigError when the ranks do not describe one engine."""
+    that are not adopted: held by some ranks only, or beyond the room), and the keys adopted
+    per tier. Raises ConfigError when the ranks do not describe one engine."""
     if not ranks:
         raise ConfigError("kvtier: no worker rank described its tiers")
     world = next(iter(ranks.values())).world_size
@@ -126,7 +126,7 @@ def build_manager(
         )
     manager = TierManager(specs, write=config.write)
     orphans: dict[int, list[bytes]] = {}
-    adopted = 0
+    adopted: dict[int, list[bytes]] = {}
     for i, room in enumerate(first.tiers):
         if not room.persistent:
             continue
@@ -136,7 +136,8 @@ def build_manager(
             (key, max(h[key][1] for h in held), min(h[key][2] for h in held)) for key in held[0] if key in common
         ]
         excess = manager.adopt(i, records)
-        adopted += len(records) - len(excess)
+        gone = set(excess)
+        adopted[i] = [rec[0] for rec in records if rec[0] not in gone]
         lost = set().union(*held) - common | set(excess)
         if lost and not room.shared:
             orphans[i] = sorted(lost)

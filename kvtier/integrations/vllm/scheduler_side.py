@@ -106,7 +106,9 @@ class _SchedulerSide:
                 self._plan_of[k] = plan.plan_id
         return plan
 
-    def complete_store(self, kkeys: Collection[bytes], success: bool = True) -> None:
+    def complete_store(self, kkeys: Collection[bytes], success: bool = True) -> list[bytes]:
+        """Settle the store plans of ``kkeys``; returns the keys that became ready."""
+        stored: list[bytes] = []
         plan_ids = {self._plan_of.get(k) for k in kkeys}
         for plan_id in plan_ids:
             if plan_id is None:
@@ -122,3 +124,6 @@ class _SchedulerSide:
                 self.ledger.remember_plan(plan)  # some rank may hold what the manager released
             self._engine.counters["blocks_stored"] += applied.done
             self._engine.counters["blocks_store_failed"] += applied.lost
+            if applied.done:
+                stored.extend(k for k in plan.keys if self._mgr.status(k).tier is not None)
+        return stored
