@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import textwrap
@@ -91,6 +92,71 @@ def test_config_check_reports_every_typo_at_once(tmp_path: Path) -> None:
     assert "unknown key 'polcy' — did you mean 'policy'?" in proc.stderr
     assert "tiers[0]: unknown key 'capacty' — did you mean 'capacity'?" in proc.stderr
     assert "required setting is missing" not in proc.stderr
+
+
+def test_config_check_connects_to_a_redis_tier_and_sim_says_it_was_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis_servers import free_port
+
+    from kvtier.tools.cli import main
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    path = tmp_path / "remote.yaml"
+    path.write_text(f"tiers:\n  - {{backend: cpu, capacity: 8MiB}}\n  - {{backend: redis, capacity: 64MiB, url: '{url}'}}\n")
+    proc = kvtier("config", "check", str(path), "--block-bytes", "64KiB")
+    assert proc.returncode == 1, proc.stdout
+    assert "cannot run on this machine (1 problem)" in proc.stdout
+    assert f"error: tiers[1]: the redis server does not answer: {url}: not reachable" in proc.stdout
+    assert main(["config", "check", str(path), "--probe-timeout", "0"]) == 0  # 0: no connection tried
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert main(["sim", "--config", str(path), "--requests", "4", "--no-progress"]) == 0  # the run goes on without it
+    out = capsys.readouterr()
+    assert f"warning: redis: {url} unreachable" in out.err  # kvtier's logged warnings are shown
+    assert "redis (tiers[1]) DOWN" in out.out and "down at the end of the run" in out.out
+    assert main(["sim", "--config", str(path), "--requests", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tiers"][1]["outages"] >= 1 and data["tiers"][1]["up_at_end"] is False
+
+
+def test_config_check_shows_the_slots_an_lmdb_tier_really_holds(tmp_path: Path) -> None:
+    path = tmp_path / "lmdb.yaml"
+    path.write_text(f"tiers:\n  - {{backend: lmdb, capacity: 256MiB, path: {tmp_path / 'db'}}}\n")
+    data = json.loads(kvtier("config", "check", str(path), "--block-bytes", "32KiB", "--json").stdout)
+
+    async def opened_slots() -> int:
+        import kvtier as kv
+
+        async with kv.open({**data["config"], "block_bytes": 32 << 10}) as store:
+            return int(store.backends[0].max_blocks)
+
+    slots = data["tiers"][0]["slots"]
+    assert slots == asyncio.run(opened_slots()) and slots < (256 << 20) // (32 << 10)  # not capacity / block
+    proc = kvtier("config", "check", str(path), "--block-bytes", "32KiB")
+    assert ["0", "lmdb", "lmdb", "256.0MiB", str(slots), "lru"] == proc.stdout.splitlines()[5].split()[:6]
+
+
+def test_a_namespace_override_names_its_field_and_config_check_shows_the_namespace(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.tools.cli import main
+
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "kvtier.yaml")
+    proc = kvtier("config", "check", example, env={"KVTIER_NAMESPACE__TP_RANK": "3"})
+    assert proc.returncode == 1
+    assert "namespace.tp_rank (set by KVTIER_NAMESPACE__TP_RANK): expected 0 <= tp_rank < tp_size, got 3" in proc.stderr
+    assert "KVTIER_NAMESPACE__TP_SIZE" in proc.stderr and "__init__" not in proc.stderr and "positional" not in proc.stderr
+    for name in [v for v in os.environ if v.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVTIER_NAMESPACE__TP_RANK", "3")
+    monkeypatch.setenv("KVTIER_NAMESPACE__TP_SIZE", "4")
+    assert main(["config", "check", example]) == 0
+    assert "namespace: model_id=default, tp_rank=3, tp_size=4" in capsys.readouterr().out
+    monkeypatch.setenv("KVTIER_NAMESPACE__MODEL_ID", "m")
+    assert main(["config", "check", example, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["namespace"]["model_id"] == "m" and data["namespace"]["tp_size"] == 4
 
 
 def test_config_show_prints_the_defaults() -> None:

@@ -260,7 +260,8 @@ class SimReport:
     #: Tokens admitted for prefill whose request was preempted before they were computed; they
     #: are prefilled again (and counted again) when it is readmitted.
     preempted_unfinished_tokens: int = 0
-    #: The store's tiers, fastest first: name, backend, capacity_bytes, path (persistent tiers).
+    #: The store's tiers, fastest first: name, backend, capacity_bytes, path (persistent tiers),
+    #: and where it happened: outages and up_at_end (a server that went away), write_failures.
     tiers: list[dict[str, Any]] = field(default_factory=list)
     #: Records removed from persistent tiers before the run (``run_sim(empty_persistent=True)``).
     emptied_records: int = 0
@@ -681,6 +682,16 @@ class Simulator:
         r.live_request_states = self.connector.num_request_states
         r.live_jobs = self.connector.num_jobs + self.worker.num_unsubmitted + self.worker.num_in_flight
         r.fenced_blocks = self.connector.num_fenced_blocks
+        for tier, backend in zip(r.tiers, self.store.backends):
+            # A tier with a server (redis) counts its outages; the run goes on without it, so
+            # the report says so rather than leaving the operator to guess from the hits.
+            stats = backend.stats()
+            if stats.get("outages"):
+                tier["outages"] = int(stats["outages"])
+                tier["up_at_end"] = bool(stats.get("up", True))
+            failed = int(stats.get("write_failures", 0))
+            if failed:
+                tier["write_failures"] = failed
 
 
 def make_caches(config: SimConfig) -> list[torch.Tensor]:

@@ -16,7 +16,9 @@ long operations goes to stderr, and only when stderr is a terminal. Exit status:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -78,25 +80,46 @@ def _size(n: int | None) -> str:
 # -- config --------------------------------------------------------------------------------
 
 
+def _namespace_line(fields: dict[str, Any], given: dict[str, Any]) -> str:
+    """The namespace a store of this config uses (``given``: the fields the config sets),
+    defaults left out but for model_id."""
+    from kvtier.keys import Namespace
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Namespace) if f.init}
+    shown = [f"model_id={fields['model_id']}"]
+    shown += [f"{k}={v}" for k, v in fields.items() if k not in ("model_id", "tenant_salt") and v != defaults.get(k)]
+    if fields.get("tenant_salt"):
+        shown.append("tenant_salt=(set)")
+    note = ""
+    if "model_id" not in given:
+        note = "  (namespace.model_id not set: the default; an engine integration sets the engine's model)"
+    return "namespace: " + ", ".join(shown) + note
+
+
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
-    from kvtier.config.deploy import check_deployment
+    from kvtier.config.deploy import check_deployment, tier_slots
+    from kvtier.keys import Namespace
     from kvtier.units import parse_size
 
     cfg = load_config_file(args.file, env=not args.no_env, block_bytes=args.block_bytes)
-    findings = [] if args.no_deploy_check else check_deployment(cfg)
+    probe = args.probe_timeout if args.probe_timeout > 0 else None
+    findings = [] if args.no_deploy_check else check_deployment(cfg, probe_timeout_s=probe)
     errors = [f for f in findings if f.severity == "error"]
     block = cfg.block_bytes or (parse_size(args.block_bytes, field="--block-bytes") if args.block_bytes else None)
+    namespace = Namespace.from_dict(cfg.namespace_fields()).to_dict()
     tiers: list[dict[str, Any]] = []
     for i, tier in enumerate(cfg.tiers):
         options = {k: v for k, v in tier.options().items() if k != "capacity"}
+        slots, more = tier_slots(cfg, i, block) if block else (None, False)
         tiers.append(
             {
                 "index": i,
                 "name": tier.name or tier.backend,
                 "backend": tier.backend,
                 "capacity_bytes": tier.capacity,
-                "slots": tier.capacity // block if block else None,
+                "slots": slots,
+                "slots_may_grow": more,
                 "policy": tier.policy or cfg.policy,
                 "options": options,
             }
@@ -109,6 +132,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
                 "deploy_checked": not args.no_deploy_check,
                 "findings": [f.to_dict() for f in findings],
                 "block_bytes": block,
+                "namespace": namespace,
                 "config": cfg.to_dict(),
                 "tiers": tiers,
             }
@@ -123,12 +147,17 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"  {f.severity}: {f}")
     print(f"write: {cfg.write}   policy: {cfg.policy}   block: {_size(block) if block else 'unknown (give --block-bytes)'}")
+    print(_namespace_line(namespace, cfg.namespace or {}))
     rows = [
-        [t["index"], t["name"], t["backend"], _size(t["capacity_bytes"]), "-" if t["slots"] is None else t["slots"], t["policy"],
+        [t["index"], t["name"], t["backend"], _size(t["capacity_bytes"]),
+         "-" if t["slots"] is None else f"{t['slots']}{'+' if t['slots_may_grow'] else ''}", t["policy"],
          ", ".join(f"{k}={v}" for k, v in t["options"].items())]
         for t in tiers
     ]
     print(_table(["#", "name", "backend", "capacity", "slots", "policy", "options"], rows))
+    if any(t["slots"] is not None for t in tiers):
+        print("slots: the blocks each tier holds before it evicts (its own bookkeeping and record headers counted)"
+              + ("; +: more once its codec compresses" if any(t["slots_may_grow"] for t in tiers) else ""))
     return 1 if errors else 0
 
 
@@ -337,7 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment overrides")
     check.add_argument("--no-deploy-check", action="store_true",
                        help="only check the file, not this machine (free disk space against capacity, paths and "
-                       "permissions, plugins that fail to import, host/pinned/device memory)")
+                       "permissions, plugins that fail to import, host/pinned/device memory, remote servers)")
+    check.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS",
+                       help="connect to each remote tier's server (redis) and wait at most this long per "
+                       "socket call (default: 2; 0: do not connect)")
     _add_json(check)
     check.set_defaults(func=_cmd_config_check)
     show = config_sub.add_parser("show", help="print the default configuration",
@@ -418,6 +450,22 @@ def _help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+class _WarningsToStderr(logging.Handler):
+    """kvtier's warnings and errors on stderr as ``warning: ...`` lines: a tier server lost, a
+    corrupt record deleted, a config finding at open. kvtier itself only logs (a library must
+    not print); the command is the application, so it shows them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"{record.levelname.lower()}: {record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -425,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    handler = _WarningsToStderr()
+    logger = logging.getLogger("kvtier")
+    logger.addHandler(handler)
     try:
         return int(func(args) or 0)
     except KVTierError as exc:
@@ -436,6 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        logger.removeHandler(handler)
 
 
 if __name__ == "__main__":  # pragma: no cover
