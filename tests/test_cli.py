@@ -331,22 +331,53 @@ def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: P
             """
         )
     )
-    (scripts / "bench_disk.py").write_text("import sys\nsys.exit(3)\n")
+    (scripts / "bench_disk.py").write_text("import sys\nprint('args', sys.argv[1:], file=sys.stderr)\nsys.exit(3)\n")
     out = tmp_path / "out"
-    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), cwd=tmp_path)
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), "--dir", str(disk), cwd=tmp_path)
     assert proc.returncode == 1  # bench_disk failed, and says so
     data = json.loads((out / "results.json").read_text())
     assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}
     assert "exit 3" in data["failures"]["disk"] and data["missing"] == ["connector"]
-    assert (out / "core.log").read_text() == "progress\n"
+    assert data["disk_dir"] == str(disk.resolve())
+    core_log = (out / "core.log").read_text()
+    assert "bench_core.py --quick\nexit status 0 after" in core_log  # a log says what ran, even when it printed little
+    assert "-- stderr --\nprogress\n-- stdout --\nwarming up\n" in core_log
+    disk_log = (out / "disk.log").read_text()
+    assert f"--quick --dir {disk.resolve()}" in disk_log and "exit status 3" in disk_log  # --dir reaches the disk script
+    assert ["core", "ok"] == proc.stdout.splitlines()[2].split()[:2] and "cpu save 2.5 GB/s (0.25× raw)" in proc.stdout
+    assert f"disk benchmarks measured: {disk.resolve()}" in proc.stdout
     assert "bench_connector.py not found" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmarks", "out"]  # nothing in the current folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmarks", "nvme", "out"]  # nothing in the current folder
+    assert list(disk.iterdir()) == []
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "matplotlib is not installed" in proc.stdout and "kvtier[plot]" in proc.stdout
     else:
         assert (out / "kvtier-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_matplotlib_writes_the_rest_and_says_how_to_get_the_picture(tmp_path: Path) -> None:
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "bench_core.py").write_text('import json\nprint(json.dumps({"cpu_save_gbps": 1.0}))\n')
+    hide = tmp_path / "hide"  # a matplotlib that cannot be imported, as after a plain install
+    (hide / "matplotlib").mkdir(parents=True)
+    (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    out = tmp_path / "out"
+    proc = kvtier("bench", "--only", "core", "--bench-dir", str(scripts), "--out", str(out), env={"PYTHONPATH": str(hide)})
+    assert proc.returncode == 0, proc.stderr
+    note = "plot: not written: matplotlib is not installed (pip install 'kvtier[plot]')"
+    assert note in proc.stdout and not (out / "kvtier-bench.png").exists() and (out / "results.json").exists()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert note.removeprefix("plot: ") in readme and "$ pip install 'kvtier[plot]'" in readme  # the README says the same
+
+
+def test_bench_dir_must_be_a_writable_folder(tmp_path: Path) -> None:
+    proc = kvtier("bench", "--dir", str(tmp_path / "absent"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 1 and "--dir:" in proc.stderr and "is not a directory" in proc.stderr
 
 
 def test_bench_default_output_folder_is_ignored_by_git() -> None:

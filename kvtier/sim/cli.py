@@ -195,6 +195,8 @@ def _table(report: dict[str, Any]) -> str:
     ]
     for i, tier in enumerate(report["tiers"]):
         rows.append((f"    from {tier['name']} (tiers[{i}])", report["loaded_tokens_by_tier"].get(tier["name"], 0)))
+    if not report.get("emptied", True):
+        rows.append(("    stored by an earlier process", f"{report['earlier_process_tokens']}  (blocks this run never computed)"))
     rows.append(("  recomputed", report["recomputed_tokens"]))
     if report["preempted_unfinished_tokens"] or reprefill:
         rows.append(("  preempted before computed", f"{report['preempted_unfinished_tokens']}  (prefilled again at readmission)"))

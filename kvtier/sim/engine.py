@@ -266,7 +266,12 @@ class SimReport:
     #: Records removed from persistent tiers before the run (``run_sim(empty_persistent=True)``).
     emptied_records: int = 0
     decode_tokens: int = 0
+    #: Per admission, the leading prompt tokens an unbounded cache of every block this run had
+    #: computed or loaded so far would serve (measured on this run's own schedule).
     oracle_hit_tokens: int = 0
+    #: Loaded tokens of blocks no step of this run computed: stored by an earlier process
+    #: (``--keep-disk``); always 0 when the persistent tiers start empty.
+    earlier_process_tokens: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
     stored_blocks: int = 0
@@ -330,6 +335,7 @@ class Simulator:
         self._finished_ids: list[str] = []
         self._load_plans: dict[str, tuple[tuple[int, ...], int]] = {}
         self._oracle: set[int] = set()
+        self._computed: set[int] = set()  # engine block hashes some step of this run computed
         self._pending: list[
             tuple[int, int, Session, int, list[int], list[int]]
         ] = []  # (due, seq, session, turn, tokens, hashes)
@@ -568,6 +574,7 @@ class Simulator:
         for req, blk, h in newly_full:
             self.pool.cache(req.block_ids[blk], h)
             self._oracle.add(h)
+            self._computed.add(h)
         # Sample: a request whose every known token is computed produces the next one.
         for rid in scheduled:
             req = by_id[rid]
@@ -627,6 +634,8 @@ class Simulator:
             h = req.hashes[(blk + 1) * b - 1]
             self.pool.cache(req.block_ids[blk], h)
             self._oracle.add(h)
+            if h not in self._computed:
+                self.report.earlier_process_tokens += b
         req.num_computed_tokens = max(req.load_base, valid)
         # Keep the blocks allocated for the load; compute resumes from the first invalid token.
         req.status = "running"

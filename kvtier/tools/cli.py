@@ -5,7 +5,7 @@
 ``kvtier cache show|clear``    what kvtier keeps in its cache directory; remove it
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
-``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, a PNG)
+``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, logs, a PNG with matplotlib)
 ``kvtier sim``                 the workload simulator (registered by :mod:`kvtier.sim.cli`)
 
 Output is a readable table on stdout; ``--json`` prints one JSON document instead. Progress of
@@ -286,22 +286,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 # -- bench ---------------------------------------------------------------------------------
 
 
-def _walk_numbers(data: Any, prefix: str = "") -> list[tuple[str, float]]:
-    out: list[tuple[str, float]] = []
-    if isinstance(data, dict):
-        for k, v in data.items():
-            out += _walk_numbers(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            out += _walk_numbers(v, f"{prefix}[{i}]")
-    elif isinstance(data, (int, float)) and not isinstance(data, bool):
-        out.append((prefix, float(data)))
-    return out
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.tools.bench import DEFAULT_BENCHMARKS, available, run_benchmarks, script_dir
-    from kvtier.tools.bench.plot import plot_results
+    from kvtier.tools.bench.plot import plot_results, summary
 
     folder = script_dir(args.bench_dir)
     names = args.only or list(DEFAULT_BENCHMARKS)
@@ -313,7 +300,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     def started(i: int, total: int, name: str) -> None:
         print(f"[{i}/{total}] bench_{name}.py{' --quick' if args.quick else ''}", file=sys.stderr)
 
-    run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started)
+    run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started,
+                         disk_dir=args.dir)
     for name in run.missing:
         print(f"kvtier bench: bench_{name}.py not found in {folder}; skipped (have: {', '.join(available(folder))})", file=sys.stderr)
     results_path = run.output / "results.json"
@@ -327,12 +315,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({**run.to_dict(), "output": str(run.output), "results_file": str(results_path), "plot": plot_note})
     else:
-        rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", len(_walk_numbers(r))] for n, r in run.results.items()]
-        rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f] for n, f in run.failures.items()]
-        print(_table(["benchmark", "status", "seconds", "figures / error"], rows))
+        rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", summary(n, r)] for n, r in run.results.items()]
+        rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f.splitlines()[-1] if f else "?"] for n, f in run.failures.items()]
+        print(_table(["benchmark", "status", "seconds", "headline figures (all in results.json) / error"], rows))
+        if run.disk_dir:
+            print(f"disk benchmarks measured: {run.disk_dir}")
         print(f"results: {results_path}")
         print(f"plot: {plot_note}")
-        print(f"logs: {run.output}/<benchmark>.log")
+        print(f"logs: {run.output}/<benchmark>.log (command, exit status, stderr, stdout)")
     return 1 if run.failures else 0
 
 
@@ -420,14 +410,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the benchmarks and draw a picture to choose tiers by",
                            description="Run the benchmark scripts shipped with kvtier (core: host-memory tier and "
                            "manager; disk: lmdb, file and compression; connector: hit rates and scheduler cost), "
-                           "each in its own interpreter, and write results.json, kvtier-bench.png (needs the 'plot' "
-                           "extra) and one log per benchmark into the output folder. Every ratio is against a raw "
-                           "baseline run in the same process.")
-    bench.add_argument("--quick", action="store_true", help="small sizes and few repetitions (about 15 s in all)")
+                           "each in its own interpreter, and write results.json, one log per benchmark and "
+                           "kvtier-bench.png into the output folder. The picture needs matplotlib: pip install "
+                           "'kvtier[plot]' (without it, everything else is written and the command says so). Every "
+                           "ratio is against a raw baseline run in the same process.")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a minute or two in all; figures are rough)")
     bench.add_argument("--only", nargs="+", metavar="NAME",
                        help="run only these (default: core disk connector; any bench_NAME.py "
                        "of the scripts folder, e.g. redis)")
     bench.add_argument("--bench-dir", metavar="DIR", help="run the scripts in DIR instead of the installed ones")
+    bench.add_argument("--dir", metavar="DIR",
+                       help="measure the disk tiers on the filesystem holding DIR (where you mean to deploy them); "
+                       "default: the system's temporary directory")
     bench.add_argument("--out", "-o", default="kvtier-bench", metavar="DIR",
                        help="output folder (default: ./kvtier-bench/)")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
