@@ -38,6 +38,7 @@ import asyncio
 import logging
 import os
 import re
+import ssl
 import threading
 import time
 import warnings
@@ -61,7 +62,7 @@ from kvtier.records.format import (
 try:
     import redis
     from redis.cluster import RedisCluster
-    from redis.exceptions import AskError, ClusterDownError, MovedError, RedisError, TryAgainError
+    from redis.exceptions import AskError, ClusterDownError, InvalidResponse, MovedError, RedisError, TryAgainError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
@@ -191,6 +192,26 @@ def _credentials(
     return clean, username if username is not None else url_user, password if password is not None else url_password, inline
 
 
+def _probe_problem(exc: BaseException, url: str) -> str:
+    """What a failed probe means, in the operator's terms (the exception's own text kept)."""
+    text = f"{type(exc).__name__}: {exc}"
+    causes = [exc, exc.__cause__, exc.__context__]
+    if any(isinstance(c, ssl.SSLError) for c in causes) or "SSL" in str(exc):
+        return f"the TLS handshake failed (check tls_ca_file, tls_cert_file, tls_key_file): {text}"
+    if url.startswith("rediss://") and isinstance(exc, RedisTimeoutError):
+        return f"no TLS handshake within the timeout (is this the server's TLS port?): {text}"
+    if isinstance(exc, InvalidResponse):
+        return f"what answered is not a Redis server (check host and port): {text}"
+    upper = str(exc).upper()
+    if isinstance(exc, redis.AuthenticationError) or any(w in upper for w in ("WRONGPASS", "NOAUTH", "NOPERM", "INVALID USERNAME")):
+        return f"authentication refused (check username and password / password_env): {text}"
+    if "DB INDEX" in upper:
+        return f"the database number in the URL does not exist on the server: {text}"
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return f"not reachable (check host and port, or raise connect_timeout_s): {text}"
+    return f"the server refused the connection: {text}"
+
+
 def _check_seconds(**values: Any) -> None:
     for field, value in values.items():
         if value is None and field == "ttl_s":
@@ -317,6 +338,25 @@ class RedisBackend(RecordBackend):
 
     def reserve_bytes(self) -> int:
         return self.format.block_bytes + self._head_bytes()
+
+    def probe(self, timeout_s: float) -> str | None:
+        """Connect once and ``PING``, waiting at most ``timeout_s`` per socket call; ``None`` when
+        the server answers, else what went wrong (unreachable, authentication, TLS, a bad
+        database number), naming the URL and never a secret. Opens nothing the tier keeps: this
+        is what ``kvtier config check`` asks of a remote tier."""
+        options = _client_options(self.username, self._password, self.tls, timeout_s, timeout_s, 1)
+        try:
+            if self.cluster:
+                client: Any = RedisCluster.from_url(self.url, **options)
+            else:
+                client = redis.Redis.from_url(self.url, **options)
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except (RedisError, OSError) as exc:  # OSError: a TLS file that cannot be read, say
+            return f"{self.url}: {_probe_problem(exc, self.url)}"
+        return None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def open(self, fmt: BlockFormat) -> None:

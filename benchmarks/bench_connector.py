@@ -7,6 +7,9 @@
 - ``hit_vs_oracle``: kvtier + GPU prefix-cache hit tokens divided by those of an unbounded cache
   of every block ever computed, with a small GPU pool and a host tier large enough for the
   workload (target >= 0.99).
+- ``hits_by_tier_size``: the same share per workload with the host tier sized at a tenth, a
+  quarter, half and all of the workload's footprint, and the engine's prefix cache off (what a
+  tier the workload overflows keeps; ``hit_vs_oracle`` is near 1 by construction).
 - ``step_ms_256``: scheduler-side cost of ``build_connector_meta`` + ``update_connector_output``
   per decode step with 256 running requests (target <= 1 ms), workers answered instantly.
 - ``step_ms_raw``: the floor measured in the same process, a bare scan of the same 256 requests
@@ -67,6 +70,32 @@ def hit_vs_oracle(requests: int = 96) -> dict[str, float]:
         total_oracle += report.oracle_hit_tokens
     out["hit_vs_oracle"] = total_hit / max(1, total_oracle)
     return out
+
+
+#: Host tier sizes of the sweep, as fractions of the blocks a workload stores: all of them fit
+#: only at 1.0 (the unbounded run itself), so the smaller sizes show what an overflowing tier keeps.
+TIER_FRACTIONS = (0.1, 0.25, 0.5)
+
+
+def hits_by_tier_size(requests: int = 48, fractions: tuple[float, ...] = TIER_FRACTIONS) -> dict[str, object]:
+    """Per workload, hits over the unbounded cache's with the host tier at ``fractions`` of the
+    workload's footprint (the bytes an unbounded tier ends up storing) and at all of it. The
+    engine's own prefix cache is off, so every hit comes from the kvtier tier being sized."""
+    out: dict[str, object] = {}
+    sim = SimConfig(num_gpu_blocks=256, engine_blocks_per_block=1, prefix_caching=False)
+    for workload in ("chat", "shared", "docqa"):
+        unbounded = run_sim(HOST, workload=workload, requests=requests, sim=sim)
+        assert unbounded.ok, unbounded.to_dict()
+        footprint = unbounded.bytes_stored
+        points = []
+        for fraction in fractions:
+            tier = {"tiers": [{"backend": "cpu", "capacity": max(1, int(footprint * fraction))}]}
+            report = run_sim(tier, workload=workload, requests=requests, sim=sim)
+            assert report.ok, report.to_dict()
+            points.append({"tier_fraction": fraction, "hit_vs_oracle": round(report.hit_tokens / max(1, report.oracle_hit_tokens), 4)})
+        points.append({"tier_fraction": 1.0, "hit_vs_oracle": round(unbounded.hit_tokens / max(1, unbounded.oracle_hit_tokens), 4)})
+        out[workload] = {"footprint_bytes": footprint, "points": points}
+    return {"hits_by_tier_size": out}
 
 
 @dataclass
@@ -150,6 +179,7 @@ def main() -> None:
     result: dict[str, float | str] = {"quick": quick}
     result.update(last_block_gain(48 if quick else 200))
     result.update(hit_vs_oracle(32 if quick else 96))
+    result.update(hits_by_tier_size(12 if quick else 48))
     steps, reps = (100, 1) if quick else (400, 3)
     raw = min(step_ms_raw(steps=steps) for _ in range(reps))
     step = min(step_ms(steps=steps) for _ in range(reps))

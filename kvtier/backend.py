@@ -188,6 +188,20 @@ class Backend(ABC):
         """How many blocks fit at the worst-case reservation."""
         return self.usable_bytes() // self.reserve_bytes()
 
+    def blocks_for(self, fmt: BlockFormat) -> int:
+        """How many blocks of ``fmt`` this tier will hold, worked out without opening it (what
+        ``kvtier config check`` shows): the same ``usable_bytes() // reserve_bytes()`` the store
+        gives the manager at open, so a database's bookkeeping and a record's header and page
+        rounding are counted. A tier behind a compressing codec holds more once it learns the
+        stored sizes."""
+        if self.is_open:
+            return self.max_blocks
+        saved, self._fmt = self._fmt, fmt
+        try:
+            return max(0, self.usable_bytes() // max(1, self.reserve_bytes()))
+        finally:
+            self._fmt = saved
+
     # -- bulk, blocking I/O (one call per job) -----------------------------------------------
     @abstractmethod
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:

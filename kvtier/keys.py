@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError, InvalidKeyError
@@ -158,6 +158,9 @@ class Namespace:
                 data["tenant_salt"] = bytes.fromhex(salt)
             except ValueError:
                 data["tenant_salt"] = salt.encode("utf-8")
+        missing = sorted(f.name for f in fields(cls) if f.init and f.default is MISSING and f.name not in data)
+        if missing:
+            raise ConfigError(f"namespace.{missing[0]}: required setting is missing")
         return cls(**data)
 
 

@@ -62,7 +62,7 @@ class KVStore:
         else:
             raise ConfigError("block_bytes: give kv_caches, or set block_bytes in the config for a store without a KV cache")
         if namespace is None:
-            ns_fields = dict(config.namespace or {"model_id": "default"})
+            ns_fields = config.namespace_fields()
             if self.layout is not None:
                 ns_fields.setdefault("kv_layout", self.layout.fingerprint())
             namespace = Namespace.from_dict(ns_fields)

@@ -166,6 +166,28 @@ class RedisClusterServers:
             node.stop()
 
 
+def tls_server(directory: Path) -> tuple[RedisServer, int, Path]:
+    """A started server that also listens for TLS: (server, its TLS port, the self-signed
+    certificate a client must trust). Skips the test where redis-server or openssl is missing."""
+    if REDIS_SERVER is None:
+        pytest.skip(MISSING)
+    if shutil.which("openssl") is None:
+        pytest.skip("OPENSSL NOT INSTALLED: the redis TLS test is SKIPPED")
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=120,
+    )
+    tls_port = free_port()
+    server = RedisServer(directory / "tls", extra=(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+    )).start()
+    return server, tls_port, cert
+
+
 def _need_redis() -> None:
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip(MISSING)

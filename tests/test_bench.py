@@ -22,14 +22,26 @@ RESULTS = {
         "lmdb_load_gbps": 2.5,
         "raw_lmdb_put_gbps": 1.07,
         "raw_lmdb_get_gbps": 5.6,
+        "file_save_gbps": 0.09,
+        "raw_file_write_gbps": 0.19,
         "file_load_gbps": 3.1,
         "file_read_preadv_thread_gbps": 4.8,
         "cpu_blocks_per_gib": 512,
         "compressed_blocks_per_gib": 704,
         "block_bytes": 2 * 2**20,
     },
-    # what bench_connector emits: hit_vs_oracle, not hit_rate
-    "connector": {"hit_vs_oracle_chat": 0.99, "hit_vs_oracle_shared": 1.0, "hit_vs_oracle_docqa": 0.97, "step_ms_256": 0.44},
+    # what bench_connector emits: hit_vs_oracle near 1 (a tier that holds everything), and the sweep
+    "connector": {
+        "hit_vs_oracle_chat": 0.99, "hit_vs_oracle_shared": 1.0, "hit_vs_oracle_docqa": 0.97, "hit_vs_oracle": 0.99,
+        "step_ms_256": 0.44, "step_vs_raw": 3.2,
+        "hits_by_tier_size": {
+            "chat": {"footprint_bytes": 2 << 20, "points": [
+                {"tier_fraction": 0.1, "hit_vs_oracle": 0.25}, {"tier_fraction": 0.5, "hit_vs_oracle": 0.46},
+                {"tier_fraction": 0.25, "hit_vs_oracle": 0.28}, {"tier_fraction": 1.0, "hit_vs_oracle": 1.0}]},
+            "docqa": {"footprint_bytes": 4 << 20, "points": [
+                {"tier_fraction": 0.1, "hit_vs_oracle": 0.38}, {"tier_fraction": 1.0, "hit_vs_oracle": 0.99}]},
+        },
+    },
 }
 
 
@@ -40,6 +52,7 @@ def test_each_tier_is_paired_with_its_raw_limit() -> None:
         ("cpu", "load"): (2.7, 9.9, "raw copy"),
         ("lmdb", "save"): (0.265, 1.07, "raw LMDB put"),
         ("lmdb", "load"): (2.5, 5.6, "raw LMDB get"),
+        ("file", "save"): (0.09, 0.19, "raw write+fdatasync+rename"),
         ("file", "load"): (3.1, 4.8, "raw preadv"),
     }
 
@@ -48,22 +61,45 @@ def test_rates_are_readable() -> None:
     assert (rate(2.64), rate(0.265), rate(38.8)) == ("2.6 GB/s", "265 MB/s", "38.8 GB/s")
 
 
-def test_the_picture_draws_hit_rates_from_hit_vs_oracle(tmp_path: Path) -> None:
+def test_the_hit_panel_draws_hits_against_the_tier_size(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
     from kvtier.tools.bench import plot
 
+    assert plot.hit_curves(RESULTS) == {
+        "chat": [(0.1, 0.25), (0.25, 0.28), (0.5, 0.46), (1.0, 1.0)],
+        "docqa": [(0.1, 0.38), (1.0, 0.99)],
+    }
     fig, ax = plt.subplots()
     try:
-        assert plot._hits(ax, RESULTS)  # the panel that was blank
-        assert [t.get_text() for t in ax.get_yticklabels()] == ["chat", "shared", "docqa"]
-        assert [round(p.get_width(), 1) for p in ax.patches] == [99.0, 100.0, 97.0]
+        assert plot._hits(ax, RESULTS)
+        lines = {line.get_label(): [tuple(xy) for xy in line.get_xydata()] for line in ax.get_lines()}
+        assert [round(y) for _, y in lines["chat"]] == [25, 28, 46, 100]  # not 100 % everywhere
+        assert [round(x) for x, _ in lines["chat"]] == [10, 25, 50, 100]
+        assert "tier size" in ax.get_xlabel()
+    finally:
+        plt.close(fig)
+    fig, ax = plt.subplots()
+    try:  # bare hit_vs_oracle figures (a tier that holds everything) no longer make a panel
+        assert not plot._hits(ax, {"connector": {"hit_vs_oracle_chat": 1.0}})
     finally:
         plt.close(fig)
     target = tmp_path / "p.png"
     assert plot_results(RESULTS, target)
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_summary_gives_each_benchmark_s_headline_figures() -> None:
+    from kvtier.tools.bench.plot import summary
+
+    assert summary("core", RESULTS["core"]) == "cpu save 2.6 GB/s (0.26× raw); cpu load 2.7 GB/s (0.27× raw)"
+    assert "file save 90 MB/s (0.47× raw)" in summary("disk", RESULTS["disk"])
+    assert summary("connector", RESULTS["connector"]) == (
+        "hits of an unbounded cache's with the tier at 25 % of the workload: chat 28 %; step 0.44 ms (3.2× raw)"
+    )
+    assert summary("connector", {"hit_vs_oracle": 0.99}) == "hits 99 % of an unbounded cache"
+    assert summary("other", {"n": 1}) == "see results.json"
 
 
 def test_last_json_takes_the_last_object_printed() -> None:

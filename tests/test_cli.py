@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import textwrap
@@ -91,6 +92,71 @@ def test_config_check_reports_every_typo_at_once(tmp_path: Path) -> None:
     assert "unknown key 'polcy' — did you mean 'policy'?" in proc.stderr
     assert "tiers[0]: unknown key 'capacty' — did you mean 'capacity'?" in proc.stderr
     assert "required setting is missing" not in proc.stderr
+
+
+def test_config_check_connects_to_a_redis_tier_and_sim_says_it_was_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis_servers import free_port
+
+    from kvtier.tools.cli import main
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    path = tmp_path / "remote.yaml"
+    path.write_text(f"tiers:\n  - {{backend: cpu, capacity: 8MiB}}\n  - {{backend: redis, capacity: 64MiB, url: '{url}'}}\n")
+    proc = kvtier("config", "check", str(path), "--block-bytes", "64KiB")
+    assert proc.returncode == 1, proc.stdout
+    assert "cannot run on this machine (1 problem)" in proc.stdout
+    assert f"error: tiers[1]: the redis server does not answer: {url}: not reachable" in proc.stdout
+    assert main(["config", "check", str(path), "--probe-timeout", "0"]) == 0  # 0: no connection tried
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert main(["sim", "--config", str(path), "--requests", "4", "--no-progress"]) == 0  # the run goes on without it
+    out = capsys.readouterr()
+    assert f"warning: redis: {url} unreachable" in out.err  # kvtier's logged warnings are shown
+    assert "redis (tiers[1]) DOWN" in out.out and "down at the end of the run" in out.out
+    assert main(["sim", "--config", str(path), "--requests", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tiers"][1]["outages"] >= 1 and data["tiers"][1]["up_at_end"] is False
+
+
+def test_config_check_shows_the_slots_an_lmdb_tier_really_holds(tmp_path: Path) -> None:
+    path = tmp_path / "lmdb.yaml"
+    path.write_text(f"tiers:\n  - {{backend: lmdb, capacity: 256MiB, path: {tmp_path / 'db'}}}\n")
+    data = json.loads(kvtier("config", "check", str(path), "--block-bytes", "32KiB", "--json").stdout)
+
+    async def opened_slots() -> int:
+        import kvtier as kv
+
+        async with kv.open({**data["config"], "block_bytes": 32 << 10}) as store:
+            return int(store.backends[0].max_blocks)
+
+    slots = data["tiers"][0]["slots"]
+    assert slots == asyncio.run(opened_slots()) and slots < (256 << 20) // (32 << 10)  # not capacity / block
+    proc = kvtier("config", "check", str(path), "--block-bytes", "32KiB")
+    assert ["0", "lmdb", "lmdb", "256.0MiB", str(slots), "lru"] == proc.stdout.splitlines()[5].split()[:6]
+
+
+def test_a_namespace_override_names_its_field_and_config_check_shows_the_namespace(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.tools.cli import main
+
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "kvtier.yaml")
+    proc = kvtier("config", "check", example, env={"KVTIER_NAMESPACE__TP_RANK": "3"})
+    assert proc.returncode == 1
+    assert "namespace.tp_rank (set by KVTIER_NAMESPACE__TP_RANK): expected 0 <= tp_rank < tp_size, got 3" in proc.stderr
+    assert "KVTIER_NAMESPACE__TP_SIZE" in proc.stderr and "__init__" not in proc.stderr and "positional" not in proc.stderr
+    for name in [v for v in os.environ if v.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVTIER_NAMESPACE__TP_RANK", "3")
+    monkeypatch.setenv("KVTIER_NAMESPACE__TP_SIZE", "4")
+    assert main(["config", "check", example]) == 0
+    assert "namespace: model_id=default, tp_rank=3, tp_size=4" in capsys.readouterr().out
+    monkeypatch.setenv("KVTIER_NAMESPACE__MODEL_ID", "m")
+    assert main(["config", "check", example, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["namespace"]["model_id"] == "m" and data["namespace"]["tp_size"] == 4
 
 
 def test_config_show_prints_the_defaults() -> None:
@@ -265,22 +331,53 @@ def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: P
             """
         )
     )
-    (scripts / "bench_disk.py").write_text("import sys\nsys.exit(3)\n")
+    (scripts / "bench_disk.py").write_text("import sys\nprint('args', sys.argv[1:], file=sys.stderr)\nsys.exit(3)\n")
     out = tmp_path / "out"
-    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), cwd=tmp_path)
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), "--dir", str(disk), cwd=tmp_path)
     assert proc.returncode == 1  # bench_disk failed, and says so
     data = json.loads((out / "results.json").read_text())
     assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}
     assert "exit 3" in data["failures"]["disk"] and data["missing"] == ["connector"]
-    assert (out / "core.log").read_text() == "progress\n"
+    assert data["disk_dir"] == str(disk.resolve())
+    core_log = (out / "core.log").read_text()
+    assert "bench_core.py --quick\nexit status 0 after" in core_log  # a log says what ran, even when it printed little
+    assert "-- stderr --\nprogress\n-- stdout --\nwarming up\n" in core_log
+    disk_log = (out / "disk.log").read_text()
+    assert f"--quick --dir {disk.resolve()}" in disk_log and "exit status 3" in disk_log  # --dir reaches the disk script
+    assert ["core", "ok"] == proc.stdout.splitlines()[2].split()[:2] and "cpu save 2.5 GB/s (0.25× raw)" in proc.stdout
+    assert f"disk benchmarks measured: {disk.resolve()}" in proc.stdout
     assert "bench_connector.py not found" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmarks", "out"]  # nothing in the current folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmarks", "nvme", "out"]  # nothing in the current folder
+    assert list(disk.iterdir()) == []
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "matplotlib is not installed" in proc.stdout and "kvtier[plot]" in proc.stdout
     else:
         assert (out / "kvtier-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_matplotlib_writes_the_rest_and_says_how_to_get_the_picture(tmp_path: Path) -> None:
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "bench_core.py").write_text('import json\nprint(json.dumps({"cpu_save_gbps": 1.0}))\n')
+    hide = tmp_path / "hide"  # a matplotlib that cannot be imported, as after a plain install
+    (hide / "matplotlib").mkdir(parents=True)
+    (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    out = tmp_path / "out"
+    proc = kvtier("bench", "--only", "core", "--bench-dir", str(scripts), "--out", str(out), env={"PYTHONPATH": str(hide)})
+    assert proc.returncode == 0, proc.stderr
+    note = "plot: not written: matplotlib is not installed (pip install 'kvtier[plot]')"
+    assert note in proc.stdout and not (out / "kvtier-bench.png").exists() and (out / "results.json").exists()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert note.removeprefix("plot: ") in readme and "$ pip install 'kvtier[plot]'" in readme  # the README says the same
+
+
+def test_bench_dir_must_be_a_writable_folder(tmp_path: Path) -> None:
+    proc = kvtier("bench", "--dir", str(tmp_path / "absent"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 1 and "--dir:" in proc.stderr and "is not a directory" in proc.stderr
 
 
 def test_bench_default_output_folder_is_ignored_by_git() -> None:

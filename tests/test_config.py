@@ -202,6 +202,25 @@ def test_bad_namespace() -> None:
     assert "namespace" in error_of({**BASE, "namespace": {"model_id": "m", "tp_rank": 3, "tp_size": 2}})
 
 
+def test_a_namespace_override_alone_takes_the_defaults_and_its_errors_name_the_field() -> None:
+    message = error_of(BASE, env={"KVTIER_NAMESPACE__TP_RANK": "3"})
+    assert "namespace.tp_rank (set by KVTIER_NAMESPACE__TP_RANK): expected 0 <= tp_rank < tp_size, got 3" in message
+    assert "namespace.tp_size is 1 unless set" in message and "KVTIER_NAMESPACE__TP_SIZE" in message
+    assert "__init__" not in message and "positional" not in message
+    cfg = load_config(BASE, env={"KVTIER_NAMESPACE__TP_RANK": "3", "KVTIER_NAMESPACE__TP_SIZE": "4"})
+    assert cfg.namespace == {"tp_rank": 3, "tp_size": 4}  # as given: an engine integration fills in its model
+    assert cfg.namespace_fields() == {"model_id": "default", "tp_rank": 3, "tp_size": 4}
+    store = kvtier.KVStore(load_config({**BASE, "block_bytes": 4096, "namespace": {"tp_size": 2, "tp_rank": 1}}))
+    assert (store.namespace.model_id, store.namespace.tp_rank) == ("default", 1)
+
+
+def test_a_namespace_without_a_model_names_the_field() -> None:
+    from kvtier.keys import Namespace
+
+    with pytest.raises(ConfigError, match=r"^namespace\.model_id: required setting is missing$"):
+        Namespace.from_dict({"tp_rank": 0})
+
+
 def test_all_problems_come_in_one_error() -> None:
     message = error_of({"polcy": 1, "tiers": [{"backend": "cpu", "capacity": "x"}]})
     assert "2 problems" in message and "polcy" in message and "tiers[0].capacity" in message

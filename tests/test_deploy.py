@@ -120,3 +120,74 @@ async def test_a_store_logs_the_findings_when_it_opens_and_opens_anyway(tmp_path
         async with kvtier.open(config, kv_caches=caches, namespace=kvtier.Namespace(model_id="m")) as store:
             assert store.stats()["tiers"][0]["capacity_bytes"] > 0
     assert "tiers[0].capacity" in caplog.text and "more than the whole filesystem" in caplog.text
+
+
+# -- remote tiers: `kvtier config check` connects to each server once --------------------------
+
+
+def probed(tier: dict) -> list[str]:
+    cfg = load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}, {"backend": "redis", "capacity": "1MiB", **tier}]})
+    return [f"{f.severity} {f}" for f in check_deployment(cfg, probe_timeout_s=2.0) if f.field == "tiers[1]"]
+
+
+def test_an_unreachable_redis_server_is_an_error_naming_its_url() -> None:
+    from redis_servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    out = probed({"url": url})
+    assert len(out) == 1 and out[0].startswith(f"error tiers[1]: the redis server does not answer: {url}: not reachable"), out
+    cfg = load_config({"tiers": [{"backend": "redis", "capacity": "1MiB", "url": url}]})
+    assert check_deployment(cfg) == []  # without a probe timeout (what a store does at open): no network
+
+
+def test_a_reachable_server_passes_and_a_refused_login_or_a_missing_database_is_named(own_redis_server) -> None:
+    own_redis_server.cli("ACL", "SETUSER", "probe", "on", ">right", "~*", "+@all")
+    assert probed({"url": own_redis_server.url}) == []
+    assert probed({"url": own_redis_server.url, "username": "probe", "password": "right"}) == []
+    wrong = probed({"url": own_redis_server.url, "username": "probe", "password": "wrong"})
+    assert len(wrong) == 1 and "authentication refused (check username and password / password_env)" in wrong[0], wrong
+    assert "wrong" not in wrong[0].replace("authentication", "")  # never the secret
+    missing = probed({"url": own_redis_server.url.replace("/0", "/99")})
+    assert len(missing) == 1 and "the database number in the URL does not exist" in missing[0], missing
+
+
+def test_a_tls_server_whose_certificate_is_not_trusted_is_named(tmp_path: Path) -> None:
+    from redis_servers import tls_server
+
+    server, tls_port, cert = tls_server(tmp_path)
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        assert probed({"url": url, "tls_ca_file": str(cert)}) == []
+        untrusted = probed({"url": url})
+        assert len(untrusted) == 1 and "the TLS handshake failed" in untrusted[0] and url in untrusted[0], untrusted
+    finally:
+        server.stop()
+
+
+# -- slots: what a tier holds before it evicts, worked out without opening it -------------------
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [
+        {"backend": "lmdb", "capacity": "256MiB", "codec": "zstd-shuffle"},
+        {"backend": "lmdb", "capacity": "8MiB"},
+        {"backend": "file", "capacity": "8MiB"},
+        {"backend": "cpu", "capacity": "8MiB"},
+    ],
+)
+async def test_tier_slots_are_the_blocks_the_opened_tier_holds(tmp_path: Path, tier: dict) -> None:
+    import kvtier
+    from kvtier.config.deploy import tier_slots
+
+    block = 32 << 10
+    if tier["backend"] in ("lmdb", "file"):
+        tier = {**tier, "path": str(tmp_path / "tier")}
+    cfg = load_config({"tiers": [tier], "block_bytes": block})
+    slots, more = tier_slots(cfg, 0, block)
+    assert more is ("codec" in tier)
+    async with kvtier.open(cfg) as store:
+        assert store.manager is not None
+        assert slots == store.backends[0].max_blocks == store.manager.tier_spec(0).policy.capacity
+    if tier["backend"] == "lmdb":  # its map's own pages and every record's header are counted
+        assert slots < cfg.tiers[0].capacity // block

@@ -126,7 +126,10 @@ def test_every_python_block_is_classified() -> None:
 def test_readme_quick_start_prints_what_it_promises(sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (code,) = [b for b in PROGRAMS if b.doc == ROOT / "README.md"]
     exec(compile(sandboxed(code.code, sandbox), code.id, "exec"), {"__name__": "__main__"})
-    assert capsys.readouterr().out.split() == ["4", "4", "4"]
+    (shown,) = [b for b in ALL if b.doc == ROOT / "README.md" and b.lang == "text" and b.line > code.line][:1]
+    out = capsys.readouterr().out
+    assert out == shown.code, f"the README shows\n{shown.code}but the quick start prints\n{out}"
+    assert "saved 4, lookup found 4, loaded 4" in out and out.rstrip().endswith(": True")  # says what it shows
     assert (sandbox / "tmp" / "kvtier-demo").is_dir()  # the LMDB tier went where the sandbox put it
 
 
@@ -237,3 +240,41 @@ def test_example_plugin_is_shown_in_full_in_plugins_md() -> None:
     package = EXAMPLES / "kvtier-dict-backend"
     sources = {str(p.relative_to(ROOT)) for p in package.rglob("*") if p.suffix in (".py", ".toml") and "__pycache__" not in p.parts}
     assert sources <= shown, f"plugins.md does not show {sorted(sources - shown)}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "docs" / "integrations" / "vllm.md"], ids=lambda p: p.name)
+def test_relative_links_point_at_files_and_headings_that_exist(doc: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"\w+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists() or (anchor and path.is_file() and anchor not in _anchors(path)):
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(ROOT)} links to what does not exist: {broken}"
+
+
+def test_readme_links_the_engine_integrations_and_the_vllm_page_answers_an_operator() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "](docs/integrations/)" in readme and "](docs/integrations/vllm.md)" in readme
+    vllm = (ROOT / "docs" / "integrations" / "vllm.md").read_text()
+    headings = _anchors(ROOT / "docs" / "integrations" / "vllm.md")
+    for anchor in ("shutdown-when-the-store-is-closed-and-written-back", "what-a-crash-loses-by-write-mode",
+                   "environment-overrides-apply-to-a-config-file-only", "metrics", "pinned-memory-in-containers"):
+        assert anchor in headings, anchor
+    for needed in ("store.aclose()", "write: through", "write: back", "is used exactly as given", "kvtier[metrics]",
+                   "curl -s localhost:9400/metrics", "RLIMIT_MEMLOCK", "--ulimit memlock=-1"):
+        assert needed in vllm, needed

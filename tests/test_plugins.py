@@ -309,3 +309,47 @@ def test_a_module_colon_name_whose_import_raises_is_a_kvtier_error(tmp_path: Pat
     )
     assert proc.returncode == 0, proc.stderr
     assert "'kvtier_broken_raises:Policy' raised RuntimeError: plugin bug at import" in proc.stdout
+
+
+def _extra_requirements(dist: str, extra: str) -> set[str]:
+    """Names of what ``pip install "dist[extra]"`` adds, from the installed metadata."""
+    from importlib.metadata import requires
+
+    out = set()
+    for req in requires(dist) or []:
+        name, _, marker = req.partition(";")
+        if re.search(rf"extra\s*==\s*['\"]{re.escape(extra)}['\"]", marker):
+            out.add(re.split(r"[\s<>=!~\[]", name.strip(), maxsplit=1)[0].lower())
+    return out
+
+
+def test_the_testing_extra_installs_what_kvtier_testing_needs() -> None:
+    """``pip install "kvtier[testing]"`` gives a plugin author's environment everything the
+    conformance suite imports, and the docs run it with that environment's pytest."""
+    import ast
+    from importlib.metadata import requires
+
+    testing = _extra_requirements("kvtier", "testing")
+    assert testing == {"pytest", "pytest-asyncio", "hypothesis"}, testing
+    base = {re.split(r"[\s<>=!~\[;]", r, maxsplit=1)[0].lower() for r in requires("kvtier") or [] if "extra ==" not in r}
+    source = (Path(__file__).resolve().parent.parent / "kvtier" / "testing.py").read_text()
+    imported = {
+        (n.names[0].name if isinstance(n, ast.Import) else n.module or "").split(".")[0]
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and not (isinstance(n, ast.ImportFrom) and n.level)
+    }
+    third_party = {m for m in imported if m and m not in sys.stdlib_module_names and m != "kvtier"}
+    assert third_party <= base | testing, f"kvtier.testing imports {sorted(third_party - base - testing)}, installed by nothing"
+    assert "pytest" in third_party  # the reason the extra exists
+    plugins_md = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    assert 'pip install -e "examples/kvtier-dict-backend[test]" && python -m pytest -q examples/kvtier-dict-backend/tests' in plugins_md
+    assert "&& pytest" not in plugins_md and '"kvtier[testing]"' in plugins_md
+
+
+def test_the_example_plugin_s_test_extra_pulls_in_kvtier_testing(tmp_path: Path) -> None:
+    wheel = build_plugin_wheel(PLUGIN, tmp_path / "dist")
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(zf.read(n).decode() for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+    assert re.search(r"^Requires-Dist: kvtier\[testing\]; extra == \"test\"$", meta, re.M), meta

@@ -497,25 +497,9 @@ async def _writes(backend: RedisBackend, keys: list[bytes], data: list[torch.Ten
 
 
 def test_tls_with_a_ca_file(tmp_path: Path) -> None:
-    import shutil
+    from redis_servers import tls_server
 
-    from redis_servers import MISSING, REDIS_SERVER, free_port
-
-    if REDIS_SERVER is None:
-        pytest.skip(MISSING)
-    if shutil.which("openssl") is None:
-        pytest.skip("OPENSSL NOT INSTALLED: the redis TLS test is SKIPPED")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=120,
-    )
-    tls_port = free_port()
-    server = RedisServer(tmp_path / "tls", extra=(
-        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-    )).start()
+    server, tls_port, cert = tls_server(tmp_path)
     try:
         url = f"rediss://127.0.0.1:{tls_port}/0"
         backend = opened(url=url, prefix=_prefix(tmp_path), tls_ca_file=str(cert))

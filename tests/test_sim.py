@@ -257,6 +257,44 @@ def test_cli_default_run_uses_both_tiers_and_keep_disk_reuses_an_earlier_process
     # What the earlier process stored on disk is served: fewer tokens recomputed.
     assert kept["recomputed_tokens"] < first["recomputed_tokens"]
     assert kept["corrupt_blocks"] == 0
+    # ... and the report says how much of it came from there (never anything on an emptied tier).
+    assert first["earlier_process_tokens"] == fresh["earlier_process_tokens"] == 0
+    assert 0 < kept["earlier_process_tokens"] <= kept["loaded_tokens"]
+    assert main(["sim", "--no-progress", "--keep-disk"]) == 0
+    table = capsys.readouterr().out
+    assert "    stored by an earlier process" in table and "(blocks this run never computed)" in table
+
+
+def _labels(table: str) -> list[str]:
+    return [line.strip().split("  ")[0] for line in table.splitlines() if line.strip()]
+
+
+def test_every_line_of_the_sim_table_is_explained_in_the_docs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import re
+
+    from kvtier.sim.cli import _table
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["sim", "--no-progress", "--requests", "6", "--keep-disk"]) == 0
+    labels = _labels(capsys.readouterr().out)
+    report = run_sim(CPU, requests=2).to_dict()
+    report.update(emptied=True, tiers=[{**report["tiers"][0], "outages": 2, "up_at_end": False}])
+    down = [label for label in _labels(_table(report)) if label.endswith("DOWN")]
+    assert down == ["cpu (tiers[0]) DOWN"]
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "quickstart.md").read_text()
+    documented = set(re.findall(r"`([^`]+)`", doc.split("## Reading the `kvtier sim` table")[1].split("\n## ")[0]))
+    generic = {r"from \w+ \(tiers\[\d+\]\)": "loaded from kvtier", r"\w+ \(tiers\[\d+\]\) DOWN": "<tier> (tiers[i]) DOWN"}
+    missing = []
+    for label in [*labels, *down]:
+        shown = next((doc_name for pattern, doc_name in generic.items() if re.fullmatch(pattern, label)), label)
+        if shown not in documented:
+            missing.append(label)
+    assert not missing, f"lines of the kvtier sim table that docs/quickstart.md does not explain: {missing}"
+    for jargon in ("hit tokens / unbounded oracle", "last-block stores at finish", "flushed store jobs",
+                   "fence violations", "live request states", "live jobs", "stored by an earlier process"):
+        assert jargon in labels and jargon in documented
 
 
 def test_promotion_brings_disk_hits_back_to_host_memory(tmp_path: Path) -> None:

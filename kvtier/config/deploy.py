@@ -1,7 +1,7 @@
 """Deployability: can this configuration run on *this* machine?
 
 :func:`load_config` checks that a configuration is well formed; :func:`check_deployment` checks
-it against the machine, without opening anything or writing a byte:
+it against the machine, without opening a tier or writing a byte:
 
 - **plugins**: every backend, policy and codec the config names is imported now (an entry point
   whose module or object fails to load is an error naming the field);
@@ -10,7 +10,10 @@ it against the machine, without opening anything or writing a byte:
 - **disk space**: the capacities of the tiers on one filesystem must fit in its free space plus
   what those tiers already hold there;
 - **memory**: host-memory tiers against the machine's memory (total: error; available:
-  warning), pinned host memory against ``RLIMIT_MEMLOCK``, device tiers against the device.
+  warning), pinned host memory against ``RLIMIT_MEMLOCK``, device tiers against the device;
+- **remote servers** (only with ``probe_timeout_s``): each tier whose backend defines
+  ``probe(timeout_s)`` (``redis``) connects once; no answer, refused credentials or a failed
+  TLS handshake is an error naming the URL.
 
 ``kvtier config check`` runs it by default (``--no-deploy-check`` skips it) and fails on an
 error; :meth:`kvtier.KVStore.start` logs each finding as a warning and opens anyway, so a store
@@ -27,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier import registry
-from kvtier.config.loader import StoreConfig
+from kvtier.config.loader import StoreConfig, build_backend
 from kvtier.units import format_size
 
-__all__ = ["Finding", "check_deployment", "log_findings", "host_memory"]
+__all__ = ["Finding", "check_deployment", "host_memory", "log_findings", "tier_slots"]
 
 log = logging.getLogger("kvtier.config.deploy")
 
@@ -274,14 +277,57 @@ def _check_memory(cfg: StoreConfig) -> list[Finding]:
     return out
 
 
-def check_deployment(cfg: StoreConfig, *, measure_used: bool = True) -> list[Finding]:
-    """Every reason ``cfg`` may not run on this machine, errors first. Reads only.
+def tier_slots(cfg: StoreConfig, index: int, block_bytes: int) -> tuple[int | None, bool]:
+    """(blocks tier ``index`` holds at ``block_bytes`` per block, whether it may hold more), built
+    from the backend itself without opening it (:meth:`kvtier.backend.Backend.blocks_for`): an
+    LMDB tier's bookkeeping and every record's header and page rounding are counted, so the
+    figure is where eviction starts. ``(None, False)`` when the backend cannot be built here.
+    "May hold more": a compressing codec stores smaller records than the worst case counted."""
+    from kvtier.backend import BlockFormat
+
+    try:
+        backend = build_backend(cfg.tiers[index], index)
+        slots = backend.blocks_for(BlockFormat(block_bytes=block_bytes))
+    except Exception:  # reported by load_config or the plugin check
+        return None, False
+    codec = getattr(getattr(backend, "codec", None), "name", "none")
+    return slots, codec != "none"
+
+
+def _check_remote(cfg: StoreConfig, timeout_s: float) -> list[Finding]:
+    """Ask each tier that can be probed (a backend with ``probe(timeout_s)``: ``redis``, and any
+    plugin that defines it) whether its server answers, one connection each, nothing kept."""
+    out: list[Finding] = []
+    for i, tier in enumerate(cfg.tiers):
+        try:
+            backend = build_backend(tier, i)
+        except Exception:  # a backend that cannot be built was reported by load_config or _check_plugins
+            continue
+        probe = getattr(backend, "probe", None)
+        if not callable(probe):
+            continue
+        try:
+            problem = probe(timeout_s)
+        except Exception as exc:  # a plugin's probe that raises instead of answering
+            problem = f"the probe failed: {type(exc).__name__}: {exc}"
+        if problem:
+            out.append(Finding(f"tiers[{i}]", f"the {tier.backend} server does not answer: {problem}"))
+    return out
+
+
+def check_deployment(cfg: StoreConfig, *, measure_used: bool = True, probe_timeout_s: float | None = None) -> list[Finding]:
+    """Every reason ``cfg`` may not run on this machine, errors first. Writes nothing.
 
     ``measure_used`` walks each persistent tier's directory to count what it already holds
     (free space + held bytes is what the tier may fill); without it the check is quicker and
-    may report a full disk that the tier itself fills.
+    may report a full disk that the tier itself fills. ``probe_timeout_s`` also connects to
+    each remote tier's server (at most that long per socket call) and reports one that does
+    not answer, refuses the credentials or fails the TLS handshake; ``None`` (what a store
+    does at open) touches no network.
     """
     findings = _check_plugins(cfg) + _check_disks(cfg, measure_used) + _check_memory(cfg)
+    if probe_timeout_s is not None:
+        findings += _check_remote(cfg, probe_timeout_s)
     return sorted(findings, key=lambda f: f.severity != "error")
 
 

@@ -44,6 +44,7 @@ from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, Unkn
 from kvtier.units import parse_size
 
 __all__ = [
+    "DEFAULT_MODEL_ID",
     "ENV_PREFIX",
     "MetricsConfig",
     "StoreConfig",
@@ -205,12 +206,15 @@ class StoreConfig(BaseModel):
         from kvtier.keys import Namespace
 
         try:
-            Namespace.from_dict(value)
+            Namespace.from_dict(_namespace_fields(value))
         except ConfigError as exc:
-            raise ValueError(_strip_field(str(exc), "namespace")) from None
-        except TypeError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(_namespace_problem(str(exc), value)) from None
         return value
+
+    def namespace_fields(self) -> dict[str, Any]:
+        """The namespace a store builds from this config when the caller passes none: the
+        ``namespace`` fields given, the rest at their defaults (``model_id``: ``default``)."""
+        return _namespace_fields(self.namespace or {})
 
     def to_dict(self) -> dict[str, Any]:
         data = self.model_dump(exclude_none=True)
@@ -222,6 +226,25 @@ class StoreConfig(BaseModel):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StoreConfig:
         return load_config(data)
+
+
+#: ``model_id`` of a namespace that names none (a config without ``namespace``, or one that sets
+#: only other fields such as ``tp_rank``). Engine integrations put the engine's model name here.
+DEFAULT_MODEL_ID = "default"
+
+
+def _namespace_fields(given: Mapping[str, Any]) -> dict[str, Any]:
+    return {"model_id": DEFAULT_MODEL_ID, **given}
+
+
+def _namespace_problem(message: str, given: Mapping[str, Any]) -> str:
+    """``message`` from :class:`~kvtier.keys.Namespace`, with the hint a rank/size problem needs:
+    a rank names its size, which defaults to 1 (``tp_rank: 3`` alone is out of range)."""
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+        if message.startswith(f"namespace.{rank}:") and size not in given:
+            var = f"{ENV_PREFIX}NAMESPACE__{size.upper()}"
+            return f"{message}; namespace.{size} is 1 unless set: set it too (e.g. {var}=4)"
+    return message
 
 
 def default_config() -> dict[str, Any]:
@@ -277,6 +300,8 @@ def _describe(error: Any) -> tuple[str, str]:
         return "tiers", "expected at least one tier"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    if loc == ("namespace",) and (m := _NAMESPACE_FIELD.match(msg)):
+        return m.group(1), m.group(2)  # the namespace's own field, so "(set by KVTIER_...)" finds it
     if "input" in error and kind not in ("missing",) and not isinstance(error["input"], (dict, list)):
         if repr(error["input"]) not in msg:
             msg = f"{msg} (got {error['input']!r})"
@@ -311,6 +336,7 @@ _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 _MISSING = re.compile(r"missing \d+ required (?:keyword-only |positional )?arguments?: (.*)")
 _UNKNOWN_OPTIONS = re.compile(r"unknown option\(s\) \[([^\]]*)\]")
 _LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
+_NAMESPACE_FIELD = re.compile(r"^(namespace\.\w+): (.*)$", re.S)
 
 
 def _accepted_options(cls: type) -> list[str]:

@@ -176,6 +176,12 @@ def _table(report: dict[str, Any]) -> str:
             else "kept from earlier runs (--keep-disk): hits may exceed the oracle"
         )
         rows.append(("  persistent tiers", note))
+    for i, tier in enumerate(report["tiers"]):
+        if tier.get("outages"):
+            state = "down at the end of the run" if not tier.get("up_at_end") else "back up by the end of the run"
+            rows.append((f"  {tier['name']} (tiers[{i}]) DOWN",
+                         f"{tier['outages']} outage(s), {state}: its stores failed and its loads missed meanwhile"
+                         + (f" ({tier['write_failures']} blocks not stored)" if tier.get("write_failures") else "")))
     reprefill = report["reprefill_tokens"]
     rows += [
         ("prompt tokens", report["prompt_tokens"]),
@@ -189,6 +195,8 @@ def _table(report: dict[str, Any]) -> str:
     ]
     for i, tier in enumerate(report["tiers"]):
         rows.append((f"    from {tier['name']} (tiers[{i}])", report["loaded_tokens_by_tier"].get(tier["name"], 0)))
+    if not report.get("emptied", True):
+        rows.append(("    stored by an earlier process", f"{report['earlier_process_tokens']}  (blocks this run never computed)"))
     rows.append(("  recomputed", report["recomputed_tokens"]))
     if report["preempted_unfinished_tokens"] or reprefill:
         rows.append(("  preempted before computed", f"{report['preempted_unfinished_tokens']}  (prefilled again at readmission)"))

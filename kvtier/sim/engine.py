@@ -260,12 +260,18 @@ class SimReport:
     #: Tokens admitted for prefill whose request was preempted before they were computed; they
     #: are prefilled again (and counted again) when it is readmitted.
     preempted_unfinished_tokens: int = 0
-    #: The store's tiers, fastest first: name, backend, capacity_bytes, path (persistent tiers).
+    #: The store's tiers, fastest first: name, backend, capacity_bytes, path (persistent tiers),
+    #: and where it happened: outages and up_at_end (a server that went away), write_failures.
     tiers: list[dict[str, Any]] = field(default_factory=list)
     #: Records removed from persistent tiers before the run (``run_sim(empty_persistent=True)``).
     emptied_records: int = 0
     decode_tokens: int = 0
+    #: Per admission, the leading prompt tokens an unbounded cache of every block this run had
+    #: computed or loaded so far would serve (measured on this run's own schedule).
     oracle_hit_tokens: int = 0
+    #: Loaded tokens of blocks no step of this run computed: stored by an earlier process
+    #: (``--keep-disk``); always 0 when the persistent tiers start empty.
+    earlier_process_tokens: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
     stored_blocks: int = 0
@@ -329,6 +335,7 @@ class Simulator:
         self._finished_ids: list[str] = []
         self._load_plans: dict[str, tuple[tuple[int, ...], int]] = {}
         self._oracle: set[int] = set()
+        self._computed: set[int] = set()  # engine block hashes some step of this run computed
         self._pending: list[
             tuple[int, int, Session, int, list[int], list[int]]
         ] = []  # (due, seq, session, turn, tokens, hashes)
@@ -567,6 +574,7 @@ class Simulator:
         for req, blk, h in newly_full:
             self.pool.cache(req.block_ids[blk], h)
             self._oracle.add(h)
+            self._computed.add(h)
         # Sample: a request whose every known token is computed produces the next one.
         for rid in scheduled:
             req = by_id[rid]
@@ -626,6 +634,8 @@ class Simulator:
             h = req.hashes[(blk + 1) * b - 1]
             self.pool.cache(req.block_ids[blk], h)
             self._oracle.add(h)
+            if h not in self._computed:
+                self.report.earlier_process_tokens += b
         req.num_computed_tokens = max(req.load_base, valid)
         # Keep the blocks allocated for the load; compute resumes from the first invalid token.
         req.status = "running"
@@ -681,6 +691,16 @@ class Simulator:
         r.live_request_states = self.connector.num_request_states
         r.live_jobs = self.connector.num_jobs + self.worker.num_unsubmitted + self.worker.num_in_flight
         r.fenced_blocks = self.connector.num_fenced_blocks
+        for tier, backend in zip(r.tiers, self.store.backends):
+            # A tier with a server (redis) counts its outages; the run goes on without it, so
+            # the report says so rather than leaving the operator to guess from the hits.
+            stats = backend.stats()
+            if stats.get("outages"):
+                tier["outages"] = int(stats["outages"])
+                tier["up_at_end"] = bool(stats.get("up", True))
+            failed = int(stats.get("write_failures", 0))
+            if failed:
+                tier["write_failures"] = failed
 
 
 def make_caches(config: SimConfig) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@
 ``kvtier cache show|clear``    what kvtier keeps in its cache directory; remove it
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
-``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, a PNG)
+``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, logs, a PNG with matplotlib)
 ``kvtier sim``                 the workload simulator (registered by :mod:`kvtier.sim.cli`)
 
 Output is a readable table on stdout; ``--json`` prints one JSON document instead. Progress of
@@ -16,7 +16,9 @@ long operations goes to stderr, and only when stderr is a terminal. Exit status:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -78,25 +80,46 @@ def _size(n: int | None) -> str:
 # -- config --------------------------------------------------------------------------------
 
 
+def _namespace_line(fields: dict[str, Any], given: dict[str, Any]) -> str:
+    """The namespace a store of this config uses (``given``: the fields the config sets),
+    defaults left out but for model_id."""
+    from kvtier.keys import Namespace
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Namespace) if f.init}
+    shown = [f"model_id={fields['model_id']}"]
+    shown += [f"{k}={v}" for k, v in fields.items() if k not in ("model_id", "tenant_salt") and v != defaults.get(k)]
+    if fields.get("tenant_salt"):
+        shown.append("tenant_salt=(set)")
+    note = ""
+    if "model_id" not in given:
+        note = "  (namespace.model_id not set: the default; an engine integration sets the engine's model)"
+    return "namespace: " + ", ".join(shown) + note
+
+
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
-    from kvtier.config.deploy import check_deployment
+    from kvtier.config.deploy import check_deployment, tier_slots
+    from kvtier.keys import Namespace
     from kvtier.units import parse_size
 
     cfg = load_config_file(args.file, env=not args.no_env, block_bytes=args.block_bytes)
-    findings = [] if args.no_deploy_check else check_deployment(cfg)
+    probe = args.probe_timeout if args.probe_timeout > 0 else None
+    findings = [] if args.no_deploy_check else check_deployment(cfg, probe_timeout_s=probe)
     errors = [f for f in findings if f.severity == "error"]
     block = cfg.block_bytes or (parse_size(args.block_bytes, field="--block-bytes") if args.block_bytes else None)
+    namespace = Namespace.from_dict(cfg.namespace_fields()).to_dict()
     tiers: list[dict[str, Any]] = []
     for i, tier in enumerate(cfg.tiers):
         options = {k: v for k, v in tier.options().items() if k != "capacity"}
+        slots, more = tier_slots(cfg, i, block) if block else (None, False)
         tiers.append(
             {
                 "index": i,
                 "name": tier.name or tier.backend,
                 "backend": tier.backend,
                 "capacity_bytes": tier.capacity,
-                "slots": tier.capacity // block if block else None,
+                "slots": slots,
+                "slots_may_grow": more,
                 "policy": tier.policy or cfg.policy,
                 "options": options,
             }
@@ -109,6 +132,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
                 "deploy_checked": not args.no_deploy_check,
                 "findings": [f.to_dict() for f in findings],
                 "block_bytes": block,
+                "namespace": namespace,
                 "config": cfg.to_dict(),
                 "tiers": tiers,
             }
@@ -123,12 +147,17 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"  {f.severity}: {f}")
     print(f"write: {cfg.write}   policy: {cfg.policy}   block: {_size(block) if block else 'unknown (give --block-bytes)'}")
+    print(_namespace_line(namespace, cfg.namespace or {}))
     rows = [
-        [t["index"], t["name"], t["backend"], _size(t["capacity_bytes"]), "-" if t["slots"] is None else t["slots"], t["policy"],
+        [t["index"], t["name"], t["backend"], _size(t["capacity_bytes"]),
+         "-" if t["slots"] is None else f"{t['slots']}{'+' if t['slots_may_grow'] else ''}", t["policy"],
          ", ".join(f"{k}={v}" for k, v in t["options"].items())]
         for t in tiers
     ]
     print(_table(["#", "name", "backend", "capacity", "slots", "policy", "options"], rows))
+    if any(t["slots"] is not None for t in tiers):
+        print("slots: the blocks each tier holds before it evicts (its own bookkeeping and record headers counted)"
+              + ("; +: more once its codec compresses" if any(t["slots_may_grow"] for t in tiers) else ""))
     return 1 if errors else 0
 
 
@@ -257,22 +286,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 # -- bench ---------------------------------------------------------------------------------
 
 
-def _walk_numbers(data: Any, prefix: str = "") -> list[tuple[str, float]]:
-    out: list[tuple[str, float]] = []
-    if isinstance(data, dict):
-        for k, v in data.items():
-            out += _walk_numbers(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            out += _walk_numbers(v, f"{prefix}[{i}]")
-    elif isinstance(data, (int, float)) and not isinstance(data, bool):
-        out.append((prefix, float(data)))
-    return out
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.tools.bench import DEFAULT_BENCHMARKS, available, run_benchmarks, script_dir
-    from kvtier.tools.bench.plot import plot_results
+    from kvtier.tools.bench.plot import plot_results, summary
 
     folder = script_dir(args.bench_dir)
     names = args.only or list(DEFAULT_BENCHMARKS)
@@ -284,7 +300,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     def started(i: int, total: int, name: str) -> None:
         print(f"[{i}/{total}] bench_{name}.py{' --quick' if args.quick else ''}", file=sys.stderr)
 
-    run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started)
+    run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started,
+                         disk_dir=args.dir)
     for name in run.missing:
         print(f"kvtier bench: bench_{name}.py not found in {folder}; skipped (have: {', '.join(available(folder))})", file=sys.stderr)
     results_path = run.output / "results.json"
@@ -298,12 +315,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({**run.to_dict(), "output": str(run.output), "results_file": str(results_path), "plot": plot_note})
     else:
-        rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", len(_walk_numbers(r))] for n, r in run.results.items()]
-        rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f] for n, f in run.failures.items()]
-        print(_table(["benchmark", "status", "seconds", "figures / error"], rows))
+        rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", summary(n, r)] for n, r in run.results.items()]
+        rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f.splitlines()[-1] if f else "?"] for n, f in run.failures.items()]
+        print(_table(["benchmark", "status", "seconds", "headline figures (all in results.json) / error"], rows))
+        if run.disk_dir:
+            print(f"disk benchmarks measured: {run.disk_dir}")
         print(f"results: {results_path}")
         print(f"plot: {plot_note}")
-        print(f"logs: {run.output}/<benchmark>.log")
+        print(f"logs: {run.output}/<benchmark>.log (command, exit status, stderr, stdout)")
     return 1 if run.failures else 0
 
 
@@ -337,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment overrides")
     check.add_argument("--no-deploy-check", action="store_true",
                        help="only check the file, not this machine (free disk space against capacity, paths and "
-                       "permissions, plugins that fail to import, host/pinned/device memory)")
+                       "permissions, plugins that fail to import, host/pinned/device memory, remote servers)")
+    check.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS",
+                       help="connect to each remote tier's server (redis) and wait at most this long per "
+                       "socket call (default: 2; 0: do not connect)")
     _add_json(check)
     check.set_defaults(func=_cmd_config_check)
     show = config_sub.add_parser("show", help="print the default configuration",
@@ -388,14 +410,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the benchmarks and draw a picture to choose tiers by",
                            description="Run the benchmark scripts shipped with kvtier (core: host-memory tier and "
                            "manager; disk: lmdb, file and compression; connector: hit rates and scheduler cost), "
-                           "each in its own interpreter, and write results.json, kvtier-bench.png (needs the 'plot' "
-                           "extra) and one log per benchmark into the output folder. Every ratio is against a raw "
-                           "baseline run in the same process.")
-    bench.add_argument("--quick", action="store_true", help="small sizes and few repetitions (about 15 s in all)")
+                           "each in its own interpreter, and write results.json, one log per benchmark and "
+                           "kvtier-bench.png into the output folder. The picture needs matplotlib: pip install "
+                           "'kvtier[plot]' (without it, everything else is written and the command says so). Every "
+                           "ratio is against a raw baseline run in the same process.")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a minute or two in all; figures are rough)")
     bench.add_argument("--only", nargs="+", metavar="NAME",
                        help="run only these (default: core disk connector; any bench_NAME.py "
                        "of the scripts folder, e.g. redis)")
     bench.add_argument("--bench-dir", metavar="DIR", help="run the scripts in DIR instead of the installed ones")
+    bench.add_argument("--dir", metavar="DIR",
+                       help="measure the disk tiers on the filesystem holding DIR (where you mean to deploy them); "
+                       "default: the system's temporary directory")
     bench.add_argument("--out", "-o", default="kvtier-bench", metavar="DIR",
                        help="output folder (default: ./kvtier-bench/)")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
@@ -418,6 +444,22 @@ def _help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+class _WarningsToStderr(logging.Handler):
+    """kvtier's warnings and errors on stderr as ``warning: ...`` lines: a tier server lost, a
+    corrupt record deleted, a config finding at open. kvtier itself only logs (a library must
+    not print); the command is the application, so it shows them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"{record.levelname.lower()}: {record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -425,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    handler = _WarningsToStderr()
+    logger = logging.getLogger("kvtier")
+    logger.addHandler(handler)
     try:
         return int(func(args) or 0)
     except KVTierError as exc:
@@ -436,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        logger.removeHandler(handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

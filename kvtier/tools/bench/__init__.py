@@ -7,8 +7,8 @@ disturbed by another's threads or memory) and prints one JSON object on stdout; 
 it is measured against a raw baseline in that same process.
 
 Everything goes to one output folder (default ``./kvtier-bench/``): ``results.json`` (all
-figures), ``kvtier-bench.png`` (the picture, with the ``plot`` extra) and ``<name>.log`` (each
-script's stderr).
+figures), ``kvtier-bench.png`` (the picture; it needs matplotlib, the ``plot`` extra) and
+``<name>.log`` (each script's command line, exit status, stderr and stdout).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_BENCHMARKS", "BenchRun", "available", "last_json", "run_benchmarks", "script_dir"]
+__all__ = ["DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchRun", "available", "check_disk_dir", "last_json", "run_benchmarks", "script_dir"]
 
 #: What ``kvtier bench`` runs by default: the ones that need no service or model download.
 DEFAULT_BENCHMARKS = ("core", "disk", "connector")
+#: The ones that measure a filesystem, and take ``--dir`` (``kvtier bench --dir``) to say which.
+DISK_BENCHMARKS = frozenset({"disk"})
 DEFAULT_OUTPUT = "kvtier-bench"
 
 
@@ -82,16 +84,39 @@ class BenchRun:
     failures: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    disk_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "quick": self.quick,
             "scripts": None if self.scripts is None else str(self.scripts),
+            "disk_dir": self.disk_dir,
             "results": self.results,
             "failures": self.failures,
             "missing": self.missing,
             "seconds": self.seconds,
         }
+
+
+def _log(cmd: Sequence[str], seconds: float, status: str, stdout: str, stderr: str) -> str:
+    """A benchmark's log: what ran, how it ended, and everything it printed (never empty)."""
+
+    def section(text: str) -> str:
+        return "(nothing)\n" if not text else text if text.endswith("\n") else text + "\n"
+
+    return f"$ {' '.join(cmd)}\n{status} after {seconds:.1f} s\n-- stderr --\n{section(stderr)}-- stdout --\n{section(stdout)}"
+
+
+def check_disk_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` as the folder the disk benchmarks measure, or a ConfigError saying why not."""
+    from kvtier.errors import ConfigError
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--dir: {str(folder)!r} is not a directory (give a folder on the filesystem to measure)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--dir: {str(folder)!r} is not writable by this user")
+    return folder.resolve()
 
 
 def run_benchmarks(
@@ -102,13 +127,16 @@ def run_benchmarks(
     scripts: str | os.PathLike[str] | None = None,
     timeout: float = 3600.0,
     on_start: Callable[[int, int, str], None] | None = None,
+    disk_dir: str | os.PathLike[str] | None = None,
 ) -> BenchRun:
     """Run ``bench_<name>.py`` for each name (default :data:`DEFAULT_BENCHMARKS`), write
-    ``results.json`` and the logs into ``output``, and return what happened."""
+    ``results.json`` and the logs into ``output``, and return what happened. ``disk_dir`` is
+    the filesystem the disk benchmarks (:data:`DISK_BENCHMARKS`) measure (their ``--dir``)."""
     folder = script_dir(scripts)
+    where = None if disk_dir is None else check_disk_dir(disk_dir)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    run = BenchRun(output=out, quick=quick, scripts=folder)
+    run = BenchRun(output=out, quick=quick, scripts=folder, disk_dir=None if where is None else str(where))
     wanted = list(names or DEFAULT_BENCHMARKS)
     present = [n for n in wanted if folder is not None and (folder / f"bench_{n}.py").is_file()]
     run.missing = [n for n in wanted if n not in present]
@@ -119,15 +147,20 @@ def run_benchmarks(
         if on_start is not None:
             on_start(i, len(present), name)
         cmd = [sys.executable, str(folder / f"bench_{name}.py"), *(["--quick"] if quick else [])]
+        if where is not None and name in DISK_BENCHMARKS:
+            cmd += ["--dir", str(where)]
         started = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            run.failures[name] = f"timed out after {timeout:.0f} s"
-            continue
-        finally:
+        except subprocess.TimeoutExpired as exc:
             run.seconds[name] = round(time.perf_counter() - started, 2)
-        (out / f"{name}.log").write_text(proc.stderr, encoding="utf-8")
+            run.failures[name] = f"timed out after {timeout:.0f} s"
+            text = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (exc.stdout, exc.stderr)]
+            (out / f"{name}.log").write_text(_log(cmd, run.seconds[name], run.failures[name], *text), encoding="utf-8")
+            continue
+        run.seconds[name] = round(time.perf_counter() - started, 2)
+        status = f"exit status {proc.returncode}"
+        (out / f"{name}.log").write_text(_log(cmd, run.seconds[name], status, proc.stdout, proc.stderr), encoding="utf-8")
         if proc.returncode != 0:
             run.failures[name] = f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"
             continue

@@ -3,7 +3,9 @@
 - **Bandwidth**: each tier's save and load beside the raw limit measured in the same run (a raw
   copy for host memory, raw LMDB put/get, raw file reads), coloured by tier, labelled in GB/s
   or MB/s with the ratio to the raw limit.
-- **Hits**: prefix-hit tokens as a share of an unbounded cache, per workload.
+- **Hits**: prefix-hit tokens as a share of an unbounded cache's, per workload, with the host
+  tier at several sizes up to the workload's footprint (a tier that holds everything is near
+  100 % by construction; the smaller ones show what an overflowing tier keeps).
 - **Capacity**: blocks per GiB of capacity, plain and compressed.
 - **Costs**: manager and connector time per key or step.
 
@@ -16,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BANDWIDTH", "bandwidth_rows", "plot_results"]
+__all__ = ["BANDWIDTH", "bandwidth_rows", "hit_curves", "plot_results", "summary"]
 
 #: (benchmark, tier, operation, kvtier figure, raw figure or None, what the raw figure is)
 BANDWIDTH: tuple[tuple[str, str, str, str, str | None, str], ...] = (
@@ -24,7 +26,7 @@ BANDWIDTH: tuple[tuple[str, str, str, str, str | None, str], ...] = (
     ("core", "cpu", "load", "cpu_load_gbps", "raw_copy_gbps", "raw copy"),
     ("disk", "lmdb", "save", "lmdb_save_gbps", "raw_lmdb_put_gbps", "raw LMDB put"),
     ("disk", "lmdb", "load", "lmdb_load_gbps", "raw_lmdb_get_gbps", "raw LMDB get"),
-    ("disk", "file", "save", "file_save_gbps", None, ""),
+    ("disk", "file", "save", "file_save_gbps", "raw_file_write_gbps", "raw write+fdatasync+rename"),
     ("disk", "file", "load", "file_load_gbps", "file_read_preadv_thread_gbps", "raw preadv"),
     # with a CUDA device (kvtier bench --only gpu): the engine's cache on the GPU
     ("gpu", "cpu", "save from GPU", "cpu_save_GBps", "d2h_GBps", "raw D2H copy"),
@@ -46,7 +48,6 @@ TIER_COLOURS = {
     "gpu": "#8c564b",
 }
 RAW_COLOUR = "#b0b0b0"
-WORKLOADS = ("chat", "shared", "docqa")
 
 
 def _num(results: Mapping[str, Any], bench: str, key: str | None) -> float | None:
@@ -74,6 +75,27 @@ def bandwidth_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
         raw = _num(results, bench, raw_key)
         rows.append({"tier": tier, "op": op, "gbps": value, "raw_gbps": raw, "raw_label": raw_label})
     return rows
+
+
+def summary(bench: str, result: Mapping[str, Any]) -> str:
+    """One line of ``bench``'s headline figures for the ``kvtier bench`` table: each tier's
+    speed over its raw limit (the picture's bars), the connector's hits and step cost."""
+    parts = []
+    for row in bandwidth_rows({bench: result}):
+        ratio = f"{row['gbps'] / row['raw_gbps']:.2f}× raw" if row["raw_gbps"] else "no raw baseline"
+        parts.append(f"{row['tier']} {row['op']} {rate(row['gbps'])} ({ratio})")
+    data = {bench: result}
+    hits, step, step_raw = (_num(data, bench, k) for k in ("hit_vs_oracle", "step_ms_256", "step_vs_raw"))
+    curves = hit_curves(data)
+    if curves:  # at a tier the workloads overflow: a tier that holds everything is near 100 % by construction
+        at = min((x for pairs in curves.values() for x, _ in pairs), key=lambda x: abs(x - 0.25))
+        shares = ", ".join(f"{w} {100 * y:.0f} %" for w, pairs in curves.items() for x, y in pairs if x == at)
+        parts.append(f"hits of an unbounded cache's with the tier at {100 * at:.0f} % of the workload: {shares}")
+    elif hits is not None:
+        parts.append(f"hits {100 * hits:.0f} % of an unbounded cache")
+    if step is not None:
+        parts.append(f"step {step:.2f} ms" + (f" ({step_raw:.1f}× raw)" if step_raw is not None else ""))
+    return "; ".join(parts) if parts else "see results.json"
 
 
 def _bandwidth(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -121,19 +143,34 @@ def _bandwidth(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+def hit_curves(results: Mapping[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """Per workload, (host tier size as a fraction of its footprint, hits over the unbounded
+    cache's) from ``connector.hits_by_tier_size``, smallest tier first."""
+    sweep = results.get("connector", {}).get("hits_by_tier_size")
+    out: dict[str, list[tuple[float, float]]] = {}
+    for workload, data in (sweep or {}).items() if isinstance(sweep, Mapping) else ():
+        points = data.get("points", []) if isinstance(data, Mapping) else []
+        pairs = [(float(p["tier_fraction"]), float(p["hit_vs_oracle"])) for p in points
+                 if isinstance(p, Mapping) and {"tier_fraction", "hit_vs_oracle"} <= set(p)]
+        if pairs:
+            out[str(workload)] = sorted(pairs)
+    return out
+
+
 def _hits(ax: Any, results: Mapping[str, Any]) -> bool:
-    shares = [(w, _num(results, "connector", f"hit_vs_oracle_{w}")) for w in WORKLOADS]
-    found = [(w, v) for w, v in shares if v is not None]
-    if not found:
+    curves = hit_curves(results)
+    if not curves:
         return False
-    ys = list(range(len(found)))[::-1]
-    ax.barh(ys, [100 * v for _, v in found], color="#1f77b4", height=0.6)
-    for y, (_, v) in zip(ys, found):
-        ax.text(min(100 * v, 100) - 2, y, f"{100 * v:.1f} %", va="center", ha="right", color="white", fontweight="bold")
-    ax.set_yticks(ys, [w for w, _ in found])
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("% of the hits an unbounded cache would give")
-    ax.set_title("Prefix hits (reference engine)", loc="left")
+    for workload, pairs in curves.items():
+        xs, ys = [100 * x for x, _ in pairs], [100 * y for _, y in pairs]
+        ax.plot(xs, ys, marker="o", label=workload)
+    ax.set_xlim(0, 105)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("host tier size, % of what the workload stores")
+    ax.set_ylabel("% of an unbounded cache's hits")
+    ax.set_title("Prefix hits vs tier size (reference engine)", loc="left")
+    ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.grid(alpha=0.3)
     return True
 
 
