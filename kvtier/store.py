@@ -30,6 +30,7 @@ from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.jobs import Applied, JobResult, apply_result
 from kvtier.transfer.layout import KVLayout
+from kvtier.transfer.offloop import off_loop
 from kvtier.units import format_size
 
 __all__ = ["KVStore", "open"]
@@ -159,10 +160,10 @@ class KVStore:
         if self._exporter is not None:
             self._exporter.close()
         if self.transfers is not None:
-            await _off_loop(self.transfers.close)
+            await off_loop(self.transfers.close)
             self._settle_finished()
         if self.layout is not None:  # the device staging goes back to the allocator
-            await _off_loop(self.layout.staging.close)
+            await off_loop(self.layout.staging.close)
         if self.manager is not None:
             await self._flush_on_close()
             await self.flush_stamps()
@@ -196,7 +197,7 @@ class KVStore:
             if backend.persistent:
                 stamps = self.manager.take_stamps(i)
                 if stamps:
-                    await _off_loop(backend.touch_stamps, stamps)
+                    await off_loop(backend.touch_stamps, stamps)
 
     async def __aenter__(self) -> KVStore:
         return self
@@ -439,17 +440,6 @@ def _no_room(index: int, backend: Backend, capacity: int) -> str:
         f"tiers[{index}].capacity: {format_size(capacity)} holds no block: one block needs {format_size(reserve)}{kept}; "
         "give a capacity of several blocks"
     )
-
-
-async def _off_loop(fn: Any, *args: Any) -> Any:
-    """Run blocking ``fn`` in a worker thread; during interpreter shutdown, when no new thread
-    can start (engines often close their stores from exit hooks), run it inline instead."""
-    try:
-        return await asyncio.to_thread(fn, *args)
-    except RuntimeError as exc:
-        if "shutdown" not in str(exc):
-            raise
-        return fn(*args)
 
 
 def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:

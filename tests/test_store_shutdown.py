@@ -30,3 +30,51 @@ def test_a_store_closed_from_an_atexit_hook_closes_cleanly(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "closed True"
     assert "Traceback" not in proc.stderr
+
+
+def test_a_close_from_an_atexit_hook_writes_the_memory_tiers_back(tmp_path: Path) -> None:
+    """Under ``write: back`` the blocks held only in the cpu tier reach LMDB even when the close
+    runs while the interpreter shuts down (no new thread can start then: the write-back runs
+    inline), so the next process is served them."""
+    db = str(tmp_path / "db")
+    script = textwrap.dedent(
+        f"""
+        import atexit, asyncio, torch, kvtier
+        from kvtier.testing import make_key
+
+        kv = [torch.randn(8, 4, 16)]
+        cfg = {{"write": "back", "tiers": [{{"backend": "cpu", "capacity": "1MiB"}},
+                          {{"backend": "lmdb", "path": {db!r}, "capacity": "8MiB"}}]}}
+        loop = asyncio.new_event_loop()
+        store = loop.run_until_complete(kvtier.KVStore(kvtier.config.load_config(cfg), kv_caches=kv).start())
+        keys = [make_key(i) for i in range(4)]
+        assert loop.run_until_complete(store.save(keys, block_ids=[0, 1, 2, 3])) == 4
+        tiers = store.stats()["tiers"]
+        print("before", tiers[0]["ready"], tiers[1]["ready"])
+
+        def bye():
+            loop.run_until_complete(store.aclose())
+
+        atexit.register(bye)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "before 4 0"  # only in the cpu tier when the script ended
+    assert "write-back at close failed" not in proc.stderr, proc.stderr
+    check = textwrap.dedent(
+        f"""
+        import asyncio, torch, kvtier
+        from kvtier.testing import make_key
+
+        async def main():
+            cfg = {{"tiers": [{{"backend": "lmdb", "path": {db!r}, "capacity": "8MiB"}}]}}
+            async with kvtier.open(cfg, kv_caches=[torch.zeros(8, 4, 16)]) as store:
+                print(await store.lookup([make_key(i) for i in range(4)]))
+
+        asyncio.run(main())
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "4"

@@ -18,7 +18,6 @@ is a block left unflushed, logged and counted, never an exception.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ import torch
 from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device
 from kvtier.manager import KeyState, TierManager
+from kvtier.transfer.offloop import off_loop
 
 __all__ = ["FlushReport", "flush_to_persistent"]
 
@@ -139,12 +139,12 @@ async def _flush_chunk(manager: TierManager, backends: Sequence[Backend], target
         return
     plan = manager.prepare_load(live, promote=False)
     try:
-        rows, ok_keys = await asyncio.to_thread(_copy_out, backends, plan.keys, plan.tiers, target)
+        rows, ok_keys = await off_loop(_copy_out, backends, plan.keys, plan.tiers, target)
         report.failed += len(plan.keys) - len(ok_keys)
         if not ok_keys:
             return
         try:
-            sizes = await asyncio.to_thread(backends[target].write_blocks, ok_keys, rows)
+            sizes = await off_loop(backends[target].write_blocks, ok_keys, rows)
         except Exception as exc:  # a failing disk leaves the blocks unflushed, never raises
             log.warning("kvtier flush: writing %d blocks to %s failed: %s", len(ok_keys), manager.tier_spec(target).name, exc)
             report.failed += len(ok_keys)
@@ -157,7 +157,7 @@ async def _flush_chunk(manager: TierManager, backends: Sequence[Backend], target
         # capacity: delete only the latter.
         drop = [k for k, _, _ in records if k in excess and not manager.holds(k, target)]
         if drop:
-            await asyncio.to_thread(backends[target].delete_blocks, drop)
+            await off_loop(backends[target].delete_blocks, drop)
         stored = len(records) - len(drop)
         report.flushed += stored
         report.flushed_bytes += stored * backends[target].format.block_bytes
