@@ -16,12 +16,11 @@ the tier finds there decides how much it trusts the server, never whether the en
 from __future__ import annotations
 
 import enum
-import hmac
 
 from kvtier.backend import BlockFormat
 from kvtier.errors import CorruptBlockError
 from kvtier.records.codec import UnsupportedRecordError
-from kvtier.records.format import RecordMac, check_meta, decode_meta, encode_meta
+from kvtier.records.format import RecordAuthError, RecordMac, check_meta, decode_meta, encode_meta
 
 __all__ = ["MetaVerdict", "judge_meta", "meta_value"]
 
@@ -47,7 +46,11 @@ def judge_meta(raw: bytes, fmt: BlockFormat, mac: RecordMac | None, meta_key: by
     body = raw
     if mac is not None:
         body, tag = raw[:-_TAG], raw[-_TAG:]
-        if len(raw) <= _TAG or not hmac.compare_digest(tag, mac.tag(_DOMAIN, meta_key, body)):
+        if len(raw) <= _TAG:
+            return MetaVerdict.REPLACE, "its MAC tag does not verify with this tier's mac_key"
+        try:
+            mac.verify(_DOMAIN, meta_key, body, tag)
+        except RecordAuthError:
             return MetaVerdict.REPLACE, "its MAC tag does not verify with this tier's mac_key"
     try:
         meta = decode_meta(body)
