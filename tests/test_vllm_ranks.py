@@ -8,13 +8,14 @@ got its own shard back."""
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vllm_world import World, cpu, lmdb, open_world
+from vllm_world import HANG_GUARD, World, cpu, lmdb, open_world
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -257,3 +258,94 @@ def test_the_offload_key_log_names_the_adopted_blocks_across_processes(tmp_path:
     blocked = OffloadKeyLog(str(tmp_path / "vllm-offload-keys-of-2.bin" / "not-a-dir"))
     blocked.append([(K[0], b"x")])  # cannot write: counted and logged, never raised
     assert blocked.errors == 1 and blocked.load() == {}
+
+
+# -- a rank that never reports a job: the scheduler side's deadline --------------------------
+
+
+@pytest.fixture(params=[2, 4])
+async def timed_world(request: Any) -> AsyncIterator[World]:
+    w = await open_world(request.param, [cpu(8, request.param)], deadline_s=10.0)
+    yield w
+    await w.close()
+
+
+async def test_a_store_a_rank_never_reports_is_given_up_after_the_deadline(timed_world: World) -> None:
+    w = timed_world
+    silent = w.world - 1
+    w.issue_store(1, K[:2], [0, 1], ranks=range(silent))  # the last rank lost the job
+    w.step()
+    assert 1 in w.vllm.pending and w.manager.lookup(K[:2]) == 0  # vLLM's count is short
+    w.now = 9.0
+    w.step()
+    assert w.side.take_notices() == () and w.sched_engine.counters["results_expired"] == 0
+    w.now = 10.5
+    w.step()
+    assert w.sched_engine.counters["results_expired"] == 1
+    (notice,) = w.side.take_notices()
+    assert notice.job_id == 1 and notice.ranks == (silent,)
+    w.step(notices=(notice,))  # every rank reads the notice; only the silent one settles
+    assert 1 not in w.vllm.pending  # vLLM settled its job: no fence, no pending work left
+    assert w.engines[silent].counters["jobs_abandoned"] == 1
+    assert sum(e.counters["jobs_abandoned"] for e in w.engines) == 1
+    assert w.manager.lookup(K[:2]) == 0
+    assert sum(t["pending"] for t in w.manager.stats()["tiers"]) == 0
+    assert w.held(0) == 2 and w.run_deletes() == 2  # the copies the other ranks wrote go
+    assert all(w.held(r) == 0 for r in range(w.world))
+    w.step(notices=(notice,))  # the notice again (or a late report): nothing counted twice
+    w.issue_store(2, K[:2], [0, 1])
+    w.step()
+    assert w.manager.lookup(K[:2]) == 2  # the room is free again on every rank
+
+
+async def test_a_late_or_doubled_report_never_reaches_vllm(timed_world: World) -> None:
+    w = timed_world
+    w.issue_store(1, K[:1], [0])
+    w.now = 11.0
+    w.step(ranks=[0])  # rank 0 reports; the others are late: given up
+    (notice,) = w.side.take_notices()
+    w.step(notices=(notice,))  # the late ranks' own reports and their settling race
+    assert 1 not in w.vllm.pending and w.sched_engine.counters["results_expired"] == 1
+    # Counts past the ranks due, or for a job vLLM settled, are dropped, never raised.
+    assert w.side.deadlines.completed({1: 1}) == {}
+    w.issue_store(2, K[1:2], [1])
+    assert w.side.deadlines.completed({2: w.world + 3}) == {2: w.world}
+    assert w.side.deadlines.completed({77: 1}) == {77: 1}  # not kvtier's job: vLLM's own rules
+
+
+async def test_a_load_stuck_on_one_rank_is_recomputed_and_never_written_late(tmp_path: Path, monkeypatch: Any) -> None:
+    w = await open_world(2, [lmdb(tmp_path)], deadline_s=10.0)
+    release = threading.Event()
+    reading = threading.Event()
+    try:
+        w.store(K[:2], [0, 1])
+        backend = w.stores[1].backends[0]
+        real_read = backend.read_blocks
+
+        def stuck_read(keys: Any, out: Any) -> Any:
+            reading.set()
+            release.wait(HANG_GUARD)  # a tier that stops answering
+            return real_read(keys, out)
+
+        monkeypatch.setattr(backend, "read_blocks", stuck_read)
+        before = [t[6:8].clone() for t in w.caches[1]]
+        w.issue_load(5, K[:2], [6, 7])
+        assert reading.wait(HANG_GUARD)
+        assert w.step(ranks=[0]) == set()  # rank 0 loaded its shard; rank 1 is stuck
+        w.now = 10.5
+        w.step(ranks=[0])
+        (notice,) = w.side.take_notices()
+        assert notice.kind == "load" and notice.ranks == (1,) and notice.block_ids == (6, 7)
+        bad = w.step(notices=(notice,))
+        assert bad == {6, 7}  # vLLM recomputes both blocks on every rank
+        assert 5 not in w.vllm.pending and w.engines[1].counters["jobs_abandoned"] == 1
+        assert sum(t["pinned"] for t in w.manager.stats()["tiers"]) == 0
+        assert w.manager.lookup(K[:2]) == 2  # a rank that timed out lost no record
+        release.set()  # the tier answers at last: the cancelled load must not write the blocks
+        w.stores[1].transfers.wait_device([], timeout=HANG_GUARD)
+        await w.stores[1].aclose()
+        for t, old in zip(w.caches[1], before):
+            assert torch.equal(t[6:8], old)
+    finally:
+        release.set()
+        await w.close()

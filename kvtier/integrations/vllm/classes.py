@@ -14,6 +14,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations._sync import run_sync
 from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements, offload_key_log_path
+from kvtier.integrations.vllm.deadlines import ResultDeadlines
 from kvtier.integrations.vllm.engines import (
     MODULE_PATH,
     _check_supported,
@@ -27,7 +28,7 @@ from kvtier.integrations.vllm.engines import (
     rank_tiers,
 )
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager, describe_rank
-from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
+from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
 from kvtier.integrations.vllm.worker_side import _WorkerSide
 from kvtier.keys import fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
@@ -48,6 +49,18 @@ def _public(cls: type) -> type:
     cls.__module__ = MODULE_PATH
     cls.__qualname__ = cls.__name__
     return cls
+
+
+def _result_deadline(value: Any) -> float | None:
+    """``kv_connector_extra_config.result_deadline_s``: seconds the scheduler side waits for
+    every rank's result of a job before the silent ranks are told to settle it as failed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(
+            f"kv_connector_extra_config.result_deadline_s: expected a positive number of seconds, got {value!r}"
+        )
+    return float(value)
 
 
 def build_classes() -> dict[str, type]:
@@ -111,9 +124,16 @@ def build_classes() -> dict[str, type]:
         nothing is stored."""
 
         def __init__(
-            self, engine: _SchedulerEngine, spec: Any, store_cfg: Any, overrides: Mapping[str, Any], key_log: OffloadKeyLog
+            self,
+            engine: _SchedulerEngine,
+            spec: Any,
+            store_cfg: Any,
+            overrides: Mapping[str, Any],
+            key_log: OffloadKeyLog,
+            result_deadline_s: float,
         ) -> None:
             self._engine = engine
+            self._result_deadline_s = result_deadline_s
             self._key_log = key_log
             self._announce: list[Any] = []  # events of adopted blocks, before the manager's own
             self._spec = spec
@@ -133,7 +153,7 @@ def build_classes() -> dict[str, type]:
             adopted = sum(len(keys) for keys in adopted_keys.values())
             rank0 = ranks[0]
             self._ns = _namespace(self._spec.config, self._spec.tokens_per_block[0], rank0.layout, self._overrides)
-            side = _SchedulerSide(self._engine, manager)
+            side = _SchedulerSide(self._engine, manager, ResultDeadlines(self._engine.world_size, self._result_deadline_s))
             for tier, keys in orphans.items():
                 side.ledger.remember(tier, keys)
             engine = self._engine
@@ -167,10 +187,27 @@ def build_classes() -> dict[str, type]:
                 sum(len(k) for k in orphans.values()),
             )
 
-        def receive(self, results: Collection[tuple[int, str, int, JobResult]]) -> None:
-            if self._side is not None:
-                for rank, kind, plan_id, result in results:
-                    self._side.receive(rank, kind, plan_id, result)
+        def worker_output(
+            self, results: Collection[tuple[int, str, int, JobResult]], counts: Mapping[int, int]
+        ) -> dict[int, int]:
+            """The ranks' results and vLLM's completion counts of one step: the counts vLLM may
+            apply (:meth:`_SchedulerSide.worker_output`)."""
+            return self._side.worker_output(results, counts) if self._side is not None else dict(counts)
+
+        def issued(self, meta: Any) -> None:
+            """Start the result deadline of every job in this step's connector metadata, and
+            add the notices of jobs given up on (``kvtier_abandoned``) to it."""
+            side = self._side
+            if side is None:
+                meta.kvtier_abandoned = ()
+                return
+            for job_id, job in meta.store_jobs.items():
+                if isinstance(job.dst_spec, KvtierStoreSpec):
+                    side.deadlines.issued(job_id, "store", job.dst_spec.plan.plan_id)
+            for job_id, job in meta.load_jobs.items():
+                if isinstance(job.src_spec, KvtierLoadSpec):
+                    side.deadlines.issued(job_id, "load", job.src_spec.load_id, tuple(job.dst_spec.block_ids))
+            meta.kvtier_abandoned = side.take_notices()
 
         def take_deletes(self) -> Any:
             return self._side.take_deletes() if self._side is not None else ()
@@ -296,6 +333,9 @@ def build_classes() -> dict[str, type]:
         def submit_deletes(self, deletes: Any) -> None:
             self._side.submit_deletes(deletes)
 
+        def abandon(self, notices: Any) -> None:
+            self._side.abandon(notices)
+
         def take_failed_block_ids(self) -> set[int]:
             return self._side.take_failed_block_ids()
 
@@ -323,6 +363,7 @@ def build_classes() -> dict[str, type]:
             cfg_dict["engine_blocks_per_block"] = self.blocks_per_chunk  # one record per offloaded chunk
             cfg_dict.pop("block_bytes", None)
             self._store_dict = cfg_dict
+            self._result_deadline_s = _result_deadline(self.extra_config.get("result_deadline_s"))
 
         def get_manager(self) -> Any:
             parallel = self.config.parallel
@@ -335,7 +376,11 @@ def build_classes() -> dict[str, type]:
             engine = _SchedulerEngine(self.config.engine_id, parallel.world_size)
             _register(engine)
             key_log = OffloadKeyLog(offload_key_log_path(self._store_dict, parallel.world_size))
-            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides, key_log)
+            deadline = self._result_deadline_s
+            if deadline is None:  # past the ranks' own job deadline, so a live rank reports first
+                job_deadline = store_cfg.job_deadline_s
+                deadline = DEFAULT_RESULT_DEADLINE_S if job_deadline is None else job_deadline + 60.0
+            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides, key_log, deadline)
 
         def get_worker(self, kv_caches: Any) -> Any:
             if len(kv_caches.group_data_refs) != 1:
@@ -407,6 +452,7 @@ def build_classes() -> dict[str, type]:
         def handle_preemptions(self, kv_connector_metadata: Any) -> None:
             worker = self._kvtier_worker()
             if worker is not None:
+                worker.abandon(getattr(kv_connector_metadata, "kvtier_abandoned", ()))
                 # Before the stores of earlier steps are submitted (module doc of .scheduler_side).
                 worker.submit_deletes(getattr(kv_connector_metadata, "kvtier_deletes", ()))
             super().handle_preemptions(kv_connector_metadata)
@@ -438,13 +484,21 @@ def build_classes() -> dict[str, type]:
             deletes = manager.take_deletes() if manager is not None else ()  # before any store is prepared
             meta = super().build_connector_meta(scheduler_output)
             meta.kvtier_deletes = deletes
+            if manager is not None:
+                manager.issued(meta)
             return meta
 
         def update_connector_output(self, connector_output: Any) -> None:
             meta = connector_output.kv_connector_worker_meta
             manager = self._kvtier_manager()
-            if manager is not None and isinstance(meta, KvtierWorkerMetadata):
-                manager.receive(meta.kvtier_results)
+            if manager is not None:
+                # Only counts of jobs still open reach vLLM (a late or doubled report of a job
+                # settled after a deadline would make it look up a job it no longer has).
+                results = meta.kvtier_results if isinstance(meta, KvtierWorkerMetadata) else ()
+                counts = meta.completed_jobs if isinstance(meta, OffloadingWorkerMetadata) else {}
+                allowed = manager.worker_output(results, counts)
+                if isinstance(meta, OffloadingWorkerMetadata):
+                    meta.completed_jobs = allowed
             super().update_connector_output(connector_output)
 
     return {

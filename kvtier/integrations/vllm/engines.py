@@ -46,6 +46,8 @@ def _counters() -> dict[str, int]:
             "submit_failed",
             "complete_load_unmatched",
             "results_missing",
+            "results_expired",
+            "jobs_abandoned",
         ),
         0,
     )
