@@ -349,3 +349,68 @@ async def test_a_load_stuck_on_one_rank_is_recomputed_and_never_written_late(tmp
     finally:
         release.set()
         await w.close()
+
+
+# -- kvtier's counters in vLLM's connector stats ------------------------------------------
+
+
+async def _loaded_world() -> World:
+    w = await open_world(2, [cpu(8, 2)])
+    w.store(K[:2], [0, 1])
+    w.issue_load(3, K[:2], [6, 7])
+    w.step()
+    return w
+
+
+async def test_each_rank_reports_the_growth_of_its_counters_once() -> None:
+    from kvtier.integrations.vllm.stats import METRICS, CounterDeltas, scheduler_counters, worker_counters
+
+    w = await _loaded_world()
+    try:
+        deltas = [CounterDeltas() for _ in range(w.world)]
+        grown = [d.take(worker_counters(e)) for d, e in zip(deltas, w.engines)]
+        assert [g["blocks_loaded"] for g in grown] == [2, 2]  # each rank its shard of 2 blocks
+        assert all(g["transfer_bytes_loaded"] == 2 * 256 for g in grown) and set().union(*grown) <= set(METRICS)
+        assert [d.take(worker_counters(e)) for d, e in zip(deltas, w.engines)] == [{}, {}]  # nothing new
+        w.engines[1].counters["blocks_load_failed"] += 1
+        w.engines[1].counters["not_a_metric"] = 5  # never sent: vLLM refuses names it did not register
+        assert deltas[1].take(worker_counters(w.engines[1])) == {"blocks_load_failed": 1}
+        sched = CounterDeltas()
+        assert sched.take(scheduler_counters(w.sched_engine))["blocks_stored"] == 2  # the scheduler side's own
+        w.sched_engine.counters["results_expired"] += 2
+        assert sched.take(scheduler_counters(w.sched_engine)) == {"results_expired": 2}
+    finally:
+        await w.close()
+
+
+async def test_the_ranks_counters_add_up_in_vllm_s_stats_path() -> None:
+    kv_vllm = pytest.importorskip("kvtier.integrations.vllm")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas
+
+    w = await _loaded_world()
+    try:
+        outputs = []
+        for r in range(w.world):  # each rank's connector, as vLLM's model runner asks it
+            conn = object.__new__(kv_vllm.KvtierConnector)
+            worker = kv_vllm.KvtierOffloadingWorker(w.engines[r], None)
+            conn.connector_worker, conn.connector_scheduler = SimpleNamespace(worker=worker), None
+            conn._kvtier_deltas = CounterDeltas()
+            stats = conn.get_kv_connector_stats()
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out.kv_connector_output = KVConnectorOutput(kv_connector_stats=stats)
+            outputs.append(out)
+            assert conn.get_kv_connector_stats() is None  # nothing grew since
+        merged = KVOutputAggregator(w.world).aggregate(outputs).kv_connector_output.kv_connector_stats
+        # What the front end rebuilds from the engine core's SchedulerStats and logs.
+        logged = kv_vllm.KvtierConnector.build_kv_connector_stats(merged.to_dict()).reduce()
+        assert logged[PREFIX + "blocks_loaded"] == 4 and logged[PREFIX + "transfer_bytes_loaded"] == 4 * 256
+        defined = kv_vllm.KvtierOffloadingSpec.build_metric_definitions({})
+        assert set(defined) == {PREFIX + name for name in METRICS} >= set(logged)
+    finally:
+        await w.close()

@@ -29,6 +29,7 @@ from kvtier.integrations.vllm.engines import (
 )
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager, describe_rank
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
+from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas, scheduler_counters, worker_counters
 from kvtier.integrations.vllm.worker_side import _WorkerSide
 from kvtier.keys import fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
@@ -63,14 +64,24 @@ def _result_deadline(value: Any) -> float | None:
     return float(value)
 
 
+def _select_spec(vllm_config: Any) -> Any:
+    """The extra config with kvtier's offloading spec chosen (unless one was named)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.setdefault("spec_name", "KvtierOffloadingSpec")
+    extra.setdefault("spec_module_path", MODULE_PATH)
+    return extra
+
+
 def build_classes() -> dict[str, type]:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.kv_offload.base import (
         GPULoadStoreSpec,
         LoadStoreSpec,
         LookupResult,
         Medium,
+        OffloadingCounterMetadata,
         OffloadingEvent,
         OffloadingManager,
         OffloadingSpec,
@@ -349,6 +360,11 @@ def build_classes() -> dict[str, type]:
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""
 
+        @classmethod
+        def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+            """kvtier's counters (:mod:`.stats`), registered by vLLM's Prometheus logger."""
+            return {PREFIX + name: OffloadingCounterMetadata(documentation=doc) for name, doc in METRICS.items()}
+
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             _check_supported(config)
@@ -422,11 +438,36 @@ def build_classes() -> dict[str, type]:
         (connector metadata); and it reports blocks whose load failed to vLLM."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-            extra.setdefault("spec_name", "KvtierOffloadingSpec")
-            extra.setdefault("spec_module_path", MODULE_PATH)
+            extra = _select_spec(vllm_config)
             extra[_CHANNELS_KEY] = True
+            self._kvtier_deltas = CounterDeltas()
             super().__init__(vllm_config, role, kv_cache_config)
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+            # In the front-end process too vLLM looks the spec up in the extra config, for
+            # the metric definitions of kvtier's counters.
+            _select_spec(vllm_config)
+            return super().build_prom_metrics(vllm_config, *args, **kwargs)
+
+        def get_kv_connector_stats(self) -> Any:
+            """vLLM's offload stats plus the growth of kvtier's counters since the last call
+            (each worker rank its own, the scheduler side its own; vLLM adds them up)."""
+            stats = super().get_kv_connector_stats()
+            worker, manager = self._kvtier_worker(), self._kvtier_manager()
+            if worker is not None:
+                grown = self._kvtier_deltas.take(worker_counters(worker._engine))
+            elif manager is not None:
+                grown = self._kvtier_deltas.take(scheduler_counters(manager._engine))
+            else:
+                grown = {}
+            if not grown:
+                return stats
+            if stats is None:
+                stats = OffloadingConnectorStats()
+            for name, value in grown.items():
+                stats.increase_counter(PREFIX + name, value)
+            return stats
 
         def _kvtier_worker(self) -> Any:
             cw = self.connector_worker
