@@ -7,6 +7,7 @@ got its own shard back."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from redis_servers import RedisServer
 from vllm_world import HANG_GUARD, World, cpu, lmdb, open_world
 
 from kvtier.config import load_config
@@ -44,7 +46,7 @@ def test_rank_tiers_divide_capacity_and_keep_records_apart() -> None:
     }
     r1 = rank_tiers(cfg, 1, 4)
     assert [t["capacity"] for t in r1["tiers"]] == [1 << 30, 250, 250]
-    assert r1["tiers"][1]["path"] == "/c/r1-of-4" and r1["tiers"][2]["prefix"] == "p:r1-of-4"
+    assert r1["tiers"][1]["path"] == "/c/r1-of-4" and r1["tiers"][2]["prefix"] == "p.r1-of-4"
     assert r1["write"] == "through" and cfg["tiers"][1]["path"] == "/c"  # the input is not changed
     assert rank_tiers(cfg, 0, 1)["tiers"][1]["path"] == "/c/r0-of-1"
     with pytest.raises(ConfigError, match=r"tiers\[0\]"):
@@ -412,5 +414,104 @@ async def test_the_ranks_counters_add_up_in_vllm_s_stats_path() -> None:
         assert logged[PREFIX + "blocks_loaded"] == 4 and logged[PREFIX + "transfer_bytes_loaded"] == 4 * 256
         defined = kv_vllm.KvtierOffloadingSpec.build_metric_definitions({})
         assert set(defined) == {PREFIX + name for name in METRICS} >= set(logged)
+    finally:
+        await w.close()
+
+
+# -- KV that is the same on every rank (MLA) -------------------------------------------------
+
+
+def _redis(server: RedisServer, prefix: str) -> dict[str, Any]:
+    return {"backend": "redis", "url": server.url, "capacity": "1MiB", "prefix": prefix, "sync_interval_s": 3600}
+
+
+def _assert_loaded(w: World, dst: int, src: int, n: int) -> None:
+    """Every rank's blocks ``dst..dst+n`` hold exactly what its blocks ``src..src+n`` hold."""
+    for r in range(w.world):
+        for t in w.caches[r]:
+            assert torch.equal(t[dst : dst + n], t[src : src + n])
+
+
+def _count_writes(w: World, tier: int) -> list[int]:
+    """Blocks each rank writes to ``tier`` from now on (a list filled as they write)."""
+    written = [0] * w.world
+    for r in range(w.world):
+        backend = w.stores[r].backends[tier]
+        real = backend.write_blocks
+
+        def counted(keys: Any, blocks: Any, r: int = r, real: Any = real) -> Any:
+            written[r] += len(keys)
+            return real(keys, blocks)
+
+        backend.write_blocks = counted
+    return written
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+async def test_replicated_kv_is_stored_once_in_a_shared_tier_and_read_by_every_rank(
+    redis_server: RedisServer, world_size: int
+) -> None:
+    prefix = f"mla-once-{world_size}"
+    w = await open_world(world_size, [_redis(redis_server, prefix)], replicated=True)
+    try:
+        written = _count_writes(w, 0)
+        w.store(K[:3], [0, 1, 2])
+        assert written == [3] + [0] * (world_size - 1)  # one copy, written by rank 0 alone
+        assert w.manager.lookup(K[:3]) == 3
+        assert all(w.held(r) == 3 for r in range(world_size))  # every rank sees the same 3 records
+        assert w.stores[1].backends[0].prefix == f"{prefix}.all-of-{world_size}"  # no rank in the name
+        assert w.load(K[:3], [8, 9, 10]) == set()
+        _assert_loaded(w, 8, 0, 3)  # byte-exact on every rank, from rank 0's record
+        # Deletes in the shared tier are the writer's: another rank never deletes rank 0's records.
+        assert w.workers[1].submit_deletes(((0, (K[0],)),)) is None
+        assert w.held(0) == 3
+    finally:
+        await w.close()
+
+    w = await open_world(world_size, [_redis(redis_server, prefix)], replicated=True)  # a fresh engine
+    try:
+        assert w.adopted == 3 and w.orphans == {}
+        assert w.manager.lookup(K[:3]) == 3
+        assert w.load(K[:3], [11, 12, 13]) == set()
+        _assert_loaded(w, 11, 0, 3)
+    finally:
+        await w.close()
+
+
+async def test_replicated_kv_stays_per_rank_in_tiers_the_ranks_do_not_share(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    w = await open_world(2, [cpu(8, 2), lmdb(tmp_path), _redis(redis_server, "mla-mixed")], replicated=True)
+    try:
+        written = [_count_writes(w, t) for t in (1, 2)]
+        w.store(K[:2], [0, 1])
+        assert written == [[2, 2], [2, 0]]  # LMDB: a copy per rank; Redis: once
+        assert all(w.held(r, 0) == 2 and w.held(r, 1) == 2 for r in range(2))
+        assert {os.path.basename(w.stores[r].backends[1].path) for r in range(2)} == {"r0-of-2", "r1-of-2"}
+        # A store a rank fails: the keys go on every rank; the shared copy only by rank 0.
+        w.store(K[2:3], [2], deliver=[0])
+        assert w.manager.lookup(K[2:3]) == 0
+        assert w.run_deletes() >= 1
+        assert all(w.held(r, 0) == 2 and w.held(r, 1) == 2 for r in range(2)) and w.held(0, 2) == 2
+    finally:
+        await w.close()
+
+
+def test_replicated_kv_refuses_a_per_rank_tier_below_a_shared_one() -> None:
+    from kvtier.integrations.vllm.replicated import shared_tiers
+
+    ok = {"tiers": [{"backend": "cpu"}, {"backend": "lmdb"}, {"backend": "redis"}]}
+    assert shared_tiers(ok) == frozenset({2})
+    with pytest.raises(ConfigError, match=r"tiers\[1\] \(lmdb\).*shared tiers last"):
+        shared_tiers({"tiers": [{"backend": "redis"}, {"backend": "lmdb"}]})
+
+
+async def test_without_replicated_kv_a_redis_tier_keeps_a_shard_per_rank(redis_server: RedisServer) -> None:
+    w = await open_world(2, [_redis(redis_server, "per-rank")])  # each rank's own prefix opens
+    try:
+        written = _count_writes(w, 0)
+        w.store(K[:2], [0, 1])
+        assert written == [2, 2] and w.manager.lookup(K[:2]) == 2
+        assert [b.prefix for b in (s.backends[0] for s in w.stores)] == ["per-rank.r0-of-2", "per-rank.r1-of-2"]
     finally:
         await w.close()

@@ -15,8 +15,10 @@ from kvtier.config import load_config
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import _Engine, _SchedulerEngine, rank_tiers
 from kvtier.integrations.vllm.ranks import build_manager, describe_rank
+from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
 from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
 from kvtier.integrations.vllm.worker_side import _WorkerSide
+from kvtier.keys import Namespace
 
 BB = 2 * 4 * 8 * 4  # bytes per block of each rank: two (16, 4, 8) float32 tensors
 HANG_GUARD = 60.0  # seconds a test waits for a job before it fails
@@ -60,12 +62,20 @@ class World:
     """``world`` ranks (store, KV cache, worker side) and the scheduler side over them."""
 
     def __init__(
-        self, stores: list[Any], caches: list[list[torch.Tensor]], config: Any, *, deadline_s: float = 30.0
+        self,
+        stores: list[Any],
+        caches: list[list[torch.Tensor]],
+        config: Any,
+        *,
+        deadline_s: float = 30.0,
+        shared: frozenset[int] = frozenset(),
     ) -> None:
         self.world = len(stores)
         self.stores = stores
         self.caches = caches
-        self.engines = [_Engine("e", s, rank=r) for r, s in enumerate(stores)]
+        self.engines = [
+            _Engine("e", s, rank=r, skip_tiers=shared if r != WRITER_RANK else frozenset()) for r, s in enumerate(stores)
+        ]
         self.workers = [_WorkerSide(e) for e in self.engines]
         ranks = {r: describe_rank("e", r, self.world, s, "layout") for r, s in enumerate(stores)}
         self.manager, self.orphans, adopted = build_manager(ranks, config)
@@ -94,6 +104,15 @@ class World:
             w.submit_store(1, plan, blocks)
         self.deliver(deliver)
         self.side.complete_store(keys)
+
+    def load(self, keys: list[bytes], blocks: list[int]) -> set[int]:
+        """Load ``keys`` into ``blocks`` on every rank, settled; the ranks' load-error blocks."""
+        load_id, plan = self.side.prepare_load(keys)
+        for w in self.workers:
+            w.submit_load(2, load_id, plan, blocks)
+        self.deliver()
+        self.side.complete_load(keys)
+        return set().union(*(w.take_failed_block_ids() for w in self.workers))
 
     def issue_store(self, job_id: int, keys: list[bytes], blocks: list[int], ranks: Any = None) -> Any:
         """vLLM hands store job ``job_id`` to every rank; only ``ranks`` (default all) get it
@@ -153,17 +172,29 @@ class World:
 
 
 async def open_world(
-    world: int, tiers: list[dict[str, Any]], *, reports_load_errors: bool = True, n: int = 1, deadline_s: float = 30.0
+    world: int,
+    tiers: list[dict[str, Any]],
+    *,
+    reports_load_errors: bool = True,
+    n: int = 1,
+    deadline_s: float = 30.0,
+    replicated: bool = False,
 ) -> World:
     """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``); ``deadline_s``: the
-    scheduler side's deadline for every rank's result of a job (on the world's clock)."""
+    scheduler side's deadline for every rank's result of a job (on the world's clock);
+    ``replicated``: every rank's KV cache holds the same bytes (MLA), and the tiers all ranks
+    share keep one copy."""
     cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n}
+    shared = shared_tiers(cfg) if replicated else frozenset()
     stores, caches = [], []
     for r in range(world):
-        kv = _kv(r)
-        stores.append(await kvtier.open(rank_tiers(cfg, r, world), kv_caches=kv))
+        kv = _kv(0 if replicated else r)
+        # Each rank's records carry its namespace, as under vLLM (the TP rank is in it).
+        ns = Namespace.from_dict({"model_id": "m", "tp_rank": namespace_rank(r, replicated), "tp_size": world})
+        stores.append(await kvtier.open(rank_tiers(cfg, r, world, shared=shared), kv_caches=kv, namespace=ns))
         caches.append(kv)
-    w = World(stores, caches, load_config(rank_tiers(cfg, 0, world), block_bytes=BB * n), deadline_s=deadline_s)
+    config = load_config(rank_tiers(cfg, 0, world, shared=shared), block_bytes=BB * n)
+    w = World(stores, caches, config, deadline_s=deadline_s, shared=shared)
     for e in w.engines:
         e.reports_load_errors = reports_load_errors
     return w

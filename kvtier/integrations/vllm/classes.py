@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.engines import (
     rank_tiers,
 )
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager, describe_rank
+from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
 from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas, scheduler_counters, worker_counters
 from kvtier.integrations.vllm.worker_side import _WorkerSide
@@ -42,6 +43,19 @@ _T = TypeVar("_T")
 
 #: set by KvtierConnector in the extra config: the spec may rely on its channels
 _CHANNELS_KEY = "kvtier_connector_channels"
+#: set by KvtierConnector in the extra config: the KV is the same on every rank (MLA)
+_REPLICATED_KEY = "kvtier_replicated_kv"
+
+
+def _replicated_kv(vllm_config: Any, kv_cache_config: Any) -> bool:
+    """Whether every rank holds the same KV bytes: an MLA model (vLLM's ``use_mla``) whose
+    KV-cache groups are all plain ``MLAAttentionSpec`` (not, say, MLA with a sharded indexer)."""
+    if not getattr(getattr(vllm_config, "model_config", None), "use_mla", False):
+        return False
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return all(type(g.kv_cache_spec) is MLAAttentionSpec for g in groups)
 
 
 def _public(cls: type) -> type:
@@ -380,12 +394,15 @@ def build_classes() -> dict[str, type]:
             cfg_dict.pop("block_bytes", None)
             self._store_dict = cfg_dict
             self._result_deadline_s = _result_deadline(self.extra_config.get("result_deadline_s"))
+            #: KV the same on every rank: the tiers all ranks share hold one copy (.replicated)
+            self._replicated = bool(self.extra_config.get(_REPLICATED_KEY)) and config.parallel.world_size > 1
+            self._shared = shared_tiers(cfg_dict) if self._replicated else frozenset()
 
         def get_manager(self) -> Any:
             parallel = self.config.parallel
             # One block's size is only known on the workers; 1 passes the config's checks here.
             store_cfg = load_config(
-                rank_tiers(self._store_dict, 0, parallel.world_size),
+                rank_tiers(self._store_dict, 0, parallel.world_size, shared=self._shared),
                 source="kv_connector_extra_config.kvtier",
                 block_bytes=1,
             )
@@ -410,14 +427,17 @@ def build_classes() -> dict[str, type]:
 
             layout = KVLayout(views, engine_blocks_per_block=self.blocks_per_chunk)
             fingerprint = layout.fingerprint()
-            namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=rank)
+            # Replicated KV: every rank's bytes are rank 0's, and so is the namespace of its records.
+            ns_rank = namespace_rank(rank, self._replicated)
+            namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=ns_rank)
             cfg = load_config(
-                rank_tiers(self._store_dict, rank, world),
+                rank_tiers(self._store_dict, rank, world, shared=self._shared),
                 source="kv_connector_extra_config.kvtier",
                 block_bytes=layout.block_bytes,
             )
             store = run_sync(KVStore(cfg, kv_caches=views, namespace=namespace).start())
-            engine = _Engine(self.config.engine_id, store, rank=rank)
+            skip = self._shared if rank != WRITER_RANK else frozenset()
+            engine = _Engine(self.config.engine_id, store, rank=rank, skip_tiers=skip)
             description = describe_rank(self.config.engine_id, rank, world, store, fingerprint)
             _register(engine)
             log.info(
@@ -440,6 +460,7 @@ def build_classes() -> dict[str, type]:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             extra = _select_spec(vllm_config)
             extra[_CHANNELS_KEY] = True
+            extra[_REPLICATED_KEY] = _replicated_kv(vllm_config, kv_cache_config)
             self._kvtier_deltas = CounterDeltas()
             super().__init__(vllm_config, role, kv_cache_config)
 

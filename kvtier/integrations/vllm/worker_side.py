@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.connector.ledger import Deletes
 from kvtier.integrations.vllm.deadlines import Abandoned
 from kvtier.integrations.vllm.engines import _Engine
+from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
 
@@ -71,6 +72,8 @@ class _WorkerSide:
             ids = [int(b) for b in block_ids]
             per_key = [ids[i : i + self._n] for i in range(0, len(ids), self._n)]
             if isinstance(plan, StorePlan):
+                if self._engine.skip_tiers:  # the shared tiers' writes are the writer rank's
+                    plan, ids = for_reader(plan, ids, self._engine.skip_tiers)
                 kid = self._transfers.submit_store(plan, ids)
             else:
                 if first_index is not None and self._n > 1:
@@ -129,6 +132,7 @@ class _WorkerSide:
         """Delete keys the scheduler side released from this rank's tiers, on the store queue
         (after the stores submitted so far, before those submitted later: build order).
         Returns the transfer job id, or None (nothing to delete, or it could not be submitted)."""
+        deletes = without_tiers(deletes, self._engine.skip_tiers)
         if not deletes:
             return None
         try:
