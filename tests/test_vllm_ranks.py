@@ -515,3 +515,26 @@ async def test_without_replicated_kv_a_redis_tier_keeps_a_shard_per_rank(redis_s
         assert [b.prefix for b in (s.backends[0] for s in w.stores)] == ["per-rank.r0-of-2", "per-rank.r1-of-2"]
     finally:
         await w.close()
+
+
+def test_replicated_kv_is_detected_from_vllm_s_config() -> None:
+    pytest.importorskip("kvtier.integrations.vllm")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from kvtier.integrations.vllm.classes import _replicated_kv
+
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float16)
+
+    def config(use_mla: bool) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(use_mla=use_mla))
+
+    def groups(*specs: Any) -> Any:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    assert _replicated_kv(config(True), groups(mla)) is True
+    assert _replicated_kv(config(False), groups(full)) is False
+    assert _replicated_kv(config(True), groups(mla, full)) is False  # a group that is sharded by heads
