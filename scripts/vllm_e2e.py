@@ -75,6 +75,8 @@ def _set_prefix_blocks(n: int) -> None:
 DEFAULT_LAYOUT = {"A": 1, "B": 1, "A2": 2, "B2": 2}
 #: vLLM blocks per offloaded chunk (kvtier record) of each role; 1 for the others
 CHUNK_BLOCKS = {"A2": 2, "B2": 2}
+#: processes that read kvtier's counters through vLLM's stats path (``LLM.get_metrics()``)
+STATS_ROLES = ("B2",)
 #: vLLM blocks of P_0 that B2 has in its GPU prefix cache before its target request: the
 #: offloaded prefix then starts inside a chunk, and kvtier's load skips that chunk's first block
 GPU_PREFIX_BLOCKS = 3
@@ -249,6 +251,8 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
         kwargs["distributed_executor_backend"] = "mp"
+    if role in STATS_ROLES:
+        kwargs["disable_log_stats"] = False  # vLLM's stat loggers: kvtier's counters reach them
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -272,6 +276,17 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         return outs[0], time.perf_counter() - start
+
+    def vllm_metrics() -> dict[str, int]:
+        """kvtier's counters as vLLM's own stats path delivers them to this process (connector
+        stats from every rank and the scheduler side, added up by vLLM; its Prometheus logger)."""
+        from vllm.v1.metrics.reader import Counter
+
+        return {
+            m.name.removeprefix("vllm:kvtier_"): int(m.value)
+            for m in llm.get_metrics()
+            if isinstance(m, Counter) and m.name.startswith("vllm:kvtier_")
+        }
 
     def kvtier_stats() -> dict[str, Any]:
         """The kvtier counters: in this process (the engine core runs here), or summed over
@@ -312,8 +327,11 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         if spy is not None:
             spy.reset()
         before = kvtier_stats() if role != "ref" else {}
+        metrics_before = vllm_metrics() if role in STATS_ROLES else {}
         o, _ = run(stored[0] + _prompts(4, 1, EXTRA)[0], greedy)
         result["target"] = record(o)
+        if role in STATS_ROLES:
+            result["metrics_before_target"], result["metrics_after_target"] = metrics_before, vllm_metrics()
         if spy is not None:
             result["scheduled_tokens"] = spy.scheduled_tokens
             result["reported_block_ids"] = spy.reported_block_ids
@@ -506,6 +524,28 @@ def check_served(name: str, x: dict[str, Any], tr: dict[str, Any], world: int, a
     return failures
 
 
+def check_vllm_stats(name: str, x: dict[str, Any], world: int, *, chunks: int) -> list[str]:
+    """Failures of kvtier's counters read through vLLM's own stats path (connector stats of
+    every rank and of the scheduler side, added up by vLLM, read from its Prometheus logger in
+    the front-end process): they agree with the workers' own counters (``collective_rpc``) and
+    include the scheduler side's, which ``collective_rpc`` cannot reach."""
+    failures: list[str] = []
+    after, before = x["metrics_after_target"], x["metrics_before_target"]
+    rpc_after, rpc_before = x["kvtier_after_target"], x["kvtier_before_target"]
+    for counter, want in (
+        ("blocks_loaded", world * chunks),
+        ("mid_chunk_loads", _delta(rpc_after, rpc_before, "mid_chunk_loads")),
+        ("blocks_load_failed", 0),
+        ("transfer_bytes_loaded", _delta(rpc_after, rpc_before, "bytes_loaded", "transfers")),
+    ):
+        got = _delta(after, before, counter)
+        if got != want:
+            failures.append(f"{name}: vLLM's stats path counted {counter} {got}, expected {want}")
+    if _delta(after, before, "lookup_hits") < chunks:
+        failures.append(f"{name}: vLLM's stats path counted {_delta(after, before, 'lookup_hits')} scheduler-side hits, expected >= {chunks}")
+    return failures
+
+
 def _delta(after: dict[str, Any], before: dict[str, Any], name: str, section: str | None = None) -> int:
     if section is not None:
         after, before = after.get(section, {}), before.get(section, {})
@@ -680,6 +720,7 @@ def main() -> int:
     mid = _delta(b2["kvtier_after_target"], b2["kvtier_before_target"], "mid_chunk_loads")
     if mid != 2:
         failures.append(f"B2: {mid} loads started inside a chunk, expected 2 (one per rank)")
+    failures += check_vllm_stats("B2", b2, 2, chunks=PREFIX_BLOCKS // n2 - GPU_PREFIX_BLOCKS // n2)
     tb = b["target"]
     max_diff = max((abs(x - y) for x, y in zip(tb["logprobs"], tr["logprobs"])), default=float("inf"))
     loaded = _delta(b["kvtier_after_target"], b["kvtier_before_target"], "blocks_loaded")
@@ -723,6 +764,10 @@ def main() -> int:
             "records_per_rank_after_A2": [len(stored_keys2[r]) for r in range(2)],
             "num_cached_tokens": b2["target"]["num_cached_tokens"],
             "kvtier_blocks_loaded_all_ranks": _delta(b2["kvtier_after_target"], b2["kvtier_before_target"], "blocks_loaded"),
+            "vllm_stats_path": {
+                k: _delta(b2["metrics_after_target"], b2["metrics_before_target"], k)
+                for k in ("blocks_loaded", "mid_chunk_loads", "lookup_hits", "transfer_bytes_loaded")
+            },
             "tokens_equal": b2["target"]["tokens"] == tr["tokens"],
         },
         "C": {

@@ -7,14 +7,17 @@ got its own shard back."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vllm_world import World, cpu, lmdb, open_world
+from redis_servers import RedisServer
+from vllm_world import HANG_GUARD, World, cpu, lmdb, open_world
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -43,7 +46,7 @@ def test_rank_tiers_divide_capacity_and_keep_records_apart() -> None:
     }
     r1 = rank_tiers(cfg, 1, 4)
     assert [t["capacity"] for t in r1["tiers"]] == [1 << 30, 250, 250]
-    assert r1["tiers"][1]["path"] == "/c/r1-of-4" and r1["tiers"][2]["prefix"] == "p:r1-of-4"
+    assert r1["tiers"][1]["path"] == "/c/r1-of-4" and r1["tiers"][2]["prefix"] == "p.r1-of-4"
     assert r1["write"] == "through" and cfg["tiers"][1]["path"] == "/c"  # the input is not changed
     assert rank_tiers(cfg, 0, 1)["tiers"][1]["path"] == "/c/r0-of-1"
     with pytest.raises(ConfigError, match=r"tiers\[0\]"):
@@ -257,3 +260,281 @@ def test_the_offload_key_log_names_the_adopted_blocks_across_processes(tmp_path:
     blocked = OffloadKeyLog(str(tmp_path / "vllm-offload-keys-of-2.bin" / "not-a-dir"))
     blocked.append([(K[0], b"x")])  # cannot write: counted and logged, never raised
     assert blocked.errors == 1 and blocked.load() == {}
+
+
+# -- a rank that never reports a job: the scheduler side's deadline --------------------------
+
+
+@pytest.fixture(params=[2, 4])
+async def timed_world(request: Any) -> AsyncIterator[World]:
+    w = await open_world(request.param, [cpu(8, request.param)], deadline_s=10.0)
+    yield w
+    await w.close()
+
+
+async def test_a_store_a_rank_never_reports_is_given_up_after_the_deadline(timed_world: World) -> None:
+    w = timed_world
+    silent = w.world - 1
+    w.issue_store(1, K[:2], [0, 1], ranks=range(silent))  # the last rank lost the job
+    w.step()
+    assert 1 in w.vllm.pending and w.manager.lookup(K[:2]) == 0  # vLLM's count is short
+    w.now = 9.0
+    w.step()
+    assert w.side.take_notices() == () and w.sched_engine.counters["results_expired"] == 0
+    w.now = 10.5
+    w.step()
+    assert w.sched_engine.counters["results_expired"] == 1
+    (notice,) = w.side.take_notices()
+    assert notice.job_id == 1 and notice.ranks == (silent,)
+    w.step(notices=(notice,))  # every rank reads the notice; only the silent one settles
+    assert 1 not in w.vllm.pending  # vLLM settled its job: no fence, no pending work left
+    assert w.engines[silent].counters["jobs_abandoned"] == 1
+    assert sum(e.counters["jobs_abandoned"] for e in w.engines) == 1
+    assert w.manager.lookup(K[:2]) == 0
+    assert sum(t["pending"] for t in w.manager.stats()["tiers"]) == 0
+    assert w.held(0) == 2 and w.run_deletes() == 2  # the copies the other ranks wrote go
+    assert all(w.held(r) == 0 for r in range(w.world))
+    w.step(notices=(notice,))  # the notice again (or a late report): nothing counted twice
+    w.issue_store(2, K[:2], [0, 1])
+    w.step()
+    assert w.manager.lookup(K[:2]) == 2  # the room is free again on every rank
+
+
+async def test_a_late_or_doubled_report_never_reaches_vllm(timed_world: World) -> None:
+    w = timed_world
+    w.issue_store(1, K[:1], [0])
+    w.now = 11.0
+    w.step(ranks=[0])  # rank 0 reports; the others are late: given up
+    (notice,) = w.side.take_notices()
+    w.step(notices=(notice,))  # the late ranks' own reports and their settling race
+    assert 1 not in w.vllm.pending and w.sched_engine.counters["results_expired"] == 1
+    # Counts past the ranks due, or for a job vLLM settled, are dropped, never raised.
+    assert w.side.deadlines.completed({1: 1}) == {}
+    w.issue_store(2, K[1:2], [1])
+    assert w.side.deadlines.completed({2: w.world + 3}) == {2: w.world}
+    assert w.side.deadlines.completed({77: 1}) == {77: 1}  # not kvtier's job: vLLM's own rules
+
+
+async def test_a_load_stuck_on_one_rank_is_recomputed_and_never_written_late(tmp_path: Path, monkeypatch: Any) -> None:
+    w = await open_world(2, [lmdb(tmp_path)], deadline_s=10.0)
+    release = threading.Event()
+    reading = threading.Event()
+    try:
+        w.store(K[:2], [0, 1])
+        backend = w.stores[1].backends[0]
+        real_read = backend.read_blocks
+
+        def stuck_read(keys: Any, out: Any) -> Any:
+            reading.set()
+            release.wait(HANG_GUARD)  # a tier that stops answering
+            return real_read(keys, out)
+
+        monkeypatch.setattr(backend, "read_blocks", stuck_read)
+        before = [t[6:8].clone() for t in w.caches[1]]
+        w.issue_load(5, K[:2], [6, 7])
+        assert reading.wait(HANG_GUARD)
+        assert w.step(ranks=[0]) == set()  # rank 0 loaded its shard; rank 1 is stuck
+        w.now = 10.5
+        w.step(ranks=[0])
+        (notice,) = w.side.take_notices()
+        assert notice.kind == "load" and notice.ranks == (1,) and notice.block_ids == (6, 7)
+        bad = w.step(notices=(notice,))
+        assert bad == {6, 7}  # vLLM recomputes both blocks on every rank
+        assert 5 not in w.vllm.pending and w.engines[1].counters["jobs_abandoned"] == 1
+        assert sum(t["pinned"] for t in w.manager.stats()["tiers"]) == 0
+        assert w.manager.lookup(K[:2]) == 2  # a rank that timed out lost no record
+        release.set()  # the tier answers at last: the cancelled load must not write the blocks
+        w.stores[1].transfers.wait_device([], timeout=HANG_GUARD)
+        await w.stores[1].aclose()
+        for t, old in zip(w.caches[1], before):
+            assert torch.equal(t[6:8], old)
+    finally:
+        release.set()
+        await w.close()
+
+
+# -- kvtier's counters in vLLM's connector stats ------------------------------------------
+
+
+async def _loaded_world() -> World:
+    w = await open_world(2, [cpu(8, 2)])
+    w.store(K[:2], [0, 1])
+    w.issue_load(3, K[:2], [6, 7])
+    w.step()
+    return w
+
+
+async def test_each_rank_reports_the_growth_of_its_counters_once() -> None:
+    from kvtier.integrations.vllm.stats import METRICS, CounterDeltas, scheduler_counters, worker_counters
+
+    w = await _loaded_world()
+    try:
+        deltas = [CounterDeltas() for _ in range(w.world)]
+        grown = [d.take(worker_counters(e)) for d, e in zip(deltas, w.engines)]
+        assert [g["blocks_loaded"] for g in grown] == [2, 2]  # each rank its shard of 2 blocks
+        assert all(g["transfer_bytes_loaded"] == 2 * 256 for g in grown) and set().union(*grown) <= set(METRICS)
+        assert [d.take(worker_counters(e)) for d, e in zip(deltas, w.engines)] == [{}, {}]  # nothing new
+        w.engines[1].counters["blocks_load_failed"] += 1
+        w.engines[1].counters["not_a_metric"] = 5  # never sent: vLLM refuses names it did not register
+        assert deltas[1].take(worker_counters(w.engines[1])) == {"blocks_load_failed": 1}
+        sched = CounterDeltas()
+        assert sched.take(scheduler_counters(w.sched_engine))["blocks_stored"] == 2  # the scheduler side's own
+        w.sched_engine.counters["results_expired"] += 2
+        assert sched.take(scheduler_counters(w.sched_engine)) == {"results_expired": 2}
+    finally:
+        await w.close()
+
+
+async def test_the_ranks_counters_add_up_in_vllm_s_stats_path() -> None:
+    kv_vllm = pytest.importorskip("kvtier.integrations.vllm")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas
+
+    w = await _loaded_world()
+    try:
+        outputs = []
+        for r in range(w.world):  # each rank's connector, as vLLM's model runner asks it
+            conn = object.__new__(kv_vllm.KvtierConnector)
+            worker = kv_vllm.KvtierOffloadingWorker(w.engines[r], None)
+            conn.connector_worker, conn.connector_scheduler = SimpleNamespace(worker=worker), None
+            conn._kvtier_deltas = CounterDeltas()
+            stats = conn.get_kv_connector_stats()
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out.kv_connector_output = KVConnectorOutput(kv_connector_stats=stats)
+            outputs.append(out)
+            assert conn.get_kv_connector_stats() is None  # nothing grew since
+        merged = KVOutputAggregator(w.world).aggregate(outputs).kv_connector_output.kv_connector_stats
+        # What the front end rebuilds from the engine core's SchedulerStats and logs.
+        logged = kv_vllm.KvtierConnector.build_kv_connector_stats(merged.to_dict()).reduce()
+        assert logged[PREFIX + "blocks_loaded"] == 4 and logged[PREFIX + "transfer_bytes_loaded"] == 4 * 256
+        defined = kv_vllm.KvtierOffloadingSpec.build_metric_definitions({})
+        assert set(defined) == {PREFIX + name for name in METRICS} >= set(logged)
+    finally:
+        await w.close()
+
+
+# -- KV that is the same on every rank (MLA) -------------------------------------------------
+
+
+def _redis(server: RedisServer, prefix: str) -> dict[str, Any]:
+    return {"backend": "redis", "url": server.url, "capacity": "1MiB", "prefix": prefix, "sync_interval_s": 3600}
+
+
+def _assert_loaded(w: World, dst: int, src: int, n: int) -> None:
+    """Every rank's blocks ``dst..dst+n`` hold exactly what its blocks ``src..src+n`` hold."""
+    for r in range(w.world):
+        for t in w.caches[r]:
+            assert torch.equal(t[dst : dst + n], t[src : src + n])
+
+
+def _count_writes(w: World, tier: int) -> list[int]:
+    """Blocks each rank writes to ``tier`` from now on (a list filled as they write)."""
+    written = [0] * w.world
+    for r in range(w.world):
+        backend = w.stores[r].backends[tier]
+        real = backend.write_blocks
+
+        def counted(keys: Any, blocks: Any, r: int = r, real: Any = real) -> Any:
+            written[r] += len(keys)
+            return real(keys, blocks)
+
+        backend.write_blocks = counted
+    return written
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+async def test_replicated_kv_is_stored_once_in_a_shared_tier_and_read_by_every_rank(
+    redis_server: RedisServer, world_size: int
+) -> None:
+    prefix = f"mla-once-{world_size}"
+    w = await open_world(world_size, [_redis(redis_server, prefix)], replicated=True)
+    try:
+        written = _count_writes(w, 0)
+        w.store(K[:3], [0, 1, 2])
+        assert written == [3] + [0] * (world_size - 1)  # one copy, written by rank 0 alone
+        assert w.manager.lookup(K[:3]) == 3
+        assert all(w.held(r) == 3 for r in range(world_size))  # every rank sees the same 3 records
+        assert w.stores[1].backends[0].prefix == f"{prefix}.all-of-{world_size}"  # no rank in the name
+        assert w.load(K[:3], [8, 9, 10]) == set()
+        _assert_loaded(w, 8, 0, 3)  # byte-exact on every rank, from rank 0's record
+        # Deletes in the shared tier are the writer's: another rank never deletes rank 0's records.
+        assert w.workers[1].submit_deletes(((0, (K[0],)),)) is None
+        assert w.held(0) == 3
+    finally:
+        await w.close()
+
+    w = await open_world(world_size, [_redis(redis_server, prefix)], replicated=True)  # a fresh engine
+    try:
+        assert w.adopted == 3 and w.orphans == {}
+        assert w.manager.lookup(K[:3]) == 3
+        assert w.load(K[:3], [11, 12, 13]) == set()
+        _assert_loaded(w, 11, 0, 3)
+    finally:
+        await w.close()
+
+
+async def test_replicated_kv_stays_per_rank_in_tiers_the_ranks_do_not_share(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    w = await open_world(2, [cpu(8, 2), lmdb(tmp_path), _redis(redis_server, "mla-mixed")], replicated=True)
+    try:
+        written = [_count_writes(w, t) for t in (1, 2)]
+        w.store(K[:2], [0, 1])
+        assert written == [[2, 2], [2, 0]]  # LMDB: a copy per rank; Redis: once
+        assert all(w.held(r, 0) == 2 and w.held(r, 1) == 2 for r in range(2))
+        assert {os.path.basename(w.stores[r].backends[1].path) for r in range(2)} == {"r0-of-2", "r1-of-2"}
+        # A store a rank fails: the keys go on every rank; the shared copy only by rank 0.
+        w.store(K[2:3], [2], deliver=[0])
+        assert w.manager.lookup(K[2:3]) == 0
+        assert w.run_deletes() >= 1
+        assert all(w.held(r, 0) == 2 and w.held(r, 1) == 2 for r in range(2)) and w.held(0, 2) == 2
+    finally:
+        await w.close()
+
+
+def test_replicated_kv_refuses_a_per_rank_tier_below_a_shared_one() -> None:
+    from kvtier.integrations.vllm.replicated import shared_tiers
+
+    ok = {"tiers": [{"backend": "cpu"}, {"backend": "lmdb"}, {"backend": "redis"}]}
+    assert shared_tiers(ok) == frozenset({2})
+    with pytest.raises(ConfigError, match=r"tiers\[1\] \(lmdb\).*shared tiers last"):
+        shared_tiers({"tiers": [{"backend": "redis"}, {"backend": "lmdb"}]})
+
+
+async def test_without_replicated_kv_a_redis_tier_keeps_a_shard_per_rank(redis_server: RedisServer) -> None:
+    w = await open_world(2, [_redis(redis_server, "per-rank")])  # each rank's own prefix opens
+    try:
+        written = _count_writes(w, 0)
+        w.store(K[:2], [0, 1])
+        assert written == [2, 2] and w.manager.lookup(K[:2]) == 2
+        assert [b.prefix for b in (s.backends[0] for s in w.stores)] == ["per-rank.r0-of-2", "per-rank.r1-of-2"]
+    finally:
+        await w.close()
+
+
+def test_replicated_kv_is_detected_from_vllm_s_config() -> None:
+    pytest.importorskip("kvtier.integrations.vllm")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from kvtier.integrations.vllm.classes import _replicated_kv
+
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float16)
+
+    def config(use_mla: bool) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(use_mla=use_mla))
+
+    def groups(*specs: Any) -> Any:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    assert _replicated_kv(config(True), groups(mla)) is True
+    assert _replicated_kv(config(False), groups(full)) is False
+    assert _replicated_kv(config(True), groups(mla, full)) is False  # a group that is sharded by heads

@@ -12,10 +12,13 @@ import torch
 
 import kvtier
 from kvtier.config import load_config
+from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import _Engine, _SchedulerEngine, rank_tiers
 from kvtier.integrations.vllm.ranks import build_manager, describe_rank
+from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
 from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
 from kvtier.integrations.vllm.worker_side import _WorkerSide
+from kvtier.keys import Namespace
 
 BB = 2 * 4 * 8 * 4  # bytes per block of each rank: two (16, 4, 8) float32 tensors
 HANG_GUARD = 60.0  # seconds a test waits for a job before it fails
@@ -26,20 +29,62 @@ def _kv(rank: int) -> list[torch.Tensor]:
     return [torch.randn(16, 4, 8, generator=g) + 1000.0 * rank for _ in range(2)]
 
 
+class VllmJobs:
+    """vLLM's own count of a job's completions over the ranks (its offloading scheduler's
+    ``update_connector_output``): a job is settled (``complete_store`` / ``complete_load``)
+    once every rank counted it; a count for a job it no longer has is a ``KeyError`` and one
+    past the number of ranks an ``AssertionError``, as in vLLM 0.32."""
+
+    def __init__(self, world: int, side: _SchedulerSide) -> None:
+        self.world = world
+        self.side = side
+        self.pending: dict[int, tuple[str, list[bytes], int]] = {}
+
+    def add(self, job_id: int, kind: str, keys: list[bytes]) -> None:
+        self.pending[job_id] = (kind, keys, self.world)
+
+    def count(self, counts: dict[int, int]) -> None:
+        for job_id, n in counts.items():
+            kind, keys, left = self.pending[job_id]
+            left -= n
+            assert left >= 0, f"job {job_id} counted past the number of ranks"
+            if left:
+                self.pending[job_id] = (kind, keys, left)
+                continue
+            del self.pending[job_id]
+            if kind == "store":
+                self.side.complete_store(keys)
+            else:
+                self.side.complete_load(keys)
+
+
 class World:
     """``world`` ranks (store, KV cache, worker side) and the scheduler side over them."""
 
-    def __init__(self, stores: list[Any], caches: list[list[torch.Tensor]], config: Any) -> None:
+    def __init__(
+        self,
+        stores: list[Any],
+        caches: list[list[torch.Tensor]],
+        config: Any,
+        *,
+        deadline_s: float = 30.0,
+        shared: frozenset[int] = frozenset(),
+    ) -> None:
         self.world = len(stores)
         self.stores = stores
         self.caches = caches
-        self.engines = [_Engine("e", s, rank=r) for r, s in enumerate(stores)]
+        self.engines = [
+            _Engine("e", s, rank=r, skip_tiers=shared if r != WRITER_RANK else frozenset()) for r, s in enumerate(stores)
+        ]
         self.workers = [_WorkerSide(e) for e in self.engines]
         ranks = {r: describe_rank("e", r, self.world, s, "layout") for r, s in enumerate(stores)}
         self.manager, self.orphans, adopted = build_manager(ranks, config)
         self.adopted = sum(len(keys) for keys in adopted.values())
         self.sched_engine = _SchedulerEngine("e", self.world)
-        self.side = _SchedulerSide(self.sched_engine, self.manager)
+        self.now = 0.0  # the scheduler side's clock (seconds), moved by the tests
+        deadlines = ResultDeadlines(self.world, deadline_s, clock=lambda: self.now)
+        self.side = _SchedulerSide(self.sched_engine, self.manager, deadlines)
+        self.vllm = VllmJobs(self.world, self.side)
         for tier, keys in self.orphans.items():
             self.side.ledger.remember(tier, keys)
 
@@ -59,6 +104,53 @@ class World:
             w.submit_store(1, plan, blocks)
         self.deliver(deliver)
         self.side.complete_store(keys)
+
+    def load(self, keys: list[bytes], blocks: list[int]) -> set[int]:
+        """Load ``keys`` into ``blocks`` on every rank, settled; the ranks' load-error blocks."""
+        load_id, plan = self.side.prepare_load(keys)
+        for w in self.workers:
+            w.submit_load(2, load_id, plan, blocks)
+        self.deliver()
+        self.side.complete_load(keys)
+        return set().union(*(w.take_failed_block_ids() for w in self.workers))
+
+    def issue_store(self, job_id: int, keys: list[bytes], blocks: list[int], ranks: Any = None) -> Any:
+        """vLLM hands store job ``job_id`` to every rank; only ``ranks`` (default all) get it
+        (a rank that lost it never reports it)."""
+        plan = self.side.prepare_store(keys)
+        assert plan is not None and plan.keys
+        self.vllm.add(job_id, "store", list(plan.keys))
+        self.side.deadlines.issued(job_id, "store", plan.plan_id)
+        for r in range(self.world) if ranks is None else ranks:
+            self.workers[r].submit_store(job_id, plan, blocks)
+        return plan
+
+    def issue_load(self, job_id: int, keys: list[bytes], blocks: list[int], ranks: Any = None) -> Any:
+        load_id, plan = self.side.prepare_load(keys)
+        self.vllm.add(job_id, "load", list(keys))
+        self.side.deadlines.issued(job_id, "load", load_id, tuple(blocks))
+        for r in range(self.world) if ranks is None else ranks:
+            self.workers[r].submit_load(job_id, load_id, plan, blocks)
+        return plan
+
+    def step(self, ranks: Any = None, notices: tuple[Abandoned, ...] = ()) -> set[int]:
+        """One engine step as ``KvtierConnector`` runs it: every rank (or only ``ranks``, the
+        others silent) settles ``notices`` and reports its finished jobs (waited for); the
+        scheduler side takes the results and passes the counts it allows to vLLM's count.
+        Returns the union of the ranks' load-error block ids (what vLLM recomputes)."""
+        counts: dict[int, int] = {}
+        results = []
+        bad: set[int] = set()
+        for r in range(self.world) if ranks is None else ranks:
+            w = self.workers[r]
+            w.abandon(notices)
+            w._transfers.wait(list(w._jobs), timeout=HANG_GUARD)
+            for job_id, _success, _nbytes, _seconds in w.finished():
+                counts[job_id] = counts.get(job_id, 0) + 1
+            results += [(r, kind, plan_id, result) for kind, plan_id, result in w.take_outbox()]
+            bad |= w.take_failed_block_ids()
+        self.vllm.count(self.side.worker_output(results, counts))
+        return bad
 
     def run_deletes(self) -> int:
         """Ship the scheduler side's deletes to every rank and wait for them; the keys sent."""
@@ -80,16 +172,29 @@ class World:
 
 
 async def open_world(
-    world: int, tiers: list[dict[str, Any]], *, reports_load_errors: bool = True, n: int = 1
+    world: int,
+    tiers: list[dict[str, Any]],
+    *,
+    reports_load_errors: bool = True,
+    n: int = 1,
+    deadline_s: float = 30.0,
+    replicated: bool = False,
 ) -> World:
-    """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``)."""
+    """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``); ``deadline_s``: the
+    scheduler side's deadline for every rank's result of a job (on the world's clock);
+    ``replicated``: every rank's KV cache holds the same bytes (MLA), and the tiers all ranks
+    share keep one copy."""
     cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n}
+    shared = shared_tiers(cfg) if replicated else frozenset()
     stores, caches = [], []
     for r in range(world):
-        kv = _kv(r)
-        stores.append(await kvtier.open(rank_tiers(cfg, r, world), kv_caches=kv))
+        kv = _kv(0 if replicated else r)
+        # Each rank's records carry its namespace, as under vLLM (the TP rank is in it).
+        ns = Namespace.from_dict({"model_id": "m", "tp_rank": namespace_rank(r, replicated), "tp_size": world})
+        stores.append(await kvtier.open(rank_tiers(cfg, r, world, shared=shared), kv_caches=kv, namespace=ns))
         caches.append(kv)
-    w = World(stores, caches, load_config(rank_tiers(cfg, 0, world), block_bytes=BB * n))
+    config = load_config(rank_tiers(cfg, 0, world, shared=shared), block_bytes=BB * n)
+    w = World(stores, caches, config, deadline_s=deadline_s, shared=shared)
     for e in w.engines:
         e.reports_load_errors = reports_load_errors
     return w

@@ -51,9 +51,12 @@ vLLM's default process layout or all in one process; ``blocks_per_chunk`` of one
 blocks (a load that starts inside a chunk skips the blocks the engine holds). Refused at
 start-up with a clear error: pipeline and context parallel, several offloaded KV-cache groups,
 and vLLM pages that are not contiguous per layer. A tier's ``capacity`` is the engine's, over
-all its ranks; each rank keeps its own records (:func:`~.engines.rank_tiers`). Blocks adopted
-from a persistent tier at start are announced as KV events, named by an offload key log kept
-next to the tier (:mod:`.announce`).
+all its ranks; each rank keeps its own records (:func:`~.engines.rank_tiers`), except that KV
+which is the same on every rank (MLA) is kept once in a tier all ranks share
+(:mod:`.replicated`). Blocks adopted from a persistent tier at start are announced as KV
+events, named by an offload key log kept next to the tier (:mod:`.announce`). A job some rank
+never reports is given up after a deadline (:mod:`.deadlines`); kvtier's counters reach vLLM's
+stat loggers through its connector stats (:mod:`.stats`).
 
 vLLM internals this module relies on (all imported lazily, only here):
 
@@ -71,8 +74,10 @@ vLLM internals this module relies on (all imported lazily, only here):
   (constructor signature, ``connector_worker.worker``, ``connector_scheduler.manager``,
   ``register_kv_caches``, ``handle_preemptions``, ``build_connector_meta``,
   ``build_connector_worker_meta``, ``update_connector_output``), ``OffloadingWorkerMetadata``
-  and ``KVConnectorBase_V1``'s ``get_handshake_metadata``, ``set_xfer_handshake_metadata`` and
-  ``get_block_ids_with_load_errors``;
+  and ``KVConnectorBase_V1``'s ``get_handshake_metadata``, ``set_xfer_handshake_metadata``,
+  ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``, ``build_kv_connector_stats``
+  and ``build_prom_metrics``; ``OffloadingConnectorStats`` and ``OffloadingCounterMetadata``;
+  ``model_config.use_mla`` and ``MLAAttentionSpec``;
 * the spec factory's ``spec_name`` / ``spec_module_path`` keys and the connector factory's
   ``kv_connector_module_path`` (both look names up with ``getattr`` on this module, which
   builds the classes on first access).

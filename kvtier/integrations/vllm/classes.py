@@ -14,6 +14,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations._sync import run_sync
 from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements, offload_key_log_path
+from kvtier.integrations.vllm.deadlines import ResultDeadlines
 from kvtier.integrations.vllm.engines import (
     MODULE_PATH,
     _check_supported,
@@ -27,7 +28,9 @@ from kvtier.integrations.vllm.engines import (
     rank_tiers,
 )
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager, describe_rank
-from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
+from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
+from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
+from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas, scheduler_counters, worker_counters
 from kvtier.integrations.vllm.worker_side import _WorkerSide
 from kvtier.keys import fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
@@ -40,6 +43,19 @@ _T = TypeVar("_T")
 
 #: set by KvtierConnector in the extra config: the spec may rely on its channels
 _CHANNELS_KEY = "kvtier_connector_channels"
+#: set by KvtierConnector in the extra config: the KV is the same on every rank (MLA)
+_REPLICATED_KEY = "kvtier_replicated_kv"
+
+
+def _replicated_kv(vllm_config: Any, kv_cache_config: Any) -> bool:
+    """Whether every rank holds the same KV bytes: an MLA model (vLLM's ``use_mla``) whose
+    KV-cache groups are all plain ``MLAAttentionSpec`` (not, say, MLA with a sharded indexer)."""
+    if not getattr(getattr(vllm_config, "model_config", None), "use_mla", False):
+        return False
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return all(type(g.kv_cache_spec) is MLAAttentionSpec for g in groups)
 
 
 def _public(cls: type) -> type:
@@ -50,14 +66,36 @@ def _public(cls: type) -> type:
     return cls
 
 
+def _result_deadline(value: Any) -> float | None:
+    """``kv_connector_extra_config.result_deadline_s``: seconds the scheduler side waits for
+    every rank's result of a job before the silent ranks are told to settle it as failed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(
+            f"kv_connector_extra_config.result_deadline_s: expected a positive number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def _select_spec(vllm_config: Any) -> Any:
+    """The extra config with kvtier's offloading spec chosen (unless one was named)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.setdefault("spec_name", "KvtierOffloadingSpec")
+    extra.setdefault("spec_module_path", MODULE_PATH)
+    return extra
+
+
 def build_classes() -> dict[str, type]:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.kv_offload.base import (
         GPULoadStoreSpec,
         LoadStoreSpec,
         LookupResult,
         Medium,
+        OffloadingCounterMetadata,
         OffloadingEvent,
         OffloadingManager,
         OffloadingSpec,
@@ -111,9 +149,16 @@ def build_classes() -> dict[str, type]:
         nothing is stored."""
 
         def __init__(
-            self, engine: _SchedulerEngine, spec: Any, store_cfg: Any, overrides: Mapping[str, Any], key_log: OffloadKeyLog
+            self,
+            engine: _SchedulerEngine,
+            spec: Any,
+            store_cfg: Any,
+            overrides: Mapping[str, Any],
+            key_log: OffloadKeyLog,
+            result_deadline_s: float,
         ) -> None:
             self._engine = engine
+            self._result_deadline_s = result_deadline_s
             self._key_log = key_log
             self._announce: list[Any] = []  # events of adopted blocks, before the manager's own
             self._spec = spec
@@ -133,7 +178,7 @@ def build_classes() -> dict[str, type]:
             adopted = sum(len(keys) for keys in adopted_keys.values())
             rank0 = ranks[0]
             self._ns = _namespace(self._spec.config, self._spec.tokens_per_block[0], rank0.layout, self._overrides)
-            side = _SchedulerSide(self._engine, manager)
+            side = _SchedulerSide(self._engine, manager, ResultDeadlines(self._engine.world_size, self._result_deadline_s))
             for tier, keys in orphans.items():
                 side.ledger.remember(tier, keys)
             engine = self._engine
@@ -167,10 +212,27 @@ def build_classes() -> dict[str, type]:
                 sum(len(k) for k in orphans.values()),
             )
 
-        def receive(self, results: Collection[tuple[int, str, int, JobResult]]) -> None:
-            if self._side is not None:
-                for rank, kind, plan_id, result in results:
-                    self._side.receive(rank, kind, plan_id, result)
+        def worker_output(
+            self, results: Collection[tuple[int, str, int, JobResult]], counts: Mapping[int, int]
+        ) -> dict[int, int]:
+            """The ranks' results and vLLM's completion counts of one step: the counts vLLM may
+            apply (:meth:`_SchedulerSide.worker_output`)."""
+            return self._side.worker_output(results, counts) if self._side is not None else dict(counts)
+
+        def issued(self, meta: Any) -> None:
+            """Start the result deadline of every job in this step's connector metadata, and
+            add the notices of jobs given up on (``kvtier_abandoned``) to it."""
+            side = self._side
+            if side is None:
+                meta.kvtier_abandoned = ()
+                return
+            for job_id, job in meta.store_jobs.items():
+                if isinstance(job.dst_spec, KvtierStoreSpec):
+                    side.deadlines.issued(job_id, "store", job.dst_spec.plan.plan_id)
+            for job_id, job in meta.load_jobs.items():
+                if isinstance(job.src_spec, KvtierLoadSpec):
+                    side.deadlines.issued(job_id, "load", job.src_spec.load_id, tuple(job.dst_spec.block_ids))
+            meta.kvtier_abandoned = side.take_notices()
 
         def take_deletes(self) -> Any:
             return self._side.take_deletes() if self._side is not None else ()
@@ -296,6 +358,9 @@ def build_classes() -> dict[str, type]:
         def submit_deletes(self, deletes: Any) -> None:
             self._side.submit_deletes(deletes)
 
+        def abandon(self, notices: Any) -> None:
+            self._side.abandon(notices)
+
         def take_failed_block_ids(self) -> set[int]:
             return self._side.take_failed_block_ids()
 
@@ -308,6 +373,11 @@ def build_classes() -> dict[str, type]:
 
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""
+
+        @classmethod
+        def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+            """kvtier's counters (:mod:`.stats`), registered by vLLM's Prometheus logger."""
+            return {PREFIX + name: OffloadingCounterMetadata(documentation=doc) for name, doc in METRICS.items()}
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
@@ -323,19 +393,27 @@ def build_classes() -> dict[str, type]:
             cfg_dict["engine_blocks_per_block"] = self.blocks_per_chunk  # one record per offloaded chunk
             cfg_dict.pop("block_bytes", None)
             self._store_dict = cfg_dict
+            self._result_deadline_s = _result_deadline(self.extra_config.get("result_deadline_s"))
+            #: KV the same on every rank: the tiers all ranks share hold one copy (.replicated)
+            self._replicated = bool(self.extra_config.get(_REPLICATED_KEY)) and config.parallel.world_size > 1
+            self._shared = shared_tiers(cfg_dict) if self._replicated else frozenset()
 
         def get_manager(self) -> Any:
             parallel = self.config.parallel
             # One block's size is only known on the workers; 1 passes the config's checks here.
             store_cfg = load_config(
-                rank_tiers(self._store_dict, 0, parallel.world_size),
+                rank_tiers(self._store_dict, 0, parallel.world_size, shared=self._shared),
                 source="kv_connector_extra_config.kvtier",
                 block_bytes=1,
             )
             engine = _SchedulerEngine(self.config.engine_id, parallel.world_size)
             _register(engine)
             key_log = OffloadKeyLog(offload_key_log_path(self._store_dict, parallel.world_size))
-            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides, key_log)
+            deadline = self._result_deadline_s
+            if deadline is None:  # past the ranks' own job deadline, so a live rank reports first
+                job_deadline = store_cfg.job_deadline_s
+                deadline = DEFAULT_RESULT_DEADLINE_S if job_deadline is None else job_deadline + 60.0
+            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides, key_log, deadline)
 
         def get_worker(self, kv_caches: Any) -> Any:
             if len(kv_caches.group_data_refs) != 1:
@@ -349,14 +427,17 @@ def build_classes() -> dict[str, type]:
 
             layout = KVLayout(views, engine_blocks_per_block=self.blocks_per_chunk)
             fingerprint = layout.fingerprint()
-            namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=rank)
+            # Replicated KV: every rank's bytes are rank 0's, and so is the namespace of its records.
+            ns_rank = namespace_rank(rank, self._replicated)
+            namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=ns_rank)
             cfg = load_config(
-                rank_tiers(self._store_dict, rank, world),
+                rank_tiers(self._store_dict, rank, world, shared=self._shared),
                 source="kv_connector_extra_config.kvtier",
                 block_bytes=layout.block_bytes,
             )
             store = run_sync(KVStore(cfg, kv_caches=views, namespace=namespace).start())
-            engine = _Engine(self.config.engine_id, store, rank=rank)
+            skip = self._shared if rank != WRITER_RANK else frozenset()
+            engine = _Engine(self.config.engine_id, store, rank=rank, skip_tiers=skip)
             description = describe_rank(self.config.engine_id, rank, world, store, fingerprint)
             _register(engine)
             log.info(
@@ -377,11 +458,37 @@ def build_classes() -> dict[str, type]:
         (connector metadata); and it reports blocks whose load failed to vLLM."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-            extra.setdefault("spec_name", "KvtierOffloadingSpec")
-            extra.setdefault("spec_module_path", MODULE_PATH)
+            extra = _select_spec(vllm_config)
             extra[_CHANNELS_KEY] = True
+            extra[_REPLICATED_KEY] = _replicated_kv(vllm_config, kv_cache_config)
+            self._kvtier_deltas = CounterDeltas()
             super().__init__(vllm_config, role, kv_cache_config)
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+            # In the front-end process too vLLM looks the spec up in the extra config, for
+            # the metric definitions of kvtier's counters.
+            _select_spec(vllm_config)
+            return super().build_prom_metrics(vllm_config, *args, **kwargs)
+
+        def get_kv_connector_stats(self) -> Any:
+            """vLLM's offload stats plus the growth of kvtier's counters since the last call
+            (each worker rank its own, the scheduler side its own; vLLM adds them up)."""
+            stats = super().get_kv_connector_stats()
+            worker, manager = self._kvtier_worker(), self._kvtier_manager()
+            if worker is not None:
+                grown = self._kvtier_deltas.take(worker_counters(worker._engine))
+            elif manager is not None:
+                grown = self._kvtier_deltas.take(scheduler_counters(manager._engine))
+            else:
+                grown = {}
+            if not grown:
+                return stats
+            if stats is None:
+                stats = OffloadingConnectorStats()
+            for name, value in grown.items():
+                stats.increase_counter(PREFIX + name, value)
+            return stats
 
         def _kvtier_worker(self) -> Any:
             cw = self.connector_worker
@@ -407,6 +514,7 @@ def build_classes() -> dict[str, type]:
         def handle_preemptions(self, kv_connector_metadata: Any) -> None:
             worker = self._kvtier_worker()
             if worker is not None:
+                worker.abandon(getattr(kv_connector_metadata, "kvtier_abandoned", ()))
                 # Before the stores of earlier steps are submitted (module doc of .scheduler_side).
                 worker.submit_deletes(getattr(kv_connector_metadata, "kvtier_deletes", ()))
             super().handle_preemptions(kv_connector_metadata)
@@ -438,13 +546,21 @@ def build_classes() -> dict[str, type]:
             deletes = manager.take_deletes() if manager is not None else ()  # before any store is prepared
             meta = super().build_connector_meta(scheduler_output)
             meta.kvtier_deletes = deletes
+            if manager is not None:
+                manager.issued(meta)
             return meta
 
         def update_connector_output(self, connector_output: Any) -> None:
             meta = connector_output.kv_connector_worker_meta
             manager = self._kvtier_manager()
-            if manager is not None and isinstance(meta, KvtierWorkerMetadata):
-                manager.receive(meta.kvtier_results)
+            if manager is not None:
+                # Only counts of jobs still open reach vLLM (a late or doubled report of a job
+                # settled after a deadline would make it look up a job it no longer has).
+                results = meta.kvtier_results if isinstance(meta, KvtierWorkerMetadata) else ()
+                counts = meta.completed_jobs if isinstance(meta, OffloadingWorkerMetadata) else {}
+                allowed = manager.worker_output(results, counts)
+                if isinstance(meta, OffloadingWorkerMetadata):
+                    meta.completed_jobs = allowed
             super().update_connector_output(connector_output)
 
     return {

@@ -46,6 +46,8 @@ def _counters() -> dict[str, int]:
             "submit_failed",
             "complete_load_unmatched",
             "results_missing",
+            "results_expired",
+            "jobs_abandoned",
         ),
         0,
     )
@@ -59,6 +61,8 @@ class _Engine:
     engine_id: str
     store: KVStore
     rank: int = 0
+    #: tiers this rank leaves to the writer rank (shared by every rank, see .replicated)
+    skip_tiers: frozenset[int] = frozenset()
     #: (kind, plan or load id, JobResult) of jobs finished since the last metadata was built.
     outbox: deque[tuple[str, int, JobResult]] = field(default_factory=deque)
     reports_load_errors: bool = False
@@ -136,25 +140,29 @@ def engine_stats(engine_id: str | None = None, worker: Any = None) -> dict[str, 
     return next(iter(out.values()))
 
 
-def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: frozenset[int] = frozenset()) -> dict[str, Any]:
     """The store config of worker ``rank`` of ``world_size``: each tier's ``capacity`` divided
     by ``world_size`` (the config's capacity is the engine's, over all its ranks, so a tier holds
     as many blocks whatever the TP size), a tier's ``path`` made ``<path>/r<rank>-of-<world>``
-    and a Redis ``prefix`` made ``<prefix>:r<rank>-of-<world>`` (each rank keeps its own
-    records; a process with another world size finds none of them: a miss, never an error)."""
+    and a Redis ``prefix`` made ``<prefix>.r<rank>-of-<world>`` (each rank keeps its own
+    records; a process with another world size finds none of them: a miss, never an error).
+
+    The tiers in ``shared`` hold one copy for every rank (KV that is the same on every rank,
+    see :mod:`.replicated`): their whole capacity, under ``all-of-<world>``."""
     out = dict(cfg)
     tiers = []
-    suffix = f"r{rank}-of-{world_size}"
     for i, tier in enumerate(cfg.get("tiers") or ()):
         if not isinstance(tier, Mapping):
             raise ConfigError(f"kv_connector_extra_config.kvtier.tiers[{i}]: expected a mapping, got {type(tier).__name__}")
         t = dict(tier)
-        if "capacity" in t:
+        one_copy = i in shared
+        suffix = f"all-of-{world_size}" if one_copy else f"r{rank}-of-{world_size}"
+        if "capacity" in t and not one_copy:
             t["capacity"] = max(1, parse_size(t["capacity"], field=f"tiers[{i}].capacity") // world_size)
         if t.get("path") is not None:
             t["path"] = os.path.join(str(t["path"]), suffix)
         if t.get("backend") == "redis":
-            t["prefix"] = f"{t.get('prefix', 'kvtier')}:{suffix}"
+            t["prefix"] = f"{t.get('prefix', 'kvtier')}.{suffix}"  # the prefix allows [A-Za-z0-9_.-] only
         tiers.append(t)
     out["tiers"] = tiers
     return out

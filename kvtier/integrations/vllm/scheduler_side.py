@@ -9,6 +9,10 @@ any rank failed), through :func:`~kvtier.transfer.jobs.apply_result`, the one pl
 so. A rank whose result is missing counts as failed. The copies that ranks may hold of keys the
 manager then released go to the :class:`~kvtier.connector.DeleteLedger`, whose deletes travel
 to every worker with the next step's metadata (:meth:`_SchedulerSide.take_deletes`).
+
+A job that some rank never reports at all is given up after a deadline
+(:class:`~.deadlines.ResultDeadlines`, :meth:`_SchedulerSide.worker_output`): the silent ranks
+settle it on notice, and it is applied as failed like any other.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
 
 from kvtier.connector.ledger import DeleteLedger, Deletes
+from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import _SchedulerEngine
 from kvtier.manager import LoadPlan, StorePlan, TierManager
 from kvtier.transfer.jobs import JobResult, apply_result, combine_results
@@ -27,11 +32,14 @@ log = logging.getLogger("kvtier.vllm")
 
 PlanKey = tuple[str, int]  # ("store", plan id) or ("load", load id)
 
+#: seconds the scheduler side waits for every rank's result of a job when nothing else is set
+DEFAULT_RESULT_DEADLINE_S = 300.0
+
 
 class _SchedulerSide:
     """Plans handed out by vLLM's ``OffloadingManager`` and their per-rank results, by id."""
 
-    def __init__(self, engine: _SchedulerEngine, manager: TierManager) -> None:
+    def __init__(self, engine: _SchedulerEngine, manager: TierManager, deadlines: ResultDeadlines | None = None) -> None:
         self._engine = engine
         self._mgr = manager
         self._world = engine.world_size
@@ -42,6 +50,35 @@ class _SchedulerSide:
         self._results: dict[PlanKey, dict[int, JobResult]] = {}
         self._finished_loads: OrderedDict[int, None] = OrderedDict()  # load ids every rank finished, in order
         self.ledger = DeleteLedger()
+        self.deadlines = deadlines if deadlines is not None else ResultDeadlines(self._world, DEFAULT_RESULT_DEADLINE_S)
+
+    def worker_output(
+        self, results: Iterable[tuple[int, str, int, JobResult]], counts: Mapping[int, int]
+    ) -> dict[int, int]:
+        """One step's worker output: every rank's kvtier results (rank, kind, id, result) and
+        vLLM's completion counts by job id. Returns the counts vLLM may apply (see
+        :meth:`~.deadlines.ResultDeadlines.completed`), then gives up on the jobs past the
+        deadline (their notices go out with :meth:`take_notices`)."""
+        for rank, kind, plan_id, result in results:
+            self.deadlines.reported(rank, kind, plan_id)
+            self.receive(rank, kind, plan_id, result)
+        allowed = self.deadlines.completed(counts)
+        expired = self.deadlines.expire()
+        if expired:
+            self._engine.counters["results_expired"] += len(expired)
+            for notice in expired:
+                log.warning(
+                    "kvtier: %s job %d: no result from rank(s) %s within %.3g s; those ranks settle it as failed",
+                    notice.kind,
+                    notice.job_id,
+                    list(notice.ranks),
+                    self.deadlines.deadline_s,
+                )
+        return allowed
+
+    def take_notices(self) -> tuple[Abandoned, ...]:
+        """The jobs given up since the last call, for every worker (connector metadata)."""
+        return self.deadlines.take_notices()
 
     def receive(self, rank: int, kind: str, plan_id: int, result: JobResult) -> None:
         """Rank ``rank``'s result of one job (a duplicate replaces the earlier one)."""
@@ -120,8 +157,10 @@ class _SchedulerSide:
             if not success:
                 result = JobResult(result.job_id, "store", False, plan.keys, error="failed in vLLM")
             applied = apply_result(self._mgr, plan, result)
-            if self._world > 1 and (not applied.ok or any(result.failed.values())):
-                self.ledger.remember_plan(plan)  # some rank may hold what the manager released
+            if not applied.ok or (self._world > 1 and any(result.failed.values())):
+                # Some rank may hold what the manager released (even alone: a store given up
+                # on after its device read goes on writing its tiers).
+                self.ledger.remember_plan(plan)
             self._engine.counters["blocks_stored"] += applied.done
             self._engine.counters["blocks_store_failed"] += applied.lost
             if applied.done:

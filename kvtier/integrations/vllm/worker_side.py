@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvtier.connector.ledger import Deletes
+from kvtier.integrations.vllm.deadlines import Abandoned
 from kvtier.integrations.vllm.engines import _Engine
+from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
 
@@ -37,6 +40,9 @@ class _WorkerSide:
         self._jobs: dict[int, tuple[int, tuple[str, int], list[list[int]]]] = {}
         self._refused: list[tuple[int, tuple[str, int], list[list[int]], JobResult]] = []
         self._failed_blocks: set[int] = set()
+        #: vLLM job ids reported (recent ones) or settled on the scheduler side's notice
+        self._reported: OrderedDict[int, None] = OrderedDict()
+        self._abandoned: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def submit_store(self, job_id: int, plan: StorePlan, block_ids: Collection[Any]) -> None:
@@ -60,10 +66,14 @@ class _WorkerSide:
         first_index: int | None = None,
     ) -> None:
         per_key: list[list[int]] = []
+        if job_id in self._abandoned:
+            return  # already reported, settled on the scheduler side's notice
         try:
             ids = [int(b) for b in block_ids]
             per_key = [ids[i : i + self._n] for i in range(0, len(ids), self._n)]
             if isinstance(plan, StorePlan):
+                if self._engine.skip_tiers:  # the shared tiers' writes are the writer rank's
+                    plan, ids = for_reader(plan, ids, self._engine.skip_tiers)
                 kid = self._transfers.submit_store(plan, ids)
             else:
                 if first_index is not None and self._n > 1:
@@ -110,6 +120,7 @@ class _WorkerSide:
                     )
             self._engine.outbox.append((plan_key[0], plan_key[1], result))
             out.append((job_id, success, result.nbytes, result.seconds))
+            _remember(self._reported, job_id)
         return out
 
     def take_outbox(self) -> list[tuple[str, int, JobResult]]:
@@ -121,6 +132,7 @@ class _WorkerSide:
         """Delete keys the scheduler side released from this rank's tiers, on the store queue
         (after the stores submitted so far, before those submitted later: build order).
         Returns the transfer job id, or None (nothing to delete, or it could not be submitted)."""
+        deletes = without_tiers(deletes, self._engine.skip_tiers)
         if not deletes:
             return None
         try:
@@ -145,6 +157,50 @@ class _WorkerSide:
             self._transfers.wait_device(mine)
         except Exception as exc:  # never raised into vLLM
             log.warning("kvtier: waiting for jobs %s failed: %s", sorted(job_ids), exc)
+
+
+    def abandon(self, notices: Iterable[Abandoned]) -> int:
+        """Settle the jobs the scheduler side stopped waiting for (see :mod:`.deadlines`) that
+        this rank has not reported: stop each (from then on it never touches an engine block),
+        and report it with the next ``finished`` as failed, a load's blocks as load errors.
+        Returns how many jobs were settled here; never raises."""
+        rank = self._engine.rank
+        settled = 0
+        for notice in notices:
+            if rank not in notice.ranks or notice.job_id in self._reported or notice.job_id in self._abandoned:
+                continue
+            with self._lock:
+                kid = next((k for k, entry in self._jobs.items() if entry[0] == notice.job_id), None)
+                entry = self._jobs.pop(kid) if kid is not None else None
+            if kid is not None:
+                try:
+                    self._transfers.cancel(kid)  # a store past its device read is left to finish its tier writes
+                except Exception as exc:  # the job is reported failed either way
+                    log.warning("kvtier: cancelling %s job %d failed: %s", notice.kind, notice.job_id, exc)
+            per_key = entry[2] if entry is not None else [[int(b)] for b in notice.block_ids]
+            kind: Any = notice.kind
+            result = JobResult(0, kind, False, (), error="abandoned: no result before the scheduler side's deadline")
+            with self._lock:
+                self._refused.append((notice.job_id, (notice.kind, notice.plan_id), per_key, result))
+            _remember(self._abandoned, notice.job_id)
+            self._engine.counters["jobs_abandoned"] += 1
+            settled += 1
+            log.warning(
+                "kvtier: rank %d had no result for %s job %d before the scheduler side's deadline; reported failed",
+                rank,
+                notice.kind,
+                notice.job_id,
+            )
+        return settled
+
+
+_RECENT = 1 << 16  # vLLM job ids remembered per rank (a notice comes within a few steps)
+
+
+def _remember(recent: OrderedDict[int, None], job_id: int) -> None:
+    recent[job_id] = None
+    if len(recent) > _RECENT:
+        recent.popitem(last=False)
 
 
 #: vLLM's null block: the placeholder block of its block pool, whose bytes no request reads.
