@@ -327,7 +327,7 @@ def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: P
             import json, sys
             print("warming up")
             print("progress", file=sys.stderr)
-            print(json.dumps({"quick": "--quick" in sys.argv, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}))
+            print(json.dumps({"quick": "--quick" in sys.argv, "cpu_save_gbps": 2.5, "raw_save_gbps": 10.0}))
             """
         )
     )
@@ -338,7 +338,7 @@ def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: P
     proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), "--dir", str(disk), cwd=tmp_path)
     assert proc.returncode == 1  # bench_disk failed, and says so
     data = json.loads((out / "results.json").read_text())
-    assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}
+    assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_save_gbps": 10.0}
     assert "exit 3" in data["failures"]["disk"] and data["missing"] == ["connector"]
     assert data["disk_dir"] == str(disk.resolve())
     core_log = (out / "core.log").read_text()
