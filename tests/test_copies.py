@@ -95,3 +95,26 @@ def test_the_store_config_sets_the_copy_threads() -> None:
     assert asyncio.run(threads()) == auto_copy_threads()
     with pytest.raises(ConfigError, match="copy_threads"):
         asyncio.run(threads(copy_threads=0))
+
+
+def test_a_store_saves_and_loads_exact_bytes_with_split_copies() -> None:
+    """Through the store and its mover thread: blocks saved and loaded back with copies split
+    over three threads are the bytes of the cache."""
+    caches = make_caches(torch.bfloat16, fused=False, layers=6, seed=9)
+    want = [c.clone() for c in caches]
+    block_bytes = KVLayout(caches).block_bytes
+    keys = [bytes([i]) * 32 for i in range(4)]
+
+    async def run() -> None:
+        cfg = {"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}], "copy_threads": 3}
+        async with kvtier.open(cfg, kv_caches=caches) as store:
+            assert store.layout is not None
+            store.layout.copies.min_bytes = 0
+            assert await store.save(keys, [1, 3, 5, 7]) == 4
+            for c in caches:
+                c[[0, 2, 4, 6]] = 0
+            assert await store.load(keys, [0, 2, 4, 6]) == 4
+
+    asyncio.run(run())
+    for c, w in zip(caches, want):
+        assert torch.equal(c[[0, 2, 4, 6]].view(torch.uint8), w[[1, 3, 5, 7]].view(torch.uint8))
