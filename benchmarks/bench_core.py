@@ -4,12 +4,19 @@ Usage: ``python benchmarks/bench_core.py [--quick]``. Prints one JSON object on 
 readable summary on stderr.
 
 Bandwidth: a 32-layer paged cache of ``[blocks, 16 tokens, 2 (K/V), 8 heads, 128 dims]`` bf16
-tensors (64 KiB per layer and block, 2 MiB per block). Jobs of 64 blocks are saved through
-``kvtier.open(...).save`` and loaded back with ``load`` into other block ids; the same job is also
-run through the transfer engine directly (no asyncio hop). The reference is the fastest raw copy
-of the same bytes between the same cache and a pool, in the same run: ``index_select`` +
-``index_copy_`` per tensor, or one ``copy_`` per (block, layer) slice. Each figure is the best of
-several repetitions.
+tensors (64 KiB per layer and block, 2 MiB per block). Jobs of 64 scattered blocks are saved
+through ``kvtier.open(...).save`` and loaded back with ``load`` into other block ids; the same
+job is also run through the transfer engine directly (no asyncio hop, ``engine_*``). The raw
+baseline copies the same bytes between the same cache and a pool with torch alone:
+``_foreach_copy_`` over the (block, layer) slices, ``index_select`` + ``index_copy_`` per layer
+(gather into a temporary, ``save_index``), one ``index_select`` per layer straight into the pool
+rows (``save_direct``; ``index_copy_`` back, ``load_direct``), and the direct copy with its
+layers split over as many threads as the store's ``copy_threads`` (``*_split``, when above 1).
+``raw_save_gbps`` / ``raw_load_gbps`` are the fastest of them; ``cpu_save_ratio`` /
+``cpu_load_ratio`` the tier over them. Everything runs interleaved: each of ``--rounds`` rounds
+runs every copy once, in an order reversed every round, after one uncounted warm-up round;
+figures are medians (``*_best_gbps``: the best round). ``--copy-threads N`` sets the store's
+``copy_threads``; ``--bandwidth-only`` skips the manager part.
 
 Manager: a one-tier ``TierManager`` holding 1M keys; batches of 32 keys for ``lookup``,
 ``prepare_store`` + ``complete_store`` (into a full tier, so every store evicts) and
@@ -33,6 +40,7 @@ import argparse
 import asyncio
 import gc
 import hashlib
+import itertools
 import json
 import statistics
 import sys
@@ -40,6 +48,7 @@ import time
 import tracemalloc
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -66,104 +75,164 @@ def best_of(reps: int, fn: Callable[[], Any]) -> float:
 
 
 # -- bandwidth ------------------------------------------------------------------------------
-def raw_copies(caches: list[torch.Tensor], job: int, reps: int) -> dict[str, float]:
-    """GB/s of raw gathers of ``job`` blocks from ``caches`` into a pool of records."""
-    per_layer = caches[0][0].numel() * caches[0].element_size()
-    block_bytes = per_layer * len(caches)
-    pool = torch.empty((job, block_bytes), dtype=torch.uint8)
-    ids = list(range(1, 2 * job, 2))[:job]  # every other block: a realistic scattered job
-    nbytes = job * block_bytes
-    words = [c.view(torch.uint8).view(c.shape[0], -1).view(torch.int64) for c in caches]
-    pool_words = pool.view(torch.int64).view(job, len(caches), -1)
-    idx = torch.tensor(ids)
-    rows = torch.arange(job)
+class RawCopies:
+    """Raw copies of a job of ``job`` scattered blocks between ``caches`` and a pool of
+    records, done with torch alone on the calling thread (and, ``split``, over ``threads``
+    threads as the tier may): each returns its seconds. Gathers (``save_*``) read every other
+    cache block into pool rows ``0..job-1``; scatters (``load_*``) write them back into the
+    blocks in between, as the tier's save and load do."""
 
-    def index() -> None:
-        for layer, src in enumerate(words):
-            pool_words[:, layer].index_copy_(0, rows, src.index_select(0, idx))
+    def __init__(self, caches: list[torch.Tensor], job: int, threads: int) -> None:
+        self.job = job
+        per_layer = caches[0][0].numel() * caches[0].element_size()
+        block_bytes = per_layer * len(caches)
+        self.nbytes = job * block_bytes
+        self.pool = torch.empty((job, block_bytes), dtype=torch.uint8)
+        self.src_ids = list(range(1, 2 * job, 2))[:job]  # every other block: a realistic scattered job
+        self.dst_ids = [b - 1 for b in self.src_ids]
+        self.words = [c.view(torch.uint8).view(c.shape[0], -1).view(torch.int64) for c in caches]
+        self.pool_words = self.pool.view(torch.int64).view(job, len(caches), -1)
+        self.src_idx, self.dst_idx = torch.tensor(self.src_ids), torch.tensor(self.dst_ids)
+        self.rows = torch.arange(job)
+        pool_bytes = self.pool.view(job, len(caches), per_layer)
+        src_bytes = [c.view(torch.uint8).view(c.shape[0], -1) for c in caches]
+        self.pieces = [pool_bytes[j][layer] for j in range(job) for layer in range(len(caches))]
+        self.src_slices = [src_bytes[layer][b] for b in self.src_ids for layer in range(len(caches))]
+        self.dst_slices = [src_bytes[layer][b] for b in self.dst_ids for layer in range(len(caches))]
+        self.threads = threads
+        self.executor = ThreadPoolExecutor(max_workers=threads - 1) if threads > 1 else None
+        self.layers = list(range(len(caches)))
 
-    pool_bytes = pool.view(job, len(caches), per_layer)
-    src_bytes = [c.view(torch.uint8).view(c.shape[0], -1) for c in caches]
-
-    def per_slice() -> None:
-        for j, b in enumerate(ids):
-            dst = pool_bytes[j]
-            for layer, src in enumerate(src_bytes):
-                dst[layer].copy_(src[b])
-
-    dsts = [pool_bytes[j][layer] for j in range(job) for layer in range(len(caches))]
-    srcs = [src_bytes[layer][b] for b in ids for layer in range(len(caches))]
-
-    def foreach() -> None:
-        torch._foreach_copy_(dsts, srcs)
-
-    # A contiguous 2 MiB copy per block: the memcpy ceiling, for information only (the cache
-    # keeps a block's bytes in 32 separate places, so no gather can be one memcpy).
-    flat = torch.empty((job, block_bytes), dtype=torch.uint8)
-
-    def memcpy() -> None:
-        for j in range(job):
-            pool[j].copy_(flat[j])
-
-    out = {}
-    for name, fn in (("index", index), ("per_slice", per_slice), ("foreach", foreach), ("memcpy", memcpy)):
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
         fn()
-        out[name] = nbytes / best_of(reps, fn) / 1e9
-    return out
+        return time.perf_counter() - t0
+
+    def _split(self, one: Callable[[int], None]) -> None:
+        """``one(layer)`` for every layer, the layers dealt out in contiguous shares."""
+        n = self.threads
+        shares = [self.layers[i * len(self.layers) // n : (i + 1) * len(self.layers) // n] for i in range(n)]
+        assert self.executor is not None
+        futures = [self.executor.submit(self._each, one, s) for s in shares[1:]]
+        for x in shares[0]:
+            one(x)
+        for f in futures:
+            f.result()
+
+    @staticmethod
+    def _each(one: Callable[[int], None], layers: list[int]) -> None:
+        for x in layers:
+            one(x)
+
+    def _gather_one(self, layer: int) -> None:
+        torch.index_select(self.words[layer], 0, self.src_idx, out=self.pool_words[:, layer])
+
+    def _scatter_one(self, layer: int) -> None:
+        self.words[layer].index_copy_(0, self.dst_idx, self.pool_words[:, layer])
+
+    def save_foreach(self) -> float:
+        return self._timed(lambda: torch._foreach_copy_(self.pieces, self.src_slices))
+
+    def save_index(self) -> float:  # gather into a temporary, then scatter into the rows
+        def run() -> None:
+            for layer, src in enumerate(self.words):
+                self.pool_words[:, layer].index_copy_(0, self.rows, src.index_select(0, self.src_idx))
+
+        return self._timed(run)
+
+    def save_direct(self) -> float:  # one index_select per layer straight into the rows
+        return self._timed(lambda: self._each(self._gather_one, self.layers))
+
+    def save_split(self) -> float:
+        return self._timed(lambda: self._split(self._gather_one))
+
+    def load_foreach(self) -> float:
+        return self._timed(lambda: torch._foreach_copy_(self.dst_slices, self.pieces))
+
+    def load_direct(self) -> float:
+        return self._timed(lambda: self._each(self._scatter_one, self.layers))
+
+    def load_split(self) -> float:
+        return self._timed(lambda: self._split(self._scatter_one))
+
+    def variants(self) -> dict[str, Callable[[], float]]:
+        out = {
+            "save_foreach": self.save_foreach,
+            "save_index": self.save_index,
+            "save_direct": self.save_direct,
+            "load_foreach": self.load_foreach,
+            "load_direct": self.load_direct,
+        }
+        if self.executor is not None:
+            out.update(save_split=self.save_split, load_split=self.load_split)
+        return out
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
 
 
-async def store_bandwidth(caches: list[torch.Tensor], job: int, reps: int) -> dict[str, float]:
+async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_threads: int | str) -> dict[str, Any]:
+    """The tier's save and load of a ``job`` of scattered blocks (``kvtier.open(...)`` and the
+    transfer engine alone), and the raw copies of the same bytes, interleaved: every round runs
+    each of them once, in an order that reverses every round, after one uncounted warm-up
+    round. Figures are medians over the rounds."""
     per_layer = caches[0][0].numel() * caches[0].element_size()
     block_bytes = per_layer * len(caches)
-    num_blocks = caches[0].shape[0]
-    cfg = {"tiers": [{"backend": "cpu", "capacity": (job * 3) * block_bytes}]}
-    nbytes = job * block_bytes
-    src_ids = list(range(1, 2 * job, 2))[:job]
-    dst_ids = [b - 1 for b in src_ids]
-    assert max(src_ids) < num_blocks
-    save_times, load_times = [], []
+    cfg = {"tiers": [{"backend": "cpu", "capacity": (job * 3) * block_bytes}], "copy_threads": copy_threads}
+    times: dict[str, list[float]] = {}
     async with kvtier.open(cfg, kv_caches=caches) as store:
-        for r in range(reps + 1):
-            keys = keys_of(r * job, job)
-            t0 = time.perf_counter()
-            saved = await store.save(keys, src_ids)
-            t1 = time.perf_counter()
-            loaded = await store.load(keys, dst_ids)
-            t2 = time.perf_counter()
-            assert saved == job and loaded == job, (saved, loaded)
-            if r:  # the first round warms the pool pages and the worker threads
-                save_times.append(t1 - t0)
-                load_times.append(t2 - t1)
-        # The transfer engine alone, without the asyncio hop or the manager.
+        assert store.layout is not None
+        threads = store.layout.copies.threads
+        raw = RawCopies(caches, job, threads)
         mgr, xfer = store.manager, store.transfers
         assert mgr is not None and xfer is not None
-        eng_save, eng_load = [], []
-        for r in range(reps + 1):
-            keys = keys_of(10_000_000 + r * job, job)
+        counter = itertools.count()
+
+        async def tier_round() -> tuple[float, float]:
+            keys = keys_of(next(counter) * job, job)
+            t0 = time.perf_counter()
+            saved = await store.save(keys, raw.src_ids)
+            t1 = time.perf_counter()
+            loaded = await store.load(keys, raw.dst_ids)
+            t2 = time.perf_counter()
+            assert saved == job and loaded == job, (saved, loaded)
+            return t1 - t0, t2 - t1
+
+        def engine_round() -> tuple[float, float]:  # the transfer engine alone: no asyncio hop, no manager
+            keys = keys_of(next(counter) * job, job)
             plan = mgr.prepare_store(keys)
             assert plan is not None
             t0 = time.perf_counter()
-            (res,) = xfer.wait([xfer.submit_store(plan, src_ids)])
+            (res,) = xfer.wait([xfer.submit_store(plan, raw.src_ids)])
             t1 = time.perf_counter()
             mgr.complete_store(plan.keys, res.success, sizes=res.sizes)
             load = mgr.prepare_load(keys)
             t2 = time.perf_counter()
-            (res2,) = xfer.wait([xfer.submit_load(load, dst_ids)])
+            (res2,) = xfer.wait([xfer.submit_load(load, raw.dst_ids)])
             t3 = time.perf_counter()
             mgr.complete_load(keys)
             xfer.poll_finished()
             assert res.success and res2.success
-            if r:
-                eng_save.append(t1 - t0)
-                eng_load.append(t3 - t2)
-    return {
-        "save": nbytes / min(save_times) / 1e9,
-        "load": nbytes / min(load_times) / 1e9,
-        "save_median": nbytes / statistics.median(save_times) / 1e9,
-        "load_median": nbytes / statistics.median(load_times) / 1e9,
-        "engine_save": nbytes / min(eng_save) / 1e9,
-        "engine_load": nbytes / min(eng_load) / 1e9,
-    }
+            return t1 - t0, t3 - t2
+
+        steps: list[tuple[str, Callable[[], Any]]] = [("tier", tier_round), ("engine", engine_round), *raw.variants().items()]
+        for r in range(reps + 1):
+            for name, fn in steps if r % 2 else steps[::-1]:
+                got = fn()
+                if asyncio.iscoroutine(got):
+                    got = await got
+                if not r:
+                    continue  # the first round warms the pool pages and the threads
+                if isinstance(got, tuple):
+                    times.setdefault(f"{name}_save", []).append(got[0])
+                    times.setdefault(f"{name}_load", []).append(got[1])
+                else:
+                    times.setdefault(name, []).append(got)
+        raw.close()
+    gbps = {name: raw.nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    best = {name: raw.nbytes / min(ts) / 1e9 for name, ts in times.items()}
+    return {"threads": threads, "median": gbps, "best": best}
 
 
 # -- manager cost ---------------------------------------------------------------------------
@@ -310,9 +379,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a small run (a few seconds)")
     parser.add_argument("--manager-only", action="store_true", help="only the manager figures (no bandwidth)")
+    parser.add_argument("--bandwidth-only", action="store_true", help="only the bandwidth figures (no manager)")
+    parser.add_argument("--copy-threads", default="auto", help="the store's copy_threads (default auto); the raw split copy uses as many")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds (default 15, --quick 3)")
     args = parser.parse_args()
     job = 16 if args.quick else 64
-    reps = 2 if args.quick else 7
+    reps = args.rounds or (3 if args.quick else 15)
     capacity = 50_000 if args.quick else 1_000_000
     rounds = 1000 if args.quick else 10_000
     batch = 32
@@ -323,46 +395,59 @@ def main() -> None:
         return
     caches = [torch.randn((2 * job + 1, *LAYER_SHAPE)).to(torch.bfloat16) for _ in range(LAYERS)]
     block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
-    raw = raw_copies(caches, job, reps)
-    ours = asyncio.run(store_bandwidth(caches, job, reps))
+    threads = args.copy_threads if args.copy_threads == "auto" else int(args.copy_threads)
+    bw = asyncio.run(bandwidth(caches, job, reps, threads))
     del caches
     gc.collect()
-    raw_best = max(raw["index"], raw["per_slice"], raw["foreach"])
-    cost = manager_cost(capacity, batch, rounds)
-    mem = index_bytes_per_key(min(capacity, 200_000), batch)
+    med = bw["median"]
+    raw_save = max(v for k, v in med.items() if k.startswith("save_"))
+    raw_load = max(v for k, v in med.items() if k.startswith("load_"))
+    mem: float | None
+    if args.bandwidth_only:
+        cost = {}
+        mem = None
+    else:
+        cost = manager_cost(capacity, batch, rounds)
+        mem = index_bytes_per_key(min(capacity, 200_000), batch)
 
     result = {
         "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
+        "copy_threads": bw["threads"],
         "block_bytes": block_bytes,
         "job_blocks": job,
-        "cpu_save_gbps": round(ours["save"], 3),
-        "cpu_load_gbps": round(ours["load"], 3),
-        "cpu_save_median_gbps": round(ours["save_median"], 3),
-        "cpu_load_median_gbps": round(ours["load_median"], 3),
-        "engine_save_gbps": round(ours["engine_save"], 3),
-        "engine_load_gbps": round(ours["engine_load"], 3),
-        "raw_copy_gbps": round(raw_best, 3),
-        "raw_index_gbps": round(raw["index"], 3),
-        "raw_per_slice_gbps": round(raw["per_slice"], 3),
-        "raw_foreach_gbps": round(raw["foreach"], 3),
-        "memcpy_gbps": round(raw["memcpy"], 3),
-        "cpu_save_ratio": round(ours["save"] / raw_best, 3),
-        "cpu_load_ratio": round(ours["load"] / raw_best, 3),
+        "rounds": reps,
+        "cpu_save_gbps": round(med["tier_save"], 3),
+        "cpu_load_gbps": round(med["tier_load"], 3),
+        "cpu_save_best_gbps": round(bw["best"]["tier_save"], 3),
+        "cpu_load_best_gbps": round(bw["best"]["tier_load"], 3),
+        "engine_save_gbps": round(med["engine_save"], 3),
+        "engine_load_gbps": round(med["engine_load"], 3),
+        "raw_save_gbps": round(raw_save, 3),
+        "raw_load_gbps": round(raw_load, 3),
+        **{f"raw_{k}_gbps": round(v, 3) for k, v in med.items() if k.startswith(("save_", "load_"))},
+        "cpu_save_ratio": round(med["tier_save"] / raw_save, 3),
+        "cpu_load_ratio": round(med["tier_load"] / raw_load, 3),
+        "cpu_save_vs_foreach": round(med["tier_save"] / med["save_foreach"], 3),
+        "cpu_load_vs_foreach": round(med["tier_load"] / med["load_foreach"], 3),
         "manager_keys": capacity,
         "batch_keys": batch,
         **{k: round(v, 3) for k, v in cost.items()},
-        "index_bytes_per_key": round(mem, 1),
+        "index_bytes_per_key": None if mem is None else round(mem, 1),
     }
-    print(
+    summary = (
         f"save {result['cpu_save_gbps']} GB/s ({result['cpu_save_ratio']}x raw), "
-        f"load {result['cpu_load_gbps']} GB/s ({result['cpu_load_ratio']}x raw), raw {result['raw_copy_gbps']} GB/s; "
-        f"lookup {result['lookup_us_per_key']} us/key (1 key: hit {result['lookup1_hit_us']} us, miss "
-        f"{result['lookup1_miss_us']} us), store {result['store_us_per_key']} us/key (chain "
-        f"{result['evict_store_us_per_key']}), promote {result['promote_us_per_key']} us/key, "
-        f"load {result['load_us_per_key']} us/key, index {result['index_bytes_per_key']} B/key",
-        file=sys.stderr,
+        f"load {result['cpu_load_gbps']} GB/s ({result['cpu_load_ratio']}x raw), "
+        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s, {bw['threads']} copy threads"
     )
+    if cost:
+        summary += (
+            f"; lookup {result['lookup_us_per_key']} us/key (1 key: hit {result['lookup1_hit_us']} us, miss "
+            f"{result['lookup1_miss_us']} us), store {result['store_us_per_key']} us/key (chain "
+            f"{result['evict_store_us_per_key']}), promote {result['promote_us_per_key']} us/key, "
+            f"load {result['load_us_per_key']} us/key, index {result['index_bytes_per_key']} B/key"
+        )
+    print(summary, file=sys.stderr)
     print(json.dumps(result))
 
 

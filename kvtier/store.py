@@ -54,7 +54,10 @@ class KVStore:
         self.layout: KVLayout | None = None
         if kv_caches is not None:
             self.layout = KVLayout(
-                kv_caches, engine_blocks_per_block=config.engine_blocks_per_block, staging_bytes=config.staging_bytes
+                kv_caches,
+                engine_blocks_per_block=config.engine_blocks_per_block,
+                staging_bytes=config.staging_bytes,
+                copy_threads=config.copy_threads,
             )
             block_bytes = self.layout.block_bytes
             dtype = self.layout.dtype

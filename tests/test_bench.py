@@ -16,7 +16,7 @@ from kvtier.tools.bench.plot import bandwidth_rows, plot_results, rate
 ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = {
-    "core": {"cpu_save_gbps": 2.6, "cpu_load_gbps": 2.7, "raw_copy_gbps": 9.9, "lookup_us_per_key": 0.2},
+    "core": {"cpu_save_gbps": 2.6, "cpu_load_gbps": 2.7, "raw_save_gbps": 9.9, "raw_load_gbps": 9.9, "lookup_us_per_key": 0.2},
     "disk": {
         "lmdb_save_gbps": 0.265,
         "lmdb_load_gbps": 2.5,

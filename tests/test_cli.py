@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -327,7 +328,7 @@ def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: P
             import json, sys
             print("warming up")
             print("progress", file=sys.stderr)
-            print(json.dumps({"quick": "--quick" in sys.argv, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}))
+            print(json.dumps({"quick": "--quick" in sys.argv, "cpu_save_gbps": 2.5, "raw_save_gbps": 10.0}))
             """
         )
     )
@@ -338,7 +339,7 @@ def test_bench_collects_json_from_each_script_into_the_output_folder(tmp_path: P
     proc = kvtier("bench", "--quick", "--bench-dir", str(scripts), "--out", str(out), "--dir", str(disk), cwd=tmp_path)
     assert proc.returncode == 1  # bench_disk failed, and says so
     data = json.loads((out / "results.json").read_text())
-    assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_copy_gbps": 10.0}
+    assert data["results"]["core"] == {"quick": True, "cpu_save_gbps": 2.5, "raw_save_gbps": 10.0}
     assert "exit 3" in data["failures"]["disk"] and data["missing"] == ["connector"]
     assert data["disk_dir"] == str(disk.resolve())
     core_log = (out / "core.log").read_text()
@@ -389,3 +390,41 @@ def test_bench_without_scripts_says_where_it_looked(tmp_path: Path) -> None:
     proc = kvtier("bench", "--bench-dir", str(tmp_path), "--out", str(tmp_path / "o"))
     assert proc.returncode == 1 and "no benchmark scripts" in proc.stderr and str(tmp_path) in proc.stderr
 
+
+
+def test_verify_with_a_mac_algorithm(tmp_path: Path) -> None:
+    """``--mac-algorithm hmac-sha256`` checks that a keyed store holds only HMAC-SHA256 records:
+    BLAKE3 ones (the default MAC's) are reported unsupported; ``blake3`` (the default) checks both."""
+    from kvtier.backend import BlockFormat
+    from kvtier.testing import make_key, random_block
+
+    secret = "cli-test-mac-secret-0123456789"
+    fmt = BlockFormat(block_bytes=4096, dtype="bfloat16", namespace_digest=b"\1" * 32, namespace={"model_id": "cli-test"})
+    paths = {}
+    for algorithm in ("blake3", "hmac-sha256"):
+        path = paths[algorithm] = tmp_path / algorithm
+        backend = registry.backends.get("lmdb")(
+            capacity="16MiB", path=str(path), sync_mode="fast", mac_key=secret, mac_algorithm=algorithm
+        )
+
+        async def fill(backend: Any = backend) -> None:
+            await backend.open(fmt)
+            await backend.write([make_key(i) for i in range(3)], [random_block(4096, i) for i in range(3)])
+            await backend.aclose()
+
+        asyncio.run(fill())
+    env = {"CLI_TEST_MAC": secret}
+    for store, algorithm, bad in (
+        ("blake3", "blake3", 0),
+        ("hmac-sha256", "blake3", 0),
+        ("hmac-sha256", "hmac-sha256", 0),
+        ("blake3", "hmac-sha256", 3),
+    ):
+        proc = kvtier("verify", str(paths[store]), "--mac-key-env", "CLI_TEST_MAC", "--mac-algorithm", algorithm, "--json", env=env)
+        data = json.loads(proc.stdout)
+        assert (store, algorithm, proc.returncode, data["checked"], len(data["bad"])) == (store, algorithm, int(bad > 0), 3, bad)
+        assert all("unsupported" in b["reason"] for b in data["bad"])
+    proc = kvtier("verify", str(paths["blake3"]), "--mac-algorithm", "hmac-sha256")
+    assert proc.returncode == 1 and "--mac-algorithm: give the MAC secret too" in proc.stderr
+    proc = kvtier("verify", str(paths["blake3"]), "--mac-algorithm", "md5")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -24,6 +24,7 @@ import kvtier
 from kvtier import record_jobs
 from kvtier.store import KVStore
 from kvtier.testing import make_key
+from kvtier.transfer import copies
 
 NUM_BLOCKS = 16
 SOURCES = 8  # blocks 0..7 hold the bytes of keys 0..7; loads go into blocks 8..15
@@ -83,13 +84,10 @@ op = st.one_of(
 
 
 def worker_threads() -> list[threading.Thread]:
-    """A store's own threads (not the process-wide ones: the sync runner and the side threads
-    that check records, which outlive every store)."""
-    return [
-        t
-        for t in threading.enumerate()
-        if t.name.startswith("kvtier-") and t.name != "kvtier-sync" and not t.name.startswith(record_jobs.THREAD_PREFIX)
-    ]
+    """A store's own threads (not the process-wide ones: the sync runner, the side threads
+    that check records and the threads that split host copies, which outlive every store)."""
+    shared = (record_jobs.THREAD_PREFIX, copies.THREAD_PREFIX)
+    return [t for t in threading.enumerate() if t.name.startswith("kvtier-") and t.name != "kvtier-sync" and not t.name.startswith(shared)]
 
 
 async def settle(store: KVStore, chaos: list[Chaos]) -> None:

@@ -178,17 +178,23 @@ def test_row_runs_on_the_host_match_the_per_slice_copies(rows: list[int]) -> Non
     ids = [11, 3, 0, 7, 9, 2][: len(rows)]
     fast, general = KVLayout(caches, strategy="index"), KVLayout(caches, strategy="foreach")
     assert (fast._row_runs(torch.empty(0), rows) is None) == (len(rows) == 6)
+    assert_same_copies(fast, general, caches, ids, rows)
+
+
+def assert_same_copies(a: KVLayout, b: KVLayout, caches: list[torch.Tensor], ids: list[int], rows: list[int]) -> None:
+    """``a`` and ``b`` (two layouts of ``caches``) gather engine blocks ``ids`` into the same
+    pool bytes at ``rows``, and scatter them back into the same cache bytes."""
     pools = []
-    for layout in (fast, general):
+    for layout in (a, b):
         pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
         layout.gather(ids, pool, rows)
         pools.append(pool)
     assert torch.equal(pools[0], pools[1]) and pools[0][rows].any()
     back = []
-    for layout in (fast, general):
+    for layout in (a, b):
         for c in caches:
             c.view(torch.uint8).zero_()
         layout.scatter(pools[0], rows, ids)
         back.append([c.clone() for c in caches])
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*back))
-    assert all(a[ids].view(torch.uint8).any() for a in back[0])
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(*back))
+    assert all(x[ids].view(torch.uint8).any() for x in back[0])

@@ -603,3 +603,55 @@ def test_partial_store_counts_a_use_only_of_the_keys_it_covers(policy_name: str)
     plan = m.prepare_store(K[2:4], partial=True)
     assert plan is not None and plan.keys == tuple(K[2:4])
     assert plan.write_through == ()  # seen once: the slow tier does not admit them yet
+
+
+def _state(m: TierManager) -> Any:
+    """Everything a completion can change, comparable between two managers."""
+    tiers = [
+        (dict(t.index), dict(t.pins), t.policy.order(), t.used, t.pending, t.dropped) for t in m._tiers
+    ]
+    plans = {pid: (p.remaining, p.demoted, p.through) for pid, p in m._plans._plans.items()}
+    return tiers, plans, dict(m._plans._plan_of), m.counters
+
+
+# complete_store inputs, against two open plans (K[0:3] and K[3:5], write-through to the second
+# tier) and a ready key (K[9]).
+COMPLETE_INPUTS: list[Any] = [
+    [K[0], K[1], K[2]],  # one whole plan: the common call
+    (K[3], K[4]),  # a tuple
+    [K[1]],  # part of a plan
+    [K[2], K[3]],  # two plans, neither finished
+    [K[0], K[1], K[2], K[3], K[4]],  # two whole plans
+    [K[0], K[0], K[1]],  # a repeat
+    [K[0], K[9]],  # a ready key: never prepared here
+    [K[0], K[20]],  # never seen
+    [K[0], bytearray(K[1])],  # unhashable
+    [K[0], "x"],
+    [],
+    [K[2], K[1], K[0]],  # another order
+]
+
+
+@pytest.mark.parametrize("success", [True, False])
+@pytest.mark.parametrize("keys", COMPLETE_INPUTS, ids=repr)
+def test_complete_store_fast_path_matches_the_general_path(policy_name: str, keys: Any, success: bool) -> None:
+    """Distinct keys of open plans are taken out of the book in one pass (``PlanBook.take``);
+    the state, events, counters and errors after ``complete_store`` are those of the general
+    path (``take`` disabled) on the same input."""
+    outcomes = []
+    for fast in (True, False):
+        m = TierManager([tier("fast", 8, policy_name), tier("slow", 8, policy_name)], write="through")
+        store(m, [K[9]])
+        m.take_events()
+        assert m.prepare_store(K[0:3]) is not None and m.prepare_store(K[3:5]) is not None
+        if not fast:
+            m._plans.take = lambda keys: None  # type: ignore[method-assign]
+        given = copy.copy(keys)
+        outcome = _outcome(lambda ks, m=m: m.complete_store(ks, success, failed={1: [K[1]]}), given)
+        if isinstance(given, list):
+            given.clear()  # the caller reuses its list: what was recorded must not change
+        outcomes.append((outcome, _state(m), m.take_events()))
+    assert outcomes[0] == outcomes[1]
+    outcome, (_, _, plan_of, _), events = outcomes[0]
+    if outcome[0] != "error" and keys:
+        assert all(k not in plan_of for k in keys) and any(e.kind == "stored" for e in events) == success

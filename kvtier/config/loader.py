@@ -183,6 +183,9 @@ class StoreConfig(BaseModel):
     staging_blocks: int = Field(default=32, ge=1)
     #: device staging for copies between a GPU cache and host tiers (0: none, copy slices in batches)
     staging_bytes: StagingBytes = 256 << 20
+    #: threads that copy one job between a host KV cache and a host tier ("auto": a quarter of
+    #: the CPUs, 1 to 4; see kvtier.transfer.copies)
+    copy_threads: Literal["auto"] | Annotated[int, Field(ge=1, strict=True)] = "auto"
     #: seconds a transfer job may take before it is failed and its keys released (None: no limit)
     job_deadline_s: float | None = Field(default=120.0, gt=0)
     namespace: dict[str, Any] | None = None

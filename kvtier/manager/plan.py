@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import cast
 
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import EventBatch, EventLog
@@ -165,15 +167,17 @@ class PlanBuilder:
             self.through.setdefault(tier, []).extend(keys)
 
     def build(self, plan_id: int, positions: tuple[int, ...], skipped: tuple[bytes, ...]) -> StorePlan:
+        # (The empty cases skip building generators: a plan without evictions or copies is
+        # the common store, and this runs once per batch.)
         return StorePlan(
-            plan_id=plan_id,
-            keys=tuple(self.keys),
-            positions=positions,
-            tier=0,
-            write_through=tuple((ti, tuple(ks)) for ti, ks in self.through.items()),
-            drops=tuple((ti, tuple(ks)) for ti, ks in sorted(self.drops.items(), reverse=True)),
-            demotions=tuple(self.demotions),
-            skipped=skipped,
+            plan_id,
+            tuple(self.keys),
+            positions,
+            0,
+            tuple((ti, tuple(ks)) for ti, ks in self.through.items()) if self.through else (),
+            tuple((ti, tuple(ks)) for ti, ks in sorted(self.drops.items(), reverse=True)) if self.drops else (),
+            tuple(self.demotions),
+            skipped,
         )
 
     def open(self, sources: dict[bytes, int] | None = None) -> OpenPlan:
@@ -191,7 +195,7 @@ class Completion:
     sizes: Mapping[int, Mapping[bytes, int]] | None
     now: float
 
-    def split(self, tier: int, keys: list[bytes], *, all_lost: bool = False) -> tuple[list[bytes], list[bytes]]:
+    def split(self, tier: int, keys: Sequence[bytes], *, all_lost: bool = False) -> tuple[Sequence[bytes], Sequence[bytes]]:
         """``keys`` written to ``tier``, and those that were not."""
         lost = self.failed.get(tier)
         if all_lost:
@@ -219,6 +223,8 @@ class OpenPlan:
     def settle(self, tiers: Sequence[TierState], result: Completion, out: list[EventBatch]) -> None:
         """Copies become ready, except those whose write failed, which are dropped; a failed
         store fails its write-through copies too."""
+        if not self.demoted and not self.through:
+            return
         for copies, all_lost in ((self.demoted, False), (self.through, not result.success)):
             for ti, keys in copies.items():
                 t = tiers[ti]
@@ -293,7 +299,8 @@ class PlanBook:
         plan_of = self._plan_of
         for key in new:
             plan_of[key] = plan_id
-        self._events.extend(builder.events)
+        if builder.events:
+            self._events.extend(builder.events)
         return builder.build(plan_id, _positions(keys, new), skipped)
 
     def unknown(self, keys: Sequence[bytes]) -> int | None:
@@ -312,11 +319,34 @@ class PlanBook:
                 return i
         return None
 
-    def complete(self, keys: Sequence[bytes], result: Completion) -> tuple[int, int]:
+    def take(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Take ``keys`` out of the book when each is open and none repeats (the common
+        ``complete_store``): their plan ids, in order. ``None`` and no change otherwise (a key
+        not open, a repeat, an unhashable key): the caller then takes the general path,
+        :meth:`unknown` and :meth:`complete` without ``owners``."""
+        plan_of = self._plan_of
+        try:
+            owners = list(map(plan_of.get, keys))  # changes nothing, even if a key is unhashable
+        except TypeError:
+            return None
+        if None in owners:
+            return None
+        if None in list(map(plan_of.pop, keys, repeat(None))):  # a repeat: its second pop found nothing
+            plan_of.update(zip(keys, cast("list[int]", owners)))
+            return None
+        return cast("list[int]", owners)
+
+    def complete(self, keys: Sequence[bytes], result: Completion, owners: list[int] | None = None) -> tuple[int, int]:
         """Settle ``keys`` (every one open) and the plans they complete; return the stores that
-        succeeded and failed (promotions are counted by :class:`Promotions`)."""
-        unique = list(dict.fromkeys(keys))
-        owners = list(map(self._plan_of.pop, unique))
+        succeeded and failed (promotions are counted by :class:`Promotions`). ``owners``: the
+        plan ids :meth:`take` took ``keys`` out with (else they are taken here, repeats
+        once)."""
+        unique: Sequence[bytes]
+        if owners is None:
+            unique = list(dict.fromkeys(keys))
+            owners = list(map(self._plan_of.pop, unique))
+        else:  # distinct keys; a copy unless immutable (the event log keeps the sequence)
+            unique = keys if type(keys) is tuple else list(keys)
         plan_ids = set(owners)
         ok, bad = result.split(0, unique, all_lost=not result.success)
         first = self._tiers[0]

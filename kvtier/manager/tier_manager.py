@@ -101,6 +101,7 @@ class KeyStatus:
 
 
 _MISS = KeyStatus(KeyState.MISS)
+_NOTHING: frozenset[bytes] = frozenset()
 
 
 def _check(keys: Sequence[bytes]) -> None:
@@ -282,18 +283,20 @@ class TierManager:
             new = list(keys) if len(batch) == len(keys) else list(dict.fromkeys(keys))
             for index in self._indexes:
                 new = [key for key in new if key not in index]
-            self._admission.note(batch)
-            self._counts["store_skipped"] += len(batch) - len(new)
-            keep = frozenset(keep_below)
+            admission, counts = self._admission, self._counts
+            if admission.enabled:
+                admission.note(batch)
+            counts["store_skipped"] += len(batch) - len(new)
+            keep = frozenset(keep_below) if keep_below else _NOTHING
             plan = self._plans.prepare(next(self._plan_ids), keys, batch, new, partial=partial, keep_below=keep)
             if plan is None:
-                self._counts["store_rejected"] += 1
+                counts["store_rejected"] += 1
             else:
-                self._counts["store_prepared"] += len(plan.keys)
+                counts["store_prepared"] += len(plan.keys)
                 if len(plan.keys) + len(plan.skipped) < len(batch):
                     covered = {*plan.keys, *plan.skipped}
-                    self._admission.unnote(key for key in batch if key not in covered)
-                    self._counts["store_partial"] += 1
+                    admission.unnote(key for key in batch if key not in covered)
+                    counts["store_partial"] += 1
             return plan
 
     def prepare_promote(self, keys: Sequence[bytes]) -> StorePlan | None:
@@ -343,13 +346,18 @@ class TierManager:
         if self._closed:
             raise _closed()
         with self._lock:
-            i = self._plans.unknown(keys)
-            if i is not None or not keys:
-                _check(keys)
-            if i is not None:
-                raise LifecycleError(f"complete_store: keys[{i}] ({keys[i].hex()[:16]}…) was never prepared or is already complete")
+            # Distinct keys, each of an open plan (every store's own plan.keys): taken out of
+            # the book in one pass. Anything else takes the general path, which validates and
+            # names the first key that is not open (a test compares the two).
+            owners = self._plans.take(keys) if keys else None
+            if owners is None:
+                i = self._plans.unknown(keys)
+                if i is not None or not keys:
+                    _check(keys)
+                if i is not None:
+                    raise LifecycleError(f"complete_store: keys[{i}] ({keys[i].hex()[:16]}…) was never prepared or is already complete")
             failed_sets = {ti: set(ks) for ti, ks in failed.items()} if failed else {}
-            done, lost = self._plans.complete(keys, Completion(success, failed_sets, sizes, self._now()))
+            done, lost = self._plans.complete(keys, Completion(success, failed_sets, sizes, self._now()), owners)
             self._counts["store_completed"] += done
             self._counts["store_failed"] += lost
 

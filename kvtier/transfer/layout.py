@@ -22,7 +22,9 @@ divides every slice and moves a whole job with one gather and one scatter per te
 the pool rows of a job form a few runs of consecutive rows (the usual case in a ``cpu`` or
 ``gpu`` tier), each run is one ``index_select`` per tensor straight into the pool (or one
 ``index_copy_`` out of it), with no intermediate buffer: one pass over memory instead of two
-(on the host here, about twice the speed of the gather plus scatter).
+(on the host here, about twice the speed of the gather plus scatter). Between host buffers
+the per-tensor copies of a job are dealt out to ``copy_threads`` threads
+(:mod:`kvtier.transfer.copies`): torch runs each on one thread.
 
 Across devices (a CUDA cache and a host pool) the default ``staged`` strategy hands the job to
 the layout's :class:`~kvtier.transfer.staging.StagedCopier` (``layout.staging``): a gather per tensor
@@ -35,6 +37,7 @@ through host staging rows for byte tiers, with a callback per chunk.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -45,6 +48,7 @@ import torch
 
 from kvtier.errors import LayoutError
 from kvtier.transfer import staging as _staging
+from kvtier.transfer.copies import CopySplitter, CopyThreads
 from kvtier.transfer.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
 __all__ = ["KVLayout", "Strategy"]
@@ -53,6 +57,15 @@ Strategy = Literal["auto", "index", "foreach", "staged"]
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Beyond this many runs of consecutive pool rows, one gather plus one scatter per tensor wins.
 _MAX_RUNS = 4
+
+
+def _run_cuts(runs: list[tuple[list[int], int, int]]) -> list[int]:
+    """Where each run starts in the job's index of sorted positions."""
+    cuts, j = [], 0
+    for _, _, length in runs:
+        cuts.append(j)
+        j += length
+    return cuts
 
 
 def _block_id_list(block_ids: Sequence[int], what: str) -> list[int]:
@@ -89,6 +102,7 @@ class KVLayout:
         engine_blocks_per_block: int = 1,
         strategy: Strategy = "auto",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        copy_threads: CopyThreads = "auto",
     ) -> None:
         if isinstance(kv_caches, torch.Tensor):
             kv_caches = [kv_caches]
@@ -149,6 +163,8 @@ class KVLayout:
         self.strategy: Strategy = strategy
         # Device staging for cross-device jobs; allocated on the first such job (or open()).
         self.staging = StagedCopier(self, staging_bytes)
+        # Host jobs' per-tensor copies, dealt out to this many threads.
+        self.copies = CopySplitter(copy_threads)
 
     # -- description -----------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -293,40 +309,63 @@ class KVLayout:
         n = self.engine_blocks_per_block
         pool_device = _staging.tensor_device(pool)
         runs = self._row_runs(pool, rows) if n == 1 else None
+        parts: list[Callable[[], None]]
         if runs is not None:  # straight into the pool: one index_select per (run, tensor)
             order = [p for run in runs for p in run[0]]
             idx = _staging.device_index([ids[p] for p in order], self.device)
-            j = 0
-            for _, r0, length in runs:
-                for src, dst in zip(self._src, self._dst_views(pool)):
+            cuts = _run_cuts(runs)
+
+            def select(src: torch.Tensor, dst: torch.Tensor) -> None:
+                for (_, r0, length), j in zip(runs, cuts):
                     torch.index_select(src, 0, idx[j : j + length], out=dst[r0 : r0 + length])
-                j += length
-            return
-        src_idx = _staging.device_index(ids, self.device)
-        dst_idx = _staging.device_index(list(rows), pool_device)
-        k = len(rows)
-        for src, dst in zip(self._src, self._dst_views(pool)):
-            picked = src.index_select(0, src_idx).view(k, -1)  # a block's n rows are consecutive
-            dst.index_copy_(0, dst_idx, picked)
+
+            parts = [functools.partial(select, src, dst) for src, dst in zip(self._src, self._dst_views(pool))]
+        else:
+            src_idx = _staging.device_index(ids, self.device)
+            dst_idx = _staging.device_index(list(rows), pool_device)
+            k = len(rows)
+
+            def gather(src: torch.Tensor, dst: torch.Tensor) -> None:
+                picked = src.index_select(0, src_idx).view(k, -1)  # a block's n rows are consecutive
+                dst.index_copy_(0, dst_idx, picked)
+
+            parts = [functools.partial(gather, src, dst) for src, dst in zip(self._src, self._dst_views(pool))]
+        self._copy(parts, pool_device, len(rows))
 
     def _scatter_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
         n = self.engine_blocks_per_block
         pool_device = _staging.tensor_device(pool)
         runs = self._row_runs(pool, rows) if n == 1 else None
+        parts: list[Callable[[], None]]
         if runs is not None:  # straight out of the pool: one index_copy_ per (run, tensor)
             order = [p for run in runs for p in run[0]]
             idx = _staging.device_index([ids[p] for p in order], self.device)
-            j = 0
-            for _, r0, length in runs:
-                for cache, view in zip(self._src, self._dst_views(pool)):
+            cuts = _run_cuts(runs)
+
+            def place(cache: torch.Tensor, view: torch.Tensor) -> None:
+                for (_, r0, length), j in zip(runs, cuts):
                     cache.index_copy_(0, idx[j : j + length], view[r0 : r0 + length])
-                j += length
-            return
-        src_idx = _staging.device_index(list(rows), pool_device)
-        dst_idx = _staging.device_index(ids, self.device)
-        for cache, view in zip(self._src, self._dst_views(pool)):
-            picked = view.index_select(0, src_idx).view(len(rows) * n, -1)
-            cache.index_copy_(0, dst_idx, picked)
+
+            parts = [functools.partial(place, cache, view) for cache, view in zip(self._src, self._dst_views(pool))]
+        else:
+            src_idx = _staging.device_index(list(rows), pool_device)
+            dst_idx = _staging.device_index(ids, self.device)
+
+            def scatter(cache: torch.Tensor, view: torch.Tensor) -> None:
+                picked = view.index_select(0, src_idx).view(len(rows) * n, -1)
+                cache.index_copy_(0, dst_idx, picked)
+
+            parts = [functools.partial(scatter, cache, view) for cache, view in zip(self._src, self._dst_views(pool))]
+        self._copy(parts, pool_device, len(rows))
+
+    def _copy(self, parts: list[Callable[[], None]], pool_device: torch.device, blocks: int) -> None:
+        """Run a job's per-tensor copies: split over the copy threads between host buffers
+        (see :mod:`kvtier.transfer.copies`), queued in order on a device's stream."""
+        if self.device.type == "cpu" and pool_device.type == "cpu":
+            self.copies.run(parts, blocks * self.block_bytes)
+        else:
+            for part in parts:
+                part()
 
     def _pairs(
         self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]

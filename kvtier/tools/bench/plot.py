@@ -22,8 +22,8 @@ __all__ = ["BANDWIDTH", "bandwidth_rows", "hit_curves", "plot_results", "summary
 
 #: (benchmark, tier, operation, kvtier figure, raw figure or None, what the raw figure is)
 BANDWIDTH: tuple[tuple[str, str, str, str, str | None, str], ...] = (
-    ("core", "cpu", "save", "cpu_save_gbps", "raw_copy_gbps", "raw copy"),
-    ("core", "cpu", "load", "cpu_load_gbps", "raw_copy_gbps", "raw copy"),
+    ("core", "cpu", "save", "cpu_save_gbps", "raw_save_gbps", "raw copy"),
+    ("core", "cpu", "load", "cpu_load_gbps", "raw_load_gbps", "raw copy"),
     ("disk", "lmdb", "save", "lmdb_save_gbps", "raw_lmdb_put_gbps", "raw LMDB put"),
     ("disk", "lmdb", "load", "lmdb_load_gbps", "raw_lmdb_get_gbps", "raw LMDB get"),
     ("disk", "file", "save", "file_save_gbps", "raw_file_write_gbps", "raw write+fdatasync+rename"),

@@ -1,0 +1,137 @@
+"""One job's host copy, dealt out to a few threads.
+
+A job between a host KV cache and a host pool is one ``index_select`` (or ``index_copy_``) per
+KV tensor. Torch runs each of them on the calling thread alone: rows this wide are not split
+over intra-op threads (CPU time over wall time of such a job measured 1.0 here, with two
+intra-op threads). One thread reaches a fraction of a many-core host's memory bandwidth, so
+:class:`CopySplitter` deals a job's per-tensor copies out to ``threads`` threads: the calling
+thread runs one share and a process-wide pool (``kvtier-copy-*`` threads, created on first use
+and again in a forked child) the others. The ops release the GIL, so the shares overlap.
+
+The split never changes what is copied, only which thread copies it: every share writes
+rows no other share writes. :meth:`CopySplitter.run` returns only once every share has ended,
+failed or not, so no copy of the job is still running when the caller reports it (or a
+cancellation waits for it). Jobs under :data:`MIN_SPLIT_BYTES` stay on the calling thread,
+where a hop would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+from kvtier.errors import LayoutError
+
+__all__ = ["MIN_SPLIT_BYTES", "THREAD_PREFIX", "CopySplitter", "CopyThreads", "auto_copy_threads"]
+
+#: Jobs with fewer bytes than this are copied on the calling thread alone.
+MIN_SPLIT_BYTES = 8 << 20
+#: Name prefix of the copy threads (process-wide: they outlive every store).
+THREAD_PREFIX = "kvtier-copy"
+#: ``auto`` uses at most this many threads: a few saturate a socket's memory bandwidth, and
+#: the engine's own compute (CPU inference) needs the other cores.
+AUTO_MAX = 4
+
+CopyThreads = int | Literal["auto"]
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_pid = 0
+_lock = threading.Lock()
+
+
+def auto_copy_threads(cpus: int | None = None) -> int:
+    """Threads per job copy for ``copy_threads: auto``: a quarter of the CPUs this process may
+    run on, between 1 and :data:`AUTO_MAX` (1 on hosts of fewer than 8 CPUs)."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    return max(1, min(AUTO_MAX, cpus // 4))
+
+
+def resolve_copy_threads(value: CopyThreads) -> int:
+    """``value`` as a thread count (``auto``: :func:`auto_copy_threads`); a clear error otherwise."""
+    if value == "auto":
+        return auto_copy_threads()
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"copy_threads: expected 'auto' or an integer >= 1, got {value!r}")
+    return value
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _pools_pid
+    with _lock:
+        if _pools_pid != os.getpid():  # a forked child: the parent's pools have no threads here
+            _pools.clear()
+            _pools_pid = os.getpid()
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=THREAD_PREFIX)
+        return pool
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # it may have been held by a thread that does not exist here
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _run_all(parts: Sequence[Callable[[], None]]) -> None:
+    for part in parts:
+        part()
+
+
+class CopySplitter:
+    """Runs a job's copies (independent callables writing disjoint rows) on ``threads`` threads."""
+
+    def __init__(self, threads: CopyThreads = 1, *, min_bytes: int = MIN_SPLIT_BYTES) -> None:
+        self.threads = resolve_copy_threads(threads)
+        self.min_bytes = min_bytes
+
+    def shares(self, parts: Sequence[Callable[[], None]], nbytes: int) -> list[Sequence[Callable[[], None]]]:
+        """``parts`` cut into contiguous shares, one per thread used (one share: no split)."""
+        n = min(self.threads, len(parts)) if nbytes >= self.min_bytes else 1
+        if n <= 1:
+            return [parts]
+        q, r = divmod(len(parts), n)
+        out: list[Sequence[Callable[[], None]]] = []
+        start = 0
+        for i in range(n):
+            end = start + q + (i < r)
+            out.append(parts[start:end])
+            start = end
+        return out
+
+    def run(self, parts: Sequence[Callable[[], None]], nbytes: int) -> None:
+        """Run every part once; ``nbytes`` is what they copy in all. Returns (or raises the
+        first error) only after every share has ended."""
+        shares = self.shares(parts, nbytes)
+        if len(shares) == 1:
+            _run_all(parts)
+            return
+        futures: list[Future[None]] = []
+        inline = [shares[0]]
+        for share in shares[1:]:
+            try:
+                futures.append(_pool(self.threads - 1).submit(_run_all, share))
+            except RuntimeError:  # the interpreter is shutting down: copy here
+                inline.append(share)
+        error: BaseException | None = None
+        for share in inline:
+            try:
+                _run_all(share)
+            except BaseException as exc:
+                error = error or exc
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
