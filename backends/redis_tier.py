@@ -580,12 +580,15 @@ class RedisBackend(RecordBackend):
             self._health.fast_failures += n
             self.counters.write_failures += n
             return [None] * n
-        parts = self._encode(keys, blocks)
         rkeys = [self._rkey(k) for k in keys]
         sizes: list[int | None] = [None] * n
         ttl = self._ttl_ms
 
         def write_group(pool: Any, positions: list[int]) -> None:
+            # Each share checksums (and encodes) its own blocks, so with several shares the
+            # hashing runs on several threads, beside the other shares' sends.
+            parts = {i: self._encode_one(keys[i], blocks[i]) for i in positions}
+
             def body(wire: Wire) -> None:
                 buffers: list[Any] = []
                 for i in positions:
