@@ -43,12 +43,14 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
+from kvtier.backends.redis_shares import run_all, split_shares
 from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -75,10 +77,11 @@ log = logging.getLogger("kvtier")
 _HIDDEN = "<hidden>"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _KEY_BYTES = 32
-#: Bytes of GET replies in flight per connection. Measured here (2 cores, loaded): 64 KiB values
-#: gained from 1 to 16 MiB (0.33 -> 0.56 GB/s); 2 MiB values were flat from 1 to 16 MiB and lost
-#: a quarter with the whole job in flight (1.3 -> 0.99 GB/s), as a redis-py pipeline does.
-_READ_WINDOW_BYTES = 16 << 20
+#: Bytes of GET replies in flight per connection (at least one reply). A job runs on up to
+#: ``job_connections`` connections at once (see :mod:`kvtier.backends.redis_shares`), so about
+#: 4 MiB in flight in all: with 16 MiB on one connection the server spent half again as much CPU
+#: per job on its output buffers (64 KiB records, measured here).
+_READ_WINDOW_BYTES = 1 << 20
 #: Keys remembered as not loadable (see ``RedisBackend._unreadable``): 32 bytes each.
 _UNREADABLE_MAX = 100_000
 #: Socket read size of the hiredis parser (redis-py's default is 64 KiB): fewer recv calls.
@@ -267,6 +270,7 @@ class RedisBackend(RecordBackend):
         mac_key_env: str | None = None,
         mac_algorithm: str = "blake3",
         max_connections: int = 32,
+        job_connections: int = 4,
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
         sync_interval_s: float = 1.0,
@@ -285,6 +289,9 @@ class RedisBackend(RecordBackend):
         _check_seconds(ttl_s=ttl_s, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s, sync_interval_s=sync_interval_s)
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ConfigError(f"max_connections: expected a positive integer, got {max_connections!r}")
+        if isinstance(job_connections, bool) or not isinstance(job_connections, int) or not 1 <= job_connections <= max_connections:
+            raise ConfigError(f"job_connections: expected an integer from 1 to max_connections ({max_connections}), got {job_connections!r}")
+        self.job_connections = job_connections
         self.ttl_s = None if ttl_s is None else float(ttl_s)
         self.cluster = cluster
         self.max_connections = max_connections
@@ -329,6 +336,7 @@ class RedisBackend(RecordBackend):
             data["ttl_s"] = self.ttl_s
         data.update(
             max_connections=self.max_connections,
+            job_connections=self.job_connections,
             socket_timeout_s=self.socket_timeout_s,
             connect_timeout_s=self.connect_timeout_s,
             sync_interval_s=self.sync_interval_s,
@@ -414,13 +422,16 @@ class RedisBackend(RecordBackend):
                 options = _client_options(
                     self.username, self._password, self.tls, self.socket_timeout_s, self.connect_timeout_s, self.max_connections
                 )
+                nodes = 1
                 if self.cluster:
                     # The constructor reads the slot map: I/O, hence here and not in __init__.
                     self._client = RedisCluster.from_url(self.url, **options)
-                    nodes = len(self._client.get_primaries())
-                    self._pool_threads = ThreadPoolExecutor(max_workers=max(1, nodes), thread_name_prefix="kvtier-redis")
+                    nodes = max(1, len(self._client.get_primaries()))
                 else:
                     self._client = redis.Redis.from_url(self.url, **options)
+                workers = nodes * self.job_connections - 1  # the calling thread runs one share itself
+                if workers > 0:
+                    self._pool_threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-redis")
             return self._client
 
     async def aclose(self) -> None:
@@ -476,47 +487,47 @@ class RedisBackend(RecordBackend):
                 health = self._nodes.setdefault(name, _Health(f"{self.url} node {name}"))
         return health
 
-    def _run_groups(self, fn: Any, groups: list[tuple[_Health, Any, list[int]]]) -> list[int]:
-        """Run ``fn(pool, positions)`` per group, each node whose backoff has not run out
-        skipped; return the positions of the groups that failed or were skipped.
+    def _run_groups(self, fn: Any, groups: list[tuple[_Health, Any, list[int]]], record_bytes: int = 0) -> list[int]:
+        """Run ``fn(pool, positions)`` per group, cut into shares of ``record_bytes``-byte records
+        run on connections of their own (:mod:`kvtier.backends.redis_shares`), each node whose
+        backoff has not run out skipped; return the positions of the shares that failed or were
+        skipped. A node is marked down (or up) once per job, however many of its shares failed.
 
-        Every group has ended when this returns, failed ones included: a group still running
+        Every share has ended when this returns, failed ones included: a share still running
         would go on writing into the caller's rows after the call returned."""
-        runnable = []
+        runnable: list[tuple[_Health, Any, list[int]]] = []
         failed: list[int] = []
         for health, pool, positions in groups:
             if health.allow():
-                runnable.append((health, pool, positions))
+                runnable += ((health, pool, share) for share in split_shares(positions, record_bytes, self.job_connections))
             else:
                 health.fast_failures += len(positions)
                 failed.extend(positions)
-        threads = self._pool_threads
-        if len(runnable) > 1 and threads is not None:
-            futures = [threads.submit(self._run_group, fn, *g) for g in runnable]
-            wait(futures)  # all of them, whatever the first one to fail raised
-            outcomes = [f.result() for f in futures]
-        else:
-            outcomes = [self._run_group(fn, *g) for g in runnable]
-        for (_, _, positions), ok in zip(runnable, outcomes):
-            if not ok:
+        errors = run_all(self._pool_threads, [partial(self._run_share, fn, pool, share) for _, pool, share in runnable])
+        verdict: dict[int, tuple[_Health, BaseException | None]] = {}
+        for (health, _, positions), exc in zip(runnable, errors):
+            if exc is not None:
                 failed.extend(positions)
+            if verdict.get(id(health), (None, None))[1] is None:
+                verdict[id(health)] = (health, exc)
+        for health, exc in verdict.values():
+            if exc is not None:
+                health.failed(exc)
+            elif health.succeeded() and self.view is not None:
+                self.view.wake()
         return failed
 
-    def _run_group(self, fn: Any, health: _Health, pool: Any, positions: list[int]) -> bool:
-        """One node's share of a job; ``False`` (that node marked down) when it failed."""
+    def _run_share(self, fn: Any, pool: Any, positions: list[int]) -> BaseException | None:
+        """One share of a job on one node; what made it fail (the node is then down), or ``None``."""
         try:
             fn(pool, positions)
         except (_Down, *_DOWN_ERRORS) as exc:  # a dead node
-            health.failed(exc.__cause__ or exc if isinstance(exc, _Down) else exc)
             self._refresh_slots = self.cluster  # after a failover the next sweep finds the new primary
-            return False
+            return exc.__cause__ or exc if isinstance(exc, _Down) else exc
         except RedisError as exc:  # auth refused, cluster down
             self._note_cluster_error(exc)
-            health.failed(exc)
-            return False
-        if health.succeeded() and self.view is not None:
-            self.view.wake()
-        return True
+            return exc
+        return None
 
     def _exchange(self, pool: Any, body: Any) -> None:
         """Run ``body(wire)`` on a pooled connection; a dead socket raises :class:`_Down`."""
@@ -543,10 +554,11 @@ class RedisBackend(RecordBackend):
             self._refresh_slots = True
         log.debug("redis: %s refused: %s", what, text)
 
-    def _run_io(self, fn: Any, rkeys: list[bytes]) -> list[int]:
-        """Run ``fn(pool, positions)`` per node; return the positions that failed (a dead
-        node's: that node is marked down; every position when there is no client or slot
-        map to be had: the tier is)."""
+    def _run_io(self, fn: Any, rkeys: list[bytes], record_bytes: int = 0) -> list[int]:
+        """Run ``fn(pool, positions)`` per node (in shares, when the ``record_bytes``-byte records
+        are worth several connections); return the positions that failed (a dead node's: that
+        node is marked down; every position when there is no client or slot map to be had: the
+        tier is)."""
         try:
             groups = self._groups(rkeys)
         except (*_DOWN_ERRORS, RedisError) as exc:
@@ -555,7 +567,7 @@ class RedisBackend(RecordBackend):
             self._health.failed(exc)
             self._refresh_slots = self.cluster
             return list(range(len(rkeys)))
-        failed = self._run_groups(fn, groups)
+        failed = self._run_groups(fn, groups, record_bytes)
         if self.cluster and len(failed) < len(rkeys) and self._health.succeeded() and self.view is not None:
             self.view.wake()
         return failed
@@ -568,12 +580,15 @@ class RedisBackend(RecordBackend):
             self._health.fast_failures += n
             self.counters.write_failures += n
             return [None] * n
-        parts = self._encode(keys, blocks)
         rkeys = [self._rkey(k) for k in keys]
         sizes: list[int | None] = [None] * n
         ttl = self._ttl_ms
 
         def write_group(pool: Any, positions: list[int]) -> None:
+            # Each share checksums (and encodes) its own blocks, so with several shares the
+            # hashing runs on several threads, beside the other shares' sends.
+            parts = {i: self._encode_one(keys[i], blocks[i]) for i in positions}
+
             def body(wire: Wire) -> None:
                 buffers: list[Any] = []
                 for i in positions:
@@ -592,7 +607,7 @@ class RedisBackend(RecordBackend):
 
             self._exchange(pool, body)
 
-        self._run_io(write_group, rkeys)
+        self._run_io(write_group, rkeys, self.reserve_bytes())
         done = [keys[i] for i in range(n) if sizes[i] is not None]
         self.counters.blocks_written += len(done)
         self.counters.bytes_written += sum(s for s in sizes if s is not None)
@@ -645,7 +660,7 @@ class RedisBackend(RecordBackend):
 
             self._exchange(pool, body)
 
-        for i in self._run_io(read_group, rkeys):
+        for i in self._run_io(read_group, rkeys, self.reserve_bytes()):
             found[i] = False  # a node that failed mid-reply: its whole share is a miss
         if bad:
             self._delete(bad)

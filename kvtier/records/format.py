@@ -95,6 +95,7 @@ __all__ = [
     "RecordBackend",
     "RecordHeader",
     "StoreMeta",
+    "check_digest",
     "check_meta",
     "crc32c",
     "decode_meta",
@@ -104,6 +105,7 @@ __all__ = [
     "encode_meta",
     "encode_record",
     "parse_header",
+    "payload_hasher",
     "record_checksum",
     "verify_payload",
 ]
@@ -388,20 +390,21 @@ def decode_payload(
     """
     head = memoryview(head)
     if header.codec_id == NoneCodec.codec_id:
-        h = _payload_hasher(key, head, header, mac)
+        h = payload_hasher(key, head, header, mac)
         n = len(out)
         for a in range(0, n, COPY_CHUNK):
             b = min(n, a + COPY_CHUNK)
             out[a:b] = payload[a:b]
             h.update(out[a:b])
-        _check_digest(h, head, header)
+        check_digest(h, head, header)
         return
     verify_payload(key, head, header, payload, mac=mac)
     codec_for_id(header.codec_id).decode_into(payload, out, header.itemsize)
 
 
-def _payload_hasher(key: bytes, head: memoryview, header: RecordHeader, mac: RecordMac | None) -> Any:
-    """A hasher fed with the checked header bytes and the key; the caller feeds the payload."""
+def payload_hasher(key: bytes, head: memoryview, header: RecordHeader, mac: RecordMac | None) -> Any:
+    """A hasher fed with the checked header bytes and the key; the caller feeds it the payload
+    (in pieces as they arrive, if it likes) and then calls :func:`check_digest`."""
     if header.keyed:
         if mac is None:  # parse_header refuses this already; never check a keyed record unkeyed
             raise UnsupportedRecordError("record is keyed (MAC), and this store has no MAC secret to check it")
@@ -414,7 +417,8 @@ def _payload_hasher(key: bytes, head: memoryview, header: RecordHeader, mac: Rec
     return h
 
 
-def _check_digest(h: Any, head: memoryview, header: RecordHeader) -> None:
+def check_digest(h: Any, head: memoryview, header: RecordHeader) -> None:
+    """Raise unless ``h`` (from :func:`payload_hasher`, fed the whole payload) matches the record."""
     if header.keyed:
         if not hmac.compare_digest(h.digest(), bytes(head[HEADER_SIZE : HEADER_SIZE + MAC_TAG_SIZE])):
             raise RecordAuthError("record MAC mismatch (forged, or written with another secret)")
@@ -427,9 +431,9 @@ def verify_payload(key: bytes, header_bytes: Any, header: RecordHeader, payload:
 
     ``header_bytes`` holds the header and, for a keyed record, the tag that follows it."""
     head = memoryview(header_bytes)
-    h = _payload_hasher(key, head, header, mac)
+    h = payload_hasher(key, head, header, mac)
     h.update(payload)
-    _check_digest(h, head, header)
+    check_digest(h, head, header)
 
 
 # -- meta record -----------------------------------------------------------------------------

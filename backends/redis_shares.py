@@ -1,0 +1,59 @@
+"""One redis tier job on several connections at once: the job's share of a server, cut in pieces.
+
+A job's records on one server (the single server, or one primary of a cluster) are cut into
+contiguous *shares*, and each share is one pipelined exchange on its own pooled connection, all of
+them at the same time: the first on the calling thread, the others on the tier's I/O threads.
+
+Why several connections rather than one deeper pipeline: redis-server writes at most 64 KiB to one
+client per turn of its event loop, and the replies queued for a connection grow that client's
+output buffer, memory the server allocates and touches anew for every reply. With four connections
+and a 1 MiB window each, the server fills four sockets per turn and keeps about 4 MiB of replies in
+flight. Measured here (2 cores, one private redis-server 7.0, 4096 reads of 64 KiB records): server
+CPU per job 0.11-0.16 s against 0.21-0.27 s for one connection with 16 MiB in flight, and about 1.5x
+the throughput.
+
+A share is never smaller than :data:`SHARE_MIN_BYTES` of records, so a small job stays one exchange
+on the calling thread, with no thread hop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, wait
+from typing import TypeVar
+
+__all__ = ["SHARE_MIN_BYTES", "run_all", "split_shares"]
+
+#: The fewest record bytes worth a connection (and a thread hop) of their own.
+SHARE_MIN_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+def split_shares(positions: Sequence[int], record_bytes: int, most: int) -> list[list[int]]:
+    """``positions`` cut into at most ``most`` contiguous shares of near-equal length, each of at
+    least :data:`SHARE_MIN_BYTES` when ``record_bytes`` is the size of one record (one share,
+    the whole of ``positions``, when that cannot be had). Order is kept: the shares, joined, are
+    ``positions``."""
+    n = len(positions)
+    k = min(most, n, max(1, n * record_bytes // SHARE_MIN_BYTES))
+    if k <= 1:
+        return [list(positions)]
+    return [list(positions[j * n // k : (j + 1) * n // k]) for j in range(k)]
+
+
+def run_all(threads: Executor | None, calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Every call's result, in order: the first call runs on this thread, the others on
+    ``threads`` (all on this thread when there is none, or only one call).
+
+    Returns only once every call has ended, whatever any of them raised: a share still running
+    would go on writing into the caller's rows after the call returned. The calls are meant to
+    catch their own errors; one that raises anyway has that re-raised here, after the wait."""
+    if threads is None or len(calls) < 2:
+        return [call() for call in calls]
+    futures = [threads.submit(call) for call in calls[1:]]
+    try:
+        first = calls[0]()
+    finally:
+        wait(futures)
+    return [first, *(f.result() for f in futures)]
