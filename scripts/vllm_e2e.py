@@ -45,6 +45,8 @@ import tempfile
 import time
 from typing import Any
 
+import vllm_e2e_hybrid as hybrid  # the hybrid model's processes (this script's directory)
+
 BLOCK = 32
 PREFIX_BLOCKS = 16  # tokens of each stored prompt: PREFIX_BLOCKS * BLOCK
 EXTRA = 24  # tokens B appends to P_0
@@ -226,7 +228,7 @@ def _tiers(role: str, lmdb_path: str) -> list[dict[str, Any]]:
     """A and B (and A2, B2) store to a memory tier and, written through, to the LMDB tier; C
     reads the LMDB tier alone (its checks count LMDB reads)."""
     lmdb = {"backend": "lmdb", "path": lmdb_path, "capacity": LMDB_CAPACITY}
-    if role in DEFAULT_LAYOUT:
+    if role in DEFAULT_LAYOUT or role in hybrid.ROLES:
         return [{"backend": "cpu", "capacity": CPU_CAPACITY}, lmdb]
     return [lmdb]
 
@@ -239,11 +241,13 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
     from kvtier.integrations import vllm as kv_vllm
 
     in_process = role not in DEFAULT_LAYOUT
+    is_ref = role in ("ref", "Href")
     spy = _Spy() if in_process else None
-    if spy is not None and role != "ref":
+    if spy is not None and not is_ref:
         spy.patch_connector(kv_vllm.KvtierConnector)
+    failed_receives = hybrid.patch_failed_receives(kv_vllm.KvtierConnector) if role == "HC" else []
     kwargs: dict[str, Any] = {}
-    if role != "ref":
+    if not is_ref:
         store = {"tiers": _tiers(role, lmdb_path), "write": "through"}
         chunk = {"blocks_per_chunk": CHUNK_BLOCKS[role]} if role in CHUNK_BLOCKS else {}
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_vllm.kv_transfer_config(store, **chunk))
@@ -297,7 +301,7 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
 
     # Warm up on unrelated tokens: the first prefill of a shape is slow. (B stores its warm-up
     # prompts too, so C uses others: its LMDB traffic before the target is then all misses.)
-    for warm in _prompts({"A": 3, "A2": 3, "C": 6}.get(role, 5), 2, length):
+    for warm in _prompts({"A": 3, "A2": 3, "HA": 3, "C": 6, "HC": 9}.get(role, 5), 2, length):
         run(warm, first)
     result: dict[str, Any] = {"role": role}
 
@@ -306,10 +310,17 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         lps = [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)]
         return {"tokens": list(c.token_ids), "logprobs": lps, "num_cached_tokens": o.num_cached_tokens}
 
-    if role in ("A", "A2"):
+    if role in hybrid.ROLES:
+        result["kv_cache_groups"] = hybrid.kv_cache_groups(llm)
+    if role in ("A", "A2", "HA"):
         result["stored"] = [record(run(p, greedy)[0]) for p in stored]
         for warm in _prompts(8, 2, length):  # a few more engine steps: the last stores complete
             run(warm, first)
+        if role == "HA":
+            result["kvtier"] = kvtier_stats()
+            with open(out, "w") as f:
+                json.dump(result, f)
+            return
         views = [v for v in llm.collective_rpc(_worker_view) if v["namespaces"]]
         namespace = next(ns for v in views for r, ns in v["namespaces"].items() if int(r) == 0)
         result["p0_keys"] = _block_keys(llm, stored[0], namespace)
@@ -326,17 +337,22 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
             result["p0_blocks_announced"] = sum(h in spy.stored_hashes for h in p0)
         if spy is not None:
             spy.reset()
-        before = kvtier_stats() if role != "ref" else {}
+        failed_receives.clear()
+        before = kvtier_stats() if not is_ref else {}
+        groups_before = hybrid.group_counters()
         metrics_before = vllm_metrics() if role in STATS_ROLES else {}
         o, _ = run(stored[0] + _prompts(4, 1, EXTRA)[0], greedy)
         result["target"] = record(o)
+        if role in ("HB", "HC"):
+            result["groups_before_target"], result["groups_after_target"] = groups_before, hybrid.group_counters()
+            result["failed_receives"] = failed_receives
         if role in STATS_ROLES:
             result["metrics_before_target"], result["metrics_after_target"] = metrics_before, vllm_metrics()
         if spy is not None:
             result["scheduled_tokens"] = spy.scheduled_tokens
             result["reported_block_ids"] = spy.reported_block_ids
             result["warnings"] = spy.warnings
-        if role != "ref":
+        if not is_ref:
             result["kvtier_before_target"] = before
             result["kvtier_after_target"] = kvtier_stats()
         if role == "C":
@@ -359,7 +375,7 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         for hit, miss in zip(stored[1:], unseen):
             result["ttft_stored"].append(run(hit, first)[1])
             result["ttft_unseen"].append(run(miss, first)[1])
-    if role != "ref":
+    if not is_ref:
         result["kvtier"] = kvtier_stats()
     with open(out, "w") as f:
         json.dump(result, f)
@@ -657,7 +673,7 @@ def check_step_c(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", choices=["ref", "A", "B", "C", "A2", "B2"])
+    ap.add_argument("--child", choices=["ref", "A", "B", "C", "A2", "B2", *hybrid.ROLES])
     ap.add_argument("--model")
     ap.add_argument("--lmdb")
     ap.add_argument("--out")
@@ -665,6 +681,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256, help="hidden size (64 per head, 2 query heads per KV head)")
     ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS, help=f"{BLOCK}-token blocks per stored prompt")
     ap.add_argument("--atol", type=float, default=1e-3, help="max |logprob_B - logprob_ref| per generated token")
+    ap.add_argument("--hybrid-only", action="store_true", help="run the hybrid model's processes alone")
     args = ap.parse_args()
     if args.prefix_blocks < 4:
         ap.error("--prefix-blocks must be at least 4 (step C damages blocks in the middle of the prefix)")
@@ -681,6 +698,22 @@ def main() -> int:
     except Exception as exc:
         print(f"VLLM E2E SKIPPED: cannot import vLLM / kvtier's vLLM classes: {type(exc).__name__}: {exc}")
         return 0
+    hybrid_args = {
+        "vocab": VOCAB,
+        "block": BLOCK,
+        "prefix_blocks": PREFIX_BLOCKS,
+        "prompt": PREFIX_BLOCKS * BLOCK + EXTRA,
+        "decode_steps": MAX_TOKENS - 1,
+        "atol": args.atol,
+    }
+    if args.hybrid_only:
+        with tempfile.TemporaryDirectory(prefix="kvtier-vllm-e2e-") as work:
+            failures, summary = hybrid.run(spawn, _open_lmdb, work, **hybrid_args)
+        print(json.dumps(summary, indent=1))
+        for f in failures:
+            print(f"VLLM E2E FAILED: {f}")
+        print("VLLM E2E PASSED" if not failures else "", end="\n" if not failures else "")
+        return 1 if failures else 0
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-e2e-") as work:
         model = os.path.join(work, "tiny-llama")
         make_model(model, args.layers, args.hidden)
@@ -701,7 +734,7 @@ def main() -> int:
         c = spawn("C", model, lmdb_path, work)
         after_c = inspect_records(tp1_dir, p0_keys)
         ref = spawn("ref", model, lmdb_path, work)
-    failures: list[str] = []
+        failures, hybrid_summary = hybrid.run(spawn, _open_lmdb, work, **hybrid_args)
     prefix = PREFIX_BLOCKS * BLOCK
     tr = ref["target"]
     per_prompt = NUM_TTFT + 2 + 2  # A's stored prompts and its warm-ups before and after
@@ -794,6 +827,7 @@ def main() -> int:
             "records_after_C": {str(p): after_c[p] for p in positions},
         },
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "float32", "block_size": BLOCK},
+        "hybrid": hybrid_summary,
     }
     print(json.dumps(summary, indent=1))
     if failures:

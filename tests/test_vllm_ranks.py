@@ -194,13 +194,13 @@ def test_the_worker_metadata_carries_every_rank_s_results() -> None:
     from kvtier.manager import StorePlan
     from kvtier.transfer import JobResult
 
-    r0 = meta_cls(completed_jobs={3: 1}, kvtier_results=[(0, "store", 9, JobResult(0, "store", True, (K[0],)))])
-    r1 = meta_cls(completed_jobs={3: 1}, kvtier_results=[(1, "store", 9, JobResult(0, "store", False, (K[0],)))])
+    r0 = meta_cls(completed_jobs={3: 1}, kvtier_results=[(0, 0, "store", 9, JobResult(0, "store", True, (K[0],)))])
+    r1 = meta_cls(completed_jobs={3: 1}, kvtier_results=[(1, 0, "store", 9, JobResult(0, "store", False, (K[0],)))])
     merged = pickle.loads(pickle.dumps(r0)).aggregate(pickle.loads(pickle.dumps(r1)))
     assert merged.completed_jobs == {3: 2}
-    assert [(r, ok) for r, _, _, res in merged.kvtier_results for ok in [res.success]] == [(0, True), (1, False)]
-    spec = kv_vllm.KvtierStoreSpec(StorePlan(4, (K[1],), (0,)))
-    assert pickle.loads(pickle.dumps(spec)).plan == spec.plan
+    assert [(r, ok) for r, _, _, _, res in merged.kvtier_results for ok in [res.success]] == [(0, True), (1, False)]
+    spec = kv_vllm.KvtierStoreSpec(((0, StorePlan(4, (K[1],), (0,))), (1, StorePlan(5, (K[2],), (0,)))))
+    assert pickle.loads(pickle.dumps(spec)).plans == spec.plans
 
 
 @pytest.mark.parametrize(("first", "ids", "expected"), [
@@ -400,7 +400,7 @@ async def test_the_ranks_counters_add_up_in_vllm_s_stats_path() -> None:
         outputs = []
         for r in range(w.world):  # each rank's connector, as vLLM's model runner asks it
             conn = object.__new__(kv_vllm.KvtierConnector)
-            worker = kv_vllm.KvtierOffloadingWorker(w.engines[r], None)
+            worker = kv_vllm.KvtierOffloadingWorker([w.engines[r]], None)
             conn.connector_worker, conn.connector_scheduler = SimpleNamespace(worker=worker), None
             conn._kvtier_deltas = CounterDeltas()
             stats = conn.get_kv_connector_stats()

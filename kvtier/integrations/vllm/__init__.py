@@ -49,14 +49,16 @@ random per process and a persistent tier only serves the process that wrote it.
 Deployments (``docs/integrations/vllm.md`` has the table): one device or tensor parallel, in
 vLLM's default process layout or all in one process; ``blocks_per_chunk`` of one or more vLLM
 blocks (a load that starts inside a chunk skips the blocks the engine holds). Refused at
-start-up with a clear error: pipeline and context parallel, several offloaded KV-cache groups,
-and vLLM pages that are not contiguous per layer. A tier's ``capacity`` is the engine's, over
-all its ranks; each rank keeps its own records (:func:`~.engines.rank_tiers`), except that KV
-which is the same on every rank (MLA) is kept once in a tier all ranks share
-(:mod:`.replicated`). Blocks adopted from a persistent tier at start are announced as KV
-events, named by an offload key log kept next to the tier (:mod:`.announce`). A job some rank
-never reports is given up after a deadline (:mod:`.deadlines`); kvtier's counters reach vLLM's
-stat loggers through its connector stats (:mod:`.stats`).
+start-up with a clear error: pipeline and context parallel, Mamba-state KV-cache groups, and
+vLLM pages that are not contiguous per layer. A model with several KV-cache groups (sliding
+window and full attention) gets one kvtier store per group (:mod:`.groups`). A tier's
+``capacity`` is the engine's, over all its ranks; each rank keeps its own records
+(:func:`~.engines.rank_tiers`), except that KV which is the same on every rank (MLA) is kept
+once in a tier all ranks share (:mod:`.replicated`). Blocks adopted from a persistent tier at
+start are announced as KV events, named by an offload key log kept next to the tier
+(:mod:`.announce`). A job some rank never reports is given up after a deadline
+(:mod:`.deadlines`); kvtier's counters reach vLLM's stat loggers through its connector stats
+(:mod:`.stats`).
 
 vLLM internals this module relies on (all imported lazily, only here):
 

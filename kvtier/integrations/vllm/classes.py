@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -13,8 +12,7 @@ import torch
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations._sync import run_sync
-from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements, offload_key_log_path
-from kvtier.integrations.vllm.deadlines import ResultDeadlines
+from kvtier.integrations.vllm.announce import OffloadKeyLog, offload_key_log_path
 from kvtier.integrations.vllm.engines import (
     MODULE_PATH,
     _check_supported,
@@ -27,12 +25,21 @@ from kvtier.integrations.vllm.engines import (
     _unregister,
     rank_tiers,
 )
-from kvtier.integrations.vllm.ranks import RankTiers, build_manager, describe_rank
+from kvtier.integrations.vllm.groups import (
+    RankGroups,
+    SchedulerGroups,
+    WorkerGroups,
+    check_kv_cache_groups,
+    group_layout,
+    group_shares,
+    group_tiers,
+    summed,
+)
+from kvtier.integrations.vllm.ranks import describe_rank
 from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
-from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
+from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S
 from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas, scheduler_counters, worker_counters
 from kvtier.integrations.vllm.worker_side import _WorkerSide
-from kvtier.keys import fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.store import KVStore
 from kvtier.transfer import JobResult
@@ -107,31 +114,35 @@ def build_classes() -> dict[str, type]:
 
     @_public
     class KvtierStoreSpec(LoadStoreSpec):
-        """Where a store goes: a kvtier store plan (drops, demotions, new keys)."""
+        """Where a store goes: a kvtier store plan (drops, demotions, new keys) per KV-cache
+        group with keys to store, as (group position, plan)."""
 
-        def __init__(self, plan: StorePlan) -> None:
-            self.plan = plan
+        def __init__(self, plans: tuple[tuple[int, StorePlan], ...]) -> None:
+            self.plans = plans
 
         def __repr__(self) -> str:
-            return f"KvtierStoreSpec(plan={self.plan.plan_id}, keys={len(self.plan.keys)})"
+            parts = ", ".join(f"g{g}: plan {p.plan_id}, {len(p.keys)} keys" for g, p in self.plans)
+            return f"KvtierStoreSpec({parts})"
 
     @_public
     class KvtierLoadSpec(LoadStoreSpec):
-        """Where a load comes from: a kvtier load plan (the tier of each key)."""
+        """Where a load comes from: a kvtier load plan (the tier of each key) per KV-cache
+        group with keys to load, as (group position, load id, plan)."""
 
-        def __init__(self, load_id: int, plan: LoadPlan) -> None:
-            self.load_id = load_id
-            self.plan = plan
+        def __init__(self, loads: tuple[tuple[int, int, LoadPlan], ...]) -> None:
+            self.loads = loads
 
         def __repr__(self) -> str:
-            return f"KvtierLoadSpec(load={self.load_id}, keys={len(self.plan.keys)})"
+            parts = ", ".join(f"g{g}: load {i}, {len(p.keys)} keys" for g, i, p in self.loads)
+            return f"KvtierLoadSpec({parts})"
 
     @_public
     @dataclass
     class KvtierWorkerMetadata(OffloadingWorkerMetadata):
-        """vLLM's worker metadata plus each rank's kvtier results: (rank, kind, id, JobResult)."""
+        """vLLM's worker metadata plus each rank's kvtier results: (rank, group position, kind,
+        id, JobResult)."""
 
-        kvtier_results: list[tuple[int, str, int, JobResult]] = field(default_factory=list)
+        kvtier_results: list[tuple[int, int, str, int, JobResult]] = field(default_factory=list)
 
         def aggregate(self, other: Any) -> Any:
             merged = super().aggregate(other)
@@ -142,161 +153,85 @@ def build_classes() -> dict[str, type]:
             )
 
     class KvtierOffloadingManager(OffloadingManager):
-        """vLLM's OffloadingManager over kvtier's :class:`TierManager`, in the scheduler's process.
+        """vLLM's OffloadingManager over kvtier's :class:`TierManager` (one per offloaded
+        KV-cache group, see :mod:`.groups`), in the scheduler's process.
 
-        The manager is built when every worker rank has described its tiers
+        The managers are built when every worker rank has described its tiers
         (:meth:`adopt_ranks`, before vLLM's first step); until then every lookup misses and
         nothing is stored."""
 
-        def __init__(
-            self,
-            engine: _SchedulerEngine,
-            spec: Any,
-            store_cfg: Any,
-            overrides: Mapping[str, Any],
-            key_log: OffloadKeyLog,
-            result_deadline_s: float,
-        ) -> None:
-            self._engine = engine
-            self._result_deadline_s = result_deadline_s
+        def __init__(self, engines: list[_SchedulerEngine], groups: SchedulerGroups, key_log: OffloadKeyLog) -> None:
+            self._engines = engines
+            self._groups = groups
             self._key_log = key_log
-            self._announce: list[Any] = []  # events of adopted blocks, before the manager's own
-            self._spec = spec
-            self._store_cfg = store_cfg
-            self._overrides = dict(overrides)
-            self._side: _SchedulerSide | None = None
-            self._ns: Any = None
-            self._key_cache: OrderedDict[bytes, bytes] = OrderedDict()  # offload key -> kvtier key
-            self._offload_key: OrderedDict[bytes, bytes] = OrderedDict()  # kvtier key -> offload key
-            self._cap = 1024
+            self._announce: list[Any] = []  # events of adopted blocks, before the managers' own
             self._media: list[Any] = []
-            self._tier_index: dict[str, int] = {}
 
-        def adopt_ranks(self, ranks: Mapping[int, RankTiers]) -> None:
-            """Build the manager from what every rank opened (see :mod:`.ranks`)."""
-            manager, orphans, adopted_keys = build_manager(ranks, self._store_cfg)
-            adopted = sum(len(keys) for keys in adopted_keys.values())
-            rank0 = ranks[0]
-            self._ns = _namespace(self._spec.config, self._spec.tokens_per_block[0], rank0.layout, self._overrides)
-            side = _SchedulerSide(self._engine, manager, ResultDeadlines(self._engine.world_size, self._result_deadline_s))
-            for tier, keys in orphans.items():
-                side.ledger.remember(tier, keys)
-            engine = self._engine
-            engine.manager, engine.namespace = manager, self._ns
-            engine.memory_tiers = tuple(t.memory for t in rank0.tiers)
-            engine.counters["blocks_adopted"] = adopted
-            self._media = [Medium.CPU if memory else Medium.STORAGE for memory in engine.memory_tiers]
-            self._tier_index = {manager.tier_spec(i).name: i for i in range(manager.num_tiers)}
-            self._cap = max(
-                1024,
-                4
-                * sum(
-                    manager.tier_spec(i).capacity_bytes // manager.tier_spec(i).block_reserve
-                    for i in range(manager.num_tiers)
-                ),
-            )
-            self._key_cache.clear()
-            self._side = side
-            # Tell routers which blocks this process already holds (vLLM named them in an
-            # earlier process; the log next to the persistent tier remembers their hashes).
-            events, keep = adopted_announcements(adopted_keys, self._key_log.load())
+        def adopt_ranks(self, ranks: Mapping[int, RankGroups]) -> None:
+            """Build the managers from what every rank opened (see :mod:`.ranks`)."""
+            events = self._groups.adopt(ranks)
+            self._media = [Medium.CPU if memory else Medium.STORAGE for memory in self._groups.memory_tiers]
             self._announce = [OffloadingEvent(keys=[v], medium=self._media[t], removed=False) for t, v in events]
-            self._remember(keep.keys(), keep.values())
-            self._key_log.rewrite(keep)
-            engine.counters["blocks_announced"] = len(keep)
-            log.info(
-                "kvtier: scheduler side of engine %s over %d ranks: %d blocks adopted, %d orphan records to delete",
-                engine.engine_id,
-                len(ranks),
-                adopted,
-                sum(len(k) for k in orphans.values()),
-            )
 
         def worker_output(
-            self, results: Collection[tuple[int, str, int, JobResult]], counts: Mapping[int, int]
+            self, results: Collection[tuple[int, int, str, int, JobResult]], counts: Mapping[int, int]
         ) -> dict[int, int]:
             """The ranks' results and vLLM's completion counts of one step: the counts vLLM may
-            apply (:meth:`_SchedulerSide.worker_output`)."""
-            return self._side.worker_output(results, counts) if self._side is not None else dict(counts)
+            apply (:meth:`SchedulerGroups.worker_output`)."""
+            return self._groups.worker_output(results, counts)
 
         def issued(self, meta: Any) -> None:
             """Start the result deadline of every job in this step's connector metadata, and
-            add the notices of jobs given up on (``kvtier_abandoned``) to it."""
-            side = self._side
-            if side is None:
+            add the notices of jobs given up on (``kvtier_abandoned``, per group) to it."""
+            if not self._groups.ready:
                 meta.kvtier_abandoned = ()
                 return
             for job_id, job in meta.store_jobs.items():
                 if isinstance(job.dst_spec, KvtierStoreSpec):
-                    side.deadlines.issued(job_id, "store", job.dst_spec.plan.plan_id)
+                    self._groups.issued(job_id, "store", [(g, p.plan_id) for g, p in job.dst_spec.plans])
             for job_id, job in meta.load_jobs.items():
                 if isinstance(job.src_spec, KvtierLoadSpec):
-                    side.deadlines.issued(job_id, "load", job.src_spec.load_id, tuple(job.dst_spec.block_ids))
-            meta.kvtier_abandoned = side.take_notices()
+                    self._groups.issued(
+                        job_id,
+                        "load",
+                        [(g, load_id) for g, load_id, _ in job.src_spec.loads],
+                        job.dst_spec.block_ids,
+                        job.dst_spec.group_sizes,
+                    )
+            meta.kvtier_abandoned = self._groups.take_notices()
 
         def take_deletes(self) -> Any:
-            return self._side.take_deletes() if self._side is not None else ()
-
-        # keys
-        def _k(self, key: bytes) -> bytes:
-            k = self._key_cache.get(key)
-            if k is None:
-                k = fold_block_hashes([bytes(key)], namespace=self._ns)[0]
-                self._key_cache[key] = k
-                if len(self._key_cache) > self._cap:
-                    self._key_cache.popitem(last=False)
-            return k
-
-        def _remember(self, kkeys: Collection[bytes], keys: Collection[bytes]) -> None:
-            for k, v in zip(kkeys, keys):
-                self._offload_key[k] = v
-                self._offload_key.move_to_end(k)
-            while len(self._offload_key) > self._cap:
-                self._offload_key.popitem(last=False)
+            return self._groups.take_deletes()
 
         # lifecycle
         def lookup(self, key: Any, req_context: Any) -> Any:
-            mgr = self._engine.manager
-            if mgr is not None and mgr.lookup([self._k(key)]) == 1:
-                self._engine.counters["lookup_hits"] += 1
-                return LookupResult.HIT
-            self._engine.counters["lookup_misses"] += 1
-            return LookupResult.MISS
+            return LookupResult.HIT if self._groups.lookup(key) else LookupResult.MISS
 
         def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
-            assert self._side is not None  # vLLM loads only what a lookup found
-            keys = list(keys)
-            kkeys = [self._k(k) for k in keys]
-            load_id, plan = self._side.prepare_load(kkeys)
-            self._remember(kkeys, keys)
-            return KvtierLoadSpec(load_id, plan)
+            assert self._groups.ready  # vLLM loads only what a lookup found
+            return KvtierLoadSpec(self._groups.prepare_load(list(keys)))
 
         def touch(self, keys: Collection[Any], req_context: Any) -> None:
-            if self._engine.manager is not None:
-                self._engine.manager.touch([self._k(k) for k in keys])
+            if self._groups.ready:
+                self._groups.touch(list(keys))
 
         def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
-            if self._side is not None:
-                self._side.complete_load([self._k(k) for k in keys])
+            if self._groups.ready:
+                self._groups.complete_load(list(keys))
 
         def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
-            if self._side is None:
+            if not self._groups.ready:
                 return None
-            keys = list(keys)
-            kkeys = [self._k(k) for k in keys]
-            plan = self._side.prepare_store(kkeys)
-            if plan is None:
+            prepared = self._groups.prepare_store(list(keys))
+            if prepared is None:
                 return None
-            chosen = [keys[p] for p in plan.positions]
-            if plan.keys:
-                self._remember(plan.keys, chosen)
-            return PrepareStoreOutput(keys_to_store=chosen, store_spec=KvtierStoreSpec(plan), evicted_keys=[])
+            chosen, plans = prepared
+            return PrepareStoreOutput(keys_to_store=chosen, store_spec=KvtierStoreSpec(plans), evicted_keys=[])
 
         def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
-            if self._side is None:
+            if not self._groups.ready:
                 return
-            stored = self._side.complete_store([self._k(k) for k in keys], success)
-            pairs = [(k, self._offload_key[k]) for k in stored if k in self._offload_key]
+            pairs = self._groups.complete_store(list(keys), success)
             if pairs:
                 self._key_log.append(pairs)
 
@@ -304,72 +239,88 @@ def build_classes() -> dict[str, type]:
             return RequestOffloadingContext()
 
         def take_events(self) -> Any:
-            mgr = self._engine.manager
-            if mgr is None:
+            if not self._groups.ready:
                 return
             announce, self._announce = self._announce, []
             yield from announce
-            for event in mgr.take_events():
-                vkey = self._offload_key.get(event.key)
-                if vkey is None:
-                    continue  # adopted, and not in the offload key log: vLLM's hash is unknown
-                if event.kind == "removed" and mgr.status(event.key).tier is None:
-                    self._offload_key.pop(event.key, None)
-                medium = self._media[self._tier_index.get(event.tier, 0)]
-                yield OffloadingEvent(keys=[vkey], medium=medium, removed=event.kind == "removed")
+            for vkey, tier, removed in self._groups.take_events():
+                yield OffloadingEvent(keys=[vkey], medium=self._media[tier], removed=removed)
+
+        def counters(self) -> dict[str, int]:
+            return summed(scheduler_counters(e) for e in self._engines)
 
         def shutdown(self) -> None:
-            _unregister(self._engine)
+            for engine in self._engines:
+                _unregister(engine)
 
     class KvtierOffloadingWorker(OffloadingWorker):
-        """Executes kvtier plans between this rank's paged KV cache and its own tiers."""
+        """Executes kvtier plans between this rank's paged KV cache and its own tiers (one store
+        per offloaded KV-cache group)."""
 
-        def __init__(self, engine: _Engine, description: RankTiers) -> None:
-            self._engine = engine
-            self._side = _WorkerSide(engine)
+        def __init__(self, engines: list[_Engine], description: RankGroups) -> None:
+            self._engines = engines
+            self._rank = engines[0].rank
+            self._groups = WorkerGroups([_WorkerSide(e) for e in engines])
             #: what this rank opened; vLLM hands it to the scheduler side (handshake metadata)
             self.description = description
+
+        @property
+        def num_groups(self) -> int:
+            return len(self._engines)
+
+        def report_load_errors(self) -> None:
+            for engine in self._engines:
+                engine.reports_load_errors = True
 
         def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
             if not (isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, KvtierStoreSpec)):
                 log.warning("kvtier: store job %d with unexpected specs %r -> %r; ignored", job_id, src_spec, dst_spec)
                 return False
-            self._side.submit_store(job_id, dst_spec.plan, src_spec.block_ids)
+            self._groups.submit_store(
+                job_id, dst_spec.plans, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices
+            )
             return True
 
         def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
             if not (isinstance(src_spec, KvtierLoadSpec) and isinstance(dst_spec, GPULoadStoreSpec)):
                 log.warning("kvtier: load job %d with unexpected specs %r -> %r; ignored", job_id, src_spec, dst_spec)
                 return False
-            indices = getattr(dst_spec, "block_indices", None) or (0,)
-            self._side.submit_load(job_id, src_spec.load_id, src_spec.plan, dst_spec.block_ids, int(indices[0]))
+            self._groups.submit_load(
+                job_id, src_spec.loads, dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices
+            )
             return True
 
         def get_finished(self) -> list[Any]:
             return [
                 TransferResult(job_id, success, transfer_size=nbytes, transfer_time=seconds)
-                for job_id, success, nbytes, seconds in self._side.finished()
+                for job_id, success, nbytes, seconds in self._groups.finished()
             ]
 
-        def take_results(self) -> list[tuple[int, str, int, JobResult]]:
-            rank = self._engine.rank
-            return [(rank, kind, plan_id, result) for kind, plan_id, result in self._side.take_outbox()]
+        def take_results(self) -> list[tuple[int, int, str, int, JobResult]]:
+            return self._groups.take_results(self._rank)
 
         def submit_deletes(self, deletes: Any) -> None:
-            self._side.submit_deletes(deletes)
+            self._groups.submit_deletes(deletes)
 
         def abandon(self, notices: Any) -> None:
-            self._side.abandon(notices)
+            self._groups.abandon(notices)
+
+        def counters(self) -> dict[str, int]:
+            return summed(worker_counters(e) for e in self._engines)
 
         def take_failed_block_ids(self) -> set[int]:
-            return self._side.take_failed_block_ids()
+            return self._groups.take_failed_block_ids()
+
+        def take_failed_loads(self) -> set[int]:
+            return self._groups.take_failed_loads()
 
         def wait(self, job_ids: set[int]) -> None:
-            self._side.wait(job_ids)
+            self._groups.wait(job_ids)
 
         def shutdown(self) -> None:
-            _unregister(self._engine)
-            run_sync(self._engine.store.aclose())
+            for engine in self._engines:
+                _unregister(engine)
+                run_sync(engine.store.aclose())
 
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""
@@ -406,50 +357,71 @@ def build_classes() -> dict[str, type]:
                 source="kv_connector_extra_config.kvtier",
                 block_bytes=1,
             )
-            engine = _SchedulerEngine(self.config.engine_id, parallel.world_size)
-            _register(engine)
-            key_log = OffloadKeyLog(offload_key_log_path(self._store_dict, parallel.world_size))
             deadline = self._result_deadline_s
             if deadline is None:  # past the ranks' own job deadline, so a live rank reports first
                 job_deadline = store_cfg.job_deadline_s
                 deadline = DEFAULT_RESULT_DEADLINE_S if job_deadline is None else job_deadline + 60.0
-            return KvtierOffloadingManager(engine, self, store_cfg, self._overrides, key_log, deadline)
+            engines = [
+                _SchedulerEngine(self.config.engine_id, parallel.world_size, group=g.group_id) for g in self.config.groups
+            ]
+            for engine in engines:
+                _register(engine)
+            key_log = OffloadKeyLog(offload_key_log_path(self._store_dict, parallel.world_size))
+
+            def namespace_of(gpos: int, layout: str) -> Any:
+                return _namespace(self.config, self.tokens_per_block[gpos], layout, self._overrides)
+
+            groups = SchedulerGroups(engines, store_cfg, key_log, namespace_of, result_deadline_s=deadline)
+            return KvtierOffloadingManager(engines, groups, key_log)
 
         def get_worker(self, kv_caches: Any) -> Any:
-            if len(kv_caches.group_data_refs) != 1:
+            group_ids = tuple(int(g.group_id) for g in self.config.groups)
+            if len(kv_caches.group_data_refs) != len(group_ids):
                 raise ConfigError(
-                    f"kvtier's vLLM integration supports one offloaded KV-cache group; got {len(kv_caches.group_data_refs)}"
+                    f"kvtier: vLLM registered {len(kv_caches.group_data_refs)} KV-cache groups, its offloading config "
+                    f"names {len(group_ids)}"
                 )
             parallel = self.config.parallel
             rank, world = int(parallel.rank), int(parallel.world_size)
             views = _page_views(kv_caches, str(self.config.model.dtype))
             from kvtier.transfer.layout import KVLayout
 
-            layout = KVLayout(views, engine_blocks_per_block=self.blocks_per_chunk)
-            fingerprint = layout.fingerprint()
+            # One group: every tensor, as before (its records stay valid). Several: each
+            # group's own tensors (groups may share a tensor, each with its own block ids).
+            group_views = [views] if len(group_ids) == 1 else [
+                [views[i] for i in dict.fromkeys(ref.tensor_idx for ref in refs)] for refs in kv_caches.group_data_refs
+            ]
+            layouts = [KVLayout(v, engine_blocks_per_block=self.blocks_per_chunk) for v in group_views]
+            shares = group_shares([layout.block_bytes for layout in layouts])
+            per_rank = rank_tiers(self._store_dict, rank, world, shared=self._shared)
             # Replicated KV: every rank's bytes are rank 0's, and so is the namespace of its records.
             ns_rank = namespace_rank(rank, self._replicated)
-            namespace = _namespace(self.config, self.tokens_per_block[0], fingerprint, self._overrides, rank=ns_rank)
-            cfg = load_config(
-                rank_tiers(self._store_dict, rank, world, shared=self._shared),
-                source="kv_connector_extra_config.kvtier",
-                block_bytes=layout.block_bytes,
-            )
-            store = run_sync(KVStore(cfg, kv_caches=views, namespace=namespace).start())
             skip = self._shared if rank != WRITER_RANK else frozenset()
-            engine = _Engine(self.config.engine_id, store, rank=rank, skip_tiers=skip)
-            description = describe_rank(self.config.engine_id, rank, world, store, fingerprint)
-            _register(engine)
-            log.info(
-                "kvtier: rank %d of %d: %d tiers under vLLM engine %s, %d-byte blocks, %d records found",
-                rank,
-                world,
-                len(store.backends),
-                self.config.engine_id,
-                layout.block_bytes,
-                sum(len(t.records) for t in description.tiers),
-            )
-            return KvtierOffloadingWorker(engine, description)
+            engines, descriptions = [], []
+            for gpos, (gid, layout, v) in enumerate(zip(group_ids, layouts, group_views)):
+                fingerprint = group_layout(layout.fingerprint(), gid, len(group_ids))
+                namespace = _namespace(self.config, self.tokens_per_block[gpos], fingerprint, self._overrides, rank=ns_rank)
+                cfg = load_config(
+                    group_tiers(per_rank, gid, shares[gpos], len(group_ids)),
+                    source="kv_connector_extra_config.kvtier",
+                    block_bytes=layout.block_bytes,
+                )
+                store = run_sync(KVStore(cfg, kv_caches=v, namespace=namespace).start())
+                engine = _Engine(self.config.engine_id, store, rank=rank, group=gid, skip_tiers=skip)
+                descriptions.append(describe_rank(self.config.engine_id, rank, world, store, fingerprint))
+                _register(engine)
+                engines.append(engine)
+                log.info(
+                    "kvtier: rank %d of %d, KV-cache group %d: %d tiers under vLLM engine %s, %d-byte blocks, %d records found",
+                    rank,
+                    world,
+                    gid,
+                    len(store.backends),
+                    self.config.engine_id,
+                    layout.block_bytes,
+                    sum(len(t.records) for t in descriptions[-1].tiers),
+                )
+            return KvtierOffloadingWorker(engines, RankGroups(rank, world, group_ids, tuple(descriptions)))
 
     class KvtierConnector(OffloadingConnector):
         """vLLM's OffloadingConnector with kvtier's spec. Over vLLM's own channels it carries
@@ -458,6 +430,7 @@ def build_classes() -> dict[str, type]:
         (connector metadata); and it reports blocks whose load failed to vLLM."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            check_kv_cache_groups(getattr(kv_cache_config, "kv_cache_groups", ()))
             extra = _select_spec(vllm_config)
             extra[_CHANNELS_KEY] = True
             extra[_REPLICATED_KEY] = _replicated_kv(vllm_config, kv_cache_config)
@@ -477,9 +450,9 @@ def build_classes() -> dict[str, type]:
             stats = super().get_kv_connector_stats()
             worker, manager = self._kvtier_worker(), self._kvtier_manager()
             if worker is not None:
-                grown = self._kvtier_deltas.take(worker_counters(worker._engine))
+                grown = self._kvtier_deltas.take(worker.counters())
             elif manager is not None:
-                grown = self._kvtier_deltas.take(scheduler_counters(manager._engine))
+                grown = self._kvtier_deltas.take(manager.counters())
             else:
                 grown = {}
             if not grown:
@@ -505,7 +478,7 @@ def build_classes() -> dict[str, type]:
             super().register_kv_caches(kv_caches)
             worker = self._kvtier_worker()
             if worker is not None:
-                worker._engine.reports_load_errors = True
+                worker.report_load_errors()
 
         def get_handshake_metadata(self) -> Any:
             worker = self._kvtier_worker()
@@ -534,10 +507,24 @@ def build_classes() -> dict[str, type]:
             worker = self._kvtier_worker()
             return worker.take_failed_block_ids() if worker is not None else set()
 
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            """vLLM's results, plus the requests whose load failed as failed receives (several
+            KV-cache groups: vLLM 0.32 takes no failed block ids then; see :mod:`.groups`)."""
+            cw = self.connector_worker
+            load_jobs = dict(getattr(cw, "_load_jobs", {})) if cw is not None else {}  # popped as loads finish
+            results = super().get_transfer_results(finished_req_ids)
+            worker = self._kvtier_worker()
+            if worker is not None:
+                failed = {load_jobs[j] for j in worker.take_failed_loads() if j in load_jobs}
+                if failed:
+                    log.warning("kvtier: %d request(s) recompute after a failed load: %s", len(failed), sorted(failed))
+                    results.failed_recving |= failed
+            return results
+
         # -- scheduler side ---------------------------------------------------------------
         def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
             manager = self._kvtier_manager()
-            ranks = {r: m for r, m in metadata.items() if isinstance(m, RankTiers)}
+            ranks = {r: m for r, m in metadata.items() if isinstance(m, RankGroups)}
             if manager is not None and ranks:
                 manager.adopt_ranks(ranks)
 

@@ -37,6 +37,7 @@ def _counters() -> dict[str, int]:
             "blocks_loaded",
             "blocks_load_failed",
             "mid_chunk_loads",
+            "null_chunks_not_stored",
             "blocks_stored",
             "blocks_store_failed",
             "store_rejected",
@@ -61,6 +62,8 @@ class _Engine:
     engine_id: str
     store: KVStore
     rank: int = 0
+    #: the vLLM KV-cache group whose blocks this store holds (see :mod:`.groups`)
+    group: int = 0
     #: tiers this rank leaves to the writer rank (shared by every rank, see .replicated)
     skip_tiers: frozenset[int] = frozenset()
     #: (kind, plan or load id, JobResult) of jobs finished since the last metadata was built.
@@ -76,6 +79,8 @@ class _SchedulerEngine:
 
     engine_id: str
     world_size: int
+    #: the vLLM KV-cache group this manager decides for (see :mod:`.groups`)
+    group: int = 0
     manager: TierManager | None = None
     namespace: Namespace | None = None
     #: per tier: whether it is a memory tier (vLLM's ``Medium`` of its events)
@@ -90,6 +95,8 @@ _ENGINES_LOCK = threading.Lock()
 
 def _register(engine: _Engine | _SchedulerEngine) -> None:
     side = "scheduler" if isinstance(engine, _SchedulerEngine) else f"rank{engine.rank}"
+    if engine.group:
+        side += f"-group{engine.group}"
     with _ENGINES_LOCK:
         _ENGINES[(engine.engine_id, side)] = engine
 
@@ -121,13 +128,17 @@ def engine_stats(engine_id: str | None = None, worker: Any = None) -> dict[str, 
             data[name] = data.get(name, 0) + value
         if isinstance(eng, _SchedulerEngine):
             mgr = eng.manager
-            if mgr is not None:
-                data["manager"] = dict(mgr.counters)
-                data["tiers"] = [
-                    {k: t[k] for k in ("name", "blocks", "ready", "pinned", "used_bytes")} for t in mgr.stats()["tiers"]
-                ]
+            if mgr is not None:  # several KV-cache groups: counters summed, tiers listed per group
+                counters = data.setdefault("manager", {})
+                for name, value in mgr.counters.items():
+                    counters[name] = counters.get(name, 0) + value
+                data.setdefault("tiers", []).extend(
+                    {"group": eng.group, **{k: t[k] for k in ("name", "blocks", "ready", "pinned", "used_bytes")}}
+                    for t in mgr.stats()["tiers"]
+                )
             continue
-        data["ranks"].append(eng.rank)
+        if eng.rank not in data["ranks"]:
+            data["ranks"].append(eng.rank)
         data["corrupt_records"] = data.get("corrupt_records", 0) + sum(
             b.counters.corrupt_records for b in eng.store.backends
         )
@@ -194,8 +205,6 @@ def _check_supported(config: Any) -> None:
             f"kvtier's vLLM integration does not support context parallel (pcp_size {parallel.pcp_size}, "
             f"dcp_size {parallel.dcp_size}): a block's tokens are then spread over ranks"
         )
-    if len(config.groups) != 1:
-        raise ConfigError(f"kvtier's vLLM integration supports one offloaded KV-cache group; got {len(config.groups)}")
 
 
 def _namespace(

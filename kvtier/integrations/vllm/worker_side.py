@@ -40,6 +40,7 @@ class _WorkerSide:
         self._jobs: dict[int, tuple[int, tuple[str, int], list[list[int]]]] = {}
         self._refused: list[tuple[int, tuple[str, int], list[list[int]], JobResult]] = []
         self._failed_blocks: set[int] = set()
+        self._failed_loads: set[int] = set()  # vLLM job ids of loads with a block not brought back
         #: vLLM job ids reported (recent ones) or settled on the scheduler side's notice
         self._reported: OrderedDict[int, None] = OrderedDict()
         self._abandoned: OrderedDict[int, None] = OrderedDict()
@@ -112,6 +113,7 @@ class _WorkerSide:
                     if self._engine.reports_load_errors:
                         with self._lock:
                             self._failed_blocks.update(bad)
+                            self._failed_loads.add(job_id)
                     else:
                         # vLLM's stock connector cannot recompute a failed load: fail loudly.
                         success = False
@@ -146,6 +148,12 @@ class _WorkerSide:
     def take_failed_block_ids(self) -> set[int]:
         with self._lock:
             bad, self._failed_blocks = self._failed_blocks, set()
+        return bad
+
+    def take_failed_loads(self) -> set[int]:
+        """vLLM job ids of the loads reported by ``finished`` that did not bring every block back."""
+        with self._lock:
+            bad, self._failed_loads = self._failed_loads, set()
         return bad
 
     def wait(self, job_ids: Collection[int]) -> None:
