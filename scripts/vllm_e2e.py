@@ -137,6 +137,28 @@ def _worker_view(worker: Any = None) -> dict[str, Any]:
     }
 
 
+def _worker_drain(worker: Any = None, timeout: float = 120.0) -> bool:
+    """Run in each vLLM worker: wait until the transfer jobs of every rank in that process have
+    ended (their tier writes included). vLLM gives its workers a few seconds at exit before it
+    kills them (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``), so on a loaded machine a store still
+    queued for LMDB when the process exits would be lost (a later miss): the check counts
+    records, so it waits for them first. False if some rank was still busy at the timeout."""
+    from kvtier.integrations.vllm import engines
+
+    with engines._ENGINES_LOCK:
+        ranks = [e for e in engines._ENGINES.values() if isinstance(e, engines._Engine)]
+    idle = True
+    for engine in ranks:
+        transfers = engine.store.transfers
+        if transfers is None:
+            continue
+        try:
+            transfers.wait_idle(timeout=timeout)
+        except TimeoutError:
+            idle = False
+    return idle
+
+
 def _block_hashes(llm: Any, tokens: list[int]) -> list[Any]:
     """vLLM's chained block hashes of the full blocks of ``tokens`` (its configured hash
     function, from the ``NONE_HASH`` it seeded at start-up). Plain token prompts carry no extra
@@ -316,6 +338,7 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         result["stored"] = [record(run(p, greedy)[0]) for p in stored]
         for warm in _prompts(8, 2, length):  # a few more engine steps: the last stores complete
             run(warm, first)
+        result["workers_drained"] = all(llm.collective_rpc(_worker_drain))
         if role == "HA":
             result["kvtier"] = kvtier_stats()
             with open(out, "w") as f:
@@ -723,7 +746,7 @@ def main() -> int:
         b = spawn("B", model, lmdb_path, work)
         # TP=2 (and chunks of 2 blocks) on the same LMDB tier: each rank keeps its own
         # records, apart from TP=1's.
-        spawn("A2", model, lmdb_path, work)
+        a2 = spawn("A2", model, lmdb_path, work)
         stored_keys2 = {r: record_keys(rank_dir(lmdb_path, r, 2)) for r in range(2)}
         b2 = spawn("B2", model, lmdb_path, work)
         p0_keys = [bytes.fromhex(k) for k in a["p0_keys"]]
@@ -738,7 +761,9 @@ def main() -> int:
     prefix = PREFIX_BLOCKS * BLOCK
     tr = ref["target"]
     per_prompt = NUM_TTFT + 2 + 2  # A's stored prompts and its warm-ups before and after
-    for name, keys, world in (("A", stored_keys, 1), ("A2", stored_keys2, 2)):
+    for name, keys, world, res in (("A", stored_keys, 1, a), ("A2", stored_keys2, 2, a2)):
+        if not res.get("workers_drained"):
+            failures.append(f"{name}: some rank's transfer jobs had not ended 120 s after its last request")
         want = per_prompt * PREFIX_BLOCKS // CHUNK_BLOCKS.get(name, 1)
         sizes = [len(keys[r]) for r in range(world)]
         if sizes != [want] * world or any(keys[r] != keys[0] for r in range(world)):
