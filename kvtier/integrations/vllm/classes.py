@@ -369,7 +369,7 @@ def build_classes() -> dict[str, type]:
 
         def shutdown(self) -> None:
             _unregister(self._engine)
-            run_sync(self._engine.store.aclose())
+            run_sync(self._side.close())  # writes back what only this rank's memory tiers hold
 
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""
