@@ -14,6 +14,12 @@ byte tier), written with the persistent backend's ``write_blocks`` off the event
 into the manager's index of that tier (``adopt``: within its capacity, so a mid-run flush keeps
 the accounting exact; blocks beyond it are deleted again), then unpinned. A failed write or read
 is a block left unflushed, logged and counted, never an exception.
+
+A store that only executes plans made by a manager elsewhere (a vLLM worker rank: the
+scheduler side decides) has an empty index of its own; :func:`flush_listed_to_persistent`
+lists the blocks from the backends instead (``stored_keys`` of the tiers above, ``scan`` of the
+persistent one) and writes what the latter lacks, with the same budgets, chunks and counting.
+Nothing pins the blocks there, so it runs only once nothing else writes the tiers.
 """
 
 from __future__ import annotations
