@@ -66,6 +66,10 @@ class CompressedBackend(RecordBackend):
     def __len__(self) -> int:
         return len(self._records)
 
+    def stored_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._records)
+
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         self._check_io(keys, blocks)
         records = [b"".join(parts) for parts in self._encode(keys, blocks)]  # one copy per record

@@ -109,6 +109,10 @@ class TensorPoolBackend(MemoryBackend):
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    def stored_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._slot_of)  # in the order their rows were taken
+
     def slots(self, keys: Sequence[bytes]) -> list[int]:
         self._check_open()
         slot_of = self._slot_of

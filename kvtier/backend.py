@@ -219,6 +219,12 @@ class Backend(ABC):
         """Yield every stored record (persistent backends), for rebuilding the index at open."""
         return iter(())
 
+    def stored_keys(self) -> list[bytes] | None:
+        """The keys a tier that forgets its records at exit holds now, oldest stored first
+        (a read-only listing: what a flush writes back without a manager's index); ``None``
+        where the backend cannot list them. Persistent tiers answer ``scan`` instead."""
+        return None
+
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:  # noqa: B027
         """Persist access stamps so eviction order survives a restart (persistent backends)."""
 

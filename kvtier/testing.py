@@ -183,6 +183,20 @@ class BackendTests:
             _assert_same_bytes(out[0], data[0], "block 0 after deleting block 1")
             _assert_same_bytes(out[2], data[2], "block 2 after deleting block 1")
 
+    def test_stored_keys_lists_what_is_stored_oldest_first(self, tmp_path: Path) -> None:
+        with self.opened(tmp_path) as backend:
+            keys = [make_key(i) for i in range(4)]
+            backend.write_blocks(keys[:2], self.blocks(2))
+            backend.write_blocks(keys[2:], self.blocks(2, seed=1))
+            backend.delete_blocks([keys[1]])
+            listed = backend.stored_keys()
+            if listed is None:
+                pytest.skip("backend does not list its keys")
+            assert listed == [keys[0], keys[2], keys[3]], (
+                "stored_keys() after writing keys 0-3 and deleting key 1 must list keys 0, 2, 3 in the order "
+                f"they were written; got {[k.hex()[:8] for k in listed]}"
+            )
+
     def test_rewrite_after_delete_serves_new_bytes(self, tmp_path: Path) -> None:
         with self.opened(tmp_path) as backend:
             key = make_key(7)

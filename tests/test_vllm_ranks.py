@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from redis_servers import RedisServer
-from vllm_world import HANG_GUARD, World, cpu, lmdb, open_world
+from vllm_world import HANG_GUARD, World, count_writes, cpu, lmdb, open_world
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -432,21 +432,6 @@ def _assert_loaded(w: World, dst: int, src: int, n: int) -> None:
             assert torch.equal(t[dst : dst + n], t[src : src + n])
 
 
-def _count_writes(w: World, tier: int) -> list[int]:
-    """Blocks each rank writes to ``tier`` from now on (a list filled as they write)."""
-    written = [0] * w.world
-    for r in range(w.world):
-        backend = w.stores[r].backends[tier]
-        real = backend.write_blocks
-
-        def counted(keys: Any, blocks: Any, r: int = r, real: Any = real) -> Any:
-            written[r] += len(keys)
-            return real(keys, blocks)
-
-        backend.write_blocks = counted
-    return written
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 async def test_replicated_kv_is_stored_once_in_a_shared_tier_and_read_by_every_rank(
     redis_server: RedisServer, world_size: int
@@ -454,7 +439,7 @@ async def test_replicated_kv_is_stored_once_in_a_shared_tier_and_read_by_every_r
     prefix = f"mla-once-{world_size}"
     w = await open_world(world_size, [_redis(redis_server, prefix)], replicated=True)
     try:
-        written = _count_writes(w, 0)
+        written = count_writes(w, 0)
         w.store(K[:3], [0, 1, 2])
         assert written == [3] + [0] * (world_size - 1)  # one copy, written by rank 0 alone
         assert w.manager.lookup(K[:3]) == 3
@@ -483,7 +468,7 @@ async def test_replicated_kv_stays_per_rank_in_tiers_the_ranks_do_not_share(
 ) -> None:
     w = await open_world(2, [cpu(8, 2), lmdb(tmp_path), _redis(redis_server, "mla-mixed")], replicated=True)
     try:
-        written = [_count_writes(w, t) for t in (1, 2)]
+        written = [count_writes(w, t) for t in (1, 2)]
         w.store(K[:2], [0, 1])
         assert written == [[2, 2], [2, 0]]  # LMDB: a copy per rank; Redis: once
         assert all(w.held(r, 0) == 2 and w.held(r, 1) == 2 for r in range(2))
@@ -509,7 +494,7 @@ def test_replicated_kv_refuses_a_per_rank_tier_below_a_shared_one() -> None:
 async def test_without_replicated_kv_a_redis_tier_keeps_a_shard_per_rank(redis_server: RedisServer) -> None:
     w = await open_world(2, [_redis(redis_server, "per-rank")])  # each rank's own prefix opens
     try:
-        written = _count_writes(w, 0)
+        written = count_writes(w, 0)
         w.store(K[:2], [0, 1])
         assert written == [2, 2] and w.manager.lookup(K[:2]) == 2
         assert [b.prefix for b in (s.backends[0] for s in w.stores)] == ["per-rank.r0-of-2", "per-rank.r1-of-2"]

@@ -167,8 +167,24 @@ class World:
         return len(backend) if backend.is_memory else sum(1 for _ in backend.scan())
 
     async def close(self) -> None:
-        for s in self.stores:
-            await s.aclose()
+        """Shut every rank down as vLLM does (the worker's ``shutdown``: its store closes)."""
+        for w in self.workers:
+            await w.close()
+
+
+def count_writes(w: World, tier: int) -> list[int]:
+    """Blocks each rank writes to ``tier`` from now on (a list filled as they write)."""
+    written = [0] * w.world
+    for r in range(w.world):
+        backend = w.stores[r].backends[tier]
+        real = backend.write_blocks
+
+        def counted(keys: Any, blocks: Any, r: int = r, real: Any = real) -> Any:
+            written[r] += len(keys)
+            return real(keys, blocks)
+
+        backend.write_blocks = counted
+    return written
 
 
 async def open_world(
@@ -179,12 +195,13 @@ async def open_world(
     n: int = 1,
     deadline_s: float = 30.0,
     replicated: bool = False,
+    write: str = "through",
 ) -> World:
     """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``); ``deadline_s``: the
     scheduler side's deadline for every rank's result of a job (on the world's clock);
     ``replicated``: every rank's KV cache holds the same bytes (MLA), and the tiers all ranks
-    share keep one copy."""
-    cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n}
+    share keep one copy; ``write``: the store's write mode."""
+    cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n, "write": write}
     shared = shared_tiers(cfg) if replicated else frozenset()
     stores, caches = [], []
     for r in range(world):

@@ -318,6 +318,11 @@ class TransferEngine:
         self._wake.set()
         self._kick.set()
 
+    @property
+    def stopped(self) -> bool:
+        """Closed, and the threads that run jobs have ended (nothing writes the tiers any more)."""
+        return self._closed and not any(t.is_alive() for t in self._threads[:3])
+
     # -- the end of a job ------------------------------------------------------------------
     def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool:
         """Record ``result`` unless the job already has one (then return ``False``); count it

@@ -14,13 +14,19 @@ byte tier), written with the persistent backend's ``write_blocks`` off the event
 into the manager's index of that tier (``adopt``: within its capacity, so a mid-run flush keeps
 the accounting exact; blocks beyond it are deleted again), then unpinned. A failed write or read
 is a block left unflushed, logged and counted, never an exception.
+
+A store that only executes plans made by a manager elsewhere (a vLLM worker rank: the
+scheduler side decides) has an empty index of its own; :func:`flush_listed_to_persistent`
+lists the blocks from the backends instead (``stored_keys`` of the tiers above, ``scan`` of the
+persistent one) and writes what the latter lacks, with the same budgets, chunks and counting.
+Nothing pins the blocks there, so it runs only once nothing else writes the tiers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,7 +37,7 @@ from kvtier.devices import tensor_device
 from kvtier.manager import KeyState, TierManager
 from kvtier.transfer.offloop import off_loop
 
-__all__ = ["FlushReport", "flush_to_persistent"]
+__all__ = ["FlushReport", "first_persistent", "flush_listed_to_persistent", "flush_to_persistent"]
 
 log = logging.getLogger("kvtier.transfer.flush")
 
@@ -71,18 +77,90 @@ async def flush_to_persistent(
     (``None``: no limit). Safe to call while the store runs."""
     report = FlushReport()
     started = time.monotonic()
-    target = next((i for i, b in enumerate(backends) if b.persistent), None)
-    if target is None or target == 0:
-        return report  # nothing above a persistent tier to flush
+    target = first_persistent(backends)
+    if target is None:
+        return report
     report.target = manager.tier_spec(target).name
+    listed = [reversed(manager.tier_keys(tier)) for tier in range(target)]  # tier_keys: next victim first
+    keys = list(_candidates(listed, lambda key: manager.holds(key, target), report))
+
+    async def write(chunk: list[bytes]) -> None:
+        await _flush_chunk(manager, backends, target, chunk, report)
+
+    await _write_within(keys, _room(manager, target, backends[target]), backends[target], report, started, budget_s, budget_bytes, write)
+    return report
+
+
+async def flush_listed_to_persistent(
+    backends: Sequence[Backend],
+    *,
+    budget_s: float | None = None,
+    budget_bytes: int | None = None,
+    skip: Collection[int] = (),
+) -> FlushReport:
+    """:func:`flush_to_persistent` without a manager, for a store that only executes plans a
+    manager elsewhere makes (a vLLM worker rank): the blocks the tiers above the first
+    persistent tier list (``Backend.stored_keys``, newest first) that its ``scan`` lacks, within
+    its free room and the budgets. Nothing pins them: call it only once nothing else writes the
+    tiers (the transfer engine closed). The index of the persistent tier is rebuilt from its
+    records at the next open. A persistent tier in ``skip`` (another rank writes it) is left
+    alone (``stopped_by`` "skipped")."""
+    report = FlushReport()
+    started = time.monotonic()
+    target = first_persistent(backends)
+    if target is None:
+        return report
     persistent = backends[target]
-    block = persistent.format.block_bytes
-    keys = _candidates(manager, target, report)
+    report.target = persistent.name
+    if target in skip:
+        report.stopped_by = "skipped"
+        return report
+    try:
+        held = {r.key: r.stored_bytes for r in await off_loop(lambda: list(persistent.scan()))}
+    except Exception as exc:  # a tier that cannot list its records is not written blindly
+        log.warning("kvtier flush: listing the records of %s failed: %s", report.target, exc)
+        report.stopped_by = "scan"
+        return report
+    # stored_keys: oldest first (None: a tier that cannot list its blocks)
+    listed = [reversed(backends[tier].stored_keys() or ()) for tier in range(target)]
+    source = _candidates(listed, held.__contains__, report)
+    keys = list(source)
+    room = max(0, (persistent.usable_bytes() - sum(held.values())) // max(1, persistent.reserve_bytes()))
+
+    async def write(chunk: list[bytes]) -> None:
+        rows, ok = await off_loop(_copy_out, backends, chunk, [source[k] for k in chunk], target)
+        report.failed += len(chunk) - len(ok)
+        stored = await _write_rows(persistent, report, ok, rows)
+        report.flushed += len(stored)
+        report.flushed_bytes += len(stored) * persistent.format.block_bytes
+
+    await _write_within(keys, room, persistent, report, started, budget_s, budget_bytes, write)
+    return report
+
+
+def first_persistent(backends: Sequence[Backend]) -> int | None:
+    """The first persistent tier below a non-persistent one (what a flush writes to), or None."""
+    target = next((i for i, b in enumerate(backends) if b.persistent), None)
+    return None if target == 0 else target  # nothing above a persistent tier to flush
+
+
+async def _write_within(
+    keys: list[bytes],
+    room: int | None,
+    persistent: Backend,
+    report: FlushReport,
+    started: float,
+    budget_s: float | None,
+    budget_bytes: int | None,
+    write: Callable[[list[bytes]], Awaitable[None]],
+) -> None:
+    """Write ``keys`` (best first) with ``write``, one chunk at a time, as far as the room and
+    the budgets allow; fill in ``report`` and log the outcome."""
     report.candidates = len(keys) + report.already_there
-    room = _room(manager, target, persistent)
     limit = len(keys)
     if room is not None and room < limit:
         limit, report.stopped_by = room, "room"
+    block = persistent.format.block_bytes
     if budget_bytes is not None and budget_bytes // block < limit:
         limit, report.stopped_by = budget_bytes // block, "bytes"
     last_log = started
@@ -93,7 +171,7 @@ async def flush_to_persistent(
             break
         chunk = keys[done : min(limit, done + CHUNK_BLOCKS)]
         done += len(chunk)
-        await _flush_chunk(manager, backends, target, chunk, report)
+        await write(chunk)
         now = time.monotonic()
         if now - last_log > PROGRESS_EVERY_S:
             last_log = now
@@ -106,22 +184,38 @@ async def flush_to_persistent(
             report.flushed, report.flushed_bytes, report.target, report.seconds, report.already_there, report.left,
             f" (stopped by {report.stopped_by})" if report.stopped_by and report.left else "", report.failed,
         )
-    return report
 
 
-def _candidates(manager: TierManager, target: int, report: FlushReport) -> list[bytes]:
-    """Ready keys of the tiers above ``target`` that ``target`` lacks, most recent first."""
+async def _write_rows(backend: Backend, report: FlushReport, keys: list[bytes], rows: list[torch.Tensor]) -> list[tuple[bytes, int]]:
+    """Write ``rows`` under ``keys`` to ``backend`` off the event loop: the (key, stored bytes)
+    written; a failed key or call is counted in ``report.failed`` and logged, never raised."""
+    if not keys:
+        return []
+    try:
+        sizes = await off_loop(backend.write_blocks, keys, rows)
+    except Exception as exc:  # a failing disk leaves the blocks unflushed, never raises
+        log.warning("kvtier flush: writing %d blocks to %s failed: %s", len(keys), report.target, exc)
+        report.failed += len(keys)
+        return []
+    written = [(k, s) for k, s in zip(keys, sizes) if s is not None]
+    report.failed += len(keys) - len(written)
+    return written
+
+
+def _candidates(listed: Sequence[Iterable[bytes]], held: Callable[[bytes], bool], report: FlushReport) -> dict[bytes, int]:
+    """The keys of each tier above the target (``listed[tier]``, best first) that the target
+    lacks (``held``), each with the first tier that lists it; those it has are counted."""
     seen: set[bytes] = set()
-    keys: list[bytes] = []
-    for tier in range(target):
-        for key in reversed(manager.tier_keys(tier)):  # tier_keys: next victim first
+    keys: dict[bytes, int] = {}
+    for tier, tier_keys in enumerate(listed):
+        for key in tier_keys:
             if key in seen:
                 continue
             seen.add(key)
-            if manager.holds(key, target):
+            if held(key):
                 report.already_there += 1
             else:
-                keys.append(key)
+                keys[key] = tier
     return keys
 
 
@@ -141,17 +235,11 @@ async def _flush_chunk(manager: TierManager, backends: Sequence[Backend], target
     try:
         rows, ok_keys = await off_loop(_copy_out, backends, plan.keys, plan.tiers, target)
         report.failed += len(plan.keys) - len(ok_keys)
-        if not ok_keys:
-            return
-        try:
-            sizes = await off_loop(backends[target].write_blocks, ok_keys, rows)
-        except Exception as exc:  # a failing disk leaves the blocks unflushed, never raises
-            log.warning("kvtier flush: writing %d blocks to %s failed: %s", len(ok_keys), manager.tier_spec(target).name, exc)
-            report.failed += len(ok_keys)
+        written = await _write_rows(backends[target], report, ok_keys, rows)
+        if not written:
             return
         now = time.time()
-        records = [(k, s, now) for k, s in zip(ok_keys, sizes) if s is not None]
-        report.failed += len(ok_keys) - len(records)
+        records = [(k, s, now) for k, s in written]
         excess = set(manager.adopt(target, records))
         # Adopt refuses a key the tier got meanwhile (its bytes are these) and keys beyond its
         # capacity: delete only the latter.

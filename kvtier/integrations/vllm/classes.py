@@ -318,9 +318,9 @@ def build_classes() -> dict[str, type]:
             self._groups.wait(job_ids)
 
         def shutdown(self) -> None:
-            for engine in self._engines:
+            for engine, side in zip(self._engines, self._groups.sides):
                 _unregister(engine)
-                run_sync(engine.store.aclose())
+                run_sync(side.close())  # writes back what only this rank's memory tiers hold
 
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""

@@ -49,6 +49,8 @@ def _counters() -> dict[str, int]:
             "results_missing",
             "results_expired",
             "jobs_abandoned",
+            "blocks_flushed_at_close",
+            "blocks_flush_failed_at_close",
         ),
         0,
     )

@@ -19,6 +19,8 @@ from kvtier.integrations.vllm.engines import _Engine
 from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
+from kvtier.transfer.flush import FlushReport, flush_listed_to_persistent
+from kvtier.transfer.offloop import off_loop
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -166,7 +168,6 @@ class _WorkerSide:
         except Exception as exc:  # never raised into vLLM
             log.warning("kvtier: waiting for jobs %s failed: %s", sorted(job_ids), exc)
 
-
     def abandon(self, notices: Iterable[Abandoned]) -> int:
         """Settle the jobs the scheduler side stopped waiting for (see :mod:`.deadlines`) that
         this rank has not reported: stop each (from then on it never touches an engine block),
@@ -200,6 +201,41 @@ class _WorkerSide:
                 notice.job_id,
             )
         return settled
+
+
+    async def close(self) -> FlushReport | None:
+        """Shut this rank's store down (vLLM's worker ``shutdown``): finish its queued jobs,
+        write back the blocks its memory tiers hold that its first persistent tier lacks
+        (within the store's ``flush_on_close_s`` / ``flush_on_close_bytes``), then close it.
+
+        The store's own close writes back from its manager, which under vLLM knows nothing:
+        the scheduler side's manager decides, this rank only executes. So the blocks are listed
+        from the backends; every rank writes its own, so the next start's adoption (the keys
+        every rank holds) finds them. A shared tier this rank leaves to the writer is not
+        written. Returns the flush report (``None``: none ran); never raises."""
+        store, counters = self._engine.store, self._engine.counters
+        report = None
+        try:
+            await off_loop(self._transfers.close)
+            budget_s = store.config.flush_on_close_s
+            if budget_s and not self._transfers.stopped:  # a job still running could reuse a row being read
+                log.warning("kvtier: rank %d: jobs still running at shutdown; no write-back", self._engine.rank)
+            elif budget_s:
+                report = await flush_listed_to_persistent(
+                    store.backends,
+                    budget_s=budget_s,
+                    budget_bytes=store.config.flush_on_close_bytes,
+                    skip=self._engine.skip_tiers,
+                )
+                counters["blocks_flushed_at_close"] += report.flushed
+                counters["blocks_flush_failed_at_close"] += report.failed
+        except Exception as exc:  # a shutdown never fails over the write-back
+            log.warning("kvtier: rank %d: write-back at shutdown failed: %s", self._engine.rank, exc)
+        try:
+            await store.aclose()
+        except Exception as exc:
+            log.warning("kvtier: rank %d: closing the store failed: %s", self._engine.rank, exc)
+        return report
 
 
 _RECENT = 1 << 16  # vLLM job ids remembered per rank (a notice comes within a few steps)
