@@ -16,17 +16,14 @@ as it is and its records are replaced by split ones as they are rewritten. Both 
 written in one transaction; a value without its index entry is treated as corrupt.
 
 :class:`JobReader` reads a job: one read transaction, every record's head parsed and its extent
-checked before a byte of its payload is copied, then :func:`~kvtier.records.checks.copy_and_check`;
-a large job group by group, with its values faulted in ahead by a side thread (see ``read``).
+checked before a byte of its payload is touched, then :func:`~kvtier.records.checks.copy_and_check`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import struct
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import CorruptBlockError
-from kvtier.records.checks import SIDE_MIN_BYTES, RawPayload, copy_and_check, submit_side
+from kvtier.records.checks import RawPayload, copy_and_check
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import HEAD_MAX, HEADER_SIZE, RecordAuthError, RecordBackend, RecordMac, parse_header
 
@@ -44,9 +41,6 @@ __all__ = ["INDEX", "JobReader", "ReadOutcome", "entry_stamp", "index_entry", "j
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
 INDEX = struct.Struct("<dQ")
-#: A large job is looked up and copied in groups of at least this many raw bytes (one side-thread
-#: check each: see :func:`~kvtier.records.checks.copy_and_check`).
-GROUP_BYTES = SIDE_MIN_BYTES
 #: Index entry lengths: whole layout, split plain, split keyed.
 _ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 
@@ -107,93 +101,37 @@ class JobReader:
         an LMDB error while looking one up (a damaged page), are a miss for that key alone and
         (except absent ones) listed in ``bad``. A value that would lie past the end of the
         file is never touched (that read would fault). LMDB errors beginning a transaction
-        propagate.
-
-        A job of at least two groups of :data:`GROUP_BYTES` is looked up and copied group by
-        group, while a side thread faults the job's values in ahead of the lookups: a cold job
-        then reads the device while it copies. python-lmdb's ``get`` touches every page of a
-        value, so looking the whole job up first read it all before the first copy (0.65-0.78
-        of a raw cold get and copy, against 0.84-0.95 by groups; ``benchmarks/bench_disk.py``)."""
+        propagate."""
         outcome = ReadOutcome(len(keys))
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        step = max(1, -(-GROUP_BYTES // max(1, self.block_bytes)))
-        if len(keys) < 2 * step:
-            step = len(keys)
-        txn, limit = self._begin(env)  # before the side thread takes a reader slot of its own
+        txn, pairs = self._lookup(env, keys, outcome.bad)
         try:
-            with self._faulted_ahead(env, keys if step < len(keys) else ()):
-                for start in range(0, len(keys), step):
-                    group = keys[start : start + step]
-                    txn, limit, pairs = self._lookup(env, txn, limit, group, outcome.bad)
-                    self._copy(outcome, start, group, out[start : start + step], pairs, mac, copies)
+            items: list[RawPayload] = []
+            where: list[int] = []
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for i, (key, dst, pair) in enumerate(zip(keys, out, pairs)):
+                if pair is None:
+                    outcome.corrupt += key in outcome.bad
+                    continue
+                try:
+                    head, header, payload = self._parse(pair, mac)
+                except CorruptBlockError as exc:
+                    self._refuse(outcome, key, exc)
+                    continue
+                view, staging = RecordBackend._host_view(dst)
+                if staging is not None:
+                    copies.append((dst, staging))
+                items.append(RawPayload(key, head, header, payload, view))
+                where.append(i)
+            for i, item, error in zip(where, items, copy_and_check(items, mac)):
+                if error is None:
+                    outcome.found[i] = True
+                else:
+                    self._refuse(outcome, item.key, error)
         finally:
             txn.abort()
         for dst, staging in copies:
             dst.copy_(staging)  # a row whose record was refused holds garbage either way
         return outcome
-
-    def _copy(
-        self,
-        outcome: ReadOutcome,
-        start: int,
-        keys: Sequence[bytes],
-        out: Sequence[torch.Tensor],
-        pairs: list[Any],
-        mac: RecordMac | None,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """Parse, copy and check one group of looked-up records (``outcome`` indexed from ``start``)."""
-        items: list[RawPayload] = []
-        where: list[int] = []
-        for i, (key, dst, pair) in enumerate(zip(keys, out, pairs), start):
-            if pair is None:
-                outcome.corrupt += key in outcome.bad
-                continue
-            try:
-                head, header, payload = self._parse(pair, mac)
-            except CorruptBlockError as exc:
-                self._refuse(outcome, key, exc)
-                continue
-            view, staging = RecordBackend._host_view(dst)
-            if staging is not None:
-                copies.append((dst, staging))
-            items.append(RawPayload(key, head, header, payload, view))
-            where.append(i)
-        for i, item, error in zip(where, items, copy_and_check(items, mac)):
-            if error is None:
-                outcome.found[i] = True
-            else:
-                self._refuse(outcome, item.key, error)
-
-    @contextlib.contextmanager
-    def _faulted_ahead(self, env: lmdb.Environment, keys: Sequence[bytes]) -> Iterator[None]:
-        """Inside, a side thread gets ``keys`` in order in its own read transaction, which
-        faults their values in (python-lmdb touches every page of a value it returns) ahead of
-        the caller's lookups. It only reads what the caller's own lookups read next, and any
-        error just stops it: the caller's lookup of that key meets the error and handles it.
-        Stopped and waited for on leaving."""
-        stop = threading.Event()
-
-        def fault_in() -> None:
-            txn = env.begin(buffers=True)
-            try:
-                for key in keys:
-                    if stop.is_set():
-                        return
-                    txn.get(key, db=self.blocks)
-            finally:
-                txn.abort()
-
-        future = submit_side(fault_in) if keys else None
-        try:
-            yield
-        finally:
-            stop.set()
-            if future is not None:
-                try:
-                    future.result()
-                except lmdb.Error:
-                    pass  # the caller's own lookups met (and handled) whatever stopped it
 
     def _parse(self, pair: tuple[Any, Any], mac: RecordMac | None) -> tuple[Any, Any, Any]:
         entry, value = pair
@@ -214,36 +152,25 @@ class JobReader:
             outcome.auth += isinstance(exc, RecordAuthError)
         outcome.bad[key] = str(exc)
 
-    def _begin(self, env: lmdb.Environment) -> tuple[lmdb.Transaction, int]:
-        """A read transaction, and how many bytes of the file its snapshot can see."""
-        txn = env.begin(buffers=True)
-        try:
+    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], bad: dict[bytes, str]) -> tuple[lmdb.Transaction, list[Any]]:
+        """One read transaction and each key's ``(index entry, value)`` buffers (``None``: absent
+        or bad, with the reason in ``bad``). An LMDB error on a key marks it bad and starts over
+        in a fresh transaction (a failed lookup may leave one unusable, and its buffers with it)."""
+        while True:
+            txn = env.begin(buffers=True)
             # After the transaction began: a writer may have grown the file just before, and
             # the newest meta page covers every page this snapshot can see.
-            return txn, (int(env.info()["last_pgno"]) + 1) * self.psize
-        except BaseException:
-            txn.abort()
-            raise
-
-    def _lookup(
-        self, env: lmdb.Environment, txn: lmdb.Transaction, limit: int, keys: Sequence[bytes], bad: dict[bytes, str]
-    ) -> tuple[lmdb.Transaction, int, list[Any]]:
-        """Each key's ``(index entry, value)`` buffers in ``txn`` (``None``: absent or bad, with
-        the reason in ``bad``), and the transaction they were read in. An LMDB error on a key
-        marks it bad and starts the keys over in a fresh transaction (a failed lookup may leave
-        one unusable, and its buffers with it); buffers of earlier groups are no longer used."""
-        while True:
+            limit = (int(env.info()["last_pgno"]) + 1) * self.psize
             pairs: list[Any] = []
             try:
                 for key in keys:
                     pairs.append(None if key in bad else self._pair(txn, key, limit, bad))
-                return txn, limit, pairs
+                return txn, pairs
             except lmdb.Error as exc:
                 txn.abort()
                 key = keys[len(pairs)]
                 log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
                 bad[key] = str(exc)
-                txn, limit = self._begin(env)
 
     def _pair(self, txn: lmdb.Transaction, key: bytes, limit: int, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
         value = txn.get(key, db=self.blocks)

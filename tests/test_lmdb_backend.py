@@ -9,8 +9,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_layout
-from kvtier.backends.lmdb_layout import GROUP_BYTES, INDEX
+from kvtier.backends.lmdb_layout import INDEX
 
 from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
@@ -386,11 +385,8 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
         assert found == [True, True, False, True]
         assert all(torch.equal(out[i], data[i]) for i in (0, 1, 3))
         assert stats["corrupt_records"] == 1 and stats["auth_failures"] == (1 if keyed else 0)
-        # One hop for the checks of each group of GROUP_BYTES (two here), one for the side thread
-        # faulting the job's values in ahead, and one for the job's encoding.
-        assert submitted.count("_side") == -(-4 * BIG.block_bytes // GROUP_BYTES)
-        assert submitted.count("fault_in") == 1
-        assert submitted.count("_run") == 1
+        assert submitted.count("_side") == 1  # one hop for the job's checks
+        assert submitted.count("_run") == 1  # and one for its encoding
     finally:
         asyncio.run(backend.aclose())
 
@@ -463,67 +459,3 @@ def test_a_store_keyed_before_blake3_still_reads_and_a_mac_mismatch_is_refused_a
     asyncio.run(_open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET)).aclose())  # a new store records blake3
     with pytest.raises(ConfigError, match=r"keyed with blake3.*mac_algorithm: blake3"):
         _open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET, mac_algorithm="hmac-sha256"))
-
-
-def _damaged_store(path: Path, fmt: BlockFormat, n: int, **options: object) -> tuple[list[bytes], list[torch.Tensor]]:
-    """``n`` records written, then: a payload byte flipped in record 2, record 5's index entry
-    removed, record 9 never written; keys also name one record that was never stored."""
-    keys = [make_key(i) for i in range(n)]
-    data = _blocks(n, seed=21, size=fmt.block_bytes)
-    backend = _open(lmdb_backend(path, 4 * n * fmt.block_bytes, **options), fmt)
-    stored = [i for i in range(n) if i != 9]
-    backend.write_blocks([keys[i] for i in stored], [data[i] for i in stored])
-    asyncio.run(backend.aclose())
-    env = lmdb.open(str(path / "env"), max_dbs=3)
-    blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
-    with env.begin(write=True) as txn:
-        value = bytearray(txn.get(keys[2], db=blocks))
-        value[777] ^= 0x20
-        txn.put(keys[2], bytes(value), db=blocks)
-        txn.delete(keys[5], db=index)
-    env.close()
-    return keys, data
-
-
-@pytest.mark.parametrize("keyed", [False, True])
-def test_a_job_read_by_groups_with_values_faulted_ahead_matches_the_one_group_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
-) -> None:
-    """The grouped read (values faulted in ahead, each group looked up, copied and checked in
-    turn) finds, refuses and counts exactly what the one-group read of the whole job does, and
-    fills the same rows."""
-    options = {"mac_key": "a-test-secret-of-32-bytes-012345"} if keyed else {}
-    n = 12  # 12 x 256 KiB: groups of 4 records
-    fmt = BlockFormat(block_bytes=256 << 10, dtype="bfloat16", namespace={"model_id": "m"})
-    runs = {}
-    for grouped in (True, False):
-        path = tmp_path / ("grouped" if grouped else "whole")
-        path.mkdir()
-        keys, data = _damaged_store(path, fmt, n, **options)
-        faulted: list[int] = []
-        real = lmdb_layout.JobReader._faulted_ahead
-
-        def counting(self: object, env: object, job: list[bytes], real: object = real, faulted: list[int] = faulted) -> object:
-            faulted.append(len(job))
-            return real(self, env, job)  # type: ignore[operator]
-
-        monkeypatch.setattr(lmdb_layout.JobReader, "_faulted_ahead", counting)
-        if not grouped:
-            monkeypatch.setattr(lmdb_layout, "GROUP_BYTES", n * fmt.block_bytes)
-        backend = _open(lmdb_backend(path, 4 * n * fmt.block_bytes, **options), fmt)
-        try:
-            out = [torch.full((fmt.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
-            found = backend.read_blocks([*keys, make_key(99)], [*out, torch.zeros(fmt.block_bytes, dtype=torch.uint8)])
-            stats = backend.stats()
-            rows = [bytes(out[i].numpy()) if found[i] else None for i in range(n)]
-            runs[grouped] = (found, rows, stats["corrupt_records"], stats["auth_failures"], stats["deleted"], sorted(r.key for r in backend.scan()))
-        finally:
-            asyncio.run(backend.aclose())
-            monkeypatch.undo()
-        assert faulted == ([n + 1] if grouped else [0])  # the grouped read faulted the whole job ahead
-        print(f"{'grouped' if grouped else 'one group'} ({'keyed' if keyed else 'plain'}): found {found}, corrupt {runs[grouped][2]}")
-    assert runs[True] == runs[False]
-    found, rows = runs[True][:2]
-    assert found == [i not in (2, 5, 9) for i in range(n)] + [False]
-    assert all(rows[i] == bytes(data[i].numpy()) for i in range(n) if found[i])
-    assert runs[True][2] == 2 and runs[True][3] == (1 if keyed else 0)

@@ -35,12 +35,11 @@ from kvtier.errors import CorruptBlockError
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
 
-__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "RawPayload", "copy_and_check", "fill_and_check", "side_pool", "submit_side"]
+__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
 
 #: Jobs with fewer bytes than this are checked on the calling thread (a hop costs ~50 µs).
 SIDE_MIN_BYTES = 1 << 20
-#: Two for a job's checks (this one's and another job's), one to fault a job's pages in ahead.
-_WORKERS = 3
+_WORKERS = 2
 #: Name prefix of the side threads (process-wide: they outlive every store).
 THREAD_PREFIX = "kvtier-check"
 
@@ -71,12 +70,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def submit_side(fn: Callable[..., R], *args: Any) -> Future[R] | None:
-    """``fn(*args)`` on a side thread, or ``None`` when none can take it (the caller then does
-    without, or runs it itself)."""
-    return _submit(fn, *args)
 
 
 def _submit(fn: Callable[..., R], *args: Any) -> Future[R] | None:
