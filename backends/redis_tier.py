@@ -50,7 +50,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
-from kvtier.backends.redis_shares import run_all, split_shares
+from kvtier.backends.redis_shares import auto_job_connections, run_all, split_shares
 from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -270,7 +270,7 @@ class RedisBackend(RecordBackend):
         mac_key_env: str | None = None,
         mac_algorithm: str = "blake3",
         max_connections: int = 32,
-        job_connections: int = 4,
+        job_connections: int | str = "auto",
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
         sync_interval_s: float = 1.0,
@@ -289,9 +289,15 @@ class RedisBackend(RecordBackend):
         _check_seconds(ttl_s=ttl_s, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s, sync_interval_s=sync_interval_s)
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ConfigError(f"max_connections: expected a positive integer, got {max_connections!r}")
-        if isinstance(job_connections, bool) or not isinstance(job_connections, int) or not 1 <= job_connections <= max_connections:
-            raise ConfigError(f"job_connections: expected an integer from 1 to max_connections ({max_connections}), got {job_connections!r}")
-        self.job_connections = job_connections
+        if job_connections != "auto" and (
+            isinstance(job_connections, bool) or not isinstance(job_connections, int) or not 1 <= job_connections <= max_connections
+        ):
+            raise ConfigError(
+                f"job_connections: expected 'auto' or an integer from 1 to max_connections ({max_connections}), got {job_connections!r}"
+            )
+        #: as configured ("auto" or a count); ``job_connections`` is the count in use
+        self.job_connections_setting = job_connections
+        self.job_connections = min(max_connections, auto_job_connections()) if job_connections == "auto" else int(job_connections)
         self.ttl_s = None if ttl_s is None else float(ttl_s)
         self.cluster = cluster
         self.max_connections = max_connections
@@ -336,7 +342,7 @@ class RedisBackend(RecordBackend):
             data["ttl_s"] = self.ttl_s
         data.update(
             max_connections=self.max_connections,
-            job_connections=self.job_connections,
+            job_connections=self.job_connections_setting,
             socket_timeout_s=self.socket_timeout_s,
             connect_timeout_s=self.connect_timeout_s,
             sync_interval_s=self.sync_interval_s,

@@ -290,3 +290,23 @@ def test_job_connections_round_trips_through_the_config() -> None:
     assert backend.to_dict()["job_connections"] == 2
     assert RedisBackend.from_dict(backend.to_dict()).job_connections == 2
 
+
+
+def test_job_connections_auto_is_half_the_cpus_from_one_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.backends import redis_shares
+
+    assert [redis_shares.auto_job_connections(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+    monkeypatch.setattr(redis_shares.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert RedisBackend(capacity="1MiB").job_connections == 4  # the default is auto
+    assert RedisBackend(capacity="1MiB", max_connections=2).job_connections == 2  # never past the pool
+    monkeypatch.setattr(redis_shares.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    backend = RedisBackend(capacity="1MiB", job_connections="auto")
+    assert backend.job_connections == 1
+    assert backend.to_dict()["job_connections"] == "auto"
+    assert RedisBackend.from_dict(backend.to_dict()).job_connections_setting == "auto"
+
+
+@pytest.mark.parametrize("value", ["many", "4", None])
+def test_job_connections_other_words_are_refused(value: Any) -> None:
+    with pytest.raises(ConfigError, match="job_connections: expected 'auto'"):
+        RedisBackend(capacity="1MiB", job_connections=value)
