@@ -24,10 +24,11 @@ CPU saving above showed only when the host was loaded.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, wait
 from typing import TypeVar
+
+from kvtier.devices import usable_cpus
 
 __all__ = ["AUTO_MAX_SHARES", "SHARE_MIN_BYTES", "auto_job_connections", "run_all", "split_shares"]
 
@@ -44,10 +45,7 @@ def auto_job_connections(cpus: int | None = None) -> int:
     """Connections per job for ``job_connections: auto``: half the CPUs this process may run
     on, between 1 and :data:`AUTO_MAX_SHARES` (1 on a 2-CPU host)."""
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
     return max(1, min(AUTO_MAX_SHARES, cpus // 2))
 
 

@@ -9,18 +9,30 @@ asynchronous copies (``copy_(..., non_blocking=True)``): it waits for the *curre
 each device* among ``tensors``, and for nothing else. Never ``torch.cuda.synchronize()`` with no
 device there: that waits for the current device only (the wrong one when a pool lives on
 another GPU) and for every stream on it (the engine's compute stream included).
+
+``usable_cpus()`` is the number of host CPUs this process may run on, which sizes the ``auto``
+thread counts of the host copies and of the Redis tier's connections per job.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["accelerators", "locate", "tensor_device", "wait_for_copies"]
+__all__ = ["accelerators", "locate", "tensor_device", "usable_cpus", "wait_for_copies"]
 
 #: Replaced by a test stand-in for ``torch.cuda``; ``None`` asks the tensor itself.
 locate: Callable[[torch.Tensor], torch.device] | None = None
+
+
+def usable_cpus() -> int:
+    """Host CPUs this process may run on (its affinity set; all CPUs where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def tensor_device(t: torch.Tensor) -> torch.device:

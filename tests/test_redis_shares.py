@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import socket
 import threading
 import time
@@ -296,10 +297,10 @@ def test_job_connections_auto_is_half_the_cpus_from_one_to_four(monkeypatch: pyt
     from kvtier.backends import redis_shares
 
     assert [redis_shares.auto_job_connections(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
-    monkeypatch.setattr(redis_shares.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert RedisBackend(capacity="1MiB").job_connections == 4  # the default is auto
     assert RedisBackend(capacity="1MiB", max_connections=2).job_connections == 2  # never past the pool
-    monkeypatch.setattr(redis_shares.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     backend = RedisBackend(capacity="1MiB", job_connections="auto")
     assert backend.job_connections == 1
     assert backend.to_dict()["job_connections"] == "auto"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
+from kvtier.devices import usable_cpus
 from kvtier.errors import LayoutError
 
 __all__ = ["MIN_SPLIT_BYTES", "THREAD_PREFIX", "CopySplitter", "CopyThreads", "auto_copy_threads"]
@@ -46,10 +47,7 @@ def auto_copy_threads(cpus: int | None = None) -> int:
     """Threads per job copy for ``copy_threads: auto``: a quarter of the CPUs this process may
     run on, between 1 and :data:`AUTO_MAX` (1 on hosts of fewer than 8 CPUs)."""
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
     return max(1, min(AUTO_MAX, cpus // 4))
 
 
