@@ -60,6 +60,7 @@ from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.records.format import (
+    DEFAULT_MAC_ALGORITHM,
     HEAD_MAX,
     PersistentRecordBackend,
     RecordHeader,
@@ -117,7 +118,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
         sync_mode: Literal["durable", "fast"] = "durable",
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
-        mac_algorithm: str = "blake3",
+        mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
     ) -> None:
         super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
                          mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)

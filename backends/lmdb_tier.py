@@ -87,7 +87,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import Codec, UnsupportedRecordError
-from kvtier.records.format import PersistentRecordBackend, check_meta, decode_meta, encode_meta
+from kvtier.records.format import DEFAULT_MAC_ALGORITHM, PersistentRecordBackend, check_meta, decode_meta, encode_meta
 from kvtier.units import format_size
 
 __all__ = ["LmdbBackend"]
@@ -126,7 +126,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         max_readers: int = 126,
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
-        mac_algorithm: str = "blake3",
+        mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
     ) -> None:
         super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
                          mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)

@@ -58,6 +58,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import (
+    DEFAULT_MAC_ALGORITHM,
     RecordBackend,
 )
 
@@ -268,7 +269,7 @@ class RedisBackend(RecordBackend):
         codec: str | dict[str, Any] | Codec | None = "none",
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
-        mac_algorithm: str = "blake3",
+        mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
         max_connections: int = 32,
         job_connections: int | str = "auto",
         socket_timeout_s: float = 5.0,

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.records.codec import NoneCodec, codec_for_id
 from kvtier.records.format import (
+    FLAG_MAC_GMAC,
     HEADER_SIZE,
     MAC_FLAGS,
     MAC_TAG_SIZE,
@@ -197,8 +198,9 @@ def receive_record(wire: Wire, key: bytes, out: memoryview, length: int, mac: Re
     """Read the ``length``-byte record of ``key`` (and its CRLF) from ``wire`` into ``out``.
 
     The header (and tag) is read and checked first; a raw payload then lands straight in ``out``
-    and is verified there (an unkeyed one piece by piece as it lands, see :meth:`Wire.read_into`;
-    a keyed one once whole, since BLAKE3 hashes a large buffer on several threads), a coded one is
+    and is verified there (an unkeyed or AES-GMAC one piece by piece as it lands, see
+    :meth:`Wire.read_into`; BLAKE3 and HMAC-SHA256 ones once whole, since BLAKE3 hashes a large
+    buffer on several threads), a coded one is
     verified, then decoded into ``out``. A bad record raises ``CorruptBlockError``
     (``UnsupportedRecordError`` for another format) only after the whole value was consumed, so
     the stream stays usable; ``out`` then holds garbage.
@@ -218,9 +220,10 @@ def receive_record(wire: Wire, key: bytes, out: memoryview, length: int, mac: Re
         wire.skip(rest + 2)
         raise
     if h is not None:
-        wire.read_into(out, None if header.keyed else h.update)
+        whole = header.keyed and not header.flags & FLAG_MAC_GMAC  # BLAKE3 threads a whole buffer
+        wire.read_into(out, None if whole else h.update)
         wire.skip(2)
-        if header.keyed:
+        if whole:
             h.update(out)
         check_digest(h, memoryview(head), header)
         return

@@ -437,7 +437,7 @@ def test_a_store_keyed_before_blake3_still_reads_and_a_mac_mismatch_is_refused_a
         txn.put(meta_key, encode_meta(FMT))  # the meta record as older builds wrote it
     env.close()
 
-    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET))  # the default: blake3
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET))  # the default: aes-gmac
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys[:2]]
         assert backend.read_blocks(keys[:2], out) == [True, True]
@@ -447,7 +447,7 @@ def test_a_store_keyed_before_blake3_still_reads_and_a_mac_mismatch_is_refused_a
         assert backend.read_blocks(keys[2:], [back]) == [True] and torch.equal(back, data[2])
     finally:
         asyncio.run(backend.aclose())
-    # The new record is keyed BLAKE3: a tier held to HMAC-SHA256 serves the old two only.
+    # The new record is keyed AES-GMAC: a tier held to HMAC-SHA256 serves the old two only.
     backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET, mac_algorithm="hmac-sha256"))
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
@@ -456,6 +456,34 @@ def test_a_store_keyed_before_blake3_still_reads_and_a_mac_mismatch_is_refused_a
         asyncio.run(backend.aclose())
 
     fresh = tmp_path / "fresh"
-    asyncio.run(_open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET)).aclose())  # a new store records blake3
-    with pytest.raises(ConfigError, match=r"keyed with blake3.*mac_algorithm: blake3"):
-        _open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET, mac_algorithm="hmac-sha256"))
+    asyncio.run(_open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET)).aclose())  # a new store records aes-gmac
+    for other in ("hmac-sha256", "blake3"):
+        with pytest.raises(ConfigError, match=rf"keyed with aes-gmac, this tier's mac_algorithm is {other}.*mac_algorithm: aes-gmac"):
+            _open(lmdb_backend(fresh, 4 << 20, mac_key=SECRET, mac_algorithm=other))
+
+
+def test_a_blake3_store_opens_under_the_aes_gmac_default_and_keeps_its_records(tmp_path: Path) -> None:
+    """A store keyed while BLAKE3 was the default: its meta record names blake3, and a tier left
+    at the default reads its records, and writes AES-GMAC ones beside them."""
+    keys = [make_key(i) for i in range(3)]
+    data = _blocks(3, seed=22)
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET, mac_algorithm="blake3"))
+    backend.write_blocks(keys[:2], data[:2])
+    asyncio.run(backend.aclose())
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET))
+    try:
+        assert backend.mac is not None and backend.mac.algorithm == "aes-gmac"
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys[:2]]
+        assert backend.read_blocks(keys[:2], out) == [True, True]
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        backend.write_blocks(keys[2:], data[2:])
+    finally:
+        asyncio.run(backend.aclose())
+    # Its meta record still names blake3; a blake3 tier opens it and serves its own two only.
+    backend = _open(lmdb_backend(tmp_path, 4 << 20, mac_key=SECRET, mac_algorithm="blake3"))
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True, True, False]
+        assert all(torch.equal(o, d) for o, d in zip(out[:2], data[:2]))
+    finally:
+        asyncio.run(backend.aclose())

@@ -238,7 +238,7 @@ def test_mac_options_and_secret_never_shown(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("KV_TEST_SECRET", SECRET.decode())
     from_env = RecordMac.from_options(mac_key_env="KV_TEST_SECRET")
     assert from_env is not None
-    assert from_env.tag(b"h", KEY, b"p") == RecordMac(SECRET).tag(b"h", KEY, b"p")
+    RecordMac(SECRET).verify(b"h", KEY, b"p", from_env.tag(b"h", KEY, b"p"))  # the same secret
     assert SECRET.decode() not in repr(from_env)
     from kvtier import registry
 
@@ -253,11 +253,17 @@ def test_mac_options_and_secret_never_shown(monkeypatch: pytest.MonkeyPatch) -> 
             assert type(backend).from_dict(data).mac is not None
 
 
-# -- the MAC algorithms: keyed BLAKE3 by default, HMAC-SHA256 kept ------------------------------
+# -- the MAC algorithms: AES-GMAC by default, keyed BLAKE3 and HMAC-SHA256 kept -----------------
 
 #: A keyed record of ``b"kvtier-golden-16"`` under KEY and SECRET, as written with each MAC. The
-#: HMAC-SHA256 bytes are those every keyed store held before BLAKE3 became the default.
+#: HMAC-SHA256 bytes are those every keyed store held before BLAKE3 became the default, the BLAKE3
+#: ones those of the stores keyed before AES-GMAC did. An AES-GMAC tag starts with a random salt;
+#: this one was written with the salt 00 01 .. 0f.
 GOLDEN_KEYED = {
+    "aes-gmac": bytes.fromhex(
+        "4b56544201000104100000000000000010000000000000000000000000000000000102030405060708090a0b0c0d0e0f"
+        "7e8e5e0859908e852df36af2f8f961046b76746965722d676f6c64656e2d3136"
+    ),
     "blake3": bytes.fromhex(
         "4b565442010001021000000000000000100000000000000000000000000000005bc1506a94814c8f4e8ecf1b479074b6"
         "651b8de1ba00a6118c5a4d10969c0a576b76746965722d676f6c64656e2d3136"
@@ -267,58 +273,105 @@ GOLDEN_KEYED = {
         "29c03f3d723924857975c1cf31a8d3f76b76746965722d676f6c64656e2d3136"
     ),
 }
+ALGORITHMS = ("aes-gmac", "blake3", "hmac-sha256")
 
 
-@pytest.mark.parametrize("algorithm", sorted(GOLDEN_KEYED))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_golden_keyed_record_bytes(algorithm: str) -> None:
     from kvtier.records.format import RecordMac
 
     mac = RecordMac(SECRET, algorithm)
-    assert _keyed(KEY, b"kvtier-golden-16", mac) == GOLDEN_KEYED[algorithm]
-    out = bytearray(16)
-    assert decode_record(KEY, GOLDEN_KEYED[algorithm], memoryview(out), mac=mac).flags == mac.flag
-    assert bytes(out) == b"kvtier-golden-16"
+    written = _keyed(KEY, b"kvtier-golden-16", mac)
+    if algorithm == "aes-gmac":  # a fresh salt: the same record, another tag
+        assert written[:32] == GOLDEN_KEYED[algorithm][:32] and written[32:64] != GOLDEN_KEYED[algorithm][32:64]
+        assert written[64:] == GOLDEN_KEYED[algorithm][64:]
+    else:
+        assert written == GOLDEN_KEYED[algorithm]
+    for record in (written, GOLDEN_KEYED[algorithm]):
+        out = bytearray(16)
+        assert decode_record(KEY, record, memoryview(out), mac=mac).flags == mac.flag
+        assert bytes(out) == b"kvtier-golden-16"
 
 
-def test_blake3_is_the_default_mac_and_still_reads_hmac_records() -> None:
-    from kvtier.records.format import FLAG_MAC, FLAG_MAC_BLAKE3, RecordMac
+def test_aes_gmac_tag_is_gcm_under_the_salts_key() -> None:
+    """The construction, computed apart: key = HMAC-SHA256(HMAC-SHA256(secret, context), salt),
+    tag = AES-256-GCM with a zero nonce, no plaintext and head + key + payload as associated data."""
+    import hashlib
+    import hmac
 
-    mac = RecordMac(SECRET)
-    assert mac.algorithm == "blake3" and mac.flag == FLAG_MAC_BLAKE3
-    assert RecordMac.from_options(mac_key=SECRET).algorithm == "blake3"  # type: ignore[union-attr]
-    raw = bytes(range(256)) * 16
-    out = bytearray(len(raw))
-    old = _keyed(KEY, raw, RecordMac(SECRET, "hmac-sha256"))  # a record of a store keyed before
-    assert old[7] == FLAG_MAC
-    assert decode_record(KEY, old, memoryview(out), mac=mac).flags == FLAG_MAC and bytes(out) == raw
-    # ... but only with the same secret.
-    with pytest.raises(CorruptBlockError, match="MAC mismatch"):
-        decode_record(KEY, old, memoryview(out), mac=RecordMac(b"another-secret-0123456789"))
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-
-def test_hmac_only_store_refuses_blake3_records_as_unsupported() -> None:
     from kvtier.records.format import RecordMac
 
-    fips = RecordMac(SECRET, "hmac-sha256")
-    new = _keyed(KEY, bytes(4096), RecordMac(SECRET))
+    payload = bytes(range(256)) * 1024  # several update calls' worth
+    for record in (GOLDEN_KEYED["aes-gmac"], _keyed(KEY, payload, RecordMac(SECRET, "aes-gmac"))):
+        salt, tag = record[32:48], record[48:64]
+        root = hmac.new(SECRET, b"kvtier record MAC key v1 aes-256-gmac", hashlib.sha256).digest()
+        subkey = hmac.new(root, salt, hashlib.sha256).digest()
+        assert AESGCM(subkey).encrypt(bytes(12), b"", record[:24] + KEY + record[64:]) == tag
+
+
+def test_aes_gmac_salts_are_fresh_and_bound_to_the_tag() -> None:
+    from kvtier.records.format import RecordAuthError, RecordMac
+
+    mac = RecordMac(SECRET, "aes-gmac")
+    raw = bytes(range(256)) * 64
+    one, two = _keyed(KEY, raw, mac), _keyed(KEY, raw, mac)
+    assert one[32:48] != two[32:48]  # a new salt, so a new key, for every record
+    out = bytearray(len(raw))
+    for record in (one, two):
+        decode_record(KEY, record, memoryview(out), mac=mac)
+    swapped_salt = one[:32] + two[32:48] + one[48:]
+    flipped_tag = one[:52] + bytes([one[52] ^ 1]) + one[53:]
+    flipped_payload = one[:-1] + bytes([one[-1] ^ 1])
+    for bad in (swapped_salt, flipped_tag, flipped_payload):
+        with pytest.raises(RecordAuthError):
+            decode_record(KEY, bad, memoryview(out), mac=mac)
+
+
+def test_aes_gmac_is_the_default_mac_and_reads_the_earlier_defaults_records() -> None:
+    from kvtier.records.format import FLAG_MAC, FLAG_MAC_BLAKE3, FLAG_MAC_GMAC, RecordMac
+
+    mac = RecordMac(SECRET)
+    assert mac.algorithm == "aes-gmac" and mac.flag == FLAG_MAC_GMAC
+    assert RecordMac.from_options(mac_key=SECRET).algorithm == "aes-gmac"  # type: ignore[union-attr]
+    raw = bytes(range(256)) * 16
+    out = bytearray(len(raw))
+    for algorithm, flag in (("blake3", FLAG_MAC_BLAKE3), ("hmac-sha256", FLAG_MAC)):
+        old = _keyed(KEY, raw, RecordMac(SECRET, algorithm))  # a record of a store keyed before
+        assert old[7] == flag
+        assert decode_record(KEY, old, memoryview(out), mac=mac).flags == flag and bytes(out) == raw
+        # ... but only with the same secret.
+        with pytest.raises(CorruptBlockError, match="MAC mismatch"):
+            decode_record(KEY, old, memoryview(out), mac=RecordMac(b"another-secret-0123456789"))
+
+
+@pytest.mark.parametrize(("reader", "writer"), [("hmac-sha256", "blake3"), ("hmac-sha256", "aes-gmac"), ("blake3", "aes-gmac")])
+def test_a_mac_refuses_the_records_of_later_macs_as_unsupported(reader: str, writer: str) -> None:
+    from kvtier.records.format import RecordMac
+
+    new = _keyed(KEY, bytes(4096), RecordMac(SECRET, writer))
     with pytest.raises(UnsupportedRecordError, match="another MAC"):
-        decode_record(KEY, new, memoryview(bytearray(4096)), mac=fips)
+        decode_record(KEY, new, memoryview(bytearray(4096)), mac=RecordMac(SECRET, reader))
 
 
 def test_mac_algorithm_cannot_be_swapped_in_the_header() -> None:
-    """The flags byte is under the tag: relabelling a BLAKE3 record as HMAC (or back), or
-    setting both bits, never verifies."""
-    from kvtier.records.format import FLAG_MAC, FLAG_MAC_BLAKE3, MAC_FLAGS, RecordAuthError, RecordMac
+    """The flags byte is under the tag: relabelling a record as another MAC's never verifies,
+    and two MAC bits at once are unsupported."""
+    from kvtier.records.format import MAC_ALGORITHMS, RecordAuthError, RecordMac
 
-    mac = RecordMac(SECRET)
-    for algorithm, other in (("blake3", FLAG_MAC), ("hmac-sha256", FLAG_MAC_BLAKE3)):
+    mac = RecordMac(SECRET)  # reads all three
+    for algorithm in ALGORITHMS:
         record = bytearray(_keyed(KEY, bytes(64), RecordMac(SECRET, algorithm)))
-        record[7] = other
-        with pytest.raises(RecordAuthError):
-            decode_record(KEY, bytes(record), memoryview(bytearray(64)), mac=mac)
-        record[7] = MAC_FLAGS
-        with pytest.raises(UnsupportedRecordError):
-            decode_record(KEY, bytes(record), memoryview(bytearray(64)), mac=mac)
+        for other, flag in MAC_ALGORITHMS.items():
+            if other == algorithm:
+                continue
+            record[7] = flag
+            with pytest.raises(RecordAuthError):
+                decode_record(KEY, bytes(record), memoryview(bytearray(64)), mac=mac)
+            record[7] = flag | MAC_ALGORITHMS[algorithm]
+            with pytest.raises(UnsupportedRecordError):
+                decode_record(KEY, bytes(record), memoryview(bytearray(64)), mac=mac)
 
 
 @pytest.mark.parametrize("size", [4096, 4 << 20])  # the large one is hashed on several threads
@@ -327,7 +380,7 @@ def test_blake3_tag_is_the_same_on_one_thread_or_several(size: int) -> None:
 
     from kvtier.records.format import RecordMac
 
-    mac = RecordMac(SECRET)
+    mac = RecordMac(SECRET, "blake3")
     payload = bytes(range(256)) * (size // 256)
     head = b"h" * 24
     one = blake3.blake3(key=mac._blake3_key)
@@ -359,7 +412,7 @@ def test_mac_algorithm_round_trips_through_to_dict(monkeypatch: pytest.MonkeyPat
     data = backend.to_dict()
     assert data["mac_algorithm"] == "hmac-sha256"
     assert cls.from_dict(data).mac.algorithm == "hmac-sha256"
-    assert cls(capacity=1 << 20, path="/nonexistent-kvtier", mac_key_env="KV_TEST_SECRET").to_dict()["mac_algorithm"] == "blake3"
+    assert cls(capacity=1 << 20, path="/nonexistent-kvtier", mac_key_env="KV_TEST_SECRET").to_dict()["mac_algorithm"] == "aes-gmac"
     assert "mac_algorithm" not in cls(capacity=1 << 20, path="/nonexistent-kvtier").to_dict()
 
 
@@ -368,14 +421,18 @@ def test_meta_record_names_the_mac_of_a_keyed_store() -> None:
 
     assert encode_meta(GOLDEN_FMT, None) == GOLDEN_META  # an unkeyed store's meta is unchanged
     assert decode_meta(GOLDEN_META).mac is None
-    for algorithm in ("blake3", "hmac-sha256"):
+    refused = {("blake3", "hmac-sha256"), ("aes-gmac", "hmac-sha256"), ("aes-gmac", "blake3")}  # (store, tier)
+    for algorithm in ALGORITHMS:
         mac = RecordMac(SECRET, algorithm)
         meta = decode_meta(encode_meta(GOLDEN_FMT, mac))
         assert meta.mac == algorithm
         check_meta(meta, GOLDEN_FMT, where="test", mac=mac)
-        other = RecordMac(SECRET, "hmac-sha256" if algorithm == "blake3" else "blake3")
-        with pytest.raises(ConfigError, match=rf"keyed with {algorithm}.*mac_algorithm: {algorithm}"):
-            check_meta(meta, GOLDEN_FMT, where="test", mac=other)
-    # A store keyed before the meta record named its MAC opens with either.
-    for algorithm in ("blake3", "hmac-sha256"):
+        for other in ALGORITHMS:
+            if (algorithm, other) in refused:  # the tier could read none of the store's records
+                with pytest.raises(ConfigError, match=rf"keyed with {algorithm}.*mac_algorithm: {algorithm}"):
+                    check_meta(meta, GOLDEN_FMT, where="test", mac=RecordMac(SECRET, other))
+            else:  # the tier's own, or an earlier default's store: its records are read
+                check_meta(meta, GOLDEN_FMT, where="test", mac=RecordMac(SECRET, other))
+    # A store keyed before the meta record named its MAC opens with any.
+    for algorithm in ALGORITHMS:
         check_meta(decode_meta(GOLDEN_META), GOLDEN_FMT, where="test", mac=RecordMac(SECRET, algorithm))

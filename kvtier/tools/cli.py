@@ -267,11 +267,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     bar = _ProgressBar("verify")
     try:
         from kvtier.errors import ConfigError
-        from kvtier.records.format import RecordMac
+        from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordMac
 
         if args.mac_algorithm is not None and not args.mac_key_env:
             raise ConfigError("--mac-algorithm: give the MAC secret too (--mac-key-env VAR)")
-        algorithm = args.mac_algorithm or "blake3"
+        algorithm = args.mac_algorithm or DEFAULT_MAC_ALGORITHM
         mac = RecordMac.from_options(mac_key_env=args.mac_key_env, algorithm=algorithm) if args.mac_key_env else None
         report = verify_tier(args.path, delete=args.delete, progress=bar, mac=mac)
     finally:
@@ -408,10 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--delete", action="store_true", help="delete the bad records (lmdb: and their index entries)")
     verify.add_argument("--mac-key-env", metavar="VAR", default=None,
                         help="check keyed records with the MAC secret held in environment variable VAR")
-    verify.add_argument("--mac-algorithm", choices=["blake3", "hmac-sha256"], default=None,
-                        help="the tier's MAC (default blake3, which also checks hmac-sha256 records; "
-                        "hmac-sha256 reports BLAKE3 records as unsupported, to check that a store holds only "
-                        "FIPS-approved MACs); needs --mac-key-env")
+    verify.add_argument("--mac-algorithm", choices=["aes-gmac", "blake3", "hmac-sha256"], default=None,
+                        help="the tier's MAC (default aes-gmac, which also checks blake3 and hmac-sha256 "
+                        "records; blake3 also checks hmac-sha256 ones; hmac-sha256 reports the others as "
+                        "unsupported); needs --mac-key-env")
     _add_json(verify)
     verify.set_defaults(func=_cmd_verify)
 
