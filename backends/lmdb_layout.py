@@ -22,8 +22,11 @@ checked before a byte of its payload is touched, then :func:`~kvtier.records.che
 from __future__ import annotations
 
 import logging
+import queue
 import struct
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +39,15 @@ from kvtier.records.checks import RawPayload, copy_and_check
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import HEAD_MAX, HEADER_SIZE, RecordAuthError, RecordBackend, RecordMac, parse_header
 
-__all__ = ["INDEX", "JobReader", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
+__all__ = ["COLD_GET_S", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
 INDEX = struct.Struct("<dQ")
+#: A lookup slower than this read its value from disk: the rest of the job is read cold. A warm
+#: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
+#: several milliseconds.
+COLD_GET_S = 1e-3
 #: Index entry lengths: whole layout, split plain, split keyed.
 _ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 
@@ -101,37 +108,73 @@ class JobReader:
         an LMDB error while looking one up (a damaged page), are a miss for that key alone and
         (except absent ones) listed in ``bad``. A value that would lie past the end of the
         file is never touched (that read would fault). LMDB errors beginning a transaction
-        propagate."""
+        propagate.
+
+        python-lmdb's ``get`` touches every page of the value it returns (with the GIL
+        released), so a value that is not in the page cache is read from disk inside the
+        lookup. Once a lookup takes longer than :data:`COLD_GET_S`, the rest of the job is read
+        **cold**: a thread of its own looks up the remaining keys while this thread copies and
+        checks the values already found, so the disk reads overlap the copies instead of
+        preceding them all (:class:`ColdRead`). A warm job takes no thread. (Only a value's
+        first lookup can be slow to tell: the read-around of the value before may have read
+        it already.)"""
         outcome = ReadOutcome(len(keys))
-        txn, pairs = self._lookup(env, keys, outcome.bad)
+        txn, limit, pairs = self._lookup(env, keys, outcome.bad)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        left: int | None = None
         try:
-            items: list[RawPayload] = []
-            where: list[int] = []
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for i, (key, dst, pair) in enumerate(zip(keys, out, pairs)):
-                if pair is None:
-                    outcome.corrupt += key in outcome.bad
-                    continue
-                try:
-                    head, header, payload = self._parse(pair, mac)
-                except CorruptBlockError as exc:
-                    self._refuse(outcome, key, exc)
-                    continue
-                view, staging = RecordBackend._host_view(dst)
-                if staging is not None:
-                    copies.append((dst, staging))
-                items.append(RawPayload(key, head, header, payload, view))
-                where.append(i)
-            for i, item, error in zip(where, items, copy_and_check(items, mac)):
-                if error is None:
-                    outcome.found[i] = True
-                else:
-                    self._refuse(outcome, item.key, error)
+            if len(pairs) == len(keys):
+                self.copy_in(range(len(keys)), keys, out, pairs, mac, outcome, copies)
+            else:
+                left = ColdRead(self, txn, limit, keys, outcome).run(pairs, out, mac, copies)
         finally:
             txn.abort()
         for dst, staging in copies:
             dst.copy_(staging)  # a row whose record was refused holds garbage either way
+        if left is not None and left < len(keys):
+            # An LMDB error stopped the cold read at a key: the rest in a fresh transaction.
+            rest = self.read(env, keys[left:], out[left:], mac)
+            outcome.found[left:] = rest.found
+            outcome.bad.update(rest.bad)
+            outcome.corrupt += rest.corrupt
+            outcome.auth += rest.auth
         return outcome
+
+    def copy_in(
+        self,
+        where: Iterable[int],
+        keys: Sequence[bytes],
+        out: Sequence[torch.Tensor],
+        pairs: Sequence[Any],
+        mac: RecordMac | None,
+        outcome: ReadOutcome,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Parse, copy and check the looked-up ``pairs`` of the keys at ``where`` (in order) into
+        their rows, recording each in ``outcome``; rows that need a staging copy back to their
+        device are added to ``copies``."""
+        items: list[RawPayload] = []
+        found: list[int] = []
+        for i, pair in zip(where, pairs):
+            key = keys[i]
+            if pair is None:
+                outcome.corrupt += key in outcome.bad
+                continue
+            try:
+                head, header, payload = self._parse(pair, mac)
+            except CorruptBlockError as exc:
+                self._refuse(outcome, key, exc)
+                continue
+            view, staging = RecordBackend._host_view(out[i])
+            if staging is not None:
+                copies.append((out[i], staging))
+            items.append(RawPayload(key, head, header, payload, view))
+            found.append(i)
+        for i, item, error in zip(found, items, copy_and_check(items, mac)):
+            if error is None:
+                outcome.found[i] = True
+            else:
+                self._refuse(outcome, item.key, error)
 
     def _parse(self, pair: tuple[Any, Any], mac: RecordMac | None) -> tuple[Any, Any, Any]:
         entry, value = pair
@@ -152,10 +195,12 @@ class JobReader:
             outcome.auth += isinstance(exc, RecordAuthError)
         outcome.bad[key] = str(exc)
 
-    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], bad: dict[bytes, str]) -> tuple[lmdb.Transaction, list[Any]]:
-        """One read transaction and each key's ``(index entry, value)`` buffers (``None``: absent
-        or bad, with the reason in ``bad``). An LMDB error on a key marks it bad and starts over
-        in a fresh transaction (a failed lookup may leave one unusable, and its buffers with it)."""
+    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], bad: dict[bytes, str]) -> tuple[lmdb.Transaction, int, list[Any]]:
+        """One read transaction, the file length it may read, and each key's ``(index entry,
+        value)`` buffers (``None``: absent or bad, with the reason in ``bad``). An LMDB error on a
+        key marks it bad and starts over in a fresh transaction (a failed lookup may leave one
+        unusable, and its buffers with it). Stops after a lookup that took longer than
+        :data:`COLD_GET_S` (the job is cold from there, see :meth:`read`): fewer pairs than keys."""
         while True:
             txn = env.begin(buffers=True)
             # After the transaction began: a writer may have grown the file just before, and
@@ -164,15 +209,23 @@ class JobReader:
             pairs: list[Any] = []
             try:
                 for key in keys:
-                    pairs.append(None if key in bad else self._pair(txn, key, limit, bad))
-                return txn, pairs
+                    if key in bad:
+                        pairs.append(None)
+                        continue
+                    start = time.perf_counter()
+                    pairs.append(self.pair(txn, key, limit, bad))
+                    if len(pairs) < len(keys) and time.perf_counter() - start > COLD_GET_S:
+                        return txn, limit, pairs
+                return txn, limit, pairs
             except lmdb.Error as exc:
                 txn.abort()
                 key = keys[len(pairs)]
                 log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
                 bad[key] = str(exc)
 
-    def _pair(self, txn: lmdb.Transaction, key: bytes, limit: int, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
+    def pair(self, txn: lmdb.Transaction, key: bytes, limit: int, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
+        """``key``'s ``(index entry, value)`` buffers in ``txn``, or ``None`` (absent, or bad: the
+        reason is put in ``bad``); LMDB errors propagate."""
         value = txn.get(key, db=self.blocks)
         if value is None:
             return None
@@ -194,3 +247,66 @@ class JobReader:
             return True
         start = int(np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data) - self.map_base
         return 0 <= start and start + len(buf) <= limit
+
+
+class ColdRead:
+    """The cold rest of a job (see :meth:`JobReader.read`): a thread of its own looks up the
+    remaining keys one after the other, in the job's read transaction, and hands each pair over as it is found; the
+    calling thread copies and checks what has been handed over meanwhile, in batches of
+    whatever is ready. The calling thread makes no LMDB call while the thread runs, and waits
+    for it before the transaction may end, so the transaction is never used by two threads at
+    once and no buffer outlives it.
+
+    An LMDB error on a key stops the lookups there: the key is bad, and :meth:`run` returns
+    the position after it, for the caller to read the rest in a fresh transaction."""
+
+    def __init__(self, reader: JobReader, txn: lmdb.Transaction, limit: int, keys: Sequence[bytes], outcome: ReadOutcome) -> None:
+        self.reader = reader
+        self.txn = txn
+        self.limit = limit
+        self.keys = keys
+        self.outcome = outcome
+        self.ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.failed_at: int | None = None
+
+    def run(self, first: list[Any], out: Sequence[torch.Tensor], mac: RecordMac | None, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
+        """Read the job whose first ``len(first)`` pairs were looked up (the last one slowly); the position to go on
+        from in a fresh transaction, or ``None`` when every key was looked up."""
+        thread = threading.Thread(target=self._look_up, args=(len(first),), name="kvtier-lmdb-cold", daemon=True)
+        thread.start()
+        try:
+            self.reader.copy_in(range(len(first)), self.keys, out, first, mac, self.outcome, copies)
+            ended = False
+            while not ended:
+                batch = [self.ready.get()]
+                while True:
+                    try:
+                        batch.append(self.ready.get_nowait())
+                    except queue.Empty:
+                        break
+                ended = batch[-1] is None
+                taken = [b for b in batch if b is not None]
+                self.reader.copy_in([i for i, _ in taken], self.keys, out, [p for _, p in taken], mac, self.outcome, copies)
+        finally:
+            self.stop.set()
+            thread.join()
+        return None if self.failed_at is None else self.failed_at + 1
+
+    def _look_up(self, start: int) -> None:
+        bad = self.outcome.bad
+        try:
+            for i in range(start, len(self.keys)):
+                if self.stop.is_set():
+                    return
+                key = self.keys[i]
+                try:
+                    pair = None if key in bad else self.reader.pair(self.txn, key, self.limit, bad)
+                except lmdb.Error as exc:
+                    log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.reader.path, exc)
+                    bad[key] = str(exc)
+                    self.failed_at = i
+                    return
+                self.ready.put((i, pair))
+        finally:
+            self.ready.put(None)

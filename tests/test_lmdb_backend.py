@@ -487,3 +487,87 @@ def test_a_blake3_store_opens_under_the_aes_gmac_default_and_keeps_its_records(t
         assert all(torch.equal(o, d) for o, d in zip(out[:2], data[:2]))
     finally:
         asyncio.run(backend.aclose())
+
+
+# -- cold jobs: the lookups on a thread of their own, overlapping the copies ---------------------
+
+
+def _cold_store(tmp_path: Path, n: int, options: dict[str, object]) -> tuple[list[bytes], list[torch.Tensor]]:
+    """``n`` records of BIG blocks, the third one's payload damaged."""
+    keys = [make_key(i) for i in range(n)]
+    data = _blocks(n, seed=31, size=BIG.block_bytes)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20, **options), BIG)
+    assert backend.write_blocks(keys, data) == [backend.reserve_bytes()] * n
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(keys[2]))
+        value[777] ^= 0x01
+        txn.put(keys[2], bytes(value))
+    env.close()
+    return keys, data
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    """Every lookup counted slow: after the first one, the job's lookups run on the cold read's
+    thread, and what the job finds (hits, an absent key, a damaged record) is what a warm read
+    finds."""
+    from kvtier.backends import lmdb_layout
+
+    options = {"mac_key": "a-test-secret-of-32-bytes-012345"} if keyed else {}
+    keys, data = _cold_store(tmp_path, 5, options)
+    threads: list[str] = []
+    real_pair = lmdb_layout.JobReader.pair
+
+    def pair(self: object, *args: object) -> object:
+        threads.append(threading.current_thread().name)
+        return real_pair(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20, **options), BIG)
+    try:
+        job = [keys[0], keys[1], make_key(99), keys[2], keys[3], keys[4]]
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in job]
+        assert backend.read_blocks(job, out) == [True, True, False, False, True, True]
+        for i, d in ((0, 0), (1, 1), (4, 3), (5, 4)):
+            assert torch.equal(out[i], data[d])
+        assert threads[0] == threading.current_thread().name
+        assert threads[1:] == ["kvtier-lmdb-cold"] * 5
+        stats = backend.stats()
+        assert stats["corrupt_records"] == 1 and stats["auth_failures"] == (1 if keyed else 0)
+        assert {r.key for r in backend.scan()} == set(keys) - {keys[2]}  # the damaged one deleted
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.backends import lmdb_layout
+
+    keys, data = _cold_store(tmp_path, 5, {})
+    real_pair = lmdb_layout.JobReader.pair
+    failed: list[str] = []
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        if key == keys[1] and not failed:
+            failed.append(threading.current_thread().name)
+            raise lmdb.CorruptedError("a damaged page")
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
+    try:
+        job = [keys[0], keys[1], keys[3], keys[4]]
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in job]
+        assert backend.read_blocks(job, out) == [True, False, True, True]
+        assert failed == ["kvtier-lmdb-cold"]
+        assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[3]) and torch.equal(out[3], data[4])
+        assert {r.key for r in backend.scan()} == set(keys) - {keys[1]}  # dropped, as a warm read drops it
+    finally:
+        asyncio.run(backend.aclose())
