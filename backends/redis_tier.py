@@ -51,7 +51,15 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.redis_shares import auto_job_connections, run_all, split_shares
-from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
+from kvtier.backends.redis_wire import (
+    SEND_BATCH_BYTES,
+    ErrorReply,
+    Wire,
+    get_command,
+    receive_record,
+    set_command,
+    unlink_command,
+)
 from kvtier.backends.shared_index import SharedIndexView
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -591,25 +599,28 @@ class RedisBackend(RecordBackend):
         ttl = self._ttl_ms
 
         def write_group(pool: Any, positions: list[int]) -> None:
-            # Each share checksums (and encodes) its own blocks, so with several shares the
-            # hashing runs on several threads, beside the other shares' sends.
-            parts = {i: self._encode_one(keys[i], blocks[i]) for i in positions}
+            stored: dict[int, int] = {}
+
+            def commands() -> Iterator[tuple[tuple[Any, ...], int]]:
+                # Encoded (checksummed) one by one as the sends take them: a batch goes out
+                # while its bytes are still in the CPU cache, and the server stores it while
+                # the next one is hashed (see redis_wire.SEND_BATCH_BYTES). Each share does
+                # this for its own records, on its own thread.
+                for i in positions:
+                    head, payload = self._encode_one(keys[i], blocks[i])
+                    size = stored[i] = len(head) + len(payload)
+                    before, after = set_command(rkeys[i], head, size, ttl)
+                    yield (before, payload, after), size
 
             def body(wire: Wire) -> None:
-                buffers: list[Any] = []
-                for i in positions:
-                    head, payload = parts[i]
-                    before, after = set_command(rkeys[i], head, len(head) + len(payload), ttl)
-                    buffers += (before, payload, after)
-                wire.send(buffers)
+                wire.send_batches(commands(), SEND_BATCH_BYTES)
                 for i in positions:
                     try:
                         wire.reply()
                     except ErrorReply as exc:  # OOM under noeviction, MOVED while resharding
                         self._refused("SET", exc)
                         continue
-                    head, payload = parts[i]
-                    sizes[i] = len(head) + len(payload)
+                    sizes[i] = stored[i]
 
             self._exchange(pool, body)
 

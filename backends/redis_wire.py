@@ -17,7 +17,7 @@ disconnect the connection (redis-py reconnects it on next use).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvtier.records.codec import NoneCodec, codec_for_id
@@ -32,7 +32,7 @@ from kvtier.records.format import (
     verify_payload,
 )
 
-__all__ = ["RECV_PIECE", "ErrorReply", "Wire", "get_command", "receive_record", "set_command", "unlink_command"]
+__all__ = ["RECV_PIECE", "SEND_BATCH_BYTES", "ErrorReply", "Wire", "get_command", "receive_record", "set_command", "unlink_command"]
 
 _IOV = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 _BUFFER = 1 << 16
@@ -40,6 +40,13 @@ _BUFFER = 1 << 16
 #: to be hashed from the CPU cache (L2 is 2 MiB per core here), large enough that the system
 #: calls stay few. Hashing a 2 MiB block after it was received ran at DRAM speed (8 GB/s here).
 RECV_PIECE = 256 << 10
+#: Record bytes a put gathers into one send (:meth:`Wire.send_batches`): each record is
+#: checksummed right before its batch goes out, so the send reads it back from the CPU cache and
+#: the server stores one batch while the next is hashed. Checksumming a whole job first and
+#: then sending it in one scatter list made hashing and sending serial, and read every block
+#: from memory twice: streamed in 1 MiB batches, puts ran at 1.24-1.57x (64 KiB records) and
+#: 1.04-1.37x (2 MiB) of that, same process, alternating, on a 2-core host.
+SEND_BATCH_BYTES = 1 << 20
 
 
 class ErrorReply(Exception):
@@ -97,6 +104,22 @@ class Wire:
                     sent = 0
             while i < len(views) and not len(views[i]):
                 i += 1
+
+    def send_batches(self, items: Iterable[tuple[Sequence[Any], int]], batch_bytes: int = 0) -> None:
+        """Send each ``(buffers, size)`` item's buffers, in order, as the iteration makes them:
+        gathered into one :meth:`send` as soon as the items held come to ``batch_bytes`` (by
+        their ``size``), the rest at the end. An item is made only once the batches before it
+        went out, so the work that makes it (a checksum) overlaps the server's handling of them."""
+        pending: list[Any] = []
+        held = 0
+        for buffers, size in items:
+            pending += buffers
+            held += size
+            if held >= batch_bytes:
+                self.send(pending)
+                pending, held = [], 0
+        if pending:
+            self.send(pending)
 
     # -- receiving -------------------------------------------------------------------------------
     def _fill(self) -> None:
