@@ -7,7 +7,8 @@ record's header is read into a small buffer and a raw payload straight into the 
 block, checksummed piece by piece as it lands (each ``recv_into`` at most :data:`RECV_PIECE`
 bytes, hashed while still in the CPU cache: one pass over memory, not a receive and then a
 second pass). Writes go out as ``sendmsg`` scatter lists (command, header, payload views),
-never joined.
+never joined, in batches of :data:`SEND_BATCH_BYTES` made on the fly
+(:meth:`Wire.send_batches`): a put checksums each batch's records just before sending it.
 
 A :class:`Wire` lives for one exchange: every request sent is answered before the connection
 goes back to the pool. Any exception leaves the stream in an unknown place, so callers then
@@ -42,10 +43,12 @@ _BUFFER = 1 << 16
 RECV_PIECE = 256 << 10
 #: Record bytes a put gathers into one send (:meth:`Wire.send_batches`): each record is
 #: checksummed right before its batch goes out, so the send reads it back from the CPU cache and
-#: the server stores one batch while the next is hashed. Checksumming a whole job first and
-#: then sending it in one scatter list made hashing and sending serial, and read every block
-#: from memory twice: streamed in 1 MiB batches, puts ran at 1.24-1.57x (64 KiB records) and
-#: 1.04-1.37x (2 MiB) of that, same process, alternating, on a 2-core host.
+#: the server stores one batch while the next is hashed. Checksumming a whole share first and
+#: then sending it in one scatter list made hashing and sending serial (the server idle
+#: meanwhile) and read every block from memory twice. Streamed in 1 MiB batches, puts on a
+#: 2-core host ran at 1.03-1.82x (median 1.5) of that on 64 KiB records and 1.09-1.13x on 2 MiB
+#: (fresh processes alternating on one private server); a side thread hashing ahead instead
+#: lost on 64 KiB records (0.91-0.96x: its per-record Python work contends for the GIL).
 SEND_BATCH_BYTES = 1 << 20
 
 
