@@ -6,13 +6,15 @@ pattern lists a store's records. Records bind their key (checksum or, with ``mac
 HMAC): a record copied under another key, damaged, or planted by someone without the secret is a
 miss, deleted and counted, never wrong data.
 
-I/O: each job is one pipelined exchange per server node, never a round trip per block. Writes
-are ``SET`` (``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them,
-streamed in batches of about 1 MiB: each record is checksummed right before its batch goes out,
-so the checksums overlap the server's storing of the batches before; reads are ``GET`` (``GETEX ... PX`` with ``ttl_s``, a sliding expiry) with a bounded window of
-requests in flight (16 MiB of replies: whole-job pipelines of large replies measured slower than a
-serial loop). With ``cluster: true`` a job is split by hash slot into one batch per primary,
-and the batches run in parallel.
+I/O: each job is one pipelined exchange per server node (cut into shares on a few connections,
+see :mod:`kvtier.backends.redis_shares`), never a round trip per block. Writes are ``SET``
+(``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them, streamed in
+batches of about 1 MiB: each record is checksummed right before its batch goes out, so the
+checksums overlap the server's storing of the batches before. Reads are ``GET`` (``GETEX ...
+PX`` with ``ttl_s``, a sliding expiry) with a bounded window of requests in flight (about 1 MiB
+of replies per connection: whole-job pipelines of large replies measured slower than a serial
+loop). With ``cluster: true`` a job is split by hash slot into one batch per primary, and the
+batches run in parallel.
 
 The index lives on the server. :class:`kvtier.backends.shared_index.SharedIndexView` keeps the manager's
 local index of this tier in step (periodic ``SCAN``, every ``sync_interval_s``); lookups never
