@@ -6,12 +6,15 @@ pattern lists a store's records. Records bind their key (checksum or, with ``mac
 HMAC): a record copied under another key, damaged, or planted by someone without the secret is a
 miss, deleted and counted, never wrong data.
 
-I/O: each job is one pipelined exchange per server node, never a round trip per block. Writes
-are ``SET`` (``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them;
-reads are ``GET`` (``GETEX ... PX`` with ``ttl_s``, a sliding expiry) with a bounded window of
-requests in flight (16 MiB of replies: whole-job pipelines of large replies measured slower than a
-serial loop). With ``cluster: true`` a job is split by hash slot into one batch per primary,
-and the batches run in parallel.
+I/O: each job is one pipelined exchange per server node (cut into shares on a few connections,
+see :mod:`kvtier.backends.redis_shares`), never a round trip per block. Writes are ``SET``
+(``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them, streamed in
+batches of about 1 MiB: each record is checksummed right before its batch goes out, so the
+checksums overlap the server's storing of the batches before. Reads are ``GET`` (``GETEX ...
+PX`` with ``ttl_s``, a sliding expiry) with a bounded window of requests in flight (about 1 MiB
+of replies per connection: whole-job pipelines of large replies measured slower than a serial
+loop). With ``cluster: true`` a job is split by hash slot into one batch per primary, and the
+batches run in parallel.
 
 The index lives on the server. :class:`kvtier.backends.shared_index.SharedIndexView` keeps the manager's
 local index of this tier in step (periodic ``SCAN``, every ``sync_interval_s``); lookups never
@@ -51,7 +54,15 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.redis_shares import auto_job_connections, run_all, split_shares
-from kvtier.backends.redis_wire import ErrorReply, Wire, get_command, receive_record, set_command, unlink_command
+from kvtier.backends.redis_wire import (
+    SEND_BATCH_BYTES,
+    ErrorReply,
+    Wire,
+    get_command,
+    receive_record,
+    set_command,
+    unlink_command,
+)
 from kvtier.backends.shared_index import SharedIndexView
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -592,25 +603,28 @@ class RedisBackend(RecordBackend):
         ttl = self._ttl_ms
 
         def write_group(pool: Any, positions: list[int]) -> None:
-            # Each share checksums (and encodes) its own blocks, so with several shares the
-            # hashing runs on several threads, beside the other shares' sends.
-            parts = {i: self._encode_one(keys[i], blocks[i]) for i in positions}
+            stored: dict[int, int] = {}
+
+            def commands() -> Iterator[tuple[tuple[Any, ...], int]]:
+                # Encoded (checksummed) one by one as the sends take them: a batch goes out
+                # while its bytes are still in the CPU cache, and the server stores it while
+                # the next one is hashed (see redis_wire.SEND_BATCH_BYTES). Each share does
+                # this for its own records, on its own thread.
+                for i in positions:
+                    head, payload = self._encode_one(keys[i], blocks[i])
+                    size = stored[i] = len(head) + len(payload)
+                    before, after = set_command(rkeys[i], head, size, ttl)
+                    yield (before, payload, after), size
 
             def body(wire: Wire) -> None:
-                buffers: list[Any] = []
-                for i in positions:
-                    head, payload = parts[i]
-                    before, after = set_command(rkeys[i], head, len(head) + len(payload), ttl)
-                    buffers += (before, payload, after)
-                wire.send(buffers)
+                wire.send_batches(commands(), SEND_BATCH_BYTES)
                 for i in positions:
                     try:
                         wire.reply()
                     except ErrorReply as exc:  # OOM under noeviction, MOVED while resharding
                         self._refused("SET", exc)
                         continue
-                    head, payload = parts[i]
-                    sizes[i] = len(head) + len(payload)
+                    sizes[i] = stored[i]
 
             self._exchange(pool, body)
 
