@@ -17,6 +17,10 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
   /proc/sys/vm/drop_caches``, root only), tier and raw alike (``lmdb_cold_*``), and what the
   tier's open reads of the cold file (``lmdb_cold_open_seconds``, ``lmdb_cold_open_read_fraction``
   of its pages, by ``mincore``);
+* whether this host can overlap cold reads with copies at all (``cold_contention``): raw cold
+  ``get`` GB/s alone and with another thread copying memory meanwhile
+  (``raw_lmdb_cold_get_alone_gbps``, ``raw_lmdb_cold_get_beside_copies_gbps``, and their ratio
+  ``cold_get_beside_copies_ratio``);
 * the ``file`` tier's save/load GB/s; its save against the same durable write protocol done raw
   (temporary file, ``pwritev``, ``fdatasync``, rename, one directory ``fsync`` per job:
   ``raw_file_write_gbps``, ``file_save_ratio``), and reading records with aiofiles vs
@@ -249,6 +253,51 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
     res["hmac_load_cost"] = round(res["lmdb_hmac_load_gbps"] / res["lmdb_load_gbps"], 3)
     res["lmdb_blake3_load_gbps"] = gbps(total, med(blake3_load_t))
     res["blake3_load_cost"] = round(res["lmdb_blake3_load_gbps"] / res["lmdb_load_gbps"], 3)
+    return res
+
+
+def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
+    """Raw cold gets (no copies), alone and while another thread copies 64 MiB buffers over and
+    over, alternating: how much a copy on the other core slows the disk reads themselves. A cold
+    load can gain by overlapping its copies with its reads only where this ratio is near 1."""
+    import threading
+
+    n, total, keys, _, _, capacity = _lmdb_job(blocks)
+    path = tempfile.mkdtemp(dir=root)
+    env, db = _raw_env(path, capacity)
+    _raw_put(env, db, keys, blocks, range(n))
+    env.close()
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    alone: list[float] = []
+    beside: list[float] = []
+    for r in range(2 * repeat):
+        busy = r % 2 == 1
+        stop = threading.Event()
+
+        def copy_until_stopped(stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                dst.copy_(src)
+
+        _evict(path, drop_caches)
+        env, db = _raw_env(path, capacity, readahead=True)
+        worker = threading.Thread(target=copy_until_stopped)
+        if busy:
+            worker.start()
+        t = time.perf_counter()
+        for j in jobs(n):
+            with env.begin(buffers=True, db=db) as txn:
+                for i in j:
+                    txn.get(keys[i])  # python-lmdb touches every page of the value
+        (beside if busy else alone).append(time.perf_counter() - t)
+        stop.set()
+        if busy:
+            worker.join()
+        env.close()
+    shutil.rmtree(path)
+    med = statistics.median
+    res = {"raw_lmdb_cold_get_alone_gbps": gbps(total, med(alone)), "raw_lmdb_cold_get_beside_copies_gbps": gbps(total, med(beside))}
+    res["cold_get_beside_copies_ratio"] = round(res["raw_lmdb_cold_get_beside_copies_gbps"] / res["raw_lmdb_cold_get_alone_gbps"], 3)
     return res
 
 
@@ -504,7 +553,7 @@ def bench_compressed_tier(blocks: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
-_PARTS = {"lmdb", "cold", "file", "codecs", "compressed", "scan"}
+_PARTS = {"lmdb", "cold", "cold_contention", "file", "codecs", "compressed", "scan"}
 
 
 def main() -> None:
@@ -527,6 +576,7 @@ def main() -> None:
         parts: dict[str, Callable[[], dict[str, Any]]] = {
             "lmdb": lambda: bench_lmdb(root, blocks, repeat),
             "cold": lambda: bench_lmdb_cold(root, blocks, repeat, args.drop_caches),
+            "cold_contention": lambda: bench_cold_contention(root, blocks, repeat, args.drop_caches),
             "file": lambda: bench_file(root, blocks, repeat),
             "codecs": lambda: bench_codecs(blocks, repeat),
             "compressed": lambda: bench_compressed_tier(blocks),

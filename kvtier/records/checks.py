@@ -97,7 +97,7 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
 
     For a job of at least :data:`SIDE_MIN_BYTES` of raw payloads, this thread copies them into
     their rows while a side thread checks them; once its copies are done this thread checks too,
-    from the other end (a keyed MAC is slower than a copy). What is checked:
+    from the other end (a BLAKE3 or HMAC-SHA256 MAC is slower than a copy). What is checked:
 
     * with a plain checksum, the stored payload, while it is copied. The check guards against
       damage (bit rot, torn writes), which cannot change the bytes between the two reads, and
