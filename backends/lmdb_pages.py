@@ -50,33 +50,41 @@ class _Walk:
     psize: int
     last_pgno: int
     seen: set[int]
+    keys_of: bytes | None = None  # the named database whose keys are collected
+    keys: set[bytes] | None = None
 
 
-def check_file_trees(path: str) -> None:
+def check_file_trees(path: str, keys_of: bytes | None = None) -> set[bytes] | None:
     """:func:`check_trees` as of the newer meta page (the one LMDB will use); nothing to check
-    when there is no file yet. Call it after ``check_data_file`` accepted the meta pages."""
+    when there is no file yet (``None``). Call it after ``check_data_file`` accepted the meta
+    pages. With ``keys_of``, returns the keys of that named database (empty if it has none)."""
     found = read_meta_pages(path)
     if found is None or not any(found[0]):
-        return
+        return None
     pages = found[0]
     newest = max((m for m in pages if m is not None), key=lambda m: m.txnid)
-    check_trees(path, newest.psize, newest.last_pgno, pages.index(newest))
+    return check_trees(path, newest.psize, newest.last_pgno, pages.index(newest), keys_of=keys_of)
 
 
-def check_trees(path: str, psize: int, last_pgno: int, meta_pgno: int) -> None:
+def check_trees(path: str, psize: int, last_pgno: int, meta_pgno: int, *, keys_of: bytes | None = None) -> set[bytes] | None:
     """Walk every tree of ``<path>/data.mdb`` as of the meta page ``meta_pgno`` (0 or 1, the
-    newer one); raise ``DamagedEnvironment`` naming the first page LMDB could not walk."""
+    newer one); raise ``DamagedEnvironment`` naming the first page LMDB could not walk. With
+    ``keys_of``, returns the keys of that named database, read from its leaf pages: no page of
+    a value is read, where a cursor over LMDB's map touches each value's first page."""
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        walk = _Walk(fd, psize, last_pgno, set())
+        walk = _Walk(fd, psize, last_pgno, set(), keys_of)
         meta = os.pread(fd, psize, meta_pgno * psize)
         for name, at in (("free-page", _FREE_DB_AT), ("main", _MAIN_DB_AT)):
             _tree(walk, meta[at : at + _DB.size], f"the {name} database", main=name == "main")
     finally:
         os.close(fd)
+    if keys_of is None:
+        return None
+    return walk.keys if walk.keys is not None else set()
 
 
-def _tree(walk: _Walk, record: bytes, what: str, *, main: bool = False) -> None:
+def _tree(walk: _Walk, record: bytes, what: str, *, main: bool = False, keys: set[bytes] | None = None) -> None:
     if len(record) != _DB.size:
         raise DamagedEnvironment(f"{what}: its record is {len(record)} bytes, expected {_DB.size}")
     depth, root = _DB.unpack(record)[2], _DB.unpack(record)[7]
@@ -84,10 +92,10 @@ def _tree(walk: _Walk, record: bytes, what: str, *, main: bool = False) -> None:
         return  # an empty tree
     if not 1 <= depth <= _MAX_DEPTH:
         raise DamagedEnvironment(f"{what}: depth {depth}")
-    _page(walk, root, depth, what, main)
+    _page(walk, root, depth, what, main, keys)
 
 
-def _page(walk: _Walk, pgno: int, depth: int, what: str, main: bool) -> None:
+def _page(walk: _Walk, pgno: int, depth: int, what: str, main: bool, keys: set[bytes] | None = None) -> None:
     psize = walk.psize
     if not 2 <= pgno <= walk.last_pgno:
         raise DamagedEnvironment(f"{what}: page {pgno} is outside the file's pages 2..{walk.last_pgno}")
@@ -117,12 +125,15 @@ def _page(walk: _Walk, pgno: int, depth: int, what: str, main: bool) -> None:
         if kind == _P_BRANCH:
             if body > psize:
                 raise DamagedEnvironment(f"{where}: a key of {ksize} bytes runs past the page")
-            _page(walk, lo | hi << 16 | node_flags << 32, depth - 1, what, main)
+            _page(walk, lo | hi << 16 | node_flags << 32, depth - 1, what, main, keys)
             continue
-        _leaf_node(walk, page, where, body, lo | hi << 16, node_flags, main)
+        key = page[body - ksize : body]  # whole unless the node runs past the page (refused below)
+        if keys is not None:
+            keys.add(key)
+        _leaf_node(walk, page, where, body, lo | hi << 16, node_flags, main, key)
 
 
-def _leaf_node(walk: _Walk, page: bytes, where: str, body: int, size: int, flags: int, main: bool) -> None:
+def _leaf_node(walk: _Walk, page: bytes, where: str, body: int, size: int, flags: int, main: bool, key: bytes = b"") -> None:
     psize = walk.psize
     if flags & _F_DUPDATA or flags & ~(_F_BIGDATA | _F_SUBDATA):
         raise DamagedEnvironment(f"{where}: node flags {flags:#x} (no database here keeps duplicates)")
@@ -139,4 +150,7 @@ def _leaf_node(walk: _Walk, page: bytes, where: str, body: int, size: int, flags
     if flags & _F_SUBDATA:
         if not main:
             raise DamagedEnvironment(f"{where}: a named database inside a named database")
-        _tree(walk, page[body : body + size], f"a named database ({where})")
+        collect = None
+        if walk.keys_of is not None and key == walk.keys_of:
+            collect = walk.keys = set()
+        _tree(walk, page[body : body + size], f"a named database ({where})", keys=collect)

@@ -204,8 +204,9 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
 
     def _try_open(self, fmt: BlockFormat) -> None:
         used = check_data_file(self.path)  # before anything maps the file
-        if used:
-            check_file_trees(self.path)  # LMDB aborts the process on a page it cannot walk
+        # LMDB aborts the process on a page it cannot walk; the walk also lists the blocks
+        # database's keys, read from its leaf pages alone (see _read_index).
+        block_keys = check_file_trees(self.path, keys_of=b"blocks") if used else None
         preallocate_lock_file(self.path, self.max_readers)
         map_size = self.capacity_bytes
         shrinking = used > map_size
@@ -236,7 +237,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
             self._reader = JobReader(
                 blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes
             )
-        self._listed = self._read_index(env)
+        self._listed = self._read_index(env, block_keys if used else set())
         if shrinking:
             self._shrink(fmt, used)
 
@@ -259,21 +260,26 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
             lock=True,
         )
 
-    def _read_index(self, env: lmdb.Environment) -> list[RecordInfo]:
-        """Every record, from the index; also walks the blocks database's leaf pages, so damage
-        to either tree shows at open. LMDB errors propagate: the caller treats them as a
-        damaged environment.
+    def _read_index(self, env: lmdb.Environment, block_keys: set[bytes] | None = None) -> list[RecordInfo]:
+        """Every record, from the index, whose value the blocks database holds. LMDB errors
+        propagate: the caller treats them as a damaged environment.
 
-        Readahead is off meanwhile: the walk touches each value's first page, and with the
-        device's read-around (8 MiB a fault here) those touches and the index's leaf pages read
-        the whole file; now the pages touched alone (0.4 % of a store of 2 MiB blocks)."""
+        ``block_keys`` are the blocks database's keys as the page walk before ``lmdb.open``
+        read them (:func:`~kvtier.backends.lmdb_pages.check_file_trees`, which also catches a
+        damaged tree), so an open reads no page of any value. Without them (a later ``scan()``)
+        this walks the blocks database's keys with a cursor, under readahead off: the cursor
+        touches each value's first page, and with the device's read-around (8 MiB a fault here)
+        those touches read the whole file; with it off, the pages touched alone."""
         base = self._reader.map_base if self._reader is not None else None
         with touched_pages_only(base, int(env.info()["map_size"])):
-            extents_ok: set[bytes] = set()
-            with env.begin(db=self._blocks, buffers=True) as txn:
-                # Keys only: a value's extent is checked when it is read.
-                for block_key in txn.cursor().iternext(keys=True, values=False):
-                    extents_ok.add(bytes(block_key))
+            if block_keys is not None:
+                extents_ok = block_keys
+            else:
+                extents_ok = set()
+                with env.begin(db=self._blocks, buffers=True) as txn:
+                    # Keys only: a value's extent is checked when it is read.
+                    for block_key in txn.cursor().iternext(keys=True, values=False):
+                        extents_ok.add(bytes(block_key))
             records: list[RecordInfo] = []
             try:
                 with env.begin(db=self._index) as txn:

@@ -571,3 +571,91 @@ def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read
         assert {r.key for r in backend.scan()} == set(keys) - {keys[1]}  # dropped, as a warm read drops it
     finally:
         asyncio.run(backend.aclose())
+
+
+# -- open: the blocks database's keys come from the page walk, not from a cursor over the map ----
+
+
+def test_the_page_walk_lists_the_keys_of_a_named_database(tmp_path: Path) -> None:
+    from kvtier.backends.lmdb_pages import check_file_trees
+
+    keys = [make_key(i) for i in range(200)]  # several leaf pages, so a branch page too
+    backend = _open(lmdb_backend(tmp_path, 8 << 20))
+    backend.write_blocks(keys, _blocks(200, seed=3))
+    backend.delete_blocks(keys[:7])
+    asyncio.run(backend.aclose())
+    path = str(tmp_path / "env")
+    assert check_file_trees(path, keys_of=b"blocks") == set(keys[7:])
+    assert check_file_trees(path, keys_of=b"index") == set(keys[7:])
+    assert check_file_trees(path, keys_of=b"no-such-database") == set()
+    assert check_file_trees(path) is None
+    assert check_file_trees(str(tmp_path / "nothing-here")) is None
+
+
+def test_open_lists_only_records_whose_value_is_stored(tmp_path: Path) -> None:
+    keys = [make_key(i) for i in range(4)]
+    backend = _open(lmdb_backend(tmp_path, 4 << 20))
+    backend.write_blocks(keys, _blocks(4, seed=8))
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    with env.begin(write=True, db=db) as txn:
+        txn.delete(keys[1])  # its index entry stays
+    env.close()
+    backend = _open(lmdb_backend(tmp_path, 4 << 20))
+    try:
+        assert {r.key for r in backend.scan()} == {keys[0], keys[2], keys[3]}
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_open_reads_no_page_of_a_value(tmp_path: Path) -> None:
+    """A cold open reads the B-trees' pages and never a value's: no value's first page is
+    cached after it (a cursor walk of the blocks database touched every one of them)."""
+    import mmap
+
+    import numpy as np
+    from kvtier.backends.lmdb_files import map_base
+
+    big = BlockFormat(block_bytes=2 << 20, dtype="bfloat16", namespace={"model_id": "m"})
+    keys = [make_key(i) for i in range(12)]
+    backend = _open(lmdb_backend(tmp_path, 64 << 20), big)
+    backend.write_blocks(keys, _blocks(12, seed=9, size=big.block_bytes))
+    asyncio.run(backend.aclose())
+    env, db = _env(tmp_path)
+    base = map_base(str(tmp_path / "env"))
+    assert base is not None
+    with env.begin(buffers=True, db=db) as txn:
+        firsts = [(int(np.frombuffer(txn.get(k), dtype=np.uint8, count=1).ctypes.data) - base) // mmap.PAGESIZE for k in keys]
+    env.close()
+    data = tmp_path / "env" / "data.mdb"
+    evict_from_page_cache(data)
+    if cached_pages(data)[0] > len(keys):
+        pytest.skip("this filesystem keeps its pages cached (tmpfs?)")
+    backend = _open(lmdb_backend(tmp_path, 64 << 20), big)
+    try:
+        resident = _resident(data)
+        cached = [p for p in firsts if resident[p]]
+        assert len(cached) < len(keys) // 2, f"{len(cached)} of {len(keys)} values' first pages read at open"
+        out = [torch.zeros(big.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * len(keys)
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def _resident(path: Path) -> list[bool]:
+    """Per page of the file at ``path``, whether it is in the page cache (``mincore``)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)
+        assert libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec) == 0
+        del view
+    return [bool(v & 1) for v in vec]
