@@ -219,9 +219,12 @@ class JobReader:
                 return txn, limit, pairs
             except lmdb.Error as exc:
                 txn.abort()
-                key = keys[len(pairs)]
-                log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
-                bad[key] = str(exc)
+                self.drop(bad, keys[len(pairs)], exc)
+
+    def drop(self, bad: dict[bytes, str], key: bytes, exc: lmdb.Error) -> None:
+        """``key``'s lookup failed with ``exc``: a miss, and the key dropped (put in ``bad``)."""
+        log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
+        bad[key] = str(exc)
 
     def pair(self, txn: lmdb.Transaction, key: bytes, limit: int, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
         """``key``'s ``(index entry, value)`` buffers in ``txn``, or ``None`` (absent, or bad: the
@@ -251,9 +254,9 @@ class JobReader:
 
 class ColdRead:
     """The cold rest of a job (see :meth:`JobReader.read`): a thread of its own looks up the
-    remaining keys one after the other, in the job's read transaction, and hands each pair over as it is found; the
-    calling thread copies and checks what has been handed over meanwhile, in batches of
-    whatever is ready. The calling thread makes no LMDB call while the thread runs, and waits
+    remaining keys one after the other, in the job's read transaction, and hands each pair over
+    as it is found; the calling thread copies and checks what has been handed over meanwhile, in
+    batches of whatever is ready. The calling thread makes no LMDB call while the thread runs, and waits
     for it before the transaction may end, so the transaction is never used by two threads at
     once and no buffer outlives it.
 
@@ -271,8 +274,9 @@ class ColdRead:
         self.failed_at: int | None = None
 
     def run(self, first: list[Any], out: Sequence[torch.Tensor], mac: RecordMac | None, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
-        """Read the job whose first ``len(first)`` pairs were looked up (the last one slowly); the position to go on
-        from in a fresh transaction, or ``None`` when every key was looked up."""
+        """Read the job whose first ``len(first)`` pairs were looked up (the last one slowly);
+        the position to go on from in a fresh transaction, or ``None`` when every key was
+        looked up."""
         thread = threading.Thread(target=self._look_up, args=(len(first),), name="kvtier-lmdb-cold", daemon=True)
         thread.start()
         try:
@@ -303,8 +307,7 @@ class ColdRead:
                 try:
                     pair = None if key in bad else self.reader.pair(self.txn, key, self.limit, bad)
                 except lmdb.Error as exc:
-                    log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.reader.path, exc)
-                    bad[key] = str(exc)
+                    self.reader.drop(bad, key, exc)
                     self.failed_at = i
                     return
                 self.ready.put((i, pair))

@@ -206,7 +206,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         used = check_data_file(self.path)  # before anything maps the file
         # LMDB aborts the process on a page it cannot walk; the walk also lists the blocks
         # database's keys, read from its leaf pages alone (see _read_index).
-        block_keys = check_file_trees(self.path, keys_of=b"blocks") if used else None
+        block_keys = check_file_trees(self.path, keys_of=b"blocks") if used else set()
         preallocate_lock_file(self.path, self.max_readers)
         map_size = self.capacity_bytes
         shrinking = used > map_size
@@ -237,7 +237,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
             self._reader = JobReader(
                 blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes
             )
-        self._listed = self._read_index(env, block_keys if used else set())
+        self._listed = self._read_index(env, block_keys)
         if shrinking:
             self._shrink(fmt, used)
 

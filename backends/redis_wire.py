@@ -226,10 +226,9 @@ def receive_record(wire: Wire, key: bytes, out: memoryview, length: int, mac: Re
     The header (and tag) is read and checked first; a raw payload then lands straight in ``out``
     and is verified there (an unkeyed or AES-GMAC one piece by piece as it lands, see
     :meth:`Wire.read_into`; BLAKE3 and HMAC-SHA256 ones once whole, since BLAKE3 hashes a large
-    buffer on several threads), a coded one is
-    verified, then decoded into ``out``. A bad record raises ``CorruptBlockError``
-    (``UnsupportedRecordError`` for another format) only after the whole value was consumed, so
-    the stream stays usable; ``out`` then holds garbage.
+    buffer on several threads), a coded one is verified, then decoded into ``out``. A bad record
+    raises ``CorruptBlockError`` (``UnsupportedRecordError`` for another format) only after the
+    whole value was consumed, so the stream stays usable; ``out`` then holds garbage.
     """
     head = bytearray(min(length, HEADER_SIZE))
     wire.read_into(memoryview(head))

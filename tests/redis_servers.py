@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,3 +237,21 @@ def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+def open_redis_tier(namespace: bytes, block_bytes: int, **options: Any) -> Any:
+    """A ``redis`` tier opened for ``block_bytes``-byte bfloat16 blocks, in a namespace named by
+    ``namespace`` (one per test module), its periodic sweep held off; 1 GiB unless ``capacity``
+    is given. Close it with ``asyncio.run(backend.aclose())``."""
+    import asyncio
+    import hashlib
+
+    from kvtier.backends.redis_tier import RedisBackend
+
+    from kvtier.backend import BlockFormat
+
+    options.setdefault("capacity", 1 << 30)
+    backend = RedisBackend(sync_interval_s=3600, **options)
+    digest = hashlib.sha256(namespace).digest()
+    asyncio.run(backend.open(BlockFormat(block_bytes=block_bytes, dtype="bfloat16", namespace_digest=digest)))
+    return backend

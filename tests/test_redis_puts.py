@@ -8,7 +8,6 @@ half-way through, after some of its batches went out.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 from typing import Any
 
@@ -17,19 +16,15 @@ import redis
 import torch
 from kvtier.backends.redis_tier import RedisBackend
 from kvtier.backends.redis_wire import SEND_BATCH_BYTES, Wire
-from redis_servers import RedisServer
+from redis_servers import RedisServer, open_redis_tier
 
-from kvtier.backend import BlockFormat
 from kvtier.testing import make_key, random_block
 
 BLOCK = 64 << 10
 
 
 def _open(block: int = BLOCK, **options: Any) -> RedisBackend:
-    options.setdefault("capacity", 1 << 30)
-    backend = RedisBackend(sync_interval_s=3600, **options)
-    digest = hashlib.sha256(b"redis-puts").digest()
-    asyncio.run(backend.open(BlockFormat(block_bytes=block, dtype="bfloat16", namespace_digest=digest)))
+    backend: RedisBackend = open_redis_tier(b"redis-puts", block, **options)
     return backend
 
 

@@ -8,7 +8,6 @@ one connection, and the piecewise checksum of a received payload against the who
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import socket
 import threading
@@ -21,9 +20,8 @@ import torch
 from kvtier.backends.redis_shares import SHARE_MIN_BYTES, run_all, split_shares
 from kvtier.backends.redis_tier import RedisBackend
 from kvtier.backends.redis_wire import RECV_PIECE, Wire
-from redis_servers import RedisClusterServers, RedisServer
+from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
 
-from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError
 from kvtier.records.format import HEADER
 from kvtier.testing import make_key, random_block
@@ -34,10 +32,7 @@ MAC = "a-fleet-wide-secret-of-32-bytes!"
 
 
 def _open(block: int = BLOCK, **options: Any) -> RedisBackend:
-    options.setdefault("capacity", 1 << 30)
-    backend = RedisBackend(sync_interval_s=3600, **options)
-    digest = hashlib.sha256(b"redis-shares").digest()
-    asyncio.run(backend.open(BlockFormat(block_bytes=block, dtype="bfloat16", namespace_digest=digest)))
+    backend: RedisBackend = open_redis_tier(b"redis-shares", block, **options)
     return backend
 
 

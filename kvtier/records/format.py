@@ -333,7 +333,7 @@ class RecordMac:
         compare its ``digest()`` with the 32-byte tag. ``tag`` is the stored tag when checking
         (an AES-GMAC tag starts with the record's salt); without it a new salt is drawn."""
         kind = self.flag if flags is None else flags & MAC_FLAGS
-        if kind != self.flag and not self.accepts(kind):
+        if not self.accepts(kind):
             raise UnsupportedRecordError(f"record is keyed with another MAC (flags {kind}); this store uses {self.algorithm}")
         h: Any
         if kind == FLAG_MAC_GMAC:
