@@ -8,9 +8,11 @@ miss, deleted and counted, never wrong data.
 
 I/O: each job is one pipelined exchange per server node (cut into shares on a few connections,
 see :mod:`kvtier.backends.redis_shares`), never a round trip per block. Writes are ``SET``
-(``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them, streamed in
-batches of about 1 MiB: each record is checksummed right before its batch goes out, so the
-checksums overlap the server's storing of the batches before. Reads are ``GET`` (``GETEX ...
+(``PX`` with ``ttl_s``) sent as header and payload buffers, without joining them, one request in
+flight on each of a few connections (:func:`kvtier.backends.redis_wire.send_one_each`, from the
+share's one thread): each record is checksummed right before it goes out, so the checksums
+overlap the server's storing of the records in flight, and every read the server makes is one
+whole command, which it keeps as the value instead of copying it out. Reads are ``GET`` (``GETEX ...
 PX`` with ``ttl_s``, a sliding expiry) with a bounded window of requests in flight (about 1 MiB
 of replies per connection: whole-job pipelines of large replies measured slower than a serial
 loop). With ``cluster: true`` a job is split by hash slot into one batch per primary, and the
@@ -55,11 +57,12 @@ import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.redis_shares import auto_job_connections, run_all, split_shares
 from kvtier.backends.redis_wire import (
-    SEND_BATCH_BYTES,
+    PUT_CONNECTIONS,
     ErrorReply,
     Wire,
     get_command,
     receive_record,
+    send_one_each,
     set_command,
     unlink_command,
 )
@@ -310,6 +313,9 @@ class RedisBackend(RecordBackend):
         #: as configured ("auto" or a count); ``job_connections`` is the count in use
         self.job_connections_setting = job_connections
         self.job_connections = min(max_connections, auto_job_connections()) if job_connections == "auto" else int(job_connections)
+        # Each put share keeps one SET in flight on each of a few connections: no more than
+        # half the pool, over the shares of a job (loads and sweeps need the rest).
+        self._put_connections = max(1, min(PUT_CONNECTIONS, max_connections // (2 * self.job_connections)))
         self.ttl_s = None if ttl_s is None else float(ttl_s)
         self.cluster = cluster
         self.max_connections = max_connections
@@ -562,6 +568,31 @@ class RedisBackend(RecordBackend):
                 conn.disconnect()
             pool.release(conn)
 
+    def _exchange_many(self, pool: Any, count: int, body: Any) -> None:
+        """Run ``body(wires)`` on up to ``count`` pooled connections at once (at least one: when
+        the pool has no more to give, fewer); a dead socket raises :class:`_Down`."""
+        conns: list[Any] = []
+        clean: list[bool] = []
+        try:
+            conns.append(pool.get_connection())
+            while len(conns) < count:
+                try:
+                    conns.append(pool.get_connection())
+                except _DOWN_ERRORS as exc:  # "Too many connections": do with those in hand
+                    log.debug("redis: a put share on %d connections instead of %d: %s", len(conns), count, exc)
+                    break
+            wires = [Wire(conn._sock) for conn in conns]
+            clean = [False] * len(wires)
+            body(wires)
+            clean = [wire.drained for wire in wires]
+        except _DOWN_ERRORS as exc:
+            raise _Down(exc) from exc
+        finally:
+            for conn, ok in zip(conns, clean + [False] * (len(conns) - len(clean))):
+                if not ok:  # unknown stream position: never hand this connection out again
+                    conn.disconnect()
+                pool.release(conn)
+
     def _note_cluster_error(self, exc: BaseException) -> None:
         if isinstance(exc, (MovedError, AskError, TryAgainError, ClusterDownError)):
             self._refresh_slots = True
@@ -605,28 +636,26 @@ class RedisBackend(RecordBackend):
         def write_group(pool: Any, positions: list[int]) -> None:
             stored: dict[int, int] = {}
 
-            def commands() -> Iterator[tuple[tuple[Any, ...], int]]:
-                # Encoded (checksummed) one by one as the sends take them: a batch goes out
-                # while its bytes are still in the CPU cache, and the server stores it while
-                # the next one is hashed (see redis_wire.SEND_BATCH_BYTES). Each share does
-                # this for its own records, on its own thread.
+            def requests() -> Iterator[tuple[int, tuple[Any, ...]]]:
+                # Encoded (checksummed) one by one as connections come free: each record goes
+                # out while its bytes are still in the CPU cache, and the server stores the
+                # ones in flight while the next is hashed (see redis_wire.send_one_each).
                 for i in positions:
                     head, payload = self._encode_one(keys[i], blocks[i])
                     size = stored[i] = len(head) + len(payload)
                     before, after = set_command(rkeys[i], head, size, ttl)
-                    yield (before, payload, after), size
+                    yield i, (before, payload, after)
 
-            def body(wire: Wire) -> None:
-                wire.send_batches(commands(), SEND_BATCH_BYTES)
-                for i in positions:
-                    try:
-                        wire.reply()
-                    except ErrorReply as exc:  # OOM under noeviction, MOVED while resharding
-                        self._refused("SET", exc)
-                        continue
+            def on_reply(i: int, error: ErrorReply | None) -> None:
+                if error is not None:
+                    self._refused("SET", error)
+                else:
                     sizes[i] = stored[i]
 
-            self._exchange(pool, body)
+            def body(wires: list[Wire]) -> None:
+                send_one_each(wires, requests(), on_reply, self.socket_timeout_s)
+
+            self._exchange_many(pool, min(len(positions), self._put_connections), body)
 
         self._run_io(write_group, rkeys, self.reserve_bytes())
         done = [keys[i] for i in range(n) if sizes[i] is not None]

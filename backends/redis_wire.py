@@ -7,8 +7,19 @@ record's header is read into a small buffer and a raw payload straight into the 
 block, checksummed piece by piece as it lands (each ``recv_into`` at most :data:`RECV_PIECE`
 bytes, hashed while still in the CPU cache: one pass over memory, not a receive and then a
 second pass). Writes go out as ``sendmsg`` scatter lists (command, header, payload views),
-never joined, in batches of :data:`SEND_BATCH_BYTES` made on the fly
-(:meth:`Wire.send_batches`): a put checksums each batch's records just before sending it.
+never joined. A put keeps exactly one ``SET`` in flight on each of a few connections
+(:func:`send_one_each`), checksumming each record just before it goes out.
+
+Why one request in flight per connection: redis-server reads as much of a socket as its query
+buffer has room for. With records streamed back to back on one connection, a read takes one
+record and the start of the next, so the server copies the first out of its buffer instead of
+keeping the buffer as the value, and pays one more system call and event-loop turn per record.
+With a single request on the socket, every read is exactly one command, which the server keeps
+as it is. Measured here (2 cores, redis-server 7.0, 4096 puts of 64 KiB records, raw sockets):
+the server's CPU per GB stored 1.12 s with four connections one request each against 1.23-1.64 s
+streamed on one, page faults per MiB stored 272 against 304; 2 MiB records 0.67-0.71 s against
+0.78-0.93 s, and 1.40-1.43 GB/s against 1.03-1.13 (``benchmarks/bench_redis_server.py`` shows the
+same accounts for the tier and for LMCache's client, which works this way).
 
 A :class:`Wire` lives for one exchange: every request sent is answered before the connection
 goes back to the pool. Any exception leaves the stream in an unknown place, so callers then
@@ -17,8 +28,9 @@ disconnect the connection (redis-py reconnects it on next use).
 
 from __future__ import annotations
 
+import selectors
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvtier.records.codec import NoneCodec, codec_for_id
@@ -34,7 +46,17 @@ from kvtier.records.format import (
     verify_payload,
 )
 
-__all__ = ["RECV_PIECE", "SEND_BATCH_BYTES", "ErrorReply", "Wire", "get_command", "receive_record", "set_command", "unlink_command"]
+__all__ = [
+    "PUT_CONNECTIONS",
+    "RECV_PIECE",
+    "ErrorReply",
+    "Wire",
+    "get_command",
+    "receive_record",
+    "send_one_each",
+    "set_command",
+    "unlink_command",
+]
 
 _IOV = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 _BUFFER = 1 << 16
@@ -42,15 +64,6 @@ _BUFFER = 1 << 16
 #: to be hashed from the CPU cache (L2 is 2 MiB per core here), large enough that the system
 #: calls stay few. Hashing a 2 MiB block after it was received ran at DRAM speed (8 GB/s here).
 RECV_PIECE = 256 << 10
-#: Record bytes a put gathers into one send (:meth:`Wire.send_batches`): each record is
-#: checksummed right before its batch goes out, so the send reads it back from the CPU cache and
-#: the server stores one batch while the next is hashed. Checksumming a whole share first and
-#: then sending it in one scatter list made hashing and sending serial (the server idle
-#: meanwhile) and read every block from memory twice. Streamed in 1 MiB batches, puts on a
-#: 2-core host ran at 1.03-1.82x (median 1.5) of that on 64 KiB records and 1.09-1.13x on 2 MiB
-#: (fresh processes alternating on one private server); a side thread hashing ahead instead
-#: lost on 64 KiB records (0.91-0.96x: its per-record Python work contends for the GIL).
-SEND_BATCH_BYTES = 1 << 20
 
 
 class ErrorReply(Exception):
@@ -74,6 +87,54 @@ def get_command(rkey: bytes, ttl_ms: bytes) -> bytes:
 
 def unlink_command(rkey: bytes) -> bytes:
     return b"*2\r\n$6\r\nUNLINK\r\n$%d\r\n%b\r\n" % (len(rkey), rkey)
+
+
+#: Connections a put share keeps one ``SET`` in flight on (see the module doc): four beat one
+#: streamed connection on both record sizes measured; eight were no faster than four.
+PUT_CONNECTIONS = 4
+
+
+def send_one_each(
+    wires: Sequence[Wire],
+    requests: Iterator[tuple[int, Sequence[Any]]],
+    on_reply: Callable[[int, ErrorReply | None], None],
+    timeout: float | None,
+) -> None:
+    """Send every ``(tag, buffers)`` request of ``requests``, keeping exactly one in flight on
+    each wire: a wire's next request goes out once its reply is in, which ``on_reply(tag,
+    error)`` is given (``error``: the server's error reply, or ``None``). One thread drives
+    every wire. A request is made (the iterator advanced) only when a wire is free for it.
+
+    Returns once every request sent has been answered. A wire that stays silent ``timeout``
+    seconds raises ``TimeoutError``; any exception leaves the wires with replies unread."""
+    waiting: dict[Wire, int] = {}
+    with selectors.DefaultSelector() as sel:
+        for wire in wires:
+            request = next(requests, None)
+            if request is None:
+                break
+            wire.send(request[1])
+            waiting[wire] = request[0]
+            sel.register(wire.sock, selectors.EVENT_READ, wire)
+        while waiting:
+            ready = sel.select(timeout)
+            if not ready:
+                raise TimeoutError(f"no reply from the server in {timeout} s")
+            for key, _ in ready:
+                wire = key.data
+                tag = waiting.pop(wire)
+                try:
+                    wire.reply()
+                    error = None
+                except ErrorReply as exc:  # OOM under noeviction, MOVED while resharding
+                    error = exc
+                on_reply(tag, error)
+                request = next(requests, None)
+                if request is None:
+                    sel.unregister(wire.sock)
+                    continue
+                wire.send(request[1])
+                waiting[wire] = request[0]
 
 
 class Wire:
@@ -108,22 +169,6 @@ class Wire:
                     sent = 0
             while i < len(views) and not len(views[i]):
                 i += 1
-
-    def send_batches(self, items: Iterable[tuple[Sequence[Any], int]], batch_bytes: int = 0) -> None:
-        """Send each ``(buffers, size)`` item's buffers, in order, as the iteration makes them:
-        gathered into one :meth:`send` as soon as the items held come to ``batch_bytes`` (by
-        their ``size``), the rest at the end. An item is made only once the batches before it
-        went out, so the work that makes it (a checksum) overlaps the server's handling of them."""
-        pending: list[Any] = []
-        held = 0
-        for buffers, size in items:
-            pending += buffers
-            held += size
-            if held >= batch_bytes:
-                self.send(pending)
-                pending, held = [], 0
-        if pending:
-            self.send(pending)
 
     # -- receiving -------------------------------------------------------------------------------
     def _fill(self) -> None:

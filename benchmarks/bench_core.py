@@ -15,7 +15,10 @@ layers split over as many threads as the store's ``copy_threads`` (``*_split``, 
 ``raw_save_gbps`` / ``raw_load_gbps`` are the fastest of them; ``cpu_save_ratio`` /
 ``cpu_load_ratio`` the tier over them. Everything runs interleaved: each of ``--rounds`` rounds
 runs every copy once, in an order reversed every round, after one uncounted warm-up round;
-figures are medians (``*_best_gbps``: the best round). ``--copy-threads N`` sets the store's
+figures are medians (``*_best_gbps``: the best round). ``cpu_*_ratio_paired`` is the median of
+the per-round ratios against that fastest raw copy (the steadier figure where the machine's
+speed drifts during a run), and ``cpu_steal_share`` the share of CPU time the hypervisor took
+for other guests meanwhile. ``--copy-threads N`` sets the store's
 ``copy_threads``; ``--bandwidth-only`` skips the manager part.
 
 Manager: a one-tier ``TierManager`` holding 1M keys; batches of 32 keys for ``lookup``,
@@ -232,7 +235,41 @@ async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_thread
         raw.close()
     gbps = {name: raw.nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
     best = {name: raw.nbytes / min(ts) / 1e9 for name, ts in times.items()}
-    return {"threads": threads, "median": gbps, "best": best}
+    return {"threads": threads, "median": gbps, "best": best, "times": times}
+
+
+def paired_ratio(times: dict[str, list[float]], side: str, raw: str) -> float:
+    """The median over rounds of ``raw``'s seconds over ``side``'s in the same round: drift
+    across a run (this VM's memory bandwidth swings by a third from one minute to the next)
+    hits both terms of each ratio alike, where a ratio of two medians mixes rounds."""
+    return statistics.median(r / t for r, t in zip(times[raw], times[side], strict=True))
+
+
+class CpuSteal:
+    """The share of this host's CPU time that the hypervisor gave to others while the block
+    ran (``steal`` in ``/proc/stat``), or ``None`` where that file is missing: a run with
+    much steal measures the neighbours as much as the code."""
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+    def __enter__(self) -> CpuSteal:
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._read()
+        if self._start is not None and end is not None and end[1] > self._start[1]:
+            self.share = round((end[0] - self._start[0]) / (end[1] - self._start[1]), 4)
 
 
 # -- manager cost ---------------------------------------------------------------------------
@@ -381,10 +418,10 @@ def main() -> None:
     parser.add_argument("--manager-only", action="store_true", help="only the manager figures (no bandwidth)")
     parser.add_argument("--bandwidth-only", action="store_true", help="only the bandwidth figures (no manager)")
     parser.add_argument("--copy-threads", default="auto", help="the store's copy_threads (default auto); the raw split copy uses as many")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds (default 15, --quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds (default 25, --quick 3)")
     args = parser.parse_args()
     job = 16 if args.quick else 64
-    reps = args.rounds or (3 if args.quick else 15)
+    reps = args.rounds or (3 if args.quick else 25)
     capacity = 50_000 if args.quick else 1_000_000
     rounds = 1000 if args.quick else 10_000
     batch = 32
@@ -396,12 +433,14 @@ def main() -> None:
     caches = [torch.randn((2 * job + 1, *LAYER_SHAPE)).to(torch.bfloat16) for _ in range(LAYERS)]
     block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
     threads = args.copy_threads if args.copy_threads == "auto" else int(args.copy_threads)
-    bw = asyncio.run(bandwidth(caches, job, reps, threads))
+    with CpuSteal() as steal:
+        bw = asyncio.run(bandwidth(caches, job, reps, threads))
     del caches
     gc.collect()
     med = bw["median"]
-    raw_save = max(v for k, v in med.items() if k.startswith("save_"))
-    raw_load = max(v for k, v in med.items() if k.startswith("load_"))
+    raw_save_name = max((k for k in med if k.startswith("save_")), key=med.__getitem__)
+    raw_load_name = max((k for k in med if k.startswith("load_")), key=med.__getitem__)
+    raw_save, raw_load = med[raw_save_name], med[raw_load_name]
     mem: float | None
     if args.bandwidth_only:
         cost = {}
@@ -428,6 +467,9 @@ def main() -> None:
         **{f"raw_{k}_gbps": round(v, 3) for k, v in med.items() if k.startswith(("save_", "load_"))},
         "cpu_save_ratio": round(med["tier_save"] / raw_save, 3),
         "cpu_load_ratio": round(med["tier_load"] / raw_load, 3),
+        "cpu_save_ratio_paired": round(paired_ratio(bw["times"], "tier_save", raw_save_name), 3),
+        "cpu_load_ratio_paired": round(paired_ratio(bw["times"], "tier_load", raw_load_name), 3),
+        "cpu_steal_share": steal.share,
         "cpu_save_vs_foreach": round(med["tier_save"] / med["save_foreach"], 3),
         "cpu_load_vs_foreach": round(med["tier_load"] / med["load_foreach"], 3),
         "manager_keys": capacity,

@@ -19,7 +19,7 @@ import redis
 import torch
 from kvtier.backends.redis_shares import SHARE_MIN_BYTES, run_all, split_shares
 from kvtier.backends.redis_tier import RedisBackend
-from kvtier.backends.redis_wire import RECV_PIECE, Wire
+from kvtier.backends.redis_wire import PUT_CONNECTIONS, RECV_PIECE, Wire
 from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
 
 from kvtier.errors import ConfigError
@@ -207,7 +207,8 @@ def test_a_small_job_stays_on_the_calling_thread(redis_server: RedisServer, monk
         assert all(s is not None for s in backend.write_blocks(keys, data))
         out = _empty(8)
         assert backend.read_blocks(keys, out) == [True] * 8
-        assert borrows.count == 2 and borrows.threads == {threading.get_ident()}
+        # one share each: the put's PUT_CONNECTIONS connections (one SET in flight on each), the read's one
+        assert borrows.count == PUT_CONNECTIONS + 1 and borrows.threads == {threading.get_ident()}
         assert all(torch.equal(a, b) for a, b in zip(out, data))
     finally:
         _close(backend)

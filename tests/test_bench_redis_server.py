@@ -1,0 +1,61 @@
+"""benchmarks/bench_redis_server.py: its kvtier side moves and checks every case on a private
+server and accounts the server's CPU and faults (the LMCache side needs the peer, not installed
+here); the accounting itself charges a call's CPU to the process it watches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from redis_servers import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_redis_server.py"
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_redis_server
+    finally:
+        sys.path.pop(0)
+    return bench_redis_server
+
+
+def test_the_kvtier_side_accounts_the_server_for_every_cell(redis_server: RedisServer) -> None:
+    assert redis_server.proc is not None
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--side", "kvtier", "--url", redis_server.url, "--server-pid", str(redis_server.proc.pid),
+         "--cases", "64x64,8x1024", "--reps", "2"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    cells = json.loads(out.strip().splitlines()[-1])
+    assert set(cells) == {"64x64", "8x1024"}
+    for cell in cells.values():
+        for op in ("put", "get"):
+            acct = cell[op]
+            assert acct["gbps"] > 0 and acct["server_bound_gbps"] > 0
+            assert acct["server_s_per_gb"] > 0 and acct["client_s_per_gb"] >= 0
+            assert 0 < acct["server_busy"] == acct["of_bound"]
+            assert acct["server_faults_per_mib"] >= 0
+
+
+def test_accounting_charges_the_watched_process() -> None:
+    bench = _bench()
+
+    def spin() -> int:
+        end = sum(os.times()[:2]) + 0.2  # 0.2 s of this process's CPU
+        n = 0
+        while sum(os.times()[:2]) < end:
+            n += 1
+        return n
+
+    got, acct = bench.accounted(os.getpid(), 10**9, spin)
+    assert got > 0
+    assert acct["server_s_per_gb"] >= 0.15  # the watched process (this one) did the work
+    assert acct["client_s_per_gb"] >= 0.15
+    assert acct["server_bound_gbps"] <= 1 / 0.15
+    assert acct["server_busy"] > 0.3
