@@ -14,9 +14,11 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
   ``lmdb_hmac_load_gbps``, ``hmac_load_cost``);
 * a cold-cache load: each run reopens the environment after evicting its file from the page
   cache (``posix_fadvise(DONTNEED)`` on the file, or ``--drop-caches``: ``echo 3 >
-  /proc/sys/vm/drop_caches``, root only), tier and raw alike (``lmdb_cold_*``), and what the
-  tier's open reads of the cold file (``lmdb_cold_open_seconds``, ``lmdb_cold_open_read_fraction``
-  of its pages, by ``mincore``);
+  /proc/sys/vm/drop_caches``, root only), tier and raw alike, both reading the tier's own file
+  (``lmdb_cold_*``, ``--cold-rounds`` rounds), with two sides that say where the tier's time
+  goes (raw plus a serial XXH3 pass, ``raw_lmdb_cold_get_checked_gbps``; the tier with its check
+  patched out, ``lmdb_cold_unchecked_load_gbps``), and what the tier's open reads of the cold file
+  (``lmdb_cold_open_seconds``, ``lmdb_cold_open_read_fraction`` of its pages, by ``mincore``);
 * whether this host can overlap cold reads with copies at all (``cold_contention``): raw cold
   ``get`` GB/s alone and with another thread copying memory meanwhile
   (``raw_lmdb_cold_get_alone_gbps``, ``raw_lmdb_cold_get_beside_copies_gbps``, and their ratio
