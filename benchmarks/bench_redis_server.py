@@ -19,7 +19,8 @@ warm-up:
 * ``client_s_per_gb``: the side's own CPU per byte.
 
 Rounds alternate kvtier and LMCache (the order reversed every round); ``ratios`` are kvtier
-over LMCache per cell and round.
+over LMCache per cell and round, and each round's ``steal_share`` the share of the host's CPU
+time the hypervisor gave to other guests while each side ran.
 
     python benchmarks/bench_redis_server.py --peer-python PEER/bin/python \\
         --peer-bench peerbench/lmcache_redis_bench.py [--rounds 2] [--reps 3] [--json OUT]
@@ -208,6 +209,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from redis_servers import RedisServer
 
+    from kvtier.tools.bench.host import CpuSteal
+
     server = RedisServer(
         Path(tempfile.mkdtemp(prefix="kvtier-redis-server-")) / "server", extra=("--maxmemory", "4gb")
     ).start()
@@ -234,11 +237,13 @@ def main() -> None:
                     "--reps",
                     str(args.reps),
                 ]
-                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                with CpuSteal() as steal:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode:
                     raise SystemExit(f"the {name} side failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
                 entry[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-                print(f"round {r + 1} {name}: {json.dumps(entry[name])}", file=sys.stderr)
+                entry.setdefault("steal_share", {})[name] = steal.share
+                print(f"round {r + 1} {name}: {json.dumps(entry[name])} (steal {steal.share})", file=sys.stderr)
             rounds.append(entry)
     finally:
         server.stop()

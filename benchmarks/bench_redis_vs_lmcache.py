@@ -7,6 +7,9 @@ server flushed between them. kvtier moves the same cases as that harness: ``CHUN
 ``batched_submit_put_task`` / ``batched_get_blocking`` take them all; every read is checked byte
 for byte. Figures are medians over ``--reps`` reps after one warm-up, in GB/s (1e9 bytes).
 
+Each side's entry also has ``steal_share``: the share of the host's CPU time the hypervisor gave to
+other guests while it ran (a round with much of it measures the neighbours).
+
 Ratios: kvtier over LMCache's best connector in the same round, per cell (put and get, each case);
 LMCache's best is the highest of every connector and, for gets, every get call it offers
 (``batched_get``, ``get_non_blocking``, ``get_blocking_serial``). Above 1 means kvtier is faster.
@@ -128,6 +131,8 @@ def main() -> None:
     import redis
     from redis_servers import RedisServer
 
+    from kvtier.tools.bench.host import CpuSteal
+
     url = args.url
     if url is None:
         started = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-vs-lmcache-")) / "server", extra=("--maxmemory", "4gb")).start()
@@ -143,25 +148,28 @@ def main() -> None:
                     env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
                 client.flushall()
                 load = _load()
-                out = subprocess.run(
-                    [sys.executable, __file__, "--kvtier-side", "--url", url, "--cases", args.cases, "--reps", str(args.reps)],
-                    env=env, check=True, capture_output=True, text=True,
-                ).stdout
-                entry[name] = {"load_before": load, "load_after": _load(), "cells": json.loads(out.strip().splitlines()[-1])}
-                print(f"round {r + 1} {name}: {json.dumps(entry[name]['cells'])} (load {load})", file=sys.stderr)
+                with CpuSteal() as steal:
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--kvtier-side", "--url", url, "--cases", args.cases, "--reps", str(args.reps)],
+                        env=env, check=True, capture_output=True, text=True,
+                    ).stdout
+                entry[name] = {"load_before": load, "load_after": _load(), "steal_share": steal.share, "cells": json.loads(out.strip().splitlines()[-1])}
+                print(f"round {r + 1} {name}: {json.dumps(entry[name]['cells'])} (load {load}, steal {steal.share})", file=sys.stderr)
             client.flushall()
             load = _load()
             with tempfile.TemporaryDirectory() as tmp:
                 report_path = Path(tmp) / "lmcache.json"
-                peer = subprocess.run(
-                    [args.peer_python, "-W", "ignore", args.peer_bench, "--redis-url", url, "--reps", str(args.reps),
-                     "--cases", args.cases, "--lmcache", args.lmcache, "--lookups", str(args.lookups), "--json", str(report_path)],
-                    check=False, capture_output=True, text=True,
-                )
+                with CpuSteal() as steal:
+                    peer = subprocess.run(
+                        [args.peer_python, "-W", "ignore", args.peer_bench, "--redis-url", url, "--reps", str(args.reps),
+                         "--cases", args.cases, "--lmcache", args.lmcache, "--lookups", str(args.lookups), "--json", str(report_path)],
+                        check=False, capture_output=True, text=True,
+                    )
                 if peer.returncode:  # its raw redis.asyncio baseline times out on a badly overloaded host, say
                     raise SystemExit(f"the LMCache harness failed (exit {peer.returncode}):\n{peer.stderr[-3000:]}")
-                entry["lmcache"] = {"load_before": load, "load_after": _load(), "cells": _lmcache_cells(json.loads(report_path.read_text()))}
-            print(f"round {r + 1} lmcache: {json.dumps(entry['lmcache']['cells'])} (load {load})", file=sys.stderr)
+                entry["lmcache"] = {"load_before": load, "load_after": _load(), "steal_share": steal.share,
+                                    "cells": _lmcache_cells(json.loads(report_path.read_text()))}
+            print(f"round {r + 1} lmcache: {json.dumps(entry['lmcache']['cells'])} (load {load}, steal {steal.share})", file=sys.stderr)
             rounds.append(entry)
     finally:
         client.close()

@@ -1,6 +1,7 @@
 """benchmarks/bench_redis_server.py: its kvtier side moves and checks every case on a private
 server and accounts the server's CPU and faults (the LMCache side needs the peer, not installed
-here); the accounting itself charges a call's CPU to the process it watches."""
+here); the accounting itself charges a call's CPU to the process it watches; the host's CPU
+steal share, which the benchmarks print beside their figures."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,3 +62,17 @@ def test_accounting_charges_the_watched_process() -> None:
     assert acct["client_s_per_gb"] >= 0.15
     assert acct["server_bound_gbps"] <= 1 / 0.15
     assert acct["server_busy"] > 0.3
+
+
+def test_cpu_steal_is_a_share_of_the_host_time_or_none_without_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tools.bench import host
+
+    with host.CpuSteal() as steal:
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+    assert steal.share is not None and 0.0 <= steal.share <= 1.0
+    monkeypatch.setattr(host.CpuSteal, "_read", staticmethod(lambda: None))
+    with host.CpuSteal() as missing:
+        pass
+    assert missing.share is None
