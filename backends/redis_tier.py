@@ -555,26 +555,15 @@ class RedisBackend(RecordBackend):
 
     def _exchange(self, pool: Any, body: Any) -> None:
         """Run ``body(wire)`` on a pooled connection; a dead socket raises :class:`_Down`."""
-        conn = pool.get_connection()  # connected and authenticated by redis-py
-        clean = False
-        try:
-            wire = Wire(conn._sock)
-            body(wire)
-            clean = wire.drained
-        except _DOWN_ERRORS as exc:
-            raise _Down(exc) from exc
-        finally:
-            if not clean:  # unknown stream position: never hand this connection out again
-                conn.disconnect()
-            pool.release(conn)
+        self._exchange_many(pool, 1, lambda wires: body(wires[0]))
 
     def _exchange_many(self, pool: Any, count: int, body: Any) -> None:
         """Run ``body(wires)`` on up to ``count`` pooled connections at once (at least one: when
-        the pool has no more to give, fewer); a dead socket raises :class:`_Down`."""
-        conns: list[Any] = []
-        clean: list[bool] = []
+        the pool has no more to give, fewer); a dead socket raises :class:`_Down`. Each
+        connection goes back to the pool, disconnected unless every reply on it was read."""
+        conns = [pool.get_connection()]  # connected and authenticated by redis-py
+        drained: list[bool] = []  # per connection, once ``body`` has returned
         try:
-            conns.append(pool.get_connection())
             while len(conns) < count:
                 try:
                     conns.append(pool.get_connection())
@@ -582,14 +571,13 @@ class RedisBackend(RecordBackend):
                     log.debug("redis: a put share on %d connections instead of %d: %s", len(conns), count, exc)
                     break
             wires = [Wire(conn._sock) for conn in conns]
-            clean = [False] * len(wires)
             body(wires)
-            clean = [wire.drained for wire in wires]
+            drained = [wire.drained for wire in wires]
         except _DOWN_ERRORS as exc:
             raise _Down(exc) from exc
         finally:
-            for conn, ok in zip(conns, clean + [False] * (len(conns) - len(clean))):
-                if not ok:  # unknown stream position: never hand this connection out again
+            for k, conn in enumerate(conns):
+                if k >= len(drained) or not drained[k]:  # unknown stream position: never hand it out again
                     conn.disconnect()
                 pool.release(conn)
 

@@ -15,7 +15,7 @@ warm-up:
 * ``server_s_per_gb`` (split into ``server_sys_s_per_gb``) and ``server_faults_per_mib``: the
   server's work per byte moved, which the client's request shape could change;
 * ``server_bound_gbps``: bytes over server CPU time, the most this server can take or give
-  whatever the client does, and ``of_bound``: ``gbps`` over it;
+  whatever the client does (``server_busy`` is also ``gbps`` over it);
 * ``client_s_per_gb``: the side's own CPU per byte.
 
 Rounds alternate kvtier and LMCache (the order reversed every round); ``ratios`` are kvtier
@@ -78,7 +78,6 @@ def accounted(pid: int, nbytes: int, call: Callable[[], Any]) -> tuple[Any, dict
         "server_sys_s_per_gb": system / gb,
         "server_faults_per_mib": faults / (nbytes / 2**20),
         "server_bound_gbps": gb / server,
-        "of_bound": server / wall,
         "client_s_per_gb": (c1 - c0) / gb,
     }
 

@@ -42,7 +42,7 @@ def test_the_kvtier_side_accounts_the_server_for_every_cell(redis_server: RedisS
             acct = cell[op]
             assert acct["gbps"] > 0 and acct["server_bound_gbps"] > 0
             assert acct["server_s_per_gb"] > 0 and acct["client_s_per_gb"] >= 0
-            assert 0 < acct["server_busy"] == acct["of_bound"]
+            assert acct["server_busy"] > 0
             assert acct["server_faults_per_mib"] >= 0
 
 
@@ -62,6 +62,7 @@ def test_accounting_charges_the_watched_process() -> None:
     assert acct["client_s_per_gb"] >= 0.15
     assert acct["server_bound_gbps"] <= 1 / 0.15
     assert acct["server_busy"] > 0.3
+    assert acct["server_busy"] == pytest.approx(acct["gbps"] / acct["server_bound_gbps"])  # the share of the bound reached
 
 
 def test_cpu_steal_is_a_share_of_the_host_time_or_none_without_proc(monkeypatch: pytest.MonkeyPatch) -> None:
