@@ -61,7 +61,7 @@ def test_accounting_charges_the_watched_process() -> None:
     assert acct["server_s_per_gb"] >= 0.15  # the watched process (this one) did the work
     assert acct["client_s_per_gb"] >= 0.15
     assert acct["server_bound_gbps"] <= 1 / 0.15
-    assert acct["server_busy"] > 0.3
+    assert acct["server_busy"] > 0  # a share of wall time: no bound on how much, that is the host's
     assert acct["server_busy"] == pytest.approx(acct["gbps"] / acct["server_bound_gbps"])  # the share of the bound reached
 
 
