@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvtier.backend import BlockFormat, MemoryBackend
-from kvtier.devices import wait_for_copies
+from kvtier.devices import one_intra_op_thread, usable_cpus, wait_for_copies
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
 from kvtier.units import format_size
 
@@ -33,6 +33,11 @@ def _memory_note(device: torch.device) -> str:
     except Exception:
         return ""
     return f", which has {format_size(total)} in all"
+
+
+def _fill_zero(rows: torch.Tensor) -> None:
+    with one_intra_op_thread():
+        rows.fill_(0)
 
 
 class TensorPoolBackend(MemoryBackend):
@@ -82,7 +87,11 @@ class TensorPoolBackend(MemoryBackend):
             # Touch every page now, off the event loop: a first write into a fresh mapping
             # page-faults, and measured here that cost a third of a cold store's bandwidth.
             # (Pinned memory is already resident.)
-            await asyncio.to_thread(self._pool.fill_, 0)
+            # In a few shares on helper threads, each on one intra-op thread: a fill on one
+            # thread with torch's OpenMP team would leave a second team beside the engine's,
+            # which slows every copy of the process (see kvtier.transfer.copies).
+            shares = torch.tensor_split(self._pool, max(1, min(4, usable_cpus(), self.num_slots)))
+            await asyncio.gather(*(asyncio.to_thread(_fill_zero, share) for share in shares))
         # Pop from the end: slot 0 first, so a fresh pool fills in address order.
         self._free = list(range(self.num_slots - 1, -1, -1))
 

@@ -7,7 +7,8 @@ Bandwidth: a 32-layer paged cache of ``[blocks, 16 tokens, 2 (K/V), 8 heads, 128
 tensors (64 KiB per layer and block, 2 MiB per block). Jobs of 64 scattered blocks are saved
 through ``kvtier.open(...).save`` and loaded back with ``load`` into other block ids; the same
 job is also run through the transfer engine directly (no asyncio hop, ``engine_*``). The raw
-baseline copies the same bytes between the same cache and a pool with torch alone:
+baseline copies the same bytes between the same cache and a pool as large as the tier's (three
+jobs, a third of it each round, as the tier's saves go) with torch alone:
 ``_foreach_copy_`` over the (block, layer) slices, ``index_select`` + ``index_copy_`` per layer
 (gather into a temporary, ``save_index``), one ``index_select`` per layer straight into the pool
 rows (``save_direct``; ``index_copy_`` back, ``load_direct``), and the direct copy with its
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import hashlib
 import itertools
@@ -79,33 +81,59 @@ def best_of(reps: int, fn: Callable[[], Any]) -> float:
 
 
 # -- bandwidth ------------------------------------------------------------------------------
+def _one_omp_thread(count: int = 1) -> None:
+    """The calling thread's OpenMP count (a per-thread setting) to ``count``: 1 runs its torch ops
+    on it alone, as the raw split copy's threads should; a no-op without OpenMP."""
+    torch.get_num_threads()  # torch sets a thread's count on its first op: let it happen first
+    try:
+        ctypes.CDLL(None).omp_set_num_threads(count)
+    except AttributeError:
+        pass
+
+
 class RawCopies:
     """Raw copies of a job of ``job`` scattered blocks between ``caches`` and a pool of
     records, done with torch alone on the calling thread (and, ``split``, over ``threads``
-    threads as the tier may): each returns its seconds. Gathers (``save_*``) read every other
-    cache block into pool rows ``0..job-1``; scatters (``load_*``) write them back into the
-    blocks in between, as the tier's save and load do."""
+    threads as the tier may, each helper on one OpenMP thread): each returns its seconds.
+    Gathers (``save_*``) read every other cache block into the rows of the round's pool region;
+    scatters (``load_*``) write them back into the blocks in between, as the tier's save and
+    load do."""
 
-    def __init__(self, caches: list[torch.Tensor], job: int, threads: int) -> None:
+    def __init__(self, caches: list[torch.Tensor], job: int, threads: int, regions: int = 1) -> None:
         self.job = job
         per_layer = caches[0][0].numel() * caches[0].element_size()
         block_bytes = per_layer * len(caches)
         self.nbytes = job * block_bytes
-        self.pool = torch.empty((job, block_bytes), dtype=torch.uint8)
+        # A pool of ``regions`` jobs, one region per round in turn (:meth:`next_round`), as the
+        # tier's own pool of as many jobs is: a pool this host's cache could keep whole would
+        # flatter the raw copy.
+        self.pool = torch.empty((regions * job, block_bytes), dtype=torch.uint8)
         self.src_ids = list(range(1, 2 * job, 2))[:job]  # every other block: a realistic scattered job
         self.dst_ids = [b - 1 for b in self.src_ids]
         self.words = [c.view(torch.uint8).view(c.shape[0], -1).view(torch.int64) for c in caches]
-        self.pool_words = self.pool.view(torch.int64).view(job, len(caches), -1)
         self.src_idx, self.dst_idx = torch.tensor(self.src_ids), torch.tensor(self.dst_ids)
         self.rows = torch.arange(job)
-        pool_bytes = self.pool.view(job, len(caches), per_layer)
         src_bytes = [c.view(torch.uint8).view(c.shape[0], -1) for c in caches]
-        self.pieces = [pool_bytes[j][layer] for j in range(job) for layer in range(len(caches))]
+        self.regions: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        for r in range(regions):
+            rows = self.pool[r * job : (r + 1) * job]
+            pool_bytes = rows.view(job, len(caches), per_layer)
+            pieces = [pool_bytes[j][layer] for j in range(job) for layer in range(len(caches))]
+            self.regions.append((rows.view(torch.int64).view(job, len(caches), -1), pieces))
+        self.round = 0
+        self.pool_words, self.pieces = self.regions[0]
         self.src_slices = [src_bytes[layer][b] for b in self.src_ids for layer in range(len(caches))]
         self.dst_slices = [src_bytes[layer][b] for b in self.dst_ids for layer in range(len(caches))]
         self.threads = threads
-        self.executor = ThreadPoolExecutor(max_workers=threads - 1) if threads > 1 else None
+        # One OpenMP thread on each helper (as on the tier's copy threads): a helper with an
+        # intra-op team of its own makes libgomp stop spinning, which slows every raw copy here.
+        self.executor = ThreadPoolExecutor(max_workers=threads - 1, initializer=_one_omp_thread) if threads > 1 else None
         self.layers = list(range(len(caches)))
+
+    def next_round(self) -> None:
+        """The next region of the pool: every copy of a round writes and reads the same rows."""
+        self.round += 1
+        self.pool_words, self.pieces = self.regions[self.round % len(self.regions)]
 
     def _timed(self, fn: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
@@ -118,8 +146,13 @@ class RawCopies:
         shares = [self.layers[i * len(self.layers) // n : (i + 1) * len(self.layers) // n] for i in range(n)]
         assert self.executor is not None
         futures = [self.executor.submit(self._each, one, s) for s in shares[1:]]
-        for x in shares[0]:
-            one(x)
+        mine = torch.get_num_threads()
+        _one_omp_thread()
+        try:
+            for x in shares[0]:
+                one(x)
+        finally:
+            _one_omp_thread(mine)
         for f in futures:
             f.result()
 
@@ -183,12 +216,13 @@ async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_thread
     round. Figures are medians over the rounds."""
     per_layer = caches[0][0].numel() * caches[0].element_size()
     block_bytes = per_layer * len(caches)
-    cfg = {"tiers": [{"backend": "cpu", "capacity": (job * 3) * block_bytes}], "copy_threads": copy_threads}
+    regions = 3  # the tier holds three jobs, and each round's save goes to the slots of the oldest
+    cfg = {"tiers": [{"backend": "cpu", "capacity": (job * regions) * block_bytes}], "copy_threads": copy_threads}
     times: dict[str, list[float]] = {}
     async with kvtier.open(cfg, kv_caches=caches) as store:
         assert store.layout is not None
         threads = store.layout.copies.threads
-        raw = RawCopies(caches, job, threads)
+        raw = RawCopies(caches, job, threads, regions)
         mgr, xfer = store.manager, store.transfers
         assert mgr is not None and xfer is not None
         counter = itertools.count()
@@ -222,6 +256,7 @@ async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_thread
 
         steps: list[tuple[str, Callable[[], Any]]] = [("tier", tier_round), ("engine", engine_round), *raw.variants().items()]
         for r in range(reps + 1):
+            raw.next_round()
             for name, fn in steps if r % 2 else steps[::-1]:
                 got = fn()
                 if asyncio.iscoroutine(got):

@@ -12,16 +12,22 @@ another GPU) and for every stream on it (the engine's compute stream included).
 
 ``usable_cpus()`` is the number of host CPUs this process may run on, which sizes the ``auto``
 thread counts of the host copies and of the Redis tier's connections per job.
+
+``one_intra_op_thread()`` runs torch's CPU ops on the calling thread alone for a while, so a
+kvtier thread never starts an OpenMP team beside the engine's (why: :mod:`kvtier.transfer.copies`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["accelerators", "locate", "tensor_device", "usable_cpus", "wait_for_copies"]
+__all__ = ["accelerators", "locate", "one_intra_op_thread", "tensor_device", "usable_cpus", "wait_for_copies"]
 
 #: Replaced by a test stand-in for ``torch.cuda``; ``None`` asks the tensor itself.
 locate: Callable[[torch.Tensor], torch.device] | None = None
@@ -33,6 +39,46 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+class _OpenMP:
+    """The calling thread's OpenMP thread count (``omp_get_max_threads`` /
+    ``omp_set_num_threads``, a per-thread setting), through the OpenMP runtime torch loaded;
+    ``None`` where torch runs without one."""
+
+    def __init__(self) -> None:
+        self.get: Any = None
+        self.set: Any = None
+        if not torch.backends.openmp.is_available():
+            return
+        try:
+            lib = ctypes.CDLL(None)
+            get, put = lib.omp_get_max_threads, lib.omp_set_num_threads
+        except (OSError, AttributeError):
+            return
+        get.restype, get.argtypes = ctypes.c_int, []
+        put.restype, put.argtypes = None, [ctypes.c_int]
+        self.get, self.set = get, put
+
+
+_omp = _OpenMP()
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Torch's CPU ops on the calling thread run on it alone inside the block (no OpenMP team:
+    see :mod:`kvtier.transfer.copies`); the thread's count is restored after. Other threads are untouched
+    (``torch.set_num_threads`` would change the process's default as well)."""
+    if _omp.set is None:
+        yield
+        return
+    torch.get_num_threads()  # torch sets a thread's count on its first op: let it happen first
+    before = _omp.get()
+    _omp.set(1)
+    try:
+        yield
+    finally:
+        _omp.set(before)
 
 
 def tensor_device(t: torch.Tensor) -> torch.device:

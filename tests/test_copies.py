@@ -5,16 +5,19 @@ once every other share has ended."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import kvtier
+from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.transfer import copies
-from kvtier.transfer.copies import CopySplitter, auto_copy_threads
+from kvtier.transfer.copies import CopySplitter, auto_copy_threads, one_intra_op_thread
 from kvtier.transfer.layout import KVLayout
 from tests.test_layout import assert_same_copies, make_caches
 
@@ -73,7 +76,7 @@ def test_small_jobs_and_one_thread_stay_on_the_calling_thread() -> None:
 
 
 def test_copy_threads_auto_and_errors() -> None:
-    assert [auto_copy_threads(c) for c in (1, 2, 7, 8, 12, 16, 64)] == [1, 1, 1, 2, 3, 4, 4]
+    assert [auto_copy_threads(c) for c in (1, 2, 3, 7, 8, 12, 16, 64)] == [1, 2, 2, 2, 2, 3, 4, 4]
     assert CopySplitter("auto").threads == auto_copy_threads()
     caches = make_caches(torch.bfloat16, fused=False)
     for bad in (0, -1, True, 1.5, "many"):
@@ -97,24 +100,120 @@ def test_the_store_config_sets_the_copy_threads() -> None:
         asyncio.run(threads(copy_threads=0))
 
 
+async def _save_then_load(caches: list[torch.Tensor], keys: list[bytes], threads: int, between: Callable[[], None] = lambda: None) -> None:
+    """Save four blocks (engine ids 1, 3, 5, 7) through a store whose copies are split over
+    ``threads`` threads even when small, then (after ``between()``) load them into 0, 2, 4, 6."""
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 8 * KVLayout(caches).block_bytes}], "copy_threads": threads}
+    async with kvtier.open(cfg, kv_caches=caches) as store:
+        assert store.layout is not None
+        store.layout.copies.min_bytes = 0
+        assert await store.save(keys, [1, 3, 5, 7]) == 4
+        between()
+        assert await store.load(keys, [0, 2, 4, 6]) == 4
+
+
 def test_a_store_saves_and_loads_exact_bytes_with_split_copies() -> None:
     """Through the store and its mover thread: blocks saved and loaded back with copies split
     over three threads are the bytes of the cache."""
     caches = make_caches(torch.bfloat16, fused=False, layers=6, seed=9)
     want = [c.clone() for c in caches]
-    block_bytes = KVLayout(caches).block_bytes
     keys = [bytes([i]) * 32 for i in range(4)]
 
-    async def run() -> None:
-        cfg = {"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}], "copy_threads": 3}
-        async with kvtier.open(cfg, kv_caches=caches) as store:
-            assert store.layout is not None
-            store.layout.copies.min_bytes = 0
-            assert await store.save(keys, [1, 3, 5, 7]) == 4
-            for c in caches:
-                c[[0, 2, 4, 6]] = 0
-            assert await store.load(keys, [0, 2, 4, 6]) == 4
+    def wipe() -> None:
+        for c in caches:
+            c[[0, 2, 4, 6]] = 0
 
-    asyncio.run(run())
+    asyncio.run(_save_then_load(caches, keys, 3, between=wipe))
     for c, w in zip(caches, want):
         assert torch.equal(c[[0, 2, 4, 6]].view(torch.uint8), w[[1, 3, 5, 7]].view(torch.uint8))
+
+
+needs_openmp = pytest.mark.skipif(
+    not torch.backends.openmp.is_available() or torch.get_num_threads() < 2, reason="needs torch with OpenMP and two intra-op threads"
+)
+
+
+@needs_openmp
+def test_one_intra_op_thread_is_the_calling_threads_alone() -> None:
+    """Inside the block torch's ops on this thread run on it alone; after it, the thread's
+    count is back, and no other thread's count (nor the process default) ever changed."""
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    with one_intra_op_thread():
+        assert torch.get_num_threads() == 1
+        other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        other.start()
+        other.join()
+    assert torch.get_num_threads() == before
+    assert seen == [before]
+
+
+@needs_openmp
+def test_every_share_of_a_split_copy_runs_on_one_intra_op_thread() -> None:
+    """Each thread a job's copy uses, the calling one included, copies without an OpenMP team
+    of its own: a team on a second thread made libgomp stop spinning, and every copy in the
+    process (the engine's own among them) slowed by a quarter (see kvtier.transfer.copies)."""
+    counts: dict[str, int] = {}
+
+    def part() -> None:
+        time.sleep(0.01)  # long enough that the pool thread takes its own share
+        counts[threading.current_thread().name] = torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    CopySplitter(2, min_bytes=0).run([part, part], 1 << 30)
+    CopySplitter(1).run([part], 1 << 30)
+    assert len(counts) == 2 and set(counts.values()) == {1}
+    assert torch.get_num_threads() == before
+
+
+@needs_openmp
+def test_the_stores_threads_copy_on_one_intra_op_thread_each() -> None:
+    """Through a store: every copy of a save and a load runs on threads with one intra-op
+    thread, and the caller's own count is untouched."""
+    caches = make_caches(torch.bfloat16, fused=False, layers=4, seed=2)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    counts: list[tuple[str, int]] = []
+    real = copies._run_all
+
+    def run_all(parts):  # type: ignore[no-untyped-def]
+        def noted() -> None:
+            counts.append((threading.current_thread().name, torch.get_num_threads()))
+
+        real([noted, *parts])
+
+    before = torch.get_num_threads()
+    copies._run_all = run_all  # type: ignore[assignment]
+    try:
+        asyncio.run(_save_then_load(caches, keys, 2))
+    finally:
+        copies._run_all = real  # type: ignore[assignment]
+    names = {name for name, _ in counts}
+    assert {"kvtier-store", "kvtier-load"} <= names, names
+    assert all(n == 1 for _, n in counts), counts
+    assert torch.get_num_threads() == before
+
+
+@needs_openmp
+def test_a_cpu_pools_first_fill_runs_on_one_intra_op_thread_per_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fill that touches a fresh pool's pages at open runs in shares off the event loop's
+    thread, each share on one intra-op thread, and fills the whole pool."""
+    from kvtier.backends import memory
+
+    seen: list[tuple[str, int]] = []
+    real = memory.one_intra_op_thread
+
+    @contextlib.contextmanager
+    def noted():  # type: ignore[no-untyped-def]
+        with real():
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            yield
+
+    monkeypatch.setattr(memory, "one_intra_op_thread", noted)
+    backend = memory.CpuBackend(capacity=8 << 20)
+    asyncio.run(backend.open(BlockFormat(block_bytes=1 << 20, dtype="bfloat16")))
+    try:
+        assert backend.pool is not None and not backend.pool.any()
+        assert seen and all(n == 1 for _, n in seen) and threading.current_thread().name not in {t for t, _ in seen}
+        assert len(seen) == min(4, memory.usable_cpus())
+    finally:
+        asyncio.run(backend.aclose())

@@ -1,12 +1,21 @@
 """One job's host copy, dealt out to a few threads.
 
 A job between a host KV cache and a host pool is one ``index_select`` (or ``index_copy_``) per
-KV tensor. Torch runs each of them on the calling thread alone: rows this wide are not split
-over intra-op threads (CPU time over wall time of such a job measured 1.0 here, with two
-intra-op threads). One thread reaches a fraction of a many-core host's memory bandwidth, so
-:class:`CopySplitter` deals a job's per-tensor copies out to ``threads`` threads: the calling
-thread runs one share and a process-wide pool (``kvtier-copy-*`` threads, created on first use
-and again in a forked child) the others. The ops release the GIL, so the shares overlap.
+KV tensor. :class:`CopySplitter` deals a job's per-tensor copies out to ``threads`` threads: the
+calling thread runs one share and a process-wide pool (``kvtier-copy-*`` threads, created on
+first use and again in a forked child) the others. The ops release the GIL, so the shares
+overlap.
+
+**Each share runs on its thread alone** (:func:`one_intra_op_thread`): torch splits a copy this
+wide over its OpenMP intra-op threads, and OpenMP gives every thread that starts a parallel
+region a team of its own. So a copy on the mover thread made a second team beside the
+engine's. With more OpenMP threads than CPUs, libgomp stops spinning between regions, and every
+region of either team then waits for its helpers to be woken. Measured on 2 CPUs
+(``benchmarks/bench_core.py``): one thread copies at 6.4 GB/s and the calling thread with its
+team of two at 12.8. A copy on another thread with a team of its own reached 9.7, and the
+calling thread's own copies then fell to 9.7 as well. Two threads with one OpenMP thread each
+reached 12.7 and left the calling thread's copies at 13.2. So ``copy_threads`` is exactly the
+threads a job's copy uses.
 
 The split never changes what is copied, only which thread copies it: every share writes
 rows no other share writes. :meth:`CopySplitter.run` returns only once every share has ended,
@@ -23,10 +32,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
-from kvtier.devices import usable_cpus
+from kvtier.devices import one_intra_op_thread, usable_cpus
 from kvtier.errors import LayoutError
 
-__all__ = ["MIN_SPLIT_BYTES", "THREAD_PREFIX", "CopySplitter", "CopyThreads", "auto_copy_threads"]
+__all__ = ["MIN_SPLIT_BYTES", "THREAD_PREFIX", "CopySplitter", "CopyThreads", "auto_copy_threads", "one_intra_op_thread"]
 
 #: Jobs with fewer bytes than this are copied on the calling thread alone.
 MIN_SPLIT_BYTES = 8 << 20
@@ -35,6 +44,9 @@ THREAD_PREFIX = "kvtier-copy"
 #: ``auto`` uses at most this many threads: a few saturate a socket's memory bandwidth, and
 #: the engine's own compute (CPU inference) needs the other cores.
 AUTO_MAX = 4
+#: ``auto`` uses at least this many threads where there are as many CPUs: torch's own copy on
+#: the calling thread uses every core with its intra-op threads.
+AUTO_MIN = 2
 
 CopyThreads = int | Literal["auto"]
 
@@ -45,10 +57,10 @@ _lock = threading.Lock()
 
 def auto_copy_threads(cpus: int | None = None) -> int:
     """Threads per job copy for ``copy_threads: auto``: a quarter of the CPUs this process may
-    run on, between 1 and :data:`AUTO_MAX` (1 on hosts of fewer than 8 CPUs)."""
+    run on, between :data:`AUTO_MIN` and :data:`AUTO_MAX`, and never more than the CPUs."""
     if cpus is None:
         cpus = usable_cpus()
-    return max(1, min(AUTO_MAX, cpus // 4))
+    return max(1, min(cpus, max(AUTO_MIN, min(AUTO_MAX, cpus // 4))))
 
 
 def resolve_copy_threads(value: CopyThreads) -> int:
@@ -81,8 +93,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run_all(parts: Sequence[Callable[[], None]]) -> None:
-    for part in parts:
-        part()
+    with one_intra_op_thread():
+        for part in parts:
+            part()
 
 
 class CopySplitter:

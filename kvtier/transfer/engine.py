@@ -50,12 +50,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvtier.backend import Backend, MemoryBackend
+from kvtier.devices import one_intra_op_thread
 from kvtier.errors import ClosedError, LayoutError, LifecycleError
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
@@ -138,7 +139,9 @@ class TransferEngine:
         ]
         if deadline_s is not None:
             targets.append((self._watch_deadlines, "kvtier-deadline"))
-        self._threads = [threading.Thread(target=fn, name=name, daemon=True) for fn, name in targets]
+        # Each on one intra-op thread: a torch op there never starts an OpenMP team of its own
+        # (see kvtier.transfer.copies); a job's host copy is split over the copy threads instead.
+        self._threads = [threading.Thread(target=_on_one_intra_op_thread, args=(fn,), name=name, daemon=True) for fn, name in targets]
         for t in self._threads:
             t.start()
 
@@ -425,6 +428,11 @@ class TransferEngine:
             )
             self._staging[direction] = buf
         return buf
+
+
+def _on_one_intra_op_thread(fn: Callable[[], None]) -> None:
+    with one_intra_op_thread():
+        fn()
 
 
 def _resolve(fut: asyncio.Future[JobResult], result: JobResult) -> None:

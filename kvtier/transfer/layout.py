@@ -24,7 +24,7 @@ the pool rows of a job form a few runs of consecutive rows (the usual case in a 
 ``index_copy_`` out of it), with no intermediate buffer: one pass over memory instead of two
 (on the host here, about twice the speed of the gather plus scatter). Between host buffers
 the per-tensor copies of a job are dealt out to ``copy_threads`` threads
-(:mod:`kvtier.transfer.copies`): torch runs each on one thread.
+(:mod:`kvtier.transfer.copies`), each of which copies on one OpenMP thread.
 
 Across devices (a CUDA cache and a host pool) the default ``staged`` strategy hands the job to
 the layout's :class:`~kvtier.transfer.staging.StagedCopier` (``layout.staging``): a gather per tensor
