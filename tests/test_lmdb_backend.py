@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -569,6 +570,53 @@ def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read
         assert failed == ["kvtier-lmdb-cold"]
         assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[3]) and torch.equal(out[3], data[4])
         assert {r.key for r in backend.scan()} == set(keys) - {keys[1]}  # dropped, as a warm read drops it
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_first_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold job's slow lookup is often its last (the read-around of an earlier value read the
+    others): that job cannot overlap its copies any more, so the next one is read cold from
+    its first key, on the cold read's thread. A job with no slow lookup makes the reader warm
+    again: the job after it is looked up on the calling thread. The bytes are the same each
+    time."""
+    from kvtier.backends import lmdb_layout
+
+    keys, data = _cold_store(tmp_path, 5, {})
+    good = [keys[0], keys[1], keys[3], keys[4]]
+    want = [data[0], data[1], data[3], data[4]]
+    threads: list[str] = []
+    slow: set[bytes] = set()
+    real_pair = lmdb_layout.JobReader.pair
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        threads.append(threading.current_thread().name)
+        if key in slow:
+            time.sleep(2 * lmdb_layout.COLD_GET_S)  # a lookup that read from disk
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
+    me = threading.current_thread().name
+
+    def job(slow_keys: set[bytes]) -> list[str]:
+        slow.clear()
+        slow.update(slow_keys)
+        threads.clear()
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in good]
+        assert backend.read_blocks(good, out) == [True] * 4
+        assert all(torch.equal(o, w) for o, w in zip(out, want))
+        return list(threads)
+
+    try:
+        assert job(set()) == [me] * 4  # warm: no thread
+        assert job({keys[4]}) == [me] * 4  # the last lookup slow: nothing left to overlap here
+        assert job(set()) == ["kvtier-lmdb-cold"] * 4  # ... so the next job is read cold
+        assert job(set()) == [me] * 4  # that one found every value in memory: warm again
+        assert job({keys[1]}) == [me, me, "kvtier-lmdb-cold", "kvtier-lmdb-cold"]  # slow midway: as before
+        assert job(set()) == ["kvtier-lmdb-cold"] * 4
     finally:
         asyncio.run(backend.aclose())
 
