@@ -18,7 +18,8 @@ warm-up:
   whatever the client does (``server_busy`` is also ``gbps`` over it);
 * ``client_s_per_gb``: the side's own CPU per byte.
 
-Rounds alternate kvtier and LMCache (the order reversed every round); ``ratios`` are kvtier
+Rounds alternate kvtier and LMCache (the order reversed every round), after one uncounted
+warm-up round (``--warmup-rounds``); ``ratios`` are kvtier
 over LMCache per cell and round, and each round's ``steal_share`` the share of the host's CPU
 time the hypervisor gave to other guests while each side ran.
 
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--cases", default=DEFAULT_CASES, help="CHUNKSxKIB[,...]")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="uncounted rounds first (default 1)")
     parser.add_argument("--peer-python", help="the Python that has LMCache installed")
     parser.add_argument(
         "--peer-bench", help="LMCache's harness, lmcache_redis_bench.py (its LMC class builds the connector)"
@@ -220,8 +222,10 @@ def main() -> None:
     }
     rounds: list[dict[str, Any]] = []
     try:
-        for r in range(args.rounds):
-            entry: dict[str, Any] = {"round": r + 1}
+        # Round 0 warms the fresh server up and is not counted: it grows its memory during the
+        # first puts it takes, which charged whichever side ran first.
+        for r in range(args.warmup_rounds + args.rounds):
+            entry: dict[str, Any] = {"round": r - args.warmup_rounds + 1}
             for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
                 cmd = [
                     *sides[name],
@@ -242,8 +246,10 @@ def main() -> None:
                     raise SystemExit(f"the {name} side failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
                 entry[name] = json.loads(proc.stdout.strip().splitlines()[-1])
                 entry.setdefault("steal_share", {})[name] = steal.share
-                print(f"round {r + 1} {name}: {json.dumps(entry[name])} (steal {steal.share})", file=sys.stderr)
-            rounds.append(entry)
+                tag = f"round {entry['round']}" if r >= args.warmup_rounds else "warm-up"
+                print(f"{tag} {name}: {json.dumps(entry[name])} (steal {steal.share})", file=sys.stderr)
+            if r >= args.warmup_rounds:
+                rounds.append(entry)
     finally:
         server.stop()
     ratios: dict[str, list[float]] = {}

@@ -1,8 +1,10 @@
 """The ``redis`` tier against LMCache's Redis connectors, taking turns on one private redis-server.
 
-Each round runs every kvtier side, then LMCache's own harness (``lmcache_redis_bench.py``, in the
+Each round runs every kvtier side and LMCache's own harness (``lmcache_redis_bench.py``, in the
 peer's Python, with ``--redis-url`` pointing at the same server), each in a fresh process, the
-server flushed between them. kvtier moves the same cases as that harness: ``CHUNKS`` blocks of
+server flushed between them, in an order that reverses every round, after one uncounted warm-up
+round (``--warmup-rounds``: a fresh server grows its memory during its first puts, which charged
+whichever side ran first). kvtier moves the same cases as that harness: ``CHUNKS`` blocks of
 ``KIB`` KiB, every block of a case in one ``write_blocks`` / ``read_blocks`` call, as LMCache's
 ``batched_submit_put_task`` / ``batched_get_blocking`` take them all; every read is checked byte
 for byte. Figures are medians over ``--reps`` reps after one warm-up, in GB/s (1e9 bytes).
@@ -19,7 +21,7 @@ Sides: ``--kvtier NAME=PYTHONPATH`` (repeatable) runs kvtier with that directory
 ``backends/``); the default is one side, ``kvtier``, with the code this script is installed with.
 
     python benchmarks/bench_redis_vs_lmcache.py --peer-python PEER/bin/python \\
-        --peer-bench peerbench/lmcache_redis_bench.py [--rounds 2] [--reps 3] [--json OUT]
+        --peer-bench peerbench/lmcache_redis_bench.py [--rounds 2] [--reps 5] [--json OUT]
     python benchmarks/bench_redis_vs_lmcache.py --kvtier-side --url URL   # one kvtier side, JSON
 """
 
@@ -108,8 +110,9 @@ def main() -> None:
     parser.add_argument("--kvtier-side", action="store_true", help="run one kvtier side against --url and print its JSON")
     parser.add_argument("--url", help="the server (default: a private one started here)")
     parser.add_argument("--cases", default=DEFAULT_CASES, help="CHUNKSxKIB[,...], as the LMCache harness takes them")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="timed reps per side and round (default 5, as the LMCache harness)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="uncounted rounds first (default 1)")
     parser.add_argument("--kvtier", action="append", default=[], metavar="NAME=PYTHONPATH", help="a kvtier side (repeatable)")
     parser.add_argument("--peer-python", help="the Python that has LMCache installed")
     parser.add_argument("--peer-bench", help="the LMCache harness, lmcache_redis_bench.py")
@@ -139,38 +142,49 @@ def main() -> None:
         url = started.url
     client = redis.Redis.from_url(url)
     rounds: list[dict[str, Any]] = []
+
+    def run_kvtier(name: str, path: str) -> tuple[dict[str, Any], float]:
+        env = dict(os.environ)
+        if path:
+            env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+        with CpuSteal() as steal:
+            out = subprocess.run(
+                [sys.executable, __file__, "--kvtier-side", "--url", url, "--cases", args.cases, "--reps", str(args.reps)],
+                env=env, check=True, capture_output=True, text=True,
+            ).stdout
+        return json.loads(out.strip().splitlines()[-1]), steal.share
+
+    def run_lmcache() -> tuple[dict[str, Any], float]:
+        with tempfile.TemporaryDirectory() as tmp:
+            report_path = Path(tmp) / "lmcache.json"
+            with CpuSteal() as steal:
+                peer = subprocess.run(
+                    [args.peer_python, "-W", "ignore", args.peer_bench, "--redis-url", url, "--reps", str(args.reps),
+                     "--cases", args.cases, "--lmcache", args.lmcache, "--lookups", str(args.lookups), "--json", str(report_path)],
+                    check=False, capture_output=True, text=True,
+                )
+            if peer.returncode:  # its raw redis.asyncio baseline times out on a badly overloaded host, say
+                raise SystemExit(f"the LMCache harness failed (exit {peer.returncode}):\n{peer.stderr[-3000:]}")
+            return _lmcache_cells(json.loads(report_path.read_text())), steal.share
+
+    runners = [(name, lambda name=name, path=path: run_kvtier(name, path)) for name, path in sides]
+    runners.append(("lmcache", run_lmcache))
     try:
-        for r in range(args.rounds):
-            entry: dict[str, Any] = {"round": r + 1}
-            for name, path in sides:
-                env = dict(os.environ)
-                if path:
-                    env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+        # Round 0 warms the server up and is not counted: a fresh redis-server grows its memory
+        # during the first puts it takes (kvtier's first 2 MiB puts ran at 1.1-1.2 GB/s there,
+        # 1.8-1.9 later), which charged whichever side ran first. The order reverses every round.
+        for r in range(args.warmup_rounds + args.rounds):
+            counted = r >= args.warmup_rounds
+            entry: dict[str, Any] = {"round": r - args.warmup_rounds + 1}
+            for name, run in runners if r % 2 == 0 else runners[::-1]:
                 client.flushall()
                 load = _load()
-                with CpuSteal() as steal:
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--kvtier-side", "--url", url, "--cases", args.cases, "--reps", str(args.reps)],
-                        env=env, check=True, capture_output=True, text=True,
-                    ).stdout
-                entry[name] = {"load_before": load, "load_after": _load(), "steal_share": steal.share, "cells": json.loads(out.strip().splitlines()[-1])}
-                print(f"round {r + 1} {name}: {json.dumps(entry[name]['cells'])} (load {load}, steal {steal.share})", file=sys.stderr)
-            client.flushall()
-            load = _load()
-            with tempfile.TemporaryDirectory() as tmp:
-                report_path = Path(tmp) / "lmcache.json"
-                with CpuSteal() as steal:
-                    peer = subprocess.run(
-                        [args.peer_python, "-W", "ignore", args.peer_bench, "--redis-url", url, "--reps", str(args.reps),
-                         "--cases", args.cases, "--lmcache", args.lmcache, "--lookups", str(args.lookups), "--json", str(report_path)],
-                        check=False, capture_output=True, text=True,
-                    )
-                if peer.returncode:  # its raw redis.asyncio baseline times out on a badly overloaded host, say
-                    raise SystemExit(f"the LMCache harness failed (exit {peer.returncode}):\n{peer.stderr[-3000:]}")
-                entry["lmcache"] = {"load_before": load, "load_after": _load(), "steal_share": steal.share,
-                                    "cells": _lmcache_cells(json.loads(report_path.read_text()))}
-            print(f"round {r + 1} lmcache: {json.dumps(entry['lmcache']['cells'])} (load {load}, steal {steal.share})", file=sys.stderr)
-            rounds.append(entry)
+                cells, steal_share = run()
+                entry[name] = {"load_before": load, "load_after": _load(), "steal_share": steal_share, "cells": cells}
+                tag = f"round {entry['round']}" if counted else "warm-up"
+                print(f"{tag} {name}: {json.dumps(cells)} (load {load}, steal {steal_share})", file=sys.stderr)
+            if counted:
+                rounds.append(entry)
     finally:
         client.close()
         if started is not None:

@@ -63,23 +63,23 @@ def test_one_dead_primary_misses_its_own_slots_only_and_a_read_ends_before_it_re
         # the call must still wait for them before it returns.
         failed = threading.Event()
         ends: list[float] = []
-        real: Callable[..., None] = backend._exchange
+        real: Callable[..., None] = backend._exchange_many
 
-        def exchange(pool: Any, body: Any) -> None:
+        def exchange(pool: Any, count: int, body: Any) -> None:
             if pool.connection_kwargs["port"] == dead.port:
                 try:
-                    real(pool, body)
+                    real(pool, count, body)
                 finally:
                     failed.set()
                 return
             assert failed.wait(30)
             time.sleep(0.2)
             try:
-                real(pool, body)
+                real(pool, count, body)
             finally:
                 ends.append(time.monotonic())
 
-        backend._exchange = exchange  # type: ignore[method-assign]
+        backend._exchange_many = exchange  # type: ignore[method-assign]
         out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in keys]
         found = backend.read_blocks(keys, out)
         returned = time.monotonic()
@@ -88,7 +88,7 @@ def test_one_dead_primary_misses_its_own_slots_only_and_a_read_ends_before_it_re
         for ok, row, want in zip(found, out, data):
             if ok:
                 assert torch.equal(row, want)
-        backend._exchange = real  # type: ignore[method-assign]
+        backend._exchange_many = real  # type: ignore[method-assign]
 
         # Only the dead node is down: the others store and load, its keys fail at once.
         stats = backend.stats()
