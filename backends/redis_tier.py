@@ -15,7 +15,8 @@ overlap the server's storing of the records in flight, and every read the server
 whole command, which it keeps as the value instead of copying it out. Reads are ``GET`` (``GETEX ...
 PX`` with ``ttl_s``, a sliding expiry) with a bounded window of requests in flight (about 1 MiB
 of replies per connection: whole-job pipelines of large replies measured slower than a serial
-loop). With ``cluster: true`` a job is split by hash slot into one batch per primary, and the
+loop); records of 256 KiB and more are read striped over the put's connections and received in
+order (``_STRIPE_MIN_BYTES``). With ``cluster: true`` a job is split by hash slot into one batch per primary, and the
 batches run in parallel.
 
 The index lives on the server. :class:`kvtier.backends.shared_index.SharedIndexView` keeps the manager's
