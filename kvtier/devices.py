@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["accelerators", "locate", "one_intra_op_thread", "tensor_device", "usable_cpus", "wait_for_copies"]
+__all__ = ["accelerators", "confines_intra_op", "locate", "one_intra_op_thread", "tensor_device", "usable_cpus", "wait_for_copies"]
 
 #: Replaced by a test stand-in for ``torch.cuda``; ``None`` asks the tensor itself.
 locate: Callable[[torch.Tensor], torch.device] | None = None
@@ -62,6 +62,12 @@ class _OpenMP:
 
 
 _omp = _OpenMP()
+
+
+def confines_intra_op() -> bool:
+    """Whether :func:`one_intra_op_thread` can set a thread's count here (torch runs with an
+    OpenMP runtime whose per-thread setting this process can reach)."""
+    return _omp.set is not None
 
 
 @contextlib.contextmanager
