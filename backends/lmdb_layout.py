@@ -339,9 +339,9 @@ class ColdRead:
                     return
                 key = self.keys[i]
                 try:
-                    start = time.perf_counter()
+                    began = time.perf_counter()
                     pair = None if key in bad else self.reader.pair(self.txn, key, self.limit, bad)
-                    self.slow = self.slow or time.perf_counter() - start > COLD_GET_S
+                    self.slow = self.slow or time.perf_counter() - began > COLD_GET_S
                 except lmdb.Error as exc:
                     self.reader.drop(bad, key, exc)
                     self.failed_at = i

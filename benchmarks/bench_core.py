@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
 import hashlib
 import itertools
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 
 import kvtier
+from kvtier.devices import one_intra_op_thread
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
 from kvtier.tools.bench.host import CpuSteal
@@ -81,16 +81,6 @@ def best_of(reps: int, fn: Callable[[], Any]) -> float:
 
 
 # -- bandwidth ------------------------------------------------------------------------------
-def _one_omp_thread(count: int = 1) -> None:
-    """The calling thread's OpenMP count (a per-thread setting) to ``count``: 1 runs its torch ops
-    on it alone, as the raw split copy's threads should; a no-op without OpenMP."""
-    torch.get_num_threads()  # torch sets a thread's count on its first op: let it happen first
-    try:
-        ctypes.CDLL(None).omp_set_num_threads(count)
-    except AttributeError:
-        pass
-
-
 class RawCopies:
     """Raw copies of a job of ``job`` scattered blocks between ``caches`` and a pool of
     records, done with torch alone on the calling thread (and, ``split``, over ``threads``
@@ -125,9 +115,7 @@ class RawCopies:
         self.src_slices = [src_bytes[layer][b] for b in self.src_ids for layer in range(len(caches))]
         self.dst_slices = [src_bytes[layer][b] for b in self.dst_ids for layer in range(len(caches))]
         self.threads = threads
-        # One OpenMP thread on each helper (as on the tier's copy threads): a helper with an
-        # intra-op team of its own makes libgomp stop spinning, which slows every raw copy here.
-        self.executor = ThreadPoolExecutor(max_workers=threads - 1, initializer=_one_omp_thread) if threads > 1 else None
+        self.executor = ThreadPoolExecutor(max_workers=threads - 1) if threads > 1 else None
         self.layers = list(range(len(caches)))
 
     def next_round(self) -> None:
@@ -145,16 +133,18 @@ class RawCopies:
         n = self.threads
         shares = [self.layers[i * len(self.layers) // n : (i + 1) * len(self.layers) // n] for i in range(n)]
         assert self.executor is not None
-        futures = [self.executor.submit(self._each, one, s) for s in shares[1:]]
-        mine = torch.get_num_threads()
-        _one_omp_thread()
-        try:
-            for x in shares[0]:
-                one(x)
-        finally:
-            _one_omp_thread(mine)
+        futures = [self.executor.submit(self._alone, one, s) for s in shares[1:]]
+        self._alone(one, shares[0])
         for f in futures:
             f.result()
+
+    @classmethod
+    def _alone(cls, one: Callable[[int], None], layers: list[int]) -> None:
+        """A share of the split copy on one OpenMP thread, as the tier's copy threads run: a
+        thread with an intra-op team of its own makes libgomp stop spinning, which slows every
+        raw copy here (see kvtier.transfer.copies)."""
+        with one_intra_op_thread():
+            cls._each(one, layers)
 
     @staticmethod
     def _each(one: Callable[[int], None], layers: list[int]) -> None:
