@@ -1,6 +1,7 @@
 """kvtier: a tiered, persistent KV cache for LLM inference engines."""
 
-from kvtier import _moved
+from kvtier import _moved, _source_tree
+
 from kvtier.errors import (
     BackendError,
     ClosedError,
@@ -22,6 +23,7 @@ from kvtier.transfer.layout import KVLayout
 
 __version__ = "0.1.0"
 
+_source_tree.install()  # from a checkout, kvtier.backends is the checkout's backends/ folder
 _moved.install()  # the module paths of kvtier 0.2 keep working (kvtier.policies, kvtier.codec, ...)
 
 __all__ = [
