@@ -1,7 +1,6 @@
 """kvtier: a tiered, persistent KV cache for LLM inference engines."""
 
 from kvtier import _moved, _source_tree
-
 from kvtier.errors import (
     BackendError,
     ClosedError,
