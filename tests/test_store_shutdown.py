@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
+
+from kvtier.transfer.offloop import off_loop
 
 
 def test_a_store_closed_from_an_atexit_hook_closes_cleanly(tmp_path: Path) -> None:
@@ -78,3 +85,35 @@ def test_a_close_from_an_atexit_hook_writes_the_memory_tiers_back(tmp_path: Path
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "4"
+
+
+
+# -- off_loop: only the executor's refusal runs a call inline --------------------------------------
+
+def test_off_loop_runs_a_call_that_raises_about_a_shutdown_once() -> None:
+    """A call whose own error mentions a shutdown (a pool of its own refusing work) is not the
+    loop's executor refusing it: the error comes out, and the call ran once."""
+    runs: list[int] = []
+
+    def refuses_inside() -> None:
+        runs.append(1)
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    with pytest.raises(RuntimeError, match="shutdown"):
+        asyncio.run(off_loop(refuses_inside))
+    assert runs == [1]
+
+
+def test_off_loop_runs_inline_when_the_executor_refuses() -> None:
+    ran_on: list[int] = []
+
+    async def run() -> tuple[int, int]:
+        closed = ThreadPoolExecutor(1)
+        closed.shutdown()  # refuses new work, as every executor does at interpreter exit
+        asyncio.get_running_loop().set_default_executor(closed)
+        total: int = await off_loop(lambda a, b: a + b, 2, 3)
+        await off_loop(lambda: ran_on.append(threading.get_ident()))
+        return total, threading.get_ident()
+
+    total, loop_thread = asyncio.run(run())
+    assert total == 5 and ran_on == [loop_thread]
