@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -77,8 +81,6 @@ def test_split_shares_keeps_the_order_and_never_cuts_below_the_floor() -> None:
 
 
 def test_run_all_waits_for_every_call_even_when_the_first_one_raises() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     ended: list[int] = []
 
     def slow(i: int) -> int:
@@ -96,6 +98,63 @@ def test_run_all_waits_for_every_call_even_when_the_first_one_raises() -> None:
             run_all(threads, [boom, lambda: slow(1), lambda: slow(2)])
         assert sorted(ended) == [1, 2]  # both had ended before the error came out
     assert run_all(None, [lambda: 1, lambda: 2]) == [1, 2]
+
+
+class _RefusesAfter(Executor):
+    """A pool that takes the first ``accepts`` calls and then refuses (``queue_then_raise``: queues
+    the call and raises anyway, as a pool that could not start a thread does)."""
+
+    def __init__(self, real: ThreadPoolExecutor, accepts: int, error: Exception, *, queue_then_raise: bool = False) -> None:
+        self.real, self.accepts, self.error, self.queue_then_raise = real, accepts, error, queue_then_raise
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self.accepts > 0:
+            self.accepts -= 1
+            return self.real.submit(fn, *args, **kwargs)
+        if self.queue_then_raise:
+            self.real.submit(fn, *args, **kwargs)
+        raise self.error
+
+
+def test_run_all_runs_the_calls_a_shut_down_pool_refuses_on_this_thread() -> None:
+    """At interpreter exit every pool refuses work; the write must still happen, here."""
+    threads = ThreadPoolExecutor(3)
+    threads.shutdown()
+    ran_on: list[tuple[int, int]] = []
+    calls = [lambda i=i: ran_on.append((i, threading.get_ident())) or i for i in range(4)]  # type: ignore[func-returns-value]
+    assert run_all(threads, calls) == [0, 1, 2, 3]
+    assert ran_on == [(i, threading.get_ident()) for i in range(4)]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("cannot schedule new futures after shutdown"), OSError("no thread")])
+def test_run_all_waits_for_a_running_share_when_a_later_hand_over_fails(error: Exception) -> None:
+    ended: list[int] = []
+
+    def slow(i: int) -> int:
+        time.sleep(0.3)
+        ended.append(i)
+        return i
+
+    with ThreadPoolExecutor(3) as real:
+        out = run_all(_RefusesAfter(real, 1, error), [lambda: 0, lambda: slow(1), lambda: slow(2), lambda: 3])
+        assert sorted(ended) == [1, 2]  # the pooled share had ended before run_all returned
+        assert out == [0, 1, 2, 3]
+
+
+def test_run_all_runs_each_call_once_when_a_refusing_pool_ran_it_anyway() -> None:
+    runs = [0, 0, 0]
+    lock = threading.Lock()
+
+    def count(i: int) -> int:
+        time.sleep(0.05)
+        with lock:
+            runs[i] += 1
+        return i
+
+    with ThreadPoolExecutor(2) as real:
+        pool = _RefusesAfter(real, 0, RuntimeError("can't start new thread"), queue_then_raise=True)
+        assert run_all(pool, [lambda i=i: count(i) for i in range(3)]) == [0, 1, 2]  # type: ignore[misc]
+    assert runs == [1, 1, 1]
 
 
 @pytest.mark.parametrize("buffered", [0, 5, 4096])
@@ -196,6 +255,38 @@ def test_a_large_job_runs_on_several_connections_and_reads_what_one_connection_r
         client.close()
         _close(shared)
         _close(single)
+
+
+def test_a_write_from_an_exit_hook_stores_every_share(redis_server: RedisServer) -> None:
+    """At interpreter exit the tier's I/O threads refuse work: a close-time write-back from an
+    ``atexit`` hook (vLLM's finalizer) runs every share on the calling thread and stores them all."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(
+        f"""
+        import atexit, sys
+        sys.path.insert(0, {tests!r})
+        from redis_servers import open_redis_tier
+        from kvtier.testing import make_key, random_block
+
+        backend = open_redis_tier(b"redis-shares", {BLOCK}, url={redis_server.url!r}, prefix="shares-exit", job_connections=4)
+
+        def bye():
+            sizes = backend.write_blocks([make_key(7000 + i) for i in range(64)], [random_block({BLOCK}, i) for i in range(64)])
+            print("written", sum(s is not None for s in sizes))
+
+        atexit.register(bye)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == "written 64"  # 4 MiB: four shares, three of them refused by the pool
+    backend = _open(url=redis_server.url, prefix="shares-exit", job_connections=1)
+    try:
+        out = _empty(64)
+        assert backend.read_blocks([make_key(7000 + i) for i in range(64)], out) == [True] * 64
+        assert all(torch.equal(out[i], random_block(BLOCK, i)) for i in range(64))
+    finally:
+        _close(backend)
 
 
 def test_a_small_job_stays_on_the_calling_thread(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
