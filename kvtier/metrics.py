@@ -272,7 +272,9 @@ _servers: dict[tuple[str, int], Any] = {}
 
 
 class Exporter:
-    """Handle returned by :func:`export`; ``close()`` stops reporting the store. Idempotent."""
+    """Handle returned by :func:`export`; ``close()`` stops reporting the store. Idempotent.
+    ``port``: the port this process serves ``/metrics`` on for it (``None``: none, or the port
+    could not be bound)."""
 
     def __init__(self, collector: _Collector | None = None, label: str = "", port: int | None = None) -> None:
         self._collector = collector
@@ -301,8 +303,11 @@ def export(
     """Report ``store`` to Prometheus (``registry`` defaults to prometheus_client's default one).
 
     With ``port``, also serve ``/metrics`` over HTTP (one server per address and port per
-    process). Without ``prometheus_client``: a warning and a no-op :class:`Exporter`, or
-    :class:`MissingDependencyError` when ``require`` is true.
+    process). A port that cannot be bound (in use by another process, say another vLLM rank)
+    is a warning naming ``metrics.port`` and the port, never an error: the store is registered
+    all the same and the returned handle's ``port`` is ``None``. Without ``prometheus_client``:
+    a warning and a no-op :class:`Exporter`, or :class:`MissingDependencyError` when ``require``
+    is true.
     """
     try:
         import prometheus_client
@@ -319,7 +324,17 @@ def export(
             collector = _collectors[registry] = _Collector()
             registry.register(collector)
         if port is not None and (addr, port) not in _servers:
-            _servers[(addr, port)] = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+            try:
+                _servers[(addr, port)] = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+            except OSError as exc:  # a port in use never stops a store (nor the engine it serves)
+                log.warning(
+                    "metrics.port %d on %s cannot be served (%s); this process's kvtier metrics are not served over "
+                    "HTTP (the store runs on, registered with the in-process registry); set metrics.port to a free port",
+                    port,
+                    addr,
+                    exc.strerror or exc,
+                )
+                port = None
     label = collector.add(store, store_label)
     log.info("metrics: exporting store %r to Prometheus%s", label, f" on {addr}:{port}" if port is not None else "")
     return Exporter(collector, label, port)

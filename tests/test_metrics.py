@@ -236,3 +236,29 @@ def test_a_store_that_cannot_be_scraped_is_counted_and_logged(caplog: pytest.Log
     assert registry.get_sample_value("kvtier_scrape_errors_total", {"store": "broken"}) == 2
     warnings = [r for r in caplog.records if "broken" in r.getMessage() and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "dictionary changed size" in warnings[0].getMessage()
+
+
+def test_a_metrics_port_in_use_is_a_warning_and_the_store_runs_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Another process (another vLLM rank) holds the port: the store opens, saves and loads, and
+    the warning names the setting and the port."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        async def run() -> None:
+            cfg = {**CONFIG, "metrics": {"port": port, "store_label": "port-in-use"}}
+            with caplog.at_level(logging.WARNING, logger="kvtier.metrics"):
+                async with kvtier.open(cfg, kv_caches=caches()) as store:
+                    assert await store.save([make_key(1)], [0]) == 1
+                    assert await store.load([make_key(1)], [5]) == 1
+                    assert store._exporter is not None and store._exporter.active and store._exporter.port is None
+                    blocks = prometheus_client.REGISTRY.get_sample_value("kvtier_tier_blocks", {"store": "port-in-use", "tier": "host"})
+                    assert blocks == 1  # still reported in-process
+
+        asyncio.run(run())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("metrics.port" in m and str(port) in m for m in warnings), warnings

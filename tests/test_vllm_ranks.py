@@ -53,6 +53,47 @@ def test_rank_tiers_divide_capacity_and_keep_records_apart() -> None:
         rank_tiers({"tiers": ["cpu"]}, 0, 2)
 
 
+def _two_free_ports() -> int:
+    """A localhost port ``p`` with ``p + 1`` free too."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            try:
+                b.bind(("127.0.0.1", a.getsockname()[1] + 1))
+            except OSError:
+                continue
+            return int(a.getsockname()[1])
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_each_rank_serves_its_metrics_on_the_base_port_plus_its_rank() -> None:
+    cfg = {"tiers": [{"backend": "cpu", "capacity": "1MiB"}], "metrics": {"port": 9400, "addr": "0.0.0.0"}}
+    assert [rank_tiers(cfg, r, 4)["metrics"] for r in range(4)] == [{"port": 9400 + r, "addr": "0.0.0.0"} for r in range(4)]
+    assert rank_tiers({**cfg, "metrics": {"port": 0}}, 3, 4)["metrics"] == {"port": 0}  # any free port, on every rank
+    assert "metrics" not in rank_tiers({"tiers": cfg["tiers"]}, 1, 2)
+    assert cfg["metrics"] == {"port": 9400, "addr": "0.0.0.0"}  # the engine's config is left as it was
+
+
+async def test_two_ranks_with_a_metrics_port_both_start_and_serve_their_own() -> None:
+    """Before, every rank bound the one configured port: with each rank in its own process (as
+    under vLLM) the second rank's store failed to open with EADDRINUSE. Each serves its own now."""
+    import urllib.request
+
+    pytest.importorskip("prometheus_client")
+    base = _two_free_ports()
+    w = await open_world(2, [cpu(8, 2)], metrics={"port": base})
+    try:
+        w.store(K[:2], [0, 1])
+        for r in range(2):
+            assert w.stores[r]._exporter.port == base + r
+            with urllib.request.urlopen(f"http://127.0.0.1:{base + r}/metrics", timeout=HANG_GUARD) as reply:
+                assert b"kvtier_tier_blocks" in reply.read()
+    finally:
+        await w.close()
+
+
 async def test_a_store_every_rank_made_is_ready_and_each_rank_loads_its_own_shard(world: World) -> None:
     world.store(K[:2], [0, 1])
     assert world.manager.lookup(K[:2]) == 2

@@ -196,12 +196,16 @@ async def open_world(
     deadline_s: float = 30.0,
     replicated: bool = False,
     write: str = "through",
+    metrics: dict[str, Any] | None = None,
 ) -> World:
     """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``); ``deadline_s``: the
     scheduler side's deadline for every rank's result of a job (on the world's clock);
     ``replicated``: every rank's KV cache holds the same bytes (MLA), and the tiers all ranks
-    share keep one copy; ``write``: the store's write mode."""
-    cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n, "write": write}
+    share keep one copy; ``write``: the store's write mode; ``metrics``: the engine's
+    ``metrics`` settings."""
+    cfg: dict[str, Any] = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n, "write": write}
+    if metrics is not None:
+        cfg["metrics"] = metrics
     shared = shared_tiers(cfg) if replicated else frozenset()
     stores, caches = [], []
     for r in range(world):

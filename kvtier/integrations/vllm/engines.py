@@ -161,8 +161,14 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
     records; a process with another world size finds none of them: a miss, never an error).
 
     The tiers in ``shared`` hold one copy for every rank (KV that is the same on every rank,
-    see :mod:`.replicated`): their whole capacity, under ``all-of-<world>``."""
+    see :mod:`.replicated`): their whole capacity, under ``all-of-<world>``.
+
+    ``metrics.port`` is the base of the ranks' ports: rank ``r`` serves its ``/metrics`` on
+    ``port + r`` (ranks on one host cannot share a port; 0, any free port, stays 0)."""
     out = dict(cfg)
+    metrics = cfg.get("metrics")
+    if isinstance(metrics, Mapping) and isinstance(metrics.get("port"), int) and not isinstance(metrics["port"], bool) and metrics["port"] > 0:
+        out["metrics"] = {**metrics, "port": metrics["port"] + rank}
     tiers = []
     for i, tier in enumerate(cfg.get("tiers") or ()):
         if not isinstance(tier, Mapping):
