@@ -356,6 +356,58 @@ async def test_a_late_or_doubled_report_never_reaches_vllm(timed_world: World) -
     assert w.side.deadlines.completed({77: 1}) == {77: 1}  # not kvtier's job: vLLM's own rules
 
 
+# -- loads vLLM never completes: nothing stays behind on the scheduler side ------------------
+
+
+def _assert_idle(w: World) -> None:
+    idle = w.idle()
+    assert set(idle.values()) == {0}, idle
+
+
+async def test_a_load_one_rank_s_result_never_reached_is_settled_by_vllm_s_count(timed_world: World) -> None:
+    w = timed_world
+    w.store(K[:2], [0, 1])
+    w.issue_load(5, K[:2], [6, 7])
+    w.step(lost=[w.world - 1])  # every rank counted the job; one rank's kvtier result was lost
+    assert 5 not in w.vllm.pending
+    assert w.sched_engine.counters["complete_load_unmatched"] == 0
+    assert w.sched_engine.counters["results_missing"] == 1  # settled, counted failed
+    _assert_idle(w)
+    assert w.manager.lookup(K[:2]) == 2  # a lost report forgets nothing
+
+
+async def test_an_aborted_request_s_load_is_settled_once_every_rank_finished_it(timed_world: World) -> None:
+    w = timed_world
+    w.store(K[:4], [0, 1, 2, 3])
+    w.issue_load(5, K[:2], [6, 7], request_id="running")
+    w.side.request_finished("running")  # aborted while its load runs; vLLM drops the job
+    w.vllm.drop(5)
+    assert w.idle()["pins"] == 2  # the ranks may still read its source: kept
+    w.issue_load(6, K[2:4], [8, 9], request_id="done")
+    w.vllm.drop(6)
+    w.step()  # both loads done on every rank: the aborted one is settled
+    assert w.idle()["pins"] == 2 and w.side.table_sizes()["done_loads"] == 1  # the other waits for vLLM ...
+    w.side.request_finished("done")  # ... which drops it with its aborted request
+    _assert_idle(w)
+    w.side.prepare_load(K[:1], "never-ran")
+    w.side.request_finished("never-ran")  # ended before its load was handed to any rank
+    _assert_idle(w)
+    assert w.manager.lookup(K[:4]) == 4
+
+
+async def test_loads_done_but_never_completed_are_bounded(timed_world: World, monkeypatch: Any) -> None:
+    from kvtier.integrations.vllm import scheduler_side
+
+    monkeypatch.setattr(scheduler_side, "MAX_DONE_LOADS", 2)
+    w = timed_world
+    w.store(K[:3], [0, 1, 2])
+    for i in range(3):
+        w.issue_load(10 + i, K[i : i + 1], [8 + i])
+        w.vllm.drop(10 + i)  # vLLM never completes any of them
+        w.step()
+    assert w.side.table_sizes()["done_loads"] == 2 and w.idle()["pins"] == 2  # the oldest was settled
+
+
 async def test_a_load_stuck_on_one_rank_is_recomputed_and_never_written_late(tmp_path: Path, monkeypatch: Any) -> None:
     w = await open_world(2, [lmdb(tmp_path)], deadline_s=10.0)
     release = threading.Event()

@@ -88,8 +88,13 @@ async def test_complete_load_settles_the_finished_load_never_one_in_flight(one: 
     assert pinned(one) == 0 and not one.side._loads
 
 
-async def test_complete_load_without_a_finished_load_keeps_the_pins(one: World) -> None:
+async def test_complete_load_without_a_finished_load_keeps_the_pins_until_it_is_done(one: World) -> None:
     one.store(K[:1], [0])
-    one.side.prepare_load(K[:1])
+    load_id, plan = one.side.prepare_load(K[:1])
     one.side.complete_load(K[:1])  # no rank reported the load: its source may still be read
     assert pinned(one) == 1 and one.sched_engine.counters["complete_load_unmatched"] == 1
+    one.workers[0].submit_load(3, load_id, plan, [5])
+    one.deliver()  # done on every rank: settled now, vLLM will not complete it again
+    assert pinned(one) == 0 and set(one.idle().values()) == {0}, one.idle()
+    one.side.complete_load(K[:1])  # nothing left to complete: counted, ignored
+    assert one.sched_engine.counters["complete_load_unmatched"] == 2 and pinned(one) == 0

@@ -39,12 +39,20 @@ class VllmJobs:
         self.world = world
         self.side = side
         self.pending: dict[int, tuple[str, list[bytes], int]] = {}
+        self.dropped: set[int] = set()  # jobs of requests vLLM dropped: their counts are ignored
 
     def add(self, job_id: int, kind: str, keys: list[bytes]) -> None:
         self.pending[job_id] = (kind, keys, self.world)
 
+    def drop(self, job_id: int) -> None:
+        """vLLM forgets job ``job_id`` (its request was aborted): it never completes it."""
+        self.pending.pop(job_id, None)
+        self.dropped.add(job_id)
+
     def count(self, counts: dict[int, int]) -> None:
         for job_id, n in counts.items():
+            if job_id in self.dropped:
+                continue
             kind, keys, left = self.pending[job_id]
             left -= n
             assert left >= 0, f"job {job_id} counted past the number of ranks"
@@ -125,18 +133,21 @@ class World:
             self.workers[r].submit_store(job_id, plan, blocks)
         return plan
 
-    def issue_load(self, job_id: int, keys: list[bytes], blocks: list[int], ranks: Any = None) -> Any:
-        load_id, plan = self.side.prepare_load(keys)
+    def issue_load(
+        self, job_id: int, keys: list[bytes], blocks: list[int], ranks: Any = None, request_id: str | None = None
+    ) -> Any:
+        load_id, plan = self.side.prepare_load(keys, request_id)
         self.vllm.add(job_id, "load", list(keys))
         self.side.deadlines.issued(job_id, "load", load_id, tuple(blocks))
         for r in range(self.world) if ranks is None else ranks:
             self.workers[r].submit_load(job_id, load_id, plan, blocks)
         return plan
 
-    def step(self, ranks: Any = None, notices: tuple[Abandoned, ...] = ()) -> set[int]:
+    def step(self, ranks: Any = None, notices: tuple[Abandoned, ...] = (), lost: Any = ()) -> set[int]:
         """One engine step as ``KvtierConnector`` runs it: every rank (or only ``ranks``, the
         others silent) settles ``notices`` and reports its finished jobs (waited for); the
-        scheduler side takes the results and passes the counts it allows to vLLM's count.
+        scheduler side takes the results and passes the counts it allows to vLLM's count. The
+        kvtier results of the ranks in ``lost`` are lost on the way (their counts arrive).
         Returns the union of the ranks' load-error block ids (what vLLM recomputes)."""
         counts: dict[int, int] = {}
         results = []
@@ -147,7 +158,8 @@ class World:
             w._transfers.wait(list(w._jobs), timeout=HANG_GUARD)
             for job_id, _success, _nbytes, _seconds in w.finished():
                 counts[job_id] = counts.get(job_id, 0) + 1
-            results += [(r, kind, plan_id, result) for kind, plan_id, result in w.take_outbox()]
+            mine = [(r, kind, plan_id, result) for kind, plan_id, result in w.take_outbox()]
+            results += [] if r in lost else mine
             bad |= w.take_failed_block_ids()
         self.vllm.count(self.side.worker_output(results, counts))
         return bad
@@ -160,6 +172,17 @@ class World:
             if kid is not None:
                 w._transfers.wait([kid], timeout=HANG_GUARD)
         return sum(len(k) for _, k in deletes)
+
+    def idle(self) -> dict[str, int]:
+        """What the scheduler side still holds: its tables, pins, pending keys, vLLM's open jobs
+        and every rank's unreported jobs (all 0 on an idle engine)."""
+        tiers = self.manager.stats()["tiers"]
+        out = dict(self.side.table_sizes())
+        out["pins"] = sum(t["pinned"] for t in tiers)
+        out["pending"] = sum(t["pending"] for t in tiers)
+        out["vllm_jobs"] = len(self.vllm.pending)
+        out["worker_jobs"] = sum(len(w._jobs) for w in self.workers)
+        return out
 
     def held(self, rank: int, tier: int = 0) -> int:
         """Blocks rank ``rank`` keeps in ``tier`` (as its backend has them, not the manager)."""

@@ -197,6 +197,7 @@ def build_classes() -> dict[str, type]:
                         [(g, load_id) for g, load_id, _ in job.src_spec.loads],
                         job.dst_spec.block_ids,
                         job.dst_spec.group_sizes,
+                        getattr(job, "req_id", None),
                     )
             meta.kvtier_abandoned = self._groups.take_notices()
 
@@ -209,7 +210,12 @@ def build_classes() -> dict[str, type]:
 
         def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
             assert self._groups.ready  # vLLM loads only what a lookup found
-            return KvtierLoadSpec(self._groups.prepare_load(list(keys)))
+            return KvtierLoadSpec(self._groups.prepare_load(list(keys), getattr(req_context, "req_id", None)))
+
+        def request_finished(self, request_id: str) -> None:
+            """The request ended (finished or aborted): its loads are settled once done."""
+            if self._groups.ready:
+                self._groups.request_finished(request_id)
 
         def touch(self, keys: Collection[Any], req_context: Any) -> None:
             if self._groups.ready:
@@ -522,6 +528,21 @@ def build_classes() -> dict[str, type]:
             return results
 
         # -- scheduler side ---------------------------------------------------------------
+        def request_finished(self, request: Any, block_ids: Any) -> Any:
+            out = super().request_finished(request, block_ids)
+            self._kvtier_request_ended(request)
+            return out
+
+        def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+            out = super().request_finished_all_groups(request, block_ids)
+            self._kvtier_request_ended(request)
+            return out
+
+        def _kvtier_request_ended(self, request: Any) -> None:
+            manager = self._kvtier_manager()
+            if manager is not None:  # an aborted request's loads are never completed by vLLM
+                manager.request_finished(request.request_id)
+
         def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
             manager = self._kvtier_manager()
             ranks = {r: m for r, m in metadata.items() if isinstance(m, RankGroups)}

@@ -73,6 +73,7 @@ class ResultDeadlines:
         self._by_plan: dict[tuple[str, int], int] = {}
         self._notices: list[Abandoned] = []
         self._settled: OrderedDict[int, None] = OrderedDict()  # recently settled job ids
+        self._done: list[tuple[str, int]] = []  # (kind, plan id) of jobs every rank counted, not yet taken
 
     def __len__(self) -> int:
         return len(self._open)
@@ -106,10 +107,21 @@ class ResultDeadlines:
             if job.counted >= self._world:
                 del self._open[job_id]
                 self._by_plan.pop((job.kind, job.plan_id), None)
+                self._done.append((job.kind, job.plan_id))
                 self._settled[job_id] = None
                 if len(self._settled) > _SETTLED:
                     self._settled.popitem(last=False)
         return out
+
+    def take_done(self) -> list[tuple[str, int]]:
+        """(kind, plan id) of the jobs every rank has counted done since the last call: no rank
+        touches them any more, whether or not each rank's kvtier result arrived."""
+        done, self._done = self._done, []
+        return done
+
+    def watches(self, kind: str, plan_id: int) -> bool:
+        """Whether a job of this plan was handed out and is still open."""
+        return (kind, plan_id) in self._by_plan
 
     def expire(self) -> list[Abandoned]:
         """Abandon the jobs past the deadline that some rank has not reported (once each);

@@ -56,13 +56,13 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import _SchedulerEngine
+from kvtier.integrations.vllm.group_config import check_kv_cache_groups, group_layout, group_shares, group_tiers
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
 from kvtier.integrations.vllm.worker_side import _WorkerSide
 from kvtier.keys import Namespace, fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
-from kvtier.units import parse_size
 
 __all__ = [
     "RankGroups",
@@ -95,56 +95,6 @@ def offload_group(key: bytes) -> int:
     """The KV-cache group index vLLM packs into an offload key (its last 4 bytes, big-endian:
     ``vllm.v1.kv_offload.base.make_offload_key``)."""
     return int.from_bytes(bytes(key[-4:]), "big")
-
-
-def check_kv_cache_groups(groups: Sequence[Any]) -> None:
-    """Refuse KV-cache groups kvtier cannot offload (``groups``: vLLM's
-    ``KVCacheConfig.kv_cache_groups``): Mamba state, named by group index and layers."""
-    for i, group in enumerate(groups):
-        spec = getattr(group, "kv_cache_spec", None)
-        if any(cls.__name__ == "MambaSpec" for cls in type(spec).__mro__):
-            layers = list(getattr(group, "layer_names", ()))
-            shown = ", ".join(layers[:4]) + (f", ... ({len(layers)} layers)" if len(layers) > 4 else "")
-            raise ConfigError(
-                f"kvtier's vLLM integration does not offload Mamba state: KV-cache group {i} "
-                f"({type(spec).__name__}, layers {shown}) holds one state per request that is overwritten in place, "
-                "not a prefix of blocks; run this model without kvtier's connector"
-            )
-
-
-def group_layout(layout: str, group_id: int, num_groups: int) -> str:
-    """The layout string of group ``group_id`` in keys and records (one group: ``layout`` as is)."""
-    return layout if num_groups == 1 else f"group{group_id};{layout}"
-
-
-def group_shares(block_bytes: Sequence[int]) -> list[float]:
-    """Each group's share of a tier's capacity: its bytes per block over all groups' (so every
-    group holds as many blocks)."""
-    total = sum(block_bytes)
-    if total <= 0:
-        raise ConfigError(f"kvtier: KV-cache groups with {list(block_bytes)} bytes per block")
-    return [b / total for b in block_bytes]
-
-
-def group_tiers(cfg: Mapping[str, Any], group_id: int, share: float, num_groups: int) -> dict[str, Any]:
-    """A rank's store config (see ``rank_tiers``) for group ``group_id``: ``share`` of each
-    tier's capacity and its own records (``<path>-g<group>``, Redis ``<prefix>.g<group>``).
-    One group: the config as is."""
-    if num_groups == 1:
-        return dict(cfg)
-    out = dict(cfg)
-    tiers = []
-    for i, tier in enumerate(cfg.get("tiers") or ()):
-        t = dict(tier)
-        if "capacity" in t:
-            t["capacity"] = max(1, int(parse_size(t["capacity"], field=f"tiers[{i}].capacity") * share))
-        if t.get("path") is not None:
-            t["path"] = f"{t['path']}-g{group_id}"
-        if t.get("backend") == "redis":
-            t["prefix"] = f"{t.get('prefix', 'kvtier')}.g{group_id}"  # a prefix allows [A-Za-z0-9_.-] only
-        tiers.append(t)
-    out["tiers"] = tiers
-    return out
 
 
 @dataclass(frozen=True)
@@ -476,13 +426,13 @@ class SchedulerGroups:
         group.engine.counters["lookup_hits" if hit else "lookup_misses"] += 1
         return hit
 
-    def prepare_load(self, keys: Sequence[bytes]) -> tuple[tuple[int, int, LoadPlan], ...]:
+    def prepare_load(self, keys: Sequence[bytes], request_id: str | None = None) -> tuple[tuple[int, int, LoadPlan], ...]:
         loads = []
         for gpos, idx in self._by_group(keys):
             group = self.groups[gpos]
             sub = [keys[i] for i in idx]
             kkeys = [group.kkey(k) for k in sub]
-            load_id, plan = group.side.prepare_load(kkeys)
+            load_id, plan = group.side.prepare_load(kkeys, request_id)
             group.remember(kkeys, sub)
             loads.append((gpos, load_id, plan))
         return tuple(loads)
@@ -497,6 +447,12 @@ class SchedulerGroups:
         for gpos, idx in self._by_group(keys):
             group = self.groups[gpos]
             group.side.complete_load([group.kkey(keys[i]) for i in idx])
+
+    def request_finished(self, request_id: str) -> None:
+        """vLLM request ``request_id`` ended (finished or aborted): its open loads are settled
+        once no rank reads for them (see :mod:`.scheduler_side`)."""
+        for group in self.groups:
+            group.side.request_finished(request_id)
 
     def prepare_store(self, keys: Sequence[bytes]) -> tuple[list[bytes], tuple[tuple[int, StorePlan], ...]] | None:
         """The keys to store and each group's plan, or None when no group can store any."""
@@ -551,9 +507,11 @@ class SchedulerGroups:
         parts: Sequence[tuple[int, int]],
         block_ids: Sequence[Any] = (),
         group_sizes: Sequence[int] | None = None,
+        request_id: str | None = None,
     ) -> None:
-        """vLLM hands job ``job_id`` (``parts``: group position, plan or load id) to every rank:
-        each part's result deadline starts (a load's part with its group's GPU blocks)."""
+        """vLLM hands job ``job_id`` (``parts``: group position, plan or load id) of request
+        ``request_id`` to every rank: each part's result deadline starts (a load's part with its
+        group's GPU blocks)."""
         per_group: list[list[int]] = [[] for _ in self.groups]
         if kind == "load":
             try:
@@ -562,7 +520,10 @@ class SchedulerGroups:
                 pass  # the workers fail the job as a whole (WorkerGroups)
         for gpos, plan_id in parts:
             if 0 <= gpos < len(self.groups):
-                self.groups[gpos].side.deadlines.issued(job_id, kind, plan_id, tuple(per_group[gpos]))
+                side = self.groups[gpos].side
+                side.deadlines.issued(job_id, kind, plan_id, tuple(per_group[gpos]))
+                if kind == "load" and request_id is not None:
+                    side.attach(plan_id, request_id)
 
     def take_notices(self) -> tuple[tuple[int, tuple[Abandoned, ...]], ...]:
         """Each group's notices of job parts given up on (connector metadata)."""

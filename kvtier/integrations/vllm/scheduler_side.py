@@ -13,6 +13,15 @@ to every worker with the next step's metadata (:meth:`_SchedulerSide.take_delete
 A job that some rank never reports at all is given up after a deadline
 (:class:`~.deadlines.ResultDeadlines`, :meth:`_SchedulerSide.worker_output`): the silent ranks
 settle it on notice, and it is applied as failed like any other.
+
+A load is never left open. It is *done* once every rank has reported it, or once vLLM has
+counted it done on every rank (a rank's kvtier result lost on the way: counted failed): no rank
+reads its source any more, so its pins may go. A done load is settled by vLLM's
+``complete_load`` and otherwise without it: when its request ends (finished or aborted,
+:meth:`_SchedulerSide.request_finished`), when ``complete_load`` came before it was done, or when
+more than :data:`MAX_DONE_LOADS` done loads wait. A load still running is never settled (its
+source could be evicted while read); a load whose request ended before it was handed to any
+rank is released at once (nothing reads for it).
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ PlanKey = tuple[str, int]  # ("store", plan id) or ("load", load id)
 #: seconds the scheduler side waits for every rank's result of a job when nothing else is set
 DEFAULT_RESULT_DEADLINE_S = 300.0
 
+#: done loads kept for vLLM's ``complete_load``; past this the oldest is settled without it
+MAX_DONE_LOADS = 1 << 14
+
 
 class _SchedulerSide:
     """Plans handed out by vLLM's ``OffloadingManager`` and their per-rank results, by id."""
@@ -49,6 +61,9 @@ class _SchedulerSide:
         self._load_ids = itertools.count(1)
         self._results: dict[PlanKey, dict[int, JobResult]] = {}
         self._finished_loads: OrderedDict[int, None] = OrderedDict()  # load ids every rank finished, in order
+        self._owed: set[int] = set()  # open loads to settle as soon as they are done (see the module doc)
+        self._request_of: dict[int, str] = {}  # load id -> vLLM request id
+        self._loads_of: dict[str, list[int]] = {}  # vLLM request id -> its open load ids
         self.ledger = DeleteLedger()
         self.deadlines = deadlines if deadlines is not None else ResultDeadlines(self._world, DEFAULT_RESULT_DEADLINE_S)
 
@@ -63,6 +78,9 @@ class _SchedulerSide:
             self.deadlines.reported(rank, kind, plan_id)
             self.receive(rank, kind, plan_id, result)
         allowed = self.deadlines.completed(counts)
+        for kind, plan_id in self.deadlines.take_done():
+            if kind == "load":  # every rank counted it: none reads its source any more
+                self._load_done(plan_id)
         expired = self.deadlines.expire()
         if expired:
             self._engine.counters["results_expired"] += len(expired)
@@ -88,7 +106,21 @@ class _SchedulerSide:
         per_rank = self._results.setdefault(key, {})
         per_rank[rank] = result
         if kind == "load" and len(per_rank) == self._world:
-            self._finished_loads[plan_id] = None
+            self._load_done(plan_id)
+
+    def _load_done(self, load_id: int) -> None:
+        """No rank reads for load ``load_id`` any more: settle it if that is owed, else keep it
+        for vLLM's ``complete_load`` (within :data:`MAX_DONE_LOADS`)."""
+        if load_id not in self._loads or load_id in self._finished_loads:
+            return
+        if load_id in self._owed:
+            self._settle(load_id)
+            return
+        self._finished_loads[load_id] = None
+        if len(self._finished_loads) > MAX_DONE_LOADS:
+            oldest = next(iter(self._finished_loads))
+            log.warning("kvtier: load %d was done on every rank but never completed by vLLM; settled", oldest)
+            self._settle(oldest)
 
     def take_deletes(self) -> Deletes:
         """The deletes every worker runs before this step's stores (see the module doc)."""
@@ -104,26 +136,85 @@ class _SchedulerSide:
             results.append(JobResult(0, key[0], False, keys, error=f"no result from rank(s) {missing}"))  # type: ignore[arg-type]
         return results[0] if len(results) == 1 else combine_results(results)
 
-    def prepare_load(self, kkeys: list[bytes]) -> tuple[int, LoadPlan]:
+    def prepare_load(self, kkeys: list[bytes], request_id: str | None = None) -> tuple[int, LoadPlan]:
+        """Pin ``kkeys`` for a load of vLLM request ``request_id`` (when known: its end settles
+        the load, see :meth:`request_finished`)."""
         plan = self._mgr.prepare_load(kkeys)
         load_id = next(self._load_ids)
         self._loads[load_id] = plan
+        if request_id is not None:
+            self.attach(load_id, request_id)
         return load_id, plan
+
+    def attach(self, load_id: int, request_id: str) -> None:
+        """Load ``load_id`` is for vLLM request ``request_id`` (once; an open load only)."""
+        if load_id in self._loads and load_id not in self._request_of:
+            self._request_of[load_id] = request_id
+            self._loads_of.setdefault(request_id, []).append(load_id)
 
     def complete_load(self, kkeys: Collection[bytes]) -> None:
         """Settle the load of ``kkeys`` that every rank has finished (the earliest such).
 
-        vLLM names a load by its keys only. Only a load every rank has reported is settled:
-        unpinning a load still in flight would let its source be evicted while it is read."""
+        vLLM names a load by its keys only. Only a load every rank has finished is settled:
+        unpinning a load still in flight would let its source be evicted while it is read. When
+        none is done yet, the earliest open load of these keys is settled once it is."""
         wanted = set(kkeys)
         load_id = next((i for i in self._finished_loads if set(self._loads[i].keys) == wanted), None)
-        if load_id is None:
-            self._engine.counters["complete_load_unmatched"] += 1
-            log.warning("complete_load: no load of these %d keys finished on every rank; ignored", len(wanted))
+        if load_id is not None:
+            self._settle(load_id)
             return
-        del self._finished_loads[load_id]
+        self._engine.counters["complete_load_unmatched"] += 1
+        waiting = next((i for i, p in self._loads.items() if i not in self._owed and set(p.keys) == wanted), None)
+        if waiting is None:
+            log.warning("complete_load: no open load of these %d keys; ignored", len(wanted))
+            return
+        self._owed.add(waiting)
+        log.info("complete_load: load %d is not done on every rank yet; settled once it is", waiting)
+
+    def request_finished(self, request_id: str) -> None:
+        """vLLM request ``request_id`` ended (finished or aborted): vLLM may never complete its
+        open loads, so each is settled once done (now, if it is; at once if no rank ever got it)."""
+        for load_id in self._loads_of.pop(request_id, ()):
+            self._request_of.pop(load_id, None)
+            plan = self._loads.get(load_id)
+            if plan is None:
+                continue
+            if load_id in self._finished_loads:
+                self._settle(load_id)
+            elif self.deadlines.watches("load", load_id) or self._results.get(("load", load_id)):
+                self._owed.add(load_id)
+            else:  # never handed to a rank: nothing reads for it
+                self._settle(load_id, JobResult(0, "load", False, plan.keys, error="request ended before the load ran"))
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every table this side keeps (all 0 on an idle engine)."""
+        return {
+            "store_plans": len(self._store_plans),
+            "keys_in_plans": len(self._plan_of),
+            "loads": len(self._loads),
+            "results": len(self._results),
+            "done_loads": len(self._finished_loads),
+            "owed_loads": len(self._owed),
+            "requests": len(self._loads_of),
+            "open_jobs": len(self.deadlines),
+        }
+
+    def _settle(self, load_id: int, result: JobResult | None = None) -> None:
+        """Apply load ``load_id`` (every rank's results combined, unless ``result``): unpin."""
+        self._finished_loads.pop(load_id, None)
+        self._owed.discard(load_id)
         plan = self._loads.pop(load_id)
-        result = self._combined(("load", load_id), plan.keys)
+        request_id = self._request_of.pop(load_id, None)
+        if request_id is not None:
+            mine = self._loads_of.get(request_id, [])
+            if load_id in mine:
+                mine.remove(load_id)
+            if not mine:
+                self._loads_of.pop(request_id, None)
+        if result is None:
+            result = self._combined(("load", load_id), plan.keys)
+        else:
+            self._results.pop(("load", load_id), None)
         applied = apply_result(self._mgr, plan, result)
         if self._world > 1:
             # A key one rank found missing or corrupt is forgotten; the other ranks' copies go.

@@ -38,7 +38,7 @@ METRICS: dict[str, str] = {
     "blocks_announced": "Adopted blocks announced to routers as KV events at start.",
     "keys_deleted": "Keys deleted on worker ranks on the scheduler side's word, over all ranks.",
     "submit_failed": "Jobs a rank could not submit (reported failed), over all ranks.",
-    "complete_load_unmatched": "vLLM load completions that matched no load every rank finished.",
+    "complete_load_unmatched": "vLLM load completions that came before every rank finished the load (it settles when done) or matched no load.",
     "results_missing": "Jobs settled without some rank's kvtier result (counted failed).",
     "results_expired": "Jobs some rank never reported within the result deadline (given up, failed).",
     "jobs_abandoned": "Jobs a rank settled as failed on the scheduler side's notice, over all ranks.",
