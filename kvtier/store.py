@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ from kvtier.keys import Namespace, check_keys
 from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.handover import release_tiers
 from kvtier.transfer.jobs import Applied, JobResult, apply_result
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.offloop import off_loop
@@ -156,7 +158,13 @@ class KVStore:
         return self
 
     async def aclose(self) -> None:
-        """Finish queued jobs, persist access stamps, close every tier. Idempotent."""
+        """Finish queued jobs, persist access stamps, close every tier. Idempotent.
+
+        Never frees what a running job uses: a job still inside a tier call when the transfer
+        engine's close gives up waiting (``close_timeout_s``) is stopped (reported failed, it
+        never touches an engine block again), and the tiers and device staging are left to its
+        thread, which closes them when the call returns (:mod:`kvtier.transfer.handover`); no
+        write-back runs then. This returns without waiting for it."""
         if self._closed:
             return
         self._closed = True
@@ -165,6 +173,13 @@ class KVStore:
         if self.transfers is not None:
             await off_loop(self.transfers.close)
             self._settle_finished()
+            if not self.transfers.stopped:
+                log.warning("kvtier: a transfer job still runs at close; its thread closes the tiers when it ends, no write-back")
+                if self.manager is not None:
+                    self.manager.close()
+                staging = self.layout.staging if self.layout is not None else None
+                self.transfers.when_stopped(functools.partial(release_tiers, list(self.backends), staging))
+                return
         if self.layout is not None:  # the device staging goes back to the allocator
             await off_loop(self.layout.staging.close)
         if self.manager is not None:

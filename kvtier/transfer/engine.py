@@ -39,6 +39,10 @@ its thread reaches it, so the tiers end up matching the manager.
 
 ``poll_finished()`` reports finished jobs with their success, bytes and time. A job that
 fails is reported as a failed result; nothing raises into the engine.
+
+``close()`` finishes the queued jobs within ``close_timeout_s``; a job still running then (a
+tier call that has not returned) is stopped through its cancellation, and the tiers it uses
+stay with its thread (``when_stopped``, :mod:`kvtier.transfer.handover`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import one_intra_op_thread
 from kvtier.errors import ClosedError, LayoutError, LifecycleError
 from kvtier.manager import LoadPlan, StorePlan
+from kvtier.transfer.handover import LastOut
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.movers import LoadMover, StoreMover, _Failed, _TierWork
@@ -81,6 +86,7 @@ class TransferEngine:
         deadline_s: float | None = None,
         max_staged_bytes: int | None = None,
         write_through_backlog: int = 4,
+        close_timeout_s: float = 30.0,
     ) -> None:
         if staging_blocks < 1:
             raise LayoutError(f"staging_blocks: expected >= 1, got {staging_blocks}")
@@ -94,6 +100,8 @@ class TransferEngine:
         #: write-back demotion when the first tier evicts them, so a slow disk never backs up
         #: the stores behind it.
         self.write_through_backlog = write_through_backlog
+        #: Seconds ``close()`` waits for the queued jobs before it stops the ones still running.
+        self.close_timeout_s = close_timeout_s
         self._cuda = layout.device.type == "cuda"
         self._staging_blocks = staging_blocks
         self._max_queued = max_queued_jobs
@@ -141,7 +149,13 @@ class TransferEngine:
             targets.append((self._watch_deadlines, "kvtier-deadline"))
         # Each on one intra-op thread: a torch op there never starts an OpenMP team of its own
         # (see kvtier.transfer.copies); a job's host copy is split over the copy threads instead.
-        self._threads = [threading.Thread(target=_on_one_intra_op_thread, args=(fn,), name=name, daemon=True) for fn, name in targets]
+        self._last_out = LastOut(3)  # the job threads (targets[:3]): what a close leaves them
+        self._threads = [
+            threading.Thread(
+                target=_on_one_intra_op_thread, args=(fn, self._last_out if i < 3 else None), name=name, daemon=True
+            )
+            for i, (fn, name) in enumerate(targets)
+        ]
         for t in self._threads:
             t.start()
 
@@ -309,17 +323,40 @@ class TransferEngine:
             result = JobResult(rec.job_id, rec.kind, False, tuple(rec.plan.keys), error=reason)
         return self._finish(rec, result, counter)
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Finish queued jobs, then stop the worker threads."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued jobs, then stop the worker threads; within ``timeout`` seconds
+        (``close_timeout_s`` unless given). A job still running then is stopped (reported
+        failed, never touching an engine block again) and its thread left to end on its own;
+        see :meth:`when_stopped` for what it holds."""
         if self._closed:
             return
         self._closed = True
         self._store_q.put(None)  # the store thread passes it on to the tiers thread
         self._load_q.put(None)
+        limit = self.close_timeout_s if timeout is None else timeout
+        end = time.monotonic() + limit
         for t in self._threads[:3]:
-            t.join(timeout)
+            t.join(max(0.0, end - time.monotonic()))
         self._wake.set()
         self._kick.set()
+        if not self.stopped:
+            with self._lock:
+                running = [r for r in self._jobs.values() if r.result is None]
+            for rec in running:
+                self._stop(rec, "closed while it ran", allow_tier_phase=True, counter="cancelled_jobs")
+            alive = [t.name for t in self._threads[:3] if t.is_alive()]
+            log.warning(
+                "transfer threads %s still run after %.3g s at close (a tier call has not returned); %d jobs stopped, "
+                "the tiers are left to those threads",
+                alive,
+                limit,
+                len(running),
+            )
+
+    def when_stopped(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` (free what the jobs use: tiers, staging) once every job thread has ended:
+        now if they have (returns ``True``), else on the last one to end (``False``)."""
+        return self._last_out.when_all_ended(fn)
 
     @property
     def stopped(self) -> bool:
@@ -430,9 +467,13 @@ class TransferEngine:
         return buf
 
 
-def _on_one_intra_op_thread(fn: Callable[[], None]) -> None:
-    with one_intra_op_thread():
-        fn()
+def _on_one_intra_op_thread(fn: Callable[[], None], last_out: LastOut | None) -> None:
+    try:
+        with one_intra_op_thread():
+            fn()
+    finally:
+        if last_out is not None:
+            last_out.ended()
 
 
 def _resolve(fut: asyncio.Future[JobResult], result: JobResult) -> None:
