@@ -25,7 +25,7 @@ from kvtier.integrations.vllm import groups as vg
 from kvtier.integrations.vllm.announce import OffloadKeyLog
 from kvtier.integrations.vllm.engines import _Engine, _namespace, _SchedulerEngine, rank_tiers
 from kvtier.integrations.vllm.ranks import describe_rank
-from kvtier.integrations.vllm.worker_side import NULL_BLOCK, _WorkerSide
+from kvtier.integrations.vllm.worker_side import NULL_BLOCK, _WorkerSide, close_sides
 
 HANG_GUARD = 60.0
 GROUPS = (0, 1)
@@ -116,8 +116,9 @@ class GroupWorld:
                 await s.aclose()
 
 
-async def open_groups(world: int, tiers: list[dict[str, Any]], *, n: int = 1) -> GroupWorld:
-    cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n}
+async def open_groups(world: int, tiers: list[dict[str, Any]], *, n: int = 1, **settings: Any) -> GroupWorld:
+    """``settings``: more of the engine's kvtier config (``write``, ``flush_on_close_s``, ...)."""
+    cfg = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n, **settings}
     shares = vg.group_shares([BYTES[g] * n for g in GROUPS])
     stores, caches = [], []
     for r in range(world):
@@ -273,3 +274,38 @@ def test_a_model_with_mamba_state_is_refused_naming_the_group(spec: type) -> Non
     with pytest.raises(ConfigError, match=r"KV-cache group 1 \(Mamba2?Spec, layers model\.layers\.1\.mixer\)"):
         vg.check_kv_cache_groups(groups)
     vg.check_kv_cache_groups(groups[:1])
+
+
+async def test_a_rank_s_shutdown_writes_back_its_groups_within_one_budget_newest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each group's write-back used to run after the other's, each with the whole
+    ``flush_on_close_s``: the later groups were cut off by vLLM's shutdown timeout. The groups
+    now share one budget and are written newest first across them."""
+    from kvtier.transfer import flush
+
+    clock = [0.0]  # one second passes per write to a persistent tier
+    monkeypatch.setattr(flush, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
+    monkeypatch.setattr(flush, "CHUNK_BLOCKS", 1)
+    tiers = [cpu(8, 1), {"backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "8MiB"}]
+    w = await open_groups(1, tiers, write="back", flush_on_close_s=2.5)
+    written: list[tuple[int, bytes]] = []
+    for gpos, store in enumerate(w.stores[0]):
+        persistent, real = store.backends[1], store.backends[1].write_blocks
+
+        def timed(keys: Any, blocks: Any, gpos: int = gpos, real: Any = real) -> Any:
+            clock[0] += 1.0
+            written.extend((gpos, k) for k in keys)
+            return real(keys, blocks)
+
+        persistent.write_blocks = timed
+    keys = [okey(i, g) for g in GROUPS for i in range(4)]
+    w.store(keys, [0, 1, 2, 3, 0, 1, 2, 3], [4, 4], [0, 0])
+    assert w.records(0, 0) == 0 and w.records(0, 1) == 0  # write-back: only in memory
+    reports = await close_sides(w.workers[0].sides)
+    g0, g1 = w.side.groups
+    newest = [(0, g0.kkey(okey(3, 0))), (1, g1.kkey(okey(3, 1))), (0, g0.kkey(okey(2, 0)))]
+    assert written == newest  # 2.5 s in all: the newest of each group, then the next, then time is up
+    assert [r.flushed for r in reports if r is not None] == [2, 1]
+    assert all(r is not None and r.stopped_by == "time" for r in reports)
+    assert [e.counters["blocks_flushed_at_close"] for e in w.engines[0]] == [2, 1]

@@ -20,6 +20,8 @@ scheduler side decides) has an empty index of its own; :func:`flush_listed_to_pe
 lists the blocks from the backends instead (``stored_keys`` of the tiers above, ``scan`` of the
 persistent one) and writes what the latter lacks, with the same budgets, chunks and counting.
 Nothing pins the blocks there, so it runs only once nothing else writes the tiers.
+:func:`flush_listed_groups` does that for several such stores (a vLLM rank's KV-cache groups)
+within one budget, newest first across them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kvtier.devices import tensor_device
 from kvtier.manager import KeyState, TierManager
 from kvtier.transfer.offloop import off_loop
 
-__all__ = ["FlushReport", "first_persistent", "flush_listed_to_persistent", "flush_to_persistent"]
+__all__ = ["FlushReport", "first_persistent", "flush_listed_groups", "flush_listed_to_persistent", "flush_to_persistent"]
 
 log = logging.getLogger("kvtier.transfer.flush")
 
@@ -105,8 +107,87 @@ async def flush_listed_to_persistent(
     tiers (the transfer engine closed). The index of the persistent tier is rebuilt from its
     records at the next open. A persistent tier in ``skip`` (another rank writes it) is left
     alone (``stopped_by`` "skipped")."""
-    report = FlushReport()
+    (report,) = await flush_listed_groups([backends], budget_s=budget_s, budget_bytes=budget_bytes, skip=skip)
+    return report
+
+
+async def flush_listed_groups(
+    groups: Sequence[Sequence[Backend]],
+    *,
+    budget_s: float | None = None,
+    budget_bytes: int | None = None,
+    skip: Collection[int] = (),
+) -> list[FlushReport]:
+    """:func:`flush_listed_to_persistent` of several stores (``groups``: each store's backends;
+    under vLLM one per KV-cache group of a rank) within **one** time and byte budget, newest
+    first across them: the newest chunk of every store, then the next newest of every store,
+    and so on. vLLM stores a block of every group in the same job, so the ``i``-th newest blocks
+    of the groups are about as recent, and a budget cut short leaves the oldest of every group.
+    One report per store, in order."""
     started = time.monotonic()
+    listed = [await _listed(backends, skip) for backends in groups]
+    reports = [item if isinstance(item, FlushReport) else item.report for item in listed]
+    todo = [item for item in listed if isinstance(item, _Listed)]
+    bytes_left = budget_bytes
+    last_log = started
+    out_of_time = False
+    while not out_of_time and any(item.done < item.limit for item in todo):
+        for item in todo:
+            if item.done >= item.limit:
+                continue
+            if budget_s is not None and time.monotonic() - started > budget_s:
+                out_of_time = True
+                break
+            n = min(CHUNK_BLOCKS, item.limit - item.done)
+            block = item.persistent.format.block_bytes
+            if bytes_left is not None:
+                n = min(n, bytes_left // block)
+                if n == 0:  # this store's next block no longer fits the shared byte budget
+                    item.limit, item.report.stopped_by = item.done, "bytes"
+                    continue
+                bytes_left -= n * block
+            chunk = item.keys[item.done : item.done + n]
+            item.done += n
+            await item.write(chunk)
+            now = time.monotonic()
+            if now - last_log > PROGRESS_EVERY_S:
+                last_log = now
+                log.info("kvtier flush: %d blocks written (%.0f s)", sum(r.flushed for r in reports), now - started)
+    for item in todo:
+        if out_of_time and item.done < item.limit:
+            item.report.stopped_by = "time"
+        _close_report(item.report, len(item.keys), started)
+    return reports
+
+
+@dataclass(eq=False)
+class _Listed:
+    """One store's blocks to write back to its persistent tier, best first, as far as its room goes."""
+
+    backends: Sequence[Backend]
+    target: int
+    report: FlushReport
+    source: dict[bytes, int]  # key -> the tier that lists it
+    keys: list[bytes]
+    limit: int
+    done: int = 0
+
+    @property
+    def persistent(self) -> Backend:
+        return self.backends[self.target]
+
+    async def write(self, chunk: list[bytes]) -> None:
+        rows, ok = await off_loop(_copy_out, self.backends, chunk, [self.source[k] for k in chunk], self.target)
+        self.report.failed += len(chunk) - len(ok)
+        stored = await _write_rows(self.persistent, self.report, ok, rows)
+        self.report.flushed += len(stored)
+        self.report.flushed_bytes += len(stored) * self.persistent.format.block_bytes
+
+
+async def _listed(backends: Sequence[Backend], skip: Collection[int]) -> _Listed | FlushReport:
+    """What one store's flush without a manager would write, or its finished report (nothing to
+    write: no persistent tier below a memory one, one in ``skip``, or one that cannot list)."""
+    report = FlushReport()
     target = first_persistent(backends)
     if target is None:
         return report
@@ -125,17 +206,12 @@ async def flush_listed_to_persistent(
     listed = [reversed(backends[tier].stored_keys() or ()) for tier in range(target)]
     source = _candidates(listed, held.__contains__, report)
     keys = list(source)
+    report.candidates = len(keys) + report.already_there
     room = max(0, (persistent.usable_bytes() - sum(held.values())) // max(1, persistent.reserve_bytes()))
-
-    async def write(chunk: list[bytes]) -> None:
-        rows, ok = await off_loop(_copy_out, backends, chunk, [source[k] for k in chunk], target)
-        report.failed += len(chunk) - len(ok)
-        stored = await _write_rows(persistent, report, ok, rows)
-        report.flushed += len(stored)
-        report.flushed_bytes += len(stored) * persistent.format.block_bytes
-
-    await _write_within(keys, room, persistent, report, started, budget_s, budget_bytes, write)
-    return report
+    limit = len(keys)
+    if room < limit:
+        limit, report.stopped_by = room, "room"
+    return _Listed(backends, target, report, source, keys, limit)
 
 
 def first_persistent(backends: Sequence[Backend]) -> int | None:
@@ -176,7 +252,12 @@ async def _write_within(
         if now - last_log > PROGRESS_EVERY_S:
             last_log = now
             log.info("kvtier flush: %d of %d blocks written to %s (%.0f s)", report.flushed, limit, report.target, now - started)
-    report.left = len(keys) - report.flushed
+    _close_report(report, len(keys), started)
+
+
+def _close_report(report: FlushReport, candidates: int, started: float) -> None:
+    """Fill in what a flush of ``candidates`` blocks left, its time, and log the outcome."""
+    report.left = candidates - report.flushed
     report.seconds = round(time.monotonic() - started, 3)
     if report.candidates:
         log.info(

@@ -39,7 +39,7 @@ from kvtier.integrations.vllm.ranks import describe_rank
 from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S
 from kvtier.integrations.vllm.stats import METRICS, PREFIX, CounterDeltas, scheduler_counters, worker_counters
-from kvtier.integrations.vllm.worker_side import _WorkerSide
+from kvtier.integrations.vllm.worker_side import _WorkerSide, close_sides
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.store import KVStore
 from kvtier.transfer import JobResult
@@ -324,9 +324,10 @@ def build_classes() -> dict[str, type]:
             self._groups.wait(job_ids)
 
         def shutdown(self) -> None:
-            for engine, side in zip(self._engines, self._groups.sides):
+            for engine in self._engines:
                 _unregister(engine)
-                run_sync(side.close())  # writes back what only this rank's memory tiers hold
+            # writes back what only this rank's memory tiers hold, one budget for all groups
+            run_sync(close_sides(self._groups.sides))
 
     class KvtierOffloadingSpec(OffloadingSpec):
         """The offloading spec vLLM's OffloadingConnector loads: kvtier's manager and worker."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.connector.ledger import Deletes
@@ -19,7 +19,7 @@ from kvtier.integrations.vllm.engines import _Engine
 from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
-from kvtier.transfer.flush import FlushReport, flush_listed_to_persistent
+from kvtier.transfer.flush import FlushReport, flush_listed_groups
 from kvtier.transfer.offloop import off_loop
 
 log = logging.getLogger("kvtier.vllm")
@@ -204,38 +204,59 @@ class _WorkerSide:
 
 
     async def close(self) -> FlushReport | None:
-        """Shut this rank's store down (vLLM's worker ``shutdown``): finish its queued jobs,
-        write back the blocks its memory tiers hold that its first persistent tier lacks
-        (within the store's ``flush_on_close_s`` / ``flush_on_close_bytes``), then close it.
+        """Shut this rank's store down (vLLM's worker ``shutdown``); see :func:`close_sides`.
+        Returns the flush report (``None``: none ran); never raises."""
+        return (await close_sides([self]))[0]
 
-        The store's own close writes back from its manager, which under vLLM knows nothing:
-        the scheduler side's manager decides, this rank only executes. So the blocks are listed
-        from the backends; every rank writes its own, so the next start's adoption (the keys
-        every rank holds) finds them. A shared tier this rank leaves to the writer is not
-        written. Returns the flush report (``None``: none ran); never raises."""
-        store, counters = self._engine.store, self._engine.counters
-        report = None
+
+async def close_sides(sides: Sequence[_WorkerSide]) -> list[FlushReport | None]:
+    """Shut a rank's stores down (one per KV-cache group; vLLM's worker ``shutdown``): finish
+    their queued jobs, write back the blocks their memory tiers hold that their first persistent
+    tier lacks, within **one** ``flush_on_close_s`` / ``flush_on_close_bytes`` budget shared by
+    the groups, newest first across them (:func:`~kvtier.transfer.flush.flush_listed_groups`),
+    then close them. A store with a job still running writes nothing back (a row could be
+    reused while read); its tiers are left to that job's thread.
+
+    A store's own close writes back from its manager, which under vLLM knows nothing: the
+    scheduler side's manager decides, a rank only executes. So the blocks are listed from the
+    backends; every rank writes its own, so the next start's adoption (the keys every rank
+    holds) finds them. A shared tier a rank leaves to the writer is not written. Returns each
+    store's flush report (``None``: none ran); never raises."""
+    reports: list[FlushReport | None] = [None] * len(sides)
+    flushing: list[int] = []
+    for i, side in enumerate(sides):
         try:
-            await off_loop(self._transfers.close)
-            budget_s = store.config.flush_on_close_s
-            if budget_s and not self._transfers.stopped:  # a job still running could reuse a row being read
-                log.warning("kvtier: rank %d: jobs still running at shutdown; no write-back", self._engine.rank)
-            elif budget_s:
-                report = await flush_listed_to_persistent(
-                    store.backends,
-                    budget_s=budget_s,
-                    budget_bytes=store.config.flush_on_close_bytes,
-                    skip=self._engine.skip_tiers,
-                )
-                counters["blocks_flushed_at_close"] += report.flushed
-                counters["blocks_flush_failed_at_close"] += report.failed
+            await off_loop(side._transfers.close)
+        except Exception as exc:  # a shutdown goes on
+            log.warning("kvtier: rank %d: closing the transfers failed: %s", side._engine.rank, exc)
+        if not side._engine.store.config.flush_on_close_s:
+            continue
+        if side._transfers.stopped:
+            flushing.append(i)
+        else:  # a job still running could reuse a row being read
+            log.warning("kvtier: rank %d: jobs still running at shutdown; no write-back", side._engine.rank)
+    if flushing:
+        config = sides[flushing[0]]._engine.store.config  # the groups' stores share the engine's settings
+        try:
+            done = await flush_listed_groups(
+                [sides[i]._engine.store.backends for i in flushing],
+                budget_s=config.flush_on_close_s,
+                budget_bytes=config.flush_on_close_bytes,
+                skip=sides[flushing[0]]._engine.skip_tiers,
+            )
         except Exception as exc:  # a shutdown never fails over the write-back
-            log.warning("kvtier: rank %d: write-back at shutdown failed: %s", self._engine.rank, exc)
+            log.warning("kvtier: rank %d: write-back at shutdown failed: %s", sides[flushing[0]]._engine.rank, exc)
+            done = []
+        for i, report in zip(flushing, done):
+            reports[i] = report
+            sides[i]._engine.counters["blocks_flushed_at_close"] += report.flushed
+            sides[i]._engine.counters["blocks_flush_failed_at_close"] += report.failed
+    for side in sides:
         try:
-            await store.aclose()
+            await side._engine.store.aclose()
         except Exception as exc:
-            log.warning("kvtier: rank %d: closing the store failed: %s", self._engine.rank, exc)
-        return report
+            log.warning("kvtier: rank %d: closing the store failed: %s", side._engine.rank, exc)
+    return reports
 
 
 _RECENT = 1 << 16  # vLLM job ids remembered per rank (a notice comes within a few steps)
