@@ -655,3 +655,44 @@ def test_complete_store_fast_path_matches_the_general_path(policy_name: str, key
     outcome, (_, _, plan_of, _), events = outcomes[0]
     if outcome[0] != "error" and keys:
         assert all(k not in plan_of for k in keys) and any(e.kind == "stored" for e in events) == success
+
+
+# -- a pending copy is not a copy ---------------------------------------------------------------
+@pytest.mark.parametrize("copy_fails", ["whole_plan", "that_key"])
+def test_a_key_whose_copy_below_is_pending_is_never_evicted_without_one(policy_name: str, copy_fails: str) -> None:
+    """A key completed ahead of its plan is ready in the first tier while its write-through
+    copy below is still pending. Evicting it then must not count on that copy: if the copy
+    fails, the key would be in no tier. It stays until the copy settles, then goes as usual
+    (demoted when the copy failed, dropped when it landed)."""
+    m = two_tiers(policy_name, fast=2, slow=4, write="through")
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None and plan.write_through == ((1, (K[0], K[1])),)
+    m.complete_store([K[0]])  # part of the plan: K[0] ready above, its copy below still pending
+    assert m.lookup_detail([K[0]])[0] == KeyStatus(KeyState.READY, 0)
+    # The first tier holds K[0] (ready) and K[1] (pending): K[0] is the only candidate victim.
+    assert m.prepare_store([K[2]]) is None
+    assert m.prepare_store([K[2]], partial=True) is None
+    if copy_fails == "whole_plan":
+        m.complete_store([K[1]], success=False)
+    else:
+        m.complete_store([K[1]], failed={1: [K[0]]})
+    assert m.lookup_detail([K[0]])[0] == KeyStatus(KeyState.READY, 0)
+    assert not m.holds(K[0], 1)
+    # Settled: K[0] may go now, and goes below (write-back fallback), since it has no copy there.
+    plan = m.prepare_store([K[2], K[3]] if copy_fails == "whole_plan" else [K[2]])
+    assert plan is not None and plan.demotions == (Demotion(0, 1, (K[0],)),)
+    m.complete_store(plan.keys)
+    assert m.lookup([K[0]]) == 1
+
+
+def test_a_key_whose_pending_copy_lands_is_dropped_from_the_first_tier_afterwards(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=4, write="through")
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None
+    m.complete_store([K[0]])
+    assert m.prepare_store([K[2]]) is None  # K[0]'s copy below is only pending
+    m.complete_store([K[1]])
+    plan = m.prepare_store([K[2]])
+    assert plan is not None and plan.drops == ((0, (K[0],)),) and plan.demotions == ()
+    m.complete_store(plan.keys)
+    assert m.lookup_detail([K[0]])[0] == KeyStatus(KeyState.READY, 1)
