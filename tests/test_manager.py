@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ClosedError, ConfigError, InvalidKeyError, LifecycleError
+from kvtier.keys import check_keys
 from kvtier.manager import CacheEvent, Demotion, KeyState, KeyStatus, TierManager, TierSpec
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.testing import make_key
@@ -569,6 +570,87 @@ def test_single_key_lookup_matches_the_general_path(policy_name: str, keys: Any)
     assert got == want
     assert fast.counters == general.counters
     assert got[0] == "error" or fast.counters["lookups"] == 1
+
+
+TOUCH_INPUTS: list[Any] = [
+    [K[0], K[1]],  # ready in the first tier
+    (K[2], K[0]),  # one ready only in the second tier
+    [K[4]],  # pending
+    [K[0], K[9]],  # one absent
+    [K[0], K[0]],  # a repeat
+    [],
+    [K[0], K[9][:31]],  # too short
+    [K[0], bytearray(K[9])],  # unhashable
+    [K[0], _BytesLike(K[0])],  # wrong type, equal to a stored key
+    [K[0], K[9].hex()],
+    b"x" * 32,  # a bytes object is not a sequence of keys
+    "x",
+    [None],
+]
+
+
+@pytest.mark.parametrize("keys", TOUCH_INPUTS, ids=repr)
+def test_touch_validated_by_finding_matches_a_checked_touch(policy_name: str, keys: Any) -> None:
+    """``touch`` checks its keys only when one is not ready in any one tier; the answer, the
+    error and the order it leaves are those of a touch that checks every call first."""
+    outcomes = []
+    for checked in (False, True):
+        m = two_tiers(policy_name, fast=2, slow=4)
+        store(m, [K[2], K[3]])
+        store(m, [K[0], K[1]])  # K[2], K[3] demoted to the second tier
+        assert m.prepare_store([K[4]]) is not None  # pending
+
+        def touch(ks: Any, m: TierManager = m, checked: bool = checked) -> None:
+            if checked:
+                check_keys(ks)
+            m.touch(ks)
+
+        outcome = _outcome(touch, keys)
+        outcomes.append((outcome, [m.tier_keys(i) for i in range(m.num_tiers)]))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_touch_changes_nothing_before_it_raises(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=3, slow=4)
+    store(m, [K[0], K[1], K[2]])
+    before = m.tier_keys(0)
+    with pytest.raises(InvalidKeyError, match=r"keys\[1\]"):
+        m.touch([K[0], K[9][:31]])
+    assert m.tier_keys(0) == before
+    m.touch([K[0]])
+    assert m.tier_keys(0) == [K[1], K[2], K[0]]
+
+
+def test_lookup_counters_read_at_one_moment_while_lookups_run(policy_name: str) -> None:
+    """Single-key lookups count apart from batched ones, without a lock; a reader on another
+    thread still sees counters that agree with each other and only grow."""
+    import threading
+
+    m = one_tier(policy_name)
+    store(m, [K[0]])
+    stop = threading.Event()
+
+    def lookups() -> None:
+        while not stop.is_set():
+            m.lookup([K[0]])
+            m.lookup([K[9]])
+            m.lookup([K[0], K[9]])
+
+    worker = threading.Thread(target=lookups)
+    worker.start()
+    try:
+        last = (0, 0, 0)
+        for _ in range(2000):
+            c = m.counters
+            now = (c["lookups"], c["lookup_keys"], c["lookup_hits"])
+            assert all(a >= b for a, b in zip(now, last)) and now[2] <= now[1]
+            last = now
+    finally:
+        stop.set()
+        worker.join()
+    c = m.counters
+    calls = c["lookups"]
+    assert calls % 3 == 0 and c["lookup_keys"] == calls // 3 * 4 and c["lookup_hits"] == calls // 3 * 2
 
 
 def test_single_key_lookup_counts_like_a_batch() -> None:
