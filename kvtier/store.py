@@ -344,7 +344,11 @@ class KVStore:
                 released = len({key for _, gone in drops for key in gone})
                 log.info("kvtier: save: %d blocks stored behind one that failed are released", released)
                 release = StorePlan(0, (), (), drops=drops)
-                await self._run_job(transfers, transfers.submit_store(release, []), release)
+                try:
+                    job = transfers.submit_store(release, [])
+                except ClosedError:  # closing: the records stay, as orphans the next open adopts
+                    return hole
+                await self._run_job(transfers, job, release)
         return hole
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
