@@ -27,7 +27,9 @@ Faults: every socket call has a timeout (``socket_timeout_s``, ``connect_timeout
 connection failure marks the tier *down*: one warning is logged, ``outages`` counts it, and
 until the next retry (exponential backoff, 0.1 s to 5 s) stores fail at once (``None``) and
 loads miss, with no network wait. The next call or index sweep after the backoff reconnects;
-success logs the outage's length. Nothing here raises into the engine for a dead server. In a
+success logs the outage's length. A pool with no connection to give is not a dead server: the
+share waits for one (see :mod:`kvtier.backends.redis_pool`, which also sizes the pool's users).
+Nothing here raises into the engine for a dead server. In a
 cluster each primary has its own down state (one dead primary misses its own slots only), and a
 call returns only once every primary's share has ended, failed ones included, so nothing writes
 into the caller's rows after it returned.
@@ -56,9 +58,9 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
-from kvtier.backends.redis_shares import auto_job_connections, run_all, split_shares
+from kvtier.backends.redis_pool import ConnectionBudget, PoolBusy, PoolGate
+from kvtier.backends.redis_shares import run_all, split_shares
 from kvtier.backends.redis_wire import (
-    PUT_CONNECTIONS,
     ErrorReply,
     Wire,
     get_command,
@@ -80,7 +82,15 @@ from kvtier.records.format import (
 try:
     import redis
     from redis.cluster import RedisCluster
-    from redis.exceptions import AskError, ClusterDownError, InvalidResponse, MovedError, RedisError, TryAgainError
+    from redis.exceptions import (
+        AskError,
+        ClusterDownError,
+        InvalidResponse,
+        MaxConnectionsError,
+        MovedError,
+        RedisError,
+        TryAgainError,
+    )
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
@@ -311,20 +321,12 @@ class RedisBackend(RecordBackend):
             raise ConfigError(f"prefix: expected 1-64 characters of [A-Za-z0-9_.-], got {prefix!r}")
         self.prefix = prefix
         _check_seconds(ttl_s=ttl_s, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s, sync_interval_s=sync_interval_s)
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
-            raise ConfigError(f"max_connections: expected a positive integer, got {max_connections!r}")
-        if job_connections != "auto" and (
-            isinstance(job_connections, bool) or not isinstance(job_connections, int) or not 1 <= job_connections <= max_connections
-        ):
-            raise ConfigError(
-                f"job_connections: expected 'auto' or an integer from 1 to max_connections ({max_connections}), got {job_connections!r}"
-            )
+        # One store and one load in flight, each at its widest, fit in the pool with the index
+        # sweep (see kvtier.backends.redis_pool): checked here, with both fields named.
+        self.budget = ConnectionBudget.of(max_connections, job_connections)
         #: as configured ("auto" or a count); ``job_connections`` is the count in use
         self.job_connections_setting = job_connections
-        self.job_connections = min(max_connections, auto_job_connections()) if job_connections == "auto" else int(job_connections)
-        # Each put share keeps one SET in flight on each of a few connections: no more than
-        # half the pool, over the shares of a job (loads and sweeps need the rest).
-        self._put_connections = max(1, min(PUT_CONNECTIONS, max_connections // (2 * self.job_connections)))
+        self.job_connections = self.budget.job_connections
         self.ttl_s = None if ttl_s is None else float(ttl_s)
         self.cluster = cluster
         self.max_connections = max_connections
@@ -335,6 +337,8 @@ class RedisBackend(RecordBackend):
         if any(self.tls.values()) and not self.url.startswith("rediss://"):
             raise ConfigError("url: TLS files are given, so the URL must use rediss://")
         self._health = _Health(self.url)
+        # An exhausted pool is back-pressure: wait for a connection, at most one socket timeout.
+        self._gate = PoolGate(self.socket_timeout_s)
         self._client: Any = None  # redis.Redis or RedisCluster, built in open()
         self._client_lock = threading.Lock()
         self._pool_threads: ThreadPoolExecutor | None = None
@@ -462,7 +466,7 @@ class RedisBackend(RecordBackend):
                     nodes = max(1, len(self._client.get_primaries()))
                 else:
                     self._client = redis.Redis.from_url(self.url, **options)
-                workers = nodes * self.job_connections - 1  # the calling thread runs one share itself
+                workers = self.budget.io_threads(nodes)
                 if workers > 0:
                     self._pool_threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-redis")
             return self._client
@@ -541,6 +545,8 @@ class RedisBackend(RecordBackend):
         for (health, _, positions), exc in zip(runnable, errors):
             if exc is not None:
                 failed.extend(positions)
+            if isinstance(exc, PoolBusy):
+                continue  # says nothing of the node's health
             if verdict.get(id(health), (None, None))[1] is None:
                 verdict[id(health)] = (health, exc)
         for health, exc in verdict.values():
@@ -551,9 +557,13 @@ class RedisBackend(RecordBackend):
         return failed
 
     def _run_share(self, fn: Any, pool: Any, positions: list[int]) -> BaseException | None:
-        """One share of a job on one node; what made it fail (the node is then down), or ``None``."""
+        """One share of a job on one node; what made it fail (the node is then down, unless it
+        is :class:`PoolBusy`: the pool had no connection to give), or ``None``."""
         try:
             fn(pool, positions)
+        except PoolBusy as exc:  # our own load, not the server's state
+            log.debug("redis: a share of %d records got no connection: %s", len(positions), exc)
+            return exc
         except (_Down, *_DOWN_ERRORS) as exc:  # a dead node
             self._refresh_slots = self.cluster  # after a failover the next sweep finds the new primary
             return exc.__cause__ or exc if isinstance(exc, _Down) else exc
@@ -570,14 +580,14 @@ class RedisBackend(RecordBackend):
         """Run ``body(wires)`` on up to ``count`` pooled connections at once (at least one: when
         the pool has no more to give, fewer); a dead socket raises :class:`_Down`. Each
         connection goes back to the pool, disconnected unless every reply on it was read."""
-        conns = [pool.get_connection()]  # connected and authenticated by redis-py
+        conns = [self._gate.borrow(pool)]  # connected and authenticated by redis-py
         drained: list[bool] = []  # per connection, once ``body`` has returned
         try:
             while len(conns) < count:
                 try:
                     conns.append(pool.get_connection())
                 except _DOWN_ERRORS as exc:  # "Too many connections": do with those in hand
-                    log.debug("redis: a put share on %d connections instead of %d: %s", len(conns), count, exc)
+                    log.debug("redis: a share on %d connections instead of %d: %s", len(conns), count, exc)
                     break
             wires = [Wire(conn._sock) for conn in conns]
             body(wires)
@@ -589,6 +599,7 @@ class RedisBackend(RecordBackend):
                 if k >= len(drained) or not drained[k]:  # unknown stream position: never hand it out again
                     conn.disconnect()
                 pool.release(conn)
+            self._gate.returned()
 
     def _note_cluster_error(self, exc: BaseException) -> None:
         if isinstance(exc, (MovedError, AskError, TryAgainError, ClusterDownError)):
@@ -652,7 +663,7 @@ class RedisBackend(RecordBackend):
             def body(wires: list[Wire]) -> None:
                 send_one_each(wires, requests(), on_reply, self.socket_timeout_s)
 
-            self._exchange_many(pool, min(len(positions), self._put_connections), body)
+            self._exchange_many(pool, min(len(positions), self.budget.put_connections), body)
 
         self._run_io(write_group, rkeys, self.reserve_bytes())
         done = [keys[i] for i in range(n) if sizes[i] is not None]
@@ -679,7 +690,7 @@ class RedisBackend(RecordBackend):
         bad: list[bytes] = []
         unreadable: list[bytes] = []
         window = max(1, _READ_WINDOW_BYTES // (size + self._head_bytes()))
-        stripes = self._put_connections if size >= _STRIPE_MIN_BYTES else 1
+        stripes = self.budget.stripes if size >= _STRIPE_MIN_BYTES else 1
         ttl = self._ttl_ms
 
         def read_group(pool: Any, positions: list[int]) -> None:
@@ -815,6 +826,8 @@ class RedisBackend(RecordBackend):
                     for rk in node.scan_iter(match=pattern, count=1000):
                         if len(rk) == want:
                             found.add(rk[plen:])
+                except MaxConnectionsError:
+                    raise  # the pool is busy, not the node down: skip this round (below)
                 except _DOWN_ERRORS as exc:
                     if health is None:
                         raise
@@ -823,6 +836,10 @@ class RedisBackend(RecordBackend):
                     continue
                 if health is not None and health.succeeded() and self.view is not None:
                     self.view.wake()
+        except MaxConnectionsError as exc:  # back-pressure: the index stays as it is until the next round
+            log.debug("redis: index sweep skipped, no connection to spare: %s", exc)
+            self._gate.busy += 1
+            return None
         except _DOWN_ERRORS as exc:
             self._health.failed(exc)
             return None
@@ -859,6 +876,8 @@ class RedisBackend(RecordBackend):
             outages=sum(h.outages for h in every),
             connection_errors=sum(h.connection_errors for h in every),
             fast_failures=sum(h.fast_failures for h in every),
+            pool_waits=self._gate.waits,
+            pool_busy=self._gate.busy,
         )
         if self.cluster:
             data["nodes_down"] = sum(1 for h in self._nodes.values() if not h.up)

@@ -26,7 +26,7 @@ from kvtier.backend import Backend, BlockFormat
 from kvtier.config import StoreConfig, load_config
 from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
 from kvtier.keys import Namespace, check_keys
-from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.manager import CacheEvent, KeyState, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.handover import release_tiers
@@ -294,8 +294,12 @@ class KVStore:
     async def save(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Store the blocks ``block_ids`` (``n`` engine ids per key) under ``keys``.
 
-        Returns the number of blocks newly stored (keys already present are skipped). A full
-        tier or a failing disk gives 0 for the blocks concerned; nothing raises.
+        Returns the number of blocks newly stored (keys already present are skipped), all of
+        them in the batch's leading run: a full tier or a failing disk gives 0 for the blocks
+        concerned, and the store stops at the first block it could not store. Blocks of the same
+        run written behind that hole (a Redis Cluster with one primary down stores the live
+        primaries' keys) are released: ``lookup`` and ``load`` could never reach them, so they
+        are forgotten, their records deleted, and not counted. Nothing raises.
 
         A batch larger than the first tier's room is stored in runs, in prefix order: each run
         is the leading part of what is left that the first tier can take
@@ -327,15 +331,40 @@ class KVStore:
             if self._closed:  # closed while the job ran: nothing is left to apply it to
                 return stored
             done = self.finish_store(plan, result)
+            if done < len(plan.keys):  # a failed write: the rest would only fail behind it
+                stored += await self._keep_the_leading_run(transfers, plan)
+                break
             stored += done
-            if done < len(plan.keys) or not plan.keys:
-                break  # a failed write: the rest would only fail behind it
+            if not plan.keys:
+                break
             covered = {*plan.keys, *plan.skipped}
             taken = next((i for i, key in enumerate(rest) if key not in covered), len(rest))
             if taken < len(rest):
                 log.debug("kvtier: save of %d blocks: the first tier took %d; storing the next run", len(keys), taken)
             rest, offset = rest[taken:], offset + taken
         return stored
+
+    async def _keep_the_leading_run(self, transfers: TransferEngine, plan: StorePlan) -> int:
+        """After a store run whose writes failed in part: how many of its keys lie before the
+        first one that is now in no tier. Those stored behind it are released: the manager
+        forgets them, and a store job queued behind every earlier one deletes their records (so
+        a later store of the same keys, queued after it, is never deleted by it)."""
+        mgr = self._mgr()
+        keys = plan.keys
+        hole = next((i for i, key in enumerate(keys) if mgr.status(key).state is not KeyState.READY), len(keys))
+        behind = keys[hole + 1 :]
+        if behind:
+            drops = tuple((tier, tuple(gone)) for tier in range(mgr.num_tiers) if (gone := mgr.remove(behind, tier)))
+            if drops:
+                released = len({key for _, gone in drops for key in gone})
+                log.info("kvtier: save: %d blocks stored behind one that failed are released", released)
+                release = StorePlan(0, (), (), drops=drops)
+                try:
+                    job = transfers.submit_store(release, [])
+                except ClosedError:  # closing: the records stay, as orphans the next open adopts
+                    return hole
+                await self._run_job(transfers, job, release)
+        return hole
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ClosedError, ConfigError, InvalidKeyError, LifecycleError
+from kvtier.keys import check_keys
 from kvtier.manager import CacheEvent, Demotion, KeyState, KeyStatus, TierManager, TierSpec
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.testing import make_key
@@ -571,6 +572,87 @@ def test_single_key_lookup_matches_the_general_path(policy_name: str, keys: Any)
     assert got[0] == "error" or fast.counters["lookups"] == 1
 
 
+TOUCH_INPUTS: list[Any] = [
+    [K[0], K[1]],  # ready in the first tier
+    (K[2], K[0]),  # one ready only in the second tier
+    [K[4]],  # pending
+    [K[0], K[9]],  # one absent
+    [K[0], K[0]],  # a repeat
+    [],
+    [K[0], K[9][:31]],  # too short
+    [K[0], bytearray(K[9])],  # unhashable
+    [K[0], _BytesLike(K[0])],  # wrong type, equal to a stored key
+    [K[0], K[9].hex()],
+    b"x" * 32,  # a bytes object is not a sequence of keys
+    "x",
+    [None],
+]
+
+
+@pytest.mark.parametrize("keys", TOUCH_INPUTS, ids=repr)
+def test_touch_validated_by_finding_matches_a_checked_touch(policy_name: str, keys: Any) -> None:
+    """``touch`` checks its keys only when one is not ready in any one tier; the answer, the
+    error and the order it leaves are those of a touch that checks every call first."""
+    outcomes = []
+    for checked in (False, True):
+        m = two_tiers(policy_name, fast=2, slow=4)
+        store(m, [K[2], K[3]])
+        store(m, [K[0], K[1]])  # K[2], K[3] demoted to the second tier
+        assert m.prepare_store([K[4]]) is not None  # pending
+
+        def touch(ks: Any, m: TierManager = m, checked: bool = checked) -> None:
+            if checked:
+                check_keys(ks)
+            m.touch(ks)
+
+        outcome = _outcome(touch, keys)
+        outcomes.append((outcome, [m.tier_keys(i) for i in range(m.num_tiers)]))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_touch_changes_nothing_before_it_raises(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=3, slow=4)
+    store(m, [K[0], K[1], K[2]])
+    before = m.tier_keys(0)
+    with pytest.raises(InvalidKeyError, match=r"keys\[1\]"):
+        m.touch([K[0], K[9][:31]])
+    assert m.tier_keys(0) == before
+    m.touch([K[0]])
+    assert m.tier_keys(0) == [K[1], K[2], K[0]]
+
+
+def test_lookup_counters_read_at_one_moment_while_lookups_run(policy_name: str) -> None:
+    """Single-key lookups count apart from batched ones, without a lock; a reader on another
+    thread still sees counters that agree with each other and only grow."""
+    import threading
+
+    m = one_tier(policy_name)
+    store(m, [K[0]])
+    stop = threading.Event()
+
+    def lookups() -> None:
+        while not stop.is_set():
+            m.lookup([K[0]])
+            m.lookup([K[9]])
+            m.lookup([K[0], K[9]])
+
+    worker = threading.Thread(target=lookups)
+    worker.start()
+    try:
+        last = (0, 0, 0)
+        for _ in range(2000):
+            c = m.counters
+            now = (c["lookups"], c["lookup_keys"], c["lookup_hits"])
+            assert all(a >= b for a, b in zip(now, last)) and now[2] <= now[1]
+            last = now
+    finally:
+        stop.set()
+        worker.join()
+    c = m.counters
+    calls = c["lookups"]
+    assert calls % 3 == 0 and c["lookup_keys"] == calls // 3 * 4 and c["lookup_hits"] == calls // 3 * 2
+
+
 def test_single_key_lookup_counts_like_a_batch() -> None:
     m = one_tier("lru")
     store(m, [K[0]])
@@ -655,3 +737,44 @@ def test_complete_store_fast_path_matches_the_general_path(policy_name: str, key
     outcome, (_, _, plan_of, _), events = outcomes[0]
     if outcome[0] != "error" and keys:
         assert all(k not in plan_of for k in keys) and any(e.kind == "stored" for e in events) == success
+
+
+# -- a pending copy is not a copy ---------------------------------------------------------------
+@pytest.mark.parametrize("copy_fails", ["whole_plan", "that_key"])
+def test_a_key_whose_copy_below_is_pending_is_never_evicted_without_one(policy_name: str, copy_fails: str) -> None:
+    """A key completed ahead of its plan is ready in the first tier while its write-through
+    copy below is still pending. Evicting it then must not count on that copy: if the copy
+    fails, the key would be in no tier. It stays until the copy settles, then goes as usual
+    (demoted when the copy failed, dropped when it landed)."""
+    m = two_tiers(policy_name, fast=2, slow=4, write="through")
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None and plan.write_through == ((1, (K[0], K[1])),)
+    m.complete_store([K[0]])  # part of the plan: K[0] ready above, its copy below still pending
+    assert m.lookup_detail([K[0]])[0] == KeyStatus(KeyState.READY, 0)
+    # The first tier holds K[0] (ready) and K[1] (pending): K[0] is the only candidate victim.
+    assert m.prepare_store([K[2]]) is None
+    assert m.prepare_store([K[2]], partial=True) is None
+    if copy_fails == "whole_plan":
+        m.complete_store([K[1]], success=False)
+    else:
+        m.complete_store([K[1]], failed={1: [K[0]]})
+    assert m.lookup_detail([K[0]])[0] == KeyStatus(KeyState.READY, 0)
+    assert not m.holds(K[0], 1)
+    # Settled: K[0] may go now, and goes below (write-back fallback), since it has no copy there.
+    plan = m.prepare_store([K[2], K[3]] if copy_fails == "whole_plan" else [K[2]])
+    assert plan is not None and plan.demotions == (Demotion(0, 1, (K[0],)),)
+    m.complete_store(plan.keys)
+    assert m.lookup([K[0]]) == 1
+
+
+def test_a_key_whose_pending_copy_lands_is_dropped_from_the_first_tier_afterwards(policy_name: str) -> None:
+    m = two_tiers(policy_name, fast=2, slow=4, write="through")
+    plan = m.prepare_store([K[0], K[1]])
+    assert plan is not None
+    m.complete_store([K[0]])
+    assert m.prepare_store([K[2]]) is None  # K[0]'s copy below is only pending
+    m.complete_store([K[1]])
+    plan = m.prepare_store([K[2]])
+    assert plan is not None and plan.drops == ((0, (K[0],)),) and plan.demotions == ()
+    m.complete_store(plan.keys)
+    assert m.lookup_detail([K[0]])[0] == KeyStatus(KeyState.READY, 1)

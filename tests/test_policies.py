@@ -40,6 +40,30 @@ def test_touch_moves_a_key_last(policy: EvictionPolicy) -> None:
     assert len(policy) == 3
 
 
+@pytest.mark.parametrize(
+    "batch",
+    [[2, 0, 4], [2, 60, 0], [60], [0, 0, 3], [], [4, 3, 2, 1, 0, 61]],
+    ids=["known", "one unknown", "only unknown", "a repeat", "none", "unknown last"],
+)
+def test_touch_many_orders_as_touch_one_by_one(policy: EvictionPolicy, batch: list[int]) -> None:
+    """The batch form (a loop in C while every key is known) leaves the order one ``touch``
+    per key would, unknown keys included (they are ignored)."""
+    keys = [K[i] for i in batch]
+    one_by_one = type(policy)(capacity=8)
+    fill(policy, 5)
+    fill(one_by_one, 5)
+    for target in (policy, one_by_one):
+        target.touch(K[1])  # ARC: one key in T2 already
+    policy.touch_many(keys)
+    for key in keys:
+        one_by_one.touch(key)
+    assert policy.order() == one_by_one.order()
+    policy.touch_many(iter(keys))  # any iterable, read once
+    for key in keys:
+        one_by_one.touch(key)
+    assert policy.order() == one_by_one.order()
+
+
 def test_remove(policy: EvictionPolicy) -> None:
     keys = fill(policy, 4)
     policy.remove(keys[1])

@@ -131,3 +131,39 @@ def test_a_password_in_the_url_query_authenticates_and_is_never_shown(
         server.stop()
     with pytest.raises(Exception, match="password"):
         RedisBackend(capacity="1MiB", url=f"redis://:{secret}@127.0.0.1:1/0?password=other")
+
+
+async def test_a_save_across_a_dead_primary_counts_and_keeps_the_leading_run_only(
+    own_redis_cluster: RedisClusterServers,
+) -> None:
+    """With one primary down, a save's keys on the live primaries are written and the dead
+    one's fail. What ``save`` returns is what ``lookup`` and ``load`` then reach: the leading
+    run up to the first failed block. Blocks written behind it are released (forgotten and
+    deleted from the server), not counted."""
+    import kvtier
+
+    caches = [torch.randint(0, 256, (16, 1024), dtype=torch.uint8) for _ in range(2)]
+    config = {
+        "tiers": [
+            {"backend": "redis", "cluster": True, "url": own_redis_cluster.url, "capacity": "1MiB", "prefix": "save-hole", "sync_interval_s": 3600}
+        ]
+    }
+    async with kvtier.open(config, kv_caches=caches) as store:
+        backend = store.backends[0]
+        assert isinstance(backend, RedisBackend)
+        dead = own_redis_cluster.nodes[1]
+        pool = [make_key(9000 + i) for i in range(64)]
+        on_dead = [k for k in pool if _port_of_key(backend, k) == dead.port]
+        live = [k for k in pool if _port_of_key(backend, k) != dead.port]
+        # Two blocks, then one on the dead primary, then five more on live ones.
+        keys = [*live[:2], on_dead[0], *live[2:7]]
+        dead.kill()
+        saved = await store.save(keys, list(range(len(keys))))
+        assert saved == 2
+        assert await store.lookup(keys) == 2
+        assert [s.state.value for s in await store.lookup_detail(keys)] == ["ready"] * 2 + ["miss"] * 6
+        assert await store.load(keys, list(range(8, 16))) == 2
+        assert all(torch.equal(c[8 + i], c[i]) for c in caches for i in range(2))
+        client = backend._get_client()
+        assert [client.exists(backend._rkey(k)) for k in keys[3:]] == [0] * 5  # deleted, not left behind
+        assert store.stats()["store_completed"] >= 2

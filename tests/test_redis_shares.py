@@ -23,7 +23,7 @@ import redis
 import torch
 from kvtier.backends.redis_shares import SHARE_MIN_BYTES, run_all, split_shares
 from kvtier.backends.redis_tier import RedisBackend
-from kvtier.backends.redis_wire import PUT_CONNECTIONS, RECV_PIECE, Wire
+from kvtier.backends.redis_wire import RECV_PIECE, Wire
 from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
 
 from kvtier.errors import ConfigError
@@ -298,8 +298,9 @@ def test_a_small_job_stays_on_the_calling_thread(redis_server: RedisServer, monk
         assert all(s is not None for s in backend.write_blocks(keys, data))
         out = _empty(8)
         assert backend.read_blocks(keys, out) == [True] * 8
-        # one share each: the put's PUT_CONNECTIONS connections (one SET in flight on each), the read's one
-        assert borrows.count == PUT_CONNECTIONS + 1 and borrows.threads == {threading.get_ident()}
+        # one share each: the put's connections (one SET in flight on each), the read's one
+        assert backend.budget.put_connections == 3  # (32 - the sweep's 1) // (2 jobs x 4)
+        assert borrows.count == backend.budget.put_connections + 1 and borrows.threads == {threading.get_ident()}
         assert all(torch.equal(a, b) for a, b in zip(out, data))
     finally:
         _close(backend)
@@ -386,7 +387,7 @@ def test_job_connections_auto_is_half_the_cpus_from_one_to_four(monkeypatch: pyt
     assert [redis_shares.auto_job_connections(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert RedisBackend(capacity="1MiB").job_connections == 4  # the default is auto
-    assert RedisBackend(capacity="1MiB", max_connections=2).job_connections == 2  # never past the pool
+    assert RedisBackend(capacity="1MiB", max_connections=5).job_connections == 2  # a store and a load fit, with the sweep
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     backend = RedisBackend(capacity="1MiB", job_connections="auto")
     assert backend.job_connections == 1

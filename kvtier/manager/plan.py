@@ -220,6 +220,11 @@ class OpenPlan:
     #: Promotion plans only: the lower tier each key was ready in when the plan was made.
     sources: dict[bytes, int] | None = None
 
+    def copying(self, ready: Collection[bytes]) -> list[bytes]:
+        """The keys of ``ready`` (just ready above) whose write-through copy is pending below."""
+        through = set().union(*self.through.values())
+        return [key for key in ready if key in through]
+
     def settle(self, tiers: Sequence[TierState], result: Completion, out: list[EventBatch]) -> None:
         """Copies become ready, except those whose write failed, which are dropped; a failed
         store fails its write-through copies too."""
@@ -249,6 +254,10 @@ class PlanBook:
         self._events = events
         self._plans: dict[int, OpenPlan] = {}
         self._plan_of: dict[bytes, int] = {}
+        #: Keys ready above whose write-through copy below is still pending (completed ahead
+        #: of the rest of their plan). A pending copy is not a copy: if it fails, evicting
+        #: the key would leave it in no tier, so no plan evicts these until their plan settles.
+        self._copying: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -279,9 +288,10 @@ class PlanBook:
         tiers = self._tiers
         # Write-through plans demote too: a victim without a copy below (its write-through was
         # deferred, refused or failed) falls back to write-back; one with a copy is dropped.
-        builder = PlanBuilder(tiers, protected, write_back=True, admission=self._admission, keep_below=keep_below)
+        guarded = protected | self._copying if self._copying else protected
+        builder = PlanBuilder(tiers, guarded, write_back=True, admission=self._admission, keep_below=keep_below)
         if not builder.make_room(0, tiers[0].block * len(new)):
-            fit = min(len(new) - 1, tiers[0].blocks_that_fit(protected)) if partial else 0
+            fit = min(len(new) - 1, tiers[0].blocks_that_fit(guarded)) if partial else 0
             # blocks_that_fit is exact for fixed-size tiers; a variable-size one may free less.
             while fit > 0 and not builder.make_room(0, tiers[0].block * fit):
                 fit -= 1
@@ -365,6 +375,10 @@ class PlanBook:
             if not plan.remaining:
                 del self._plans[plan_id]
                 plan.settle(self._tiers, result, out)
+                if self._copying and plan.through:
+                    self._copying.difference_update(*plan.through.values())
+            elif plan.through and ok:
+                self._copying.update(plan.copying(ok))
         self._events.extend(out)
         return done, lost
 

@@ -12,7 +12,7 @@ keys. Third-party policies register in the ``kvtier.manager.policies`` entry-poi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -114,10 +114,14 @@ class LRUPolicy(EvictionPolicy):
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         order = self._order
-        move = order.move_to_end
-        for key in keys:
-            if key in order:
-                move(key)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        try:
+            deque(map(order.move_to_end, keys), 0)  # every key known (the manager's case): a loop in C
+        except KeyError:  # an unknown key: moving the known ones again, in order, gives the same order
+            move = order.move_to_end
+            for key in keys:
+                if key in order:
+                    move(key)
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)

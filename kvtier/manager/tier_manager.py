@@ -115,12 +115,15 @@ def _check(keys: Sequence[bytes]) -> None:
         check_keys(keys)
 
 
-# The lookup counters (calls, keys asked, keys found) packed into one int, one field per 64
-# bits, so a lookup adds one constant and a reader on another thread sees one moment.
+# The lookup counters of batched calls (calls, keys asked, keys found) packed into one int, one
+# field per 64 bits, so a lookup adds one constant. Single-key calls (the engine's per-block
+# lookups, most of them) add 1 to a small int of their own instead, hits and misses apart: a
+# third cheaper than adding to the packed one. Every lookup changes exactly one of the three,
+# and they only grow, so a reader that sees the same three values twice in a row has seen one
+# moment (see TierManager._lookup_counters).
 _FIELD = 64
 _MASK = (1 << _FIELD) - 1
-_ONE_MISS = 1 | 1 << _FIELD
-_ONE_HIT = _ONE_MISS | 1 << 2 * _FIELD
+_READS = 8  # a reader's tries for two equal readings (then it takes the last)
 
 
 def _lookup_counts(calls: int, asked: int, found: int) -> int:
@@ -158,9 +161,11 @@ class TierManager:
         self._persistent = any(t.persistent for t in tiers)
         self._plan_ids = itertools.count(1)
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        # (calls, keys, hits) packed by _lookup_counts and replaced whole: lookups stay
-        # lock-free and a reader sees one moment.
+        # (calls, keys, hits) of batched lookups, packed by _lookup_counts and replaced whole,
+        # and single-key hits and misses: lookups stay lock-free.
         self._lookups = 0
+        self._single_hits = 0
+        self._single_misses = 0
         self._admission = Admission(tiers)
         self._events = EventLog(max_events)
         self._promotions = Promotions(self._tiers, self._counts, self._events)
@@ -236,13 +241,13 @@ class TierManager:
             try:
                 for get in self._gets:
                     if get(key):
-                        self._lookups += _ONE_HIT
+                        self._single_hits += 1
                         return 1
             except TypeError:  # an unhashable key: check_keys names it
                 check_keys(keys)
             if type(key) is not bytes or len(key) != KEY_BYTES:
                 check_keys(keys)
-            self._lookups += _ONE_MISS
+            self._single_misses += 1
             return 0
         return self._lookup_run(keys)
 
@@ -410,19 +415,31 @@ class TierManager:
                 self._promotions.settle_in_load(keys, set(failed_promotions), self._now())
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark keys as recently used in every tier that holds them ready."""
+        """Mark keys as recently used in every tier that holds them ready.
+
+        Validated by finding, like ``complete_store``: a key ready in a tier was checked when it
+        was stored, so only a call with a key that no one tier holds ready pays for
+        :func:`check_keys` (a test compares the answers and errors with a checked call)."""
         if self._closed:
             raise _closed()
-        _check(keys)
         with self._lock:
-            now = self._now()
-            for t in self._tiers:
-                get = t.index.get
-                ready = [key for key in keys if get(key)]
-                if ready:
-                    t.policy.touch_many(ready)
+            n = len(keys)
+            every = False  # one tier holds every key ready
+            found = []
+            try:
+                for get in self._gets:
+                    mine = list(filter(get, keys))
+                    found.append(mine)
+                    every = every or len(mine) == n
+            except TypeError:  # an unhashable key: check_keys names it
+                found = []
+            if not every:
+                _check(keys)
+            for t, mine in zip(self._tiers, found):
+                if mine:
+                    t.policy.touch_many(mine)
                     if t.persistent:
-                        t.stamps.update(dict.fromkeys(ready, now))
+                        t.stamps.update(dict.fromkeys(mine, self._now()))
 
     def remove(self, keys: Sequence[bytes], tier: int) -> list[bytes]:
         """Forget ready, unpinned ``keys`` in ``tier`` (after a failed read found them gone or
@@ -462,9 +479,20 @@ class TierManager:
         with self._lock:
             return self._events.take()
 
+    def _lookup_counters(self) -> tuple[int, int, int]:
+        """(calls, keys asked, keys found) at one moment, read without stopping lookups."""
+        seen = (self._lookups, self._single_hits, self._single_misses)
+        for _ in range(_READS):
+            again = (self._lookups, self._single_hits, self._single_misses)
+            if again == seen:
+                break
+            seen = again
+        packed, hits, misses = seen
+        single = hits + misses
+        return (packed & _MASK) + single, (packed >> _FIELD & _MASK) + single, (packed >> 2 * _FIELD) + hits
+
     def _counters(self) -> dict[str, int]:
-        packed = self._lookups
-        calls, asked, found = packed & _MASK, packed >> _FIELD & _MASK, packed >> 2 * _FIELD
+        calls, asked, found = self._lookup_counters()
         return {"lookups": calls, "lookup_keys": asked, "lookup_hits": found, **self._counts, "events_dropped": self._events.dropped}
 
     @property
