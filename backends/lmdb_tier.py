@@ -43,8 +43,10 @@ Contract and choices:
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   an empty one, with a warning. A read never touches a value
-  that lies past the end of the file, and any LMDB error on one key is a miss for that key,
-  which is deleted.
+  that lies past the end of the file, and any LMDB error on one key is a miss for that key.
+  Only a failed check deletes: a bad record, or a lookup that met a damaged page
+  (``CorruptedError``, ``PageNotFoundError``); any other error (``MapResizedError``, reader-slot
+  errors) keeps the record for the next read.
 * One process per environment: ``open()`` takes an exclusive ``flock`` on ``kvtier.lock`` and a
   second opener (another process, or another instance in this one) gets a ``BackendError``
   naming the holder's pid. A full filesystem is a ``DiskError`` at open, never a SIGBUS

@@ -707,3 +707,42 @@ def _resident(path: Path) -> list[bool]:
         assert libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec) == 0
         del view
     return [bool(v & 1) for v in vec]
+
+
+@pytest.mark.parametrize("cold", [False, True])
+@pytest.mark.parametrize("error", [lmdb.MapResizedError, lmdb.ReadersFullError, lmdb.BadRslotError])
+def test_a_transient_lmdb_error_on_a_lookup_is_a_miss_and_never_deletes_the_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cold: bool, error: type[lmdb.Error]
+) -> None:
+    """An error that says nothing about the record (another process grew the map, reader
+    slots) is a miss for that read alone: the record stays, and the next read serves it."""
+    from kvtier.backends import lmdb_layout
+
+    keys, data = _cold_store(tmp_path, 5, {})
+    real_pair = lmdb_layout.JobReader.pair
+    failed: list[bytes] = []
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        if key == keys[1] and not failed:
+            failed.append(key)
+            raise error("transient")
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    if cold:
+        monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
+    try:
+        job = [keys[0], keys[1], keys[3], keys[4]]
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in job]
+        assert backend.read_blocks(job, out) == [True, False, True, True]
+        assert failed == [keys[1]]
+        assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[3]) and torch.equal(out[3], data[4])
+        stats = backend.stats()
+        assert stats["corrupt_records"] == 0 and stats["deleted"] == 0
+        assert keys[1] in {r.key for r in backend.scan()}  # kept
+        again = [torch.zeros(BIG.block_bytes, dtype=torch.uint8)]
+        assert backend.read_blocks([keys[1]], again) == [True]
+        assert torch.equal(again[0], data[1])
+    finally:
+        asyncio.run(backend.aclose())
