@@ -89,8 +89,8 @@ class TransferEngine:
         self.layout = layout
         self.backends = list(backends)
         self.deadline_s = deadline_s
-        #: Store jobs waiting for the tiers thread past which write-through copies to byte
-        #: tiers are skipped (counted in ``write_through_deferred``): those blocks fall back to
+        #: Store jobs waiting for the tiers thread (behind the one it writes) past which a job's
+        #: write-through copies to byte tiers are skipped (counted in ``write_through_deferred``): those blocks fall back to
         #: write-back demotion when the first tier evicts them, so a slow disk never backs up
         #: the stores behind it.
         self.write_through_backlog = write_through_backlog
@@ -146,10 +146,12 @@ class TransferEngine:
             t.start()
 
     # -- submission ------------------------------------------------------------------------
-    def submit_store(self, plan: StorePlan, block_ids: Sequence[int]) -> int:
-        """Queue ``plan``; ``block_ids`` are the engine ids of ``plan.keys`` (``n`` per key)."""
+    def submit_store(self, plan: StorePlan, block_ids: Sequence[int], *, durable: bool = False) -> int:
+        """Queue ``plan``; ``block_ids`` are the engine ids of ``plan.keys`` (``n`` per key).
+        ``durable``: the job's write-through copies are never deferred, however far behind the
+        tier writes are."""
         ids = self.layout.check_block_ids(block_ids, len(plan.keys))
-        rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s))
+        rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s), durable=durable)
         return self._submit(rec)
 
     def submit_load(self, plan: LoadPlan, block_ids: Sequence[int]) -> int:

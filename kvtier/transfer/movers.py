@@ -267,7 +267,7 @@ class StoreMover:
                 source = self.e.backends[plan.tier]
                 assert isinstance(source, MemoryBackend)
                 for tier, keys in plan.write_through:
-                    if not self.e._is_memory(tier) and not self._deferred(tier, keys, work.failed):
+                    if not self.e._is_memory(tier) and not self._deferred(rec, tier, keys, work.failed):
                         self._check_alive(rec)
                         self._write_from(source, tier, keys, staging, work.failed, work.sizes)
             self._check_alive(rec)
@@ -305,18 +305,22 @@ class StoreMover:
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
         for tier, keys in plan.write_through:
             self._check_alive(rec)
-            if not self.e._is_memory(tier) and self._deferred(tier, keys, work.failed):
+            if not self.e._is_memory(tier) and self._deferred(rec, tier, keys, work.failed):
                 continue
             pos = {k: i for i, k in enumerate(plan.keys)}
             got = self.e.backends[tier].write_blocks(list(keys), [rows[pos[k]] for k in keys])
             self._note_sizes(tier, keys, got, work.failed, work.sizes)
 
-    def _deferred(self, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
-        """Skip this write-through copy when the tiers thread is behind (see the engine's
-        ``write_through_backlog``); the keys are reported failed for ``tier``, so the manager
-        keeps them in the first tier only and demotes them at eviction."""
+    def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
+        """Skip this write-through copy when the tiers thread is behind: more than the engine's
+        ``write_through_backlog`` jobs wait behind this one; the keys are reported failed for
+        ``tier``, so the manager keeps them in the first tier only and demotes them at eviction.
+        A durable job's copies are never skipped."""
+        if rec.durable:
+            return False
         with self.e._lock:
-            behind = self.e._tier_jobs > self.e.write_through_backlog
+            waiting = self.e._tier_jobs - 1  # _tier_jobs counts this job too, until its phase ends
+            behind = waiting > self.e.write_through_backlog
             if behind:
                 self.e.counters["write_through_deferred"] += len(keys)
         if behind:
