@@ -42,7 +42,8 @@ Contract and choices:
   blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
-  an empty one, with a warning. A read never touches a value
+  a fresh one, into which the records that still pass their check are salvaged
+  (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A read never touches a value
   that lies past the end of the file, and any LMDB error on one key is a miss for that key.
   Only a failed check deletes: a bad record, or a lookup that met a damaged page
   (``CorruptedError``, ``PageNotFoundError``); any other error (``MapResizedError``, reader-slot
@@ -89,6 +90,7 @@ from kvtier.backends.lmdb_files import (
 from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_pages import check_file_trees
+from kvtier.backends.lmdb_salvage import copy_records, salvage_records
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
@@ -198,16 +200,16 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         except (DamagedEnvironment, *_CORRUPT, CorruptBlockError) as exc:
             self._close_env()
             moved = move_aside(self.path, f"{type(exc).__name__}: {exc}")
-            message = (
-                f"lmdb: the environment at {self.path!r} is damaged ({exc}); moved it to {moved!r} "
-                f"(check it with 'kvtier verify {moved}') and started an empty one"
-            )
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
             try:
                 self._try_open(fmt)
             except (DamagedEnvironment, lmdb.Error) as again:
                 raise DiskError(f"lmdb: cannot start a fresh environment at {self.path!r}: {again}") from again
+            message = (
+                f"lmdb: the environment at {self.path!r} is damaged ({exc}); moved it to {moved!r} "
+                f"(check it with 'kvtier verify {moved}') and started a fresh one; {self._salvage(moved, fmt)}"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         except lmdb.Error as exc:
             raise DiskError(f"lmdb: cannot open {self.path!r}: {exc}") from exc
 
@@ -249,6 +251,18 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         self._listed = self._read_index(env, block_keys)
         if shrinking:
             self._shrink(fmt, used)
+
+    def _salvage(self, moved: str, fmt: BlockFormat) -> str:
+        """Copy the sound records of the damaged environment moved to ``moved`` into the fresh
+        one (:mod:`kvtier.backends.lmdb_salvage`: checksums decide); say what it did."""
+        env = self._env
+        assert env is not None
+        records, refused, why = salvage_records(moved, fmt, self.mac)
+        if why is not None:
+            return f"salvaged no record: {why}"
+        kept = copy_records(env, self._blocks, self._index, records, durable=self.sync_mode == "durable")
+        self._listed = self._read_index(env)
+        return f"salvaged {kept} sound records into it ({refused} found damaged or unpaired were dropped)"
 
     def _lmdb_open(self, map_size: int) -> lmdb.Environment:
         return lmdb.open(

@@ -16,8 +16,9 @@ same durable work done in the same process on the same bytes:
   tier did), ``raw_batch`` writes the job's files, ``fdatasync``s them, renames them all and
   ``fsync``s the directory once, ``raw_syncfs`` replaces the per-file syncs by one ``syncfs``
   before and one after the renames (informational: it also flushes every other writer of the
-  filesystem, so it is not counted as a raw shape to beat); loads ``preadv`` each file
-  (``raw_pread``).
+  filesystem, so it is not counted as a raw shape to beat), ``raw_sharded`` is ``raw_batch`` in
+  the tier's layout of two levels of shard directories (informational: what that layout costs
+  in directory syncs); loads ``preadv`` each file.
 
 Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
 the best counted raw shape. Arms alternate within a round and their order reverses every round;
@@ -125,7 +126,14 @@ def _syncfs(fd: int) -> None:
         raise OSError(ctypes.get_errno(), "syncfs failed")
 
 
+def _shard(i: int) -> str:
+    h = make_key(i).hex()
+    return os.path.join(h[:2], h[2:4])
+
+
 def _raw_file_write(folder: str, blocks: list[torch.Tensor], shape: str) -> Callable[[range], None]:
+    """``sharded``: ``batch`` in the tier's layout (two levels of directories, new ones synced
+    into their parents, each touched directory synced once per job)."""
     header = bytes(32)
     dir_fd = os.open(folder, os.O_RDONLY)
     seq = iter(range(1 << 62))
@@ -134,6 +142,9 @@ def _raw_file_write(folder: str, blocks: list[torch.Tensor], shape: str) -> Call
     def one(j: range) -> None:
         with lock:
             tag = next(seq)
+        if shape == "sharded":
+            sharded(j, tag)
+            return
         names = []
         fds = []
         for i in j:
@@ -161,14 +172,38 @@ def _raw_file_write(folder: str, blocks: list[torch.Tensor], shape: str) -> Call
         else:
             os.fsync(dir_fd)
 
+    def sharded(j: range, tag: int) -> None:
+        files = []
+        dirs: set[str] = set()
+        for i in j:
+            shard = _shard(i)
+            path = os.path.join(folder, shard)
+            if not os.path.isdir(path):
+                os.makedirs(path, exist_ok=True)
+                dirs.update((folder, os.path.dirname(path)))
+            dirs.add(path)
+            tmp = os.path.join(path, f"{i}.{tag}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.pwritev(fd, [header, memoryview(blocks[i].numpy())], 0)
+            files.append((fd, tmp, os.path.join(path, f"{i}.kvb")))
+        for fd, _, _ in files:
+            os.fdatasync(fd)
+            os.close(fd)
+        for _, tmp, name in files:
+            os.replace(tmp, name)
+        for d in sorted(dirs):
+            fd = os.open(d, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
     one.close = lambda: os.close(dir_fd)  # type: ignore[attr-defined]
     return one
 
 
-def _raw_file_read(folder: str, outs: list[torch.Tensor]) -> Callable[[range], None]:
+def _raw_file_read(folder: str, outs: list[torch.Tensor], sharded: bool) -> Callable[[range], None]:
     def one(j: range) -> None:
         for i in j:
-            fd = os.open(os.path.join(folder, f"{i}.kvb"), os.O_RDONLY)
+            fd = os.open(os.path.join(folder, _shard(i) if sharded else "", f"{i}.kvb"), os.O_RDONLY)
             try:
                 header = bytearray(32)
                 os.preadv(fd, [header, memoryview(outs[i].numpy())], 0)
@@ -229,14 +264,14 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
 
                 arms.append((f"raw_{shape}", lmdb_arm))
         else:
-            for shape in ("each", "batch", "syncfs"):
+            for shape in ("each", "batch", "syncfs", "sharded"):
 
                 def file_arm(shape: str = shape) -> tuple[float, float]:
                     path = tempfile.mkdtemp(dir=root)
                     write = _raw_file_write(path, blocks, shape)
                     try:
                         save = _run(parts, write)
-                        load = _run(parts, _raw_file_read(path, outs))
+                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded"))
                     finally:
                         write.close()  # type: ignore[attr-defined]
                         shutil.rmtree(path)
@@ -256,7 +291,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
         cell[f"{name}_save_gbps"] = round(total / s / 1e9, 4)
         cell[f"{name}_load_gbps"] = round(total / ld / 1e9, 3)
         cell[f"{name}_save_spread"] = round((max(saves[name]) - min(saves[name])) / s, 3)
-    counted = [k for k in saves if k.startswith("raw_") and k != "raw_syncfs"]
+    counted = [k for k in saves if k.startswith("raw_") and k not in ("raw_syncfs", "raw_sharded")]
     best_save = max(counted, key=lambda k: cell[f"{k}_save_blocks_s"])
     best_load = max(counted, key=lambda k: cell[f"{k}_load_gbps"])
     cell["best_raw_save"] = best_save

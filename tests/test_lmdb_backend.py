@@ -746,3 +746,74 @@ def test_a_transient_lmdb_error_on_a_lookup_is_a_miss_and_never_deletes_the_reco
         assert torch.equal(again[0], data[1])
     finally:
         asyncio.run(backend.aclose())
+
+
+def _blocks_leaf_pages(data_file: Path) -> list[int]:
+    """Leaf pages of the blocks database's current tree, in page order."""
+    import os
+    import struct
+
+    from kvtier.backends import lmdb_salvage
+    from kvtier.backends.lmdb_files import read_meta_pages
+
+    found = read_meta_pages(str(data_file.parent))
+    assert found is not None
+    meta = max((m for m in found[0] if m is not None), key=lambda m: m.txnid)
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+        reader = lmdb_salvage._Reader(fd, meta.psize, meta.last_pgno)
+        page = os.pread(fd, meta.psize, found[0].index(meta) * meta.psize)
+        at = lmdb_salvage._MAIN_DB_AT
+        dbs = reader.tree(page[at : at + lmdb_salvage._DB.size])
+        blocks = lmdb_salvage._Reader(fd, meta.psize, meta.last_pgno)
+        blocks.tree(dbs[b"blocks"][1])
+        leaves = []
+        for pgno in sorted(blocks.seen):
+            flags = struct.unpack_from("<H", os.pread(fd, 16, pgno * meta.psize), 10)[0]
+            if flags & 0x02:
+                leaves.append(pgno)
+        return leaves
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("block_bytes", [1024, 16384])
+def test_a_zeroed_page_costs_its_records_not_the_store(tmp_path: Path, block_bytes: int) -> None:
+    """One zeroed leaf page of the blocks database: the environment is moved aside (kept for
+    ``kvtier verify``) and every record that still checks is salvaged into the fresh one.
+    Checksums decide: a record whose value was damaged elsewhere is not salvaged."""
+    fmt = BlockFormat(block_bytes=block_bytes, dtype="bfloat16", namespace={"model_id": "m"})
+    n = 240
+    keys = [make_key(i) for i in range(n)]
+    data = _blocks(n, seed=5, size=block_bytes)
+    backend = _open(lmdb_backend(tmp_path, 32 << 20), fmt)
+    for i in range(0, n, 16):
+        assert None not in backend.write_blocks(keys[i : i + 16], data[i : i + 16])
+    asyncio.run(backend.aclose())
+    data_file = tmp_path / "env" / "data.mdb"
+    leaves = _blocks_leaf_pages(data_file)
+    assert len(leaves) >= 3
+    raw = bytearray(data_file.read_bytes())
+    raw[leaves[1] * 4096 : (leaves[1] + 1) * 4096] = bytes(4096)  # one zeroed leaf page
+    damaged_value = bytes(data[n - 1][:64].numpy())
+    at = raw.find(damaged_value)
+    assert at > 0
+    while at > 0:  # the last record's value damaged too (every copy of it: LMDB copies pages on write)
+        raw[at + 10] ^= 0x01
+        at = raw.find(damaged_value, at + 1)
+    data_file.write_bytes(bytes(raw))
+    backend = lmdb_backend(tmp_path, 32 << 20)
+    with pytest.warns(RuntimeWarning, match="salvaged [0-9]+ sound records"):
+        _open(backend, fmt)
+    try:
+        assert len(list((tmp_path / "env").glob("damaged-*/data.mdb"))) == 1
+        kept = {r.key for r in backend.scan()}
+        assert keys[n - 1] not in kept  # its checksum failed: not salvaged
+        assert n // 2 < len(kept) < n - 1  # one page's records lost, not the store
+        order = [i for i, k in enumerate(keys) if k in kept]
+        out = [torch.zeros(block_bytes, dtype=torch.uint8) for _ in order]
+        assert backend.read_blocks([keys[i] for i in order], out) == [True] * len(order)
+        assert all(torch.equal(o, data[i]) for o, i in zip(out, order))
+        assert backend.stats()["corrupt_records"] == 0
+    finally:
+        asyncio.run(backend.aclose())
