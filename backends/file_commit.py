@@ -13,8 +13,12 @@ the directories once per commit rather than once per file removed most of the re
 ``syncfs`` was faster again for small records, but it also flushes every other writer of the
 filesystem, so a commit's time would depend on them: not used.
 
-In durable mode the commit runs under :class:`~kvtier.backends.group_commit.GroupCommit`, so
-jobs whose writers wait together share their directory syncs.
+Each job commits on its caller's thread. Committing the jobs of concurrent writers together
+(:class:`~kvtier.backends.group_commit.GroupCommit`, as the ``lmdb`` tier does) was measured
+slower here: it shares only the directory syncs, and it runs every file's ``fdatasync`` on the
+leader's thread, one after the other, where concurrent writers overlap theirs on the device
+(4 writers of 64 KiB jobs of 16: 67 blocks/s grouped against 313 for raw writers in the same
+layout).
 """
 
 from __future__ import annotations

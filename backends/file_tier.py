@@ -54,7 +54,6 @@ from typing import Any, ClassVar, Literal
 import torch
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
-from kvtier.backends.group_commit import GroupCommit
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
@@ -113,7 +112,6 @@ class FileBackend(FileTree, PersistentRecordBackend):
         self._used = 0
         self._listed: list[RecordInfo] | None = None
         self._tmp_counter = itertools.count()
-        self._commits: GroupCommit[FileJob, list[bool]] = GroupCommit(lambda jobs: commit_files(jobs, durable=True))
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def open(self, fmt: BlockFormat) -> None:
@@ -210,8 +208,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`):
-        in durable mode, jobs whose writers wait together share the commit."""
+        """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
         self._check_io(keys, blocks)
         parts = self._encode(keys, blocks)
         durable = self.sync_mode == "durable"
@@ -245,7 +242,7 @@ class FileBackend(FileTree, PersistentRecordBackend):
                     continue
                 staged.append((len(sizes), key, grow, n))
                 sizes.append(stored)
-            committed = self._commits.submit(job) if durable and job.files else commit_files([job], durable=durable)[0]
+            committed = commit_files([job], durable=durable)[0]
         except BaseException:
             for (pos, key, grow, _), f in zip(staged, job.files):
                 if not f.renamed:  # (a renamed record is there, synced or not: it keeps its room)

@@ -60,7 +60,7 @@ class FileTree:
         h = key.hex()
         fd = os.open(root, _DIR_FLAGS)
         try:
-            for part in (h[0:2], h[2:4]):
+            for level, part in enumerate((h[0:2], h[2:4])):
                 try:
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -73,7 +73,7 @@ class FileTree:
                         pass
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                     if created is not None:
-                        created.add(os.path.join(root, h[0:2]) if part == h[2:4] else root)
+                        created.add(os.path.join(root, h[0:2]) if level else root)
                     elif durable:
                         os.fsync(fd)  # the new directory's entry in its parent survives a power loss
                 os.close(fd)

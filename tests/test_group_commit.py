@@ -1,5 +1,5 @@
-"""Group commit in the disk tiers: a job's records share one durable commit, and jobs whose
-writers wait together share one commit too (``kvtier.backends.group_commit``)."""
+"""Group commit in the disk tiers: a job's records share one durable commit, and (lmdb) jobs
+whose writers wait together share one commit too (``kvtier.backends.group_commit``)."""
 
 from __future__ import annotations
 
@@ -60,11 +60,10 @@ def test_a_grouped_lmdb_commit_that_hits_a_full_map_fails_only_the_keys_that_do_
         asyncio.run(backend.aclose())
 
 
-@pytest.mark.parametrize("tier", ["lmdb", "file"])
-def test_concurrent_jobs_that_wait_together_share_one_commit(tmp_path: Path, tier: str) -> None:
+def test_concurrent_lmdb_jobs_that_wait_together_share_one_commit(tmp_path: Path) -> None:
     """While one job's commit runs, three more jobs arrive: they are committed together, in one
     more commit, and every record of every job reads back."""
-    backend = _open(tier, tmp_path)
+    backend = _open("lmdb", tmp_path)
     commits = backend._commits  # type: ignore[attr-defined]
     real = commits._commit
     first_in, release = threading.Event(), threading.Event()
@@ -124,3 +123,31 @@ def test_a_failed_group_commit_fails_every_job_of_the_group_and_the_next_group_c
     fail[0] = False
     assert group.submit(2) == 20
     assert calls == [[1], [2]] and (group.groups, group.batches) == (2, 2)
+
+
+def test_a_job_of_files_syncs_each_changed_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file job writes all its records, then syncs them: every record file once (after all
+    were written, so the device sees them together), and each directory it changed once,
+    however many of its records went there."""
+    import os
+
+    backend = _open("file", tmp_path)
+    keys = [bytes([7, 7]) + make_key(i)[2:] for i in range(8)]  # one shard directory for all
+    synced: list[str] = []
+    real_fsync, real_fdatasync, real_pwritev = os.fsync, os.fdatasync, os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda *a: (synced.append("write"), real_pwritev(*a))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("dir"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append("file"), real_fdatasync(fd))[1])
+    try:
+        assert None not in backend.write_blocks(keys, _blocks(8))
+        # 8 files, their shard directory, and the two directories that gained one (root, 07/)
+        assert synced[:16] == ["write"] * 8 + ["file"] * 8 and synced[16:] == ["dir"] * 3
+        synced.clear()
+        assert None not in backend.write_blocks(keys, _blocks(8, seed=1))  # rewritten: no new directory
+        assert synced == ["write"] * 8 + ["file"] * 8 + ["dir"]
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 8
+        assert all(torch.equal(o, d) for o, d in zip(out, _blocks(8, seed=1)))
+    finally:
+        monkeypatch.undo()
+        asyncio.run(backend.aclose())
