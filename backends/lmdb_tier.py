@@ -22,8 +22,9 @@ Contract and choices:
   loses nothing), and the record checksum still keeps a torn record from being served.
 * Group commit (:mod:`kvtier.backends.group_commit`): a job's records go in one write
   transaction, and jobs whose writers wait together (concurrent ``write_blocks`` calls) share
-  it and its sync. Measured (``benchmarks/bench_disk_sizes.py``, ``docs/tiers.md``): at 4-256 KiB
-  one durable commit per value ran 5-8x slower than one per job; at 2 MiB the shapes tie. A
+  it and its sync. Measured (``benchmarks/bench_disk_sizes.py``, ``docs/tiers.md``, raw
+  python-lmdb, jobs of 16): at 4-256 KiB one durable commit per value ran 2-13x slower than one
+  per job; at 2 MiB the shapes tie, so there is no size threshold. A
   transaction that hits a full map is aborted and its records are put one per transaction, so
   the failure stays confined to the keys that do not fit.
 * Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` on
