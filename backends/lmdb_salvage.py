@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.records.format import RecordMac, check_meta, decode_meta, parse_header, verify_payload
 
-__all__ = ["SalvagedRecord", "copy_records", "salvage_records"]
+__all__ = ["SalvagedRecord", "copy_into", "salvage_records"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -49,10 +49,6 @@ class SalvagedRecord:
     key: bytes
     entry: bytes
     value: bytes
-
-    @property
-    def stamp(self) -> float:
-        return entry_stamp(self.entry)[0]
 
 
 @dataclass(slots=True)
@@ -70,18 +66,25 @@ class _Reader:
         page = os.pread(self.fd, self.psize, pgno * self.psize)
         return page if len(page) == self.psize else None
 
-    def tree(self, record: bytes) -> dict[bytes, tuple[int, bytes]]:
-        """Leaf nodes of the tree whose database record is ``record``: key -> (flags, value)."""
-        out: dict[bytes, tuple[int, bytes]] = {}
+    def tree(self, record: bytes, *, lazy: bool = False) -> dict[bytes, tuple[int, Any]]:
+        """Leaf nodes of the tree whose database record is ``record``: key -> (flags, value),
+        or with ``lazy`` key -> (flags, (file offset, length)) of the value, read later with
+        :meth:`read` (a store's values need not fit in memory)."""
+        out: dict[bytes, tuple[int, Any]] = {}
         if len(record) != _DB.size:
             return out
         fields = _DB.unpack(record)
         depth, root = fields[2], fields[7]
         if 1 <= depth <= _MAX_DEPTH:
-            self._walk(root, depth, out)
+            self._walk(root, depth, out, lazy)
         return out
 
-    def _walk(self, pgno: int, depth: int, out: dict[bytes, tuple[int, bytes]]) -> None:
+    def read(self, where: tuple[int, int]) -> bytes | None:
+        offset, size = where
+        value = os.pread(self.fd, size, offset)
+        return value if len(value) == size else None
+
+    def _walk(self, pgno: int, depth: int, out: dict[bytes, tuple[int, Any]], lazy: bool) -> None:
         psize = self.psize
         page = self.page(pgno)
         if page is None:
@@ -107,13 +110,20 @@ class _Reader:
             if body > psize:
                 continue
             if kind == _P_BRANCH:
-                self._walk(lo | hi << 16 | node_flags << 32, depth - 1, out)
+                self._walk(lo | hi << 16 | node_flags << 32, depth - 1, out, lazy)
                 continue
-            value = self._value(page, body, lo | hi << 16, node_flags)
+            where = self._where(page, pgno, body, lo | hi << 16, node_flags)
+            if where is None:
+                continue
+            if lazy:
+                out[page[body - ksize : body]] = (node_flags, where)
+                continue
+            value = page[body : body + where[1]] if where[0] == pgno * psize + body else self.read(where)
             if value is not None:
                 out[page[body - ksize : body]] = (node_flags, value)
 
-    def _value(self, page: bytes, body: int, size: int, flags: int) -> bytes | None:
+    def _where(self, page: bytes, pgno: int, body: int, size: int, flags: int) -> tuple[int, int] | None:
+        """(file offset, length) of a leaf node's value, once its extent checks."""
         psize = self.psize
         if flags & _F_BIGDATA and not flags & ~_F_BIGDATA:
             if body + 8 > psize:
@@ -128,34 +138,37 @@ class _Reader:
             own, _, oflags, _, _ = _HEADER.unpack_from(head, 0)
             if own != first or not oflags & _P_OVERFLOW:
                 return None
-            value = os.pread(self.fd, size, first * psize + _HEADER.size)
-            return value if len(value) == size else None
+            return first * psize + _HEADER.size, size
         if flags & ~_F_SUBDATA or body + size > psize:
             return None
-        return page[body : body + size]
+        return pgno * psize + body, size
 
 
-def salvage_records(path: str, fmt: BlockFormat, mac: RecordMac | None) -> tuple[list[SalvagedRecord], int, str | None]:
-    """The records of the environment at ``path`` (its ``data.mdb``) that pass their check;
-    with how many records were found but refused, and why nothing could be salvaged (``None``
-    when the walk ran). Never raises over the file's contents."""
+def salvage_records(
+    path: str, fmt: BlockFormat, mac: RecordMac | None, put: Callable[[list[SalvagedRecord]], bool], *, batch_bytes: int = 32 << 20
+) -> tuple[int, int, str | None]:
+    """Hand the records of the environment at ``path`` (its ``data.mdb``) that pass their
+    check to ``put``, most recently used first, in batches of about ``batch_bytes`` (``put``
+    returns ``False`` to stop: a full map). Returns how many were handed over, how many were
+    found but refused, and why nothing could be salvaged (``None`` when the walk ran). Never
+    raises over the file's contents; values are read one at a time, never all at once."""
     try:
         found = read_meta_pages(path)
     except (DamagedEnvironment, OSError) as exc:
-        return [], 0, f"its meta pages are unreadable ({exc})"
+        return 0, 0, f"its meta pages are unreadable ({exc})"
     if found is None:
-        return [], 0, "it has no data file"
+        return 0, 0, "it has no data file"
     metas = sorted((m for m in found[0] if m is not None), key=lambda m: -m.txnid)
     if not metas:
-        return [], 0, "neither meta page is readable"
+        return 0, 0, "neither meta page is readable"
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         why = "no meta page leads to the store's databases"
         for meta in metas:  # the newer one first; the older is one commit behind
-            last = min(meta.last_pgno, max(0, found[1] // meta.psize - 1))
-            reader = _Reader(fd, meta.psize, last)
+            reader = _Reader(fd, meta.psize, min(meta.last_pgno, max(0, found[1] // meta.psize - 1)))
             page = os.pread(fd, meta.psize, (0 if meta is found[0][0] else 1) * meta.psize)
-            dbs = {k: v for k, (flags, v) in reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size]).items() if flags & _F_SUBDATA}
+            main = reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size])
+            dbs = {k: v for k, (flags, v) in main.items() if flags & _F_SUBDATA}
             if not {b"blocks", b"index", b"meta"} <= dbs.keys():
                 continue
             stored_meta = reader.tree(dbs[b"meta"]).get(META_KEY)
@@ -166,27 +179,52 @@ def salvage_records(path: str, fmt: BlockFormat, mac: RecordMac | None) -> tuple
             except (CorruptBlockError, ConfigError) as exc:
                 why = f"its meta record cannot vouch for its records ({exc})"
                 continue
-            blocks, index = reader.tree(dbs[b"blocks"]), reader.tree(dbs[b"index"])
-            records = list(_checked(blocks, index, fmt, mac))
-            refused = len(blocks.keys() | index.keys()) - len(records)
-            return records, refused, None
-        return [], 0, why
+            values = reader.tree(dbs[b"blocks"], lazy=True)
+            index = reader.tree(dbs[b"index"])
+            kept, refused = _hand_over(reader, values, index, fmt, mac, put, batch_bytes)
+            return kept, refused, None
+        return 0, 0, why
     finally:
         os.close(fd)
 
 
-def _checked(blocks: dict[bytes, tuple[int, bytes]], index: dict[bytes, tuple[int, bytes]], fmt: BlockFormat, mac: RecordMac | None) -> Iterator[SalvagedRecord]:
-    for key, (_, value) in blocks.items():
-        pair = index.get(key)
-        if pair is None or len(key) != 32:
-            continue
-        entry = pair[1]
+def _hand_over(
+    reader: _Reader,
+    values: dict[bytes, tuple[int, Any]],
+    index: dict[bytes, tuple[int, Any]],
+    fmt: BlockFormat,
+    mac: RecordMac | None,
+    put: Callable[[list[SalvagedRecord]], bool],
+    batch_bytes: int,
+) -> tuple[int, int]:
+    order: list[tuple[float, bytes]] = []
+    for key in values.keys() & index.keys():
         try:
-            entry_stamp(entry)
-            _verify(key, entry, value, fmt, mac)
-        except (ValueError, CorruptBlockError):
+            order.append((entry_stamp(index[key][1])[0], key))
+        except ValueError:
             continue
-        yield SalvagedRecord(key, entry, value)
+    order.sort(reverse=True)
+    kept = refused = 0
+    batch: list[SalvagedRecord] = []
+    size = 0
+    for _, key in order:
+        entry, value = index[key][1], reader.read(values[key][1])
+        try:
+            if value is None or len(key) != 32:
+                raise CorruptBlockError("unreadable")
+            _verify(key, entry, value, fmt, mac)
+        except CorruptBlockError:
+            refused += 1
+            continue
+        batch.append(SalvagedRecord(key, entry, value))
+        size += len(value)
+        if size >= batch_bytes:
+            if not put(batch):
+                return kept, refused
+            kept, batch, size = kept + len(batch), [], 0
+    if batch and put(batch):
+        kept += len(batch)
+    return kept, refused + len(values.keys() ^ index.keys())
 
 
 def _verify(key: bytes, entry: bytes, value: bytes, fmt: BlockFormat, mac: RecordMac | None) -> None:
@@ -205,22 +243,19 @@ def _verify(key: bytes, entry: bytes, value: bytes, fmt: BlockFormat, mac: Recor
     verify_payload(key, head, header, payload, mac=mac)
 
 
-def copy_records(env: lmdb.Environment, blocks: Any, index: Any, records: list[SalvagedRecord], *, durable: bool) -> int:
-    """Put ``records`` into the (fresh) environment, the most recently used first, in
-    transactions of 64; how many went in. A full map (a lowered capacity) or a failing disk
-    stops the copy, keeping what is in."""
-    records = sorted(records, key=lambda r: -r.stamp)
-    kept = 0
-    try:
-        for start in range(0, len(records), 64):
-            chunk = records[start : start + 64]
+def copy_into(env: lmdb.Environment, blocks: Any, index: Any) -> Callable[[list[SalvagedRecord]], bool]:
+    """A ``put`` for :func:`salvage_records`: each batch in one write transaction of ``env``;
+    ``False`` (stop) on an LMDB error, such as a full map under a lowered capacity."""
+
+    def put(batch: list[SalvagedRecord]) -> bool:
+        try:
             with env.begin(write=True) as txn:
-                for r in chunk:
+                for r in batch:
                     txn.put(r.key, r.value, db=blocks)
                     txn.put(r.key, r.entry, db=index)
-            kept += len(chunk)
-        if durable:
-            env.sync(True)
-    except lmdb.Error as exc:
-        log.warning("lmdb: salvage stopped after %d records: %s", kept, exc)
-    return kept
+        except lmdb.Error as exc:
+            log.warning("lmdb: salvage stopped: %s", exc)
+            return False
+        return True
+
+    return put

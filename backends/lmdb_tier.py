@@ -91,7 +91,7 @@ from kvtier.backends.lmdb_files import (
 from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_pages import check_file_trees
-from kvtier.backends.lmdb_salvage import copy_records, salvage_records
+from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
@@ -258,10 +258,11 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         one (:mod:`kvtier.backends.lmdb_salvage`: checksums decide); say what it did."""
         env = self._env
         assert env is not None
-        records, refused, why = salvage_records(moved, fmt, self.mac)
+        kept, refused, why = salvage_records(moved, fmt, self.mac, copy_into(env, self._blocks, self._index))
         if why is not None:
             return f"salvaged no record: {why}"
-        kept = copy_records(env, self._blocks, self._index, records, durable=self.sync_mode == "durable")
+        if kept and self.sync_mode == "durable":
+            env.sync(True)
         self._listed = self._read_index(env)
         return f"salvaged {kept} sound records into it ({refused} found damaged or unpaired were dropped)"
 

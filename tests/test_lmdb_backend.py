@@ -817,3 +817,17 @@ def test_a_zeroed_page_costs_its_records_not_the_store(tmp_path: Path, block_byt
         assert backend.stats()["corrupt_records"] == 0
     finally:
         asyncio.run(backend.aclose())
+    # The values are read and handed over a batch at a time, most recently used first, and a
+    # full map (put answering False) stops the copy there.
+    from kvtier.backends.lmdb_salvage import salvage_records
+
+    (moved,) = (tmp_path / "env").glob("damaged-*")
+    batches: list[list[bytes]] = []
+
+    def put(batch: list) -> bool:
+        batches.append([r.key for r in batch])
+        return len(batches) < 3
+
+    kept, _, why = salvage_records(str(moved), fmt, None, put, batch_bytes=1)
+    assert why is None and kept == 2 and [len(b) for b in batches] == [1, 1, 1]
+    assert batches[0][0] in set(keys[n - 16 : n - 1])  # a record of the last job (the newest) first
