@@ -51,7 +51,7 @@ def test_the_default_write_mode_is_through() -> None:
 
 def test_the_write_through_backlog_is_a_setting() -> None:
     tiers = [{"backend": "cpu", "capacity": "1MiB"}]
-    assert kvtier.config.load_config({"tiers": tiers}).write_through_backlog == 4
+    assert kvtier.config.load_config({"tiers": tiers}).write_through_backlog == 16
     assert kvtier.config.load_config({"tiers": tiers, "write_through_backlog": 0}).write_through_backlog == 0
     with pytest.raises(kvtier.ConfigError, match="write_through_backlog"):
         kvtier.config.load_config({"tiers": tiers, "write_through_backlog": -1})
@@ -143,13 +143,16 @@ async def test_a_sigkill_after_saves_loses_nothing_under_the_default_mode(tmp_pa
 
 
 class _Gate:
-    """Holds the lmdb tier's writes until released, so store jobs pile up behind one."""
+    """Holds the lmdb tier's writes until released, so store jobs pile up behind one; records
+    the keys of each write."""
 
     def __init__(self, backend: Any) -> None:
         self.entered, self.release = threading.Event(), threading.Event()
+        self.writes: list[list[bytes]] = []
         real = backend.write_blocks
 
         def write_blocks(keys: Any, blocks: Any) -> Any:
+            self.writes.append(list(keys))
             if not self.release.is_set():
                 self.entered.set()
                 self.release.wait(60)
@@ -166,11 +169,26 @@ async def _until(check: Any) -> None:
     raise AssertionError("timed out")
 
 
-async def test_write_through_is_deferred_only_when_more_than_the_backlog_wait(tmp_path: Path) -> None:
-    """``write_through_backlog`` counts the jobs waiting behind the one being written: with 0,
-    a job alone is written through; of two jobs queued behind a slow write, the first (one
-    waits behind it) is deferred and the last (none behind it) is written through. With
-    ``durable=True`` nothing is deferred, and the count returned is what reached the disk."""
+async def _three_saves(store: Any, base: int, durable: bool) -> _Gate:
+    """Save K[base] and, while its write is held, K[base + 1] and K[base + 2] one by one."""
+    gate = _Gate(store.backends[1])
+    first = asyncio.create_task(store.save([K[base]], [base], durable=durable))
+    assert await asyncio.to_thread(gate.entered.wait, 60)
+    rest = [asyncio.create_task(store.save([K[base + i]], [base + i], durable=durable)) for i in (1, 2)]
+    await _until(lambda: store.transfers._tier_jobs == 3)
+    gate.release.set()
+    assert await asyncio.gather(first, *rest) == [1, 1, 1]
+    return gate
+
+
+async def test_write_through_is_deferred_only_when_more_than_the_backlog_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_through_backlog`` counts the jobs waiting behind the group being written: with 0
+    and groups of one job, a job alone is written through; of two jobs queued behind a slow
+    write, the first (one waits behind it) is deferred and the last (none behind it) is written
+    through. With ``durable=True`` nothing is deferred."""
+    from kvtier.transfer import movers
+
+    monkeypatch.setattr(movers, "MAX_GROUP_JOBS", 1)
     caches = _caches()
     async with kvtier.open(_config(caches, tmp_path / "kv", first=16, write_through_backlog=0), kv_caches=caches) as store:
         transfers = store.transfers
@@ -178,22 +196,30 @@ async def test_write_through_is_deferred_only_when_more_than_the_backlog_wait(tm
         assert await store.save(K[:2], [0, 1]) == 2
         assert transfers.counters["write_through_deferred"] == 0  # alone: nothing waits behind it
         assert {r.key for r in store.backends[1].scan()} == set(K[:2])
-        for durable in (False, True):
-            gate = _Gate(store.backends[1])
-            base = 2 + 3 * durable
-            first = asyncio.create_task(store.save([K[base]], [base], durable=durable))
-            assert await asyncio.to_thread(gate.entered.wait, 60)
-            rest = [asyncio.create_task(store.save([K[base + i]], [base + i], durable=durable)) for i in (1, 2)]
-            await _until(lambda: transfers._tier_jobs == 3)
-            gate.release.set()
-            assert await asyncio.gather(first, *rest) == ([1, 1, 1])
-            on_disk = {r.key for r in store.backends[1].scan()}
-            if durable:
-                assert set(K[base : base + 3]) <= on_disk
-            else:
-                assert K[base] in on_disk and K[base + 1] not in on_disk and K[base + 2] in on_disk
+        await _three_saves(store, 2, durable=False)
+        on_disk = {r.key for r in store.backends[1].scan()}
+        assert K[2] in on_disk and K[3] not in on_disk and K[4] in on_disk
+        await _three_saves(store, 5, durable=True)
+        assert set(K[5:8]) <= {r.key for r in store.backends[1].scan()}
         assert transfers.counters["write_through_deferred"] == 1
         assert store.stats()["saved_memory_only"] == 1
+
+
+async def test_store_jobs_that_wait_together_share_one_write(tmp_path: Path) -> None:
+    """Two saves queued behind a slow write are taken as one group: their write-through copies
+    go to the tier in one ``write_blocks`` call (one commit), nothing is deferred, and both are
+    on disk when their saves return."""
+    caches = _caches()
+    async with kvtier.open(_config(caches, tmp_path / "kv", first=16, write_through_backlog=0), kv_caches=caches) as store:
+        gate = await _three_saves(store, 0, durable=False)
+        assert gate.writes == [[K[0]], [K[1], K[2]]]
+        assert store.stats()["transfers"]["write_through_deferred"] == 0
+        assert set(K[:3]) <= {r.key for r in store.backends[1].scan()}
+        want = [c[:3].clone() for c in caches]
+        for c in caches:
+            c.zero_()
+        assert await store.load(K[:3], [0, 1, 2], promote=False) == 3
+        assert all(torch.equal(c[:3], w) for c, w in zip(caches, want))
 
 
 async def test_a_durable_save_counts_only_what_reached_a_persistent_tier(tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ A store job has two phases (see :class:`kvtier.transfer.jobs.Phase`), each on it
    ``max_staged_bytes``; past it the job fails at once, counted in ``staging_full``);
 2. the *tier writes*, on ``kvtier-store-tiers``: evictions, write-back demotions, the write of
    staged blocks into the first tier, and write-through copies to byte tiers. Jobs pass both
-   threads in submission order, so plans run in the order the manager built them. When more
-   than ``write_through_backlog`` jobs wait for this thread, a job's write-through copies to
+   threads in submission order, so plans run in the order the manager built them. The tiers
+   thread takes the jobs waiting for it as one group and writes their write-through copies
+   together (:mod:`kvtier.transfer.write_group`: one commit for the group). When more than
+   ``write_through_backlog`` jobs wait behind that group, a job's write-through copies to
    byte tiers are skipped and reported failed for those tiers (``write_through_deferred``
    counts the blocks): the manager keeps them in the first tier only, and demotes them when
    it evicts them (write-back), so a slow disk sheds copies instead of delaying every store.
@@ -61,7 +63,8 @@ from kvtier.errors import ClosedError, LayoutError, LifecycleError
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
 from kvtier.transfer.layout import KVLayout
-from kvtier.transfer.movers import LoadMover, StoreMover, _Failed, _TierWork
+from kvtier.transfer.load_mover import LoadMover
+from kvtier.transfer.movers import StoreMover, _Failed, _TierWork
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -80,7 +83,7 @@ class TransferEngine:
         max_queued_jobs: int = 4096,
         deadline_s: float | None = None,
         max_staged_bytes: int | None = None,
-        write_through_backlog: int = 4,
+        write_through_backlog: int = 16,
     ) -> None:
         if staging_blocks < 1:
             raise LayoutError(f"staging_blocks: expected >= 1, got {staging_blocks}")
