@@ -41,7 +41,6 @@ file, and only the deletion writes (it unlinks the named records).
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import logging
 import os
@@ -53,6 +52,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
+from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -76,22 +76,6 @@ __all__ = ["FileBackend", "STALE_TEMP_SECONDS"]
 log = logging.getLogger(__name__)
 
 _FS_BLOCK = 4096  # stored sizes are rounded to the usual filesystem block
-
-
-def _write_all(fd: int, buffers: Sequence[Any]) -> None:
-    """``pwritev`` until every byte is written (a short write is legal for large buffers)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    offset = 0
-    while views:
-        n = os.pwritev(fd, views, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
 
 
 def _read_exact(fd: int, view: memoryview, offset: int) -> None:
@@ -224,12 +208,13 @@ class FileBackend(FileTree, PersistentRecordBackend):
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
         self._check_io(keys, blocks)
         parts = self._encode(keys, blocks)
         durable = self.sync_mode == "durable"
         sizes: list[int | None] = []
-        written = 0
-        dirs: dict[str, int] = {}  # shard directory -> its fd, fsync'ed once per job
+        staged: list[tuple[int, bytes, int, int]] = []  # position, key, reserved growth, record bytes
+        job = FileJob()
         try:
             for key, (header, payload) in zip(keys, parts):
                 n = len(header) + len(payload)
@@ -243,54 +228,47 @@ class FileBackend(FileTree, PersistentRecordBackend):
                     self._used += grow  # reserved now; given back below if the write fails
                     self._sizes[key] = stored
                 shard = key.hex()[:4]
+                name = key.hex() + _SUFFIX
                 try:
-                    if shard not in dirs:
-                        leaf = self._leaf(key, create=True)
+                    if shard not in job.dirs:
+                        leaf = self._leaf_at(self._root, key, create=True, durable=durable, created=job.parents)
                         assert leaf is not None
-                        dirs[shard] = leaf[0]
-                    self._write_file(dirs[shard], key.hex() + _SUFFIX, header, payload, durable)
+                        job.dirs[shard] = leaf[0]
+                    job.stage(shard, f"{name}.{os.getpid()}.{next(self._tmp_counter)}.tmp", name, (header, payload))
                 except OSError as exc:
                     log.warning("file: write of %s failed: %s", self._path(key), exc)
-                    with self._lock:
-                        self._used -= grow
-                        if grow == stored:
-                            self._sizes.pop(key, None)
-                    self.counters.write_failures += 1
+                    self._unreserve(key, grow, stored)
                     sizes.append(None)
                     continue
+                staged.append((len(sizes), key, grow, n))
                 sizes.append(stored)
-                written += n
-            if durable:
-                try:
-                    for fd in dirs.values():  # one fsync per directory per job makes the renames durable
-                        os.fsync(fd)
-                except OSError as exc:
-                    raise DiskError(f"file: cannot sync directory entries under {self._root!r}: {exc}") from exc
+            committed = commit_files([job], durable=durable)[0]
+        except BaseException:
+            for (pos, key, grow, _), f in zip(staged, job.files):
+                if not f.renamed:  # (a renamed record is there, synced or not: it keeps its room)
+                    self._unreserve(key, grow, sizes[pos] or 0, count=False)
+            raise
         finally:
-            for fd in dirs.values():
-                os.close(fd)
-        done = sum(1 for s in sizes if s is not None)
-        self.counters.blocks_written += done
+            job.close()
+        written = 0
+        for (pos, key, grow, n), ok in zip(staged, committed):
+            if ok:
+                written += n
+            else:
+                self._unreserve(key, grow, sizes[pos] or 0)
+                sizes[pos] = None
+        self.counters.blocks_written += sum(1 for s in sizes if s is not None)
         self.counters.bytes_written += written
         return sizes
 
-    def _write_file(self, dir_fd: int, name: str, header: bytes, payload: Any, durable: bool) -> None:
-        tmp = f"{name}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o600, dir_fd=dir_fd)
-        try:
-            try:
-                _write_all(fd, (header, payload))
-                if durable:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
-            raise
+    def _unreserve(self, key: bytes, grow: int, stored: int, *, count: bool = True) -> None:
+        """Give back the room reserved for ``key``'s write that failed."""
+        with self._lock:
+            self._used -= grow
+            if grow == stored:
+                self._sizes.pop(key, None)
+        if count:
+            self.counters.write_failures += 1
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Each record's header is read and checked first; raw payloads are then read straight

@@ -49,13 +49,18 @@ class FileTree:
         return os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
 
     @staticmethod
-    def _leaf_at(root: str, key: bytes, *, create: bool = False, durable: bool = True) -> tuple[int, str] | None:
+    def _leaf_at(
+        root: str, key: bytes, *, create: bool = False, durable: bool = True, created: set[str] | None = None
+    ) -> tuple[int, str] | None:
+        """``(fd of key's shard directory, file name)`` (see ``FileBackend._leaf``). A directory
+        created here is synced into its parent at once (``durable``), or, given ``created``, the
+        parent's path is added to it for the caller to sync once for many."""
         if type(key) is not bytes or len(key) != 32:
             raise InvalidKeyError("file: keys must be 32 bytes")
         h = key.hex()
         fd = os.open(root, _DIR_FLAGS)
         try:
-            for part in (h[0:2], h[2:4]):
+            for level, part in enumerate((h[0:2], h[2:4])):
                 try:
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -67,7 +72,9 @@ class FileTree:
                     except FileExistsError:
                         pass
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                    if durable:
+                    if created is not None:
+                        created.add(os.path.join(root, h[0:2]) if level else root)
+                    elif durable:
                         os.fsync(fd)  # the new directory's entry in its parent survives a power loss
                 os.close(fd)
                 fd = child

@@ -39,7 +39,7 @@ from kvtier.records.checks import RawPayload, copy_and_check
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import HEAD_MAX, HEADER_SIZE, RecordAuthError, RecordBackend, RecordMac, parse_header
 
-__all__ = ["COLD_GET_S", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
+__all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -50,6 +50,10 @@ INDEX = struct.Struct("<dQ")
 COLD_GET_S = 1e-3
 #: Index entry lengths: whole layout, split plain, split keyed.
 _ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
+#: LMDB errors on a lookup that are LMDB's own checks of the record's pages failing: the record
+#: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
+#: map, reader-slot errors, ...) says nothing about the record: a miss for this read, kept.
+DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
 def index_entry(stamp: float, stored: int, head: bytes = b"") -> bytes:
@@ -80,14 +84,16 @@ def join_record(entry: Any, value: Any) -> bytes:
 
 
 class ReadOutcome:
-    """What reading a job found: ``found`` per key, the keys to drop with the reason, and how
+    """What reading a job found: ``found`` per key, the keys to drop with the reason, the keys
+    missed over an error that says nothing about their record (``transient``: kept), and how
     many were corrupt (of which ``auth`` refused by the keyed MAC)."""
 
-    __slots__ = ("auth", "bad", "corrupt", "found")
+    __slots__ = ("auth", "bad", "corrupt", "found", "transient")
 
     def __init__(self, n: int) -> None:
         self.found = [False] * n
         self.bad: dict[bytes, str] = {}
+        self.transient: set[bytes] = set()
         self.corrupt = 0
         self.auth = 0
 
@@ -117,8 +123,9 @@ class JobReader:
 
     def read(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
         """Every failure is confined to its key: an absent, corrupt or unsupported record, and
-        an LMDB error while looking one up (a damaged page), are a miss for that key alone and
-        (except absent ones) listed in ``bad``. A value that would lie past the end of the
+        an LMDB error while looking one up, are a miss for that key alone; bad records and keys
+        whose lookup met a damaged page (:data:`DAMAGE_ERRORS`) are listed in ``bad`` (to be
+        dropped), keys whose lookup failed otherwise in ``transient`` (kept). A value that would lie past the end of the
         file is never touched (that read would fault). LMDB errors beginning a transaction
         propagate.
 
@@ -145,7 +152,7 @@ class JobReader:
             txn, limit = self._begin(env)
             pairs: list[Any] = []
         else:
-            txn, limit, pairs = self._lookup(env, keys, outcome.bad)
+            txn, limit, pairs = self._lookup(env, keys, outcome)
         try:
             if len(pairs) == len(keys):
                 self.copy_in(range(len(keys)), keys, out, pairs, mac, outcome, copies)
@@ -160,6 +167,7 @@ class JobReader:
             rest = self.read(env, keys[left:], out[left:], mac)
             outcome.found[left:] = rest.found
             outcome.bad.update(rest.bad)
+            outcome.transient |= rest.transient
             outcome.corrupt += rest.corrupt
             outcome.auth += rest.auth
         return outcome
@@ -219,18 +227,19 @@ class JobReader:
             outcome.auth += isinstance(exc, RecordAuthError)
         outcome.bad[key] = str(exc)
 
-    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], bad: dict[bytes, str]) -> tuple[lmdb.Transaction, int, list[Any]]:
+    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], outcome: ReadOutcome) -> tuple[lmdb.Transaction, int, list[Any]]:
         """One read transaction, the file length it may read, and each key's ``(index entry,
-        value)`` buffers (``None``: absent or bad, with the reason in ``bad``). An LMDB error on a
-        key marks it bad and starts over in a fresh transaction (a failed lookup may leave one
-        unusable, and its buffers with it). Stops after a lookup that took longer than
+        value)`` buffers (``None``: absent or bad, with the reason in ``outcome.bad``). An LMDB
+        error on a key makes it a miss (:meth:`drop`) and starts over in a fresh transaction (a
+        failed lookup may leave one unusable, and its buffers with it). Stops after a lookup that took longer than
         :data:`COLD_GET_S` (the job is cold from there, see :meth:`read`): fewer pairs than keys."""
+        bad = outcome.bad
         while True:
             txn, limit = self._begin(env)
             pairs: list[Any] = []
             try:
                 for key in keys:
-                    if key in bad:
+                    if key in bad or key in outcome.transient:
                         pairs.append(None)
                         continue
                     start = time.perf_counter()
@@ -242,7 +251,7 @@ class JobReader:
                 return txn, limit, pairs
             except lmdb.Error as exc:
                 txn.abort()
-                self.drop(bad, keys[len(pairs)], exc)
+                self.drop(outcome, keys[len(pairs)], exc)
 
     def _begin(self, env: lmdb.Environment) -> tuple[lmdb.Transaction, int]:
         """A read transaction and the file length it may read."""
@@ -251,10 +260,15 @@ class JobReader:
         # newest meta page covers every page this snapshot can see.
         return txn, (int(env.info()["last_pgno"]) + 1) * self.psize
 
-    def drop(self, bad: dict[bytes, str], key: bytes, exc: lmdb.Error) -> None:
-        """``key``'s lookup failed with ``exc``: a miss, and the key dropped (put in ``bad``)."""
-        log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
-        bad[key] = str(exc)
+    def drop(self, outcome: ReadOutcome, key: bytes, exc: lmdb.Error) -> None:
+        """``key``'s lookup failed with ``exc``: a miss; the key is dropped (put in ``bad``) only
+        when LMDB found a page of it damaged (:data:`DAMAGE_ERRORS`), else kept (``transient``)."""
+        if isinstance(exc, DAMAGE_ERRORS):
+            log.warning("lmdb: reading %s… from %s failed (%s); a miss, dropping the key", key.hex()[:16], self.path, exc)
+            outcome.bad[key] = str(exc)
+        else:
+            log.warning("lmdb: reading %s… from %s failed (%s); a miss for this read, the record is kept", key.hex()[:16], self.path, exc)
+            outcome.transient.add(key)
 
     def pair(self, txn: lmdb.Transaction, key: bytes, limit: int, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
         """``key``'s ``(index entry, value)`` buffers in ``txn``, or ``None`` (absent, or bad: the
@@ -340,10 +354,10 @@ class ColdRead:
                 key = self.keys[i]
                 try:
                     began = time.perf_counter()
-                    pair = None if key in bad else self.reader.pair(self.txn, key, self.limit, bad)
+                    pair = None if key in bad or key in self.outcome.transient else self.reader.pair(self.txn, key, self.limit, bad)
                     self.slow = self.slow or time.perf_counter() - began > COLD_GET_S
                 except lmdb.Error as exc:
-                    self.reader.drop(bad, key, exc)
+                    self.reader.drop(self.outcome, key, exc)
                     self.failed_at = i
                     return
                 self.ready.put((i, pair))

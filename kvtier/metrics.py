@@ -170,6 +170,16 @@ def collect_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
     store_counter("kvtier_lookup_keys", "keys asked about by lookups", keys)
     store_counter("kvtier_lookup_hits", "keys in the leading ready run of lookups", hits)
     store_counter("kvtier_lookup_misses", "keys asked about that were not part of the leading hit run", max(keys - hits, 0))
+    store_counter(
+        "kvtier_saved_memory_only",
+        "blocks save() stored in memory tiers only (write-back, or a write-through copy deferred or failed): a crash loses them until they are demoted or flushed",
+        stats.get("saved_memory_only", 0),
+    )
+    store_counter(
+        "kvtier_write_through_deferred",
+        "blocks whose write-through copy was deferred to write-back because the tier writes were behind",
+        stats.get("transfers", {}).get("write_through_deferred", 0),
+    )
 
     per_tier: list[tuple[str, str, type, Any]] = [
         ("kvtier_tier_hits", "blocks served by loads, by tier", CounterMetricFamily, lambda t, b, io: io.get("hits", 0)),

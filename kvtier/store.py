@@ -86,6 +86,7 @@ class KVStore:
         self.manager: TierManager | None = None
         self.transfers: TransferEngine | None = None
         self._closed = False
+        self._memory_only = 0  # blocks a save stored in memory tiers only (see save)
         # Jobs whose caller was cancelled: job id -> plan, applied to the manager when they end.
         self._unsettled: dict[int, StorePlan | LoadPlan] = {}
         self._settlers: set[asyncio.Task[None]] = set()
@@ -147,6 +148,7 @@ class KVStore:
                 self.layout,
                 self.backends,
                 staging_blocks=self.config.staging_blocks,
+                write_through_backlog=self.config.write_through_backlog,
                 deadline_s=self.config.job_deadline_s,
             )
         if self.config.metrics.enabled:
@@ -269,6 +271,7 @@ class KVStore:
         if self.layout is not None:
             data["staging"] = self.layout.staging.stats()
         data["io"] = self.metrics.snapshot()
+        data["saved_memory_only"] = self._memory_only
         return data
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
@@ -291,7 +294,7 @@ class KVStore:
         ids = transfers.layout.check_block_ids(block_ids, len(keys))
         return transfers, ids
 
-    async def save(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    async def save(self, keys: Sequence[bytes], block_ids: Sequence[int], *, durable: bool = False) -> int:
         """Store the blocks ``block_ids`` (``n`` engine ids per key) under ``keys``.
 
         Returns the number of blocks newly stored (keys already present are skipped), all of
@@ -300,6 +303,14 @@ class KVStore:
         run written behind that hole (a Redis Cluster with one primary down stores the live
         primaries' keys) are released: ``lookup`` and ``load`` could never reach them, so they
         are forgotten, their records deleted, and not counted. Nothing raises.
+
+        Blocks stored but held only in memory tiers are lost by a crash: with ``write: back``,
+        or when a write-through copy failed or was deferred because the tier writes were behind
+        (``write_through_backlog``). Each such block is counted in
+        ``stats()["saved_memory_only"]``. With ``durable=True`` the save's write-through copies
+        are never deferred (they wait their turn), and the count returned is of the newly
+        stored blocks that are on a persistent tier when it returns: a crash from then on loses
+        none of them. (A store without a persistent tier is a ``ConfigError``.)
 
         A batch larger than the first tier's room is stored in runs, in prefix order: each run
         is the leading part of what is left that the first tier can take
@@ -312,6 +323,10 @@ class KVStore:
         self._settle_finished()
         n = self.config.engine_blocks_per_block
         mgr = self._mgr()
+        persistent = [t for t in range(mgr.num_tiers) if mgr.tier_spec(t).persistent]
+        if durable and not persistent:
+            raise ConfigError("save(durable=True): the store has no persistent tier (tiers: an lmdb, file or redis tier)")
+        kept = 0  # newly stored blocks on a persistent tier
         below = sum(mgr.tier_spec(t).capacity_bytes // mgr.tier_spec(t).block_reserve for t in range(1, mgr.num_tiers))
         stored = 0
         rest: Sequence[bytes] = keys
@@ -326,23 +341,25 @@ class KVStore:
             if plan is None or plan.empty:
                 break
             chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
-            job = transfers.submit_store(plan, chosen)
+            job = transfers.submit_store(plan, chosen, durable=durable)
             result = await self._run_job(transfers, job, plan)
             if self._closed:  # closed while the job ran: nothing is left to apply it to
-                return stored
+                return kept if durable else stored
             done = self.finish_store(plan, result)
             if done < len(plan.keys):  # a failed write: the rest would only fail behind it
-                stored += await self._keep_the_leading_run(transfers, plan)
-                break
+                done = await self._keep_the_leading_run(transfers, plan)
             stored += done
-            if not plan.keys:
+            on_disk = sum(1 for key in plan.keys[:done] if any(mgr.holds(key, t) for t in persistent))
+            kept += on_disk
+            self._memory_only += max(0, done - on_disk)
+            if done < len(plan.keys) or not plan.keys:
                 break
             covered = {*plan.keys, *plan.skipped}
             taken = next((i for i, key in enumerate(rest) if key not in covered), len(rest))
             if taken < len(rest):
                 log.debug("kvtier: save of %d blocks: the first tier took %d; storing the next run", len(keys), taken)
             rest, offset = rest[taken:], offset + taken
-        return stored
+        return kept if durable else stored
 
     async def _keep_the_leading_run(self, transfers: TransferEngine, plan: StorePlan) -> int:
         """After a store run whose writes failed in part: how many of its keys lie before the

@@ -157,7 +157,11 @@ def test_lmdb_disk_error_on_put_fails_only_that_key(tmp_path: Path, monkeypatch:
                 raise lmdb.DiskError("injected ENOSPC")
             real_put(self, *args)
 
+        def job_fails(self: Backend, *args: object) -> None:  # the job's one transaction fails on the same disk
+            raise lmdb.DiskError("injected ENOSPC")
+
         monkeypatch.setattr(module.LmdbBackend, "_put", flaky)
+        monkeypatch.setattr(module.LmdbBackend, "_put_together", job_fails)
         keys = [make_key(i) for i in range(3)]
         sizes = backend.write_blocks(keys, [_block(i) for i in range(3)])
         assert sizes[0] is not None and sizes[1] is None and sizes[2] is not None

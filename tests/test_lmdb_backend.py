@@ -707,3 +707,127 @@ def _resident(path: Path) -> list[bool]:
         assert libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec) == 0
         del view
     return [bool(v & 1) for v in vec]
+
+
+@pytest.mark.parametrize("cold", [False, True])
+@pytest.mark.parametrize("error", [lmdb.MapResizedError, lmdb.ReadersFullError, lmdb.BadRslotError])
+def test_a_transient_lmdb_error_on_a_lookup_is_a_miss_and_never_deletes_the_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cold: bool, error: type[lmdb.Error]
+) -> None:
+    """An error that says nothing about the record (another process grew the map, reader
+    slots) is a miss for that read alone: the record stays, and the next read serves it."""
+    from kvtier.backends import lmdb_layout
+
+    keys, data = _cold_store(tmp_path, 5, {})
+    real_pair = lmdb_layout.JobReader.pair
+    failed: list[bytes] = []
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        if key == keys[1] and not failed:
+            failed.append(key)
+            raise error("transient")
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    if cold:
+        monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
+    try:
+        job = [keys[0], keys[1], keys[3], keys[4]]
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in job]
+        assert backend.read_blocks(job, out) == [True, False, True, True]
+        assert failed == [keys[1]]
+        assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[3]) and torch.equal(out[3], data[4])
+        stats = backend.stats()
+        assert stats["corrupt_records"] == 0 and stats["deleted"] == 0
+        assert keys[1] in {r.key for r in backend.scan()}  # kept
+        again = [torch.zeros(BIG.block_bytes, dtype=torch.uint8)]
+        assert backend.read_blocks([keys[1]], again) == [True]
+        assert torch.equal(again[0], data[1])
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def _blocks_leaf_pages(data_file: Path) -> list[int]:
+    """Leaf pages of the blocks database's current tree, in page order."""
+    import os
+    import struct
+
+    from kvtier.backends import lmdb_salvage
+    from kvtier.backends.lmdb_files import read_meta_pages
+
+    found = read_meta_pages(str(data_file.parent))
+    assert found is not None
+    meta = max((m for m in found[0] if m is not None), key=lambda m: m.txnid)
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+        reader = lmdb_salvage._Reader(fd, meta.psize, meta.last_pgno)
+        page = os.pread(fd, meta.psize, found[0].index(meta) * meta.psize)
+        at = lmdb_salvage._MAIN_DB_AT
+        dbs = reader.tree(page[at : at + lmdb_salvage._DB.size])
+        blocks = lmdb_salvage._Reader(fd, meta.psize, meta.last_pgno)
+        blocks.tree(dbs[b"blocks"][1])
+        leaves = []
+        for pgno in sorted(blocks.seen):
+            flags = struct.unpack_from("<H", os.pread(fd, 16, pgno * meta.psize), 10)[0]
+            if flags & 0x02:
+                leaves.append(pgno)
+        return leaves
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("block_bytes", [1024, 16384])
+def test_a_zeroed_page_costs_its_records_not_the_store(tmp_path: Path, block_bytes: int) -> None:
+    """One zeroed leaf page of the blocks database: the environment is moved aside (kept for
+    ``kvtier verify``) and every record that still checks is salvaged into the fresh one.
+    Checksums decide: a record whose value was damaged elsewhere is not salvaged."""
+    fmt = BlockFormat(block_bytes=block_bytes, dtype="bfloat16", namespace={"model_id": "m"})
+    n = 240
+    keys = [make_key(i) for i in range(n)]
+    data = _blocks(n, seed=5, size=block_bytes)
+    backend = _open(lmdb_backend(tmp_path, 32 << 20), fmt)
+    for i in range(0, n, 16):
+        assert None not in backend.write_blocks(keys[i : i + 16], data[i : i + 16])
+    asyncio.run(backend.aclose())
+    data_file = tmp_path / "env" / "data.mdb"
+    leaves = _blocks_leaf_pages(data_file)
+    assert len(leaves) >= 3
+    raw = bytearray(data_file.read_bytes())
+    raw[leaves[1] * 4096 : (leaves[1] + 1) * 4096] = bytes(4096)  # one zeroed leaf page
+    damaged_value = bytes(data[n - 1][:64].numpy())
+    at = raw.find(damaged_value)
+    assert at > 0
+    while at > 0:  # the last record's value damaged too (every copy of it: LMDB copies pages on write)
+        raw[at + 10] ^= 0x01
+        at = raw.find(damaged_value, at + 1)
+    data_file.write_bytes(bytes(raw))
+    backend = lmdb_backend(tmp_path, 32 << 20)
+    with pytest.warns(RuntimeWarning, match="salvaged [0-9]+ sound records"):
+        _open(backend, fmt)
+    try:
+        assert len(list((tmp_path / "env").glob("damaged-*/data.mdb"))) == 1
+        kept = {r.key for r in backend.scan()}
+        assert keys[n - 1] not in kept  # its checksum failed: not salvaged
+        assert n // 2 < len(kept) < n - 1  # one page's records lost, not the store
+        order = [i for i, k in enumerate(keys) if k in kept]
+        out = [torch.zeros(block_bytes, dtype=torch.uint8) for _ in order]
+        assert backend.read_blocks([keys[i] for i in order], out) == [True] * len(order)
+        assert all(torch.equal(o, data[i]) for o, i in zip(out, order))
+        assert backend.stats()["corrupt_records"] == 0
+    finally:
+        asyncio.run(backend.aclose())
+    # The values are read and handed over a batch at a time, most recently used first, and a
+    # full map (put answering False) stops the copy there.
+    from kvtier.backends.lmdb_salvage import salvage_records
+
+    (moved,) = (tmp_path / "env").glob("damaged-*")
+    batches: list[list[bytes]] = []
+
+    def put(batch: list) -> bool:
+        batches.append([r.key for r in batch])
+        return len(batches) < 3
+
+    kept, _, why = salvage_records(str(moved), fmt, None, put, batch_bytes=1)
+    assert why is None and kept == 2 and [len(b) for b in batches] == [1, 1, 1]
+    assert batches[0][0] in set(keys[n - 16 : n - 1])  # a record of the last job (the newest) first

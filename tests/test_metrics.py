@@ -90,6 +90,9 @@ def test_prometheus_exporter_reads_stats_on_scrape() -> None:
             assert value("kvtier_tier_demotions_total", {"store": "s1", "tier": "spill"}) == 2
             assert value("kvtier_lookup_hits_total", {"store": "s1"}) == 8  # load() looks up too
             assert value("kvtier_lookup_misses_total", {"store": "s1"}) == 1
+            # two memory tiers: every saved block is held in memory only
+            assert value("kvtier_saved_memory_only_total", {"store": "s1"}) == 4
+            assert value("kvtier_write_through_deferred_total", {"store": "s1"}) == 0
             assert value("kvtier_tier_bytes_stored_total", {"store": "s1", "tier": "host"}) == 4 * BLOCK
             assert value("kvtier_corrupt_records_total", {"store": "s1", "tier": "host"}) == 0
             assert value("kvtier_store_failures_total", {"store": "s1", "cause": "tier_full"}) == 0

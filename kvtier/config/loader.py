@@ -178,6 +178,9 @@ class StoreConfig(BaseModel):
     tiers: list[TierConfig] = Field(min_length=1)
     policy: str = "lru"
     write: Literal["back", "through"] = "through"
+    #: write-through: store jobs that may wait for the tier writes (behind the group being
+    #: written) before a job's copies to byte tiers are deferred to write-back
+    write_through_backlog: int = Field(default=16, ge=0, strict=True)
     engine_blocks_per_block: int = Field(default=1, ge=1)
     block_bytes: BlockBytes | None = None
     staging_blocks: int = Field(default=32, ge=1)

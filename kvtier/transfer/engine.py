@@ -14,8 +14,10 @@ A store job has two phases (see :class:`kvtier.transfer.jobs.Phase`), each on it
    ``max_staged_bytes``; past it the job fails at once, counted in ``staging_full``);
 2. the *tier writes*, on ``kvtier-store-tiers``: evictions, write-back demotions, the write of
    staged blocks into the first tier, and write-through copies to byte tiers. Jobs pass both
-   threads in submission order, so plans run in the order the manager built them. When more
-   than ``write_through_backlog`` jobs wait for this thread, a job's write-through copies to
+   threads in submission order, so plans run in the order the manager built them. The tiers
+   thread takes the jobs waiting for it as one group and writes their write-through copies
+   together (:mod:`kvtier.transfer.write_group`: one commit for the group). When more than
+   ``write_through_backlog`` jobs wait behind that group, a job's write-through copies to
    byte tiers are skipped and reported failed for those tiers (``write_through_deferred``
    counts the blocks): the manager keeps them in the first tier only, and demotes them when
    it evicts them (write-back), so a slow disk sheds copies instead of delaying every store.
@@ -66,7 +68,8 @@ from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.handover import LastOut
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
 from kvtier.transfer.layout import KVLayout
-from kvtier.transfer.movers import LoadMover, StoreMover, _Failed, _TierWork
+from kvtier.transfer.load_mover import LoadMover
+from kvtier.transfer.movers import StoreMover, _Failed, _TierWork
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -85,7 +88,7 @@ class TransferEngine:
         max_queued_jobs: int = 4096,
         deadline_s: float | None = None,
         max_staged_bytes: int | None = None,
-        write_through_backlog: int = 4,
+        write_through_backlog: int = 16,
         close_timeout_s: float = 30.0,
     ) -> None:
         if staging_blocks < 1:
@@ -95,8 +98,8 @@ class TransferEngine:
         self.layout = layout
         self.backends = list(backends)
         self.deadline_s = deadline_s
-        #: Store jobs waiting for the tiers thread past which write-through copies to byte
-        #: tiers are skipped (counted in ``write_through_deferred``): those blocks fall back to
+        #: Store jobs waiting for the tiers thread (behind the one it writes) past which a job's
+        #: write-through copies to byte tiers are skipped (counted in ``write_through_deferred``): those blocks fall back to
         #: write-back demotion when the first tier evicts them, so a slow disk never backs up
         #: the stores behind it.
         self.write_through_backlog = write_through_backlog
@@ -160,10 +163,12 @@ class TransferEngine:
             t.start()
 
     # -- submission ------------------------------------------------------------------------
-    def submit_store(self, plan: StorePlan, block_ids: Sequence[int]) -> int:
-        """Queue ``plan``; ``block_ids`` are the engine ids of ``plan.keys`` (``n`` per key)."""
+    def submit_store(self, plan: StorePlan, block_ids: Sequence[int], *, durable: bool = False) -> int:
+        """Queue ``plan``; ``block_ids`` are the engine ids of ``plan.keys`` (``n`` per key).
+        ``durable``: the job's write-through copies are never deferred, however far behind the
+        tier writes are."""
         ids = self.layout.check_block_ids(block_ids, len(plan.keys))
-        rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s))
+        rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s), durable=durable)
         return self._submit(rec)
 
     def submit_load(self, plan: LoadPlan, block_ids: Sequence[int]) -> int:

@@ -123,7 +123,10 @@ class JobRecord:
 
 @dataclass(slots=True, eq=False)
 class StoreRecord(JobRecord):
-    """A store job: ``plan`` is a :class:`StorePlan`; ``block_ids`` are read in its device phase."""
+    """A store job: ``plan`` is a :class:`StorePlan`; ``block_ids`` are read in its device phase.
+    A ``durable`` job's write-through copies are never deferred (they wait their turn)."""
+
+    durable: bool = False
 
     @property
     def kind(self) -> JobKind:

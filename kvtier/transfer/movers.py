@@ -1,11 +1,13 @@
 """The byte movers behind :class:`kvtier.transfer.TransferEngine` (see that module for the
 contract): :class:`StoreMover` runs a store job's two phases, the device read on
-``kvtier-store`` and the tier writes on ``kvtier-store-tiers``; :class:`LoadMover` runs load
-jobs on ``kvtier-load``. They share the engine's locks, counters and queues."""
+``kvtier-store`` and the tier writes on ``kvtier-store-tiers`` (taking the jobs waiting as one
+group, :mod:`kvtier.transfer.write_group`); :class:`~kvtier.transfer.load_mover.LoadMover` runs
+load jobs on ``kvtier-load``. They share the engine's locks, counters and queues."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,13 +17,13 @@ import torch
 
 from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device, wait_for_copies
-from kvtier.errors import BackendError, LifecycleError
+from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
+from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup
 
 if TYPE_CHECKING:
     import contextlib
-    import queue
     import threading
 
     from kvtier.transfer.layout import KVLayout
@@ -93,6 +95,7 @@ class StoreMover:
 
     def __init__(self, engine: MoverHost) -> None:
         self.e = engine
+        self._group_size = 1  # store jobs in the group the tiers thread runs
 
     def run_device(self) -> None:
         while True:
@@ -233,26 +236,68 @@ class StoreMover:
         return work
 
     def run_tiers(self) -> None:
+        """Take every store job waiting (up to ``MAX_GROUP_JOBS``) as one group: their tier
+        phases in order, their write-through copies written together, then each reported
+        (:mod:`kvtier.transfer.write_group`)."""
         while True:
             work = self.e._tiers_q.get()
             if work is None:
                 return
+            group = [work]
+            last = False
+            while len(group) < MAX_GROUP_JOBS:
+                try:
+                    more = self.e._tiers_q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    last = True
+                    break
+                group.append(more)
+            self._run_group(group)
+            if last:
+                return
+
+    def _run_group(self, group: list[_TierWork]) -> None:
+        copies = WriteGroup()
+        ending: list[_TierWork] = []
+        self._group_size = len(group)
+        try:
+            for work in group:
+                try:
+                    with self.e._on_stream("tiers"):
+                        if self._tier_phase(work, copies):
+                            ending.append(work)
+                except BaseException as exc:  # the thread must survive anything
+                    copies.discard(work.rec.job_id)
+                    self._failed_phase(work, exc)
             try:
                 with self.e._on_stream("tiers"):
-                    self._tier_phase(work)
-            except BaseException as exc:  # the thread must survive anything
-                log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
-                self.e._finish(
-                    work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc))
-                )
-            finally:
+                    copies.write(self.e.backends)
+            except BaseException as exc:  # (write() fails the jobs of a tier that raised itself)
+                log.warning("store jobs %s: group write failed: %s", [w.rec.job_id for w in ending], exc, exc_info=True)
+            for work in ending:
+                try:
+                    self._end_phase(work)
+                except BaseException as exc:
+                    self._failed_phase(work, exc)
+        finally:
+            self._group_size = 1
+            for work in group:
                 self.e._retire()
                 with self.e._lock:
                     self.e._tier_jobs -= 1
                     self.e._staged_bytes -= work.staged_bytes
                 work.staging = None
 
-    def _tier_phase(self, work: _TierWork) -> None:
+    def _failed_phase(self, work: _TierWork, exc: BaseException) -> None:
+        log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
+        self.e._finish(work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc)))
+
+    def _tier_phase(self, work: _TierWork, copies: WriteGroup) -> bool:
+        """The job's tier writes, its write-through copies collected into ``copies`` where their
+        rows stay put; ``True`` when the job is to be reported (:meth:`_end_phase`) after the
+        group's write."""
         rec, plan = work.rec, work.rec.store_plan
         staging = self.e._staging_rows("tiers")
         try:
@@ -262,22 +307,42 @@ class StoreMover:
                 self._drops_and_demotions(plan, staging, work, check=True)
             if work.mode == "staged" and plan.keys:
                 assert work.staging is not None
-                self._write_staged(work)
+                self._write_staged(work, copies)
             elif work.mode == "rest":
                 source = self.e.backends[plan.tier]
                 assert isinstance(source, MemoryBackend)
                 for tier, keys in plan.write_through:
-                    if not self.e._is_memory(tier) and not self._deferred(tier, keys, work.failed):
+                    if not self.e._is_memory(tier) and not self._deferred(rec, tier, keys, work.failed):
                         self._check_alive(rec)
-                        self._write_from(source, tier, keys, staging, work.failed, work.sizes)
+                        if tensor_device(source.pool).type == "cpu":  # pool rows stay put: write with the group
+                            rows, found = self._rows_of(source, keys, staging)
+                            copies.add(rec.job_id, tier, keys, rows, found, work.failed, work.sizes, self._failer(work))
+                        else:
+                            self._write_from(source, tier, keys, staging, work.failed, work.sizes)
             self._check_alive(rec)
         except _Expired:
+            copies.discard(rec.job_id)
             self._cleanup(plan)
-            return
+            return False
         except Exception as exc:
+            copies.discard(rec.job_id)
             log.warning("store job %d failed: %s", rec.job_id, exc, exc_info=True)
             self._delete_new(plan)
             work.error = repr(exc)
+        return True
+
+    def _failer(self, work: _TierWork) -> Callable[[str], None]:
+        """What a failed group write does to ``work``: what a failed direct write did."""
+
+        def fail(error: str) -> None:
+            self._delete_new(work.rec.store_plan)
+            work.error = error
+
+        return fail
+
+    def _end_phase(self, work: _TierWork) -> None:
+        """Report ``work`` after its group's write (undo it if it was reported failed meanwhile)."""
+        plan = work.rec.store_plan
         if work.mode == "degraded":
             self._delete_new(plan)
         if not self._finish_store(work):
@@ -288,7 +353,7 @@ class StoreMover:
         if rec.result is not None:
             raise _Expired
 
-    def _write_staged(self, work: _TierWork) -> None:
+    def _write_staged(self, work: _TierWork, copies: WriteGroup) -> None:
         rec, plan = work.rec, work.rec.store_plan
         assert work.staging is not None
         rows = [work.staging[i] for i in range(len(plan.keys))]
@@ -305,18 +370,22 @@ class StoreMover:
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
         for tier, keys in plan.write_through:
             self._check_alive(rec)
-            if not self.e._is_memory(tier) and self._deferred(tier, keys, work.failed):
+            if not self.e._is_memory(tier) and self._deferred(rec, tier, keys, work.failed):
                 continue
-            pos = {k: i for i, k in enumerate(plan.keys)}
-            got = self.e.backends[tier].write_blocks(list(keys), [rows[pos[k]] for k in keys])
-            self._note_sizes(tier, keys, got, work.failed, work.sizes)
+            pos = {k: i for i, k in enumerate(plan.keys)}  # the job's own staging: stays put
+            copies.add(rec.job_id, tier, keys, [rows[pos[k]] for k in keys], [True] * len(keys), work.failed, work.sizes, self._failer(work))
 
-    def _deferred(self, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
-        """Skip this write-through copy when the tiers thread is behind (see the engine's
-        ``write_through_backlog``); the keys are reported failed for ``tier``, so the manager
-        keeps them in the first tier only and demotes them at eviction."""
+    def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
+        """Skip this write-through copy when the tiers thread is behind: more than the engine's
+        ``write_through_backlog`` jobs wait behind this one; the keys are reported failed for
+        ``tier``, so the manager keeps them in the first tier only and demotes them at eviction.
+        A durable job's copies are never skipped."""
+        if rec.durable:
+            return False
         with self.e._lock:
-            behind = self.e._tier_jobs > self.e.write_through_backlog
+            # _tier_jobs counts this job's group too, until it ends: those share its write.
+            waiting = self.e._tier_jobs - self._group_size
+            behind = waiting > self.e.write_through_backlog
             if behind:
                 self.e.counters["write_through_deferred"] += len(keys)
         if behind:
@@ -432,154 +501,3 @@ class StoreMover:
             got = self.e.backends[tier].write_blocks(list(part), rows)
             # A key the source no longer held was written from a placeholder row: failed.
             self._note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
-
-
-class LoadMover:
-    """Load jobs: tiers -> engine blocks, each write after the compute stream as it was at
-    submit and stopped by ``cancel`` before any later write."""
-
-    def __init__(self, engine: MoverHost) -> None:
-        self.e = engine
-
-    def run(self) -> None:
-        while True:
-            rec = self.e._load_q.get()
-            if rec is None:
-                return
-            self.e._take("load")
-            try:
-                if rec.result is None:  # else stopped before it began: it never touched anything
-                    self._load_one(rec)
-            except BaseException as exc:  # the thread must survive anything
-                log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
-            finally:
-                self.e._retire()
-
-    def _load_one(self, rec: LoadRecord) -> None:
-        start = time.perf_counter()
-        promoted: list[bytes] = []
-        try:
-            with self.e._on_stream("load"):
-                result = self._load(rec, start, promoted)
-        except Exception as exc:  # a failed job is reported, never raised into the engine
-            log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)
-            result = JobResult(
-                rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)
-            )
-        try:
-            # Report first, whatever the result: a failed job is reported like any other.
-            reported = self.e._finish(rec, result)
-            if result.error is not None or not reported:
-                # Failed, or stopped while it ran: its promotions are released, free them.
-                self.e._delete(0, promoted, "cleanup of a stopped load's promotions")
-        except BaseException as exc:  # the thread must survive anything
-            log.warning("load job %d: finishing failed: %s", rec.job_id, exc, exc_info=True)
-
-    def _load(self, rec: LoadRecord, start: float, promoted: list[bytes]) -> JobResult:
-        plan = rec.load_plan
-        ids = rec.block_ids
-        n = self.e.layout.engine_blocks_per_block
-        by_tier: dict[int, list[int]] = {}
-        for i, tier in enumerate(plan.tiers):
-            by_tier.setdefault(tier, []).append(i)
-        missed: list[int] = []
-        failed: _Failed = {}
-        promote = set(plan.promote)
-        nbytes = 0
-        staging = self.e._staging_rows("load")
-        chunk = staging.shape[0]
-        waited = False
-
-        def write(src: torch.Tensor, rows: Sequence[int], dst: list[int]) -> bool:
-            """Scatter into engine blocks unless the job was stopped; ``False`` if stopped."""
-            nonlocal waited
-            with rec.device_lock:
-                if rec.cancelled or rec.result is not None:
-                    return False
-                rec.phase = Phase.DEVICE
-                try:
-                    if not waited:
-                        self.e._wait_compute(rec)
-                        waited = True
-                    self.e.layout.scatter(src, rows, dst, non_blocking=True)
-                finally:
-                    # Done means done (the engine may read these blocks at once), and a failed
-                    # scatter's queued chunks are waited for too, before the job is reported.
-                    self.e._sync()
-            return True
-
-        stopped = False
-        for tier, positions in by_tier.items():
-            backend = self.e.backends[tier]
-            if isinstance(backend, MemoryBackend):
-                slot_of = {}
-                for i in positions:
-                    try:
-                        slot_of[i] = backend.slots([plan.keys[i]])[0]
-                    except LifecycleError:
-                        missed.append(i)
-                good = [i for i in positions if i in slot_of]
-                dst = [b for i in good for b in ids[i * n : (i + 1) * n]]
-                if not write(backend.pool, [slot_of[i] for i in good], dst):
-                    stopped = True
-                    break
-                nbytes += len(good) * self.e.layout.block_bytes
-                up = [i for i in good if plan.keys[i] in promote]
-                if up:
-                    self._promote([plan.keys[i] for i in up], [backend.pool[slot_of[i]] for i in up], failed, promoted)
-                continue
-            for c in range(0, len(positions), chunk):
-                part = positions[c : c + chunk]
-                out = [staging[j] for j in range(len(part))]
-                found = self._read(tier, [plan.keys[i] for i in part], out)
-                rows = [j for j, ok in enumerate(found) if ok]
-                missed.extend(i for i, ok in zip(part, found) if not ok)
-                dst = [b for j in rows for b in ids[part[j] * n : (part[j] + 1) * n]]
-                if not write(staging, rows, dst):
-                    stopped = True
-                    break
-                up = [j for j in rows if plan.keys[part[j]] in promote]
-                if up:
-                    self._promote([plan.keys[part[j]] for j in up], [staging[j] for j in up], failed, promoted)
-                nbytes += len(rows) * self.e.layout.block_bytes
-            if stopped:
-                break
-        if stopped:
-            return JobResult(rec.job_id, "load", False, plan.keys, error="stopped")
-        missed.sort()
-        return JobResult(
-            rec.job_id,
-            "load",
-            not missed,
-            plan.keys,
-            nbytes=nbytes,
-            seconds=time.perf_counter() - start,
-            missed=tuple(plan.keys[i] for i in missed),
-            missed_tiers=tuple(plan.tiers[i] for i in missed),
-            failed={0: tuple(set(failed.get(0, ())) | {plan.keys[i] for i in missed} & promote)} if promote else {},
-        )
-
-    def _read(self, tier: int, keys: list[bytes], out: list[torch.Tensor]) -> list[bool]:
-        """``read_blocks`` of tier ``tier``, where a failure of the whole call (any exception,
-        whatever the backend) is a miss of each of its keys: the job goes on, the manager then
-        forgets the keys in that tier (so they are not offered again), the engine recomputes."""
-        try:
-            found = [bool(f) for f in self.e.backends[tier].read_blocks(keys, out)]
-            if len(found) != len(keys):
-                raise BackendError(f"read_blocks answered {len(found)} found flags for {len(keys)} keys")
-        except Exception as exc:
-            log.warning("load: reading %d blocks from tier %d failed, each is a miss: %s", len(keys), tier, exc)
-            with self.e._lock:
-                self.e.counters["read_errors"] += 1
-            return [False] * len(keys)
-        return found
-
-    def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: _Failed, promoted: list[bytes]) -> None:
-        """Copy blocks just read from a lower tier into the first tier."""
-        try:
-            got = self.e.backends[0].write_blocks(keys, rows)
-        except Exception as exc:  # a failed promotion is a miss in the first tier, nothing more
-            log.warning("promotion of %d blocks failed: %s", len(keys), exc)
-            got = [None] * len(keys)
-        failed.setdefault(0, []).extend(k for k, size in zip(keys, got) if size is None)
-        promoted.extend(k for k, size in zip(keys, got) if size is not None)

@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchRun", "available", "ch
 #: What ``kvtier bench`` runs by default: the ones that need no service or model download.
 DEFAULT_BENCHMARKS = ("core", "disk", "connector")
 #: The ones that measure a filesystem, and take ``--dir`` (``kvtier bench --dir``) to say which.
-DISK_BENCHMARKS = frozenset({"disk"})
+DISK_BENCHMARKS = frozenset({"disk", "disk_sizes"})
 DEFAULT_OUTPUT = "kvtier-bench"
 
 

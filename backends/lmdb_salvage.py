@@ -1,0 +1,261 @@
+"""Salvage: the sound records of a damaged LMDB environment, read page by page with ``pread``.
+
+When the open-time check (:mod:`kvtier.backends.lmdb_pages`) finds a page LMDB could not walk,
+the environment is moved aside and a fresh one started. Before this module, that cost every
+record of the tier: one zeroed leaf page discarded the store. Now the records that can still be
+read are copied into the fresh environment, so damage to a page costs the records on (or under)
+that page, not the tier.
+
+The damaged file is never mapped (LMDB would abort on the page it cannot walk). It is read the
+way the page check reads it, but tolerantly: a page that fails a check (its own number, its
+type, its node area, a node past its end, a child or overflow run outside the file) is skipped
+with everything under it, and the walk goes on. Values are read from their leaf or overflow
+pages. **Checksums decide**: a record is copied only when its index entry and value pair up
+and its checksum (or keyed MAC) verifies for its key, exactly as a read would check it, and
+only when the store's meta record was read and matches this store (namespace, format, keying).
+Nothing that fails is copied, so salvage never adds a wrong byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb
+from kvtier.backends.lmdb_files import META_KEY, DamagedEnvironment, read_meta_pages
+from kvtier.backends.lmdb_layout import INDEX, entry_stamp
+from kvtier.backends.lmdb_pages import _DB, _HEADER, _IGNORED_FLAGS, _MAIN_DB_AT, _MAX_DEPTH, _NODE, _P_BRANCH, _P_LEAF
+
+from kvtier.backend import BlockFormat
+from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.records.format import RecordMac, check_meta, decode_meta, parse_header, verify_payload
+
+__all__ = ["SalvagedRecord", "copy_into", "salvage_records"]
+
+log = logging.getLogger("kvtier.backends.lmdb_tier")
+
+_P_OVERFLOW = 0x04
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+
+
+@dataclass(frozen=True, slots=True)
+class SalvagedRecord:
+    """A record whose check passed: its key, index entry and value, as stored."""
+
+    key: bytes
+    entry: bytes
+    value: bytes
+
+
+@dataclass(slots=True)
+class _Reader:
+    fd: int
+    psize: int
+    last_pgno: int
+    seen: set[int] = field(default_factory=set)
+    skipped: int = 0  # pages that failed a check (with everything under them)
+
+    def page(self, pgno: int) -> bytes | None:
+        if not 2 <= pgno <= self.last_pgno or pgno in self.seen:
+            return None
+        self.seen.add(pgno)
+        page = os.pread(self.fd, self.psize, pgno * self.psize)
+        return page if len(page) == self.psize else None
+
+    def tree(self, record: bytes, *, lazy: bool = False) -> dict[bytes, tuple[int, Any]]:
+        """Leaf nodes of the tree whose database record is ``record``: key -> (flags, value),
+        or with ``lazy`` key -> (flags, (file offset, length)) of the value, read later with
+        :meth:`read` (a store's values need not fit in memory)."""
+        out: dict[bytes, tuple[int, Any]] = {}
+        if len(record) != _DB.size:
+            return out
+        fields = _DB.unpack(record)
+        depth, root = fields[2], fields[7]
+        if 1 <= depth <= _MAX_DEPTH:
+            self._walk(root, depth, out, lazy)
+        return out
+
+    def read(self, where: tuple[int, int]) -> bytes | None:
+        offset, size = where
+        value = os.pread(self.fd, size, offset)
+        return value if len(value) == size else None
+
+    def _walk(self, pgno: int, depth: int, out: dict[bytes, tuple[int, Any]], lazy: bool) -> None:
+        psize = self.psize
+        page = self.page(pgno)
+        if page is None:
+            self.skipped += 1
+            return
+        own, _, flags, lower, upper = _HEADER.unpack_from(page, 0)
+        kind = flags & ~_IGNORED_FLAGS
+        if (
+            own != pgno
+            or kind not in (_P_BRANCH, _P_LEAF)
+            or (kind == _P_LEAF) != (depth == 1)
+            or lower & 1
+            or not _HEADER.size <= lower <= upper <= psize
+        ):
+            self.skipped += 1
+            return
+        count = (lower - _HEADER.size) // 2
+        for ptr in struct.unpack_from(f"<{count}H", page, _HEADER.size):
+            if not upper <= ptr <= psize - _NODE.size:
+                continue
+            lo, hi, node_flags, ksize = _NODE.unpack_from(page, ptr)
+            body = ptr + _NODE.size + ksize
+            if body > psize:
+                continue
+            if kind == _P_BRANCH:
+                self._walk(lo | hi << 16 | node_flags << 32, depth - 1, out, lazy)
+                continue
+            where = self._where(page, pgno, body, lo | hi << 16, node_flags)
+            if where is None:
+                continue
+            if lazy:
+                out[page[body - ksize : body]] = (node_flags, where)
+                continue
+            value = page[body : body + where[1]] if where[0] == pgno * psize + body else self.read(where)
+            if value is not None:
+                out[page[body - ksize : body]] = (node_flags, value)
+
+    def _where(self, page: bytes, pgno: int, body: int, size: int, flags: int) -> tuple[int, int] | None:
+        """(file offset, length) of a leaf node's value, once its extent checks."""
+        psize = self.psize
+        if flags & _F_BIGDATA and not flags & ~_F_BIGDATA:
+            if body + 8 > psize:
+                return None
+            (first,) = struct.unpack_from("<Q", page, body)
+            pages = -(-(size + _HEADER.size) // psize)
+            if first < 2 or first + pages - 1 > self.last_pgno:
+                return None
+            head = os.pread(self.fd, _HEADER.size, first * psize)
+            if len(head) < _HEADER.size:
+                return None
+            own, _, oflags, _, _ = _HEADER.unpack_from(head, 0)
+            if own != first or not oflags & _P_OVERFLOW:
+                return None
+            return first * psize + _HEADER.size, size
+        if flags & ~_F_SUBDATA or body + size > psize:
+            return None
+        return pgno * psize + body, size
+
+
+def salvage_records(
+    path: str, fmt: BlockFormat, mac: RecordMac | None, put: Callable[[list[SalvagedRecord]], bool], *, batch_bytes: int = 32 << 20
+) -> tuple[int, int, str | None]:
+    """Hand the records of the environment at ``path`` (its ``data.mdb``) that pass their
+    check to ``put``, most recently used first, in batches of about ``batch_bytes`` (``put``
+    returns ``False`` to stop: a full map). Returns how many were handed over, how many were
+    found but refused, and why nothing could be salvaged (``None`` when the walk ran). Never
+    raises over the file's contents; values are read one at a time, never all at once."""
+    try:
+        found = read_meta_pages(path)
+    except (DamagedEnvironment, OSError) as exc:
+        return 0, 0, f"its meta pages are unreadable ({exc})"
+    if found is None:
+        return 0, 0, "it has no data file"
+    metas = sorted((m for m in found[0] if m is not None), key=lambda m: -m.txnid)
+    if not metas:
+        return 0, 0, "neither meta page is readable"
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        why = "no meta page leads to the store's databases"
+        for meta in metas:  # the newer one first; the older is one commit behind
+            reader = _Reader(fd, meta.psize, min(meta.last_pgno, max(0, found[1] // meta.psize - 1)))
+            page = os.pread(fd, meta.psize, (0 if meta is found[0][0] else 1) * meta.psize)
+            main = reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size])
+            dbs = {k: v for k, (flags, v) in main.items() if flags & _F_SUBDATA}
+            if not {b"blocks", b"index", b"meta"} <= dbs.keys():
+                continue
+            stored_meta = reader.tree(dbs[b"meta"]).get(META_KEY)
+            try:
+                if stored_meta is None:
+                    raise CorruptBlockError("no meta record")
+                check_meta(decode_meta(stored_meta[1]), fmt, where=f"lmdb {path!r}", mac=mac)
+            except (CorruptBlockError, ConfigError) as exc:
+                why = f"its meta record cannot vouch for its records ({exc})"
+                continue
+            values = reader.tree(dbs[b"blocks"], lazy=True)
+            index = reader.tree(dbs[b"index"])
+            kept, refused = _hand_over(reader, values, index, fmt, mac, put, batch_bytes)
+            return kept, refused, None
+        return 0, 0, why
+    finally:
+        os.close(fd)
+
+
+def _hand_over(
+    reader: _Reader,
+    values: dict[bytes, tuple[int, Any]],
+    index: dict[bytes, tuple[int, Any]],
+    fmt: BlockFormat,
+    mac: RecordMac | None,
+    put: Callable[[list[SalvagedRecord]], bool],
+    batch_bytes: int,
+) -> tuple[int, int]:
+    order: list[tuple[float, bytes]] = []
+    for key in values.keys() & index.keys():
+        try:
+            order.append((entry_stamp(index[key][1])[0], key))
+        except ValueError:
+            continue
+    order.sort(reverse=True)
+    kept = refused = 0
+    batch: list[SalvagedRecord] = []
+    size = 0
+    for _, key in order:
+        entry, value = index[key][1], reader.read(values[key][1])
+        try:
+            if value is None or len(key) != 32:
+                raise CorruptBlockError("unreadable")
+            _verify(key, entry, value, fmt, mac)
+        except CorruptBlockError:
+            refused += 1
+            continue
+        batch.append(SalvagedRecord(key, entry, value))
+        size += len(value)
+        if size >= batch_bytes:
+            if not put(batch):
+                return kept, refused
+            kept, batch, size = kept + len(batch), [], 0
+    if batch and put(batch):
+        kept += len(batch)
+    return kept, refused + len(values.keys() ^ index.keys())
+
+
+def _verify(key: bytes, entry: bytes, value: bytes, fmt: BlockFormat, mac: RecordMac | None) -> None:
+    """Raise ``CorruptBlockError`` unless the record checks, as a read would check it."""
+    head: Any
+    if len(entry) == INDEX.size:  # whole layout: the head starts the value
+        head = value
+        header = parse_header(value, raw_length=fmt.block_bytes, available=len(value), mac=mac)
+        payload = memoryview(value)[header.payload_offset : header.payload_offset + header.stored_length]
+    else:
+        head = entry[INDEX.size :]
+        header = parse_header(head, raw_length=fmt.block_bytes, available=len(head) + len(value), mac=mac)
+        payload = memoryview(value)[: header.stored_length]
+        if len(value) != header.stored_length:
+            raise CorruptBlockError(f"value of {len(value)} bytes, its header says {header.stored_length}")
+    verify_payload(key, head, header, payload, mac=mac)
+
+
+def copy_into(env: lmdb.Environment, blocks: Any, index: Any) -> Callable[[list[SalvagedRecord]], bool]:
+    """A ``put`` for :func:`salvage_records`: each batch in one write transaction of ``env``;
+    ``False`` (stop) on an LMDB error, such as a full map under a lowered capacity."""
+
+    def put(batch: list[SalvagedRecord]) -> bool:
+        try:
+            with env.begin(write=True) as txn:
+                for r in batch:
+                    txn.put(r.key, r.value, db=blocks)
+                    txn.put(r.key, r.entry, db=index)
+        except lmdb.Error as exc:
+            log.warning("lmdb: salvage stopped: %s", exc)
+            return False
+        return True
+
+    return put

@@ -1,0 +1,337 @@
+"""Durable disk tiers at every record size: prints one JSON object.
+
+    python benchmarks/bench_disk_sizes.py [--quick] [--dir /tmp] [--rounds N]
+
+For the ``lmdb`` and ``file`` tiers (durable), at 4 KiB, 64 KiB, 256 KiB and 2 MiB records, in
+jobs of 1, 16 and 64 blocks, written by one caller or by 4 concurrent callers (threads, each with
+its own jobs), it measures the tier's ``write_blocks`` / ``read_blocks`` against raw shapes of the
+same durable work done in the same process on the same bytes:
+
+* ``lmdb``: python-lmdb with the tier's sync flags (``sync=True, metasync=False`` and an
+  ``env.sync(True)`` per job): ``raw_value`` puts each value in its own transaction, ``raw_job``
+  puts a whole job in one; loads are a ``get`` and one copy per block in one read transaction
+  per job (``raw_get``).
+* ``file``: per block a temporary file, ``pwritev``, a rename, in one directory: ``raw_each``
+  ``fdatasync``s each file before its rename and ``fsync``s the directory once per job (what the
+  tier did), ``raw_batch`` writes the job's files, ``fdatasync``s them, renames them all and
+  ``fsync``s the directory once, ``raw_syncfs`` replaces the per-file syncs by one ``syncfs``
+  before and one after the renames (informational: it also flushes every other writer of the
+  filesystem, so it is not counted as a raw shape to beat), ``raw_sharded`` is ``raw_batch`` in
+  the tier's layout of two levels of shard directories (informational: what that layout costs
+  in directory syncs); loads ``preadv`` each file.
+
+Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
+the best counted raw shape. Arms alternate within a round and their order reverses every round;
+figures are medians over ``--rounds`` rounds after one uncounted warm-up round. ``summary`` holds
+the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
+at 64 KiB only) for a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lmdb
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.testing import make_key
+
+SIZES = (4 << 10, 64 << 10, 256 << 10, 2 << 20)
+JOBS = (1, 16, 64)
+CONCURRENT = 4
+
+
+def _blocks(n: int, size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(size)
+    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def _open(name: str, size: int, path: str, capacity: int) -> Backend:
+    backend = registry.backends.get(name)(capacity=capacity, path=path)
+    asyncio.run(backend.open(BlockFormat(block_bytes=size, dtype="uint8")))
+    return backend
+
+
+def _split(n: int, job: int, callers: int) -> list[list[range]]:
+    """Each caller's jobs: ``n`` blocks in jobs of ``job``, dealt round-robin."""
+    jobs = [range(i, min(n, i + job)) for i in range(0, n, job)]
+    return [jobs[c::callers] for c in range(callers)]
+
+
+def _run(parts: list[list[range]], one: Callable[[range], None]) -> float:
+    """Run each caller's jobs on a thread of its own (inline for one caller); the seconds spent."""
+    start = time.perf_counter()
+    if len(parts) == 1:
+        for j in parts[0]:
+            one(j)
+    else:
+        threads = [threading.Thread(target=lambda p=p: [one(j) for j in p]) for p in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return time.perf_counter() - start
+
+
+# -- raw shapes ------------------------------------------------------------------------------------
+
+
+def _raw_lmdb(path: str, capacity: int) -> tuple[lmdb.Environment, Any]:
+    env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=True, meminit=False)
+    return env, env.open_db(b"blocks")
+
+
+def _raw_lmdb_put(env: lmdb.Environment, db: Any, keys: list[bytes], blocks: list[torch.Tensor], per_job: bool) -> Callable[[range], None]:
+    def one(j: range) -> None:
+        if per_job:
+            with env.begin(write=True, db=db) as txn:
+                for i in j:
+                    txn.put(keys[i], blocks[i].numpy())
+        else:
+            for i in j:
+                with env.begin(write=True, db=db) as txn:
+                    txn.put(keys[i], blocks[i].numpy())
+        env.sync(True)
+
+    return one
+
+
+def _raw_lmdb_get(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor]) -> Callable[[range], None]:
+    def one(j: range) -> None:
+        with env.begin(buffers=True, db=db) as txn:
+            for i in j:
+                memoryview(outs[i].numpy())[:] = txn.get(keys[i])
+
+    return one
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syncfs(fd: int) -> None:
+    if _libc.syncfs(fd) != 0:
+        raise OSError(ctypes.get_errno(), "syncfs failed")
+
+
+def _shard(i: int) -> str:
+    h = make_key(i).hex()
+    return os.path.join(h[:2], h[2:4])
+
+
+def _raw_file_write(folder: str, blocks: list[torch.Tensor], shape: str) -> Callable[[range], None]:
+    """``sharded``: ``batch`` in the tier's layout (two levels of directories, new ones synced
+    into their parents, each touched directory synced once per job)."""
+    header = bytes(32)
+    dir_fd = os.open(folder, os.O_RDONLY)
+    seq = iter(range(1 << 62))
+    lock = threading.Lock()
+
+    def one(j: range) -> None:
+        with lock:
+            tag = next(seq)
+        if shape == "sharded":
+            sharded(j, tag)
+            return
+        names = []
+        fds = []
+        for i in j:
+            tmp, name = f"{i}.{tag}.tmp", f"{i}.kvb"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+            os.pwritev(fd, [header, memoryview(blocks[i].numpy())], 0)
+            if shape == "each":
+                os.fdatasync(fd)
+                os.close(fd)
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            else:
+                fds.append(fd)
+                names.append((tmp, name))
+        if shape == "batch":
+            for fd in fds:
+                os.fdatasync(fd)
+        elif shape == "syncfs":
+            _syncfs(dir_fd)
+        for fd in fds:
+            os.close(fd)
+        for tmp, name in names:
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        if shape == "syncfs":
+            _syncfs(dir_fd)
+        else:
+            os.fsync(dir_fd)
+
+    def sharded(j: range, tag: int) -> None:
+        files = []
+        dirs: set[str] = set()
+        for i in j:
+            shard = _shard(i)
+            path = os.path.join(folder, shard)
+            if not os.path.isdir(path):
+                os.makedirs(path, exist_ok=True)
+                dirs.update((folder, os.path.dirname(path)))
+            dirs.add(path)
+            tmp = os.path.join(path, f"{i}.{tag}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.pwritev(fd, [header, memoryview(blocks[i].numpy())], 0)
+            files.append((fd, tmp, os.path.join(path, f"{i}.kvb")))
+        for fd, _, _ in files:
+            os.fdatasync(fd)
+            os.close(fd)
+        for _, tmp, name in files:
+            os.replace(tmp, name)
+        for d in sorted(dirs):
+            fd = os.open(d, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+    one.close = lambda: os.close(dir_fd)  # type: ignore[attr-defined]
+    return one
+
+
+def _raw_file_read(folder: str, outs: list[torch.Tensor], sharded: bool) -> Callable[[range], None]:
+    def one(j: range) -> None:
+        for i in j:
+            fd = os.open(os.path.join(folder, _shard(i) if sharded else "", f"{i}.kvb"), os.O_RDONLY)
+            try:
+                header = bytearray(32)
+                os.preadv(fd, [header, memoryview(outs[i].numpy())], 0)
+            finally:
+                os.close(fd)
+
+    return one
+
+
+# -- one cell ----------------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, target_bytes: int) -> dict[str, Any]:
+    unit = job * callers
+    n = max(2 * unit, min(512, target_bytes // size) // unit * unit)
+    blocks = _blocks(n, size)
+    keys = [make_key(i) for i in range(n)]
+    outs = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+    parts = _split(n, job, callers)
+    capacity = max(64 << 20, 4 * n * (size + 8192))
+    saves: dict[str, list[float]] = {}
+    loads: dict[str, list[float]] = {}
+    for r in range(rounds + 1):
+        arms: list[tuple[str, Callable[[], tuple[float, float]]]] = []
+
+        def tier_arm() -> tuple[float, float]:
+            path = tempfile.mkdtemp(dir=root)
+            backend = _open(tier, size, path, capacity)
+            try:
+                save = _run(parts, lambda j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j]))
+                for o in outs:
+                    o.zero_()
+                load = _run(parts, lambda j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j]))
+                assert all(torch.equal(o, b) for o, b in zip(outs, blocks)), f"{tier} read back other bytes"
+            finally:
+                asyncio.run(backend.aclose())
+                shutil.rmtree(path)
+            return save, load
+
+        arms.append(("tier", tier_arm))
+        if tier == "lmdb":
+            for shape in ("value", "job"):
+
+                def lmdb_arm(shape: str = shape) -> tuple[float, float]:
+                    path = tempfile.mkdtemp(dir=root)
+                    env, db = _raw_lmdb(path, capacity)
+                    try:
+                        save = _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=shape == "job"))
+                        load = _run(parts, _raw_lmdb_get(env, db, keys, outs))
+                    finally:
+                        env.close()
+                        shutil.rmtree(path)
+                    return save, load
+
+                arms.append((f"raw_{shape}", lmdb_arm))
+        else:
+            for shape in ("each", "batch", "syncfs", "sharded"):
+
+                def file_arm(shape: str = shape) -> tuple[float, float]:
+                    path = tempfile.mkdtemp(dir=root)
+                    write = _raw_file_write(path, blocks, shape)
+                    try:
+                        save = _run(parts, write)
+                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded"))
+                    finally:
+                        write.close()  # type: ignore[attr-defined]
+                        shutil.rmtree(path)
+                    return save, load
+
+                arms.append((f"raw_{shape}", file_arm))
+        for name, arm in arms if r % 2 == 0 else arms[::-1]:
+            save, load = arm()
+            if r:  # round 0 warms up
+                saves.setdefault(name, []).append(save)
+                loads.setdefault(name, []).append(load)
+    total = n * size
+    cell: dict[str, Any] = {"tier": tier, "record_bytes": size, "job_blocks": job, "callers": callers, "blocks": n}
+    for name in saves:
+        s, ld = _median(saves[name]), _median(loads[name])
+        cell[f"{name}_save_blocks_s"] = round(n / s, 1)
+        cell[f"{name}_save_gbps"] = round(total / s / 1e9, 4)
+        cell[f"{name}_load_gbps"] = round(total / ld / 1e9, 3)
+        cell[f"{name}_save_spread"] = round((max(saves[name]) - min(saves[name])) / s, 3)
+    counted = [k for k in saves if k.startswith("raw_") and k not in ("raw_syncfs", "raw_sharded")]
+    best_save = max(counted, key=lambda k: cell[f"{k}_save_blocks_s"])
+    best_load = max(counted, key=lambda k: cell[f"{k}_load_gbps"])
+    cell["best_raw_save"] = best_save
+    cell["save_ratio"] = round(cell["tier_save_blocks_s"] / cell[f"{best_save}_save_blocks_s"], 3)
+    cell["load_ratio"] = round(cell["tier_load_gbps"] / cell[f"{best_load}_load_gbps"], 3)
+    return cell
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small grid, for a shared machine")
+    parser.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
+    parser.add_argument("--rounds", type=int, default=None, help="counted rounds per cell (default 3, --quick 2)")
+    parser.add_argument("--tiers", nargs="+", default=["lmdb", "file"], choices=["lmdb", "file"])
+    parser.add_argument("--sizes", nargs="+", type=int, default=None, help="record sizes in bytes")
+    args = parser.parse_args()
+    rounds = args.rounds or (2 if args.quick else 3)
+    target = (8 << 20) if args.quick else (64 << 20)
+    sizes = tuple(args.sizes) if args.sizes else SIZES
+    grid: list[tuple[int, int, int]] = []
+    for size in sizes:
+        for job in (1, 16) if args.quick else JOBS:
+            grid.append((size, job, 1))
+        if not args.quick or size == 64 << 10:
+            grid.append((size, 16, CONCURRENT))
+    root = tempfile.mkdtemp(prefix="kvtier-bench-sizes-", dir=args.dir)
+    cells = []
+    try:
+        for tier in args.tiers:
+            for size, job, callers in grid:
+                cells.append(_cell(root, tier, size, job, callers, rounds, target))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary: dict[str, float] = {}
+    for c in cells:
+        for op in ("save", "load"):
+            name = f"{c['tier']}_{c['record_bytes'] >> 10}k_min_{op}_ratio"
+            summary[name] = min(summary.get(name, 9e9), c[f"{op}_ratio"])
+    print(json.dumps({"rounds": rounds, "quick": args.quick, "summary": summary, "cells": cells}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Group commit across store jobs: the write-through copies of the jobs the tiers thread takes
+together are written with one ``write_blocks`` call per byte tier.
+
+The tiers thread takes every store job waiting for it (up to :data:`MAX_GROUP_JOBS`) as one
+group. It runs each job's tier phase in order (evictions, demotions, the first tier's write) and
+collects the jobs' write-through copies to byte tiers here; then one call per tier writes them
+all, so the tier commits them together (one durable commit for the whole group in ``lmdb``);
+then the jobs are reported, in order. No job is reported before its copies were written, so a
+save still returns only once its blocks are on stable storage, and concurrent savers that wait
+together share one commit instead of falling behind one commit each.
+
+Only rows that stay put until the group's write are collected: a host pool's rows (the job's
+keys are pending, so nothing evicts them) and the job's own staging. Rows read into the shared
+staging buffer are written at once, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.backend import Backend
+
+__all__ = ["MAX_GROUP_JOBS", "WriteGroup"]
+
+log = logging.getLogger("kvtier.transfer")
+
+#: Store jobs the tiers thread takes as one group at most.
+MAX_GROUP_JOBS = 16
+
+
+@dataclass(slots=True, eq=False)
+class _Copy:
+    job: int
+    tier: int
+    keys: list[bytes]
+    rows: list[torch.Tensor]
+    ok: list[bool]  # False: the source no longer held the key (its row is a placeholder)
+    failed: dict[int, list[bytes]]
+    sizes: dict[int, dict[bytes, int]]
+    fail_job: Callable[[str], None]
+
+
+class WriteGroup:
+    """The collected write-through copies of a group of store jobs (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._copies: list[_Copy] = []
+
+    def add(
+        self,
+        job: int,
+        tier: int,
+        keys: Sequence[bytes],
+        rows: Sequence[torch.Tensor],
+        ok: Sequence[bool],
+        failed: dict[int, list[bytes]],
+        sizes: dict[int, dict[bytes, int]],
+        fail_job: Callable[[str], None],
+    ) -> None:
+        """Collect job ``job``'s copy of ``keys`` (from ``rows``) into ``tier``; its outcome goes
+        into ``failed``/``sizes`` as a direct write's would, and ``fail_job`` is called with the
+        error if the tier's write raises."""
+        self._copies.append(_Copy(job, tier, list(keys), list(rows), list(ok), failed, sizes, fail_job))
+
+    def discard(self, job: int) -> None:
+        """Drop job ``job``'s copies (it failed or was stopped before the group's write)."""
+        self._copies = [c for c in self._copies if c.job != job]
+
+    def write(self, backends: Sequence[Backend]) -> None:
+        """One ``write_blocks`` per tier for every collected copy, in collection order."""
+        by_tier: dict[int, list[_Copy]] = {}
+        for c in self._copies:
+            by_tier.setdefault(c.tier, []).append(c)
+        self._copies = []
+        for tier, copies in by_tier.items():
+            keys = [k for c in copies for k in c.keys]
+            try:
+                got = backends[tier].write_blocks(keys, [r for c in copies for r in c.rows])
+                if len(got) != len(keys):
+                    raise RuntimeError(f"write_blocks answered {len(got)} sizes for {len(keys)} keys")
+            except Exception as exc:  # as a direct write that raised: each job of the group fails
+                log.warning("write-through of %d blocks from %d jobs to tier %d failed: %s", len(keys), len(copies), tier, exc)
+                for c in copies:
+                    c.fail_job(repr(exc))
+                continue
+            at = 0
+            for c in copies:
+                for key, size, ok in zip(c.keys, got[at : at + len(c.keys)], c.ok):
+                    if size is None or not ok:
+                        c.failed.setdefault(tier, []).append(key)
+                    else:
+                        c.sizes.setdefault(tier, {})[key] = size
+                at += len(c.keys)

@@ -1,0 +1,153 @@
+"""Group commit in the disk tiers: a job's records share one durable commit, and (lmdb) jobs
+whose writers wait together share one commit too (``kvtier.backends.group_commit``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from kvtier.backends.group_commit import GroupCommit
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+def _open(name: str, path: Path, capacity: int = 16 << 20) -> Backend:
+    backend = registry.backends.get(name)(capacity=capacity, path=str(path / name))
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def _blocks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    return [random_block(FMT.block_bytes, seed * 1000 + i) for i in range(n)]
+
+
+def _txnid(backend: Backend) -> int:
+    return int(backend._env.info()["last_txnid"])  # type: ignore[attr-defined]
+
+
+def test_a_job_of_lmdb_records_is_one_transaction_and_reads_back(tmp_path: Path) -> None:
+    backend = _open("lmdb", tmp_path)
+    try:
+        keys, data = [make_key(i) for i in range(16)], _blocks(16)
+        before = _txnid(backend)
+        assert backend.write_blocks(keys, data) == [backend.reserve_bytes()] * 16
+        assert _txnid(backend) == before + 1  # one commit for the job, not one per record
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 16
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_grouped_lmdb_commit_that_hits_a_full_map_fails_only_the_keys_that_do_not_fit(tmp_path: Path) -> None:
+    backend = _open("lmdb", tmp_path, capacity=8 * FMT.block_bytes)
+    try:
+        keys, data = [make_key(i) for i in range(20)], _blocks(20)
+        sizes = backend.write_blocks(keys, data)
+        stored = [i for i, s in enumerate(sizes) if s is not None]
+        assert stored and len(stored) < 20  # the job did not fit whole, but its leading records did
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in stored]
+        assert backend.read_blocks([keys[i] for i in stored], out) == [True] * len(stored)
+        assert all(torch.equal(o, data[i]) for o, i in zip(out, stored))
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_concurrent_lmdb_jobs_that_wait_together_share_one_commit(tmp_path: Path) -> None:
+    """While one job's commit runs, three more jobs arrive: they are committed together, in one
+    more commit, and every record of every job reads back."""
+    backend = _open("lmdb", tmp_path)
+    commits = backend._commits  # type: ignore[attr-defined]
+    real = commits._commit
+    first_in, release = threading.Event(), threading.Event()
+    groups: list[int] = []
+
+    def commit(jobs: list[object]) -> object:
+        groups.append(len(jobs))
+        if len(groups) == 1:
+            first_in.set()
+            release.wait(30)
+        return real(jobs)
+
+    commits._commit = commit
+    keys = [[make_key(100 * j + i) for i in range(4)] for j in range(4)]
+    data = [_blocks(4, seed=j) for j in range(4)]
+    sizes: list[object] = [None] * 4
+
+    def job(j: int) -> None:
+        sizes[j] = backend.write_blocks(keys[j], data[j])
+
+    try:
+        threads = [threading.Thread(target=job, args=(0,))]
+        threads[0].start()
+        assert first_in.wait(30)
+        threads += [threading.Thread(target=job, args=(j,)) for j in (1, 2, 3)]
+        for t in threads[1:]:
+            t.start()
+        while sum(len(x) for x in [commits._waiting]) < 3:  # the three wait behind the running commit
+            threading.Event().wait(0.01)
+        release.set()
+        for t in threads:
+            t.join(30)
+        assert groups == [1, 3]
+        assert all(s is not None and None not in s for s in sizes)
+        for j in range(4):
+            out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(4)]
+            assert backend.read_blocks(keys[j], out) == [True] * 4
+            assert all(torch.equal(o, d) for o, d in zip(out, data[j]))
+    finally:
+        release.set()
+        asyncio.run(backend.aclose())
+
+
+def test_a_failed_group_commit_fails_every_job_of_the_group_and_the_next_group_commits() -> None:
+    calls: list[list[int]] = []
+    fail = [True]
+
+    def commit(batches: list[int]) -> list[int]:
+        calls.append(batches)
+        if fail[0]:
+            raise OSError("disk gone")
+        return [b * 10 for b in batches]
+
+    group: GroupCommit[int, int] = GroupCommit(commit)
+    with pytest.raises(OSError, match="disk gone"):
+        group.submit(1)
+    fail[0] = False
+    assert group.submit(2) == 20
+    assert calls == [[1], [2]] and (group.groups, group.batches) == (2, 2)
+
+
+def test_a_job_of_files_syncs_each_changed_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file job writes all its records, then syncs them: every record file once (after all
+    were written, so the device sees them together), and each directory it changed once,
+    however many of its records went there."""
+    import os
+
+    backend = _open("file", tmp_path)
+    keys = [bytes([7, 7]) + make_key(i)[2:] for i in range(8)]  # one shard directory for all
+    synced: list[str] = []
+    real_fsync, real_fdatasync, real_pwritev = os.fsync, os.fdatasync, os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda *a: (synced.append("write"), real_pwritev(*a))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("dir"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append("file"), real_fdatasync(fd))[1])
+    try:
+        assert None not in backend.write_blocks(keys, _blocks(8))
+        # 8 files, their shard directory, and the two directories that gained one (root, 07/)
+        assert synced[:16] == ["write"] * 8 + ["file"] * 8 and synced[16:] == ["dir"] * 3
+        synced.clear()
+        assert None not in backend.write_blocks(keys, _blocks(8, seed=1))  # rewritten: no new directory
+        assert synced == ["write"] * 8 + ["file"] * 8 + ["dir"]
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 8
+        assert all(torch.equal(o, d) for o, d in zip(out, _blocks(8, seed=1)))
+    finally:
+        monkeypatch.undo()
+        asyncio.run(backend.aclose())
