@@ -159,3 +159,69 @@ def test_device_and_redis_results_join_the_picture_on_a_log_axis(tmp_path: Path)
     assert rows[("gpu", "save")] == (1800.0, 2100.0)
     assert rows[("redis", "save")] == (1.1, 1.4)
     assert plot_results(results, tmp_path / "p.png")
+
+
+def test_a_failed_benchmark_is_named_in_the_picture() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvtier.tools.bench.plot import build_figure
+
+    error = "exit 1: Traceback (most recent call last):\nModuleNotFoundError: No module named 'pytest'"
+    fig = build_figure({"core": RESULTS["core"]}, failures={"disk": error})
+    try:
+        title = fig._suptitle.get_text()
+        assert "FAILED: disk: ModuleNotFoundError: No module named 'pytest' (see disk.log)" in title
+        legend = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        assert "raw limit (no kvtier)" not in legend and any(t.startswith("raw baseline") for t in legend), legend
+    finally:
+        plt.close(fig)
+    fig = build_figure({"core": RESULTS["core"]})
+    try:
+        assert "FAILED" not in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_every_shipped_benchmark_imports_without_pytest_or_the_tests_folder() -> None:
+    """After the README's plain install there is no pytest and no tests/ folder; each script
+    ``kvtier bench`` offers must still import (what it needs from kvtier ships with kvtier)."""
+    folder = script_dir()
+    assert folder is not None
+    names = available(folder)
+    assert {"core", "disk", "connector", "redis"} <= set(names)
+    probe = (
+        "import importlib.util, sys\n"
+        "sys.modules['pytest'] = None; sys.modules['hypothesis'] = None; sys.modules['redis_servers'] = None\n"
+        "sys.path = [p for p in sys.path if not p.rstrip('/').endswith('tests')]\n"
+        "for path in sys.argv[1:]:\n"
+        "    name = 'bench_probe_' + path.rsplit('/', 1)[-1][:-3]\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    sys.modules[name] = module = importlib.util.module_from_spec(spec)\n"
+        "    try:\n"
+        "        spec.loader.exec_module(module)\n"
+        "    except SystemExit as exc:  # a script's own refusal: an optional engine it measures is missing\n"
+        "        print('refused', path, exc)\n"
+        "print('imported', len(sys.argv) - 1)\n"
+    )
+    paths = [str(folder / f"bench_{n}.py") for n in names]
+    proc = subprocess.run([sys.executable, "-c", probe, *paths], capture_output=True, text=True, check=False, cwd=folder)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == f"imported {len(paths)}"
+    refused = [line for line in lines if line.startswith("refused")]
+    assert all("needs" in line and "pytest" not in line for line in refused), refused
+
+
+def test_the_redis_benchmark_runs_quick_on_a_server_it_starts(tmp_path: Path) -> None:
+    """``kvtier bench --only redis --quick``: the script takes --quick and starts its own server
+    with the launcher kvtier ships (kvtier.tools.servers), not one from the tests folder."""
+    from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("REDIS-SERVER NOT INSTALLED")
+    from kvtier.tools.bench import run_benchmarks
+
+    run = run_benchmarks(["redis"], quick=True, output=tmp_path / "out")
+    assert run.failures == {}, run.failures
+    assert run.results["redis"]["redis_save_ratio"] > 0 and "cluster" not in run.results["redis"]

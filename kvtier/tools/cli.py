@@ -312,7 +312,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     plot_note = "skipped (--no-plot)"
     if not args.no_plot:
         plot_path = run.output / "kvtier-bench.png"
-        if plot_results(run.results, plot_path, quick=args.quick):
+        if plot_results(run.results, plot_path, quick=args.quick, failures=run.failures):
             plot_note = str(plot_path)
         else:
             plot_note = "not written: matplotlib is not installed (pip install 'kvtier[plot]')"
