@@ -99,6 +99,7 @@ def _namespace_line(fields: dict[str, Any], given: dict[str, Any]) -> str:
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
     from kvtier.config.deploy import check_deployment, tier_slots
+    from kvtier.errors import ConfigError
     from kvtier.keys import Namespace
     from kvtier.units import parse_size
 
@@ -124,9 +125,18 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
                 "options": options,
             }
         )
+    model = None
+    if args.model is not None:
+        from kvtier.config.sizing import read_model_config
+
+        model = read_model_config(args.model, kv_dtype=args.kv_dtype)
+        for flag, value in (("--tp", args.tp), ("--block-size", args.block_size)):
+            if value < 1:
+                raise ConfigError(f"{flag}: {value} is not a positive integer")
     if args.json:
         _print_json(
             {
+                "model": None if model is None else {**model.to_dict(), **_model_sizes(model, args)},
                 "file": str(args.file),
                 "valid": not errors,
                 "deploy_checked": not args.no_deploy_check,
@@ -158,7 +168,29 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     if any(t["slots"] is not None for t in tiers):
         print("slots: the blocks each tier holds before it evicts (its own bookkeeping and record headers counted)"
               + ("; +: more once its codec compresses" if any(t["slots_may_grow"] for t in tiers) else ""))
+    if model is not None:
+        _print_model_sizes(cfg, model, args)
     return 1 if errors else 0
+
+
+def _model_sizes(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+    block = model.bytes_per_token * args.block_size
+    rank_block = block if model.mla_width is not None else block // args.tp
+    return {"block_size": args.block_size, "tp": args.tp, "block_bytes": block, "block_bytes_per_rank": rank_block}
+
+
+def _print_model_sizes(cfg: Any, model: Any, args: argparse.Namespace) -> None:
+    from kvtier.config.sizing import tier_tokens
+
+    sizes = _model_sizes(model, args)
+    print(f"model {model.source}: {model.formula()} = {_size(model.bytes_per_token)} of KV per token")
+    print(f"a block of {args.block_size} tokens: {_size(sizes['block_bytes'])}"
+          + (f", {_size(sizes['block_bytes_per_rank'])} per rank at TP={args.tp}" if args.tp > 1 else ""))
+    rows = [[t["index"], t["name"], _size(t["capacity_bytes"]), f"{t['tokens']:,}", f"{t['tokens_per_gib']:,}"]
+            for t in tier_tokens(cfg, model, ranks=args.tp)]
+    print(_table(["#", "name", "capacity", "tokens it holds", "tokens per GiB"], rows))
+    print("capacity is the engine's, over all its ranks (each rank's tier gets capacity / ranks); "
+          "record headers take a little more (slots above count them)")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -364,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS",
                        help="connect to each remote tier's server (redis) and wait at most this long per "
                        "socket call (default: 2; 0: do not connect)")
+    check.add_argument("--model", metavar="CONFIG_JSON",
+                       help="a model's Hugging Face config.json (or its folder): print its KV bytes per token and "
+                       "block, and the tokens each tier holds")
+    check.add_argument("--tp", type=int, default=1, metavar="N", help="with --model: tensor-parallel size (default 1)")
+    check.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                       help="with --model: tokens per block (vLLM --block-size, SGLang --page-size; default 16)")
+    check.add_argument("--kv-dtype", metavar="DTYPE", help="with --model: the KV cache dtype, if not the model's (e.g. fp8)")
     _add_json(check)
     check.set_defaults(func=_cmd_config_check)
     show = config_sub.add_parser("show", help="print the default configuration",

@@ -1,0 +1,62 @@
+"""``kvtier config check`` and friends, run in-process: sizing from a model's config, paths with
+``~``, a config file where an operator gives one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.config.sizing import ModelKV
+from kvtier.tools.cli import main
+
+LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "torch_dtype": "bfloat16"}
+MLA = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 128,
+       "torch_dtype": "bfloat16"}
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_bytes_per_token_follow_the_documented_formula() -> None:
+    llama = ModelKV.from_dict(LLAMA_8B)
+    assert llama.bytes_per_token == 32 * 2 * 8 * 128 * 2  # layers × 2 × KV heads × head size × dtype
+    assert llama.tokens_held(1 << 30, ranks=1) == llama.tokens_held(1 << 30, ranks=8) == 8192
+    mla = ModelKV.from_dict(MLA)
+    assert mla.bytes_per_token == 61 * (512 + 64) * 2
+    assert mla.tokens_held(8 << 30, ranks=8) == (1 << 30) // mla.bytes_per_token  # a copy per rank
+    assert mla.tokens_held(8 << 30, ranks=8, whole=True) == (8 << 30) // mla.bytes_per_token
+    assert ModelKV.from_dict(LLAMA_8B, kv_dtype="fp8").bytes_per_token == llama.bytes_per_token // 2
+
+
+def test_config_check_with_a_model_prints_tokens_per_gib_per_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(LLAMA_8B))
+    cfg = _config(tmp_path, f"tiers:\n  - {{backend: cpu, capacity: 1GiB}}\n  - {{backend: lmdb, path: {tmp_path}/db, capacity: 4GiB}}\n")
+    assert main(["config", "check", str(cfg), "--model", str(model), "--tp", "2", "--no-deploy-check"]) == 0
+    out = capsys.readouterr().out
+    assert "32 layers × 2 (K, V) × 8 KV heads × 128 head size × 2 B (bfloat16) = 128.0KiB of KV per token" in out
+    assert "a block of 16 tokens: 2.0MiB, 1.0MiB per rank at TP=2" in out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["0", "cpu", "1.0GiB", "8,192", "8,192"] in rows
+    assert ["1", "lmdb", "4.0GiB", "32,768", "8,192"] in rows
+    assert main(["config", "check", str(cfg), "--model", str(tmp_path), "--no-deploy-check", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["bytes_per_token"] == 131072 and data["model"]["block_bytes"] == 2 << 20
+
+
+def test_a_model_config_without_its_layers_is_an_error_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"hidden_size": 4096}))
+    cfg = _config(tmp_path, "tiers:\n  - {backend: cpu, capacity: 1GiB}\n")
+    assert main(["config", "check", str(cfg), "--model", str(model), "--no-deploy-check"]) == 1
+    assert "num_hidden_layers is None; expected a positive integer" in capsys.readouterr().err
