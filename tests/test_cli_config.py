@@ -60,3 +60,48 @@ def test_a_model_config_without_its_layers_is_an_error_naming_the_field(
     cfg = _config(tmp_path, "tiers:\n  - {backend: cpu, capacity: 1GiB}\n")
     assert main(["config", "check", str(cfg), "--model", str(model), "--no-deploy-check"]) == 1
     assert "num_hidden_layers is None; expected a positive integer" in capsys.readouterr().err
+
+
+def _lmdb_tier(path: Path, blocks: int) -> None:
+    import asyncio
+
+    from kvtier import registry
+    from kvtier.backend import BlockFormat
+    from kvtier.testing import make_key, random_block
+
+    backend = registry.backends.get("lmdb")(capacity="16MiB", path=str(path), sync_mode="fast")
+    fmt = BlockFormat(block_bytes=4096, dtype="bfloat16", namespace_digest=b"\1" * 32, namespace={"model_id": "ranks"})
+
+    async def fill() -> None:
+        await backend.open(fmt)
+        await backend.write([make_key(i) for i in range(blocks)], [random_block(4096, i) for i in range(blocks)])
+        await backend.aclose()
+
+    asyncio.run(fill())
+
+
+def test_inspect_and_verify_walk_the_per_rank_folders_of_an_engines_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lmdb
+
+    root = tmp_path / "kv"  # the path in a vLLM config at TP=2
+    _lmdb_tier(root / "r0-of-2", 3)
+    _lmdb_tier(root / "r1-of-2", 5)
+    assert main(["inspect", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(Path(t["path"]).name, t["blocks"]) for t in data["tiers"]] == [("r0-of-2", 3), ("r1-of-2", 5)]
+    assert main(["inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert str(root / "r0-of-2") in out and str(root / "r1-of-2") in out
+    env = lmdb.open(str(root / "r1-of-2"), max_dbs=3, subdir=True)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        key, value = next(iter(txn.cursor()))
+        txn.put(key, bytes(value[:-1]) + bytes([value[-1] ^ 0xFF]))
+    env.close()
+    assert main(["verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"{root / 'r0-of-2'}: checked 3 records, 0 bad" in out and f"{root / 'r1-of-2'}: checked 5 records, 1 bad" in out
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    assert main(["verify", str(tmp_path / "empty")]) == 1
+    assert "r<rank>-of-<world>" in capsys.readouterr().err

@@ -5,6 +5,6 @@ persistent tier's directory (``offline``) and ``kvtier bench`` (``bench``). Noth
 imports it; it never runs inside an engine's step.
 """
 
-from kvtier.tools.offline import TierReport, VerifyReport, detect_tier, inspect_tier, verify_tier
+from kvtier.tools.offline import TierReport, VerifyReport, detect_tier, find_tiers, inspect_tier, verify_tier
 
-__all__ = ["TierReport", "VerifyReport", "detect_tier", "inspect_tier", "verify_tier"]
+__all__ = ["TierReport", "VerifyReport", "detect_tier", "find_tiers", "inspect_tier", "verify_tier"]

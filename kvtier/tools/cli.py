@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
@@ -263,16 +264,25 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from kvtier.tools import inspect_tier
+    from kvtier.tools import find_tiers, inspect_tier
 
-    bar = _ProgressBar("inspect")
-    try:
-        report = inspect_tier(args.path, progress=bar)
-    finally:
-        bar.close()
-    if args.json:
-        _print_json(report.to_dict())
+    folders = find_tiers(args.path)
+    reports = []
+    for folder in folders:
+        bar = _ProgressBar(f"inspect {folder.name}")
+        try:
+            reports.append(inspect_tier(folder, progress=bar))
+        finally:
+            bar.close()
+    if args.json:  # one tier: its report; a folder of per-rank tiers: {"tiers": [reports]}
+        _print_json(reports[0].to_dict() if folders == [Path(args.path)] else {"tiers": [r.to_dict() for r in reports]})
         return 0
+    for i, report in enumerate(reports):
+        print(("\n" if i else "") + _inspect_table(report))
+    return 0
+
+
+def _inspect_table(report: Any) -> str:
     ratio = report.codec_ratio
     rows: list[list[Any]] = [
         ["path", report.path],
@@ -289,34 +299,35 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     ]
     for ns in report.namespaces:
         rows.append(["namespace", ", ".join(f"{k}={v}" for k, v in ns.items() if v not in ("", None))])
-    print(_table(["field", "value"], rows))
-    return 0
+    return _table(["field", "value"], rows)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from kvtier.tools import verify_tier
+    from kvtier.errors import ConfigError
+    from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordMac
+    from kvtier.tools import find_tiers, verify_tier
 
-    bar = _ProgressBar("verify")
-    try:
-        from kvtier.errors import ConfigError
-        from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordMac
-
-        if args.mac_algorithm is not None and not args.mac_key_env:
-            raise ConfigError("--mac-algorithm: give the MAC secret too (--mac-key-env VAR)")
-        algorithm = args.mac_algorithm or DEFAULT_MAC_ALGORITHM
-        mac = RecordMac.from_options(mac_key_env=args.mac_key_env, algorithm=algorithm) if args.mac_key_env else None
-        report = verify_tier(args.path, delete=args.delete, progress=bar, mac=mac)
-    finally:
-        bar.close()
-    if args.json:
-        _print_json(report.to_dict())
-    else:
+    if args.mac_algorithm is not None and not args.mac_key_env:
+        raise ConfigError("--mac-algorithm: give the MAC secret too (--mac-key-env VAR)")
+    algorithm = args.mac_algorithm or DEFAULT_MAC_ALGORITHM
+    mac = RecordMac.from_options(mac_key_env=args.mac_key_env, algorithm=algorithm) if args.mac_key_env else None
+    folders = find_tiers(args.path)
+    reports = []
+    for folder in folders:
+        bar = _ProgressBar(f"verify {folder.name}")
+        try:
+            reports.append(verify_tier(folder, delete=args.delete, progress=bar, mac=mac))
+        finally:
+            bar.close()
+    if args.json:  # one tier: its report; a folder of per-rank tiers: {"tiers": [reports]}
+        _print_json(reports[0].to_dict() if folders == [Path(args.path)] else {"tiers": [r.to_dict() for r in reports]})
+    for report in [] if args.json else reports:
         print(f"{report.path}: checked {report.checked} records, {len(report.bad)} bad, {report.deleted} deleted")
         if report.bad:
             print(_table(["key", "problem"], [[b["key"][:16] + "…", b["reason"]] for b in report.bad]))
             if not args.delete:
                 print("run again with --delete to remove them")
-    return 0 if report.ok or args.delete else 1
+    return 0 if all(r.ok for r in reports) or args.delete else 1
 
 
 # -- bench ---------------------------------------------------------------------------------
@@ -435,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Blocks, bytes, namespaces, codec ratio and format version of a "
                              "persistent tier: an lmdb tier (a directory holding data.mdb) or a file tier "
                              "(a directory holding kvtier-meta.kvm). Read-only.")
-    inspect.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
+    inspect.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file), or a folder of per-rank tier "
+                         "directories (the path in a vLLM or SGLang config: each is inspected)")
     _add_json(inspect)
     inspect.set_defaults(func=_cmd_inspect)
 
@@ -443,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Check the header and checksum of every record of an lmdb or file "
                             "tier; exit status 1 if any is bad (unless --delete removed them). Read-only "
                             "unless --delete.")
-    verify.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
+    verify.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file), or a folder of per-rank tier "
+                        "directories (the path in a vLLM or SGLang config: each is verified)")
     verify.add_argument("--delete", action="store_true", help="delete the bad records (lmdb: and their index entries)")
     verify.add_argument("--mac-key-env", metavar="VAR", default=None,
                         help="check keyed records with the MAC secret held in environment variable VAR")
