@@ -105,3 +105,56 @@ def test_inspect_and_verify_walk_the_per_rank_folders_of_an_engines_path(
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     assert main(["verify", str(tmp_path / "empty")]) == 1
     assert "r<rank>-of-<world>" in capsys.readouterr().err
+
+
+def test_clear_deletes_a_configs_tier_folders_and_nothing_else(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "kv"
+    _lmdb_tier(root / "r0-of-2", 2)
+    _lmdb_tier(root / "r1-of-2", 2)
+    (root / "notes.txt").write_text("keep me")
+    cfg = _config(tmp_path, f"tiers:\n  - {{backend: cpu, capacity: 1GiB}}\n  - {{backend: lmdb, path: {root}, capacity: 1GiB}}\n")
+    assert main(["clear", "--config", str(cfg)]) == 1  # no terminal to ask on, no --yes: nothing deleted
+    assert "not deleting without --yes" in capsys.readouterr().err
+    assert (root / "r0-of-2").is_dir()
+    with pytest.raises(SystemExit):
+        main(["clear", str(cfg)])  # the file goes after --config
+    capsys.readouterr()
+    assert main(["clear", "--config", str(cfg), "--tier", "5", "--yes"]) == 1
+    assert "--tier: 5 is not a tier of this config (it has tiers 0 to 1)" in capsys.readouterr().err
+    assert main(["clear", "--config", str(cfg), "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "tiers[0] (cpu): a memory tier" in out and f"folder {root / 'r1-of-2'}" in out
+    assert sorted(p.name for p in root.iterdir()) == ["notes.txt"]
+    assert main(["clear", "--config", str(cfg), "--tier", "1", "--yes"]) == 0
+    assert "nothing to delete" in capsys.readouterr().out
+
+
+def test_clear_deletes_a_redis_tiers_keys_under_its_prefixes_only(
+    redis_server: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import redis
+
+    url = redis_server.url  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(url)
+    client.set("clr36:0123456789abcdef:k1", b"x")
+    client.set("clr36.r1-of-2:0123456789abcdef:k2", b"x")
+    client.set("clr36other:k3", b"x")
+    cfg = _config(tmp_path, f"tiers:\n  - {{backend: redis, url: '{url}', prefix: clr36, capacity: 64MiB}}\n")
+    assert main(["clear", "--config", str(cfg), "--yes"]) == 0
+    assert "2 redis" in capsys.readouterr().out
+    assert client.exists("clr36:0123456789abcdef:k1", "clr36.r1-of-2:0123456789abcdef:k2") == 0
+    assert client.get("clr36other:k3") == b"x"
+    client.delete("clr36other:k3")
+    client.close()
+
+
+def test_config_show_and_cache_clear_take_a_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = _config(tmp_path, "tiers:\n  - {backend: lmdb, path: ~/kv, capacity: 1GiB}\n")
+    assert main(["config", "show", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert f"path: {tmp_path / 'home' / 'kv'}" in out and "write: through" in out
+    assert main(["cache", "clear", str(cfg)]) == 1
+    assert f"kvtier clear --config {cfg}" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """The ``kvtier`` command: one entry point, one subcommand per job.
 
 ``kvtier config check FILE``   validate a config file and print the resolved tiers
-``kvtier config show``         print the default config (``--sim``: the small tiers ``kvtier sim`` uses)
+``kvtier config show [FILE]``  print the default config, or FILE as kvtier reads it (``--sim``: ``kvtier sim``'s tiers)
 ``kvtier cache show|clear``    what kvtier keeps in its cache directory; remove it
+``kvtier clear --config FILE`` delete what a config's tiers hold (asks first; ``--tier N``, ``--yes``)
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
 ``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, logs, a PNG with matplotlib)
@@ -198,7 +199,12 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     from kvtier import registry
     from kvtier.config import default_config
 
-    if args.sim:
+    if args.file is not None:
+        from kvtier.config import load_config_file
+
+        data = load_config_file(args.file).to_dict()
+        title = f"# {args.file} as kvtier reads it (defaults filled in, paths expanded, KVTIER_* overrides applied)"
+    elif args.sim:
         from kvtier.sim.cli import default_sim_config
 
         data = default_sim_config()
@@ -244,6 +250,13 @@ def _cmd_cache_show(args: argparse.Namespace) -> int:
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
     from kvtier.config.cache import cache_dir, clear_cache
+    from kvtier.errors import ConfigError
+
+    if args.file is not None:
+        raise ConfigError(
+            f"kvtier cache clear takes no file: it clears kvtier's own cache directory only. To delete what the "
+            f"tiers of {args.file} hold: kvtier clear --config {args.file} [--tier N]"
+        )
 
     root = cache_dir()
     removed = clear_cache(root, only="sim" if args.sim else None, dry_run=args.dry_run)
@@ -419,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the default configuration",
                                  description="Print the default config (pinned cpu + lmdb in the kvtier cache "
                                  "directory) and the installed backends, codecs and policies.")
+    show.add_argument("file", metavar="FILE", nargs="?",
+                      help="a config file: print it as kvtier reads it (defaults filled in, ~ and $VARS expanded, "
+                      "KVTIER_* overrides applied)")
     show.add_argument("--sim", action="store_true", help="print the small tiers `kvtier sim` uses instead")
     _add_json(show)
     show.set_defaults(func=_cmd_config_show)
@@ -436,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        description="Remove everything under the kvtier cache directory (or, with "
                                        "--sim, only kvtier sim's tiers) and print what went. Close stores that use "
                                        "these tiers first.")
+    cache_clear.add_argument("file", metavar="FILE", nargs="?", help=argparse.SUPPRESS)
     cache_clear.add_argument("--sim", action="store_true", help="only kvtier sim's tiers (sim/)")
     cache_clear.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
     _add_json(cache_clear)
@@ -489,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(bench)
     bench.set_defaults(func=_cmd_bench)
 
+    from kvtier.tools.clear import add_parser as add_clear
+
+    add_clear(sub)
     try:
         from kvtier.sim.cli import add_parser as add_sim
     except ModuleNotFoundError as exc:  # the simulator is optional in a partial checkout
