@@ -158,3 +158,25 @@ def test_config_show_and_cache_clear_take_a_config_file(
     assert f"path: {tmp_path / 'home' / 'kv'}" in out and "write: through" in out
     assert main(["cache", "clear", str(cfg)]) == 1
     assert f"kvtier clear --config {cfg}" in capsys.readouterr().err
+
+
+def test_a_warning_repeated_back_to_back_is_shown_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two instances of a Redis tier (kvtier sim's emptying pass, then its store) both report the
+    same server down: the operator reads it once; news in between shows the repeat again."""
+    import logging
+
+    from kvtier.tools.cli import _WarningsToStderr
+
+    handler = _WarningsToStderr()
+    log = logging.getLogger("kvtier.test36")
+    log.addHandler(handler)
+    try:
+        down = "redis: redis://127.0.0.1:1/0 unreachable (ConnectionError); stores fail and loads miss until it is back"
+        log.warning(down)
+        log.warning(down)
+        log.warning("redis: redis://127.0.0.1:1/0 is back after 1.0 s")
+        log.warning(down)
+    finally:
+        log.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.count("unreachable") == 2 and err.count("is back after") == 1

@@ -531,10 +531,15 @@ class _WarningsToStderr(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
+        self._last: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            sys.stderr.write(f"{record.levelname.lower()}: {record.getMessage()}\n")
+            line = f"{record.levelname.lower()}: {record.getMessage()}\n"
+            if line == self._last:
+                return  # the same news again, say from a second instance of a tier (sim's empty pass, then its store)
+            self._last = line
+            sys.stderr.write(line)
             sys.stderr.flush()
         except Exception:
             self.handleError(record)
