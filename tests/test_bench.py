@@ -225,3 +225,18 @@ def test_the_redis_benchmark_runs_quick_on_a_server_it_starts(tmp_path: Path) ->
     run = run_benchmarks(["redis"], quick=True, output=tmp_path / "out")
     assert run.failures == {}, run.failures
     assert run.results["redis"]["redis_save_ratio"] > 0 and "cluster" not in run.results["redis"]
+
+
+def test_bench_ends_with_one_recommendation_per_tier_measured() -> None:
+    from kvtier.tools.bench.advice import recommendations
+
+    lines = recommendations(RESULTS)
+    assert lines[0] == "cpu: the first tier (after gpu, if any): loads 2.7 GB/s, saves 2.6 GB/s here"
+    assert lines[1] == "compressed: holds 1.38× the blocks per GiB of cpu on this KV; put it after cpu when host memory is short"
+    assert lines[2].startswith("file: the persistent tier for a local disk here: loads 3.1 GB/s (vs lmdb 2.5 GB/s)")
+    assert lines[3].startswith("file: the tier for a filesystem several hosts share")
+    poor = {**RESULTS, "disk": {**RESULTS["disk"], "compressed_blocks_per_gib": 530}}
+    assert "not worth its CPU time" in recommendations(poor)[1]
+    redis = recommendations({"redis": {"2MiB": {"kvtier_put_gbps": 1.1, "kvtier_get_gbps": 1.4}}})
+    assert redis == ["redis: shares blocks between engines and hosts: loads 1.4 GB/s, saves 1.1 GB/s (2 MiB blocks, a local server); put it last"]
+    assert recommendations({}) == []

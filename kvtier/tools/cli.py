@@ -378,6 +378,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", summary(n, r)] for n, r in run.results.items()]
         rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f.splitlines()[-1] if f else "?"] for n, f in run.failures.items()]
         print(_table(["benchmark", "status", "seconds", "headline figures (all in results.json) / error"], rows))
+        from kvtier.tools.bench.advice import recommendations
+
+        advice = recommendations(run.results)
+        if advice:
+            print("which tiers, from this run's figures" + (" (--quick: rough)" if args.quick else "") + ":")
+            for line in advice:
+                print(f"  {line}")
         if run.disk_dir:
             print(f"disk benchmarks measured: {run.disk_dir}")
         print(f"results: {results_path}")
