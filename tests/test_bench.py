@@ -240,3 +240,27 @@ def test_bench_ends_with_one_recommendation_per_tier_measured() -> None:
     redis = recommendations({"redis": {"2MiB": {"kvtier_put_gbps": 1.1, "kvtier_get_gbps": 1.4}}})
     assert redis == ["redis: shares blocks between engines and hosts: loads 1.4 GB/s, saves 1.1 GB/s (2 MiB blocks, a local server); put it last"]
     assert recommendations({}) == []
+
+
+def test_rounds_run_interleaved_and_keep_each_figures_median(tmp_path: Path) -> None:
+    from kvtier.tools.bench import median_of, run_benchmarks
+
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    order = tmp_path / "order.txt"
+    for name, values in (("a", [1.0, 5.0, 3.0]), ("b", [10, 30, 20])):
+        (scripts / f"bench_{name}.py").write_text(
+            "import json, pathlib\n"
+            f"log = pathlib.Path({str(order)!r})\n"
+            "runs = log.read_text().split() if log.exists() else []\n"
+            f"log.write_text(' '.join([*runs, {name!r}]))\n"
+            f"values = {values!r}\n"
+            f"n = runs.count({name!r})\n"
+            "print(json.dumps({'gbps': values[n], 'nested': {'x': values[n] * 2}, 'label': 'run' + str(n)}))\n"
+        )
+    run = run_benchmarks(["a", "b"], output=tmp_path / "out", scripts=scripts, rounds=3)
+    assert order.read_text().split() == ["a", "b", "a", "b", "a", "b"]  # interleaved, not a a a b b b
+    assert run.results == {"a": {"gbps": 3.0, "nested": {"x": 6.0}, "label": "run0"},
+                           "b": {"gbps": 20, "nested": {"x": 40}, "label": "run0"}}
+    assert sorted(p.name for p in (tmp_path / "out").glob("a.*.log")) == ["a.1.log", "a.2.log", "a.3.log"]
+    assert median_of([{"v": True}, {"v": False}]) == {"v": True}  # flags are not averaged

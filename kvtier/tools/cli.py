@@ -361,7 +361,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"[{i}/{total}] bench_{name}.py{' --quick' if args.quick else ''}", file=sys.stderr)
 
     run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started,
-                         disk_dir=args.dir)
+                         disk_dir=args.dir, rounds=args.rounds)
     for name in run.missing:
         print(f"kvtier bench: bench_{name}.py not found in {folder}; skipped (have: {', '.join(available(folder))})", file=sys.stderr)
     results_path = run.output / "results.json"
@@ -389,7 +389,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"disk benchmarks measured: {run.disk_dir}")
         print(f"results: {results_path}")
         print(f"plot: {plot_note}")
-        print(f"logs: {run.output}/<benchmark>.log (command, exit status, stderr, stdout)")
+        if run.rounds > 1:
+            print(f"figures: the median of {run.rounds} interleaved rounds")
+        logs = "<benchmark>.log" if run.rounds == 1 else "<benchmark>.<round>.log"
+        print(f"logs: {run.output}/{logs} (command, exit status, stderr, stdout)")
     return 1 if run.failures else 0
 
 
@@ -508,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: the system's temporary directory")
     bench.add_argument("--out", "-o", default="kvtier-bench", metavar="DIR",
                        help="output folder (default: ./kvtier-bench/)")
+    bench.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="run the benchmarks N times, interleaved, and keep each figure's median (load swings "
+                       "on a shared machine hit every benchmark alike; default 1)")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     bench.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per benchmark")
     _add_json(bench)
