@@ -264,3 +264,12 @@ def test_rounds_run_interleaved_and_keep_each_figures_median(tmp_path: Path) -> 
                            "b": {"gbps": 20, "nested": {"x": 40}, "label": "run0"}}
     assert sorted(p.name for p in (tmp_path / "out").glob("a.*.log")) == ["a.1.log", "a.2.log", "a.3.log"]
     assert median_of([{"v": True}, {"v": False}]) == {"v": True}  # flags are not averaged
+
+
+def test_the_compressed_tier_has_bandwidth_rows_and_its_speed_in_its_line() -> None:
+    from kvtier.tools.bench.advice import recommendations
+
+    results = {"disk": {**RESULTS["disk"], "compressed_save_gbps": 0.7, "compressed_load_gbps": 0.787}}
+    rows = {(r["tier"], r["op"]): (r["gbps"], r["raw_gbps"]) for r in bandwidth_rows(results)}
+    assert rows[("compressed", "save")] == (0.7, None) and rows[("compressed", "load")] == (0.787, None)
+    assert "compressed: holds 1.38× the blocks per GiB of cpu on this KV, loads 787 MB/s;" in recommendations(results)[0]

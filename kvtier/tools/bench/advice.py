@@ -33,7 +33,9 @@ def recommendations(results: Mapping[str, Any]) -> list[str]:
         gain = packed / plain
         verdict = ("put it after cpu when host memory is short" if gain >= WORTH_COMPRESSING
                    else f"not worth its CPU time (below {WORTH_COMPRESSING}×): give cpu the memory instead")
-        lines.append(f"compressed: holds {gain:.2f}× the blocks per GiB of cpu on this KV; {verdict}")
+        load = _num(results, "disk", "compressed_load_gbps")
+        speed = "" if load is None else f", loads {rate(load)}"
+        lines.append(f"compressed: holds {gain:.2f}× the blocks per GiB of cpu on this KV{speed}; {verdict}")
     disk = {t: (_num(results, "disk", f"{t}_load_gbps"), _num(results, "disk", f"{t}_save_gbps")) for t in ("lmdb", "file")}
     if all(load is not None for load, _ in disk.values()):
         best = max(disk, key=lambda t: disk[t][0] or 0.0)

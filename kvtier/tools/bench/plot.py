@@ -30,6 +30,8 @@ BANDWIDTH: tuple[tuple[str, str, str, str, str | None, str], ...] = (
     ("disk", "lmdb", "load", "lmdb_load_gbps", "raw_lmdb_get_gbps", "raw LMDB get"),
     ("disk", "file", "save", "file_save_gbps", "raw_file_write_gbps", "raw write+fdatasync+rename"),
     ("disk", "file", "load", "file_load_gbps", "file_read_preadv_thread_gbps", "raw preadv"),
+    ("disk", "compressed", "save", "compressed_save_gbps", None, ""),
+    ("disk", "compressed", "load", "compressed_load_gbps", None, ""),
     # with a CUDA device (kvtier bench --only gpu): the engine's cache on the GPU
     ("gpu", "cpu", "save from GPU", "cpu_save_GBps", "d2h_GBps", "raw D2H copy"),
     ("gpu", "cpu", "load to GPU", "cpu_load_GBps", "h2d_GBps", "raw H2D copy"),
