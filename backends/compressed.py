@@ -61,6 +61,8 @@ class CompressedBackend(RecordBackend):
 
     def reserve_bytes(self) -> int:
         worst = self.format.block_bytes + HEADER_SIZE
+        if self._average <= 0:  # not opened (kvtier config check's slot count): the worst case
+            return worst
         return max(1, min(worst, int(self._average * _HEADROOM)))
 
     def __len__(self) -> int:

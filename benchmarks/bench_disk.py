@@ -27,7 +27,7 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
   (temporary file, ``pwritev``, ``fdatasync``, rename, one directory ``fsync`` per job:
   ``raw_file_write_gbps``, ``file_save_ratio``), and reading records with aiofiles vs
   ``os.preadv`` into the caller's buffer in a worker thread;
-* how many blocks a GiB of the ``compressed`` tier holds vs the ``cpu`` tier;
+* how many blocks a GiB of the ``compressed`` tier holds vs the ``cpu`` tier, and its save and load speed (no raw baseline);
 * zstd ratio and MB/s with and without byte-shuffle;
 * how long ``scan()`` takes to rebuild the index of an lmdb store with many records.
 
@@ -592,6 +592,7 @@ def bench_compressed_tier(blocks: list[torch.Tensor]) -> dict[str, Any]:
     backend = open_backend("compressed", fmt, capacity=capacity)
     stored = 0
     i = 0
+    started = time.perf_counter()
     while True:
         # Cycle the sample blocks under fresh keys until the tier refuses a write.
         size = backend.write_blocks([make_key(10_000 + i)], [blocks[i % len(blocks)]])[0]
@@ -599,12 +600,23 @@ def bench_compressed_tier(blocks: list[torch.Tensor]) -> dict[str, Any]:
             break
         stored += 1
         i += 1
+    save_s = time.perf_counter() - started
+    keys = [make_key(10_000 + j) for j in range(stored)]
+    out = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(min(stored, 16))]
+    started = time.perf_counter()
+    for j in range(0, stored, len(out)):  # whole jobs of 16 blocks, as a load reads them
+        chunk = keys[j : j + len(out)]
+        assert all(backend.read_blocks(chunk, out[: len(chunk)]))
+    load_s = time.perf_counter() - started
     asyncio.run(backend.aclose())
     per_gib = stored * (1 << 30) / capacity
     return {
         "compressed_blocks_per_gib": round(per_gib, 1),
         "cpu_blocks_per_gib": (1 << 30) // BLOCK,
         "compressed_vs_cpu": round(per_gib / ((1 << 30) // BLOCK), 3),
+        # block bytes per second through the tier (zstd-shuffle both ways); no raw baseline
+        "compressed_save_gbps": round(stored * BLOCK / save_s / 1e9, 3),
+        "compressed_load_gbps": round(stored * BLOCK / load_s / 1e9, 3),
     }
 
 

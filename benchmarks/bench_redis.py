@@ -10,9 +10,10 @@ Ratios are kvtier / best raw; GB/s count block bytes.
 filled by the shared-index sweep (no network in the lookup). ``sweep_us_per_key``: one full
 sweep (SCAN) of the server, per key held.
 
-Servers: ``--url`` / ``--cluster-url``, else private ones started here (tests/redis_servers.py).
+Servers: ``--url`` / ``--cluster-url``, else private ones started here
+(:mod:`kvtier.tools.servers`: it needs ``redis-server`` and ``redis-cli`` on ``PATH``).
 
-    python benchmarks/bench_redis.py [--repeat 3] [--no-cluster]
+    python benchmarks/bench_redis.py [--repeat 3] [--no-cluster] [--quick]
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import asyncio
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -184,11 +184,11 @@ async def lookup_cost(url: str, cluster: bool, n: int) -> dict[str, float]:
     return {"lookup_us_per_key": round(lookup_s / n * 1e6, 3), "sweep_us_per_key": round(sweep_s / n * 1e6, 3), "sweep_keys": n}
 
 
-def measure(url: str, cluster: bool, repeat: int) -> dict[str, Any]:
+def measure(url: str, cluster: bool, repeat: int, lookup_keys: int = 20000) -> dict[str, Any]:
     client: Any = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     result: dict[str, Any] = {label: measure_shape(url, cluster, client, *shape, repeat) for label, shape in SHAPES.items()}
     client.close()
-    result.update(asyncio.run(lookup_cost(url, cluster, 20000)))
+    result.update(asyncio.run(lookup_cost(url, cluster, lookup_keys)))
     # Headline ratios: the 2 MiB cell, the shape of real KV blocks.
     result["redis_save_ratio"] = result["2MiB"]["redis_save_ratio"]
     result["redis_load_ratio"] = result["2MiB"]["redis_load_ratio"]
@@ -201,11 +201,14 @@ def main() -> None:
     parser.add_argument("--cluster-url")
     parser.add_argument("--no-cluster", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one repetition, 2000 lookup keys, no cluster (what `kvtier bench --quick` runs)")
     args = parser.parse_args()
+    lookup_keys = 20000
+    if args.quick:
+        args.repeat, args.no_cluster, lookup_keys = 1, True, 2000
     started: list[Any] = []
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     try:
-        from redis_servers import RedisClusterServers, RedisServer, server_version
+        from kvtier.tools.servers import RedisClusterServers, RedisServer, server_version
 
         tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-"))
         url = args.url
@@ -213,7 +216,7 @@ def main() -> None:
             server = RedisServer(tmp / "server", extra=("--maxmemory", "4gb")).start()
             started.append(server)
             url = server.url
-        report: dict[str, Any] = {"redis_server": server_version(), "cpus": os.cpu_count(), "server": measure(url, False, args.repeat)}
+        report: dict[str, Any] = {"redis_server": server_version(), "cpus": os.cpu_count(), "server": measure(url, False, args.repeat, lookup_keys)}
         # Top level: the standalone server's figures (what `kvtier bench` plots), the cluster's below.
         for field in ("redis_save_ratio", "redis_load_ratio", "2MiB", "64KiB", "lookup_us_per_key", "sweep_us_per_key"):
             report[field] = report["server"][field]
@@ -223,7 +226,7 @@ def main() -> None:
                 cluster = RedisClusterServers(tmp / "cluster").start()
                 started.append(cluster)
                 curl = cluster.url
-            report["cluster"] = measure(curl, True, args.repeat)
+            report["cluster"] = measure(curl, True, args.repeat, lookup_keys)
         print(json.dumps(report))
     finally:
         for s in started:

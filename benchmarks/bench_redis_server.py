@@ -207,10 +207,8 @@ def main() -> None:
         os._exit(0)  # LMCache's loop thread may not let the interpreter end
     if not args.peer_python or not args.peer_bench:
         parser.error("--peer-python and --peer-bench are required (the LMCache side)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from redis_servers import RedisServer
-
     from kvtier.tools.bench.host import CpuSteal
+    from kvtier.tools.servers import RedisServer
 
     server = RedisServer(
         Path(tempfile.mkdtemp(prefix="kvtier-redis-server-")) / "server", extra=("--maxmemory", "4gb")

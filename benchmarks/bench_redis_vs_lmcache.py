@@ -130,11 +130,10 @@ def main() -> None:
         parser.error("--peer-python and --peer-bench are required (the LMCache side)")
     sides = [s.split("=", 1) for s in args.kvtier] or [["kvtier", ""]]
     started = None
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import redis
-    from redis_servers import RedisServer
 
     from kvtier.tools.bench.host import CpuSteal
+    from kvtier.tools.servers import RedisServer
 
     url = args.url
     if url is None:

@@ -1,6 +1,16 @@
-"""kvtier: a tiered, persistent KV cache for LLM inference engines."""
+"""kvtier: a tiered, persistent KV cache for LLM inference engines.
+
+The names that need torch (:class:`KVStore`, :func:`open`, :class:`TierManager`,
+:class:`KVLayout`) are imported on first use, so ``import kvtier`` and the ``kvtier`` command's
+quick answers (``--help``, ``config check``) do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from kvtier import _moved, _source_tree
+from kvtier._lazy import lazy_exports
 from kvtier.errors import (
     BackendError,
     ClosedError,
@@ -15,15 +25,32 @@ from kvtier.errors import (
     PluginLoadError,
     UnknownNameError,
 )
-from kvtier.keys import KEY_BYTES, Namespace, block_keys, fold_block_hashes
-from kvtier.manager import TierManager
-from kvtier.store import KVStore, open
-from kvtier.transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvtier.keys import KEY_BYTES, Namespace, block_keys, fold_block_hashes
+    from kvtier.manager import TierManager
+    from kvtier.store import KVStore, open
+    from kvtier.transfer.layout import KVLayout
 
 __version__ = "0.1.0"
 
 _source_tree.install()  # from a checkout, kvtier.backends is the checkout's backends/ folder
 _moved.install()  # the module paths of kvtier 0.2 keep working (kvtier.policies, kvtier.codec, ...)
+
+#: public name -> the module it lives in, imported on first use
+_LAZY = {
+    "KEY_BYTES": "kvtier.keys",
+    "Namespace": "kvtier.keys",
+    "block_keys": "kvtier.keys",
+    "fold_block_hashes": "kvtier.keys",
+    "TierManager": "kvtier.manager",
+    "KVStore": "kvtier.store",
+    "open": "kvtier.store",
+    "KVLayout": "kvtier.transfer.layout",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "KEY_BYTES",

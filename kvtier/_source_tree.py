@@ -62,3 +62,41 @@ def install() -> None:
     if any(isinstance(f, SourceTreeFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, SourceTreeFinder(root))
+
+
+def installed_copy() -> Path | None:
+    """The folder of the installed ``kvtier`` distribution's package (an editable install: its
+    project's ``kvtier/``), or ``None`` when no distribution named kvtier is installed."""
+    import json
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("kvtier")
+    except PackageNotFoundError:
+        return None
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    except ValueError:
+        direct = {}
+    url = str(direct.get("url", ""))
+    if direct.get("dir_info", {}).get("editable") and url.startswith("file://"):
+        return Path(url.removeprefix("file://")) / "kvtier"
+    return Path(str(dist.locate_file("kvtier")))
+
+
+def import_problem(missing: str | None) -> str:
+    """Why kvtier's own module ``missing`` cannot be imported, in words an operator can act on:
+    a copy of ``kvtier/`` that shadows the installed one (the usual cause: running from a
+    checkout's root, whose ``kvtier/`` folder comes first on ``sys.path``), or an incomplete install."""
+    here = _HERE
+    installed = installed_copy()
+    what = f"kvtier's own module {missing!r}" if missing else "a module of kvtier's own"
+    if installed is not None and installed.resolve() != here:
+        return (
+            f"{what} is not found: kvtier is imported from {here}, which shadows the installed kvtier at {installed} "
+            f"(a folder named kvtier/ comes first on sys.path, e.g. the current directory is a kvtier checkout or holds "
+            f"a copy). Run from another folder, or install that checkout (pip install -e ROOT)."
+        )
+    if installed is None:
+        return f"{what} is not found in {here}, and no kvtier distribution is installed: pip install kvtier (or pip install -e ROOT from a checkout)."
+    return f"{what} is not found in the installed kvtier at {here}: the install is incomplete; reinstall kvtier."

@@ -32,6 +32,17 @@ class _Entry:
     entry_point: EntryPoint | None = None
 
 
+def _hint(exc: ImportError, otherwise: str) -> str:
+    """What to do about ``exc``: for a missing module of kvtier's own (not a dependency), the
+    real cause (a shadowing copy of kvtier, an incomplete install); else ``otherwise``."""
+    missing = getattr(exc, "name", None)
+    if isinstance(missing, str) and (missing == "kvtier" or missing.startswith("kvtier.")):
+        from kvtier._source_tree import import_problem
+
+        return import_problem(missing)
+    return otherwise
+
+
 def load_object(spec: str, *, what: str = "object") -> Any:
     """Import ``package.module:Attr`` (or ``package.module.Attr``)."""
     module_name, sep, attr = spec.partition(":")
@@ -42,9 +53,8 @@ def load_object(spec: str, *, what: str = "object") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise MissingDependencyError(
-            f"{what}: cannot import {module_name!r} for {spec!r} ({exc}); is the package that provides it installed?"
-        ) from exc
+        hint = _hint(exc, "is the package that provides it installed?")
+        raise MissingDependencyError(f"{what}: cannot import {module_name!r} for {spec!r} ({exc}); {hint}") from exc
     except Exception as exc:  # the module's own bug must not surface as a foreign error
         raise PluginLoadError(f"{what}: importing {module_name!r} for {spec!r} raised {type(exc).__name__}: {exc}") from exc
     obj: Any = module
@@ -140,10 +150,8 @@ class Registry:
         try:
             obj = entry.entry_point.load() if entry.entry_point is not None else load_object(entry.value)
         except ImportError as exc:
-            raise MissingDependencyError(
-                f"{self.kind} {name!r}: {where} cannot be imported: {exc}. "
-                f"Install its dependencies (e.g. pip install '{entry.distribution}')."
-            ) from exc
+            hint = _hint(exc, f"Install its dependencies (e.g. pip install '{entry.distribution}').")
+            raise MissingDependencyError(f"{self.kind} {name!r}: {where} cannot be imported: {exc}. {hint}") from exc
         except Exception as exc:  # a plugin's own bug must not surface as a foreign error
             raise PluginLoadError(
                 f"{self.kind} {name!r}: {where} failed to load: {type(exc).__name__}: {exc}. "

@@ -32,6 +32,7 @@ from kvtier.transfer import TransferEngine
 from kvtier.transfer.handover import release_tiers
 from kvtier.transfer.jobs import Applied, JobResult, apply_result
 from kvtier.transfer.layout import KVLayout
+from kvtier.transfer.layout_checks import check_caches_match_namespace, check_distinct_block_ids, given_fields
 from kvtier.transfer.offloop import off_loop
 from kvtier.units import format_size
 
@@ -67,6 +68,9 @@ class KVStore:
             block_bytes, dtype = config.block_bytes, "uint8"
         else:
             raise ConfigError("block_bytes: give kv_caches, or set block_bytes in the config for a store without a KV cache")
+        if self.layout is not None:  # refuse caches the namespace contradicts, naming the shape
+            given = (config.namespace or {}).keys() if namespace is None else given_fields(namespace)
+            check_caches_match_namespace(self.layout.kv_caches, namespace or Namespace.from_dict(config.namespace_fields()), given)
         if namespace is None:
             ns_fields = config.namespace_fields()
             if self.layout is not None:
@@ -393,6 +397,7 @@ class KVStore:
         That job is awaited before this returns, so the caller may reuse its blocks at once;
         a promotion that cannot make room or fails is skipped, never an error."""
         transfers, ids = self._job_input(keys, block_ids)
+        check_distinct_block_ids(ids)
         self._settle_finished()
         n = self.config.engine_blocks_per_block
         mgr = self._mgr()

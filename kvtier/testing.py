@@ -27,10 +27,9 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
-import pytest
 import torch
 
 from kvtier.backend import Backend, BlockFormat
@@ -191,7 +190,7 @@ class BackendTests:
             backend.delete_blocks([keys[1]])
             listed = backend.stored_keys()
             if listed is None:
-                pytest.skip("backend does not list its keys")
+                _skip("backend does not list its keys")
             assert listed == [keys[0], keys[2], keys[3]], (
                 "stored_keys() after writing keys 0-3 and deleting key 1 must list keys 0, 2, 3 in the order "
                 f"they were written; got {[k.hex()[:8] for k in listed]}"
@@ -288,7 +287,7 @@ class BackendTests:
         if persistent is None:
             persistent = type(backend).persistent
         if not persistent:
-            pytest.skip("backend is not persistent")
+            _skip("backend is not persistent")
         keys = [make_key(i) for i in range(4)]
         data = self.blocks(4, seed=13)
         with self.opened(tmp_path) as first:
@@ -334,6 +333,14 @@ def _assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None
         f"{what}: {differ.numel()} of {want.numel()} bytes differ from those written (first at offset {first}); "
         "a read must return exactly the bytes stored under that key"
     )
+
+
+def _skip(reason: str) -> NoReturn:
+    # pytest is imported here, not at the top: benchmarks use this module's helpers after a
+    # plain install, without the ``testing`` extra.
+    import pytest
+
+    pytest.skip(reason)
 
 
 @contextmanager

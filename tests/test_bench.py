@@ -159,3 +159,117 @@ def test_device_and_redis_results_join_the_picture_on_a_log_axis(tmp_path: Path)
     assert rows[("gpu", "save")] == (1800.0, 2100.0)
     assert rows[("redis", "save")] == (1.1, 1.4)
     assert plot_results(results, tmp_path / "p.png")
+
+
+def test_a_failed_benchmark_is_named_in_the_picture() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvtier.tools.bench.plot import build_figure
+
+    error = "exit 1: Traceback (most recent call last):\nModuleNotFoundError: No module named 'pytest'"
+    fig = build_figure({"core": RESULTS["core"]}, failures={"disk": error})
+    try:
+        title = fig._suptitle.get_text()
+        assert "FAILED: disk: ModuleNotFoundError: No module named 'pytest' (see disk.log)" in title
+        legend = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        assert "raw limit (no kvtier)" not in legend and any(t.startswith("raw baseline") for t in legend), legend
+    finally:
+        plt.close(fig)
+    fig = build_figure({"core": RESULTS["core"]})
+    try:
+        assert "FAILED" not in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_every_shipped_benchmark_imports_without_pytest_or_the_tests_folder() -> None:
+    """After the README's plain install there is no pytest and no tests/ folder; each script
+    ``kvtier bench`` offers must still import (what it needs from kvtier ships with kvtier)."""
+    folder = script_dir()
+    assert folder is not None
+    names = available(folder)
+    assert {"core", "disk", "connector", "redis"} <= set(names)
+    probe = (
+        "import importlib.util, sys\n"
+        "sys.modules['pytest'] = None; sys.modules['hypothesis'] = None; sys.modules['redis_servers'] = None\n"
+        "sys.path = [p for p in sys.path if not p.rstrip('/').endswith('tests')]\n"
+        "for path in sys.argv[1:]:\n"
+        "    name = 'bench_probe_' + path.rsplit('/', 1)[-1][:-3]\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    sys.modules[name] = module = importlib.util.module_from_spec(spec)\n"
+        "    try:\n"
+        "        spec.loader.exec_module(module)\n"
+        "    except SystemExit as exc:  # a script's own refusal: an optional engine it measures is missing\n"
+        "        print('refused', path, exc)\n"
+        "print('imported', len(sys.argv) - 1)\n"
+    )
+    paths = [str(folder / f"bench_{n}.py") for n in names]
+    proc = subprocess.run([sys.executable, "-c", probe, *paths], capture_output=True, text=True, check=False, cwd=folder)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == f"imported {len(paths)}"
+    refused = [line for line in lines if line.startswith("refused")]
+    assert all("needs" in line and "pytest" not in line for line in refused), refused
+
+
+def test_the_redis_benchmark_runs_quick_on_a_server_it_starts(tmp_path: Path) -> None:
+    """``kvtier bench --only redis --quick``: the script takes --quick and starts its own server
+    with the launcher kvtier ships (kvtier.tools.servers), not one from the tests folder."""
+    from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("REDIS-SERVER NOT INSTALLED")
+    from kvtier.tools.bench import run_benchmarks
+
+    run = run_benchmarks(["redis"], quick=True, output=tmp_path / "out")
+    assert run.failures == {}, run.failures
+    assert run.results["redis"]["redis_save_ratio"] > 0 and "cluster" not in run.results["redis"]
+
+
+def test_bench_ends_with_one_recommendation_per_tier_measured() -> None:
+    from kvtier.tools.bench.advice import recommendations
+
+    lines = recommendations(RESULTS)
+    assert lines[0] == "cpu: the first tier (after gpu, if any): loads 2.7 GB/s, saves 2.6 GB/s here"
+    assert lines[1] == "compressed: holds 1.38× the blocks per GiB of cpu on this KV; put it after cpu when host memory is short"
+    assert lines[2].startswith("file: the persistent tier for a local disk here: loads 3.1 GB/s (vs lmdb 2.5 GB/s)")
+    assert lines[3].startswith("file: the tier for a filesystem several hosts share")
+    poor = {**RESULTS, "disk": {**RESULTS["disk"], "compressed_blocks_per_gib": 530}}
+    assert "not worth its CPU time" in recommendations(poor)[1]
+    redis = recommendations({"redis": {"2MiB": {"kvtier_put_gbps": 1.1, "kvtier_get_gbps": 1.4}}})
+    assert redis == ["redis: shares blocks between engines and hosts: loads 1.4 GB/s, saves 1.1 GB/s (2 MiB blocks, a local server); put it last"]
+    assert recommendations({}) == []
+
+
+def test_rounds_run_interleaved_and_keep_each_figures_median(tmp_path: Path) -> None:
+    from kvtier.tools.bench import median_of, run_benchmarks
+
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    order = tmp_path / "order.txt"
+    for name, values in (("a", [1.0, 5.0, 3.0]), ("b", [10, 30, 20])):
+        (scripts / f"bench_{name}.py").write_text(
+            "import json, pathlib\n"
+            f"log = pathlib.Path({str(order)!r})\n"
+            "runs = log.read_text().split() if log.exists() else []\n"
+            f"log.write_text(' '.join([*runs, {name!r}]))\n"
+            f"values = {values!r}\n"
+            f"n = runs.count({name!r})\n"
+            "print(json.dumps({'gbps': values[n], 'nested': {'x': values[n] * 2}, 'label': 'run' + str(n)}))\n"
+        )
+    run = run_benchmarks(["a", "b"], output=tmp_path / "out", scripts=scripts, rounds=3)
+    assert order.read_text().split() == ["a", "b", "a", "b", "a", "b"]  # interleaved, not a a a b b b
+    assert run.results == {"a": {"gbps": 3.0, "nested": {"x": 6.0}, "label": "run0"},
+                           "b": {"gbps": 20, "nested": {"x": 40}, "label": "run0"}}
+    assert sorted(p.name for p in (tmp_path / "out").glob("a.*.log")) == ["a.1.log", "a.2.log", "a.3.log"]
+    assert median_of([{"v": True}, {"v": False}]) == {"v": True}  # flags are not averaged
+
+
+def test_the_compressed_tier_has_bandwidth_rows_and_its_speed_in_its_line() -> None:
+    from kvtier.tools.bench.advice import recommendations
+
+    results = {"disk": {**RESULTS["disk"], "compressed_save_gbps": 0.7, "compressed_load_gbps": 0.787}}
+    rows = {(r["tier"], r["op"]): (r["gbps"], r["raw_gbps"]) for r in bandwidth_rows(results)}
+    assert rows[("compressed", "save")] == (0.7, None) and rows[("compressed", "load")] == (0.787, None)
+    assert "compressed: holds 1.38× the blocks per GiB of cpu on this KV, loads 787 MB/s;" in recommendations(results)[0]

@@ -142,3 +142,18 @@ def test_round_trip_for_every_dtype(dtype: str) -> None:
         assert backend.read_blocks([make_key(1)], out) == [True] and torch.equal(out[0], block)
     finally:
         asyncio.run(backend.aclose())
+
+
+def test_before_open_the_slot_estimate_starts_at_the_worst_case(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """kvtier config check counts a compressed tier's slots without opening it: raw block + header
+    each, as the docs say, not one byte each (4294967296+ slots for 4 GiB)."""
+    backend = registry.backends.get("compressed")(capacity="4GiB")
+    block = 2 << 20
+    assert backend.blocks_for(BlockFormat(block_bytes=block)) == (4 << 30) // (block + HEADER_SIZE)
+    from kvtier.tools.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers:\n  - {backend: compressed, capacity: 4GiB}\n")
+    assert main(["config", "check", str(cfg), "--block-bytes", "2MiB", "--no-deploy-check"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["0", "compressed", "compressed", "4.0GiB", f"{(4 << 30) // (block + HEADER_SIZE)}+", "lru"] in rows

@@ -363,3 +363,42 @@ def test_admit_after_is_a_manager_option_not_a_backend_option() -> None:
     assert cfg.tiers[0].admit_after == 3 and "admit_after" not in cfg.tiers[0].options()
     assert load_config(cfg.to_dict()) == cfg
     assert "tiers[0].admit_after" in error_of({"tiers": [{"backend": "cpu", "capacity": "1MiB", "admit_after": 0}]})
+
+
+def test_home_and_environment_variables_in_tier_paths_are_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KV_ROOT", str(tmp_path / "fast"))
+    cfg = load_config({"tiers": [
+        {"backend": "lmdb", "capacity": "64MiB", "path": "~/kvtier-cache"},
+        {"backend": "file", "capacity": "64MiB", "path": "${KV_ROOT}/files/x"},
+        {"backend": "file", "capacity": "64MiB", "path": "relative/files"},
+    ]})
+    paths = [t.options()["path"] for t in cfg.tiers]
+    assert paths == [str(tmp_path / "home" / "kvtier-cache"), str(tmp_path / "fast" / "files" / "x"), "relative/files"]
+
+
+def test_an_unset_variable_in_a_path_is_an_error_naming_the_tier_option(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvtier.config import load_config
+
+    monkeypatch.delenv("KVTIER_TEST_UNSET_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.path: environment variable \$KVTIER_TEST_UNSET_ROOT .* is not set"):
+        load_config({"tiers": [{"backend": "lmdb", "capacity": "64MiB", "path": "$KVTIER_TEST_UNSET_ROOT/lmdb"}]})
+    assert list(tmp_path.iterdir()) == []  # no folder named '$KVTIER_TEST_UNSET_ROOT'
+
+
+def test_a_store_opened_with_a_home_path_creates_no_folder_named_tilde(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    async def go() -> None:
+        async with kvtier.open({"block_bytes": 4096, "tiers": [{"backend": "lmdb", "capacity": "1MiB", "path": "~/kv"}]}):
+            pass
+
+    asyncio.run(go())
+    assert list(work.iterdir()) == []
+    assert (tmp_path / "home" / "kv").is_dir()

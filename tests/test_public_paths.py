@@ -128,3 +128,19 @@ def test_every_entry_point_of_kvtier_loads() -> None:
         assert ep.load() is not None, ep
     (cli,) = [ep for ep in eps if ep.group == "console_scripts" and ep.name == "kvtier"]
     assert cli.value == "kvtier.tools.cli:main"
+
+
+def test_import_kvtier_does_not_import_torch_until_a_name_needs_it() -> None:
+    """``import kvtier`` (and ``kvtier --help``) took seconds importing torch; the names that need
+    it are imported on first use, and are the same objects as at their modules."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, kvtier, kvtier.tools.cli, kvtier.sim.cli, kvtier.config\n"
+        "print('torch' in sys.modules)\n"
+        "from kvtier.store import KVStore, open as store_open\n"
+        "print(kvtier.KVStore is KVStore and kvtier.open is store_open and 'Namespace' in dir(kvtier))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]

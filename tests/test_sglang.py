@@ -446,3 +446,27 @@ def test_mla_pages_written_by_one_rank_serve_every_rank_through_redis(sgl: types
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_tiers_capacity_is_the_engines_over_all_its_ranks_as_in_vllm(sgl: types.SimpleNamespace, tmp_path: Path) -> None:
+    """capacity: 64MiB at TP=4 reserves 64 MiB in all, 16 MiB per rank (not 64 MiB each)."""
+    caps = {}
+    for tp in (1, 4):
+        backend = build_backend(sgl, HostPool(), lmdb(tmp_path / f"tp{tp}"), tp_rank=tp - 1, tp_size=tp)
+        try:
+            caps[tp] = backend.kvtier_stats()["store"]["tiers"][0]["capacity_bytes"]
+        finally:
+            backend.close()
+    assert 0.95 < 4 * caps[4] / caps[1] < 1.05, caps
+
+
+def test_with_mla_a_shared_tier_keeps_its_whole_capacity_and_the_others_are_split() -> None:
+    from kvtier.config import load_config
+    from kvtier.integrations.sglang.identity import engine_ranks, place_tiers, whole_copy_tiers
+
+    store = load_config({"tiers": [{"backend": "lmdb", "path": "/x", "capacity": "8GiB"},
+                                   {"backend": "redis", "url": "redis://127.0.0.1:1/0", "capacity": "64GiB"}]})
+    for mla, want in ((True, [1 << 30, 64 << 30]), (False, [1 << 30, 8 << 30])):
+        identity = SglangIdentity.from_storage_config(ident(tp_size=4, pp_size=2, is_mla_model=mla))
+        placed = place_tiers(store, "d", ranks=engine_ranks(identity), whole=whole_copy_tiers(identity, store))
+        assert [t.capacity for t in placed.tiers] == want

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,24 @@ def test_vllm_classes_need_vllm() -> None:
 def test_unknown_attribute() -> None:
     with pytest.raises(AttributeError):
         kv_vllm.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("field", ["tp_rank", "tp_size", "model_id"])
+def test_namespace_fields_vllm_decides_are_refused_when_the_config_is_built(field: str) -> None:
+    store = {"tiers": [{"backend": "lmdb", "path": "/x", "capacity": "1GiB"}], "namespace": {field: 0, "revision": "r1"}}
+    with pytest.raises(ConfigError, match=rf"namespace\.{field}: set by vLLM for each rank"):
+        kv_vllm.kv_transfer_config(store)
+    assert kv_vllm.kv_transfer_config({**store, "namespace": {"revision": "r1"}})  # an operator's own field is fine
+
+
+def test_namespace_fields_vllm_decides_are_refused_at_start_from_a_file(tmp_path: Path) -> None:
+    """What the connector reads at start (the same check), here from a config file."""
+    from kvtier.integrations.vllm.engines import _store_config
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"tiers:\n  - {{backend: lmdb, path: {tmp_path}/db, capacity: 1GiB}}\nnamespace:\n  tp_size: 4\n  tp_rank: 0\n")
+    with pytest.raises(ConfigError, match=rf"{path}: namespace\.tp_rank: set by vLLM"):
+        _store_config({"kvtier": str(path)})
+    with pytest.raises(ConfigError, match=r"namespace\.tp_rank"):
+        kv_vllm.kv_transfer_config(str(path))
+    assert kv_vllm.kv_transfer_config(str(tmp_path / "only-on-the-server.yaml"))  # not readable here: checked at start

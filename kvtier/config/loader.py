@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier import registry
+from kvtier.config.paths import expand_tier_paths
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, UnknownNameError
 from kvtier.units import parse_size
 
@@ -534,6 +535,9 @@ def load_config(
             raise ConfigError(f"{source}: {exc}") from None
     problems = _Problems(source, origins)
     data, unknown = _strip_unknown_keys(data)
+    data, unexpanded = expand_tier_paths(data)  # ~ and $VAR: see kvtier.config.paths
+    for where, message in unexpanded:
+        problems.add(where, message)
     suggested: set[str] = set()
     for where, key, message, hint in unknown:
         var = origins.get(f"{where}.{key}" if where else key)

@@ -5,6 +5,16 @@ persistent tier's directory (``offline``) and ``kvtier bench`` (``bench``). Noth
 imports it; it never runs inside an engine's step.
 """
 
-from kvtier.tools.offline import TierReport, VerifyReport, detect_tier, inspect_tier, verify_tier
+from typing import TYPE_CHECKING
 
-__all__ = ["TierReport", "VerifyReport", "detect_tier", "inspect_tier", "verify_tier"]
+from kvtier._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvtier.tools.offline import TierReport, VerifyReport, detect_tier, find_tiers, inspect_tier, verify_tier
+
+# Imported on first use: the kvtier command starts without importing torch.
+__getattr__, __dir__ = lazy_exports(
+    __name__, dict.fromkeys(["TierReport", "VerifyReport", "detect_tier", "find_tiers", "inspect_tier", "verify_tier"], "kvtier.tools.offline")
+)
+
+__all__ = ["TierReport", "VerifyReport", "detect_tier", "find_tiers", "inspect_tier", "verify_tier"]

@@ -1,8 +1,9 @@
 """The ``kvtier`` command: one entry point, one subcommand per job.
 
 ``kvtier config check FILE``   validate a config file and print the resolved tiers
-``kvtier config show``         print the default config (``--sim``: the small tiers ``kvtier sim`` uses)
+``kvtier config show [FILE]``  print the default config, or FILE as kvtier reads it (``--sim``: ``kvtier sim``'s tiers)
 ``kvtier cache show|clear``    what kvtier keeps in its cache directory; remove it
+``kvtier clear --config FILE`` delete what a config's tiers hold (asks first; ``--tier N``, ``--yes``)
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
 ``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, logs, a PNG with matplotlib)
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
@@ -99,6 +101,7 @@ def _namespace_line(fields: dict[str, Any], given: dict[str, Any]) -> str:
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
     from kvtier.config.deploy import check_deployment, tier_slots
+    from kvtier.errors import ConfigError
     from kvtier.keys import Namespace
     from kvtier.units import parse_size
 
@@ -124,9 +127,18 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
                 "options": options,
             }
         )
+    model = None
+    if args.model is not None:
+        from kvtier.config.sizing import read_model_config
+
+        model = read_model_config(args.model, kv_dtype=args.kv_dtype)
+        for flag, value in (("--tp", args.tp), ("--block-size", args.block_size)):
+            if value < 1:
+                raise ConfigError(f"{flag}: {value} is not a positive integer")
     if args.json:
         _print_json(
             {
+                "model": None if model is None else {**model.to_dict(), **_model_sizes(model, args)},
                 "file": str(args.file),
                 "valid": not errors,
                 "deploy_checked": not args.no_deploy_check,
@@ -158,14 +170,41 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     if any(t["slots"] is not None for t in tiers):
         print("slots: the blocks each tier holds before it evicts (its own bookkeeping and record headers counted)"
               + ("; +: more once its codec compresses" if any(t["slots_may_grow"] for t in tiers) else ""))
+    if model is not None:
+        _print_model_sizes(cfg, model, args)
     return 1 if errors else 0
+
+
+def _model_sizes(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+    block = model.bytes_per_token * args.block_size
+    rank_block = block if model.mla_width is not None else block // args.tp
+    return {"block_size": args.block_size, "tp": args.tp, "block_bytes": block, "block_bytes_per_rank": rank_block}
+
+
+def _print_model_sizes(cfg: Any, model: Any, args: argparse.Namespace) -> None:
+    from kvtier.config.sizing import tier_tokens
+
+    sizes = _model_sizes(model, args)
+    print(f"model {model.source}: {model.formula()} = {_size(model.bytes_per_token)} of KV per token")
+    print(f"a block of {args.block_size} tokens: {_size(sizes['block_bytes'])}"
+          + (f", {_size(sizes['block_bytes_per_rank'])} per rank at TP={args.tp}" if args.tp > 1 else ""))
+    rows = [[t["index"], t["name"], _size(t["capacity_bytes"]), f"{t['tokens']:,}", f"{t['tokens_per_gib']:,}"]
+            for t in tier_tokens(cfg, model, ranks=args.tp)]
+    print(_table(["#", "name", "capacity", "tokens it holds", "tokens per GiB"], rows))
+    print("capacity is the engine's, over all its ranks (each rank's tier gets capacity / ranks); "
+          "record headers take a little more (slots above count them)")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from kvtier import registry
     from kvtier.config import default_config
 
-    if args.sim:
+    if args.file is not None:
+        from kvtier.config import load_config_file
+
+        data = load_config_file(args.file).to_dict()
+        title = f"# {args.file} as kvtier reads it (defaults filled in, paths expanded, KVTIER_* overrides applied)"
+    elif args.sim:
         from kvtier.sim.cli import default_sim_config
 
         data = default_sim_config()
@@ -211,6 +250,13 @@ def _cmd_cache_show(args: argparse.Namespace) -> int:
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
     from kvtier.config.cache import cache_dir, clear_cache
+    from kvtier.errors import ConfigError
+
+    if args.file is not None:
+        raise ConfigError(
+            f"kvtier cache clear takes no file: it clears kvtier's own cache directory only. To delete what the "
+            f"tiers of {args.file} hold: kvtier clear --config {args.file} [--tier N]"
+        )
 
     root = cache_dir()
     removed = clear_cache(root, only="sim" if args.sim else None, dry_run=args.dry_run)
@@ -231,16 +277,25 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from kvtier.tools import inspect_tier
+    from kvtier.tools import find_tiers, inspect_tier
 
-    bar = _ProgressBar("inspect")
-    try:
-        report = inspect_tier(args.path, progress=bar)
-    finally:
-        bar.close()
-    if args.json:
-        _print_json(report.to_dict())
+    folders = find_tiers(args.path)
+    reports = []
+    for folder in folders:
+        bar = _ProgressBar(f"inspect {folder.name}")
+        try:
+            reports.append(inspect_tier(folder, progress=bar))
+        finally:
+            bar.close()
+    if args.json:  # one tier: its report; a folder of per-rank tiers: {"tiers": [reports]}
+        _print_json(reports[0].to_dict() if folders == [Path(args.path)] else {"tiers": [r.to_dict() for r in reports]})
         return 0
+    for i, report in enumerate(reports):
+        print(("\n" if i else "") + _inspect_table(report))
+    return 0
+
+
+def _inspect_table(report: Any) -> str:
     ratio = report.codec_ratio
     rows: list[list[Any]] = [
         ["path", report.path],
@@ -257,34 +312,35 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     ]
     for ns in report.namespaces:
         rows.append(["namespace", ", ".join(f"{k}={v}" for k, v in ns.items() if v not in ("", None))])
-    print(_table(["field", "value"], rows))
-    return 0
+    return _table(["field", "value"], rows)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from kvtier.tools import verify_tier
+    from kvtier.errors import ConfigError
+    from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordMac
+    from kvtier.tools import find_tiers, verify_tier
 
-    bar = _ProgressBar("verify")
-    try:
-        from kvtier.errors import ConfigError
-        from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordMac
-
-        if args.mac_algorithm is not None and not args.mac_key_env:
-            raise ConfigError("--mac-algorithm: give the MAC secret too (--mac-key-env VAR)")
-        algorithm = args.mac_algorithm or DEFAULT_MAC_ALGORITHM
-        mac = RecordMac.from_options(mac_key_env=args.mac_key_env, algorithm=algorithm) if args.mac_key_env else None
-        report = verify_tier(args.path, delete=args.delete, progress=bar, mac=mac)
-    finally:
-        bar.close()
-    if args.json:
-        _print_json(report.to_dict())
-    else:
+    if args.mac_algorithm is not None and not args.mac_key_env:
+        raise ConfigError("--mac-algorithm: give the MAC secret too (--mac-key-env VAR)")
+    algorithm = args.mac_algorithm or DEFAULT_MAC_ALGORITHM
+    mac = RecordMac.from_options(mac_key_env=args.mac_key_env, algorithm=algorithm) if args.mac_key_env else None
+    folders = find_tiers(args.path)
+    reports = []
+    for folder in folders:
+        bar = _ProgressBar(f"verify {folder.name}")
+        try:
+            reports.append(verify_tier(folder, delete=args.delete, progress=bar, mac=mac))
+        finally:
+            bar.close()
+    if args.json:  # one tier: its report; a folder of per-rank tiers: {"tiers": [reports]}
+        _print_json(reports[0].to_dict() if folders == [Path(args.path)] else {"tiers": [r.to_dict() for r in reports]})
+    for report in [] if args.json else reports:
         print(f"{report.path}: checked {report.checked} records, {len(report.bad)} bad, {report.deleted} deleted")
         if report.bad:
             print(_table(["key", "problem"], [[b["key"][:16] + "…", b["reason"]] for b in report.bad]))
             if not args.delete:
                 print("run again with --delete to remove them")
-    return 0 if report.ok or args.delete else 1
+    return 0 if all(r.ok for r in reports) or args.delete else 1
 
 
 # -- bench ---------------------------------------------------------------------------------
@@ -305,14 +361,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"[{i}/{total}] bench_{name}.py{' --quick' if args.quick else ''}", file=sys.stderr)
 
     run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started,
-                         disk_dir=args.dir)
+                         disk_dir=args.dir, rounds=args.rounds)
     for name in run.missing:
         print(f"kvtier bench: bench_{name}.py not found in {folder}; skipped (have: {', '.join(available(folder))})", file=sys.stderr)
     results_path = run.output / "results.json"
     plot_note = "skipped (--no-plot)"
     if not args.no_plot:
         plot_path = run.output / "kvtier-bench.png"
-        if plot_results(run.results, plot_path, quick=args.quick):
+        if plot_results(run.results, plot_path, quick=args.quick, failures=run.failures):
             plot_note = str(plot_path)
         else:
             plot_note = "not written: matplotlib is not installed (pip install 'kvtier[plot]')"
@@ -322,11 +378,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", summary(n, r)] for n, r in run.results.items()]
         rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f.splitlines()[-1] if f else "?"] for n, f in run.failures.items()]
         print(_table(["benchmark", "status", "seconds", "headline figures (all in results.json) / error"], rows))
+        from kvtier.tools.bench.advice import recommendations
+
+        advice = recommendations(run.results)
+        if advice:
+            print("which tiers, from this run's figures" + (" (--quick: rough)" if args.quick else "") + ":")
+            for line in advice:
+                print(f"  {line}")
         if run.disk_dir:
             print(f"disk benchmarks measured: {run.disk_dir}")
         print(f"results: {results_path}")
         print(f"plot: {plot_note}")
-        print(f"logs: {run.output}/<benchmark>.log (command, exit status, stderr, stdout)")
+        if run.rounds > 1:
+            print(f"figures: the median of {run.rounds} interleaved rounds")
+        logs = "<benchmark>.log" if run.rounds == 1 else "<benchmark>.<round>.log"
+        print(f"logs: {run.output}/{logs} (command, exit status, stderr, stdout)")
     return 1 if run.failures else 0
 
 
@@ -364,11 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS",
                        help="connect to each remote tier's server (redis) and wait at most this long per "
                        "socket call (default: 2; 0: do not connect)")
+    check.add_argument("--model", metavar="CONFIG_JSON",
+                       help="a model's Hugging Face config.json (or its folder): print its KV bytes per token and "
+                       "block, and the tokens each tier holds")
+    check.add_argument("--tp", type=int, default=1, metavar="N", help="with --model: tensor-parallel size (default 1)")
+    check.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                       help="with --model: tokens per block (vLLM --block-size, SGLang --page-size; default 16)")
+    check.add_argument("--kv-dtype", metavar="DTYPE", help="with --model: the KV cache dtype, if not the model's (e.g. fp8)")
     _add_json(check)
     check.set_defaults(func=_cmd_config_check)
     show = config_sub.add_parser("show", help="print the default configuration",
                                  description="Print the default config (pinned cpu + lmdb in the kvtier cache "
                                  "directory) and the installed backends, codecs and policies.")
+    show.add_argument("file", metavar="FILE", nargs="?",
+                      help="a config file: print it as kvtier reads it (defaults filled in, ~ and $VARS expanded, "
+                      "KVTIER_* overrides applied)")
     show.add_argument("--sim", action="store_true", help="print the small tiers `kvtier sim` uses instead")
     _add_json(show)
     show.set_defaults(func=_cmd_config_show)
@@ -386,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        description="Remove everything under the kvtier cache directory (or, with "
                                        "--sim, only kvtier sim's tiers) and print what went. Close stores that use "
                                        "these tiers first.")
+    cache_clear.add_argument("file", metavar="FILE", nargs="?", help=argparse.SUPPRESS)
     cache_clear.add_argument("--sim", action="store_true", help="only kvtier sim's tiers (sim/)")
     cache_clear.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
     _add_json(cache_clear)
@@ -396,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Blocks, bytes, namespaces, codec ratio and format version of a "
                              "persistent tier: an lmdb tier (a directory holding data.mdb) or a file tier "
                              "(a directory holding kvtier-meta.kvm). Read-only.")
-    inspect.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
+    inspect.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file), or a folder of per-rank tier "
+                         "directories (the path in a vLLM or SGLang config: each is inspected)")
     _add_json(inspect)
     inspect.set_defaults(func=_cmd_inspect)
 
@@ -404,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Check the header and checksum of every record of an lmdb or file "
                             "tier; exit status 1 if any is bad (unless --delete removed them). Read-only "
                             "unless --delete.")
-    verify.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file)")
+    verify.add_argument("path", metavar="PATH", help="the tier's directory (lmdb or file), or a folder of per-rank tier "
+                        "directories (the path in a vLLM or SGLang config: each is verified)")
     verify.add_argument("--delete", action="store_true", help="delete the bad records (lmdb: and their index entries)")
     verify.add_argument("--mac-key-env", metavar="VAR", default=None,
                         help="check keyed records with the MAC secret held in environment variable VAR")
@@ -432,11 +511,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: the system's temporary directory")
     bench.add_argument("--out", "-o", default="kvtier-bench", metavar="DIR",
                        help="output folder (default: ./kvtier-bench/)")
+    bench.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="run the benchmarks N times, interleaved, and keep each figure's median (load swings "
+                       "on a shared machine hit every benchmark alike; default 1)")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     bench.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per benchmark")
     _add_json(bench)
     bench.set_defaults(func=_cmd_bench)
 
+    from kvtier.tools.clear import add_parser as add_clear
+
+    add_clear(sub)
     try:
         from kvtier.sim.cli import add_parser as add_sim
     except ModuleNotFoundError as exc:  # the simulator is optional in a partial checkout
@@ -459,10 +544,15 @@ class _WarningsToStderr(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
+        self._last: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            sys.stderr.write(f"{record.levelname.lower()}: {record.getMessage()}\n")
+            line = f"{record.levelname.lower()}: {record.getMessage()}\n"
+            if line == self._last:
+                return  # the same news again, say from a second instance of a tier (sim's empty pass, then its store)
+            self._last = line
+            sys.stderr.write(line)
             sys.stderr.flush()
         except Exception:
             self.handleError(record)

@@ -33,7 +33,7 @@ from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.records.codec import BUILTIN_CODEC_IDS, UnsupportedRecordError
 from kvtier.records.format import RecordMac, StoreMeta, decode_record, parse_header
 
-__all__ = ["TierReport", "VerifyReport", "detect_tier", "inspect_tier", "verify_tier"]
+__all__ = ["TierReport", "VerifyReport", "detect_tier", "find_tiers", "inspect_tier", "verify_tier"]
 
 #: ``progress(done, total)`` is called while records are read.
 Progress = Callable[[int, int], None]
@@ -106,6 +106,37 @@ def detect_tier(path: str | os.PathLike[str]) -> str:
             return kind
     expected = " or ".join(TIER_KINDS.values())
     raise ConfigError(f"{root}: not a kvtier tier directory this build can read (expected {expected})")
+
+
+def find_tiers(path: str | os.PathLike[str], *, depth: int = 2) -> list[Path]:
+    """The tier directories at ``path``: ``[path]`` when it is one, else those in its subfolders
+    (``depth`` levels down), sorted: what an engine integration makes of a configured ``path``
+    (vLLM: ``r<rank>-of-<world>``, ``…-g<group>``; SGLang: ``<layout>-tp<r>of<n>``). A
+    ConfigError that says where it looked when there is none."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such directory")
+    kinds = [cls for cls in (_backend_class(k) for k in TIER_KINDS) if cls is not None]
+
+    def is_tier(folder: Path) -> bool:
+        return any(cls.is_store_dir(folder) for cls in kinds)
+
+    if is_tier(root):
+        return [root]
+    found: list[Path] = []
+    level = [root]
+    for _ in range(depth):
+        level = sorted(d for parent in level for d in parent.iterdir() if d.is_dir() and not d.is_symlink())
+        found += [d for d in level if is_tier(d)]
+        level = [d for d in level if not is_tier(d)]
+    if not found:
+        expected = " or ".join(TIER_KINDS.values())
+        raise ConfigError(
+            f"{root}: not a kvtier tier directory this build can read (expected {expected}), and none of its "
+            f"subfolders {depth} levels down is one (the vLLM integration keeps each rank's tier in "
+            f"<path>/r<rank>-of-<world>, SGLang's in <path>/<layout>-tp<rank>of<size>)"
+        )
+    return found
 
 
 def _open(path: str | os.PathLike[str]) -> tuple[str, Any, StoreMeta | None]:

@@ -35,10 +35,12 @@ import torch
 from kvtier.errors import ClosedError, LayoutError, LifecycleError
 from kvtier.integrations.sglang.identity import (
     SglangIdentity,
+    engine_ranks,
     page_namespace,
     place_tiers,
     read_settings,
     shard_dir,
+    whole_copy_tiers,
 )
 from kvtier.integrations.sglang.pages import HostPages
 from kvtier.keys import fold_block_hashes
@@ -120,7 +122,10 @@ class SglangStore:
                 self.identity, dtype=pages.dtype, page_size=pages.page_size, layout=pages.layout,
                 overrides=self.settings.namespace,
             )
-            config = place_tiers(self.settings.store, shard_dir(self.identity, pages.layout))
+            config = place_tiers(
+                self.settings.store, shard_dir(self.identity, pages.layout),
+                ranks=engine_ranks(self.identity), whole=whole_copy_tiers(self.identity, self.settings.store),
+            )
             store = KVStore(config, kv_caches=pages.views, namespace=namespace)
             loop = _LoopThread(f"kvtier-sglang-tp{self.identity.tp_rank}")
             try:

@@ -30,7 +30,10 @@ from kvtier.config import StoreConfig, load_config, read_config_file
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 
-__all__ = ["EXTRA_CONFIG_KEY", "SglangIdentity", "Settings", "page_namespace", "place_tiers", "read_settings", "shard_dir"]
+__all__ = [
+    "EXTRA_CONFIG_KEY", "SglangIdentity", "Settings", "engine_ranks", "page_namespace", "place_tiers", "read_settings", "shard_dir",
+    "whole_copy_tiers",
+]
 
 #: The key of ``--hicache-storage-backend-extra-config`` that holds the kvtier store config.
 EXTRA_CONFIG_KEY = "kvtier"
@@ -166,10 +169,28 @@ def shard_dir(identity: SglangIdentity, layout: str) -> str:
     return name
 
 
-def place_tiers(store: StoreConfig, subdir: str) -> StoreConfig:
-    """``store`` with every tier's ``path`` moved one directory down, into ``subdir``."""
+def engine_ranks(identity: SglangIdentity) -> int:
+    """The ranks one SGLang engine's KV is split over (TP × PP), each with a store of its own."""
+    return max(1, identity.tp_size) * max(1, identity.pp_size)
+
+
+def whole_copy_tiers(identity: SglangIdentity, store: StoreConfig) -> frozenset[int]:
+    """The tiers that hold one copy for every rank, so keep their whole capacity: with MLA
+    (pages the same on every rank), a tier every rank reaches as one store (Redis)."""
+    if not identity.is_mla:
+        return frozenset()
+    return frozenset(i for i, t in enumerate(store.tiers) if getattr(registry.backends.get(t.backend), "shared", False))
+
+
+def place_tiers(store: StoreConfig, subdir: str, *, ranks: int = 1, whole: frozenset[int] = frozenset()) -> StoreConfig:
+    """``store`` as one rank's: every tier's ``path`` moved one directory down, into ``subdir``,
+    and its ``capacity`` divided by ``ranks`` (but for the tiers in ``whole``). A tier's capacity
+    in the config is the engine's, over all its ranks, as in the vLLM integration: a TP=8 engine
+    with ``capacity: 512GiB`` reserves 512 GiB in all, 64 GiB per rank."""
     data = store.to_dict()
-    for tier in data["tiers"]:
+    for i, tier in enumerate(data["tiers"]):
         if tier.get("path"):
             tier["path"] = os.path.join(os.fspath(tier["path"]), subdir)
+        if ranks > 1 and i not in whole:
+            tier["capacity"] = max(1, int(tier["capacity"]) // ranks)
     return load_config(data)

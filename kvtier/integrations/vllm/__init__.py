@@ -89,12 +89,13 @@ vLLM internals this module relies on (all imported lazily, only here):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.engines import MODULE_PATH, engine_stats
+from kvtier.integrations.vllm.engines import MODULE_PATH, _store_config, engine_stats
 
 if TYPE_CHECKING:  # built on first access by the module's __getattr__ (needs vLLM)
     KvtierConnector: type
@@ -131,6 +132,8 @@ def kv_transfer_config(
             "scheduler side; use 'KvtierConnector' (an OffloadingConnector subclass)"
         )
     extra_config: dict[str, Any] = {"kvtier": kvtier if isinstance(kvtier, str) else dict(kvtier), **extra}
+    if not isinstance(kvtier, str) or os.path.exists(kvtier):  # a file may live only on the serving host
+        _store_config(extra_config)  # a namespace field vLLM decides is refused here already, naming it
     return {
         "kv_role": "kv_both",
         "kv_load_failure_policy": load_failure_policy,

@@ -187,6 +187,10 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
     return out
 
 
+#: Namespace fields vLLM decides for every rank; a kvtier config that sets one is refused.
+FROM_VLLM = ("model_id", "dtype", "block_size", "kv_layout", "tp_rank", "tp_size", "pp_rank", "pp_size")
+
+
 def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     raw = extra_config.get("kvtier")
     if raw is None:
@@ -194,10 +198,23 @@ def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
             "kv_connector_extra_config.kvtier: expected a kvtier store config (a dict with 'tiers', or a config file path)"
         )
     if isinstance(raw, str):
-        return load_config_file(raw).to_dict()
-    if not isinstance(raw, Mapping):
+        source, out = raw, load_config_file(raw).to_dict()
+    elif isinstance(raw, Mapping):
+        source, out = "kv_connector_extra_config.kvtier", dict(raw)
+    else:
         raise ConfigError(f"kv_connector_extra_config.kvtier: expected a mapping or a path, got {type(raw).__name__}")
-    return dict(raw)
+    overrides = out.get("namespace") or {}
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"{source}: namespace: expected a mapping of namespace fields")
+    fixed = [name for name in FROM_VLLM if name in overrides]
+    if fixed:
+        # Each rank's own values come from vLLM: a config's tp_rank would make every rank the same one.
+        raise ConfigError(
+            f"{source}: namespace.{fixed[0]}: set by vLLM for each rank (its model, dtype, block size, layout, "
+            f"TP and PP rank and size); remove it from the kvtier config (operators set revision, lora_id, "
+            f"kv_quant, config_fingerprint, tenant_salt, hash)"
+        )
+    return out
 
 
 def _check_supported(config: Any) -> None:

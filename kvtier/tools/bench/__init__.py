@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -24,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchRun", "available", "check_disk_dir", "last_json", "run_benchmarks", "script_dir"]
+__all__ = [
+    "DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchRun", "available", "check_disk_dir", "last_json", "median_of",
+    "run_benchmarks", "script_dir",
+]
 
 #: What ``kvtier bench`` runs by default: the ones that need no service or model download.
 DEFAULT_BENCHMARKS = ("core", "disk", "connector")
@@ -85,6 +89,7 @@ class BenchRun:
     missing: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     disk_dir: str | None = None
+    rounds: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +100,7 @@ class BenchRun:
             "failures": self.failures,
             "missing": self.missing,
             "seconds": self.seconds,
+            "rounds": self.rounds,
         }
 
 
@@ -119,6 +125,50 @@ def check_disk_dir(path: str | os.PathLike[str]) -> Path:
     return folder.resolve()
 
 
+def _run_one(
+    folder: Path | None, name: str, quick: bool, where: Path | None, timeout: float, env: dict[str, str], out: Path,
+    run: BenchRun, suffix: str,
+) -> Any:
+    """Run one benchmark once: its JSON, or ``None`` (its failure recorded in ``run``)."""
+    assert folder is not None
+    cmd = [sys.executable, str(folder / f"bench_{name}.py"), *(["--quick"] if quick else [])]
+    if where is not None and name in DISK_BENCHMARKS:
+        cmd += ["--dir", str(where)]
+    started = time.perf_counter()
+    log = out / f"{name}{suffix}.log"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        run.seconds[name] = round(run.seconds.get(name, 0) + time.perf_counter() - started, 2)
+        run.failures[name] = f"timed out after {timeout:.0f} s"
+        text = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (exc.stdout, exc.stderr)]
+        log.write_text(_log(cmd, time.perf_counter() - started, run.failures[name], *text), encoding="utf-8")
+        return None
+    took = time.perf_counter() - started
+    run.seconds[name] = round(run.seconds.get(name, 0) + took, 2)
+    log.write_text(_log(cmd, took, f"exit status {proc.returncode}", proc.stdout, proc.stderr), encoding="utf-8")
+    if proc.returncode != 0:
+        run.failures[name] = f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"
+        return None
+    try:
+        return last_json(proc.stdout)
+    except ValueError as exc:
+        run.failures[name] = str(exc)
+        return None
+
+
+def median_of(values: Sequence[Any]) -> Any:
+    """The rounds' results of one benchmark as one: each number the median of its rounds, the
+    rest (labels, lists) the first round's."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: median_of([v[k] for v in values if isinstance(v, dict) and k in v]) for k in first}
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and numbers:
+        return statistics.median(numbers)
+    return first
+
+
 def run_benchmarks(
     names: Sequence[str] | None = None,
     *,
@@ -128,45 +178,39 @@ def run_benchmarks(
     timeout: float = 3600.0,
     on_start: Callable[[int, int, str], None] | None = None,
     disk_dir: str | os.PathLike[str] | None = None,
+    rounds: int = 1,
 ) -> BenchRun:
     """Run ``bench_<name>.py`` for each name (default :data:`DEFAULT_BENCHMARKS`), write
     ``results.json`` and the logs into ``output``, and return what happened. ``disk_dir`` is
-    the filesystem the disk benchmarks (:data:`DISK_BENCHMARKS`) measure (their ``--dir``)."""
+    the filesystem the disk benchmarks (:data:`DISK_BENCHMARKS`) measure (their ``--dir``).
+
+    ``rounds > 1`` runs the whole list that many times, interleaved (core, disk, connector,
+    core, disk, ...), so a swing of the machine's load hits every benchmark alike, and keeps
+    each figure's median over the rounds; a benchmark that failed in any round is failed."""
+    if not isinstance(rounds, int) or rounds < 1:
+        from kvtier.errors import ConfigError
+
+        raise ConfigError(f"--rounds: expected an integer >= 1, got {rounds!r}")
     folder = script_dir(scripts)
     where = None if disk_dir is None else check_disk_dir(disk_dir)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    run = BenchRun(output=out, quick=quick, scripts=folder, disk_dir=None if where is None else str(where))
+    run = BenchRun(output=out, quick=quick, scripts=folder, disk_dir=None if where is None else str(where), rounds=rounds)
     wanted = list(names or DEFAULT_BENCHMARKS)
     present = [n for n in wanted if folder is not None and (folder / f"bench_{n}.py").is_file()]
     run.missing = [n for n in wanted if n not in present]
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    for i, name in enumerate(present, 1):
-        assert folder is not None
-        if on_start is not None:
-            on_start(i, len(present), name)
-        cmd = [sys.executable, str(folder / f"bench_{name}.py"), *(["--quick"] if quick else [])]
-        if where is not None and name in DISK_BENCHMARKS:
-            cmd += ["--dir", str(where)]
-        started = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired as exc:
-            run.seconds[name] = round(time.perf_counter() - started, 2)
-            run.failures[name] = f"timed out after {timeout:.0f} s"
-            text = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (exc.stdout, exc.stderr)]
-            (out / f"{name}.log").write_text(_log(cmd, run.seconds[name], run.failures[name], *text), encoding="utf-8")
-            continue
-        run.seconds[name] = round(time.perf_counter() - started, 2)
-        status = f"exit status {proc.returncode}"
-        (out / f"{name}.log").write_text(_log(cmd, run.seconds[name], status, proc.stdout, proc.stderr), encoding="utf-8")
-        if proc.returncode != 0:
-            run.failures[name] = f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"
-            continue
-        try:
-            run.results[name] = last_json(proc.stdout)
-        except ValueError as exc:
-            run.failures[name] = str(exc)
+    got: dict[str, list[Any]] = {}
+    for r in range(rounds):
+        for i, name in enumerate(present, 1):
+            if on_start is not None:
+                on_start(r * len(present) + i, rounds * len(present), name)
+            outcome = _run_one(folder, name, quick, where, timeout, env, out, run, suffix="" if rounds == 1 else f".{r + 1}")
+            if outcome is not None:
+                got.setdefault(name, []).append(outcome)
+    for name, values in got.items():
+        if name not in run.failures:
+            run.results[name] = median_of(values)
     (out / "results.json").write_text(json.dumps(run.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
     return run

@@ -1,0 +1,163 @@
+"""Private Redis servers on localhost: one standalone ``redis-server`` or a cluster of masters.
+
+Each runs the ``redis-server`` found on ``PATH`` on a free port, in a folder of the caller's,
+with persistence off, until ``stop()``. The Redis benchmarks (``kvtier bench --only redis``) and
+kvtier's own tests start theirs with it, so it ships with the package rather than with the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["REDIS_CLI", "REDIS_SERVER", "RedisClusterServers", "RedisServer", "free_port", "server_version"]
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+
+
+def server_version() -> str | None:
+    if REDIS_SERVER is None:
+        return None
+    out = subprocess.run([REDIS_SERVER, "--version"], capture_output=True, text=True, check=False).stdout
+    return out.strip()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free localhost port whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free localhost port for a redis server")
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One ``redis-server`` process; ``stop``/``kill`` and ``start`` again on the same port."""
+
+    def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False, extra: tuple[str, ...] = ()) -> None:
+        self.directory = directory
+        self.port = port if port is not None else free_port()
+        self.cluster = cluster
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        if REDIS_SERVER is None:
+            raise RuntimeError("redis-server is not on PATH (install it, e.g. apt-get install -y redis-server)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            REDIS_SERVER,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--appendonly", "no",
+            "--logfile", str(self.directory / "redis.log"),
+            "--maxmemory", "1gb",
+            "--maxmemory-policy", "allkeys-lru",
+        ]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.directory / "nodes.conf"),
+                     "--cluster-node-timeout", "3000"]
+        args += list(self.extra)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not _ping(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = (self.directory / "redis.log").read_text(errors="replace")[-2000:] if (self.directory / "redis.log").exists() else ""
+                self.stop()
+                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+            time.sleep(0.02)
+        return self
+
+    def cli(self, *args: str) -> str:
+        """Run one redis-cli command; an error reply raises (redis-cli itself exits 0)."""
+        if REDIS_CLI is None:
+            raise RuntimeError("redis-cli is not on PATH (it comes with redis-server, e.g. apt-get install -y redis-server)")
+        out = subprocess.run(
+            [REDIS_CLI, "-p", str(self.port), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+        if out.startswith(("ERR", "(error)", "WRONGTYPE", "NOPERM")):
+            raise RuntimeError(f"redis-cli {' '.join(args)}: {out.strip()}")
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-whatever, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+
+class RedisClusterServers:
+    """Three masters on localhost, joined with ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, masters: int = 3, extra: tuple[str, ...] = ()) -> None:
+        self.nodes = [RedisServer(directory / f"node{i}", cluster=True, extra=extra) for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisClusterServers:
+        for node in self.nodes:
+            node.start()
+        if REDIS_CLI is None:
+            raise RuntimeError("redis-cli is not on PATH (it comes with redis-server, e.g. apt-get install -y redis-server)")
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, check=True, timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the redis cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return self
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            node.cli("flushall")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
