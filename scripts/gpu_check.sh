@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kvtier's GPU check: the CUDA tests and benchmarks/bench_gpu.py, in one run of a few minutes.
+# kvtier's GPU check: the CUDA tests, benchmarks/bench_gpu.py and (where vLLM is installed)
+# benchmarks/bench_vllm_e2e.py, in one run of a few minutes.
 #
 # On a machine with a CUDA device and no network, from the project root:
 #   1. where there is network: fill .whl/ with wheels of what the GPU machine lacks (lmdb,
@@ -16,6 +17,8 @@
 #   env.json          python, torch, CUDA, device, kvtier version
 #   pytest-cuda.txt   the test output (and pytest-cuda.xml, JUnit)
 #   bench_gpu.json    the benchmark's JSON object (bench_gpu.txt: its stderr)
+#   bench_vllm_e2e.json  TTFT / throughput under vLLM with and without kvtier, where vLLM is
+#                     installed (bench_vllm_e2e.txt: its table and progress)
 #   summary.txt       one line per step and the verdict
 # Exit status: 0 all passed; 2 no CUDA device; 3 the install failed; 1 a test or the benchmark failed.
 set -u
@@ -87,6 +90,21 @@ timeout 150 "$PY" benchmarks/bench_gpu.py --out "$RESULTS/bench_gpu.json" > /dev
 rc=$?
 say "bench_gpu.py: exit $rc; $(tail -n 1 "$RESULTS/bench_gpu.txt")"
 if [ "$rc" -ne 0 ]; then status=1; fi
+
+# vLLM end to end (benchmarks/bench_vllm_e2e.py): TTFT and throughput with and without kvtier,
+# every arm a fresh vLLM process; skipped where vLLM is not installed. A random Llama of 16
+# layers x 2048 (about 1B parameters, bfloat16 on the device: 64 KiB of KV per token) and
+# 4,064-token documents, so that a hit skips a prefill worth measuring.
+if "$PY" -c "import vllm" > /dev/null 2>&1; then
+  timeout 900 "$PY" benchmarks/bench_vllm_e2e.py --quick --layers 16 --hidden 2048 --doc-tokens 4064 \
+    --turn-tokens 1024 --cache-blocks 640 --json "$RESULTS/bench_vllm_e2e.json" \
+    > /dev/null 2> "$RESULTS/bench_vllm_e2e.txt"
+  rc=$?
+  say "bench_vllm_e2e.py: exit $rc; $(tail -n 1 "$RESULTS/bench_vllm_e2e.txt")"
+  if [ "$rc" -ne 0 ]; then status=1; fi
+else
+  say "bench_vllm_e2e.py: skipped (vLLM is not installed here)"
+fi
 
 say "done in $(( $(date +%s) - started )) s: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
 exit "$status"

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import torch
 from vllm_world import HANG_GUARD, World, cpu, open_world
 
 from kvtier.testing import make_key
@@ -98,3 +99,70 @@ async def test_complete_load_without_a_finished_load_keeps_the_pins_until_it_is_
     assert pinned(one) == 0 and set(one.idle().values()) == {0}, one.idle()
     one.side.complete_load(K[:1])  # nothing left to complete: counted, ignored
     assert one.sched_engine.counters["complete_load_unmatched"] == 2 and pinned(one) == 0
+
+
+def _stall(transfers: Any, name: str) -> tuple[threading.Event, threading.Event, Any]:
+    """Make the layout's ``name`` (scatter: loads; gather: stores) wait for ``gate``;
+    ``entered`` is set when a job reached it. Returns (gate, entered, the real method)."""
+    gate, entered = threading.Event(), threading.Event()
+    real = getattr(transfers.layout, name)
+
+    def stalled(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert gate.wait(HANG_GUARD)
+        return real(*args, **kwargs)
+
+    setattr(transfers.layout, name, stalled)
+    return gate, entered, real
+
+
+async def test_wait_for_load_returns_when_the_oldest_load_has_finished(one: World) -> None:
+    """An empty vLLM step waits for the load in flight (kvtier.integrations.vllm.idle_steps):
+    once the wait returns, the very next ``finished`` reports the load."""
+    one.store(K[:2], [0, 1])
+    worker, transfers = one.workers[0], one.workers[0]._transfers
+    load_id, plan = one.side.prepare_load(K[:2])
+    gate, entered, real = _stall(transfers, "scatter")
+    worker.submit_load(10, load_id, plan, [4, 5])
+    assert await asyncio.to_thread(entered.wait, HANG_GUARD)
+    transfers.layout.scatter = real  # type: ignore[method-assign]
+    assert worker.wait_for_load(0.01) is True  # still stalled: the wait ends at its timeout
+    assert worker.finished() == []
+    waiting = asyncio.create_task(asyncio.to_thread(worker.wait_for_load, HANG_GUARD))
+    gate.set()
+    assert await waiting is True
+    assert [job_id for job_id, *_ in worker.finished()] == [10]
+    assert torch.equal(one.caches[0][0][4], one.caches[0][0][0])  # the bytes are in place
+    assert worker.wait_for_load(HANG_GUARD) is False  # nothing in flight any more
+
+
+async def test_wait_for_load_never_waits_for_a_store(one: World) -> None:
+    worker, transfers = one.workers[0], one.workers[0]._transfers
+    plan = one.side.prepare_store(K[:2])
+    assert plan is not None
+    gate, entered, real = _stall(transfers, "gather")
+    worker.submit_store(7, plan, [0, 1])
+    assert await asyncio.to_thread(entered.wait, HANG_GUARD)
+    transfers.layout.gather = real  # type: ignore[method-assign]
+    assert worker.wait_for_load(HANG_GUARD) is False  # returned although the store is stalled
+    assert worker.finished() == []
+    gate.set()
+    one.deliver()
+    one.side.complete_store(K[:2])
+    assert one.manager.lookup(K[:2]) == 2
+
+
+def test_idle_load_wait_config_and_idle_steps() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.idle_steps import DEFAULT_IDLE_LOAD_WAIT_S, idle_load_wait, is_idle_step
+
+    assert idle_load_wait(None) == DEFAULT_IDLE_LOAD_WAIT_S
+    assert idle_load_wait(0) == 0.0 and idle_load_wait(0.02) == 0.02
+    for bad in (-1, 2, "5ms", True):
+        with pytest.raises(ConfigError, match="idle_load_wait_s"):
+            idle_load_wait(bad)
+    assert is_idle_step(SimpleNamespace(attn_metadata=None))  # vLLM's kv_connector_no_forward
+    assert not is_idle_step(SimpleNamespace(attn_metadata={"layer.0": object()}))
+    assert not is_idle_step(None) and not is_idle_step(object())

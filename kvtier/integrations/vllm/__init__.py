@@ -74,7 +74,8 @@ vLLM internals this module relies on (all imported lazily, only here):
   ``kv_cache_layout``;
 * ``vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector``
   (constructor signature, ``connector_worker.worker``, ``connector_scheduler.manager``,
-  ``register_kv_caches``, ``handle_preemptions``, ``build_connector_meta``,
+  ``register_kv_caches``, ``handle_preemptions``, ``start_load_kv`` (its forward context has no
+  attention metadata on a step without a forward pass: :mod:`.idle_steps`), ``build_connector_meta``,
   ``build_connector_worker_meta``, ``update_connector_output``), ``OffloadingWorkerMetadata``
   and ``KVConnectorBase_V1``'s ``get_handshake_metadata``, ``set_xfer_handshake_metadata``,
   ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``, ``build_kv_connector_stats``

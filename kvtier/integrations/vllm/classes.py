@@ -35,6 +35,7 @@ from kvtier.integrations.vllm.groups import (
     group_tiers,
     summed,
 )
+from kvtier.integrations.vllm.idle_steps import idle_load_wait, is_idle_step, wait_for_loads
 from kvtier.integrations.vllm.ranks import describe_rank
 from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S
@@ -263,10 +264,13 @@ def build_classes() -> dict[str, type]:
         """Executes kvtier plans between this rank's paged KV cache and its own tiers (one store
         per offloaded KV-cache group)."""
 
-        def __init__(self, engines: list[_Engine], description: RankGroups) -> None:
+        def __init__(self, engines: list[_Engine], description: RankGroups, idle_load_wait_s: float = 0.0) -> None:
             self._engines = engines
             self._rank = engines[0].rank
             self._groups = WorkerGroups([_WorkerSide(e) for e in engines])
+            self._idle_load_wait_s = idle_load_wait_s
+            #: this step runs no forward pass (set by the connector's start_load_kv; .idle_steps)
+            self.idle_step = False
             #: what this rank opened; vLLM hands it to the scheduler side (handshake metadata)
             self.description = description
 
@@ -297,6 +301,8 @@ def build_classes() -> dict[str, type]:
             return True
 
         def get_finished(self) -> list[Any]:
+            if self.idle_step and self._idle_load_wait_s:
+                wait_for_loads(self._groups.sides, self._idle_load_wait_s)
             return [
                 TransferResult(job_id, success, transfer_size=nbytes, transfer_time=seconds)
                 for job_id, success, nbytes, seconds in self._groups.finished()
@@ -352,6 +358,7 @@ def build_classes() -> dict[str, type]:
             cfg_dict.pop("block_bytes", None)
             self._store_dict = cfg_dict
             self._result_deadline_s = _result_deadline(self.extra_config.get("result_deadline_s"))
+            self._idle_load_wait_s = idle_load_wait(self.extra_config.get("idle_load_wait_s"))
             #: KV the same on every rank: the tiers all ranks share hold one copy (.replicated)
             self._replicated = bool(self.extra_config.get(_REPLICATED_KEY)) and config.parallel.world_size > 1
             self._shared = shared_tiers(cfg_dict) if self._replicated else frozenset()
@@ -428,7 +435,8 @@ def build_classes() -> dict[str, type]:
                     layout.block_bytes,
                     sum(len(t.records) for t in descriptions[-1].tiers),
                 )
-            return KvtierOffloadingWorker(engines, RankGroups(rank, world, group_ids, tuple(descriptions)))
+            description = RankGroups(rank, world, group_ids, tuple(descriptions))
+            return KvtierOffloadingWorker(engines, description, idle_load_wait_s=self._idle_load_wait_s)
 
     class KvtierConnector(OffloadingConnector):
         """vLLM's OffloadingConnector with kvtier's spec. Over vLLM's own channels it carries
@@ -486,6 +494,12 @@ def build_classes() -> dict[str, type]:
             worker = self._kvtier_worker()
             if worker is not None:
                 worker.report_load_errors()
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            super().start_load_kv(forward_context, **kwargs)
+            worker = self._kvtier_worker()
+            if worker is not None:
+                worker.idle_step = is_idle_step(forward_context)
 
         def get_handshake_metadata(self) -> Any:
             worker = self._kvtier_worker()

@@ -127,6 +127,22 @@ class _WorkerSide:
             _remember(self._reported, job_id)
         return out
 
+    def wait_for_load(self, timeout: float) -> bool:
+        """Block, without the GIL, until the oldest load job in flight has finished or
+        ``timeout`` seconds have passed (see :mod:`.idle_steps`); ``False`` at once when no load
+        is in flight. Stores are never waited for. Never raises."""
+        with self._lock:
+            oldest = next((kid for kid, (_, plan_key, _) in self._jobs.items() if plan_key[0] == "load"), None)
+        if oldest is None:
+            return False
+        try:
+            self._transfers.wait([oldest], timeout=timeout)
+        except TimeoutError:
+            pass
+        except Exception as exc:  # never raised into vLLM's step
+            log.warning("kvtier: waiting for load job %d failed: %s", oldest, exc)
+        return True
+
     def take_outbox(self) -> list[tuple[str, int, JobResult]]:
         """The results of the jobs reported by ``finished`` since the last call."""
         outbox = self._engine.outbox
