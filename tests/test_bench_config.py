@@ -131,3 +131,17 @@ def test_a_configured_disk_tier_is_told_when_the_other_loads_clearly_faster_on_i
         "loads 3.0 GB/s, saves 200 MB/s on its filesystem (lmdb there loads 9.0 GB/s): lmdb loads faster here; "
         "use lmdb unless several hosts share this filesystem")
     assert tier_line("lmdb", "disk", {"lmdb_load_gbps": 1.0}) is None  # too little measured: no advice
+
+
+def test_the_picture_shows_each_disk_tier_s_figures_from_its_own_path(tmp_path: Path) -> None:
+    from kvtier.tools.bench import BenchJob, BenchRun
+    from kvtier.tools.bench.configured import ConfiguredTier, picture_results
+
+    lmdb = ConfiguredTier(0, "lmdb", "/nvme", BenchJob("tier0-lmdb", "disk"))
+    files = ConfiguredTier(1, "file", "/nfs", BenchJob("tier1-file", "disk"))
+    run = BenchRun(output=tmp_path, quick=True, scripts=None, results={
+        "tier0-lmdb": {"lmdb_load_gbps": 3.0, "raw_lmdb_get_gbps": 4.0, "file_load_gbps": 2.5, "blocks": 16},
+        "tier1-file": {"lmdb_load_gbps": 0.5, "raw_lmdb_get_gbps": 0.6, "file_load_gbps": 0.4, "blocks": 16},
+    })
+    assert picture_results([lmdb, files], run) == {"disk": {
+        "lmdb_load_gbps": 3.0, "raw_lmdb_get_gbps": 4.0, "file_load_gbps": 0.4, "blocks": 16}}

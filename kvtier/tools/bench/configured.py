@@ -188,11 +188,17 @@ def advice_lines(tiers: list[ConfiguredTier], run: BenchRun) -> list[str]:
 
 
 def picture_results(tiers: list[ConfiguredTier], run: BenchRun) -> dict[str, Any]:
-    """The run's figures keyed by benchmark, as the picture reads them (where two tiers ran
-    the same benchmark, the later tier's figures win)."""
+    """The run's figures keyed by benchmark, as the picture reads them: where two tiers ran the
+    same benchmark, the later tier's figures win, but an lmdb or file tier's own figures (and
+    their raw baselines) are those measured at its path."""
     merged: dict[str, dict[str, Any]] = {}
+    own: dict[str, Any] = {}
     for tier in tiers:
         result = run.results.get(tier.label)
         if tier.job is not None and isinstance(result, dict):
             merged.setdefault(tier.job.script, {}).update(result)
+            if tier.backend in ("lmdb", "file"):
+                own.update({k: v for k, v in result.items() if k.startswith((f"{tier.backend}_", f"raw_{tier.backend}_"))})
+    if own:
+        merged["disk"].update(own)
     return merged
