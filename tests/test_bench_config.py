@@ -131,6 +131,12 @@ def test_a_configured_disk_tier_is_told_when_the_other_loads_clearly_faster_on_i
         "loads 3.0 GB/s, saves 200 MB/s on its filesystem (lmdb there loads 9.0 GB/s): lmdb loads faster here; "
         "use lmdb unless several hosts share this filesystem")
     assert tier_line("lmdb", "disk", {"lmdb_load_gbps": 1.0}) is None  # too little measured: no advice
+    # bench_gpu's figures (GB/s with a capital B) and bench_core's
+    assert tier_line("gpu", "gpu", {"gpu_save_GBps": 40.0, "gpu_load_GBps": 45.0}) == (
+        "spare GPU memory, ahead of cpu: loads 45.0 GB/s, saves 40.0 GB/s here")
+    assert tier_line("cpu", "core", {"cpu_save_gbps": 4.0, "cpu_load_gbps": 3.0}) == (
+        "the first tier (after gpu, if any): loads 3.0 GB/s, saves 4.0 GB/s here")
+    assert tier_line("s3", "disk", figures) is None
 
 
 def test_the_picture_shows_each_disk_tier_s_figures_from_its_own_path(tmp_path: Path) -> None:
