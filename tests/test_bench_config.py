@@ -30,7 +30,7 @@ def test_disk_tiers_are_measured_at_their_paths_and_left_as_they_were(tmp_path: 
     # the file tier's path does not exist yet: it is measured in its nearest existing folder
     config.write_text(
         "tiers:\n"
-        f"  - {{backend: lmdb, capacity: 1GiB, path: '{operator / 'kv-lmdb'}'}}\n"
+        f"  - {{backend: lmdb, capacity: 1GiB, path: '{operator / 'kv-lmdb'}', sync_mode: fast}}\n"
         f"  - {{backend: file, capacity: 1GiB, path: '{operator / 'not-yet' / 'kv-files'}'}}\n"
     )
     before = _tree(operator)
@@ -51,6 +51,8 @@ def test_disk_tiers_are_measured_at_their_paths_and_left_as_they_were(tmp_path: 
     measured = (out / "tier0-lmdb.log").read_text().splitlines()[0]
     assert f"--dir {operator / 'kv-lmdb'}/.kvtier-bench-" in measured  # on the tier's own filesystem
     assert results["results"]["tier0-lmdb"]["lmdb_load_gbps"] > 0 and results["failures"] == {}
+    # as configured: the lmdb tier's sync_mode reaches the benchmark; the file tier sets none
+    assert results["results"]["tier0-lmdb"]["sync_mode"] == "fast" and results["results"]["tier1-file"]["sync_mode"] == "durable"
 
 
 def test_a_redis_tier_is_measured_on_its_server_and_leaves_no_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -2,7 +2,8 @@
 
 Each tier runs the shipped benchmark that measures its backend, with the tier's own parameters:
 
-* ``lmdb`` and ``file``: ``bench_disk.py --only lmdb file --dir T``, where ``T`` is a fresh
+* ``lmdb`` and ``file``: ``bench_disk.py --only lmdb file --dir T [--sync-mode M]`` (``M``: the
+  tier's ``sync_mode``, applied to both tiers and their raw baselines), where ``T`` is a fresh
   temporary folder made inside the tier's ``path`` (or, while that does not exist yet, inside
   its nearest existing parent: the same filesystem). Both tiers are measured there, so the
   line can say whether the other one loads faster on that filesystem. ``T`` is removed
@@ -78,7 +79,8 @@ def _nearest_folder(path: str) -> Path:
     return here
 
 
-def _disk(tier: ConfiguredTier, path: str, parts: tuple[str, ...], quick: bool, stack: ExitStack) -> None:
+def _disk(tier: ConfiguredTier, options: dict[str, Any], parts: tuple[str, ...], quick: bool, stack: ExitStack) -> None:
+    path = options["path"]
     base = _nearest_folder(path)
     tier.where = path if base == Path(path).expanduser().absolute() else f"{path} (not there yet: measured in {base})"
     try:
@@ -87,7 +89,8 @@ def _disk(tier: ConfiguredTier, path: str, parts: tuple[str, ...], quick: bool, 
         tier.problem = f"cannot make a temporary folder in {base}: {type(exc).__name__}: {exc}"
         return
     stack.callback(shutil.rmtree, folder, ignore_errors=True)
-    tier.job = BenchJob(tier.label, "disk", (*(("--quick",) if quick else ()), "--dir", folder, "--only", *parts))
+    sync = ("--sync-mode", str(options["sync_mode"])) if "sync_mode" in options else ()
+    tier.job = BenchJob(tier.label, "disk", (*(("--quick",) if quick else ()), "--dir", folder, *sync, "--only", *parts))
 
 
 def _delete_keys(tier_cfg: Any, index: int, prefix: str, notes: list[str]) -> None:
@@ -133,7 +136,7 @@ def plan_tiers(cfg: Any, *, quick: bool, stack: ExitStack, notes: list[str]) -> 
         options = tier_cfg.options()
         if tier.backend in ("lmdb", "file"):
             if isinstance(options.get("path"), str):
-                _disk(tier, options["path"], ("lmdb", "file"), quick, stack)
+                _disk(tier, options, ("lmdb", "file"), quick, stack)
             else:
                 tier.where, tier.problem = "-", "no path configured; not measured"
         elif tier.backend == "redis":
