@@ -126,9 +126,10 @@ def _tier_read(backend: Backend, keys: list[bytes], outs: list[torch.Tensor]) ->
     return sum(timed(lambda j=j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(len(keys)))
 
 
-def _raw_env(path: str, capacity: int, *, readahead: bool = False) -> tuple[lmdb.Environment, Any]:
-    """A raw python-lmdb environment synced as the tier's durable mode is, and its database."""
-    env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=readahead, meminit=False)
+def _raw_env(path: str, capacity: int, *, readahead: bool = False, durable: bool = True) -> tuple[lmdb.Environment, Any]:
+    """A raw python-lmdb environment synced as the tier's durable mode is (``durable=False``:
+    as its fast mode, no syncs), and its database."""
+    env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=durable, metasync=False, readahead=readahead, meminit=False)
     return env, env.open_db(b"blocks")
 
 
@@ -150,12 +151,13 @@ def _raw_read(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torc
     return sum(timed(lambda j=j: job(j)) for j in jobs(len(keys)))
 
 
-def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, Any]:
+def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: str = "durable") -> dict[str, Any]:
     n, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
+    durable = sync_mode == "durable"
 
     def tier_save(**options: Any) -> float:
         path = tempfile.mkdtemp(dir=root)
-        backend = open_backend("lmdb", fmt, capacity=capacity, path=path, **options)
+        backend = open_backend("lmdb", fmt, capacity=capacity, path=path, sync_mode=sync_mode, **options)
         t = _tier_write(backend, keys, blocks)
         asyncio.run(backend.aclose())
         shutil.rmtree(path)
@@ -163,7 +165,7 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
 
     def raw_save(per_job: bool = False) -> float:
         path = tempfile.mkdtemp(dir=root)
-        env, db = _raw_env(path, capacity)
+        env, db = _raw_env(path, capacity, durable=durable)
 
         def job(j: range) -> None:
             if per_job:
@@ -172,7 +174,8 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
                         txn.put(keys[i], blocks[i].numpy())
             else:
                 _raw_put(env, db, keys, blocks, j)
-            env.sync(True)
+            if durable:
+                env.sync(True)
 
         t = sum(timed(lambda j=j: job(j)) for j in jobs(n))
         env.close()
@@ -181,20 +184,22 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, 
 
     # Load: one populated store per side, read back job by job.
     tier_path = tempfile.mkdtemp(dir=root)
-    backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
+    backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path, sync_mode=sync_mode)
     _tier_write(backend, keys, blocks)
     raw_path = tempfile.mkdtemp(dir=root)
-    env, db = _raw_env(raw_path, capacity)
+    env, db = _raw_env(raw_path, capacity, durable=durable)
     _raw_put(env, db, keys, blocks, range(n))
 
     mac_path = tempfile.mkdtemp(dir=root)
-    mac_backend = open_backend("lmdb", fmt, capacity=capacity, path=mac_path, mac_key=MAC_SECRET)
+    mac_backend = open_backend("lmdb", fmt, capacity=capacity, path=mac_path, mac_key=MAC_SECRET, sync_mode=sync_mode)
     _tier_write(mac_backend, keys, blocks)
     hmac_path = tempfile.mkdtemp(dir=root)
-    hmac_backend = open_backend("lmdb", fmt, capacity=capacity, path=hmac_path, mac_key=MAC_SECRET, mac_algorithm="hmac-sha256")
+    hmac_backend = open_backend("lmdb", fmt, capacity=capacity, path=hmac_path, mac_key=MAC_SECRET, mac_algorithm="hmac-sha256",
+                                 sync_mode=sync_mode)
     _tier_write(hmac_backend, keys, blocks)
     blake3_path = tempfile.mkdtemp(dir=root)
-    blake3_backend = open_backend("lmdb", fmt, capacity=capacity, path=blake3_path, mac_key=MAC_SECRET, mac_algorithm="blake3")
+    blake3_backend = open_backend("lmdb", fmt, capacity=capacity, path=blake3_path, mac_key=MAC_SECRET, mac_algorithm="blake3",
+                                  sync_mode=sync_mode)
     _tier_write(blake3_backend, keys, blocks)
 
     def tier_load(tier: Backend = backend) -> float:
@@ -467,10 +472,11 @@ def _preadv_read(paths: list[str], outs: list[torch.Tensor]) -> None:
     asyncio.run(run())
 
 
-def _raw_file_write(folder: str, blocks: list[torch.Tensor]) -> float:
+def _raw_file_write(folder: str, blocks: list[torch.Tensor], durable: bool = True) -> float:
     """The file tier's durable write protocol with nothing of kvtier: per block a temporary file,
     one ``pwritev`` of a 32-byte header and the payload, ``fdatasync``, a rename; per job one
-    ``fsync`` of the directory; one worker-thread hop per job. The seconds spent."""
+    ``fsync`` of the directory; one worker-thread hop per job (``durable=False``: the fast
+    mode's, without the syncs). The seconds spent."""
     header = bytes(32)
     dir_fd = os.open(folder, os.O_RDONLY)
 
@@ -480,11 +486,13 @@ def _raw_file_write(folder: str, blocks: list[torch.Tensor]) -> float:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
             try:
                 os.pwritev(fd, [header, memoryview(blocks[i].numpy())], 0)
-                os.fdatasync(fd)
+                if durable:
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        os.fsync(dir_fd)
+        if durable:
+            os.fsync(dir_fd)
 
     async def run() -> None:
         for j in jobs(len(blocks)):
@@ -496,16 +504,18 @@ def _raw_file_write(folder: str, blocks: list[torch.Tensor]) -> float:
         os.close(dir_fd)
 
 
-def _file_round(root: str, blocks: list[torch.Tensor], outs: list[torch.Tensor], tier_first: bool) -> tuple[float, ...]:
+def _file_round(
+    root: str, blocks: list[torch.Tensor], outs: list[torch.Tensor], tier_first: bool, sync_mode: str
+) -> tuple[float, ...]:
     n = len(blocks)
     keys = [make_key(i) for i in range(n)]
     fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16")
     path = tempfile.mkdtemp(dir=root)
     raw_path = tempfile.mkdtemp(dir=root)
-    backend = open_backend("file", fmt, capacity=3 * n * BLOCK, path=path)
+    backend = open_backend("file", fmt, capacity=3 * n * BLOCK, path=path, sync_mode=sync_mode)
     saves: list[tuple[str, Callable[[], float]]] = [
         ("save", lambda: _tier_write(backend, keys, blocks)),
-        ("raw_save", lambda: _raw_file_write(raw_path, blocks)),
+        ("raw_save", lambda: _raw_file_write(raw_path, blocks, durable=sync_mode == "durable")),
     ]
     times: dict[str, float] = {}
     # Whichever save runs first in a round was measured slower (the other's files just went): alternate.
@@ -529,10 +539,10 @@ def _file_round(root: str, blocks: list[torch.Tensor], outs: list[torch.Tensor],
     return times["save"], times["raw_save"], times["load"], times["aio"], times["pread"]
 
 
-def bench_file(root: str, blocks: list[torch.Tensor], repeat: int) -> dict[str, Any]:
+def bench_file(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: str = "durable") -> dict[str, Any]:
     total = len(blocks) * BLOCK
     outs = [torch.empty(BLOCK, dtype=torch.uint8) for _ in blocks]
-    rounds = [_file_round(root, blocks, outs, tier_first=r % 2 == 1) for r in range(repeat + 1)][1:]  # round 0 warms up
+    rounds = [_file_round(root, blocks, outs, tier_first=r % 2 == 1, sync_mode=sync_mode) for r in range(repeat + 1)][1:]  # round 0 warms up
     save_t, raw_save_t, load_t, aio_t, pread_t = (list(col) for col in zip(*rounds))
     med = statistics.median
     res = {
@@ -637,6 +647,8 @@ def main() -> None:
     )
     parser.add_argument("--drop-caches", action="store_true", help="cold runs drop the whole page cache (root only)")
     parser.add_argument("--only", nargs="+", choices=sorted(_PARTS), help="run only these parts")
+    parser.add_argument("--sync-mode", choices=["durable", "fast"], default="durable",
+                        help="the lmdb and file tiers' sync_mode, and the raw baselines' syncs to match (default durable)")
     args = parser.parse_args()
     n = 16 if args.quick else 48
     repeat = args.repeat or (3 if args.quick else 5)
@@ -646,12 +658,12 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir)
     started = time.perf_counter()
     try:
-        result: dict[str, Any] = {"block_bytes": BLOCK, "blocks": n, "quick": args.quick, "sync_mode": "durable", "dir": os.path.dirname(root)}
+        result: dict[str, Any] = {"block_bytes": BLOCK, "blocks": n, "quick": args.quick, "sync_mode": args.sync_mode, "dir": os.path.dirname(root)}
         parts: dict[str, Callable[[], dict[str, Any]]] = {
-            "lmdb": lambda: bench_lmdb(root, blocks, repeat),
+            "lmdb": lambda: bench_lmdb(root, blocks, repeat, args.sync_mode),
             "cold": lambda: bench_lmdb_cold(root, blocks, cold_rounds, args.drop_caches),
             "cold_contention": lambda: bench_cold_contention(root, blocks, repeat, args.drop_caches),
-            "file": lambda: bench_file(root, blocks, repeat),
+            "file": lambda: bench_file(root, blocks, repeat, args.sync_mode),
             "codecs": lambda: bench_codecs(blocks, repeat),
             "compressed": lambda: bench_compressed_tier(blocks),
             "scan": lambda: bench_lmdb_scan(root, scan_records),

@@ -12,8 +12,13 @@ sweep (SCAN) of the server, per key held.
 
 Servers: ``--url`` / ``--cluster-url``, else private ones started here
 (:mod:`kvtier.tools.servers`: it needs ``redis-server`` and ``redis-cli`` on ``PATH``).
+``--connection-env VAR`` measures one configured server instead: ``VAR`` holds a JSON object of
+the redis tier's connection options (``url``, ``cluster``, ``username``, ``password`` or
+``password_env``, ``tls_*``), passed in the environment so that no secret shows on a command
+line. ``--prefix P`` puts every key the benchmark writes under ``P:`` or ``P.<part>:`` (what
+``kvtier bench --config`` gives, and deletes afterwards; default ``bench``).
 
-    python benchmarks/bench_redis.py [--repeat 3] [--no-cluster] [--quick]
+    python benchmarks/bench_redis.py [--repeat 3] [--no-cluster] [--quick] [--prefix P]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 import redis
 import torch
-from kvtier.backends.redis_tier import RedisBackend
+from kvtier.backends.redis_tier import RedisBackend, _client_options
 from redis.cluster import RedisCluster
 
 import kvtier
@@ -119,13 +124,21 @@ def kvtier_io(backend: RedisBackend, block: int, n: int, job: int) -> tuple[dict
     return {"put_kvtier": put, "get_kvtier": get}, check
 
 
-def measure_shape(url: str, cluster: bool, client: Any, block: int, n: int, job: int, repeat: int) -> dict[str, Any]:
+def client_for(conn: dict[str, Any]) -> Any:
+    """A raw redis-py client with the connection options of a redis tier built from ``conn``."""
+    probe = RedisBackend(capacity=1 << 20, **conn)
+    options = _client_options(probe.username, probe._password, probe.tls, 30.0, 5.0, 32)
+    return RedisCluster.from_url(probe.url, **options) if probe.cluster else redis.Redis.from_url(probe.url, **options)
+
+
+def measure_shape(conn: dict[str, Any], prefix: str, client: Any, block: int, n: int, job: int, repeat: int) -> dict[str, Any]:
     """Every pattern, interleaved ``repeat`` times (best kept), so load swings hit all alike."""
     fmt = BlockFormat(block_bytes=block, dtype="bfloat16", namespace_digest=hashlib.sha256(b"bench-redis%d" % block).digest())
-    backend = RedisBackend(capacity=4 * n * (block + 64), url=url, cluster=cluster, prefix="bench")
+    backend = RedisBackend(capacity=4 * n * (block + 64), prefix=prefix, **conn)
+    cluster = backend.cluster
     asyncio.run(backend.open(fmt))
     try:
-        keys = [b"bench-raw:" + make_key(i) for i in range(n)]
+        keys = [f"{prefix}.raw:".encode() + make_key(i) for i in range(n)]
         values = [random_block(block, i % 8).numpy().tobytes() for i in range(n)]
         patterns = raw_patterns(client, cluster, keys, values, job)
         ours, check = kvtier_io(backend, block, n, job)
@@ -152,14 +165,12 @@ def measure_shape(url: str, cluster: bool, client: Any, block: int, n: int, job:
     }
 
 
-async def lookup_cost(url: str, cluster: bool, n: int) -> dict[str, float]:
+async def lookup_cost(conn: dict[str, Any], prefix: str, n: int) -> dict[str, float]:
     """Lookups through a store whose redis index was filled by one sweep of ``n`` records."""
     block = 4096
-    cfg = {
-        "block_bytes": block,
-        "tiers": [{"backend": "redis", "capacity": 4 * n * (block + 64), "url": url, "cluster": cluster, "prefix": "benchlookup", "sync_interval_s": 3600}],
-    }
-    writer = RedisBackend(capacity=4 * n * (block + 64), url=url, cluster=cluster, prefix="benchlookup")
+    tier = {"backend": "redis", "capacity": 4 * n * (block + 64), **conn, "prefix": f"{prefix}.lookup"}
+    cfg = {"block_bytes": block, "tiers": [{**tier, "sync_interval_s": 3600}]}
+    writer = RedisBackend(**{k: v for k, v in tier.items() if k != "backend"})
     async with kvtier.open(cfg) as store:
         await writer.open(store.format)
         keys = [make_key(i) for i in range(n)]
@@ -184,15 +195,20 @@ async def lookup_cost(url: str, cluster: bool, n: int) -> dict[str, float]:
     return {"lookup_us_per_key": round(lookup_s / n * 1e6, 3), "sweep_us_per_key": round(sweep_s / n * 1e6, 3), "sweep_keys": n}
 
 
-def measure(url: str, cluster: bool, repeat: int, lookup_keys: int = 20000) -> dict[str, Any]:
-    client: Any = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
-    result: dict[str, Any] = {label: measure_shape(url, cluster, client, *shape, repeat) for label, shape in SHAPES.items()}
+def measure(conn: dict[str, Any], repeat: int, lookup_keys: int = 20000, prefix: str = "bench") -> dict[str, Any]:
+    client = client_for(conn)
+    result: dict[str, Any] = {label: measure_shape(conn, prefix, client, *shape, repeat) for label, shape in SHAPES.items()}
     client.close()
-    result.update(asyncio.run(lookup_cost(url, cluster, lookup_keys)))
+    result.update(asyncio.run(lookup_cost(conn, prefix, lookup_keys)))
     # Headline ratios: the 2 MiB cell, the shape of real KV blocks.
     result["redis_save_ratio"] = result["2MiB"]["redis_save_ratio"]
     result["redis_load_ratio"] = result["2MiB"]["redis_load_ratio"]
     return result
+
+
+def headline(figures: dict[str, Any]) -> dict[str, Any]:
+    """The figures ``kvtier bench`` reads at the top level of the report."""
+    return {f: figures[f] for f in ("redis_save_ratio", "redis_load_ratio", "2MiB", "64KiB", "lookup_us_per_key", "sweep_us_per_key")}
 
 
 def main() -> None:
@@ -202,10 +218,18 @@ def main() -> None:
     parser.add_argument("--no-cluster", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one repetition, 2000 lookup keys, no cluster (what `kvtier bench --quick` runs)")
+    parser.add_argument("--connection-env", metavar="VAR",
+                        help="measure only the server whose redis tier options (JSON) environment variable VAR holds")
+    parser.add_argument("--prefix", default="bench", help="the keys written go under PREFIX: and PREFIX.<part>: (default bench)")
     args = parser.parse_args()
     lookup_keys = 20000
     if args.quick:
         args.repeat, args.no_cluster, lookup_keys = 1, True, 2000
+    if args.connection_env:
+        conn = json.loads(os.environ[args.connection_env])
+        report = {"cpus": os.cpu_count(), "server": measure(conn, args.repeat, lookup_keys, args.prefix)}
+        print(json.dumps({**report, **headline(report["server"])}))
+        return
     started: list[Any] = []
     try:
         from kvtier.tools.servers import RedisClusterServers, RedisServer, server_version
@@ -216,17 +240,17 @@ def main() -> None:
             server = RedisServer(tmp / "server", extra=("--maxmemory", "4gb")).start()
             started.append(server)
             url = server.url
-        report: dict[str, Any] = {"redis_server": server_version(), "cpus": os.cpu_count(), "server": measure(url, False, args.repeat, lookup_keys)}
+        server_figures = measure({"url": url}, args.repeat, lookup_keys, args.prefix)
         # Top level: the standalone server's figures (what `kvtier bench` plots), the cluster's below.
-        for field in ("redis_save_ratio", "redis_load_ratio", "2MiB", "64KiB", "lookup_us_per_key", "sweep_us_per_key"):
-            report[field] = report["server"][field]
+        report: dict[str, Any] = {"redis_server": server_version(), "cpus": os.cpu_count(), "server": server_figures,
+                                  **headline(server_figures)}
         if not args.no_cluster:
             curl = args.cluster_url
             if curl is None:
                 cluster = RedisClusterServers(tmp / "cluster").start()
                 started.append(cluster)
                 curl = cluster.url
-            report["cluster"] = measure(curl, True, args.repeat, lookup_keys)
+            report["cluster"] = measure({"url": curl, "cluster": True}, args.repeat, lookup_keys, args.prefix)
         print(json.dumps(report))
     finally:
         for s in started:

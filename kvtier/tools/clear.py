@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Doomed", "add_parser", "plan_clear"]
+__all__ = ["Doomed", "add_parser", "plan_clear", "redis_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,8 @@ def _path_tier(index: int, path: str) -> list[Doomed]:
     return out
 
 
-def _redis_tier(index: int, backend: Any) -> list[Doomed]:
+def redis_keys(index: int, backend: Any) -> list[Doomed]:
+    """The keys under a redis tier's prefixes, as one deletion (none: an empty list)."""
     import redis
     from redis.cluster import RedisCluster
 
@@ -115,7 +116,7 @@ def plan_clear(cfg: Any, only: int | None = None) -> tuple[list[Doomed], list[st
                 notes.append(f"tiers[{i}] ({tier.backend}): no kvtier tier directory at {options['path']}")
         elif tier.backend == "redis":
             try:
-                found = _redis_tier(i, build_backend(tier, i))
+                found = redis_keys(i, build_backend(tier, i))
             except Exception as exc:  # a server down is the operator's to fix first
                 raise ConfigError(f"tiers[{i}] (redis): cannot list its keys: {type(exc).__name__}: {exc}") from exc
             doomed += found

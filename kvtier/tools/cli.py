@@ -7,6 +7,7 @@
 ``kvtier inspect PATH``        blocks, bytes, namespaces, codecs and format of an lmdb or file tier
 ``kvtier verify PATH``         check every record's checksum (``--delete`` removes bad ones)
 ``kvtier bench``               run the shipped benchmarks into ./kvtier-bench/ (results.json, logs, a PNG with matplotlib)
+``kvtier bench --config FILE`` measure a config's tiers where they are configured (:mod:`kvtier.tools.bench.configured`)
 ``kvtier sim``                 the workload simulator (registered by :mod:`kvtier.sim.cli`)
 
 Output is a readable table on stdout; ``--json`` prints one JSON document instead. Progress of
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -28,23 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.tools.output import print_json as _print_json
+from kvtier.tools.output import table as _table
 
 __all__ = ["build_parser", "main"]
 
 
 # -- output helpers ------------------------------------------------------------------------
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
 class _ProgressBar:
@@ -343,59 +333,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) or args.delete else 1
 
 
-# -- bench ---------------------------------------------------------------------------------
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvtier.tools.bench import DEFAULT_BENCHMARKS, available, run_benchmarks, script_dir
-    from kvtier.tools.bench.plot import plot_results, summary
-
-    folder = script_dir(args.bench_dir)
-    names = args.only or list(DEFAULT_BENCHMARKS)
-    if not any(n in available(folder) for n in names):
-        where = folder if folder is not None else "the installed package (kvtier.tools.bench.scripts) or ./benchmarks"
-        print(f"kvtier bench: no benchmark scripts (bench_{{{','.join(names)}}}.py) in {where}", file=sys.stderr)
-        return 1
-
-    def started(i: int, total: int, name: str) -> None:
-        print(f"[{i}/{total}] bench_{name}.py{' --quick' if args.quick else ''}", file=sys.stderr)
-
-    run = run_benchmarks(names, quick=args.quick, output=args.out, scripts=folder, timeout=args.timeout, on_start=started,
-                         disk_dir=args.dir, rounds=args.rounds)
-    for name in run.missing:
-        print(f"kvtier bench: bench_{name}.py not found in {folder}; skipped (have: {', '.join(available(folder))})", file=sys.stderr)
-    results_path = run.output / "results.json"
-    plot_note = "skipped (--no-plot)"
-    if not args.no_plot:
-        plot_path = run.output / "kvtier-bench.png"
-        if plot_results(run.results, plot_path, quick=args.quick, failures=run.failures):
-            plot_note = str(plot_path)
-        else:
-            plot_note = "not written: matplotlib is not installed (pip install 'kvtier[plot]')"
-    if args.json:
-        _print_json({**run.to_dict(), "output": str(run.output), "results_file": str(results_path), "plot": plot_note})
-    else:
-        rows = [[n, "ok", f"{run.seconds.get(n, 0):.1f}", summary(n, r)] for n, r in run.results.items()]
-        rows += [[n, "FAILED", f"{run.seconds.get(n, 0):.1f}", f.splitlines()[-1] if f else "?"] for n, f in run.failures.items()]
-        print(_table(["benchmark", "status", "seconds", "headline figures (all in results.json) / error"], rows))
-        from kvtier.tools.bench.advice import recommendations
-
-        advice = recommendations(run.results)
-        if advice:
-            print("which tiers, from this run's figures" + (" (--quick: rough)" if args.quick else "") + ":")
-            for line in advice:
-                print(f"  {line}")
-        if run.disk_dir:
-            print(f"disk benchmarks measured: {run.disk_dir}")
-        print(f"results: {results_path}")
-        print(f"plot: {plot_note}")
-        if run.rounds > 1:
-            print(f"figures: the median of {run.rounds} interleaved rounds")
-        logs = "<benchmark>.log" if run.rounds == 1 else "<benchmark>.<round>.log"
-        print(f"logs: {run.output}/{logs} (command, exit status, stderr, stdout)")
-    return 1 if run.failures else 0
-
-
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -494,31 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(verify)
     verify.set_defaults(func=_cmd_verify)
 
-    bench = sub.add_parser("bench", help="run the benchmarks and draw a picture to choose tiers by",
-                           description="Run the benchmark scripts shipped with kvtier (core: host-memory tier and "
-                           "manager; disk: lmdb, file and compression; connector: hit rates and scheduler cost), "
-                           "each in its own interpreter, and write results.json, one log per benchmark and "
-                           "kvtier-bench.png into the output folder. The picture needs matplotlib: pip install "
-                           "'kvtier[plot]' (without it, everything else is written and the command says so). Every "
-                           "ratio is against a raw baseline run in the same process.")
-    bench.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a minute or two in all; figures are rough)")
-    bench.add_argument("--only", nargs="+", metavar="NAME",
-                       help="run only these (default: core disk connector; any bench_NAME.py "
-                       "of the scripts folder, e.g. redis)")
-    bench.add_argument("--bench-dir", metavar="DIR", help="run the scripts in DIR instead of the installed ones")
-    bench.add_argument("--dir", metavar="DIR",
-                       help="measure the disk tiers on the filesystem holding DIR (where you mean to deploy them); "
-                       "default: the system's temporary directory")
-    bench.add_argument("--out", "-o", default="kvtier-bench", metavar="DIR",
-                       help="output folder (default: ./kvtier-bench/)")
-    bench.add_argument("--rounds", type=int, default=1, metavar="N",
-                       help="run the benchmarks N times, interleaved, and keep each figure's median (load swings "
-                       "on a shared machine hit every benchmark alike; default 1)")
-    bench.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
-    bench.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per benchmark")
-    _add_json(bench)
-    bench.set_defaults(func=_cmd_bench)
+    from kvtier.tools.bench.command import add_parser as add_bench
 
+    add_bench(sub)
     from kvtier.tools.clear import add_parser as add_clear
 
     add_clear(sub)

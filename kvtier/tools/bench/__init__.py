@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchRun", "available", "check_disk_dir", "last_json", "median_of",
-    "run_benchmarks", "script_dir",
+    "DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchJob", "BenchRun", "available", "check_disk_dir", "last_json",
+    "median_of", "run_benchmarks", "run_jobs", "script_dir",
 ]
 
 #: What ``kvtier bench`` runs by default: the ones that need no service or model download.
@@ -77,6 +77,21 @@ def last_json(text: str) -> Any:
     raise ValueError("no JSON object in its output")
 
 
+@dataclass(frozen=True)
+class BenchJob:
+    """One benchmark to run: its script (``bench_<script>.py``), the name its results and log
+    go under, its arguments, and variables added to its environment (secrets go there, never on
+    a command line)."""
+
+    label: str
+    script: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return " ".join([f"bench_{self.script}.py", *self.args])
+
+
 @dataclass
 class BenchRun:
     """What one ``kvtier bench`` did."""
@@ -90,9 +105,12 @@ class BenchRun:
     seconds: dict[str, float] = field(default_factory=dict)
     disk_dir: str | None = None
     rounds: int = 1
+    #: with ``kvtier bench --config``: what each configured tier was measured as, and where
+    tiers: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            **({"tiers": self.tiers} if self.tiers else {}),
             "quick": self.quick,
             "scripts": None if self.scripts is None else str(self.scripts),
             "disk_dir": self.disk_dir,
@@ -125,15 +143,11 @@ def check_disk_dir(path: str | os.PathLike[str]) -> Path:
     return folder.resolve()
 
 
-def _run_one(
-    folder: Path | None, name: str, quick: bool, where: Path | None, timeout: float, env: dict[str, str], out: Path,
-    run: BenchRun, suffix: str,
-) -> Any:
+def _run_one(folder: Path, job: BenchJob, timeout: float, env: dict[str, str], out: Path, run: BenchRun, suffix: str) -> Any:
     """Run one benchmark once: its JSON, or ``None`` (its failure recorded in ``run``)."""
-    assert folder is not None
-    cmd = [sys.executable, str(folder / f"bench_{name}.py"), *(["--quick"] if quick else [])]
-    if where is not None and name in DISK_BENCHMARKS:
-        cmd += ["--dir", str(where)]
+    name = job.label
+    cmd = [sys.executable, str(folder / f"bench_{job.script}.py"), *job.args]
+    env = {**env, **job.env}
     started = time.perf_counter()
     log = out / f"{name}{suffix}.log"
     try:
@@ -169,6 +183,52 @@ def median_of(values: Sequence[Any]) -> Any:
     return first
 
 
+def write_results(run: BenchRun) -> Path:
+    """Write ``results.json`` into the run's output folder; its path."""
+    path = run.output / "results.json"
+    path.write_text(json.dumps(run.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
+    return path
+
+
+def _check_rounds(rounds: int) -> None:
+    if not isinstance(rounds, int) or rounds < 1:
+        from kvtier.errors import ConfigError
+
+        raise ConfigError(f"--rounds: expected an integer >= 1, got {rounds!r}")
+
+
+def run_jobs(
+    jobs: Sequence[BenchJob], run: BenchRun, *, timeout: float = 3600.0,
+    on_start: Callable[[int, int, BenchJob], None] | None = None,
+) -> BenchRun:
+    """Run ``jobs`` from ``run.scripts`` ``run.rounds`` times, interleaved (a, b, c, a, b, ...),
+    so a swing of the machine's load hits every benchmark alike, and keep each figure's median
+    over the rounds in ``run.results[label]``; a job that failed in any round is failed. A job
+    whose script is not there is listed in ``run.missing``. Writes ``results.json``."""
+    _check_rounds(run.rounds)
+    folder = run.scripts
+    run.output.mkdir(parents=True, exist_ok=True)
+    present = [j for j in jobs if folder is not None and (folder / f"bench_{j.script}.py").is_file()]
+    run.missing += [j.label for j in jobs if j not in present]
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    got: dict[str, list[Any]] = {}
+    for r in range(run.rounds):
+        for i, job in enumerate(present, 1):
+            if on_start is not None:
+                on_start(r * len(present) + i, run.rounds * len(present), job)
+            assert folder is not None
+            suffix = "" if run.rounds == 1 else f".{r + 1}"
+            outcome = _run_one(folder, job, timeout, env, run.output, run, suffix)
+            if outcome is not None:
+                got.setdefault(job.label, []).append(outcome)
+    for name, values in got.items():
+        if name not in run.failures:
+            run.results[name] = median_of(values)
+    write_results(run)
+    return run
+
+
 def run_benchmarks(
     names: Sequence[str] | None = None,
     *,
@@ -176,41 +236,22 @@ def run_benchmarks(
     output: str | os.PathLike[str] = DEFAULT_OUTPUT,
     scripts: str | os.PathLike[str] | None = None,
     timeout: float = 3600.0,
-    on_start: Callable[[int, int, str], None] | None = None,
+    on_start: Callable[[int, int, BenchJob], None] | None = None,
     disk_dir: str | os.PathLike[str] | None = None,
     rounds: int = 1,
 ) -> BenchRun:
     """Run ``bench_<name>.py`` for each name (default :data:`DEFAULT_BENCHMARKS`), write
     ``results.json`` and the logs into ``output``, and return what happened. ``disk_dir`` is
     the filesystem the disk benchmarks (:data:`DISK_BENCHMARKS`) measure (their ``--dir``).
-
-    ``rounds > 1`` runs the whole list that many times, interleaved (core, disk, connector,
-    core, disk, ...), so a swing of the machine's load hits every benchmark alike, and keeps
-    each figure's median over the rounds; a benchmark that failed in any round is failed."""
-    if not isinstance(rounds, int) or rounds < 1:
-        from kvtier.errors import ConfigError
-
-        raise ConfigError(f"--rounds: expected an integer >= 1, got {rounds!r}")
-    folder = script_dir(scripts)
+    ``rounds``: see :func:`run_jobs`."""
+    _check_rounds(rounds)
     where = None if disk_dir is None else check_disk_dir(disk_dir)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    run = BenchRun(output=out, quick=quick, scripts=folder, disk_dir=None if where is None else str(where), rounds=rounds)
-    wanted = list(names or DEFAULT_BENCHMARKS)
-    present = [n for n in wanted if folder is not None and (folder / f"bench_{n}.py").is_file()]
-    run.missing = [n for n in wanted if n not in present]
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    got: dict[str, list[Any]] = {}
-    for r in range(rounds):
-        for i, name in enumerate(present, 1):
-            if on_start is not None:
-                on_start(r * len(present) + i, rounds * len(present), name)
-            outcome = _run_one(folder, name, quick, where, timeout, env, out, run, suffix="" if rounds == 1 else f".{r + 1}")
-            if outcome is not None:
-                got.setdefault(name, []).append(outcome)
-    for name, values in got.items():
-        if name not in run.failures:
-            run.results[name] = median_of(values)
-    (out / "results.json").write_text(json.dumps(run.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
-    return run
+    run = BenchRun(output=Path(output), quick=quick, scripts=script_dir(scripts),
+                   disk_dir=None if where is None else str(where), rounds=rounds)
+    jobs = []
+    for name in names or DEFAULT_BENCHMARKS:
+        args = ["--quick"] if quick else []
+        if where is not None and name in DISK_BENCHMARKS:
+            args += ["--dir", str(where)]
+        jobs.append(BenchJob(name, name, tuple(args)))
+    return run_jobs(jobs, run, timeout=timeout, on_start=on_start)
