@@ -184,8 +184,11 @@ def _kvtier_threads(before: set[int]) -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.ident not in before and t.is_alive())
 
 
-async def soak(seconds: float, seed: int = 0, warmup: float = 0.1, root: str | None = None) -> dict[str, Any]:
-    """Run the schedule for ``seconds`` and return the figures and checks (see the module doc)."""
+async def soak(
+    seconds: float, seed: int = 0, warmup: float = 0.1, root: str | None = None, rounds: int | None = None
+) -> dict[str, Any]:
+    """Run the schedule for ``seconds`` (or ``rounds`` steps, when given: the same schedule
+    whatever the machine's speed) and return the figures and checks (see the module doc)."""
     threads_before = {t.ident for t in threading.enumerate()}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         tiers = [
@@ -198,9 +201,9 @@ async def soak(seconds: float, seed: int = 0, warmup: float = 0.1, root: str | N
         warm_end = start + seconds * warmup
         rss_warm: tuple[int, int] | None = None
         try:
-            while time.monotonic() - start < seconds:
+            while time.monotonic() - start < seconds if rounds is None else s.counts["steps"] < rounds:
                 s.round()
-                if rss_warm is None and time.monotonic() >= warm_end:
+                if rss_warm is None and (time.monotonic() >= warm_end or rounds is not None):
                     gc.collect()
                     rss_warm = rss_bytes()
             s.drain()
