@@ -137,6 +137,11 @@ class ResultDeadlines:
         self._notices.extend(out)
         return out
 
+    @property
+    def notices_owed(self) -> int:
+        """Notices not yet taken by :meth:`take_notices`."""
+        return len(self._notices)
+
     def take_notices(self) -> tuple[Abandoned, ...]:
         """The notices not yet sent to the workers (the next step's connector metadata)."""
         notices, self._notices = tuple(self._notices), []
