@@ -325,6 +325,7 @@ async def test_a_store_a_rank_never_reports_is_given_up_after_the_deadline(timed
     w.now = 10.5
     w.step()
     assert w.sched_engine.counters["results_expired"] == 1
+    assert w.side.table_sizes()["notices"] == 1  # owed to the workers: not idle yet
     (notice,) = w.side.take_notices()
     assert notice.job_id == 1 and notice.ranks == (silent,)
     w.step(notices=(notice,))  # every rank reads the notice; only the silent one settles
@@ -333,7 +334,9 @@ async def test_a_store_a_rank_never_reports_is_given_up_after_the_deadline(timed
     assert sum(e.counters["jobs_abandoned"] for e in w.engines) == 1
     assert w.manager.lookup(K[:2]) == 0
     assert sum(t["pending"] for t in w.manager.stats()["tiers"]) == 0
+    assert w.side.table_sizes()["deletes"] == 2 and w.side.table_sizes()["notices"] == 0
     assert w.held(0) == 2 and w.run_deletes() == 2  # the copies the other ranks wrote go
+    assert w.side.table_sizes()["deletes"] == 0
     assert all(w.held(r) == 0 for r in range(w.world))
     w.step(notices=(notice,))  # the notice again (or a late report): nothing counted twice
     w.issue_store(2, K[:2], [0, 1])

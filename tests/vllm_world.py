@@ -161,7 +161,9 @@ class World:
             mine = [(r, kind, plan_id, result) for kind, plan_id, result in w.take_outbox()]
             results += [] if r in lost else mine
             bad |= w.take_failed_block_ids()
+            w.take_failed_loads()  # KvtierConnector.get_transfer_results, every step
         self.vllm.count(self.side.worker_output(results, counts))
+        self.manager.take_events()  # vLLM's scheduler takes the connector's KV events every step
         return bad
 
     def run_deletes(self) -> int:
@@ -174,14 +176,18 @@ class World:
         return sum(len(k) for _, k in deletes)
 
     def idle(self) -> dict[str, int]:
-        """What the scheduler side still holds: its tables, pins, pending keys, vLLM's open jobs
-        and every rank's unreported jobs (all 0 on an idle engine)."""
+        """What the scheduler side still holds: its tables, pins, pending keys, vLLM's open jobs;
+        and what the ranks hold: jobs not reported, load errors not taken, transfer records
+        (all 0 on an idle engine)."""
         tiers = self.manager.stats()["tiers"]
         out = dict(self.side.table_sizes())
         out["pins"] = sum(t["pinned"] for t in tiers)
         out["pending"] = sum(t["pending"] for t in tiers)
         out["vllm_jobs"] = len(self.vllm.pending)
         out["worker_jobs"] = sum(len(w._jobs) for w in self.workers)
+        out["worker_unreported"] = sum(len(w._refused) + len(w._engine.outbox) for w in self.workers)
+        out["worker_failed_loads"] = sum(len(w._failed_blocks) + len(w._failed_loads) for w in self.workers)
+        out["transfer_jobs"] = sum(len(w._transfers._jobs) + len(w._transfers._finished) for w in self.workers)
         return out
 
     def held(self, rank: int, tier: int = 0) -> int:

@@ -28,13 +28,13 @@ settled (a ``KeyError`` in vLLM's step loop) or count a job done before every ra
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvtier.integrations.vllm.recent import RecentIds
+
 __all__ = ["Abandoned", "ResultDeadlines"]
 
-_SETTLED = 1 << 16  # settled job ids remembered (a late report comes within a few steps)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ResultDeadlines:
         self._open: dict[int, _Open] = {}
         self._by_plan: dict[tuple[str, int], int] = {}
         self._notices: list[Abandoned] = []
-        self._settled: OrderedDict[int, None] = OrderedDict()  # recently settled job ids
+        self._settled = RecentIds()  # recently settled job ids (a late report comes within a few steps)
         self._done: list[tuple[str, int]] = []  # (kind, plan id) of jobs every rank counted, not yet taken
 
     def __len__(self) -> int:
@@ -108,9 +108,7 @@ class ResultDeadlines:
                 del self._open[job_id]
                 self._by_plan.pop((job.kind, job.plan_id), None)
                 self._done.append((job.kind, job.plan_id))
-                self._settled[job_id] = None
-                if len(self._settled) > _SETTLED:
-                    self._settled.popitem(last=False)
+                self._settled.add(job_id)
         return out
 
     def take_done(self) -> list[tuple[str, int]]:
@@ -138,6 +136,11 @@ class ResultDeadlines:
             out.append(Abandoned(job_id, job.kind, job.plan_id, silent, job.block_ids))
         self._notices.extend(out)
         return out
+
+    @property
+    def notices_owed(self) -> int:
+        """Notices not yet taken by :meth:`take_notices`."""
+        return len(self._notices)
 
     def take_notices(self) -> tuple[Abandoned, ...]:
         """The notices not yet sent to the workers (the next step's connector metadata)."""

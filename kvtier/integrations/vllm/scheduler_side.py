@@ -197,6 +197,8 @@ class _SchedulerSide:
             "owed_loads": len(self._owed),
             "requests": len(self._loads_of),
             "open_jobs": len(self.deadlines),
+            "notices": self.deadlines.notices_owed,
+            "deletes": len(self.ledger),
         }
 
     def _settle(self, load_id: int, result: JobResult | None = None) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.connector.ledger import Deletes
 from kvtier.integrations.vllm.deadlines import Abandoned
 from kvtier.integrations.vllm.engines import _Engine
+from kvtier.integrations.vllm.recent import RecentIds
 from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
@@ -44,8 +44,8 @@ class _WorkerSide:
         self._failed_blocks: set[int] = set()
         self._failed_loads: set[int] = set()  # vLLM job ids of loads with a block not brought back
         #: vLLM job ids reported (recent ones) or settled on the scheduler side's notice
-        self._reported: OrderedDict[int, None] = OrderedDict()
-        self._abandoned: OrderedDict[int, None] = OrderedDict()
+        self._reported = RecentIds()
+        self._abandoned = RecentIds()
         self._lock = threading.Lock()
 
     def submit_store(self, job_id: int, plan: StorePlan, block_ids: Collection[Any]) -> None:
@@ -124,7 +124,7 @@ class _WorkerSide:
                     )
             self._engine.outbox.append((plan_key[0], plan_key[1], result))
             out.append((job_id, success, result.nbytes, result.seconds))
-            _remember(self._reported, job_id)
+            self._reported.add(job_id)
         return out
 
     def wait_for_load(self, timeout: float) -> bool:
@@ -207,7 +207,7 @@ class _WorkerSide:
             result = JobResult(0, kind, False, (), error="abandoned: no result before the scheduler side's deadline")
             with self._lock:
                 self._refused.append((notice.job_id, (notice.kind, notice.plan_id), per_key, result))
-            _remember(self._abandoned, notice.job_id)
+            self._abandoned.add(notice.job_id)
             self._engine.counters["jobs_abandoned"] += 1
             settled += 1
             log.warning(
@@ -273,15 +273,6 @@ async def close_sides(sides: Sequence[_WorkerSide]) -> list[FlushReport | None]:
         except Exception as exc:
             log.warning("kvtier: rank %d: closing the store failed: %s", side._engine.rank, exc)
     return reports
-
-
-_RECENT = 1 << 16  # vLLM job ids remembered per rank (a notice comes within a few steps)
-
-
-def _remember(recent: OrderedDict[int, None], job_id: int) -> None:
-    recent[job_id] = None
-    if len(recent) > _RECENT:
-        recent.popitem(last=False)
 
 
 #: vLLM's null block: the placeholder block of its block pool, whose bytes no request reads.
