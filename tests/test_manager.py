@@ -373,6 +373,23 @@ def test_adopt_orders_by_stamp_and_returns_excess(policy_name: str) -> None:
     assert m.lookup([K[2], K[3], K[0]]) == 3 and m.lookup([K[1]]) == 0
 
 
+def test_adopt_of_records_that_all_fit_equals_the_record_by_record_path(policy_name: str) -> None:
+    """A store's open adopts every record in one batch when they fit and none is held; the same
+    records with one listed twice take the record-by-record path. Both end in the same state."""
+    stamps = [7.0, 2.0, 9.0, 1.0, 5.0, 3.0, 8.0, 4.0]
+    records = [(K[i], BLOCK, s) for i, s in enumerate(stamps)]
+    batch, each = two_tiers(policy_name, fast=2, slow=10), two_tiers(policy_name, fast=2, slow=10)
+    assert batch.adopt(1, records) == []
+    assert each.adopt(1, [*records, (K[2], BLOCK, 9.0)]) == [K[2]]  # the repeat is not adopted twice
+    assert snapshot(batch) == snapshot(each)
+    assert batch.tier_keys(1) == [K[i] for i in sorted(range(8), key=stamps.__getitem__)]
+    assert used(batch, 1) == used(each, 1) == 8 * BLOCK
+    assert batch.tier_spec(1).policy.order() == each.tier_spec(1).policy.order()
+    # A key already held is never adopted again (its place in the order stays).
+    assert batch.adopt(1, [(K[3], BLOCK, 99.0), (K[20], BLOCK, 0.5)]) == [K[3]]
+    assert batch.lookup([K[20]]) == 1 and used(batch, 1) == 9 * BLOCK
+
+
 def test_persistent_tier_records_stamps() -> None:
     now = [100.0]
     m = TierManager([tier("cpu", 1, "lru"), tier("disk", 4, "lru", persistent=True)], clock=lambda: now[0])
