@@ -94,6 +94,7 @@ from kvtier.backends.lmdb_pages import check_file_trees
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 
 from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.bulk import paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import Codec, UnsupportedRecordError
@@ -177,7 +178,8 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         holder = HolderLock(self.path)
         holder.acquire()  # BackendError naming the pid of a process that holds the tier already
         try:
-            self._open_checked(fmt)
+            with paused_gc():  # the page walk and the index read build an object per record
+                self._open_checked(fmt)
         except BaseException:
             self._close_env()
             holder.release()

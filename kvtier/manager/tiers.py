@@ -202,7 +202,7 @@ class TierState:
             # compares the two), a fifth of the time at 10^6 records.
             keys = [record[0] for record in ordered]
             fresh = dict.fromkeys(keys, READY)
-            if len(fresh) == len(keys) and self.index.keys().isdisjoint(fresh):
+            if len(fresh) == len(keys) and (not self.index or self.index.keys().isdisjoint(fresh)):
                 self.index.update(fresh)
                 self.used += len(keys) * self.block
                 self.policy.insert_many(keys)
