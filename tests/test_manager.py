@@ -50,6 +50,7 @@ def snapshot(m: TierManager) -> Any:
         [m.tier_keys(i) for i in range(m.num_tiers)],
         [s for s in m.lookup_detail(keys)],
         [(kind, tuple(keys), tier) for kind, keys, tier in m._events._batches],
+        m._events._skip,
         copy.deepcopy({ti: (dict(t.index), dict(t.pins)) for ti, t in enumerate(m._tiers)}),
     )
 
@@ -430,6 +431,24 @@ def test_event_buffer_is_bounded() -> None:
     store(m, K[:5])
     assert [e.key for e in m.take_events()] == K[2:5]
     assert m.stats()["events_dropped"] == 2
+
+
+def test_a_big_batch_at_the_head_of_the_event_log_is_trimmed_without_copies() -> None:
+    """Events past the bound drop the oldest keys of the head batch by skipping them: a copy of
+    the rest at every trim made each store cost the big batch's length."""
+    from kvtier.manager.eventlog import EventLog
+
+    log = EventLog(limit=40)
+    big = tuple(K[:40])
+    log.add("stored", big, "cpu")
+    for i in range(3):
+        log.add("removed", (K[40 + 2 * i], K[41 + 2 * i]), "cpu")
+        assert log._batches[0][1] is big  # the head batch is the one recorded, not a copy
+    assert len(log) == 40 and log.dropped == 6
+    events = log.take()
+    assert [(e.kind, e.key) for e in events] == [("stored", k) for k in K[6:40]] + [("removed", k) for k in K[40:46]]
+    log.add("stored", (K[50],), "cpu")  # a fresh log after take: nothing skipped
+    assert [e.key for e in log.take()] == [K[50]]
 
 
 def test_a_skipped_key_in_a_lower_tier_is_not_evicted_by_its_own_batch(policy_name: str) -> None:
