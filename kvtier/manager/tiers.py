@@ -199,7 +199,7 @@ class TierState:
         if not self.variable and self.used + len(ordered) * self.block <= self.capacity:
             # A store's open: every record fits. When none is held yet or listed twice, the
             # loop below would adopt them all, in this order; built in C instead (a test
-            # compares the two), a fifth of the time at 10^6 records.
+            # compares the two).
             keys = [record[0] for record in ordered]
             fresh = dict.fromkeys(keys, READY)
             if len(fresh) == len(keys) and (not self.index or self.index.keys().isdisjoint(fresh)):
