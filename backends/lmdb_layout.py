@@ -39,7 +39,7 @@ from kvtier.records.checks import RawPayload, copy_and_check
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import HEAD_MAX, HEADER_SIZE, RecordAuthError, RecordBackend, RecordMac, parse_header
 
-__all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
+__all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -49,7 +49,7 @@ INDEX = struct.Struct("<dQ")
 #: several milliseconds.
 COLD_GET_S = 1e-3
 #: Index entry lengths: whole layout, split plain, split keyed.
-_ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
+ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 #: LMDB errors on a lookup that are LMDB's own checks of the record's pages failing: the record
 #: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
 #: map, reader-slot errors, ...) says nothing about the record: a miss for this read, kept.
@@ -63,8 +63,8 @@ def index_entry(stamp: float, stored: int, head: bytes = b"") -> bytes:
 
 def entry_stamp(entry: Any) -> tuple[float, int]:
     """``(stamp, stored bytes)`` of an index entry; ``ValueError`` if it has no valid length."""
-    if len(entry) not in _ENTRY_SIZES:
-        raise ValueError(f"index entry of {len(entry)} bytes (expected one of {_ENTRY_SIZES})")
+    if len(entry) not in ENTRY_SIZES:
+        raise ValueError(f"index entry of {len(entry)} bytes (expected one of {ENTRY_SIZES})")
     stamp, stored = INDEX.unpack_from(entry, 0)
     return stamp, stored
 
@@ -78,7 +78,7 @@ def restamp(entry: Any, stamp: float) -> bytes:
 def join_record(entry: Any, value: Any) -> bytes:
     """The whole record (head + payload) of a stored pair, whatever its layout; the value as it
     is when its entry is missing or unreadable (a checker then finds what is wrong with it)."""
-    if entry is None or len(entry) not in _ENTRY_SIZES or len(entry) == INDEX.size:
+    if entry is None or len(entry) not in ENTRY_SIZES or len(entry) == INDEX.size:
         return bytes(value)
     return bytes(entry[INDEX.size :]) + bytes(value)
 
@@ -277,7 +277,7 @@ class JobReader:
         if value is None:
             return None
         entry = txn.get(key, db=self.index)
-        if entry is None or len(entry) not in _ENTRY_SIZES:
+        if entry is None or len(entry) not in ENTRY_SIZES:
             log.warning("lmdb: record %s… in %s has no readable index entry; a miss, dropping it", key.hex()[:16], self.path)
             bad[key] = "no readable index entry"
         elif not self._inside(value, limit):  # (the entry lies in a leaf page LMDB just read)

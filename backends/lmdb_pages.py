@@ -51,13 +51,14 @@ class _Walk:
     last_pgno: int
     seen: set[int]
     keys_of: bytes | None = None  # the named database whose keys are collected
-    keys: set[bytes] | None = None
+    keys: dict[bytes, bytes] | None = None
 
 
-def check_file_trees(path: str, keys_of: bytes | None = None) -> set[bytes] | None:
+def check_file_trees(path: str, keys_of: bytes | None = None) -> dict[bytes, bytes] | None:
     """:func:`check_trees` as of the newer meta page (the one LMDB will use); nothing to check
     when there is no file yet (``None``). Call it after ``check_data_file`` accepted the meta
-    pages. With ``keys_of``, returns the keys of that named database (empty if it has none)."""
+    pages. With ``keys_of``, returns the keys of that named database (empty if it has none),
+    each mapped to itself, so a caller can keep these key objects rather than copies."""
     found = read_meta_pages(path)
     if found is None or not any(found[0]):
         return None
@@ -66,11 +67,14 @@ def check_file_trees(path: str, keys_of: bytes | None = None) -> set[bytes] | No
     return check_trees(path, newest.psize, newest.last_pgno, pages.index(newest), keys_of=keys_of)
 
 
-def check_trees(path: str, psize: int, last_pgno: int, meta_pgno: int, *, keys_of: bytes | None = None) -> set[bytes] | None:
+def check_trees(
+    path: str, psize: int, last_pgno: int, meta_pgno: int, *, keys_of: bytes | None = None
+) -> dict[bytes, bytes] | None:
     """Walk every tree of ``<path>/data.mdb`` as of the meta page ``meta_pgno`` (0 or 1, the
     newer one); raise ``DamagedEnvironment`` naming the first page LMDB could not walk. With
-    ``keys_of``, returns the keys of that named database, read from its leaf pages: no page of
-    a value is read, where a cursor over LMDB's map touches each value's first page."""
+    ``keys_of``, returns the keys of that named database (each mapped to itself), read from its
+    leaf pages: no page of a value is read, where a cursor over LMDB's map touches each value's
+    first page."""
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         walk = _Walk(fd, psize, last_pgno, set(), keys_of)
@@ -81,10 +85,10 @@ def check_trees(path: str, psize: int, last_pgno: int, meta_pgno: int, *, keys_o
         os.close(fd)
     if keys_of is None:
         return None
-    return walk.keys if walk.keys is not None else set()
+    return walk.keys if walk.keys is not None else {}
 
 
-def _tree(walk: _Walk, record: bytes, what: str, *, main: bool = False, keys: set[bytes] | None = None) -> None:
+def _tree(walk: _Walk, record: bytes, what: str, *, main: bool = False, keys: dict[bytes, bytes] | None = None) -> None:
     if len(record) != _DB.size:
         raise DamagedEnvironment(f"{what}: its record is {len(record)} bytes, expected {_DB.size}")
     depth, root = _DB.unpack(record)[2], _DB.unpack(record)[7]
@@ -95,7 +99,7 @@ def _tree(walk: _Walk, record: bytes, what: str, *, main: bool = False, keys: se
     _page(walk, root, depth, what, main, keys)
 
 
-def _page(walk: _Walk, pgno: int, depth: int, what: str, main: bool, keys: set[bytes] | None = None) -> None:
+def _page(walk: _Walk, pgno: int, depth: int, what: str, main: bool, keys: dict[bytes, bytes] | None = None) -> None:
     psize = walk.psize
     if not 2 <= pgno <= walk.last_pgno:
         raise DamagedEnvironment(f"{what}: page {pgno} is outside the file's pages 2..{walk.last_pgno}")
@@ -129,7 +133,9 @@ def _page(walk: _Walk, pgno: int, depth: int, what: str, main: bool, keys: set[b
             continue
         key = page[body - ksize : body]  # whole unless the node runs past the page (refused below)
         if keys is not None:
-            keys.add(key)
+            keys[key] = key
+        if node_flags == 0 and body + (lo | hi << 16) <= psize:
+            continue  # the common node, a value inside the page: nothing more to check
         _leaf_node(walk, page, where, body, lo | hi << 16, node_flags, main, key)
 
 
@@ -152,5 +158,5 @@ def _leaf_node(walk: _Walk, page: bytes, where: str, body: int, size: int, flags
             raise DamagedEnvironment(f"{where}: a named database inside a named database")
         collect = None
         if walk.keys_of is not None and key == walk.keys_of:
-            collect = walk.keys = set()
+            collect = walk.keys = {}
         _tree(walk, page[body : body + size], f"a named database ({where})", keys=collect)

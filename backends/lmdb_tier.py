@@ -88,12 +88,13 @@ from kvtier.backends.lmdb_files import (
     preallocate_lock_file,
     touched_pages_only,
 )
-from kvtier.backends.lmdb_layout import JobReader, entry_stamp, index_entry, restamp
+from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_pages import check_file_trees
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 
 from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.bulk import paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import Codec, UnsupportedRecordError
@@ -177,7 +178,8 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         holder = HolderLock(self.path)
         holder.acquire()  # BackendError naming the pid of a process that holds the tier already
         try:
-            self._open_checked(fmt)
+            with paused_gc():  # the page walk and the index read build an object per record
+                self._open_checked(fmt)
         except BaseException:
             self._close_env()
             holder.release()
@@ -218,7 +220,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         used = check_data_file(self.path)  # before anything maps the file
         # LMDB aborts the process on a page it cannot walk; the walk also lists the blocks
         # database's keys, read from its leaf pages alone (see _read_index).
-        block_keys = check_file_trees(self.path, keys_of=b"blocks") if used else set()
+        block_keys = check_file_trees(self.path, keys_of=b"blocks") if used else {}
         preallocate_lock_file(self.path, self.max_readers)
         map_size = self.capacity_bytes
         shrinking = used > map_size
@@ -285,7 +287,7 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
             lock=True,
         )
 
-    def _read_index(self, env: lmdb.Environment, block_keys: set[bytes] | None = None) -> list[RecordInfo]:
+    def _read_index(self, env: lmdb.Environment, block_keys: dict[bytes, bytes] | None = None) -> list[RecordInfo]:
         """Every record, from the index, whose value the blocks database holds. LMDB errors
         propagate: the caller treats them as a damaged environment.
 
@@ -294,26 +296,32 @@ class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
         damaged tree), so an open reads no page of any value. Without them (a later ``scan()``)
         this walks the blocks database's keys with a cursor, under readahead off: the cursor
         touches each value's first page, and with the device's read-around (8 MiB a fault here)
-        those touches read the whole file; with it off, the pages touched alone."""
+        those touches read the whole file; with it off, the pages touched alone.
+
+        The records hold the key objects of ``block_keys``, not copies: at a million records,
+        one copy fewer per key is less time and less memory the index keeps (the copies freed
+        between kept keys leave the heap fragmented: benchmarks/bench_scale.py)."""
         base = self._reader.map_base if self._reader is not None else None
         with touched_pages_only(base, int(env.info()["map_size"])):
             if block_keys is not None:
                 extents_ok = block_keys
             else:
-                extents_ok = set()
+                extents_ok = {}
                 with env.begin(db=self._blocks, buffers=True) as txn:
                     # Keys only: a value's extent is checked when it is read.
                     for block_key in txn.cursor().iternext(keys=True, values=False):
-                        extents_ok.add(bytes(block_key))
+                        key = bytes(block_key)
+                        extents_ok[key] = key
             records: list[RecordInfo] = []
-            try:
-                with env.begin(db=self._index) as txn:
-                    for index_key, entry in txn.cursor():
-                        stamp, stored = entry_stamp(entry)
-                        if index_key in extents_ok:
-                            records.append(RecordInfo(bytes(index_key), stored, stamp))
-            except ValueError as exc:
-                raise DamagedEnvironment(f"index entry is not readable: {exc}") from exc
+            append, known, sizes, unpack = records.append, extents_ok.get, ENTRY_SIZES, INDEX.unpack_from
+            with env.begin(db=self._index) as txn:
+                for index_key, entry in txn.cursor():
+                    if len(entry) not in sizes:
+                        raise DamagedEnvironment(f"index entry is not readable: index entry of {len(entry)} bytes (expected one of {sizes})")
+                    key = known(index_key)
+                    if key is not None:
+                        stamp, stored = unpack(entry, 0)
+                        append(RecordInfo(key, stored, stamp))
         return records
 
     def _shrink(self, fmt: BlockFormat, used: int) -> None:

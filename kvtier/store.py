@@ -23,6 +23,7 @@ import torch
 from kvtier import config as config_module
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.bulk import paused_gc
 from kvtier.config import StoreConfig, load_config
 from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
 from kvtier.keys import Namespace, check_keys
@@ -136,8 +137,9 @@ class KVStore:
         self.manager = TierManager(specs, write=self.config.write)
         for i, backend in enumerate(self.backends):
             if backend.persistent:
-                records = await asyncio.to_thread(_scan_records, backend)
-                excess = self.manager.adopt(i, records)
+                with paused_gc():  # a record and a tuple per stored block (kvtier.bulk)
+                    records = await asyncio.to_thread(_scan_records, backend)
+                    excess = self.manager.adopt(i, records)
                 if excess and not getattr(backend, "shared", False):  # a shared tier's records are every host's
                     log.warning(
                         "kvtier: tier %d (%s) holds %d records beyond its usable capacity; deleting the %d oldest",

@@ -633,9 +633,11 @@ def test_the_page_walk_lists_the_keys_of_a_named_database(tmp_path: Path) -> Non
     backend.delete_blocks(keys[:7])
     asyncio.run(backend.aclose())
     path = str(tmp_path / "env")
-    assert check_file_trees(path, keys_of=b"blocks") == set(keys[7:])
-    assert check_file_trees(path, keys_of=b"index") == set(keys[7:])
-    assert check_file_trees(path, keys_of=b"no-such-database") == set()
+    listed = check_file_trees(path, keys_of=b"blocks")
+    assert listed is not None and listed.keys() == set(keys[7:])
+    assert all(listed[key] is key for key in listed)  # each key maps to itself: an open keeps these objects
+    assert check_file_trees(path, keys_of=b"index").keys() == set(keys[7:])  # type: ignore[union-attr]
+    assert check_file_trees(path, keys_of=b"no-such-database") == {}
     assert check_file_trees(path) is None
     assert check_file_trees(str(tmp_path / "nothing-here")) is None
 

@@ -50,6 +50,7 @@ def snapshot(m: TierManager) -> Any:
         [m.tier_keys(i) for i in range(m.num_tiers)],
         [s for s in m.lookup_detail(keys)],
         [(kind, tuple(keys), tier) for kind, keys, tier in m._events._batches],
+        m._events._skip,
         copy.deepcopy({ti: (dict(t.index), dict(t.pins)) for ti, t in enumerate(m._tiers)}),
     )
 
@@ -373,6 +374,23 @@ def test_adopt_orders_by_stamp_and_returns_excess(policy_name: str) -> None:
     assert m.lookup([K[2], K[3], K[0]]) == 3 and m.lookup([K[1]]) == 0
 
 
+def test_adopt_of_records_that_all_fit_equals_the_record_by_record_path(policy_name: str) -> None:
+    """A store's open adopts every record in one batch when they fit and none is held; the same
+    records with one listed twice take the record-by-record path. Both end in the same state."""
+    stamps = [7.0, 2.0, 9.0, 1.0, 5.0, 3.0, 8.0, 4.0]
+    records = [(K[i], BLOCK, s) for i, s in enumerate(stamps)]
+    batch, each = two_tiers(policy_name, fast=2, slow=10), two_tiers(policy_name, fast=2, slow=10)
+    assert batch.adopt(1, records) == []
+    assert each.adopt(1, [*records, (K[2], BLOCK, 9.0)]) == [K[2]]  # the repeat is not adopted twice
+    assert snapshot(batch) == snapshot(each)
+    assert batch.tier_keys(1) == [K[i] for i in sorted(range(8), key=stamps.__getitem__)]
+    assert used(batch, 1) == used(each, 1) == 8 * BLOCK
+    assert batch.tier_spec(1).policy.order() == each.tier_spec(1).policy.order()
+    # A key already held is never adopted again (its place in the order stays).
+    assert batch.adopt(1, [(K[3], BLOCK, 99.0), (K[20], BLOCK, 0.5)]) == [K[3]]
+    assert batch.lookup([K[20]]) == 1 and used(batch, 1) == 9 * BLOCK
+
+
 def test_persistent_tier_records_stamps() -> None:
     now = [100.0]
     m = TierManager([tier("cpu", 1, "lru"), tier("disk", 4, "lru", persistent=True)], clock=lambda: now[0])
@@ -413,6 +431,24 @@ def test_event_buffer_is_bounded() -> None:
     store(m, K[:5])
     assert [e.key for e in m.take_events()] == K[2:5]
     assert m.stats()["events_dropped"] == 2
+
+
+def test_a_big_batch_at_the_head_of_the_event_log_is_trimmed_without_copies() -> None:
+    """Events past the bound drop the oldest keys of the head batch by skipping them: a copy of
+    the rest at every trim made each store cost the big batch's length."""
+    from kvtier.manager.eventlog import EventLog
+
+    log = EventLog(limit=40)
+    big = tuple(K[:40])
+    log.add("stored", big, "cpu")
+    for i in range(3):
+        log.add("removed", (K[40 + 2 * i], K[41 + 2 * i]), "cpu")
+        assert log._batches[0][1] is big  # the head batch is the one recorded, not a copy
+    assert len(log) == 40 and log.dropped == 6
+    events = log.take()
+    assert [(e.kind, e.key) for e in events] == [("stored", k) for k in K[6:40]] + [("removed", k) for k in K[40:46]]
+    log.add("stored", (K[50],), "cpu")  # a fresh log after take: nothing skipped
+    assert [e.key for e in log.take()] == [K[50]]
 
 
 def test_a_skipped_key_in_a_lower_tier_is_not_evicted_by_its_own_batch(policy_name: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -194,7 +195,18 @@ class TierState:
     def adopt(self, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
         """Ready entries for stored records ``(key, stored_bytes, stamp)``, oldest stamp first;
         those beyond the capacity (the oldest) or already present are returned, not adopted."""
-        ordered = sorted(records, key=lambda r: r[2])
+        ordered = sorted(records, key=itemgetter(2))
+        if not self.variable and self.used + len(ordered) * self.block <= self.capacity:
+            # A store's open: every record fits. When none is held yet or listed twice, the
+            # loop below would adopt them all, in this order; built in C instead (a test
+            # compares the two).
+            keys = [record[0] for record in ordered]
+            fresh = dict.fromkeys(keys, READY)
+            if len(fresh) == len(keys) and (not self.index or self.index.keys().isdisjoint(fresh)):
+                self.index.update(fresh)
+                self.used += len(keys) * self.block
+                self.policy.insert_many(keys)
+                return []
         sizes = [n if self.variable else self.block for _, n, _ in ordered]
         total = self.used + sum(sizes)
         excess: list[bytes] = []

@@ -1,0 +1,427 @@
+"""How kvtier scales with the number of records: prints one JSON object (and a table on stderr).
+
+    python benchmarks/bench_scale.py [--quick] [--dir /tmp] [--sizes 10000,100000,1000000]
+        [--index-sizes 10000,...,10000000] [--tiers lmdb,file,redis] [--png scale.png]
+
+For each persistent tier (``lmdb``, ``file``, and ``redis`` on a private ``redis-server`` when
+one is on ``PATH``) and each record count N, the tier is filled with N small records (``--block``
+bytes, 1 KiB by default, written through the tier's own batched ``write_blocks`` in big jobs, so
+they are valid kvtier records), and then a fresh interpreter opens a store on it and measures:
+
+* ``open_s`` / ``open_s_per_million``: ``KVStore.start()``, which opens the tier (LMDB's
+  open-time page check included), lists its records and adopts them into the manager's index;
+  ``scan_s``: a second ``scan()`` of the open tier, to tell listing from adopting;
+* ``rss_bytes_per_key``: the growth of the process's anonymous RSS (``RssAnon``: Python objects,
+  not the mapped file) across that open, per record;
+* ``lookup_us`` / ``lookup_miss_us``: one single-key ``lookup`` of a random held key / of an
+  absent key; ``lookup64_us_per_key``: a 64-key batched lookup, per key;
+* ``evict_us_per_block``: with the tier full, ``prepare_store`` + ``complete_store`` of 16 new
+  blocks that each evict one (manager work only: the records' deletion is the tier's job).
+
+``index`` does the same for the manager's index alone, up to 10^7 synthetic keys (no bytes):
+``adopt_s`` of N records and the same RSS, lookup and eviction figures.
+
+Each ``*_vs_smallest`` figure is that cost at N over the cost at the smallest N of the same run
+(1.0 is flat). Every figure comes from a fresh interpreter per point, so one point's memory does
+not shift the next one's RSS. The goals (issue 31): open <= 2 s per million records for ``lmdb``
+and ``redis``, <= 150 bytes of RSS per key, lookups flat within 10 %, eviction flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BLOCK = 1024
+FILL_JOB = 8192  # records per write_blocks call while filling
+LOOKUP_SAMPLE = 4096
+EVICT_ROUNDS = 400
+EVICT_BATCH = 16
+TIERS = ("lmdb", "file", "redis")
+#: Bytes of capacity per record: room for the record and its tier's own overhead (an LMDB leaf
+#: entry and B-tree pages, a file's inode-backed block, Redis's per-key memory), so N fit.
+PER_RECORD = {"lmdb": 5 * BLOCK, "file": 4 * BLOCK, "redis": 2 * BLOCK}
+
+
+def _key(i: int) -> bytes:
+    from kvtier.testing import make_key
+
+    return make_key(i)
+
+
+def _rss_anon() -> int:
+    """Anonymous resident bytes of this process (Python objects; not a mapped file's pages)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def _settle_memory() -> None:
+    gc.collect()
+    try:  # hand freed heap back, so RSS shows what is held, not what was once touched
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _per_call_us(fn: Callable[[], Any], calls: int, rounds: int = 5) -> float:
+    """The best over ``rounds`` of the microseconds one of ``calls`` calls of ``fn`` took (other
+    processes on the machine only ever add time)."""
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return min(times)
+
+
+def _lookup_figures(manager: Any, held: Sequence[bytes], absent: Sequence[bytes]) -> dict[str, float]:
+    """Lookup costs over ``held`` keys (random order) and ``absent`` ones, per call or per key."""
+    lookup = manager.lookup
+    singles = [[k] for k in held]
+    misses = [[k] for k in absent]
+    batches = [list(held[i : i + 64]) for i in range(0, len(held) - 63, 64)]
+    assert all(lookup(b) == 64 for b in batches[:4]) and lookup(singles[0]) == 1 and lookup(misses[0]) == 0
+
+    def run(items: list[list[bytes]]) -> Callable[[], None]:
+        def go() -> None:
+            for item in items:
+                lookup(item)
+
+        return go
+
+    return {
+        "lookup_us": round(_per_call_us(run(singles), 1) / len(singles), 4),
+        "lookup_miss_us": round(_per_call_us(run(misses), 1) / len(misses), 4),
+        "lookup64_us_per_key": round(_per_call_us(run(batches), 1) / (64 * len(batches)), 4),
+    }
+
+
+def _evict_figure(manager: Any, tier: int = 0) -> dict[str, float]:
+    """Fill the tier's free room (manager only), then time stores that each evict a block."""
+    counter = iter(range(10**9))
+
+    def fresh(n: int) -> list[bytes]:
+        return [b"\xee" * 20 + next(counter).to_bytes(12, "big") for _ in range(n)]
+
+    while True:  # the tier's free room, in big batches; then it is full
+        row = manager.stats()["tiers"][tier]
+        room = (row["capacity_bytes"] - row["used_bytes"]) // max(1, manager.tier_spec(tier).block_reserve)
+        if room <= 0:
+            break
+        keys = fresh(min(room, 65536))
+        plan = manager.prepare_store(keys)
+        assert plan is not None
+        manager.complete_store(plan.keys)
+    before = manager.stats()["tiers"][tier]["evictions"]
+    batches = [fresh(EVICT_BATCH) for _ in range(EVICT_ROUNDS)]
+    took = []
+    for keys in batches:
+        t = time.perf_counter()
+        plan = manager.prepare_store(keys)
+        assert plan is not None
+        manager.complete_store(plan.keys)
+        took.append(time.perf_counter() - t)
+    evicted = manager.stats()["tiers"][tier]["evictions"] - before
+    assert evicted == EVICT_ROUNDS * EVICT_BATCH, f"expected every stored block to evict one, got {evicted}"
+    took.sort()
+    # The median batch is the steady cost; the slowest is where a dict of the index grows or
+    # compacts (a pause of O(N) that a batch meets about once per N stores).
+    return {
+        "evict_us_per_block": round(took[len(took) // 2] / EVICT_BATCH * 1e6, 3),
+        "evict_mean_us_per_block": round(sum(took) / evicted * 1e6, 3),
+        "evict_slowest_batch_ms": round(took[-1] * 1e3, 3),
+    }
+
+
+def _sample(n: int, k: int, seed: int = 1) -> list[int]:
+    return random.Random(seed).sample(range(n), min(n, k))
+
+
+# -- one tier, filled and reopened -------------------------------------------------------------
+def tier_config(tier: str, root: str, n: int, url: str | None, sync_mode: str = "durable") -> dict[str, Any]:
+    capacity = n * PER_RECORD[tier] + (64 << 20)
+    spec: dict[str, Any] = {"backend": tier, "capacity": capacity}
+    if tier == "redis":
+        spec.update(url=url, prefix="scale")
+    else:
+        spec.update(path=os.path.join(root, tier), sync_mode=sync_mode)
+    return {"block_bytes": BLOCK, "tiers": [spec], "flush_on_close_s": 0}
+
+
+async def _fill(config: dict[str, Any], n: int) -> float:
+    """Write ``n`` records through the tier's batched write; seconds taken."""
+    import torch
+
+    from kvtier.config import StoreConfig
+    from kvtier.store import KVStore
+
+    store = await KVStore(StoreConfig.from_dict(config)).start()
+    backend = store.backends[0]
+    block = torch.arange(BLOCK, dtype=torch.int64).to(torch.uint8)
+    t = time.perf_counter()
+    try:
+        for start in range(0, n, FILL_JOB):
+            keys = [_key(i) for i in range(start, min(n, start + FILL_JOB))]
+            sizes = await asyncio.to_thread(backend.write_blocks, keys, [block] * len(keys))
+            if any(s is None for s in sizes):
+                raise RuntimeError(f"fill: {sum(s is None for s in sizes)} of {len(keys)} records were not written at {start}")
+    finally:
+        await store.aclose()
+    return time.perf_counter() - t
+
+
+async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
+    """In a fresh interpreter: open the filled tier and measure (see the module doc)."""
+    from kvtier.config import StoreConfig
+    from kvtier.store import KVStore
+
+    store = KVStore(StoreConfig.from_dict(config))
+    held = [_key(i) for i in _sample(n, LOOKUP_SAMPLE)]
+    absent = [_key(n + 1 + i) for i in range(LOOKUP_SAMPLE)]
+    _settle_memory()
+    rss = _rss_anon()
+    t = time.perf_counter()
+    await store.start()
+    open_s = time.perf_counter() - t
+    _settle_memory()
+    grown = _rss_anon() - rss
+    manager = store.manager
+    assert manager is not None
+    try:
+        adopted = manager.stats()["tiers"][0]["ready"]
+        if adopted != n:
+            raise RuntimeError(f"the store adopted {adopted} of the {n} records written")
+        t = time.perf_counter()
+        listed = sum(1 for _ in store.backends[0].scan())
+        scan_s = time.perf_counter() - t
+        out: dict[str, Any] = {
+            "records": n,
+            "open_s": round(open_s, 4),
+            "open_s_per_million": round(open_s / n * 1e6, 3),
+            "scan_s": round(scan_s, 4),
+            "listed": listed,
+            "rss_bytes_per_key": round(grown / n, 1),
+        }
+        out.update(_lookup_figures(manager, held, absent))
+        out.update(_evict_figure(manager))
+        return out
+    finally:
+        await store.aclose()
+
+
+# -- the index alone ---------------------------------------------------------------------------
+def _measure_index(n: int) -> dict[str, Any]:
+    """In a fresh interpreter: adopt ``n`` synthetic records into a one-tier manager."""
+    from kvtier.manager import TierManager, TierSpec
+    from kvtier.manager.policies import LRUPolicy
+
+    manager = TierManager(
+        [TierSpec("disk", capacity_bytes=(n + n // 4 + 64) * BLOCK, block_reserve=BLOCK, policy=LRUPolicy(n), persistent=True)]
+    )
+    seed = os.urandom(8)
+    _settle_memory()
+    rss = _rss_anon()
+    keys = [seed + i.to_bytes(24, "big") for i in range(n)]
+    held = [keys[i] for i in _sample(n, LOOKUP_SAMPLE)]
+    stamp = time.time()
+    records = [(k, BLOCK, stamp) for k in keys]
+    del keys
+    t = time.perf_counter()
+    excess = manager.adopt(0, records)
+    adopt_s = time.perf_counter() - t
+    del records
+    _settle_memory()
+    grown = _rss_anon() - rss - sys.getsizeof(held) - LOOKUP_SAMPLE * 8  # less the sample we keep
+    assert not excess and manager.stats()["tiers"][0]["ready"] == n
+    absent = [b"\xab" * 32 for _ in range(1)] * LOOKUP_SAMPLE
+    out: dict[str, Any] = {
+        "records": n,
+        "adopt_s": round(adopt_s, 4),
+        "adopt_s_per_million": round(adopt_s / n * 1e6, 3),
+        "rss_bytes_per_key": round(grown / n, 1),
+    }
+    out.update(_lookup_figures(manager, held, absent))
+    out.update(_evict_figure(manager))
+    return out
+
+
+# -- the driver --------------------------------------------------------------------------------
+def _child(args: list[str], timeout: float) -> dict[str, Any]:
+    """Run this script with ``args`` in a fresh interpreter; its JSON."""
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_scale {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _flatness(points: list[dict[str, Any]], fields: Sequence[str]) -> None:
+    """Add ``<field>_vs_smallest`` to every point: its cost over the smallest N's."""
+    if not points:
+        return
+    first = points[0]
+    for p in points:
+        for f in fields:
+            if f in p and first.get(f):
+                p[f"{f}_vs_smallest"] = round(p[f] / first[f], 3)
+
+
+FLAT_FIELDS = ("lookup_us", "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block", "rss_bytes_per_key")
+
+
+def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeout: float) -> list[dict[str, Any]]:
+    points = []
+    for n in sizes:
+        where = tempfile.mkdtemp(prefix=f"scale-{tier}-", dir=root)
+        try:
+            # LMDB fills durably (one sync per 8192-record job); the file tier would sync each
+            # file, so it fills fast and is synced once: the open then finds nothing to flush.
+            fill_s = asyncio.run(_fill(tier_config(tier, where, n, url, sync_mode="fast" if tier == "file" else "durable"), n))
+            if tier == "file":
+                os.sync()
+            config = tier_config(tier, where, n, url)
+            point = _child(["--measure-tier", json.dumps(config), str(n)], timeout)
+            point["fill_s"] = round(fill_s, 2)
+            points.append(point)
+            print(f"bench_scale: {tier} N={n}: {point}", file=sys.stderr, flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"bench_scale: {tier} N={n}: stopped: {exc}", file=sys.stderr, flush=True)
+            points.append({"records": n, "error": str(exc)[-500:]})
+            break
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+            if url is not None:
+                _flush_redis(url)
+    _flatness([p for p in points if "error" not in p], (*FLAT_FIELDS, "open_s_per_million"))
+    return points
+
+
+def _flush_redis(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+def table(result: dict[str, Any]) -> str:
+    cols = ("records", "open_s_per_million", "adopt_s_per_million", "rss_bytes_per_key", "lookup_us",
+            "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block")
+    lines = ["tier     " + " ".join(f"{c[:18]:>18}" for c in cols)]
+    for name, points in result["tiers"].items():
+        for p in points:
+            lines.append(f"{name:8} " + " ".join(f"{p.get(c, '-')!s:>18}" for c in cols))
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    """Costs against N, one line per tier (log-log); ``False`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = (("open_s_per_million", "open (s per million records)"), ("rss_bytes_per_key", "RSS bytes per key"),
+              ("lookup_us", "single-key lookup (µs)"), ("evict_us_per_block", "eviction (µs per block)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (field, title) in zip(axes, panels):
+        for name, points in result["tiers"].items():
+            xs = [p["records"] for p in points if field in p or (field == "open_s_per_million" and "adopt_s_per_million" in p)]
+            ys = [p.get(field, p.get("adopt_s_per_million")) for p in points if xs and p["records"] in xs]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("records")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(float(s)) for s in text.split(",") if s.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10^3 and 10^4 records (index: up to 10^5)")
+    ap.add_argument("--dir", default=None, help="where the lmdb and file tiers are filled (default: a temporary folder)")
+    ap.add_argument("--sizes", default=None, help="record counts per tier (default 10^4,10^5,10^6)")
+    ap.add_argument("--index-sizes", default=None, help="record counts for the index alone (default 10^4 .. 10^7)")
+    ap.add_argument("--tiers", default=",".join(TIERS), help="tiers to fill: lmdb,file,redis")
+    ap.add_argument("--png", default=None, help="also draw the curves into this PNG (needs matplotlib)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one point may take")
+    ap.add_argument("--measure-tier", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--measure-index", type=int, metavar="N", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.measure_tier:
+        print(json.dumps(asyncio.run(_measure_tier(json.loads(args.measure_tier[0]), int(args.measure_tier[1])))))
+        return {}
+    if args.measure_index:
+        print(json.dumps(_measure_index(args.measure_index)))
+        return {}
+    sizes = _sizes(args.sizes) if args.sizes else ([1000, 10_000] if args.quick else [10_000, 100_000, 1_000_000])
+    index_sizes = _sizes(args.index_sizes) if args.index_sizes else (
+        [1000, 10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000, 10_000_000])
+    tiers = [t for t in args.tiers.split(",") if t]
+    unknown = sorted(set(tiers) - set(TIERS))
+    if unknown:
+        ap.error(f"--tiers: unknown {unknown}; known: {list(TIERS)}")
+    result: dict[str, Any] = {"quick": args.quick, "block_bytes": BLOCK, "tiers": {}, "skipped": {}}
+    index_points = [_child(["--measure-index", str(n)], args.timeout) for n in index_sizes]
+    _flatness(index_points, (*FLAT_FIELDS, "adopt_s_per_million"))
+    result["tiers"]["index"] = index_points
+    print(f"bench_scale: index: {index_points}", file=sys.stderr, flush=True)
+    root = tempfile.mkdtemp(prefix="kvtier-scale-", dir=args.dir)
+    server = None
+    try:
+        for tier in tiers:
+            url = None
+            if tier == "redis":
+                from kvtier.tools.servers import RedisServer, server_version
+
+                if server_version() is None:
+                    result["skipped"]["redis"] = "redis-server is not on PATH"
+                    continue
+                memory = max(1 << 30, 3 * max(sizes) * PER_RECORD["redis"])
+                server = RedisServer(Path(root) / "redis", extra=("--maxmemory", str(memory))).start()
+                url = server.url
+            result["tiers"][tier] = run_tier(tier, sizes, root, url, args.timeout)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    if args.png and plot(result, args.png):
+        result["png"] = args.png
+    print(table(result), file=sys.stderr)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()

@@ -1,0 +1,44 @@
+"""``benchmarks/bench_scale.py --quick``: the JSON shape and its sanity (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = ("rss_bytes_per_key", "lookup_us", "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block")
+
+
+def test_the_quick_scale_benchmark_reports_every_tier_and_size(tmp_path: Path) -> None:
+    from kvtier.tools.servers import server_version
+
+    png = tmp_path / "scale.png"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_scale.py"), "--quick", "--index-sizes", "1000,10000",
+         "--dir", str(tmp_path), "--png", str(png)],
+        capture_output=True, text=True, check=False, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = {"index", "lmdb", "file"} | ({"redis"} if server_version() is not None else set())
+    assert set(result["tiers"]) == expected, result.get("skipped")
+    for tier, points in result["tiers"].items():
+        assert [p["records"] for p in points] == [1000, 10_000], (tier, points)
+        for p in points:
+            assert "error" not in p, (tier, p)
+            for field in FIELDS:
+                assert p[field] > 0, (tier, field, p)
+                assert p[f"{field}_vs_smallest"] > 0, (tier, field, p)
+            if tier == "index":
+                assert p["adopt_s"] > 0
+            else:
+                assert p["open_s"] > 0 and p["open_s_per_million"] == pytest.approx(p["open_s"] / p["records"] * 1e6, rel=0.02)
+                assert p["listed"] == p["records"]  # every record written is listed and adopted
+        assert points[0]["lookup_us_vs_smallest"] == 1.0
+    assert "records" in proc.stderr and "lmdb" in proc.stderr  # the table
+    assert result.get("png") != str(png) or png.stat().st_size > 0
+    assert not list(tmp_path.glob("kvtier-scale-*")), "the filled tiers are removed afterwards"
