@@ -330,7 +330,7 @@ def test_the_testing_extra_installs_what_kvtier_testing_needs() -> None:
     from importlib.metadata import requires
 
     testing = _extra_requirements("kvtier", "testing")
-    assert testing == {"pytest", "pytest-asyncio", "hypothesis"}, testing
+    assert testing == {"pytest", "hypothesis"}, testing  # no pytest-asyncio: the suite uses asyncio.run
     base = {re.split(r"[\s<>=!~\[;]", r, maxsplit=1)[0].lower() for r in requires("kvtier") or [] if "extra ==" not in r}
     source = (Path(__file__).resolve().parent.parent / "kvtier" / "testing.py").read_text()
     imported = {
