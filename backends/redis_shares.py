@@ -24,12 +24,10 @@ CPU saving above showed only when the host was loaded.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, wait
-from typing import Generic, TypeVar, cast
+from collections.abc import Sequence
 
 from kvtier.devices import usable_cpus
+from kvtier.shares import run_all
 
 __all__ = ["AUTO_MAX_SHARES", "SHARE_MIN_BYTES", "auto_job_connections", "run_all", "split_shares"]
 
@@ -38,8 +36,6 @@ SHARE_MIN_BYTES = 1 << 20
 
 #: The most connections ``job_connections: auto`` gives one job.
 AUTO_MAX_SHARES = 4
-
-T = TypeVar("T")
 
 
 def auto_job_connections(cpus: int | None = None) -> int:
@@ -60,65 +56,3 @@ def split_shares(positions: Sequence[int], record_bytes: int, most: int) -> list
     if k <= 1:
         return [list(positions)]
     return [list(positions[j * n // k : (j + 1) * n // k]) for j in range(k)]
-
-
-class _Share(Generic[T]):
-    """One call that runs at most once, on whichever thread claims it first, and keeps its outcome."""
-
-    __slots__ = ("_call", "_claimed", "_lock", "done", "error", "result")
-
-    def __init__(self, call: Callable[[], T]) -> None:
-        self._call = call
-        self._claimed = False
-        self._lock = threading.Lock()
-        self.done = threading.Event()
-        self.result: T | None = None
-        self.error: BaseException | None = None
-
-    def __call__(self) -> None:
-        with self._lock:
-            if self._claimed:
-                return
-            self._claimed = True
-        try:
-            self.result = self._call()
-        except BaseException as exc:  # kept for the caller, raised there after every share ended
-            self.error = exc
-        finally:
-            self.done.set()
-
-
-def run_all(threads: Executor | None, calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Every call's result, in order: the first call runs on this thread, the others on
-    ``threads`` (all on this thread when there is none, or only one call).
-
-    A call the pool will not take runs on this thread after the first: at interpreter exit every
-    pool refuses new work, and a close-time write-back from an exit hook must still write. Each
-    call runs exactly once, whatever the pool did with it.
-
-    Returns only once every call has ended, whatever any of them raised or whichever hand-over
-    failed: a share still running would go on writing into the caller's rows after the call
-    returned. The calls are meant to catch their own errors; one that raises anyway has that
-    re-raised here (the first by position), after the wait."""
-    if threads is None or len(calls) < 2:
-        return [call() for call in calls]
-    shares = [_Share(call) for call in calls]
-    futures: list[Future[None]] = []
-    try:
-        for share in shares[1:]:
-            try:
-                futures.append(threads.submit(share))
-            except Exception:  # refused (interpreter exit, a closed pool) or no thread: runs here below
-                continue
-    except BaseException:
-        wait(futures)
-        raise
-    shares[0]()
-    wait(futures)  # a pooled share that never ran (cancelled) runs below rather than being waited for
-    for share in shares[1:]:
-        share()  # runs only what no thread claimed
-        share.done.wait()
-    for share in shares:
-        if share.error is not None:
-            raise share.error
-    return [cast(T, share.result) for share in shares]

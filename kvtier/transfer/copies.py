@@ -29,11 +29,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Literal
 
 from kvtier.devices import one_intra_op_thread, usable_cpus
 from kvtier.errors import LayoutError
+from kvtier.shares import run_all
 
 __all__ = ["MIN_SPLIT_BYTES", "THREAD_PREFIX", "CopySplitter", "CopyThreads", "auto_copy_threads", "one_intra_op_thread"]
 
@@ -123,26 +125,5 @@ class CopySplitter:
         """Run every part once; ``nbytes`` is what they copy in all. Returns (or raises the
         first error) only after every share has ended."""
         shares = self.shares(parts, nbytes)
-        if len(shares) == 1:
-            _run_all(parts)
-            return
-        futures: list[Future[None]] = []
-        inline = [shares[0]]
-        for share in shares[1:]:
-            try:
-                futures.append(_pool(self.threads - 1).submit(_run_all, share))
-            except RuntimeError:  # the interpreter is shutting down: copy here
-                inline.append(share)
-        error: BaseException | None = None
-        for share in inline:
-            try:
-                _run_all(share)
-            except BaseException as exc:
-                error = error or exc
-        for future in futures:
-            try:
-                future.result()
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        pool = _pool(self.threads - 1) if len(shares) > 1 else None
+        run_all(pool, [partial(_run_all, share) for share in shares])
