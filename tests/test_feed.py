@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kvtier.backends.change_feed import FeedCursor, FeedEntry, FeedOp, decode_entry, encode_entry, new_writer_id
 from kvtier.backends.feed_follower import TierChange, TierFollower
 from kvtier.backends.file_feed import FileFeed
@@ -195,3 +196,91 @@ def test_live_adoption_into_a_full_tier_forgets_the_least_recent_keys_without_pi
     assert manager.lookup(K[10:12]) == 2
     events = [(e.kind, e.key) for e in manager.take_events()]
     assert ("removed", K[1]) in events and ("stored", K[10]) in events
+
+
+# -- the Redis stream ---------------------------------------------------------------------------
+def _redis_feed(url: str, stream: bytes, *, cluster: bool = False, maxlen: int = 100_000) -> Any:
+    import redis
+    from kvtier.backends.redis_feed import RedisFeed
+    from redis.cluster import RedisCluster
+
+    def make() -> Any:
+        return RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url, socket_timeout=5)
+
+    return RedisFeed(stream, make, maxlen=maxlen)
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_redis_feed_two_writers_one_reader_and_a_blocking_read_wakes_at_once(
+    cluster: bool, redis_server: Any, redis_cluster: Any
+) -> None:
+    url = redis_cluster.url if cluster else redis_server.url
+    stream = f"feedtest-{cluster}:feed".encode()
+    a, b, reader = (_redis_feed(url, stream, cluster=cluster) for _ in range(3))
+    try:
+        start = reader.head()
+        assert start == FeedCursor()  # no stream yet
+        assert a.publish(FeedOp.STORED, K[:2]) and b.publish(FeedOp.REMOVED, K[:1])
+        entries, cursor, gap = _read_all(reader, start)
+        assert not gap and [(e.op, e.keys, e.writer) for e in entries] == [
+            (FeedOp.STORED, tuple(K[:2]), a.writer), (FeedOp.REMOVED, (K[0],), b.writer)
+        ]
+        assert reader.head() == cursor
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(reader.read(cursor, 5.0)))
+        t.start()
+        time.sleep(0.2)
+        sent = time.monotonic()
+        b.publish(FeedOp.STORED, K[5:6])
+        t.join()
+        assert time.monotonic() - sent < 1.0  # the blocked read answered with the entry
+        assert [e.keys for e in got[0].entries] == [(K[5],)]
+        # a job larger than one entry goes out as several, in order, in one pipeline
+        a.publish(FeedOp.STORED, K[:10_000])
+        entries, _, gap = _read_all(reader, got[0].cursor)
+        assert not gap and [k for e in entries for k in e.keys] == K[:10_000]
+    finally:
+        for feed in (a, b, reader):
+            feed.close()
+
+
+def test_redis_feed_a_trimmed_stream_is_a_gap_a_reader_in_step_never_sees_one(redis_server: Any) -> None:
+    stream = b"feedtest-trim:feed"
+    w, reader = _redis_feed(redis_server.url, stream, maxlen=100), _redis_feed(redis_server.url, stream, maxlen=100)
+    try:
+        w.publish(FeedOp.STORED, K[:1])
+        _, cursor, gap = _read_all(reader)
+        assert not gap
+        for i in range(300):  # a reader in step: reads after every write, no gap
+            w.publish(FeedOp.STORED, K[i : i + 1])
+            _, cursor, gap = _read_all(reader, cursor)
+            assert not gap
+        behind = cursor
+        for i in range(2000):  # far past MAXLEN ~100: the entries after `behind` are trimmed
+            w.publish(FeedOp.STORED, K[i : i + 1])
+        r = reader.read(behind, 0.1)
+        assert r.gap and r.entries
+        # a stream that vanished (FLUSHALL, a restart without persistence) comes back as a gap
+        import redis
+
+        redis.Redis.from_url(redis_server.url).delete(stream)
+        w.publish(FeedOp.STORED, K[7:8])
+        _, _, gap = _read_all(reader, r.cursor)
+        assert gap
+    finally:
+        w.close()
+        reader.close()
+
+
+def test_redis_feed_a_dead_server_raises_oserror_and_publish_fails_cleanly() -> None:
+    from kvtier.tools.servers import free_port
+
+    feed = _redis_feed(f"redis://127.0.0.1:{free_port()}/0", b"x:feed")
+    try:
+        assert feed.publish(FeedOp.STORED, K[:1]) is False and feed.publish_failures == 1
+        with pytest.raises(OSError):
+            feed.read(FeedCursor(), 0.1)
+        with pytest.raises(OSError):
+            feed.head()
+    finally:
+        feed.close()
