@@ -21,7 +21,12 @@ Contract and choices:
   recent blocks, a process crash loses nothing, and checksums keep torn data from being served.
 * Several instances (processes, hosts) may share one directory: a read looks the file up by name,
   so a block written by another instance is served even if this one never listed it. Capacity is
-  enforced per instance over the blocks it knows (listed at open or written since).
+  enforced per instance over the blocks it knows (listed at open or written since). With
+  ``shared=True`` the manager's index follows the other instances live: each job's writes and
+  deletes are published to a change feed in ``<path>/kvtier-feed``
+  (:mod:`kvtier.backends.file_feed`), a :class:`~kvtier.backends.feed_follower.TierFollower`
+  applies the others' entries, and a sweep of the directory every ``sweep_interval_s`` is the
+  backstop; an eviction forgets records (``forget_blocks``) instead of deleting them.
 * Reads ``pread`` the header, check it, then ``preadv`` the payload straight into the caller's
   tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``); in a job of 1 MiB or
   more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
