@@ -139,7 +139,7 @@ def test_mla_is_one_record_for_every_rank() -> None:
     ],
 )
 def test_bad_groups_name_the_field(args: dict[str, int], field: str) -> None:
-    with pytest.raises(ConfigError, match=f"head_groups.{field}"):
+    with pytest.raises(ConfigError, match=rf"head_groups\.{field}"):
         HeadGroups(**args)
 
 
@@ -404,7 +404,7 @@ def test_a_store_without_head_information_keeps_whole_blocks(tmp_path: Path) -> 
 
 
 def test_half_configured_head_groups_name_the_missing_field() -> None:
-    with pytest.raises(ConfigError, match="head_groups.head_dim"):
+    with pytest.raises(ConfigError, match=r"head_groups\.head_dim"):
         kvtier.KVStore(load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}], "head_groups": {"kv_heads": 8}}), kv_caches=full_cache())
 
 
