@@ -11,14 +11,17 @@ needs a ``reason``: it is the exception a fleet must explain.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups, default_group_size
+
+if TYPE_CHECKING:  # torch loads only when a store is built (``import kvtier`` stays light)
+    import torch
+
+    from kvtier.records.head_groups import HeadGroupLayout
 
 __all__ = ["HeadGroupsConfig"]
 
@@ -65,6 +68,10 @@ class HeadGroupsConfig(BaseModel):
         """The head groups of a store given plain ``kv_caches``: ``None`` unless this section
         turns them on and says where the heads are (``kv_heads`` and ``head_dim``, or ``mla``).
         The rank and TP size are the namespace's."""
+        import torch
+
+        from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups, default_group_size
+
         if not self.enabled:
             return None
         if self.mla:
