@@ -34,8 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,21 +93,22 @@ def _cell(kind: str, root: str, tokens: int, group_size: int, job: int, rounds: 
     held = layout.groups.held
     records = layout.split(rows, held)
     buffers = layout.read_buffers(job)
+    scratch = torch.empty(buffers.numel(), dtype=torch.uint8)  # the tier keeps one per thread too
     times: dict[str, list[float]] = {k: [] for k in ("save_whole", "save_groups", "load_whole", "load_groups",
                                                       "inner_save", "inner_load", "split", "join")}
     try:
         for r in range(rounds + 1):
             keys = [os.urandom(32) for _ in range(job)]
             arms: list[tuple[str, Callable[[], Any]]] = [
-                ("save_whole", lambda: whole.write_blocks(keys, rows)),
-                ("save_groups", lambda: grouped.write_blocks(keys, rows)),
+                ("save_whole", lambda keys=keys: whole.write_blocks(keys, rows)),
+                ("save_groups", lambda keys=keys: grouped.write_blocks(keys, rows)),
             ]
             got: dict[str, float] = {}
             for name, fn in arms if r % 2 else arms[::-1]:
                 got[name] = _timed(fn)
             loads: list[tuple[str, Callable[[], Any]]] = [
-                ("load_whole", lambda: whole.read_blocks(keys, out_rows)),
-                ("load_groups", lambda: grouped.read_blocks(keys, out_rows)),
+                ("load_whole", lambda keys=keys: whole.read_blocks(keys, out_rows)),
+                ("load_groups", lambda keys=keys: grouped.read_blocks(keys, out_rows)),
             ]
             for name, fn in loads if r % 2 else loads[::-1]:
                 got[name] = _timed(fn)
@@ -115,9 +116,9 @@ def _cell(kind: str, root: str, tokens: int, group_size: int, job: int, rounds: 
                 raise AssertionError(f"{kind}: head-group records did not read back byte-exact")
             # the parts of the groups arm, on their own
             rkeys = layout.record_keys([os.urandom(32) for _ in range(job)], held)
-            got["inner_save"] = _timed(lambda: grouped.inner.write_blocks(rkeys, records))
-            got["inner_load"] = _timed(lambda: grouped.inner.read_blocks(rkeys, list(buffers.view(len(rkeys), -1))))
-            got["split"] = _timed(lambda: layout.split(rows, held))
+            got["inner_save"] = _timed(lambda rkeys=rkeys: grouped.inner.write_blocks(rkeys, records))
+            got["inner_load"] = _timed(lambda rkeys=rkeys: grouped.inner.read_blocks(rkeys, list(buffers.view(len(rkeys), -1))))
+            got["split"] = _timed(lambda: layout.split(rows, held, scratch))
             got["join"] = _timed(lambda: layout.join(buffers, out_rows))
             grouped.inner.delete_blocks(rkeys)
             whole.delete_blocks(keys)

@@ -418,15 +418,23 @@ class HeadGroupLayout:
                 else:
                     block_view.copy_(record_view)
 
-    def split(self, blocks: Sequence[torch.Tensor], groups: Sequence[int]) -> list[torch.Tensor]:
+    def split(
+        self, blocks: Sequence[torch.Tensor], groups: Sequence[int], scratch: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """The records of ``groups`` (held, consecutive) of every block, block-major: the
-        blocks themselves when one group is the whole block, else one copy per segment per job."""
+        blocks themselves when one group is the whole block, else one copy per segment per job
+        (into ``scratch``, at least ``len(blocks) * len(groups) * group_bytes`` bytes, when given:
+        fresh memory for every job costs a page fault per 4 KiB)."""
         if not blocks or not groups:
             return []
         if self.whole:
             return list(blocks)
         first, count = groups[0] - self.groups.held[0], len(groups)
-        records = torch.empty((len(blocks), count, self.group_bytes), dtype=torch.uint8, device=blocks[0].device)
+        shape = (len(blocks), count, self.group_bytes)
+        if scratch is None:
+            records = torch.empty(shape, dtype=torch.uint8, device=blocks[0].device)
+        else:
+            records = scratch[: math.prod(shape)].view(shape)
         stacked = rows_view(blocks)
         for rows, dst in ((stacked, records),) if stacked is not None else (
             (b.view(1, -1), records[i : i + 1]) for i, b in enumerate(blocks)
