@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.integrations.vllm.engines import rank_tiers
-from kvtier.integrations.vllm.follow import HeadGroupIndex, RedisOffloadKeys, SharedFollowing
+from kvtier.integrations.vllm.follow import LiveAdoption, RedisOffloadKeys, SharedFollowing
 from kvtier.integrations.vllm.head_layout import HeadShape, head_shapes, page_head_shape, rank_head_groups
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
@@ -104,35 +104,36 @@ def _manager(blocks: int = 8) -> TierManager:
     return TierManager([TierSpec("redis", blocks * 100, 100, LRUPolicy(capacity=blocks), persistent=True)])
 
 
-def test_head_group_index_adopts_a_block_once_every_group_is_stored_and_forgets_it_when_one_goes() -> None:
+def _layout(tp: int, rank: int) -> Any:
+    shape = HeadShape(outer=1, heads=3 // tp if tp <= 3 else 1, inner=64, kv_heads=3)
+    return rank_head_groups(None, shape, 1, tp_size=tp, rank=rank, blocks_per_chunk=1, tag="t")
+
+
+def test_live_adoption_through_the_head_group_view_announces_complete_blocks_only() -> None:
+    """The scheduler side's binding: the tier's GroupIndex over LiveAdoption adopts a block
+    once every head group of it is on the tier (a stored event), and forgets it when one goes
+    (a removed event)."""
+    from kvtier.records.head_group_tier import GroupIndex
+
     mgr = _manager()
-    index = HeadGroupIndex(mgr, num_groups=3, block_bytes=100)
+    index = GroupIndex(LiveAdoption(mgr), _layout(3, 0))  # rank 0 of TP=3: holds group 0
     a, b = make_key(1), make_key(2)
     now = time.time()
     index.adopt(0, [(group_key(a, 0), 10, now), (group_key(a, 2), 10, now), (group_key(b, 1), 10, now)])
     assert not mgr.holds(a, 0) and not mgr.holds(b, 0)  # a writer between its groups: a miss
-    assert index.holds(group_key(a, 0), 0) and not index.holds(group_key(a, 1), 0)
     index.adopt(0, [(group_key(a, 1), 10, now)])
     assert mgr.lookup([a]) == 1 and not mgr.holds(b, 0)
     assert [(e.kind, e.key) for e in mgr.take_events()] == [("stored", a)]
-    assert index.remove([group_key(a, 2)], 0) == [group_key(a, 2)]
+    index.remove([group_key(a, 2)], 0)
     assert mgr.lookup([a]) == 0
     assert [(e.kind, e.key) for e in mgr.take_events()] == [("removed", a)]
-    assert index.counters == {"blocks_adopted": 1, "blocks_forgotten": 1}
 
 
-def test_head_group_index_with_two_groups() -> None:
-    """With two groups a block's two records also read as the records of one other key
-    (``a ^ m0 ^ m1``: the XOR of two masks); that key is adopted too, and never asked for."""
-    mgr = _manager()
-    index = HeadGroupIndex(mgr, num_groups=2, block_bytes=100)
-    a = make_key(1)
-    index.adopt(0, [(group_key(a, 1), 10, 0.0)])
-    assert not mgr.holds(a, 0)
-    index.adopt(0, [(group_key(a, 0), 10, 0.0)])
-    assert mgr.lookup([a]) == 1
-    index.remove([group_key(a, 0)], 0)
-    assert mgr.lookup([a]) == 0 and len(mgr.take_events()) >= 2
+def test_live_adoption_reports_what_did_not_fit() -> None:
+    mgr = _manager(blocks=2)
+    keys = [make_key(i) for i in range(3)]
+    assert LiveAdoption(mgr).adopt(0, [(k, 100, 0.0) for k in keys]) == [keys[0]]  # the oldest
+    assert all(mgr.status(k).tier == 0 for k in keys[1:])
 
 
 def test_redis_offload_key_directory_serves_what_another_engine_published(redis_server: Any) -> None:

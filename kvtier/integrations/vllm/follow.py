@@ -5,9 +5,10 @@ A shared tier (Redis, a ``file`` tier with ``shared: true``) holds blocks that o
 stored: replicas of this model, of any tensor-parallel size. With head-group records
 (:mod:`.head_layout`), the scheduler side opens each shared tier's backend in its own process
 (:func:`follow_shared_tiers`; no bytes move there) and binds the tier's follower (its change
-feed, or its sweep: ``kvtier.backends.feed_follower``, ``kvtier.backends.shared_index``) to a
-:class:`HeadGroupIndex`, which adopts a block into the group's manager once every head group of
-it is on the tier, and forgets it when one goes. The manager announces both as its own
+feed, or its sweep: ``kvtier.backends.feed_follower``, ``kvtier.backends.shared_index``) through
+the tier's head-group view (``kvtier.records.head_group_tier.GroupIndex``), which adopts a block
+into the group's manager once every head group of it is on the tier, and forgets it when one
+goes. The manager announces both as its own
 *stored* / *removed* events; the step never waits on the network (lookups stay in memory).
 
 vLLM's KV events name a block by vLLM's block hash (its *offload key*); a kvtier key is a
@@ -41,10 +42,9 @@ from kvtier.integrations.vllm.group_config import group_shares, group_tiers
 from kvtier.integrations.vllm.head_layout import together_tiers
 from kvtier.integrations.vllm.ranks import RankTiers
 from kvtier.records.head_group_tier import HeadGroupTier
-from kvtier.records.head_groups import block_key_of, group_key
 
 __all__ = [
-    "HeadGroupIndex",
+    "LiveAdoption",
     "OffloadKeyDirectory",
     "RedisOffloadKeys",
     "SharedFollowing",
@@ -61,59 +61,31 @@ _BATCH = 512
 
 
 class IndexManager(Protocol):
-    """What :class:`HeadGroupIndex` needs of the manager (``TierManager`` answers it)."""
+    """What :class:`LiveAdoption` needs of the manager (``TierManager`` answers it)."""
 
     def holds(self, key: bytes, tier: int) -> bool: ...
     def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]: ...
     def remove(self, keys: Sequence[bytes], tier: int) -> list[bytes]: ...
 
 
-class HeadGroupIndex:
-    """The index a shared tier's follower keeps current (``holds``, ``adopt``, ``remove``), over
-    the tier's head-group *records*, for a manager that holds *blocks*: a block is adopted once
-    every one of its ``num_groups`` group records is on the tier (another engine's ranks, of any
-    TP size, have all stored theirs), and forgotten as soon as one of them goes. Thread-safe."""
+class LiveAdoption:
+    """A manager as a follower's index sees it, adopting with ``adopt_live``: what another
+    engine stored is announced as the manager's own *stored* events (and room is made by
+    forgetting, never by deleting a shared tier's records)."""
 
-    def __init__(self, manager: IndexManager, num_groups: int, block_bytes: int) -> None:
+    def __init__(self, manager: IndexManager) -> None:
         self.manager = manager
-        self.num_groups = num_groups
-        self.block_bytes = block_bytes
-        self._lock = threading.Lock()
-        self._present: set[bytes] = set()
-        self.counters = {"blocks_adopted": 0, "blocks_forgotten": 0}
-
-    def _blocks_of(self, record_key: bytes) -> list[bytes]:
-        """The block each group's record ``record_key`` could be of (the group is not in the key)."""
-        return [block_key_of(record_key, g) for g in range(self.num_groups)]
 
     def holds(self, key: bytes, tier: int) -> bool:
-        with self._lock:
-            return key in self._present
+        return self.manager.holds(key, tier)
 
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
-        complete: dict[bytes, float] = {}
-        groups = range(self.num_groups)
-        with self._lock:
-            records = list(records)
-            present = self._present
-            present.update(key for key, _, _ in records)
-            for key, _, stamp in records:
-                for block in self._blocks_of(key):
-                    if block not in complete and all(group_key(block, g) in present for g in groups):
-                        complete[block] = stamp
-        if complete:
-            adopted = self.manager.adopt_live(tier, [(b, self.block_bytes, s) for b, s in complete.items()])
-            self.counters["blocks_adopted"] += len(adopted)
-        return []
+        records = list(records)
+        adopted = set(self.manager.adopt_live(tier, records))
+        return [key for key, _, _ in records if key not in adopted and not self.manager.holds(key, tier)]
 
     def remove(self, keys: Sequence[bytes], tier: int) -> list[bytes]:
-        with self._lock:
-            self._present.difference_update(keys)
-        blocks = {b for key in keys for b in self._blocks_of(key)}
-        held = [b for b in blocks if self.manager.holds(b, tier)]
-        if held:
-            self.counters["blocks_forgotten"] += len(self.manager.remove(held, tier))
-        return list(keys)
+        return self.manager.remove(list(keys), tier)
 
 
 def follow_shared_tiers(
@@ -125,8 +97,8 @@ def follow_shared_tiers(
 ) -> list[Any]:
     """In the scheduler's process, open the shared tiers (Redis; ``file`` with ``shared: true``)
     that hold head-group records, and bind each tier's follower (its change feed, or its sweep)
-    to the manager of each KV-cache group (``group_ids``, vLLM's) through a
-    :class:`HeadGroupIndex`. ``described``: rank 0's description of each group. Returns the backends opened (closed by the caller).
+    to the manager of each KV-cache group (``group_ids``, vLLM's) through its head-group view
+    and :class:`LiveAdoption`. ``described``: rank 0's description of each group. Returns the backends opened (closed by the caller).
     Records of the per-rank layout are not followed (each rank's prefix is its own)."""
     if not described or any(d.head_groups is None or d.block_format is None for d in described):
         return []
@@ -148,11 +120,11 @@ def follow_shared_tiers(
             view = HeadGroupTier(backend, desc.head_groups, desc.key_namespace)
             try:
                 run_sync(backend.open(view.record_format(desc.block_format)))
-                bind = getattr(backend, "bind_index", None)
-                if bind is None:
+                if getattr(backend, "bind_index", None) is None:
                     run_sync(backend.aclose())
                     continue
-                bind(HeadGroupIndex(manager, desc.head_groups.groups.num_groups, room.block_reserve), i)
+                # The view's GroupIndex adopts a block once every head group of it is on the tier.
+                view.bind_index(LiveAdoption(manager), i)
             except Exception as exc:  # a server down at start: adopted at the next start instead
                 log.warning("kvtier: cannot follow shared tier %d (%s) from the scheduler: %s", i, room.name, exc)
                 continue
