@@ -209,3 +209,41 @@ def test_shared_following_names_adopted_keys_by_their_offload_keys() -> None:
     assert directory.published == [(b, b"vllm-b")]
     shared.close()
     assert shared.directory is None
+
+
+async def test_blocks_adopted_at_start_are_announced_from_the_directory(tmp_path: Any) -> None:
+    """A fresh scheduler side over a persistent tier whose offload key log is gone (a Redis
+    tier has none): the adopted blocks are named by the directory, then announced as stored."""
+    from test_vllm_groups import GROUPS, okey, open_groups
+
+    from kvtier.integrations.vllm import groups as vg
+    from kvtier.integrations.vllm.announce import OffloadKeyLog
+    from kvtier.integrations.vllm.engines import SchedulerEngine, vllm_namespace
+    from kvtier.integrations.vllm.ranks import describe_rank
+
+    world = await open_groups(1, [{"backend": "file", "path": str(tmp_path / "f"), "capacity": "1MiB"}])
+    try:
+        keys = [okey(0, 0), okey(1, 0), okey(0, 1), okey(1, 1)]
+        world.store(keys, [1, 2, 3, 4], [2, 2], [0, 0])
+        known = {world.side.groups[0].kkey(k): k for k in keys[:2]}  # the other engine published group 0's
+        config = SimpleNamespace(model=SimpleNamespace(name="tiny-hybrid", dtype="float32"), kv_cache_layout="NHD",
+                                 parallel=SimpleNamespace(tp_size=1, pp_size=1))
+        shared = SharedFollowing({"tiers": []}, 1)
+        fresh = vg.SchedulerGroups(
+            [SchedulerEngine("e2", 1, group=g) for g in GROUPS],
+            world.side._store_cfg,
+            OffloadKeyLog(None),
+            lambda gpos, layout: vllm_namespace(config, 16, layout, {}),
+            shared=shared,
+        )
+        shared.start = lambda *args: setattr(shared, "directory", _Directory(known))  # type: ignore[method-assign]
+        fresh.adopt({0: vg.RankGroups(0, 1, GROUPS, tuple(
+            describe_rank("e", 0, 1, s, vg.group_layout("L", g, 2)) for g, s in zip(GROUPS, world.stores[0])
+        ))})
+        assert fresh.lookup(keys[0]) and fresh.lookup(keys[3])
+        events = list(fresh.take_events())
+        assert sorted(events) == sorted((k, 0, False) for k in keys[:2])  # group 1's were never published
+        assert list(fresh.take_events()) == []
+        fresh.close()
+    finally:
+        await world.close()

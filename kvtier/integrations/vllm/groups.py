@@ -366,6 +366,7 @@ class SchedulerGroups:
                 raise ConfigError(f"kvtier: rank {r} opened KV-cache groups {desc.group_ids}, expected {group_ids}")
         groups: list[_Group] = []
         adopted_keys: dict[int, list[bytes]] = {}
+        at_start: list[tuple[int, int, list[bytes]]] = []
         orphaned = 0
         for gpos, engine in enumerate(self.engines):
             per_rank = {r: desc.groups[gpos] for r, desc in ranks.items()}
@@ -386,6 +387,7 @@ class SchedulerGroups:
             groups.append(_Group(engine, side, engine.namespace, cap))
             for tier, keys in adopted.items():
                 adopted_keys.setdefault(tier, []).extend(keys)
+                at_start.append((gpos, tier, keys))
         first = groups[0].engine
         assert first.manager is not None
         self.memory_tiers = first.memory_tiers
@@ -406,6 +408,10 @@ class SchedulerGroups:
         if self.shared is not None:
             described = [ranks[min(ranks)].groups[gpos] for gpos in range(len(groups))]
             self.shared.start(group_ids, described, [g.engine.manager for g in groups])
+            for gpos, tier, keys in at_start:  # adopted blocks the log does not name: ask the directory
+                for key in keys:
+                    if key not in keep:
+                        self.shared.ask(gpos, key, tier)
         log.info(
             "kvtier: scheduler side of engine %s over %d ranks, %d KV-cache groups: %d blocks adopted, %d orphan records to delete",
             first.engine_id,
