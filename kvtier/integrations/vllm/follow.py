@@ -117,6 +117,8 @@ def follow_shared_tiers(
             if not room.shared or i not in together:
                 continue
             backend = build_backend(cfg.tiers[i], i)
+            if not getattr(backend, "shared", False):  # a file tier without ``shared: true``: read at start only
+                continue
             view = HeadGroupTier(backend, desc.head_groups, desc.key_namespace)
             try:
                 run_sync(backend.open(view.record_format(desc.block_format)))
