@@ -247,3 +247,20 @@ async def test_blocks_adopted_at_start_are_announced_from_the_directory(tmp_path
         fresh.close()
     finally:
         await world.close()
+
+
+def test_group_index_with_two_groups_adopts_the_block_whatever_the_order() -> None:
+    """With two groups a block's two records also read as those of one other key (the XOR of
+    the two masks): both are adopted, and the real block never loses its records to the other
+    (before, one of them raised KeyError in the follower's thread, half the time the real one)."""
+    from kvtier.records.head_group_tier import GroupIndex
+
+    shape = HeadShape(outer=1, heads=1, inner=64, kv_heads=2)
+    for rank in (0, 1):
+        layout = rank_head_groups(None, shape, 1, tp_size=2, rank=rank, blocks_per_chunk=1, tag="t")
+        for i in range(20):  # set orders differ by key
+            mgr = _manager()
+            index = GroupIndex(LiveAdoption(mgr), layout)
+            a = make_key(100 + i)
+            index.adopt(0, [(group_key(a, 0), 10, 0.0), (group_key(a, 1), 10, 0.0)])
+            assert mgr.lookup([a]) == 1

@@ -304,13 +304,17 @@ class GroupIndex:
                 pending.clear()
             pending.update((k, (size, stamp)) for k, size, stamp in records)
             blocks = self._layout.blocks_present(pending)
-            for block, recs in blocks.items():
-                parts = [pending[rk] for rk in recs]
+            # Sizes first: with two groups a block's two records are also those of one other
+            # key (``a ^ m0 ^ m1``), so a record may stand for two blocks; both are adopted (the
+            # other is never asked for) and neither may take the records from the other.
+            parts = {block: [pending[rk] for rk in recs] for block, recs in blocks.items()}
+            for block in blocks:
                 for rk in self._layout.record_keys([block], every):
                     pending.pop(rk, None)
                     self._block_of[rk] = block
                 if not self._manager.holds(block, tier):
-                    new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+                    sizes = parts[block]
+                    new.append((block, sum(p[0] for p in sizes), max(p[1] for p in sizes)))
         excess = self._manager.adopt(tier, new) if new else []
         return [rk for block in excess for rk in blocks[block]]
 
