@@ -466,3 +466,34 @@ def test_a_shared_tier_index_follows_other_tp_sizes_in_block_keys(redis_server: 
             assert await reader.lookup(keys) == 2
 
     asyncio.run(run())
+
+
+def test_the_feed_adopts_other_tp_sizes_blocks_live_and_names_blocks(tmp_path: Path) -> None:
+    """Following by the change feed of a shared file tier (no sweep): a TP 2 engine's blocks
+    reach a TP 1 store within seconds, its listeners hear block keys (what KV events announce),
+    and a load of them counts as shared hits."""
+    full = full_cache(seed=10)
+    tier = {"backend": "file", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast", "shared": True,
+            "sweep_interval_s": 3600}
+
+    async def run() -> None:
+        caches = [torch.zeros_like(c) for c in shard(full, HeadGroups.for_rank(HEADS, 1, 0, 1))]
+        async with kvtier.open(config(tier, 1, 0), kv_caches=caches) as reader:
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=reader.namespace)
+            follower = reader.backends[0].inner.follower  # type: ignore[attr-defined]
+            heard: list[bytes] = []
+            follower.listen(lambda change: heard.extend(change.adopted))
+            for rank in range(2):
+                cfg = config(tier, 2, rank)
+                async with kvtier.open(cfg, kv_caches=shard(full, HeadGroups.for_rank(HEADS, 2, rank, 1))) as writer:
+                    await writer.save(keys, [0, 1, 2, 3])
+            for _ in range(200):
+                if await reader.lookup(keys) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert await reader.lookup(keys) == 4
+            assert sorted(heard) == sorted(keys), "listeners hear the blocks, not their group records"
+            assert await reader.load(keys, [0, 1, 2, 3]) == 4
+            assert follower.stats()["shared_hits"] == 4
+
+    asyncio.run(run())

@@ -162,6 +162,9 @@ class HeadGroupTier(Backend):
             if any(found):
                 self.layout.join(buffers, out)
         self._count(found=found)
+        follower = getattr(self.inner, "follower", None)
+        if follower is not None and any(found):  # shared hits are counted by block, as adopted
+            follower.count_served([key for key, ok in zip(keys, found) if ok])
         return found
 
     def _scratch(self, records: int, device: torch.device) -> torch.Tensor:
@@ -295,7 +298,9 @@ class GroupIndex:
             block = self._block_of.get(key)
         return block is not None and self._manager.holds(block, tier)
 
-    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+    def _complete(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> tuple[dict[bytes, list[bytes]], list[tuple[bytes, int, float]]]:
+        """Take ``records`` into the pending pool; the blocks now complete (block -> its held
+        records) and, of them, the ones the manager does not hold, as block records."""
         every = self._every
         new: list[tuple[bytes, int, float]] = []
         with self._lock:
@@ -311,15 +316,32 @@ class GroupIndex:
                     self._block_of[rk] = block
                 if not self._manager.holds(block, tier):
                     new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+        return blocks, new
+
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """The manager's ``adopt`` for complete blocks; the records of blocks it had no room for."""
+        blocks, new = self._complete(tier, records)
         excess = self._manager.adopt(tier, new) if new else []
         return [rk for block in excess for rk in blocks[block]]
 
+    def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """The manager's ``adopt_live`` for complete blocks; the *block* keys adopted (what a
+        follower tells its listeners: KV events name blocks, not records)."""
+        _, new = self._complete(tier, records)
+        if not new:
+            return []
+        live = getattr(self._manager, "adopt_live", None)
+        if live is not None:
+            return list(live(tier, new))
+        excess = set(self._manager.adopt(tier, new))
+        return [b for b, _, _ in new if b not in excess]
+
     def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+        """Forget the blocks of vanished records; the *block* keys forgotten."""
         with self._lock:
             blocks = {self._block_of[k]: None for k in keys if k in self._block_of}
         removed = set(self._manager.remove(list(blocks), tier)) if blocks else set()
         with self._lock:
-            gone = [k for k in keys if self._block_of.get(k) in removed]
-            for k in gone:
-                del self._block_of[k]
-        return gone
+            for rk in self._layout.record_keys(list(removed), self._every):
+                self._block_of.pop(rk, None)
+        return list(removed)
