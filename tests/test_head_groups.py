@@ -31,6 +31,7 @@ from kvtier.records.head_groups import (
     group_key,
     rows_view,
 )
+from kvtier.testing import BackendTests
 
 LAYERS, TOKENS, HEADS, HEAD_SIZE = 3, 4, 8, 16
 NUM_BLOCKS = 6
@@ -497,3 +498,42 @@ def test_the_feed_adopts_other_tp_sizes_blocks_live_and_names_blocks(tmp_path: P
             assert follower.stats()["shared_hits"] == 4
 
     asyncio.run(run())
+
+
+# -- the backend protocol, through the head-group view ---------------------------------------------------
+
+def _grouped(inner: Any) -> HeadGroupTier:
+    """TP 1 over 8 heads in groups of 2 (four records per block), 4096-byte blocks. (A rank of a
+    larger TP writes only its groups, and a listing shows a block only once every group is
+    stored: test_writer_killed_between_groups_is_a_miss.)"""
+    layout = HeadGroupLayout(HeadGroups.for_rank(8, 1, 0, 2), HeadAxis(heads=8, segments=((8, 64),)))
+    return HeadGroupTier(inner, layout, Namespace(model_id="conformance"))
+
+
+class TestHeadGroupLmdbConformance(BackendTests):
+    persistent = True
+
+    def make_backend(self, path: Path, capacity: int) -> HeadGroupTier:
+        from kvtier.backends.lmdb_tier import LmdbBackend
+
+        # four small records (and their index entries) take more pages than one block
+        room = capacity * 4 if capacity >= self.block_bytes else capacity
+        return _grouped(LmdbBackend(capacity=room, path=path / "lmdb", sync_mode="fast"))
+
+
+class TestHeadGroupFileConformance(BackendTests):
+    persistent = True
+
+    def make_backend(self, path: Path, capacity: int) -> HeadGroupTier:
+        from kvtier.backends.file_tier import FileBackend
+
+        # a file takes 4 KiB on disk at least: four 1 KiB group records take four times a block
+        room = capacity * 4 if capacity >= self.block_bytes else capacity
+        return _grouped(FileBackend(capacity=room, path=path / "file", sync_mode="fast"))
+
+
+class TestHeadGroupCompressedConformance(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> HeadGroupTier:
+        from kvtier.backends.compressed import CompressedBackend
+
+        return _grouped(CompressedBackend(capacity=capacity))
