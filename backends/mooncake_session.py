@@ -87,11 +87,12 @@ class Staging:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.base = self.buffer.data_ptr()
         self.nbytes = nbytes
+        self.bytes = memoryview(self.buffer.numpy()).cast("B")
         self.lock = threading.Lock()
         session.register(self.base, nbytes)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return self.buffer.numpy().data[offset : offset + nbytes]
+        return self.bytes[offset : offset + nbytes]
 
 
 class MooncakeSession:
@@ -227,7 +228,7 @@ class MooncakeSession:
         """Every key the master holds (``/get_all_keys``), read as a stream of lines. Raises
         ``OSError`` when the admin port does not answer."""
         try:
-            with urllib.request.urlopen(f"{self.admin_url}/get_all_keys", timeout=timeout_s) as reply:  # noqa: S310
+            with urllib.request.urlopen(f"{self.admin_url}/get_all_keys", timeout=timeout_s) as reply:
                 for line in reply:
                     key = line.strip()
                     if key:
@@ -238,7 +239,7 @@ class MooncakeSession:
     def health(self, timeout_s: float) -> str | None:
         """``None`` when the admin port says the master serves, else what is wrong."""
         try:
-            with urllib.request.urlopen(f"{self.admin_url}/health", timeout=timeout_s) as reply:  # noqa: S310
+            with urllib.request.urlopen(f"{self.admin_url}/health", timeout=timeout_s) as reply:
                 text = reply.read(4096).decode("utf-8", "replace")
         except (OSError, urllib.error.URLError) as exc:
             return f"the master's admin port {self.admin_url} does not answer ({exc})"

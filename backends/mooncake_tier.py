@@ -53,7 +53,6 @@ from kvtier.backends.mooncake_session import (
 from kvtier.backends.remote_health import Down
 from kvtier.backends.remote_tier import KEY_BYTES, ReadJob, RemoteRecordBackend, SweepSkipped, WriteJob, check_seconds
 
-from kvtier.devices import tensor_device
 from kvtier.errors import ConfigError
 from kvtier.records.codec import Codec, NoneCodec
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, decode_payload, decode_record, parse_header, verify_payload
@@ -150,8 +149,10 @@ class MooncakeBackend(RemoteRecordBackend):
             soft_pin_ttl_ms=None if soft_pin_ttl_s is None else max(1, round(soft_pin_ttl_s * 1000)),
         )
         self._admin_warned = False
-        #: Reads that found a record of another length than this tier's (read whole instead).
+        #: Records longer than any of this tier's (left in place, not adopted again).
         self.odd_lengths = 0
+        #: Records the store had no room for (−200: the pool is full, or no segment is mounted).
+        self.full_refusals = 0
 
     def __repr__(self) -> str:
         return f"MooncakeBackend(master={self.master!r}, prefix={self.prefix!r})"
@@ -264,37 +265,44 @@ class MooncakeBackend(RemoteRecordBackend):
         with staging.lock:
             pending = list(positions)
             while pending:
-                batch, keys, ptrs, sizes, records = [], [], [], [], []
-                offset = 0
-                for i in pending:
-                    block = job.blocks[i]
-                    head, payload = self._encode_one(job.keys[i], block)
-                    length = len(payload)
-                    in_row = length == block.numel() and tensor_device(block).type == "cpu" and block.is_contiguous()
-                    need = len(head) + (0 if in_row else length)
-                    if batch and offset + need > staging.nbytes:
-                        break  # this record goes in the next chunk (encoded again there: rare)
-                    staging.view(offset, len(head))[:] = head
-                    if in_row:
-                        ptrs.append([staging.base + offset, block.data_ptr()])
-                        sizes.append([len(head), length])
-                    else:  # a compressed payload, or a block not in host memory: whole in staging
-                        staging.view(offset + len(head), length)[:] = payload
-                        ptrs.append([staging.base + offset])
-                        sizes.append([len(head) + length])
-                    offset += need
-                    batch.append(i)
-                    keys.append(job.rkeys[i].decode())
-                    records.append(len(head) + length)
-                codes = session.put_parts(keys, ptrs, sizes)
-                if master_unreachable(codes):
-                    raise Down(f"the master {self.master} did not answer")
-                for i, code, stored in zip(batch, codes, records):
-                    if code == 0:
-                        job.sizes[i] = stored
-                    elif code == NO_SPACE:
-                        log.debug("mooncake: no room for a record on %s (the pool is full or no segment is mounted)", self.master)
-                pending = pending[len(batch) :]
+                done = self._put_chunk(session, staging, job, pending)
+                pending = pending[done:]
+
+    def _put_chunk(self, session: MooncakeSession, staging: Staging, job: WriteJob, pending: list[int]) -> int:
+        """Put the leading records of ``pending`` that fit the staging in one call; how many."""
+        keys: list[str] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        stored: list[int] = []
+        room, offset, base, bytes_ = staging.nbytes, 0, staging.base, staging.bytes
+        for i in pending:
+            block = job.blocks[i]
+            head, payload = self._encode_one(job.keys[i], block)
+            hl, pl = len(head), len(payload)
+            in_row = pl == block.numel() and block.is_cpu and block.is_contiguous()
+            need = hl if in_row else hl + pl
+            if keys and offset + need > room:
+                break  # this record goes in the next chunk (encoded again there: rare)
+            bytes_[offset : offset + hl] = head
+            if in_row:  # the payload goes straight from the caller's row
+                ptrs.append([base + offset, block.data_ptr()])
+                sizes.append([hl, pl])
+            else:  # a compressed payload, or a block not in host memory: whole in staging
+                bytes_[offset + hl : offset + need] = payload
+                ptrs.append([base + offset])
+                sizes.append([need])
+            offset += need
+            keys.append(job.rkeys[i].decode())
+            stored.append(hl + pl)
+        codes = session.put_parts(keys, ptrs, sizes)
+        if master_unreachable(codes):
+            raise Down(f"the master {self.master} did not answer")
+        for i, code, size in zip(pending, codes, stored):
+            if code == 0:
+                job.sizes[i] = size
+            elif code == NO_SPACE:
+                self.full_refusals += 1
+        return len(keys)
 
     # -- reads ----------------------------------------------------------------------------------------------
     def _read_share(self, handle: Any, positions: list[int], *, job: ReadJob) -> None:
@@ -305,7 +313,7 @@ class MooncakeBackend(RemoteRecordBackend):
         direct, whole = [], []
         for i in positions:
             row = job.out[i]
-            if self.codec.codec_id == NoneCodec.codec_id and tensor_device(row).type == "cpu" and row.is_contiguous():
+            if self.codec.codec_id == NoneCodec.codec_id and row.is_cpu and row.is_contiguous():
                 direct.append(i)
             else:
                 whole.append(i)
@@ -376,7 +384,7 @@ class MooncakeBackend(RemoteRecordBackend):
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()
-        data.update(master=self.master, protocol=self.protocol, odd_lengths=self.odd_lengths)
+        data.update(master=self.master, protocol=self.protocol, odd_lengths=self.odd_lengths, full_refusals=self.full_refusals)
         return data
 
 

@@ -68,7 +68,7 @@ def mooncake_missing() -> str | None:
 
 
 def _get_json(url: str, timeout: float = 1.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 - loopback admin URL
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
         return json.loads(reply.read() or b"null")
 
 
@@ -193,14 +193,14 @@ class MooncakeServers:
     def segments(self) -> list[str]:
         """The memory segments the master knows (``/get_all_segments``)."""
         try:
-            with urllib.request.urlopen(f"{self.admin_url}/get_all_segments", timeout=1.0) as reply:  # noqa: S310
+            with urllib.request.urlopen(f"{self.admin_url}/get_all_segments", timeout=1.0) as reply:
                 return [line for line in reply.read().decode().split() if line]
         except (OSError, urllib.error.URLError):
             return []
 
     def keys(self) -> list[str]:
         """Every key the master holds (``/get_all_keys``)."""
-        with urllib.request.urlopen(f"{self.admin_url}/get_all_keys", timeout=5.0) as reply:  # noqa: S310
+        with urllib.request.urlopen(f"{self.admin_url}/get_all_keys", timeout=5.0) as reply:
             return [line for line in reply.read().decode().split("\n") if line]
 
     def _wait(self, ready: Any, process: _Process, name: str, timeout: float = 30.0) -> None:
