@@ -190,6 +190,9 @@ class MooncakeSession:
 
     # -- batched calls (each returns one status per key: 0 / a length, or a negative code) ----------
     def put_parts(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        """Put each object from its slices (one call); objects of one slice each take the plain call."""
+        if all(len(p) == 1 for p in ptrs):
+            return list(self.store.batch_put_from(keys, [p[0] for p in ptrs], [s[0] for s in sizes], self._config))
         return list(self.store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._config))
 
     def upsert(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:

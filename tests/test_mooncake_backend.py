@@ -353,3 +353,25 @@ def test_two_processes_share_blocks_that_outlive_the_writer(mooncake_store: Moon
     options = {**mooncake_store.tier_options(), "prefix": _prefix(tmp_path)}
     assert _host("A", options) == {"saved": 12}  # the writer has exited when the reader starts
     assert _host("B", options) == {"hits": 12, "loaded": 12, "byte_exact": True}
+
+
+def test_large_blocks_go_as_head_and_row_slices_and_odd_records_are_read_whole(mooncake_store: MooncakeServers, tmp_path: Path) -> None:
+    from kvtier.backends.mooncake_tier import ZERO_COPY_MIN_BYTES
+
+    big = ZERO_COPY_MIN_BYTES
+    writer = open_mooncake_tier(mooncake_store, b"big", big, prefix=_prefix(tmp_path), codec="zstd")
+    backend = open_mooncake_tier(mooncake_store, b"big", big, prefix=_prefix(tmp_path))
+    try:
+        keys = [make_key(i) for i in range(5)]
+        data = [random_block(big, i) for i in range(5)]
+        data[4] = torch.zeros(big, dtype=torch.uint8)
+        assert backend.write_blocks(keys[:4], data[:4]) == [big + 32] * 4  # head and row: no copy
+        assert writer.write_blocks(keys[4:], data[4:])[0] < big  # compressed: another length
+        plant(backend, keys[3], b"junk")
+        out = [torch.zeros(big, dtype=torch.uint8) for _ in range(5)]
+        assert backend.read_blocks(keys, out) == [True, True, True, False, True]
+        assert all(torch.equal(out[i], data[i]) for i in (0, 1, 2, 4))
+        assert backend.stats()["corrupt_records"] == 1  # the junk, read whole and refused
+    finally:
+        close(writer)
+        close(backend)
