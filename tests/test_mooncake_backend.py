@@ -7,11 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from mooncake_servers import MooncakeServers, open_mooncake_tier
+from two_hosts import CPU_TIER, run_host
 
 import kvtier
 import kvtier.config
@@ -311,48 +307,10 @@ def test_a_dead_client_host_is_a_miss(own_mooncake_store: MooncakeServers, tmp_p
 
 # -- two hosts, for real: separate processes -----------------------------------------------------------
 
-_HOST = textwrap.dedent(
-    """
-    import asyncio, json, sys, torch, kvtier
-    role, options = sys.argv[1], json.loads(sys.argv[2])
-    def caches(seed):
-        g = torch.Generator().manual_seed(seed)
-        return [torch.randint(0, 256, (16, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
-    keys = [kvtier.testing.make_key(i) for i in range(12)]
-    cfg = {"tiers": [{"backend": "cpu", "capacity": 16 * 2048},
-                     {"backend": "mooncake", "capacity": "8MiB", **options}],
-           "write": "through", "namespace": {"model_id": "two-hosts"}}
-    async def main():
-        if role == "A":
-            kv = caches(11)
-            async with kvtier.open(cfg, kv_caches=kv) as store:
-                print(json.dumps({"saved": await store.save(keys, list(range(12)))}))
-        else:
-            kv = caches(99)
-            async with kvtier.open(cfg, kv_caches=kv) as store:
-                hits = await store.lookup(keys)
-                loaded = await store.load(keys, list(range(4, 16)))
-                ref = caches(11)
-                same = all(torch.equal(kv[l][4 + i].view(torch.uint8), ref[l][i].view(torch.uint8)) for l in range(2) for i in range(loaded))
-                print(json.dumps({"hits": hits, "loaded": loaded, "byte_exact": same}))
-    asyncio.run(main())
-    """
-)
-
-
-def _host(role: str, options: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", "import kvtier.testing\n" + _HOST, role, json.dumps(options)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_two_processes_share_blocks_that_outlive_the_writer(mooncake_store: MooncakeServers, tmp_path: Path) -> None:
-    options = {**mooncake_store.tier_options(), "prefix": _prefix(tmp_path)}
-    assert _host("A", options) == {"saved": 12}  # the writer has exited when the reader starts
-    assert _host("B", options) == {"hits": 12, "loaded": 12, "byte_exact": True}
+    tiers = [CPU_TIER, {"backend": "mooncake", "capacity": "8MiB", **mooncake_store.tier_options(), "prefix": _prefix(tmp_path)}]
+    assert run_host("A", tiers) == {"saved": 12}  # the writer has exited when the reader starts
+    assert run_host("B", tiers) == {"hits": 12, "loaded": 12, "byte_exact": True}
 
 
 def test_large_blocks_go_as_head_and_row_slices_and_odd_records_are_read_whole(mooncake_store: MooncakeServers, tmp_path: Path) -> None:
