@@ -10,10 +10,16 @@ deployment where they outlive the writer. The raw and kvtier runs alternate, and
 taken from one adjacent pair, so a noisy host moves both sides; the median ratio is reported,
 with the load average. GB/s count block bytes.
 
+With ``--peer-python PEER/bin/python`` (a Python with LMCache and Mooncake's store, such as the
+peer environment of the shared peerbench), LMCache's own Mooncake connector moves the same cases
+on the same servers right after kvtier's pairs (``benchmarks/lmcache_mooncake_side.py``, in that
+Python), and ``vs_lmcache_put`` / ``vs_lmcache_get`` are kvtier's median over LMCache's median
+(above 1: kvtier is faster).
+
 Servers: a private ``mooncake_master`` and ``mooncake_client`` on loopback
 (:mod:`kvtier.tools.mooncake_servers`; ``pip install 'kvtier[mooncake]'``).
 
-    python benchmarks/bench_mooncake.py [--repeat 5] [--quick]
+    python benchmarks/bench_mooncake.py [--repeat 5] [--quick] [--peer-python PEER/bin/python]
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import hashlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -121,7 +129,22 @@ def measure_shape(servers: MooncakeServers, raw: Any, block: int, n: int, job: i
     return figures
 
 
-def measure(repeat: int, shapes: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+def lmcache_side(peer_python: str, servers: MooncakeServers, block: int, n: int, job: int, repeat: int) -> dict[str, Any]:
+    """LMCache's Mooncake connector on the same case and servers, in the peer's Python."""
+    script = Path(__file__).with_name("lmcache_mooncake_side.py")
+    case = f"{n}x{block >> 10}x{job}"
+    proc = subprocess.run(
+        [peer_python, "-W", "ignore", str(script), "--master", servers.master, "--metadata", servers.metadata_server,
+         "--cases", case, "--reps", str(repeat)],
+        capture_output=True, text=True, timeout=1800,
+    )
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-800:]}"}
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"lmcache_version": found["lmcache"], **found[case]}
+
+
+def measure(repeat: int, shapes: dict[str, tuple[int, int, int]], peer_python: str | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"load_average_before": [round(x, 2) for x in os.getloadavg()]}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-mooncake-") as tmp:
         servers = MooncakeServers(Path(tmp), segment_size="1GB").start()
@@ -129,7 +152,13 @@ def measure(repeat: int, shapes: dict[str, tuple[int, int, int]]) -> dict[str, A
             raw = _raw_client(servers)
             try:
                 for name, (block, n, job) in shapes.items():
-                    result[name] = measure_shape(servers, raw, block, n, job, repeat)
+                    result[name] = figures = measure_shape(servers, raw, block, n, job, repeat)
+                    if peer_python is not None:
+                        peer = lmcache_side(peer_python, servers, block, n, job, repeat)
+                        figures["lmcache"] = peer
+                        if "error" not in peer:
+                            figures["vs_lmcache_put"] = round(figures["kvtier_put_gbps"] / peer["lmcache_put_gbps"], 3)
+                            figures["vs_lmcache_get"] = round(figures["kvtier_get_gbps"] / peer["lmcache_get_gbps"], 3)
             finally:
                 raw.close()
         finally:
@@ -142,15 +171,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="two repetitions of small jobs")
+    parser.add_argument("--peer-python", help="a Python with LMCache and Mooncake: measure LMCache's Mooncake connector too")
     args = parser.parse_args()
     missing = mooncake_missing()
     if missing is not None:
         print(json.dumps({"skipped": missing}))
-        return
+        sys.exit(0)
     shapes = SHAPES
     if args.quick:
         shapes = {"2MiB": (2 << 20, 8, 4), "64KiB": (64 << 10, 64, 32)}
-    print(json.dumps(measure(2 if args.quick else args.repeat, shapes), indent=2))
+    print(json.dumps(measure(2 if args.quick else args.repeat, shapes, args.peer_python), indent=2))
 
 
 if __name__ == "__main__":
