@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.integrations.vllm.engines import rank_tiers
-from kvtier.integrations.vllm.follow import LiveAdoption, RedisOffloadKeys, SharedFollowing
+from kvtier.integrations.vllm.follow import RedisOffloadKeys, SharedFollowing
 from kvtier.integrations.vllm.head_layout import HeadShape, head_shapes, page_head_shape, rank_head_groups
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
@@ -109,31 +109,25 @@ def _layout(tp: int, rank: int) -> Any:
     return rank_head_groups(None, shape, 1, tp_size=tp, rank=rank, blocks_per_chunk=1, tag="t")
 
 
-def test_live_adoption_through_the_head_group_view_announces_complete_blocks_only() -> None:
-    """The scheduler side's binding: the tier's GroupIndex over LiveAdoption adopts a block
+def test_the_head_group_view_adopts_complete_blocks_only_as_stored_events() -> None:
+    """The scheduler side's binding: the tier's GroupIndex over the manager adopts a block
     once every head group of it is on the tier (a stored event), and forgets it when one goes
     (a removed event)."""
+    from kvtier.backends.shared_index import adopt_records
+
     from kvtier.records.head_group_tier import GroupIndex
 
     mgr = _manager()
-    index = GroupIndex(LiveAdoption(mgr), _layout(3, 0))  # rank 0 of TP=3: holds group 0
+    index = GroupIndex(mgr, _layout(3, 0))  # rank 0 of TP=3: holds group 0
     a, b = make_key(1), make_key(2)
-    now = time.time()
-    index.adopt(0, [(group_key(a, 0), 10, now), (group_key(a, 2), 10, now), (group_key(b, 1), 10, now)])
+    adopt_records(index, 0, [group_key(a, 0), group_key(a, 2), group_key(b, 1)], 10)  # as a follower does
     assert not mgr.holds(a, 0) and not mgr.holds(b, 0)  # a writer between its groups: a miss
-    index.adopt(0, [(group_key(a, 1), 10, now)])
+    adopt_records(index, 0, [group_key(a, 1)], 10)
     assert mgr.lookup([a]) == 1 and not mgr.holds(b, 0)
     assert [(e.kind, e.key) for e in mgr.take_events()] == [("stored", a)]
     index.remove([group_key(a, 2)], 0)
     assert mgr.lookup([a]) == 0
     assert [(e.kind, e.key) for e in mgr.take_events()] == [("removed", a)]
-
-
-def test_live_adoption_reports_what_did_not_fit() -> None:
-    mgr = _manager(blocks=2)
-    keys = [make_key(i) for i in range(3)]
-    assert LiveAdoption(mgr).adopt(0, [(k, 100, 0.0) for k in keys]) == [keys[0]]  # the oldest
-    assert all(mgr.status(k).tier == 0 for k in keys[1:])
 
 
 def test_redis_offload_key_directory_serves_what_another_engine_published(redis_server: Any) -> None:
@@ -260,7 +254,7 @@ def test_group_index_with_two_groups_adopts_the_block_whatever_the_order() -> No
         layout = rank_head_groups(None, shape, 1, tp_size=2, rank=rank, blocks_per_chunk=1, tag="t")
         for i in range(20):  # set orders differ by key
             mgr = _manager()
-            index = GroupIndex(LiveAdoption(mgr), layout)
+            index = GroupIndex(mgr, layout)
             a = make_key(100 + i)
-            index.adopt(0, [(group_key(a, 0), 10, 0.0), (group_key(a, 1), 10, 0.0)])
+            index.adopt_live(0, [(group_key(a, 0), 10, 0.0), (group_key(a, 1), 10, 0.0)])
             assert mgr.lookup([a]) == 1

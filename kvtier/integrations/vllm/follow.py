@@ -32,7 +32,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from kvtier.config import build_backend, load_config
@@ -44,7 +44,6 @@ from kvtier.integrations.vllm.ranks import RankTiers
 from kvtier.records.head_group_tier import HeadGroupTier
 
 __all__ = [
-    "LiveAdoption",
     "OffloadKeyDirectory",
     "RedisOffloadKeys",
     "SharedFollowing",
@@ -60,34 +59,6 @@ QUEUE_LIMIT = 1024
 _BATCH = 512
 
 
-class IndexManager(Protocol):
-    """What :class:`LiveAdoption` needs of the manager (``TierManager`` answers it)."""
-
-    def holds(self, key: bytes, tier: int) -> bool: ...
-    def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]: ...
-    def remove(self, keys: Sequence[bytes], tier: int) -> list[bytes]: ...
-
-
-class LiveAdoption:
-    """A manager as a follower's index sees it, adopting with ``adopt_live``: what another
-    engine stored is announced as the manager's own *stored* events (and room is made by
-    forgetting, never by deleting a shared tier's records)."""
-
-    def __init__(self, manager: IndexManager) -> None:
-        self.manager = manager
-
-    def holds(self, key: bytes, tier: int) -> bool:
-        return self.manager.holds(key, tier)
-
-    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
-        records = list(records)
-        adopted = set(self.manager.adopt_live(tier, records))
-        return [key for key, _, _ in records if key not in adopted and not self.manager.holds(key, tier)]
-
-    def remove(self, keys: Sequence[bytes], tier: int) -> list[bytes]:
-        return self.manager.remove(list(keys), tier)
-
-
 def follow_shared_tiers(
     store_dict: Mapping[str, Any],
     world_size: int,
@@ -97,8 +68,7 @@ def follow_shared_tiers(
 ) -> list[Any]:
     """In the scheduler's process, open the shared tiers (Redis; ``file`` with ``shared: true``)
     that hold head-group records, and bind each tier's follower (its change feed, or its sweep)
-    to the manager of each KV-cache group (``group_ids``, vLLM's) through its head-group view
-    and :class:`LiveAdoption`. ``described``: rank 0's description of each group. Returns the backends opened (closed by the caller).
+    to the manager of each KV-cache group (``group_ids``, vLLM's) through its head-group view. ``described``: rank 0's description of each group. Returns the backends opened (closed by the caller).
     Records of the per-rank layout are not followed (each rank's prefix is its own)."""
     if not described or any(d.head_groups is None or d.block_format is None for d in described):
         return []
@@ -126,7 +96,7 @@ def follow_shared_tiers(
                     run_sync(backend.aclose())
                     continue
                 # The view's GroupIndex adopts a block once every head group of it is on the tier.
-                view.bind_index(LiveAdoption(manager), i)
+                view.bind_index(manager, i)  # adopt_live: other engines' blocks are stored events
             except Exception as exc:  # a server down at start: adopted at the next start instead
                 log.warning("kvtier: cannot follow shared tier %d (%s) from the scheduler: %s", i, room.name, exc)
                 continue
