@@ -313,13 +313,12 @@ def main() -> int:
         return 0
     try:
         import vllm  # noqa: F401
-
-        import kvtier.integrations.vllm as kv_vllm
-
-        kv_vllm.KvtierConnector  # noqa: B018
     except Exception as exc:
-        print(f"VLLM FLEET E2E SKIPPED: cannot import vLLM / kvtier's vLLM classes: {type(exc).__name__}: {exc}")
+        print(f"VLLM FLEET E2E SKIPPED: cannot import vLLM: {type(exc).__name__}: {exc}")
         return 0
+    import kvtier.integrations.vllm as kv_vllm
+
+    kv_vllm.KvtierConnector  # noqa: B018  (kvtier's vLLM classes: an error here is a failure)
     server = shutil.which("redis-server")
     if server is None:
         print("VLLM FLEET E2E SKIPPED: NO redis-server ON PATH")
