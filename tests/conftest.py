@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mooncake_servers import MISSING as MOONCAKE_MISSING
+from mooncake_servers import mooncake_binaries, mooncake_store, own_mooncake_store  # noqa: F401  (fixtures)
 from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redis tests on both kinds)
     MISSING,
     _shared_servers,
@@ -17,4 +19,6 @@ from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redi
 
 
 def pytest_report_header(config: object) -> list[str]:
-    return report_header()
+    lines = report_header()
+    lines.append("mooncake: " + (MOONCAKE_MISSING if mooncake_binaries() is None else "mooncake_master and mooncake_client of the installed wheel"))
+    return lines
