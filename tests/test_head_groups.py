@@ -554,3 +554,27 @@ def test_an_integration_gets_its_layout_from_the_config_section() -> None:
     assert HeadGroupsConfig(record_layout="per_rank", reason="r").for_engine(axis, kv_heads=8, tp_size=4, rank=1) is None
     mla = HeadGroupsConfig().for_engine(HeadAxis(heads=1, segments=((1, 4096),)), kv_heads=1, tp_size=2, rank=1, mla=True)
     assert mla is not None and mla.groups.written == () and mla.groups.held == (0,)
+
+
+def test_memory_tier_in_front_keeps_whole_blocks_and_the_byte_tier_groups(tmp_path: Path) -> None:
+    """``[cpu, lmdb]``: the cpu tier holds the rank's blocks whole, the lmdb tier head groups
+    (written through); a TP 4 engine reads what TP 1 stored."""
+    full = full_cache(seed=11)
+    tiers = [{"backend": "cpu", "capacity": "64KiB"}, {"backend": "lmdb", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}]
+
+    def cfg(tp: int, rank: int) -> dict[str, Any]:
+        return {**config(tiers[1], tp, rank), "tiers": tiers}
+
+    async def run() -> None:
+        async with kvtier.open(cfg(1, 0), kv_caches=shard(full, HeadGroups.for_rank(HEADS, 1, 0, 1))) as store:
+            assert not isinstance(store.backends[0], HeadGroupTier) and isinstance(store.backends[1], HeadGroupTier)
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+            assert await store.save(keys, [0, 1, 2, 3]) == 4
+        for rank in range(4):
+            groups = HeadGroups.for_rank(HEADS, 4, rank, 1)
+            caches = [torch.zeros_like(c) for c in shard(full, groups)]
+            async with kvtier.open(cfg(4, rank), kv_caches=caches) as store:
+                assert await store.load(keys, [1, 2, 3, 4]) == 4
+            assert all(torch.equal(a[1:5], b[:4]) for a, b in zip(caches, shard(full, groups)))
+
+    asyncio.run(run())
