@@ -144,13 +144,28 @@ class SeaweedServer:
                 input=command.encode(), capture_output=True, timeout=60, check=False,
             )
             out = (done.stdout + done.stderr).decode(errors="replace")
-            if done.returncode == 0 and "error" not in out.lower():
-                return
-            if "already exist" in out.lower():
+            if (done.returncode == 0 and "error" not in out.lower()) or "already exist" in out.lower():
+                self._wait_writable(name, deadline)
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"weed shell could not create bucket {name!r}: {out[-2000:]}")
             time.sleep(0.5)
+
+    def _wait_writable(self, bucket: str, deadline: float) -> None:
+        """Write (and delete) one small file through the filer until it lands: a fresh server
+        grows its first volumes on the first write, which can take longer than a client's
+        timeout (measured here: over 5 s on a busy 2-core host)."""
+        url = f"http://127.0.0.1:{self.ports['filer']}/buckets/{bucket}/.kvtier-warmup"
+        while True:
+            try:
+                request = urllib.request.Request(url, data=b"warm", method="PUT")
+                urllib.request.urlopen(request, timeout=30).close()
+                urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=30).close()
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"weed server: bucket {bucket!r} never became writable: {exc}") from exc
+                time.sleep(0.5)
 
     def kill(self) -> None:
         """SIGKILL the process group: the server dies mid-whatever, as a crash would."""
