@@ -96,7 +96,7 @@ class S3Client:
             config["skip_signature"] = True
         self._store = S3Store(
             bucket,
-            config=config,
+            config=config,  # type: ignore[arg-type]
             client_options={
                 "allow_http": bool(endpoint_url and endpoint_url.startswith("http://")),
                 "timeout": f"{max(1, round(timeout_s * 1000))}ms",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -86,8 +87,10 @@ class ObstoreClient:
     def put(self, keys: list[str], payloads: list[memoryview]) -> None:
         import obstore
 
-        self.loop.run_until_complete(self._bounded(
-            [lambda k=k, p=p: obstore.put_async(self.store, k, p) for k, p in zip(keys, payloads)]))
+        async def one(key: str, payload: memoryview) -> None:
+            await obstore.put_async(self.store, key, payload)
+
+        self.loop.run_until_complete(self._bounded([functools.partial(one, k, p) for k, p in zip(keys, payloads)]))
 
     def get(self, keys: list[str], out: list[memoryview]) -> None:
         import obstore
@@ -96,7 +99,7 @@ class ObstoreClient:
             got = await obstore.get_async(self.store, key)
             dst[:] = memoryview(await got.bytes_async())
 
-        self.loop.run_until_complete(self._bounded([lambda k=k, d=d: one(k, d) for k, d in zip(keys, out)]))
+        self.loop.run_until_complete(self._bounded([functools.partial(one, k, d) for k, d in zip(keys, out)]))
 
     def close(self) -> None:
         self.loop.close()
@@ -150,10 +153,10 @@ class NixlClient:
         pass
 
 
-CANDIDATES = [Boto3Client, ObstoreClient, NixlClient]
+CANDIDATES: list[Any] = [Boto3Client, ObstoreClient, NixlClient]
 
 
-def _available(cls: type) -> str | None:
+def _available(cls: Any) -> str | None:
     module = {"boto3": "boto3", "obstore": "obstore", "nixl-obj": "nixl_cu12"}[cls.name]
     try:
         __import__(module)
@@ -178,6 +181,10 @@ def _cell(client: Any, label: str, size: int, total: int) -> dict[str, float]:
     return {"put_gbps": n * size / (t1 - t0) / 1e9, "get_gbps": n * size / (t2 - t1) / 1e9}
 
 
+def _cell_of(medians: dict[str, dict[str, float]], cell: str, name: str) -> float:
+    return medians[name].get(cell, 0.0)
+
+
 def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, Any]:
     from kvtier.tools.seaweed import SeaweedServer
 
@@ -185,7 +192,7 @@ def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, A
     try:
         server.create_bucket(BUCKET)
         skipped = {c.name: why for c in CANDIDATES if (why := _available(c))}
-        clients = []
+        clients: list[Any] = []
         for cls in CANDIDATES:
             if cls.name in skipped:
                 continue
@@ -219,8 +226,7 @@ def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, A
         for name, cells in medians.items() if name != "boto3"
     }
     fastest = {
-        cell: max(medians, key=lambda n, cell=cell: medians[n].get(cell, 0.0))
-        for cell in next(iter(medians.values()), {})
+        cell: max(medians, key=functools.partial(_cell_of, medians, cell)) for cell in next(iter(medians.values()), {})
     }
     return {
         "bench": "s3_clients", "server": "seaweedfs (weed server, loopback)", "mib_per_cell": mib, "rounds": rounds,

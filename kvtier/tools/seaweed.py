@@ -107,7 +107,7 @@ class SeaweedServer:
         identity = {"name": "kvtier", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
         (self.directory / "s3.json").write_text(json.dumps({"identities": [identity]}))
-        log = open(self.directory / "weed.log", "ab")  # noqa: SIM115 - the child keeps it
+        log = open(self.directory / "weed.log", "ab")
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.directory)
         finally:
