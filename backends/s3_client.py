@@ -26,6 +26,7 @@ error or in a log line.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import timedelta
@@ -53,10 +54,22 @@ class S3Refused(Exception):
     """The server refused the request (credentials, permissions, a missing bucket)."""
 
 
+_CODE_RE = re.compile(r"<Code>([^<]{1,64})</Code>")
+_MESSAGE_RE = re.compile(r"<Message>([^<]{1,200})</Message>")
+#: S3 error codes of a request the server refused (the caller's fault, not an outage).
+_REFUSALS = ("NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidBucketName")
+
+
 def _short(exc: BaseException) -> str:
-    """The first line of an obstore error (its later lines are a debug dump of the request)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+    """One line for a log: the first line of obstore's error (its later lines are a debug dump
+    of the request) without the XML body, plus the S3 error code and message from that body."""
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    first = first.split(": <?xml", 1)[0]
+    code, message = _CODE_RE.search(text), _MESSAGE_RE.search(text)
+    if code is not None:
+        first += f" ({code.group(1)}{': ' + message.group(1) if message else ''})"
+    return f"{type(exc).__name__}: {first}"[:500]
 
 
 def _translate(exc: BaseException) -> BaseException | None:
@@ -66,7 +79,7 @@ def _translate(exc: BaseException) -> BaseException | None:
     if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
         return S3Refused(_short(exc))
     text = str(exc)
-    if "NoSuchBucket" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+    if any(code in text for code in _REFUSALS) or " 403 Forbidden" in text or " 401 Unauthorized" in text:
         return S3Refused(_short(exc))
     return S3Down(_short(exc))
 

@@ -29,7 +29,7 @@ MISSING = (
 
 def need_s3() -> None:
     if WEED is None or importlib.util.find_spec("obstore") is None:
-        pytest.skip(MISSING)
+        pytest.skip(MISSING, allow_module_level=True)
 
 
 def unique_prefix(path: Path) -> str:
