@@ -36,7 +36,7 @@ from kvtier.errors import MissingDependencyError
 
 try:
     import obstore
-    from obstore.exceptions import AlreadyExistsError, PermissionDeniedError, UnauthenticatedError
+    from obstore.exceptions import AlreadyExistsError, BaseError, PermissionDeniedError, UnauthenticatedError
     from obstore.store import S3Store
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise MissingDependencyError(f"the s3 backend needs obstore: pip install 'kvtier[s3]' ({exc})") from exc
@@ -164,8 +164,13 @@ class S3Client:
 
     @staticmethod
     def _raise_first(results: Sequence[Any]) -> None:
-        """Raise the batch's first refusal, else its first failure (missing objects are fine)."""
-        failures = [t for r in results if isinstance(r, BaseException) and (t := _translate(r)) is not None]
+        """Raise the batch's first refusal, else its first failure (missing objects are fine).
+        An error that is not the client's (a bug in a callback) is raised as it is."""
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            if not isinstance(error, (BaseError, OSError)):
+                raise error
+        failures = [t for t in map(_translate, errors) if t is not None]
         for kind in (S3Refused, S3Down):
             for failure in failures:
                 if isinstance(failure, kind):
@@ -183,17 +188,24 @@ class S3Client:
 
         self._raise_first(self._run(self._gather([put(k, p) for k, p in zip(keys, parts)])))
 
-    def get_many(self, keys: Sequence[str]) -> list[Any]:
-        """Each object's bytes (a buffer), or ``None`` where it does not exist."""
+    def get_many(self, keys: Sequence[str], on_record: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """Each object's bytes (a buffer), or ``None`` where it does not exist. With
+        ``on_record``, each object is handed to ``on_record(position, buffer)`` on the client's
+        loop as soon as it arrives (while the others are still in flight) and not kept: the
+        list then says only which were found (``True``) and which were missing (``None``)."""
         store = self._store
 
-        def get(key: str) -> Callable[[], Awaitable[Any]]:
+        def get(i: int, key: str) -> Callable[[], Awaitable[Any]]:
             async def fetch() -> Any:
-                return await (await obstore.get_async(store, key)).bytes_async()
+                buffer = await (await obstore.get_async(store, key)).bytes_async()
+                if on_record is None:
+                    return buffer
+                on_record(i, buffer)
+                return True
 
             return fetch
 
-        results = self._run(self._gather([get(k) for k in keys]))
+        results = self._run(self._gather([get(i, k) for i, k in enumerate(keys)]))
         self._raise_first(results)
         return [None if isinstance(r, BaseException) else r for r in results]
 

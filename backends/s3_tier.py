@@ -36,12 +36,12 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from kvtier.backends.remote_secrets import read_secret
-from kvtier.backends.remote_tier import KEY_BYTES, RemoteRecordBackend, check_seconds
+from kvtier.backends.remote_tier import KEY_BYTES, ReadJob, RemoteRecordBackend, check_seconds
 from kvtier.backends.s3_client import S3Client, S3Down, S3Refused
 
 from kvtier.errors import ConfigError
 from kvtier.records.codec import Codec
-from kvtier.records.format import DEFAULT_MAC_ALGORITHM
+from kvtier.records.format import DEFAULT_MAC_ALGORITHM, decode_record
 
 __all__ = ["S3Backend"]
 
@@ -207,8 +207,18 @@ class S3Backend(RemoteRecordBackend):
         self._s3().put_many([k.decode() for k in rkeys], records)
         return [True] * len(rkeys)
 
-    def _get_records(self, route: Any, rkeys: list[bytes]) -> list[Any]:
-        return self._s3().get_many([k.decode() for k in rkeys])
+    def _read_share(self, handle: Any, positions: list[int], *, job: ReadJob) -> None:
+        """Check and decode each record into its row as soon as it arrives, on the client's
+        loop, while the rest of the job is still in flight: the checks overlap the server's
+        work, and no more than the records in flight are held in memory."""
+        mac = self.mac
+
+        def land(j: int, raw: Any) -> None:
+            i = positions[j]
+            key = job.keys[i]
+            job.found[i] = self._accept(job, i, lambda view: decode_record(key, raw, view, mac=mac))
+
+        self._s3().get_many([job.rkeys[i].decode() for i in positions], on_record=land)
 
     def _delete_records(self, route: Any, rkeys: list[bytes]) -> int:
         self._s3().delete_many([k.decode() for k in rkeys])
