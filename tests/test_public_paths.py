@@ -65,6 +65,10 @@ PUBLIC: list[tuple[str, list[str]]] = [
     ("kvtier.backends.remote_secrets", ["Secret", "read_secret", "HIDDEN"]),
     ("kvtier.backends.remote_meta", ["MetaVerdict", "judge_meta", "meta_value"]),
     ("kvtier.backends.remote_shares", ["split_shares", "auto_job_connections", "run_all"]),
+    ("kvtier.backends.feed_follower", ["TierFollower", "TierChange", "FollowedTier"]),
+    ("kvtier.backends.change_feed", ["ChangeFeed", "FeedEntry", "FeedCursor", "FeedRead", "FeedOp"]),
+    ("kvtier.backends.file_feed", ["FileFeed"]),
+    ("kvtier.backends.redis_feed", ["RedisFeed"]),
 ]
 
 

@@ -20,7 +20,7 @@ from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
-from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup
+from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
 if TYPE_CHECKING:
     import contextlib
@@ -368,12 +368,18 @@ class StoreMover:
             got = target.write_blocks(list(plan.keys), rows)
             self._note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
+        writes = []
         for tier, keys in plan.write_through:
             self._check_alive(rec)
-            if not self.e._is_memory(tier) and self._deferred(rec, tier, keys, work.failed):
-                continue
-            pos = {k: i for i, k in enumerate(plan.keys)}  # the job's own staging: stays put
-            copies.add(rec.job_id, tier, keys, [rows[pos[k]] for k in keys], [True] * len(keys), work.failed, work.sizes, self._failer(work))
+            if self.e._is_memory(tier) or not self._deferred(rec, tier, keys, work.failed):
+                writes.append((tier, self.e._is_memory(tier), keys))
+        pos = {k: i for i, k in enumerate(plan.keys)}  # the job's own staging: stays put
+        host: dict[int, torch.Tensor] = {}
+        if tensor_device(work.staging).type != "cpu":  # byte tiers read host rows: one DMA per job
+            host = host_rows(work.staging, [pos[k] for _, memory, keys in writes if not memory for k in keys])
+        for tier, memory, keys in writes:
+            src = [host[pos[k]] if host and not memory else rows[pos[k]] for k in keys]
+            copies.add(rec.job_id, tier, keys, src, [True] * len(keys), work.failed, work.sizes, self._failer(work))
 
     def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
         """Skip this write-through copy when the tiers thread is behind: more than the engine's
@@ -430,7 +436,7 @@ class StoreMover:
         """A job reported failed before it ended: run its evictions, and delete everything it
         may have written (the manager released all of it)."""
         for tier, keys in plan.drops:
-            self.e._delete(tier, keys, "eviction")
+            self.e._delete(tier, keys, _drop_reason(plan))
         for d in plan.demotions:
             self.e._delete(d.src, d.keys, "eviction")
             self.e._delete(d.dst, d.keys, "cleanup of a stopped demotion")
@@ -440,7 +446,7 @@ class StoreMover:
         # 1. evicted keys that are not moving down from that very tier: their room is needed now.
         moving = {(d.src, k) for d in plan.demotions for k in d.keys}
         for tier, keys in plan.drops:
-            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], "eviction")
+            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], _drop_reason(plan))
         # 2. write-back, deepest first: copy down, then free the source.
         chunk = staging.shape[0]
         for d in plan.demotions:
@@ -501,3 +507,10 @@ class StoreMover:
             got = self.e.backends[tier].write_blocks(list(part), rows)
             # A key the source no longer held was written from a placeholder row: failed.
             self._note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
+
+
+def _drop_reason(plan: StorePlan) -> str:
+    """Why a plan drops keys: a plan that stores keys evicts to make room for them (this
+    engine's own choice: a shared tier only forgets them); one with nothing but drops releases
+    keys whose store failed, or that were asked to be deleted (deleted in every tier)."""
+    return "eviction" if plan.keys else "release"
