@@ -15,14 +15,11 @@ figures: on a shared 2-core host, compare ratios from adjacent runs only.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -137,22 +134,9 @@ def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--mib", type=int, default=32, help="MiB moved per cell and side (default 32)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight, both sides (default 16)")
-    parser.add_argument("--quick", action="store_true", help="4 MiB per cell, one round")
-    parser.add_argument("--json", type=Path, help="also write the report here")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.mib, args.rounds = 4, 1
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-s3-") as tmp:
-        report = run(args.mib, args.rounds, args.concurrency, Path(tmp))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-    return 0
+    from kvtier.tools.bench.scripts.bench_s3_clients import run_cli
+
+    return run_cli(__doc__ or "", run, argv, mib=32, quick_mib=4)
 
 
 if __name__ == "__main__":

@@ -235,23 +235,30 @@ def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, A
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=64, help="MiB moved per cell (default 64)")
+def run_cli(doc: str, run: Callable[[int, int, int, Path], dict[str, Any]], argv: list[str] | None, *, mib: int, quick_mib: int) -> int:
+    """The command line both S3 benchmarks share: ``--mib``, ``--rounds``, ``--concurrency``,
+    ``--quick``, ``--json``; runs ``run(mib, rounds, concurrency, scratch folder)`` and prints
+    its report."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=mib, help=f"MiB moved per cell (default {mib})")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    parser.add_argument("--quick", action="store_true", help="8 MiB per cell, one round")
+    parser.add_argument("--quick", action="store_true", help=f"{quick_mib} MiB per cell, one round")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.mib, args.rounds = 8, 1
-    with tempfile.TemporaryDirectory(prefix="kvtier-s3-clients-") as tmp:
+        args.mib, args.rounds = quick_mib, 1
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-s3-") as tmp:
         report = run(args.mib, args.rounds, args.concurrency, Path(tmp))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(__doc__ or "", run, argv, mib=64, quick_mib=8)
 
 
 if __name__ == "__main__":
