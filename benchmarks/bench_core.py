@@ -66,6 +66,7 @@ import kvtier
 from kvtier.devices import one_intra_op_thread
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
+from kvtier.tools.bench import paired, spread
 from kvtier.tools.bench.host import CpuSteal
 
 LAYERS = 32
@@ -274,18 +275,11 @@ async def bandwidth(
     return {"threads": threads, "median": gbps, "best": best, "times": times, "inline_jobs": inline_jobs}
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Minimum, quartiles and maximum of ``values`` (the rounds of one figure), rounded."""
-    ordered = sorted(values)
-    q1, q2, q3 = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
-    return {k: round(v, 3) for k, v in (("min", ordered[0]), ("q1", q1), ("median", q2), ("q3", q3), ("max", ordered[-1]))}
-
-
 def paired_ratios(times: dict[str, list[float]], side: str, raw: str) -> list[float]:
     """Per round, ``raw``'s seconds over ``side``'s in the same round: drift across a run (this
     VM's memory bandwidth swings by a third from one minute to the next) hits both terms of
     each ratio alike, where a ratio of two medians mixes rounds."""
-    return [r / t for r, t in zip(times[raw], times[side], strict=True)]
+    return paired(times[raw], times[side])
 
 
 def paired_ratio(times: dict[str, list[float]], side: str, raw: str) -> float:
