@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,8 @@ from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, L
 from kvtier.keys import Namespace, check_keys
 from kvtier.manager import CacheEvent, KeyState, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
+from kvtier.records.head_group_tier import group_tiers
+from kvtier.records.head_groups import HeadGroupLayout
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.handover import release_tiers
 from kvtier.transfer.jobs import Applied, JobResult, apply_result
@@ -53,6 +55,7 @@ class KVStore:
         *,
         kv_caches: Sequence[torch.Tensor] | torch.Tensor | None = None,
         namespace: Namespace | None = None,
+        head_groups: HeadGroupLayout | None = None,
     ) -> None:
         self.config = config
         self.layout: KVLayout | None = None
@@ -77,7 +80,17 @@ class KVStore:
             if self.layout is not None:
                 ns_fields.setdefault("kv_layout", self.layout.fingerprint())
             namespace = Namespace.from_dict(ns_fields)
-        if self.layout is not None:
+        if head_groups is None and self.layout is not None and config.head_groups.enabled:
+            head_groups = config.head_groups.layout(self.layout.kv_caches, namespace, engine_blocks_per_block=config.engine_blocks_per_block)
+        if not config.head_groups.enabled:
+            head_groups = None  # the config's per_rank layout, with its reason, wins
+        #: one record per (block, head group) in byte tiers (kvtier.records.head_groups), or None
+        self.head_groups = head_groups
+        if head_groups is not None:
+            # Keys and records no longer depend on the TP rank or size: the group layout replaces
+            # the rank's own tensor shapes in the namespace.
+            namespace = head_groups.namespace(namespace)
+        elif self.layout is not None:
             # Whatever namespace the caller passes, the layout is part of what persistent tiers
             # check at open and of the keys built from ``store.namespace`` (issue 11, item 2).
             namespace = _with_layout(namespace, self.layout.fingerprint())
@@ -86,6 +99,8 @@ class KVStore:
             block_bytes=block_bytes, dtype=dtype, namespace_digest=namespace.digest, namespace=namespace.to_dict()
         )
         self.backends: list[Backend] = [config_module.build_backend(t, i) for i, t in enumerate(config.tiers)]
+        if head_groups is not None:
+            self.backends = group_tiers(self.backends, head_groups, namespace)
         self.metrics = StoreMetrics(len(self.backends))
         self._exporter: Exporter | None = None
         self.manager: TierManager | None = None
@@ -268,7 +283,31 @@ class KVStore:
         self._mgr().touch(keys)
 
     def take_events(self) -> list[CacheEvent]:
+        """Stored / removed events, oldest first: this store's own, and, for shared tiers,
+        the blocks it adopted from other engines (``stored``) and those it learnt the tier
+        lost (``removed``), as its followers applied them."""
         return self._mgr().take_events()
+
+    # -- shared tiers: live following (kvtier.backends.feed_follower) --------------------------
+    @property
+    def followers(self) -> dict[int, Any]:
+        """The :class:`~kvtier.backends.feed_follower.TierFollower` of each shared tier, by tier
+        index (empty when no tier is shared)."""
+        found = {i: getattr(b, "follower", None) for i, b in enumerate(self.backends)}
+        return {i: f for i, f in found.items() if f is not None}
+
+    def on_shared_change(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener`` with every :class:`~kvtier.backends.feed_follower.TierChange` of
+        every shared tier (keys other engines stored and this store adopted, keys the tier
+        lost), on the followers' threads, after the index changed. Returns a function that
+        stops the calls."""
+        stops = [f.listen(listener) for f in self.followers.values()]
+
+        def unlisten() -> None:
+            for stop in stops:
+                stop()
+
+        return unlisten
 
     def stats(self) -> dict[str, Any]:
         data = self._mgr().stats()

@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier import registry
+from kvtier.config.head_groups import HeadGroupsConfig
 from kvtier.config.paths import expand_tier_paths
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, UnknownNameError
 from kvtier.units import parse_size
@@ -203,6 +204,8 @@ class StoreConfig(BaseModel):
     flush_on_close_s: float = Field(default=60.0, ge=0)
     #: and at most this many bytes of them (None: no limit)
     flush_on_close_bytes: FlushBytes | None = None
+    #: how byte tiers lay out records: one per (block, head group) by default (kvtier.config.head_groups)
+    head_groups: HeadGroupsConfig = HeadGroupsConfig()
 
     @field_validator("policy")
     @classmethod
@@ -232,6 +235,10 @@ class StoreConfig(BaseModel):
         data["tiers"] = [t.to_dict() for t in self.tiers]
         if self.metrics == MetricsConfig():
             del data["metrics"]
+        if self.head_groups == HeadGroupsConfig():
+            del data["head_groups"]
+        else:
+            data["head_groups"] = self.head_groups.to_dict()
         return data
 
     @classmethod
@@ -293,6 +300,8 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
         ann = getattr(info, "annotation", None) if info else None
         if ann is MetricsConfig:
             model = MetricsConfig
+        elif ann is HeadGroupsConfig:
+            model = HeadGroupsConfig
         elif part == "tiers":
             model = TierConfig
     return sorted(model.model_fields)
