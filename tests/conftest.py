@@ -16,6 +16,7 @@ from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redi
     server_kind,
     server_version,
 )
+from s3_servers import own_seaweed, seaweed  # noqa: F401  (fixtures)
 
 
 def pytest_report_header(config: object) -> list[str]:
