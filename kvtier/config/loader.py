@@ -41,6 +41,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kvtier import registry
 from kvtier.config.paths import expand_tier_paths
+from kvtier.config.tenants import TenancyConfig, TenantBytes, tenant_problems
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, UnknownNameError
 from kvtier.units import parse_size
 
@@ -199,6 +200,9 @@ class StoreConfig(BaseModel):
     flush_on_close_s: float = Field(default=60.0, ge=0)
     #: and at most this many bytes of them (None: no limit)
     flush_on_close_bytes: FlushBytes | None = None
+    #: byte quotas per tenant per tier name (see kvtier.config.tenants)
+    tenants: dict[str, dict[str, TenantBytes]] | None = None
+    tenancy: TenancyConfig = TenancyConfig()
 
     @field_validator("policy")
     @classmethod
@@ -228,6 +232,8 @@ class StoreConfig(BaseModel):
         data["tiers"] = [t.to_dict() for t in self.tiers]
         if self.metrics == MetricsConfig():
             del data["metrics"]
+        if self.tenancy == TenancyConfig():
+            del data["tenancy"]
         return data
 
     @classmethod
@@ -287,8 +293,8 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
             continue
         info = model.model_fields.get(str(part))
         ann = getattr(info, "annotation", None) if info else None
-        if ann is MetricsConfig:
-            model = MetricsConfig
+        if ann in (MetricsConfig, TenancyConfig):
+            model = ann
         elif part == "tiers":
             model = TierConfig
     return sorted(model.model_fields)
@@ -575,6 +581,9 @@ def load_config(
             continue
         for path, message in _backend_problems(tier, i, cls):
             problems.add(path, message)
+    if cfg is not None:
+        for path, message in tenant_problems(cfg.tenants, cfg.tenancy, cfg.tiers, [t.capacity for t in cfg.tiers]):
+            problems.add(path, message)
     problems.raise_if_any()
     assert cfg is not None
     return cfg
@@ -646,10 +655,11 @@ def _strip_unknown_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[t
 
     top = sorted(StoreConfig.model_fields)
     out = sift(data, "", set(top), top)
-    metrics = out.get("metrics")
-    if isinstance(metrics, Mapping):
-        names = sorted(MetricsConfig.model_fields)
-        out["metrics"] = sift(metrics, "metrics", set(names), names)
+    for section, model in (("metrics", MetricsConfig), ("tenancy", TenancyConfig)):
+        node = out.get(section)
+        if isinstance(node, Mapping):
+            names = sorted(model.model_fields)
+            out[section] = sift(node, section, set(names), names)
     namespace = out.get("namespace")
     if isinstance(namespace, Mapping):
         names = sorted(f.name for f in dataclasses.fields(Namespace) if f.init)
