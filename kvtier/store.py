@@ -283,6 +283,8 @@ class KVStore(StoreTenancy):
 
     def stats(self) -> dict[str, Any]:
         data = self._mgr().stats()
+        if "tenants" in data and self.config.tenancy.hash_ids:  # never a tenant id in clear
+            data["tenants"] = self.labelled(data["tenants"])
         data["backends"] = [b.stats() for b in self.backends]
         if self.transfers is not None:
             data["transfers"] = dict(self.transfers.counters)

@@ -88,8 +88,10 @@ class StoreTenancy:
         """Per tier name, per tenant: blocks, bytes, hits, evictions, pinned (and quota_bytes).
         ``labels=True`` shows tenant ids as logs and metrics do (hashed if configured)."""
         rows = self._mgr().tenants.usage()
-        if not labels:
-            return rows
+        return self.labelled(rows) if labels else rows
+
+    def labelled(self, rows: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, dict[str, int]]]:
+        """``rows`` (usage by tier, by tenant) with tenant ids as logs and metrics show them."""
         return {tier: {self.tenant_label(u): row for u, row in by.items()} for tier, by in rows.items()}
 
     def set_quota(self, tenant: str, tier: int | str, size: int | str | None) -> None:

@@ -176,3 +176,27 @@ async def test_tenants_usage_and_pins_survive_a_restart(kind: str, tmp_path: Pat
         after = store.usage() if store.manager._book is not None else {}  # type: ignore[union-attr]
         assert "chat" not in after.get(kind, {}) or after[kind]["chat"]["blocks"] == 0
         assert store.manager.tenants.pinned(kind) == []  # type: ignore[union-attr]
+
+
+async def test_prometheus_reports_usage_per_tenant_with_bounded_and_hashed_labels() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvtier.config.tenants import hashed_tenant
+    from kvtier.metrics import export
+
+    registry = prometheus_client.CollectorRegistry()
+    cfg = config(16, tenants={"chat": {"cpu": 4 * BLOCK}}, tenancy={"top_n": 2, "hash_ids": True})
+    async with kvtier.open(cfg, kv_caches=caches()) as store:
+        for i, tenant in enumerate(["chat", "a", "b", "c"]):  # 4, 3, 2 and 1 blocks
+            await store.save(ks(i + 1, 4 - i), [0, 1, 2, 3][: 4 - i], tenant=tenant)
+        handle = export(store, registry=registry, store_label="t")
+        try:
+            value = registry.get_sample_value
+            chat = hashed_tenant("chat", True)
+            assert chat != "chat" and chat.startswith("t-")
+            assert value("kvtier_tenant_blocks", {"store": "t", "tier": "cpu", "tenant": chat}) == 4
+            assert value("kvtier_tenant_quota_bytes", {"store": "t", "tier": "cpu", "tenant": chat}) == 4 * BLOCK
+            labels = {s.labels["tenant"] for m in registry.collect() if m.name == "kvtier_tenant_bytes" for s in m.samples}
+            assert len(labels) == 3 and "other" in labels and not labels & {"chat", "a", "b", "c"}
+            assert value("kvtier_tenant_blocks", {"store": "t", "tier": "cpu", "tenant": "other"}) == 3  # b's two and c's one
+        finally:
+            handle.close()
