@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvtier.backend import BlockFormat, MemoryBackend
-from kvtier.devices import one_intra_op_thread, usable_cpus, wait_for_copies
+from kvtier.devices import copy_rows, one_intra_op_thread, tensor_device, usable_cpus, wait_for_copies
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
 from kvtier.units import format_size
 
@@ -33,6 +33,27 @@ def _memory_note(device: torch.device) -> str:
     except Exception:
         return ""
     return f", which has {format_size(total)} in all"
+
+
+#: The most device memory a batched read out of a device pool gathers into at once.
+GATHER_BYTES = 64 << 20
+
+
+def _host_run(pool: torch.Tensor, rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``rows`` as one ``[len(rows), row_bytes]`` view when they are consecutive rows of one
+    host tensor and ``pool`` lives on a device (what a batched read needs), else ``None``."""
+    if len(rows) < 2 or tensor_device(pool).type == "cpu":
+        return None
+    first = rows[0]
+    size = first.numel()
+    if tensor_device(first).type != "cpu" or not all(r.is_contiguous() for r in rows):
+        return None
+    base = first.data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    for i, r in enumerate(rows):
+        if r.data_ptr() != base + i * size or r.untyped_storage().data_ptr() != storage:
+            return None
+    return first.as_strided((len(rows), size), (size, 1), first.storage_offset())
 
 
 def _fill_zero(rows: torch.Tensor) -> None:
@@ -190,23 +211,34 @@ class TensorPoolBackend(MemoryBackend):
         self._check_open()
         self._check_blocks(out, len(keys))
         pool = self.pool
-        found: list[bool] = []
-        for key, dst in zip(keys, out):
-            slot = self._slot_of.get(key)
-            if slot is None:
-                self.counters.read_misses += 1
-                found.append(False)
-                continue
-            dst.copy_(pool[slot], non_blocking=True)
-            found.append(True)
+        slot_of = self._slot_of
+        slots = [slot_of.get(key) for key in keys]
+        found = [s is not None for s in slots]
+        hits = [(dst, s) for dst, s in zip(out, slots) if s is not None]
+        run = _host_run(pool, out) if all(found) else None
+        if run is not None:
+            # Out of a device pool into consecutive host rows (a staging buffer): one gather on
+            # the device and one DMA per piece, not a copy per block.
+            self._read_run(pool, [s for s in slots if s is not None], run)
+        else:
+            for dst, slot in hits:
+                dst.copy_(pool[slot], non_blocking=True)
+        self.counters.read_misses += len(keys) - len(hits)
         # Only the current streams of the devices these copies ran on: a device-wide
         # synchronize waits on the current device (the wrong one for a pool on another GPU)
         # and on the engine's compute stream.
         wait_for_copies((pool, *out))
-        hits = sum(found)
-        self.counters.blocks_read += hits
-        self.counters.bytes_read += hits * self.format.block_bytes
+        self.counters.blocks_read += len(hits)
+        self.counters.bytes_read += len(hits) * self.format.block_bytes
         return found
+
+    def _read_run(self, pool: torch.Tensor, slots: list[int], run: torch.Tensor) -> None:
+        """``run[i] = pool[slots[i]]``, ``run`` in host memory, ``pool`` on a device; the
+        gather's device memory bounded by :data:`GATHER_BYTES`."""
+        step = max(1, GATHER_BYTES // self.format.block_bytes)
+        for c in range(0, len(slots), step):
+            part = slots[c : c + step]
+            copy_rows(pool, part, run[c : c + len(part)])
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

@@ -22,12 +22,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["accelerators", "confines_intra_op", "locate", "one_intra_op_thread", "tensor_device", "usable_cpus", "wait_for_copies"]
+__all__ = ["accelerators", "confines_intra_op", "copy_rows", "device_index", "locate", "one_intra_op_thread", "tensor_device", "usable_cpus", "wait_for_copies"]
 
 #: Replaced by a test stand-in for ``torch.cuda``; ``None`` asks the tensor itself.
 locate: Callable[[torch.Tensor], torch.device] | None = None
@@ -100,6 +100,27 @@ def accelerators(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
         if d.type != "cpu":
             seen.setdefault(d, None)
     return list(seen)
+
+
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 index on ``device``, copied without making the host wait for
+    the stream (a pageable copy would)."""
+    host = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_rows(src: torch.Tensor, rows: Sequence[int], dst: torch.Tensor) -> None:
+    """``dst[i] = src[rows[i]]`` for a ``[len(rows), ...]`` tensor ``dst``, queued as one copy
+    (consecutive rows) or one gather on ``src``'s device and one copy, never a copy per row.
+    Queued without waiting: the caller waits (:func:`wait_for_copies`)."""
+    first = rows[0]
+    if list(rows) == list(range(first, first + len(rows))):
+        part = src[first : first + len(rows)]
+    else:
+        part = src.index_select(0, device_index(rows, tensor_device(src)))
+    dst.copy_(part, non_blocking=True)
 
 
 def wait_for_copies(tensors: Iterable[torch.Tensor]) -> None:

@@ -29,6 +29,8 @@ from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, L
 from kvtier.keys import Namespace, check_keys
 from kvtier.manager import CacheEvent, KeyState, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
+from kvtier.records.head_group_tier import group_tiers
+from kvtier.records.head_groups import HeadGroupLayout
 from kvtier.tenancy import StoreTenancy
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.handover import release_tiers
@@ -55,6 +57,7 @@ class KVStore(StoreTenancy):
         *,
         kv_caches: Sequence[torch.Tensor] | torch.Tensor | None = None,
         namespace: Namespace | None = None,
+        head_groups: HeadGroupLayout | None = None,
     ) -> None:
         self.config = config
         self.layout: KVLayout | None = None
@@ -79,7 +82,17 @@ class KVStore(StoreTenancy):
             if self.layout is not None:
                 ns_fields.setdefault("kv_layout", self.layout.fingerprint())
             namespace = Namespace.from_dict(ns_fields)
-        if self.layout is not None:
+        if head_groups is None and self.layout is not None and config.head_groups.enabled:
+            head_groups = config.head_groups.layout(self.layout.kv_caches, namespace, engine_blocks_per_block=config.engine_blocks_per_block)
+        if not config.head_groups.enabled:
+            head_groups = None  # the config's per_rank layout, with its reason, wins
+        #: one record per (block, head group) in byte tiers (kvtier.records.head_groups), or None
+        self.head_groups = head_groups
+        if head_groups is not None:
+            # Keys and records no longer depend on the TP rank or size: the group layout replaces
+            # the rank's own tensor shapes in the namespace.
+            namespace = head_groups.namespace(namespace)
+        elif self.layout is not None:
             # Whatever namespace the caller passes, the layout is part of what persistent tiers
             # check at open and of the keys built from ``store.namespace`` (issue 11, item 2).
             namespace = _with_layout(namespace, self.layout.fingerprint())
@@ -88,6 +101,8 @@ class KVStore(StoreTenancy):
             block_bytes=block_bytes, dtype=dtype, namespace_digest=namespace.digest, namespace=namespace.to_dict()
         )
         self.backends: list[Backend] = [config_module.build_backend(t, i) for i, t in enumerate(config.tiers)]
+        if head_groups is not None:
+            self.backends = group_tiers(self.backends, head_groups, namespace)
         self.metrics = StoreMetrics(len(self.backends))
         self._exporter: Exporter | None = None
         self.manager: TierManager | None = None
@@ -147,7 +162,8 @@ class KVStore(StoreTenancy):
                 tags = await self._read_tags(backend)
                 with paused_gc():  # a record and a tuple per stored block (kvtier.bulk)
                     records = await asyncio.to_thread(_scan_records, backend)
-                    excess = self.manager.adopt(i, records, tags[0] if tags else None)
+                    owners = _held_tags(tags[0], records) if tags and tags[0] else None
+                    excess = self.manager.adopt(i, records, owners)
                 if tags is not None:
                     await self._adopt_tags(i, backend, tags[1])
                 if excess and not getattr(backend, "shared", False):  # a shared tier's records are every host's
@@ -536,6 +552,11 @@ def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:
         return namespace
     layout = f"{namespace.kv_layout};{fingerprint}" if namespace.kv_layout else fingerprint
     return dataclasses.replace(namespace, kv_layout=layout)
+
+
+def _held_tags(owners: dict[bytes, str], records: list[tuple[bytes, int, float]]) -> dict[bytes, str]:
+    """The saved tenant tags of the records a tier lists (tags of records gone are dropped)."""
+    return {key: owners[key] for key, _, _ in records if key in owners}
 
 
 def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]]:

@@ -12,7 +12,9 @@
 # It installs .whl/*.whl (when present) into a private folder, runs `pytest -m cuda` on the test
 # files that hold CUDA tests (among them the memory tiers' copy orderings in test_cuda_tiers.py:
 # a call's copies have landed when it returns, it waits on the devices it touched only, never
-# on the compute stream; the two-device one needs a second GPU), then bench_gpu.py, and writes
+# on the compute stream; a gpu tier's batched read into host rows and a store staged on the
+# device writing through to a byte tier from one host copy per job give the engine's bytes;
+# the two-device one needs a second GPU), then bench_gpu.py, and writes
 # into the results folder:
 #   env.json          python, torch, CUDA, device, kvtier version
 #   pytest-cuda.txt   the test output (and pytest-cuda.xml, JUnit)

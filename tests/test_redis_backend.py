@@ -24,6 +24,7 @@ from kvtier.backends.redis_tier import RedisBackend
 from redis_servers import RedisClusterServers, RedisServer
 
 import kvtier
+import kvtier.config
 from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError
 from kvtier.records.codec import NoneCodec

@@ -6,6 +6,7 @@ It owns the store config schema and its loading from dicts, files and the enviro
 key state.
 """
 
+from kvtier.config.head_groups import HeadGroupsConfig
 from kvtier.config.loader import (
     ENV_PREFIX,
     MetricsConfig,
@@ -21,6 +22,7 @@ from kvtier.config.loader import (
 
 __all__ = [
     "ENV_PREFIX",
+    "HeadGroupsConfig",
     "MetricsConfig",
     "StoreConfig",
     "TierConfig",

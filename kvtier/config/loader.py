@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier import registry
+from kvtier.config.head_groups import HeadGroupsConfig
 from kvtier.config.paths import expand_tier_paths
 from kvtier.config.tenants import TenancyConfig, TenantBytes, tenant_problems
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, UnknownNameError
@@ -203,6 +204,8 @@ class StoreConfig(BaseModel):
     #: byte quotas per tenant per tier name (see kvtier.config.tenants)
     tenants: dict[str, dict[str, TenantBytes]] | None = None
     tenancy: TenancyConfig = TenancyConfig()
+    #: how byte tiers lay out records: one per (block, head group) by default (kvtier.config.head_groups)
+    head_groups: HeadGroupsConfig = HeadGroupsConfig()
 
     @field_validator("policy")
     @classmethod
@@ -234,6 +237,10 @@ class StoreConfig(BaseModel):
             del data["metrics"]
         if self.tenancy == TenancyConfig():
             del data["tenancy"]
+        if self.head_groups == HeadGroupsConfig():
+            del data["head_groups"]
+        else:
+            data["head_groups"] = self.head_groups.to_dict()
         return data
 
     @classmethod
@@ -293,7 +300,7 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
             continue
         info = model.model_fields.get(str(part))
         ann = getattr(info, "annotation", None) if info else None
-        if ann in (MetricsConfig, TenancyConfig):
+        if ann in (MetricsConfig, TenancyConfig, HeadGroupsConfig):
             model = ann
         elif part == "tiers":
             model = TierConfig

@@ -20,7 +20,7 @@ from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
-from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup
+from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
 if TYPE_CHECKING:
     import contextlib
@@ -368,12 +368,18 @@ class StoreMover:
             got = target.write_blocks(list(plan.keys), rows)
             self._note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
+        writes = []
         for tier, keys in plan.write_through:
             self._check_alive(rec)
-            if not self.e._is_memory(tier) and self._deferred(rec, tier, keys, work.failed):
-                continue
-            pos = {k: i for i, k in enumerate(plan.keys)}  # the job's own staging: stays put
-            copies.add(rec.job_id, tier, keys, [rows[pos[k]] for k in keys], [True] * len(keys), work.failed, work.sizes, self._failer(work))
+            if self.e._is_memory(tier) or not self._deferred(rec, tier, keys, work.failed):
+                writes.append((tier, self.e._is_memory(tier), keys))
+        pos = {k: i for i, k in enumerate(plan.keys)}  # the job's own staging: stays put
+        host: dict[int, torch.Tensor] = {}
+        if tensor_device(work.staging).type != "cpu":  # byte tiers read host rows: one DMA per job
+            host = host_rows(work.staging, [pos[k] for _, memory, keys in writes if not memory for k in keys])
+        for tier, memory, keys in writes:
+            src = [host[pos[k]] if host and not memory else rows[pos[k]] for k in keys]
+            copies.add(rec.job_id, tier, keys, src, [True] * len(keys), work.failed, work.sizes, self._failer(work))
 
     def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
         """Skip this write-through copy when the tiers thread is behind: more than the engine's

@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from kvtier.devices import tensor_device
+from kvtier.devices import device_index, tensor_device
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ChunkSink", "ChunkSource", "StagedCopier", "device_index", "tensor_device"]
 
@@ -88,15 +88,6 @@ ChunkSink = Callable[[int, torch.Tensor], None]
 ChunkSource = Callable[[int, torch.Tensor], Sequence[bool]]
 """``source(first, rows)``: fill ``rows`` with the records of those positions; say which exist."""
 BatchCopy = Callable[[list[int], list[int], list[int], Any], None]
-
-
-def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 index on ``device``, copied without making the host wait for
-    the stream (a pageable copy would)."""
-    host = torch.tensor(list(values), dtype=torch.long)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def load_batch_copy() -> BatchCopy | None:

@@ -12,6 +12,11 @@ together share one commit instead of falling behind one commit each.
 Only rows that stay put until the group's write are collected: a host pool's rows (the job's
 keys are pending, so nothing evicts them) and the job's own staging. Rows read into the shared
 staging buffer are written at once, as before.
+
+A job staged on a device (its first tier a ``gpu`` tier) hands its byte tiers host rows: the
+rows they need come out of the device staging in one gather and one DMA per job
+(:func:`host_rows`), where each device row would otherwise cost the tier's record encoder one
+blocking copy.
 """
 
 from __future__ import annotations
@@ -23,13 +28,26 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.backend import Backend
+from kvtier.devices import copy_rows, wait_for_copies
 
-__all__ = ["MAX_GROUP_JOBS", "WriteGroup"]
+__all__ = ["MAX_GROUP_JOBS", "WriteGroup", "host_rows"]
 
 log = logging.getLogger("kvtier.transfer")
 
 #: Store jobs the tiers thread takes as one group at most.
 MAX_GROUP_JOBS = 16
+
+
+def host_rows(staging: torch.Tensor, positions: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``staging[p]`` for each of ``positions`` (rows of a job's device staging) as rows of one
+    pinned host tensor, copied with one gather and one DMA and waited for."""
+    want = sorted(set(positions))
+    if not want:
+        return {}
+    host = torch.empty((len(want), staging.shape[1]), dtype=staging.dtype, pin_memory=True)
+    copy_rows(staging, want, host)
+    wait_for_copies((staging, host))
+    return {p: host[i] for i, p in enumerate(want)}
 
 
 @dataclass(slots=True, eq=False)

@@ -1,0 +1,432 @@
+"""Head-group records: engines of any TP size read and write each other's records.
+
+Below any engine: each "rank" is a KVStore over its shard of one model's KV cache (the heads
+it holds), with the tiers of the fleet. World sizes 1, 2, 4 and 8 write; every world size reads
+back, byte-exact, in every byte tier (lmdb, file, redis standalone and cluster, compressed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.backend import BlockFormat
+from kvtier.config import load_config
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.keys import Namespace, block_keys
+from kvtier.records.head_group_tier import HeadGroupTier
+from kvtier.records.head_groups import (
+    HeadAxis,
+    HeadGroupLayout,
+    HeadGroups,
+    block_key_of,
+    default_group_size,
+    group_key,
+    rows_view,
+)
+
+LAYERS, TOKENS, HEADS, HEAD_SIZE = 3, 4, 8, 16
+NUM_BLOCKS = 6
+PROMPT = list(range(1000, 1000 + TOKENS * 4))  # four blocks
+
+
+def full_cache(seed: int = 0, heads: int = HEADS) -> list[torch.Tensor]:
+    """The whole model's cache: per layer ``(blocks, 2, tokens, heads, head_size)`` bf16."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_BLOCKS, 2, TOKENS, heads, HEAD_SIZE, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def shard(full: list[torch.Tensor], groups: HeadGroups) -> list[torch.Tensor]:
+    heads = groups.local_heads
+    return [t[:, :, :, heads.start : heads.stop, :].contiguous() for t in full]
+
+
+def namespace(tp: int, rank: int) -> dict[str, Any]:
+    return {"model_id": "m", "dtype": "bfloat16", "block_size": TOKENS, "tp_size": tp, "tp_rank": rank}
+
+
+def config(tier: dict[str, Any], tp: int, rank: int, **head_groups: Any) -> dict[str, Any]:
+    return {
+        "tiers": [tier],
+        "namespace": namespace(tp, rank),
+        "head_groups": {"kv_heads": HEADS, "head_dim": 3, **head_groups},
+        "flush_on_close_s": 0,
+    }
+
+
+async def write_world(tier: dict[str, Any], tp: int, full: list[torch.Tensor], **hg: Any) -> list[bytes]:
+    keys: list[bytes] = []
+    for rank in range(tp):
+        groups = HeadGroups.for_rank(HEADS, tp, rank, hg.get("group_size", 1))
+        async with kvtier.open(config(tier, tp, rank, **hg), kv_caches=shard(full, groups)) as store:
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+            assert await store.save(keys, [0, 1, 2, 3]) == 4
+    return keys
+
+
+async def read_world(tier: dict[str, Any], tp: int, full: list[torch.Tensor], keys: list[bytes], **hg: Any) -> list[int]:
+    """Per rank: the blocks loaded; each loaded block equals the rank's shard of ``full``."""
+    loaded = []
+    for rank in range(tp):
+        groups = HeadGroups.for_rank(HEADS, tp, rank, hg.get("group_size", 1))
+        want = shard(full, groups)
+        caches = [torch.zeros_like(t) for t in want]
+        async with kvtier.open(config(tier, tp, rank, **hg), kv_caches=caches) as store:
+            assert block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace) == keys  # TP-free keys
+            n = await store.load(keys, [2, 3, 4, 5])
+        for have, exp in zip(caches, want):
+            assert torch.equal(have[2 : 2 + n], exp[:n]), f"rank {rank} of {tp}: bytes differ"
+        loaded.append(n)
+    return loaded
+
+
+def _prefix(path: Path) -> str:
+    return "hg" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+
+
+def _tier(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    if kind in ("lmdb", "file"):
+        return {"backend": kind, "capacity": "32MiB", "path": str(tmp_path / kind), "sync_mode": "fast"}
+    if kind == "redis":
+        server = request.getfixturevalue("redis_server")
+        return {"backend": "redis", "capacity": "32MiB", "url": server.url, "prefix": _prefix(tmp_path)}
+    cluster = request.getfixturevalue("redis_cluster")
+    return {"backend": "redis", "capacity": "32MiB", "url": cluster.url, "cluster": True, "prefix": _prefix(tmp_path)}
+
+
+# -- which groups a rank holds and writes ------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("kv_heads", "tp", "size", "held", "written"),
+    [
+        (8, 1, 1, [tuple(range(8))], [tuple(range(8))]),
+        (8, 2, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3)]),
+        (8, 4, 1, [(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 1), (2, 3), (4, 5), (6, 7)]),
+        (2, 4, 1, [(0,), (0,), (1,), (1,)], [(0,), (), (1,), ()]),  # replicated: one writer per group
+        (1, 8, 1, [(0,)] * 8, [(0,)] + [()] * 7),
+    ],
+)
+def test_groups_a_rank_holds_and_writes(kv_heads: int, tp: int, size: int, held: list[tuple[int, ...]], written: list[tuple[int, ...]]) -> None:
+    got = [HeadGroups.for_rank(kv_heads, tp, r, size) for r in range(tp)]
+    assert [g.held for g in got] == held
+    assert [g.written for g in got] == written
+    every = sorted(g for hg in got for g in hg.written)
+    assert every == list(range(kv_heads // size)), "every group has exactly one writer"
+
+
+def test_mla_is_one_record_for_every_rank() -> None:
+    ranks = [HeadGroups.for_rank(1, 4, r, mla=True) for r in range(4)]
+    assert {g.held for g in ranks} == {(0,)}
+    assert [g.written for g in ranks] == [(0,), (), (), ()]
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"kv_heads": 8, "tp_size": 4, "rank": 0, "group_size": 4}, "group_size"),  # a group spans ranks
+        ({"kv_heads": 8, "tp_size": 3, "rank": 0, "group_size": 1}, "tp_size"),
+        ({"kv_heads": 2, "tp_size": 4, "rank": 0, "group_size": 2}, "group_size"),
+        ({"kv_heads": 8, "tp_size": 2, "rank": 2, "group_size": 1}, "rank"),
+        ({"kv_heads": 8, "tp_size": 1, "rank": 0, "group_size": 3}, "group_size"),
+        ({"kv_heads": 0, "tp_size": 1, "rank": 0, "group_size": 1}, "kv_heads"),
+    ],
+)
+def test_bad_groups_name_the_field(args: dict[str, int], field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"head_groups\.{field}"):
+        HeadGroups(**args)
+
+
+def test_default_group_size() -> None:
+    assert default_group_size(8) == 1  # any TP size
+    assert default_group_size(8, max_tp_size=2) == 4  # records as large as TP 2 allows
+    assert default_group_size(8, max_tp_size=2, head_record_bytes=32 << 10) == 2  # 64 KiB reached at 2
+    assert default_group_size(8, max_tp_size=2, head_record_bytes=8 << 10) == 4  # bounded by TP 2
+    assert default_group_size(8, max_tp_size=16) == 1
+    assert HeadGroups.for_rank(8, 4, 0).group_size == 1  # never this engine's TP size
+
+
+def test_record_keys_are_distinct_and_map_back() -> None:
+    keys = [os.urandom(32) for _ in range(50)]
+    recs = HeadGroupLayout.record_keys(keys, range(8))
+    assert len(set(recs)) == len(recs) and not set(recs) & set(keys)
+    assert recs[8 * 3 + 5] == group_key(keys[3], 5) and block_key_of(recs[8 * 3 + 5], 5) == keys[3]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_a_listing_finds_blocks_whose_every_group_is_stored(tp: int) -> None:
+    axis = HeadAxis(heads=HEADS // tp, segments=((4, 32),))
+    layout = HeadGroupLayout(HeadGroups.for_rank(HEADS, tp, 0, 1), axis)
+    keys = [os.urandom(32) for _ in range(20)]
+    recs = set(HeadGroupLayout.record_keys(keys, range(HEADS)))
+    recs.discard(group_key(keys[7], 6))  # one group of one block missing: that block is not present
+    found = layout.blocks_present(recs)
+    assert set(found) == set(keys) - {keys[7]}, "no block made up of other blocks' records, none partial"
+    assert found[keys[0]] == HeadGroupLayout.record_keys([keys[0]], layout.groups.held)
+
+
+def test_rows_view_only_for_evenly_spaced_rows() -> None:
+    pool = torch.arange(64, dtype=torch.uint8).view(8, 8)
+    view = rows_view([pool[1], pool[3], pool[5]])
+    assert view is not None and torch.equal(view, pool[1:6:2])
+    assert rows_view([pool[1], pool[2], pool[5]]) is None
+    assert rows_view([pool[1], torch.zeros(8, dtype=torch.uint8)]) is None
+
+
+def test_axis_must_match_the_rank() -> None:
+    with pytest.raises(LayoutError, match="holds 3 heads"):
+        HeadGroupLayout(HeadGroups.for_rank(8, 2, 0, 1), HeadAxis(heads=3, segments=((1, 1),)))
+
+
+def test_split_then_join_is_the_identity() -> None:
+    full = full_cache()
+    groups = HeadGroups.for_rank(HEADS, 2, 1, 2)
+    caches = shard(full, groups)
+    layout = HeadGroupLayout(groups, HeadAxis.from_caches(caches, head_dim=3))
+    blocks = torch.cat([t.view(NUM_BLOCKS, -1).view(torch.uint8) for t in caches], dim=1)
+    records = layout.split(list(blocks), groups.held)
+    assert len(records) == NUM_BLOCKS * 2 and records[0].numel() == layout.group_bytes
+    # the record of global group 2 (the rank's first) of block 4 holds heads 4 and 5, layer by layer
+    rec = records[4 * 2 + 0].view(torch.bfloat16).view(LAYERS, 2, TOKENS, 2, HEAD_SIZE)
+    assert torch.equal(rec[1], full[1][4][:, :, 4:6, :])
+    out = torch.zeros_like(blocks)
+    layout.join(torch.stack(records).view(NUM_BLOCKS, 2, -1), list(out))
+    assert torch.equal(out, blocks)
+    scattered = [torch.zeros(blocks.shape[1], dtype=torch.uint8) for _ in range(NUM_BLOCKS)]  # not one buffer
+    layout.join(torch.stack(records).view(NUM_BLOCKS, 2, -1), scattered)
+    assert torch.equal(torch.stack(scattered), blocks)
+
+
+# -- world sizes writing and reading each other's records -----------------------------------------------
+
+@pytest.mark.parametrize("kind", ["lmdb", "file", "redis", "redis-cluster"])
+def test_world_sizes_share_records(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    full = full_cache(seed=1)
+    for writer in (1, 2, 4, 8):
+        tier = _tier(kind, tmp_path / f"w{writer}", request)
+        keys = asyncio.run(write_world(tier, writer, full))
+        for reader in (1, 2, 4, 8):
+            assert asyncio.run(read_world(tier, reader, full, keys)) == [4] * reader, (kind, writer, reader)
+
+
+def test_compressed_tier_shares_records_between_world_sizes() -> None:
+    """The in-memory compressed tier, one object under the views of every rank of both worlds."""
+    from kvtier.backends.compressed import CompressedBackend
+
+    full = full_cache(seed=2)
+    ns = Namespace(model_id="m", dtype="bfloat16", block_size=TOKENS)
+    keys = [os.urandom(32) for _ in range(NUM_BLOCKS)]
+    inner = CompressedBackend(capacity="16MiB")
+
+    def tier(tp: int, rank: int) -> tuple[HeadGroupTier, list[torch.Tensor]]:
+        groups = HeadGroups.for_rank(HEADS, tp, rank, 1)
+        caches = shard(full, groups)
+        return HeadGroupTier(inner, HeadGroupLayout(groups, HeadAxis.from_caches(caches, head_dim=3)), ns), caches
+
+    async def run() -> None:
+        for writer, reader in ((4, 1), (1, 8), (8, 2)):
+            for rank in range(writer):
+                t, caches = tier(writer, rank)
+                await t.open(BlockFormat(block_bytes=t.layout.axis.block_bytes, dtype="bfloat16"))
+                blocks = torch.cat([c.view(NUM_BLOCKS, -1).view(torch.uint8) for c in caches], dim=1)
+                assert None not in t.write_blocks(keys, list(blocks))
+            for rank in range(reader):
+                t, caches = tier(reader, rank)
+                await t.open(BlockFormat(block_bytes=t.layout.axis.block_bytes, dtype="bfloat16"))
+                want = torch.cat([c.view(NUM_BLOCKS, -1).view(torch.uint8) for c in caches], dim=1)
+                assert set(t.stored_keys() or ()) == set(keys)
+                out = torch.zeros_like(want)
+                assert all(t.read_blocks(keys, list(out)))
+                assert torch.equal(out, want)
+            inner.delete_blocks(list(inner.stored_keys()))
+        await inner.aclose()
+
+    asyncio.run(run())
+
+
+def test_kv_heads_fewer_than_tp_size(tmp_path: Path) -> None:
+    """Two KV heads: TP 4 and TP 8 replicate them; one writer per group, every holder reads."""
+    heads = 2
+    full = full_cache(seed=3, heads=heads)
+    tier = {"backend": "lmdb", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}
+
+    async def world(tp: int, read: bool, keys: list[bytes] | None = None) -> list[bytes]:
+        for rank in range(tp):
+            groups = HeadGroups.for_rank(heads, tp, rank, 1)
+            want = shard(full, groups)
+            caches = [torch.zeros_like(t) for t in want] if read else want
+            cfg = config(tier, tp, rank, kv_heads=heads)
+            async with kvtier.open(cfg, kv_caches=caches) as store:
+                keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+                if read:
+                    assert await store.load(keys, [0, 1, 2, 3]) == 4
+                    assert all(torch.equal(a[:4], b[:4]) for a, b in zip(caches, want))
+                else:
+                    await store.save(keys, [0, 1, 2, 3])  # 0 once every group is there: adopted at open
+                    assert await store.lookup(keys) == 4
+                    stats = store.stats()["backends"][0]["head_groups"]
+                    assert stats["written"] == list(groups.written)
+        assert keys is not None
+        return keys
+
+    asyncio.run(world(8, read=False))
+    asyncio.run(world(4, read=True))
+    asyncio.run(world(1, read=True))
+
+
+def test_mla_one_record_in_every_tier_for_all_ranks(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    latent = [torch.randn(NUM_BLOCKS, TOKENS, 24, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    tier = {"backend": "file", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}
+
+    def cfg(tp: int, rank: int) -> dict[str, Any]:
+        return {"tiers": [tier], "namespace": namespace(tp, rank), "head_groups": {"mla": True}, "flush_on_close_s": 0}
+
+    async def run() -> None:
+        for rank in range(2):  # TP 2 writes: rank 0 only; rank 1 finds the blocks there at open
+            async with kvtier.open(cfg(2, rank), kv_caches=latent) as store:
+                keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+                assert await store.save(keys, [0, 1, 2, 3]) == (4 if rank == 0 else 0)
+        records = [p for p in (tmp_path / "t").rglob("*.kvb")]
+        assert len(records) == 4, "one record per block, whatever the ranks"
+        for rank in range(4):  # TP 4 reads the same records on every rank
+            caches = [torch.zeros_like(t) for t in latent]
+            async with kvtier.open(cfg(4, rank), kv_caches=caches) as store:
+                assert await store.load(keys, [0, 1, 2, 3]) == 4
+            assert all(torch.equal(a[:4], b[:4]) for a, b in zip(caches, latent))
+
+    asyncio.run(run())
+
+
+def test_two_kv_cache_groups_keep_apart(tmp_path: Path) -> None:
+    """Two KV-cache groups of one engine (full and sliding-window layers, say) have the same
+    block keys and shapes: the axis tag keeps their records apart in one tier."""
+    full_a, full_b = full_cache(seed=5), full_cache(seed=6)
+    path = str(tmp_path / "t")
+    ns = Namespace(model_id="m", dtype="bfloat16", block_size=TOKENS)
+    keys = [os.urandom(32) for _ in range(3)]
+
+    def store(full: list[torch.Tensor], tag: str, tp: int, rank: int, zero: bool = False) -> kvtier.KVStore:
+        groups = HeadGroups.for_rank(HEADS, tp, rank, 1)
+        caches = shard(full, groups)
+        caches = [torch.zeros_like(c) for c in caches] if zero else caches
+        layout = HeadGroupLayout(groups, HeadAxis.from_caches(caches, head_dim=3, tag=tag))
+        cfg = load_config({"tiers": [{"backend": "lmdb", "capacity": "32MiB", "path": path, "sync_mode": "fast"}], "flush_on_close_s": 0})
+        return kvtier.KVStore(cfg, kv_caches=caches, namespace=ns, head_groups=layout)
+
+    async def run() -> None:
+        for full, tag in ((full_a, "group0"), (full_b, "group1")):
+            for rank in range(2):
+                async with store(full, tag, 2, rank) as s:
+                    await s.start()
+                    assert await s.save(keys, [0, 1, 2]) == 3
+        for full, tag in ((full_a, "group0"), (full_b, "group1")):
+            s = await store(full, tag, 1, 0, zero=True).start()
+            try:
+                assert await s.load(keys, [3, 4, 5]) == 3
+                want = shard(full, HeadGroups.for_rank(HEADS, 1, 0, 1))
+                assert all(torch.equal(a[3:6], b[0:3]) for a, b in zip(s.layout.kv_caches, want))  # type: ignore[union-attr]
+            finally:
+                await s.aclose()
+
+    asyncio.run(run())
+
+
+def test_writer_killed_between_groups_is_a_miss(tmp_path: Path) -> None:
+    """Rank 1 of a TP 2 writer dies before storing its groups: no reader loads a partial block,
+    and no store adopts it at open."""
+    full = full_cache(seed=7)
+    tier = {"backend": "lmdb", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}
+
+    async def run() -> None:
+        groups = HeadGroups.for_rank(HEADS, 2, 0, 1)
+        async with kvtier.open(config(tier, 2, 0), kv_caches=shard(full, groups)) as store:
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+            assert await store.save(keys, [0, 1, 2, 3]) == 4
+        # the same rank's view, reopened: its own groups are there, the block is not whole
+        caches = [torch.zeros_like(c) for c in shard(full, groups)]
+        async with kvtier.open(config(tier, 2, 0), kv_caches=caches) as store:
+            assert await store.lookup(keys) == 0, "a block missing a group is not adopted"
+        groups1 = HeadGroups.for_rank(HEADS, 1, 0, 1)
+        caches = [torch.zeros_like(c) for c in shard(full, groups1)]
+        async with kvtier.open(config(tier, 1, 0), kv_caches=caches) as store:
+            assert await store.lookup(keys) == 0
+            tier_ = store.backends[0]
+            out = torch.zeros(4, tier_.format.block_bytes, dtype=torch.uint8)
+            assert tier_.read_blocks(keys, list(out)) == [False] * 4, "never a partial load"
+
+    asyncio.run(run())
+
+
+def test_per_rank_records_are_a_miss_never_an_error(tmp_path: Path) -> None:
+    full = full_cache(seed=8)
+    tier = {"backend": "lmdb", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}
+    groups = HeadGroups.for_rank(HEADS, 1, 0, 1)
+    per_rank = {"record_layout": "per_rank", "reason": "engines of one TP size only"}
+
+    async def run() -> None:
+        cfg = config(tier, 1, 0, **per_rank)
+        async with kvtier.open(cfg, kv_caches=shard(full, groups)) as store:
+            assert store.head_groups is None
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+            assert await store.save(keys, [0, 1, 2, 3]) == 4
+        async with kvtier.open(config(tier, 1, 0), kv_caches=shard(full, groups)) as store:
+            assert store.head_groups is not None
+            assert await store.lookup(block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)) == 0
+            assert await store.lookup(keys) == 0
+
+    asyncio.run(run())
+
+
+def test_per_rank_layout_needs_a_reason() -> None:
+    with pytest.raises(ConfigError, match="per_rank needs a reason"):
+        load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}], "head_groups": {"record_layout": "per_rank"}})
+    cfg = load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}], "head_groups": {"group_size": 2, "kv_heads": 8, "head_dim": 3}})
+    assert load_config(cfg.to_dict()) == cfg
+    assert "head_groups" not in load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}]}).to_dict()
+
+
+def test_a_store_without_head_information_keeps_whole_blocks(tmp_path: Path) -> None:
+    caches = full_cache()
+    cfg = {"tiers": [{"backend": "lmdb", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}], "flush_on_close_s": 0}
+
+    async def run() -> None:
+        async with kvtier.open(cfg, kv_caches=caches) as store:
+            assert store.head_groups is None and not isinstance(store.backends[0], HeadGroupTier)
+
+    asyncio.run(run())
+
+
+def test_half_configured_head_groups_name_the_missing_field() -> None:
+    with pytest.raises(ConfigError, match=r"head_groups\.head_dim"):
+        kvtier.KVStore(load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}], "head_groups": {"kv_heads": 8}}), kv_caches=full_cache())
+
+
+def test_a_failed_group_write_fails_the_block_and_leaves_no_group(tmp_path: Path) -> None:
+    from kvtier.backends.compressed import CompressedBackend
+
+    class FailingSecondGroup(CompressedBackend):
+        def write_blocks(self, keys: Any, blocks: Any) -> list[int | None]:
+            sizes = super().write_blocks(keys, blocks)
+            return [None if i % HEADS == 1 and i < HEADS else s for i, s in enumerate(sizes)]
+
+    inner = FailingSecondGroup(capacity="16MiB")
+    groups = HeadGroups.for_rank(HEADS, 1, 0, 1)
+    caches = shard(full_cache(), groups)
+    t = HeadGroupTier(inner, HeadGroupLayout(groups, HeadAxis.from_caches(caches, head_dim=3)), Namespace(model_id="m"))
+    asyncio.run(t.open(BlockFormat(block_bytes=t.layout.axis.block_bytes, dtype="bfloat16")))
+    keys = [os.urandom(32) for _ in range(2)]
+    blocks = torch.cat([c.view(NUM_BLOCKS, -1).view(torch.uint8) for c in caches], dim=1)[:2]
+    sizes = t.write_blocks(keys, list(blocks))
+    assert sizes[0] is None and sizes[1] is not None
+    assert t.stored_keys() == [keys[1]]
+    # the failed block's groups that did store were deleted (the one reported failed is the inner tier's own)
+    assert len(inner.stored_keys()) == HEADS + 1
+    asyncio.run(t.aclose())
+
