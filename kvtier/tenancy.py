@@ -214,10 +214,11 @@ class StoreTenancy:
         """After ``tier`` adopted its records: pin again what was pinned, and rewrite the tags
         whole (the entries of records that are gone dropped)."""
         mgr = self._mgr()
+        pins = [key for key in pins if mgr.holds(key, tier)]  # those of records gone are dropped
         if pins:
             n = mgr.tenants.adopt_pins(tier, pins)
             if n < len(pins):
-                log.warning("kvtier: tier %s: %d of %d saved pins not restored (gone, or over the pin budget)", backend.name, len(pins) - n, len(pins))
+                log.warning("kvtier: tier %s: %d of %d saved pins not restored (over the pin budget)", backend.name, len(pins) - n, len(pins))
         owners, kept = mgr.tenants.tags(tier)
         await off_loop(lambda: backend.write_tags(list(owners.items()), [(key, True) for key in kept], whole=True))
 

@@ -200,3 +200,32 @@ async def test_prometheus_reports_usage_per_tenant_with_bounded_and_hashed_label
             assert value("kvtier_tenant_blocks", {"store": "t", "tier": "cpu", "tenant": "other"}) == 3  # b's two and c's one
         finally:
             handle.close()
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "file"])
+async def test_cli_inspect_shows_tenants_and_clear_deletes_one_tenant(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import yaml
+
+    from kvtier.tools.cli import main
+
+    cfg = config(4, disk=disk_tier(kind, tmp_path / kind))
+    cfg_file = tmp_path / "kvtier.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    async with kvtier.open(cfg, kv_caches=caches()) as store:
+        await store.save(ks(1, 3), [0, 1, 2], tenant="chat", durable=True)
+        await store.save(ks(2, 2), [3, 4], tenant="batch", durable=True)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / kind), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tenants = report["tenants"] if "tenants" in report else report["tiers"][0]["tenants"]
+    assert tenants["chat"]["blocks"] == 3 * tenants["batch"]["blocks"] // 2  # records: one per head group
+    assert main(["clear", "--config", str(cfg_file), "--tenant", "nobody", "--yes"]) == 0  # nothing to delete: a no-op
+    assert "nothing to delete" in capsys.readouterr().out
+    assert main(["clear", "--config", str(cfg_file), "--tenant", "chat", "--yes"]) == 0
+    async with kvtier.open(cfg, kv_caches=caches()) as store:
+        assert await store.lookup(ks(1, 3)) == 0
+        assert await store.lookup(ks(2, 2)) == 2
+        assert store.usage()[kind]["batch"]["blocks"] == 2
+        assert "chat" not in store.usage()[kind]
