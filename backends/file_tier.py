@@ -21,7 +21,12 @@ Contract and choices:
   recent blocks, a process crash loses nothing, and checksums keep torn data from being served.
 * Several instances (processes, hosts) may share one directory: a read looks the file up by name,
   so a block written by another instance is served even if this one never listed it. Capacity is
-  enforced per instance over the blocks it knows (listed at open or written since).
+  enforced per instance over the blocks it knows (listed at open or written since). With
+  ``shared=True`` the manager's index follows the other instances live: each job's writes and
+  deletes are published to a change feed in ``<path>/kvtier-feed``
+  (:mod:`kvtier.backends.file_feed`), a :class:`~kvtier.backends.feed_follower.TierFollower`
+  applies the others' entries, and a sweep of the directory every ``sweep_interval_s`` is the
+  backstop; an eviction forgets records (``forget_blocks``) instead of deleting them.
 * Reads ``pread`` the header, check it, then ``preadv`` the payload straight into the caller's
   tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``); in a job of 1 MiB or
   more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
@@ -52,7 +57,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
+from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
+from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.tag_log import DirectoryTags
 
@@ -88,7 +95,7 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         filled += n
 
 
-class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
+class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
     name: ClassVar[str] = "file"
@@ -104,9 +111,20 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
         mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
+        shared: bool = False,
+        sweep_interval_s: float = 60.0,
     ) -> None:
         super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
                          mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
+        if not isinstance(shared, bool):
+            raise ConfigError(f"shared: expected true or false, got {shared!r}")
+        if isinstance(sweep_interval_s, bool) or not isinstance(sweep_interval_s, (int, float)) or sweep_interval_s <= 0:
+            raise ConfigError(f"sweep_interval_s: expected a positive number of seconds, got {sweep_interval_s!r}")
+        #: Engines on other hosts use this directory too: the index follows them (a change feed
+        #: in ``<path>/kvtier-feed`` and a sweep every ``sweep_interval_s``), and this engine's evictions
+        #: forget records without deleting them (see ``docs/tiers.md``, "Shared tiers").
+        self.shared = shared
+        self.sweep_interval_s = float(sweep_interval_s)
         self._root = ""
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
@@ -132,6 +150,11 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
                     f"{os.geteuid()}); another user could plant or swap records there. Use a directory of your own"
                 )
             self._check_meta(fmt)
+            if self.shared:  # the feed's head is noted before the listing, so nothing falls between
+                self._start_following(
+                    f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
+                    feed=FileFeed(self._root), sweep_interval_s=self.sweep_interval_s,
+                )
             self._listed = self._walk(sweep=True)
         except OSError as exc:
             raise DiskError(f"file: cannot open the store at {self.path!r}: {exc}") from exc
@@ -183,9 +206,17 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
 
     async def aclose(self) -> None:
         await super().aclose()
+        if self.follower is not None:
+            await asyncio.to_thread(self._stop_following)
         with self._lock:
             self._sizes.clear()
             self._listed = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.shared:
+            data.update(shared=True, sweep_interval_s=self.sweep_interval_s)
+        return data
 
     # -- paths ---------------------------------------------------------------------------------
     def _path(self, key: bytes) -> str:
@@ -260,6 +291,8 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
                 sizes[pos] = None
         self.counters.blocks_written += sum(1 for s in sizes if s is not None)
         self.counters.bytes_written += written
+        if self.follower is not None:
+            self._followed_writes([key for key, size in zip(keys, sizes) if size is not None])
         return sizes
 
     def _unreserve(self, key: bytes, grow: int, stored: int, *, count: bool = True) -> None:
@@ -317,6 +350,8 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
                 os.close(fd)
                 os.close(dir_fd)
         self._count_reads(found, size, corrupt=corrupt)
+        if self.follower is not None:
+            self._followed_reads(keys, found)
         return found
 
     def _open_record(self, key: bytes) -> tuple[int, str, int] | None:
@@ -380,6 +415,8 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
                 os.unlink(name, dir_fd=dir_fd)
                 self._forget(key)
                 self.counters.deleted += 1
+                if self.follower is not None:
+                    self._followed_deletes([key])
         except OSError:
             pass
 
@@ -389,11 +426,21 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
+        gone = []
         for key in keys:
             removed = self._unlink_record(self._root, key)
             self._forget(key)
             if removed:
                 self.counters.deleted += 1
+                gone.append(key)
+        if self.follower is not None:
+            self._followed_deletes(gone)
+
+    def forget_blocks(self, keys: Sequence[bytes]) -> None:
+        """Drop ``keys`` from this instance's accounting and leave their records in place: what
+        an eviction does in a shared directory, where other engines may serve them."""
+        for key in keys:
+            self._forget(key)
 
     def scan(self) -> Iterator[RecordInfo]:
         self._check_open()
@@ -403,7 +450,20 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
                 listed = self._walk(sweep=False)
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
+        if self.follower is not None:
+            self.follower.note_listed(r.key for r in listed)
         return iter(listed)
+
+    def _sweep_keys(self) -> set[bytes] | None:
+        """Every record's key in the directory now (the shared index's sweep); ``None`` when it
+        cannot be listed."""
+        if self._closed:
+            return None
+        try:
+            return {key for key, _ in self._record_entries(self._root)}
+        except OSError as exc:
+            log.warning("file: cannot list %s for the shared index: %s", self._root, exc)
+            return None
 
     def _walk(self, *, sweep: bool) -> list[RecordInfo]:
         records: list[RecordInfo] = []
@@ -434,4 +494,6 @@ class FileBackend(FileTree, DirectoryTags, PersistentRecordBackend):
     def stats(self) -> dict[str, Any]:
         data = super().stats()
         data.update(path=self.path, used_bytes=self._used, known_blocks=len(self._sizes))
+        if self.follower is not None:
+            data["follow"] = self.follower.stats()
         return data

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from kvtier.errors import ClosedError
 
-__all__ = ["IndexTarget", "SharedIndexView"]
+__all__ = ["IndexTarget", "SharedIndexView", "adopt_records"]
 
 log = logging.getLogger("kvtier")
 
@@ -50,6 +50,25 @@ class IndexTarget(Protocol):
     def remove(self, keys: list[bytes], tier: int) -> list[bytes]: ...
 
 
+def adopt_records(target: IndexTarget, tier: int, keys: list[bytes], record_bytes: int) -> list[bytes]:
+    """Adopt ``keys`` (stored by other engines) into ``target``'s ``tier``, in chunks; the keys
+    adopted. A manager with ``adopt_live`` (:class:`kvtier.manager.TierManager`) makes room by
+    forgetting its least recent keys and announces the change as events; with ``adopt`` alone,
+    keys beyond the room left stay on the server, unknown here."""
+    live = getattr(target, "adopt_live", None)
+    now = time.time()
+    adopted: list[bytes] = []
+    for i in range(0, len(keys), _APPLY_CHUNK):
+        chunk = keys[i : i + _APPLY_CHUNK]
+        records = [(k, record_bytes, now) for k in chunk]
+        if live is not None:
+            adopted += live(tier, records)
+        else:
+            excess = target.adopt(tier, records)
+            adopted += [k for k in chunk if k not in set(excess)] if excess else chunk
+    return adopted
+
+
 class SharedIndexView:
     """Keeps tier ``tier`` of a manager in step with a shared server's key set."""
 
@@ -61,6 +80,7 @@ class SharedIndexView:
         record_bytes: int,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[list[bytes], list[bytes]], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s: expected a positive number of seconds, got {interval_s!r}")
@@ -69,6 +89,8 @@ class SharedIndexView:
         self._sweep = sweep
         self._record_bytes = int(record_bytes)
         self._clock = clock
+        #: Told ``(adopted, forgotten)`` after each sweep that changed the index (on the sweep's thread).
+        self.on_change = on_change
         self._lock = threading.Lock()
         self._written: dict[bytes, float] = {}
         self._deleted: dict[bytes, float] = {}
@@ -156,18 +178,20 @@ class SharedIndexView:
             self._deleted = {k: self._deleted[k] for k in recent_d}
             gone = [k for k in self._known if k not in found and k not in recent_w]
             self._known = (found | recent_w) - recent_d
-        adopted = forgotten = 0
+        adopted_keys: list[bytes] = []
+        forgotten_keys: list[bytes] = []
         if target is not None:
             holds = target.holds
             new = [k for k in found if k not in recent_d and not holds(k, tier)]
             for i in range(0, len(gone), _APPLY_CHUNK):
-                forgotten += len(target.remove(gone[i : i + _APPLY_CHUNK], tier))
-            now = time.time()
-            size = self._record_bytes
-            for i in range(0, len(new), _APPLY_CHUNK):
-                chunk = new[i : i + _APPLY_CHUNK]
-                excess = target.adopt(tier, [(k, size, now) for k in chunk])
-                adopted += len(chunk) - len(excess)  # excess: no room in this host's view; kept on the server
+                forgotten_keys += target.remove(gone[i : i + _APPLY_CHUNK], tier)
+            adopted_keys = adopt_records(target, tier, new, self._record_bytes)
+        adopted, forgotten = len(adopted_keys), len(forgotten_keys)
+        if (adopted or forgotten) and self.on_change is not None:
+            try:
+                self.on_change(adopted_keys, forgotten_keys)
+            except Exception:  # a listener's bug never stops the index from following
+                log.exception("%s: a listener of the index sweep failed", self.name)
         self.counters["sweeps"] += 1
         self.counters["adopted"] += adopted
         self.counters["forgotten"] += forgotten
@@ -192,5 +216,10 @@ class SharedIndexView:
                 if self._target is None:
                     break
 
+    def known_count(self) -> int:
+        """Keys the tier holds for this namespace as far as this view knows (the last sweep's,
+        and every change journalled since)."""
+        return len(self._known)
+
     def stats(self) -> dict[str, Any]:
-        return dict(self.counters, interval_s=self.interval_s)
+        return dict(self.counters, interval_s=self.interval_s, known_keys=len(self._known))

@@ -158,8 +158,7 @@ def _worker_drain(worker: Any = None) -> bool:
     """Run in each vLLM worker: wait until every kvtier transfer job there has ended."""
     from kvtier.integrations.vllm import engines
 
-    with engines._ENGINES_LOCK:
-        ranks = [e for e in engines._ENGINES.values() if isinstance(e, engines._Engine)]
+    ranks = [e for e in engines.live_engines() if isinstance(e, engines.RankEngine)]
     for engine in ranks:
         if engine.store.transfers is not None:
             engine.store.transfers.wait_idle(timeout=120.0)

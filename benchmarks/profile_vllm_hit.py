@@ -129,7 +129,7 @@ def main() -> int:
     jobs: list[tuple[str, float, int]] = []  # (kind, seconds in kvtier's transfer engine, bytes) per finished job
     from kvtier.integrations.vllm import worker_side
 
-    finished = worker_side._WorkerSide.finished
+    finished = worker_side.WorkerSide.finished
 
     def spied_finished(side: Any) -> list[tuple[int, bool, int, float]]:
         out = finished(side)
@@ -137,7 +137,7 @@ def main() -> int:
             jobs.extend(("job", seconds, nbytes) for _, _, nbytes, seconds in out)
         return out
 
-    worker_side._WorkerSide.finished = spied_finished  # type: ignore[method-assign]
+    worker_side.WorkerSide.finished = spied_finished  # type: ignore[method-assign]
     connector_cls = kv_vllm.KvtierConnector
     for m in WORKER_SIDE:
         timeline.wrap(connector_cls, m, f"kvtier_worker.{m}")

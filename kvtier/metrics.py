@@ -22,7 +22,12 @@ Exported families (every one has a ``store`` label; ``tier`` is the tier's name)
 ``kvtier_tier_promotions_total{tier}``, ``kvtier_store_failures_total{cause}`` (``tier_full``,
 ``write_failed``, ``job_error``), ``kvtier_corrupt_records_total{tier}``,
 ``kvtier_tier_used_bytes{tier}``, ``kvtier_tier_capacity_bytes{tier}``, ``kvtier_tier_blocks{tier}``,
-``kvtier_job_latency_seconds{kind}`` (histogram). ``kvtier_scrape_errors_total{store}`` counts
+``kvtier_job_latency_seconds{kind}`` (histogram). Shared tiers (those with a follower, see
+:mod:`kvtier.backends.feed_follower`) add ``kvtier_shared_hits_total{tier}``,
+``kvtier_shared_adopted_total{tier}``, ``kvtier_shared_removed_total{tier}``,
+``kvtier_shared_tier_blocks{tier}``, ``kvtier_feed_entries_total{tier}``,
+``kvtier_feed_gaps_total{tier}``, ``kvtier_feed_failures_total{tier}``,
+``kvtier_index_sweeps_total{tier}`` and ``kvtier_feed_lag_seconds{tier,quantile}``. ``kvtier_scrape_errors_total{store}`` counts
 scrapes that could not read a store (logged, at warning level the first time).
 
 A scrape runs on the exporter's thread while the engine's loop changes the store: ``stats()``
@@ -207,6 +212,7 @@ def collect_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
         families.append(fam)
 
     families += _tenant_families(stats, store_label)
+    families += _shared_families(rows, store_label)
 
     io_all = stats.get("io", {})
     failures = CounterMetricFamily("kvtier_store_failures", "blocks or jobs that could not be stored, by cause", labels=["store", "cause"])
@@ -246,6 +252,39 @@ def _tenant_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
                     fam.add_metric([store_label, str(tier), str(tenant)], float(row[field]))
         out.append(fam)
     return out
+
+
+def _shared_families(rows: list[tuple[int, str, Any, Any, Any]], store_label: str) -> list[Any]:
+    """Series of shared tiers (those whose backend reports a ``follow`` section)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    shared = [(name, backend["follow"]) for _, name, _, backend, _ in rows if isinstance(backend.get("follow"), Mapping)]
+    if not shared:
+        return []
+    specs: list[tuple[str, str, type, str]] = [
+        ("kvtier_shared_hits", "blocks loads served from a shared tier that another engine stored", CounterMetricFamily, "shared_hits"),
+        ("kvtier_shared_adopted", "blocks other engines stored that this engine adopted (feed and sweeps)", CounterMetricFamily, "adopted"),
+        ("kvtier_shared_removed", "blocks this engine learnt the shared tier lost, and forgot", CounterMetricFamily, "removed"),
+        ("kvtier_shared_tier_blocks", "blocks the shared tier holds for this namespace, as this engine knows", GaugeMetricFamily, "tier_keys"),
+        ("kvtier_feed_entries", "change feed entries of other engines applied", CounterMetricFamily, "feed_entries"),
+        ("kvtier_feed_gaps", "times the change feed had lost entries (each followed by a sweep)", CounterMetricFamily, "feed_gaps"),
+        ("kvtier_feed_failures", "change feed reads that failed (the server or directory unreachable)", CounterMetricFamily, "feed_failures"),
+    ]
+    out: list[Any] = []
+    for name, doc, kind, field in specs:
+        fam = kind(name, doc, labels=["store", "tier"])
+        for tier_name, follow in shared:
+            fam.add_metric([store_label, tier_name], float(follow.get(field, 0)))
+        out.append(fam)
+    sweeps = CounterMetricFamily("kvtier_index_sweeps", "full sweeps of a shared tier (the feed's backstop)", labels=["store", "tier"])
+    lag = GaugeMetricFamily(
+        "kvtier_feed_lag_seconds", "seconds from another engine's write to this engine's index, recent entries", labels=["store", "tier", "quantile"]
+    )
+    for tier_name, follow in shared:
+        sweeps.add_metric([store_label, tier_name], float(follow.get("index", {}).get("sweeps", 0)))
+        for q, key in (("0.5", "p50"), ("0.99", "p99")):
+            lag.add_metric([store_label, tier_name, q], float(follow.get("lag_s", {}).get(key, 0.0)))
+    return [*out, sweeps, lag]
 
 
 class _Collector:

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -295,7 +295,31 @@ class KVStore(StoreTenancy):
         self._mgr().touch(keys)
 
     def take_events(self) -> list[CacheEvent]:
+        """Stored / removed events, oldest first: this store's own, and, for shared tiers,
+        the blocks it adopted from other engines (``stored``) and those it learnt the tier
+        lost (``removed``), as its followers applied them."""
         return self._mgr().take_events()
+
+    # -- shared tiers: live following (kvtier.backends.feed_follower) --------------------------
+    @property
+    def followers(self) -> dict[int, Any]:
+        """The :class:`~kvtier.backends.feed_follower.TierFollower` of each shared tier, by tier
+        index (empty when no tier is shared)."""
+        found = {i: getattr(b, "follower", None) for i, b in enumerate(self.backends)}
+        return {i: f for i, f in found.items() if f is not None}
+
+    def on_shared_change(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener`` with every :class:`~kvtier.backends.feed_follower.TierChange` of
+        every shared tier (keys other engines stored and this store adopted, keys the tier
+        lost), on the followers' threads, after the index changed. Returns a function that
+        stops the calls."""
+        stops = [f.listen(listener) for f in self.followers.values()]
+
+        def unlisten() -> None:
+            for stop in stops:
+                stop()
+
+        return unlisten
 
     def stats(self) -> dict[str, Any]:
         data = self._mgr().stats()

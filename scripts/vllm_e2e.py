@@ -129,8 +129,7 @@ def _worker_view(worker: Any = None) -> dict[str, Any]:
     process and the namespace of their records (rank 0's is the key namespace)."""
     from kvtier.integrations.vllm import engines
 
-    with engines._ENGINES_LOCK:
-        ranks = [e for e in engines._ENGINES.values() if isinstance(e, engines._Engine)]
+    ranks = [e for e in engines.live_engines() if isinstance(e, engines.RankEngine)]
     return {
         "stats": engines.engine_stats(),
         "namespaces": {e.rank: e.store.namespace for e in ranks},
@@ -145,8 +144,7 @@ def _worker_drain(worker: Any = None, timeout: float = 120.0) -> bool:
     records, so it waits for them first. False if some rank was still busy at the timeout."""
     from kvtier.integrations.vllm import engines
 
-    with engines._ENGINES_LOCK:
-        ranks = [e for e in engines._ENGINES.values() if isinstance(e, engines._Engine)]
+    ranks = [e for e in engines.live_engines() if isinstance(e, engines.RankEngine)]
     idle = True
     for engine in ranks:
         transfers = engine.store.transfers
@@ -717,7 +715,7 @@ def main() -> int:
 
         import kvtier.integrations.vllm as kv_vllm
 
-        kv_vllm.KvtierConnector  # noqa: B018  (builds the vLLM classes: fails here if vLLM's API moved)
+        kv_vllm.KvtierConnector  # noqa: B018  (imports the vLLM classes: fails here if vLLM's API moved)
     except Exception as exc:
         print(f"VLLM E2E SKIPPED: cannot import vLLM / kvtier's vLLM classes: {type(exc).__name__}: {exc}")
         return 0

@@ -69,8 +69,7 @@ def group_counters() -> dict[str, dict[str, int]]:
     """Per KV-cache group, kvtier's counters of every side in this process, added up."""
     from kvtier.integrations.vllm import engines
 
-    with engines._ENGINES_LOCK:
-        live = list(engines._ENGINES.values())
+    live = engines.live_engines()
     out: dict[str, dict[str, int]] = {}
     for eng in live:
         mine = out.setdefault(str(eng.group), {})

@@ -60,6 +60,10 @@ PUBLIC: list[tuple[str, list[str]]] = [
     ("kvtier.backends.redis_tier", ["RedisBackend"]),
     ("kvtier.backends.codecs", ["ZstdCodec", "ZstdShuffleCodec"]),
     ("kvtier.backends.shared_index", ["SharedIndexView"]),
+    ("kvtier.backends.feed_follower", ["TierFollower", "TierChange", "FollowedTier"]),
+    ("kvtier.backends.change_feed", ["ChangeFeed", "FeedEntry", "FeedCursor", "FeedRead", "FeedOp"]),
+    ("kvtier.backends.file_feed", ["FileFeed"]),
+    ("kvtier.backends.redis_feed", ["RedisFeed"]),
 ]
 
 

@@ -23,9 +23,9 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm import groups as vg
 from kvtier.integrations.vllm.announce import OffloadKeyLog
-from kvtier.integrations.vllm.engines import _Engine, _namespace, _SchedulerEngine, rank_tiers
+from kvtier.integrations.vllm.engines import RankEngine, SchedulerEngine, rank_tiers, vllm_namespace
 from kvtier.integrations.vllm.ranks import describe_rank
-from kvtier.integrations.vllm.worker_side import NULL_BLOCK, _WorkerSide, close_sides
+from kvtier.integrations.vllm.worker_side import NULL_BLOCK, WorkerSide, close_sides
 
 HANG_GUARD = 60.0
 GROUPS = (0, 1)
@@ -56,14 +56,14 @@ class GroupWorld:
     def __init__(self, stores: list[list[Any]], caches: list[list[list[torch.Tensor]]], config: Any) -> None:
         self.world = len(stores)
         self.stores, self.caches = stores, caches
-        self.engines = [[_Engine("e", s, rank=r, group=g) for g, s in zip(GROUPS, per)] for r, per in enumerate(stores)]
+        self.engines = [[RankEngine("e", s, rank=r, group=g) for g, s in zip(GROUPS, per)] for r, per in enumerate(stores)]
         for per in self.engines:
             for e in per:
                 e.reports_load_errors = True
-        self.workers = [vg.WorkerGroups([_WorkerSide(e) for e in per]) for per in self.engines]
-        self.sched = [_SchedulerEngine("e", self.world, group=g) for g in GROUPS]
+        self.workers = [vg.WorkerGroups([WorkerSide(e) for e in per]) for per in self.engines]
+        self.sched = [SchedulerEngine("e", self.world, group=g) for g in GROUPS]
         self.side = vg.SchedulerGroups(
-            self.sched, config, OffloadKeyLog(None), lambda gpos, layout: _namespace(_CONFIG, 16, layout, {})
+            self.sched, config, OffloadKeyLog(None), lambda gpos, layout: vllm_namespace(_CONFIG, 16, layout, {})
         )
         self.side.adopt(
             {

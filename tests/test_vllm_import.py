@@ -47,12 +47,56 @@ def test_namespace_fields_vllm_decides_are_refused_when_the_config_is_built(fiel
 
 def test_namespace_fields_vllm_decides_are_refused_at_start_from_a_file(tmp_path: Path) -> None:
     """What the connector reads at start (the same check), here from a config file."""
-    from kvtier.integrations.vllm.engines import _store_config
+    from kvtier.integrations.vllm.engines import store_config
 
     path = tmp_path / "kvtier.yaml"
     path.write_text(f"tiers:\n  - {{backend: lmdb, path: {tmp_path}/db, capacity: 1GiB}}\nnamespace:\n  tp_size: 4\n  tp_rank: 0\n")
     with pytest.raises(ConfigError, match=rf"{path}: namespace\.tp_rank: set by vLLM"):
-        _store_config({"kvtier": str(path)})
+        store_config({"kvtier": str(path)})
     with pytest.raises(ConfigError, match=r"namespace\.tp_rank"):
         kv_vllm.kv_transfer_config(str(path))
     assert kv_vllm.kv_transfer_config(str(tmp_path / "only-on-the-server.yaml"))  # not readable here: checked at start
+
+
+PACKAGE = Path(kv_vllm.__file__).parent
+
+
+def _top_level(module: str) -> tuple[set[str], set[str]]:
+    """(classes defined at the top of ``module``, modules it imports at its top)."""
+    import ast
+
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    imported = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)}
+    return classes, imported
+
+
+def test_vllm_classes_are_module_level_in_modules_that_import_vllm_at_their_top() -> None:
+    """Each vLLM class is a class of its module (not built inside a function), and only the
+    modules that hold them import vLLM; the package loads them on first use."""
+    import ast
+
+    holders = {m.rpartition(".")[2] for m in kv_vllm.VLLM_CLASSES.values()}
+    for name, module in kv_vllm.VLLM_CLASSES.items():
+        classes, imported = _top_level(module.rpartition(".")[2])
+        assert name in classes, f"{name} is not defined at the top of {module}"
+        assert any(m == "vllm" or m.startswith("vllm.") for m in imported), f"{module} does not import vLLM at its top"
+    for path in PACKAGE.glob("*.py"):
+        if path.stem in holders:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not [n for n in names if n == "vllm" or n.startswith("vllm.")], f"{path.name} imports vLLM"
+
+
+def test_no_underscore_name_crosses_the_package_s_modules() -> None:
+    import ast
+
+    for path in [*PACKAGE.glob("*.py"), *Path(__file__).parent.glob("*vllm*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtier.integrations.vllm"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"

@@ -253,11 +253,11 @@ def test_the_worker_metadata_carries_every_rank_s_results() -> None:
 def test_chunks_pad_the_blocks_the_engine_holds_with_the_null_block(
     first: int, ids: list[int], expected: tuple[list[int], list[list[int]]]
 ) -> None:
-    from kvtier.integrations.vllm.worker_side import _chunks
+    from kvtier.integrations.vllm.worker_side import chunk_block_ids
 
-    assert _chunks(ids, first, 2, len(expected[1])) == expected
+    assert chunk_block_ids(ids, first, 2, len(expected[1])) == expected
     with pytest.raises(ValueError, match="do not fill"):
-        _chunks([*ids, 8, 9], first, 2, len(expected[1]))
+        chunk_block_ids([*ids, 8, 9], first, 2, len(expected[1]))
 
 
 async def test_a_load_from_the_middle_of_a_chunk_writes_no_block_the_engine_holds() -> None:
@@ -605,7 +605,7 @@ def test_replicated_kv_is_detected_from_vllm_s_config() -> None:
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from kvtier.integrations.vllm.classes import _replicated_kv
+    from kvtier.integrations.vllm.connector import replicated_kv
 
     mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float16)
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float16)
@@ -616,6 +616,6 @@ def test_replicated_kv_is_detected_from_vllm_s_config() -> None:
     def groups(*specs: Any) -> Any:
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
 
-    assert _replicated_kv(config(True), groups(mla)) is True
-    assert _replicated_kv(config(False), groups(full)) is False
-    assert _replicated_kv(config(True), groups(mla, full)) is False  # a group that is sharded by heads
+    assert replicated_kv(config(True), groups(mla)) is True
+    assert replicated_kv(config(False), groups(full)) is False
+    assert replicated_kv(config(True), groups(mla, full)) is False  # a group that is sharded by heads

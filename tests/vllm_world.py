@@ -13,11 +13,11 @@ import torch
 import kvtier
 from kvtier.config import load_config
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
-from kvtier.integrations.vllm.engines import _Engine, _SchedulerEngine, rank_tiers
+from kvtier.integrations.vllm.engines import RankEngine, SchedulerEngine, rank_tiers
 from kvtier.integrations.vllm.ranks import build_manager, describe_rank
 from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
-from kvtier.integrations.vllm.scheduler_side import _SchedulerSide
-from kvtier.integrations.vllm.worker_side import _WorkerSide
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide
+from kvtier.integrations.vllm.worker_side import WorkerSide
 from kvtier.keys import Namespace
 
 BB = 2 * 4 * 8 * 4  # bytes per block of each rank: two (16, 4, 8) float32 tensors
@@ -35,7 +35,7 @@ class VllmJobs:
     once every rank counted it; a count for a job it no longer has is a ``KeyError`` and one
     past the number of ranks an ``AssertionError``, as in vLLM 0.32."""
 
-    def __init__(self, world: int, side: _SchedulerSide) -> None:
+    def __init__(self, world: int, side: SchedulerSide) -> None:
         self.world = world
         self.side = side
         self.pending: dict[int, tuple[str, list[bytes], int]] = {}
@@ -82,16 +82,16 @@ class World:
         self.stores = stores
         self.caches = caches
         self.engines = [
-            _Engine("e", s, rank=r, skip_tiers=shared if r != WRITER_RANK else frozenset()) for r, s in enumerate(stores)
+            RankEngine("e", s, rank=r, skip_tiers=shared if r != WRITER_RANK else frozenset()) for r, s in enumerate(stores)
         ]
-        self.workers = [_WorkerSide(e) for e in self.engines]
+        self.workers = [WorkerSide(e) for e in self.engines]
         ranks = {r: describe_rank("e", r, self.world, s, "layout") for r, s in enumerate(stores)}
         self.manager, self.orphans, adopted = build_manager(ranks, config)
         self.adopted = sum(len(keys) for keys in adopted.values())
-        self.sched_engine = _SchedulerEngine("e", self.world)
+        self.sched_engine = SchedulerEngine("e", self.world)
         self.now = 0.0  # the scheduler side's clock (seconds), moved by the tests
         deadlines = ResultDeadlines(self.world, deadline_s, clock=lambda: self.now)
-        self.side = _SchedulerSide(self.sched_engine, self.manager, deadlines)
+        self.side = SchedulerSide(self.sched_engine, self.manager, deadlines)
         self.vllm = VllmJobs(self.world, self.side)
         for tier, keys in self.orphans.items():
             self.side.ledger.remember(tier, keys)

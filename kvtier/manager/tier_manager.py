@@ -511,6 +511,35 @@ class TierManager:
                 book.sweep(self._indexes)
             return excess
 
+    def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """Adopt records another engine stored in shared tier ``tier`` while this one runs (a
+        follower's feed or sweep): ready at once and announced as ``stored`` events. Keys
+        already held are skipped. When the tier is full, its least recent ready, unpinned keys
+        are forgotten to make room (``removed`` events; their records stay: a shared tier's
+        server evicts); when even that cannot make room, what fits is adopted. Returns the
+        keys adopted."""
+        with self._lock:
+            t = self._tiers[tier]
+            index = t.index
+            new = [r for r in dict((r[0], r) for r in records).values() if r[0] not in index]
+            if not new:
+                return []
+            need = sum(n for _, n, _ in new) if t.variable else len(new) * t.block
+            over = t.used + need - t.capacity
+            if over > 0:
+                keep = frozenset(r[0] for r in new)
+                victims = t.evict(over, keep)
+                if victims is None:  # not all of it: forget what may go, adopt what then fits
+                    room = t.blocks_that_fit(keep) * t.block - t.free()
+                    victims = t.evict(room, keep) if room > 0 else None
+                if victims:
+                    self._events.add("removed", tuple(victims), t.name)
+            excess = t.adopt(new)
+            gone = set(excess)
+            adopted = [r[0] for r in new if r[0] not in gone] if gone else [r[0] for r in new]
+            self._events.add("stored", tuple(adopted), t.name)
+            return adopted
+
     def take_stamps(self, tier: int) -> list[tuple[bytes, float]]:
         """Access stamps recorded since the last call, for a persistent tier to save."""
         t = self._tiers[tier]

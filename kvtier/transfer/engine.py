@@ -140,6 +140,8 @@ class TransferEngine:
             "expired_jobs": 0,
             "read_errors": 0,  # a tier's read_blocks raised in a load: its keys were misses
             "write_through_deferred": 0,
+            # blocks a shared tier's eviction forgot here without deleting (the server evicts)
+            "shared_forgotten": 0,
         }
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)
@@ -457,8 +459,17 @@ class TransferEngine:
     def _delete(self, tier: int, keys: Sequence[bytes], what: str) -> None:
         if not keys:
             return
+        backend = self.backends[tier]
+        if what in _LOCAL_CHOICES and getattr(backend, "shared", False):
+            # Other engines may serve these records: this engine's own LRU (or a demotion out
+            # of the tier) only forgets them; the server's policy evicts in a shared tier.
+            self.counters["shared_forgotten"] += len(keys)
+            forget = getattr(backend, "forget_blocks", None)
+            if forget is not None:
+                forget(keys)
+            return
         try:
-            self.backends[tier].delete_blocks(keys)
+            backend.delete_blocks(keys)
         except Exception as exc:  # an orphan costs room, never correctness: go on
             log.warning("%s: deleting %d blocks from tier %d failed: %s", what, len(keys), tier, exc)
 
@@ -470,6 +481,11 @@ class TransferEngine:
             )
             self._staging[direction] = buf
         return buf
+
+
+#: Reasons for a delete that are this engine's choice alone (never a bad record, never an
+#: operator's delete, never the cleanup of its own failed write): in a shared tier, a forget.
+_LOCAL_CHOICES = frozenset({"eviction", "demotion"})
 
 
 def _on_one_intra_op_thread(fn: Callable[[], None], last_out: LastOut | None) -> None:

@@ -436,7 +436,7 @@ class StoreMover:
         """A job reported failed before it ended: run its evictions, and delete everything it
         may have written (the manager released all of it)."""
         for tier, keys in plan.drops:
-            self.e._delete(tier, keys, "eviction")
+            self.e._delete(tier, keys, _drop_reason(plan))
         for d in plan.demotions:
             self.e._delete(d.src, d.keys, "eviction")
             self.e._delete(d.dst, d.keys, "cleanup of a stopped demotion")
@@ -446,7 +446,7 @@ class StoreMover:
         # 1. evicted keys that are not moving down from that very tier: their room is needed now.
         moving = {(d.src, k) for d in plan.demotions for k in d.keys}
         for tier, keys in plan.drops:
-            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], "eviction")
+            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], _drop_reason(plan))
         # 2. write-back, deepest first: copy down, then free the source.
         chunk = staging.shape[0]
         for d in plan.demotions:
@@ -507,3 +507,10 @@ class StoreMover:
             got = self.e.backends[tier].write_blocks(list(part), rows)
             # A key the source no longer held was written from a placeholder row: failed.
             self._note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
+
+
+def _drop_reason(plan: StorePlan) -> str:
+    """Why a plan drops keys: a plan that stores keys evicts to make room for them (this
+    engine's own choice: a shared tier only forgets them); one with nothing but drops releases
+    keys whose store failed, or that were asked to be deleted (deleted in every tier)."""
+    return "eviction" if plan.keys else "release"

@@ -60,7 +60,11 @@ start are announced as KV events, named by an offload key log kept next to the t
 (:mod:`.deadlines`); kvtier's counters reach vLLM's stat loggers through its connector stats
 (:mod:`.stats`).
 
-vLLM internals this module relies on (all imported lazily, only here):
+The vLLM classes live in modules that import vLLM at their top (:mod:`.messages`,
+:mod:`.offloading`, :mod:`.spec`, :mod:`.connector`); this package imports them on first use
+(a module ``__getattr__``), so ``import kvtier.integrations.vllm`` works without vLLM.
+
+vLLM internals kvtier relies on (imported only by those four modules):
 
 * ``vllm.v1.kv_offload.base``: ``OffloadingSpec`` (``config``, ``extra_config``,
   ``blocks_per_chunk``, ``tokens_per_block``), ``OffloadingManager`` and its method set,
@@ -82,8 +86,8 @@ vLLM internals this module relies on (all imported lazily, only here):
   and ``build_prom_metrics``; ``OffloadingConnectorStats`` and ``OffloadingCounterMetadata``;
   ``model_config.use_mla`` and ``MLAAttentionSpec``;
 * the spec factory's ``spec_name`` / ``spec_module_path`` keys and the connector factory's
-  ``kv_connector_module_path`` (both look names up with ``getattr`` on this module, which
-  builds the classes on first access).
+  ``kv_connector_module_path`` (both look names up with ``getattr`` on this package, which
+  imports the class's module on first access).
 """
 
 
@@ -91,16 +95,16 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.engines import MODULE_PATH, _store_config, engine_stats
+from kvtier._lazy import lazy_exports
+from kvtier.errors import ConfigError, MissingDependencyError
+from kvtier.integrations.vllm.engines import MODULE_PATH, engine_stats, store_config
 
-if TYPE_CHECKING:  # built on first access by the module's __getattr__ (needs vLLM)
-    KvtierConnector: type
-    KvtierOffloadingSpec: type
+if TYPE_CHECKING:  # imported on first access by the module's __getattr__ (needs vLLM)
+    from kvtier.integrations.vllm.connector import KvtierConnector
+    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
 
 __all__ = [
     "KvtierConnector",
@@ -134,7 +138,7 @@ def kv_transfer_config(
         )
     extra_config: dict[str, Any] = {"kvtier": kvtier if isinstance(kvtier, str) else dict(kvtier), **extra}
     if not isinstance(kvtier, str) or os.path.exists(kvtier):  # a file may live only on the serving host
-        _store_config(extra_config)  # a namespace field vLLM decides is refused here already, naming it
+        store_config(extra_config)  # a namespace field vLLM decides is refused here already, naming it
     return {
         "kv_role": "kv_both",
         "kv_load_failure_policy": load_failure_policy,
@@ -144,31 +148,25 @@ def kv_transfer_config(
     }
 
 
-_CLASSES: dict[str, type] | None = None
-_CLASSES_LOCK = threading.Lock()
+#: the vLLM classes (public name -> module); each module imports vLLM at its top, so the
+#: package loads it only when one of them is used (vLLM's factories look them up here).
+VLLM_CLASSES = {
+    "KvtierConnector": "kvtier.integrations.vllm.connector",
+    "KvtierOffloadingSpec": "kvtier.integrations.vllm.spec",
+    "KvtierOffloadingManager": "kvtier.integrations.vllm.offloading",
+    "KvtierOffloadingWorker": "kvtier.integrations.vllm.offloading",
+    "KvtierStoreSpec": "kvtier.integrations.vllm.messages",
+    "KvtierLoadSpec": "kvtier.integrations.vllm.messages",
+    "KvtierWorkerMetadata": "kvtier.integrations.vllm.messages",
+}
+
+_lazy_getattr, __dir__ = lazy_exports(__name__, VLLM_CLASSES)
+
 
 def __getattr__(name: str) -> Any:
-    global _CLASSES
-    if name in (
-        "KvtierOffloadingSpec",
-        "KvtierConnector",
-        "KvtierOffloadingManager",
-        "KvtierOffloadingWorker",
-        "KvtierStoreSpec",
-        "KvtierLoadSpec",
-        "KvtierWorkerMetadata",
-    ):
-        with _CLASSES_LOCK:
-            if _CLASSES is None:
-                try:
-                    from kvtier.integrations.vllm.classes import build_classes
-
-                    _CLASSES = build_classes()
-                except ImportError as exc:
-                    from kvtier.errors import MissingDependencyError
-
-                    raise MissingDependencyError(
-                        f"kvtier.integrations.vllm.{name} needs vLLM (tested with 0.32): {exc}"
-                    ) from exc
-        return _CLASSES[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in VLLM_CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return _lazy_getattr(name)
+    except ImportError as exc:
+        raise MissingDependencyError(f"kvtier.integrations.vllm.{name} needs vLLM (tested with 0.32): {exc}") from exc

@@ -25,7 +25,7 @@ from kvtier.units import parse_size
 
 log = logging.getLogger("kvtier.vllm")
 
-#: where vLLM's factories find the classes: this package, whose ``__getattr__`` builds them.
+#: where vLLM's factories find the classes: this package, whose ``__getattr__`` imports them.
 MODULE_PATH = __name__.rpartition(".")[0]
 
 
@@ -57,7 +57,7 @@ def _counters() -> dict[str, int]:
 
 
 @dataclass(eq=False)
-class _Engine:
+class RankEngine:
     """One worker rank's side: its own tiers (``store``, for its shard of every block) and the
     outcomes of its jobs, which travel to the scheduler in the connector's worker metadata."""
 
@@ -75,7 +75,7 @@ class _Engine:
 
 
 @dataclass(eq=False)
-class _SchedulerEngine:
+class SchedulerEngine:
     """The scheduler side of one engine: the manager (built once every rank has said which
     tiers it opened and which records they hold), the key namespace, and counters."""
 
@@ -90,24 +90,31 @@ class _SchedulerEngine:
     counters: dict[str, int] = field(default_factory=_counters)
 
 
-#: engines live in this process, by (engine id, side): read by :func:`engine_stats` only.
-_ENGINES: dict[tuple[str, str], _Engine | _SchedulerEngine] = {}
+#: engines live in this process, by (engine id, side): read through :func:`live_engines`.
+_ENGINES: dict[tuple[str, str], RankEngine | SchedulerEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def _register(engine: _Engine | _SchedulerEngine) -> None:
-    side = "scheduler" if isinstance(engine, _SchedulerEngine) else f"rank{engine.rank}"
+def register_engine(engine: RankEngine | SchedulerEngine) -> None:
+    side = "scheduler" if isinstance(engine, SchedulerEngine) else f"rank{engine.rank}"
     if engine.group:
         side += f"-group{engine.group}"
     with _ENGINES_LOCK:
         _ENGINES[(engine.engine_id, side)] = engine
 
 
-def _unregister(engine: _Engine | _SchedulerEngine) -> None:
+def unregister_engine(engine: RankEngine | SchedulerEngine) -> None:
     with _ENGINES_LOCK:
         for key, value in list(_ENGINES.items()):
             if value is engine:
                 del _ENGINES[key]
+
+
+def live_engines() -> list[RankEngine | SchedulerEngine]:
+    """The kvtier engines live in this process (worker ranks and scheduler sides), for tools
+    that run inside vLLM's processes (``LLM.collective_rpc``)."""
+    with _ENGINES_LOCK:
+        return list(_ENGINES.values())
 
 
 def engine_stats(engine_id: str | None = None, worker: Any = None) -> dict[str, Any]:
@@ -128,7 +135,7 @@ def engine_stats(engine_id: str | None = None, worker: Any = None) -> dict[str, 
         data = out.setdefault(eid, {"ranks": []})
         for name, value in eng.counters.items():
             data[name] = data.get(name, 0) + value
-        if isinstance(eng, _SchedulerEngine):
+        if isinstance(eng, SchedulerEngine):
             mgr = eng.manager
             if mgr is not None:  # several KV-cache groups: counters summed, tiers listed per group
                 counters = data.setdefault("manager", {})
@@ -191,7 +198,7 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
 FROM_VLLM = ("model_id", "dtype", "block_size", "kv_layout", "tp_rank", "tp_size", "pp_rank", "pp_size")
 
 
-def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+def store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     raw = extra_config.get("kvtier")
     if raw is None:
         raise ConfigError(
@@ -217,7 +224,7 @@ def _store_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_supported(config: Any) -> None:
+def check_supported(config: Any) -> None:
     """Raise ConfigError for the setups this version does not handle (see the module doc)."""
     parallel = config.parallel
     if parallel.pp_size != 1:
@@ -232,7 +239,7 @@ def _check_supported(config: Any) -> None:
         )
 
 
-def _namespace(
+def vllm_namespace(
     config: Any, tokens_per_block: int, layout_fingerprint: str, overrides: Mapping[str, Any], *, rank: int = 0
 ) -> Namespace:
     """The namespace of kvtier keys (``rank`` 0, the scheduler side's) or of worker ``rank``'s
@@ -255,7 +262,7 @@ def _namespace(
     return Namespace.from_dict(fields)
 
 
-def _page_views(kv_caches: Any, dtype: str) -> list[torch.Tensor]:
+def page_views(kv_caches: Any, dtype: str) -> list[torch.Tensor]:
     """vLLM's ``(num_blocks, page)`` int8 pages, viewed as the KV dtype when it divides them."""
     try:
         kv_dtype = getattr(torch, dtype)
@@ -276,5 +283,3 @@ def _page_views(kv_caches: Any, dtype: str) -> list[torch.Tensor]:
             views.append(t.view(torch.uint8))
     return views
 
-
-# -- the bookkeeping of both sides, without vLLM (the vLLM classes below delegate to it) -----

@@ -27,7 +27,7 @@ What kvtier does with that:
   is *not stored* (a miss; its key fails on every rank alike, counted
   ``null_chunks_not_stored``). A record holds a whole chunk, and bytes of blocks that were
   null when it was written could later be loaded into a block a request holds: wrong KV. A
-  load never writes a block the request holds outside its range (see ``_chunks``).
+  load never writes a block the request holds outside its range (see ``chunk_block_ids``).
 * **Failed loads**: vLLM 0.32 refuses block-level load errors (``invalid_block_ids``) when
   there are several groups (block ids are unique only within a group) and raises in its
   scheduler. With several groups a load that did not bring every block back is reported as a
@@ -55,11 +55,11 @@ from kvtier.connector.ledger import Deletes
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
-from kvtier.integrations.vllm.engines import _SchedulerEngine
+from kvtier.integrations.vllm.engines import SchedulerEngine
 from kvtier.integrations.vllm.group_config import check_kv_cache_groups, group_layout, group_shares, group_tiers
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager
-from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, _SchedulerSide
-from kvtier.integrations.vllm.worker_side import _WorkerSide
+from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, SchedulerSide
+from kvtier.integrations.vllm.worker_side import WorkerSide
 from kvtier.keys import Namespace, fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer import JobResult
@@ -125,7 +125,7 @@ class WorkerGroups:
     is split by vLLM's group sizes and is finished when every group's part is. Never raises
     into vLLM: a job that cannot be split fails as a whole."""
 
-    def __init__(self, sides: Sequence[_WorkerSide]) -> None:
+    def __init__(self, sides: Sequence[WorkerSide]) -> None:
         self.sides = list(sides)
         self._lock = threading.Lock()
         #: vLLM job id -> [parts left, success, bytes, seconds]
@@ -297,7 +297,7 @@ class _Group:
     """One group's scheduler state: its manager and side, the fold of its offload keys into
     kvtier keys (namespace of the group), and the offload key of each kvtier key stored."""
 
-    def __init__(self, engine: _SchedulerEngine, side: _SchedulerSide, namespace: Namespace, cap: int) -> None:
+    def __init__(self, engine: SchedulerEngine, side: SchedulerSide, namespace: Namespace, cap: int) -> None:
         self.engine = engine
         self.side = side
         self.namespace = namespace
@@ -329,7 +329,7 @@ class SchedulerGroups:
 
     def __init__(
         self,
-        engines: Sequence[_SchedulerEngine],
+        engines: Sequence[SchedulerEngine],
         store_cfg: StoreConfig,
         key_log: OffloadKeyLog,
         namespace_of: Callable[[int, str], Namespace],
@@ -364,7 +364,7 @@ class SchedulerGroups:
         for gpos, engine in enumerate(self.engines):
             per_rank = {r: desc.groups[gpos] for r, desc in ranks.items()}
             manager, orphans, adopted = build_manager(per_rank, self._store_cfg)
-            side = _SchedulerSide(engine, manager, ResultDeadlines(engine.world_size, self._deadline_s))
+            side = SchedulerSide(engine, manager, ResultDeadlines(engine.world_size, self._deadline_s))
             for tier, keys in orphans.items():
                 side.ledger.remember(tier, keys)
             orphaned += sum(len(k) for k in orphans.values())

@@ -3,22 +3,22 @@ results every rank reports for them, and the deletes the workers owe.
 
 vLLM's scheduler calls ``complete_store`` / ``complete_load`` once every worker has reported a
 job (it counts them); kvtier's results of that job, one per rank, arrive just before, in the
-same worker metadata (:meth:`_SchedulerSide.receive`). A job is applied to the manager with the
+same worker metadata (:meth:`SchedulerSide.receive`). A job is applied to the manager with the
 ranks' results combined (:func:`~kvtier.transfer.jobs.combine_results`: a key that failed on
 any rank failed), through :func:`~kvtier.transfer.jobs.apply_result`, the one place that does
 so. A rank whose result is missing counts as failed. The copies that ranks may hold of keys the
 manager then released go to the :class:`~kvtier.connector.DeleteLedger`, whose deletes travel
-to every worker with the next step's metadata (:meth:`_SchedulerSide.take_deletes`).
+to every worker with the next step's metadata (:meth:`SchedulerSide.take_deletes`).
 
 A job that some rank never reports at all is given up after a deadline
-(:class:`~.deadlines.ResultDeadlines`, :meth:`_SchedulerSide.worker_output`): the silent ranks
+(:class:`~.deadlines.ResultDeadlines`, :meth:`SchedulerSide.worker_output`): the silent ranks
 settle it on notice, and it is applied as failed like any other.
 
 A load is never left open. It is *done* once every rank has reported it, or once vLLM has
 counted it done on every rank (a rank's kvtier result lost on the way: counted failed): no rank
 reads its source any more, so its pins may go. A done load is settled by vLLM's
 ``complete_load`` and otherwise without it: when its request ends (finished or aborted,
-:meth:`_SchedulerSide.request_finished`), when ``complete_load`` came before it was done, or when
+:meth:`SchedulerSide.request_finished`), when ``complete_load`` came before it was done, or when
 more than :data:`MAX_DONE_LOADS` done loads wait. A load still running is never settled (its
 source could be evicted while read); a load whose request ended before it was handed to any
 rank is released at once (nothing reads for it).
@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterable, Mapping
 
 from kvtier.connector.ledger import DeleteLedger, Deletes
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
-from kvtier.integrations.vllm.engines import _SchedulerEngine
+from kvtier.integrations.vllm.engines import SchedulerEngine
 from kvtier.manager import LoadPlan, StorePlan, TierManager
 from kvtier.transfer.jobs import JobResult, apply_result, combine_results
 
@@ -48,10 +48,10 @@ DEFAULT_RESULT_DEADLINE_S = 300.0
 MAX_DONE_LOADS = 1 << 14
 
 
-class _SchedulerSide:
+class SchedulerSide:
     """Plans handed out by vLLM's ``OffloadingManager`` and their per-rank results, by id."""
 
-    def __init__(self, engine: _SchedulerEngine, manager: TierManager, deadlines: ResultDeadlines | None = None) -> None:
+    def __init__(self, engine: SchedulerEngine, manager: TierManager, deadlines: ResultDeadlines | None = None) -> None:
         self._engine = engine
         self._mgr = manager
         self._world = engine.world_size

@@ -78,7 +78,7 @@ class CounterDeltas:
 
 
 def worker_counters(engine: Any) -> dict[str, int]:
-    """One worker rank's counters (an ``_Engine``): its own, its transfer engine's, and the
+    """One worker rank's counters (an ``RankEngine``): its own, its transfer engine's, and the
     corrupt records its tiers found."""
     out = dict(engine.counters)
     transfers = engine.store.transfers
@@ -89,5 +89,5 @@ def worker_counters(engine: Any) -> dict[str, int]:
 
 
 def scheduler_counters(engine: Any) -> dict[str, int]:
-    """The scheduler side's counters (a ``_SchedulerEngine``)."""
+    """The scheduler side's counters (a ``SchedulerEngine``)."""
     return dict(engine.counters)

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier.connector.ledger import Deletes
 from kvtier.integrations.vllm.deadlines import Abandoned
-from kvtier.integrations.vllm.engines import _Engine
+from kvtier.integrations.vllm.engines import RankEngine
 from kvtier.integrations.vllm.recent import RecentIds
 from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
@@ -25,14 +25,14 @@ from kvtier.transfer.offloop import off_loop
 log = logging.getLogger("kvtier.vllm")
 
 
-class _WorkerSide:
+class WorkerSide:
     """Submits plans to the store's transfer engine; never raises into vLLM's step loop.
 
     A job that cannot be submitted (bad block ids, a closed store) is reported as a failed
     job by ``finished`` (counted in ``submit_failed``, logged), so the scheduler side releases
     its keys as for any failed job."""
 
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: RankEngine) -> None:
         self._engine = engine
         transfers = engine.store.transfers
         assert transfers is not None
@@ -57,7 +57,7 @@ class _WorkerSide:
         """``block_ids`` are the engine blocks to fill, from the request's block ``first_index``
         on. A load that starts (or ends) inside a chunk of several engine blocks has fewer ids
         than its keys' chunks: the leading (trailing) blocks of the chunk, which the engine
-        already holds (recomputes), are read into vLLM's null block instead (see ``_chunks``)."""
+        already holds (recomputes), are read into vLLM's null block instead (see ``chunk_block_ids``)."""
         self._submit(job_id, ("load", load_id), plan, block_ids, first_index)
 
     def _submit(
@@ -80,7 +80,7 @@ class _WorkerSide:
                 kid = self._transfers.submit_store(plan, ids)
             else:
                 if first_index is not None and self._n > 1:
-                    ids, per_key = _chunks(ids, first_index, self._n, len(plan.keys))
+                    ids, per_key = chunk_block_ids(ids, first_index, self._n, len(plan.keys))
                     self._engine.counters["mid_chunk_loads"] += first_index % self._n != 0
                 kid = self._transfers.submit_load(plan, ids)
         except Exception as exc:  # reported as a failed job, never raised into vLLM
@@ -225,7 +225,7 @@ class _WorkerSide:
         return (await close_sides([self]))[0]
 
 
-async def close_sides(sides: Sequence[_WorkerSide]) -> list[FlushReport | None]:
+async def close_sides(sides: Sequence[WorkerSide]) -> list[FlushReport | None]:
     """Shut a rank's stores down (one per KV-cache group; vLLM's worker ``shutdown``): finish
     their queued jobs, write back the blocks their memory tiers hold that their first persistent
     tier lacks, within **one** ``flush_on_close_s`` / ``flush_on_close_bytes`` budget shared by
@@ -279,7 +279,7 @@ async def close_sides(sides: Sequence[_WorkerSide]) -> list[FlushReport | None]:
 NULL_BLOCK = 0
 
 
-def _chunks(ids: list[int], first_index: int, n: int, num_keys: int) -> tuple[list[int], list[list[int]]]:
+def chunk_block_ids(ids: list[int], first_index: int, n: int, num_keys: int) -> tuple[list[int], list[list[int]]]:
     """The ``n`` engine block ids per key of a load into ``ids`` (the request's blocks from
     ``first_index`` on) and the real ones per key. vLLM's keys start at the chunk that holds
     block ``first_index``: its leading ``first_index % n`` blocks (on the engine already) and

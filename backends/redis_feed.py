@@ -1,0 +1,167 @@
+"""The change feed of a ``redis`` tier: a capped Redis stream per namespace (see
+:mod:`kvtier.backends.change_feed` for what a feed carries).
+
+The stream is ``<prefix>:<namespace digest, 16 hex>:feed``, next to the namespace's records (in a
+cluster it lives on the primary of its slot). Each entry is one field ``e`` holding one encoded
+:class:`~kvtier.backends.change_feed.FeedEntry`.
+
+* **publish**: one ``XADD <stream> MAXLEN ~ <maxlen> * e <entry>`` per job (a job larger than
+  ``max_keys_per_entry`` keys sends its entries in one pipeline). The approximate cap lets the
+  server trim whole macro nodes, so the stream costs about ``maxlen`` entries of memory and
+  trimming costs nothing per write.
+* **read**: ``XREAD COUNT 1000 BLOCK <ms> STREAMS <stream> <cursor>``: the server answers as
+  soon as an entry arrives, so the staleness is one round trip, whatever the block time.
+* **gaps**: after a read that returned entries, ``XINFO STREAM`` gives the stream's first entry.
+  Trimming removes the oldest entries first, so if an entry after the cursor was trimmed, so
+  was the cursor's own entry, and the first entry is then past the cursor: that is a gap (the
+  follower sweeps). A follower that merely lags by less than ``maxlen`` entries never sees one.
+  From the start cursor ``0-0`` (no stream yet when the follower started), the stream's
+  ``entries-added`` against its ``length`` tells whether anything was trimmed. A stream that
+  vanished (a server restart without persistence, ``FLUSHALL``, the key evicted) comes back
+  with ids past the cursor and a first entry past it too: a gap, and a sweep.
+
+ACL: the feed needs ``+xadd +xread +xinfo|stream`` on the ``<prefix>:*`` keys besides the
+record commands (``docs/tiers.md``).
+
+The feed uses a client of its own (two connections: the follower's blocking read never takes a
+connection the tier's jobs wait for). Errors are translated: ``publish`` returns ``False``,
+``head``/``read`` raise :class:`OSError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.backends.change_feed import ChangeFeed, FeedCursor, FeedEntry, FeedRead, decode_entry
+
+try:
+    from redis.exceptions import RedisError
+except ImportError:  # pragma: no cover - redis is a dependency
+    RedisError = Exception  # type: ignore[assignment,misc]
+
+__all__ = ["RedisFeed", "parse_stream_id"]
+
+log = logging.getLogger("kvtier")
+
+_READ_COUNT = 1000
+_FIELD = b"e"
+
+
+def parse_stream_id(raw: bytes | str) -> FeedCursor:
+    """``b"1700000000000-3"`` -> ``FeedCursor(1700000000000, 3)``."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return FeedCursor(int(ms), int(seq or 0))
+
+
+def _get(info: dict[Any, Any], name: str) -> Any:
+    return info.get(name, info.get(name.encode()))
+
+
+class RedisFeed(ChangeFeed):
+    """A capped stream ``stream`` on the server ``make_client()`` connects to."""
+
+    def __init__(
+        self,
+        stream: bytes,
+        make_client: Callable[[], Any],
+        *,
+        writer: bytes | None = None,
+        maxlen: int = 100_000,
+    ) -> None:
+        super().__init__(writer)
+        if maxlen < 100:
+            raise ValueError(f"feed_maxlen: expected at least 100 entries, got {maxlen!r}")
+        self.stream = stream
+        self.maxlen = int(maxlen)
+        self._make_client = make_client
+        self._client: Any = None
+        self.commands = 0  # commands sent (the benchmark's figure)
+
+    def _conn(self) -> Any:
+        if self._client is None:
+            self._client = self._make_client()
+        return self._client
+
+    def append(self, values: Sequence[bytes]) -> bool:
+        try:
+            client = self._conn()
+            if len(values) == 1:
+                client.xadd(self.stream, {_FIELD: values[0]}, maxlen=self.maxlen, approximate=True)
+            else:
+                pipe = client.pipeline(transaction=False)
+                for value in values:
+                    pipe.xadd(self.stream, {_FIELD: value}, maxlen=self.maxlen, approximate=True)
+                pipe.execute()
+            self.commands += len(values)
+        except (RedisError, OSError) as exc:
+            log.debug("redis feed %r: XADD failed: %s", self.stream, exc)
+            return False
+        return True
+
+    def _info(self) -> dict[Any, Any] | None:
+        """``XINFO STREAM``, or ``None`` when there is no stream."""
+        self.commands += 1
+        try:
+            return dict(self._conn().xinfo_stream(self.stream))
+        except RedisError as exc:
+            if "no such key" in str(exc).lower():
+                return None
+            raise
+
+    def head(self) -> FeedCursor:
+        try:
+            info = self._info()
+        except (RedisError, OSError) as exc:
+            raise OSError(f"redis feed: XINFO STREAM failed: {exc}") from exc
+        if info is None:
+            return FeedCursor()
+        return parse_stream_id(_get(info, "last-generated-id"))
+
+    def read(self, cursor: FeedCursor, wait_s: float) -> FeedRead:
+        try:
+            client = self._conn()
+            self.commands += 1
+            reply = client.xread({self.stream: str(cursor)}, count=_READ_COUNT, block=max(1, int(wait_s * 1000)))
+            if not reply:
+                return FeedRead((), cursor)
+            items = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+            entries: list[FeedEntry] = []
+            skipped = nbytes = 0
+            last = cursor
+            for raw_id, fields in items:
+                last = parse_stream_id(raw_id)
+                value = fields.get(_FIELD, fields.get(_FIELD.decode())) if fields else None
+                entry = decode_entry(value) if value is not None else None
+                nbytes += len(value) if value is not None else 0
+                if entry is None:
+                    skipped += 1
+                else:
+                    entries.append(entry)
+            info = self._info()
+        except (RedisError, OSError) as exc:
+            raise OSError(f"redis feed: XREAD failed: {exc}") from exc
+        return FeedRead(tuple(entries), last, self._lost(cursor, info), skipped, nbytes)
+
+    @staticmethod
+    def _lost(cursor: FeedCursor, info: dict[Any, Any] | None) -> bool:
+        """Whether entries after ``cursor`` were trimmed before they were read."""
+        if info is None:
+            return True  # the stream vanished after answering: its entries are gone
+        first = _get(info, "first-entry")
+        if not first:
+            return False
+        if cursor == FeedCursor():
+            added, length = _get(info, "entries-added"), _get(info, "length")
+            return added is None or int(added) > int(length)
+        return parse_stream_id(first[0]) > cursor
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # closing sockets of a dead server must not fail a close
+                log.debug("redis feed: close: %s", exc)

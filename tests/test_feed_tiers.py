@@ -1,0 +1,117 @@
+"""Shared tiers followed live through their change feed: two stores (engines) on one shared
+``file`` directory, and on one Redis server or cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvtier.backends.feed_follower import TierChange
+
+import kvtier
+from kvtier.store import KVStore
+from kvtier.testing import make_key
+
+NUM_BLOCKS = 16
+K = [make_key(i) for i in range(4096)]
+
+
+def make_caches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (NUM_BLOCKS, 2, 4, 64), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
+
+
+def block_bytes(caches: list[torch.Tensor]) -> int:
+    return sum(c[0].numel() * c.element_size() for c in caches)
+
+
+def rows(caches: list[torch.Tensor], i: int) -> list[torch.Tensor]:
+    return [c[i].view(torch.uint8).clone() for c in caches]
+
+
+def file_config(path: Path, caches: list[torch.Tensor], blocks: int = 64, **extra: Any) -> dict[str, Any]:
+    tier = {"backend": "file", "path": str(path), "capacity": blocks * (block_bytes(caches) + 4096), "shared": True,
+            "sync_mode": "fast", "sweep_interval_s": 3600, **extra}
+    return {"tiers": [tier], "namespace": {"model_id": "feed-test"}}
+
+
+async def until(what: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await what():
+        assert time.monotonic() < deadline, "not within the time limit"
+        await asyncio.sleep(0.01)
+
+
+async def test_b_follows_what_a_stores_and_removes_in_a_shared_directory(tmp_path: Path) -> None:
+    a_caches, b_caches = make_caches(1), make_caches(2)
+    async with kvtier.open(file_config(tmp_path, b_caches), kv_caches=b_caches) as b:
+        changes: list[TierChange] = []
+        b.on_shared_change(changes.append)
+        async with kvtier.open(file_config(tmp_path, a_caches), kv_caches=a_caches) as a:
+            want = [rows(a_caches, i) for i in (3, 5)]
+            assert await a.save(K[:2], [3, 5]) == 2
+            await until(lambda: _looked(b, K[:2], 2))
+            assert await b.load(K[:2], [0, 1]) == 2
+            assert all(torch.equal(x, y) for x, y in zip(rows(b_caches, 0), want[0]))
+            assert all(torch.equal(x, y) for x, y in zip(rows(b_caches, 1), want[1]))
+            follow = b.stats()["backends"][0]["follow"]
+            assert follow["adopted"] >= 2 and follow["shared_hits"] == 2 and follow["feed_entries"] >= 1
+            assert [k for c in changes for k in c.adopted][:2] == K[:2]
+            assert {(e.kind, e.key) for e in b.take_events()} >= {("stored", K[0]), ("stored", K[1])}
+            # a removal (an operator's delete in A) reaches B through the feed
+            await asyncio.to_thread(a.backends[0].delete_blocks, [K[0]])
+            await until(lambda: _looked(b, K[:1], 0))
+            assert ("removed", K[0]) in {(e.kind, e.key) for e in b.take_events()}
+            # the lookups never touched the directory: they are the manager's
+            assert b.stats()["backends"][0]["follow"]["index"]["sweeps"] == 0
+
+
+async def _looked(store: KVStore, keys: list[bytes], want: int) -> bool:
+    return await store.lookup(keys) == want
+
+
+async def test_an_eviction_in_a_shared_tier_forgets_and_never_deletes(tmp_path: Path) -> None:
+    caches = make_caches(3)
+    cfg = file_config(tmp_path, caches, blocks=4)
+    async with kvtier.open(cfg, kv_caches=caches) as a:
+        for i in range(12):  # twice the tier's capacity: the oldest are evicted here
+            assert await a.save(K[i : i + 1], [i]) == 1
+        held = a.stats()["tiers"][0]["blocks"]
+        assert held < 12 and await a.lookup(K[:1]) == 0
+        assert a.stats()["transfers"]["shared_forgotten"] == 12 - held
+        assert a.stats()["backends"][0]["used_bytes"] <= cfg["tiers"][0]["capacity"]
+    records = list(tmp_path.glob("*/*/*.kvb"))
+    assert len(records) == 12  # every record stays for the other engines
+    async with kvtier.open(cfg, kv_caches=caches) as again:  # a restart adopts what fits, deletes nothing
+        assert again.stats()["tiers"][0]["blocks"] == held
+    assert len(list(tmp_path.glob("*/*/*.kvb"))) == 12
+
+
+async def test_the_file_feed_carries_stores_across_two_processes(tmp_path: Path) -> None:
+    caches = make_caches(4)
+    async with kvtier.open(file_config(tmp_path, caches), kv_caches=caches) as b:
+        child = textwrap.dedent(f"""
+            import asyncio, sys, torch, kvtier
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            from test_feed_tiers import make_caches, file_config, K
+            from pathlib import Path
+            async def main():
+                caches = make_caches(5)
+                async with kvtier.open(file_config(Path({str(tmp_path)!r}), caches), kv_caches=caches) as a:
+                    assert await a.save(K[100:110], list(range(10))) == 10
+            asyncio.run(main())
+        """)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", child, stderr=subprocess.PIPE)
+        _, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        await until(lambda: _looked(b, K[100:110], 10))
+        assert await b.load(K[100:110], list(range(10))) == 10
+        want = make_caches(5)
+        for i in range(10):
+            assert all(torch.equal(x, y) for x, y in zip(rows(caches, i), rows(want, i)))
