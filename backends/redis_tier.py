@@ -60,6 +60,7 @@ import torch
 from kvtier.backends.redis_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.redis_pool import ConnectionBudget, PoolBusy, PoolGate
 from kvtier.backends.redis_shares import run_all, split_shares
+from kvtier.backends.redis_tags import read_redis_tags, write_redis_tags
 from kvtier.backends.redis_wire import (
     ErrorReply,
     Wire,
@@ -72,7 +73,7 @@ from kvtier.backends.redis_wire import (
 from kvtier.backends.shared_index import SharedIndexView
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.errors import ConfigError, CorruptBlockError, MissingDependencyError
+from kvtier.errors import BackendError, ConfigError, CorruptBlockError, MissingDependencyError
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import (
     DEFAULT_MAC_ALGORITHM,
@@ -865,6 +866,21 @@ class RedisBackend(RecordBackend):
         now = time.time()
         size = self.reserve_bytes()
         return iter([RecordInfo(k, size, now) for k in found])
+
+    def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
+        self._check_open()
+        try:
+            return read_redis_tags(self._get_client(), self._prefix_bytes)
+        except RedisError as exc:
+            raise BackendError(f"redis: tenant tags not read from {self.url}: {exc}") from exc
+
+    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:
+        if self._closed or not self._health.allow():
+            return
+        try:
+            write_redis_tags(self._get_client(), self._prefix_bytes, tenants, pins, whole=whole)
+        except RedisError as exc:  # tags are bookkeeping: the tier serves blocks without them
+            log.warning("redis: tenant tags not saved to %s: %s", self.url, exc)
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

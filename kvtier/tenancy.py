@@ -220,7 +220,10 @@ class StoreTenancy:
             if n < len(pins):
                 log.warning("kvtier: tier %s: %d of %d saved pins not restored (over the pin budget)", backend.name, len(pins) - n, len(pins))
         owners, kept = mgr.tenants.tags(tier)
-        await off_loop(lambda: backend.write_tags(list(owners.items()), [(key, True) for key in kept], whole=True))
+        try:
+            await off_loop(lambda: backend.write_tags(list(owners.items()), [(key, True) for key in kept], whole=True))
+        except Exception as exc:  # tags are bookkeeping: the store opens without them
+            log.warning("kvtier: tenant tags of tier %s not rewritten: %s", backend.name, exc)
 
     async def flush_tags(self) -> None:
         """Save the tenant tags and pin changes of persistent tiers made since the last call."""
@@ -231,4 +234,7 @@ class StoreTenancy:
             if backend.persistent:
                 owners, pins = mgr.tenants.take_tags(i)
                 if owners or pins:
-                    await off_loop(lambda b=backend, o=owners, p=pins: b.write_tags(o, p))
+                    try:
+                        await off_loop(lambda b=backend, o=owners, p=pins: b.write_tags(o, p))
+                    except Exception as exc:  # tags are bookkeeping: never an error for the caller
+                        log.warning("kvtier: tenant tags of tier %s not saved: %s", backend.name, exc)

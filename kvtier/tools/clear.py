@@ -109,6 +109,8 @@ def redis_keys(index: int, backend: Any, tenant: str | None = None) -> list[Doom
     client: Any = RedisCluster.from_url(backend.url, **options) if backend.cluster else redis.Redis.from_url(backend.url, **options)
     nodes = [client.get_redis_connection(n) for n in client.get_primaries()] if backend.cluster else [client]
     patterns = [f"{backend.prefix}:*", f"{backend.prefix}.*:*"]
+    if tenant is not None:
+        return _redis_tenant(index, backend, client, nodes, patterns, tenant)
     keys = [(node, key) for node in nodes for pattern in patterns for key in node.scan_iter(match=pattern, count=1000)]
 
     def delete() -> int:
@@ -125,6 +127,38 @@ def redis_keys(index: int, backend: Any, tenant: str | None = None) -> list[Doom
         return []
     where = f"redis {backend.url} keys {' and '.join(patterns)}"
     return [Doomed(index, f"tiers[{index}]: {len(keys):,} {where}", delete)]
+
+
+def _redis_tenant(index: int, backend: Any, client: Any, nodes: list[Any], patterns: list[str], tenant: str) -> list[Doomed]:
+    """``tenant``'s records of a redis tier, by the tags hash of each namespace under its prefixes."""
+    from kvtier.backends.redis_tags import PINS_SUFFIX, TAGS_SUFFIX, read_redis_tags
+
+    found: list[tuple[bytes, list[bytes]]] = []  # (namespace prefix, record keys)
+    for node in nodes:
+        for pattern in patterns:
+            for hash_key in node.scan_iter(match=pattern[:-1] + "*:" + TAGS_SUFFIX.decode(), count=1000):
+                prefix = bytes(hash_key)[: -len(TAGS_SUFFIX)]
+                owners, _ = read_redis_tags(client, prefix)
+                mine = [key for key, owner in owners.items() if owner == tenant]
+                if mine:
+                    found.append((prefix, mine))
+
+    def delete() -> int:
+        gone = 0
+        for prefix, keys in found:
+            for i in range(0, len(keys), 500):
+                part = keys[i : i + 500]
+                gone += sum(int(client.unlink(prefix + key)) for key in part)  # one slot per key in a cluster
+                client.hdel(prefix + TAGS_SUFFIX, *part)
+                client.srem(prefix + PINS_SUFFIX, *part)
+        client.close()
+        return gone
+
+    if not found:
+        client.close()
+        return []
+    total = sum(len(keys) for _, keys in found)
+    return [Doomed(index, f"tiers[{index}]: {total:,} records of tenant {tenant!r} in redis {backend.url} under {backend.prefix!r}", delete)]
 
 
 def plan_clear(cfg: Any, only: int | None = None, tenant: str | None = None) -> tuple[list[Doomed], list[str]]:
