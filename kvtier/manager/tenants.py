@@ -110,7 +110,7 @@ class _Guard:
 class TierTenancy:
     """One tier's usage per tenant and its quotas. ``owners`` is the book's (shared by tiers)."""
 
-    __slots__ = ("blocks", "book", "bytes", "default_cap", "evictions", "hits", "owners", "quotas")
+    __slots__ = ("active", "blocks", "book", "bytes", "default_cap", "evictions", "hits", "owners", "quotas")
 
     def __init__(self, book: TenantBook) -> None:
         self.book = book
@@ -122,6 +122,8 @@ class TierTenancy:
         #: named tenants' caps (and reservations) in this tier
         self.quotas: dict[str, int] = {}
         self.default_cap: int | None = None
+        #: whether any quota applies in this tier (else room is made as without tenants)
+        self.active = False
 
     def tenant(self, key: bytes) -> str:
         return self.owners.get(key, DEFAULT_TENANT)
@@ -252,6 +254,7 @@ class TenantBook:
         for ti, tier in enumerate(self.tiers):
             tier.quotas = {u: caps[ti] for u, caps in rules.quotas.items() if ti in caps and u != DEFAULT_TENANT}
             tier.default_cap = rules.quotas.get(DEFAULT_TENANT, {}).get(ti)
+            tier.active = bool(tier.quotas) or tier.default_cap is not None
 
     def claim(self, keys: Iterable[bytes], tenant: str) -> None:
         """``tenant`` owns ``keys`` (new in every tier)."""

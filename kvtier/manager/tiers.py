@@ -223,30 +223,46 @@ class TierState:
     def evict(self, nbytes: int, protected: AbstractSet[bytes]) -> list[bytes] | None:
         """Remove ready, unpinned keys not in ``protected`` that free at least ``nbytes``, in
         the policy's order; ``None`` and no change (the policy's order included) if impossible."""
-        got = self._take(nbytes, self._guard(protected))
-        if got is None:
-            return None
-        self._drop(got[0])
-        return got[0]
+        # (_take and _drop inlined: this runs for every store into a full tier)
+        policy = self.policy
+        guard = protected | self.pins.keys() if self.pins else protected
+        if self.kept:
+            guard = guard | self.kept.keys()
+        victims: list[bytes] = []
+        freed = 0
+        while freed < nbytes:
+            got = policy.evict(max(1, -(-(nbytes - freed) // self.block)), guard)
+            if got is None:
+                policy.restore(victims)
+                return None
+            victims += got
+            freed += sum(map(self.sizes.__getitem__, got)) if self.variable else len(got) * self.block
+        index = self.index
+        for key in victims:
+            del index[key]
+        if self.tenancy is not None:
+            self.tenancy.count(self.tenancy.evictions, victims)
+        self._unaccount(victims)
+        self.evictions += len(victims)
+        return victims
 
     def quotas_apply(self) -> bool:
         t = self.tenancy
-        return t is not None and (bool(t.quotas) or t.default_cap is not None)
+        return t is not None and t.active
 
     def make_room(self, nbytes: int, protected: AbstractSet[bytes], tenant: str | None = None) -> list[bytes] | None:
         """Evict so that ``nbytes`` more of ``tenant``'s blocks fit: the victims (``[]`` when
         they fit already), or ``None`` and no change when the tier or the tenant's quota
         cannot make room. Under quotas a tenant over its cap evicts its own blocks first, and
         the blocks of a reserved tenant within its quota are never taken for another."""
-        if not self.quotas_apply():
+        tenancy = self.tenancy
+        if tenancy is None or not tenancy.active:
             over = self.used + nbytes - self.capacity
             if over <= 0:
                 return []
             if nbytes > self.capacity:
                 return None
             return self.evict(over, protected)
-        tenancy = self.tenancy
-        assert tenancy is not None
         tenant = tenant or DEFAULT_TENANT
         if nbytes > self.capacity:
             return None
