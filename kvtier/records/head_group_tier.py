@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -31,9 +32,12 @@ from kvtier.errors import LayoutError
 from kvtier.keys import Namespace
 from kvtier.records.head_groups import HeadGroupLayout, block_key_of
 
-__all__ = ["HeadGroupTier", "group_tiers"]
+__all__ = ["MAX_SCRATCH_BYTES", "GroupIndex", "HeadGroupTier", "group_tiers"]
 
 log = logging.getLogger("kvtier")
+_MAX_PENDING = 1 << 20
+#: The largest group-record buffer a thread keeps between jobs.
+MAX_SCRATCH_BYTES = 256 << 20
 
 
 class HeadGroupTier(Backend):
@@ -57,6 +61,10 @@ class HeadGroupTier(Backend):
         self.shared = bool(getattr(inner, "shared", False))
         self.variable_size = True
         self._owns_inner = False
+        self._listed: list[bytes] = []
+        self._local = threading.local()
+        #: the block-key view of a shared tier's index (set by ``bind_index``)
+        self.index: GroupIndex | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def record_format(self, fmt: BlockFormat) -> BlockFormat:
@@ -110,7 +118,7 @@ class HeadGroupTier(Backend):
             return []
         if not written:  # another rank writes this replicated group
             return [self.reserve_bytes()] * len(keys)
-        records = self.layout.split(blocks, written)
+        records = self.layout.split(blocks, written, self._scratch(len(keys) * len(written), blocks[0].device))
         rkeys = self.layout.record_keys(keys, written)
         sizes = self.inner.write_blocks(rkeys, records)
         k = len(written)
@@ -146,7 +154,8 @@ class HeadGroupTier(Backend):
         if self.layout.whole:
             found = self.inner.read_blocks(rkeys, out)
         else:
-            buffers = self.layout.read_buffers(len(keys), out[0].device)
+            shape = (len(keys), len(held), self.layout.group_bytes)
+            buffers = self._scratch(len(keys) * len(held), out[0].device).view(shape)
             got = self.inner.read_blocks(rkeys, list(buffers.view(len(rkeys), self.layout.group_bytes)))
             k = len(held)
             found = [all(got[i * k : (i + 1) * k]) for i in range(len(keys))]
@@ -154,6 +163,19 @@ class HeadGroupTier(Backend):
                 self.layout.join(buffers, out)
         self._count(found=found)
         return found
+
+    def _scratch(self, records: int, device: torch.device) -> torch.Tensor:
+        """This thread's buffer for ``records`` group records (kept between jobs up to
+        :data:`MAX_SCRATCH_BYTES`: a fresh buffer costs a page fault per 4 KiB, which at jobs of
+        32 MiB made the split several times slower than the copy itself)."""
+        size = records * self.layout.group_bytes
+        buf: torch.Tensor | None = getattr(self._local, "buf", None)
+        if buf is not None and buf.numel() >= size and buf.device == device:
+            return buf[:size]
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        if size <= MAX_SCRATCH_BYTES:
+            self._local.buf = buf
+        return buf
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
@@ -168,7 +190,19 @@ class HeadGroupTier(Backend):
             yield RecordInfo(block, sum(r.stored_bytes for r in infos), max(r.stamp for r in infos))
 
     def scan(self) -> Iterator[RecordInfo]:
-        return self._blocks(list(self.inner.scan()))
+        listed = list(self.inner.scan())
+        blocks = list(self._blocks(listed))
+        self._listed = [b.key for b in blocks]
+        return iter(blocks)
+
+    def bind_index(self, manager: Any, tier: int) -> None:
+        """A shared tier's index view (``inner.bind_index``) follows the server's record keys;
+        :class:`GroupIndex` turns them into the manager's block keys."""
+        bind = getattr(self.inner, "bind_index", None)
+        if bind is not None:
+            self.index = GroupIndex(manager, self.layout, listed=self._listed)
+            self._listed = []
+            bind(self.index, tier)
 
     def stored_keys(self) -> list[bytes] | None:
         keys = self.inner.stored_keys()
@@ -248,3 +282,64 @@ def group_tiers(backends: Sequence[Backend], layout: HeadGroupLayout, namespace:
             setattr(backend, "path", os.path.join(path, location))  # noqa: B010
         out.append(HeadGroupTier(backend, layout, namespace))
     return out
+
+
+class GroupIndex:
+    """The manager's index of block keys, as a shared tier's index view (which lists, adopts
+    and forgets *record* keys) sees it: the view's ``IndexTarget``.
+
+    A record the view offers is held once its block is; a block is adopted once every one of
+    its groups is on the server (the view offers the records of an incomplete block again at
+    every sweep, so a block completes as its last group lands); a vanished record removes its
+    block. Thread-safe: the view calls it from its thread, under its own lock here."""
+
+    def __init__(self, manager: Any, layout: HeadGroupLayout, *, listed: Sequence[bytes] = ()) -> None:
+        """``listed``: the blocks the store adopted at open."""
+        self._manager = manager
+        self._layout = layout
+        self._lock = threading.Lock()
+        #: record key -> its block, for the records of blocks the manager holds from this index
+        self._block_of: dict[bytes, bytes] = {}
+        #: records offered whose block is not complete yet (a view offers records in chunks)
+        self._pending: dict[bytes, tuple[int, float]] = {}
+        self._every = range(layout.groups.num_groups)
+        for block in listed:
+            self._map(block)
+
+    def _map(self, block: bytes) -> None:
+        for rk in self._layout.record_keys([block], self._every):
+            self._block_of[rk] = block
+
+    def holds(self, key: bytes, tier: int) -> bool:
+        with self._lock:
+            block = self._block_of.get(key)
+        return block is not None and self._manager.holds(block, tier)
+
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        every = self._every
+        new: list[tuple[bytes, int, float]] = []
+        with self._lock:
+            pending = self._pending
+            if len(pending) > _MAX_PENDING:  # records of blocks that never complete: offered again
+                pending.clear()
+            pending.update((k, (size, stamp)) for k, size, stamp in records)
+            blocks = self._layout.blocks_present(pending)
+            for block, recs in blocks.items():
+                parts = [pending[rk] for rk in recs]
+                for rk in self._layout.record_keys([block], every):
+                    pending.pop(rk, None)
+                    self._block_of[rk] = block
+                if not self._manager.holds(block, tier):
+                    new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+        excess = self._manager.adopt(tier, new) if new else []
+        return [rk for block in excess for rk in blocks[block]]
+
+    def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+        with self._lock:
+            blocks = {self._block_of[k]: None for k in keys if k in self._block_of}
+        removed = set(self._manager.remove(list(blocks), tier)) if blocks else set()
+        with self._lock:
+            gone = [k for k in keys if self._block_of.get(k) in removed]
+            for k in gone:
+                del self._block_of[k]
+        return gone
