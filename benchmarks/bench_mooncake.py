@@ -12,9 +12,10 @@ with the load average. GB/s count block bytes.
 
 With ``--peer-python PEER/bin/python`` (a Python with LMCache and Mooncake's store, such as the
 peer environment of the shared peerbench), LMCache's own Mooncake connector moves the same cases
-on the same servers right after kvtier's pairs (``benchmarks/lmcache_mooncake_side.py``, in that
-Python), and ``vs_lmcache_put`` / ``vs_lmcache_get`` are kvtier's median over LMCache's median
-(above 1: kvtier is faster).
+on the same servers next to kvtier's pairs (``benchmarks/lmcache_mooncake_side.py``, in that
+Python), in ``--rounds`` rounds whose order reverses every round, and ``vs_lmcache_put`` /
+``vs_lmcache_get`` are kvtier's median over LMCache's median in each round (above 1: kvtier is
+faster).
 
 Servers: a private ``mooncake_master`` and ``mooncake_client`` on loopback
 (:mod:`kvtier.tools.mooncake_servers`; ``pip install 'kvtier[mooncake]'``).
@@ -144,7 +145,37 @@ def lmcache_side(peer_python: str, servers: MooncakeServers, block: int, n: int,
     return {"lmcache_version": found["lmcache"], **found[case]}
 
 
-def measure(repeat: int, shapes: dict[str, tuple[int, int, int]], peer_python: str | None = None) -> dict[str, Any]:
+def against_lmcache(
+    peer_python: str, servers: MooncakeServers, raw: Any, case: tuple[int, int, int], repeat: int, rounds: int
+) -> dict[str, Any]:
+    """``rounds`` rounds of kvtier's pairs and LMCache's run of one case, the order reversed every
+    round; a ratio to LMCache per round (kvtier's median over LMCache's)."""
+    block, n, job = case
+    figures: dict[str, Any] = {"rounds": []}
+    for r in range(rounds):
+        sides = ["kvtier", "lmcache"] if r % 2 == 0 else ["lmcache", "kvtier"]
+        found: dict[str, Any] = {}
+        for side in sides:
+            if side == "kvtier":
+                found["kvtier"] = measure_shape(servers, raw, block, n, job, repeat)
+            else:
+                found["lmcache"] = lmcache_side(peer_python, servers, block, n, job, repeat)
+        kv, peer = found["kvtier"], found["lmcache"]
+        entry: dict[str, Any] = {"first": sides[0], "kvtier": kv, "lmcache": peer}
+        if "error" not in peer:
+            entry["vs_lmcache_put"] = round(kv["kvtier_put_gbps"] / peer["lmcache_put_gbps"], 3)
+            entry["vs_lmcache_get"] = round(kv["kvtier_get_gbps"] / peer["lmcache_get_gbps"], 3)
+        figures["rounds"].append(entry)
+    for key in ("vs_lmcache_put", "vs_lmcache_get"):
+        figures[key] = [e[key] for e in figures["rounds"] if key in e]
+    for key in ("put_ratio", "get_ratio"):
+        figures[key] = [e["kvtier"][key] for e in figures["rounds"]]
+    return figures
+
+
+def measure(
+    repeat: int, shapes: dict[str, tuple[int, int, int]], peer_python: str | None = None, rounds: int = 2
+) -> dict[str, Any]:
     result: dict[str, Any] = {"load_average_before": [round(x, 2) for x in os.getloadavg()]}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-mooncake-") as tmp:
         servers = MooncakeServers(Path(tmp), segment_size="1GB").start()
@@ -152,13 +183,10 @@ def measure(repeat: int, shapes: dict[str, tuple[int, int, int]], peer_python: s
             raw = _raw_client(servers)
             try:
                 for name, (block, n, job) in shapes.items():
-                    result[name] = figures = measure_shape(servers, raw, block, n, job, repeat)
-                    if peer_python is not None:
-                        peer = lmcache_side(peer_python, servers, block, n, job, repeat)
-                        figures["lmcache"] = peer
-                        if "error" not in peer:
-                            figures["vs_lmcache_put"] = round(figures["kvtier_put_gbps"] / peer["lmcache_put_gbps"], 3)
-                            figures["vs_lmcache_get"] = round(figures["kvtier_get_gbps"] / peer["lmcache_get_gbps"], 3)
+                    if peer_python is None:
+                        result[name] = measure_shape(servers, raw, block, n, job, repeat)
+                    else:
+                        result[name] = against_lmcache(peer_python, servers, raw, (block, n, job), repeat, rounds)
             finally:
                 raw.close()
         finally:
@@ -172,6 +200,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="two repetitions of small jobs")
     parser.add_argument("--peer-python", help="a Python with LMCache and Mooncake: measure LMCache's Mooncake connector too")
+    parser.add_argument("--rounds", type=int, default=2, help="with --peer-python: rounds of both sides, the order reversed each round")
     args = parser.parse_args()
     missing = mooncake_missing()
     if missing is not None:
@@ -180,7 +209,7 @@ def main() -> None:
     shapes = SHAPES
     if args.quick:
         shapes = {"2MiB": (2 << 20, 8, 4), "64KiB": (64 << 10, 64, 32)}
-    print(json.dumps(measure(2 if args.quick else args.repeat, shapes, args.peer_python), indent=2))
+    print(json.dumps(measure(2 if args.quick else args.repeat, shapes, args.peer_python, args.rounds), indent=2))
 
 
 if __name__ == "__main__":

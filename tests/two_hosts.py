@@ -20,7 +20,7 @@ __all__ = ["CPU_TIER", "HOST_SCRIPT", "run_host"]
 HOST_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys, torch, kvtier, kvtier.testing
-    role, tiers = sys.argv[1], json.loads(sys.argv[2])
+    role, tiers, reads = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
     def caches(seed):
         g = torch.Generator().manual_seed(seed)
         return [torch.randint(0, 256, (16, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
@@ -38,7 +38,10 @@ HOST_SCRIPT = textwrap.dedent(
                 loaded = await store.load(keys, list(range(4, 16)))
                 ref = caches(11)
                 same = all(torch.equal(kv[l][4 + i].view(torch.uint8), ref[l][i].view(torch.uint8)) for l in range(2) for i in range(loaded))
-                print(json.dumps({"hits": hits, "loaded": loaded, "byte_exact": same}))
+                answer = {"hits": hits, "loaded": loaded, "byte_exact": same}
+                if reads:  # blocks each tier served, by backend name
+                    answer["reads"] = {b["backend"]: b["blocks_read"] for b in store.stats()["backends"]}
+                print(json.dumps(answer))
     asyncio.run(main())
     """
 )
@@ -47,10 +50,11 @@ HOST_SCRIPT = textwrap.dedent(
 CPU_TIER = {"backend": "cpu", "capacity": 16 * 2048}
 
 
-def run_host(role: str, tiers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Run host ``role`` (``"A"`` saves, ``"B"`` loads) with ``tiers``; its JSON answer."""
+def run_host(role: str, tiers: list[dict[str, Any]], *, reads: bool = False) -> dict[str, Any]:
+    """Run host ``role`` (``"A"`` saves, ``"B"`` loads) with ``tiers``; its JSON answer (with
+    ``reads``, B also says how many blocks each tier served, by backend name)."""
     proc = subprocess.run(
-        [sys.executable, "-c", HOST_SCRIPT, role, json.dumps(tiers)],
+        [sys.executable, "-c", HOST_SCRIPT, role, json.dumps(tiers), "1" if reads else "0"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

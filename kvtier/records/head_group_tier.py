@@ -27,10 +27,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvtier import registry
 from kvtier.backend import Backend, BlockFormat, RecordInfo
-from kvtier.errors import LayoutError
-from kvtier.keys import Namespace
-from kvtier.records.head_groups import HeadGroupLayout, block_key_of
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.keys import Namespace, check_keys
+from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups, block_key_of
 
 __all__ = ["MAX_SCRATCH_BYTES", "GroupIndex", "HeadGroupTier", "group_tiers"]
 
@@ -77,6 +78,9 @@ class HeadGroupTier(Backend):
                 f"head_groups: the head axis describes blocks of {self.layout.axis.block_bytes} bytes, but the "
                 f"store's blocks are {fmt.block_bytes} bytes"
             )
+        need = self._per_block() * self.layout.group_bytes
+        if self.capacity_bytes < need:
+            raise ConfigError(f"capacity: {self.capacity_bytes} bytes is below one block's head-group records ({need} bytes)")
         await super().open(fmt)
         want = self.record_format(fmt)
         if self.inner.is_open:  # one in-process tier under the views of several ranks
@@ -85,6 +89,12 @@ class HeadGroupTier(Backend):
             return
         await self.inner.open(want)
         self._owns_inner = True
+        if self.usable_bytes() < self.reserve_bytes():
+            await self.inner.aclose()
+            raise ConfigError(
+                f"capacity: {self.capacity_bytes} bytes hold no block's {self._per_block()} head-group records "
+                f"({self.reserve_bytes()} bytes in the {self.inner.name} tier)"
+            )
 
     async def aclose(self) -> None:
         try:
@@ -94,7 +104,33 @@ class HeadGroupTier(Backend):
             await super().aclose()
 
     def to_dict(self) -> dict[str, Any]:
-        return self.inner.to_dict()
+        """The inner tier's options and, under ``head_groups``, the layout and namespace."""
+        axis = self.layout.axis
+        ns = self.record_namespace.to_dict()
+        return {
+            **self.inner.to_dict(),
+            "head_groups": {
+                "groups": self.layout.groups.to_dict(),
+                "axis": {"heads": axis.heads, "segments": [list(seg) for seg in axis.segments], "tag": axis.tag},
+                "namespace": {k: v for k, v in ns.items() if k != "tenant_salt" or v},
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadGroupTier:
+        options = dict(data)
+        spec = options.pop("head_groups", None)
+        if not isinstance(spec, dict):
+            raise ConfigError("head_groups: a head-group tier's options need its layout (head_groups: {groups, axis, namespace})")
+        if spec["namespace"].get("tenant_salt"):
+            raise ConfigError("head_groups.namespace.tenant_salt: not kept by to_dict(); build the tier with its namespace")
+        inner = registry.backends.get(options["backend"]).from_dict(options)
+        axis = spec["axis"]
+        layout = HeadGroupLayout(
+            HeadGroups.from_dict(dict(spec["groups"])),
+            HeadAxis(heads=axis["heads"], segments=tuple((int(o), int(i)) for o, i in axis["segments"]), tag=axis["tag"]),
+        )
+        return cls(inner, layout, Namespace.from_dict({k: v for k, v in spec["namespace"].items() if k != "tenant_salt"}))
 
     # -- capacity --------------------------------------------------------------------------------
     def _per_block(self) -> int:
@@ -109,10 +145,19 @@ class HeadGroupTier(Backend):
         return self.inner.usable_bytes()
 
     # -- bulk I/O --------------------------------------------------------------------------------
+    def _check_io(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], what: str) -> None:
+        size = self._check_open().block_bytes
+        check_keys(keys)
+        if len(tensors) != len(keys):
+            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(tensors)} {what}")
+        for i, t in enumerate(tensors):
+            if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != size:
+                raise LayoutError(
+                    f"{self.name}: {what}[{i}] must be a 1-D uint8 tensor of {size} bytes, got {tuple(t.shape)} {t.dtype}"
+                )
+
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        self._check_open()
-        if len(keys) != len(blocks):
-            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(blocks)} blocks")
+        self._check_io(keys, blocks, "blocks")
         written = self._written
         if not keys:
             return []
@@ -144,9 +189,7 @@ class HeadGroupTier(Backend):
             log.debug("%s: deleting %d groups of failed blocks: %s", self.name, len(record_keys), exc)
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_open()
-        if len(keys) != len(out):
-            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(out)} blocks")
+        self._check_io(keys, out, "out")
         if not keys:
             return []
         held = self._held
@@ -159,9 +202,15 @@ class HeadGroupTier(Backend):
             got = self.inner.read_blocks(rkeys, list(buffers.view(len(rkeys), self.layout.group_bytes)))
             k = len(held)
             found = [all(got[i * k : (i + 1) * k]) for i in range(len(keys))]
-            if any(found):
+            if all(found):
                 self.layout.join(buffers, out)
+            else:  # a missing block's row is left as it was
+                for i in (i for i, ok in enumerate(found) if ok):
+                    self.layout.join(buffers[i : i + 1], out[i : i + 1])
         self._count(found=found)
+        follower = getattr(self.inner, "follower", None)
+        if follower is not None and any(found):  # shared hits are counted by block, as adopted
+            follower.count_served([key for key, ok in zip(keys, found) if ok])
         return found
 
     def _scratch(self, records: int, device: torch.device) -> torch.Tensor:
@@ -252,10 +301,13 @@ class HeadGroupTier(Backend):
             c.read_misses += len(found) - hits
 
     def stats(self) -> dict[str, Any]:
-        data = self.inner.stats()
+        """The inner tier's stats with this rank's block counters; the inner tier's record
+        counters under ``head_groups.records``."""
+        inner = self.inner.stats()
+        data = {**inner, **self.counters.as_dict()}
         groups = self.layout.groups
         data["head_groups"] = {
-            **self.counters.as_dict(),
+            "records": {k: inner[k] for k in self.counters.as_dict() if k in inner},
             "group_size": groups.group_size,
             "kv_heads": groups.kv_heads,
             "held": list(self._held),
@@ -315,7 +367,9 @@ class GroupIndex:
             block = self._block_of.get(key)
         return block is not None and self._manager.holds(block, tier)
 
-    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+    def _complete(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> tuple[dict[bytes, list[bytes]], list[tuple[bytes, int, float]]]:
+        """Take ``records`` into the pending pool; the blocks now complete (block -> its held
+        records) and, of them, the ones the manager does not hold, as block records."""
         every = self._every
         new: list[tuple[bytes, int, float]] = []
         with self._lock:
@@ -331,15 +385,32 @@ class GroupIndex:
                     self._block_of[rk] = block
                 if not self._manager.holds(block, tier):
                     new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+        return blocks, new
+
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """The manager's ``adopt`` for complete blocks; the records of blocks it had no room for."""
+        blocks, new = self._complete(tier, records)
         excess = self._manager.adopt(tier, new) if new else []
         return [rk for block in excess for rk in blocks[block]]
 
+    def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """The manager's ``adopt_live`` for complete blocks; the *block* keys adopted (what a
+        follower tells its listeners: KV events name blocks, not records)."""
+        _, new = self._complete(tier, records)
+        if not new:
+            return []
+        live = getattr(self._manager, "adopt_live", None)
+        if live is not None:
+            return list(live(tier, new))
+        excess = set(self._manager.adopt(tier, new))
+        return [b for b, _, _ in new if b not in excess]
+
     def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+        """Forget the blocks of vanished records; the *block* keys forgotten."""
         with self._lock:
             blocks = {self._block_of[k]: None for k in keys if k in self._block_of}
         removed = set(self._manager.remove(list(blocks), tier)) if blocks else set()
         with self._lock:
-            gone = [k for k in keys if self._block_of.get(k) in removed]
-            for k in gone:
-                del self._block_of[k]
-        return gone
+            for rk in self._layout.record_keys(list(removed), self._every):
+                self._block_of.pop(rk, None)
+        return list(removed)
