@@ -13,7 +13,7 @@ from kvtier import registry
 from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.units import parse_size
 
-__all__ = ["BlockBytes", "ByteSize", "FlushBytes", "MetricsConfig", "StagingBytes", "TierConfig"]
+__all__ = ["BlockBytes", "ByteSize", "FlushBytes", "InlineBytes", "MetricsConfig", "StagingBytes", "TierConfig"]
 
 
 def _strip_field(message: str, name: str) -> str:
@@ -57,6 +57,7 @@ ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
 FlushBytes = Annotated[int, BeforeValidator(_size("flush_on_close_bytes"))]
 BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
 StagingBytes = Annotated[int, BeforeValidator(_size("staging_bytes", allow_zero=True))]
+InlineBytes = Annotated[int, BeforeValidator(_size("inline_max_bytes", allow_zero=True))]
 
 
 class TierConfig(BaseModel):
