@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -333,3 +334,15 @@ def test_large_blocks_go_as_head_and_row_slices_and_odd_records_are_read_whole(m
     finally:
         close(writer)
         close(backend)
+
+
+@pytest.mark.parametrize("given", [None, "INFO"])
+def test_mooncake_logs_errors_only_unless_the_operator_set_a_level(
+    mooncake_store: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str | None
+) -> None:
+    if given is None:
+        monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("MC_LOG_LEVEL", given)
+    close(opened(mooncake_store, tmp_path))
+    assert os.environ["MC_LOG_LEVEL"] == (given or "ERROR")
