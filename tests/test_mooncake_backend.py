@@ -346,3 +346,14 @@ def test_mooncake_logs_errors_only_unless_the_operator_set_a_level(
         monkeypatch.setenv("MC_LOG_LEVEL", given)
     close(opened(mooncake_store, tmp_path))
     assert os.environ["MC_LOG_LEVEL"] == (given or "ERROR")
+
+
+def test_probe_says_whether_the_master_and_its_admin_port_answer(mooncake_store: MooncakeServers) -> None:
+    options = mooncake_store.tier_options()
+    assert _tier_class()(capacity="1MiB", **options).probe(2.0) is None
+    from kvtier.tools.servers import free_port
+
+    dead = _tier_class()(capacity="1MiB", **{**options, "master": f"127.0.0.1:{free_port()}"})
+    assert "does not accept connections" in str(dead.probe(0.5))
+    no_admin = _tier_class()(capacity="1MiB", **{**options, "admin_url": f"http://127.0.0.1:{free_port()}"})
+    assert "admin_url" in str(no_admin.probe(0.5))
