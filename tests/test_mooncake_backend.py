@@ -357,3 +357,16 @@ def test_probe_says_whether_the_master_and_its_admin_port_answer(mooncake_store:
     assert "does not accept connections" in str(dead.probe(0.5))
     no_admin = _tier_class()(capacity="1MiB", **{**options, "admin_url": f"http://127.0.0.1:{free_port()}"})
     assert "admin_url" in str(no_admin.probe(0.5))
+
+
+def test_a_dead_admin_port_skips_sweeps_and_the_tier_stays_up(mooncake_store: MooncakeServers, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.tools.servers import free_port
+
+    backend = opened(mooncake_store, tmp_path, admin_url=f"http://127.0.0.1:{free_port()}")
+    try:
+        assert backend.view.sweep_once() is None and backend.view.sweep_once() is None
+        assert sum("admin_url" in r.getMessage() for r in caplog.records) == 1  # one warning, not one per sweep
+        assert backend.stats()["up"] is True
+        assert None not in backend.write_blocks([make_key(1)], blocks(1))  # the data path is fine
+    finally:
+        close(backend)
