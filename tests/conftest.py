@@ -12,6 +12,7 @@ from redis_servers import (  # noqa: F401  (fixtures)
     redis_server,
     server_version,
 )
+from s3_servers import own_seaweed, seaweed  # noqa: F401  (fixtures)
 
 
 def pytest_report_header(config: object) -> str:
