@@ -115,3 +115,33 @@ async def test_the_file_feed_carries_stores_across_two_processes(tmp_path: Path)
         want = make_caches(5)
         for i in range(10):
             assert all(torch.equal(x, y) for x, y in zip(rows(caches, i), rows(want, i)))
+
+
+async def test_head_group_records_of_another_tp_size_are_adopted_live_once_every_group_is_in(tmp_path: Path) -> None:
+    # B (TP=1) follows a shared directory; A (TP=2) stores a prompt rank by rank. B adopts the
+    # blocks once both ranks' groups are in (not after rank 0's), and loads them byte-exact.
+    from test_head_groups import PROMPT, TOKENS, config, full_cache, shard
+
+    from kvtier.keys import block_keys
+    from kvtier.records.head_groups import HeadGroups
+
+    tier = {"backend": "file", "capacity": "32MiB", "path": str(tmp_path / "file"), "sync_mode": "fast", "shared": True,
+            "sweep_interval_s": 3600}
+    full = full_cache(7)
+    b_caches = [torch.zeros_like(t) for t in full]
+    async with kvtier.open(config(tier, 1, 0), kv_caches=b_caches) as b:
+        changes: list[TierChange] = []
+        b.on_shared_change(changes.append)
+        keys = block_keys(PROMPT, block_size=TOKENS, namespace=b.namespace)
+        for rank in range(2):
+            groups = HeadGroups.for_rank(8, 2, rank, 1)
+            async with kvtier.open(config(tier, 2, rank), kv_caches=shard(full, groups)) as a:
+                assert await a.save(keys, [0, 1, 2, 3]) == 4
+            if rank == 0:
+                await asyncio.sleep(0.5)  # rank 0's groups alone: the blocks are not whole
+                assert await b.lookup(keys) == 0
+        await until(lambda: _looked(b, keys, 4))
+        assert sorted(k for c in changes for k in c.adopted) == sorted(keys)  # block keys, not records
+        assert await b.load(keys, [2, 3, 4, 5]) == 4
+        for have, want in zip(b_caches, full):
+            assert torch.equal(have[2:6], want[0:4])

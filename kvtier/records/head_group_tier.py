@@ -29,6 +29,7 @@ import torch
 from kvtier.backend import Backend, BlockFormat, RecordInfo
 from kvtier.errors import LayoutError
 from kvtier.keys import Namespace
+from kvtier.records.group_follow import GroupFollower, GroupIndexTarget
 from kvtier.records.head_groups import HeadGroupLayout
 
 __all__ = ["HeadGroupTier", "group_tiers"]
@@ -57,6 +58,7 @@ class HeadGroupTier(Backend):
         self.shared = bool(getattr(inner, "shared", False))
         self.variable_size = True
         self._owns_inner = False
+        self._follower: GroupFollower | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def record_format(self, fmt: BlockFormat) -> BlockFormat:
@@ -160,6 +162,27 @@ class HeadGroupTier(Backend):
         if keys and self._written:
             self.inner.delete_blocks(self.layout.record_keys(keys, self._written))
             self.counters.deleted += len(keys)
+
+    def forget_blocks(self, keys: Sequence[bytes]) -> None:
+        """An eviction in a shared tier: the inner tier forgets this rank's records."""
+        forget = getattr(self.inner, "forget_blocks", None)
+        if forget is not None and keys and self._written:
+            forget(self.layout.record_keys(keys, self._written))
+
+    # -- live following (kvtier.records.group_follow) ------------------------------------------
+    def bind_index(self, manager: Any, tier: int) -> None:
+        """Follow the inner shared tier into ``manager``'s tier ``tier``, in block keys."""
+        bind = getattr(self.inner, "bind_index", None)
+        inner_follower = getattr(self.inner, "follower", None)
+        if bind is None or inner_follower is None:
+            return
+        target = GroupIndexTarget(manager, self.layout, self.reserve_bytes())
+        self._follower = GroupFollower(inner_follower, target)
+        bind(target, tier)
+
+    @property
+    def follower(self) -> GroupFollower | None:
+        return self._follower
 
     def _blocks(self, records: list[RecordInfo]) -> Iterator[RecordInfo]:
         by_key = {r.key: r for r in records}
