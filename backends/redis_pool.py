@@ -5,7 +5,7 @@ pool has none to give.
 (``max_connections``, ``job_connections``), and checks them once, at construction:
 
 * a job's records on a node are cut into up to ``job_connections`` shares
-  (:mod:`kvtier.backends.redis_shares`);
+  (:mod:`kvtier.backends.remote_shares`);
 * a put share keeps one ``SET`` in flight on each of up to ``put_connections`` connections, and
   a get share of large records is striped over as many (``stripes``);
 * the index sweep (``SCAN``) takes one more;
@@ -35,8 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.backends.redis_shares import auto_job_connections
 from kvtier.backends.redis_wire import PUT_CONNECTIONS
+from kvtier.backends.remote_health import Busy
+from kvtier.backends.remote_shares import auto_job_connections
 from redis.exceptions import MaxConnectionsError
 
 from kvtier.errors import ConfigError
@@ -79,7 +80,7 @@ class ConnectionBudget:
     @classmethod
     def of(cls, max_connections: Any, job_connections: Any, cpus: int | None = None) -> ConnectionBudget:
         """Check the two settings and size the rest; ``job_connections: auto`` is
-        :func:`~kvtier.backends.redis_shares.auto_job_connections` of ``cpus``, lowered to what
+        :func:`~kvtier.backends.remote_shares.auto_job_connections` of ``cpus``, lowered to what
         ``max_connections`` holds."""
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ConfigError(f"max_connections: expected a positive integer, got {max_connections!r}")
@@ -106,7 +107,7 @@ class ConnectionBudget:
         return cls(max_connections, jobs, put)
 
 
-class PoolBusy(Exception):
+class PoolBusy(Busy):
     """No connection came back to a node's pool within the wait: back-pressure, not an outage."""
 
 

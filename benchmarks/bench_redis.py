@@ -36,7 +36,8 @@ from typing import Any
 
 import redis
 import torch
-from kvtier.backends.redis_tier import RedisBackend, _client_options
+from kvtier.backends.redis_client import client_options
+from kvtier.backends.redis_tier import RedisBackend
 from redis.cluster import RedisCluster
 
 import kvtier
@@ -127,7 +128,7 @@ def kvtier_io(backend: RedisBackend, block: int, n: int, job: int) -> tuple[dict
 def client_for(conn: dict[str, Any]) -> Any:
     """A raw redis-py client with the connection options of a redis tier built from ``conn``."""
     probe = RedisBackend(capacity=1 << 20, **conn)
-    options = _client_options(probe.username, probe._password, probe.tls, 30.0, 5.0, 32)
+    options = client_options(probe.username, probe._password, probe.tls, 30.0, 5.0, 32)
     return RedisCluster.from_url(probe.url, **options) if probe.cluster else redis.Redis.from_url(probe.url, **options)
 
 

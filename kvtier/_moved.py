@@ -23,6 +23,8 @@ MOVED: dict[str, str] = {
     "kvtier.promotion": "kvtier.manager.promotion",
     "kvtier.tiers": "kvtier.manager.tiers",
     "kvtier.shared_index": "kvtier.backends.shared_index",
+    "kvtier.backends.redis_meta": "kvtier.backends.remote_meta",
+    "kvtier.backends.redis_shares": "kvtier.backends.remote_shares",
     "kvtier.jobs": "kvtier.transfer.jobs",
     "kvtier.layout": "kvtier.transfer.layout",
     "kvtier.staging": "kvtier.transfer.staging",

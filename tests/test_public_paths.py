@@ -60,6 +60,11 @@ PUBLIC: list[tuple[str, list[str]]] = [
     ("kvtier.backends.redis_tier", ["RedisBackend"]),
     ("kvtier.backends.codecs", ["ZstdCodec", "ZstdShuffleCodec"]),
     ("kvtier.backends.shared_index", ["SharedIndexView"]),
+    ("kvtier.backends.remote_tier", ["RemoteRecordBackend", "ReadJob", "WriteJob", "Route", "SweepSkipped"]),
+    ("kvtier.backends.remote_health", ["Health", "Down", "Busy"]),
+    ("kvtier.backends.remote_secrets", ["Secret", "read_secret", "HIDDEN"]),
+    ("kvtier.backends.remote_meta", ["MetaVerdict", "judge_meta", "meta_value"]),
+    ("kvtier.backends.remote_shares", ["split_shares", "auto_job_connections", "run_all"]),
     ("kvtier.backends.feed_follower", ["TierFollower", "TierChange", "FollowedTier"]),
     ("kvtier.backends.change_feed", ["ChangeFeed", "FeedEntry", "FeedCursor", "FeedRead", "FeedOp"]),
     ("kvtier.backends.file_feed", ["FileFeed"]),
@@ -85,6 +90,8 @@ OLD_NAMES: dict[str, list[str]] = {
     "kvtier.deploy": ["check_deployment"],
     "kvtier.shared_index": ["SharedIndexView"],
     "kvtier.cli": ["main"],
+    "kvtier.backends.redis_shares": ["split_shares", "auto_job_connections", "run_all"],
+    "kvtier.backends.redis_meta": ["MetaVerdict", "judge_meta", "meta_value"],
 }
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import redis
 import torch
-from kvtier.backends.redis_shares import SHARE_MIN_BYTES, run_all, split_shares
 from kvtier.backends.redis_tier import RedisBackend
 from kvtier.backends.redis_wire import RECV_PIECE, Wire
+from kvtier.backends.remote_shares import SHARE_MIN_BYTES, run_all, split_shares
 from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
 
 from kvtier.errors import ConfigError
@@ -382,9 +382,9 @@ def test_job_connections_round_trips_through_the_config() -> None:
 
 
 def test_job_connections_auto_is_half_the_cpus_from_one_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.backends import redis_shares
+    from kvtier.backends import remote_shares
 
-    assert [redis_shares.auto_job_connections(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+    assert [remote_shares.auto_job_connections(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert RedisBackend(capacity="1MiB").job_connections == 4  # the default is auto
     assert RedisBackend(capacity="1MiB", max_connections=5).job_connections == 2  # a store and a load fit, with the sweep

@@ -1,8 +1,10 @@
-"""One redis tier job on several connections at once: the job's share of a server, cut in pieces.
+"""One remote tier job on several connections at once: the job's share of a server, cut in pieces.
 
 A job's records on one server (the single server, or one primary of a cluster) are cut into
-contiguous *shares*, and each share is one pipelined exchange on its own pooled connection, all of
-them at the same time: the first on the calling thread, the others on the tier's I/O threads.
+contiguous *shares*, and each share is one batched exchange on its own connection, all of
+them at the same time: the first on the calling thread, the others on the tier's I/O threads
+(:class:`kvtier.backends.remote_tier.RemoteRecordBackend` runs them). The figures below are the
+redis tier's, which chose the sizes.
 
 Why several connections rather than one deeper pipeline: redis-server writes at most 64 KiB to one
 client per turn of its event loop, and the replies queued for a connection grow that client's

@@ -1,4 +1,7 @@
-"""The ``redis`` tier's meta record: what a tier makes of the one it finds under its prefix.
+"""A remote tier's meta record: what a tier makes of the one it finds under its prefix.
+
+Every remote tier (``redis``, and those built on :mod:`kvtier.backends.remote_tier`) keeps one
+meta record per namespace under its prefix, beside the records.
 
 Anyone who can write under kvtier's prefix on a shared server can plant a meta record, so what
 the tier finds there decides how much it trusts the server, never whether the engine starts:
@@ -25,6 +28,8 @@ from kvtier.records.format import RecordAuthError, RecordMac, check_meta, decode
 __all__ = ["MetaVerdict", "judge_meta", "meta_value"]
 
 _TAG = 32
+#: The MAC domain of the tag. It keeps the name it had when only the redis tier had a meta record,
+#: so that keyed meta records already on servers still verify.
 _DOMAIN = b"kvtier-redis-meta"
 
 
