@@ -85,6 +85,9 @@ Listener = Callable[[TierChange], None]
 class TierFollower:
     """Follows one shared tier into tier ``tier`` of a manager: a feed (optional) and a sweep."""
 
+    #: Seconds one feed read waits for an entry (the thread checks for ``stop`` in between).
+    wait_s_default: float = 0.5
+
     def __init__(
         self,
         name: str,
@@ -93,8 +96,9 @@ class TierFollower:
         record_bytes: int,
         feed: ChangeFeed | None = None,
         sweep_interval_s: float = 60.0,
-        wait_s: float = 0.5,
+        wait_s: float | None = None,
     ) -> None:
+        wait_s = self.wait_s_default if wait_s is None else wait_s
         if wait_s <= 0:
             raise ValueError(f"wait_s: expected a positive number of seconds, got {wait_s!r}")
         self.name = name
@@ -347,9 +351,13 @@ class FollowedTier:
         record_bytes: int,
         feed: ChangeFeed | None,
         sweep_interval_s: float,
+        mark: bool = True,
     ) -> TierFollower:
+        """Build the follower; with ``mark``, note the feed's head now (I/O: off the event loop;
+        a tier that connects later calls ``follower.mark_start()`` itself, before listing)."""
         follower = TierFollower(name, sweep=sweep, record_bytes=record_bytes, feed=feed, sweep_interval_s=sweep_interval_s)
-        follower.mark_start()
+        if mark:
+            follower.mark_start()
         self.follower = follower
         return follower
 

@@ -204,14 +204,29 @@ def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServ
     # The user of docs/tiers.md: only the commands the tier sends, only its key prefix.
     own_redis_server.cli(
         "ACL", "SETUSER", "kvtier", "on", ">pw-kvtier-1234", f"~{prefix}:*",
-        *"+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards".split(),
+        *"+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards +xadd +xread +xinfo|stream".split(),
     )
     own_redis_server.cli("ACL", "SETUSER", "default", "off")
+    from kvtier.backends.change_feed import FeedCursor
+
     monkeypatch.setenv("REDIS_TEST_PW", "pw-kvtier-1234")
     backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="REDIS_TEST_PW")
     try:
         assert backend.write_blocks([make_key(1)], blocks(1)) != [None]
         assert backend.read_blocks([make_key(1)], empty(1)) == [True]
+        feed = backend.follower.feed  # the change feed's commands are allowed too
+        assert feed.published == 1 and feed.publish_failures == 0
+        assert feed.read(FeedCursor(), 0.1).entries[0].keys == (make_key(1),)
+    finally:
+        close(backend)
+    # The user of an older release, without the feed's commands: the tier still serves; the
+    # feed's refusals are counted (the others reconcile through their sweeps).
+    own_redis_server.cli("ACL", "SETUSER", "kvtier", "-xadd", "-xread", "-xinfo")
+    backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="REDIS_TEST_PW")
+    try:
+        assert backend.write_blocks([make_key(3)], blocks(1)) != [None]
+        assert backend.read_blocks([make_key(3)], empty(1)) == [True]
+        assert backend.stats()["follow"]["feed_publish_failures"] == 1
     finally:
         close(backend)
     monkeypatch.setenv("REDIS_TEST_PW", "wrong")
