@@ -430,3 +430,39 @@ def test_a_failed_group_write_fails_the_block_and_leaves_no_group(tmp_path: Path
     assert len(inner.stored_keys()) == HEADS + 1
     asyncio.run(t.aclose())
 
+
+
+def test_a_shared_tier_index_follows_other_tp_sizes_in_block_keys(redis_server: Any, tmp_path: Path) -> None:
+    """A TP 1 store on a Redis tier, open while a TP 2 engine stores: its index view sweeps the
+    server's record keys and the manager adopts the blocks (once every group is there); a group
+    that vanishes from the server takes its block out of the index."""
+    full = full_cache(seed=9)
+    tier = {"backend": "redis", "capacity": "32MiB", "url": redis_server.url, "prefix": _prefix(tmp_path), "sync_interval_s": 3600}
+
+    async def run() -> None:
+        reader_groups = HeadGroups.for_rank(HEADS, 1, 0, 1)
+        caches = [torch.zeros_like(c) for c in shard(full, reader_groups)]
+        async with kvtier.open(config(tier, 1, 0), kv_caches=caches) as reader:
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=reader.namespace)
+            view = reader.backends[0].inner.view  # type: ignore[attr-defined]
+            async with kvtier.open(config(tier, 2, 0), kv_caches=shard(full, HeadGroups.for_rank(HEADS, 2, 0, 1))) as w0:
+                await w0.save(keys, [0, 1, 2, 3])
+            await asyncio.to_thread(view.sweep_once)
+            assert await reader.lookup(keys) == 0, "half the groups: not adopted"
+            async with kvtier.open(config(tier, 2, 1), kv_caches=shard(full, HeadGroups.for_rank(HEADS, 2, 1, 1))) as w1:
+                await w1.save(keys, [0, 1, 2, 3])
+            await asyncio.to_thread(view.sweep_once)
+            assert await reader.lookup(keys) == 4
+            assert await reader.load(keys, [0, 1, 2, 3]) == 4
+            want = shard(full, reader_groups)
+            assert all(torch.equal(a[:4], b[:4]) for a, b in zip(caches, want))
+            inner = reader.backends[0].inner  # type: ignore[attr-defined]
+            import redis
+
+            client = redis.Redis.from_url(redis_server.url)  # another host's eviction of one group
+            assert client.delete(inner._prefix_bytes + group_key(keys[2], 5)) == 1
+            client.close()
+            await asyncio.to_thread(view.sweep_once)
+            assert await reader.lookup(keys) == 2
+
+    asyncio.run(run())

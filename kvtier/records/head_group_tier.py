@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -32,9 +33,11 @@ from kvtier.keys import Namespace
 from kvtier.records.group_follow import GroupFollower, GroupIndexTarget
 from kvtier.records.head_groups import HeadGroupLayout
 
-__all__ = ["HeadGroupTier", "group_tiers"]
+__all__ = ["MAX_SCRATCH_BYTES", "HeadGroupTier", "group_tiers"]
 
 log = logging.getLogger("kvtier")
+#: The largest group-record buffer a thread keeps between jobs.
+MAX_SCRATCH_BYTES = 256 << 20
 
 
 class HeadGroupTier(Backend):
@@ -58,6 +61,9 @@ class HeadGroupTier(Backend):
         self.shared = bool(getattr(inner, "shared", False))
         self.variable_size = True
         self._owns_inner = False
+        self._local = threading.local()
+        #: the block-key view of a shared tier's index (set by ``bind_index``)
+        self.index: GroupIndexTarget | None = None
         self._follower: GroupFollower | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -112,7 +118,7 @@ class HeadGroupTier(Backend):
             return []
         if not written:  # another rank writes this replicated group
             return [self.reserve_bytes()] * len(keys)
-        records = self.layout.split(blocks, written)
+        records = self.layout.split(blocks, written, self._scratch(len(keys) * len(written), blocks[0].device))
         rkeys = self.layout.record_keys(keys, written)
         sizes = self.inner.write_blocks(rkeys, records)
         k = len(written)
@@ -148,7 +154,8 @@ class HeadGroupTier(Backend):
         if self.layout.whole:
             found = self.inner.read_blocks(rkeys, out)
         else:
-            buffers = self.layout.read_buffers(len(keys), out[0].device)
+            shape = (len(keys), len(held), self.layout.group_bytes)
+            buffers = self._scratch(len(keys) * len(held), out[0].device).view(shape)
             got = self.inner.read_blocks(rkeys, list(buffers.view(len(rkeys), self.layout.group_bytes)))
             k = len(held)
             found = [all(got[i * k : (i + 1) * k]) for i in range(len(keys))]
@@ -157,32 +164,24 @@ class HeadGroupTier(Backend):
         self._count(found=found)
         return found
 
+    def _scratch(self, records: int, device: torch.device) -> torch.Tensor:
+        """This thread's buffer for ``records`` group records (kept between jobs up to
+        :data:`MAX_SCRATCH_BYTES`: a fresh buffer costs a page fault per 4 KiB, which at jobs of
+        32 MiB made the split several times slower than the copy itself)."""
+        size = records * self.layout.group_bytes
+        buf: torch.Tensor | None = getattr(self._local, "buf", None)
+        if buf is not None and buf.numel() >= size and buf.device == device:
+            return buf[:size]
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        if size <= MAX_SCRATCH_BYTES:
+            self._local.buf = buf
+        return buf
+
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
         if keys and self._written:
             self.inner.delete_blocks(self.layout.record_keys(keys, self._written))
             self.counters.deleted += len(keys)
-
-    def forget_blocks(self, keys: Sequence[bytes]) -> None:
-        """An eviction in a shared tier: the inner tier forgets this rank's records."""
-        forget = getattr(self.inner, "forget_blocks", None)
-        if forget is not None and keys and self._written:
-            forget(self.layout.record_keys(keys, self._written))
-
-    # -- live following (kvtier.records.group_follow) ------------------------------------------
-    def bind_index(self, manager: Any, tier: int) -> None:
-        """Follow the inner shared tier into ``manager``'s tier ``tier``, in block keys."""
-        bind = getattr(self.inner, "bind_index", None)
-        inner_follower = getattr(self.inner, "follower", None)
-        if bind is None or inner_follower is None:
-            return
-        target = GroupIndexTarget(manager, self.layout, self.reserve_bytes())
-        self._follower = GroupFollower(inner_follower, target)
-        bind(target, tier)
-
-    @property
-    def follower(self) -> GroupFollower | None:
-        return self._follower
 
     def _blocks(self, records: list[RecordInfo]) -> Iterator[RecordInfo]:
         by_key = {r.key: r for r in records}
@@ -192,6 +191,31 @@ class HeadGroupTier(Backend):
 
     def scan(self) -> Iterator[RecordInfo]:
         return self._blocks(list(self.inner.scan()))
+
+    def forget_blocks(self, keys: Sequence[bytes]) -> None:
+        """An eviction in a shared tier: the inner tier forgets this rank's records."""
+        forget = getattr(self.inner, "forget_blocks", None)
+        if forget is not None and keys and self._written:
+            forget(self.layout.record_keys(keys, self._written))
+
+    # -- live following (kvtier.records.group_follow) ------------------------------------------
+    def bind_index(self, manager: Any, tier: int) -> None:
+        """A shared tier's follower (``inner.bind_index``) sees the server's record keys;
+        :class:`~kvtier.records.group_follow.GroupIndexTarget` turns them into the manager's
+        block keys (a block is adopted once every group of it is in)."""
+        bind = getattr(self.inner, "bind_index", None)
+        if bind is None:
+            return
+        self.index = GroupIndexTarget(manager, self.layout, self.reserve_bytes())
+        inner_follower = getattr(self.inner, "follower", None)
+        if inner_follower is not None:
+            self._follower = GroupFollower(inner_follower, self.index)
+        bind(self.index, tier)
+
+    @property
+    def follower(self) -> GroupFollower | None:
+        """The inner shared tier's follower, telling its changes in block keys."""
+        return self._follower
 
     def stored_keys(self) -> list[bytes] | None:
         keys = self.inner.stored_keys()
@@ -251,3 +275,4 @@ def group_tiers(backends: Sequence[Backend], layout: HeadGroupLayout, namespace:
             setattr(backend, "path", os.path.join(path, location))  # noqa: B010
         out.append(HeadGroupTier(backend, layout, namespace))
     return out
+

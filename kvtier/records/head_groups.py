@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvtier.devices import one_intra_op_thread
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import KEY_BYTES, Namespace
 
@@ -54,6 +55,7 @@ __all__ = [
 #: (see ``benchmarks/bench_head_groups.py``); below it per-record costs start to show.
 MIN_GROUP_RECORD_BYTES = 64 << 10
 _TAIL = KEY_BYTES - 8
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _positive(value: Any, name: str) -> int:
@@ -368,45 +370,76 @@ class HeadGroupLayout:
         return out
 
     # -- bytes ---------------------------------------------------------------------------------
-    def _views(self, rows: torch.Tensor, first: int, count: int) -> list[torch.Tensor]:
-        """Per segment, ``[N, count, outer, gs, inner]`` views of the groups ``first ..`` of
-        ``rows`` (``[N, block_bytes]``), group-major: what the records hold."""
+    def _width(self) -> int:
+        """The widest element (bytes) that every head's run of bytes is a whole number of:
+        the copies move int64 words where they can, not bytes (each element costs a step)."""
+        inner = math.gcd(*(i for _, i in self.axis.segments))
+        return next(w for w in (8, 4, 2, 1) if inner % w == 0)
+
+    def _views(self, rows: torch.Tensor, first: int, count: int, w: int) -> list[torch.Tensor]:
+        """Per segment, ``[N, count, outer, gs, inner / w]`` views of the groups ``first ..`` of
+        ``rows`` (``[N, block_bytes / w]`` of ``w``-byte words), group-major: what records hold."""
         n, gs, heads = rows.shape[0], self.groups.group_size, self.axis.heads
         h0 = first * gs
         out, off = [], 0
         for outer, inner in self.axis.segments:
-            size = outer * heads * inner
-            seg = rows[:, off : off + size].view(n, outer, heads, inner)[:, :, h0 : h0 + count * gs, :]
+            size = outer * heads * inner // w
+            seg = rows[:, off : off + size].view(n, outer, heads, inner // w)[:, :, h0 : h0 + count * gs, :]
             out.append(seg.unflatten(2, (count, gs)).permute(0, 2, 1, 3, 4))
             off += size
         return out
 
-    def _record_views(self, records: torch.Tensor) -> list[torch.Tensor]:
-        """Per segment, ``[N, count, outer, gs, inner]`` views of ``records`` (``[N, count, group_bytes]``)."""
+    def _record_views(self, records: torch.Tensor, w: int) -> list[torch.Tensor]:
+        """Per segment, ``[N, count, outer, gs, inner / w]`` views of ``records`` (``[N, count, group_bytes / w]``)."""
         n, count = records.shape[0], records.shape[1]
         gs = self.groups.group_size
         out, off = [], 0
         for outer, inner in self.axis.segments:
-            size = outer * gs * inner
-            out.append(records[:, :, off : off + size].view(n, count, outer, gs, inner))
+            size = outer * gs * inner // w
+            out.append(records[:, :, off : off + size].view(n, count, outer, gs, inner // w))
             off += size
         return out
 
-    def split(self, blocks: Sequence[torch.Tensor], groups: Sequence[int]) -> list[torch.Tensor]:
+    def _copy(self, rows: torch.Tensor, records: torch.Tensor, first: int, to_records: bool) -> None:
+        """One copy per segment between blocks ``rows`` (``[N, block_bytes]``) and their records
+        (``[N, count, group_bytes]``), on the calling thread alone (an OpenMP team per copy
+        stalls on a busy host: :mod:`kvtier.transfer.copies`)."""
+        w = self._width()
+        wide = _WORDS[w]
+        try:
+            rows_w, records_w = rows.view(wide), records.view(wide)
+        except RuntimeError:  # rows not aligned to the word: move bytes
+            w, rows_w, records_w = 1, rows, records
+        pairs = zip(self._views(rows_w, first, records.shape[1], w), self._record_views(records_w, w))
+        with one_intra_op_thread():
+            for block_view, record_view in pairs:
+                if to_records:
+                    record_view.copy_(block_view)
+                else:
+                    block_view.copy_(record_view)
+
+    def split(
+        self, blocks: Sequence[torch.Tensor], groups: Sequence[int], scratch: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """The records of ``groups`` (held, consecutive) of every block, block-major: the
-        blocks themselves when one group is the whole block, else one copy per segment per job."""
+        blocks themselves when one group is the whole block, else one copy per segment per job
+        (into ``scratch``, at least ``len(blocks) * len(groups) * group_bytes`` bytes, when given:
+        fresh memory for every job costs a page fault per 4 KiB)."""
         if not blocks or not groups:
             return []
         if self.whole:
             return list(blocks)
         first, count = groups[0] - self.groups.held[0], len(groups)
-        records = torch.empty((len(blocks), count, self.group_bytes), dtype=torch.uint8, device=blocks[0].device)
+        shape = (len(blocks), count, self.group_bytes)
+        if scratch is None:
+            records = torch.empty(shape, dtype=torch.uint8, device=blocks[0].device)
+        else:
+            records = scratch[: math.prod(shape)].view(shape)
         stacked = rows_view(blocks)
         for rows, dst in ((stacked, records),) if stacked is not None else (
             (b.view(1, -1), records[i : i + 1]) for i, b in enumerate(blocks)
         ):
-            for src_view, dst_view in zip(self._views(rows, first, count), self._record_views(dst)):
-                dst_view.copy_(src_view)
+            self._copy(rows, dst, first, to_records=True)
         return list(records.view(len(blocks) * count, self.group_bytes))
 
     def read_buffers(self, n: int, device: torch.device | None = None) -> torch.Tensor:
@@ -415,11 +448,9 @@ class HeadGroupLayout:
 
     def join(self, records: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
         """Copy the held records ``records`` (``[N, held, group_bytes]``) into the blocks ``out``."""
-        count = len(self.groups.held)
         stacked = rows_view(out)
         pairs = ((stacked, records),) if stacked is not None else (
             (b.view(1, -1), records[i : i + 1]) for i, b in enumerate(out)
         )
         for rows, src in pairs:
-            for dst_view, src_view in zip(self._views(rows, 0, count), self._record_views(src)):
-                dst_view.copy_(src_view)
+            self._copy(rows, src, 0, to_records=False)
