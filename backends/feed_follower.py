@@ -56,6 +56,7 @@ from kvtier.backends.change_feed import ChangeFeed, FeedCursor, FeedEntry, FeedO
 from kvtier.backends.shared_index import IndexTarget, SharedIndexView, adopt_records
 
 from kvtier.errors import ClosedError
+from kvtier.records.group_follow import ChangeListeners
 
 __all__ = ["FollowedTier", "Listener", "TierChange", "TierFollower"]
 
@@ -108,7 +109,7 @@ class TierFollower:
         self.view = SharedIndexView(
             name, sweep, record_bytes=record_bytes, interval_s=sweep_interval_s, on_change=self._swept
         )
-        self._listeners: tuple[Listener, ...] = ()
+        self._listeners = ChangeListeners(name)
         self._target: IndexTarget | None = None
         self._tier = 0
         self._cursor: FeedCursor | None = None
@@ -147,14 +148,7 @@ class TierFollower:
 
     def listen(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every :class:`TierChange`; returns a function that stops it."""
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-        def unlisten() -> None:
-            with self._lock:
-                self._listeners = tuple(fn for fn in self._listeners if fn is not listener)
-
-        return unlisten
+        return self._listeners.add(listener)
 
     def bind(self, target: IndexTarget, tier: int, *, start: bool = True) -> None:
         """Follow into ``target``'s tier ``tier``; start the threads (feed and sweep)."""
@@ -303,11 +297,7 @@ class TierFollower:
     def _tell(self, change: TierChange) -> None:
         self.counters["adopted"] += len(change.adopted)
         self.counters["removed"] += len(change.removed)
-        for listener in self._listeners:
-            try:
-                listener(change)
-            except Exception:  # a listener's bug never stops the index from following
-                log.exception("%s: a listener of the shared tier failed", self.name)
+        self._listeners.tell(change)
 
     # -- figures -------------------------------------------------------------------------------
     def lag_quantiles(self) -> dict[str, float]:

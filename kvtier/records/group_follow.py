@@ -23,16 +23,47 @@ follower, with changes told in block keys.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvtier.records.head_groups import HeadGroupLayout, block_key_of
 
-__all__ = ["GroupFollower", "GroupIndexTarget"]
+__all__ = ["ChangeListeners", "GroupFollower", "GroupIndexTarget"]
+
+log = logging.getLogger("kvtier")
 
 #: Records of incomplete blocks remembered (32 bytes each); the oldest are pushed out.
 PARTIAL_MAX = 1 << 20
+
+
+class ChangeListeners:
+    """Callables told each change of a followed tier; registration is thread-safe, and a
+    listener that raises is logged and kept (it never stops the following)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._listeners: tuple[Callable[[Any], None], ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener`` with every change; returns a function that stops it."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def remove() -> None:
+            with self._lock:
+                self._listeners = tuple(fn for fn in self._listeners if fn is not listener)
+
+        return remove
+
+    def tell(self, change: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(change)
+            except Exception:
+                log.exception("%s: a listener of the shared tier failed", self.name)
 
 
 class GroupIndexTarget:
@@ -129,27 +160,17 @@ class GroupFollower:
         self.inner = inner
         self.target = target
         self.feed = inner.feed
-        self._listeners: tuple[Callable[[Any], None], ...] = ()
-        self._lock = threading.Lock()
+        self._listeners = ChangeListeners(getattr(inner, "name", "head groups"))
         inner.listen(self._translate)
 
     def _translate(self, change: Any) -> None:
         adopted, removed = self.target.take_blocks()
-        if not adopted and not removed:
-            return
-        blocks = dataclasses.replace(change, adopted=tuple(adopted), removed=tuple(removed))
-        for listener in self._listeners:
-            listener(blocks)
+        if adopted or removed:
+            self._listeners.tell(dataclasses.replace(change, adopted=tuple(adopted), removed=tuple(removed)))
 
     def listen(self, listener: Callable[[Any], None]) -> Callable[[], None]:
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-        def unlisten() -> None:
-            with self._lock:
-                self._listeners = tuple(fn for fn in self._listeners if fn is not listener)
-
-        return unlisten
+        """Call ``listener`` with every change, in block keys; returns a function that stops it."""
+        return self._listeners.add(listener)
 
     def count_served(self, keys: Sequence[bytes]) -> int:
         """Shared hits of a load of these blocks (counted per record of the groups held)."""
