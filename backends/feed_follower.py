@@ -56,7 +56,6 @@ from kvtier.backends.change_feed import ChangeFeed, FeedCursor, FeedEntry, FeedO
 from kvtier.backends.shared_index import IndexTarget, SharedIndexView, adopt_records
 
 from kvtier.errors import ClosedError
-from kvtier.records.group_follow import ChangeListeners
 
 __all__ = ["FollowedTier", "Listener", "TierChange", "TierFollower"]
 
@@ -66,6 +65,34 @@ _APPLY_CHUNK = 2048
 _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 5.0
 _LAGS_KEPT = 4096
+
+
+class ChangeListeners:
+    """Callables told each change of a followed tier; registration is thread-safe, and a
+    listener that raises is logged and kept (it never stops the following)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._listeners: tuple[Callable[[Any], None], ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener`` with every change; returns a function that stops it."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def remove() -> None:
+            with self._lock:
+                self._listeners = tuple(fn for fn in self._listeners if fn is not listener)
+
+        return remove
+
+    def tell(self, change: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(change)
+            except Exception:
+                log.exception("%s: a listener of the shared tier failed", self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from kvtier.records.head_groups import (
     group_key,
     rows_view,
 )
+from kvtier.testing import BackendTests
 
 LAYERS, TOKENS, HEADS, HEAD_SIZE = 3, 4, 8, 16
 NUM_BLOCKS = 6
@@ -466,3 +467,73 @@ def test_a_shared_tier_index_follows_other_tp_sizes_in_block_keys(redis_server: 
             assert await reader.lookup(keys) == 2
 
     asyncio.run(run())
+
+
+def test_the_feed_adopts_other_tp_sizes_blocks_live_and_names_blocks(tmp_path: Path) -> None:
+    """Following by the change feed of a shared file tier (no sweep): a TP 2 engine's blocks
+    reach a TP 1 store within seconds, its listeners hear block keys (what KV events announce),
+    and a load of them counts as shared hits."""
+    full = full_cache(seed=10)
+    tier = {"backend": "file", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast", "shared": True,
+            "sweep_interval_s": 3600}
+
+    async def run() -> None:
+        caches = [torch.zeros_like(c) for c in shard(full, HeadGroups.for_rank(HEADS, 1, 0, 1))]
+        async with kvtier.open(config(tier, 1, 0), kv_caches=caches) as reader:
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=reader.namespace)
+            follower = reader.backends[0].inner.follower  # type: ignore[attr-defined]
+            heard: list[bytes] = []
+            follower.listen(lambda change: heard.extend(change.adopted))
+            for rank in range(2):
+                cfg = config(tier, 2, rank)
+                async with kvtier.open(cfg, kv_caches=shard(full, HeadGroups.for_rank(HEADS, 2, rank, 1))) as writer:
+                    await writer.save(keys, [0, 1, 2, 3])
+            for _ in range(200):
+                if await reader.lookup(keys) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert await reader.lookup(keys) == 4
+            assert sorted(heard) == sorted(keys), "listeners hear the blocks, not their group records"
+            assert await reader.load(keys, [0, 1, 2, 3]) == 4
+            assert follower.stats()["shared_hits"] == 4
+
+    asyncio.run(run())
+
+
+# -- the backend protocol, through the head-group view ---------------------------------------------------
+
+def _grouped(inner: Any) -> HeadGroupTier:
+    """TP 1 over 8 heads in groups of 2 (four records per block), 4096-byte blocks. (A rank of a
+    larger TP writes only its groups, and a listing shows a block only once every group is
+    stored: test_writer_killed_between_groups_is_a_miss.)"""
+    layout = HeadGroupLayout(HeadGroups.for_rank(8, 1, 0, 2), HeadAxis(heads=8, segments=((8, 64),)))
+    return HeadGroupTier(inner, layout, Namespace(model_id="conformance"))
+
+
+class TestHeadGroupLmdbConformance(BackendTests):
+    persistent = True
+
+    def make_backend(self, path: Path, capacity: int) -> HeadGroupTier:
+        from kvtier.backends.lmdb_tier import LmdbBackend
+
+        # four small records (and their index entries) take more pages than one block
+        room = capacity * 4 if capacity >= self.block_bytes else capacity
+        return _grouped(LmdbBackend(capacity=room, path=path / "lmdb", sync_mode="fast"))
+
+
+class TestHeadGroupFileConformance(BackendTests):
+    persistent = True
+
+    def make_backend(self, path: Path, capacity: int) -> HeadGroupTier:
+        from kvtier.backends.file_tier import FileBackend
+
+        # a file takes 4 KiB on disk at least: four 1 KiB group records take four times a block
+        room = capacity * 4 if capacity >= self.block_bytes else capacity
+        return _grouped(FileBackend(capacity=room, path=path / "file", sync_mode="fast"))
+
+
+class TestHeadGroupCompressedConformance(BackendTests):
+    def make_backend(self, path: Path, capacity: int) -> HeadGroupTier:
+        from kvtier.backends.compressed import CompressedBackend
+
+        return _grouped(CompressedBackend(capacity=capacity))

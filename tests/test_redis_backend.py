@@ -22,6 +22,7 @@ import redis
 import torch
 from kvtier.backends.redis_tier import RedisBackend
 from redis_servers import RedisClusterServers, RedisServer
+from two_hosts import CPU_TIER, run_host
 
 import kvtier
 import kvtier.config
@@ -385,44 +386,8 @@ def test_server_eviction_under_maxmemory_is_a_miss_never_wrong_data(own_redis_se
 
 # -- two hosts, for real: separate processes --------------------------------------------------------
 
-_HOST = textwrap.dedent(
-    """
-    import asyncio, json, sys, torch, kvtier
-    role, url, prefix, cluster = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-    def caches(seed):
-        g = torch.Generator().manual_seed(seed)
-        return [torch.randint(0, 256, (16, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
-    keys = [kvtier.testing.make_key(i) for i in range(12)]
-    cfg = {"tiers": [{"backend": "cpu", "capacity": 16 * 2048},
-                     {"backend": "redis", "capacity": "8MiB", "url": url, "cluster": cluster, "prefix": prefix}],
-           "write": "through", "namespace": {"model_id": "two-hosts"}}
-    async def main():
-        if role == "A":
-            kv = caches(11)
-            async with kvtier.open(cfg, kv_caches=kv) as store:
-                print(json.dumps({"saved": await store.save(keys, list(range(12)))}))
-        else:
-            kv = caches(99)
-            async with kvtier.open(cfg, kv_caches=kv) as store:
-                hits = await store.lookup(keys)
-                loaded = await store.load(keys, list(range(4, 16)))
-                ref = caches(11)
-                same = all(torch.equal(kv[l][4 + i].view(torch.uint8), ref[l][i].view(torch.uint8)) for l in range(2) for i in range(loaded))
-                print(json.dumps({"hits": hits, "loaded": loaded, "byte_exact": same}))
-    asyncio.run(main())
-    """
-)
-
-
 def _host(role: str, url: str, prefix: str, cluster: bool) -> dict[str, Any]:
-    import json
-
-    proc = subprocess.run(
-        [sys.executable, "-c", "import kvtier.testing\n" + _HOST, role, url, prefix, "1" if cluster else "0"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_host(role, [CPU_TIER, {"backend": "redis", "capacity": "8MiB", "url": url, "cluster": cluster, "prefix": prefix}])
 
 
 @pytest.mark.parametrize("kind", ["server", "cluster"])

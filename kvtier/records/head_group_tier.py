@@ -22,20 +22,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from kvtier import registry
 from kvtier.backend import Backend, BlockFormat, RecordInfo
-from kvtier.errors import LayoutError
-from kvtier.keys import Namespace
-from kvtier.records.group_follow import GroupFollower, GroupIndexTarget
-from kvtier.records.head_groups import HeadGroupLayout
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.keys import Namespace, check_keys
+from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups
 
-__all__ = ["MAX_SCRATCH_BYTES", "HeadGroupTier", "group_tiers"]
+__all__ = ["MAX_SCRATCH_BYTES", "GroupIndex", "HeadGroupTier", "group_tiers"]
 
 log = logging.getLogger("kvtier")
+_MAX_PENDING = 1 << 20
 #: The largest group-record buffer a thread keeps between jobs.
 MAX_SCRATCH_BYTES = 256 << 20
 
@@ -61,10 +62,10 @@ class HeadGroupTier(Backend):
         self.shared = bool(getattr(inner, "shared", False))
         self.variable_size = True
         self._owns_inner = False
+        self._listed: list[bytes] = []
         self._local = threading.local()
         #: the block-key view of a shared tier's index (set by ``bind_index``)
-        self.index: GroupIndexTarget | None = None
-        self._follower: GroupFollower | None = None
+        self.index: GroupIndex | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def record_format(self, fmt: BlockFormat) -> BlockFormat:
@@ -77,6 +78,9 @@ class HeadGroupTier(Backend):
                 f"head_groups: the head axis describes blocks of {self.layout.axis.block_bytes} bytes, but the "
                 f"store's blocks are {fmt.block_bytes} bytes"
             )
+        need = self._per_block() * self.layout.group_bytes
+        if self.capacity_bytes < need:
+            raise ConfigError(f"capacity: {self.capacity_bytes} bytes is below one block's head-group records ({need} bytes)")
         await super().open(fmt)
         want = self.record_format(fmt)
         if self.inner.is_open:  # one in-process tier under the views of several ranks
@@ -85,6 +89,12 @@ class HeadGroupTier(Backend):
             return
         await self.inner.open(want)
         self._owns_inner = True
+        if self.usable_bytes() < self.reserve_bytes():
+            await self.inner.aclose()
+            raise ConfigError(
+                f"capacity: {self.capacity_bytes} bytes hold no block's {self._per_block()} head-group records "
+                f"({self.reserve_bytes()} bytes in the {self.inner.name} tier)"
+            )
 
     async def aclose(self) -> None:
         try:
@@ -94,7 +104,33 @@ class HeadGroupTier(Backend):
             await super().aclose()
 
     def to_dict(self) -> dict[str, Any]:
-        return self.inner.to_dict()
+        """The inner tier's options and, under ``head_groups``, the layout and namespace."""
+        axis = self.layout.axis
+        ns = self.record_namespace.to_dict()
+        return {
+            **self.inner.to_dict(),
+            "head_groups": {
+                "groups": self.layout.groups.to_dict(),
+                "axis": {"heads": axis.heads, "segments": [list(seg) for seg in axis.segments], "tag": axis.tag},
+                "namespace": {k: v for k, v in ns.items() if k != "tenant_salt" or v},
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadGroupTier:
+        options = dict(data)
+        spec = options.pop("head_groups", None)
+        if not isinstance(spec, dict):
+            raise ConfigError("head_groups: a head-group tier's options need its layout (head_groups: {groups, axis, namespace})")
+        if spec["namespace"].get("tenant_salt"):
+            raise ConfigError("head_groups.namespace.tenant_salt: not kept by to_dict(); build the tier with its namespace")
+        inner = registry.backends.get(options["backend"]).from_dict(options)
+        axis = spec["axis"]
+        layout = HeadGroupLayout(
+            HeadGroups.from_dict(dict(spec["groups"])),
+            HeadAxis(heads=axis["heads"], segments=tuple((int(o), int(i)) for o, i in axis["segments"]), tag=axis["tag"]),
+        )
+        return cls(inner, layout, Namespace.from_dict({k: v for k, v in spec["namespace"].items() if k != "tenant_salt"}))
 
     # -- capacity --------------------------------------------------------------------------------
     def _per_block(self) -> int:
@@ -109,10 +145,19 @@ class HeadGroupTier(Backend):
         return self.inner.usable_bytes()
 
     # -- bulk I/O --------------------------------------------------------------------------------
+    def _check_io(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], what: str) -> None:
+        size = self._check_open().block_bytes
+        check_keys(keys)
+        if len(tensors) != len(keys):
+            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(tensors)} {what}")
+        for i, t in enumerate(tensors):
+            if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != size:
+                raise LayoutError(
+                    f"{self.name}: {what}[{i}] must be a 1-D uint8 tensor of {size} bytes, got {tuple(t.shape)} {t.dtype}"
+                )
+
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        self._check_open()
-        if len(keys) != len(blocks):
-            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(blocks)} blocks")
+        self._check_io(keys, blocks, "blocks")
         written = self._written
         if not keys:
             return []
@@ -144,9 +189,7 @@ class HeadGroupTier(Backend):
             log.debug("%s: deleting %d groups of failed blocks: %s", self.name, len(record_keys), exc)
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_open()
-        if len(keys) != len(out):
-            raise LayoutError(f"{self.name}: {len(keys)} keys but {len(out)} blocks")
+        self._check_io(keys, out, "out")
         if not keys:
             return []
         held = self._held
@@ -159,9 +202,15 @@ class HeadGroupTier(Backend):
             got = self.inner.read_blocks(rkeys, list(buffers.view(len(rkeys), self.layout.group_bytes)))
             k = len(held)
             found = [all(got[i * k : (i + 1) * k]) for i in range(len(keys))]
-            if any(found):
+            if all(found):
                 self.layout.join(buffers, out)
+            else:  # a missing block's row is left as it was
+                for i in (i for i, ok in enumerate(found) if ok):
+                    self.layout.join(buffers[i : i + 1], out[i : i + 1])
         self._count(found=found)
+        follower = getattr(self.inner, "follower", None)
+        if follower is not None and any(found):  # shared hits are counted by block, as adopted
+            follower.count_served([key for key, ok in zip(keys, found) if ok])
         return found
 
     def _scratch(self, records: int, device: torch.device) -> torch.Tensor:
@@ -190,32 +239,31 @@ class HeadGroupTier(Backend):
             yield RecordInfo(block, sum(r.stored_bytes for r in infos), max(r.stamp for r in infos))
 
     def scan(self) -> Iterator[RecordInfo]:
-        return self._blocks(list(self.inner.scan()))
+        listed = list(self.inner.scan())
+        blocks = list(self._blocks(listed))
+        self._listed = [b.key for b in blocks]
+        return iter(blocks)
+
+    def bind_index(self, manager: Any, tier: int) -> None:
+        """A shared tier's index view (``inner.bind_index``) follows the server's record keys;
+        :class:`GroupIndex` turns them into the manager's block keys."""
+        bind = getattr(self.inner, "bind_index", None)
+        if bind is not None:
+            self.index = GroupIndex(manager, self.layout, listed=self._listed)
+            self._listed = []
+            bind(self.index, tier)
+
+    @property
+    def follower(self) -> Any:
+        """The inner shared tier's follower (its changes name blocks: :class:`GroupIndex`
+        returns block keys), or ``None``."""
+        return getattr(self.inner, "follower", None)
 
     def forget_blocks(self, keys: Sequence[bytes]) -> None:
         """An eviction in a shared tier: the inner tier forgets this rank's records."""
         forget = getattr(self.inner, "forget_blocks", None)
         if forget is not None and keys and self._written:
             forget(self.layout.record_keys(keys, self._written))
-
-    # -- live following (kvtier.records.group_follow) ------------------------------------------
-    def bind_index(self, manager: Any, tier: int) -> None:
-        """A shared tier's follower (``inner.bind_index``) sees the server's record keys;
-        :class:`~kvtier.records.group_follow.GroupIndexTarget` turns them into the manager's
-        block keys (a block is adopted once every group of it is in)."""
-        bind = getattr(self.inner, "bind_index", None)
-        if bind is None:
-            return
-        self.index = GroupIndexTarget(manager, self.layout, self.reserve_bytes())
-        inner_follower = getattr(self.inner, "follower", None)
-        if inner_follower is not None:
-            self._follower = GroupFollower(inner_follower, self.index)
-        bind(self.index, tier)
-
-    @property
-    def follower(self) -> GroupFollower | None:
-        """The inner shared tier's follower, telling its changes in block keys."""
-        return self._follower
 
     def stored_keys(self) -> list[bytes] | None:
         keys = self.inner.stored_keys()
@@ -245,10 +293,13 @@ class HeadGroupTier(Backend):
             c.read_misses += len(found) - hits
 
     def stats(self) -> dict[str, Any]:
-        data = self.inner.stats()
+        """The inner tier's stats with this rank's block counters; the inner tier's record
+        counters under ``head_groups.records``."""
+        inner = self.inner.stats()
+        data = {**inner, **self.counters.as_dict()}
         groups = self.layout.groups
         data["head_groups"] = {
-            **self.counters.as_dict(),
+            "records": {k: inner[k] for k in self.counters.as_dict() if k in inner},
             "group_size": groups.group_size,
             "kv_heads": groups.kv_heads,
             "held": list(self._held),
@@ -276,3 +327,82 @@ def group_tiers(backends: Sequence[Backend], layout: HeadGroupLayout, namespace:
         out.append(HeadGroupTier(backend, layout, namespace))
     return out
 
+
+class GroupIndex:
+    """The manager's index of block keys, as a shared tier's index view (which lists, adopts
+    and forgets *record* keys) sees it: the view's ``IndexTarget``.
+
+    A record the view offers is held once its block is; a block is adopted once every one of
+    its groups is on the server (the view offers the records of an incomplete block again at
+    every sweep, so a block completes as its last group lands); a vanished record removes its
+    block. Thread-safe: the view calls it from its thread, under its own lock here."""
+
+    def __init__(self, manager: Any, layout: HeadGroupLayout, *, listed: Sequence[bytes] = ()) -> None:
+        """``listed``: the blocks the store adopted at open."""
+        self._manager = manager
+        self._layout = layout
+        self._lock = threading.Lock()
+        #: record key -> its block, for the records of blocks the manager holds from this index
+        self._block_of: dict[bytes, bytes] = {}
+        #: records offered whose block is not complete yet (a view offers records in chunks)
+        self._pending: dict[bytes, tuple[int, float]] = {}
+        self._every = range(layout.groups.num_groups)
+        for block in listed:
+            self._map(block)
+
+    def _map(self, block: bytes) -> None:
+        for rk in self._layout.record_keys([block], self._every):
+            self._block_of[rk] = block
+
+    def holds(self, key: bytes, tier: int) -> bool:
+        with self._lock:
+            block = self._block_of.get(key)
+        return block is not None and self._manager.holds(block, tier)
+
+    def _complete(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> tuple[dict[bytes, list[bytes]], list[tuple[bytes, int, float]]]:
+        """Take ``records`` into the pending pool; the blocks now complete (block -> its held
+        records) and, of them, the ones the manager does not hold, as block records."""
+        every = self._every
+        new: list[tuple[bytes, int, float]] = []
+        with self._lock:
+            pending = self._pending
+            if len(pending) > _MAX_PENDING:  # records of blocks that never complete: offered again
+                pending.clear()
+            pending.update((k, (size, stamp)) for k, size, stamp in records)
+            blocks = self._layout.blocks_present(pending)
+            for block, recs in blocks.items():
+                parts = [pending[rk] for rk in recs]
+                for rk in self._layout.record_keys([block], every):
+                    pending.pop(rk, None)
+                    self._block_of[rk] = block
+                if not self._manager.holds(block, tier):
+                    new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+        return blocks, new
+
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """The manager's ``adopt`` for complete blocks; the records of blocks it had no room for."""
+        blocks, new = self._complete(tier, records)
+        excess = self._manager.adopt(tier, new) if new else []
+        return [rk for block in excess for rk in blocks[block]]
+
+    def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+        """The manager's ``adopt_live`` for complete blocks; the *block* keys adopted (what a
+        follower tells its listeners: KV events name blocks, not records)."""
+        _, new = self._complete(tier, records)
+        if not new:
+            return []
+        live = getattr(self._manager, "adopt_live", None)
+        if live is not None:
+            return list(live(tier, new))
+        excess = set(self._manager.adopt(tier, new))
+        return [b for b, _, _ in new if b not in excess]
+
+    def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+        """Forget the blocks of vanished records; the *block* keys forgotten."""
+        with self._lock:
+            blocks = {self._block_of[k]: None for k in keys if k in self._block_of}
+        removed = set(self._manager.remove(list(blocks), tier)) if blocks else set()
+        with self._lock:
+            for rk in self._layout.record_keys(list(removed), self._every):
+                self._block_of.pop(rk, None)
+        return list(removed)

@@ -1,0 +1,42 @@
+"""benchmarks/bench_mooncake.py: it runs end to end on private servers and reports both sides of
+each shape with their ratios (no timing asserts); without Mooncake it says so and skips."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.tools.mooncake_servers import mooncake_missing
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_benchmark_moves_and_checks_both_shapes_and_reports_ratios() -> None:
+    if mooncake_missing() is not None:
+        pytest.skip(str(mooncake_missing()))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_mooncake.py"), "--quick"],
+        check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
+    report = json.loads(out)
+    for shape in ("2MiB", "64KiB"):
+        cell = report[shape]
+        for name in ("raw_put_gbps", "raw_get_gbps", "kvtier_put_gbps", "kvtier_get_gbps", "put_ratio", "get_ratio"):
+            assert cell[name] > 0, (shape, name, cell)
+        assert len(cell["put_ratios"]) == len(cell["get_ratios"]) == 2
+    assert len(report["load_average_before"]) == 3
+
+
+def test_the_peer_side_is_importable_without_lmcache() -> None:
+    """The LMCache side runs in the peer's Python; here it must at least parse and import (its
+    LMCache imports are inside the functions that need them)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import lmcache_mooncake_side as side
+    finally:
+        sys.path.pop(0)
+    assert side.UNIT == 64 << 10 and callable(side.run_case)
