@@ -18,9 +18,14 @@ layers split over as many threads as the store's ``copy_threads`` (``*_split``, 
 runs every copy once, in an order reversed every round, after one uncounted warm-up round;
 figures are medians (``*_best_gbps``: the best round). ``cpu_*_ratio_paired`` is the median of
 the per-round ratios against that fastest raw copy (the steadier figure where the machine's
-speed drifts during a run), and ``cpu_steal_share`` the share of CPU time the hypervisor took
+speed drifts during a run), ``cpu_*_ratio_spread`` their minimum, quartiles and maximum over
+the rounds, ``gbps_spread`` the same for the tier's, the engine's and the fastest raw copies'
+GB/s, and ``cpu_steal_share`` the share of CPU time the hypervisor took
 for other guests meanwhile. ``--copy-threads N`` sets the store's
-``copy_threads``; ``--bandwidth-only`` skips the manager part.
+``copy_threads``; ``--bandwidth-only`` skips the manager part. ``--job-blocks N`` sets the job
+(default 64 blocks, ``--quick`` 16); ``--inline-max-bytes N`` the store's ``inline_max_bytes``
+(0: every job on the transfer threads; ``inline_jobs`` counts the jobs that ran on the caller's
+thread, :mod:`kvtier.transfer.inline`).
 
 Manager: a one-tier ``TierManager`` holding 1M keys; batches of 32 keys for ``lookup``,
 ``prepare_store`` + ``complete_store`` (into a full tier, so every store evicts) and
@@ -61,6 +66,7 @@ import kvtier
 from kvtier.devices import one_intra_op_thread
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
+from kvtier.tools.bench import paired, spread
 from kvtier.tools.bench.host import CpuSteal
 
 LAYERS = 32
@@ -199,7 +205,9 @@ class RawCopies:
             self.executor.shutdown()
 
 
-async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_threads: int | str) -> dict[str, Any]:
+async def bandwidth(
+    caches: list[torch.Tensor], job: int, reps: int, copy_threads: int | str, inline_max_bytes: int | None = None
+) -> dict[str, Any]:
     """The tier's save and load of a ``job`` of scattered blocks (``kvtier.open(...)`` and the
     transfer engine alone), and the raw copies of the same bytes, interleaved: every round runs
     each of them once, in an order that reverses every round, after one uncounted warm-up
@@ -207,7 +215,9 @@ async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_thread
     per_layer = caches[0][0].numel() * caches[0].element_size()
     block_bytes = per_layer * len(caches)
     regions = 3  # the tier holds three jobs, and each round's save goes to the slots of the oldest
-    cfg = {"tiers": [{"backend": "cpu", "capacity": (job * regions) * block_bytes}], "copy_threads": copy_threads}
+    cfg: dict[str, Any] = {"tiers": [{"backend": "cpu", "capacity": (job * regions) * block_bytes}], "copy_threads": copy_threads}
+    if inline_max_bytes is not None:
+        cfg["inline_max_bytes"] = inline_max_bytes
     times: dict[str, list[float]] = {}
     async with kvtier.open(cfg, kv_caches=caches) as store:
         assert store.layout is not None
@@ -232,12 +242,12 @@ async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_thread
             plan = mgr.prepare_store(keys)
             assert plan is not None
             t0 = time.perf_counter()
-            (res,) = xfer.wait([xfer.submit_store(plan, raw.src_ids)])
+            (res,) = xfer.wait([xfer.submit_store(plan, raw.src_ids, inline=True)])
             t1 = time.perf_counter()
             mgr.complete_store(plan.keys, res.success, sizes=res.sizes)
             load = mgr.prepare_load(keys)
             t2 = time.perf_counter()
-            (res2,) = xfer.wait([xfer.submit_load(load, raw.dst_ids)])
+            (res2,) = xfer.wait([xfer.submit_load(load, raw.dst_ids, inline=True)])
             t3 = time.perf_counter()
             mgr.complete_load(keys)
             xfer.poll_finished()
@@ -258,17 +268,23 @@ async def bandwidth(caches: list[torch.Tensor], job: int, reps: int, copy_thread
                     times.setdefault(f"{name}_load", []).append(got[1])
                 else:
                     times.setdefault(name, []).append(got)
+        inline_jobs = xfer.counters["inline_jobs"]
         raw.close()
     gbps = {name: raw.nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
     best = {name: raw.nbytes / min(ts) / 1e9 for name, ts in times.items()}
-    return {"threads": threads, "median": gbps, "best": best, "times": times}
+    return {"threads": threads, "median": gbps, "best": best, "times": times, "inline_jobs": inline_jobs}
+
+
+def paired_ratios(times: dict[str, list[float]], side: str, raw: str) -> list[float]:
+    """Per round, ``raw``'s seconds over ``side``'s in the same round: drift across a run (this
+    VM's memory bandwidth swings by a third from one minute to the next) hits both terms of
+    each ratio alike, where a ratio of two medians mixes rounds."""
+    return paired(times[raw], times[side])
 
 
 def paired_ratio(times: dict[str, list[float]], side: str, raw: str) -> float:
-    """The median over rounds of ``raw``'s seconds over ``side``'s in the same round: drift
-    across a run (this VM's memory bandwidth swings by a third from one minute to the next)
-    hits both terms of each ratio alike, where a ratio of two medians mixes rounds."""
-    return statistics.median(r / t for r, t in zip(times[raw], times[side], strict=True))
+    """The median of :func:`paired_ratios`."""
+    return statistics.median(paired_ratios(times, side, raw))
 
 
 # -- manager cost ---------------------------------------------------------------------------
@@ -417,10 +433,14 @@ def main() -> None:
     parser.add_argument("--manager-only", action="store_true", help="only the manager figures (no bandwidth)")
     parser.add_argument("--bandwidth-only", action="store_true", help="only the bandwidth figures (no manager)")
     parser.add_argument("--copy-threads", default="auto", help="the store's copy_threads (default auto); the raw split copy uses as many")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds (default 25, --quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds (default 25, --quick 5)")
+    parser.add_argument("--job-blocks", type=int, default=None, help="blocks per job (default 64, --quick 16)")
+    parser.add_argument(
+        "--inline-max-bytes", type=int, default=None, help="the store's inline_max_bytes (default: the store's default; 0: never inline)"
+    )
     args = parser.parse_args()
-    job = 16 if args.quick else 64
-    reps = args.rounds or (3 if args.quick else 25)
+    job = args.job_blocks or (16 if args.quick else 64)
+    reps = args.rounds or (5 if args.quick else 25)
     capacity = 50_000 if args.quick else 1_000_000
     rounds = 1000 if args.quick else 10_000
     batch = 32
@@ -433,7 +453,8 @@ def main() -> None:
     block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
     threads = args.copy_threads if args.copy_threads == "auto" else int(args.copy_threads)
     with CpuSteal() as steal:
-        bw = asyncio.run(bandwidth(caches, job, reps, threads))
+        bw = asyncio.run(bandwidth(caches, job, reps, threads, args.inline_max_bytes))
+    bw_bytes = job * block_bytes
     del caches
     gc.collect()
     med = bw["median"]
@@ -468,6 +489,14 @@ def main() -> None:
         "cpu_load_ratio": round(med["tier_load"] / raw_load, 3),
         "cpu_save_ratio_paired": round(paired_ratio(bw["times"], "tier_save", raw_save_name), 3),
         "cpu_load_ratio_paired": round(paired_ratio(bw["times"], "tier_load", raw_load_name), 3),
+        "cpu_save_ratio_spread": spread(paired_ratios(bw["times"], "tier_save", raw_save_name)),
+        "cpu_load_ratio_spread": spread(paired_ratios(bw["times"], "tier_load", raw_load_name)),
+        "gbps_spread": {
+            name: spread([bw_bytes / t / 1e9 for t in ts])
+            for name, ts in bw["times"].items()
+            if name.startswith(("tier_", "engine_")) or name in (raw_save_name, raw_load_name)
+        },
+        "inline_jobs": bw["inline_jobs"],
         "cpu_steal_share": steal.share,
         "cpu_save_vs_foreach": round(med["tier_save"] / med["save_foreach"], 3),
         "cpu_load_vs_foreach": round(med["tier_load"] / med["load_foreach"], 3),

@@ -31,7 +31,13 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
 * zstd ratio and MB/s with and without byte-shuffle;
 * how long ``scan()`` takes to rebuild the index of an lmdb store with many records.
 
-Disk throughputs are the median of ``--repeat`` interleaved runs (tier and raw alternate, so
+The cold part lives in ``disk_cold.py`` and the shared helpers in ``disk_common.py``. Each
+ratio of a tier against its raw baseline also comes round by round (``*_ratio_spread``: the
+minimum, quartiles and maximum over the rounds of the per-round ratio, each against the raw side
+of its own round; ``mac_load_cost_spread`` likewise), so a run shows its own swing.
+
+Disk throughputs are the median of ``--repeat`` interleaved runs (warm LMDB loads: three times
+as many, as they are cheap and swing the most) (tier and raw alternate, so
 drift in the disk hits both alike), after one uncounted warm-up round. The order within a round
 reverses every round: whichever side ran first in a round was measured up to 4x slower here (the
 first save after the others' files were deleted, the first load after the saves), and a fixed
@@ -51,121 +57,52 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-import lmdb
 import torch
+from kvtier.tools.bench.scripts.disk_cold import bench_cold_contention, bench_lmdb_cold
+from kvtier.tools.bench.scripts.disk_common import (
+    BLOCK,
+    MAC_SECRET,
+    best,
+    gbps,
+    jobs,
+    kv_like_blocks,
+    lmdb_job,
+    open_backend,
+    raw_env,
+    raw_put,
+    raw_read,
+    tier_read,
+    tier_write,
+    timed,
+)
 
-from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.records.codec import resolve_codec
-from kvtier.testing import cached_pages, evict_from_page_cache, make_key
+from kvtier.testing import make_key
+from kvtier.tools.bench import paired, spread
 
-BLOCK = 2 << 20
-MAC_SECRET = "bench-disk-mac-secret-0123456789"
-JOB = 8  # blocks per write/read job, as the transfer engine batches them
-
-
-def kv_like_blocks(n: int, block_bytes: int = BLOCK, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    head_dim = 128
-    rows = block_bytes // 2 // head_dim
-    blocks = []
-    for i in range(n):
-        channel_scale = torch.logspace(-1.5, 0.7, head_dim)[torch.randperm(head_dim, generator=g)]
-        drift = 1 + 0.2 * torch.sin(torch.arange(rows).float() / 37 + i)[:, None]
-        values = torch.randn(rows, head_dim, generator=g) * channel_scale * drift
-        blocks.append(values.to(torch.bfloat16).view(-1).view(torch.uint8).clone())
-    return blocks
-
-
-def best(fn: Callable[[], float], repeat: int) -> float:
-    return min(fn() for _ in range(repeat))
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3)
-
-
-def jobs(n: int) -> list[range]:
-    return [range(i, min(n, i + JOB)) for i in range(0, n, JOB)]
-
-
-def open_backend(name: str, fmt: BlockFormat, **options: Any) -> Backend:
-    backend = registry.backends.get(name)(**options)
-    asyncio.run(backend.open(fmt))
-    return backend
-
-
-# -- lmdb ------------------------------------------------------------------------------------------
-
-
-def _lmdb_job(blocks: list[torch.Tensor]) -> tuple[int, int, list[bytes], list[torch.Tensor], BlockFormat, int]:
-    """What both LMDB benchmarks start from: block count, bytes, keys, output buffers, the
-    record format and a map three times the job's size."""
-    n = len(blocks)
-    total = n * BLOCK
-    outs = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(n)]
-    return n, total, [make_key(i) for i in range(n)], outs, BlockFormat(block_bytes=BLOCK, dtype="bfloat16"), 3 * total
-
-
-def _tier_write(backend: Backend, keys: list[bytes], blocks: list[torch.Tensor]) -> float:
-    """Write every block, job by job; the seconds spent in the tier."""
-    return sum(timed(lambda j=j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])) for j in jobs(len(keys)))
-
-
-def _tier_read(backend: Backend, keys: list[bytes], outs: list[torch.Tensor]) -> float:
-    """Read every block back, job by job; the seconds spent in the tier."""
-    return sum(timed(lambda j=j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(len(keys)))
-
-
-def _raw_env(path: str, capacity: int, *, readahead: bool = False, durable: bool = True) -> tuple[lmdb.Environment, Any]:
-    """A raw python-lmdb environment synced as the tier's durable mode is (``durable=False``:
-    as its fast mode, no syncs), and its database."""
-    env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=durable, metasync=False, readahead=readahead, meminit=False)
-    return env, env.open_db(b"blocks")
-
-
-def _raw_put(env: lmdb.Environment, db: Any, keys: list[bytes], blocks: list[torch.Tensor], which: Iterable[int]) -> None:
-    """Put the blocks at ``which``, one transaction per value (the tier's shape)."""
-    for i in which:
-        with env.begin(write=True, db=db) as txn:
-            txn.put(keys[i], blocks[i].numpy())
-
-
-def _raw_read(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor]) -> float:
-    """A ``get`` and one copy per block, one read transaction per job; the seconds spent."""
-
-    def job(j: range) -> None:
-        with env.begin(buffers=True, db=db) as txn:
-            for i in j:
-                memoryview(outs[i].numpy())[:] = txn.get(keys[i])
-
-    return sum(timed(lambda j=j: job(j)) for j in jobs(len(keys)))
+#: Warm-load rounds per save round (loads are cheap and swing more; see bench_lmdb).
+LOAD_ROUNDS_PER_SAVE_ROUND = 3
 
 
 def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: str = "durable") -> dict[str, Any]:
-    n, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
+    n, total, keys, outs, fmt, capacity = lmdb_job(blocks)
     durable = sync_mode == "durable"
 
     def tier_save(**options: Any) -> float:
         path = tempfile.mkdtemp(dir=root)
         backend = open_backend("lmdb", fmt, capacity=capacity, path=path, sync_mode=sync_mode, **options)
-        t = _tier_write(backend, keys, blocks)
+        t = tier_write(backend, keys, blocks)
         asyncio.run(backend.aclose())
         shutil.rmtree(path)
         return t
 
     def raw_save(per_job: bool = False) -> float:
         path = tempfile.mkdtemp(dir=root)
-        env, db = _raw_env(path, capacity, durable=durable)
+        env, db = raw_env(path, capacity, durable=durable)
 
         def job(j: range) -> None:
             if per_job:
@@ -173,7 +110,7 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
                     for i in j:
                         txn.put(keys[i], blocks[i].numpy())
             else:
-                _raw_put(env, db, keys, blocks, j)
+                raw_put(env, db, keys, blocks, j)
             if durable:
                 env.sync(True)
 
@@ -185,28 +122,28 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
     # Load: one populated store per side, read back job by job.
     tier_path = tempfile.mkdtemp(dir=root)
     backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path, sync_mode=sync_mode)
-    _tier_write(backend, keys, blocks)
+    tier_write(backend, keys, blocks)
     raw_path = tempfile.mkdtemp(dir=root)
-    env, db = _raw_env(raw_path, capacity, durable=durable)
-    _raw_put(env, db, keys, blocks, range(n))
+    env, db = raw_env(raw_path, capacity, durable=durable)
+    raw_put(env, db, keys, blocks, range(n))
 
     mac_path = tempfile.mkdtemp(dir=root)
     mac_backend = open_backend("lmdb", fmt, capacity=capacity, path=mac_path, mac_key=MAC_SECRET, sync_mode=sync_mode)
-    _tier_write(mac_backend, keys, blocks)
+    tier_write(mac_backend, keys, blocks)
     hmac_path = tempfile.mkdtemp(dir=root)
     hmac_backend = open_backend("lmdb", fmt, capacity=capacity, path=hmac_path, mac_key=MAC_SECRET, mac_algorithm="hmac-sha256",
                                  sync_mode=sync_mode)
-    _tier_write(hmac_backend, keys, blocks)
+    tier_write(hmac_backend, keys, blocks)
     blake3_path = tempfile.mkdtemp(dir=root)
     blake3_backend = open_backend("lmdb", fmt, capacity=capacity, path=blake3_path, mac_key=MAC_SECRET, mac_algorithm="blake3",
                                   sync_mode=sync_mode)
-    _tier_write(blake3_backend, keys, blocks)
+    tier_write(blake3_backend, keys, blocks)
 
     def tier_load(tier: Backend = backend) -> float:
-        return _tier_read(tier, keys, outs)
+        return tier_read(tier, keys, outs)
 
     def raw_load() -> float:
-        return _raw_read(env, db, keys, outs)
+        return raw_read(env, db, keys, outs)
 
     save_t, raw_save_t, batch_t, load_t, raw_load_t, mac_save_t, mac_load_t, hmac_load_t, blake3_load_t = [], [], [], [], [], [], [], [], []
     saves: list[tuple[list[float], Callable[[], float]]] = [
@@ -222,8 +159,10 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
         (hmac_load_t, lambda: tier_load(hmac_backend)),
         (blake3_load_t, lambda: tier_load(blake3_backend)),
     ]
-    for r in range(repeat + 1):
-        for group in (saves, loads):
+    # Loads take a few tens of ms from the page cache, where one descheduling swings a round by
+    # half: they get LOAD_ROUNDS_PER_SAVE_ROUND times the (durable, slow) saves' rounds.
+    for group, rounds in ((saves, repeat), (loads, LOAD_ROUNDS_PER_SAVE_ROUND * repeat)):
+        for r in range(rounds + 1):
             for times, run in group if r % 2 else group[::-1]:
                 t = run()
                 if r:  # round 0 warms up and is not counted
@@ -260,161 +199,10 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
     res["hmac_load_cost"] = round(res["lmdb_hmac_load_gbps"] / res["lmdb_load_gbps"], 3)
     res["lmdb_blake3_load_gbps"] = gbps(total, med(blake3_load_t))
     res["blake3_load_cost"] = round(res["lmdb_blake3_load_gbps"] / res["lmdb_load_gbps"], 3)
-    return res
-
-
-def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
-    """Raw cold gets (no copies), alone and while another thread copies 64 MiB buffers over and
-    over, alternating: how much a copy on the other core slows the disk reads themselves. A cold
-    load can gain by overlapping its copies with its reads only where this ratio is near 1."""
-    import threading
-
-    n, total, keys, _, _, capacity = _lmdb_job(blocks)
-    path = tempfile.mkdtemp(dir=root)
-    env, db = _raw_env(path, capacity)
-    _raw_put(env, db, keys, blocks, range(n))
-    env.close()
-    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    alone: list[float] = []
-    beside: list[float] = []
-    for r in range(2 * repeat):
-        busy = r % 2 == 1
-        stop = threading.Event()
-
-        def copy_until_stopped(stop: threading.Event = stop) -> None:
-            while not stop.is_set():
-                dst.copy_(src)
-
-        _evict(path, drop_caches)
-        env, db = _raw_env(path, capacity, readahead=True)
-        worker = threading.Thread(target=copy_until_stopped)
-        if busy:
-            worker.start()
-        t = time.perf_counter()
-        for j in jobs(n):
-            with env.begin(buffers=True, db=db) as txn:
-                for i in j:
-                    txn.get(keys[i])  # python-lmdb touches every page of the value
-        (beside if busy else alone).append(time.perf_counter() - t)
-        stop.set()
-        if busy:
-            worker.join()
-        env.close()
-    shutil.rmtree(path)
-    med = statistics.median
-    res = {"raw_lmdb_cold_get_alone_gbps": gbps(total, med(alone)), "raw_lmdb_cold_get_beside_copies_gbps": gbps(total, med(beside))}
-    res["cold_get_beside_copies_ratio"] = round(res["raw_lmdb_cold_get_beside_copies_gbps"] / res["raw_lmdb_cold_get_alone_gbps"], 3)
-    return res
-
-
-def _evict(path: str, drop_caches: bool) -> str:
-    """Push ``<path>/data.mdb`` out of the page cache (the environment must be closed: mapped
-    pages cannot be evicted). Returns the method used."""
-    evict_from_page_cache(os.path.join(path, "data.mdb"))  # written back, its pages dropped
-    if drop_caches:
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    return "fadvise_dontneed"
-
-
-def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
-    """Loads from a cold page cache: every run opens the environment afresh after its file was
-    evicted, tier and raw alternating, the order reversed every round (as in :func:`bench_lmdb`).
-    Both read the same file: the raw side opens the tier's own store with python-lmdb and gets
-    the payloads from its ``blocks`` database (where the tier keeps them as they were put), so
-    where the file lies on the device counts for both alike (two files written one after the
-    other read back at speeds up to 12 % apart here).
-
-    Two more sides say where the tier's time goes; neither is a mode of the tier:
-    ``raw_lmdb_cold_get_checked`` is the raw ``get`` and copy followed by an XXH3 pass over each
-    copied block (the tier's check, done the plain serial way), and ``lmdb_cold_unchecked`` is
-    the tier with its record check replaced by nothing (patched here, for the run alone)."""
-    import xxhash
-
-    from kvtier.records import checks
-
-    _, total, keys, outs, fmt, capacity = _lmdb_job(blocks)
-    tier_path = tempfile.mkdtemp(dir=root)
-    backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
-    _tier_write(backend, keys, blocks)
-    asyncio.run(backend.aclose())
-    tier_t: list[float] = []
-    raw_t: list[float] = []
-    checked_t: list[float] = []
-    unchecked_t: list[float] = []
-    open_t: list[float] = []
-    open_read: list[float] = []
-    method = ""
-    data = os.path.join(tier_path, "data.mdb")
-
-    def tier_side(times: list[float], check: bool = True) -> None:
-        nonlocal method
-        method = _evict(tier_path, drop_caches)
-        cached_before = cached_pages(data)[0]
-        t = time.perf_counter()
-        tier = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
-        if check:
-            open_t.append(time.perf_counter() - t)
-            cached, pages = cached_pages(data)
-            open_read.append((cached - cached_before) / pages)
-        verify = checks.verify_payload
-        if not check:
-            checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
-        try:
-            times.append(_tier_read(tier, keys, outs))
-        finally:
-            checks.verify_payload = verify
-        asyncio.run(tier.aclose())
-
-    def raw_side(times: list[float], check: bool = False) -> None:
-        _evict(tier_path, drop_caches)
-        # Readahead on for the raw side: with it off (as the warm raw runs have it) a cold mmap
-        # faults in one page per read, 0.014-0.021 GB/s here, which would flatter the tier.
-        env, db = _raw_env(tier_path, capacity, readahead=True)
-        t = _raw_read(env, db, keys, outs)
-        if check:
-            t0 = time.perf_counter()
-            for out in outs:
-                xxhash.xxh3_64_intdigest(out.numpy())
-            t += time.perf_counter() - t0
-        times.append(t)
-        env.close()
-
-    sides: list[Callable[[], None]] = [
-        lambda: tier_side(tier_t),
-        lambda: raw_side(raw_t),
-        lambda: tier_side(unchecked_t, check=False),
-        lambda: raw_side(checked_t, check=True),
-    ]
-    for r in range(repeat + 1):
-        for side in sides if r % 2 else sides[::-1]:
-            side()
-        if not r:  # the first round warms up and is not counted
-            for times in (tier_t, raw_t, checked_t, unchecked_t, open_t, open_read):
-                times.clear()
-    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
-    shutil.rmtree(tier_path)
-    med = statistics.median
-    res = {
-        "lmdb_cold_method": method,
-        "lmdb_cold_load_gbps": gbps(total, med(tier_t)),
-        "raw_lmdb_cold_get_gbps": gbps(total, med(raw_t)),
-    }
-    # What the open itself reads of a cold store (index rebuild and damage walk), as a fraction
-    # of the file: the loads above only measure cold if the open left the file cold.
-    res["lmdb_cold_open_seconds"] = round(med(open_t), 4)
-    res["lmdb_cold_open_read_fraction"] = round(med(open_read), 4)
-    res["lmdb_cold_load_ratio"] = round(res["lmdb_cold_load_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
-    res["raw_lmdb_cold_get_checked_gbps"] = gbps(total, med(checked_t))
-    res["lmdb_cold_unchecked_load_gbps"] = gbps(total, med(unchecked_t))
-    res["raw_cold_checked_ratio"] = round(res["raw_lmdb_cold_get_checked_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
-    res["lmdb_cold_unchecked_ratio"] = round(res["lmdb_cold_unchecked_load_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
-    res["lmdb_cold_vs_raw_checked"] = round(res["lmdb_cold_load_gbps"] / res["raw_lmdb_cold_get_checked_gbps"], 3)
+    # The same ratios round by round (each against the other side of its own round).
+    res["lmdb_save_ratio_spread"] = spread(paired(raw_save_t, save_t))
+    res["lmdb_load_ratio_spread"] = spread(paired(raw_load_t, load_t))
+    res["mac_load_cost_spread"] = spread(paired(load_t, mac_load_t))
     return res
 
 
@@ -514,7 +302,7 @@ def _file_round(
     raw_path = tempfile.mkdtemp(dir=root)
     backend = open_backend("file", fmt, capacity=3 * n * BLOCK, path=path, sync_mode=sync_mode)
     saves: list[tuple[str, Callable[[], float]]] = [
-        ("save", lambda: _tier_write(backend, keys, blocks)),
+        ("save", lambda: tier_write(backend, keys, blocks)),
         ("raw_save", lambda: _raw_file_write(raw_path, blocks, durable=sync_mode == "durable")),
     ]
     times: dict[str, float] = {}
@@ -525,7 +313,7 @@ def _file_round(
     paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".kvb"))
     assert len(paths) == n
     reads: list[tuple[str, Callable[[], Any]]] = [
-        ("load", lambda: _tier_read(backend, keys, outs)),
+        ("load", lambda: tier_read(backend, keys, outs)),
         ("aio", lambda: _aio_read(paths, outs)),
         ("pread", lambda: _preadv_read(paths, outs)),
     ]
@@ -553,6 +341,7 @@ def bench_file(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
         "file_read_preadv_thread_gbps": gbps(total, med(pread_t)),
     }
     res["file_save_ratio"] = round(res["file_save_gbps"] / res["raw_file_write_gbps"], 3)
+    res["file_save_ratio_spread"] = spread(paired(raw_save_t, save_t))
     return res
 
 

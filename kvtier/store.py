@@ -171,6 +171,7 @@ class KVStore:
                 staging_blocks=self.config.staging_blocks,
                 write_through_backlog=self.config.write_through_backlog,
                 deadline_s=self.config.job_deadline_s,
+                inline_max_bytes=self.config.inline_max_bytes,
             )
         if self.config.metrics.enabled:
             from kvtier import metrics
@@ -386,7 +387,7 @@ class KVStore:
             if plan is None or plan.empty:
                 break
             chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
-            job = transfers.submit_store(plan, chosen, durable=durable)
+            job = transfers.submit_store(plan, chosen, durable=durable, inline=True)
             result = await self._run_job(transfers, job, plan)
             if self._closed:  # closed while the job ran: nothing is left to apply it to
                 return kept if durable else stored
@@ -446,7 +447,7 @@ class KVStore:
         if hits == 0:
             return 0
         plan = mgr.prepare_load(list(keys[:hits]), promote=False)
-        job = transfers.submit_load(plan, ids[: hits * n])
+        job = transfers.submit_load(plan, ids[: hits * n], inline=True)
         result = await self._run_job(transfers, job, plan)
         if self._closed:
             return 0
@@ -468,7 +469,7 @@ class KVStore:
             return
         n = self.config.engine_blocks_per_block
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
-        job = transfers.submit_store(plan, chosen)
+        job = transfers.submit_store(plan, chosen, inline=True)
         result = await self._run_job(transfers, job, plan)
         if not self._closed:
             self.finish_store(plan, result)

@@ -145,7 +145,8 @@ async def test_a_cancelled_save_before_its_read_stores_nothing_and_leaves_no_res
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     kv = caches()
-    async with kvtier.open(cpu_tiers(8), kv_caches=kv) as store:
+    # The first save must hold the store thread, not the event loop: no job runs inline.
+    async with kvtier.open({**cpu_tiers(8), "inline_max_bytes": 0}, kv_caches=kv) as store:
         assert store.transfers is not None
         gate = Gate()
         layout = store.transfers.layout
@@ -334,6 +335,38 @@ def test_the_deadline_never_releases_a_block_whose_device_read_has_not_ended() -
         assert manager.stats()["tiers"][0]["pending"] == 0
     finally:
         gate.open()
+        engine.close()
+        asyncio.run(backend.aclose())
+
+
+def test_a_submit_wakes_the_deadline_watchdog_only_for_a_deadline_before_its_next_check() -> None:
+    """Waking the watchdog at every submit cost each job a thread switch; a job due after the
+    watchdog's next check needs no wake-up, one due before it gets one (and expires on time)."""
+    layout = KVLayout(caches())
+    backend = CpuBackend(capacity=8 * layout.block_bytes)
+    asyncio.run(backend.open(BlockFormat(block_bytes=layout.block_bytes)))
+    manager = TierManager([TierSpec("cpu", 8 * layout.block_bytes, layout.block_bytes, LRUPolicy(8))])
+    engine = TransferEngine(layout, [backend], deadline_s=120.0)
+    kicks = []
+    inner = engine._kick.set
+    engine._kick.set = lambda: (kicks.append(1), inner())[-1]  # type: ignore[method-assign]
+    try:
+        deadline = time.monotonic() + HANG_GUARD
+        while engine._deadlines.wake_at == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the watchdog's first check: it then sleeps up to a second
+        for i in range(4):
+            plan = manager.prepare_store(K[i : i + 1])
+            assert plan is not None
+            (r,) = engine.wait([engine.submit_store(plan, [i])], timeout=HANG_GUARD)
+            assert r.success
+        assert kicks == [], "a job due in 120 s woke the watchdog"
+        engine.deadline_s = 0.0001  # due before the next check: the watchdog is woken
+        plan = manager.prepare_store(K[8:9])
+        assert plan is not None
+        job = engine.submit_store(plan, [8])
+        assert kicks, "a job due before the next check did not wake the watchdog"
+        engine.wait([job], timeout=HANG_GUARD)
+    finally:
         engine.close()
         asyncio.run(backend.aclose())
 

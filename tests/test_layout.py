@@ -168,8 +168,8 @@ def test_mismatched_devices() -> None:
 
 @pytest.mark.parametrize(
     "rows",
-    [[5, 6, 7, 8], [7, 5, 8, 6], [9, 0, 1, 4, 5], [0, 2, 4, 6, 8, 10]],  # one run, shuffled, three runs, six (too many)
-    ids=["one-run", "one-run-shuffled", "three-runs", "six-runs"],
+    [[4], [5, 6, 7, 8], [7, 5, 8, 6], [9, 0, 1, 4, 5], [0, 2, 4, 6, 8, 10]],  # one block, one run, shuffled, three runs, six (too many)
+    ids=["one-block", "one-run", "one-run-shuffled", "three-runs", "six-runs"],
 )
 def test_row_runs_on_the_host_match_the_per_slice_copies(rows: list[int]) -> None:
     """Consecutive pool rows take one ``index_select`` / ``index_copy_`` per (run, tensor),

@@ -151,6 +151,7 @@ def test_group_tiers_share_the_capacity_by_bytes_per_block_and_keep_records_apar
     g1 = vg.group_tiers(cfg, 1, shares[1], 2)
     assert [t["capacity"] for t in g1["tiers"]] == [250, 1000] and g1["tiers"][1]["path"] == "/c/r0-of-1-g1"
     assert vg.group_tiers({"tiers": [{"backend": "redis", "capacity": 8}]}, 3, 0.5, 2)["tiers"][0]["prefix"] == "kvtier.g3"
+    assert vg.group_tiers({"tiers": [{"backend": "s3", "capacity": 8, "prefix": "a/b"}]}, 1, 0.5, 2)["tiers"][0]["prefix"] == "a/b.g1"
     assert vg.group_tiers(cfg, 0, 1.0, 1) == cfg  # one group: the names records always had
     assert vg.group_layout("fp", 1, 2) == "group1;fp" and vg.group_layout("fp", 0, 1) == "fp"
     assert vg.offload_group(okey(5, 7)) == 7

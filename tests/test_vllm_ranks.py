@@ -41,12 +41,14 @@ def test_rank_tiers_divide_capacity_and_keep_records_apart() -> None:
             {"backend": "cpu", "capacity": "4GiB"},
             {"backend": "lmdb", "path": "/c", "capacity": 1000},
             {"backend": "redis", "capacity": 1000, "prefix": "p"},
+            {"backend": "s3", "capacity": 1000, "bucket": "b"},
         ],
         "write": "through",
     }
     r1 = rank_tiers(cfg, 1, 4)
-    assert [t["capacity"] for t in r1["tiers"]] == [1 << 30, 250, 250]
+    assert [t["capacity"] for t in r1["tiers"]] == [1 << 30, 250, 250, 250]
     assert r1["tiers"][1]["path"] == "/c/r1-of-4" and r1["tiers"][2]["prefix"] == "p.r1-of-4"
+    assert r1["tiers"][3]["prefix"] == "kvtier.r1-of-4"  # every shared tier keeps its ranks apart
     assert r1["write"] == "through" and cfg["tiers"][1]["path"] == "/c"  # the input is not changed
     assert rank_tiers(cfg, 0, 1)["tiers"][1]["path"] == "/c/r0-of-1"
     with pytest.raises(ConfigError, match=r"tiers\[0\]"):

@@ -105,6 +105,7 @@ ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
 FlushBytes = Annotated[int, BeforeValidator(_size("flush_on_close_bytes"))]
 BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
 StagingBytes = Annotated[int, BeforeValidator(_size("staging_bytes", allow_zero=True))]
+InlineBytes = Annotated[int, BeforeValidator(_size("inline_max_bytes", allow_zero=True))]
 
 
 class TierConfig(BaseModel):
@@ -191,6 +192,9 @@ class StoreConfig(BaseModel):
     #: threads that copy one job between a host KV cache and a host tier ("auto": a quarter of
     #: the CPUs, 1 to 4; see kvtier.transfer.copies)
     copy_threads: Literal["auto"] | Annotated[int, Field(ge=1, strict=True)] = "auto"
+    #: save/load jobs up to this size that touch only host memory tiers run on the caller's
+    #: thread, without the two thread hand-offs (0: never; see kvtier.transfer.inline)
+    inline_max_bytes: InlineBytes = 32 << 20
     #: seconds a transfer job may take before it is failed and its keys released (None: no limit)
     job_deadline_s: float | None = Field(default=120.0, gt=0)
     namespace: dict[str, Any] | None = None

@@ -22,6 +22,11 @@ A store job has two phases (see :class:`kvtier.transfer.jobs.Phase`), each on it
    counts the blocks): the manager keeps them in the first tier only, and demotes them when
    it evicts them (write-back), so a slow disk sheds copies instead of delaying every store.
 
+``submit_*(..., inline=True)`` (the store facade's ``save`` and ``load``, which wait at once) runs
+a job of at most ``inline_max_bytes`` that touches only host memory tiers on the calling thread
+when nothing else is queued or running, without the two thread hand-offs
+(:mod:`kvtier.transfer.inline`; ``inline_jobs`` counts them).
+
 ``wait_device(job_ids)`` is the fence before the engine reuses blocks: it returns once those
 jobs no longer read engine blocks, whatever their tier writes are doing. ``wait(job_ids)``
 waits for the whole job. A load job (on ``kvtier-load``) touches engine blocks until its end.
@@ -65,7 +70,9 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import one_intra_op_thread
 from kvtier.errors import ClosedError, LayoutError, LifecycleError
 from kvtier.manager import LoadPlan, StorePlan
+from kvtier.transfer.deadlines import DeadlineWatch
 from kvtier.transfer.handover import LastOut
+from kvtier.transfer.inline import DEFAULT_INLINE_MAX_BYTES, InlineJobs
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
@@ -90,9 +97,12 @@ class TransferEngine:
         max_staged_bytes: int | None = None,
         write_through_backlog: int = 16,
         close_timeout_s: float = 30.0,
+        inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES,
     ) -> None:
         if staging_blocks < 1:
             raise LayoutError(f"staging_blocks: expected >= 1, got {staging_blocks}")
+        if not isinstance(inline_max_bytes, int) or inline_max_bytes < 0:
+            raise LayoutError(f"inline_max_bytes: expected an integer >= 0, got {inline_max_bytes!r}")
         if deadline_s is not None and deadline_s <= 0:
             raise LayoutError(f"deadline_s: expected a positive number of seconds or None, got {deadline_s}")
         self.layout = layout
@@ -116,6 +126,8 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._active = 0  # jobs queued or on a thread, late clean-ups included
         self._idle = threading.Condition(self._lock)
+        self._inline_running = False  # a job runs on a submitting thread (kvtier.transfer.inline)
+        self._inline_done = threading.Condition(self._lock)
         self._queued = {"store": 0, "load": 0}
         self._tier_jobs = 0  # store jobs handed to the tiers thread and not through it yet
         self._staged_bytes = 0
@@ -140,18 +152,21 @@ class TransferEngine:
             "expired_jobs": 0,
             "read_errors": 0,  # a tier's read_blocks raised in a load: its keys were misses
             "write_through_deferred": 0,
+            "inline_jobs": 0,
             # blocks a shared tier's eviction forgot here without deleting (the server evicts)
             "shared_forgotten": 0,
         }
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)
+        self._inline = InlineJobs(self, self._stores, self._loads, inline_max_bytes)
+        self._deadlines = DeadlineWatch(self)
         targets = [
             (self._stores.run_device, "kvtier-store"),
             (self._stores.run_tiers, "kvtier-store-tiers"),
             (self._loads.run, "kvtier-load"),
         ]
         if deadline_s is not None:
-            targets.append((self._watch_deadlines, "kvtier-deadline"))
+            targets.append((self._deadlines.run, "kvtier-deadline"))
         # Each on one intra-op thread: a torch op there never starts an OpenMP team of its own
         # (see kvtier.transfer.copies); a job's host copy is split over the copy threads instead.
         self._last_out = LastOut(3)  # the job threads (targets[:3]): what a close leaves them
@@ -165,21 +180,25 @@ class TransferEngine:
             t.start()
 
     # -- submission ------------------------------------------------------------------------
-    def submit_store(self, plan: StorePlan, block_ids: Sequence[int], *, durable: bool = False) -> int:
+    def submit_store(
+        self, plan: StorePlan, block_ids: Sequence[int], *, durable: bool = False, inline: bool = False
+    ) -> int:
         """Queue ``plan``; ``block_ids`` are the engine ids of ``plan.keys`` (``n`` per key).
         ``durable``: the job's write-through copies are never deferred, however far behind the
-        tier writes are."""
+        tier writes are. ``inline``: a small job in host memory runs on this thread, and has
+        ended when this returns (:mod:`kvtier.transfer.inline`); for a caller about to wait."""
         ids = self.layout.check_block_ids(block_ids, len(plan.keys))
         rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s), durable=durable)
-        return self._submit(rec)
+        return self._submit(rec, inline)
 
-    def submit_load(self, plan: LoadPlan, block_ids: Sequence[int]) -> int:
-        """Queue ``plan``; ``block_ids`` are the engine ids to fill (``n`` per key)."""
+    def submit_load(self, plan: LoadPlan, block_ids: Sequence[int], *, inline: bool = False) -> int:
+        """Queue ``plan``; ``block_ids`` are the engine ids to fill (``n`` per key); ``inline``
+        as for :meth:`submit_store`."""
         ids = self.layout.check_block_ids(block_ids, len(plan.keys))
         rec = LoadRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s))
-        return self._submit(rec)
+        return self._submit(rec, inline)
 
-    def _submit(self, rec: JobRecord) -> int:
+    def _submit(self, rec: JobRecord, inline: bool = False) -> int:
         if self._closed:
             raise ClosedError("the transfer engine is closed")
         if self._cuda:
@@ -189,8 +208,14 @@ class TransferEngine:
         kind = rec.kind
         with self._lock:
             self._jobs[rec.job_id] = rec
-            full = self._queued[kind] >= self._max_queued
-            if not (full and kind == "load"):
+            # Inline only when nothing else is queued or running: it cannot overtake a job.
+            inline = inline and self._active == 0 and not self._inline_running and self._inline.eligible(rec)
+            full = not inline and self._queued[kind] >= self._max_queued
+            if inline:
+                self._inline_running = True
+                self._active += 1  # given back by the job's end, as a thread would
+                self.counters["inline_jobs"] += 1
+            elif not (full and kind == "load"):
                 self._queued[kind] += 1  # given back when a thread takes the job (see _take)
                 self._active += 1  # given back when a thread is done with it (see _retire)
         if full:
@@ -198,8 +223,16 @@ class TransferEngine:
             self._fail_early(rec, "the transfer queue is full", "rejected_jobs")
             if isinstance(rec, LoadRecord):
                 return rec.job_id  # nothing to undo: it never ran
-        if rec.deadline is not None:
-            self._kick.set()  # the watchdog learns of the new deadline
+        if inline:
+            try:
+                self._inline.run(rec)
+            finally:
+                with self._lock:
+                    self._inline_running = False
+                    self._inline_done.notify_all()
+            return rec.job_id
+        if rec.deadline is not None and self._deadlines.needs_kick(rec.deadline):
+            self._kick.set()  # the watchdog learns of a deadline before its next check
         if isinstance(rec, StoreRecord):
             self._store_q.put(rec)  # a rejected store still runs its evictions, in order
         else:
@@ -400,43 +433,16 @@ class TransferEngine:
         with self._lock:
             self._queued[kind] -= 1
 
+    def _after_inline(self) -> None:
+        """A transfer thread about to run a job waits for the inline job running, if any."""
+        with self._lock:
+            while self._inline_running:
+                self._inline_done.wait()
+
     def expire_overdue(self, now: float | None = None) -> int:
         """Fail the jobs whose deadline has passed (the watchdog thread calls this); return how
         many. A store still reading engine blocks is waited for, never reported before."""
-        now = time.monotonic() if now is None else now
-        overdue: list[JobRecord] = []
-        with self._lock:
-            for rec in self._jobs.values():
-                if rec.result is None and rec.deadline is not None:
-                    if rec.deadline > now:
-                        break  # deadlines follow submission order
-                    overdue.append(rec)
-        count = 0
-        for rec in overdue:
-            if self._stop(
-                rec, f"deadline of {self.deadline_s} s passed", allow_tier_phase=True, counter="expired_jobs"
-            ):
-                count += 1
-                log.warning(
-                    "transfer job %d (%s, %d keys) passed its %.3g s deadline: failed, its keys released",
-                    rec.job_id,
-                    rec.kind,
-                    len(rec.plan.keys),
-                    self.deadline_s,
-                )
-        return count
-
-    def _watch_deadlines(self) -> None:
-        while not self._wake.is_set():
-            try:
-                self.expire_overdue()
-            except Exception as exc:  # the watchdog must survive anything
-                log.warning("deadline check failed: %s", exc, exc_info=True)
-            with self._lock:
-                pending = [r.deadline for r in self._jobs.values() if r.result is None and r.deadline is not None]
-            wait = 1.0 if not pending else min(pending) - time.monotonic()
-            self._kick.wait(min(1.0, max(0.001, wait)))
-            self._kick.clear()
+        return self._deadlines.expire_overdue(now)
 
     def _on_stream(self, direction: str) -> contextlib.AbstractContextManager[Any]:
         """Where a mover thread queues its copies: its own CUDA stream, or nothing on CPU."""

@@ -33,13 +33,18 @@ class LoadMover:
             if rec is None:
                 return
             self.e._take("load")
-            try:
-                if rec.result is None:  # else stopped before it began: it never touched anything
-                    self._load_one(rec)
-            except BaseException as exc:  # the thread must survive anything
-                log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
-            finally:
-                self.e._retire()
+            self.e._after_inline()
+            self.load_job(rec)
+
+    def load_job(self, rec: LoadRecord) -> None:
+        """Run ``rec`` (unless it was stopped before it began) and give it back to the engine."""
+        try:
+            if rec.result is None:  # else stopped before it began: it never touched anything
+                self._load_one(rec)
+        except BaseException as exc:  # the thread must survive anything
+            log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
+        finally:
+            self.e._retire()
 
     def _load_one(self, rec: LoadRecord) -> None:
         start = time.perf_counter()

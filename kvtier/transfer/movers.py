@@ -54,6 +54,7 @@ class MoverHost(Protocol):
     def _retire(self) -> None: ...
     def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool: ...
     def _take(self, kind: str) -> None: ...
+    def _after_inline(self) -> None: ...
     def _on_stream(self, direction: str) -> contextlib.AbstractContextManager[Any]: ...
     def _is_memory(self, tier: int) -> bool: ...
     def _wait_compute(self, rec: JobRecord) -> None: ...
@@ -89,6 +90,32 @@ def _reserve(target: MemoryBackend, plan: StorePlan) -> list[int]:
     return slots
 
 
+def _note_sizes(tier: int, keys: Sequence[bytes], got: Sequence[int | None], failed: _Failed, sizes: _Sizes) -> None:
+    for k, size in zip(keys, got):
+        if size is None:
+            failed.setdefault(tier, []).append(k)
+        else:
+            sizes.setdefault(tier, {})[k] = size
+
+
+def _rows_of(backend: Backend, keys: Sequence[bytes], staging: torch.Tensor) -> tuple[list[torch.Tensor], list[bool]]:
+    """Blocks of ``keys`` as CPU-readable rows: pool rows of a host pool, else read into staging."""
+    if isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu":
+        found = []
+        rows = []
+        pool = backend.pool
+        for key in keys:
+            try:
+                rows.append(pool[backend.slots([key])[0]])
+                found.append(True)
+            except LifecycleError:
+                rows.append(staging[0])
+                found.append(False)
+        return rows, found
+    out = [staging[i] for i in range(len(keys))]
+    return out, backend.read_blocks(keys, out)
+
+
 class StoreMover:
     """A store job's device read, then its tier writes (evictions, demotions, the staged
     blocks, write-through), each phase on its own thread, jobs in submission order."""
@@ -104,19 +131,24 @@ class StoreMover:
                 self.e._tiers_q.put(None)
                 return
             self.e._take("store")
-            try:
-                with self.e._on_stream("store"):
-                    work = self._device_phase(rec)
-            except BaseException as exc:  # never reached in practice; the thread must survive
-                log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
-                rec.device_done.set()
-                work = _TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
-            if work is None:
-                self.e._retire()
-            else:
-                with self.e._lock:
-                    self.e._tier_jobs += 1
-                self.e._tiers_q.put(work)
+            self.e._after_inline()
+            self.device_job(rec)
+
+    def device_job(self, rec: StoreRecord) -> None:
+        """Run ``rec``'s device phase; hand the tier work left to the tiers thread."""
+        try:
+            with self.e._on_stream("store"):
+                work = self._device_phase(rec)
+        except BaseException as exc:  # never reached in practice; the thread must survive
+            log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
+            rec.device_done.set()
+            work = _TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
+        if work is None:
+            self.e._retire()
+        else:
+            with self.e._lock:
+                self.e._tier_jobs += 1
+            self.e._tiers_q.put(work)
 
     def _device_phase(self, rec: StoreRecord) -> _TierWork | None:
         """Read the engine blocks; return the tier work left, or ``None`` when the job is done."""
@@ -254,6 +286,7 @@ class StoreMover:
                     last = True
                     break
                 group.append(more)
+            self.e._after_inline()
             self._run_group(group)
             if last:
                 return
@@ -315,7 +348,7 @@ class StoreMover:
                     if not self.e._is_memory(tier) and not self._deferred(rec, tier, keys, work.failed):
                         self._check_alive(rec)
                         if tensor_device(source.pool).type == "cpu":  # pool rows stay put: write with the group
-                            rows, found = self._rows_of(source, keys, staging)
+                            rows, found = _rows_of(source, keys, staging)
                             copies.add(rec.job_id, tier, keys, rows, found, work.failed, work.sizes, self._failer(work))
                         else:
                             self._write_from(source, tier, keys, staging, work.failed, work.sizes)
@@ -366,7 +399,7 @@ class StoreMover:
             work.nbytes = len(slots) * self.e.layout.block_bytes
         else:
             got = target.write_blocks(list(plan.keys), rows)
-            self._note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
+            _note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
         writes = []
         for tier, keys in plan.write_through:
@@ -398,16 +431,6 @@ class StoreMover:
             failed.setdefault(tier, []).extend(keys)
             log.debug("write-through of %d blocks to tier %d deferred: the tier writes are behind", len(keys), tier)
         return behind
-
-    @staticmethod
-    def _note_sizes(
-        tier: int, keys: Sequence[bytes], got: Sequence[int | None], failed: _Failed, sizes: _Sizes
-    ) -> None:
-        for k, size in zip(keys, got):
-            if size is None:
-                failed.setdefault(tier, []).append(k)
-            else:
-                sizes.setdefault(tier, {})[k] = size
 
     def _finish_store(self, work: _TierWork) -> bool:
         plan = work.rec.store_plan
@@ -456,12 +479,12 @@ class StoreMover:
                 try:
                     if check:
                         self._check_alive(work.rec)
-                    rows, found = self._rows_of(src, keys, staging)
+                    rows, found = _rows_of(src, keys, staging)
                     move = [(k, r) for k, r, ok in zip(keys, rows, found) if ok]
                     work.failed.setdefault(d.dst, []).extend(k for k, ok in zip(keys, found) if not ok)
                     if move:
                         got = dst.write_blocks([k for k, _ in move], [r for _, r in move])
-                        self._note_sizes(d.dst, [k for k, _ in move], got, work.failed, work.sizes)
+                        _note_sizes(d.dst, [k for k, _ in move], got, work.failed, work.sizes)
                 except _Expired:
                     raise
                 except Exception as exc:  # the victims are lost (a miss later), the job goes on
@@ -471,25 +494,6 @@ class StoreMover:
                     # The manager already counts these keys as gone from the source: free them
                     # whatever happened, or the source's slots would leak.
                     self.e._delete(d.src, keys, "demotion")
-
-    def _rows_of(
-        self, backend: Backend, keys: Sequence[bytes], staging: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[bool]]:
-        """Blocks of ``keys`` as CPU-readable rows: pool rows of a host pool, else read into staging."""
-        if isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu":
-            found = []
-            rows = []
-            pool = backend.pool
-            for key in keys:
-                try:
-                    rows.append(pool[backend.slots([key])[0]])
-                    found.append(True)
-                except LifecycleError:
-                    rows.append(staging[0])
-                    found.append(False)
-            return rows, found
-        out = [staging[i] for i in range(len(keys))]
-        return out, backend.read_blocks(keys, out)
 
     def _write_from(
         self,
@@ -503,10 +507,10 @@ class StoreMover:
         chunk = staging.shape[0]
         for c in range(0, len(keys), chunk):
             part = keys[c : c + chunk]
-            rows, found = self._rows_of(source, part, staging)
+            rows, found = _rows_of(source, part, staging)
             got = self.e.backends[tier].write_blocks(list(part), rows)
             # A key the source no longer held was written from a placeholder row: failed.
-            self._note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
+            _note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
 
 
 def _drop_reason(plan: StorePlan) -> str:

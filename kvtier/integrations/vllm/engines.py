@@ -17,6 +17,7 @@ import torch
 
 from kvtier.config import load_config_file
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.group_config import PREFIXED_BACKENDS
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager
 from kvtier.store import KVStore
@@ -164,7 +165,7 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
     """The store config of worker ``rank`` of ``world_size``: each tier's ``capacity`` divided
     by ``world_size`` (the config's capacity is the engine's, over all its ranks, so a tier holds
     as many blocks whatever the TP size), a tier's ``path`` made ``<path>/r<rank>-of-<world>``
-    and a Redis ``prefix`` made ``<prefix>.r<rank>-of-<world>`` (each rank keeps its own
+    and a shared tier's ``prefix`` (``redis``, ``s3``, ``mooncake``) made ``<prefix>.r<rank>-of-<world>`` (each rank keeps its own
     records; a process with another world size finds none of them: a miss, never an error).
 
     The tiers in ``shared`` hold one copy for every rank (KV that is the same on every rank,
@@ -187,7 +188,7 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
             t["capacity"] = max(1, parse_size(t["capacity"], field=f"tiers[{i}].capacity") // world_size)
         if t.get("path") is not None:
             t["path"] = os.path.join(str(t["path"]), suffix)
-        if t.get("backend") == "redis":
+        if t.get("backend") in PREFIXED_BACKENDS:
             t["prefix"] = f"{t.get('prefix', 'kvtier')}.{suffix}"  # the prefix allows [A-Za-z0-9_.-] only
         tiers.append(t)
     out["tiers"] = tiers

@@ -10,6 +10,10 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
+#: Shared tiers that keep apart the records of different writers by a key ``prefix`` (a rank's,
+#: a KV-cache group's): a server or bucket holds every writer's records side by side.
+PREFIXED_BACKENDS = frozenset({"redis", "s3", "mooncake"})
+
 __all__ = ["check_kv_cache_groups", "group_layout", "group_shares", "group_tiers"]
 
 
@@ -56,7 +60,7 @@ def group_tiers(cfg: Mapping[str, Any], group_id: int, share: float, num_groups:
             t["capacity"] = max(1, int(parse_size(t["capacity"], field=f"tiers[{i}].capacity") * share))
         if t.get("path") is not None:
             t["path"] = f"{t['path']}-g{group_id}"
-        if t.get("backend") == "redis":
+        if t.get("backend") in PREFIXED_BACKENDS:
             t["prefix"] = f"{t.get('prefix', 'kvtier')}.g{group_id}"  # a prefix allows [A-Za-z0-9_.-] only
         tiers.append(t)
     out["tiers"] = tiers

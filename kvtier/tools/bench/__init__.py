@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_BENCHMARKS", "DISK_BENCHMARKS", "BenchJob", "BenchRun", "available", "check_disk_dir", "last_json",
-    "median_of", "run_benchmarks", "run_jobs", "script_dir",
+    "median_of", "paired", "run_benchmarks", "run_jobs", "script_dir", "spread",
 ]
 
 #: What ``kvtier bench`` runs by default: the ones that need no service or model download.
@@ -181,6 +181,23 @@ def median_of(values: Sequence[Any]) -> Any:
     if isinstance(first, (int, float)) and not isinstance(first, bool) and numbers:
         return statistics.median(numbers)
     return first
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """The rounds of one figure as its minimum, quartiles and maximum (rounded): what a
+    benchmark reports beside a median, so a swing from one run to the next shows in each."""
+    ordered = sorted(values)
+    if len(ordered) > 1:
+        q1, q2, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q2 = q3 = ordered[0]
+    return {k: round(v, 3) for k, v in (("min", ordered[0]), ("q1", q1), ("median", q2), ("q3", q3), ("max", ordered[-1]))}
+
+
+def paired(base_seconds: Sequence[float], side_seconds: Sequence[float]) -> list[float]:
+    """Per round, ``base``'s seconds over ``side``'s in that same round (the side's speed as a
+    share of the baseline's): drift across a run hits both terms of each ratio alike."""
+    return [b / s for b, s in zip(base_seconds, side_seconds, strict=True)]
 
 
 def write_results(run: BenchRun) -> Path:

@@ -1,0 +1,184 @@
+"""The cold-cache part of ``bench_disk.py``: loads after the store's file was evicted from the
+page cache (tier and raw alternating), and whether this host overlaps cold reads with copies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from kvtier.tools.bench.scripts.disk_common import (
+    gbps,
+    jobs,
+    lmdb_job,
+    open_backend,
+    raw_env,
+    raw_put,
+    raw_read,
+    tier_read,
+    tier_write,
+)
+
+from kvtier.testing import cached_pages, evict_from_page_cache
+from kvtier.tools.bench import paired, spread
+
+
+def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
+    """Raw cold gets (no copies), alone and while another thread copies 64 MiB buffers over and
+    over, alternating: how much a copy on the other core slows the disk reads themselves. A cold
+    load can gain by overlapping its copies with its reads only where this ratio is near 1."""
+    n, total, keys, _, _, capacity = lmdb_job(blocks)
+    path = tempfile.mkdtemp(dir=root)
+    env, db = raw_env(path, capacity)
+    raw_put(env, db, keys, blocks, range(n))
+    env.close()
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    alone: list[float] = []
+    beside: list[float] = []
+    for r in range(2 * repeat):
+        busy = r % 2 == 1
+        stop = threading.Event()
+
+        def copy_until_stopped(stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                dst.copy_(src)
+
+        _evict(path, drop_caches)
+        env, db = raw_env(path, capacity, readahead=True)
+        worker = threading.Thread(target=copy_until_stopped)
+        if busy:
+            worker.start()
+        t = time.perf_counter()
+        for j in jobs(n):
+            with env.begin(buffers=True, db=db) as txn:
+                for i in j:
+                    txn.get(keys[i])  # python-lmdb touches every page of the value
+        (beside if busy else alone).append(time.perf_counter() - t)
+        stop.set()
+        if busy:
+            worker.join()
+        env.close()
+    shutil.rmtree(path)
+    med = statistics.median
+    res = {"raw_lmdb_cold_get_alone_gbps": gbps(total, med(alone)), "raw_lmdb_cold_get_beside_copies_gbps": gbps(total, med(beside))}
+    res["cold_get_beside_copies_ratio"] = round(res["raw_lmdb_cold_get_beside_copies_gbps"] / res["raw_lmdb_cold_get_alone_gbps"], 3)
+    return res
+
+
+def _evict(path: str, drop_caches: bool) -> str:
+    """Push ``<path>/data.mdb`` out of the page cache (the environment must be closed: mapped
+    pages cannot be evicted). Returns the method used."""
+    evict_from_page_cache(os.path.join(path, "data.mdb"))  # written back, its pages dropped
+    if drop_caches:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    return "fadvise_dontneed"
+
+
+def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
+    """Loads from a cold page cache: every run opens the environment afresh after its file was
+    evicted, tier and raw alternating, the order reversed every round (as in :func:`bench_lmdb`).
+    Both read the same file: the raw side opens the tier's own store with python-lmdb and gets
+    the payloads from its ``blocks`` database (where the tier keeps them as they were put), so
+    where the file lies on the device counts for both alike (two files written one after the
+    other read back at speeds up to 12 % apart here).
+
+    Two more sides say where the tier's time goes; neither is a mode of the tier:
+    ``raw_lmdb_cold_get_checked`` is the raw ``get`` and copy followed by an XXH3 pass over each
+    copied block (the tier's check, done the plain serial way), and ``lmdb_cold_unchecked`` is
+    the tier with its record check replaced by nothing (patched here, for the run alone)."""
+    import xxhash
+
+    from kvtier.records import checks
+
+    _, total, keys, outs, fmt, capacity = lmdb_job(blocks)
+    tier_path = tempfile.mkdtemp(dir=root)
+    backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
+    tier_write(backend, keys, blocks)
+    asyncio.run(backend.aclose())
+    tier_t: list[float] = []
+    raw_t: list[float] = []
+    checked_t: list[float] = []
+    unchecked_t: list[float] = []
+    open_t: list[float] = []
+    open_read: list[float] = []
+    method = ""
+    data = os.path.join(tier_path, "data.mdb")
+
+    def tier_side(times: list[float], check: bool = True) -> None:
+        nonlocal method
+        method = _evict(tier_path, drop_caches)
+        cached_before = cached_pages(data)[0]
+        t = time.perf_counter()
+        tier = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
+        if check:
+            open_t.append(time.perf_counter() - t)
+            cached, pages = cached_pages(data)
+            open_read.append((cached - cached_before) / pages)
+        verify = checks.verify_payload
+        if not check:
+            checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
+        try:
+            times.append(tier_read(tier, keys, outs))
+        finally:
+            checks.verify_payload = verify
+        asyncio.run(tier.aclose())
+
+    def raw_side(times: list[float], check: bool = False) -> None:
+        _evict(tier_path, drop_caches)
+        # Readahead on for the raw side: with it off (as the warm raw runs have it) a cold mmap
+        # faults in one page per read, 0.014-0.021 GB/s here, which would flatter the tier.
+        env, db = raw_env(tier_path, capacity, readahead=True)
+        t = raw_read(env, db, keys, outs)
+        if check:
+            t0 = time.perf_counter()
+            for out in outs:
+                xxhash.xxh3_64_intdigest(out.numpy())
+            t += time.perf_counter() - t0
+        times.append(t)
+        env.close()
+
+    sides: list[Callable[[], None]] = [
+        lambda: tier_side(tier_t),
+        lambda: raw_side(raw_t),
+        lambda: tier_side(unchecked_t, check=False),
+        lambda: raw_side(checked_t, check=True),
+    ]
+    for r in range(repeat + 1):
+        for side in sides if r % 2 else sides[::-1]:
+            side()
+        if not r:  # the first round warms up and is not counted
+            for times in (tier_t, raw_t, checked_t, unchecked_t, open_t, open_read):
+                times.clear()
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    shutil.rmtree(tier_path)
+    med = statistics.median
+    res = {
+        "lmdb_cold_method": method,
+        "lmdb_cold_load_gbps": gbps(total, med(tier_t)),
+        "raw_lmdb_cold_get_gbps": gbps(total, med(raw_t)),
+    }
+    # What the open itself reads of a cold store (index rebuild and damage walk), as a fraction
+    # of the file: the loads above only measure cold if the open left the file cold.
+    res["lmdb_cold_open_seconds"] = round(med(open_t), 4)
+    res["lmdb_cold_open_read_fraction"] = round(med(open_read), 4)
+    res["lmdb_cold_load_ratio"] = round(res["lmdb_cold_load_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
+    res["raw_lmdb_cold_get_checked_gbps"] = gbps(total, med(checked_t))
+    res["lmdb_cold_unchecked_load_gbps"] = gbps(total, med(unchecked_t))
+    res["raw_cold_checked_ratio"] = round(res["raw_lmdb_cold_get_checked_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
+    res["lmdb_cold_unchecked_ratio"] = round(res["lmdb_cold_unchecked_load_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
+    res["lmdb_cold_vs_raw_checked"] = round(res["lmdb_cold_load_gbps"] / res["raw_lmdb_cold_get_checked_gbps"], 3)
+    res["lmdb_cold_load_ratio_spread"] = spread(paired(raw_t, tier_t))
+    return res

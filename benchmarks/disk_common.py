@@ -1,0 +1,104 @@
+"""What the disk benchmarks share (``bench_disk.py`` and its cold part, ``disk_cold.py``): the
+KV-like blocks, timing helpers, and the LMDB job both the tier and raw python-lmdb run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lmdb
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.testing import make_key
+
+BLOCK = 2 << 20
+MAC_SECRET = "bench-disk-mac-secret-0123456789"
+JOB = 8  # blocks per write/read job, as the transfer engine batches them
+
+
+def kv_like_blocks(n: int, block_bytes: int = BLOCK, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    head_dim = 128
+    rows = block_bytes // 2 // head_dim
+    blocks = []
+    for i in range(n):
+        channel_scale = torch.logspace(-1.5, 0.7, head_dim)[torch.randperm(head_dim, generator=g)]
+        drift = 1 + 0.2 * torch.sin(torch.arange(rows).float() / 37 + i)[:, None]
+        values = torch.randn(rows, head_dim, generator=g) * channel_scale * drift
+        blocks.append(values.to(torch.bfloat16).view(-1).view(torch.uint8).clone())
+    return blocks
+
+
+def best(fn: Callable[[], float], repeat: int) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def jobs(n: int) -> list[range]:
+    return [range(i, min(n, i + JOB)) for i in range(0, n, JOB)]
+
+
+def open_backend(name: str, fmt: BlockFormat, **options: Any) -> Backend:
+    backend = registry.backends.get(name)(**options)
+    asyncio.run(backend.open(fmt))
+    return backend
+
+
+# -- lmdb ------------------------------------------------------------------------------------------
+
+
+def lmdb_job(blocks: list[torch.Tensor]) -> tuple[int, int, list[bytes], list[torch.Tensor], BlockFormat, int]:
+    """What both LMDB benchmarks start from: block count, bytes, keys, output buffers, the
+    record format and a map three times the job's size."""
+    n = len(blocks)
+    total = n * BLOCK
+    outs = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(n)]
+    return n, total, [make_key(i) for i in range(n)], outs, BlockFormat(block_bytes=BLOCK, dtype="bfloat16"), 3 * total
+
+
+def tier_write(backend: Backend, keys: list[bytes], blocks: list[torch.Tensor]) -> float:
+    """Write every block, job by job; the seconds spent in the tier."""
+    return sum(timed(lambda j=j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j])) for j in jobs(len(keys)))
+
+
+def tier_read(backend: Backend, keys: list[bytes], outs: list[torch.Tensor]) -> float:
+    """Read every block back, job by job; the seconds spent in the tier."""
+    return sum(timed(lambda j=j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j])) for j in jobs(len(keys)))
+
+
+def raw_env(path: str, capacity: int, *, readahead: bool = False, durable: bool = True) -> tuple[lmdb.Environment, Any]:
+    """A raw python-lmdb environment synced as the tier's durable mode is (``durable=False``:
+    as its fast mode, no syncs), and its database."""
+    env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=durable, metasync=False, readahead=readahead, meminit=False)
+    return env, env.open_db(b"blocks")
+
+
+def raw_put(env: lmdb.Environment, db: Any, keys: list[bytes], blocks: list[torch.Tensor], which: Iterable[int]) -> None:
+    """Put the blocks at ``which``, one transaction per value (the tier's shape)."""
+    for i in which:
+        with env.begin(write=True, db=db) as txn:
+            txn.put(keys[i], blocks[i].numpy())
+
+
+def raw_read(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor]) -> float:
+    """A ``get`` and one copy per block, one read transaction per job; the seconds spent."""
+
+    def job(j: range) -> None:
+        with env.begin(buffers=True, db=db) as txn:
+            for i in j:
+                memoryview(outs[i].numpy())[:] = txn.get(keys[i])
+
+    return sum(timed(lambda j=j: job(j)) for j in jobs(len(keys)))
