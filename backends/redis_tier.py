@@ -59,6 +59,7 @@ from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.redis_client import client_options, credentials, probe_problem
 from kvtier.backends.redis_feed import RedisFeed
 from kvtier.backends.redis_pool import ConnectionBudget, PoolGate
+from kvtier.backends.redis_tags import read_redis_tags, write_redis_tags
 from kvtier.backends.redis_wire import (
     ErrorReply,
     Wire,
@@ -79,7 +80,7 @@ from kvtier.backends.remote_tier import (
     check_seconds,
 )
 
-from kvtier.errors import ConfigError, MissingDependencyError
+from kvtier.errors import BackendError, ConfigError, MissingDependencyError
 from kvtier.records.codec import Codec
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM
 
@@ -478,6 +479,21 @@ class RedisBackend(RemoteRecordBackend):
         except MaxConnectionsError as exc:  # back-pressure: the index stays as it is until the next round
             self._gate.busy += 1
             raise SweepSkipped(f"no connection to spare: {exc}") from exc
+
+    def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
+        self._check_open()
+        try:
+            return read_redis_tags(self._get_client(), self._prefix_bytes)
+        except RedisError as exc:
+            raise BackendError(f"redis: tenant tags not read from {self.url}: {exc}") from exc
+
+    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:
+        if self._closed or not self._health.allow():
+            return
+        try:
+            write_redis_tags(self._get_client(), self._prefix_bytes, tenants, pins, whole=whole)
+        except RedisError as exc:  # tags are bookkeeping: the tier serves blocks without them
+            log.warning("redis: tenant tags not saved to %s: %s", self.url, exc)
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()
