@@ -18,6 +18,8 @@ tier hands to it:
   TCP the client reads and writes any address of this process.
 * **outcomes** of Mooncake's calls, which return a status per key (:data:`RPC_FAIL` and kin:
   the master is unreachable, see :func:`master_unreachable`), never exceptions.
+* **its log level**: Mooncake's client logs every step to stderr; unless ``MC_LOG_LEVEL`` is set
+  when the client is first loaded, it is set to ``ERROR``.
 * **the master's admin HTTP** (``admin_url``): ``/get_all_keys`` for the shared index, read as a
   stream of lines, and ``/health``.
 
@@ -30,6 +32,7 @@ call through.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import urllib.error
@@ -70,6 +73,9 @@ def master_unreachable(codes: Sequence[int]) -> bool:
 
 
 def _load_store_class() -> Any:
+    # Mooncake's client logs every set-up step to stderr (glog, INFO and up) unless told
+    # otherwise; an engine's stderr gets its errors only, unless the operator set a level.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
     except ImportError as exc:

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from mooncake_servers import MISSING as MOONCAKE_MISSING
 from mooncake_servers import mooncake_binaries, mooncake_store, own_mooncake_store  # noqa: F401  (fixtures)
-from redis_servers import (  # noqa: F401  (fixtures)
+from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redis tests on both kinds)
     MISSING,
+    _shared_servers,
     own_redis_cluster,
     own_redis_server,
+    pytest_generate_tests,
     redis_cluster,
     redis_server,
+    report_header,
+    server_kind,
     server_version,
 )
 from s3_servers import MISSING as S3_MISSING
 from s3_servers import own_seaweed, s3_available, seaweed  # noqa: F401  (fixtures)
 
 
-def pytest_report_header(config: object) -> str:
-    version = server_version()
-    lines = [f"redis: {version}" if version else f"redis: {MISSING}"]
+def pytest_report_header(config: object) -> list[str]:
+    lines = report_header()
     lines.append("mooncake: " + (MOONCAKE_MISSING if mooncake_binaries() is None else "mooncake_master and mooncake_client of the installed wheel"))
     lines.append("s3: " + (f"SeaweedFS {s3_available()} and obstore" if s3_available() else S3_MISSING))
-    return "\n".join(lines)
+    return lines

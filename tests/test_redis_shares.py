@@ -257,6 +257,7 @@ def test_a_large_job_runs_on_several_connections_and_reads_what_one_connection_r
         _close(single)
 
 
+@pytest.mark.redis_only  # kvtier's own share machinery, slow; the server side runs on both kinds elsewhere
 def test_a_write_from_an_exit_hook_stores_every_share(redis_server: RedisServer) -> None:
     """At interpreter exit the tier's I/O threads refuse work: a close-time write-back from an
     ``atexit`` hook (vLLM's finalizer) runs every share on the calling thread and stores them all."""
@@ -325,6 +326,7 @@ def test_a_dead_server_fails_every_share_cleanly_and_counts_one_outage(own_redis
         _close(backend)
 
 
+@pytest.mark.redis_only  # kvtier's own share machinery, slow; the server side runs on both kinds elsewhere
 def test_big_records_are_checked_piece_by_piece_plain_and_keyed(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url)
     for options in ({}, {"mac_key": MAC}, {"mac_key": MAC, "mac_algorithm": "hmac-sha256"}):
@@ -349,6 +351,7 @@ def test_big_records_are_checked_piece_by_piece_plain_and_keyed(redis_server: Re
     client.close()
 
 
+@pytest.mark.redis_only  # kvtier's own share machinery, slow; the server side runs on both kinds elsewhere
 def test_a_cluster_job_runs_in_shares_on_every_primary(redis_cluster: RedisClusterServers) -> None:
     shared = _open(url=redis_cluster.url, cluster=True, prefix="shares-cluster", job_connections=4)
     single = _open(url=redis_cluster.url, cluster=True, prefix="shares-cluster", job_connections=1)

@@ -21,7 +21,7 @@ from kvtier.keys import Namespace
 if TYPE_CHECKING:  # torch loads only when a store is built (``import kvtier`` stays light)
     import torch
 
-    from kvtier.records.head_groups import HeadGroupLayout
+    from kvtier.records.head_groups import HeadAxis, HeadGroupLayout
 
 __all__ = ["HeadGroupsConfig"]
 
@@ -61,6 +61,21 @@ class HeadGroupsConfig(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, exclude_defaults=True)
+
+    def for_engine(self, axis: HeadAxis, *, kv_heads: int, tp_size: int, rank: int, mla: bool = False) -> HeadGroupLayout | None:
+        """What an engine integration calls: the head groups of ``rank`` of a ``tp_size``
+        engine over a model of ``kv_heads`` KV heads, whose cache's heads are where ``axis``
+        says (``axis.tag`` naming the engine's layout and KV-cache group); ``None`` for the
+        ``per_rank`` layout. The group size is this section's, or :func:`default_group_size`
+        with its ``max_tp_size`` and the axis's bytes per head."""
+        from kvtier.records.head_groups import HeadGroupLayout, HeadGroups, default_group_size
+
+        if not self.enabled:
+            return None
+        if mla or self.mla:
+            return HeadGroupLayout(HeadGroups.for_rank(1, tp_size, rank, mla=True), axis)
+        size = self.group_size or default_group_size(kv_heads, max_tp_size=self.max_tp_size, head_record_bytes=axis.head_bytes)
+        return HeadGroupLayout(HeadGroups.for_rank(kv_heads, tp_size, rank, size), axis)
 
     def layout(
         self, kv_caches: Sequence[torch.Tensor] | torch.Tensor, namespace: Namespace, *, engine_blocks_per_block: int = 1

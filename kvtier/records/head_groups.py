@@ -19,6 +19,18 @@ so engines of different TP sizes share one tier.
   head size, the group layout; never the TP rank or size), and the split of a job's blocks into
   its group records and the join back, one batched copy per segment and job.
 
+For an engine integration (vLLM, for instance, whose per-layer pages are ``[block_size, heads,
+head_size]`` for K and again for V, concatenated into a rank's block)::
+
+    axis = HeadAxis(heads=local_heads, segments=((2 * layers * block_size, head_size * itemsize),),
+                    tag="vllm:NHD;group0")        # the engine's layout and the KV-cache group
+    layout = store_config.head_groups.for_engine(axis, kv_heads=model_kv_heads, tp_size=tp, rank=rank)
+    store = KVStore(store_config, kv_caches=pages, namespace=namespace, head_groups=layout)
+
+(an ``HND`` page, ``[heads, block_size, head_size]``, is ``((2 * layers, block_size * head_size *
+itemsize),)``); the store's ``namespace`` then has no TP rank or size, and keys built from it are
+the same at every TP size.
+
 A group record's key is the block key with its last eight bytes XORed with a fixed 64-bit mask
 per group: keys stay 32 bytes, a reader finds every group of a block without an index, and a
 listing of records maps back to block keys (a block is present only when all its groups are).

