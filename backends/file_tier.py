@@ -61,6 +61,7 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
@@ -94,7 +95,7 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         filled += n
 
 
-class FileBackend(FollowedTier, FileTree, PersistentRecordBackend):
+class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
     name: ClassVar[str] = "file"

@@ -92,6 +92,7 @@ from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader, index_ent
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_pages import check_file_trees
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
+from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import paused_gc
@@ -122,7 +123,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LmdbBackend(OfflineLmdb, PersistentRecordBackend):
+class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
     name: ClassVar[str] = "lmdb"

@@ -228,6 +228,17 @@ class Backend(ABC):
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:  # noqa: B027
         """Persist access stamps so eviction order survives a restart (persistent backends)."""
 
+    def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
+        """The tenant of each tagged record and the pinned keys saved with this tier, read at
+        open before ``scan`` is adopted (persistent backends); ``None``: it keeps none. Entries
+        of records that are gone may be listed: the store drops them."""
+        return None
+
+    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:  # noqa: B027
+        """Save tenant tags (``(key, tenant)``) and pin changes (``(key, pinned)``); with
+        ``whole``, they are every tag and pin of the tier, replacing what was saved. A failure
+        is logged, never raised: tags are bookkeeping."""
+
     def stats(self) -> dict[str, Any]:
         return {"backend": self.name, "capacity_bytes": self.capacity_bytes, **self.counters.as_dict()}
 

@@ -21,6 +21,7 @@ __all__ = [
     "UnknownNameError",
     "MissingDependencyError",
     "PluginLoadError",
+    "QuotaError",
 ]
 
 
@@ -71,3 +72,9 @@ class MissingDependencyError(KVTierError, ImportError):
 class PluginLoadError(ConfigError):
     """A plugin's entry point failed to load: its module raised on import, or it names an object
     the module does not have. The message names the distribution and the entry point."""
+
+
+class QuotaError(KVTierError, ValueError):
+    """A tenant quota or a pin the tier cannot grant: a quota larger than the tier, quotas that
+    reserve more than the tier holds, a pin over the tier's pin budget. Raised before anything
+    changes."""

@@ -211,6 +211,7 @@ def collect_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
             fam.add_metric([store_label, tier_name], float(get(tier, backend, io)))
         families.append(fam)
 
+    families += _tenant_families(stats, store_label)
     families += _shared_families(rows, store_label)
 
     io_all = stats.get("io", {})
@@ -225,6 +226,32 @@ def collect_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
         latency.add_metric([store_label, kind], list(hist["buckets"].items()), hist["sum"])
     families.append(latency)
     return families
+
+
+def _tenant_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
+    """Usage per tenant per tier (``stats()["tenants"]``: the top N tenants by bytes, the rest
+    as ``other``, ids hashed when the store's config asks), when the store counts tenants."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    tenants = stats.get("tenants")
+    if not tenants:
+        return []
+    out = []
+    for field, name, doc, kind in (
+        ("blocks", "kvtier_tenant_blocks", "blocks a tenant holds in a tier", GaugeMetricFamily),
+        ("bytes", "kvtier_tenant_bytes", "bytes a tenant holds in a tier", GaugeMetricFamily),
+        ("hits", "kvtier_tenant_hits", "blocks of a tenant served by loads from a tier", CounterMetricFamily),
+        ("evictions", "kvtier_tenant_evictions", "blocks of a tenant evicted from a tier", CounterMetricFamily),
+        ("pinned", "kvtier_tenant_pinned_blocks", "blocks of a tenant pinned in a tier", GaugeMetricFamily),
+        ("quota_bytes", "kvtier_tenant_quota_bytes", "a tenant's byte quota in a tier", GaugeMetricFamily),
+    ):
+        fam = kind(name, doc, labels=["store", "tier", "tenant"])
+        for tier, by_tenant in tenants.items():
+            for tenant, row in by_tenant.items():
+                if field in row:
+                    fam.add_metric([store_label, str(tier), str(tenant)], float(row[field]))
+        out.append(fam)
+    return out
 
 
 def _shared_families(rows: list[tuple[int, str, Any, Any, Any]], store_label: str) -> list[Any]:

@@ -31,6 +31,7 @@ from kvtier.manager import CacheEvent, KeyState, KeyStatus, LoadPlan, StorePlan,
 from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.records.head_group_tier import group_tiers
 from kvtier.records.head_groups import HeadGroupLayout
+from kvtier.tenancy import StoreTenancy
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.handover import release_tiers
 from kvtier.transfer.jobs import Applied, JobResult, apply_result
@@ -46,8 +47,9 @@ log = logging.getLogger("kvtier")
 log.addHandler(logging.NullHandler())
 
 
-class KVStore:
-    """Tiers + manager + transfer engine. Build it with :func:`kvtier.open`."""
+class KVStore(StoreTenancy):
+    """Tiers + manager + transfer engine. Build it with :func:`kvtier.open`. Tenant calls
+    (usage, quotas, pins, deletes) come from :class:`kvtier.tenancy.StoreTenancy`."""
 
     def __init__(
         self,
@@ -149,12 +151,21 @@ class KVStore:
                     admit_after=tier.admit_after,
                 )
             )
-        self.manager = TierManager(specs, write=self.config.write)
+        try:
+            self.manager = TierManager(specs, write=self.config.write, tenants=self._tenant_rules([s.name for s in specs]))
+        except KVTierError:  # a quota the opened tiers cannot hold (a database keeps some room)
+            for backend in opened:
+                await backend.aclose()
+            raise
         for i, backend in enumerate(self.backends):
             if backend.persistent:
+                tags = await self._read_tags(backend)
                 with paused_gc():  # a record and a tuple per stored block (kvtier.bulk)
                     records = await asyncio.to_thread(_scan_records, backend)
-                    excess = self.manager.adopt(i, records)
+                    owners = _held_tags(tags[0], records) if tags and tags[0] else None
+                    excess = self.manager.adopt(i, records, owners)
+                if tags is not None:
+                    await self._adopt_tags(i, backend, tags[1])
                 if excess and not getattr(backend, "shared", False):  # a shared tier's records are every host's
                     log.warning(
                         "kvtier: tier %d (%s) holds %d records beyond its usable capacity; deleting the %d oldest",
@@ -233,8 +244,10 @@ class KVStore:
             log.warning("kvtier: write-back at close failed: %s", exc)
 
     async def flush_stamps(self) -> None:
-        """Save access stamps of persistent tiers, so eviction order survives a restart."""
+        """Save access stamps of persistent tiers, so eviction order survives a restart (and
+        their tenant tags and pins)."""
         assert self.manager is not None
+        await self.flush_tags()
         for i, backend in enumerate(self.backends):
             if backend.persistent:
                 stamps = self.manager.take_stamps(i)
@@ -267,8 +280,8 @@ class KVStore:
     async def lookup_detail(self, keys: Sequence[bytes]) -> list[KeyStatus]:
         return self._mgr().lookup_detail(keys)
 
-    async def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
-        return self._mgr().prepare_store(keys)
+    async def prepare_store(self, keys: Sequence[bytes], *, tenant: str | None = None) -> StorePlan | None:
+        return self._mgr().prepare_store(keys, tenant=tenant)
 
     async def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         self._mgr().complete_store(keys, success)
@@ -311,6 +324,8 @@ class KVStore:
 
     def stats(self) -> dict[str, Any]:
         data = self._mgr().stats()
+        if "tenants" in data and self.config.tenancy.hash_ids:  # never a tenant id in clear
+            data["tenants"] = self.labelled(data["tenants"])
         data["backends"] = [b.stats() for b in self.backends]
         if self.transfers is not None:
             data["transfers"] = dict(self.transfers.counters)
@@ -340,7 +355,7 @@ class KVStore:
         ids = transfers.layout.check_block_ids(block_ids, len(keys))
         return transfers, ids
 
-    async def save(self, keys: Sequence[bytes], block_ids: Sequence[int], *, durable: bool = False) -> int:
+    async def save(self, keys: Sequence[bytes], block_ids: Sequence[int], *, durable: bool = False, tenant: str | None = None) -> int:
         """Store the blocks ``block_ids`` (``n`` engine ids per key) under ``keys``.
 
         Returns the number of blocks newly stored (keys already present are skipped), all of
@@ -364,7 +379,10 @@ class KVStore:
         it, which the lower tiers take (demotion, or the write-through copy already there). So a
         long prompt is stored as far as the tiers have room, never all or nothing; the store
         stops at the first run that cannot be placed or fails, and before a run that would push
-        the earlier ones out of the lowest tier."""
+        the earlier ones out of the lowest tier.
+
+        ``tenant`` names whose blocks these are: counted as its usage, stored under its quotas
+        (a quota makes a save smaller, never an error)."""
         transfers, ids = self._job_input(keys, block_ids)
         self._settle_finished()
         n = self.config.engine_blocks_per_block
@@ -383,7 +401,7 @@ class KVStore:
             # batch's leading run is never cut to make room for its tail.
             if offset and (offset > below or mgr.lookup(keys[:offset]) < offset):
                 break
-            plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset])
+            plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset], tenant=tenant)
             if plan is None or plan.empty:
                 break
             chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
@@ -559,6 +577,11 @@ def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:
         return namespace
     layout = f"{namespace.kv_layout};{fingerprint}" if namespace.kv_layout else fingerprint
     return dataclasses.replace(namespace, kv_layout=layout)
+
+
+def _held_tags(owners: dict[bytes, str], records: list[tuple[bytes, int, float]]) -> dict[bytes, str]:
+    """The saved tenant tags of the records a tier lists (tags of records gone are dropped)."""
+    return {key: owners[key] for key, _, _ in records if key in owners}
 
 
 def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]]:

@@ -2,7 +2,8 @@
 
 Below any engine: each "rank" is a KVStore over its shard of one model's KV cache (the heads
 it holds), with the tiers of the fleet. World sizes 1, 2, 4 and 8 write; every world size reads
-back, byte-exact, in every byte tier (lmdb, file, redis standalone and cluster, compressed).
+back, byte-exact, in every byte tier (lmdb, file, redis standalone and cluster, compressed,
+mooncake, s3).
 """
 
 from __future__ import annotations
@@ -98,6 +99,14 @@ def _tier(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str
     if kind == "redis":
         server = request.getfixturevalue("redis_server")
         return {"backend": "redis", "capacity": "32MiB", "url": server.url, "prefix": _prefix(tmp_path)}
+    if kind == "s3":
+        from s3_servers import BUCKET
+
+        server = request.getfixturevalue("seaweed")
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+        return {"backend": "s3", "capacity": "32MiB", "endpoint_url": server.endpoint_url, "bucket": BUCKET, "prefix": _prefix(tmp_path)}
     if kind == "mooncake":
         servers = request.getfixturevalue("mooncake_store")
         return {"backend": "mooncake", "capacity": "32MiB", "prefix": _prefix(tmp_path), **servers.tier_options()}
@@ -209,7 +218,7 @@ def test_split_then_join_is_the_identity() -> None:
 
 # -- world sizes writing and reading each other's records -----------------------------------------------
 
-@pytest.mark.parametrize("kind", ["lmdb", "file", "redis", "redis-cluster", "mooncake"])
+@pytest.mark.parametrize("kind", ["lmdb", "file", "redis", "redis-cluster", "mooncake", "s3"])
 def test_world_sizes_share_records(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     full = full_cache(seed=1)
     for writer in (1, 2, 4, 8):

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("manager | backends", ["kvtier.manager", "kvtier.backends"]),
     ("transfer", ["kvtier.transfer"]),
     ("config", ["kvtier.config"]),
+    ("the store facade's tenant calls", ["kvtier.tenancy"]),
     ("store", ["kvtier.store"]),
     ("package root", ["kvtier"]),  # the facade: kvtier.open, kvtier.Namespace, ...
     ("connector", ["kvtier.connector"]),
@@ -94,7 +95,7 @@ def test_the_top_of_kvtier_holds_only_the_foundation_the_protocol_and_the_facade
     flat = sorted(p.stem for p in (ROOT / "kvtier").glob("*.py"))
     assert flat == [
         "__init__", "_lazy", "_moved", "_source_tree", "backend", "bulk", "devices", "errors", "keys", "metrics", "registry", "shares", "store",
-        "testing", "units",
+        "tenancy", "testing", "units",
     ]
 
 

@@ -106,8 +106,10 @@ def test_inspect_reports_blocks_bytes_and_namespace(kind: str, tmp_path: Path) -
     data = report.to_dict()
     assert set(data) == {
         "path", "kind", "format_version", "block_bytes", "dtype", "namespaces", "blocks", "stored_bytes",
-        "raw_bytes", "unreadable", "codecs", "record_versions", "codec_ratio",
+        "raw_bytes", "unreadable", "codecs", "record_versions", "codec_ratio", "tenants",
     }
+    # no tenant tags saved: every record is the default tenant's
+    assert data["tenants"] == {"default": {"blocks": 5, "bytes": report.stored_bytes, "pinned": 0}}
 
 
 def test_inspect_counts_the_bytes_of_file_records(tmp_path: Path) -> None:

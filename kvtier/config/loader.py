@@ -26,22 +26,33 @@ holds for :class:`TierConfig` and :class:`MetricsConfig`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import inspect
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier import registry
+from kvtier.config.env import ENV_PREFIX, apply_env_to, field_path
 from kvtier.config.head_groups import HeadGroupsConfig
 from kvtier.config.paths import expand_tier_paths
+from kvtier.config.schema import (
+    BlockBytes,
+    FlushBytes,
+    InlineBytes,
+    MetricsConfig,
+    StagingBytes,
+    TierConfig,
+    check_name,
+    known_names,
+)
+from kvtier.config.tenants import TenancyConfig, TenantBytes, tenant_problems
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError, UnknownNameError
 from kvtier.units import parse_size
 
@@ -59,118 +70,6 @@ __all__ = [
     "read_config_file",
 ]
 
-ENV_PREFIX = "KVTIER_"
-#: ``KVTIER_`` variables that are not configuration overrides.
-ENV_RESERVED = frozenset({"KVTIER_CONFIG", "KVTIER_CACHE_DIR"})
-
-
-def _strip_field(message: str, name: str) -> str:
-    """``"capacity: cannot read ..."`` -> ``"cannot read ..."`` (the caller adds the full path)."""
-    prefix = f"{name}: "
-    return message[len(prefix) :] if message.startswith(prefix) else message
-
-
-def _size(name: str, *, allow_zero: bool = False) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        try:
-            size = parse_size(value, field=name)
-        except ConfigError as exc:
-            raise ValueError(_strip_field(str(exc), name)) from None
-        if size == 0 and not allow_zero:
-            raise ValueError(f"expected a positive byte size such as '4GiB', got {value!r}")
-        return size
-
-    return parse
-
-
-def _known(reg: registry.Registry) -> str:
-    plural = reg.kind[:-1] + "ies" if reg.kind.endswith("y") else reg.kind + "s"
-    return f"known {plural}: {', '.join(reg.names()) or '(none)'}"
-
-
-def _check_name(reg: registry.Registry, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"expected a {reg.kind} name; {_known(reg)}")
-    if value not in reg:
-        raise ValueError(f"unknown {reg.kind} {value!r}; {_known(reg)}")
-    if ":" in value:  # a fully qualified name must import now, not when the store opens
-        try:
-            reg.get(value)
-        except (ConfigError, MissingDependencyError) as exc:
-            raise ValueError(str(exc)) from None
-    return value
-
-
-ByteSize = Annotated[int, BeforeValidator(_size("capacity"))]
-FlushBytes = Annotated[int, BeforeValidator(_size("flush_on_close_bytes"))]
-BlockBytes = Annotated[int, BeforeValidator(_size("block_bytes"))]
-StagingBytes = Annotated[int, BeforeValidator(_size("staging_bytes", allow_zero=True))]
-InlineBytes = Annotated[int, BeforeValidator(_size("inline_max_bytes", allow_zero=True))]
-
-
-class TierConfig(BaseModel):
-    """One tier: a backend name, its capacity, and the backend's own options (passed through).
-
-    Options other than ``backend``, ``name``, ``capacity``, ``policy`` and ``admit_after`` are handed to the
-    backend's constructor unchanged (``path``, ``device``, ``codec``, ``sync_mode``, ...).
-    """
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    backend: str
-    name: str | None = None
-    capacity: ByteSize
-    policy: str | None = None
-    #: Admission rule (manager-side): a block enters this tier once it was offered this many times.
-    admit_after: int = Field(default=1, ge=1)
-
-    @field_validator("backend")
-    @classmethod
-    def _known_backend(cls, value: str) -> str:
-        return _check_name(registry.backends, value)
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, value: str | None) -> str | None:
-        return None if value is None else _check_name(registry.policies, value)
-
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments for the backend's constructor."""
-        data: dict[str, Any] = {"capacity": self.capacity}
-        data.update(self.model_extra or {})
-        return data
-
-    def to_dict(self) -> dict[str, Any]:
-        data = self.model_dump(exclude_none=True)
-        if self.admit_after == 1:
-            del data["admit_after"]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TierConfig:
-        return cls.model_validate(dict(data))
-
-
-class MetricsConfig(BaseModel):
-    """Prometheus export (needs the ``metrics`` extra). Off by default."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    #: Register the store with prometheus_client's default registry while it is open.
-    prometheus: bool = False
-    #: Also serve ``/metrics`` over HTTP on this port (implies ``prometheus``).
-    port: int | None = Field(default=None, ge=0, le=65535)
-    #: Address the HTTP server binds to.
-    addr: str = "127.0.0.1"
-    #: Value of the ``store`` label, to tell several stores of one process apart.
-    store_label: str = Field(default="kvtier", min_length=1)
-
-    @property
-    def enabled(self) -> bool:
-        return self.prometheus or self.port is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
 
 
 class StoreConfig(BaseModel):
@@ -204,13 +103,16 @@ class StoreConfig(BaseModel):
     flush_on_close_s: float = Field(default=60.0, ge=0)
     #: and at most this many bytes of them (None: no limit)
     flush_on_close_bytes: FlushBytes | None = None
+    #: byte quotas per tenant per tier name (see kvtier.config.tenants)
+    tenants: dict[str, dict[str, TenantBytes]] | None = None
+    tenancy: TenancyConfig = TenancyConfig()
     #: how byte tiers lay out records: one per (block, head group) by default (kvtier.config.head_groups)
     head_groups: HeadGroupsConfig = HeadGroupsConfig()
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        return _check_name(registry.policies, value)
+        return check_name(registry.policies, value)
 
     @field_validator("namespace")
     @classmethod
@@ -235,6 +137,8 @@ class StoreConfig(BaseModel):
         data["tiers"] = [t.to_dict() for t in self.tiers]
         if self.metrics == MetricsConfig():
             del data["metrics"]
+        if self.tenancy == TenancyConfig():
+            del data["tenancy"]
         if self.head_groups == HeadGroupsConfig():
             del data["head_groups"]
         else:
@@ -284,13 +188,6 @@ def default_config() -> dict[str, Any]:
 # -- errors ----------------------------------------------------------------------------------
 
 
-def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     model: type[BaseModel] = StoreConfig
     for part in loc[:-1]:
@@ -298,10 +195,8 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
             continue
         info = model.model_fields.get(str(part))
         ann = getattr(info, "annotation", None) if info else None
-        if ann is MetricsConfig:
-            model = MetricsConfig
-        elif ann is HeadGroupsConfig:
-            model = HeadGroupsConfig
+        if ann in (MetricsConfig, TenancyConfig, HeadGroupsConfig):
+            model = ann
         elif part == "tiers":
             model = TierConfig
     return sorted(model.model_fields)
@@ -313,9 +208,9 @@ def _describe(error: Any) -> tuple[str, str]:
     kind = error["type"]
     msg = str(error["msg"])
     if kind == "extra_forbidden":
-        return _field_path(loc), f"unknown key; expected one of: {', '.join(_allowed_keys(loc))}"
+        return field_path(loc), f"unknown key; expected one of: {', '.join(_allowed_keys(loc))}"
     if kind == "missing":
-        return _field_path(loc), "required setting is missing"
+        return field_path(loc), "required setting is missing"
     if kind == "too_short" and loc == ("tiers",):
         return "tiers", "expected at least one tier"
     if msg.startswith("Value error, "):
@@ -325,7 +220,7 @@ def _describe(error: Any) -> tuple[str, str]:
     if "input" in error and kind not in ("missing",) and not isinstance(error["input"], (dict, list)):
         if repr(error["input"]) not in msg:
             msg = f"{msg} (got {error['input']!r})"
-    return _field_path(loc), msg
+    return field_path(loc), msg
 
 
 class _Problems:
@@ -394,13 +289,13 @@ def _backend_problems(tier: TierConfig, index: int, cls: type) -> list[tuple[str
     if codec is not None:
         name = codec.get("name") if isinstance(codec, Mapping) else codec
         if isinstance(name, str) and ":" not in name and name not in registry.codecs.names():
-            return [(f"{here}.codec", f"unknown codec {name!r}; {_known(registry.codecs)}")]
+            return [(f"{here}.codec", f"unknown codec {name!r}; {known_names(registry.codecs)}")]
     model = getattr(cls, "options_model", None)
     if isinstance(model, type) and issubclass(model, BaseModel):
         try:
             model.model_validate(options)
         except ValidationError as exc:
-            return [(_field_path((here, *e["loc"])), _describe(e)[1]) for e in exc.errors()]
+            return [(field_path((here, *e["loc"])), _describe(e)[1]) for e in exc.errors()]
     try:
         cls(**options)
     except TypeError as exc:
@@ -441,79 +336,10 @@ def build_backend(tier: TierConfig, index: int = 0) -> Any:
     return cls(**tier.options())
 
 
-# -- environment -----------------------------------------------------------------------------
-
-
-def _env_value(text: str) -> Any:
-    if text == "":
-        return ""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def apply_env(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Return ``data`` with ``KVTIER_...`` overrides applied, and {field path: variable} of what they set.
-
-    Raises :class:`ConfigError` naming the variable when it names no setting or indexes past
-    the end of a list.
-    """
-    environ = os.environ if environ is None else environ
-    out = copy.deepcopy(dict(data))
-    origins: dict[str, str] = {}
-    top = set(StoreConfig.model_fields)
-    for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var in ENV_RESERVED:
-            continue
-        parts = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
-        if not parts[0] or parts[0] not in top or any(p == "" for p in parts):
-            raise ConfigError(
-                f"{var}: does not name a kvtier setting; use KVTIER_<SETTING>[__<KEY or INDEX>...] "
-                f"with a setting from: {', '.join(sorted(top))}"
-            )
-        path: list[str | int] = [int(p) if p.isdigit() else p for p in parts]
-        node: Any = out
-        for depth, seg in enumerate(path[:-1]):
-            nxt = path[depth + 1]
-            node = _descend(node, seg, isinstance(nxt, int), var, path[: depth + 1])
-        last = path[-1]
-        value = _env_value(environ[var])
-        if isinstance(last, int):
-            if not isinstance(node, list) or last > len(node):
-                raise ConfigError(f"{var}: {_field_path(path)} does not exist (index out of range)")
-            if last == len(node):
-                node.append(value)
-            else:
-                node[last] = value
-        else:
-            if not isinstance(node, dict):
-                raise ConfigError(f"{var}: {_field_path(path[:-1])} is not a mapping")
-            node[last] = value
-        origins[_field_path(path)] = var
-    return out, origins
-
-
-def _descend(node: Any, seg: str | int, want_list: bool, var: str, path: list[str | int]) -> Any:
-    if isinstance(seg, int):
-        if not isinstance(node, list):
-            raise ConfigError(f"{var}: {_field_path(path[:-1])} is not a list")
-        if seg > len(node):
-            raise ConfigError(
-                f"{var}: {_field_path(path)} does not exist (the list has {len(node)} entries; "
-                f"index {len(node)} appends one)"
-            )
-        if seg == len(node):
-            node.append({})
-        if not isinstance(node[seg], (dict, list)):
-            node[seg] = [] if want_list else {}
-        return node[seg]
-    if not isinstance(node, dict):
-        raise ConfigError(f"{var}: {_field_path(path[:-1])} is not a mapping")
-    child = node.get(seg)
-    if not isinstance(child, (dict, list)):
-        child = node[seg] = [] if want_list else {}
-    return child
+    """Return ``data`` with ``KVTIER_...`` overrides applied, and {field path: variable} of what they set
+    (see :mod:`kvtier.config.env`)."""
+    return apply_env_to(data, environ, set(StoreConfig.model_fields))
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -588,6 +414,9 @@ def load_config(
             continue
         for path, message in _backend_problems(tier, i, cls):
             problems.add(path, message)
+    if cfg is not None:
+        for path, message in tenant_problems(cfg.tenants, cfg.tenancy, cfg.tiers, [t.capacity for t in cfg.tiers]):
+            problems.add(path, message)
     problems.raise_if_any()
     assert cfg is not None
     return cfg
@@ -659,10 +488,11 @@ def _strip_unknown_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[t
 
     top = sorted(StoreConfig.model_fields)
     out = sift(data, "", set(top), top)
-    metrics = out.get("metrics")
-    if isinstance(metrics, Mapping):
-        names = sorted(MetricsConfig.model_fields)
-        out["metrics"] = sift(metrics, "metrics", set(names), names)
+    for section, model in (("metrics", MetricsConfig), ("tenancy", TenancyConfig)):
+        node = out.get(section)
+        if isinstance(node, Mapping):
+            names = sorted(model.model_fields)
+            out[section] = sift(node, section, set(names), names)
     namespace = out.get("namespace")
     if isinstance(namespace, Mapping):
         names = sorted(f.name for f in dataclasses.fields(Namespace) if f.init)

@@ -105,18 +105,13 @@ class PlanBuilder:
         self.demoted: dict[int, list[bytes]] = {}  # demoted keys pending in their new tier
         self.events: list[EventBatch] = []
 
-    def make_room(self, tier: int, nbytes: int) -> bool:
-        """Free ``nbytes`` in ``tier``, demoting or dropping victims; ``False`` (no change) if
-        impossible."""
+    def make_room(self, tier: int, nbytes: int, tenant: str | None = None) -> bool:
+        """Free ``nbytes`` in ``tier`` for ``tenant``'s blocks (its quota there included),
+        demoting or dropping victims; ``False`` (no change) if impossible."""
         t = self.tiers[tier]
-        over = t.used + nbytes - t.capacity
-        if over <= 0:
-            return True
-        if nbytes > t.capacity:
-            return False
-        victims = t.evict(over, self.protected if tier == 0 else self.protected_below)
-        if victims is None:
-            return False
+        victims = t.make_room(nbytes, self.protected if tier == 0 else self.protected_below, tenant)
+        if not victims:
+            return victims is not None
         # Every victim leaves this tier now; routers that track tiers must hear of it.
         self.events.append(("removed", victims, t.name))
         dropped = victims
@@ -139,18 +134,27 @@ class PlanBuilder:
         keys = self.admission.admitted(nxt, [key for key in victims if key not in index])
         if not keys:
             return keys
-        if self.make_room(nxt, dst.block * len(keys)):
+        if dst.quotas_apply():  # each victim goes under its own tenant's quota below, if it can
+            assert dst.tenancy is not None
+            owner = dst.tenancy.tenant
+            fit: list[bytes] = []
+            for key in keys:
+                if self.make_room(nxt, dst.block, owner(key)):
+                    dst.reserve((key,))
+                    fit.append(key)
+            keys = fit
+        elif self.make_room(nxt, dst.block * len(keys)):
             dst.reserve(keys)
         else:  # not all of them fit (pinned or protected keys below): as many as can, in order
-            fit: list[bytes] = []
+            fit = []
             for key in keys:
                 if not self.make_room(nxt, dst.block):
                     break
                 dst.reserve((key,))
                 fit.append(key)
             keys = fit
-            if not keys:
-                return keys
+        if not keys:
+            return keys
         dst.demotions_in += len(keys)
         self.demoted.setdefault(nxt, []).extend(keys)
         # Deeper demotions were appended by make_room above: the plan lists them first.
@@ -272,8 +276,9 @@ class PlanBook:
         *,
         partial: bool = False,
         keep_below: AbstractSet[bytes] = frozenset(),
+        tenant: str | None = None,
     ) -> StorePlan | None:
-        """Make room for ``new`` (keys of ``keys``) in the first tier, reserve, and open the plan;
+        """Make room for ``new`` (keys of ``keys``, ``tenant``'s) in the first tier, reserve, and open the plan;
         ``None`` and no change when the first tier cannot make room. ``sources`` marks a
         promotion (no write-through copies). Keys of ``protected`` are never evicted. With
         ``partial``, a first tier without room for all of ``new`` takes the leading run of it
@@ -290,20 +295,26 @@ class PlanBook:
         # deferred, refused or failed) falls back to write-back; one with a copy is dropped.
         guarded = protected | self._copying if self._copying else protected
         builder = PlanBuilder(tiers, guarded, write_back=True, admission=self._admission, keep_below=keep_below)
-        if not builder.make_room(0, tiers[0].block * len(new)):
+        if sources is not None and tiers[0].quotas_apply():
+            new = _promote_by_tenant(builder, new)  # blocks of several tenants, each under its quota
+            if not new:
+                return None
+        elif not builder.make_room(0, tiers[0].block * len(new), tenant):
             fit = min(len(new) - 1, tiers[0].blocks_that_fit(guarded)) if partial else 0
-            # blocks_that_fit is exact for fixed-size tiers; a variable-size one may free less.
-            while fit > 0 and not builder.make_room(0, tiers[0].block * fit):
+            # blocks_that_fit is exact for fixed-size tiers without quotas; a variable-size one
+            # may free less, and a tenant's quota may allow less.
+            while fit > 0 and not builder.make_room(0, tiers[0].block * fit, tenant):
                 fit -= 1
             if fit <= 0:
                 return None
             new = new[:fit]
-        builder.reserve(0, new)
+        if not builder.keys:
+            builder.reserve(0, new)
         if sources is None and not self._write_back:
             for ti, t in enumerate(tiers[1:], start=1):
                 room = self._admission.admitted(ti, [key for key in new if key not in t.index])
                 # Best effort: a lower tier that cannot make room simply does not get the copy.
-                if room and builder.make_room(ti, t.block * len(room)):
+                if room and builder.make_room(ti, t.block * len(room), tenant):
                     builder.reserve(ti, room)
         self._plans[plan_id] = builder.open(sources)
         plan_of = self._plan_of
@@ -381,6 +392,22 @@ class PlanBook:
                 self._copying.update(plan.copying(ok))
         self._events.extend(out)
         return done, lost
+
+
+def _promote_by_tenant(builder: PlanBuilder, new: list[bytes]) -> list[bytes]:
+    """Reserve in the first tier the keys of ``new`` (of several tenants) it makes room for,
+    each tenant's under its quota, tenant by tenant in order of first appearance; return them
+    in the order reserved."""
+    first = builder.tiers[0]
+    assert first.tenancy is not None
+    owner = first.tenancy.tenant
+    groups: dict[str, list[bytes]] = {}
+    for key in new:
+        groups.setdefault(owner(key), []).append(key)
+    for tenant, group in groups.items():
+        if builder.make_room(0, first.block * len(group), tenant):
+            builder.reserve(0, group)
+    return list(builder.keys)
 
 
 def _positions(keys: Sequence[bytes], new: list[bytes]) -> tuple[int, ...]:

@@ -71,7 +71,7 @@ class Promotions:
             entry = loading.get(key)
             if entry is not None:  # another load is copying it up: settle after this one too
                 entry[0] += 1
-            elif key not in first.index and first.used + first.block <= first.capacity:
+            elif key not in first.index and first.has_room(key):
                 first.reserve((key,))
                 loading[key] = [1, 0, ti]
                 promoted.append(key)

@@ -56,6 +56,8 @@ from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.manager.promotion import Promotions
+from kvtier.manager.tenant_ops import TenantControl
+from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TenantRules, check_tenant
 from kvtier.manager.tiers import TierSpec, TierState, unpin
 
 __all__ = [
@@ -144,6 +146,7 @@ class TierManager:
         write: WriteMode = "back",
         max_events: int = 100_000,
         clock: Callable[[], float] = time.time,
+        tenants: TenantRules | None = None,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers: at least one tier is required")
@@ -177,6 +180,23 @@ class TierManager:
         self._closed = False
         self._ready_status = tuple(KeyStatus(KeyState.READY, i) for i in range(len(tiers)))
         self._pending_status = tuple(KeyStatus(KeyState.PENDING, i) for i in range(len(tiers)))
+        #: usage per tenant, quotas: from the first call that names a tenant (or ``tenants``)
+        self._book: TenantBook | None = None
+        #: pins, deletes, quotas and usage (:mod:`kvtier.manager.tenant_ops`)
+        self.tenants = TenantControl(self._tiers, self._lock, self._events, self._tenant_book)
+        if tenants is not None:
+            self.tenants.set_rules(tenants)
+
+    def _tenant_book(self) -> TenantBook:
+        """The tenant book, made on first use: every block held so far is the default tenant's."""
+        book = self._book
+        if book is None:
+            book = self._book = TenantBook(len(self._tiers))
+            for t, tenancy in zip(self._tiers, book.tiers):
+                tenancy.bytes[DEFAULT_TENANT] = t.used
+                tenancy.blocks[DEFAULT_TENANT] = len(t.index)
+                t.tenancy = tenancy
+        return book
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -269,7 +289,7 @@ class TierManager:
 
     # -- store -----------------------------------------------------------------------------
     def prepare_store(
-        self, keys: Sequence[bytes], *, partial: bool = False, keep_below: Iterable[bytes] = ()
+        self, keys: Sequence[bytes], *, partial: bool = False, keep_below: Iterable[bytes] = (), tenant: str | None = None
     ) -> StorePlan | None:
         """Reserve room in the first tier for the keys not yet present; see the module doc.
 
@@ -279,11 +299,17 @@ class TierManager:
         counted as seen; the caller stores them with a later call once the plan's keys are
         ready, naming the keys stored by the earlier calls in ``keep_below``: the plan may move
         those out of the first tier (demoted, or dropped where a lower tier has their copy) but
-        never evicts them from a lower tier, so the batch's head is not cut for its tail."""
+        never evicts them from a lower tier, so the batch's head is not cut for its tail.
+
+        ``tenant`` names whose the new blocks are (default: :data:`DEFAULT_TENANT`): they are
+        counted as its usage and stored under its quotas (:mod:`kvtier.manager.tenants`)."""
         if self._closed:
             raise _closed()
         _check(keys)
+        if tenant is not None:
+            check_tenant(tenant)
         with self._lock:
+            book = self._book if tenant is None else self._tenant_book()
             batch = set(keys)
             new = list(keys) if len(batch) == len(keys) else list(dict.fromkeys(keys))
             for index in self._indexes:
@@ -293,7 +319,13 @@ class TierManager:
                 admission.note(batch)
             counts["store_skipped"] += len(batch) - len(new)
             keep = frozenset(keep_below) if keep_below else _NOTHING
-            plan = self._plans.prepare(next(self._plan_ids), keys, batch, new, partial=partial, keep_below=keep)
+            if book is not None:
+                book.claim(new, tenant or DEFAULT_TENANT)
+            plan = self._plans.prepare(next(self._plan_ids), keys, batch, new, partial=partial, keep_below=keep, tenant=tenant)
+            if book is not None:
+                if plan is None or len(plan.keys) < len(new):
+                    book.gone += new  # the keys left out are in no tier: their claim goes
+                book.sweep(self._indexes)
             if plan is None:
                 counts["store_rejected"] += 1
             else:
@@ -327,6 +359,8 @@ class TierManager:
         with self._lock:
             sources = self._promotions.sources(dict.fromkeys(keys), self._ready_tier)
             plan = self._plans.prepare(next(self._plan_ids), keys, set(keys), list(sources), sources)
+            if self._book is not None:
+                self._book.sweep(self._indexes)
             if plan is None:
                 self._counts["promotions_rejected"] += 1
             else:
@@ -453,17 +487,29 @@ class TierManager:
             removed = [key for key in dict.fromkeys(keys) if get(key) and key not in pins]
             t.forget(removed)
             self._events.add("removed", tuple(removed), t.name)  # the list is the caller's
+            if self._book is not None:
+                self._book.sweep(self._indexes)
         return removed
 
     # -- persistence -----------------------------------------------------------------------
-    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
+    def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]], owners: Mapping[bytes, str] | None = None) -> list[bytes]:
         """Rebuild ``tier``'s index from stored records ``(key, stored_bytes, stamp)`` at open.
 
         Records are inserted oldest stamp first, so eviction order survives a restart. Records
         beyond the tier's capacity (oldest first) are not adopted and are returned for deletion.
+        ``owners`` names the tenant of records saved with one (the rest are the default's).
         """
         with self._lock:
-            return self._tiers[tier].adopt(records)
+            book = self._book
+            if owners:
+                book = self._tenant_book()
+                index = self._indexes[tier]
+                book.owners.update((key, owner) for key, owner in owners.items() if key not in index)
+            excess = self._tiers[tier].adopt(records)
+            if book is not None:
+                book.gone += excess
+                book.sweep(self._indexes)
+            return excess
 
     def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
         """Adopt records another engine stored in shared tier ``tier`` while this one runs (a
@@ -533,4 +579,7 @@ class TierManager:
     def stats(self) -> dict[str, Any]:
         """Counters and per-tier figures, copied at one moment; safe from any thread."""
         with self._lock:
-            return {**self._counters(), "open_plans": len(self._plans), "tiers": [t.row() for t in self._tiers]}
+            data = {**self._counters(), "open_plans": len(self._plans), "tiers": [t.row() for t in self._tiers]}
+            if self._book is not None:
+                data["tenants"] = self.tenants.usage_rows()
+            return data

@@ -10,14 +10,15 @@ walking the index: ``stats()`` costs the same with ten keys or ten million.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, QuotaError
 from kvtier.manager.policies import EvictionPolicy
+from kvtier.manager.tenants import DEFAULT_TENANT, TierTenancy
 
 __all__ = ["PENDING", "READY", "TierSpec", "TierState", "unpin"]
 
@@ -57,7 +58,11 @@ class TierState:
     """Key state of one tier: ``index`` (key -> ``PENDING``/``READY``), ``pins`` (key -> pin
     count, ready keys only), ``sizes`` (variable-size tiers), ``stamps`` (persistent tiers:
     access times not yet saved), byte accounting and counters. The policy orders exactly the
-    ready keys."""
+    ready keys.
+
+    ``kept`` holds the keys an operator pinned (never evicted from this tier, at most
+    ``pin_budget`` bytes of them); ``tenancy`` (once tenants are in use) counts usage per tenant
+    and holds the tier's quotas, which :meth:`make_room` follows."""
 
     __slots__ = (
         "block",
@@ -66,15 +71,21 @@ class TierState:
         "dropped",
         "evictions",
         "index",
+        "kept",
+        "kept_bytes",
         "name",
         "pending",
         "persistent",
+        "pin_budget",
+        "pin_changes",
         "pins",
         "policy",
         "promotions_out",
         "sizes",
         "spec",
         "stamps",
+        "tagged",
+        "tenancy",
         "used",
         "variable",
     )
@@ -97,6 +108,13 @@ class TierState:
         self.demotions_in = 0
         self.dropped = 0
         self.promotions_out = 0
+        self.kept: dict[bytes, None] = {}
+        self.kept_bytes = 0
+        self.pin_budget = self.capacity // 2
+        self.tenancy: TierTenancy | None = None
+        #: persistent tiers: pins and unpins, and keys of named tenants made ready, not yet saved
+        self.pin_changes: dict[bytes, bool] = {}
+        self.tagged: list[bytes] = []
 
     def free(self) -> int:
         return self.capacity - self.used
@@ -111,6 +129,8 @@ class TierState:
         self.pending += len(keys)
         if self.variable:
             self.sizes.update(dict.fromkeys(keys, self.block))
+        if self.tenancy is not None:
+            self.tenancy.add(keys, self.block)
 
     def settle(self, keys: Collection[bytes], sizes: Mapping[bytes, int] | None, now: float) -> None:
         """Pending -> ready. ``sizes`` holds the stored size of keys of a variable-size tier."""
@@ -122,14 +142,20 @@ class TierState:
         self.pending -= len(keys)
         if self.variable and sizes:
             own = self.sizes
+            tenancy = self.tenancy
             for key in keys:
                 actual = sizes.get(key)
                 if actual is not None:
                     self.used += actual - own[key]
+                    if tenancy is not None:
+                        tenancy.resize(key, actual - own[key])
                     own[key] = actual
         self.policy.insert_many(keys)
         if self.persistent:
             self.stamps.update(dict.fromkeys(keys, now))
+            if self.tenancy is not None and self.tenancy.owners:
+                owners = self.tenancy.owners
+                self.tagged.extend(key for key in keys if key in owners)
 
     def release(self, keys: Collection[bytes]) -> None:
         """Drop pending entries (a write that failed or was cancelled)."""
@@ -148,13 +174,15 @@ class TierState:
         self.policy.touch_many(keys)
         if self.persistent:
             self.stamps.update(dict.fromkeys(keys, now))
+        if self.tenancy is not None:
+            self.tenancy.count(self.tenancy.hits, keys)
 
     def blocks_that_fit(self, protected: AbstractSet[bytes]) -> int:
         """How many blocks ``evict`` and the free room could make space for, never evicting a
         pinned key nor one of ``protected``: the room free plus every ready key's bytes that
         may go. Costs the batch and the pins, never a walk of the index."""
         index, pins = self.index, self.pins
-        kept = pins.keys() | {key for key in protected if index.get(key)}
+        kept = pins.keys() | self.kept.keys() | {key for key in protected if index.get(key)}
         if self.variable:
             sizes = self.sizes
             ready_bytes = self.used - self.pending * self.block  # pending entries count one block each
@@ -163,11 +191,43 @@ class TierState:
             movable = (len(index) - self.pending - len(kept)) * self.block
         return max(0, (self.free() + movable) // self.block)
 
+    def _guard(self, protected: AbstractSet[bytes]) -> AbstractSet[bytes]:
+        """``protected`` and the keys pinned by a load or by an operator."""
+        guard = protected | self.pins.keys() if self.pins else protected
+        return guard | self.kept.keys() if self.kept else guard
+
+    def _take(self, nbytes: int, guard: Container[bytes]) -> tuple[list[bytes], int] | None:
+        """Victims not in ``guard`` that free at least ``nbytes``, and the bytes they free,
+        taken from the policy; ``None`` and no change (its order included) if impossible."""
+        policy = self.policy
+        victims: list[bytes] = []
+        freed = 0
+        while freed < nbytes:
+            got = policy.evict(max(1, -(-(nbytes - freed) // self.block)), guard)
+            if got is None:
+                policy.restore(victims)
+                return None
+            victims += got
+            freed += sum(map(self.sizes.__getitem__, got)) if self.variable else len(got) * self.block
+        return victims, freed
+
+    def _drop(self, victims: list[bytes]) -> None:
+        index = self.index
+        for key in victims:
+            del index[key]
+        if self.tenancy is not None:
+            self.tenancy.count(self.tenancy.evictions, victims)
+        self._unaccount(victims)
+        self.evictions += len(victims)
+
     def evict(self, nbytes: int, protected: AbstractSet[bytes]) -> list[bytes] | None:
         """Remove ready, unpinned keys not in ``protected`` that free at least ``nbytes``, in
         the policy's order; ``None`` and no change (the policy's order included) if impossible."""
+        # (_take and _drop inlined: this runs for every store into a full tier)
         policy = self.policy
         guard = protected | self.pins.keys() if self.pins else protected
+        if self.kept:
+            guard = guard | self.kept.keys()
         victims: list[bytes] = []
         freed = 0
         while freed < nbytes:
@@ -180,9 +240,98 @@ class TierState:
         index = self.index
         for key in victims:
             del index[key]
+        if self.tenancy is not None:
+            self.tenancy.count(self.tenancy.evictions, victims)
         self._unaccount(victims)
         self.evictions += len(victims)
         return victims
+
+    def quotas_apply(self) -> bool:
+        t = self.tenancy
+        return t is not None and t.active
+
+    def make_room(self, nbytes: int, protected: AbstractSet[bytes], tenant: str | None = None) -> list[bytes] | None:
+        """Evict so that ``nbytes`` more of ``tenant``'s blocks fit: the victims (``[]`` when
+        they fit already), or ``None`` and no change when the tier or the tenant's quota
+        cannot make room. Under quotas a tenant over its cap evicts its own blocks first, and
+        the blocks of a reserved tenant within its quota are never taken for another."""
+        tenancy = self.tenancy
+        if tenancy is None or not tenancy.active:
+            over = self.used + nbytes - self.capacity
+            if over <= 0:
+                return []
+            if nbytes > self.capacity:
+                return None
+            return self.evict(over, protected)
+        tenant = tenant or DEFAULT_TENANT
+        if nbytes > self.capacity:
+            return None
+        guard = self._guard(protected)
+        victims: list[bytes] = []
+        freed = 0
+        cap = tenancy.cap(tenant)
+        if cap is not None:
+            over_cap = tenancy.bytes.get(tenant, 0) + nbytes - cap
+            if over_cap > 0:
+                got = self._take(over_cap, tenancy.own_guard(guard, tenant)) if nbytes <= cap else None
+                if got is None:
+                    return None
+                victims, freed = got
+        over = self.used - freed + nbytes - self.capacity
+        if over > 0:
+            more = self._take(over, tenancy.others_guard(guard, tenant, self._size_of))
+            if more is None:
+                self.policy.restore(victims)
+                return None
+            victims += more[0]
+        if victims:
+            self._drop(victims)
+        return victims
+
+    def _size_of(self, key: bytes) -> int:
+        return self.sizes[key] if self.variable else self.block
+
+    def has_room(self, key: bytes) -> bool:
+        """Whether ``key`` fits in the free room, its tenant's cap included (never evicts)."""
+        if self.used + self.block > self.capacity:
+            return False
+        tenancy = self.tenancy
+        return tenancy is None or tenancy.fits_cap(tenancy.tenant(key), self.block)
+
+    # -- operator pins ---------------------------------------------------------------------
+    def check_keep(self, keys: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """The keys of ``keys`` :meth:`keep` would pin and their bytes; :class:`QuotaError` if
+        that is over the pin budget."""
+        index, kept = self.index, self.kept
+        new = [key for key in dict.fromkeys(keys) if index.get(key) and key not in kept]
+        nbytes = sum(map(self._size_of, new))
+        if self.kept_bytes + nbytes > self.pin_budget:
+            raise QuotaError(
+                f"pin: {len(new)} blocks ({nbytes} bytes) would bring the pins of tier {self.name!r} to "
+                f"{self.kept_bytes + nbytes} bytes, over its pin budget of {self.pin_budget} bytes"
+            )
+        return new, nbytes
+
+    def keep(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Pin ready ``keys`` (those not ready here are skipped) against eviction from this
+        tier; the keys newly pinned. Over the pin budget: :class:`QuotaError`, no change."""
+        new, nbytes = self.check_keep(keys)
+        self.kept.update(dict.fromkeys(new))
+        self.kept_bytes += nbytes
+        if self.persistent:
+            self.pin_changes.update(dict.fromkeys(new, True))
+        return new
+
+    def unkeep(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Unpin ``keys`` (those not pinned are skipped); the keys unpinned."""
+        kept = self.kept
+        gone = [key for key in dict.fromkeys(keys) if key in kept]
+        for key in gone:
+            del kept[key]
+        self.kept_bytes -= sum(map(self._size_of, gone))
+        if self.persistent:
+            self.pin_changes.update(dict.fromkeys(gone, False))
+        return gone
 
     def forget(self, keys: Collection[bytes]) -> None:
         """Remove ready, unpinned keys for another reason than eviction (found gone or corrupt)."""
@@ -206,6 +355,8 @@ class TierState:
                 self.index.update(fresh)
                 self.used += len(keys) * self.block
                 self.policy.insert_many(keys)
+                if self.tenancy is not None:
+                    self.tenancy.add(keys, self.block)
                 return []
         sizes = [n if self.variable else self.block for _, n, _ in ordered]
         total = self.used + sum(sizes)
@@ -222,14 +373,26 @@ class TierState:
                 self.sizes[key] = size
             adopted.append(key)
         self.policy.insert_many(adopted)
+        if self.tenancy is not None:
+            self.tenancy.add_sized((key, self._size_of(key)) for key in adopted)
         return excess
 
     def _unaccount(self, keys: Collection[bytes]) -> None:
+        if self.kept:  # a pinned key that goes (a delete, a corrupt record) is unpinned
+            self.unkeep(key for key in keys if key in self.kept)
+        tenancy = self.tenancy
         if self.variable:
             pop = self.sizes.pop
-            self.used -= sum(pop(key) for key in keys)
+            if tenancy is None:
+                self.used -= sum(pop(key) for key in keys)
+            else:
+                sized = [(key, pop(key)) for key in keys]
+                self.used -= sum(size for _, size in sized)
+                tenancy.remove_sized(sized)
         else:
             self.used -= self.block * len(keys)
+            if tenancy is not None:
+                tenancy.remove(keys, self.block)
 
     # -- reporting -------------------------------------------------------------------------
     def row(self) -> dict[str, Any]:
@@ -242,6 +405,8 @@ class TierState:
             "ready": blocks - self.pending,
             "pending": self.pending,
             "pinned": len(self.pins),
+            "kept": len(self.kept),
+            "kept_bytes": self.kept_bytes,
             "evictions": self.evictions,
             "demotions_in": self.demotions_in,
             "dropped": self.dropped,

@@ -31,7 +31,7 @@ from kvtier import registry
 from kvtier.backend import Backend, BlockFormat, RecordInfo
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import Namespace, check_keys
-from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups
+from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups, block_key_of
 
 __all__ = ["MAX_SCRATCH_BYTES", "GroupIndex", "HeadGroupTier", "group_tiers"]
 
@@ -253,6 +253,18 @@ class HeadGroupTier(Backend):
             self._listed = []
             bind(self.index, tier)
 
+    @property
+    def follower(self) -> Any:
+        """The inner shared tier's follower (its changes name blocks: :class:`GroupIndex`
+        returns block keys), or ``None``."""
+        return getattr(self.inner, "follower", None)
+
+    def forget_blocks(self, keys: Sequence[bytes]) -> None:
+        """An eviction in a shared tier: the inner tier forgets this rank's records."""
+        forget = getattr(self.inner, "forget_blocks", None)
+        if forget is not None and keys and self._written:
+            forget(self.layout.record_keys(keys, self._written))
+
     def stored_keys(self) -> list[bytes] | None:
         keys = self.inner.stored_keys()
         if keys is None:
@@ -266,6 +278,26 @@ class HeadGroupTier(Backend):
         self.inner.touch_stamps(
             [(rk, stamp) for key, stamp in stamps for rk in self.layout.record_keys([key], held)]
         )
+
+    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:
+        # Every group's record carries its block's tag (whatever groups this rank writes), so
+        # offline tools see each record's tenant and any rank reads its blocks' tags back.
+        every = range(self.layout.groups.num_groups)
+        keys = self.layout.record_keys
+        self.inner.write_tags(
+            [(rk, tenant) for key, tenant in tenants for rk in keys([key], every)],
+            [(rk, on) for key, on in pins for rk in keys([key], every)],
+            whole=whole,
+        )
+
+    def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
+        tags = self.inner.read_tags()
+        if tags is None:
+            return None
+        owners, pins = tags
+        # A block's group-0 record is tagged too: each tag names its block as if it were that
+        # record (the other records give keys no block has, which the store drops).
+        return {block_key_of(rk, 0): tenant for rk, tenant in owners.items()}, list(dict.fromkeys(block_key_of(rk, 0) for rk in pins))
 
     def _count(self, *, written: list[int | None] | None = None, found: list[bool] | None = None) -> None:
         c, size = self.counters, self.format.block_bytes
@@ -358,13 +390,17 @@ class GroupIndex:
                 pending.clear()
             pending.update((k, (size, stamp)) for k, size, stamp in records)
             blocks = self._layout.blocks_present(pending)
-            for block, recs in blocks.items():
-                parts = [pending[rk] for rk in recs]
+            # Sizes first: with two groups a block's two records are also those of one other
+            # key (``a ^ m0 ^ m1``), so a record may stand for two blocks; both are adopted (the
+            # other is never asked for) and neither may take the records from the other.
+            parts = {block: [pending[rk] for rk in recs] for block, recs in blocks.items()}
+            for block in blocks:
                 for rk in self._layout.record_keys([block], every):
                     pending.pop(rk, None)
                     self._block_of[rk] = block
                 if not self._manager.holds(block, tier):
-                    new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+                    sizes = parts[block]
+                    new.append((block, sum(p[0] for p in sizes), max(p[1] for p in sizes)))
         return blocks, new
 
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:

@@ -9,6 +9,12 @@ What it deletes, per tier (``--tier N``: that tier only):
   prefixes the engine integrations add (``<prefix>.*:*``), on every primary of a cluster;
 * a memory tier (``cpu``, ``gpu``, ``compressed``): nothing; it empties when its process ends.
 
+With ``--tenant T`` only tenant ``T``'s blocks go: in each lmdb or file tier directory, the
+records its saved tenant tags give to ``T`` (and their tags and pins); a ``redis`` tier's
+records tagged ``T`` in its tags hash. Blocks stored before their tenant's tags were saved (a
+crash) are the default tenant's. A running engine deletes by tenant without a restart:
+``store.delete(tenant=T)``, or the vLLM admin endpoint.
+
 It lists what it will delete and asks first; ``--yes`` skips the question (a script must pass
 it: without a terminal to ask on, nothing is deleted). Stop the engines that use the tiers first.
 """
@@ -39,7 +45,29 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _path_tier(index: int, path: str) -> list[Doomed]:
+def _tenant_records(index: int, folder: Path, tenant: str) -> list[Doomed]:
+    """The records of ``tenant`` in the tier directory ``folder``, by its saved tags."""
+    from kvtier.backends.tag_log import TAG_LOG_NAME, read_tag_log, write_tag_log
+    from kvtier.tools.offline import _backend_class, detect_tier
+
+    log_path = str(folder / TAG_LOG_NAME)
+    owners, pins = read_tag_log(log_path)
+    keys = [key for key, owner in owners.items() if owner == tenant]
+    if not keys:
+        return []
+    cls = _backend_class(detect_tier(folder))
+
+    def delete() -> int:
+        gone = int(cls.delete_raw_records(folder, keys))
+        doomed = set(keys)
+        kept = [(key, owner) for key, owner in owners.items() if key not in doomed]
+        write_tag_log(log_path, kept, [(key, True) for key in pins if key not in doomed], whole=True)
+        return gone
+
+    return [Doomed(index, f"tiers[{index}]: {len(keys):,} blocks of tenant {tenant!r} in {folder}", delete)]
+
+
+def _path_tier(index: int, path: str, tenant: str | None = None) -> list[Doomed]:
     from kvtier.errors import ConfigError
     from kvtier.tools.offline import find_tiers
 
@@ -51,6 +79,9 @@ def _path_tier(index: int, path: str) -> list[Doomed]:
         return []
     out = []
     for folder in folders:
+        if tenant is not None:
+            out += _tenant_records(index, folder, tenant)
+            continue
         size = _folder_bytes(folder)
 
         def delete(folder: Path = folder) -> int:
@@ -61,8 +92,9 @@ def _path_tier(index: int, path: str) -> list[Doomed]:
     return out
 
 
-def redis_keys(index: int, backend: Any) -> list[Doomed]:
-    """The keys under a redis tier's prefixes, as one deletion (none: an empty list)."""
+def redis_keys(index: int, backend: Any, tenant: str | None = None) -> list[Doomed]:
+    """The keys under a redis tier's prefixes (or only ``tenant``'s records, by the tier's tags
+    hash), as one deletion (none: an empty list)."""
     import redis
     from redis.cluster import RedisCluster
 
@@ -77,6 +109,8 @@ def redis_keys(index: int, backend: Any) -> list[Doomed]:
     client: Any = RedisCluster.from_url(backend.url, **options) if backend.cluster else redis.Redis.from_url(backend.url, **options)
     nodes = [client.get_redis_connection(n) for n in client.get_primaries()] if backend.cluster else [client]
     patterns = [f"{backend.prefix}:*", f"{backend.prefix}.*:*"]
+    if tenant is not None:
+        return _redis_tenant(index, backend, client, nodes, patterns, tenant)
     keys = [(node, key) for node in nodes for pattern in patterns for key in node.scan_iter(match=pattern, count=1000)]
 
     def delete() -> int:
@@ -95,8 +129,41 @@ def redis_keys(index: int, backend: Any) -> list[Doomed]:
     return [Doomed(index, f"tiers[{index}]: {len(keys):,} {where}", delete)]
 
 
-def plan_clear(cfg: Any, only: int | None = None) -> tuple[list[Doomed], list[str]]:
-    """What clearing ``cfg``'s tiers (or tier ``only``) deletes, and notes on the tiers it skips."""
+def _redis_tenant(index: int, backend: Any, client: Any, nodes: list[Any], patterns: list[str], tenant: str) -> list[Doomed]:
+    """``tenant``'s records of a redis tier, by the tags hash of each namespace under its prefixes."""
+    from kvtier.backends.redis_tags import PINS_SUFFIX, TAGS_SUFFIX, read_redis_tags
+
+    found: list[tuple[bytes, list[bytes]]] = []  # (namespace prefix, record keys)
+    for node in nodes:
+        for pattern in patterns:
+            for hash_key in node.scan_iter(match=pattern[:-1] + "*:" + TAGS_SUFFIX.decode(), count=1000):
+                prefix = bytes(hash_key)[: -len(TAGS_SUFFIX)]
+                owners, _ = read_redis_tags(client, prefix)
+                mine = [key for key, owner in owners.items() if owner == tenant]
+                if mine:
+                    found.append((prefix, mine))
+
+    def delete() -> int:
+        gone = 0
+        for prefix, keys in found:
+            for i in range(0, len(keys), 500):
+                part = keys[i : i + 500]
+                gone += sum(int(client.unlink(prefix + key)) for key in part)  # one slot per key in a cluster
+                client.hdel(prefix + TAGS_SUFFIX, *part)
+                client.srem(prefix + PINS_SUFFIX, *part)
+        client.close()
+        return gone
+
+    if not found:
+        client.close()
+        return []
+    total = sum(len(keys) for _, keys in found)
+    return [Doomed(index, f"tiers[{index}]: {total:,} records of tenant {tenant!r} in redis {backend.url} under {backend.prefix!r}", delete)]
+
+
+def plan_clear(cfg: Any, only: int | None = None, tenant: str | None = None) -> tuple[list[Doomed], list[str]]:
+    """What clearing ``cfg``'s tiers (or tier ``only``; or only ``tenant``'s blocks) deletes,
+    and notes on the tiers it skips."""
     from kvtier import registry
     from kvtier.config import build_backend
     from kvtier.errors import ConfigError
@@ -110,13 +177,14 @@ def plan_clear(cfg: Any, only: int | None = None) -> tuple[list[Doomed], list[st
             continue
         options = tier.options()
         if isinstance(options.get("path"), str):
-            found = _path_tier(i, options["path"])
+            found = _path_tier(i, options["path"], tenant)
             doomed += found
             if not found:
-                notes.append(f"tiers[{i}] ({tier.backend}): no kvtier tier directory at {options['path']}")
+                what = f"no block of tenant {tenant!r}" if tenant is not None else "no kvtier tier directory"
+                notes.append(f"tiers[{i}] ({tier.backend}): {what} at {options['path']}")
         elif tier.backend == "redis":
             try:
-                found = redis_keys(i, build_backend(tier, i))
+                found = redis_keys(i, build_backend(tier, i), tenant)
             except Exception as exc:  # a server down is the operator's to fix first
                 raise ConfigError(f"tiers[{i}] (redis): cannot list its keys: {type(exc).__name__}: {exc}") from exc
             doomed += found
@@ -133,7 +201,7 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     from kvtier.config import load_config_file
 
     cfg = load_config_file(args.config)
-    doomed, notes = plan_clear(cfg, args.tier)
+    doomed, notes = plan_clear(cfg, args.tier, args.tenant)
     for note in notes:
         print(note)
     if not doomed:
@@ -164,5 +232,6 @@ def add_parser(sub: Any) -> None:
     )
     clear.add_argument("--config", required=True, metavar="FILE", help="the kvtier config file (KVTIER_* overrides apply)")
     clear.add_argument("--tier", type=int, metavar="N", help="only tier N (0 is the first)")
+    clear.add_argument("--tenant", metavar="T", help="only the blocks of tenant T (by the tiers' saved tenant tags)")
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask (needed without a terminal)")
     clear.set_defaults(func=_cmd_clear)

@@ -302,6 +302,8 @@ def _inspect_table(report: Any) -> str:
     ]
     for ns in report.namespaces:
         rows.append(["namespace", ", ".join(f"{k}={v}" for k, v in ns.items() if v not in ("", None))])
+    for tenant, usage in sorted(report.tenants.items(), key=lambda item: -item[1]["bytes"]):
+        rows.append([f"tenant {tenant}", f"{usage['blocks']} blocks, {_size(usage['bytes'])}, {usage['pinned']} pinned"])
     return _table(["field", "value"], rows)
 
 

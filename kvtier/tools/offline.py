@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import registry
+from kvtier.backends.tag_log import TAG_LOG_NAME, read_tag_log
 from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.manager.tenants import DEFAULT_TENANT
 from kvtier.records.codec import BUILTIN_CODEC_IDS, UnsupportedRecordError
 from kvtier.records.format import RecordMac, StoreMeta, decode_record, parse_header
 
@@ -53,6 +55,8 @@ class TierReport:
     unreadable: int = 0
     codecs: dict[str, int] = field(default_factory=dict)
     record_versions: dict[str, int] = field(default_factory=dict)
+    #: blocks, stored bytes and pinned blocks per tenant (from the tier's saved tenant tags)
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def codec_ratio(self) -> float | None:
@@ -163,8 +167,14 @@ def inspect_tier(path: str | os.PathLike[str], *, progress: Progress | None = No
         namespaces=[{**meta.namespace, "digest": meta.namespace_digest.hex()}] if meta else [],
     )
     total = cls.count_raw_records(path) if progress is not None else 0
-    for done, (_key, value) in enumerate(cls.iter_raw_records(path), 1):
+    owners, pinned = read_tag_log(os.path.join(path, TAG_LOG_NAME))
+    pins = set(pinned)
+    for done, (key, value) in enumerate(cls.iter_raw_records(path), 1):
         report.blocks += 1
+        usage = report.tenants.setdefault(owners.get(key, DEFAULT_TENANT), {"blocks": 0, "bytes": 0, "pinned": 0})
+        usage["blocks"] += 1
+        usage["bytes"] += len(value)
+        usage["pinned"] += key in pins
         try:
             header = parse_header(value, raw_length=meta.block_bytes if meta else 0, available=len(value), any_keying=True)
         except CorruptBlockError:
