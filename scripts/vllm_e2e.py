@@ -268,7 +268,13 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
     failed_receives = hybrid.patch_failed_receives(kv_vllm.KvtierConnector) if role == "HC" else []
     kwargs: dict[str, Any] = {}
     if not is_ref:
-        store = {"tiers": _tiers(role, lmdb_path), "write": "through"}
+        # Per-rank records: step C damages records found by their block key (head-group
+        # records, the default, are checked across TP sizes by scripts/vllm_e2e_fleet.py).
+        store = {
+            "tiers": _tiers(role, lmdb_path),
+            "write": "through",
+            "head_groups": {"record_layout": "per_rank", "reason": "this check damages records by their block key"},
+        }
         chunk = {"blocks_per_chunk": CHUNK_BLOCKS[role]} if role in CHUNK_BLOCKS else {}
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_vllm.kv_transfer_config(store, **chunk))
     tp = DEFAULT_LAYOUT.get(role, 1)

@@ -253,6 +253,18 @@ class HeadGroupTier(Backend):
             self._listed = []
             bind(self.index, tier)
 
+    @property
+    def follower(self) -> Any:
+        """The inner shared tier's follower (its changes name blocks: :class:`GroupIndex`
+        returns block keys), or ``None``."""
+        return getattr(self.inner, "follower", None)
+
+    def forget_blocks(self, keys: Sequence[bytes]) -> None:
+        """An eviction in a shared tier: the inner tier forgets this rank's records."""
+        forget = getattr(self.inner, "forget_blocks", None)
+        if forget is not None and keys and self._written:
+            forget(self.layout.record_keys(keys, self._written))
+
     def stored_keys(self) -> list[bytes] | None:
         keys = self.inner.stored_keys()
         if keys is None:
@@ -378,13 +390,17 @@ class GroupIndex:
                 pending.clear()
             pending.update((k, (size, stamp)) for k, size, stamp in records)
             blocks = self._layout.blocks_present(pending)
-            for block, recs in blocks.items():
-                parts = [pending[rk] for rk in recs]
+            # Sizes first: with two groups a block's two records are also those of one other
+            # key (``a ^ m0 ^ m1``), so a record may stand for two blocks; both are adopted (the
+            # other is never asked for) and neither may take the records from the other.
+            parts = {block: [pending[rk] for rk in recs] for block, recs in blocks.items()}
+            for block in blocks:
                 for rk in self._layout.record_keys([block], every):
                     pending.pop(rk, None)
                     self._block_of[rk] = block
                 if not self._manager.holds(block, tier):
-                    new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+                    sizes = parts[block]
+                    new.append((block, sum(p[0] for p in sizes), max(p[1] for p in sizes)))
         return blocks, new
 
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:

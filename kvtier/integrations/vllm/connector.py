@@ -11,6 +11,7 @@ kvtier's counters to vLLM's connector stats.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,10 +23,11 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from kvtier.integrations.vllm.engines import MODULE_PATH
 from kvtier.integrations.vllm.group_config import check_kv_cache_groups
 from kvtier.integrations.vllm.groups import RankGroups
+from kvtier.integrations.vllm.head_layout import head_shapes
 from kvtier.integrations.vllm.idle_steps import is_idle_step
 from kvtier.integrations.vllm.messages import KvtierWorkerMetadata
 from kvtier.integrations.vllm.offloading import KvtierOffloadingManager, KvtierOffloadingWorker
-from kvtier.integrations.vllm.spec import CHANNELS_KEY, REPLICATED_KEY
+from kvtier.integrations.vllm.spec import CHANNELS_KEY, REPLICATED_KEY, KvtierOffloadingSpec
 from kvtier.integrations.vllm.stats import PREFIX, CounterDeltas
 
 __all__ = ["KvtierConnector", "replicated_kv"]
@@ -62,6 +64,7 @@ class KvtierConnector(OffloadingConnector):
         extra[CHANNELS_KEY] = True
         extra[REPLICATED_KEY] = replicated_kv(vllm_config, kv_cache_config)
         self._kvtier_deltas = CounterDeltas()
+        self._kvtier_vllm_config = vllm_config
         super().__init__(vllm_config, role, kv_cache_config)
 
     @classmethod
@@ -102,10 +105,31 @@ class KvtierConnector(OffloadingConnector):
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kvtier_head_shapes(kv_caches)  # before vLLM builds the worker from byte views
         super().register_kv_caches(kv_caches)
         worker = self._kvtier_worker()
         if worker is not None:
             worker.report_load_errors()
+
+    def _kvtier_head_shapes(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Tell the spec where the KV heads are in each offloaded group's pages (.head_layout)."""
+        cw = self.connector_worker
+        spec = getattr(cw, "spec", None)
+        kv_cache_config = getattr(cw, "kv_cache_config", None)
+        if not isinstance(spec, KvtierOffloadingSpec) or kv_cache_config is None:
+            return
+        try:
+            kv_heads = int(self._kvtier_vllm_config.model_config.get_total_num_kv_heads())
+            groups = []
+            for g in spec.config.groups:
+                group = kv_cache_config.kv_cache_groups[g.group_id]
+                tensors = [kv_caches[name] for name in group.layer_names if name in kv_caches]
+                groups.append((int(g.group_id), group.kv_cache_spec, tensors))
+            spec.head_shapes = head_shapes(groups, int(kv_cache_config.num_blocks), kv_heads)
+        except Exception as exc:  # an unknown vLLM object: records stay per rank
+            log.warning("kvtier: cannot tell where the KV heads are (%s); records stay per rank", exc)
+            spec.head_shapes = {}
+        log.info("kvtier: KV heads in vLLM's pages, per KV-cache group: %s", spec.head_shapes)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)

@@ -20,6 +20,7 @@ from kvtier.config import load_config_file
 from kvtier.config.tenants import tier_names
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.group_config import PREFIXED_BACKENDS
+from kvtier.integrations.vllm.head_layout import TOGETHER_SUFFIX
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager
 from kvtier.store import KVStore
@@ -163,7 +164,14 @@ def engine_stats(engine_id: str | None = None, worker: Any = None) -> dict[str, 
     return next(iter(out.values()))
 
 
-def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: frozenset[int] = frozenset()) -> dict[str, Any]:
+def rank_tiers(
+    cfg: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    *,
+    shared: frozenset[int] = frozenset(),
+    together: frozenset[int] = frozenset(),
+) -> dict[str, Any]:
     """The store config of worker ``rank`` of ``world_size``: each tier's ``capacity`` divided
     by ``world_size`` (the config's capacity is the engine's, over all its ranks, so a tier holds
     as many blocks whatever the TP size), a tier's ``path`` made ``<path>/r<rank>-of-<world>``
@@ -172,6 +180,10 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
 
     The tiers in ``shared`` hold one copy for every rank (KV that is the same on every rank,
     see :mod:`.replicated`): their whole capacity, under ``all-of-<world>``.
+
+    The tiers in ``together`` hold head-group records that every rank of every engine, of any
+    TP size, reads and writes in one place (see :mod:`.head_layout`): ``<path>/head-groups``,
+    ``<prefix>.hg``; each rank still counts ``capacity / world_size`` for the records it writes.
 
     ``metrics.port`` is the base of the ranks' ports: rank ``r`` serves its ``/metrics`` on
     ``port + r`` (ranks on one host cannot share a port; 0, any free port, stays 0)."""
@@ -186,12 +198,15 @@ def rank_tiers(cfg: Mapping[str, Any], rank: int, world_size: int, *, shared: fr
         t = dict(tier)
         one_copy = i in shared
         suffix = f"all-of-{world_size}" if one_copy else f"r{rank}-of-{world_size}"
+        if i in together and not one_copy:
+            suffix = TOGETHER_SUFFIX
         if "capacity" in t and not one_copy:
             t["capacity"] = max(1, parse_size(t["capacity"], field=f"tiers[{i}].capacity") // world_size)
         if t.get("path") is not None:
             t["path"] = os.path.join(str(t["path"]), suffix)
         if t.get("backend") in PREFIXED_BACKENDS:
-            t["prefix"] = f"{t.get('prefix', 'kvtier')}.{suffix}"  # the prefix allows [A-Za-z0-9_.-] only
+            short = "hg" if suffix == TOGETHER_SUFFIX else suffix
+            t["prefix"] = f"{t.get('prefix', 'kvtier')}.{short}"  # the prefix allows [A-Za-z0-9_.-] only
         tiers.append(t)
     out["tiers"] = tiers
     _tenants_per_rank(out, world_size, shared)

@@ -56,6 +56,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.announce import OffloadKeyLog, adopted_announcements
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import SchedulerEngine
+from kvtier.integrations.vllm.follow import SharedFollowing
 from kvtier.integrations.vllm.group_config import check_kv_cache_groups, group_layout, group_shares, group_tiers
 from kvtier.integrations.vllm.ranks import RankTiers, build_manager
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, SchedulerSide
@@ -335,8 +336,11 @@ class SchedulerGroups:
         namespace_of: Callable[[int, str], Namespace],
         *,
         result_deadline_s: float = DEFAULT_RESULT_DEADLINE_S,
+        shared: SharedFollowing | None = None,
     ) -> None:
         self.engines = list(engines)
+        #: shared tiers followed live, and the offload keys of other engines' blocks (.follow)
+        self.shared = shared
         self._deadline_s = result_deadline_s
         self._position = {e.group: i for i, e in enumerate(self.engines)}
         self._store_cfg = store_cfg
@@ -345,6 +349,8 @@ class SchedulerGroups:
         self.groups: list[_Group] = []
         #: per group: whether each tier is a memory tier
         self.memory_tiers: tuple[bool, ...] = ()
+        self.tier_names: tuple[str, ...] = ()
+        self.shared_tiers: tuple[bool, ...] = ()
         self._tier_index: dict[str, int] = {}
 
     @property
@@ -360,6 +366,7 @@ class SchedulerGroups:
                 raise ConfigError(f"kvtier: rank {r} opened KV-cache groups {desc.group_ids}, expected {group_ids}")
         groups: list[_Group] = []
         adopted_keys: dict[int, list[bytes]] = {}
+        at_start: list[tuple[int, int, list[bytes]]] = []
         orphaned = 0
         for gpos, engine in enumerate(self.engines):
             per_rank = {r: desc.groups[gpos] for r, desc in ranks.items()}
@@ -369,7 +376,8 @@ class SchedulerGroups:
                 side.ledger.remember(tier, keys)
             orphaned += sum(len(k) for k in orphans.values())
             engine.manager = manager
-            engine.namespace = self._namespace_of(gpos, per_rank[0].layout)
+            # Head-group records: the ranks' own namespace, the same at every TP size.
+            engine.namespace = per_rank[0].key_namespace or self._namespace_of(gpos, per_rank[0].layout)
             engine.memory_tiers = tuple(t.memory for t in per_rank[0].tiers)
             engine.counters["blocks_adopted"] = sum(len(keys) for keys in adopted.values())
             cap = max(
@@ -379,10 +387,14 @@ class SchedulerGroups:
             groups.append(_Group(engine, side, engine.namespace, cap))
             for tier, keys in adopted.items():
                 adopted_keys.setdefault(tier, []).extend(keys)
+                at_start.append((gpos, tier, keys))
         first = groups[0].engine
         assert first.manager is not None
         self.memory_tiers = first.memory_tiers
         self._tier_index = {first.manager.tier_spec(i).name: i for i in range(first.manager.num_tiers)}
+        #: per tier: its name and whether other engines write it too (KV events name both)
+        self.tier_names = tuple(first.manager.tier_spec(i).name for i in range(first.manager.num_tiers))
+        self.shared_tiers = tuple(room.shared for room in ranks[min(ranks)].groups[0].tiers)
         # Tell routers which blocks this process already holds (vLLM named them in an earlier
         # process; the log next to the persistent tier remembers their offload keys).
         events, keep = adopted_announcements(adopted_keys, self._key_log.load())
@@ -393,6 +405,13 @@ class SchedulerGroups:
         self._key_log.rewrite(keep)
         first.counters["blocks_announced"] = len(keep)
         self.groups = groups
+        if self.shared is not None:
+            described = [ranks[min(ranks)].groups[gpos] for gpos in range(len(groups))]
+            self.shared.start(group_ids, described, [g.engine.manager for g in groups])
+            for gpos, tier, keys in at_start:  # adopted blocks the log does not name: ask the directory
+                for key in keys:
+                    if key not in keep:
+                        self.shared.ask(gpos, key, tier)
         log.info(
             "kvtier: scheduler side of engine %s over %d ranks, %d KV-cache groups: %d blocks adopted, %d orphan records to delete",
             first.engine_id,
@@ -481,6 +500,8 @@ class SchedulerGroups:
             group = self.groups[gpos]
             stored = group.side.complete_store([group.kkey(keys[i]) for i in idx], success)
             pairs.extend((k, group.offload_key[k]) for k in stored if k in group.offload_key)
+        if self.shared is not None:
+            self.shared.publish(pairs)
         return pairs
 
     def worker_output(self, results: Collection[GroupResult], counts: Mapping[int, int]) -> dict[int, int]:
@@ -537,6 +558,11 @@ class SchedulerGroups:
                 out.append((gpos, notices))
         return tuple(out)
 
+    def close(self) -> None:
+        """Stop following the shared tiers (the scheduler side shuts down)."""
+        if self.shared is not None:
+            self.shared.close()
+
     def take_deletes(self) -> tuple[tuple[int, Deletes], ...]:
         out = []
         for gpos, group in enumerate(self.groups):
@@ -547,13 +573,21 @@ class SchedulerGroups:
 
     def take_events(self) -> Iterator[tuple[bytes, int, bool]]:
         """(offload key, tier index, removed) of each block the managers stored or removed."""
-        for group in self.groups:
+        for gpos, group in enumerate(self.groups):
             mgr = group.engine.manager
             assert mgr is not None
             for event in mgr.take_events():
                 vkey = group.offload_key.get(event.key)
-                if vkey is None:
-                    continue  # adopted, and not in the offload key log: vLLM's hash is unknown
+                if vkey is None:  # adopted from another engine: its offload key is looked up
+                    if event.kind == "stored" and self.shared is not None:
+                        self.shared.ask(gpos, event.key, self._tier_index.get(event.tier, 0))
+                    continue
                 if event.kind == "removed" and mgr.status(event.key).tier is None:
                     group.offload_key.pop(event.key, None)
                 yield vkey, self._tier_index.get(event.tier, 0), event.kind == "removed"
+        for gpos, key, vkey, tier in self.shared.take_found() if self.shared is not None else ():
+            group = self.groups[gpos]
+            assert group.engine.manager is not None
+            if group.engine.manager.status(key).tier is not None:  # still held: announce it
+                group.remember([key], [vkey])
+                yield vkey, tier, False

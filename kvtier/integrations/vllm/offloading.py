@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -64,7 +65,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """Build the managers from what every rank opened (see :mod:`.ranks`)."""
         events = self._groups.adopt(ranks)
         self._media = [Medium.CPU if memory else Medium.STORAGE for memory in self._groups.memory_tiers]
-        self._announce = [OffloadingEvent(keys=[v], medium=self._media[t], removed=False) for t, v in events]
+        self._announce = [self._event(v, t, removed=False) for t, v in events]
 
     def worker_output(
         self, results: Collection[RankResult], counts: Mapping[int, int]
@@ -144,12 +145,26 @@ class KvtierOffloadingManager(OffloadingManager):
         announce, self._announce = self._announce, []
         yield from announce
         for vkey, tier, removed in self._groups.take_events():
-            yield OffloadingEvent(keys=[vkey], medium=self._media[tier], removed=removed)
+            yield self._event(vkey, tier, removed=removed)
+
+    def _event(self, key: bytes, tier: int, *, removed: bool) -> Any:
+        """A KV event of ``key`` in ``tier``: its medium (CPU for memory tiers, STORAGE for
+        the others), its locality (REMOTE for a tier other engines write too) and, as its
+        ownership, the kvtier tier's name (``kvtier:<name>``)."""
+        names, shared = self._groups.tier_names, self._groups.shared_tiers
+        return OffloadingEvent(
+            keys=[key],
+            medium=self._media[tier],
+            removed=removed,
+            locality=Locality.REMOTE if tier < len(shared) and shared[tier] else Locality.LOCAL,
+            ownership=f"kvtier:{names[tier]}" if tier < len(names) else None,
+        )
 
     def counters(self) -> dict[str, int]:
         return summed(scheduler_counters(e) for e in self._engines)
 
     def shutdown(self) -> None:
+        self._groups.close()
         for engine in self._engines:
             unregister_engine(engine)
 

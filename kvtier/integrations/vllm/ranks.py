@@ -22,10 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier import registry
+from kvtier.backend import BlockFormat
 from kvtier.config import StoreConfig
 from kvtier.config.tenants import TenancyConfig, tenant_rules
 from kvtier.errors import ConfigError
+from kvtier.keys import Namespace
 from kvtier.manager import TierManager, TierSpec
+from kvtier.records.head_groups import HeadGroupLayout
 from kvtier.store import KVStore
 
 __all__ = ["RankTiers", "TierRoom", "build_manager", "describe_rank"]
@@ -61,11 +64,21 @@ class RankTiers:
     #: the rank's KV layout fingerprint: part of the key namespace (ranks of one engine agree)
     layout: str
     tiers: tuple[TierRoom, ...]
+    #: the key namespace when it does not depend on the rank or TP size (head-group records):
+    #: the scheduler side folds vLLM's keys with it, so engines of every TP size share keys
+    key_namespace: Namespace | None = None
+    #: the rank's head groups and its store's block format (head-group records; see .follow)
+    head_groups: HeadGroupLayout | None = None
+    block_format: BlockFormat | None = None
 
 
-def describe_rank(engine_id: str, rank: int, world_size: int, store: KVStore, layout: str) -> RankTiers:
+def describe_rank(
+    engine_id: str, rank: int, world_size: int, store: KVStore, layout: str, *, together: frozenset[int] = frozenset()
+) -> RankTiers:
     """The :class:`RankTiers` of an open worker store (its persistent tiers scanned again:
-    what they hold after the store's own clean-up at open)."""
+    what they hold after the store's own clean-up at open). With head-group records the key
+    namespace goes along, and the tiers in ``together`` count as shared (other engines write
+    the same place: records some rank lacks may be another engine's writes in progress)."""
     mgr = store.manager
     assert mgr is not None
     rooms = []
@@ -82,13 +95,24 @@ def describe_rank(engine_id: str, rank: int, world_size: int, store: KVStore, la
                 max_blocks=backend.max_blocks,
                 memory=backend.is_memory,
                 persistent=backend.persistent,
-                shared=bool(getattr(backend, "shared", False)),
+                shared=bool(getattr(backend, "shared", False)) or (i in together and store.head_groups is not None),
                 variable_size=spec.variable_size,
                 admit_after=spec.admit_after,
                 records=records,
             )
         )
-    return RankTiers(engine_id, rank, world_size, store.format.block_bytes, layout, tuple(rooms))
+    hg = store.head_groups
+    return RankTiers(
+        engine_id,
+        rank,
+        world_size,
+        store.format.block_bytes,
+        layout,
+        tuple(rooms),
+        key_namespace=store.namespace if hg is not None else None,
+        head_groups=hg,
+        block_format=store.format if hg is not None else None,
+    )
 
 
 def build_manager(

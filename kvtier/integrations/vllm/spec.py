@@ -29,14 +29,17 @@ from kvtier.integrations.vllm.engines import (
     store_config,
     vllm_namespace,
 )
+from kvtier.integrations.vllm.follow import SharedFollowing
 from kvtier.integrations.vllm.group_config import group_layout, group_shares, group_tiers
 from kvtier.integrations.vllm.groups import RankGroups, SchedulerGroups
+from kvtier.integrations.vllm.head_layout import HeadShape, rank_head_groups, together_tiers
 from kvtier.integrations.vllm.idle_steps import idle_load_wait
 from kvtier.integrations.vllm.offloading import KvtierOffloadingManager, KvtierOffloadingWorker
 from kvtier.integrations.vllm.ranks import describe_rank
 from kvtier.integrations.vllm.replicated import WRITER_RANK, namespace_rank, shared_tiers
 from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S
 from kvtier.integrations.vllm.stats import METRICS, PREFIX
+from kvtier.records.head_groups import HeadGroupLayout
 from kvtier.store import KVStore
 from kvtier.transfer.layout import KVLayout
 
@@ -89,6 +92,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
         #: KV the same on every rank: the tiers all ranks share hold one copy (.replicated)
         self._replicated = bool(self.extra_config.get(REPLICATED_KEY)) and config.parallel.world_size > 1
         self._shared = shared_tiers(cfg_dict) if self._replicated else frozenset()
+        #: per KV-cache group id: where the heads are in vLLM's pages (set by KvtierConnector
+        #: from the per-layer tensors before vLLM builds the worker; see .head_layout)
+        self.head_shapes: dict[int, HeadShape | None] = {}
 
     def get_manager(self) -> Any:
         parallel = self.config.parallel
@@ -112,7 +118,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         def namespace_of(gpos: int, layout: str) -> Any:
             return vllm_namespace(self.config, self.tokens_per_block[gpos], layout, self._overrides)
 
-        groups = SchedulerGroups(engines, store_cfg, key_log, namespace_of, result_deadline_s=deadline)
+        shared = SharedFollowing(self._store_dict, parallel.world_size)
+        groups = SchedulerGroups(engines, store_cfg, key_log, namespace_of, result_deadline_s=deadline, shared=shared)
         return KvtierOffloadingManager(engines, groups, key_log)
 
     def get_worker(self, kv_caches: Any) -> Any:
@@ -133,7 +140,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
         ]
         layouts = [KVLayout(v, engine_blocks_per_block=self.blocks_per_chunk) for v in group_views]
         shares = group_shares([layout.block_bytes for layout in layouts])
-        per_rank = rank_tiers(self._store_dict, rank, world, shared=self._shared)
+        head_groups = self._head_groups(group_ids, group_views, rank)
+        together = together_tiers(self._store_dict) if all(hg is not None for hg in head_groups) else frozenset()
+        per_rank = rank_tiers(self._store_dict, rank, world, shared=self._shared, together=together)
         # Replicated KV: every rank's bytes are rank 0's, and so is the namespace of its records.
         ns_rank = namespace_rank(rank, self._replicated)
         skip = self._shared if rank != WRITER_RANK else frozenset()
@@ -146,9 +155,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 source="kv_connector_extra_config.kvtier",
                 block_bytes=layout.block_bytes,
             )
-            store = run_sync(KVStore(cfg, kv_caches=v, namespace=namespace).start())
+            store = run_sync(KVStore(cfg, kv_caches=v, namespace=namespace, head_groups=head_groups[gpos]).start())
             engine = RankEngine(self.config.engine_id, store, rank=rank, group=gid, skip_tiers=skip)
-            descriptions.append(describe_rank(self.config.engine_id, rank, world, store, fingerprint))
+            descriptions.append(describe_rank(self.config.engine_id, rank, world, store, fingerprint, together=together))
             register_engine(engine)
             engines.append(engine)
             log.info(
@@ -163,3 +172,25 @@ class KvtierOffloadingSpec(OffloadingSpec):
             )
         description = RankGroups(rank, world, group_ids, tuple(descriptions))
         return KvtierOffloadingWorker(engines, description, idle_load_wait_s=self._idle_load_wait_s)
+
+    def _head_groups(self, group_ids: tuple[int, ...], group_views: list[list[Any]], rank: int) -> list[HeadGroupLayout | None]:
+        """Each KV-cache group's head groups on this rank (None: records per rank; KV the same
+        on every rank keeps its one shared copy, see .replicated)."""
+        if self._replicated:
+            return [None] * len(group_ids)
+        settings = self._store_dict.get("head_groups")
+        out = []
+        for gid, views in zip(group_ids, group_views):
+            tag = group_layout(f"vllm:{self.config.kv_cache_layout}", gid, len(group_ids))
+            out.append(
+                rank_head_groups(
+                    settings,
+                    self.head_shapes.get(gid),
+                    len(views),
+                    tp_size=int(self.config.parallel.tp_size),
+                    rank=rank,
+                    blocks_per_chunk=self.blocks_per_chunk,
+                    tag=tag,
+                )
+            )
+        return out
