@@ -146,6 +146,8 @@ class ChangeFeed(ABC):
             raise ValueError(f"writer: expected {WRITER_ID_BYTES} bytes, got {len(self.writer)}")
         self.published = 0
         self.publish_failures = 0
+        self._retry_at = 0.0
+        self._backoff = 0.0
 
     def publish(self, op: FeedOp, keys: Sequence[bytes]) -> bool:
         """Announce that this writer stored (or removed) ``keys``: one job, one call, cut into
@@ -154,11 +156,18 @@ class ChangeFeed(ABC):
             return True
         now = time.time()
         values = [encode_entry(op, run, self.writer, now) for run in self.chunks(keys, self.max_keys_per_entry)]
-        ok = self.append(values)
+        # After a failure the feed is left alone for a backoff (0.5 s doubling to 5 s): a dead
+        # medium must not make every job wait for its timeout. What is not published reaches
+        # the followers at their next sweep.
+        ok = time.monotonic() >= self._retry_at and self.append(values)
         if ok:
             self.published += len(values)
+            self._backoff = 0.0
         else:
             self.publish_failures += len(values)
+            if time.monotonic() >= self._retry_at:
+                self._backoff = min(max(0.5, self._backoff * 2), 5.0)
+                self._retry_at = time.monotonic() + self._backoff
         return ok
 
     @abstractmethod

@@ -67,6 +67,34 @@ _BACKOFF_MAX_S = 5.0
 _LAGS_KEPT = 4096
 
 
+class ChangeListeners:
+    """Callables told each change of a followed tier; registration is thread-safe, and a
+    listener that raises is logged and kept (it never stops the following)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._listeners: tuple[Callable[[Any], None], ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener`` with every change; returns a function that stops it."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def remove() -> None:
+            with self._lock:
+                self._listeners = tuple(fn for fn in self._listeners if fn is not listener)
+
+        return remove
+
+    def tell(self, change: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(change)
+            except Exception:
+                log.exception("%s: a listener of the shared tier failed", self.name)
+
+
 @dataclass(frozen=True, slots=True)
 class TierChange:
     """What a follower changed in the local index of shared tier ``tier``."""
@@ -85,6 +113,9 @@ Listener = Callable[[TierChange], None]
 class TierFollower:
     """Follows one shared tier into tier ``tier`` of a manager: a feed (optional) and a sweep."""
 
+    #: Seconds one feed read waits for an entry (the thread checks for ``stop`` in between).
+    wait_s_default: float = 0.5
+
     def __init__(
         self,
         name: str,
@@ -93,8 +124,9 @@ class TierFollower:
         record_bytes: int,
         feed: ChangeFeed | None = None,
         sweep_interval_s: float = 60.0,
-        wait_s: float = 0.5,
+        wait_s: float | None = None,
     ) -> None:
+        wait_s = self.wait_s_default if wait_s is None else wait_s
         if wait_s <= 0:
             raise ValueError(f"wait_s: expected a positive number of seconds, got {wait_s!r}")
         self.name = name
@@ -104,7 +136,7 @@ class TierFollower:
         self.view = SharedIndexView(
             name, sweep, record_bytes=record_bytes, interval_s=sweep_interval_s, on_change=self._swept
         )
-        self._listeners: tuple[Listener, ...] = ()
+        self._listeners = ChangeListeners(name)
         self._target: IndexTarget | None = None
         self._tier = 0
         self._cursor: FeedCursor | None = None
@@ -143,14 +175,7 @@ class TierFollower:
 
     def listen(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with every :class:`TierChange`; returns a function that stops it."""
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-        def unlisten() -> None:
-            with self._lock:
-                self._listeners = tuple(fn for fn in self._listeners if fn is not listener)
-
-        return unlisten
+        return self._listeners.add(listener)
 
     def bind(self, target: IndexTarget, tier: int, *, start: bool = True) -> None:
         """Follow into ``target``'s tier ``tier``; start the threads (feed and sweep)."""
@@ -299,11 +324,7 @@ class TierFollower:
     def _tell(self, change: TierChange) -> None:
         self.counters["adopted"] += len(change.adopted)
         self.counters["removed"] += len(change.removed)
-        for listener in self._listeners:
-            try:
-                listener(change)
-            except Exception:  # a listener's bug never stops the index from following
-                log.exception("%s: a listener of the shared tier failed", self.name)
+        self._listeners.tell(change)
 
     # -- figures -------------------------------------------------------------------------------
     def lag_quantiles(self) -> dict[str, float]:
@@ -347,9 +368,13 @@ class FollowedTier:
         record_bytes: int,
         feed: ChangeFeed | None,
         sweep_interval_s: float,
+        mark: bool = True,
     ) -> TierFollower:
+        """Build the follower; with ``mark``, note the feed's head now (I/O: off the event loop;
+        a tier that connects later calls ``follower.mark_start()`` itself, before listing)."""
         follower = TierFollower(name, sweep=sweep, record_bytes=record_bytes, feed=feed, sweep_interval_s=sweep_interval_s)
-        follower.mark_start()
+        if mark:
+            follower.mark_start()
         self.follower = follower
         return follower
 

@@ -23,9 +23,12 @@ What every remote tier shares (the index view, records, health and backoff, secr
 shares) is :class:`kvtier.backends.remote_tier.RemoteRecordBackend`'s; this module keeps what is
 Redis's own: the URL and connections, the wire exchanges, hash slots and the ``SCAN`` sweep.
 
-The index lives on the server. :class:`kvtier.backends.shared_index.SharedIndexView` keeps the manager's
-local index of this tier in step (periodic ``SCAN``, every ``sync_interval_s``); lookups never
-touch the network. A key the view still claims but the server evicted is a load miss.
+The index lives on the server. Each job's writes and deletes are published to a capped stream
+per namespace (:mod:`kvtier.backends.redis_feed`; ``feed: false`` turns it off), which every
+engine's :class:`~kvtier.backends.feed_follower.TierFollower` reads to keep its manager's index
+in step; a ``SCAN`` sweep every ``sync_interval_s`` (60 s with the feed, 1 s without) is the
+backstop. Lookups never touch the network. A key the index still claims but the server
+evicted is a load miss.
 
 Faults: every socket call has a timeout (``socket_timeout_s``, ``connect_timeout_s``). A
 connection failure marks the tier *down*: one warning is logged, ``outages`` counts it, and
@@ -52,7 +55,9 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
+from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.redis_client import client_options, credentials, probe_problem
+from kvtier.backends.redis_feed import RedisFeed
 from kvtier.backends.redis_pool import ConnectionBudget, PoolGate
 from kvtier.backends.redis_tags import read_redis_tags, write_redis_tags
 from kvtier.backends.redis_wire import (
@@ -65,7 +70,15 @@ from kvtier.backends.redis_wire import (
     unlink_command,
 )
 from kvtier.backends.remote_health import Down, Health
-from kvtier.backends.remote_tier import ReadJob, RemoteRecordBackend, Route, SweepSkipped, WriteJob, check_seconds
+from kvtier.backends.remote_tier import (
+    FEED_MAXLEN,
+    ReadJob,
+    RemoteRecordBackend,
+    Route,
+    SweepSkipped,
+    WriteJob,
+    check_seconds,
+)
 
 from kvtier.errors import BackendError, ConfigError, MissingDependencyError
 from kvtier.records.codec import Codec
@@ -137,7 +150,9 @@ class RedisBackend(RemoteRecordBackend):
         job_connections: int | str = "auto",
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
-        sync_interval_s: float = 1.0,
+        sync_interval_s: float | None = None,
+        feed: bool = True,
+        feed_maxlen: int = FEED_MAXLEN,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
@@ -145,7 +160,7 @@ class RedisBackend(RemoteRecordBackend):
         url, self.username, self._secret = credentials(url, username, password, password_env)
         super().__init__(
             capacity=capacity, where=url, prefix=prefix, codec=codec, mac_key=mac_key, mac_key_env=mac_key_env,
-            mac_algorithm=mac_algorithm, sync_interval_s=sync_interval_s,
+            mac_algorithm=mac_algorithm, sync_interval_s=sync_interval_s, feed=feed, feed_maxlen=feed_maxlen,
         )
         self.url = url
         self._password = self._secret.value
@@ -216,6 +231,21 @@ class RedisBackend(RemoteRecordBackend):
         return None
 
     # -- connections -----------------------------------------------------------------------------
+    def _make_feed(self) -> RedisFeed:
+        """A capped stream next to the namespace's records, on a client of its own (two
+        connections: the follower's blocking read never holds one a job waits for)."""
+        wait = TierFollower.wait_s_default
+        options = client_options(
+            self.username, self._password, self.tls, max(self.socket_timeout_s, wait + 1.0), self.connect_timeout_s, 2
+        )
+
+        def make_client() -> Any:
+            if self.cluster:
+                return RedisCluster.from_url(self.url, **options)
+            return redis.Redis.from_url(self.url, **options)
+
+        return RedisFeed(self._prefix_bytes + b"feed", make_client, maxlen=self.feed_maxlen)
+
     async def open(self, fmt: Any) -> None:
         if self.ttl_s is not None:
             self._ttl_ms = str(max(1, round(self.ttl_s * 1000))).encode()

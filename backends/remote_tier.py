@@ -72,6 +72,8 @@ from functools import partial
 from typing import Any, ClassVar
 
 import torch
+from kvtier.backends.change_feed import ChangeFeed
+from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.remote_shares import split_shares
@@ -90,6 +92,11 @@ log = logging.getLogger("kvtier")
 KEY_BYTES = 32
 #: Keys remembered as not loadable (see ``RemoteRecordBackend._unreadable``): 32 bytes each.
 UNREADABLE_MAX = 100_000
+#: Entries a namespace's change feed keeps (about; the server trims whole nodes).
+FEED_MAXLEN = 100_000
+#: The sweep's interval without a feed (it alone follows the other hosts), and with one (a backstop).
+SWEEP_ALONE_S = 1.0
+SWEEP_WITH_FEED_S = 60.0
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 #: ``(health, handle, positions)``: the server that holds some of a job's keys, what the
@@ -134,7 +141,7 @@ def check_seconds(**values: Any) -> None:
             raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
 
 
-class RemoteRecordBackend(RecordBackend):
+class RemoteRecordBackend(FollowedTier, RecordBackend):
     """Records on a server shared by every host; see the module doc for the hooks."""
 
     #: Records outlive the process; at open the store adopts what the server holds.
@@ -158,11 +165,23 @@ class RemoteRecordBackend(RecordBackend):
         mac_key: bytes | str | None = None,
         mac_key_env: str | None = None,
         mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
-        sync_interval_s: float = 1.0,
+        sync_interval_s: float | None = None,
+        feed: bool = True,
+        feed_maxlen: int = FEED_MAXLEN,
     ) -> None:
         super().__init__(capacity=capacity, codec=codec, mac_key=mac_key, mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
         if not isinstance(prefix, str) or not self.prefix_pattern.match(prefix):
             raise ConfigError(f"prefix: expected 1-64 characters of [A-Za-z0-9_.-], got {prefix!r}")
+        if not isinstance(feed, bool):
+            raise ConfigError(f"feed: expected true or false, got {feed!r}")
+        if isinstance(feed_maxlen, bool) or not isinstance(feed_maxlen, int) or feed_maxlen < 100:
+            raise ConfigError(f"feed_maxlen: expected at least 100 entries, got {feed_maxlen!r}")
+        #: Others' changes come through a change feed (:mod:`kvtier.backends.change_feed`),
+        #: where the tier has one; the sweep every ``sync_interval_s`` is then the backstop.
+        self.feed = feed
+        self.feed_maxlen = feed_maxlen
+        if sync_interval_s is None:
+            sync_interval_s = SWEEP_WITH_FEED_S if feed else SWEEP_ALONE_S
         check_seconds(sync_interval_s=sync_interval_s)
         #: the server, as logged (never a secret)
         self.where = where
@@ -174,7 +193,6 @@ class RemoteRecordBackend(RecordBackend):
         self._pool_threads: ThreadPoolExecutor | None = None
         self._prefix_bytes = b""
         self._meta_key = b""
-        self.view: SharedIndexView | None = None
         #: The server holds another store's meta record under this prefix: serve nothing from it.
         self._foreign = False
         #: Keys under the prefix that failed to load as ours (wrong type, unknown version): the
@@ -185,7 +203,17 @@ class RemoteRecordBackend(RecordBackend):
         self._down_errors: tuple[type[BaseException], ...] = (Down, *self.down_errors)
         self._failure_errors: tuple[type[BaseException], ...] = (*self._down_errors, *self.refused_errors)
 
+    @property
+    def view(self) -> SharedIndexView | None:
+        """The sweep of the shared index (the follower's backstop), ``None`` when not open."""
+        return self.follower.view if self.follower is not None else None
+
     # -- hooks (see the module doc) ----------------------------------------------------------------
+    def _make_feed(self) -> ChangeFeed | None:
+        """This namespace's change feed on the server (called at open), or ``None`` where the
+        tier has none: the sweep alone then follows the other hosts."""
+        return None
+
     def _connect(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _connect")
 
@@ -246,8 +274,9 @@ class RemoteRecordBackend(RecordBackend):
         await super().open(fmt)
         self._prefix_bytes = f"{self.prefix}:{fmt.namespace_digest[:8].hex()}:".encode()
         self._meta_key = self._prefix_bytes + b"meta"
-        self.view = SharedIndexView(
-            f"{self.name} {self.where}", self._sweep, record_bytes=self.reserve_bytes(), interval_s=self.sync_interval_s
+        self._start_following(
+            f"{self.name} {self.where}", sweep=self._sweep, record_bytes=self.reserve_bytes(),
+            feed=self._make_feed() if self.feed else None, sweep_interval_s=self.sync_interval_s, mark=False,
         )
         await asyncio.to_thread(self._connect_and_check)
 
@@ -284,14 +313,15 @@ class RemoteRecordBackend(RecordBackend):
             self._health.failed(exc)
         else:
             self._health.succeeded()
+            if self.follower is not None:  # the feed's head before the store lists the server
+                self.follower.mark_start()
 
     async def aclose(self) -> None:
         if self._closed:
             return
         await super().aclose()
-        view, self.view = self.view, None
-        if view is not None:
-            await asyncio.to_thread(view.stop)
+        if self.follower is not None:
+            await asyncio.to_thread(self._stop_following)
         threads, self._pool_threads = self._pool_threads, None
         if threads is not None:
             threads.shutdown(wait=True)
@@ -299,11 +329,6 @@ class RemoteRecordBackend(RecordBackend):
             self._disconnect()
         except Exception as exc:  # closing sockets of a dead server must not fail a close
             log.debug("%s: close: %s", self.name, exc)
-
-    def bind_index(self, manager: Any, tier: int) -> None:
-        """Keep ``manager``'s index of ``tier`` in step with the server (called by the store)."""
-        if self.view is not None:
-            self.view.bind(manager, tier)
 
     # -- running a job's shares --------------------------------------------------------------------
     def _run_io(self, fn: Callable[[Any, list[int]], None], rkeys: list[bytes], record_bytes: int = 0) -> list[int]:
@@ -317,8 +342,8 @@ class RemoteRecordBackend(RecordBackend):
             self._health.failed(exc)
             return list(range(len(rkeys)))
         failed = self._run_routes(fn, routes, record_bytes)
-        if len(failed) < len(rkeys) and self._health.succeeded() and self.view is not None:
-            self.view.wake()
+        if len(failed) < len(rkeys) and self._health.succeeded() and self.follower is not None:
+            self.follower.sweep_now()
         return failed
 
     def _run_routes(self, fn: Callable[[Any, list[int]], None], routes: list[Route], record_bytes: int = 0) -> list[int]:
@@ -349,8 +374,8 @@ class RemoteRecordBackend(RecordBackend):
         for health, exc in verdict.values():
             if exc is not None:
                 health.failed(exc)
-            elif health.succeeded() and self.view is not None:
-                self.view.wake()
+            elif health.succeeded() and self.follower is not None:
+                self.follower.sweep_now()
         return failed
 
     def _run_share(self, fn: Callable[[Any, list[int]], None], handle: Any, positions: list[int]) -> BaseException | None:
@@ -384,8 +409,8 @@ class RemoteRecordBackend(RecordBackend):
         self.counters.blocks_written += len(done)
         self.counters.bytes_written += sum(s for s in sizes if s is not None)
         self.counters.write_failures += n - len(done)
-        if done and self.view is not None:
-            self.view.note_written(done)
+        if done and self.follower is not None:
+            self._followed_writes(done)
         if done and self._unreadable:
             with self._unreadable_lock:
                 for key in done:
@@ -416,6 +441,8 @@ class RemoteRecordBackend(RecordBackend):
         if job.unreadable:
             self._remember_unreadable(job.unreadable)
         self._count_reads(job.found, size, corrupt=len(job.bad))
+        if self.follower is not None:
+            self._followed_reads(keys, job.found)
         return job.found
 
     def _read_share(self, handle: Any, positions: list[int], *, job: ReadJob) -> None:
@@ -466,10 +493,10 @@ class RemoteRecordBackend(RecordBackend):
     def _delete(self, keys: list[bytes]) -> None:
         if not keys:
             return
-        if self.view is not None:
-            self.view.note_deleted(keys)
         if not self._health.allow():
             self._health.fast_failures += len(keys)
+            if self.follower is not None:
+                self.follower.note_deleted(keys)
             return  # the server is gone; its own eviction (or TTL) reclaims the records later
         rkeys = [self.remote_key(k) for k in keys]
         deleted = 0
@@ -480,6 +507,8 @@ class RemoteRecordBackend(RecordBackend):
 
         self._run_io(delete_share, rkeys)
         self.counters.deleted += deleted
+        if self.follower is not None:
+            self._followed_deletes(keys)
 
     # -- the shared index --------------------------------------------------------------------------
     def _sweep(self) -> set[bytes] | None:
@@ -513,8 +542,8 @@ class RemoteRecordBackend(RecordBackend):
         found = self._sweep()
         if found is None:
             return iter(())
-        if self.view is not None:
-            self.view.note_listed(found)
+        if self.follower is not None:
+            self.follower.note_listed(found)
         now = time.time()
         size = self.reserve_bytes()
         return iter([RecordInfo(k, size, now) for k in found])
@@ -528,11 +557,16 @@ class RemoteRecordBackend(RecordBackend):
             connection_errors=sum(h.connection_errors for h in every),
             fast_failures=sum(h.fast_failures for h in every),
         )
-        if self.view is not None:
-            data["index"] = self.view.stats()
+        if self.follower is not None:
+            data["follow"] = self.follower.stats()
+            data["index"] = data["follow"]["index"]
         return data
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
         data.update(prefix=self.prefix, sync_interval_s=self.sync_interval_s)
+        if not self.feed:
+            data["feed"] = False
+        if self.feed_maxlen != FEED_MAXLEN:
+            data["feed_maxlen"] = self.feed_maxlen
         return data

@@ -141,7 +141,9 @@ def test_keys_carry_the_namespace_prefix(redis_server: RedisServer, tmp_path: Pa
         backend.write_blocks([make_key(1)], blocks(1))
         raw = redis.Redis.from_url(redis_server.url).keys(f"{_prefix(tmp_path)}:*")
         digest = fmt().namespace_digest[:8].hex()
-        assert sorted(raw) == sorted([f"{_prefix(tmp_path)}:{digest}:meta".encode(), f"{_prefix(tmp_path)}:{digest}:".encode() + make_key(1)])
+        base = f"{_prefix(tmp_path)}:{digest}:".encode()
+        # the meta record, the record, and the namespace's change feed (a stream)
+        assert sorted(raw) == sorted([base + b"meta", base + make_key(1), base + b"feed"])
     finally:
         close(backend)
 
@@ -205,14 +207,33 @@ def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServ
     # The user of docs/tiers.md: only the commands the tier sends, only its key prefix.
     own_redis_server.cli(
         "ACL", "SETUSER", "kvtier", "on", ">pw-kvtier-1234", f"~{prefix}:*",
+        *"+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards +xadd +xread +xinfo|stream".split(),
+    )
+    # The user of an older release, without the change feed's commands.
+    own_redis_server.cli(
+        "ACL", "SETUSER", "older", "on", ">pw-kvtier-1234", f"~{prefix}:*",
         *"+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards".split(),
     )
     own_redis_server.cli("ACL", "SETUSER", "default", "off")
+    from kvtier.backends.change_feed import FeedCursor
+
     monkeypatch.setenv("REDIS_TEST_PW", "pw-kvtier-1234")
     backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="REDIS_TEST_PW")
     try:
         assert backend.write_blocks([make_key(1)], blocks(1)) != [None]
         assert backend.read_blocks([make_key(1)], empty(1)) == [True]
+        feed = backend.follower.feed  # the change feed's commands are allowed too
+        assert feed.published == 1 and feed.publish_failures == 0
+        assert feed.read(FeedCursor(), 0.1).entries[0].keys == (make_key(1),)
+    finally:
+        close(backend)
+    # The older user: the tier still serves; the feed's refusals are counted (the other
+    # engines reconcile through their sweeps).
+    backend = opened(url=own_redis_server.url, prefix=prefix, username="older", password_env="REDIS_TEST_PW")
+    try:
+        assert backend.write_blocks([make_key(3)], blocks(1)) != [None]
+        assert backend.read_blocks([make_key(3)], empty(1)) == [True]
+        assert backend.stats()["follow"]["feed_publish_failures"] == 1
     finally:
         close(backend)
     monkeypatch.setenv("REDIS_TEST_PW", "wrong")
@@ -256,12 +277,14 @@ def engine_blocks(caches: list[torch.Tensor], ids: list[int]) -> list[list[torch
 
 
 async def test_a_key_stored_by_another_host_is_found_after_a_sweep_and_a_lost_key_is_a_miss(redis_server: RedisServer, tmp_path: Path) -> None:
+    # The sweep alone (feed: false; with the feed B would see A's keys at once, as
+    # tests/test_feed_tiers.py shows).
     prefix = _prefix(tmp_path)
     keys = [make_key(i) for i in range(4)]
     a_caches, b_caches = make_caches(1), make_caches(2)
     want = engine_blocks(a_caches, [0, 1, 2, 3])
-    async with kvtier.open(store_config(redis_server.url, prefix), kv_caches=b_caches) as b:
-        async with kvtier.open(store_config(redis_server.url, prefix), kv_caches=a_caches) as a:
+    async with kvtier.open(store_config(redis_server.url, prefix, feed=False), kv_caches=b_caches) as b:
+        async with kvtier.open(store_config(redis_server.url, prefix, feed=False), kv_caches=a_caches) as a:
             assert await a.save(keys, [0, 1, 2, 3]) == 4
         assert await b.lookup(keys) == 0  # no round trip in lookup: B has not swept yet
         view = b.backends[1].view

@@ -253,6 +253,18 @@ class HeadGroupTier(Backend):
             self._listed = []
             bind(self.index, tier)
 
+    @property
+    def follower(self) -> Any:
+        """The inner shared tier's follower (its changes name blocks: :class:`GroupIndex`
+        returns block keys), or ``None``."""
+        return getattr(self.inner, "follower", None)
+
+    def forget_blocks(self, keys: Sequence[bytes]) -> None:
+        """An eviction in a shared tier: the inner tier forgets this rank's records."""
+        forget = getattr(self.inner, "forget_blocks", None)
+        if forget is not None and keys and self._written:
+            forget(self.layout.record_keys(keys, self._written))
+
     def stored_keys(self) -> list[bytes] | None:
         keys = self.inner.stored_keys()
         if keys is None:
