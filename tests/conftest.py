@@ -16,10 +16,12 @@ from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redi
     server_kind,
     server_version,
 )
-from s3_servers import own_seaweed, seaweed  # noqa: F401  (fixtures)
+from s3_servers import MISSING as S3_MISSING
+from s3_servers import own_seaweed, s3_available, seaweed  # noqa: F401  (fixtures)
 
 
 def pytest_report_header(config: object) -> list[str]:
     lines = report_header()
     lines.append("mooncake: " + (MOONCAKE_MISSING if mooncake_binaries() is None else "mooncake_master and mooncake_client of the installed wheel"))
+    lines.append("s3: " + (f"SeaweedFS {s3_available()} and obstore" if s3_available() else S3_MISSING))
     return lines

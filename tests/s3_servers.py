@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.tools.seaweed import WEED, SeaweedServer
 
-__all__ = ["BUCKET", "MISSING", "SeaweedServer", "need_s3", "own_seaweed", "seaweed", "unique_prefix"]
+__all__ = ["BUCKET", "MISSING", "SeaweedServer", "need_s3", "own_seaweed", "s3_available", "seaweed", "unique_prefix"]
 
 BUCKET = "kvtier-test"
 
@@ -27,8 +27,13 @@ MISSING = (
 )
 
 
+def s3_available() -> str | None:
+    """The ``weed`` binary's path when it and the obstore client are installed, else ``None``."""
+    return WEED if WEED is not None and importlib.util.find_spec("obstore") is not None else None
+
+
 def need_s3() -> None:
-    if WEED is None or importlib.util.find_spec("obstore") is None:
+    if s3_available() is None:
         pytest.skip(MISSING, allow_module_level=True)
 
 

@@ -21,7 +21,7 @@ from kvtier.backend import Backend, BlockFormat
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key
-from kvtier.transfer import TransferEngine
+from kvtier.transfer import TransferEngine, copies
 from kvtier.transfer.layout import KVLayout
 
 K = [make_key(5000 + i) for i in range(32)]
@@ -212,3 +212,26 @@ def test_the_bound_is_checked(rigs: list[Rig]) -> None:
         assert res.success and engine.counters["inline_jobs"] == 0
     finally:
         engine.close()
+
+
+def test_an_inline_job_copies_on_the_callers_own_team_and_a_threaded_one_splits(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inline, the copy runs unsplit on the caller's thread with its own OpenMP team (the
+    engine's: no second team); on the mover it is dealt out to the copy threads as before."""
+    pools: list[int] = []
+    inner = copies._pool
+    monkeypatch.setattr(copies, "_pool", lambda workers: (pools.append(workers), inner(workers))[-1])
+    inline, threaded = Rig(["cpu"]), Rig(["cpu"])
+    rigs += [inline, threaded]
+    for rig, flag in ((inline, True), (threaded, False)):
+        rig.layout.copies = copies.CopySplitter(2, min_bytes=0)  # split even this small job
+        before = len(pools)
+        (res,) = rig.engine.wait([rig.store(K[:4], [3, 9, 0, 5], inline=flag)], timeout=HANG_GUARD)
+        assert res.success
+        assert (len(pools) > before) is not flag, "inline: no copy thread; threaded: split over them"
+        slots = rig.backends[0].slots(K[:4])  # type: ignore[attr-defined]
+        pool = rig.backends[0].pool  # type: ignore[attr-defined]
+        for slot, b in zip(slots, (3, 9, 0, 5)):
+            assert torch.equal(pool[slot], record_of(rig.layout, b))
+    assert inline.engine.counters["inline_jobs"] == 1

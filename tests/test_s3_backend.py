@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from s3_servers import BUCKET, SeaweedServer, need_s3, unique_prefix
+from two_hosts import CPU_TIER, run_host
 
 import kvtier
 import kvtier.config
@@ -314,60 +310,24 @@ async def test_a_killed_server_is_a_miss_then_recovers(own_seaweed: SeaweedServe
         await backend.aclose()
 
 
-# -- the last tier behind memory, and two hosts -----------------------------------------------------
+# -- the last tier behind memory, and two hosts (separate processes: the writer exits first) ------
 
 def _tiers(server: SeaweedServer, prefix: str, *, cpu_blocks: int) -> list[dict[str, Any]]:
     return [
-        {"backend": "cpu", "capacity": cpu_blocks * 2048},
+        {**CPU_TIER, "capacity": cpu_blocks * 2048},
         {"backend": "s3", "capacity": "8MiB", "endpoint_url": server.endpoint_url, "bucket": BUCKET, "prefix": prefix},
     ]
 
 
-_HOST = textwrap.dedent(
-    """
-    import asyncio, json, sys, torch, kvtier
-    role, config = sys.argv[1], json.loads(sys.argv[2])
-    def caches(seed):
-        g = torch.Generator().manual_seed(seed)
-        return [torch.randint(0, 256, (16, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
-    keys = [kvtier.testing.make_key(i) for i in range(12)]
-    async def main():
-        if role == "A":
-            async with kvtier.open(config, kv_caches=caches(11)) as store:
-                print(json.dumps({"saved": await store.save(keys, list(range(12)))}))
-        else:
-            kv = caches(99)
-            async with kvtier.open(config, kv_caches=kv) as store:
-                hits = await store.lookup(keys)
-                loaded = await store.load(keys, list(range(4, 16)))
-                ref = caches(11)
-                same = all(torch.equal(kv[l][4 + i].view(torch.uint8), ref[l][i].view(torch.uint8)) for l in range(2) for i in range(loaded))
-                print(json.dumps({"hits": hits, "loaded": loaded, "byte_exact": same}))
-    asyncio.run(main())
-    """
-)
-
-
-def _host(role: str, config: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", "import kvtier.testing\n" + _HOST, role, json.dumps(config)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_two_processes_share_blocks(seaweed: SeaweedServer, tmp_path: Path) -> None:
-    config = {"tiers": _tiers(seaweed, unique_prefix(tmp_path), cpu_blocks=16), "write": "through",
-              "namespace": {"model_id": "two-hosts"}}
-    assert _host("A", config) == {"saved": 12}
-    assert _host("B", config) == {"hits": 12, "loaded": 12, "byte_exact": True}
+    tiers = _tiers(seaweed, unique_prefix(tmp_path), cpu_blocks=16)
+    assert run_host("A", tiers) == {"saved": 12}
+    assert run_host("B", tiers, reads=True) == {"hits": 12, "loaded": 12, "byte_exact": True, "reads": {"cpu": 0, "s3": 12}}
 
 
 def test_last_tier_behind_memory_with_write_back(seaweed: SeaweedServer, tmp_path: Path) -> None:
-    """``write: back``: blocks reach the bucket only when memory demotes them (or at a clean
-    close), and a later process is served them from the bucket."""
-    config = {"tiers": _tiers(seaweed, unique_prefix(tmp_path), cpu_blocks=4), "write": "back",
-              "namespace": {"model_id": "write-back"}}
-    assert _host("A", config) == {"saved": 12}
-    assert _host("B", config) == {"hits": 12, "loaded": 12, "byte_exact": True}
+    """``write: back``: with room for 4 blocks in memory, the other 8 reach the bucket when
+    memory cannot hold them and the rest at A's clean close; B is served all 12 from the bucket."""
+    tiers = _tiers(seaweed, unique_prefix(tmp_path), cpu_blocks=4)
+    assert run_host("A", tiers, write="back") == {"saved": 12}
+    assert run_host("B", tiers, reads=True, write="back") == {"hits": 12, "loaded": 12, "byte_exact": True, "reads": {"cpu": 0, "s3": 12}}

@@ -20,12 +20,12 @@ __all__ = ["CPU_TIER", "HOST_SCRIPT", "run_host"]
 HOST_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys, torch, kvtier, kvtier.testing
-    role, tiers, reads = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+    role, tiers, reads, write = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
     def caches(seed):
         g = torch.Generator().manual_seed(seed)
         return [torch.randint(0, 256, (16, 2, 512), generator=g, dtype=torch.uint8).view(torch.bfloat16) for _ in range(2)]
     keys = [kvtier.testing.make_key(i) for i in range(12)]
-    cfg = {"tiers": tiers, "write": "through", "namespace": {"model_id": "two-hosts"}}
+    cfg = {"tiers": tiers, "write": write, "namespace": {"model_id": "two-hosts"}}
     async def main():
         if role == "A":
             kv = caches(11)
@@ -50,11 +50,12 @@ HOST_SCRIPT = textwrap.dedent(
 CPU_TIER = {"backend": "cpu", "capacity": 16 * 2048}
 
 
-def run_host(role: str, tiers: list[dict[str, Any]], *, reads: bool = False) -> dict[str, Any]:
-    """Run host ``role`` (``"A"`` saves, ``"B"`` loads) with ``tiers``; its JSON answer (with
-    ``reads``, B also says how many blocks each tier served, by backend name)."""
+def run_host(role: str, tiers: list[dict[str, Any]], *, reads: bool = False, write: str = "through") -> dict[str, Any]:
+    """Run host ``role`` (``"A"`` saves, ``"B"`` loads) with ``tiers`` and the store's ``write``
+    mode; its JSON answer (with ``reads``, B also says how many blocks each tier served, by
+    backend name)."""
     proc = subprocess.run(
-        [sys.executable, "-c", HOST_SCRIPT, role, json.dumps(tiers), "1" if reads else "0"],
+        [sys.executable, "-c", HOST_SCRIPT, role, json.dumps(tiers), "1" if reads else "0", write],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

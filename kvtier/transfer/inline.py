@@ -75,8 +75,9 @@ class InlineJobs:
         """Run ``rec`` on this thread, as its transfer thread would (the caller counted it in
         the engine's active jobs; it is given back here, or by the tiers thread when a store
         failed and its clean-up goes there to keep its order)."""
-        if isinstance(rec, StoreRecord):
-            self.stores.device_job(rec)
-        else:
-            assert isinstance(rec, LoadRecord)
-            self.loads.load_job(rec)
+        with self.e.layout.copies.on_callers_team():  # the engine's own thread and OpenMP team
+            if isinstance(rec, StoreRecord):
+                self.stores.device_job(rec)
+            else:
+                assert isinstance(rec, LoadRecord)
+                self.loads.load_job(rec)
