@@ -101,10 +101,17 @@ def test_the_store_config_sets_the_copy_threads() -> None:
         asyncio.run(threads(copy_threads=0))
 
 
-async def _save_then_load(caches: list[torch.Tensor], keys: list[bytes], threads: int, between: Callable[[], None] = lambda: None) -> None:
+async def _save_then_load(
+    caches: list[torch.Tensor], keys: list[bytes], threads: int, between: Callable[[], None] = lambda: None, *, inline: bool = False
+) -> None:
     """Save four blocks (engine ids 1, 3, 5, 7) through a store whose copies are split over
-    ``threads`` threads even when small, then (after ``between()``) load them into 0, 2, 4, 6."""
-    cfg = {"tiers": [{"backend": "cpu", "capacity": 8 * KVLayout(caches).block_bytes}], "copy_threads": threads}
+    ``threads`` threads even when small, then (after ``between()``) load them into 0, 2, 4, 6.
+    The jobs run on the store's threads unless ``inline`` (then on this thread, unsplit)."""
+    cfg = {
+        "tiers": [{"backend": "cpu", "capacity": 8 * KVLayout(caches).block_bytes}],
+        "copy_threads": threads,
+        "inline_max_bytes": (32 << 20) if inline else 0,
+    }
     async with kvtier.open(cfg, kv_caches=caches) as store:
         assert store.layout is not None
         store.layout.copies.min_bytes = 0
@@ -191,6 +198,15 @@ def test_the_stores_threads_copy_on_one_intra_op_thread_each() -> None:
     names = {name for name, _ in counts}
     assert {"kvtier-store", "kvtier-load"} <= names, names
     assert all(n == 1 for _, n in counts), counts
+    assert torch.get_num_threads() == before
+    # Inline (kvtier.transfer.inline): unsplit on the caller's thread, with its own team.
+    counts.clear()
+    copies._run_all = run_all  # type: ignore[assignment]
+    try:
+        asyncio.run(_save_then_load(caches, keys, 2, inline=True))
+    finally:
+        copies._run_all = real  # type: ignore[assignment]
+    assert counts == [], "an inline job's copy was dealt out to the copy threads"
     assert torch.get_num_threads() == before
 
 

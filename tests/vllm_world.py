@@ -105,8 +105,8 @@ class World:
             for kind, plan_id, result in w.take_outbox():
                 self.side.receive(r, kind, plan_id, result)
 
-    def store(self, keys: list[bytes], blocks: list[int], *, deliver: Any = None) -> None:
-        plan = self.side.prepare_store(keys)
+    def store(self, keys: list[bytes], blocks: list[int], *, deliver: Any = None, tenant: str | None = None) -> None:
+        plan = self.side.prepare_store(keys, tenant)
         assert plan is not None
         for w in self.workers:
             w.submit_store(1, plan, blocks)
@@ -226,6 +226,7 @@ async def open_world(
     replicated: bool = False,
     write: str = "through",
     metrics: dict[str, Any] | None = None,
+    tenants: dict[str, Any] | None = None,
 ) -> World:
     """``n``: engine blocks per record (vLLM's ``blocks_per_chunk``); ``deadline_s``: the
     scheduler side's deadline for every rank's result of a job (on the world's clock);
@@ -235,6 +236,8 @@ async def open_world(
     cfg: dict[str, Any] = {"tiers": tiers, "job_deadline_s": None, "engine_blocks_per_block": n, "write": write}
     if metrics is not None:
         cfg["metrics"] = metrics
+    if tenants is not None:
+        cfg["tenants"] = tenants
     shared = shared_tiers(cfg) if replicated else frozenset()
     stores, caches = [], []
     for r in range(world):

@@ -184,6 +184,12 @@ class KvtierConnector(OffloadingConnector):
         self._kvtier_request_ended(request)
         return out
 
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        manager = self._kvtier_manager()
+        if manager is not None:  # the request's cache salt is the tenant of what it stores
+            manager.tenants.note(request)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
         out = super().request_finished_all_groups(request, block_ids)
         self._kvtier_request_ended(request)

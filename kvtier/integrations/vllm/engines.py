@@ -11,11 +11,13 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from kvtier.config import load_config_file
+from kvtier.config.tenants import tier_names
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.group_config import PREFIXED_BACKENDS
 from kvtier.integrations.vllm.head_layout import TOGETHER_SUFFIX
@@ -207,7 +209,29 @@ def rank_tiers(
             t["prefix"] = f"{t.get('prefix', 'kvtier')}.{short}"  # the prefix allows [A-Za-z0-9_.-] only
         tiers.append(t)
     out["tiers"] = tiers
+    _tenants_per_rank(out, world_size, shared)
     return out
+
+
+def _tenants_per_rank(out: dict[str, Any], world_size: int, shared: frozenset[int]) -> None:
+    """Quotas and pin budgets are the engine's, like capacities: each rank's is its share."""
+    names = tier_names([SimpleNamespace(name=t.get("name"), backend=t.get("backend")) for t in out["tiers"]])
+    divided = {name for i, name in enumerate(names) if i not in shared}
+
+    def share(sizes: Any, where: str) -> Any:
+        if not isinstance(sizes, Mapping):
+            return sizes  # the config check names it
+        return {
+            tier: max(0, parse_size(size, field=f"{where}.{tier}") // world_size) if tier in divided else size
+            for tier, size in sizes.items()
+        }
+
+    tenants = out.get("tenants")
+    if isinstance(tenants, Mapping):
+        out["tenants"] = {u: share(caps, f"tenants.{u}") for u, caps in tenants.items()}
+    tenancy = out.get("tenancy")
+    if isinstance(tenancy, Mapping) and "pin_budget" in tenancy:
+        out["tenancy"] = {**tenancy, "pin_budget": share(tenancy["pin_budget"], "tenancy.pin_budget")}
 
 
 #: Namespace fields vLLM decides for every rank; a kvtier config that sets one is refused.

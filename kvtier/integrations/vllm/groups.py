@@ -473,14 +473,17 @@ class SchedulerGroups:
         for group in self.groups:
             group.side.request_finished(request_id)
 
-    def prepare_store(self, keys: Sequence[bytes]) -> tuple[list[bytes], tuple[tuple[int, StorePlan], ...]] | None:
-        """The keys to store and each group's plan, or None when no group can store any."""
+    def prepare_store(
+        self, keys: Sequence[bytes], tenant: str | None = None
+    ) -> tuple[list[bytes], tuple[tuple[int, StorePlan], ...]] | None:
+        """The keys to store (``tenant``'s: its usage, under its quotas) and each group's plan,
+        or None when no group can store any."""
         chosen: list[bytes] = []
         plans = []
         for gpos, idx in self._by_group(keys):
             group = self.groups[gpos]
             sub = [keys[i] for i in idx]
-            plan = group.side.prepare_store([group.kkey(k) for k in sub])
+            plan = group.side.prepare_store([group.kkey(k) for k in sub], tenant)
             if plan is None:
                 continue
             picked = [sub[p] for p in plan.positions]

@@ -36,6 +36,7 @@ from kvtier.integrations.vllm.groups import RankGroups, SchedulerGroups, WorkerG
 from kvtier.integrations.vllm.idle_steps import wait_for_loads
 from kvtier.integrations.vllm.messages import KvtierLoadSpec, KvtierStoreSpec, RankResult
 from kvtier.integrations.vllm.stats import scheduler_counters, worker_counters
+from kvtier.integrations.vllm.tenants import RequestTenants
 from kvtier.integrations.vllm.worker_side import WorkerSide, close_sides
 
 __all__ = ["KvtierOffloadingManager", "KvtierOffloadingWorker"]
@@ -57,6 +58,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self._key_log = key_log
         self._announce: list[Any] = []  # events of adopted blocks, before the managers' own
         self._media: list[Any] = []
+        #: the tenant (cache salt) of each running request, noted by the connector
+        self.tenants = RequestTenants()
 
     def adopt_ranks(self, ranks: Mapping[int, RankGroups]) -> None:
         """Build the managers from what every rank opened (see :mod:`.ranks`)."""
@@ -105,6 +108,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def request_finished(self, request_id: str) -> None:
         """The request ended (finished or aborted): its loads are settled once done."""
+        self.tenants.forget(request_id)
         if self._groups.ready:
             self._groups.request_finished(request_id)
 
@@ -119,7 +123,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
         if not self._groups.ready:
             return None
-        prepared = self._groups.prepare_store(list(keys))
+        prepared = self._groups.prepare_store(list(keys), self.tenants.tenant(getattr(req_context, "req_id", None)))
         if prepared is None:
             return None
         chosen, plans = prepared

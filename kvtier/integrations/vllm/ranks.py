@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvtier import registry
 from kvtier.backend import BlockFormat
 from kvtier.config import StoreConfig
+from kvtier.config.tenants import TenancyConfig, tenant_rules
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.manager import TierManager, TierSpec
@@ -148,7 +149,10 @@ def build_manager(
                 admit_after=room.admit_after,
             )
         )
-    manager = TierManager(specs, write=config.write)
+    rules = None
+    if config.tenants is not None or config.tenancy != TenancyConfig():
+        rules = tenant_rules(config.tenants, config.tenancy, [s.name for s in specs])
+    manager = TierManager(specs, write=config.write, tenants=rules)
     orphans: dict[int, list[bytes]] = {}
     adopted: dict[int, list[bytes]] = {}
     for i, room in enumerate(first.tiers):

@@ -225,8 +225,8 @@ class SchedulerSide:
             if applied.failed_promotions:
                 self.ledger.remember(0, applied.failed_promotions)
 
-    def prepare_store(self, kkeys: list[bytes]) -> StorePlan | None:
-        plan = self._mgr.prepare_store(kkeys)
+    def prepare_store(self, kkeys: list[bytes], tenant: str | None = None) -> StorePlan | None:
+        plan = self._mgr.prepare_store(kkeys, tenant=tenant)
         if plan is None:
             self._engine.counters["store_rejected"] += 1
             return None
