@@ -587,3 +587,17 @@ def test_memory_tier_in_front_keeps_whole_blocks_and_the_byte_tier_groups(tmp_pa
             assert all(torch.equal(a[1:5], b[:4]) for a, b in zip(caches, shard(full, groups)))
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("num_groups", [2, 3, 4, 8])
+def test_a_listing_of_one_blocks_records_shows_that_block_only(num_groups: int) -> None:
+    # With XOR masks, two groups' records {k ^ m0, k ^ m1} were also those of k ^ m0 ^ m1: every
+    # listed block came with a phantom one that took index entries and could take its records.
+    layout = HeadGroupLayout(
+        HeadGroups.for_rank(num_groups, 1, 0, 1), HeadAxis(heads=num_groups, segments=((1, 64),), tag="t")
+    )
+    for i in range(50):
+        key = hashlib.sha256(i.to_bytes(4, "little")).digest()
+        records = layout.record_keys([key], range(num_groups))
+        assert list(layout.blocks_present(records)) == [key]
+        assert all(block_key_of(group_key(key, g), g) == key for g in range(num_groups))

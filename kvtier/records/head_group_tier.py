@@ -390,9 +390,7 @@ class GroupIndex:
                 pending.clear()
             pending.update((k, (size, stamp)) for k, size, stamp in records)
             blocks = self._layout.blocks_present(pending)
-            # Sizes first: with two groups a block's two records are also those of one other
-            # key (``a ^ m0 ^ m1``), so a record may stand for two blocks; both are adopted (the
-            # other is never asked for) and neither may take the records from the other.
+            # Sizes first, so that no block takes records another complete block also lists.
             parts = {block: [pending[rk] for rk in recs] for block, recs in blocks.items()}
             for block in blocks:
                 for rk in self._layout.record_keys([block], every):

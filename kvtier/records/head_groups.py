@@ -31,9 +31,11 @@ head_size]`` for K and again for V, concatenated into a rank's block)::
 itemsize),)``); the store's ``namespace`` then has no TP rank or size, and keys built from it are
 the same at every TP size.
 
-A group record's key is the block key with its last eight bytes XORed with a fixed 64-bit mask
-per group: keys stay 32 bytes, a reader finds every group of a block without an index, and a
-listing of records maps back to block keys (a block is present only when all its groups are).
+A group record's key is the block key with a fixed pseudo-random 64-bit offset per group added
+to its last eight bytes (modulo 2**64): keys stay 32 bytes, a reader finds every group of a block
+without an index, and a listing of records maps back to block keys (a block is present only when
+all its groups are). Addition, not XOR: with XOR masks a block's two group records were also the
+two records of the key ``k ^ m0 ^ m1``, so a listing saw a phantom block for every real one.
 """
 
 from __future__ import annotations
@@ -77,21 +79,26 @@ def _positive(value: Any, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _mask(group: int) -> int:
-    """A fixed pseudo-random 64-bit mask per group: XORs of three masks never give a fourth (as
-    ``group + 1`` would), so a listing cannot mistake one block's records for another's."""
+def _offset(group: int) -> int:
+    """A fixed pseudo-random 64-bit offset per group. Offsets are added, so the records of one
+    block are never all the records of another key: that would need ``o_j - o_0 + o_g`` to be an
+    offset for every group ``g``, which random offsets never give (XOR masks did, for two groups)."""
     return int.from_bytes(hashlib.blake2b(b"kvtier-head-group" + group.to_bytes(4, "little"), digest_size=8).digest(), "little")
+
+
+_MOD = 1 << 64
 
 
 def group_key(key: bytes, group: int) -> bytes:
     """The key of ``key``'s record for head group ``group``."""
-    tail = int.from_bytes(key[_TAIL:], "little") ^ _mask(group)
+    tail = (int.from_bytes(key[_TAIL:], "little") + _offset(group)) % _MOD
     return key[:_TAIL] + tail.to_bytes(8, "little")
 
 
 def block_key_of(record_key: bytes, group: int) -> bytes:
-    """The block key whose group ``group`` record is ``record_key`` (the XOR is its own inverse)."""
-    return group_key(record_key, group)
+    """The block key whose group ``group`` record is ``record_key``."""
+    tail = (int.from_bytes(record_key[_TAIL:], "little") - _offset(group)) % _MOD
+    return record_key[:_TAIL] + tail.to_bytes(8, "little")
 
 
 def default_group_size(
@@ -356,13 +363,13 @@ class HeadGroupLayout:
     @staticmethod
     def record_keys(keys: Sequence[bytes], groups: Sequence[int]) -> list[bytes]:
         """Block-major: every group of ``keys[0]``, then of ``keys[1]``, ..."""
-        masks = [_mask(g) for g in groups]
+        offsets = [_offset(g) for g in groups]
         out: list[bytes] = []
         append = out.append
         for key in keys:
             head, tail = key[:_TAIL], int.from_bytes(key[_TAIL:], "little")
-            for m in masks:
-                append(head + (tail ^ m).to_bytes(8, "little"))
+            for o in offsets:
+                append(head + ((tail + o) % _MOD).to_bytes(8, "little"))
         return out
 
     def blocks_present(self, record_keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
