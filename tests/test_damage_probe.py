@@ -94,6 +94,8 @@ def _damage(path: Path, page: int, mode: str) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         data = bytearray(f.read(PAGE))
+        if not data:  # an empty file (the tenant tag log before any tag) has no byte to damage
+            return
         if mode == "zero":
             data = bytearray(len(data))
         else:
