@@ -125,12 +125,15 @@ class TierFollower:
         feed: ChangeFeed | None = None,
         sweep_interval_s: float = 60.0,
         wait_s: float | None = None,
+        on_recovered: Callable[[], None] | None = None,
     ) -> None:
         wait_s = self.wait_s_default if wait_s is None else wait_s
         if wait_s <= 0:
             raise ValueError(f"wait_s: expected a positive number of seconds, got {wait_s!r}")
         self.name = name
         self.feed = feed
+        #: Called when the feed answers again after failing (the tier may end its outage).
+        self.on_recovered = on_recovered
         self.wait_s = float(wait_s)
         self._record_bytes = int(record_bytes)
         self.view = SharedIndexView(
@@ -231,6 +234,7 @@ class TierFollower:
         feed = self.feed
         assert feed is not None
         backoff = _BACKOFF_FIRST_S
+        failing = False
         while not self._stop.is_set() and self._target is not None:
             try:
                 if self._cursor is None:  # never had a head: start there, and sweep what came before
@@ -239,6 +243,7 @@ class TierFollower:
                 read = feed.read(self._cursor, self.wait_s)
             except OSError as exc:
                 self.counters["feed_failures"] += 1
+                failing = True
                 log.debug("%s: feed read failed: %s", self.name, exc)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
@@ -248,6 +253,10 @@ class TierFollower:
                 self._stop.wait(_BACKOFF_MAX_S)
                 continue
             backoff = _BACKOFF_FIRST_S
+            if failing:
+                failing = False
+                if self.on_recovered is not None:  # before adopting: loads of these keys may go out
+                    self.on_recovered()
             self.counters["feed_bytes"] += read.nbytes
             if read.gap or read.skipped:
                 self.counters["feed_gaps"] += 1
@@ -372,11 +381,17 @@ class FollowedTier:
     ) -> TierFollower:
         """Build the follower; with ``mark``, note the feed's head now (I/O: off the event loop;
         a tier that connects later calls ``follower.mark_start()`` itself, before listing)."""
-        follower = TierFollower(name, sweep=sweep, record_bytes=record_bytes, feed=feed, sweep_interval_s=sweep_interval_s)
+        follower = TierFollower(
+            name, sweep=sweep, record_bytes=record_bytes, feed=feed, sweep_interval_s=sweep_interval_s,
+            on_recovered=self._feed_recovered,
+        )
         if mark:
             follower.mark_start()
         self.follower = follower
         return follower
+
+    def _feed_recovered(self) -> None:
+        """The feed answers again after failing: a tier with an outage state may end it."""
 
     def _followed_writes(self, keys: Sequence[bytes]) -> None:
         follower = self.follower

@@ -208,6 +208,11 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
         """The sweep of the shared index (the follower's backstop), ``None`` when not open."""
         return self.follower.view if self.follower is not None else None
 
+    def _feed_recovered(self) -> None:
+        # The feed's own connection reached the server: end the outage now, so the keys it is
+        # about to adopt are loaded rather than missed until the data path's backoff runs out.
+        self._health.succeeded()
+
     # -- hooks (see the module doc) ----------------------------------------------------------------
     def _make_feed(self) -> ChangeFeed | None:
         """This namespace's change feed on the server (called at open), or ``None`` where the
