@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.bulk import paused_gc
 from kvtier.config import StoreConfig, load_config
+from kvtier.config.tier_errors import no_room, tier_error
 from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
 from kvtier.keys import Namespace, check_keys
 from kvtier.manager import CacheEvent, KeyState, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
@@ -38,7 +38,6 @@ from kvtier.transfer.jobs import Applied, JobResult, apply_result
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.layout_checks import check_caches_match_namespace, check_distinct_block_ids, given_fields
 from kvtier.transfer.offloop import off_loop
-from kvtier.units import format_size
 
 __all__ = ["KVStore", "open"]
 
@@ -124,10 +123,10 @@ class KVStore(StoreTenancy):
                 try:
                     await backend.open(self.format)
                 except (ConfigError, BackendError) as exc:
-                    raise _tier_error(i, backend, exc) from exc
+                    raise tier_error(i, backend, exc) from exc
                 opened.append(backend)
                 if backend.max_blocks < 1:
-                    raise ConfigError(_no_room(i, backend, self.config.tiers[i].capacity))
+                    raise ConfigError(no_room(i, backend, self.config.tiers[i].capacity))
         except BaseException:
             for backend in opened:
                 await backend.aclose()
@@ -542,33 +541,6 @@ class KVStore(StoreTenancy):
                     self.finish_load(plan, result)
             except Exception as exc:  # a closed manager: nothing is left to release
                 log.debug("job %d of a cancelled call not applied: %s", job, exc)
-
-
-_FIELD_FIRST = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
-
-
-def _tier_error(index: int, backend: Backend, exc: KVTierError) -> KVTierError:
-    """``exc`` from ``backend.open`` re-raised under the tier's path in the config
-    (``tiers[0].capacity: ...``), so the message says which setting to change."""
-    text = str(exc)
-    prefix = f"{backend.name}: "
-    if text.startswith(prefix):
-        text = text[len(prefix) :]
-    message = f"tiers[{index}].{text}" if _FIELD_FIRST.match(text) else f"tiers[{index}] ({backend.name}): {text}"
-    try:
-        return type(exc)(message)
-    except TypeError:
-        return ConfigError(message) if isinstance(exc, ConfigError) else BackendError(message)
-
-
-def _no_room(index: int, backend: Backend, capacity: int) -> str:
-    reserve = backend.reserve_bytes()
-    overhead = capacity - backend.usable_bytes()
-    kept = f", and the {backend.name} tier keeps {format_size(overhead)} of it for its own bookkeeping" if overhead > 0 else ""
-    return (
-        f"tiers[{index}].capacity: {format_size(capacity)} holds no block: one block needs {format_size(reserve)}{kept}; "
-        "give a capacity of several blocks"
-    )
 
 
 def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:

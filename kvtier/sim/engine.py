@@ -34,6 +34,7 @@ import torch
 
 import kvtier
 from kvtier.config import load_config
+from kvtier.config.tier_errors import tier_error
 from kvtier.connector import (
     SchedulerConnector,
     SchedulerStep,
@@ -44,7 +45,6 @@ from kvtier.connector import (
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import Namespace
 from kvtier.sim.workloads import Session, make_workload
-from kvtier.store import _tier_error as tier_error
 
 __all__ = ["SimConfig", "SimReport", "SimRequest", "Simulator", "BlockPool", "run_sim", "kv_content", "prefix_hash"]
 
