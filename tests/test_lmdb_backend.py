@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
+import types
 from pathlib import Path
 
 import lmdb
@@ -590,11 +590,16 @@ def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_
     threads: list[str] = []
     slow: set[bytes] = set()
     real_pair = lmdb_layout.JobReader.pair
+    # The reader times its lookups on a clock of the test's own, which only a slow lookup
+    # advances: on a loaded machine a real lookup may take longer than COLD_GET_S, and that
+    # would make a job cold which this test needs warm.
+    clock = [0.0]
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def pair(self: object, txn: object, key: bytes, *args: object) -> object:
         threads.append(threading.current_thread().name)
         if key in slow:
-            time.sleep(2 * lmdb_layout.COLD_GET_S)  # a lookup that read from disk
+            clock[0] += 2 * lmdb_layout.COLD_GET_S  # a lookup that read from disk
         return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
