@@ -90,6 +90,7 @@ from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id, resolve_codec
 
 __all__ = [
+    "CHECKED_BYTES",
     "HEADER",
     "HEADER_SIZE",
     "HEAD_MAX",
@@ -130,6 +131,8 @@ RECORD_VERSION = 1
 HEADER = struct.Struct("<4sBBBBQQQ")
 HEADER_SIZE = HEADER.size  # 32
 _CHECKED = 24  # header bytes covered by the checksum (all but the checksum itself)
+#: Header bytes the checksum covers (all but the checksum itself).
+CHECKED_BYTES = _CHECKED
 #: Flag of a record keyed with HMAC-SHA256 (the only MAC of the first keyed stores).
 FLAG_MAC = 0x01
 #: Flag of a record keyed with keyed BLAKE3.
