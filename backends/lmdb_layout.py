@@ -173,6 +173,14 @@ class ReadOutcome:
         self.corrupt = 0
         self.auth = 0
 
+    def take(self, start: int, rest: ReadOutcome) -> None:
+        """Add the outcome of reading the job's keys from ``start`` on."""
+        self.found[start:] = rest.found
+        self.bad.update(rest.bad)
+        self.transient |= rest.transient
+        self.corrupt += rest.corrupt
+        self.auth += rest.auth
+
 
 class Temperature:
     """Whether the last job of a reader found its values on disk (``cold``): one flag, set and
@@ -244,12 +252,7 @@ class JobReader:
             dst.copy_(staging)  # a row whose record was refused holds garbage either way
         if left is not None and left < len(keys):
             # An LMDB error stopped the cold read at a key: the rest in a fresh transaction.
-            rest = self.read(env, keys[left:], out[left:], mac)
-            outcome.found[left:] = rest.found
-            outcome.bad.update(rest.bad)
-            outcome.transient |= rest.transient
-            outcome.corrupt += rest.corrupt
-            outcome.auth += rest.auth
+            outcome.take(left, self.read(env, keys[left:], out[left:], mac))
         return outcome
 
     def read_plain(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> ReadOutcome:
@@ -296,12 +299,7 @@ class JobReader:
         finally:
             txn.abort()
         if rest is not None and rest < len(keys):
-            more = self.read(env, keys[rest:], out[rest:], None)
-            outcome.found[rest:] = more.found
-            outcome.bad.update(more.bad)
-            outcome.transient |= more.transient
-            outcome.corrupt += more.corrupt
-            outcome.auth += more.auth
+            outcome.take(rest, self.read(env, keys[rest:], out[rest:], None))
             if slow:  # this job read from disk: the next one is read cold too, as in read()
                 self.temperature.cold = True
         return outcome
