@@ -32,7 +32,8 @@ import torch
 
 from kvtier import devices
 from kvtier.records.codec import NoneCodec
-from kvtier.records.format import CHECKED_BYTES, HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, record_checksum
+from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, record_checksum
+from kvtier.records.record import CHECKED
 
 __all__ = ["BeneathRoot", "read_plain"]
 
@@ -134,7 +135,7 @@ def read_plain(root: BeneathRoot, keys: Sequence[bytes], out: Sequence[torch.Ten
             or flags
             or raw != size
             or stored != size
-            or record_checksum(memoryview(head)[:CHECKED_BYTES], key, view) != checksum
+            or record_checksum(memoryview(head)[:CHECKED], key, view) != checksum
         ):
             rest.append(i)
             continue

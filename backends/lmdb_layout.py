@@ -39,7 +39,6 @@ from kvtier.errors import CorruptBlockError
 from kvtier.records.checks import RawPayload, copy_and_check
 from kvtier.records.codec import NoneCodec, UnsupportedRecordError
 from kvtier.records.format import (
-    CHECKED_BYTES,
     HEAD_MAX,
     HEADER,
     HEADER_SIZE,
@@ -51,6 +50,7 @@ from kvtier.records.format import (
     parse_header,
     record_checksum,
 )
+from kvtier.records.record import CHECKED
 
 __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
@@ -319,7 +319,7 @@ class JobReader:
         view = row.numpy().data
         view[:] = value
         # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-        return record_checksum(entry[INDEX.size : INDEX.size + CHECKED_BYTES], key, view) == checksum
+        return record_checksum(entry[INDEX.size : INDEX.size + CHECKED], key, view) == checksum
 
     def copy_in(
         self,
