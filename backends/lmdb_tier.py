@@ -34,8 +34,10 @@ Contract and choices:
 * Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` and the deletion of corrupt records
   found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
-  A job's checksums run on a side thread while the job's copies (reads) or puts (writes) run on
-  the calling one (:mod:`kvtier.records.checks`).
+  A warm job of plain records is read in one pass: lookup, copy into the row, the row's
+  checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_plain`);
+  other jobs' checksums (keyed, cold) run on a side thread while the job's copies (reads) or
+  puts (writes) run on the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size, and every branch
   and leaf page of its B-trees is read with ``pread`` and checked the way LMDB will walk it

@@ -308,6 +308,8 @@ def test_a_large_job_is_read_while_a_side_thread_checks_and_each_bad_record_is_i
         real_read(fd, view, offset)
 
     monkeypatch.setattr(file_tier, "_read_exact", flaky_read)
+    # The general read (plain records are read in one pass by default: tests/test_file_plain_reads.py).
+    monkeypatch.setattr(file_tier, "PLAIN_READS", False)
     try:
         out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in keys]
         found = backend.read_blocks(keys, out)

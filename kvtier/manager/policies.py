@@ -2,7 +2,8 @@
 
 A policy orders the *ready* keys of one tier and picks victims; it never touches bytes or slot
 state. One small interface: ``insert``, ``touch`` (each with a batch form, ``insert_many`` and
-``touch_many``, that a policy may override for speed), ``remove`` and an atomic
+``touch_many``, that a policy may override for speed; ``touch_held`` touches a batch only if it
+holds every key), ``remove`` and an atomic
 ``evict(n, protected)`` that either returns ``n`` victims (and forgets them) or returns ``None``
 and changes nothing. Keys in ``protected`` (pinned by a load, or part of the batch being stored)
 are never chosen. All operations are O(1) amortised, except that ``evict`` steps over protected
@@ -48,6 +49,15 @@ class EvictionPolicy(ABC):
         """``touch`` each key in order; policies override it with a batch form."""
         for key in keys:
             self.touch(key)
+
+    def touch_held(self, keys: Sequence[bytes]) -> bool:
+        """``touch_many(keys)`` if the policy holds every key, and ``True``; else ``False`` and
+        no change. The manager's ``touch`` of a one-tier cache validates by this: the policy
+        orders exactly the tier's ready keys, each checked when it was stored."""
+        if all(map(self.__contains__, keys)):
+            self.touch_many(keys)
+            return True
+        return False
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -165,6 +175,13 @@ class LRUPolicy(EvictionPolicy):
                     move(key)
                 elif cold(key):
                     order[key] = None
+
+    def touch_held(self, keys: Sequence[bytes]) -> bool:
+        order = self._order
+        if all(map(order.__contains__, keys)):  # also brings each key's entry into the cache
+            deque(map(order.move_to_end, keys), 0)
+            return True
+        return False
 
     def remove(self, key: bytes) -> None:
         # A cold key's slot goes stale when the tier's index drops the key.

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -44,269 +43,24 @@ from kvtier.connector import (
 )
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import Namespace
+from kvtier.sim.config import SimConfig, SimReport, make_caches
+from kvtier.sim.content import kv_content, mix, prefix_hash
+from kvtier.sim.content import sim_namespace as _sim_namespace
+from kvtier.sim.state import BlockPool, SimRequest
 from kvtier.sim.workloads import Session, make_workload
 
-__all__ = ["SimConfig", "SimReport", "SimRequest", "Simulator", "BlockPool", "run_sim", "kv_content", "prefix_hash"]
-
-_MASK = (1 << 64) - 1
-_SIM_REVISION = "sim-content-v1"  # part of the namespace: a change of kv_content must never hit old records
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a cheap, well-spread 64-bit hash."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
-    return x ^ (x >> 31)
-
-
-def prefix_hash(previous: int, token: int) -> int:
-    """Hash of a prefix extended by ``token`` (63 bits, so it fits an int64 tensor)."""
-    return _mix(previous ^ (token * 0x9E3779B97F4A7C15 & _MASK)) >> 1
-
-
-def kv_content(position_hashes: torch.Tensor, layer: int, width: int) -> torch.Tensor:
-    """The bf16 content of slots whose prefix hashes (one per slot, int64) are given, for one layer.
-
-    Every value is finite (the exponent field stays below 0x7F), so bf16 round trips are exact.
-    """
-    cols = torch.arange(width, dtype=torch.int64) + (layer + 1) * 0x10001
-    x = position_hashes.view(-1, 1) * 0x2545F4914F6CDD1D + cols.view(1, -1) * 0x5851F42D4C957F2D
-    x = x ^ (x >> 29)
-    x = x * 0x1656067
-    x = x ^ (x >> 32)
-    return (x & 0x3FFF).to(torch.int16).view(torch.bfloat16)
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Shape of the simulated engine. ``block_size`` is tokens per engine block; one offloaded
-    block spans ``engine_blocks_per_block`` engine blocks."""
-
-    block_size: int = 8
-    engine_blocks_per_block: int = 2
-    num_gpu_blocks: int = 256
-    num_layers: int = 4
-    head_dim: int = 32
-    max_num_batched_tokens: int = 512
-    max_running: int = 8
-    async_scheduling: bool = False
-    #: The engine's own GPU prefix cache; off, every reused prefix must come from kvtier.
-    prefix_caching: bool = True
-    store_last_block_at_finish: bool = True
-    #: Promote lower-tier hits into the first tier after a load (the connector's ``promote``).
-    promote: bool = True
-    answer_mean: int = 40  # expected answer length (the model's EOS rate)
-    vocab_size: int = 32000
-    eos_token: int = 2
-    #: Wait for each step's transfers before reporting (deterministic results); engines poll.
-    wait_for_transfers: bool = True
-    max_steps: int = 200_000
-
-    def __post_init__(self) -> None:
-        for name in (
-            "block_size",
-            "engine_blocks_per_block",
-            "num_gpu_blocks",
-            "num_layers",
-            "head_dim",
-            "max_num_batched_tokens",
-            "max_running",
-            "answer_mean",
-            "max_steps",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"sim.{name}: expected a positive integer, got {value!r}")
-
-    @property
-    def width(self) -> int:
-        """bf16 values per slot and layer (K and V side by side)."""
-        return 2 * self.head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SimConfig:
-        return cls(**dict(data))
-
-
-class BlockPool:
-    """Engine blocks with ref counts, a free queue and the engine's own prefix cache."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._refs = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}
-        self.evictions = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` blocks from the front of the free queue, or ``None`` (and no change)."""
-        if count > len(self._free):
-            return None
-        out = []
-        for _ in range(count):
-            b, _ = self._free.popitem(last=False)
-            h = self._hash_of[b]
-            if h is not None:  # reallocation evicts the block from the prefix cache
-                self._hash_of[b] = None
-                if self._cached.get(h) == b:
-                    del self._cached[h]
-                self.evictions += 1
-            self._refs[b] = 1
-            out.append(b)
-        return out
-
-    def lookup(self, hashes: list[int]) -> list[int]:
-        """Blocks of the leading run of ``hashes`` held by the prefix cache (not yet taken)."""
-        out = []
-        for h in hashes:
-            b = self._cached.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
-
-    def count_free(self, blocks: list[int]) -> int:
-        return sum(1 for b in blocks if self._refs[b] == 0)
-
-    def take(self, blocks: list[int]) -> None:
-        """Share cached ``blocks`` with one more request."""
-        for b in blocks:
-            if self._refs[b] == 0:
-                del self._free[b]
-            self._refs[b] += 1
-
-    def free(self, blocks: list[int]) -> None:
-        """Release a request's blocks, tail first: its prefix stays cached the longest."""
-        for b in reversed(blocks):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free[b] = None
-            elif self._refs[b] < 0:
-                raise AssertionError(f"block {b} freed twice")
-
-    def cache(self, block: int, h: int) -> None:
-        if h not in self._cached and self._hash_of[block] is None:
-            self._cached[h] = block
-            self._hash_of[block] = h
-
-
-class SimRequest:
-    """One request as the engine tracks it; satisfies :class:`kvtier.connector.Request`."""
-
-    __slots__ = (
-        "admit_len",
-        "block_ids",
-        "hashes",
-        "hidden",
-        "load_base",
-        "max_tokens",
-        "num_computed_tokens",
-        "num_output",
-        "request_id",
-        "session",
-        "status",
-        "tokens",
-        "turn",
-    )
-
-    def __init__(
-        self, request_id: str, prompt: list[int], prompt_hashes: list[int], max_tokens: int, session: int, turn: int
-    ) -> None:
-        self.request_id = request_id
-        self.tokens = prompt
-        self.hashes = prompt_hashes
-        self.max_tokens = max_tokens
-        self.num_output = 0
-        self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
-        self.status = "waiting"
-        self.hidden = 0  # sampled tokens the scheduler has not seen yet (async scheduling)
-        self.admit_len = 0
-        self.load_base = 0
-        self.session = session
-        self.turn = turn
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tokens[: len(self.tokens) - self.hidden] if self.hidden else self.tokens
-
-
-@dataclass(slots=True)
-class SimReport:
-    """What a run did. ``corrupt_blocks``, ``fence_violations``, ``live_request_states``,
-    ``live_jobs`` and ``fenced_blocks`` must all be 0 after a correct run."""
-
-    workload: str = ""
-    requests: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    #: Every admission's tokens: the prompts, plus each preempted request's tokens again when
-    #: it is readmitted. Equals gpu_hit + loaded + recomputed + preempted_unfinished_tokens.
-    prefill_tokens: int = 0
-    gpu_hit_tokens: int = 0
-    loaded_tokens: int = 0
-    loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    recomputed_tokens: int = 0
-    #: Tokens of readmissions after a preemption (part of ``prefill_tokens``).
-    reprefill_tokens: int = 0
-    #: Tokens admitted for prefill whose request was preempted before they were computed; they
-    #: are prefilled again (and counted again) when it is readmitted.
-    preempted_unfinished_tokens: int = 0
-    #: The store's tiers, fastest first: name, backend, capacity_bytes, path (persistent tiers),
-    #: and where it happened: outages and up_at_end (a server that went away), write_failures.
-    tiers: list[dict[str, Any]] = field(default_factory=list)
-    #: Records removed from persistent tiers before the run (``run_sim(empty_persistent=True)``).
-    emptied_records: int = 0
-    decode_tokens: int = 0
-    #: Per admission, the leading prompt tokens an unbounded cache of every block this run had
-    #: computed or loaded so far would serve (measured on this run's own schedule).
-    oracle_hit_tokens: int = 0
-    #: Loaded tokens of blocks no step of this run computed: stored by an earlier process
-    #: (``--keep-disk``); always 0 when the persistent tiers start empty.
-    earlier_process_tokens: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    stored_blocks: int = 0
-    last_block_jobs: int = 0
-    flushed_jobs: int = 0
-    deferred_lookups: int = 0
-    preemptions: int = 0
-    load_missed_blocks: int = 0
-    verified_blocks: int = 0
-    corrupt_blocks: int = 0
-    fence_violations: int = 0
-    live_request_states: int = 0
-    live_jobs: int = 0
-    fenced_blocks: int = 0
-    seconds: float = 0.0
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.gpu_hit_tokens + self.loaded_tokens
-
-    @property
-    def ok(self) -> bool:
-        return not (
-            self.corrupt_blocks
-            or self.fence_violations
-            or self.live_request_states
-            or self.live_jobs
-            or self.fenced_blocks
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["hit_tokens"] = self.hit_tokens
-        data["ok"] = self.ok
-        return data
+__all__ = [
+    "BlockPool",
+    "SimConfig",
+    "SimReport",
+    "SimRequest",
+    "Simulator",
+    "kv_content",
+    "make_caches",
+    "prefix_hash",
+    "run_sim",
+    "sim_namespace",
+]
 
 
 class Simulator:
@@ -581,7 +335,7 @@ class Simulator:
             if req.num_computed_tokens < len(req.tokens):
                 continue
             h = req.hashes[-1]
-            r = _mix(h ^ 0x5EED)
+            r = mix(h ^ 0x5EED)
             token = c.eos_token if r % c.answer_mean == 0 else 3 + (r >> 8) % (c.vocab_size - 3)
             req.tokens.append(token)
             req.hashes.append(prefix_hash(h, token))
@@ -703,22 +457,10 @@ class Simulator:
                 tier["write_failures"] = failed
 
 
-def make_caches(config: SimConfig) -> list[torch.Tensor]:
-    """The engine's paged KV cache: one bf16 tensor per layer, ``[blocks, block_size, 2*head_dim]``."""
-    return [
-        torch.zeros((config.num_gpu_blocks, config.block_size, config.width), dtype=torch.bfloat16)
-        for _ in range(config.num_layers)
-    ]
-
 
 def sim_namespace(config: SimConfig, kv_layout: str) -> Namespace:
-    return Namespace(
-        model_id="kvtier-sim",
-        revision=_SIM_REVISION,
-        dtype="bfloat16",
-        kv_layout=kv_layout,
-        block_size=config.block_size,  # tokens per engine block; the layout carries engine_blocks_per_block
-    )
+    """The namespace of a run of ``config`` over a KV layout with fingerprint ``kv_layout``."""
+    return _sim_namespace(config.block_size, kv_layout)
 
 
 def _all_keys(backend: Any) -> list[bytes]:

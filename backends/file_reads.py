@@ -1,0 +1,143 @@
+"""The ``file`` tier's one-pass read of plain records.
+
+A general read of a record (:meth:`~kvtier.backends.file_tier.FileBackend.read_blocks`) reaches
+its shard directory from the root one level at a time (three ``open`` calls with
+``O_NOFOLLOW``), opens the file, ``fstat``s it, reads its head, checks it, then reads the
+payload: nine system calls where a plain read makes three, which is most of the time a small
+record takes. :func:`read_plain` does the common case in three:
+
+* ``openat2`` of ``ab/cd/<name>.kvb`` from a descriptor of the root held open, with
+  ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
+  path out of the root, the guarantee the level-by-level walk gives;
+* one ``preadv`` into the head's buffer, the caller's row and one spare byte: a record of the
+  right length fills the first two exactly and leaves the spare byte unread;
+* the head compared with what a raw, unkeyed record of the store holds, and the row's XXH3
+  while it is in the CPU's cache; then ``close``.
+
+Whatever is not that case (an ``openat2`` error other than an absent file, a length or a head
+that differs, a checksum that fails, a row that is not host memory) is left to the general
+read, which reads it again and decides: its outcome, errors and deletions are the general
+read's. Where ``openat2`` is missing (Linux before 5.6, or a sandbox that refuses it), every
+record takes the general read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kvtier import devices
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, record_checksum
+from kvtier.records.record import CHECKED
+
+__all__ = ["BeneathRoot", "read_plain"]
+
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (added in 5.6)
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _libc_syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    return fn  # type: ignore[no-any-return]
+
+
+_syscall = _libc_syscall() if os.uname().sysname == "Linux" else None
+
+
+class BeneathRoot:
+    """A descriptor of the tier's root, and ``openat2`` of records beneath it (see the module
+    doc). :attr:`usable` turns false for good once the kernel refuses ``openat2`` itself."""
+
+    def __init__(self, root: str) -> None:
+        self.fd = os.open(root, _DIR_FLAGS)
+        self.usable = _syscall is not None
+        self._how = _OpenHow(os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        self._how_ref = ctypes.byref(self._how)
+        self._how_size = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
+        self._sys = ctypes.c_long(_SYS_OPENAT2)
+        self._dir = ctypes.c_int(self.fd)
+
+    def open(self, relative: str) -> int | None:
+        """A read-only descriptor of ``relative`` beneath the root, ``None`` if it does not
+        exist; ``OSError`` for anything else (a symlink on the way: ``ELOOP``; out of the root:
+        ``EXDEV``)."""
+        assert _syscall is not None
+        fd = _syscall(self._sys, self._dir, relative.encode(), self._how_ref, self._how_size)
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err == errno.ENOENT:
+            return None
+        if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):
+            self.usable = False  # no openat2 here (or not this form of it): general reads only
+        raise OSError(err, os.strerror(err), relative)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def read_plain(root: BeneathRoot, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool]) -> list[int]:
+    """Read the plain records of ``keys`` into their rows (see the module doc), setting
+    ``found`` for each record read and checked; the positions left to the general read. An
+    absent record is a miss (``found`` stays false), as it is for the general read."""
+    rest: list[int] = []
+    head = bytearray(HEADER_SIZE)
+    spare = bytearray(1)
+    for i, key in enumerate(keys):
+        row = out[i]
+        if not root.usable or devices.locate is not None or not row.is_cpu or not row.is_contiguous():
+            rest.append(i)
+            continue
+        name = key.hex()
+        try:
+            fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
+        except OSError:
+            rest.append(i)
+            continue
+        if fd is None:
+            continue
+        view = row.numpy().data
+        size = len(view)
+        try:
+            n = os.preadv(fd, [head, view, spare], 0)
+        except OSError:
+            rest.append(i)
+            continue
+        finally:
+            os.close(fd)
+        magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(head, 0)
+        if (
+            n != HEADER_SIZE + size
+            or magic != MAGIC
+            or version != RECORD_VERSION
+            or codec_id != NoneCodec.codec_id
+            or flags
+            or raw != size
+            or stored != size
+            or record_checksum(memoryview(head)[:CHECKED], key, view) != checksum
+        ):
+            rest.append(i)
+            continue
+        found[i] = True
+    return rest

@@ -1,0 +1,147 @@
+"""The ``file`` tier's one-pass read of plain records (:mod:`kvtier.backends.file_reads`) against
+its general read: the same bytes, misses, deletions and counters, and no symlink followed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvtier.backends import file_reads, file_tier
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+def _open(path: Path, **options: Any) -> Backend:
+    backend = registry.backends.get("file")(capacity=8 << 20, path=str(path), sync_mode="fast", **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def _record(root: Path, key: bytes) -> Path:
+    h = key.hex()
+    return root / h[:2] / h[2:4] / f"{h}.kvb"
+
+
+def _damaged_store(root: Path, outside: Path) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Ten keys: 0 and 8 sound; 1 absent; 2 a flipped payload bit; 3 a bad magic; 4 truncated;
+    5 compressed; 6 with a byte too many; 7 behind a symlinked shard directory (a sound record
+    outside the root); 9 a symlink to a sound record outside the root."""
+    keys = [make_key(i) for i in range(10)]
+    data = [random_block(FMT.block_bytes, 900 + i) for i in range(10)]
+    data[5] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+    backend = _open(root)
+    backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 6, 7, 8, 9)], [data[i] for i in (0, 2, 3, 4, 6, 7, 8, 9)])
+    asyncio.run(backend.aclose())
+    zstd = _open(root, codec={"name": "zstd", "level": 1})
+    zstd.write_blocks([keys[5]], [data[5]])
+    asyncio.run(zstd.aclose())
+    raw = bytearray(_record(root, keys[2]).read_bytes())
+    raw[-100] ^= 0x20
+    _record(root, keys[2]).write_bytes(bytes(raw))
+    raw = bytearray(_record(root, keys[3]).read_bytes())
+    raw[0] ^= 0x01
+    _record(root, keys[3]).write_bytes(bytes(raw))
+    os.truncate(_record(root, keys[4]), _record(root, keys[4]).stat().st_size - 1)
+    with open(_record(root, keys[6]), "ab") as f:
+        f.write(b"x")
+    outside.mkdir()
+    for i in (7, 9):
+        (outside / _record(root, keys[i]).name).write_bytes(_record(root, keys[i]).read_bytes())
+    shard = _record(root, keys[7]).parent
+    shutil.rmtree(shard)
+    shard.symlink_to(outside, target_is_directory=True)
+    _record(root, keys[9]).unlink()
+    _record(root, keys[9]).symlink_to(outside / _record(root, keys[9]).name)
+    return keys, data
+
+
+def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], list[str]]:
+    monkeypatch.setattr(file_tier, "PLAIN_READS", plain)
+    backend = _open(root)
+    try:
+        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        stats = {k: v for k, v in backend.stats().items() if k in ("blocks_read", "read_misses", "corrupt_records", "deleted", "bytes_read")}
+    finally:
+        asyncio.run(backend.aclose())
+    files = sorted(str(p.relative_to(root.parent)) for p in root.parent.rglob("*") if p.is_file() or p.is_symlink())
+    return found, out, stats, files
+
+
+def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside")
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    for link in (tmp_path / "b").rglob("*"):  # the copied symlinks point into the copy's own outside
+        if link.is_symlink():
+            target = os.readlink(link)
+            link.unlink()
+            link.symlink_to(target.replace(str(tmp_path / "a"), str(tmp_path / "b")))
+    general = _read(tmp_path / "a" / "store", keys, False, monkeypatch)
+    plain = _read(tmp_path / "b" / "store", keys, True, monkeypatch)
+    print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
+    assert general[0] == [True, False, False, False, False, True, False, False, True, False]
+    assert plain[0] == general[0]
+    for i, hit in enumerate(general[0]):
+        if hit:
+            assert torch.equal(general[1][i], data[i]) and torch.equal(plain[1][i], data[i])
+    assert plain[2] == general[2] and general[2]["corrupt_records"] == 4
+    assert plain[3] == general[3]  # the same records deleted, nothing outside the root touched
+    assert sum("outside" in f for f in plain[3]) == 2
+
+
+def test_a_plain_read_takes_three_system_calls_a_record_and_checks_what_it_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sound records of a job never reach the general read; a record it cannot take (here
+    an injected read error) does, and is served there."""
+    keys = [make_key(i) for i in range(4)]
+    data = [random_block(FMT.block_bytes, 950 + i) for i in range(4)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    general: list[int] = []
+    real_each = file_tier.FileBackend._read_each
+    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    real_preadv = os.preadv
+    failed: list[int] = []
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if len(buffers) == 3 and len(failed) == 0 and len(general) == 0 and preadv.calls == 2:  # type: ignore[attr-defined]
+            failed.append(fd)
+            raise OSError(5, "injected EIO")
+        preadv.calls += 1  # type: ignore[attr-defined]
+        return real_preadv(fd, buffers, offset)
+
+    preadv.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(file_reads.os, "preadv", preadv)
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        if not backend._beneath.usable:  # type: ignore[attr-defined]
+            pytest.skip("OPENAT2 IS REFUSED HERE: every record takes the general read")
+        assert backend.read_blocks(keys, out) == [True] * 4
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        assert len(failed) == 1 and general == [2]  # only the record whose read failed
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_without_openat2_every_record_takes_the_general_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [make_key(i) for i in range(3)]
+    data = [random_block(FMT.block_bytes, 970 + i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    monkeypatch.setattr(file_reads, "_syscall", lambda *args: -1)
+    monkeypatch.setattr(file_reads.ctypes, "get_errno", lambda: 38)  # ENOSYS
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 3
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        assert not backend._beneath.usable  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(backend.aclose())

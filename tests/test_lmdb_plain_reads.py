@@ -1,0 +1,201 @@
+"""The ``lmdb`` tier's one-pass read of small plain jobs (``JobReader.read_plain``) against the
+general read (``copy_in`` and ``copy_and_check``): the same bytes, the same misses, the same
+records dropped and the same counters, whatever the job holds."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+from kvtier.backends import lmdb_layout
+from kvtier.backends.lmdb_layout import INDEX
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, encode_record
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+def _open(path: Path, **options: Any) -> Backend:
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def _damaged_store(path: Path) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Eight keys: 0, 4 and 7 plain and sound; 1 absent; 2 with a flipped payload bit; 3 with a
+    bad magic in its head; 5 in the whole layout of earlier code; 6 compressed."""
+    keys = [make_key(i) for i in range(8)]
+    data = [random_block(FMT.block_bytes, 500 + i) for i in range(8)]
+    data[6] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)  # compressible
+    backend = _open(path)
+    backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 7)], [data[i] for i in (0, 2, 3, 4, 7)])
+    asyncio.run(backend.aclose())
+    zstd = _open(path, codec={"name": "zstd", "level": 1})
+    zstd.write_blocks([keys[6]], [data[6]])
+    asyncio.run(zstd.aclose())
+    env = lmdb.open(str(path), max_dbs=3)
+    blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(keys[2], db=blocks))
+        value[4321] ^= 0x10
+        txn.put(keys[2], bytes(value), db=blocks)
+        entry = bytearray(txn.get(keys[3], db=index))
+        entry[INDEX.size] ^= 0x01  # the magic
+        txn.put(keys[3], bytes(entry), db=index)
+        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1)
+        txn.put(keys[5], head + bytes(payload), db=blocks)
+        txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
+    env.close()
+    return keys, data
+
+
+def _read(path: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], set[bytes], int]:
+    monkeypatch.setattr(lmdb_layout, "PLAIN_READS", plain)
+    calls = []
+    real = lmdb_layout.copy_and_check
+
+    def counting(items: Any, mac: Any) -> Any:
+        calls.append(len(items))
+        return real(items, mac)
+
+    monkeypatch.setattr(lmdb_layout, "copy_and_check", counting)
+    backend = _open(path)
+    try:
+        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        stats = {k: v for k, v in backend.stats().items() if k in ("blocks_read", "read_misses", "corrupt_records", "deleted", "bytes_read")}
+        listed = {r.key for r in backend.scan()}
+    finally:
+        asyncio.run(backend.aclose())
+    return found, out, stats, listed, sum(calls)
+
+
+def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, data = _damaged_store(tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    general = _read(tmp_path / "store", keys, False, monkeypatch)
+    plain = _read(tmp_path / "copy", keys, True, monkeypatch)
+    print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
+    assert general[0] == [True, False, False, False, True, True, True, True]
+    assert plain[0] == general[0]
+    for i, hit in enumerate(general[0]):
+        if hit:
+            assert torch.equal(general[1][i], data[i]) and torch.equal(plain[1][i], data[i])
+    assert plain[2] == general[2] and general[2]["corrupt_records"] == 2 and general[2]["deleted"] == 2
+    assert plain[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
+    # The general read checked every record with a readable head through copy_and_check (all
+    # but 3); the plain one handed it only those that are not plain and sound (2, 5 and 6).
+    assert general[4] == 6 and plain[4] == 3
+
+
+@pytest.mark.parametrize("error", [lmdb.CorruptedError, lmdb.MapResizedError])
+def test_an_lmdb_error_in_a_plain_read_is_a_miss_and_the_rest_is_read_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: type[lmdb.Error]
+) -> None:
+    """As in the general read: a damaged page drops the key, any other error keeps it."""
+    keys = [make_key(i) for i in range(4)]
+    data = [random_block(FMT.block_bytes, 600 + i) for i in range(4)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    real_pair = lmdb_layout.JobReader.pair
+    failed: list[bytes] = []
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        if key == keys[1] and not failed:
+            failed.append(key)
+            raise error("injected")
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    plain_reads = []
+    real_plain = lmdb_layout.JobReader.read_plain
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_plain", lambda self, *a: plain_reads.append(1) or real_plain(self, *a))
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True, False, True, True]
+        assert plain_reads and failed == [keys[1]]
+        assert all(torch.equal(out[i], data[i]) for i in (0, 2, 3))
+        dropped = error is lmdb.CorruptedError
+        assert (keys[1] in {r.key for r in backend.scan()}) is not dropped
+        assert backend.stats()["deleted"] == (1 if dropped else 0)
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_slow_lookup_in_a_plain_read_makes_the_rest_of_the_job_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys after a slow lookup are looked up on the cold read's thread, as in the general
+    read; the bytes are the same."""
+    keys = [make_key(i) for i in range(5)]
+    data = [random_block(FMT.block_bytes, 700 + i) for i in range(5)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    clock = [0.0]  # the reader's clock: only the slow lookup advances it
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    threads: list[str] = []
+    real_pair = lmdb_layout.JobReader.pair
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        threads.append(threading.current_thread().name)
+        if key == keys[1]:
+            clock[0] += 2 * lmdb_layout.COLD_GET_S
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    me = threading.current_thread().name
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 5
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_plain_read_never_touches_a_value_past_the_end_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file's end is read from LMDB when a value seems to lie past the end read last; a
+    value that lies past it is a miss and is dropped, as in the general read."""
+    keys = [make_key(i) for i in range(3)]
+    data = [random_block(FMT.block_bytes, 800 + i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 3
+        reader = backend._reader  # type: ignore[attr-defined]
+        end = reader.end_seen[0]
+        assert end >= 3 * FMT.block_bytes
+        reader.end_seen[0] = 0  # as if never read: read again, and every value is inside it
+        assert backend.read_blocks(keys, out) == [True] * 3 and reader.end_seen[0] == end
+        monkeypatch.setattr(lmdb_layout.FileEnd, "covers", lambda self, end: False)  # every value past the end
+        assert backend.read_blocks(keys, out) == [False] * 3
+        assert backend.stats()["deleted"] == 3 and not list(backend.scan())
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_the_head_a_plain_read_expects_is_the_one_the_tier_writes(tmp_path: Path) -> None:
+    """The one-pass read takes a record only when its index entry is a split, unkeyed head of a
+    raw payload of the store's block size: what write_blocks puts (else every read would take
+    the general path, unseen)."""
+    backend = _open(tmp_path / "store")
+    key = make_key(1)
+    backend.write_blocks([key], [random_block(FMT.block_bytes, 1)])
+    asyncio.run(backend.aclose())
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=3)
+    with env.begin(db=env.open_db(b"index")) as txn:
+        entry = txn.get(key)
+    env.close()
+    assert entry is not None and len(entry) == INDEX.size + HEADER_SIZE
+    magic, version, codec_id, _, flags, raw, stored, _ = HEADER.unpack_from(entry, INDEX.size)
+    assert (magic, version, codec_id, flags, raw, stored) == (MAGIC, RECORD_VERSION, NoneCodec.codec_id, 0, FMT.block_bytes, FMT.block_bytes)
