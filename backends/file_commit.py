@@ -37,13 +37,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.errors import DiskError
+from kvtier.records.checks import ProcessThreads
 
 __all__ = ["SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "sync_pool", "write_all"]
 
@@ -55,29 +55,12 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 SYNC_THREADS = 16
 
 T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
+_threads = ProcessThreads(SYNC_THREADS, "kvtier-fsync")
 
 
 def sync_pool() -> ThreadPoolExecutor:
-    """The process's sync threads (created on first use, and again in a forked child, where the
-    parent's pool has no threads)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="kvtier-fsync")
-            _pool_pid = os.getpid()
-        return _pool
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool = None
-    _pool_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    """The process's sync threads (see :class:`~kvtier.records.checks.ProcessThreads`)."""
+    return _threads.get()
 
 
 def _side_by_side(sync: Callable[[T], None], items: Sequence[T]) -> list[OSError | None]:
