@@ -81,7 +81,7 @@ class LoadMover:
         chunk = staging.shape[0]
         waited = False
 
-        def write(src: torch.Tensor, rows: Sequence[int], dst: list[int]) -> bool:
+        def write(src: torch.Tensor, rows: Sequence[int], dst: list[int]) -> bool:  # src: a pool or the staging, both kept
             """Scatter into engine blocks unless the job was stopped; ``False`` if stopped."""
             nonlocal waited
             with rec.device_lock:
@@ -92,7 +92,7 @@ class LoadMover:
                     if not waited:
                         self.e._wait_compute(rec)
                         waited = True
-                    self.e.layout.scatter(src, rows, dst, non_blocking=True)
+                    self.e.layout.scatter(src, rows, dst, non_blocking=True, kept=True)
                 finally:
                     # Done means done (the engine may read these blocks at once), and a failed
                     # scatter's queued chunks are waited for too, before the job is reported.

@@ -207,7 +207,9 @@ class StoreMover:
             if plan.keys:
                 slots = _reserve(target, plan)
                 ids = list(rec.block_ids)
-                self._read_engine_blocks(rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True))
+                self._read_engine_blocks(
+                    rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True, kept=True)
+                )
                 work.nbytes = len(slots) * self.e.layout.block_bytes
             byte_tiers = []
             for tier, keys in plan.write_through:

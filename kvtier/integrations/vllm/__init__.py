@@ -88,6 +88,9 @@ vLLM internals kvtier relies on (imported only by those four modules):
 * the spec factory's ``spec_name`` / ``spec_module_path`` keys and the connector factory's
   ``kv_connector_module_path`` (both look names up with ``getattr`` on this package, which
   imports the class's module on first access).
+* for the admin endpoint (:mod:`.admin`): ``vllm.v1.core.kv_cache_utils``'s
+  ``get_request_block_hasher`` and ``NONE_HASH``, ``vllm.utils.hashing.get_hash_fn_by_name``
+  and ``cache_config.prefix_caching_hash_algo``.
 """
 
 

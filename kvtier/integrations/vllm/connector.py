@@ -27,7 +27,7 @@ from kvtier.integrations.vllm.head_layout import head_shapes
 from kvtier.integrations.vllm.idle_steps import is_idle_step
 from kvtier.integrations.vllm.messages import KvtierWorkerMetadata
 from kvtier.integrations.vllm.offloading import KvtierOffloadingManager, KvtierOffloadingWorker
-from kvtier.integrations.vllm.spec import CHANNELS_KEY, REPLICATED_KEY, KvtierOffloadingSpec
+from kvtier.integrations.vllm.spec import CHANNELS_KEY, HASH_ALGO_KEY, REPLICATED_KEY, KvtierOffloadingSpec
 from kvtier.integrations.vllm.stats import PREFIX, CounterDeltas
 
 __all__ = ["KvtierConnector", "replicated_kv"]
@@ -63,6 +63,8 @@ class KvtierConnector(OffloadingConnector):
         extra = _select_spec(vllm_config)
         extra[CHANNELS_KEY] = True
         extra[REPLICATED_KEY] = replicated_kv(vllm_config, kv_cache_config)
+        # the admin endpoint hashes prompts as the engine does (.admin)
+        extra[HASH_ALGO_KEY] = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         self._kvtier_deltas = CounterDeltas()
         self._kvtier_vllm_config = vllm_config
         super().__init__(vllm_config, role, kv_cache_config)

@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.integrations._sync import run_sync
+from kvtier.integrations.vllm.admin import AdminServer
 from kvtier.integrations.vllm.announce import OffloadKeyLog
 from kvtier.integrations.vllm.engines import RankEngine, SchedulerEngine, unregister_engine
 from kvtier.integrations.vllm.groups import RankGroups, SchedulerGroups, WorkerGroups, summed
@@ -60,6 +61,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self._media: list[Any] = []
         #: the tenant (cache salt) of each running request, noted by the connector
         self.tenants = RequestTenants()
+        #: the operator's endpoint, when the config turns it on (:mod:`.admin`)
+        self.admin: AdminServer | None = None
 
     def adopt_ranks(self, ranks: Mapping[int, RankGroups]) -> None:
         """Build the managers from what every rank opened (see :mod:`.ranks`)."""
@@ -96,6 +99,8 @@ class KvtierOffloadingManager(OffloadingManager):
         meta.kvtier_abandoned = self._groups.take_notices()
 
     def take_deletes(self) -> Any:
+        if self.admin is not None and self._groups.ready:  # the endpoint's deletes, on this (the step) thread
+            self.admin.ops.to_ledgers()
         return self._groups.take_deletes()
 
     # lifecycle
@@ -164,6 +169,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return summed(scheduler_counters(e) for e in self._engines)
 
     def shutdown(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
         self._groups.close()
         for engine in self._engines:
             unregister_engine(engine)

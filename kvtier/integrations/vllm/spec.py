@@ -10,6 +10,7 @@ It reads kvtier's settings from the extra config (the store config under ``kvtie
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingSpec
@@ -17,6 +18,8 @@ from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingSpec
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations._sync import run_sync
+from kvtier.integrations.vllm.admin import AdminServer, admin_settings
+from kvtier.integrations.vllm.admin_ops import AdminOps, NotReady, PrefixHasher
 from kvtier.integrations.vllm.announce import OffloadKeyLog, offload_key_log_path
 from kvtier.integrations.vllm.engines import (
     MODULE_PATH,
@@ -43,7 +46,7 @@ from kvtier.records.head_groups import HeadGroupLayout
 from kvtier.store import KVStore
 from kvtier.transfer.layout import KVLayout
 
-__all__ = ["CHANNELS_KEY", "REPLICATED_KEY", "KvtierOffloadingSpec", "result_deadline"]
+__all__ = ["CHANNELS_KEY", "HASH_ALGO_KEY", "REPLICATED_KEY", "KvtierOffloadingSpec", "result_deadline", "vllm_prefix_hasher"]
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -51,6 +54,37 @@ log = logging.getLogger("kvtier.vllm")
 CHANNELS_KEY = "kvtier_connector_channels"
 #: set by KvtierConnector in the extra config: the KV is the same on every rank (MLA)
 REPLICATED_KEY = "kvtier_replicated_kv"
+#: set by KvtierConnector in the extra config: vLLM's prefix caching hash (its block hashes)
+HASH_ALGO_KEY = "kvtier_hash_algo"
+
+
+def vllm_prefix_hasher(hash_algo: str, tokens_per_hash: int) -> PrefixHasher:
+    """A prompt's block hashes exactly as vLLM's engine computes a request's: its own request
+    block hasher (``get_request_block_hasher``) with the hash function named by
+    ``prefix_caching_hash_algo``, its ``NONE_HASH`` seed, and the ``cache_salt`` extra key on the
+    first block (a request without multimodal inputs, LoRA or prompt embeddings)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hasher = kv_cache_utils.get_request_block_hasher(tokens_per_hash, get_hash_fn_by_name(hash_algo))
+
+    def hashes(token_ids: Any, cache_salt: str | None) -> list[bytes]:
+        if getattr(kv_cache_utils, "NONE_HASH", None) is None:
+            raise NotReady("kvtier: vLLM has not set up its block hashes yet; try again")
+        tokens = list(token_ids)
+        request = SimpleNamespace(
+            request_id="kvtier-admin",
+            block_hashes=[],
+            num_tokens=len(tokens),
+            all_token_ids=tokens,
+            mm_features=[],
+            lora_request=None,
+            cache_salt=cache_salt,
+            prompt_embeds=None,
+        )
+        return [bytes(h) for h in hasher(request)]
+
+    return hashes
 
 
 def result_deadline(value: Any) -> float | None:
@@ -120,7 +154,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
         shared = SharedFollowing(self._store_dict, parallel.world_size)
         groups = SchedulerGroups(engines, store_cfg, key_log, namespace_of, result_deadline_s=deadline, shared=shared)
-        return KvtierOffloadingManager(engines, groups, key_log)
+        manager = KvtierOffloadingManager(engines, groups, key_log)
+        settings = admin_settings(self.extra_config)
+        if settings is not None:  # the operator's endpoint (off by default): see .admin
+            hasher = vllm_prefix_hasher(str(self.extra_config.get(HASH_ALGO_KEY, "sha256")), self.tokens_per_hash)
+            per_chunk = [tpb * self.blocks_per_chunk // self.tokens_per_hash for tpb in self.tokens_per_block]
+            manager.admin = AdminServer(settings, AdminOps(groups, hasher, per_chunk)).start()
+        return manager
 
     def get_worker(self, kv_caches: Any) -> Any:
         group_ids = tuple(int(g.group_id) for g in self.config.groups)
