@@ -12,7 +12,10 @@
   under a reader. A delete that finds nothing is a no-op.
 
 Tags (each block's tenant) and pins of persistent tiers are saved with the tier (see
-``Backend.read_tags``): at each pin, unpin and delete, and at close; they are read back at open.
+``Backend.read_tags``): the tags of the blocks a ``save`` stored before it returns (one write per
+tier per save, not per block), and at each pin, unpin and delete, and at close; they are read
+back at open. Blocks stored through ``prepare_store`` / ``finish_store`` (the engine adapters)
+have their tags saved at the next of those calls.
 """
 
 from __future__ import annotations
