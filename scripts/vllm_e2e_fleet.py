@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-from vllm_engine import BLOCK, VOCAB, free_port, make_llm, make_model
+from vllm_engine import BLOCK, VOCAB, free_port, make_llm, make_model, verdict
 from vllm_engine import engine_env as _env
 from vllm_engine import prompts as _prompts
 
@@ -328,11 +328,7 @@ def main() -> int:
         "D_kvtier_delta": {k: v for k, v in d["kvtier_delta"].items() if v},
     }
     print(json.dumps(summary, indent=1))
-    for f in failures:
-        print(f"VLLM FLEET E2E FAILED: {f}")
-    if not failures:
-        print("VLLM FLEET E2E PASSED")
-    return 1 if failures else 0
+    return verdict("VLLM FLEET E2E", failures)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from vllm_engine import BLOCK, engine_env, free_port, make_llm, make_model, prompts
+from vllm_engine import BLOCK, engine_env, free_port, make_llm, make_model, prompts, verdict
 
 CHUNKS = 4  # chunks (vLLM blocks) of each tenant's prefix
 CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 4  # layers x (K, V) x tokens x KV heads x head size x float32, all ranks
@@ -237,11 +237,7 @@ def main() -> int:
     q = results["Q"]
     print(json.dumps({"Q_usage_cpu": q["usage"][1]["tiers"]["cpu"], "Q_records_before": q["records_before"],
                       "Q_records_after": q["records_after"], "delete_batch": q["delete_batch"][1]}, indent=1))
-    for f in failures:
-        print(f"VLLM TENANTS E2E FAILED: {f}")
-    if not failures:
-        print("VLLM TENANTS E2E PASSED")
-    return 1 if failures else 0
+    return verdict("VLLM TENANTS E2E", failures)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,15 @@ def prompts(seed: int, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(length)] for _ in range(n)]
 
 
+def verdict(name: str, failures: list[str]) -> int:
+    """Print ``<name> FAILED: ...`` per failure or ``<name> PASSED``; the exit status."""
+    for f in failures:
+        print(f"{name} FAILED: {f}")
+    if not failures:
+        print(f"{name} PASSED")
+    return 1 if failures else 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
