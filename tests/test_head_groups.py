@@ -181,7 +181,50 @@ def test_a_listing_finds_blocks_whose_every_group_is_stored(tp: int) -> None:
     recs.discard(group_key(keys[7], 6))  # one group of one block missing: that block is not present
     found = layout.blocks_present(recs)
     assert set(found) == set(keys) - {keys[7]}, "no block made up of other blocks' records, none partial"
-    assert found[keys[0]] == HeadGroupLayout.record_keys([keys[0]], layout.groups.held)
+    assert found[keys[0]] == HeadGroupLayout.record_keys([keys[0]], range(HEADS))  # every group's record
+    assert found[keys[0]][layout.held_slice] == HeadGroupLayout.record_keys([keys[0]], layout.groups.held)
+
+
+def test_two_blocks_that_share_a_record_key_are_both_left_out() -> None:
+    # Keys b and b + o1 - o0 share a record key (b's group 1 is the other's group 0): that record
+    # holds one of them, so a listing must show neither (before, both were found, and the index
+    # took the record's size for both blocks).
+    from kvtier.manager import TierManager, TierSpec
+    from kvtier.manager.policies import LRUPolicy
+    from kvtier.records.head_group_tier import GroupIndex
+
+    layout = HeadGroupLayout(HeadGroups.for_rank(2, 1, 0, 1), HeadAxis(heads=2, segments=((1, 64),), tag="t"))
+    b = os.urandom(32)
+    other = block_key_of(group_key(b, 1), 0)
+    assert group_key(other, 0) == group_key(b, 1)
+    c = os.urandom(32)
+    recs = {group_key(b, 0), group_key(b, 1), group_key(other, 1), group_key(c, 0), group_key(c, 1)}
+    assert layout.blocks_present(recs) == {c: [group_key(c, 0), group_key(c, 1)]}
+
+    mgr = TierManager([TierSpec("redis", 8 * 100, 100, LRUPolicy(capacity=8), persistent=True)])
+    index = GroupIndex(mgr, layout)
+    assert index.adopt(0, [(rk, 64, 1.0) for rk in recs]) == []
+    assert mgr.holds(c, 0) and not mgr.holds(b, 0) and not mgr.holds(other, 0)
+    assert index.holds(group_key(c, 1), 0) and not index.holds(group_key(b, 0), 0)
+
+
+def test_the_index_view_starts_from_the_blocks_the_tier_listed() -> None:
+    # The tier's scan and its index view share one mapping of records to blocks: a record of a
+    # listed block is held from the start, and its removal forgets the block.
+    from kvtier.manager import TierManager, TierSpec
+    from kvtier.manager.policies import LRUPolicy
+    from kvtier.records.head_group_tier import GroupIndex
+
+    layout = HeadGroupLayout(HeadGroups.for_rank(4, 2, 1, 1), HeadAxis(heads=2, segments=((1, 64),), tag="t"))
+    keys = [os.urandom(32) for _ in range(3)]
+    listed = layout.blocks_present(HeadGroupLayout.record_keys(keys, range(4)))
+    mgr = TierManager([TierSpec("redis", 8 * 200, 200, LRUPolicy(capacity=8), persistent=True)])
+    assert mgr.adopt(0, [(k, 128, 1.0) for k in keys]) == []
+    index = GroupIndex(mgr, layout, listed=listed)
+    assert all(index.holds(group_key(k, g), 0) for k in keys for g in range(4))
+    assert index.remove([group_key(keys[1], 0)], 0) == [keys[1]]  # a group this rank does not hold
+    assert not mgr.holds(keys[1], 0) and mgr.holds(keys[0], 0)
+    assert not index.holds(group_key(keys[1], 3), 0)
 
 
 def test_rows_view_only_for_evenly_spaced_rows() -> None:

@@ -2,7 +2,8 @@
 
 A policy orders the *ready* keys of one tier and picks victims; it never touches bytes or slot
 state. One small interface: ``insert``, ``touch`` (each with a batch form, ``insert_many`` and
-``touch_many``, that a policy may override for speed), ``remove`` and an atomic
+``touch_many``, that a policy may override for speed; ``touch_held`` touches a batch only if it
+holds every key), ``remove`` and an atomic
 ``evict(n, protected)`` that either returns ``n`` victims (and forgets them) or returns ``None``
 and changes nothing. Keys in ``protected`` (pinned by a load, or part of the batch being stored)
 are never chosen. All operations are O(1) amortised, except that ``evict`` steps over protected
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
@@ -49,6 +50,15 @@ class EvictionPolicy(ABC):
         for key in keys:
             self.touch(key)
 
+    def touch_held(self, keys: Sequence[bytes]) -> bool:
+        """``touch_many(keys)`` if the policy holds every key, and ``True``; else ``False`` and
+        no change. The manager's ``touch`` of a one-tier cache validates by this: the policy
+        orders exactly the tier's ready keys, each checked when it was stored."""
+        if all(map(self.__contains__, keys)):
+            self.touch_many(keys)
+            return True
+        return False
+
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """The key left the tier for another reason than eviction; unknown keys are ignored."""
@@ -56,6 +66,13 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evict(self, n: int, protected: Container[bytes] = ()) -> list[bytes] | None:
         """Choose and forget ``n`` victims not in ``protected``; ``None`` (no change) if impossible."""
+
+    def adopt(self, keys: Sequence[bytes], ready: Mapping[bytes, object]) -> None:
+        """Keys of stored records made ready at a store's open, oldest first: distinct, none
+        known to this policy yet. ``ready`` is the tier's index (a key is ready while its value
+        there is true; it stays the tier's, and the policy only reads it). The default inserts
+        them; :class:`LRUPolicy` keeps them compact (one list slot each) until they are used."""
+        self.insert_many(keys)
 
     def restore(self, victims: list[bytes]) -> None:
         """Undo the ``evict`` that returned ``victims``: they become the next victims again, in
@@ -83,13 +100,45 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first.
+
+    The keys used since the store opened (stored, loaded, touched) are in an ``OrderedDict``,
+    oldest first. The records adopted at open and not used since (``adopt``) are older than all
+    of them: they stay in a plain list, oldest first, behind a cursor, so a tier of millions of
+    records costs one list slot per key rather than an ordered-dict node (about 100 bytes;
+    ``benchmarks/bench_scale.py``). Such a *cold* key's slot is live while the tier's index holds
+    it ready and it is not in the ordered dict: a use moves it into the ordered dict (its slot
+    goes stale), a removal from the index makes the slot stale. A key has at most one slot; slots
+    behind the cursor are free, and a victim taken from a slot goes back in front of the cursor
+    when its eviction is undone (``restore``), so eviction and its undo stay O(victims).
+    """
 
     name: ClassVar[str] = "lru"
+    #: Keys taken from the cold list and not restored that ``restore`` remembers (beyond this,
+    #: the oldest are forgotten: such a key, if restored, goes to the front of the ordered dict).
+    TAKEN_MEMORY = 4096
 
     def __init__(self, capacity: int = 0) -> None:
         super().__init__(capacity)
         self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._cold: list[bytes | None] = []
+        self._at = 0  # the cold list's cursor: slots before it are free
+        self._ready: Callable[[bytes], object] | None = None
+        self._taken: dict[bytes, None] = {}  # cold keys handed out by evict, for restore
+
+    def adopt(self, keys: Sequence[bytes], ready: Mapping[bytes, object]) -> None:
+        if self._at < len(self._cold):  # cold keys left: a later adoption (a shared tier's) is used now
+            self.insert_many(keys)
+            return
+        self._cold = list(keys)
+        self._at = 0
+        self._ready = ready.get
+        self._taken.clear()
+
+    def _is_cold(self, key: bytes) -> bool:
+        """Whether ``key``, not in the ordered dict, is one of the cold keys (see the class doc)."""
+        ready = self._ready
+        return ready is not None and bool(ready(key)) and key not in self._order
 
     def insert(self, key: bytes) -> None:
         order = self._order
@@ -101,6 +150,8 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, key: bytes) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+        elif self._is_cold(key):
+            self._order[key] = None
 
     def insert_many(self, keys: Iterable[bytes]) -> None:
         order = self._order
@@ -117,43 +168,105 @@ class LRUPolicy(EvictionPolicy):
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         try:
             deque(map(order.move_to_end, keys), 0)  # every key known (the manager's case): a loop in C
-        except KeyError:  # an unknown key: moving the known ones again, in order, gives the same order
-            move = order.move_to_end
+        except KeyError:  # a cold or unknown key: moving the known ones again, in order, gives the same order
+            move, cold = order.move_to_end, self._is_cold
             for key in keys:
                 if key in order:
                     move(key)
+                elif cold(key):
+                    order[key] = None
+
+    def touch_held(self, keys: Sequence[bytes]) -> bool:
+        order = self._order
+        if all(map(order.__contains__, keys)):  # also brings each key's entry into the cache
+            deque(map(order.move_to_end, keys), 0)
+            return True
+        return False
 
     def remove(self, key: bytes) -> None:
+        # A cold key's slot goes stale when the tier's index drops the key.
         self._order.pop(key, None)
 
     def evict(self, n: int, protected: Container[bytes] = ()) -> list[bytes] | None:
         if n <= 0:
             return []
         victims: list[bytes] = []
-        for key in self._order:
-            if key not in protected:
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        else:
-            return None
-        for key in victims:
-            del self._order[key]
+        cold = self._at < len(self._cold)
+        if cold:
+            walked, held = self._walk_cold(n, protected, victims)
+        from_cold = len(victims)
+        if from_cold < n:
+            for key in self._order:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            else:
+                return None
+        if cold:
+            self._take_cold(walked, held, victims[:from_cold])
+        order = self._order
+        for key in victims[from_cold:]:
+            del order[key]
         return victims
 
+    def _walk_cold(self, n: int, protected: Container[bytes], victims: list[bytes]) -> tuple[int, list[bytes]]:
+        """Live cold keys from the cursor on, not in ``protected``, into ``victims`` (up to ``n``);
+        the index after the last slot walked and the protected live keys met, in order."""
+        cold, order, ready = self._cold, self._order, self._ready
+        assert ready is not None
+        held: list[bytes] = []
+        i, end = self._at, len(cold)
+        while i < end and len(victims) < n:
+            key = cold[i]
+            i += 1
+            if key is None or key in order or not ready(key):
+                continue
+            if key in protected:
+                held.append(key)
+            else:
+                victims.append(key)
+        return i, held
+
+    def _take_cold(self, walked: int, held: list[bytes], victims: list[bytes]) -> None:
+        """Free the slots walked (the protected keys met move to the last of them, in order)."""
+        cold, taken = self._cold, self._taken
+        start = walked - len(held)
+        cold[self._at : start] = [None] * (start - self._at)
+        cold[start:walked] = held
+        self._at = start
+        if len(taken) > self.TAKEN_MEMORY:
+            taken.clear()
+        taken.update(dict.fromkeys(victims))
+        if start >= len(cold):  # every cold key used or gone: drop the list
+            self._cold, self._at = [], 0
+            taken.clear()
+
     def restore(self, victims: list[bytes]) -> None:
+        order, taken, cold = self._order, self._taken, self._cold
         for key in reversed(victims):
-            self._order[key] = None
-            self._order.move_to_end(key, last=False)
+            if key in taken and self._at > 0:  # back into the cold slot before the cursor
+                del taken[key]
+                self._at -= 1
+                cold[self._at] = key
+            else:
+                order[key] = None
+                order.move_to_end(key, last=False)
+
+    def _cold_keys(self) -> list[bytes]:
+        if self._ready is None:
+            return []
+        live = self._is_cold
+        return [key for key in self._cold[self._at :] if key is not None and live(key)]
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + (len(self._cold_keys()) if self._at < len(self._cold) else 0)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or (isinstance(key, bytes) and key in self._cold_keys())
 
     def order(self) -> list[bytes]:
-        return list(self._order)
+        return [*self._cold_keys(), *self._order]
 
 
 class ARCPolicy(EvictionPolicy):

@@ -50,10 +50,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, cast
 
-from kvtier.errors import ClosedError, ConfigError, LifecycleError
+from kvtier.errors import ConfigError, LifecycleError
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
+from kvtier.manager.lookups import closed_error as _closed
+from kvtier.manager.lookups import lookup_counts, read_counters, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.tenant_ops import TenantControl
@@ -117,25 +119,6 @@ def _check(keys: Sequence[bytes]) -> None:
         check_keys(keys)
 
 
-# The lookup counters of batched calls (calls, keys asked, keys found) packed into one int, one
-# field per 64 bits, so a lookup adds one constant. Single-key calls (the engine's per-block
-# lookups, most of them) add 1 to a small int of their own instead, hits and misses apart: a
-# third cheaper than adding to the packed one. Every lookup changes exactly one of the three,
-# and they only grow, so a reader that sees the same three values twice in a row has seen one
-# moment (see TierManager._lookup_counters).
-_FIELD = 64
-_MASK = (1 << _FIELD) - 1
-_READS = 8  # a reader's tries for two equal readings (then it takes the last)
-
-
-def _lookup_counts(calls: int, asked: int, found: int) -> int:
-    return calls | asked << _FIELD | found << 2 * _FIELD
-
-
-def _closed() -> ClosedError:
-    return ClosedError("the tier manager is closed")
-
-
 class TierManager:
     """Key state over ``tiers`` (fastest first) with write-back or write-through chaining."""
 
@@ -162,13 +145,15 @@ class TierManager:
         self._gets = tuple(t.index.get for t in self._tiers)
         self._pins = tuple(t.pins for t in self._tiers)
         self._persistent = any(t.persistent for t in tiers)
+        #: the policy of the only tier, when it is not persistent: ``touch`` goes to it directly
+        self._one_policy = tiers[0].policy if len(tiers) == 1 and not self._persistent else None
         self._plan_ids = itertools.count(1)
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        # (calls, keys, hits) of batched lookups, packed by _lookup_counts and replaced whole,
-        # and single-key hits and misses: lookups stay lock-free.
+        # (calls, keys, hits) of batched lookups, packed by lookup_counts and replaced whole;
+        # single-key lookups count in the closure below: lookups stay lock-free.
         self._lookups = 0
-        self._single_hits = 0
-        self._single_misses = 0
+        self._single = single_key_lookup(self._gets, self._lookup_any)
+        self.lookup = self._single.lookup  # type: ignore[method-assign,assignment]  # see lookups.py
         self._admission = Admission(tiers)
         self._events = EventLog(max_events)
         self._promotions = Promotions(self._tiers, self._counts, self._events)
@@ -215,6 +200,7 @@ class TierManager:
 
     def close(self) -> None:
         self._closed = True
+        self._single.close()
 
     def _ready_tier(self, key: bytes) -> int | None:
         """The fastest tier that holds ``key`` ready, or ``None``."""
@@ -251,24 +237,16 @@ class TierManager:
         """Length of the leading run of ``keys`` ready in some tier; a pending key ends it.
 
         A single key (an engine scheduler asks block by block, every step, for every waiting
-        request) takes a path of its own: a dictionary probe per tier, and on a
-        miss the type and length check of that one key. It answers, counts and validates
-        exactly as the general path does (a test compares the two)."""
+        request) takes a path of its own: each manager's ``lookup`` is a closure made for its
+        tiers (:func:`kvtier.manager.lookups.single_key_lookup`), a dictionary probe per tier
+        and, on a miss, the type and length check of that one key. It answers, counts and
+        validates exactly as the general path does (a test compares the two)."""
+        return self._single.lookup(keys)
+
+    def _lookup_any(self, keys: Sequence[bytes]) -> int:
+        """:meth:`lookup` of anything but one key."""
         if self._closed:
             raise _closed()
-        if len(keys) == 1:
-            (key,) = keys  # any sized collection, as the general path iterates it
-            try:
-                for get in self._gets:
-                    if get(key):
-                        self._single_hits += 1
-                        return 1
-            except TypeError:  # an unhashable key: check_keys names it
-                check_keys(keys)
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                check_keys(keys)
-            self._single_misses += 1
-            return 0
         return self._lookup_run(keys)
 
     def _lookup_run(self, keys: Sequence[bytes]) -> int:
@@ -284,7 +262,7 @@ class TierManager:
             hits = -1
         if hits != len(keys) or not hits:  # a key not found (or no key): is the input valid?
             _check(keys)
-        self._lookups += _lookup_counts(1, len(keys), hits)
+        self._lookups += lookup_counts(1, len(keys), hits)
         return hits
 
     # -- store -----------------------------------------------------------------------------
@@ -457,6 +435,14 @@ class TierManager:
         if self._closed:
             raise _closed()
         with self._lock:
+            if self._one_policy is not None and type(keys) in (list, tuple):
+                # One tier, not persistent (no stamps): its policy orders exactly its ready
+                # keys, so finding them all there validates them (a test compares the two).
+                try:
+                    if self._one_policy.touch_held(keys):
+                        return
+                except TypeError:  # an unhashable key: the general path names it
+                    pass
             n = len(keys)
             every = False  # one tier holds every key ready
             found = []
@@ -556,15 +542,7 @@ class TierManager:
 
     def _lookup_counters(self) -> tuple[int, int, int]:
         """(calls, keys asked, keys found) at one moment, read without stopping lookups."""
-        seen = (self._lookups, self._single_hits, self._single_misses)
-        for _ in range(_READS):
-            again = (self._lookups, self._single_hits, self._single_misses)
-            if again == seen:
-                break
-            seen = again
-        packed, hits, misses = seen
-        single = hits + misses
-        return (packed & _MASK) + single, (packed >> _FIELD & _MASK) + single, (packed >> 2 * _FIELD) + hits
+        return read_counters(lambda: self._lookups, self._single.counts)
 
     def _counters(self) -> dict[str, int]:
         calls, asked, found = self._lookup_counters()

@@ -354,7 +354,7 @@ class TierState:
             if len(fresh) == len(keys) and (not self.index or self.index.keys().isdisjoint(fresh)):
                 self.index.update(fresh)
                 self.used += len(keys) * self.block
-                self.policy.insert_many(keys)
+                self.policy.adopt(keys, self.index)
                 if self.tenancy is not None:
                     self.tenancy.add(keys, self.block)
                 return []
@@ -372,7 +372,7 @@ class TierState:
             if self.variable:
                 self.sizes[key] = size
             adopted.append(key)
-        self.policy.insert_many(adopted)
+        self.policy.adopt(adopted, self.index)
         if self.tenancy is not None:
             self.tenancy.add_sized((key, self._size_of(key)) for key in adopted)
         return excess

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -62,7 +62,8 @@ class HeadGroupTier(Backend):
         self.shared = bool(getattr(inner, "shared", False))
         self.variable_size = True
         self._owns_inner = False
-        self._listed: list[bytes] = []
+        #: the blocks the last ``scan`` listed -> their records (the index view starts from it)
+        self._listed: dict[bytes, list[bytes]] = {}
         self._local = threading.local()
         #: the block-key view of a shared tier's index (set by ``bind_index``)
         self.index: GroupIndex | None = None
@@ -232,16 +233,14 @@ class HeadGroupTier(Backend):
             self.inner.delete_blocks(self.layout.record_keys(keys, self._written))
             self.counters.deleted += len(keys)
 
-    def _blocks(self, records: list[RecordInfo]) -> Iterator[RecordInfo]:
-        by_key = {r.key: r for r in records}
-        for block, recs in self.layout.blocks_present(by_key).items():
-            infos = [by_key[r] for r in recs]
-            yield RecordInfo(block, sum(r.stored_bytes for r in infos), max(r.stamp for r in infos))
-
     def scan(self) -> Iterator[RecordInfo]:
-        listed = list(self.inner.scan())
-        blocks = list(self._blocks(listed))
-        self._listed = [b.key for b in blocks]
+        listed = {r.key: r for r in self.inner.scan()}
+        self._listed = self.layout.blocks_present(listed)
+        held = self.layout.held_slice
+        blocks = []
+        for block, recs in self._listed.items():
+            infos = [listed[r] for r in recs[held]]
+            blocks.append(RecordInfo(block, sum(r.stored_bytes for r in infos), max(r.stamp for r in infos)))
         return iter(blocks)
 
     def bind_index(self, manager: Any, tier: int) -> None:
@@ -250,7 +249,7 @@ class HeadGroupTier(Backend):
         bind = getattr(self.inner, "bind_index", None)
         if bind is not None:
             self.index = GroupIndex(manager, self.layout, listed=self._listed)
-            self._listed = []
+            self._listed = {}
             bind(self.index, tier)
 
     @property
@@ -270,8 +269,9 @@ class HeadGroupTier(Backend):
         if keys is None:
             return None
         order = {k: i for i, k in enumerate(keys)}
-        blocks = self.layout.blocks_present(keys)
-        return sorted(blocks, key=lambda b: max(order[r] for r in blocks[b]))
+        blocks = self.layout.blocks_present(order)
+        held = self.layout.held_slice
+        return sorted(blocks, key=lambda b: max(order[r] for r in blocks[b][held]))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         held = self._held
@@ -360,22 +360,17 @@ class GroupIndex:
     every sweep, so a block completes as its last group lands); a vanished record removes its
     block. Thread-safe: the view calls it from its thread, under its own lock here."""
 
-    def __init__(self, manager: Any, layout: HeadGroupLayout, *, listed: Sequence[bytes] = ()) -> None:
-        """``listed``: the blocks the store adopted at open."""
+    def __init__(self, manager: Any, layout: HeadGroupLayout, *, listed: Mapping[bytes, Sequence[bytes]] | None = None) -> None:
+        """``listed``: the blocks the store adopted at open, with their records of every group
+        (what :meth:`HeadGroupLayout.blocks_present` found in the tier's listing)."""
         self._manager = manager
         self._layout = layout
         self._lock = threading.Lock()
         #: record key -> its block, for the records of blocks the manager holds from this index
-        self._block_of: dict[bytes, bytes] = {}
+        self._block_of: dict[bytes, bytes] = {rk: block for block, recs in (listed or {}).items() for rk in recs}
         #: records offered whose block is not complete yet (a view offers records in chunks)
         self._pending: dict[bytes, tuple[int, float]] = {}
         self._every = range(layout.groups.num_groups)
-        for block in listed:
-            self._map(block)
-
-    def _map(self, block: bytes) -> None:
-        for rk in self._layout.record_keys([block], self._every):
-            self._block_of[rk] = block
 
     def holds(self, key: bytes, tier: int) -> bool:
         with self._lock:
@@ -384,8 +379,10 @@ class GroupIndex:
 
     def _complete(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> tuple[dict[bytes, list[bytes]], list[tuple[bytes, int, float]]]:
         """Take ``records`` into the pending pool; the blocks now complete (block -> its held
-        records) and, of them, the ones the manager does not hold, as block records."""
-        every = self._every
+        records) and, of them, the ones the manager does not hold, as block records. The blocks
+        :meth:`HeadGroupLayout.blocks_present` finds share no record, so each takes its own
+        records out of the pool."""
+        held = self._layout.held_slice
         new: list[tuple[bytes, int, float]] = []
         with self._lock:
             pending = self._pending
@@ -393,16 +390,12 @@ class GroupIndex:
                 pending.clear()
             pending.update((k, (size, stamp)) for k, size, stamp in records)
             blocks = self._layout.blocks_present(pending)
-            # Sizes first, so that no block takes records another complete block also lists.
-            parts = {block: [pending[rk] for rk in recs] for block, recs in blocks.items()}
-            for block in blocks:
-                for rk in self._layout.record_keys([block], every):
-                    pending.pop(rk, None)
-                    self._block_of[rk] = block
+            for block, recs in blocks.items():
+                parts = [pending.pop(rk) for rk in recs][held]
+                self._block_of.update(dict.fromkeys(recs, block))
                 if not self._manager.holds(block, tier):
-                    sizes = parts[block]
-                    new.append((block, sum(p[0] for p in sizes), max(p[1] for p in sizes)))
-        return blocks, new
+                    new.append((block, sum(p[0] for p in parts), max(p[1] for p in parts)))
+        return {block: recs[held] for block, recs in blocks.items()}, new
 
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
         """The manager's ``adopt`` for complete blocks; the records of blocks it had no room for."""

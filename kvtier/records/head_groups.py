@@ -372,20 +372,38 @@ class HeadGroupLayout:
                 append(head + ((tail + o) % _MOD).to_bytes(8, "little"))
         return out
 
-    def blocks_present(self, record_keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
-        """Block key -> its held group records, for the blocks *every* group of which is in
-        ``record_keys`` (a listing of a tier): a block another engine stored is adopted only
-        once all of its writer's ranks stored their groups, and a record key, whose group a
-        listing cannot tell, is never taken for another block's (each candidate block must
-        show all its groups)."""
-        present = record_keys if isinstance(record_keys, (set, dict)) else set(record_keys)
+    @property
+    def held_slice(self) -> slice:
+        """Where this rank's held groups are in a block's records of every group (group order)."""
         held = self.groups.held
-        others = range(1, self.groups.num_groups)
+        return slice(held[0], held[-1] + 1) if held else slice(0, 0)
+
+    def blocks_present(self, record_keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
+        """The mapping from a listing of a tier's records back to blocks: block key -> the
+        record keys of *every* group of it (group order; :attr:`held_slice` picks this rank's),
+        for the blocks every group of which is in ``record_keys``.
+
+        A block another engine stored is adopted only once all of its writer's ranks stored
+        their groups, and a record key, whose group a listing cannot tell, is never taken for
+        another block's: each candidate block must show all its groups, and each record belongs
+        to one block at most. Keys ``b`` and ``b + o_g - o_h`` (offsets of groups ``g``, ``h``)
+        share a record key (about 2**-64 for hashed keys): that record could hold either's
+        bytes, so both blocks are left out (a miss, never the other block's data)."""
+        present = record_keys if isinstance(record_keys, (set, dict)) else set(record_keys)
+        every = range(self.groups.num_groups)
         out: dict[bytes, list[bytes]] = {}
+        claimed: set[bytes] = set()
+        shared: set[bytes] = set()
         for rk in present:
             block = block_key_of(rk, 0)
-            if all(r in present for r in self.record_keys([block], others)):
-                out[block] = self.record_keys([block], held)
+            recs = self.record_keys([block], every)
+            if all(r in present for r in recs):
+                out[block] = recs
+                shared.update(r for r in recs if r in claimed)
+                claimed.update(recs)
+        if shared:
+            for block in [b for b, recs in out.items() if not shared.isdisjoint(recs)]:
+                del out[block]
         return out
 
     # -- bytes ---------------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""The tier manager's lookups of one key, and the lookup counters.
+
+An engine's scheduler asks for blocks one at a time, every step, for every waiting request:
+``lookup((key,))`` is the manager's hottest call, and at a fraction of a microsecond its cost
+is the interpreter's, not the dictionary's. :func:`single_key_lookup` builds that call as a
+closure over the tiers' index getters, made once per manager: no attribute lookups, no method
+binding, the counters in closure cells (an attribute increment costs as much as the probe).
+Anything but exactly one key goes to the general path the manager hands in, which answers,
+counts and validates the same way (a test compares the two).
+
+Counters: batched calls are counted as three fields of one int (calls, keys asked, keys found,
+:func:`lookup_counts`), single-key calls as hits and misses apart. Every lookup changes exactly
+one of the three and they only grow, so a reader on another thread that sees the same three
+values twice in a row has seen one moment (:func:`read_counters`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvtier.errors import ClosedError
+from kvtier.keys import KEY_BYTES, check_keys
+
+__all__ = ["LookupFn", "SingleKeyLookup", "lookup_counts", "read_counters", "single_key_lookup"]
+
+LookupFn = Callable[[Sequence[bytes]], int]
+Getter = Callable[[bytes], "int | None"]
+
+_FIELD = 64
+_MASK = (1 << _FIELD) - 1
+_READS = 8  # a reader's tries for two equal readings (then it takes the last)
+
+
+def lookup_counts(calls: int, asked: int, found: int) -> int:
+    """One batched lookup's counts packed into one int (add it to the running total)."""
+    return calls | asked << _FIELD | found << 2 * _FIELD
+
+
+def closed_error() -> ClosedError:
+    return ClosedError("the tier manager is closed")
+
+
+def _closed(key: object) -> int | None:
+    """The index getter of a closed manager."""
+    raise closed_error()
+
+
+class SingleKeyLookup:
+    """The closure's handles: ``lookup`` (the call), ``counts`` (single-key hits and misses so
+    far) and ``close`` (every later call raises :class:`ClosedError`)."""
+
+    __slots__ = ("close", "counts", "lookup")
+
+    def __init__(self, lookup: LookupFn, counts: Callable[[], tuple[int, int]], close: Callable[[], None]) -> None:
+        self.lookup = lookup
+        self.counts = counts
+        self.close = close
+
+
+def single_key_lookup(gets: Sequence[Getter], general: LookupFn) -> SingleKeyLookup:
+    """``lookup`` over the tiers whose index getters are ``gets`` (fastest first; a getter
+    answers truthy for a ready key): one key is answered here, any other input by ``general``.
+
+    A miss checks its key's type and length (``check_keys`` names what is wrong); a hit does
+    not need to: a key found was checked when it was stored."""
+    hits = misses = 0
+    tiers: tuple[Getter, ...] = tuple(gets)
+    first: Getter = tiers[0]
+
+    def one_tier(keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` ready in the tier (see ``TierManager.lookup``)."""
+        nonlocal hits, misses
+        try:
+            (key,) = keys
+        except (TypeError, ValueError):  # not one key
+            return general(keys)
+        try:
+            if first(key):
+                hits += 1
+                return 1
+        except TypeError:  # an unhashable key: check_keys names it
+            check_keys(keys)
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            check_keys(keys)
+        misses += 1
+        return 0
+
+    def any_tier(keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` ready in some tier (see ``TierManager.lookup``)."""
+        nonlocal hits, misses
+        try:
+            (key,) = keys
+        except (TypeError, ValueError):  # not one key
+            return general(keys)
+        try:
+            for get in tiers:
+                if get(key):
+                    hits += 1
+                    return 1
+        except TypeError:  # an unhashable key: check_keys names it
+            check_keys(keys)
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            check_keys(keys)
+        misses += 1
+        return 0
+
+    def counts() -> tuple[int, int]:
+        return hits, misses
+
+    def close() -> None:
+        nonlocal first, tiers
+        first, tiers = _closed, (_closed,)
+
+    return SingleKeyLookup(one_tier if len(tiers) == 1 else any_tier, counts, close)
+
+
+def read_counters(packed: Callable[[], int], single: Callable[[], tuple[int, int]]) -> tuple[int, int, int]:
+    """(calls, keys asked, keys found) at one moment, read without stopping lookups: ``packed``
+    reads the batched calls' int, ``single`` the single-key hits and misses."""
+    seen = (packed(), *single())
+    for _ in range(_READS):
+        again = (packed(), *single())
+        if again == seen:
+            break
+        seen = again
+    total, hits, misses = seen
+    ones = hits + misses
+    return (total & _MASK) + ones, (total >> _FIELD & _MASK) + ones, (total >> 2 * _FIELD) + hits
