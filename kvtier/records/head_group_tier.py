@@ -287,7 +287,9 @@ class HeadGroupTier(Backend):
             [(rk, stamp) for key, stamp in stamps for rk in self.layout.record_keys([key], held)]
         )
 
-    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:
+    def write_tags(
+        self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False, sync: bool = True
+    ) -> None:
         # Every group's record carries its block's tag (whatever groups this rank writes), so
         # offline tools see each record's tenant and any rank reads its blocks' tags back.
         every = range(self.layout.groups.num_groups)
@@ -296,6 +298,7 @@ class HeadGroupTier(Backend):
             [(rk, tenant) for key, tenant in tenants for rk in keys([key], every)],
             [(rk, on) for key, on in pins for rk in keys([key], every)],
             whole=whole,
+            sync=sync,
         )
 
     def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
