@@ -49,6 +49,7 @@ from kvtier.records.format import (
     RecordMac,
     parse_header,
     record_checksum,
+    verify_payload,
 )
 from kvtier.records.record import CHECKED
 
@@ -61,14 +62,14 @@ INDEX = struct.Struct("<dQ")
 #: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
 #: several milliseconds.
 COLD_GET_S = 1e-3
-#: Warm jobs of plain records (no MAC) are read in one pass on the calling thread
-#: (:meth:`JobReader.read_plain`); ``False``: by the general read, which checks jobs of
+#: Warm jobs of raw records are read in one pass on the calling thread
+#: (:meth:`JobReader.read_in_one_pass`); ``False``: by the general read, which checks jobs of
 #: :data:`~kvtier.records.checks.SIDE_MIN_BYTES` or more on a side thread. Measured
 #: (``benchmarks/bench_disk.py --quick``, 2 MiB records in jobs of 8, load 2, adjacent runs): a
 #: warm load at 0.71-0.82 of a raw get and copy in one pass, 0.54-0.59 with the side thread,
 #: whose hand-offs and second pass over the map cost more than the overlap gains when the
 #: other core is busy; at 64 KiB in jobs of 16, 0.51 against 0.22.
-PLAIN_READS = True
+ONE_PASS_READS = True
 #: Index entry lengths: whole layout, split plain, split keyed.
 ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 #: LMDB errors on a lookup that are LMDB's own checks of the record's pages failing: the record
@@ -105,6 +106,7 @@ def join_record(entry: Any, value: Any) -> bytes:
 
 
 _PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
+_KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 
 
 class _PyBuffer(ctypes.Structure):
@@ -230,8 +232,8 @@ class JobReader:
         eight 2 MiB values took 11 ms, 7 ms in its last lookup and then 4 ms of copies with no
         read in flight."""
         cold = self.temperature.cold and len(keys) > 1
-        if mac is None and not cold and PLAIN_READS:
-            return self.read_plain(env, keys, out)
+        if not cold and ONE_PASS_READS:
+            return self.read_in_one_pass(env, keys, out, mac)
         outcome = ReadOutcome(len(keys))
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         left: int | None = None
@@ -255,18 +257,21 @@ class JobReader:
             outcome.take(left, self.read(env, keys[left:], out[left:], mac))
         return outcome
 
-    def read_plain(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> ReadOutcome:
-        """:meth:`read` for a warm job of plain records (no MAC), in one pass on this thread: per
-        key, a lookup (:meth:`pair`), the head compared with what a raw record of this store
-        holds, the value copied into the row, and the row's checksum. A job of small records is
-        mostly fixed costs per record, which this pays once each (a general read took 17 µs a
-        4 KiB record, 4 of them in parsing and hand-offs between the passes).
+    def read_in_one_pass(
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None
+    ) -> ReadOutcome:
+        """:meth:`read` for a warm job of raw records, in one pass on this thread: per key, a
+        lookup (:meth:`pair`), the head compared with what a raw record of this store holds,
+        the value copied into the row, and the row's checksum (or, keyed, its MAC) while it is
+        in the CPU's cache. A job of small records is mostly fixed costs per record, which this
+        pays once each (a general read took 17 µs a 4 KiB record, 4 of them in parsing and
+        hand-offs between the passes).
 
-        Whatever is not that plain case goes through the general code, so its outcome and
-        errors are the general path's: a record in another layout, compressed, keyed, with a
-        bad checksum, or whose row is not host memory is handed to :meth:`copy_in` in the
-        same transaction; an LMDB error on a lookup is a miss (:meth:`drop`) and the rest is
-        read afresh; and a slow lookup makes the rest of the job cold (read by :meth:`read`)."""
+        Whatever is not that case goes through the general code, so its outcome and errors are
+        the general path's: a record in another layout, compressed, with a bad check, or whose
+        row is not host memory is handed to :meth:`copy_in` in the same transaction; an LMDB
+        error on a lookup is a miss (:meth:`drop`) and the rest is read afresh; and a slow
+        lookup makes the rest of the job cold (read by :meth:`read`)."""
         outcome = ReadOutcome(len(keys))
         bad = outcome.bad
         size = self.block_bytes
@@ -285,9 +290,9 @@ class JobReader:
                 slow = time.perf_counter() - start > COLD_GET_S
                 if pair is None:
                     outcome.corrupt += key in bad
-                elif not self._copy_plain(key, pair, out[i], size):
+                elif not (self._copy_plain(key, pair, out[i], size) if mac is None else self._copy_keyed(key, pair, out[i], size, mac)):
                     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-                    self.copy_in((i,), keys, out, (pair,), None, outcome, copies)
+                    self.copy_in((i,), keys, out, (pair,), mac, outcome, copies)
                     for dst, staging in copies:
                         dst.copy_(staging)
                 else:
@@ -299,7 +304,7 @@ class JobReader:
         finally:
             txn.abort()
         if rest is not None and rest < len(keys):
-            outcome.take(rest, self.read(env, keys[rest:], out[rest:], None))
+            outcome.take(rest, self.read(env, keys[rest:], out[rest:], mac))
             if slow:  # this job read from disk: the next one is read cold too, as in read()
                 self.temperature.cold = True
         return outcome
@@ -320,6 +325,27 @@ class JobReader:
         view[:] = value
         # The row just written, while it is in the CPU's cache: what the caller gets is checked.
         return record_checksum(entry[INDEX.size : INDEX.size + CHECKED], key, view) == checksum
+
+    @staticmethod
+    def _copy_keyed(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int, mac: RecordMac) -> bool:
+        """:meth:`_copy_plain` for a keyed raw record: the row's MAC is checked (a MAC guards
+        against tampering: the bytes the caller gets are the ones checked)."""
+        entry, value = pair
+        if len(entry) != _KEYED_ENTRY or len(value) != size:
+            return False
+        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
+            return False
+        head = entry[INDEX.size :]
+        try:
+            header = parse_header(head, raw_length=size, available=len(head) + size, mac=mac)
+            if header.codec_id != NoneCodec.codec_id:
+                return False
+            view = row.numpy().data
+            view[:] = value
+            verify_payload(key, head, header, view, mac=mac)
+        except CorruptBlockError:
+            return False
+        return True
 
     def copy_in(
         self,

@@ -35,7 +35,7 @@ Contract and choices:
   found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
   A warm job of plain records is read in one pass: lookup, copy into the row, the row's
-  checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_plain`);
+  checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`);
   other jobs' checksums (keyed, cold) run on a side thread while the job's copies (reads) or
   puts (writes) run on the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,

@@ -422,6 +422,8 @@ class KVStore(StoreTenancy):
             if taken < len(rest):
                 log.debug("kvtier: save of %d blocks: the first tier took %d; storing the next run", len(keys), taken)
             rest, offset = rest[taken:], offset + taken
+        if stored and not self._closed:  # the tenant tags of the blocks made ready, once per save
+            await self.flush_tags(sync=durable)  # synced to disk when the save must be
         return kept if durable else stored
 
     async def _keep_the_leading_run(self, transfers: TransferEngine, plan: StorePlan) -> int:

@@ -151,3 +151,91 @@ def test_a_job_of_files_syncs_each_changed_directory_once(tmp_path: Path, monkey
     finally:
         monkeypatch.undo()
         asyncio.run(backend.aclose())
+
+
+def test_a_job_of_files_syncs_side_by_side_and_names_a_record_only_once_its_data_is_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's file syncs run at the same time (each waits at a barrier that only all of them
+    together pass: one after the other they would never pass it), on the sync threads; no
+    rename starts before every file sync has returned, and no directory sync before every
+    rename (the order that makes a record durable before its name)."""
+    import os
+
+    backend = _open("file", tmp_path)
+    keys = [make_key(i) for i in range(4)]  # four shard directories
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(keys), timeout=60)
+    real_fsync, real_fdatasync, real_replace = os.fsync, os.fdatasync, os.replace
+
+    def note(what: str) -> None:
+        with lock:
+            events.append((what, threading.current_thread().name))
+
+    def fdatasync(fd: int) -> None:
+        note("file")
+        barrier.wait()
+        real_fdatasync(fd)
+        note("file done")
+
+    def fsync(fd: int) -> None:
+        note("dir")
+        real_fsync(fd)
+
+    def replace(*args: object, **kwargs: object) -> None:
+        note("rename")
+        real_replace(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    try:
+        assert None not in backend.write_blocks(keys, _blocks(4))
+    finally:
+        monkeypatch.undo()
+    try:
+        kinds = [what for what, _ in events]
+        print(f"sync order: {kinds}")
+        assert kinds.count("file done") == 4 and kinds.count("rename") == 4
+        assert max(i for i, k in enumerate(kinds) if k == "file done") < kinds.index("rename")
+        assert max(i for i, k in enumerate(kinds) if k == "rename") < kinds.index("dir")
+        assert kinds.count("dir") >= 4 + 1  # the four shard directories, and the parents that gained one
+        assert all(name.startswith("kvtier-fsync") for what, name in events if what in ("file", "dir"))
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 4
+        assert all(torch.equal(o, d) for o, d in zip(out, _blocks(4)))
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_file_sync_that_fails_fails_its_record_alone_when_the_syncs_run_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    backend = _open("file", tmp_path)
+    keys = [make_key(i) for i in range(4)]
+    real_fdatasync = os.fdatasync
+    bad: list[int] = []
+    lock = threading.Lock()
+
+    def fdatasync(fd: int) -> None:
+        with lock:
+            if not bad:
+                bad.append(fd)
+                raise OSError(5, "injected EIO")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    try:
+        sizes = backend.write_blocks(keys, _blocks(4))
+    finally:
+        monkeypatch.undo()
+    try:
+        assert sizes.count(None) == 1 and backend.stats()["write_failures"] == 1
+        assert not list((tmp_path / "file").rglob("*.tmp"))
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [s is not None for s in sizes]
+    finally:
+        asyncio.run(backend.aclose())

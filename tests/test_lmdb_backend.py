@@ -368,6 +368,11 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
         return real_submit(fn, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(record_jobs, "_submit", counting)
+    # The general read (what a cold job takes): a warm one is read in one pass on the calling
+    # thread (tests/test_lmdb_plain_reads.py).
+    from kvtier.backends import lmdb_layout
+
+    monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", False)
     backend = _open(lmdb_backend(tmp_path, 8 << 20, **options), BIG)
     assert backend.write_blocks(keys, data) == [backend.reserve_bytes()] * 4
     asyncio.run(backend.aclose())
@@ -386,9 +391,7 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
         assert found == [True, True, False, True]
         assert all(torch.equal(out[i], data[i]) for i in (0, 1, 3))
         assert stats["corrupt_records"] == 1 and stats["auth_failures"] == (1 if keyed else 0)
-        # Keyed: one hop for the job's checks. Plain: the job is read in one pass on this
-        # thread (lmdb_layout.PLAIN_READS), no hop.
-        assert submitted.count("_side") == (1 if keyed else 0)
+        assert submitted.count("_side") == 1  # one hop for the job's checks
         assert submitted.count("_run") == 1  # and one for its encoding
     finally:
         asyncio.run(backend.aclose())

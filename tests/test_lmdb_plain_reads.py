@@ -1,6 +1,6 @@
-"""The ``lmdb`` tier's one-pass read of small plain jobs (``JobReader.read_plain``) against the
+"""The ``lmdb`` tier's one-pass read of warm jobs (``JobReader.read_in_one_pass``) against the
 general read (``copy_in`` and ``copy_and_check``): the same bytes, the same misses, the same
-records dropped and the same counters, whatever the job holds."""
+records dropped and the same counters, whatever the job holds, plain or keyed."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ from kvtier.backends.lmdb_layout import INDEX
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.records.codec import NoneCodec
-from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, encode_record
+from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, RecordMac, encode_record
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+SECRET = "a-test-secret-of-32-bytes-012345"
 
 
 def _open(path: Path, **options: Any) -> Backend:
@@ -32,16 +35,16 @@ def _open(path: Path, **options: Any) -> Backend:
     return backend
 
 
-def _damaged_store(path: Path) -> tuple[list[bytes], list[torch.Tensor]]:
-    """Eight keys: 0, 4 and 7 plain and sound; 1 absent; 2 with a flipped payload bit; 3 with a
+def _damaged_store(path: Path, **keyed: Any) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Eight keys: 0, 4 and 7 raw and sound; 1 absent; 2 with a flipped payload bit; 3 with a
     bad magic in its head; 5 in the whole layout of earlier code; 6 compressed."""
     keys = [make_key(i) for i in range(8)]
     data = [random_block(FMT.block_bytes, 500 + i) for i in range(8)]
     data[6] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)  # compressible
-    backend = _open(path)
+    backend = _open(path, **keyed)
     backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 7)], [data[i] for i in (0, 2, 3, 4, 7)])
     asyncio.run(backend.aclose())
-    zstd = _open(path, codec={"name": "zstd", "level": 1})
+    zstd = _open(path, codec={"name": "zstd", "level": 1}, **keyed)
     zstd.write_blocks([keys[6]], [data[6]])
     asyncio.run(zstd.aclose())
     env = lmdb.open(str(path), max_dbs=3)
@@ -53,15 +56,18 @@ def _damaged_store(path: Path) -> tuple[list[bytes], list[torch.Tensor]]:
         entry = bytearray(txn.get(keys[3], db=index))
         entry[INDEX.size] ^= 0x01  # the magic
         txn.put(keys[3], bytes(entry), db=index)
-        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1)
+        mac = RecordMac(SECRET) if keyed else None
+        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, mac)
         txn.put(keys[5], head + bytes(payload), db=blocks)
         txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
     env.close()
     return keys, data
 
 
-def _read(path: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], set[bytes], int]:
-    monkeypatch.setattr(lmdb_layout, "PLAIN_READS", plain)
+def _read(
+    path: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch, **keyed: Any
+) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], set[bytes], int]:
+    monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", plain)
     calls = []
     real = lmdb_layout.copy_and_check
 
@@ -70,22 +76,28 @@ def _read(path: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.Monkey
         return real(items, mac)
 
     monkeypatch.setattr(lmdb_layout, "copy_and_check", counting)
-    backend = _open(path)
+    backend = _open(path, **keyed)
     try:
         out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
         found = backend.read_blocks(keys, out)
-        stats = {k: v for k, v in backend.stats().items() if k in ("blocks_read", "read_misses", "corrupt_records", "deleted", "bytes_read")}
+        stats = {
+            k: v for k, v in backend.stats().items() if k in ("blocks_read", "read_misses", "corrupt_records", "deleted", "bytes_read", "auth_failures")
+        }
         listed = {r.key for r in backend.scan()}
     finally:
         asyncio.run(backend.aclose())
     return found, out, stats, listed, sum(calls)
 
 
-def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, data = _damaged_store(tmp_path / "store")
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_one_pass_read_finds_drops_and_counts_what_the_general_read_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    options = {"mac_key": SECRET} if keyed else {}
+    keys, data = _damaged_store(tmp_path / "store", **options)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
-    general = _read(tmp_path / "store", keys, False, monkeypatch)
-    plain = _read(tmp_path / "copy", keys, True, monkeypatch)
+    general = _read(tmp_path / "store", keys, False, monkeypatch, **options)
+    plain = _read(tmp_path / "copy", keys, True, monkeypatch, **options)
     print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
     assert general[0] == [True, False, False, False, True, True, True, True]
     assert plain[0] == general[0]
@@ -93,6 +105,7 @@ def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path
         if hit:
             assert torch.equal(general[1][i], data[i]) and torch.equal(plain[1][i], data[i])
     assert plain[2] == general[2] and general[2]["corrupt_records"] == 2 and general[2]["deleted"] == 2
+    assert general[2]["auth_failures"] == (1 if keyed else 0)  # the flipped bit, refused by the MAC
     assert plain[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
     # The general read checked every record with a readable head through copy_and_check (all
     # but 3); the plain one handed it only those that are not plain and sound (2, 5 and 6).
@@ -119,8 +132,8 @@ def test_an_lmdb_error_in_a_plain_read_is_a_miss_and_the_rest_is_read_afresh(
 
     monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
     plain_reads = []
-    real_plain = lmdb_layout.JobReader.read_plain
-    monkeypatch.setattr(lmdb_layout.JobReader, "read_plain", lambda self, *a: plain_reads.append(1) or real_plain(self, *a))
+    real_plain = lmdb_layout.JobReader.read_in_one_pass
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_in_one_pass", lambda self, *a: plain_reads.append(1) or real_plain(self, *a))
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True, False, True, True]

@@ -35,7 +35,7 @@ from kvtier.errors import CorruptBlockError
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
 
-__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
+__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "ProcessThreads", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
 
 #: Jobs with fewer bytes than this are checked on the calling thread (a hop costs ~50 µs).
 SIDE_MIN_BYTES = 1 << 20
@@ -43,33 +43,41 @@ _WORKERS = 2
 #: Name prefix of the side threads (process-wide: they outlive every store).
 THREAD_PREFIX = "kvtier-check"
 
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
-
 T = TypeVar("T")
 R = TypeVar("R")
 
 
+class ProcessThreads:
+    """A pool of ``workers`` threads for the whole process, created on first use and again in
+    a forked child (the parent's pool has no threads there, yet would count its idle ones and
+    never start one; and its lock may have been held by one of them)."""
+
+    def __init__(self, workers: int, prefix: str) -> None:
+        self.workers = workers
+        self.prefix = prefix
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self.prefix)
+                self._pid = os.getpid()
+            return self._pool
+
+    def _after_fork_in_child(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
+
+
+_side = ProcessThreads(_WORKERS, THREAD_PREFIX)
+
+
 def side_pool() -> ThreadPoolExecutor:
-    """The process's side threads (created on first use, and again in a forked child: the
-    parent's pool has no threads there, yet would count its idle ones and never start one)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix=THREAD_PREFIX)
-            _pool_pid = os.getpid()
-        return _pool
-
-
-def _after_fork_in_child() -> None:
-    # The parent's pool has no threads here, and its lock may have been held by one of them.
-    global _pool, _pool_lock
-    _pool = None
-    _pool_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    """The process's side threads (see :class:`ProcessThreads`)."""
+    return _side.get()
 
 
 def _submit(fn: Callable[..., R], *args: Any) -> Future[R] | None:

@@ -77,8 +77,9 @@ class StagedLayout(Protocol):
     def _width(self) -> int: ...
     @property
     def _src(self) -> Sequence[torch.Tensor]: ...
-    def _gather_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None: ...
-    def _scatter_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None: ...
+    def _gather_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], kept: bool = False) -> None: ...
+    def _scatter_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], kept: bool = False) -> None: ...
+    def forget_views(self) -> None: ...
     def _pairs(
         self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
@@ -218,11 +219,13 @@ class StagedCopier:
                 self._lane(name)
 
     def close(self) -> None:
-        """Release the buffers (a later job allocates them again)."""
+        """Release the buffers (a later job allocates them again), and the layout's kept views
+        of tier pools (:meth:`KVLayout.forget_views`): the store closes its tiers next."""
         for lane in self._lanes.values():
             with lane.lock:
                 lane.dev = lane.host = None
                 lane.mode = "unused"
+        self.layout.forget_views()
 
     def stats(self) -> dict[str, Any]:
         dev = sum(lane.dev.numel() for lane in self._lanes.values() if lane.dev is not None)

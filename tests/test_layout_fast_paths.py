@@ -1,0 +1,109 @@
+"""KVLayout's fast paths for small host jobs against its general ones: views of long-lived pools
+made once (``kept=True``) and a job whose pool rows are one run (one ``index_select`` per
+tensor, no index slices). Same bytes in every row, nothing else written, the right pool
+every time, and nothing held once the views are forgotten."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.transfer.layout import KVLayout
+
+BLOCKS = 12
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(BLOCKS, 4, 2, 8), (BLOCKS, 4, 3, 4), (BLOCKS, 2, 4, 2, 8)]
+    return [torch.randint(0, 256, (BLOCKS, *s[1:]), dtype=torch.uint8, generator=g).view(torch.uint8) for s in shapes]
+
+
+ROWS = [
+    [0, 1, 2],  # one run, in order
+    [5, 3, 4],  # one run, out of order
+    [7],  # one row
+    [4, 0, 2],  # three runs
+    [1, 2, 6, 7],  # two runs
+]
+
+
+@pytest.mark.parametrize("rows", ROWS, ids=str)
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("here", [False, True], ids=["parts", "callers-loop"])
+def test_gather_and_scatter_match_the_pairwise_copy(rows: list[int], kept: bool, here: bool) -> None:
+    """The index strategy (one run or several, views kept or not, part by part or in the
+    caller's own loop as an inline job copies) writes the bytes the per-block ``foreach``
+    strategy writes, and only into the rows named."""
+    caches = _caches(1)
+    fast = KVLayout([c.clone() for c in caches], strategy="index")
+    slow = KVLayout([c.clone() for c in caches], strategy="foreach")
+    team = fast.copies.on_callers_team() if here else contextlib.nullcontext()
+    ids = [9, 2, 11, 5][: len(rows)]
+    pools = [torch.zeros((8, fast.block_bytes), dtype=torch.uint8) for _ in range(2)]
+    with team:
+        assert fast.copies.on_this_thread() is here
+        for _ in range(2):  # a second time through the kept views
+            fast.gather(ids, pools[0], rows, kept=kept)
+    slow.gather(ids, pools[1], rows)
+    assert torch.equal(pools[0], pools[1])
+    others = [r for r in range(8) if r not in rows]
+    assert not pools[0][others].any()
+    dst = [0, 3, 6, 10][: len(rows)]
+    for layout in (fast, slow):
+        for c in layout.kv_caches:
+            c.zero_()
+    with fast.copies.on_callers_team() if here else contextlib.nullcontext():
+        fast.scatter(pools[0], rows, dst, kept=kept)
+    slow.scatter(pools[1], rows, dst)
+    for a, b, orig in zip(fast.kv_caches, slow.kv_caches, caches):
+        assert torch.equal(a, b)
+        assert torch.equal(a[dst], orig[ids])
+
+
+def test_kept_views_follow_the_pool_they_were_made_for() -> None:
+    """Two long-lived pools of the same shape (a tier's pool and the staging): each job writes
+    into its own pool, never into the other's through a view kept for it."""
+    caches = _caches(2)
+    layout = KVLayout(caches, strategy="index")
+    a = torch.zeros((4, layout.block_bytes), dtype=torch.uint8)
+    b = torch.zeros((4, layout.block_bytes), dtype=torch.uint8)
+    layout.gather([1, 2], a, [0, 1], kept=True)
+    layout.gather([3, 4], b, [0, 1], kept=True)
+    layout.gather([5], a, [2], kept=True)
+    ref = KVLayout(caches, strategy="foreach")
+    want_a = torch.zeros_like(a)
+    want_b = torch.zeros_like(b)
+    ref.gather([1, 2, 5], want_a, [0, 1, 2])
+    ref.gather([3, 4], want_b, [0, 1])
+    assert torch.equal(a, want_a) and torch.equal(b, want_b)
+
+
+def test_forgotten_views_let_the_pool_go() -> None:
+    layout = KVLayout(_caches(3), strategy="index")
+    pool = torch.zeros((4, layout.block_bytes), dtype=torch.uint8)
+    layout.gather([1], pool, [0], kept=True)
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert gone() is not None  # held by the kept views, as long as the layout serves the tier
+    layout.staging.close()  # the store closes its staging, then its tiers
+    gc.collect()
+    assert gone() is None
+
+
+async def test_a_closed_store_holds_no_pool() -> None:
+    caches = [torch.zeros((8, 4, 2, 8), dtype=torch.bfloat16) for _ in range(2)]
+    store = await kvtier.open({"tiers": [{"backend": "cpu", "capacity": "1MiB"}]}, kv_caches=caches).__aenter__()
+    keys = [bytes([i]) * 32 for i in range(2)]
+    assert await store.save(keys, [1, 2]) == 2
+    assert await store.load(keys, [3, 4]) == 2
+    layout = store.layout
+    assert layout is not None and layout._kept_views
+    await store.aclose()
+    assert not layout._kept_views
