@@ -487,7 +487,9 @@ class RedisBackend(RemoteRecordBackend):
         except RedisError as exc:
             raise BackendError(f"redis: tenant tags not read from {self.url}: {exc}") from exc
 
-    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:
+    def write_tags(
+        self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False, sync: bool = True
+    ) -> None:
         if self._closed or not self._health.allow():
             return
         try:

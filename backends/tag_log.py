@@ -99,8 +99,10 @@ class DirectoryTags:
     def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
         return read_tag_log(self._tag_log())
 
-    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:
+    def write_tags(
+        self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False, sync: bool = True
+    ) -> None:
         try:
-            write_tag_log(self._tag_log(), tenants, pins, whole=whole, sync=self.sync_mode == "durable")
+            write_tag_log(self._tag_log(), tenants, pins, whole=whole, sync=sync and self.sync_mode == "durable")
         except OSError as exc:  # tags are bookkeeping: a tier that cannot keep them still serves blocks
             log.warning("kvtier: tenant tags of %s not saved: %s", self.path, exc)

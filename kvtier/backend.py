@@ -234,10 +234,13 @@ class Backend(ABC):
         of records that are gone may be listed: the store drops them."""
         return None
 
-    def write_tags(self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False) -> None:  # noqa: B027
+    def write_tags(  # noqa: B027
+        self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False, sync: bool = True
+    ) -> None:
         """Save tenant tags (``(key, tenant)``) and pin changes (``(key, pinned)``); with
-        ``whole``, they are every tag and pin of the tier, replacing what was saved. A failure
-        is logged, never raised: tags are bookkeeping."""
+        ``whole``, they are every tag and pin of the tier, replacing what was saved. ``sync=False``
+        may leave them in the OS's cache (a process crash keeps them, a power cut may not). A
+        failure is logged, never raised: tags are bookkeeping."""
 
     def stats(self) -> dict[str, Any]:
         return {"backend": self.name, "capacity_bytes": self.capacity_bytes, **self.counters.as_dict()}

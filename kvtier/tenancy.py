@@ -12,7 +12,10 @@
   under a reader. A delete that finds nothing is a no-op.
 
 Tags (each block's tenant) and pins of persistent tiers are saved with the tier (see
-``Backend.read_tags``): at each pin, unpin and delete, and at close; they are read back at open.
+``Backend.read_tags``): the tags of the blocks a ``save`` stored before it returns (one write per
+tier per save, not per block), and at each pin, unpin and delete, and at close; they are read
+back at open. Blocks stored through ``prepare_store`` / ``finish_store`` (the engine adapters)
+have their tags saved at the next of those calls.
 """
 
 from __future__ import annotations
@@ -225,8 +228,9 @@ class StoreTenancy:
         except Exception as exc:  # tags are bookkeeping: the store opens without them
             log.warning("kvtier: tenant tags of tier %s not rewritten: %s", backend.name, exc)
 
-    async def flush_tags(self) -> None:
-        """Save the tenant tags and pin changes of persistent tiers made since the last call."""
+    async def flush_tags(self, *, sync: bool = True) -> None:
+        """Save the tenant tags and pin changes of persistent tiers made since the last call
+        (``sync=False``: without waiting for the disk; a process crash keeps them)."""
         mgr = self.manager  # also while closing: the last changes are saved then
         if mgr is None:
             return
@@ -235,6 +239,6 @@ class StoreTenancy:
                 owners, pins = mgr.tenants.take_tags(i)
                 if owners or pins:
                     try:
-                        await off_loop(lambda b=backend, o=owners, p=pins: b.write_tags(o, p))
+                        await off_loop(lambda b=backend, o=owners, p=pins: b.write_tags(o, p, sync=sync))
                     except Exception as exc:  # tags are bookkeeping: never an error for the caller
                         log.warning("kvtier: tenant tags of tier %s not saved: %s", backend.name, exc)

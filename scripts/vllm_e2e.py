@@ -46,13 +46,12 @@ import time
 from typing import Any
 
 import vllm_e2e_hybrid as hybrid  # the hybrid model's processes (this script's directory)
+from vllm_engine import BLOCK, VOCAB, make_llm, make_model, prompts
 
-BLOCK = 32
 PREFIX_BLOCKS = 16  # tokens of each stored prompt: PREFIX_BLOCKS * BLOCK
 EXTRA = 24  # tokens B appends to P_0
 MAX_TOKENS = 16
 NUM_TTFT = 4  # prompts per TTFT measurement
-VOCAB = 1000
 LMDB_CAPACITY = 2 << 30  # the LMDB tier's capacity (its map size; each rank has its share)
 CPU_CAPACITY = 64 << 20  # the memory tier in front of it
 
@@ -98,30 +97,7 @@ def _env(role: str) -> dict[str, str]:
     return env
 
 
-def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(1, VOCAB) for _ in range(length)] for _ in range(n)]
-
-
-def make_model(path: str, layers: int = 2, hidden: int = 256) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+_prompts = prompts
 
 
 def _worker_view(worker: Any = None) -> dict[str, Any]:
@@ -254,8 +230,7 @@ def _tiers(role: str, lmdb_path: str) -> list[dict[str, Any]]:
 
 
 def child(role: str, model: str, lmdb_path: str, out: str) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations import vllm as kv_vllm
@@ -267,6 +242,7 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
         spy.patch_connector(kv_vllm.KvtierConnector)
     failed_receives = hybrid.patch_failed_receives(kv_vllm.KvtierConnector) if role == "HC" else []
     kwargs: dict[str, Any] = {}
+    kv_transfer = None
     if not is_ref:
         # Per-rank records: step C damages records found by their block key (head-group
         # records, the default, are checked across TP sizes by scripts/vllm_e2e_fleet.py).
@@ -276,22 +252,14 @@ def child(role: str, model: str, lmdb_path: str, out: str) -> None:
             "head_groups": {"record_layout": "per_rank", "reason": "this check damages records by their block key"},
         }
         chunk = {"blocks_per_chunk": CHUNK_BLOCKS[role]} if role in CHUNK_BLOCKS else {}
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_vllm.kv_transfer_config(store, **chunk))
-    tp = DEFAULT_LAYOUT.get(role, 1)
-    if tp > 1:
-        kwargs["tensor_parallel_size"] = tp
-        kwargs["distributed_executor_backend"] = "mp"
+        kv_transfer = kv_vllm.kv_transfer_config(store, **chunk)
     if role in STATS_ROLES:
         kwargs["disable_log_stats"] = False  # vLLM's stat loggers: kvtier's counters reach them
-    llm = LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        block_size=BLOCK,
+    llm = make_llm(
+        model,
         max_model_len=-(-(PREFIX_BLOCKS * BLOCK + EXTRA + MAX_TOKENS) // BLOCK) * BLOCK,
-        max_num_seqs=4,
-        seed=0,
+        kv_transfer=kv_transfer,
+        tp=DEFAULT_LAYOUT.get(role, 1),
         **kwargs,
     )
     if spy is not None:

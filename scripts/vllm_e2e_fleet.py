@@ -32,40 +32,21 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-BLOCK = 32
+from vllm_engine import BLOCK, VOCAB, free_port, make_llm, make_model, verdict
+from vllm_engine import engine_env as _env
+from vllm_engine import prompts as _prompts
+
 PREFIX_BLOCKS = 6
 NUM_PROMPTS = 2
 MAX_TOKENS = 8
-VOCAB = 1000
 FILE_CAPACITY = 1 << 30
 REDIS_CAPACITY = 1 << 30
-
-
-def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(1, VOCAB) for _ in range(length)] for _ in range(n)]
-
-
-def _env(tp: int, in_process: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if tp == 2:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    return env
 
 
 def _tiers(role: str, file_path: str, redis_url: str) -> list[dict[str, Any]]:
@@ -145,29 +126,18 @@ class _Events:
 
 
 def child(role: str, model: str, file_path: str, redis_url: str, work: str, out: str) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations import vllm as kv_vllm
 
     events = _Events(kv_vllm.KvtierConnector) if role == "B" else None
-    tp = 2 if role == "B" else 1
     store = {"tiers": _tiers(role, file_path, redis_url), "write": "through"}
-    kwargs: dict[str, Any] = {"kv_transfer_config": KVTransferConfig(**kv_vllm.kv_transfer_config(store))}
-    if tp > 1:
-        kwargs["tensor_parallel_size"] = tp
-        kwargs["distributed_executor_backend"] = "mp"
-    llm = LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        block_size=BLOCK,
+    llm = make_llm(
+        model,
         max_model_len=-(-(PREFIX_BLOCKS * BLOCK + MAX_TOKENS) // BLOCK) * BLOCK + BLOCK,
-        max_num_seqs=4,
-        seed=0,
-        **kwargs,
+        kv_transfer=kv_vllm.kv_transfer_config(store),
+        tp=2 if role == "B" else 1,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
     tick = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
@@ -240,12 +210,6 @@ def child(role: str, model: str, file_path: str, redis_url: str, work: str, out:
 
 
 ADOPT_TIMEOUT = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _command(role: str, model: str, file_path: str, redis_url: str, work: str) -> list[str]:
@@ -323,10 +287,7 @@ def main() -> int:
     if server is None:
         print("VLLM FLEET E2E SKIPPED: NO redis-server ON PATH")
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from vllm_e2e import make_model
-
-    port = _free_port()
+    port = free_port()
     redis = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -367,11 +328,7 @@ def main() -> int:
         "D_kvtier_delta": {k: v for k, v in d["kvtier_delta"].items() if v},
     }
     print(json.dumps(summary, indent=1))
-    for f in failures:
-        print(f"VLLM FLEET E2E FAILED: {f}")
-    if not failures:
-        print("VLLM FLEET E2E PASSED")
-    return 1 if failures else 0
+    return verdict("VLLM FLEET E2E", failures)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,38 @@ def test_a_job_submitted_while_another_runs_is_queued_behind_it(rigs: list[Rig])
     assert [(who, step) for who, _, step in rig.log] == [("kvtier-store", "enter"), ("kvtier-store", "exit")] * 2
 
 
+def test_a_job_right_after_a_threaded_one_runs_inline_however_late_its_thread_ends(rigs: list[Rig]) -> None:
+    """A threaded job gives itself back to the engine when it reports its result, so the caller
+    it wakes finds the engine idle. Its thread used to do that after waking the caller, which
+    then, now and then, queued its next job instead of running it inline (and the one after
+    that too, behind it). Here a thread's late end (``_retire``) takes 0.3 s."""
+    rig = Rig(["cpu"])
+    rigs.append(rig)
+    engine = rig.engine
+    retire = engine._retire
+
+    def late() -> None:
+        threading.Event().wait(0.3)
+        retire()
+
+    engine._retire = late  # type: ignore[method-assign]
+    me = threading.current_thread().name
+    (res,) = engine.wait([rig.store(K[:2], [0, 1], inline=False)], timeout=HANG_GUARD)
+    rig.manager.complete_store(res.keys, res.success, sizes=res.sizes)
+    (res,) = engine.wait([rig.store(K[2:4], [2, 3], inline=True)], timeout=HANG_GUARD)
+    assert res.success and engine.counters["inline_jobs"] == 1
+    rig.manager.complete_store(res.keys, res.success, sizes=res.sizes)
+    load = rig.manager.prepare_load(K[:2])
+    (res,) = engine.wait([engine.submit_load(load, [10, 11], inline=False)], timeout=HANG_GUARD)
+    assert res.success
+    rig.manager.complete_load(K[:2])
+    (res,) = engine.wait([rig.store(K[4:6], [4, 5], inline=True)], timeout=HANG_GUARD)
+    assert res.success and engine.counters["inline_jobs"] == 2
+    assert [who for who, _, step in rig.log if step == "enter"] == ["kvtier-store", me, "kvtier-load", me]
+    engine.wait_idle(HANG_GUARD)
+    assert engine._active == 0
+
+
 def test_no_threaded_job_starts_while_an_inline_job_runs(rigs: list[Rig]) -> None:
     rig = Rig(["cpu"])
     rigs.append(rig)

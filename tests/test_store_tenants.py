@@ -5,6 +5,9 @@ of the lmdb and file tiers."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +239,39 @@ async def test_cli_inspect_shows_tenants_and_clear_deletes_one_tenant(
         assert await store.lookup(ks(2, 2)) == 2
         assert store.usage()[kind]["batch"]["blocks"] == 2
         assert "chat" not in store.usage()[kind]
+
+
+def _crashing_tenant_writer(cfg: dict[str, Any], fd: int) -> None:
+    async def run() -> None:
+        store = await kvtier.open(cfg, kv_caches=caches())
+        await store.save(ks(1, 3), [0, 1, 2], tenant="chat", durable=True)
+        await store.save(ks(2, 2), [3, 4], tenant="batch", durable=True)
+        os.write(fd, b"saved\n")
+        os.kill(os.getpid(), signal.SIGKILL)  # no close: the tags are only what each save wrote
+
+    asyncio.run(run())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "win32", reason="needs fork and SIGKILL")
+@pytest.mark.parametrize("kind", ["lmdb", "file"])
+async def test_the_tenant_of_a_saved_block_survives_a_crash(kind: str, tmp_path: Path) -> None:
+    """Tags are written with each save (per save, not per block): a SIGKILL right after the
+    saves, with no close, loses no block's tenant."""
+    cfg = config(4, disk=disk_tier(kind, tmp_path / kind))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            _crashing_tenant_writer(cfg, write)
+        finally:
+            os._exit(1)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        assert f.read() == "saved\n"
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    async with kvtier.open(cfg, kv_caches=caches()) as store:
+        usage = store.usage()[kind]
+        assert usage["chat"]["blocks"] == 3 and usage["batch"]["blocks"] == 2
+        assert usage.get("default", {}).get("blocks", 0) == 0

@@ -387,12 +387,18 @@ class TransferEngine:
         return self._closed and not any(t.is_alive() for t in self._threads[:3])
 
     # -- the end of a job ------------------------------------------------------------------
-    def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool:
+    def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None, *, retire: bool = False) -> bool:
         """Record ``result`` unless the job already has one (then return ``False``); count it
-        in ``counter`` too, before anyone waiting on the job is woken."""
+        in ``counter`` too, before anyone waiting on the job is woken. ``retire``: nothing is
+        left to clean up, so the job is given back (:meth:`_retire`) with its result: a waiter
+        it wakes finds the engine idle and may run its next job inline."""
         with self._lock:
             if rec.result is not None:
                 return False
+            if retire:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.notify_all()
             if counter is not None:
                 self.counters[counter] += 1
             rec.result = result

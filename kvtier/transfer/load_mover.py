@@ -38,15 +38,19 @@ class LoadMover:
 
     def load_job(self, rec: LoadRecord) -> None:
         """Run ``rec`` (unless it was stopped before it began) and give it back to the engine."""
+        retired = False
         try:
             if rec.result is None:  # else stopped before it began: it never touched anything
-                self._load_one(rec)
+                retired = self._load_one(rec)
         except BaseException as exc:  # the thread must survive anything
             log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
         finally:
-            self.e._retire()
+            if not retired:
+                self.e._retire()
 
-    def _load_one(self, rec: LoadRecord) -> None:
+    def _load_one(self, rec: LoadRecord) -> bool:
+        """Run ``rec``; ``True`` when it was given back to the engine with its result (nothing
+        was left to clean up)."""
         start = time.perf_counter()
         promoted: list[bytes] = []
         try:
@@ -57,14 +61,17 @@ class LoadMover:
             result = JobResult(
                 rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)
             )
+        clean = result.error is None
         try:
             # Report first, whatever the result: a failed job is reported like any other.
-            reported = self.e._finish(rec, result)
-            if result.error is not None or not reported:
+            reported = self.e._finish(rec, result, retire=clean)
+            if not clean or not reported:
                 # Failed, or stopped while it ran: its promotions are released, free them.
                 self.e._delete(0, promoted, "cleanup of a stopped load's promotions")
         except BaseException as exc:  # the thread must survive anything
             log.warning("load job %d: finishing failed: %s", rec.job_id, exc, exc_info=True)
+            return False
+        return clean and reported
 
     def _load(self, rec: LoadRecord, start: float, promoted: list[bytes]) -> JobResult:
         plan = rec.load_plan

@@ -52,7 +52,7 @@ class MoverHost(Protocol):
     _load_q: queue.SimpleQueue[LoadRecord | None]
 
     def _retire(self) -> None: ...
-    def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None) -> bool: ...
+    def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None, *, retire: bool = False) -> bool: ...
     def _take(self, kind: str) -> None: ...
     def _after_inline(self) -> None: ...
     def _on_stream(self, direction: str) -> contextlib.AbstractContextManager[Any]: ...
@@ -144,7 +144,7 @@ class StoreMover:
             rec.device_done.set()
             work = _TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
         if work is None:
-            self.e._retire()
+            pass  # reported and given back at once (_finish_store(retire=True))
         else:
             with self.e._lock:
                 self.e._tier_jobs += 1
@@ -171,7 +171,7 @@ class StoreMover:
         finally:
             rec.device_done.set()  # the engine blocks were read, or never will be
         if work.mode == "done":
-            if self._finish_store(work):
+            if self._finish_store(work, retire=True):
                 return None
             return _TierWork(rec, "cleanup", start)  # reported failed meanwhile: undo, in order
         return work
@@ -434,7 +434,7 @@ class StoreMover:
             log.debug("write-through of %d blocks to tier %d deferred: the tier writes are behind", len(keys), tier)
         return behind
 
-    def _finish_store(self, work: _TierWork) -> bool:
+    def _finish_store(self, work: _TierWork, *, retire: bool = False) -> bool:
         plan = work.rec.store_plan
         ok = work.error is None and not work.failed.get(plan.tier)
         return self.e._finish(
@@ -450,6 +450,7 @@ class StoreMover:
                 sizes=work.sizes,
                 error=work.error,
             ),
+            retire=retire,
         )
 
     def _delete_new(self, plan: StorePlan) -> None:
