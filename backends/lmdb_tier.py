@@ -92,12 +92,12 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
-from kvtier.backends.lmdb_pages import check_file_trees
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
+from kvtier.backends.lmdb_scan import open_listing
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.bulk import paused_gc
+from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import Codec, UnsupportedRecordError
@@ -157,7 +157,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         self._write_lock = threading.Lock()
         self._holder: HolderLock | None = None
         self._reader: JobReader | None = None
-        self._listed: list[RecordInfo] | None = None
+        self._listed: list[RecordInfo] | RecordColumns | None = None
         self._commits: GroupCommit[list[_Record], list[int | None]] = GroupCommit(self._commit_jobs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,9 +221,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
 
     def _try_open(self, fmt: BlockFormat) -> None:
         used = check_data_file(self.path)  # before anything maps the file
-        # LMDB aborts the process on a page it cannot walk; the walk also lists the blocks
-        # database's keys, read from its leaf pages alone (see _read_index).
-        block_keys = check_file_trees(self.path, keys_of=b"blocks") if used else {}
+        # LMDB aborts the process on a page it cannot walk; the walk (lmdb_scan) also lists the
+        # blocks and index databases' leaves, read from their leaf pages alone (see _read_index).
+        columns, block_keys = open_listing(self.path, ENTRY_SIZES) if used else (None, {})
         preallocate_lock_file(self.path, self.max_readers)
         map_size = self.capacity_bytes
         shrinking = used > map_size
@@ -254,7 +254,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
             self._reader = JobReader(
                 blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes
             )
-        self._listed = self._read_index(env, block_keys)
+        if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
+            columns = self._read_index(env, block_keys if columns is None else None)
+        self._listed = columns
         if shrinking:
             self._shrink(fmt, used)
 
@@ -332,7 +334,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         fits, compact the file, and reopen at the capacity. Logged with the counts."""
         env = self._env
         assert env is not None
-        records = sorted(self._listed or [], key=lambda r: r.stamp)
+        records = sorted(self._listed if isinstance(self._listed, list) else [], key=lambda r: r.stamp)
         total = sum(r.stored_bytes for r in records)
         room = self.usable_bytes()
         dropped: list[RecordInfo] = []
@@ -515,7 +517,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         env = self._env_or_raise()
         assert self._reader is not None
         try:
-            outcome = self._reader.read(env, keys, out, self.mac)
+            with self._reader.temperature.reading():
+                outcome = self._reader.read(env, keys, out, self.mac)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
         if outcome.bad:
@@ -549,12 +552,23 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
     def scan(self) -> Iterator[RecordInfo]:
         env = self._env_or_raise()
         listed, self._listed = self._listed, None  # read (and checked) at open, used once
+        if isinstance(listed, RecordColumns):
+            return (RecordInfo(key, stored, stamp) for key, stored, stamp in listed)
         if listed is not None:
             return iter(listed)
         try:
             return iter(self._read_index(env))
         except (lmdb.Error, DamagedEnvironment) as exc:
             raise DiskError(f"lmdb: scan of {self.path!r} failed: {exc}") from exc
+
+    def scan_columns(self) -> RecordColumns | None:
+        """The open's listing as columns (``kvtier.bulk``), if it was read in that form and not
+        used yet; else ``None`` (call ``scan``)."""
+        listed = self._listed
+        if isinstance(listed, RecordColumns):
+            self._listed = None
+            return listed
+        return None
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         if not stamps:

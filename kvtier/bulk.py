@@ -17,8 +17,11 @@ import gc
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
-__all__ = ["paused_gc"]
+import numpy as np
+
+__all__ = ["RecordColumns", "paused_gc"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -41,3 +44,34 @@ def paused_gc() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _was_enabled:
                 gc.enable()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordColumns:
+    """Records a persistent tier lists at open, as columns: ``keys`` (``bytes``), ``stored``
+    (stored bytes) and ``stamps`` (last access), one row per record, oldest stamp first when
+    ``oldest_first``. Iterating gives the ``(key, stored_bytes, stamp)`` tuples of the general
+    listing; the manager's adoption takes the key column as it is (no tuple per record)."""
+
+    keys: list[bytes]
+    stored: np.ndarray
+    stamps: np.ndarray
+    oldest_first: bool = False
+
+    def __post_init__(self) -> None:
+        if not len(self.keys) == len(self.stored) == len(self.stamps):
+            raise ValueError(f"record columns of {len(self.keys)} keys, {len(self.stored)} sizes and {len(self.stamps)} stamps")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[tuple[bytes, int, float]]:
+        return zip(self.keys, self.stored.tolist(), self.stamps.tolist())
+
+    def sorted(self) -> RecordColumns:
+        """Oldest stamp first; records of equal stamps keep their order (as ``sorted`` does)."""
+        if self.oldest_first:
+            return self
+        order = np.argsort(self.stamps, kind="stable")
+        keys = self.keys
+        return RecordColumns([keys[i] for i in order.tolist()], self.stored[order], self.stamps[order], oldest_first=True)

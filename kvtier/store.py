@@ -22,7 +22,7 @@ import torch
 from kvtier import config as config_module
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.bulk import paused_gc
+from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.config import StoreConfig, load_config
 from kvtier.config.tier_errors import no_room, tier_error
 from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
@@ -553,12 +553,18 @@ def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:
     return dataclasses.replace(namespace, kv_layout=layout)
 
 
-def _held_tags(owners: dict[bytes, str], records: list[tuple[bytes, int, float]]) -> dict[bytes, str]:
+def _held_tags(owners: dict[bytes, str], records: list[tuple[bytes, int, float]] | RecordColumns) -> dict[bytes, str]:
     """The saved tenant tags of the records a tier lists (tags of records gone are dropped)."""
     return {key: owners[key] for key, _, _ in records if key in owners}
 
 
-def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]]:
+def _scan_records(backend: Backend) -> list[tuple[bytes, int, float]] | RecordColumns:
+    """The tier's records: as columns where the tier lists them so (``scan_columns``: no
+    object per record but its key), else one tuple per ``scan()`` record."""
+    columns = getattr(backend, "scan_columns", None)
+    listed = columns() if columns is not None else None
+    if listed is not None:
+        return listed
     return [(r.key, r.stored_bytes, r.stamp) for r in backend.scan()]
 
 

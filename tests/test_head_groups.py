@@ -259,6 +259,40 @@ def test_split_then_join_is_the_identity() -> None:
     assert torch.equal(torch.stack(scattered), blocks)
 
 
+def test_jobs_hand_the_inner_tier_the_same_record_rows_and_read_back_exact() -> None:
+    # A tensor per record costs as much as the rest of the layer: the rows of the thread's
+    # buffer are made once and handed to the inner tier job after job (not rebuilt per job).
+    from kvtier.backends.compressed import CompressedBackend
+
+    full = full_cache(seed=3)
+    groups = HeadGroups.for_rank(HEADS, 2, 0, 1)
+    caches = shard(full, groups)
+    tier = HeadGroupTier(CompressedBackend(capacity="16MiB"), HeadGroupLayout(groups, HeadAxis.from_caches(caches, head_dim=3)),
+                         Namespace(model_id="m", dtype="bfloat16", block_size=TOKENS))
+    asyncio.run(tier.open(BlockFormat(block_bytes=tier.layout.axis.block_bytes, dtype="bfloat16")))
+    seen: list[list[int]] = []
+    write, read = tier.inner.write_blocks, tier.inner.read_blocks
+
+    def spy_write(keys: Any, rows: Any) -> Any:
+        seen.append([id(r) for r in rows])
+        return write(keys, rows)
+
+    def spy_read(keys: Any, rows: Any) -> Any:
+        seen.append([id(r) for r in rows])
+        return read(keys, rows)
+
+    tier.inner.write_blocks, tier.inner.read_blocks = spy_write, spy_read  # type: ignore[method-assign]
+    blocks = torch.cat([c.view(NUM_BLOCKS, -1).view(torch.uint8) for c in caches], dim=1)
+    for n in (NUM_BLOCKS, NUM_BLOCKS, 3):
+        keys = [os.urandom(32) for _ in range(n)]
+        assert None not in tier.write_blocks(keys, list(blocks[:n]))
+        out = torch.zeros_like(blocks[:n])
+        assert all(tier.read_blocks(keys, list(out))) and torch.equal(out, blocks[:n])
+    held = len(groups.held)
+    assert seen[0] == seen[1] == seen[2] == seen[3] and len(seen[0]) == NUM_BLOCKS * held
+    assert seen[4] == seen[0][: 3 * held], "a smaller job takes the first rows of the same buffer"
+
+
 # -- world sizes writing and reading each other's records -----------------------------------------------
 
 @pytest.mark.parametrize("kind", ["lmdb", "file", "redis", "redis-cluster", "mooncake", "s3"])

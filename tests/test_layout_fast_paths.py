@@ -5,6 +5,7 @@ every time, and nothing held once the views are forgotten."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -34,16 +35,21 @@ ROWS = [
 
 @pytest.mark.parametrize("rows", ROWS, ids=str)
 @pytest.mark.parametrize("kept", [False, True])
-def test_gather_and_scatter_match_the_pairwise_copy(rows: list[int], kept: bool) -> None:
-    """The index strategy (one run or several, views kept or not) writes the bytes the
-    per-block ``foreach`` strategy writes, and only into the rows named."""
+@pytest.mark.parametrize("here", [False, True], ids=["parts", "callers-loop"])
+def test_gather_and_scatter_match_the_pairwise_copy(rows: list[int], kept: bool, here: bool) -> None:
+    """The index strategy (one run or several, views kept or not, part by part or in the
+    caller's own loop as an inline job copies) writes the bytes the per-block ``foreach``
+    strategy writes, and only into the rows named."""
     caches = _caches(1)
     fast = KVLayout([c.clone() for c in caches], strategy="index")
     slow = KVLayout([c.clone() for c in caches], strategy="foreach")
+    team = fast.copies.on_callers_team() if here else contextlib.nullcontext()
     ids = [9, 2, 11, 5][: len(rows)]
     pools = [torch.zeros((8, fast.block_bytes), dtype=torch.uint8) for _ in range(2)]
-    for _ in range(2):  # a second time through the kept views
-        fast.gather(ids, pools[0], rows, kept=kept)
+    with team:
+        assert fast.copies.on_this_thread() is here
+        for _ in range(2):  # a second time through the kept views
+            fast.gather(ids, pools[0], rows, kept=kept)
     slow.gather(ids, pools[1], rows)
     assert torch.equal(pools[0], pools[1])
     others = [r for r in range(8) if r not in rows]
@@ -52,7 +58,8 @@ def test_gather_and_scatter_match_the_pairwise_copy(rows: list[int], kept: bool)
     for layout in (fast, slow):
         for c in layout.kv_caches:
             c.zero_()
-    fast.scatter(pools[0], rows, dst, kept=kept)
+    with fast.copies.on_callers_team() if here else contextlib.nullcontext():
+        fast.scatter(pools[0], rows, dst, kept=kept)
     slow.scatter(pools[1], rows, dst)
     for a, b, orig in zip(fast.kv_caches, slow.kv_caches, caches):
         assert torch.equal(a, b)

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
+
+from kvtier.bulk import RecordColumns
 from kvtier.errors import ConfigError, QuotaError
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.tenants import DEFAULT_TENANT, TierTenancy
@@ -344,7 +347,14 @@ class TierState:
     def adopt(self, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
         """Ready entries for stored records ``(key, stored_bytes, stamp)``, oldest stamp first;
         those beyond the capacity (the oldest) or already present are returned, not adopted."""
-        ordered = sorted(records, key=itemgetter(2))
+        ordered: Sequence[tuple[bytes, int, float]] | RecordColumns
+        if isinstance(records, RecordColumns):  # a tier's listing as columns: no tuple per record
+            ordered = records.sorted()
+            bulk = self._adopt_columns(ordered)
+            if bulk is not None:
+                return bulk
+        else:
+            ordered = sorted(records, key=itemgetter(2))
         if not self.variable and self.used + len(ordered) * self.block <= self.capacity:
             # A store's open: every record fits. When none is held yet or listed twice, the
             # loop below would adopt them all, in this order; built in C instead (a test
@@ -376,6 +386,32 @@ class TierState:
         if self.tenancy is not None:
             self.tenancy.add_sized((key, self._size_of(key)) for key in adopted)
         return excess
+
+    def _adopt_columns(self, columns: RecordColumns) -> list[bytes] | None:
+        """``adopt`` of records listed as columns (oldest first), built in bulk: the same index,
+        sizes, order and excess as the record-by-record loop (a test compares the two), or
+        ``None`` and no change when a key is listed twice or held already (then the loop runs)."""
+        keys = columns.keys
+        fresh = dict.fromkeys(keys, READY)
+        if len(fresh) != len(keys) or (self.index and not self.index.keys().isdisjoint(fresh)):
+            return None
+        sizes = columns.stored if self.variable else np.full(len(keys), self.block, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        total = self.used + (int(ends[-1]) if len(keys) else 0)
+        drop = 0  # the oldest records beyond the capacity, as the loop drops them
+        if total > self.capacity:
+            drop = min(len(keys), int(np.searchsorted(ends, total - self.capacity, side="left")) + 1)
+            fresh = dict.fromkeys(keys[drop:], READY)
+        kept = keys[drop:] if drop else keys
+        self.index.update(fresh)
+        self.used += int(sizes[drop:].sum())
+        if self.variable:  # one int object per distinct size, not one per record
+            distinct, which = np.unique(sizes[drop:], return_inverse=True)
+            self.sizes.update(zip(kept, map(distinct.tolist().__getitem__, which.tolist())))
+        self.policy.adopt(kept, self.index)
+        if self.tenancy is not None:
+            self.tenancy.add_sized((key, self._size_of(key)) for key in kept)
+        return keys[:drop]
 
     def _unaccount(self, keys: Collection[bytes]) -> None:
         if self.kept:  # a pinned key that goes (a delete, a corrupt record) is unpinned

@@ -466,18 +466,24 @@ class HeadGroupLayout:
             return []
         if self.whole:
             return list(blocks)
-        first, count = groups[0] - self.groups.held[0], len(groups)
-        shape = (len(blocks), count, self.group_bytes)
+        shape = (len(blocks), len(groups), self.group_bytes)
         if scratch is None:
             records = torch.empty(shape, dtype=torch.uint8, device=blocks[0].device)
         else:
             records = scratch[: math.prod(shape)].view(shape)
+        self.split_into(blocks, groups, records)
+        return list(records.view(len(blocks) * len(groups), self.group_bytes))
+
+    def split_into(self, blocks: Sequence[torch.Tensor], groups: Sequence[int], records: torch.Tensor) -> None:
+        """Copy the records of ``groups`` (held, consecutive) of every block into ``records``
+        (``[len(blocks), len(groups), group_bytes]``): one copy per segment per job when the
+        blocks lie evenly spaced in one storage (rows of a staging buffer), else per block."""
+        first = groups[0] - self.groups.held[0]
         stacked = rows_view(blocks)
         for rows, dst in ((stacked, records),) if stacked is not None else (
             (b.view(1, -1), records[i : i + 1]) for i, b in enumerate(blocks)
         ):
             self._copy(rows, dst, first, to_records=True)
-        return list(records.view(len(blocks) * count, self.group_bytes))
 
     def read_buffers(self, n: int, device: torch.device | None = None) -> torch.Tensor:
         """A ``[n, held groups, group_bytes]`` buffer for the held records of ``n`` blocks."""

@@ -122,6 +122,11 @@ class CopySplitter:
         finally:
             self._callers.on = before
 
+    def on_this_thread(self) -> bool:
+        """Whether this thread's copies run here, on its own team, unsplit (inside
+        :meth:`on_callers_team`): a caller may then copy in a plain loop, as :meth:`run` would."""
+        return getattr(self._callers, "on", False)
+
     def shares(self, parts: Sequence[Callable[[], None]], nbytes: int) -> list[Sequence[Callable[[], None]]]:
         """``parts`` cut into contiguous shares, one per thread used (one share: no split)."""
         n = min(self.threads, len(parts)) if nbytes >= self.min_bytes else 1

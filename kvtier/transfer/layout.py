@@ -343,11 +343,16 @@ class KVLayout:
             ((order, r0, length),) = runs
             whole = _staging.device_index([ids[p] for p in order], self.device)
             end = r0 + length
+            views = self._dst_views(pool, kept)
+            if self._here(pool_device):  # the copies' own loop, without a call per tensor
+                for src, dst in zip(self._src, views):
+                    torch.index_select(src, 0, whole, out=dst[r0:end])
+                return
 
             def select_run(src: torch.Tensor, dst: torch.Tensor) -> None:
                 torch.index_select(src, 0, whole, out=dst[r0:end])
 
-            parts = [functools.partial(select_run, src, dst) for src, dst in zip(self._src, self._dst_views(pool, kept))]
+            parts = [functools.partial(select_run, src, dst) for src, dst in zip(self._src, views)]
         elif runs is not None:  # straight into the pool: one index_select per (run, tensor)
             order = [p for run in runs for p in run[0]]
             idx = _staging.device_index([ids[p] for p in order], self.device)
@@ -379,11 +384,16 @@ class KVLayout:
             ((order, r0, length),) = runs
             whole = _staging.device_index([ids[p] for p in order], self.device)
             end = r0 + length
+            views = self._dst_views(pool, kept)
+            if self._here(pool_device):
+                for cache, view in zip(self._src, views):
+                    cache.index_copy_(0, whole, view[r0:end])
+                return
 
             def place_run(cache: torch.Tensor, view: torch.Tensor) -> None:
                 cache.index_copy_(0, whole, view[r0:end])
 
-            parts = [functools.partial(place_run, cache, view) for cache, view in zip(self._src, self._dst_views(pool, kept))]
+            parts = [functools.partial(place_run, cache, view) for cache, view in zip(self._src, views)]
         elif runs is not None:  # straight out of the pool: one index_copy_ per (run, tensor)
             order = [p for run in runs for p in run[0]]
             idx = _staging.device_index([ids[p] for p in order], self.device)
@@ -404,6 +414,11 @@ class KVLayout:
 
             parts = [functools.partial(scatter, cache, view) for cache, view in zip(self._src, self._dst_views(pool, kept))]
         self._copy(parts, pool_device, len(rows))
+
+    def _here(self, pool_device: torch.device) -> bool:
+        """Host to host on a thread whose copies run unsplit on it (an inline job): what
+        :meth:`_copy` would run part by part, the caller may run in a plain loop."""
+        return self.device.type == "cpu" and pool_device.type == "cpu" and self.copies.on_this_thread()
 
     def _copy(self, parts: list[Callable[[], None]], pool_device: torch.device, blocks: int) -> None:
         """Run a job's per-tensor copies: split over the copy threads between host buffers

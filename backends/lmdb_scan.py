@@ -1,0 +1,264 @@
+"""The open-time page check of :mod:`kvtier.backends.lmdb_pages`, a level at a time in numpy,
+and the listing of the records it reads on the way.
+
+:func:`kvtier.backends.lmdb_pages.check_trees` walks page by page in Python (a ``pread`` and a
+loop per page): at 10^6 records of 1 KiB (330k leaf pages) that was half of a store's open.
+:func:`list_trees` makes the same checks over a read-only map of ``data.mdb``, one tree level
+at a time: the page headers of a level, then all its nodes, as arrays. Overflow pages (a value's
+bytes) are never read, and the map is told the reads are random, so the device does not read
+around the pages it touches. On any page it would refuse, it hands over to ``check_trees``,
+which walks the file as LMDB would and raises the error naming the first bad page: the two
+accept exactly the same files (``tests/test_lmdb_scan.py`` compares them on damaged copies), and
+this one never lets through what that one refuses.
+
+On the way, it lists the leaf nodes of the named databases ``blocks`` and ``index``: their keys
+(fixed width, in key order, as LMDB's leaves hold them) and, for ``index``, each entry's stamp
+and stored size (:mod:`kvtier.backends.lmdb_layout`). A store's open builds its index from this
+listing without a cursor, a ``RecordInfo`` or a tuple per record (:class:`kvtier.bulk.RecordColumns`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from kvtier.backends.lmdb_files import DamagedEnvironment, read_meta_pages
+from kvtier.backends.lmdb_pages import check_file_trees, check_trees
+
+from kvtier.bulk import RecordColumns
+
+__all__ = ["Leaves", "leaf_keys", "list_trees", "listed_records", "open_listing"]
+
+_P_INVALID = (1 << 64) - 1
+_P_BRANCH, _P_LEAF = 0x01, 0x02
+_IGNORED_FLAGS = 0x10 | 0x4000 | 0x8000
+_F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
+_HEADER = 16
+_NODE = 8
+_DB_SIZE = 48
+_FREE_DB_AT = 40
+_MAIN_DB_AT = _FREE_DB_AT + _DB_SIZE
+_MAX_DEPTH = 32
+
+
+class _Refused(Exception):
+    """A page the check refuses: ``check_trees`` names it."""
+
+
+@dataclass(slots=True)
+class Leaves:
+    """The leaf nodes of one named database, in key order. ``keys``: one row of ``key_size``
+    bytes per node (``None`` when the keys differ in size); ``values``: each node's value size;
+    ``at``: each value's offset in the file (inline values only; ``-1`` for an overflow value)."""
+
+    count: int
+    key_size: int
+    keys: np.ndarray | None
+    values: np.ndarray
+    at: np.ndarray
+
+
+def list_trees(path: str, names: tuple[bytes, ...] = (b"blocks", b"index")) -> tuple[dict[bytes, Leaves], np.ndarray] | None:
+    """Check every tree of ``<path>/data.mdb`` as :func:`~kvtier.backends.lmdb_pages.check_trees`
+    does (``DamagedEnvironment`` naming the first bad page); return the leaves of the named
+    databases ``names`` found and the file's bytes as an array (a read-only map: read the
+    values it needs, then drop it); ``None`` when there is no file or no meta page yet."""
+    found = read_meta_pages(path)
+    if found is None or not any(found[0]):
+        return None
+    pages = found[0]
+    newest = max((m for m in pages if m is not None), key=lambda m: m.txnid)
+    psize, last = newest.psize, newest.last_pgno
+    meta_pgno = pages.index(newest)
+    with open(os.path.join(path, "data.mdb"), "rb") as f:
+        length = (last + 1) * psize  # check_data_file found the file at least this long
+        mapped = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ)
+    mapped.madvise(mmap.MADV_RANDOM)
+    data = np.frombuffer(mapped, dtype=np.uint8)  # the map goes with the last array made on it
+    walk = _Walk(data, psize, last, names)
+    meta = meta_pgno * psize
+    try:
+        for at, main in ((_FREE_DB_AT, False), (_MAIN_DB_AT, True)):
+            walk.tree(bytes(data[meta + at : meta + at + _DB_SIZE]), main=main)
+    except _Refused:
+        del walk, data
+        check_trees(path, psize, last, meta_pgno)  # raises, naming the first bad page
+        raise DamagedEnvironment("a page LMDB could not walk safely") from None  # (never: the two agree)
+    return walk.leaves, data
+
+
+def _u16(data: np.ndarray, at: np.ndarray) -> np.ndarray:
+    if not np.any(at & 1):  # LMDB's nodes are 2-byte aligned: one gather of 16-bit words
+        return data.view("<u2")[at >> 1].astype(np.int64)
+    return data[at].astype(np.int64) | data[at + 1].astype(np.int64) << 8
+
+
+def _u64(data: np.ndarray, at: np.ndarray) -> np.ndarray:
+    rows = data[at[:, None] + np.arange(8)]
+    return rows.view("<u8").reshape(-1)
+
+
+class _Walk:
+    def __init__(self, data: np.ndarray, psize: int, last: int, names: tuple[bytes, ...]) -> None:
+        self.data, self.psize, self.last, self.names = data, psize, last, names
+        self.seen = np.zeros(last + 1, dtype=bool)
+        self.leaves: dict[bytes, Leaves] = {}
+
+    def tree(self, record: bytes, *, main: bool = False, name: bytes | None = None) -> None:
+        if len(record) != _DB_SIZE:
+            raise _Refused
+        depth = int.from_bytes(record[6:8], "little")
+        root = int.from_bytes(record[40:48], "little")
+        if root == _P_INVALID:
+            return
+        if not 1 <= depth <= _MAX_DEPTH:
+            raise _Refused
+        level = np.array([root], dtype=np.int64)
+        while True:
+            base, upper, count = self._pages(level, depth)
+            page = np.repeat(np.arange(len(level)), count)
+            first = np.cumsum(count) - count
+            slot = np.arange(len(page)) - first[page]
+            ptr = _u16(self.data, base[page] + _HEADER + 2 * slot)
+            if np.any(ptr < upper[page]) or np.any(ptr > self.psize - _NODE):
+                raise _Refused
+            node = base[page] + ptr
+            data = self.data
+            lo, hi, flags, ksize = (_u16(data, node + i) for i in (0, 2, 4, 6))
+            body = ptr + _NODE + ksize
+            if depth > 1:
+                if np.any(body > self.psize):
+                    raise _Refused
+                level = lo | hi << 16 | flags << 32
+                depth -= 1
+                continue
+            self._leaf(node, body, lo | hi << 16, flags, ksize, base[page], main, name)
+            return
+
+    def _pages(self, level: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Check a level's page headers; each page's offset, node area's end and node count."""
+        if np.any(level < 2) or np.any(level > self.last):
+            raise _Refused
+        seen = self.seen
+        if np.any(seen[level]):
+            raise _Refused
+        before = np.count_nonzero(seen)
+        seen[level] = True
+        if np.count_nonzero(seen) - before != len(level):  # a page listed twice in this level
+            raise _Refused
+        base = level * self.psize
+        data = self.data
+        own = _u64(data, base)
+        flags, lower, upper = _u16(data, base + 10), _u16(data, base + 12), _u16(data, base + 14)
+        kind = flags & ~_IGNORED_FLAGS
+        if np.any(own != level.astype(np.uint64)) or np.any(kind != (_P_LEAF if depth == 1 else _P_BRANCH)):
+            raise _Refused
+        if np.any(lower & 1) or np.any(lower < _HEADER) or np.any(lower > upper) or np.any(upper > self.psize):
+            raise _Refused
+        count = (lower - _HEADER) // 2
+        if depth > 1 and np.any(count < 1):
+            raise _Refused
+        return base, upper, count
+
+    def _leaf(self, node: np.ndarray, body: np.ndarray, size: np.ndarray, flags: np.ndarray, ksize: np.ndarray,
+              base: np.ndarray, main: bool, name: bytes | None) -> None:
+        psize = self.psize
+        common = (flags == 0) & (body + size <= psize)
+        if not np.all(common):
+            self._odd_nodes(np.flatnonzero(~common), node, body, size, flags, ksize, base, main)
+        if name is None:
+            return
+        count = len(node)
+        width = int(ksize[0]) if count else 0
+        keys = None
+        if count and np.all(ksize == width):
+            at = node + _NODE
+            if width % 2 == 0 and not np.any(at & 1):  # 16-bit words: half the gathers
+                keys = self.data.view("<u2")[(at >> 1)[:, None] + np.arange(width // 2)].view(np.uint8)
+            else:
+                keys = self.data[at[:, None] + np.arange(width)]
+        at = np.where(flags & _F_BIGDATA, -1, base + body)
+        self.leaves[name] = Leaves(count, width, keys, size, at)
+
+    def _odd_nodes(self, odd: np.ndarray, node: np.ndarray, body: np.ndarray, size: np.ndarray, flags: np.ndarray,
+                   ksize: np.ndarray, base: np.ndarray, main: bool) -> None:
+        """The nodes that are not a plain value inside the page: overflow values and, in the
+        main database, named databases."""
+        psize, data = self.psize, self.data
+        f = flags[odd]
+        if np.any(f & _F_DUPDATA) or np.any(f & ~(_F_BIGDATA | _F_SUBDATA)):
+            raise _Refused
+        big = odd[(f & _F_BIGDATA) != 0]
+        if len(big):
+            if np.any(body[big] + 8 > psize):
+                raise _Refused
+            first = _u64(data, base[big] + body[big]).astype(np.int64)
+            pages = -(-(size[big] + _HEADER) // psize)
+            if np.any(first < 2) or np.any(first + pages - 1 > self.last):
+                raise _Refused
+        rest = odd[(f & _F_BIGDATA) == 0]
+        if np.any(body[rest] + size[rest] > psize):
+            raise _Refused
+        for i in rest[(flags[rest] & _F_SUBDATA) != 0]:
+            if not main:
+                raise _Refused
+            key_at = int(node[i]) + _NODE
+            key = bytes(data[key_at : key_at + int(ksize[i])])
+            at = int(base[i] + body[i])
+            self.tree(bytes(data[at : at + int(size[i])]), name=key if key in self.names else None)
+
+
+def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: tuple[int, ...]) -> RecordColumns | None:
+    """The index's records, oldest stamp first, as columns read from the walk's leaves; ``None``
+    when this form does not apply (no index yet, keys of several sizes, an index entry that is
+    not inline, or an index key the blocks database lacks): the caller reads the index with a
+    cursor then. ``DamagedEnvironment`` for an index entry of a size no layout writes."""
+    index, blocks = leaves.get(b"index"), leaves.get(b"blocks")
+    if index is None or blocks is None or index.keys is None or blocks.keys is None or not index.key_size:
+        return None
+    bad = np.flatnonzero(~np.isin(index.values, entry_sizes))
+    if len(bad):
+        raise DamagedEnvironment(
+            f"index entry is not readable: index entry of {int(index.values[bad[0]])} bytes (expected one of {entry_sizes})"
+        )
+    if index.count != blocks.count or not np.array_equal(index.keys, blocks.keys) or np.any(index.at < 0):
+        return None
+    head = data[index.at[:, None] + np.arange(16)]  # each entry's <d Q: stamp, stored bytes
+    stamps = head[:, :8].copy().view("<f8").reshape(-1)
+    stored = head[:, 8:].copy().view("<u8").reshape(-1).astype(np.int64)
+    order = np.argsort(stamps, kind="stable")
+    width = index.key_size
+    rows = index.keys[order].tobytes()
+    keys = [rows[i : i + width] for i in range(0, len(rows), width)]
+    return RecordColumns(keys, stored[order], stamps[order], oldest_first=True)
+
+
+def leaf_keys(leaves: dict[bytes, Leaves], name: bytes) -> dict[bytes, bytes] | None:
+    """The keys of the named database ``name`` (each mapped to itself, as
+    :func:`~kvtier.backends.lmdb_pages.check_file_trees` gives them); ``None`` if their sizes differ."""
+    found = leaves.get(name)
+    if found is None:
+        return {}
+    if found.keys is None:
+        return None
+    width = found.key_size
+    rows = found.keys.tobytes()
+    return {key: key for key in (rows[i : i + width] for i in range(0, len(rows), width))} if width else {b"": b""}
+
+
+def open_listing(path: str, entry_sizes: tuple[int, ...]) -> tuple[RecordColumns | None, dict[bytes, bytes] | None]:
+    """The page check of ``<path>/data.mdb`` and what it lists: the index's records as columns
+    (:func:`listed_records`), or, when that form does not apply, ``None`` and the blocks
+    database's keys for a cursor read of the index (``None`` too when there is no file)."""
+    walked = list_trees(path)
+    if walked is None:
+        return None, None
+    leaves, data = walked
+    columns = listed_records(leaves, data, entry_sizes)
+    if columns is not None:
+        return columns, {}
+    keys = leaf_keys(leaves, b"blocks")
+    del data, walked
+    return None, keys if keys is not None else check_file_trees(path, keys_of=b"blocks")
