@@ -21,13 +21,14 @@ checked before a byte of its payload is touched, then :func:`~kvtier.records.che
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import queue
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
-from kvtier.records.checks import RawPayload, copy_and_check
+from kvtier.records.checks import SIDE_MIN_BYTES, RawPayload, copy_and_check
 from kvtier.records.codec import NoneCodec, UnsupportedRecordError
 from kvtier.records.format import (
     HEAD_MAX,
@@ -63,8 +64,11 @@ INDEX = struct.Struct("<dQ")
 #: several milliseconds.
 COLD_GET_S = 1e-3
 #: Warm jobs of raw records are read in one pass on the calling thread
-#: (:meth:`JobReader.read_in_one_pass`); ``False``: by the general read, which checks jobs of
-#: :data:`~kvtier.records.checks.SIDE_MIN_BYTES` or more on a side thread. Measured
+#: (:meth:`JobReader.read_in_one_pass`): every plain job, and keyed jobs of fewer than
+#: :data:`~kvtier.records.checks.SIDE_MIN_BYTES`; ``False``: every job by the general read,
+#: which checks jobs of ``SIDE_MIN_BYTES`` or more on a side thread. A keyed job that large
+#: keeps the side thread: AES-GMAC runs at 2.9 GB/s on one core here (38 µs more per record),
+#: 2.3 times a copy, and two threads sharing it gain more than the hand-offs cost. Measured
 #: (``benchmarks/bench_disk.py --quick``, 2 MiB records in jobs of 8, load 2, adjacent runs): a
 #: warm load at 0.71-0.82 of a raw get and copy in one pass, 0.54-0.59 with the side thread,
 #: whose hand-offs and second pass over the map cost more than the overlap gains when the
@@ -187,12 +191,37 @@ class ReadOutcome:
 class Temperature:
     """Whether the last job of a reader found its values on disk (``cold``): one flag, set and
     read by whichever thread reads a job (a stale answer costs a thread or a wait, never a
-    wrong byte)."""
+    wrong byte); and how many jobs are being read (``readers``, counted by :meth:`reading`).
 
-    __slots__ = ("cold",)
+    A lookup is told slow by its wall time, which also counts the time its thread waited for
+    the GIL afterwards: with several jobs read at once (4 callers on 2 cores here), that wait
+    alone passed :data:`COLD_GET_S`, warm jobs were read as cold, each with a thread of its own
+    and its checks on the side threads, and the tier's loads fell from 0.6 to 0.05 of raw in
+    some runs. So a lookup counts as slow only while its job is the only one being read; with
+    several, the others' copies overlap any disk read anyway."""
+
+    __slots__ = ("_lock", "cold", "readers")
 
     def __init__(self) -> None:
         self.cold = False
+        self.readers = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Count a job being read for as long as the block runs."""
+        with self._lock:
+            self.readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.readers -= 1
+
+    def slow(self, start: float) -> bool:
+        """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as
+        far as can be told (see the class doc)."""
+        return time.perf_counter() - start > COLD_GET_S and self.readers <= 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,8 +260,8 @@ class JobReader:
         (:class:`Temperature`). Measured (``benchmarks/bench_disk.py``, cold part): a job of
         eight 2 MiB values took 11 ms, 7 ms in its last lookup and then 4 ms of copies with no
         read in flight."""
-        cold = self.temperature.cold and len(keys) > 1
-        if not cold and ONE_PASS_READS:
+        cold = self.temperature.cold and len(keys) > 1 and self.temperature.readers <= 1
+        if not cold and ONE_PASS_READS and (mac is None or len(keys) * self.block_bytes < SIDE_MIN_BYTES):
             return self.read_in_one_pass(env, keys, out, mac)
         outcome = ReadOutcome(len(keys))
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -287,9 +316,17 @@ class JobReader:
                     self.drop(outcome, key, exc)
                     rest = i + 1
                     break
-                slow = time.perf_counter() - start > COLD_GET_S
+                slow = self.temperature.slow(start)
                 if pair is None:
                     outcome.corrupt += key in bad
+                if slow and i + 1 < len(keys):
+                    # Read from disk: the rest of the job is cold. As in read(), a thread looks up
+                    # the rest in this transaction while this one copies and checks this record.
+                    self.temperature.cold = True
+                    rest = self._cold_rest(txn, limit, keys, out, mac, i, pair, outcome)
+                    break
+                if pair is None:
+                    pass
                 elif not (self._copy_plain(key, pair, out[i], size) if mac is None else self._copy_keyed(key, pair, out[i], size, mac)):
                     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
                     self.copy_in((i,), keys, out, (pair,), mac, outcome, copies)
@@ -297,10 +334,8 @@ class JobReader:
                         dst.copy_(staging)
                 else:
                     outcome.found[i] = True
-                if slow:
+                if slow:  # the job's last lookup read from disk: the next job is read cold
                     self.temperature.cold = True
-                    rest = i + 1
-                    break
         finally:
             txn.abort()
         if rest is not None and rest < len(keys):
@@ -308,6 +343,28 @@ class JobReader:
             if slow:  # this job read from disk: the next one is read cold too, as in read()
                 self.temperature.cold = True
         return outcome
+
+    def _cold_rest(
+        self,
+        txn: lmdb.Transaction,
+        limit: FileEnd,
+        keys: Sequence[bytes],
+        out: Sequence[torch.Tensor],
+        mac: RecordMac | None,
+        i: int,
+        pair: Any,
+        outcome: ReadOutcome,
+    ) -> int | None:
+        """Read keys ``i`` on of a job whose lookup of key ``i`` (``pair``) was slow: a
+        :class:`ColdRead` in ``txn``; into ``outcome``. The position to go on from in a fresh
+        transaction, or ``None``."""
+        part = ReadOutcome(len(keys) - i)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        left = ColdRead(self, txn, limit, keys[i:], part).run([pair], out[i:], mac, copies)
+        for dst, staging in copies:
+            dst.copy_(staging)
+        outcome.take(i, part)
+        return None if left is None else i + left
 
     @staticmethod
     def _copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) -> bool:
@@ -419,7 +476,7 @@ class JobReader:
                         continue
                     start = time.perf_counter()
                     pairs.append(self.pair(txn, key, limit, bad))
-                    if time.perf_counter() - start > COLD_GET_S:
+                    if self.temperature.slow(start):
                         self.temperature.cold = True
                         if len(pairs) < len(keys):
                             return txn, limit, pairs
@@ -530,7 +587,7 @@ class ColdRead:
                 try:
                     began = time.perf_counter()
                     pair = None if key in bad or key in self.outcome.transient else self.reader.pair(self.txn, key, self.limit, bad)
-                    self.slow = self.slow or time.perf_counter() - began > COLD_GET_S
+                    self.slow = self.slow or self.reader.temperature.slow(began)
                 except lmdb.Error as exc:
                     self.reader.drop(self.outcome, key, exc)
                     self.failed_at = i

@@ -517,7 +517,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         env = self._env_or_raise()
         assert self._reader is not None
         try:
-            outcome = self._reader.read(env, keys, out, self.mac)
+            with self._reader.temperature.reading():
+                outcome = self._reader.read(env, keys, out, self.mac)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
         if outcome.bad:

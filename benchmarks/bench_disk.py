@@ -65,12 +65,14 @@ from kvtier.tools.bench.scripts.disk_cold import bench_cold_contention, bench_lm
 from kvtier.tools.bench.scripts.disk_common import (
     BLOCK,
     MAC_SECRET,
+    alternating,
     best,
     gbps,
     jobs,
     kv_like_blocks,
     lmdb_job,
     open_backend,
+    paired_ratio,
     raw_env,
     raw_put,
     raw_read,
@@ -82,7 +84,6 @@ from kvtier.tools.bench.scripts.disk_common import (
 from kvtier.backend import Backend, BlockFormat
 from kvtier.records.codec import resolve_codec
 from kvtier.testing import make_key
-from kvtier.tools.bench import paired, spread
 
 #: Warm-load rounds per save round (loads are cheap and swing more; see bench_lmdb).
 LOAD_ROUNDS_PER_SAVE_ROUND = 3
@@ -145,28 +146,13 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
     def raw_load() -> float:
         return raw_read(env, db, keys, outs)
 
-    save_t, raw_save_t, batch_t, load_t, raw_load_t, mac_save_t, mac_load_t, hmac_load_t, blake3_load_t = [], [], [], [], [], [], [], [], []
-    saves: list[tuple[list[float], Callable[[], float]]] = [
-        (save_t, tier_save),
-        (raw_save_t, raw_save),
-        (batch_t, lambda: raw_save(per_job=True)),
-        (mac_save_t, lambda: tier_save(mac_key=MAC_SECRET)),
-    ]
-    loads: list[tuple[list[float], Callable[[], float]]] = [
-        (load_t, tier_load),
-        (raw_load_t, raw_load),
-        (mac_load_t, lambda: tier_load(mac_backend)),
-        (hmac_load_t, lambda: tier_load(hmac_backend)),
-        (blake3_load_t, lambda: tier_load(blake3_backend)),
-    ]
+    save_t, raw_save_t, batch_t, mac_save_t = alternating([tier_save, raw_save, lambda: raw_save(per_job=True), lambda: tier_save(mac_key=MAC_SECRET)], repeat)
     # Loads take a few tens of ms from the page cache, where one descheduling swings a round by
     # half: they get LOAD_ROUNDS_PER_SAVE_ROUND times the (durable, slow) saves' rounds.
-    for group, rounds in ((saves, repeat), (loads, LOAD_ROUNDS_PER_SAVE_ROUND * repeat)):
-        for r in range(rounds + 1):
-            for times, run in group if r % 2 else group[::-1]:
-                t = run()
-                if r:  # round 0 warms up and is not counted
-                    times.append(t)
+    load_t, raw_load_t, mac_load_t, hmac_load_t, blake3_load_t = alternating(
+        [tier_load, raw_load, lambda: tier_load(mac_backend), lambda: tier_load(hmac_backend), lambda: tier_load(blake3_backend)],
+        LOAD_ROUNDS_PER_SAVE_ROUND * repeat,
+    )
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
     asyncio.run(backend.aclose())
     asyncio.run(mac_backend.aclose())
@@ -200,9 +186,10 @@ def bench_lmdb(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
     res["lmdb_blake3_load_gbps"] = gbps(total, med(blake3_load_t))
     res["blake3_load_cost"] = round(res["lmdb_blake3_load_gbps"] / res["lmdb_load_gbps"], 3)
     # The same ratios round by round (each against the other side of its own round).
-    res["lmdb_save_ratio_spread"] = spread(paired(raw_save_t, save_t))
-    res["lmdb_load_ratio_spread"] = spread(paired(raw_load_t, load_t))
-    res["mac_load_cost_spread"] = spread(paired(load_t, mac_load_t))
+    paired_ratio(res, "lmdb_save_ratio", raw_save_t, save_t)
+    paired_ratio(res, "lmdb_load_ratio", raw_load_t, load_t)
+    paired_ratio(res, "lmdb_mac_load_ratio", raw_load_t, mac_load_t)
+    paired_ratio(res, "mac_load_cost", load_t, mac_load_t)
     return res
 
 
@@ -341,7 +328,9 @@ def bench_file(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: st
         "file_read_preadv_thread_gbps": gbps(total, med(pread_t)),
     }
     res["file_save_ratio"] = round(res["file_save_gbps"] / res["raw_file_write_gbps"], 3)
-    res["file_save_ratio_spread"] = spread(paired(raw_save_t, save_t))
+    res["file_load_ratio"] = round(res["file_load_gbps"] / res["file_read_preadv_thread_gbps"], 3)
+    paired_ratio(res, "file_save_ratio", raw_save_t, save_t)
+    paired_ratio(res, "file_load_ratio", pread_t, load_t)
     return res
 
 

@@ -10,15 +10,16 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from kvtier.tools.bench.scripts.disk_common import (
+    alternating,
     gbps,
     jobs,
     lmdb_job,
     open_backend,
+    paired_ratio,
     raw_env,
     raw_put,
     raw_read,
@@ -27,7 +28,6 @@ from kvtier.tools.bench.scripts.disk_common import (
 )
 
 from kvtier.testing import cached_pages, evict_from_page_cache
-from kvtier.tools.bench import paired, spread
 
 
 def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, drop_caches: bool) -> dict[str, Any]:
@@ -108,16 +108,12 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
     backend = open_backend("lmdb", fmt, capacity=capacity, path=tier_path)
     tier_write(backend, keys, blocks)
     asyncio.run(backend.aclose())
-    tier_t: list[float] = []
-    raw_t: list[float] = []
-    checked_t: list[float] = []
-    unchecked_t: list[float] = []
     open_t: list[float] = []
     open_read: list[float] = []
     method = ""
     data = os.path.join(tier_path, "data.mdb")
 
-    def tier_side(times: list[float], check: bool = True) -> None:
+    def tier_side(check: bool = True) -> float:
         nonlocal method
         method = _evict(tier_path, drop_caches)
         cached_before = cached_pages(data)[0]
@@ -131,12 +127,13 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
         if not check:
             checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
         try:
-            times.append(tier_read(tier, keys, outs))
+            t = tier_read(tier, keys, outs)
         finally:
             checks.verify_payload = verify
         asyncio.run(tier.aclose())
+        return t
 
-    def raw_side(times: list[float], check: bool = False) -> None:
+    def raw_side(check: bool = False) -> float:
         _evict(tier_path, drop_caches)
         # Readahead on for the raw side: with it off (as the warm raw runs have it) a cold mmap
         # faults in one page per read, 0.014-0.021 GB/s here, which would flatter the tier.
@@ -147,21 +144,16 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
             for out in outs:
                 xxhash.xxh3_64_intdigest(out.numpy())
             t += time.perf_counter() - t0
-        times.append(t)
         env.close()
+        return t
 
-    sides: list[Callable[[], None]] = [
-        lambda: tier_side(tier_t),
-        lambda: raw_side(raw_t),
-        lambda: tier_side(unchecked_t, check=False),
-        lambda: raw_side(checked_t, check=True),
-    ]
-    for r in range(repeat + 1):
-        for side in sides if r % 2 else sides[::-1]:
-            side()
-        if not r:  # the first round warms up and is not counted
-            for times in (tier_t, raw_t, checked_t, unchecked_t, open_t, open_read):
-                times.clear()
+    def warmed() -> None:  # the open figures of the warm-up round are not counted either
+        open_t.clear()
+        open_read.clear()
+
+    tier_t, raw_t, unchecked_t, checked_t = alternating(
+        [tier_side, raw_side, lambda: tier_side(check=False), lambda: raw_side(check=True)], repeat, warmed
+    )
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
     shutil.rmtree(tier_path)
     med = statistics.median
@@ -180,5 +172,5 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
     res["raw_cold_checked_ratio"] = round(res["raw_lmdb_cold_get_checked_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
     res["lmdb_cold_unchecked_ratio"] = round(res["lmdb_cold_unchecked_load_gbps"] / res["raw_lmdb_cold_get_gbps"], 3)
     res["lmdb_cold_vs_raw_checked"] = round(res["lmdb_cold_load_gbps"] / res["raw_lmdb_cold_get_checked_gbps"], 3)
-    res["lmdb_cold_load_ratio_spread"] = spread(paired(raw_t, tier_t))
+    paired_ratio(res, "lmdb_cold_load_ratio", raw_t, tier_t)
     return res

@@ -4,8 +4,9 @@ KV-like blocks, timing helpers, and the LMDB job both the tier and raw python-lm
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lmdb
@@ -14,6 +15,7 @@ import torch
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.testing import make_key
+from kvtier.tools.bench import paired, spread
 
 BLOCK = 2 << 20
 MAC_SECRET = "bench-disk-mac-secret-0123456789"
@@ -45,6 +47,34 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
+
+
+def alternating(arms: Sequence[Callable[[], float]], rounds: int, warmed: Callable[[], None] | None = None) -> list[list[float]]:
+    """Each arm's seconds (what it returns) over ``rounds`` counted rounds, after one uncounted
+    warm-up round (then ``warmed()``, for arms that note more than their seconds), the order of
+    the arms reversed every round: whichever arm runs first in a round was measured up to 4x
+    slower here (the first save after the others' files were deleted, the first load after the
+    saves), and a fixed order would charge all of that to one arm."""
+    times: list[list[float]] = [[] for _ in arms]
+    order = list(range(len(arms)))
+    for r in range(rounds + 1):
+        for i in order if r % 2 else order[::-1]:
+            t = arms[i]()
+            if r:
+                times[i].append(t)
+        if not r and warmed is not None:
+            warmed()
+    return times
+
+
+def paired_ratio(res: dict[str, Any], name: str, base_seconds: Sequence[float], side_seconds: Sequence[float]) -> None:
+    """Put the side's speed as a share of the baseline's, round by round (each against the
+    baseline of its own round, so drift in the machine's load hits both terms alike), into
+    ``res``: ``<name>_paired``, their median, and ``<name>_spread``, their minimum, quartiles and
+    maximum."""
+    rounds = paired(base_seconds, side_seconds)
+    res[f"{name}_paired"] = round(statistics.median(rounds), 3)
+    res[f"{name}_spread"] = spread(rounds)
 
 
 def jobs(n: int) -> list[range]:

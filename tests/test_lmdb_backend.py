@@ -368,11 +368,12 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
         return real_submit(fn, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(record_jobs, "_submit", counting)
-    # The general read (what a cold job takes): a warm one is read in one pass on the calling
-    # thread (tests/test_lmdb_plain_reads.py).
+    # The general read (what a cold job takes): a warm plain one is read in one pass on the
+    # calling thread (tests/test_lmdb_plain_reads.py); a warm keyed one this large is not.
     from kvtier.backends import lmdb_layout
 
-    monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", False)
+    if not keyed:
+        monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", False)
     backend = _open(lmdb_backend(tmp_path, 8 << 20, **options), BIG)
     assert backend.write_blocks(keys, data) == [backend.reserve_bytes()] * 4
     asyncio.run(backend.aclose())

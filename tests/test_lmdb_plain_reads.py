@@ -212,3 +212,38 @@ def test_the_head_a_plain_read_expects_is_the_one_the_tier_writes(tmp_path: Path
     assert entry is not None and len(entry) == INDEX.size + HEADER_SIZE
     magic, version, codec_id, _, flags, raw, stored, _ = HEADER.unpack_from(entry, INDEX.size)
     assert (magic, version, codec_id, flags, raw, stored) == (MAGIC, RECORD_VERSION, NoneCodec.codec_id, 0, FMT.block_bytes, FMT.block_bytes)
+
+
+def test_a_slow_lookup_while_other_jobs_are_read_does_not_make_the_reader_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several jobs read at once, a lookup's wall time also counts its wait for the GIL:
+    it is not taken for a disk read, and the job stays on its thread (alone, the same lookup
+    sends the rest of the job to the cold read's thread)."""
+    keys = [make_key(i) for i in range(5)]
+    data = [random_block(FMT.block_bytes, 710 + i) for i in range(5)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    clock = [0.0]
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    threads: list[str] = []
+    real_pair = lmdb_layout.JobReader.pair
+
+    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+        threads.append(threading.current_thread().name)
+        if key == keys[1]:
+            clock[0] += 2 * lmdb_layout.COLD_GET_S
+        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    me = threading.current_thread().name
+    temperature = backend._reader.temperature  # type: ignore[attr-defined]
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        with temperature.reading():  # another job being read meanwhile
+            assert backend.read_blocks(keys, out) == [True] * 5
+        assert threads == [me] * 5 and not temperature.cold and temperature.readers == 0
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        threads.clear()
+        assert backend.read_blocks(keys, out) == [True] * 5  # alone
+        assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
+    finally:
+        asyncio.run(backend.aclose())
