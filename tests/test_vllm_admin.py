@@ -80,11 +80,12 @@ class Admin:
 
     def step(self) -> int:
         """The connector's next step: the endpoint's deletes to the ledgers, then every rank runs
-        the step's deletes (waited for). Returns the keys the ranks were told to delete."""
+        the step's deletes and saves the tenant tags and pins (waited for). Returns the keys the ranks were told to delete."""
         self.ops.to_ledgers()
         deletes = self.w.side.take_deletes()
+        tags = self.w.side.take_tags()  # as the connector ships them: with the deletes
         for r in self.w.workers:
-            r.submit_deletes(deletes)
+            r.submit_deletes(deletes, tags)
             for side in r.sides:
                 side._transfers.wait(list(side._jobs), timeout=HANG_GUARD)
                 side._transfers.wait([j for j in side._transfers._jobs], timeout=HANG_GUARD)

@@ -2,14 +2,16 @@
 
 Two tenants' requests over two ranks: one floods the cache with unique prompts while the other's
 prefix stays served when the config gives it a quota; the same run without quotas shows the
-flood evicting it."""
+flood evicting it. Tags and pins survive an engine restart over lmdb and file tiers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
-from vllm_world import BB, cpu, open_world
+from vllm_world import BB, World, cpu, lmdb, open_world
 
 from kvtier.integrations.vllm.tenants import RequestTenants
 from kvtier.testing import make_key
@@ -60,3 +62,51 @@ async def test_a_flood_by_one_cache_salt_keeps_or_evicts_the_other(quotas: bool)
     finally:
         for s in w.stores:
             await s.aclose()
+
+
+def _kept(w: World, tier: int) -> dict[str, tuple[int, int, int]]:
+    """(blocks, bytes, pinned) per tenant of ``tier`` as the scheduler side's manager counts them."""
+    name = w.manager.tier_spec(tier).name
+    rows = w.manager.tenants.usage()[name]
+    return {u: (row["blocks"], row["bytes"], row["pinned"]) for u, row in rows.items() if row["blocks"]}
+
+
+def _file(path: Path) -> dict[str, Any]:
+    return {"backend": "file", "path": str(path), "capacity": "32MiB"}
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "file"])
+async def test_tenants_and_pins_survive_an_engine_restart(tmp_path: Path, backend: str) -> None:
+    # The scheduler side's manager ships its tags and pins to the ranks with the next step's
+    # deletes; each rank saves them with its tiers, reads them back at start and reports them
+    # with its records, so the new scheduler side counts every block as its tenant's again.
+    disk = lmdb(tmp_path / "db") if backend == "lmdb" else _file(tmp_path / "files")
+    tiers = [cpu(8, 2), disk]
+    w = await open_world(2, tiers)
+    chat, batch = [make_key(i) for i in range(3)], [make_key(100 + i) for i in range(4)]
+    try:
+        w.store(chat, [0, 1, 2], tenant="chat")
+        w.store(batch[:2], [3, 4], tenant="batch")
+        w.store(batch[2:], [5, 6])  # no salt: the default tenant's
+        assert w.manager.tenants.pin(chat[:2], 1) == 2  # as the admin endpoint pins a prefix
+        w.run_deletes()  # the next step: the ranks save the tags and pins
+        before = _kept(w, 1)
+        assert {u: (blocks, pinned) for u, (blocks, _, pinned) in before.items()} == {"chat": (3, 2), "batch": (2, 0), "default": (2, 0)}
+    finally:
+        await w.close()
+    w = await open_world(2, tiers)  # a restart: new stores, worker and scheduler sides on the same dirs
+    try:
+        assert w.adopted == 7
+        assert _kept(w, 1) == before
+        assert sorted(w.manager.tenants.pinned(1)) == sorted(chat[:2])
+        assert sorted(w.manager.tenants.keys_of("batch")) == sorted(batch[:2])
+        w.manager.tenants.unpin(chat[:1], 1)  # an unpin is saved the same way
+        w.run_deletes()
+    finally:
+        await w.close()
+    w = await open_world(2, tiers)
+    try:
+        assert w.manager.tenants.pinned(1) == [chat[1]]
+        assert _kept(w, 1) == {**before, "chat": (3, before["chat"][1], 1)}
+    finally:
+        await w.close()

@@ -167,10 +167,12 @@ class World:
         return bad
 
     def run_deletes(self) -> int:
-        """Ship the scheduler side's deletes to every rank and wait for them; the keys sent."""
+        """Ship the scheduler side's deletes (and its tenant tags and pins, as the connector
+        does) to every rank and wait for them; the keys sent to delete."""
         deletes = self.side.take_deletes()
+        tags = self.side.take_tags()
         for w in self.workers:
-            kid = w.submit_deletes(deletes)
+            kid = w.submit_deletes(deletes, tags)
             if kid is not None:
                 w._transfers.wait([kid], timeout=HANG_GUARD)
         return sum(len(k) for _, k in deletes)

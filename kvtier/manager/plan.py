@@ -21,7 +21,11 @@ from kvtier.manager.eventlog import EventBatch, EventLog
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.tiers import PENDING, TierState
 
-__all__ = ["Completion", "Demotion", "LoadPlan", "OpenPlan", "PlanBook", "PlanBuilder", "StorePlan"]
+__all__ = ["Completion", "Demotion", "LoadPlan", "OpenPlan", "PlanBook", "PlanBuilder", "StorePlan", "TagWrites"]
+
+#: tenant tags and pin changes for persistent tiers to save: (tier, ((key, tenant), ...),
+#: ((key, pinned), ...)) per tier (see ``Backend.write_tags``)
+TagWrites = tuple[tuple[int, tuple[tuple[bytes, str], ...], tuple[tuple[bytes, bool], ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +41,8 @@ class Demotion:
 class StorePlan:
     """What one store job must do, in order: ``drops`` (delete evicted keys from a tier),
     ``demotions`` (deepest first; each copies its keys from ``src`` to ``dst`` and then deletes
-    them from ``src``), then write ``keys`` into ``tier`` and into every tier of ``write_through``.
+    them from ``src``), then write ``keys`` into ``tier`` and into every tier of ``write_through``;
+    last, ``tags`` are saved with their tiers (tenant tags and pins a scheduler ships to ranks).
 
     ``positions[i]`` is the index of ``keys[i]`` in the batch given to ``prepare_store``, so the
     caller can pick the matching engine block ids. ``skipped`` are keys already present.
@@ -51,10 +56,11 @@ class StorePlan:
     drops: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
     demotions: tuple[Demotion, ...] = ()
     skipped: tuple[bytes, ...] = ()
+    tags: TagWrites = ()
 
     @property
     def empty(self) -> bool:
-        return not self.keys and not self.drops and not self.demotions
+        return not self.keys and not self.drops and not self.demotions and not self.tags
 
 
 @dataclass(frozen=True, slots=True)

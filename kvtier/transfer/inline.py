@@ -65,6 +65,7 @@ class InlineJobs:
             plan = rec.store_plan
             tiers = [plan.tier, *(t for t, _ in plan.drops), *(t for t, _ in plan.write_through)]
             tiers += [t for d in plan.demotions for t in (d.src, d.dst)]
+            tiers += [t for t, _, _ in plan.tags]
             blocks = len(plan.keys) + sum(len(ks) for _, ks in plan.write_through)
             blocks += sum(len(d.keys) for d in plan.demotions)
         else:

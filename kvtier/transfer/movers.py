@@ -164,6 +164,7 @@ class StoreMover:
                 and self.e._is_memory(plan.tier)
                 and all(self.e._is_memory(t) for t, _ in plan.drops)
                 and all(self.e._is_memory(d.src) and self.e._is_memory(d.dst) for d in plan.demotions)
+                and not plan.tags  # saved by the tiers thread, never on the device's
             )
             work = self._store_direct(rec, start) if direct else self._store_staged(rec, start)
         except _Expired:
@@ -497,6 +498,12 @@ class StoreMover:
                     # The manager already counts these keys as gone from the source: free them
                     # whatever happened, or the source's slots would leak.
                     self.e._delete(d.src, keys, "demotion")
+        # 3. tenant tags and pins: one write per tier per job (bookkeeping: a failure is logged).
+        for tier, owners, pins in plan.tags:
+            try:
+                self.e.backends[tier].write_tags(owners, pins, sync=False)
+            except Exception as exc:  # a tier that cannot keep them still serves its blocks
+                log.warning("tenant tags of %d blocks for tier %d not saved: %s", len(owners) + len(pins), tier, exc)
 
     def _write_from(
         self,

@@ -3,7 +3,7 @@
 The name users put in ``kv_connector`` (with ``kv_connector_module_path``
 ``kvtier.integrations.vllm``). Over vLLM's own channels it carries what kvtier's two sides
 tell each other (see the package doc and :mod:`.ranks`): each rank's tiers at start (handshake
-metadata), each rank's job results (worker metadata), the deletes the ranks owe and the notices
+metadata), each rank's job results (worker metadata), the deletes and tenant tags the ranks owe and the notices
 of jobs given up on (connector metadata); it reports blocks whose load failed to vLLM, and adds
 kvtier's counters to vLLM's connector stats.
 """
@@ -148,7 +148,7 @@ class KvtierConnector(OffloadingConnector):
         if worker is not None:
             worker.abandon(getattr(kv_connector_metadata, "kvtier_abandoned", ()))
             # Before the stores of earlier steps are submitted (module doc of .scheduler_side).
-            worker.submit_deletes(getattr(kv_connector_metadata, "kvtier_deletes", ()))
+            worker.submit_deletes(getattr(kv_connector_metadata, "kvtier_deletes", ()), getattr(kv_connector_metadata, "kvtier_tags", ()))
         super().handle_preemptions(kv_connector_metadata)
 
     def build_connector_worker_meta(self) -> Any:
@@ -213,6 +213,7 @@ class KvtierConnector(OffloadingConnector):
         deletes = manager.take_deletes() if manager is not None else ()  # before any store is prepared
         meta = super().build_connector_meta(scheduler_output)
         meta.kvtier_deletes = deletes
+        meta.kvtier_tags = manager.take_tags() if manager is not None else ()  # saved by the ranks with the deletes
         if manager is not None:
             manager.issued(meta)
         return meta

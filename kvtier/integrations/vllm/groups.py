@@ -63,6 +63,7 @@ from kvtier.integrations.vllm.scheduler_side import DEFAULT_RESULT_DEADLINE_S, S
 from kvtier.integrations.vllm.worker_side import WorkerSide
 from kvtier.keys import Namespace, fold_block_hashes
 from kvtier.manager import LoadPlan, StorePlan
+from kvtier.manager.plan import TagWrites
 from kvtier.transfer import JobResult
 
 __all__ = [
@@ -256,10 +257,13 @@ class WorkerGroups:
                 out.append((rank, gpos, kind, plan_id, result))
         return out
 
-    def submit_deletes(self, deletes: Sequence[tuple[int, Deletes]]) -> None:
-        for gpos, group_deletes in deletes:
+    def submit_deletes(self, deletes: Sequence[tuple[int, Deletes]], tags: Sequence[tuple[int, TagWrites]] = ()) -> None:
+        """Each group's deletes and tenant tags (see :meth:`WorkerSide.submit_deletes`)."""
+        tags_of = {gpos: group_tags for gpos, group_tags in tags}
+        deletes_of = {gpos: group_deletes for gpos, group_deletes in deletes}
+        for gpos in sorted(set(deletes_of) | set(tags_of)):
             if 0 <= gpos < len(self.sides):
-                self.sides[gpos].submit_deletes(group_deletes)
+                self.sides[gpos].submit_deletes(deletes_of.get(gpos, ()), tags_of.get(gpos, ()))
 
     def abandon(self, notices: Sequence[tuple[int, Sequence[Abandoned]]]) -> None:
         """Settle the job parts each group's scheduler side gave up on (see :mod:`.deadlines`)."""
@@ -564,12 +568,11 @@ class SchedulerGroups:
             self.shared.close()
 
     def take_deletes(self) -> tuple[tuple[int, Deletes], ...]:
-        out = []
-        for gpos, group in enumerate(self.groups):
-            deletes = group.side.take_deletes()
-            if deletes:
-                out.append((gpos, deletes))
-        return tuple(out)
+        return tuple((g, d) for g, d in ((g, group.side.take_deletes()) for g, group in enumerate(self.groups)) if d)
+
+    def take_tags(self) -> tuple[tuple[int, TagWrites], ...]:
+        """Each group's tenant tags and pin changes for the ranks to save (with the deletes)."""
+        return tuple((g, t) for g, t in ((g, group.side.take_tags()) for g, group in enumerate(self.groups)) if t)
 
     def take_events(self) -> Iterator[tuple[bytes, int, bool]]:
         """(offload key, tier index, removed) of each block the managers stored or removed."""

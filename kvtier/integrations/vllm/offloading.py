@@ -103,6 +103,10 @@ class KvtierOffloadingManager(OffloadingManager):
             self.admin.ops.to_ledgers()
         return self._groups.take_deletes()
 
+    def take_tags(self) -> Any:
+        """Tenant tags and pin changes (the endpoint's pins too) for the ranks to save."""
+        return self._groups.take_tags()
+
     # lifecycle
     def lookup(self, key: Any, req_context: Any) -> Any:
         return LookupResult.HIT if self._groups.lookup(key) else LookupResult.MISS
@@ -227,8 +231,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def take_results(self) -> list[RankResult]:
         return self._groups.take_results(self._rank)
 
-    def submit_deletes(self, deletes: Any) -> None:
-        self._groups.submit_deletes(deletes)
+    def submit_deletes(self, deletes: Any, tags: Any = ()) -> None:
+        self._groups.submit_deletes(deletes, tags)
 
     def abandon(self, notices: Any) -> None:
         self._groups.abandon(notices)

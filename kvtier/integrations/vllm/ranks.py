@@ -13,7 +13,11 @@ that decides for every rank:
 * a persistent tier adopts only the keys that *every* rank holds (a key some rank lacks
   would be served with a shard missing); the others are *orphans*, deleted on the ranks that
   hold them through the scheduler side's delete ledger, as are records beyond the room
-  (except in a shared tier, where another host may be writing them: they are ignored).
+  (except in a shared tier, where another host may be writing them: they are ignored);
+* the adopted keys keep the tenant and the pins the ranks saved with them (the scheduler side
+  ships its tags and pin changes to the ranks with each step's deletes,
+  :meth:`~kvtier.integrations.vllm.scheduler_side.SchedulerSide.take_tags`), so usage per
+  tenant, quotas and pins hold across a restart.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class TierRoom:
     variable_size: bool
     admit_after: int
     records: tuple[Record, ...] = ()
+    #: the tenant of each record saved with one (the rest are the default tenant's), and the
+    #: pinned keys, as the rank's store read them back at open
+    tenants: tuple[tuple[bytes, str], ...] = ()
+    pins: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,11 @@ def describe_rank(
     for i, backend in enumerate(store.backends):
         spec = mgr.tier_spec(i)
         records: tuple[Record, ...] = ()
+        owners: dict[bytes, str] = {}
+        pins: list[bytes] = []
         if backend.persistent:
             records = tuple((r.key, r.stored_bytes, r.stamp) for r in backend.scan())
+            owners, pins = mgr.tenants.tags(i)
         rooms.append(
             TierRoom(
                 name=spec.name,
@@ -99,6 +110,8 @@ def describe_rank(
                 variable_size=spec.variable_size,
                 admit_after=spec.admit_after,
                 records=records,
+                tenants=tuple(owners.items()),
+                pins=tuple(pins),
             )
         )
     hg = store.head_groups
@@ -163,8 +176,12 @@ def build_manager(
         records = [
             (key, max(h[key][1] for h in held), min(h[key][2] for h in held)) for key in held[0] if key in common
         ]
-        excess = manager.adopt(i, records)
+        owners = {key: tenant for r in range(world) for key, tenant in ranks[r].tiers[i].tenants if key in common}
+        excess = manager.adopt(i, records, owners)
         gone = set(excess)
+        pins = {key for r in range(world) for key in ranks[r].tiers[i].pins if key in common and key not in gone}
+        if pins:
+            manager.tenants.adopt_pins(i, sorted(pins))
         adopted[i] = [rec[0] for rec in records if rec[0] not in gone]
         lost = set().union(*held) - common | set(excess)
         if lost and not room.shared:

@@ -35,6 +35,7 @@ from kvtier.connector.ledger import DeleteLedger, Deletes
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import SchedulerEngine
 from kvtier.manager import LoadPlan, StorePlan, TierManager
+from kvtier.manager.plan import TagWrites
 from kvtier.transfer.jobs import JobResult, apply_result, combine_results
 
 log = logging.getLogger("kvtier.vllm")
@@ -125,6 +126,17 @@ class SchedulerSide:
     def take_deletes(self) -> Deletes:
         """The deletes every worker runs before this step's stores (see the module doc)."""
         return self.ledger.take(self._mgr)
+
+    def take_tags(self) -> TagWrites:
+        """The tenant tags and pin changes of persistent tiers since the last call, for every
+        worker to save with its tiers (with the step's deletes), so a restart finds them."""
+        mgr = self._mgr
+        out = []
+        for tier in range(mgr.num_tiers):
+            owners, pins = mgr.tenants.take_tags(tier)  # a memory tier's are dropped: it keeps none
+            if (owners or pins) and mgr.tier_spec(tier).persistent:
+                out.append((tier, tuple(owners), tuple(pins)))
+        return tuple(out)
 
     def _combined(self, key: PlanKey, keys: tuple[bytes, ...]) -> JobResult:
         per_rank = self._results.pop(key, {})

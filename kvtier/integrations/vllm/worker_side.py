@@ -18,6 +18,7 @@ from kvtier.integrations.vllm.engines import RankEngine
 from kvtier.integrations.vllm.recent import RecentIds
 from kvtier.integrations.vllm.replicated import for_reader, without_tiers
 from kvtier.manager import LoadPlan, StorePlan
+from kvtier.manager.plan import TagWrites
 from kvtier.transfer import JobResult
 from kvtier.transfer.flush import FlushReport, flush_listed_groups
 from kvtier.transfer.offloop import off_loop
@@ -148,15 +149,19 @@ class WorkerSide:
         outbox = self._engine.outbox
         return [outbox.popleft() for _ in range(len(outbox))]
 
-    def submit_deletes(self, deletes: Deletes) -> int | None:
-        """Delete keys the scheduler side released from this rank's tiers, on the store queue
-        (after the stores submitted so far, before those submitted later: build order).
-        Returns the transfer job id, or None (nothing to delete, or it could not be submitted)."""
+    def submit_deletes(self, deletes: Deletes, tags: TagWrites = ()) -> int | None:
+        """Delete keys the scheduler side released from this rank's tiers, and save the tenant
+        tags and pins it shipped (``tags``), in one job on the store queue (after the stores
+        submitted so far, before those submitted later: build order). Returns the transfer job
+        id, or None (nothing to do, or it could not be submitted)."""
         deletes = without_tiers(deletes, self._engine.skip_tiers)
-        if not deletes:
+        skip = self._engine.skip_tiers
+        tags = tuple(t for t in tags if t[0] not in skip)  # the writer rank saves a shared tier's
+        if not deletes and not tags:
             return None
         try:
-            kid = self._transfers.submit_store(StorePlan(plan_id=0, keys=(), positions=(), drops=tuple(deletes)), [])
+            plan = StorePlan(plan_id=0, keys=(), positions=(), drops=tuple(deletes), tags=tags)
+            kid = self._transfers.submit_store(plan, [])
         except Exception as exc:  # a delete that cannot run leaves an orphan record, never wrong data
             log.warning("kvtier: delete of %d keys could not be submitted: %s", sum(len(k) for _, k in deletes), exc)
             return None
