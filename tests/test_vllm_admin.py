@@ -226,6 +226,40 @@ async def test_a_prompt_pinned_through_the_endpoint_survives_a_flood_on_every_ra
     assert admin.call("POST", "/v1/lookup", {"token_ids": system, "cache_salt": "chat"})[1]["stored"] == 0
 
 
+async def test_an_endpoint_pin_and_the_usage_per_tenant_survive_an_engine_restart(tmp_path: Path) -> None:
+    # Two ranks, two KV-cache groups, a memory tier over an lmdb tier: the endpoint's pin and
+    # the tenants of the stored chunks reach the ranks with the next step, and a new engine on
+    # the same directory (new stores, worker and scheduler sides) counts and pins them again.
+    tiers = [cpu(8, 2), {"backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "32MiB"}]
+    system, other = prompt(1, 3), prompt(2, 2)
+    w = await open_groups(2, tiers)
+    a = Admin(w)
+    try:
+        a.store(system, "chat")
+        a.store(other, "batch", first_block=3)
+        status, body = a.call("POST", "/v1/pin", {"token_ids": system, "cache_salt": "chat", "tier": "lmdb"})
+        assert status == 200 and body["pinned"] == 6
+        a.step()
+        before = a.call("GET", "/v1/usage")[1]["tiers"]["lmdb"]
+        assert before["chat"]["blocks"] == 6 and before["chat"]["pinned"] == 6 and before["batch"]["blocks"] == 4
+    finally:
+        a.close()
+        await w.close()
+    w = await open_groups(2, tiers)
+    a = Admin(w)
+    try:
+        after = a.call("GET", "/v1/usage")[1]["tiers"]["lmdb"]
+        keep = ("blocks", "bytes", "pinned")
+        assert {u: [r[k] for k in keep] for u, r in after.items() if r["blocks"]} == {
+            u: [r[k] for k in keep] for u, r in before.items() if r["blocks"]
+        }
+        status, body = a.call("POST", "/v1/lookup", {"token_ids": system, "cache_salt": "chat"})
+        assert body["stored"] == 6 and body["pinned"]["lmdb"] == 6
+    finally:
+        a.close()
+        await w.close()
+
+
 async def test_a_pin_over_the_budget_is_a_409_and_pins_nothing_in_any_group(admin: Admin) -> None:
     system = prompt(1, 3)
     admin.store(system, "chat")
