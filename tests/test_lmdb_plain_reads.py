@@ -233,8 +233,11 @@ def test_a_slow_lookup_while_other_jobs_are_read_does_not_make_the_reader_cold(t
     temperature = backend._reader.temperature  # type: ignore[attr-defined]
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
-        with temperature.reading():  # another job being read meanwhile
+        temperature.enter()  # another job being read meanwhile
+        try:
             assert backend.read_blocks(keys, out) == [True] * 5
+        finally:
+            temperature.leave()
         assert threads == [me] * 5 and not temperature.cold and temperature.readers == 0
         assert all(torch.equal(o, d) for o, d in zip(out, data))
         threads.clear()
