@@ -3,7 +3,8 @@ counters, same order left behind.
 
 * ``lookup`` of one key is a closure made per manager (:mod:`kvtier.manager.lookups`), one
   form for a single tier and one for several;
-* ``touch`` of a single, non-persistent tier goes straight to the policy's ``touch_held``.
+* ``touch`` of a single, non-persistent tier goes straight to the policy's ``touch_held``;
+* ``prepare_load`` of a single tier finds its keys with one ``map`` over the index, no call per key.
 """
 
 from __future__ import annotations
@@ -202,3 +203,30 @@ def test_touch_of_a_valid_stored_key_list_is_checked_by_finding() -> None:
     check_keys([K[2], K[0]])
     m.touch([K[2], K[0]])
     assert m.tier_keys(0) == [K[1], K[2], K[0]]
+
+
+LOAD_INPUTS: list[Any] = [
+    [K[0], K[1]],
+    (K[2],),
+    [K[0], K[0]],  # a repeat: pinned twice
+    [],
+    [K[4]],  # pending
+    [K[0], K[9]],  # absent
+    [K[0], K[9][:31]],  # too short
+    [K[0], bytearray(K[9])],  # unhashable
+    [K[0], K[9].hex()],
+    b"x" * 32,
+    [None],
+]
+
+
+@pytest.mark.parametrize("keys", LOAD_INPUTS, ids=repr)
+def test_one_tier_prepare_load_matches_the_general_path(policy: str, keys: Any) -> None:
+    """One tier takes its own path through ``prepare_load``; the same plan or error, pins,
+    order and counters as a manager whose second tier is empty (the general path)."""
+    runs = []
+    for count in (1, 2):
+        m = _tiers(policy, count)
+        outcome = _outcome(lambda ks, m=m: (lambda p: (p.keys, p.tiers, p.promote))(m.prepare_load(ks)), keys)
+        runs.append((outcome, dict(m._tiers[0].pins), m.tier_keys(0), m.counters["load_prepared"]))
+    assert runs[0] == runs[1]

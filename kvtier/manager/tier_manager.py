@@ -393,7 +393,11 @@ class TierManager:
         if self._closed:
             raise _closed()
         try:
-            found = list(map(self._ready_tier, keys))
+            if len(self._gets) == 1:  # one tier: no call per key (a test compares the two)
+                ready = list(map(self._gets[0], keys))
+                found: list[int | None] = [0] * len(ready) if all(ready) else [0 if r else None for r in ready]
+            else:
+                found = list(map(self._ready_tier, keys))
         except TypeError:  # unhashable: not a key
             found = [None]
         if None in found or not found:

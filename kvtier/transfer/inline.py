@@ -47,10 +47,14 @@ class InlineJobs:
         self.stores = stores
         self.loads = loads
         self.max_bytes = max_bytes
+        self._host: dict[int, bool] = {}  # per tier, once known: its pool is in host memory
 
     def _host_memory(self, tier: int) -> bool:
-        backend = self.e.backends[tier]
-        return isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu"
+        known = self._host.get(tier)
+        if known is None:  # asked at a job's submit, so the tier is open: its pool stays put
+            backend = self.e.backends[tier]
+            known = self._host[tier] = isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu"
+        return known
 
     def eligible(self, rec: JobRecord) -> bool:
         """Whether ``rec`` may run inline, by its tiers and size (not by what else runs)."""
