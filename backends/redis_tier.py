@@ -103,6 +103,9 @@ except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken
 __all__ = ["RedisBackend"]
 
 log = logging.getLogger("kvtier")
+#: Keys a ``SCAN`` step asks for: 10x fewer round trips than 1000 (bench_scale: 10^6 keys listed
+#: in 0.4 s rather than 1.5 s; the server walks that much of its table per step).
+SCAN_COUNT = 10_000
 
 #: Bytes of GET replies in flight per connection (at least one reply). A job runs on up to
 #: ``job_connections`` connections at once (see :mod:`kvtier.backends.remote_shares`), so about
@@ -447,7 +450,7 @@ class RedisBackend(RemoteRecordBackend):
 
     # -- the shared index --------------------------------------------------------------------------
     def _list_keys(self) -> Iterator[bytes]:
-        """Every key under the prefix (``SCAN`` on each primary, 1000 at a time). A dead primary
+        """Every key under the prefix (``SCAN`` on each primary, ``SCAN_COUNT`` at a time). A dead primary
         is skipped (its keys drop out of the index: they miss anyway); a pool with no connection
         to spare skips the round."""
         pattern = self._prefix_bytes + b"*"
@@ -465,7 +468,7 @@ class RedisBackend(RemoteRecordBackend):
                 if health is not None and not health.allow():
                     continue
                 try:
-                    yield from node.scan_iter(match=pattern, count=1000)
+                    yield from node.scan_iter(match=pattern, count=SCAN_COUNT)
                 except MaxConnectionsError:
                     raise  # the pool is busy, not the node down: skip this round (below)
                 except _DOWN_ERRORS as exc:

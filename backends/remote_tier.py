@@ -71,6 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from kvtier.backends.change_feed import ChangeFeed
 from kvtier.backends.feed_follower import FollowedTier
@@ -80,6 +81,7 @@ from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
 from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.bulk import RecordColumns
 from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordBackend, decode_record
@@ -523,10 +525,12 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
             return None
         found: set[bytes] = set()
         try:
-            for rkey in self._list_keys():
-                key = self.block_key(rkey)
-                if key is not None:
-                    found.add(key)
+            if type(self).block_key is RemoteRecordBackend.block_key:  # the key follows the prefix: one pass in C
+                plen, prefix = len(self._prefix_bytes), self._prefix_bytes
+                want = plen + KEY_BYTES
+                found.update(rkey[plen:] for rkey in self._list_keys() if len(rkey) == want and rkey.startswith(prefix))
+            else:
+                found.update(key for key in map(self.block_key, self._list_keys()) if key is not None)
         except SweepSkipped as exc:  # back-pressure: the index stays as it is until the next round
             log.debug("%s: index sweep skipped: %s", self.name, exc)
             return None
@@ -543,15 +547,19 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
         return found
 
     def scan(self) -> Iterator[RecordInfo]:
+        listed = self.scan_columns()
+        return iter([RecordInfo(k, n, t) for k, n, t in listed])
+
+    def scan_columns(self) -> RecordColumns:
+        """The keys on the server (none while it is down), as columns: each stamped now, at the
+        reserve size (no object per record but its key)."""
         self._check_open()
         found = self._sweep()
-        if found is None:
-            return iter(())
-        if self.follower is not None:
+        keys = list(found) if found is not None else []
+        if found is not None and self.follower is not None:
             self.follower.note_listed(found)
-        now = time.time()
-        size = self.reserve_bytes()
-        return iter([RecordInfo(k, size, now) for k in found])
+        n = len(keys)
+        return RecordColumns(keys, np.full(n, self.reserve_bytes(), dtype=np.int64), np.full(n, time.time()), oldest_first=True)
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

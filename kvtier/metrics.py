@@ -49,7 +49,7 @@ from typing import Any
 
 from kvtier.errors import ClosedError, MissingDependencyError
 
-__all__ = ["LATENCY_BUCKETS", "Exporter", "StoreMetrics", "collect_families", "export"]
+__all__ = ["LATENCY_BUCKETS", "Exporter", "StoreMetrics", "collect_families", "export", "tenant_metrics_text"]
 
 log = logging.getLogger("kvtier.metrics")
 
@@ -252,6 +252,22 @@ def _tenant_families(stats: Mapping[str, Any], store_label: str) -> list[Any]:
                     fam.add_metric([store_label, str(tier), str(tenant)], float(row[field]))
         out.append(fam)
     return out
+
+
+def tenant_metrics_text(usage: Mapping[str, Any], store_label: str) -> bytes:
+    """The ``kvtier_tenant_*`` series of ``usage`` (per tier, per tenant, as ``store.usage``
+    gives it) in Prometheus's text format (vLLM's admin endpoint serves them)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    families = _tenant_families({"tenants": usage}, store_label)
+
+    class _Usage:
+        def collect(self) -> list[Any]:
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Usage())  # type: ignore[arg-type]
+    return bytes(generate_latest(registry))
 
 
 def _shared_families(rows: list[tuple[int, str, Any, Any, Any]], store_label: str) -> list[Any]:

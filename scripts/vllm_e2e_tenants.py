@@ -12,7 +12,7 @@ Llama with 2 KV heads, over one small memory tier of 16 chunks (``docs/operation
   endpoint's lookup finds exactly the chunks a real request stored (none under another salt),
   a pin over the budget is a 409 that pins nothing, bad input gets a 4xx; after the flood
   both ``chat`` (quota) and ``docs`` (pin) are served in full from kvtier (vLLM's own prefix
-  cache emptied); the usage per tenant says so. Then ``docs`` is deleted by prompt and
+  cache emptied); the usage per tenant says so (``/v1/usage`` and Prometheus's ``/metrics``). Then ``docs`` is deleted by prompt and
   ``batch`` by tenant: the next request for the document is a miss, and after one step every
   rank holds exactly the records the scheduler's manager counts.
 * **N** - the same run without quotas and without the pin: the flood evicts ``chat``'s prefix.
@@ -72,6 +72,12 @@ def _worker_records(worker: Any = None) -> dict[int, int]:
 class Admin:
     def __init__(self, port: int, token: str) -> None:
         self.url, self.token = f"http://127.0.0.1:{port}", token
+
+    def text(self, path: str) -> str:
+        req = urllib.request.Request(self.url + path)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return str(resp.read().decode())
 
     def call(self, path: str, body: Any = None, *, token: str | None = None) -> tuple[int, dict[str, Any]]:
         data = None if body is None else json.dumps(body).encode()
@@ -133,6 +139,7 @@ def child(role: str, model: str, port: int, out: str) -> None:
     r["doc_cached"] = from_kvtier(doc, "docs")
     if role == "Q":
         r["usage"] = admin.call("/v1/usage")
+        r["metrics"] = admin.text("/metrics")
         r["records_before"] = llm.collective_rpc(_worker_records)
         r["delete_doc"] = admin.call("/v1/delete", {"token_ids": doc, "cache_salt": "docs"})
         r["delete_doc_again"] = admin.call("/v1/delete", {"token_ids": doc, "cache_salt": "docs"})
@@ -183,6 +190,9 @@ def checks(q: dict[str, Any], n: dict[str, Any]) -> list[str]:
     expect("usage of docs: pinned", rows.get("docs", {}).get("pinned"), CHUNKS)
     if not rows.get("batch", {}).get("evictions"):
         failures.append(f"usage of batch: the flood evicted none of its own blocks: {rows.get('batch')}")
+    series = [line for line in q["metrics"].splitlines() if line.startswith("kvtier_tenant_blocks{") and 'tenant="chat"' in line]
+    if len(series) != 1 or not series[0].endswith(f" {float(CHUNKS)}"):
+        failures.append(f"Prometheus (/metrics): chat's blocks: {series}")
     held = _blocks(usage)
     for ranks in q["records_before"]:
         for rank, count in ranks.items():

@@ -148,6 +148,24 @@ def test_keys_carry_the_namespace_prefix(redis_server: RedisServer, tmp_path: Pa
         close(backend)
 
 
+def test_the_listing_as_columns_equals_the_general_listing(redis_server: RedisServer, tmp_path: Path) -> None:
+    """``scan_columns`` (the open's listing: the prefix stripped in one pass, no object per
+    record) lists what the per-key ``block_key`` path lists, junk under the prefix left out."""
+    backend = opened(url=redis_server.url, prefix=_prefix(tmp_path))
+    try:
+        keys = [make_key(i) for i in range(25)]
+        backend.write_blocks(keys, blocks(25))
+        junk = backend._prefix_bytes + b"x" * 7
+        redis.Redis.from_url(redis_server.url).set(junk, b"junk")
+        columns = backend.scan_columns()
+        assert sorted(columns.keys) == sorted(keys)
+        assert set(columns.stored.tolist()) == {backend.reserve_bytes()} and columns.oldest_first
+        general = {key for key in map(backend.block_key, backend._list_keys()) if key is not None}
+        assert general == set(keys) and sorted(r.key for r in backend.scan()) == sorted(keys)
+    finally:
+        close(backend)
+
+
 def test_forged_and_damaged_records_are_misses_and_deleted(redis_server: RedisServer, tmp_path: Path) -> None:
     backend = opened(url=redis_server.url, prefix=_prefix(tmp_path), mac_key=MAC)
     client = redis.Redis.from_url(redis_server.url)

@@ -334,3 +334,27 @@ def test_the_endpoint_hashes_a_prompt_exactly_as_vllm_hashes_a_request(algo: str
         request = Request("r", tokens, SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=get_request_block_hasher(32, fn))
         assert vllm_prefix_hasher(algo, 32)(tokens, salt) == [bytes(h) for h in request.block_hashes]
     assert vllm_prefix_hasher(algo, 32)(tokens, "chat") != vllm_prefix_hasher(algo, 32)(tokens, None)
+
+
+async def test_usage_per_tenant_is_served_to_prometheus_with_the_token_and_hashed_ids_on_request(admin: Admin) -> None:
+    pytest.importorskip("prometheus_client", reason="PROMETHEUS_CLIENT NOT INSTALLED (the metrics extra)")
+    admin.store(prompt(1, 3), "chat")
+
+    def scrape(token: str | None = TOKEN) -> tuple[int, str]:
+        req = urllib.request.Request(admin.url + "/metrics")
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=HANG_GUARD) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    status, text = scrape()
+    assert status == 200
+    assert 'kvtier_tenant_blocks{store="e",tenant="chat",tier="cpu"} 6.0' in text
+    assert 'kvtier_tenant_evictions_total{store="e",tenant="chat",tier="cpu"} 0.0' in text
+    assert scrape(None)[0] == 401
+    admin.ops.hash_ids = True
+    status, text = scrape()
+    assert status == 200 and "chat" not in text and 'tenant="t-' in text

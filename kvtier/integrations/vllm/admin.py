@@ -7,7 +7,8 @@ section. It binds ``127.0.0.1`` unless told otherwise, and every call must carry
 (``Authorization: Bearer <token>``), given as ``token``, ``token_file`` or ``token_env``; the
 token is never logged. Routes (JSON in, JSON out; ``docs/operations.md`` has a worked example):
 
-* ``GET /v1/usage``: blocks, bytes, hits, evictions, pins per tenant per tier;
+* ``GET /v1/usage``: blocks, bytes, hits, evictions, pins per tenant per tier; ``GET /metrics``
+  the same as Prometheus's ``kvtier_tenant_*`` series (top N tenants, ids hashed if asked);
 * ``POST /v1/lookup``, ``/v1/pin``, ``/v1/unpin``, ``/v1/delete`` with ``token_ids`` and
   optionally ``cache_salt`` (the tenant; ``tenant`` is the same field) and, to pin, ``tier``;
   ``/v1/delete`` with ``tenant`` alone deletes every block of that tenant.
@@ -188,13 +189,15 @@ class AdminServer:
             return 500, {"error": f"internal error: {type(exc).__name__}"}
 
     def _route(self, method: str, path: str, body: Any) -> dict[str, Any]:
+        if path == "/metrics":
+            raise HttpError(405, f"{path}: use GET")
         if path == "/v1/usage":
             if method != "GET":
                 raise HttpError(405, f"{path}: use GET")
             return {"tiers": self.ops.usage()}
         fields = _ROUTES.get(path)
         if fields is None:
-            raise HttpError(404, f"no route {path}; the routes are /v1/usage and {', '.join(sorted(_ROUTES))}")
+            raise HttpError(404, f"no route {path}; the routes are /metrics, /v1/usage and {', '.join(sorted(_ROUTES))}")
         if method != "POST":
             raise HttpError(405, f"{path}: use POST with a JSON body")
         if not isinstance(body, dict):
@@ -257,8 +260,30 @@ class AdminServer:
                     except ValueError as exc:
                         self._answer(400, {"error": f"body: not JSON ({exc})"})
                         return
+                if path == "/metrics" and self.command == "GET":
+                    self._metrics()
+                    return
                 status, payload = server.handle(self.command, path, body)
                 self._answer(status, payload)
+
+            def _metrics(self) -> None:
+                try:
+                    data = server.ops.metrics()
+                except NotReady as exc:
+                    self._answer(503, {"error": str(exc)})
+                    return
+                except ImportError:
+                    self._answer(501, {"error": "/metrics needs prometheus_client: pip install 'kvtier[metrics]'"})
+                    return
+                except Exception as exc:  # never a dead endpoint thread
+                    log.exception("kvtier: admin /metrics failed")
+                    self._answer(500, {"error": f"internal error: {type(exc).__name__}"})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             do_GET = _serve
             do_POST = _serve

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.config.tenants import hashed_tenant
 from kvtier.errors import ConfigError, QuotaError
 from kvtier.integrations.vllm.groups import SchedulerGroups
 from kvtier.keys import fold_block_hashes
@@ -86,8 +87,12 @@ class AdminOps:
     naming the field), :class:`~kvtier.errors.QuotaError` (a pin over budget: nothing pinned) or
     :class:`NotReady`."""
 
-    def __init__(self, groups: SchedulerGroups, hasher: PrefixHasher, hashes_per_chunk: Sequence[int]) -> None:
+    def __init__(
+        self, groups: SchedulerGroups, hasher: PrefixHasher, hashes_per_chunk: Sequence[int], *, hash_ids: bool = False
+    ) -> None:
         self._groups = groups
+        #: tenant ids hashed in metric labels (the config's ``tenancy.hash_ids``)
+        self.hash_ids = hash_ids
         self._hasher = hasher
         self._per_chunk = tuple(int(n) for n in hashes_per_chunk)
         self.pending = PendingDeletes()
@@ -220,6 +225,15 @@ class AdminOps:
                     for name, value in row.items():
                         acc[name] = acc.get(name, 0) + value
         return out
+
+    def metrics(self) -> bytes:
+        """:meth:`usage` as Prometheus's ``kvtier_tenant_*`` series (``store`` label: the engine
+        id; tenant ids hashed when the config asks)."""
+        from kvtier.metrics import tenant_metrics_text
+
+        rows = self.usage()
+        labelled = {tier: {hashed_tenant(u, self.hash_ids): row for u, row in by.items()} for tier, by in rows.items()}
+        return tenant_metrics_text(labelled, self._groups.engines[0].engine_id)
 
     # -- the step thread -------------------------------------------------------------------
     def to_ledgers(self) -> int:

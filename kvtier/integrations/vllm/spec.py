@@ -159,7 +159,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if settings is not None:  # the operator's endpoint (off by default): see .admin
             hasher = vllm_prefix_hasher(str(self.extra_config.get(HASH_ALGO_KEY, "sha256")), self.tokens_per_hash)
             per_chunk = [tpb * self.blocks_per_chunk // self.tokens_per_hash for tpb in self.tokens_per_block]
-            manager.admin = AdminServer(settings, AdminOps(groups, hasher, per_chunk)).start()
+            ops = AdminOps(groups, hasher, per_chunk, hash_ids=store_cfg.tenancy.hash_ids)
+            manager.admin = AdminServer(settings, ops).start()
         return manager
 
     def get_worker(self, kv_caches: Any) -> Any:
