@@ -21,14 +21,13 @@ checked before a byte of its payload is touched, then :func:`~kvtier.records.che
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import queue
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,7 +190,7 @@ class ReadOutcome:
 class Temperature:
     """Whether the last job of a reader found its values on disk (``cold``): one flag, set and
     read by whichever thread reads a job (a stale answer costs a thread or a wait, never a
-    wrong byte); and how many jobs are being read (``readers``, counted by :meth:`reading`).
+    wrong byte); and how many jobs are being read (``readers``, counted by :meth:`enter`).
 
     A lookup is told slow by its wall time, which also counts the time its thread waited for
     the GIL afterwards: with several jobs read at once (4 callers on 2 cores here), that wait
@@ -207,16 +206,14 @@ class Temperature:
         self.readers = 0
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Count a job being read for as long as the block runs."""
+    def enter(self) -> None:
+        """A job is being read (until :meth:`leave`)."""
         with self._lock:
             self.readers += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.readers -= 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.readers -= 1
 
     def slow(self, start: float) -> bool:
         """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as

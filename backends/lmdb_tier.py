@@ -40,9 +40,9 @@ Contract and choices:
   puts (writes) run on the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size, and every branch
-  and leaf page of its B-trees is read with ``pread`` and checked the way LMDB will walk it
-  (:mod:`kvtier.backends.lmdb_pages`: LMDB aborts the process on a page it cannot walk); at open the
-  blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
+  and leaf page of its B-trees is checked as LMDB will walk it (LMDB aborts on a page it cannot
+  walk), a level at a time (:mod:`kvtier.backends.lmdb_scan`, which also lists the records; a
+  refused page is named by :mod:`kvtier.backends.lmdb_pages`). Any damage found (a truncated
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   a fresh one, into which the records that still pass their check are salvaged
@@ -297,8 +297,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         propagate: the caller treats them as a damaged environment.
 
         ``block_keys`` are the blocks database's keys as the page walk before ``lmdb.open``
-        read them (:func:`~kvtier.backends.lmdb_pages.check_file_trees`, which also catches a
-        damaged tree), so an open reads no page of any value. Without them (a later ``scan()``)
+        read them (:func:`~kvtier.backends.lmdb_scan.open_listing`, when it could not list the
+        records as columns itself), so an open reads no page of any value. Without them (a later ``scan()``)
         this walks the blocks database's keys with a cursor, under readahead off: the cursor
         touches each value's first page, and with the device's read-around (8 MiB a fault here)
         those touches read the whole file; with it off, the pages touched alone.
@@ -516,11 +516,14 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         size = self._check_io(keys, out)
         env = self._env_or_raise()
         assert self._reader is not None
+        temperature = self._reader.temperature
+        temperature.enter()
         try:
-            with self._reader.temperature.reading():
-                outcome = self._reader.read(env, keys, out, self.mac)
+            outcome = self._reader.read(env, keys, out, self.mac)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
+        finally:
+            temperature.leave()
         if outcome.bad:
             try:
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
@@ -562,8 +565,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
             raise DiskError(f"lmdb: scan of {self.path!r} failed: {exc}") from exc
 
     def scan_columns(self) -> RecordColumns | None:
-        """The open's listing as columns (``kvtier.bulk``), if it was read in that form and not
-        used yet; else ``None`` (call ``scan``)."""
+        """The open's listing as columns (``kvtier.bulk``) if read so and not used yet; else ``None``."""
         listed = self._listed
         if isinstance(listed, RecordColumns):
             self._listed = None

@@ -146,14 +146,17 @@ def test_an_lmdb_error_in_a_plain_read_is_a_miss_and_the_rest_is_read_afresh(
         asyncio.run(backend.aclose())
 
 
-def test_a_slow_lookup_in_a_plain_read_makes_the_rest_of_the_job_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The keys after a slow lookup are looked up on the cold read's thread, as in the general
-    read; the bytes are the same."""
+def _second_lookup_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> tuple[list[bytes], list[torch.Tensor], Backend, list[str]]:
+    """A store of five records whose second lookup reads from disk, as the reader tells it (on
+    a clock of the test's own, which only that lookup advances), and the list of the threads
+    that looked each key up."""
     keys = [make_key(i) for i in range(5)]
-    data = [random_block(FMT.block_bytes, 700 + i) for i in range(5)]
+    data = [random_block(FMT.block_bytes, seed + i) for i in range(5)]
     backend = _open(tmp_path / "store")
     backend.write_blocks(keys, data)
-    clock = [0.0]  # the reader's clock: only the slow lookup advances it
+    clock = [0.0]
     monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     threads: list[str] = []
     real_pair = lmdb_layout.JobReader.pair
@@ -165,6 +168,13 @@ def test_a_slow_lookup_in_a_plain_read_makes_the_rest_of_the_job_cold(tmp_path: 
         return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    return keys, data, backend, threads
+
+
+def test_a_slow_lookup_in_a_plain_read_makes_the_rest_of_the_job_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys after a slow lookup are looked up on the cold read's thread, as in the general
+    read; the bytes are the same."""
+    keys, data, backend, threads = _second_lookup_slow(tmp_path, monkeypatch, 700)
     me = threading.current_thread().name
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
@@ -218,28 +228,16 @@ def test_a_slow_lookup_while_other_jobs_are_read_does_not_make_the_reader_cold(t
     """With several jobs read at once, a lookup's wall time also counts its wait for the GIL:
     it is not taken for a disk read, and the job stays on its thread (alone, the same lookup
     sends the rest of the job to the cold read's thread)."""
-    keys = [make_key(i) for i in range(5)]
-    data = [random_block(FMT.block_bytes, 710 + i) for i in range(5)]
-    backend = _open(tmp_path / "store")
-    backend.write_blocks(keys, data)
-    clock = [0.0]
-    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    threads: list[str] = []
-    real_pair = lmdb_layout.JobReader.pair
-
-    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
-        threads.append(threading.current_thread().name)
-        if key == keys[1]:
-            clock[0] += 2 * lmdb_layout.COLD_GET_S
-        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    keys, data, backend, threads = _second_lookup_slow(tmp_path, monkeypatch, 710)
     me = threading.current_thread().name
     temperature = backend._reader.temperature  # type: ignore[attr-defined]
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
-        with temperature.reading():  # another job being read meanwhile
+        temperature.enter()  # another job being read meanwhile
+        try:
             assert backend.read_blocks(keys, out) == [True] * 5
+        finally:
+            temperature.leave()
         assert threads == [me] * 5 and not temperature.cold and temperature.readers == 0
         assert all(torch.equal(o, d) for o, d in zip(out, data))
         threads.clear()
