@@ -40,9 +40,11 @@ Contract and choices:
   puts (writes) run on the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size, and every branch
-  and leaf page of its B-trees is read with ``pread`` and checked the way LMDB will walk it
-  (:mod:`kvtier.backends.lmdb_pages`: LMDB aborts the process on a page it cannot walk); at open the
-  blocks database's leaf pages are walked and the index is read. Any damage found (a truncated
+  and leaf page of its B-trees is checked the way LMDB will walk it, a tree level at a time
+  over a read-only map (:mod:`kvtier.backends.lmdb_scan`; on a page it refuses,
+  :mod:`kvtier.backends.lmdb_pages` walks page by page and names it: LMDB aborts the process on
+  a page it cannot walk); the same walk lists the blocks and index leaves, from which the open
+  builds its listing (no cursor, no value page read). Any damage found (a truncated
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   a fresh one, into which the records that still pass their check are salvaged
@@ -297,8 +299,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         propagate: the caller treats them as a damaged environment.
 
         ``block_keys`` are the blocks database's keys as the page walk before ``lmdb.open``
-        read them (:func:`~kvtier.backends.lmdb_pages.check_file_trees`, which also catches a
-        damaged tree), so an open reads no page of any value. Without them (a later ``scan()``)
+        read them (:func:`~kvtier.backends.lmdb_scan.open_listing`, when it could not list the
+        records as columns itself), so an open reads no page of any value. Without them (a later ``scan()``)
         this walks the blocks database's keys with a cursor, under readahead off: the cursor
         touches each value's first page, and with the device's read-around (8 MiB a fault here)
         those touches read the whole file; with it off, the pages touched alone.
@@ -565,8 +567,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
             raise DiskError(f"lmdb: scan of {self.path!r} failed: {exc}") from exc
 
     def scan_columns(self) -> RecordColumns | None:
-        """The open's listing as columns (``kvtier.bulk``), if it was read in that form and not
-        used yet; else ``None`` (call ``scan``)."""
+        """The open's listing as columns (``kvtier.bulk``) if read so and not used yet; else ``None``."""
         listed = self._listed
         if isinstance(listed, RecordColumns):
             self._listed = None
