@@ -234,6 +234,14 @@ class JobReader:
     temperature: Temperature = field(default_factory=lambda: Temperature())
     end_seen: list[int] = field(default_factory=lambda: [0])  # the file's end, as last read (FileEnd)
 
+    def read_job(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
+        """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
+        self.temperature.enter()
+        try:
+            return self.read(env, keys, out, mac)
+        finally:
+            self.temperature.leave()
+
     def read(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
         """Every failure is confined to its key: an absent, corrupt or unsupported record, and
         an LMDB error while looking one up, are a miss for that key alone; bad records and keys
