@@ -40,11 +40,9 @@ Contract and choices:
   puts (writes) run on the calling one (:mod:`kvtier.records.checks`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size, and every branch
-  and leaf page of its B-trees is checked the way LMDB will walk it, a tree level at a time
-  over a read-only map (:mod:`kvtier.backends.lmdb_scan`; on a page it refuses,
-  :mod:`kvtier.backends.lmdb_pages` walks page by page and names it: LMDB aborts the process on
-  a page it cannot walk); the same walk lists the blocks and index leaves, from which the open
-  builds its listing (no cursor, no value page read). Any damage found (a truncated
+  and leaf page of its B-trees is checked as LMDB will walk it (LMDB aborts on a page it cannot
+  walk), a level at a time (:mod:`kvtier.backends.lmdb_scan`, which also lists the records; a
+  refused page is named by :mod:`kvtier.backends.lmdb_pages`). Any damage found (a truncated
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   a fresh one, into which the records that still pass their check are salvaged
@@ -518,14 +516,10 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         size = self._check_io(keys, out)
         env = self._env_or_raise()
         assert self._reader is not None
-        temperature = self._reader.temperature
-        temperature.enter()
         try:
-            outcome = self._reader.read(env, keys, out, self.mac)
+            outcome = self._reader.read_job(env, keys, out, self.mac)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
-        finally:
-            temperature.leave()
         if outcome.bad:
             try:
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
