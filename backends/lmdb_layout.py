@@ -21,7 +21,6 @@ checked before a byte of its payload is touched, then :func:`~kvtier.records.che
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import struct
@@ -33,6 +32,7 @@ from typing import Any
 
 import lmdb
 import torch
+from kvtier.backends.lmdb_map import FileEnd, address_of
 
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
@@ -112,58 +112,6 @@ _PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
 _KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 
 
-class _PyBuffer(ctypes.Structure):
-    """CPython's ``Py_buffer`` (part of the stable ABI since 3.11)."""
-
-    _fields_ = [
-        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t), ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int), ("ndim", ctypes.c_int), ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
-    ]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-_release_buffer.restype = None
-
-
-def _address(buf: Any) -> int:
-    """Where the bytes of ``buf`` (any buffer, read-only too) start in memory: 1.4 µs, where
-    ``numpy.frombuffer(buf).ctypes.data`` took 3."""
-    view = _PyBuffer()
-    ref = ctypes.byref(view)
-    _get_buffer(buf, ref, 0)
-    try:
-        return int(view.buf or 0)
-    finally:
-        _release_buffer(ref)
-
-
-class FileEnd:
-    """How far into ``data.mdb`` a read may go: the end LMDB's newest meta page gives
-    (``last_pgno``), read from the environment only when a value seems to lie past the end read
-    last (``seen``, shared by the reader's jobs). While an environment is open its end only
-    grows (LMDB reuses freed pages, and never shrinks the file), so a value inside an end read
-    earlier is inside the file; ``env.info()`` for every job cost 3 µs of a 4 KiB load."""
-
-    __slots__ = ("env", "psize", "seen")
-
-    def __init__(self, env: lmdb.Environment, psize: int, seen: list[int]) -> None:
-        self.env = env
-        self.psize = psize
-        self.seen = seen
-
-    def covers(self, end: int) -> bool:
-        """Whether the file reaches ``end`` bytes."""
-        if end <= self.seen[0]:
-            return True
-        self.seen[0] = (int(self.env.info()["last_pgno"]) + 1) * self.psize
-        return end <= self.seen[0]
-
-
 class ReadOutcome:
     """What reading a job found: ``found`` per key, the keys to drop with the reason, the keys
     missed over an error that says nothing about their record (``transient``: kept), and how
@@ -233,6 +181,14 @@ class JobReader:
     block_bytes: int
     temperature: Temperature = field(default_factory=lambda: Temperature())
     end_seen: list[int] = field(default_factory=lambda: [0])  # the file's end, as last read (FileEnd)
+
+    def read_job(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
+        """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
+        self.temperature.enter()
+        try:
+            return self.read(env, keys, out, mac)
+        finally:
+            self.temperature.leave()
 
     def read(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
         """Every failure is confined to its key: an absent, corrupt or unsupported record, and
@@ -521,7 +477,7 @@ class JobReader:
         it; ``True`` when the map's base is unknown (not Linux)."""
         if self.map_base is None or not len(buf):
             return True
-        start = _address(buf) - self.map_base
+        start = address_of(buf) - self.map_base
         return 0 <= start and limit.covers(start + len(buf))
 
 

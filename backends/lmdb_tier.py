@@ -516,14 +516,10 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         size = self._check_io(keys, out)
         env = self._env_or_raise()
         assert self._reader is not None
-        temperature = self._reader.temperature
-        temperature.enter()
         try:
-            outcome = self._reader.read(env, keys, out, self.mac)
+            outcome = self._reader.read_job(env, keys, out, self.mac)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
-        finally:
-            temperature.leave()
         if outcome.bad:
             try:
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader

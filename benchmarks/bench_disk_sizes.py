@@ -21,7 +21,8 @@ same durable work done in the same process on the same bytes:
   in directory syncs); loads ``preadv`` each file.
 
 Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
-the best counted raw shape. Arms alternate within a round and their order reverses every round;
+the best counted raw shape (``*_ratio_paired``: the median, over the rounds, of the tier against
+the best counted raw shape of its own round). Arms alternate within a round and their order reverses every round;
 figures are medians over ``--rounds`` rounds after one uncounted warm-up round. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
 at 64 KiB only) for a shared machine.
@@ -297,6 +298,11 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     cell["best_raw_save"] = best_save
     cell["save_ratio"] = round(cell["tier_save_blocks_s"] / cell[f"{best_save}_save_blocks_s"], 3)
     cell["load_ratio"] = round(cell["tier_load_gbps"] / cell[f"{best_load}_load_gbps"], 3)
+    # Round by round, against the best counted raw shape of the same round (drift in the
+    # machine's load hits both terms alike): the median of those ratios.
+    for op, times in (("save", saves), ("load", loads)):
+        best_raw = [min(times[k][r] for k in counted) for r in range(len(times["tier"]))]
+        cell[f"{op}_ratio_paired"] = round(_median([b / t for b, t in zip(best_raw, times["tier"])]), 3)
     return cell
 
 
