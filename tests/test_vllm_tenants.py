@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis_servers import RedisServer
 from vllm_world import BB, World, cpu, lmdb, open_world
 
 from kvtier.integrations.vllm.tenants import RequestTenants
@@ -108,5 +109,36 @@ async def test_tenants_and_pins_survive_an_engine_restart(tmp_path: Path, backen
     try:
         assert w.manager.tenants.pinned(1) == [chat[1]]
         assert _kept(w, 1) == {**before, "chat": (3, before["chat"][1], 1)}
+    finally:
+        await w.close()
+
+
+async def test_tags_of_a_shared_tier_are_saved_by_its_writer_rank_and_survive_a_restart(redis_server: RedisServer) -> None:
+    # Replicated KV (MLA): one copy in the Redis tier, written by rank 0 alone; the other rank
+    # skips that tier's tags as it skips its writes, and a new engine reads them back.
+    tiers = [cpu(8, 2), {"backend": "redis", "url": redis_server.url, "capacity": "1MiB", "prefix": "tags-once", "sync_interval_s": 3600}]
+    w = await open_world(2, tiers, replicated=True)
+    chat = [make_key(i) for i in range(3)]
+    try:
+        calls = [0, 0]
+        for r in range(2):
+            backend = w.stores[r].backends[1]
+            real = backend.write_tags
+
+            def counted(*args: Any, r: int = r, real: Any = real, **kw: Any) -> Any:
+                calls[r] += 1
+                return real(*args, **kw)
+
+            backend.write_tags = counted
+        w.store(chat, [0, 1, 2], tenant="chat")
+        assert w.manager.tenants.pin(chat[:1], 1) == 1
+        w.run_deletes()
+        assert calls == [1, 0]  # one write for the job, by the writer rank only
+    finally:
+        await w.close()
+    w = await open_world(2, tiers, replicated=True)
+    try:
+        assert _kept(w, 1)["chat"][0] == 3 and _kept(w, 1)["chat"][2] == 1
+        assert w.manager.tenants.pinned(1) == chat[:1]
     finally:
         await w.close()
