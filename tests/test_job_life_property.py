@@ -86,7 +86,7 @@ op = st.one_of(
 def worker_threads() -> list[threading.Thread]:
     """A store's own threads (not the process-wide ones: the sync runner, the side threads
     that check records and the threads that split host copies, which outlive every store)."""
-    shared = (record_jobs.THREAD_PREFIX, copies.THREAD_PREFIX)
+    shared = (record_jobs.THREAD_PREFIX, copies.THREAD_PREFIX, "kvtier-fsync")  # the file tier's sync threads
     return [t for t in threading.enumerate() if t.name.startswith("kvtier-") and t.name != "kvtier-sync" and not t.name.startswith(shared)]
 
 
