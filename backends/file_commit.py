@@ -53,9 +53,11 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: Threads that run a commit's syncs side by side (process-wide, shared by every file tier).
 SYNC_THREADS = 16
+#: The name prefix of those threads (they outlive every store).
+THREAD_PREFIX = "kvtier-fsync"
 
 T = TypeVar("T")
-_threads = ProcessThreads(SYNC_THREADS, "kvtier-fsync")
+_threads = ProcessThreads(SYNC_THREADS, THREAD_PREFIX)
 
 
 def sync_pool() -> ThreadPoolExecutor:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvtier.backends import file_commit
 from kvtier.backends.group_commit import GroupCommit
 
 from kvtier import registry
@@ -201,7 +202,7 @@ def test_a_job_of_files_syncs_side_by_side_and_names_a_record_only_once_its_data
         assert max(i for i, k in enumerate(kinds) if k == "file done") < kinds.index("rename")
         assert max(i for i, k in enumerate(kinds) if k == "rename") < kinds.index("dir")
         assert kinds.count("dir") >= 4 + 1  # the four shard directories, and the parents that gained one
-        assert all(name.startswith("kvtier-fsync") for what, name in events if what in ("file", "dir"))
+        assert all(name.startswith(file_commit.THREAD_PREFIX) for what, name in events if what in ("file", "dir"))
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True] * 4
         assert all(torch.equal(o, d) for o, d in zip(out, _blocks(4)))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvtier.backends import file_commit
 
 import kvtier
 from kvtier import record_jobs
@@ -86,7 +87,7 @@ op = st.one_of(
 def worker_threads() -> list[threading.Thread]:
     """A store's own threads (not the process-wide ones: the sync runner, the side threads
     that check records and the threads that split host copies, which outlive every store)."""
-    shared = (record_jobs.THREAD_PREFIX, copies.THREAD_PREFIX, "kvtier-fsync")  # the file tier's sync threads
+    shared = (record_jobs.THREAD_PREFIX, copies.THREAD_PREFIX, file_commit.THREAD_PREFIX)
     return [t for t in threading.enumerate() if t.name.startswith("kvtier-") and t.name != "kvtier-sync" and not t.name.startswith(shared)]
 
 
