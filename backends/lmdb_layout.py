@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 import queue
+import resource
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,15 @@ class ReadOutcome:
         self.auth += rest.auth
 
 
+def _thread_major_faults() -> int:
+    """Page faults of the calling thread that waited for the disk (Linux)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+
+
+#: Major page faults of the calling thread so far, or ``None`` where the system does not say.
+major_faults: Callable[[], int] | None = _thread_major_faults if hasattr(resource, "RUSAGE_THREAD") else None
+
+
 class Temperature:
     """Whether the last job of a reader found its values on disk (``cold``): one flag, set and
     read by whichever thread reads a job (a stale answer costs a thread or a wait, never a
@@ -145,19 +155,31 @@ class Temperature:
     alone passed :data:`COLD_GET_S`, warm jobs were read as cold, each with a thread of its own
     and its checks on the side threads, and the tier's loads fell from 0.6 to 0.05 of raw in
     some runs. So a lookup counts as slow only while its job is the only one being read; with
-    several, the others' copies overlap any disk read anyway."""
+    several, the others' copies overlap any disk read anyway.
 
-    __slots__ = ("_lock", "cold", "readers")
+    Wall time also counts the time the thread was preempted: on a loaded machine (load 3-4 on
+    2 cores) a warm 4 KiB lookup passed :data:`COLD_GET_S` often enough that warm jobs of a
+    lone reader went cold, and 4 KiB loads fell from 0.18 to 0.05 GB/s. So where the system
+    counts a thread's major page faults (:data:`major_faults`, Linux), a slow lookup counts as
+    a disk read only if the thread waited for the disk since its job began (:meth:`begin`)."""
+
+    __slots__ = ("_local", "_lock", "cold", "readers")
 
     def __init__(self) -> None:
         self.cold = False
         self.readers = 0
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     def enter(self) -> None:
-        """A job is being read (until :meth:`leave`)."""
+        """A job is being read on this thread (until :meth:`leave`)."""
         with self._lock:
             self.readers += 1
+        self.begin()
+
+    def begin(self) -> None:
+        """This thread starts looking up a job's keys: its major faults from now on count."""
+        self._local.faults = None if major_faults is None else major_faults()
 
     def leave(self) -> None:
         with self._lock:
@@ -166,7 +188,10 @@ class Temperature:
     def slow(self, start: float) -> bool:
         """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as
         far as can be told (see the class doc)."""
-        return time.perf_counter() - start > COLD_GET_S and self.readers <= 1
+        if time.perf_counter() - start <= COLD_GET_S or self.readers > 1:
+            return False
+        before = getattr(self._local, "faults", None)
+        return before is None or major_faults is None or major_faults() > before
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -547,6 +572,7 @@ class ColdRead:
 
     def _look_up(self, start: int) -> None:
         bad = self.outcome.bad
+        self.reader.temperature.begin()
         try:
             for i in range(start, len(self.keys)):
                 if self.stop.is_set():

@@ -38,3 +38,13 @@ def hook_lookups(monkeypatch: pytest.MonkeyPatch, hook: Callable[[bytes], None])
         return _Txn(real(self, env), self.blocks, hook)
 
     monkeypatch.setattr(lmdb_layout.JobReader, "_begin", begin)
+
+
+def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lookup the reader finds slow counts as a disk read (as if the thread had a major
+    page fault each time it looked), whatever this machine's page cache holds."""
+    import itertools
+
+    from kvtier.backends import lmdb_layout
+
+    monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count().__next__)

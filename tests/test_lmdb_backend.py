@@ -11,7 +11,7 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends.lmdb_layout import INDEX
-from lmdb_lookups import hook_lookups
+from lmdb_lookups import hook_lookups, slow_lookups_read_the_disk
 
 from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
@@ -530,6 +530,7 @@ def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
     threads: list[str] = []
     hook_lookups(monkeypatch, lambda key: threads.append(threading.current_thread().name))
     monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    slow_lookups_read_the_disk(monkeypatch)
     backend = _open(lmdb_backend(tmp_path, 16 << 20, **options), BIG)
     try:
         job = [keys[0], keys[1], make_key(99), keys[2], keys[3], keys[4]]
@@ -561,6 +562,7 @@ def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read
 
     hook_lookups(monkeypatch, lookup)
     monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    slow_lookups_read_the_disk(monkeypatch)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
     try:
         job = [keys[0], keys[1], keys[3], keys[4]]
@@ -593,6 +595,7 @@ def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_
     # would make a job cold which this test needs warm.
     clock = [0.0]
     monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    slow_lookups_read_the_disk(monkeypatch)
 
     def lookup(key: bytes) -> None:
         threads.append(threading.current_thread().name)
@@ -733,6 +736,8 @@ def test_a_transient_lmdb_error_on_a_lookup_is_a_miss_and_never_deletes_the_reco
     hook_lookups(monkeypatch, lookup)
     if cold:
         monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+        slow_lookups_read_the_disk(monkeypatch)
+    slow_lookups_read_the_disk(monkeypatch)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
     try:
         job = [keys[0], keys[1], keys[3], keys[4]]

@@ -20,7 +20,7 @@ import torch
 from kvtier.backends import lmdb_layout
 from kvtier.backends.lmdb_layout import INDEX
 from kvtier.backends.lmdb_plain import host_rows
-from lmdb_lookups import hook_lookups
+from lmdb_lookups import hook_lookups, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -194,6 +194,7 @@ def _second_lookup_slow(
     backend.write_blocks(keys, data)
     clock = [0.0]
     monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    slow_lookups_read_the_disk(monkeypatch)
     threads: list[str] = []
 
     def lookup(key: bytes) -> None:
@@ -303,6 +304,28 @@ def test_a_slow_lookup_while_other_jobs_are_read_does_not_make_the_reader_cold(t
         assert all(torch.equal(o, d) for o, d in zip(out, data))
         threads.clear()
         assert backend.read_blocks(keys, out) == [True] * 5  # alone
+        assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_slow_lookup_that_did_not_wait_for_the_disk_does_not_make_the_reader_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup's wall time also counts the time its thread was preempted: where the system
+    counts the thread's major page faults, a slow lookup with none since its job began is not a
+    disk read, and the job stays on its thread (with a fault each time, as above, it goes cold)."""
+    keys, data, backend, threads = _second_lookup_slow(tmp_path, monkeypatch, 720)
+    me = threading.current_thread().name
+    faults = [5]
+    monkeypatch.setattr(lmdb_layout, "major_faults", lambda: faults[0])
+    temperature = backend._reader.temperature  # type: ignore[attr-defined]
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 5
+        assert threads == [me] * 5 and not temperature.cold
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        threads.clear()
+        monkeypatch.setattr(lmdb_layout, "major_faults", lambda: faults.append(faults[-1] + 1) or faults[-1])
+        assert backend.read_blocks(keys, out) == [True] * 5
         assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
     finally:
         asyncio.run(backend.aclose())
