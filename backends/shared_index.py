@@ -118,6 +118,9 @@ class SharedIndexView:
     # -- wiring --------------------------------------------------------------------------------
     def bind(self, target: IndexTarget, tier: int, *, start: bool = True) -> None:
         """Attach the manager whose tier ``tier`` this view keeps current; start the thread."""
+        missing = [name for name in ("holds", "adopt", "remove", "ready_keys") if not callable(getattr(target, name, None))]
+        if missing:
+            raise TypeError(f"{self.name}: an index target needs {missing} (see IndexTarget)")
         self._target, self._tier = target, tier
         if start and self._thread is None:
             self._stop.clear()

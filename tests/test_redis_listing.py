@@ -233,3 +233,21 @@ def test_ready_keys_are_the_ready_ones_only() -> None:
     assert plan is not None
     manager.complete_store(keys[:2])
     assert sorted(manager.ready_keys(0)) == sorted(keys[:2])
+
+
+def test_a_target_without_ready_keys_is_refused_at_bind() -> None:
+    from kvtier.backends.shared_index import SharedIndexView
+
+    class Old:
+        def holds(self, key: bytes, tier: int) -> bool:
+            return False
+
+        def adopt(self, tier: int, records: Any) -> list[bytes]:
+            return []
+
+        def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+            return []
+
+    view = SharedIndexView("old", lambda: set(), record_bytes=1)
+    with pytest.raises(TypeError, match="ready_keys"):
+        view.bind(Old(), 0, start=False)
