@@ -62,7 +62,7 @@ def test_random_stores_loads_and_evictions_account_as_a_size_per_key(policy: typ
             plan = m.prepare_store(keys)
             if plan is None:
                 continue
-            for ti, victims in plan.drops:
+            for _, victims in plan.drops:
                 for key in victims:
                     del model[key]
             stored = {key: rnd.choice([BLOCK, BLOCK, BLOCK, 20, 60, 90]) for key in plan.keys}
