@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import queue
 import resource
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,11 +32,12 @@ from typing import Any
 
 import lmdb
 import torch
+from kvtier.backends.lmdb_entries import ENTRY_SIZES, INDEX, ReadOutcome, entry_stamp, index_entry, join_record, restamp
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, host_rows
 
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
-from kvtier.records.checks import SIDE_MIN_BYTES, RawPayload, copy_and_check
+from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check
 from kvtier.records.codec import NoneCodec, UnsupportedRecordError
 from kvtier.records.format import (
     HEAD_MAX,
@@ -58,7 +58,6 @@ __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "J
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
-INDEX = struct.Struct("<dQ")
 #: A lookup slower than this read its value from disk: the rest of the job is read cold. A warm
 #: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
 #: several milliseconds.
@@ -74,66 +73,14 @@ COLD_GET_S = 1e-3
 #: whose hand-offs and second pass over the map cost more than the overlap gains when the
 #: other core is busy; at 64 KiB in jobs of 16, 0.51 against 0.22.
 ONE_PASS_READS = True
-#: Index entry lengths: whole layout, split plain, split keyed.
-ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 #: LMDB errors on a lookup that are LMDB's own checks of the record's pages failing: the record
 #: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
 #: map, reader-slot errors, ...) says nothing about the record: a miss for this read, kept.
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
-def index_entry(stamp: float, stored: int, head: bytes = b"") -> bytes:
-    """The index entry of a record: its stamp and stored size, then (split layout) its head."""
-    return INDEX.pack(stamp, stored) + head
-
-
-def entry_stamp(entry: Any) -> tuple[float, int]:
-    """``(stamp, stored bytes)`` of an index entry; ``ValueError`` if it has no valid length."""
-    if len(entry) not in ENTRY_SIZES:
-        raise ValueError(f"index entry of {len(entry)} bytes (expected one of {ENTRY_SIZES})")
-    stamp, stored = INDEX.unpack_from(entry, 0)
-    return stamp, stored
-
-
-def restamp(entry: Any, stamp: float) -> bytes:
-    """``entry`` with its stamp replaced (its size and head kept)."""
-    _, stored = entry_stamp(entry)
-    return INDEX.pack(stamp, stored) + bytes(entry[INDEX.size :])
-
-
-def join_record(entry: Any, value: Any) -> bytes:
-    """The whole record (head + payload) of a stored pair, whatever its layout; the value as it
-    is when its entry is missing or unreadable (a checker then finds what is wrong with it)."""
-    if entry is None or len(entry) not in ENTRY_SIZES or len(entry) == INDEX.size:
-        return bytes(value)
-    return bytes(entry[INDEX.size :]) + bytes(value)
-
-
 _PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
 _KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
-
-
-class ReadOutcome:
-    """What reading a job found: ``found`` per key, the keys to drop with the reason, the keys
-    missed over an error that says nothing about their record (``transient``: kept), and how
-    many were corrupt (of which ``auth`` refused by the keyed MAC)."""
-
-    __slots__ = ("auth", "bad", "corrupt", "found", "transient")
-
-    def __init__(self, n: int) -> None:
-        self.found = [False] * n
-        self.bad: dict[bytes, str] = {}
-        self.transient: set[bytes] = set()
-        self.corrupt = 0
-        self.auth = 0
-
-    def take(self, start: int, rest: ReadOutcome) -> None:
-        """Add the outcome of reading the job's keys from ``start`` on."""
-        self.found[start:] = rest.found
-        self.bad.update(rest.bad)
-        self.transient |= rest.transient
-        self.corrupt += rest.corrupt
-        self.auth += rest.auth
 
 
 def _thread_major_faults() -> int:
@@ -207,6 +154,10 @@ class JobReader:
     plain: PlainReads  # the tight pass over warm jobs of plain records
     guard: FileGuard | None = None  # refuses reads of a data.mdb cut short under the store
     temperature: Temperature = field(default_factory=lambda: Temperature())
+    #: For warm unkeyed jobs of SIDE_MIN_BYTES or more: way 0 reads them in one pass on the
+    #: calling thread, way 1 checks them on a side thread while this one copies (faster only
+    #: while the side thread has a core of its own).
+    ways: FasterWay = field(default_factory=lambda: FasterWay())
 
     def read_job(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
         """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
@@ -240,8 +191,24 @@ class JobReader:
         eight 2 MiB values took 11 ms, 7 ms in its last lookup and then 4 ms of copies with no
         read in flight."""
         cold = self.temperature.cold and len(keys) > 1 and self.temperature.readers <= 1
-        if not cold and ONE_PASS_READS and (mac is None or len(keys) * self.block_bytes < SIDE_MIN_BYTES):
-            return self.read_in_one_pass(env, keys, out, mac)
+        nbytes = len(keys) * self.block_bytes
+        if not cold and ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
+            if mac is not None or nbytes < SIDE_MIN_BYTES or len(keys) < 2:
+                return self.read_in_one_pass(env, keys, out, mac)
+            # Copy and checksum: one pass on this thread, or the checksums on a side thread
+            # while this one copies, whichever has been faster of late (FasterWay).
+            way = self.ways.pick()
+            start = time.perf_counter()
+            outcome = self.read_in_one_pass(env, keys, out, mac) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
+            self.ways.record(way, time.perf_counter() - start, nbytes)
+            return outcome
+        return self._read_general(env, keys, out, mac, cold=cold)
+
+    def _read_general(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, cold: bool) -> ReadOutcome:
+        """The general read of a job (see :meth:`read`): its keys looked up (``cold``: on a
+        :class:`ColdRead`'s thread from the first key), then copied and checked
+        (:func:`~kvtier.records.checks.copy_and_check`: jobs of
+        :data:`~kvtier.records.checks.SIDE_MIN_BYTES` or more on a side thread)."""
         outcome = ReadOutcome(len(keys))
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         left: int | None = None

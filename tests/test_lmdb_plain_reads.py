@@ -24,6 +24,7 @@ from lmdb_lookups import hook_lookups, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.records.checks import FasterWay
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, RecordMac, encode_record
 from kvtier.testing import make_key, random_block
@@ -329,3 +330,43 @@ def test_a_slow_lookup_that_did_not_wait_for_the_disk_does_not_make_the_reader_c
         assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
     finally:
         asyncio.run(backend.aclose())
+
+
+def test_the_faster_way_is_taken_and_the_other_is_tried_now_and_then() -> None:
+    """Each way once, then the one with the lower moving cost per byte; every ``probe``-th
+    job the other one, so that a change in the machine shows: here the side thread's way
+    becomes the faster, and is taken from then on."""
+    ways = FasterWay(probe=4, weight=1.0)  # the latest job's cost alone
+    assert ways.pick() == 0
+    ways.record(0, 1.0, 100)
+    assert ways.pick() == 1
+    ways.record(1, 2.0, 100)
+    picks = []
+    for _ in range(8):
+        way = ways.pick()
+        picks.append(way)
+        ways.record(way, 1.0 if way == 0 else 0.1, 100)  # the other core freed: way 1 now wins
+    # Jobs 3-10: the faster (0), the probe of the other at job 4, which now wins; the probe of
+    # way 0 at job 8, which does not.
+    assert picks == [0, 1, 1, 1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("way", [0, 1])
+def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: int
+) -> None:
+    """A warm unkeyed job of SIDE_MIN_BYTES or more is read in one pass (way 0) or checked on
+    the side thread while this thread copies (way 1, ``copy_and_check``), as ``FasterWay``
+    picks: the same finds, bytes, drops and counters as the general read, on a damaged store."""
+    monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
+    monkeypatch.setattr(FasterWay, "pick", lambda self: way)
+    keys, data = _damaged_store(tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    general = _read(tmp_path / "store", keys, False, monkeypatch)
+    chosen = _read(tmp_path / "copy", keys, True, monkeypatch)
+    assert chosen[0] == general[0] == [True, False, False, False, True, True, True, True]
+    for i, hit in enumerate(general[0]):
+        if hit:
+            assert torch.equal(chosen[1][i], data[i])
+    assert chosen[2] == general[2] and chosen[3] == general[3]
+    assert chosen[4] == (3 if way == 0 else 6)  # way 1 hands copy_and_check every readable record
