@@ -474,7 +474,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
         if self.follower is not None:
-            self.follower.note_listed(r.key for r in listed)
+            self.follower.note_listed(len(listed))
         return iter(listed)
 
     def _sweep_keys(self) -> set[bytes] | None:
