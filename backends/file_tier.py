@@ -61,7 +61,8 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_reads import BeneathRoot, read_plain
-from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.file_root import ShardDirs, establish_meta
+from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -73,9 +74,6 @@ from kvtier.records.format import (
     HEAD_MAX,
     PersistentRecordBackend,
     RecordHeader,
-    check_meta,
-    decode_meta,
-    encode_meta,
     parse_header,
     verify_payload,
 )
@@ -136,6 +134,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._listed: list[RecordInfo] | None = None
         self._tmp_counter = itertools.count()
         self._beneath: BeneathRoot | None = None  # the root's descriptor, for one-pass reads
+        self._shards: ShardDirs | None = None  # the shard directories, for writes
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def open(self, fmt: BlockFormat) -> None:
@@ -154,7 +153,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     f"path: the file tier root {self._root!r} belongs to uid {owner}, not to this process (uid "
                     f"{os.geteuid()}); another user could plant or swap records there. Use a directory of your own"
                 )
-            self._check_meta(fmt)
+            establish_meta(self._root, fmt, self.mac, self._temp_name, log.warning)
             if self.shared:  # the feed's head is noted before the listing, so nothing falls between
                 self._start_following(
                     f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
@@ -162,6 +161,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 )
             self._listed = self._walk(sweep=True)
             self._beneath = BeneathRoot(self._root)
+            self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable")
+            self._shards.make_top()
         except OSError as exc:
             raise DiskError(f"file: cannot open the store at {self.path!r}: {exc}") from exc
         self._sizes = {r.key: r.stored_bytes for r in self._listed}
@@ -174,41 +175,6 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             )
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-    def _check_meta(self, fmt: BlockFormat) -> None:
-        meta_path = os.path.join(self._root, _META_NAME)
-        for _ in range(2):
-            try:
-                with open(meta_path, "rb") as f:
-                    data = f.read(1 << 20)
-            except FileNotFoundError:
-                tmp = f"{meta_path}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(encode_meta(fmt, self.mac))
-                    f.flush()
-                    os.fsync(f.fileno())
-                try:
-                    os.link(tmp, meta_path)  # exclusive create: another instance may race us
-                    self._fsync_dir(self._root)
-                    return
-                except FileExistsError:
-                    continue  # read and check the winner's meta record
-                finally:
-                    os.unlink(tmp)
-            try:
-                meta = decode_meta(data)
-            except (CorruptBlockError, UnsupportedRecordError) as exc:
-                # An unknown meta version is one flipped bit away from ours: damage like any
-                # other, never a refusal to start (the records are checked one by one at read).
-                moved = f"{meta_path}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-                os.replace(meta_path, moved)
-                message = f"file: the meta record of {self._root!r} is unreadable ({exc}); moved it to {moved!r}"
-                log.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                continue
-            check_meta(meta, fmt, where=f"file {self._root!r}", mac=self.mac)
-            return
-        raise DiskError(f"file: cannot establish the meta record of {self._root!r}")
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -226,6 +192,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         if self.shared:
             data.update(shared=True, sweep_interval_s=self.sweep_interval_s)
         return data
+
+    def _temp_name(self, path: str) -> str:
+        return f"{path}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
 
     # -- paths ---------------------------------------------------------------------------------
     def _path(self, key: bytes) -> str:
@@ -253,6 +222,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._check_io(keys, blocks)
         parts = self._encode(keys, blocks)
         durable = self.sync_mode == "durable"
+        shards = self._shards
+        assert shards is not None
         sizes: list[int | None] = []
         staged: list[tuple[int, bytes, int, int]] = []  # position, key, reserved growth, record bytes
         job = FileJob()
@@ -272,10 +243,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 name = key.hex() + _SUFFIX
                 try:
                     if shard not in job.dirs:
-                        leaf = self._leaf_at(self._root, key, create=True, durable=durable, created=job.parents)
-                        assert leaf is not None
-                        job.dirs[shard] = leaf[0]
-                    job.stage(shard, f"{name}.{os.getpid()}.{next(self._tmp_counter)}.tmp", name, (header, payload))
+                        job.dirs[shard] = shards.open_leaf(key, job.parents)
+                    job.stage(shard, self._temp_name(name), name, (header, payload))
                 except OSError as exc:
                     log.warning("file: write of %s failed: %s", self._path(key), exc)
                     self._unreserve(key, grow, stored)
