@@ -56,6 +56,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
@@ -66,6 +67,7 @@ from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TE
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
@@ -131,7 +133,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
         self._used = 0
-        self._listed: list[RecordInfo] | None = None
+        self._listed: RecordColumns | None = None
         self._tmp_counter = itertools.count()
         self._beneath: BeneathRoot | None = None  # the root's descriptor, for one-pass reads
         self._shards: ShardDirs | None = None  # the shard directories, for writes
@@ -159,14 +161,15 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
                     feed=FileFeed(self._root), sweep_interval_s=self.sweep_interval_s,
                 )
-            self._listed = self._walk(sweep=True)
+            with paused_gc():
+                self._listed = listed = self._walk(sweep=True)
+                self._sizes = self._size_index(listed)
             self._beneath = BeneathRoot(self._root)
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable")
             self._shards.make_top()
         except OSError as exc:
             raise DiskError(f"file: cannot open the store at {self.path!r}: {exc}") from exc
-        self._sizes = {r.key: r.stored_bytes for r in self._listed}
-        self._used = sum(self._sizes.values())
+        self._used = int(listed.stored.sum())
         free = shutil.disk_usage(self._root).free
         if free + self._used < self.capacity_bytes:
             message = (
@@ -434,17 +437,25 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         for key in keys:
             self._forget(key)
 
-    def scan(self) -> Iterator[RecordInfo]:
+    def scan_columns(self) -> RecordColumns | None:
+        """The records listed at open, as columns (:class:`kvtier.bulk.RecordColumns`), once;
+        then ``None``."""
         self._check_open()
-        listed, self._listed = self._listed, None  # the walk done at open, used once
+        listed, self._listed = self._listed, None
+        if listed is not None and self.follower is not None:
+            self.follower.note_listed(listed.keys)
+        return listed
+
+    def scan(self) -> Iterator[RecordInfo]:
+        listed = self.scan_columns()  # the walk done at open, used once
         if listed is None:
             try:
                 listed = self._walk(sweep=False)
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
-        if self.follower is not None:
-            self.follower.note_listed(r.key for r in listed)
-        return iter(listed)
+            if self.follower is not None:
+                self.follower.note_listed(listed.keys)
+        return (RecordInfo(key, stored, stamp) for key, stored, stamp in listed)
 
     def _sweep_keys(self) -> set[bytes] | None:
         """Every record's key in the directory now (the shared index's sweep); ``None`` when it
@@ -452,20 +463,24 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         if self._closed:
             return None
         try:
-            return {key for key, _ in self._record_entries(self._root)}
+            return {bytes.fromhex(e.name[:64]) for _, entries in self._leaf_entries(self._root, ordered=False) for e in entries}
         except OSError as exc:
             log.warning("file: cannot list %s for the shared index: %s", self._root, exc)
             return None
 
-    def _walk(self, *, sweep: bool) -> list[RecordInfo]:
-        records: list[RecordInfo] = []
-        for key, entry in self._record_entries(self._root, sweep_now=time.time() if sweep else None):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted by another instance while we walked
-            records.append(RecordInfo(key, self._stored(st.st_size), st.st_mtime))
-        return records
+    def _walk(self, *, sweep: bool) -> RecordColumns:
+        """Every record's key, stored size and stamp (a ``stat`` per record, no open)."""
+        keys, sizes, stamps = self._record_columns(self._root, sweep_now=time.time() if sweep else None)
+        stored = -(-np.asarray(sizes, dtype=np.int64) // _FS_BLOCK) * _FS_BLOCK
+        return RecordColumns(keys, stored, np.asarray(stamps, dtype=np.float64))
+
+    @staticmethod
+    def _size_index(listed: RecordColumns) -> dict[bytes, int]:
+        """``key -> stored bytes``, one int object for all when every record is the same size."""
+        distinct = np.unique(listed.stored).tolist()
+        if len(distinct) <= 1:
+            return dict.fromkeys(listed.keys, distinct[0] if distinct else 0)
+        return dict(zip(listed.keys, listed.stored.tolist()))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         self._check_open()
