@@ -12,7 +12,8 @@ Contract and choices:
   Every record is reached from the root one directory at a time with ``O_NOFOLLOW`` (``openat``
   through directory descriptors), so a symlinked shard directory or record is never followed:
   nothing is read, written or deleted outside the root. New shard directories are fsync'ed into
-  their parent (durable mode).
+  their parent (durable mode). The first level (``00`` … ``ff``) is made at open, and a shard
+  directory a write has reached is opened again in one ``openat2`` (:mod:`kvtier.backends.file_root`).
 * Writes are atomic: the record goes to ``<name>.<pid>.<n>.tmp`` (``O_EXCL``), is fdatasync'ed
   (``sync_mode="durable"``), renamed over the final name, and each touched directory is fsync'ed
   once per job. A crash leaves at most a temp file, never a torn ``.kvb``. Temp files older than
@@ -31,8 +32,8 @@ Contract and choices:
   tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``); in a job of 1 MiB or
   more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
   bad record is deleted (if it is still the same inode), counted, and reported as a miss.
-* Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so ``scan()`` restores
-  the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
+* Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so the listing at open
+  (``scan_columns``, or ``scan()``) restores the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
   unreadable meta record (bad checksum, truncated, or an unknown meta version) is moved aside
   with a warning and rewritten, as the ``lmdb`` tier moves a damaged environment aside.
@@ -99,6 +100,14 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         filled += n
 
 
+def _size_index(listed: RecordColumns) -> dict[bytes, int]:
+    """``key -> stored bytes`` of a listing, one int object for all when every record is the same size."""
+    distinct = np.unique(listed.stored).tolist()
+    if len(distinct) <= 1:
+        return dict.fromkeys(listed.keys, distinct[0] if distinct else 0)
+    return dict(zip(listed.keys, listed.stored.tolist()))
+
+
 class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
@@ -163,7 +172,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 )
             with paused_gc():
                 self._listed = listed = self._walk(sweep=True)
-                self._sizes = self._size_index(listed)
+                self._sizes = _size_index(listed)
             self._beneath = BeneathRoot(self._root)
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable")
             self._shards.make_top()
@@ -213,7 +222,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         return self._leaf_at(self._root, key, create=create, durable=self.sync_mode == "durable")
 
     @staticmethod
-    def _stored(record_bytes: int) -> int:
+    def _stored(record_bytes: Any) -> Any:
+        """Bytes a record of ``record_bytes`` (an ``int``, or an array of them) takes on disk."""
         return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
 
     def reserve_bytes(self) -> int:
@@ -471,16 +481,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
     def _walk(self, *, sweep: bool) -> RecordColumns:
         """Every record's key, stored size and stamp (a ``stat`` per record, no open)."""
         keys, sizes, stamps = self._record_columns(self._root, sweep_now=time.time() if sweep else None)
-        stored = -(-np.asarray(sizes, dtype=np.int64) // _FS_BLOCK) * _FS_BLOCK
-        return RecordColumns(keys, stored, np.asarray(stamps, dtype=np.float64))
-
-    @staticmethod
-    def _size_index(listed: RecordColumns) -> dict[bytes, int]:
-        """``key -> stored bytes``, one int object for all when every record is the same size."""
-        distinct = np.unique(listed.stored).tolist()
-        if len(distinct) <= 1:
-            return dict.fromkeys(listed.keys, distinct[0] if distinct else 0)
-        return dict(zip(listed.keys, listed.stored.tolist()))
+        return RecordColumns(keys, self._stored(np.asarray(sizes, dtype=np.int64)), np.asarray(stamps, dtype=np.float64))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         self._check_open()
