@@ -453,7 +453,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._check_open()
         listed, self._listed = self._listed, None
         if listed is not None and self.follower is not None:
-            self.follower.note_listed(listed.keys)
+            self.follower.note_listed(len(listed))
         return listed
 
     def scan(self) -> Iterator[RecordInfo]:
@@ -464,7 +464,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
             if self.follower is not None:
-                self.follower.note_listed(listed.keys)
+                self.follower.note_listed(len(listed))
         return (RecordInfo(key, stored, stamp) for key, stored, stamp in listed)
 
     def _sweep_keys(self) -> set[bytes] | None:

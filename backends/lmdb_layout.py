@@ -23,20 +23,21 @@ from __future__ import annotations
 
 import logging
 import queue
-import struct
+import resource
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
 import torch
-from kvtier.backends.lmdb_map import FileEnd, address_of
+from kvtier.backends.lmdb_entries import ENTRY_SIZES, INDEX, ReadOutcome, entry_stamp, index_entry, join_record, restamp
+from kvtier.backends.lmdb_plain import FileGuard, PlainReads, host_rows
 
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
-from kvtier.records.checks import SIDE_MIN_BYTES, RawPayload, copy_and_check
+from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check
 from kvtier.records.codec import NoneCodec, UnsupportedRecordError
 from kvtier.records.format import (
     HEAD_MAX,
@@ -57,7 +58,6 @@ __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "J
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
-INDEX = struct.Struct("<dQ")
 #: A lookup slower than this read its value from disk: the rest of the job is read cold. A warm
 #: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
 #: several milliseconds.
@@ -73,66 +73,23 @@ COLD_GET_S = 1e-3
 #: whose hand-offs and second pass over the map cost more than the overlap gains when the
 #: other core is busy; at 64 KiB in jobs of 16, 0.51 against 0.22.
 ONE_PASS_READS = True
-#: Index entry lengths: whole layout, split plain, split keyed.
-ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 #: LMDB errors on a lookup that are LMDB's own checks of the record's pages failing: the record
 #: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
 #: map, reader-slot errors, ...) says nothing about the record: a miss for this read, kept.
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
-def index_entry(stamp: float, stored: int, head: bytes = b"") -> bytes:
-    """The index entry of a record: its stamp and stored size, then (split layout) its head."""
-    return INDEX.pack(stamp, stored) + head
-
-
-def entry_stamp(entry: Any) -> tuple[float, int]:
-    """``(stamp, stored bytes)`` of an index entry; ``ValueError`` if it has no valid length."""
-    if len(entry) not in ENTRY_SIZES:
-        raise ValueError(f"index entry of {len(entry)} bytes (expected one of {ENTRY_SIZES})")
-    stamp, stored = INDEX.unpack_from(entry, 0)
-    return stamp, stored
-
-
-def restamp(entry: Any, stamp: float) -> bytes:
-    """``entry`` with its stamp replaced (its size and head kept)."""
-    _, stored = entry_stamp(entry)
-    return INDEX.pack(stamp, stored) + bytes(entry[INDEX.size :])
-
-
-def join_record(entry: Any, value: Any) -> bytes:
-    """The whole record (head + payload) of a stored pair, whatever its layout; the value as it
-    is when its entry is missing or unreadable (a checker then finds what is wrong with it)."""
-    if entry is None or len(entry) not in ENTRY_SIZES or len(entry) == INDEX.size:
-        return bytes(value)
-    return bytes(entry[INDEX.size :]) + bytes(value)
-
-
 _PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
 _KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 
 
-class ReadOutcome:
-    """What reading a job found: ``found`` per key, the keys to drop with the reason, the keys
-    missed over an error that says nothing about their record (``transient``: kept), and how
-    many were corrupt (of which ``auth`` refused by the keyed MAC)."""
+def _thread_major_faults() -> int:
+    """Page faults of the calling thread that waited for the disk (Linux)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
-    __slots__ = ("auth", "bad", "corrupt", "found", "transient")
 
-    def __init__(self, n: int) -> None:
-        self.found = [False] * n
-        self.bad: dict[bytes, str] = {}
-        self.transient: set[bytes] = set()
-        self.corrupt = 0
-        self.auth = 0
-
-    def take(self, start: int, rest: ReadOutcome) -> None:
-        """Add the outcome of reading the job's keys from ``start`` on."""
-        self.found[start:] = rest.found
-        self.bad.update(rest.bad)
-        self.transient |= rest.transient
-        self.corrupt += rest.corrupt
-        self.auth += rest.auth
+#: Major page faults of the calling thread so far, or ``None`` where the system does not say.
+major_faults: Callable[[], int] | None = _thread_major_faults if hasattr(resource, "RUSAGE_THREAD") else None
 
 
 class Temperature:
@@ -145,19 +102,31 @@ class Temperature:
     alone passed :data:`COLD_GET_S`, warm jobs were read as cold, each with a thread of its own
     and its checks on the side threads, and the tier's loads fell from 0.6 to 0.05 of raw in
     some runs. So a lookup counts as slow only while its job is the only one being read; with
-    several, the others' copies overlap any disk read anyway."""
+    several, the others' copies overlap any disk read anyway.
 
-    __slots__ = ("_lock", "cold", "readers")
+    Wall time also counts the time the thread was preempted: on a loaded machine (load 3-4 on
+    2 cores) a warm 4 KiB lookup passed :data:`COLD_GET_S` often enough that warm jobs of a
+    lone reader went cold, and 4 KiB loads fell from 0.18 to 0.05 GB/s. So where the system
+    counts a thread's major page faults (:data:`major_faults`, Linux), a slow lookup counts as
+    a disk read only if the thread waited for the disk since its job began (:meth:`begin`)."""
+
+    __slots__ = ("_local", "_lock", "cold", "readers")
 
     def __init__(self) -> None:
         self.cold = False
         self.readers = 0
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     def enter(self) -> None:
-        """A job is being read (until :meth:`leave`)."""
+        """A job is being read on this thread (until :meth:`leave`)."""
         with self._lock:
             self.readers += 1
+        self.begin()
+
+    def begin(self) -> None:
+        """This thread starts looking up a job's keys: its major faults from now on count."""
+        self._local.faults = None if major_faults is None else major_faults()
 
     def leave(self) -> None:
         with self._lock:
@@ -166,7 +135,10 @@ class Temperature:
     def slow(self, start: float) -> bool:
         """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as
         far as can be told (see the class doc)."""
-        return time.perf_counter() - start > COLD_GET_S and self.readers <= 1
+        if time.perf_counter() - start <= COLD_GET_S or self.readers > 1:
+            return False
+        before = getattr(self._local, "faults", None)
+        return before is None or major_faults is None or major_faults() > before
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,8 +151,13 @@ class JobReader:
     map_base: int | None  # where data.mdb is mapped (None: unknown, not Linux)
     path: str
     block_bytes: int
+    plain: PlainReads  # the tight pass over warm jobs of plain records
+    guard: FileGuard | None = None  # refuses reads of a data.mdb cut short under the store
     temperature: Temperature = field(default_factory=lambda: Temperature())
-    end_seen: list[int] = field(default_factory=lambda: [0])  # the file's end, as last read (FileEnd)
+    #: For warm unkeyed jobs of SIDE_MIN_BYTES or more: way 0 reads them in one pass on the
+    #: calling thread, way 1 checks them on a side thread while this one copies (faster only
+    #: while the side thread has a core of its own).
+    ways: FasterWay = field(default_factory=lambda: FasterWay())
 
     def read_job(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
         """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
@@ -194,9 +171,9 @@ class JobReader:
         """Every failure is confined to its key: an absent, corrupt or unsupported record, and
         an LMDB error while looking one up, are a miss for that key alone; bad records and keys
         whose lookup met a damaged page (:data:`DAMAGE_ERRORS`) are listed in ``bad`` (to be
-        dropped), keys whose lookup failed otherwise in ``transient`` (kept). A value that would lie past the end of the
-        file is never touched (that read would fault). LMDB errors beginning a transaction
-        propagate.
+        dropped), keys whose lookup failed otherwise in ``transient`` (kept). LMDB errors
+        beginning a transaction propagate, and so does the ``DiskError`` of a file cut short
+        under the store (:meth:`_begin`).
 
         python-lmdb's ``get`` touches every page of the value it returns (with the GIL
         released), so a value that is not in the page cache is read from disk inside the
@@ -214,22 +191,38 @@ class JobReader:
         eight 2 MiB values took 11 ms, 7 ms in its last lookup and then 4 ms of copies with no
         read in flight."""
         cold = self.temperature.cold and len(keys) > 1 and self.temperature.readers <= 1
-        if not cold and ONE_PASS_READS and (mac is None or len(keys) * self.block_bytes < SIDE_MIN_BYTES):
-            return self.read_in_one_pass(env, keys, out, mac)
+        nbytes = len(keys) * self.block_bytes
+        if not cold and ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
+            if mac is not None or nbytes < SIDE_MIN_BYTES or len(keys) < 2:
+                return self.read_in_one_pass(env, keys, out, mac)
+            # Copy and checksum: one pass on this thread, or the checksums on a side thread
+            # while this one copies, whichever has been faster of late (FasterWay).
+            way = self.ways.pick()
+            start = time.perf_counter()
+            outcome = self.read_in_one_pass(env, keys, out, mac) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
+            self.ways.record(way, time.perf_counter() - start, nbytes)
+            return outcome
+        return self._read_general(env, keys, out, mac, cold=cold)
+
+    def _read_general(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, cold: bool) -> ReadOutcome:
+        """The general read of a job (see :meth:`read`): its keys looked up (``cold``: on a
+        :class:`ColdRead`'s thread from the first key), then copied and checked
+        (:func:`~kvtier.records.checks.copy_and_check`: jobs of
+        :data:`~kvtier.records.checks.SIDE_MIN_BYTES` or more on a side thread)."""
         outcome = ReadOutcome(len(keys))
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         left: int | None = None
         if cold:
             # The last job read from disk: this one is looked up on the side from its first key.
-            txn, limit = self._begin(env)
+            txn = self._begin(env)
             pairs: list[Any] = []
         else:
-            txn, limit, pairs = self._lookup(env, keys, outcome)
+            txn, pairs = self._lookup(env, keys, outcome)
         try:
             if len(pairs) == len(keys):
                 self.copy_in(range(len(keys)), keys, out, pairs, mac, outcome, copies)
             else:
-                left = ColdRead(self, txn, limit, keys, outcome).run(pairs, out, mac, copies)
+                left = ColdRead(self, txn, keys, outcome).run(pairs, out, mac, copies)
         finally:
             txn.abort()
         for dst, staging in copies:
@@ -243,11 +236,11 @@ class JobReader:
         self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None
     ) -> ReadOutcome:
         """:meth:`read` for a warm job of raw records, in one pass on this thread: per key, a
-        lookup (:meth:`pair`), the head compared with what a raw record of this store holds,
-        the value copied into the row, and the row's checksum (or, keyed, its MAC) while it is
-        in the CPU's cache. A job of small records is mostly fixed costs per record, which this
-        pays once each (a general read took 17 µs a 4 KiB record, 4 of them in parsing and
-        hand-offs between the passes).
+        lookup, the head compared with what a raw record of this store holds, the value copied
+        into the row, and the row's checksum (or, keyed, its MAC) while it is in the CPU's
+        cache. An unkeyed job whose rows are host memory goes through the tight pass of
+        :class:`~kvtier.backends.lmdb_plain.PlainReads` first (a 4 KiB record: 4-6 µs, against
+        about 16 µs for the loop below and 3-5 µs for a raw get and copy into a tensor).
 
         Whatever is not that case goes through the general code, so its outcome and errors are
         the general path's: a record in another layout, compressed, with a bad check, or whose
@@ -259,32 +252,46 @@ class JobReader:
         size = self.block_bytes
         rest: int | None = None  # where the general read takes over
         slow = False
-        txn, limit = self._begin(env)
+        first, slow_at, slow_pair = 0, -1, None  # the first key the loop below reads; one found slow to look up
+        txn = self._begin(env)
         try:
-            for i, key in enumerate(keys):
+            rows = host_rows(out, size) if mac is None else None
+            if rows is not None:
+                stop = self.plain.read(
+                    txn, keys, rows, outcome.found, time.perf_counter, self.temperature.slow,
+                    lambda i, entry, value: self._read_odd(i, keys, out, self.checked_pair(keys[i], entry, value, bad), mac, outcome),
+                    COLD_GET_S,
+                )
+                if stop is None:
+                    first = len(keys)
+                elif stop[1] is not None:  # an LMDB error on key stop[0]
+                    self.drop(outcome, keys[stop[0]], stop[1])
+                    first, rest = len(keys), stop[0] + 1
+                else:  # the lookup of key stop[0] read from disk: the loop below goes on from it
+                    first = slow_at = stop[0]
+                    slow_pair = None if stop[3] is None else self.checked_pair(keys[first], stop[2], stop[3], bad)
+            for i in range(first, len(keys)):
+                key = keys[i]
                 start = time.perf_counter()
                 try:
-                    pair = self.pair(txn, key, limit, bad)
+                    pair = slow_pair if i == slow_at else self.pair(txn, key, bad)
                 except lmdb.Error as exc:
                     self.drop(outcome, key, exc)
                     rest = i + 1
                     break
-                slow = self.temperature.slow(start)
+                slow = i == slow_at or self.temperature.slow(start)
                 if pair is None:
                     outcome.corrupt += key in bad
                 if slow and i + 1 < len(keys):
                     # Read from disk: the rest of the job is cold. As in read(), a thread looks up
                     # the rest in this transaction while this one copies and checks this record.
                     self.temperature.cold = True
-                    rest = self._cold_rest(txn, limit, keys, out, mac, i, pair, outcome)
+                    rest = self._cold_rest(txn, keys, out, mac, i, pair, outcome)
                     break
                 if pair is None:
                     pass
                 elif not (self._copy_plain(key, pair, out[i], size) if mac is None else self._copy_keyed(key, pair, out[i], size, mac)):
-                    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-                    self.copy_in((i,), keys, out, (pair,), mac, outcome, copies)
-                    for dst, staging in copies:
-                        dst.copy_(staging)
+                    self._read_odd(i, keys, out, pair, mac, outcome)
                 else:
                     outcome.found[i] = True
                 if slow:  # the job's last lookup read from disk: the next job is read cold
@@ -297,10 +304,19 @@ class JobReader:
                 self.temperature.cold = True
         return outcome
 
+    def _read_odd(self, i: int, keys: Sequence[bytes], out: Sequence[torch.Tensor], pair: Any, mac: RecordMac | None, outcome: ReadOutcome) -> None:
+        """Read key ``i``, looked up as ``pair`` (``None``: absent or bad), by the general code."""
+        if pair is None:
+            outcome.corrupt += keys[i] in outcome.bad
+            return
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.copy_in((i,), keys, out, (pair,), mac, outcome, copies)
+        for dst, staging in copies:
+            dst.copy_(staging)
+
     def _cold_rest(
         self,
         txn: lmdb.Transaction,
-        limit: FileEnd,
         keys: Sequence[bytes],
         out: Sequence[torch.Tensor],
         mac: RecordMac | None,
@@ -313,7 +329,7 @@ class JobReader:
         transaction, or ``None``."""
         part = ReadOutcome(len(keys) - i)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        left = ColdRead(self, txn, limit, keys[i:], part).run([pair], out[i:], mac, copies)
+        left = ColdRead(self, txn, keys[i:], part).run([pair], out[i:], mac, copies)
         for dst, staging in copies:
             dst.copy_(staging)
         outcome.take(i, part)
@@ -412,15 +428,15 @@ class JobReader:
             outcome.auth += isinstance(exc, RecordAuthError)
         outcome.bad[key] = str(exc)
 
-    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], outcome: ReadOutcome) -> tuple[lmdb.Transaction, FileEnd, list[Any]]:
-        """One read transaction, the file length it may read, and each key's ``(index entry,
+    def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], outcome: ReadOutcome) -> tuple[lmdb.Transaction, list[Any]]:
+        """One read transaction and each key's ``(index entry,
         value)`` buffers (``None``: absent or bad, with the reason in ``outcome.bad``). An LMDB
         error on a key makes it a miss (:meth:`drop`) and starts over in a fresh transaction (a
         failed lookup may leave one unusable, and its buffers with it). Stops after a lookup that took longer than
         :data:`COLD_GET_S` (the job is cold from there, see :meth:`read`): fewer pairs than keys."""
         bad = outcome.bad
         while True:
-            txn, limit = self._begin(env)
+            txn = self._begin(env)
             pairs: list[Any] = []
             try:
                 for key in keys:
@@ -428,22 +444,22 @@ class JobReader:
                         pairs.append(None)
                         continue
                     start = time.perf_counter()
-                    pairs.append(self.pair(txn, key, limit, bad))
+                    pairs.append(self.pair(txn, key, bad))
                     if self.temperature.slow(start):
                         self.temperature.cold = True
                         if len(pairs) < len(keys):
-                            return txn, limit, pairs
-                return txn, limit, pairs
+                            return txn, pairs
+                return txn, pairs
             except lmdb.Error as exc:
                 txn.abort()
                 self.drop(outcome, keys[len(pairs)], exc)
 
-    def _begin(self, env: lmdb.Environment) -> tuple[lmdb.Transaction, FileEnd]:
-        """A read transaction and the file length it may read."""
-        # The end is read (again) after the transaction began, when a value seems to lie past
-        # the end read last: a writer may have grown the file just before, and the newest
-        # meta page covers every page this snapshot can see.
-        return env.begin(buffers=True), FileEnd(env, self.psize, self.end_seen)
+    def _begin(self, env: lmdb.Environment) -> lmdb.Transaction:
+        """A read transaction, once the file is known not to have been cut short
+        (:class:`~kvtier.backends.lmdb_plain.FileGuard`: ``DiskError``)."""
+        if self.guard is not None:
+            self.guard.check()
+        return env.begin(buffers=True)
 
     def drop(self, outcome: ReadOutcome, key: bytes, exc: lmdb.Error) -> None:
         """``key``'s lookup failed with ``exc``: a miss; the key is dropped (put in ``bad``) only
@@ -455,30 +471,22 @@ class JobReader:
             log.warning("lmdb: reading %s… from %s failed (%s); a miss for this read, the record is kept", key.hex()[:16], self.path, exc)
             outcome.transient.add(key)
 
-    def pair(self, txn: lmdb.Transaction, key: bytes, limit: FileEnd, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
+    def pair(self, txn: lmdb.Transaction, key: bytes, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
         """``key``'s ``(index entry, value)`` buffers in ``txn``, or ``None`` (absent, or bad: the
         reason is put in ``bad``); LMDB errors propagate."""
         value = txn.get(key, db=self.blocks)
         if value is None:
             return None
-        entry = txn.get(key, db=self.index)
+        return self.checked_pair(key, txn.get(key, db=self.index), value, bad)
+
+    def checked_pair(self, key: bytes, entry: Any, value: Any, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
+        """``(entry, value)`` of a present ``key``, or ``None`` when its index entry is missing or
+        unreadable (the reason is put in ``bad``)."""
         if entry is None or len(entry) not in ENTRY_SIZES:
             log.warning("lmdb: record %s… in %s has no readable index entry; a miss, dropping it", key.hex()[:16], self.path)
             bad[key] = "no readable index entry"
-        elif not self._inside(value, limit):  # (the entry lies in a leaf page LMDB just read)
-            log.warning("lmdb: record %s… in %s lies past the end of the file; a miss, dropping it", key.hex()[:16], self.path)
-            bad[key] = "past the end of the file"
-        else:
-            return entry, value
-        return None
-
-    def _inside(self, buf: Any, limit: FileEnd) -> bool:
-        """Whether ``buf`` (a view into the map) lies inside the file as far as ``limit`` reads
-        it; ``True`` when the map's base is unknown (not Linux)."""
-        if self.map_base is None or not len(buf):
-            return True
-        start = address_of(buf) - self.map_base
-        return 0 <= start and limit.covers(start + len(buf))
+            return None
+        return entry, value
 
 
 class ColdRead:
@@ -492,10 +500,9 @@ class ColdRead:
     An LMDB error on a key stops the lookups there: the key is bad, and :meth:`run` returns
     the position after it, for the caller to read the rest in a fresh transaction."""
 
-    def __init__(self, reader: JobReader, txn: lmdb.Transaction, limit: FileEnd, keys: Sequence[bytes], outcome: ReadOutcome) -> None:
+    def __init__(self, reader: JobReader, txn: lmdb.Transaction, keys: Sequence[bytes], outcome: ReadOutcome) -> None:
         self.reader = reader
         self.txn = txn
-        self.limit = limit
         self.keys = keys
         self.outcome = outcome
         self.ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
@@ -532,6 +539,7 @@ class ColdRead:
 
     def _look_up(self, start: int) -> None:
         bad = self.outcome.bad
+        self.reader.temperature.begin()
         try:
             for i in range(start, len(self.keys)):
                 if self.stop.is_set():
@@ -539,7 +547,7 @@ class ColdRead:
                 key = self.keys[i]
                 try:
                     began = time.perf_counter()
-                    pair = None if key in bad or key in self.outcome.transient else self.reader.pair(self.txn, key, self.limit, bad)
+                    pair = None if key in bad or key in self.outcome.transient else self.reader.pair(self.txn, key, bad)
                     self.slow = self.slow or self.reader.temperature.slow(began)
                 except lmdb.Error as exc:
                     self.reader.drop(self.outcome, key, exc)

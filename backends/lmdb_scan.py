@@ -41,6 +41,11 @@ _DB_SIZE = 48
 _FREE_DB_AT = 40
 _MAIN_DB_AT = _FREE_DB_AT + _DB_SIZE
 _MAX_DEPTH = 32
+#: A page header and a node header, as one gather each reads them (little-endian, LMDB's layout).
+_PAGE_HEAD = np.dtype([("pgno", "<u8"), ("pad", "<u2"), ("flags", "<u2"), ("lower", "<u2"), ("upper", "<u2")])
+_NODE_HEAD = np.dtype([("lo", "<u2"), ("hi", "<u2"), ("flags", "<u2"), ("ksize", "<u2")])
+_ENTRY_HEAD = np.dtype([("stamp", "<f8"), ("stored", "<u8")])
+_U16, _U64 = np.dtype("<u2"), np.dtype("<u8")
 
 
 class _Refused(Exception):
@@ -89,15 +94,23 @@ def list_trees(path: str, names: tuple[bytes, ...] = (b"blocks", b"index")) -> t
     return walk.leaves, data
 
 
-def _u16(data: np.ndarray, at: np.ndarray) -> np.ndarray:
-    if not np.any(at & 1):  # LMDB's nodes are 2-byte aligned: one gather of 16-bit words
-        return data.view("<u2")[at >> 1].astype(np.int64)
-    return data[at].astype(np.int64) | data[at + 1].astype(np.int64) << 8
+def _rows(data: np.ndarray, at: np.ndarray, dtype: np.dtype | int) -> np.ndarray:
+    """The ``dtype`` items (or ``width``-byte rows, as ``V<width>``) at byte offsets ``at`` of
+    ``data``: one gather of whole rows over an overlapping view, not one per byte. An offset
+    whose row would end past ``data`` raises ``IndexError``, as a gather of each byte would."""
+    width = dtype if isinstance(dtype, int) else dtype.itemsize
+    count = len(data) - width + 1
+    if count <= 0:
+        raise IndexError(f"no row of {width} bytes fits {len(data)} bytes")
+    # Gathered as opaque rows (a plain copy per row; a structured or numeric item gathers
+    # slower), then read as ``dtype``.
+    view: np.ndarray = np.ndarray(shape=(count,), dtype=f"V{width}", buffer=data, strides=(1,))
+    rows = view[at]
+    return rows if isinstance(dtype, int) else rows.view(dtype)
 
 
-def _u64(data: np.ndarray, at: np.ndarray) -> np.ndarray:
-    rows = data[at[:, None] + np.arange(8)]
-    return rows.view("<u8").reshape(-1)
+def _field(rows: np.ndarray, name: str) -> np.ndarray:
+    return rows[name].astype(np.int64)
 
 
 class _Walk:
@@ -121,12 +134,13 @@ class _Walk:
             page = np.repeat(np.arange(len(level)), count)
             first = np.cumsum(count) - count
             slot = np.arange(len(page)) - first[page]
-            ptr = _u16(self.data, base[page] + _HEADER + 2 * slot)
+            ptr = _rows(self.data, base[page] + _HEADER + 2 * slot, _U16).astype(np.int64)
             if np.any(ptr < upper[page]) or np.any(ptr > self.psize - _NODE):
                 raise _Refused
             node = base[page] + ptr
-            data = self.data
-            lo, hi, flags, ksize = (_u16(data, node + i) for i in (0, 2, 4, 6))
+            head = _rows(self.data, node, _NODE_HEAD)
+            lo, hi, flags, ksize = (_field(head, f) for f in ("lo", "hi", "flags", "ksize"))
+            del head
             body = ptr + _NODE + ksize
             if depth > 1:
                 if np.any(body > self.psize):
@@ -149,9 +163,10 @@ class _Walk:
         if np.count_nonzero(seen) - before != len(level):  # a page listed twice in this level
             raise _Refused
         base = level * self.psize
-        data = self.data
-        own = _u64(data, base)
-        flags, lower, upper = _u16(data, base + 10), _u16(data, base + 12), _u16(data, base + 14)
+        head = _rows(self.data, base, _PAGE_HEAD)
+        own = head["pgno"]
+        flags, lower, upper = (_field(head, f) for f in ("flags", "lower", "upper"))
+        del head
         kind = flags & ~_IGNORED_FLAGS
         if np.any(own != level.astype(np.uint64)) or np.any(kind != (_P_LEAF if depth == 1 else _P_BRANCH)):
             raise _Refused
@@ -174,11 +189,7 @@ class _Walk:
         width = int(ksize[0]) if count else 0
         keys = None
         if count and np.all(ksize == width):
-            at = node + _NODE
-            if width % 2 == 0 and not np.any(at & 1):  # 16-bit words: half the gathers
-                keys = self.data.view("<u2")[(at >> 1)[:, None] + np.arange(width // 2)].view(np.uint8)
-            else:
-                keys = self.data[at[:, None] + np.arange(width)]
+            keys = _rows(self.data, node + _NODE, width).view(np.uint8).reshape(count, width) if width else np.zeros((count, 0), np.uint8)
         at = np.where(flags & _F_BIGDATA, -1, base + body)
         self.leaves[name] = Leaves(count, width, keys, size, at)
 
@@ -194,7 +205,7 @@ class _Walk:
         if len(big):
             if np.any(body[big] + 8 > psize):
                 raise _Refused
-            first = _u64(data, base[big] + body[big]).astype(np.int64)
+            first = _rows(data, base[big] + body[big], _U64).astype(np.int64)
             pages = -(-(size[big] + _HEADER) // psize)
             if np.any(first < 2) or np.any(first + pages - 1 > self.last):
                 raise _Refused
@@ -225,13 +236,14 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
         )
     if index.count != blocks.count or not np.array_equal(index.keys, blocks.keys) or np.any(index.at < 0):
         return None
-    head = data[index.at[:, None] + np.arange(16)]  # each entry's <d Q: stamp, stored bytes
-    stamps = head[:, :8].copy().view("<f8").reshape(-1)
-    stored = head[:, 8:].copy().view("<u8").reshape(-1).astype(np.int64)
+    head = _rows(data, index.at, _ENTRY_HEAD)  # each entry's <d Q: stamp, stored bytes
+    stamps = head["stamp"]
+    stored = head["stored"].astype(np.int64)
+    del head
     order = np.argsort(stamps, kind="stable")
-    width = index.key_size
-    rows = index.keys[order].tobytes()
-    keys = [rows[i : i + width] for i in range(0, len(rows), width)]
+    # One row per key as V<width> items: a gather of rows, then one ``bytes`` object each, whole
+    # (trailing zero bytes kept, unlike an S<width> array's).
+    keys = index.keys.view(f"V{index.key_size}").reshape(-1)[order].tolist()
     return RecordColumns(keys, stored[order], stamps[order], oldest_first=True)
 
 

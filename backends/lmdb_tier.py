@@ -46,8 +46,8 @@ Contract and choices:
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   a fresh one, into which the records that still pass their check are salvaged
-  (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A read never touches a value
-  that lies past the end of the file, and any LMDB error on one key is a miss for that key.
+  (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A job is not read from a file cut
+  short under the open store (:mod:`kvtier.backends.lmdb_plain`), and any LMDB error on one key is a miss for that key.
   Only a failed check deletes: a bad record, or a lookup that met a damaged page
   (``CorruptedError``, ``PageNotFoundError``); any other error (``MapResizedError``, reader-slot
   errors) keeps the record for the next read.
@@ -92,6 +92,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader, index_entry, restamp
 from kvtier.backends.lmdb_offline import OfflineLmdb
+from kvtier.backends.lmdb_plain import FileGuard, PlainReads
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
 from kvtier.backends.tag_log import DirectoryTags
@@ -252,7 +253,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
             if self.sync_mode == "durable":
                 env.sync(True)
             self._reader = JobReader(
-                blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes
+                blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes,
+                plain=PlainReads(blocks=self._blocks, index=self._index, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), head_at=INDEX.size),
+                guard=FileGuard(os.path.join(self.path, "data.mdb")),
             )
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
@@ -371,6 +374,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         env, self._env = self._env, None
         if env is not None:
             env.close()
+        if self._reader is not None and self._reader.guard is not None:
+            self._reader.guard.close()
 
     async def aclose(self) -> None:
         await super().aclose()

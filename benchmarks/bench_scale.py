@@ -14,9 +14,15 @@ they are valid kvtier records), and then a fresh interpreter opens a store on it
 * ``rss_bytes_per_key``: the growth of the process's anonymous RSS (``RssAnon``: Python objects,
   not the mapped file) across that open, per record;
 * ``lookup_us`` / ``lookup_miss_us``: one single-key ``lookup`` of a random held key / of an
-  absent key; ``lookup64_us_per_key``: a 64-key batched lookup, per key;
+  absent key (4096 distinct keys, each probed once a round, best of 5 warm rounds);
+  ``lookup64_us_per_key``: a 64-key batched lookup, per key. ``dict_*``: the same probes of a
+  bare ``dict`` of the same N keys in the same process (the raw baseline: a hash table of N
+  keys meets the CPU's cache and TLB misses too), and ``*_vs_dict`` the ratio to it: that is
+  the figure that should stay flat in N;
 * ``evict_us_per_block``: with the tier full, ``prepare_store`` + ``complete_store`` of 16 new
-  blocks that each evict one (manager work only: the records' deletion is the tier's job).
+  blocks that each evict one (manager work only: the records' deletion is the tier's job);
+  ``dict_evict_us_per_block``: a bare dict of the same keys dropping the same victims and taking
+  the same keys, alternated batch by batch; ``evict_us_per_block_over_dict``: the difference.
 
 ``index`` does the same for the manager's index alone, up to 10^7 synthetic keys (no bytes):
 ``adopt_s`` of N records and the same RSS, lookup and eviction figures.
@@ -92,26 +98,51 @@ def _per_call_us(fn: Callable[[], Any], calls: int, rounds: int = 5) -> float:
     return min(times)
 
 
-def _lookup_figures(manager: Any, held: Sequence[bytes], absent: Sequence[bytes]) -> dict[str, float]:
-    """Lookup costs over ``held`` keys (random order) and ``absent`` ones, per call or per key."""
+def _lookup_figures(manager: Any, held: Sequence[bytes], absent: Sequence[bytes], tier: int = 0) -> dict[str, float]:
+    """Lookup costs over ``held`` keys (random order) and distinct ``absent`` ones, per call or
+    per key; and the same probes of a bare ``dict`` of the same keys built in the same process
+    (``dict_*``, the raw baseline: what any hash index of N keys costs on this machine, its cache
+    and TLB misses included), and each cost over that baseline's (``*_vs_dict``). The arms
+    alternate round by round, and each figure is its best round (other processes only add time)."""
     lookup = manager.lookup
+    bare = dict.fromkeys(manager.tier_keys(tier), 1)  # the same key objects, a table of its own
+    get = bare.get
+
+    def bare_lookup(keys: Sequence[bytes]) -> int:
+        """The least a lookup can do: the leading run of ``keys`` the bare dict holds."""
+        if len(keys) == 1:
+            return 1 if get(keys[0]) else 0
+        n = 0
+        for key in keys:
+            if not get(key):
+                break
+            n += 1
+        return n
+
     singles = [[k] for k in held]
     misses = [[k] for k in absent]
     batches = [list(held[i : i + 64]) for i in range(0, len(held) - 63, 64)]
-    assert all(lookup(b) == 64 for b in batches[:4]) and lookup(singles[0]) == 1 and lookup(misses[0]) == 0
+    for fn in (lookup, bare_lookup):
+        assert all(fn(b) == 64 for b in batches[:4]) and fn(singles[0]) == 1 and fn(misses[0]) == 0
 
-    def run(items: list[list[bytes]]) -> Callable[[], None]:
+    def run(fn: Callable[[Sequence[bytes]], int], items: list[list[bytes]]) -> Callable[[], None]:
         def go() -> None:
             for item in items:
-                lookup(item)
+                fn(item)
 
         return go
 
-    return {
-        "lookup_us": round(_per_call_us(run(singles), 1) / len(singles), 4),
-        "lookup_miss_us": round(_per_call_us(run(misses), 1) / len(misses), 4),
-        "lookup64_us_per_key": round(_per_call_us(run(batches), 1) / (64 * len(batches)), 4),
-    }
+    out: dict[str, float] = {}
+    for name, items, per in (("lookup_us", singles, len(singles)), ("lookup_miss_us", misses, len(misses)),
+                             ("lookup64_us_per_key", batches, 64 * len(batches))):
+        ours, raw = [], []
+        for _ in range(5):  # alternate the arms, so drift in the machine's load falls on both
+            ours.append(_per_call_us(run(lookup, items), 1, rounds=1) / per)
+            raw.append(_per_call_us(run(bare_lookup, items), 1, rounds=1) / per)
+        out[name] = round(min(ours), 4)
+        out[f"dict_{name}"] = round(min(raw), 4)
+        out[f"{name}_vs_dict"] = round(min(ours) / min(raw), 3)
+    return out
 
 
 def _evict_figure(manager: Any, tier: int = 0) -> dict[str, float]:
@@ -130,24 +161,40 @@ def _evict_figure(manager: Any, tier: int = 0) -> dict[str, float]:
         plan = manager.prepare_store(keys)
         assert plan is not None
         manager.complete_store(plan.keys)
+    # The raw baseline: a bare dict of the same keys that drops the same victims, in the same
+    # order, and takes the same new keys (what any hash index does per evicted block).
+    order = manager.tier_keys(tier)
+    bare = dict.fromkeys(order, 1)
+    victims = iter(order[: EVICT_ROUNDS * EVICT_BATCH])
+    del order
     before = manager.stats()["tiers"][tier]["evictions"]
     batches = [fresh(EVICT_BATCH) for _ in range(EVICT_ROUNDS)]
-    took = []
-    for keys in batches:
+    took, raw = [], []
+    for keys in batches:  # the two arms alternate batch by batch
         t = time.perf_counter()
         plan = manager.prepare_store(keys)
         assert plan is not None
         manager.complete_store(plan.keys)
         took.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for key, victim in zip(keys, victims):
+            del bare[victim]
+            bare[key] = 0
+        for key in keys:
+            bare[key] = 1
+        raw.append(time.perf_counter() - t)
     evicted = manager.stats()["tiers"][tier]["evictions"] - before
     assert evicted == EVICT_ROUNDS * EVICT_BATCH, f"expected every stored block to evict one, got {evicted}"
     took.sort()
+    raw.sort()
     # The median batch is the steady cost; the slowest is where a dict of the index grows or
     # compacts (a pause of O(N) that a batch meets about once per N stores).
     return {
         "evict_us_per_block": round(took[len(took) // 2] / EVICT_BATCH * 1e6, 3),
         "evict_mean_us_per_block": round(sum(took) / evicted * 1e6, 3),
         "evict_slowest_batch_ms": round(took[-1] * 1e3, 3),
+        "dict_evict_us_per_block": round(raw[len(raw) // 2] / EVICT_BATCH * 1e6, 3),
+        "evict_us_per_block_over_dict": round((took[len(took) // 2] - raw[len(raw) // 2]) / EVICT_BATCH * 1e6, 3),
     }
 
 
@@ -251,7 +298,7 @@ def _measure_index(n: int) -> dict[str, Any]:
     _settle_memory()
     grown = _rss_anon() - rss - sys.getsizeof(held) - LOOKUP_SAMPLE * 8  # less the sample we keep
     assert not excess and manager.stats()["tiers"][0]["ready"] == n
-    absent = [b"\xab" * 32 for _ in range(1)] * LOOKUP_SAMPLE
+    absent = [b"\xab" * 8 + os.urandom(24) for _ in range(LOOKUP_SAMPLE)]  # distinct misses, as for the tiers
     out: dict[str, Any] = {
         "records": n,
         "adopt_s": round(adopt_s, 4),
@@ -283,7 +330,8 @@ def _flatness(points: list[dict[str, Any]], fields: Sequence[str]) -> None:
                 p[f"{f}_vs_smallest"] = round(p[f] / first[f], 3)
 
 
-FLAT_FIELDS = ("lookup_us", "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block", "rss_bytes_per_key")
+FLAT_FIELDS = ("lookup_us", "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block", "rss_bytes_per_key",
+               "lookup_us_vs_dict", "lookup_miss_us_vs_dict", "lookup64_us_per_key_vs_dict", "evict_us_per_block_over_dict")
 
 
 def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeout: float) -> list[dict[str, Any]]:
@@ -324,8 +372,8 @@ def _flush_redis(url: str) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    cols = ("records", "open_s_per_million", "adopt_s_per_million", "rss_bytes_per_key", "lookup_us",
-            "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block")
+    cols = ("records", "open_s_per_million", "adopt_s_per_million", "rss_bytes_per_key", "lookup_us", "lookup_us_vs_dict",
+            "lookup_miss_us", "lookup_miss_us_vs_dict", "lookup64_us_per_key", "evict_us_per_block", "dict_evict_us_per_block")
     lines = ["tier     " + " ".join(f"{c[:18]:>18}" for c in cols)]
     for name, points in result["tiers"].items():
         for p in points:

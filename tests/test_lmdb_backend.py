@@ -11,6 +11,7 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends.lmdb_layout import INDEX
+from lmdb_lookups import hook_lookups, slow_lookups_read_the_disk
 
 from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
@@ -527,14 +528,9 @@ def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
     options = {"mac_key": "a-test-secret-of-32-bytes-012345"} if keyed else {}
     keys, data = _cold_store(tmp_path, 5, options)
     threads: list[str] = []
-    real_pair = lmdb_layout.JobReader.pair
-
-    def pair(self: object, *args: object) -> object:
-        threads.append(threading.current_thread().name)
-        return real_pair(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    hook_lookups(monkeypatch, lambda key: threads.append(threading.current_thread().name))
     monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    slow_lookups_read_the_disk(monkeypatch)
     backend = _open(lmdb_backend(tmp_path, 16 << 20, **options), BIG)
     try:
         job = [keys[0], keys[1], make_key(99), keys[2], keys[3], keys[4]]
@@ -557,17 +553,16 @@ def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read
     from kvtier.backends import lmdb_layout
 
     keys, data = _cold_store(tmp_path, 5, {})
-    real_pair = lmdb_layout.JobReader.pair
     failed: list[str] = []
 
-    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+    def lookup(key: bytes) -> None:
         if key == keys[1] and not failed:
             failed.append(threading.current_thread().name)
             raise lmdb.CorruptedError("a damaged page")
-        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    hook_lookups(monkeypatch, lookup)
     monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    slow_lookups_read_the_disk(monkeypatch)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
     try:
         job = [keys[0], keys[1], keys[3], keys[4]]
@@ -595,20 +590,19 @@ def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_
     want = [data[0], data[1], data[3], data[4]]
     threads: list[str] = []
     slow: set[bytes] = set()
-    real_pair = lmdb_layout.JobReader.pair
     # The reader times its lookups on a clock of the test's own, which only a slow lookup
     # advances: on a loaded machine a real lookup may take longer than COLD_GET_S, and that
     # would make a job cold which this test needs warm.
     clock = [0.0]
     monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    slow_lookups_read_the_disk(monkeypatch)
 
-    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+    def lookup(key: bytes) -> None:
         threads.append(threading.current_thread().name)
         if key in slow:
             clock[0] += 2 * lmdb_layout.COLD_GET_S  # a lookup that read from disk
-        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    hook_lookups(monkeypatch, lookup)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
     me = threading.current_thread().name
 
@@ -732,18 +726,18 @@ def test_a_transient_lmdb_error_on_a_lookup_is_a_miss_and_never_deletes_the_reco
     from kvtier.backends import lmdb_layout
 
     keys, data = _cold_store(tmp_path, 5, {})
-    real_pair = lmdb_layout.JobReader.pair
     failed: list[bytes] = []
 
-    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+    def lookup(key: bytes) -> None:
         if key == keys[1] and not failed:
             failed.append(key)
             raise error("transient")
-        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    hook_lookups(monkeypatch, lookup)
     if cold:
         monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+        slow_lookups_read_the_disk(monkeypatch)
+    slow_lookups_read_the_disk(monkeypatch)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
     try:
         job = [keys[0], keys[1], keys[3], keys[4]]

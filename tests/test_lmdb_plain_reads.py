@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import types
 from pathlib import Path
@@ -16,9 +19,12 @@ import pytest
 import torch
 from kvtier.backends import lmdb_layout
 from kvtier.backends.lmdb_layout import INDEX
+from kvtier.backends.lmdb_plain import host_rows
+from lmdb_lookups import hook_lookups, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.records.checks import FasterWay
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, RecordMac, encode_record
 from kvtier.testing import make_key, random_block
@@ -64,8 +70,18 @@ def _damaged_store(path: Path, **keyed: Any) -> tuple[list[bytes], list[torch.Te
     return keys, data
 
 
+def _rows(n: int, shape: str) -> list[torch.Tensor]:
+    """``n`` rows filled with 7s: tensors of their own, rows of one staging tensor (the
+    manager's), or strided rows (not contiguous: read by the general code)."""
+    if shape == "own":
+        return [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in range(n)]
+    if shape == "staging":
+        return list(torch.full((n + 1, FMT.block_bytes), 7, dtype=torch.uint8)[1:].unbind(0))
+    return list(torch.full((FMT.block_bytes, n), 7, dtype=torch.uint8).unbind(1))
+
+
 def _read(
-    path: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch, **keyed: Any
+    path: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch, rows: str = "own", **keyed: Any
 ) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], set[bytes], int]:
     monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", plain)
     calls = []
@@ -78,7 +94,7 @@ def _read(
     monkeypatch.setattr(lmdb_layout, "copy_and_check", counting)
     backend = _open(path, **keyed)
     try:
-        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+        out = _rows(len(keys), rows)
         found = backend.read_blocks(keys, out)
         stats = {
             k: v for k, v in backend.stats().items() if k in ("blocks_read", "read_misses", "corrupt_records", "deleted", "bytes_read", "auth_failures")
@@ -89,15 +105,17 @@ def _read(
     return found, out, stats, listed, sum(calls)
 
 
-@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize(("keyed", "rows"), [(False, "own"), (False, "staging"), (False, "strided"), (True, "own")])
 def test_a_one_pass_read_finds_drops_and_counts_what_the_general_read_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool, rows: str
 ) -> None:
+    """Unkeyed rows of their own or of one staging tensor take the tight pass
+    (``lmdb_plain.PlainReads``); strided rows, and keyed jobs, the one-pass loop."""
     options = {"mac_key": SECRET} if keyed else {}
     keys, data = _damaged_store(tmp_path / "store", **options)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
-    general = _read(tmp_path / "store", keys, False, monkeypatch, **options)
-    plain = _read(tmp_path / "copy", keys, True, monkeypatch, **options)
+    general = _read(tmp_path / "store", keys, False, monkeypatch, rows, **options)
+    plain = _read(tmp_path / "copy", keys, True, monkeypatch, rows, **options)
     print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
     assert general[0] == [True, False, False, False, True, True, True, True]
     assert plain[0] == general[0]
@@ -109,7 +127,28 @@ def test_a_one_pass_read_finds_drops_and_counts_what_the_general_read_does(
     assert plain[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
     # The general read checked every record with a readable head through copy_and_check (all
     # but 3); the plain one handed it only those that are not plain and sound (2, 5 and 6).
-    assert general[4] == 6 and plain[4] == 3
+    assert general[4] == 6 and plain[4] == (6 if rows == "strided" else 3)
+
+
+def test_host_rows_of_one_staging_tensor_are_views_of_its_rows() -> None:
+    """Rows cut from one tensor are sliced from one view of it, each at its own offset; rows
+    of their own get one view each; a strided row or a device stand-in means no views."""
+    staging = torch.zeros((5, 64), dtype=torch.float32).view(torch.uint8)  # rows of 256 bytes
+    rows = [staging[i] for i in (3, 1, 4)]
+    views = host_rows(rows, 256)
+    assert views is not None and len(views) == 3
+    assert len({id(view.obj) for view in views}) == 1  # slices of one view of the staging tensor
+    for n, view in enumerate(views):
+        view[:] = bytes([n + 1]) * 256
+    for n, row in enumerate(rows):
+        assert torch.equal(row, torch.full((256,), n + 1, dtype=torch.uint8))
+    assert staging[0].count_nonzero() == 0 and staging[2].count_nonzero() == 0
+    own = [torch.zeros(256, dtype=torch.uint8) for _ in range(2)]
+    views = host_rows(own, 256)
+    assert views is not None
+    views[1][:] = b"x" * 256
+    assert own[0].count_nonzero() == 0 and bytes(own[1].numpy()) == b"x" * 256
+    assert host_rows(list(torch.zeros((256, 2), dtype=torch.uint8).unbind(1)), 256) is None
 
 
 @pytest.mark.parametrize("error", [lmdb.CorruptedError, lmdb.MapResizedError])
@@ -121,16 +160,14 @@ def test_an_lmdb_error_in_a_plain_read_is_a_miss_and_the_rest_is_read_afresh(
     data = [random_block(FMT.block_bytes, 600 + i) for i in range(4)]
     backend = _open(tmp_path / "store")
     backend.write_blocks(keys, data)
-    real_pair = lmdb_layout.JobReader.pair
     failed: list[bytes] = []
 
-    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+    def lookup(key: bytes) -> None:
         if key == keys[1] and not failed:
             failed.append(key)
             raise error("injected")
-        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    hook_lookups(monkeypatch, lookup)
     plain_reads = []
     real_plain = lmdb_layout.JobReader.read_in_one_pass
     monkeypatch.setattr(lmdb_layout.JobReader, "read_in_one_pass", lambda self, *a: plain_reads.append(1) or real_plain(self, *a))
@@ -158,16 +195,15 @@ def _second_lookup_slow(
     backend.write_blocks(keys, data)
     clock = [0.0]
     monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    slow_lookups_read_the_disk(monkeypatch)
     threads: list[str] = []
-    real_pair = lmdb_layout.JobReader.pair
 
-    def pair(self: object, txn: object, key: bytes, *args: object) -> object:
+    def lookup(key: bytes) -> None:
         threads.append(threading.current_thread().name)
         if key == keys[1]:
             clock[0] += 2 * lmdb_layout.COLD_GET_S
-        return real_pair(self, txn, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lmdb_layout.JobReader, "pair", pair)
+    hook_lookups(monkeypatch, lookup)
     return keys, data, backend, threads
 
 
@@ -185,26 +221,53 @@ def test_a_slow_lookup_in_a_plain_read_makes_the_rest_of_the_job_cold(tmp_path: 
         asyncio.run(backend.aclose())
 
 
-def test_a_plain_read_never_touches_a_value_past_the_end_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The file's end is read from LMDB when a value seems to lie past the end read last; a
-    value that lies past it is a miss and is dropped, as in the general read."""
-    keys = [make_key(i) for i in range(3)]
-    data = [random_block(FMT.block_bytes, 800 + i) for i in range(3)]
-    backend = _open(tmp_path / "store")
-    backend.write_blocks(keys, data)
-    try:
-        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
-        assert backend.read_blocks(keys, out) == [True] * 3
-        reader = backend._reader  # type: ignore[attr-defined]
-        end = reader.end_seen[0]
-        assert end >= 3 * FMT.block_bytes
-        reader.end_seen[0] = 0  # as if never read: read again, and every value is inside it
-        assert backend.read_blocks(keys, out) == [True] * 3 and reader.end_seen[0] == end
-        monkeypatch.setattr(lmdb_layout.FileEnd, "covers", lambda self, end: False)  # every value past the end
-        assert backend.read_blocks(keys, out) == [False] * 3
-        assert backend.stats()["deleted"] == 3 and not list(backend.scan())
-    finally:
-        asyncio.run(backend.aclose())
+_CUT_UNDER_THE_STORE = """
+import asyncio, os, sys
+import torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import lmdb_plain
+from kvtier.errors import DiskError
+from kvtier.testing import make_key, random_block
+
+path, guarded = sys.argv[1], sys.argv[2] == "guarded"
+if not guarded:
+    lmdb_plain.FileGuard.check = lambda self: None
+fmt = BlockFormat(block_bytes=65536, dtype="uint8")
+backend = registry.backends.get("lmdb")(capacity=8 << 20, path=path, sync_mode="fast")
+asyncio.run(backend.open(fmt))
+keys = [make_key(i) for i in range(4)]
+backend.write_blocks(keys, [random_block(fmt.block_bytes, i) for i in range(4)])
+out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
+assert backend.read_blocks(keys, out) == [True] * 4
+data = os.path.join(path, "data.mdb")
+os.truncate(data, os.path.getsize(data) // 2)  # the newest values' pages are cut off
+print("cut", flush=True)
+try:
+    print("read", backend.read_blocks(keys, out), flush=True)
+except DiskError as exc:
+    print("refused", exc, flush=True)
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_data_file_cut_short_under_an_open_store_is_refused_not_read(tmp_path: Path, guarded: bool) -> None:
+    """python-lmdb's ``get`` touches every page of the value it returns, so a value whose pages
+    were cut off the file faults the process inside the lookup, before any check of where the
+    value lies could run. The reader therefore checks once per job that ``data.mdb`` has not
+    shrunk (LMDB never shrinks it while open), and refuses the job with a ``DiskError`` (the
+    manager serves it as misses). Without that check (``guarded=False``), the same read dies of
+    SIGBUS: what the check is for. In a child process, so the fault is observed, not suffered."""
+    child = subprocess.run(
+        [sys.executable, "-c", _CUT_UNDER_THE_STORE, str(tmp_path / "store"), "guarded" if guarded else "bare"],
+        capture_output=True, text=True, timeout=120,
+    )
+    print(child.stdout, child.stderr[-2000:])
+    assert "cut" in child.stdout
+    if guarded:
+        assert child.returncode == 0 and "refused" in child.stdout and "shorter than" in child.stdout
+    else:
+        assert child.returncode == -signal.SIGBUS and "read" not in child.stdout.split("cut", 1)[1]
 
 
 def test_the_head_a_plain_read_expects_is_the_one_the_tier_writes(tmp_path: Path) -> None:
@@ -245,3 +308,65 @@ def test_a_slow_lookup_while_other_jobs_are_read_does_not_make_the_reader_cold(t
         assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
     finally:
         asyncio.run(backend.aclose())
+
+
+def test_a_slow_lookup_that_did_not_wait_for_the_disk_does_not_make_the_reader_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup's wall time also counts the time its thread was preempted: where the system
+    counts the thread's major page faults, a slow lookup with none since its job began is not a
+    disk read, and the job stays on its thread (with a fault each time, as above, it goes cold)."""
+    keys, data, backend, threads = _second_lookup_slow(tmp_path, monkeypatch, 720)
+    me = threading.current_thread().name
+    faults = [5]
+    monkeypatch.setattr(lmdb_layout, "major_faults", lambda: faults[0])
+    temperature = backend._reader.temperature  # type: ignore[attr-defined]
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 5
+        assert threads == [me] * 5 and not temperature.cold
+        assert all(torch.equal(o, d) for o, d in zip(out, data))
+        threads.clear()
+        monkeypatch.setattr(lmdb_layout, "major_faults", lambda: faults.append(faults[-1] + 1) or faults[-1])
+        assert backend.read_blocks(keys, out) == [True] * 5
+        assert threads == [me, me] + ["kvtier-lmdb-cold"] * 3
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_the_faster_way_is_taken_and_the_other_is_tried_now_and_then() -> None:
+    """Each way once, then the one with the lower moving cost per byte; every ``probe``-th
+    job the other one, so that a change in the machine shows: here the side thread's way
+    becomes the faster, and is taken from then on."""
+    ways = FasterWay(probe=4, weight=1.0)  # the latest job's cost alone
+    assert ways.pick() == 0
+    ways.record(0, 1.0, 100)
+    assert ways.pick() == 1
+    ways.record(1, 2.0, 100)
+    picks = []
+    for _ in range(8):
+        way = ways.pick()
+        picks.append(way)
+        ways.record(way, 1.0 if way == 0 else 0.1, 100)  # the other core freed: way 1 now wins
+    # Jobs 3-10: the faster (0), the probe of the other at job 4, which now wins; the probe of
+    # way 0 at job 8, which does not.
+    assert picks == [0, 1, 1, 1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("way", [0, 1])
+def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: int
+) -> None:
+    """A warm unkeyed job of SIDE_MIN_BYTES or more is read in one pass (way 0) or checked on
+    the side thread while this thread copies (way 1, ``copy_and_check``), as ``FasterWay``
+    picks: the same finds, bytes, drops and counters as the general read, on a damaged store."""
+    monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
+    monkeypatch.setattr(FasterWay, "pick", lambda self: way)
+    keys, data = _damaged_store(tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    general = _read(tmp_path / "store", keys, False, monkeypatch)
+    chosen = _read(tmp_path / "copy", keys, True, monkeypatch)
+    assert chosen[0] == general[0] == [True, False, False, False, True, True, True, True]
+    for i, hit in enumerate(general[0]):
+        if hit:
+            assert torch.equal(chosen[1][i], data[i])
+    assert chosen[2] == general[2] and chosen[3] == general[3]
+    assert chosen[4] == (3 if way == 0 else 6)  # way 1 hands copy_and_check every readable record

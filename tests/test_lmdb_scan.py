@@ -156,3 +156,40 @@ def test_adopting_columns_equals_adopting_tuples(variable: bool) -> None:
 def test_record_columns_refuse_columns_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="2 keys, 1 sizes"):
         RecordColumns([b"a", b"b"], torch.zeros(1).numpy(), torch.zeros(2).numpy())
+
+
+def test_row_gathers_equal_byte_gathers_at_any_offset() -> None:
+    """``_rows`` (one gather per row over an overlapping view) reads exactly the bytes a gather
+    of each byte reads, at odd and even offsets, as opaque rows and as a structured header; an
+    offset whose row runs past the end raises ``IndexError`` as the byte gather does."""
+    import numpy as np
+    from kvtier.backends.lmdb_scan import _NODE_HEAD, _rows
+
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 4096, dtype=np.uint8)
+    at = rng.integers(0, 4096 - 40, 500)
+    for width in (1, 8, 16, 32, 33):
+        assert np.array_equal(_rows(data, at, width).view(np.uint8).reshape(-1, width), data[at[:, None] + np.arange(width)])
+    head = _rows(data, at, _NODE_HEAD)
+    for i, field in enumerate(("lo", "hi", "flags", "ksize")):
+        word = data[at + 2 * i].astype(np.int64) | data[at + 2 * i + 1].astype(np.int64) << 8
+        assert np.array_equal(head[field].astype(np.int64), word)
+    with pytest.raises(IndexError):
+        _rows(data, np.array([4096 - 7]), 8)
+    with pytest.raises(IndexError):
+        data[np.array([4096 - 7]) + np.arange(8)]
+
+
+def test_keys_with_zero_bytes_are_listed_whole(tmp_path: Path) -> None:
+    """Keys that end (or start) with zero bytes come out of the open's listing whole, as the
+    cursor read gives them (an ``S<width>`` array would strip the trailing zeros)."""
+    fmt = BlockFormat(block_bytes=1024, dtype="bfloat16", namespace={"model_id": "m"})
+    path = str(tmp_path / "env")
+    backend: Backend = registry.backends.get("lmdb")(capacity=8 << 20, path=path, sync_mode="fast")
+    asyncio.run(backend.open(fmt))
+    keys = [bytes([i + 1]) + bytes(31) for i in range(20)] + [bytes(31) + bytes([i + 1]) for i in range(20)] + [bytes(32)]
+    assert None not in backend.write_blocks(keys, [random_block(1024, i) for i in range(len(keys))])
+    asyncio.run(backend.aclose())
+    columns, _ = open_listing(path, ENTRY_SIZES)
+    assert columns is not None and sorted(columns.keys) == sorted(keys)
+    assert all(type(k) is bytes and len(k) == 32 for k in columns.keys)

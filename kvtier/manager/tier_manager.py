@@ -226,6 +226,13 @@ class TierManager:
         """Whether ``tier`` has ``key`` at all (pending or ready): its bytes may be there."""
         return key in self._indexes[tier]
 
+    def ready_keys(self, tier: int) -> list[bytes]:
+        """The keys ``tier`` holds ready, in no particular order: a snapshot (a shared tier's
+        index view looks there for keys its server lost)."""
+        with self._lock:
+            index = self._tiers[tier].index.copy()  # a copy of the table, not a walk, under the lock
+        return [key for key, state in index.items() if state]
+
     def lookup_detail(self, keys: Sequence[bytes]) -> list[KeyStatus]:
         """Per key: hit (with the fastest ready tier), pending, or miss."""
         if self._closed:

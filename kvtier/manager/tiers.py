@@ -59,9 +59,11 @@ class TierSpec:
 
 class TierState:
     """Key state of one tier: ``index`` (key -> ``PENDING``/``READY``), ``pins`` (key -> pin
-    count, ready keys only), ``sizes`` (variable-size tiers), ``stamps`` (persistent tiers:
-    access times not yet saved), byte accounting and counters. The policy orders exactly the
-    ready keys.
+    count, ready keys only), ``sizes`` (variable-size tiers: the accounted bytes of the keys
+    whose size is not ``block``; every other key of the index counts ``block``, so a tier of
+    millions of records of the common size keeps no entry per key), ``stamps`` (persistent
+    tiers: access times not yet saved), byte accounting and counters. The policy orders exactly
+    the ready keys.
 
     ``kept`` holds the keys an operator pinned (never evicted from this tier, at most
     ``pin_budget`` bytes of them); ``tenancy`` (once tenants are in use) counts usage per tenant
@@ -130,8 +132,6 @@ class TierState:
             index[key] = PENDING
         self.used += self.block * len(keys)
         self.pending += len(keys)
-        if self.variable:
-            self.sizes.update(dict.fromkeys(keys, self.block))
         if self.tenancy is not None:
             self.tenancy.add(keys, self.block)
 
@@ -144,15 +144,19 @@ class TierState:
             index[key] = READY
         self.pending -= len(keys)
         if self.variable and sizes:
-            own = self.sizes
+            own, block = self.sizes, self.block
             tenancy = self.tenancy
             for key in keys:
                 actual = sizes.get(key)
                 if actual is not None:
-                    self.used += actual - own[key]
+                    grown = actual - own.get(key, block)
+                    self.used += grown
                     if tenancy is not None:
-                        tenancy.resize(key, actual - own[key])
-                    own[key] = actual
+                        tenancy.resize(key, grown)
+                    if actual != block:
+                        own[key] = actual
+                    else:
+                        own.pop(key, None)
         self.policy.insert_many(keys)
         if self.persistent:
             self.stamps.update(dict.fromkeys(keys, now))
@@ -187,9 +191,9 @@ class TierState:
         index, pins = self.index, self.pins
         kept = pins.keys() | self.kept.keys() | {key for key in protected if index.get(key)}
         if self.variable:
-            sizes = self.sizes
-            ready_bytes = self.used - self.pending * self.block  # pending entries count one block each
-            movable = ready_bytes - sum(sizes.get(key, 0) for key in kept)
+            sizes, block = self.sizes, self.block
+            ready_bytes = self.used - self.pending * block  # pending entries count one block each
+            movable = ready_bytes - sum(sizes.get(key, block) for key in kept)
         else:
             movable = (len(index) - self.pending - len(kept)) * self.block
         return max(0, (self.free() + movable) // self.block)
@@ -211,7 +215,7 @@ class TierState:
                 policy.restore(victims)
                 return None
             victims += got
-            freed += sum(map(self.sizes.__getitem__, got)) if self.variable else len(got) * self.block
+            freed += self._sized(got) if self.variable else len(got) * self.block
         return victims, freed
 
     def _drop(self, victims: list[bytes]) -> None:
@@ -239,7 +243,7 @@ class TierState:
                 policy.restore(victims)
                 return None
             victims += got
-            freed += sum(map(self.sizes.__getitem__, got)) if self.variable else len(got) * self.block
+            freed += self._sized(got) if self.variable else len(got) * self.block
         index = self.index
         for key in victims:
             del index[key]
@@ -292,7 +296,15 @@ class TierState:
         return victims
 
     def _size_of(self, key: bytes) -> int:
-        return self.sizes[key] if self.variable else self.block
+        return self.sizes.get(key, self.block) if self.variable else self.block
+
+    def _sized(self, keys: Collection[bytes]) -> int:
+        """The accounted bytes of ``keys`` of a variable-size tier (see the class doc)."""
+        sizes = self.sizes
+        if not sizes:
+            return len(keys) * self.block
+        block = self.block
+        return sum(sizes.get(key, block) for key in keys)
 
     def has_room(self, key: bytes) -> bool:
         """Whether ``key`` fits in the free room, its tenant's cap included (never evicts)."""
@@ -379,7 +391,7 @@ class TierState:
                 continue
             self.index[key] = READY
             self.used += size
-            if self.variable:
+            if self.variable and size != self.block:
                 self.sizes[key] = size
             adopted.append(key)
         self.policy.adopt(adopted, self.index)
@@ -405,9 +417,11 @@ class TierState:
         kept = keys[drop:] if drop else keys
         self.index.update(fresh)
         self.used += int(sizes[drop:].sum())
-        if self.variable:  # one int object per distinct size, not one per record
-            distinct, which = np.unique(sizes[drop:], return_inverse=True)
-            self.sizes.update(zip(kept, map(distinct.tolist().__getitem__, which.tolist())))
+        if self.variable:  # only the sizes that are not the common one; one int object per distinct size
+            odd = np.flatnonzero(sizes[drop:] != self.block)
+            if len(odd):
+                distinct, which = np.unique(sizes[drop:][odd], return_inverse=True)
+                self.sizes.update(zip(map(kept.__getitem__, odd.tolist()), map(distinct.tolist().__getitem__, which.tolist())))
         self.policy.adopt(kept, self.index)
         if self.tenancy is not None:
             self.tenancy.add_sized((key, self._size_of(key)) for key in kept)
@@ -418,11 +432,11 @@ class TierState:
             self.unkeep(key for key in keys if key in self.kept)
         tenancy = self.tenancy
         if self.variable:
-            pop = self.sizes.pop
+            pop, block = self.sizes.pop, self.block
             if tenancy is None:
-                self.used -= sum(pop(key) for key in keys)
+                self.used -= sum(pop(key, block) for key in keys) if self.sizes else block * len(keys)
             else:
-                sized = [(key, pop(key)) for key in keys]
+                sized = [(key, pop(key, block)) for key in keys]
                 self.used -= sum(size for _, size in sized)
                 tenancy.remove_sized(sized)
         else:

@@ -35,7 +35,7 @@ from kvtier.errors import CorruptBlockError
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
 
-__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "ProcessThreads", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
+__all__ = ["SIDE_MIN_BYTES", "THREAD_PREFIX", "EncodedStream", "FasterWay", "ProcessThreads", "RawPayload", "copy_and_check", "fill_and_check", "side_pool"]
 
 #: Jobs with fewer bytes than this are checked on the calling thread (a hop costs ~50 µs).
 SIDE_MIN_BYTES = 1 << 20
@@ -248,6 +248,40 @@ class _SharedChecks:
             verify_payload(item.key, item.head, item.header, item.out if self.rows else item.payload, mac=self.mac)
         except CorruptBlockError as exc:
             self.errors[i] = exc
+
+
+class FasterWay:
+    """Which of two ways of doing a kind of job runs faster here and now. Each job is timed
+    (seconds per byte, a moving average per way), the faster way is taken, and every
+    ``probe``-th job takes the other one, so that a change in the machine (its other core freed
+    or taken) shows within a few jobs. For choices that hang on a free core: checks on a side
+    thread beat checks on the calling thread only while the side thread has a core to itself.
+    Shared by the threads that read jobs: a stale average costs time, never a wrong byte."""
+
+    __slots__ = ("_cost", "_jobs", "probe", "weight")
+
+    def __init__(self, probe: int = 8, weight: float = 0.3) -> None:
+        self.probe = probe
+        self.weight = weight
+        self._cost: list[float | None] = [None, None]
+        self._jobs = 0
+
+    def pick(self) -> int:
+        """The way (0 or 1) to take for the next job: each once first, then the faster."""
+        self._jobs += 1
+        first, second = self._cost
+        if first is None:
+            return 0
+        if second is None:
+            return 1
+        best = 0 if first <= second else 1
+        return 1 - best if self._jobs % self.probe == 0 else best
+
+    def record(self, way: int, seconds: float, nbytes: int) -> None:
+        """A job of ``nbytes`` took ``seconds`` the ``way`` way."""
+        cost = seconds / max(1, nbytes)
+        old = self._cost[way]
+        self._cost[way] = cost if old is None else old + self.weight * (cost - old)
 
 
 class EncodedStream(Generic[T, R]):

@@ -1,0 +1,65 @@
+"""An ``lmdb`` tier's index entries (stamp, stored size and, split layout, the record's head:
+see :mod:`kvtier.backends.lmdb_layout`), and what reading a job found (:class:`ReadOutcome`)."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from kvtier.records.format import HEAD_MAX, HEADER_SIZE
+
+__all__ = ["ENTRY_SIZES", "INDEX", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
+
+INDEX = struct.Struct("<dQ")
+#: Index entry lengths: whole layout, split plain, split keyed.
+ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
+
+
+def index_entry(stamp: float, stored: int, head: bytes = b"") -> bytes:
+    """The index entry of a record: its stamp and stored size, then (split layout) its head."""
+    return INDEX.pack(stamp, stored) + head
+
+
+def entry_stamp(entry: Any) -> tuple[float, int]:
+    """``(stamp, stored bytes)`` of an index entry; ``ValueError`` if it has no valid length."""
+    if len(entry) not in ENTRY_SIZES:
+        raise ValueError(f"index entry of {len(entry)} bytes (expected one of {ENTRY_SIZES})")
+    stamp, stored = INDEX.unpack_from(entry, 0)
+    return stamp, stored
+
+
+def restamp(entry: Any, stamp: float) -> bytes:
+    """``entry`` with its stamp replaced (its size and head kept)."""
+    _, stored = entry_stamp(entry)
+    return INDEX.pack(stamp, stored) + bytes(entry[INDEX.size :])
+
+
+def join_record(entry: Any, value: Any) -> bytes:
+    """The whole record (head + payload) of a stored pair, whatever its layout; the value as it
+    is when its entry is missing or unreadable (a checker then finds what is wrong with it)."""
+    if entry is None or len(entry) not in ENTRY_SIZES or len(entry) == INDEX.size:
+        return bytes(value)
+    return bytes(entry[INDEX.size :]) + bytes(value)
+
+
+class ReadOutcome:
+    """What reading a job found: ``found`` per key, the keys to drop with the reason, the keys
+    missed over an error that says nothing about their record (``transient``: kept), and how
+    many were corrupt (of which ``auth`` refused by the keyed MAC)."""
+
+    __slots__ = ("auth", "bad", "corrupt", "found", "transient")
+
+    def __init__(self, n: int) -> None:
+        self.found = [False] * n
+        self.bad: dict[bytes, str] = {}
+        self.transient: set[bytes] = set()
+        self.corrupt = 0
+        self.auth = 0
+
+    def take(self, start: int, rest: ReadOutcome) -> None:
+        """Add the outcome of reading the job's keys from ``start`` on."""
+        self.found[start:] = rest.found
+        self.bad.update(rest.bad)
+        self.transient |= rest.transient
+        self.corrupt += rest.corrupt
+        self.auth += rest.auth

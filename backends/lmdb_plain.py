@@ -1,0 +1,163 @@
+"""Warm jobs of plain records, read in one tight pass (:class:`PlainReads`), and the guard
+that keeps reads off a ``data.mdb`` cut short under an open store (:class:`FileGuard`).
+
+A plain record is what an unkeyed ``lmdb`` tier writes for a block that did not compress: its
+payload alone in ``blocks``, and in ``index`` the stamp and size followed by a 32-byte header
+whose first 24 bytes (the part the checksum covers: magic, version, codec, dtype, flags and
+both lengths) are the same for every such record of the store. So per record the pass makes
+two lookups, one compare of those 24 bytes against the bytes the store writes, one copy into
+the row, and one XXH3 over the key and the row, continued from a state that already holds the
+24 bytes (computed once per store). The rows' buffers are taken once per job: from one view of
+the tensor they are all cut from when they are (a manager's staging rows), else one per row.
+
+Whatever is not such a record (absent, another layout, compressed, a bad checksum) is handed
+back to the caller key by key, in order (``odd``), and read by the general code: its bytes,
+errors, deletions and counters are the general read's. A slow lookup or an LMDB error stops the
+pass and is handed back too (:meth:`PlainReads.read`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lmdb
+import torch
+import xxhash
+
+from kvtier import devices
+from kvtier.errors import DiskError
+from kvtier.records.codec import NoneCodec
+from kvtier.records.record import CHECKED, HEADER, MAGIC, RECORD_VERSION
+
+__all__ = ["FileGuard", "PlainReads", "host_rows"]
+
+_SUM = struct.Struct("<Q")
+
+
+def host_rows(out: Sequence[torch.Tensor], size: int) -> list[memoryview] | None:
+    """A writable view of each row (1-D ``uint8`` tensors of ``size`` bytes, as
+    ``_check_io`` checked them), or ``None`` when one is not contiguous host memory (or when
+    :data:`kvtier.devices.locate` makes host tensors stand in for a device's).
+
+    Rows cut from one host tensor (``staging[i]``, ``t.unbind(0)``) are views into one buffer
+    of it, sliced at each row's offset: ``Tensor.numpy()`` costs 1-3 µs a row, more than the
+    lookup and the copy of a 4 KiB record together."""
+    if devices.locate is not None or not out:
+        return None
+    base = out[0]._base
+    if base is not None and len(out) > 1 and base.is_cpu and base.is_contiguous():
+        flat = base.detach().reshape(-1).view(torch.uint8)
+        whole = flat.numpy().data
+        start, length = flat.data_ptr(), len(whole)
+        views = []
+        for row in out:
+            at = row.data_ptr() - start
+            if row._base is not base or not row.is_contiguous() or at < 0 or at + size > length:
+                break
+            views.append(whole[at : at + size])
+        else:
+            return views
+    views = []
+    for row in out:
+        if not row.is_cpu or not row.is_contiguous():
+            return None
+        views.append(row.numpy().data)
+    return views
+
+
+class PlainReads:
+    """The tight pass over a warm job of plain records of one store (see the module doc)."""
+
+    __slots__ = ("blocks", "entry_size", "head", "head_at", "index", "prefix", "size", "sum_at")
+
+    def __init__(self, *, blocks: Any, index: Any, block_bytes: int, dtype_code: int, head_at: int) -> None:
+        self.blocks = blocks
+        self.index = index
+        self.size = block_bytes
+        #: The checked header bytes of every plain record of the store (what encode_record writes).
+        self.head = HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, 0, block_bytes, block_bytes, 0)[:CHECKED]
+        self.prefix = xxhash.xxh3_64(self.head)  # record_checksum's state after the head
+        self.head_at = head_at  # where the head starts in an index entry
+        self.sum_at = head_at + CHECKED
+        self.entry_size = head_at + HEADER.size
+
+    def read(
+        self,
+        txn: lmdb.Transaction,
+        keys: Sequence[bytes],
+        rows: Sequence[memoryview],
+        found: list[bool],
+        clock: Callable[[], float],
+        slow: Callable[[float], bool],
+        odd: Callable[[int, Any, Any], None],
+        slow_after: float,
+    ) -> tuple[int, lmdb.Error | None, Any, Any] | None:
+        """Read ``keys`` into ``rows`` in ``txn`` (``buffers=True``), setting ``found``; every
+        record that is present but not plain and sound is handed to ``odd(i, entry, value)``
+        (``entry`` may be ``None``) before the next key is looked up. ``None`` when every key
+        was read; ``(i, None, entry, value)`` when the lookup of key ``i`` was slow (it took
+        ``slow_after`` seconds or more of ``clock()`` and ``slow(start)`` says so): key ``i``
+        was looked up (``value`` is ``None`` when absent) but not read, nor any key after it;
+        ``(i, error, None, None)`` when an LMDB error stopped the pass at key ``i`` (``txn``
+        may be unusable)."""
+        get, blocks, index, size, entry_size = txn.get, self.blocks, self.index, self.size, self.entry_size
+        head, head_at, sum_at, prefix, checksum = self.head, self.head_at, self.sum_at, self.prefix, _SUM.unpack_from
+        i = 0
+        try:
+            for i, key in enumerate(keys):
+                start = clock()
+                value = get(key, db=blocks)
+                entry = None if value is None else get(key, db=index)
+                if clock() - start >= slow_after and slow(start):
+                    return i, None, entry, value
+                if value is None:
+                    continue
+                if entry is None or len(entry) != entry_size or len(value) != size or entry[head_at:sum_at] != head:
+                    odd(i, entry, value)
+                    continue
+                row = rows[i]
+                row[:] = value
+                # The row just written, while it is in the CPU's cache: what the caller gets is checked.
+                h = prefix.copy()
+                h.update(key)
+                h.update(row)
+                if h.intdigest() == checksum(entry, sum_at)[0]:
+                    found[i] = True
+                else:
+                    odd(i, entry, value)
+        except lmdb.Error as exc:
+            return i, exc, None, None
+        return None
+
+
+class FileGuard:
+    """Refuses reads once ``data.mdb`` is shorter than it was: LMDB never shrinks its file
+    while it is open, so a shorter one was cut under the store, and a value past its end would
+    fault the process (python-lmdb touches every page of a value inside ``get``, so no check
+    after a lookup can prevent that; the open's page check covers files damaged while closed).
+    One ``fstat`` per job."""
+
+    __slots__ = ("fd", "path", "seen")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.seen = os.fstat(self.fd).st_size
+
+    def check(self) -> None:
+        """``DiskError`` if the file is shorter than at the last check."""
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError as exc:  # closed meanwhile (the store is closing)
+            raise DiskError(f"lmdb: {self.path!r} is closed: {exc}") from exc
+        if size < self.seen:
+            raise DiskError(f"lmdb: {self.path!r} is {size} bytes, shorter than the {self.seen} it held: cut under the open store; not read")
+        self.seen = size
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)

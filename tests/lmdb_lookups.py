@@ -1,0 +1,50 @@
+"""A test's hook into an ``lmdb`` tier's lookups: every value lookup of a read, on whichever
+path makes it (the one-pass read, the general read, the cold read's thread), calls ``hook(key)``
+first, on the thread that looks the key up. A hook that raises an ``lmdb.Error`` is an error of
+that lookup; one that advances a clock the reader reads makes the lookup slow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+
+class _Txn:
+    """A read transaction whose lookups in ``blocks`` call ``hook(key)`` first."""
+
+    def __init__(self, txn: Any, blocks: Any, hook: Callable[[bytes], None]) -> None:
+        self._txn = txn
+        self._blocks = blocks
+        self._hook = hook
+
+    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+        if db is self._blocks:
+            self._hook(key)
+        return self._txn.get(key, default, db=db)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+
+def hook_lookups(monkeypatch: pytest.MonkeyPatch, hook: Callable[[bytes], None]) -> None:
+    """Call ``hook(key)`` before each value lookup of every ``lmdb`` read from now on."""
+    from kvtier.backends import lmdb_layout
+
+    real = lmdb_layout.JobReader._begin
+
+    def begin(self: Any, env: Any) -> Any:
+        return _Txn(real(self, env), self.blocks, hook)
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "_begin", begin)
+
+
+def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lookup the reader finds slow counts as a disk read (as if the thread had a major
+    page fault each time it looked), whatever this machine's page cache holds."""
+    import itertools
+
+    from kvtier.backends import lmdb_layout
+
+    monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count().__next__)
