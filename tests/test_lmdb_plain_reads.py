@@ -351,6 +351,29 @@ def test_the_faster_way_is_taken_and_the_other_is_tried_now_and_then() -> None:
     assert picks == [0, 1, 1, 1, 1, 0, 1, 1]
 
 
+def test_probes_of_a_way_that_keeps_losing_come_ever_further_apart() -> None:
+    """Every probe that changes nothing doubles the distance to the next (8, 16, then the cap
+    of 16); one that changes the best way brings it back to 4."""
+    ways = FasterWay(probe=4, weight=1.0, max_probe=16)
+    ways.record(ways.pick(), 1.0, 100)
+    ways.record(ways.pick(), 3.0, 100)  # way 1 is slower
+
+    def run(jobs: int, cost: tuple[float, float]) -> list[int]:
+        probes = []
+        for _ in range(jobs):
+            way = ways.pick()
+            if way == 1:
+                probes.append(ways._jobs)  # type: ignore[attr-defined]
+            ways.record(way, cost[way], 100)
+        return probes
+
+    assert run(60, (1.0, 3.0)) == [4, 12, 28, 44, 60]
+    # Way 1 is the faster from now on: the probe at job 76 finds it, and it is taken from then
+    # on, but for the probe of way 0 four jobs later.
+    assert run(20, (1.0, 0.5)) == [76, 77, 78, 79, 81, 82]
+    assert ways.pick() == 1
+
+
 @pytest.mark.parametrize("way", [0, 1])
 def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: int
