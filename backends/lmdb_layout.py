@@ -193,7 +193,7 @@ class JobReader:
         cold = self.temperature.cold and len(keys) > 1 and self.temperature.readers <= 1
         nbytes = len(keys) * self.block_bytes
         if not cold and ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
-            if mac is not None or nbytes < SIDE_MIN_BYTES or len(keys) < 2:
+            if mac is not None or nbytes < SIDE_MIN_BYTES:
                 return self.read_in_one_pass(env, keys, out, mac)
             # Copy and checksum: one pass on this thread, or the checksums on a side thread
             # while this one copies, whichever has been faster of late (FasterWay).

@@ -298,7 +298,8 @@ class TierManager:
             batch = set(keys)
             new = list(keys) if len(batch) == len(keys) else list(dict.fromkeys(keys))
             for index in self._indexes:
-                new = [key for key in new if key not in index]
+                if not index.keys().isdisjoint(batch):  # (a pass in C finds none held: the common store)
+                    new = [key for key in new if key not in index]
             admission, counts = self._admission, self._counts
             if admission.enabled:
                 admission.note(batch)
@@ -380,6 +381,9 @@ class TierManager:
                     _check(keys)
                 if i is not None:
                     raise LifecycleError(f"complete_store: keys[{i}] ({keys[i].hex()[:16]}…) was never prepared or is already complete")
+            if owners is not None and success and not failed and not sizes and self._plans.complete_plain(keys, owners, self._now()):
+                self._counts["store_completed"] += len(owners)
+                return
             failed_sets = {ti: set(ks) for ti, ks in failed.items()} if failed else {}
             done, lost = self._plans.complete(keys, Completion(success, failed_sets, sizes, self._now()), owners)
             self._counts["store_completed"] += done
