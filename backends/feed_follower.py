@@ -38,7 +38,7 @@ that are now ready in the tier (``adopted``: stored by another engine) or no lon
 (``removed``). It must be quick and thread-safe (queue the keys for the engine's own loop, e.g.
 KV events for a router). A listener that raises is logged and kept.
 
-The manager is reached duck-typed (``holds``, ``adopt``, ``remove``), as by the view: this
+The manager is reached duck-typed (``holds``, ``adopt``, ``remove``, ``ready_keys``), as by the view: this
 module imports nothing from the manager.
 """
 
@@ -217,8 +217,9 @@ class TierFollower:
             with self._lock:
                 self._foreign.difference_update(keys)
 
-    def note_listed(self, keys: Iterable[bytes]) -> None:
-        self.view.note_listed(keys)
+    def note_listed(self, count: int) -> None:
+        """The number of keys the store's listing at open found."""
+        self.view.note_listed(count)
 
     def count_served(self, keys: Iterable[bytes]) -> int:
         """Count the keys of a load this tier served that another engine stored (shared hits);

@@ -70,18 +70,22 @@ class BeneathRoot:
     def __init__(self, root: str) -> None:
         self.fd = os.open(root, _DIR_FLAGS)
         self.usable = _syscall is not None
-        self._how = _OpenHow(os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        self._how = _OpenHow(os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, 0, resolve)
         self._how_ref = ctypes.byref(self._how)
+        self._dir_how = _OpenHow(_DIR_FLAGS, 0, resolve)
+        self._dir_how_ref = ctypes.byref(self._dir_how)
         self._how_size = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
         self._sys = ctypes.c_long(_SYS_OPENAT2)
         self._dir = ctypes.c_int(self.fd)
 
-    def open(self, relative: str) -> int | None:
-        """A read-only descriptor of ``relative`` beneath the root, ``None`` if it does not
-        exist; ``OSError`` for anything else (a symlink on the way: ``ELOOP``; out of the root:
-        ``EXDEV``)."""
+    def open(self, relative: str, *, directory: bool = False) -> int | None:
+        """A read-only descriptor of ``relative`` beneath the root (``directory``: of a
+        directory, ``ENOTDIR`` for anything else), ``None`` if it does not exist; ``OSError``
+        for anything else (a symlink on the way: ``ELOOP``; out of the root: ``EXDEV``)."""
         assert _syscall is not None
-        fd = _syscall(self._sys, self._dir, relative.encode(), self._how_ref, self._how_size)
+        how = self._dir_how_ref if directory else self._how_ref
+        fd = _syscall(self._sys, self._dir, relative.encode(), how, self._how_size)
         if fd >= 0:
             return int(fd)
         err = ctypes.get_errno()

@@ -12,7 +12,8 @@ Contract and choices:
   Every record is reached from the root one directory at a time with ``O_NOFOLLOW`` (``openat``
   through directory descriptors), so a symlinked shard directory or record is never followed:
   nothing is read, written or deleted outside the root. New shard directories are fsync'ed into
-  their parent (durable mode).
+  their parent (durable mode). The first level (``00`` … ``ff``) is made at open, and a shard
+  directory a write has reached is opened again in one ``openat2`` (:mod:`kvtier.backends.file_root`).
 * Writes are atomic: the record goes to ``<name>.<pid>.<n>.tmp`` (``O_EXCL``), is fdatasync'ed
   (``sync_mode="durable"``), renamed over the final name, and each touched directory is fsync'ed
   once per job. A crash leaves at most a temp file, never a torn ``.kvb``. Temp files older than
@@ -31,8 +32,8 @@ Contract and choices:
   tensor (one copy; measured faster than aiofiles, see ``docs/tiers.md``); in a job of 1 MiB or
   more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
   bad record is deleted (if it is still the same inode), counted, and reported as a miss.
-* Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so ``scan()`` restores
-  the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
+* Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so the listing at open
+  (``scan_columns``, or ``scan()``) restores the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
   unreadable meta record (bad checksum, truncated, or an unknown meta version) is moved aside
   with a warning and rewritten, as the ``lmdb`` tier moves a damaged environment aside.
@@ -56,15 +57,18 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_reads import BeneathRoot, read_plain
-from kvtier.backends.file_tree import _META_NAME, _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.file_root import ShardDirs, establish_meta
+from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
+from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
@@ -73,9 +77,6 @@ from kvtier.records.format import (
     HEAD_MAX,
     PersistentRecordBackend,
     RecordHeader,
-    check_meta,
-    decode_meta,
-    encode_meta,
     parse_header,
     verify_payload,
 )
@@ -97,6 +98,14 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         if n <= 0:
             raise CorruptBlockError(f"record truncated: {filled} of {len(view)} payload bytes")
         filled += n
+
+
+def _size_index(listed: RecordColumns) -> dict[bytes, int]:
+    """``key -> stored bytes`` of a listing, one int object for all when every record is the same size."""
+    distinct = np.unique(listed.stored).tolist()
+    if len(distinct) <= 1:
+        return dict.fromkeys(listed.keys, distinct[0] if distinct else 0)
+    return dict(zip(listed.keys, listed.stored.tolist()))
 
 
 class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend):
@@ -133,9 +142,10 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
         self._used = 0
-        self._listed: list[RecordInfo] | None = None
+        self._listed: RecordColumns | None = None
         self._tmp_counter = itertools.count()
         self._beneath: BeneathRoot | None = None  # the root's descriptor, for one-pass reads
+        self._shards: ShardDirs | None = None  # the shard directories, for writes
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def open(self, fmt: BlockFormat) -> None:
@@ -154,18 +164,21 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     f"path: the file tier root {self._root!r} belongs to uid {owner}, not to this process (uid "
                     f"{os.geteuid()}); another user could plant or swap records there. Use a directory of your own"
                 )
-            self._check_meta(fmt)
+            establish_meta(self._root, fmt, self.mac, self._temp_name, log.warning)
             if self.shared:  # the feed's head is noted before the listing, so nothing falls between
                 self._start_following(
                     f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
                     feed=FileFeed(self._root), sweep_interval_s=self.sweep_interval_s,
                 )
-            self._listed = self._walk(sweep=True)
+            with paused_gc():
+                self._listed = listed = self._walk(sweep=True)
+                self._sizes = _size_index(listed)
             self._beneath = BeneathRoot(self._root)
+            self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable")
+            self._shards.make_top()
         except OSError as exc:
             raise DiskError(f"file: cannot open the store at {self.path!r}: {exc}") from exc
-        self._sizes = {r.key: r.stored_bytes for r in self._listed}
-        self._used = sum(self._sizes.values())
+        self._used = int(listed.stored.sum())
         free = shutil.disk_usage(self._root).free
         if free + self._used < self.capacity_bytes:
             message = (
@@ -174,41 +187,6 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             )
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-    def _check_meta(self, fmt: BlockFormat) -> None:
-        meta_path = os.path.join(self._root, _META_NAME)
-        for _ in range(2):
-            try:
-                with open(meta_path, "rb") as f:
-                    data = f.read(1 << 20)
-            except FileNotFoundError:
-                tmp = f"{meta_path}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(encode_meta(fmt, self.mac))
-                    f.flush()
-                    os.fsync(f.fileno())
-                try:
-                    os.link(tmp, meta_path)  # exclusive create: another instance may race us
-                    self._fsync_dir(self._root)
-                    return
-                except FileExistsError:
-                    continue  # read and check the winner's meta record
-                finally:
-                    os.unlink(tmp)
-            try:
-                meta = decode_meta(data)
-            except (CorruptBlockError, UnsupportedRecordError) as exc:
-                # An unknown meta version is one flipped bit away from ours: damage like any
-                # other, never a refusal to start (the records are checked one by one at read).
-                moved = f"{meta_path}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-                os.replace(meta_path, moved)
-                message = f"file: the meta record of {self._root!r} is unreadable ({exc}); moved it to {moved!r}"
-                log.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                continue
-            check_meta(meta, fmt, where=f"file {self._root!r}", mac=self.mac)
-            return
-        raise DiskError(f"file: cannot establish the meta record of {self._root!r}")
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -227,6 +205,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             data.update(shared=True, sweep_interval_s=self.sweep_interval_s)
         return data
 
+    def _temp_name(self, path: str) -> str:
+        return f"{path}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
+
     # -- paths ---------------------------------------------------------------------------------
     def _path(self, key: bytes) -> str:
         """The record's path, for messages (I/O goes through :meth:`_leaf`, never this string)."""
@@ -241,7 +222,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         return self._leaf_at(self._root, key, create=create, durable=self.sync_mode == "durable")
 
     @staticmethod
-    def _stored(record_bytes: int) -> int:
+    def _stored(record_bytes: Any) -> Any:
+        """Bytes a record of ``record_bytes`` (an ``int``, or an array of them) takes on disk."""
         return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
 
     def reserve_bytes(self) -> int:
@@ -253,6 +235,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._check_io(keys, blocks)
         parts = self._encode(keys, blocks)
         durable = self.sync_mode == "durable"
+        shards = self._shards
+        assert shards is not None
         sizes: list[int | None] = []
         staged: list[tuple[int, bytes, int, int]] = []  # position, key, reserved growth, record bytes
         job = FileJob()
@@ -272,10 +256,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 name = key.hex() + _SUFFIX
                 try:
                     if shard not in job.dirs:
-                        leaf = self._leaf_at(self._root, key, create=True, durable=durable, created=job.parents)
-                        assert leaf is not None
-                        job.dirs[shard] = leaf[0]
-                    job.stage(shard, f"{name}.{os.getpid()}.{next(self._tmp_counter)}.tmp", name, (header, payload))
+                        job.dirs[shard] = shards.open_leaf(key, job.parents)
+                    job.stage(shard, self._temp_name(name), name, (header, payload))
                 except OSError as exc:
                     log.warning("file: write of %s failed: %s", self._path(key), exc)
                     self._unreserve(key, grow, stored)
@@ -465,17 +447,25 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         for key in keys:
             self._forget(key)
 
-    def scan(self) -> Iterator[RecordInfo]:
+    def scan_columns(self) -> RecordColumns | None:
+        """The records listed at open, as columns (:class:`kvtier.bulk.RecordColumns`), once;
+        then ``None``."""
         self._check_open()
-        listed, self._listed = self._listed, None  # the walk done at open, used once
+        listed, self._listed = self._listed, None
+        if listed is not None and self.follower is not None:
+            self.follower.note_listed(len(listed))
+        return listed
+
+    def scan(self) -> Iterator[RecordInfo]:
+        listed = self.scan_columns()  # the walk done at open, used once
         if listed is None:
             try:
                 listed = self._walk(sweep=False)
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
-        if self.follower is not None:
-            self.follower.note_listed(r.key for r in listed)
-        return iter(listed)
+            if self.follower is not None:
+                self.follower.note_listed(len(listed))
+        return (RecordInfo(key, stored, stamp) for key, stored, stamp in listed)
 
     def _sweep_keys(self) -> set[bytes] | None:
         """Every record's key in the directory now (the shared index's sweep); ``None`` when it
@@ -483,20 +473,15 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         if self._closed:
             return None
         try:
-            return {key for key, _ in self._record_entries(self._root)}
+            return {bytes.fromhex(e.name[:64]) for _, entries in self._leaf_entries(self._root, ordered=False) for e in entries}
         except OSError as exc:
             log.warning("file: cannot list %s for the shared index: %s", self._root, exc)
             return None
 
-    def _walk(self, *, sweep: bool) -> list[RecordInfo]:
-        records: list[RecordInfo] = []
-        for key, entry in self._record_entries(self._root, sweep_now=time.time() if sweep else None):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted by another instance while we walked
-            records.append(RecordInfo(key, self._stored(st.st_size), st.st_mtime))
-        return records
+    def _walk(self, *, sweep: bool) -> RecordColumns:
+        """Every record's key, stored size and stamp (a ``stat`` per record, no open)."""
+        keys, sizes, stamps = self._record_columns(self._root, sweep_now=time.time() if sweep else None)
+        return RecordColumns(keys, self._stored(np.asarray(sizes, dtype=np.int64)), np.asarray(stamps, dtype=np.float64))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         self._check_open()

@@ -31,8 +31,8 @@ Contract and choices:
   (values are read whole: with it off a cold map faults in one page at a time, 20x slower);
   ``reader_check()`` at open clears slots of dead readers.
 * The environment is opened in ``open()``, in the process that uses it, never across ``fork``.
-* Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` and the deletion of corrupt records
-  found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
+* Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` (:mod:`kvtier.backends.lmdb_writes`)
+  and the deletion of corrupt records found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
   A warm job of plain records is read in one pass: lookup, copy into the row, the row's
   checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`);
@@ -69,9 +69,7 @@ import asyncio
 import logging
 import os
 import shutil
-import struct
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
@@ -90,32 +88,28 @@ from kvtier.backends.lmdb_files import (
     preallocate_lock_file,
     touched_pages_only,
 )
-from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader, index_entry, restamp
+from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
+from kvtier.backends.lmdb_writes import LmdbWrites, Record
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
-from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import Codec, UnsupportedRecordError
-from kvtier.records.format import DEFAULT_MAC_ALGORITHM, PersistentRecordBackend, check_meta, decode_meta, encode_meta
+from kvtier.records.format import DEFAULT_MAC_ALGORITHM, check_meta, decode_meta, encode_meta
 from kvtier.units import format_size
 
 __all__ = ["LmdbBackend"]
 
 log = logging.getLogger(__name__)
 
-_EPOCH_KEY = b"kvtier-epoch"
 # LMDB errors that mean "this file is not a sound environment": move it aside and start afresh.
 _CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
-# Errors confined to one put: the write of that key fails, the job goes on.
-_PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
 _PAGE_HEADER = 16  # bytes of an LMDB page header before overflow data
-_Record = tuple[bytes, bytes, Any]  # key, head, payload
 
 
 def _fsync_dir(path: str) -> None:
@@ -126,7 +120,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
+class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
     name: ClassVar[str] = "lmdb"
@@ -159,7 +153,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         self._holder: HolderLock | None = None
         self._reader: JobReader | None = None
         self._listed: list[RecordInfo] | RecordColumns | None = None
-        self._commits: GroupCommit[list[_Record], list[int | None]] = GroupCommit(self._commit_jobs)
+        self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs)
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
@@ -414,105 +408,6 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         return max(0, self.capacity_bytes - slack)
 
     # -- bulk I/O --------------------------------------------------------------------------------
-    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        self._check_io(keys, blocks)
-        self._env_or_raise()
-        # Checksums (and compression) run on a side thread, outside the lock; then the job joins
-        # whatever other jobs wait for a commit (see _commit_jobs).
-        with self._encoded(keys, blocks) as records:
-            job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
-        sizes = self._commits.submit(job)
-        done = [(k, h, p) for (k, h, p), s in zip(job, sizes) if s is not None]
-        self.counters.blocks_written += len(done)
-        self.counters.bytes_written += sum(len(h) + len(p) for _, h, p in done)
-        return sizes
-
-    def _commit_jobs(self, jobs: list[list[_Record]]) -> list[list[int | None]]:
-        """Put every record of ``jobs`` in one write transaction, then (durable) one
-        ``env.sync``: a job of small records costs one durable commit instead of one per record,
-        and jobs that waited together share it. If the transaction fails on a full map (or
-        another error confined to a put), it is aborted and the records are put one per
-        transaction instead, so the failure is confined to the keys that do not fit."""
-        with self._write_lock:
-            env = self._env
-            if env is None:
-                raise BackendError(f"lmdb: {self.path!r} was closed during the write")
-            self._listed = None
-            try:
-                sizes = self._put_together(env, jobs)
-            except _PUT_FAILED as exc:
-                log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
-                sizes = self._put_each(env, jobs)
-            except lmdb.Error as exc:
-                raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
-            if self.sync_mode == "durable" and any(s is not None for job in sizes for s in job):
-                try:
-                    env.sync(True)
-                except lmdb.Error as exc:
-                    raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
-        return sizes
-
-    def _put_together(self, env: lmdb.Environment, jobs: list[list[_Record]]) -> list[list[int | None]]:
-        stamp = time.time()
-        sizes: list[list[int | None]] = []
-        with env.begin(write=True) as txn:
-            for job in jobs:
-                job_sizes: list[int | None] = []
-                for key, head, payload in job:
-                    stored = self._pages(len(head) + len(payload))
-                    txn.put(key, payload, db=self._blocks)
-                    txn.put(key, index_entry(stamp, stored, head), db=self._index)
-                    job_sizes.append(stored)
-                sizes.append(job_sizes)
-        return sizes
-
-    def _put_each(self, env: lmdb.Environment, jobs: list[list[_Record]]) -> list[list[int | None]]:
-        """One transaction per record; a put that fails is that key's failure alone."""
-        bumped = False
-        sizes: list[list[int | None]] = []
-        for job in jobs:
-            job_sizes: list[int | None] = []
-            for key, head, payload in job:
-                stored = self._pages(len(head) + len(payload))
-                try:
-                    try:
-                        self._put(env, key, head, payload, stored)
-                    except lmdb.MapFullError:
-                        if bumped:
-                            raise
-                        # Pages freed by the latest transaction (the manager's eviction) become
-                        # reusable only to a transaction after the next one: commit a tiny one,
-                        # then retry this key once.
-                        bumped = True
-                        self._bump_txnid(env)
-                        self._put(env, key, head, payload, stored)
-                except _PUT_FAILED as exc:
-                    log.debug("lmdb: write of %s… failed: %s", key.hex()[:16], exc)
-                    self.counters.write_failures += 1
-                    job_sizes.append(None)
-                    continue
-                except lmdb.Error as exc:
-                    raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
-                job_sizes.append(stored)
-            sizes.append(job_sizes)
-        return sizes
-
-    def _encoded(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> EncodedStream[tuple[bytes, torch.Tensor], tuple[bytes, Any]]:
-        """Each block's ``(head, payload)``, encoded on a side thread ahead of the puts."""
-        return EncodedStream(lambda pair: self._encode_one(*pair), list(zip(keys, blocks)), sizes=[b.numel() for b in blocks])
-
-    def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
-        with env.begin(write=True) as txn:
-            txn.put(key, payload, db=self._blocks)
-            txn.put(key, index_entry(time.time(), stored, head), db=self._index)
-
-    def _bump_txnid(self, env: lmdb.Environment) -> None:
-        try:
-            with env.begin(write=True, db=self._meta) as txn:
-                txn.put(_EPOCH_KEY, struct.pack("<d", time.time()))
-        except _PUT_FAILED:
-            pass  # even this did not fit; the retry will report the key as failed
-
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy each record straight from the map into its ``out`` row, checking it meanwhile
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
@@ -534,25 +429,6 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
         self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
         return outcome.found
 
-    def delete_blocks(self, keys: Sequence[bytes]) -> None:
-        self._env_or_raise()
-        self._delete(list(keys))
-
-    def _delete(self, keys: list[bytes]) -> None:
-        with self._write_lock:
-            env = self._env
-            if env is None:
-                raise BackendError(f"lmdb: {self.path!r} is closed")
-            self._listed = None  # the listing read at open is stale from now on
-            try:
-                with env.begin(write=True) as txn:
-                    for key in keys:
-                        if txn.delete(key, db=self._blocks):
-                            self.counters.deleted += 1
-                        txn.delete(key, db=self._index)
-            except lmdb.Error as exc:
-                raise DiskError(f"lmdb: delete in {self.path!r} failed: {exc}") from exc
-
     def scan(self) -> Iterator[RecordInfo]:
         env = self._env_or_raise()
         listed, self._listed = self._listed, None  # read (and checked) at open, used once
@@ -572,24 +448,6 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, PersistentRecordBackend):
             self._listed = None
             return listed
         return None
-
-    def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
-        if not stamps:
-            return
-        self._env_or_raise()
-        with self._write_lock:
-            env = self._env
-            if env is None:
-                raise BackendError(f"lmdb: {self.path!r} is closed")
-            try:
-                with env.begin(write=True, db=self._index) as txn:
-                    for key, stamp in stamps:
-                        value = txn.get(key)
-                        if value is not None:  # never resurrect an index entry for a deleted block
-                            txn.put(key, restamp(value, float(stamp)))
-            except (lmdb.Error, ValueError) as exc:
-                # Advisory (eviction order only): never fail a close over them.
-                log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

@@ -227,6 +227,15 @@ class Wire:
             raise ErrorReply(line[1:].decode(errors="replace"))
         raise ConnectionError(f"expected a bulk reply, got {line[:32]!r}")
 
+    def array_length(self) -> int:
+        """The element count of the next array reply (``-1`` for a nil array); an error raises."""
+        line = self._line()
+        if line[:1] == b"*":
+            return int(line[1:])
+        if line[:1] == b"-":
+            raise ErrorReply(line[1:].decode(errors="replace"))
+        raise ConnectionError(f"expected an array reply, got {line[:32]!r}")
+
     def read_into(self, out: memoryview, update: Callable[[memoryview], Any] | None = None) -> None:
         """Fill ``out`` exactly: first from what is buffered, then straight from the socket.
 

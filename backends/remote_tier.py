@@ -47,7 +47,9 @@ refused (both mark it down):
     Delete them (a missing key is not an error); how many were deleted.
 ``_list_keys() -> Iterable[bytes]``
     Every remote key under ``self._prefix_bytes``, paged by the server (never one reply for all);
-    raise :class:`SweepSkipped` to skip a round without marking the server down.
+    raise :class:`SweepSkipped` to skip a round without marking the server down. (The listing,
+    and the faster ``_list_block_keys`` a tier may give instead, are
+    :mod:`kvtier.backends.remote_listing`'s.)
 ``probe(timeout_s) -> str | None``
     Connect once without keeping anything: ``None`` if the server answers, else what is wrong,
     in the operator's terms (``kvtier config check`` calls it).
@@ -64,26 +66,24 @@ import asyncio
 import logging
 import re
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from kvtier.backends.change_feed import ChangeFeed
 from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
+from kvtier.backends.remote_listing import KEY_BYTES, RemoteListing, SweepSkipped
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
 from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
-from kvtier.backend import BlockFormat, RecordInfo
-from kvtier.bulk import RecordColumns
+from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError
-from kvtier.records.codec import Codec, UnsupportedRecordError
+from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordBackend, decode_record
 from kvtier.shares import run_all
 
@@ -91,7 +91,6 @@ __all__ = ["KEY_BYTES", "ReadJob", "RemoteRecordBackend", "Route", "SweepSkipped
 
 log = logging.getLogger("kvtier")
 
-KEY_BYTES = 32
 #: Keys remembered as not loadable (see ``RemoteRecordBackend._unreadable``): 32 bytes each.
 UNREADABLE_MAX = 100_000
 #: Entries a namespace's change feed keeps (about; the server trims whole nodes).
@@ -104,10 +103,6 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: ``(health, handle, positions)``: the server that holds some of a job's keys, what the
 #: subclass needs to reach it (a connection pool, a client), and the keys' positions in the job.
 Route = tuple[Health, Any, list[int]]
-
-
-class SweepSkipped(Exception):
-    """Raised by ``_list_keys``: skip this sweep (back-pressure), the server is not down."""
 
 
 class WriteJob:
@@ -143,7 +138,7 @@ def check_seconds(**values: Any) -> None:
             raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
 
 
-class RemoteRecordBackend(FollowedTier, RecordBackend):
+class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
     """Records on a server shared by every host; see the module doc for the hooks."""
 
     #: Records outlive the process; at open the store adopts what the server holds.
@@ -242,9 +237,6 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
     def _delete_records(self, route: Any, rkeys: list[bytes]) -> int:
         raise NotImplementedError(f"{type(self).__name__} must implement _delete_records")
 
-    def _list_keys(self) -> Iterable[bytes]:
-        raise NotImplementedError(f"{type(self).__name__} must implement _list_keys")
-
     def probe(self, timeout_s: float) -> str | None:
         raise NotImplementedError(f"{type(self).__name__} must implement probe")
 
@@ -259,15 +251,6 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
         """Every server's health, for ``stats``."""
         return [self._health]
 
-    def remote_key(self, key: bytes) -> bytes:
-        """A block key's name on the server."""
-        return self._prefix_bytes + key
-
-    def block_key(self, rkey: bytes) -> bytes | None:
-        """The block key named ``rkey`` on the server, or ``None`` for anything else under the prefix."""
-        plen = len(self._prefix_bytes)
-        return rkey[plen:] if len(rkey) == plen + KEY_BYTES and rkey.startswith(self._prefix_bytes) else None
-
     def _start_io_threads(self, workers: int) -> None:
         """The threads that run every share but the first of each job (once, at connect)."""
         if workers > 0 and self._pool_threads is None:
@@ -276,6 +259,13 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
     # -- lifecycle -------------------------------------------------------------------------------
     def reserve_bytes(self) -> int:
         return self.format.block_bytes + self._head_bytes()
+
+    @property
+    def variable_size(self) -> bool:
+        """Whether records may be smaller than ``reserve_bytes()``: only behind a compressing
+        codec. Without one, every record is its header and the whole block, so the manager
+        accounts each at the reserve and keeps no size per key."""
+        return self.codec.codec_id != NoneCodec.codec_id
 
     async def open(self, fmt: BlockFormat) -> None:
         await super().open(fmt)
@@ -516,50 +506,6 @@ class RemoteRecordBackend(FollowedTier, RecordBackend):
         self.counters.deleted += deleted
         if self.follower is not None:
             self._followed_deletes(keys)
-
-    # -- the shared index --------------------------------------------------------------------------
-    def _sweep(self) -> set[bytes] | None:
-        """Every key of this namespace on the server, or ``None`` when the server is down, its
-        backoff has not run out, or the round was skipped."""
-        if self._closed or not self._health.allow():
-            return None
-        found: set[bytes] = set()
-        try:
-            if type(self).block_key is RemoteRecordBackend.block_key:  # the key follows the prefix: one pass in C
-                plen, prefix = len(self._prefix_bytes), self._prefix_bytes
-                want = plen + KEY_BYTES
-                found.update(rkey[plen:] for rkey in self._list_keys() if len(rkey) == want and rkey.startswith(prefix))
-            else:
-                found.update(key for key in map(self.block_key, self._list_keys()) if key is not None)
-        except SweepSkipped as exc:  # back-pressure: the index stays as it is until the next round
-            log.debug("%s: index sweep skipped: %s", self.name, exc)
-            return None
-        except self._failure_errors as exc:
-            self._note_failure(exc)
-            self._health.failed(exc)
-            return None
-        self._health.succeeded()
-        if self._foreign:
-            return set()
-        if self._unreadable:
-            with self._unreadable_lock:
-                found.difference_update(self._unreadable)
-        return found
-
-    def scan(self) -> Iterator[RecordInfo]:
-        listed = self.scan_columns()
-        return iter([RecordInfo(k, n, t) for k, n, t in listed])
-
-    def scan_columns(self) -> RecordColumns:
-        """The keys on the server (none while it is down), as columns: each stamped now, at the
-        reserve size (no object per record but its key)."""
-        self._check_open()
-        found = self._sweep()
-        keys = list(found) if found is not None else []
-        if found is not None and self.follower is not None:
-            self.follower.note_listed(found)
-        n = len(keys)
-        return RecordColumns(keys, np.full(n, self.reserve_bytes(), dtype=np.int64), np.full(n, time.time()), oldest_first=True)
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

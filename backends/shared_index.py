@@ -17,10 +17,13 @@ view keeps that index close to the server's truth:
   is a store that is skipped by the server (``SET`` overwrites the same bytes) or a recompute.
 * Writes and deletes made by this process are journalled with the sweep clock, so a sweep that
   started before them neither forgets a key just written nor adopts a key just deleted.
+* The view keeps no key set of its own: what the server no longer holds is found among the keys
+  the manager holds ready (``ready_keys``, a snapshot), so an index of 10^6 keys is held once.
 * A sweep that fails (server down) changes nothing; the caller's ``sweep`` raises or returns
   ``None`` and the next attempt follows the backend's backoff.
 
-The manager is reached duck-typed (``holds``, ``adopt``, ``remove``: thread-safe calls); this module
+The manager is reached duck-typed (``holds``, ``adopt``, ``remove``, ``ready_keys``: thread-safe
+calls); this module
 imports nothing from it, so layers still point one way.
 """
 
@@ -48,6 +51,7 @@ class IndexTarget(Protocol):
     def holds(self, key: bytes, tier: int) -> bool: ...
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]: ...
     def remove(self, keys: list[bytes], tier: int) -> list[bytes]: ...
+    def ready_keys(self, tier: int) -> Iterable[bytes]: ...
 
 
 def adopt_records(target: IndexTarget, tier: int, keys: list[bytes], record_bytes: int) -> list[bytes]:
@@ -94,9 +98,9 @@ class SharedIndexView:
         self._lock = threading.Lock()
         self._written: dict[bytes, float] = {}
         self._deleted: dict[bytes, float] = {}
-        #: Every key the manager may hold ready in the tier: the last sweep's keys and this
-        #: process's writes since (what `remove` is offered when the server lost them).
-        self._known: set[bytes] = set()
+        #: Keys the tier held at the last sweep (or the store's listing at open), with this
+        #: process's writes of that sweep's time and less its deletes.
+        self._known_count = 0
         self._target: IndexTarget | None = None
         self._tier = 0
         self._stop = threading.Event()
@@ -114,6 +118,9 @@ class SharedIndexView:
     # -- wiring --------------------------------------------------------------------------------
     def bind(self, target: IndexTarget, tier: int, *, start: bool = True) -> None:
         """Attach the manager whose tier ``tier`` this view keeps current; start the thread."""
+        missing = [name for name in ("holds", "adopt", "remove", "ready_keys") if not callable(getattr(target, name, None))]
+        if missing:
+            raise TypeError(f"{self.name}: an index target needs {missing} (see IndexTarget)")
         self._target, self._tier = target, tier
         if start and self._thread is None:
             self._stop.clear()
@@ -140,7 +147,6 @@ class SharedIndexView:
             for key in keys:
                 self._written[key] = now
                 self._deleted.pop(key, None)
-                self._known.add(key)
 
     def note_deleted(self, keys: Iterable[bytes]) -> None:
         now = self._clock()
@@ -148,12 +154,10 @@ class SharedIndexView:
             for key in keys:
                 self._deleted[key] = now
                 self._written.pop(key, None)
-                self._known.discard(key)
 
-    def note_listed(self, keys: Iterable[bytes]) -> None:
-        """Keys the store adopted at open (from the backend's own listing)."""
-        with self._lock:
-            self._known.update(keys)
+    def note_listed(self, count: int) -> None:
+        """The number of keys the store's listing at open found (for ``known_count``)."""
+        self._known_count = count
 
     # -- sweeping ------------------------------------------------------------------------------
     def sweep_once(self) -> tuple[int, int] | None:
@@ -170,14 +174,20 @@ class SharedIndexView:
         if found is None:
             self.counters["sweep_failures"] += 1
             return None
+        # The manager's keys first, the journal next: a key made ready after this snapshot is
+        # not in it, and one made ready before it was journalled before that (a write is noted
+        # before the manager completes it), so a key written since the sweep started is never
+        # taken for gone.
+        held = target.ready_keys(tier) if target is not None else ()
         with self._lock:
             # Journal entries older than this sweep's start are reflected in `found` already.
             recent_w = {k for k, t in self._written.items() if t >= started}
             recent_d = {k for k, t in self._deleted.items() if t >= started}
             self._written = {k: self._written[k] for k in recent_w}
             self._deleted = {k: self._deleted[k] for k in recent_d}
-            gone = [k for k in self._known if k not in found and k not in recent_w]
-            self._known = (found | recent_w) - recent_d
+        gone = [k for k in held if k not in found and k not in recent_w]
+        del held
+        self._known_count = len(found) + sum(1 for k in recent_w if k not in found) - sum(1 for k in recent_d if k in found)
         adopted_keys: list[bytes] = []
         forgotten_keys: list[bytes] = []
         if target is not None:
@@ -217,9 +227,9 @@ class SharedIndexView:
                     break
 
     def known_count(self) -> int:
-        """Keys the tier holds for this namespace as far as this view knows (the last sweep's,
-        and every change journalled since)."""
-        return len(self._known)
+        """Keys the tier held for this namespace at the last sweep (or the store's listing at
+        open), with this process's changes journalled during that sweep."""
+        return self._known_count
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counters, interval_s=self.interval_s, known_keys=len(self._known))
+        return dict(self.counters, interval_s=self.interval_s, known_keys=self._known_count)

@@ -164,13 +164,21 @@ class Namespace:
         return cls(**data)
 
 
+#: the types and lengths of valid keys (:func:`check_keys`)
+_KEY_TRAITS = frozenset((bytes, KEY_BYTES))
+
+
 def check_keys(keys: Sequence[bytes], *, what: str = "keys") -> None:
     """Raise :class:`InvalidKeyError` naming the first key that is not 32 bytes."""
     if isinstance(keys, (bytes, bytearray, str)):
         raise InvalidKeyError(f"{what}: expected a sequence of 32-byte keys, got a single {type(keys).__name__}")
-    # Fast path in C: every key is exactly ``bytes`` of the right length.
-    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
-        return
+    # Fast path in C, one set: every key is exactly ``bytes`` and of the right length (a key
+    # without a length raises here, and the loop below names it).
+    try:
+        if {*map(type, keys), *map(len, keys)} <= _KEY_TRAITS:
+            return
+    except TypeError:
+        pass
     for i, key in enumerate(keys):
         if type(key) is not bytes:
             raise InvalidKeyError(f"{what}[{i}]: expected bytes, got {type(key).__name__}")

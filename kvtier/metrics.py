@@ -281,7 +281,7 @@ def _shared_families(rows: list[tuple[int, str, Any, Any, Any]], store_label: st
         ("kvtier_shared_hits", "blocks loads served from a shared tier that another engine stored", CounterMetricFamily, "shared_hits"),
         ("kvtier_shared_adopted", "blocks other engines stored that this engine adopted (feed and sweeps)", CounterMetricFamily, "adopted"),
         ("kvtier_shared_removed", "blocks this engine learnt the shared tier lost, and forgot", CounterMetricFamily, "removed"),
-        ("kvtier_shared_tier_blocks", "blocks the shared tier holds for this namespace, as this engine knows", GaugeMetricFamily, "tier_keys"),
+        ("kvtier_shared_tier_blocks", "blocks the shared tier held for this namespace at the last sweep (or at open)", GaugeMetricFamily, "tier_keys"),
         ("kvtier_feed_entries", "change feed entries of other engines applied", CounterMetricFamily, "feed_entries"),
         ("kvtier_feed_gaps", "times the change feed had lost entries (each followed by a sweep)", CounterMetricFamily, "feed_gaps"),
         ("kvtier_feed_failures", "change feed reads that failed (the server or directory unreachable)", CounterMetricFamily, "feed_failures"),

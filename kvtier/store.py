@@ -146,7 +146,7 @@ class KVStore(StoreTenancy):
                     block_reserve=backend.reserve_bytes(),
                     policy=policy_cls(capacity=backend.max_blocks),
                     persistent=backend.persistent,
-                    variable_size=backend.reserve_bytes() != self.format.block_bytes or getattr(backend, "variable_size", False),
+                    variable_size=getattr(backend, "variable_size", backend.reserve_bytes() != self.format.block_bytes),
                     admit_after=tier.admit_after,
                 )
             )

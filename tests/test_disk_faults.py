@@ -737,7 +737,6 @@ def test_file_tier_root_is_private_and_refused_when_another_user_owns_it(tmp_pat
 
 def test_file_tier_fsyncs_new_shard_directories_into_their_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = _backend("file", tmp_path / "root")
-    asyncio.run(backend.open(FMT))
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -747,15 +746,18 @@ def test_file_tier_fsyncs_new_shard_directories_into_their_parent(tmp_path: Path
 
     monkeypatch.setattr(os, "fsync", spy)
     try:
+        asyncio.run(backend.open(FMT))  # makes the first level (00 … ff) and syncs the root
+        root = str((tmp_path / "root").resolve())
+        assert synced.count(root) == 2  # the meta record's entry, then the new directories'
+        synced.clear()
         key = make_key(2)
         assert backend.write_blocks([key], [_block(2)]) != [None]
     finally:
         monkeypatch.undo()
         asyncio.run(backend.aclose())
-    root = str((tmp_path / "root").resolve())
     h = key.hex()
     print(f"fsync'ed directories: {synced}")
-    assert root in synced and os.path.join(root, h[:2]) in synced and os.path.join(root, h[:2], h[2:4]) in synced
+    assert os.path.join(root, h[:2]) in synced and os.path.join(root, h[:2], h[2:4]) in synced
 
 
 def test_stamps_that_cannot_be_written_never_fail_a_close(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -224,7 +224,9 @@ def test_keys_that_are_not_32_bytes_are_rejected(tmp_path: Path) -> None:
                 backend.write_blocks([bad], _blocks(1))  # type: ignore[list-item]
             with pytest.raises(InvalidKeyError):
                 backend.read_blocks([bad], _empty(1))  # type: ignore[list-item]
-        assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["kvtier-meta.kvm"]
+        # nothing but the meta record and the (empty) first-level shard directories made at open
+        assert sorted(str(p.relative_to(tmp_path / "store")) for p in (tmp_path / "store").rglob("*") if not p.is_dir()) == ["kvtier-meta.kvm"]
+        assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.is_dir()) == [f"{i:02x}" for i in range(256)]
     finally:
         _close(backend)
 

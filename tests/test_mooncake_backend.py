@@ -236,6 +236,9 @@ def test_the_index_follows_the_master(mooncake_store: MooncakeServers, tmp_path:
             self.held.difference_update(keys)
             return keys
 
+        def ready_keys(self, tier: int) -> list[bytes]:
+            return list(self.held)
+
     mine, other = opened(mooncake_store, tmp_path), opened(mooncake_store, tmp_path)
     try:
         target = Target()

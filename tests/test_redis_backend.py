@@ -342,6 +342,9 @@ def test_view_journal_keeps_a_key_written_during_a_sweep() -> None:
             self.removed += keys
             return keys
 
+        def ready_keys(self, tier: int) -> list[bytes]:
+            return list(self.ready)
+
     view: SharedIndexView
     target = Target()
 
@@ -351,7 +354,7 @@ def test_view_journal_keeps_a_key_written_during_a_sweep() -> None:
         return {b"d" * 32}
 
     view = SharedIndexView("test", sweep, record_bytes=1)
-    view.note_listed([b"k" * 32])
+    view.note_listed(1)
     view.bind(target, 0, start=False)
     assert view.sweep_once() == (0, 0)
     assert target.removed == [] and b"d" * 32 not in target.ready

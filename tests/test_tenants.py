@@ -346,3 +346,21 @@ def test_quotas_and_pins_hold_under_random_schedules(policy: str, write: str, st
         else:
             m.tenants.forget(ks)
         model.check()
+
+
+def test_a_tiers_tags_are_the_same_whichever_side_is_walked() -> None:
+    """``tags`` walks the smaller of the tier's index and its tenants' tags (at open: 10^6
+    records, few or no tags); both give the tags of the held keys."""
+    few = TierManager([tier("cpu", 10)])
+    a, d = keys(1, 3), keys(2, 5)
+    store(few, a, "alice")
+    store(few, d)
+    t = few._tiers[0]
+    assert t.tenancy is not None and len(t.tenancy.owners) < len(t.index)
+    assert few.tenants.tags(0)[0] == dict.fromkeys(a, "alice")
+    every = TierManager([tier("cpu", 4)])
+    store(every, a, "alice")
+    store(every, keys(3, 2), "bob")  # evicts one of alice's keys
+    t = every._tiers[0]
+    assert t.tenancy is not None and len(t.tenancy.owners) >= len(t.index)
+    assert every.tenants.tags(0)[0] == {k: v for k, v in t.tenancy.owners.items() if k in t.index}

@@ -259,6 +259,9 @@ class PlanBook:
     def __init__(self, tiers: Sequence[TierState], *, write_back: bool, admission: Admission, promotions: Promotions, events: EventLog) -> None:
         self._tiers = tiers
         self._write_back = write_back
+        #: no write-through copies below the first tier (write-back, or a single tier): a
+        #: store that fits in the free room of the first tier needs no builder (``prepare``)
+        self._no_copies = write_back or len(tiers) == 1
         self._admission = admission
         self._promotions = promotions
         self._events = events
@@ -297,6 +300,23 @@ class PlanBook:
         if not new:
             return StorePlan(plan_id, (), (), skipped=skipped)
         tiers = self._tiers
+        first = tiers[0]
+        tenancy = first.tenancy
+        if (
+            sources is None
+            and self._no_copies
+            and (tenancy is None or not tenancy.active)
+            and first.used + first.block * len(new) <= first.capacity
+        ):
+            # The common store: the keys fit in the first tier's free room and no copy goes
+            # below. What the builder does then (no victim, no event, no copy), without it: a
+            # test compares the two.
+            first.reserve(new)
+            self._plans[plan_id] = OpenPlan(len(new))
+            plan_of = self._plan_of
+            for key in new:
+                plan_of[key] = plan_id
+            return StorePlan(plan_id, tuple(new), _positions(keys, new), 0, (), (), (), skipped)
         # Write-through plans demote too: a victim without a copy below (its write-through was
         # deferred, refused or failed) falls back to write-back; one with a copy is dropped.
         guarded = protected | self._copying if self._copying else protected
@@ -352,16 +372,37 @@ class PlanBook:
         not open, a repeat, an unhashable key): the caller then takes the general path,
         :meth:`unknown` and :meth:`complete` without ``owners``."""
         plan_of = self._plan_of
+        owners: list[int | None] = []
         try:
-            owners = list(map(plan_of.get, keys))  # changes nothing, even if a key is unhashable
+            # One pass that takes the keys out; anything unusual puts back what it took. (On an
+            # error, ``extend`` keeps what it appended before it: the keys before an unhashable
+            # one, which a test checks are put back.)
+            owners.extend(map(plan_of.pop, keys, repeat(None)))
         except TypeError:
+            plan_of.update((key, owner) for key, owner in zip(keys, owners) if owner is not None)
             return None
-        if None in owners:
-            return None
-        if None in list(map(plan_of.pop, keys, repeat(None))):  # a repeat: its second pop found nothing
-            plan_of.update(zip(keys, cast("list[int]", owners)))
+        if None in owners:  # a key not open, or a repeat (its second pop found nothing): put back
+            plan_of.update((key, owner) for key, owner in zip(keys, owners) if owner is not None)
             return None
         return cast("list[int]", owners)
+
+    def complete_plain(self, keys: Sequence[bytes], owners: list[int], now: float) -> bool:
+        """:meth:`complete` of a successful store with nothing failed and no sizes, when every
+        key is of one plan that copies nothing below and promotes nothing (the common store):
+        ``True`` once done, ``False`` (no change) for any other plan. ``owners`` is what
+        :meth:`take` returned for ``keys``. A test compares the two paths."""
+        plan_id = owners[0]
+        plan = self._plans[plan_id]
+        if plan.sources is not None or plan.demoted or plan.through or owners.count(plan_id) != len(owners):
+            return False
+        ok = keys if type(keys) is tuple else list(keys)  # the event log keeps the sequence
+        first = self._tiers[0]
+        first.settle(ok, None, now)
+        plan.remaining -= len(ok)
+        if not plan.remaining:
+            del self._plans[plan_id]
+        self._events.add("stored", ok, first.name)
+        return True
 
     def complete(self, keys: Sequence[bytes], result: Completion, owners: list[int] | None = None) -> tuple[int, int]:
         """Settle ``keys`` (every one open) and the plans they complete; return the stores that

@@ -221,7 +221,10 @@ class TenantControl:
             t = self._tiers[tier]
             t.tagged, t.pin_changes = [], {}
             owners = t.tenancy.owners if t.tenancy is not None else {}
-            return {key: owners[key] for key in t.index if key in owners}, list(t.kept)
+            index = t.index
+            if len(owners) < len(index):  # walk the smaller: at open, 10^6 records and no tag
+                return {key: owner for key, owner in owners.items() if key in index}, list(t.kept)
+            return {key: owners[key] for key in index if key in owners}, list(t.kept)
 
     def adopt_pins(self, tier: int, keys: Iterable[bytes]) -> int:
         """Pin again, at open, the saved pins of ``tier`` that it holds, within its budget;

@@ -226,6 +226,13 @@ class TierManager:
         """Whether ``tier`` has ``key`` at all (pending or ready): its bytes may be there."""
         return key in self._indexes[tier]
 
+    def ready_keys(self, tier: int) -> list[bytes]:
+        """The keys ``tier`` holds ready, in no particular order: a snapshot (a shared tier's
+        index view looks there for keys its server lost)."""
+        with self._lock:
+            index = self._tiers[tier].index.copy()  # a copy of the table, not a walk, under the lock
+        return [key for key, state in index.items() if state]
+
     def lookup_detail(self, keys: Sequence[bytes]) -> list[KeyStatus]:
         """Per key: hit (with the fastest ready tier), pending, or miss."""
         if self._closed:
@@ -291,7 +298,8 @@ class TierManager:
             batch = set(keys)
             new = list(keys) if len(batch) == len(keys) else list(dict.fromkeys(keys))
             for index in self._indexes:
-                new = [key for key in new if key not in index]
+                if not index.keys().isdisjoint(batch):  # (a pass in C finds none held: the common store)
+                    new = [key for key in new if key not in index]
             admission, counts = self._admission, self._counts
             if admission.enabled:
                 admission.note(batch)
@@ -373,6 +381,9 @@ class TierManager:
                     _check(keys)
                 if i is not None:
                     raise LifecycleError(f"complete_store: keys[{i}] ({keys[i].hex()[:16]}…) was never prepared or is already complete")
+            if owners is not None and success and not failed and not sizes and self._plans.complete_plain(keys, owners, self._now()):
+                self._counts["store_completed"] += len(owners)
+                return
             failed_sets = {ti: set(ks) for ti, ks in failed.items()} if failed else {}
             done, lost = self._plans.complete(keys, Completion(success, failed_sets, sizes, self._now()), owners)
             self._counts["store_completed"] += done

@@ -423,6 +423,12 @@ class GroupIndex:
         excess = set(self._manager.adopt(tier, new))
         return [b for b, _, _ in new if b not in excess]
 
+    def ready_keys(self, tier: int) -> list[bytes]:
+        """The record keys of the blocks held from this index (what the view checks against
+        the server: a vanished one removes its block)."""
+        with self._lock:
+            return list(self._block_of)
+
     def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
         """Forget the blocks of vanished records; the *block* keys forgotten."""
         with self._lock:

@@ -1,0 +1,205 @@
+"""The writing half of the ``lmdb`` tier (:class:`LmdbWrites`, a base of
+:class:`~kvtier.backends.lmdb_tier.LmdbBackend`): saves by group commit, deletions and access
+stamps. All of them serialise on the tier's one write lock (LMDB has one writer anyway).
+
+A job's records go in one write transaction, and jobs whose writers wait together share it and
+its sync (:mod:`kvtier.backends.group_commit`). Durable (``sync_mode="durable"``), a write
+returns only after its commit (``sync=True``: the data pages are synced before the meta page is
+written) and an ``env.sync()`` (the meta page) are done: a block counts as saved only once it is
+on stable storage, and a commit that fails fails every job that shared it.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import torch
+from kvtier.backends.group_commit import GroupCommit
+from kvtier.backends.lmdb_entries import index_entry, restamp
+from kvtier.backends.lmdb_layout import JobReader
+from kvtier.backends.lmdb_plain import host_rows
+
+from kvtier.errors import BackendError, DiskError
+from kvtier.records.checks import SIDE_MIN_BYTES, EncodedStream
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import PersistentRecordBackend
+
+__all__ = ["LmdbWrites", "Record"]
+
+log = logging.getLogger("kvtier.backends.lmdb_tier")
+
+_EPOCH_KEY = b"kvtier-epoch"
+# Errors confined to one put: the write of that key fails, the job goes on.
+_PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
+Record = tuple[bytes, bytes, Any]  # key, head, payload
+
+
+class LmdbWrites(PersistentRecordBackend):
+    """Saves, deletions and access stamps of an ``lmdb`` tier (see the module doc); the
+    environment, its databases and the write lock are the tier's."""
+
+    _env: lmdb.Environment | None
+    _blocks: Any
+    _index: Any
+    _meta: Any
+    _listed: Any
+    _write_lock: threading.Lock
+    _commits: GroupCommit[list[Record], list[int | None]]
+    _reader: JobReader | None
+
+    if TYPE_CHECKING:
+
+        def _env_or_raise(self) -> lmdb.Environment: ...
+
+        def _pages(self, record_bytes: int) -> int: ...
+
+    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        size = self._check_io(keys, blocks)
+        self._env_or_raise()
+        views = None
+        reader = self._reader
+        if self.mac is None and self.codec.codec_id == NoneCodec.codec_id and len(keys) * size < SIDE_MIN_BYTES and reader is not None:
+            views = host_rows(blocks, size)
+        if views is not None and reader is not None:
+            # A small job of plain records: encoded here, in one tight loop (lmdb_plain).
+            job = reader.plain.records(keys, views)
+        else:
+            # Checksums (and compression) run on a side thread for jobs of SIDE_MIN_BYTES or
+            # more, outside the lock; then the job joins whatever other jobs wait for a commit
+            # (see _commit_jobs).
+            with self._encoded(keys, blocks) as records:
+                job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
+        sizes = self._commits.submit(job)
+        done = [(k, h, p) for (k, h, p), s in zip(job, sizes) if s is not None]
+        self.counters.blocks_written += len(done)
+        self.counters.bytes_written += sum(len(h) + len(p) for _, h, p in done)
+        return sizes
+
+    def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
+        """Put every record of ``jobs`` in one write transaction, then (durable) one
+        ``env.sync``: a job of small records costs one durable commit instead of one per record,
+        and jobs that waited together share it. If the transaction fails on a full map (or
+        another error confined to a put), it is aborted and the records are put one per
+        transaction instead, so the failure is confined to the keys that do not fit."""
+        with self._write_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} was closed during the write")
+            self._listed = None
+            try:
+                sizes = self._put_together(env, jobs)
+            except _PUT_FAILED as exc:
+                log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
+                sizes = self._put_each(env, jobs)
+            except lmdb.Error as exc:
+                raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+            if self.sync_mode == "durable" and any(s is not None for job in sizes for s in job):
+                try:
+                    env.sync(True)
+                except lmdb.Error as exc:
+                    raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
+        return sizes
+
+    def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
+        stamp = time.time()
+        sizes: list[list[int | None]] = []
+        with env.begin(write=True) as txn:
+            for job in jobs:
+                job_sizes: list[int | None] = []
+                for key, head, payload in job:
+                    stored = self._pages(len(head) + len(payload))
+                    txn.put(key, payload, db=self._blocks)
+                    txn.put(key, index_entry(stamp, stored, head), db=self._index)
+                    job_sizes.append(stored)
+                sizes.append(job_sizes)
+        return sizes
+
+    def _put_each(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
+        """One transaction per record; a put that fails is that key's failure alone."""
+        bumped = False
+        sizes: list[list[int | None]] = []
+        for job in jobs:
+            job_sizes: list[int | None] = []
+            for key, head, payload in job:
+                stored = self._pages(len(head) + len(payload))
+                try:
+                    try:
+                        self._put(env, key, head, payload, stored)
+                    except lmdb.MapFullError:
+                        if bumped:
+                            raise
+                        # Pages freed by the latest transaction (the manager's eviction) become
+                        # reusable only to a transaction after the next one: commit a tiny one,
+                        # then retry this key once.
+                        bumped = True
+                        self._bump_txnid(env)
+                        self._put(env, key, head, payload, stored)
+                except _PUT_FAILED as exc:
+                    log.debug("lmdb: write of %s… failed: %s", key.hex()[:16], exc)
+                    self.counters.write_failures += 1
+                    job_sizes.append(None)
+                    continue
+                except lmdb.Error as exc:
+                    raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+                job_sizes.append(stored)
+            sizes.append(job_sizes)
+        return sizes
+
+    def _encoded(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> EncodedStream[tuple[bytes, torch.Tensor], tuple[bytes, Any]]:
+        """Each block's ``(head, payload)``, encoded on a side thread ahead of the puts."""
+        return EncodedStream(lambda pair: self._encode_one(*pair), list(zip(keys, blocks)), sizes=[b.numel() for b in blocks])
+
+    def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
+        with env.begin(write=True) as txn:
+            txn.put(key, payload, db=self._blocks)
+            txn.put(key, index_entry(time.time(), stored, head), db=self._index)
+
+    def _bump_txnid(self, env: lmdb.Environment) -> None:
+        try:
+            with env.begin(write=True, db=self._meta) as txn:
+                txn.put(_EPOCH_KEY, struct.pack("<d", time.time()))
+        except _PUT_FAILED:
+            pass  # even this did not fit; the retry will report the key as failed
+
+    def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        self._env_or_raise()
+        self._delete(list(keys))
+
+    def _delete(self, keys: list[bytes]) -> None:
+        with self._write_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} is closed")
+            self._listed = None  # the listing read at open is stale from now on
+            try:
+                with env.begin(write=True) as txn:
+                    for key in keys:
+                        if txn.delete(key, db=self._blocks):
+                            self.counters.deleted += 1
+                        txn.delete(key, db=self._index)
+            except lmdb.Error as exc:
+                raise DiskError(f"lmdb: delete in {self.path!r} failed: {exc}") from exc
+
+    def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
+        if not stamps:
+            return
+        self._env_or_raise()
+        with self._write_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} is closed")
+            try:
+                with env.begin(write=True, db=self._index) as txn:
+                    for key, stamp in stamps:
+                        value = txn.get(key)
+                        if value is not None:  # never resurrect an index entry for a deleted block
+                            txn.put(key, restamp(value, float(stamp)))
+            except (lmdb.Error, ValueError) as exc:
+                # Advisory (eviction order only): never fail a close over them.
+                log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)

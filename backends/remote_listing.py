@@ -1,0 +1,138 @@
+"""How a remote tier lists what its server holds: the sweep behind the shared index, and the
+listing a store adopts at open.
+
+:class:`RemoteListing` is mixed into :class:`kvtier.backends.remote_tier.RemoteRecordBackend`.
+A record is stored under ``<prefix><32-byte block key>`` (``remote_key``); the listing asks the
+server for the keys under the prefix, keeps the block keys of records and leaves everything
+else under the prefix out (the meta record, the change feed, tags). Two hooks list the server:
+
+``_list_keys() -> Iterable[bytes]``
+    Every remote key under the prefix, paged by the server (never one reply for all); the
+    listing cuts the prefix off (with ``block_key``, where a tier names records otherwise).
+``_list_block_keys() -> Iterable[Sequence[bytes]] | None``
+    Where the tier can do better: the block keys themselves, in batches (the ``redis`` tier
+    parses each ``SCAN`` reply as one array, :mod:`kvtier.backends.redis_scan`). ``None``, the
+    default, means ``_list_keys``.
+
+Either may raise :class:`SweepSkipped` to skip a round without marking the server down.
+
+The listing is a set (a server may list a key twice while its table grows); keys of records
+that failed to load as ours are left out until this tier writes them again, and a server that
+holds another store's meta record lists nothing. A store's open takes the listing as columns
+(:class:`kvtier.bulk.RecordColumns`): one object per record, its key; every record at the
+reserve size and stamped now (the server keeps no access time we could read in bulk).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from kvtier.backends.feed_follower import TierFollower
+from kvtier.backends.remote_health import Health
+
+from kvtier.backend import RecordInfo
+from kvtier.bulk import RecordColumns
+
+__all__ = ["KEY_BYTES", "RemoteListing", "SweepSkipped"]
+
+log = logging.getLogger("kvtier")
+
+KEY_BYTES = 32
+
+
+class SweepSkipped(Exception):
+    """Raised by ``_list_keys``: skip this sweep (back-pressure), the server is not down."""
+
+
+class RemoteListing:
+    """The listing half of a remote tier (see the module doc)."""
+
+    name: ClassVar[str]
+    follower: TierFollower | None
+    _closed: bool
+    _health: Health
+    _prefix_bytes: bytes
+    _foreign: bool
+    _unreadable: dict[bytes, None]
+    _unreadable_lock: threading.Lock
+    _failure_errors: tuple[type[BaseException], ...]
+
+    if TYPE_CHECKING:  # the backend's, declared for the type checker only (no stub shadows them)
+
+        def _check_open(self) -> Any: ...
+        def _note_failure(self, exc: BaseException) -> None: ...
+        def reserve_bytes(self) -> int: ...
+
+    def _list_keys(self) -> Iterable[bytes]:
+        raise NotImplementedError(f"{type(self).__name__} must implement _list_keys")
+
+    def _list_block_keys(self) -> Iterable[Sequence[bytes]] | None:
+        """The block keys of every record on the server, in batches (the prefix cut off, other
+        keys left out), where the tier can list them so faster than ``_list_keys``; ``None``
+        (the default): the sweep lists ``_list_keys`` and cuts the prefix itself."""
+        return None
+
+    def remote_key(self, key: bytes) -> bytes:
+        """A block key's name on the server."""
+        return self._prefix_bytes + key
+
+    def block_key(self, rkey: bytes) -> bytes | None:
+        """The block key named ``rkey`` on the server, or ``None`` for anything else under the prefix."""
+        plen = len(self._prefix_bytes)
+        return rkey[plen:] if len(rkey) == plen + KEY_BYTES and rkey.startswith(self._prefix_bytes) else None
+
+    def _sweep(self) -> set[bytes] | None:
+        """Every key of this namespace on the server, or ``None`` when the server is down, its
+        backoff has not run out, or the round was skipped."""
+        if self._closed or not self._health.allow():
+            return None
+        found: set[bytes] = set()
+        try:
+            batches = self._list_block_keys()
+            if batches is not None:  # the tier lists block keys itself, in bulk
+                for batch in batches:
+                    found.update(batch)
+            elif type(self).block_key is RemoteListing.block_key:  # the key follows the prefix: one pass in C
+                plen, prefix = len(self._prefix_bytes), self._prefix_bytes
+                want = plen + KEY_BYTES
+                found.update(rkey[plen:] for rkey in self._list_keys() if len(rkey) == want and rkey.startswith(prefix))
+            else:
+                found.update(key for key in map(self.block_key, self._list_keys()) if key is not None)
+        except SweepSkipped as exc:  # back-pressure: the index stays as it is until the next round
+            log.debug("%s: index sweep skipped: %s", self.name, exc)
+            return None
+        except self._failure_errors as exc:
+            self._note_failure(exc)
+            self._health.failed(exc)
+            return None
+        self._health.succeeded()
+        if self._foreign:
+            return set()
+        if self._unreadable:
+            with self._unreadable_lock:
+                found.difference_update(self._unreadable)
+        return found
+
+    def scan(self) -> Iterator[RecordInfo]:
+        listed = self.scan_columns()
+        return iter([RecordInfo(k, n, t) for k, n, t in listed])
+
+    def scan_columns(self) -> RecordColumns:
+        """The keys on the server (none while it is down), as columns: each stamped now, at the
+        reserve size (no object per record but its key)."""
+        self._check_open()
+        found = self._sweep()
+        keys = list(found) if found is not None else []
+        del found
+        n = len(keys)
+        if self.follower is not None:
+            self.follower.note_listed(n)
+        # One size and one stamp for all, as read-only columns of a single element each: no
+        # memory per record (arrays made on this thread would outlive the open in its arena).
+        stored = np.broadcast_to(np.int64(self.reserve_bytes()), (n,))
+        return RecordColumns(keys, stored, np.broadcast_to(np.float64(time.time()), (n,)), oldest_first=True)

@@ -1,0 +1,107 @@
+"""The ``file`` tier's listing at open (columns from one ``scandir`` per shard directory, no
+``RecordInfo`` per record) against the record-by-record walk the offline tools use: the same
+keys, sizes and stamps, whatever else lies in the tree."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=8192, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+def _open(path: Path, **options: object) -> Backend:
+    backend = registry.backends.get("file")(capacity=8 << 20, path=str(path), sync_mode="fast", **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def _littered_store(root: Path, outside: Path) -> list[bytes]:
+    """Twelve records (two compressed, so of other sizes; stamps set apart), and beside them
+    what the listing must skip: temp files (one stale), foreign names, a record name in the
+    wrong shard, a symlinked record and a symlinked shard directory, a directory where a
+    record should be. The keys of the records."""
+    keys = [make_key(i) for i in range(12)]
+    backend = _open(root)
+    backend.write_blocks(keys[:10], [random_block(FMT.block_bytes, i) for i in range(10)])
+    backend.touch_stamps([(k, 1_000_000.0 + 7 * i) for i, k in enumerate(keys[:10])])
+    asyncio.run(backend.aclose())
+    zstd = _open(root, codec={"name": "zstd", "level": 1})
+    zstd.write_blocks(keys[10:], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)] * 2)
+    asyncio.run(zstd.aclose())
+    h = keys[0].hex()
+    shard = root / h[:2] / h[2:4]
+    (shard / f"{h}.kvb.1.2.tmp").write_bytes(b"young temp file")
+    stale = shard / f"{h}.kvb.1.3.tmp"
+    stale.write_bytes(b"stale temp file")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    (shard / "notes.txt").write_bytes(b"x")
+    (shard / (h.upper() + ".kvb")).write_bytes(b"x")
+    other = make_key(99).hex()
+    (shard / f"{other}.kvb").write_bytes((shard / f"{h}.kvb").read_bytes())  # not its shard
+    outside.mkdir()
+    (outside / f"{make_key(50).hex()}.kvb").write_bytes(b"outside")
+    linked = make_key(50).hex()
+    (root / linked[:2] / linked[2:4]).mkdir(parents=True, exist_ok=True)
+    (root / linked[:2] / linked[2:4] / f"{linked}.kvb").symlink_to(outside / f"{linked}.kvb")
+    lshard = make_key(51).hex()
+    (root / lshard[:2]).mkdir(exist_ok=True)
+    if not (root / lshard[:2] / lshard[2:4]).exists():
+        (root / lshard[:2] / lshard[2:4]).symlink_to(outside, target_is_directory=True)
+    dirname = make_key(52).hex()
+    (root / dirname[:2] / dirname[2:4] / f"{dirname}.kvb").mkdir(parents=True)
+    (root / "zz").mkdir()
+    (root / "zz" / f"{h}.kvb").write_bytes(b"x")
+    return keys
+
+
+def test_the_listing_at_open_is_the_record_by_record_walk(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _littered_store(root, tmp_path / "outside")
+    walked = []
+    for key, entry in registry.backends.get("file")._record_entries(str(root)):  # type: ignore[attr-defined]
+        st = entry.stat(follow_symlinks=False)
+        walked.append((key, -(-st.st_size // 4096) * 4096, st.st_mtime))
+    assert sorted(k for k, _, _ in walked) == sorted(keys)
+    backend = _open(root)
+    try:
+        columns = backend.scan_columns()  # type: ignore[attr-defined]
+        assert columns is not None and sorted(columns) == sorted(walked)
+        assert backend.scan_columns() is None  # type: ignore[attr-defined]  # once
+        assert sorted((r.key, r.stored_bytes, r.stamp) for r in backend.scan()) == sorted(walked)  # walked again
+        assert backend.stats()["used_bytes"] == sum(n for _, n, _ in walked)
+        assert backend.stats()["known_blocks"] == len(keys)
+        assert not list(root.rglob("*.1.3.tmp")) and list(root.rglob("*.1.2.tmp"))  # the stale one swept
+        oldest = [k for k, _, _ in columns.sorted()][:10]
+        assert oldest == keys[:10]  # the stamps restore the order
+    finally:
+        asyncio.run(backend.aclose())
+    assert (tmp_path / "outside" / f"{make_key(50).hex()}.kvb").read_bytes() == b"outside"
+
+
+def test_a_store_adopts_the_listing_as_columns(tmp_path: Path) -> None:
+    from kvtier.bulk import RecordColumns
+    from kvtier.manager import TierManager, TierSpec
+    from kvtier.manager.policies import LRUPolicy
+    from kvtier.store import _scan_records
+
+    root = tmp_path / "store"
+    keys = _littered_store(root, tmp_path / "outside")
+    backend = _open(root)
+    try:
+        listed = _scan_records(backend)
+        assert isinstance(listed, RecordColumns)
+        manager = TierManager([TierSpec("disk", capacity_bytes=8 << 20, block_reserve=backend.reserve_bytes(), policy=LRUPolicy(64), persistent=True)])
+        assert manager.adopt(0, listed) == []
+        assert manager.stats()["tiers"][0]["ready"] == len(keys)
+        assert manager.lookup(keys) == len(keys)
+    finally:
+        asyncio.run(backend.aclose())

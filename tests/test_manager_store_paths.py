@@ -1,0 +1,159 @@
+"""The manager's store fast paths against its general paths: same plans, same errors, same
+counters, events, key states and order, call after call.
+
+* ``prepare_store`` of keys that fit in the first tier's free room, with no copy below
+  (write-back, or one tier), skips the plan builder (``PlanBook.prepare``);
+* ``complete_store`` of a successful store of one plan that copies nothing below skips the
+  general settlement (``PlanBook.complete_plain``);
+* ``complete_store`` takes its keys out of the book in one pass (``PlanBook.take``), and puts
+  back what it took when a key is not open, repeats, or cannot be hashed.
+
+A random sequence of calls runs on two managers alike, one of them with the fast paths turned
+off, and everything observable is compared after every call.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvtier.manager import TierManager, TierSpec
+from kvtier.manager.policies import ARCPolicy, LRUPolicy
+from kvtier.manager.tenants import TenantRules
+from kvtier.testing import make_key
+
+BLOCK = 100
+K = [make_key(i) for i in range(40)]
+POLICY = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def _spec(name: str, blocks: int, policy: str, **kw: Any) -> TierSpec:
+    return TierSpec(name=name, capacity_bytes=blocks * BLOCK, block_reserve=BLOCK, policy=POLICY[policy](blocks), **kw)
+
+
+CONFIGS: dict[str, Any] = {
+    "one": lambda p: TierManager([_spec("cpu", 8, p)]),
+    "one-persistent": lambda p: TierManager([_spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
+    "one-variable": lambda p: TierManager([_spec("zst", 8, p, variable_size=True)]),
+    "back": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
+    "through": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p)], write="through"),
+    "admit": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p, admit_after=2)]),
+    "quotas": lambda p: TierManager([_spec("cpu", 8, p)], tenants=TenantRules(quotas={"a": {0: 3 * BLOCK}})),
+}
+
+
+def _general(m: TierManager) -> TierManager:
+    """``m`` with its store fast paths off: every store takes the builder, every completion
+    the general settlement."""
+    m._plans._no_copies = False  # (the general path then adds no copies either: write-back or one tier)
+    m._plans.complete_plain = lambda *args: False  # type: ignore[method-assign]
+    return m
+
+
+def _outcome(call: Any, *args: Any, **kw: Any) -> tuple[Any, ...]:
+    try:
+        return ("value", call(*args, **kw))
+    except Exception as exc:  # the error must match too: type and message
+        return ("error", type(exc), str(exc))
+
+
+def _state(m: TierManager) -> tuple[Any, ...]:
+    book = m._plans
+    return (
+        m.stats(),
+        [m.tier_keys(i) for i in range(m.num_tiers)],
+        m.lookup_detail(K),
+        m.take_events(),
+        {ti: (dict(t.index), dict(t.pins), dict(t.sizes), dict(t.stamps), t.used, t.pending) for ti, t in enumerate(m._tiers)},
+        {pid: (p.remaining, p.demoted, p.through, p.sources) for pid, p in book._plans.items()},
+        sorted(book._plan_of.items()),
+        sorted(book._copying),
+    )
+
+
+def _call(rng: random.Random, open_keys: list[bytes]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """A random call: mostly well-formed, sometimes not."""
+    roll = rng.random()
+    if roll < 0.4 or not open_keys:
+        keys = rng.sample(K, rng.randint(1, 6))
+        if rng.random() < 0.15:
+            keys.append(keys[0])  # a repeat
+        kw: dict[str, Any] = {}
+        if rng.random() < 0.2:
+            kw["partial"] = True
+        if rng.random() < 0.15:
+            kw["tenant"] = rng.choice(["a", "b"])
+        return "prepare_store", (keys,), kw
+    if roll < 0.75:
+        keys = rng.sample(open_keys, rng.randint(1, len(open_keys)))
+        kw = {}
+        twist = rng.random()
+        if twist < 0.1:
+            kw["success"] = False
+        elif twist < 0.15:
+            kw["sizes"] = {0: {key: BLOCK // 2 for key in keys}}
+        elif twist < 0.2:
+            kw["failed"] = {1: keys[:1]}
+        elif twist < 0.25:
+            keys = [*keys, keys[0]]  # a repeat: an error, nothing taken out
+        elif twist < 0.3:
+            keys = [*keys[:1], bytearray(keys[-1])]  # unhashable after an open key
+        elif twist < 0.35:
+            keys = [*keys[:1], rng.choice(K)]  # maybe not open
+        elif twist < 0.4:
+            keys = tuple(keys)
+        return "complete_store", (keys,), kw
+    keys = rng.sample(K, rng.randint(1, 4))
+    if roll < 0.85:
+        return "touch", (keys,), {}
+    return "lookup", (keys,), {}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY))
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", range(6))
+def test_store_fast_paths_match_the_general_paths(config: str, policy: str, seed: int) -> None:
+    fast, general = CONFIGS[config](policy), _general(CONFIGS[config](policy))
+    rng = random.Random(f"{config}-{policy}-{seed}")
+    open_keys: list[bytes] = []
+    for step in range(120):
+        name, args, kw = _call(rng, open_keys)
+        got = _outcome(getattr(fast, name), *args, **kw)
+        want = _outcome(getattr(general, name), *args, **kw)
+        assert got == want, (step, name, args, kw)
+        assert _state(fast) == _state(general), (step, name, args, kw)
+        open_keys = sorted(fast._plans._plan_of)
+
+
+def test_the_fast_paths_are_taken() -> None:
+    """The common store goes through both fast paths (the comparison above is not vacuous)."""
+    m = CONFIGS["one"]("lru")
+    taken = []
+    plain = m._plans.complete_plain
+    m._plans.complete_plain = lambda *args: taken.append(plain(*args)) or taken[-1]  # type: ignore[method-assign]
+    plan = m.prepare_store(K[:4])
+    assert plan is not None and plan.keys == tuple(K[:4]) and plan.positions == (0, 1, 2, 3)
+    m.complete_store(plan.keys)
+    assert taken == [True]
+    # a plan that demotes is not plain
+    two = CONFIGS["back"]("lru")
+    for part in (K[:4], K[4:6]):
+        plan = two.prepare_store(part)
+        assert plan is not None
+        two._plans.complete_plain = lambda *args: taken.append(plain.__func__(two._plans, *args)) or taken[-1]  # type: ignore[attr-defined,method-assign]
+        two.complete_store(plan.keys)
+    assert taken == [True, True, False]
+
+
+def test_complete_store_puts_back_what_it_took_before_an_unhashable_key() -> None:
+    m = CONFIGS["one"]("lru")
+    plan = m.prepare_store(K[:3])
+    assert plan is not None
+    before = sorted(m._plans._plan_of.items())
+    with pytest.raises(Exception, match=r"keys\[2\]"):
+        m.complete_store([K[0], K[1], bytearray(K[2])])
+    assert sorted(m._plans._plan_of.items()) == before
+    m.complete_store(plan.keys)
+    assert m.lookup(K[:3]) == 3 and len(m._plans) == 0
