@@ -383,6 +383,7 @@ def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
     picks: the same finds, bytes, drops and counters as the general read, on a damaged store."""
     monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
     monkeypatch.setattr(FasterWay, "pick", lambda self: way)
+    monkeypatch.setattr(lmdb_layout, "spare_core", lambda: True)
     keys, data = _damaged_store(tmp_path / "store")
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read(tmp_path / "store", keys, False, monkeypatch)
@@ -445,3 +446,25 @@ def test_a_small_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Pa
     for plain in (True, False):
         found, out, *_ = _read(tmp_path / "plain", keys, plain, monkeypatch)
         assert found == [True] * 6 and all(torch.equal(o, d) for o, d in zip(out, data))
+
+
+def test_no_side_thread_is_tried_while_no_core_seems_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the load average at the cores' count, a large plain job is read in one pass
+    whatever FasterWay would pick; a load under the cores less a half lets it choose."""
+    from kvtier.records import checks
+
+    monkeypatch.setattr(checks, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(checks.os, "getloadavg", lambda: (2.0, 2.0, 2.0))
+    assert not checks.spare_core()
+    monkeypatch.setattr(checks.os, "getloadavg", lambda: (1.2, 2.0, 2.0))
+    assert checks.spare_core()
+    monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
+    monkeypatch.setattr(FasterWay, "pick", lambda self: 1)
+    for spare, side_checks in ((False, 0), (True, 6)):
+        monkeypatch.setattr(lmdb_layout, "spare_core", lambda spare=spare: spare)
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        keys, data = _damaged_store(tmp_path / "store")
+        found, out, _, _, checked = _read(tmp_path / "store", keys, True, monkeypatch)
+        assert found == [True, False, False, False, True, True, True, True]
+        assert all(torch.equal(out[i], data[i]) for i in (0, 4, 5, 6, 7))
+        assert checked == (3 if not spare else side_checks)  # one pass hands copy_and_check the odd ones only
