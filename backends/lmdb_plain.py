@@ -132,6 +132,20 @@ class PlainReads:
             return i, exc, None, None
         return None
 
+    def records(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[tuple[bytes, bytes, memoryview]]:
+        """``(key, head, payload)`` of each block (``views``: its bytes, as :func:`host_rows`
+        gives them) as a plain record: the bytes ``encode_record`` makes for a block that is not
+        compressed and not keyed, by the same state as :meth:`read` (one XXH3 over the key and
+        the block per record, continued from the store's 24 head bytes)."""
+        head, prefix, pack = self.head, self.prefix, _SUM.pack
+        job = []
+        for key, view in zip(keys, views):
+            h = prefix.copy()
+            h.update(key)
+            h.update(view)
+            job.append((key, head + pack(h.intdigest()), view))
+        return job
+
 
 class FileGuard:
     """Refuses reads once ``data.mdb`` is shorter than it was: LMDB never shrinks its file

@@ -22,9 +22,12 @@ import lmdb
 import torch
 from kvtier.backends.group_commit import GroupCommit
 from kvtier.backends.lmdb_entries import index_entry, restamp
+from kvtier.backends.lmdb_layout import JobReader
+from kvtier.backends.lmdb_plain import host_rows
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.records.checks import EncodedStream
+from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
 
 __all__ = ["LmdbWrites", "Record"]
@@ -48,6 +51,7 @@ class LmdbWrites(PersistentRecordBackend):
     _listed: Any
     _write_lock: threading.Lock
     _commits: GroupCommit[list[Record], list[int | None]]
+    _reader: JobReader | None
 
     if TYPE_CHECKING:
 
@@ -56,12 +60,22 @@ class LmdbWrites(PersistentRecordBackend):
         def _pages(self, record_bytes: int) -> int: ...
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        self._check_io(keys, blocks)
+        size = self._check_io(keys, blocks)
         self._env_or_raise()
-        # Checksums (and compression) run on a side thread, outside the lock; then the job joins
-        # whatever other jobs wait for a commit (see _commit_jobs).
-        with self._encoded(keys, blocks) as records:
-            job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
+        views = None
+        reader = self._reader
+        if self.mac is None and self.codec.codec_id == NoneCodec.codec_id and reader is not None:
+            views = host_rows(blocks, size)
+        if views is not None and reader is not None:
+            # Plain records: encoded here, in one tight loop (lmdb_plain). (The general encoder's
+            # side thread gains nothing here: the whole job is encoded before its commit.)
+            job = reader.plain.records(keys, views)
+        else:
+            # Checksums (and compression, MACs) run on a side thread for jobs of SIDE_MIN_BYTES
+            # or more, outside the lock; then the job joins whatever other jobs wait for a
+            # commit (see _commit_jobs).
+            with self._encoded(keys, blocks) as records:
+                job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
         sizes = self._commits.submit(job)
         done = [(k, h, p) for (k, h, p), s in zip(job, sizes) if s is not None]
         self.counters.blocks_written += len(done)

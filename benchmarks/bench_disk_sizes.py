@@ -22,7 +22,8 @@ same durable work done in the same process on the same bytes:
 
 Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
 the best counted raw shape (``*_ratio_paired``: the median, over the rounds, of the tier against
-the best counted raw shape of its own round). Arms alternate within a round and their order reverses every round;
+the best counted raw shape of its own round; ``*_ratio_paired_spread``: the lowest and highest of
+those per-round ratios, so a run shows its own swing). Arms alternate within a round and their order reverses every round;
 figures are medians over ``--rounds`` rounds after one uncounted warm-up round. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
 at 64 KiB only) for a shared machine.
@@ -302,7 +303,9 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     # machine's load hits both terms alike): the median of those ratios.
     for op, times in (("save", saves), ("load", loads)):
         best_raw = [min(times[k][r] for k in counted) for r in range(len(times["tier"]))]
-        cell[f"{op}_ratio_paired"] = round(_median([b / t for b, t in zip(best_raw, times["tier"])]), 3)
+        per_round = [b / t for b, t in zip(best_raw, times["tier"])]
+        cell[f"{op}_ratio_paired"] = round(_median(per_round), 3)
+        cell[f"{op}_ratio_paired_spread"] = [round(min(per_round), 3), round(max(per_round), 3)]
     return cell
 
 

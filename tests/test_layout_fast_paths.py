@@ -18,9 +18,11 @@ from kvtier.transfer.layout import KVLayout
 BLOCKS = 12
 
 
-def _caches(seed: int) -> list[torch.Tensor]:
+def _caches(seed: int, uniform: bool = False) -> list[torch.Tensor]:
+    """Three tensors of different block sizes, or (``uniform``) four of the same: then every
+    tensor's share of a record is as wide, and a run's views come from one ``unbind``."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(BLOCKS, 4, 2, 8), (BLOCKS, 4, 3, 4), (BLOCKS, 2, 4, 2, 8)]
+    shapes = [(BLOCKS, 4, 2, 8)] * 4 if uniform else [(BLOCKS, 4, 2, 8), (BLOCKS, 4, 3, 4), (BLOCKS, 2, 4, 2, 8)]
     return [torch.randint(0, 256, (BLOCKS, *s[1:]), dtype=torch.uint8, generator=g).view(torch.uint8) for s in shapes]
 
 
@@ -36,11 +38,12 @@ ROWS = [
 @pytest.mark.parametrize("rows", ROWS, ids=str)
 @pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("here", [False, True], ids=["parts", "callers-loop"])
-def test_gather_and_scatter_match_the_pairwise_copy(rows: list[int], kept: bool, here: bool) -> None:
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+def test_gather_and_scatter_match_the_pairwise_copy(rows: list[int], kept: bool, here: bool, uniform: bool) -> None:
     """The index strategy (one run or several, views kept or not, part by part or in the
-    caller's own loop as an inline job copies) writes the bytes the per-block ``foreach``
-    strategy writes, and only into the rows named."""
-    caches = _caches(1)
+    caller's own loop as an inline job copies, tensors of one block size or several) writes
+    the bytes the per-block ``foreach`` strategy writes, and only into the rows named."""
+    caches = _caches(1, uniform)
     fast = KVLayout([c.clone() for c in caches], strategy="index")
     slow = KVLayout([c.clone() for c in caches], strategy="foreach")
     team = fast.copies.on_callers_team() if here else contextlib.nullcontext()
@@ -98,7 +101,9 @@ def test_forgotten_views_let_the_pool_go() -> None:
 
 
 async def test_a_closed_store_holds_no_pool() -> None:
-    caches = [torch.zeros((8, 4, 2, 8), dtype=torch.bfloat16) for _ in range(2)]
+    # two block sizes: a run's views are then cut from the kept column views (with one
+    # block size they come from one unbind of the rows, and nothing is kept)
+    caches = [torch.zeros((8, 4, 2, 8), dtype=torch.bfloat16), torch.zeros((8, 4, 3, 4), dtype=torch.bfloat16)]
     store = await kvtier.open({"tiers": [{"backend": "cpu", "capacity": "1MiB"}]}, kv_caches=caches).__aenter__()
     keys = [bytes([i]) * 32 for i in range(2)]
     assert await store.save(keys, [1, 2]) == 2
@@ -107,3 +112,21 @@ async def test_a_closed_store_holds_no_pool() -> None:
     assert layout is not None and layout._kept_views
     await store.aclose()
     assert not layout._kept_views
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+@pytest.mark.parametrize("kept", [False, True])
+def test_row_views_are_the_column_views_cut_to_the_rows(uniform: bool, kept: bool) -> None:
+    """A run's per-tensor views (one ``unbind`` where every tensor's share is as wide) are
+    exactly the kept column views sliced to the run's rows: same memory, shape and strides;
+    a pool that is not contiguous takes the slices."""
+    layout = KVLayout(_caches(3, uniform), strategy="index")
+    assert bool(layout._span) is uniform
+    wide = torch.zeros((10, 2 * layout.block_bytes), dtype=torch.uint8)
+    for pool in (torch.zeros((10, layout.block_bytes), dtype=torch.uint8), wide[:, : layout.block_bytes]):
+        for r0, end in ((0, 10), (3, 7), (9, 10)):
+            got = layout._row_views(pool, kept, r0, end)
+            want = [v[r0:end] for v in layout._dst_views(pool, kept)]
+            assert len(got) == len(want) == len(layout.kv_caches)
+            for a, b in zip(got, want):
+                assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
