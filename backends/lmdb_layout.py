@@ -37,7 +37,7 @@ from kvtier.backends.lmdb_plain import FileGuard, PlainReads, host_rows
 
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
-from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check
+from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check, spare_core
 from kvtier.records.codec import NoneCodec, UnsupportedRecordError
 from kvtier.records.format import (
     HEAD_MAX,
@@ -195,9 +195,10 @@ class JobReader:
         if not cold and ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
             if mac is not None or nbytes < SIDE_MIN_BYTES:
                 return self.read_in_one_pass(env, keys, out, mac)
-            # Copy and checksum: one pass on this thread, or the checksums on a side thread
-            # while this one copies, whichever has been faster of late (FasterWay).
-            way = self.ways.pick()
+            # Copy and checksum: one pass on this thread, or (while a core seems free) the
+            # checksums on a side thread while this one copies, whichever has been faster of
+            # late (FasterWay).
+            way = self.ways.pick() if spare_core() else 0
             start = time.perf_counter()
             outcome = self.read_in_one_pass(env, keys, out, mac) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
             self.ways.record(way, time.perf_counter() - start, nbytes)

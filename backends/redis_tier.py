@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -461,7 +462,8 @@ class RedisBackend(RemoteRecordBackend):
 
     def _list_block_keys(self) -> Iterator[list[bytes]]:
         """The block keys of every record under the prefix, a ``SCAN`` step at a time: records
-        only, the prefix cut off, parsed a reply at a time (:mod:`kvtier.backends.redis_scan`)."""
+        only, the prefix cut off, parsed a reply at a time (:mod:`kvtier.backends.redis_scan`);
+        a cluster's primaries are listed at once."""
         prefix = self._prefix_bytes
 
         def listing(node: Any) -> Iterator[list[bytes]]:
@@ -477,12 +479,14 @@ class RedisBackend(RemoteRecordBackend):
                     conn.disconnect()
                 pool.release(conn)
 
-        return self._each_node(listing)
+        return self._each_node(listing, parallel=True)
 
-    def _each_node(self, listing: Callable[[Any], Iterable[T]]) -> Iterator[T]:
+    def _each_node(self, listing: Callable[[Any], Iterable[T]], *, parallel: bool = False) -> Iterator[T]:
         """``listing(client)`` on each primary (the server's own client, or each cluster
-        primary's), in turn. A dead primary is skipped (its keys drop out of the index: they
-        miss anyway); a pool with no connection to spare skips the round."""
+        primary's): in turn, or with ``parallel`` on a thread per primary (each is a process of
+        its own; the items then come once every primary is listed). A dead primary is skipped
+        (its keys drop out of the index: they miss anyway); a pool with no connection to spare
+        skips the round."""
         try:
             client = self._get_client()
             nodes: list[tuple[Health | None, Any]]
@@ -490,27 +494,36 @@ class RedisBackend(RemoteRecordBackend):
                 if self._refresh_slots:
                     self._refresh_slots = False
                     client.nodes_manager.initialize()
-                nodes = [(self._node_health(n.name), client.get_redis_connection(n)) for n in client.get_primaries()]
+                healths = [(self._node_health(n.name), n) for n in client.get_primaries()]
+                nodes = [(health, client.get_redis_connection(n)) for health, n in healths if health.allow()]
             else:
                 nodes = [(None, client)]
-            for health, node in nodes:
-                if health is not None and not health.allow():
-                    continue
-                try:
-                    yield from listing(node)
-                except MaxConnectionsError:
-                    raise  # the pool is busy, not the node down: skip this round (below)
-                except _DOWN_ERRORS as exc:
-                    if health is None:
-                        raise
-                    health.failed(exc)
-                    self._refresh_slots = True
-                    continue
-                if health is not None and health.succeeded() and self.view is not None:
-                    self.view.wake()
+            if parallel and len(nodes) > 1:
+                with ThreadPoolExecutor(len(nodes), thread_name_prefix=f"kvtier-{self.name}-scan") as threads:
+                    listed = list(threads.map(lambda hn: list(self._one_node(hn[0], hn[1], listing)), nodes))
+                for items in listed:
+                    yield from items
+            else:
+                for health, node in nodes:
+                    yield from self._one_node(health, node, listing)
         except MaxConnectionsError as exc:  # back-pressure: the index stays as it is until the next round
             self._gate.busy += 1
             raise SweepSkipped(f"no connection to spare: {exc}") from exc
+
+    def _one_node(self, health: Health | None, node: Any, listing: Callable[[Any], Iterable[T]]) -> Iterator[T]:
+        """``listing(node)``; a cluster primary that fails is marked down and lists no more."""
+        try:
+            yield from listing(node)
+        except MaxConnectionsError:
+            raise  # the pool is busy, not the node down: skip this round (_each_node)
+        except _DOWN_ERRORS as exc:
+            if health is None:
+                raise
+            health.failed(exc)
+            self._refresh_slots = True
+            return
+        if health is not None and health.succeeded() and self.view is not None:
+            self.view.wake()
 
     def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
         self._check_open()

@@ -10,9 +10,13 @@ they are valid kvtier records), and then a fresh interpreter opens a store on it
 
 * ``open_s`` / ``open_s_per_million``: ``KVStore.start()``, which opens the tier (LMDB's
   open-time page check included), lists its records and adopts them into the manager's index;
+  ``open_cpu_s_per_million``: the CPU time of that open (every thread of the process), which
+  other processes on a loaded machine do not inflate as much as they do the wall-clock time;
   ``scan_s``: a second ``scan()`` of the open tier, to tell listing from adopting;
 * ``rss_bytes_per_key``: the growth of the process's anonymous RSS (``RssAnon``: Python objects,
   not the mapped file) across that open, per record;
+* ``server_scan_s`` (``redis``): the CPU time the server spent in ``SCAN`` during that open (its
+  ``INFO commandstats``), the part of ``open_s`` no client change can cut on one server;
 * ``lookup_us`` / ``lookup_miss_us``: one single-key ``lookup`` of a random held key / of an
   absent key (4096 distinct keys, each probed once a round, best of 5 warm rounds);
   ``lookup64_us_per_key``: a 64-key batched lookup, per key. ``dict_*``: the same probes of a
@@ -245,9 +249,12 @@ async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
     absent = [_key(n + 1 + i) for i in range(LOOKUP_SAMPLE)]
     _settle_memory()
     rss = _rss_anon()
-    t = time.perf_counter()
+    scan_usec = _server_scan_usec(config)
+    t, cpu = time.perf_counter(), time.process_time()
     await store.start()
-    open_s = time.perf_counter() - t
+    open_s, open_cpu_s = time.perf_counter() - t, time.process_time() - cpu
+    if scan_usec is not None:
+        scan_usec = (_server_scan_usec(config) or 0) - scan_usec
     _settle_memory()
     grown = _rss_anon() - rss
     manager = store.manager
@@ -263,15 +270,32 @@ async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
             "records": n,
             "open_s": round(open_s, 4),
             "open_s_per_million": round(open_s / n * 1e6, 3),
+            "open_cpu_s_per_million": round(open_cpu_s / n * 1e6, 3),
             "scan_s": round(scan_s, 4),
             "listed": listed,
             "rss_bytes_per_key": round(grown / n, 1),
         }
+        if scan_usec is not None:
+            out["server_scan_s"] = round(scan_usec / 1e6, 4)
         out.update(_lookup_figures(manager, held, absent))
         out.update(_evict_figure(manager))
         return out
     finally:
         await store.aclose()
+
+
+def _server_scan_usec(config: dict[str, Any]) -> int | None:
+    """Microseconds the redis tier's server has spent in ``SCAN`` (``None`` for other tiers)."""
+    url = config["tiers"][0].get("url")
+    if config["tiers"][0]["backend"] != "redis" or url is None:
+        return None
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("commandstats").get("cmdstat_scan", {}).get("usec", 0))
+    finally:
+        client.close()
 
 
 # -- the index alone ---------------------------------------------------------------------------
@@ -357,7 +381,7 @@ def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeou
             shutil.rmtree(where, ignore_errors=True)
             if url is not None:
                 _flush_redis(url)
-    _flatness([p for p in points if "error" not in p], (*FLAT_FIELDS, "open_s_per_million"))
+    _flatness([p for p in points if "error" not in p], (*FLAT_FIELDS, "open_s_per_million", "open_cpu_s_per_million"))
     return points
 
 
@@ -372,7 +396,7 @@ def _flush_redis(url: str) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    cols = ("records", "open_s_per_million", "adopt_s_per_million", "rss_bytes_per_key", "lookup_us", "lookup_us_vs_dict",
+    cols = ("records", "open_s_per_million", "open_cpu_s_per_million", "adopt_s_per_million", "rss_bytes_per_key", "lookup_us", "lookup_us_vs_dict",
             "lookup_miss_us", "lookup_miss_us_vs_dict", "lookup64_us_per_key", "evict_us_per_block", "dict_evict_us_per_block")
     lines = ["tier     " + " ".join(f"{c[:18]:>18}" for c in cols)]
     for name, points in result["tiers"].items():

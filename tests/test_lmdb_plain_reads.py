@@ -351,6 +351,29 @@ def test_the_faster_way_is_taken_and_the_other_is_tried_now_and_then() -> None:
     assert picks == [0, 1, 1, 1, 1, 0, 1, 1]
 
 
+def test_probes_of_a_way_that_keeps_losing_come_ever_further_apart() -> None:
+    """Every probe that changes nothing doubles the distance to the next (8, 16, then the cap
+    of 16); one that changes the best way brings it back to 4."""
+    ways = FasterWay(probe=4, weight=1.0, max_probe=16)
+    ways.record(ways.pick(), 1.0, 100)
+    ways.record(ways.pick(), 3.0, 100)  # way 1 is slower
+
+    def run(jobs: int, cost: tuple[float, float]) -> list[int]:
+        probes = []
+        for _ in range(jobs):
+            way = ways.pick()
+            if way == 1:
+                probes.append(ways._jobs)  # type: ignore[attr-defined]
+            ways.record(way, cost[way], 100)
+        return probes
+
+    assert run(60, (1.0, 3.0)) == [4, 12, 28, 44, 60]
+    # Way 1 is the faster from now on: the probe at job 76 finds it, and it is taken from then
+    # on, but for the probe of way 0 four jobs later.
+    assert run(20, (1.0, 0.5)) == [76, 77, 78, 79, 81, 82]
+    assert ways.pick() == 1
+
+
 @pytest.mark.parametrize("way", [0, 1])
 def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: int
@@ -360,6 +383,7 @@ def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
     picks: the same finds, bytes, drops and counters as the general read, on a damaged store."""
     monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
     monkeypatch.setattr(FasterWay, "pick", lambda self: way)
+    monkeypatch.setattr(lmdb_layout, "spare_core", lambda: True)
     keys, data = _damaged_store(tmp_path / "store")
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read(tmp_path / "store", keys, False, monkeypatch)
@@ -383,12 +407,17 @@ def _dump(path: Path) -> dict[bytes, tuple[bytes, bytes]]:
     return got
 
 
-@pytest.mark.parametrize("rows", ["own", "staging"])
-def test_a_small_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str) -> None:
-    """A small unkeyed, uncompressed job is encoded by ``PlainReads.records`` (one XXH3 state
-    per store); the store holds the same bytes as after the general encoder
-    (``encode_record`` on a side thread or inline), and reads back through both read paths."""
+@pytest.mark.parametrize(("rows", "side_min"), [("own", 1 << 20), ("staging", 1 << 20), ("own", 1 << 14)])
+def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str, side_min: int) -> None:
+    """An unkeyed, uncompressed job is encoded by ``PlainReads.records`` (one XXH3 state per
+    store); the store holds the same bytes as after the general encoder (``encode_record``,
+    inline or, for a job of ``SIDE_MIN_BYTES`` or more, on a side thread), and reads back
+    through both read paths."""
     from kvtier.backends import lmdb_writes
+
+    from kvtier.records import checks
+
+    monkeypatch.setitem(checks.EncodedStream.__init__.__kwdefaults__, "min_bytes", side_min)
 
     keys = [make_key(i) for i in range(6)]
     data = [random_block(FMT.block_bytes, 900 + i) for i in range(6)]
@@ -422,3 +451,25 @@ def test_a_small_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Pa
     for plain in (True, False):
         found, out, *_ = _read(tmp_path / "plain", keys, plain, monkeypatch)
         assert found == [True] * 6 and all(torch.equal(o, d) for o, d in zip(out, data))
+
+
+def test_no_side_thread_is_tried_while_no_core_seems_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the load average at the cores' count, a large plain job is read in one pass
+    whatever FasterWay would pick; a load under the cores less a half lets it choose."""
+    from kvtier.records import checks
+
+    monkeypatch.setattr(checks, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(checks.os, "getloadavg", lambda: (2.0, 2.0, 2.0))
+    assert not checks.spare_core()
+    monkeypatch.setattr(checks.os, "getloadavg", lambda: (1.2, 2.0, 2.0))
+    assert checks.spare_core()
+    monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
+    monkeypatch.setattr(FasterWay, "pick", lambda self: 1)
+    for spare, side_checks in ((False, 0), (True, 6)):
+        monkeypatch.setattr(lmdb_layout, "spare_core", lambda spare=spare: spare)
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        keys, data = _damaged_store(tmp_path / "store")
+        found, out, _, _, checked = _read(tmp_path / "store", keys, True, monkeypatch)
+        assert found == [True, False, False, False, True, True, True, True]
+        assert all(torch.equal(out[i], data[i]) for i in (0, 4, 5, 6, 7))
+        assert checked == (3 if not spare else side_checks)  # one pass hands copy_and_check the odd ones only

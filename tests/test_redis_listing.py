@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -251,3 +252,26 @@ def test_a_target_without_ready_keys_is_refused_at_bind() -> None:
     view = SharedIndexView("old", lambda: set(), record_bytes=1)
     with pytest.raises(TypeError, match="ready_keys"):
         view.bind(Old(), 0, start=False)
+
+
+def test_a_clusters_primaries_are_listed_at_once(redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each primary is a process of its own: the sweep lists them on a thread each."""
+    backend = _open(b"redis-listing-parallel", redis_cluster.url, cluster=True)
+    threads: set[str] = set()
+    scan = redis_tier.scan_block_keys
+    together = threading.Barrier(len(redis_cluster.nodes), timeout=20)  # broken unless every primary is listed at once
+
+    def spy(*args: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        together.wait()
+        return scan(*args)
+
+    monkeypatch.setattr(redis_tier, "scan_block_keys", spy)
+    try:
+        keys = [make_key(i) for i in range(60)]
+        _write(backend, keys)
+        assert set(_fast(backend)) == set(keys)
+        assert len(threads) == len(redis_cluster.nodes) > 1 and threading.current_thread().name not in threads
+        assert not together.broken
+    finally:
+        _close(backend)
