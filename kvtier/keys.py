@@ -173,11 +173,11 @@ def check_keys(keys: Sequence[bytes], *, what: str = "keys") -> None:
     if isinstance(keys, (bytes, bytearray, str)):
         raise InvalidKeyError(f"{what}: expected a sequence of 32-byte keys, got a single {type(keys).__name__}")
     # Fast path in C, one set: every key is exactly ``bytes`` and of the right length (a key
-    # without a length raises here, and the loop below names it).
+    # whose length cannot be taken raises here, and the loop below names it).
     try:
         if {*map(type, keys), *map(len, keys)} <= _KEY_TRAITS:
             return
-    except TypeError:
+    except Exception:  # whatever a bad key's __len__ raises, the loop below names the key
         pass
     for i, key in enumerate(keys):
         if type(key) is not bytes:

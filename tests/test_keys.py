@@ -262,3 +262,32 @@ def test_check_keys() -> None:
         check_keys(["x" * 32])  # type: ignore[list-item]
     with pytest.raises(InvalidKeyError, match="single"):
         check_keys(b"\x00" * 32)
+
+
+class _LenRaises:
+    def __len__(self) -> int:
+        raise ValueError("no length")
+
+
+class _BytesSub(bytes):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [
+        ([b"\x00" * 32, _LenRaises()], r"keys\[1\]: expected bytes, got _LenRaises"),
+        ([b"\x00" * 32, 5], r"keys\[1\]: expected bytes, got int"),
+        ([b"\x00" * 33, b"\x00" * 32], r"keys\[0\]: expected 32 bytes, got 33"),
+        ([b"\x00" * 32, _BytesSub(b"\x00" * 32)], r"keys\[1\]: expected bytes, got _BytesSub"),
+        ([b"\x00" * 32, bytearray(32)], r"keys\[1\]: expected bytes, got bytearray"),
+        ([b"\x00" * 31, "x" * 32], r"keys\[0\]: expected 32 bytes, got 31"),
+    ],
+)
+def test_check_keys_names_the_first_bad_key_whatever_it_is(keys: list[object], match: str) -> None:
+    """The fast check (one set of types and lengths) lets through exactly the lists of 32-byte
+    ``bytes``; anything else, even a key whose length raises, is named by the loop."""
+    with pytest.raises(InvalidKeyError, match=match):
+        check_keys(keys)  # type: ignore[arg-type]
+    check_keys([b"\x00" * 32] * 3)
+    check_keys([])

@@ -156,6 +156,36 @@ async def test_wait_is_a_fence_for_a_memory_tier(layout: KVLayout) -> None:
         await backend.aclose()
 
 
+@pytest.mark.parametrize("gone", [(), (1,), (0, 3), (0, 1, 2, 3)], ids=str)
+async def test_a_memory_tier_load_finds_its_slots_in_one_call_or_tells_the_missing(layout: KVLayout, gone: tuple[int, ...]) -> None:
+    """A memory tier's load asks for every slot at once; when a record is gone, key by key:
+    the missing ones are misses, every other block comes back byte-exact, and the blocks of
+    the missing ones are not written."""
+    backend = CpuBackend(capacity=8 * layout.block_bytes)
+    await backend.open(BlockFormat(block_bytes=layout.block_bytes))
+    manager = manager_for(backend, 8)
+    engine = TransferEngine(layout, [backend])
+    try:
+        plan = manager.prepare_store(K[:4])
+        assert plan is not None
+        (res,) = engine.wait([engine.submit_store(plan, [0, 1, 2, 3])], timeout=30)
+        assert res.success
+        manager.complete_store(plan.keys)
+        want = [record_of(layout, b) for b in range(4)]
+        backend.delete_blocks([K[i] for i in gone])
+        for c in layout.kv_caches:
+            c.view(torch.uint8)[8:12].zero_()
+        load = manager.prepare_load(K[:4])
+        (res,) = engine.wait([engine.submit_load(load, [8, 9, 10, 11])], timeout=30)
+        assert res.missed == tuple(K[i] for i in gone) and res.success is not bool(gone)
+        for i in range(4):
+            got = record_of(layout, 8 + i)
+            assert (not got.any()) if i in gone else torch.equal(got, want[i])
+    finally:
+        engine.close()
+        await backend.aclose()
+
+
 def test_poll_finished_reports_each_job_once(engine_and_backend: tuple[TransferEngine, DictBackend, TierManager]) -> None:
     engine, _backend, manager = engine_and_backend
     jobs = {}

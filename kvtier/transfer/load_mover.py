@@ -110,12 +110,16 @@ class LoadMover:
         for tier, positions in by_tier.items():
             backend = self.e.backends[tier]
             if isinstance(backend, MemoryBackend):
-                slot_of = {}
-                for i in positions:
-                    try:
-                        slot_of[i] = backend.slots([plan.keys[i]])[0]
-                    except LifecycleError:
-                        missed.append(i)
+                keys = plan.keys
+                try:  # every key there (the usual load): one call
+                    slot_of = dict(zip(positions, backend.slots([keys[i] for i in positions])))
+                except LifecycleError:  # one by one, to tell the missing ones
+                    slot_of = {}
+                    for i in positions:
+                        try:
+                            slot_of[i] = backend.slots([keys[i]])[0]
+                        except LifecycleError:
+                            missed.append(i)
                 good = [i for i in positions if i in slot_of]
                 dst = [b for i in good for b in ids[i * n : (i + 1) * n]]
                 if not write(backend.pool, [slot_of[i] for i in good], dst):
