@@ -36,8 +36,9 @@ Contract and choices:
   straight from the map into the caller's tensor, and never hold a transaction across an await.
   A warm job of plain records is read in one pass: lookup, copy into the row, the row's
   checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`);
-  other jobs' checksums (keyed, cold) run on a side thread while the job's copies (reads) or
-  puts (writes) run on the calling one (:mod:`kvtier.records.checks`).
+  other jobs' checksums (keyed, cold, or large ones while a core is spare) run on a side thread
+  while the job's copies run on the calling one (:mod:`kvtier.records.checks`). A job of plain
+  records is encoded in one loop on the calling thread (:mod:`kvtier.backends.lmdb_plain`).
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size, and every branch
   and leaf page of its B-trees is checked as LMDB will walk it (LMDB aborts on a page it cannot

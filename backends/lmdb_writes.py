@@ -26,7 +26,7 @@ from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
 from kvtier.errors import BackendError, DiskError
-from kvtier.records.checks import SIDE_MIN_BYTES, EncodedStream
+from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
 
@@ -64,15 +64,16 @@ class LmdbWrites(PersistentRecordBackend):
         self._env_or_raise()
         views = None
         reader = self._reader
-        if self.mac is None and self.codec.codec_id == NoneCodec.codec_id and len(keys) * size < SIDE_MIN_BYTES and reader is not None:
+        if self.mac is None and self.codec.codec_id == NoneCodec.codec_id and reader is not None:
             views = host_rows(blocks, size)
         if views is not None and reader is not None:
-            # A small job of plain records: encoded here, in one tight loop (lmdb_plain).
+            # Plain records: encoded here, in one tight loop (lmdb_plain). (The general encoder's
+            # side thread gains nothing here: the whole job is encoded before its commit.)
             job = reader.plain.records(keys, views)
         else:
-            # Checksums (and compression) run on a side thread for jobs of SIDE_MIN_BYTES or
-            # more, outside the lock; then the job joins whatever other jobs wait for a commit
-            # (see _commit_jobs).
+            # Checksums (and compression, MACs) run on a side thread for jobs of SIDE_MIN_BYTES
+            # or more, outside the lock; then the job joins whatever other jobs wait for a
+            # commit (see _commit_jobs).
             with self._encoded(keys, blocks) as records:
                 job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
         sizes = self._commits.submit(job)

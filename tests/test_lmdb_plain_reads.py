@@ -407,12 +407,17 @@ def _dump(path: Path) -> dict[bytes, tuple[bytes, bytes]]:
     return got
 
 
-@pytest.mark.parametrize("rows", ["own", "staging"])
-def test_a_small_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str) -> None:
-    """A small unkeyed, uncompressed job is encoded by ``PlainReads.records`` (one XXH3 state
-    per store); the store holds the same bytes as after the general encoder
-    (``encode_record`` on a side thread or inline), and reads back through both read paths."""
+@pytest.mark.parametrize(("rows", "side_min"), [("own", 1 << 20), ("staging", 1 << 20), ("own", 1 << 14)])
+def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str, side_min: int) -> None:
+    """An unkeyed, uncompressed job is encoded by ``PlainReads.records`` (one XXH3 state per
+    store); the store holds the same bytes as after the general encoder (``encode_record``,
+    inline or, for a job of ``SIDE_MIN_BYTES`` or more, on a side thread), and reads back
+    through both read paths."""
     from kvtier.backends import lmdb_writes
+
+    from kvtier.records import checks
+
+    monkeypatch.setitem(checks.EncodedStream.__init__.__kwdefaults__, "min_bytes", side_min)
 
     keys = [make_key(i) for i in range(6)]
     data = [random_block(FMT.block_bytes, 900 + i) for i in range(6)]
