@@ -16,6 +16,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
+from stat import S_ISREG
 
 from kvtier.errors import ConfigError, DiskError, InvalidKeyError
 from kvtier.records.format import StoreMeta, decode_meta
@@ -33,6 +34,29 @@ _RECORD_NAME = re.compile(r"[0-9a-f]{64}\.kvb").fullmatch
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+
+
+class _DirFd:
+    """``with _DirFd(name, parent_fd) as d``: ``d.fd``, a descriptor of the directory ``name``
+    (in ``parent_fd``; ``None``: a path) opened with ``O_NOFOLLOW | O_DIRECTORY``, or ``-1`` when
+    a symlink, a file or nothing stands there (other errors raise); closed on exit."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, name: str, parent_fd: int | None) -> None:
+        try:
+            self.fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            if parent_fd is None or exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                raise
+            self.fd = -1
+
+    def __enter__(self) -> _DirFd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 class FileTree:
@@ -165,23 +189,51 @@ class FileTree:
     @classmethod
     def _record_columns(cls, root: str, *, sweep_now: float | None = None) -> tuple[list[bytes], list[int], list[float]]:
         """Every record under ``root`` as columns, in no particular order: keys, file sizes and
-        modification times (one ``stat`` per record; a record deleted meanwhile is left out).
-        (Two threads walking half the first-level directories each were no faster on two cores.)"""
+        modification times, by the naming rules of :meth:`_leaf_entries` (the same records, a
+        test compares them). Directories are opened from their parent's descriptor with
+        ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in their place is skipped) and listed by
+        name; each record name that fits is ``stat``'ed once, and kept if a regular file. No
+        object per entry but its name: about half the time of a ``scandir`` walk. (Two threads
+        walking half the first level each were no faster on two cores.)"""
         keys: list[bytes] = []
         sizes: list[int] = []
         stamps: list[float] = []
         key, size, stamp = keys.append, sizes.append, stamps.append
-        fromhex = bytes.fromhex
-        for _, entries in cls._leaf_entries(root, sweep_now=sweep_now, ordered=False):
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted by another instance while we walked
-                key(fromhex(entry.name[:64]))
-                size(st.st_size)
-                stamp(st.st_mtime)
+        fromhex, stat, listdir, isreg, match = bytes.fromhex, os.stat, os.listdir, S_ISREG, _RECORD_NAME
+        with _DirFd(root, None) as top:
+            for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
+                with _DirFd(n1, top.fd) as mid:
+                    if mid.fd < 0:
+                        continue
+                    for n2 in listdir(mid.fd):
+                        if n2 not in _HEX2:
+                            continue
+                        with _DirFd(n2, mid.fd) as leaf:
+                            if leaf.fd < 0:
+                                continue
+                            fd, prefix = leaf.fd, n1 + n2
+                            for name in listdir(fd):
+                                if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
+                                    try:
+                                        st = stat(name, dir_fd=fd, follow_symlinks=False)
+                                    except FileNotFoundError:
+                                        continue  # deleted by another instance while we walked
+                                    if isreg(st.st_mode):
+                                        key(fromhex(name[:64]))
+                                        size(st.st_size)
+                                        stamp(st.st_mtime)
+                                elif sweep_now is not None and name.endswith(".tmp"):
+                                    cls._sweep_at(fd, name, sweep_now)
         return keys, sizes, stamps
+
+    @staticmethod
+    def _sweep_at(dir_fd: int, name: str, now: float) -> None:
+        """Unlink the temp file ``name`` in ``dir_fd`` if it is stale."""
+        try:
+            if now - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
 
     @staticmethod
     def _stale(entry: os.DirEntry[str], now: float) -> bool:

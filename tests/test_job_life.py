@@ -371,6 +371,32 @@ def test_a_submit_wakes_the_deadline_watchdog_only_for_a_deadline_before_its_nex
         asyncio.run(backend.aclose())
 
 
+def test_close_waits_for_a_deadline_watchdog_in_the_middle_of_a_check() -> None:
+    """A close once left the watchdog running when it was inside a check (seen as a stray
+    ``kvtier-deadline`` thread after a connector closed, on a loaded machine)."""
+    layout = KVLayout(caches())
+    backend = CpuBackend(capacity=8 * layout.block_bytes)
+    asyncio.run(backend.open(BlockFormat(block_bytes=layout.block_bytes)))
+    engine = TransferEngine(layout, [backend], deadline_s=120.0)
+    inside = threading.Event()
+    real = engine._deadlines.expire_overdue
+
+    def slow_check(now: float | None = None) -> int:
+        inside.set()
+        time.sleep(0.3)
+        return real(now)
+
+    engine._deadlines.expire_overdue = slow_check  # type: ignore[method-assign]
+    engine._kick.set()  # the next check starts now, and takes 0.3 s
+    try:
+        assert inside.wait(HANG_GUARD)
+    finally:
+        engine.close()
+        asyncio.run(backend.aclose())
+    watchdogs = [t for t in engine._threads if t.name == "kvtier-deadline"]
+    assert watchdogs and not any(t.is_alive() for t in watchdogs)
+
+
 # -- the job module itself ----------------------------------------------------------------------
 
 

@@ -362,6 +362,8 @@ class TransferEngine:
             t.join(max(0.0, end - time.monotonic()))
         self._wake.set()
         self._kick.set()
+        for t in self._threads[3:]:  # the deadline watchdog: it ends once woken, between checks
+            t.join(max(0.1, end - time.monotonic()))
         if not self.stopped:
             with self._lock:
                 running = [r for r in self._jobs.values() if r.result is None]
