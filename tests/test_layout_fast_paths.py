@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.transfer import layout as layout_module
 from kvtier.transfer.layout import KVLayout
 
 BLOCKS = 12
@@ -130,3 +131,31 @@ def test_row_views_are_the_column_views_cut_to_the_rows(uniform: bool, kept: boo
             assert len(got) == len(want) == len(layout.kv_caches)
             for a, b in zip(got, want):
                 assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+@pytest.mark.parametrize("limit", [0, 16], ids=["index_copy", "foreach"])
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+def test_an_inline_load_of_one_run_writes_the_same_bytes_either_way(
+    limit: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inline load out of one run of pool rows copies a small job per (tensor, block) and a
+    larger one per tensor (``_FOREACH_MAX_BLOCKS``): both write the bytes the pairwise copy
+    writes, into the blocks named and no other."""
+    monkeypatch.setattr(layout_module, "_FOREACH_MAX_BLOCKS", limit)
+    caches = _caches(4, uniform)
+    fast = KVLayout([c.clone() for c in caches], strategy="index")
+    slow = KVLayout([c.clone() for c in caches], strategy="foreach")
+    rows = [3, 4, 5, 6, 7, 8, 9, 10, 11, 2]  # one run, out of order
+    pool = torch.randint(0, 256, (BLOCKS, fast.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    dst = [11, 0, 7, 2, 9, 4, 1, 10, 3, 6]
+    for layout in (fast, slow):
+        for c in layout.kv_caches:
+            c.zero_()
+    with fast.copies.on_callers_team():
+        assert fast.copies.on_this_thread()
+        fast.scatter(pool, rows, dst)
+    slow.scatter(pool, rows, dst)
+    untouched = [b for b in range(BLOCKS) if b not in dst]
+    for a, b in zip(fast.kv_caches, slow.kv_caches):
+        assert torch.equal(a, b)
+        assert not a[untouched].any()

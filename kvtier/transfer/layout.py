@@ -57,6 +57,11 @@ Strategy = Literal["auto", "index", "foreach", "staged"]
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Beyond this many runs of consecutive pool rows, one gather plus one scatter per tensor wins.
 _MAX_RUNS = 4
+# Up to this many blocks, an inline load out of one run of pool rows is one ``_foreach_copy_``
+# over (tensor, block) rows: at 4 blocks of 32 layers ``index_copy_`` per tensor ran at 0.4 of
+# it (benchmarks/bench_core.py --job-blocks 4); at 16 blocks the two are level and the views
+# cost more than they save.
+_FOREACH_MAX_BLOCKS = 8
 
 
 def _run_cuts(runs: list[tuple[list[int], int, int]]) -> list[int]:
@@ -394,12 +399,18 @@ class KVLayout:
         parts: list[Callable[[], None]]
         if runs is not None and len(runs) == 1:  # one run: no index slices
             ((order, r0, length),) = runs
-            whole = _staging.device_index([ids[p] for p in order], self.device)
+            blocks = [ids[p] for p in order]
             views = self._row_views(pool, kept, r0, r0 + length)
             if self._here(pool_device):
+                if length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (tensor, block)
+                    dsts = [cache[b] for cache in self._src for b in blocks]
+                    torch._foreach_copy_(dsts, [row for view in views for row in view.unbind(0)])
+                    return
+                whole = _staging.device_index(blocks, self.device)
                 for cache, view in zip(self._src, views):
                     cache.index_copy_(0, whole, view)
                 return
+            whole = _staging.device_index(blocks, self.device)
 
             def place_run(cache: torch.Tensor, view: torch.Tensor) -> None:
                 cache.index_copy_(0, whole, view)
