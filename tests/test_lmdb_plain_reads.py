@@ -374,6 +374,22 @@ def test_probes_of_a_way_that_keeps_losing_come_ever_further_apart() -> None:
     assert ways.pick() == 1
 
 
+def test_a_way_judged_by_a_slow_first_job_is_taken_again_after_one_probe() -> None:
+    """Way 0's first job was slow (a cold start) and way 1 then looked faster; the first probe
+    of way 0 that is faster than way 1 makes it the best again, whatever the moving weight
+    (averaged in at 0.3, the slow first job kept way 0 losing for hundreds of jobs)."""
+    ways = FasterWay(probe=4, weight=0.3)
+    ways.record(ways.pick(), 10.0, 100)  # way 0, cold
+    ways.record(ways.pick(), 2.0, 100)  # way 1
+    picks = []
+    for _ in range(8):
+        way = ways.pick()
+        picks.append(way)
+        ways.record(way, 1.0 if way == 0 else 2.0, 100)  # way 0 is in truth twice as fast
+    assert picks[:3] == [1, 0, 0]  # the probe at job 4 finds it, and it is taken from then on
+    assert picks.count(1) <= 2  # and way 1 is only probed from then on
+
+
 @pytest.mark.parametrize("way", [0, 1])
 def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: int
@@ -455,13 +471,16 @@ def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, mo
 
 def test_no_side_thread_is_tried_while_no_core_seems_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the load average at the cores' count, a large plain job is read in one pass
-    whatever FasterWay would pick; a load under the cores less a half lets it choose."""
+    whatever FasterWay would pick; so it is with one other busy thread on 2 cores (the side
+    thread lost there too); a load under the cores less one and a half lets it choose."""
     from kvtier.records import checks
 
     monkeypatch.setattr(checks, "usable_cpus", lambda: 2)
     monkeypatch.setattr(checks.os, "getloadavg", lambda: (2.0, 2.0, 2.0))
     assert not checks.spare_core()
     monkeypatch.setattr(checks.os, "getloadavg", lambda: (1.2, 2.0, 2.0))
+    assert not checks.spare_core()
+    monkeypatch.setattr(checks.os, "getloadavg", lambda: (0.4, 2.0, 2.0))
     assert checks.spare_core()
     monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
     monkeypatch.setattr(FasterWay, "pick", lambda self: 1)
