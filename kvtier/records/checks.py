@@ -255,9 +255,10 @@ def spare_core() -> bool:
     """Whether this machine seems to have a core to spare for a side thread: its 1-minute load
     average is below the cores this process may use less one and a half, room for the
     caller's thread and a side thread (``True`` where the load is unknown). At load 1.1-1.2 on
-    2 cores the side thread still lost: 256 KiB jobs of 16 read at 5.4-5.7 GB/s against 9.2-10.5
-    in one pass, 2 MiB at 4.3-4.7 against 5.4-5.7. Coarse, and cheap (a few µs): it keeps :class:`FasterWay` from trying a side
-    thread on a machine that is busy anyway, where each try cost a job at half speed."""
+    2 cores the side thread still lost: 256 KiB jobs of 16 read at 5.4-5.7 GB/s against
+    9.2-10.5 in one pass, 2 MiB at 4.3-4.7 against 5.4-5.7. Coarse, and cheap (a few µs): it
+    keeps :class:`FasterWay` from trying a side thread on a machine that is busy anyway, where
+    each try cost a job at half speed."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):

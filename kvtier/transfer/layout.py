@@ -401,16 +401,16 @@ class KVLayout:
             ((order, r0, length),) = runs
             blocks = [ids[p] for p in order]
             views = self._row_views(pool, kept, r0, r0 + length)
-            if self._here(pool_device):
-                if length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (tensor, block)
-                    dsts = [cache[b] for cache in self._src for b in blocks]
-                    torch._foreach_copy_(dsts, [row for view in views for row in view.unbind(0)])
-                    return
-                whole = _staging.device_index(blocks, self.device)
+            here = self._here(pool_device)
+            if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (tensor, block)
+                dsts = [cache[b] for cache in self._src for b in blocks]
+                torch._foreach_copy_(dsts, [row for view in views for row in view.unbind(0)])
+                return
+            whole = _staging.device_index(blocks, self.device)
+            if here:
                 for cache, view in zip(self._src, views):
                     cache.index_copy_(0, whole, view)
                 return
-            whole = _staging.device_index(blocks, self.device)
 
             def place_run(cache: torch.Tensor, view: torch.Tensor) -> None:
                 cache.index_copy_(0, whole, view)
