@@ -191,9 +191,8 @@ class TierState:
         index, pins = self.index, self.pins
         kept = pins.keys() | self.kept.keys() | {key for key in protected if index.get(key)}
         if self.variable:
-            sizes, block = self.sizes, self.block
-            ready_bytes = self.used - self.pending * block  # pending entries count one block each
-            movable = ready_bytes - sum(sizes.get(key, block) for key in kept)
+            ready_bytes = self.used - self.pending * self.block  # pending entries count one block each
+            movable = ready_bytes - self._sized(kept)
         else:
             movable = (len(index) - self.pending - len(kept)) * self.block
         return max(0, (self.free() + movable) // self.block)
