@@ -4,7 +4,7 @@
 builds the backends named in ``config`` through the plugin registry, opens them, rebuilds the
 index of persistent tiers, and starts the transfer workers. The lifecycle calls are the
 manager's (see :mod:`kvtier.manager`); ``save`` and ``load`` run prepare -> transfer ->
-complete for engines that want no connector.
+complete for engines that want no connector (:class:`kvtier.transfer.runs.JobRuns` does the work).
 """
 
 from __future__ import annotations
