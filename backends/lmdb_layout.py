@@ -113,18 +113,21 @@ class Temperature:
     (1 µs a call, a sixth of a 4 KiB job's own time), and a fault of an earlier job counts at
     most once."""
 
-    __slots__ = ("_local", "_lock", "cold", "readers")
+    __slots__ = ("_in", "_local", "cold")
 
     def __init__(self) -> None:
         self.cold = False
-        self.readers = 0
-        self._lock = threading.Lock()
+        self._in: list[None] = []  # one item per job being read: append and pop are atomic
         self._local = threading.local()
 
+    @property
+    def readers(self) -> int:
+        return len(self._in)
+
     def enter(self) -> None:
-        """A job is being read on this thread (until :meth:`leave`)."""
-        with self._lock:
-            self.readers += 1
+        """A job is being read on this thread (until :meth:`leave`). No lock: a lock taken
+        and released twice per job cost about 2 µs of a 4 KiB one-record job's 30."""
+        self._in.append(None)
         self.begin()
 
     def begin(self) -> None:
@@ -135,8 +138,7 @@ class Temperature:
             local.faults = major_faults()
 
     def leave(self) -> None:
-        with self._lock:
-            self.readers -= 1
+        self._in.pop()
 
     def slow(self, start: float) -> bool:
         """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as
