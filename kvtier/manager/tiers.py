@@ -21,9 +21,9 @@ import numpy as np
 from kvtier.bulk import RecordColumns
 from kvtier.errors import ConfigError, QuotaError
 from kvtier.manager.policies import EvictionPolicy
-from kvtier.manager.tenants import DEFAULT_TENANT, TierTenancy
+from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TierTenancy
 
-__all__ = ["PENDING", "READY", "TierSpec", "TierState", "unpin"]
+__all__ = ["PENDING", "READY", "TierSpec", "TierState", "check_specs", "tenant_book", "unpin"]
 
 #: Index entries: a pending key maps to ``PENDING`` (falsy), a ready one to ``READY`` (truthy),
 #: so ``index.get(key)`` is true exactly when the key can be read. Pins live in ``pins``.
@@ -55,6 +55,17 @@ class TierSpec:
             raise ConfigError(
                 f"tiers[{self.name}].capacity: {self.capacity_bytes} bytes is below one block ({self.block_reserve} bytes)"
             )
+
+
+def check_specs(specs: Sequence[TierSpec], write: str) -> None:
+    """A manager's tiers and write mode: a ``ConfigError`` naming what is wrong."""
+    if not specs:
+        raise ConfigError("tiers: at least one tier is required")
+    if write not in ("back", "through"):
+        raise ConfigError(f"write: expected 'back' or 'through', got {write!r}")
+    names = [t.name for t in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tiers: names must be unique, got {names}")
 
 
 class TierState:
@@ -461,6 +472,17 @@ class TierState:
             "dropped": self.dropped,
             "promotions": self.promotions_out,
         }
+
+
+def tenant_book(tiers: Sequence[TierState]) -> TenantBook:
+    """A tenant book over ``tiers``, made when a manager first needs one: every block they
+    hold so far is the default tenant's."""
+    book = TenantBook(len(tiers))
+    for t, tenancy in zip(tiers, book.tiers):
+        tenancy.bytes[DEFAULT_TENANT] = t.used
+        tenancy.blocks[DEFAULT_TENANT] = len(t.index)
+        t.tenancy = tenancy
+    return book
 
 
 def unpin(pins_by_tier: Sequence[dict[bytes, int]], keys: Iterable[bytes]) -> int | None:
