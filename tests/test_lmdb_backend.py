@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -579,14 +580,15 @@ def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read
         asyncio.run(backend.aclose())
 
 
-def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_first_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A cold job's slow lookup is often its last (the read-around of an earlier value read the
-    others): that job cannot overlap its copies any more, so the next one is read cold from
-    its first key, on the cold read's thread. A job with no slow lookup makes the reader warm
-    again: the job after it is looked up on the calling thread. The bytes are the same each
-    time."""
+def _jobs_with_slow_lookups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, thread: bool | None
+) -> tuple[Backend, list[bytes], Callable[[set[bytes]], tuple[list[str], bool]]]:
+    """A store of 4 good records and ``job(slow_keys)``: reads them in one job whose lookups of
+    ``slow_keys`` read from disk (the cold rest of a job on a thread of its own when ``thread``,
+    in one pass when not, as ``JobReader._cold_way`` says when ``None``); it checks the bytes and gives the threads that looked the keys up and whether
+    the reader is cold after the job. The reader times its lookups on a clock of the test's
+    own, which only a slow lookup advances: on a loaded machine a real lookup may take longer
+    than COLD_GET_S, and that would make a job cold which a test needs warm."""
     from kvtier.backends import lmdb_layout
 
     keys, data = _cold_store(tmp_path, 5, {})
@@ -594,12 +596,9 @@ def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_
     want = [data[0], data[1], data[3], data[4]]
     threads: list[str] = []
     slow: set[bytes] = set()
-    # The reader times its lookups on a clock of the test's own, which only a slow lookup
-    # advances: on a loaded machine a real lookup may take longer than COLD_GET_S, and that
-    # would make a job cold which this test needs warm.
     clock = [0.0]
     monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    slow_lookups_read_the_disk(monkeypatch)
+    slow_lookups_read_the_disk(monkeypatch, thread=thread)
 
     def lookup(key: bytes) -> None:
         threads.append(threading.current_thread().name)
@@ -608,24 +607,36 @@ def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_
 
     hook_lookups(monkeypatch, lookup)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
-    me = threading.current_thread().name
 
-    def job(slow_keys: set[bytes]) -> list[str]:
+    def job(slow_keys: set[bytes]) -> tuple[list[str], bool]:
         slow.clear()
         slow.update(slow_keys)
         threads.clear()
         out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in good]
         assert backend.read_blocks(good, out) == [True] * 4
         assert all(torch.equal(o, w) for o, w in zip(out, want))
-        return list(threads)
+        return list(threads), backend._reader.temperature.cold  # type: ignore[attr-defined]
 
+    return backend, keys, job
+
+
+def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_first_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold job's slow lookup is often its last (the read-around of an earlier value read the
+    others): that job cannot overlap its copies any more, so the next one is read cold from
+    its first key, on the cold read's thread. A job with no slow lookup makes the reader warm
+    again: the job after it is looked up on the calling thread. The bytes are the same each
+    time."""
+    backend, keys, job = _jobs_with_slow_lookups(tmp_path, monkeypatch, thread=True)
+    me, cold = threading.current_thread().name, "kvtier-lmdb-cold"
     try:
-        assert job(set()) == [me] * 4  # warm: no thread
-        assert job({keys[4]}) == [me] * 4  # the last lookup slow: nothing left to overlap here
-        assert job(set()) == ["kvtier-lmdb-cold"] * 4  # ... so the next job is read cold
-        assert job(set()) == [me] * 4  # that one found every value in memory: warm again
-        assert job({keys[1]}) == [me, me, "kvtier-lmdb-cold", "kvtier-lmdb-cold"]  # slow midway: as before
-        assert job(set()) == ["kvtier-lmdb-cold"] * 4
+        assert job(set())[0] == [me] * 4  # warm: no thread
+        assert job({keys[4]})[0] == [me] * 4  # the last lookup slow: nothing left to overlap here
+        assert job(set())[0] == [cold] * 4  # ... so the next job is read cold
+        assert job(set())[0] == [me] * 4  # that one found every value in memory: warm again
+        assert job({keys[1]})[0] == [me, me, cold, cold]  # slow midway: as before
+        assert job(set())[0] == [cold] * 4
     finally:
         asyncio.run(backend.aclose())
 
@@ -639,41 +650,16 @@ def test_on_a_busy_machine_a_cold_job_is_read_in_one_pass_and_the_reader_still_g
     and the bytes are the same each time."""
     from kvtier.backends import lmdb_layout
 
-    keys, data = _cold_store(tmp_path, 5, {})
-    good = [keys[0], keys[1], keys[3], keys[4]]
-    want = [data[0], data[1], data[3], data[4]]
-    threads: list[str] = []
-    slow: set[bytes] = set()
-    clock = [0.0]
-    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(lmdb_layout, "major_faults", __import__("itertools").count().__next__)
     monkeypatch.setattr(lmdb_layout, "spare_core", lambda: False)
-
-    def lookup(key: bytes) -> None:
-        threads.append(threading.current_thread().name)
-        if key in slow:
-            clock[0] += 2 * lmdb_layout.COLD_GET_S
-
-    hook_lookups(monkeypatch, lookup)
-    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
-    reader = backend._reader  # type: ignore[attr-defined]
+    backend, keys, job = _jobs_with_slow_lookups(tmp_path, monkeypatch, thread=None)  # the gate as it is
+    backend_reader = backend._reader  # type: ignore[attr-defined]
     me = threading.current_thread().name
-
-    def job(slow_keys: set[bytes]) -> tuple[list[str], bool]:
-        slow.clear()
-        slow.update(slow_keys)
-        threads.clear()
-        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in good]
-        assert backend.read_blocks(good, out) == [True] * 4
-        assert all(torch.equal(o, w) for o, w in zip(out, want))
-        return list(threads), reader.temperature.cold
-
     try:
         assert job(set()) == ([me] * 4, False)
         assert job({keys[1]}) == ([me] * 4, True)  # slow midway: read on here, the reader cold
-        assert reader.cold_ways._cost == [None, None]  # a warm job's time is not a cold way's
+        assert backend_reader.cold_ways._cost == [None, None]  # a warm job's time is not a cold way's
         assert job({keys[4]}) == ([me] * 4, True)  # a cold job, read here, still slow
-        assert reader.cold_ways._cost[0] is not None and reader.cold_ways._cost[1] is None
+        assert backend_reader.cold_ways._cost[0] is not None and backend_reader.cold_ways._cost[1] is None
         assert job(set()) == ([me] * 4, False)  # a cold job that found every value in memory: warm
         assert job(set()) == ([me] * 4, False)
         assert backend.stats()["blocks_read"] == 20
