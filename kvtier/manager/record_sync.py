@@ -12,19 +12,24 @@ lifecycle: the manager's ``adopt``, ``adopt_live``, ``remove`` and ``take_stamps
 
 :class:`RecordSync` holds the manager's tiers, lock and event log; every call holds the lock,
 so it is one step between two lifecycle calls. The manager checks that it is open and that the
-keys are well formed before it calls in.
+keys are well formed before it calls in. :func:`adopt_records` builds one tier's entries for a
+listing of records, in bulk where the listing allows.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 
+import numpy as np
+
+from kvtier.bulk import RecordColumns
 from kvtier.manager.eventlog import EventLog
 from kvtier.manager.tenants import TenantBook
-from kvtier.manager.tiers import TierState
+from kvtier.manager.tiers import READY, TierState
 
-__all__ = ["RecordSync"]
+__all__ = ["RecordSync", "adopt_records"]
 
 Record = tuple[bytes, int, float]
 
@@ -58,7 +63,7 @@ class RecordSync:
                 book = self._tenant_book()
                 index = self._indexes[tier]
                 book.owners.update((key, owner) for key, owner in owners.items() if key not in index)
-            excess = self._tiers[tier].adopt(records)
+            excess = adopt_records(self._tiers[tier], records)
             if book is not None:
                 book.gone += excess
                 book.sweep(self._indexes)
@@ -82,7 +87,7 @@ class RecordSync:
                     victims = t.evict(room, keep) if room > 0 else None
                 if victims:
                     self._events.add("removed", tuple(victims), t.name)
-            excess = t.adopt(new)
+            excess = adopt_records(t, new)
             gone = set(excess)
             adopted = [r[0] for r in new if r[0] not in gone] if gone else [r[0] for r in new]
             self._events.add("stored", tuple(adopted), t.name)
@@ -108,3 +113,75 @@ class RecordSync:
             stamps, t.stamps = t.stamps, {}
         index = t.index
         return [(k, s) for k, s in stamps.items() if k in index]
+
+
+def adopt_records(t: TierState, records: Iterable[Record]) -> list[bytes]:
+    """Ready entries of ``t`` for stored records ``(key, stored_bytes, stamp)``, oldest stamp first;
+    those beyond the capacity (the oldest) or already present are returned, not adopted."""
+    ordered: Sequence[tuple[bytes, int, float]] | RecordColumns
+    if isinstance(records, RecordColumns):  # a tier's listing as columns: no tuple per record
+        ordered = records.sorted()
+        bulk = _adopt_columns(t, ordered)
+        if bulk is not None:
+            return bulk
+    else:
+        ordered = sorted(records, key=itemgetter(2))
+    if not t.variable and t.used + len(ordered) * t.block <= t.capacity:
+        # A store's open: every record fits. When none is held yet or listed twice, the
+        # loop below would adopt them all, in this order; built in C instead (a test
+        # compares the two).
+        keys = [record[0] for record in ordered]
+        fresh = dict.fromkeys(keys, READY)
+        if len(fresh) == len(keys) and (not t.index or t.index.keys().isdisjoint(fresh)):
+            t.index.update(fresh)
+            t.used += len(keys) * t.block
+            t.policy.adopt(keys, t.index)
+            if t.tenancy is not None:
+                t.tenancy.add(keys, t.block)
+            return []
+    sizes = [n if t.variable else t.block for _, n, _ in ordered]
+    total = t.used + sum(sizes)
+    excess: list[bytes] = []
+    adopted: list[bytes] = []
+    for (key, _, _), size in zip(ordered, sizes):
+        if total > t.capacity or key in t.index:
+            excess.append(key)
+            total -= size
+            continue
+        t.index[key] = READY
+        t.used += size
+        if t.variable and size != t.block:
+            t.sizes[key] = size
+        adopted.append(key)
+    t.policy.adopt(adopted, t.index)
+    if t.tenancy is not None:
+        t.tenancy.add_sized((key, t.size_of(key)) for key in adopted)
+    return excess
+
+def _adopt_columns(t: TierState, columns: RecordColumns) -> list[bytes] | None:
+    """``adopt`` of records listed as columns (oldest first), built in bulk: the same index,
+    sizes, order and excess as the record-by-record loop (a test compares the two), or
+    ``None`` and no change when a key is listed twice or held already (then the loop runs)."""
+    keys = columns.keys
+    fresh = dict.fromkeys(keys, READY)
+    if len(fresh) != len(keys) or (t.index and not t.index.keys().isdisjoint(fresh)):
+        return None
+    sizes = columns.stored if t.variable else np.full(len(keys), t.block, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    total = t.used + (int(ends[-1]) if len(keys) else 0)
+    drop = 0  # the oldest records beyond the capacity, as the loop drops them
+    if total > t.capacity:
+        drop = min(len(keys), int(np.searchsorted(ends, total - t.capacity, side="left")) + 1)
+        fresh = dict.fromkeys(keys[drop:], READY)
+    kept = keys[drop:] if drop else keys
+    t.index.update(fresh)
+    t.used += int(sizes[drop:].sum())
+    if t.variable:  # only the sizes that are not the common one; one int object per distinct size
+        odd = np.flatnonzero(sizes[drop:] != t.block)
+        if len(odd):
+            distinct, which = np.unique(sizes[drop:][odd], return_inverse=True)
+            t.sizes.update(zip(map(kept.__getitem__, odd.tolist()), map(distinct.tolist().__getitem__, which.tolist())))
+    t.policy.adopt(kept, t.index)
+    if t.tenancy is not None:
+        t.tenancy.add_sized((key, t.size_of(key)) for key in kept)
+    return keys[:drop]
