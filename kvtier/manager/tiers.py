@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bulk import RecordColumns
+from kvtier.bulk import READY, RecordColumns
 from kvtier.errors import ConfigError, QuotaError
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.tenants import DEFAULT_TENANT, TierTenancy
@@ -27,8 +27,8 @@ __all__ = ["PENDING", "READY", "TierSpec", "TierState", "unpin"]
 
 #: Index entries: a pending key maps to ``PENDING`` (falsy), a ready one to ``READY`` (truthy),
 #: so ``index.get(key)`` is true exactly when the key can be read. Pins live in ``pins``.
+#: (``READY`` is defined in :mod:`kvtier.bulk`, where a tier's listing builds a table of it.)
 PENDING = 0
-READY = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,9 +401,10 @@ class TierState:
     def _adopt_columns(self, columns: RecordColumns) -> list[bytes] | None:
         """``adopt`` of records listed as columns (oldest first), built in bulk: the same index,
         sizes, order and excess as the record-by-record loop (a test compares the two), or
-        ``None`` and no change when a key is listed twice or held already (then the loop runs)."""
+        ``None`` and no change when a key is listed twice or held already (then the loop runs).
+        A listing's ``table`` (its keys, distinct, each mapped to ``READY``) is taken as it is."""
         keys = columns.keys
-        fresh = dict.fromkeys(keys, READY)
+        fresh = columns.table if columns.table is not None else dict.fromkeys(keys, READY)
         if len(fresh) != len(keys) or (self.index and not self.index.keys().isdisjoint(fresh)):
             return None
         sizes = columns.stored if self.variable else np.full(len(keys), self.block, dtype=np.int64)
