@@ -113,18 +113,21 @@ class Temperature:
     (1 µs a call, a sixth of a 4 KiB job's own time), and a fault of an earlier job counts at
     most once."""
 
-    __slots__ = ("_local", "_lock", "cold", "readers")
+    __slots__ = ("_in", "_local", "cold")
 
     def __init__(self) -> None:
         self.cold = False
-        self.readers = 0
-        self._lock = threading.Lock()
+        self._in: list[None] = []  # one item per job being read: append and pop are atomic
         self._local = threading.local()
 
+    @property
+    def readers(self) -> int:
+        return len(self._in)
+
     def enter(self) -> None:
-        """A job is being read on this thread (until :meth:`leave`)."""
-        with self._lock:
-            self.readers += 1
+        """A job is being read on this thread (until :meth:`leave`). No lock: a lock taken
+        and released twice per job cost about 2 µs of a 4 KiB one-record job's 30."""
+        self._in.append(None)
         self.begin()
 
     def begin(self) -> None:
@@ -135,8 +138,7 @@ class Temperature:
             local.faults = major_faults()
 
     def leave(self) -> None:
-        with self._lock:
-            self.readers -= 1
+        self._in.pop()
 
     def slow(self, start: float) -> bool:
         """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as
@@ -167,6 +169,10 @@ class JobReader:
     #: calling thread, way 1 checks them on a side thread while this one copies (faster only
     #: while the side thread has a core of its own).
     ways: FasterWay = field(default_factory=lambda: FasterWay())
+    #: For cold jobs: way 0 reads them in one pass on the calling thread (a get, a copy and a
+    #: check per key, as a raw read does), way 1 looks their keys up on a thread of their own
+    #: (:class:`ColdRead`), tried only while a core seems spare (see :meth:`_cold_way`).
+    cold_ways: FasterWay = field(default_factory=lambda: FasterWay())
 
     def read_job(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
         """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
@@ -187,21 +193,30 @@ class JobReader:
         python-lmdb's ``get`` touches every page of the value it returns (with the GIL
         released), so a value that is not in the page cache is read from disk inside the
         lookup. Once a lookup takes longer than :data:`COLD_GET_S`, the rest of the job is read
-        **cold**: a thread of its own looks up the remaining keys while this thread copies and
-        checks the values already found, so the disk reads overlap the copies instead of
-        preceding them all (:class:`ColdRead`). A warm job takes no thread. (Only a value's
-        first lookup can be slow to tell: the read-around of the value before may have read
-        it already.)
+        **cold**: where a core is spare (:meth:`_cold_way`), a thread of its own looks up the
+        remaining keys while this thread copies and checks the values already found, so the
+        disk reads overlap the copies (:class:`ColdRead`); else this thread reads on, a get,
+        a copy and a check per key, as a raw read does. A warm job takes no thread. (Only a
+        value's first lookup can be slow to tell: the read-around of the value before may have
+        read it already.)
 
         The read-around makes most lookups of a cold job fast: a slow one reads the next
         values too, and often it is the job's last. So once a job had a slow lookup, the
         next jobs are read cold from their first key, until one has none
-        (:class:`Temperature`). Measured (``benchmarks/bench_disk.py``, cold part): a job of
-        eight 2 MiB values took 11 ms, 7 ms in its last lookup and then 4 ms of copies with no
-        read in flight."""
+        (:class:`Temperature`)."""
         cold = self.temperature.cold and len(keys) > 1 and self.temperature.readers <= 1
         nbytes = len(keys) * self.block_bytes
-        if not cold and ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
+        if cold:
+            way = self._cold_way()
+            start = time.perf_counter()
+            if way:
+                outcome = self._read_general(env, keys, out, mac, cold=True)
+            else:
+                self.temperature.cold = False  # set again by a slow lookup of this job
+                outcome = self.read_in_one_pass(env, keys, out, mac, threaded=False)
+            self.cold_ways.record(way, time.perf_counter() - start, nbytes)
+            return outcome
+        if ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
             if mac is not None or nbytes < SIDE_MIN_BYTES:
                 return self.read_in_one_pass(env, keys, out, mac)
             # Copy and checksum: one pass on this thread, or (while a core seems free) the
@@ -212,7 +227,17 @@ class JobReader:
             outcome = self.read_in_one_pass(env, keys, out, mac) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
             self.ways.record(way, time.perf_counter() - start, nbytes)
             return outcome
-        return self._read_general(env, keys, out, mac, cold=cold)
+        return self._read_general(env, keys, out, mac, cold=False)
+
+    def _cold_way(self) -> int:
+        """How to read the rest of a job found cold: 1 on a :class:`ColdRead` thread, 0 in one
+        pass here. The thread overlaps the disk reads with the copies only where it has a core
+        of its own: on 2 busy cores the reads slowed by a third beside copies
+        (``bench_disk.py``, ``cold_get_beside_copies_ratio`` 0.65), and cold loads ran at 0.53
+        of raw with the thread against 0.79 in one pass (2 MiB records in jobs of 8, load 5). So
+        it is tried only while a core seems spare, and then taken when it has been the faster
+        of late (:class:`~kvtier.records.checks.FasterWay`)."""
+        return self.cold_ways.pick() if spare_core() else 0
 
     def _read_general(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, cold: bool) -> ReadOutcome:
         """The general read of a job (see :meth:`read`): its keys looked up (``cold``: on a
@@ -243,7 +268,7 @@ class JobReader:
         return outcome
 
     def read_in_one_pass(
-        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, threaded: bool | None = None
     ) -> ReadOutcome:
         """:meth:`read` for a warm job of raw records, in one pass on this thread: per key, a
         lookup, the head compared with what a raw record of this store holds, the value copied
@@ -256,7 +281,8 @@ class JobReader:
         the general path's: a record in another layout, compressed, with a bad check, or whose
         row is not host memory is handed to :meth:`copy_in` in the same transaction; an LMDB
         error on a lookup is a miss (:meth:`drop`) and the rest is read afresh; and a slow
-        lookup makes the rest of the job cold (read by :meth:`read`)."""
+        lookup makes the reader cold, and the rest of the job is looked up on a thread when
+        ``threaded`` (``None``: as :meth:`_cold_way` says then), else read on here."""
         outcome = ReadOutcome(len(keys))
         bad = outcome.bad
         size = self.block_bytes
@@ -265,7 +291,7 @@ class JobReader:
         first, slow_at, slow_pair = 0, -1, None  # the first key the loop below reads; one found slow to look up
         txn = self._begin(env)
         try:
-            rows = host_rows(out, size) if mac is None else None
+            rows = host_rows(out, size, borrowed=True) if mac is None else None  # out outlives the pass
             if rows is not None:
                 stop = self.plain.read(
                     txn, keys, rows, outcome.found, time.perf_counter, self.temperature.slow,
@@ -292,7 +318,7 @@ class JobReader:
                 slow = i == slow_at or self.temperature.slow(start)
                 if pair is None:
                     outcome.corrupt += key in bad
-                if slow and i + 1 < len(keys):
+                if slow and i + 1 < len(keys) and (self._cold_way() == 1 if threaded is None else threaded):
                     # Read from disk: the rest of the job is cold. As in read(), a thread looks up
                     # the rest in this transaction while this one copies and checks this record.
                     self.temperature.cold = True
@@ -457,7 +483,7 @@ class JobReader:
                     pairs.append(self.pair(txn, key, bad))
                     if self.temperature.slow(start):
                         self.temperature.cold = True
-                        if len(pairs) < len(keys):
+                        if len(pairs) < len(keys) and self._cold_way():
                             return txn, pairs
                 return txn, pairs
             except lmdb.Error as exc:

@@ -4,7 +4,7 @@
 builds the backends named in ``config`` through the plugin registry, opens them, rebuilds the
 index of persistent tiers, and starts the transfer workers. The lifecycle calls are the
 manager's (see :mod:`kvtier.manager`); ``save`` and ``load`` run prepare -> transfer ->
-complete for engines that want no connector.
+complete for engines that want no connector (:class:`kvtier.transfer.runs.JobRuns` does the work).
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from kvtier.config import StoreConfig, load_config
 from kvtier.config.tier_errors import no_room, tier_error
 from kvtier.errors import BackendError, ClosedError, ConfigError, KVTierError, LayoutError
 from kvtier.keys import Namespace, check_keys
-from kvtier.manager import CacheEvent, KeyState, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.manager import CacheEvent, KeyStatus, LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.metrics import Exporter, StoreMetrics
 from kvtier.records.head_group_tier import group_tiers
 from kvtier.records.head_groups import HeadGroupLayout
 from kvtier.tenancy import StoreTenancy
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.handover import release_tiers
-from kvtier.transfer.jobs import Applied, JobResult, apply_result
+from kvtier.transfer.jobs import Applied, JobResult
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.layout_checks import check_caches_match_namespace, check_distinct_block_ids, given_fields
 from kvtier.transfer.offloop import off_loop
+from kvtier.transfer.runs import JobRuns
 
 __all__ = ["KVStore", "open"]
 
@@ -107,10 +108,8 @@ class KVStore(StoreTenancy):
         self.manager: TierManager | None = None
         self.transfers: TransferEngine | None = None
         self._closed = False
-        self._memory_only = 0  # blocks a save stored in memory tiers only (see save)
-        # Jobs whose caller was cancelled: job id -> plan, applied to the manager when they end.
-        self._unsettled: dict[int, StorePlan | LoadPlan] = {}
-        self._settlers: set[asyncio.Task[None]] = set()
+        #: save and load jobs, and those of cancelled callers (kvtier.transfer.runs)
+        self._runs = JobRuns(self._mgr, self.metrics, self.format.block_bytes, config.engine_blocks_per_block, lambda: self._closed)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> KVStore:
@@ -331,20 +330,16 @@ class KVStore(StoreTenancy):
         if self.layout is not None:
             data["staging"] = self.layout.staging.stats()
         data["io"] = self.metrics.snapshot()
-        data["saved_memory_only"] = self._memory_only
+        data["saved_memory_only"] = self._runs.memory_only
         return data
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
         """Apply a finished store job to the manager; return how many blocks became ready."""
-        applied = apply_result(self._mgr(), plan, result)
-        self.metrics.record_store(plan, result, self.format.block_bytes)
-        return applied.done
+        return self._runs.finish_store(plan, result)
 
     def finish_load(self, plan: LoadPlan, result: JobResult) -> Applied:
         """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt."""
-        applied = apply_result(self._mgr(), plan, result)
-        self.metrics.record_load(plan, result, self.format.block_bytes)
-        return applied
+        return self._runs.finish_load(plan, result)
 
     # -- convenience: prepare -> transfer -> complete ----------------------------------------
     def _job_input(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[TransferEngine, list[int]]:
@@ -383,70 +378,10 @@ class KVStore(StoreTenancy):
         ``tenant`` names whose blocks these are: counted as its usage, stored under its quotas
         (a quota makes a save smaller, never an error)."""
         transfers, ids = self._job_input(keys, block_ids)
-        self._settle_finished()
-        n = self.config.engine_blocks_per_block
-        mgr = self._mgr()
-        persistent = [t for t in range(mgr.num_tiers) if mgr.tier_spec(t).persistent]
-        if durable and not persistent:
-            raise ConfigError("save(durable=True): the store has no persistent tier (tiers: an lmdb, file or redis tier)")
-        kept = 0  # newly stored blocks on a persistent tier
-        below = sum(mgr.tier_spec(t).capacity_bytes // mgr.tier_spec(t).block_reserve for t in range(1, mgr.num_tiers))
-        stored = 0
-        rest: Sequence[bytes] = keys
-        offset = 0  # rest[i] is keys[offset + i]
-        while rest:
-            # A later run pushes the earlier ones out of the first tier: go on only while the
-            # lower tiers could hold all of them, and while they still hold every one, so the
-            # batch's leading run is never cut to make room for its tail.
-            if offset and (offset > below or mgr.lookup(keys[:offset]) < offset):
-                break
-            plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset], tenant=tenant)
-            if plan is None or plan.empty:
-                break
-            chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
-            job = transfers.submit_store(plan, chosen, durable=durable, inline=True)
-            result = await self._run_job(transfers, job, plan)
-            if self._closed:  # closed while the job ran: nothing is left to apply it to
-                return kept if durable else stored
-            done = self.finish_store(plan, result)
-            if done < len(plan.keys):  # a failed write: the rest would only fail behind it
-                done = await self._keep_the_leading_run(transfers, plan)
-            stored += done
-            on_disk = sum(1 for key in plan.keys[:done] if any(mgr.holds(key, t) for t in persistent))
-            kept += on_disk
-            self._memory_only += max(0, done - on_disk)
-            if done < len(plan.keys) or not plan.keys:
-                break
-            covered = {*plan.keys, *plan.skipped}
-            taken = next((i for i, key in enumerate(rest) if key not in covered), len(rest))
-            if taken < len(rest):
-                log.debug("kvtier: save of %d blocks: the first tier took %d; storing the next run", len(keys), taken)
-            rest, offset = rest[taken:], offset + taken
+        stored, kept = await self._runs.save(transfers, keys, ids, durable=durable, tenant=tenant)
         if stored and not self._closed:  # the tenant tags of the blocks made ready, once per save
             await self.flush_tags(sync=durable)  # synced to disk when the save must be
         return kept if durable else stored
-
-    async def _keep_the_leading_run(self, transfers: TransferEngine, plan: StorePlan) -> int:
-        """After a store run whose writes failed in part: how many of its keys lie before the
-        first one that is now in no tier. Those stored behind it are released: the manager
-        forgets them, and a store job queued behind every earlier one deletes their records (so
-        a later store of the same keys, queued after it, is never deleted by it)."""
-        mgr = self._mgr()
-        keys = plan.keys
-        hole = next((i for i, key in enumerate(keys) if mgr.status(key).state is not KeyState.READY), len(keys))
-        behind = keys[hole + 1 :]
-        if behind:
-            drops = tuple((tier, tuple(gone)) for tier in range(mgr.num_tiers) if (gone := mgr.remove(behind, tier)))
-            if drops:
-                released = len({key for _, gone in drops for key in gone})
-                log.info("kvtier: save: %d blocks stored behind one that failed are released", released)
-                release = StorePlan(0, (), (), drops=drops)
-                try:
-                    job = transfers.submit_store(release, [])
-                except ClosedError:  # closing: the records stay, as orphans the next open adopts
-                    return hole
-                await self._run_job(transfers, job, release)
-        return hole
 
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, promote: bool = True) -> int:
         """Load the leading run of ``keys`` that is stored into ``block_ids``; return how many
@@ -459,90 +394,15 @@ class KVStore(StoreTenancy):
         a promotion that cannot make room or fails is skipped, never an error."""
         transfers, ids = self._job_input(keys, block_ids)
         check_distinct_block_ids(ids)
-        self._settle_finished()
-        n = self.config.engine_blocks_per_block
-        mgr = self._mgr()
-        hits = mgr.lookup(keys)
-        if hits == 0:
-            return 0
-        plan = mgr.prepare_load(list(keys[:hits]), promote=False)
-        job = transfers.submit_load(plan, ids[: hits * n], inline=True)
-        result = await self._run_job(transfers, job, plan)
-        if self._closed:
-            return 0
-        self.finish_load(plan, result)
-        if result.error is not None:
-            return 0
-        filled = hits
-        if result.missed:
-            missed = set(result.missed)
-            filled = next(i for i, key in enumerate(plan.keys) if key in missed)
-        if promote and any(tier > 0 for tier in plan.tiers[:filled]):
-            await self._promote(plan.keys[:filled], ids, transfers)
-        return filled
-
-    async def _promote(self, keys: Sequence[bytes], ids: Sequence[int], transfers: TransferEngine) -> None:
-        """Store ``keys`` (just loaded into ``ids``, ``n`` per key) into the first tier."""
-        plan = self._mgr().prepare_promote(keys)
-        if plan is None or not plan.keys:
-            return
-        n = self.config.engine_blocks_per_block
-        chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
-        job = transfers.submit_store(plan, chosen, inline=True)
-        result = await self._run_job(transfers, job, plan)
-        if not self._closed:
-            self.finish_store(plan, result)
+        return await self._runs.load(transfers, keys, ids, promote=promote)
 
     async def _run_job(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
-        """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
-        never touches the caller's blocks; a copy under way is waited for), and its plan is
-        applied to the manager whenever it ends, so no pin or reservation is left behind."""
-        try:
-            result = await transfers.wait_async(job)
-        except asyncio.CancelledError:
-            transfers.cancel(job)
-            self._settle_later(transfers, job, plan)
-            raise
-        transfers.forget([job])
-        return result
-
-    def _settle_later(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> None:
-        self._unsettled[job] = plan
-        if transfers.result(job) is not None:
-            self._settle_finished()
-            return
-        try:
-            task = asyncio.get_running_loop().create_task(self._settle_when_done(transfers, job))
-        except RuntimeError:  # no loop to wait on: settled by the next call or by aclose
-            return
-        self._settlers.add(task)
-        task.add_done_callback(self._settlers.discard)
-
-    async def _settle_when_done(self, transfers: TransferEngine, job: int) -> None:
-        try:
-            await transfers.wait_async(job)
-        except (asyncio.CancelledError, Exception):  # settled by the next call or by aclose
-            return
-        self._settle_finished()
+        return await self._runs.run(transfers, job, plan)
 
     def _settle_finished(self) -> None:
         """Apply the jobs of cancelled callers that have ended since."""
-        transfers = self.transfers
-        if not self._unsettled or transfers is None or self.manager is None:
-            return
-        for job, plan in list(self._unsettled.items()):
-            result = transfers.result(job)
-            if result is None:
-                continue
-            del self._unsettled[job]
-            transfers.forget([job])
-            try:
-                if isinstance(plan, StorePlan):
-                    self.finish_store(plan, result)
-                else:
-                    self.finish_load(plan, result)
-            except Exception as exc:  # a closed manager: nothing is left to release
-                log.debug("job %d of a cancelled call not applied: %s", job, exc)
+        if self.manager is not None:
+            self._runs.settle_finished(self.transfers)
 
 
 def _with_layout(namespace: Namespace, fingerprint: str) -> Namespace:

@@ -40,11 +40,15 @@ def hook_lookups(monkeypatch: pytest.MonkeyPatch, hook: Callable[[bytes], None])
     monkeypatch.setattr(lmdb_layout.JobReader, "_begin", begin)
 
 
-def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch, *, thread: bool | None = True) -> None:
     """Every lookup the reader finds slow counts as a disk read (as if the thread had a major
-    page fault each time it looked), whatever this machine's page cache holds."""
+    page fault each time it looked), whatever this machine's page cache holds; the cold rest
+    of a job is looked up on a thread of its own (``thread``, as where a core is spare) or read
+    in one pass on the calling thread (as on a busy machine); ``None``: as the reader decides."""
     import itertools
 
     from kvtier.backends import lmdb_layout
 
     monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count().__next__)
+    if thread is not None:
+        monkeypatch.setattr(lmdb_layout.JobReader, "_cold_way", lambda self: int(thread))

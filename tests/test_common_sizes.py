@@ -11,6 +11,7 @@ import pytest
 from kvtier.bulk import RecordColumns
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
+from kvtier.manager.record_sync import adopt_records
 from kvtier.manager.tiers import TierState
 from kvtier.testing import make_key
 
@@ -28,17 +29,17 @@ def test_adoption_keeps_only_the_sizes_that_differ(as_columns: bool) -> None:
     records = [(K[i], sizes[i], float(i)) for i in range(300)]
     state = _state(1000)
     listing = RecordColumns([r[0] for r in records], np.array(sizes, dtype=np.int64), np.arange(300.0)) if as_columns else records
-    assert state.adopt(listing) == []
+    assert adopt_records(state, listing) == []
     assert state.sizes == {K[i]: sizes[i] for i in range(300) if sizes[i] != BLOCK}
     assert state.used == sum(sizes)
-    assert [state._size_of(K[i]) for i in range(300)] == sizes
+    assert [state.size_of(K[i]) for i in range(300)] == sizes
 
 
 def test_a_common_size_fleet_keeps_no_entry_per_key() -> None:
     state = _state(10_000)
     n = 5000
     columns = RecordColumns([make_key(10_000 + i) for i in range(n)], np.full(n, BLOCK, dtype=np.int64), np.arange(float(n)))
-    assert state.adopt(columns) == []
+    assert adopt_records(state, columns) == []
     assert state.sizes == {} and state.used == n * BLOCK and len(state.index) == n
 
 
@@ -81,4 +82,4 @@ def test_random_stores_loads_and_evictions_account_as_a_size_per_key(policy: typ
         assert state.used == sum(model.values())
         assert set(state.index) == set(model)
         assert state.sizes == {k: s for k, s in model.items() if s != BLOCK}
-        assert all(state._size_of(k) == s for k, s in model.items())
+        assert all(state.size_of(k) == s for k, s in model.items())

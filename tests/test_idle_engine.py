@@ -45,8 +45,8 @@ def facade_holds(store: KVStore) -> dict[str, int]:
     return {
         **manager_holds(store.manager),
         **transfers_hold(store.transfers),
-        "unsettled": len(store._unsettled),
-        "settlers": len(store._settlers),
+        "unsettled": len(store._runs.unsettled),
+        "settlers": len(store._runs.settlers),
     }
 
 
@@ -84,7 +84,7 @@ async def test_an_idle_store_facade_holds_nothing_and_its_close_leaves_no_thread
         assert store.transfers.counters["cancelled_jobs"] > 0
         await asyncio.to_thread(store.transfers.wait_idle, HANG_GUARD)
         for _ in range(200):  # the cancelled calls' settlers run on the loop
-            if not store._settlers:
+            if not store._runs.settlers:
                 break
             await asyncio.sleep(0.01)
         held = facade_holds(store)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -518,13 +519,14 @@ def _cold_store(tmp_path: Path, n: int, options: dict[str, object]) -> tuple[lis
     return keys, data
 
 
+@pytest.mark.parametrize("thread", [True, False])
 @pytest.mark.parametrize("keyed", [False, True])
 def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool, thread: bool
 ) -> None:
     """Every lookup counted slow: after the first one, the job's lookups run on the cold read's
-    thread, and what the job finds (hits, an absent key, a damaged record) is what a warm read
-    finds."""
+    thread (``thread``; else on the calling thread, in one pass), and what the job finds (hits,
+    an absent key, a damaged record) is what a warm read finds."""
     from kvtier.backends import lmdb_layout
 
     options = {"mac_key": "a-test-secret-of-32-bytes-012345"} if keyed else {}
@@ -532,7 +534,7 @@ def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
     threads: list[str] = []
     hook_lookups(monkeypatch, lambda key: threads.append(threading.current_thread().name))
     monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
-    slow_lookups_read_the_disk(monkeypatch)
+    slow_lookups_read_the_disk(monkeypatch, thread=thread)
     backend = _open(lmdb_backend(tmp_path, 16 << 20, **options), BIG)
     try:
         job = [keys[0], keys[1], make_key(99), keys[2], keys[3], keys[4]]
@@ -541,7 +543,7 @@ def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
         for i, d in ((0, 0), (1, 1), (4, 3), (5, 4)):
             assert torch.equal(out[i], data[d])
         assert threads[0] == threading.current_thread().name
-        assert threads[1:] == ["kvtier-lmdb-cold"] * 5
+        assert threads[1:] == ["kvtier-lmdb-cold" if thread else threads[0]] * 5
         stats = backend.stats()
         assert stats["corrupt_records"] == 1 and stats["auth_failures"] == (1 if keyed else 0)
         assert {r.key for r in backend.scan()} == set(keys) - {keys[2]}  # the damaged one deleted
@@ -549,8 +551,9 @@ def test_a_cold_job_is_looked_up_on_its_own_thread_with_the_same_results(
         asyncio.run(backend.aclose())
 
 
+@pytest.mark.parametrize("thread", [True, False])
 def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read_afresh(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
     from kvtier.backends import lmdb_layout
 
@@ -564,17 +567,57 @@ def test_an_lmdb_error_in_a_cold_job_is_a_miss_for_that_key_and_the_rest_is_read
 
     hook_lookups(monkeypatch, lookup)
     monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
-    slow_lookups_read_the_disk(monkeypatch)
+    slow_lookups_read_the_disk(monkeypatch, thread=thread)
     backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
     try:
         job = [keys[0], keys[1], keys[3], keys[4]]
         out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in job]
         assert backend.read_blocks(job, out) == [True, False, True, True]
-        assert failed == ["kvtier-lmdb-cold"]
+        assert failed == ["kvtier-lmdb-cold" if thread else threading.current_thread().name]
         assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[3]) and torch.equal(out[3], data[4])
         assert {r.key for r in backend.scan()} == set(keys) - {keys[1]}  # dropped, as a warm read drops it
     finally:
         asyncio.run(backend.aclose())
+
+
+def _jobs_with_slow_lookups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, thread: bool | None
+) -> tuple[Backend, list[bytes], Callable[[set[bytes]], tuple[list[str], bool]]]:
+    """A store of 4 good records and ``job(slow_keys)``: reads them in one job whose lookups of
+    ``slow_keys`` read from disk (the cold rest of a job on a thread of its own when ``thread``,
+    in one pass when not, as ``JobReader._cold_way`` says when ``None``); it checks the bytes and gives the threads that looked the keys up and whether
+    the reader is cold after the job. The reader times its lookups on a clock of the test's
+    own, which only a slow lookup advances: on a loaded machine a real lookup may take longer
+    than COLD_GET_S, and that would make a job cold which a test needs warm."""
+    from kvtier.backends import lmdb_layout
+
+    keys, data = _cold_store(tmp_path, 5, {})
+    good = [keys[0], keys[1], keys[3], keys[4]]
+    want = [data[0], data[1], data[3], data[4]]
+    threads: list[str] = []
+    slow: set[bytes] = set()
+    clock = [0.0]
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    slow_lookups_read_the_disk(monkeypatch, thread=thread)
+
+    def lookup(key: bytes) -> None:
+        threads.append(threading.current_thread().name)
+        if key in slow:
+            clock[0] += 2 * lmdb_layout.COLD_GET_S  # a lookup that read from disk
+
+    hook_lookups(monkeypatch, lookup)
+    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
+
+    def job(slow_keys: set[bytes]) -> tuple[list[str], bool]:
+        slow.clear()
+        slow.update(slow_keys)
+        threads.clear()
+        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in good]
+        assert backend.read_blocks(good, out) == [True] * 4
+        assert all(torch.equal(o, w) for o, w in zip(out, want))
+        return list(threads), backend._reader.temperature.cold  # type: ignore[attr-defined]
+
+    return backend, keys, job
 
 
 def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_first_key(
@@ -585,47 +628,59 @@ def test_after_a_slow_lookup_the_next_jobs_are_looked_up_on_the_side_from_their_
     its first key, on the cold read's thread. A job with no slow lookup makes the reader warm
     again: the job after it is looked up on the calling thread. The bytes are the same each
     time."""
-    from kvtier.backends import lmdb_layout
-
-    keys, data = _cold_store(tmp_path, 5, {})
-    good = [keys[0], keys[1], keys[3], keys[4]]
-    want = [data[0], data[1], data[3], data[4]]
-    threads: list[str] = []
-    slow: set[bytes] = set()
-    # The reader times its lookups on a clock of the test's own, which only a slow lookup
-    # advances: on a loaded machine a real lookup may take longer than COLD_GET_S, and that
-    # would make a job cold which this test needs warm.
-    clock = [0.0]
-    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    slow_lookups_read_the_disk(monkeypatch)
-
-    def lookup(key: bytes) -> None:
-        threads.append(threading.current_thread().name)
-        if key in slow:
-            clock[0] += 2 * lmdb_layout.COLD_GET_S  # a lookup that read from disk
-
-    hook_lookups(monkeypatch, lookup)
-    backend = _open(lmdb_backend(tmp_path, 16 << 20), BIG)
-    me = threading.current_thread().name
-
-    def job(slow_keys: set[bytes]) -> list[str]:
-        slow.clear()
-        slow.update(slow_keys)
-        threads.clear()
-        out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in good]
-        assert backend.read_blocks(good, out) == [True] * 4
-        assert all(torch.equal(o, w) for o, w in zip(out, want))
-        return list(threads)
-
+    backend, keys, job = _jobs_with_slow_lookups(tmp_path, monkeypatch, thread=True)
+    me, cold = threading.current_thread().name, "kvtier-lmdb-cold"
     try:
-        assert job(set()) == [me] * 4  # warm: no thread
-        assert job({keys[4]}) == [me] * 4  # the last lookup slow: nothing left to overlap here
-        assert job(set()) == ["kvtier-lmdb-cold"] * 4  # ... so the next job is read cold
-        assert job(set()) == [me] * 4  # that one found every value in memory: warm again
-        assert job({keys[1]}) == [me, me, "kvtier-lmdb-cold", "kvtier-lmdb-cold"]  # slow midway: as before
-        assert job(set()) == ["kvtier-lmdb-cold"] * 4
+        assert job(set())[0] == [me] * 4  # warm: no thread
+        assert job({keys[4]})[0] == [me] * 4  # the last lookup slow: nothing left to overlap here
+        assert job(set())[0] == [cold] * 4  # ... so the next job is read cold
+        assert job(set())[0] == [me] * 4  # that one found every value in memory: warm again
+        assert job({keys[1]})[0] == [me, me, cold, cold]  # slow midway: as before
+        assert job(set())[0] == [cold] * 4
     finally:
         asyncio.run(backend.aclose())
+
+
+def test_on_a_busy_machine_a_cold_job_is_read_in_one_pass_and_the_reader_still_goes_cold_and_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no core spare, the cold thread is never tried: a job after a slow lookup is read on
+    the calling thread (a get, a copy and a check per key, the raw read's shape), timed as the
+    cold way 0; the reader still goes cold after a slow lookup and warm after a job with none,
+    and the bytes are the same each time."""
+    from kvtier.backends import lmdb_layout
+
+    monkeypatch.setattr(lmdb_layout, "spare_core", lambda: False)
+    backend, keys, job = _jobs_with_slow_lookups(tmp_path, monkeypatch, thread=None)  # the gate as it is
+    backend_reader = backend._reader  # type: ignore[attr-defined]
+    me = threading.current_thread().name
+    try:
+        assert job(set()) == ([me] * 4, False)
+        assert job({keys[1]}) == ([me] * 4, True)  # slow midway: read on here, the reader cold
+        assert backend_reader.cold_ways._cost == [None, None]  # a warm job's time is not a cold way's
+        assert job({keys[4]}) == ([me] * 4, True)  # a cold job, read here, still slow
+        assert backend_reader.cold_ways._cost[0] is not None and backend_reader.cold_ways._cost[1] is None
+        assert job(set()) == ([me] * 4, False)  # a cold job that found every value in memory: warm
+        assert job(set()) == ([me] * 4, False)
+        assert backend.stats()["blocks_read"] == 20
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_the_cold_thread_is_tried_only_while_a_core_seems_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No spare core: way 0 and no pick (the ways' choice is left as it was); a spare core:
+    each way once, then the faster."""
+    from kvtier.backends import lmdb_layout
+
+    reader = lmdb_layout.JobReader(blocks=None, index=None, psize=4096, map_base=None, path="p", block_bytes=4096, plain=None)  # type: ignore[arg-type]
+    monkeypatch.setattr(lmdb_layout, "spare_core", lambda: False)
+    assert [reader._cold_way() for _ in range(3)] == [0, 0, 0]
+    monkeypatch.setattr(lmdb_layout, "spare_core", lambda: True)
+    assert reader._cold_way() == 0
+    reader.cold_ways.record(0, 2.0, 100)
+    assert reader._cold_way() == 1
+    reader.cold_ways.record(1, 1.0, 100)
+    assert reader._cold_way() == 1  # the thread was the faster
 
 
 # -- open: the blocks database's keys come from the page walk, not from a cursor over the map ----

@@ -36,8 +36,11 @@ the same however many keys the tiers hold.
 
 Collaborators, each in its own module: :class:`~kvtier.manager.tiers.TierState` (one tier's keys, pins
 and byte accounting), :class:`~kvtier.manager.plan.PlanBuilder` (eviction, demotion and reservation
-for one store or promotion plan), :class:`~kvtier.manager.admission.Admission` (``admit_after``) and
-:class:`~kvtier.manager.promotion.Promotions` (both forms of promotion).
+for one store or promotion plan), :class:`~kvtier.manager.admission.Admission` (``admit_after``),
+:class:`~kvtier.manager.promotion.Promotions` (both forms of promotion),
+:class:`~kvtier.manager.record_sync.RecordSync` (adoption of stored records, removal, stamps),
+:class:`~kvtier.manager.readout.Readout` (counters and stats) and
+:class:`~kvtier.manager.tenant_ops.TenantControl` (the ``tenants`` attribute).
 """
 
 from __future__ import annotations
@@ -50,17 +53,19 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, cast
 
-from kvtier.errors import ConfigError, LifecycleError
+from kvtier.errors import LifecycleError
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
 from kvtier.manager.lookups import closed_error as _closed
-from kvtier.manager.lookups import lookup_counts, read_counters, single_key_lookup
+from kvtier.manager.lookups import lookup_counts, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.manager.promotion import Promotions
+from kvtier.manager.readout import COUNTERS, Readout
+from kvtier.manager.record_sync import RecordSync
 from kvtier.manager.tenant_ops import TenantControl
 from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TenantRules, check_tenant
-from kvtier.manager.tiers import TierSpec, TierState, unpin
+from kvtier.manager.tiers import TierSpec, TierState, check_specs, tenant_book, unpin
 
 __all__ = [
     "TierSpec",
@@ -75,19 +80,6 @@ __all__ = [
 
 WriteMode = Literal["back", "through"]
 
-_COUNTERS = (
-    "store_prepared",
-    "store_skipped",
-    "store_rejected",
-    "store_partial",
-    "store_completed",
-    "store_failed",
-    "load_prepared",
-    "promotions",
-    "promotions_failed",
-    "promotions_prepared",
-    "promotions_rejected",
-)
 
 
 class KeyState(str, Enum):
@@ -131,13 +123,7 @@ class TierManager:
         clock: Callable[[], float] = time.time,
         tenants: TenantRules | None = None,
     ) -> None:
-        if not tiers:
-            raise ConfigError("tiers: at least one tier is required")
-        if write not in ("back", "through"):
-            raise ConfigError(f"write: expected 'back' or 'through', got {write!r}")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tiers: names must be unique, got {names}")
+        check_specs(tiers, write)
         self.write_mode: WriteMode = write
         self._tiers = [TierState(spec) for spec in tiers]
         self._indexes = tuple(t.index for t in self._tiers)
@@ -148,7 +134,7 @@ class TierManager:
         #: the policy of the only tier, when it is not persistent: ``touch`` goes to it directly
         self._one_policy = tiers[0].policy if len(tiers) == 1 and not self._persistent else None
         self._plan_ids = itertools.count(1)
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._counts = dict.fromkeys(COUNTERS, 0)
         # (calls, keys, hits) of batched lookups, packed by lookup_counts and replaced whole;
         # single-key lookups count in the closure below: lookups stay lock-free.
         self._lookups = 0
@@ -171,17 +157,17 @@ class TierManager:
         self.tenants = TenantControl(self._tiers, self._lock, self._events, self._tenant_book)
         if tenants is not None:
             self.tenants.set_rules(tenants)
+        self._records = RecordSync(self._tiers, self._lock, self._events, lambda: self._book, self._tenant_book)
+        self._readout = Readout(
+            self._tiers, self._lock, self._counts, self._events, lookups=lambda: self._lookups, single=self._single.counts,
+            plans=self._plans, book=lambda: self._book, tenants=self.tenants,
+        )  # fmt: skip
 
     def _tenant_book(self) -> TenantBook:
         """The tenant book, made on first use: every block held so far is the default tenant's."""
-        book = self._book
-        if book is None:
-            book = self._book = TenantBook(len(self._tiers))
-            for t, tenancy in zip(self._tiers, book.tiers):
-                tenancy.bytes[DEFAULT_TENANT] = t.used
-                tenancy.blocks[DEFAULT_TENANT] = len(t.index)
-                t.tenancy = tenancy
-        return book
+        if self._book is None:
+            self._book = tenant_book(self._tiers)
+        return self._book
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -482,17 +468,9 @@ class TierManager:
         if self._closed:
             raise _closed()
         _check(keys)
-        with self._lock:
-            t = self._tiers[tier]
-            get, pins = t.index.get, t.pins
-            removed = [key for key in dict.fromkeys(keys) if get(key) and key not in pins]
-            t.forget(removed)
-            self._events.add("removed", tuple(removed), t.name)  # the list is the caller's
-            if self._book is not None:
-                self._book.sweep(self._indexes)
-        return removed
+        return self._records.remove(keys, tier)
 
-    # -- persistence -----------------------------------------------------------------------
+    # -- persistence (kvtier.manager.record_sync) ------------------------------------------
     def adopt(self, tier: int, records: Iterable[tuple[bytes, int, float]], owners: Mapping[bytes, str] | None = None) -> list[bytes]:
         """Rebuild ``tier``'s index from stored records ``(key, stored_bytes, stamp)`` at open.
 
@@ -500,17 +478,7 @@ class TierManager:
         beyond the tier's capacity (oldest first) are not adopted and are returned for deletion.
         ``owners`` names the tenant of records saved with one (the rest are the default's).
         """
-        with self._lock:
-            book = self._book
-            if owners:
-                book = self._tenant_book()
-                index = self._indexes[tier]
-                book.owners.update((key, owner) for key, owner in owners.items() if key not in index)
-            excess = self._tiers[tier].adopt(records)
-            if book is not None:
-                book.gone += excess
-                book.sweep(self._indexes)
-            return excess
+        return self._records.adopt(tier, records, owners)
 
     def adopt_live(self, tier: int, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
         """Adopt records another engine stored in shared tier ``tier`` while this one runs (a
@@ -519,35 +487,11 @@ class TierManager:
         are forgotten to make room (``removed`` events; their records stay: a shared tier's
         server evicts); when even that cannot make room, what fits is adopted. Returns the
         keys adopted."""
-        with self._lock:
-            t = self._tiers[tier]
-            index = t.index
-            new = [r for r in dict((r[0], r) for r in records).values() if r[0] not in index]
-            if not new:
-                return []
-            need = sum(n for _, n, _ in new) if t.variable else len(new) * t.block
-            over = t.used + need - t.capacity
-            if over > 0:
-                keep = frozenset(r[0] for r in new)
-                victims = t.evict(over, keep)
-                if victims is None:  # not all of it: forget what may go, adopt what then fits
-                    room = t.blocks_that_fit(keep) * t.block - t.free()
-                    victims = t.evict(room, keep) if room > 0 else None
-                if victims:
-                    self._events.add("removed", tuple(victims), t.name)
-            excess = t.adopt(new)
-            gone = set(excess)
-            adopted = [r[0] for r in new if r[0] not in gone] if gone else [r[0] for r in new]
-            self._events.add("stored", tuple(adopted), t.name)
-            return adopted
+        return self._records.adopt_live(tier, records)
 
     def take_stamps(self, tier: int) -> list[tuple[bytes, float]]:
         """Access stamps recorded since the last call, for a persistent tier to save."""
-        t = self._tiers[tier]
-        with self._lock:
-            stamps, t.stamps = t.stamps, {}
-        index = t.index
-        return [(k, s) for k, s in stamps.items() if k in index]
+        return self._records.take_stamps(tier)
 
     # -- events and stats ------------------------------------------------------------------
     def take_events(self) -> list[CacheEvent]:
@@ -555,24 +499,11 @@ class TierManager:
         with self._lock:
             return self._events.take()
 
-    def _lookup_counters(self) -> tuple[int, int, int]:
-        """(calls, keys asked, keys found) at one moment, read without stopping lookups."""
-        return read_counters(lambda: self._lookups, self._single.counts)
-
-    def _counters(self) -> dict[str, int]:
-        calls, asked, found = self._lookup_counters()
-        return {"lookups": calls, "lookup_keys": asked, "lookup_hits": found, **self._counts, "events_dropped": self._events.dropped}
-
     @property
     def counters(self) -> dict[str, int]:
         """The manager's counters, copied at one moment."""
-        with self._lock:
-            return self._counters()
+        return self._readout.counters()
 
     def stats(self) -> dict[str, Any]:
         """Counters and per-tier figures, copied at one moment; safe from any thread."""
-        with self._lock:
-            data = {**self._counters(), "open_plans": len(self._plans), "tiers": [t.row() for t in self._tiers]}
-            if self._book is not None:
-                data["tenants"] = self.tenants.usage_rows()
-            return data
+        return self._readout.stats()

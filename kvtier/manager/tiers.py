@@ -13,17 +13,13 @@ from __future__ import annotations
 from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
-import numpy as np
-
-from kvtier.bulk import RecordColumns
 from kvtier.errors import ConfigError, QuotaError
 from kvtier.manager.policies import EvictionPolicy
-from kvtier.manager.tenants import DEFAULT_TENANT, TierTenancy
+from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TierTenancy
 
-__all__ = ["PENDING", "READY", "TierSpec", "TierState", "unpin"]
+__all__ = ["PENDING", "READY", "TierSpec", "TierState", "check_specs", "tenant_book", "unpin"]
 
 #: Index entries: a pending key maps to ``PENDING`` (falsy), a ready one to ``READY`` (truthy),
 #: so ``index.get(key)`` is true exactly when the key can be read. Pins live in ``pins``.
@@ -55,6 +51,17 @@ class TierSpec:
             raise ConfigError(
                 f"tiers[{self.name}].capacity: {self.capacity_bytes} bytes is below one block ({self.block_reserve} bytes)"
             )
+
+
+def check_specs(specs: Sequence[TierSpec], write: str) -> None:
+    """A manager's tiers and write mode: a ``ConfigError`` naming what is wrong."""
+    if not specs:
+        raise ConfigError("tiers: at least one tier is required")
+    if write not in ("back", "through"):
+        raise ConfigError(f"write: expected 'back' or 'through', got {write!r}")
+    names = [t.name for t in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tiers: names must be unique, got {names}")
 
 
 class TierState:
@@ -285,7 +292,7 @@ class TierState:
                 victims, freed = got
         over = self.used - freed + nbytes - self.capacity
         if over > 0:
-            more = self._take(over, tenancy.others_guard(guard, tenant, self._size_of))
+            more = self._take(over, tenancy.others_guard(guard, tenant, self.size_of))
             if more is None:
                 self.policy.restore(victims)
                 return None
@@ -294,7 +301,8 @@ class TierState:
             self._drop(victims)
         return victims
 
-    def _size_of(self, key: bytes) -> int:
+    def size_of(self, key: bytes) -> int:
+        """The bytes ``key`` is accounted for (see the class doc)."""
         return self.sizes.get(key, self.block) if self.variable else self.block
 
     def _sized(self, keys: Collection[bytes]) -> int:
@@ -318,7 +326,7 @@ class TierState:
         that is over the pin budget."""
         index, kept = self.index, self.kept
         new = [key for key in dict.fromkeys(keys) if index.get(key) and key not in kept]
-        nbytes = sum(map(self._size_of, new))
+        nbytes = sum(map(self.size_of, new))
         if self.kept_bytes + nbytes > self.pin_budget:
             raise QuotaError(
                 f"pin: {len(new)} blocks ({nbytes} bytes) would bring the pins of tier {self.name!r} to "
@@ -342,7 +350,7 @@ class TierState:
         gone = [key for key in dict.fromkeys(keys) if key in kept]
         for key in gone:
             del kept[key]
-        self.kept_bytes -= sum(map(self._size_of, gone))
+        self.kept_bytes -= sum(map(self.size_of, gone))
         if self.persistent:
             self.pin_changes.update(dict.fromkeys(gone, False))
         return gone
@@ -354,77 +362,6 @@ class TierState:
             del index[key]
             remove(key)
         self._unaccount(keys)
-
-    def adopt(self, records: Iterable[tuple[bytes, int, float]]) -> list[bytes]:
-        """Ready entries for stored records ``(key, stored_bytes, stamp)``, oldest stamp first;
-        those beyond the capacity (the oldest) or already present are returned, not adopted."""
-        ordered: Sequence[tuple[bytes, int, float]] | RecordColumns
-        if isinstance(records, RecordColumns):  # a tier's listing as columns: no tuple per record
-            ordered = records.sorted()
-            bulk = self._adopt_columns(ordered)
-            if bulk is not None:
-                return bulk
-        else:
-            ordered = sorted(records, key=itemgetter(2))
-        if not self.variable and self.used + len(ordered) * self.block <= self.capacity:
-            # A store's open: every record fits. When none is held yet or listed twice, the
-            # loop below would adopt them all, in this order; built in C instead (a test
-            # compares the two).
-            keys = [record[0] for record in ordered]
-            fresh = dict.fromkeys(keys, READY)
-            if len(fresh) == len(keys) and (not self.index or self.index.keys().isdisjoint(fresh)):
-                self.index.update(fresh)
-                self.used += len(keys) * self.block
-                self.policy.adopt(keys, self.index)
-                if self.tenancy is not None:
-                    self.tenancy.add(keys, self.block)
-                return []
-        sizes = [n if self.variable else self.block for _, n, _ in ordered]
-        total = self.used + sum(sizes)
-        excess: list[bytes] = []
-        adopted: list[bytes] = []
-        for (key, _, _), size in zip(ordered, sizes):
-            if total > self.capacity or key in self.index:
-                excess.append(key)
-                total -= size
-                continue
-            self.index[key] = READY
-            self.used += size
-            if self.variable and size != self.block:
-                self.sizes[key] = size
-            adopted.append(key)
-        self.policy.adopt(adopted, self.index)
-        if self.tenancy is not None:
-            self.tenancy.add_sized((key, self._size_of(key)) for key in adopted)
-        return excess
-
-    def _adopt_columns(self, columns: RecordColumns) -> list[bytes] | None:
-        """``adopt`` of records listed as columns (oldest first), built in bulk: the same index,
-        sizes, order and excess as the record-by-record loop (a test compares the two), or
-        ``None`` and no change when a key is listed twice or held already (then the loop runs)."""
-        keys = columns.keys
-        fresh = dict.fromkeys(keys, READY)
-        if len(fresh) != len(keys) or (self.index and not self.index.keys().isdisjoint(fresh)):
-            return None
-        sizes = columns.stored if self.variable else np.full(len(keys), self.block, dtype=np.int64)
-        ends = np.cumsum(sizes)
-        total = self.used + (int(ends[-1]) if len(keys) else 0)
-        drop = 0  # the oldest records beyond the capacity, as the loop drops them
-        if total > self.capacity:
-            drop = min(len(keys), int(np.searchsorted(ends, total - self.capacity, side="left")) + 1)
-            fresh = dict.fromkeys(keys[drop:], READY)
-        kept = keys[drop:] if drop else keys
-        self.index.update(fresh)
-        self.used += int(sizes[drop:].sum())
-        if self.variable:  # only the sizes that are not the common one; one int object per distinct size
-            odd = np.flatnonzero(sizes[drop:] != self.block)
-            if len(odd):
-                distinct, which = np.unique(sizes[drop:][odd], return_inverse=True)
-                self.sizes.update(zip(map(kept.__getitem__, odd.tolist()), map(distinct.tolist().__getitem__, which.tolist())))
-        self.policy.adopt(kept, self.index)
-        if self.tenancy is not None:
-            self.tenancy.add_sized((key, self._size_of(key)) for key in kept)
-        return keys[:drop]
 
     def _unaccount(self, keys: Collection[bytes]) -> None:
         if self.kept:  # a pinned key that goes (a delete, a corrupt record) is unpinned
@@ -461,6 +398,17 @@ class TierState:
             "dropped": self.dropped,
             "promotions": self.promotions_out,
         }
+
+
+def tenant_book(tiers: Sequence[TierState]) -> TenantBook:
+    """A tenant book over ``tiers``, made when a manager first needs one: every block they
+    hold so far is the default tenant's."""
+    book = TenantBook(len(tiers))
+    for t, tenancy in zip(tiers, book.tiers):
+        tenancy.bytes[DEFAULT_TENANT] = t.used
+        tenancy.blocks[DEFAULT_TENANT] = len(t.index)
+        t.tenancy = tenancy
+    return book
 
 
 def unpin(pins_by_tier: Sequence[dict[bytes, int]], keys: Iterable[bytes]) -> int | None:

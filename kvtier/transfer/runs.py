@@ -1,0 +1,218 @@
+"""The store facade's ``save`` and ``load``: prepare -> transfer -> complete, for engines that
+want no connector, and the jobs of callers cancelled while they ran.
+
+:class:`JobRuns` does the work of :meth:`kvtier.store.KVStore.save` and
+:meth:`~kvtier.store.KVStore.load` (their docstrings say what each promises): a save stored in
+runs in prefix order, a failed write releasing what was stored behind it, a load promoting what
+it served from a lower tier. Every job is awaited by :meth:`JobRuns.run`: when the caller is
+cancelled the job is stopped first (after that it never touches the caller's blocks) and its
+plan is applied to the manager whenever it ends, so no pin or reservation is left behind.
+The store checks its input and that it is open before it calls in, and saves the tenant tags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from kvtier.errors import ClosedError, ConfigError
+from kvtier.manager import KeyState, LoadPlan, StorePlan, TierManager
+from kvtier.metrics import StoreMetrics
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.jobs import Applied, JobResult, apply_result
+
+__all__ = ["JobRuns"]
+
+log = logging.getLogger("kvtier")
+
+
+class JobRuns:
+    """Save and load jobs of one store: ``manager`` answers its manager (raising once it is
+    closed), ``closed`` whether it is closing, ``n`` engine blocks make one block.
+
+    ``memory_only`` counts the blocks saves stored in memory tiers only; ``unsettled`` holds the
+    jobs of cancelled callers (job id -> plan) until they are applied, ``settlers`` the tasks
+    that wait for them."""
+
+    def __init__(
+        self, manager: Callable[[], TierManager], metrics: StoreMetrics, block_bytes: int, n: int, closed: Callable[[], bool]
+    ) -> None:
+        self._mgr = manager
+        self._metrics = metrics
+        self._block_bytes = block_bytes
+        self._n = n
+        self._closed = closed
+        self.memory_only = 0
+        self.unsettled: dict[int, StorePlan | LoadPlan] = {}
+        self.settlers: set[asyncio.Task[None]] = set()
+
+    def finish_store(self, plan: StorePlan, result: JobResult) -> int:
+        """Apply a finished store job to the manager; return how many blocks became ready."""
+        applied = apply_result(self._mgr(), plan, result)
+        self._metrics.record_store(plan, result, self._block_bytes)
+        return applied.done
+
+    def finish_load(self, plan: LoadPlan, result: JobResult) -> Applied:
+        """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt."""
+        applied = apply_result(self._mgr(), plan, result)
+        self._metrics.record_load(plan, result, self._block_bytes)
+        return applied
+
+    # -- save ------------------------------------------------------------------------------
+    async def save(
+        self, transfers: TransferEngine, keys: Sequence[bytes], ids: Sequence[int], *, durable: bool, tenant: str | None
+    ) -> tuple[int, int]:
+        """``KVStore.save`` of checked ``keys`` and engine ``ids``: (blocks newly stored, those
+        of them on a persistent tier)."""
+        self.settle_finished(transfers)
+        n = self._n
+        mgr = self._mgr()
+        persistent = [t for t in range(mgr.num_tiers) if mgr.tier_spec(t).persistent]
+        if durable and not persistent:
+            raise ConfigError("save(durable=True): the store has no persistent tier (tiers: an lmdb, file or redis tier)")
+        kept = 0  # newly stored blocks on a persistent tier
+        below = sum(mgr.tier_spec(t).capacity_bytes // mgr.tier_spec(t).block_reserve for t in range(1, mgr.num_tiers))
+        stored = 0
+        rest: Sequence[bytes] = keys
+        offset = 0  # rest[i] is keys[offset + i]
+        while rest:
+            # A later run pushes the earlier ones out of the first tier: go on only while the
+            # lower tiers could hold all of them, and while they still hold every one, so the
+            # batch's leading run is never cut to make room for its tail.
+            if offset and (offset > below or mgr.lookup(keys[:offset]) < offset):
+                break
+            plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset], tenant=tenant)
+            if plan is None or plan.empty:
+                break
+            chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
+            job = transfers.submit_store(plan, chosen, durable=durable, inline=True)
+            result = await self.run(transfers, job, plan)
+            if self._closed():  # closed while the job ran: nothing is left to apply it to
+                return stored, kept
+            done = self.finish_store(plan, result)
+            if done < len(plan.keys):  # a failed write: the rest would only fail behind it
+                done = await self._keep_the_leading_run(transfers, plan)
+            stored += done
+            on_disk = sum(1 for key in plan.keys[:done] if any(mgr.holds(key, t) for t in persistent))
+            kept += on_disk
+            self.memory_only += max(0, done - on_disk)
+            if done < len(plan.keys) or not plan.keys:
+                break
+            covered = {*plan.keys, *plan.skipped}
+            taken = next((i for i, key in enumerate(rest) if key not in covered), len(rest))
+            if taken < len(rest):
+                log.debug("kvtier: save of %d blocks: the first tier took %d; storing the next run", len(keys), taken)
+            rest, offset = rest[taken:], offset + taken
+        return stored, kept
+
+    async def _keep_the_leading_run(self, transfers: TransferEngine, plan: StorePlan) -> int:
+        """After a store run whose writes failed in part: how many of its keys lie before the
+        first one that is now in no tier. Those stored behind it are released: the manager
+        forgets them, and a store job queued behind every earlier one deletes their records (so
+        a later store of the same keys, queued after it, is never deleted by it)."""
+        mgr = self._mgr()
+        keys = plan.keys
+        hole = next((i for i, key in enumerate(keys) if mgr.status(key).state is not KeyState.READY), len(keys))
+        behind = keys[hole + 1 :]
+        if behind:
+            drops = tuple((tier, tuple(gone)) for tier in range(mgr.num_tiers) if (gone := mgr.remove(behind, tier)))
+            if drops:
+                released = len({key for _, gone in drops for key in gone})
+                log.info("kvtier: save: %d blocks stored behind one that failed are released", released)
+                release = StorePlan(0, (), (), drops=drops)
+                try:
+                    job = transfers.submit_store(release, [])
+                except ClosedError:  # closing: the records stay, as orphans the next open adopts
+                    return hole
+                await self.run(transfers, job, release)
+        return hole
+
+    # -- load ------------------------------------------------------------------------------
+    async def load(self, transfers: TransferEngine, keys: Sequence[bytes], ids: Sequence[int], *, promote: bool) -> int:
+        """``KVStore.load`` of checked ``keys`` into distinct engine ``ids``: the leading blocks
+        filled with the right bytes."""
+        self.settle_finished(transfers)
+        n = self._n
+        mgr = self._mgr()
+        hits = mgr.lookup(keys)
+        if hits == 0:
+            return 0
+        plan = mgr.prepare_load(list(keys[:hits]), promote=False)
+        job = transfers.submit_load(plan, ids[: hits * n], inline=True)
+        result = await self.run(transfers, job, plan)
+        if self._closed():
+            return 0
+        self.finish_load(plan, result)
+        if result.error is not None:
+            return 0
+        filled = hits
+        if result.missed:
+            missed = set(result.missed)
+            filled = next(i for i, key in enumerate(plan.keys) if key in missed)
+        if promote and any(tier > 0 for tier in plan.tiers[:filled]):
+            await self._promote(plan.keys[:filled], ids, transfers)
+        return filled
+
+    async def _promote(self, keys: Sequence[bytes], ids: Sequence[int], transfers: TransferEngine) -> None:
+        """Store ``keys`` (just loaded into ``ids``, ``n`` per key) into the first tier."""
+        plan = self._mgr().prepare_promote(keys)
+        if plan is None or not plan.keys:
+            return
+        n = self._n
+        chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
+        job = transfers.submit_store(plan, chosen, inline=True)
+        result = await self.run(transfers, job, plan)
+        if not self._closed():
+            self.finish_store(plan, result)
+
+    # -- jobs and cancelled callers --------------------------------------------------------
+    async def run(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
+        """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
+        never touches the caller's blocks; a copy under way is waited for), and its plan is
+        applied to the manager whenever it ends, so no pin or reservation is left behind."""
+        try:
+            result = await transfers.wait_async(job)
+        except asyncio.CancelledError:
+            transfers.cancel(job)
+            self._settle_later(transfers, job, plan)
+            raise
+        transfers.forget([job])
+        return result
+
+    def _settle_later(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> None:
+        self.unsettled[job] = plan
+        if transfers.result(job) is not None:
+            self.settle_finished(transfers)
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._settle_when_done(transfers, job))
+        except RuntimeError:  # no loop to wait on: settled by the next call or by aclose
+            return
+        self.settlers.add(task)
+        task.add_done_callback(self.settlers.discard)
+
+    async def _settle_when_done(self, transfers: TransferEngine, job: int) -> None:
+        try:
+            await transfers.wait_async(job)
+        except (asyncio.CancelledError, Exception):  # settled by the next call or by aclose
+            return
+        self.settle_finished(transfers)
+
+    def settle_finished(self, transfers: TransferEngine | None) -> None:
+        """Apply the jobs of cancelled callers that have ended since."""
+        if not self.unsettled or transfers is None:
+            return
+        for job, plan in list(self.unsettled.items()):
+            result = transfers.result(job)
+            if result is None:
+                continue
+            del self.unsettled[job]
+            transfers.forget([job])
+            try:
+                if isinstance(plan, StorePlan):
+                    self.finish_store(plan, result)
+                else:
+                    self.finish_load(plan, result)
+            except Exception as exc:  # a closed manager: nothing is left to release
+                log.debug("job %d of a cancelled call not applied: %s", job, exc)
