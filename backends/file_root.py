@@ -36,7 +36,7 @@ from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import check_meta, decode_meta, encode_meta
 from kvtier.records.mac import RecordMac
 
-__all__ = ["ShardDirs", "establish_meta"]
+__all__ = ["ShardDirs", "asked_layout", "establish_meta"]
 
 
 def establish_meta(
@@ -89,6 +89,13 @@ def establish_meta(
         check_meta(meta, fmt, where=f"file {root!r}", mac=mac)
         return _store_layout(root, meta.layout, layout)
     raise DiskError(f"file: cannot establish the meta record of {root!r}")
+
+
+def asked_layout(layout: str | None) -> Layout | None:
+    """A tier's ``layout`` option, checked: ``None`` (the store's own) or one of :data:`LAYOUTS`."""
+    if layout is not None and layout not in LAYOUTS:
+        raise ConfigError(f"layout: expected one of {', '.join(LAYOUTS)} (or none: the store's own), got {layout!r}")
+    return layout
 
 
 def _store_layout(root: str, stored: str | None, wanted: Layout | None) -> Layout:

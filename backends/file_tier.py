@@ -71,8 +71,8 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_reads import BeneathRoot, read_plain
-from kvtier.backends.file_root import ShardDirs, establish_meta
-from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, LAYOUTS, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
+from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -147,11 +147,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         #: forget records without deleting them (see ``docs/tiers.md``, "Shared tiers").
         self.shared = shared
         self.sweep_interval_s = float(sweep_interval_s)
-        if layout is not None and layout not in LAYOUTS:
-            raise ConfigError(f"layout: expected one of {', '.join(LAYOUTS)} (or none: the store's own), got {layout!r}")
-        #: The layout asked for: a new store is made with it (``None``: ``flat``), an existing one
-        #: must have it (``None``: whichever it has). :attr:`store_layout` is the store's, once open.
-        self.layout = layout
+        #: The layout asked for (``None``: the store's own, ``flat`` if new); ``store_layout``: the store's.
+        self.layout = asked_layout(layout)
         self.store_layout: str = layout or FLAT
         self._root = ""
         self._lock = threading.Lock()
@@ -230,13 +227,11 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         """The record's path, for messages (I/O goes through :meth:`_leaf`, never this string)."""
         return self._record_path(self._root, key, self.store_layout)
 
-    def _leaf(self, key: bytes, *, create: bool = False) -> tuple[int, str] | None:
-        """``(fd of the key's shard directory, file name)``, the directory reached from the root
-        one level at a time with ``O_NOFOLLOW``: a symlinked shard directory is never followed,
-        so no read, write or delete lands outside the root. ``None`` if the directory does not
-        exist (and ``create`` is false). New directories are ``0700`` and, in durable mode,
-        fsync'ed into their parent. The caller closes the descriptor."""
-        return self._leaf_at(self._root, key, create=create, durable=self.sync_mode == "durable", layout=self.store_layout)
+    def _leaf(self, key: bytes) -> tuple[int, str] | None:
+        """``(fd of the key's directory, file name)`` in the store's layout, the directory reached
+        from the root one level at a time with ``O_NOFOLLOW`` (a symlinked shard directory is never
+        followed, so nothing lands outside the root); ``None`` if it does not exist."""
+        return self._leaf_at(self._root, key, layout=self.store_layout)
 
     @staticmethod
     def _stored(record_bytes: Any) -> Any:
