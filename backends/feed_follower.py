@@ -49,6 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -120,7 +121,7 @@ class TierFollower:
         self,
         name: str,
         *,
-        sweep: Callable[[], set[bytes] | None],
+        sweep: Callable[[], AbstractSet[bytes] | None],
         record_bytes: int,
         feed: ChangeFeed | None = None,
         sweep_interval_s: float = 60.0,
@@ -374,7 +375,7 @@ class FollowedTier:
         self,
         name: str,
         *,
-        sweep: Callable[[], set[bytes] | None],
+        sweep: Callable[[], AbstractSet[bytes] | None],
         record_bytes: int,
         feed: ChangeFeed | None,
         sweep_interval_s: float,

@@ -6,7 +6,8 @@ its shard directory from the root one level at a time (three ``open`` calls with
 payload: nine system calls where a plain read makes three, which is most of the time a small
 record takes. :func:`read_plain` does the common case in three:
 
-* ``openat2`` of ``ab/cd/<name>.kvb`` from a descriptor of the root held open, with
+* ``openat2`` of ``<name>.kvb`` (flat layout) or ``ab/cd/<name>.kvb`` (sharded) from a
+  descriptor of the root held open, with
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
   path out of the root, the guarantee the level-by-level walk gives;
 * one ``preadv`` into the head's buffer, the caller's row and one spare byte: a record of the
@@ -101,10 +102,13 @@ class BeneathRoot:
             self.fd = -1
 
 
-def read_plain(root: BeneathRoot, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool]) -> list[int]:
+def read_plain(
+    root: BeneathRoot, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], *, flat: bool = False
+) -> list[int]:
     """Read the plain records of ``keys`` into their rows (see the module doc), setting
     ``found`` for each record read and checked; the positions left to the general read. An
-    absent record is a miss (``found`` stays false), as it is for the general read."""
+    absent record is a miss (``found`` stays false), as it is for the general read. ``flat``:
+    the records are in the root itself, not in ``ab/cd/`` shard directories."""
     rest: list[int] = []
     head = bytearray(HEADER_SIZE)
     spare = bytearray(1)
@@ -115,7 +119,7 @@ def read_plain(root: BeneathRoot, keys: Sequence[bytes], out: Sequence[torch.Ten
             continue
         name = key.hex()
         try:
-            fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
+            fd = root.open(f"{name}.kvb" if flat else f"{name[0:2]}/{name[2:4]}/{name}.kvb")
         except OSError:
             rest.append(i)
             continue

@@ -291,7 +291,7 @@ class JobReader:
         first, slow_at, slow_pair = 0, -1, None  # the first key the loop below reads; one found slow to look up
         txn = self._begin(env)
         try:
-            rows = host_rows(out, size) if mac is None else None
+            rows = host_rows(out, size, borrowed=True) if mac is None else None  # out outlives the pass
             if rows is not None:
                 stop = self.plain.read(
                     txn, keys, rows, outcome.found, time.perf_counter, self.temperature.slow,

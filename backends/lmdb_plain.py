@@ -18,6 +18,8 @@ pass and is handed back too (:meth:`PlainReads.read`).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -37,14 +39,17 @@ __all__ = ["FileGuard", "PlainReads", "host_rows"]
 _SUM = struct.Struct("<Q")
 
 
-def host_rows(out: Sequence[torch.Tensor], size: int) -> list[memoryview] | None:
+def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False) -> list[memoryview] | None:
     """A writable view of each row (1-D ``uint8`` tensors of ``size`` bytes, as
     ``_check_io`` checked them), or ``None`` when one is not contiguous host memory (or when
     :data:`kvtier.devices.locate` makes host tensors stand in for a device's).
 
     Rows cut from one host tensor (``staging[i]``, ``t.unbind(0)``) are views into one buffer
     of it, sliced at each row's offset: ``Tensor.numpy()`` costs 1-3 µs a row, more than the
-    lookup and the copy of a 4 KiB record together."""
+    lookup and the copy of a 4 KiB record together. Other rows, when ``borrowed`` (the caller
+    holds the rows for as long as it uses the views, which do not hold them), are views of
+    their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()``
+    each."""
     if devices.locate is not None or not out:
         return None
     base = out[0]._base
@@ -64,8 +69,19 @@ def host_rows(out: Sequence[torch.Tensor], size: int) -> list[memoryview] | None
     for row in out:
         if not row.is_cpu or not row.is_contiguous():
             return None
-        views.append(row.numpy().data)
+        views.append(_at(row.data_ptr(), size) if borrowed else row.numpy().data)
     return views
+
+
+@functools.cache
+def _row_type(size: int) -> Any:
+    return ctypes.c_char * size
+
+
+def _at(address: int, size: int) -> memoryview:
+    """A writable byte view of the ``size`` bytes at ``address`` (1.2 µs here, against 2.5 for
+    ``Tensor.numpy().data``); it keeps nothing alive."""
+    return memoryview(_row_type(size).from_address(address)).cast("B")
 
 
 class PlainReads:

@@ -10,8 +10,9 @@ second ``bytes`` per key for the block key with the prefix cut off. Here:
   or the tags, whose names are shorter). Every element of a reply is then the same
   ``$<length>\\r\\n<prefix><key>\\r\\n``: the reply is a table of fixed-width rows, which numpy
   checks in one pass (every row's length line, prefix and line end) and from which the block
-  keys are cut as one copy. A row that does not match is a protocol error: the sweep fails and
-  changes nothing, as with a dead server;
+  keys are made in one call (``tolist`` of the key column, read as opaque fixed-width items). A
+  row that does not match is a protocol error: the sweep fails and changes nothing, as with a
+  dead server;
 * the next ``SCAN`` is sent as soon as a reply's cursor is read, before its keys are: the
   server walks its table for the next step while this one's keys are parsed.
 
@@ -72,7 +73,9 @@ def scan_block_keys(wire: Wire, prefix: bytes, key_bytes: int, count: int) -> It
             rows = np.frombuffer(raw, dtype=np.uint8).reshape(n, stride)
             if not ((rows[:, : len(lead)] == want).all() and (rows[:, -2] == 13).all() and (rows[:, -1] == 10).all()):
                 raise ConnectionError(f"SCAN: a reply element is not a key of {width} bytes under the prefix")
-            blob = rows[:, len(lead) : len(lead) + key_bytes].tobytes()
-            yield [blob[i : i + key_bytes] for i in range(0, len(blob), key_bytes)]
+            # The keys as one strided column of opaque ``key_bytes``-wide items: ``tolist`` makes
+            # every ``bytes`` in C (zero bytes kept, unlike a string dtype), from the reply itself.
+            keys = np.ndarray((n,), dtype=np.dtype((np.void, key_bytes)), buffer=raw, offset=len(lead), strides=(stride,))
+            yield keys.tolist()
         if not more:
             return

@@ -20,7 +20,10 @@ The listing is a set (a server may list a key twice while its table grows); keys
 that failed to load as ours are left out until this tier writes them again, and a server that
 holds another store's meta record lists nothing. A store's open takes the listing as columns
 (:class:`kvtier.bulk.RecordColumns`): one object per record, its key; every record at the
-reserve size and stamped now (the server keeps no access time we could read in bulk).
+reserve size and stamped now (the server keeps no access time we could read in bulk). The keys
+are gathered into a dict batch by batch as the server lists them (which drops a key listed
+twice), and that dict is the table the manager's index copies whole: no pass over the keys is
+left once the last reply is in but a list of them (the eviction order's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -36,7 +41,7 @@ from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.remote_health import Health
 
 from kvtier.backend import RecordInfo
-from kvtier.bulk import RecordColumns
+from kvtier.bulk import READY, RecordColumns
 
 __all__ = ["KEY_BYTES", "RemoteListing", "SweepSkipped"]
 
@@ -86,23 +91,30 @@ class RemoteListing:
         plen = len(self._prefix_bytes)
         return rkey[plen:] if len(rkey) == plen + KEY_BYTES and rkey.startswith(self._prefix_bytes) else None
 
-    def _sweep(self) -> set[bytes] | None:
+    def _sweep(self) -> AbstractSet[bytes] | None:
         """Every key of this namespace on the server, or ``None`` when the server is down, its
         backoff has not run out, or the round was skipped."""
+        found = self._listing()
+        return None if found is None else found.keys()
+
+    def _listing(self) -> dict[bytes, int] | None:
+        """:meth:`_sweep`'s keys as a dict, each mapped to :data:`kvtier.bulk.READY` (what a
+        store's open hands the manager whole, see :class:`RecordColumns`). The keys of a batch
+        go in as it comes, so the dict is built while the server lists the next one."""
         if self._closed or not self._health.allow():
             return None
-        found: set[bytes] = set()
+        found: dict[bytes, int] = {}
         try:
             batches = self._list_block_keys()
             if batches is not None:  # the tier lists block keys itself, in bulk
                 for batch in batches:
-                    found.update(batch)
+                    found.update(zip(batch, repeat(READY)))
             elif type(self).block_key is RemoteListing.block_key:  # the key follows the prefix: one pass in C
                 plen, prefix = len(self._prefix_bytes), self._prefix_bytes
                 want = plen + KEY_BYTES
-                found.update(rkey[plen:] for rkey in self._list_keys() if len(rkey) == want and rkey.startswith(prefix))
+                found.update((rkey[plen:], READY) for rkey in self._list_keys() if len(rkey) == want and rkey.startswith(prefix))
             else:
-                found.update(key for key in map(self.block_key, self._list_keys()) if key is not None)
+                found.update((key, READY) for key in map(self.block_key, self._list_keys()) if key is not None)
         except SweepSkipped as exc:  # back-pressure: the index stays as it is until the next round
             log.debug("%s: index sweep skipped: %s", self.name, exc)
             return None
@@ -112,10 +124,11 @@ class RemoteListing:
             return None
         self._health.succeeded()
         if self._foreign:
-            return set()
+            return {}
         if self._unreadable:
             with self._unreadable_lock:
-                found.difference_update(self._unreadable)
+                for key in self._unreadable:
+                    found.pop(key, None)
         return found
 
     def scan(self) -> Iterator[RecordInfo]:
@@ -126,13 +139,12 @@ class RemoteListing:
         """The keys on the server (none while it is down), as columns: each stamped now, at the
         reserve size (no object per record but its key)."""
         self._check_open()
-        found = self._sweep()
-        keys = list(found) if found is not None else []
-        del found
+        table = self._listing() or {}
+        keys = list(table)
         n = len(keys)
         if self.follower is not None:
             self.follower.note_listed(n)
         # One size and one stamp for all, as read-only columns of a single element each: no
         # memory per record (arrays made on this thread would outlive the open in its arena).
         stored = np.broadcast_to(np.int64(self.reserve_bytes()), (n,))
-        return RecordColumns(keys, stored, np.broadcast_to(np.float64(time.time()), (n,)), oldest_first=True)
+        return RecordColumns(keys, stored, np.broadcast_to(np.float64(time.time()), (n,)), oldest_first=True, table=table)

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 from kvtier.errors import ClosedError
@@ -79,7 +80,7 @@ class SharedIndexView:
     def __init__(
         self,
         name: str,
-        sweep: Callable[[], set[bytes] | None],
+        sweep: Callable[[], AbstractSet[bytes] | None],
         *,
         record_bytes: int,
         interval_s: float = 1.0,

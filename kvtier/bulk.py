@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RecordColumns", "paused_gc"]
+__all__ = ["READY", "RecordColumns", "paused_gc"]
+
+#: The mark of a ready key in the manager's index (``kvtier.manager.tiers``), and so the value of
+#: every key in a :class:`RecordColumns` ``table``.
+READY = 1
 
 _lock = threading.Lock()
 _depth = 0
@@ -51,16 +55,24 @@ class RecordColumns:
     """Records a persistent tier lists at open, as columns: ``keys`` (``bytes``), ``stored``
     (stored bytes) and ``stamps`` (last access), one row per record, oldest stamp first when
     ``oldest_first``. Iterating gives the ``(key, stored_bytes, stamp)`` tuples of the general
-    listing; the manager's adoption takes the key column as it is (no tuple per record)."""
+    listing; the manager's adoption takes the key column as it is (no tuple per record).
+
+    ``table``, where the lister built one anyway (the ``redis`` tier gathers its ``SCAN`` replies
+    into a dict, which drops the keys a server lists twice): the same keys, distinct, in the same
+    order, each mapped to :data:`READY`. The manager's index then takes it in one C-level copy
+    instead of hashing every key into a table of its own after the listing."""
 
     keys: list[bytes]
     stored: np.ndarray
     stamps: np.ndarray
     oldest_first: bool = False
+    table: dict[bytes, int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.keys) == len(self.stored) == len(self.stamps):
             raise ValueError(f"record columns of {len(self.keys)} keys, {len(self.stored)} sizes and {len(self.stamps)} stamps")
+        if self.table is not None and len(self.table) != len(self.keys):
+            raise ValueError(f"record columns of {len(self.keys)} keys and a table of {len(self.table)}")
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -74,4 +86,5 @@ class RecordColumns:
             return self
         order = np.argsort(self.stamps, kind="stable")
         keys = self.keys
+        # The table's order is the listing's: dropped, the adopter builds its own.
         return RecordColumns([keys[i] for i in order.tolist()], self.stored[order], self.stamps[order], oldest_first=True)

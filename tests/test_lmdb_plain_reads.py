@@ -143,12 +143,18 @@ def test_host_rows_of_one_staging_tensor_are_views_of_its_rows() -> None:
     for n, row in enumerate(rows):
         assert torch.equal(row, torch.full((256,), n + 1, dtype=torch.uint8))
     assert staging[0].count_nonzero() == 0 and staging[2].count_nonzero() == 0
-    own = [torch.zeros(256, dtype=torch.uint8) for _ in range(2)]
-    views = host_rows(own, 256)
-    assert views is not None
-    views[1][:] = b"x" * 256
-    assert own[0].count_nonzero() == 0 and bytes(own[1].numpy()) == b"x" * 256
-    assert host_rows(list(torch.zeros((256, 2), dtype=torch.uint8).unbind(1)), 256) is None
+    for borrowed in (False, True):  # rows of their own: by numpy(), or by address
+        own = [torch.zeros(256, dtype=torch.uint8) for _ in range(2)]
+        own.append(torch.zeros(300, dtype=torch.uint8)[40:296])  # a row at an offset in its storage
+        views = host_rows(own, 256, borrowed=borrowed)
+        assert views is not None and [len(v) for v in views] == [256] * 3
+        assert all(v.format == "B" and not v.readonly for v in views)
+        views[1][:] = b"x" * 256
+        views[2][:] = b"y" * 256
+        assert own[0].count_nonzero() == 0 and bytes(own[1].numpy()) == b"x" * 256 and bytes(own[2].numpy()) == b"y" * 256
+        assert own[2]._base.numpy()[:40].sum() == 0 and own[2]._base.numpy()[296:].sum() == 0  # nothing around it
+        strided = list(torch.zeros((256, 2), dtype=torch.uint8).unbind(1))
+        assert host_rows(strided, 256, borrowed=borrowed) is None
 
 
 @pytest.mark.parametrize("error", [lmdb.CorruptedError, lmdb.MapResizedError])

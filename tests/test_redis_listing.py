@@ -275,3 +275,95 @@ def test_a_clusters_primaries_are_listed_at_once(redis_cluster: RedisClusterServ
         assert not together.broken
     finally:
         _close(backend)
+
+
+# -- the open's table: the listing's dict is the index's ------------------------------------------
+
+def test_the_open_hands_the_manager_the_listings_table(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scan_columns`` gathers the keys into a dict as the replies come (a key the server lists
+    twice is kept once, where first listed) and hands it over as the columns' ``table``: the same
+    keys, in the column's order, each mapped to ``READY``."""
+    from kvtier.bulk import READY
+
+    monkeypatch.setattr(redis_tier, "SCAN_COUNT", 7)
+    scan = redis_tier.scan_block_keys
+
+    def twice(*args: Any) -> Any:  # every batch listed again, as a server whose table grows may
+        for batch in scan(*args):
+            yield batch
+            yield batch[::-1]
+
+    backend = _open(b"redis-listing-table", redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(120)] + ODD_KEYS
+        _write(backend, keys)
+        plain = backend.scan_columns()
+        monkeypatch.setattr(redis_tier, "scan_block_keys", twice)
+        columns = backend.scan_columns()
+        for listed in (plain, columns):
+            assert listed.table is not None and list(listed.table) == listed.keys
+            assert sorted(listed.keys) == sorted(keys) and set(listed.table.values()) == {READY}
+        assert columns.keys == plain.keys  # first listed, first kept
+        assert backend._sweep() == set(keys)
+    finally:
+        _close(backend)
+
+
+@pytest.mark.parametrize("capacity", [200, 90], ids=["fits", "over"])
+def test_adopting_a_table_equals_adopting_the_keys(capacity: int) -> None:
+    """The manager's index taken from a listing's table holds what it builds from the key column
+    alone: the same index, order, eviction order, usage and excess; a table of another length
+    than the keys is refused."""
+    from kvtier.bulk import READY, RecordColumns
+
+    keys = [make_key(i) for i in range(120)]
+    stored = torch.full((120,), BLOCK, dtype=torch.int64).numpy()
+    stamps = torch.zeros(120, dtype=torch.float64).numpy()
+    managers = [
+        TierManager([TierSpec("r", capacity_bytes=capacity * BLOCK, block_reserve=BLOCK, policy=LRUPolicy(), persistent=True)])
+        for _ in range(2)
+    ]
+    excess = [
+        managers[0].adopt(0, RecordColumns(list(keys), stored, stamps, oldest_first=True)),
+        managers[1].adopt(0, RecordColumns(list(keys), stored, stamps, oldest_first=True, table=dict.fromkeys(keys, READY))),
+    ]
+    assert excess[0] == excess[1] and len(excess[0]) == max(0, 120 - capacity)
+    states = [m._tiers[0] for m in managers]
+    assert list(states[0].index.items()) == list(states[1].index.items())
+    assert managers[0].tier_keys(0) == managers[1].tier_keys(0)
+    assert managers[0].stats()["tiers"] == managers[1].stats()["tiers"]
+    assert managers[1].lookup(keys[-5:]) == 5
+    with pytest.raises(ValueError, match="120 keys and a table of 119"):
+        RecordColumns(list(keys), stored, stamps, table=dict.fromkeys(keys[1:], READY))
+
+
+def test_a_server_that_dies_mid_open_leaves_the_tier_empty(own_redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server goes away after the first ``SCAN`` reply of a store's open: the open still
+    completes, the tier adopts nothing (the keys listed so far are dropped), and the tier is down."""
+    config = _config(own_redis_server.url, "diesmidopen")
+
+    async def fill() -> None:
+        async with kvtier.open(config) as store:
+            store.backends[0].write_blocks([make_key(i) for i in range(200)], [random_block(BLOCK, 0)] * 200)
+
+    asyncio.run(fill())
+    monkeypatch.setattr(redis_tier, "SCAN_COUNT", 7)
+    scan = redis_tier.scan_block_keys
+
+    def dying(*args: Any) -> Any:
+        for i, batch in enumerate(scan(*args)):
+            if i == 1:
+                own_redis_server.kill()
+            yield batch
+
+    monkeypatch.setattr(redis_tier, "scan_block_keys", dying)
+
+    async def reopen() -> None:
+        async with kvtier.open(config) as store:
+            assert store.manager is not None
+            assert store.manager.stats()["tiers"][0]["ready"] == 0
+            assert await store.lookup([make_key(0)]) == 0
+            stats = store.backends[0].stats()
+            assert not stats["up"] and stats["outages"] == 1
+
+    asyncio.run(reopen())

@@ -161,9 +161,10 @@ def adopt_records(t: TierState, records: Iterable[Record]) -> list[bytes]:
 def _adopt_columns(t: TierState, columns: RecordColumns) -> list[bytes] | None:
     """``adopt`` of records listed as columns (oldest first), built in bulk: the same index,
     sizes, order and excess as the record-by-record loop (a test compares the two), or
-    ``None`` and no change when a key is listed twice or held already (then the loop runs)."""
+    ``None`` and no change when a key is listed twice or held already (then the loop runs).
+    A listing's ``table`` (its keys, distinct, each mapped to ``READY``) is taken as it is."""
     keys = columns.keys
-    fresh = dict.fromkeys(keys, READY)
+    fresh = columns.table if columns.table is not None else dict.fromkeys(keys, READY)
     if len(fresh) != len(keys) or (t.index and not t.index.keys().isdisjoint(fresh)):
         return None
     sizes = columns.stored if t.variable else np.full(len(keys), t.block, dtype=np.int64)

@@ -15,6 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.bulk import READY
 from kvtier.errors import ConfigError, QuotaError
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TierTenancy
@@ -23,8 +24,8 @@ __all__ = ["PENDING", "READY", "TierSpec", "TierState", "check_specs", "tenant_b
 
 #: Index entries: a pending key maps to ``PENDING`` (falsy), a ready one to ``READY`` (truthy),
 #: so ``index.get(key)`` is true exactly when the key can be read. Pins live in ``pins``.
+#: (``READY`` is defined in :mod:`kvtier.bulk`, where a tier's listing builds a table of it.)
 PENDING = 0
-READY = 1
 
 
 @dataclass(frozen=True, slots=True)

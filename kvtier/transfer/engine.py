@@ -76,7 +76,8 @@ from kvtier.transfer.inline import DEFAULT_INLINE_MAX_BYTES, InlineJobs
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at, failed_result
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
-from kvtier.transfer.movers import StoreMover, _TierWork
+from kvtier.transfer.movers import StoreMover
+from kvtier.transfer.plan_writes import TierWork
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -132,7 +133,7 @@ class TransferEngine:
         self._tier_jobs = 0  # store jobs handed to the tiers thread and not through it yet
         self._staged_bytes = 0
         self._store_q: queue.SimpleQueue[StoreRecord | None] = queue.SimpleQueue()
-        self._tiers_q: queue.SimpleQueue[_TierWork | None] = queue.SimpleQueue()
+        self._tiers_q: queue.SimpleQueue[TierWork | None] = queue.SimpleQueue()
         self._load_q: queue.SimpleQueue[LoadRecord | None] = queue.SimpleQueue()
         self._streams: dict[str, Any] = {}
         if self._cuda:

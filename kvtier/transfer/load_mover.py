@@ -13,7 +13,8 @@ import torch
 from kvtier.backend import MemoryBackend
 from kvtier.errors import BackendError, LifecycleError
 from kvtier.transfer.jobs import JobResult, LoadRecord, Phase
-from kvtier.transfer.movers import MoverHost, _Failed
+from kvtier.transfer.movers import MoverHost
+from kvtier.transfer.plan_writes import Failed
 
 __all__ = ["LoadMover"]
 
@@ -81,7 +82,7 @@ class LoadMover:
         for i, tier in enumerate(plan.tiers):
             by_tier.setdefault(tier, []).append(i)
         missed: list[int] = []
-        failed: _Failed = {}
+        failed: Failed = {}
         promote = set(plan.promote)
         nbytes = 0
         staging = self.e._staging_rows("load")
@@ -176,7 +177,7 @@ class LoadMover:
             return [False] * len(keys)
         return found
 
-    def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: _Failed, promoted: list[bytes]) -> None:
+    def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: Failed, promoted: list[bytes]) -> None:
         """Copy blocks just read from a lower tier into the first tier."""
         try:
             got = self.e.backends[0].write_blocks(keys, rows)

@@ -2,7 +2,9 @@
 contract): :class:`StoreMover` runs a store job's two phases, the device read on
 ``kvtier-store`` and the tier writes on ``kvtier-store-tiers`` (taking the jobs waiting as one
 group, :mod:`kvtier.transfer.write_group`); :class:`~kvtier.transfer.load_mover.LoadMover` runs
-load jobs on ``kvtier-load``. They share the engine's locks, counters and queues."""
+load jobs on ``kvtier-load``. They share the engine's locks, counters and queues. A store plan's
+work between tiers (evictions, demotions, tags, copies, undo) is
+:class:`~kvtier.transfer.plan_writes.PlanWrites`'s, in either phase."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -20,6 +21,7 @@ from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
+from kvtier.transfer.plan_writes import Expired, Failed, PlanWrites, TierWork, check_alive, note_sizes, rows_of
 from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
 if TYPE_CHECKING:
@@ -29,9 +31,6 @@ if TYPE_CHECKING:
     from kvtier.transfer.layout import KVLayout
 
 log = logging.getLogger("kvtier.transfer")
-
-_Failed = dict[int, list[bytes]]
-_Sizes = dict[int, dict[bytes, int]]
 
 
 class MoverHost(Protocol):
@@ -48,7 +47,7 @@ class MoverHost(Protocol):
     _staged_bytes: int
     _tier_jobs: int
     _store_q: queue.SimpleQueue[StoreRecord | None]
-    _tiers_q: queue.SimpleQueue[_TierWork | None]
+    _tiers_q: queue.SimpleQueue[TierWork | None]
     _load_q: queue.SimpleQueue[LoadRecord | None]
 
     def _retire(self) -> None: ...
@@ -63,25 +62,6 @@ class MoverHost(Protocol):
     def _staging_rows(self, direction: str) -> torch.Tensor: ...
 
 
-@dataclass(slots=True, eq=False)
-class _TierWork:
-    """A store job's phase 2, handed from the device thread to the tiers thread."""
-
-    rec: StoreRecord
-    mode: str  # "staged" | "rest" (byte write-through after a direct device phase) | "degraded" | "cleanup"
-    start: float
-    staging: torch.Tensor | None = None
-    staged_bytes: int = 0
-    failed: _Failed = field(default_factory=dict)
-    sizes: _Sizes = field(default_factory=dict)
-    nbytes: int = 0
-    error: str | None = None
-
-
-class _Expired(Exception):
-    """The job was reported failed while its tier work ran: stop and clean up."""
-
-
 def _reserve(target: MemoryBackend, plan: StorePlan) -> list[int]:
     """Slots of ``target`` for the plan's new blocks (the manager reserved the room already)."""
     slots = target.reserve(plan.keys)
@@ -90,38 +70,13 @@ def _reserve(target: MemoryBackend, plan: StorePlan) -> list[int]:
     return slots
 
 
-def _note_sizes(tier: int, keys: Sequence[bytes], got: Sequence[int | None], failed: _Failed, sizes: _Sizes) -> None:
-    for k, size in zip(keys, got):
-        if size is None:
-            failed.setdefault(tier, []).append(k)
-        else:
-            sizes.setdefault(tier, {})[k] = size
-
-
-def _rows_of(backend: Backend, keys: Sequence[bytes], staging: torch.Tensor) -> tuple[list[torch.Tensor], list[bool]]:
-    """Blocks of ``keys`` as CPU-readable rows: pool rows of a host pool, else read into staging."""
-    if isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu":
-        found = []
-        rows = []
-        pool = backend.pool
-        for key in keys:
-            try:
-                rows.append(pool[backend.slots([key])[0]])
-                found.append(True)
-            except LifecycleError:
-                rows.append(staging[0])
-                found.append(False)
-        return rows, found
-    out = [staging[i] for i in range(len(keys))]
-    return out, backend.read_blocks(keys, out)
-
-
 class StoreMover:
     """A store job's device read, then its tier writes (evictions, demotions, the staged
     blocks, write-through), each phase on its own thread, jobs in submission order."""
 
     def __init__(self, engine: MoverHost) -> None:
         self.e = engine
+        self._plans = PlanWrites(engine)
         self._group_size = 1  # store jobs in the group the tiers thread runs
 
     def run_device(self) -> None:
@@ -142,7 +97,7 @@ class StoreMover:
         except BaseException as exc:  # never reached in practice; the thread must survive
             log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
             rec.device_done.set()
-            work = _TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
+            work = TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
         if work is None:
             pass  # reported and given back at once (_finish_store(retire=True))
         else:
@@ -150,13 +105,13 @@ class StoreMover:
                 self.e._tier_jobs += 1
             self.e._tiers_q.put(work)
 
-    def _device_phase(self, rec: StoreRecord) -> _TierWork | None:
+    def _device_phase(self, rec: StoreRecord) -> TierWork | None:
         """Read the engine blocks; return the tier work left, or ``None`` when the job is done."""
         plan = rec.store_plan
         start = time.perf_counter()
         try:
             if rec.result is not None:
-                raise _Expired  # stopped before it began
+                raise Expired  # stopped before it began
             with self.e._lock:
                 tiers_idle = self.e._tier_jobs == 0
             direct = (
@@ -167,22 +122,22 @@ class StoreMover:
                 and not plan.tags  # saved by the tiers thread, never on the device's
             )
             work = self._store_direct(rec, start) if direct else self._store_staged(rec, start)
-        except _Expired:
-            work = _TierWork(rec, "cleanup", start)
+        except Expired:
+            work = TierWork(rec, "cleanup", start)
         finally:
             rec.device_done.set()  # the engine blocks were read, or never will be
         if work.mode == "done":
             if self._finish_store(work, retire=True):
                 return None
-            return _TierWork(rec, "cleanup", start)  # reported failed meanwhile: undo, in order
+            return TierWork(rec, "cleanup", start)  # reported failed meanwhile: undo, in order
         return work
 
     def _read_engine_blocks(self, rec: StoreRecord, read: Callable[[], object]) -> None:
         """Run ``read`` (the copy out of the engine blocks) after the compute stream as it was at
-        submit, and wait for it; raise ``_Expired`` instead if the job was stopped."""
+        submit, and wait for it; raise ``Expired`` instead if the job was stopped."""
         with rec.device_lock:
             if rec.cancelled or rec.result is not None:
-                raise _Expired
+                raise Expired
             rec.phase = Phase.DEVICE
             try:
                 self.e._wait_compute(rec)
@@ -196,12 +151,12 @@ class StoreMover:
                     rec.phase = Phase.TIERS
                     rec.device_done.set()
 
-    def _store_direct(self, rec: StoreRecord, start: float) -> _TierWork:
+    def _store_direct(self, rec: StoreRecord, start: float) -> TierWork:
         """Everything in memory tiers, on this thread; byte write-through is left to phase 2."""
         plan = rec.store_plan
-        work = _TierWork(rec, "done", start)
+        work = TierWork(rec, "done", start)
         staging = self.e._staging_rows("store")
-        self._drops_and_demotions(plan, staging, work, check=True)
+        self._plans.drops_and_demotions(plan, staging, work, check=True)
         target = self.e.backends[plan.tier]
         assert isinstance(target, MemoryBackend)
         try:
@@ -215,26 +170,26 @@ class StoreMover:
             byte_tiers = []
             for tier, keys in plan.write_through:
                 if self.e._is_memory(tier):
-                    self._check_alive(rec)
-                    self._write_from(target, tier, keys, staging, work.failed, work.sizes)
+                    check_alive(rec)
+                    self._plans.write_from(target, tier, keys, staging, work.failed, work.sizes)
                 else:
                     byte_tiers.append(tier)
-        except _Expired:
+        except Expired:
             raise
         except Exception as exc:
             log.warning("store job %d failed: %s", rec.job_id, exc, exc_info=True)
-            self._delete_new(plan)
+            self._plans.delete_new(plan)
             work.error = repr(exc)
             return work
         if byte_tiers:
             work.mode = "rest"
         return work
 
-    def _store_staged(self, rec: StoreRecord, start: float) -> _TierWork:
+    def _store_staged(self, rec: StoreRecord, start: float) -> TierWork:
         """Copy the engine blocks into staging the job owns; the tiers thread does the rest."""
         plan = rec.store_plan
         if not plan.keys:
-            return _TierWork(rec, "staged", start)
+            return TierWork(rec, "staged", start)
         need = len(plan.keys) * self.e.layout.block_bytes
         with self.e._lock:
             room = self.e._staged_bytes == 0 or self.e._staged_bytes + need <= self.e._max_staged
@@ -250,8 +205,8 @@ class StoreMover:
                 self.e._staged_bytes,
                 len(plan.keys),
             )
-            return _TierWork(rec, "degraded", start, error="the store staging is full")
-        work = _TierWork(rec, "staged", start, staged_bytes=need)
+            return TierWork(rec, "degraded", start, error="the store staging is full")
+        work = TierWork(rec, "staged", start, staged_bytes=need)
         try:
             target = self.e.backends[plan.tier]
             device = tensor_device(target.pool) if isinstance(target, MemoryBackend) else torch.device("cpu")
@@ -263,7 +218,7 @@ class StoreMover:
             self._read_engine_blocks(
                 rec, lambda: self.e.layout.gather(ids, staging, range(len(plan.keys)), non_blocking=True)
             )
-        except _Expired:
+        except Expired:
             work.mode, work.staging = "cleanup", None  # the tiers thread gives the staging budget back
         except Exception as exc:
             log.warning("store job %d: reading its blocks failed: %s", rec.job_id, exc, exc_info=True)
@@ -294,9 +249,9 @@ class StoreMover:
             if last:
                 return
 
-    def _run_group(self, group: list[_TierWork]) -> None:
+    def _run_group(self, group: list[TierWork]) -> None:
         copies = WriteGroup()
-        ending: list[_TierWork] = []
+        ending: list[TierWork] = []
         self._group_size = len(group)
         try:
             for work in group:
@@ -326,11 +281,11 @@ class StoreMover:
                     self.e._staged_bytes -= work.staged_bytes
                 work.staging = None
 
-    def _failed_phase(self, work: _TierWork, exc: BaseException) -> None:
+    def _failed_phase(self, work: TierWork, exc: BaseException) -> None:
         log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
         self.e._finish(work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc)))
 
-    def _tier_phase(self, work: _TierWork, copies: WriteGroup) -> bool:
+    def _tier_phase(self, work: TierWork, copies: WriteGroup) -> bool:
         """The job's tier writes, its write-through copies collected into ``copies`` where their
         rows stay put; ``True`` when the job is to be reported (:meth:`_end_phase`) after the
         group's write."""
@@ -338,9 +293,9 @@ class StoreMover:
         staging = self.e._staging_rows("tiers")
         try:
             if work.mode == "cleanup" or rec.result is not None:
-                raise _Expired
+                raise Expired
             if work.mode in ("staged", "degraded"):
-                self._drops_and_demotions(plan, staging, work, check=True)
+                self._plans.drops_and_demotions(plan, staging, work, check=True)
             if work.mode == "staged" and plan.keys:
                 assert work.staging is not None
                 self._write_staged(work, copies)
@@ -349,47 +304,42 @@ class StoreMover:
                 assert isinstance(source, MemoryBackend)
                 for tier, keys in plan.write_through:
                     if not self.e._is_memory(tier) and not self._deferred(rec, tier, keys, work.failed):
-                        self._check_alive(rec)
+                        check_alive(rec)
                         if tensor_device(source.pool).type == "cpu":  # pool rows stay put: write with the group
-                            rows, found = _rows_of(source, keys, staging)
+                            rows, found = rows_of(source, keys, staging)
                             copies.add(rec.job_id, tier, keys, rows, found, work.failed, work.sizes, self._failer(work))
                         else:
-                            self._write_from(source, tier, keys, staging, work.failed, work.sizes)
-            self._check_alive(rec)
-        except _Expired:
+                            self._plans.write_from(source, tier, keys, staging, work.failed, work.sizes)
+            check_alive(rec)
+        except Expired:
             copies.discard(rec.job_id)
-            self._cleanup(plan)
+            self._plans.cleanup(plan)
             return False
         except Exception as exc:
             copies.discard(rec.job_id)
             log.warning("store job %d failed: %s", rec.job_id, exc, exc_info=True)
-            self._delete_new(plan)
+            self._plans.delete_new(plan)
             work.error = repr(exc)
         return True
 
-    def _failer(self, work: _TierWork) -> Callable[[str], None]:
+    def _failer(self, work: TierWork) -> Callable[[str], None]:
         """What a failed group write does to ``work``: what a failed direct write did."""
 
         def fail(error: str) -> None:
-            self._delete_new(work.rec.store_plan)
+            self._plans.delete_new(work.rec.store_plan)
             work.error = error
 
         return fail
 
-    def _end_phase(self, work: _TierWork) -> None:
+    def _end_phase(self, work: TierWork) -> None:
         """Report ``work`` after its group's write (undo it if it was reported failed meanwhile)."""
         plan = work.rec.store_plan
         if work.mode == "degraded":
-            self._delete_new(plan)
+            self._plans.delete_new(plan)
         if not self._finish_store(work):
-            self._cleanup(plan)  # reported failed while it ran: undo what it wrote
+            self._plans.cleanup(plan)  # reported failed while it ran: undo what it wrote
 
-    @staticmethod
-    def _check_alive(rec: JobRecord) -> None:
-        if rec.result is not None:
-            raise _Expired
-
-    def _write_staged(self, work: _TierWork, copies: WriteGroup) -> None:
+    def _write_staged(self, work: TierWork, copies: WriteGroup) -> None:
         rec, plan = work.rec, work.rec.store_plan
         assert work.staging is not None
         rows = [work.staging[i] for i in range(len(plan.keys))]
@@ -402,11 +352,11 @@ class StoreMover:
             work.nbytes = len(slots) * self.e.layout.block_bytes
         else:
             got = target.write_blocks(list(plan.keys), rows)
-            _note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
+            note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
         writes = []
         for tier, keys in plan.write_through:
-            self._check_alive(rec)
+            check_alive(rec)
             if self.e._is_memory(tier) or not self._deferred(rec, tier, keys, work.failed):
                 writes.append((tier, self.e._is_memory(tier), keys))
         pos = {k: i for i, k in enumerate(plan.keys)}  # the job's own staging: stays put
@@ -417,7 +367,7 @@ class StoreMover:
             src = [host[pos[k]] if host and not memory else rows[pos[k]] for k in keys]
             copies.add(rec.job_id, tier, keys, src, [True] * len(keys), work.failed, work.sizes, self._failer(work))
 
-    def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: _Failed) -> bool:
+    def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: Failed) -> bool:
         """Skip this write-through copy when the tiers thread is behind: more than the engine's
         ``write_through_backlog`` jobs wait behind this one; the keys are reported failed for
         ``tier``, so the manager keeps them in the first tier only and demotes them at eviction.
@@ -435,7 +385,7 @@ class StoreMover:
             log.debug("write-through of %d blocks to tier %d deferred: the tier writes are behind", len(keys), tier)
         return behind
 
-    def _finish_store(self, work: _TierWork, *, retire: bool = False) -> bool:
+    def _finish_store(self, work: TierWork, *, retire: bool = False) -> bool:
         plan = work.rec.store_plan
         ok = work.error is None and not work.failed.get(plan.tier)
         return self.e._finish(
@@ -454,77 +404,4 @@ class StoreMover:
             retire=retire,
         )
 
-    def _delete_new(self, plan: StorePlan) -> None:
-        """Release the plan's new blocks (the manager releases their reservations to match)."""
-        for tier, keys in ((plan.tier, plan.keys), *plan.write_through):
-            self.e._delete(tier, keys, "cleanup of a failed store")
 
-    def _cleanup(self, plan: StorePlan) -> None:
-        """A job reported failed before it ended: run its evictions, and delete everything it
-        may have written (the manager released all of it)."""
-        for tier, keys in plan.drops:
-            self.e._delete(tier, keys, _drop_reason(plan))
-        for d in plan.demotions:
-            self.e._delete(d.src, d.keys, "eviction")
-            self.e._delete(d.dst, d.keys, "cleanup of a stopped demotion")
-        self._delete_new(plan)
-
-    def _drops_and_demotions(self, plan: StorePlan, staging: torch.Tensor, work: _TierWork, *, check: bool) -> None:
-        # 1. evicted keys that are not moving down from that very tier: their room is needed now.
-        moving = {(d.src, k) for d in plan.demotions for k in d.keys}
-        for tier, keys in plan.drops:
-            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], _drop_reason(plan))
-        # 2. write-back, deepest first: copy down, then free the source.
-        chunk = staging.shape[0]
-        for d in plan.demotions:
-            src, dst = self.e.backends[d.src], self.e.backends[d.dst]
-            for c in range(0, len(d.keys), chunk):
-                keys = d.keys[c : c + chunk]
-                try:
-                    if check:
-                        self._check_alive(work.rec)
-                    rows, found = _rows_of(src, keys, staging)
-                    move = [(k, r) for k, r, ok in zip(keys, rows, found) if ok]
-                    work.failed.setdefault(d.dst, []).extend(k for k, ok in zip(keys, found) if not ok)
-                    if move:
-                        got = dst.write_blocks([k for k, _ in move], [r for _, r in move])
-                        _note_sizes(d.dst, [k for k, _ in move], got, work.failed, work.sizes)
-                except _Expired:
-                    raise
-                except Exception as exc:  # the victims are lost (a miss later), the job goes on
-                    log.warning("demotion of %d blocks to tier %d failed: %s", len(keys), d.dst, exc)
-                    work.failed.setdefault(d.dst, []).extend(keys)
-                finally:
-                    # The manager already counts these keys as gone from the source: free them
-                    # whatever happened, or the source's slots would leak.
-                    self.e._delete(d.src, keys, "demotion")
-        # 3. tenant tags and pins: one write per tier per job (bookkeeping: a failure is logged).
-        for tier, owners, pins in plan.tags:
-            try:
-                self.e.backends[tier].write_tags(owners, pins, sync=False)
-            except Exception as exc:  # a tier that cannot keep them still serves its blocks
-                log.warning("tenant tags of %d blocks for tier %d not saved: %s", len(owners) + len(pins), tier, exc)
-
-    def _write_from(
-        self,
-        source: MemoryBackend,
-        tier: int,
-        keys: Sequence[bytes],
-        staging: torch.Tensor,
-        failed: _Failed,
-        sizes: _Sizes,
-    ) -> None:
-        chunk = staging.shape[0]
-        for c in range(0, len(keys), chunk):
-            part = keys[c : c + chunk]
-            rows, found = _rows_of(source, part, staging)
-            got = self.e.backends[tier].write_blocks(list(part), rows)
-            # A key the source no longer held was written from a placeholder row: failed.
-            _note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)
-
-
-def _drop_reason(plan: StorePlan) -> str:
-    """Why a plan drops keys: a plan that stores keys evicts to make room for them (this
-    engine's own choice: a shared tier only forgets them); one with nothing but drops releases
-    keys whose store failed, or that were asked to be deleted (deleted in every tier)."""
-    return "eviction" if plan.keys else "release"
