@@ -312,9 +312,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         failure is a miss for its key alone; a bad record is deleted."""
         size = self._check_io(keys, out)
         found = [False] * len(keys)
-        beneath = self._beneath
-        if self.mac is None and PLAIN_READS and beneath is not None and beneath.usable:
-            rest: Sequence[int] = read_plain(beneath, keys, out, found, flat=self.store_layout == FLAT)
+        beneath, flat = self._beneath, self.store_layout == FLAT
+        if self.mac is None and PLAIN_READS and beneath is not None and (beneath.usable or flat):
+            rest: Sequence[int] = read_plain(beneath, keys, out, found, flat=flat)
         else:
             rest = range(len(keys))
         corrupt = self._read_each(keys, out, rest, found) if rest else 0

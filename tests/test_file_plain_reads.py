@@ -135,17 +135,26 @@ def test_a_plain_read_takes_three_system_calls_a_record_and_checks_what_it_reads
         asyncio.run(backend.aclose())
 
 
-def test_without_openat2_every_record_takes_the_general_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_without_openat2_a_sharded_store_takes_the_general_read_and_a_flat_one_needs_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     keys = [make_key(i) for i in range(3)]
     data = [random_block(FMT.block_bytes, 970 + i) for i in range(3)]
-    backend = _open(tmp_path / "store")
+    backend = _open(tmp_path / "store", layout=layout)
     backend.write_blocks(keys, data)
     monkeypatch.setattr(file_reads, "_syscall", lambda *args: -1)
     monkeypatch.setattr(file_reads.ctypes, "get_errno", lambda: 38)  # ENOSYS
+    general: list[int] = []
+    real_each = file_tier.FileBackend._read_each
+    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True] * 3
         assert all(torch.equal(o, d) for o, d in zip(out, data))
-        assert not backend._beneath.usable  # type: ignore[attr-defined]
+        if layout == "sharded":
+            assert not backend._beneath.usable and general == [0, 1, 2]  # type: ignore[attr-defined]
+        else:  # one openat of a name in the root, no openat2
+            assert general == []
     finally:
         asyncio.run(backend.aclose())
