@@ -258,9 +258,7 @@ class KVLayout:
             return pool[r0:end].view(_WIDE[self._width]).view(end - r0, len(self._infos), span).unbind(1)
         return [view[r0:end] for view in self._dst_views(pool, kept)]
 
-    def _block_rows(
-        self, pool: torch.Tensor, views: Sequence[torch.Tensor], r0: int, end: int
-    ) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
+    def _block_rows(self, pool: torch.Tensor, views: Sequence[torch.Tensor], r0: int, end: int) -> Sequence[torch.Tensor]:
         """Per pool row ``r0:end`` in turn, per tensor, that tensor's words in the row: ``[v[j]
         for j in range(end - r0) for v in views]`` with ``views`` from :meth:`_row_views`. Where
         every tensor's share is as wide, the same views come from one ``unbind`` of the rows
