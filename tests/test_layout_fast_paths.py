@@ -176,29 +176,3 @@ def test_block_rows_are_the_row_views_cut_per_row(uniform: bool) -> None:
             assert len(got) == len(want) == (end - r0) * len(layout.kv_caches)
             for a, b in zip(got, want):
                 assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
-
-
-@pytest.mark.parametrize("limit", [0, 16], ids=["index_select", "foreach"])
-@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
-def test_an_inline_save_into_one_run_writes_the_same_bytes_either_way(
-    limit: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An inline save into one run of pool rows copies a small job per (block, tensor) and a
-    larger one per tensor (``_FOREACH_SAVE_MAX_BLOCKS``): both write the bytes the pairwise
-    copy writes, into the rows named and no other."""
-    monkeypatch.setattr(layout_module, "_FOREACH_SAVE_MAX_BLOCKS", limit)
-    caches = _caches(6, uniform)
-    fast = KVLayout([c.clone() for c in caches], strategy="index")
-    slow = KVLayout([c.clone() for c in caches], strategy="foreach")
-    rows = [3, 4, 5, 6, 7, 8, 9, 10, 11, 2]  # one run, out of order
-    ids = [11, 0, 7, 2, 9, 4, 1, 10, 3, 6]
-    pools = [torch.zeros((BLOCKS + 2, fast.block_bytes), dtype=torch.uint8) for _ in range(2)]
-    with fast.copies.on_callers_team():
-        assert fast.copies.on_this_thread()
-        fast.gather(ids, pools[0], rows)
-    slow.gather(ids, pools[1], rows)
-    assert torch.equal(pools[0], pools[1])
-    untouched = [r for r in range(BLOCKS + 2) if r not in rows]
-    assert not pools[0][untouched].any()
-    for a, orig in zip(fast.kv_caches, caches):
-        assert torch.equal(a, orig)  # the source blocks are read, never written

@@ -62,10 +62,6 @@ _MAX_RUNS = 4
 # it (benchmarks/bench_core.py --job-blocks 4); at 16 blocks the two are level and the views
 # cost more than they save.
 _FOREACH_MAX_BLOCKS = 8
-# The same for an inline save into one run of pool rows, against one ``index_select`` per
-# tensor: alternated job by job in one process (2 MiB blocks, loaded machine), the copy per
-# (block, tensor) saved 4 blocks 1.05x and 8 blocks 1.19x as fast (paired medians).
-_FOREACH_SAVE_MAX_BLOCKS = 8
 
 
 def _run_cuts(runs: list[tuple[list[int], int, int]]) -> list[int]:
@@ -373,15 +369,9 @@ class KVLayout:
         parts: list[Callable[[], None]]
         if runs is not None and len(runs) == 1:  # one run (a small job's usual case): no index slices
             ((order, r0, length),) = runs
-            blocks = [ids[p] for p in order]
+            whole = _staging.device_index([ids[p] for p in order], self.device)
             views = self._row_views(pool, kept, r0, r0 + length)
-            here = self._here(pool_device)
-            if here and length <= _FOREACH_SAVE_MAX_BLOCKS:  # a small job: one copy per (block, tensor)
-                srcs = [cache[b] for b in blocks for cache in self._src]
-                torch._foreach_copy_(self._block_rows(pool, views, r0, r0 + length), srcs)
-                return
-            whole = _staging.device_index(blocks, self.device)
-            if here:  # the copies' own loop, without a call per tensor
+            if self._here(pool_device):  # the copies' own loop, without a call per tensor
                 for src, dst in zip(self._src, views):
                     torch.index_select(src, 0, whole, out=dst)
                 return
