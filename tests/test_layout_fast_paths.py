@@ -159,20 +159,3 @@ def test_an_inline_load_of_one_run_writes_the_same_bytes_either_way(
     for a, b in zip(fast.kv_caches, slow.kv_caches):
         assert torch.equal(a, b)
         assert not a[untouched].any()
-
-
-@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
-def test_block_rows_are_the_row_views_cut_per_row(uniform: bool) -> None:
-    """A small load's source rows, block by block and tensor by tensor (one ``unbind`` of the
-    rows where every tensor's share is as wide), are exactly the per-tensor run views cut row
-    by row: same memory, shape and strides; a pool that is not contiguous takes the cuts."""
-    layout = KVLayout(_caches(3, uniform), strategy="index")
-    wide = torch.zeros((10, 2 * layout.block_bytes), dtype=torch.uint8)
-    for pool in (torch.zeros((10, layout.block_bytes), dtype=torch.uint8), wide[:, : layout.block_bytes]):
-        for r0, end in ((0, 10), (3, 7), (9, 10)):
-            views = layout._row_views(pool, False, r0, end)
-            got = layout._block_rows(pool, views, r0, end)
-            want = [v[j] for j in range(end - r0) for v in views]
-            assert len(got) == len(want) == (end - r0) * len(layout.kv_caches)
-            for a, b in zip(got, want):
-                assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)

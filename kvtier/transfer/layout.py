@@ -254,16 +254,6 @@ class KVLayout:
             return pool[r0:end].view(_WIDE[self._width]).view(end - r0, len(self._infos), span).unbind(1)
         return [view[r0:end] for view in self._dst_views(pool, kept)]
 
-    def _block_rows(self, pool: torch.Tensor, views: Sequence[torch.Tensor], r0: int, end: int) -> Sequence[torch.Tensor]:
-        """Per pool row ``r0:end`` in turn, per tensor, that tensor's words in the row: ``[v[j]
-        for j in range(end - r0) for v in views]`` with ``views`` from :meth:`_row_views`. Where
-        every tensor's share is as wide, the same views come from one ``unbind`` of the rows
-        (one call, not one per tensor: a test compares the two)."""
-        span = self._span
-        if span and pool.is_contiguous():
-            return pool[r0:end].view(_WIDE[self._width]).view((end - r0) * len(self._infos), span).unbind(0)
-        return [v[j] for j in range(end - r0) for v in views]
-
     def forget_views(self) -> None:
         """Drop the kept views (and with them the pools they hold): the tiers are closing."""
         self._kept_views.clear()
@@ -412,9 +402,9 @@ class KVLayout:
             blocks = [ids[p] for p in order]
             views = self._row_views(pool, kept, r0, r0 + length)
             here = self._here(pool_device)
-            if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (block, tensor)
-                dsts = [cache[b] for b in blocks for cache in self._src]
-                torch._foreach_copy_(dsts, self._block_rows(pool, views, r0, r0 + length))
+            if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (tensor, block)
+                dsts = [cache[b] for cache in self._src for b in blocks]
+                torch._foreach_copy_(dsts, [row for view in views for row in view.unbind(0)])
                 return
             whole = _staging.device_index(blocks, self.device)
             if here:
