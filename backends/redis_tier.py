@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -60,7 +59,7 @@ from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.redis_client import client_options, credentials, probe_problem
 from kvtier.backends.redis_feed import RedisFeed
 from kvtier.backends.redis_pool import ConnectionBudget, PoolGate
-from kvtier.backends.redis_scan import scan_block_keys
+from kvtier.backends.redis_scan import interleaved, scan_block_keys
 from kvtier.backends.redis_tags import read_redis_tags, write_redis_tags
 from kvtier.backends.redis_wire import (
     ErrorReply,
@@ -484,7 +483,7 @@ class RedisBackend(RemoteRecordBackend):
     def _each_node(self, listing: Callable[[Any], Iterable[T]], *, parallel: bool = False) -> Iterator[T]:
         """``listing(client)`` on each primary (the server's own client, or each cluster
         primary's): in turn, or with ``parallel`` on a thread per primary (each is a process of
-        its own; the items then come once every primary is listed). A dead primary is skipped
+        its own; each primary's items come as they are listed: ``interleaved``). A dead primary is skipped
         (its keys drop out of the index: they miss anyway); a pool with no connection to spare
         skips the round."""
         try:
@@ -498,11 +497,8 @@ class RedisBackend(RemoteRecordBackend):
                 nodes = [(health, client.get_redis_connection(n)) for health, n in healths if health.allow()]
             else:
                 nodes = [(None, client)]
-            if parallel and len(nodes) > 1:
-                with ThreadPoolExecutor(len(nodes), thread_name_prefix=f"kvtier-{self.name}-scan") as threads:
-                    listed = list(threads.map(lambda hn: list(self._one_node(hn[0], hn[1], listing)), nodes))
-                for items in listed:
-                    yield from items
+            if parallel and len(nodes) > 1:  # the items of each primary as they come
+                yield from interleaved([partial(self._one_node, health, node, listing) for health, node in nodes], f"kvtier-{self.name}-scan")
             else:
                 for health, node in nodes:
                     yield from self._one_node(health, node, listing)
