@@ -16,9 +16,10 @@ filesystem, so a commit's time would depend on them: not used.
 The syncs of a commit run side by side on a small pool of threads (:func:`sync_pool`): first
 every file's ``fdatasync``, then, once every rename is done, every directory's ``fsync``. Each
 sync waits for the device, and with a journal one commit serves the syncs that wait together,
-so concurrent syncs cost little more than one: a job's records are spread over as many shard
-directories as it has records (two levels of 256), and synced one after the other each of
-those directory syncs cost a device flush. Measured on ext4 (64 KiB records, jobs of 16,
+so concurrent syncs cost little more than one. In the flat layout a job's records share one
+directory, synced once; in the sharded one they are spread over as many shard directories as
+the job has records (two levels of 256), and synced one after the other each of those
+directory syncs cost a device flush. Measured on ext4 (64 KiB records, jobs of 16,
 8 jobs, load 5): the tier's layout synced one after the other 49 blocks/s, side by side 143,
 raw flat files synced one after the other (one directory) 116. The order that makes a record
 durable before its name is kept: no rename starts before every data sync has returned, and no
@@ -26,10 +27,13 @@ directory sync before every rename.
 
 Each job commits on its caller's thread (its syncs on the pool). Committing the jobs of
 concurrent writers together (:class:`~kvtier.backends.group_commit.GroupCommit`, as the ``lmdb``
-tier does) was measured slower here: it shares only the directory syncs, which rarely
-coincide (a job's records fall in random shard directories), and concurrent writers' syncs
-already overlap on the device (4 writers of 64 KiB jobs of 16: 67 blocks/s grouped against 313
-for raw writers in the same layout, before the syncs ran side by side).
+tier does) was measured slower here, twice. In the sharded layout it shares only the directory
+syncs, which rarely coincide (4 writers of 64 KiB jobs of 16: 67 blocks/s grouped against 313
+for raw writers in the same layout, before the syncs ran side by side). In the flat layout,
+with the syncs side by side, 4 writers: 0.72-0.97 of committing alone in jobs of 16 (4 KiB and
+64 KiB, 5 alternated rounds, load 4), 0.61-1.36 in jobs of one: jobs that arrive while a
+commit runs wait for it to end, where alone their syncs join the journal commit already under
+way (the filesystem's journal groups concurrent syncs by itself).
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""The ``file`` tier's root directory while a store is open: its meta record and its shard
-directories.
+"""The ``file`` tier's root directory while a store is open: its meta record and the
+directories its records go in.
 
 * The meta record (``kvtier-meta.kvm``) is read and checked against the store's format, or
-  written once, exclusively, when the store is new (:func:`establish_meta`).
+  written once, exclusively, when the store is new (:func:`establish_meta`). It names the
+  store's layout (``flat``: every record in the root; ``sharded``: ``ab/cd/`` directories); a
+  meta record that names none is a store written before layouts were named: ``sharded``.
+* In the flat layout every record's directory is the root (:meth:`ShardDirs.open_leaf` hands
+  out a duplicate of the root's descriptor); what follows is the sharded layout's.
 * The 256 first-level shard directories (``00`` … ``ff``) are made at open
   (:meth:`ShardDirs.make_top`), with one ``fsync`` of the root when any was missing. Without
   them, a record written to a fresh store made its first-level directory too, and its job
@@ -24,24 +28,37 @@ import warnings
 from collections.abc import Callable
 
 from kvtier.backends.file_reads import BeneathRoot
-from kvtier.backends.file_tree import _META_NAME, FileTree
+from kvtier.backends.file_tree import _META_NAME, FLAT, LAYOUTS, SHARDED, FileTree, Layout
 
 from kvtier.backend import BlockFormat
-from kvtier.errors import CorruptBlockError, DiskError
+from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import check_meta, decode_meta, encode_meta
 from kvtier.records.mac import RecordMac
 
-__all__ = ["ShardDirs", "establish_meta"]
+__all__ = ["ShardDirs", "asked_layout", "establish_meta"]
 
 
-def establish_meta(root: str, fmt: BlockFormat, mac: RecordMac | None, temp_name: Callable[[str], str], log_warning: Callable[[str], None]) -> None:
+def establish_meta(
+    root: str,
+    fmt: BlockFormat,
+    mac: RecordMac | None,
+    temp_name: Callable[[str], str],
+    log_warning: Callable[[str], None],
+    *,
+    layout: Layout | None = None,
+    new_layout: Layout = FLAT,
+) -> Layout:
     """Check the meta record of the store at ``root`` against ``fmt`` (``ConfigError`` if it
-    names another namespace), or write it when there is none. An unreadable one (bad checksum,
-    truncated, an unknown meta version) is moved aside with a warning and rewritten: one flipped
-    bit from ours is damage like any other, never a refusal to start (records are checked one by
-    one when read). ``temp_name(path)`` names a temporary file beside ``path``."""
+    names another namespace), or write it when there is none; returns the store's layout. A new
+    store gets ``layout``, or ``new_layout`` when that is ``None``; an existing one keeps its
+    own, and a ``layout`` that differs from it is a ``ConfigError`` naming the field. An
+    unreadable meta record (bad checksum, truncated, an unknown meta version) is moved aside
+    with a warning and rewritten: one flipped bit from ours is damage like any other, never a
+    refusal to start (records are checked one by one when read). ``temp_name(path)`` names a
+    temporary file beside ``path``."""
     meta_path = os.path.join(root, _META_NAME)
+    chosen = new_layout if layout is None else layout
     for _ in range(2):
         try:
             with open(meta_path, "rb") as f:
@@ -49,13 +66,13 @@ def establish_meta(root: str, fmt: BlockFormat, mac: RecordMac | None, temp_name
         except FileNotFoundError:
             tmp = temp_name(meta_path)
             with open(tmp, "wb") as f:
-                f.write(encode_meta(fmt, mac))
+                f.write(encode_meta(fmt, mac, layout=None if chosen == SHARDED else chosen))
                 f.flush()
                 os.fsync(f.fileno())
             try:
                 os.link(tmp, meta_path)  # exclusive create: another instance may race us
                 FileTree._fsync_dir(root)
-                return
+                return chosen
             except FileExistsError:
                 continue  # read and check the winner's meta record
             finally:
@@ -70,24 +87,54 @@ def establish_meta(root: str, fmt: BlockFormat, mac: RecordMac | None, temp_name
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             continue
         check_meta(meta, fmt, where=f"file {root!r}", mac=mac)
-        return
+        return _store_layout(root, meta.layout, layout)
     raise DiskError(f"file: cannot establish the meta record of {root!r}")
 
 
-class ShardDirs:
-    """The shard directories of an open store under ``root`` (see the module doc); ``beneath``
-    holds the root's descriptor."""
+def asked_layout(layout: str | None) -> Layout | None:
+    """A tier's ``layout`` option, checked: ``None`` (the store's own) or one of :data:`LAYOUTS`."""
+    if layout is not None and layout not in LAYOUTS:
+        raise ConfigError(f"layout: expected one of {', '.join(LAYOUTS)} (or none: the store's own), got {layout!r}")
+    return layout
 
-    def __init__(self, root: str, beneath: BeneathRoot, *, durable: bool) -> None:
+
+def _store_layout(root: str, stored: str | None, wanted: Layout | None) -> Layout:
+    have = SHARDED if stored is None else stored
+    if have not in LAYOUTS:
+        raise ConfigError(
+            f"file {root!r}: the store's layout is {have!r}, which this kvtier does not know (it knows "
+            f"{', '.join(LAYOUTS)}); upgrade kvtier, or point the tier at a new path"
+        )
+    if wanted is not None and wanted != have:
+        raise ConfigError(
+            f"layout: the store at {root!r} was made with layout {have!r}, the tier asks for {wanted!r}; "
+            f"a store keeps the layout it was made with: set layout: {have} (or leave it out), or point "
+            f"the tier at a new path"
+        )
+    return have
+
+
+class ShardDirs:
+    """The directories records go in, in an open store under ``root`` laid out by ``layout``
+    (see the module doc); ``beneath`` holds the root's descriptor."""
+
+    def __init__(self, root: str, beneath: BeneathRoot, *, durable: bool, layout: Layout = SHARDED) -> None:
         self.root = root
+        self.layout = layout
         self._beneath = beneath
         self._durable = durable
         self._known = bytearray(1 << 16)  # 1 where ``ab/cd`` is known to exist, by ``0xabcd``
 
+    def shard(self, key_hex: str) -> str:
+        """The name of the directory a record goes in, relative to the root (``""``: the root)."""
+        return "" if self.layout == FLAT else f"{key_hex[0:2]}/{key_hex[2:4]}"
+
     def make_top(self) -> int:
-        """Make the missing first-level directories; sync the root once if any was made (durable).
-        Returns how many were made. A name that exists as something else is left alone: the
-        level-by-level walk refuses it when a record needs it."""
+        """Make the missing first-level directories (sharded layout); sync the root once if any
+        was made (durable). Returns how many were made. A name that exists as something else is
+        left alone: the level-by-level walk refuses it when a record needs it."""
+        if self.layout == FLAT:
+            return 0
         made = 0
         for i in range(256):
             try:
@@ -100,8 +147,10 @@ class ShardDirs:
         return made
 
     def open_leaf(self, key: bytes, created: set[str]) -> int:
-        """A descriptor of ``key``'s shard directory, made if missing (the parents that gained a
+        """A descriptor of ``key``'s directory, made if missing (the parents that gained a
         directory are added to ``created``, to be synced by the commit). The caller closes it."""
+        if self.layout == FLAT:
+            return os.dup(self._beneath.fd)
         h = key.hex()
         index = int(h[:4], 16)
         if self._known[index] and self._beneath.usable:

@@ -2,8 +2,15 @@
 
 Layout under the root ``path``::
 
-    kvtier-meta.kvm                     the store's meta record (format version, namespace)
-    ab/cd/abcd…(64 hex digits).kvb      one record (kvtier.records.format format) per key
+    kvtier-meta.kvm                     the store's meta record (format version, namespace, layout)
+    abcd…(64 hex digits).kvb            one record (kvtier.records.format format) per key: ``flat``
+    ab/cd/abcd…(64 hex digits).kvb      the same, in the ``sharded`` layout
+
+The layout is the store's, named in its meta record when the store is made (``layout``, default
+``flat`` for a new store; a store whose meta record names none is ``sharded``, as every store was
+before layouts were named). ``flat`` puts a job's records in one directory, so a job syncs one
+directory: the fastest durable saves measured here (``docs/tiers.md``). ``sharded`` keeps each
+directory small, for filesystems that handle huge directories badly.
 
 Contract and choices:
 
@@ -12,8 +19,9 @@ Contract and choices:
   Every record is reached from the root one directory at a time with ``O_NOFOLLOW`` (``openat``
   through directory descriptors), so a symlinked shard directory or record is never followed:
   nothing is read, written or deleted outside the root. New shard directories are fsync'ed into
-  their parent (durable mode). The first level (``00`` … ``ff``) is made at open, and a shard
-  directory a write has reached is opened again in one ``openat2`` (:mod:`kvtier.backends.file_root`).
+  their parent (durable mode). In the sharded layout the first level (``00`` … ``ff``) is made at
+  open, and a shard directory a write has reached is opened again in one ``openat2``
+  (:mod:`kvtier.backends.file_root`).
 * Writes are atomic: the record goes to ``<name>.<pid>.<n>.tmp`` (``O_EXCL``), is fdatasync'ed
   (``sync_mode="durable"``), renamed over the final name, and each touched directory is fsync'ed
   once per job. A crash leaves at most a temp file, never a torn ``.kvb``. Temp files older than
@@ -63,8 +71,8 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_reads import BeneathRoot, read_plain
-from kvtier.backends.file_root import ShardDirs, establish_meta
-from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
+from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -126,6 +134,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
         shared: bool = False,
         sweep_interval_s: float = 60.0,
+        layout: Literal["flat", "sharded"] | None = None,
     ) -> None:
         super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
                          mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
@@ -138,6 +147,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         #: forget records without deleting them (see ``docs/tiers.md``, "Shared tiers").
         self.shared = shared
         self.sweep_interval_s = float(sweep_interval_s)
+        #: The layout asked for (``None``: the store's own, ``flat`` if new); ``store_layout``: the store's.
+        self.layout = asked_layout(layout)
+        self.store_layout: str = layout or FLAT
         self._root = ""
         self._lock = threading.Lock()
         self._sizes: dict[bytes, int] = {}
@@ -164,7 +176,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     f"path: the file tier root {self._root!r} belongs to uid {owner}, not to this process (uid "
                     f"{os.geteuid()}); another user could plant or swap records there. Use a directory of your own"
                 )
-            establish_meta(self._root, fmt, self.mac, self._temp_name, log.warning)
+            self.store_layout = establish_meta(self._root, fmt, self.mac, self._temp_name, log.warning, layout=self.layout)
             if self.shared:  # the feed's head is noted before the listing, so nothing falls between
                 self._start_following(
                     f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
@@ -174,7 +186,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 self._listed = listed = self._walk(sweep=True)
                 self._sizes = _size_index(listed)
             self._beneath = BeneathRoot(self._root)
-            self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable")
+            self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable", layout=self.store_layout)
             self._shards.make_top()
         except OSError as exc:
             raise DiskError(f"file: cannot open the store at {self.path!r}: {exc}") from exc
@@ -203,6 +215,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         data = super().to_dict()
         if self.shared:
             data.update(shared=True, sweep_interval_s=self.sweep_interval_s)
+        if self.layout is not None:
+            data["layout"] = self.layout
         return data
 
     def _temp_name(self, path: str) -> str:
@@ -211,15 +225,13 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
     # -- paths ---------------------------------------------------------------------------------
     def _path(self, key: bytes) -> str:
         """The record's path, for messages (I/O goes through :meth:`_leaf`, never this string)."""
-        return self._record_path(self._root, key)
+        return self._record_path(self._root, key, self.store_layout)
 
-    def _leaf(self, key: bytes, *, create: bool = False) -> tuple[int, str] | None:
-        """``(fd of the key's shard directory, file name)``, the directory reached from the root
-        one level at a time with ``O_NOFOLLOW``: a symlinked shard directory is never followed,
-        so no read, write or delete lands outside the root. ``None`` if the directory does not
-        exist (and ``create`` is false). New directories are ``0700`` and, in durable mode,
-        fsync'ed into their parent. The caller closes the descriptor."""
-        return self._leaf_at(self._root, key, create=create, durable=self.sync_mode == "durable")
+    def _leaf(self, key: bytes) -> tuple[int, str] | None:
+        """``(fd of the key's directory, file name)`` in the store's layout, the directory reached
+        from the root one level at a time with ``O_NOFOLLOW`` (a symlinked shard directory is never
+        followed, so nothing lands outside the root); ``None`` if it does not exist."""
+        return self._leaf_at(self._root, key, layout=self.store_layout)
 
     @staticmethod
     def _stored(record_bytes: Any) -> Any:
@@ -234,7 +246,6 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
         self._check_io(keys, blocks)
         parts = self._encode(keys, blocks)
-        durable = self.sync_mode == "durable"
         shards = self._shards
         assert shards is not None
         sizes: list[int | None] = []
@@ -252,8 +263,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                         continue
                     self._used += grow  # reserved now; given back below if the write fails
                     self._sizes[key] = stored
-                shard = key.hex()[:4]
                 name = key.hex() + _SUFFIX
+                shard = shards.shard(name)
                 try:
                     if shard not in job.dirs:
                         job.dirs[shard] = shards.open_leaf(key, job.parents)
@@ -265,7 +276,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     continue
                 staged.append((len(sizes), key, grow, n))
                 sizes.append(stored)
-            committed = commit_files([job], durable=durable)[0]
+            committed = commit_files([job], durable=self.sync_mode == "durable")[0]
         except BaseException:
             for (pos, key, grow, _), f in zip(staged, job.files):
                 if not f.renamed:  # (a renamed record is there, synced or not: it keeps its room)
@@ -301,9 +312,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         failure is a miss for its key alone; a bad record is deleted."""
         size = self._check_io(keys, out)
         found = [False] * len(keys)
-        beneath = self._beneath
-        if self.mac is None and PLAIN_READS and beneath is not None and beneath.usable:
-            rest: Sequence[int] = read_plain(beneath, keys, out, found)
+        beneath, flat = self._beneath, self.store_layout == FLAT
+        if self.mac is None and PLAIN_READS and beneath is not None and (beneath.usable or flat):
+            rest: Sequence[int] = read_plain(beneath, keys, out, found, flat=flat)
         else:
             rest = range(len(keys))
         corrupt = self._read_each(keys, out, rest, found) if rest else 0
@@ -433,7 +444,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._check_open()
         gone = []
         for key in keys:
-            removed = self._unlink_record(self._root, key)
+            removed = self._unlink_record(self._root, key, self.store_layout)
             self._forget(key)
             if removed:
                 self.counters.deleted += 1
@@ -473,14 +484,14 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         if self._closed:
             return None
         try:
-            return {bytes.fromhex(e.name[:64]) for _, entries in self._leaf_entries(self._root, ordered=False) for e in entries}
+            return {bytes.fromhex(e.name[:64]) for _, entries in self._leaf_entries(self._root, ordered=False, layout=self.store_layout) for e in entries}
         except OSError as exc:
             log.warning("file: cannot list %s for the shared index: %s", self._root, exc)
             return None
 
     def _walk(self, *, sweep: bool) -> RecordColumns:
         """Every record's key, stored size and stamp (a ``stat`` per record, no open)."""
-        keys, sizes, stamps = self._record_columns(self._root, sweep_now=time.time() if sweep else None)
+        keys, sizes, stamps = self._record_columns(self._root, sweep_now=time.time() if sweep else None, layout=self.store_layout)
         return RecordColumns(keys, self._stored(np.asarray(sizes, dtype=np.int64)), np.asarray(stamps, dtype=np.float64))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:

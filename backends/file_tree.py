@@ -1,8 +1,9 @@
 """The file tier's tree: naming rules, symlink-proof access, and offline (read-only) access.
 
 :class:`FileTree` is the base of :class:`~kvtier.backends.file_tier.FileBackend`. It holds what
-needs no open backend: the tree walk by the tier's naming rules (two levels of 2-hex directories,
-``<64 hex>.kvb`` names, regular files only), reaching a record's directory from the root with
+needs no open backend: the tree walk by the tier's naming rules (``<64 hex>.kvb`` names, regular
+files only, in the root itself in the ``flat`` layout, in two levels of 2-hex directories in the
+``sharded`` one), reaching a record's directory from the root with
 ``O_NOFOLLOW`` directory descriptors, unlinking a record without following a symlink, and the
 classmethods ``kvtier inspect`` / ``kvtier verify`` use (``is_store_dir``, ``read_store_meta``,
 ``count_raw_records``, ``iter_raw_records``, ``delete_raw_records``): they need no
@@ -21,11 +22,16 @@ from stat import S_ISREG
 from kvtier.errors import ConfigError, DiskError, InvalidKeyError
 from kvtier.records.format import StoreMeta, decode_meta
 
-__all__ = ["FileTree"]
+__all__ = ["FLAT", "LAYOUTS", "SHARDED", "FileTree", "Layout"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
 STALE_TEMP_SECONDS = 600.0
+FLAT = "flat"  # every record in the root directory: ``<root>/<64 hex>.kvb``
+SHARDED = "sharded"  # two levels of shard directories: ``<root>/ab/cd/abcd….kvb``
+LAYOUTS = (FLAT, SHARDED)
+#: A store's layout; ``None`` where a walk covers both (the offline tools, whatever the meta says).
+Layout = str
 _SUFFIX = ".kvb"
 _META_NAME = "kvtier-meta.kvm"
 _HEX2 = frozenset(f"{i:02x}" for i in range(256))  # the names of shard directories
@@ -63,27 +69,36 @@ class FileTree:
     """Tree access shared by the live tier and its offline tools."""
 
     @staticmethod
-    def _record_path(root: str, key: bytes) -> str:
-        """``key``'s record path under ``root``, for messages and bookkeeping (I/O goes through
-        :meth:`_leaf_at`, never this string)."""
+    def _record_path(root: str, key: bytes, layout: Layout = SHARDED) -> str:
+        """``key``'s record path under ``root`` in ``layout``, for messages and bookkeeping (I/O
+        goes through :meth:`_leaf_at`, never this string)."""
         if type(key) is not bytes or len(key) != 32:
             raise InvalidKeyError("file: keys must be 32 bytes")
         h = key.hex()
+        if layout == FLAT:
+            return os.path.join(root, h + _SUFFIX)
         return os.path.join(root, h[0:2], h[2:4], h + _SUFFIX)
 
     @staticmethod
     def _leaf_at(
-        root: str, key: bytes, *, create: bool = False, durable: bool = True, created: set[str] | None = None
+        root: str,
+        key: bytes,
+        *,
+        create: bool = False,
+        durable: bool = True,
+        created: set[str] | None = None,
+        layout: Layout = SHARDED,
     ) -> tuple[int, str] | None:
-        """``(fd of key's shard directory, file name)`` (see ``FileBackend._leaf``). A directory
-        created here is synced into its parent at once (``durable``), or, given ``created``, the
-        parent's path is added to it for the caller to sync once for many."""
+        """``(fd of key's directory, file name)`` in ``layout`` (see ``FileBackend._leaf``): the
+        root's in the flat layout, its shard directory's in the sharded one. A directory created
+        here is synced into its parent at once (``durable``), or, given ``created``, the parent's
+        path is added to it for the caller to sync once for many."""
         if type(key) is not bytes or len(key) != 32:
             raise InvalidKeyError("file: keys must be 32 bytes")
         h = key.hex()
         fd = os.open(root, _DIR_FLAGS)
         try:
-            for level, part in enumerate((h[0:2], h[2:4])):
+            for level, part in enumerate(() if layout == FLAT else (h[0:2], h[2:4])):
                 try:
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -115,12 +130,12 @@ class FileTree:
             os.close(fd)
 
     @classmethod
-    def _unlink_record(cls, root: str, key: bytes) -> bool:
-        """Unlink ``key``'s record under ``root``, never through a symlink; ``False`` if there was
-        none (or a symlink stood in its path, which is logged and left alone)."""
-        path = cls._record_path(root, key)
+    def _unlink_record(cls, root: str, key: bytes, layout: Layout = SHARDED) -> bool:
+        """Unlink ``key``'s record under ``root`` in ``layout``, never through a symlink; ``False``
+        if there was none (or a symlink stood in its path, which is logged and left alone)."""
+        path = cls._record_path(root, key, layout)
         try:
-            leaf = cls._leaf_at(root, key)
+            leaf = cls._leaf_at(root, key, layout=layout)
             if leaf is None:
                 return False
             try:
@@ -138,38 +153,49 @@ class FileTree:
 
     @classmethod
     def _leaf_entries(
-        cls, root: str, *, sweep_now: float | None = None, ordered: bool = True, level1: Sequence[str] | None = None
+        cls, root: str, *, sweep_now: float | None = None, ordered: bool = True, layout: Layout | None = SHARDED
     ) -> Iterator[tuple[str, list[os.DirEntry[str]]]]:
-        """``(hex name, entries)``, one per shard directory, of every record under ``root`` by
-        the tier's naming rules: two levels of 2-hex directories, ``<64 hex>.kvb`` names
-        matching them, regular files only (no symlinks; the directory entry's type, no
-        ``stat``). Temp files are skipped; with ``sweep_now`` (a ``time.time()``) the stale ones
-        are unlinked as they are met. ``ordered``: in key order. ``level1``: only under these
-        first-level directories (as :meth:`_top_dirs` lists them)."""
-        for n1 in cls._top_dirs(root, ordered) if level1 is None else level1:
+        """``(hex prefix, entries)``, one per directory holding records, of every record under
+        ``root`` by the tier's naming rules in ``layout`` (``None``: both): ``<64 hex>.kvb``
+        names (in the sharded layout under two levels of 2-hex directories their names start
+        with), regular files only (no symlinks; the directory entry's type, no ``stat``). Temp
+        files are skipped; with ``sweep_now`` (a ``time.time()``) the stale ones are unlinked as
+        they are met. ``ordered``: in key order within each layout."""
+        if layout in (FLAT, None):
+            found = cls._dir_entries(root, "", sweep_now, ordered)
+            if found:
+                yield "", found
+        if layout == FLAT:
+            return
+        for n1 in cls._top_dirs(root, ordered):
             d1 = os.path.join(root, n1)
             with os.scandir(d1) as mid:
                 level2 = [e.name for e in mid if e.name in _HEX2 and e.is_dir(follow_symlinks=False)]
             if ordered:
                 level2.sort()
             for n2 in level2:
-                prefix = n1 + n2
-                found: list[os.DirEntry[str]] = []
-                with os.scandir(os.path.join(d1, n2)) as leaf:
-                    for entry in leaf:
-                        name = entry.name
-                        if len(name) == _NAME_LENGTH and name.startswith(prefix) and _RECORD_NAME(name) is not None:
-                            if entry.is_file(follow_symlinks=False):
-                                found.append(entry)
-                        elif sweep_now is not None and name.endswith(".tmp") and cls._stale(entry, sweep_now):
-                            try:
-                                os.unlink(entry.path)
-                            except FileNotFoundError:
-                                pass
+                found = cls._dir_entries(os.path.join(d1, n2), n1 + n2, sweep_now, ordered)
                 if found:
-                    if ordered:
-                        found.sort(key=lambda e: e.name)
-                    yield prefix, found
+                    yield n1 + n2, found
+
+    @classmethod
+    def _dir_entries(cls, path: str, prefix: str, sweep_now: float | None, ordered: bool) -> list[os.DirEntry[str]]:
+        """The record entries of one directory (see :meth:`_leaf_entries`)."""
+        found: list[os.DirEntry[str]] = []
+        with os.scandir(path) as leaf:
+            for entry in leaf:
+                name = entry.name
+                if len(name) == _NAME_LENGTH and name.startswith(prefix) and _RECORD_NAME(name) is not None:
+                    if entry.is_file(follow_symlinks=False):
+                        found.append(entry)
+                elif sweep_now is not None and name.endswith(".tmp") and cls._stale(entry, sweep_now):
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+        if ordered:
+            found.sort(key=lambda e: e.name)
+        return found
 
     @staticmethod
     def _top_dirs(root: str, ordered: bool = False) -> list[str]:
@@ -180,27 +206,32 @@ class FileTree:
         return level1
 
     @classmethod
-    def _record_entries(cls, root: str, *, sweep_now: float | None = None) -> Iterator[tuple[bytes, os.DirEntry[str]]]:
-        """``(key, entry)`` of every record file under ``root``, in key order (see :meth:`_leaf_entries`)."""
-        for _, entries in cls._leaf_entries(root, sweep_now=sweep_now):
+    def _record_entries(
+        cls, root: str, *, sweep_now: float | None = None, layout: Layout | None = SHARDED
+    ) -> Iterator[tuple[bytes, os.DirEntry[str]]]:
+        """``(key, entry)`` of every record file under ``root``, in key order within each layout
+        (see :meth:`_leaf_entries`)."""
+        for _, entries in cls._leaf_entries(root, sweep_now=sweep_now, layout=layout):
             for entry in entries:
                 yield bytes.fromhex(entry.name[:64]), entry
 
     @classmethod
-    def _record_columns(cls, root: str, *, sweep_now: float | None = None) -> tuple[list[bytes], list[int], list[float]]:
-        """Every record under ``root`` as columns, in no particular order: keys, file sizes and
-        modification times, by the naming rules of :meth:`_leaf_entries` (the same records, a
-        test compares them). Directories are opened from their parent's descriptor with
-        ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in their place is skipped) and listed by
-        name; each record name that fits is ``stat``'ed once, and kept if a regular file. No
-        object per entry but its name: about half the time of a ``scandir`` walk. (Two threads
-        walking half the first level each were no faster on two cores.)"""
-        keys: list[bytes] = []
-        sizes: list[int] = []
-        stamps: list[float] = []
-        key, size, stamp = keys.append, sizes.append, stamps.append
-        fromhex, stat, listdir, isreg, match = bytes.fromhex, os.stat, os.listdir, S_ISREG, _RECORD_NAME
+    def _record_columns(
+        cls, root: str, *, sweep_now: float | None = None, layout: Layout = SHARDED
+    ) -> tuple[list[bytes], list[int], list[float]]:
+        """Every record under ``root`` in ``layout`` as columns, in no particular order: keys,
+        file sizes and modification times, by the naming rules of :meth:`_leaf_entries` (the same
+        records, a test compares them). Directories are opened from their parent's descriptor
+        with ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in their place is skipped) and
+        listed by name; each record name that fits is ``stat``'ed once, and kept if a regular
+        file. No object per entry but its name: about half the time of a ``scandir`` walk. (Two
+        threads walking half the first level each were no faster on two cores.)"""
+        columns: tuple[list[bytes], list[int], list[float]] = ([], [], [])
+        listdir = os.listdir
         with _DirFd(root, None) as top:
+            if layout == FLAT:
+                cls._list_leaf(top.fd, "", columns, sweep_now)
+                return columns
             for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
                 with _DirFd(n1, top.fd) as mid:
                     if mid.fd < 0:
@@ -209,22 +240,29 @@ class FileTree:
                         if n2 not in _HEX2:
                             continue
                         with _DirFd(n2, mid.fd) as leaf:
-                            if leaf.fd < 0:
-                                continue
-                            fd, prefix = leaf.fd, n1 + n2
-                            for name in listdir(fd):
-                                if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
-                                    try:
-                                        st = stat(name, dir_fd=fd, follow_symlinks=False)
-                                    except FileNotFoundError:
-                                        continue  # deleted by another instance while we walked
-                                    if isreg(st.st_mode):
-                                        key(fromhex(name[:64]))
-                                        size(st.st_size)
-                                        stamp(st.st_mtime)
-                                elif sweep_now is not None and name.endswith(".tmp"):
-                                    cls._sweep_at(fd, name, sweep_now)
-        return keys, sizes, stamps
+                            if leaf.fd >= 0:
+                                cls._list_leaf(leaf.fd, n1 + n2, columns, sweep_now)
+        return columns
+
+    @classmethod
+    def _list_leaf(
+        cls, fd: int, prefix: str, columns: tuple[list[bytes], list[int], list[float]], sweep_now: float | None
+    ) -> None:
+        """Append the records of the directory ``fd`` to ``columns`` (see :meth:`_record_columns`)."""
+        key, size, stamp = columns[0].append, columns[1].append, columns[2].append
+        fromhex, stat, isreg, match = bytes.fromhex, os.stat, S_ISREG, _RECORD_NAME
+        for name in os.listdir(fd):
+            if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
+                try:
+                    st = stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted by another instance while we walked
+                if isreg(st.st_mode):
+                    key(fromhex(name[:64]))
+                    size(st.st_size)
+                    stamp(st.st_mtime)
+            elif sweep_now is not None and name.endswith(".tmp"):
+                cls._sweep_at(fd, name, sweep_now)
 
     @staticmethod
     def _sweep_at(dir_fd: int, name: str, now: float) -> None:
@@ -243,6 +281,8 @@ class FileTree:
             return False
 
     # -- offline, read-only access (kvtier inspect / verify) ---------------------------------------
+    # They walk both layouts: they need no readable meta record, and they see a record written
+    # in the other layout (by an older build, say) that the open tier would never serve.
     @classmethod
     def is_store_dir(cls, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` is a directory holding a file tier's meta record (``kvtier-meta.kvm``)."""
@@ -275,18 +315,18 @@ class FileTree:
         """How many record files the tier at ``path`` holds (a directory walk; nothing is read)."""
         root = cls._offline_root(path)
         try:
-            return sum(1 for _ in cls._record_entries(root))
+            return sum(1 for _ in cls._record_entries(root, layout=None))
         except OSError as exc:
             raise DiskError(f"file: cannot list {root!r}: {exc}") from exc
 
     @classmethod
     def iter_raw_records(cls, path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bytes]]:
         """Yield ``(key, record)`` for every record file of the tier at ``path``, unchecked and in
-        key order (read-only; files are opened ``O_NOFOLLOW``). A file deleted by another
+        key order within each layout (read-only; files are opened ``O_NOFOLLOW``). A file deleted by another
         instance during the walk is skipped; any other read error raises ``DiskError``."""
         root = cls._offline_root(path)
         try:
-            for key, entry in cls._record_entries(root):
+            for key, entry in cls._record_entries(root, layout=None):
                 try:
                     fd = os.open(entry.path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
                 except FileNotFoundError:
@@ -304,18 +344,17 @@ class FileTree:
     def delete_raw_records(cls, path: str | os.PathLike[str], keys: Sequence[bytes]) -> int:
         """Unlink the record files of ``keys`` from the tier at ``path``; returns how many existed.
 
-        Only ``<root>/ab/cd/<64 hex>.kvb`` names derived from 32-byte keys are removed (never a
-        symlink's target), and the touched directories are fsync'ed. Instances sharing the
+        Only ``<root>/<64 hex>.kvb`` and ``<root>/ab/cd/<64 hex>.kvb`` names derived from 32-byte
+        keys are removed (never a symlink's target), and the touched directories are fsync'ed. Instances sharing the
         directory see the deletion on their next read (a miss)."""
         root = cls._offline_root(path)
         deleted = 0
         dirty: set[str] = set()
         for key in keys:
-            record_path = cls._record_path(root, key)
-            if not cls._unlink_record(root, key):
-                continue
-            deleted += 1
-            dirty.add(os.path.dirname(record_path))
+            for layout in LAYOUTS:
+                if cls._unlink_record(root, key, layout):
+                    deleted += 1
+                    dirty.add(os.path.dirname(cls._record_path(root, key, layout)))
         try:
             for d in dirty:
                 cls._fsync_dir(d)

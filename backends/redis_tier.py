@@ -21,7 +21,8 @@ batches run in parallel.
 
 What every remote tier shares (the index view, records, health and backoff, secrets, job
 shares) is :class:`kvtier.backends.remote_tier.RemoteRecordBackend`'s; this module keeps what is
-Redis's own: the URL and connections, the wire exchanges, hash slots and the ``SCAN`` sweep.
+Redis's own: the URL and connections, the wire exchanges, hash slots and the ``SCAN`` sweep
+(the primaries' routes, health and listings: :mod:`kvtier.backends.redis_nodes`).
 
 The index lives on the server. Each job's writes and deletes are published to a capped stream
 per namespace (:mod:`kvtier.backends.redis_feed`; ``feed: false`` turns it off), which every
@@ -51,15 +52,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.redis_client import client_options, credentials, probe_problem
 from kvtier.backends.redis_feed import RedisFeed
+from kvtier.backends.redis_nodes import DOWN_ERRORS as _DOWN_ERRORS
+from kvtier.backends.redis_nodes import RedisNodes
 from kvtier.backends.redis_pool import ConnectionBudget, PoolGate
-from kvtier.backends.redis_scan import interleaved, scan_block_keys
+from kvtier.backends.redis_scan import scan_block_keys
 from kvtier.backends.redis_tags import read_redis_tags, write_redis_tags
 from kvtier.backends.redis_wire import (
     ErrorReply,
@@ -77,7 +80,6 @@ from kvtier.backends.remote_tier import (
     ReadJob,
     RemoteRecordBackend,
     Route,
-    SweepSkipped,
     WriteJob,
     check_seconds,
 )
@@ -89,24 +91,13 @@ from kvtier.records.format import DEFAULT_MAC_ALGORITHM
 try:
     import redis
     from redis.cluster import RedisCluster
-    from redis.exceptions import (
-        AskError,
-        ClusterDownError,
-        MaxConnectionsError,
-        MovedError,
-        RedisError,
-        ResponseError,
-        TryAgainError,
-    )
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.exceptions import RedisError, ResponseError
 except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
     raise MissingDependencyError(f"the redis backend needs redis-py: pip install 'redis[hiredis]' ({exc})") from exc
 
 __all__ = ["RedisBackend"]
 
 log = logging.getLogger("kvtier")
-T = TypeVar("T")
 #: Keys a ``SCAN`` step asks for: 10x fewer round trips than 1000 (bench_scale: 10^6 keys listed
 #: in 0.4 s rather than 1.5 s; the server walks that much of its table per step).
 SCAN_COUNT = 10_000
@@ -124,7 +115,6 @@ _READ_WINDOW_BYTES = 1 << 20
 #: 4096 GETs of 64 KiB striped over four cost the client a quarter more CPU per GB (0.69 s
 #: against 0.56-0.62) and ran at 1.44 GB/s against 1.57-1.71.
 _STRIPE_MIN_BYTES = 256 << 10
-_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _receive(wire: Wire, key: bytes, length: int, mac: Any, view: memoryview) -> None:
@@ -192,9 +182,9 @@ class RedisBackend(RemoteRecordBackend):
         self._gate = PoolGate(self.socket_timeout_s)
         self._client: Any = None  # redis.Redis or RedisCluster, built in open()
         self._client_lock = threading.Lock()
-        self._nodes: dict[str, Health] = {}  # cluster nodes by name
+        #: the primaries: routes, health per cluster node, listings (kvtier.backends.redis_nodes)
+        self._nodes = RedisNodes(self)
         self._ttl_ms = b""
-        self._refresh_slots = False
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
@@ -301,37 +291,13 @@ class RedisBackend(RemoteRecordBackend):
     def _routes(self, rkeys: Sequence[bytes]) -> list[Route]:
         """``(health, connection pool, positions)`` per node that holds the keys' slots: the
         tier's health for a single server, the node's own in a cluster."""
-        client = self._get_client()
-        if not self.cluster:
-            return [(self._health, client.connection_pool, list(range(len(rkeys))))]
-        nodes = client.nodes_manager
-        slot_of = client.keyslot
-        groups: dict[str, Route] = {}
-        for i, rk in enumerate(rkeys):
-            node = nodes.get_node_from_slot(slot_of(rk))
-            entry = groups.get(node.name)
-            if entry is None:
-                pool = client.get_redis_connection(node).connection_pool
-                entry = groups[node.name] = (self._node_health(node.name), pool, [])
-            entry[2].append(i)
-        return list(groups.values())
-
-    def _node_health(self, name: str) -> Health:
-        """The up/down state of one cluster node: a dead primary misses its own slots only."""
-        health = self._nodes.get(name)
-        if health is None:
-            with self._client_lock:
-                health = self._nodes.setdefault(name, Health(f"{self.url} node {name}", kind=self.name))
-        return health
+        return self._nodes.routes(rkeys)
 
     def _healths(self) -> list[Health]:
-        return [self._health, *self._nodes.values()]
+        return self._nodes.healths()
 
     def _note_failure(self, exc: BaseException) -> None:
-        if isinstance(exc, (Down, *_DOWN_ERRORS)):
-            self._refresh_slots = self.cluster  # after a failover the next sweep finds the new primary
-        elif isinstance(exc, (MovedError, AskError, TryAgainError, ClusterDownError)):
-            self._refresh_slots = True
+        self._nodes.note_failure(exc)
 
     def _exchange(self, pool: Any, body: Any) -> None:
         """Run ``body(wire)`` on a pooled connection; a dead socket raises :class:`Down`."""
@@ -365,7 +331,7 @@ class RedisBackend(RemoteRecordBackend):
     def _refused(self, what: str, exc: ErrorReply) -> None:
         text = str(exc)
         if text.startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
-            self._refresh_slots = True
+            self._nodes.refresh_slots = True
         log.debug("redis: %s refused: %s", what, text)
 
     # -- one share's exchange --------------------------------------------------------------------
@@ -457,7 +423,7 @@ class RedisBackend(RemoteRecordBackend):
         """Every key under the prefix (``SCAN`` through redis-py on each primary, ``SCAN_COUNT`` at
         a time): the general listing; the sweeps use :meth:`_list_block_keys`."""
         pattern = self._prefix_bytes + b"*"
-        return self._each_node(lambda node: node.scan_iter(match=pattern, count=SCAN_COUNT))
+        return self._nodes.each(lambda node: node.scan_iter(match=pattern, count=SCAN_COUNT))
 
     def _list_block_keys(self) -> Iterator[list[bytes]]:
         """The block keys of every record under the prefix, a ``SCAN`` step at a time: records
@@ -467,7 +433,7 @@ class RedisBackend(RemoteRecordBackend):
 
         def listing(node: Any) -> Iterator[list[bytes]]:
             pool = node.connection_pool
-            conn = pool.get_connection()  # MaxConnectionsError: the pool is busy (see _each_node)
+            conn = pool.get_connection()  # MaxConnectionsError: the pool is busy (see RedisNodes.each)
             wire = Wire(conn._sock)
             try:
                 yield from scan_block_keys(wire, prefix, KEY_BYTES, SCAN_COUNT)
@@ -478,48 +444,7 @@ class RedisBackend(RemoteRecordBackend):
                     conn.disconnect()
                 pool.release(conn)
 
-        return self._each_node(listing, parallel=True)
-
-    def _each_node(self, listing: Callable[[Any], Iterable[T]], *, parallel: bool = False) -> Iterator[T]:
-        """``listing(client)`` on each primary (the server's own client, or each cluster
-        primary's): in turn, or with ``parallel`` on a thread per primary (each is a process of
-        its own; each primary's items come as they are listed: ``interleaved``). A dead primary is skipped
-        (its keys drop out of the index: they miss anyway); a pool with no connection to spare
-        skips the round."""
-        try:
-            client = self._get_client()
-            nodes: list[tuple[Health | None, Any]]
-            if self.cluster:
-                if self._refresh_slots:
-                    self._refresh_slots = False
-                    client.nodes_manager.initialize()
-                healths = [(self._node_health(n.name), n) for n in client.get_primaries()]
-                nodes = [(health, client.get_redis_connection(n)) for health, n in healths if health.allow()]
-            else:
-                nodes = [(None, client)]
-            if parallel and len(nodes) > 1:  # the items of each primary as they come
-                yield from interleaved([partial(self._one_node, health, node, listing) for health, node in nodes], f"kvtier-{self.name}-scan")
-            else:
-                for health, node in nodes:
-                    yield from self._one_node(health, node, listing)
-        except MaxConnectionsError as exc:  # back-pressure: the index stays as it is until the next round
-            self._gate.busy += 1
-            raise SweepSkipped(f"no connection to spare: {exc}") from exc
-
-    def _one_node(self, health: Health | None, node: Any, listing: Callable[[Any], Iterable[T]]) -> Iterator[T]:
-        """``listing(node)``; a cluster primary that fails is marked down and lists no more."""
-        try:
-            yield from listing(node)
-        except MaxConnectionsError:
-            raise  # the pool is busy, not the node down: skip this round (_each_node)
-        except _DOWN_ERRORS as exc:
-            if health is None:
-                raise
-            health.failed(exc)
-            self._refresh_slots = True
-            return
-        if health is not None and health.succeeded() and self.view is not None:
-            self.view.wake()
+        return self._nodes.each(listing, parallel=True)
 
     def read_tags(self) -> tuple[dict[bytes, str], list[bytes]] | None:
         self._check_open()
@@ -542,5 +467,5 @@ class RedisBackend(RemoteRecordBackend):
         data = super().stats()
         data.update(url=self.url, cluster=self.cluster, pool_waits=self._gate.waits, pool_busy=self._gate.busy)
         if self.cluster:
-            data["nodes_down"] = sum(1 for h in self._nodes.values() if not h.up)
+            data["nodes_down"] = sum(1 for h in self._nodes.health.values() if not h.up)
         return data

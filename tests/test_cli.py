@@ -297,7 +297,7 @@ def test_inspect_and_verify_a_file_tier(tmp_path: Path) -> None:
     assert "file" in table and "cli-file" in table
 
     h = make_key(3).hex()
-    record = path / h[:2] / h[2:4] / f"{h}.kvb"
+    record = path / f"{h}.kvb"  # the flat layout, a new store's
     broken = bytearray(record.read_bytes())
     broken[-1] ^= 0xFF
     record.write_bytes(bytes(broken))

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,8 +39,8 @@ def _block(seed: int) -> torch.Tensor:
     return random_block(FMT.block_bytes, seed)
 
 
-def _backend(name: str, path: Path) -> Backend:
-    return registry.backends.get(name)(capacity=256 << 20, path=str(path))
+def _backend(name: str, path: Path, **options: object) -> Backend:
+    return registry.backends.get(name)(capacity=256 << 20, path=str(path), **options)
 
 
 def _writer(name: str, path: Path, round_: int, fd: int) -> None:
@@ -690,7 +691,7 @@ def test_a_bad_lmdb_read_is_a_per_key_miss_and_the_key_is_dropped(tmp_path: Path
 
 def test_file_tier_never_follows_a_symlinked_shard_directory(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    backend = _backend("file", root)
+    backend = _backend("file", root, layout="sharded")
     asyncio.run(backend.open(FMT))
     try:
         key = make_key(1)
@@ -736,7 +737,7 @@ def test_file_tier_root_is_private_and_refused_when_another_user_owns_it(tmp_pat
 
 
 def test_file_tier_fsyncs_new_shard_directories_into_their_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    backend = _backend("file", tmp_path / "root")
+    backend = _backend("file", tmp_path / "root", layout="sharded")
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -758,6 +759,43 @@ def test_file_tier_fsyncs_new_shard_directories_into_their_parent(tmp_path: Path
     h = key.hex()
     print(f"fsync'ed directories: {synced}")
     assert os.path.join(root, h[:2]) in synced and os.path.join(root, h[:2], h[2:4]) in synced
+
+
+def test_a_flat_store_syncs_each_record_then_the_root_once_per_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the flat layout a job's records share the root: every record's data is synced, then
+    (after every rename) the root's entries, once for the whole job."""
+    backend = _backend("file", tmp_path / "root")
+    events: list[tuple[str, str]] = []
+    real_fsync, real_fdatasync, real_replace = os.fsync, os.fdatasync, os.replace
+
+    def spy(kind: str, real: Any) -> Any:
+        def call(fd: int) -> None:
+            events.append((kind, os.readlink(f"/proc/self/fd/{fd}")))
+            real(fd)
+
+        return call
+
+    def replace(src: Any, dst: Any, **kw: Any) -> None:
+        events.append(("rename", str(dst)))
+        real_replace(src, dst, **kw)
+
+    asyncio.run(backend.open(FMT))
+    root = str((tmp_path / "root").resolve())
+    assert [p.name for p in Path(root).iterdir()] == ["kvtier-meta.kvm"]  # no shard directories
+    monkeypatch.setattr(os, "fsync", spy("fsync", real_fsync))
+    monkeypatch.setattr(os, "fdatasync", spy("fdatasync", real_fdatasync))
+    monkeypatch.setattr(os, "replace", replace)
+    keys = [make_key(60 + i) for i in range(6)]
+    try:
+        assert None not in backend.write_blocks(keys, [_block(i) for i in range(6)])
+    finally:
+        monkeypatch.undo()
+        asyncio.run(backend.aclose())
+    kinds = [kind for kind, _ in events]
+    print(f"flat job: {kinds}")
+    assert kinds == ["fdatasync"] * 6 + ["rename"] * 6 + ["fsync"]  # data, then names, then the directory
+    assert events[-1] == ("fsync", root)
+    assert sorted(os.path.basename(what) for kind, what in events if kind == "rename") == sorted(f"{k.hex()}.kvb" for k in keys)
 
 
 def test_stamps_that_cannot_be_written_never_fail_a_close(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

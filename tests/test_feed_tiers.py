@@ -87,11 +87,11 @@ async def test_an_eviction_in_a_shared_tier_forgets_and_never_deletes(tmp_path: 
         assert held < 12 and await a.lookup(K[:1]) == 0
         assert a.stats()["transfers"]["shared_forgotten"] == 12 - held
         assert a.stats()["backends"][0]["used_bytes"] <= cfg["tiers"][0]["capacity"]
-    records = list(tmp_path.glob("*/*/*.kvb"))
+    records = list(tmp_path.rglob("*.kvb"))
     assert len(records) == 12  # every record stays for the other engines
     async with kvtier.open(cfg, kv_caches=caches) as again:  # a restart adopts what fits, deletes nothing
         assert again.stats()["tiers"][0]["blocks"] == held
-    assert len(list(tmp_path.glob("*/*/*.kvb"))) == 12
+    assert len(list(tmp_path.rglob("*.kvb"))) == 12
 
 
 async def test_the_file_feed_carries_stores_across_two_processes(tmp_path: Path) -> None:

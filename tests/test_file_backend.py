@@ -1,4 +1,6 @@
-"""The file tier: conformance suite plus layout, sharing, corruption, sweeping and path safety."""
+"""The file tier: conformance suite plus layout, sharing, corruption, sweeping and path safety.
+
+Every test runs in both layouts (``flat``, the default for a new store, and ``sharded``)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,17 @@ from kvtier.errors import ConfigError, InvalidKeyError
 from kvtier.records.format import HEADER_SIZE
 from kvtier.testing import BackendTests, make_key, random_block
 
+LAYOUT = "flat"  # set for each test by the ``layout`` fixture
+
+
+@pytest.fixture(autouse=True, params=["flat", "sharded"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(f"{__name__}.LAYOUT", request.param)
+    return str(request.param)
+
 
 def file_backend(path: Path, capacity: int, **options: object) -> Backend:
+    options.setdefault("layout", LAYOUT)
     return registry.backends.get("file")(capacity=capacity, path=str(path / "store"), **options)
 
 
@@ -54,15 +65,20 @@ def _empty(n: int) -> list[torch.Tensor]:
 
 def _record_path(root: Path, key: bytes) -> Path:
     h = key.hex()
+    if LAYOUT == "flat":
+        return root / "store" / f"{h}.kvb"
     return root / "store" / h[:2] / h[2:4] / f"{h}.kvb"
 
 
-def test_layout_is_a_sharded_hex_tree(tmp_path: Path) -> None:
+def test_records_are_placed_by_the_store_layout(tmp_path: Path) -> None:
     backend = _open(file_backend(tmp_path, 1 << 20))
     try:
         key = make_key(3)
         size = backend.write_blocks([key], _blocks(1))[0]
         path = _record_path(tmp_path, key)
+        assert [str(p.relative_to(tmp_path / "store")) for p in (tmp_path / "store").rglob("*.kvb")] == [
+            str(path.relative_to(tmp_path / "store"))
+        ]
         assert path.is_file() and path.stat().st_size == FMT.block_bytes + HEADER_SIZE
         assert size == backend.reserve_bytes() and size % 4096 == 0
         assert not list(path.parent.glob("*.tmp"))
@@ -201,8 +217,9 @@ def test_scan_ignores_foreign_files_and_symlinks(tmp_path: Path) -> None:
     root = tmp_path / "store"
     (root / "zz").mkdir()
     (root / "zz" / "notes.kvb").write_bytes(b"x")
+    (root / "notes.kvb").write_bytes(b"x")
     h = make_key(2).hex()
-    shard = root / h[:2] / h[2:4]
+    shard = _record_path(tmp_path, make_key(2)).parent
     shard.mkdir(parents=True, exist_ok=True)
     outside = tmp_path / "outside.kvb"
     outside.write_bytes(b"secret")
@@ -224,9 +241,10 @@ def test_keys_that_are_not_32_bytes_are_rejected(tmp_path: Path) -> None:
                 backend.write_blocks([bad], _blocks(1))  # type: ignore[list-item]
             with pytest.raises(InvalidKeyError):
                 backend.read_blocks([bad], _empty(1))  # type: ignore[list-item]
-        # nothing but the meta record and the (empty) first-level shard directories made at open
+        # nothing but the meta record and (sharded) the empty first-level shard directories made at open
         assert sorted(str(p.relative_to(tmp_path / "store")) for p in (tmp_path / "store").rglob("*") if not p.is_dir()) == ["kvtier-meta.kvm"]
-        assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.is_dir()) == [f"{i:02x}" for i in range(256)]
+        made = [f"{i:02x}" for i in range(256)] if LAYOUT == "sharded" else []
+        assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.is_dir()) == made
     finally:
         _close(backend)
 
@@ -324,3 +342,80 @@ def test_a_large_job_is_read_while_a_side_thread_checks_and_each_bad_record_is_i
         assert hops == ["_side"]
     finally:
         _close(backend)
+
+
+# -- the store's layout --------------------------------------------------------------------------
+
+
+def test_an_unknown_layout_is_a_config_error_naming_the_field(tmp_path: Path) -> None:
+    for bad in ("flatter", "", 2, True):
+        with pytest.raises(ConfigError, match=r"^layout: expected one of flat, sharded"):
+            file_backend(tmp_path, 1 << 20, layout=bad)
+
+
+def test_a_store_of_the_original_layout_opens_reads_and_verifies_as_it_was_written(tmp_path: Path) -> None:
+    """A store written before layouts were named: records in ``ab/cd/``, a meta record with no
+    ``layout`` field (the bytes ``encode_meta`` wrote then). It opens in its own layout whatever
+    the default for new stores, serves its records, takes new ones beside them, and the offline
+    tools verify it."""
+    from kvtier.records.format import encode_meta
+    from kvtier.tools.offline import verify_tier
+
+    old = _open(file_backend(tmp_path, 1 << 20, layout="sharded"))
+    keys = [make_key(i) for i in range(4)]
+    blocks = _blocks(4)
+    old.write_blocks(keys[:3], blocks[:3])
+    _close(old)
+    root = tmp_path / "store"
+    assert (root / "kvtier-meta.kvm").read_bytes() == encode_meta(FMT)  # no layout field
+    assert sorted(p.relative_to(root).parts[:2] for p in root.rglob("*.kvb")) == sorted((k.hex()[:2], k.hex()[2:4]) for k in keys[:3])
+    backend = _open(registry.backends.get("file")(capacity=1 << 20, path=str(root)))  # no layout: the store's
+    try:
+        assert backend.store_layout == "sharded"  # type: ignore[attr-defined]
+        assert sorted(r.key for r in backend.scan()) == sorted(keys[:3])
+        out = _empty(3)
+        assert backend.read_blocks(keys[:3], out) == [True] * 3
+        assert all(torch.equal(o, b) for o, b in zip(out, blocks[:3]))
+        backend.write_blocks(keys[3:], blocks[3:])
+        h = keys[3].hex()
+        assert (root / h[:2] / h[2:4] / f"{h}.kvb").is_file()  # new records go where the store's are
+    finally:
+        _close(backend)
+    report = verify_tier(root)
+    assert report.ok and report.checked == 4
+
+
+def test_a_store_keeps_its_layout_and_refuses_another_by_name(tmp_path: Path, layout: str) -> None:
+    other = "sharded" if layout == "flat" else "flat"
+    _close(_open(file_backend(tmp_path, 1 << 20)))
+    with pytest.raises(ConfigError, match=f"^layout: the store at .* was made with layout '{layout}', the tier asks for '{other}'"):
+        _open(file_backend(tmp_path, 1 << 20, layout=other))
+    backend = _open(registry.backends.get("file")(capacity=1 << 20, path=str(tmp_path / "store")))
+    try:
+        assert backend.store_layout == layout  # type: ignore[attr-defined]
+        assert "layout" not in backend.to_dict()  # none asked for: the store's own
+    finally:
+        _close(backend)
+    assert file_backend(tmp_path, 1 << 20).to_dict()["layout"] == layout
+
+
+def test_a_store_made_without_a_layout_is_flat(tmp_path: Path) -> None:
+    backend = _open(registry.backends.get("file")(capacity=1 << 20, path=str(tmp_path / "store")))
+    try:
+        assert backend.store_layout == "flat"  # type: ignore[attr-defined]
+        backend.write_blocks([make_key(1)], _blocks(1))
+        assert (tmp_path / "store" / f"{make_key(1).hex()}.kvb").is_file()
+    finally:
+        _close(backend)
+
+
+def test_a_layout_this_build_does_not_know_is_refused_and_the_store_left_alone(tmp_path: Path) -> None:
+    from kvtier.records.format import encode_meta
+
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    meta = encode_meta(FMT, layout="zigzag")
+    (root / "kvtier-meta.kvm").write_bytes(meta)
+    with pytest.raises(ConfigError, match="layout is 'zigzag', which this kvtier does not know"):
+        _open(file_backend(tmp_path, 1 << 20))
+    assert (root / "kvtier-meta.kvm").read_bytes() == meta

@@ -1,6 +1,6 @@
 """The ``file`` tier's listing at open (columns from one ``scandir`` per shard directory, no
 ``RecordInfo`` per record) against the record-by-record walk the offline tools use: the same
-keys, sizes and stamps, whatever else lies in the tree."""
+keys, sizes and stamps, whatever else lies in the tree; in both layouts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier import registry
@@ -16,6 +17,12 @@ from kvtier.backend import Backend, BlockFormat
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=8192, dtype="bfloat16", namespace={"model_id": "m"})
+LAYOUTS = pytest.mark.parametrize("layout", ["flat", "sharded"])
+
+
+def _place(root: Path, key: bytes, layout: str) -> Path:
+    h = key.hex()
+    return root / f"{h}.kvb" if layout == "flat" else root / h[:2] / h[2:4] / f"{h}.kvb"
 
 
 def _open(path: Path, **options: object) -> Backend:
@@ -24,13 +31,13 @@ def _open(path: Path, **options: object) -> Backend:
     return backend
 
 
-def _littered_store(root: Path, outside: Path) -> list[bytes]:
+def _littered_store(root: Path, outside: Path, layout: str) -> list[bytes]:
     """Twelve records (two compressed, so of other sizes; stamps set apart), and beside them
     what the listing must skip: temp files (one stale), foreign names, a record name in the
-    wrong shard, a symlinked record and a symlinked shard directory, a directory where a
-    record should be. The keys of the records."""
+    wrong shard, a record in the other layout's place, a symlinked record and a symlinked shard
+    directory, a directory where a record should be. The keys of the records."""
     keys = [make_key(i) for i in range(12)]
-    backend = _open(root)
+    backend = _open(root, layout=layout)
     backend.write_blocks(keys[:10], [random_block(FMT.block_bytes, i) for i in range(10)])
     backend.touch_stamps([(k, 1_000_000.0 + 7 * i) for i, k in enumerate(keys[:10])])
     asyncio.run(backend.aclose())
@@ -38,39 +45,45 @@ def _littered_store(root: Path, outside: Path) -> list[bytes]:
     zstd.write_blocks(keys[10:], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)] * 2)
     asyncio.run(zstd.aclose())
     h = keys[0].hex()
-    shard = root / h[:2] / h[2:4]
+    shard = _place(root, keys[0], layout).parent
     (shard / f"{h}.kvb.1.2.tmp").write_bytes(b"young temp file")
     stale = shard / f"{h}.kvb.1.3.tmp"
     stale.write_bytes(b"stale temp file")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     (shard / "notes.txt").write_bytes(b"x")
     (shard / (h.upper() + ".kvb")).write_bytes(b"x")
-    other = make_key(99).hex()
-    (shard / f"{other}.kvb").write_bytes((shard / f"{h}.kvb").read_bytes())  # not its shard
+    if layout == "sharded":
+        other = make_key(99).hex()
+        (shard / f"{other}.kvb").write_bytes((shard / f"{h}.kvb").read_bytes())  # not its shard
+    elsewhere = _place(root, make_key(53), "sharded" if layout == "flat" else "flat")
+    elsewhere.parent.mkdir(parents=True, exist_ok=True)
+    elsewhere.write_bytes((shard / f"{h}.kvb").read_bytes())  # the other layout's place
     outside.mkdir()
     (outside / f"{make_key(50).hex()}.kvb").write_bytes(b"outside")
-    linked = make_key(50).hex()
-    (root / linked[:2] / linked[2:4]).mkdir(parents=True, exist_ok=True)
-    (root / linked[:2] / linked[2:4] / f"{linked}.kvb").symlink_to(outside / f"{linked}.kvb")
+    linked = _place(root, make_key(50), layout)
+    linked.parent.mkdir(parents=True, exist_ok=True)
+    linked.symlink_to(outside / linked.name)
     lshard = make_key(51).hex()
     (root / lshard[:2]).mkdir(exist_ok=True)
     if not (root / lshard[:2] / lshard[2:4]).exists():
         (root / lshard[:2] / lshard[2:4]).symlink_to(outside, target_is_directory=True)
-    dirname = make_key(52).hex()
-    (root / dirname[:2] / dirname[2:4] / f"{dirname}.kvb").mkdir(parents=True)
+    _place(root, make_key(52), layout).mkdir(parents=True)
     (root / "zz").mkdir()
     (root / "zz" / f"{h}.kvb").write_bytes(b"x")
     return keys
 
 
-def test_the_listing_at_open_is_the_record_by_record_walk(tmp_path: Path) -> None:
+@LAYOUTS
+def test_the_listing_at_open_is_the_record_by_record_walk(tmp_path: Path, layout: str) -> None:
     root = tmp_path / "store"
-    keys = _littered_store(root, tmp_path / "outside")
+    keys = _littered_store(root, tmp_path / "outside", layout)
     walked = []
-    for key, entry in registry.backends.get("file")._record_entries(str(root)):  # type: ignore[attr-defined]
+    for key, entry in registry.backends.get("file")._record_entries(str(root), layout=layout):  # type: ignore[attr-defined]
         st = entry.stat(follow_symlinks=False)
         walked.append((key, -(-st.st_size // 4096) * 4096, st.st_mtime))
     assert sorted(k for k, _, _ in walked) == sorted(keys)
+    offline = [k for k, _ in registry.backends.get("file")._record_entries(str(root), layout=None)]  # type: ignore[attr-defined]
+    assert sorted(offline) == sorted([*keys, make_key(53)])  # the offline tools see both layouts
     backend = _open(root)
     try:
         columns = backend.scan_columns()  # type: ignore[attr-defined]
@@ -87,14 +100,15 @@ def test_the_listing_at_open_is_the_record_by_record_walk(tmp_path: Path) -> Non
     assert (tmp_path / "outside" / f"{make_key(50).hex()}.kvb").read_bytes() == b"outside"
 
 
-def test_a_store_adopts_the_listing_as_columns(tmp_path: Path) -> None:
+@LAYOUTS
+def test_a_store_adopts_the_listing_as_columns(tmp_path: Path, layout: str) -> None:
     from kvtier.bulk import RecordColumns
     from kvtier.manager import TierManager, TierSpec
     from kvtier.manager.policies import LRUPolicy
     from kvtier.store import _scan_records
 
     root = tmp_path / "store"
-    keys = _littered_store(root, tmp_path / "outside")
+    keys = _littered_store(root, tmp_path / "outside", layout)
     backend = _open(root)
     try:
         listed = _scan_records(backend)

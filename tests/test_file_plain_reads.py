@@ -26,41 +26,44 @@ def _open(path: Path, **options: Any) -> Backend:
     return backend
 
 
-def _record(root: Path, key: bytes) -> Path:
+def _record(root: Path, key: bytes, layout: str) -> Path:
     h = key.hex()
-    return root / h[:2] / h[2:4] / f"{h}.kvb"
+    return root / f"{h}.kvb" if layout == "flat" else root / h[:2] / h[2:4] / f"{h}.kvb"
 
 
-def _damaged_store(root: Path, outside: Path) -> tuple[list[bytes], list[torch.Tensor]]:
+def _damaged_store(root: Path, outside: Path, layout: str = "flat") -> tuple[list[bytes], list[torch.Tensor]]:
     """Ten keys: 0 and 8 sound; 1 absent; 2 a flipped payload bit; 3 a bad magic; 4 truncated;
     5 compressed; 6 with a byte too many; 7 behind a symlinked shard directory (a sound record
-    outside the root); 9 a symlink to a sound record outside the root."""
+    outside the root; in the flat layout, a symlink to it); 9 a symlink to a sound record outside
+    the root."""
     keys = [make_key(i) for i in range(10)]
     data = [random_block(FMT.block_bytes, 900 + i) for i in range(10)]
     data[5] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
-    backend = _open(root)
+    backend = _open(root, layout=layout)
     backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 6, 7, 8, 9)], [data[i] for i in (0, 2, 3, 4, 6, 7, 8, 9)])
     asyncio.run(backend.aclose())
     zstd = _open(root, codec={"name": "zstd", "level": 1})
     zstd.write_blocks([keys[5]], [data[5]])
     asyncio.run(zstd.aclose())
-    raw = bytearray(_record(root, keys[2]).read_bytes())
+    raw = bytearray(_record(root, keys[2], layout).read_bytes())
     raw[-100] ^= 0x20
-    _record(root, keys[2]).write_bytes(bytes(raw))
-    raw = bytearray(_record(root, keys[3]).read_bytes())
+    _record(root, keys[2], layout).write_bytes(bytes(raw))
+    raw = bytearray(_record(root, keys[3], layout).read_bytes())
     raw[0] ^= 0x01
-    _record(root, keys[3]).write_bytes(bytes(raw))
-    os.truncate(_record(root, keys[4]), _record(root, keys[4]).stat().st_size - 1)
-    with open(_record(root, keys[6]), "ab") as f:
+    _record(root, keys[3], layout).write_bytes(bytes(raw))
+    os.truncate(_record(root, keys[4], layout), _record(root, keys[4], layout).stat().st_size - 1)
+    with open(_record(root, keys[6], layout), "ab") as f:
         f.write(b"x")
     outside.mkdir()
     for i in (7, 9):
-        (outside / _record(root, keys[i]).name).write_bytes(_record(root, keys[i]).read_bytes())
-    shard = _record(root, keys[7]).parent
-    shutil.rmtree(shard)
-    shard.symlink_to(outside, target_is_directory=True)
-    _record(root, keys[9]).unlink()
-    _record(root, keys[9]).symlink_to(outside / _record(root, keys[9]).name)
+        (outside / _record(root, keys[i], layout).name).write_bytes(_record(root, keys[i], layout).read_bytes())
+    if layout == "sharded":
+        shard = _record(root, keys[7], layout).parent
+        shutil.rmtree(shard)
+        shard.symlink_to(outside, target_is_directory=True)
+    for i in (7, 9) if layout == "flat" else (9,):
+        _record(root, keys[i], layout).unlink()
+        _record(root, keys[i], layout).symlink_to(outside / _record(root, keys[i], layout).name)
     return keys, data
 
 
@@ -77,8 +80,9 @@ def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.Monkey
     return found, out, stats, files
 
 
-def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside")
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
     shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
     for link in (tmp_path / "b").rglob("*"):  # the copied symlinks point into the copy's own outside
         if link.is_symlink():
@@ -131,17 +135,26 @@ def test_a_plain_read_takes_three_system_calls_a_record_and_checks_what_it_reads
         asyncio.run(backend.aclose())
 
 
-def test_without_openat2_every_record_takes_the_general_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_without_openat2_a_sharded_store_takes_the_general_read_and_a_flat_one_needs_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     keys = [make_key(i) for i in range(3)]
     data = [random_block(FMT.block_bytes, 970 + i) for i in range(3)]
-    backend = _open(tmp_path / "store")
+    backend = _open(tmp_path / "store", layout=layout)
     backend.write_blocks(keys, data)
     monkeypatch.setattr(file_reads, "_syscall", lambda *args: -1)
     monkeypatch.setattr(file_reads.ctypes, "get_errno", lambda: 38)  # ENOSYS
+    general: list[int] = []
+    real_each = file_tier.FileBackend._read_each
+    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True] * 3
         assert all(torch.equal(o, d) for o, d in zip(out, data))
-        assert not backend._beneath.usable  # type: ignore[attr-defined]
+        if layout == "sharded":
+            assert not backend._beneath.usable and general == [0, 1, 2]  # type: ignore[attr-defined]
+        else:  # one openat of a name in the root, no openat2
+            assert general == []
     finally:
         asyncio.run(backend.aclose())

@@ -20,7 +20,7 @@ FMT = BlockFormat(block_bytes=8192, dtype="bfloat16", namespace={"model_id": "m"
 
 
 def _open(path: Path, sync_mode: str = "durable") -> Backend:
-    backend = registry.backends.get("file")(capacity=8 << 20, path=str(path), sync_mode=sync_mode)
+    backend = registry.backends.get("file")(capacity=8 << 20, path=str(path), sync_mode=sync_mode, layout="sharded")
     asyncio.run(backend.open(FMT))
     return backend
 

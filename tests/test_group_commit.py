@@ -19,8 +19,8 @@ from kvtier.testing import make_key, random_block
 FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
 
 
-def _open(name: str, path: Path, capacity: int = 16 << 20) -> Backend:
-    backend = registry.backends.get(name)(capacity=capacity, path=str(path / name))
+def _open(name: str, path: Path, capacity: int = 16 << 20, **options: object) -> Backend:
+    backend = registry.backends.get(name)(capacity=capacity, path=str(path / name), **options)
     asyncio.run(backend.open(FMT))
     return backend
 
@@ -132,7 +132,7 @@ def test_a_job_of_files_syncs_each_changed_directory_once(tmp_path: Path, monkey
     however many of its records went there."""
     import os
 
-    backend = _open("file", tmp_path)
+    backend = _open("file", tmp_path, layout="sharded")
     keys = [bytes([7, 7]) + make_key(i)[2:] for i in range(8)]  # one shard directory for all
     synced: list[str] = []
     real_fsync, real_fdatasync, real_pwritev = os.fsync, os.fdatasync, os.pwritev
@@ -163,7 +163,7 @@ def test_a_job_of_files_syncs_side_by_side_and_names_a_record_only_once_its_data
     rename (the order that makes a record durable before its name)."""
     import os
 
-    backend = _open("file", tmp_path)
+    backend = _open("file", tmp_path, layout="sharded")
     keys = [make_key(i) for i in range(4)]  # four shard directories
     events: list[tuple[str, str]] = []
     lock = threading.Lock()

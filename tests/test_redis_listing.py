@@ -236,22 +236,25 @@ def test_ready_keys_are_the_ready_ones_only() -> None:
     assert sorted(manager.ready_keys(0)) == sorted(keys[:2])
 
 
+class _OldTarget:
+    """An index target of an older release: no ``ready_keys``."""
+
+    def holds(self, key: bytes, tier: int) -> bool:
+        return False
+
+    def adopt(self, tier: int, records: Any) -> list[bytes]:
+        return []
+
+    def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+        return []
+
+
 def test_a_target_without_ready_keys_is_refused_at_bind() -> None:
     from kvtier.backends.shared_index import SharedIndexView
 
-    class Old:
-        def holds(self, key: bytes, tier: int) -> bool:
-            return False
-
-        def adopt(self, tier: int, records: Any) -> list[bytes]:
-            return []
-
-        def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
-            return []
-
     view = SharedIndexView("old", lambda: set(), record_bytes=1)
     with pytest.raises(TypeError, match="ready_keys"):
-        view.bind(Old(), 0, start=False)
+        view.bind(_OldTarget(), 0, start=False)
 
 
 def test_a_clusters_primaries_are_listed_at_once(redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -425,16 +428,7 @@ def test_the_first_sweep_waits_ten_listings_after_the_open(redis_server: RedisSe
     keys would be listed twice in a row)."""
     from kvtier.backends.shared_index import SharedIndexView
 
-    class Target:
-        def holds(self, key: bytes, tier: int) -> bool:
-            return False
-
-        def adopt(self, tier: int, records: Any) -> list[bytes]:
-            return []
-
-        def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
-            return []
-
+    class Target(_OldTarget):
         def ready_keys(self, tier: int) -> list[bytes]:
             return []
 

@@ -58,8 +58,10 @@ def _read(kind: str, path: Path, keys: list[bytes]) -> tuple[list[bool], list[to
 
 
 def _record_file(root: Path, key: bytes) -> Path:
+    """``key``'s record in a file tier, in whichever layout the tier has."""
     h = key.hex()
-    return root / h[:2] / h[2:4] / f"{h}.kvb"
+    flat = root / f"{h}.kvb"
+    return flat if flat.exists() else root / h[:2] / h[2:4] / f"{h}.kvb"
 
 
 def _flip_payload_byte(kind: str, path: Path, key: bytes) -> None:
@@ -165,9 +167,10 @@ def test_verify_delete_keeps_the_lmdb_index_consistent(tmp_path: Path) -> None:
     assert asyncio.run(listed()) == {make_key(i) for i in (0, 2, 3)}
 
 
-def test_verify_reports_truncated_and_foreign_layout_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_verify_reports_truncated_and_foreign_layout_files(tmp_path: Path, layout: str) -> None:
     path = tmp_path / "tier"
-    _fill("file", path, 3)
+    _fill("file", path, 3, layout=layout)
     record = _record_file(path, make_key(0))
     record.write_bytes(record.read_bytes()[:100])
     # names the tier would never write are not records, and are left alone
@@ -238,10 +241,11 @@ def test_an_lmdb_environment_of_another_program_is_refused(tmp_path: Path) -> No
         inspect_tier(tmp_path)
 
 
-def test_offline_classmethods_match_the_backend(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_offline_classmethods_match_the_backend(tmp_path: Path, layout: str) -> None:
     for kind in KINDS:
         path = tmp_path / kind
-        _fill(kind, path, 4)
+        _fill(kind, path, 4, **({"layout": layout} if kind == "file" else {}))
         cls = registry.backends.get(kind)
         meta = cls.read_store_meta(path)
         assert meta is not None and meta.block_bytes == BLOCK and meta.namespace == {"model_id": "tools-test"}

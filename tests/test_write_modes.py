@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvtier
+import kvtier.config  # the tests below name kvtier.config: imported here, not by whichever test ran first
 from kvtier.manager import Demotion, TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key

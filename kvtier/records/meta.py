@@ -39,11 +39,16 @@ class StoreMeta:
     #: The MAC algorithm of a keyed store's records; ``None`` for an unkeyed store, and for a
     #: keyed one written before the meta record named it (its records are HMAC-SHA256).
     mac: str | None = None
+    #: How a directory tier places its records (the ``file`` tier's ``layout``); ``None`` for
+    #: a store whose meta record names none (the layout it had before layouts were named).
+    layout: str | None = None
 
 
-def encode_meta(fmt: BlockFormat, mac: RecordMac | None = None) -> bytes:
-    """The meta record of a store of ``fmt`` records, keyed with ``mac`` (``None``: unkeyed).
-    An unkeyed store's meta record has no ``mac`` field, as before keyed stores named theirs."""
+def encode_meta(fmt: BlockFormat, mac: RecordMac | None = None, *, layout: str | None = None) -> bytes:
+    """The meta record of a store of ``fmt`` records, keyed with ``mac`` (``None``: unkeyed),
+    placed by ``layout`` (``None``: the tier's original layout). An unkeyed store's meta record
+    has no ``mac`` field, as before keyed stores named theirs, and one of the original layout no
+    ``layout`` field."""
     fields: dict[str, Any] = {
         "format_version": RECORD_VERSION,
         "block_bytes": fmt.block_bytes,
@@ -53,6 +58,8 @@ def encode_meta(fmt: BlockFormat, mac: RecordMac | None = None) -> bytes:
     }
     if mac is not None:
         fields["mac"] = mac.algorithm
+    if layout is not None:
+        fields["layout"] = layout
     body = msgpack.packb(
         fields,
         use_bin_type=True,
@@ -82,6 +89,7 @@ def decode_meta(data: Any) -> StoreMeta:
             namespace_digest=bytes(fields["namespace_digest"]),
             namespace=dict(fields["namespace"]),
             mac=None if fields.get("mac") is None else str(fields["mac"]),
+            layout=None if fields.get("layout") is None else str(fields["layout"]),
         )
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptBlockError(f"meta record is not readable: {exc}") from exc
