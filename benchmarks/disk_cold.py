@@ -29,7 +29,6 @@ from kvtier.tools.bench.scripts.disk_common import (
 
 from kvtier.testing import cached_pages, evict_from_page_cache
 
-
 #: Seconds an open's read-around is given to land before the file is evicted again (8 MiB
 #: takes well under 0.1 s here).
 _SETTLE = 0.1

@@ -282,7 +282,6 @@ def test_cold_lmdb_part_reads_every_value_inside_the_timed_loads(tmp_path: Path)
     pytest.importorskip("lmdb")
     pytest.importorskip("xxhash")
     import torch
-
     from kvtier.tools.bench.scripts.disk_cold import bench_lmdb_cold
     from kvtier.tools.bench.scripts.disk_common import BLOCK
 
