@@ -12,7 +12,10 @@ and ``speedup`` = vLLM / kvtier (above 1: kvtier is faster). Phases, with the sa
 sizes for both: ``store`` (``prepare_store`` + ``complete_store`` of new keys, not full; vLLM's
 ``on_request_finished`` of those requests is timed apart as ``vllm_finish``), ``lookup_hit`` and
 ``lookup_miss`` (one key per call, as vLLM's scheduler asks), ``load`` (``prepare_load`` +
-``complete_load``), ``touch``, ``store_evict`` (the cache is full: every call evicts).
+``complete_load``), ``touch``, ``store_evict`` (the cache is full: every call evicts). The lookups also time, in
+the same slices, the floor of any single-key lookup written in Python (a function that unpacks
+the key and probes one plain dict of the same keys, no check, no counter):
+``floor_speedup_range`` is the speedup over vLLM that floor itself reaches.
 """
 
 from __future__ import annotations
@@ -60,14 +63,46 @@ def timed(items: list[Any], op: Callable[[Any], Any]) -> float:
     return time.thread_time_ns() - t0
 
 
-def phase(slices: int, v_items: list[Any], k_items: list[Any], v_op: Callable[[Any], Any], k_op: Callable[[Any], Any], per: int) -> dict[str, float]:
-    """Best microseconds per key of each side over ``slices`` alternating slices."""
-    best_v = best_k = float("inf")
+def phase(
+    slices: int,
+    v_items: list[Any],
+    k_items: list[Any],
+    v_op: Callable[[Any], Any],
+    k_op: Callable[[Any], Any],
+    per: int,
+    floor_op: Callable[[Any], Any] | None = None,
+) -> dict[str, float]:
+    """Best microseconds per key of each side over ``slices`` alternating slices; with
+    ``floor_op`` (run on kvtier's items in the same slices), also the floor's and the speedup
+    over vLLM that the floor itself reaches (``floor_speedup``)."""
+    best_v = best_k = best_f = float("inf")
     size = max(1, len(v_items) // slices)
     for start in range(0, size * slices, size):
         best_v = min(best_v, timed(v_items[start : start + size], v_op) / (size * per))
         best_k = min(best_k, timed(k_items[start : start + size], k_op) / (size * per))
-    return {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
+        if floor_op is not None:
+            best_f = min(best_f, timed(twin_items(k_items[start : start + size]), floor_op) / (size * per))
+    out = {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
+    if floor_op is not None:
+        out.update(floor_us=best_f / 1e3, floor_speedup=best_v / best_f)
+    return out
+
+
+def twin_items(items: list[tuple[bytes]]) -> list[tuple[bytes]]:
+    """Single-key items with fresh key objects (a bytes object caches its hash once probed)."""
+    return [(bytes(bytearray(k)),) for (k,) in items]
+
+
+def bare_lookup(index: dict[bytes, Any]) -> Callable[[tuple[bytes]], Any]:
+    """The floor of a single-key lookup in Python: unpack the key, probe one dict, nothing else
+    (no key check, no counter). What any manager written in Python pays per call."""
+    get = index.get
+
+    def lookup(keys: tuple[bytes]) -> Any:
+        (key,) = keys
+        return get(key)
+
+    return lookup
 
 
 def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dict[str, float]]:
@@ -96,10 +131,13 @@ def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dic
     pick = rng.sample(range(cap), ops)
     ctx = ReqContext(req_id="lookup")
     k_lookup = km.lookup
+    floor = bare_lookup(dict.fromkeys(k_res, True))  # the same keys in a plain dict
     out["lookup_hit"] = phase(
-        slices, [v_res[i] for i in pick], [(k_res[i],) for i in pick], lambda k: vm.lookup(k, ctx), k_lookup, 1
+        slices, [v_res[i] for i in pick], [(k_res[i],) for i in pick], lambda k: vm.lookup(k, ctx), k_lookup, 1, floor
     )
-    out["lookup_miss"] = phase(slices, v_absent, [(k,) for k in k_absent], lambda k: vm.lookup(k, ctx), k_lookup, 1)
+    out["lookup_miss"] = phase(
+        slices, v_absent, [(k,) for k in k_absent], lambda k: vm.lookup(k, ctx), k_lookup, 1, floor
+    )
 
     def v_load(item: tuple[list[bytes], ReqContext]) -> None:
         vm.prepare_load(item[0], item[1])
@@ -152,6 +190,9 @@ def main() -> None:
             "kvtier_us": round(min(r[name]["kvtier_us"] for r in reps), 3),
             "speedup_range": [round(ups[0], 2), round(ups[-1], 2)],
         }
+        if "floor_speedup" in reps[0][name]:
+            floors = sorted(r[name]["floor_speedup"] for r in reps)
+            result[name]["floor_speedup_range"] = [round(floors[0], 2), round(floors[-1], 2)]
     result["vllm_finish_us"] = round(min(r["vllm_finish"]["vllm_us"] for r in reps), 3)
     print(json.dumps(result))
 

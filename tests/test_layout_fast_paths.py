@@ -159,3 +159,46 @@ def test_an_inline_load_of_one_run_writes_the_same_bytes_either_way(
     for a, b in zip(fast.kv_caches, slow.kv_caches):
         assert torch.equal(a, b)
         assert not a[untouched].any()
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+def test_block_rows_are_the_row_views_cut_per_row(uniform: bool) -> None:
+    """A small load's source rows, block by block and tensor by tensor (one ``unbind`` of the
+    rows where every tensor's share is as wide), are exactly the per-tensor run views cut row
+    by row: same memory, shape and strides; a pool that is not contiguous takes the cuts."""
+    layout = KVLayout(_caches(3, uniform), strategy="index")
+    wide = torch.zeros((10, 2 * layout.block_bytes), dtype=torch.uint8)
+    for pool in (torch.zeros((10, layout.block_bytes), dtype=torch.uint8), wide[:, : layout.block_bytes]):
+        for r0, end in ((0, 10), (3, 7), (9, 10)):
+            views = layout._row_views(pool, False, r0, end)
+            got = layout._block_rows(pool, views, r0, end)
+            want = [v[j] for j in range(end - r0) for v in views]
+            assert len(got) == len(want) == (end - r0) * len(layout.kv_caches)
+            for a, b in zip(got, want):
+                assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+@pytest.mark.parametrize("limit", [0, 16], ids=["index_select", "foreach"])
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+def test_an_inline_save_into_one_run_writes_the_same_bytes_either_way(
+    limit: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inline save into one run of pool rows copies a small job per (block, tensor) and a
+    larger one per tensor (``_FOREACH_SAVE_MAX_BLOCKS``): both write the bytes the pairwise
+    copy writes, into the rows named and no other."""
+    monkeypatch.setattr(layout_module, "_FOREACH_SAVE_MAX_BLOCKS", limit)
+    caches = _caches(6, uniform)
+    fast = KVLayout([c.clone() for c in caches], strategy="index")
+    slow = KVLayout([c.clone() for c in caches], strategy="foreach")
+    rows = [3, 4, 5, 6, 7, 8, 9, 10, 11, 2]  # one run, out of order
+    ids = [11, 0, 7, 2, 9, 4, 1, 10, 3, 6]
+    pools = [torch.zeros((BLOCKS + 2, fast.block_bytes), dtype=torch.uint8) for _ in range(2)]
+    with fast.copies.on_callers_team():
+        assert fast.copies.on_this_thread()
+        fast.gather(ids, pools[0], rows)
+    slow.gather(ids, pools[1], rows)
+    assert torch.equal(pools[0], pools[1])
+    untouched = [r for r in range(BLOCKS + 2) if r not in rows]
+    assert not pools[0][untouched].any()
+    for a, orig in zip(fast.kv_caches, caches):
+        assert torch.equal(a, orig)  # the source blocks are read, never written
