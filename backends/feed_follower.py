@@ -218,9 +218,9 @@ class TierFollower:
             with self._lock:
                 self._foreign.difference_update(keys)
 
-    def note_listed(self, count: int) -> None:
-        """The number of keys the store's listing at open found."""
-        self.view.note_listed(count)
+    def note_listed(self, count: int, seconds: float = 0.0) -> None:
+        """The number of keys the store's listing at open found, and the seconds it took."""
+        self.view.note_listed(count, seconds)
 
     def count_served(self, keys: Iterable[bytes]) -> int:
         """Count the keys of a load this tier served that another engine stored (shared hits);

@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 
 from kvtier.backends.file_reads import BeneathRoot
-from kvtier.backends.file_tree import _META_NAME, FLAT, LAYOUTS, SHARDED, FileTree, Layout
+from kvtier.backends.file_tree import _HEX2, _META_NAME, _RECORD_NAME, FLAT, LAYOUTS, SHARDED, FileTree, Layout
 
 from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
@@ -55,15 +55,23 @@ def establish_meta(
     own, and a ``layout`` that differs from it is a ``ConfigError`` naming the field. An
     unreadable meta record (bad checksum, truncated, an unknown meta version) is moved aside
     with a warning and rewritten: one flipped bit from ours is damage like any other, never a
-    refusal to start (records are checked one by one when read). ``temp_name(path)`` names a
-    temporary file beside ``path``."""
+    refusal to start (records are checked one by one when read). A meta record written where
+    records already lie (the old one was damaged or removed) names the layout they are in
+    (:func:`_tree_layout`), so none is orphaned. ``temp_name(path)`` names a temporary file
+    beside ``path``."""
     meta_path = os.path.join(root, _META_NAME)
-    chosen = new_layout if layout is None else layout
     for _ in range(2):
         try:
             with open(meta_path, "rb") as f:
                 data = f.read(1 << 20)
         except FileNotFoundError:
+            found = _tree_layout(root)
+            if found is not None and layout is not None and layout != found:
+                raise ConfigError(
+                    f"layout: the store at {root!r} holds records in layout {found!r}, the tier asks for {layout!r}; "
+                    f"set layout: {found} (or leave it out), or point the tier at a new path"
+                ) from None
+            chosen = found or layout or new_layout
             tmp = temp_name(meta_path)
             with open(tmp, "wb") as f:
                 f.write(encode_meta(fmt, mac, layout=None if chosen == SHARDED else chosen))
@@ -89,6 +97,19 @@ def establish_meta(
         check_meta(meta, fmt, where=f"file {root!r}", mac=mac)
         return _store_layout(root, meta.layout, layout)
     raise DiskError(f"file: cannot establish the meta record of {root!r}")
+
+
+def _tree_layout(root: str) -> Layout | None:
+    """The layout of the records already under ``root`` (``None``: none there): ``sharded``
+    where shard directories are (a sharded store makes its first level at every open), else
+    ``flat`` where records lie in the root itself."""
+    flat = False
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.name in _HEX2 and entry.is_dir(follow_symlinks=False):
+                return SHARDED
+            flat = flat or _RECORD_NAME(entry.name) is not None
+    return FLAT if flat else None
 
 
 def asked_layout(layout: str | None) -> Layout | None:

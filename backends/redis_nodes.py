@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from kvtier.backends.redis_pool import PoolGate
+from kvtier.backends.redis_scan import interleaved
 from kvtier.backends.remote_health import Down, Health
 from kvtier.backends.remote_tier import Route, SweepSkipped
 
@@ -99,7 +100,7 @@ class RedisNodes:
     def each(self, listing: Callable[[Any], Iterable[T]], *, parallel: bool = False) -> Iterator[T]:
         """``listing(client)`` on each primary (the server's own client, or each cluster
         primary's): in turn, or with ``parallel`` on a thread per primary (each is a process of
-        its own; the items then come once every primary is listed). A dead primary is skipped
+        its own; each primary's items come as they are listed: ``interleaved``). A dead primary is skipped
         (its keys drop out of the index: they miss anyway); a pool with no connection to spare
         skips the round."""
         try:
@@ -113,11 +114,8 @@ class RedisNodes:
                 nodes = [(health, client.get_redis_connection(n)) for health, n in healths if health.allow()]
             else:
                 nodes = [(None, client)]
-            if parallel and len(nodes) > 1:
-                with ThreadPoolExecutor(len(nodes), thread_name_prefix=f"kvtier-{self.t.name}-scan") as threads:
-                    listed = list(threads.map(lambda hn: list(self._one(hn[0], hn[1], listing)), nodes))
-                for items in listed:
-                    yield from items
+            if parallel and len(nodes) > 1:  # each primary's items as they come
+                yield from interleaved([partial(self._one, health, node, listing) for health, node in nodes], f"kvtier-{self.t.name}-scan")
             else:
                 for health, node in nodes:
                     yield from self._one(health, node, listing)

@@ -18,16 +18,24 @@ second ``bytes`` per key for the block key with the prefix cut off. Here:
 
 SCAN may return a key twice (when the server's table grows during the sweep); callers collect
 the keys into a set.
+
+A cluster's primaries are listed at once, a thread each (:func:`interleaved`), and their batches
+reach the caller as they come: the caller gathers one primary's keys while the others list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 from kvtier.backends.redis_wire import Wire
 
-__all__ = ["record_pattern", "scan_block_keys", "scan_command"]
+__all__ = ["interleaved", "record_pattern", "scan_block_keys", "scan_command"]
+
+T = TypeVar("T")
 
 
 def record_pattern(prefix: bytes, key_bytes: int) -> bytes:
@@ -79,3 +87,48 @@ def scan_block_keys(wire: Wire, prefix: bytes, key_bytes: int, count: int) -> It
             yield keys.tolist()
         if not more:
             return
+
+
+class _Ended:
+    """A listing's thread has ended; ``error``: what it raised, if anything."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+def interleaved(listings: Sequence[Callable[[], Iterable[T]]], name: str) -> Iterator[T]:
+    """Every item of every listing, each listing run on a thread of its own, handed to the
+    caller as it comes (the listings' items interleave in no set order). The first error a
+    listing raises is raised here once every thread has ended (no items are handed over after
+    it); a caller that stops early also waits for the threads, which list to their end."""
+    items: queue.SimpleQueue[T | _Ended] = queue.SimpleQueue()
+
+    def run(listing: Callable[[], Iterable[T]]) -> None:
+        error: BaseException | None = None
+        try:
+            for item in listing():
+                items.put(item)
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            error = exc
+        items.put(_Ended(error))
+
+    threads = [threading.Thread(target=run, args=(listing,), name=f"{name}-{i}", daemon=True) for i, listing in enumerate(listings)]
+    for thread in threads:
+        thread.start()
+    error: BaseException | None = None
+    try:
+        running = len(threads)
+        while running:
+            item = items.get()
+            if isinstance(item, _Ended):
+                running -= 1
+                error = error or item.error
+            elif error is None:
+                yield item
+    finally:
+        for thread in threads:
+            thread.join()
+    if error is not None:
+        raise error

@@ -139,11 +139,12 @@ class RemoteListing:
         """The keys on the server (none while it is down), as columns: each stamped now, at the
         reserve size (no object per record but its key)."""
         self._check_open()
+        started = time.perf_counter()
         table = self._listing() or {}
         keys = list(table)
         n = len(keys)
         if self.follower is not None:
-            self.follower.note_listed(n)
+            self.follower.note_listed(n, time.perf_counter() - started)
         # One size and one stamp for all, as read-only columns of a single element each: no
         # memory per record (arrays made on this thread would outlive the open in its arena).
         stored = np.broadcast_to(np.int64(self.reserve_bytes()), (n,))

@@ -156,9 +156,13 @@ class SharedIndexView:
                 self._deleted[key] = now
                 self._written.pop(key, None)
 
-    def note_listed(self, count: int) -> None:
-        """The number of keys the store's listing at open found (for ``known_count``)."""
+    def note_listed(self, count: int, seconds: float = 0.0) -> None:
+        """The number of keys the store's listing at open found (for ``known_count``), and the
+        seconds that listing took: it counts as the last sweep, so the first sweep comes no sooner
+        than ten of its durations after it (a tier of 10^6 keys is not listed twice in a row)."""
         self._known_count = count
+        if seconds > 0:
+            self.counters["last_sweep_s"] = float(seconds)
 
     # -- sweeping ------------------------------------------------------------------------------
     def sweep_once(self) -> tuple[int, int] | None:

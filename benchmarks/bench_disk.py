@@ -18,7 +18,10 @@ a 128-wide head dimension times gaussian noise, slowly varying over tokens):
   (``lmdb_cold_*``, ``--cold-rounds`` rounds), with two sides that say where the tier's time
   goes (raw plus a serial XXH3 pass, ``raw_lmdb_cold_get_checked_gbps``; the tier with its check
   patched out, ``lmdb_cold_unchecked_load_gbps``), and what the tier's open reads of the cold file
-  (``lmdb_cold_open_seconds``, ``lmdb_cold_open_read_fraction`` of its pages, by ``mincore``);
+  (``lmdb_cold_open_seconds``, ``lmdb_cold_open_read_fraction`` of its pages, by ``mincore``)
+  and what a raw open reads (``raw_lmdb_cold_open_read_fraction``): each side evicts the file
+  again after its open and reads the B-tree pages back, so every value is read inside the
+  timed loads, from what a tier's open leaves cached;
 * whether this host can overlap cold reads with copies at all (``cold_contention``): raw cold
   ``get`` GB/s alone and with another thread copying memory meanwhile
   (``raw_lmdb_cold_get_alone_gbps``, ``raw_lmdb_cold_get_beside_copies_gbps``, and their ratio

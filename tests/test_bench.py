@@ -273,3 +273,21 @@ def test_the_compressed_tier_has_bandwidth_rows_and_its_speed_in_its_line() -> N
     rows = {(r["tier"], r["op"]): (r["gbps"], r["raw_gbps"]) for r in bandwidth_rows(results)}
     assert rows[("compressed", "save")] == (0.7, None) and rows[("compressed", "load")] == (0.787, None)
     assert "compressed: holds 1.38× the blocks per GiB of cpu on this KV, loads 787 MB/s;" in recommendations(results)[0]
+
+
+def test_cold_lmdb_part_reads_every_value_inside_the_timed_loads(tmp_path: Path) -> None:
+    """The cold part evicts the file again after each side's open, and says how much of the
+    file each open read: a raw open's read-around had loaded a quarter of the file before its
+    clock started."""
+    pytest.importorskip("lmdb")
+    pytest.importorskip("xxhash")
+    import torch
+    from kvtier.tools.bench.scripts.disk_cold import bench_lmdb_cold
+    from kvtier.tools.bench.scripts.disk_common import BLOCK
+
+    blocks = [torch.full((BLOCK,), i, dtype=torch.uint8) for i in range(3)]
+    res = bench_lmdb_cold(str(tmp_path), blocks, 1, drop_caches=False)  # asserts the data read back
+    for name in ("lmdb_cold_open_read_fraction", "raw_lmdb_cold_open_read_fraction", "raw_lmdb_cold_open_read_fraction_max"):
+        assert 0.0 <= res[name] <= 1.0, (name, res[name])
+    assert res["raw_lmdb_cold_open_read_fraction"] <= res["raw_lmdb_cold_open_read_fraction_max"]
+    assert res["lmdb_cold_load_gbps"] > 0 and res["raw_lmdb_cold_get_gbps"] > 0

@@ -419,3 +419,36 @@ def test_a_layout_this_build_does_not_know_is_refused_and_the_store_left_alone(t
     with pytest.raises(ConfigError, match="layout is 'zigzag', which this kvtier does not know"):
         _open(file_backend(tmp_path, 1 << 20))
     assert (root / "kvtier-meta.kvm").read_bytes() == meta
+
+
+def test_a_damaged_meta_record_keeps_the_layout_its_records_are_in(tmp_path: Path, layout: str) -> None:
+    """A meta record found damaged (or gone) is rewritten; the store keeps the layout its
+    records are in, whatever the default for new stores, so none of them is orphaned (never
+    listed, served or evicted again)."""
+    backend = _open(file_backend(tmp_path, 1 << 20))
+    keys, blocks = [make_key(i) for i in range(3)], _blocks(3)
+    assert all(backend.write_blocks(keys, blocks))
+    _close(backend)
+    (tmp_path / "store" / "kvtier-meta.kvm").write_bytes(b"garbage")
+    backend = registry.backends.get("file")(capacity=1 << 20, path=str(tmp_path / "store"))  # no layout: the store's
+    with pytest.warns(RuntimeWarning, match="meta record"):
+        _open(backend)
+    try:
+        assert backend.store_layout == layout  # type: ignore[attr-defined]
+        assert sorted(r.key for r in backend.scan()) == sorted(keys)
+        out = _empty(3)
+        assert backend.read_blocks(keys, out) == [True] * 3
+        assert all(torch.equal(o, b) for o, b in zip(out, blocks))
+    finally:
+        _close(backend)
+    (tmp_path / "store" / "kvtier-meta.kvm").unlink()
+    backend = _open(registry.backends.get("file")(capacity=1 << 20, path=str(tmp_path / "store")))
+    try:
+        assert backend.store_layout == layout  # type: ignore[attr-defined]
+        assert sorted(r.key for r in backend.scan()) == sorted(keys)
+    finally:
+        _close(backend)
+    other = "sharded" if layout == "flat" else "flat"
+    (tmp_path / "store" / "kvtier-meta.kvm").unlink()
+    with pytest.raises(ConfigError, match=f"^layout: the store at .* holds records in layout '{layout}', the tier asks for '{other}'"):
+        _open(file_backend(tmp_path, 1 << 20, layout=other))

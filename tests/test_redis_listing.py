@@ -236,22 +236,25 @@ def test_ready_keys_are_the_ready_ones_only() -> None:
     assert sorted(manager.ready_keys(0)) == sorted(keys[:2])
 
 
+class _OldTarget:
+    """An index target of an older release: no ``ready_keys``."""
+
+    def holds(self, key: bytes, tier: int) -> bool:
+        return False
+
+    def adopt(self, tier: int, records: Any) -> list[bytes]:
+        return []
+
+    def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
+        return []
+
+
 def test_a_target_without_ready_keys_is_refused_at_bind() -> None:
     from kvtier.backends.shared_index import SharedIndexView
 
-    class Old:
-        def holds(self, key: bytes, tier: int) -> bool:
-            return False
-
-        def adopt(self, tier: int, records: Any) -> list[bytes]:
-            return []
-
-        def remove(self, keys: list[bytes], tier: int) -> list[bytes]:
-            return []
-
     view = SharedIndexView("old", lambda: set(), record_bytes=1)
     with pytest.raises(TypeError, match="ready_keys"):
-        view.bind(Old(), 0, start=False)
+        view.bind(_OldTarget(), 0, start=False)
 
 
 def test_a_clusters_primaries_are_listed_at_once(redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,3 +370,82 @@ def test_a_server_that_dies_mid_open_leaves_the_tier_empty(own_redis_server: Red
             assert not stats["up"] and stats["outages"] == 1
 
     asyncio.run(reopen())
+
+
+# -- a cluster's primaries, listed at once: their batches as they come -----------------------------
+
+def test_interleaved_hands_over_items_while_other_listings_run() -> None:
+    """The caller gets a listing's items while another listing is still running (it waits here
+    for the caller to have taken one); every item of every listing comes, once."""
+    from kvtier.backends.redis_scan import interleaved
+
+    taken = threading.Event()
+
+    def slow() -> Any:
+        yield "s1"
+        assert taken.wait(30), "no item reached the caller while this listing ran"
+        yield "s2"
+
+    def quick() -> Any:
+        yield from ("q1", "q2")
+
+    got = []
+    for item in interleaved([slow, quick], "test-listing"):
+        got.append(item)
+        taken.set()
+    assert sorted(got) == ["q1", "q2", "s1", "s2"]
+
+
+def test_interleaved_raises_a_listings_error_after_every_thread_ended() -> None:
+    from kvtier.backends.redis_scan import interleaved
+
+    ended = threading.Event()
+
+    def failing() -> Any:
+        yield 1
+        raise ConnectionError("primary gone")
+
+    def other() -> Any:
+        yield from range(100, 103)
+        ended.set()
+
+    with pytest.raises(ConnectionError, match="primary gone"):
+        for _ in interleaved([failing, other], "test-listing"):
+            pass
+    assert ended.is_set()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-listing")]
+    stopped = interleaved([other, other], "test-listing")
+    assert next(stopped) in range(100, 103)
+    stopped.close()  # a caller that stops early: the threads end too
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-listing")]
+
+
+# -- the open's listing counts as the view's last sweep --------------------------------------------
+
+def test_the_first_sweep_waits_ten_listings_after_the_open(redis_server: RedisServer) -> None:
+    """A store's open lists the whole namespace; the view's first sweep then comes no sooner than
+    ten of that listing's durations later (not one ``sync_interval_s`` later: a tier of 10^6
+    keys would be listed twice in a row)."""
+    from kvtier.backends.shared_index import SharedIndexView
+
+    class Target(_OldTarget):
+        def ready_keys(self, tier: int) -> list[bytes]:
+            return []
+
+    view = SharedIndexView("first-sweep", lambda: set(), record_bytes=1, interval_s=0.01)
+    view.note_listed(5, seconds=600.0)
+    view.bind(Target(), 0)
+    try:
+        threading.Event().wait(0.3)  # thirty intervals
+        assert view.stats()["sweeps"] == 0 and view.known_count() == 5
+    finally:
+        view.stop()
+
+    async def run() -> None:
+        async with kvtier.open(_config(redis_server.url, "firstsweep")) as store:
+            store.backends[0].write_blocks([make_key(i) for i in range(50)], [random_block(BLOCK, 0)] * 50)
+        async with kvtier.open(_config(redis_server.url, "firstsweep")) as store:
+            index = store.backends[0].stats()["index"]
+            assert index["known_keys"] == 50 and index["last_sweep_s"] > 0 and index["sweeps"] == 0
+
+    asyncio.run(run())
