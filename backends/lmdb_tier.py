@@ -91,7 +91,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
-from kvtier.backends.lmdb_plain import FileGuard, PlainReads
+from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
 from kvtier.backends.lmdb_writes import LmdbWrites, Record
@@ -250,7 +250,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             self._reader = JobReader(
                 blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes,
                 plain=PlainReads(blocks=self._blocks, index=self._index, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), head_at=INDEX.size),
-                guard=FileGuard(os.path.join(self.path, "data.mdb")),
+                guard=FileGuard(os.path.join(self.path, "data.mdb")), views=RowViews(fmt.block_bytes),
             )
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
@@ -414,11 +414,14 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
         and is a miss; bad records are deleted, so the manager drops them and nobody is offered
         them again."""
-        size = self._check_io(keys, out)
+        reader = self._reader
+        # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
+        rows = reader.views.of(keys, out) if reader is not None and reader.views is not None and self.mac is None else None
+        size = self._check_io(keys, out) if rows is None else reader.block_bytes  # type: ignore[union-attr]
         env = self._env_or_raise()
-        assert self._reader is not None
+        assert reader is not None
         try:
-            outcome = self._reader.read_job(env, keys, out, self.mac)
+            outcome = reader.read_job(env, keys, out, self.mac, rows)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
         if outcome.bad:
