@@ -314,8 +314,8 @@ class JobReader:
                     COLD_GET_S,
                 )
                 if stop is None:
-                    first = len(keys)
-                elif stop[1] is not None:  # an LMDB error on key stop[0]
+                    return outcome  # every key read (the transaction ends below)
+                if stop[1] is not None:  # an LMDB error on key stop[0]
                     self.drop(outcome, keys[stop[0]], stop[1])
                     first, rest = len(keys), stop[0] + 1
                 else:  # the lookup of key stop[0] read from disk: the loop below goes on from it
