@@ -188,6 +188,21 @@ class JobReader:
     def read(
         self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None = None
     ) -> ReadOutcome:
+        """Read a job (see :meth:`_read`). How the cold rest of a job is read, where a lookup
+        midway finds it cold, is decided once for the job (:meth:`_cold_way_of`) and timed
+        here, from that lookup to the job's end, as that way's cost."""
+        outcome = self._read(env, keys, out, mac, rows)
+        pick = outcome.cold_pick
+        if pick is not None:
+            outcome.cold_pick = None
+            way, start, nbytes = pick
+            if start is not None:
+                self.cold_ways.record(way, time.perf_counter() - start, nbytes)
+        return outcome
+
+    def _read(
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None
+    ) -> ReadOutcome:
         """``rows``: writable views of ``out`` (host memory), when the caller has them.
 
         Every failure is confined to its key: an absent, corrupt or unsupported record, and
@@ -245,6 +260,18 @@ class JobReader:
         it is tried only while a core seems spare, and then taken when it has been the faster
         of late (:class:`~kvtier.records.checks.FasterWay`)."""
         return self.cold_ways.pick() if spare_core() else 0
+
+    def _cold_way_of(self, outcome: ReadOutcome, nbytes: int) -> int:
+        """:meth:`_cold_way` for the cold rest of the job whose outcome is ``outcome`` (``nbytes``
+        from the lookup that found it cold), decided once per job: a later slow lookup of the
+        same job goes the same way. A way that ``FasterWay`` picked (a core seemed spare) is
+        timed by :meth:`read` at the job's end; one taken for want of a spare core is not
+        (nothing was picked)."""
+        pick = outcome.cold_pick
+        if pick is None:
+            picked = spare_core()  # else _cold_way takes way 0 without a pick: nothing to time
+            pick = outcome.cold_pick = (self._cold_way(), time.perf_counter() if picked else None, nbytes)
+        return pick[0]
 
     def _read_general(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, cold: bool) -> ReadOutcome:
         """The general read of a job (see :meth:`read`): its keys looked up (``cold``: on a
@@ -333,7 +360,7 @@ class JobReader:
                 slow = i == slow_at or self.temperature.slow(start)
                 if pair is None:
                     outcome.corrupt += key in bad
-                if slow and i + 1 < len(keys) and (self._cold_way() == 1 if threaded is None else threaded):
+                if slow and i + 1 < len(keys) and (self._cold_way_of(outcome, (len(keys) - i) * size) == 1 if threaded is None else threaded):
                     # Read from disk: the rest of the job is cold. As in read(), a thread looks up
                     # the rest in this transaction while this one copies and checks this record.
                     self.temperature.cold = True
@@ -498,7 +525,7 @@ class JobReader:
                     pairs.append(self.pair(txn, key, bad))
                     if self.temperature.slow(start):
                         self.temperature.cold = True
-                        if len(pairs) < len(keys) and self._cold_way():
+                        if len(pairs) < len(keys) and self._cold_way_of(outcome, (len(keys) - len(pairs)) * self.block_bytes):
                             return txn, pairs
                 return txn, pairs
             except lmdb.Error as exc:
