@@ -33,26 +33,18 @@ import lmdb
 import torch
 from kvtier.backends.lmdb_cold import ColdRead
 from kvtier.backends.lmdb_entries import ENTRY_SIZES, INDEX, ReadOutcome, entry_stamp, index_entry, join_record, restamp
+from kvtier.backends.lmdb_one import copy_keyed, copy_plain
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews, host_rows
 
-from kvtier import devices
 from kvtier.errors import CorruptBlockError
 from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check, spare_core
-from kvtier.records.codec import NoneCodec, UnsupportedRecordError
+from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import (
-    HEAD_MAX,
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
-    RECORD_VERSION,
     RecordAuthError,
     RecordBackend,
     RecordMac,
     parse_header,
-    record_checksum,
-    verify_payload,
 )
-from kvtier.records.record import CHECKED
 
 __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
@@ -79,8 +71,6 @@ ONE_PASS_READS = True
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
-_PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
-_KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 
 
 def _thread_major_faults() -> int:
@@ -368,7 +358,7 @@ class JobReader:
                     break
                 if pair is None:
                     pass
-                elif not (self._copy_plain(key, pair, out[i], size) if mac is None else self._copy_keyed(key, pair, out[i], size, mac)):
+                elif not (copy_plain(key, pair, out[i], size) if mac is None else copy_keyed(key, pair, out[i], size, mac)):
                     self._read_odd(i, keys, out, pair, mac, outcome)
                 else:
                     outcome.found[i] = True
@@ -412,44 +402,6 @@ class JobReader:
             dst.copy_(staging)
         outcome.take(i, part)
         return None if left is None else i + left
-
-    @staticmethod
-    def _copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) -> bool:
-        """Copy a plain raw record of ``size`` bytes into ``row`` (host memory) and check it;
-        ``False`` (``row`` perhaps written) when it is anything else or its check fails."""
-        entry, value = pair
-        if len(entry) != _PLAIN_ENTRY or len(value) != size:
-            return False
-        magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(entry, INDEX.size)
-        if magic != MAGIC or version != RECORD_VERSION or codec_id != NoneCodec.codec_id or flags or raw != size or stored != size:
-            return False
-        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            return False
-        view = row.numpy().data
-        view[:] = value
-        # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-        return record_checksum(entry[INDEX.size : INDEX.size + CHECKED], key, view) == checksum
-
-    @staticmethod
-    def _copy_keyed(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int, mac: RecordMac) -> bool:
-        """:meth:`_copy_plain` for a keyed raw record: the row's MAC is checked (a MAC guards
-        against tampering: the bytes the caller gets are the ones checked)."""
-        entry, value = pair
-        if len(entry) != _KEYED_ENTRY or len(value) != size:
-            return False
-        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            return False
-        head = entry[INDEX.size :]
-        try:
-            header = parse_header(head, raw_length=size, available=len(head) + size, mac=mac)
-            if header.codec_id != NoneCodec.codec_id:
-                return False
-            view = row.numpy().data
-            view[:] = value
-            verify_payload(key, head, header, view, mac=mac)
-        except CorruptBlockError:
-            return False
-        return True
 
     def copy_in(
         self,
