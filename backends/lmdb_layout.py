@@ -71,8 +71,6 @@ ONE_PASS_READS = True
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
-
-
 def _thread_major_faults() -> int:
     """Page faults of the calling thread that waited for the disk (Linux)."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
