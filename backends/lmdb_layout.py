@@ -22,7 +22,6 @@ checked before a byte of its payload is touched, then :func:`~kvtier.records.che
 from __future__ import annotations
 
 import logging
-import queue
 import resource
 import threading
 import time
@@ -32,27 +31,20 @@ from typing import Any
 
 import lmdb
 import torch
+from kvtier.backends.lmdb_cold import ColdRead
 from kvtier.backends.lmdb_entries import ENTRY_SIZES, INDEX, ReadOutcome, entry_stamp, index_entry, join_record, restamp
-from kvtier.backends.lmdb_plain import FileGuard, PlainReads, host_rows
+from kvtier.backends.lmdb_one import copy_keyed, copy_plain
+from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews, host_rows
 
-from kvtier import devices
 from kvtier.errors import CorruptBlockError
 from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check, spare_core
-from kvtier.records.codec import NoneCodec, UnsupportedRecordError
+from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import (
-    HEAD_MAX,
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
-    RECORD_VERSION,
     RecordAuthError,
     RecordBackend,
     RecordMac,
     parse_header,
-    record_checksum,
-    verify_payload,
 )
-from kvtier.records.record import CHECKED
 
 __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
@@ -77,10 +69,6 @@ ONE_PASS_READS = True
 #: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
 #: map, reader-slot errors, ...) says nothing about the record: a miss for this read, kept.
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
-
-
-_PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
-_KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 
 
 def _thread_major_faults() -> int:
@@ -163,6 +151,7 @@ class JobReader:
     path: str
     block_bytes: int
     plain: PlainReads  # the tight pass over warm jobs of plain records
+    views: RowViews | None = None  # the rows' views of unkeyed jobs, checked and kept by address
     guard: FileGuard | None = None  # refuses reads of a data.mdb cut short under the store
     temperature: Temperature = field(default_factory=lambda: Temperature())
     #: For warm unkeyed jobs of SIDE_MIN_BYTES or more: way 0 reads them in one pass on the
@@ -174,16 +163,37 @@ class JobReader:
     #: (:class:`ColdRead`), tried only while a core seems spare (see :meth:`_cold_way`).
     cold_ways: FasterWay = field(default_factory=lambda: FasterWay())
 
-    def read_job(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
+    def read_job(
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None = None
+    ) -> ReadOutcome:
         """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
         self.temperature.enter()
         try:
-            return self.read(env, keys, out, mac)
+            return self.read(env, keys, out, mac, rows)
         finally:
             self.temperature.leave()
 
-    def read(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None) -> ReadOutcome:
-        """Every failure is confined to its key: an absent, corrupt or unsupported record, and
+    def read(
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None = None
+    ) -> ReadOutcome:
+        """Read a job (see :meth:`_read`). How the cold rest of a job is read, where a lookup
+        midway finds it cold, is decided once for the job (:meth:`_cold_way_of`) and timed
+        here, from that lookup to the job's end, as that way's cost."""
+        outcome = self._read(env, keys, out, mac, rows)
+        pick = outcome.cold_pick
+        if pick is not None:
+            outcome.cold_pick = None
+            way, start, nbytes = pick
+            if start is not None:
+                self.cold_ways.record(way, time.perf_counter() - start, nbytes)
+        return outcome
+
+    def _read(
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None
+    ) -> ReadOutcome:
+        """``rows``: writable views of ``out`` (host memory), when the caller has them.
+
+        Every failure is confined to its key: an absent, corrupt or unsupported record, and
         an LMDB error while looking one up, are a miss for that key alone; bad records and keys
         whose lookup met a damaged page (:data:`DAMAGE_ERRORS`) are listed in ``bad`` (to be
         dropped), keys whose lookup failed otherwise in ``transient`` (kept). LMDB errors
@@ -213,18 +223,18 @@ class JobReader:
                 outcome = self._read_general(env, keys, out, mac, cold=True)
             else:
                 self.temperature.cold = False  # set again by a slow lookup of this job
-                outcome = self.read_in_one_pass(env, keys, out, mac, threaded=False)
+                outcome = self.read_in_one_pass(env, keys, out, mac, threaded=False, rows=rows)
             self.cold_ways.record(way, time.perf_counter() - start, nbytes)
             return outcome
         if ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
             if mac is not None or nbytes < SIDE_MIN_BYTES:
-                return self.read_in_one_pass(env, keys, out, mac)
+                return self.read_in_one_pass(env, keys, out, mac, rows=rows)
             # Copy and checksum: one pass on this thread, or (while a core seems free) the
             # checksums on a side thread while this one copies, whichever has been faster of
             # late (FasterWay).
             way = self.ways.pick() if spare_core() else 0
             start = time.perf_counter()
-            outcome = self.read_in_one_pass(env, keys, out, mac) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
+            outcome = self.read_in_one_pass(env, keys, out, mac, rows=rows) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
             self.ways.record(way, time.perf_counter() - start, nbytes)
             return outcome
         return self._read_general(env, keys, out, mac, cold=False)
@@ -238,6 +248,18 @@ class JobReader:
         it is tried only while a core seems spare, and then taken when it has been the faster
         of late (:class:`~kvtier.records.checks.FasterWay`)."""
         return self.cold_ways.pick() if spare_core() else 0
+
+    def _cold_way_of(self, outcome: ReadOutcome, nbytes: int) -> int:
+        """:meth:`_cold_way` for the cold rest of the job whose outcome is ``outcome`` (``nbytes``
+        from the lookup that found it cold), decided once per job: a later slow lookup of the
+        same job goes the same way. A way that ``FasterWay`` picked (a core seemed spare) is
+        timed by :meth:`read` at the job's end; one taken for want of a spare core is not
+        (nothing was picked)."""
+        pick = outcome.cold_pick
+        if pick is None:
+            picked = spare_core()  # else _cold_way takes way 0 without a pick: nothing to time
+            pick = outcome.cold_pick = (self._cold_way(), time.perf_counter() if picked else None, nbytes)
+        return pick[0]
 
     def _read_general(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, cold: bool) -> ReadOutcome:
         """The general read of a job (see :meth:`read`): its keys looked up (``cold``: on a
@@ -257,7 +279,7 @@ class JobReader:
             if len(pairs) == len(keys):
                 self.copy_in(range(len(keys)), keys, out, pairs, mac, outcome, copies)
             else:
-                left = ColdRead(self, txn, keys, outcome).run(pairs, out, mac, copies)
+                left = ColdRead(self, txn, keys, outcome, time.perf_counter).run(pairs, out, mac, copies)
         finally:
             txn.abort()
         for dst, staging in copies:
@@ -268,7 +290,14 @@ class JobReader:
         return outcome
 
     def read_in_one_pass(
-        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, threaded: bool | None = None
+        self,
+        env: lmdb.Environment,
+        keys: Sequence[bytes],
+        out: Sequence[torch.Tensor],
+        mac: RecordMac | None,
+        *,
+        threaded: bool | None = None,
+        rows: Sequence[memoryview] | None = None,
     ) -> ReadOutcome:
         """:meth:`read` for a warm job of raw records, in one pass on this thread: per key, a
         lookup, the head compared with what a raw record of this store holds, the value copied
@@ -291,7 +320,8 @@ class JobReader:
         first, slow_at, slow_pair = 0, -1, None  # the first key the loop below reads; one found slow to look up
         txn = self._begin(env)
         try:
-            rows = host_rows(out, size, borrowed=True) if mac is None else None  # out outlives the pass
+            if rows is None and mac is None:
+                rows = host_rows(out, size, borrowed=True)  # out outlives the pass
             if rows is not None:
                 stop = self.plain.read(
                     txn, keys, rows, outcome.found, time.perf_counter, self.temperature.slow,
@@ -299,8 +329,8 @@ class JobReader:
                     COLD_GET_S,
                 )
                 if stop is None:
-                    first = len(keys)
-                elif stop[1] is not None:  # an LMDB error on key stop[0]
+                    return outcome  # every key read (the transaction ends below)
+                if stop[1] is not None:  # an LMDB error on key stop[0]
                     self.drop(outcome, keys[stop[0]], stop[1])
                     first, rest = len(keys), stop[0] + 1
                 else:  # the lookup of key stop[0] read from disk: the loop below goes on from it
@@ -318,7 +348,7 @@ class JobReader:
                 slow = i == slow_at or self.temperature.slow(start)
                 if pair is None:
                     outcome.corrupt += key in bad
-                if slow and i + 1 < len(keys) and (self._cold_way() == 1 if threaded is None else threaded):
+                if slow and i + 1 < len(keys) and (self._cold_way_of(outcome, (len(keys) - i) * size) == 1 if threaded is None else threaded):
                     # Read from disk: the rest of the job is cold. As in read(), a thread looks up
                     # the rest in this transaction while this one copies and checks this record.
                     self.temperature.cold = True
@@ -326,7 +356,7 @@ class JobReader:
                     break
                 if pair is None:
                     pass
-                elif not (self._copy_plain(key, pair, out[i], size) if mac is None else self._copy_keyed(key, pair, out[i], size, mac)):
+                elif not (copy_plain(key, pair, out[i], size) if mac is None else copy_keyed(key, pair, out[i], size, mac)):
                     self._read_odd(i, keys, out, pair, mac, outcome)
                 else:
                     outcome.found[i] = True
@@ -365,49 +395,11 @@ class JobReader:
         transaction, or ``None``."""
         part = ReadOutcome(len(keys) - i)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        left = ColdRead(self, txn, keys[i:], part).run([pair], out[i:], mac, copies)
+        left = ColdRead(self, txn, keys[i:], part, time.perf_counter).run([pair], out[i:], mac, copies)
         for dst, staging in copies:
             dst.copy_(staging)
         outcome.take(i, part)
         return None if left is None else i + left
-
-    @staticmethod
-    def _copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) -> bool:
-        """Copy a plain raw record of ``size`` bytes into ``row`` (host memory) and check it;
-        ``False`` (``row`` perhaps written) when it is anything else or its check fails."""
-        entry, value = pair
-        if len(entry) != _PLAIN_ENTRY or len(value) != size:
-            return False
-        magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(entry, INDEX.size)
-        if magic != MAGIC or version != RECORD_VERSION or codec_id != NoneCodec.codec_id or flags or raw != size or stored != size:
-            return False
-        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            return False
-        view = row.numpy().data
-        view[:] = value
-        # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-        return record_checksum(entry[INDEX.size : INDEX.size + CHECKED], key, view) == checksum
-
-    @staticmethod
-    def _copy_keyed(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int, mac: RecordMac) -> bool:
-        """:meth:`_copy_plain` for a keyed raw record: the row's MAC is checked (a MAC guards
-        against tampering: the bytes the caller gets are the ones checked)."""
-        entry, value = pair
-        if len(entry) != _KEYED_ENTRY or len(value) != size:
-            return False
-        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            return False
-        head = entry[INDEX.size :]
-        try:
-            header = parse_header(head, raw_length=size, available=len(head) + size, mac=mac)
-            if header.codec_id != NoneCodec.codec_id:
-                return False
-            view = row.numpy().data
-            view[:] = value
-            verify_payload(key, head, header, view, mac=mac)
-        except CorruptBlockError:
-            return False
-        return True
 
     def copy_in(
         self,
@@ -483,7 +475,7 @@ class JobReader:
                     pairs.append(self.pair(txn, key, bad))
                     if self.temperature.slow(start):
                         self.temperature.cold = True
-                        if len(pairs) < len(keys) and self._cold_way():
+                        if len(pairs) < len(keys) and self._cold_way_of(outcome, (len(keys) - len(pairs)) * self.block_bytes):
                             return txn, pairs
                 return txn, pairs
             except lmdb.Error as exc:
@@ -524,71 +516,3 @@ class JobReader:
             return None
         return entry, value
 
-
-class ColdRead:
-    """The cold rest of a job (see :meth:`JobReader.read`): a thread of its own looks up the
-    remaining keys one after the other, in the job's read transaction, and hands each pair over
-    as it is found; the calling thread copies and checks what has been handed over meanwhile, in
-    batches of whatever is ready. The calling thread makes no LMDB call while the thread runs, and waits
-    for it before the transaction may end, so the transaction is never used by two threads at
-    once and no buffer outlives it.
-
-    An LMDB error on a key stops the lookups there: the key is bad, and :meth:`run` returns
-    the position after it, for the caller to read the rest in a fresh transaction."""
-
-    def __init__(self, reader: JobReader, txn: lmdb.Transaction, keys: Sequence[bytes], outcome: ReadOutcome) -> None:
-        self.reader = reader
-        self.txn = txn
-        self.keys = keys
-        self.outcome = outcome
-        self.ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
-        self.stop = threading.Event()
-        self.failed_at: int | None = None
-        self.slow = False  # a lookup of this job read from disk
-
-    def run(self, first: list[Any], out: Sequence[torch.Tensor], mac: RecordMac | None, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
-        """Read the job whose first ``len(first)`` pairs were looked up (the last one slowly);
-        the position to go on from in a fresh transaction, or ``None`` when every key was
-        looked up."""
-        self.slow = bool(first)  # the last of them was slow
-        thread = threading.Thread(target=self._look_up, args=(len(first),), name="kvtier-lmdb-cold", daemon=True)
-        thread.start()
-        try:
-            self.reader.copy_in(range(len(first)), self.keys, out, first, mac, self.outcome, copies)
-            ended = False
-            while not ended:
-                batch = [self.ready.get()]
-                while True:
-                    try:
-                        batch.append(self.ready.get_nowait())
-                    except queue.Empty:
-                        break
-                ended = batch[-1] is None
-                taken = [b for b in batch if b is not None]
-                self.reader.copy_in([i for i, _ in taken], self.keys, out, [p for _, p in taken], mac, self.outcome, copies)
-        finally:
-            self.stop.set()
-            thread.join()
-        if not self.slow and self.failed_at is None:
-            self.reader.temperature.cold = False  # every value was in memory: warm again
-        return None if self.failed_at is None else self.failed_at + 1
-
-    def _look_up(self, start: int) -> None:
-        bad = self.outcome.bad
-        self.reader.temperature.begin()
-        try:
-            for i in range(start, len(self.keys)):
-                if self.stop.is_set():
-                    return
-                key = self.keys[i]
-                try:
-                    began = time.perf_counter()
-                    pair = None if key in bad or key in self.outcome.transient else self.reader.pair(self.txn, key, bad)
-                    self.slow = self.slow or self.reader.temperature.slow(began)
-                except lmdb.Error as exc:
-                    self.reader.drop(self.outcome, key, exc)
-                    self.failed_at = i
-                    return
-                self.ready.put((i, pair))
-        finally:
-            self.ready.put(None)

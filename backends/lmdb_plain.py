@@ -7,8 +7,10 @@ whose first 24 bytes (the part the checksum covers: magic, version, codec, dtype
 both lengths) are the same for every such record of the store. So per record the pass makes
 two lookups, one compare of those 24 bytes against the bytes the store writes, one copy into
 the row, and one XXH3 over the key and the row, continued from a state that already holds the
-24 bytes (computed once per store). The rows' buffers are taken once per job: from one view of
-the tensor they are all cut from when they are (a manager's staging rows), else one per row.
+24 bytes (computed once per store). The rows' buffers are taken once per
+job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a job), or from
+one view of the tensor they are all cut from when they are (a manager's staging rows), else
+one per row.
 
 Whatever is not such a record (absent, another layout, compressed, a bad checksum) is handed
 back to the caller key by key, in order (``odd``), and read by the general code: its bytes,
@@ -31,12 +33,14 @@ import xxhash
 
 from kvtier import devices
 from kvtier.errors import DiskError
+from kvtier.keys import KEY_BYTES
 from kvtier.records.codec import NoneCodec
 from kvtier.records.record import CHECKED, HEADER, MAGIC, RECORD_VERSION
 
-__all__ = ["FileGuard", "PlainReads", "host_rows"]
+__all__ = ["FileGuard", "PlainReads", "RowViews", "host_rows"]
 
 _SUM = struct.Struct("<Q")
+_U8 = torch.uint8
 
 
 def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False) -> list[memoryview] | None:
@@ -84,6 +88,46 @@ def _at(address: int, size: int) -> memoryview:
     return memoryview(_row_type(size).from_address(address)).cast("B")
 
 
+class RowViews:
+    """Writable views of a store's rows, kept by address (at most :attr:`most`), for rows
+    that callers read into again and again (a staging pool, or tensors of their own that the
+    allocator hands back at the same addresses).
+
+    :meth:`of` also checks the job as ``_check_io`` does, in the same loop: per row, the
+    checks cost about 1.2 µs (five tensor attributes), a view from the cache 0.06 µs, one by
+    address 1.1 µs and ``Tensor.numpy()`` 2.1 µs; a 4 KiB record's lookup, copy and check take
+    about 2. A view outlives nothing it points at: it is used only for a row that was just
+    found to be a live, contiguous host tensor of exactly :attr:`size` bytes at that address."""
+
+    __slots__ = ("most", "shape", "size", "views")
+
+    def __init__(self, size: int, most: int = 4096) -> None:
+        self.size = size
+        self.shape = torch.Size([size])
+        self.most = most
+        self.views: dict[int, memoryview] = {}
+
+    def of(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[memoryview] | None:
+        """A view of each row when every key is ``bytes`` of 32 and every row a contiguous
+        host ``uint8`` tensor of :attr:`size` elements; else ``None`` (the caller's general
+        checks then name what is wrong, or take rows that are not host memory)."""
+        if devices.locate is not None or len(keys) != len(out):
+            return None
+        views, shape = self.views, self.shape
+        rows = []
+        for key, row in zip(keys, out):
+            if type(key) is not bytes or len(key) != KEY_BYTES or row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous():
+                return None
+            at = row.data_ptr()
+            view = views.get(at)
+            if view is None:
+                if len(views) >= self.most:
+                    views.clear()
+                view = views[at] = _at(at, self.size)
+            rows.append(view)
+        return rows
+
+
 class PlainReads:
     """The tight pass over a warm job of plain records of one store (see the module doc)."""
 
@@ -119,23 +163,26 @@ class PlainReads:
         was looked up (``value`` is ``None`` when absent) but not read, nor any key after it;
         ``(i, error, None, None)`` when an LMDB error stopped the pass at key ``i`` (``txn``
         may be unusable)."""
-        get, blocks, index, size, entry_size = txn.get, self.blocks, self.index, self.size, self.entry_size
+        get, blocks, index, entry_size = txn.get, self.blocks, self.index, self.entry_size
         head, head_at, sum_at, prefix, checksum = self.head, self.head_at, self.sum_at, self.prefix, _SUM.unpack_from
         i = 0
         try:
             for i, key in enumerate(keys):
                 start = clock()
-                value = get(key, db=blocks)
-                entry = None if value is None else get(key, db=index)
+                value = get(key, None, blocks)
+                entry = None if value is None else get(key, None, index)
                 if clock() - start >= slow_after and slow(start):
                     return i, None, entry, value
-                if value is None:
-                    continue
-                if entry is None or len(entry) != entry_size or len(value) != size or entry[head_at:sum_at] != head:
-                    odd(i, entry, value)
+                if entry is None or len(entry) != entry_size or entry[head_at:sum_at] != head:  # absent, or not plain
+                    if value is not None:
+                        odd(i, entry, value)
                     continue
                 row = rows[i]
-                row[:] = value
+                try:
+                    row[:] = value
+                except ValueError:  # a value of another length
+                    odd(i, entry, value)
+                    continue
                 # The row just written, while it is in the CPU's cache: what the caller gets is checked.
                 h = prefix.copy()
                 h.update(key)

@@ -91,7 +91,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
-from kvtier.backends.lmdb_plain import FileGuard, PlainReads
+from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
 from kvtier.backends.lmdb_writes import LmdbWrites, Record
@@ -250,7 +250,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             self._reader = JobReader(
                 blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes,
                 plain=PlainReads(blocks=self._blocks, index=self._index, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), head_at=INDEX.size),
-                guard=FileGuard(os.path.join(self.path, "data.mdb")),
+                guard=FileGuard(os.path.join(self.path, "data.mdb")), views=RowViews(fmt.block_bytes),
             )
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
@@ -414,11 +414,15 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
         and is a miss; bad records are deleted, so the manager drops them and nobody is offered
         them again."""
-        size = self._check_io(keys, out)
+        reader, mac = self._reader, self.mac
+        # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
+        views = reader.views if reader is not None and mac is None else None
+        rows = views.of(keys, out) if views is not None else None
+        size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
         env = self._env_or_raise()
-        assert self._reader is not None
+        assert reader is not None
         try:
-            outcome = self._reader.read_job(env, keys, out, self.mac)
+            outcome = reader.read_job(env, keys, out, mac, rows)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
         if outcome.bad:
@@ -426,7 +430,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
             except DiskError as exc:
                 log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
-        self.counters.auth_failures += outcome.auth
+        if outcome.auth:
+            self.counters.auth_failures += outcome.auth
         self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
         return outcome.found
 

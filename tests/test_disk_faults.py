@@ -649,10 +649,10 @@ def test_a_bad_lmdb_read_is_a_per_key_miss_and_the_key_is_dropped(tmp_path: Path
                 def __init__(self, txn: object) -> None:
                     self._txn = txn
 
-                def get(self, key: bytes, db: object = None) -> object:
+                def get(self, key: bytes, default: object = None, db: object = None) -> object:  # python-lmdb's signature
                     if key == keys[1]:
                         raise lmdb.CorruptedError("injected MDB_CORRUPTED")
-                    return self._txn.get(key, db=db)  # type: ignore[attr-defined]
+                    return self._txn.get(key, default, db=db)  # type: ignore[attr-defined]
 
                 def abort(self) -> None:
                     self._txn.abort()  # type: ignore[attr-defined]

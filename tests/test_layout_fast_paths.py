@@ -8,13 +8,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 import kvtier
 from kvtier.transfer import layout as layout_module
+from kvtier.transfer import pool_views
 from kvtier.transfer.layout import KVLayout
+from kvtier.transfer.pool_views import host_index
 
 BLOCKS = 12
 
@@ -101,18 +104,20 @@ def test_forgotten_views_let_the_pool_go() -> None:
     assert gone() is None
 
 
-async def test_a_closed_store_holds_no_pool() -> None:
-    # two block sizes: a run's views are then cut from the kept column views (with one
-    # block size they come from one unbind of the rows, and nothing is kept)
-    caches = [torch.zeros((8, 4, 2, 8), dtype=torch.bfloat16), torch.zeros((8, 4, 3, 4), dtype=torch.bfloat16)]
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+async def test_a_closed_store_holds_no_pool(uniform: bool) -> None:
+    # one block size: a run's views come from one unbind of the rows; two: they are cut from
+    # the kept column views; either way the run's views are kept, with the pool
+    shapes = [(8, 4, 2, 8), (8, 4, 2, 8) if uniform else (8, 4, 3, 4)]
+    caches = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
     store = await kvtier.open({"tiers": [{"backend": "cpu", "capacity": "1MiB"}]}, kv_caches=caches).__aenter__()
     keys = [bytes([i]) * 32 for i in range(2)]
     assert await store.save(keys, [1, 2]) == 2
     assert await store.load(keys, [3, 4]) == 2
     layout = store.layout
-    assert layout is not None and layout._kept_views
+    assert layout is not None and layout.pool_views.held()
     await store.aclose()
-    assert not layout._kept_views
+    assert not layout.pool_views.held()
 
 
 @pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
@@ -159,3 +164,37 @@ def test_an_inline_load_of_one_run_writes_the_same_bytes_either_way(
     for a, b in zip(fast.kv_caches, slow.kv_caches):
         assert torch.equal(a, b)
         assert not a[untouched].any()
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
+def test_kept_run_views_are_the_views_made_afresh(uniform: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's kept views (and its rows cut one by one) are the views made afresh for the same
+    rows: same memory, shape and strides; a pool of the same shape gets its own; past
+    ``MAX_KEPT_RUNS`` the kept runs are dropped and made again, still the right ones."""
+    monkeypatch.setattr(pool_views, "MAX_KEPT_RUNS", 3)
+    layout = KVLayout(_caches(3, uniform), strategy="index")
+    views = layout.pool_views
+    pools = [torch.zeros((10, layout.block_bytes), dtype=torch.uint8) for _ in range(2)]
+
+    def same(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> None:
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+    for _ in range(2):  # the second time round from the kept runs (or made again past the cap)
+        for pool in pools:
+            for r0, end in ((0, 4), (3, 7), (9, 10), (0, 4)):
+                same(views.rows(pool, True, r0, end), views.rows(pool, False, r0, end))
+                same(views.row_pieces(pool, True, r0, end), views.row_pieces(pool, False, r0, end))
+                same(views.row_pieces(pool, True, r0, end), [r for v in views.rows(pool, True, r0, end) for r in v.unbind(0)])
+                assert len(views._runs) <= 3
+
+
+@pytest.mark.parametrize("values", [[], [0], [7, 3, 3, 11], list(range(40, 0, -3))], ids=str)
+def test_host_index_is_the_index_torch_tensor_makes(values: list[int]) -> None:
+    got = host_index(values, torch.device("cpu"))
+    want = torch.tensor(values, dtype=torch.long)
+    assert got.dtype == torch.int64 and got.shape == want.shape and torch.equal(got, want)
+    del values  # the index holds its own buffer
+    gc.collect()
+    assert torch.equal(got, want)

@@ -176,7 +176,7 @@ def test_an_lmdb_error_in_a_plain_read_is_a_miss_and_the_rest_is_read_afresh(
     hook_lookups(monkeypatch, lookup)
     plain_reads = []
     real_plain = lmdb_layout.JobReader.read_in_one_pass
-    monkeypatch.setattr(lmdb_layout.JobReader, "read_in_one_pass", lambda self, *a: plain_reads.append(1) or real_plain(self, *a))
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_in_one_pass", lambda self, *a, **k: plain_reads.append(1) or real_plain(self, *a, **k))
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True, False, True, True]

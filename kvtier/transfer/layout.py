@@ -49,6 +49,7 @@ import torch
 from kvtier.errors import LayoutError
 from kvtier.transfer import staging as _staging
 from kvtier.transfer.copies import CopySplitter, CopyThreads
+from kvtier.transfer.pool_views import PoolViews, host_index
 from kvtier.transfer.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
 __all__ = ["KVLayout", "Strategy"]
@@ -173,10 +174,10 @@ class KVLayout:
         self.staging = StagedCopier(self, staging_bytes)
         # Host jobs' per-tensor copies, dealt out to this many threads.
         self.copies = CopySplitter(copy_threads)
-        # Per-tensor views of long-lived pools (``kept=True``: a memory tier's pool, the
-        # engine's staging), made once: 32 column slices cost about 0.15 ms, as much as the
-        # copy of a small job. Keyed by ``id``, the pool held so the id is never reused.
-        self._kept_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # Per-tensor views of pools; those of long-lived pools (``kept=True``: a memory tier's
+        # pool, the engine's staging) made once (see kvtier.transfer.pool_views).
+        w = self._width
+        self.pool_views = PoolViews([(i.offset // w, (i.offset + n * i.engine_block_bytes) // w) for i in infos], wide, self._span)
 
     # -- description -----------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -231,32 +232,16 @@ class KVLayout:
         return "index" if same else "staged"
 
     def _dst_views(self, pool: torch.Tensor, kept: bool = False) -> list[torch.Tensor]:
-        """Per tensor, the pool's words for that tensor as a 2-D ``[slots, n * words]`` view
-        (two-dimensional on purpose: ``index_copy_`` into ``[slots, n, words]`` was slower).
-        ``kept``: the pool lives as long as this layout, and its views are made once."""
-        if kept:
-            got = self._kept_views.get(id(pool))
-            if got is None or got[0] is not pool:
-                got = self._kept_views[id(pool)] = (pool, self._dst_views(pool))
-            return got[1]
-        n = self.engine_blocks_per_block
-        wide = pool.view(_WIDE[self._width])
-        w = self._width
-        return [wide[:, info.offset // w : (info.offset + n * info.engine_block_bytes) // w] for info in self._infos]
+        """Per tensor, the pool's words for that tensor (:meth:`PoolViews.columns`)."""
+        return self.pool_views.columns(pool, kept)
 
     def _row_views(self, pool: torch.Tensor, kept: bool, r0: int, end: int) -> Sequence[torch.Tensor]:
-        """Per tensor, its words in pool rows ``r0:end``: ``[v[r0:end] for v in
-        _dst_views(pool, kept)]``. Where every tensor's share of a record is as wide, the same
-        views come from one ``unbind`` of the rows, a third of the cost of 32 slices (a test
-        compares the two)."""
-        span = self._span
-        if span and pool.is_contiguous():
-            return pool[r0:end].view(_WIDE[self._width]).view(end - r0, len(self._infos), span).unbind(1)
-        return [view[r0:end] for view in self._dst_views(pool, kept)]
+        """Per tensor, its words in pool rows ``r0:end`` (:meth:`PoolViews.rows`)."""
+        return self.pool_views.rows(pool, kept, r0, end)
 
     def forget_views(self) -> None:
         """Drop the kept views (and with them the pools they hold): the tiers are closing."""
-        self._kept_views.clear()
+        self.pool_views.forget()
 
     # -- movement --------------------------------------------------------------------------
     def gather(
@@ -359,7 +344,7 @@ class KVLayout:
         parts: list[Callable[[], None]]
         if runs is not None and len(runs) == 1:  # one run (a small job's usual case): no index slices
             ((order, r0, length),) = runs
-            whole = _staging.device_index([ids[p] for p in order], self.device)
+            whole = host_index([ids[p] for p in order], self.device)
             views = self._row_views(pool, kept, r0, r0 + length)
             if self._here(pool_device):  # the copies' own loop, without a call per tensor
                 for src, dst in zip(self._src, views):
@@ -372,7 +357,7 @@ class KVLayout:
             parts = [functools.partial(select_run, src, dst) for src, dst in zip(self._src, views)]
         elif runs is not None:  # straight into the pool: one index_select per (run, tensor)
             order = [p for run in runs for p in run[0]]
-            idx = _staging.device_index([ids[p] for p in order], self.device)
+            idx = host_index([ids[p] for p in order], self.device)
             cuts = _run_cuts(runs)
 
             def select(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -381,8 +366,8 @@ class KVLayout:
 
             parts = [functools.partial(select, src, dst) for src, dst in zip(self._src, self._dst_views(pool, kept))]
         else:
-            src_idx = _staging.device_index(ids, self.device)
-            dst_idx = _staging.device_index(list(rows), pool_device)
+            src_idx = host_index(ids, self.device)
+            dst_idx = host_index(list(rows), pool_device)
             k = len(rows)
 
             def gather(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -400,13 +385,13 @@ class KVLayout:
         if runs is not None and len(runs) == 1:  # one run: no index slices
             ((order, r0, length),) = runs
             blocks = [ids[p] for p in order]
-            views = self._row_views(pool, kept, r0, r0 + length)
             here = self._here(pool_device)
             if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (tensor, block)
                 dsts = [cache[b] for cache in self._src for b in blocks]
-                torch._foreach_copy_(dsts, [row for view in views for row in view.unbind(0)])
+                torch._foreach_copy_(dsts, self.pool_views.row_pieces(pool, kept, r0, r0 + length))
                 return
-            whole = _staging.device_index(blocks, self.device)
+            views = self._row_views(pool, kept, r0, r0 + length)
+            whole = host_index(blocks, self.device)
             if here:
                 for cache, view in zip(self._src, views):
                     cache.index_copy_(0, whole, view)
@@ -418,7 +403,7 @@ class KVLayout:
             parts = [functools.partial(place_run, cache, view) for cache, view in zip(self._src, views)]
         elif runs is not None:  # straight out of the pool: one index_copy_ per (run, tensor)
             order = [p for run in runs for p in run[0]]
-            idx = _staging.device_index([ids[p] for p in order], self.device)
+            idx = host_index([ids[p] for p in order], self.device)
             cuts = _run_cuts(runs)
 
             def place(cache: torch.Tensor, view: torch.Tensor) -> None:
@@ -427,8 +412,8 @@ class KVLayout:
 
             parts = [functools.partial(place, cache, view) for cache, view in zip(self._src, self._dst_views(pool, kept))]
         else:
-            src_idx = _staging.device_index(list(rows), pool_device)
-            dst_idx = _staging.device_index(ids, self.device)
+            src_idx = host_index(list(rows), pool_device)
+            dst_idx = host_index(ids, self.device)
 
             def scatter(cache: torch.Tensor, view: torch.Tensor) -> None:
                 picked = view.index_select(0, src_idx).view(len(rows) * n, -1)

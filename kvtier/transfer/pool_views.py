@@ -1,0 +1,114 @@
+"""Per-tensor views of a pool of records, for :class:`~kvtier.transfer.layout.KVLayout`'s copies.
+
+A host job is one ``index_select`` (save) or ``index_copy_`` (load) per KV tensor, each into or
+out of that tensor's words in the job's pool rows. Those views cost more than they look: a view
+is about 1 µs here, and after a job's copy has pushed the interpreter's working set out of the
+caches, the 32 views of a 32-layer job took about 80 µs and its index tensor about 60 µs, a
+tenth of a 4-block job (``benchmarks/bench_core.py --job-blocks 4``).
+
+A long-lived pool (``kept=True``: a memory tier's pool, the engine's staging) stays where it is
+for the layout's life, so its views are made once and kept, keyed by the pool's ``id`` (the
+pool is held with them, so the id is never reused):
+
+* per tensor, its column of words in every row, ``[slots, n * words]`` (:meth:`PoolViews.columns`);
+* per run of consecutive rows ``r0:end``, each tensor's words in those rows
+  (:meth:`PoolViews.rows`), and the same cut row by row (:meth:`PoolViews.row_pieces`, for a
+  small load's one copy per tensor and block). Runs recur: a tier's slots come back from its
+  free list as the jobs that held them are evicted. At most :data:`MAX_KEPT_RUNS` runs are
+  kept; past that the kept runs are dropped and made again as they come.
+
+:func:`host_index` makes an index tensor from a list of ints through a buffer, at about half
+the cost of ``torch.tensor``.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.devices import device_index
+
+__all__ = ["MAX_KEPT_RUNS", "PoolViews", "host_index"]
+
+#: Runs of rows whose views are kept per layout (each holds one view per tensor).
+MAX_KEPT_RUNS = 256
+
+
+def host_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 index on ``device``; on the host, read from an ``array`` buffer
+    (the tensor holds the buffer), not parsed element by element as ``torch.tensor`` does."""
+    if device.type != "cpu" or not values:
+        return device_index(values, device)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+class PoolViews:
+    """Views of pools of ``[slots, record]`` uint8 rows, cut per tensor: ``slices[i]`` is the
+    ``(start, stop)`` of tensor ``i``'s words in a record read as ``wide`` words (an integer
+    dtype), and ``span`` the words of every tensor's share where all are as wide (else 0)."""
+
+    def __init__(self, slices: Sequence[tuple[int, int]], wide: torch.dtype, span: int) -> None:
+        self._slices = list(slices)
+        self._wide = wide
+        self._span = span
+        self._columns: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # (pool id, r0, end) -> [pool, per-tensor views, per (tensor, row) views or None]
+        self._runs: dict[tuple[int, int, int], list[object]] = {}
+
+    def held(self) -> bool:
+        """Whether views of some pool are kept (and with them the pool)."""
+        return bool(self._columns or self._runs)
+
+    def forget(self) -> None:
+        """Drop every kept view (and with them the pools they hold): the tiers are closing."""
+        self._columns = {}
+        self._runs = {}
+
+    def columns(self, pool: torch.Tensor, kept: bool = False) -> list[torch.Tensor]:
+        """Per tensor, the pool's words for that tensor as a 2-D ``[slots, n * words]`` view
+        (two-dimensional on purpose: ``index_copy_`` into ``[slots, n, words]`` was slower)."""
+        if kept:
+            got = self._columns.get(id(pool))
+            if got is None or got[0] is not pool:
+                got = self._columns[id(pool)] = (pool, self.columns(pool))
+            return got[1]
+        wide = pool.view(self._wide)
+        return [wide[:, a:b] for a, b in self._slices]
+
+    def rows(self, pool: torch.Tensor, kept: bool, r0: int, end: int) -> Sequence[torch.Tensor]:
+        """Per tensor, its words in pool rows ``r0:end``: ``[v[r0:end] for v in columns(pool)]``.
+        Where every tensor's share of a record is as wide, the same views come from one
+        ``unbind`` of the rows, a third of the cost of the slices (a test compares them)."""
+        if not kept:
+            return self._cut(pool, r0, end, False)
+        return self._run(pool, r0, end)[1]  # type: ignore[return-value]
+
+    def row_pieces(self, pool: torch.Tensor, kept: bool, r0: int, end: int) -> list[torch.Tensor]:
+        """Per tensor, then per row of ``r0:end``, that tensor's words in that row: the views of
+        :meth:`rows` cut row by row (tensor-major)."""
+        if not kept:
+            return [row for view in self._cut(pool, r0, end, False) for row in view.unbind(0)]
+        entry = self._run(pool, r0, end)
+        if entry[2] is None:
+            views: Sequence[torch.Tensor] = entry[1]  # type: ignore[assignment]
+            entry[2] = [row for view in views for row in view.unbind(0)]
+        return entry[2]  # type: ignore[return-value]
+
+    def _run(self, pool: torch.Tensor, r0: int, end: int) -> list[object]:
+        key = (id(pool), r0, end)
+        entry = self._runs.get(key)
+        if entry is None or entry[0] is not pool:
+            runs = self._runs
+            if len(runs) >= MAX_KEPT_RUNS:
+                # Start over (a whole new dict: another thread may be reading the old one).
+                runs = self._runs = {}
+            entry = runs[key] = [pool, self._cut(pool, r0, end, True), None]
+        return entry
+
+    def _cut(self, pool: torch.Tensor, r0: int, end: int, kept: bool) -> Sequence[torch.Tensor]:
+        span = self._span
+        if span and pool.is_contiguous():
+            return pool[r0:end].view(self._wide).view(end - r0, len(self._slices), span).unbind(1)
+        return [view[r0:end] for view in self.columns(pool, kept)]
