@@ -294,6 +294,22 @@ class TransferEngine:
                 self._jobs.pop(r.job_id, None)
         return done
 
+    def take(self, job_id: int) -> JobResult | None:
+        """The result of job ``job_id`` if it has finished (an inline job has, once its submit
+        returned), then forgotten as :meth:`forget` does; ``None`` (nothing changed) otherwise."""
+        with self._lock:
+            rec = self._jobs.get(job_id)
+            result = rec.result if rec is not None else None
+            if result is None:
+                return None
+            del self._jobs[job_id]
+            finished = self._finished
+            for i in range(len(finished) - 1, -1, -1):  # reported last, as a rule
+                if finished[i] is result:
+                    del finished[i]
+                    break
+        return result
+
     def forget(self, job_ids: Sequence[int]) -> None:
         """Drop finished jobs whose results the caller already has (from ``wait`` or
         ``wait_async``), so ``poll_finished`` does not report them to anyone else."""
@@ -412,7 +428,8 @@ class TransferEngine:
             self.counters["bytes_stored" if rec.kind == "store" else "bytes_loaded"] += result.nbytes
             self._finished.append(result)
             waiters, rec.waiters = rec.waiters, []
-        rec.device_done.set()
+        if not rec.device_done.is_set():  # (a store's device phase set it already)
+            rec.device_done.set()
         rec.done.set()
         for loop, fut in waiters:
             try:
