@@ -295,31 +295,20 @@ class TransferEngine:
         return done
 
     def take(self, job_id: int) -> JobResult | None:
-        """The result of job ``job_id`` if it has finished (an inline job has, once its submit
-        returned), then forgotten as :meth:`forget` does; ``None`` (nothing changed) otherwise."""
+        """Job ``job_id``'s result once it has finished (an inline job, at submit), then forgotten; else ``None``."""
         with self._lock:
             rec = self._jobs.get(job_id)
-            result = rec.result if rec is not None else None
-            if result is None:
+            if rec is None or rec.result is None:
                 return None
             del self._jobs[job_id]
-            finished = self._finished
-            for i in range(len(finished) - 1, -1, -1):  # reported last, as a rule
-                if finished[i] is result:
-                    del finished[i]
-                    break
-        return result
+            self._finished = [r for r in self._finished if r is not rec.result]
+            return rec.result
 
     def forget(self, job_ids: Sequence[int]) -> None:
         """Drop finished jobs whose results the caller already has (from ``wait`` or
         ``wait_async``), so ``poll_finished`` does not report them to anyone else."""
-        drop = set(job_ids)
-        with self._lock:
-            for jid in drop:
-                rec = self._jobs.get(jid)
-                if rec is not None and rec.result is not None:
-                    del self._jobs[jid]
-            self._finished = [r for r in self._finished if r.job_id not in drop]
+        for job_id in job_ids:
+            self.take(job_id)
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until no job is queued or running on any thread, including the clean-up of
@@ -428,8 +417,7 @@ class TransferEngine:
             self.counters["bytes_stored" if rec.kind == "store" else "bytes_loaded"] += result.nbytes
             self._finished.append(result)
             waiters, rec.waiters = rec.waiters, []
-        if not rec.device_done.is_set():  # (a store's device phase set it already)
-            rec.device_done.set()
+        rec.device_done.set()
         rec.done.set()
         for loop, fut in waiters:
             try:
