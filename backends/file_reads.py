@@ -4,7 +4,7 @@ A general read of a record (:meth:`~kvtier.backends.file_tier.FileBackend.read_b
 its shard directory from the root one level at a time (three ``open`` calls with
 ``O_NOFOLLOW``), opens the file, ``fstat``s it, reads its head, checks it, then reads the
 payload: nine system calls where a plain read makes three, which is most of the time a small
-record takes. :func:`read_plain` does the common case in three:
+record takes. :class:`PlainReads` does the common case in three:
 
 * in the flat layout, ``openat`` of ``<name>.kvb`` from a descriptor of the root held open,
   with ``O_NOFOLLOW``: the name is one component of hex digits, so no path leaves the root and
@@ -13,13 +13,15 @@ record takes. :func:`read_plain` does the common case in three:
 * in the sharded layout, ``openat2`` of ``ab/cd/<name>.kvb`` from that descriptor, with
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
   path out of the root, the guarantee the level-by-level walk gives;
-* one ``preadv`` into the head's buffer, the caller's row and one spare byte: a record of the
-  right length fills the first two exactly and leaves the spare byte unread;
-* the head compared with what a raw, unkeyed record of the store holds, and the row's XXH3
-  while it is in the CPU's cache; then ``close``.
+* one ``preadv`` into the head's buffer, the caller's row (through a ``ctypes`` view of its
+  memory: 0.6 µs, where ``Tensor.numpy()`` took 1.8) and one spare byte: a record of the right
+  length fills the first two exactly and leaves the spare byte unread; then ``close``;
+* the head's first 24 bytes compared in one step with what every raw, unkeyed record of the
+  store's block size and dtype holds there, and the row's XXH3 going on from that head's,
+  hashed once (:class:`~kvtier.records.checks.HeadChecksum`).
 
 Whatever is not that case (an ``openat2`` error other than an absent file, a length or a head
-that differs, a checksum that fails, a row that is not host memory) is left to the general
+that differs, a checksum that fails, a row that is not one run of host memory) is left to the general
 read, which reads it again and decides: its outcome, errors and deletions are the general
 read's. Where ``openat2`` is missing (Linux before 5.6, or a sandbox that refuses it), every
 record of a sharded store takes the general read.
@@ -30,16 +32,19 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import struct
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvtier import devices
+from kvtier.records.checks import HeadChecksum
 from kvtier.records.codec import NoneCodec
-from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, record_checksum
+from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION
 from kvtier.records.record import CHECKED
 
-__all__ = ["BeneathRoot", "read_plain"]
+__all__ = ["BeneathRoot", "PlainReads"]
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (added in 5.6)
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -49,6 +54,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _FLAT_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW
+_SUM = struct.Struct("<Q")  # the checksum, the header's last field
 
 
 class _OpenHow(ctypes.Structure):
@@ -106,56 +112,63 @@ class BeneathRoot:
             self.fd = -1
 
 
-def read_plain(
-    root: BeneathRoot, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], *, flat: bool = False
-) -> list[int]:
-    """Read the plain records of ``keys`` into their rows (see the module doc), setting
-    ``found`` for each record read and checked; the positions left to the general read. An
-    absent record is a miss (``found`` stays false), as it is for the general read. ``flat``:
-    the records are in the root itself, not in ``ab/cd/`` shard directories."""
-    rest: list[int] = []
-    head = bytearray(HEADER_SIZE)
-    spare = bytearray(1)
-    root_fd = root.fd
-    for i, key in enumerate(keys):
-        row = out[i]
-        if not (flat or root.usable) or devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            rest.append(i)
-            continue
-        name = key.hex()
-        try:
-            if flat:
-                fd: int | None = os.open(f"{name}.kvb", _FLAT_FLAGS, dir_fd=root_fd)
-            else:
-                fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
-        except FileNotFoundError:
-            continue
-        except OSError:
-            rest.append(i)
-            continue
-        if fd is None:
-            continue
-        view = row.numpy().data
-        size = len(view)
-        try:
-            n = os.preadv(fd, [head, view, spare], 0)
-        except OSError:
-            rest.append(i)
-            continue
-        finally:
-            os.close(fd)
-        magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(head, 0)
-        if (
-            n != HEADER_SIZE + size
-            or magic != MAGIC
-            or version != RECORD_VERSION
-            or codec_id != NoneCodec.codec_id
-            or flags
-            or raw != size
-            or stored != size
-            or record_checksum(memoryview(head)[:CHECKED], key, view) != checksum
-        ):
-            rest.append(i)
-            continue
-        found[i] = True
-    return rest
+class PlainReads:
+    """The one-pass read of one open store's plain records (see the module doc): every raw,
+    unkeyed record of ``block_bytes`` and ``dtype_code`` has the same head but for its
+    checksum, known here once. ``flat``: the records are in the root itself, not in ``ab/cd/``
+    shard directories."""
+
+    def __init__(self, root: BeneathRoot, *, flat: bool, block_bytes: int, dtype_code: int) -> None:
+        self.root = root
+        self.flat = flat
+        self.block_bytes = block_bytes
+        head = HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, 0, block_bytes, block_bytes, 0)
+        self.checksum = HeadChecksum(head[:CHECKED])
+        self._row = ctypes.c_char * block_bytes
+
+    def read(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool]) -> list[int]:
+        """Read the plain records of ``keys`` into their rows, setting ``found`` for each
+        record read and checked; the positions left to the general read. An absent record is a
+        miss (``found`` stays false), as it is for the general read. A row that is not one run
+        of ``block_bytes`` of host memory is left to the general read."""
+        rest: list[int] = []
+        root, flat, size = self.root, self.flat, self.block_bytes
+        if devices.locate is not None:  # a test's stand-in device map: the general read asks it
+            return list(range(len(keys)))
+        head = bytearray(HEADER_SIZE)
+        buffers: list[Any] = [head, None, bytearray(1)]  # a record of the right length leaves the spare byte unread
+        expected, checksum, row_at = self.checksum.head, self.checksum, self._row.from_address
+        whole = HEADER_SIZE + size
+        open_, preadv, close = os.open, os.preadv, os.close
+        root_fd = root.fd
+        for i, key in enumerate(keys):
+            row = out[i]
+            if not (flat or root.usable) or not row.is_cpu or not row.is_contiguous() or row.nbytes != size:
+                rest.append(i)
+                continue
+            name = key.hex()
+            try:
+                if flat:
+                    fd: int | None = open_(f"{name}.kvb", _FLAT_FLAGS, dir_fd=root_fd)
+                else:
+                    fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
+            except FileNotFoundError:
+                continue
+            except OSError:
+                rest.append(i)
+                continue
+            if fd is None:
+                continue
+            view = buffers[1] = row_at(row.data_ptr())
+            try:
+                n = preadv(fd, buffers, 0)
+            except OSError:
+                rest.append(i)
+                continue
+            finally:
+                close(fd)
+            if n != whole or not head.startswith(expected) or checksum(key, view) != _SUM.unpack_from(head, CHECKED)[0]:
+                rest.append(i)
+                continue
+            found[i] = True
+        return rest

@@ -70,7 +70,7 @@ import torch
 from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
-from kvtier.backends.file_reads import BeneathRoot, read_plain
+from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
 from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.tag_log import DirectoryTags
@@ -106,6 +106,13 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         if n <= 0:
             raise CorruptBlockError(f"record truncated: {filled} of {len(view)} payload bytes")
         filled += n
+
+
+def _settle(dst: torch.Tensor, staging: torch.Tensor | None) -> bool:
+    """Copy a row read into host staging to its destination; ``True`` (a hit)."""
+    if staging is not None:
+        dst.copy_(staging)
+    return True
 
 
 def _size_index(listed: RecordColumns) -> dict[bytes, int]:
@@ -156,7 +163,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._used = 0
         self._listed: RecordColumns | None = None
         self._tmp_counter = itertools.count()
-        self._beneath: BeneathRoot | None = None  # the root's descriptor, for one-pass reads
+        self._beneath: BeneathRoot | None = None  # the root's descriptor
+        self._plain: PlainReads | None = None  # the one-pass reads (unkeyed stores)
         self._shards: ShardDirs | None = None  # the shard directories, for writes
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -186,6 +194,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 self._listed = listed = self._walk(sweep=True)
                 self._sizes = _size_index(listed)
             self._beneath = BeneathRoot(self._root)
+            self._plain = None if self.mac is not None else PlainReads(self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code())
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable", layout=self.store_layout)
             self._shards.make_top()
         except OSError as exc:
@@ -308,13 +317,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Plain records (no MAC) are read in one pass, three system calls each
-        (:func:`~kvtier.backends.file_reads.read_plain`); the rest by :meth:`_read_each`. Every
+        (:class:`~kvtier.backends.file_reads.PlainReads`); the rest by :meth:`_read_each`. Every
         failure is a miss for its key alone; a bad record is deleted."""
         size = self._check_io(keys, out)
         found = [False] * len(keys)
-        beneath, flat = self._beneath, self.store_layout == FLAT
-        if self.mac is None and PLAIN_READS and beneath is not None and (beneath.usable or flat):
-            rest: Sequence[int] = read_plain(beneath, keys, out, found, flat=flat)
+        if (plain := self._plain) is not None and PLAIN_READS and (plain.flat or plain.root.usable):
+            rest: Sequence[int] = plain.read(keys, out, found)
         else:
             rest = range(len(keys))
         corrupt = self._read_each(keys, out, rest, found) if rest else 0
@@ -354,14 +362,14 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 except (CorruptBlockError, OSError) as exc:
                     corrupt += self._refuse(key, handle, exc)
                     continue
-                found[i] = self._settle(dst, staging)
+                found[i] = _settle(dst, staging)
 
             def fill(item: RawPayload) -> None:
                 _read_exact(fds[id(item)], item.out, item.header.payload_offset)
 
             for (i, handle, staging), error in zip(raw_at, fill_and_check(raw, fill, self.mac)):
                 if error is None:
-                    found[i] = self._settle(out[i], staging)
+                    found[i] = _settle(out[i], staging)
                 else:
                     corrupt += self._refuse(keys[i], handle, error)
         finally:
@@ -401,12 +409,6 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         _read_exact(fd, memoryview(payload), header.payload_offset)
         verify_payload(key, head, header, payload, mac=self.mac)
         codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
-
-    @staticmethod
-    def _settle(dst: torch.Tensor, staging: torch.Tensor | None) -> bool:
-        if staging is not None:
-            dst.copy_(staging)
-        return True
 
     def _refuse(self, key: bytes, handle: tuple[int, str, int], exc: Exception) -> int:
         """Log a record that could not be served and drop it if it is bad; 1 if it was corrupt."""

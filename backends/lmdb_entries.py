@@ -45,9 +45,12 @@ def join_record(entry: Any, value: Any) -> bytes:
 class ReadOutcome:
     """What reading a job found: ``found`` per key, the keys to drop with the reason, the keys
     missed over an error that says nothing about their record (``transient``: kept), and how
-    many were corrupt (of which ``auth`` refused by the keyed MAC)."""
+    many were corrupt (of which ``auth`` refused by the keyed MAC); and, once a lookup midway
+    found the job cold, how its rest is read (``cold_pick``: the way, when it was picked or
+    ``None`` when taken with no pick, the bytes left), so the job decides that once and its
+    reader times it."""
 
-    __slots__ = ("auth", "bad", "corrupt", "found", "transient")
+    __slots__ = ("auth", "bad", "cold_pick", "corrupt", "found", "transient")
 
     def __init__(self, n: int) -> None:
         self.found = [False] * n
@@ -55,6 +58,7 @@ class ReadOutcome:
         self.transient: set[bytes] = set()
         self.corrupt = 0
         self.auth = 0
+        self.cold_pick: tuple[int, float | None, int] | None = None
 
     def take(self, start: int, rest: ReadOutcome) -> None:
         """Add the outcome of reading the job's keys from ``start`` on."""

@@ -33,26 +33,18 @@ import lmdb
 import torch
 from kvtier.backends.lmdb_cold import ColdRead
 from kvtier.backends.lmdb_entries import ENTRY_SIZES, INDEX, ReadOutcome, entry_stamp, index_entry, join_record, restamp
+from kvtier.backends.lmdb_one import copy_keyed, copy_plain
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews, host_rows
 
-from kvtier import devices
 from kvtier.errors import CorruptBlockError
 from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check, spare_core
-from kvtier.records.codec import NoneCodec, UnsupportedRecordError
+from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import (
-    HEAD_MAX,
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
-    RECORD_VERSION,
     RecordAuthError,
     RecordBackend,
     RecordMac,
     parse_header,
-    record_checksum,
-    verify_payload,
 )
-from kvtier.records.record import CHECKED
 
 __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
@@ -77,10 +69,6 @@ ONE_PASS_READS = True
 #: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
 #: map, reader-slot errors, ...) says nothing about the record: a miss for this read, kept.
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
-
-
-_PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
-_KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 
 
 def _thread_major_faults() -> int:
@@ -188,6 +176,21 @@ class JobReader:
     def read(
         self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None = None
     ) -> ReadOutcome:
+        """Read a job (see :meth:`_read`). How the cold rest of a job is read, where a lookup
+        midway finds it cold, is decided once for the job (:meth:`_cold_way_of`) and timed
+        here, from that lookup to the job's end, as that way's cost."""
+        outcome = self._read(env, keys, out, mac, rows)
+        pick = outcome.cold_pick
+        if pick is not None:
+            outcome.cold_pick = None
+            way, start, nbytes = pick
+            if start is not None:
+                self.cold_ways.record(way, time.perf_counter() - start, nbytes)
+        return outcome
+
+    def _read(
+        self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None
+    ) -> ReadOutcome:
         """``rows``: writable views of ``out`` (host memory), when the caller has them.
 
         Every failure is confined to its key: an absent, corrupt or unsupported record, and
@@ -245,6 +248,18 @@ class JobReader:
         it is tried only while a core seems spare, and then taken when it has been the faster
         of late (:class:`~kvtier.records.checks.FasterWay`)."""
         return self.cold_ways.pick() if spare_core() else 0
+
+    def _cold_way_of(self, outcome: ReadOutcome, nbytes: int) -> int:
+        """:meth:`_cold_way` for the cold rest of the job whose outcome is ``outcome`` (``nbytes``
+        from the lookup that found it cold), decided once per job: a later slow lookup of the
+        same job goes the same way. A way that ``FasterWay`` picked (a core seemed spare) is
+        timed by :meth:`read` at the job's end; one taken for want of a spare core is not
+        (nothing was picked)."""
+        pick = outcome.cold_pick
+        if pick is None:
+            picked = spare_core()  # else _cold_way takes way 0 without a pick: nothing to time
+            pick = outcome.cold_pick = (self._cold_way(), time.perf_counter() if picked else None, nbytes)
+        return pick[0]
 
     def _read_general(self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, *, cold: bool) -> ReadOutcome:
         """The general read of a job (see :meth:`read`): its keys looked up (``cold``: on a
@@ -314,8 +329,8 @@ class JobReader:
                     COLD_GET_S,
                 )
                 if stop is None:
-                    first = len(keys)
-                elif stop[1] is not None:  # an LMDB error on key stop[0]
+                    return outcome  # every key read (the transaction ends below)
+                if stop[1] is not None:  # an LMDB error on key stop[0]
                     self.drop(outcome, keys[stop[0]], stop[1])
                     first, rest = len(keys), stop[0] + 1
                 else:  # the lookup of key stop[0] read from disk: the loop below goes on from it
@@ -333,7 +348,7 @@ class JobReader:
                 slow = i == slow_at or self.temperature.slow(start)
                 if pair is None:
                     outcome.corrupt += key in bad
-                if slow and i + 1 < len(keys) and (self._cold_way() == 1 if threaded is None else threaded):
+                if slow and i + 1 < len(keys) and (self._cold_way_of(outcome, (len(keys) - i) * size) == 1 if threaded is None else threaded):
                     # Read from disk: the rest of the job is cold. As in read(), a thread looks up
                     # the rest in this transaction while this one copies and checks this record.
                     self.temperature.cold = True
@@ -341,7 +356,7 @@ class JobReader:
                     break
                 if pair is None:
                     pass
-                elif not (self._copy_plain(key, pair, out[i], size) if mac is None else self._copy_keyed(key, pair, out[i], size, mac)):
+                elif not (copy_plain(key, pair, out[i], size) if mac is None else copy_keyed(key, pair, out[i], size, mac)):
                     self._read_odd(i, keys, out, pair, mac, outcome)
                 else:
                     outcome.found[i] = True
@@ -385,44 +400,6 @@ class JobReader:
             dst.copy_(staging)
         outcome.take(i, part)
         return None if left is None else i + left
-
-    @staticmethod
-    def _copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) -> bool:
-        """Copy a plain raw record of ``size`` bytes into ``row`` (host memory) and check it;
-        ``False`` (``row`` perhaps written) when it is anything else or its check fails."""
-        entry, value = pair
-        if len(entry) != _PLAIN_ENTRY or len(value) != size:
-            return False
-        magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(entry, INDEX.size)
-        if magic != MAGIC or version != RECORD_VERSION or codec_id != NoneCodec.codec_id or flags or raw != size or stored != size:
-            return False
-        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            return False
-        view = row.numpy().data
-        view[:] = value
-        # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-        return record_checksum(entry[INDEX.size : INDEX.size + CHECKED], key, view) == checksum
-
-    @staticmethod
-    def _copy_keyed(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int, mac: RecordMac) -> bool:
-        """:meth:`_copy_plain` for a keyed raw record: the row's MAC is checked (a MAC guards
-        against tampering: the bytes the caller gets are the ones checked)."""
-        entry, value = pair
-        if len(entry) != _KEYED_ENTRY or len(value) != size:
-            return False
-        if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
-            return False
-        head = entry[INDEX.size :]
-        try:
-            header = parse_header(head, raw_length=size, available=len(head) + size, mac=mac)
-            if header.codec_id != NoneCodec.codec_id:
-                return False
-            view = row.numpy().data
-            view[:] = value
-            verify_payload(key, head, header, view, mac=mac)
-        except CorruptBlockError:
-            return False
-        return True
 
     def copy_in(
         self,
@@ -498,7 +475,7 @@ class JobReader:
                     pairs.append(self.pair(txn, key, bad))
                     if self.temperature.slow(start):
                         self.temperature.cold = True
-                        if len(pairs) < len(keys) and self._cold_way():
+                        if len(pairs) < len(keys) and self._cold_way_of(outcome, (len(keys) - len(pairs)) * self.block_bytes):
                             return txn, pairs
                 return txn, pairs
             except lmdb.Error as exc:

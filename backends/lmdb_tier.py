@@ -414,14 +414,15 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
         and is a miss; bad records are deleted, so the manager drops them and nobody is offered
         them again."""
-        reader = self._reader
+        reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
-        rows = reader.views.of(keys, out) if reader is not None and reader.views is not None and self.mac is None else None
-        size = self._check_io(keys, out) if rows is None else reader.block_bytes  # type: ignore[union-attr]
+        views = reader.views if reader is not None and mac is None else None
+        rows = views.of(keys, out) if views is not None else None
+        size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
         env = self._env_or_raise()
         assert reader is not None
         try:
-            outcome = reader.read_job(env, keys, out, self.mac, rows)
+            outcome = reader.read_job(env, keys, out, mac, rows)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
         if outcome.bad:
@@ -429,7 +430,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
             except DiskError as exc:
                 log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
-        self.counters.auth_failures += outcome.auth
+        if outcome.auth:
+            self.counters.auth_failures += outcome.auth
         self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
         return outcome.found
 

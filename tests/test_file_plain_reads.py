@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from kvtier.backends import file_reads, file_tier
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.records.format import record_checksum
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
@@ -158,3 +160,30 @@ def test_without_openat2_a_sharded_store_takes_the_general_read_and_a_flat_one_n
             assert general == []
     finally:
         asyncio.run(backend.aclose())
+
+
+def test_a_record_whose_head_differs_from_the_stores_goes_to_the_general_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-pass read compares a record's whole checked head (dtype byte and flags too) with
+    the store's; a sound record with another dtype byte is left to the general read, and both
+    ways serve it alike. Its checksum is taken over its own head, not the store's."""
+    keys = [make_key(i) for i in range(3)]
+    data = [random_block(FMT.block_bytes, 980 + i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    asyncio.run(backend.aclose())
+    path = _record(tmp_path / "store", keys[1], "flat")
+    raw = bytearray(path.read_bytes())
+    raw[6] = 0  # dtype code 0 (opaque bytes) where the store writes bfloat16's
+    raw[24:32] = struct.pack("<Q", record_checksum(bytes(raw[:24]), keys[1], bytes(raw[32:])))
+    path.write_bytes(bytes(raw))
+    results = []
+    general: list[int] = []
+    real_each = file_tier.FileBackend._read_each
+    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    for plain in (False, True):
+        general.clear()
+        results.append(_read(tmp_path / "store", keys, plain, monkeypatch))
+        assert general == ([1] if plain else [0, 1, 2])
+    assert results[0][0] == results[1][0] == [True, True, True]
+    assert all(torch.equal(a, b) and torch.equal(a, d) for a, b, d in zip(results[0][1], results[1][1], data))
+    assert results[0][2] == results[1][2] and results[0][3] == results[1][3]

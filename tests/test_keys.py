@@ -291,3 +291,26 @@ def test_check_keys_names_the_first_bad_key_whatever_it_is(keys: list[object], m
         check_keys(keys)  # type: ignore[arg-type]
     check_keys([b"\x00" * 32] * 3)
     check_keys([])
+
+
+@pytest.mark.parametrize(
+    ("key", "match"),
+    [
+        (_LenRaises(), r"keys\[0\]: expected bytes, got _LenRaises"),
+        (5, r"keys\[0\]: expected bytes, got int"),
+        (b"\x00" * 33, r"keys\[0\]: expected 32 bytes, got 33"),
+        (b"\x00" * 31, r"keys\[0\]: expected 32 bytes, got 31"),
+        (_BytesSub(b"\x00" * 32), r"keys\[0\]: expected bytes, got _BytesSub"),
+        (bytearray(32), r"keys\[0\]: expected bytes, got bytearray"),
+        ("x" * 32, r"keys\[0\]: expected bytes, got str"),
+    ],
+)
+def test_a_one_key_job_is_checked_as_a_longer_one_is(key: object, match: str) -> None:
+    """The one-key fast path lets through exactly a 32-byte ``bytes``, as the set does for a
+    longer list: the same key refused alone and beside a good one, and by the same message."""
+    with pytest.raises(InvalidKeyError, match=match):
+        check_keys([key])  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError, match=match.replace("0", "1", 1)):
+        check_keys([b"\x00" * 32, key])  # type: ignore[list-item]
+    check_keys([b"\x00" * 32])
+    check_keys((b"\x01" * 32,))

@@ -667,6 +667,24 @@ def test_on_a_busy_machine_a_cold_job_is_read_in_one_pass_and_the_reader_still_g
         asyncio.run(backend.aclose())
 
 
+def test_a_job_found_cold_midway_decides_its_cold_way_once_and_times_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two slow lookups midway in one job, a core spare: the way its cold rest is read is
+    picked once (the second slow lookup goes the same way), and that pick is timed as the
+    way's cost, so the next jobs are judged by it (picked at every slow lookup and never
+    timed, a probe of the other way came again at each)."""
+    from kvtier.backends import lmdb_layout
+
+    monkeypatch.setattr(lmdb_layout, "spare_core", lambda: True)
+    backend, keys, job = _jobs_with_slow_lookups(tmp_path, monkeypatch, thread=None)  # the gate as it is
+    ways = backend._reader.cold_ways  # type: ignore[attr-defined]
+    me = threading.current_thread().name
+    try:
+        assert job({keys[1], keys[3]}) == ([me] * 4, True)  # way 0 first (FasterWay tries each once)
+        assert ways._jobs == 1 and ways._cost[0] is not None and ways._cost[1] is None
+    finally:
+        asyncio.run(backend.aclose())
+
+
 def test_the_cold_thread_is_tried_only_while_a_core_seems_spare(monkeypatch: pytest.MonkeyPatch) -> None:
     """No spare core: way 0 and no pick (the ways' choice is left as it was); a spare core:
     each way once, then the faster."""

@@ -1,10 +1,14 @@
 """The manager's store fast paths against its general paths: same plans, same errors, same
 counters, events, key states and order, call after call.
 
-* ``prepare_store`` of keys that fit in the first tier's free room, with no copy below
-  (write-back, or one tier), skips the plan builder (``PlanBook.prepare``);
-* ``complete_store`` of a successful store of one plan that copies nothing below skips the
-  general settlement (``PlanBook.complete_plain``);
+* the common store's two calls (``kvtier/manager/store_calls.py``): ``prepare_store`` of new,
+  distinct, well-formed keys that fit in the first tier's free room, with no copy below and no
+  tenant, opens its plan in one step (``PlanBook.open_new``), and ``complete_store`` of a
+  successful store of keys of one such plan settles them in one step (``PlanBook.complete_new``);
+* behind them, in the manager's general methods: ``prepare_store`` of keys that fit in the
+  first tier's free room, with no copy below (write-back, or one tier), skips the plan builder
+  (``PlanBook.prepare``); ``complete_store`` of a successful store of one plan that copies
+  nothing below skips the general settlement (``PlanBook.complete_plain``);
 * ``complete_store`` takes its keys out of the book in one pass (``PlanBook.take``), and puts
   back what it took when a key is not open, repeats, or cannot be hashed.
 
@@ -15,17 +19,20 @@ off, and everything observable is compared after every call.
 from __future__ import annotations
 
 import random
+from dataclasses import FrozenInstanceError, fields
+from types import MethodType
 from typing import Any
 
 import pytest
 
-from kvtier.manager import TierManager, TierSpec
+from kvtier.manager import StorePlan, TierManager, TierSpec
+from kvtier.manager.plan import plain_plan
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.manager.tenants import TenantRules
 from kvtier.testing import make_key
 
 BLOCK = 100
-K = [make_key(i) for i in range(40)]
+K = [make_key(i) for i in range(160)]
 POLICY = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
@@ -35,6 +42,8 @@ def _spec(name: str, blocks: int, policy: str, **kw: Any) -> TierSpec:
 
 CONFIGS: dict[str, Any] = {
     "one": lambda p: TierManager([_spec("cpu", 8, p)]),
+    "roomy": lambda p: TierManager([_spec("cpu", 200, p)]),  # room for most stores: the common store's path
+    "roomy-back": lambda p: TierManager([_spec("cpu", 100, p), _spec("disk", 200, p, persistent=True)], clock=lambda: 5.0),
     "one-persistent": lambda p: TierManager([_spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
     "one-variable": lambda p: TierManager([_spec("zst", 8, p, variable_size=True)]),
     "back": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
@@ -44,9 +53,17 @@ CONFIGS: dict[str, Any] = {
 }
 
 
+#: keys no call has named yet in the current run, next one last
+_FRESH: list[bytes] = []
+#: whether stores of the current run name tenants (in every other run)
+_TENANTS: list[bool] = []
+
+
 def _general(m: TierManager) -> TierManager:
-    """``m`` with its store fast paths off: every store takes the builder, every completion
-    the general settlement."""
+    """``m`` with its store fast paths off: the store calls are the manager's general methods,
+    every store takes the builder, every completion the general settlement."""
+    m.prepare_store = MethodType(TierManager.prepare_store, m)  # type: ignore[method-assign]
+    m.complete_store = MethodType(TierManager.complete_store, m)  # type: ignore[method-assign]
     m._plans._no_copies = False  # (the general path then adds no copies either: write-back or one tier)
     m._plans.complete_plain = lambda *args: False  # type: ignore[method-assign]
     return m
@@ -73,19 +90,34 @@ def _state(m: TierManager) -> tuple[Any, ...]:
     )
 
 
-def _call(rng: random.Random, open_keys: list[bytes]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    """A random call: mostly well-formed, sometimes not."""
+def _call(rng: random.Random, open_keys: list[bytes], plans: list[tuple[bytes, ...]]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """A random call: mostly well-formed, sometimes not. ``plans``: the keys of the plans
+    prepared so far (the common completion names one plan's keys, whole)."""
     roll = rng.random()
     if roll < 0.4 or not open_keys:
-        keys = rng.sample(K, rng.randint(1, 6))
+        # Half the stores are of keys never named before (the common store), half of any keys.
+        fresh = rng.random() < 0.5 and len(_FRESH) > 6
+        keys: Any = [_FRESH.pop() for _ in range(rng.randint(1, 6))] if fresh else rng.sample(K, rng.randint(1, 6))
         if rng.random() < 0.15:
             keys.append(keys[0])  # a repeat
+        bad = rng.random()
+        if bad < 0.1:
+            keys[rng.randrange(len(keys))] = rng.choice([b"short", "x" * 32, bytearray(32), None])
+        elif bad < 0.2:
+            keys = tuple(keys)
+        elif bad < 0.25:
+            keys = rng.choice([b"".join(keys), "k" * 32, None])
         kw: dict[str, Any] = {}
+        if rng.random() < 0.1:
+            kw["keep_below"] = rng.sample(K, 2)
         if rng.random() < 0.2:
             kw["partial"] = True
-        if rng.random() < 0.15:
+        if rng.random() < 0.15 and _TENANTS:  # (once a tenant is named, tenants are counted: no common store)
             kw["tenant"] = rng.choice(["a", "b"])
         return "prepare_store", (keys,), kw
+    if roll < 0.55 and plans:
+        whole = rng.choice(plans)
+        return "complete_store", (whole if rng.random() < 0.5 else list(whole),), {}
     if roll < 0.75:
         keys = rng.sample(open_keys, rng.randint(1, len(open_keys)))
         kw = {}
@@ -118,33 +150,56 @@ def test_store_fast_paths_match_the_general_paths(config: str, policy: str, seed
     fast, general = CONFIGS[config](policy), _general(CONFIGS[config](policy))
     rng = random.Random(f"{config}-{policy}-{seed}")
     open_keys: list[bytes] = []
-    for step in range(120):
-        name, args, kw = _call(rng, open_keys)
+    plans: list[tuple[bytes, ...]] = []
+    _FRESH[:] = K[::-1]
+    _TENANTS[:] = [True] if seed % 2 else []
+    for step in range(160):
+        name, args, kw = _call(rng, open_keys, plans)
         got = _outcome(getattr(fast, name), *args, **kw)
         want = _outcome(getattr(general, name), *args, **kw)
         assert got == want, (step, name, args, kw)
         assert _state(fast) == _state(general), (step, name, args, kw)
         open_keys = sorted(fast._plans._plan_of)
+        if name == "prepare_store" and got[0] == "value" and got[1] is not None and got[1].keys:
+            plans = [*plans[-5:], got[1].keys]
 
 
 def test_the_fast_paths_are_taken() -> None:
-    """The common store goes through both fast paths (the comparison above is not vacuous)."""
+    """The common store goes through the one-step calls, without the general methods; a plan
+    that demotes does not (the comparisons above are not vacuous)."""
     m = CONFIGS["one"]("lru")
-    taken = []
-    plain = m._plans.complete_plain
-    m._plans.complete_plain = lambda *args: taken.append(plain(*args)) or taken[-1]  # type: ignore[method-assign]
-    plan = m.prepare_store(K[:4])
-    assert plan is not None and plan.keys == tuple(K[:4]) and plan.positions == (0, 1, 2, 3)
-    m.complete_store(plan.keys)
-    assert taken == [True]
-    # a plan that demotes is not plain
+
+    def general(*args: Any) -> Any:
+        raise AssertionError("the general path was taken")
+
+    m._plans.prepare = m._plans.take = m._plans.complete = general  # type: ignore[method-assign]
+    for keys in (K[:4], tuple(K[4:6])):
+        plan = m.prepare_store(keys)
+        assert plan is not None and plan.keys == tuple(keys) and plan.positions == tuple(range(len(keys)))
+        m.complete_store(keys)
+    assert m.lookup(K[:6]) == 6 and len(m._plans) == 0 and m.counters["store_completed"] == 6
+    # the general paths behind them: a plan that demotes is not plain
     two = CONFIGS["back"]("lru")
+    taken = []
     for part in (K[:4], K[4:6]):
         plan = two.prepare_store(part)
         assert plan is not None
-        two._plans.complete_plain = lambda *args: taken.append(plain.__func__(two._plans, *args)) or taken[-1]  # type: ignore[attr-defined,method-assign]
-        two.complete_store(plan.keys)
-    assert taken == [True, True, False]
+        taken.append((bool(plan.demotions), two._plans.complete_new(plan.keys, lambda: 5.0)))
+        if not taken[-1][1]:
+            two.complete_store(plan.keys)
+    assert taken == [(False, 4), (True, 0)]
+    assert two.lookup(K[:6]) == 6 and len(two._plans) == 0
+
+
+def test_a_plain_plan_is_the_dataclass_plan() -> None:
+    """``plain_plan`` (attribute stores, then the class) makes the plan the dataclass makes,
+    and as frozen."""
+    made = plain_plan(7, tuple(K[:3]), (0, 1, 2))
+    want = StorePlan(7, tuple(K[:3]), (0, 1, 2))
+    assert type(made) is StorePlan and made == want and hash(made) == hash(want) and repr(made) == repr(want)
+    assert [getattr(made, f.name) for f in fields(StorePlan)] == [getattr(want, f.name) for f in fields(StorePlan)]
+    with pytest.raises(FrozenInstanceError):
+        made.keys = ()  # type: ignore[misc]
 
 
 def test_complete_store_puts_back_what_it_took_before_an_unhashable_key() -> None:

@@ -12,9 +12,10 @@ import torch
 
 from kvtier import record_jobs
 from kvtier.errors import CorruptBlockError
-from kvtier.records.checks import SIDE_MIN_BYTES, EncodedStream, RawPayload, copy_and_check
+from kvtier.records.checks import SIDE_MIN_BYTES, EncodedStream, HeadChecksum, RawPayload, copy_and_check
 from kvtier.records.codec import NoneCodec, resolve_codec
-from kvtier.records.format import RecordAuthError, RecordMac, encode_record, parse_header
+from kvtier.records.format import RecordAuthError, RecordMac, encode_record, parse_header, record_checksum
+from kvtier.records.record import CHECKED
 from kvtier.testing import make_key, random_block
 
 BLOCK = 512 << 10
@@ -222,3 +223,21 @@ def test_an_unexpected_error_while_filling_stops_the_side_thread_before_it_propa
 
         time.sleep(0.2)
     assert checked_after == []
+
+
+@pytest.mark.parametrize("size", [2, 4096, 65 << 10, 2 << 20])
+def test_a_head_checksum_is_the_record_checksum(size: int) -> None:
+    """The checksum that goes on from a head hashed once equals the one hashed from scratch
+    (what ``encode_record`` stores), for every record of that head; a flipped bit changes it."""
+    block = random_block(size, 7)
+    head, _ = encode_record(make_key(0), block.numpy().data, NoneCodec(), 1)
+    sums = HeadChecksum(head[:CHECKED])
+    for i in range(3):
+        key = make_key(i)
+        payload = random_block(size, 40 + i).numpy().data
+        assert sums(key, payload) == record_checksum(head[:CHECKED], key, payload)
+        damaged = bytearray(payload)
+        damaged[size // 2] ^= 0x04
+        assert sums(key, damaged) != sums(key, payload)
+    with pytest.raises(ValueError, match="24 checked header bytes, got 32"):
+        HeadChecksum(head)

@@ -10,12 +10,14 @@ ones and settles them in ``complete_store``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import repeat
+from types import MappingProxyType
 from typing import cast
 
+from kvtier.keys import KEY_BYTES
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import EventBatch, EventLog
 from kvtier.manager.promotion import Promotions
@@ -61,6 +63,34 @@ class StorePlan:
     @property
     def empty(self) -> bool:
         return not self.keys and not self.drops and not self.demotions and not self.tags
+
+
+class _PlainPlan:
+    """A :class:`StorePlan`'s slots, set by plain attribute stores (a frozen dataclass's own
+    ``__init__`` goes through ``object.__setattr__`` once per field: twice the cost of the
+    rest of the common store's ``prepare_store``). :func:`plain_plan` turns one into a
+    :class:`StorePlan`, frozen from then on; the layouts are the same, slot for slot."""
+
+    __slots__ = StorePlan.__slots__
+
+    def __init__(self, plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...]) -> None:
+        self.plan_id = plan_id
+        self.keys = keys
+        self.positions = positions
+        self.tier = 0
+        self.write_through = ()
+        self.drops = ()
+        self.demotions = ()
+        self.skipped = ()
+        self.tags = ()
+
+
+def plain_plan(plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...]) -> StorePlan:
+    """``StorePlan(plan_id, keys, positions)``, made as :class:`_PlainPlan` (a test compares
+    the two, and checks the result is as frozen as the dataclass's own)."""
+    plan = _PlainPlan(plan_id, keys, positions)
+    plan.__class__ = StorePlan  # type: ignore[assignment]
+    return plan  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +255,8 @@ class OpenPlan:
     settle together when the last key completes."""
 
     remaining: int
-    demoted: dict[int, list[bytes]] = field(default_factory=dict)
-    through: dict[int, list[bytes]] = field(default_factory=dict)
+    demoted: Mapping[int, list[bytes]] = field(default_factory=dict)
+    through: Mapping[int, list[bytes]] = field(default_factory=dict)
     #: Promotion plans only: the lower tier each key was ready in when the plan was made.
     sources: dict[bytes, int] | None = None
 
@@ -267,6 +297,8 @@ class PlanBook:
         self._events = events
         self._plans: dict[int, OpenPlan] = {}
         self._plan_of: dict[bytes, int] = {}
+        self._first = tiers[0]
+        self._below = tuple(t.index for t in tiers[1:])
         #: Keys ready above whose write-through copy below is still pending (completed ahead
         #: of the rest of their plan). A pending copy is not a copy: if it fails, evicting
         #: the key would leave it in no tier, so no plan evicts these until their plan settles.
@@ -350,6 +382,43 @@ class PlanBook:
             self._events.extend(builder.events)
         return builder.build(plan_id, _positions(keys, new), skipped)
 
+    def open_new(self, ids: Iterator[int], keys: Sequence[bytes]) -> StorePlan | None:
+        """The common store in one step: ``keys`` (a list or tuple), each a well-formed key,
+        none repeated and none held by any tier, fit in the first tier's free room and no copy
+        goes below (write-back, or one tier) and no tenant is counted. Its plan (numbered by
+        ``ids``), or ``None`` and no change otherwise: the caller then takes :meth:`prepare`,
+        which gives the same plan here (a test compares the two)."""
+        if type(keys) is not list and type(keys) is not tuple:
+            return None
+        first = self._first
+        n = len(keys)
+        if not self._no_copies or self._admission.enabled or first.tenancy is not None or first.used + first.block * n > first.capacity or not n:
+            return None
+        index = first.index
+        try:  # (a pass in C each: none held is the common store)
+            if not index.keys().isdisjoint(keys) or any(not below.keys().isdisjoint(keys) for below in self._below):
+                return None
+        except TypeError:  # an unhashable key: prepare names it
+            return None
+        before = len(index)
+        for key in keys:  # the check of each key, in the loop that reserves it
+            if type(key) is not bytes or len(key) != KEY_BYTES:
+                break
+            index[key] = PENDING
+        else:
+            if len(index) - before == n:
+                first.used += first.block * n
+                first.pending += n
+                plan_id = next(ids)
+                plan_of = self._plan_of
+                for key in keys:
+                    plan_of[key] = plan_id
+                self._plans[plan_id] = OpenPlan(n, _NO_COPIES, _NO_COPIES)
+                return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), _leading(n))
+        for key in keys:  # a bad or repeated key: none was held before, so each one reserved goes
+            index.pop(key, None)
+        return None
+
     def unknown(self, keys: Sequence[bytes]) -> int | None:
         """The index of the first of ``keys`` that no open plan holds, or ``None``."""
         plan_of = self._plan_of
@@ -404,6 +473,39 @@ class PlanBook:
         self._events.add("stored", ok, first.name)
         return True
 
+    def complete_new(self, keys: Sequence[bytes], now: Callable[[], float]) -> int:
+        """The common ``complete_store`` in one step: ``keys`` succeeded, each open and none
+        repeated, all of one plan that copies nothing below and promotes nothing. The number of
+        keys made ready, or 0 and no change otherwise (the caller then takes the general path:
+        :meth:`take`, :meth:`complete_plain`, :meth:`complete`; a test compares the two).
+        ``now`` stamps them in a persistent first tier."""
+        plan_of = self._plan_of
+        try:
+            plan_id = plan_of.get(keys[0], 0)  # (plans are numbered from 1)
+        except Exception:  # no key, or not a key: the general path names it
+            return 0
+        plan = self._plans.get(plan_id)
+        if plan is None or plan.sources is not None or plan.demoted or plan.through:
+            return 0
+        owners: list[int | None] = []
+        try:
+            owners.extend(map(plan_of.pop, keys, repeat(None)))
+        except TypeError:  # an unhashable key: put back what was taken before it
+            plan_of.update((key, owner) for key, owner in zip(keys, owners) if owner is not None)
+            return 0
+        n = len(owners)
+        if owners.count(plan_id) != n:  # a key not open, of another plan, or repeated: put back
+            plan_of.update((key, owner) for key, owner in zip(keys, owners) if owner is not None)
+            return 0
+        ok = keys if type(keys) is tuple else list(keys)  # the event log keeps the sequence
+        first = self._first
+        first.settle(ok, None, now() if first.persistent else 0.0)
+        plan.remaining -= n
+        if not plan.remaining:
+            del self._plans[plan_id]
+        self._events.add("stored", ok, first.name)
+        return n
+
     def complete(self, keys: Sequence[bytes], result: Completion, owners: list[int] | None = None) -> tuple[int, int]:
         """Settle ``keys`` (every one open) and the plans they complete; return the stores that
         succeeded and failed (promotions are counted by :class:`Promotions`). ``owners``: the
@@ -457,9 +559,20 @@ def _promote_by_tenant(builder: PlanBuilder, new: list[bytes]) -> list[bytes]:
     return list(builder.keys)
 
 
+#: positions of plans whose every key is new, by length (a plan of up to 64 keys shares one)
+_RANGES = tuple(tuple(range(n)) for n in range(65))
+#: the copies below of a plan that has none
+_NO_COPIES: Mapping[int, list[bytes]] = MappingProxyType({})
+
+
+def _leading(n: int) -> tuple[int, ...]:
+    """``tuple(range(n))``"""
+    return _RANGES[n] if n < len(_RANGES) else tuple(range(n))
+
+
 def _positions(keys: Sequence[bytes], new: list[bytes]) -> tuple[int, ...]:
     """The index in ``keys`` of each key of ``new`` (its first occurrence)."""
     if len(new) == len(keys):  # every key is new, and none repeats
-        return tuple(range(len(keys)))
+        return _leading(len(keys))
     first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
     return tuple(map(first.__getitem__, new))

@@ -40,7 +40,10 @@ for one store or promotion plan), :class:`~kvtier.manager.admission.Admission` (
 :class:`~kvtier.manager.promotion.Promotions` (both forms of promotion),
 :class:`~kvtier.manager.record_sync.RecordSync` (adoption of stored records, removal, stamps),
 :class:`~kvtier.manager.readout.Readout` (counters and stats) and
-:class:`~kvtier.manager.tenant_ops.TenantControl` (the ``tenants`` attribute).
+:class:`~kvtier.manager.tenant_ops.TenantControl` (the ``tenants`` attribute). Each manager's
+``lookup``, ``prepare_store`` and ``complete_store`` are closures made for it
+(:mod:`~kvtier.manager.lookups`, :mod:`~kvtier.manager.store_calls`): the common case in one
+step, anything else by the methods of the class, which give the same answers (tests compare).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StoreP
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.readout import COUNTERS, Readout
 from kvtier.manager.record_sync import RecordSync
+from kvtier.manager.store_calls import store_calls
 from kvtier.manager.tenant_ops import TenantControl
 from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TenantRules, check_tenant
 from kvtier.manager.tiers import TierSpec, TierState, check_specs, tenant_book, unpin
@@ -149,6 +153,8 @@ class TierManager:
         self._clock = clock
         self._lock = threading.Lock()
         self._closed = False
+        self._stores = store_calls(self._plans, self._lock, self._counts, self._plan_ids, clock, self.prepare_store, self.complete_store)  # the methods below: their general path
+        self.prepare_store, self.complete_store = self._stores.prepare, self._stores.complete  # type: ignore[method-assign]
         self._ready_status = tuple(KeyStatus(KeyState.READY, i) for i in range(len(tiers)))
         self._pending_status = tuple(KeyStatus(KeyState.PENDING, i) for i in range(len(tiers)))
         #: usage per tenant, quotas: from the first call that names a tenant (or ``tenants``)
@@ -187,6 +193,7 @@ class TierManager:
     def close(self) -> None:
         self._closed = True
         self._single.close()
+        self._stores.close()
 
     def _ready_tier(self, key: bytes) -> int | None:
         """The fastest tier that holds ``key`` ready, or ``None``."""
