@@ -88,10 +88,13 @@ def _at(address: int, size: int) -> memoryview:
     return memoryview(_row_type(size).from_address(address)).cast("B")
 
 
+_VIEWS: dict[int, dict[int, memoryview]] = {}  # row size -> address -> view (see RowViews)
+
+
 class RowViews:
-    """Writable views of a store's rows, kept by address (at most :attr:`most`), for rows
-    that callers read into again and again (a staging pool, or tensors of their own that the
-    allocator hands back at the same addresses).
+    """Writable views of rows of :attr:`size` bytes, kept by address (at most :attr:`most` of
+    each size, for the whole process), for rows that callers read into again and again (a
+    staging pool, or tensors of their own that the allocator hands back at the same addresses).
 
     :meth:`of` also checks the job as ``_check_io`` does, in the same loop: per row, the
     checks cost about 1.2 µs (five tensor attributes), a view from the cache 0.06 µs, one by
@@ -105,7 +108,9 @@ class RowViews:
         self.size = size
         self.shape = torch.Size([size])
         self.most = most
-        self.views: dict[int, memoryview] = {}
+        #: Shared by every store of rows this size in the process: rows outlive stores (a
+        #: store reopened, or several stores read into one staging pool).
+        self.views: dict[int, memoryview] = _VIEWS.setdefault(size, {})
 
     def of(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[memoryview] | None:
         """A view of each row when every key is ``bytes`` of 32 and every row a contiguous

@@ -75,6 +75,7 @@ def test_a_view_kept_by_address_writes_into_the_row_now_at_that_address() -> Non
     freed memory back) is written through the same view, and only within its own bytes; the
     views kept are bounded (all dropped once ``most`` are held)."""
     views = RowViews(256, most=3)
+    views.views.clear()
     pool = torch.zeros((4, 256), dtype=torch.uint8)
     first = views.of([make_key(0)], [pool[1]])
     assert first is not None
@@ -104,7 +105,7 @@ def test_a_job_read_through_kept_views_reads_what_the_general_views_read(tmp_pat
         got = [backend.read_blocks(keys, out) for _ in range(2)]
         assert got == [[True] * 5 + [False]] * 2
         assert all(torch.equal(o, d) for o, d in zip(out[:5], data[:5])) and out[5].count_nonzero() == 0
-        assert len(reader.views.views) == 6
+        assert {o.data_ptr() for o in out} <= set(reader.views.views)  # kept, for every store of this row size
         for o in out:
             o.zero_()
         monkeypatch.setattr(RowViews, "of", lambda self, keys, out: None)  # the general checks and views
