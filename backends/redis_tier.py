@@ -28,7 +28,9 @@ The index lives on the server. Each job's writes and deletes are published to a 
 per namespace (:mod:`kvtier.backends.redis_feed`; ``feed: false`` turns it off), which every
 engine's :class:`~kvtier.backends.feed_follower.TierFollower` reads to keep its manager's index
 in step; a ``SCAN`` sweep every ``sync_interval_s`` (60 s with the feed, 1 s without) is the
-backstop. Lookups never touch the network. A key the index still claims but the server
+backstop. A store's open reads the keys from the namespace's key log instead of a ``SCAN``
+(each put share appends the keys it stored; :mod:`kvtier.backends.redis_keylog`, which also
+says when the log is not trusted). Lookups never touch the network. A key the index still claims but the server
 evicted is a load miss.
 
 Faults: every socket call has a timeout (``socket_timeout_s``, ``connect_timeout_s``). A
@@ -53,12 +55,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from functools import partial
 from typing import Any, ClassVar
 
 from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.redis_client import client_options, credentials, probe_problem
 from kvtier.backends.redis_feed import RedisFeed
+from kvtier.backends.redis_keylog import DELETED, KeyLog
 from kvtier.backends.redis_nodes import DOWN_ERRORS as _DOWN_ERRORS
 from kvtier.backends.redis_nodes import RedisNodes
 from kvtier.backends.redis_pool import ConnectionBudget, PoolGate
@@ -184,6 +188,8 @@ class RedisBackend(RemoteRecordBackend):
         self._client_lock = threading.Lock()
         #: the primaries: routes, health per cluster node, listings (kvtier.backends.redis_nodes)
         self._nodes = RedisNodes(self)
+        #: the names of the records stored, read at open instead of a SCAN (kvtier.backends.redis_keylog)
+        self._keylog = KeyLog(self, KEY_BYTES)
         self._ttl_ms = b""
 
     def __repr__(self) -> str:
@@ -358,6 +364,11 @@ class RedisBackend(RemoteRecordBackend):
 
         def body(wires: list[Wire]) -> None:
             send_one_each(wires, requests(), on_reply, self.socket_timeout_s)
+            # The stored records' names, once the server has them all (kvtier.backends.redis_keylog).
+            append = self._keylog.append_command(keys[i] for i in positions if sizes[i] is not None)
+            if append:
+                wires[0].send([append])
+                self._keylog.appended(wires[0])
 
         self._exchange_many(pool, min(len(positions), self.budget.put_connections), body)
 
@@ -408,12 +419,16 @@ class RedisBackend(RemoteRecordBackend):
         def body(wire: Wire) -> None:
             nonlocal deleted
             # One UNLINK per key: a multi-key UNLINK is refused across cluster slots.
-            wire.send([b"".join(unlink_command(rk) for rk in rkeys)])
+            plen = len(self._prefix_bytes)
+            append = self._keylog.append_command((rk[plen:] for rk in rkeys), DELETED)  # replayed by the next open
+            wire.send([b"".join(unlink_command(rk) for rk in rkeys) + append])
             for _ in rkeys:
                 try:
                     deleted += int(wire.reply())
                 except ErrorReply as exc:
                     self._refused("UNLINK", exc)
+            if append:
+                self._keylog.appended(wire)
 
         self._exchange(pool, body)
         return deleted
@@ -424,6 +439,21 @@ class RedisBackend(RemoteRecordBackend):
         a time): the general listing; the sweeps use :meth:`_list_block_keys`."""
         pattern = self._prefix_bytes + b"*"
         return self._nodes.each(lambda node: node.scan_iter(match=pattern, count=SCAN_COUNT))
+
+    def _open_table(self) -> dict[bytes, int] | None:
+        """The open's table: read from the key log where it is trusted, else listed with ``SCAN``
+        (and the log written again): :mod:`kvtier.backends.redis_keylog`."""
+        return self._keylog.open_table(self._listing)
+
+    def _sweep(self) -> AbstractSet[bytes] | None:
+        """A ``SCAN`` sweep of the index; the key log rewritten from it when it grew over twice
+        the keys listed, or is untrusted (its state read before the listing begins)."""
+        state = self._keylog.sweep_state()
+        found = self._listing()
+        if found is None:
+            return None
+        self._keylog.after_sweep(state, found)
+        return found.keys()
 
     def _list_block_keys(self) -> Iterator[list[bytes]]:
         """The block keys of every record under the prefix, a ``SCAN`` step at a time: records
@@ -466,6 +496,7 @@ class RedisBackend(RemoteRecordBackend):
     def stats(self) -> dict[str, Any]:
         data = super().stats()
         data.update(url=self.url, cluster=self.cluster, pool_waits=self._gate.waits, pool_busy=self._gate.busy)
+        data["key_log"] = self._keylog.stats()
         if self.cluster:
             data["nodes_down"] = sum(1 for h in self._nodes.health.values() if not h.up)
         return data

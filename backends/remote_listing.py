@@ -14,7 +14,10 @@ else under the prefix out (the meta record, the change feed, tags). Two hooks li
     parses each ``SCAN`` reply as one array, :mod:`kvtier.backends.redis_scan`). ``None``, the
     default, means ``_list_keys``.
 
-Either may raise :class:`SweepSkipped` to skip a round without marking the server down.
+Either may raise :class:`SweepSkipped` to skip a round without marking the server down. A
+store's open adopts ``_open_table()`` (:meth:`RemoteListing.scan_columns`): the listing by
+default, a faster source where the tier keeps one (the ``redis`` tier's key log); ``scan()`` is
+always the server's own listing.
 
 The listing is a set (a server may list a key twice while its table grows); keys of records
 that failed to load as ours are left out until this tier writes them again, and a server that
@@ -31,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,11 +46,16 @@ from kvtier.backends.remote_health import Health
 from kvtier.backend import RecordInfo
 from kvtier.bulk import READY, RecordColumns
 
-__all__ = ["KEY_BYTES", "RemoteListing", "SweepSkipped"]
+__all__ = ["KEY_BYTES", "Dropped", "RemoteListing", "SweepSkipped"]
 
 log = logging.getLogger("kvtier")
 
 KEY_BYTES = 32
+
+
+class Dropped(list):  # type: ignore[type-arg]
+    """A batch of keys to leave out of the listing gathered so far (a log of what was stored and
+    deleted, replayed in order: :mod:`kvtier.backends.redis_keylog`)."""
 
 
 class SweepSkipped(Exception):
@@ -97,18 +105,24 @@ class RemoteListing:
         found = self._listing()
         return None if found is None else found.keys()
 
-    def _listing(self) -> dict[bytes, int] | None:
+    def _listing(self, batches_of: Callable[[], Iterable[Sequence[bytes]]] | None = None) -> dict[bytes, int] | None:
         """:meth:`_sweep`'s keys as a dict, each mapped to :data:`kvtier.bulk.READY` (what a
         store's open hands the manager whole, see :class:`RecordColumns`). The keys of a batch
-        go in as it comes, so the dict is built while the server lists the next one."""
+        go in as it comes, so the dict is built while the server lists the next one.
+        ``batches_of``: where the keys come from instead of the server's listing (the open's
+        :meth:`_open_table`, from a log the tier keeps)."""
         if self._closed or not self._health.allow():
             return None
         found: dict[bytes, int] = {}
         try:
-            batches = self._list_block_keys()
+            batches = self._list_block_keys() if batches_of is None else batches_of()
             if batches is not None:  # the tier lists block keys itself, in bulk
                 for batch in batches:
-                    found.update(zip(batch, repeat(READY)))
+                    if type(batch) is Dropped:
+                        for key in batch:
+                            found.pop(key, None)
+                    else:
+                        found.update(zip(batch, repeat(READY)))
             elif type(self).block_key is RemoteListing.block_key:  # the key follows the prefix: one pass in C
                 plen, prefix = len(self._prefix_bytes), self._prefix_bytes
                 want = plen + KEY_BYTES
@@ -131,16 +145,26 @@ class RemoteListing:
                     found.pop(key, None)
         return found
 
+    def _open_table(self) -> dict[bytes, int] | None:
+        """The table a store's open adopts (:meth:`scan_columns`): the server's listing, or what
+        a tier lists faster at open (the ``redis`` tier's key log,
+        :mod:`kvtier.backends.redis_keylog`)."""
+        return self._listing()
+
     def scan(self) -> Iterator[RecordInfo]:
-        listed = self.scan_columns()
+        """The keys on the server now (its own listing: never a log of what was stored)."""
+        listed = self._columns(self._listing)
         return iter([RecordInfo(k, n, t) for k, n, t in listed])
 
     def scan_columns(self) -> RecordColumns:
-        """The keys on the server (none while it is down), as columns: each stamped now, at the
-        reserve size (no object per record but its key)."""
+        """The keys a store's open adopts (:meth:`_open_table`; none while the server is down),
+        as columns: each stamped now, at the reserve size (no object per record but its key)."""
+        return self._columns(self._open_table)
+
+    def _columns(self, listing: Callable[[], dict[bytes, int] | None]) -> RecordColumns:
         self._check_open()
         started = time.perf_counter()
-        table = self._listing() or {}
+        table = listing() or {}
         keys = list(table)
         n = len(keys)
         if self.follower is not None:

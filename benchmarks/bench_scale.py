@@ -12,11 +12,14 @@ they are valid kvtier records), and then a fresh interpreter opens a store on it
   open-time page check included), lists its records and adopts them into the manager's index;
   ``open_cpu_s_per_million``: the CPU time of that open (every thread of the process), which
   other processes on a loaded machine do not inflate as much as they do the wall-clock time;
-  ``scan_s``: a second ``scan()`` of the open tier, to tell listing from adopting;
+  ``scan_s``: a second ``scan()`` of the open tier, to tell listing from adopting (for
+  ``redis`` that is the server's ``SCAN``, which the open no longer runs);
 * ``rss_bytes_per_key``: the growth of the process's anonymous RSS (``RssAnon``: Python objects,
   not the mapped file) across that open, per record;
 * ``server_scan_s`` (``redis``): the CPU time the server spent in ``SCAN`` during that open (its
-  ``INFO commandstats``), the part of ``open_s`` no client change can cut on one server;
+  ``INFO commandstats``): 0 when the open read the tier's key log (``open_listing``: ``key log``,
+  see ``backends/redis_keylog.py``), else (``scan``) the part of ``open_s`` no client change can
+  cut on one server;
 * ``lookup_us`` / ``lookup_miss_us``: one single-key ``lookup`` of a random held key / of an
   absent key (4096 distinct keys, each probed once a round, best of 5 warm rounds);
   ``lookup64_us_per_key``: a 64-key batched lookup, per key. ``dict_*``: the same probes of a
@@ -277,6 +280,7 @@ async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
         }
         if scan_usec is not None:
             out["server_scan_s"] = round(scan_usec / 1e6, 4)
+            out["open_listing"] = "key log" if store.backends[0].stats()["key_log"]["opens"] else "scan"
         out.update(_lookup_figures(manager, held, absent))
         out.update(_evict_figure(manager))
         return out

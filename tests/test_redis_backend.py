@@ -142,8 +142,8 @@ def test_keys_carry_the_namespace_prefix(redis_server: RedisServer, tmp_path: Pa
         raw = redis.Redis.from_url(redis_server.url).keys(f"{_prefix(tmp_path)}:*")
         digest = fmt().namespace_digest[:8].hex()
         base = f"{_prefix(tmp_path)}:{digest}:".encode()
-        # the meta record, the record, and the namespace's change feed (a stream)
-        assert sorted(raw) == sorted([base + b"meta", base + make_key(1), base + b"feed"])
+        # the meta record, the record, the namespace's change feed (a stream) and its key log
+        assert sorted(raw) == sorted([base + b"meta", base + make_key(1), base + b"feed", base + b"keys"])
     finally:
         close(backend)
 
@@ -225,7 +225,8 @@ def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServ
     # The user of docs/tiers.md: only the commands the tier sends, only its key prefix.
     own_redis_server.cli(
         "ACL", "SETUSER", "kvtier", "on", ">pw-kvtier-1234", f"~{prefix}:*",
-        *"+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards +xadd +xread +xinfo|stream".split(),
+        *("+get +getex +set +unlink +scan +ping +cluster|slots +cluster|shards +xadd +xread +xinfo|stream "
+          "+append +strlen +getrange +exists +type +watch +multi +exec +rename +persist").split(),
     )
     # The user of an older release, without the change feed's commands.
     own_redis_server.cli(
@@ -243,6 +244,17 @@ def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServ
         feed = backend.follower.feed  # the change feed's commands are allowed too
         assert feed.published == 1 and feed.publish_failures == 0
         assert feed.read(FeedCursor(), 0.1).entries[0].keys == (make_key(1),)
+        # and the key log's: begun by a listing, appended to, read by the next open
+        assert backend.scan_columns().keys == [make_key(1)]
+        assert backend.write_blocks([make_key(4)], blocks(1)) != [None]
+        assert backend.stats()["key_log"]["rewrites"] == 1
+    finally:
+        close(backend)
+    backend = opened(url=own_redis_server.url, prefix=prefix, username="kvtier", password_env="REDIS_TEST_PW")
+    try:
+        assert sorted(backend.scan_columns().keys) == sorted([make_key(1), make_key(4)])
+        log = backend.stats()["key_log"]
+        assert log["opens"] == 1 and log["fallbacks"] == log["append_failures"] == log["rewrite_failures"] == 0
     finally:
         close(backend)
     # The older user: the tier still serves; the feed's refusals are counted (the other
@@ -252,6 +264,7 @@ def test_acl_user_with_password_from_the_environment(own_redis_server: RedisServ
         assert backend.write_blocks([make_key(3)], blocks(1)) != [None]
         assert backend.read_blocks([make_key(3)], empty(1)) == [True]
         assert backend.stats()["follow"]["feed_publish_failures"] == 1
+        assert backend.stats()["key_log"]["append_failures"] == 1  # nor the key log's
     finally:
         close(backend)
     monkeypatch.setenv("REDIS_TEST_PW", "wrong")

@@ -93,7 +93,8 @@ def test_a_put_keeps_one_set_in_flight_on_each_connection(
         assert len(wires) == PUT_CONNECTIONS
         for seq in wires.values():
             assert seq == ["send", "reply"] * (len(seq) // 2)
-        assert sum(len(seq) for seq in wires.values()) == 2 * n
+        # every SET's send and reply, and the key log's one APPEND after the last reply
+        assert sum(len(seq) for seq in wires.values()) == 2 * n + 2
         # The first PUT_CONNECTIONS records go out before any reply is read.
         first_reply = next(k for k, (what, _) in enumerate(events.log) if what == "reply")
         assert [what for what, _ in events.log[:first_reply]] == ["encode", "send"] * PUT_CONNECTIONS

@@ -1,0 +1,348 @@
+"""The redis tier's key log: a store's open reads the names of the stored records from one value
+instead of a ``SCAN`` of the keyspace, and lists with ``SCAN`` whenever the log cannot be
+trusted (see ``backends/redis_keylog.py``).
+
+Against real private servers (tests/redis_servers.py). Each test compares the log's open with
+the general listing (``SCAN`` through redis-py) of the same server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import redis
+import torch
+from kvtier.backends import redis_keylog
+from kvtier.backends.redis_keylog import DELETED, HEADER_BYTES, KEYLOG_SUFFIX, MAGIC, STORED
+from kvtier.backends.redis_tier import RedisBackend
+from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
+
+from kvtier.testing import make_key, random_block
+
+BLOCK = 1024
+
+
+def _open(namespace: bytes, url: str, **options: Any) -> RedisBackend:
+    """A tier opened as a store opens it: its listing taken (which begins the log of a new
+    namespace with its header)."""
+    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url, **options)
+    backend.scan_columns()
+    return backend
+
+
+def _close(backend: RedisBackend) -> None:
+    asyncio.run(backend.aclose())
+
+
+def _write(backend: RedisBackend, keys: list[bytes]) -> None:
+    assert all(s is not None for s in backend.write_blocks(keys, [random_block(BLOCK, i) for i in range(len(keys))]))
+
+
+def _general(backend: RedisBackend) -> set[bytes]:
+    return {key for key in map(backend.block_key, backend._list_keys()) if key is not None}
+
+
+def _log(backend: RedisBackend) -> bytes:
+    client = redis.Redis.from_url(backend.url)
+    try:
+        return bytes(client.get(backend._prefix_bytes + KEYLOG_SUFFIX) or b"")
+    finally:
+        client.close()
+
+
+def _ops(raw: bytes) -> list[tuple[bytes, bytes]]:
+    """``(operation, key)`` of every entry of a log (after its header)."""
+    assert raw.startswith(MAGIC) and (len(raw) - HEADER_BYTES) % 33 == 0
+    return [(raw[i : i + 1], raw[i + 1 : i + 33]) for i in range(HEADER_BYTES, len(raw), 33)]
+
+
+def _entries(raw: bytes) -> list[bytes]:
+    """The keys a log's entries say were stored, in order."""
+    return [key for op, key in _ops(raw) if op == STORED]
+
+
+def _opened(namespace: bytes, url: str) -> tuple[RedisBackend, list[bytes], dict[str, Any]]:
+    """A second tier on the same namespace, its open's keys and its key log's counters."""
+    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url)
+    keys = backend.scan_columns().keys
+    return backend, keys, backend.stats()["key_log"]
+
+
+def test_an_open_reads_the_log_and_lists_what_scan_does(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys written in several jobs (one written twice) open from the log, in several reads, as
+    the set a SCAN lists; the log holds each write once, after a header; no SCAN at open."""
+    monkeypatch.setattr(redis_keylog, "READ_CHUNK", 33 * 7)  # many pieces, the last one short
+    writer = _open(b"keylog-read", redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(100)]
+        for start in range(0, 100, 30):
+            _write(writer, keys[start : start + 30])
+        _write(writer, keys[:1])
+        assert _entries(_log(writer)) == keys + keys[:1]
+        # The open reads the log: a SCAN there would fail it.
+        monkeypatch.setattr(RedisBackend, "_list_block_keys", lambda self: (_ for _ in ()).throw(AssertionError("SCAN")))
+        reader, opened, counters = _opened(b"keylog-read", redis_server.url)
+        monkeypatch.undo()
+        try:
+            assert sorted(opened) == sorted(set(keys)) and set(opened) == _general(reader)
+            assert counters["opens"] == 1 and counters["fallbacks"] == 0
+            out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(3)]
+            assert reader.read_blocks(keys[:3], out) == [True] * 3
+            for i, row in enumerate(out):
+                assert torch.equal(row, random_block(BLOCK, i).view(torch.uint8))
+        finally:
+            _close(reader)
+    finally:
+        _close(writer)
+
+
+@pytest.mark.parametrize("damage", ["missing", "headerless", "torn", "wrong type"])
+def test_an_untrusted_log_falls_back_to_scan_and_is_written_again(redis_server: RedisServer, damage: str) -> None:
+    """A store with no log (written by an older build), one begun again by an APPEND after the
+    server evicted it, one cut mid-entry, and a value of another type: the open lists with SCAN,
+    adopts exactly the records, and writes the log again, so the next open reads it."""
+    namespace = b"keylog-untrusted-" + damage.encode()
+    writer = _open(namespace, redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    name = writer._prefix_bytes + KEYLOG_SUFFIX
+    try:
+        keys = [make_key(i) for i in range(50)]
+        _write(writer, keys)
+        if damage == "missing":
+            client.delete(name)
+        elif damage == "headerless":
+            client.delete(name)
+            _write(writer, keys[:5])  # APPEND makes a new value: no header
+        elif damage == "torn":
+            client.append(name, b"x" * 7)
+        else:
+            client.delete(name)
+            client.sadd(name, b"k")
+        reader, opened, counters = _opened(namespace, redis_server.url)
+        try:
+            assert sorted(opened) == sorted(keys) == sorted(_general(reader))
+            assert counters["fallbacks"] == 1 and counters["opens"] == 0 and counters["rewrites"] == 1
+            assert sorted(set(_entries(_log(reader)))) == sorted(keys)
+        finally:
+            _close(reader)
+        again, opened, counters = _opened(namespace, redis_server.url)
+        try:
+            assert sorted(opened) == sorted(keys) and counters["opens"] == 1 and counters["fallbacks"] == 0
+        finally:
+            _close(again)
+    finally:
+        client.close()
+        _close(writer)
+
+
+def test_a_log_whose_records_are_mostly_gone_is_not_trusted(redis_server: RedisServer) -> None:
+    """The server evicted most records the log names (more than half of a sample): the open lists
+    with SCAN, adopts the live ones only, and the log is written again with those."""
+    writer = _open(b"keylog-evicted", redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(200)]
+        _write(writer, keys)
+        client.unlink(*(writer.remote_key(k) for k in keys[:150]))  # as the server's eviction would
+        reader, opened, counters = _opened(b"keylog-evicted", redis_server.url)
+        try:
+            assert sorted(opened) == sorted(keys[150:]) and counters["fallbacks"] == 1
+            assert "sampled keys of the key log have no record" in counters["last_problem"]
+            assert sorted(_entries(_log(reader))) == sorted(keys[150:])
+        finally:
+            _close(reader)
+    finally:
+        client.close()
+        _close(writer)
+
+
+def test_deletions_are_replayed_in_order(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records this tier deleted (a bad one, or an operator's delete) are logged as deleted: the
+    next open leaves them out, unless they were stored again after; a deletion in the middle of
+    a piece of the log splits it where it stands."""
+    monkeypatch.setattr(redis_keylog, "READ_CHUNK", 33 * 16)
+    writer = _open(b"keylog-deleted", redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(60)]
+        _write(writer, keys)
+        writer.delete_blocks(keys[10:20] + keys[40:41])
+        _write(writer, keys[15:16])  # stored again after its deletion
+        ops = _ops(_log(writer))
+        assert ops[60:71] == [(DELETED, k) for k in keys[10:20] + keys[40:41]] and ops[71] == (STORED, keys[15])
+        reader, opened, counters = _opened(b"keylog-deleted", redis_server.url)
+        try:
+            live = keys[:10] + keys[15:16] + keys[20:40] + keys[41:]
+            assert sorted(opened) == sorted(live) == sorted(_general(reader)) and counters["opens"] == 1
+        finally:
+            _close(reader)
+    finally:
+        _close(writer)
+
+
+def test_an_entry_of_another_form_falls_back_to_scan(redis_server: RedisServer) -> None:
+    """An entry that is neither stored nor deleted (damage inside the log, whole entries long):
+    the open drops what it read of the log, lists with SCAN and writes the log again."""
+    writer = _open(b"keylog-bad-entry", redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(40)]
+        _write(writer, keys)
+        client.setrange(writer._prefix_bytes + KEYLOG_SUFFIX, HEADER_BYTES + 33 * 39, b"?")  # the last entry's op
+        reader, opened, counters = _opened(b"keylog-bad-entry", redis_server.url)
+        try:
+            assert sorted(opened) == sorted(keys) and counters["fallbacks"] == 1
+            assert "another form" in counters["last_problem"]
+            assert sorted(_entries(_log(reader))) == sorted(keys)
+        finally:
+            _close(reader)
+    finally:
+        client.close()
+        _close(writer)
+
+
+def test_a_few_evicted_records_are_adopted_and_miss_when_loaded(redis_server: RedisServer) -> None:
+    """A trusted log that names a few records the server evicted: the open adopts them, their
+    loads are misses (never other bytes), and a sweep forgets them."""
+    writer = _open(b"keylog-few-gone", redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(200)]
+        _write(writer, keys)
+        client.unlink(*(writer.remote_key(k) for k in keys[:3]))
+        reader, opened, counters = _opened(b"keylog-few-gone", redis_server.url)
+        try:
+            assert sorted(opened) == sorted(keys) and counters["opens"] == 1
+            out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(5)]
+            assert reader.read_blocks(keys[:5], out) == [False, False, False, True, True]
+            assert torch.equal(out[4], random_block(BLOCK, 4).view(torch.uint8))
+            assert reader._sweep() == set(keys[3:])
+        finally:
+            _close(reader)
+    finally:
+        client.close()
+        _close(writer)
+
+
+def test_a_sweep_rewrites_a_log_over_twice_the_keys_and_keeps_appends_made_meanwhile(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys written again and again grow the log past twice the live keys: the next sweep writes
+    it again from its listing, and a job that stores a key while that sweep lists is kept."""
+    monkeypatch.setattr(redis_keylog, "REWRITE_SLACK", 10)
+    backend = _open(b"keylog-rewrite", redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(40)]
+        for _ in range(3):
+            _write(backend, keys)
+        assert len(_ops(_log(backend))) == 120
+        rewrites = backend.stats()["key_log"]["rewrites"]  # the open's, which began the log
+        late = [make_key(1000), make_key(1001)]
+        listing = RedisBackend._list_block_keys
+
+        def listing_with_a_write(self: RedisBackend) -> Any:
+            batches = list(listing(self))
+            _write(backend, late)  # lands after the sweep read the log's state, before the rewrite
+            return iter(batches)
+
+        monkeypatch.setattr(RedisBackend, "_list_block_keys", listing_with_a_write)
+        assert backend._sweep() == set(keys)
+        monkeypatch.setattr(RedisBackend, "_list_block_keys", listing)
+        assert sorted(_entries(_log(backend))) == sorted(keys + late)
+        assert backend.stats()["key_log"]["rewrites"] == rewrites + 1
+        assert backend._sweep() == set(keys + late)  # under twice the keys now: left alone
+        assert backend.stats()["key_log"]["rewrites"] == rewrites + 1
+    finally:
+        _close(backend)
+
+
+def test_a_rewrite_that_another_came_before_is_dropped(redis_server: RedisServer) -> None:
+    """Two hosts rewrite the log from the same state: the second finds the header changed and
+    leaves the first's log as it is."""
+    backend = _open(b"keylog-two-rewrites", redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(20)]
+        _write(backend, keys)
+        log = backend._keylog
+        state = log.sweep_state()
+        assert state is not None
+        assert log.rewrite(state, keys[:10] + keys[10:])
+        first = _log(backend)
+        assert not log.rewrite(state, keys[:5])
+        assert _log(backend) == first
+    finally:
+        _close(backend)
+
+
+def test_a_refused_append_fails_no_write(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that refuses the log's APPEND (an ACL without it): the records are stored and
+    served all the same; the refusal is counted; the log names none of them (until a sweep
+    writes it again)."""
+    backend = _open(b"keylog-refused", redis_server.url)
+    refused = b"*2\r\n$13\r\nNOSUCHCOMMAND\r\n$1\r\nx\r\n"  # answered with an error, as a denied APPEND is
+    monkeypatch.setattr(redis_keylog.KeyLog, "append_command", lambda self, keys: refused)
+    try:
+        keys = [make_key(i) for i in range(10)]
+        _write(backend, keys)
+        assert backend.stats()["key_log"]["append_failures"] >= 1
+        out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(2)]
+        assert backend.read_blocks(keys[:2], out) == [True, True]
+        assert _entries(_log(backend)) == []
+    finally:
+        _close(backend)
+
+
+def test_a_server_that_dies_while_the_log_is_read_leaves_the_tier_empty(
+    own_redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server goes away once the log was judged, before its pieces are read: the open
+    completes, adopts nothing, and the tier is down."""
+    writer = _open(b"keylog-dies", own_redis_server.url)
+    _write(writer, [make_key(i) for i in range(100)])
+    _close(writer)
+    batches = redis_keylog.KeyLog.batches
+
+    def dying(self: Any, *args: Any) -> Any:
+        own_redis_server.kill()
+        yield from batches(self, *args)
+
+    monkeypatch.setattr(redis_keylog.KeyLog, "batches", dying)
+    reader, opened, counters = _opened(b"keylog-dies", own_redis_server.url)
+    try:
+        assert opened == [] and counters["opens"] == 1
+        stats = reader.stats()
+        assert not stats["up"] and stats["outages"] == 1
+    finally:
+        _close(reader)
+
+
+def test_a_cluster_keeps_no_log_and_opens_with_scan(redis_cluster: RedisClusterServers) -> None:
+    """A Redis Cluster's tier writes no log; its open lists every primary with SCAN."""
+    backend = _open(b"keylog-cluster", redis_cluster.url, cluster=True)
+    try:
+        keys = [make_key(i) for i in range(60)]
+        _write(backend, keys)
+        assert sorted(backend.scan_columns().keys) == sorted(keys)
+        stats = backend.stats()["key_log"]
+        assert not stats["enabled"] and stats["opens"] == stats["fallbacks"] == 0
+        client = backend._get_client()
+        assert client.exists(backend._prefix_bytes + KEYLOG_SUFFIX) == 0
+    finally:
+        _close(backend)
+
+
+def test_stores_of_two_threads_all_reach_the_log(redis_server: RedisServer) -> None:
+    """Jobs stored at once from two threads each append their own keys: the log names all."""
+    backend = _open(b"keylog-threads", redis_server.url)
+    try:
+        groups = [[make_key(1000 * t + i) for i in range(64)] for t in range(2)]
+        threads = [threading.Thread(target=_write, args=(backend, g)) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(_entries(_log(backend))) == sorted(groups[0] + groups[1])
+    finally:
+        _close(backend)
