@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 
 from kvtier.backends.file_reads import BeneathRoot
-from kvtier.backends.file_tree import _HEX2, _META_NAME, _RECORD_NAME, FLAT, LAYOUTS, SHARDED, FileTree, Layout
+from kvtier.backends.file_tree import _META_NAME, FLAT, LAYOUTS, SHARDED, FileTree, Layout
 
 from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
@@ -102,14 +102,10 @@ def establish_meta(
 def _tree_layout(root: str) -> Layout | None:
     """The layout of the records already under ``root`` (``None``: none there): ``sharded``
     where shard directories are (a sharded store makes its first level at every open), else
-    ``flat`` where records lie in the root itself."""
-    flat = False
-    with os.scandir(root) as entries:
-        for entry in entries:
-            if entry.name in _HEX2 and entry.is_dir(follow_symlinks=False):
-                return SHARDED
-            flat = flat or _RECORD_NAME(entry.name) is not None
-    return FLAT if flat else None
+    ``flat`` where records lie in the root itself, by the tree walk's own naming rules."""
+    if FileTree._top_dirs(root):
+        return SHARDED
+    return FLAT if FileTree._dir_entries(root, "", None, False) else None
 
 
 def asked_layout(layout: str | None) -> Layout | None:
