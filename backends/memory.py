@@ -8,7 +8,10 @@ bytes becomes a slot count; slots come from a free list. The pool is allocated i
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -20,7 +23,13 @@ from kvtier.devices import copy_rows, one_intra_op_thread, tensor_device, usable
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
 from kvtier.units import format_size
 
-__all__ = ["TensorPoolBackend", "CpuBackend", "GpuBackend"]
+__all__ = ["TensorPoolBackend", "CpuBackend", "GpuBackend", "advise_huge_pages"]
+
+log = logging.getLogger("kvtier")
+
+#: Linux's ``MADV_HUGEPAGE`` (the ``mmap`` module has it only for its own maps).
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
 
 
 def _memory_note(device: torch.device) -> str:
@@ -54,6 +63,32 @@ def _host_run(pool: torch.Tensor, rows: Sequence[torch.Tensor]) -> torch.Tensor 
         if r.data_ptr() != base + i * size or r.untyped_storage().data_ptr() != storage:
             return None
     return first.as_strided((len(rows), size), (size, 1), first.storage_offset())
+
+
+def advise_huge_pages(t: torch.Tensor) -> int:
+    """Ask Linux to back ``t``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)``
+    over the 2 MiB-aligned part of it), before its pages are first touched; return the bytes
+    advised (0 where the host or the tensor does not allow it: a failure is only logged).
+
+    A job's copy writes every tensor's share of each of its pool rows, a few 64 KiB pieces 2 MiB
+    apart: with 4 KiB pages that is a TLB miss every 4 KiB. Measured here (4 blocks of 32 layers
+    into rows of a 3-job pool, alternated in one process): ``index_select`` into the rows 7.09
+    against 6.56 GB/s, ``index_copy_`` out of them 4.59 against 4.30."""
+    if not sys.platform.startswith("linux") or tensor_device(t).type != "cpu":
+        return 0
+    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as exc:  # no THP in this kernel, or no libc to ask
+        log.debug("huge pages for a %s pool not advised: %s", format_size(end - start), exc)
+        return 0
+    return end - start
 
 
 def _fill_zero(rows: torch.Tensor) -> None:
@@ -105,6 +140,8 @@ class TensorPoolBackend(MemoryBackend):
                 f"{fmt.block_bytes} bytes) on {self.device}{_memory_note(self.device)}; lower the capacity ({exc})"
             ) from exc
         if self.device.type == "cpu" and not pin:
+            # Huge pages first: the fill below is the first touch, which places the pages.
+            advise_huge_pages(self._pool)
             # Touch every page now, off the event loop: a first write into a fresh mapping
             # page-faults, and measured here that cost a third of a cold store's bandwidth.
             # (Pinned memory is already resident.)

@@ -267,3 +267,25 @@ def test_an_inline_job_copies_on_the_callers_own_team_and_a_threaded_one_splits(
         for slot, b in zip(slots, (3, 9, 0, 5)):
             assert torch.equal(pool[slot], record_of(rig.layout, b))
     assert inline.engine.counters["inline_jobs"] == 1
+
+
+def test_take_gives_a_finished_jobs_result_once_and_leaves_a_running_job_alone(rigs: list[Rig]) -> None:
+    """``take`` (what the store's save and load use after an inline submit): a finished job's
+    result, then forgotten as ``forget`` forgets (not polled, unknown to ``result``); a job
+    still running: ``None``, and it is reported as usual once it ends."""
+    rig = Rig(["cpu"])
+    rigs.append(rig)
+    first = rig.store(K[:2], [0, 1])  # inline: ended on return
+    second = rig.store(K[2:4], [2, 3])
+    got = rig.engine.take(first)
+    assert got is not None and got.job_id == first and got.success
+    assert rig.engine.take(first) is None and rig.engine.result(first) is None
+    assert [r.job_id for r in rig.engine.poll_finished()] == [second]
+    rig.gate.clear()
+    rig.entered.clear()
+    third = rig.store(K[4:6], [4, 5], inline=False)
+    assert rig.entered.wait(HANG_GUARD)
+    assert rig.engine.take(third) is None  # running: left alone
+    rig.gate.set()
+    (res,) = rig.engine.wait([third], timeout=HANG_GUARD)
+    assert res.success and [r.job_id for r in rig.engine.poll_finished()] == [third]

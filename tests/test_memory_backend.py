@@ -66,3 +66,57 @@ def test_cpu_backend_rejects_unknown_options() -> None:
         registry.backends.get("cpu")(capacity="lots")
     with pytest.raises(TypeError):
         registry.backends.get("cpu")(capacity="1MiB", colour="red")
+
+
+def _advised_flags(start: int) -> list[str] | None:
+    """The VmFlags of this process's mapping that holds address ``start`` (None: no smaps)."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
+
+
+def test_a_host_pool_is_advised_huge_pages_before_its_first_touch() -> None:
+    """The 2 MiB-aligned part of an unpinned host pool is marked for transparent huge pages
+    (``hg`` in its mapping's flags) and holds what is written; a pool too small for one huge
+    page, or a refused ``madvise``, is advised nothing and works the same."""
+    from kvtier.backends import memory
+
+    fmt = BlockFormat(block_bytes=1 << 20)
+    backend = registry.backends.get("cpu")(capacity=12 << 20, pin_memory=False)
+    asyncio.run(backend.open(fmt))
+    pool = backend.pool
+    start = -(-pool.data_ptr() // (2 << 20)) * (2 << 20)
+    flags = _advised_flags(start)
+    if flags is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert "hg" in flags
+    assert memory.advise_huge_pages(pool[:1]) == 0  # less than one aligned huge page
+    assert not pool.any()  # the fill still ran
+    key = make_key(1)
+    assert backend.write_blocks([key], [torch.full((1 << 20,), 7, dtype=torch.uint8)]) == [1 << 20]
+    out = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert backend.read_blocks([key], [out]) == [True] and bool((out == 7).all())
+
+
+def test_a_refused_huge_page_advice_is_only_logged(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.backends import memory
+
+    class NoLibc:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise OSError("no libc here")
+
+    monkeypatch.setattr(memory.ctypes, "CDLL", NoLibc)
+    assert memory.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8)) == 0
+    backend = registry.backends.get("cpu")(capacity=4 << 20, pin_memory=False)
+    asyncio.run(backend.open(BlockFormat(block_bytes=1 << 20)))
+    assert backend.pool.shape == (4, 1 << 20)

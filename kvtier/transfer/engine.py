@@ -294,16 +294,21 @@ class TransferEngine:
                 self._jobs.pop(r.job_id, None)
         return done
 
+    def take(self, job_id: int) -> JobResult | None:
+        """Job ``job_id``'s result once it has finished (an inline job, at submit), then forgotten; else ``None``."""
+        with self._lock:
+            rec = self._jobs.get(job_id)
+            if rec is None or rec.result is None:
+                return None
+            del self._jobs[job_id]
+            self._finished = [r for r in self._finished if r is not rec.result]
+            return rec.result
+
     def forget(self, job_ids: Sequence[int]) -> None:
         """Drop finished jobs whose results the caller already has (from ``wait`` or
         ``wait_async``), so ``poll_finished`` does not report them to anyone else."""
-        drop = set(job_ids)
-        with self._lock:
-            for jid in drop:
-                rec = self._jobs.get(jid)
-                if rec is not None and rec.result is not None:
-                    del self._jobs[jid]
-            self._finished = [r for r in self._finished if r.job_id not in drop]
+        for job_id in job_ids:
+            self.take(job_id)
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until no job is queued or running on any thread, including the clean-up of

@@ -209,9 +209,9 @@ class KVLayout:
             raise LayoutError(
                 f"{what}: expected {want} engine block ids ({num_blocks} blocks x {self.engine_blocks_per_block}), got {len(ids)}"
             )
-        for i, b in enumerate(ids):
-            if not 0 <= b < self.num_engine_blocks:
-                raise LayoutError(f"{what}[{i}]: engine block id {b} is out of range [0, {self.num_engine_blocks})")
+        if ids and not (min(ids) >= 0 and max(ids) < self.num_engine_blocks):  # two calls, not a loop
+            i, b = next((i, b) for i, b in enumerate(ids) if not 0 <= b < self.num_engine_blocks)
+            raise LayoutError(f"{what}[{i}]: engine block id {b} is out of range [0, {self.num_engine_blocks})")
         return ids
 
     def _check_pool(self, pool: torch.Tensor, rows: Sequence[int]) -> None:
@@ -219,9 +219,10 @@ class KVLayout:
             raise LayoutError(
                 f"pool: expected a [slots, {self.block_bytes}] uint8 tensor, got {tuple(pool.shape)} {pool.dtype}"
             )
-        for i, r in enumerate(rows):
-            if not 0 <= r < pool.shape[0]:
-                raise LayoutError(f"rows[{i}]: pool row {r} is out of range [0, {pool.shape[0]})")
+        slots = pool.shape[0]
+        if rows and not (min(rows) >= 0 and max(rows) < slots):
+            i, r = next((i, r) for i, r in enumerate(rows) if not 0 <= r < slots)
+            raise LayoutError(f"rows[{i}]: pool row {r} is out of range [0, {slots})")
 
     def _pick(self, pool: torch.Tensor) -> Strategy:
         same = _staging.tensor_device(pool) == self.device

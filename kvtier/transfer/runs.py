@@ -94,7 +94,7 @@ class JobRuns:
             if done < len(plan.keys):  # a failed write: the rest would only fail behind it
                 done = await self._keep_the_leading_run(transfers, plan)
             stored += done
-            on_disk = sum(1 for key in plan.keys[:done] if any(mgr.holds(key, t) for t in persistent))
+            on_disk = sum(1 for key in plan.keys[:done] if any(mgr.holds(key, t) for t in persistent)) if persistent else 0
             kept += on_disk
             self.memory_only += max(0, done - on_disk)
             if done < len(plan.keys) or not plan.keys:
@@ -171,6 +171,9 @@ class JobRuns:
         """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
         never touches the caller's blocks; a copy under way is waited for), and its plan is
         applied to the manager whenever it ends, so no pin or reservation is left behind."""
+        result = transfers.take(job)  # a job run inline has ended: nothing to wait for
+        if result is not None:
+            return result
         try:
             result = await transfers.wait_async(job)
         except asyncio.CancelledError:
