@@ -15,7 +15,9 @@ sizes for both: ``store`` (``prepare_store`` + ``complete_store`` of new keys, n
 ``complete_load``), ``touch``, ``store_evict`` (the cache is full: every call evicts). The lookups also time, in
 the same slices, the floor of any single-key lookup written in Python (a function that unpacks
 the key and probes one plain dict of the same keys, no check, no counter):
-``floor_speedup_range`` is the speedup over vLLM that floor itself reaches.
+``floor_speedup_range`` is the speedup over vLLM that floor itself reaches; and that floor with
+what the manager's contract adds to it (a hit or miss counter, and on a miss the key's type and
+length check, so that a malformed key is an error, not a miss): ``checked_floor_speedup_range``.
 """
 
 from __future__ import annotations
@@ -70,21 +72,22 @@ def phase(
     v_op: Callable[[Any], Any],
     k_op: Callable[[Any], Any],
     per: int,
-    floor_op: Callable[[Any], Any] | None = None,
+    floors: dict[str, Callable[[Any], Any]] | None = None,
 ) -> dict[str, float]:
     """Best microseconds per key of each side over ``slices`` alternating slices; with
-    ``floor_op`` (run on kvtier's items in the same slices), also the floor's and the speedup
-    over vLLM that the floor itself reaches (``floor_speedup``)."""
-    best_v = best_k = best_f = float("inf")
+    ``floors`` (name -> op, each run on kvtier's items in the same slices), also each floor's
+    (``<name>_us``) and the speedup over vLLM that it reaches (``<name>_speedup``)."""
+    best_v = best_k = float("inf")
+    best_f = dict.fromkeys(floors or (), float("inf"))
     size = max(1, len(v_items) // slices)
     for start in range(0, size * slices, size):
         best_v = min(best_v, timed(v_items[start : start + size], v_op) / (size * per))
         best_k = min(best_k, timed(k_items[start : start + size], k_op) / (size * per))
-        if floor_op is not None:
-            best_f = min(best_f, timed(twin_items(k_items[start : start + size]), floor_op) / (size * per))
+        for name, floor_op in (floors or {}).items():
+            best_f[name] = min(best_f[name], timed(twin_items(k_items[start : start + size]), floor_op) / (size * per))
     out = {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
-    if floor_op is not None:
-        out.update(floor_us=best_f / 1e3, floor_speedup=best_v / best_f)
+    for name, best in best_f.items():
+        out.update({f"{name}_us": best / 1e3, f"{name}_speedup": best_v / best})
     return out
 
 
@@ -101,6 +104,26 @@ def bare_lookup(index: dict[bytes, Any]) -> Callable[[tuple[bytes]], Any]:
     def lookup(keys: tuple[bytes]) -> Any:
         (key,) = keys
         return get(key)
+
+    return lookup
+
+
+def checked_lookup(index: dict[bytes, Any]) -> Callable[[tuple[bytes]], int]:
+    """The floor with what the manager's contract adds: a counter of hits and of misses, and on
+    a miss the key's type and length check (a malformed key must be an error, not a miss)."""
+    get = index.get
+    hits = misses = 0
+
+    def lookup(keys: tuple[bytes]) -> int:
+        nonlocal hits, misses
+        (key,) = keys
+        if get(key):
+            hits += 1
+            return 1
+        if type(key) is not bytes or len(key) != 32:
+            raise ValueError("not a key")
+        misses += 1
+        return 0
 
     return lookup
 
@@ -131,12 +154,15 @@ def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dic
     pick = rng.sample(range(cap), ops)
     ctx = ReqContext(req_id="lookup")
     k_lookup = km.lookup
-    floor = bare_lookup(dict.fromkeys(k_res, True))  # the same keys in a plain dict
+    floors = {  # the same keys in a plain dict
+        "floor": bare_lookup(dict.fromkeys(k_res, True)),
+        "checked_floor": checked_lookup(dict.fromkeys(k_res, True)),
+    }
     out["lookup_hit"] = phase(
-        slices, [v_res[i] for i in pick], [(k_res[i],) for i in pick], lambda k: vm.lookup(k, ctx), k_lookup, 1, floor
+        slices, [v_res[i] for i in pick], [(k_res[i],) for i in pick], lambda k: vm.lookup(k, ctx), k_lookup, 1, floors
     )
     out["lookup_miss"] = phase(
-        slices, v_absent, [(k,) for k in k_absent], lambda k: vm.lookup(k, ctx), k_lookup, 1, floor
+        slices, v_absent, [(k,) for k in k_absent], lambda k: vm.lookup(k, ctx), k_lookup, 1, floors
     )
 
     def v_load(item: tuple[list[bytes], ReqContext]) -> None:
@@ -190,9 +216,10 @@ def main() -> None:
             "kvtier_us": round(min(r[name]["kvtier_us"] for r in reps), 3),
             "speedup_range": [round(ups[0], 2), round(ups[-1], 2)],
         }
-        if "floor_speedup" in reps[0][name]:
-            floors = sorted(r[name]["floor_speedup"] for r in reps)
-            result[name]["floor_speedup_range"] = [round(floors[0], 2), round(floors[-1], 2)]
+        for floor in ("floor", "checked_floor"):
+            if f"{floor}_speedup" in reps[0][name]:
+                floors = sorted(r[name][f"{floor}_speedup"] for r in reps)
+                result[name][f"{floor}_speedup_range"] = [round(floors[0], 2), round(floors[-1], 2)]
     result["vllm_finish_us"] = round(min(r["vllm_finish"]["vllm_us"] for r in reps), 3)
     print(json.dumps(result))
 

@@ -396,7 +396,7 @@ class PlanBook:
             return None
         index = first.index
         try:  # (a pass in C each: none held is the common store)
-            if not index.keys().isdisjoint(keys) or any(not below.keys().isdisjoint(keys) for below in self._below):
+            if not index.keys().isdisjoint(keys) or (self._below and any(not below.keys().isdisjoint(keys) for below in self._below)):
                 return None
         except TypeError:  # an unhashable key: prepare names it
             return None
