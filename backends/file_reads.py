@@ -90,18 +90,17 @@ class BeneathRoot:
         self._sys = ctypes.c_long(_SYS_OPENAT2)
         self._dir = ctypes.c_int(self.fd)
 
-    def open(self, relative: str, *, directory: bool = False) -> int | None:
+    def open(self, relative: str, *, directory: bool = False) -> int:
         """A read-only descriptor of ``relative`` beneath the root (``directory``: of a
-        directory, ``ENOTDIR`` for anything else), ``None`` if it does not exist; ``OSError``
-        for anything else (a symlink on the way: ``ELOOP``; out of the root: ``EXDEV``)."""
+        directory, ``ENOTDIR`` for anything else); ``OSError`` if it cannot be had, as
+        ``os.open`` raises it (absent: ``FileNotFoundError``; a symlink on the way: ``ELOOP``;
+        out of the root: ``EXDEV``)."""
         assert _syscall is not None
         how = self._dir_how_ref if directory else self._how_ref
         fd = _syscall(self._sys, self._dir, relative.encode(), how, self._how_size)
         if fd >= 0:
             return int(fd)
         err = ctypes.get_errno()
-        if err == errno.ENOENT:
-            return None
         if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):
             self.usable = False  # no openat2 here (or not this form of it): general reads only
         raise OSError(err, os.strerror(err), relative)
@@ -126,11 +125,15 @@ class PlainReads:
         self.checksum = HeadChecksum(head[:CHECKED])
         self._row = ctypes.c_char * block_bytes
 
-    def read(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool]) -> list[int]:
+    def read(
+        self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], rows: Sequence[memoryview] | None = None
+    ) -> list[int]:
         """Read the plain records of ``keys`` into their rows, setting ``found`` for each
         record read and checked; the positions left to the general read. An absent record is a
-        miss (``found`` stays false), as it is for the general read. A row that is not one run
-        of ``block_bytes`` of host memory is left to the general read."""
+        miss (``found`` stays false), as it is for the general read. ``rows``: a writable view
+        of each row, checked by the caller to be one run of ``block_bytes`` of host memory;
+        else each row is checked and viewed here, and one that is not such a run is left to
+        the general read."""
         rest: list[int] = []
         root, flat, size = self.root, self.flat, self.block_bytes
         if devices.locate is not None:  # a test's stand-in device map: the general read asks it
@@ -142,24 +145,29 @@ class PlainReads:
         open_, preadv, close = os.open, os.preadv, os.close
         root_fd = root.fd
         for i, key in enumerate(keys):
-            row = out[i]
-            if not (flat or root.usable) or not row.is_cpu or not row.is_contiguous() or row.nbytes != size:
-                rest.append(i)
-                continue
+            if rows is not None:
+                view = rows[i]
+            else:
+                row = out[i]
+                if not row.is_cpu or not row.is_contiguous() or row.nbytes != size:
+                    rest.append(i)
+                    continue
+                view = row_at(row.data_ptr())
             name = key.hex()
             try:
                 if flat:
-                    fd: int | None = open_(f"{name}.kvb", _FLAT_FLAGS, dir_fd=root_fd)
-                else:
+                    fd = open_(f"{name}.kvb", _FLAT_FLAGS, dir_fd=root_fd)
+                elif root.usable:
                     fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
+                else:
+                    rest.append(i)
+                    continue
             except FileNotFoundError:
                 continue
             except OSError:
                 rest.append(i)
                 continue
-            if fd is None:
-                continue
-            view = buffers[1] = row_at(row.data_ptr())
+            buffers[1] = view
             try:
                 n = preadv(fd, buffers, 0)
             except OSError:

@@ -172,11 +172,9 @@ class ShardDirs:
         index = int(h[:4], 16)
         if self._known[index] and self._beneath.usable:
             try:
-                fd = self._beneath.open(f"{h[0:2]}/{h[2:4]}", directory=True)
+                return self._beneath.open(f"{h[0:2]}/{h[2:4]}", directory=True)
             except OSError:
-                fd = None
-            if fd is not None:
-                return fd
+                pass  # gone, a symlink, no openat2: the walk below decides
         leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=created)
         assert leaf is not None
         self._known[index] = 1

@@ -73,6 +73,7 @@ from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
 from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.lmdb_plain import RowViews
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -165,6 +166,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self._tmp_counter = itertools.count()
         self._beneath: BeneathRoot | None = None  # the root's descriptor
         self._plain: PlainReads | None = None  # the one-pass reads (unkeyed stores)
+        self._views: RowViews | None = None  # the rows' views of unkeyed jobs, checked and kept by address
         self._shards: ShardDirs | None = None  # the shard directories, for writes
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -194,7 +196,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 self._listed = listed = self._walk(sweep=True)
                 self._sizes = _size_index(listed)
             self._beneath = BeneathRoot(self._root)
-            self._plain = None if self.mac is not None else PlainReads(self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code())
+            if self.mac is None:
+                self._plain = PlainReads(self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code())
+                self._views = RowViews(fmt.block_bytes)
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable", layout=self.store_layout)
             self._shards.make_top()
         except OSError as exc:
@@ -319,10 +323,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         """Plain records (no MAC) are read in one pass, three system calls each
         (:class:`~kvtier.backends.file_reads.PlainReads`); the rest by :meth:`_read_each`. Every
         failure is a miss for its key alone; a bad record is deleted."""
-        size = self._check_io(keys, out)
+        # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
+        rows = views.of(keys, out) if (views := self._views) is not None else None
+        size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes
         found = [False] * len(keys)
         if (plain := self._plain) is not None and PLAIN_READS and (plain.flat or plain.root.usable):
-            rest: Sequence[int] = plain.read(keys, out, found)
+            rest: Sequence[int] = plain.read(keys, out, found, rows)
         else:
             rest = range(len(keys))
         corrupt = self._read_each(keys, out, rest, found) if rest else 0

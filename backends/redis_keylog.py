@@ -93,6 +93,7 @@ class KeyLogHost(Protocol):
     """What :class:`KeyLog` uses of the tier."""
 
     cluster: bool
+    follower: Any
     _foreign: bool
     _prefix_bytes: bytes
 
@@ -142,7 +143,9 @@ class KeyLog:
         self.key_bytes = key_bytes
         #: an entry: its operation (:data:`STORED` or :data:`DELETED`), then the key
         self.entry_bytes = key_bytes + 1
-        self.counters = {"opens": 0, "fallbacks": 0, "rewrites": 0, "rewrite_failures": 0, "append_failures": 0}
+        self.counters = {
+            "opens": 0, "fallbacks": 0, "rewrites": 0, "rewrite_failures": 0, "append_failures": 0, "sampled_gone": 0,
+        }
         self.last_problem: str | None = None
 
     @property
@@ -189,6 +192,10 @@ class KeyLog:
                 problem = self.last_problem = str(exc)
             else:
                 self.counters["opens"] += 1
+                if self.counters["sampled_gone"] and self.t.follower is not None:
+                    # The log names records the server no longer holds: the first sweep (SCAN)
+                    # runs as soon as the index is bound, not ten listings later, to forget them.
+                    self.t.follower.sweep_now()
                 return table
         self.counters["fallbacks"] += 1
         log.info("redis: %s; listing the namespace with SCAN and writing the key log again", problem)
@@ -253,6 +260,7 @@ class KeyLog:
                 if stored:
                     wire.send([_command(b"EXISTS", *(self.t._prefix_bytes + key for key in stored))])
                     live = int(wire.reply())
+                self.counters["sampled_gone"] = len(stored) - live
                 if 2 * live < len(stored):
                     problem = f"{len(stored) - live} of {len(stored)} sampled keys of the key log have no record"
         self.last_problem = problem

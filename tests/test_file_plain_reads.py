@@ -16,6 +16,7 @@ from kvtier.backends import file_reads, file_tier
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import ClosedError, InvalidKeyError, LayoutError
 from kvtier.records.format import record_checksum
 from kvtier.testing import make_key, random_block
 
@@ -187,3 +188,34 @@ def test_a_record_whose_head_differs_from_the_stores_goes_to_the_general_read(tm
     assert results[0][0] == results[1][0] == [True, True, True]
     assert all(torch.equal(a, b) and torch.equal(a, d) for a, b, d in zip(results[0][1], results[1][1], data))
     assert results[0][2] == results[1][2] and results[0][3] == results[1][3]
+
+
+def test_rows_viewed_by_address_read_what_checked_rows_do_and_bad_jobs_are_refused_alike(tmp_path: Path) -> None:
+    """An unkeyed job's keys and rows are checked, and the rows viewed (kept by address), in one
+    loop; rows it cannot view (strided, here) take the job's general checks and the per-row
+    views. Both serve the same bytes and misses; a bad key, a row of another size and a closed
+    tier are refused by name either way."""
+    keys = [make_key(i) for i in range(4)]
+    data = [random_block(FMT.block_bytes, 990 + i) for i in range(4)]
+    backend = _open(tmp_path / "store")
+    try:
+        backend.write_blocks(keys[:3], data[:3])
+        dense = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        strided = [torch.zeros(2 * FMT.block_bytes, dtype=torch.uint8)[::2] for _ in keys]
+        views = backend._views  # type: ignore[attr-defined]
+        assert views is not None and views.of(keys, dense) is not None and views.of(keys, strided) is None
+        for _ in range(2):  # the second time from views kept by address
+            assert backend.read_blocks(keys, dense) == [True, True, True, False]
+            assert backend.read_blocks(keys, strided) == [True, True, True, False]
+            for i in range(3):
+                assert torch.equal(dense[i], data[i]) and torch.equal(strided[i], data[i])
+        assert backend.stats()["blocks_read"] == 12 and backend.stats()["read_misses"] == 4
+        for rows in (dense, strided):
+            with pytest.raises(InvalidKeyError, match=r"keys\[1\]: expected 32 bytes, got 31"):
+                backend.read_blocks([keys[0], b"\x00" * 31], rows[:2])
+            with pytest.raises(LayoutError, match=r"blocks\[0\] must be a 1-D uint8 tensor of 16384 bytes"):
+                backend.read_blocks(keys[:1], [torch.zeros(FMT.block_bytes // 2, dtype=torch.uint8)])
+    finally:
+        asyncio.run(backend.aclose())
+    with pytest.raises(ClosedError):
+        backend.read_blocks(keys[:1], dense[:1])

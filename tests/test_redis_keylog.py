@@ -88,7 +88,8 @@ def test_an_open_reads_the_log_and_lists_what_scan_does(redis_server: RedisServe
         monkeypatch.undo()
         try:
             assert sorted(opened) == sorted(set(keys)) and set(opened) == _general(reader)
-            assert counters["opens"] == 1 and counters["fallbacks"] == 0
+            assert counters["opens"] == 1 and counters["fallbacks"] == 0 and counters["sampled_gone"] == 0
+            assert reader.follower is not None and not reader.follower.view._wake.is_set()  # no early sweep
             out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(3)]
             assert reader.read_blocks(keys[:3], out) == [True] * 3
             for i, row in enumerate(out):
@@ -204,17 +205,19 @@ def test_an_entry_of_another_form_falls_back_to_scan(redis_server: RedisServer) 
 
 
 def test_a_few_evicted_records_are_adopted_and_miss_when_loaded(redis_server: RedisServer) -> None:
-    """A trusted log that names a few records the server evicted: the open adopts them, their
-    loads are misses (never other bytes), and a sweep forgets them."""
+    """A trusted log that names a few records the server evicted (the sample, here every entry,
+    finds them): the open adopts them, their loads are misses (never other bytes), the first
+    sweep is asked for at once, and it forgets them."""
     writer = _open(b"keylog-few-gone", redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
     try:
-        keys = [make_key(i) for i in range(200)]
+        keys = [make_key(i) for i in range(40)]
         _write(writer, keys)
         client.unlink(*(writer.remote_key(k) for k in keys[:3]))
         reader, opened, counters = _opened(b"keylog-few-gone", redis_server.url)
         try:
-            assert sorted(opened) == sorted(keys) and counters["opens"] == 1
+            assert sorted(opened) == sorted(keys) and counters["opens"] == 1 and counters["sampled_gone"] == 3
+            assert reader.follower is not None and reader.follower.view._wake.is_set()
             out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(5)]
             assert reader.read_blocks(keys[:5], out) == [False, False, False, True, True]
             assert torch.equal(out[4], random_block(BLOCK, 4).view(torch.uint8))
