@@ -14,8 +14,9 @@ pool is held with them, so the id is never reused):
 * per run of consecutive rows ``r0:end``, each tensor's words in those rows
   (:meth:`PoolViews.rows`), and the same cut row by row (:meth:`PoolViews.row_pieces`, for a
   small load's one copy per tensor and block). Runs recur: a tier's slots come back from its
-  free list as the jobs that held them are evicted. At most :data:`MAX_KEPT_RUNS` runs are
-  kept; past that the kept runs are dropped and made again as they come.
+  free list as the jobs that held them are evicted. At most :data:`MAX_KEPT_VIEWS` views of
+  runs are kept (a view is about 600 bytes); past that the kept runs are dropped and made again
+  as they come.
 
 :func:`host_index` makes an index tensor from a list of ints through a buffer, at about half
 the cost of ``torch.tensor``.
@@ -30,10 +31,10 @@ import torch
 
 from kvtier.devices import device_index
 
-__all__ = ["MAX_KEPT_RUNS", "PoolViews", "host_index"]
+__all__ = ["MAX_KEPT_VIEWS", "PoolViews", "host_index"]
 
-#: Runs of rows whose views are kept per layout (each holds one view per tensor).
-MAX_KEPT_RUNS = 256
+#: Views of runs of rows kept per layout (about 10 MB of them).
+MAX_KEPT_VIEWS = 16384
 
 
 def host_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -56,6 +57,7 @@ class PoolViews:
         self._columns: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         # (pool id, r0, end) -> [pool, per-tensor views, per (tensor, row) views or None]
         self._runs: dict[tuple[int, int, int], list[object]] = {}
+        self._kept = 0  # views in _runs (another thread may race it: a bound, not a count)
 
     def held(self) -> bool:
         """Whether views of some pool are kept (and with them the pool)."""
@@ -65,6 +67,7 @@ class PoolViews:
         """Drop every kept view (and with them the pools they hold): the tiers are closing."""
         self._columns = {}
         self._runs = {}
+        self._kept = 0
 
     def columns(self, pool: torch.Tensor, kept: bool = False) -> list[torch.Tensor]:
         """Per tensor, the pool's words for that tensor as a 2-D ``[slots, n * words]`` view
@@ -93,18 +96,25 @@ class PoolViews:
         entry = self._run(pool, r0, end)
         if entry[2] is None:
             views: Sequence[torch.Tensor] = entry[1]  # type: ignore[assignment]
-            entry[2] = [row for view in views for row in view.unbind(0)]
+            pieces = [row for view in views for row in view.unbind(0)]
+            if self._kept + len(pieces) > MAX_KEPT_VIEWS:
+                return pieces  # kept next time, once the runs start over
+            self._kept += len(pieces)
+            entry[2] = pieces
         return entry[2]  # type: ignore[return-value]
 
     def _run(self, pool: torch.Tensor, r0: int, end: int) -> list[object]:
         key = (id(pool), r0, end)
         entry = self._runs.get(key)
         if entry is None or entry[0] is not pool:
+            views = self._cut(pool, r0, end, True)
             runs = self._runs
-            if len(runs) >= MAX_KEPT_RUNS:
+            if self._kept + len(views) > MAX_KEPT_VIEWS:
                 # Start over (a whole new dict: another thread may be reading the old one).
                 runs = self._runs = {}
-            entry = runs[key] = [pool, self._cut(pool, r0, end, True), None]
+                self._kept = 0
+            self._kept += len(views)
+            entry = runs[key] = [pool, views, None]
         return entry
 
     def _cut(self, pool: torch.Tensor, r0: int, end: int, kept: bool) -> Sequence[torch.Tensor]:
