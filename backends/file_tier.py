@@ -70,6 +70,7 @@ import torch
 from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.file_commit import FileJob, commit_files
 from kvtier.backends.file_feed import FileFeed
+from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
 from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
@@ -116,14 +117,6 @@ def _settle(dst: torch.Tensor, staging: torch.Tensor | None) -> bool:
     return True
 
 
-def _size_index(listed: RecordColumns) -> dict[bytes, int]:
-    """``key -> stored bytes`` of a listing, one int object for all when every record is the same size."""
-    distinct = np.unique(listed.stored).tolist()
-    if len(distinct) <= 1:
-        return dict.fromkeys(listed.keys, distinct[0] if distinct else 0)
-    return dict(zip(listed.keys, listed.stored.tolist()))
-
-
 class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
@@ -160,7 +153,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         self.store_layout: str = layout or FLAT
         self._root = ""
         self._lock = threading.Lock()
-        self._sizes: dict[bytes, int] = {}
+        self._sizes = KnownRecords()  # the records this instance knows and their stored sizes
         self._used = 0
         self._listed: RecordColumns | None = None
         self._tmp_counter = itertools.count()
@@ -194,7 +187,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 )
             with paused_gc():
                 self._listed = listed = self._walk(sweep=True)
-                self._sizes = _size_index(listed)
+                self._sizes.adopt(listed.keys, listed.stored)
             self._beneath = BeneathRoot(self._root)
             if self.mac is None:
                 self._plain = PlainReads(self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code())
@@ -275,7 +268,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                         sizes.append(None)
                         continue
                     self._used += grow  # reserved now; given back below if the write fails
-                    self._sizes[key] = stored
+                    self._sizes.set(key, stored)
                 name = key.hex() + _SUFFIX
                 shard = shards.shard(name)
                 try:
@@ -315,7 +308,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         with self._lock:
             self._used -= grow
             if grow == stored:
-                self._sizes.pop(key, None)
+                self._sizes.pop(key)
         if count:
             self.counters.write_failures += 1
 

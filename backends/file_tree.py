@@ -230,31 +230,38 @@ class FileTree:
         stamps go into ``array`` columns, not lists: an ``int`` and a ``float`` object per record,
         alive until the open ends and allocated among the keys, kept the allocator's arenas of
         the keys resident after they were freed (10^5 records: 168-178 B per listed key resident
-        with lists, 130 with arrays)."""
-        columns: tuple[list[bytes], array[int], array[float]] = ([], array("q"), array("d"))
+        with lists, 130 with arrays). The keys are gathered as raw bytes in one ``bytearray``
+        while the names are alive, and made into ``bytes`` objects only once the names are
+        freed: made among the names, they kept the names' memory resident after the names were
+        freed (see ``docs/tiers.md``)."""
+        raw = bytearray()
+        columns: tuple[bytearray, array[int], array[float]] = (raw, array("q"), array("d"))
         listdir = os.listdir
         with _DirFd(root, None) as top:
             if layout == FLAT:
                 cls._list_leaf(top.fd, "", columns, sweep_now)
-                return columns
-            for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
-                with _DirFd(n1, top.fd) as mid:
-                    if mid.fd < 0:
-                        continue
-                    for n2 in listdir(mid.fd):
-                        if n2 not in _HEX2:
+            else:
+                for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
+                    with _DirFd(n1, top.fd) as mid:
+                        if mid.fd < 0:
                             continue
-                        with _DirFd(n2, mid.fd) as leaf:
-                            if leaf.fd >= 0:
-                                cls._list_leaf(leaf.fd, n1 + n2, columns, sweep_now)
-        return columns
+                        for n2 in listdir(mid.fd):
+                            if n2 not in _HEX2:
+                                continue
+                            with _DirFd(n2, mid.fd) as leaf:
+                                if leaf.fd >= 0:
+                                    cls._list_leaf(leaf.fd, n1 + n2, columns, sweep_now)
+        packed = bytes(raw)
+        del raw[:]
+        return [packed[i : i + 32] for i in range(0, len(packed), 32)], columns[1], columns[2]
 
     @classmethod
     def _list_leaf(
-        cls, fd: int, prefix: str, columns: tuple[list[bytes], array[int], array[float]], sweep_now: float | None
+        cls, fd: int, prefix: str, columns: tuple[bytearray, array[int], array[float]], sweep_now: float | None
     ) -> None:
-        """Append the records of the directory ``fd`` to ``columns`` (see :meth:`_record_columns`)."""
-        key, size, stamp = columns[0].append, columns[1].append, columns[2].append
+        """Append the records of the directory ``fd`` to ``columns``, each key's 32 bytes to the
+        first (see :meth:`_record_columns`)."""
+        key, size, stamp = columns[0].extend, columns[1].append, columns[2].append
         fromhex, stat, isreg, match = bytes.fromhex, os.stat, S_ISREG, _RECORD_NAME
         for name in os.listdir(fd):
             if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:

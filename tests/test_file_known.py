@@ -1,0 +1,60 @@
+"""The file tier's known-records view (``backends/file_known.py``) against a plain dict."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from kvtier.backends.file_known import KnownRecords
+
+from kvtier.testing import make_key
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_known_records_answer_as_a_dict_of_every_known_key(uniform: bool) -> None:
+    rng = random.Random(7)
+    listed = [make_key(i) for i in range(0, 400, 2)]
+    rng.shuffle(listed)
+    sizes = [4096 if uniform else rng.choice((4096, 8192)) for _ in listed]
+    known, model = KnownRecords(), dict(zip(listed, sizes))
+    known.adopt(listed, np.array(sizes, dtype=np.int64))
+    assert len(known) == len(model)
+    for _ in range(3000):
+        key = make_key(rng.randrange(420))
+        op = rng.randrange(3)
+        if op == 0:
+            assert known.get(key, -1) == model.get(key, -1)
+        elif op == 1:
+            size = rng.choice((4096, 12288))
+            known.set(key, size)
+            model[key] = size
+        else:
+            assert known.pop(key, 0) == model.pop(key, 0)
+        assert len(known) == len(model)
+    assert all(known.get(key, -1) == model.get(key, -1) for key in map(make_key, range(420)))
+    known.clear()
+    assert len(known) == 0 and known.get(listed[0], -1) == -1
+
+
+def test_a_uniform_listing_holds_no_per_key_size_and_drops_keys_that_left() -> None:
+    keys = [make_key(i) for i in range(100)]
+    known = KnownRecords()
+    known.adopt(keys, np.full(100, 4096, dtype=np.int64))
+    assert known._fresh == {} and known._listed_size == 4096
+    assert all(listed is key for listed, key in zip(known._listed, sorted(keys)))  # the listing's objects
+    for key in keys[:51]:
+        assert known.pop(key) == 4096
+    assert len(known._listed) == 49 and not known._gone  # rebuilt once half had left
+    assert known.get(keys[0], -1) == -1 and known.get(keys[99]) == 4096
+
+
+def test_keys_sharing_their_first_eight_bytes_are_sorted_as_bytes() -> None:
+    from kvtier.backends.file_known import _sorted_keys
+
+    rng = random.Random(3)
+    digests = [rng.randbytes(32) for _ in range(200)]
+    shared = [b"\x07" * 8 + rng.randbytes(24) for _ in range(50)]  # one prefix: the general sort
+    for keys in (digests, digests + shared, digests + digests[:5]):
+        assert _sorted_keys(keys) == sorted(set(keys))
+    assert all(a is b for a, b in zip(_sorted_keys(digests), sorted(digests)))
