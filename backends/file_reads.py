@@ -13,9 +13,11 @@ record takes. :class:`PlainReads` does the common case in three:
 * in the sharded layout, ``openat2`` of ``ab/cd/<name>.kvb`` from that descriptor, with
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
   path out of the root, the guarantee the level-by-level walk gives;
-* one ``preadv`` into the head's buffer, the caller's row (through a ``ctypes`` view of its
-  memory: 0.6 µs, where ``Tensor.numpy()`` took 1.8) and one spare byte: a record of the right
-  length fills the first two exactly and leaves the spare byte unread; then ``close``;
+* one ``preadv`` into the head's buffer, the caller's row and one spare byte: a record of the
+  right length fills the first two exactly and leaves the spare byte unread; then ``close``.
+  The row is viewed by address: the tier hands over the views its
+  :class:`~kvtier.backends.lmdb_plain.RowViews` checked and kept, else a ``ctypes`` view of
+  its memory is taken here (0.6 µs, where ``Tensor.numpy()`` took 1.8);
 * the head's first 24 bytes compared in one step with what every raw, unkeyed record of the
   store's block size and dtype holds there, and the row's XXH3 going on from that head's,
   hashed once (:class:`~kvtier.records.checks.HeadChecksum`).

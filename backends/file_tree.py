@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import re
+from array import array
 from collections.abc import Iterator, Sequence
 from stat import S_ISREG
 
@@ -218,15 +219,19 @@ class FileTree:
     @classmethod
     def _record_columns(
         cls, root: str, *, sweep_now: float | None = None, layout: Layout = SHARDED
-    ) -> tuple[list[bytes], list[int], list[float]]:
+    ) -> tuple[list[bytes], array[int], array[float]]:
         """Every record under ``root`` in ``layout`` as columns, in no particular order: keys,
         file sizes and modification times, by the naming rules of :meth:`_leaf_entries` (the same
         records, a test compares them). Directories are opened from their parent's descriptor
         with ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in their place is skipped) and
         listed by name; each record name that fits is ``stat``'ed once, and kept if a regular
         file. No object per entry but its name: about half the time of a ``scandir`` walk. (Two
-        threads walking half the first level each were no faster on two cores.)"""
-        columns: tuple[list[bytes], list[int], list[float]] = ([], [], [])
+        threads walking half the first level each were no faster on two cores.) The sizes and
+        stamps go into ``array`` columns, not lists: an ``int`` and a ``float`` object per record,
+        alive until the open ends and allocated among the keys, kept the allocator's arenas of
+        the keys resident after they were freed (10^5 records: 168-178 B per listed key resident
+        with lists, 130 with arrays)."""
+        columns: tuple[list[bytes], array[int], array[float]] = ([], array("q"), array("d"))
         listdir = os.listdir
         with _DirFd(root, None) as top:
             if layout == FLAT:
@@ -246,7 +251,7 @@ class FileTree:
 
     @classmethod
     def _list_leaf(
-        cls, fd: int, prefix: str, columns: tuple[list[bytes], list[int], list[float]], sweep_now: float | None
+        cls, fd: int, prefix: str, columns: tuple[list[bytes], array[int], array[float]], sweep_now: float | None
     ) -> None:
         """Append the records of the directory ``fd`` to ``columns`` (see :meth:`_record_columns`)."""
         key, size, stamp = columns[0].append, columns[1].append, columns[2].append

@@ -4,12 +4,15 @@ page cache (tier and raw alternating), and whether this host overlaps cold reads
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,6 +89,48 @@ def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, dr
     return res
 
 
+@contextlib.contextmanager
+def unchecked_reads() -> Iterator[None]:
+    """For a diagnostic side alone: the lmdb tier with every record check it makes on a read
+    replaced by nothing: the general path's (``verify_payload``), the one-record loop's and the
+    tight pass's XXH3 (whose results are compared with the record's, so they answer "equal").
+    The tight pass takes its hash state at the store's open: open the store inside."""
+    from kvtier.backends import lmdb_one, lmdb_plain
+
+    from kvtier.records import checks
+
+    saved = checks.verify_payload, lmdb_one.record_checksum, lmdb_plain.xxhash
+    checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
+    lmdb_one.record_checksum = lambda *args: _Matches()  # type: ignore[assignment]
+    lmdb_plain.xxhash = types.SimpleNamespace(xxh3_64=lambda *args: _NoHash())  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        checks.verify_payload, lmdb_one.record_checksum, lmdb_plain.xxhash = saved  # type: ignore[assignment]
+
+
+class _Matches:
+    """What a patched check's digest is: equal to any stored checksum."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _NoHash:
+    """A hash state that hashes nothing (see :func:`unchecked_reads`)."""
+
+    def copy(self) -> _NoHash:
+        return self
+
+    def update(self, data: object) -> None:
+        pass
+
+    def intdigest(self) -> _Matches:
+        return _Matches()
+
+
 def _evict(path: str, drop_caches: bool) -> str:
     """Push ``<path>/data.mdb`` out of the page cache (the environment must be closed: mapped
     pages cannot be evicted). Returns the method used."""
@@ -117,10 +162,8 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
     Two more sides say where the tier's time goes; neither is a mode of the tier:
     ``raw_lmdb_cold_get_checked`` is the raw ``get`` and copy followed by an XXH3 pass over each
     copied block (the tier's check, done the plain serial way), and ``lmdb_cold_unchecked`` is
-    the tier with its record check replaced by nothing (patched here, for the run alone)."""
+    the tier with its record checks replaced by nothing (:func:`unchecked_reads`, for the run alone)."""
     import xxhash
-
-    from kvtier.records import checks
 
     _, total, keys, outs, fmt, capacity = lmdb_job(blocks)
     tier_path = tempfile.mkdtemp(dir=root)
@@ -134,6 +177,10 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
     data = os.path.join(tier_path, "data.mdb")
 
     def tier_side(check: bool = True) -> float:
+        with contextlib.nullcontext() if check else unchecked_reads():
+            return tier_pass(check)
+
+    def tier_pass(check: bool) -> float:
         nonlocal method
         method = _evict(tier_path, drop_caches)
         cached_before = cached_pages(data)[0]
@@ -147,13 +194,7 @@ def bench_lmdb_cold(root: str, blocks: list[torch.Tensor], repeat: int, drop_cac
             open_read.append((cached - cached_before) / pages)
         evict_from_page_cache(data)  # every value cold at the first read, as on the raw side
         _cache_trees(tier_path)
-        verify = checks.verify_payload
-        if not check:
-            checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
-        try:
-            t = tier_read(tier, keys, outs)
-        finally:
-            checks.verify_payload = verify
+        t = tier_read(tier, keys, outs)
         asyncio.run(tier.aclose())
         return t
 

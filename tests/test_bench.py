@@ -291,3 +291,59 @@ def test_cold_lmdb_part_reads_every_value_inside_the_timed_loads(tmp_path: Path)
         assert 0.0 <= res[name] <= 1.0, (name, res[name])
     assert res["raw_lmdb_cold_open_read_fraction"] <= res["raw_lmdb_cold_open_read_fraction_max"]
     assert res["lmdb_cold_load_gbps"] > 0 and res["raw_lmdb_cold_get_gbps"] > 0
+
+
+
+def test_cold_lmdb_unchecked_side_makes_no_record_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cold part's ``lmdb_cold_unchecked`` side says what the tier costs without its record
+    checks: a store opened and read inside ``unchecked_reads`` hashes nothing (the tight pass's
+    and the one-record loop's XXH3 had been left in: only the general path's check was patched
+    out), and still returns the stored bytes; the same reads outside hash every record."""
+    pytest.importorskip("lmdb")
+    xxhash = pytest.importorskip("xxhash")
+    import asyncio
+
+    import torch
+    from kvtier.tools.bench.scripts.disk_cold import unchecked_reads
+    from kvtier.tools.bench.scripts.disk_common import BLOCK, lmdb_job, open_backend, tier_read, tier_write
+
+    blocks = [torch.full((BLOCK,), i, dtype=torch.uint8) for i in range(3)]
+    _, _, keys, outs, fmt, capacity = lmdb_job(blocks)
+    writer = open_backend("lmdb", fmt, capacity=capacity, path=str(tmp_path))
+    tier_write(writer, keys, blocks)
+    asyncio.run(writer.aclose())
+    hashed: list[int] = []
+    real = xxhash.xxh3_64
+
+    class Counting:  # a hash state that counts the bytes it is given
+        def __init__(self, state: object) -> None:
+            self.state = state
+
+        def update(self, data: object) -> None:
+            hashed.append(memoryview(data).nbytes)  # type: ignore[arg-type]
+            self.state.update(data)  # type: ignore[attr-defined]
+
+        def copy(self) -> Counting:
+            return Counting(self.state.copy())  # type: ignore[attr-defined]
+
+        def intdigest(self) -> int:
+            return self.state.intdigest()  # type: ignore[attr-defined,no-any-return]
+
+    monkeypatch.setattr(xxhash, "xxh3_64", lambda *args: Counting(real(*args)))
+
+    def read_all() -> None:
+        for out in outs:
+            out.zero_()
+        tier = open_backend("lmdb", fmt, capacity=capacity, path=str(tmp_path))
+        try:
+            tier_read(tier, keys, outs)
+        finally:
+            asyncio.run(tier.aclose())
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+
+    read_all()
+    assert sum(n for n in hashed if n == BLOCK) // BLOCK >= len(keys)  # every record checked
+    hashed.clear()
+    with unchecked_reads():
+        read_all()
+    assert [n for n in hashed if n == BLOCK] == []

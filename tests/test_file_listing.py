@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from array import array
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,13 @@ def test_the_listing_at_open_is_the_record_by_record_walk(tmp_path: Path, layout
         assert not list(root.rglob("*.1.3.tmp")) and list(root.rglob("*.1.2.tmp"))  # the stale one swept
         oldest = [k for k, _, _ in columns.sorted()][:10]
         assert oldest == keys[:10]  # the stamps restore the order
+        # The walk's sizes and stamps are arrays of machine numbers, not an object per record
+        # (each of those kept the keys' memory resident after the open); the same values.
+        listed, sizes, stamps = backend._record_columns(str(root), layout=layout)  # type: ignore[attr-defined]
+        assert (type(sizes), sizes.typecode, type(stamps), stamps.typecode) == (array, "q", array, "d")
+        stat_of = {k: os.stat(_place(root, k, layout), follow_symlinks=False) for k in listed}
+        assert sorted(listed) == sorted(keys)
+        assert list(sizes) == [stat_of[k].st_size for k in listed] and list(stamps) == [stat_of[k].st_mtime for k in listed]
     finally:
         asyncio.run(backend.aclose())
     assert (tmp_path / "outside" / f"{make_key(50).hex()}.kvb").read_bytes() == b"outside"
