@@ -83,6 +83,7 @@ from kvtier.backends.shared_index import SharedIndexView
 
 from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordBackend, decode_record
 from kvtier.shares import run_all
@@ -485,7 +486,9 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
-        self._delete(list(keys))
+        keys = list(keys)
+        check_keys(keys)  # before anything is sent: a deletion is also logged for every engine (redis)
+        self._delete(keys)
 
     def _delete(self, keys: list[bytes]) -> None:
         if not keys:
