@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from kvtier.backends.memory import advise_huge_pages
 
 import kvtier
 from kvtier.devices import one_intra_op_thread
@@ -104,6 +105,9 @@ class RawCopies:
         # tier's own pool of as many jobs is: a pool this host's cache could keep whole would
         # flatter the raw copy.
         self.pool = torch.empty((regions * job, block_bytes), dtype=torch.uint8)
+        # Backed by huge pages as the tier's host pool is (advised before the first touch): a
+        # pool of 4 KiB pages would make the raw copy slower than the best raw shape.
+        advise_huge_pages(self.pool)
         self.src_ids = list(range(1, 2 * job, 2))[:job]  # every other block: a realistic scattered job
         self.dst_ids = [b - 1 for b in self.src_ids]
         self.words = [c.view(torch.uint8).view(c.shape[0], -1).view(torch.int64) for c in caches]

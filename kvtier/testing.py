@@ -35,7 +35,7 @@ import torch
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ClosedError, ConfigError, LayoutError
 
-__all__ = ["BackendTests", "cached_pages", "evict_from_page_cache", "make_key", "random_block"]
+__all__ = ["BackendTests", "cached_pages", "evict_from_page_cache", "make_key", "mapping_flags", "random_block"]
 
 
 def make_key(i: int) -> bytes:
@@ -53,6 +53,24 @@ def evict_from_page_cache(path: str | os.PathLike[str]) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def mapping_flags(address: int) -> list[str] | None:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``hg``: advised huge
+    pages); ``None`` where ``/proc/self/smaps`` cannot be read or no mapping holds it."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
 
 
 def cached_pages(path: str | os.PathLike[str]) -> tuple[int, int]:

@@ -347,3 +347,21 @@ def test_cold_lmdb_unchecked_side_makes_no_record_check(tmp_path: Path, monkeypa
     with unchecked_reads():
         read_all()
     assert [n for n in hashed if n == BLOCK] == []
+
+
+def test_raw_copies_pool_is_advised_huge_pages_as_the_tier_pool_is() -> None:
+    """bench_core's raw baseline copies into a pool backed as the tier's own host pool is
+    (transparent huge pages, advised before the first touch): a 4 KiB-page pool made the raw
+    copy slower than the best raw shape and flattered the tier's ratio."""
+    import torch
+    from kvtier.tools.bench.scripts.bench_core import RawCopies
+
+    from kvtier.testing import mapping_flags
+
+    caches = [torch.zeros((8, 2, 1 << 18), dtype=torch.uint8) for _ in range(2)]  # 512 KiB a block per layer
+    raw = RawCopies(caches, 4, 1, regions=2)  # a 4 MiB pool
+    start = -(-raw.pool.data_ptr() // (2 << 20)) * (2 << 20)
+    flags = mapping_flags(start)
+    if flags is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert "hg" in flags

@@ -9,7 +9,7 @@ import torch
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ConfigError, LifecycleError
-from kvtier.testing import BackendTests, make_key
+from kvtier.testing import BackendTests, make_key, mapping_flags
 
 
 class TestCpuBackend(BackendTests):
@@ -68,23 +68,6 @@ def test_cpu_backend_rejects_unknown_options() -> None:
         registry.backends.get("cpu")(capacity="1MiB", colour="red")
 
 
-def _advised_flags(start: int) -> list[str] | None:
-    """The VmFlags of this process's mapping that holds address ``start`` (None: no smaps)."""
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0] if line else ""
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= start < hi
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    return None
-
-
 def test_a_host_pool_is_advised_huge_pages_before_its_first_touch() -> None:
     """The 2 MiB-aligned part of an unpinned host pool is marked for transparent huge pages
     (``hg`` in its mapping's flags) and holds what is written; a pool too small for one huge
@@ -96,7 +79,7 @@ def test_a_host_pool_is_advised_huge_pages_before_its_first_touch() -> None:
     asyncio.run(backend.open(fmt))
     pool = backend.pool
     start = -(-pool.data_ptr() // (2 << 20)) * (2 << 20)
-    flags = _advised_flags(start)
+    flags = mapping_flags(start)
     if flags is None:
         pytest.skip("no /proc/self/smaps here")
     assert "hg" in flags
