@@ -42,8 +42,7 @@ import torch
 
 from kvtier import devices
 from kvtier.records.checks import HeadChecksum
-from kvtier.records.codec import NoneCodec
-from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION
+from kvtier.records.format import HEADER_SIZE
 from kvtier.records.record import CHECKED
 
 __all__ = ["BeneathRoot", "PlainReads"]
@@ -123,8 +122,7 @@ class PlainReads:
         self.root = root
         self.flat = flat
         self.block_bytes = block_bytes
-        head = HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, 0, block_bytes, block_bytes, 0)
-        self.checksum = HeadChecksum(head[:CHECKED])
+        self.checksum = HeadChecksum.plain(block_bytes, dtype_code)
         self._row = ctypes.c_char * block_bytes
 
     def read(

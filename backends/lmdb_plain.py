@@ -29,13 +29,12 @@ from typing import Any
 
 import lmdb
 import torch
-import xxhash
 
 from kvtier import devices
 from kvtier.errors import DiskError
 from kvtier.keys import KEY_BYTES
-from kvtier.records.codec import NoneCodec
-from kvtier.records.record import CHECKED, HEADER, MAGIC, RECORD_VERSION
+from kvtier.records.checks import HeadChecksum
+from kvtier.records.record import CHECKED, HEADER
 
 __all__ = ["FileGuard", "PlainReads", "RowViews", "host_rows"]
 
@@ -142,9 +141,10 @@ class PlainReads:
         self.blocks = blocks
         self.index = index
         self.size = block_bytes
-        #: The checked header bytes of every plain record of the store (what encode_record writes).
-        self.head = HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, 0, block_bytes, block_bytes, 0)[:CHECKED]
-        self.prefix = xxhash.xxh3_64(self.head)  # record_checksum's state after the head
+        #: The checked header bytes of every plain record of the store, and record_checksum's
+        #: state after them (the tight pass inlines the rest of the sum).
+        sums = HeadChecksum.plain(block_bytes, dtype_code)
+        self.head, self.prefix = sums.head, sums.prefix
         self.head_at = head_at  # where the head starts in an index entry
         self.sum_at = head_at + CHECKED
         self.entry_size = head_at + HEADER.size

@@ -94,19 +94,19 @@ def unchecked_reads() -> Iterator[None]:
     """For a diagnostic side alone: the lmdb tier with every record check it makes on a read
     replaced by nothing: the general path's (``verify_payload``), the one-record loop's and the
     tight pass's XXH3 (whose results are compared with the record's, so they answer "equal").
-    The tight pass takes its hash state at the store's open: open the store inside."""
-    from kvtier.backends import lmdb_one, lmdb_plain
+    The tight pass takes its hash state (``HeadChecksum``) at the store's open: open the store inside."""
+    from kvtier.backends import lmdb_one
 
     from kvtier.records import checks
 
-    saved = checks.verify_payload, lmdb_one.record_checksum, lmdb_plain.xxhash
+    saved = checks.verify_payload, lmdb_one.record_checksum, checks.xxhash
     checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
     lmdb_one.record_checksum = lambda *args: _Matches()  # type: ignore[assignment]
-    lmdb_plain.xxhash = types.SimpleNamespace(xxh3_64=lambda *args: _NoHash())  # type: ignore[assignment]
+    checks.xxhash = types.SimpleNamespace(xxh3_64=lambda *args: _NoHash())  # type: ignore[assignment]
     try:
         yield
     finally:
-        checks.verify_payload, lmdb_one.record_checksum, lmdb_plain.xxhash = saved  # type: ignore[assignment]
+        checks.verify_payload, lmdb_one.record_checksum, checks.xxhash = saved  # type: ignore[assignment]
 
 
 class _Matches:

@@ -36,7 +36,7 @@ from kvtier.devices import usable_cpus
 from kvtier.errors import CorruptBlockError
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
-from kvtier.records.record import CHECKED
+from kvtier.records.record import CHECKED, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
     "SIDE_MIN_BYTES",
@@ -185,21 +185,29 @@ def fill_and_check(
 class HeadChecksum:
     """The checksum of unkeyed records that share one checked head (``head``, the header's
     first :data:`~kvtier.records.record.CHECKED` bytes: every raw record of one block size and
-    dtype has the same), as :func:`~kvtier.records.format.record_checksum` computes it. The head
-    is hashed once; a record's sum goes on from a copy of that state with its key and payload:
-    one copy and two updates a record instead of a new hasher and three."""
+    dtype has the same, :meth:`plain`), as :func:`~kvtier.records.format.record_checksum`
+    computes it. The head is hashed once (:attr:`prefix`); a record's sum goes on from a copy of
+    that state with its key and payload: one copy and two updates a record instead of a new
+    hasher and three."""
 
-    __slots__ = ("_prefix", "head")
+    __slots__ = ("head", "prefix")
 
     def __init__(self, head: bytes) -> None:
         if len(head) != CHECKED:
             raise ValueError(f"head: expected the {CHECKED} checked header bytes, got {len(head)}")
         self.head = bytes(head)
-        self._prefix = xxhash.xxh3_64()
-        self._prefix.update(self.head)
+        #: record_checksum's state after the head (loops that inline the sum copy it).
+        self.prefix = xxhash.xxh3_64()
+        self.prefix.update(self.head)
+
+    @classmethod
+    def plain(cls, block_bytes: int, dtype_code: int) -> HeadChecksum:
+        """For the raw, unkeyed records of ``block_bytes`` and ``dtype_code`` (what
+        ``encode_record`` writes for a block neither compressed nor keyed)."""
+        return cls(HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, 0, block_bytes, block_bytes, 0)[:CHECKED])
 
     def __call__(self, key: bytes, payload: Any) -> int:
-        h = self._prefix.copy()
+        h = self.prefix.copy()
         h.update(key)
         h.update(payload)
         return h.intdigest()  # type: ignore[no-any-return]
