@@ -70,6 +70,16 @@ def _damaged_store(root: Path, outside: Path, layout: str = "flat") -> tuple[lis
     return keys, data
 
 
+def _copy(src: Path, dst: Path) -> None:
+    """A copy of a damaged store and its outside, the copied symlinks pointing into the copy's own outside."""
+    shutil.copytree(src, dst, symlinks=True)
+    for link in dst.rglob("*"):
+        if link.is_symlink():
+            target = os.readlink(link)
+            link.unlink()
+            link.symlink_to(target.replace(str(src), str(dst)))
+
+
 def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], list[str]]:
     monkeypatch.setattr(file_tier, "PLAIN_READS", plain)
     backend = _open(root)
@@ -86,12 +96,7 @@ def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
 def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
-    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
-    for link in (tmp_path / "b").rglob("*"):  # the copied symlinks point into the copy's own outside
-        if link.is_symlink():
-            target = os.readlink(link)
-            link.unlink()
-            link.symlink_to(target.replace(str(tmp_path / "a"), str(tmp_path / "b")))
+    _copy(tmp_path / "a", tmp_path / "b")
     general = _read(tmp_path / "a" / "store", keys, False, monkeypatch)
     plain = _read(tmp_path / "b" / "store", keys, True, monkeypatch)
     print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
@@ -227,12 +232,7 @@ def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(
     view is kept: read one key at a time, twice, the damaged store gives the general read's hits,
     bytes, misses, deletions and counters, and the sound records never reach the job's path."""
     keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
-    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
-    for link in (tmp_path / "b").rglob("*"):
-        if link.is_symlink():
-            target = os.readlink(link)
-            link.unlink()
-            link.symlink_to(target.replace(str(tmp_path / "a"), str(tmp_path / "b")))
+    _copy(tmp_path / "a", tmp_path / "b")
     jobs: list[int] = []  # the keys that took the job's path (the views' loop), -1 for others
     real_of = file_tier.RowViews.of
     monkeypatch.setattr(file_tier.RowViews, "of", lambda self, k, o: jobs.extend(keys.index(x) if x in keys else -1 for x in k) or real_of(self, k, o))
