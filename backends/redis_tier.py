@@ -447,7 +447,10 @@ class RedisBackend(RemoteRecordBackend):
 
     def _sweep(self) -> AbstractSet[bytes] | None:
         """A ``SCAN`` sweep of the index; the key log rewritten from it when it grew over twice
-        the keys listed, or is untrusted (its state read before the listing begins)."""
+        the keys listed, or is untrusted (its state read before the listing begins). While the
+        server is down and its backoff runs, nothing is tried (the listing would skip it too)."""
+        if self._closed or not self._health.allow():
+            return None
         state = self._keylog.sweep_state()
         found = self._listing()
         if found is None:

@@ -12,21 +12,31 @@ and ``speedup`` = vLLM / kvtier (above 1: kvtier is faster). Phases, with the sa
 sizes for both: ``store`` (``prepare_store`` + ``complete_store`` of new keys, not full; vLLM's
 ``on_request_finished`` of those requests is timed apart as ``vllm_finish``), ``lookup_hit`` and
 ``lookup_miss`` (one key per call, as vLLM's scheduler asks), ``load`` (``prepare_load`` +
-``complete_load``), ``touch``, ``store_evict`` (the cache is full: every call evicts). The lookups also time, in
-the same slices, the floor of any single-key lookup written in Python (a function that unpacks
-the key and probes one plain dict of the same keys, no check, no counter):
-``floor_speedup_range`` is the speedup over vLLM that floor itself reaches; and that floor with
-what the manager's contract adds to it (a hit or miss counter, and on a miss the key's type and
-length check, so that a malformed key is an error, not a miss): ``checked_floor_speedup_range``.
+``complete_load``), ``touch``, ``store_evict`` (the cache is full: every call evicts).
+
+The lookups are timed as a scheduler makes them: vLLM's ``lookup(key, req_context)`` called
+directly, kvtier's ``lookup((key,))`` with the one-key tuple built in the timed loop (the
+caller's cost of that call's form). A scheduler asks for the keys of a request it has just
+keyed: fresh objects, recently made, equal to a stored key but not the same object, their
+hash not yet computed. Each side's slice therefore runs on fresh copies of its keys made just
+before it, as the floors below do, so no side finds its keys in the cache warmed by another
+or its hashes cached. The lookups also time, in the same slices, the floor of any single-key
+lookup written in Python (a function that unpacks the key and probes one plain dict of the
+same keys, no check, no counter): ``floor_speedup_range`` is the speedup over vLLM that floor
+itself reaches; and that floor with what the manager's contract adds to it (a hit or miss
+counter, and on a miss the key's type and length check, so that a malformed key is an error,
+not a miss): ``checked_floor_speedup_range``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,28 +82,54 @@ def phase(
     v_op: Callable[[Any], Any],
     k_op: Callable[[Any], Any],
     per: int,
-    floors: dict[str, Callable[[Any], Any]] | None = None,
 ) -> dict[str, float]:
-    """Best microseconds per key of each side over ``slices`` alternating slices; with
-    ``floors`` (name -> op, each run on kvtier's items in the same slices), also each floor's
-    (``<name>_us``) and the speedup over vLLM that it reaches (``<name>_speedup``)."""
+    """Best microseconds per key of each side over ``slices`` alternating slices."""
     best_v = best_k = float("inf")
-    best_f = dict.fromkeys(floors or (), float("inf"))
     size = max(1, len(v_items) // slices)
     for start in range(0, size * slices, size):
         best_v = min(best_v, timed(v_items[start : start + size], v_op) / (size * per))
         best_k = min(best_k, timed(k_items[start : start + size], k_op) / (size * per))
-        for name, floor_op in (floors or {}).items():
-            best_f[name] = min(best_f[name], timed(twin_items(k_items[start : start + size]), floor_op) / (size * per))
+    return {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
+
+
+def timed_lookups(keys: list[bytes], lookup: Callable[..., Any], *context: Any) -> float:
+    """One call per key, made as a scheduler makes it: ``lookup(key, *context)`` (vLLM's form),
+    or with no ``context`` ``lookup((key,))`` (kvtier's: the tuple is the caller's to build)."""
+    if context:
+        (ctx,) = context
+        t0 = time.thread_time_ns()
+        for key in keys:
+            lookup(key, ctx)
+        return time.thread_time_ns() - t0
+    t0 = time.thread_time_ns()
+    for key in keys:
+        lookup((key,))
+    return time.thread_time_ns() - t0
+
+
+def lookup_phase(
+    slices: int,
+    v_keys: list[bytes],
+    k_keys: list[bytes],
+    v_lookup: Callable[[bytes, Any], Any],
+    ctx: Any,
+    k_lookup: Callable[[tuple[bytes]], Any],
+    floors: dict[str, Callable[[tuple[bytes]], Any]],
+) -> dict[str, float]:
+    """:func:`phase` for single-key lookups: each side (and each floor) runs its slice on fresh
+    copies of its keys made just before it (see the module's note)."""
+    best_v = best_k = float("inf")
+    best_f = dict.fromkeys(floors, float("inf"))
+    size = max(1, len(v_keys) // slices)
+    for start in range(0, size * slices, size):
+        best_v = min(best_v, timed_lookups(twin(v_keys[start : start + size]), v_lookup, ctx) / size)
+        best_k = min(best_k, timed_lookups(twin(k_keys[start : start + size]), k_lookup) / size)
+        for name, floor_op in floors.items():
+            best_f[name] = min(best_f[name], timed_lookups(twin(k_keys[start : start + size]), floor_op) / size)
     out = {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
     for name, best in best_f.items():
         out.update({f"{name}_us": best / 1e3, f"{name}_speedup": best_v / best})
     return out
-
-
-def twin_items(items: list[tuple[bytes]]) -> list[tuple[bytes]]:
-    """Single-key items with fresh key objects (a bytes object caches its hash once probed)."""
-    return [(bytes(bytearray(k)),) for (k,) in items]
 
 
 def bare_lookup(index: dict[bytes, Any]) -> Callable[[tuple[bytes]], Any]:
@@ -109,20 +145,20 @@ def bare_lookup(index: dict[bytes, Any]) -> Callable[[tuple[bytes]], Any]:
 
 
 def checked_lookup(index: dict[bytes, Any]) -> Callable[[tuple[bytes]], int]:
-    """The floor with what the manager's contract adds: a counter of hits and of misses, and on
-    a miss the key's type and length check (a malformed key must be an error, not a miss)."""
+    """The floor with what the manager's contract adds: a counter of hits and of misses (the
+    cheapest we know, a countdown that ``next`` steps in C), and on a miss the key's type and
+    length check (a malformed key must be an error, not a miss)."""
     get = index.get
-    hits = misses = 0
+    hits, misses = itertools.repeat(None, sys.maxsize), itertools.repeat(None, sys.maxsize)
 
     def lookup(keys: tuple[bytes]) -> int:
-        nonlocal hits, misses
         (key,) = keys
         if get(key):
-            hits += 1
+            next(hits)
             return 1
         if type(key) is not bytes or len(key) != 32:
             raise ValueError("not a key")
-        misses += 1
+        next(misses)
         return 0
 
     return lookup
@@ -158,12 +194,10 @@ def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dic
         "floor": bare_lookup(dict.fromkeys(k_res, True)),
         "checked_floor": checked_lookup(dict.fromkeys(k_res, True)),
     }
-    out["lookup_hit"] = phase(
-        slices, [v_res[i] for i in pick], [(k_res[i],) for i in pick], lambda k: vm.lookup(k, ctx), k_lookup, 1, floors
+    out["lookup_hit"] = lookup_phase(
+        slices, [v_res[i] for i in pick], [k_res[i] for i in pick], vm.lookup, ctx, k_lookup, floors
     )
-    out["lookup_miss"] = phase(
-        slices, v_absent, [(k,) for k in k_absent], lambda k: vm.lookup(k, ctx), k_lookup, 1, floors
-    )
+    out["lookup_miss"] = lookup_phase(slices, v_absent, k_absent, vm.lookup, ctx, k_lookup, floors)
 
     def v_load(item: tuple[list[bytes], ReqContext]) -> None:
         vm.prepare_load(item[0], item[1])

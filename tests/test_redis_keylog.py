@@ -349,3 +349,32 @@ def test_stores_of_two_threads_all_reach_the_log(redis_server: RedisServer) -> N
         assert sorted(_entries(_log(backend))) == sorted(groups[0] + groups[1])
     finally:
         _close(backend)
+
+
+def test_a_sweep_while_the_server_is_down_tries_no_connection(
+    own_redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the server is down and its backoff runs, a sweep returns at once: neither the log's
+    state nor the listing tries a connection (each would wait on the dead server)."""
+    import redis.connection
+
+    backend = _open(b"keylog-down-sweep", own_redis_server.url)
+    try:
+        own_redis_server.kill()
+        backend._get_client().connection_pool.disconnect()
+        assert backend._sweep() is None  # this one meets the dead server and marks it down
+        assert not backend.stats()["up"]
+        backend._health._retry_at = float("inf")  # the backoff has not run out
+        tries: list[object] = []
+        connect = redis.connection.AbstractConnection.connect
+
+        def counted(self: Any) -> None:
+            tries.append(self)
+            connect(self)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "connect", counted)
+        assert backend._sweep() is None and backend._sweep() is None
+        assert tries == []
+    finally:
+        monkeypatch.undo()
+        _close(backend)

@@ -12,11 +12,20 @@ Counters: batched calls are counted as three fields of one int (calls, keys aske
 :func:`lookup_counts`), single-key calls as hits and misses apart. Every lookup changes exactly
 one of the three and they only grow, so a reader on another thread that sees the same three
 values twice in a row has seen one moment (:func:`read_counters`).
+
+A single-key call counts by taking one item from a countdown (``itertools.repeat`` of a huge
+count, read back with ``operator.length_hint``): ``next`` changes a C integer in place, where
+``hits += 1`` on a closure cell builds a new int object once the count passes 256 and frees the
+old one, about 15 ns more per call. The countdown would run out after ``sys.maxsize`` calls
+(centuries at any lookup rate).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import length_hint
 
 from kvtier.errors import ClosedError
 from kvtier.keys import KEY_BYTES, check_keys
@@ -29,6 +38,7 @@ Getter = Callable[[bytes], "int | None"]
 _FIELD = 64
 _MASK = (1 << _FIELD) - 1
 _READS = 8  # a reader's tries for two equal readings (then it takes the last)
+_COUNTDOWN = sys.maxsize  # a single-key counter's start: calls counted = start - items left
 
 
 def lookup_counts(calls: int, asked: int, found: int) -> int:
@@ -63,31 +73,29 @@ def single_key_lookup(gets: Sequence[Getter], general: LookupFn) -> SingleKeyLoo
 
     A miss checks its key's type and length (``check_keys`` names what is wrong); a hit does
     not need to: a key found was checked when it was stored."""
-    hits = misses = 0
+    hits, misses = repeat(None, _COUNTDOWN), repeat(None, _COUNTDOWN)  # see the module's note
     tiers: tuple[Getter, ...] = tuple(gets)
     first: Getter = tiers[0]
 
     def one_tier(keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` ready in the tier (see ``TierManager.lookup``)."""
-        nonlocal hits, misses
         try:
             (key,) = keys
         except (TypeError, ValueError):  # not one key
             return general(keys)
         try:
             if first(key):
-                hits += 1
+                next(hits)
                 return 1
         except TypeError:  # an unhashable key: check_keys names it
             check_keys(keys)
         if type(key) is not bytes or len(key) != KEY_BYTES:
             check_keys(keys)
-        misses += 1
+        next(misses)
         return 0
 
     def any_tier(keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` ready in some tier (see ``TierManager.lookup``)."""
-        nonlocal hits, misses
         try:
             (key,) = keys
         except (TypeError, ValueError):  # not one key
@@ -95,17 +103,17 @@ def single_key_lookup(gets: Sequence[Getter], general: LookupFn) -> SingleKeyLoo
         try:
             for get in tiers:
                 if get(key):
-                    hits += 1
+                    next(hits)
                     return 1
         except TypeError:  # an unhashable key: check_keys names it
             check_keys(keys)
         if type(key) is not bytes or len(key) != KEY_BYTES:
             check_keys(keys)
-        misses += 1
+        next(misses)
         return 0
 
     def counts() -> tuple[int, int]:
-        return hits, misses
+        return _COUNTDOWN - length_hint(hits), _COUNTDOWN - length_hint(misses)
 
     def close() -> None:
         nonlocal first, tiers
