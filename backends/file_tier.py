@@ -68,7 +68,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 from kvtier.backends.feed_follower import FollowedTier
-from kvtier.backends.file_commit import FileJob, commit_files
+from kvtier.backends.file_commit import FileJob, commit_files, plain_records
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
@@ -100,6 +100,11 @@ _FS_BLOCK = 4096  # stored sizes are rounded to the usual filesystem block
 #: Plain records are read in one pass (:mod:`kvtier.backends.file_reads`); ``False``: every
 #: record by the general read (for tests and measurement).
 PLAIN_READS = True
+
+
+def _stored_bytes(record_bytes: Any) -> Any:
+    """Bytes a record of ``record_bytes`` (an ``int``, or an array of them) takes on disk."""
+    return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
 
 
 def _read_exact(fd: int, view: memoryview, offset: int) -> None:
@@ -258,10 +263,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         followed, so nothing lands outside the root); ``None`` if it does not exist."""
         return self._leaf_at(self._root, key, layout=self.store_layout)
 
-    @staticmethod
-    def _stored(record_bytes: Any) -> Any:
-        """Bytes a record of ``record_bytes`` (an ``int``, or an array of them) takes on disk."""
-        return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
+    _stored = staticmethod(_stored_bytes)
 
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
@@ -269,8 +271,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
-        self._check_io(keys, blocks)
-        parts = self._encode(keys, blocks)
+        # Unkeyed, uncompressed jobs of host rows: the job's checks and its rows' views in one
+        # loop, and each record's checksum from the store's one hash state (plain_records).
+        plain = self._plain if self.codec.codec_id == NoneCodec.codec_id else None
+        rows = self._views.of(keys, blocks) if plain is not None and self._views is not None else None
+        self._check_io(keys, blocks) if rows is None else self._check_open()
+        parts = self._encode(keys, blocks) if plain is None or rows is None else plain_records(plain.checksum, keys, rows)
         shards = self._shards
         assert shards is not None
         sizes: list[int | None] = []
@@ -293,7 +299,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 try:
                     if shard not in job.dirs:
                         job.dirs[shard] = shards.open_leaf(key, job.parents)
-                    job.stage(shard, self._temp_name(name), name, (header, payload))
+                    job.stage(shard, self._temp_name(name), name, (header, payload), n)
                 except OSError as exc:
                     log.warning("file: write of %s failed: %s", self._path(key), exc)
                     self._unreserve(key, grow, stored)
@@ -309,15 +315,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             raise
         finally:
             job.close()
-        written = 0
-        for (pos, key, grow, n), ok in zip(staged, committed):
-            if ok:
-                written += n
-            else:
+        for (pos, key, grow, _), ok in zip(staged, committed):
+            if not ok:
                 self._unreserve(key, grow, sizes[pos] or 0)
                 sizes[pos] = None
         self.counters.blocks_written += sum(1 for s in sizes if s is not None)
-        self.counters.bytes_written += written
+        self.counters.bytes_written += sum(n for pos, _, _, n in staged if sizes[pos] is not None)
         if self.follower is not None:
             self._followed_writes([key for key, size in zip(keys, sizes) if size is not None])
         return sizes
