@@ -52,7 +52,7 @@ def test_no_wake_up_is_lost_between_a_wait_and_a_set() -> None:
     for _ in range(300):
         s = Signal()
         got: list[bool] = []
-        t = threading.Thread(target=lambda: got.append(s.wait(10)))
+        t = threading.Thread(target=lambda s=s, got=got: got.append(s.wait(10)))
         t.start()
         s.set()
         t.join(10)
