@@ -153,11 +153,12 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._psize = 4096
         self._pid = 0
         self._write_lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # a commit's sync (run outside the write lock) and the close
         self._holder: HolderLock | None = None
         self._reader: JobReader | None = None
         self._straight: StraightRead | None = None  # warm jobs of an unkeyed store (read_blocks)
         self._listed: list[RecordInfo] | RecordColumns | None = None
-        self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs)
+        self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs, self._sync_jobs)
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
@@ -381,7 +382,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
 
     async def aclose(self) -> None:
         await super().aclose()
-        with self._write_lock:
+        with self._write_lock, self._sync_lock:
             self._close_env()
             holder, self._holder = self._holder, None
             if holder is not None:

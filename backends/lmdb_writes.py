@@ -26,6 +26,7 @@ from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
 from kvtier.errors import BackendError, DiskError
+from kvtier.keys import check_keys
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
@@ -50,6 +51,7 @@ class LmdbWrites(PersistentRecordBackend):
     _meta: Any
     _listed: Any
     _write_lock: threading.Lock
+    _sync_lock: threading.Lock
     _commits: GroupCommit[list[Record], list[int | None]]
     _reader: JobReader | None
 
@@ -83,29 +85,41 @@ class LmdbWrites(PersistentRecordBackend):
         return sizes
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
-        """Put every record of ``jobs`` in one write transaction, then (durable) one
-        ``env.sync``: a job of small records costs one durable commit instead of one per record,
-        and jobs that waited together share it. If the transaction fails on a full map (or
-        another error confined to a put), it is aborted and the records are put one per
-        transaction instead, so the failure is confined to the keys that do not fit."""
+        """Put every record of ``jobs`` in one write transaction: a job of small records costs
+        one durable commit instead of one per record, and jobs that waited together share it.
+        If the transaction fails on a full map (or another error confined to a put), it is
+        aborted and the records are put one per transaction instead, so the failure is confined
+        to the keys that do not fit. Durable, each commit syncs its data pages before it writes
+        its meta page; :meth:`_sync_jobs` then syncs that page."""
         with self._write_lock:
             env = self._env
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
             try:
-                sizes = self._put_together(env, jobs)
+                return self._put_together(env, jobs)
             except _PUT_FAILED as exc:
                 log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
-                sizes = self._put_each(env, jobs)
+                return self._put_each(env, jobs)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
-            if self.sync_mode == "durable" and any(s is not None for job in sizes for s in job):
-                try:
-                    env.sync(True)
-                except lmdb.Error as exc:
-                    raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
-        return sizes
+
+    def _sync_jobs(self, sizes: list[list[int | None]]) -> None:
+        """Durable: one ``env.sync`` after a group's commit, for its meta page (``metasync``
+        is off), outside the write lock: the next group's transaction goes on meanwhile, as a
+        raw writer's would (LMDB never overwrites the pages of the last two meta pages'
+        transactions, and a commit's data sync comes before its meta page, so the meta page on
+        disk always points at synced data). The group's writes return once it is done."""
+        if self.sync_mode != "durable" or all(s is None for job in sizes for s in job):
+            return
+        with self._sync_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} was closed before the write was synced")
+            try:
+                env.sync(True)
+            except lmdb.Error as exc:
+                raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
 
     def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
         stamp = time.time()
@@ -170,6 +184,7 @@ class LmdbWrites(PersistentRecordBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._env_or_raise()
+        check_keys(keys)  # every key before any is deleted
         self._delete(list(keys))
 
     def _delete(self, keys: list[bytes]) -> None:
