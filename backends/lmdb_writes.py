@@ -26,6 +26,7 @@ from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
 from kvtier.errors import BackendError, DiskError
+from kvtier.keys import check_keys
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
@@ -192,6 +193,7 @@ class LmdbWrites(PersistentRecordBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._env_or_raise()
+        check_keys(keys)  # every key before any is deleted
         self._delete(list(keys))
 
     def _delete(self, keys: list[bytes]) -> None:
