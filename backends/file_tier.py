@@ -84,6 +84,7 @@ from kvtier.backends.tag_log import DirectoryTags
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
+from kvtier.keys import check_keys
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.records.format import (
@@ -465,6 +466,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
+        check_keys(keys)  # every key before any is deleted
         gone = []
         for key in keys:
             removed = self._unlink_record(self._root, key, self.store_layout)

@@ -229,3 +229,24 @@ def test_host_index_is_the_index_torch_tensor_makes(values: list[int]) -> None:
     del values  # the index holds its own buffer
     gc.collect()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", ROWS, ids=str)
+def test_a_jobs_own_checked_copy_moves_what_the_checked_call_moves(rows: list[int]) -> None:
+    """``checked=True`` (a transfer job's own gather and scatter, ids checked at submit) skips
+    the checks only: the same bytes into the same rows and blocks as the checking call."""
+    caches = _caches(7)
+    a = KVLayout([c.clone() for c in caches], strategy="index")
+    b = KVLayout([c.clone() for c in caches], strategy="index")
+    ids = [9, 2, 11, 5][: len(rows)]
+    pools = [torch.zeros((8, a.block_bytes), dtype=torch.uint8) for _ in range(2)]
+    a.gather(list(ids), pools[0], rows, kept=True, checked=True)
+    b.gather(ids, pools[1], rows, kept=True)
+    assert torch.equal(pools[0], pools[1]) and pools[0].any()
+    dst = [0, 3, 6, 10][: len(rows)]
+    a.scatter(pools[0], rows, list(dst), kept=True, checked=True)
+    b.scatter(pools[1], rows, dst, kept=True)
+    for x, y, orig in zip(a.kv_caches, b.kv_caches, caches):
+        assert torch.equal(x, y) and torch.equal(x[dst], orig[ids])
+    with pytest.raises(kvtier.errors.LayoutError):  # not a job's own list: checked as ever
+        a.gather((99,) * len(rows), pools[0], rows, checked=True)

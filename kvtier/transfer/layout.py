@@ -256,15 +256,19 @@ class KVLayout:
         *,
         non_blocking: bool = False,
         kept: bool = False,
+        checked: bool = False,
     ) -> None:
         """Copy the blocks made of engine ``block_ids`` (``n`` per block) into ``pool[rows]``.
 
         On a device the copies are queued on the current stream (``staged``: that stream
         waits for them); ``non_blocking=False`` then waits for the stream. ``kept``: ``pool``
         lives as long as this layout (a memory tier's pool, the engine's staging), so the
-        views of it a copy needs are made once and kept."""
-        ids = self.check_block_ids(block_ids, len(rows))
-        self._check_pool(pool, rows)
+        views of it a copy needs are made once and kept. ``checked``: a transfer job's own
+        call, whose ``block_ids`` (a list) passed :meth:`check_block_ids` at submit and whose
+        rows a tier of this layout handed out, so neither is checked again."""
+        ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
+        if not checked:
+            self._check_pool(pool, rows)
         if not rows:
             return
         pick = self._pick(pool)
@@ -286,11 +290,13 @@ class KVLayout:
         *,
         non_blocking: bool = False,
         kept: bool = False,
+        checked: bool = False,
     ) -> None:
         """Copy ``pool[rows]`` into the engine blocks ``block_ids`` (``n`` per block);
-        ``kept`` as for :meth:`gather`."""
-        ids = self.check_block_ids(block_ids, len(rows))
-        self._check_pool(pool, rows)
+        ``kept`` and ``checked`` as for :meth:`gather`."""
+        ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
+        if not checked:
+            self._check_pool(pool, rows)
         if not rows:
             return
         pick = self._pick(pool)
