@@ -6,7 +6,6 @@ behind it, a crash after an open); in both layouts."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 from pathlib import Path
 from typing import Any
