@@ -92,7 +92,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
-from kvtier.backends.lmdb_one import OneRead
+from kvtier.backends.lmdb_one import StraightRead
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
@@ -156,7 +156,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._sync_lock = threading.Lock()  # a commit's sync (run outside the write lock) and the close
         self._holder: HolderLock | None = None
         self._reader: JobReader | None = None
-        self._one: OneRead | None = None  # jobs of one key of an unkeyed store (read_blocks)
+        self._straight: StraightRead | None = None  # warm jobs of an unkeyed store (read_blocks)
         self._listed: list[RecordInfo] | RecordColumns | None = None
         self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs, self._sync_jobs)
 
@@ -258,7 +258,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             )
             reader = self._reader
             if self.mac is None and reader.views is not None and reader.guard is not None:
-                self._one = OneRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters)
+                self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters)
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
         self._listed = columns
@@ -373,7 +373,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._try_open(fmt)
 
     def _close_env(self) -> None:
-        self._one = None
+        self._straight = None
         env, self._env = self._env, None
         if env is not None:
             env.close()
@@ -422,11 +422,16 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
         and is a miss; bad records are deleted, so the manager drops them and nobody is offered
         them again."""
-        one = self._one
-        if one is not None and len(keys) == 1 and len(out) == 1 and lmdb_one.ONE_RECORD_READS and not self._closed:
-            found = one.read(self._env, keys[0], out[0])  # None: the general path's (OneRead)
-            if found is not None:
-                return [found]
+        straight = self._straight
+        if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
+            if len(keys) == 1 and len(out) == 1:
+                hit = straight.one(self._env, keys[0], out[0])
+                if hit is not None:
+                    return [hit]
+            else:
+                found = straight.job(self._env, keys, out)
+                if found is not None:
+                    return found
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None

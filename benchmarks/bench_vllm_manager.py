@@ -18,17 +18,16 @@ The lookups are timed as a scheduler makes them: vLLM's ``lookup(key, req_contex
 directly, kvtier's ``lookup_key(key)`` (its call for one key as it is; ``lookup((key,))``, with
 the one-key tuple built in the timed loop as the caller must, is timed too: ``tuple_form``). A
 scheduler asks for the keys of a request it has just keyed: fresh objects, recently made, equal
-to a stored key but not the same object, their hash not yet computed. Each side's slice
-therefore runs on fresh copies of its keys made just before it. kvtier's call, the tuple form
-and the floors are each timed in a pass of their own against vLLM, on keys no other pass
-probes, and all on the manager's one index: so no side finds its keys, or the stored ones, in
-the cache warmed by another, or its hashes cached, and the dictionary each probes was built as
-the manager's was (a dict built apart can run 20-30% faster or slower for where it lies). The lookups also time, in the same slices and
-the same way, the floor of any single-key lookup written in Python (a function that probes one
-plain dict of the same keys, no check, no counter): ``floor_speedup_range`` is the speedup over
-vLLM that floor itself reaches; and that floor with what the manager's contract adds to it (a
-hit or miss counter, and on a miss the key's type and length check, so that a malformed key is
-an error, not a miss): ``checked_floor_speedup_range``.
+to a stored key but not the same object, their hash not yet computed, so each side's slice runs
+on fresh copies of its keys made just before it. Also timed: the floor of any single-key lookup
+written in Python (a function that probes one dict, no check, no counter; ``floor``), and that
+floor with what the manager's contract adds to it (a hit or miss counter, and on a miss the
+key's type and length check, so that a malformed key is an error, not a miss;
+``checked_floor``). kvtier's call, the tuple form and the two floors are each timed in a pass of
+their own, alternating with vLLM, on keys no other pass probes, all on the manager's one index:
+a side that follows another on the same keys finds the stored ones in the cache (30-40%
+faster), and a dict built apart can run 20-30% faster or slower for where it lies. Each prints
+its speedup over the vLLM of its own pass (``<name>_speedup_range``).
 """
 
 from __future__ import annotations

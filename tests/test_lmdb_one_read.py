@@ -1,4 +1,4 @@
-"""The ``lmdb`` tier's straight line for a job of one key (``lmdb_one.OneRead``) against the
+"""The ``lmdb`` tier's straight line for a job of one key (``lmdb_one.StraightRead.one``) against the
 general path (``JobReader.read_job``): the same bytes, the same misses, the same records
 dropped, the same counters and the same errors, whatever the record or the argument."""
 
@@ -70,7 +70,7 @@ _STATS = ("blocks_read", "bytes_read", "read_misses", "corrupt_records", "delete
 def _read_one_by_one(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], set[bytes], list[int]]:
     """Each key read as a job of its own, into a row of its own that a job read before
     (a row seen for the first time is the general path's: its view is made there)."""
-    monkeypatch.setattr(lmdb_one, "ONE_RECORD_READS", fast)
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
     general: list[int] = []
     real = _READ_JOB
 
@@ -170,7 +170,7 @@ def test_rows_the_straight_line_does_not_take_are_read_by_the_general_path(tmp_p
                 row.zero_()
                 assert backend.read_blocks([key], [row]) == [True] and torch.equal(row, block)
                 assert len(general) == jobs
-            assert bool(options) == (backend._one is None)  # type: ignore[attr-defined]
+            assert bool(options) == (backend._straight is None)  # type: ignore[attr-defined]
         finally:
             asyncio.run(backend.aclose())
 
@@ -219,7 +219,7 @@ def test_a_slow_one_record_lookup_makes_the_next_job_cold_as_the_general_path_do
         temperature = backend._reader.temperature  # type: ignore[attr-defined]
         row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
         for fast in (True, False):
-            monkeypatch.setattr(lmdb_one, "ONE_RECORD_READS", fast)
+            monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
             temperature.cold = False
             slow_key.clear()
             assert backend.read_blocks([keys[0]], [row]) == [True]
@@ -322,7 +322,7 @@ keys = [make_key(i) for i in range(4)]
 backend.write_blocks(keys, [random_block(fmt.block_bytes, i) for i in range(4)])
 row = torch.zeros(fmt.block_bytes, dtype=torch.uint8)
 assert backend.read_blocks(keys[3:], [row]) == [True]
-assert backend._one.read(backend._env, keys[3], row) is True  # the straight line takes the job
+assert backend._straight.one(backend._env, keys[3], row) is True  # the straight line takes the job
 data = os.path.join(sys.argv[1], "data.mdb")
 os.truncate(data, os.path.getsize(data) // 2)
 print("cut", flush=True)
@@ -342,3 +342,198 @@ def test_a_one_record_job_of_a_data_file_cut_short_is_refused(tmp_path: Path) ->
     child = subprocess.run([sys.executable, "-c", _CUT, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
     print(child.stdout, child.stderr[-2000:])
     assert child.returncode == 0 and "refused" in child.stdout and "shorter than" in child.stdout
+
+
+# -- jobs of several keys (StraightRead.job) ---------------------------------------------------
+
+_JOBS = [(0, 1, 4, 7), (7, 2, 0), (3, 4), (4, 5, 0), (6, 7), (0, 1, 2, 3, 4, 5, 6, 7), (4, 7, 0)]
+
+
+def _read_jobs(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list[list[bool]], list[list[torch.Tensor]], dict[str, Any], set[bytes], list[int]]:
+    """The jobs of ``_JOBS`` read in turn, each into rows of its own that a job read before."""
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
+    general: list[int] = []
+
+    def counted(self: Any, env: Any, keys: Any, *args: Any) -> Any:
+        general.append(len(keys))
+        return _READ_JOB(self, env, keys, *args)
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", counted)
+    backend = _open(path)
+    rows = [[torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in job] for job in _JOBS]
+    try:
+        for job_rows in rows:  # the rows' first job: key 0, sound
+            assert backend.read_blocks([keys[0]] * len(job_rows), job_rows) == [True] * len(job_rows)
+            for row in job_rows:
+                row.fill_(7)
+        before = {k: v for k, v in backend.stats().items() if k in _STATS}
+        general.clear()
+        found = [backend.read_blocks([keys[i] for i in job], job_rows) for job, job_rows in zip(_JOBS, rows)]
+        stats = {k: v - before[k] for k, v in backend.stats().items() if k in _STATS}
+        listed = {r.key for r in backend.scan()}
+    finally:
+        asyncio.run(backend.aclose())
+    return found, rows, stats, listed, general
+
+
+def test_a_warm_job_finds_drops_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, data = _store(tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    general = _read_jobs(tmp_path / "store", keys, monkeypatch, False)
+    fast = _read_jobs(tmp_path / "copy", keys, monkeypatch, True)
+    print(f"general: found {general[0]}, stats {general[2]}; fast: found {fast[0]}, stats {fast[2]}")
+    assert general[0][0] == [True, False, True, True] and general[0][1] == [True, False, True]
+    assert fast[0] == general[0]
+    for job, hits, fast_rows, general_rows in zip(_JOBS, general[0], fast[1], general[1]):
+        for i, hit, f, g in zip(job, hits, fast_rows, general_rows):
+            if hit:
+                assert torch.equal(f, data[i]) and torch.equal(g, data[i])
+    assert fast[2] == general[2] and general[2]["corrupt_records"] == 2 and general[2]["deleted"] == 2
+    assert fast[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
+    # The general path read every job; the straight line handed it only the jobs with a record
+    # that is not raw and sound (2, 3, 5, 6) before it was dropped or rewritten: the second to
+    # the fifth. The sixth met keys 2 and 3 dropped already: absent, and its 5 and 6 are not raw.
+    assert general[4] == [len(job) for job in _JOBS]
+    assert fast[4] == [3, 2, 3, 2, 8]
+
+
+def test_a_bad_warm_job_is_refused_by_name_as_the_general_path_refuses_it(tmp_path: Path) -> None:
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    try:
+        backend.write_blocks(keys, [random_block(FMT.block_bytes, 60 + i) for i in range(3)])
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 3  # the rows are seen: the straight line is warm
+        for row in rows:
+            row.zero_()
+        for what, job, job_rows, error in [
+            ("a short key", [keys[0], keys[1][:31], keys[2]], rows, InvalidKeyError),
+            ("a str key", [keys[0], "k" * 32, keys[2]], rows, InvalidKeyError),
+            ("fewer rows", keys, rows[:2], LayoutError),
+            ("a short row", keys, [rows[0], rows[1][:100], rows[2]], LayoutError),
+            ("a 2-D row", keys, [rows[0], rows[1].view(2, -1), rows[2]], LayoutError),
+        ]:
+            with pytest.raises(error) as raised:
+                backend.read_blocks(job, job_rows)
+            print(what, "->", raised.value)
+            assert "blocks[1]" in str(raised.value) or "keys[1]" in str(raised.value) or what == "fewer rows"
+            assert all(int(r.count_nonzero()) == 0 for r in rows), what
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_slow_warm_job_makes_the_next_job_cold_and_a_cold_or_large_job_is_the_general_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that took ``COLD_GET_S`` and read from disk is read on by the straight line and
+    makes the reader cold; the next job (cold) and a job of ``SIDE_MIN_BYTES`` or more are
+    the job reader's."""
+    keys = [make_key(i) for i in range(4)]
+    backend = _open(tmp_path / "store")
+    clock = [0.0]
+    slow_lookups_read_the_disk(monkeypatch, thread=False)
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(lmdb_one, "perf_counter", lambda: clock[0])
+    general: list[int] = []
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(len(keys)) or _READ_JOB(self, env, keys, *a))
+    env = backend._env  # type: ignore[attr-defined]
+    real_begin = lmdb.Environment.begin
+    slow_key = keys[1]
+
+    class Env:
+        """The store's environment, whose lookups of ``slow_key`` advance the clock."""
+
+        def begin(self, **kw: Any) -> Any:
+            txn = real_begin(env, **kw)
+
+            class Txn:
+                def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+                    if key == slow_key:
+                        clock[0] += 2 * lmdb_layout.COLD_GET_S
+                    return txn.get(key, default, db=db)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(txn, name)
+
+            return Txn()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+    try:
+        data = [random_block(FMT.block_bytes, 80 + i) for i in range(4)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 4  # the rows are seen
+        general.clear()
+        backend._env = Env()  # type: ignore[attr-defined]
+        temperature = backend._reader.temperature  # type: ignore[attr-defined]
+        assert not temperature.cold
+        for row in rows:
+            row.zero_()
+        assert backend.read_blocks(keys, rows) == [True] * 4
+        assert general == [] and temperature.cold and temperature.readers == 0  # read on by the straight line
+        assert all(torch.equal(r, d) for r, d in zip(rows, data))
+        slow_key = b""
+        assert backend.read_blocks(keys, rows) == [True] * 4
+        assert general == [4] and not temperature.cold  # read cold by the job reader, which found it warm
+        assert backend.read_blocks(keys, rows) == [True] * 4
+        assert general == [4]  # warm again: the straight line's
+        big = backend._straight.most  # type: ignore[attr-defined]
+        assert big == -(-lmdb_one.SIDE_MIN_BYTES // FMT.block_bytes)
+        many = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(big)]
+        for _ in range(2):  # (the first time, rows not seen)
+            assert backend.read_blocks([keys[0]] * big, many) == [True] * big
+        assert general == [4, big, big]
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("error", [lmdb.CorruptedError, lmdb.MapResizedError])
+def test_an_lmdb_error_in_a_warm_job_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: type[lmdb.Error]) -> None:
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    env = backend._env  # type: ignore[attr-defined]
+    failed: list[bytes] = []
+
+    class Env:
+        def begin(self, **kw: Any) -> Any:
+            txn = env.begin(**kw)
+            if not kw.get("buffers"):
+                return txn
+
+            class Txn:
+                def get(self, key: bytes, *a: Any, **k: Any) -> Any:
+                    if key == keys[1] and len(failed) < 2:
+                        failed.append(key)
+                        raise error("injected")
+                    return txn.get(key, *a, **k)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(txn, name)
+
+            return Txn()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+    try:
+        data = [random_block(FMT.block_bytes, 90 + i) for i in range(3)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 3
+        for row in rows:
+            row.zero_()
+        backend._env = Env()  # type: ignore[attr-defined]
+        assert backend.read_blocks(keys, rows) == [True, False, True]
+        assert failed == [keys[1]] * 2  # once in the straight line, once in the general path
+        backend._env = env  # type: ignore[attr-defined]
+        assert torch.equal(rows[0], data[0]) and torch.equal(rows[2], data[2])
+        dropped = error is lmdb.CorruptedError
+        assert (keys[1] in {r.key for r in backend.scan()}) is not dropped
+        stats = backend.stats()
+        assert stats["deleted"] == (1 if dropped else 0) and stats["blocks_read"] == 5 and stats["read_misses"] == 1
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
