@@ -52,6 +52,7 @@ class GroupCommit(Generic[B, R]):
         self._cond = threading.Condition(threading.Lock())
         self._waiting: list[_Ticket[B, R]] = []
         self._busy = False  # a leader is committing
+        self._sleepers = 0  # callers waiting on the condition
         self.groups = 0
         self.batches = 0
 
@@ -61,7 +62,11 @@ class GroupCommit(Generic[B, R]):
         with self._cond:
             self._waiting.append(ticket)
             while not ticket.done and (self._busy or ticket.taken):
-                self._cond.wait()
+                self._sleepers += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._sleepers -= 1
             lead = not ticket.done
             if lead:  # no commit runs and this batch waits: lead a group of every waiting batch
                 self._busy = True
@@ -103,9 +108,13 @@ class GroupCommit(Generic[B, R]):
             self.batches += len(group)
             if settle is None:
                 self._busy = False
-            self._cond.notify_all()
+            self._wake()
 
     def _release(self) -> None:
         with self._cond:
             self._busy = False
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._sleepers:  # (Condition.notify_all costs a lone caller more than its lock)
             self._cond.notify_all()

@@ -62,12 +62,15 @@ class LmdbWrites(PersistentRecordBackend):
         def _pages(self, record_bytes: int) -> int: ...
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        size = self._check_io(keys, blocks)
-        self._env_or_raise()
-        views = None
         reader = self._reader
-        if self.mac is None and self.codec.codec_id == NoneCodec.codec_id and reader is not None:
-            views = host_rows(blocks, size)
+        plain = reader is not None and self.mac is None and self.codec.codec_id == NoneCodec.codec_id
+        # Plain jobs of host rows: the job's checks and its rows' views in one loop (RowViews,
+        # as reads do); other rows of plain jobs get views one by one (host_rows).
+        views = reader.views.of(keys, blocks) if plain and reader is not None and reader.views is not None else None
+        if views is None:
+            size = self._check_io(keys, blocks)
+            views = host_rows(blocks, size) if plain else None
+        self._env_or_raise()
         if views is not None and reader is not None:
             # Plain records: encoded here, in one tight loop (lmdb_plain). (The general encoder's
             # side thread gains nothing here: the whole job is encoded before its commit.)
@@ -79,9 +82,9 @@ class LmdbWrites(PersistentRecordBackend):
             with self._encoded(keys, blocks) as records:
                 job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
         sizes = self._commits.submit(job)
-        done = [(k, h, p) for (k, h, p), s in zip(job, sizes) if s is not None]
-        self.counters.blocks_written += len(done)
-        self.counters.bytes_written += sum(len(h) + len(p) for _, h, p in done)
+        written = [len(h) + len(p) for (_, h, p), s in zip(job, sizes) if s is not None]
+        self.counters.blocks_written += len(written)
+        self.counters.bytes_written += sum(written)
         return sizes
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
@@ -124,13 +127,19 @@ class LmdbWrites(PersistentRecordBackend):
     def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
         stamp = time.time()
         sizes: list[list[int | None]] = []
+        blocks, index, pages = self._blocks, self._index, self._pages
+        length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
         with env.begin(write=True) as txn:
+            put = txn.put
             for job in jobs:
                 job_sizes: list[int | None] = []
                 for key, head, payload in job:
-                    stored = self._pages(len(head) + len(payload))
-                    txn.put(key, payload, db=self._blocks)
-                    txn.put(key, index_entry(stamp, stored, head), db=self._index)
+                    if len(head) + len(payload) != length:  # (a job's records are mostly of one length)
+                        length = len(head) + len(payload)
+                        stored = pages(length)
+                        entry = index_entry(stamp, stored)
+                    put(key, payload, db=blocks)
+                    put(key, entry + head, db=index)
                     job_sizes.append(stored)
                 sizes.append(job_sizes)
         return sizes
