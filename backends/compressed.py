@@ -25,6 +25,7 @@ import torch
 
 from kvtier.backend import BlockFormat
 from kvtier.errors import CorruptBlockError
+from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import HEADER_SIZE, RecordBackend, decode_record
 
@@ -127,6 +128,7 @@ class CompressedBackend(RecordBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
+        check_keys(keys)  # every key before any is deleted
         with self._lock:
             for key in keys:
                 record = self._records.pop(key, None)

@@ -41,20 +41,23 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.errors import DiskError
-from kvtier.records.checks import ProcessThreads
+from kvtier.records.checks import HeadChecksum, ProcessThreads
 
-__all__ = ["SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "sync_pool", "write_all"]
+__all__ = ["SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "plain_records", "sync_pool", "write_all"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_SUM = struct.Struct("<Q")
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
 #: Threads that run a commit's syncs side by side (process-wide, shared by every file tier).
 SYNC_THREADS = 16
 #: The name prefix of those threads (they outlive every store).
@@ -93,8 +96,19 @@ def _caught(sync: Callable[[T], None], item: T) -> OSError | None:
     return None
 
 
-def write_all(fd: int, buffers: Sequence[Any]) -> None:
-    """``pwritev`` until every byte is written (a short write is legal for large buffers)."""
+def plain_records(checksum: HeadChecksum, keys: Sequence[bytes], rows: Sequence[Any]) -> list[tuple[bytes, Any]]:
+    """``(header, payload)`` of each block (``rows``: its bytes) as ``encode_record`` makes them
+    for a block neither compressed nor keyed: the store's one header but for the checksum, which
+    goes on from ``checksum``'s state after that header (one hash state per store)."""
+    head, pack = checksum.head, _SUM.pack
+    return [(head + pack(checksum(key, row)), row) for key, row in zip(keys, rows)]
+
+
+def write_all(fd: int, buffers: Sequence[Any], nbytes: int | None = None) -> None:
+    """``pwritev`` until every byte is written (a short write is legal for large buffers).
+    ``nbytes``: their total, when the caller knows it (one ``pwritev`` then usually does)."""
+    if nbytes is not None and os.pwritev(fd, buffers, 0) == nbytes:
+        return
     views = [memoryview(b).cast("B") for b in buffers]
     offset = 0
     while views:
@@ -130,12 +144,13 @@ class FileJob:
     dirs: dict[str, int] = field(default_factory=dict)
     parents: set[str] = field(default_factory=set)
 
-    def stage(self, shard: str, tmp: str, name: str, buffers: Sequence[Any]) -> None:
-        """Write ``buffers`` to ``tmp`` in ``shard``'s directory; ``OSError`` leaves nothing behind."""
+    def stage(self, shard: str, tmp: str, name: str, buffers: Sequence[Any], nbytes: int | None = None) -> None:
+        """Write ``buffers`` (``nbytes`` in all, if known) to ``tmp`` in ``shard``'s directory;
+        ``OSError`` leaves nothing behind."""
         dir_fd = self.dirs[shard]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
         try:
-            write_all(fd, buffers)
+            write_all(fd, buffers, nbytes)
         except BaseException:
             os.close(fd)
             _unlink(tmp, dir_fd)
@@ -169,19 +184,21 @@ def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
     that cannot be synced is a ``DiskError`` (its renames may not survive a power loss)."""
     files = [f for job in jobs for f in job.files]
     failed: set[int] = set()
-    errors = _side_by_side(lambda f: os.fdatasync(f.fd), files) if durable else [None] * len(files)
-    for f, error in zip(files, errors):
-        if error is not None:
-            log.warning("file: sync of %s failed: %s", f.tmp, error)
+    errors = _side_by_side(_sync_file, files) if durable else None
+    for i, f in enumerate(files):
+        if errors is not None and errors[i] is not None:
+            log.warning("file: sync of %s failed: %s", f.tmp, errors[i])
             failed.add(id(f))
         os.close(f.fd)
         f.fd = -1
+    renamed: set[str] = set()  # shards a record was renamed in
     for f in files:
         if id(f) in failed:
             continue
         try:
             os.replace(f.tmp, f.name, src_dir_fd=f.dir_fd, dst_dir_fd=f.dir_fd)
             f.renamed = True
+            renamed.add(f.shard)
         except OSError as exc:
             log.warning("file: rename of %s failed: %s", f.tmp, exc)
             failed.add(id(f))
@@ -189,14 +206,18 @@ def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
         dirs: dict[str, int | str] = {}  # shard -> its descriptor; parent path -> itself
         for job in jobs:
             for shard, fd in job.dirs.items():
-                if shard not in dirs and any(f.renamed and f.shard == shard for f in job.files):
-                    dirs[shard] = fd
+                if shard in renamed:
+                    dirs.setdefault(shard, fd)
         for path in sorted({p for job in jobs for p in job.parents}):
             dirs[path] = path
         for error in _side_by_side(_sync_dir, list(dirs.values())):
             if error is not None:
                 raise DiskError(f"file: cannot sync directory entries: {error}") from error
     return [[id(f) not in failed for f in job.files] for job in jobs]
+
+
+def _sync_file(f: StagedFile) -> None:
+    os.fdatasync(f.fd)
 
 
 def _sync_dir(where: int | str) -> None:

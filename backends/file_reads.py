@@ -22,6 +22,13 @@ record takes. :class:`PlainReads` does the common case in three:
   store's block size and dtype holds there, and the row's XXH3 going on from that head's,
   hashed once (:class:`~kvtier.records.checks.HeadChecksum`).
 
+A job of one record (:meth:`PlainReads.read_one`) is the same read as one straight line from
+the call: the key's and row's checks in one expression (one dimension and ``nbytes`` for the
+shape), the row's view kept by address from an earlier job, one spare byte shared by every
+read (its content is never looked at), the sum inlined and the counters bumped in place. A 4
+KiB record took 9.5 µs through the job's loop, against 8.4 for a raw ``open``/``preadv``/``close``
+by path; now 7.4.
+
 Whatever is not that case (an ``openat2`` error other than an absent file, a length or a head
 that differs, a checksum that fails, a row that is not one run of host memory) is left to the general
 read, which reads it again and decides: its outcome, errors and deletions are the general
@@ -41,6 +48,7 @@ from typing import Any
 import torch
 
 from kvtier import devices
+from kvtier.backend import BackendCounters
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.format import HEADER_SIZE
 from kvtier.records.record import CHECKED
@@ -56,6 +64,10 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _FLAT_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW
 _SUM = struct.Struct("<Q")  # the checksum, the header's last field
+_U8 = torch.uint8
+#: The spare byte after a row: a record of the right length never reaches it, a longer one
+#: writes there and is refused by its length; its content is never read, so reads share it.
+_SPARE = bytearray(1)
 
 
 class _OpenHow(ctypes.Structure):
@@ -118,12 +130,64 @@ class PlainReads:
     checksum, known here once. ``flat``: the records are in the root itself, not in ``ab/cd/``
     shard directories."""
 
-    def __init__(self, root: BeneathRoot, *, flat: bool, block_bytes: int, dtype_code: int) -> None:
+    def __init__(self, root: BeneathRoot, *, flat: bool, block_bytes: int, dtype_code: int, views: dict[int, memoryview]) -> None:
         self.root = root
+        self.views = views  # the rows' views by address (RowViews.views), for jobs of one record
         self.flat = flat
         self.block_bytes = block_bytes
         self.checksum = HeadChecksum.plain(block_bytes, dtype_code)
         self._row = ctypes.c_char * block_bytes
+
+    def read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
+        """A job of one record, in one straight line: ``True`` when the record was read into
+        ``row`` and checked, ``False`` when it is absent (a miss), each counted in
+        ``counters``; ``None`` for anything the job's general path is to take (a key or row it
+        must check and refuse by name, a row whose view is not kept in :attr:`views` yet, a
+        record this pass does not serve), counted there.
+
+        The row is checked as :meth:`RowViews.of <kvtier.backends.lmdb_plain.RowViews.of>`
+        checks a job's, with the cheaper equivalents of its shape check (one dimension and
+        ``nbytes``: 0.2 µs where comparing ``shape`` took 0.5)."""
+        size = self.block_bytes
+        if (
+            type(key) is not bytes or len(key) != 32 or row.dtype is not _U8 or row.nbytes != size or row.dim() != 1
+            or not row.is_cpu or not row.is_contiguous() or devices.locate is not None
+        ):
+            return None
+        view = self.views.get(row.data_ptr())
+        if view is None:
+            return None
+        name = key.hex()
+        root = self.root
+        try:
+            if self.flat:
+                fd = os.open(f"{name}.kvb", _FLAT_FLAGS, dir_fd=root.fd)
+            elif root.usable:
+                fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
+            else:
+                return None
+        except FileNotFoundError:
+            counters.read_misses += 1
+            return False
+        except OSError:
+            return None
+        head = bytearray(HEADER_SIZE)
+        try:
+            n = os.preadv(fd, [head, view, _SPARE], 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if n != HEADER_SIZE + size or not head.startswith(self.checksum.head):
+            return None
+        h = self.checksum.prefix.copy()
+        h.update(key)
+        h.update(view)
+        if h.intdigest() != _SUM.unpack_from(head, CHECKED)[0]:
+            return None
+        counters.blocks_read += 1
+        counters.bytes_read += size
+        return True
 
     def read(
         self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], rows: Sequence[memoryview] | None = None

@@ -41,7 +41,9 @@ Contract and choices:
   more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
   bad record is deleted (if it is still the same inode), counted, and reported as a miss.
 * Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so the listing at open
-  (``scan_columns``, or ``scan()``) restores the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
+  (``scan_columns``, or ``scan()``) restores the eviction order after a restart; after a clean close
+  that listing comes from the table of records the close saved, without a ``stat`` per record,
+  when the table names exactly the records there (:mod:`kvtier.backends.file_table`). An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
   unreadable meta record (bad checksum, truncated, or an unknown meta version) is moved aside
   with a warning and rewritten, as the ``lmdb`` tier moves a damaged environment aside.
@@ -55,6 +57,7 @@ file, and only the deletion writes (it unlinks the named records).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -68,11 +71,12 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 from kvtier.backends.feed_follower import FollowedTier
-from kvtier.backends.file_commit import FileJob, commit_files
+from kvtier.backends.file_commit import FileJob, commit_files, plain_records
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
+from kvtier.backends.file_table import TABLE_NAME, open_listing, save_table
 from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.lmdb_plain import RowViews
 from kvtier.backends.tag_log import DirectoryTags
@@ -80,6 +84,7 @@ from kvtier.backends.tag_log import DirectoryTags
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
+from kvtier.keys import check_keys
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.records.format import (
@@ -90,6 +95,7 @@ from kvtier.records.format import (
     parse_header,
     verify_payload,
 )
+from kvtier.records.mac import RecordMac
 
 __all__ = ["FileBackend", "STALE_TEMP_SECONDS"]
 
@@ -101,6 +107,11 @@ _FS_BLOCK = 4096  # stored sizes are rounded to the usual filesystem block
 PLAIN_READS = True
 
 
+def _stored_bytes(record_bytes: Any) -> Any:
+    """Bytes a record of ``record_bytes`` (an ``int``, or an array of them) takes on disk."""
+    return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
+
+
 def _read_exact(fd: int, view: memoryview, offset: int) -> None:
     filled = 0
     while filled < len(view):
@@ -108,6 +119,21 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         if n <= 0:
             raise CorruptBlockError(f"record truncated: {filled} of {len(view)} payload bytes")
         filled += n
+
+
+def _read_head(fd: int, out: memoryview, mac: RecordMac | None) -> tuple[bytes, RecordHeader]:
+    """The record's head (header, and the tag of a keyed record), parsed and checked against
+    the file's size before anything is allocated."""
+    available = os.fstat(fd).st_size
+    head = os.pread(fd, HEAD_MAX, 0)
+    return head, parse_header(head, raw_length=len(out), available=available, mac=mac)
+
+
+def _read_compressed(fd: int, key: bytes, head: bytes, header: RecordHeader, out: memoryview, mac: RecordMac | None) -> None:
+    payload = bytearray(header.stored_length)  # <= raw length, checked by parse_header
+    _read_exact(fd, memoryview(payload), header.payload_offset)
+    verify_payload(key, head, header, payload, mac=mac)
+    codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
 
 
 def _settle(dst: torch.Tensor, staging: torch.Tensor | None) -> bool:
@@ -185,13 +211,16 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
                     feed=FileFeed(self._root), sweep_interval_s=self.sweep_interval_s,
                 )
-            with paused_gc():
-                self._listed = listed = self._walk(sweep=True)
-                self._sizes.adopt(listed.keys, listed.stored)
+            with paused_gc():  # a clean close's table of records, else a stat per record (not shared: others write)
+                names = functools.partial(self._record_key_bytes, self._root, sweep_now=time.time(), layout=self.store_layout)
+                walk = functools.partial(self._walk, sweep=True)
+                self._listed = listed = open_listing(self._root, self._sizes, walk=walk, names=names, table=not self.shared)
             self._beneath = BeneathRoot(self._root)
             if self.mac is None:
-                self._plain = PlainReads(self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code())
                 self._views = RowViews(fmt.block_bytes)
+                self._plain = PlainReads(
+                    self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), views=self._views.views
+                )
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable", layout=self.store_layout)
             self._shards.make_top()
         except OSError as exc:
@@ -210,9 +239,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         await super().aclose()
         if self.follower is not None:
             await asyncio.to_thread(self._stop_following)
+        elif self._beneath is not None and not self.shared:  # opened: the table of records for the next open
+            await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, durable=self.sync_mode == "durable", temp=self._temp_name(os.path.join(self._root, TABLE_NAME)))
         with self._lock:
             self._sizes.clear()
             self._listed = None
+            self._plain = None
             beneath, self._beneath = self._beneath, None
         if beneath is not None:
             beneath.close()
@@ -239,10 +271,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         followed, so nothing lands outside the root); ``None`` if it does not exist."""
         return self._leaf_at(self._root, key, layout=self.store_layout)
 
-    @staticmethod
-    def _stored(record_bytes: Any) -> Any:
-        """Bytes a record of ``record_bytes`` (an ``int``, or an array of them) takes on disk."""
-        return -(-record_bytes // _FS_BLOCK) * _FS_BLOCK
+    _stored = staticmethod(_stored_bytes)
 
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
@@ -250,8 +279,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
     # -- bulk I/O --------------------------------------------------------------------------------
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
-        self._check_io(keys, blocks)
-        parts = self._encode(keys, blocks)
+        # Unkeyed, uncompressed jobs of host rows: the job's checks and its rows' views in one
+        # loop, and each record's checksum from the store's one hash state (plain_records).
+        plain = self._plain if self.codec.codec_id == NoneCodec.codec_id else None
+        rows = self._views.of(keys, blocks) if plain is not None and self._views is not None else None
+        self._check_io(keys, blocks) if rows is None else self._check_open()
+        parts = self._encode(keys, blocks) if plain is None or rows is None else plain_records(plain.checksum, keys, rows)
         shards = self._shards
         assert shards is not None
         sizes: list[int | None] = []
@@ -274,7 +307,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 try:
                     if shard not in job.dirs:
                         job.dirs[shard] = shards.open_leaf(key, job.parents)
-                    job.stage(shard, self._temp_name(name), name, (header, payload))
+                    job.stage(shard, self._temp_name(name), name, (header, payload), n)
                 except OSError as exc:
                     log.warning("file: write of %s failed: %s", self._path(key), exc)
                     self._unreserve(key, grow, stored)
@@ -290,15 +323,12 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             raise
         finally:
             job.close()
-        written = 0
-        for (pos, key, grow, n), ok in zip(staged, committed):
-            if ok:
-                written += n
-            else:
+        for (pos, key, grow, _), ok in zip(staged, committed):
+            if not ok:
                 self._unreserve(key, grow, sizes[pos] or 0)
                 sizes[pos] = None
         self.counters.blocks_written += sum(1 for s in sizes if s is not None)
-        self.counters.bytes_written += written
+        self.counters.bytes_written += sum(n for pos, _, _, n in staged if sizes[pos] is not None)
         if self.follower is not None:
             self._followed_writes([key for key, size in zip(keys, sizes) if size is not None])
         return sizes
@@ -315,7 +345,13 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Plain records (no MAC) are read in one pass, three system calls each
         (:class:`~kvtier.backends.file_reads.PlainReads`); the rest by :meth:`_read_each`. Every
-        failure is a miss for its key alone; a bad record is deleted."""
+        failure is a miss for its key alone; a bad record is deleted. A job of one plain
+        record takes :meth:`~kvtier.backends.file_reads.PlainReads.read_one` first."""
+        if len(keys) == 1 and (plain := self._plain) is not None and PLAIN_READS and len(out) == 1:
+            if (hit := plain.read_one(keys[0], out[0], self.counters)) is not None:
+                if self.follower is not None:
+                    self._followed_reads(keys, [hit])
+                return [hit]
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         rows = views.of(keys, out) if (views := self._views) is not None else None
         size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes
@@ -350,14 +386,14 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                 handles.append(handle)
                 view, staging = self._host_view(dst)
                 try:
-                    head, header = self._read_head(handle[2], view)
+                    head, header = _read_head(handle[2], view, self.mac)
                     if header.codec_id == NoneCodec.codec_id:
                         item = RawPayload(key, head, header, None, view)
                         fds[id(item)] = handle[2]
                         raw.append(item)
                         raw_at.append((i, handle, staging))
                         continue
-                    self._read_compressed(handle[2], key, head, header, view)
+                    _read_compressed(handle[2], key, head, header, view, self.mac)
                 except (CorruptBlockError, OSError) as exc:
                     corrupt += self._refuse(key, handle, exc)
                     continue
@@ -396,19 +432,6 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             log.warning("file: cannot open %s: %s", self._path(key), exc)
             return None
 
-    def _read_head(self, fd: int, out: memoryview) -> tuple[bytes, RecordHeader]:
-        """The record's head (header, and the tag of a keyed record), parsed and checked against
-        the file's size before anything is allocated."""
-        available = os.fstat(fd).st_size
-        head = os.pread(fd, HEAD_MAX, 0)
-        return head, parse_header(head, raw_length=len(out), available=available, mac=self.mac)
-
-    def _read_compressed(self, fd: int, key: bytes, head: bytes, header: RecordHeader, out: memoryview) -> None:
-        payload = bytearray(header.stored_length)  # <= raw length, checked by parse_header
-        _read_exact(fd, memoryview(payload), header.payload_offset)
-        verify_payload(key, head, header, payload, mac=self.mac)
-        codec_for_id(header.codec_id).decode_into(memoryview(payload), out, header.itemsize)
-
     def _refuse(self, key: bytes, handle: tuple[int, str, int], exc: Exception) -> int:
         """Log a record that could not be served and drop it if it is bad; 1 if it was corrupt."""
         path = self._path(key)
@@ -443,6 +466,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
+        check_keys(keys)  # every key before any is deleted
         gone = []
         for key in keys:
             removed = self._unlink_record(self._root, key, self.store_layout)
@@ -504,6 +528,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     continue
                 try:
                     os.utime(leaf[1], (float(stamp), float(stamp)), dir_fd=leaf[0], follow_symlinks=False)
+                    with self._lock:
+                        self._sizes.touch(key, float(stamp))
                 finally:
                     os.close(leaf[0])
             except FileNotFoundError:

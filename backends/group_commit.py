@@ -10,6 +10,12 @@ lone caller commits at once, with no hand-off.
 ``commit(batches)`` returns one result per batch, in order. An exception it raises is raised by
 every caller of that group (each batch is reported failed; nothing is acknowledged that was not
 committed). Durability is the committer's: a result means the batch is on stable storage.
+
+A committer whose durability takes a last step that may overlap the next commit (LMDB's meta
+page sync: the next transaction never overwrites what the last durable one points at) passes
+it as ``settle(results)``: the leader runs it after the next group may start its ``commit``, and
+the group's callers return only once it has returned; an exception it raises is raised by every
+caller of that group, as one from ``commit`` is. Settles run one at a time, in commit order.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ R = TypeVar("R")
 
 
 class _Ticket(Generic[B, R]):
-    __slots__ = ("batch", "done", "error", "result")
+    __slots__ = ("batch", "done", "error", "result", "taken")
 
     def __init__(self, batch: B) -> None:
         self.batch = batch
+        self.taken = False  # in a group that a leader commits
         self.done = False
         self.result: R | None = None
         self.error: BaseException | None = None
@@ -38,11 +45,14 @@ class GroupCommit(Generic[B, R]):
     """Commits the batches of callers that wait together with one ``commit`` call (see the
     module doc). ``groups`` and ``batches`` count the commits made and the batches they held."""
 
-    def __init__(self, commit: Callable[[list[B]], list[R]]) -> None:
+    def __init__(self, commit: Callable[[list[B]], list[R]], settle: Callable[[list[R]], None] | None = None) -> None:
         self._commit = commit
+        self._settle = settle
+        self._settling = threading.Lock()  # held from a group's commit to the end of its settle
         self._cond = threading.Condition(threading.Lock())
         self._waiting: list[_Ticket[B, R]] = []
-        self._busy = False
+        self._busy = False  # a leader is committing
+        self._sleepers = 0  # callers waiting on the condition
         self.groups = 0
         self.batches = 0
 
@@ -51,32 +61,60 @@ class GroupCommit(Generic[B, R]):
         ticket: _Ticket[B, R] = _Ticket(batch)
         with self._cond:
             self._waiting.append(ticket)
-            while self._busy and not ticket.done:
-                self._cond.wait()
-            if not ticket.done:
+            while not ticket.done and (self._busy or ticket.taken):
+                self._sleepers += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._sleepers -= 1
+            lead = not ticket.done
+            if lead:  # no commit runs and this batch waits: lead a group of every waiting batch
                 self._busy = True
                 group, self._waiting = self._waiting, []
-        if not ticket.done:
+                for t in group:
+                    t.taken = True
+        if lead:
             self._lead(group)
         if ticket.error is not None:
             raise ticket.error
         return ticket.result  # type: ignore[return-value]
 
     def _lead(self, group: list[_Ticket[B, R]]) -> None:
+        settle = self._settle
+        results: list[R] | None = None
+        error: BaseException | None = None
         try:
             results = self._commit([t.batch for t in group])
             if len(results) != len(group):
                 raise RuntimeError(f"group commit: {len(results)} results for {len(group)} batches")
-            for t, result in zip(group, results):
-                t.result = result
         except BaseException as exc:  # every batch of the group failed with it
-            for t in group:
-                t.error = exc
-        finally:
-            with self._cond:
-                self.groups += 1
-                self.batches += len(group)
-                for t in group:
-                    t.done = True
+            error = exc
+        if settle is not None:
+            with self._settling:  # (after the previous group's settle: in commit order)
+                self._release()  # the next group commits while this one settles
+                try:
+                    if error is None:
+                        settle(results)  # type: ignore[arg-type]
+                except BaseException as exc:
+                    error = exc
+        with self._cond:
+            for i, t in enumerate(group):
+                if error is None:
+                    t.result = results[i]  # type: ignore[index]
+                else:
+                    t.error = error
+                t.done = True
+            self.groups += 1
+            self.batches += len(group)
+            if settle is None:
                 self._busy = False
-                self._cond.notify_all()
+            self._wake()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._sleepers:  # (Condition.notify_all costs a lone caller more than its lock)
+            self._cond.notify_all()

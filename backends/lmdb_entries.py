@@ -8,9 +8,13 @@ from typing import Any
 
 from kvtier.records.format import HEAD_MAX, HEADER_SIZE
 
-__all__ = ["ENTRY_SIZES", "INDEX", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
+__all__ = ["COLD_GET_S", "ENTRY_SIZES", "INDEX", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
 
 INDEX = struct.Struct("<dQ")
+#: A lookup slower than this read its value from disk: the rest of the job is read cold. A warm
+#: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
+#: several milliseconds.
+COLD_GET_S = 1e-3
 #: Index entry lengths: whole layout, split plain, split keyed.
 ENTRY_SIZES = (INDEX.size, INDEX.size + HEADER_SIZE, INDEX.size + HEAD_MAX)
 

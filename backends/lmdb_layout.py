@@ -32,7 +32,16 @@ from typing import Any
 import lmdb
 import torch
 from kvtier.backends.lmdb_cold import ColdRead
-from kvtier.backends.lmdb_entries import ENTRY_SIZES, INDEX, ReadOutcome, entry_stamp, index_entry, join_record, restamp
+from kvtier.backends.lmdb_entries import (
+    COLD_GET_S,
+    ENTRY_SIZES,
+    INDEX,
+    ReadOutcome,
+    entry_stamp,
+    index_entry,
+    join_record,
+    restamp,
+)
 from kvtier.backends.lmdb_one import copy_keyed, copy_plain
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews, host_rows
 
@@ -50,10 +59,6 @@ __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "J
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
-#: A lookup slower than this read its value from disk: the rest of the job is read cold. A warm
-#: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
-#: several milliseconds.
-COLD_GET_S = 1e-3
 #: Warm jobs of raw records are read in one pass on the calling thread
 #: (:meth:`JobReader.read_in_one_pass`): every plain job, and keyed jobs of fewer than
 #: :data:`~kvtier.records.checks.SIDE_MIN_BYTES`; ``False``: every job by the general read,
@@ -101,21 +106,23 @@ class Temperature:
     (1 µs a call, a sixth of a 4 KiB job's own time), and a fault of an earlier job counts at
     most once."""
 
-    __slots__ = ("_in", "_local", "cold")
+    __slots__ = ("_local", "cold", "jobs")
 
     def __init__(self) -> None:
         self.cold = False
-        self._in: list[None] = []  # one item per job being read: append and pop are atomic
+        #: One item per job being read (append and pop are atomic): :meth:`enter` and
+        #: :meth:`leave`, or a caller that appends and pops itself.
+        self.jobs: list[None] = []
         self._local = threading.local()
 
     @property
     def readers(self) -> int:
-        return len(self._in)
+        return len(self.jobs)
 
     def enter(self) -> None:
         """A job is being read on this thread (until :meth:`leave`). No lock: a lock taken
         and released twice per job cost about 2 µs of a 4 KiB one-record job's 30."""
-        self._in.append(None)
+        self.jobs.append(None)
         self.begin()
 
     def begin(self) -> None:
@@ -126,7 +133,7 @@ class Temperature:
             local.faults = major_faults()
 
     def leave(self) -> None:
-        self._in.pop()
+        self.jobs.pop()
 
     def slow(self, start: float) -> bool:
         """Whether a lookup that began at ``start`` (``time.perf_counter()``) read from disk, as

@@ -77,6 +77,7 @@ from typing import Any, ClassVar, Literal
 
 import lmdb
 import torch
+from kvtier.backends import lmdb_one
 from kvtier.backends.group_commit import GroupCommit
 from kvtier.backends.lmdb_files import (
     META_KEY,
@@ -91,6 +92,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
+from kvtier.backends.lmdb_one import StraightRead
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
 from kvtier.backends.lmdb_salvage import copy_into, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
@@ -151,10 +153,12 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._psize = 4096
         self._pid = 0
         self._write_lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # a commit's sync (run outside the write lock) and the close
         self._holder: HolderLock | None = None
         self._reader: JobReader | None = None
+        self._straight: StraightRead | None = None  # warm jobs of an unkeyed store (read_blocks)
         self._listed: list[RecordInfo] | RecordColumns | None = None
-        self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs)
+        self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs, self._sync_jobs)
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
@@ -252,6 +256,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
                 plain=PlainReads(blocks=self._blocks, index=self._index, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), head_at=INDEX.size),
                 guard=FileGuard(os.path.join(self.path, "data.mdb")), views=RowViews(fmt.block_bytes),
             )
+            reader = self._reader
+            if self.mac is None and reader.views is not None and reader.guard is not None:
+                self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters)
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
         self._listed = columns
@@ -366,6 +373,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._try_open(fmt)
 
     def _close_env(self) -> None:
+        self._straight = None
         env, self._env = self._env, None
         if env is not None:
             env.close()
@@ -374,7 +382,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
 
     async def aclose(self) -> None:
         await super().aclose()
-        with self._write_lock:
+        with self._write_lock, self._sync_lock:
             self._close_env()
             holder, self._holder = self._holder, None
             if holder is not None:
@@ -414,6 +422,16 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
         and is a miss; bad records are deleted, so the manager drops them and nobody is offered
         them again."""
+        straight = self._straight
+        if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
+            if len(keys) == 1 and len(out) == 1:
+                hit = straight.one(self._env, keys[0], out[0])
+                if hit is not None:
+                    return [hit]
+            else:
+                found = straight.job(self._env, keys, out)
+                if found is not None:
+                    return found
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None

@@ -26,6 +26,7 @@ from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
 from kvtier.errors import BackendError, DiskError
+from kvtier.keys import check_keys
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
@@ -50,6 +51,7 @@ class LmdbWrites(PersistentRecordBackend):
     _meta: Any
     _listed: Any
     _write_lock: threading.Lock
+    _sync_lock: threading.Lock
     _commits: GroupCommit[list[Record], list[int | None]]
     _reader: JobReader | None
 
@@ -60,12 +62,15 @@ class LmdbWrites(PersistentRecordBackend):
         def _pages(self, record_bytes: int) -> int: ...
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        size = self._check_io(keys, blocks)
-        self._env_or_raise()
-        views = None
         reader = self._reader
-        if self.mac is None and self.codec.codec_id == NoneCodec.codec_id and reader is not None:
-            views = host_rows(blocks, size)
+        plain = reader is not None and self.mac is None and self.codec.codec_id == NoneCodec.codec_id
+        # Plain jobs of host rows: the job's checks and its rows' views in one loop (RowViews,
+        # as reads do); other rows of plain jobs get views one by one (host_rows).
+        views = reader.views.of(keys, blocks) if plain and reader is not None and reader.views is not None else None
+        if views is None:
+            size = self._check_io(keys, blocks)
+            views = host_rows(blocks, size) if plain else None
+        self._env_or_raise()
         if views is not None and reader is not None:
             # Plain records: encoded here, in one tight loop (lmdb_plain). (The general encoder's
             # side thread gains nothing here: the whole job is encoded before its commit.)
@@ -77,46 +82,64 @@ class LmdbWrites(PersistentRecordBackend):
             with self._encoded(keys, blocks) as records:
                 job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
         sizes = self._commits.submit(job)
-        done = [(k, h, p) for (k, h, p), s in zip(job, sizes) if s is not None]
-        self.counters.blocks_written += len(done)
-        self.counters.bytes_written += sum(len(h) + len(p) for _, h, p in done)
+        written = [len(h) + len(p) for (_, h, p), s in zip(job, sizes) if s is not None]
+        self.counters.blocks_written += len(written)
+        self.counters.bytes_written += sum(written)
         return sizes
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
-        """Put every record of ``jobs`` in one write transaction, then (durable) one
-        ``env.sync``: a job of small records costs one durable commit instead of one per record,
-        and jobs that waited together share it. If the transaction fails on a full map (or
-        another error confined to a put), it is aborted and the records are put one per
-        transaction instead, so the failure is confined to the keys that do not fit."""
+        """Put every record of ``jobs`` in one write transaction: a job of small records costs
+        one durable commit instead of one per record, and jobs that waited together share it.
+        If the transaction fails on a full map (or another error confined to a put), it is
+        aborted and the records are put one per transaction instead, so the failure is confined
+        to the keys that do not fit. Durable, each commit syncs its data pages before it writes
+        its meta page; :meth:`_sync_jobs` then syncs that page."""
         with self._write_lock:
             env = self._env
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
             try:
-                sizes = self._put_together(env, jobs)
+                return self._put_together(env, jobs)
             except _PUT_FAILED as exc:
                 log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
-                sizes = self._put_each(env, jobs)
+                return self._put_each(env, jobs)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
-            if self.sync_mode == "durable" and any(s is not None for job in sizes for s in job):
-                try:
-                    env.sync(True)
-                except lmdb.Error as exc:
-                    raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
-        return sizes
+
+    def _sync_jobs(self, sizes: list[list[int | None]]) -> None:
+        """Durable: one ``env.sync`` after a group's commit, for its meta page (``metasync``
+        is off), outside the write lock: the next group's transaction goes on meanwhile, as a
+        raw writer's would (LMDB never overwrites the pages of the last two meta pages'
+        transactions, and a commit's data sync comes before its meta page, so the meta page on
+        disk always points at synced data). The group's writes return once it is done."""
+        if self.sync_mode != "durable" or all(s is None for job in sizes for s in job):
+            return
+        with self._sync_lock:
+            env = self._env
+            if env is None:
+                raise BackendError(f"lmdb: {self.path!r} was closed before the write was synced")
+            try:
+                env.sync(True)
+            except lmdb.Error as exc:
+                raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
 
     def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
         stamp = time.time()
         sizes: list[list[int | None]] = []
+        blocks, index, pages = self._blocks, self._index, self._pages
+        length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
         with env.begin(write=True) as txn:
+            put = txn.put
             for job in jobs:
                 job_sizes: list[int | None] = []
                 for key, head, payload in job:
-                    stored = self._pages(len(head) + len(payload))
-                    txn.put(key, payload, db=self._blocks)
-                    txn.put(key, index_entry(stamp, stored, head), db=self._index)
+                    if len(head) + len(payload) != length:  # (a job's records are mostly of one length)
+                        length = len(head) + len(payload)
+                        stored = pages(length)
+                        entry = index_entry(stamp, stored)
+                    put(key, payload, db=blocks)
+                    put(key, entry + head, db=index)
                     job_sizes.append(stored)
                 sizes.append(job_sizes)
         return sizes
@@ -170,6 +193,7 @@ class LmdbWrites(PersistentRecordBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._env_or_raise()
+        check_keys(keys)  # every key before any is deleted
         self._delete(list(keys))
 
     def _delete(self, keys: list[bytes]) -> None:

@@ -21,6 +21,7 @@ import torch
 from kvtier.backend import BlockFormat, MemoryBackend
 from kvtier.devices import copy_rows, one_intra_op_thread, tensor_device, usable_cpus, wait_for_copies
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
+from kvtier.keys import check_keys
 from kvtier.units import format_size
 
 __all__ = ["TensorPoolBackend", "CpuBackend", "GpuBackend", "advise_huge_pages"]
@@ -201,6 +202,7 @@ class TensorPoolBackend(MemoryBackend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
+        check_keys(keys)  # every key before any is deleted
         with self._lock:
             for k in keys:
                 slot = self._slot_of.pop(k, None)

@@ -245,9 +245,12 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             backend = _open(tier, size, path, capacity)
             try:
                 save = _run(parts, lambda j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j]))
-                for o in outs:
-                    o.zero_()
-                load = _run(parts, lambda j: backend.read_blocks([keys[i] for i in j], [outs[i] for i in j]))
+                for o in outs:  # by numpy: after Tensor.zero_ torch's OpenMP pool spins on the other core through the timed load
+                    o.numpy().fill(0)
+                # Each job's key and row lists are built before the clock starts, as a raw arm
+                # indexes its lists without building any.
+                jobs = {j.start: ([keys[i] for i in j], [outs[i] for i in j]) for part in parts for j in part}
+                load = _run(parts, lambda j: backend.read_blocks(*jobs[j.start]))
                 assert all(torch.equal(o, b) for o, b in zip(outs, blocks)), f"{tier} read back other bytes"
             finally:
                 asyncio.run(backend.aclose())

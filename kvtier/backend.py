@@ -213,7 +213,8 @@ class Backend(ABC):
 
     @abstractmethod
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
-        """Remove the records of ``keys``; absent keys are ignored."""
+        """Remove the records of ``keys``; absent keys are ignored. A key that is not ``bytes`` of 32
+        raises ``InvalidKeyError`` naming it before any record is removed (``check_keys``)."""
 
     def scan(self) -> Iterator[RecordInfo]:
         """Yield every stored record (persistent backends), for rebuilding the index at open."""

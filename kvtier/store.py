@@ -104,6 +104,8 @@ class KVStore(StoreTenancy):
         if head_groups is not None:
             self.backends = group_tiers(self.backends, head_groups, namespace)
         self.metrics = StoreMetrics(len(self.backends))
+        # Tenant tags are saved only in persistent tiers: a save skips flush_tags without one.
+        self._tagged_tiers = any(b.persistent for b in self.backends)
         self._exporter: Exporter | None = None
         self.manager: TierManager | None = None
         self.transfers: TransferEngine | None = None
@@ -379,7 +381,7 @@ class KVStore(StoreTenancy):
         (a quota makes a save smaller, never an error)."""
         transfers, ids = self._job_input(keys, block_ids)
         stored, kept = await self._runs.save(transfers, keys, ids, durable=durable, tenant=tenant)
-        if stored and not self._closed:  # the tenant tags of the blocks made ready, once per save
+        if stored and self._tagged_tiers and not self._closed:  # the tenant tags of the blocks made ready, once per save
             await self.flush_tags(sync=durable)  # synced to disk when the save must be
         return kept if durable else stored
 

@@ -30,8 +30,11 @@ class _Txn:
 
 def hook_lookups(monkeypatch: pytest.MonkeyPatch, hook: Callable[[bytes], None]) -> None:
     """Call ``hook(key)`` before each value lookup of every ``lmdb`` read from now on."""
-    from kvtier.backends import lmdb_layout
+    from kvtier.backends import lmdb_layout, lmdb_one
 
+    # The job reader's paths (the straight line of warm jobs opens its transactions itself, and
+    # its tests wrap the environment instead: test_lmdb_one_read).
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", False)
     real = lmdb_layout.JobReader._begin
 
     def begin(self: Any, env: Any) -> Any:

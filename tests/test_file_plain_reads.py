@@ -70,6 +70,16 @@ def _damaged_store(root: Path, outside: Path, layout: str = "flat") -> tuple[lis
     return keys, data
 
 
+def _copy(src: Path, dst: Path) -> None:
+    """A copy of a damaged store and its outside, the copied symlinks pointing into the copy's own outside."""
+    shutil.copytree(src, dst, symlinks=True)
+    for link in dst.rglob("*"):
+        if link.is_symlink():
+            target = os.readlink(link)
+            link.unlink()
+            link.symlink_to(target.replace(str(src), str(dst)))
+
+
 def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], list[str]]:
     monkeypatch.setattr(file_tier, "PLAIN_READS", plain)
     backend = _open(root)
@@ -86,12 +96,7 @@ def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
 def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
-    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
-    for link in (tmp_path / "b").rglob("*"):  # the copied symlinks point into the copy's own outside
-        if link.is_symlink():
-            target = os.readlink(link)
-            link.unlink()
-            link.symlink_to(target.replace(str(tmp_path / "a"), str(tmp_path / "b")))
+    _copy(tmp_path / "a", tmp_path / "b")
     general = _read(tmp_path / "a" / "store", keys, False, monkeypatch)
     plain = _read(tmp_path / "b" / "store", keys, True, monkeypatch)
     print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
@@ -219,3 +224,67 @@ def test_rows_viewed_by_address_read_what_checked_rows_do_and_bad_jobs_are_refus
         asyncio.run(backend.aclose())
     with pytest.raises(ClosedError):
         backend.read_blocks(keys[:1], dense[:1])
+
+
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """A job of one plain record takes the straight line (``PlainReads.read_one``) once its row's
+    view is kept: read one key at a time, twice, the damaged store gives the general read's hits,
+    bytes, misses, deletions and counters, and the sound records never reach the job's path."""
+    keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
+    _copy(tmp_path / "a", tmp_path / "b")
+    jobs: list[int] = []  # the keys that took the job's path (the views' loop), -1 for others
+    real_of = file_tier.RowViews.of
+    monkeypatch.setattr(file_tier.RowViews, "of", lambda self, k, o: jobs.extend(keys.index(x) if x in keys else -1 for x in k) or real_of(self, k, o))
+    results = []
+    for root, plain in ((tmp_path / "a" / "store", False), (tmp_path / "b" / "store", True)):
+        monkeypatch.setattr(file_tier, "PLAIN_READS", plain)
+        backend = _open(root, layout=layout)
+        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+        try:  # a job of absent keys first keeps the rows' views, so even the first pass reads in a straight line
+            assert backend.read_blocks([make_key(100 + i) for i in range(len(out))], out) == [False] * len(out)
+            found = [[backend.read_blocks([key], [row])[0] for key, row in zip(keys, out)] for _ in range(2)]
+            stats = {k: v for k, v in backend.stats().items() if k in ("blocks_read", "read_misses", "corrupt_records", "deleted", "bytes_read")}
+        finally:
+            asyncio.run(backend.aclose())
+        files = sorted(str(p.relative_to(root.parent)) for p in root.parent.rglob("*") if p.is_file() or p.is_symlink())
+        results.append((found, out, stats, files))
+        if plain:  # the sound records in a straight line; the damaged ones (2, 3, 4, 6), the compressed one (5)
+            # and the symlinks (7, 9) left to the general read, which deletes the damaged ones
+            assert jobs == [-1] * len(keys) + [2, 3, 4, 5, 6, 7, 9] + [5, 7, 9], jobs
+        jobs.clear()
+    general, straight = results
+    assert general[0][0] == general[0][1] == [True, False, False, False, False, True, False, False, True, False]
+    assert straight[0] == general[0]
+    for i, hit in enumerate(general[0][0]):
+        if hit:
+            assert torch.equal(general[1][i], data[i]) and torch.equal(straight[1][i], data[i])
+    assert straight[2] == general[2] and general[2]["corrupt_records"] == 4
+    assert straight[3] == general[3]
+
+
+def test_a_job_of_one_record_refuses_what_a_job_refuses(tmp_path: Path) -> None:
+    """Bad input to a one-record job is refused by name, as the job's checks refuse it, also with
+    the row's view kept; a strided row is served by the job's path; a closed tier refuses."""
+    keys = [make_key(i) for i in range(2)]
+    data = [random_block(FMT.block_bytes, 995 + i) for i in range(2)]
+    backend = _open(tmp_path / "store")
+    row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+    try:
+        backend.write_blocks(keys, data)
+        for _ in range(2):
+            assert backend.read_blocks(keys[:1], [row]) == [True] and torch.equal(row, data[0])
+        with pytest.raises(InvalidKeyError, match=r"keys\[0\]: expected 32 bytes, got 31"):
+            backend.read_blocks([b"\x00" * 31], [row])
+        with pytest.raises(InvalidKeyError):
+            backend.read_blocks([keys[0].hex()], [row])  # type: ignore[list-item]
+        for bad in (row[: FMT.block_bytes // 2], row.view(torch.int16), row.view(2, -1)):
+            with pytest.raises(LayoutError, match=r"blocks\[0\] must be a 1-D uint8 tensor of 16384 bytes"):
+                backend.read_blocks(keys[:1], [bad])
+        strided = torch.zeros(2 * FMT.block_bytes, dtype=torch.uint8)[::2]
+        assert backend.read_blocks(keys[1:], [strided]) == [True] and torch.equal(strided, data[1])
+        assert backend.stats()["blocks_read"] == 3
+    finally:
+        asyncio.run(backend.aclose())
+    with pytest.raises(ClosedError):
+        backend.read_blocks(keys[:1], [row])

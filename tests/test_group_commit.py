@@ -240,3 +240,108 @@ def test_a_file_sync_that_fails_fails_its_record_alone_when_the_syncs_run_side_b
         assert backend.read_blocks(keys, out) == [s is not None for s in sizes]
     finally:
         asyncio.run(backend.aclose())
+
+
+def test_the_next_group_commits_while_one_settles_and_no_caller_returns_before_its_settle() -> None:
+    """``settle`` (LMDB: the meta page's sync) runs after the next group may start its commit;
+    a group's callers return only once their own settle has returned; settles run in commit
+    order; a settle that fails fails its group alone."""
+    events: list[str] = []
+    settling, release = threading.Event(), threading.Event()
+
+    def commit(batches: list[int]) -> list[int]:
+        events.append(f"commit {batches}")
+        return [b * 10 for b in batches]
+
+    def settle(results: list[int]) -> None:
+        events.append(f"settle {results}")
+        if results == [10]:
+            settling.set()
+            assert release.wait(30)
+        if results == [30]:
+            raise OSError("sync failed")
+        events.append(f"settled {results}")
+
+    group: GroupCommit[int, int] = GroupCommit(commit, settle)
+    got: dict[int, object] = {}
+
+    def call(b: int) -> None:
+        try:
+            got[b] = group.submit(b)
+        except OSError as exc:
+            got[b] = exc
+
+    first = threading.Thread(target=call, args=(1,))
+    first.start()
+    assert settling.wait(30)
+    second = threading.Thread(target=call, args=(2,))
+    second.start()
+    for _ in range(3000):  # the second group commits while the first settles
+        if "commit [2]" in events:
+            break
+        threading.Event().wait(0.01)
+    assert "commit [2]" in events
+    threading.Event().wait(0.05)
+    assert 1 not in got and 2 not in got  # neither returns before its settle
+    assert "settle [20]" not in events  # settles in commit order
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert got == {1: 10, 2: 20}
+    assert events == ["commit [1]", "settle [10]", "commit [2]", "settled [10]", "settle [20]", "settled [20]"]
+    call(3)
+    assert isinstance(got[3], OSError)  # a failed settle fails its group ...
+    call(4)
+    assert got[4] == 40 and (group.groups, group.batches) == (4, 4)  # ... and the next one commits
+
+
+def test_an_lmdb_write_returns_after_its_own_sync_while_the_next_job_commits(tmp_path: Path) -> None:
+    """Durable lmdb: a job's ``env.sync`` runs outside the write lock; the next writer's
+    transaction commits meanwhile, and the first writer returns only once its sync is done."""
+    backend = _open("lmdb", tmp_path)
+    commits = backend._commits  # type: ignore[attr-defined]
+    real_settle, real_commit = commits._settle, commits._commit
+    syncing, release, committed = threading.Event(), threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def settle(sizes: list[object]) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            syncing.set()
+            assert release.wait(30)
+        real_settle(sizes)
+
+    def commit(jobs: list[object]) -> object:
+        result = real_commit(jobs)
+        if syncing.is_set():
+            committed.set()
+        return result
+
+    commits._settle, commits._commit = settle, commit
+    keys = [[make_key(100 * j + i) for i in range(4)] for j in range(2)]
+    data = [_blocks(4, seed=j) for j in range(2)]
+    done: list[int] = []
+
+    def job(j: int) -> None:
+        assert None not in backend.write_blocks(keys[j], data[j])
+        done.append(j)
+
+    try:
+        first = threading.Thread(target=job, args=(0,))
+        first.start()
+        assert syncing.wait(30)
+        second = threading.Thread(target=job, args=(1,))
+        second.start()
+        assert committed.wait(30)  # the second job's transaction committed during the first's sync
+        assert done == []
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert sorted(done) == [0, 1] and len(calls) == 2
+        for j in range(2):
+            out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(4)]
+            assert backend.read_blocks(keys[j], out) == [True] * 4
+            assert all(torch.equal(o, d) for o, d in zip(out, data[j]))
+    finally:
+        release.set()
+        asyncio.run(backend.aclose())

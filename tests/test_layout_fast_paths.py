@@ -138,32 +138,61 @@ def test_row_views_are_the_column_views_cut_to_the_rows(uniform: bool, kept: boo
                 assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
 
 
-@pytest.mark.parametrize("limit", [0, 16], ids=["index_copy", "foreach"])
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("limit", [0, 16], ids=["per_tensor", "foreach"])
 @pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
-def test_an_inline_load_of_one_run_writes_the_same_bytes_either_way(
-    limit: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
+def test_an_inline_job_of_one_run_moves_the_same_bytes_either_way(
+    limit: int, uniform: bool, kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An inline load out of one run of pool rows copies a small job per (tensor, block) and a
-    larger one per tensor (``_FOREACH_MAX_BLOCKS``): both write the bytes the pairwise copy
-    writes, into the blocks named and no other."""
+    """An inline job into or out of one run of pool rows copies a small job per (block, tensor)
+    (its pieces' views kept on both sides) and a larger one per tensor
+    (``_FOREACH_MAX_BLOCKS``): both move the bytes the pairwise copy moves, into the rows and
+    blocks named and no other, the second time through the kept views too."""
     monkeypatch.setattr(layout_module, "_FOREACH_MAX_BLOCKS", limit)
     caches = _caches(4, uniform)
     fast = KVLayout([c.clone() for c in caches], strategy="index")
     slow = KVLayout([c.clone() for c in caches], strategy="foreach")
     rows = [3, 4, 5, 6, 7, 8, 9, 10, 11, 2]  # one run, out of order
+    ids = [5, 1, 8, 0, 11, 3, 6, 2, 9, 7]
+    pools = [torch.zeros((BLOCKS + 2, fast.block_bytes), dtype=torch.uint8) for _ in range(2)]
+    for _ in range(2):
+        with fast.copies.on_callers_team():
+            assert fast.copies.on_this_thread()
+            fast.gather(ids, pools[0], rows, kept=kept)
+        slow.gather(ids, pools[1], rows)
+        assert torch.equal(pools[0], pools[1])
+        assert not pools[0][[0, 1, 12, 13]].any()
     pool = torch.randint(0, 256, (BLOCKS, fast.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     dst = [11, 0, 7, 2, 9, 4, 1, 10, 3, 6]
-    for layout in (fast, slow):
-        for c in layout.kv_caches:
-            c.zero_()
-    with fast.copies.on_callers_team():
-        assert fast.copies.on_this_thread()
-        fast.scatter(pool, rows, dst)
-    slow.scatter(pool, rows, dst)
-    untouched = [b for b in range(BLOCKS) if b not in dst]
-    for a, b in zip(fast.kv_caches, slow.kv_caches):
-        assert torch.equal(a, b)
-        assert not a[untouched].any()
+    for _ in range(2):
+        for layout in (fast, slow):
+            for c in layout.kv_caches:
+                c.zero_()
+        with fast.copies.on_callers_team():
+            fast.scatter(pool, rows, dst, kept=kept)
+        slow.scatter(pool, rows, dst)
+        untouched = [b for b in range(BLOCKS) if b not in dst]
+        for a, b in zip(fast.kv_caches, slow.kv_caches):
+            assert torch.equal(a, b)
+            assert not a[untouched].any()
+
+
+def test_kept_block_views_are_the_views_made_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine block's kept views are the views of its slices made afresh, block-major, in
+    the order asked; past ``MAX_KEPT_VIEWS`` the other blocks' views are made each time and
+    not kept."""
+    monkeypatch.setattr(pool_views, "MAX_KEPT_VIEWS", 7)
+    layout = KVLayout(_caches(6), strategy="index")
+    views = layout.block_views
+    tensors = layout._src
+    for blocks in ([4, 1], [1, 9, 4], [0, 2, 3, 4], [9]):
+        for _ in range(2):
+            got = views.pieces(blocks)
+            want = [t[b].view(torch.uint8) for b in blocks for t in tensors]
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+    assert sorted(views._kept) == [1, 4]  # 7 views: two blocks of three tensors
 
 
 @pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform"])
@@ -186,7 +215,8 @@ def test_kept_run_views_are_the_views_made_afresh(uniform: bool, monkeypatch: py
             for r0, end in ((0, 4), (3, 7), (9, 10), (0, 4)):
                 same(views.rows(pool, True, r0, end), views.rows(pool, False, r0, end))
                 same(views.row_pieces(pool, True, r0, end), views.row_pieces(pool, False, r0, end))
-                same(views.row_pieces(pool, True, r0, end), [r for v in views.rows(pool, True, r0, end) for r in v.unbind(0)])
+                rows = views.rows(pool, True, r0, end)
+                same(views.row_pieces(pool, True, r0, end), [v[j].view(torch.uint8) for j in range(end - r0) for v in rows])
                 kept = sum(len(e[1]) + len(e[2] or ()) for e in views._runs.values())  # type: ignore[arg-type]
                 assert kept == views._kept <= 40
 
@@ -199,3 +229,24 @@ def test_host_index_is_the_index_torch_tensor_makes(values: list[int]) -> None:
     del values  # the index holds its own buffer
     gc.collect()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", ROWS, ids=str)
+def test_a_jobs_own_checked_copy_moves_what_the_checked_call_moves(rows: list[int]) -> None:
+    """``checked=True`` (a transfer job's own gather and scatter, ids checked at submit) skips
+    the checks only: the same bytes into the same rows and blocks as the checking call."""
+    caches = _caches(7)
+    a = KVLayout([c.clone() for c in caches], strategy="index")
+    b = KVLayout([c.clone() for c in caches], strategy="index")
+    ids = [9, 2, 11, 5][: len(rows)]
+    pools = [torch.zeros((8, a.block_bytes), dtype=torch.uint8) for _ in range(2)]
+    a.gather(list(ids), pools[0], rows, kept=True, checked=True)
+    b.gather(ids, pools[1], rows, kept=True)
+    assert torch.equal(pools[0], pools[1]) and pools[0].any()
+    dst = [0, 3, 6, 10][: len(rows)]
+    a.scatter(pools[0], rows, list(dst), kept=True, checked=True)
+    b.scatter(pools[1], rows, dst, kept=True)
+    for x, y, orig in zip(a.kv_caches, b.kv_caches, caches):
+        assert torch.equal(x, y) and torch.equal(x[dst], orig[ids])
+    with pytest.raises(kvtier.errors.LayoutError):  # not a job's own list: checked as ever
+        a.gather((99,) * len(rows), pools[0], rows, checked=True)

@@ -2,7 +2,7 @@
 counters, same order left behind.
 
 * ``lookup`` of one key is a closure made per manager (:mod:`kvtier.manager.lookups`), one
-  form for a single tier and one for several;
+  form for a single tier and one for several; so is ``lookup_key`` (one key, no tuple);
 * ``touch`` of a single, non-persistent tier goes straight to the policy's ``touch_held``;
 * ``prepare_load`` of a single tier finds its keys with one ``map`` over the index, no call per key.
 """
@@ -142,6 +142,72 @@ def test_lookups_after_close_raise_whatever_the_input(count: int) -> None:
             lookup(keys)
         with pytest.raises(ClosedError):
             m.lookup(keys)
+        with pytest.raises(ClosedError):
+            m.lookup_key(keys[0] if keys else keys)
+
+
+class _SameAs:
+    """Not a key: hashes and compares equal to the key it wraps (a custom ``__eq__``)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.key
+
+    def __repr__(self) -> str:
+        return f"_SameAs({self.key[:2]!r})"
+
+
+ONE_KEYS: list[Any] = [
+    K[0],  # ready
+    K[2],
+    K[4],  # pending
+    K[9],  # absent
+    K[9][:31],  # too short
+    K[9] + b"x",  # too long
+    b"",
+    bytearray(K[9]),  # unhashable
+    _BytesLike(K[9]),  # wrong type
+    _BytesLike(K[0]),  # wrong type, equal to a stored key: found as that key
+    _SameAs(K[0]),  # not bytes, equal to a stored key: found as that key
+    _SameAs(K[9]),
+    K[9].hex(),
+    7,
+    None,
+    (K[0],),  # a sequence of keys where one key is expected
+    [K[0]],
+]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("key", ONE_KEYS, ids=repr)
+def test_lookup_key_matches_the_general_path(policy: str, count: int, key: Any) -> None:
+    """``lookup_key(key)`` answers, counts and rejects as the general path over ``(key,)``. Both
+    validate by finding: whatever the index finds equal to a stored key (which was checked when
+    it was stored) is that key; anything not found must be a well-formed key."""
+    fast, general = _tiers(policy, count), _tiers(policy, count)
+    got = _outcome(fast.lookup_key, key)
+    want = _outcome(general._lookup_run, (key,))
+    if want[0] == "value":
+        assert got == ("value", want[1] == 1) and type(got[1]) is bool
+    else:  # the same error, naming the one key
+        assert got == (want[0], want[1], want[2].replace("keys[0]", "key"))
+    assert fast.counters == general.counters
+    assert got[0] == "error" or fast.counters["lookups"] == 1
+    third = _tiers(policy, count)  # the method on the class answers as the instance's closure does
+    assert _outcome(lambda k: TierManager.lookup_key(third, k), key) == got
+
+
+def test_lookup_key_and_lookup_share_the_counters() -> None:
+    m = _tiers("lru", 2)
+    answers = [m.lookup_key(K[0]), m.lookup((K[9],)), m.lookup_key(K[4]), m.lookup_key(K[2]), m.lookup([K[0], K[1]])]
+    assert answers == [True, 0, False, True, 2]
+    c = m.counters
+    assert (c["lookups"], c["lookup_keys"], c["lookup_hits"]) == (5, 6, 4)
 
 
 TOUCH_INPUTS: list[Any] = [

@@ -212,6 +212,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 break
             expected += 1
         assert hits == expected
+        # one key asked as it is: the same answer as the model's for that key
+        assert self.m.lookup_key(keys[0]) is (keys[0] not in pending and any(keys[0] in r for r in self.ready))
 
     @invariant()
     def capacity_is_respected(self) -> None:

@@ -8,7 +8,8 @@ driven by the transfer engine, which executes the plans the manager hands out.
 Lifecycle (the contract engine authors know from vLLM's offloading manager):
 
 ===========================  ===================================================================
-``lookup(keys)``             leading run of keys that are ready in some tier (pending ends it)
+``lookup(keys)``             leading run of keys that are ready in some tier (pending ends it);
+                             ``lookup_key(key)``: whether one key is ready, without a tuple
 ``prepare_store(keys)``      skip keys already present, evict (demoting victims to the next
                              tier in write-back mode), reserve; **atomic**: ``None`` and no change
                              when the first tier cannot make room. Never evicts a key of its own
@@ -143,7 +144,7 @@ class TierManager:
         # single-key lookups count in the closure below: lookups stay lock-free.
         self._lookups = 0
         self._single = single_key_lookup(self._gets, self._lookup_any)
-        self.lookup = self._single.lookup  # type: ignore[method-assign,assignment]  # see lookups.py
+        self.lookup, self.lookup_key = self._single.lookup, self._single.lookup_key  # type: ignore[method-assign,assignment]
         self._admission = Admission(tiers)
         self._events = EventLog(max_events)
         self._promotions = Promotions(self._tiers, self._counts, self._events)
@@ -234,14 +235,14 @@ class TierManager:
         return list(map(self.status, keys))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` ready in some tier; a pending key ends it.
-
-        A single key (an engine scheduler asks block by block, every step, for every waiting
-        request) takes a path of its own: each manager's ``lookup`` is a closure made for its
-        tiers (:func:`kvtier.manager.lookups.single_key_lookup`), a dictionary probe per tier
-        and, on a miss, the type and length check of that one key. It answers, counts and
-        validates exactly as the general path does (a test compares the two)."""
+        """Length of the leading run of ``keys`` ready in some tier; a pending key ends it. One key
+        takes a closure made for this manager (:mod:`kvtier.manager.lookups`) that answers,
+        counts and validates as the general path does."""
         return self._single.lookup(keys)
+
+    def lookup_key(self, key: bytes) -> bool:
+        """``lookup((key,)) == 1`` for a caller that asks key by key, without the tuple."""
+        return self._single.lookup_key(key)
 
     def _lookup_any(self, keys: Sequence[bytes]) -> int:
         """:meth:`lookup` of anything but one key."""

@@ -237,6 +237,7 @@ class HeadGroupTier(Backend):
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
+        check_keys(keys)  # a longer key would name the records of the key it starts with
         if keys and self._written:
             self.inner.delete_blocks(self.layout.record_keys(keys, self._written))
             self.counters.deleted += len(keys)

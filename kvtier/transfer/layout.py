@@ -49,7 +49,7 @@ import torch
 from kvtier.errors import LayoutError
 from kvtier.transfer import staging as _staging
 from kvtier.transfer.copies import CopySplitter, CopyThreads
-from kvtier.transfer.pool_views import PoolViews, host_index
+from kvtier.transfer.pool_views import BlockViews, PoolViews, host_index
 from kvtier.transfer.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
 __all__ = ["KVLayout", "Strategy"]
@@ -58,10 +58,11 @@ Strategy = Literal["auto", "index", "foreach", "staged"]
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Beyond this many runs of consecutive pool rows, one gather plus one scatter per tensor wins.
 _MAX_RUNS = 4
-# Up to this many blocks, an inline load out of one run of pool rows is one ``_foreach_copy_``
-# over (tensor, block) rows: at 4 blocks of 32 layers ``index_copy_`` per tensor ran at 0.4 of
-# it (benchmarks/bench_core.py --job-blocks 4); at 16 blocks the two are level and the views
-# cost more than they save.
+# Up to this many blocks, an inline job into or out of one run of pool rows is one
+# ``_foreach_copy_`` over (block, tensor) pieces, their views kept on both sides
+# (:class:`~kvtier.transfer.pool_views.BlockViews`): at 4 blocks of 32 layers ``index_copy_``
+# per tensor ran at 0.4 of it (benchmarks/bench_core.py --job-blocks 4); at 16 blocks the
+# calling thread's team of OpenMP threads makes the per-tensor ops faster.
 _FOREACH_MAX_BLOCKS = 8
 
 
@@ -178,6 +179,8 @@ class KVLayout:
         # pool, the engine's staging) made once (see kvtier.transfer.pool_views).
         w = self._width
         self.pool_views = PoolViews([(i.offset // w, (i.offset + n * i.engine_block_bytes) // w) for i in infos], wide, self._span)
+        # Per engine block, its words in every tensor: the cache side of a small job's pieces.
+        self.block_views = BlockViews(self._src)
 
     # -- description -----------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -253,15 +256,19 @@ class KVLayout:
         *,
         non_blocking: bool = False,
         kept: bool = False,
+        checked: bool = False,
     ) -> None:
         """Copy the blocks made of engine ``block_ids`` (``n`` per block) into ``pool[rows]``.
 
         On a device the copies are queued on the current stream (``staged``: that stream
         waits for them); ``non_blocking=False`` then waits for the stream. ``kept``: ``pool``
         lives as long as this layout (a memory tier's pool, the engine's staging), so the
-        views of it a copy needs are made once and kept."""
-        ids = self.check_block_ids(block_ids, len(rows))
-        self._check_pool(pool, rows)
+        views of it a copy needs are made once and kept. ``checked``: a transfer job's own
+        call, whose ``block_ids`` (a list) passed :meth:`check_block_ids` at submit and whose
+        rows a tier of this layout handed out, so neither is checked again."""
+        ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
+        if not checked:
+            self._check_pool(pool, rows)
         if not rows:
             return
         pick = self._pick(pool)
@@ -283,11 +290,13 @@ class KVLayout:
         *,
         non_blocking: bool = False,
         kept: bool = False,
+        checked: bool = False,
     ) -> None:
         """Copy ``pool[rows]`` into the engine blocks ``block_ids`` (``n`` per block);
-        ``kept`` as for :meth:`gather`."""
-        ids = self.check_block_ids(block_ids, len(rows))
-        self._check_pool(pool, rows)
+        ``kept`` and ``checked`` as for :meth:`gather`."""
+        ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
+        if not checked:
+            self._check_pool(pool, rows)
         if not rows:
             return
         pick = self._pick(pool)
@@ -345,9 +354,15 @@ class KVLayout:
         parts: list[Callable[[], None]]
         if runs is not None and len(runs) == 1:  # one run (a small job's usual case): no index slices
             ((order, r0, length),) = runs
-            whole = host_index([ids[p] for p in order], self.device)
+            blocks = [ids[p] for p in order]
+            here = self._here(pool_device)
+            if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (block, tensor)
+                pieces = self.pool_views.row_pieces(pool, kept, r0, r0 + length)
+                torch._foreach_copy_(pieces, self.block_views.pieces(blocks))
+                return
+            whole = host_index(blocks, self.device)
             views = self._row_views(pool, kept, r0, r0 + length)
-            if self._here(pool_device):  # the copies' own loop, without a call per tensor
+            if here:  # the copies' own loop, without a call per tensor
                 for src, dst in zip(self._src, views):
                     torch.index_select(src, 0, whole, out=dst)
                 return
@@ -387,9 +402,9 @@ class KVLayout:
             ((order, r0, length),) = runs
             blocks = [ids[p] for p in order]
             here = self._here(pool_device)
-            if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (tensor, block)
-                dsts = [cache[b] for cache in self._src for b in blocks]
-                torch._foreach_copy_(dsts, self.pool_views.row_pieces(pool, kept, r0, r0 + length))
+            if here and length <= _FOREACH_MAX_BLOCKS:  # a small job: one copy per (block, tensor)
+                pieces = self.pool_views.row_pieces(pool, kept, r0, r0 + length)
+                torch._foreach_copy_(self.block_views.pieces(blocks), pieces)
                 return
             views = self._row_views(pool, kept, r0, r0 + length)
             whole = host_index(blocks, self.device)

@@ -100,7 +100,7 @@ class LoadMover:
                     if not waited:
                         self.e._wait_compute(rec)
                         waited = True
-                    self.e.layout.scatter(src, rows, dst, non_blocking=True, kept=True)
+                    self.e.layout.scatter(src, rows, dst, non_blocking=True, kept=True, checked=True)
                 finally:
                     # Done means done (the engine may read these blocks at once), and a failed
                     # scatter's queued chunks are waited for too, before the job is reported.

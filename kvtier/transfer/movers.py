@@ -164,7 +164,7 @@ class StoreMover:
                 slots = _reserve(target, plan)
                 ids = list(rec.block_ids)
                 self._read_engine_blocks(
-                    rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True, kept=True)
+                    rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
                 )
                 work.nbytes = len(slots) * self.e.layout.block_bytes
             byte_tiers = []

@@ -46,6 +46,18 @@ class JobRuns:
         self.memory_only = 0
         self.unsettled: dict[int, StorePlan | LoadPlan] = {}
         self.settlers: set[asyncio.Task[None]] = set()
+        # (manager, its persistent tiers, the blocks its tiers below the first hold at most)
+        self._tiers: tuple[TierManager, list[int], int] | None = None
+
+    def _tier_facts(self, mgr: TierManager) -> tuple[list[int], int]:
+        """The persistent tiers and the blocks the tiers below the first hold, at most: fixed
+        for a manager's life, so worked out on its first save."""
+        facts = self._tiers
+        if facts is None or facts[0] is not mgr:
+            specs = [mgr.tier_spec(t) for t in range(mgr.num_tiers)]
+            below = sum(spec.capacity_bytes // spec.block_reserve for spec in specs[1:])
+            facts = self._tiers = (mgr, [t for t, spec in enumerate(specs) if spec.persistent], below)
+        return facts[1], facts[2]
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
         """Apply a finished store job to the manager; return how many blocks became ready."""
@@ -68,11 +80,10 @@ class JobRuns:
         self.settle_finished(transfers)
         n = self._n
         mgr = self._mgr()
-        persistent = [t for t in range(mgr.num_tiers) if mgr.tier_spec(t).persistent]
+        persistent, below = self._tier_facts(mgr)
         if durable and not persistent:
             raise ConfigError("save(durable=True): the store has no persistent tier (tiers: an lmdb, file or redis tier)")
         kept = 0  # newly stored blocks on a persistent tier
-        below = sum(mgr.tier_spec(t).capacity_bytes // mgr.tier_spec(t).block_reserve for t in range(1, mgr.num_tiers))
         stored = 0
         rest: Sequence[bytes] = keys
         offset = 0  # rest[i] is keys[offset + i]
@@ -87,7 +98,7 @@ class JobRuns:
                 break
             chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
             job = transfers.submit_store(plan, chosen, durable=durable, inline=True)
-            result = await self.run(transfers, job, plan)
+            result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
             if self._closed():  # closed while the job ran: nothing is left to apply it to
                 return stored, kept
             done = self.finish_store(plan, result)
@@ -140,7 +151,7 @@ class JobRuns:
             return 0
         plan = mgr.prepare_load(list(keys[:hits]), promote=False)
         job = transfers.submit_load(plan, ids[: hits * n], inline=True)
-        result = await self.run(transfers, job, plan)
+        result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
         if self._closed():
             return 0
         self.finish_load(plan, result)

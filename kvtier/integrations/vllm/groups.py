@@ -445,7 +445,7 @@ class SchedulerGroups:
             return False
         group = self.groups[gpos]
         assert group.engine.manager is not None
-        hit = group.engine.manager.lookup([group.kkey(key)]) == 1
+        hit = group.engine.manager.lookup_key(group.kkey(key))
         group.engine.counters["lookup_hits" if hit else "lookup_misses"] += 1
         return hit
 

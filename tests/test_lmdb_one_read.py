@@ -1,0 +1,539 @@
+"""The ``lmdb`` tier's straight line for a job of one key (``lmdb_one.StraightRead.one``) against the
+general path (``JobReader.read_job``): the same bytes, the same misses, the same records
+dropped, the same counters and the same errors, whatever the record or the argument."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import types
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+from kvtier.backends import lmdb_layout, lmdb_one
+from kvtier.backends.lmdb_layout import INDEX
+from lmdb_lookups import slow_lookups_read_the_disk
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import BackendError, ClosedError, InvalidKeyError, LayoutError
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import encode_record
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=8192, dtype="uint8")
+
+
+def _open(path: Path, **options: Any) -> Backend:
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def _store(path: Path) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Eight keys: 0, 4 and 7 raw and sound; 1 absent; 2 with a flipped payload bit; 3 with a
+    flipped bit in the checked part of its head (its payload and checksum intact); 5 in the
+    whole layout of earlier code; 6 compressed."""
+    keys = [make_key(i) for i in range(8)]
+    data = [random_block(FMT.block_bytes, 900 + i) for i in range(8)]
+    data[6] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)  # compressible
+    backend = _open(path)
+    backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 7)], [data[i] for i in (0, 2, 3, 4, 7)])
+    asyncio.run(backend.aclose())
+    zstd = _open(path, codec={"name": "zstd", "level": 1})
+    zstd.write_blocks([keys[6]], [data[6]])
+    asyncio.run(zstd.aclose())
+    env = lmdb.open(str(path), max_dbs=3)
+    blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(keys[2], db=blocks))
+        value[777] ^= 0x04
+        txn.put(keys[2], bytes(value), db=blocks)
+        entry = bytearray(txn.get(keys[3], db=index))
+        entry[INDEX.size + 12] ^= 0x01  # a bit of the raw length
+        txn.put(keys[3], bytes(entry), db=index)
+        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, None)
+        txn.put(keys[5], head + bytes(payload), db=blocks)
+        txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
+    env.close()
+    return keys, data
+
+
+_READ_JOB = lmdb_layout.JobReader.read_job  # the general path, unpatched
+_STATS = ("blocks_read", "bytes_read", "read_misses", "corrupt_records", "deleted")
+
+
+def _read_one_by_one(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list[bool], list[torch.Tensor], dict[str, Any], set[bytes], list[int]]:
+    """Each key read as a job of its own, into a row of its own that a job read before
+    (a row seen for the first time is the general path's: its view is made there)."""
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
+    general: list[int] = []
+    real = _READ_JOB
+
+    def counted(self: Any, env: Any, keys: Any, *args: Any) -> Any:
+        general.append(len(keys))
+        return real(self, env, keys, *args)
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", counted)
+    backend = _open(path)
+    rows = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+    try:
+        for row in rows:  # the rows' first job: key 0, sound
+            assert backend.read_blocks([keys[0]], [row]) == [True]
+        before = {k: v for k, v in backend.stats().items() if k in _STATS}
+        for row in rows:
+            row.fill_(7)
+        general.clear()
+        found = [backend.read_blocks([key], [row])[0] for key, row in zip(keys, rows)]
+        stats = {k: v - before[k] for k, v in backend.stats().items() if k in _STATS}
+        listed = {r.key for r in backend.scan()}
+    finally:
+        asyncio.run(backend.aclose())
+    return found, rows, stats, listed, general
+
+
+def test_a_one_record_job_finds_drops_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, data = _store(tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    general = _read_one_by_one(tmp_path / "store", keys, monkeypatch, False)
+    fast = _read_one_by_one(tmp_path / "copy", keys, monkeypatch, True)
+    print(f"general: found {general[0]}, stats {general[2]}; fast: found {fast[0]}, stats {fast[2]}")
+    assert general[0] == [True, False, False, False, True, True, True, True]
+    assert fast[0] == general[0]
+    for i, hit in enumerate(general[0]):
+        if hit:
+            assert torch.equal(general[1][i], data[i]) and torch.equal(fast[1][i], data[i])
+    assert fast[2] == general[2] and general[2]["corrupt_records"] == 2 and general[2]["deleted"] == 2
+    assert general[2]["read_misses"] == 1 and general[2]["blocks_read"] == 5
+    assert fast[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
+    # The general path read every job; the straight line handed it only the records that are
+    # not raw and sound (2, 3, 5, 6): it read the sound ones and the absent one itself.
+    assert general[4] == [1] * 8 and fast[4] == [1] * 4
+
+
+def _bad_jobs() -> list[tuple[str, Any, Any, type[Exception]]]:
+    key = make_key(0)
+    row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+    return [
+        ("a short key", [key[:31]], [row], InvalidKeyError),
+        ("a str key", ["k" * 32], [row], InvalidKeyError),
+        ("a float row", [key], [torch.zeros(FMT.block_bytes // 4)], LayoutError),
+        ("a short row", [key], [row[:100]], LayoutError),
+        ("a long row", [key], [torch.zeros(FMT.block_bytes + 1, dtype=torch.uint8)], LayoutError),
+        ("a 2-D row", [key], [row.view(2, -1)], LayoutError),
+        ("no row", [key], [], LayoutError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_jobs())))
+def test_a_bad_one_record_job_is_refused_by_name_as_the_general_path_refuses_it(tmp_path: Path, case: int) -> None:
+    what, keys, rows, error = _bad_jobs()[case]
+    backend = _open(tmp_path / "store")
+    try:
+        backend.write_blocks([make_key(0)], [random_block(FMT.block_bytes, 1)])
+        good = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        assert backend.read_blocks([make_key(0)], [good]) == [True]  # the straight line is warm
+        if rows and rows[0].dtype == torch.uint8 and rows[0].numel() == FMT.block_bytes:
+            assert rows[0].data_ptr() != good.data_ptr()
+        with pytest.raises(error) as raised:
+            backend.read_blocks(keys, rows)
+        print(what, "->", raised.value)
+        assert "blocks[0]" in str(raised.value) or "keys[0]" in str(raised.value) or what == "no row"
+        assert all(int(r.count_nonzero()) == 0 for r in rows)
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_rows_the_straight_line_does_not_take_are_read_by_the_general_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strided row, a row cut from a larger tensor at an offset (a view of its own address),
+    and a keyed store: the bytes are the record's either way."""
+    key, block = make_key(3), random_block(FMT.block_bytes, 3)
+    general: list[int] = []
+    real = _READ_JOB
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(1) or real(self, env, keys, *a))
+    for options in ({}, {"mac_key": "a-test-secret-of-32-bytes-012345"}):
+        backend = _open(tmp_path / f"store{len(options)}", **options)
+        try:
+            backend.write_blocks([key], [block])
+            strided = torch.zeros((FMT.block_bytes, 2), dtype=torch.uint8)[:, 1]
+            inner = torch.zeros(FMT.block_bytes + 64, dtype=torch.uint8)[32 : 32 + FMT.block_bytes]
+            # A strided row and a keyed store always take the general path; a contiguous row
+            # of an unkeyed store, only the first time its address is seen.
+            expected = [2, 2, 2] if options else [2, 1, 0]
+            for row, jobs in zip((strided, inner, inner), expected):
+                general.clear()
+                assert backend.read_blocks([key], [row]) == [True] and torch.equal(row, block)
+                row.zero_()
+                assert backend.read_blocks([key], [row]) == [True] and torch.equal(row, block)
+                assert len(general) == jobs
+            assert bool(options) == (backend._straight is None)  # type: ignore[attr-defined]
+        finally:
+            asyncio.run(backend.aclose())
+
+
+def test_a_slow_one_record_lookup_makes_the_next_job_cold_as_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [make_key(i) for i in range(2)]
+    backend = _open(tmp_path / "store")
+    clock = [0.0]
+    slow_key: list[bytes] = []
+
+    def perf_counter() -> float:
+        return clock[0]
+
+    real_begin = lmdb.Environment.begin
+    try:
+        backend.write_blocks(keys, [random_block(FMT.block_bytes, 40 + i) for i in range(2)])
+        monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=perf_counter))
+        monkeypatch.setattr(lmdb_one, "perf_counter", perf_counter)
+        slow_lookups_read_the_disk(monkeypatch)
+        env = backend._env  # type: ignore[attr-defined]
+
+        class Env:
+            """The store's environment, whose lookups of ``slow_key`` advance the clock."""
+
+            def begin(self, **kw: Any) -> Any:
+                txn = real_begin(env, **kw)
+
+                class Txn:
+                    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+                        if key in slow_key:
+                            clock[0] += 2 * lmdb_layout.COLD_GET_S
+                        return txn.get(key, default, db=db)
+
+                    def __getattr__(self, name: str) -> Any:
+                        return getattr(txn, name)
+
+                return Txn()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(env, name)
+
+        backend._env = Env()  # type: ignore[attr-defined]
+        general: list[int] = []
+        real = _READ_JOB
+        monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(1) or real(self, env, keys, *a))
+        temperature = backend._reader.temperature  # type: ignore[attr-defined]
+        row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        for fast in (True, False):
+            monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
+            temperature.cold = False
+            slow_key.clear()
+            assert backend.read_blocks([keys[0]], [row]) == [True]
+            assert not temperature.cold
+            slow_key.append(keys[1])
+            general.clear()
+            assert backend.read_blocks([keys[1]], [row]) == [True]
+            assert temperature.cold, fast
+            assert temperature.readers == 0 and len(general) == (0 if fast else 1)
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("error", [lmdb.CorruptedError, lmdb.MapResizedError])
+def test_an_lmdb_error_in_a_one_record_job_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: type[lmdb.Error]) -> None:
+    """The straight line hands the job over at the error; the general path meets it again:
+    a damaged page drops the key, another error keeps it; a miss either way."""
+    key = make_key(5)
+    backend = _open(tmp_path / "store")
+    env = backend._env  # type: ignore[attr-defined]
+    try:
+        backend.write_blocks([key], [random_block(FMT.block_bytes, 5)])
+        row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        assert backend.read_blocks([key], [row]) == [True]
+        lookups: list[str] = []
+
+        class Env:
+            def begin(self, **kw: Any) -> Any:
+                txn = env.begin(**kw)
+                if not kw.get("buffers"):  # not a read (the deletion of a bad record)
+                    return txn
+
+                class Txn:
+                    def get(self, *a: Any, **k: Any) -> Any:
+                        lookups.append("get")
+                        raise error("injected")
+
+                    def __getattr__(self, name: str) -> Any:
+                        return getattr(txn, name)
+
+                return Txn()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(env, name)
+
+        backend._env = Env()  # type: ignore[attr-defined]
+        row.zero_()
+        assert backend.read_blocks([key], [row]) == [False]
+        assert len(lookups) == 2  # once in the straight line, once in the general path
+        backend._env = env  # type: ignore[attr-defined]
+        dropped = error is lmdb.CorruptedError
+        assert (key in {r.key for r in backend.scan()}) is not dropped
+        stats = backend.stats()
+        assert stats["deleted"] == (1 if dropped else 0) and stats["blocks_read"] == 1 and stats["read_misses"] == 1
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
+
+
+def test_a_one_record_job_of_a_closed_or_forked_store_is_refused(tmp_path: Path) -> None:
+    key = make_key(6)
+    backend = _open(tmp_path / "store")
+    row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+    backend.write_blocks([key], [random_block(FMT.block_bytes, 6)])
+    assert backend.read_blocks([key], [row]) == [True]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the environment is the parent's
+        try:
+            backend.read_blocks([key], [row])
+            os.write(write, b"read")
+        except BackendError as exc:
+            os.write(write, b"refused" if "another process" in str(exc) else b"other")
+        except BaseException:
+            os.write(write, b"raised")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 100) == b"refused"
+    os.close(read)
+    assert backend.read_blocks([key], [row]) == [True]  # the parent reads on
+    asyncio.run(backend.aclose())
+    with pytest.raises(ClosedError):
+        backend.read_blocks([key], [row])
+
+
+_CUT = """
+import asyncio, os, sys
+import torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.errors import DiskError
+from kvtier.testing import make_key, random_block
+
+fmt = BlockFormat(block_bytes=65536, dtype="uint8")
+backend = registry.backends.get("lmdb")(capacity=8 << 20, path=sys.argv[1], sync_mode="fast")
+asyncio.run(backend.open(fmt))
+keys = [make_key(i) for i in range(4)]
+backend.write_blocks(keys, [random_block(fmt.block_bytes, i) for i in range(4)])
+row = torch.zeros(fmt.block_bytes, dtype=torch.uint8)
+assert backend.read_blocks(keys[3:], [row]) == [True]
+assert backend._straight.one(backend._env, keys[3], row) is True  # the straight line takes the job
+data = os.path.join(sys.argv[1], "data.mdb")
+os.truncate(data, os.path.getsize(data) // 2)
+print("cut", flush=True)
+try:
+    print("read", backend.read_blocks(keys[3:], [row]), flush=True)
+except DiskError as exc:
+    print("refused", exc, flush=True)
+"""
+
+
+def test_a_one_record_job_of_a_data_file_cut_short_is_refused(tmp_path: Path) -> None:
+    """As a job of several keys (``test_lmdb_plain_reads``): refused before any lookup, not a
+    fault inside one. In a child process, so a fault would be observed, not suffered."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _CUT, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    print(child.stdout, child.stderr[-2000:])
+    assert child.returncode == 0 and "refused" in child.stdout and "shorter than" in child.stdout
+
+
+# -- jobs of several keys (StraightRead.job) ---------------------------------------------------
+
+_JOBS = [(0, 1, 4, 7), (7, 2, 0), (3, 4), (4, 5, 0), (6, 7), (0, 1, 2, 3, 4, 5, 6, 7), (4, 7, 0)]
+
+
+def _read_jobs(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list[list[bool]], list[list[torch.Tensor]], dict[str, Any], set[bytes], list[int]]:
+    """The jobs of ``_JOBS`` read in turn, each into rows of its own that a job read before."""
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
+    general: list[int] = []
+
+    def counted(self: Any, env: Any, keys: Any, *args: Any) -> Any:
+        general.append(len(keys))
+        return _READ_JOB(self, env, keys, *args)
+
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", counted)
+    backend = _open(path)
+    rows = [[torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in job] for job in _JOBS]
+    try:
+        for job_rows in rows:  # the rows' first job: key 0, sound
+            assert backend.read_blocks([keys[0]] * len(job_rows), job_rows) == [True] * len(job_rows)
+            for row in job_rows:
+                row.fill_(7)
+        before = {k: v for k, v in backend.stats().items() if k in _STATS}
+        general.clear()
+        found = [backend.read_blocks([keys[i] for i in job], job_rows) for job, job_rows in zip(_JOBS, rows)]
+        stats = {k: v - before[k] for k, v in backend.stats().items() if k in _STATS}
+        listed = {r.key for r in backend.scan()}
+    finally:
+        asyncio.run(backend.aclose())
+    return found, rows, stats, listed, general
+
+
+def test_a_warm_job_finds_drops_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, data = _store(tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    general = _read_jobs(tmp_path / "store", keys, monkeypatch, False)
+    fast = _read_jobs(tmp_path / "copy", keys, monkeypatch, True)
+    print(f"general: found {general[0]}, stats {general[2]}; fast: found {fast[0]}, stats {fast[2]}")
+    assert general[0][0] == [True, False, True, True] and general[0][1] == [True, False, True]
+    assert fast[0] == general[0]
+    for job, hits, fast_rows, general_rows in zip(_JOBS, general[0], fast[1], general[1]):
+        for i, hit, f, g in zip(job, hits, fast_rows, general_rows):
+            if hit:
+                assert torch.equal(f, data[i]) and torch.equal(g, data[i])
+    assert fast[2] == general[2] and general[2]["corrupt_records"] == 2 and general[2]["deleted"] == 2
+    assert fast[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
+    # The general path read every job; the straight line handed it only the jobs with a record
+    # that is not raw and sound (2, 3, 5, 6) before it was dropped or rewritten: the second to
+    # the fifth. The sixth met keys 2 and 3 dropped already: absent, and its 5 and 6 are not raw.
+    assert general[4] == [len(job) for job in _JOBS]
+    assert fast[4] == [3, 2, 3, 2, 8]
+
+
+def test_a_bad_warm_job_is_refused_by_name_as_the_general_path_refuses_it(tmp_path: Path) -> None:
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    try:
+        backend.write_blocks(keys, [random_block(FMT.block_bytes, 60 + i) for i in range(3)])
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 3  # the rows are seen: the straight line is warm
+        for row in rows:
+            row.zero_()
+        for what, job, job_rows, error in [
+            ("a short key", [keys[0], keys[1][:31], keys[2]], rows, InvalidKeyError),
+            ("a str key", [keys[0], "k" * 32, keys[2]], rows, InvalidKeyError),
+            ("fewer rows", keys, rows[:2], LayoutError),
+            ("a short row", keys, [rows[0], rows[1][:100], rows[2]], LayoutError),
+            ("a 2-D row", keys, [rows[0], rows[1].view(2, -1), rows[2]], LayoutError),
+        ]:
+            with pytest.raises(error) as raised:
+                backend.read_blocks(job, job_rows)
+            print(what, "->", raised.value)
+            assert "blocks[1]" in str(raised.value) or "keys[1]" in str(raised.value) or what == "fewer rows"
+            assert all(int(r.count_nonzero()) == 0 for r in rows), what
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_slow_warm_job_makes_the_next_job_cold_and_a_cold_or_large_job_is_the_general_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that took ``COLD_GET_S`` and read from disk is read on by the straight line and
+    makes the reader cold; the next job (cold) and a job of ``SIDE_MIN_BYTES`` or more are
+    the job reader's."""
+    keys = [make_key(i) for i in range(4)]
+    backend = _open(tmp_path / "store")
+    clock = [0.0]
+    slow_lookups_read_the_disk(monkeypatch, thread=False)
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(lmdb_one, "perf_counter", lambda: clock[0])
+    general: list[int] = []
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(len(keys)) or _READ_JOB(self, env, keys, *a))
+    env = backend._env  # type: ignore[attr-defined]
+    real_begin = lmdb.Environment.begin
+    slow_key = keys[1]
+
+    class Env:
+        """The store's environment, whose lookups of ``slow_key`` advance the clock."""
+
+        def begin(self, **kw: Any) -> Any:
+            txn = real_begin(env, **kw)
+
+            class Txn:
+                def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+                    if key == slow_key:
+                        clock[0] += 2 * lmdb_layout.COLD_GET_S
+                    return txn.get(key, default, db=db)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(txn, name)
+
+            return Txn()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+    try:
+        data = [random_block(FMT.block_bytes, 80 + i) for i in range(4)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 4  # the rows are seen
+        general.clear()
+        backend._env = Env()  # type: ignore[attr-defined]
+        temperature = backend._reader.temperature  # type: ignore[attr-defined]
+        assert not temperature.cold
+        for row in rows:
+            row.zero_()
+        assert backend.read_blocks(keys, rows) == [True] * 4
+        assert general == [] and temperature.cold and temperature.readers == 0  # read on by the straight line
+        assert all(torch.equal(r, d) for r, d in zip(rows, data))
+        slow_key = b""
+        assert backend.read_blocks(keys, rows) == [True] * 4
+        assert general == [4] and not temperature.cold  # read cold by the job reader, which found it warm
+        assert backend.read_blocks(keys, rows) == [True] * 4
+        assert general == [4]  # warm again: the straight line's
+        big = backend._straight.most  # type: ignore[attr-defined]
+        assert big == -(-lmdb_one.SIDE_MIN_BYTES // FMT.block_bytes)
+        many = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(big)]
+        for _ in range(2):  # (the first time, rows not seen)
+            assert backend.read_blocks([keys[0]] * big, many) == [True] * big
+        assert general == [4, big, big]
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("error", [lmdb.CorruptedError, lmdb.MapResizedError])
+def test_an_lmdb_error_in_a_warm_job_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: type[lmdb.Error]) -> None:
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    env = backend._env  # type: ignore[attr-defined]
+    failed: list[bytes] = []
+
+    class Env:
+        def begin(self, **kw: Any) -> Any:
+            txn = env.begin(**kw)
+            if not kw.get("buffers"):
+                return txn
+
+            class Txn:
+                def get(self, key: bytes, *a: Any, **k: Any) -> Any:
+                    if key == keys[1] and len(failed) < 2:
+                        failed.append(key)
+                        raise error("injected")
+                    return txn.get(key, *a, **k)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(txn, name)
+
+            return Txn()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+    try:
+        data = [random_block(FMT.block_bytes, 90 + i) for i in range(3)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 3
+        for row in rows:
+            row.zero_()
+        backend._env = Env()  # type: ignore[attr-defined]
+        assert backend.read_blocks(keys, rows) == [True, False, True]
+        assert failed == [keys[1]] * 2  # once in the straight line, once in the general path
+        backend._env = env  # type: ignore[attr-defined]
+        assert torch.equal(rows[0], data[0]) and torch.equal(rows[2], data[2])
+        dropped = error is lmdb.CorruptedError
+        assert (keys[1] in {r.key for r in backend.scan()}) is not dropped
+        stats = backend.stats()
+        assert stats["deleted"] == (1 if dropped else 0) and stats["blocks_read"] == 5 and stats["read_misses"] == 1
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
