@@ -17,8 +17,8 @@ slots are spread over all 16384; hence a log per slot:
 * **writing**: each put share ends with one ``APPEND`` per slot it stored records in (after their
   ``SET`` replies, in one pipeline on the share's connection); a delete appends its keys as
   deleted after its ``UNLINK`` commands, one ``APPEND`` per slot.
-* **reading** (a store's open), a thread per primary: one pipeline of ``GET`` of every slot log
-  of the primary, then one of ``EXISTS`` of a sample of :data:`SAMPLE` stored keys (one per key:
+* **reading** (a store's open), the primaries in turn: one pipeline of ``GET`` of every slot
+  log of the primary, then one of ``EXISTS`` of a sample of :data:`SAMPLE` stored keys (one per key:
   a multi-key ``EXISTS`` is refused across slots). The primary's logs are trusted only when every
   one exists with a header, is a whole number of entries, holds only ``+`` and ``-`` entries,
   and at least half the sampled records exist. Every slot log is begun with a header whenever a
@@ -168,6 +168,8 @@ class SlotLogs:
         self.last_problem: str | None = None
         self._lock = threading.Lock()
         self._get_cache: tuple[bytes, list[bytes]] = (b"", [])
+        #: (the client's slot map, its slots by primary's name, the map's size)
+        self._slot_owners: tuple[Any, dict[str, list[int]], int] = (None, {}, 0)
 
     @property
     def enabled(self) -> bool:
@@ -206,6 +208,7 @@ class SlotLogs:
         if not self.enabled:
             return listing(None)
         self.counters["sampled_gone"] = 0
+        self._slot_owners = (None, {}, 0)  # sorted again from the client's slot map
         self._gets()
         table = listing(self._open_batches)
         if self.counters["sampled_gone"] and self.t.follower is not None:
@@ -213,10 +216,17 @@ class SlotLogs:
         return table
 
     def _slots_of(self, node: Any) -> list[int]:
-        """The slots the cluster's slot map gives the primary behind ``node`` (a node's client)."""
-        name = self._node_name(node)
+        """The slots the cluster's slot map gives the primary behind ``node`` (a node's client);
+        the map is sorted by primary once per open or sweep (redis-py updates it in place)."""
         cache = self.t._get_client().nodes_manager.slots_cache
-        return [slot for slot in range(SLOTS) if (owners := cache.get(slot)) and owners[0].name == name]
+        with self._lock:
+            if self._slot_owners[0] is not cache or self._slot_owners[2] != len(cache):
+                owners: dict[str, list[int]] = {}
+                for slot, nodes in cache.items():
+                    if nodes:
+                        owners.setdefault(nodes[0].name, []).append(slot)
+                self._slot_owners = (cache, {name: sorted(slots) for name, slots in owners.items()}, len(cache))
+            return self._slot_owners[1].get(self._node_name(node), [])
 
     def _on_node(self, node: Any, body: Callable[[Wire], Iterable[T]]) -> Iterator[T]:
         """``body(wire)``'s items on a pooled connection of ``node`` (disconnected unless drained)."""
@@ -366,6 +376,7 @@ class SlotLogs:
         (``None``: no logs, or not read)."""
         if not self.enabled:
             return None
+        self._slot_owners = (None, {}, 0)
         try:
             return dict(self.t._nodes.each(lambda node: self._on_node(node, self._states_body(self._slots_of(node)))))
         except Exception as exc:  # the sweep meets the failure itself

@@ -235,8 +235,19 @@ class Wire:
         data = bytearray()
         lengths: list[int] = []
         errors: dict[int, str] = {}
-        view = self._view
+        buf, view = self._buf, self._view
         for i in range(count):
+            # A reply whose length line and value are buffered is taken here, with no call per
+            # reply (most of them: a few hundred bytes each); the rest as any reply is.
+            start = self._start
+            eol = buf.find(b"\r\n", start, self._end)
+            if eol > start and buf[start] == 36:  # "$"
+                n = int(buf[start + 1 : eol])
+                if 0 <= n and eol + 4 + n <= self._end:
+                    data += view[eol + 2 : eol + 2 + n]
+                    self._start = eol + 4 + n
+                    lengths.append(n)
+                    continue
             line = self._line()
             kind = line[:1]
             if kind == b"$":

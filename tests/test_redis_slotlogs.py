@@ -463,3 +463,54 @@ def test_clearing_a_tenant_logs_its_deletions_in_the_slot_logs(redis_cluster: Re
         assert sorted(opened) == sorted(keys[10:]) and counters["opens"] == 3
     finally:
         _close(reader)
+
+
+def test_bulk_replies_read_what_a_reply_at_a_time_reads() -> None:
+    """The wire's bulk read (values taken straight from its buffer when whole there) gives the
+    lengths, bytes and errors that reading the same stream a reply at a time gives: values small
+    and large (over the read buffer), empty, nil, errors, and values cut by the buffer's edge."""
+    import random as rnd
+    import socket
+    import threading as th
+
+    from kvtier.backends.redis_wire import ErrorReply, Wire
+
+    gen = rnd.Random(7)
+    replies: list[bytes] = []
+    for i in range(3000):
+        kind = gen.random()
+        if kind < 0.05:
+            replies.append(b"$-1\r\n")
+        elif kind < 0.08:
+            replies.append(b"-MOVED %d 127.0.0.1:1\r\n" % i)
+        else:
+            n = gen.choice([0, 1, 32, 65, 500, 4000, 70_000]) + gen.randrange(3)
+            value = bytes(gen.getrandbits(8) for _ in range(min(n, 64))) * (n // 64 + 1)
+            replies.append(b"$%d\r\n%b\r\n" % (n, value[:n]))
+    stream = b"".join(replies)
+
+    def read(bulk: bool) -> tuple[bytes, list[int], dict[int, str]]:
+        a, b = socket.socketpair()
+        feeder = th.Thread(target=lambda: (a.sendall(stream), a.close()))
+        feeder.start()
+        wire = Wire(b)
+        try:
+            if bulk:
+                data, lengths, errors = wire.bulk_replies(len(replies))
+                return bytes(data), lengths, errors
+            out, lengths, errors = b"", [], {}
+            for i in range(len(replies)):
+                try:
+                    value = wire.reply()
+                except ErrorReply as exc:
+                    lengths.append(-2)
+                    errors[i] = str(exc)
+                    continue
+                lengths.append(-1 if value is None else len(value))
+                out += value or b""
+            return out, lengths, errors
+        finally:
+            feeder.join()
+            b.close()
+
+    assert read(True) == read(False)
