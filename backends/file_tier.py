@@ -240,7 +240,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         if self.follower is not None:
             await asyncio.to_thread(self._stop_following)
         elif self._beneath is not None and not self.shared:  # opened: the table of records for the next open
-            await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, durable=self.sync_mode == "durable", temp=self._temp_name(os.path.join(self._root, TABLE_NAME)))
+            temp = self._temp_name(os.path.join(self._root, TABLE_NAME))
+            await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, layout=self.store_layout, durable=self.sync_mode == "durable", temp=temp)
         with self._lock:
             self._sizes.clear()
             self._listed = None
