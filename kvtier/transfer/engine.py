@@ -129,7 +129,6 @@ class TransferEngine:
         self._idle = threading.Condition(self._lock)
         self._inline_running = False  # a job runs on a submitting thread (kvtier.transfer.inline)
         self._inline_done = threading.Condition(self._lock)
-        self._inline_waiters = 0  # transfer threads waiting on _inline_done: notified only then
         self._queued = {"store": 0, "load": 0}
         self._tier_jobs = 0  # store jobs handed to the tiers thread and not through it yet
         self._staged_bytes = 0
@@ -231,8 +230,7 @@ class TransferEngine:
             finally:
                 with self._lock:
                     self._inline_running = False
-                    if self._inline_waiters:
-                        self._inline_done.notify_all()
+                    self._inline_done.notify_all()
             return rec.job_id
         if rec.deadline is not None and self._deadlines.needs_kick(rec.deadline):
             self._kick.set()  # the watchdog learns of a deadline before its next check
@@ -436,11 +434,7 @@ class TransferEngine:
         """A transfer thread about to run a job waits for the inline job running, if any."""
         with self._lock:
             while self._inline_running:
-                self._inline_waiters += 1
-                try:
-                    self._inline_done.wait()
-                finally:
-                    self._inline_waiters -= 1
+                self._inline_done.wait()
 
     def expire_overdue(self, now: float | None = None) -> int:
         """Fail the jobs whose deadline has passed (the watchdog thread calls this); return how
