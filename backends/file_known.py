@@ -1,17 +1,22 @@
-"""The file tier's own view of which records it holds and their stored sizes.
+"""The file tier's own view of which records it holds, their stored sizes and access stamps.
 
 Capacity is enforced per instance over the blocks it knows: those listed at open and those
 written since. Where every listed record has the same stored size (a store without a codec),
 the listed keys are held as one sorted list of the listing's own ``bytes`` objects, the ones
-the manager's index holds too (8 bytes a key, searched by bisection), and their common size
-once; a listed key deleted, forgotten or rewritten since goes into a small set, and a key
-written since the open into a dict. Listed records of differing sizes (a compressing codec)
-go into that dict with their sizes. A dict of every listed key (about 52 bytes a key at 10^5,
-beside the manager's own index of the same keys) is what this replaces.
+the manager's index holds too (8 bytes a key, searched by bisection), their common size once
+and their stamps in one array beside them (8 bytes a key); a listed key deleted, forgotten or
+rewritten since goes into a small set, and a key written since the open into a dict (its stamp
+into another). Listed records of differing sizes (a compressing codec) go into those dicts. A
+dict of every listed key (about 52 bytes a key at 10^5, beside the manager's own index of the
+same keys) is what this replaces.
+
+The stamps (the listing's, then each write's time and each :meth:`KnownRecords.touch`) are what
+the tier's table of records (:mod:`kvtier.backends.file_table`) saves at a clean close.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import pairwise
@@ -31,52 +36,78 @@ def _sorted_keys(keys: Sequence[bytes]) -> list[bytes]:
     return listed
 
 
-class KnownRecords:
-    """``key -> stored bytes`` of the records an instance knows, with ``get``, ``set``, ``pop``."""
+def _key_order(keys: Sequence[bytes]) -> list[int] | None:
+    """The positions of ``keys`` in key order, the first of a repeated key only; ``None`` where
+    they are in order already and distinct (a table's listing: one pass, no sort)."""
+    if all(a < b for a, b in pairwise(keys)):
+        return None
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return [i for n, i in enumerate(order) if n == 0 or keys[order[n - 1]] != keys[i]]
 
-    __slots__ = ("_fresh", "_gone", "_listed", "_listed_size")
+
+class KnownRecords:
+    """``key -> stored bytes`` of the records an instance knows, with ``get``, ``set``, ``pop``;
+    and each one's access stamp (``touch``, ``columns``)."""
+
+    __slots__ = ("_fresh", "_fresh_stamps", "_gone", "_listed", "_listed_size", "_listed_stamps")
 
     def __init__(self) -> None:
         self._listed: list[bytes] = []  # sorted keys listed at open, all of _listed_size bytes
         self._listed_size = 0
+        self._listed_stamps = np.empty(0, dtype=np.float64)  # _listed[i]'s stamp
         self._gone: set[bytes] = set()  # listed keys deleted, forgotten or rewritten since
         self._fresh: dict[bytes, int] = {}  # the other known keys (none of them listed and not gone)
+        self._fresh_stamps: dict[bytes, float] = {}  # their stamps
 
-    def adopt(self, keys: Sequence[bytes], stored: np.ndarray) -> None:
-        """Take a listing's keys and stored sizes (``stored[i]`` is ``keys[i]``'s), replacing what
-        was known. A key listed twice keeps one entry."""
+    def adopt(self, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray | None = None) -> None:
+        """Take a listing's keys, stored sizes and stamps (``stored[i]`` is ``keys[i]``'s; no
+        stamps: 0), replacing what was known. A key listed twice keeps one entry."""
         self.clear()
         stored = np.asarray(stored, dtype=np.int64)
+        stamps = np.zeros(len(keys)) if stamps is None else np.asarray(stamps, dtype=np.float64)
         if len(stored) and not (stored == stored[0]).all():
             self._fresh = dict(zip(keys, stored.tolist()))
+            self._fresh_stamps = dict(zip(keys, stamps.tolist()))
             return
-        self._listed = _sorted_keys(keys)
+        order = _key_order(keys)
+        self._listed = list(keys) if order is None else [keys[i] for i in order]
+        self._listed_stamps = stamps.copy() if order is None else stamps[order]
         self._listed_size = int(stored[0]) if len(stored) else 0
 
-    def _is_listed(self, key: bytes) -> bool:
-        """Whether ``key`` is among the listed keys still known."""
+    def _at(self, key: bytes) -> int:
+        """``key``'s position among the listed keys still known, or -1."""
         listed = self._listed
         if not listed or key in self._gone:
-            return False
+            return -1
         i = bisect_left(listed, key)
-        return i < len(listed) and listed[i] == key
+        return i if i < len(listed) and listed[i] == key else -1
 
     def get(self, key: bytes, default: int = 0) -> int:
         size = self._fresh.get(key)
         if size is not None:
             return size
-        return self._listed_size if self._is_listed(key) else default
+        return self._listed_size if self._at(key) >= 0 else default
 
     def set(self, key: bytes, size: int) -> None:
-        if key not in self._fresh and self._is_listed(key):
+        """``key`` is (being) written with ``size`` stored bytes: its stamp is now."""
+        if key not in self._fresh and self._at(key) >= 0:
             self._leave(key)  # from now on known as written since the open
         self._fresh[key] = size
+        self._fresh_stamps[key] = time.time()
+
+    def touch(self, key: bytes, stamp: float) -> None:
+        """``key``'s access stamp is ``stamp`` (a key not known is left unknown)."""
+        if key in self._fresh:
+            self._fresh_stamps[key] = stamp
+        elif (i := self._at(key)) >= 0:
+            self._listed_stamps[i] = stamp
 
     def pop(self, key: bytes, default: int = 0) -> int:
         size = self._fresh.pop(key, None)
         if size is not None:
+            self._fresh_stamps.pop(key, None)
             return size
-        if not self._is_listed(key):
+        if self._at(key) < 0:
             return default
         self._leave(key)
         return self._listed_size
@@ -87,13 +118,30 @@ class KnownRecords:
         gone = self._gone
         gone.add(key)
         if len(gone) * 2 > len(self._listed):
-            self._listed = [k for k in self._listed if k not in gone]
+            keep = [i for i, k in enumerate(self._listed) if k not in gone]
+            self._listed = [self._listed[i] for i in keep]
+            self._listed_stamps = self._listed_stamps[keep]
             self._gone = set()
+
+    def columns(self) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """Every known key in key order, with its stored size and stamp."""
+        gone = self._gone
+        keep = [i for i, k in enumerate(self._listed) if k not in gone] if gone else None
+        listed = self._listed if keep is None else [self._listed[i] for i in keep]
+        fresh = sorted(self._fresh)
+        keys = listed + fresh  # two sorted runs: one merge
+        stored = np.concatenate([np.full(len(listed), self._listed_size, dtype=np.int64), np.array([self._fresh[k] for k in fresh], dtype=np.int64)])
+        stamps = np.concatenate([self._listed_stamps if keep is None else self._listed_stamps[keep], np.array([self._fresh_stamps[k] for k in fresh], dtype=np.float64)])
+        order = _key_order(keys)
+        if order is None:
+            return keys, stored, stamps
+        return [keys[i] for i in order], stored[order], stamps[order]
 
     def __len__(self) -> int:
         return len(self._listed) - len(self._gone) + len(self._fresh)
 
     def clear(self) -> None:
-        self._listed, self._listed_size = [], 0
+        self._listed, self._listed_size, self._listed_stamps = [], 0, np.empty(0, dtype=np.float64)
         self._gone = set()
         self._fresh = {}
+        self._fresh_stamps = {}

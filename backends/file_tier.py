@@ -41,7 +41,9 @@ Contract and choices:
   more a side thread checks each row while the next one is read (:mod:`kvtier.records.checks`). A
   bad record is deleted (if it is still the same inode), counted, and reported as a miss.
 * Access stamps are kept as the files' mtime (``touch_stamps`` sets it), so the listing at open
-  (``scan_columns``, or ``scan()``) restores the eviction order after a restart. An untouched file's stamp is its write time (``time.time()``).
+  (``scan_columns``, or ``scan()``) restores the eviction order after a restart; after a clean close
+  that listing comes from the table of records the close saved, without a ``stat`` per record,
+  when the table names exactly the records there (:mod:`kvtier.backends.file_table`). An untouched file's stamp is its write time (``time.time()``).
 * A store whose meta record names another namespace is refused at open (``ConfigError``); an
   unreadable meta record (bad checksum, truncated, or an unknown meta version) is moved aside
   with a warning and rewritten, as the ``lmdb`` tier moves a damaged environment aside.
@@ -55,6 +57,7 @@ file, and only the deletion writes (it unlinks the named records).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -73,6 +76,7 @@ from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
+from kvtier.backends.file_table import TABLE_NAME, open_listing, save_table
 from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.lmdb_plain import RowViews
 from kvtier.backends.tag_log import DirectoryTags
@@ -207,9 +211,10 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     f"file {self._root}", sweep=self._sweep_keys, record_bytes=self.reserve_bytes(),
                     feed=FileFeed(self._root), sweep_interval_s=self.sweep_interval_s,
                 )
-            with paused_gc():
-                self._listed = listed = self._walk(sweep=True)
-                self._sizes.adopt(listed.keys, listed.stored)
+            with paused_gc():  # a clean close's table of records, else a stat per record (not shared: others write)
+                names = functools.partial(self._record_key_bytes, self._root, sweep_now=time.time(), layout=self.store_layout)
+                walk = functools.partial(self._walk, sweep=True)
+                self._listed = listed = open_listing(self._root, self._sizes, walk=walk, names=names, table=not self.shared)
             self._beneath = BeneathRoot(self._root)
             if self.mac is None:
                 self._views = RowViews(fmt.block_bytes)
@@ -234,6 +239,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         await super().aclose()
         if self.follower is not None:
             await asyncio.to_thread(self._stop_following)
+        elif self._beneath is not None and not self.shared:  # opened: the table of records for the next open
+            await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, durable=self.sync_mode == "durable", temp=self._temp_name(os.path.join(self._root, TABLE_NAME)))
         with self._lock:
             self._sizes.clear()
             self._listed = None
@@ -521,6 +528,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     continue
                 try:
                     os.utime(leaf[1], (float(stamp), float(stamp)), dir_fd=leaf[0], follow_symlinks=False)
+                    with self._lock:
+                        self._sizes.touch(key, float(stamp))
                 finally:
                     os.close(leaf[0])
             except FileNotFoundError:

@@ -236,37 +236,59 @@ class FileTree:
         freed (see ``docs/tiers.md``)."""
         raw = bytearray()
         columns: tuple[bytearray, array[int], array[float]] = (raw, array("q"), array("d"))
-        listdir = os.listdir
-        with _DirFd(root, None) as top:
-            if layout == FLAT:
-                cls._list_leaf(top.fd, "", columns, sweep_now)
-            else:
-                for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
-                    with _DirFd(n1, top.fd) as mid:
-                        if mid.fd < 0:
-                            continue
-                        for n2 in listdir(mid.fd):
-                            if n2 not in _HEX2:
-                                continue
-                            with _DirFd(n2, mid.fd) as leaf:
-                                if leaf.fd >= 0:
-                                    cls._list_leaf(leaf.fd, n1 + n2, columns, sweep_now)
+        for fd, prefix in cls._leaf_fds(root, layout):
+            cls._list_leaf(fd, prefix, columns, sweep_now)
         packed = bytes(raw)
         del raw[:]
         return [packed[i : i + 32] for i in range(0, len(packed), 32)], columns[1], columns[2]
 
     @classmethod
+    def _record_key_bytes(cls, root: str, *, sweep_now: float | None = None, layout: Layout = SHARDED) -> bytearray:
+        """The 32 bytes of every record name's key under ``root`` in ``layout``, one after the
+        other in no particular order: :meth:`_record_columns` without a ``stat`` (so a name of
+        the pattern that is not a regular file counts too)."""
+        raw = bytearray()
+        columns: tuple[bytearray, array[int], array[float]] = (raw, array("q"), array("d"))
+        for fd, prefix in cls._leaf_fds(root, layout):
+            cls._list_leaf(fd, prefix, columns, sweep_now, stat=False)
+        return raw
+
+    @staticmethod
+    def _leaf_fds(root: str, layout: Layout) -> Iterator[tuple[int, str]]:
+        """``(descriptor, hex prefix)`` of every directory that may hold records, each opened
+        from its parent's with ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in a shard
+        directory's place is skipped); each is closed once the next is asked for."""
+        listdir = os.listdir
+        with _DirFd(root, None) as top:
+            if layout == FLAT:
+                yield top.fd, ""
+                return
+            for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
+                with _DirFd(n1, top.fd) as mid:
+                    if mid.fd < 0:
+                        continue
+                    for n2 in listdir(mid.fd):
+                        if n2 not in _HEX2:
+                            continue
+                        with _DirFd(n2, mid.fd) as leaf:
+                            if leaf.fd >= 0:
+                                yield leaf.fd, n1 + n2
+
+    @classmethod
     def _list_leaf(
-        cls, fd: int, prefix: str, columns: tuple[bytearray, array[int], array[float]], sweep_now: float | None
+        cls, fd: int, prefix: str, columns: tuple[bytearray, array[int], array[float]], sweep_now: float | None, *, stat: bool = True
     ) -> None:
         """Append the records of the directory ``fd`` to ``columns``, each key's 32 bytes to the
-        first (see :meth:`_record_columns`)."""
+        first (see :meth:`_record_columns`); ``stat=False``: the keys of the names alone."""
         key, size, stamp = columns[0].extend, columns[1].append, columns[2].append
-        fromhex, stat, isreg, match = bytes.fromhex, os.stat, S_ISREG, _RECORD_NAME
+        fromhex, stat_at, isreg, match = bytes.fromhex, os.stat, S_ISREG, _RECORD_NAME
         for name in os.listdir(fd):
             if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
+                if not stat:
+                    key(fromhex(name[:64]))
+                    continue
                 try:
-                    st = stat(name, dir_fd=fd, follow_symlinks=False)
+                    st = stat_at(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # deleted by another instance while we walked
                 if isreg(st.st_mode):

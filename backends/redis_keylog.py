@@ -37,9 +37,8 @@ random generation) followed by one 33-byte entry per record stored or deleted, i
   makes ``EXEC`` fail, and the rewrite tries again. Keys appended before the sweep began were
   stored before it began, so the sweep lists them, unless they are gone.
 
-A Redis Cluster keeps no key log (its primaries are listed with ``SCAN`` at once, a thread
-each): a record and its log entry must share a hash slot, which takes a log per slot, and a slot
-log evicted whole could not be told from a slot with no records.
+A Redis Cluster keeps a log per hash slot instead, read the same way and trusted on the same
+terms, primary by primary: :mod:`kvtier.backends.redis_slotlogs`.
 """
 
 from __future__ import annotations
@@ -58,7 +57,10 @@ import numpy as np
 from kvtier.backends.redis_wire import ErrorReply, Wire
 from kvtier.backends.remote_listing import Dropped
 
-__all__ = ["DELETED", "KEYLOG_SUFFIX", "MAGIC", "STORED", "KeyLog", "KeyLogChanged", "LogState", "entries_of"]
+__all__ = [
+    "DELETED", "KEYLOG_SUFFIX", "MAGIC", "STORED", "KeyLog", "KeyLogChanged", "LogState", "TierKeyLog", "command", "entries_of",
+    "new_header", "replay",
+]
 
 T = TypeVar("T")
 Table = dict[bytes, int]
@@ -87,6 +89,17 @@ _REWRITE_TRIES = 5
 class KeyLogChanged(Exception):
     """The log was rewritten while a store's open read it, or holds an entry of another form:
     the open lists with ``SCAN``."""
+
+
+class TierKeyLog(Protocol):
+    """What the tier asks of its key log: this module's (one server) or a cluster's slot logs."""
+
+    def append_commands(self, keys: Iterable[bytes], op: bytes = b"") -> tuple[bytes, int]: ...
+    def appended(self, wire: Wire, count: int = 1) -> None: ...
+    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None: ...
+    def sweep_state(self) -> Any: ...
+    def after_sweep(self, state: Any, found: Table) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 class KeyLogHost(Protocol):
@@ -127,12 +140,39 @@ def entries_of(keys: Iterable[bytes], op: bytes) -> bytes:
     return op + joined if joined else b""
 
 
-def _command(*parts: bytes) -> bytes:
+def command(*parts: bytes) -> bytes:
+    """One command in RESP."""
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%b\r\n" % (len(p), p) for p in parts)
 
 
 def _getrange(name: bytes, start: int, end: int) -> bytes:
-    return _command(b"GETRANGE", name, b"%d" % start, b"%d" % end)
+    return command(b"GETRANGE", name, b"%d" % start, b"%d" % end)
+
+
+def new_header() -> bytes:
+    """A log's header: :data:`MAGIC` and a random generation (another rewrite's differs)."""
+    return MAGIC + os.urandom(HEADER_BYTES - len(MAGIC))
+
+
+def replay(raw: bytes | bytearray, key_bytes: int, where: int = 0) -> Iterator[list[bytes]]:
+    """The keys of ``raw`` (whole entries, no header) in order: runs of stored keys as lists, runs
+    of deleted ones as :class:`Dropped`. An entry that is neither raises :class:`KeyLogChanged`
+    (``where``: the offset of ``raw`` in its log, for the message) before any key of ``raw``."""
+    e = key_bytes + 1
+    rows = len(raw) // e
+    ops = np.frombuffer(raw, dtype=np.uint8, count=rows * e)[::e]
+    # The keys as one strided column of opaque items, made into ``bytes`` in one call.
+    keys = np.ndarray((rows,), dtype=np.dtype((np.void, key_bytes)), buffer=raw, offset=1, strides=(e,)).tolist() if rows else []
+    stored = ops == STORED[0]
+    if stored.all():
+        yield keys
+        return
+    if not (stored | (ops == DELETED[0])).all():
+        raise KeyLogChanged(f"the key log has an entry of another form between bytes {where} and {where + len(raw)}")
+    # Deletions are rare: the piece is replayed in runs of one operation, in order.
+    cuts = [0, *(np.flatnonzero(stored[1:] != stored[:-1]) + 1).tolist(), rows]
+    for a, b in pairwise(cuts):
+        yield keys[a:b] if stored[a] else Dropped(keys[a:b])
 
 
 class KeyLog:
@@ -157,21 +197,22 @@ class KeyLog:
         return not self.t.cluster and not self.t._foreign
 
     # -- writing -------------------------------------------------------------------------------
-    def append_command(self, keys: Iterable[bytes], op: bytes = b"") -> bytes:
-        """``APPEND <log> <entries>`` of ``keys`` (stored, or ``op``), or ``b""`` where the tier
-        keeps no log or there are no keys."""
+    def append_commands(self, keys: Iterable[bytes], op: bytes = b"") -> tuple[bytes, int]:
+        """``APPEND <log> <entries>`` of ``keys`` (stored, or ``op``) and the count of commands
+        (one), or ``(b"", 0)`` where the tier keeps no log or there are no keys."""
         if not self.enabled:
-            return b""
+            return b"", 0
         joined = entries_of(keys, op or STORED)
-        return _command(b"APPEND", self.name, joined) if joined else b""
+        return (command(b"APPEND", self.name, joined), 1) if joined else (b"", 0)
 
-    def appended(self, wire: Wire) -> None:
-        """Read the ``APPEND``'s reply; a refusal is counted, never raised (the records are stored)."""
-        try:
-            wire.reply()
-        except ErrorReply as exc:
-            self.counters["append_failures"] += 1
-            log.debug("redis: key log APPEND refused: %s", exc)
+    def appended(self, wire: Wire, count: int = 1) -> None:
+        """Read ``count`` ``APPEND`` replies; a refusal is counted, never raised (the records are stored)."""
+        for _ in range(count):
+            try:
+                wire.reply()
+            except ErrorReply as exc:
+                self.counters["append_failures"] += 1
+                log.debug("redis: key log APPEND refused: %s", exc)
 
     # -- reading (a store's open) --------------------------------------------------------------
     def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None:
@@ -230,7 +271,7 @@ class KeyLog:
     def state(self, wire: Wire) -> LogState:
         """The log's length and header (``STRLEN`` and ``GETRANGE``, one round trip); a value of
         another type reads as length 0."""
-        wire.send([_command(b"STRLEN", self.name) + _getrange(self.name, 0, HEADER_BYTES - 1)])
+        wire.send([command(b"STRLEN", self.name) + _getrange(self.name, 0, HEADER_BYTES - 1)])
         try:
             length = int(wire.reply())
         except ErrorReply:  # WRONGTYPE: not a log
@@ -258,7 +299,7 @@ class KeyLog:
                 stored = [entry[1:] for entry in sample if entry[:1] == STORED]
                 live = len(stored)
                 if stored:
-                    wire.send([_command(b"EXISTS", *(self.t._prefix_bytes + key for key in stored))])
+                    wire.send([command(b"EXISTS", *(self.t._prefix_bytes + key for key in stored))])
                     live = int(wire.reply())
                 self.counters["sampled_gone"] = len(stored) - live
                 if 2 * live < len(stored):
@@ -275,7 +316,6 @@ class KeyLog:
         chunk = max(1, READ_CHUNK // e) * e
         starts = range(HEADER_BYTES, end, chunk)
         wire.send([b"".join(_getrange(self.name, s, min(end, s + chunk) - 1) for s in starts)])
-        item = np.dtype((np.void, self.key_bytes))
         for s in starts:
             want = min(end, s + chunk) - s
             n = wire.bulk_length()
@@ -284,20 +324,7 @@ class KeyLog:
             raw = bytearray(n)
             wire.read_into(memoryview(raw))
             wire.skip(2)
-            rows = n // e
-            ops = np.frombuffer(raw, dtype=np.uint8)[::e]
-            # The keys as one strided column of opaque items, made into ``bytes`` in one call.
-            keys = np.ndarray((rows,), dtype=item, buffer=raw, offset=1, strides=(e,)).tolist()
-            stored = ops == STORED[0]
-            if stored.all():
-                yield keys
-                continue
-            if not (stored | (ops == DELETED[0])).all():
-                raise KeyLogChanged(f"the key log has an entry of another form between bytes {s} and {s + n}")
-            # Deletions are rare: the piece is replayed in runs of one operation, in order.
-            cuts = [0, *(np.flatnonzero(stored[1:] != stored[:-1]) + 1).tolist(), rows]
-            for a, b in pairwise(cuts):
-                yield keys[a:b] if stored[a] else Dropped(keys[a:b])
+            yield from replay(raw, self.key_bytes, s)
 
     # -- sweeps ------------------------------------------------------------------------------------
     def sweep_state(self) -> LogState | None:
@@ -335,7 +362,7 @@ class KeyLog:
         started = time.perf_counter()
         try:
             pipe = client.pipeline(transaction=False)
-            pipe.set(tmp, MAGIC + os.urandom(HEADER_BYTES - len(MAGIC)), px=_TMP_TTL_MS)
+            pipe.set(tmp, new_header(), px=_TMP_TTL_MS)
             batch: list[bytes] = []
             for key in keys:
                 batch.append(key)

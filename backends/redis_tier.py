@@ -30,7 +30,8 @@ engine's :class:`~kvtier.backends.feed_follower.TierFollower` reads to keep its 
 in step; a ``SCAN`` sweep every ``sync_interval_s`` (60 s with the feed, 1 s without) is the
 backstop. A store's open reads the keys from the namespace's key log instead of a ``SCAN``
 (each put share appends the keys it stored; :mod:`kvtier.backends.redis_keylog`, which also
-says when the log is not trusted). Lookups never touch the network. A key the index still claims but the server
+says when the log is not trusted; a cluster keeps a log per hash slot,
+:mod:`kvtier.backends.redis_slotlogs`). Lookups never touch the network. A key the index still claims but the server
 evicted is a load miss.
 
 Faults: every socket call has a timeout (``socket_timeout_s``, ``connect_timeout_s``). A
@@ -62,11 +63,12 @@ from typing import Any, ClassVar
 from kvtier.backends.feed_follower import TierFollower
 from kvtier.backends.redis_client import client_options, credentials, probe_problem
 from kvtier.backends.redis_feed import RedisFeed
-from kvtier.backends.redis_keylog import DELETED, KeyLog
+from kvtier.backends.redis_keylog import DELETED, KeyLog, TierKeyLog
 from kvtier.backends.redis_nodes import DOWN_ERRORS as _DOWN_ERRORS
 from kvtier.backends.redis_nodes import RedisNodes
 from kvtier.backends.redis_pool import ConnectionBudget, PoolGate
-from kvtier.backends.redis_scan import scan_block_keys
+from kvtier.backends.redis_scan import SCAN_COUNT, scan_block_keys
+from kvtier.backends.redis_slotlogs import SlotLogs
 from kvtier.backends.redis_tags import read_redis_tags, write_redis_tags
 from kvtier.backends.redis_wire import (
     ErrorReply,
@@ -102,9 +104,6 @@ except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken
 __all__ = ["RedisBackend"]
 
 log = logging.getLogger("kvtier")
-#: Keys a ``SCAN`` step asks for: 10x fewer round trips than 1000 (bench_scale: 10^6 keys listed
-#: in 0.4 s rather than 1.5 s; the server walks that much of its table per step).
-SCAN_COUNT = 10_000
 
 #: Bytes of GET replies in flight per connection (at least one reply). A job runs on up to
 #: ``job_connections`` connections at once (see :mod:`kvtier.backends.remote_shares`), so about
@@ -188,8 +187,9 @@ class RedisBackend(RemoteRecordBackend):
         self._client_lock = threading.Lock()
         #: the primaries: routes, health per cluster node, listings (kvtier.backends.redis_nodes)
         self._nodes = RedisNodes(self)
-        #: the names of the records stored, read at open instead of a SCAN (kvtier.backends.redis_keylog)
-        self._keylog = KeyLog(self, KEY_BYTES)
+        #: the names of the records stored, read at open instead of a SCAN (kvtier.backends.redis_keylog;
+        #: a cluster's, one per hash slot: kvtier.backends.redis_slotlogs)
+        self._keylog: TierKeyLog = SlotLogs(self, KEY_BYTES) if cluster else KeyLog(self, KEY_BYTES)
         self._ttl_ms = b""
 
     def __repr__(self) -> str:
@@ -365,10 +365,10 @@ class RedisBackend(RemoteRecordBackend):
         def body(wires: list[Wire]) -> None:
             send_one_each(wires, requests(), on_reply, self.socket_timeout_s)
             # The stored records' names, once the server has them all (kvtier.backends.redis_keylog).
-            append = self._keylog.append_command(keys[i] for i in positions if sizes[i] is not None)
-            if append:
+            append, count = self._keylog.append_commands(keys[i] for i in positions if sizes[i] is not None)
+            if count:
                 wires[0].send([append])
-                self._keylog.appended(wires[0])
+                self._keylog.appended(wires[0], count)
 
         self._exchange_many(pool, min(len(positions), self.budget.put_connections), body)
 
@@ -420,15 +420,15 @@ class RedisBackend(RemoteRecordBackend):
             nonlocal deleted
             # One UNLINK per key: a multi-key UNLINK is refused across cluster slots.
             plen = len(self._prefix_bytes)
-            append = self._keylog.append_command((rk[plen:] for rk in rkeys), DELETED)  # replayed by the next open
+            append, count = self._keylog.append_commands((rk[plen:] for rk in rkeys), DELETED)  # replayed by the next open
             wire.send([b"".join(unlink_command(rk) for rk in rkeys) + append])
             for _ in rkeys:
                 try:
                     deleted += int(wire.reply())
                 except ErrorReply as exc:
                     self._refused("UNLINK", exc)
-            if append:
-                self._keylog.appended(wire)
+            if count:
+                self._keylog.appended(wire, count)
 
         self._exchange(pool, body)
         return deleted

@@ -227,6 +227,40 @@ class Wire:
             raise ErrorReply(line[1:].decode(errors="replace"))
         raise ConnectionError(f"expected a bulk reply, got {line[:32]!r}")
 
+    def bulk_replies(self, count: int) -> tuple[bytearray, list[int], dict[int, str]]:
+        """``count`` bulk replies (small values, many of them: a ``GET`` pipeline), copied one
+        after another into one buffer: ``(data, lengths, errors)``, each reply's length in order
+        (``-1`` for nil, ``-2`` for an error reply, whose text ``errors`` holds by position). A
+        reply of another kind is a protocol error."""
+        data = bytearray()
+        lengths: list[int] = []
+        errors: dict[int, str] = {}
+        view = self._view
+        for i in range(count):
+            line = self._line()
+            kind = line[:1]
+            if kind == b"$":
+                n = int(line[1:])
+                lengths.append(n)
+                need = n + 2 if n >= 0 else 0  # the value and its CRLF
+                while need:
+                    if self._start == self._end:
+                        self._fill()
+                    take = min(need, self._end - self._start)
+                    data += view[self._start : self._start + take]
+                    self._start += take
+                    need -= take
+                if n >= 0:
+                    del data[-2:]
+            elif kind == b"-":
+                lengths.append(-2)
+                errors[i] = line[1:].decode(errors="replace")
+            elif line == b"_":
+                lengths.append(-1)
+            else:
+                raise ConnectionError(f"expected a bulk reply, got {line[:32]!r}")
+        return data, lengths, errors
+
     def array_length(self) -> int:
         """The element count of the next array reply (``-1`` for a nil array); an error raises."""
         line = self._line()

@@ -1,10 +1,11 @@
 """How kvtier scales with the number of records: prints one JSON object (and a table on stderr).
 
     python benchmarks/bench_scale.py [--quick] [--dir /tmp] [--sizes 10000,100000,1000000]
-        [--index-sizes 10000,...,10000000] [--tiers lmdb,file,redis] [--png scale.png]
+        [--index-sizes 10000,...,10000000] [--tiers lmdb,file,redis,redis-cluster] [--png scale.png]
 
-For each persistent tier (``lmdb``, ``file``, and ``redis`` on a private ``redis-server`` when
-one is on ``PATH``) and each record count N, the tier is filled with N small records (``--block``
+For each persistent tier (``lmdb``, ``file``, and ``redis`` on a private ``redis-server`` and
+``redis-cluster`` on a private 3-primary Redis Cluster when ``redis-server`` is on ``PATH``) and
+each record count N, the tier is filled with N small records (``--block``
 bytes, 1 KiB by default, written through the tier's own batched ``write_blocks`` in big jobs, so
 they are valid kvtier records), and then a fresh interpreter opens a store on it and measures:
 
@@ -16,10 +17,11 @@ they are valid kvtier records), and then a fresh interpreter opens a store on it
   ``redis`` that is the server's ``SCAN``, which the open no longer runs);
 * ``rss_bytes_per_key``: the growth of the process's anonymous RSS (``RssAnon``: Python objects,
   not the mapped file) across that open, per record;
-* ``server_scan_s`` (``redis``): the CPU time the server spent in ``SCAN`` during that open (its
-  ``INFO commandstats``): 0 when the open read the tier's key log (``open_listing``: ``key log``,
-  see ``backends/redis_keylog.py``), else (``scan``) the part of ``open_s`` no client change can
-  cut on one server;
+* ``server_scan_s`` (``redis``, ``redis-cluster``): the CPU time the server (all primaries
+  together) spent in ``SCAN`` during that open (its ``INFO commandstats``): 0 when the open read
+  the tier's key log (``open_listing``: ``key log``, see ``backends/redis_keylog.py``; a
+  cluster's slot logs, ``backends/redis_slotlogs.py``: ``key log`` when every primary's were
+  read), else (``scan``) the part of ``open_s`` no client change can cut on one server;
 * ``lookup_us`` / ``lookup_miss_us``: one single-key ``lookup`` of a random held key / of an
   absent key (4096 distinct keys, each probed once a round, best of 5 warm rounds);
   ``lookup64_us_per_key``: a 64-key batched lookup, per key. ``dict_*``: the same probes of a
@@ -62,10 +64,12 @@ FILL_JOB = 8192  # records per write_blocks call while filling
 LOOKUP_SAMPLE = 4096
 EVICT_ROUNDS = 400
 EVICT_BATCH = 16
-TIERS = ("lmdb", "file", "redis")
+TIERS = ("lmdb", "file", "redis", "redis-cluster")
+#: The tiers on private redis servers: a standalone server, and a cluster of three primaries.
+REDIS_TIERS = ("redis", "redis-cluster")
 #: Bytes of capacity per record: room for the record and its tier's own overhead (an LMDB leaf
 #: entry and B-tree pages, a file's inode-backed block, Redis's per-key memory), so N fit.
-PER_RECORD = {"lmdb": 5 * BLOCK, "file": 4 * BLOCK, "redis": 2 * BLOCK}
+PER_RECORD = {"lmdb": 5 * BLOCK, "file": 4 * BLOCK, "redis": 2 * BLOCK, "redis-cluster": 2 * BLOCK}
 
 
 def _key(i: int) -> bytes:
@@ -213,8 +217,8 @@ def _sample(n: int, k: int, seed: int = 1) -> list[int]:
 def tier_config(tier: str, root: str, n: int, url: str | None, sync_mode: str = "durable") -> dict[str, Any]:
     capacity = n * PER_RECORD[tier] + (64 << 20)
     spec: dict[str, Any] = {"backend": tier, "capacity": capacity}
-    if tier == "redis":
-        spec.update(url=url, prefix="scale")
+    if tier in REDIS_TIERS:
+        spec.update(backend="redis", url=url, prefix="scale", cluster=tier == "redis-cluster")
     else:
         spec.update(path=os.path.join(root, tier), sync_mode=sync_mode)
     return {"block_bytes": BLOCK, "tiers": [spec], "flush_on_close_s": 0}
@@ -280,7 +284,8 @@ async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
         }
         if scan_usec is not None:
             out["server_scan_s"] = round(scan_usec / 1e6, 4)
-            out["open_listing"] = "key log" if store.backends[0].stats()["key_log"]["opens"] else "scan"
+            logs = store.backends[0].stats()["key_log"]
+            out["open_listing"] = "key log" if logs["opens"] and not logs["fallbacks"] else "scan"
         out.update(_lookup_figures(manager, held, absent))
         out.update(_evict_figure(manager))
         return out
@@ -289,17 +294,25 @@ async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def _server_scan_usec(config: dict[str, Any]) -> int | None:
-    """Microseconds the redis tier's server has spent in ``SCAN`` (``None`` for other tiers)."""
+    """Microseconds the redis tier's server (a cluster's primaries together) has spent in ``SCAN``
+    (``None`` for other tiers)."""
     url = config["tiers"][0].get("url")
     if config["tiers"][0]["backend"] != "redis" or url is None:
         return None
+    return sum(int(node.info("commandstats").get("cmdstat_scan", {}).get("usec", 0)) for node in _redis_nodes(url))
+
+
+def _redis_nodes(url: str) -> list[Any]:
+    """A client of each primary behind ``url`` (the server itself, or each cluster primary)."""
     import redis
+    from redis.cluster import RedisCluster
 
     client = redis.Redis.from_url(url)
-    try:
-        return int(client.info("commandstats").get("cmdstat_scan", {}).get("usec", 0))
-    finally:
-        client.close()
+    if not client.info("cluster").get("cluster_enabled"):
+        return [client]
+    client.close()
+    cluster = RedisCluster.from_url(url)
+    return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]
 
 
 # -- the index alone ---------------------------------------------------------------------------
@@ -390,13 +403,9 @@ def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeou
 
 
 def _flush_redis(url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushall()
-    finally:
-        client.close()
+    for node in _redis_nodes(url):
+        node.flushall()
+        node.close()
 
 
 def table(result: dict[str, Any]) -> str:
@@ -448,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dir", default=None, help="where the lmdb and file tiers are filled (default: a temporary folder)")
     ap.add_argument("--sizes", default=None, help="record counts per tier (default 10^4,10^5,10^6)")
     ap.add_argument("--index-sizes", default=None, help="record counts for the index alone (default 10^4 .. 10^7)")
-    ap.add_argument("--tiers", default=",".join(TIERS), help="tiers to fill: lmdb,file,redis")
+    ap.add_argument("--tiers", default=",".join(TIERS), help="tiers to fill: lmdb,file,redis,redis-cluster")
     ap.add_argument("--png", default=None, help="also draw the curves into this PNG (needs matplotlib)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one point may take")
     ap.add_argument("--measure-tier", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
@@ -473,20 +482,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["tiers"]["index"] = index_points
     print(f"bench_scale: index: {index_points}", file=sys.stderr, flush=True)
     root = tempfile.mkdtemp(prefix="kvtier-scale-", dir=args.dir)
-    server = None
+    server: Any = None
     try:
         for tier in tiers:
             url = None
-            if tier == "redis":
-                from kvtier.tools.servers import RedisServer, server_version
+            if tier in REDIS_TIERS:
+                from kvtier.tools.servers import REDIS_CLI, RedisClusterServers, RedisServer, server_version
 
-                if server_version() is None:
-                    result["skipped"]["redis"] = "redis-server is not on PATH"
+                if server_version() is None or REDIS_CLI is None:
+                    result["skipped"][tier] = "redis-server is not on PATH"
                     continue
-                memory = max(1 << 30, 3 * max(sizes) * PER_RECORD["redis"])
-                server = RedisServer(Path(root) / "redis", extra=("--maxmemory", str(memory))).start()
+                memory = max(1 << 30, 3 * max(sizes) * PER_RECORD[tier])
+                extra = ("--maxmemory", str(memory))
+                if tier == "redis":
+                    server = RedisServer(Path(root) / tier, extra=extra).start()
+                else:
+                    server = RedisClusterServers(Path(root) / tier, extra=extra)
+                    server.start()
                 url = server.url
-            result["tiers"][tier] = run_tier(tier, sizes, root, url, args.timeout)
+            try:
+                result["tiers"][tier] = run_tier(tier, sizes, root, url, args.timeout)
+            finally:
+                if server is not None:
+                    server.stop()
+                    server = None
     finally:
         if server is not None:
             server.stop()

@@ -24,7 +24,10 @@ def test_the_quick_scale_benchmark_reports_every_tier_and_size(tmp_path: Path) -
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = {"index", "lmdb", "file"} | ({"redis"} if server_version() is not None else set())
+    from kvtier.tools.servers import REDIS_CLI
+
+    redis = server_version() is not None
+    expected = {"index", "lmdb", "file"} | ({"redis"} if redis else set()) | ({"redis-cluster"} if redis and REDIS_CLI else set())
     assert set(result["tiers"]) == expected, result.get("skipped")
     for tier, points in result["tiers"].items():
         assert [p["records"] for p in points] == [1000, 10_000], (tier, points)
@@ -38,7 +41,7 @@ def test_the_quick_scale_benchmark_reports_every_tier_and_size(tmp_path: Path) -
             else:
                 assert p["open_s"] > 0 and p["open_s_per_million"] == pytest.approx(p["open_s"] / p["records"] * 1e6, rel=0.02)
                 assert p["listed"] == p["records"]  # every record written is listed and adopted
-                if tier == "redis":  # the open read the key log: no SCAN on the server
+                if tier in ("redis", "redis-cluster"):  # the open read the key log(s): no SCAN on the server
                     assert p["open_listing"] == "key log" and p["server_scan_s"] >= 0, p
                 else:
                     assert "server_scan_s" not in p and "open_listing" not in p

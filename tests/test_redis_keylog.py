@@ -18,7 +18,7 @@ import torch
 from kvtier.backends import redis_keylog
 from kvtier.backends.redis_keylog import DELETED, HEADER_BYTES, KEYLOG_SUFFIX, MAGIC, STORED
 from kvtier.backends.redis_tier import RedisBackend
-from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
+from redis_servers import RedisServer, open_redis_tier
 
 from kvtier.testing import make_key, random_block
 
@@ -285,7 +285,7 @@ def test_a_refused_append_fails_no_write(redis_server: RedisServer, monkeypatch:
     writes it again)."""
     backend = _open(b"keylog-refused", redis_server.url)
     refused = b"*2\r\n$13\r\nNOSUCHCOMMAND\r\n$1\r\nx\r\n"  # answered with an error, as a denied APPEND is
-    monkeypatch.setattr(redis_keylog.KeyLog, "append_command", lambda self, keys: refused)
+    monkeypatch.setattr(redis_keylog.KeyLog, "append_commands", lambda self, keys: (refused, 1))
     try:
         keys = [make_key(i) for i in range(10)]
         _write(backend, keys)
@@ -319,21 +319,6 @@ def test_a_server_that_dies_while_the_log_is_read_leaves_the_tier_empty(
         assert not stats["up"] and stats["outages"] == 1
     finally:
         _close(reader)
-
-
-def test_a_cluster_keeps_no_log_and_opens_with_scan(redis_cluster: RedisClusterServers) -> None:
-    """A Redis Cluster's tier writes no log; its open lists every primary with SCAN."""
-    backend = _open(b"keylog-cluster", redis_cluster.url, cluster=True)
-    try:
-        keys = [make_key(i) for i in range(60)]
-        _write(backend, keys)
-        assert sorted(backend.scan_columns().keys) == sorted(keys)
-        stats = backend.stats()["key_log"]
-        assert not stats["enabled"] and stats["opens"] == stats["fallbacks"] == 0
-        client = backend._get_client()
-        assert client.exists(backend._prefix_bytes + KEYLOG_SUFFIX) == 0
-    finally:
-        _close(backend)
 
 
 def test_stores_of_two_threads_all_reach_the_log(redis_server: RedisServer) -> None:

@@ -132,6 +132,7 @@ def redis_keys(index: int, backend: Any, tenant: str | None = None) -> list[Doom
 def _redis_tenant(index: int, backend: Any, client: Any, nodes: list[Any], patterns: list[str], tenant: str) -> list[Doomed]:
     """``tenant``'s records of a redis tier, by the tags hash of each namespace under its prefixes."""
     from kvtier.backends.redis_keylog import DELETED, KEYLOG_SUFFIX, entries_of
+    from kvtier.backends.redis_slotlogs import slot_entries
     from kvtier.backends.redis_tags import PINS_SUFFIX, TAGS_SUFFIX, read_redis_tags
 
     found: list[tuple[bytes, list[bytes]]] = []  # (namespace prefix, record keys)
@@ -150,8 +151,9 @@ def _redis_tenant(index: int, backend: Any, client: Any, nodes: list[Any], patte
             for i in range(0, len(keys), 500):
                 part = keys[i : i + 500]
                 gone += sum(int(client.unlink(prefix + key)) for key in part)  # one slot per key in a cluster
-                if not backend.cluster:  # the next open's key log replays the deletions
-                    client.append(prefix + KEYLOG_SUFFIX, entries_of(part, DELETED))
+                # the next open's key log (a cluster's slot logs) replays the deletions
+                for name, entries in slot_entries(prefix, part, DELETED) if backend.cluster else [(prefix + KEYLOG_SUFFIX, entries_of(part, DELETED))]:
+                    client.append(name, entries)
                 client.hdel(prefix + TAGS_SUFFIX, *part)
                 client.srem(prefix + PINS_SUFFIX, *part)
         client.close()

@@ -1,0 +1,465 @@
+"""The redis tier's key logs on a Redis Cluster, one per hash slot: a store's open reads each
+primary's logs instead of a ``SCAN``, and lists a primary with ``SCAN`` whenever its logs cannot
+be trusted (see ``backends/redis_slotlogs.py``).
+
+Against real private 3-primary clusters (tests/redis_servers.py). Each test compares the logs'
+open with the general listing (``SCAN`` through redis-py on every primary) of the same cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis
+import torch
+from kvtier.backends import redis_slotlogs
+from kvtier.backends.redis_keylog import HEADER_BYTES, MAGIC
+from kvtier.backends.redis_slotlogs import SLOTS, SlotLogs, slot_tags
+from kvtier.backends.redis_tier import RedisBackend
+from redis.crc import key_slot
+from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
+
+from kvtier.testing import make_key, random_block
+
+BLOCK = 1024
+
+
+def _open(namespace: bytes, url: str) -> RedisBackend:
+    """A cluster tier opened as a store opens it (its listing taken: a new namespace's slot logs
+    are begun)."""
+    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url, cluster=True)
+    backend.scan_columns()
+    return backend
+
+
+def _opened(namespace: bytes, url: str) -> tuple[RedisBackend, list[bytes], dict[str, Any]]:
+    """A second tier on the same namespace, its open's keys and its slot logs' counters."""
+    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url, cluster=True)
+    keys = backend.scan_columns().keys
+    return backend, keys, backend.stats()["key_log"]
+
+
+def _close(backend: RedisBackend) -> None:
+    asyncio.run(backend.aclose())
+
+
+def _write(backend: RedisBackend, keys: list[bytes]) -> None:
+    assert all(s is not None for s in backend.write_blocks(keys, [random_block(BLOCK, i) for i in range(len(keys))]))
+
+
+def _general(backend: RedisBackend) -> set[bytes]:
+    return {key for key in map(backend.block_key, backend._list_keys()) if key is not None}
+
+
+def _logs(backend: RedisBackend) -> SlotLogs:
+    assert isinstance(backend._keylog, SlotLogs)
+    return backend._keylog
+
+
+def _no_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any SCAN of the records (the tier's sweep listing, or a primary's fallback) fails the test."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("SCAN")
+
+    monkeypatch.setattr(RedisBackend, "_list_block_keys", refuse)
+    monkeypatch.setattr(redis_slotlogs, "scan_block_keys", refuse)
+
+
+def _owned(node: RedisServer) -> set[int]:
+    """The slots ``node`` serves, by its own ``CLUSTER NODES``."""
+    slots: set[int] = set()
+    for line in node.cli("cluster", "nodes").splitlines():
+        fields = line.split()
+        if "myself" in fields[2]:
+            for part in fields[8:]:
+                lo, _, hi = part.partition("-")
+                if lo.isdigit():
+                    slots.update(range(int(lo), int(hi or lo) + 1))
+    return slots
+
+
+def _owns(node: RedisServer, slot: int) -> bool:
+    return slot in _owned(node)
+
+
+def test_every_slot_logs_name_hashes_to_its_slot(redis_cluster: RedisClusterServers) -> None:
+    """The tag table (CRCs computed as columns) is the one its definition gives, a CRC at a time:
+    each slot's smallest integer; it covers every slot once, and the server agrees on names."""
+    tags = slot_tags()
+    assert len(tags) == SLOTS and len(set(tags)) == SLOTS
+    smallest: dict[int, bytes] = {}
+    n = 0
+    while len(smallest) < SLOTS:
+        smallest.setdefault(key_slot(b"%d" % n), b"%d" % n)
+        n += 1
+    assert tags == tuple(smallest[slot] for slot in range(SLOTS))
+    backend = _open(b"slotlogs-names", redis_cluster.url)
+    try:
+        logs = _logs(backend)
+        assert all(key_slot(logs.name(slot)) == slot for slot in range(SLOTS))
+        client = redis.Redis(port=redis_cluster.nodes[0].port)
+        for slot in (0, 1, 5461, 10923, SLOTS - 1):
+            assert int(client.execute_command("CLUSTER", "KEYSLOT", logs.name(slot))) == slot
+        client.close()
+    finally:
+        _close(backend)
+
+
+def test_an_open_reads_the_slot_logs_and_lists_what_scan_does(
+    redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys written in several jobs, some deleted and one stored again, open from every primary's
+    logs (no SCAN), as the set a SCAN lists; the records read back byte-exact."""
+    writer = _open(b"slotlogs-read", redis_cluster.url)
+    try:
+        keys = [make_key(i) for i in range(300)]
+        for start in range(0, 300, 70):
+            _write(writer, keys[start : start + 70])
+        writer.delete_blocks(keys[:20])
+        _write(writer, keys[5:6])
+        _no_scan(monkeypatch)
+        reader, opened, counters = _opened(b"slotlogs-read", redis_cluster.url)
+        monkeypatch.undo()
+        try:
+            live = keys[5:6] + keys[20:]
+            assert sorted(opened) == sorted(live) == sorted(_general(reader))
+            assert counters["opens"] == 3 and counters["fallbacks"] == 0 and counters["rewrites"] == 0
+            out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(4)]
+            assert reader.read_blocks([keys[5], *keys[20:23]], out) == [True] * 4
+            # keys[5] was stored again alone (its job's first block); keys[20:23] in the first job
+            for row, seed in zip(out, (0, 20, 21, 22)):
+                assert torch.equal(row, random_block(BLOCK, seed).view(torch.uint8))
+        finally:
+            _close(reader)
+    finally:
+        _close(writer)
+
+
+def _damage(client: Any, name: bytes, damage: str) -> None:
+    if damage == "missing":
+        client.delete(name)
+    elif damage == "headerless":
+        client.delete(name)
+        client.append(name, b"+" + b"k" * 32)  # an APPEND begins a value without a header
+    elif damage == "torn":
+        client.append(name, b"x" * 7)
+    elif damage == "wrong type":
+        client.delete(name)
+        client.sadd(name, b"k")
+    else:  # an entry that is neither stored nor deleted
+        client.setrange(name, HEADER_BYTES, b"?")
+
+
+@pytest.mark.parametrize("damage", ["missing", "headerless", "torn", "wrong type", "bad entry"])
+def test_a_primary_with_an_untrusted_slot_log_falls_back_to_scan(redis_cluster: RedisClusterServers, damage: str) -> None:
+    """One slot log damaged: its primary is listed with SCAN and its logs written again, the two
+    others read their logs; the open adopts exactly the records, and the next open reads all."""
+    namespace = b"slotlogs-untrusted-" + damage.encode()
+    writer = _open(namespace, redis_cluster.url)
+    client = writer._get_client()
+    try:
+        keys = [make_key(i) for i in range(120)]
+        _write(writer, keys)
+        _damage(client, _logs(writer).name(key_slot(writer.remote_key(keys[0]))), damage)
+        reader, opened, counters = _opened(namespace, redis_cluster.url)
+        try:
+            assert sorted(opened) == sorted(keys) == sorted(_general(reader))
+            assert counters["fallbacks"] == 1 and counters["opens"] == 2 and counters["rewrites"] >= SLOTS // 4
+            assert counters["last_problem"] is not None
+        finally:
+            _close(reader)
+        again, opened, counters = _opened(namespace, redis_cluster.url)
+        try:
+            assert sorted(opened) == sorted(keys) and counters["opens"] == 3 and counters["fallbacks"] == 0
+        finally:
+            _close(again)
+    finally:
+        _close(writer)
+
+
+def test_an_older_store_without_slot_logs_is_listed_and_logged(
+    redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records stored by a build that kept no cluster logs: every primary is listed with SCAN,
+    exactly the records are adopted, every slot's log is begun, and the next open reads them."""
+    monkeypatch.setattr(SlotLogs, "append_commands", lambda self, keys, op=b"": (b"", 0))
+    monkeypatch.setattr(SlotLogs, "open_table", lambda self, listing: listing(None))
+    writer = open_redis_tier(b"slotlogs-older", BLOCK, url=redis_cluster.url, cluster=True)
+    try:
+        keys = [make_key(i) for i in range(90)]
+        _write(writer, keys)
+        assert sorted(writer.scan_columns().keys) == sorted(keys)
+    finally:
+        _close(writer)
+    monkeypatch.undo()
+    reader, opened, counters = _opened(b"slotlogs-older", redis_cluster.url)
+    try:
+        assert sorted(opened) == sorted(keys) and counters["fallbacks"] == 3 and counters["rewrites"] == SLOTS
+        assert "no key log" in counters["last_problem"]
+    finally:
+        _close(reader)
+    _no_scan(monkeypatch)
+    again, opened, counters = _opened(b"slotlogs-older", redis_cluster.url)
+    try:
+        assert sorted(opened) == sorted(keys) and counters["opens"] == 3
+    finally:
+        _close(again)
+
+
+def test_records_lost_behind_the_logs_back_are_misses_never_other_bytes(redis_cluster: RedisClusterServers) -> None:
+    """A few records the server evicted while their logs still name them: the open adopts them,
+    their loads miss (the others load byte-exact), the first sweep is asked for at once and
+    forgets them."""
+    writer = _open(b"slotlogs-evicted", redis_cluster.url)
+    client = writer._get_client()
+    try:
+        keys = [make_key(i) for i in range(40)]
+        _write(writer, keys)
+        for key in keys[:3]:
+            client.unlink(writer.remote_key(key))
+        reader, opened, counters = _opened(b"slotlogs-evicted", redis_cluster.url)
+        try:
+            assert sorted(opened) == sorted(keys) and counters["opens"] == 3 and counters["sampled_gone"] == 3
+            assert reader.follower is not None and reader.follower.view._wake.is_set()
+            out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(5)]
+            assert reader.read_blocks(keys[:5], out) == [False, False, False, True, True]
+            assert torch.equal(out[3], random_block(BLOCK, 3).view(torch.uint8))
+            assert torch.equal(out[4], random_block(BLOCK, 4).view(torch.uint8))
+            assert reader._sweep() == set(keys[3:])
+        finally:
+            _close(reader)
+    finally:
+        _close(writer)
+
+
+def test_a_restarted_primary_that_lost_its_data_is_listed_with_scan(own_redis_cluster: RedisClusterServers) -> None:
+    """A primary restarted without its data (persistence off) has no slot logs: it is listed
+    with SCAN (nothing), the others read their logs; the open adopts the records that are left,
+    and the lost ones are never served."""
+    writer = _open(b"slotlogs-restart", own_redis_cluster.url)
+    try:
+        keys = [make_key(i) for i in range(120)]
+        _write(writer, keys)
+    finally:
+        _close(writer)
+    node = own_redis_cluster.nodes[1]
+    owned = _owned(node)
+    lost = {key for key in keys if key_slot(writer.remote_key(key)) in owned}
+    assert 0 < len(lost) < len(keys)
+    node.kill()
+    node.start()
+    deadline = time.monotonic() + 30
+    while not all("cluster_state:ok" in n.cli("cluster", "info") for n in own_redis_cluster.nodes):
+        assert time.monotonic() < deadline, "the cluster did not come back"
+        time.sleep(0.1)
+    reader, opened, counters = _opened(b"slotlogs-restart", own_redis_cluster.url)
+    try:
+        assert sorted(opened) == sorted(set(keys) - lost) == sorted(_general(reader))
+        assert counters["fallbacks"] == 1 and counters["opens"] == 2
+        out = [torch.zeros(BLOCK, dtype=torch.uint8)]
+        assert reader.read_blocks([next(iter(lost))], out) == [False]
+    finally:
+        _close(reader)
+    again, opened, counters = _opened(b"slotlogs-restart", own_redis_cluster.url)
+    try:
+        assert sorted(opened) == sorted(set(keys) - lost) and counters["opens"] == 3
+    finally:
+        _close(again)
+
+
+def _move_slot(cluster: RedisClusterServers, slot: int, source: RedisServer, target: RedisServer) -> None:
+    """Migrate ``slot`` from ``source`` to ``target`` as ``redis-cli --cluster reshard`` does."""
+    src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
+    try:
+        src_id, dst_id = src.execute_command("CLUSTER", "MYID"), dst.execute_command("CLUSTER", "MYID")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+        for node in cluster.nodes:
+            redis.Redis(port=node.port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_slot_that_moved_carries_its_log_with_it(
+    own_redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resharding: a slot migrated to another primary takes its log along with its records (the
+    same slot), so the next open reads it there, without a SCAN, and adopts exactly the records."""
+    writer = _open(b"slotlogs-moved", own_redis_cluster.url)
+    try:
+        keys = [make_key(i) for i in range(60)]
+        _write(writer, keys)
+        slot = key_slot(writer.remote_key(keys[0]))
+        name = _logs(writer).name(slot)
+    finally:
+        _close(writer)
+    source = next(n for n in own_redis_cluster.nodes if _owns(n, slot))
+    target = next(n for n in own_redis_cluster.nodes if n is not source)
+    _move_slot(own_redis_cluster, slot, source, target)
+    assert _owns(target, slot) and redis.Redis(port=target.port).exists(name) == 1
+    _no_scan(monkeypatch)
+    reader, opened, counters = _opened(b"slotlogs-moved", own_redis_cluster.url)
+    try:
+        assert sorted(opened) == sorted(keys) and counters["opens"] == 3 and counters["fallbacks"] == 0
+        out = [torch.zeros(BLOCK, dtype=torch.uint8)]
+        assert reader.read_blocks(keys[:1], out) == [True]
+        assert torch.equal(out[0], random_block(BLOCK, 0).view(torch.uint8))
+    finally:
+        monkeypatch.undo()
+        _close(reader)
+
+
+def test_a_slot_mid_migration_is_listed_with_scan(own_redis_cluster: RedisClusterServers) -> None:
+    """A slot whose log has moved while the slot map still names the source (a migration under
+    way): the source answers ASK for the log, so that primary is listed with SCAN, never read
+    from a log of the wrong node; the open adopts only records a primary holds."""
+    writer = _open(b"slotlogs-migrating", own_redis_cluster.url)
+    try:
+        keys = [make_key(i) for i in range(60)]
+        _write(writer, keys)
+        slot = key_slot(writer.remote_key(keys[0]))
+        name = _logs(writer).name(slot)
+    finally:
+        _close(writer)
+    source = next(n for n in own_redis_cluster.nodes if _owns(n, slot))
+    target = next(n for n in own_redis_cluster.nodes if n is not source)
+    src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
+    try:
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src.execute_command("CLUSTER", "MYID"))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst.execute_command("CLUSTER", "MYID"))
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", name)  # the log first
+        reader, opened, counters = _opened(b"slotlogs-migrating", own_redis_cluster.url)
+        try:
+            assert counters["fallbacks"] == 1 and "ASK" in counters["last_problem"]
+            assert set(opened) <= set(keys) and len(opened) >= len(keys) - 1
+            out = [torch.zeros(BLOCK, dtype=torch.uint8)]
+            assert reader.read_blocks(keys[:1], out) in ([True], [False])
+            if out[0].any():
+                assert torch.equal(out[0], random_block(BLOCK, 0).view(torch.uint8))
+        finally:
+            _close(reader)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_sweep_rewrites_overgrown_and_damaged_slot_logs_and_keeps_appends_made_meanwhile(
+    redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys written again and again grow the logs past twice the live keys, and one slot's log is
+    damaged: the next sweep writes those logs again from its listing, and a job that stores keys
+    while that sweep lists is kept; the next open reads every primary's logs."""
+    monkeypatch.setattr(redis_slotlogs, "REWRITE_SLACK", 10)
+    backend = _open(b"slotlogs-rewrite", redis_cluster.url)
+    client = backend._get_client()
+    try:
+        keys = [make_key(i) for i in range(60)]
+        for _ in range(3):
+            _write(backend, keys)
+        damaged = key_slot(backend.remote_key(keys[1]))
+        client.append(_logs(backend).name(damaged), b"x")
+        before = backend.stats()["key_log"]["rewrites"]
+        late = [make_key(1000 + i) for i in range(8)]
+        listing = RedisBackend._list_block_keys
+
+        def listing_with_a_write(self: RedisBackend) -> Any:
+            batches = list(listing(self))
+            _write(backend, late)  # after the sweep read the logs' state, before the rewrite
+            return iter(batches)
+
+        monkeypatch.setattr(RedisBackend, "_list_block_keys", listing_with_a_write)
+        assert backend._sweep() == set(keys)
+        monkeypatch.setattr(RedisBackend, "_list_block_keys", listing)
+        rewrites = backend.stats()["key_log"]["rewrites"] - before
+        slots = {key_slot(backend.remote_key(k)) for k in keys}
+        assert len(slots) <= rewrites <= len(slots | {damaged})
+        states = _logs(backend).sweep_state()
+        assert states is not None
+        assert all(s.problem(33) is None for s in states.values())
+        assert sum(s.entries(33) for s in states.values()) == len(keys) + len(late)
+        assert backend._sweep() == set(keys + late)  # under twice the keys now: left alone
+        assert backend.stats()["key_log"]["rewrites"] - before == rewrites
+        _no_scan(monkeypatch)
+        reader, opened, counters = _opened(b"slotlogs-rewrite", redis_cluster.url)
+        try:
+            assert sorted(opened) == sorted(keys + late) and counters["opens"] == 3
+        finally:
+            _close(reader)
+    finally:
+        _close(backend)
+
+
+def test_a_rewrite_that_another_came_before_is_dropped(redis_cluster: RedisClusterServers) -> None:
+    """Two hosts rewrite a slot log from the same state: the second finds the header changed and
+    leaves the first's log; a log whose header a rewrite began keeps its later appends."""
+    backend = _open(b"slotlogs-two-rewrites", redis_cluster.url)
+    client = backend._get_client()
+    try:
+        keys = [make_key(i) for i in range(20)]
+        _write(backend, keys)
+        logs = _logs(backend)
+        slot = key_slot(backend.remote_key(keys[0]))
+        mine = [k for k in keys if key_slot(backend.remote_key(k)) == slot]
+        states = logs.sweep_state()
+        assert states is not None
+        state = {slot: states[slot]}
+        node = client.get_redis_connection(client.nodes_manager.get_node_from_slot(slot))
+        list(logs._on_node(node, lambda wire: logs._rewrite(wire, state, {slot: mine})))
+        first = bytes(client.get(logs.name(slot)))
+        assert first.startswith(MAGIC) and first[HEADER_BYTES:] == b"".join(b"+" + k for k in mine)
+        list(logs._on_node(node, lambda wire: logs._rewrite(wire, state, {slot: []})))
+        assert bytes(client.get(logs.name(slot))) == first
+    finally:
+        _close(backend)
+
+
+def test_a_sweep_reads_the_live_primaries_logs_only(own_redis_cluster: RedisClusterServers) -> None:
+    """A dead primary in its backoff: the sweep's state holds the live primaries' slot logs, and
+    the sweep lists their records and rewrites nothing of the dead one's."""
+    backend = _open(b"slotlogs-down", own_redis_cluster.url)
+    try:
+        keys = [make_key(i) for i in range(60)]
+        _write(backend, keys)
+        dead = own_redis_cluster.nodes[2]
+        dead_slots = _owned(dead)
+        gone = {k for k in keys if key_slot(backend.remote_key(k)) in dead_slots}
+        dead.kill()
+        backend._sweep()
+        health = backend._nodes.health[f"127.0.0.1:{dead.port}"]
+        assert not health.up
+        health._retry_at = float("inf")  # its backoff has not run out
+        states = backend._keylog.sweep_state()
+        assert states is not None and len(states) == SLOTS - len(dead_slots)
+        assert all(s.problem(33) is None for s in states.values())
+        assert backend._sweep() == set(keys) - gone
+        assert backend.stats()["key_log"]["rewrite_failures"] == 0
+    finally:
+        _close(backend)
+
+
+def test_clearing_a_tenant_logs_its_deletions_in_the_slot_logs(redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvtier clear --tenant`` on a cluster appends the records it deleted to their slot logs:
+    the next open, read from the logs, leaves them out."""
+    from kvtier.tools.clear import redis_keys
+
+    backend = _open(b"slotlogs-clear-tenant", redis_cluster.url)
+    try:
+        keys = [make_key(i) for i in range(40)]
+        _write(backend, keys)
+        backend.write_tags([(k, "chat") for k in keys[:10]] + [(k, "batch") for k in keys[10:]], [])
+        doomed = redis_keys(0, backend, "chat")
+        assert len(doomed) == 1 and doomed[0].delete() == 10
+    finally:
+        _close(backend)
+    _no_scan(monkeypatch)
+    reader, opened, counters = _opened(b"slotlogs-clear-tenant", redis_cluster.url)
+    try:
+        assert sorted(opened) == sorted(keys[10:]) and counters["opens"] == 3
+    finally:
+        _close(reader)
