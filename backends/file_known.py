@@ -5,20 +5,21 @@ written since. Where every listed record has the same stored size (a store witho
 the listed keys are held as one sorted list of the listing's own ``bytes`` objects, the ones
 the manager's index holds too (8 bytes a key, searched by bisection), their common size once
 and their stamps in one array beside them (8 bytes a key); a listed key deleted, forgotten or
-rewritten since goes into a small set, and a key written since the open into a dict (its stamp
-into another). Listed records of differing sizes (a compressing codec) go into those dicts. A
-dict of every listed key (about 52 bytes a key at 10^5, beside the manager's own index of the
+rewritten since goes into a small set, and a key written since the open into a dict. Listed
+records of differing sizes (a compressing codec) go into that dict, their stamps into another.
+A dict of every listed key (about 52 bytes a key at 10^5, beside the manager's own index of the
 same keys) is what this replaces.
 
-The stamps (the listing's, then each write's time and each :meth:`KnownRecords.touch`) are what
-the tier's table of records (:mod:`kvtier.backends.file_table`) saves at a clean close.
+The listed records' stamps (the listing's, then each :meth:`KnownRecords.touch`) are what the
+tier's table of records (:mod:`kvtier.backends.file_table`) saves at a clean close; a record
+written since the open keeps no stamp here (its file's mtime is its write or its last touch,
+read at that close).
 """
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 
 import numpy as np
@@ -57,7 +58,7 @@ class KnownRecords:
         self._listed_stamps = np.empty(0, dtype=np.float64)  # _listed[i]'s stamp
         self._gone: set[bytes] = set()  # listed keys deleted, forgotten or rewritten since
         self._fresh: dict[bytes, int] = {}  # the other known keys (none of them listed and not gone)
-        self._fresh_stamps: dict[bytes, float] = {}  # their stamps
+        self._fresh_stamps: dict[bytes, float] = {}  # the stamps of listed records of differing sizes
 
     def adopt(self, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray | None = None) -> None:
         """Take a listing's keys, stored sizes and stamps (``stored[i]`` is ``keys[i]``'s; no
@@ -89,15 +90,16 @@ class KnownRecords:
         return self._listed_size if self._at(key) >= 0 else default
 
     def set(self, key: bytes, size: int) -> None:
-        """``key`` is (being) written with ``size`` stored bytes: its stamp is now."""
+        """``key`` is (being) written with ``size`` stored bytes (its stamp is its file's)."""
         if key not in self._fresh and self._at(key) >= 0:
             self._leave(key)  # from now on known as written since the open
         self._fresh[key] = size
-        self._fresh_stamps[key] = time.time()
+        self._fresh_stamps.pop(key, None)
 
     def touch(self, key: bytes, stamp: float) -> None:
-        """``key``'s access stamp is ``stamp`` (a key not known is left unknown)."""
-        if key in self._fresh:
+        """``key``'s access stamp is ``stamp`` (kept for a listed key; a key written since the
+        open, or not known, keeps none)."""
+        if key in self._fresh_stamps:
             self._fresh_stamps[key] = stamp
         elif (i := self._at(key)) >= 0:
             self._listed_stamps[i] = stamp
@@ -123,15 +125,24 @@ class KnownRecords:
             self._listed_stamps = self._listed_stamps[keep]
             self._gone = set()
 
-    def columns(self) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        """Every known key in key order, with its stored size and stamp."""
+    def columns(self, stamp_of: Callable[[bytes], float | None]) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """Every known key in key order, with its stored size and stamp; ``stamp_of(key)``
+        gives the stamp of a key written since the open (``None``: it has no record, and is
+        left out)."""
         gone = self._gone
         keep = [i for i, k in enumerate(self._listed) if k not in gone] if gone else None
         listed = self._listed if keep is None else [self._listed[i] for i in keep]
-        fresh = sorted(self._fresh)
+        fresh, fresh_stamps = [], []
+        for key in sorted(self._fresh):
+            stamp = self._fresh_stamps.get(key)
+            if stamp is None:
+                stamp = stamp_of(key)
+            if stamp is not None:
+                fresh.append(key)
+                fresh_stamps.append(stamp)
         keys = listed + fresh  # two sorted runs: one merge
         stored = np.concatenate([np.full(len(listed), self._listed_size, dtype=np.int64), np.array([self._fresh[k] for k in fresh], dtype=np.int64)])
-        stamps = np.concatenate([self._listed_stamps if keep is None else self._listed_stamps[keep], np.array([self._fresh_stamps[k] for k in fresh], dtype=np.float64)])
+        stamps = np.concatenate([self._listed_stamps if keep is None else self._listed_stamps[keep], np.array(fresh_stamps, dtype=np.float64)])
         order = _key_order(keys)
         if order is None:
             return keys, stored, stamps

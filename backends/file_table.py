@@ -23,16 +23,19 @@ case above.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from stat import S_ISREG
 
 import numpy as np
 import xxhash
 from kvtier.backends.file_known import KnownRecords
+from kvtier.backends.file_tree import FileTree, Layout
 
 from kvtier.bulk import RecordColumns
 
@@ -219,12 +222,29 @@ def open_listing(
     return columns
 
 
-def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, durable: bool, temp: str) -> None:
-    """Write the table of the records ``known`` holds (taken under ``lock``) for the next open;
+def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, layout: Layout, durable: bool, temp: str) -> None:
+    """Write the table of the records ``known`` holds (taken under ``lock``; a record written
+    since the open has its file's stamp, and is left out if it is not there) for the next open;
     a table that cannot be written is logged (that open lists every record)."""
     with lock:
-        keys, stored, stamps = known.columns()
+        keys, stored, stamps = known.columns(functools.partial(_stamp, root, layout))
     try:
         write_table(root, keys, stored, stamps, durable=durable, temp=temp)
     except OSError as exc:
         log.warning("file: the table of records under %s cannot be written (%s); the next open lists every record", root, exc)
+
+
+def _stamp(root: str, layout: Layout, key: bytes) -> float | None:
+    """The mtime of ``key``'s record under ``root``, reached without following a symlink;
+    ``None`` if it is not a regular file there."""
+    try:
+        leaf = FileTree._leaf_at(root, key, layout=layout)
+        if leaf is None:
+            return None
+        try:
+            st = os.stat(leaf[1], dir_fd=leaf[0], follow_symlinks=False)
+        finally:
+            os.close(leaf[0])
+    except OSError:
+        return None
+    return st.st_mtime if S_ISREG(st.st_mode) else None

@@ -240,7 +240,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         if self.follower is not None:
             await asyncio.to_thread(self._stop_following)
         elif self._beneath is not None and not self.shared:  # opened: the table of records for the next open
-            await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, durable=self.sync_mode == "durable", temp=self._temp_name(os.path.join(self._root, TABLE_NAME)))
+            temp = self._temp_name(os.path.join(self._root, TABLE_NAME))
+            await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, layout=self.store_layout, durable=self.sync_mode == "durable", temp=temp)
         with self._lock:
             self._sizes.clear()
             self._listed = None
@@ -343,10 +344,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             self.counters.write_failures += 1
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Plain records (no MAC) are read in one pass, three system calls each
-        (:class:`~kvtier.backends.file_reads.PlainReads`); the rest by :meth:`_read_each`. Every
-        failure is a miss for its key alone; a bad record is deleted. A job of one plain
-        record takes :meth:`~kvtier.backends.file_reads.PlainReads.read_one` first."""
+        """Plain records (no MAC) are read in one pass, three system calls each (``PlainReads``;
+        a job of one, ``read_one``); the rest by :meth:`_read_each`. Every failure is a miss for
+        its key alone; a bad record is deleted."""
         if len(keys) == 1 and (plain := self._plain) is not None and PLAIN_READS and len(out) == 1:
             if (hit := plain.read_one(keys[0], out[0], self.counters)) is not None:
                 if self.follower is not None:

@@ -61,13 +61,11 @@ def test_keys_sharing_their_first_eight_bytes_are_sorted_as_bytes() -> None:
 
 
 @pytest.mark.parametrize("uniform", [True, False])
-def test_known_stamps_follow_adopt_writes_touches_and_pops_as_a_dict_does(uniform: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each known key's stamp (the listing's, a write's time, a touch's) comes back from
-    ``columns`` in key order, with its size, through the listing's rebuilds."""
-    from kvtier.backends import file_known
-
-    clock = iter(range(10**6))
-    monkeypatch.setattr(file_known.time, "time", lambda: float(next(clock)))
+def test_known_stamps_follow_adopt_writes_touches_and_pops_as_a_dict_does(uniform: bool) -> None:
+    """Each known key's stamp comes back from ``columns`` in key order, with its size, through
+    the listing's rebuilds: a listed key's (the listing's, then its touches), and for a key
+    written since the open the stamp its file has (asked of ``stamp_of``; a key whose file is
+    not there is left out)."""
     rng = random.Random(11)
     listed = [make_key(i) for i in range(0, 400, 2)]
     rng.shuffle(listed)
@@ -76,22 +74,29 @@ def test_known_stamps_follow_adopt_writes_touches_and_pops_as_a_dict_does(unifor
     known = KnownRecords()
     known.adopt(listed, np.array(sizes, dtype=np.int64), np.array(stamps))
     model = {k: (n, s) for k, n, s in zip(listed, sizes, stamps)}
-    now = 0.0
-    for _ in range(3000):
+    files: dict[bytes, float] = {}  # the mtimes of the records written since the open
+    for step in range(3000):
         key = make_key(rng.randrange(420))
         op = rng.randrange(3)
         if op == 0:
             stamp = rng.uniform(0, 2e6)
             known.touch(key, stamp)
-            if key in model:
+            if key in files:
+                files[key] = stamp  # the file's mtime: utime wrote it
+            elif key in model:
                 model[key] = (model[key][0], stamp)
         elif op == 1:
             size = rng.choice((4096, 12288))
             known.set(key, size)
-            model[key] = (size, now)
-            now += 1
+            files[key] = float(step)
+            model[key] = (size, -1.0)
         else:
             assert known.pop(key, 0) == model.pop(key, (0, 0))[0]
-    keys, stored, stamped = known.columns()
-    assert keys == sorted(model)
-    assert stored.tolist() == [model[k][0] for k in keys] and stamped.tolist() == [model[k][1] for k in keys]
+            files.pop(key, None)
+    lost = rng.choice(sorted(files))  # written, and its file gone since
+    del files[lost]
+    keys, stored, stamped = known.columns(files.get)
+    expected = sorted(k for k in model if k != lost)
+    assert keys == expected
+    assert stored.tolist() == [model[k][0] for k in keys]
+    assert stamped.tolist() == [files[k] if k in files else model[k][1] for k in keys]

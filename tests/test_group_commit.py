@@ -345,3 +345,69 @@ def test_an_lmdb_write_returns_after_its_own_sync_while_the_next_job_commits(tmp
     finally:
         release.set()
         asyncio.run(backend.aclose())
+
+
+def test_an_lmdb_close_waits_for_a_sync_under_way_and_a_write_whose_sync_comes_after_a_close_fails(tmp_path: Path) -> None:
+    """The meta page's sync runs outside the write lock: a close that comes while it runs waits
+    for it (the write it serves returns its sizes), and a write whose sync has not begun when the
+    store closes fails with ``BackendError`` (nothing acknowledged that was not synced)."""
+    from kvtier.errors import BackendError
+
+    backend = _open("lmdb", tmp_path)
+    syncing, release = threading.Event(), threading.Event()
+
+    class SlowSync:
+        def __init__(self, env: object) -> None:
+            self.env = env
+
+        def sync(self, force: bool = False) -> None:
+            syncing.set()
+            assert release.wait(30)
+            self.env.sync(force)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.env, name)
+
+    backend._env = SlowSync(backend._env)  # type: ignore[attr-defined]
+    keys, data = [make_key(i) for i in range(4)], _blocks(4)
+    got: list[object] = []
+    writer = threading.Thread(target=lambda: got.append(backend.write_blocks(keys, data)))
+    writer.start()
+    assert syncing.wait(30)
+    closer = threading.Thread(target=lambda: asyncio.run(backend.aclose()))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # the close waits for the sync under way
+    release.set()
+    writer.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and got == [[backend.reserve_bytes()] * 4]
+
+    backend = _open("lmdb", tmp_path)  # reopened: the blocks are there
+    out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+    assert backend.read_blocks(keys, out) == [True] * 4
+    commits = backend._commits  # type: ignore[attr-defined]
+    real_settle, hold = commits._settle, threading.Event()
+
+    def settle(sizes: list[object]) -> None:
+        hold.set()
+        assert release.wait(30)
+        real_settle(sizes)
+
+    release.clear()
+    commits._settle = settle
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            backend.write_blocks([make_key(9)], _blocks(1, seed=9))
+        except BaseException as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert hold.wait(30)
+    asyncio.run(backend.aclose())
+    release.set()
+    writer.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], BackendError) and "closed" in str(errors[0])

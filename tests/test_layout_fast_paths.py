@@ -250,3 +250,23 @@ def test_a_jobs_own_checked_copy_moves_what_the_checked_call_moves(rows: list[in
         assert torch.equal(x, y) and torch.equal(x[dst], orig[ids])
     with pytest.raises(kvtier.errors.LayoutError):  # not a job's own list: checked as ever
         a.gather((99,) * len(rows), pools[0], rows, checked=True)
+
+
+@pytest.mark.parametrize(
+    "rows", [[0, 1, 2, 3], [5], [3, 5, 4, 6], [2, 3, 4, 1], [4, 5, 7, 6], [1, 2, 4, 5], [7, 6, 5], [0, 2, 4, 6, 8, 10]], ids=str
+)
+def test_row_runs_of_an_ordered_run_are_the_sorted_split(rows: list[int]) -> None:
+    """A job's rows in one ascending run are taken as one run at a glance; every other job is
+    sorted and split: either way the runs are the positions sorted by row, cut where a row is
+    not the one after the last."""
+    layout = KVLayout(_caches(8), strategy="index")
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    want: list[tuple[list[int], int, int]] = []
+    for p in order:
+        if want and rows[p] == want[-1][1] + want[-1][2]:
+            want[-1][0].append(p)
+            want[-1] = (want[-1][0], want[-1][1], want[-1][2] + 1)
+        else:
+            want.append(([p], rows[p], 1))
+    got = layout._row_runs(torch.empty(0), rows)
+    assert got == (want if len(want) <= layout_module._MAX_RUNS else None)

@@ -63,11 +63,14 @@ class InlineJobs:
         block = self.e.layout.block_bytes
         if isinstance(rec, StoreRecord):
             plan = rec.store_plan
-            tiers = [plan.tier, *(t for t, _ in plan.drops), *(t for t, _ in plan.write_through)]
-            tiers += [t for d in plan.demotions for t in (d.src, d.dst)]
-            tiers += [t for t, _, _ in plan.tags]
-            blocks = len(plan.keys) + sum(len(ks) for _, ks in plan.write_through)
-            blocks += sum(len(d.keys) for d in plan.demotions)
+            tiers = [plan.tier, *[t for t, _ in plan.drops]]
+            blocks = len(plan.keys)
+            if plan.write_through or plan.demotions or plan.tags:  # (a store into the first tier alone has none)
+                tiers += [t for t, _ in plan.write_through]
+                tiers += [t for d in plan.demotions for t in (d.src, d.dst)]
+                tiers += [t for t, _, _ in plan.tags]
+                blocks += sum(len(ks) for _, ks in plan.write_through)
+                blocks += sum(len(d.keys) for d in plan.demotions)
         else:
             assert isinstance(rec, LoadRecord)
             tiers = list(dict.fromkeys(rec.load_plan.tiers))

@@ -336,6 +336,9 @@ class KVLayout:
         here, 2 MiB blocks of 32 layers)."""
         if not rows:  # one row is one run: straight in, not a gather into a temporary and a scatter
             return None
+        k, r0 = len(rows), rows[0]
+        if rows[k - 1] == r0 + k - 1 and list(rows) == list(range(r0, r0 + k)):  # one run in order (the usual job)
+            return [(list(range(k)), r0, k)]
         order = sorted(range(len(rows)), key=rows.__getitem__)
         runs: list[tuple[list[int], int, int]] = []
         start = 0

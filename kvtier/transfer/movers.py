@@ -114,12 +114,13 @@ class StoreMover:
                 raise Expired  # stopped before it began
             with self.e._lock:
                 tiers_idle = self.e._tier_jobs == 0
+            memory = self.e._is_memory
             direct = (
                 tiers_idle
-                and self.e._is_memory(plan.tier)
-                and all(self.e._is_memory(t) for t, _ in plan.drops)
-                and all(self.e._is_memory(d.src) and self.e._is_memory(d.dst) for d in plan.demotions)
                 and not plan.tags  # saved by the tiers thread, never on the device's
+                and memory(plan.tier)
+                and (not plan.drops or all(memory(t) for t, _ in plan.drops))
+                and (not plan.demotions or all(memory(d.src) and memory(d.dst) for d in plan.demotions))
             )
             work = self._store_direct(rec, start) if direct else self._store_staged(rec, start)
         except Expired:
