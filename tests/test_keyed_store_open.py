@@ -34,7 +34,7 @@ def test_unkeyed_tier_is_refused_on_a_keyed_store_and_its_records_stay(name: str
     finally:
         asyncio.run(keyed.aclose())
     plain = _tier(name, tmp_path)
-    with pytest.raises(ConfigError, match="keyed with aes-gmac.*no mac_key.*mac_key_env"):
+    with pytest.raises(ConfigError, match=r"keyed with aes-gmac.*no mac_key.*mac_key_env"):
         asyncio.run(plain.open(FMT))
     asyncio.run(plain.aclose())
     keyed = _tier(name, tmp_path, mac_key=SECRET)
