@@ -25,7 +25,8 @@ Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_rat
 the best counted raw shape (``*_ratio_paired``: the median, over the rounds, of the tier against
 the best counted raw shape of its own round; ``*_ratio_paired_spread``: the lowest and highest of
 those per-round ratios, so a run shows its own swing). Arms alternate within a round and their order reverses every round;
-figures are medians over ``--rounds`` rounds after one uncounted warm-up round. ``summary`` holds
+figures are medians over ``--rounds`` rounds after one uncounted warm-up round. Every cell of
+one record size moves the same number of blocks, so its cells differ in their jobs alone. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
 at 64 KiB only) for a shared machine.
 """
@@ -227,9 +228,26 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, target_bytes: int) -> dict[str, Any]:
-    unit = job * callers
-    n = max(2 * unit, min(512, target_bytes // size) // unit * unit)
+def plan(sizes: Sequence[int], *, quick: bool) -> list[tuple[int, int, int, int]]:
+    """The cells to measure: ``(record bytes, blocks per job, callers, blocks)``. Every cell of
+    one size moves the same number of blocks, a multiple of each of its shapes' ``job *
+    callers``, so its cells differ in their jobs alone. Counts that differed by shape measured
+    the cache, not the jobs: at 2 MiB in ``--quick`` jobs of 1 read 4 blocks (8 MiB, inside the
+    16 MiB L3 cache here) and jobs of 16 read 32 (64 MiB), and jobs of 1 seemed to load 15 %
+    nearer raw than jobs of 16; with 32 blocks each, the tier reads both at the same speed."""
+    target = (8 << 20) if quick else (64 << 20)
+    cells = []
+    for size in sizes:
+        shapes = [(job, 1) for job in ((1, 16) if quick else JOBS)]
+        if not quick or size == 64 << 10:
+            shapes.append((16, CONCURRENT))
+        span = max(job * callers for job, callers in shapes)
+        n = max(2 * span, min(512, target // size) // span * span)
+        cells.extend((size, job, callers, n) for job, callers in shapes)
+    return cells
+
+
+def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int) -> dict[str, Any]:
     blocks = _blocks(n, size)
     keys = [make_key(i) for i in range(n)]
     outs = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
@@ -326,20 +344,13 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="record sizes in bytes")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 3)
-    target = (8 << 20) if args.quick else (64 << 20)
-    sizes = tuple(args.sizes) if args.sizes else SIZES
-    grid: list[tuple[int, int, int]] = []
-    for size in sizes:
-        for job in (1, 16) if args.quick else JOBS:
-            grid.append((size, job, 1))
-        if not args.quick or size == 64 << 10:
-            grid.append((size, 16, CONCURRENT))
+    grid = plan(tuple(args.sizes) if args.sizes else SIZES, quick=args.quick)
     root = tempfile.mkdtemp(prefix="kvtier-bench-sizes-", dir=args.dir)
     cells = []
     try:
         for tier in args.tiers:
-            for size, job, callers in grid:
-                cells.append(_cell(root, tier, size, job, callers, rounds, target))
+            for size, job, callers, n in grid:
+                cells.append(_cell(root, tier, size, job, callers, rounds, n))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict[str, float] = {}
