@@ -55,3 +55,29 @@ def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch, *, thread: bool 
     monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count().__next__)
     if thread is not None:
         monkeypatch.setattr(lmdb_layout.JobReader, "_cold_way", lambda self: int(thread))
+
+
+def layouts(monkeypatch: pytest.MonkeyPatch, layout: str) -> str:
+    """Saves from now on write ``layout``: ``joined`` (the default for records of up to
+    ``JOIN_MAX`` bytes) or ``split`` (every record, as larger ones are)."""
+    from kvtier.backends import lmdb_entries
+
+    if layout == "split":
+        monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 0)
+    return layout
+
+
+def flip_head_bit(txn: Any, key: bytes, blocks: Any, index: Any, at: int, bit: int) -> None:
+    """Flip ``bit`` of byte ``at`` of ``key``'s record head, where its layout keeps it: in its
+    index entry (split) or at the start of its value (joined)."""
+    from kvtier.backends.lmdb_entries import INDEX
+
+    entry = txn.get(key, db=index)
+    if entry is not None and len(entry) > INDEX.size:
+        changed = bytearray(entry)
+        changed[INDEX.size + at] ^= bit
+        txn.put(key, bytes(changed), db=index)
+    else:
+        value = bytearray(txn.get(key, db=blocks))
+        value[at] ^= bit
+        txn.put(key, bytes(value), db=blocks)

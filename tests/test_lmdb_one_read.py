@@ -16,7 +16,7 @@ import pytest
 import torch
 from kvtier.backends import lmdb_layout, lmdb_one
 from kvtier.backends.lmdb_layout import INDEX
-from lmdb_lookups import slow_lookups_read_the_disk
+from lmdb_lookups import flip_head_bit, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -26,6 +26,12 @@ from kvtier.records.format import encode_record
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=8192, dtype="uint8")
+
+
+@pytest.fixture(autouse=True, params=["joined", "split"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on stores saved joined, then split (the layouts of small and large records)."""
+    return layouts(monkeypatch, request.param)
 
 
 def _open(path: Path, **options: Any) -> Backend:
@@ -53,9 +59,7 @@ def _store(path: Path) -> tuple[list[bytes], list[torch.Tensor]]:
         value = bytearray(txn.get(keys[2], db=blocks))
         value[777] ^= 0x04
         txn.put(keys[2], bytes(value), db=blocks)
-        entry = bytearray(txn.get(keys[3], db=index))
-        entry[INDEX.size + 12] ^= 0x01  # a bit of the raw length
-        txn.put(keys[3], bytes(entry), db=index)
+        flip_head_bit(txn, keys[3], blocks, index, 12, 0x01)  # a bit of the raw length
         head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, None)
         txn.put(keys[5], head + bytes(payload), db=blocks)
         txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
