@@ -103,6 +103,17 @@ class KeyStatus:
 
 _MISS = KeyStatus(KeyState.MISS)
 _NOTHING: frozenset[bytes] = frozenset()
+_BYTES_ONLY = frozenset((bytes,))
+
+
+def _exact(keys: Sequence[bytes]) -> bool:
+    """Whether every key is exactly ``bytes``. Finding a key proves its value, not its type: an
+    object of another type (a ``bytes`` subclass, one with its own ``__eq__`` and ``__hash__``)
+    can compare equal to a stored key, and a call that keeps the keys it is given (pins, the
+    policy's order, stamps) must never keep such an object in place of the key."""
+    if len(keys) == 1 and type(keys) in (list, tuple):  # a job of one block
+        return type(keys[0]) is bytes
+    return _BYTES_ONLY.issuperset(map(type, keys))
 
 
 def _check(keys: Sequence[bytes]) -> None:
@@ -400,7 +411,7 @@ class TierManager:
                 found = list(map(self._ready_tier, keys))
         except TypeError:  # unhashable: not a key
             found = [None]
-        if None in found or not found:
+        if None in found or not found or not _exact(keys):
             _check(keys)
         if None in found:
             i = found.index(None)
@@ -434,8 +445,9 @@ class TierManager:
         """Mark keys as recently used in every tier that holds them ready.
 
         Validated by finding, like ``complete_store``: a key ready in a tier was checked when it
-        was stored, so only a call with a key that no one tier holds ready pays for
-        :func:`check_keys` (a test compares the answers and errors with a checked call)."""
+        was stored, so only a call with a key that no one tier holds ready, or one that is not
+        exactly ``bytes``, pays for :func:`check_keys` (a test compares the answers and errors
+        with a checked call)."""
         if self._closed:
             raise _closed()
         with self._lock:
@@ -443,7 +455,7 @@ class TierManager:
                 # One tier, not persistent (no stamps): its policy orders exactly its ready
                 # keys, so finding them all there validates them (a test compares the two).
                 try:
-                    if self._one_policy.touch_held(keys):
+                    if _exact(keys) and self._one_policy.touch_held(keys):
                         return
                 except TypeError:  # an unhashable key: the general path names it
                     pass
@@ -457,7 +469,7 @@ class TierManager:
                     every = every or len(mine) == n
             except TypeError:  # an unhashable key: check_keys names it
                 found = []
-            if not every:
+            if not every or not _exact(keys):
                 _check(keys)
             for t, mine in zip(self._tiers, found):
                 if mine:
