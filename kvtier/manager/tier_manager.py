@@ -62,7 +62,7 @@ from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
 from kvtier.manager.lookups import closed_error as _closed
-from kvtier.manager.lookups import lookup_counts, single_key_lookup
+from kvtier.manager.lookups import leading_run, lookup_counts, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.readout import COUNTERS, Readout
@@ -263,13 +263,8 @@ class TierManager:
 
     def _lookup_run(self, keys: Sequence[bytes]) -> int:
         """:meth:`lookup` of any number of keys."""
-        ready_tier = self._ready_tier
-        hits = 0
         try:
-            for key in keys:
-                if ready_tier(key) is None:
-                    break
-                hits += 1
+            hits = leading_run(self._gets, keys)
         except TypeError:  # an unhashable key: check_keys names it
             hits = -1
         if hits != len(keys) or not hits:  # a key not found (or no key): is the input valid?
