@@ -21,13 +21,13 @@ import torch
 from kvtier.backends import lmdb_layout
 from kvtier.backends.lmdb_layout import INDEX
 from kvtier.backends.lmdb_plain import host_rows
-from lmdb_lookups import flip_head_bit, hook_lookups, layouts, slow_lookups_read_the_disk
+from lmdb_lookups import damaged_store, hook_lookups, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.records.checks import FasterWay
 from kvtier.records.codec import NoneCodec
-from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, RecordMac, encode_record
+from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, encode_record
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
@@ -46,33 +46,6 @@ def _open(path: Path, **options: Any) -> Backend:
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), **options)
     asyncio.run(backend.open(FMT))
     return backend
-
-
-def _damaged_store(path: Path, **keyed: Any) -> tuple[list[bytes], list[torch.Tensor]]:
-    """Eight keys: 0, 4 and 7 raw and sound; 1 absent; 2 with a flipped payload bit; 3 with a
-    bad magic in its head; 5 in the whole layout of earlier code; 6 compressed."""
-    keys = [make_key(i) for i in range(8)]
-    data = [random_block(FMT.block_bytes, 500 + i) for i in range(8)]
-    data[6] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)  # compressible
-    backend = _open(path, **keyed)
-    backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 7)], [data[i] for i in (0, 2, 3, 4, 7)])
-    asyncio.run(backend.aclose())
-    zstd = _open(path, codec={"name": "zstd", "level": 1}, **keyed)
-    zstd.write_blocks([keys[6]], [data[6]])
-    asyncio.run(zstd.aclose())
-    env = lmdb.open(str(path), max_dbs=3)
-    blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
-    with env.begin(write=True) as txn:
-        value = bytearray(txn.get(keys[2], db=blocks))
-        value[4321] ^= 0x10
-        txn.put(keys[2], bytes(value), db=blocks)
-        flip_head_bit(txn, keys[3], blocks, index, 0, 0x01)  # the magic
-        mac = RecordMac(SECRET) if keyed else None
-        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, mac)
-        txn.put(keys[5], head + bytes(payload), db=blocks)
-        txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
-    env.close()
-    return keys, data
 
 
 def _rows(n: int, shape: str) -> list[torch.Tensor]:
@@ -117,7 +90,7 @@ def test_a_one_pass_read_finds_drops_and_counts_what_the_general_read_does(
     """Unkeyed rows of their own or of one staging tensor take the tight pass
     (``lmdb_plain.PlainReads``); strided rows, and keyed jobs, the one-pass loop."""
     options = {"mac_key": SECRET} if keyed else {}
-    keys, data = _damaged_store(tmp_path / "store", **options)
+    keys, data = damaged_store(tmp_path / "store", FMT, head_at=0, **options)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read(tmp_path / "store", keys, False, monkeypatch, rows, **options)
     plain = _read(tmp_path / "copy", keys, True, monkeypatch, rows, **options)
@@ -420,7 +393,7 @@ def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
     monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
     monkeypatch.setattr(FasterWay, "pick", lambda self: way)
     monkeypatch.setattr(lmdb_layout, "spare_core", lambda: True)
-    keys, data = _damaged_store(tmp_path / "store")
+    keys, data = damaged_store(tmp_path / "store", FMT, head_at=0)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read(tmp_path / "store", keys, False, monkeypatch)
     chosen = _read(tmp_path / "copy", keys, True, monkeypatch)
@@ -514,7 +487,7 @@ def test_no_side_thread_is_tried_while_no_core_seems_spare(tmp_path: Path, monke
     for spare, side_checks in ((False, 0), (True, 6)):
         monkeypatch.setattr(lmdb_layout, "spare_core", lambda spare=spare: spare)
         shutil.rmtree(tmp_path, ignore_errors=True)
-        keys, data = _damaged_store(tmp_path / "store")
+        keys, data = damaged_store(tmp_path / "store", FMT, head_at=0)
         found, out, _, _, checked = _read(tmp_path / "store", keys, True, monkeypatch)
         assert found == [True, False, False, False, True, True, True, True]
         assert all(torch.equal(out[i], data[i]) for i in (0, 4, 5, 6, 7))
