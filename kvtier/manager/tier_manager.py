@@ -62,7 +62,7 @@ from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
 from kvtier.manager.lookups import closed_error as _closed
-from kvtier.manager.lookups import lookup_counts, single_key_lookup
+from kvtier.manager.lookups import leading_run, lookup_counts, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.readout import COUNTERS, Readout
@@ -263,13 +263,8 @@ class TierManager:
 
     def _lookup_run(self, keys: Sequence[bytes]) -> int:
         """:meth:`lookup` of any number of keys."""
-        ready_tier = self._ready_tier
-        hits = 0
         try:
-            for key in keys:
-                if ready_tier(key) is None:
-                    break
-                hits += 1
+            hits = leading_run(self._gets, keys)
         except TypeError:  # an unhashable key: check_keys names it
             hits = -1
         if hits != len(keys) or not hits:  # a key not found (or no key): is the input valid?
@@ -451,8 +446,10 @@ class TierManager:
 
         Validated by finding, like ``complete_store``: a key ready in a tier was checked when it
         was stored, so only a call with a key that no one tier holds ready, or one that is not
-        exactly ``bytes``, pays for :func:`check_keys` (a test compares the answers and errors
-        with a checked call)."""
+        exactly ``bytes`` where the call could keep it (stamps, several tiers), pays for
+        :func:`check_keys`. One tier without stamps keeps nothing of the caller's: its policy
+        reorders its own key objects, so a value found equal to a stored key touches that key
+        (tests compare both paths)."""
         if self._closed:
             raise _closed()
         with self._lock:
@@ -460,7 +457,7 @@ class TierManager:
                 # One tier, not persistent (no stamps): its policy orders exactly its ready
                 # keys, so finding them all there validates them (a test compares the two).
                 try:
-                    if _exact(keys) and self._one_policy.touch_held(keys):
+                    if self._one_policy.touch_held(keys):
                         return
                 except TypeError:  # an unhashable key: the general path names it
                     pass
