@@ -1,6 +1,7 @@
 """The small-job hot path's shortcuts against the general code they stand for: a job's result
-built slot by slot (:func:`kvtier.transfer.jobs.result_of`) is the dataclass's own, and the
-manager's leading run of ready keys in one tier (one pass in C) is the loop's answer."""
+and what applying it did, built slot by slot (:func:`kvtier.transfer.jobs.result_of`,
+``_applied``), are the dataclasses' own, and the manager's leading run of ready keys in one
+tier (one pass in C) is the loop's answer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvtier.manager.lookups import leading_run
 from kvtier.testing import make_key
-from kvtier.transfer.jobs import JobResult, result_of
+from kvtier.transfer.jobs import Applied, JobResult, _applied, result_of
 
 K = [make_key(9000 + i) for i in range(12)]
 
@@ -31,6 +32,18 @@ def test_a_result_built_slot_by_slot_is_the_dataclass_result(fields_: tuple[obje
     assert [getattr(made, f.name) for f in fields(JobResult)] == list(fields_)
     with pytest.raises(FrozenInstanceError):
         made.success = not made.success  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "fields_", [("store", True, 4, 0, (), ()), ("load", False, 0, 3, (K[0],), ()), ("load", True, 1, 2, (), ((K[1], 1),))]
+)
+def test_an_applied_built_slot_by_slot_is_the_dataclass_applied(fields_: tuple[object, ...]) -> None:
+    made = _applied(*fields_)  # type: ignore[arg-type]
+    want = Applied(*fields_)  # type: ignore[arg-type]
+    assert type(made) is Applied and made == want and hash(made) == hash(want) and repr(made) == repr(want)
+    assert [getattr(made, f.name) for f in fields(Applied)] == list(fields_)
+    with pytest.raises(FrozenInstanceError):
+        made.ok = not made.ok  # type: ignore[misc]
 
 
 def _loop(tiers: list[dict[bytes, int]], keys: list[bytes]) -> int:
