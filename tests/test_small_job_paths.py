@@ -1,7 +1,8 @@
 """The small-job hot path's shortcuts against the general code they stand for: a job's result
 and what applying it did, built slot by slot (:func:`kvtier.transfer.jobs.result_of`,
-``_applied``), are the dataclasses' own, and the manager's leading run of ready keys in one
-tier (one pass in C) is the loop's answer."""
+``_applied``), are the dataclasses' own, the manager's leading run of ready keys in one tier
+(one pass in C) is the loop's answer, and distinct block ids pass the load's check in one pass
+while a repeat is named as the loop names it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from dataclasses import FrozenInstanceError, fields
 
 import pytest
 
+from kvtier.errors import LayoutError
 from kvtier.manager.lookups import leading_run
 from kvtier.testing import make_key
 from kvtier.transfer.jobs import Applied, JobResult, _applied, result_of
+from kvtier.transfer.layout_checks import check_distinct_block_ids
 
 K = [make_key(9000 + i) for i in range(12)]
 
@@ -65,3 +68,16 @@ def test_the_leading_run_is_the_loops_answer(tiers: int) -> None:
         assert leading_run([t.get for t in index], keys) == _loop(index, keys), (index, keys)
     with pytest.raises(TypeError):
         leading_run([{}.get] * tiers, [bytearray(32)])  # unhashable: the caller names it
+
+
+def test_distinct_block_ids_pass_at_a_glance_and_a_repeat_is_named_as_before() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(12) for _ in range(rng.randint(0, 8))]
+        first = next(((i, b) for i, b in enumerate(ids) if b in ids[:i]), None)
+        if first is None:
+            check_distinct_block_ids(ids)
+            continue
+        i, b = first
+        with pytest.raises(LayoutError, match=rf"block_ids\[{i}\]: engine block id {b} appears twice \(also at block_ids\[{ids.index(b)}\]\)"):
+            check_distinct_block_ids(ids)
