@@ -60,19 +60,23 @@ class KnownRecords:
         self._fresh: dict[bytes, int] = {}  # the other known keys (none of them listed and not gone)
         self._fresh_stamps: dict[bytes, float] = {}  # the stamps of listed records of differing sizes
 
-    def adopt(self, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray | None = None) -> None:
+    def adopt(self, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray | None = None, *, own: bool = False) -> None:
         """Take a listing's keys, stored sizes and stamps (``stored[i]`` is ``keys[i]``'s; no
-        stamps: 0), replacing what was known. A key listed twice keeps one entry."""
+        stamps: 0), replacing what was known. A key listed twice keeps one entry. ``own``: the
+        caller hands ``keys`` (a list) over, and it is kept as it is where it is in key order."""
         self.clear()
         stored = np.asarray(stored, dtype=np.int64)
         stamps = np.zeros(len(keys)) if stamps is None else np.asarray(stamps, dtype=np.float64)
-        if len(stored) and not (stored == stored[0]).all():
+        if len(stored) and stored.min() != stored.max():
             self._fresh = dict(zip(keys, stored.tolist()))
             self._fresh_stamps = dict(zip(keys, stamps.tolist()))
             return
         order = _key_order(keys)
-        self._listed = list(keys) if order is None else [keys[i] for i in order]
-        self._listed_stamps = stamps.copy() if order is None else stamps[order]
+        if order is None:
+            self._listed = keys if own and type(keys) is list else list(keys)
+            self._listed_stamps = np.array(stamps, dtype=np.float64)
+        else:
+            self._listed, self._listed_stamps = [keys[i] for i in order], stamps[order]
         self._listed_size = int(stored[0]) if len(stored) else 0
 
     def _at(self, key: bytes) -> int:

@@ -7,7 +7,7 @@ records). A clean close of a tier that is not shared writes what it knows instea
 order of the stamps (oldest first, for the manager's adoption), and an XXH3-128 of all that.
 
 The next open takes the table and unlinks it before anything else, lists the names without a
-``stat``, and trusts
+``stat`` (folding their keys' sums as it goes), and trusts
 the table only if it is sound (its length, sum, key order and stamp order check) and names
 exactly the records the directory holds (the same count, and the same sum of the keys' four
 64-bit words: keys are digests, so a set that differs meets the same sums by chance once in
@@ -29,7 +29,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from stat import S_ISREG
 
 import numpy as np
@@ -39,7 +39,7 @@ from kvtier.backends.file_tree import FileTree, Layout
 
 from kvtier.bulk import RecordColumns
 
-__all__ = ["TABLE_NAME", "Table", "key_sums", "open_listing", "save_table", "take_table", "write_table"]
+__all__ = ["TABLE_NAME", "Table", "key_sums", "listed_sums", "open_listing", "save_table", "take_table", "write_table"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
@@ -53,8 +53,21 @@ _SUM_SIZE = 16
 def key_sums(packed: bytes | bytearray | memoryview) -> bytes:
     """The sums (mod 2^64) of the four 64-bit words of every 32-byte key in ``packed``: the
     same for any order of the same keys."""
-    words = np.frombuffer(packed, dtype="<u8").reshape(-1, 4)
-    return words.sum(axis=0, dtype=np.uint64).astype("<u8").tobytes()
+    return _word_sums(packed).astype("<u8").tobytes()
+
+
+def _word_sums(packed: bytes | bytearray | memoryview) -> np.ndarray:
+    return np.frombuffer(packed, dtype="<u8").reshape(-1, 4).sum(axis=0, dtype=np.uint64)
+
+
+def listed_sums(batches: Iterable[bytes | bytearray | memoryview]) -> tuple[int, bytes]:
+    """How many 32-byte keys ``batches`` hold together, and their :func:`key_sums`, folded
+    batch by batch (no buffer of every key)."""
+    count, sums = 0, np.zeros(4, dtype=np.uint64)
+    for batch in batches:
+        count += len(batch) // 32
+        sums += _word_sums(batch)
+    return count, sums.astype("<u8").tobytes()
 
 
 def write_table(root: str, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray, *, durable: bool, temp: str) -> None:
@@ -93,10 +106,10 @@ def write_table(root: str, keys: Sequence[bytes], stored: np.ndarray, stamps: np
 
 
 def _read(root: str) -> mmap.mmap | bytes | None:
-    """The table, mapped (a read into memory of its size raised glibc's threshold for mapping
-    allocations, and the memory the open went on to allocate stayed resident: 50 B a key at
-    10^5), the table unlinked; ``None`` when there is none, or it cannot be read or unlinked
-    (then it must not be trusted)."""
+    """The table, mapped (a read into memory of its size, freed, raised glibc's threshold for
+    mapping allocations, and the memory the open went on to allocate stayed resident: 50 B a
+    key at 10^5; its columns are read in place), the table unlinked; ``None`` when there is
+    none, or it cannot be read or unlinked (then it must not be trusted)."""
     path = os.path.join(root, TABLE_NAME)
     data: mmap.mmap | bytes | None = None
     try:
@@ -130,10 +143,24 @@ def _close(data: mmap.mmap | bytes | None) -> None:
             pass
 
 
+_CHUNK = 8192  # records per step of the checks and copies below (their temporaries stay small)
+
+
+def _unpooled(n: int, dtype: str) -> np.ndarray:
+    """An array of ``n`` ``dtype`` in pages of its own (an anonymous mapping), handed back to the
+    system when the array is dropped, whatever the allocator's thresholds are by then. The
+    table's short-lived columns go there: allocated by the open's thread and freed by another
+    once the manager has adopted them, from the allocator they stayed resident at the top of
+    that thread's arena (about 25 B a key, see ``docs/tiers.md``)."""
+    size = n * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, size), dtype=dtype) if size else np.empty(0, dtype=dtype)
+
+
 class Table:
     """A sound table's records: their keys in key order, one after the other, at ``at`` in
     ``data`` (the table's bytes); each one's ``stored`` size and ``stamp``; ``order`` (the
-    positions oldest stamp first) and ``sums`` (:func:`key_sums` of the keys)."""
+    positions oldest stamp first) and ``sums`` (:func:`key_sums` of the keys). The columns are
+    views of ``data``."""
 
     __slots__ = ("at", "data", "order", "stamps", "stored", "sums")
 
@@ -146,19 +173,29 @@ class Table:
     def adopt(self, known: KnownRecords) -> RecordColumns:
         """Hand the records to ``known`` (in key order) and return them oldest first (the
         manager's adoption takes them without a sort), the same key objects in both. The keys'
-        objects are made here, once the listing's names are gone (as the walk makes them)."""
-        data, at = self.data, self.at
-        keys = [data[i : i + 32] for i in range(at, at + 32 * len(self), 32)]
-        known.adopt(keys, self.stored, self.stamps)
-        order = self.order
-        return RecordColumns([keys[i] for i in order.tolist()], self.stored[order], self.stamps[order], oldest_first=True)
+        objects are made here, once the listing's names are gone (as the walk makes them); the
+        columns oldest first are gathered a chunk at a time into arrays of their own pages (see
+        :func:`_unpooled`), with no temporary the size of a column."""
+        data, at, n = self.data, self.at, len(self)
+        keys = [data[i : i + 32] for i in range(at, at + 32 * n, 32)]
+        known.adopt(keys, self.stored, self.stamps, own=True)
+        stored, stamps = _unpooled(n, "i8"), _unpooled(n, "f8")
+        by_age: list[bytes] = []
+        for start in range(0, n, _CHUNK):
+            rows = self.order[start : start + _CHUNK].astype(np.intp)
+            np.take(self.stored, rows, out=stored[start : start + _CHUNK])
+            np.take(self.stamps, rows, out=stamps[start : start + _CHUNK])
+            by_age += map(keys.__getitem__, rows.tolist())
+        return RecordColumns(by_age, stored, stamps, oldest_first=True)
 
     def close(self) -> None:
+        self.stored = self.stamps = self.order = np.empty(0)  # the views of data, before it closes
         _close(self.data)
 
 
 def _parse(data: mmap.mmap | bytes) -> Table | None:
-    """The table's records, or ``None`` if it is not sound."""
+    """The table's records (their columns views of ``data``), or ``None`` if it is not sound.
+    Checked a chunk at a time: no temporary the size of a column."""
     size = len(data)
     if size < _HEAD.size + _SUM_SIZE or data[-_SUM_SIZE:] != _digest(data, size - _SUM_SIZE):
         return None
@@ -167,18 +204,39 @@ def _parse(data: mmap.mmap | bytes) -> Table | None:
         return None
     at = _HEAD.size
     keys = np.frombuffer(data, dtype="S32", count=n, offset=at)
-    stored = np.frombuffer(data, dtype="<i8", count=n, offset=at + 32 * n).astype(np.int64)
-    stamps = np.frombuffer(data, dtype="<f8", count=n, offset=at + 40 * n).astype(np.float64)
-    order = np.frombuffer(data, dtype="<u4", count=n, offset=at + 48 * n).astype(np.int64)
-    if n and (
-        not (keys[1:] > keys[:-1]).all() or not (stored > 0).all() or not np.isfinite(stamps).all()
-        or order.max() >= n or not (np.bincount(order, minlength=n) == 1).all() or not (np.diff(stamps[order]) >= 0).all()
-    ):
+    stored = np.frombuffer(data, dtype="<i8", count=n, offset=at + 32 * n)
+    stamps = np.frombuffer(data, dtype="<f8", count=n, offset=at + 40 * n)
+    order = np.frombuffer(data, dtype="<u4", count=n, offset=at + 48 * n)
+    if n and not _sound(keys, stored, stamps, order):
         return None
-    del keys
     with memoryview(data) as view:
         sums = key_sums(view[at : at + 32 * n])
     return Table(data, at, stored, stamps, order, sums)
+
+
+def _sound(keys: np.ndarray, stored: np.ndarray, stamps: np.ndarray, order: np.ndarray) -> bool:
+    """Whether the columns of ``n >= 1`` records are: keys in strictly increasing order, sizes
+    above 0, finite stamps, and ``order`` every position once, oldest stamp first."""
+    n = len(keys)
+    if int(order.max()) >= n:
+        return False
+    seen = _unpooled(n, "?")
+    seen[:] = False
+    last_stamp = -np.inf
+    for start in range(0, n, _CHUNK):
+        end = min(n, start + _CHUNK)
+        last = min(end, n - 1)  # the pairs (i, i + 1) from here
+        if not (keys[start:last] < keys[start + 1 : last + 1]).all():
+            return False
+        if not (stored[start:end] > 0).all() or not np.isfinite(stamps[start:end]).all():
+            return False
+        rows = order[start:end].astype(np.intp)
+        seen[rows] = True
+        aged = stamps[rows]
+        if aged[0] < last_stamp or not (aged[1:] >= aged[:-1]).all():
+            return False
+        last_stamp = aged[-1]
+    return int(np.count_nonzero(seen)) == n
 
 
 def _digest(data: mmap.mmap | bytes, end: int) -> bytes:
@@ -201,18 +259,17 @@ def take_table(root: str) -> Table | None:
 
 
 def open_listing(
-    root: str, known: KnownRecords, *, walk: Callable[[], RecordColumns], names: Callable[[], bytes | bytearray], table: bool = True
+    root: str, known: KnownRecords, *, walk: Callable[[], RecordColumns], names: Callable[[], Iterable[bytes | bytearray]], table: bool = True
 ) -> RecordColumns:
     """The records under ``root`` at open, adopted into ``known``: the table's when it is
     sound and names exactly the keys of ``names()`` (every record name's key, listed without a
-    ``stat``), else ``walk()``'s (a ``stat`` per record). ``table=False`` (a shared tier, whose
-    records others write): the walk's, and no table is taken."""
+    ``stat``, in batches of packed 32-byte keys: :func:`listed_sums`), else ``walk()``'s (a
+    ``stat`` per record). ``table=False`` (a shared tier, whose records others write): the
+    walk's, and no table is taken."""
     found = take_table(root) if table else None
     if found is not None:
         try:
-            listed = names()
-            if len(listed) == 32 * len(found) and key_sums(listed) == found.sums:
-                del listed
+            if listed_sums(names()) == (len(found), found.sums):
                 return found.adopt(known)
         finally:
             found.close()

@@ -212,7 +212,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
                     feed=FileFeed(self._root), sweep_interval_s=self.sweep_interval_s,
                 )
             with paused_gc():  # a clean close's table of records, else a stat per record (not shared: others write)
-                names = functools.partial(self._record_key_bytes, self._root, sweep_now=time.time(), layout=self.store_layout)
+                names = functools.partial(self._record_key_batches, self._root, sweep_now=time.time(), layout=self.store_layout)
                 walk = functools.partial(self._walk, sweep=True)
                 self._listed = listed = open_listing(self._root, self._sizes, walk=walk, names=names, table=not self.shared)
             self._beneath = BeneathRoot(self._root)

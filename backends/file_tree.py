@@ -38,6 +38,7 @@ _META_NAME = "kvtier-meta.kvm"
 _HEX2 = frozenset(f"{i:02x}" for i in range(256))  # the names of shard directories
 _NAME_LENGTH = 64 + len(_SUFFIX)
 _RECORD_NAME = re.compile(r"[0-9a-f]{64}\.kvb").fullmatch
+KEY_BATCH = 2048  # keys per buffer of :meth:`FileTree._record_key_batches`
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
@@ -243,15 +244,32 @@ class FileTree:
         return [packed[i : i + 32] for i in range(0, len(packed), 32)], columns[1], columns[2]
 
     @classmethod
-    def _record_key_bytes(cls, root: str, *, sweep_now: float | None = None, layout: Layout = SHARDED) -> bytearray:
+    def _record_key_batches(
+        cls, root: str, *, sweep_now: float | None = None, layout: Layout = SHARDED, batch: int = KEY_BATCH
+    ) -> Iterator[bytearray]:
         """The 32 bytes of every record name's key under ``root`` in ``layout``, one after the
-        other in no particular order: :meth:`_record_columns` without a ``stat`` (so a name of
-        the pattern that is not a regular file counts too)."""
+        other in no particular order, ``batch`` keys at a time (fewer in a directory's last): the
+        names of :meth:`_record_columns` without a ``stat`` (so a name of the pattern that is not
+        a regular file counts too). Each directory is read as it is iterated, not listed whole,
+        and the one buffer yielded is emptied for the next batch: nothing grows with the number
+        of records (a buffer of every key, 32 MB at 10^6, and a flat store's list of every name,
+        freed, left the memory allocated after them resident: see ``docs/tiers.md``)."""
         raw = bytearray()
-        columns: tuple[bytearray, array[int], array[float]] = (raw, array("q"), array("d"))
+        key, fromhex, match = raw.extend, bytes.fromhex, _RECORD_NAME
         for fd, prefix in cls._leaf_fds(root, layout):
-            cls._list_leaf(fd, prefix, columns, sweep_now, stat=False)
-        return raw
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
+                        key(fromhex(name[:64]))
+                        if len(raw) >= 32 * batch:
+                            yield raw
+                            del raw[:]
+                    elif sweep_now is not None and name.endswith(".tmp"):
+                        cls._sweep_at(fd, name, sweep_now)
+            if raw:
+                yield raw
+                del raw[:]
 
     @staticmethod
     def _leaf_fds(root: str, layout: Layout) -> Iterator[tuple[int, str]]:
@@ -275,18 +293,13 @@ class FileTree:
                                 yield leaf.fd, n1 + n2
 
     @classmethod
-    def _list_leaf(
-        cls, fd: int, prefix: str, columns: tuple[bytearray, array[int], array[float]], sweep_now: float | None, *, stat: bool = True
-    ) -> None:
+    def _list_leaf(cls, fd: int, prefix: str, columns: tuple[bytearray, array[int], array[float]], sweep_now: float | None) -> None:
         """Append the records of the directory ``fd`` to ``columns``, each key's 32 bytes to the
-        first (see :meth:`_record_columns`); ``stat=False``: the keys of the names alone."""
+        first (see :meth:`_record_columns`)."""
         key, size, stamp = columns[0].extend, columns[1].append, columns[2].append
         fromhex, stat_at, isreg, match = bytes.fromhex, os.stat, S_ISREG, _RECORD_NAME
         for name in os.listdir(fd):
             if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
-                if not stat:
-                    key(fromhex(name[:64]))
-                    continue
                 try:
                     st = stat_at(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:

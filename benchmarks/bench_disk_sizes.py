@@ -24,8 +24,14 @@ same durable work done in the same process on the same bytes:
 Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
 the best counted raw shape (``*_ratio_paired``: the median, over the rounds, of the tier against
 the best counted raw shape of its own round; ``*_ratio_paired_spread``: the lowest and highest of
-those per-round ratios, so a run shows its own swing). Arms alternate within a round and their order reverses every round;
-figures are medians over ``--rounds`` rounds after one uncounted warm-up round. ``summary`` holds
+those per-round ratios, so a run shows its own swing; ``*_ratio_paired_shape``: the same
+against the one counted shape that is best by its median, which does not also pick the best
+noise of several shapes each round). ``raw_checked`` (informational, both tiers) saves as
+``raw_job`` / ``raw_batch`` and loads as the raw loads plus one XXH3 pass over each row and its
+key just read (what a tier's check adds); ``load_ceiling_ratio_paired``, its loads against the
+best raw load shape's, is the most a checked load reaches on one core. Arms alternate within a round and their order reverses every round;
+figures are medians over ``--rounds`` rounds after one uncounted warm-up round. Every cell of
+one record size moves the same number of blocks, so its cells differ in their jobs alone. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
 at 64 KiB only) for a shared machine.
 """
@@ -48,6 +54,7 @@ from typing import Any
 
 import lmdb
 import torch
+import xxhash
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -113,13 +120,28 @@ def _raw_lmdb_put(env: lmdb.Environment, db: Any, keys: list[bytes], blocks: lis
     return one
 
 
-def _raw_lmdb_get(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor]) -> Callable[[range], None]:
+def _raw_lmdb_get(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor], checked: bool = False) -> Callable[[range], None]:
+    """``checked``: each row then hashed once, as the tier checks it (:func:`_check`)."""
+
     def one(j: range) -> None:
         with env.begin(buffers=True, db=db) as txn:
             for i in j:
-                memoryview(outs[i].numpy())[:] = txn.get(keys[i])
+                row = memoryview(outs[i].numpy())
+                row[:] = txn.get(keys[i])
+                if checked:
+                    _check(keys[i], row)
 
     return one
+
+
+def _check(key: bytes, row: memoryview) -> int:
+    """One XXH3 over a key and its row just read: what a tier's check of a plain record costs
+    beyond a raw read (it goes on from a state that holds the record's head, as this one goes on
+    from an empty one)."""
+    h = xxhash.xxh3_64()
+    h.update(key)
+    h.update(row)
+    return h.intdigest()  # type: ignore[no-any-return]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -207,15 +229,20 @@ def _raw_file_write(folder: str, blocks: list[torch.Tensor], shape: str) -> Call
     return one
 
 
-def _raw_file_read(folder: str, outs: list[torch.Tensor], sharded: bool) -> Callable[[range], None]:
+def _raw_file_read(folder: str, outs: list[torch.Tensor], sharded: bool, keys: list[bytes] | None = None) -> Callable[[range], None]:
+    """``keys``: each row then hashed once with its key (:func:`_check`)."""
+
     def one(j: range) -> None:
         for i in j:
             fd = os.open(os.path.join(folder, _shard(i) if sharded else "", f"{i}.kvb"), os.O_RDONLY)
             try:
                 header = bytearray(32)
-                os.preadv(fd, [header, memoryview(outs[i].numpy())], 0)
+                row = memoryview(outs[i].numpy())
+                os.preadv(fd, [header, row], 0)
             finally:
                 os.close(fd)
+            if keys is not None:
+                _check(keys[i], row)
 
     return one
 
@@ -227,9 +254,31 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, target_bytes: int) -> dict[str, Any]:
-    unit = job * callers
-    n = max(2 * unit, min(512, target_bytes // size) // unit * unit)
+def paired(base: Sequence[float], side: Sequence[float]) -> list[float]:
+    """Per round, the side's speed as a share of the base's (both given as seconds)."""
+    return [b / t for b, t in zip(base, side)]
+
+
+def plan(sizes: Sequence[int], *, quick: bool) -> list[tuple[int, int, int, int]]:
+    """The cells to measure: ``(record bytes, blocks per job, callers, blocks)``. Every cell of
+    one size moves the same number of blocks, a multiple of each of its shapes' ``job *
+    callers``, so its cells differ in their jobs alone. Counts that differed by shape measured
+    the cache, not the jobs: at 2 MiB in ``--quick`` jobs of 1 read 4 blocks (8 MiB, inside the
+    16 MiB L3 cache here) and jobs of 16 read 32 (64 MiB), and jobs of 1 seemed to load 15 %
+    nearer raw than jobs of 16; with 32 blocks each, the tier reads both at the same speed."""
+    target = (8 << 20) if quick else (64 << 20)
+    cells = []
+    for size in sizes:
+        shapes = [(job, 1) for job in ((1, 16) if quick else JOBS)]
+        if not quick or size == 64 << 10:
+            shapes.append((16, CONCURRENT))
+        span = max(job * callers for job, callers in shapes)
+        n = max(2 * span, min(512, target // size) // span * span)
+        cells.extend((size, job, callers, n) for job, callers in shapes)
+    return cells
+
+
+def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int) -> dict[str, Any]:
     blocks = _blocks(n, size)
     keys = [make_key(i) for i in range(n)]
     outs = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
@@ -259,14 +308,14 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
 
         arms.append(("tier", tier_arm))
         if tier == "lmdb":
-            for shape in ("value", "job"):
+            for shape in ("value", "job", "checked"):
 
                 def lmdb_arm(shape: str = shape) -> tuple[float, float]:
                     path = tempfile.mkdtemp(dir=root)
                     env, db = _raw_lmdb(path, capacity)
                     try:
-                        save = _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=shape == "job"))
-                        load = _run(parts, _raw_lmdb_get(env, db, keys, outs))
+                        save = _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=shape != "value"))
+                        load = _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"))
                     finally:
                         env.close()
                         shutil.rmtree(path)
@@ -274,14 +323,14 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
 
                 arms.append((f"raw_{shape}", lmdb_arm))
         else:
-            for shape in ("each", "batch", "parallel", "syncfs", "sharded"):
+            for shape in ("each", "batch", "parallel", "syncfs", "sharded", "checked"):
 
                 def file_arm(shape: str = shape) -> tuple[float, float]:
                     path = tempfile.mkdtemp(dir=root)
-                    write = _raw_file_write(path, blocks, shape)
+                    write = _raw_file_write(path, blocks, "batch" if shape == "checked" else shape)
                     try:
                         save = _run(parts, write)
-                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded"))
+                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded", keys if shape == "checked" else None))
                     finally:
                         write.close()  # type: ignore[attr-defined]
                         shutil.rmtree(path)
@@ -301,10 +350,11 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
         cell[f"{name}_save_gbps"] = round(total / s / 1e9, 4)
         cell[f"{name}_load_gbps"] = round(total / ld / 1e9, 3)
         cell[f"{name}_save_spread"] = round((max(saves[name]) - min(saves[name])) / s, 3)
-    counted = [k for k in saves if k.startswith("raw_") and k not in ("raw_syncfs", "raw_sharded")]
+    counted = [k for k in saves if k.startswith("raw_") and k not in ("raw_syncfs", "raw_sharded", "raw_checked")]
     best_save = max(counted, key=lambda k: cell[f"{k}_save_blocks_s"])
     best_load = max(counted, key=lambda k: cell[f"{k}_load_gbps"])
     cell["best_raw_save"] = best_save
+    cell["best_raw_load"] = best_load
     cell["save_ratio"] = round(cell["tier_save_blocks_s"] / cell[f"{best_save}_save_blocks_s"], 3)
     cell["load_ratio"] = round(cell["tier_load_gbps"] / cell[f"{best_load}_load_gbps"], 3)
     # Round by round, against the best counted raw shape of the same round (drift in the
@@ -314,6 +364,13 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
         per_round = [b / t for b, t in zip(best_raw, times["tier"])]
         cell[f"{op}_ratio_paired"] = round(_median(per_round), 3)
         cell[f"{op}_ratio_paired_spread"] = [round(min(per_round), 3), round(max(per_round), 3)]
+        # The same against one shape, the best by its median: the best of several shapes
+        # round by round also picks their noise (in jobs of 1 ``raw_each`` and ``raw_batch``
+        # make the same system calls), which holds a tier equal to them below 1.
+        shape = best_save if op == "save" else best_load
+        cell[f"{op}_ratio_paired_shape"] = round(_median(paired(times[shape], times["tier"])), 3)
+    # A raw load with one check pass over each row, against the best raw load: a one-core ceiling.
+    cell["load_ceiling_ratio_paired"] = round(_median(paired(loads[best_load], loads["raw_checked"])), 3)
     return cell
 
 
@@ -326,20 +383,13 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="record sizes in bytes")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 3)
-    target = (8 << 20) if args.quick else (64 << 20)
-    sizes = tuple(args.sizes) if args.sizes else SIZES
-    grid: list[tuple[int, int, int]] = []
-    for size in sizes:
-        for job in (1, 16) if args.quick else JOBS:
-            grid.append((size, job, 1))
-        if not args.quick or size == 64 << 10:
-            grid.append((size, 16, CONCURRENT))
+    grid = plan(tuple(args.sizes) if args.sizes else SIZES, quick=args.quick)
     root = tempfile.mkdtemp(prefix="kvtier-bench-sizes-", dir=args.dir)
     cells = []
     try:
         for tier in args.tiers:
-            for size, job, callers in grid:
-                cells.append(_cell(root, tier, size, job, callers, rounds, target))
+            for size, job, callers, n in grid:
+                cells.append(_cell(root, tier, size, job, callers, rounds, n))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict[str, float] = {}

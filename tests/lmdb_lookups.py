@@ -55,3 +55,114 @@ def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch, *, thread: bool 
     monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count().__next__)
     if thread is not None:
         monkeypatch.setattr(lmdb_layout.JobReader, "_cold_way", lambda self: int(thread))
+
+
+class _HookedTxn:
+    """A transaction whose every lookup calls ``hook(key)`` first."""
+
+    def __init__(self, txn: Any, hook: Callable[[bytes], None]) -> None:
+        self._txn = txn
+        self._hook = hook
+
+    def get(self, key: bytes, *args: Any, **kwargs: Any) -> Any:
+        self._hook(key)
+        return self._txn.get(key, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+
+class HookedEnv:
+    """An ``lmdb`` tier's environment whose transactions call ``hook(key)`` before each lookup
+    (with ``reads_only``, only the reads' transactions, those begun with ``buffers``; not the
+    deletion of a bad record). For the paths that open their transactions themselves (the
+    straight line of warm jobs): put it in place with ``backend._env = HookedEnv(env, hook)``
+    and put ``env`` back before closing."""
+
+    def __init__(self, env: Any, hook: Callable[[bytes], None], *, reads_only: bool = False) -> None:
+        self._env = env
+        self._hook = hook
+        self._reads_only = reads_only
+
+    def begin(self, **kwargs: Any) -> Any:
+        txn = self._env.begin(**kwargs)
+        if self._reads_only and not kwargs.get("buffers"):
+            return txn
+        return _HookedTxn(txn, self._hook)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+def damaged_store(path: Any, fmt: Any, *, head_at: int, mac_key: str | None = None) -> tuple[list[bytes], list[Any]]:
+    """An ``lmdb`` tier at ``path`` for ``fmt`` holding eight keys: 0, 4 and 7 raw and sound;
+    1 absent; 2 with a flipped payload bit; 3 with a flipped bit at byte ``head_at`` of its
+    head, where its layout keeps it (0: the magic; 12: the raw length, its payload and checksum
+    intact); 5 in the whole
+    layout of earlier code; 6 compressed. Keyed records with ``mac_key``. Returns the keys and
+    the blocks they were written from."""
+    import asyncio
+
+    import lmdb
+    import torch
+    from kvtier.backends.lmdb_layout import INDEX
+
+    from kvtier import registry
+    from kvtier.records.codec import NoneCodec
+    from kvtier.records.format import RecordMac, encode_record
+    from kvtier.testing import make_key, random_block
+
+    def tier(**options: Any) -> Any:
+        backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), **options)
+        asyncio.run(backend.open(fmt))
+        return backend
+
+    keyed = {} if mac_key is None else {"mac_key": mac_key}
+    keys = [make_key(i) for i in range(8)]
+    data = [random_block(fmt.block_bytes, 500 + i) for i in range(8)]
+    data[6] = torch.zeros(fmt.block_bytes, dtype=torch.uint8)  # compressible
+    backend = tier(**keyed)
+    backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 7)], [data[i] for i in (0, 2, 3, 4, 7)])
+    asyncio.run(backend.aclose())
+    zstd = tier(codec={"name": "zstd", "level": 1}, **keyed)
+    zstd.write_blocks([keys[6]], [data[6]])
+    asyncio.run(zstd.aclose())
+    env = lmdb.open(str(path), max_dbs=3)
+    blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(keys[2], db=blocks))
+        value[777] ^= 0x10
+        txn.put(keys[2], bytes(value), db=blocks)
+        flip_head_bit(txn, keys[3], blocks, index, head_at, 0x01)
+        mac = None if mac_key is None else RecordMac(mac_key)
+        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, mac)
+        txn.put(keys[5], head + bytes(payload), db=blocks)
+        txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
+    env.close()
+    return keys, data
+
+
+def layouts(monkeypatch: pytest.MonkeyPatch, layout: str) -> str:
+    """Saves from now on write ``layout``: ``joined`` (the default for records of up to
+    ``JOIN_MAX`` bytes) or ``split`` (every record, as larger ones are)."""
+    from kvtier.backends import lmdb_entries
+
+    if layout == "split":
+        monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 0)
+    return layout
+
+
+def flip_head_bit(txn: Any, key: bytes, blocks: Any, index: Any, at: int, bit: int) -> None:
+    """Flip ``bit`` of byte ``at`` of ``key``'s record head, where its layout keeps it: in its
+    index entry (split) or at the start of its value (joined)."""
+    from kvtier.backends.lmdb_entries import INDEX
+
+    entry = txn.get(key, db=index)
+    if entry is not None and len(entry) > INDEX.size:
+        changed = bytearray(entry)
+        changed[INDEX.size + at] ^= bit
+        txn.put(key, bytes(changed), db=index)
+    else:
+        value = bytearray(txn.get(key, db=blocks))
+        value[at] ^= bit
+        txn.put(key, bytes(value), db=blocks)

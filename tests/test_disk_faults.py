@@ -22,7 +22,7 @@ import torch
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.errors import BackendError, DiskError
+from kvtier.errors import BackendError, ConfigError, DiskError
 from kvtier.testing import make_key, random_block
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "win32", reason="needs fork and SIGKILL")
@@ -202,13 +202,34 @@ MAC_SECRET = "fleet-secret-for-tests-0123456789"
 
 
 def _plant_forgery(name: str, path: Path, key: bytes, raw: torch.Tensor) -> None:
-    """What anyone with write access can do: a well-formed record with a valid checksum."""
-    plain = _backend(name, path)
+    """What anyone with write access can do: a well-formed record with a valid checksum, made by
+    a plain tier elsewhere and copied into the store by hand (a plain tier refuses to open it)."""
+    made = path.with_name(path.name + "-forger")
+    plain = _backend(name, made)
     asyncio.run(plain.open(FMT))
     try:
         assert plain.write_blocks([key], [raw]) != [None]
     finally:
         asyncio.run(plain.aclose())
+    if name == "file":
+        for record in made.rglob("*.kvb"):
+            dest = path / record.relative_to(made)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(record.read_bytes())
+        return
+    import lmdb
+
+    src, dst = lmdb.open(str(made), max_dbs=8, readonly=True, lock=False), lmdb.open(str(path), max_dbs=8)
+    try:
+        with src.begin() as rtxn, dst.begin(write=True) as wtxn:
+            for name_ in [k for k, _ in rtxn.cursor()]:
+                if name_ != b"meta":
+                    db_src, db_dst = src.open_db(name_, txn=rtxn), dst.open_db(name_, txn=wtxn)
+                    for k, v in rtxn.cursor(db=db_src):
+                        wtxn.put(k, v, db=db_dst)
+    finally:
+        src.close()
+        dst.close()
 
 
 @pytest.mark.parametrize("name", ["lmdb", "file"])
@@ -230,21 +251,20 @@ def test_keyed_store_serves_no_forged_record(name: str, tmp_path: Path, monkeypa
     _plant_forgery(name, path, forged, _block(999))
     keys = [*good, forged]
     out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
-    # A reader without the secret cannot check keyed records: misses, never served.
+    # A reader without the secret cannot check keyed records: refused at open, the records kept
+    # (tests/test_keyed_store_open.py).
     plain = _backend(name, path)
-    asyncio.run(plain.open(FMT))
-    try:
-        assert plain.read_blocks(good[:1], out[:1]) == [False]
-    finally:
-        asyncio.run(plain.aclose())
+    with pytest.raises(ConfigError, match="no mac_key"):
+        asyncio.run(plain.open(FMT))
+    asyncio.run(plain.aclose())
     keyed = keyed_backend()
     asyncio.run(keyed.open(FMT))
     try:
-        found = keyed.read_blocks(keys[1:], out[1:])
+        found = keyed.read_blocks(keys, out)
         stats = keyed.stats()
         print(f"{name}: served {sum(found)} keyed, refused {stats['auth_failures']} forged, deleted {stats['deleted']}")
-        assert found == [True, True, True, False]
-        assert all(torch.equal(out[i], _block(i)) for i in range(1, 4))
+        assert found == [True, True, True, True, False]
+        assert all(torch.equal(out[i], _block(i)) for i in range(4))
         assert stats["auth_failures"] == 1 and stats["corrupt_records"] == 1
     finally:
         asyncio.run(keyed.aclose())
@@ -274,6 +294,9 @@ def _make_pristine(path: Path, n: int = RECORDS, capacity: int = 8 << 20) -> Non
     asyncio.run(backend.open(SMALL))
     try:
         assert None not in backend.write_blocks([make_key(i) for i in range(n)], [_small_block(i) for i in range(n)])
+        # Half of them stamped, as a close writes the stamps of records read: those gain an index
+        # entry (whole layout), the rest stay joined (no entry).
+        backend.touch_stamps([(make_key(i), 1000.0 + i) for i in range(0, n, 2)])
     finally:
         asyncio.run(backend.aclose())
 

@@ -15,52 +15,26 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends import lmdb_layout, lmdb_one
-from kvtier.backends.lmdb_layout import INDEX
-from lmdb_lookups import slow_lookups_read_the_disk
+from lmdb_lookups import HookedEnv, damaged_store, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import BackendError, ClosedError, InvalidKeyError, LayoutError
-from kvtier.records.codec import NoneCodec
-from kvtier.records.format import encode_record
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=8192, dtype="uint8")
+
+
+@pytest.fixture(autouse=True, params=["joined", "split"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on stores saved joined, then split (the layouts of small and large records)."""
+    return layouts(monkeypatch, request.param)
 
 
 def _open(path: Path, **options: Any) -> Backend:
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), **options)
     asyncio.run(backend.open(FMT))
     return backend
-
-
-def _store(path: Path) -> tuple[list[bytes], list[torch.Tensor]]:
-    """Eight keys: 0, 4 and 7 raw and sound; 1 absent; 2 with a flipped payload bit; 3 with a
-    flipped bit in the checked part of its head (its payload and checksum intact); 5 in the
-    whole layout of earlier code; 6 compressed."""
-    keys = [make_key(i) for i in range(8)]
-    data = [random_block(FMT.block_bytes, 900 + i) for i in range(8)]
-    data[6] = torch.zeros(FMT.block_bytes, dtype=torch.uint8)  # compressible
-    backend = _open(path)
-    backend.write_blocks([keys[i] for i in (0, 2, 3, 4, 7)], [data[i] for i in (0, 2, 3, 4, 7)])
-    asyncio.run(backend.aclose())
-    zstd = _open(path, codec={"name": "zstd", "level": 1})
-    zstd.write_blocks([keys[6]], [data[6]])
-    asyncio.run(zstd.aclose())
-    env = lmdb.open(str(path), max_dbs=3)
-    blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
-    with env.begin(write=True) as txn:
-        value = bytearray(txn.get(keys[2], db=blocks))
-        value[777] ^= 0x04
-        txn.put(keys[2], bytes(value), db=blocks)
-        entry = bytearray(txn.get(keys[3], db=index))
-        entry[INDEX.size + 12] ^= 0x01  # a bit of the raw length
-        txn.put(keys[3], bytes(entry), db=index)
-        head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, None)
-        txn.put(keys[5], head + bytes(payload), db=blocks)
-        txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
-    env.close()
-    return keys, data
 
 
 _READ_JOB = lmdb_layout.JobReader.read_job  # the general path, unpatched
@@ -97,7 +71,7 @@ def _read_one_by_one(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPa
 
 
 def test_a_one_record_job_finds_drops_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, data = _store(tmp_path / "store")
+    keys, data = damaged_store(tmp_path / "store", FMT, head_at=12)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read_one_by_one(tmp_path / "store", keys, monkeypatch, False)
     fast = _read_one_by_one(tmp_path / "copy", keys, monkeypatch, True)
@@ -184,7 +158,6 @@ def test_a_slow_one_record_lookup_makes_the_next_job_cold_as_the_general_path_do
     def perf_counter() -> float:
         return clock[0]
 
-    real_begin = lmdb.Environment.begin
     try:
         backend.write_blocks(keys, [random_block(FMT.block_bytes, 40 + i) for i in range(2)])
         monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=perf_counter))
@@ -192,27 +165,11 @@ def test_a_slow_one_record_lookup_makes_the_next_job_cold_as_the_general_path_do
         slow_lookups_read_the_disk(monkeypatch)
         env = backend._env  # type: ignore[attr-defined]
 
-        class Env:
-            """The store's environment, whose lookups of ``slow_key`` advance the clock."""
+        def slow(key: bytes) -> None:
+            if key in slow_key:
+                clock[0] += 2 * lmdb_layout.COLD_GET_S
 
-            def begin(self, **kw: Any) -> Any:
-                txn = real_begin(env, **kw)
-
-                class Txn:
-                    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
-                        if key in slow_key:
-                            clock[0] += 2 * lmdb_layout.COLD_GET_S
-                        return txn.get(key, default, db=db)
-
-                    def __getattr__(self, name: str) -> Any:
-                        return getattr(txn, name)
-
-                return Txn()
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(env, name)
-
-        backend._env = Env()  # type: ignore[attr-defined]
+        backend._env = HookedEnv(env, slow)  # type: ignore[attr-defined]
         general: list[int] = []
         real = _READ_JOB
         monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(1) or real(self, env, keys, *a))
@@ -247,26 +204,11 @@ def test_an_lmdb_error_in_a_one_record_job_is_the_general_paths(tmp_path: Path, 
         assert backend.read_blocks([key], [row]) == [True]
         lookups: list[str] = []
 
-        class Env:
-            def begin(self, **kw: Any) -> Any:
-                txn = env.begin(**kw)
-                if not kw.get("buffers"):  # not a read (the deletion of a bad record)
-                    return txn
+        def fail(key: bytes) -> None:
+            lookups.append("get")
+            raise error("injected")
 
-                class Txn:
-                    def get(self, *a: Any, **k: Any) -> Any:
-                        lookups.append("get")
-                        raise error("injected")
-
-                    def __getattr__(self, name: str) -> Any:
-                        return getattr(txn, name)
-
-                return Txn()
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(env, name)
-
-        backend._env = Env()  # type: ignore[attr-defined]
+        backend._env = HookedEnv(env, fail, reads_only=True)  # type: ignore[attr-defined]
         row.zero_()
         assert backend.read_blocks([key], [row]) == [False]
         assert len(lookups) == 2  # once in the straight line, once in the general path
@@ -377,7 +319,7 @@ def _read_jobs(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPatch, f
 
 
 def test_a_warm_job_finds_drops_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, data = _store(tmp_path / "store")
+    keys, data = damaged_store(tmp_path / "store", FMT, head_at=12)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read_jobs(tmp_path / "store", keys, monkeypatch, False)
     fast = _read_jobs(tmp_path / "copy", keys, monkeypatch, True)
@@ -437,28 +379,11 @@ def test_a_slow_warm_job_makes_the_next_job_cold_and_a_cold_or_large_job_is_the_
     general: list[int] = []
     monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(len(keys)) or _READ_JOB(self, env, keys, *a))
     env = backend._env  # type: ignore[attr-defined]
-    real_begin = lmdb.Environment.begin
     slow_key = keys[1]
 
-    class Env:
-        """The store's environment, whose lookups of ``slow_key`` advance the clock."""
-
-        def begin(self, **kw: Any) -> Any:
-            txn = real_begin(env, **kw)
-
-            class Txn:
-                def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
-                    if key == slow_key:
-                        clock[0] += 2 * lmdb_layout.COLD_GET_S
-                    return txn.get(key, default, db=db)
-
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(txn, name)
-
-            return Txn()
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(env, name)
+    def slow(key: bytes) -> None:
+        if key == slow_key:
+            clock[0] += 2 * lmdb_layout.COLD_GET_S
 
     try:
         data = [random_block(FMT.block_bytes, 80 + i) for i in range(4)]
@@ -466,7 +391,7 @@ def test_a_slow_warm_job_makes_the_next_job_cold_and_a_cold_or_large_job_is_the_
         rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, rows) == [True] * 4  # the rows are seen
         general.clear()
-        backend._env = Env()  # type: ignore[attr-defined]
+        backend._env = HookedEnv(env, slow)  # type: ignore[attr-defined]
         temperature = backend._reader.temperature  # type: ignore[attr-defined]
         assert not temperature.cold
         for row in rows:
@@ -497,26 +422,10 @@ def test_an_lmdb_error_in_a_warm_job_is_the_general_paths(tmp_path: Path, monkey
     env = backend._env  # type: ignore[attr-defined]
     failed: list[bytes] = []
 
-    class Env:
-        def begin(self, **kw: Any) -> Any:
-            txn = env.begin(**kw)
-            if not kw.get("buffers"):
-                return txn
-
-            class Txn:
-                def get(self, key: bytes, *a: Any, **k: Any) -> Any:
-                    if key == keys[1] and len(failed) < 2:
-                        failed.append(key)
-                        raise error("injected")
-                    return txn.get(key, *a, **k)
-
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(txn, name)
-
-            return Txn()
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(env, name)
+    def fail(key: bytes) -> None:
+        if key == keys[1] and len(failed) < 2:
+            failed.append(key)
+            raise error("injected")
 
     try:
         data = [random_block(FMT.block_bytes, 90 + i) for i in range(3)]
@@ -525,7 +434,7 @@ def test_an_lmdb_error_in_a_warm_job_is_the_general_paths(tmp_path: Path, monkey
         assert backend.read_blocks(keys, rows) == [True] * 3
         for row in rows:
             row.zero_()
-        backend._env = Env()  # type: ignore[attr-defined]
+        backend._env = HookedEnv(env, fail, reads_only=True)  # type: ignore[attr-defined]
         assert backend.read_blocks(keys, rows) == [True, False, True]
         assert failed == [keys[1]] * 2  # once in the straight line, once in the general path
         backend._env = env  # type: ignore[attr-defined]

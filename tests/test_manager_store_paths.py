@@ -2,8 +2,9 @@
 counters, events, key states and order, call after call.
 
 * the common store's two calls (``kvtier/manager/store_calls.py``): ``prepare_store`` of new,
-  distinct, well-formed keys that fit in the first tier's free room, with no copy below and no
-  tenant, opens its plan in one step (``PlanBook.open_new``), and ``complete_store`` of a
+  distinct, well-formed keys that fit in the first tier's free room (or, in a tier that is the
+  only one, in the room its victims free: dropped, never a pinned key), with no copy below and
+  no tenant, opens its plan in one step (``PlanBook.open_new``), and ``complete_store`` of a
   successful store of keys of one such plan settles them in one step (``PlanBook.complete_new``);
 * behind them, in the manager's general methods: ``prepare_store`` of keys that fit in the
   first tier's free room, with no copy below (write-back, or one tier), skips the plan builder
@@ -90,10 +91,17 @@ def _state(m: TierManager) -> tuple[Any, ...]:
     )
 
 
-def _call(rng: random.Random, open_keys: list[bytes], plans: list[tuple[bytes, ...]]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+def _call(
+    rng: random.Random, open_keys: list[bytes], plans: list[tuple[bytes, ...]], pinned: list[bytes]
+) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     """A random call: mostly well-formed, sometimes not. ``plans``: the keys of the plans
-    prepared so far (the common completion names one plan's keys, whole)."""
+    prepared so far (the common completion names one plan's keys, whole); ``pinned``: the keys
+    pinned by loads so far (a store never evicts them)."""
     roll = rng.random()
+    if rng.random() < 0.1 and plans:  # pins: loads of stored keys (ready or not), and their end
+        if pinned and rng.random() < 0.4:
+            return "complete_load", ([pinned.pop(rng.randrange(len(pinned)))],), {}
+        return "prepare_load", (list(rng.choice(plans)[:2]),), {"promote": False}
     if roll < 0.4 or not open_keys:
         # Half the stores are of keys never named before (the common store), half of any keys.
         fresh = rng.random() < 0.5 and len(_FRESH) > 6
@@ -151,14 +159,17 @@ def test_store_fast_paths_match_the_general_paths(config: str, policy: str, seed
     rng = random.Random(f"{config}-{policy}-{seed}")
     open_keys: list[bytes] = []
     plans: list[tuple[bytes, ...]] = []
+    pinned: list[bytes] = []
     _FRESH[:] = K[::-1]
     _TENANTS[:] = [True] if seed % 2 else []
     for step in range(160):
-        name, args, kw = _call(rng, open_keys, plans)
+        name, args, kw = _call(rng, open_keys, plans, pinned)
         got = _outcome(getattr(fast, name), *args, **kw)
         want = _outcome(getattr(general, name), *args, **kw)
         assert got == want, (step, name, args, kw)
         assert _state(fast) == _state(general), (step, name, args, kw)
+        if name == "prepare_load" and got[0] == "value":
+            pinned += args[0]
         open_keys = sorted(fast._plans._plan_of)
         if name == "prepare_store" and got[0] == "value" and got[1] is not None and got[1].keys:
             plans = [*plans[-5:], got[1].keys]
@@ -178,6 +189,15 @@ def test_the_fast_paths_are_taken() -> None:
         assert plan is not None and plan.keys == tuple(keys) and plan.positions == tuple(range(len(keys)))
         m.complete_store(keys)
     assert m.lookup(K[:6]) == 6 and len(m._plans) == 0 and m.counters["store_completed"] == 6
+    # a full tier that is the only one: the policy's victims are dropped in the same step,
+    # never a pinned key
+    m.take_events()
+    m.prepare_load([K[0]], promote=False)
+    plan = m.prepare_store(K[6:10])
+    assert plan is not None and plan.keys == tuple(K[6:10]) and plan.drops == ((0, (K[1], K[2])),)
+    assert [(e.kind, e.key) for e in m.take_events()] == [("removed", K[1]), ("removed", K[2])] and m.lookup(K[:1]) == 1
+    m.complete_store(K[6:10])
+    assert m.lookup(K[3:10]) == 7 and m.stats()["tiers"][0]["dropped"] == 2
     # the general paths behind them: a plan that demotes is not plain
     two = CONFIGS["back"]("lru")
     taken = []

@@ -8,7 +8,6 @@ the general listing (``SCAN`` through redis-py) of the same server.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
@@ -18,31 +17,10 @@ import torch
 from kvtier.backends import redis_keylog
 from kvtier.backends.redis_keylog import DELETED, HEADER_BYTES, KEYLOG_SUFFIX, MAGIC, STORED
 from kvtier.backends.redis_tier import RedisBackend
-from redis_servers import RedisServer, open_redis_tier
+from redis_logs import BLOCK, close_tier, general_keys, open_tier, reopen_tier, write_keys
+from redis_servers import RedisServer
 
 from kvtier.testing import make_key, random_block
-
-BLOCK = 1024
-
-
-def _open(namespace: bytes, url: str, **options: Any) -> RedisBackend:
-    """A tier opened as a store opens it: its listing taken (which begins the log of a new
-    namespace with its header)."""
-    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url, **options)
-    backend.scan_columns()
-    return backend
-
-
-def _close(backend: RedisBackend) -> None:
-    asyncio.run(backend.aclose())
-
-
-def _write(backend: RedisBackend, keys: list[bytes]) -> None:
-    assert all(s is not None for s in backend.write_blocks(keys, [random_block(BLOCK, i) for i in range(len(keys))]))
-
-
-def _general(backend: RedisBackend) -> set[bytes]:
-    return {key for key in map(backend.block_key, backend._list_keys()) if key is not None}
 
 
 def _log(backend: RedisBackend) -> bytes:
@@ -64,30 +42,23 @@ def _entries(raw: bytes) -> list[bytes]:
     return [key for op, key in _ops(raw) if op == STORED]
 
 
-def _opened(namespace: bytes, url: str) -> tuple[RedisBackend, list[bytes], dict[str, Any]]:
-    """A second tier on the same namespace, its open's keys and its key log's counters."""
-    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url)
-    keys = backend.scan_columns().keys
-    return backend, keys, backend.stats()["key_log"]
-
-
 def test_an_open_reads_the_log_and_lists_what_scan_does(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keys written in several jobs (one written twice) open from the log, in several reads, as
     the set a SCAN lists; the log holds each write once, after a header; no SCAN at open."""
     monkeypatch.setattr(redis_keylog, "READ_CHUNK", 33 * 7)  # many pieces, the last one short
-    writer = _open(b"keylog-read", redis_server.url)
+    writer = open_tier(b"keylog-read", redis_server.url)
     try:
         keys = [make_key(i) for i in range(100)]
         for start in range(0, 100, 30):
-            _write(writer, keys[start : start + 30])
-        _write(writer, keys[:1])
+            write_keys(writer, keys[start : start + 30])
+        write_keys(writer, keys[:1])
         assert _entries(_log(writer)) == keys + keys[:1]
         # The open reads the log: a SCAN there would fail it.
         monkeypatch.setattr(RedisBackend, "_list_block_keys", lambda self: (_ for _ in ()).throw(AssertionError("SCAN")))
-        reader, opened, counters = _opened(b"keylog-read", redis_server.url)
+        reader, opened, counters = reopen_tier(b"keylog-read", redis_server.url)
         monkeypatch.undo()
         try:
-            assert sorted(opened) == sorted(set(keys)) and set(opened) == _general(reader)
+            assert sorted(opened) == sorted(set(keys)) and set(opened) == general_keys(reader)
             assert counters["opens"] == 1 and counters["fallbacks"] == 0 and counters["sampled_gone"] == 0
             assert reader.follower is not None and not reader.follower.view._wake.is_set()  # no early sweep
             out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(3)]
@@ -95,9 +66,9 @@ def test_an_open_reads_the_log_and_lists_what_scan_does(redis_server: RedisServe
             for i, row in enumerate(out):
                 assert torch.equal(row, random_block(BLOCK, i).view(torch.uint8))
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
-        _close(writer)
+        close_tier(writer)
 
 
 @pytest.mark.parametrize("damage", ["missing", "headerless", "torn", "wrong type"])
@@ -106,58 +77,58 @@ def test_an_untrusted_log_falls_back_to_scan_and_is_written_again(redis_server: 
     server evicted it, one cut mid-entry, and a value of another type: the open lists with SCAN,
     adopts exactly the records, and writes the log again, so the next open reads it."""
     namespace = b"keylog-untrusted-" + damage.encode()
-    writer = _open(namespace, redis_server.url)
+    writer = open_tier(namespace, redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
     name = writer._prefix_bytes + KEYLOG_SUFFIX
     try:
         keys = [make_key(i) for i in range(50)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         if damage == "missing":
             client.delete(name)
         elif damage == "headerless":
             client.delete(name)
-            _write(writer, keys[:5])  # APPEND makes a new value: no header
+            write_keys(writer, keys[:5])  # APPEND makes a new value: no header
         elif damage == "torn":
             client.append(name, b"x" * 7)
         else:
             client.delete(name)
             client.sadd(name, b"k")
-        reader, opened, counters = _opened(namespace, redis_server.url)
+        reader, opened, counters = reopen_tier(namespace, redis_server.url)
         try:
-            assert sorted(opened) == sorted(keys) == sorted(_general(reader))
+            assert sorted(opened) == sorted(keys) == sorted(general_keys(reader))
             assert counters["fallbacks"] == 1 and counters["opens"] == 0 and counters["rewrites"] == 1
             assert sorted(set(_entries(_log(reader)))) == sorted(keys)
         finally:
-            _close(reader)
-        again, opened, counters = _opened(namespace, redis_server.url)
+            close_tier(reader)
+        again, opened, counters = reopen_tier(namespace, redis_server.url)
         try:
             assert sorted(opened) == sorted(keys) and counters["opens"] == 1 and counters["fallbacks"] == 0
         finally:
-            _close(again)
+            close_tier(again)
     finally:
         client.close()
-        _close(writer)
+        close_tier(writer)
 
 
 def test_a_log_whose_records_are_mostly_gone_is_not_trusted(redis_server: RedisServer) -> None:
     """The server evicted most records the log names (more than half of a sample): the open lists
     with SCAN, adopts the live ones only, and the log is written again with those."""
-    writer = _open(b"keylog-evicted", redis_server.url)
+    writer = open_tier(b"keylog-evicted", redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
     try:
         keys = [make_key(i) for i in range(200)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         client.unlink(*(writer.remote_key(k) for k in keys[:150]))  # as the server's eviction would
-        reader, opened, counters = _opened(b"keylog-evicted", redis_server.url)
+        reader, opened, counters = reopen_tier(b"keylog-evicted", redis_server.url)
         try:
             assert sorted(opened) == sorted(keys[150:]) and counters["fallbacks"] == 1
             assert "sampled keys of the key log have no record" in counters["last_problem"]
             assert sorted(_entries(_log(reader))) == sorted(keys[150:])
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
         client.close()
-        _close(writer)
+        close_tier(writer)
 
 
 def test_deletions_are_replayed_in_order(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,56 +136,56 @@ def test_deletions_are_replayed_in_order(redis_server: RedisServer, monkeypatch:
     next open leaves them out, unless they were stored again after; a deletion in the middle of
     a piece of the log splits it where it stands."""
     monkeypatch.setattr(redis_keylog, "READ_CHUNK", 33 * 16)
-    writer = _open(b"keylog-deleted", redis_server.url)
+    writer = open_tier(b"keylog-deleted", redis_server.url)
     try:
         keys = [make_key(i) for i in range(60)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         writer.delete_blocks(keys[10:20] + keys[40:41])
-        _write(writer, keys[15:16])  # stored again after its deletion
+        write_keys(writer, keys[15:16])  # stored again after its deletion
         ops = _ops(_log(writer))
         assert ops[60:71] == [(DELETED, k) for k in keys[10:20] + keys[40:41]] and ops[71] == (STORED, keys[15])
-        reader, opened, counters = _opened(b"keylog-deleted", redis_server.url)
+        reader, opened, counters = reopen_tier(b"keylog-deleted", redis_server.url)
         try:
             live = keys[:10] + keys[15:16] + keys[20:40] + keys[41:]
-            assert sorted(opened) == sorted(live) == sorted(_general(reader)) and counters["opens"] == 1
+            assert sorted(opened) == sorted(live) == sorted(general_keys(reader)) and counters["opens"] == 1
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
-        _close(writer)
+        close_tier(writer)
 
 
 def test_an_entry_of_another_form_falls_back_to_scan(redis_server: RedisServer) -> None:
     """An entry that is neither stored nor deleted (damage inside the log, whole entries long):
     the open drops what it read of the log, lists with SCAN and writes the log again."""
-    writer = _open(b"keylog-bad-entry", redis_server.url)
+    writer = open_tier(b"keylog-bad-entry", redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
     try:
         keys = [make_key(i) for i in range(40)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         client.setrange(writer._prefix_bytes + KEYLOG_SUFFIX, HEADER_BYTES + 33 * 39, b"?")  # the last entry's op
-        reader, opened, counters = _opened(b"keylog-bad-entry", redis_server.url)
+        reader, opened, counters = reopen_tier(b"keylog-bad-entry", redis_server.url)
         try:
             assert sorted(opened) == sorted(keys) and counters["fallbacks"] == 1
             assert "another form" in counters["last_problem"]
             assert sorted(_entries(_log(reader))) == sorted(keys)
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
         client.close()
-        _close(writer)
+        close_tier(writer)
 
 
 def test_a_few_evicted_records_are_adopted_and_miss_when_loaded(redis_server: RedisServer) -> None:
     """A trusted log that names a few records the server evicted (the sample, here every entry,
     finds them): the open adopts them, their loads are misses (never other bytes), the first
     sweep is asked for at once, and it forgets them."""
-    writer = _open(b"keylog-few-gone", redis_server.url)
+    writer = open_tier(b"keylog-few-gone", redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
     try:
         keys = [make_key(i) for i in range(40)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         client.unlink(*(writer.remote_key(k) for k in keys[:3]))
-        reader, opened, counters = _opened(b"keylog-few-gone", redis_server.url)
+        reader, opened, counters = reopen_tier(b"keylog-few-gone", redis_server.url)
         try:
             assert sorted(opened) == sorted(keys) and counters["opens"] == 1 and counters["sampled_gone"] == 3
             assert reader.follower is not None and reader.follower.view._wake.is_set()
@@ -223,10 +194,10 @@ def test_a_few_evicted_records_are_adopted_and_miss_when_loaded(redis_server: Re
             assert torch.equal(out[4], random_block(BLOCK, 4).view(torch.uint8))
             assert reader._sweep() == set(keys[3:])
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
         client.close()
-        _close(writer)
+        close_tier(writer)
 
 
 def test_a_sweep_rewrites_a_log_over_twice_the_keys_and_keeps_appends_made_meanwhile(
@@ -235,11 +206,11 @@ def test_a_sweep_rewrites_a_log_over_twice_the_keys_and_keeps_appends_made_meanw
     """Keys written again and again grow the log past twice the live keys: the next sweep writes
     it again from its listing, and a job that stores a key while that sweep lists is kept."""
     monkeypatch.setattr(redis_keylog, "REWRITE_SLACK", 10)
-    backend = _open(b"keylog-rewrite", redis_server.url)
+    backend = open_tier(b"keylog-rewrite", redis_server.url)
     try:
         keys = [make_key(i) for i in range(40)]
         for _ in range(3):
-            _write(backend, keys)
+            write_keys(backend, keys)
         assert len(_ops(_log(backend))) == 120
         rewrites = backend.stats()["key_log"]["rewrites"]  # the open's, which began the log
         late = [make_key(1000), make_key(1001)]
@@ -247,7 +218,7 @@ def test_a_sweep_rewrites_a_log_over_twice_the_keys_and_keeps_appends_made_meanw
 
         def listing_with_a_write(self: RedisBackend) -> Any:
             batches = list(listing(self))
-            _write(backend, late)  # lands after the sweep read the log's state, before the rewrite
+            write_keys(backend, late)  # lands after the sweep read the log's state, before the rewrite
             return iter(batches)
 
         monkeypatch.setattr(RedisBackend, "_list_block_keys", listing_with_a_write)
@@ -258,16 +229,16 @@ def test_a_sweep_rewrites_a_log_over_twice_the_keys_and_keeps_appends_made_meanw
         assert backend._sweep() == set(keys + late)  # under twice the keys now: left alone
         assert backend.stats()["key_log"]["rewrites"] == rewrites + 1
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_a_rewrite_that_another_came_before_is_dropped(redis_server: RedisServer) -> None:
     """Two hosts rewrite the log from the same state: the second finds the header changed and
     leaves the first's log as it is."""
-    backend = _open(b"keylog-two-rewrites", redis_server.url)
+    backend = open_tier(b"keylog-two-rewrites", redis_server.url)
     try:
         keys = [make_key(i) for i in range(20)]
-        _write(backend, keys)
+        write_keys(backend, keys)
         log = backend._keylog
         state = log.sweep_state()
         assert state is not None
@@ -276,25 +247,25 @@ def test_a_rewrite_that_another_came_before_is_dropped(redis_server: RedisServer
         assert not log.rewrite(state, keys[:5])
         assert _log(backend) == first
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_a_refused_append_fails_no_write(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that refuses the log's APPEND (an ACL without it): the records are stored and
     served all the same; the refusal is counted; the log names none of them (until a sweep
     writes it again)."""
-    backend = _open(b"keylog-refused", redis_server.url)
+    backend = open_tier(b"keylog-refused", redis_server.url)
     refused = b"*2\r\n$13\r\nNOSUCHCOMMAND\r\n$1\r\nx\r\n"  # answered with an error, as a denied APPEND is
     monkeypatch.setattr(redis_keylog.KeyLog, "append_commands", lambda self, keys: (refused, 1))
     try:
         keys = [make_key(i) for i in range(10)]
-        _write(backend, keys)
+        write_keys(backend, keys)
         assert backend.stats()["key_log"]["append_failures"] >= 1
         out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(2)]
         assert backend.read_blocks(keys[:2], out) == [True, True]
         assert _entries(_log(backend)) == []
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_a_server_that_dies_while_the_log_is_read_leaves_the_tier_empty(
@@ -302,9 +273,9 @@ def test_a_server_that_dies_while_the_log_is_read_leaves_the_tier_empty(
 ) -> None:
     """The server goes away once the log was judged, before its pieces are read: the open
     completes, adopts nothing, and the tier is down."""
-    writer = _open(b"keylog-dies", own_redis_server.url)
-    _write(writer, [make_key(i) for i in range(100)])
-    _close(writer)
+    writer = open_tier(b"keylog-dies", own_redis_server.url)
+    write_keys(writer, [make_key(i) for i in range(100)])
+    close_tier(writer)
     batches = redis_keylog.KeyLog.batches
 
     def dying(self: Any, *args: Any) -> Any:
@@ -312,28 +283,28 @@ def test_a_server_that_dies_while_the_log_is_read_leaves_the_tier_empty(
         yield from batches(self, *args)
 
     monkeypatch.setattr(redis_keylog.KeyLog, "batches", dying)
-    reader, opened, counters = _opened(b"keylog-dies", own_redis_server.url)
+    reader, opened, counters = reopen_tier(b"keylog-dies", own_redis_server.url)
     try:
         assert opened == [] and counters["opens"] == 1
         stats = reader.stats()
         assert not stats["up"] and stats["outages"] == 1
     finally:
-        _close(reader)
+        close_tier(reader)
 
 
 def test_stores_of_two_threads_all_reach_the_log(redis_server: RedisServer) -> None:
     """Jobs stored at once from two threads each append their own keys: the log names all."""
-    backend = _open(b"keylog-threads", redis_server.url)
+    backend = open_tier(b"keylog-threads", redis_server.url)
     try:
         groups = [[make_key(1000 * t + i) for i in range(64)] for t in range(2)]
-        threads = [threading.Thread(target=_write, args=(backend, g)) for g in groups]
+        threads = [threading.Thread(target=write_keys, args=(backend, g)) for g in groups]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert sorted(_entries(_log(backend))) == sorted(groups[0] + groups[1])
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_a_sweep_while_the_server_is_down_tries_no_connection(
@@ -343,7 +314,7 @@ def test_a_sweep_while_the_server_is_down_tries_no_connection(
     state nor the listing tries a connection (each would wait on the dead server)."""
     import redis.connection
 
-    backend = _open(b"keylog-down-sweep", own_redis_server.url)
+    backend = open_tier(b"keylog-down-sweep", own_redis_server.url)
     try:
         own_redis_server.kill()
         backend._get_client().connection_pool.disconnect()
@@ -362,4 +333,4 @@ def test_a_sweep_while_the_server_is_down_tries_no_connection(
         assert tries == []
     finally:
         monkeypatch.undo()
-        _close(backend)
+        close_tier(backend)

@@ -8,7 +8,6 @@ open with the general listing (``SCAN`` through redis-py on every primary) of th
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -20,38 +19,19 @@ from kvtier.backends.redis_keylog import HEADER_BYTES, MAGIC
 from kvtier.backends.redis_slotlogs import SLOTS, SlotLogs, slot_tags
 from kvtier.backends.redis_tier import RedisBackend
 from redis.crc import key_slot
+from redis_logs import BLOCK, close_tier, general_keys, open_tier, reopen_tier, write_keys
 from redis_servers import RedisClusterServers, RedisServer, open_redis_tier
 
 from kvtier.testing import make_key, random_block
 
-BLOCK = 1024
-
 
 def _open(namespace: bytes, url: str) -> RedisBackend:
-    """A cluster tier opened as a store opens it (its listing taken: a new namespace's slot logs
-    are begun)."""
-    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url, cluster=True)
-    backend.scan_columns()
+    backend: RedisBackend = open_tier(namespace, url, cluster=True)
     return backend
 
 
 def _opened(namespace: bytes, url: str) -> tuple[RedisBackend, list[bytes], dict[str, Any]]:
-    """A second tier on the same namespace, its open's keys and its slot logs' counters."""
-    backend: RedisBackend = open_redis_tier(namespace, BLOCK, url=url, cluster=True)
-    keys = backend.scan_columns().keys
-    return backend, keys, backend.stats()["key_log"]
-
-
-def _close(backend: RedisBackend) -> None:
-    asyncio.run(backend.aclose())
-
-
-def _write(backend: RedisBackend, keys: list[bytes]) -> None:
-    assert all(s is not None for s in backend.write_blocks(keys, [random_block(BLOCK, i) for i in range(len(keys))]))
-
-
-def _general(backend: RedisBackend) -> set[bytes]:
-    return {key for key in map(backend.block_key, backend._list_keys()) if key is not None}
+    return reopen_tier(namespace, url, cluster=True)
 
 
 def _logs(backend: RedisBackend) -> SlotLogs:
@@ -105,7 +85,7 @@ def test_every_slot_logs_name_hashes_to_its_slot(redis_cluster: RedisClusterServ
             assert int(client.execute_command("CLUSTER", "KEYSLOT", logs.name(slot))) == slot
         client.close()
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_an_open_reads_the_slot_logs_and_lists_what_scan_does(
@@ -117,15 +97,15 @@ def test_an_open_reads_the_slot_logs_and_lists_what_scan_does(
     try:
         keys = [make_key(i) for i in range(300)]
         for start in range(0, 300, 70):
-            _write(writer, keys[start : start + 70])
+            write_keys(writer, keys[start : start + 70])
         writer.delete_blocks(keys[:20])
-        _write(writer, keys[5:6])
+        write_keys(writer, keys[5:6])
         _no_scan(monkeypatch)
         reader, opened, counters = _opened(b"slotlogs-read", redis_cluster.url)
         monkeypatch.undo()
         try:
             live = keys[5:6] + keys[20:]
-            assert sorted(opened) == sorted(live) == sorted(_general(reader))
+            assert sorted(opened) == sorted(live) == sorted(general_keys(reader))
             assert counters["opens"] == 3 and counters["fallbacks"] == 0 and counters["rewrites"] == 0
             out = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(4)]
             assert reader.read_blocks([keys[5], *keys[20:23]], out) == [True] * 4
@@ -133,9 +113,9 @@ def test_an_open_reads_the_slot_logs_and_lists_what_scan_does(
             for row, seed in zip(out, (0, 20, 21, 22)):
                 assert torch.equal(row, random_block(BLOCK, seed).view(torch.uint8))
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
-        _close(writer)
+        close_tier(writer)
 
 
 def _damage(client: Any, name: bytes, damage: str) -> None:
@@ -162,22 +142,22 @@ def test_a_primary_with_an_untrusted_slot_log_falls_back_to_scan(redis_cluster: 
     client = writer._get_client()
     try:
         keys = [make_key(i) for i in range(120)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         _damage(client, _logs(writer).name(key_slot(writer.remote_key(keys[0]))), damage)
         reader, opened, counters = _opened(namespace, redis_cluster.url)
         try:
-            assert sorted(opened) == sorted(keys) == sorted(_general(reader))
+            assert sorted(opened) == sorted(keys) == sorted(general_keys(reader))
             assert counters["fallbacks"] == 1 and counters["opens"] == 2 and counters["rewrites"] >= SLOTS // 4
             assert counters["last_problem"] is not None
         finally:
-            _close(reader)
+            close_tier(reader)
         again, opened, counters = _opened(namespace, redis_cluster.url)
         try:
             assert sorted(opened) == sorted(keys) and counters["opens"] == 3 and counters["fallbacks"] == 0
         finally:
-            _close(again)
+            close_tier(again)
     finally:
-        _close(writer)
+        close_tier(writer)
 
 
 def test_an_older_store_without_slot_logs_is_listed_and_logged(
@@ -190,23 +170,23 @@ def test_an_older_store_without_slot_logs_is_listed_and_logged(
     writer = open_redis_tier(b"slotlogs-older", BLOCK, url=redis_cluster.url, cluster=True)
     try:
         keys = [make_key(i) for i in range(90)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         assert sorted(writer.scan_columns().keys) == sorted(keys)
     finally:
-        _close(writer)
+        close_tier(writer)
     monkeypatch.undo()
     reader, opened, counters = _opened(b"slotlogs-older", redis_cluster.url)
     try:
         assert sorted(opened) == sorted(keys) and counters["fallbacks"] == 3 and counters["rewrites"] == SLOTS
         assert "no key log" in counters["last_problem"]
     finally:
-        _close(reader)
+        close_tier(reader)
     _no_scan(monkeypatch)
     again, opened, counters = _opened(b"slotlogs-older", redis_cluster.url)
     try:
         assert sorted(opened) == sorted(keys) and counters["opens"] == 3
     finally:
-        _close(again)
+        close_tier(again)
 
 
 def test_records_lost_behind_the_logs_back_are_misses_never_other_bytes(redis_cluster: RedisClusterServers) -> None:
@@ -217,7 +197,7 @@ def test_records_lost_behind_the_logs_back_are_misses_never_other_bytes(redis_cl
     client = writer._get_client()
     try:
         keys = [make_key(i) for i in range(40)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         for key in keys[:3]:
             client.unlink(writer.remote_key(key))
         reader, opened, counters = _opened(b"slotlogs-evicted", redis_cluster.url)
@@ -230,9 +210,9 @@ def test_records_lost_behind_the_logs_back_are_misses_never_other_bytes(redis_cl
             assert torch.equal(out[4], random_block(BLOCK, 4).view(torch.uint8))
             assert reader._sweep() == set(keys[3:])
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
-        _close(writer)
+        close_tier(writer)
 
 
 def test_a_restarted_primary_that_lost_its_data_is_listed_with_scan(own_redis_cluster: RedisClusterServers) -> None:
@@ -242,9 +222,9 @@ def test_a_restarted_primary_that_lost_its_data_is_listed_with_scan(own_redis_cl
     writer = _open(b"slotlogs-restart", own_redis_cluster.url)
     try:
         keys = [make_key(i) for i in range(120)]
-        _write(writer, keys)
+        write_keys(writer, keys)
     finally:
-        _close(writer)
+        close_tier(writer)
     node = own_redis_cluster.nodes[1]
     owned = _owned(node)
     lost = {key for key in keys if key_slot(writer.remote_key(key)) in owned}
@@ -257,17 +237,17 @@ def test_a_restarted_primary_that_lost_its_data_is_listed_with_scan(own_redis_cl
         time.sleep(0.1)
     reader, opened, counters = _opened(b"slotlogs-restart", own_redis_cluster.url)
     try:
-        assert sorted(opened) == sorted(set(keys) - lost) == sorted(_general(reader))
+        assert sorted(opened) == sorted(set(keys) - lost) == sorted(general_keys(reader))
         assert counters["fallbacks"] == 1 and counters["opens"] == 2
         out = [torch.zeros(BLOCK, dtype=torch.uint8)]
         assert reader.read_blocks([next(iter(lost))], out) == [False]
     finally:
-        _close(reader)
+        close_tier(reader)
     again, opened, counters = _opened(b"slotlogs-restart", own_redis_cluster.url)
     try:
         assert sorted(opened) == sorted(set(keys) - lost) and counters["opens"] == 3
     finally:
-        _close(again)
+        close_tier(again)
 
 
 def _move_slot(cluster: RedisClusterServers, slot: int, source: RedisServer, target: RedisServer) -> None:
@@ -294,11 +274,11 @@ def test_a_slot_that_moved_carries_its_log_with_it(
     writer = _open(b"slotlogs-moved", own_redis_cluster.url)
     try:
         keys = [make_key(i) for i in range(60)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         slot = key_slot(writer.remote_key(keys[0]))
         name = _logs(writer).name(slot)
     finally:
-        _close(writer)
+        close_tier(writer)
     source = next(n for n in own_redis_cluster.nodes if _owns(n, slot))
     target = next(n for n in own_redis_cluster.nodes if n is not source)
     _move_slot(own_redis_cluster, slot, source, target)
@@ -312,7 +292,7 @@ def test_a_slot_that_moved_carries_its_log_with_it(
         assert torch.equal(out[0], random_block(BLOCK, 0).view(torch.uint8))
     finally:
         monkeypatch.undo()
-        _close(reader)
+        close_tier(reader)
 
 
 def test_a_slot_mid_migration_is_listed_with_scan(own_redis_cluster: RedisClusterServers) -> None:
@@ -322,11 +302,11 @@ def test_a_slot_mid_migration_is_listed_with_scan(own_redis_cluster: RedisCluste
     writer = _open(b"slotlogs-migrating", own_redis_cluster.url)
     try:
         keys = [make_key(i) for i in range(60)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         slot = key_slot(writer.remote_key(keys[0]))
         name = _logs(writer).name(slot)
     finally:
-        _close(writer)
+        close_tier(writer)
     source = next(n for n in own_redis_cluster.nodes if _owns(n, slot))
     target = next(n for n in own_redis_cluster.nodes if n is not source)
     src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
@@ -343,7 +323,7 @@ def test_a_slot_mid_migration_is_listed_with_scan(own_redis_cluster: RedisCluste
             if out[0].any():
                 assert torch.equal(out[0], random_block(BLOCK, 0).view(torch.uint8))
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
         src.close()
         dst.close()
@@ -361,7 +341,7 @@ def test_a_sweep_rewrites_overgrown_and_damaged_slot_logs_and_keeps_appends_made
     try:
         keys = [make_key(i) for i in range(60)]
         for _ in range(3):
-            _write(backend, keys)
+            write_keys(backend, keys)
         damaged = key_slot(backend.remote_key(keys[1]))
         client.append(_logs(backend).name(damaged), b"x")
         before = backend.stats()["key_log"]["rewrites"]
@@ -370,7 +350,7 @@ def test_a_sweep_rewrites_overgrown_and_damaged_slot_logs_and_keeps_appends_made
 
         def listing_with_a_write(self: RedisBackend) -> Any:
             batches = list(listing(self))
-            _write(backend, late)  # after the sweep read the logs' state, before the rewrite
+            write_keys(backend, late)  # after the sweep read the logs' state, before the rewrite
             return iter(batches)
 
         monkeypatch.setattr(RedisBackend, "_list_block_keys", listing_with_a_write)
@@ -390,9 +370,9 @@ def test_a_sweep_rewrites_overgrown_and_damaged_slot_logs_and_keeps_appends_made
         try:
             assert sorted(opened) == sorted(keys + late) and counters["opens"] == 3
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_a_rewrite_that_another_came_before_is_dropped(redis_cluster: RedisClusterServers) -> None:
@@ -402,7 +382,7 @@ def test_a_rewrite_that_another_came_before_is_dropped(redis_cluster: RedisClust
     client = backend._get_client()
     try:
         keys = [make_key(i) for i in range(20)]
-        _write(backend, keys)
+        write_keys(backend, keys)
         logs = _logs(backend)
         slot = key_slot(backend.remote_key(keys[0]))
         mine = [k for k in keys if key_slot(backend.remote_key(k)) == slot]
@@ -416,7 +396,7 @@ def test_a_rewrite_that_another_came_before_is_dropped(redis_cluster: RedisClust
         list(logs._on_node(node, lambda wire: logs._rewrite(wire, state, {slot: []})))
         assert bytes(client.get(logs.name(slot))) == first
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_a_sweep_reads_the_live_primaries_logs_only(own_redis_cluster: RedisClusterServers) -> None:
@@ -425,7 +405,7 @@ def test_a_sweep_reads_the_live_primaries_logs_only(own_redis_cluster: RedisClus
     backend = _open(b"slotlogs-down", own_redis_cluster.url)
     try:
         keys = [make_key(i) for i in range(60)]
-        _write(backend, keys)
+        write_keys(backend, keys)
         dead = own_redis_cluster.nodes[2]
         dead_slots = _owned(dead)
         gone = {k for k in keys if key_slot(backend.remote_key(k)) in dead_slots}
@@ -440,7 +420,7 @@ def test_a_sweep_reads_the_live_primaries_logs_only(own_redis_cluster: RedisClus
         assert backend._sweep() == set(keys) - gone
         assert backend.stats()["key_log"]["rewrite_failures"] == 0
     finally:
-        _close(backend)
+        close_tier(backend)
 
 
 def test_clearing_a_tenant_logs_its_deletions_in_the_slot_logs(redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -451,18 +431,18 @@ def test_clearing_a_tenant_logs_its_deletions_in_the_slot_logs(redis_cluster: Re
     backend = _open(b"slotlogs-clear-tenant", redis_cluster.url)
     try:
         keys = [make_key(i) for i in range(40)]
-        _write(backend, keys)
+        write_keys(backend, keys)
         backend.write_tags([(k, "chat") for k in keys[:10]] + [(k, "batch") for k in keys[10:]], [])
         doomed = redis_keys(0, backend, "chat")
         assert len(doomed) == 1 and doomed[0].delete() == 10
     finally:
-        _close(backend)
+        close_tier(backend)
     _no_scan(monkeypatch)
     reader, opened, counters = _opened(b"slotlogs-clear-tenant", redis_cluster.url)
     try:
         assert sorted(opened) == sorted(keys[10:]) and counters["opens"] == 3
     finally:
-        _close(reader)
+        close_tier(reader)
 
 
 def test_bulk_bodies_read_what_a_reply_at_a_time_reads() -> None:

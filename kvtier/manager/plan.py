@@ -73,22 +73,22 @@ class _PlainPlan:
 
     __slots__ = StorePlan.__slots__
 
-    def __init__(self, plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...]) -> None:
+    def __init__(self, plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...], drops: tuple[tuple[int, tuple[bytes, ...]], ...]) -> None:
         self.plan_id = plan_id
         self.keys = keys
         self.positions = positions
         self.tier = 0
         self.write_through = ()
-        self.drops = ()
+        self.drops = drops
         self.demotions = ()
         self.skipped = ()
         self.tags = ()
 
 
-def plain_plan(plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...]) -> StorePlan:
-    """``StorePlan(plan_id, keys, positions)``, made as :class:`_PlainPlan` (a test compares
-    the two, and checks the result is as frozen as the dataclass's own)."""
-    plan = _PlainPlan(plan_id, keys, positions)
+def plain_plan(plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...], drops: tuple[tuple[int, tuple[bytes, ...]], ...] = ()) -> StorePlan:
+    """``StorePlan(plan_id, keys, positions, drops=drops)``, made as :class:`_PlainPlan` (a test
+    compares the two, and checks the result is as frozen as the dataclass's own)."""
+    plan = _PlainPlan(plan_id, keys, positions, drops)
     plan.__class__ = StorePlan  # type: ignore[assignment]
     return plan  # type: ignore[return-value]
 
@@ -384,7 +384,8 @@ class PlanBook:
 
     def open_new(self, ids: Iterator[int], keys: Sequence[bytes]) -> StorePlan | None:
         """The common store in one step: ``keys`` (a list or tuple), each a well-formed key,
-        none repeated and none held by any tier, fit in the first tier's free room and no copy
+        none repeated and none held by any tier, fit in the first tier's free room (or, when it
+        is the only tier, in the room its policy's victims free: they are dropped) and no copy
         goes below (write-back, or one tier) and no tenant is counted. Its plan (numbered by
         ``ids``), or ``None`` and no change otherwise: the caller then takes :meth:`prepare`,
         which gives the same plan here (a test compares the two)."""
@@ -392,7 +393,10 @@ class PlanBook:
             return None
         first = self._first
         n = len(keys)
-        if not self._no_copies or self._admission.enabled or first.tenancy is not None or first.used + first.block * n > first.capacity or not n:
+        over = first.used + first.block * n - first.capacity  # > 0: the victims to drop first
+        if not self._no_copies or self._admission.enabled or first.tenancy is not None or not n:
+            return None
+        if over > 0 and (self._below or first.block * n > first.capacity):
             return None
         index = first.index
         try:  # (a pass in C each: none held is the common store)
@@ -406,7 +410,9 @@ class PlanBook:
                 break
             index[key] = PENDING
         else:
-            if len(index) - before == n:
+            # (The new keys are pending: not in the policy, so never victims of their own batch.)
+            victims = first.evict(over, _NOTHING) if over > 0 and len(index) - before == n else []
+            if victims is not None and len(index) - before + len(victims) == n:
                 first.used += first.block * n
                 first.pending += n
                 plan_id = next(ids)
@@ -414,7 +420,11 @@ class PlanBook:
                 for key in keys:
                     plan_of[key] = plan_id
                 self._plans[plan_id] = OpenPlan(n, _NO_COPIES, _NO_COPIES)
-                return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), _leading(n))
+                if not victims:
+                    return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), _leading(n))
+                first.dropped += len(victims)  # dropped, as the builder does: counted, announced
+                self._events.add("removed", victims, first.name)
+                return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), _leading(n), ((0, tuple(victims)),))
         for key in keys:  # a bad or repeated key: none was held before, so each one reserved goes
             index.pop(key, None)
         return None
@@ -561,6 +571,7 @@ def _promote_by_tenant(builder: PlanBuilder, new: list[bytes]) -> list[bytes]:
 
 #: positions of plans whose every key is new, by length (a plan of up to 64 keys shares one)
 _RANGES = tuple(tuple(range(n)) for n in range(65))
+_NOTHING: frozenset[bytes] = frozenset()
 #: the copies below of a plan that has none
 _NO_COPIES: Mapping[int, list[bytes]] = MappingProxyType({})
 

@@ -62,7 +62,7 @@ from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
 from kvtier.manager.lookups import closed_error as _closed
-from kvtier.manager.lookups import lookup_counts, single_key_lookup
+from kvtier.manager.lookups import leading_run, lookup_counts, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.readout import COUNTERS, Readout
@@ -103,6 +103,17 @@ class KeyStatus:
 
 _MISS = KeyStatus(KeyState.MISS)
 _NOTHING: frozenset[bytes] = frozenset()
+_BYTES_ONLY = frozenset((bytes,))
+
+
+def _exact(keys: Sequence[bytes]) -> bool:
+    """Whether every key is exactly ``bytes``. Finding a key proves its value, not its type: an
+    object of another type (a ``bytes`` subclass, one with its own ``__eq__`` and ``__hash__``)
+    can compare equal to a stored key, and a call that keeps the keys it is given (pins, the
+    policy's order, stamps) must never keep such an object in place of the key."""
+    if len(keys) == 1 and type(keys) in (list, tuple):  # a job of one block
+        return type(keys[0]) is bytes
+    return _BYTES_ONLY.issuperset(map(type, keys))
 
 
 def _check(keys: Sequence[bytes]) -> None:
@@ -252,13 +263,8 @@ class TierManager:
 
     def _lookup_run(self, keys: Sequence[bytes]) -> int:
         """:meth:`lookup` of any number of keys."""
-        ready_tier = self._ready_tier
-        hits = 0
         try:
-            for key in keys:
-                if ready_tier(key) is None:
-                    break
-                hits += 1
+            hits = leading_run(self._gets, keys)
         except TypeError:  # an unhashable key: check_keys names it
             hits = -1
         if hits != len(keys) or not hits:  # a key not found (or no key): is the input valid?
@@ -405,7 +411,7 @@ class TierManager:
                 found = list(map(self._ready_tier, keys))
         except TypeError:  # unhashable: not a key
             found = [None]
-        if None in found or not found:
+        if None in found or not found or not _exact(keys):
             _check(keys)
         if None in found:
             i = found.index(None)
@@ -439,8 +445,11 @@ class TierManager:
         """Mark keys as recently used in every tier that holds them ready.
 
         Validated by finding, like ``complete_store``: a key ready in a tier was checked when it
-        was stored, so only a call with a key that no one tier holds ready pays for
-        :func:`check_keys` (a test compares the answers and errors with a checked call)."""
+        was stored, so only a call with a key that no one tier holds ready, or one that is not
+        exactly ``bytes`` where the call could keep it (stamps, several tiers), pays for
+        :func:`check_keys`. One tier without stamps keeps nothing of the caller's: its policy
+        reorders its own key objects, so a value found equal to a stored key touches that key
+        (tests compare both paths)."""
         if self._closed:
             raise _closed()
         with self._lock:
@@ -462,7 +471,7 @@ class TierManager:
                     every = every or len(mine) == n
             except TypeError:  # an unhashable key: check_keys names it
                 found = []
-            if not every:
+            if not every or not _exact(keys):
                 _check(keys)
             for t, mine in zip(self._tiers, found):
                 if mine:

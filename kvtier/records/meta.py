@@ -98,7 +98,14 @@ def decode_meta(data: Any) -> StoreMeta:
 def check_meta(meta: StoreMeta, fmt: BlockFormat, *, where: str, mac: RecordMac | None = None) -> None:
     """Refuse a store written for another namespace, block size, dtype or format version, and a
     keyed store whose meta record names a MAC algorithm whose records ``mac`` does not read
-    (they would all be misses; a store keyed before the meta record named its MAC is accepted)."""
+    (they would all be misses; a store keyed before the meta record named its MAC is accepted),
+    and an unkeyed tier (``mac`` ``None``) on a store whose meta record names a MAC: it could check
+    none of the store's records, and a local tier would drop every one it read."""
+    if mac is None and meta.mac is not None:
+        raise ConfigError(
+            f"{where}: the store's records are keyed with {meta.mac}, and this tier has no mac_key; "
+            f"set mac_key_env (the fleet's secret) and mac_algorithm: {meta.mac}, or point the tier at a new path"
+        )
     if mac is not None and meta.mac is not None and not (meta.mac in MAC_ALGORITHMS and mac.accepts(MAC_ALGORITHMS[meta.mac])):
         raise ConfigError(
             f"{where}: the store's records are keyed with {meta.mac}, this tier's mac_algorithm is "

@@ -53,6 +53,7 @@ __all__ = [
     "combine_results",
     "deadline_at",
     "failed_result",
+    "result_of",
 ]
 
 JobKind = Literal["store", "load"]
@@ -77,6 +78,37 @@ class JobResult:
     missed_tiers: tuple[int, ...] = ()
     sizes: dict[int, dict[bytes, int]] = field(default_factory=dict)
     error: str | None = None
+
+
+class _ResultSlots:
+    """A :class:`JobResult`'s slots, set by plain attribute stores (the frozen dataclass's own
+    ``__init__`` stores each of its eleven fields through ``object.__setattr__``: measured
+    here about 6 µs a job right after its copy flushed the caches). :func:`result_of` turns
+    one into a :class:`JobResult`, frozen from then on; the layouts are the same, slot for slot."""
+
+    __slots__ = JobResult.__slots__
+
+
+def result_of(
+    job_id: int,
+    kind: JobKind,
+    success: bool,
+    keys: tuple[bytes, ...],
+    nbytes: int,
+    seconds: float,
+    failed: dict[int, tuple[bytes, ...]],
+    missed: tuple[bytes, ...],
+    missed_tiers: tuple[int, ...],
+    sizes: dict[int, dict[bytes, int]],
+    error: str | None,
+) -> JobResult:
+    """``JobResult(...)`` of every field, in field order, for the movers' hot path (a test
+    compares the two, and checks the result is as frozen as the dataclass's own)."""
+    r = _ResultSlots()
+    r.job_id, r.kind, r.success, r.keys, r.nbytes, r.seconds = job_id, kind, success, keys, nbytes, seconds  # type: ignore[attr-defined]
+    r.failed, r.missed, r.missed_tiers, r.sizes, r.error = failed, missed, missed_tiers, sizes, error  # type: ignore[attr-defined]
+    r.__class__ = JobResult  # type: ignore[assignment]
+    return r  # type: ignore[return-value]
 
 
 class Phase(enum.IntEnum):

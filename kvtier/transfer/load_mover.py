@@ -12,7 +12,7 @@ import torch
 
 from kvtier.backend import MemoryBackend
 from kvtier.errors import BackendError, LifecycleError
-from kvtier.transfer.jobs import JobResult, LoadRecord, Phase
+from kvtier.transfer.jobs import JobResult, LoadRecord, Phase, result_of
 from kvtier.transfer.movers import MoverHost
 from kvtier.transfer.plan_writes import Failed
 
@@ -79,8 +79,12 @@ class LoadMover:
         ids = rec.block_ids
         n = self.e.layout.engine_blocks_per_block
         by_tier: dict[int, list[int]] = {}
-        for i, tier in enumerate(plan.tiers):
-            by_tier.setdefault(tier, []).append(i)
+        tiers = plan.tiers
+        if tiers and tiers.count(tiers[0]) == len(tiers):  # every key from one tier (the usual load)
+            by_tier[tiers[0]] = list(range(len(tiers)))
+        else:
+            for i, tier in enumerate(tiers):
+                by_tier.setdefault(tier, []).append(i)
         missed: list[int] = []
         failed: Failed = {}
         promote = set(plan.promote)
@@ -112,24 +116,28 @@ class LoadMover:
             backend = self.e.backends[tier]
             if isinstance(backend, MemoryBackend):
                 keys = plan.keys
+                whole = len(positions) == len(keys)  # the job's every key, in order
+                good: Sequence[int] = positions
                 try:  # every key there (the usual load): one call
-                    slot_of = dict(zip(positions, backend.slots([keys[i] for i in positions])))
+                    rows = backend.slots(keys if whole else [keys[i] for i in positions])
                 except LifecycleError:  # one by one, to tell the missing ones
-                    slot_of = {}
+                    slot_of: dict[int, int] = {}
                     for i in positions:
                         try:
                             slot_of[i] = backend.slots([keys[i]])[0]
                         except LifecycleError:
                             missed.append(i)
-                good = [i for i in positions if i in slot_of]
-                dst = [b for i in good for b in ids[i * n : (i + 1) * n]]
-                if not write(backend.pool, [slot_of[i] for i in good], dst):
+                    good = [i for i in positions if i in slot_of]
+                    rows = [slot_of[i] for i in good]
+                    whole = False
+                dst = list(ids) if whole else [b for i in good for b in ids[i * n : (i + 1) * n]]
+                if not write(backend.pool, rows, dst):
                     stopped = True
                     break
                 nbytes += len(good) * self.e.layout.block_bytes
-                up = [i for i in good if plan.keys[i] in promote]
+                up = [j for j, i in enumerate(good) if keys[i] in promote] if promote else None
                 if up:
-                    self._promote([plan.keys[i] for i in up], [backend.pool[slot_of[i]] for i in up], failed, promoted)
+                    self._promote([keys[good[j]] for j in up], [backend.pool[rows[j]] for j in up], failed, promoted)
                 continue
             for c in range(0, len(positions), chunk):
                 part = positions[c : c + chunk]
@@ -149,6 +157,8 @@ class LoadMover:
                 break
         if stopped:
             return JobResult(rec.job_id, "load", False, plan.keys, error="stopped")
+        if not missed and not promote:  # every block loaded, nothing promoted: no lists to build
+            return result_of(rec.job_id, "load", True, plan.keys, nbytes, time.perf_counter() - start, {}, (), (), {}, None)
         missed.sort()
         return JobResult(
             rec.job_id,

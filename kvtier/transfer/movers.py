@@ -20,7 +20,7 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
-from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord
+from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, result_of
 from kvtier.transfer.plan_writes import Expired, Failed, PlanWrites, TierWork, check_alive, note_sizes, rows_of
 from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
@@ -387,22 +387,12 @@ class StoreMover:
         return behind
 
     def _finish_store(self, work: TierWork, *, retire: bool = False) -> bool:
-        plan = work.rec.store_plan
-        ok = work.error is None and not work.failed.get(plan.tier)
-        return self.e._finish(
-            work.rec,
-            JobResult(
-                work.rec.job_id,
-                "store",
-                ok,
-                plan.keys,
-                nbytes=work.nbytes if work.error is None else 0,
-                seconds=time.perf_counter() - work.start,
-                failed={t: tuple(ks) for t, ks in work.failed.items() if ks},
-                sizes=work.sizes,
-                error=work.error,
-            ),
-            retire=retire,
-        )
+        rec, failed, error = work.rec, work.failed, work.error
+        plan = rec.store_plan
+        ok = error is None and not failed.get(plan.tier)
+        seconds = time.perf_counter() - work.start
+        lost = {t: tuple(ks) for t, ks in failed.items() if ks} if failed else {}
+        result = result_of(rec.job_id, "store", ok, plan.keys, work.nbytes if error is None else 0, seconds, lost, (), (), work.sizes, error)
+        return self.e._finish(rec, result, retire=retire)
 
 

@@ -126,9 +126,9 @@ class PlanWrites:
 
     def drops_and_demotions(self, plan: StorePlan, staging: torch.Tensor, work: TierWork, *, check: bool) -> None:
         # 1. evicted keys that are not moving down from that very tier: their room is needed now.
-        moving = {(d.src, k) for d in plan.demotions for k in d.keys}
+        moving = {(d.src, k) for d in plan.demotions for k in d.keys} if plan.demotions else None
         for tier, keys in plan.drops:
-            self.e._delete(tier, [k for k in keys if (tier, k) not in moving], drop_reason(plan))
+            self.e._delete(tier, [k for k in keys if (tier, k) not in moving] if moving else keys, drop_reason(plan))
         # 2. write-back, deepest first: copy down, then free the source.
         chunk = staging.shape[0]
         for d in plan.demotions:

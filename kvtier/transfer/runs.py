@@ -96,7 +96,8 @@ class JobRuns:
             plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset], tenant=tenant)
             if plan is None or plan.empty:
                 break
-            chosen = [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
+            whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
+            chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
             job = transfers.submit_store(plan, chosen, durable=durable, inline=True)
             result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
             if self._closed():  # closed while the job ran: nothing is left to apply it to
@@ -108,8 +109,8 @@ class JobRuns:
             on_disk = sum(1 for key in plan.keys[:done] if any(mgr.holds(key, t) for t in persistent)) if persistent else 0
             kept += on_disk
             self.memory_only += max(0, done - on_disk)
-            if done < len(plan.keys) or not plan.keys:
-                break
+            if done < len(plan.keys) or not plan.keys or whole or len(plan.keys) + len(plan.skipped) == len(rest):
+                break  # (the last two: the plan covered the whole rest, each key once)
             covered = {*plan.keys, *plan.skipped}
             taken = next((i for i, key in enumerate(rest) if key not in covered), len(rest))
             if taken < len(rest):
@@ -161,7 +162,7 @@ class JobRuns:
         if result.missed:
             missed = set(result.missed)
             filled = next(i for i, key in enumerate(plan.keys) if key in missed)
-        if promote and any(tier > 0 for tier in plan.tiers[:filled]):
+        if promote and filled and max(plan.tiers[:filled]) > 0:  # some were served from a lower tier
             await self._promote(plan.keys[:filled], ids, transfers)
         return filled
 
