@@ -561,4 +561,4 @@ def test_an_open_reads_the_slot_logs_off_the_heap(redis_cluster: RedisClusterSer
         pools = [client.get_redis_connection(n).connection_pool for n in client.get_primaries()]
         assert all(pool.connection_kwargs["socket_read_size"] <= 1 << 16 for pool in pools)
     finally:
-        _close(backend)
+        close_tier(backend)
