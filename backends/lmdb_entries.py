@@ -1,5 +1,6 @@
 """An ``lmdb`` tier's index entries (stamp, stored size and, split layout, the record's head:
-see :mod:`kvtier.backends.lmdb_layout`), and what reading a job found (:class:`ReadOutcome`)."""
+see :mod:`kvtier.backends.lmdb_layout`), the size below which a record is written joined (one
+value, no entry: :data:`JOIN_MAX`), and what reading a job found (:class:`ReadOutcome`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ from typing import Any
 
 from kvtier.records.format import HEAD_MAX, HEADER_SIZE
 
-__all__ = ["COLD_GET_S", "ENTRY_SIZES", "INDEX", "ReadOutcome", "entry_stamp", "index_entry", "join_record", "restamp"]
+__all__ = [
+    "COLD_GET_S", "ENTRY_SIZES", "INDEX", "JOINED", "JOIN_MAX", "ReadOutcome", "entry_stamp", "head_in_value", "index_entry", "join_record", "restamp",
+]
 
 INDEX = struct.Struct("<dQ")
+#: Records of at most this many bytes (head and payload) are written joined: the whole record in
+#: ``blocks``, no index entry (see :mod:`kvtier.backends.lmdb_layout`); larger ones split.
+#: 0: every record split (as the code before wrote them).
+JOIN_MAX = 64 * 1024 + HEAD_MAX
+#: The entry a joined record is read with: as long as a whole-layout entry (the head starts the
+#: value), stamp and size zero (never written).
+JOINED = bytes(INDEX.size)
 #: A lookup slower than this read its value from disk: the rest of the job is read cold. A warm
 #: ``get`` of a 2 MiB value takes 10-30 µs here (its pages are touched, not read); a cold one
 #: several milliseconds.
@@ -36,6 +46,14 @@ def restamp(entry: Any, stamp: float) -> bytes:
     """``entry`` with its stamp replaced (its size and head kept)."""
     _, stored = entry_stamp(entry)
     return INDEX.pack(stamp, stored) + bytes(entry[INDEX.size :])
+
+
+def head_in_value(value: Any, block_bytes: int) -> bool:
+    """Whether ``value`` (a ``blocks`` value of a store of ``block_bytes`` blocks) holds its
+    record's head, told by its length alone: a split value is the payload, never longer than
+    the raw block (a codec's output is kept only when shorter), so a longer one is a joined
+    or whole record and its index entry need not be looked up."""
+    return len(value) > block_bytes
 
 
 def join_record(entry: Any, value: Any) -> bytes:

@@ -1,19 +1,31 @@
 """Where an ``lmdb`` tier keeps a record's parts, and how a job of records is read back.
 
-Two layouts are read; the first is written:
+Three layouts are read; the first two are written:
 
-* **split** (what this code writes): ``blocks[key]`` holds the payload alone and
-  ``index[key]`` holds ``<d Q`` (last-access stamp, stored bytes) followed by the record's head
-  (the :mod:`kvtier.records.format` header and, keyed, its tag). The payload is put straight from the
-  caller's block: python-lmdb has no ``MDB_RESERVE``, so a record whose head had to precede its
-  payload in one value cost a staging copy of every block (a save ran at 0.84 of a raw put,
-  0.92 without the copy; ``benchmarks/bench_disk.py``).
-* **whole** (written by earlier code): ``blocks[key]`` holds the whole record and ``index[key]`` the 16
-  bytes of stamp and size.
+* **joined** (records of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes, head
+  and payload): ``blocks[key]`` holds the whole record (head, then payload) and ``index`` holds
+  nothing for it. A save is one B-tree put, a load one lookup. The head costs a staging copy of
+  the payload (python-lmdb has no ``MDB_RESERVE``), which at 4-64 KiB is cheaper than the second
+  tree: raw python-lmdb, durable, jobs of 16, a load with one lookup ran at 1.03 of a raw get at
+  4 KiB against 0.69 with the index lookup too (``benchmarks/bench_disk_sizes.py`` and the
+  module :mod:`kvtier.backends.lmdb_entries` say where the line is drawn). Its stamp is the
+  open's time until ``touch_stamps`` writes one: then it gains a 16-byte entry and is a whole
+  record.
+* **split** (larger records): ``blocks[key]`` holds the payload alone and ``index[key]`` holds
+  ``<d Q`` (last-access stamp, stored bytes) followed by the record's head (the
+  :mod:`kvtier.records.format` header and, keyed, its tag). The payload is put straight from
+  the caller's block: at 2 MiB the staging copy cost 8 % of a save (0.84 of a raw put, 0.92
+  without it; ``benchmarks/bench_disk.py``).
+* **whole** (written by earlier code, and a joined record once stamped): ``blocks[key]`` holds
+  the whole record and ``index[key]`` the 16 bytes of stamp and size.
 
-The length of the index entry tells them apart, so a store written by earlier code is read
-as it is and its records are replaced by split ones as they are rewritten. Both parts are
-written in one transaction; a value without its index entry is treated as corrupt.
+The index entry tells them apart: none, joined; 16 bytes, whole; longer, split (its length
+says keyed or not). An index entry, where there is one, is always the current record's: a
+joined save deletes the key's entry in its transaction (when the index holds any), a split
+save rewrites it. A value longer than the raw block holds its head whatever its entry
+(:func:`~kvtier.backends.lmdb_entries.head_in_value`: a split value is never that long), so a
+raw joined record is read with one lookup. A value whose head does not check is corrupt, in
+any layout: a split value that lost its entry is read as joined and fails its header check.
 
 :class:`JobReader` reads a job: one read transaction, every record's head parsed and its extent
 checked before a byte of its payload is touched, then :func:`~kvtier.records.checks.copy_and_check`.
@@ -36,8 +48,10 @@ from kvtier.backends.lmdb_entries import (
     COLD_GET_S,
     ENTRY_SIZES,
     INDEX,
+    JOINED,
     ReadOutcome,
     entry_stamp,
+    head_in_value,
     index_entry,
     join_record,
     restamp,
@@ -55,7 +69,7 @@ from kvtier.records.format import (
     parse_header,
 )
 
-__all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
+__all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "JOINED", "ColdRead", "JobReader", "ReadOutcome", "Temperature", "entry_stamp", "index_entry", "join_record", "restamp"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -512,12 +526,17 @@ class JobReader:
         value = txn.get(key, db=self.blocks)
         if value is None:
             return None
+        if head_in_value(value, self.block_bytes):
+            return JOINED, value  # the head is in the value: no index lookup (module doc)
         return self.checked_pair(key, txn.get(key, db=self.index), value, bad)
 
     def checked_pair(self, key: bytes, entry: Any, value: Any, bad: dict[bytes, str]) -> tuple[Any, Any] | None:
-        """``(entry, value)`` of a present ``key``, or ``None`` when its index entry is missing or
-        unreadable (the reason is put in ``bad``)."""
-        if entry is None or len(entry) not in ENTRY_SIZES:
+        """``(entry, value)`` of a present ``key`` (``entry`` :data:`JOINED` when it has none:
+        a joined record), or ``None`` when its index entry is unreadable (the reason is put in
+        ``bad``)."""
+        if entry is None:
+            return JOINED, value
+        if len(entry) not in ENTRY_SIZES:
             log.warning("lmdb: record %s… in %s has no readable index entry; a miss, dropping it", key.hex()[:16], self.path)
             bad[key] = "no readable index entry"
             return None

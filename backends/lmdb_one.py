@@ -63,40 +63,49 @@ class _Temperature(Protocol):
 
 _PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
 _KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
+_JOINED_PLAIN = HEADER_SIZE  # where a joined plain record's payload starts in its value
 
 
 def copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) -> bool:
     """Copy a plain raw record of ``size`` bytes into ``row`` (host memory) and check it;
-    ``False`` (``row`` perhaps written) when it is anything else or its check fails."""
+    ``False`` (``row`` perhaps written) when it is anything else or its check fails. Split
+    (the head in the entry) or joined (the head starts the value)."""
     entry, value = pair
-    if len(entry) != _PLAIN_ENTRY or len(value) != size:
+    if len(entry) == _PLAIN_ENTRY and len(value) == size:
+        head, payload = entry[INDEX.size :], value
+    elif len(entry) == INDEX.size and len(value) == HEADER_SIZE + size:
+        head, payload = value[:HEADER_SIZE], value[HEADER_SIZE:]
+    else:
         return False
-    magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(entry, INDEX.size)
+    magic, version, codec_id, _, flags, raw, stored, checksum = HEADER.unpack_from(head, 0)
     if magic != MAGIC or version != RECORD_VERSION or codec_id != NoneCodec.codec_id or flags or raw != size or stored != size:
         return False
     if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
         return False
     view = row.numpy().data
-    view[:] = value
+    view[:] = payload
     # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-    return record_checksum(entry[INDEX.size : INDEX.size + CHECKED], key, view) == checksum
+    return record_checksum(head[:CHECKED], key, view) == checksum
 
 
 def copy_keyed(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int, mac: RecordMac) -> bool:
     """:func:`copy_plain` for a keyed raw record: the row's MAC is checked (a MAC guards
     against tampering: the bytes the caller gets are the ones checked)."""
     entry, value = pair
-    if len(entry) != _KEYED_ENTRY or len(value) != size:
+    if len(entry) == _KEYED_ENTRY and len(value) == size:
+        head, payload = entry[INDEX.size :], value
+    elif len(entry) == INDEX.size and len(value) == HEAD_MAX + size:
+        head, payload = value[:HEAD_MAX], value[HEAD_MAX:]
+    else:
         return False
     if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
         return False
-    head = entry[INDEX.size :]
     try:
         header = parse_header(head, raw_length=size, available=len(head) + size, mac=mac)
-        if header.codec_id != NoneCodec.codec_id:
+        if header.codec_id != NoneCodec.codec_id or header.payload_offset != len(head):
             return False
         view = row.numpy().data
-        view[:] = value
+        view[:] = payload
         verify_payload(key, head, header, view, mac=mac)
     except CorruptBlockError:
         return False
@@ -126,7 +135,7 @@ class StraightRead:
     def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
         """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
         #: What a read uses, in one tuple (one attribute load, not six).
-        self.parts = (plain.blocks, plain.index, plain.entry.unpack, plain.head, plain.prefix, plain.size)
+        self.parts = (plain.blocks, plain.index, plain.entry.unpack, plain.joined.unpack_from, plain.head, plain.prefix, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
         self.most = -(-SIDE_MIN_BYTES // plain.size)  # jobs of fewer keys than this: job()
         self.guard, self.temperature, self.counters = guard, temperature, counters
@@ -144,7 +153,7 @@ class StraightRead:
         view = self.views.get(row.data_ptr())
         if view is None:
             return None  # a row not seen yet: the general path makes its view
-        blocks, index, unpack, head, prefix, size = self.parts
+        blocks, index, unpack, joined, head, prefix, size = self.parts
         self.guard.check()
         temperature = self.temperature
         jobs = temperature.jobs
@@ -154,18 +163,25 @@ class StraightRead:
             try:
                 start = perf_counter()
                 value = txn.get(key, None, blocks)
-                entry = None if value is None else txn.get(key, None, index)
+                if value is not None and len(value) == _JOINED_PLAIN + size:  # joined: no index lookup
+                    stored_head, stored_sum = joined(value)
+                    payload = value[_JOINED_PLAIN:]
+                    entry = None
+                else:
+                    entry = None if value is None else txn.get(key, None, index)
+                    payload = value
                 if perf_counter() - start >= COLD_GET_S and temperature.slow(start):
                     temperature.cold = True  # read from disk: the next job is read cold
                 if value is None:
                     self.counters.read_misses += 1
                     return False
-                if entry is None or len(entry) != _PLAIN_ENTRY or len(value) != size:
-                    return None
-                stored_head, stored_sum = unpack(entry)
+                if payload is value:
+                    if entry is None or len(entry) != _PLAIN_ENTRY or len(value) != size:
+                        return None
+                    stored_head, stored_sum = unpack(entry)
                 if stored_head != head:
                     return None
-                view[:] = value
+                view[:] = payload
                 # The row just written, while it is in the CPU's cache: what the caller gets is checked.
                 h = prefix.copy()
                 h.update(key)
@@ -206,7 +222,8 @@ class StraightRead:
             if view is None:
                 return None  # a row not seen yet: the general path makes its view
             rows.append(view)
-        blocks, index, unpack, head, prefix, size = self.parts
+        blocks, index, unpack, joined, head, prefix, size = self.parts
+        joined_size = _JOINED_PLAIN + size
         self.guard.check()
         jobs = temperature.jobs
         jobs.append(None)  # counted among the jobs being read (Temperature)
@@ -222,7 +239,11 @@ class StraightRead:
                     if value is None:
                         hit(False)
                         continue
-                    stored_head, stored_sum = unpack(get(key, None, index))
+                    if len(value) == joined_size:  # joined: no index lookup
+                        stored_head, stored_sum = joined(value)
+                        value = value[_JOINED_PLAIN:]
+                    else:
+                        stored_head, stored_sum = unpack(get(key, None, index))
                     if stored_head != head:
                         return None
                     row[:] = value

@@ -1,13 +1,14 @@
 """Warm jobs of plain records, read in one tight pass (:class:`PlainReads`), and the guard
 that keeps reads off a ``data.mdb`` cut short under an open store (:class:`FileGuard`).
 
-A plain record is what an unkeyed ``lmdb`` tier writes for a block that did not compress: its
-payload alone in ``blocks``, and in ``index`` the stamp and size followed by a 32-byte header
-whose first 24 bytes (the part the checksum covers: magic, version, codec, dtype, flags and
-both lengths) are the same for every such record of the store. So per record the pass makes
-two lookups, one compare of those 24 bytes against the bytes the store writes, one copy into
-the row, and one XXH3 over the key and the row, continued from a state that already holds the
-24 bytes (computed once per store). The rows' buffers are taken once per
+A plain record is what an unkeyed ``lmdb`` tier writes for a block that did not compress: a
+32-byte header whose first 24 bytes (the part the checksum covers: magic, version, codec,
+dtype, flags and both lengths) are the same for every such record of the store, and the
+payload. Joined (:mod:`kvtier.backends.lmdb_layout`), both are the value in ``blocks``: per
+record the pass makes one lookup; split, the payload is the value and the header follows the
+stamp and size in ``index``: two lookups. Then one compare of those 24 bytes against the bytes
+the store writes, one copy into the row, and one XXH3 over the key and the row, continued from
+a state that already holds the 24 bytes (computed once per store). The rows' buffers are taken once per
 job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a job), or from
 one view of the tensor they are all cut from when they are (a manager's staging rows), else
 one per row.
@@ -29,6 +30,7 @@ from typing import Any
 
 import lmdb
 import torch
+from kvtier.backends.lmdb_entries import JOINED
 
 from kvtier import devices
 from kvtier.errors import DiskError
@@ -135,7 +137,7 @@ class RowViews:
 class PlainReads:
     """The tight pass over a warm job of plain records of one store (see the module doc)."""
 
-    __slots__ = ("blocks", "entry", "entry_size", "head", "head_at", "index", "prefix", "size", "sum_at")
+    __slots__ = ("blocks", "entry", "entry_size", "head", "head_at", "index", "joined", "joined_size", "prefix", "size", "sum_at")
 
     def __init__(self, *, blocks: Any, index: Any, block_bytes: int, dtype_code: int, head_at: int) -> None:
         self.blocks = blocks
@@ -151,6 +153,9 @@ class PlainReads:
         #: A plain entry's checked head and checksum in one call: a third of the cost of a
         #: memoryview slice compared and the sum unpacked apart (0.14 µs against 0.4 here).
         self.entry = struct.Struct(f"<{head_at}x{CHECKED}sQ")
+        #: The same for a joined record, whose value starts with its header.
+        self.joined = struct.Struct(f"<{CHECKED}sQ")
+        self.joined_size = HEADER.size + block_bytes
 
     def read(
         self,
@@ -173,25 +178,32 @@ class PlainReads:
         may be unusable)."""
         get, blocks, index, entry_size = txn.get, self.blocks, self.index, self.entry_size
         head, prefix, unpack = self.head, self.prefix, self.entry.unpack
+        joined, joined_size, at = self.joined.unpack_from, self.joined_size, HEADER.size
         i = 0
         try:
             for i, key in enumerate(keys):
                 start = clock()
                 value = get(key, None, blocks)
-                entry = None if value is None else get(key, None, index)
+                if value is not None and len(value) == joined_size:  # joined: no index lookup
+                    entry = JOINED
+                    stored_head, stored_sum = joined(value)
+                    payload = value[at:]
+                else:
+                    entry = None if value is None else get(key, None, index)
+                    if entry is not None and len(entry) == entry_size:
+                        stored_head, stored_sum = unpack(entry)
+                        payload = value
+                    else:
+                        stored_head = None
                 if clock() - start >= slow_after and slow(start):
                     return i, None, entry, value
-                if entry is None or len(entry) != entry_size:  # absent, or not plain
+                if stored_head != head:  # absent, or not plain
                     if value is not None:
                         odd(i, entry, value)
                     continue
-                stored_head, stored_sum = unpack(entry)
-                if stored_head != head:  # not plain
-                    odd(i, entry, value)
-                    continue
                 row = rows[i]
                 try:
-                    row[:] = value
+                    row[:] = payload
                 except ValueError:  # a value of another length
                     odd(i, entry, value)
                     continue

@@ -10,8 +10,8 @@ The damaged file is never mapped (LMDB would abort on the page it cannot walk). 
 way the page check reads it, but tolerantly: a page that fails a check (its own number, its
 type, its node area, a node past its end, a child or overflow run outside the file) is skipped
 with everything under it, and the walk goes on. Values are read from their leaf or overflow
-pages. **Checksums decide**: a record is copied only when its index entry and value pair up
-and its checksum (or keyed MAC) verifies for its key, exactly as a read would check it, and
+pages. **Checksums decide**: a record is copied only when its value (and its index entry, if it
+has one: a joined record has none, :mod:`kvtier.backends.lmdb_layout`) pair up and its checksum (or keyed MAC) verifies for its key, exactly as a read would check it, and
 only when the store's meta record was read and matches this store (namespace, format, keying).
 Nothing that fails is copied, so salvage never adds a wrong byte.
 """
@@ -44,10 +44,10 @@ _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
 
 @dataclass(frozen=True, slots=True)
 class SalvagedRecord:
-    """A record whose check passed: its key, index entry and value, as stored."""
+    """A record whose check passed: its key, index entry (``None``: joined) and value, as stored."""
 
     key: bytes
-    entry: bytes
+    entry: bytes | None
     value: bytes
 
 
@@ -198,7 +198,10 @@ def _hand_over(
     batch_bytes: int,
 ) -> tuple[int, int]:
     order: list[tuple[float, bytes]] = []
-    for key in values.keys() & index.keys():
+    for key in values.keys():
+        if key not in index:
+            order.append((float("inf"), key))  # joined: saved since the last stamps were written
+            continue
         try:
             order.append((entry_stamp(index[key][1])[0], key))
         except ValueError:
@@ -208,7 +211,7 @@ def _hand_over(
     batch: list[SalvagedRecord] = []
     size = 0
     for _, key in order:
-        entry, value = index[key][1], reader.read(values[key][1])
+        entry, value = index[key][1] if key in index else None, reader.read(values[key][1])
         try:
             if value is None or len(key) != 32:
                 raise CorruptBlockError("unreadable")
@@ -224,13 +227,13 @@ def _hand_over(
             kept, batch, size = kept + len(batch), [], 0
     if batch and put(batch):
         kept += len(batch)
-    return kept, refused + len(values.keys() ^ index.keys())
+    return kept, refused + len(index.keys() - values.keys())
 
 
-def _verify(key: bytes, entry: bytes, value: bytes, fmt: BlockFormat, mac: RecordMac | None) -> None:
+def _verify(key: bytes, entry: bytes | None, value: bytes, fmt: BlockFormat, mac: RecordMac | None) -> None:
     """Raise ``CorruptBlockError`` unless the record checks, as a read would check it."""
     head: Any
-    if len(entry) == INDEX.size:  # whole layout: the head starts the value
+    if entry is None or len(entry) == INDEX.size:  # joined or whole layout: the head starts the value
         head = value
         header = parse_header(value, raw_length=fmt.block_bytes, available=len(value), mac=mac)
         payload = memoryview(value)[header.payload_offset : header.payload_offset + header.stored_length]
@@ -252,7 +255,8 @@ def copy_into(env: lmdb.Environment, blocks: Any, index: Any) -> Callable[[list[
             with env.begin(write=True) as txn:
                 for r in batch:
                     txn.put(r.key, r.value, db=blocks)
-                    txn.put(r.key, r.entry, db=index)
+                    if r.entry is not None:
+                        txn.put(r.key, r.entry, db=index)
         except lmdb.Error as exc:
             log.warning("lmdb: salvage stopped: %s", exc)
             return False

@@ -12,8 +12,9 @@ accept exactly the same files (``tests/test_lmdb_scan.py`` compares them on dama
 this one never lets through what that one refuses.
 
 On the way, it lists the leaf nodes of the named databases ``blocks`` and ``index``: their keys
-(fixed width, in key order, as LMDB's leaves hold them) and, for ``index``, each entry's stamp
-and stored size (:mod:`kvtier.backends.lmdb_layout`). A store's open builds its index from this
+(fixed width, in key order, as LMDB's leaves hold them), each value's length and, for
+``index``, each entry's stamp and stored size (:mod:`kvtier.backends.lmdb_layout`; a joined
+record has no entry: its size is its value's length). A store's open builds its index from this
 listing without a cursor, a ``RecordInfo`` or a tuple per record (:class:`kvtier.bulk.RecordColumns`).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,13 +63,15 @@ class _Refused(Exception):
 class Leaves:
     """The leaf nodes of one named database, in key order. ``keys``: one row of ``key_size``
     bytes per node (``None`` when the keys differ in size); ``values``: each node's value size;
-    ``at``: each value's offset in the file (inline values only; ``-1`` for an overflow value)."""
+    ``at``: each value's offset in the file (inline values only; ``-1`` for an overflow value);
+    ``psize``: the file's page size."""
 
     count: int
     key_size: int
     keys: np.ndarray | None
     values: np.ndarray
     at: np.ndarray
+    psize: int = 4096
 
 
 def list_trees(path: str, names: tuple[bytes, ...] = (b"blocks", b"index")) -> tuple[dict[bytes, Leaves], np.ndarray] | None:
@@ -216,7 +220,7 @@ class _Walk:
             else:
                 keys = np.zeros((count, 0), np.uint8)
         at = np.where(flags & _F_BIGDATA, -1, base + body)
-        self.leaves[name] = Leaves(count, width, keys, size, at)
+        self.leaves[name] = Leaves(count, width, keys, size, at, psize)
 
     def _odd_nodes(self, odd: np.ndarray, node: np.ndarray, body: np.ndarray, size: np.ndarray, flags: np.ndarray,
                    ksize: np.ndarray, base: np.ndarray, main: bool) -> None:
@@ -246,29 +250,46 @@ class _Walk:
             self.tree(bytes(data[at : at + int(size[i])]), name=key if key in self.names else None)
 
 
-def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: tuple[int, ...]) -> RecordColumns | None:
-    """The index's records, oldest stamp first, as columns read from the walk's leaves; ``None``
-    when this form does not apply (no index yet, keys of several sizes, an index entry that is
-    not inline, or an index key the blocks database lacks): the caller reads the index with a
+def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: tuple[int, ...], now: float) -> RecordColumns | None:
+    """Every record of the ``blocks`` database, oldest stamp first, as columns read from the
+    walk's leaves: a record with an index entry takes its stamp and stored size from it; a joined
+    record (no entry, :mod:`kvtier.backends.lmdb_layout`) the stamp ``now`` and the pages of its
+    value's length (read from its leaf node: no page of the value is touched). Index entries
+    without a value are left out. ``None`` when this form does not apply (no blocks database
+    yet, keys of several sizes, an index entry that is not inline): the caller reads with a
     cursor then. ``DamagedEnvironment`` for an index entry of a size no layout writes."""
     index, blocks = leaves.get(b"index"), leaves.get(b"blocks")
-    if index is None or blocks is None or index.keys is None or blocks.keys is None or not index.key_size:
+    if blocks is None or blocks.keys is None or not blocks.key_size:
         return None
-    bad = np.flatnonzero(~np.isin(index.values, entry_sizes))
-    if len(bad):
-        raise DamagedEnvironment(
-            f"index entry is not readable: index entry of {int(index.values[bad[0]])} bytes (expected one of {entry_sizes})"
-        )
-    if index.count != blocks.count or not np.array_equal(index.keys, blocks.keys) or np.any(index.at < 0):
-        return None
-    head = _rows(data, index.at, _ENTRY_HEAD)  # each entry's <d Q: stamp, stored bytes
-    stamps = head["stamp"]
-    stored = head["stored"].astype(np.int64)
-    del head
+    count, width, psize = blocks.count, blocks.key_size, blocks.psize
+    stamps = np.full(count, now, dtype=np.float64)
+    stored = -(-(blocks.values.astype(np.int64) + _HEADER) // psize) * psize
+    if index is not None and index.count:
+        if index.keys is None or index.key_size != width:
+            return None
+        bad = np.flatnonzero(~np.isin(index.values, entry_sizes))
+        if len(bad):
+            raise DamagedEnvironment(
+                f"index entry is not readable: index entry of {int(index.values[bad[0]])} bytes (expected one of {entry_sizes})"
+            )
+        if np.any(index.at < 0):
+            return None
+        if index.count == count and np.array_equal(index.keys, blocks.keys):
+            pos, at = np.arange(count), index.at
+        else:  # both in LMDB's key order (memcmp, as ``S`` items compare): each entry's record
+            block_keys, index_keys = blocks.keys.view(f"S{width}").reshape(-1), index.keys.view(f"S{width}").reshape(-1)
+            pos = np.minimum(np.searchsorted(block_keys, index_keys), count - 1) if count else np.zeros(0, np.int64)
+            paired = block_keys[pos] == index_keys if count else np.zeros(len(index_keys), bool)
+            pos, at = pos[paired], index.at[paired]
+            del block_keys, index_keys
+        head = _rows(data, at, _ENTRY_HEAD)  # each entry's <d Q: stamp, stored bytes
+        stamps[pos] = head["stamp"]
+        stored[pos] = head["stored"].astype(np.int64)
+        del head
     order = np.argsort(stamps, kind="stable")
     # One row per key as V<width> items: a gather of rows, then one ``bytes`` object each, whole
     # (trailing zero bytes kept, unlike an S<width> array's).
-    keys = index.keys.view(f"V{index.key_size}").reshape(-1)[order].tolist()
+    keys = blocks.keys.view(f"V{width}").reshape(-1)[order].tolist()
     return RecordColumns(keys, stored[order], stamps[order], oldest_first=True)
 
 
@@ -285,15 +306,16 @@ def leaf_keys(leaves: dict[bytes, Leaves], name: bytes) -> dict[bytes, bytes] | 
     return {key: key for key in (rows[i : i + width] for i in range(0, len(rows), width))} if width else {b"": b""}
 
 
-def open_listing(path: str, entry_sizes: tuple[int, ...]) -> tuple[RecordColumns | None, dict[bytes, bytes] | None]:
-    """The page check of ``<path>/data.mdb`` and what it lists: the index's records as columns
-    (:func:`listed_records`), or, when that form does not apply, ``None`` and the blocks
-    database's keys for a cursor read of the index (``None`` too when there is no file)."""
+def open_listing(path: str, entry_sizes: tuple[int, ...], now: float | None = None) -> tuple[RecordColumns | None, dict[bytes, bytes] | None]:
+    """The page check of ``<path>/data.mdb`` and what it lists: the records as columns
+    (:func:`listed_records`; a joined record's stamp ``now``, default the time now), or, when
+    that form does not apply, ``None`` and the blocks database's keys for a cursor read of
+    the index (``None`` too when there is no file)."""
     walked = list_trees(path)
     if walked is None:
         return None, None
     leaves, data = walked
-    columns = listed_records(leaves, data, entry_sizes)
+    columns = listed_records(leaves, data, entry_sizes, time.time() if now is None else now)
     if columns is not None:
         return columns, {}
     keys = leaf_keys(leaves, b"blocks")

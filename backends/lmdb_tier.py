@@ -2,12 +2,15 @@
 
 Layout: three named databases in the environment at ``path``:
 
-* ``blocks``: key -> the record's payload,
+* ``blocks``: key -> the record (joined: records of up to 64 KiB, head and payload in one
+  value, one B-tree put per save and one lookup per load) or its payload (split: larger ones),
 * ``index``:  key -> ``<d Q`` (last-access stamp, stored bytes) + the record's head
-  (:mod:`kvtier.records.format` header [+ tag]), written in the same transaction as the payload, so
-  ``scan()`` rebuilds the manager's index without touching any block page and a save puts the
-  caller's block as it is, with no staging copy (:mod:`kvtier.backends.lmdb_layout`, which also
-  reads stores written by earlier code, whose ``blocks`` values hold whole records),
+  (:mod:`kvtier.records.format` header [+ tag]) of a split record, written in the same
+  transaction as the payload, so a large save puts the caller's block as it is, with no
+  staging copy; a joined record has an entry (stamp and size: then it is a whole record) only
+  once ``touch_stamps`` gave it one. ``scan()`` rebuilds the manager's index from both without
+  touching any value's page (:mod:`kvtier.backends.lmdb_layout`, which also reads stores
+  written by earlier code),
 * ``meta``:   the store's meta record (format version, namespace); a store written for another
   namespace is refused at open with a ``ConfigError``.
 
@@ -71,6 +74,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
@@ -298,40 +302,42 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         )
 
     def _read_index(self, env: lmdb.Environment, block_keys: dict[bytes, bytes] | None = None) -> list[RecordInfo]:
-        """Every record, from the index, whose value the blocks database holds. LMDB errors
+        """Every record the blocks database holds: its stamp and stored size from its index
+        entry, or, joined (no entry), the time now and its value's pages. LMDB errors
         propagate: the caller treats them as a damaged environment.
 
-        ``block_keys`` are the blocks database's keys as the page walk before ``lmdb.open``
-        read them (:func:`~kvtier.backends.lmdb_scan.open_listing`, when it could not list the
-        records as columns itself), so an open reads no page of any value. Without them (a later ``scan()``)
-        this walks the blocks database's keys with a cursor, under readahead off: the cursor
-        touches each value's first page, and with the device's read-around (8 MiB a fault here)
-        those touches read the whole file; with it off, the pages touched alone.
+        A cursor walks the blocks database, keys and value lengths, under readahead off: the
+        cursor touches each value's first page, and with the device's read-around (8 MiB a
+        fault here) those touches read the whole file; with it off, the pages touched alone.
+        (An open lists its records from the page walk before ``lmdb.open`` instead,
+        :func:`~kvtier.backends.lmdb_scan.open_listing`, and reads no page of any value; this
+        runs when that form does not apply, and for a later ``scan()``.)
 
-        The records hold the key objects of ``block_keys``, not copies: at a million records,
-        one copy fewer per key is less time and less memory the index keeps (the copies freed
-        between kept keys leave the heap fragmented: benchmarks/bench_scale.py)."""
+        The records hold the key objects of ``block_keys`` (the walk's, when given), not
+        copies: at a million records, one copy fewer per key is less time and less memory the
+        index keeps (the copies freed between kept keys leave the heap fragmented:
+        benchmarks/bench_scale.py)."""
         base = self._reader.map_base if self._reader is not None else None
-        with touched_pages_only(base, int(env.info()["map_size"])):
-            if block_keys is not None:
-                extents_ok = block_keys
-            else:
-                extents_ok = {}
-                with env.begin(db=self._blocks, buffers=True) as txn:
-                    # Keys only: a value's extent is checked when it is read.
-                    for block_key in txn.cursor().iternext(keys=True, values=False):
-                        key = bytes(block_key)
-                        extents_ok[key] = key
-            records: list[RecordInfo] = []
-            append, known, sizes, unpack = records.append, extents_ok.get, ENTRY_SIZES, INDEX.unpack_from
-            with env.begin(db=self._index) as txn:
-                for index_key, entry in txn.cursor():
-                    if len(entry) not in sizes:
-                        raise DamagedEnvironment(f"index entry is not readable: index entry of {len(entry)} bytes (expected one of {sizes})")
-                    key = known(index_key)
-                    if key is not None:
-                        stamp, stored = unpack(entry, 0)
-                        append(RecordInfo(key, stored, stamp))
+        now, pages, sizes, unpack = time.time(), self._pages, ENTRY_SIZES, INDEX.unpack_from
+        records: list[RecordInfo] = []
+        append = records.append
+        own = block_keys.get if block_keys is not None else None
+        with touched_pages_only(base, int(env.info()["map_size"])), env.begin(buffers=True) as txn:
+            entries: dict[bytes, tuple[float, int]] = {}
+            for index_key, entry in txn.cursor(db=self._index):
+                if len(entry) not in sizes:
+                    raise DamagedEnvironment(f"index entry is not readable: index entry of {len(entry)} bytes (expected one of {sizes})")
+                entries[bytes(index_key)] = unpack(entry, 0)
+            find = entries.get
+            for block_key, value in txn.cursor(db=self._blocks):
+                key = bytes(block_key)
+                if own is not None:
+                    key = own(key, key)
+                found = find(key)
+                if found is None:
+                    append(RecordInfo(key, pages(len(value)), now))
+                else:
+                    append(RecordInfo(key, found[1], found[0]))
         return records
 
     def _shrink(self, fmt: BlockFormat, used: int) -> None:

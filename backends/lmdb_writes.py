@@ -7,6 +7,12 @@ its sync (:mod:`kvtier.backends.group_commit`). Durable (``sync_mode="durable"``
 returns only after its commit (``sync=True``: the data pages are synced before the meta page is
 written) and an ``env.sync()`` (the meta page) are done: a block counts as saved only once it is
 on stable storage, and a commit that fails fails every job that shared it.
+
+A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
+payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index
+holds any entry, a delete of the key's (an absent key's delete changes no page). Access stamps
+(:meth:`LmdbWrites.touch_stamps`) give a joined record a 16-byte entry: it is a whole record
+from then on, until it is saved again.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 import torch
+from kvtier.backends import lmdb_entries
 from kvtier.backends.group_commit import GroupCommit
-from kvtier.backends.lmdb_entries import index_entry, restamp
+from kvtier.backends.lmdb_entries import INDEX, index_entry, restamp
 from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
@@ -127,10 +134,11 @@ class LmdbWrites(PersistentRecordBackend):
     def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
         stamp = time.time()
         sizes: list[list[int | None]] = []
-        blocks, index, pages = self._blocks, self._index, self._pages
+        blocks, index, pages, join_max = self._blocks, self._index, self._pages, lmdb_entries.JOIN_MAX
         length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
         with env.begin(write=True) as txn:
-            put = txn.put
+            put, delete = txn.put, txn.delete
+            indexed = txn.stat(index)["entries"] > 0  # a joined save deletes the key's entry
             for job in jobs:
                 job_sizes: list[int | None] = []
                 for key, head, payload in job:
@@ -138,8 +146,14 @@ class LmdbWrites(PersistentRecordBackend):
                         length = len(head) + len(payload)
                         stored = pages(length)
                         entry = index_entry(stamp, stored)
-                    put(key, payload, db=blocks)
-                    put(key, entry + head, db=index)
+                    if length <= join_max:
+                        put(key, head + payload, db=blocks)
+                        if indexed:
+                            delete(key, db=index)
+                    else:
+                        put(key, payload, db=blocks)
+                        put(key, entry + head, db=index)
+                        indexed = True
                     job_sizes.append(stored)
                 sizes.append(job_sizes)
         return sizes
@@ -181,8 +195,12 @@ class LmdbWrites(PersistentRecordBackend):
 
     def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
         with env.begin(write=True) as txn:
-            txn.put(key, payload, db=self._blocks)
-            txn.put(key, index_entry(time.time(), stored, head), db=self._index)
+            if len(head) + len(payload) <= lmdb_entries.JOIN_MAX:
+                txn.put(key, head + payload, db=self._blocks)
+                txn.delete(key, db=self._index)
+            else:
+                txn.put(key, payload, db=self._blocks)
+                txn.put(key, index_entry(time.time(), stored, head), db=self._index)
 
     def _bump_txnid(self, env: lmdb.Environment) -> None:
         try:
@@ -220,11 +238,16 @@ class LmdbWrites(PersistentRecordBackend):
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} is closed")
             try:
-                with env.begin(write=True, db=self._index) as txn:
+                with env.begin(write=True, db=self._index, buffers=True) as txn:
                     for key, stamp in stamps:
                         value = txn.get(key)
-                        if value is not None:  # never resurrect an index entry for a deleted block
+                        if value is not None:
                             txn.put(key, restamp(value, float(stamp)))
+                            continue
+                        # A joined record (no entry) gains a whole one; a deleted block gains none.
+                        record = txn.get(key, db=self._blocks)
+                        if record is not None:
+                            txn.put(key, INDEX.pack(float(stamp), self._pages(len(record))))
             except (lmdb.Error, ValueError) as exc:
                 # Advisory (eviction order only): never fail a close over them.
                 log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)

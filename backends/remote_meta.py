@@ -13,7 +13,9 @@ the tier finds there decides how much it trusts the server, never whether the en
 * Without one, a record that is damaged (bad checksum, truncated) is replaced by ours; one that
   names another format or namespace may be another writer's as much as ours, so the tier
   leaves it alone and serves nothing from that server (every read a miss, every write refused),
-  with a warning.
+  with a warning. So does a keyed store's record (a meta record followed by its tag): the tier
+  could check none of the fleet's records, and its own would be deleted by the fleet as forged.
+  A record of a meta format this build does not know is another writer's, keyed or not.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def meta_value(fmt: BlockFormat, mac: RecordMac | None, meta_key: bytes) -> byte
     return body + mac.tag(_DOMAIN, meta_key, body) if mac is not None else body
 
 
+def _keyed_meta(raw: bytes) -> str | None:
+    """Why ``raw``, unreadable as an untagged meta record, is a keyed store's (a meta record and
+    its tag); ``None`` if it is not one."""
+    if len(raw) <= _TAG:
+        return None
+    try:
+        meta = decode_meta(raw[:-_TAG])
+    except CorruptBlockError:
+        return None
+    return (
+        f"it is a keyed store's meta record (records keyed with {meta.mac or 'hmac-sha256'}), and this tier "
+        "has no mac_key to check them; set mac_key_env (the fleet's secret)"
+    )
+
+
 def judge_meta(raw: bytes, fmt: BlockFormat, mac: RecordMac | None, meta_key: bytes, *, where: str) -> tuple[MetaVerdict, str]:
     """What the record ``raw`` found under ``meta_key`` is, and why (see the module doc).
     Raises ``ConfigError`` only for a keyed record with a valid tag that names another format."""
@@ -59,10 +76,13 @@ def judge_meta(raw: bytes, fmt: BlockFormat, mac: RecordMac | None, meta_key: by
             return MetaVerdict.REPLACE, "its MAC tag does not verify with this tier's mac_key"
     try:
         meta = decode_meta(body)
-    except CorruptBlockError as exc:
-        return MetaVerdict.REPLACE, str(exc)
-    except UnsupportedRecordError as exc:
+    except UnsupportedRecordError as exc:  # (a CorruptBlockError too: caught first)
         return MetaVerdict.FOREIGN, str(exc)
+    except CorruptBlockError as exc:
+        keyed = _keyed_meta(raw) if mac is None else None
+        if keyed is not None:
+            return MetaVerdict.FOREIGN, keyed
+        return MetaVerdict.REPLACE, str(exc)
     if mac is not None:
         check_meta(meta, fmt, where=where, mac=mac)
         return MetaVerdict.OURS, ""

@@ -97,7 +97,8 @@ class HookedEnv:
 def damaged_store(path: Any, fmt: Any, *, head_at: int, mac_key: str | None = None) -> tuple[list[bytes], list[Any]]:
     """An ``lmdb`` tier at ``path`` for ``fmt`` holding eight keys: 0, 4 and 7 raw and sound;
     1 absent; 2 with a flipped payload bit; 3 with a flipped bit at byte ``head_at`` of its
-    head (0: the magic; 12: the raw length, its payload and checksum intact); 5 in the whole
+    head, where its layout keeps it (0: the magic; 12: the raw length, its payload and checksum
+    intact); 5 in the whole
     layout of earlier code; 6 compressed. Keyed records with ``mac_key``. Returns the keys and
     the blocks they were written from."""
     import asyncio
@@ -132,12 +133,36 @@ def damaged_store(path: Any, fmt: Any, *, head_at: int, mac_key: str | None = No
         value = bytearray(txn.get(keys[2], db=blocks))
         value[777] ^= 0x10
         txn.put(keys[2], bytes(value), db=blocks)
-        entry = bytearray(txn.get(keys[3], db=index))
-        entry[INDEX.size + head_at] ^= 0x01
-        txn.put(keys[3], bytes(entry), db=index)
+        flip_head_bit(txn, keys[3], blocks, index, head_at, 0x01)
         mac = None if mac_key is None else RecordMac(mac_key)
         head, payload = encode_record(keys[5], data[5].numpy().data, NoneCodec(), 1, mac)
         txn.put(keys[5], head + bytes(payload), db=blocks)
         txn.put(keys[5], INDEX.pack(1.0, len(head) + len(payload)), db=index)
     env.close()
     return keys, data
+
+
+def layouts(monkeypatch: pytest.MonkeyPatch, layout: str) -> str:
+    """Saves from now on write ``layout``: ``joined`` (the default for records of up to
+    ``JOIN_MAX`` bytes) or ``split`` (every record, as larger ones are)."""
+    from kvtier.backends import lmdb_entries
+
+    if layout == "split":
+        monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 0)
+    return layout
+
+
+def flip_head_bit(txn: Any, key: bytes, blocks: Any, index: Any, at: int, bit: int) -> None:
+    """Flip ``bit`` of byte ``at`` of ``key``'s record head, where its layout keeps it: in its
+    index entry (split) or at the start of its value (joined)."""
+    from kvtier.backends.lmdb_entries import INDEX
+
+    entry = txn.get(key, db=index)
+    if entry is not None and len(entry) > INDEX.size:
+        changed = bytearray(entry)
+        changed[INDEX.size + at] ^= bit
+        txn.put(key, bytes(changed), db=index)
+    else:
+        value = bytearray(txn.get(key, db=blocks))
+        value[at] ^= bit
+        txn.put(key, bytes(value), db=blocks)

@@ -8,7 +8,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import redis
 import torch
+from redis_servers import RedisServer
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -46,3 +48,63 @@ def test_unkeyed_tier_is_refused_on_a_keyed_store_and_its_records_stay(name: str
         assert keyed.stats()["deleted"] == 0
     finally:
         asyncio.run(keyed.aclose())
+
+
+def _redis_tier(url: str, prefix: str, **options: object) -> Backend:
+    backend = registry.backends.get("redis")(capacity=64 << 20, url=url, prefix=prefix, **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def test_an_unkeyed_redis_tier_leaves_a_keyed_store_alone(redis_server: RedisServer) -> None:
+    """On a shared server the tier is not refused (another engine's store never stops this one
+    starting): it warns, serves nothing, writes nothing, and leaves the fleet's meta record."""
+    prefix = "keyed-open"
+    keyed = _redis_tier(redis_server.url, prefix, mac_key=SECRET)
+    data = random_block(FMT.block_bytes, 1)
+    try:
+        assert keyed.write_blocks([make_key(1)], [data]) != [None]
+    finally:
+        asyncio.run(keyed.aclose())
+    client = redis.Redis.from_url(redis_server.url)
+    before = {k: client.dump(k) for k in client.keys(f"{prefix}:*")}
+    with pytest.warns(RuntimeWarning, match="keyed store's meta record.*no mac_key"):
+        plain = _redis_tier(redis_server.url, prefix)
+    try:
+        out = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        assert plain.read_blocks([make_key(1)], [out]) == [False]
+        assert plain.write_blocks([make_key(2)], [data]) == [None]
+    finally:
+        asyncio.run(plain.aclose())
+    assert {k: client.dump(k) for k in client.keys(f"{prefix}:*")} == before
+    keyed = _redis_tier(redis_server.url, prefix, mac_key=SECRET)
+    try:
+        out = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        assert keyed.read_blocks([make_key(1)], [out]) == [True] and torch.equal(out, data)
+        assert keyed.stats()["auth_failures"] == 0
+    finally:
+        asyncio.run(keyed.aclose())
+
+
+@pytest.mark.parametrize("mac_key", [None, SECRET])
+def test_a_meta_record_of_an_unknown_version_is_left_alone(redis_server: RedisServer, mac_key: str | None) -> None:
+    """A meta record of a format this build does not read is another writer's: a warning, and
+    the record stays (it was rewritten as if damaged)."""
+    from kvtier.records.format import RecordMac, encode_meta
+
+    prefix = f"newer-meta-{mac_key is not None}"
+    options = {} if mac_key is None else {"mac_key": mac_key}
+    asyncio.run(_redis_tier(redis_server.url, prefix, **options).aclose())
+    client = redis.Redis.from_url(redis_server.url)
+    (meta_key,) = client.keys(f"{prefix}:*:meta")
+    body = bytearray(encode_meta(FMT))
+    body[4] = 99  # the meta record's version
+    newer = bytes(body) + (b"" if mac_key is None else RecordMac(mac_key).tag(b"kvtier-redis-meta", meta_key, bytes(body)))
+    client.set(meta_key, newer)
+    with pytest.warns(RuntimeWarning, match="meta record version 99 is not supported"):
+        tier = _redis_tier(redis_server.url, prefix, **options)
+    try:
+        assert tier.write_blocks([make_key(3)], [random_block(FMT.block_bytes, 3)]) == [None]
+    finally:
+        asyncio.run(tier.aclose())
+    assert client.get(meta_key) == newer

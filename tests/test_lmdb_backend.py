@@ -12,7 +12,7 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends.lmdb_layout import INDEX
-from lmdb_lookups import hook_lookups, slow_lookups_read_the_disk
+from lmdb_lookups import hook_lookups, layouts, slow_lookups_read_the_disk
 
 from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
@@ -140,7 +140,8 @@ def test_record_under_another_key_fails_its_checksum(tmp_path: Path) -> None:
         asyncio.run(backend.aclose())
 
 
-def test_unknown_record_version_is_a_miss_not_corrupt(tmp_path: Path) -> None:
+def test_unknown_record_version_is_a_miss_not_corrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layouts(monkeypatch, "split")  # (joined records: tests/test_lmdb_joined.py)
     backend = _open(lmdb_backend(tmp_path, 1 << 20))
     backend.write_blocks([make_key(1)], _blocks(1))
     asyncio.run(backend.aclose())
@@ -274,8 +275,9 @@ def test_use_after_fork_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 # -- record layout ------------------------------------------------------------------------------
 
 
-def test_a_save_puts_the_block_as_it_is_and_its_head_in_the_index(tmp_path: Path) -> None:
+def test_a_save_puts_the_block_as_it_is_and_its_head_in_the_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The split layout: no staging copy of the block to put a header before it."""
+    layouts(monkeypatch, "split")  # (joined records: tests/test_lmdb_joined.py)
     data = _blocks(1, seed=8)
     backend = _open(lmdb_backend(tmp_path, 1 << 20))
     backend.write_blocks([make_key(1)], data)
@@ -307,7 +309,8 @@ def _put_whole_record(path: Path, key: bytes, block: torch.Tensor, *, flip: bool
     env.close()
 
 
-def test_a_store_written_with_whole_records_is_read_and_rewritten_split(tmp_path: Path) -> None:
+def test_a_store_written_with_whole_records_is_read_and_rewritten_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layouts(monkeypatch, "split")  # (joined records: tests/test_lmdb_joined.py)
     data = _blocks(3, seed=9)
     keys = [make_key(i) for i in range(3)]
     backend = _open(lmdb_backend(tmp_path, 1 << 20))
@@ -706,7 +709,8 @@ def test_the_cold_thread_is_tried_only_while_a_core_seems_spare(monkeypatch: pyt
 # -- open: the blocks database's keys come from the page walk, not from a cursor over the map ----
 
 
-def test_the_page_walk_lists_the_keys_of_a_named_database(tmp_path: Path) -> None:
+def test_the_page_walk_lists_the_keys_of_a_named_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layouts(monkeypatch, "split")  # (joined records: tests/test_lmdb_joined.py)
     from kvtier.backends.lmdb_pages import check_file_trees
 
     keys = [make_key(i) for i in range(200)]  # several leaf pages, so a branch page too

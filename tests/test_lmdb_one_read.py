@@ -15,7 +15,7 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends import lmdb_layout, lmdb_one
-from lmdb_lookups import HookedEnv, damaged_store, slow_lookups_read_the_disk
+from lmdb_lookups import HookedEnv, damaged_store, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -23,6 +23,12 @@ from kvtier.errors import BackendError, ClosedError, InvalidKeyError, LayoutErro
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=8192, dtype="uint8")
+
+
+@pytest.fixture(autouse=True, params=["joined", "split"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on stores saved joined, then split (the layouts of small and large records)."""
+    return layouts(monkeypatch, request.param)
 
 
 def _open(path: Path, **options: Any) -> Backend:

@@ -21,7 +21,7 @@ import torch
 from kvtier.backends import lmdb_layout
 from kvtier.backends.lmdb_layout import INDEX
 from kvtier.backends.lmdb_plain import host_rows
-from lmdb_lookups import damaged_store, hook_lookups, slow_lookups_read_the_disk
+from lmdb_lookups import damaged_store, hook_lookups, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -31,6 +31,12 @@ from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, en
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+@pytest.fixture(autouse=True, params=["joined", "split"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on stores saved joined, then split (the layouts of small and large records)."""
+    return layouts(monkeypatch, request.param)
 
 
 SECRET = "a-test-secret-of-32-bytes-012345"
@@ -98,8 +104,9 @@ def test_a_one_pass_read_finds_drops_and_counts_what_the_general_read_does(
     assert general[2]["auth_failures"] == (1 if keyed else 0)  # the flipped bit, refused by the MAC
     assert plain[3] == general[3] == {keys[i] for i in (0, 4, 5, 6, 7)}
     # The general read checked every record with a readable head through copy_and_check (all
-    # but 3); the plain one handed it only those that are not plain and sound (2, 5 and 6).
-    assert general[4] == 6 and plain[4] == (6 if rows == "strided" else 3)
+    # but 3); the plain one handed it only those that are not plain and sound (2 and 6: the
+    # whole record 5 holds its head in its value, as a joined one, and is read as one).
+    assert general[4] == 6 and plain[4] == (6 if rows == "strided" else 2)
 
 
 def test_host_rows_of_one_staging_tensor_are_views_of_its_rows() -> None:
@@ -248,20 +255,28 @@ def test_a_data_file_cut_short_under_an_open_store_is_refused_not_read(tmp_path:
         assert child.returncode == -signal.SIGBUS and "read" not in child.stdout.split("cut", 1)[1]
 
 
-def test_the_head_a_plain_read_expects_is_the_one_the_tier_writes(tmp_path: Path) -> None:
-    """The one-pass read takes a record only when its index entry is a split, unkeyed head of a
-    raw payload of the store's block size: what write_blocks puts (else every read would take
-    the general path, unseen)."""
+def test_the_head_a_plain_read_expects_is_the_one_the_tier_writes(tmp_path: Path, layout: str) -> None:
+    """The one-pass read takes a record only when it holds an unkeyed head of a raw payload of
+    the store's block size, in its index entry (split) or before the payload in its value
+    (joined, no entry): what write_blocks puts (else every read would take the general path,
+    unseen)."""
     backend = _open(tmp_path / "store")
     key = make_key(1)
     backend.write_blocks([key], [random_block(FMT.block_bytes, 1)])
     asyncio.run(backend.aclose())
     env = lmdb.open(str(tmp_path / "store"), max_dbs=3)
-    with env.begin(db=env.open_db(b"index")) as txn:
-        entry = txn.get(key)
+    index, blocks = env.open_db(b"index"), env.open_db(b"blocks")
+    with env.begin() as txn:
+        entry = txn.get(key, db=index)
+        value = txn.get(key, db=blocks)
     env.close()
-    assert entry is not None and len(entry) == INDEX.size + HEADER_SIZE
-    magic, version, codec_id, _, flags, raw, stored, _ = HEADER.unpack_from(entry, INDEX.size)
+    if layout == "split":
+        assert entry is not None and len(entry) == INDEX.size + HEADER_SIZE and len(value) == FMT.block_bytes
+        head = entry[INDEX.size :]
+    else:
+        assert entry is None and len(value) == HEADER_SIZE + FMT.block_bytes
+        head = value[:HEADER_SIZE]
+    magic, version, codec_id, _, flags, raw, stored, _ = HEADER.unpack_from(head, 0)
     assert (magic, version, codec_id, flags, raw, stored) == (MAGIC, RECORD_VERSION, NoneCodec.codec_id, 0, FMT.block_bytes, FMT.block_bytes)
 
 
@@ -387,7 +402,7 @@ def test_both_ways_of_reading_a_large_plain_job_read_what_the_general_read_does(
         if hit:
             assert torch.equal(chosen[1][i], data[i])
     assert chosen[2] == general[2] and chosen[3] == general[3]
-    assert chosen[4] == (3 if way == 0 else 6)  # way 1 hands copy_and_check every readable record
+    assert chosen[4] == (2 if way == 0 else 6)  # way 1 hands copy_and_check every readable record
 
 
 def _dump(path: Path) -> dict[bytes, tuple[bytes, bytes]]:
@@ -396,13 +411,15 @@ def _dump(path: Path) -> dict[bytes, tuple[bytes, bytes]]:
     env = lmdb.open(str(path), max_dbs=3, readonly=True, lock=False)
     blocks, index = env.open_db(b"blocks", create=False), env.open_db(b"index", create=False)
     with env.begin() as txn:
-        got = {bytes(k): (bytes(v), bytes(txn.get(k, db=index))[8:]) for k, v in txn.cursor(db=blocks)}
+        got = {bytes(k): (bytes(v), bytes(txn.get(k, db=index) or b"")[8:]) for k, v in txn.cursor(db=blocks)}
     env.close()
     return got
 
 
 @pytest.mark.parametrize(("rows", "side_min"), [("own", 1 << 20), ("staging", 1 << 20), ("own", 1 << 14)])
-def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str, side_min: int) -> None:
+def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str, side_min: int, layout: str
+) -> None:
     """An unkeyed, uncompressed job is encoded by ``PlainReads.records`` (one XXH3 state per
     store); the store holds the same bytes as after the general encoder (``encode_record``,
     inline or, for a job of ``SIDE_MIN_BYTES`` or more, on a side thread), and reads back
@@ -443,7 +460,10 @@ def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, mo
     for key, d in zip(keys, data):
         head, payload = encode_record(key, d.numpy().data, NoneCodec(), 1, None)  # bfloat16: dtype code 1
         value, entry = stores["plain"][key]
-        assert (value, entry[8:]) == (bytes(payload), bytes(head))  # (entry: stored size, then the head)
+        if layout == "split":
+            assert (value, entry[8:]) == (bytes(payload), bytes(head))  # (entry: stored size, then the head)
+        else:
+            assert (value, entry) == (bytes(head) + bytes(payload), b"")  # (joined: no entry)
     for plain in (True, False):
         found, out, *_ = _read(tmp_path / "plain", keys, plain, monkeypatch)
         assert found == [True] * 6 and all(torch.equal(o, d) for o, d in zip(out, data))
@@ -471,4 +491,4 @@ def test_no_side_thread_is_tried_while_no_core_seems_spare(tmp_path: Path, monke
         found, out, _, _, checked = _read(tmp_path / "store", keys, True, monkeypatch)
         assert found == [True, False, False, False, True, True, True, True]
         assert all(torch.equal(out[i], data[i]) for i in (0, 4, 5, 6, 7))
-        assert checked == (3 if not spare else side_checks)  # one pass hands copy_and_check the odd ones only
+        assert checked == (2 if not spare else side_checks)  # one pass hands copy_and_check the odd ones only (2, 6)

@@ -243,8 +243,21 @@ def test_one_tier_touch_matches_the_general_path(policy: str, keys: Any) -> None
         if outcome[0] == "error":
             assert after == before
         runs.append((outcome, after))
-    assert runs[0] == runs[1]
+    if policy == "lru" and isinstance(keys, list) and any(type(k) is _BytesLike for k in keys):
+        # The one exception (docs/architecture.md): the LRU moves its own key objects and keeps
+        # nothing of the caller's, so a value equal to a stored key touches that key, where the
+        # stamping path, which would keep it, refuses it.
+        assert runs[1][0][0] == "error" and runs[0] == (("value", None), _touched(policy, keys))
+    else:
+        assert runs[0] == runs[1]
     assert (m._one_policy is None) and (_tiers(policy, 1)._one_policy is not None)
+
+
+def _touched(policy: str, keys: list[Any]) -> list[bytes]:
+    """The order a one-tier manager is left in by touching the stored keys equal to ``keys``."""
+    m = _tiers(policy, 1)
+    m.touch([bytes(k) for k in keys])
+    return m.tier_keys(0)
 
 
 def test_touch_held_changes_nothing_unless_it_holds_every_key(policy: str) -> None:

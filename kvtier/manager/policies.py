@@ -21,6 +21,8 @@ from kvtier.errors import ConfigError
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy"]
 
+_BYTES_ONLY = frozenset((bytes,))
+
 
 class EvictionPolicy(ABC):
     """Orders the keys of one tier. ``capacity`` is the tier's size in blocks (a hint)."""
@@ -53,8 +55,10 @@ class EvictionPolicy(ABC):
     def touch_held(self, keys: Sequence[bytes]) -> bool:
         """``touch_many(keys)`` if the policy holds every key, and ``True``; else ``False`` and
         no change. The manager's ``touch`` of a one-tier cache validates by this: the policy
-        orders exactly the tier's ready keys, each checked when it was stored."""
-        if all(map(self.__contains__, keys)):
+        orders exactly the tier's ready keys, each checked when it was stored. Keys must be
+        exactly ``bytes`` here: ``touch_many`` may keep the objects it is given, and an object
+        found equal to a stored key is not one (:class:`LRUPolicy` keeps none, and skips this)."""
+        if _BYTES_ONLY.issuperset(map(type, keys)) and all(map(self.__contains__, keys)):
             self.touch_many(keys)
             return True
         return False
@@ -177,6 +181,8 @@ class LRUPolicy(EvictionPolicy):
                     order[key] = None
 
     def touch_held(self, keys: Sequence[bytes]) -> bool:
+        # ``move_to_end`` moves the stored key object: nothing of the caller's is kept, so a
+        # value found equal to a stored key touches that key, with no check of its type.
         order = self._order
         if all(map(order.__contains__, keys)):  # also brings each key's entry into the cache
             deque(map(order.move_to_end, keys), 0)
