@@ -25,6 +25,17 @@ raw flat files synced one after the other (one directory) 116. The order that ma
 durable before its name is kept: no rename starts before every data sync has returned, and no
 directory sync before every rename.
 
+In a durable job of several records, each file of :data:`EARLY_WRITEBACK_BYTES` or more has
+its writeback started as soon as it is written (:func:`start_writeback`), so the device writes
+it while the next files are written, and the syncs find less to do. It makes nothing durable
+by itself: the order above is kept, and a writeback error is still the ``fdatasync``'s.
+Measured (``bench_disk_sizes.py --quick --tiers file``, two alternated pairs each, load 2.4-4.8):
+2 MiB records in jobs of 16 saved at 0.44-0.46 GB/s before, 0.54-0.71 after (0.87-0.97 of
+the best raw shape, then 1.06-1.42); 256 KiB in jobs of 16, 0.28-0.42 and 0.34-0.50 GB/s.
+Raw, the same files written and synced with and without it, 6 alternated rounds: 1.21x at
+2 MiB, 1.12x at 1 MiB, 1.04x at 256 KiB, and 0.93x at 64 KiB (not started there). A job
+of one record syncs its file at once, so it is not started there either.
+
 Each job commits on its caller's thread (its syncs on the pool). Committing the jobs of
 concurrent writers together (:class:`~kvtier.backends.group_commit.GroupCommit`, as the ``lmdb``
 tier does) was measured slower here, twice. In the sharded layout it shares only the directory
@@ -38,6 +49,7 @@ way (the filesystem's journal groups concurrent syncs by itself).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -50,7 +62,7 @@ from typing import Any, TypeVar
 from kvtier.errors import DiskError
 from kvtier.records.checks import HeadChecksum, ProcessThreads
 
-__all__ = ["SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "plain_records", "sync_pool", "write_all"]
+__all__ = ["EARLY_WRITEBACK_BYTES", "SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "plain_records", "start_writeback", "sync_pool", "write_all"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
@@ -63,8 +75,37 @@ SYNC_THREADS = 16
 #: The name prefix of those threads (they outlive every store).
 THREAD_PREFIX = "kvtier-fsync"
 
+#: Staged files of at least this many bytes have their writeback started as soon as they are
+#: written, in a durable commit (:func:`start_writeback`).
+EARLY_WRITEBACK_BYTES = 256 << 10
+_SYNC_FILE_RANGE_WRITE = 2
+
 T = TypeVar("T")
 _threads = ProcessThreads(SYNC_THREADS, THREAD_PREFIX)
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_range = _sync_file_range()
+
+
+def start_writeback(fd: int) -> bool:
+    """Start writing ``fd``'s dirty pages to the device, without waiting (Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; the GIL is released meanwhile); whether it was
+    started. It makes nothing durable, and an error of that writeback is still reported by the
+    file's next ``fdatasync``, which alone counts: the commit's order and its checks are
+    unchanged."""
+    return _sync_range is not None and _sync_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 def sync_pool() -> ThreadPoolExecutor:
@@ -138,11 +179,14 @@ class StagedFile:
 @dataclass(slots=True, eq=False)
 class FileJob:
     """A job's staged records, the shard directories they are in (``shard -> fd``), and the
-    directories that gained a subdirectory for them (their entries must be synced too)."""
+    directories that gained a subdirectory for them (their entries must be synced too).
+    ``early_writeback``: a file of :data:`EARLY_WRITEBACK_BYTES` or more starts its writeback
+    once written (:func:`start_writeback`), for a durable commit."""
 
     files: list[StagedFile] = field(default_factory=list)
     dirs: dict[str, int] = field(default_factory=dict)
     parents: set[str] = field(default_factory=set)
+    early_writeback: bool = False
 
     def stage(self, shard: str, tmp: str, name: str, buffers: Sequence[Any], nbytes: int | None = None) -> None:
         """Write ``buffers`` (``nbytes`` in all, if known) to ``tmp`` in ``shard``'s directory;
@@ -155,6 +199,8 @@ class FileJob:
             os.close(fd)
             _unlink(tmp, dir_fd)
             raise
+        if self.early_writeback and nbytes is not None and nbytes >= EARLY_WRITEBACK_BYTES:
+            start_writeback(fd)
         self.files.append(StagedFile(shard, dir_fd, tmp, name, fd))
 
     def close(self) -> None:

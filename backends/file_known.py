@@ -60,10 +60,13 @@ class KnownRecords:
         self._fresh: dict[bytes, int] = {}  # the other known keys (none of them listed and not gone)
         self._fresh_stamps: dict[bytes, float] = {}  # the stamps of listed records of differing sizes
 
-    def adopt(self, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray | None = None, *, own: bool = False) -> None:
+    def adopt(
+        self, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray | None = None, *, own: bool = False, in_order: bool = False
+    ) -> None:
         """Take a listing's keys, stored sizes and stamps (``stored[i]`` is ``keys[i]``'s; no
         stamps: 0), replacing what was known. A key listed twice keeps one entry. ``own``: the
-        caller hands ``keys`` (a list) over, and it is kept as it is where it is in key order."""
+        caller hands ``keys`` (a list) over, and it is kept as it is where it is in key order;
+        ``in_order``: the caller has checked that it is (strictly increasing: no pass here)."""
         self.clear()
         stored = np.asarray(stored, dtype=np.int64)
         stamps = np.zeros(len(keys)) if stamps is None else np.asarray(stamps, dtype=np.float64)
@@ -71,7 +74,7 @@ class KnownRecords:
             self._fresh = dict(zip(keys, stored.tolist()))
             self._fresh_stamps = dict(zip(keys, stamps.tolist()))
             return
-        order = _key_order(keys)
+        order = None if in_order else _key_order(keys)
         if order is None:
             self._listed = keys if own and type(keys) is list else list(keys)
             self._listed_stamps = np.array(stamps, dtype=np.float64)

@@ -30,6 +30,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
 from stat import S_ISREG
 
 import numpy as np
@@ -175,17 +176,20 @@ class Table:
         manager's adoption takes them without a sort), the same key objects in both. The keys'
         objects are made here, once the listing's names are gone (as the walk makes them); the
         columns oldest first are gathered a chunk at a time into arrays of their own pages (see
-        :func:`_unpooled`), with no temporary the size of a column."""
+        :func:`_unpooled`), with no temporary the size of a column; the list of the keys oldest
+        first is allocated before the tier's, so that, freed after the manager's adoption, it
+        is not at the top of the open thread's arena (which ``malloc_trim`` leaves)."""
         data, at, n = self.data, self.at, len(self)
-        keys = [data[i : i + 32] for i in range(at, at + 32 * n, 32)]
-        known.adopt(keys, self.stored, self.stamps, own=True)
+        by_age: list[bytes] = [b""] * n  # before the lists that stay: not at the top of the arena once freed
+        keys = np.frombuffer(data, dtype="V32", count=n, offset=at).tolist()  # a bytes object each, in C
+        known.adopt(keys, self.stored, self.stamps, own=True, in_order=True)  # the order checked by _parse
         stored, stamps = _unpooled(n, "i8"), _unpooled(n, "f8")
-        by_age: list[bytes] = []
         for start in range(0, n, _CHUNK):
             rows = self.order[start : start + _CHUNK].astype(np.intp)
             np.take(self.stored, rows, out=stored[start : start + _CHUNK])
             np.take(self.stamps, rows, out=stamps[start : start + _CHUNK])
-            by_age += map(keys.__getitem__, rows.tolist())
+            got = itemgetter(*rows.tolist())(keys)
+            by_age[start : start + len(rows)] = got if len(rows) > 1 else (got,)
         return RecordColumns(by_age, stored, stamps, oldest_first=True)
 
     def close(self) -> None:

@@ -290,7 +290,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         assert shards is not None
         sizes: list[int | None] = []
         staged: list[tuple[int, bytes, int, int]] = []  # position, key, reserved growth, record bytes
-        job = FileJob()
+        job = FileJob(early_writeback=self.sync_mode == "durable" and len(keys) > 1)
         try:
             for key, (header, payload) in zip(keys, parts):
                 n = len(header) + len(payload)

@@ -154,7 +154,7 @@ def new_header() -> bytes:
     return MAGIC + os.urandom(HEADER_BYTES - len(MAGIC))
 
 
-def replay(raw: bytes | bytearray, key_bytes: int, where: int = 0) -> Iterator[list[bytes]]:
+def replay(raw: bytes | bytearray | memoryview, key_bytes: int, where: int = 0) -> Iterator[list[bytes]]:
     """The keys of ``raw`` (whole entries, no header) in order: runs of stored keys as lists, runs
     of deleted ones as :class:`Dropped`. An entry that is neither raises :class:`KeyLogChanged`
     (``where``: the offset of ``raw`` in its log, for the message) before any key of ``raw``."""

