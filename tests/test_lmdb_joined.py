@@ -319,3 +319,29 @@ def test_fast_reads_of_random_jobs_over_every_layout_match_the_general_read(tmp_
     print(f"fast {results['fast'][1]}; general {results['general'][1]}")
     assert results["fast"] == results["general"]
     assert results["fast"][1]["corrupt_records"] >= 1 and results["fast"][1]["blocks_read"] > 0
+
+
+def test_a_store_holding_a_split_entry_makes_joined_saves_delete_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a joined save deletes the key's entry follows what the store may hold: nothing
+    split (a fresh store, or stamped joined records alone), no delete; a split entry found by the
+    open's listing, by a cursor read of the index, or written by a split save, deletes."""
+    backend = _open(tmp_path / "s")
+    try:
+        assert not backend._splits  # type: ignore[attr-defined]
+        backend.write_blocks([make_key(1)], [random_block(FMT.block_bytes, 1)])
+        backend.touch_stamps([(make_key(1), 5.0)])
+        assert not backend._splits  # type: ignore[attr-defined]
+        monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 0)
+        backend.write_blocks([make_key(2)], [random_block(FMT.block_bytes, 2)])
+        assert backend._splits  # type: ignore[attr-defined]
+        backend._splits = False  # type: ignore[attr-defined]
+        backend._read_index(backend._env)  # type: ignore[attr-defined]
+        assert backend._splits  # type: ignore[attr-defined]
+    finally:
+        _close(backend)
+    monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 64 << 10)
+    backend = _open(tmp_path / "s")
+    try:
+        assert backend._splits  # type: ignore[attr-defined]
+    finally:
+        _close(backend)
