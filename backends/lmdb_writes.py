@@ -10,9 +10,10 @@ on stable storage, and a commit that fails fails every job that shared it.
 
 A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
 payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index
-holds any entry, a delete of the key's (an absent key's delete changes no page). Access stamps
-(:meth:`LmdbWrites.touch_stamps`) give a joined record a 16-byte entry: it is a whole record
-from then on, until it is saved again.
+may hold a split record's entry (``_splits``: the open found one, or a split save wrote one), a
+delete of the key's entry. Access stamps (:meth:`LmdbWrites.touch_stamps`) give a joined record
+a 16-byte entry: it is a whole record from then on, and that entry its stamp (its size is its
+value's), also once the record was saved joined again.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class LmdbWrites(PersistentRecordBackend):
     _index: Any
     _meta: Any
     _listed: Any
+    _splits: bool
     _write_lock: threading.Lock
     _sync_lock: threading.Lock
     _commits: GroupCommit[list[Record], list[int | None]]
@@ -138,7 +140,7 @@ class LmdbWrites(PersistentRecordBackend):
         length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
         with env.begin(write=True) as txn:
             put, delete = txn.put, txn.delete
-            indexed = txn.stat(index)["entries"] > 0  # a joined save deletes the key's entry
+            indexed = self._splits  # a joined save deletes the key's entry while it may be split
             for job in jobs:
                 job_sizes: list[int | None] = []
                 for key, head, payload in job:
@@ -153,7 +155,7 @@ class LmdbWrites(PersistentRecordBackend):
                     else:
                         put(key, payload, db=blocks)
                         put(key, entry + head, db=index)
-                        indexed = True
+                        indexed = self._splits = True
                     job_sizes.append(stored)
                 sizes.append(job_sizes)
         return sizes
@@ -201,6 +203,7 @@ class LmdbWrites(PersistentRecordBackend):
             else:
                 txn.put(key, payload, db=self._blocks)
                 txn.put(key, index_entry(time.time(), stored, head), db=self._index)
+                self._splits = True
 
     def _bump_txnid(self, env: lmdb.Environment) -> None:
         try:

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, ClassVar
 
 import torch
@@ -204,11 +205,14 @@ class TensorPoolBackend(MemoryBackend):
         self._check_open()
         check_keys(keys)  # every key before any is deleted
         with self._lock:
-            for k in keys:
-                slot = self._slot_of.pop(k, None)
-                if slot is not None:
-                    self._free.append(slot)
-                    self.counters.deleted += 1
+            pop = self._slot_of.pop
+            freed = [slot for slot in map(pop, keys, repeat(None)) if slot is not None]
+            # Highest first: the next reserve of as many keys takes them lowest first, so the
+            # slots of one evicted job come back as one ascending run (a job's copy then takes
+            # its rows as one run at a glance, kvtier.transfer.layout).
+            freed.sort(reverse=True)
+            self._free += freed
+            self.counters.deleted += len(freed)
 
     def _check_blocks(self, blocks: Sequence[torch.Tensor], n: int) -> None:
         size = self.format.block_bytes

@@ -21,7 +21,13 @@ the per-round ratios against that fastest raw copy (the steadier figure where th
 speed drifts during a run), ``cpu_*_ratio_spread`` their minimum, quartiles and maximum over
 the rounds, ``gbps_spread`` the same for the tier's, the engine's and the fastest raw copies'
 GB/s, and ``cpu_steal_share`` the share of CPU time the hypervisor took
-for other guests meanwhile. ``--copy-threads N`` sets the store's
+for other guests meanwhile. Other processes on the host disturb a round the same way: each
+timed copy also notes how long the benchmark's thread waited on a run queue meanwhile
+(``/proc/thread-self/schedstat``: runnable, another process on its CPU). ``run_queue_wait_share``
+is that wait over the time of each arm, ``quiet_rounds`` counts the rounds where neither the
+tier's copy nor the fastest raw copy waited more than :data:`QUIET_WAIT_SHARE` of its time, and
+``cpu_*_ratio_quiet`` is the paired ratio over those rounds alone (``None`` without any): on a
+shared host, the figure that measures the code rather than the neighbours. ``--copy-threads N`` sets the store's
 ``copy_threads``; ``--bandwidth-only`` skips the manager part. ``--job-blocks N`` sets the job
 (default 64 blocks, ``--quick`` 16); ``--inline-max-bytes N`` the store's ``inline_max_bytes``
 (0: every job on the transfer threads; ``inline_jobs`` counts the jobs that ran on the caller's
@@ -72,6 +78,8 @@ from kvtier.tools.bench.host import CpuSteal
 
 LAYERS = 32
 LAYER_SHAPE = (16, 2, 8, 128)  # tokens, K/V, heads, dims
+#: a round is quiet for an arm that waited on a run queue at most this share of its time
+QUIET_WAIT_SHARE = 0.02
 
 
 def keys_of(start: int, n: int) -> list[bytes]:
@@ -88,6 +96,26 @@ def best_of(reps: int, fn: Callable[[], Any]) -> float:
 
 
 # -- bandwidth ------------------------------------------------------------------------------
+def run_queue_wait() -> float:
+    """Seconds this thread has waited on a run queue so far (runnable while another task ran
+    on its CPU), from ``/proc/thread-self/schedstat``; 0.0 where that file is missing."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Timed:
+    """Seconds of a timed copy and the run-queue wait of its thread meanwhile."""
+
+    __slots__ = ("seconds", "wait")
+
+    def __init__(self, seconds: float, wait: float) -> None:
+        self.seconds = seconds
+        self.wait = wait
+
+
 class RawCopies:
     """Raw copies of a job of ``job`` scattered blocks between ``caches`` and a pool of
     records, done with torch alone on the calling thread (and, ``split``, over ``threads``
@@ -133,10 +161,12 @@ class RawCopies:
         self.round += 1
         self.pool_words, self.pieces = self.regions[self.round % len(self.regions)]
 
-    def _timed(self, fn: Callable[[], Any]) -> float:
+    def _timed(self, fn: Callable[[], Any]) -> Timed:
+        w0 = run_queue_wait()
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        return Timed(t1 - t0, run_queue_wait() - w0)
 
     def _split(self, one: Callable[[int], None]) -> None:
         """``one(layer)`` for every layer, the layers dealt out in contiguous shares."""
@@ -167,32 +197,32 @@ class RawCopies:
     def _scatter_one(self, layer: int) -> None:
         self.words[layer].index_copy_(0, self.dst_idx, self.pool_words[:, layer])
 
-    def save_foreach(self) -> float:
+    def save_foreach(self) -> Timed:
         return self._timed(lambda: torch._foreach_copy_(self.pieces, self.src_slices))
 
-    def save_index(self) -> float:  # gather into a temporary, then scatter into the rows
+    def save_index(self) -> Timed:  # gather into a temporary, then scatter into the rows
         def run() -> None:
             for layer, src in enumerate(self.words):
                 self.pool_words[:, layer].index_copy_(0, self.rows, src.index_select(0, self.src_idx))
 
         return self._timed(run)
 
-    def save_direct(self) -> float:  # one index_select per layer straight into the rows
+    def save_direct(self) -> Timed:  # one index_select per layer straight into the rows
         return self._timed(lambda: self._each(self._gather_one, self.layers))
 
-    def save_split(self) -> float:
+    def save_split(self) -> Timed:
         return self._timed(lambda: self._split(self._gather_one))
 
-    def load_foreach(self) -> float:
+    def load_foreach(self) -> Timed:
         return self._timed(lambda: torch._foreach_copy_(self.dst_slices, self.pieces))
 
-    def load_direct(self) -> float:
+    def load_direct(self) -> Timed:
         return self._timed(lambda: self._each(self._scatter_one, self.layers))
 
-    def load_split(self) -> float:
+    def load_split(self) -> Timed:
         return self._timed(lambda: self._split(self._scatter_one))
 
-    def variants(self) -> dict[str, Callable[[], float]]:
+    def variants(self) -> dict[str, Callable[[], Timed]]:
         out = {
             "save_foreach": self.save_foreach,
             "save_index": self.save_index,
@@ -223,6 +253,7 @@ async def bandwidth(
     if inline_max_bytes is not None:
         cfg["inline_max_bytes"] = inline_max_bytes
     times: dict[str, list[float]] = {}
+    waits: dict[str, list[float]] = {}  # per arm and round, the run-queue wait of its copy
     async with kvtier.open(cfg, kv_caches=caches) as store:
         assert store.layout is not None
         threads = store.layout.copies.threads
@@ -231,32 +262,40 @@ async def bandwidth(
         assert mgr is not None and xfer is not None
         counter = itertools.count()
 
-        async def tier_round() -> tuple[float, float]:
+        async def tier_round() -> tuple[Timed, Timed]:
             keys = keys_of(next(counter) * job, job)
+            w0 = run_queue_wait()
             t0 = time.perf_counter()
             saved = await store.save(keys, raw.src_ids)
             t1 = time.perf_counter()
-            loaded = await store.load(keys, raw.dst_ids)
+            w1 = run_queue_wait()
             t2 = time.perf_counter()
+            loaded = await store.load(keys, raw.dst_ids)
+            t3 = time.perf_counter()
+            w2 = run_queue_wait()
             assert saved == job and loaded == job, (saved, loaded)
-            return t1 - t0, t2 - t1
+            return Timed(t1 - t0, w1 - w0), Timed(t3 - t2, w2 - w1)
 
-        def engine_round() -> tuple[float, float]:  # the transfer engine alone: no asyncio hop, no manager
+        def engine_round() -> tuple[Timed, Timed]:  # the transfer engine alone: no asyncio hop, no manager
             keys = keys_of(next(counter) * job, job)
             plan = mgr.prepare_store(keys)
             assert plan is not None
+            w0 = run_queue_wait()
             t0 = time.perf_counter()
             (res,) = xfer.wait([xfer.submit_store(plan, raw.src_ids, inline=True)])
             t1 = time.perf_counter()
+            w1 = run_queue_wait()
             mgr.complete_store(plan.keys, res.success, sizes=res.sizes)
             load = mgr.prepare_load(keys)
+            w2 = run_queue_wait()
             t2 = time.perf_counter()
             (res2,) = xfer.wait([xfer.submit_load(load, raw.dst_ids, inline=True)])
             t3 = time.perf_counter()
+            w3 = run_queue_wait()
             mgr.complete_load(keys)
             xfer.poll_finished()
             assert res.success and res2.success
-            return t1 - t0, t3 - t2
+            return Timed(t1 - t0, w1 - w0), Timed(t3 - t2, w3 - w2)
 
         steps: list[tuple[str, Callable[[], Any]]] = [("tier", tier_round), ("engine", engine_round), *raw.variants().items()]
         for r in range(reps + 1):
@@ -267,16 +306,14 @@ async def bandwidth(
                     got = await got
                 if not r:
                     continue  # the first round warms the pool pages and the threads
-                if isinstance(got, tuple):
-                    times.setdefault(f"{name}_save", []).append(got[0])
-                    times.setdefault(f"{name}_load", []).append(got[1])
-                else:
-                    times.setdefault(name, []).append(got)
+                for arm, timed in zip((f"{name}_save", f"{name}_load"), got) if isinstance(got, tuple) else ((name, got),):
+                    times.setdefault(arm, []).append(timed.seconds)
+                    waits.setdefault(arm, []).append(timed.wait)
         inline_jobs = xfer.counters["inline_jobs"]
         raw.close()
     gbps = {name: raw.nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
     best = {name: raw.nbytes / min(ts) / 1e9 for name, ts in times.items()}
-    return {"threads": threads, "median": gbps, "best": best, "times": times, "inline_jobs": inline_jobs}
+    return {"threads": threads, "median": gbps, "best": best, "times": times, "waits": waits, "inline_jobs": inline_jobs}
 
 
 def paired_ratios(times: dict[str, list[float]], side: str, raw: str) -> list[float]:
@@ -289,6 +326,21 @@ def paired_ratios(times: dict[str, list[float]], side: str, raw: str) -> list[fl
 def paired_ratio(times: dict[str, list[float]], side: str, raw: str) -> float:
     """The median of :func:`paired_ratios`."""
     return statistics.median(paired_ratios(times, side, raw))
+
+
+def quiet(times: list[float], waits: list[float]) -> list[bool]:
+    """Per round, whether the arm's copy waited on a run queue at most :data:`QUIET_WAIT_SHARE`
+    of its time."""
+    return [w <= QUIET_WAIT_SHARE * t for t, w in zip(times, waits)]
+
+
+def quiet_ratio(bw: dict[str, Any], side: str, raw: str) -> tuple[float | None, int]:
+    """The median paired ratio of ``side`` to ``raw`` over the rounds quiet for both, and how
+    many rounds that is."""
+    times, waits = bw["times"], bw["waits"]
+    both = [a and b for a, b in zip(quiet(times[side], waits[side]), quiet(times[raw], waits[raw]))]
+    ratios = [x for x, ok in zip(paired_ratios(times, side, raw), both) if ok]
+    return (round(statistics.median(ratios), 3) if ratios else None), len(ratios)
 
 
 # -- manager cost ---------------------------------------------------------------------------
@@ -465,6 +517,8 @@ def main() -> None:
     raw_save_name = max((k for k in med if k.startswith("save_")), key=med.__getitem__)
     raw_load_name = max((k for k in med if k.startswith("load_")), key=med.__getitem__)
     raw_save, raw_load = med[raw_save_name], med[raw_load_name]
+    quiet_save = quiet_ratio(bw, "tier_save", raw_save_name)
+    quiet_load = quiet_ratio(bw, "tier_load", raw_load_name)
     mem: float | None
     if args.bandwidth_only:
         cost = {}
@@ -493,6 +547,14 @@ def main() -> None:
         "cpu_load_ratio": round(med["tier_load"] / raw_load, 3),
         "cpu_save_ratio_paired": round(paired_ratio(bw["times"], "tier_save", raw_save_name), 3),
         "cpu_load_ratio_paired": round(paired_ratio(bw["times"], "tier_load", raw_load_name), 3),
+        "cpu_save_ratio_quiet": quiet_save[0],
+        "cpu_load_ratio_quiet": quiet_load[0],
+        "quiet_rounds": {"save": quiet_save[1], "load": quiet_load[1]},
+        "run_queue_wait_share": {
+            name: round(sum(bw["waits"][name]) / sum(ts), 4)
+            for name, ts in bw["times"].items()
+            if name.startswith(("tier_", "engine_")) or name in (raw_save_name, raw_load_name)
+        },
         "cpu_save_ratio_spread": spread(paired_ratios(bw["times"], "tier_save", raw_save_name)),
         "cpu_load_ratio_spread": spread(paired_ratios(bw["times"], "tier_load", raw_load_name)),
         "gbps_spread": {
@@ -512,7 +574,8 @@ def main() -> None:
     summary = (
         f"save {result['cpu_save_gbps']} GB/s ({result['cpu_save_ratio']}x raw), "
         f"load {result['cpu_load_gbps']} GB/s ({result['cpu_load_ratio']}x raw), "
-        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s, {bw['threads']} copy threads"
+        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s, {bw['threads']} copy threads; "
+        f"quiet rounds {quiet_save[1]} / {quiet_load[1]} of {reps}: save {quiet_save[0]}x, load {quiet_load[0]}x"
     )
     if cost:
         summary += (

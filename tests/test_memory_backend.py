@@ -42,6 +42,20 @@ class TestCpuBackend(BackendTests):
             assert again == [first[1]]
             assert backend.slots([make_key(4), make_key(1)]) == [first[1], first[0]]
 
+    @pytest.mark.parametrize("order", ["as_stored", "reversed", "shuffled"])
+    def test_the_slots_of_a_deleted_job_come_back_as_one_ascending_run(self, tmp_path: Path, order: str) -> None:
+        """The slots one delete frees go to the next reserve of as many keys lowest first,
+        whatever order the keys were deleted in: a job that takes an evicted job's room gets
+        its rows as one ascending run."""
+        with self.opened(tmp_path, capacity=self.block_bytes * 8) as backend:
+            old = [make_key(i) for i in range(8)]
+            assert backend.reserve(old) == list(range(8))
+            victims = old[2:6]
+            gone = {"as_stored": victims, "reversed": victims[::-1], "shuffled": [victims[i] for i in (2, 0, 3, 1)]}[order]
+            backend.delete_blocks([*gone, gone[0]])  # (a repeat frees its slot once)
+            assert backend.stats()["deleted"] == 4
+            assert backend.reserve([make_key(100 + i) for i in range(4)]) == [2, 3, 4, 5]
+
     def test_reserve_is_atomic_when_full(self, tmp_path: Path) -> None:
         with self.opened(tmp_path, capacity=self.block_bytes * 2) as backend:
             backend.reserve([make_key(1)])

@@ -1,6 +1,8 @@
 """The small-job hot path's shortcuts against the general code they stand for: a job's result
-built slot by slot (:func:`kvtier.transfer.jobs.result_of`) is the dataclass's own, and the
-manager's leading run of ready keys in one tier (one pass in C) is the loop's answer."""
+and what applying it did, built slot by slot (:func:`kvtier.transfer.jobs.result_of`,
+``_applied``), are the dataclasses' own, the manager's leading run of ready keys in one tier
+(one pass in C) is the loop's answer, and distinct block ids pass the load's check in one pass
+while a repeat is named as the loop names it."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ from dataclasses import FrozenInstanceError, fields
 
 import pytest
 
+from kvtier.errors import LayoutError
 from kvtier.manager.lookups import leading_run
 from kvtier.testing import make_key
-from kvtier.transfer.jobs import JobResult, result_of
+from kvtier.transfer.jobs import Applied, JobResult, _applied, result_of
+from kvtier.transfer.layout_checks import check_distinct_block_ids
 
 K = [make_key(9000 + i) for i in range(12)]
 
@@ -33,6 +37,18 @@ def test_a_result_built_slot_by_slot_is_the_dataclass_result(fields_: tuple[obje
         made.success = not made.success  # type: ignore[misc]
 
 
+@pytest.mark.parametrize(
+    "fields_", [("store", True, 4, 0, (), ()), ("load", False, 0, 3, (K[0],), ()), ("load", True, 1, 2, (), ((K[1], 1),))]
+)
+def test_an_applied_built_slot_by_slot_is_the_dataclass_applied(fields_: tuple[object, ...]) -> None:
+    made = _applied(*fields_)  # type: ignore[arg-type]
+    want = Applied(*fields_)  # type: ignore[arg-type]
+    assert type(made) is Applied and made == want and hash(made) == hash(want) and repr(made) == repr(want)
+    assert [getattr(made, f.name) for f in fields(Applied)] == list(fields_)
+    with pytest.raises(FrozenInstanceError):
+        made.ok = not made.ok  # type: ignore[misc]
+
+
 def _loop(tiers: list[dict[bytes, int]], keys: list[bytes]) -> int:
     hits = 0
     for key in keys:
@@ -52,3 +68,16 @@ def test_the_leading_run_is_the_loops_answer(tiers: int) -> None:
         assert leading_run([t.get for t in index], keys) == _loop(index, keys), (index, keys)
     with pytest.raises(TypeError):
         leading_run([{}.get] * tiers, [bytearray(32)])  # unhashable: the caller names it
+
+
+def test_distinct_block_ids_pass_at_a_glance_and_a_repeat_is_named_as_before() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(12) for _ in range(rng.randint(0, 8))]
+        first = next(((i, b) for i, b in enumerate(ids) if b in ids[:i]), None)
+        if first is None:
+            check_distinct_block_ids(ids)
+            continue
+        i, b = first
+        with pytest.raises(LayoutError, match=rf"block_ids\[{i}\]: engine block id {b} appears twice \(also at block_ids\[{ids.index(b)}\]\)"):
+            check_distinct_block_ids(ids)

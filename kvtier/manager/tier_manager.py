@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from kvtier.errors import LifecycleError
 from kvtier.keys import KEY_BYTES, check_keys
@@ -416,7 +416,7 @@ class TierManager:
         if None in found:
             i = found.index(None)
             raise LifecycleError(f"prepare_load: keys[{i}] ({keys[i].hex()[:16]}…) is not ready in any tier")
-        where = cast("list[int]", found)
+        where: list[int] = found  # type: ignore[assignment]  # (no None in it: checked above)
         with self._lock:
             now = self._now()
             used = set(where)

@@ -287,6 +287,10 @@ def apply_result(manager: TierManager, plan: StorePlan | LoadPlan, result: JobRe
     if isinstance(plan, StorePlan):
         if not plan.keys:
             return Applied("store", ok, 0, 0)
+        if not result.failed:  # (the usual job: no comprehension, no set)
+            manager.complete_store(plan.keys, ok, sizes=result.sizes)
+            stored = len(plan.keys) if ok else 0
+            return _applied("store", ok, stored, len(plan.keys) - stored)
         failed = {t: list(ks) for t, ks in result.failed.items()}
         manager.complete_store(plan.keys, ok, sizes=result.sizes, failed=failed)
         stored = len(plan.keys) - len(set(result.failed.get(plan.tier, ()))) if ok else 0
@@ -296,14 +300,31 @@ def apply_result(manager: TierManager, plan: StorePlan | LoadPlan, result: JobRe
     removed: list[tuple[bytes, int]] = []
     valid = 0
     if ok:
+        valid = len(plan.keys)
+        if not result.missed:  # (the usual load)
+            return _applied("load", ok, valid, 0, bad, ())
         for key, tier in zip(result.missed, result.missed_tiers):
             if manager.remove([key], tier):
                 removed.append((key, tier))
-        valid = len(plan.keys)
-        if result.missed:
-            missed = set(result.missed)
-            valid = next(i for i, key in enumerate(plan.keys) if key in missed)
+        missed = set(result.missed)
+        valid = next(i for i, key in enumerate(plan.keys) if key in missed)
     return Applied("load", ok, valid, len(plan.keys) - valid, bad, tuple(removed))
+
+
+class _AppliedSlots:
+    """An :class:`Applied`'s slots, set by plain attribute stores (as :class:`_ResultSlots`)."""
+
+    __slots__ = Applied.__slots__
+
+
+def _applied(
+    kind: JobKind, ok: bool, done: int, lost: int, failed_promotions: tuple[bytes, ...] = (), removed: tuple[tuple[bytes, int], ...] = ()
+) -> Applied:
+    """``Applied(...)`` made as :class:`_AppliedSlots` (a test compares the two)."""
+    a = _AppliedSlots()
+    a.kind, a.ok, a.done, a.lost, a.failed_promotions, a.removed = kind, ok, done, lost, failed_promotions, removed  # type: ignore[attr-defined]
+    a.__class__ = Applied  # type: ignore[assignment]
+    return a  # type: ignore[return-value]
 
 
 def combine_results(results: Sequence[JobResult]) -> JobResult:
