@@ -85,7 +85,7 @@ try:
 except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
     raise MissingDependencyError(f"the redis backend needs redis-py: pip install 'redis[hiredis]' ({exc})") from exc
 
-__all__ = ["REWRITE_SCRIPT", "SLOTS", "SlotLogs", "slot_entries", "slot_log_name", "slot_tags"]
+__all__ = ["REWRITE_SCRIPT", "SLOTS", "SlotLogs", "append_commands", "slot_entries", "slot_log_name", "slot_tags", "slots_of"]
 
 log = logging.getLogger("kvtier")
 T = TypeVar("T")
@@ -140,13 +140,44 @@ def slot_log_name(prefix: bytes, slot: int) -> bytes:
     return prefix + b"keys{" + slot_tags()[slot] + b"}"
 
 
+def slots_of(prefix: bytes, keys: Iterable[bytes]) -> dict[int, list[bytes]]:
+    """``keys`` grouped by the hash slot of their records (``prefix`` + key), in order. The CRC
+    of the prefix is taken once and each key's continues from it (``crc_hqx`` chains), unless a
+    brace makes a hash tag possible: then the cluster's own rule (``key_slot``) decides."""
+    groups: dict[int, list[bytes]] = {}
+    if b"{" in prefix:
+        for key in keys:
+            groups.setdefault(key_slot(prefix + key), []).append(key)
+        return groups
+    base, crc = binascii.crc_hqx(prefix, 0), binascii.crc_hqx
+    for key in keys:
+        slot = key_slot(prefix + key) if b"{" in key else crc(key, base) % SLOTS
+        part = groups.get(slot)
+        if part is None:
+            groups[slot] = [key]
+        else:
+            part.append(key)
+    return groups
+
+
 def slot_entries(prefix: bytes, keys: Iterable[bytes], op: bytes) -> list[tuple[bytes, bytes]]:
     """``(slot log, entries)`` of ``keys`` under ``op``, one per slot they fall in (what a writer
     outside the tier, ``kvtier clear --tenant``, appends for the keys it deleted)."""
-    groups: dict[int, list[bytes]] = {}
-    for key in keys:
-        groups.setdefault(key_slot(prefix + key), []).append(key)
-    return [(slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in groups.items()]
+    return [(slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in slots_of(prefix, keys).items()]
+
+
+def append_commands(prefix: bytes, keys: Iterable[bytes], op: bytes) -> tuple[bytes, int]:
+    """``APPEND <slot log> <entries>`` of ``keys`` under ``op`` (one byte), one per slot they
+    fall in, as one buffer, and how many: what :func:`slot_entries` gives, made into commands
+    with one format each (the tier's put shares send one per slot they stored in)."""
+    tags = slot_tags()
+    groups = slots_of(prefix, keys)
+    size = len(prefix) + 6  # the name: prefix, "keys{", the tag, "}"
+    return b"".join([
+        b"*3\r\n$6\r\nAPPEND\r\n$%d\r\n%bkeys{%b}\r\n$%d\r\n%b%b\r\n"
+        % (size + len(tags[slot]), prefix, tags[slot], sum(map(len, part)) + len(part), op, op.join(part))
+        for slot, part in groups.items()
+    ]), len(groups)
 
 
 class SlotLogHost(Protocol):
@@ -184,8 +215,7 @@ class SlotLogs:
         """One ``APPEND`` per slot of ``keys`` (stored, or ``op``), and how many."""
         if not self.enabled:
             return b"", 0
-        appends = slot_entries(self.t._prefix_bytes, keys, op or STORED)
-        return b"".join(command(b"APPEND", name, entries) for name, entries in appends), len(appends)
+        return append_commands(self.t._prefix_bytes, keys, op or STORED)
 
     def appended(self, wire: Wire, count: int = 1) -> None:
         self.book.appended(wire, count)
