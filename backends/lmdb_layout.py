@@ -20,9 +20,11 @@ Three layouts are read; the first two are written:
   the whole record and ``index[key]`` the 16 bytes of stamp and size.
 
 The index entry tells them apart: none, joined; 16 bytes, whole; longer, split (its length
-says keyed or not). An index entry, where there is one, is always the current record's: a
-joined save deletes the key's entry in its transaction (when the index holds any), a split
-save rewrites it. A value longer than the raw block holds its head whatever its entry
+says keyed or not). A split entry is always the current record's: a split save rewrites it, and
+a joined save deletes the key's entry in its transaction while the store may hold one. A
+16-byte entry may be older than its value (a stamped record saved joined again keeps it): it
+gives the record's stamp, and the open takes the size from the value; read, such a value is
+a whole record as a joined one is. A value longer than the raw block holds its head whatever its entry
 (:func:`~kvtier.backends.lmdb_entries.head_in_value`: a split value is never that long), so a
 raw joined record is read with one lookup. A value whose head does not check is corrupt, in
 any layout: a split value that lost its entry is read as joined and fails its header check.

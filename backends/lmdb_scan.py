@@ -252,9 +252,9 @@ class _Walk:
 
 def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: tuple[int, ...], now: float) -> RecordColumns | None:
     """Every record of the ``blocks`` database, oldest stamp first, as columns read from the
-    walk's leaves: a record with an index entry takes its stamp and stored size from it; a joined
-    record (no entry, :mod:`kvtier.backends.lmdb_layout`) the stamp ``now`` and the pages of its
-    value's length (read from its leaf node: no page of the value is touched). Index entries
+    walk's leaves: a record with an index entry takes its stamp from it, and a split one its
+    stored size too; a whole one the pages of its value's length, and a joined record (no
+    entry, :mod:`kvtier.backends.lmdb_layout`) those and the stamp ``now`` (read from its leaf node: no page of the value is touched). Index entries
     without a value are left out. ``None`` when this form does not apply (no blocks database
     yet, keys of several sizes, an index entry that is not inline): the caller reads with a
     cursor then. ``DamagedEnvironment`` for an index entry of a size no layout writes."""
@@ -262,8 +262,14 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
     if blocks is None or blocks.keys is None or not blocks.key_size:
         return None
     count, width, psize = blocks.count, blocks.key_size, blocks.psize
+    # In place: every temporary array of a record's width that is freed before the keys are
+    # made stays in the heap under them (about 8 B per record each, bench_scale.py's RSS).
     stamps = np.full(count, now, dtype=np.float64)
-    stored = -(-(blocks.values.astype(np.int64) + _HEADER) // psize) * psize
+    stored = blocks.values.astype(np.int64)
+    stored += _HEADER + psize - 1
+    stored //= psize
+    stored *= psize  # each value's pages, as a save counts them
+    one_stamp = True
     if index is not None and index.count:
         if index.keys is None or index.key_size != width:
             return None
@@ -275,21 +281,29 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
         if np.any(index.at < 0):
             return None
         if index.count == count and np.array_equal(index.keys, blocks.keys):
-            pos, at = np.arange(count), index.at
+            pos, at, values = np.arange(count), index.at, index.values
         else:  # both in LMDB's key order (memcmp, as ``S`` items compare): each entry's record
             block_keys, index_keys = blocks.keys.view(f"S{width}").reshape(-1), index.keys.view(f"S{width}").reshape(-1)
             pos = np.minimum(np.searchsorted(block_keys, index_keys), count - 1) if count else np.zeros(0, np.int64)
             paired = block_keys[pos] == index_keys if count else np.zeros(len(index_keys), bool)
-            pos, at = pos[paired], index.at[paired]
+            pos, at, values = pos[paired], index.at[paired], index.values[paired]
             del block_keys, index_keys
         head = _rows(data, at, _ENTRY_HEAD)  # each entry's <d Q: stamp, stored bytes
         stamps[pos] = head["stamp"]
-        stored[pos] = head["stored"].astype(np.int64)
-        del head
-    order = np.argsort(stamps, kind="stable")
+        # A split record's size is its entry's (its value is the payload alone); a whole one's,
+        # its value's (its entry may be from before the record was saved again joined).
+        split = values != entry_sizes[0]
+        stored[pos[split]] = head["stored"][split]
+        del head, pos, at, split, values
+        one_stamp = False
     # One row per key as V<width> items: a gather of rows, then one ``bytes`` object each, whole
-    # (trailing zero bytes kept, unlike an S<width> array's).
-    keys = blocks.keys.view(f"V{width}").reshape(-1)[order].tolist()
+    # (trailing zero bytes kept, unlike an S<width> array's). Joined records alone share one
+    # stamp: they are in order already.
+    rows = blocks.keys.view(f"V{width}").reshape(-1)
+    if one_stamp:
+        return RecordColumns(rows.tolist(), stored, stamps, oldest_first=True)
+    order = np.argsort(stamps, kind="stable")
+    keys = rows[order].tolist()
     return RecordColumns(keys, stored[order], stamps[order], oldest_first=True)
 
 
@@ -306,18 +320,24 @@ def leaf_keys(leaves: dict[bytes, Leaves], name: bytes) -> dict[bytes, bytes] | 
     return {key: key for key in (rows[i : i + width] for i in range(0, len(rows), width))} if width else {b"": b""}
 
 
-def open_listing(path: str, entry_sizes: tuple[int, ...], now: float | None = None) -> tuple[RecordColumns | None, dict[bytes, bytes] | None]:
+def open_listing(
+    path: str, entry_sizes: tuple[int, ...], now: float | None = None
+) -> tuple[RecordColumns | None, dict[bytes, bytes] | None, bool]:
     """The page check of ``<path>/data.mdb`` and what it lists: the records as columns
     (:func:`listed_records`; a joined record's stamp ``now``, default the time now), or, when
     that form does not apply, ``None`` and the blocks database's keys for a cursor read of
-    the index (``None`` too when there is no file)."""
+    the index (``None`` too when there is no file); and whether the index holds an entry
+    longer than ``entry_sizes[0]`` (a split record's, or one of an unknown length: ``True``
+    when the walk did not list the index)."""
     walked = list_trees(path)
     if walked is None:
-        return None, None
+        return None, None, False
     leaves, data = walked
+    index = leaves.get(b"index")
+    split = index is not None and bool(np.any(index.values != entry_sizes[0]))
     columns = listed_records(leaves, data, entry_sizes, time.time() if now is None else now)
     if columns is not None:
-        return columns, {}
+        return columns, {}, split
     keys = leaf_keys(leaves, b"blocks")
     del data, walked
-    return None, keys if keys is not None else check_file_trees(path, keys_of=b"blocks")
+    return None, keys if keys is not None else check_file_trees(path, keys_of=b"blocks"), True

@@ -162,6 +162,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._reader: JobReader | None = None
         self._straight: StraightRead | None = None  # warm jobs of an unkeyed store (read_blocks)
         self._listed: list[RecordInfo] | RecordColumns | None = None
+        #: Whether the index may hold a split record's entry: a joined save then deletes the
+        #: key's entry (lmdb_writes). Set at open from the listing, and by a split save.
+        self._splits = False
         self._commits: GroupCommit[list[Record], list[int | None]] = GroupCommit(self._commit_jobs, self._sync_jobs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,7 +230,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         used = check_data_file(self.path)  # before anything maps the file
         # LMDB aborts the process on a page it cannot walk; the walk (lmdb_scan) also lists the
         # blocks and index databases' leaves, read from their leaf pages alone (see _read_index).
-        columns, block_keys = open_listing(self.path, ENTRY_SIZES) if used else (None, {})
+        columns, block_keys, self._splits = open_listing(self.path, ENTRY_SIZES) if used else (None, {}, False)
         preallocate_lock_file(self.path, self.max_readers)
         map_size = self.capacity_bytes
         shrinking = used > map_size
@@ -302,8 +305,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         )
 
     def _read_index(self, env: lmdb.Environment, block_keys: dict[bytes, bytes] | None = None) -> list[RecordInfo]:
-        """Every record the blocks database holds: its stamp and stored size from its index
-        entry, or, joined (no entry), the time now and its value's pages. LMDB errors
+        """Every record the blocks database holds: its stamp from its index entry (a split
+        one's stored size too), or, joined (no entry), the time now; whole and joined, its
+        value's pages. Notes whether the index holds a split entry (``_splits``). LMDB errors
         propagate: the caller treats them as a damaged environment.
 
         A cursor walks the blocks database, keys and value lengths, under readahead off: the
@@ -322,22 +326,27 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         records: list[RecordInfo] = []
         append = records.append
         own = block_keys.get if block_keys is not None else None
+        splits = False
         with touched_pages_only(base, int(env.info()["map_size"])), env.begin(buffers=True) as txn:
-            entries: dict[bytes, tuple[float, int]] = {}
+            entries: dict[bytes, tuple[float, int, bool]] = {}
             for index_key, entry in txn.cursor(db=self._index):
                 if len(entry) not in sizes:
                     raise DamagedEnvironment(f"index entry is not readable: index entry of {len(entry)} bytes (expected one of {sizes})")
-                entries[bytes(index_key)] = unpack(entry, 0)
+                stamp, stored = unpack(entry, 0)
+                split = len(entry) != INDEX.size
+                splits |= split
+                entries[bytes(index_key)] = (stamp, stored, split)
             find = entries.get
             for block_key, value in txn.cursor(db=self._blocks):
                 key = bytes(block_key)
                 if own is not None:
                     key = own(key, key)
                 found = find(key)
-                if found is None:
+                if found is None:  # joined
                     append(RecordInfo(key, pages(len(value)), now))
-                else:
-                    append(RecordInfo(key, found[1], found[0]))
+                else:  # a split record's size is its entry's; a whole one's, its value's
+                    append(RecordInfo(key, found[1] if found[2] else pages(len(value)), found[0]))
+        self._splits = splits or self._splits
         return records
 
     def _shrink(self, fmt: BlockFormat, used: int) -> None:

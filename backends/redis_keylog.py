@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from kvtier.backends.redis_wire import ErrorReply, Wire
 from kvtier.backends.remote_listing import Dropped
 
 __all__ = [
-    "DELETED", "KEYLOG_SUFFIX", "MAGIC", "STORED", "KeyLog", "KeyLogChanged", "LogState", "TierKeyLog", "command", "entries_of",
+    "DELETED", "KEYLOG_SUFFIX", "MAGIC", "STORED", "KeyLog", "KeyLogChanged", "LogBook", "LogState", "TierKeyLog", "command", "entries_of",
     "new_header", "replay",
 ]
 
@@ -175,18 +176,78 @@ def replay(raw: bytes | bytearray | memoryview, key_bytes: int, where: int = 0) 
         yield keys[a:b] if stored[a] else Dropped(keys[a:b])
 
 
+class LogBook:
+    """What a key log keeps and checks alike, the server's one (:class:`KeyLog`) or a cluster's
+    per slot (:class:`~kvtier.backends.redis_slotlogs.SlotLogs`): the entries' size, the
+    counters (under a lock: a cluster's primaries may be read on several threads) and the last
+    problem, the replies of its ``APPEND`` commands, and the trust rules of an open: every entry
+    stored or deleted, and at least half of a sample of the stored keys' records found."""
+
+    COUNTERS = ("opens", "fallbacks", "rewrites", "rewrite_failures", "append_failures", "sampled_gone")
+
+    def __init__(self, key_bytes: int, what: str) -> None:
+        self.key_bytes = key_bytes
+        #: an entry: its operation (:data:`STORED` or :data:`DELETED`), then the key
+        self.entry_bytes = key_bytes + 1
+        #: the log(s) in messages: "the key log", "a primary's slot logs"
+        self.what = what
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.last_problem: str | None = None
+        self._lock = threading.Lock()
+
+    def count(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[counter] += n
+
+    def appended(self, wire: Wire, count: int = 1) -> None:
+        """Read ``count`` ``APPEND`` replies; a refusal (an ACL without it, ``MOVED`` mid-migration)
+        is counted, never raised: the records are stored, only missing from their log."""
+        for _ in range(count):
+            try:
+                wire.reply()
+            except ErrorReply as exc:
+                self.count("append_failures")
+                log.debug("redis: %s: APPEND refused: %s", self.what, exc)
+
+    def foreign(self, raw: bytes | bytearray | memoryview) -> str | None:
+        """Why whole entries ``raw`` are not to be replayed: one that is neither stored nor deleted."""
+        ops = np.frombuffer(raw, dtype=np.uint8)[:: self.entry_bytes]
+        if ((ops == STORED[0]) | (ops == DELETED[0])).all():
+            return None
+        return f"entries of another form in {self.what}"
+
+    def sampled(self, wire: Wire, prefix: bytes, stored: Sequence[bytes], *, one_command: bool) -> str | None:
+        """Look the records of the sampled ``stored`` keys up (one ``EXISTS`` of them all, or,
+        where they span slots, one each): why the log is not to be trusted (fewer than half of
+        them found), or ``None``. The keys found gone are counted."""
+        if not stored:
+            return None
+        if one_command:
+            wire.send([command(b"EXISTS", *(prefix + key for key in stored))])
+            live = int(wire.reply())
+        else:
+            wire.send([b"".join(command(b"EXISTS", prefix + key) for key in stored)])
+            live = 0
+            for _ in stored:
+                try:
+                    live += int(wire.reply())
+                except ErrorReply:  # moved meanwhile: not found here
+                    pass
+        self.count("sampled_gone", len(stored) - live)
+        if 2 * live < len(stored):
+            return f"{len(stored) - live} of {len(stored)} sampled keys of {self.what} have no record"
+        return None
+
+    def stats(self, enabled: bool, **more: Any) -> dict[str, Any]:
+        return dict(self.counters, enabled=enabled, **more, last_problem=self.last_problem)
+
+
 class KeyLog:
     """The key log of ``tier``'s namespace (see the module doc); counters in :meth:`stats`."""
 
     def __init__(self, tier: KeyLogHost, key_bytes: int) -> None:
         self.t = tier
-        self.key_bytes = key_bytes
-        #: an entry: its operation (:data:`STORED` or :data:`DELETED`), then the key
-        self.entry_bytes = key_bytes + 1
-        self.counters = {
-            "opens": 0, "fallbacks": 0, "rewrites": 0, "rewrite_failures": 0, "append_failures": 0, "sampled_gone": 0,
-        }
-        self.last_problem: str | None = None
+        self.book = LogBook(key_bytes, "the key log")
 
     @property
     def name(self) -> bytes:
@@ -206,13 +267,7 @@ class KeyLog:
         return (command(b"APPEND", self.name, joined), 1) if joined else (b"", 0)
 
     def appended(self, wire: Wire, count: int = 1) -> None:
-        """Read ``count`` ``APPEND`` replies; a refusal is counted, never raised (the records are stored)."""
-        for _ in range(count):
-            try:
-                wire.reply()
-            except ErrorReply as exc:
-                self.counters["append_failures"] += 1
-                log.debug("redis: key log APPEND refused: %s", exc)
+        self.book.appended(wire, count)
 
     # -- reading (a store's open) --------------------------------------------------------------
     def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None:
@@ -221,6 +276,7 @@ class KeyLog:
         (``SCAN``), after which the log is rewritten from that listing."""
         if not self.enabled:
             return listing(None)
+        self.book.counters["sampled_gone"] = 0
         try:
             state, problem = self._on_wire(self.plan)
         except Exception as exc:  # the server failed: the listing meets it too, and marks it down
@@ -230,15 +286,15 @@ class KeyLog:
             try:
                 table = listing(partial(self._batches_on_wire, state))
             except KeyLogChanged as exc:
-                problem = self.last_problem = str(exc)
+                problem = self.book.last_problem = str(exc)
             else:
-                self.counters["opens"] += 1
-                if self.counters["sampled_gone"] and self.t.follower is not None:
+                self.book.count("opens")
+                if self.book.counters["sampled_gone"] and self.t.follower is not None:
                     # The log names records the server no longer holds: the first sweep (SCAN)
                     # runs as soon as the index is bound, not ten listings later, to forget them.
                     self.t.follower.sweep_now()
                 return table
-        self.counters["fallbacks"] += 1
+        self.book.count("fallbacks")
         log.info("redis: %s; listing the namespace with SCAN and writing the key log again", problem)
         table = listing(None)
         if table is not None and self.enabled:
@@ -286,32 +342,27 @@ class KeyLog:
         """The log's state, and why it is not to be read (``None``: read it): its header and
         length, then a sample of its keys' records looked up on the server."""
         state = self.state(wire)
-        e = self.entry_bytes
+        e = self.book.entry_bytes
         problem = state.problem(e)
         n = state.entries(e)
         if problem is None and n:
             picks = random.sample(range(n), min(n, SAMPLE))
             wire.send([b"".join(_getrange(self.name, HEADER_BYTES + i * e, HEADER_BYTES + (i + 1) * e - 1) for i in picks)])
             sample = [wire.reply() for _ in picks]
-            if any(not isinstance(entry, bytes) or len(entry) != e or entry[:1] not in (STORED, DELETED) for entry in sample):
-                problem = "the key log has entries of another form"
+            if any(not isinstance(entry, bytes) or len(entry) != e for entry in sample):
+                problem = f"entries of another form in {self.book.what}"
             else:
-                stored = [entry[1:] for entry in sample if entry[:1] == STORED]
-                live = len(stored)
-                if stored:
-                    wire.send([command(b"EXISTS", *(self.t._prefix_bytes + key for key in stored))])
-                    live = int(wire.reply())
-                self.counters["sampled_gone"] = len(stored) - live
-                if 2 * live < len(stored):
-                    problem = f"{len(stored) - live} of {len(stored)} sampled keys of the key log have no record"
-        self.last_problem = problem
+                problem = self.book.foreign(b"".join(sample)) or self.book.sampled(
+                    wire, self.t._prefix_bytes, [entry[1:] for entry in sample if entry[:1] == STORED], one_command=True
+                )
+        self.book.last_problem = problem
         return state, problem
 
     def batches(self, wire: Wire, state: LogState) -> Iterator[list[bytes]]:
         """The keys the log held when ``state`` was read, :data:`READ_CHUNK` bytes a batch (a key
         may come more than once: written again). Every reply has been read when the iteration
         ends; a log found shorter (rewritten meanwhile) raises :class:`KeyLogChanged`."""
-        e = self.entry_bytes
+        e = self.book.entry_bytes
         end = HEADER_BYTES + state.entries(e) * e
         chunk = max(1, READ_CHUNK // e) * e
         starts = range(HEADER_BYTES, end, chunk)
@@ -324,7 +375,7 @@ class KeyLog:
             raw = bytearray(n)
             wire.read_into(memoryview(raw))
             wire.skip(2)
-            yield from replay(raw, self.key_bytes, s)
+            yield from replay(raw, self.book.key_bytes, s)
 
     # -- sweeps ------------------------------------------------------------------------------------
     def sweep_state(self) -> LogState | None:
@@ -346,9 +397,9 @@ class KeyLog:
     def needs_rewrite(self, state: LogState | None, listed: int) -> bool:
         if state is None or not self.enabled:
             return False
-        if state.problem(self.entry_bytes) is not None:
+        if state.problem(self.book.entry_bytes) is not None:
             return True
-        return state.entries(self.entry_bytes) > 2 * listed + REWRITE_SLACK
+        return state.entries(self.book.entry_bytes) > 2 * listed + REWRITE_SLACK
 
     def rewrite(self, state: LogState, keys: Sequence[bytes] | Iterable[bytes]) -> bool:
         """Replace the log by a header and ``keys`` (a listing begun after ``state`` was read),
@@ -397,14 +448,14 @@ class KeyLog:
                         tx.execute()
                     except WatchError:  # an APPEND landed meanwhile: copy the tail again
                         continue
-                self.counters["rewrites"] += 1
+                self.book.count("rewrites")
                 log.debug("redis: key log rewritten in %.3f s", time.perf_counter() - started)
                 return True
             client.unlink(tmp)
         except (RedisError, OSError) as exc:
             log.debug("redis: key log rewrite failed: %s", exc)
-        self.counters["rewrite_failures"] += 1
+        self.book.count("rewrite_failures")
         return False
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counters, enabled=self.enabled, last_problem=self.last_problem)
+        return self.book.stats(self.enabled)

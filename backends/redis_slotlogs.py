@@ -62,11 +62,11 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from kvtier.backends.redis_keylog import (
-    DELETED,
     HEADER_BYTES,
     MAGIC,
     SAMPLE,
     STORED,
+    LogBook,
     LogState,
     Table,
     command,
@@ -85,7 +85,7 @@ try:
 except ImportError as exc:  # pragma: no cover - redis is a dependency; a broken install says so
     raise MissingDependencyError(f"the redis backend needs redis-py: pip install 'redis[hiredis]' ({exc})") from exc
 
-__all__ = ["REWRITE_SCRIPT", "SLOTS", "SlotLogs", "slot_entries", "slot_log_name", "slot_tags"]
+__all__ = ["REWRITE_SCRIPT", "SLOTS", "SlotLogs", "append_commands", "slot_entries", "slot_log_name", "slot_tags", "slots_of"]
 
 log = logging.getLogger("kvtier")
 T = TypeVar("T")
@@ -140,13 +140,44 @@ def slot_log_name(prefix: bytes, slot: int) -> bytes:
     return prefix + b"keys{" + slot_tags()[slot] + b"}"
 
 
+def slots_of(prefix: bytes, keys: Iterable[bytes]) -> dict[int, list[bytes]]:
+    """``keys`` grouped by the hash slot of their records (``prefix`` + key), in order. The CRC
+    of the prefix is taken once and each key's continues from it (``crc_hqx`` chains), unless a
+    brace makes a hash tag possible: then the cluster's own rule (``key_slot``) decides."""
+    groups: dict[int, list[bytes]] = {}
+    if b"{" in prefix:
+        for key in keys:
+            groups.setdefault(key_slot(prefix + key), []).append(key)
+        return groups
+    base, crc = binascii.crc_hqx(prefix, 0), binascii.crc_hqx
+    for key in keys:
+        slot = key_slot(prefix + key) if b"{" in key else crc(key, base) % SLOTS
+        part = groups.get(slot)
+        if part is None:
+            groups[slot] = [key]
+        else:
+            part.append(key)
+    return groups
+
+
 def slot_entries(prefix: bytes, keys: Iterable[bytes], op: bytes) -> list[tuple[bytes, bytes]]:
     """``(slot log, entries)`` of ``keys`` under ``op``, one per slot they fall in (what a writer
     outside the tier, ``kvtier clear --tenant``, appends for the keys it deleted)."""
-    groups: dict[int, list[bytes]] = {}
-    for key in keys:
-        groups.setdefault(key_slot(prefix + key), []).append(key)
-    return [(slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in groups.items()]
+    return [(slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in slots_of(prefix, keys).items()]
+
+
+def append_commands(prefix: bytes, keys: Iterable[bytes], op: bytes) -> tuple[bytes, int]:
+    """``APPEND <slot log> <entries>`` of ``keys`` under ``op`` (one byte), one per slot they
+    fall in, as one buffer, and how many: what :func:`slot_entries` gives, made into commands
+    with one format each (the tier's put shares send one per slot they stored in)."""
+    tags = slot_tags()
+    groups = slots_of(prefix, keys)
+    size = len(prefix) + 6  # the name: prefix, "keys{", the tag, "}"
+    return b"".join([
+        b"*3\r\n$6\r\nAPPEND\r\n$%d\r\n%bkeys{%b}\r\n$%d\r\n%b%b\r\n"
+        % (size + len(tags[slot]), prefix, tags[slot], sum(map(len, part)) + len(part), op, op.join(part))
+        for slot, part in groups.items()
+    ]), len(groups)
 
 
 class SlotLogHost(Protocol):
@@ -165,12 +196,7 @@ class SlotLogs:
 
     def __init__(self, tier: SlotLogHost, key_bytes: int) -> None:
         self.t = tier
-        self.key_bytes = key_bytes
-        self.entry_bytes = key_bytes + 1
-        self.counters = {
-            "opens": 0, "fallbacks": 0, "rewrites": 0, "rewrite_failures": 0, "append_failures": 0, "sampled_gone": 0,
-        }
-        self.last_problem: str | None = None
+        self.book = LogBook(key_bytes, "a primary's slot logs")
         self._lock = threading.Lock()
         self._get_cache: tuple[bytes, list[bytes]] = (b"", [])
         #: (the client's slot map, its slots by primary's name, the map's size)
@@ -184,27 +210,15 @@ class SlotLogs:
         """Slot ``slot``'s log (it hashes to that slot)."""
         return slot_log_name(self.t._prefix_bytes, slot)
 
-    def _count(self, counter: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters[counter] += n
-
     # -- writing -------------------------------------------------------------------------------
     def append_commands(self, keys: Iterable[bytes], op: bytes = b"") -> tuple[bytes, int]:
         """One ``APPEND`` per slot of ``keys`` (stored, or ``op``), and how many."""
         if not self.enabled:
             return b"", 0
-        appends = slot_entries(self.t._prefix_bytes, keys, op or STORED)
-        return b"".join(command(b"APPEND", name, entries) for name, entries in appends), len(appends)
+        return append_commands(self.t._prefix_bytes, keys, op or STORED)
 
     def appended(self, wire: Wire, count: int = 1) -> None:
-        """Read ``count`` ``APPEND`` replies; a refusal (``MOVED`` mid-migration, an ACL) is
-        counted, never raised: the records are stored, only missing from their log."""
-        for _ in range(count):
-            try:
-                wire.reply()
-            except ErrorReply as exc:
-                self._count("append_failures")
-                log.debug("redis: slot log APPEND refused: %s", exc)
+        self.book.appended(wire, count)
 
     # -- reading (a store's open) --------------------------------------------------------------
     def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None:
@@ -212,11 +226,11 @@ class SlotLogs:
         are trusted, else from its ``SCAN`` (after which its logs are written again)."""
         if not self.enabled:
             return listing(None)
-        self.counters["sampled_gone"] = 0
+        self.book.counters["sampled_gone"] = 0
         self._slot_owners = (None, {}, 0)  # sorted again from the client's slot map
         self._gets()
         table = listing(self._open_batches)
-        if self.counters["sampled_gone"] and self.t.follower is not None:
+        if self.book.counters["sampled_gone"] and self.t.follower is not None:
             self.t.follower.sweep_now()  # forget the records the server lost, at once
         return table
 
@@ -273,17 +287,17 @@ class SlotLogs:
                     with entries.view() as raw:
                         problem = self._sample(wire, raw)
                         if problem is None:
-                            self._count("opens")
+                            self.book.count("opens")
                             # In pieces: the lists of keys stay small (one of a primary's keys at
                             # once would be a large block on the heap of the open's thread).
-                            step = REPLAY_ENTRIES * self.entry_bytes
+                            step = REPLAY_ENTRIES * self.book.entry_bytes
                             for start in range(0, len(raw), step):
-                                yield from replay(raw[start : start + step], self.key_bytes, start)
+                                yield from replay(raw[start : start + step], self.book.key_bytes, start)
                             return
             finally:
                 entries.close()
-            self._count("fallbacks")
-            self.last_problem = problem
+            self.book.count("fallbacks")
+            self.book.last_problem = problem
             log.info("redis: %s; listing that primary with SCAN and writing its slot logs again", problem)
             # The logs' states now, before the listing: a rewrite keeps what is appended after them.
             states = dict(self._states_body(slots)(wire))
@@ -301,7 +315,7 @@ class SlotLogs:
         def body(wire: Wire) -> Iterator[list[bytes]]:
             listed: dict[bytes, None] = {}
             try:
-                for batch in scan_block_keys(wire, self.t._prefix_bytes, self.key_bytes, SCAN_COUNT):
+                for batch in scan_block_keys(wire, self.t._prefix_bytes, self.book.key_bytes, SCAN_COUNT):
                     listed.update(dict.fromkeys(batch))
                     yield batch
             except ErrorReply as exc:  # refused (an ACL without SCAN): as redis-py reports it
@@ -320,7 +334,7 @@ class SlotLogs:
         wire.send([b"".join(gets[slot] for slot in slots)])
         lengths, errors, unmarked = wire.bulk_bodies(len(slots), MAGIC, HEADER_BYTES, entries)
         lens = np.array(lengths, dtype=np.int64)
-        bad = np.flatnonzero((lens < HEADER_BYTES) | ((lens - HEADER_BYTES) % self.entry_bytes != 0))
+        bad = np.flatnonzero((lens < HEADER_BYTES) | ((lens - HEADER_BYTES) % self.book.entry_bytes != 0))
         first = min(int(bad[0]) if len(bad) else len(slots), unmarked if unmarked >= 0 else len(slots))
         if first == len(slots):
             return None
@@ -345,27 +359,13 @@ class SlotLogs:
     def _sample(self, wire: Wire, raw: memoryview) -> str | None:
         """Why a primary's logs are not to be read (``None``: read them): an entry of another
         form, or fewer than half of a sample of their stored keys' records exist."""
-        e = self.entry_bytes
-        n = len(raw) // e
-        ops = np.frombuffer(raw, dtype=np.uint8)[::e]
-        if not ((ops == STORED[0]) | (ops == DELETED[0])).all():
-            return "a slot's key log has entries of another form"
-        picks = random.sample(range(n), min(n, SAMPLE))
+        problem = self.book.foreign(raw)
+        if problem is not None:
+            return problem
+        e = self.book.entry_bytes
+        picks = random.sample(range(len(raw) // e), min(len(raw) // e, SAMPLE))
         stored = [bytes(raw[i * e + 1 : (i + 1) * e]) for i in picks if raw[i * e] == STORED[0]]
-        if not stored:
-            return None
-        prefix = self.t._prefix_bytes
-        wire.send([b"".join(command(b"EXISTS", prefix + key) for key in stored)])
-        live = 0
-        for _ in stored:
-            try:
-                live += int(wire.reply())
-            except ErrorReply:  # moved meanwhile: not found here
-                pass
-        self._count("sampled_gone", len(stored) - live)
-        if 2 * live < len(stored):
-            return f"{len(stored) - live} of {len(stored)} sampled keys of a primary's slot logs have no record"
-        return None
+        return self.book.sampled(wire, self.t._prefix_bytes, stored, one_command=False)  # one per key: slots differ
 
     # -- sweeps ------------------------------------------------------------------------------------
     def sweep_state(self) -> dict[int, LogState] | None:
@@ -385,7 +385,7 @@ class SlotLogs:
         slot's keys when all of them together hold over twice the keys listed."""
         if not states or not self.enabled:
             return
-        e = self.entry_bytes
+        e = self.book.entry_bytes
         bad = {slot for slot, state in states.items() if state.problem(e) is not None}
         if not bad and sum(state.entries(e) for state in states.values()) <= 2 * len(found) + REWRITE_SLACK:
             return
@@ -401,7 +401,7 @@ class SlotLogs:
                 for _ in self._on_node(node, partial(self._rewrite, states=mine, by_slot=by_slot)):
                     pass
             except Exception as exc:  # the primary failed: its logs stay as they are
-                self._count("rewrite_failures", len(mine))
+                self.book.count("rewrite_failures", len(mine))
                 log.debug("redis: slot logs not rewritten: %s", exc)
 
     # -- rewriting -----------------------------------------------------------------------------
@@ -434,11 +434,11 @@ class SlotLogs:
             try:
                 done = wire.reply()
             except ErrorReply as exc:
-                self._count("rewrite_failures")
+                self.book.count("rewrite_failures")
                 log.debug("redis: slot log rewrite refused: %s", exc)
                 continue
             if done == 1:
-                self._count("rewrites")
+                self.book.count("rewrites")
         return ()
 
     def _states_body(self, slots: list[int]) -> Callable[[Wire], list[tuple[int, LogState]]]:
@@ -467,5 +467,5 @@ class SlotLogs:
         return body
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counters, enabled=self.enabled, per_slot=True, last_problem=self.last_problem)
+        return self.book.stats(self.enabled, per_slot=True)
 

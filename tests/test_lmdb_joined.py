@@ -133,10 +133,40 @@ def test_stamps_make_joined_records_whole_and_a_save_joins_them_again(tmp_path: 
         assert {r.stored_bytes for r in listed.values()} == {backend._pages(HEADER_SIZE + FMT.block_bytes)}  # type: ignore[attr-defined]
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True] * 3 and all(torch.equal(o, d) for o, d in zip(out, data))
-        backend.write_blocks(keys[:1], data[:1])  # saved again: joined, its entry dropped
     finally:
         _close(backend)
-    assert _raw(tmp_path / "s")[keys[0]][1] is None and _entries(tmp_path / "s") == 1
+
+
+def test_a_whole_entry_left_by_a_joined_save_gives_the_stamp_and_the_value_the_size(tmp_path: Path) -> None:
+    """With no split entry in the store, a joined save puts one value and deletes nothing: a
+    stamped record saved again keeps its 16-byte entry, which still gives its stamp, while its
+    size (and its bytes) come from the new value, here compressed (shorter than a block, so its
+    entry is looked up on a read)."""
+    keys = [make_key(i) for i in range(2)]
+    data = [random_block(FMT.block_bytes, 70), torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
+    backend = _open(tmp_path / "s")
+    backend.write_blocks(keys, [data[0], random_block(FMT.block_bytes, 71)])
+    backend.touch_stamps([(keys[0], 111.0), (keys[1], 222.0)])
+    _close(backend)
+    zstd = _open(tmp_path / "s", codec={"name": "zstd", "level": 1})
+    assert not zstd._splits  # type: ignore[attr-defined]
+    sizes = zstd.write_blocks(keys[1:], data[1:])
+    _close(zstd)
+    raw = _raw(tmp_path / "s")
+    assert raw[keys[1]][1] is not None and len(raw[keys[1]][0]) < FMT.block_bytes  # the old entry, the new value
+    for straight in (True, False):
+        lmdb_one.STRAIGHT_READS, was = straight, lmdb_one.STRAIGHT_READS
+        backend = _open(tmp_path / "s")
+        try:
+            listed = {r.key: r for r in backend.scan()}
+            assert listed[keys[1]].stamp == 222.0 and listed[keys[1]].stored_bytes == sizes[0] < listed[keys[0]].stored_bytes
+            assert listed[keys[0]].stamp == 111.0
+            out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+            assert backend.read_blocks(keys, out) == [True, True] and all(torch.equal(o, d) for o, d in zip(out, data))
+            assert backend.stats()["corrupt_records"] == 0
+        finally:
+            lmdb_one.STRAIGHT_READS = was
+            _close(backend)
 
 
 def test_the_open_lists_joined_records_as_a_cursor_read_lists_them(tmp_path: Path) -> None:
@@ -289,3 +319,29 @@ def test_fast_reads_of_random_jobs_over_every_layout_match_the_general_read(tmp_
     print(f"fast {results['fast'][1]}; general {results['general'][1]}")
     assert results["fast"] == results["general"]
     assert results["fast"][1]["corrupt_records"] >= 1 and results["fast"][1]["blocks_read"] > 0
+
+
+def test_a_store_holding_a_split_entry_makes_joined_saves_delete_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a joined save deletes the key's entry follows what the store may hold: nothing
+    split (a fresh store, or stamped joined records alone), no delete; a split entry found by the
+    open's listing, by a cursor read of the index, or written by a split save, deletes."""
+    backend = _open(tmp_path / "s")
+    try:
+        assert not backend._splits  # type: ignore[attr-defined]
+        backend.write_blocks([make_key(1)], [random_block(FMT.block_bytes, 1)])
+        backend.touch_stamps([(make_key(1), 5.0)])
+        assert not backend._splits  # type: ignore[attr-defined]
+        monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 0)
+        backend.write_blocks([make_key(2)], [random_block(FMT.block_bytes, 2)])
+        assert backend._splits  # type: ignore[attr-defined]
+        backend._splits = False  # type: ignore[attr-defined]
+        backend._read_index(backend._env)  # type: ignore[attr-defined]
+        assert backend._splits  # type: ignore[attr-defined]
+    finally:
+        _close(backend)
+    monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 64 << 10)
+    backend = _open(tmp_path / "s")
+    try:
+        assert backend._splits  # type: ignore[attr-defined]
+    finally:
+        _close(backend)

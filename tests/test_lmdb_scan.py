@@ -107,7 +107,7 @@ def test_damaged_pages_are_refused_by_both_walks_alike(tmp_path: Path, block_byt
 def test_the_open_lists_the_records_a_cursor_read_lists(tmp_path: Path) -> None:
     keys = _store(tmp_path / "env", 500, 1024, deleted=3)
     path = str(tmp_path / "env")
-    columns, _ = open_listing(path, ENTRY_SIZES)
+    columns, _, _ = open_listing(path, ENTRY_SIZES)
     assert isinstance(columns, RecordColumns) and columns.oldest_first
     fmt = BlockFormat(block_bytes=1024, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=path, sync_mode="fast")
@@ -190,6 +190,6 @@ def test_keys_with_zero_bytes_are_listed_whole(tmp_path: Path) -> None:
     keys = [bytes([i + 1]) + bytes(31) for i in range(20)] + [bytes(31) + bytes([i + 1]) for i in range(20)] + [bytes(32)]
     assert None not in backend.write_blocks(keys, [random_block(1024, i) for i in range(len(keys))])
     asyncio.run(backend.aclose())
-    columns, _ = open_listing(path, ENTRY_SIZES)
+    columns, _, _ = open_listing(path, ENTRY_SIZES)
     assert columns is not None and sorted(columns.keys) == sorted(keys)
     assert all(type(k) is bytes and len(k) == 32 for k in columns.keys)

@@ -334,3 +334,27 @@ def test_a_sweep_while_the_server_is_down_tries_no_connection(
     finally:
         monkeypatch.undo()
         close_tier(backend)
+
+
+def test_both_kinds_of_key_log_keep_one_book() -> None:
+    """The server's key log and a cluster's slot logs keep their counters and check their entries
+    in one collaborator: the same counters, and an entry neither stored nor deleted found by the
+    same column check wherever it sits."""
+    from kvtier.backends.redis_keylog import DELETED, STORED, KeyLog, LogBook
+    from kvtier.backends.redis_slotlogs import SlotLogs
+
+    class Host:
+        cluster, follower, _foreign, _prefix_bytes, _nodes = False, None, False, b"p:", None
+
+    single, sharded = KeyLog(Host(), 32), SlotLogs(Host(), 32)
+    assert isinstance(single.book, LogBook) and isinstance(sharded.book, LogBook)
+    assert set(single.stats()) == set(sharded.stats()) - {"per_slot"}
+    book = LogBook(32, "the key log")
+    good = b"".join(op + bytes([i]) * 32 for i, op in enumerate([STORED, DELETED, STORED]))
+    assert book.foreign(good) is None
+    for at in range(3):
+        bad = bytearray(good)
+        bad[at * 33] = ord("?")
+        assert book.foreign(bad) == "entries of another form in the key log"
+    book.count("sampled_gone", 3)
+    assert book.stats(True)["sampled_gone"] == 3

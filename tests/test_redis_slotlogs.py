@@ -562,3 +562,27 @@ def test_an_open_reads_the_slot_logs_off_the_heap(redis_cluster: RedisClusterSer
         assert all(pool.connection_kwargs["socket_read_size"] <= 1 << 16 for pool in pools)
     finally:
         close_tier(backend)
+
+
+@pytest.mark.parametrize("prefix", [b"kvtier:0123456789abcdef:", b"odd{tag}:0123456789abcdef:", b"open{:"])
+def test_a_put_shares_appends_are_the_general_ones(prefix: bytes) -> None:
+    """The put path's slot grouping (the prefix's CRC once, each key's continued from it) and its
+    ``APPEND`` commands (one format each) are the cluster's own rule (``key_slot`` of the whole
+    name) and the general command's: random keys, keys holding braces that make a hash tag or
+    do not, and prefixes with braces, whose keys all take the general rule."""
+    import random as rnd
+
+    from kvtier.backends.redis_keylog import DELETED, STORED, command, entries_of
+    from kvtier.backends.redis_slotlogs import append_commands, slot_log_name, slots_of
+
+    gen = rnd.Random(5)
+    keys = [gen.randbytes(32) for _ in range(3000)]
+    keys += [gen.randbytes(5) + b"{" + gen.randbytes(7) + b"}" + gen.randbytes(18) for _ in range(200)]
+    keys += [b"{}" + gen.randbytes(30), b"}" * 16 + b"{" * 16, b"{" + bytes(31)]
+    general: dict[int, list[bytes]] = {}
+    for key in keys:
+        general.setdefault(key_slot(prefix + key), []).append(key)
+    assert slots_of(prefix, keys) == general
+    for op in (STORED, DELETED):
+        want = b"".join(command(b"APPEND", slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in general.items())
+        assert append_commands(prefix, keys, op) == (want, len(general))
