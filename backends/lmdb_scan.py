@@ -29,7 +29,7 @@ import numpy as np
 from kvtier.backends.lmdb_files import DamagedEnvironment, read_meta_pages
 from kvtier.backends.lmdb_pages import check_file_trees, check_trees
 
-from kvtier.bulk import RecordColumns
+from kvtier.bulk import RecordColumns, unpooled
 
 __all__ = ["Leaves", "leaf_keys", "list_trees", "listed_records", "open_listing"]
 
@@ -223,7 +223,7 @@ class _Walk:
         keys = None
         if count and np.all(ksize == width):
             if width:
-                keys = _rows(self.data, node + _NODE, width, out=_mapped(count, np.dtype(f"V{width}")))
+                keys = _rows(self.data, node + _NODE, width, out=unpooled(count, np.dtype(f"V{width}")))
                 keys = keys.view(np.uint8).reshape(count, width)
             else:
                 keys = np.zeros((count, 0), np.uint8)
@@ -270,12 +270,12 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
     if blocks is None or blocks.keys is None or not blocks.key_size:
         return None
     count, width, psize = blocks.count, blocks.key_size, blocks.psize
-    # In place, on maps of their own (see _mapped): every temporary array of a record's width
-    # that is freed before the keys are made stays in the heap under them (about 8 B per
-    # record each, bench_scale.py's RSS).
-    stamps = _mapped(count, np.float64)
+    # In place, on maps of their own (kvtier.bulk.unpooled): every temporary array of a
+    # record's width that is freed before the keys are made stays in the heap under them
+    # (about 8 B per record each, bench_scale.py's RSS).
+    stamps = unpooled(count, np.float64)
     stamps.fill(now)
-    stored = _mapped(count, np.int64)
+    stored = unpooled(count, np.int64)
     stored[:] = blocks.values
     stored += _HEADER + psize - 1
     stored //= psize
@@ -315,18 +315,8 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
         return RecordColumns(rows.tolist(), stored, stamps, oldest_first=True)
     order = np.argsort(stamps, kind="stable")
     keys = rows[order].tolist()
-    return RecordColumns(keys, np.take(stored, order, out=_mapped(count, np.int64), mode="clip"),
-                         np.take(stamps, order, out=_mapped(count, np.float64), mode="clip"), oldest_first=True)
-
-
-def _mapped(count: int, dtype: type[np.generic] | np.dtype) -> np.ndarray:
-    """An uninitialised array of ``count`` items on an anonymous map of its own, unmapped when
-    the array goes. The listing's columns outlive the open's thread and are freed by the
-    adopting one: from malloc, once the walk's freed temporaries have raised its mmap
-    threshold, they came from the opening thread's arena, whose top malloc_trim leaves
-    resident (16 B per record of the RSS after an open of 10^5 records, bench_scale.py)."""
-    item = np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(count, 1) * item), dtype=dtype, count=count)
+    return RecordColumns(keys, np.take(stored, order, out=unpooled(count, np.int64), mode="clip"),
+                         np.take(stamps, order, out=unpooled(count, np.float64), mode="clip"), oldest_first=True)
 
 
 def leaf_keys(leaves: dict[bytes, Leaves], name: bytes) -> dict[bytes, bytes] | None:

@@ -20,11 +20,11 @@ import torch
 from kvtier.backends.lmdb_files import DamagedEnvironment, check_data_file
 from kvtier.backends.lmdb_layout import ENTRY_SIZES
 from kvtier.backends.lmdb_pages import check_file_trees
-from kvtier.backends.lmdb_scan import _BATCH, _mapped, _rows, list_trees, open_listing
+from kvtier.backends.lmdb_scan import _BATCH, _rows, list_trees, open_listing
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.bulk import RecordColumns
+from kvtier.bulk import RecordColumns, unpooled
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key, random_block
@@ -205,7 +205,7 @@ def test_a_gather_in_batches_into_a_mapped_column_equals_the_whole_gather() -> N
     for count in (0, 1, _BATCH - 1, _BATCH, 3 * _BATCH + 5):
         at = rng.integers(0, len(data) - 32, count)
         whole = _rows(data, at, 32)
-        column = _rows(data, at, 32, out=_mapped(count, np.dtype("V32")))
+        column = _rows(data, at, 32, out=unpooled(count, np.dtype("V32")))
         assert column.tobytes() == whole.tobytes() and len(column) == count
         assert _on_a_map(column) or not count
 
