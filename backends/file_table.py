@@ -183,18 +183,38 @@ class Table:
         by_age: list[bytes] = [b""] * n  # before the lists that stay: not at the top of the arena once freed
         keys = np.frombuffer(data, dtype="V32", count=n, offset=at).tolist()  # a bytes object each, in C
         known.adopt(keys, self.stored, self.stamps, own=True, in_order=True)  # the order checked by _parse
-        stored, stamps = _unpooled(n, "i8"), _unpooled(n, "f8")
-        for start in range(0, n, _CHUNK):
-            rows = self.order[start : start + _CHUNK].astype(np.intp)
-            np.take(self.stored, rows, out=stored[start : start + _CHUNK])
-            np.take(self.stamps, rows, out=stamps[start : start + _CHUNK])
-            got = itemgetter(*rows.tolist())(keys)
-            by_age[start : start + len(rows)] = got if len(rows) > 1 else (got,)
-        return RecordColumns(by_age, stored, stamps, oldest_first=True)
+        return _gather(by_age, keys, self.stored, self.stamps, self.order)
 
     def close(self) -> None:
         self.stored = self.stamps = self.order = np.empty(0)  # the views of data, before it closes
         _close(self.data)
+
+
+def _gather(by_age: list[bytes], keys: list[bytes], stored: np.ndarray, stamps: np.ndarray, order: np.ndarray) -> RecordColumns:
+    """The records ``keys``, ``stored``, ``stamps`` in the ``order`` of their stamps (oldest
+    first), gathered a chunk at a time into ``by_age`` (a list of their length, allocated by
+    the caller before the lists that stay) and arrays of their own pages (:func:`_unpooled`)."""
+    n = len(keys)
+    stored_by_age, stamps_by_age = _unpooled(n, "i8"), _unpooled(n, "f8")
+    for start in range(0, n, _CHUNK):
+        rows = order[start : start + _CHUNK].astype(np.intp)
+        np.take(stored, rows, out=stored_by_age[start : start + _CHUNK])
+        np.take(stamps, rows, out=stamps_by_age[start : start + _CHUNK])
+        got = itemgetter(*rows.tolist())(keys)
+        by_age[start : start + len(rows)] = got if len(rows) > 1 else (got,)
+    return RecordColumns(by_age, stored_by_age, stamps_by_age, oldest_first=True)
+
+
+def _walked(columns: RecordColumns, known: KnownRecords) -> RecordColumns:
+    """The walk's ``columns`` adopted into ``known`` and returned oldest first (stable by
+    stamp: the order the manager's sort gives), allocated as :meth:`Table.adopt` does: the
+    temporaries before the lists that stay."""
+    n = len(columns)
+    order = _unpooled(n, "i8")
+    order[:] = np.argsort(columns.stamps, kind="stable")
+    by_age: list[bytes] = [b""] * n
+    known.adopt(columns.keys, columns.stored, columns.stamps)
+    return _gather(by_age, columns.keys, columns.stored, columns.stamps, order)
 
 
 def _parse(data: mmap.mmap | bytes) -> Table | None:
@@ -278,9 +298,7 @@ def open_listing(
         finally:
             found.close()
         log.warning("file: the table of records under %s does not name the records there; listing every record", root)
-    columns = walk()
-    known.adopt(columns.keys, columns.stored, columns.stamps)
-    return columns
+    return _walked(walk(), known)
 
 
 def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, layout: Layout, durable: bool, temp: str) -> None:

@@ -20,6 +20,8 @@ from array import array
 from collections.abc import Iterator, Sequence
 from stat import S_ISREG
 
+import numpy as np
+
 from kvtier.errors import ConfigError, DiskError, InvalidKeyError
 from kvtier.records.format import StoreMeta, decode_meta
 
@@ -231,7 +233,7 @@ class FileTree:
     def _record_columns(
         cls, root: str, *, sweep_now: float | None = None, layout: Layout = SHARDED
     ) -> tuple[list[bytes], array[int], array[float]]:
-        """Every record under ``root`` in ``layout`` as columns, in no particular order: keys,
+        """Every record under ``root`` in ``layout`` as columns, in key order: keys,
         file sizes and modification times, by the naming rules of :meth:`_leaf_entries` (the same
         records, a test compares them). Directories are opened from their parent's descriptor
         with ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in their place is skipped) and
@@ -249,9 +251,8 @@ class FileTree:
         columns: tuple[bytearray, array[int], array[float]] = (raw, array("q"), array("d"))
         for fd, prefix in cls._leaf_fds(root, layout):
             cls._list_leaf(fd, prefix, columns, sweep_now)
-        packed = bytes(raw)
-        del raw[:]
-        return [packed[i : i + 32] for i in range(0, len(packed), 32)], columns[1], columns[2]
+        keys = np.frombuffer(raw, dtype="V32").tolist()  # a bytes object each, in C; no copy of the buffer
+        return keys, columns[1], columns[2]
 
     @classmethod
     def _record_key_batches(
@@ -297,7 +298,7 @@ class FileTree:
                 with _DirFd(n1, top.fd) as mid:
                     if mid.fd < 0:
                         continue
-                    for n2 in listdir(mid.fd):
+                    for n2 in sorted(listdir(mid.fd)):
                         if n2 not in _HEX2:
                             continue
                         with _DirFd(n2, mid.fd) as leaf:
@@ -310,7 +311,7 @@ class FileTree:
         first (see :meth:`_record_columns`)."""
         key, size, stamp = columns[0].extend, columns[1].append, columns[2].append
         fromhex, stat_at, isreg, match = bytes.fromhex, os.stat, S_ISREG, _RECORD_NAME
-        for name in os.listdir(fd):
+        for name in sorted(os.listdir(fd)):  # hex names sort as their keys: the walk's keys in key order
             if len(name) == _NAME_LENGTH and name.startswith(prefix) and match(name) is not None:
                 try:
                     st = stat_at(name, dir_fd=fd, follow_symlinks=False)

@@ -14,11 +14,24 @@ may hold a split record's entry (``_splits``: the open found one, or a split sav
 delete of the key's entry. Access stamps (:meth:`LmdbWrites.touch_stamps`) give a joined record
 a 16-byte entry: it is a whole record from then on, and that entry its stamp (its size is its
 value's), also once the record was saved joined again.
+
+A commit that appends from :data:`MAP_AFTER_BYTES` to :data:`MAP_BELOW_BYTES` to ``data.mdb``
+enters those pages into the process's page tables before the write returns
+(:func:`~kvtier.backends.lmdb_files.map_pages`, about 100 µs for 2 MiB here), so the first load
+of its records does not fault them in: python-lmdb touches each page of a value inside ``get``,
+and on pages not mapped yet that took 180 µs per 2 MiB value against 37 once mapped. Measured
+(fresh stores, tier against itself with and without, 6 alternated rounds, load 1.8-4.2): saved
+in jobs of one, 2 MiB records loaded 1.07-1.08x as fast and 256 KiB 1.15x, their saves
+0.94-0.98x; saved in jobs of 16 (4 and 32 MiB a commit), loads gained nothing (their pages
+faulted in cheaply already) and saves lost up to 0.84x: not mapped. A load waits, a save is
+the engine's second phase. Pages a commit reuses (freed by evictions) are not mapped ahead:
+they stay mapped from their last read while the page cache holds them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
@@ -30,6 +43,7 @@ import torch
 from kvtier.backends import lmdb_entries
 from kvtier.backends.group_commit import GroupCommit
 from kvtier.backends.lmdb_entries import INDEX, index_entry, restamp
+from kvtier.backends.lmdb_files import map_pages
 from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
@@ -45,6 +59,10 @@ log = logging.getLogger("kvtier.backends.lmdb_tier")
 
 _EPOCH_KEY = b"kvtier-epoch"
 # Errors confined to one put: the write of that key fails, the job goes on.
+#: A commit that appends at least ``MAP_AFTER_BYTES`` and less than ``MAP_BELOW_BYTES`` to the
+#: data file maps them ahead of its loads (see the module doc).
+MAP_AFTER_BYTES = 256 << 10
+MAP_BELOW_BYTES = 4 << 20
 _PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
 Record = tuple[bytes, bytes, Any]  # key, head, payload
 
@@ -108,13 +126,32 @@ class LmdbWrites(PersistentRecordBackend):
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
+            start = self._data_end()
             try:
-                return self._put_together(env, jobs)
+                sizes = self._put_together(env, jobs)
             except _PUT_FAILED as exc:
                 log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
-                return self._put_each(env, jobs)
+                sizes = self._put_each(env, jobs)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+            self._map_appended(start)
+            return sizes
+
+    def _data_end(self) -> int | None:
+        """Where ``data.mdb`` ends now, where its map is known (``None``: not known)."""
+        reader = self._reader
+        guard = reader.guard if reader is not None and reader.map_base is not None else None
+        try:
+            return None if guard is None else os.lseek(guard.fd, 0, os.SEEK_END)
+        except OSError:
+            return None
+
+    def _map_appended(self, start: int | None) -> None:
+        """Map the pages a commit appended to ``data.mdb`` since ``start`` (see the module doc)."""
+        end = self._data_end()
+        base = self._reader.map_base if self._reader is not None else None
+        if start is not None and end is not None and base is not None and MAP_AFTER_BYTES <= end - start < MAP_BELOW_BYTES:
+            map_pages(base + start, end - start)
 
     def _sync_jobs(self, sizes: list[list[int | None]]) -> None:
         """Durable: one ``env.sync`` after a group's commit, for its meta page (``metasync``

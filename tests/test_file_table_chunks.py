@@ -21,6 +21,7 @@ from kvtier.backends.file_tree import _RECORD_NAME, FileTree, _packed_keys
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
+from kvtier.bulk import RecordColumns
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=4096, dtype="bfloat16", namespace={"model_id": "m"})
@@ -155,3 +156,31 @@ def test_a_batch_of_names_decoded_together_is_the_name_by_name_match() -> None:
     for hexes in cases:
         by_name = b"".join(bytes.fromhex(h) for h in hexes if _RECORD_NAME(h + ".kvb") is not None)
         assert _packed_keys(hexes) == by_name, hexes
+
+
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_the_walk_at_open_hands_its_records_oldest_first_as_the_managers_sort_orders_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    monkeypatch.setattr(file_table, "_CHUNK", 3)
+    root = tmp_path / "store"
+    backend = registry.backends.get("file")(capacity=8 << 20, path=str(root), sync_mode="fast", layout=layout)
+    asyncio.run(backend.open(FMT))
+    keys = [make_key(i) for i in range(N)]
+    backend.write_blocks(keys, [random_block(FMT.block_bytes, i) for i in range(N)])
+    backend.touch_stamps([(k, 5000.0 - 10 * (i % 4)) for i, k in enumerate(keys)])  # equal stamps: kept in key order
+    asyncio.run(backend.aclose())
+    (root / TABLE_NAME).unlink()  # no table: the stat walk
+    reopened = registry.backends.get("file")(capacity=8 << 20, path=str(root), sync_mode="fast")
+    asyncio.run(reopened.open(FMT))
+    try:
+        columns = reopened.scan_columns()  # type: ignore[attr-defined]
+        walked = RecordColumns(*reopened._record_columns(str(root), layout=layout))  # type: ignore[attr-defined]
+        assert walked.keys == sorted(keys)  # the walk lists in key order
+        general = RecordColumns(walked.keys, reopened._stored(np.asarray(walked.stored)), np.asarray(walked.stamps)).sorted()  # type: ignore[attr-defined]
+        assert columns.oldest_first and columns.keys == general.keys
+        assert columns.stored.tolist() == general.stored.tolist() and columns.stamps.tolist() == general.stamps.tolist()
+        assert all(isinstance(getattr(c.base, "obj", c.base), mmap.mmap) for c in (columns.stored, columns.stamps))
+        assert reopened._sizes._listed == sorted(keys)  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(reopened.aclose())

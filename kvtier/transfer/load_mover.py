@@ -55,7 +55,10 @@ class LoadMover:
         start = time.perf_counter()
         promoted: list[bytes] = []
         try:
-            with self.e._on_stream("load"):
+            if self.e._cuda:
+                with self.e._on_stream("load"):
+                    result = self._load(rec, start, promoted)
+            else:  # no stream on the host: no context manager made per job
                 result = self._load(rec, start, promoted)
         except Exception as exc:  # a failed job is reported, never raised into the engine
             log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)
@@ -89,9 +92,8 @@ class LoadMover:
         failed: Failed = {}
         promote = set(plan.promote)
         nbytes = 0
-        staging = self.e._staging_rows("load")
-        chunk = staging.shape[0]
-        waited = False
+        cuda = self.e._cuda  # (on the host, neither a stream to wait on nor one to sync)
+        waited = not cuda
 
         def write(src: torch.Tensor, rows: Sequence[int], dst: list[int]) -> bool:  # src: a pool or the staging, both kept
             """Scatter into engine blocks unless the job was stopped; ``False`` if stopped."""
@@ -108,7 +110,8 @@ class LoadMover:
                 finally:
                     # Done means done (the engine may read these blocks at once), and a failed
                     # scatter's queued chunks are waited for too, before the job is reported.
-                    self.e._sync()
+                    if cuda:
+                        self.e._sync()
             return True
 
         stopped = False
@@ -139,6 +142,8 @@ class LoadMover:
                 if up:
                     self._promote([keys[good[j]] for j in up], [backend.pool[rows[j]] for j in up], failed, promoted)
                 continue
+            staging = self.e._staging_rows("load")  # (a byte tier's: read into host rows first)
+            chunk = staging.shape[0]
             for c in range(0, len(positions), chunk):
                 part = positions[c : c + chunk]
                 out = [staging[j] for j in range(len(part))]

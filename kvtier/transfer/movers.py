@@ -92,7 +92,10 @@ class StoreMover:
     def device_job(self, rec: StoreRecord) -> None:
         """Run ``rec``'s device phase; hand the tier work left to the tiers thread."""
         try:
-            with self.e._on_stream("store"):
+            if self.e._cuda:
+                with self.e._on_stream("store"):
+                    work = self._device_phase(rec)
+            else:  # no stream on the host: no context manager made per job
                 work = self._device_phase(rec)
         except BaseException as exc:  # never reached in practice; the thread must survive
             log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
@@ -140,14 +143,17 @@ class StoreMover:
             if rec.cancelled or rec.result is not None:
                 raise Expired
             rec.phase = Phase.DEVICE
+            cuda = self.e._cuda  # (on the host, neither a stream to wait on nor one to sync)
             try:
-                self.e._wait_compute(rec)
+                if cuda:
+                    self.e._wait_compute(rec)
                 read()
             finally:
                 try:
                     # Also after a failure between two chunks: the chunks already queued
                     # still read engine blocks and write the job's rows, which are freed next.
-                    self.e._sync()
+                    if cuda:
+                        self.e._sync()
                 finally:
                     rec.phase = Phase.TIERS
                     rec.device_done.set()
