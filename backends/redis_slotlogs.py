@@ -18,7 +18,8 @@ slots are spread over all 16384; hence a log per slot:
   ``SET`` replies, in one pipeline on the share's connection); a delete appends its keys as
   deleted after its ``UNLINK`` commands, one ``APPEND`` per slot.
 * **reading** (a store's open), the primaries in turn: one pipeline of ``GET`` of every slot
-  log of the primary (each header checked and each log's entries copied, as its reply is read,
+  log of the primary (parsed by hiredis a receive buffer at a time where it is installed; each
+  header checked and each log's entries copied, as its reply is read,
   into a :class:`~kvtier.backends.redis_wire.Scratch`, a mapping of their own: a buffer of that
   size from ``malloc`` on the open's thread stays resident in that thread's arena after the
   open), then one of ``EXISTS`` of a sample of :data:`SAMPLE` stored keys (one per key:
