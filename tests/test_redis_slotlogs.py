@@ -586,3 +586,32 @@ def test_a_put_shares_appends_are_the_general_ones(prefix: bytes) -> None:
     for op in (STORED, DELETED):
         want = b"".join(command(b"APPEND", slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in general.items())
         assert append_commands(prefix, keys, op) == (want, len(general))
+
+
+def test_an_opens_slot_map_and_gets_are_the_general_ones(redis_cluster: RedisClusterServers) -> None:
+    """The slots given each primary (the client's slot map walked a range of slots at a time) and
+    the open's ``GET`` pipeline (one format a slot) are those of a walk slot by slot and of the
+    general command: every slot once, each on the primary ``CLUSTER NODES`` says serves it."""
+    from kvtier.backends.redis_keylog import command
+
+    backend = _open(b"slotlogs-map", redis_cluster.url)
+    try:
+        logs = _logs(backend)
+        client = backend._get_client()
+        general: dict[str, list[int]] = {}
+        for slot, nodes in client.nodes_manager.slots_cache.items():
+            general.setdefault(nodes[0].name, []).append(slot)
+        seen: list[int] = []
+        for primary in client.get_primaries():
+            node = client.get_redis_connection(primary)
+            slots = logs._slots_of(node)
+            assert slots == sorted(general[primary.name])
+            assert logs._gets(slots) == b"".join(command(b"GET", logs.name(slot)) for slot in slots)
+            seen += slots
+        assert sorted(seen) == list(range(SLOTS))
+        for server in redis_cluster.nodes:
+            owned = _owned(server)
+            node = next(client.get_redis_connection(p) for p in client.get_primaries() if p.port == server.port)
+            assert set(logs._slots_of(node)) == owned
+    finally:
+        close_tier(backend)
