@@ -31,7 +31,10 @@ from __future__ import annotations
 import mmap
 import selectors
 import socket
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from kvtier.records.codec import NoneCodec, codec_for_id
@@ -46,6 +49,11 @@ from kvtier.records.format import (
     payload_hasher,
     verify_payload,
 )
+
+try:
+    import hiredis as _hiredis
+except ImportError:  # pragma: no cover - comes with redis[hiredis]; the general parse then
+    _hiredis = None
 
 __all__ = [
     "PUT_CONNECTIONS",
@@ -266,6 +274,62 @@ class Wire:
         raise ConnectionError(f"expected a bulk reply, got {line[:32]!r}")
 
     def bulk_bodies(self, count: int, head: bytes, skip: int, body: Scratch) -> tuple[list[int], dict[int, str], int]:
+        """:meth:`bulk_bodies_general`'s result, parsed by hiredis where it is installed (its
+        replies taken a buffer at a time and split by calls that loop in C: about a third of the
+        time per reply). Only for the last replies in flight on the connection."""
+        if _hiredis is None:
+            return self.bulk_bodies_general(count, head, skip, body)
+        return self._bulk_bodies_hiredis(count, head, skip, body)
+
+    def _bulk_bodies_hiredis(self, count: int, head: bytes, skip: int, body: Scratch) -> tuple[list[int], dict[int, str], int]:
+        assert _hiredis is not None
+        reader = _hiredis.Reader()
+        if self._end > self._start:  # already read: the reader takes it first
+            reader.feed(self._buf, self._start, self._end - self._start)
+        self._start = self._end = 0
+        lengths: list[int] = []
+        errors: dict[int, str] = {}
+        unmarked = -1
+        cut = itemgetter(slice(skip, None))
+        while len(lengths) < count:
+            values = list(iter(reader.gets, False))
+            if not values:
+                got = self.sock.recv_into(self._view)
+                if not got:
+                    raise ConnectionError("the server closed the connection")
+                reader.feed(self._buf, 0, got)
+                continue
+            first = len(lengths)
+            if first + len(values) > count:
+                raise ConnectionError("more replies than were asked for")
+            if all(map(isinstance, values, repeat(bytes))):
+                lengths += map(len, values)
+                if unmarked < 0 and (min(lengths[first:]) < skip or not all(map(bytes.startswith, values, repeat(head)))):
+                    unmarked = first + next(i for i, v in enumerate(values) if len(v) < skip or not v.startswith(head))
+            else:  # nil or error replies among them
+                for i, value in enumerate(values, first):
+                    if isinstance(value, bytes):
+                        lengths.append(len(value))
+                        bad = len(value) < skip or not value.startswith(head)
+                    else:
+                        lengths.append(-1 if value is None else -2)
+                        if value is not None:
+                            errors[i] = str(value)
+                        bad = True
+                    if bad and unmarked < 0:
+                        unmarked = i
+                values = [v for v in values if isinstance(v, bytes)]
+            rests = list(map(cut, values))
+            size = sum(map(len, rests))
+            out = body.reserve(body.size + size)
+            out.seek(body.size)
+            deque(map(out.write, rests), maxlen=0)
+            body.size += size
+        if reader.has_data():
+            raise ConnectionError("more replies than were asked for")
+        return lengths, errors, unmarked
+
+    def bulk_bodies_general(self, count: int, head: bytes, skip: int, body: Scratch) -> tuple[list[int], dict[int, str], int]:
         """``count`` bulk replies (small values, many of them: a ``GET`` pipeline), each value's
         bytes after its first ``skip`` appended to ``body`` as it is read. ``(lengths, errors,
         unmarked)``: each reply's length in order (``-1`` for nil, ``-2`` for an error reply,

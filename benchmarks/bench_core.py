@@ -27,7 +27,10 @@ timed copy also notes how long the benchmark's thread waited on a run queue mean
 is that wait over the time of each arm, ``quiet_rounds`` counts the rounds where neither the
 tier's copy nor the fastest raw copy waited more than :data:`QUIET_WAIT_SHARE` of its time, and
 ``cpu_*_ratio_quiet`` is the paired ratio over those rounds alone (``None`` without any): on a
-shared host, the figure that measures the code rather than the neighbours. ``--copy-threads N`` sets the store's
+shared host, the figure that measures the code rather than the neighbours. The garbage
+collector's pauses land mostly in the arms that allocate Python objects (the tier's and the
+engine's): ``gc_pause_share`` is their time over each arm's, ``gc_paused_rounds`` the rounds of
+each arm that held one. ``--copy-threads N`` sets the store's
 ``copy_threads``; ``--bandwidth-only`` skips the manager part. ``--job-blocks N`` sets the job
 (default 64 blocks, ``--quick`` 16); ``--inline-max-bytes N`` the store's ``inline_max_bytes``
 (0: every job on the transfer threads; ``inline_jobs`` counts the jobs that ran on the caller's
@@ -106,14 +109,34 @@ def run_queue_wait() -> float:
         return 0.0
 
 
+class GcPauses:
+    """The seconds the garbage collector has paused this process for so far (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+
+GC_PAUSES = GcPauses()
+gc.callbacks.append(GC_PAUSES)
+
+
 class Timed:
-    """Seconds of a timed copy and the run-queue wait of its thread meanwhile."""
+    """Seconds of a timed copy, the run-queue wait of its thread and the garbage collector's
+    pauses meanwhile."""
 
-    __slots__ = ("seconds", "wait")
+    __slots__ = ("gc", "seconds", "wait")
 
-    def __init__(self, seconds: float, wait: float) -> None:
+    def __init__(self, seconds: float, wait: float, gc: float) -> None:
         self.seconds = seconds
         self.wait = wait
+        self.gc = gc
 
 
 class RawCopies:
@@ -162,11 +185,11 @@ class RawCopies:
         self.pool_words, self.pieces = self.regions[self.round % len(self.regions)]
 
     def _timed(self, fn: Callable[[], Any]) -> Timed:
-        w0 = run_queue_wait()
+        w0, g0 = run_queue_wait(), GC_PAUSES.total
         t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
-        return Timed(t1 - t0, run_queue_wait() - w0)
+        return Timed(t1 - t0, run_queue_wait() - w0, GC_PAUSES.total - g0)
 
     def _split(self, one: Callable[[int], None]) -> None:
         """``one(layer)`` for every layer, the layers dealt out in contiguous shares."""
@@ -254,6 +277,7 @@ async def bandwidth(
         cfg["inline_max_bytes"] = inline_max_bytes
     times: dict[str, list[float]] = {}
     waits: dict[str, list[float]] = {}  # per arm and round, the run-queue wait of its copy
+    pauses: dict[str, list[float]] = {}  # per arm and round, the garbage collector's pauses in it
     async with kvtier.open(cfg, kv_caches=caches) as store:
         assert store.layout is not None
         threads = store.layout.copies.threads
@@ -264,38 +288,38 @@ async def bandwidth(
 
         async def tier_round() -> tuple[Timed, Timed]:
             keys = keys_of(next(counter) * job, job)
-            w0 = run_queue_wait()
+            w0, g0 = run_queue_wait(), GC_PAUSES.total
             t0 = time.perf_counter()
             saved = await store.save(keys, raw.src_ids)
             t1 = time.perf_counter()
-            w1 = run_queue_wait()
+            w1, g1 = run_queue_wait(), GC_PAUSES.total
             t2 = time.perf_counter()
             loaded = await store.load(keys, raw.dst_ids)
             t3 = time.perf_counter()
-            w2 = run_queue_wait()
+            w2, g2 = run_queue_wait(), GC_PAUSES.total
             assert saved == job and loaded == job, (saved, loaded)
-            return Timed(t1 - t0, w1 - w0), Timed(t3 - t2, w2 - w1)
+            return Timed(t1 - t0, w1 - w0, g1 - g0), Timed(t3 - t2, w2 - w1, g2 - g1)
 
         def engine_round() -> tuple[Timed, Timed]:  # the transfer engine alone: no asyncio hop, no manager
             keys = keys_of(next(counter) * job, job)
             plan = mgr.prepare_store(keys)
             assert plan is not None
-            w0 = run_queue_wait()
+            w0, g0 = run_queue_wait(), GC_PAUSES.total
             t0 = time.perf_counter()
             (res,) = xfer.wait([xfer.submit_store(plan, raw.src_ids, inline=True)])
             t1 = time.perf_counter()
-            w1 = run_queue_wait()
+            w1, g1 = run_queue_wait(), GC_PAUSES.total
             mgr.complete_store(plan.keys, res.success, sizes=res.sizes)
             load = mgr.prepare_load(keys)
-            w2 = run_queue_wait()
+            w2, g2 = run_queue_wait(), GC_PAUSES.total
             t2 = time.perf_counter()
             (res2,) = xfer.wait([xfer.submit_load(load, raw.dst_ids, inline=True)])
             t3 = time.perf_counter()
-            w3 = run_queue_wait()
+            w3, g3 = run_queue_wait(), GC_PAUSES.total
             mgr.complete_load(keys)
             xfer.poll_finished()
             assert res.success and res2.success
-            return Timed(t1 - t0, w1 - w0), Timed(t3 - t2, w3 - w2)
+            return Timed(t1 - t0, w1 - w0, g1 - g0), Timed(t3 - t2, w3 - w2, g3 - g2)
 
         steps: list[tuple[str, Callable[[], Any]]] = [("tier", tier_round), ("engine", engine_round), *raw.variants().items()]
         for r in range(reps + 1):
@@ -309,11 +333,12 @@ async def bandwidth(
                 for arm, timed in zip((f"{name}_save", f"{name}_load"), got) if isinstance(got, tuple) else ((name, got),):
                     times.setdefault(arm, []).append(timed.seconds)
                     waits.setdefault(arm, []).append(timed.wait)
+                    pauses.setdefault(arm, []).append(timed.gc)
         inline_jobs = xfer.counters["inline_jobs"]
         raw.close()
     gbps = {name: raw.nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
     best = {name: raw.nbytes / min(ts) / 1e9 for name, ts in times.items()}
-    return {"threads": threads, "median": gbps, "best": best, "times": times, "waits": waits, "inline_jobs": inline_jobs}
+    return {"threads": threads, "median": gbps, "best": best, "times": times, "waits": waits, "pauses": pauses, "inline_jobs": inline_jobs}
 
 
 def paired_ratios(times: dict[str, list[float]], side: str, raw: str) -> list[float]:
@@ -553,6 +578,16 @@ def main() -> None:
         "run_queue_wait_share": {
             name: round(sum(bw["waits"][name]) / sum(ts), 4)
             for name, ts in bw["times"].items()
+            if name.startswith(("tier_", "engine_")) or name in (raw_save_name, raw_load_name)
+        },
+        "gc_pause_share": {
+            name: round(sum(bw["pauses"][name]) / sum(ts), 4)
+            for name, ts in bw["times"].items()
+            if name.startswith(("tier_", "engine_")) or name in (raw_save_name, raw_load_name)
+        },
+        "gc_paused_rounds": {
+            name: sum(1 for p in bw["pauses"][name] if p > 0)
+            for name in bw["times"]
             if name.startswith(("tier_", "engine_")) or name in (raw_save_name, raw_load_name)
         },
         "cpu_save_ratio_spread": spread(paired_ratios(bw["times"], "tier_save", raw_save_name)),

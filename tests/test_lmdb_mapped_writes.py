@@ -19,7 +19,7 @@ from kvtier.backend import Backend, BlockFormat
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=1 << 20, dtype="uint8")
-N = 2  # a commit of 2 MiB: mapped ahead (lmdb_writes.MAP_AFTER_BYTES to MAP_BELOW_BYTES)
+N = 2  # a commit of 2 MiB of 1 MiB records: mapped ahead (lmdb_writes.MAP_AFTER_BYTES, MAP_BELOW_BYTES)
 
 
 def _open(path: Path) -> Backend:
@@ -74,7 +74,7 @@ def test_the_pages_a_save_appends_are_mapped_before_it_returns(tmp_path: Path, m
 def test_small_and_large_commits_are_not_mapped_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(lmdb_writes, "map_pages", lambda address, length: calls.append(length) or True)
-    for n, size in ((4, 1 << 20), (8, 16 << 10)):  # 4 MiB and more in one commit; 128 KiB
+    for n, size in ((4, 1 << 20), (64, 16 << 10)):  # 4 MiB and more in one commit; 1 MiB of small records
         fmt = BlockFormat(block_bytes=size, dtype="uint8")
         backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path / str(size)))
         asyncio.run(backend.open(fmt))

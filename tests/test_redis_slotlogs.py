@@ -446,11 +446,12 @@ def test_clearing_a_tenant_logs_its_deletions_in_the_slot_logs(redis_cluster: Re
 
 
 def test_bulk_bodies_read_what_a_reply_at_a_time_reads() -> None:
-    """The wire's bulk read (values taken straight from its buffer when whole there, each one's
-    head checked and the rest kept as it is read) gives the lengths, bodies, errors and first
-    unmarked value that reading the same stream a reply at a time gives: values small and large
-    (over the read buffer and the scratch buffer's first size), shorter than a head, with and
-    without the mark, empty, nil, errors, and values cut by the buffer's edge."""
+    """The wire's bulk reads (in Python, values taken straight from its buffer when whole there;
+    with hiredis, a buffer's replies at a time; each value's head checked and the rest kept as
+    it is read) give the lengths, bodies, errors and first unmarked value that reading the same
+    stream a reply at a time gives: values small and large (over the read buffer and the scratch
+    buffer's first size), shorter than a head, with and without the mark, empty, nil, errors,
+    and values cut by the buffer's edge."""
     import random as rnd
     import socket
     import threading as th
@@ -478,7 +479,7 @@ def test_bulk_bodies_read_what_a_reply_at_a_time_reads() -> None:
                 replies.append(b"$%d\r\n%b\r\n" % (n, value[:n]))
         return b"".join(replies), len(replies)
 
-    def read(stream: bytes, count: int, bulk: bool) -> tuple[bytes, list[int], dict[int, str], int]:
+    def read(stream: bytes, count: int, bulk: bool, fast: bool = False) -> tuple[bytes, list[int], dict[int, str], int]:
         a, b = socket.socketpair()
         feeder = th.Thread(target=lambda: (a.sendall(stream), a.close()))
         feeder.start()
@@ -486,7 +487,8 @@ def test_bulk_bodies_read_what_a_reply_at_a_time_reads() -> None:
         try:
             if bulk:
                 body = Scratch(4096)
-                lengths, errors, unmarked = wire.bulk_bodies(count, head, skip, body)
+                parse = wire.bulk_bodies if fast else wire.bulk_bodies_general
+                lengths, errors, unmarked = parse(count, head, skip, body)
                 with body.view() as view:
                     rest = bytes(view)
                 body.close()
@@ -512,7 +514,7 @@ def test_bulk_bodies_read_what_a_reply_at_a_time_reads() -> None:
     for marked_only in (False, True):
         stream, count = stream_of(marked_only)
         got = read(stream, count, True)
-        assert got == read(stream, count, False)
+        assert got == read(stream, count, False) == read(stream, count, True, fast=True)
         assert (got[3] == -1) == marked_only
 
 
@@ -586,3 +588,32 @@ def test_a_put_shares_appends_are_the_general_ones(prefix: bytes) -> None:
     for op in (STORED, DELETED):
         want = b"".join(command(b"APPEND", slot_log_name(prefix, slot), entries_of(part, op)) for slot, part in general.items())
         assert append_commands(prefix, keys, op) == (want, len(general))
+
+
+def test_an_opens_slot_map_and_gets_are_the_general_ones(redis_cluster: RedisClusterServers) -> None:
+    """The slots given each primary (the client's slot map walked a range of slots at a time) and
+    the open's ``GET`` pipeline (one format a slot) are those of a walk slot by slot and of the
+    general command: every slot once, each on the primary ``CLUSTER NODES`` says serves it."""
+    from kvtier.backends.redis_keylog import command
+
+    backend = _open(b"slotlogs-map", redis_cluster.url)
+    try:
+        logs = _logs(backend)
+        client = backend._get_client()
+        general: dict[str, list[int]] = {}
+        for slot, nodes in client.nodes_manager.slots_cache.items():
+            general.setdefault(nodes[0].name, []).append(slot)
+        seen: list[int] = []
+        for primary in client.get_primaries():
+            node = client.get_redis_connection(primary)
+            slots = logs._slots_of(node)
+            assert slots == sorted(general[primary.name])
+            assert logs._gets(slots) == b"".join(command(b"GET", logs.name(slot)) for slot in slots)
+            seen += slots
+        assert sorted(seen) == list(range(SLOTS))
+        for server in redis_cluster.nodes:
+            owned = _owned(server)
+            node = next(client.get_redis_connection(p) for p in client.get_primaries() if p.port == server.port)
+            assert set(logs._slots_of(node)) == owned
+    finally:
+        close_tier(backend)
