@@ -447,16 +447,25 @@ def plot(result: dict[str, Any], path: str) -> bool:
     return True
 
 
-def _sizes(text: str) -> list[int]:
-    return [int(float(s)) for s in text.split(",") if s.strip()]
+def _sizes(text: str, option: str) -> list[int]:
+    """The record counts ``--sizes`` or ``--index-sizes`` names (``none``: no point)."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        sizes = [int(float(s)) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: {text!r} is not a list of record counts (such as 10000,1e5; or none)") from None
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"{option}: record counts are at least 1, got {text!r} (for no point of this kind: none)")
+    return sizes
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="10^3 and 10^4 records (index: up to 10^5)")
     ap.add_argument("--dir", default=None, help="where the lmdb and file tiers are filled (default: a temporary folder)")
-    ap.add_argument("--sizes", default=None, help="record counts per tier (default 10^4,10^5,10^6)")
-    ap.add_argument("--index-sizes", default=None, help="record counts for the index alone (default 10^4 .. 10^7)")
+    ap.add_argument("--sizes", default=None, help="record counts per tier (default 10^4,10^5,10^6; none: no tier point)")
+    ap.add_argument("--index-sizes", default=None, help="record counts for the index alone (default 10^4 .. 10^7; none: skip it)")
     ap.add_argument("--tiers", default=",".join(TIERS), help="tiers to fill: lmdb,file,redis,redis-cluster")
     ap.add_argument("--png", default=None, help="also draw the curves into this PNG (needs matplotlib)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one point may take")
@@ -469,9 +478,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.measure_index:
         print(json.dumps(_measure_index(args.measure_index)))
         return {}
-    sizes = _sizes(args.sizes) if args.sizes else ([1000, 10_000] if args.quick else [10_000, 100_000, 1_000_000])
-    index_sizes = _sizes(args.index_sizes) if args.index_sizes else (
-        [1000, 10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000, 10_000_000])
+    try:
+        sizes = _sizes(args.sizes, "--sizes") if args.sizes else ([1000, 10_000] if args.quick else [10_000, 100_000, 1_000_000])
+        index_sizes = _sizes(args.index_sizes, "--index-sizes") if args.index_sizes else (
+            [1000, 10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000, 10_000_000])
+    except ValueError as exc:
+        ap.error(str(exc))
     tiers = [t for t in args.tiers.split(",") if t]
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:

@@ -49,3 +49,21 @@ def test_the_quick_scale_benchmark_reports_every_tier_and_size(tmp_path: Path) -
     assert "records" in proc.stderr and "lmdb" in proc.stderr  # the table
     assert result.get("png") != str(png) or png.stat().st_size > 0
     assert not list(tmp_path.glob("kvtier-scale-*")), "the filled tiers are removed afterwards"
+
+
+def test_record_counts_below_one_are_refused_and_none_skips_the_points(tmp_path: Path) -> None:
+    """``--index-sizes 0`` once ran a point of no records that never ended; a count below 1 is
+    now an error naming the option, and ``none`` measures no point of that kind."""
+    for option, value in (("--index-sizes", "0"), ("--sizes", "1000,-5"), ("--sizes", "ten")):
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/bench_scale.py", option, value, "--tiers", "", "--dir", str(tmp_path)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 2 and f"{option}: " in proc.stderr and value in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_scale.py", "--index-sizes", "none", "--sizes", "none", "--tiers", "lmdb", "--dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["tiers"]["index"] == [] and result["tiers"].get("lmdb", []) == []
