@@ -39,6 +39,7 @@ from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_tree import FileTree, Layout
 
 from kvtier.bulk import RecordColumns
+from kvtier.bulk import unpooled as _unpooled
 
 __all__ = ["TABLE_NAME", "Table", "key_sums", "listed_sums", "open_listing", "save_table", "take_table", "write_table"]
 
@@ -145,16 +146,6 @@ def _close(data: mmap.mmap | bytes | None) -> None:
 
 
 _CHUNK = 8192  # records per step of the checks and copies below (their temporaries stay small)
-
-
-def _unpooled(n: int, dtype: str) -> np.ndarray:
-    """An array of ``n`` ``dtype`` in pages of its own (an anonymous mapping), handed back to the
-    system when the array is dropped, whatever the allocator's thresholds are by then. The
-    table's short-lived columns go there: allocated by the open's thread and freed by another
-    once the manager has adopted them, from the allocator they stayed resident at the top of
-    that thread's arena (about 25 B a key, see ``docs/tiers.md``)."""
-    size = n * np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, size), dtype=dtype) if size else np.empty(0, dtype=dtype)
 
 
 class Table:

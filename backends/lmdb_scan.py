@@ -29,7 +29,7 @@ import numpy as np
 from kvtier.backends.lmdb_files import DamagedEnvironment, read_meta_pages
 from kvtier.backends.lmdb_pages import check_file_trees, check_trees
 
-from kvtier.bulk import RecordColumns
+from kvtier.bulk import RecordColumns, unpooled
 
 __all__ = ["Leaves", "leaf_keys", "list_trees", "listed_records", "open_listing"]
 
@@ -48,6 +48,8 @@ _PAGE_HEAD = np.dtype([("pgno", "<u8"), ("pad", "<u2"), ("flags", "<u2"), ("lowe
 _NODE_HEAD = np.dtype([("lo", "<u2"), ("hi", "<u2"), ("flags", "<u2"), ("ksize", "<u2")])
 _ENTRY_HEAD = np.dtype([("stamp", "<f8"), ("stored", "<u8")])
 _U16, _U64 = np.dtype("<u2"), np.dtype("<u8")
+#: Rows gathered at a time into a column built at its final size (below malloc's mmap threshold).
+_BATCH = 2048
 #: Node pointers read with their page's header, in the same gather (a page touched once for
 #: both); the pointers of a page's further nodes are read on their own.
 _NEAR = 8
@@ -103,7 +105,7 @@ def list_trees(path: str, names: tuple[bytes, ...] = (b"blocks", b"index")) -> t
     return walk.leaves, data
 
 
-def _rows(data: np.ndarray, at: np.ndarray, dtype: np.dtype | int) -> np.ndarray:
+def _rows(data: np.ndarray, at: np.ndarray, dtype: np.dtype | int, out: np.ndarray | None = None) -> np.ndarray:
     """The ``dtype`` items (or ``width``-byte rows, as ``V<width>``) at byte offsets ``at`` of
     ``data``: one gather of whole rows over an overlapping view, not one per byte. An offset
     whose row would end past ``data`` raises ``IndexError``, as a gather of each byte would."""
@@ -114,7 +116,12 @@ def _rows(data: np.ndarray, at: np.ndarray, dtype: np.dtype | int) -> np.ndarray
     # Gathered as opaque rows (a plain copy per row; a structured or numeric item gathers
     # slower), then read as ``dtype``.
     view: np.ndarray = np.ndarray(shape=(count,), dtype=f"V{width}", buffer=data, strides=(1,))
-    rows = view[at]
+    if out is None:
+        rows = view[at]
+    else:  # gathered in batches into ``out``: no temporary of the whole column
+        for start in range(0, len(at), _BATCH):
+            out[start : start + _BATCH] = view[at[start : start + _BATCH]]
+        rows = out
     return rows if isinstance(dtype, int) else rows.view(dtype)
 
 
@@ -216,7 +223,8 @@ class _Walk:
         keys = None
         if count and np.all(ksize == width):
             if width:
-                keys = _rows(self.data, node + _NODE, width).view(np.uint8).reshape(count, width)
+                keys = _rows(self.data, node + _NODE, width, out=unpooled(count, np.dtype(f"V{width}")))
+                keys = keys.view(np.uint8).reshape(count, width)
             else:
                 keys = np.zeros((count, 0), np.uint8)
         at = np.where(flags & _F_BIGDATA, -1, base + body)
@@ -262,10 +270,13 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
     if blocks is None or blocks.keys is None or not blocks.key_size:
         return None
     count, width, psize = blocks.count, blocks.key_size, blocks.psize
-    # In place: every temporary array of a record's width that is freed before the keys are
-    # made stays in the heap under them (about 8 B per record each, bench_scale.py's RSS).
-    stamps = np.full(count, now, dtype=np.float64)
-    stored = blocks.values.astype(np.int64)
+    # In place, on maps of their own (kvtier.bulk.unpooled): every temporary array of a
+    # record's width that is freed before the keys are made stays in the heap under them
+    # (about 8 B per record each, bench_scale.py's RSS).
+    stamps = unpooled(count, np.float64)
+    stamps.fill(now)
+    stored = unpooled(count, np.int64)
+    stored[:] = blocks.values
     stored += _HEADER + psize - 1
     stored //= psize
     stored *= psize  # each value's pages, as a save counts them
@@ -304,7 +315,8 @@ def listed_records(leaves: dict[bytes, Leaves], data: np.ndarray, entry_sizes: t
         return RecordColumns(rows.tolist(), stored, stamps, oldest_first=True)
     order = np.argsort(stamps, kind="stable")
     keys = rows[order].tolist()
-    return RecordColumns(keys, stored[order], stamps[order], oldest_first=True)
+    return RecordColumns(keys, np.take(stored, order, out=unpooled(count, np.int64), mode="clip"),
+                         np.take(stamps, order, out=unpooled(count, np.float64), mode="clip"), oldest_first=True)
 
 
 def leaf_keys(leaves: dict[bytes, Leaves], name: bytes) -> dict[bytes, bytes] | None:

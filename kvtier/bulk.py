@@ -14,6 +14,7 @@ disables the collector, the last to leave re-enables it, and only if it was enab
 from __future__ import annotations
 
 import gc
+import mmap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["READY", "RecordColumns", "paused_gc"]
+__all__ = ["READY", "RecordColumns", "paused_gc", "unpooled"]
 
 #: The mark of a ready key in the manager's index (``kvtier.manager.tiers``), and so the value of
 #: every key in a :class:`RecordColumns` ``table``.
@@ -88,3 +89,14 @@ class RecordColumns:
         keys = self.keys
         # The table's order is the listing's: dropped, the adopter builds its own.
         return RecordColumns([keys[i] for i in order.tolist()], self.stored[order], self.stamps[order], oldest_first=True)
+
+
+def unpooled(n: int, dtype: str | np.dtype) -> np.ndarray:
+    """An uninitialised array of ``n`` ``dtype`` in pages of its own (an anonymous mapping),
+    handed back to the system when the array is dropped, whatever the allocator's thresholds
+    are by then. For the columns a tier's open lists: allocated by the open's thread and freed
+    by another once the manager has adopted them, from malloc (whose mmap threshold the open's
+    freed temporaries have raised) they stayed resident at the top of that thread's arena
+    (about 25 B a key at 10^5, see ``docs/tiers.md``)."""
+    size = n * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, size), dtype=dtype) if size else np.empty(0, dtype=dtype)

@@ -9,20 +9,22 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from kvtier.backends.lmdb_files import DamagedEnvironment, check_data_file
 from kvtier.backends.lmdb_layout import ENTRY_SIZES
 from kvtier.backends.lmdb_pages import check_file_trees
-from kvtier.backends.lmdb_scan import list_trees, open_listing
+from kvtier.backends.lmdb_scan import _BATCH, _rows, list_trees, open_listing
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
-from kvtier.bulk import RecordColumns
+from kvtier.bulk import RecordColumns, unpooled
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key, random_block
@@ -193,3 +195,41 @@ def test_keys_with_zero_bytes_are_listed_whole(tmp_path: Path) -> None:
     columns, _, _ = open_listing(path, ENTRY_SIZES)
     assert columns is not None and sorted(columns.keys) == sorted(keys)
     assert all(type(k) is bytes and len(k) == 32 for k in columns.keys)
+
+
+def test_a_gather_in_batches_into_a_mapped_column_equals_the_whole_gather() -> None:
+    """The keys' column is gathered a batch at a time into an array on a map of its own: the
+    same rows as one gather, for counts below, at and past a batch."""
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    for count in (0, 1, _BATCH - 1, _BATCH, 3 * _BATCH + 5):
+        at = rng.integers(0, len(data) - 32, count)
+        whole = _rows(data, at, 32)
+        column = _rows(data, at, 32, out=unpooled(count, np.dtype("V32")))
+        assert column.tobytes() == whole.tobytes() and len(column) == count
+        assert _on_a_map(column) or not count
+
+
+def test_the_listed_columns_are_on_maps_of_their_own(tmp_path: Path) -> None:
+    """The columns the open hands the manager (sizes, stamps) and the blocks' keys the walk
+    gathers live on anonymous maps, not in the opening thread's malloc arena (whose top a trim
+    leaves resident once the columns are freed by the adopting thread)."""
+    _store(tmp_path / "env", 3 * _BATCH + 1, 1024)
+    path = str(tmp_path / "env")
+    walked = list_trees(path)
+    assert walked is not None
+    keys = walked[0][b"blocks"].keys
+    assert keys is not None and _on_a_map(keys)
+    del walked, keys
+    columns, _, _ = open_listing(path, ENTRY_SIZES)
+    assert isinstance(columns, RecordColumns) and len(columns) == 3 * _BATCH + 1
+    assert _on_a_map(columns.stored) and _on_a_map(columns.stamps)
+    assert not _on_a_map(np.zeros(len(columns)))  # (the check tells malloc's memory apart)
+
+
+def _on_a_map(array: np.ndarray) -> bool:
+    """Whether ``array``'s memory is an anonymous map of its own (``mmap``), through views."""
+    base: object = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base.obj if isinstance(base, memoryview) else base, mmap.mmap)
