@@ -6,8 +6,9 @@ distrusts it and lists the server with ``SCAN``)."""
 from __future__ import annotations
 
 import pytest
+from redis_logs import close_tier, general_keys, open_tier, reopen_tier, write_keys
 from redis_servers import RedisServer
-from test_redis_keylog import _close, _general, _log, _open, _opened, _write
+from test_redis_keylog import _log
 
 from kvtier.errors import InvalidKeyError
 from kvtier.testing import make_key
@@ -16,21 +17,21 @@ from kvtier.testing import make_key
 @pytest.mark.parametrize("case", ["short", "long", "hex", "str"])
 def test_a_delete_of_a_malformed_key_is_refused_by_name_and_changes_nothing(redis_server: RedisServer, case: str) -> None:
     namespace = b"bad-delete-" + case.encode()
-    writer = _open(namespace, redis_server.url)
+    writer = open_tier(namespace, redis_server.url)
     try:
         keys = [make_key(i) for i in range(20)]
-        _write(writer, keys)
+        write_keys(writer, keys)
         log_before = _log(writer)
         bad = {"short": keys[1][:31], "long": keys[1] + b"x", "hex": keys[1].hex().encode(), "str": keys[1].hex()}[case]
         with pytest.raises(InvalidKeyError, match=r"keys\[1\]"):
             writer.delete_blocks([keys[0], bad])
         assert _log(writer) == log_before  # nothing appended to the log
-        assert _general(writer) == set(keys)  # nothing deleted, the well-formed key either
-        reader, opened, counters = _opened(namespace, redis_server.url)
+        assert general_keys(writer) == set(keys)  # nothing deleted, the well-formed key either
+        reader, opened, counters = reopen_tier(namespace, redis_server.url)
         try:
             assert sorted(opened) == sorted(keys)
             assert counters["opens"] == 1 and counters["fallbacks"] == 0  # the log is still read
         finally:
-            _close(reader)
+            close_tier(reader)
     finally:
-        _close(writer)
+        close_tier(writer)
