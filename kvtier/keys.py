@@ -26,6 +26,7 @@ __all__ = [
     "block_keys",
     "fold_block_hashes",
     "check_keys",
+    "exact_bytes",
 ]
 
 KEY_BYTES = 32
@@ -166,6 +167,19 @@ class Namespace:
 
 #: the types and lengths of valid keys (:func:`check_keys`)
 _KEY_TRAITS = frozenset((bytes, KEY_BYTES))
+
+
+_BYTES_ONLY = frozenset((bytes,))
+
+
+def exact_bytes(keys: Sequence[bytes]) -> bool:
+    """Whether every key is exactly ``bytes``. Finding a key proves its value, not its type: an
+    object of another type (a ``bytes`` subclass, one with its own ``__eq__`` and ``__hash__``)
+    can compare equal to a stored key, and a call that keeps the keys it is given (pins, a
+    policy's order, stamps) must never keep such an object in place of the key."""
+    if len(keys) == 1 and type(keys) in (list, tuple):  # a job of one block
+        return type(keys[0]) is bytes
+    return _BYTES_ONLY.issuperset(map(type, keys))
 
 
 def check_keys(keys: Sequence[bytes], *, what: str = "keys") -> None:

@@ -18,10 +18,9 @@ from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Se
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
+from kvtier.keys import exact_bytes
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy"]
-
-_BYTES_ONLY = frozenset((bytes,))
 
 
 class EvictionPolicy(ABC):
@@ -58,7 +57,7 @@ class EvictionPolicy(ABC):
         orders exactly the tier's ready keys, each checked when it was stored. Keys must be
         exactly ``bytes`` here: ``touch_many`` may keep the objects it is given, and an object
         found equal to a stored key is not one (:class:`LRUPolicy` keeps none, and skips this)."""
-        if _BYTES_ONLY.issuperset(map(type, keys)) and all(map(self.__contains__, keys)):
+        if exact_bytes(keys) and all(map(self.__contains__, keys)):
             self.touch_many(keys)
             return True
         return False

@@ -58,7 +58,7 @@ from enum import Enum
 from typing import Any, Literal
 
 from kvtier.errors import LifecycleError
-from kvtier.keys import KEY_BYTES, check_keys
+from kvtier.keys import KEY_BYTES, check_keys, exact_bytes
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
 from kvtier.manager.lookups import closed_error as _closed
@@ -103,17 +103,6 @@ class KeyStatus:
 
 _MISS = KeyStatus(KeyState.MISS)
 _NOTHING: frozenset[bytes] = frozenset()
-_BYTES_ONLY = frozenset((bytes,))
-
-
-def _exact(keys: Sequence[bytes]) -> bool:
-    """Whether every key is exactly ``bytes``. Finding a key proves its value, not its type: an
-    object of another type (a ``bytes`` subclass, one with its own ``__eq__`` and ``__hash__``)
-    can compare equal to a stored key, and a call that keeps the keys it is given (pins, the
-    policy's order, stamps) must never keep such an object in place of the key."""
-    if len(keys) == 1 and type(keys) in (list, tuple):  # a job of one block
-        return type(keys[0]) is bytes
-    return _BYTES_ONLY.issuperset(map(type, keys))
 
 
 def _check(keys: Sequence[bytes]) -> None:
@@ -411,7 +400,7 @@ class TierManager:
                 found = list(map(self._ready_tier, keys))
         except TypeError:  # unhashable: not a key
             found = [None]
-        if None in found or not found or not _exact(keys):
+        if None in found or not found or not exact_bytes(keys):
             _check(keys)
         if None in found:
             i = found.index(None)
@@ -471,7 +460,7 @@ class TierManager:
                     every = every or len(mine) == n
             except TypeError:  # an unhashable key: check_keys names it
                 found = []
-            if not every or not _exact(keys):
+            if not every or not exact_bytes(keys):
                 _check(keys)
             for t, mine in zip(self._tiers, found):
                 if mine:
