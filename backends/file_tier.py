@@ -433,13 +433,11 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
             return None
 
     def _refuse(self, key: bytes, handle: tuple[int, str, int], exc: Exception) -> int:
-        """Log a record that could not be served and drop it if it is bad (one this build cannot
-        read stays); 1 if it was corrupt."""
+        """Log a record that could not be served and drop it if it is bad; 1 if it was corrupt."""
         path = self._path(key)
         dir_fd, name, fd = handle
         if isinstance(exc, UnsupportedRecordError):
-            # Another format, codec or secret: a miss here, kept for a reader that has it (an
-            # unkeyed tier on a store keyed before meta records named the MAC would else empty it).
+            # Another format, codec or secret: a miss, kept for a reader that has it (lmdb_layout).
             log.warning("file: %s cannot be read by this build (%s); a miss, kept", path, exc)
             return 0
         if isinstance(exc, CorruptBlockError):
