@@ -465,11 +465,13 @@ class JobReader:
 
     def _refuse(self, outcome: ReadOutcome, key: bytes, exc: CorruptBlockError) -> None:
         if isinstance(exc, UnsupportedRecordError):
-            log.warning("lmdb: record %s… cannot be read by this build (%s); dropping it", key.hex()[:16], exc)
-        else:
-            log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
-            outcome.corrupt += 1
-            outcome.auth += isinstance(exc, RecordAuthError)
+            # Another format, codec or secret: a miss here, kept for a reader that has it (an
+            # unkeyed tier on a store keyed before meta records named the MAC would else empty it).
+            log.warning("lmdb: record %s… cannot be read by this build (%s); a miss, kept", key.hex()[:16], exc)
+            return
+        log.warning("lmdb: corrupt record %s… in %s (%s); deleting it", key.hex()[:16], self.path, exc)
+        outcome.corrupt += 1
+        outcome.auth += isinstance(exc, RecordAuthError)
         outcome.bad[key] = str(exc)
 
     def _lookup(self, env: lmdb.Environment, keys: Sequence[bytes], outcome: ReadOutcome) -> tuple[lmdb.Transaction, list[Any]]:
