@@ -35,6 +35,7 @@ from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import check_meta, decode_meta, encode_meta
 from kvtier.records.mac import RecordMac
+from kvtier.records.meta import NewerMetaError
 
 __all__ = ["ShardDirs", "asked_layout", "establish_meta"]
 
@@ -52,8 +53,11 @@ def establish_meta(
     """Check the meta record of the store at ``root`` against ``fmt`` (``ConfigError`` if it
     names another namespace), or write it when there is none; returns the store's layout. A new
     store gets ``layout``, or ``new_layout`` when that is ``None``; an existing one keeps its
-    own, and a ``layout`` that differs from it is a ``ConfigError`` naming the field. An
-    unreadable meta record (bad checksum, truncated, an unknown meta version) is moved aside
+    own, and a ``layout`` that differs from it is a ``ConfigError`` naming the field. A meta
+    record of a newer version (sound: its body's CRC holds) is a newer kvtier's store, refused
+    with a ``ConfigError`` and left as it is: moved aside, its records, of a format this build
+    may not read, would be dropped one by one as they were read. An
+    unreadable meta record (bad checksum, truncated, another meta version) is moved aside
     with a warning and rewritten: one flipped bit from ours is damage like any other, never a
     refusal to start (records are checked one by one when read). A meta record written where
     records already lie (the old one was damaged or removed) names the layout they are in
@@ -87,6 +91,8 @@ def establish_meta(
                 os.unlink(tmp)
         try:
             meta = decode_meta(data)
+        except NewerMetaError as exc:
+            raise exc.refusal(f"file {root!r}") from None
         except (CorruptBlockError, UnsupportedRecordError) as exc:
             moved = f"{meta_path}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
             os.replace(meta_path, moved)

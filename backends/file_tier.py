@@ -437,8 +437,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         path = self._path(key)
         dir_fd, name, fd = handle
         if isinstance(exc, UnsupportedRecordError):
-            log.warning("file: %s cannot be read by this build (%s); dropping it", path, exc)
-            self._drop(key, dir_fd, name, fd)
+            # Another format, codec or secret: a miss, kept for a reader that has it (lmdb_layout).
+            log.warning("file: %s cannot be read by this build (%s); a miss, kept", path, exc)
             return 0
         if isinstance(exc, CorruptBlockError):
             log.warning("file: corrupt record %s (%s); deleting it", path, exc)

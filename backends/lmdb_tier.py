@@ -50,11 +50,14 @@ Contract and choices:
   file, a bad page, an unreadable meta record) moves the environment to
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   a fresh one, into which the records that still pass their check are salvaged
-  (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A job is not read from a file cut
-  short under the open store (:mod:`kvtier.backends.lmdb_plain`), and any LMDB error on one key is a miss for that key.
+  (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A meta record of a newer version is
+  no damage: a newer kvtier's store, refused at open (``ConfigError``) and left as it is. A job
+  is not read from a file cut short under the open store (:mod:`kvtier.backends.lmdb_plain`),
+  and any LMDB error on one key is a miss for that key.
   Only a failed check deletes: a bad record, or a lookup that met a damaged page
   (``CorruptedError``, ``PageNotFoundError``); any other error (``MapResizedError``, reader-slot
-  errors) keeps the record for the next read.
+  errors) keeps the record for the next read. A record this build cannot read (another record
+  format, a codec not installed, keyed where the tier has no secret) is a miss and stays.
 * One process per environment: ``open()`` takes an exclusive ``flock`` on ``kvtier.lock`` and a
   second opener (another process, or another instance in this one) gets a ``BackendError``
   naming the holder's pid. A full filesystem is a ``DiskError`` at open, never a SIGBUS
@@ -108,6 +111,7 @@ from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, check_meta, decode_meta, encode_meta
+from kvtier.records.meta import NewerMetaError
 from kvtier.units import format_size
 
 __all__ = ["LmdbBackend"]
@@ -253,6 +257,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
                 else:
                     try:
                         meta = decode_meta(stored)
+                    except NewerMetaError as exc:  # a newer kvtier's store: never moved aside
+                        raise exc.refusal(f"lmdb {self.path!r}") from None
                     except UnsupportedRecordError as exc:
                         raise DamagedEnvironment(f"meta record: {exc}") from exc
                     check_meta(meta, fmt, where=f"lmdb {self.path!r}", mac=self.mac)

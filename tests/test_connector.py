@@ -7,7 +7,7 @@ tiers, real transfer threads) and checks both the connector's bookkeeping and th
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -442,16 +442,20 @@ def sync_rig() -> Iterator[Rig]:
     r.close()
 
 
-def _slow_gather(rig: Rig, seconds: float) -> None:
-    """Hold every store's read of the engine blocks back by ``seconds``."""
+def _held_gather(rig: Rig) -> threading.Event:
+    """Hold every store's read of the engine blocks back until the returned event is set (a
+    hang guard of a minute), so that a store is in flight for as long as the test needs it,
+    however loaded the machine."""
     layout = rig.stores[0].transfers.layout
     gather = layout.gather
+    release = threading.Event()
 
-    def slow(*args: object, **kwargs: object) -> None:
-        time.sleep(seconds)
+    def held(*args: object, **kwargs: object) -> None:
+        assert release.wait(60), "the test never let the gather go"
         gather(*args, **kwargs)
 
-    layout.gather = slow  # type: ignore[method-assign]
+    layout.gather = held  # type: ignore[method-assign]
+    return release
 
 
 def _finish_now(rig: Rig, req: Req) -> StepMetadata:
@@ -465,7 +469,7 @@ def _finish_now(rig: Rig, req: Req) -> StepMetadata:
 
 def test_immediate_finish_store_is_in_the_metadata_and_then_hits(sync_rig: Rig) -> None:
     rig = sync_rig
-    _slow_gather(rig, 0.2)  # so that the store is certainly still in flight after run_now
+    release = _held_gather(rig)  # the store is still in flight after run_now, until let go
     req = Req("a", list(range(500, 509)), num_computed_tokens=9, block_ids=[3, 4, 5])  # 2 full blocks
     rig.fill(3, 3.0)
     rig.fill(4, 4.0)
@@ -485,6 +489,7 @@ def test_immediate_finish_store_is_in_the_metadata_and_then_hits(sync_rig: Rig) 
     # The next turn's lookup names the store writing its prefix; the engine waits for it.
     assert rig.sched.get_num_new_matched_tokens(nxt, 0) == (0, False)
     assert rig.sched.pending_prefix_stores(nxt, 0) == (job.job_id,)
+    release.set()
     update = rig.sched.update_connector_output(rig.workers[0].wait_for([job.job_id]))
     assert sorted(update.unfenced) == [3, 4]
     assert rig.sched.pending_prefix_stores(nxt, 0) == ()
@@ -555,7 +560,7 @@ def test_fence_holds_for_an_immediately_submitted_store(sync_rig: Rig, flush: bo
     the worker waits for it before the compute overwrites the block. The control skips the
     flush and sees the overwrite stored, which shows the test sees the race."""
     rig = sync_rig
-    _slow_gather(rig, 0.3)
+    release = _held_gather(rig)
     req = Req("a", list(range(800, 809)), num_computed_tokens=9, block_ids=[3, 4, 5])
     rig.fill(3, 3.0)
     rig.fill(4, 4.0)
@@ -568,8 +573,12 @@ def test_fence_holds_for_an_immediately_submitted_store(sync_rig: Rig, flush: bo
     step = rig.meta({"b": 4}, allocated=[4])
     assert step.jobs_to_flush == (job.job_id,)
     if flush:
+        # Let the gather go a moment after the flush has begun waiting for it: however late
+        # that moment is, the flush returns only once the job has read block 4.
+        threading.Timer(0.3, release.set).start()
         rig.workers[0].handle_preemptions(step)
     rig.fill(4, -1.0)  # b's compute
+    release.set()  # the control: the gather reads block 4 only after b's compute wrote it
     rig.workers[0].start_load_kv(step)
     update = rig.sched.update_connector_output(rig.workers[0].get_finished(block=True))
     assert 3 in update.unfenced
@@ -680,7 +689,6 @@ def test_without_a_step_loop_an_unknown_finished_request_is_stored() -> None:
 def test_fence_waits_for_the_device_read_only(tmp_path) -> None:
     """A flushed store whose tier write stalls (a disk that hangs) must not hold the engine's
     step: ``handle_preemptions`` returns once the job has read its engine blocks."""
-    import threading
 
     loop = asyncio.new_event_loop()
     ns = Namespace(model_id="test", block_size=BLOCK)

@@ -205,7 +205,7 @@ def _redis_feed(url: str, stream: bytes, *, cluster: bool = False, maxlen: int =
     from redis.cluster import RedisCluster
 
     def make() -> Any:
-        return RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url, socket_timeout=5)
+        return RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url, socket_timeout=60)
 
     return RedisFeed(stream, make, maxlen=maxlen)
 
@@ -227,13 +227,15 @@ def test_redis_feed_two_writers_one_reader_and_a_blocking_read_wakes_at_once(
         ]
         assert reader.head() == cursor
         got: list[Any] = []
-        t = threading.Thread(target=lambda: got.append(reader.read(cursor, 5.0)))
+        wait_s = 30.0  # far longer than any wake-up, however loaded the machine
+        t = threading.Thread(target=lambda: got.append(reader.read(cursor, wait_s)))
         t.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # most likely blocked by now; a read that starts later finds the entry at once
         sent = time.monotonic()
         b.publish(FeedOp.STORED, K[5:6])
-        t.join()
-        assert time.monotonic() - sent < 1.0  # the blocked read answered with the entry
+        t.join(2 * wait_s)
+        # The blocked read answered with the entry, not at the end of its wait (then it is empty).
+        assert time.monotonic() - sent < wait_s
         assert [e.keys for e in got[0].entries] == [(K[5],)]
         # a job larger than one entry goes out as several, in order, in one pipeline
         a.publish(FeedOp.STORED, K[:10_000])

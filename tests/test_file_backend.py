@@ -264,10 +264,14 @@ def test_other_namespace_is_refused_and_corrupt_meta_is_replaced(tmp_path: Path)
 
 
 @pytest.mark.parametrize("bit", range(8))
-def test_a_flipped_bit_in_the_meta_version_moves_the_meta_record_aside(tmp_path: Path, bit: int) -> None:
-    """The meta record's version byte (offset 4) names an unknown version after one flipped
-    bit: that is damage, so the meta record is moved aside and rewritten, never a refusal to
-    start; the records themselves are checked one by one and still serve their bytes."""
+def test_a_flipped_bit_in_the_meta_version_is_damage_or_a_newer_store(tmp_path: Path, bit: int) -> None:
+    """The meta record's version byte (offset 4) after one flipped bit. Version 0 (no build
+    wrote it) is damage: the meta record is moved aside and rewritten, never a refusal to start,
+    and the records, checked one by one, still serve their bytes. A higher version whose body's
+    CRC holds reads as a newer kvtier's store: refused at open with an error naming the version,
+    and left as it is (an older build must not take over a newer one's store)."""
+    from kvtier.records.meta import META_VERSION
+
     backend = _open(file_backend(tmp_path, 1 << 20))
     keys, blocks = [make_key(i) for i in range(3)], _blocks(3)
     assert all(backend.write_blocks(keys, blocks))
@@ -277,10 +281,19 @@ def test_a_flipped_bit_in_the_meta_version_moves_the_meta_record_aside(tmp_path:
     data[4] ^= 1 << bit
     meta.write_bytes(bytes(data))
     backend = file_backend(tmp_path, 1 << 20)
-    with pytest.warns(RuntimeWarning, match="meta record"):
-        _open(backend)
-    try:
+    if data[4] > META_VERSION:
+        with pytest.raises(ConfigError, match=rf"meta record version {data[4]} .*newer kvtier"):
+            _open(backend)
+        _close(backend)
+        assert meta.read_bytes() == bytes(data) and not list((tmp_path / "store").glob("kvtier-meta.kvm.corrupt-*"))
+        data[4] ^= 1 << bit  # the store as it was: all of it is still there
+        meta.write_bytes(bytes(data))
+        backend = _open(file_backend(tmp_path, 1 << 20))
+    else:
+        with pytest.warns(RuntimeWarning, match="meta record"):
+            _open(backend)
         assert list((tmp_path / "store").glob("kvtier-meta.kvm.corrupt-*"))
+    try:
         out = _empty(3)
         found = backend.read_blocks(keys, out)
         for ok, got, want in zip(found, out, blocks):
@@ -288,7 +301,25 @@ def test_a_flipped_bit_in_the_meta_version_moves_the_meta_record_aside(tmp_path:
         assert all(found)
     finally:
         _close(backend)
-    _close(_open(file_backend(tmp_path, 1 << 20)))  # the rewritten meta record is accepted
+    _close(_open(file_backend(tmp_path, 1 << 20)))  # the meta record in place is accepted
+
+
+def test_a_higher_meta_version_with_a_damaged_body_is_damage(tmp_path: Path) -> None:
+    """A higher version byte and a body whose CRC fails: damage in the meta record (a newer
+    meta record keeps the prefix and its CRC), moved aside and rewritten."""
+    from kvtier.records.meta import META_VERSION
+
+    _close(_open(file_backend(tmp_path, 1 << 20)))
+    meta = tmp_path / "store" / "kvtier-meta.kvm"
+    data = bytearray(meta.read_bytes())
+    data[4] = META_VERSION + 1
+    data[-1] ^= 0x10
+    meta.write_bytes(bytes(data))
+    backend = file_backend(tmp_path, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="meta record"):
+        _open(backend)
+    _close(backend)
+    assert list((tmp_path / "store").glob("kvtier-meta.kvm.corrupt-*"))
 
 
 BIG = BlockFormat(block_bytes=512 << 10, dtype="bfloat16", namespace={"model_id": "m"})

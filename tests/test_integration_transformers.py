@@ -24,6 +24,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -327,8 +328,9 @@ def test_last_block_completed_at_finish_is_served(tmp_path: Path) -> None:
 def test_freed_block_reused_at_once_is_not_overwritten_before_stored(fence: bool) -> None:
     """Request A finishes and its blocks go back to the engine's pool; B is admitted at once and
     its prefill takes them (the pool hands out the most recently freed first) while A's store is
-    still in flight (its gather is held back 0.5 s). With the fence the stored bytes are A's;
-    without it (the control) they are B's, which shows the test sees the race."""
+    still in flight (its gather is held back: until B's turn has ended in the control, else for
+    half a second). With the fence the stored bytes are A's; without it (the control) they are
+    B's, which shows the test sees the race."""
     manager = start_manager(num_blocks=16)
     kv = attach(manager, cpu_config(), model_id=MODEL_ID, engine_prefix_cache=False)
     kv._fence = fence
@@ -336,12 +338,13 @@ def test_freed_block_reused_at_once_is_not_overwritten_before_stored(fence: bool
     transfers = kv.store.transfers
     assert transfers is not None
     gather = transfers.layout.gather
+    release = threading.Event()
 
-    def slow_gather(*args: Any, **kwargs: Any) -> None:
-        time.sleep(0.5)
+    def held_gather(*args: Any, **kwargs: Any) -> None:
+        assert release.wait(120), "the test never let the gather go"
         gather(*args, **kwargs)
 
-    transfers.layout.gather = slow_gather  # type: ignore[method-assign]
+    transfers.layout.gather = held_gather  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(5)
     a = torch.randint(1, 1000, (40,), generator=g).tolist()
     b = torch.randint(1, 1000, (100,), generator=g).tolist()
@@ -350,8 +353,12 @@ def test_freed_block_reused_at_once_is_not_overwritten_before_stored(fence: bool
         run_turn(manager, [a], 9)  # 48 computed tokens: 3 full pages stored at finish
         a_keys = list(snapshots)
         assert len(a_keys) == 3
+        if fence:  # B's prefill waits for the fence, which waits for the gather: let it go soon
+            threading.Timer(0.5, release.set).start()
         run_turn(manager, [b], 2)
+        release.set()  # the control: A's gather reads the pages only after B's prefill wrote them
     finally:
+        release.set()
         manager.stop(block=True)
     try:
         kv.flush()

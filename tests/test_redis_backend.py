@@ -193,12 +193,17 @@ def test_forged_and_damaged_records_are_misses_and_deleted(redis_server: RedisSe
 
 
 def test_ttl_expires_records(redis_server: RedisServer, tmp_path: Path) -> None:
-    backend = opened(url=redis_server.url, prefix=_prefix(tmp_path), ttl_s=0.3)
+    backend = opened(url=redis_server.url, prefix=_prefix(tmp_path), ttl_s=2.0)
     try:
         backend.write_blocks([make_key(1)], blocks(1))
-        ttl = redis.Redis.from_url(redis_server.url).pttl(backend._rkey(make_key(1)))
-        assert 0 < ttl <= 300
-        time.sleep(0.5)
+        client = redis.Redis.from_url(redis_server.url)
+        ttl = client.pttl(backend._rkey(make_key(1)))
+        assert 0 < ttl <= 2000
+        # Wait for the server to expire it (EXISTS leaves the expiry alone; a read would slide it).
+        deadline = time.monotonic() + 60  # a hang guard, not a speed check
+        while client.exists(backend._rkey(make_key(1))):
+            assert time.monotonic() < deadline, "the record never expired"
+            time.sleep(0.1)
         assert backend.read_blocks([make_key(1)], empty(1)) == [False]
     finally:
         close(backend)

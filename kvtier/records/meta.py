@@ -6,6 +6,10 @@ store holds: ``b"KVTM"``, a version byte, a CRC32C of the body, then a msgpack m
 pickle). A store whose meta record names a different namespace digest, block size or dtype is
 refused at open with a :class:`~kvtier.errors.ConfigError` (see ``check_meta``): its records
 could never be hits, and silently wiping another model's cache would be worse.
+
+Every meta version keeps that prefix (magic, version byte, CRC32C of the body), so a build can
+tell a meta record of a newer version (:class:`NewerMetaError`: its body's CRC holds) from a
+damaged one: a newer build's store is refused, never moved aside or emptied by an older build.
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.mac import MAC_ALGORITHMS, RecordMac
 from kvtier.records.record import RECORD_VERSION, crc32c
 
-__all__ = ["META_MAGIC", "META_VERSION", "StoreMeta", "check_meta", "decode_meta", "encode_meta"]
+__all__ = ["META_MAGIC", "META_VERSION", "NewerMetaError", "StoreMeta", "check_meta", "decode_meta", "encode_meta"]
 
 META_MAGIC = b"KVTM"
 META_VERSION = 1
 _META_PREFIX = struct.Struct("<4sBI")
+
+
+class NewerMetaError(UnsupportedRecordError):
+    """A sound meta record of a newer version than this build reads: a newer kvtier's store."""
+
+    def refusal(self, where: str) -> ConfigError:
+        """The error that refuses the store at ``where`` at open (nothing in it is changed)."""
+        return ConfigError(
+            f"{where}: {self}: a newer kvtier wrote this store; upgrade kvtier, or point the tier at a new path "
+            f"(the store is left as it is)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +90,11 @@ def decode_meta(data: Any) -> StoreMeta:
     magic, version, crc = _META_PREFIX.unpack_from(data, 0)
     if magic != META_MAGIC:
         raise CorruptBlockError("bad meta record magic")
-    if version != META_VERSION:
-        raise UnsupportedRecordError(f"meta record version {version} is not supported")
     body = data[_META_PREFIX.size :]
+    if version != META_VERSION:
+        if version > META_VERSION and crc32c(body) == crc:
+            raise NewerMetaError(f"meta record version {version} is not supported (this kvtier reads version {META_VERSION})")
+        raise UnsupportedRecordError(f"meta record version {version} is not supported")
     if crc32c(body) != crc:
         raise CorruptBlockError("meta record checksum mismatch")
     try:

@@ -202,13 +202,16 @@ def verify_tier(
     """Check every record's header and checksum (and that it decodes); optionally delete bad ones.
 
     With ``mac`` (the tier's keyed MAC), records are checked against it and unkeyed or forged
-    ones are bad; without it, keyed records are reported as unsupported (they cannot be checked)."""
+    ones are bad; without it, keyed records are reported as unsupported (they cannot be checked).
+    ``delete`` removes the records found damaged; an unsupported one (another format, codec or
+    MAC, or keyed where no ``mac`` is given) is reported and kept, for a reader that can check it."""
     kind, cls, meta = _open(path)
     if meta is None:
         raise ConfigError(f"{path}: the tier has no meta record, so its block size is unknown")
     report = VerifyReport(path=str(path), kind=kind)
     out = memoryview(bytearray(meta.block_bytes))
     total = cls.count_raw_records(path) if progress is not None else 0
+    damaged: list[bytes] = []
     for done, (key, value) in enumerate(cls.iter_raw_records(path), 1):
         report.checked += 1
         try:
@@ -217,8 +220,9 @@ def verify_tier(
             report.bad.append({"key": key.hex(), "reason": f"unsupported: {exc}"})
         except CorruptBlockError as exc:
             report.bad.append({"key": key.hex(), "reason": str(exc)})
+            damaged.append(key)
         if progress is not None:
             progress(done, max(total, done))
-    if delete and report.bad:
-        report.deleted = int(cls.delete_raw_records(path, [bytes.fromhex(b["key"]) for b in report.bad]))
+    if delete and damaged:
+        report.deleted = int(cls.delete_raw_records(path, damaged))
     return report
