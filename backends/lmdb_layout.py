@@ -84,7 +84,11 @@ log = logging.getLogger("kvtier.backends.lmdb_tier")
 #: (``benchmarks/bench_disk.py --quick``, 2 MiB records in jobs of 8, load 2, adjacent runs): a
 #: warm load at 0.71-0.82 of a raw get and copy in one pass, 0.54-0.59 with the side thread,
 #: whose hand-offs and second pass over the map cost more than the overlap gains when the
-#: other core is busy; at 64 KiB in jobs of 16, 0.51 against 0.22.
+#: other core is busy; at 64 KiB in jobs of 16, 0.51 against 0.22. A plain job never takes the
+#: side thread, not even as a probe while the load average looks low: a fresh reader probed it
+#: on its second job whenever the 1-minute load average was under half a core, as it is at the
+#: start of a run on a quiet machine (before the caller's own thread shows in it), and those
+#: probes alone took jobs of 16 at 64 and 256 KiB from 0.77 to 0.23-0.26 of a raw get and copy.
 ONE_PASS_READS = True
 #: LMDB errors on a lookup that are LMDB's own checks of the record's pages failing: the record
 #: is dropped. Any other error on a lookup (``MapResizedError`` after another process grew the
@@ -177,10 +181,6 @@ class JobReader:
     views: RowViews | None = None  # the rows' views of unkeyed jobs, checked and kept by address
     guard: FileGuard | None = None  # refuses reads of a data.mdb cut short under the store
     temperature: Temperature = field(default_factory=lambda: Temperature())
-    #: For warm unkeyed jobs of SIDE_MIN_BYTES or more: way 0 reads them in one pass on the
-    #: calling thread, way 1 checks them on a side thread while this one copies (faster only
-    #: while the side thread has a core of its own).
-    ways: FasterWay = field(default_factory=lambda: FasterWay())
     #: For cold jobs: way 0 reads them in one pass on the calling thread (a get, a copy and a
     #: check per key, as a raw read does), way 1 looks their keys up on a thread of their own
     #: (:class:`ColdRead`), tried only while a core seems spare (see :meth:`_cold_way`).
@@ -250,16 +250,9 @@ class JobReader:
             self.cold_ways.record(way, time.perf_counter() - start, nbytes)
             return outcome
         if ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
-            if mac is not None or nbytes < SIDE_MIN_BYTES:
-                return self.read_in_one_pass(env, keys, out, mac, rows=rows)
-            # Copy and checksum: one pass on this thread, or (while a core seems free) the
-            # checksums on a side thread while this one copies, whichever has been faster of
-            # late (FasterWay).
-            way = self.ways.pick() if spare_core() else 0
-            start = time.perf_counter()
-            outcome = self.read_in_one_pass(env, keys, out, mac, rows=rows) if way == 0 else self._read_general(env, keys, out, mac, cold=False)
-            self.ways.record(way, time.perf_counter() - start, nbytes)
-            return outcome
+            # Unkeyed jobs of any size too: their checks on a side thread lost here at every
+            # size, even with the other core nearly free (ONE_PASS_READS).
+            return self.read_in_one_pass(env, keys, out, mac, rows=rows)
         return self._read_general(env, keys, out, mac, cold=False)
 
     def _cold_way(self) -> int:
