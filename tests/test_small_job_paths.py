@@ -1,7 +1,7 @@
 """The small-job hot path's shortcuts against the general code they stand for: a job's result
 and what applying it did, built slot by slot (:func:`kvtier.transfer.jobs.result_of`,
 ``_applied``), are the dataclasses' own, the manager's leading run of ready keys in one tier
-(one pass in C) is the loop's answer, and distinct block ids pass the load's check in one pass
+(found in C) is the loop's answer, and distinct block ids pass the load's check in one pass
 while a repeat is named as the loop names it."""
 
 from __future__ import annotations
@@ -65,7 +65,11 @@ def test_the_leading_run_is_the_loops_answer(tiers: int) -> None:
         # ready (1), pending (0) or absent, per tier
         index = [{k: rng.choice((0, 1, 1, 1)) for k in K if rng.random() < 0.8} for _ in range(tiers)]
         keys = rng.sample(K, rng.randint(0, 6)) if rng.random() < 0.5 else [k for k in K if any(t.get(k) for t in index)][:5]
+        if keys and rng.random() < 0.3:  # a key repeated (the one-tier run places the first key missing by value)
+            keys.insert(rng.randint(0, len(keys)), rng.choice(keys))
         assert leading_run([t.get for t in index], keys) == _loop(index, keys), (index, keys)
+        assert leading_run(tuple(t.get for t in index), tuple(keys)) == _loop(index, keys), (index, keys)
+        assert leading_run(tuple(t.get for t in index), dict.fromkeys(keys)) == _loop(index, list(dict.fromkeys(keys))), (index, keys)
     with pytest.raises(TypeError):
         leading_run([{}.get] * tiers, [bytearray(32)])  # unhashable: the caller names it
 

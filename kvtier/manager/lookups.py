@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from itertools import filterfalse, repeat
 from operator import length_hint
 from typing import NoReturn
 
@@ -44,6 +44,7 @@ _FIELD = 64
 _MASK = (1 << _FIELD) - 1
 _READS = 8  # a reader's tries for two equal readings (then it takes the last)
 _COUNTDOWN = sys.maxsize  # a single-key counter's start: calls counted = start - items left
+_ALL_READY = object()  # leading_run's "no key missing" (a key itself may be anything)
 
 
 def lookup_counts(calls: int, asked: int, found: int) -> int:
@@ -54,18 +55,17 @@ def lookup_counts(calls: int, asked: int, found: int) -> int:
 def leading_run(gets: Sequence[Getter], keys: Sequence[bytes]) -> int:
     """Length of the leading run of ``keys`` ready in some tier, ``gets`` the tiers' index
     getters (fastest first). Keys are not checked (the caller checks them on a short run); an
-    unhashable one raises ``TypeError``. In one tier, a run of every key (the usual batch) is
-    one pass in C (a test compares it with the loop)."""
-    hits = 0
+    unhashable one raises ``TypeError``. In one tier the run is found in C: the first key not
+    ready (``filterfalse``), then, in a list or tuple, its place (``index``: the first key
+    equal to it, which is that one, since equal keys are equally ready); any other collection
+    takes the loop. A test compares it with the loop."""
     if len(gets) == 1:
-        get = gets[0]
-        if all(map(get, keys)):
+        missing = next(filterfalse(gets[0], keys), _ALL_READY)
+        if missing is _ALL_READY:
             return len(keys)
-        for key in keys:
-            if not get(key):
-                break
-            hits += 1
-        return hits
+        if type(keys) is tuple or type(keys) is list:
+            return keys.index(missing)
+    hits = 0
     for key in keys:
         for get in gets:
             if get(key):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from kvtier.backend import MemoryBackend
 from kvtier.devices import tensor_device
 from kvtier.transfer.jobs import JobRecord, LoadRecord, StoreRecord
+from kvtier.transfer.plain_jobs import PlainJobs
 
 if TYPE_CHECKING:
     from kvtier.transfer.load_mover import LoadMover
@@ -48,6 +49,8 @@ class InlineJobs:
         self.loads = loads
         self.max_bytes = max_bytes
         self._host: dict[int, bool] = {}  # per tier, once known: its pool is in host memory
+        #: the usual job's straight path (kvtier.transfer.plain_jobs)
+        self.plain = PlainJobs(engine)
 
     def _host_memory(self, tier: int) -> bool:
         known = self._host.get(tier)
@@ -85,7 +88,9 @@ class InlineJobs:
         failed and its clean-up goes there to keep its order)."""
         with self.e.layout.copies.on_callers_team():  # the engine's own thread and OpenMP team
             if isinstance(rec, StoreRecord):
-                self.stores.device_job(rec)
+                if not self.plain.store(rec):
+                    self.stores.device_job(rec)
             else:
                 assert isinstance(rec, LoadRecord)
-                self.loads.load_job(rec)
+                if not self.plain.load(rec):
+                    self.loads.load_job(rec)
