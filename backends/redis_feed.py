@@ -24,8 +24,10 @@ ACL: the feed needs ``+xadd +xread +xinfo|stream`` on the ``<prefix>:*`` keys be
 record commands (``docs/tiers.md``).
 
 The feed uses a client of its own (two connections: the follower's blocking read never takes a
-connection the tier's jobs wait for). Errors are translated: ``publish`` returns ``False``,
-``head``/``read`` raise :class:`OSError`.
+connection the tier's jobs wait for); in a cluster, a client of the primary that holds the
+stream's slot. Errors are translated: ``publish`` returns ``False``, ``head``/``read`` raise
+:class:`OSError`. After a redirection (the slot moved: a resharding, a failover) or a lost
+connection the client is dropped, and the next command makes one again.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from typing import Any
 from kvtier.backends.change_feed import ChangeFeed, FeedCursor, FeedEntry, FeedRead, decode_entry
 
 try:
-    from redis.exceptions import RedisError
+    from redis.exceptions import AskError, ClusterDownError, RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
 except ImportError:  # pragma: no cover - redis is a dependency
-    RedisError = Exception  # type: ignore[assignment,misc]
+    RedisError = RedisConnectionError = AskError = ClusterDownError = Exception  # type: ignore[assignment,misc]
 
 __all__ = ["RedisFeed", "parse_stream_id"]
 
@@ -98,6 +101,7 @@ class RedisFeed(ChangeFeed):
             self.commands += len(values)
         except (RedisError, OSError) as exc:
             log.debug("redis feed %r: XADD failed: %s", self.stream, exc)
+            self._failed(exc)
             return False
         return True
 
@@ -115,6 +119,7 @@ class RedisFeed(ChangeFeed):
         try:
             info = self._info()
         except (RedisError, OSError) as exc:
+            self._failed(exc)
             raise OSError(f"redis feed: XINFO STREAM failed: {exc}") from exc
         if info is None:
             return FeedCursor()
@@ -142,6 +147,7 @@ class RedisFeed(ChangeFeed):
                     entries.append(entry)
             info = self._info()
         except (RedisError, OSError) as exc:
+            self._failed(exc)
             raise OSError(f"redis feed: XREAD failed: {exc}") from exc
         return FeedRead(tuple(entries), last, self._lost(cursor, info), skipped, nbytes)
 
@@ -157,6 +163,11 @@ class RedisFeed(ChangeFeed):
             added, length = _get(info, "entries-added"), _get(info, "length")
             return added is None or int(added) > int(length)
         return parse_stream_id(first[0]) > cursor
+
+    def _failed(self, exc: BaseException) -> None:
+        """Drop the client after a redirection or a lost connection (see the module doc)."""
+        if isinstance(exc, (AskError, ClusterDownError, RedisConnectionError, OSError)):  # MovedError is an AskError
+            self.close()
 
     def close(self) -> None:
         client, self._client = self._client, None

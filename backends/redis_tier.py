@@ -236,18 +236,30 @@ class RedisBackend(RemoteRecordBackend):
     # -- connections -----------------------------------------------------------------------------
     def _make_feed(self) -> RedisFeed:
         """A capped stream next to the namespace's records, on a client of its own (two
-        connections: the follower's blocking read never holds one a job waits for)."""
+        connections: the follower's blocking read never holds one a job waits for). In a
+        cluster that client is one of the primary that holds the stream's slot, found in the
+        tier's own client's slot map (read again for every client after the first: the feed
+        drops its client when the slot moved or the connection was lost). A cluster client of
+        its own kept a second slot map and command table, about 2 MB a process."""
         wait = TierFollower.wait_s_default
         options = client_options(
             self.username, self._password, self.tls, max(self.socket_timeout_s, wait + 1.0), self.connect_timeout_s, 2
         )
+        stream = self._prefix_bytes + b"feed"
+        made = 0
 
         def make_client() -> Any:
-            if self.cluster:
-                return RedisCluster.from_url(self.url, **options)
-            return redis.Redis.from_url(self.url, **options)
+            nonlocal made
+            if not self.cluster:
+                return redis.Redis.from_url(self.url, **options)
+            cluster = self._get_client()
+            if made:  # the slot may have moved since the map was read
+                cluster.nodes_manager.initialize()
+            made += 1
+            node = cluster.get_node_from_key(stream)
+            return redis.Redis(host=node.host, port=node.port, ssl=self.url.startswith("rediss://"), **options)
 
-        return RedisFeed(self._prefix_bytes + b"feed", make_client, maxlen=self.feed_maxlen)
+        return RedisFeed(stream, make_client, maxlen=self.feed_maxlen)
 
     async def open(self, fmt: Any) -> None:
         if self.ttl_s is not None:

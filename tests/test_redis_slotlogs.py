@@ -633,3 +633,34 @@ def test_an_opens_slot_map_and_gets_are_the_general_ones(redis_cluster: RedisClu
             assert set(logs._slots_of(node)) == owned
     finally:
         close_tier(backend)
+
+
+def test_the_feed_follows_its_stream_to_the_primary_its_slot_moved_to(own_redis_cluster: RedisClusterServers) -> None:
+    """The change feed reads and writes its stream through a client of the primary that holds
+    the stream's slot, not a cluster client of its own (a second slot map and command table,
+    about 2 MB a process). When the slot moves to another primary, the first command redirected
+    drops that client, and the next one reaches the stream where it is now, entries included."""
+    from kvtier.backends.change_feed import FeedOp, encode_entry
+
+    backend = _open(b"slotlogs-feed", own_redis_cluster.url)
+    feed = backend._make_feed()  # the feed the tier's follower reads, on a client of its own
+    try:
+        keys = [make_key(i) for i in range(3)]
+
+        def entry(key: bytes) -> bytes:
+            return encode_entry(FeedOp.STORED, [key], feed.writer, 1.0)
+
+        start = feed.head()
+        assert feed.append([entry(keys[0])])
+        assert type(feed._client) is redis.Redis  # one primary's client, no slot map
+        slot = key_slot(feed.stream)
+        source = next(n for n in own_redis_cluster.nodes if _owns(n, slot))
+        target = next(n for n in own_redis_cluster.nodes if n is not source)
+        _move_slot(own_redis_cluster, slot, source, target)
+        assert not feed.append([entry(keys[1])]) and feed._client is None  # redirected: dropped
+        assert feed.append([entry(keys[2])])
+        assert feed._client.connection_pool.connection_kwargs["port"] == target.port
+        assert [e.keys for e in feed.read(start, 0.01).entries] == [(keys[0],), (keys[2],)]
+    finally:
+        feed.close()
+        close_tier(backend)
