@@ -184,7 +184,7 @@ def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], monkeypatch
         pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
         taken = []
         inner = layout._small_run
-        monkeypatch.setattr(layout, "_small_run", lambda *a: taken.append(a[3]) is None and fast and inner(*a))
+        monkeypatch.setattr(layout, "_small_run", lambda *a, t=taken, f=fast, i=inner: t.append(a[3]) is None and f and i(*a))
         saved = [record_of(layout, b) for b in ids]
         with layout.copies.on_callers_team():
             layout.gather(ids, pool, rows, kept=True, checked=True)
