@@ -37,9 +37,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in root.rglob("*") if p.is_file() and (p.suffix in (".kvb", ".tmp"))}
 
 
-def _both(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: Callable[[Backend], Any], **options: Any
-) -> dict[bool, tuple[Any, dict[str, Any], dict[str, bytes], int, int]]:
+def _both(tmp_path: Path, run: Callable[[Backend], Any], **options: Any) -> dict[bool, tuple[Any, dict[str, Any], dict[str, bytes], int, int]]:
     """``run(backend)`` on a fresh store by each path: its result (or the type of what it raised),
     the store's counters, its record and temporary files, its room in use, and how many jobs
     took the straight line."""
@@ -47,26 +45,27 @@ def _both(
     real = file_commit.commit_one
     for straight in (True, False):
         calls: list[int] = []
-        monkeypatch.setattr(file_saves, "SAVE_ONE", straight)
-        monkeypatch.setattr(file_saves, "commit_one", lambda *a, calls=calls, **k: calls.append(1) or real(*a, **k))
         root = tmp_path / ("straight" if straight else "general")
-        backend = _open(root, **options)
-        try:
+        # Patched for this path alone (the test's own monkeypatch keeps what its fixtures set).
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(file_saves, "SAVE_ONE", straight)
+            mp.setattr(file_saves, "commit_one", lambda *a, calls=calls, **k: calls.append(1) or real(*a, **k))
+            backend = _open(root, **options)
             try:
-                result: Any = run(backend)
-            except Exception as exc:  # compared by type
-                result = type(exc)
-            stats = {k: v for k, v in backend.stats().items() if k in ("blocks_written", "bytes_written", "write_failures")}
-            used = backend._used  # type: ignore[attr-defined]
-        finally:
-            monkeypatch.undo()  # (the failure injected: the close and its table are not failed)
-            asyncio.run(backend.aclose())
+                try:
+                    result: Any = run(backend)
+                except Exception as exc:  # compared by type
+                    result = type(exc)
+                stats = {k: v for k, v in backend.stats().items() if k in ("blocks_written", "bytes_written", "write_failures")}
+                used = backend._used  # type: ignore[attr-defined]
+            finally:
+                asyncio.run(backend.aclose())
         seen[straight] = (result, stats, _files(root), used, len(calls))
     return seen
 
 
 @pytest.mark.parametrize("sync_mode", ["durable", "fast"])
-def test_jobs_of_one_are_saved_as_the_general_path_saves_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync_mode: str) -> None:
+def test_jobs_of_one_are_saved_as_the_general_path_saves_them(tmp_path: Path, sync_mode: str) -> None:
     keys = [make_key(i) for i in range(5)]
     data = [random_block(FMT.block_bytes, 40 + i) for i in range(5)]
 
@@ -78,7 +77,7 @@ def test_jobs_of_one_are_saved_as_the_general_path_saves_them(tmp_path: Path, mo
         assert torch.equal(out[0], data[1]) and all(torch.equal(o, d) for o, d in zip(out[1:], data[1:]))
         return sizes
 
-    seen = _both(tmp_path, monkeypatch, run, sync_mode=sync_mode)
+    seen = _both(tmp_path, run, sync_mode=sync_mode)
     assert seen[True][4] == 6 and seen[False][4] == 0  # every job took the straight line, or none did
     assert seen[True][:4] == seen[False][:4]
     assert seen[True][0] == [[RECORD]] * 6 and seen[True][3] == 5 * RECORD
@@ -89,11 +88,11 @@ def test_jobs_of_one_are_saved_as_the_general_path_saves_them(tmp_path: Path, mo
     assert files[keys[3].hex() + ".kvb"] == head + bytes(payload)
 
 
-def test_a_full_store_refuses_a_job_of_one_as_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_store_refuses_a_job_of_one_as_the_general_path_does(tmp_path: Path) -> None:
     def run(backend: Backend) -> Any:
         return [backend.write_blocks([make_key(i)], [random_block(FMT.block_bytes, i)]) for i in range(4)]
 
-    seen = _both(tmp_path, monkeypatch, run, capacity=2 * RECORD + 100)
+    seen = _both(tmp_path, run, capacity=2 * RECORD + 100)
     assert seen[True][4] == 2 and seen[False][4] == 0  # (the refused ones return before a commit)
     assert seen[True][:4] == seen[False][:4]
     assert seen[True][0] == [[RECORD], [RECORD], [None], [None]]
@@ -122,7 +121,7 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("step", sorted(FAILURES))
-def test_a_failed_step_fails_the_job_of_one_as_it_fails_the_general_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+def test_a_failed_step_fails_the_job_of_one_as_it_fails_the_general_one(tmp_path: Path, step: str) -> None:
     """The key is a write failure, its room is given back (the next save fits a store of one
     record), and no temporary file is left."""
     first, second = make_key(1), make_key(2)
@@ -136,14 +135,14 @@ def test_a_failed_step_fails_the_job_of_one_as_it_fails_the_general_one(tmp_path
             mp.undo()
         return failed, backend.write_blocks([second], [random_block(FMT.block_bytes, 2)])
 
-    seen = _both(tmp_path, monkeypatch, run, capacity=RECORD + 100)
+    seen = _both(tmp_path, run, capacity=RECORD + 100)
     assert seen[True][4] == 2 and seen[False][4] == 0
     assert seen[True][:4] == seen[False][:4]
     assert seen[True][0] == ([None], [RECORD])
     assert seen[True][1]["write_failures"] == 1 and list(seen[True][2]) == [second.hex() + ".kvb"]
 
 
-def test_a_failed_directory_sync_raises_and_the_record_keeps_its_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_directory_sync_raises_and_the_record_keeps_its_room(tmp_path: Path) -> None:
     key = make_key(1)
     fail_dir_sync = _failing("fsync", lambda fd: True)
 
@@ -155,7 +154,7 @@ def test_a_failed_directory_sync_raises_and_the_record_keeps_its_room(tmp_path: 
         finally:
             mp.undo()
 
-    seen = _both(tmp_path, monkeypatch, run)
+    seen = _both(tmp_path, run)
     assert seen[True][:4] == seen[False][:4]
     assert seen[True][0] is DiskError and seen[True][3] == RECORD
     assert list(seen[True][2]) == [key.hex() + ".kvb"] and seen[True][1]["blocks_written"] == 0
