@@ -62,7 +62,7 @@ from typing import Any, TypeVar
 from kvtier.errors import DiskError
 from kvtier.records.checks import HeadChecksum, ProcessThreads
 
-__all__ = ["EARLY_WRITEBACK_BYTES", "SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "plain_records", "start_writeback", "sync_pool", "write_all"]
+__all__ = ["EARLY_WRITEBACK_BYTES", "SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "commit_one", "plain_records", "start_writeback", "sync_pool", "write_all"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
@@ -260,6 +260,43 @@ def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
             if error is not None:
                 raise DiskError(f"file: cannot sync directory entries: {error}") from error
     return [[id(f) not in failed for f in job.files] for job in jobs]
+
+
+def commit_one(dir_fd: int, tmp: str, name: str, buffers: Sequence[Any], nbytes: int, *, durable: bool) -> bool:
+    """:meth:`FileJob.stage` and :func:`commit_files` for a job of one file in the directory
+    ``dir_fd`` that no new directory leads to: the same calls in the same order, without the
+    job's lists. ``OSError`` when the temporary file cannot be made or written; ``False`` when
+    it cannot be synced or renamed (logged); in both cases nothing is left behind. A
+    ``DiskError`` when the directory cannot be synced (the record was renamed)."""
+    fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
+    renamed = False
+    try:
+        write_all(fd, buffers, nbytes)
+        if durable:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                log.warning("file: sync of %s failed: %s", tmp, exc)
+                return False
+        os.close(fd)
+        fd = -1
+        try:
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as exc:
+            log.warning("file: rename of %s failed: %s", tmp, exc)
+            return False
+        renamed = True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not renamed:
+            _unlink(tmp, dir_fd)
+    if durable:
+        try:
+            os.fsync(dir_fd)
+        except OSError as exc:
+            raise DiskError(f"file: cannot sync directory entries: {exc}") from exc
+    return True
 
 
 def _sync_file(f: StagedFile) -> None:

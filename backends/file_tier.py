@@ -71,13 +71,13 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 from kvtier.backends.feed_follower import FollowedTier
-from kvtier.backends.file_commit import FileJob, commit_files, plain_records
 from kvtier.backends.file_feed import FileFeed
 from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
+from kvtier.backends.file_saves import FileSaves
 from kvtier.backends.file_table import TABLE_NAME, open_listing, save_table
-from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, _SUFFIX, FLAT, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.lmdb_plain import RowViews
 from kvtier.backends.tag_log import DirectoryTags
 
@@ -90,7 +90,6 @@ from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec
 from kvtier.records.format import (
     DEFAULT_MAC_ALGORITHM,
     HEAD_MAX,
-    PersistentRecordBackend,
     RecordHeader,
     parse_header,
     verify_payload,
@@ -143,7 +142,7 @@ def _settle(dst: torch.Tensor, staging: torch.Tensor | None) -> bool:
     return True
 
 
-class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend):
+class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
     name: ClassVar[str] = "file"
@@ -278,71 +277,6 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, PersistentRecordBackend
         return self._stored(self._head_bytes() + self.format.block_bytes)
 
     # -- bulk I/O --------------------------------------------------------------------------------
-    def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
-        # Unkeyed, uncompressed jobs of host rows: the job's checks and its rows' views in one
-        # loop, and each record's checksum from the store's one hash state (plain_records).
-        plain = self._plain if self.codec.codec_id == NoneCodec.codec_id else None
-        rows = self._views.of(keys, blocks) if plain is not None and self._views is not None else None
-        self._check_io(keys, blocks) if rows is None else self._check_open()
-        parts = self._encode(keys, blocks) if plain is None or rows is None else plain_records(plain.checksum, keys, rows)
-        shards = self._shards
-        assert shards is not None
-        sizes: list[int | None] = []
-        staged: list[tuple[int, bytes, int, int]] = []  # position, key, reserved growth, record bytes
-        job = FileJob(early_writeback=self.sync_mode == "durable" and len(keys) > 1)
-        try:
-            for key, (header, payload) in zip(keys, parts):
-                n = len(header) + len(payload)
-                stored = self._stored(n)
-                with self._lock:
-                    grow = stored - self._sizes.get(key, 0)
-                    if self._used + grow > self.capacity_bytes:
-                        self.counters.write_failures += 1
-                        sizes.append(None)
-                        continue
-                    self._used += grow  # reserved now; given back below if the write fails
-                    self._sizes.set(key, stored)
-                name = key.hex() + _SUFFIX
-                shard = shards.shard(name)
-                try:
-                    if shard not in job.dirs:
-                        job.dirs[shard] = shards.open_leaf(key, job.parents)
-                    job.stage(shard, self._temp_name(name), name, (header, payload), n)
-                except OSError as exc:
-                    log.warning("file: write of %s failed: %s", self._path(key), exc)
-                    self._unreserve(key, grow, stored)
-                    sizes.append(None)
-                    continue
-                staged.append((len(sizes), key, grow, n))
-                sizes.append(stored)
-            committed = commit_files([job], durable=self.sync_mode == "durable")[0]
-        except BaseException:
-            for (pos, key, grow, _), f in zip(staged, job.files):
-                if not f.renamed:  # (a renamed record is there, synced or not: it keeps its room)
-                    self._unreserve(key, grow, sizes[pos] or 0, count=False)
-            raise
-        finally:
-            job.close()
-        for (pos, key, grow, _), ok in zip(staged, committed):
-            if not ok:
-                self._unreserve(key, grow, sizes[pos] or 0)
-                sizes[pos] = None
-        self.counters.blocks_written += sum(1 for s in sizes if s is not None)
-        self.counters.bytes_written += sum(n for pos, _, _, n in staged if sizes[pos] is not None)
-        if self.follower is not None:
-            self._followed_writes([key for key, size in zip(keys, sizes) if size is not None])
-        return sizes
-
-    def _unreserve(self, key: bytes, grow: int, stored: int, *, count: bool = True) -> None:
-        """Give back the room reserved for ``key``'s write that failed."""
-        with self._lock:
-            self._used -= grow
-            if grow == stored:
-                self._sizes.pop(key)
-        if count:
-            self.counters.write_failures += 1
-
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Plain records (no MAC) are read in one pass, three system calls each (``PlainReads``;
         a job of one, ``read_one``); the rest by :meth:`_read_each`. Every failure is a miss for

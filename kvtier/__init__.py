@@ -7,6 +7,7 @@ quick answers (``--help``, ``config check``) do not pay for importing torch.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from kvtier import _moved, _source_tree
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from kvtier.transfer.layout import KVLayout
 
 __version__ = "0.1.0"
+
+# A library prints nothing unless the application configures logging: every kvtier.* logger
+# propagates here, whichever module logs first (not only once the store module is imported).
+logging.getLogger("kvtier").addHandler(logging.NullHandler())
 
 _source_tree.install()  # from a checkout, kvtier.backends is the checkout's backends/ folder
 _moved.install()  # the module paths of kvtier 0.2 keep working (kvtier.policies, kvtier.codec, ...)

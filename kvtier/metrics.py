@@ -97,6 +97,10 @@ class StoreMetrics:
             if result.error is not None:
                 self._failures["job_error"] += 1
                 return
+            if not result.failed and not plan.write_through and not plan.demotions:  # (the usual job)
+                if 0 <= plan.tier < len(self._tiers):
+                    self._tiers[plan.tier]["bytes_stored"] += len(plan.keys) * block_bytes
+                return
             failed = {t: len(keys) for t, keys in result.failed.items()}
             writes: list[tuple[int, int]] = [(plan.tier, len(plan.keys))]
             writes += [(t, len(keys)) for t, keys in plan.write_through]
@@ -117,6 +121,13 @@ class StoreMetrics:
                 for tier in plan.tiers:
                     if 0 <= tier < len(self._tiers):
                         self._tiers[tier]["misses"] += 1
+                return
+            tiers = plan.tiers
+            if tiers and not result.missed and not getattr(plan, "promote", ()) and tiers.count(tiers[0]) == len(tiers):
+                if 0 <= tiers[0] < len(self._tiers):  # (the usual load: every key from one tier, found)
+                    row = self._tiers[tiers[0]]
+                    row["hits"] += len(tiers)
+                    row["bytes_loaded"] += len(tiers) * block_bytes
                 return
             missed: dict[int, int] = {}
             for tier in result.missed_tiers:

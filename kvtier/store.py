@@ -43,8 +43,6 @@ from kvtier.transfer.runs import JobRuns
 __all__ = ["KVStore", "open"]
 
 log = logging.getLogger("kvtier")
-# A library prints nothing unless the application configures logging.
-log.addHandler(logging.NullHandler())
 
 
 class KVStore(StoreTenancy):

@@ -42,9 +42,9 @@ def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(tmp_path: Path, mo
     data = [random_block(FMT.block_bytes, 700 + i) for i in range(6)]
     calls: list[int] = []
     real = file_commit.plain_records
-    from kvtier.backends import file_tier
+    from kvtier.backends import file_saves
 
-    monkeypatch.setattr(file_tier, "plain_records", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(file_saves, "plain_records", lambda *a: calls.append(1) or real(*a))
     stores = {}
     for way in ("plain", "general"):
         blocks = [d.clone() for d in data] if rows == "own" else list(torch.stack(data).unbind(0))

@@ -170,3 +170,56 @@ def test_jobs_it_does_not_take_go_the_general_way_unchanged(rigs: tuple[Rig, Rig
     assert plan is not None and not plan.keys
     (res,) = plain.engine.wait([plain.engine.submit_store(plan, [], inline=True)], timeout=HANG_GUARD)
     assert res.success and plain.calls["store"] == 1
+
+
+@pytest.mark.parametrize("rows", [[4, 5, 6, 7], [2], [7, 6, 5, 4], [0, 2, 3, 4], list(range(9))])
+def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVLayout._small_run`` (a job's own host copy of one ascending run of at most 8 rows,
+    on the caller's thread) against the general dispatch, save and load, and when it applies."""
+    ids = [3, 9, 0, 5, 1, 2, 4, 6, 7][: len(rows)]
+    back = [15 - i for i in range(len(rows))]
+    out = {}
+    for fast in (True, False):
+        layout = make_layout()
+        pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
+        taken = []
+        inner = layout._small_run
+        monkeypatch.setattr(layout, "_small_run", lambda *a, t=taken, f=fast, i=inner: t.append(a[3]) is None and f and i(*a))
+        saved = [record_of(layout, b) for b in ids]
+        with layout.copies.on_callers_team():
+            layout.gather(ids, pool, rows, kept=True, checked=True)
+            assert all(torch.equal(pool[r], rec) for r, rec in zip(rows, saved))
+            pool[rows] += 1  # the load brings back what the save wrote, changed
+            layout.scatter(pool, rows, back, kept=True, checked=True)
+        assert taken == [True, False]  # asked once per copy
+        assert all(torch.equal(record_of(layout, b), rec + 1) for b, rec in zip(back, saved))
+        out[fast] = (pool.clone(), [record_of(layout, b) for b in back])
+        if fast:
+            one_run = len(rows) <= 8 and rows == list(range(rows[0], rows[0] + len(rows)))
+            assert inner(ids, pool, rows, True) is False  # not on a thread that copies unsplit
+            with layout.copies.on_callers_team():  # one ascending run only
+                assert inner(ids, pool, rows, True) is one_run
+    assert torch.equal(out[True][0], out[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
+
+
+def test_the_metrics_of_a_plain_job_match_the_general_accounting() -> None:
+    """``StoreMetrics.record_store`` / ``record_load`` of the usual job (no failure, no copy
+    below, one tier, nothing missed or promoted) against the same job sent the general way by
+    an empty write-through copy / a promotion of a key outside the plan (neither counts)."""
+    from kvtier.manager import LoadPlan, StorePlan
+    from kvtier.metrics import StoreMetrics
+
+    keys = tuple(K[30:34])
+    snaps = []
+    for general in (False, True):
+        m = StoreMetrics(2)
+        for tier in (0, 1, 5):  # (a tier the metrics do not know is left out either way)
+            plan = StorePlan(1, keys, (0, 1, 2, 3), tier=tier, write_through=((1, ()),) if general else ())
+            m.record_store(plan, JobResult(1, "store", True, keys, seconds=0.001), 4096)
+            load = LoadPlan(keys, (tier,) * 4, promote=(K[39],) if general else ())
+            m.record_load(load, JobResult(2, "load", True, keys, seconds=0.002), 4096)
+        m.record_load(LoadPlan((), ()), JobResult(3, "load", True, (), seconds=0.002), 4096)
+        snaps.append(m.snapshot())
+    assert snaps[0] == snaps[1]
+    assert snaps[0]["tiers"][1]["hits"] == 4 and snaps[0]["tiers"][0]["bytes_stored"] == 4 * 4096

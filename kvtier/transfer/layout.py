@@ -153,6 +153,8 @@ class KVLayout:
         self.kv_caches = caches
         self.device = device
         self.engine_blocks_per_block = n
+        #: one engine block per block, in host memory (a small job's copy may be one _foreach_copy_)
+        self._host_blocks = device.type == "cpu" and n == 1
         self.num_engine_blocks = int(num)
         self.block_bytes = offset
         self._infos = infos
@@ -266,6 +268,8 @@ class KVLayout:
         views of it a copy needs are made once and kept. ``checked``: a transfer job's own
         call, whose ``block_ids`` (a list) passed :meth:`check_block_ids` at submit and whose
         rows a tier of this layout handed out, so neither is checked again."""
+        if checked and kept and isinstance(block_ids, list) and self._small_run(block_ids, pool, rows, True):
+            return
         ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
         if not checked:
             self._check_pool(pool, rows)
@@ -294,6 +298,8 @@ class KVLayout:
     ) -> None:
         """Copy ``pool[rows]`` into the engine blocks ``block_ids`` (``n`` per block);
         ``kept`` and ``checked`` as for :meth:`gather`."""
+        if checked and kept and isinstance(block_ids, list) and self._small_run(block_ids, pool, rows, False):
+            return
         ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
         if not checked:
             self._check_pool(pool, rows)
@@ -349,6 +355,26 @@ class KVLayout:
                 if len(runs) > _MAX_RUNS:
                     return None
         return runs
+
+    def _small_run(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], save: bool) -> bool:
+        """A job's own copy (``checked``, ``kept``) between host memory on a thread that copies
+        unsplit (an inline job), of at most ``_FOREACH_MAX_BLOCKS`` blocks whose pool rows are
+        one ascending run: the one ``_foreach_copy_`` of kept pieces that
+        :meth:`_gather_index` / :meth:`_scatter_index` choose for it, without their dispatch
+        (``_pick``, the run split, the thread check one call each); ``False``, having copied
+        nothing, for any other job (a test compares the two)."""
+        k = len(rows)
+        if not (0 < k <= _FOREACH_MAX_BLOCKS and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
+            return False
+        r0 = rows[0]
+        if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
+            return False
+        pieces = self.pool_views.row_pieces(pool, True, r0, r0 + k)
+        if save:
+            torch._foreach_copy_(pieces, self.block_views.pieces(ids))
+        else:
+            torch._foreach_copy_(self.block_views.pieces(ids), pieces)
+        return True
 
     def _gather_index(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], kept: bool = False) -> None:
         n = self.engine_blocks_per_block
