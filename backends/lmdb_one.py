@@ -18,7 +18,6 @@ from kvtier.backends.lmdb_entries import COLD_GET_S, INDEX
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
 from kvtier.keys import KEY_BYTES
-from kvtier.records.checks import SIDE_MIN_BYTES
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import (
     HEAD_MAX,
@@ -117,9 +116,9 @@ class StraightRead:
     in one straight line: what the job reader does for them
     (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_job`), without its calls (about 6 µs
     a job: a 4 KiB record costs 2 µs to read). A job of one key (:meth:`one`) is the
-    commonest and the dearest per record; a job of several (:meth:`job`) is read while its
-    bytes stay under :data:`~kvtier.records.checks.SIDE_MIN_BYTES` (a larger one is the job
-    reader's, which may check it on a side thread) and the reader is warm.
+    commonest and the dearest per record; a job of several (:meth:`job`), of any size, is read
+    while the reader is warm (the job reader, too, reads a warm unkeyed job in one pass on the
+    calling thread, whatever its size).
 
     A job is taken only when every key and row are as they should be and every record is
     either absent or raw and sound; anything else (a bad key or row, a row not in host memory
@@ -130,14 +129,13 @@ class StraightRead:
     alike: its head's 24 checked bytes compared with the store's, the payload copied into the
     row, and one XXH3 over the key and the row."""
 
-    __slots__ = ("counters", "forks", "guard", "most", "parts", "shape", "temperature", "views")
+    __slots__ = ("counters", "forks", "guard", "parts", "shape", "temperature", "views")
 
     def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
         """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
         #: What a read uses, in one tuple (one attribute load, not six).
         self.parts = (plain.blocks, plain.index, plain.entry.unpack, plain.joined.unpack_from, plain.head, plain.prefix, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
-        self.most = -(-SIDE_MIN_BYTES // plain.size)  # jobs of fewer keys than this: job()
         self.guard, self.temperature, self.counters = guard, temperature, counters
         self.forks = _FORKS[0]  # the environment is this process's: a child must not use it
 
@@ -208,7 +206,7 @@ class StraightRead:
         are not plain: ``struct``, ``TypeError`` and ``ValueError`` hand the job over."""
         n = len(keys)
         temperature = self.temperature
-        if n != len(out) or n >= self.most or temperature.cold or devices.locate is not None or self.forks != _FORKS[0]:
+        if n != len(out) or temperature.cold or devices.locate is not None or self.forks != _FORKS[0]:
             return None
         views, shape = self.views, self.shape
         rows = []
