@@ -227,8 +227,10 @@ class _Walk:
                 keys = keys.view(np.uint8).reshape(count, width)
             else:
                 keys = np.zeros((count, 0), np.uint8)
-        at = np.where(flags & _F_BIGDATA, -1, base + body)
-        self.leaves[name] = Leaves(count, width, keys, size, at, psize)
+        values, at = unpooled(count, np.int64), unpooled(count, np.int64)
+        values[:] = size
+        np.copyto(at, np.where(flags & _F_BIGDATA, -1, base + body))
+        self.leaves[name] = Leaves(count, width, keys, values, at, psize)
 
     def _odd_nodes(self, odd: np.ndarray, node: np.ndarray, body: np.ndarray, size: np.ndarray, flags: np.ndarray,
                    ksize: np.ndarray, base: np.ndarray, main: bool) -> None:

@@ -211,16 +211,19 @@ def test_a_gather_in_batches_into_a_mapped_column_equals_the_whole_gather() -> N
 
 
 def test_the_listed_columns_are_on_maps_of_their_own(tmp_path: Path) -> None:
-    """The columns the open hands the manager (sizes, stamps) and the blocks' keys the walk
-    gathers live on anonymous maps, not in the opening thread's malloc arena (whose top a trim
-    leaves resident once the columns are freed by the adopting thread)."""
+    """The columns the open hands the manager (sizes, stamps) and the blocks' keys, value sizes
+    and offsets the walk lists live on anonymous maps, not in the opening thread's malloc arena
+    (whose top a trim leaves resident once the columns are freed by the adopting thread)."""
     _store(tmp_path / "env", 3 * _BATCH + 1, 1024)
     path = str(tmp_path / "env")
     walked = list_trees(path)
     assert walked is not None
-    keys = walked[0][b"blocks"].keys
-    assert keys is not None and _on_a_map(keys)
-    del walked, keys
+    blocks = walked[0][b"blocks"]
+    assert blocks.keys is not None and _on_a_map(blocks.keys)
+    # and the values' sizes and offsets: from malloc, freed just before LMDB opens, they were
+    # where its 1 MB free-page list then went, resident (8 B a record at 10^5)
+    assert _on_a_map(blocks.values) and _on_a_map(blocks.at)
+    del walked, blocks
     columns, _, _ = open_listing(path, ENTRY_SIZES)
     assert isinstance(columns, RecordColumns) and len(columns) == 3 * _BATCH + 1
     assert _on_a_map(columns.stored) and _on_a_map(columns.stamps)

@@ -223,3 +223,48 @@ def test_the_metrics_of_a_plain_job_match_the_general_accounting() -> None:
         snaps.append(m.snapshot())
     assert snaps[0] == snaps[1]
     assert snaps[0]["tiers"][1]["hits"] == 4 and snaps[0]["tiers"][0]["bytes_stored"] == 4 * 4096
+
+
+def test_a_quiet_condition_notifies_only_a_thread_that_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``QuietCondition`` (the engine's ``_idle`` and ``_inline_done``): ``notify_all`` with no
+    thread waiting reaches no condition machinery; a waiting thread is woken as by a plain
+    condition, ``wait_for`` and its timeout behave the same, and the count goes back to 0."""
+    import threading
+
+    from kvtier.transfer.jobs import QuietCondition
+
+    notified = []
+    inner = threading.Condition.notify_all
+    cond = QuietCondition(threading.Lock())
+    monkeypatch.setattr(threading.Condition, "notify_all", lambda self: (self is cond and notified.append(1), inner(self))[1])
+    with cond:
+        cond.notify_all()
+        assert not cond.wait_for(lambda: False, 0.01) and cond.waiting == 0
+    assert notified == []
+    state = {"go": False}
+    woke = threading.Event()
+
+    def waiter() -> None:
+        with cond:
+            assert cond.wait_for(lambda: state["go"], HANG_GUARD)
+        woke.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    for _ in range(10_000):  # until the waiter is inside wait()
+        with cond:
+            if cond.waiting:
+                break
+        threading.Event().wait(0.001)
+    with cond:
+        assert cond.waiting == 1
+        state["go"] = True
+        cond.notify_all()
+    assert woke.wait(HANG_GUARD) and notified == [1]
+    t.join(HANG_GUARD)
+    assert cond.waiting == 0
+    engine = Rig(plain=True).engine
+    try:
+        assert isinstance(engine._idle, QuietCondition) and isinstance(engine._inline_done, QuietCondition)
+    finally:
+        engine.close()

