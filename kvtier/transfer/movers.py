@@ -62,12 +62,20 @@ class MoverHost(Protocol):
     def _staging_rows(self, direction: str) -> torch.Tensor: ...
 
 
-def _reserve(target: MemoryBackend, plan: StorePlan) -> list[int]:
+def reserve_slots(target: MemoryBackend, plan: StorePlan) -> list[int]:
     """Slots of ``target`` for the plan's new blocks (the manager reserved the room already)."""
     slots = target.reserve(plan.keys)
     if slots is None:
         raise LifecycleError(f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off")
     return slots
+
+
+def hand_to_tiers(engine: MoverHost, work: TierWork) -> None:
+    """The tiers thread takes a store job from here (after its device phase), counted as one
+    of the jobs in that thread."""
+    with engine._lock:
+        engine._tier_jobs += 1
+    engine._tiers_q.put(work)
 
 
 class StoreMover:
@@ -104,9 +112,7 @@ class StoreMover:
         if work is None:
             pass  # reported and given back at once (_finish_store(retire=True))
         else:
-            with self.e._lock:
-                self.e._tier_jobs += 1
-            self.e._tiers_q.put(work)
+            hand_to_tiers(self.e, work)
 
     def _device_phase(self, rec: StoreRecord) -> TierWork | None:
         """Read the engine blocks; return the tier work left, or ``None`` when the job is done."""
@@ -168,7 +174,7 @@ class StoreMover:
         assert isinstance(target, MemoryBackend)
         try:
             if plan.keys:
-                slots = _reserve(target, plan)
+                slots = reserve_slots(target, plan)
                 ids = list(rec.block_ids)
                 self._read_engine_blocks(
                     rec, lambda: self.e.layout.gather(ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
@@ -352,7 +358,7 @@ class StoreMover:
         rows = [work.staging[i] for i in range(len(plan.keys))]
         target = self.e.backends[plan.tier]
         if isinstance(target, MemoryBackend):
-            slots = _reserve(target, plan)
+            slots = reserve_slots(target, plan)
             pool = target.pool
             pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=tensor_device(pool)), work.staging)
             wait_for_copies((pool, work.staging))

@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from kvtier.backend import MemoryBackend
-from kvtier.errors import LifecycleError
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobResult, LoadRecord, Phase, StoreRecord, result_of
+from kvtier.transfer.movers import MoverHost, hand_to_tiers, reserve_slots
 from kvtier.transfer.plan_writes import PlanWrites, TierWork
-
-if TYPE_CHECKING:
-    from kvtier.transfer.movers import MoverHost
 
 __all__ = ["PlainJobs"]
 
@@ -77,13 +73,11 @@ class PlainJobs:
         try:
             for tier, dropped in plan.drops:
                 e._delete(tier, dropped, "eviction")  # (a plan with keys evicts to make room)
-            slots = target.reserve(keys)
-            if slots is None:
-                raise LifecycleError(f"tier {plan.tier}: no free slots for {len(keys)} blocks; the manager's accounting is off")
+            slots = reserve_slots(target, plan)
             with rec.device_lock:
                 if rec.cancelled or rec.result is not None:
                     rec.device_done.set()  # it never reads an engine block now
-                    self._hand_over(TierWork(rec, "cleanup", start))
+                    hand_to_tiers(e, TierWork(rec, "cleanup", start))
                     return True
                 rec.phase = Phase.DEVICE
                 try:
@@ -99,15 +93,8 @@ class PlainJobs:
         ok = error is None
         result = result_of(rec.job_id, "store", ok, keys, nbytes, time.perf_counter() - start, {}, (), (), {}, error)
         if not e._finish(rec, result, retire=True):  # reported failed meanwhile: undo, in order
-            self._hand_over(TierWork(rec, "cleanup", start))
+            hand_to_tiers(e, TierWork(rec, "cleanup", start))
         return True
-
-    def _hand_over(self, work: TierWork) -> None:
-        """The tiers thread takes the job from here, as after a general device phase."""
-        e = self.e
-        with e._lock:
-            e._tier_jobs += 1
-        e._tiers_q.put(work)
 
     def load(self, rec: LoadRecord) -> bool:
         """Run ``rec`` if it is a plain load (then ``True``: reported and given back); else
