@@ -283,13 +283,19 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         one (:mod:`kvtier.backends.lmdb_salvage`: checksums decide); say what it did."""
         env = self._env
         assert env is not None
-        kept, refused, why = salvage_records(moved, fmt, self.mac, copy_into(env, self._blocks, self._index))
+        kept, refused, why, unchecked = salvage_records(moved, fmt, self.mac, copy_into(env, self._blocks, self._index))
         if why is not None:
             return f"salvaged no record: {why}"
         if kept and self.sync_mode == "durable":
             env.sync(True)
         self._listed = self._read_index(env)
-        return f"salvaged {kept} sound records into it ({refused} found damaged or unpaired were dropped)"
+        kept_as_they_are = (
+            f"; {unchecked} this tier cannot check (keyed, and this tier has no mac_key; or another record format) "
+            "were copied as they are, misses here, for a tier that can check them"
+            if unchecked
+            else ""
+        )
+        return f"salvaged {kept - unchecked} sound records into it ({refused} found damaged or unpaired were dropped){kept_as_they_are}"
 
     def _lmdb_open(self, map_size: int) -> lmdb.Environment:
         return lmdb.open(
