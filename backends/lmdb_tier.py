@@ -445,14 +445,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         them again."""
         straight = self._straight
         if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
-            if len(keys) == 1 and len(out) == 1:
-                hit = straight.one(self._env, keys[0], out[0])
-                if hit is not None:
-                    return [hit]
-            else:
-                found = straight.job(self._env, keys, out)
-                if found is not None:
-                    return found
+            found = straight.read(self._env, keys, out)
+            if found is not None:
+                return found
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None
