@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +42,9 @@ from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import RecordMac, check_meta, decode_meta, parse_header, verify_payload
+from kvtier.records.meta import NewerMetaError
 
-__all__ = ["SalvagedRecord", "copy_into", "salvage_records"]
+__all__ = ["SalvagedRecord", "copy_into", "meta_refusal", "salvage_records"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -162,30 +163,17 @@ def salvage_records(
     Returns how many were handed over, how many were found but refused, why nothing could be
     salvaged (``None`` when the walk ran), and how many of those handed over this tier could not
     check. Never raises over the file's contents; values are read one at a time, never all at once."""
-    try:
-        found = read_meta_pages(path)
-    except (DamagedEnvironment, OSError) as exc:
-        return 0, 0, f"its meta pages are unreadable ({exc})", 0
-    if found is None:
-        return 0, 0, "it has no data file", 0
-    metas = sorted((m for m in found[0] if m is not None), key=lambda m: -m.txnid)
-    if not metas:
-        return 0, 0, "neither meta page is readable", 0
+    pages = _meta_pages(path)
+    if isinstance(pages, str):
+        return 0, 0, pages, 0
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         why = "no meta page leads to the store's databases"
-        for meta in metas:  # the newer one first; the older is one commit behind
-            reader = _Reader(fd, meta.psize, min(meta.last_pgno, max(0, found[1] // meta.psize - 1)))
-            page = os.pread(fd, meta.psize, (0 if meta is found[0][0] else 1) * meta.psize)
-            main = reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size])
-            dbs = {k: v for k, (flags, v) in main.items() if flags & _F_SUBDATA}
-            if not {b"blocks", b"index", b"meta"} <= dbs.keys():
-                continue
-            stored_meta = reader.tree(dbs[b"meta"]).get(META_KEY)
+        for reader, dbs, stored_meta in _databases(fd, *pages):
             try:
                 if stored_meta is None:
                     raise CorruptBlockError("no meta record")
-                check_meta(decode_meta(stored_meta[1]), fmt, where=f"lmdb {path!r}", mac=mac)
+                check_meta(decode_meta(stored_meta), fmt, where=f"lmdb {path!r}", mac=mac)
             except (CorruptBlockError, ConfigError) as exc:
                 why = f"its meta record cannot vouch for its records ({exc})"
                 continue
@@ -196,6 +184,65 @@ def salvage_records(
         return 0, 0, why, 0
     finally:
         os.close(fd)
+
+
+def meta_refusal(path: str, fmt: BlockFormat, mac: RecordMac | None, *, where: str) -> ConfigError | None:
+    """The ``ConfigError`` with which an undamaged store would refuse this tier at open (another
+    namespace, block size, dtype or format; keyed, and this tier has no ``mac_key`` or reads
+    none of its MAC's records; a newer kvtier's), read from the meta record of the damaged
+    environment at ``path`` as salvage reads it; ``None`` when its meta record accepts this
+    tier or cannot be read. A tier refused so leaves the environment where it is: moving it
+    aside would lose its records to a tier that merely lacks the key or is another model's."""
+    pages = _meta_pages(path)
+    if isinstance(pages, str):
+        return None
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for _, _, stored_meta in _databases(fd, *pages):
+            if stored_meta is None:
+                continue
+            try:
+                check_meta(decode_meta(stored_meta), fmt, where=where, mac=mac)
+            except NewerMetaError as exc:
+                return exc.refusal(where)
+            except ConfigError as exc:
+                return exc
+            except CorruptBlockError:
+                continue  # (the older meta page's commit may hold a readable one)
+            return None
+        return None
+    finally:
+        os.close(fd)
+
+
+def _meta_pages(path: str) -> tuple[Any, list[Any]] | str:
+    """The environment's meta pages as read (and the file's size), with the readable ones newest
+    first; or why there are none."""
+    try:
+        found = read_meta_pages(path)
+    except (DamagedEnvironment, OSError) as exc:
+        return f"its meta pages are unreadable ({exc})"
+    if found is None:
+        return "it has no data file"
+    metas = sorted((m for m in found[0] if m is not None), key=lambda m: -m.txnid)
+    if not metas:
+        return "neither meta page is readable"
+    return found, metas
+
+
+def _databases(fd: int, found: Any, metas: list[Any]) -> Iterator[tuple[_Reader, dict[bytes, Any], bytes | None]]:
+    """For each readable meta page, the newer first (the older is one commit behind), whose main
+    database names the store's three: a reader of that commit, its databases and its meta record
+    (``None``: absent)."""
+    for meta in metas:
+        reader = _Reader(fd, meta.psize, min(meta.last_pgno, max(0, found[1] // meta.psize - 1)))
+        page = os.pread(fd, meta.psize, (0 if meta is found[0][0] else 1) * meta.psize)
+        main = reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size])
+        dbs = {k: v for k, (flags, v) in main.items() if flags & _F_SUBDATA}
+        if not {b"blocks", b"index", b"meta"} <= dbs.keys():
+            continue
+        stored = reader.tree(dbs[b"meta"]).get(META_KEY)
+        yield reader, dbs, None if stored is None else stored[1]
 
 
 def _hand_over(

@@ -109,9 +109,10 @@ class HookedEnv:
         self._hook = hook
         self._reads_only = reads_only
 
-    def begin(self, **kwargs: Any) -> Any:
-        txn = self._env.begin(**kwargs)
-        if self._reads_only and not kwargs.get("buffers"):
+    def begin(self, *args: Any, **kwargs: Any) -> Any:
+        """``lmdb.Environment.begin(db, parent, write, buffers)``, by name or by position."""
+        txn = self._env.begin(*args, **kwargs)
+        if self._reads_only and not kwargs.get("buffers", len(args) > 3 and args[3]):
             return txn
         return _HookedTxn(txn, self._hook)
 

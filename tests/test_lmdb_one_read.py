@@ -287,6 +287,28 @@ def test_a_one_record_job_of_a_data_file_cut_short_is_refused(tmp_path: Path) ->
     assert child.returncode == 0 and "refused" in child.stdout and "shorter than" in child.stdout
 
 
+
+def test_a_one_record_job_notes_the_data_file_grown_since_the_last_read(tmp_path: Path) -> None:
+    """The straight line compares the file's end with the guard's last size itself and calls
+    the guard only when it moved: a grown file is noted there, so a later cut to below the
+    grown size (not below the first) is still refused (the cut itself: the test above)."""
+    backend = _open(tmp_path / "store")
+    try:
+        guard = backend._reader.guard  # type: ignore[attr-defined]
+        row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        keys = [make_key(i) for i in range(40)]
+        backend.write_blocks(keys[:1], [random_block(FMT.block_bytes, 0)])
+        assert backend.read_blocks(keys[:1], [row]) == [True]  # the row's view is made
+        first = guard.seen
+        backend.write_blocks(keys[1:], [random_block(FMT.block_bytes, i) for i in range(1, 40)])
+        grown = os.path.getsize(tmp_path / "store" / "data.mdb")
+        assert grown > first
+        assert backend._straight.one(backend._env, keys[39], row) is True  # type: ignore[attr-defined]
+        assert guard.seen == grown
+        assert torch.equal(row, random_block(FMT.block_bytes, 39))
+    finally:
+        asyncio.run(backend.aclose())
+
 # -- jobs of several keys (StraightRead.job) ---------------------------------------------------
 
 _JOBS = [(0, 1, 4, 7), (7, 2, 0), (3, 4), (4, 5, 0), (6, 7), (0, 1, 2, 3, 4, 5, 6, 7), (4, 7, 0)]
