@@ -14,6 +14,14 @@ pages. **Checksums decide**: a record is copied only when its value (and its ind
 has one: a joined record has none, :mod:`kvtier.backends.lmdb_layout`) pair up and its checksum (or keyed MAC) verifies for its key, exactly as a read would check it, and
 only when the store's meta record was read and matches this store (namespace, format, keying).
 Nothing that fails is copied, so salvage never adds a wrong byte.
+
+A record this tier cannot check (keyed, read by a tier without the secret, in a store keyed
+before meta records named the MAC; another record format, codec or MAC) is what a read treats
+as unsupported: a miss, kept for a reader that can check it. Salvage keeps it too: it is copied
+as it was stored, once its header's lengths pair up with its value, and counted apart. It stays
+a miss here; a reader that can check it does so on every read, as for any record, so the copy
+adds no byte anyone serves unchecked. Dropping it would lose, to a tier that merely lacks the
+key, records the keyed tier still serves.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +40,11 @@ from kvtier.backends.lmdb_pages import _DB, _HEADER, _IGNORED_FLAGS, _MAIN_DB_AT
 
 from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import RecordMac, check_meta, decode_meta, parse_header, verify_payload
+from kvtier.records.meta import NewerMetaError
 
-__all__ = ["SalvagedRecord", "copy_into", "salvage_records"]
+__all__ = ["SalvagedRecord", "copy_into", "meta_refusal", "salvage_records"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -146,46 +156,93 @@ class _Reader:
 
 def salvage_records(
     path: str, fmt: BlockFormat, mac: RecordMac | None, put: Callable[[list[SalvagedRecord]], bool], *, batch_bytes: int = 32 << 20
-) -> tuple[int, int, str | None]:
+) -> tuple[int, int, str | None, int]:
     """Hand the records of the environment at ``path`` (its ``data.mdb``) that pass their
-    check to ``put``, most recently used first, in batches of about ``batch_bytes`` (``put``
-    returns ``False`` to stop: a full map). Returns how many were handed over, how many were
-    found but refused, and why nothing could be salvaged (``None`` when the walk ran). Never
-    raises over the file's contents; values are read one at a time, never all at once."""
-    try:
-        found = read_meta_pages(path)
-    except (DamagedEnvironment, OSError) as exc:
-        return 0, 0, f"its meta pages are unreadable ({exc})"
-    if found is None:
-        return 0, 0, "it has no data file"
-    metas = sorted((m for m in found[0] if m is not None), key=lambda m: -m.txnid)
-    if not metas:
-        return 0, 0, "neither meta page is readable"
+    check, or that this tier cannot check (see the module doc), to ``put``, most recently used
+    first, in batches of about ``batch_bytes`` (``put`` returns ``False`` to stop: a full map).
+    Returns how many were handed over, how many were found but refused, why nothing could be
+    salvaged (``None`` when the walk ran), and how many of those handed over this tier could not
+    check. Never raises over the file's contents; values are read one at a time, never all at once."""
+    pages = _meta_pages(path)
+    if isinstance(pages, str):
+        return 0, 0, pages, 0
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         why = "no meta page leads to the store's databases"
-        for meta in metas:  # the newer one first; the older is one commit behind
-            reader = _Reader(fd, meta.psize, min(meta.last_pgno, max(0, found[1] // meta.psize - 1)))
-            page = os.pread(fd, meta.psize, (0 if meta is found[0][0] else 1) * meta.psize)
-            main = reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size])
-            dbs = {k: v for k, (flags, v) in main.items() if flags & _F_SUBDATA}
-            if not {b"blocks", b"index", b"meta"} <= dbs.keys():
-                continue
-            stored_meta = reader.tree(dbs[b"meta"]).get(META_KEY)
+        for reader, dbs, stored_meta in _databases(fd, *pages):
             try:
                 if stored_meta is None:
                     raise CorruptBlockError("no meta record")
-                check_meta(decode_meta(stored_meta[1]), fmt, where=f"lmdb {path!r}", mac=mac)
+                check_meta(decode_meta(stored_meta), fmt, where=f"lmdb {path!r}", mac=mac)
             except (CorruptBlockError, ConfigError) as exc:
                 why = f"its meta record cannot vouch for its records ({exc})"
                 continue
             values = reader.tree(dbs[b"blocks"], lazy=True)
             index = reader.tree(dbs[b"index"])
-            kept, refused = _hand_over(reader, values, index, fmt, mac, put, batch_bytes)
-            return kept, refused, None
-        return 0, 0, why
+            kept, refused, unchecked = _hand_over(reader, values, index, fmt, mac, put, batch_bytes)
+            return kept, refused, None, unchecked
+        return 0, 0, why, 0
     finally:
         os.close(fd)
+
+
+def meta_refusal(path: str, fmt: BlockFormat, mac: RecordMac | None, *, where: str) -> ConfigError | None:
+    """The ``ConfigError`` with which an undamaged store would refuse this tier at open (another
+    namespace, block size, dtype or format; keyed, and this tier has no ``mac_key`` or reads
+    none of its MAC's records; a newer kvtier's), read from the meta record of the damaged
+    environment at ``path`` as salvage reads it; ``None`` when its meta record accepts this
+    tier or cannot be read. A tier refused so leaves the environment where it is: moving it
+    aside would lose its records to a tier that merely lacks the key or is another model's."""
+    pages = _meta_pages(path)
+    if isinstance(pages, str):
+        return None
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for _, _, stored_meta in _databases(fd, *pages):
+            if stored_meta is None:
+                continue
+            try:
+                check_meta(decode_meta(stored_meta), fmt, where=where, mac=mac)
+            except NewerMetaError as exc:
+                return exc.refusal(where)
+            except ConfigError as exc:
+                return exc
+            except CorruptBlockError:
+                continue  # (the older meta page's commit may hold a readable one)
+            return None
+        return None
+    finally:
+        os.close(fd)
+
+
+def _meta_pages(path: str) -> tuple[Any, list[Any]] | str:
+    """The environment's meta pages as read (and the file's size), with the readable ones newest
+    first; or why there are none."""
+    try:
+        found = read_meta_pages(path)
+    except (DamagedEnvironment, OSError) as exc:
+        return f"its meta pages are unreadable ({exc})"
+    if found is None:
+        return "it has no data file"
+    metas = sorted((m for m in found[0] if m is not None), key=lambda m: -m.txnid)
+    if not metas:
+        return "neither meta page is readable"
+    return found, metas
+
+
+def _databases(fd: int, found: Any, metas: list[Any]) -> Iterator[tuple[_Reader, dict[bytes, Any], bytes | None]]:
+    """For each readable meta page, the newer first (the older is one commit behind), whose main
+    database names the store's three: a reader of that commit, its databases and its meta record
+    (``None``: absent)."""
+    for meta in metas:
+        reader = _Reader(fd, meta.psize, min(meta.last_pgno, max(0, found[1] // meta.psize - 1)))
+        page = os.pread(fd, meta.psize, (0 if meta is found[0][0] else 1) * meta.psize)
+        main = reader.tree(page[_MAIN_DB_AT : _MAIN_DB_AT + _DB.size])
+        dbs = {k: v for k, (flags, v) in main.items() if flags & _F_SUBDATA}
+        if not {b"blocks", b"index", b"meta"} <= dbs.keys():
+            continue
+        stored = reader.tree(dbs[b"meta"]).get(META_KEY)
+        yield reader, dbs, None if stored is None else stored[1]
 
 
 def _hand_over(
@@ -196,7 +253,7 @@ def _hand_over(
     mac: RecordMac | None,
     put: Callable[[list[SalvagedRecord]], bool],
     batch_bytes: int,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     order: list[tuple[float, bytes]] = []
     for key in values.keys():
         if key not in index:
@@ -207,15 +264,15 @@ def _hand_over(
         except ValueError:
             continue
     order.sort(reverse=True)
-    kept = refused = 0
+    kept = refused = unchecked = 0
     batch: list[SalvagedRecord] = []
-    size = 0
+    size = batch_unchecked = 0  # (records of the batch this tier cannot check: see the module doc)
     for _, key in order:
         entry, value = index[key][1] if key in index else None, reader.read(values[key][1])
         try:
             if value is None or len(key) != 32:
                 raise CorruptBlockError("unreadable")
-            _verify(key, entry, value, fmt, mac)
+            batch_unchecked += not _verify(key, entry, value, fmt, mac)
         except CorruptBlockError:
             refused += 1
             continue
@@ -223,27 +280,39 @@ def _hand_over(
         size += len(value)
         if size >= batch_bytes:
             if not put(batch):
-                return kept, refused
-            kept, batch, size = kept + len(batch), [], 0
+                return kept, refused, unchecked
+            kept, unchecked, batch, size, batch_unchecked = kept + len(batch), unchecked + batch_unchecked, [], 0, 0
     if batch and put(batch):
-        kept += len(batch)
-    return kept, refused + len(index.keys() - values.keys())
+        kept, unchecked = kept + len(batch), unchecked + batch_unchecked
+    return kept, refused + len(index.keys() - values.keys()), unchecked
 
 
-def _verify(key: bytes, entry: bytes | None, value: bytes, fmt: BlockFormat, mac: RecordMac | None) -> None:
-    """Raise ``CorruptBlockError`` unless the record checks, as a read would check it."""
-    head: Any
-    if entry is None or len(entry) == INDEX.size:  # joined or whole layout: the head starts the value
-        head = value
-        header = parse_header(value, raw_length=fmt.block_bytes, available=len(value), mac=mac)
+def _verify(key: bytes, entry: bytes | None, value: bytes, fmt: BlockFormat, mac: RecordMac | None) -> bool:
+    """``True`` when the record checks, as a read would check it; ``False`` when this tier
+    cannot check it (a read's ``UnsupportedRecordError``: a miss, kept), once its header's
+    lengths pair up with its value where this build can parse them; raise ``CorruptBlockError``
+    otherwise."""
+    head: Any = value
+    available = len(value)
+    if entry is not None and len(entry) != INDEX.size:  # split: the head is in the index entry
+        head = entry[INDEX.size :]
+        available += len(head)
+    try:
+        header = parse_header(head, raw_length=fmt.block_bytes, available=available, mac=mac)
+    except UnsupportedRecordError:
+        try:
+            parse_header(head, raw_length=fmt.block_bytes, available=available, any_keying=True)
+        except UnsupportedRecordError:  # another record format: nothing here to check
+            pass
+        return False
+    if head is value:  # joined or whole layout: the head starts the value
         payload = memoryview(value)[header.payload_offset : header.payload_offset + header.stored_length]
     else:
-        head = entry[INDEX.size :]
-        header = parse_header(head, raw_length=fmt.block_bytes, available=len(head) + len(value), mac=mac)
-        payload = memoryview(value)[: header.stored_length]
+        payload = memoryview(value)
         if len(value) != header.stored_length:
             raise CorruptBlockError(f"value of {len(value)} bytes, its header says {header.stored_length}")
     verify_payload(key, head, header, payload, mac=mac)
+    return True
 
 
 def copy_into(env: lmdb.Environment, blocks: Any, index: Any) -> Callable[[list[SalvagedRecord]], bool]:

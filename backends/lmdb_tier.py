@@ -51,7 +51,10 @@ Contract and choices:
   ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
   a fresh one, into which the records that still pass their check are salvaged
   (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A meta record of a newer version is
-  no damage: a newer kvtier's store, refused at open (``ConfigError``) and left as it is. A job
+  no damage: a newer kvtier's store, refused at open (``ConfigError``) and left as it is. A
+  damaged store whose meta record refuses this tier (another namespace, keyed where the tier
+  has no secret, a newer kvtier's) is refused the same and left where it is, for a tier that
+  can read and salvage it. A job
   is not read from a file cut short under the open store (:mod:`kvtier.backends.lmdb_plain`),
   and any LMDB error on one key is a miss for that key.
   Only a failed check deletes: a bad record, or a lookup that met a damaged page
@@ -101,7 +104,7 @@ from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_one import StraightRead
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
-from kvtier.backends.lmdb_salvage import copy_into, salvage_records
+from kvtier.backends.lmdb_salvage import copy_into, meta_refusal, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
 from kvtier.backends.lmdb_writes import LmdbWrites, Record
 from kvtier.backends.tag_log import DirectoryTags
@@ -216,6 +219,11 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             ) from exc
         except (DamagedEnvironment, *_CORRUPT, CorruptBlockError) as exc:
             self._close_env()
+            # A store that refuses this tier undamaged (keyed, another model's, a newer kvtier's)
+            # refuses it damaged too, left in place for a tier that can read and salvage it.
+            refused = meta_refusal(self.path, fmt, self.mac, where=f"lmdb {self.path!r} (damaged, and left as it is)")
+            if refused is not None:
+                raise refused from exc
             moved = move_aside(self.path, f"{type(exc).__name__}: {exc}")
             try:
                 self._try_open(fmt)
@@ -283,13 +291,19 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         one (:mod:`kvtier.backends.lmdb_salvage`: checksums decide); say what it did."""
         env = self._env
         assert env is not None
-        kept, refused, why = salvage_records(moved, fmt, self.mac, copy_into(env, self._blocks, self._index))
+        kept, refused, why, unchecked = salvage_records(moved, fmt, self.mac, copy_into(env, self._blocks, self._index))
         if why is not None:
             return f"salvaged no record: {why}"
         if kept and self.sync_mode == "durable":
             env.sync(True)
         self._listed = self._read_index(env)
-        return f"salvaged {kept} sound records into it ({refused} found damaged or unpaired were dropped)"
+        kept_as_they_are = (
+            f"; {unchecked} this tier cannot check (keyed, and this tier has no mac_key; or another record format) "
+            "were copied as they are, misses here, for a tier that can check them"
+            if unchecked
+            else ""
+        )
+        return f"salvaged {kept - unchecked} sound records into it ({refused} found damaged or unpaired were dropped){kept_as_they_are}"
 
     def _lmdb_open(self, map_size: int) -> lmdb.Environment:
         return lmdb.open(
@@ -445,14 +459,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         them again."""
         straight = self._straight
         if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
-            if len(keys) == 1 and len(out) == 1:
-                hit = straight.one(self._env, keys[0], out[0])
-                if hit is not None:
-                    return [hit]
-            else:
-                found = straight.job(self._env, keys, out)
-                if found is not None:
-                    return found
+            found = straight.read(self._env, keys, out)
+            if found is not None:
+                return found
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None

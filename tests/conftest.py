@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from lmdb_lookups import warm_lmdb_lookups  # noqa: F401  (autouse: every lmdb lookup warm, whatever the machine)
 from mooncake_servers import MISSING as MOONCAKE_MISSING
 from mooncake_servers import mooncake_binaries, mooncake_store, own_mooncake_store  # noqa: F401  (fixtures)
 from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redis tests on both kinds)

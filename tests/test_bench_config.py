@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from redis_servers import started_server
 
 from kvtier.tools.bench.advice import tier_line
 from kvtier.tools.cli import main
-from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER, RedisServer, free_port
+from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER, free_port
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -60,7 +61,7 @@ def test_a_redis_tier_is_measured_on_its_server_and_leaves_no_keys(tmp_path: Pat
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip("REDIS-SERVER NOT INSTALLED")
     secret = "bench-config-secret-7f3a"
-    server = RedisServer(tmp_path / "redis").start()
+    server = started_server(tmp_path / "redis")
     try:
         server.cli("config", "set", "requirepass", secret)  # after start: the launcher's readiness ping has no password
 

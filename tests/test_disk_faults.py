@@ -692,8 +692,8 @@ def test_a_bad_lmdb_read_is_a_per_key_miss_and_the_key_is_dropped(tmp_path: Path
                 def __getattr__(self, name: str) -> object:
                     return getattr(env, name)
 
-                def begin(self, **kw: object) -> Txn:
-                    return Txn(env.begin(**kw))
+                def begin(self, *args: object, **kw: object) -> Txn:
+                    return Txn(env.begin(*args, **kw))
 
             backend._env = Env()  # type: ignore[attr-defined]
             try:
@@ -844,10 +844,10 @@ def test_stamps_that_cannot_be_written_never_fail_a_close(tmp_path: Path, caplog
             def __getattr__(self, name: str) -> object:
                 return getattr(env, name)
 
-            def begin(self, **kw: object) -> object:
-                if kw.get("write"):
+            def begin(self, *args: object, **kw: object) -> object:
+                if kw.get("write", len(args) > 2 and args[2]):  # (db, parent, write, buffers)
                     raise lmdb.CorruptedError("injected MDB_CORRUPTED")
-                return env.begin(**kw)
+                return env.begin(*args, **kw)
 
         backend._env = Env()  # type: ignore[attr-defined]
         try:

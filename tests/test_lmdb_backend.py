@@ -916,6 +916,6 @@ def test_a_zeroed_page_costs_its_records_not_the_store(tmp_path: Path, block_byt
         batches.append([r.key for r in batch])
         return len(batches) < 3
 
-    kept, _, why = salvage_records(str(moved), fmt, None, put, batch_bytes=1)
+    kept, _, why, _ = salvage_records(str(moved), fmt, None, put, batch_bytes=1)
     assert why is None and kept == 2 and [len(b) for b in batches] == [1, 1, 1]
     assert batches[0][0] in set(keys[n - 16 : n - 1])  # a record of the last job (the newest) first

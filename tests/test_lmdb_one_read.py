@@ -287,6 +287,28 @@ def test_a_one_record_job_of_a_data_file_cut_short_is_refused(tmp_path: Path) ->
     assert child.returncode == 0 and "refused" in child.stdout and "shorter than" in child.stdout
 
 
+
+def test_a_one_record_job_notes_the_data_file_grown_since_the_last_read(tmp_path: Path) -> None:
+    """The straight line compares the file's end with the guard's last size itself and calls
+    the guard only when it moved: a grown file is noted there, so a later cut to below the
+    grown size (not below the first) is still refused (the cut itself: the test above)."""
+    backend = _open(tmp_path / "store")
+    try:
+        guard = backend._reader.guard  # type: ignore[attr-defined]
+        row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        keys = [make_key(i) for i in range(40)]
+        backend.write_blocks(keys[:1], [random_block(FMT.block_bytes, 0)])
+        assert backend.read_blocks(keys[:1], [row]) == [True]  # the row's view is made
+        first = guard.seen
+        backend.write_blocks(keys[1:], [random_block(FMT.block_bytes, i) for i in range(1, 40)])
+        grown = os.path.getsize(tmp_path / "store" / "data.mdb")
+        assert grown > first
+        assert backend._straight.one(backend._env, keys[39], row) is True  # type: ignore[attr-defined]
+        assert guard.seen == grown
+        assert torch.equal(row, random_block(FMT.block_bytes, 39))
+    finally:
+        asyncio.run(backend.aclose())
+
 # -- jobs of several keys (StraightRead.job) ---------------------------------------------------
 
 _JOBS = [(0, 1, 4, 7), (7, 2, 0), (3, 4), (4, 5, 0), (6, 7), (0, 1, 2, 3, 4, 5, 6, 7), (4, 7, 0)]
@@ -447,4 +469,40 @@ def test_an_lmdb_error_in_a_warm_job_is_the_general_paths(tmp_path: Path, monkey
         assert stats["deleted"] == (1 if dropped else 0) and stats["blocks_read"] == 5 and stats["read_misses"] == 1
     finally:
         backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
+
+
+def test_on_a_machine_whose_every_lookup_is_slow_and_waits_for_the_disk_tests_read_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tests' lookups are warm whatever the machine (lmdb_lookups.warm_lmdb_lookups, autouse):
+    with every lookup over ``COLD_GET_S`` and a major fault each time (a cold page cache on a
+    loaded host), warm jobs stay on the straight line; ``slow_lookups_read_the_disk`` gives a
+    test the tier's rule back, and the same job then makes the reader cold."""
+    import itertools
+
+    monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    monkeypatch.setattr(lmdb_one, "COLD_GET_S", -1.0)
+    monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count(-(10**6)).__next__)  # below the rule's own count below
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    general: list[int] = []
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(len(keys)) or _READ_JOB(self, env, keys, *a))
+    try:
+        data = [random_block(FMT.block_bytes, 90 + i) for i in range(3)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 3  # the rows are seen
+        temperature = backend._reader.temperature  # type: ignore[attr-defined]
+        general.clear()
+        for _ in range(3):
+            assert backend.read_blocks(keys, rows) == [True] * 3
+        assert general == [] and not temperature.cold  # the straight line's, every time
+        assert all(torch.equal(r, d) for r, d in zip(rows, data))
+        slow_lookups_read_the_disk(monkeypatch, thread=False)
+        assert backend.read_blocks(keys, rows) == [True] * 3
+        assert temperature.cold  # the tier's own rule: that job read from disk
+        assert backend.read_blocks(keys, rows) == [True] * 3
+        assert general == [3]  # the next job is read cold, by the job reader
+    finally:
         asyncio.run(backend.aclose())

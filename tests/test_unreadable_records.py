@@ -18,6 +18,7 @@ import pytest
 import torch
 from kvtier.backends.lmdb_files import META_KEY
 from lmdb_lookups import layouts
+from test_lmdb_backend import _blocks_leaf_pages
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -94,7 +95,7 @@ def _set_meta(name: str, path: Path, data: bytes) -> None:
         txn.put(META_KEY, data)
 
 
-def _set_record_versions(name: str, path: Path, version: int) -> None:
+def _set_record_versions(name: str, path: Path, version: int, keys: list[bytes] = KEYS) -> None:
     """Rewrite the format version in every record's header (split lmdb records: the head is in
     the index entry, after the entry's own fields)."""
 
@@ -112,7 +113,7 @@ def _set_record_versions(name: str, path: Path, version: int) -> None:
     from kvtier.backends.lmdb_layout import INDEX
 
     with lmdb.open(str(path / "lmdb"), max_dbs=3) as env, env.begin(write=True, db=env.open_db(b"index")) as txn:
-        for key in KEYS:
+        for key in keys:
             txn.put(key, patched(bytes(txn.get(key)), INDEX.size))
 
 
@@ -174,3 +175,105 @@ def test_verify_delete_without_the_secret_keeps_the_keyed_records(name: str, tmp
     assert report.checked == len(KEYS) and len(report.bad) == len(KEYS) and report.deleted == 0
     assert all(b["reason"].startswith("unsupported") for b in report.bad)
     _all_served(name, tmp_path, mac_key=SECRET, mac_algorithm="hmac-sha256")
+
+
+SMALL = BlockFormat(block_bytes=1024, dtype="bfloat16", namespace={"model_id": "unreadable"})  # values inside leaf pages
+SMALL_KEYS = [make_key(100 + i) for i in range(240)]
+SMALL_DATA = [random_block(SMALL.block_bytes, 100 + i) for i in range(240)]
+
+
+def _store_lmdb(path: Path, fmt: BlockFormat, **options: object) -> None:
+    """An ``lmdb`` store of ``SMALL_KEYS`` over several leaf pages, written by a tier of ``fmt``."""
+    backend = registry.backends.get("lmdb")(capacity=32 << 20, path=str(path / "lmdb"), **options)
+    asyncio.run(backend.open(fmt))
+    try:
+        for i in range(0, len(SMALL_KEYS), 16):
+            assert None not in backend.write_blocks(SMALL_KEYS[i : i + 16], SMALL_DATA[i : i + 16])
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def _zero_a_leaf_page(path: Path) -> None:
+    """Damage the environment: one of its blocks database's leaf pages zeroed (its records lost)."""
+    data_file = path / "lmdb" / "data.mdb"
+    leaves = _blocks_leaf_pages(data_file)
+    assert len(leaves) >= 3
+    raw = bytearray(data_file.read_bytes())
+    raw[leaves[1] * 4096 : (leaves[1] + 1) * 4096] = bytes(4096)
+    data_file.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("unreadable", ["keyed", "newer format"])
+def test_salvage_keeps_the_records_the_tier_cannot_check(unreadable: str, tmp_path: Path) -> None:
+    """A damaged environment whose records this tier cannot check (keyed, in a store keyed
+    before meta records named the MAC, opened without the secret; or of a newer record format):
+    salvage copies them into the fresh environment as they are (misses there, none deleted), so
+    a tier that can check them serves them next. Before, all were refused as damaged and left
+    behind in the moved-aside environment."""
+    able = {"mac_key": SECRET, "mac_algorithm": "hmac-sha256"} if unreadable == "keyed" else {}
+    _store_lmdb(tmp_path, SMALL, **able)
+    if unreadable == "keyed":
+        _set_meta("lmdb", tmp_path, encode_meta(SMALL, None, layout=decode_meta(_meta("lmdb", tmp_path)).layout))
+    else:
+        _set_record_versions("lmdb", tmp_path, RECORD_VERSION + 1, SMALL_KEYS)
+    _zero_a_leaf_page(tmp_path)
+    fmt, n, keys, data = SMALL, len(SMALL_KEYS), SMALL_KEYS, SMALL_DATA
+
+    def tier(**options: object) -> Backend:
+        backend = registry.backends.get("lmdb")(capacity=32 << 20, path=str(tmp_path / "lmdb"), **options)
+        asyncio.run(backend.open(fmt))
+        return backend
+
+    backend = registry.backends.get("lmdb")(capacity=32 << 20, path=str(tmp_path / "lmdb"))
+    with pytest.warns(RuntimeWarning, match=r"salvaged 0 sound records .*; [0-9]+ this tier cannot check .* copied as they are"):
+        asyncio.run(backend.open(fmt))
+    try:
+        assert len(list((tmp_path / "lmdb").glob("damaged-*/data.mdb"))) == 1
+        kept = [i for i, key in enumerate(keys) if key in {r.key for r in backend.scan()}]
+        assert n // 2 < len(kept) < n  # one page's records lost, not the store
+        out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in kept]
+        assert backend.read_blocks([keys[i] for i in kept], out) == [False] * len(kept)  # misses here
+        stats = backend.stats()
+        assert stats["deleted"] == 0 and stats["corrupt_records"] == 0
+    finally:
+        asyncio.run(backend.aclose())
+    if unreadable == "newer format":  # as a build that reads them sees them
+        _set_record_versions("lmdb", tmp_path, RECORD_VERSION, [keys[i] for i in kept])
+    backend = tier(**able)
+    try:
+        out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in kept]
+        assert backend.read_blocks([keys[i] for i in kept], out) == [True] * len(kept)
+        assert all(torch.equal(o, data[i]) for o, i in zip(out, kept))
+    finally:
+        asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("store", ["keyed", "another model's"])
+def test_a_damaged_store_that_refuses_a_tier_at_open_is_refused_and_left_for_one_it_accepts(store: str, tmp_path: Path) -> None:
+    """A damaged environment whose meta record refuses the tier opening it (keyed, and the tier
+    has no mac_key; another model's) refuses it as the undamaged store would, with the same
+    ConfigError, and stays where it is: the tier it accepts then moves it aside and salvages its
+    records. Before, the refused tier moved it aside and started a fresh store of its own in
+    its place: every record of it left only in damaged-*/."""
+    writer = {"mac_key": SECRET} if store == "keyed" else {}
+    fmt = SMALL if store == "keyed" else BlockFormat(block_bytes=SMALL.block_bytes, dtype="bfloat16", namespace_digest=b"\1" * 32, namespace={"model_id": "another"})
+    _store_lmdb(tmp_path, fmt, **writer)
+    _zero_a_leaf_page(tmp_path)
+    before = sorted(p.name for p in (tmp_path / "lmdb").iterdir())
+    refused = registry.backends.get("lmdb")(capacity=32 << 20, path=str(tmp_path / "lmdb"))
+    with pytest.raises(ConfigError, match="mac_key" if store == "keyed" else "namespace digest"):
+        asyncio.run(refused.open(SMALL))
+    asyncio.run(refused.aclose())
+    assert sorted(p.name for p in (tmp_path / "lmdb").iterdir()) == before  # nothing moved aside
+
+    backend = registry.backends.get("lmdb")(capacity=32 << 20, path=str(tmp_path / "lmdb"), **writer)
+    with pytest.warns(RuntimeWarning, match=r"salvaged [0-9]+ sound records"):
+        asyncio.run(backend.open(fmt))
+    try:
+        kept = [i for i, key in enumerate(SMALL_KEYS) if key in {r.key for r in backend.scan()}]
+        assert len(SMALL_KEYS) // 2 < len(kept) < len(SMALL_KEYS)  # one page's records lost, not the store
+        out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in kept]
+        assert backend.read_blocks([SMALL_KEYS[i] for i in kept], out) == [True] * len(kept)
+        assert all(torch.equal(o, SMALL_DATA[i]) for o, i in zip(out, kept))
+    finally:
+        asyncio.run(backend.aclose())

@@ -7,6 +7,7 @@ got its own shard back."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from redis_servers import RedisServer
+from server_ports import PortTaken, listening, start_on_free_ports
 from vllm_world import HANG_GUARD, World, count_writes, cpu, lmdb, open_world
 
 from kvtier.config import load_config
@@ -84,8 +86,21 @@ async def test_two_ranks_with_a_metrics_port_both_start_and_serve_their_own() ->
     import urllib.request
 
     pytest.importorskip("prometheus_client")
-    base = _two_free_ports()
-    w = await open_world(2, [cpu(8, 2)], metrics={"port": base})
+    loop = asyncio.get_running_loop()
+
+    def opened(base: int) -> tuple[int, World]:
+        """The world on ports ``base`` and ``base + 1``; PortTaken when a rank could not bind its
+        port because something outside the world took it after the probe."""
+        w = asyncio.run_coroutine_threadsafe(open_world(2, [cpu(8, 2)], metrics={"port": base}), loop).result()
+        unbound = [base + r for r in range(2) if w.stores[r]._exporter.port is None]
+        if unbound:
+            asyncio.run_coroutine_threadsafe(w.close(), loop).result()
+            if any(listening(p) for p in unbound):
+                raise PortTaken(f"metrics port {unbound} taken after its probe")
+            raise AssertionError(f"metrics ports {unbound} not served, and nothing else holds them")
+        return base, w
+
+    base, w = await asyncio.to_thread(start_on_free_ports, lambda n: _two_free_ports(), start=opened)
     try:
         w.store(K[:2], [0, 1])
         for r in range(2):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -99,6 +100,23 @@ def _ping(port: int) -> bool:
         return False
 
 
+def _process_id(port: int) -> int | None:
+    """The ``process_id`` of the server answering on ``port`` (``INFO server``), or ``None``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as s:
+            s.sendall(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+    except OSError:
+        return None
+    found = re.search(rb"process_id:(\d+)", reply)
+    return int(found.group(1)) if found else None
+
+
 class RedisServer:
     """One server process of ``kind`` (``redis-server`` or ``valkey-server``); ``stop``/``kill``
     and ``start`` again on the same port."""
@@ -146,6 +164,13 @@ class RedisServer:
                 self.stop()
                 raise RuntimeError(f"{self.kind}-server on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
+        answering = _process_id(self.port)
+        if answering != self.proc.pid:  # the port was taken between the probe and the bind: not ours
+            self.stop()
+            raise RuntimeError(
+                f"{self.kind}-server on port {self.port} did not start: another server (process {answering}) "
+                "answers there (address already in use)"
+            )
         return self
 
     def cli(self, *args: str) -> str:
@@ -188,6 +213,15 @@ class RedisClusterServers:
         return self.nodes[0].url
 
     def start(self) -> RedisClusterServers:
+        """Start the masters and join them; a failure stops the ones started and is raised."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
         for node in self.nodes:
             node.start()
         if REDIS_CLI is None:
@@ -202,7 +236,6 @@ class RedisClusterServers:
             if time.monotonic() > deadline:
                 raise RuntimeError("the redis cluster did not reach cluster_state:ok")
             time.sleep(0.1)
-        return self
 
     def flush(self) -> None:
         for node in self.nodes:
