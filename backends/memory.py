@@ -193,26 +193,42 @@ class TensorPoolBackend(MemoryBackend):
     def reserve(self, keys: Sequence[bytes]) -> list[int] | None:
         self._check_open()
         with self._lock:
-            slot_of = self._slot_of
-            new = [k for k in dict.fromkeys(keys) if k not in slot_of]
-            if len(new) > len(self._free):
-                return None
-            for k in new:
-                slot_of[k] = self._free.pop()
-            return [slot_of[k] for k in keys]
+            return self._reserve(keys)
+
+    def _reserve(self, keys: Sequence[bytes]) -> list[int] | None:
+        slot_of = self._slot_of
+        new = [k for k in dict.fromkeys(keys) if k not in slot_of]
+        if len(new) > len(self._free):
+            return None
+        for k in new:
+            slot_of[k] = self._free.pop()
+        return [slot_of[k] for k in keys]
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
         check_keys(keys)  # every key before any is deleted
         with self._lock:
-            pop = self._slot_of.pop
-            freed = [slot for slot in map(pop, keys, repeat(None)) if slot is not None]
-            # Highest first: the next reserve of as many keys takes them lowest first, so the
-            # slots of one evicted job come back as one ascending run (a job's copy then takes
-            # its rows as one run at a glance, kvtier.transfer.layout).
-            freed.sort(reverse=True)
-            self._free += freed
-            self.counters.deleted += len(freed)
+            self._free_slots(keys)
+
+    def _free_slots(self, keys: Sequence[bytes]) -> None:
+        """Give the slots of the stored ones of ``keys`` back (under the lock)."""
+        pop = self._slot_of.pop
+        freed = [slot for slot in map(pop, keys, repeat(None)) if slot is not None]
+        # Highest first: the next reserve of as many keys takes them lowest first, so the
+        # slots of one evicted job come back as one ascending run (a job's copy then takes
+        # its rows as one run at a glance, kvtier.transfer.layout).
+        freed.sort(reverse=True)
+        self._free += freed
+        self.counters.deleted += len(freed)
+
+    def evict_and_reserve(self, victims: Sequence[bytes], keys: Sequence[bytes]) -> list[int] | None:
+        """``delete_blocks(victims)`` and ``reserve(keys)`` under one lock: a store job's own
+        room (one call, one open check, one lock taken, where the two calls took two each)."""
+        self._check_open()
+        with self._lock:
+            if victims:
+                self._free_slots(victims)
+            return self._reserve(keys)
 
     def _check_blocks(self, blocks: Sequence[torch.Tensor], n: int) -> None:
         size = self.format.block_bytes

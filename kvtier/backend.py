@@ -279,3 +279,11 @@ class MemoryBackend(Backend):
     @abstractmethod
     def reserve(self, keys: Sequence[bytes]) -> list[int] | None:
         """Allocate rows for new ``keys`` (existing keys keep theirs); ``None`` and no change if full."""
+
+    def evict_and_reserve(self, victims: Sequence[bytes], keys: Sequence[bytes]) -> list[int] | None:
+        """A store job that makes its own room: ``delete_blocks(victims)`` (keys its manager
+        chose, checked when they were stored), then ``reserve(keys)``. A pool may do both in
+        one step."""
+        if victims:
+            self.delete_blocks(victims)
+        return self.reserve(keys)

@@ -18,10 +18,12 @@ from test_transfer import DictBackend, make_layout, record_of
 
 import kvtier
 from kvtier.backend import Backend, BlockFormat
-from kvtier.manager import TierManager, TierSpec
+from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.manager.plan import Demotion
 from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key
 from kvtier.transfer import TransferEngine, copies
+from kvtier.transfer.jobs import JobRecord, LoadRecord, StoreRecord
 from kvtier.transfer.layout import KVLayout
 
 K = [make_key(5000 + i) for i in range(32)]
@@ -289,3 +291,47 @@ def test_take_gives_a_finished_jobs_result_once_and_leaves_a_running_job_alone(r
     rig.gate.set()
     (res,) = rig.engine.wait([third], timeout=HANG_GUARD)
     assert res.success and [r.job_id for r in rig.engine.poll_finished()] == [third]
+
+
+def test_eligibility_with_every_tier_in_host_memory_matches_the_tier_by_tier_answer() -> None:
+    """``InlineJobs.eligible`` skips the look at a job's tiers once every tier is known to be a
+    host memory tier: the same answer as the tier-by-tier path for every kind of plan, and the
+    tier-by-tier path wherever a tier is not."""
+    block = make_layout().block_bytes
+    k = K[:3]
+    plans: list[StorePlan | LoadPlan] = [
+        StorePlan(1, tuple(k), (0, 1, 2)),
+        StorePlan(2, tuple(k), (0, 1, 2), drops=((0, (K[9],)),)),
+        StorePlan(3, tuple(k), (0, 1, 2), write_through=((1, tuple(k)),)),
+        StorePlan(4, tuple(k[:1]), (0,), demotions=(Demotion(0, 1, (K[9], K[10])),)),
+        StorePlan(5, tuple(K[:5]), (0, 1, 2, 3, 4)),  # over the bound
+        StorePlan(6, (), ()),
+        LoadPlan(tuple(k), (0, 0, 0)),
+        LoadPlan(tuple(k), (1, 1, 0), promote=(k[0], k[1])),  # 5 blocks: over the bound
+        LoadPlan(tuple(k[:2]), (1, 0), promote=(k[0],)),
+        LoadPlan(tuple(K[:5]), (0,) * 5),  # over the bound
+    ]
+    fmt = BlockFormat(block_bytes=block)
+    for tiers in (["cpu", "cpu"], ["cpu", "bytes"]):
+        backends: list[Backend] = [(CpuBackend if kind == "cpu" else DictBackend)(capacity=8 * block) for kind in tiers]
+        for backend in backends:
+            asyncio.run(backend.open(fmt))
+        engine = TransferEngine(make_layout(), backends, inline_max_bytes=4 * block)
+        inline = engine._inline
+        answers = []
+        for shortcut in (True, False):
+            inline._all_host = None if shortcut else False  # False: every job's tiers are looked at
+            recs: list[JobRecord] = [
+                StoreRecord(i, p, ()) if isinstance(p, StorePlan) else LoadRecord(i, p, ()) for i, p in enumerate(plans)
+            ]
+            answers.append([inline.eligible(r) for r in recs])
+        assert answers[0] == answers[1]
+        assert inline._all_host is False  # (as the second pass left it)
+        inline._all_host = None
+        inline.eligible(LoadRecord(0, plans[6], ()))
+        assert inline._all_host is (tiers == ["cpu", "cpu"])
+        if tiers == ["cpu", "cpu"]:
+            assert answers[0] == [True, True, False, True, False, True, True, False, True, False]  # (3: 6 blocks)
+        else:
+            assert answers[0] == [True, True, False, False, False, True, True, False, False, False]
+        engine.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier import registry
-from kvtier.backend import Backend, BlockFormat
+from kvtier.backend import Backend, BlockFormat, MemoryBackend
 from kvtier.errors import ConfigError, LifecycleError
 from kvtier.testing import BackendTests, make_key, mapping_flags
 
@@ -55,6 +55,38 @@ class TestCpuBackend(BackendTests):
             backend.delete_blocks([*gone, gone[0]])  # (a repeat frees its slot once)
             assert backend.stats()["deleted"] == 4
             assert backend.reserve([make_key(100 + i) for i in range(4)]) == [2, 3, 4, 5]
+
+    @pytest.mark.parametrize("case", ["evicts", "no_victims", "victim_not_stored", "full", "a_victim_repeats"])
+    def test_evict_and_reserve_is_delete_then_reserve(self, tmp_path: Path, case: str) -> None:
+        """The pool's one-call room for a store job against the two calls it replaces (the
+        MemoryBackend default): the same slots, free list, stored keys and counters."""
+        old = [make_key(i) for i in range(6)]  # 8 slots: 2 free
+        victims, fresh = {
+            "evicts": (old[1:4], 4),
+            "no_victims": ([], 2),
+            "victim_not_stored": ([old[2], make_key(999), old[4]], 4),
+            "full": (old[:1], 4),  # 3 free slots, 4 new keys
+            "a_victim_repeats": ([old[3], old[3], old[0]], 4),
+        }[case]
+        new = [make_key(100 + i) for i in range(fresh)]
+        seen = []
+        for fused in (True, False):
+            with self.opened(tmp_path / str(fused), capacity=self.block_bytes * 8) as backend:
+                assert backend.reserve(old) == list(range(6))
+                if fused:
+                    got = backend.evict_and_reserve(victims, new)
+                else:
+                    got = MemoryBackend.evict_and_reserve(backend, victims, new)  # type: ignore[arg-type]
+                seen.append((got, backend.stored_keys(), list(backend._free), backend.stats()))  # type: ignore[attr-defined]
+        assert seen[0] == seen[1]
+        got, stored = seen[0][0], seen[0][1]
+        assert (got is None) == (case == "full")
+        assert set(stored) == (set(old) - set(victims)) | (set() if got is None else set(new))
+
+    def test_evict_and_reserve_of_a_closed_pool_raises(self, tmp_path: Path) -> None:
+        backend = self.make_backend(tmp_path, self.block_bytes * 2)
+        with pytest.raises(LifecycleError):
+            backend.evict_and_reserve([make_key(1)], [make_key(2)])  # type: ignore[attr-defined]
 
     def test_reserve_is_atomic_when_full(self, tmp_path: Path) -> None:
         with self.opened(tmp_path, capacity=self.block_bytes * 2) as backend:

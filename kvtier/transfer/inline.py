@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.backend import MemoryBackend
 from kvtier.devices import tensor_device
+from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobRecord, LoadRecord, StoreRecord
 from kvtier.transfer.plain_jobs import PlainJobs
 
@@ -49,6 +50,7 @@ class InlineJobs:
         self.loads = loads
         self.max_bytes = max_bytes
         self._host: dict[int, bool] = {}  # per tier, once known: its pool is in host memory
+        self._all_host: bool | None = None  # once known: whether every tier's pool is in host memory
         #: the usual job's straight path (kvtier.transfer.plain_jobs)
         self.plain = PlainJobs(engine)
 
@@ -59,11 +61,26 @@ class InlineJobs:
             known = self._host[tier] = isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu"
         return known
 
+    def _every_tier_host(self) -> bool | None:
+        """Whether every tier's pool is in host memory, found once every tier is open (``None``
+        while one is not: then the job's own tiers are asked)."""
+        try:
+            self._all_host = all([self._host_memory(t) for t in range(len(self.e.backends))])
+        except Exception:  # a memory tier not open yet, or closed
+            return None
+        return self._all_host
+
     def eligible(self, rec: JobRecord) -> bool:
         """Whether ``rec`` may run inline, by its tiers and size (not by what else runs)."""
         if self.e._cuda or self.max_bytes <= 0:
             return False
         block = self.e.layout.block_bytes
+        plan = rec.plan
+        if self._all_host or (self._all_host is None and self._every_tier_host()):  # no tier to look at
+            if type(plan) is LoadPlan:
+                return (len(plan.keys) + len(plan.promote)) * block <= self.max_bytes
+            if type(plan) is StorePlan and not (plan.write_through or plan.demotions):  # (the usual store)
+                return len(plan.keys) * block <= self.max_bytes
         if isinstance(rec, StoreRecord):
             plan = rec.store_plan
             tiers = [plan.tier, *[t for t, _ in plan.drops]]

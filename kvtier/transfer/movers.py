@@ -62,9 +62,10 @@ class MoverHost(Protocol):
     def _staging_rows(self, direction: str) -> torch.Tensor: ...
 
 
-def reserve_slots(target: MemoryBackend, plan: StorePlan) -> list[int]:
-    """Slots of ``target`` for the plan's new blocks (the manager reserved the room already)."""
-    slots = target.reserve(plan.keys)
+def reserve_slots(target: MemoryBackend, plan: StorePlan, victims: Sequence[bytes] | None = None) -> list[int]:
+    """Slots of ``target`` for the plan's new blocks (the manager reserved the room already);
+    ``victims``: the plan's evictions from ``target``, deleted first in the same call."""
+    slots = target.reserve(plan.keys) if victims is None else target.evict_and_reserve(victims, plan.keys)
     if slots is None:
         raise LifecycleError(f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off")
     return slots

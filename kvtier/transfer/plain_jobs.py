@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 from kvtier.backend import MemoryBackend
 from kvtier.manager import LoadPlan, StorePlan
@@ -63,17 +64,20 @@ class PlainJobs:
             or e._tier_jobs  # an earlier job still in the tiers thread: the general path stages
         ):
             return False
-        target = e.backends[plan.tier]  # (an inline job's tiers, its drops' too, are host memory tiers)
-        if not isinstance(target, MemoryBackend):
-            return False
+        # (An inline job's tiers, its drops' too, are host memory tiers: InlineJobs.eligible.)
+        target = cast("MemoryBackend", e.backends[plan.tier])
         start = time.perf_counter()
         keys = plan.keys
         error: str | None = None
         nbytes = 0
+        drops = plan.drops
         try:
-            for tier, dropped in plan.drops:
-                e._delete(tier, dropped, "eviction")  # (a plan with keys evicts to make room)
-            slots = reserve_slots(target, plan)
+            if not drops or (len(drops) == 1 and drops[0][0] == plan.tier and not getattr(target, "shared", False)):
+                slots = reserve_slots(target, plan, drops[0][1] if drops else ())  # its room in one call
+            else:
+                for tier, dropped in drops:
+                    e._delete(tier, dropped, "eviction")  # (a plan with keys evicts to make room)
+                slots = reserve_slots(target, plan)
             with rec.device_lock:
                 if rec.cancelled or rec.result is not None:
                     rec.device_done.set()  # it never reads an engine block now
@@ -104,9 +108,7 @@ class PlainJobs:
         tiers = plan.tiers
         if not self.enabled or not tiers or plan.promote or rec.result is not None or tiers.count(tiers[0]) != len(tiers):
             return False
-        backend = e.backends[tiers[0]]
-        if not isinstance(backend, MemoryBackend):
-            return False
+        backend = cast("MemoryBackend", e.backends[tiers[0]])  # (a host memory tier: InlineJobs.eligible)
         start = time.perf_counter()
         keys = plan.keys
         try:
