@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -134,7 +135,10 @@ class ChangeFeed(ABC):
     per job, after its writes); ``head`` and ``read`` on the follower's thread. Every call is
     blocking, bounded by the feed's own timeouts, and never raises for an outage: ``publish``
     returns ``False`` (the entry is lost: followers reconcile at their next sweep), ``read``
-    raises :class:`OSError` (the follower backs off and sweeps once the feed answers again)."""
+    raises :class:`OSError` (the follower backs off and sweeps once the feed answers again).
+
+    :meth:`wake`, from any thread, ends a read's wait at once (the follower is stopping): a
+    store's close never waits for ``wait_s``."""
 
     #: Published entries hold at most this many keys (a larger job is cut into several).
     max_keys_per_entry: int = 4096
@@ -148,6 +152,7 @@ class ChangeFeed(ABC):
         self.publish_failures = 0
         self._retry_at = 0.0
         self._backoff = 0.0
+        self._woken = threading.Event()
 
     def publish(self, op: FeedOp, keys: Sequence[bytes]) -> bool:
         """Announce that this writer stored (or removed) ``keys``: one job, one call, cut into
@@ -181,7 +186,21 @@ class ChangeFeed(ABC):
 
     @abstractmethod
     def read(self, cursor: FeedCursor, wait_s: float) -> FeedRead:
-        """Entries after ``cursor``, waiting up to ``wait_s`` for the first one."""
+        """Entries after ``cursor``, waiting up to ``wait_s`` for the first one, or less when
+        :meth:`wake` is called (then it may return no entries, the cursor unchanged)."""
+
+    def wake(self) -> None:
+        """End the wait of the read in progress now, or of the next read if none is waiting (a
+        wake is kept until a read takes it, so one that comes just before the read starts is
+        not lost). Thread-safe; the follower calls it when it stops."""
+        self._woken.set()
+
+    def _take_wake(self) -> bool:
+        """Whether :meth:`wake` was called since the last read that took it (and take it)."""
+        if not self._woken.is_set():
+            return False
+        self._woken.clear()
+        return True
 
     def close(self) -> None:  # noqa: B027 - feeds without resources close nothing
         """Release what the feed holds (connections, descriptors). Idempotent."""

@@ -114,7 +114,7 @@ Listener = Callable[[TierChange], None]
 class TierFollower:
     """Follows one shared tier into tier ``tier`` of a manager: a feed (optional) and a sweep."""
 
-    #: Seconds one feed read waits for an entry (the thread checks for ``stop`` in between).
+    #: Seconds one feed read waits for an entry (``stop`` wakes it: a close never waits this long).
     wait_s_default: float = 0.5
 
     def __init__(
@@ -191,9 +191,12 @@ class TierFollower:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop following (waits for a read in progress, at most ``wait_s``). Idempotent."""
+        """Stop following: a feed read in progress is woken (:meth:`ChangeFeed.wake`), so this
+        returns without waiting out ``wait_s`` (a sweep in progress is waited for). Idempotent."""
         self._stop.set()
         thread, self._thread = self._thread, None
+        if thread is not None and self.feed is not None:
+            self.feed.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         self.view.stop()

@@ -159,7 +159,11 @@ class FileFeed(ChangeFeed):
             if result.entries or result.gap or result.skipped or time.monotonic() >= deadline:
                 return result
             cursor = result.cursor
-            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            # Between polls the read waits on the wake event, not in a sleep: a stopping
+            # follower's read returns at once.
+            if self._woken.wait(min(self.poll_s, max(0.0, deadline - time.monotonic()))):
+                self._take_wake()
+                return result
 
     def _open_segment(self, n: int) -> int | None:
         held = self._read_fd

@@ -9,7 +9,8 @@ cluster it lives on the primary of its slot). Each entry is one field ``e`` hold
   ``max_keys_per_entry`` keys sends its entries in one pipeline). The approximate cap lets the
   server trim whole macro nodes, so the stream costs about ``maxlen`` entries of memory and
   trimming costs nothing per write.
-* **read**: ``XREAD COUNT 1000 BLOCK <ms> STREAMS <stream> <cursor>``: the server answers as
+* **read**: ``XREAD COUNT 1000 BLOCK <ms> STREAMS <stream> <cursor>`` (no ``BLOCK`` for a read that
+  must not wait): the server answers as
   soon as an entry arrives, so the staleness is one round trip, whatever the block time.
 * **gaps**: after a read that returned entries, ``XINFO STREAM`` gives the stream's first entry.
   Trimming removes the oldest entries first, so if an entry after the cursor was trimmed, so
@@ -23,6 +24,14 @@ cluster it lives on the primary of its slot). Each entry is one field ``e`` hold
 ACL: the feed needs ``+xadd +xread +xinfo|stream`` on the ``<prefix>:*`` keys besides the
 record commands (``docs/tiers.md``).
 
+**waking** (a store's close): the ``XREAD`` goes out on a connection the read holds, and the
+reply is waited for with ``poll`` on that socket and on a pipe of the feed's own, which
+:meth:`~kvtier.backends.change_feed.ChangeFeed.wake` writes a byte to. A woken read drops its
+connection (its reply is still owed; the server ends the blocked command when the connection
+closes) and returns no entries: the follower stops at once instead of after the block time.
+All on the client side: no ``CLIENT UNBLOCK`` (which would need ``+client|unblock``), no wake
+entries written, the same under Redis, Redis Cluster and Valkey.
+
 The feed uses a client of its own (two connections: the follower's blocking read never takes a
 connection the tier's jobs wait for); in a cluster, a client of the primary that holds the
 stream's slot. Errors are translated: ``publish`` returns ``False``, ``head``/``read`` raise
@@ -33,6 +42,8 @@ connection the client is dropped, and the next command makes one again.
 from __future__ import annotations
 
 import logging
+import os
+import select
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +61,8 @@ log = logging.getLogger("kvtier")
 
 _READ_COUNT = 1000
 _FIELD = b"e"
+#: Seconds a blocked read waits for its reply beyond the block time before it gives up.
+_REPLY_SLACK_S = 1.0
 
 
 def parse_stream_id(raw: bytes | str) -> FeedCursor:
@@ -81,6 +94,7 @@ class RedisFeed(ChangeFeed):
         self.maxlen = int(maxlen)
         self._make_client = make_client
         self._client: Any = None
+        self._pipe: tuple[int, int] | None = None  # (read end, write end): wakes a blocked read
         self.commands = 0  # commands sent (the benchmark's figure)
 
     def _conn(self) -> Any:
@@ -127,10 +141,8 @@ class RedisFeed(ChangeFeed):
 
     def read(self, cursor: FeedCursor, wait_s: float) -> FeedRead:
         try:
-            client = self._conn()
-            self.commands += 1
-            reply = client.xread({self.stream: str(cursor)}, count=_READ_COUNT, block=max(1, int(wait_s * 1000)))
-            if not reply:
+            reply = self._blocking_read(cursor, wait_s)
+            if not reply:  # nothing within the block time, or woken
                 return FeedRead((), cursor)
             items = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
             entries: list[FeedEntry] = []
@@ -151,6 +163,70 @@ class RedisFeed(ChangeFeed):
             raise OSError(f"redis feed: XREAD failed: {exc}") from exc
         return FeedRead(tuple(entries), last, self._lost(cursor, info), skipped, nbytes)
 
+    def _wake_fd(self) -> int:
+        """The read end of the wake pipe (made at the first read, closed by :meth:`close`)."""
+        if self._pipe is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._pipe = (r, w)
+        return self._pipe[0]
+
+    def wake(self) -> None:
+        super().wake()
+        pipe = self._pipe
+        if pipe is not None:
+            try:
+                os.write(pipe[1], b"w")
+            except OSError:  # full (a wake is pending anyway) or closed (nothing to wake)
+                pass
+
+    def _blocking_read(self, cursor: FeedCursor, wait_s: float) -> Any:
+        """``XREAD ... BLOCK`` on a connection held for it; its reply (RESP2, parsed as
+        redis-py does), or ``None`` when woken first."""
+        wake_fd = self._wake_fd()  # before the wake is looked at: a later wake writes to it
+        if self._woken.is_set():
+            self._drain_wake()
+            return None
+        client = self._conn()
+        if hasattr(client, "get_node_from_key"):  # a cluster client: the stream's primary
+            client = client.get_redis_connection(client.get_node_from_key(self.stream))
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        answered = False
+        try:
+            self.commands += 1
+            # No wait: no BLOCK (a server times blocked commands out at its ``hz``, 100 ms by
+            # default, so even ``BLOCK 1`` would take that long on a stream with nothing new).
+            block_ms = max(1, int(wait_s * 1000)) if wait_s > 0 else 0
+            block = ("BLOCK", block_ms) if block_ms else ()
+            conn.send_command("XREAD", "COUNT", _READ_COUNT, *block, "STREAMS", self.stream, str(cursor))
+            poller = select.poll()
+            poller.register(conn._sock, select.POLLIN)
+            poller.register(wake_fd, select.POLLIN)
+            ready = {fd for fd, _ in poller.poll((block_ms / 1000 + _REPLY_SLACK_S) * 1000)}
+            if wake_fd in ready:
+                self._drain_wake()
+                return None
+            if not ready:
+                raise TimeoutError(f"no XREAD reply within {block_ms / 1000 + _REPLY_SLACK_S:g} s")
+            reply = client.parse_response(conn, "XREAD")
+            answered = True
+            return reply
+        finally:
+            if not answered:  # the reply is still owed (woken, timed out) or the stream is unknown
+                conn.disconnect()
+            pool.release(conn)
+
+    def _drain_wake(self) -> None:
+        self._take_wake()
+        if self._pipe is not None:
+            try:
+                while os.read(self._pipe[0], 64):
+                    pass
+            except BlockingIOError:
+                pass
+
     @staticmethod
     def _lost(cursor: FeedCursor, info: dict[Any, Any] | None) -> bool:
         """Whether entries after ``cursor`` were trimmed before they were read."""
@@ -167,9 +243,16 @@ class RedisFeed(ChangeFeed):
     def _failed(self, exc: BaseException) -> None:
         """Drop the client after a redirection or a lost connection (see the module doc)."""
         if isinstance(exc, (AskError, ClusterDownError, RedisConnectionError, OSError)):  # MovedError is an AskError
-            self.close()
+            self._drop_client()
 
     def close(self) -> None:
+        self._drop_client()
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            os.close(pipe[0])
+            os.close(pipe[1])
+
+    def _drop_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             try:

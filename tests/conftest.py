@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from lmdb_lookups import warm_lmdb_lookups  # noqa: F401  (autouse: every lmdb lookup warm, whatever the machine)
 from mooncake_servers import MISSING as MOONCAKE_MISSING
 from mooncake_servers import mooncake_binaries, mooncake_store, own_mooncake_store  # noqa: F401  (fixtures)
 from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redis tests on both kinds)
@@ -19,6 +20,7 @@ from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redi
 )
 from s3_servers import MISSING as S3_MISSING
 from s3_servers import own_seaweed, s3_available, seaweed  # noqa: F401  (fixtures)
+from server_ports import dead_port  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,13 @@
 """A test's hook into an ``lmdb`` tier's lookups: every value lookup of a read, on whichever
 path makes it (the one-pass read, the general read, the cold read's thread), calls ``hook(key)``
 first, on the thread that looks the key up. A hook that raises an ``lmdb.Error`` is an error of
-that lookup; one that advances a clock the reader reads makes the lookup slow."""
+that lookup; one that advances a clock the reader reads makes the lookup slow.
+
+The tier's cold rule (a lookup over ``COLD_GET_S`` whose thread waited for the disk sends the
+next job another way: ``Temperature.slow``) hangs on the machine: a cold page cache or a loaded
+host makes real lookups slow now and then, and would move the paths tests count.
+:func:`warm_lmdb_lookups` (autouse, through conftest) makes every lookup warm in every test;
+:func:`slow_lookups_read_the_disk` gives a test of the rule the rule back."""
 
 from __future__ import annotations
 
@@ -9,6 +15,24 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+#: ``Temperature.slow`` as the tier has it (taken by the first :func:`warm_lmdb_lookups`,
+#: before it pins it; each test's pin is undone at its end).
+_REAL: dict[str, Any] = {}
+
+
+def _never_slow(self: Any, start: float) -> bool:
+    return False
+
+
+@pytest.fixture(autouse=True)
+def warm_lmdb_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``lmdb`` lookup counts as a disk read, whatever this machine's page cache and load
+    (see the module doc); :func:`slow_lookups_read_the_disk` undoes it for a test."""
+    from kvtier.backends import lmdb_layout
+
+    _REAL.setdefault("slow", lmdb_layout.Temperature.__dict__["slow"])
+    monkeypatch.setattr(lmdb_layout.Temperature, "slow", _never_slow)
 
 
 class _Txn:
@@ -52,6 +76,7 @@ def slow_lookups_read_the_disk(monkeypatch: pytest.MonkeyPatch, *, thread: bool 
 
     from kvtier.backends import lmdb_layout
 
+    monkeypatch.setattr(lmdb_layout.Temperature, "slow", _REAL["slow"])  # the rule, as the tier has it
     monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count().__next__)
     if thread is not None:
         monkeypatch.setattr(lmdb_layout.JobReader, "_cold_way", lambda self: int(thread))

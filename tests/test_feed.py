@@ -246,6 +246,98 @@ def test_redis_feed_two_writers_one_reader_and_a_blocking_read_wakes_at_once(
             feed.close()
 
 
+def _blocked_xreads(urls: list[str]) -> int:
+    """Clients the servers hold blocked in an ``XREAD`` now."""
+    import redis
+
+    n = 0
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            n += sum(1 for c in client.client_list() if "b" in c["flags"] and c["cmd"] == "xread")
+        finally:
+            client.close()
+    return n
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_redis_feed_wake_ends_a_blocked_read_at_once_and_the_next_read_goes_on(
+    cluster: bool, redis_server: Any, redis_cluster: Any
+) -> None:
+    urls = [n.url for n in redis_cluster.nodes] if cluster else [redis_server.url]
+    stream = f"feedtest-wake-{cluster}:feed".encode()
+    w, reader = _redis_feed(urls[0], stream, cluster=cluster), _redis_feed(urls[0], stream, cluster=cluster)
+    try:
+        w.publish(FeedOp.STORED, K[:1])
+        _, cursor, _ = _read_all(reader)
+        before = _blocked_xreads(urls)
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(reader.read(cursor, 30.0)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while _blocked_xreads(urls) <= before:  # the read is blocked on the server
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        reader.wake()
+        t.join(10.0)  # a third of the block time: only a wake ends the read this early
+        assert not t.is_alive()
+        assert got[0].entries == () and got[0].cursor == cursor and not got[0].gap
+        deadline = time.monotonic() + 10
+        while _blocked_xreads(urls) > before:  # its connection was dropped: the server let it go
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        w.publish(FeedOp.STORED, K[1:2])  # the feed reads on, on a new connection
+        assert [e.keys for e in reader.read(cursor, 5.0).entries] == [(K[1],)]
+        reader.wake()  # a wake before the read starts is kept: that read returns at once
+        t = threading.Thread(target=lambda: got.append(reader.read(cursor, 30.0)))
+        t.start()
+        t.join(10.0)
+        assert not t.is_alive() and got[1].entries == ()
+        assert [e.keys for e in reader.read(cursor, 5.0).entries] == [(K[1],)]  # taken once only
+    finally:
+        w.close()
+        reader.close()
+
+
+def test_redis_feed_a_read_that_must_not_wait_sends_no_block(redis_server: Any) -> None:
+    import redis
+
+    stream = b"feedtest-noblock:feed"
+    reader = _redis_feed(redis_server.url, stream)
+    watcher = redis.Redis.from_url(redis_server.url)
+    try:
+        with watcher.monitor() as monitor:
+            assert reader.read(FeedCursor(), 0.0).entries == ()
+            assert reader.read(FeedCursor(), 0.01).entries == ()
+            sent: list[str] = []
+            while len(sent) < 2:  # what the server received, in order (other clients' left out)
+                command = monitor.next_command()["command"]
+                if command.startswith("XREAD") and stream.decode() in command:
+                    sent.append(command)
+        # A server ends even "BLOCK 1" only at its next timer tick (100 ms at the default hz).
+        assert "BLOCK" not in sent[0].split() and "BLOCK 10" in sent[1]
+    finally:
+        watcher.close()
+        reader.close()
+
+
+def test_file_feed_wake_ends_a_waiting_read_at_once(tmp_path: Path) -> None:
+    w = FileFeed(str(tmp_path))
+    reader = FileFeed(str(tmp_path), poll_s=30.0)  # one poll outlasts the guard: only a wake ends it
+    w.publish(FeedOp.STORED, K[:1])
+    _, cursor, _ = _read_all(reader)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(reader.read(cursor, 60.0)))
+    t.start()
+    reader.wake()
+    t.join(10.0)
+    assert not t.is_alive() and got[0].entries == () and got[0].cursor == cursor
+    w.publish(FeedOp.STORED, K[1:2])
+    assert [e.keys for e in reader.read(cursor, 0.0).entries] == [(K[1],)]
+    w.close()
+    reader.close()
+
+
 def test_redis_feed_a_trimmed_stream_is_a_gap_a_reader_in_step_never_sees_one(redis_server: Any) -> None:
     stream = b"feedtest-trim:feed"
     w, reader = _redis_feed(redis_server.url, stream, maxlen=100), _redis_feed(redis_server.url, stream, maxlen=100)

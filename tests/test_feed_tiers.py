@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier.backends.feed_follower import TierChange
+from kvtier.backends.feed_follower import TierChange, TierFollower
 
 import kvtier
 from kvtier.store import KVStore
@@ -219,3 +220,65 @@ async def test_redis_a_dead_server_is_misses_without_waiting_and_following_resum
                 await asyncio.sleep(0.2)
             await until(lambda: _looked(b, K[5:6], 1), 30.0)
             assert b.stats()["backends"][0]["follow"]["feed_failures"] >= 1
+
+
+def _blocked_xreads(urls: list[str]) -> int:
+    import redis
+
+    n = 0
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            n += sum(1 for c in client.client_list() if "b" in c["flags"] and c["cmd"] == "xread")
+        finally:
+            client.close()
+    return n
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+async def test_redis_a_store_closes_without_waiting_out_its_feed_read(
+    cluster: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TierFollower, "wait_s_default", 30.0)  # each feed read blocks 30 s on the server
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    urls = [n.url for n in server.nodes] if cluster else [server.url]
+    caches = make_caches(16)
+    before = await asyncio.to_thread(_blocked_xreads, urls)
+    store = await kvtier.open(redis_config(server.url, f"feed-close-{cluster}", caches, cluster=cluster), kv_caches=caches)
+    try:
+        assert store.backends[0].follower.wait_s == 30.0
+
+        async def blocked() -> bool:  # the follower's read waits on the server
+            return await asyncio.to_thread(_blocked_xreads, urls) > before
+
+        await until(blocked)
+    finally:
+        started = time.monotonic()
+        await store.aclose()
+    assert time.monotonic() - started < 10.0  # a third of the read's block time: it was woken
+    assert not await _still_blocked(urls, before)  # the server let the read go: its connection closed
+
+
+async def _still_blocked(urls: list[str], before: int) -> bool:
+    """Whether the servers still hold more blocked reads than ``before`` after 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(_blocked_xreads, urls) <= before:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def test_a_file_store_closes_without_waiting_out_its_feed_poll(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.backends import file_tier
+    from kvtier.backends.file_feed import FileFeed
+
+    monkeypatch.setattr(TierFollower, "wait_s_default", 30.0)
+    monkeypatch.setattr(file_tier, "FileFeed", functools.partial(FileFeed, poll_s=30.0))  # one poll outlasts the guard
+    caches = make_caches(17)
+    store = await kvtier.open(file_config(tmp_path, caches), kv_caches=caches)
+    follower = store.backends[0].follower
+    assert follower.wait_s == 30.0 and follower.feed.poll_s == 30.0
+    started = time.monotonic()
+    await store.aclose()
+    assert time.monotonic() - started < 10.0

@@ -470,3 +470,39 @@ def test_an_lmdb_error_in_a_warm_job_is_the_general_paths(tmp_path: Path, monkey
     finally:
         backend._env = env  # type: ignore[attr-defined]
         asyncio.run(backend.aclose())
+
+
+def test_on_a_machine_whose_every_lookup_is_slow_and_waits_for_the_disk_tests_read_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tests' lookups are warm whatever the machine (lmdb_lookups.warm_lmdb_lookups, autouse):
+    with every lookup over ``COLD_GET_S`` and a major fault each time (a cold page cache on a
+    loaded host), warm jobs stay on the straight line; ``slow_lookups_read_the_disk`` gives a
+    test the tier's rule back, and the same job then makes the reader cold."""
+    import itertools
+
+    monkeypatch.setattr(lmdb_layout, "COLD_GET_S", -1.0)
+    monkeypatch.setattr(lmdb_one, "COLD_GET_S", -1.0)
+    monkeypatch.setattr(lmdb_layout, "major_faults", itertools.count(-(10**6)).__next__)  # below the rule's own count below
+    keys = [make_key(i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    general: list[int] = []
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(len(keys)) or _READ_JOB(self, env, keys, *a))
+    try:
+        data = [random_block(FMT.block_bytes, 90 + i) for i in range(3)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 3  # the rows are seen
+        temperature = backend._reader.temperature  # type: ignore[attr-defined]
+        general.clear()
+        for _ in range(3):
+            assert backend.read_blocks(keys, rows) == [True] * 3
+        assert general == [] and not temperature.cold  # the straight line's, every time
+        assert all(torch.equal(r, d) for r, d in zip(rows, data))
+        slow_lookups_read_the_disk(monkeypatch, thread=False)
+        assert backend.read_blocks(keys, rows) == [True] * 3
+        assert temperature.cold  # the tier's own rule: that job read from disk
+        assert backend.read_blocks(keys, rows) == [True] * 3
+        assert general == [3]  # the next job is read cold, by the job reader
+    finally:
+        asyncio.run(backend.aclose())
