@@ -21,6 +21,15 @@ same durable work done in the same process on the same bytes:
   the tier's ``sharded`` layout of two levels of shard directories (informational: what that
   layout costs in directory syncs; a new store's default, ``flat``, is one directory); loads ``preadv`` each file.
 
+Each operation is timed once a round, by one arm: ``raw_value`` and ``raw_job`` load alike
+(``raw_job`` times it), and so do the flat file arms (``raw_batch``); in jobs of one,
+``raw_value`` saves as ``raw_job`` and ``raw_each`` as ``raw_batch``, so those arms do not run.
+(Counted twice, the luckier of two draws of one operation was the baseline of each round, and
+a tier equal to it came out below 1.) Before each arm, one untimed ``syncfs`` commits what the
+last arm left pending (its store's deletion: on a filesystem mounted with ``discard``, the
+journal commit that the next arm's first sync forces issues the discards of every extent it
+freed, and whichever arm came next paid for them).
+
 Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
 the best counted raw shape (``*_ratio_paired``: the median, over the rounds, of the tier against
 the best counted raw shape of its own round; ``*_ratio_paired_spread``: the lowest and highest of
@@ -100,6 +109,18 @@ def _run(parts: list[list[range]], one: Callable[[range], None]) -> float:
 # -- raw shapes ------------------------------------------------------------------------------------
 
 
+#: The raw arms, in the order they run. Each times an operation only where no other arm makes
+#: the same calls: ``raw_value`` loads as ``raw_job`` does (one ``get`` and copy a block, in one
+#: read transaction a job), and in jobs of one it saves as ``raw_job`` too, so there it does not
+#: run; the file arms load their flat files alike (``raw_batch`` times it), and in jobs of one
+#: ``raw_each`` saves as ``raw_batch``. Counting two draws of one operation took, round by
+#: round, the luckier of two as the baseline: a tier equal to them came out below 1.
+LMDB_SHAPES = ("value", "job", "checked")
+FILE_SHAPES = ("each", "batch", "parallel", "syncfs", "sharded", "checked")
+#: Raw arms reported but never the baseline (see the module doc).
+INFORMATIONAL = ("raw_syncfs", "raw_sharded", "raw_checked")
+
+
 def _raw_lmdb(path: str, capacity: int) -> tuple[lmdb.Environment, Any]:
     env = lmdb.open(path, map_size=capacity, max_dbs=3, sync=True, metasync=False, readahead=True, meminit=False)
     return env, env.open_db(b"blocks")
@@ -151,6 +172,23 @@ _pool = ThreadPoolExecutor(16, thread_name_prefix="raw-fsync")
 def _syncfs(fd: int) -> None:
     if _libc.syncfs(fd) != 0:
         raise OSError(ctypes.get_errno(), "syncfs failed")
+
+
+#: Before each arm, the filesystem's pending work (the last arm's deleted store) is committed
+#: outside the clock (:func:`_settle`); ``False``: not (to measure what settling changes).
+SETTLE = True
+
+
+def _settle(root: str) -> None:
+    """One ``syncfs`` of the filesystem that holds ``root``, untimed: the last arm's store was
+    just deleted, and on a filesystem mounted with ``discard`` (ext4 here) the journal commit
+    that the next arm's first sync forces issues the discards of every extent it freed, so
+    whichever arm came next paid for the last one's deletion within its own save."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        _syncfs(fd)
+    finally:
+        os.close(fd)
 
 
 def _shard(i: int) -> str:
@@ -287,7 +325,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     saves: dict[str, list[float]] = {}
     loads: dict[str, list[float]] = {}
     for r in range(rounds + 1):
-        arms: list[tuple[str, Callable[[], tuple[float, float]]]] = []
+        arms: list[tuple[str, Callable[[], tuple[float | None, float | None]]]] = []
 
         def tier_arm() -> tuple[float, float]:
             path = tempfile.mkdtemp(dir=root)
@@ -308,14 +346,14 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
 
         arms.append(("tier", tier_arm))
         if tier == "lmdb":
-            for shape in ("value", "job", "checked"):
+            for shape in LMDB_SHAPES if job > 1 else LMDB_SHAPES[1:]:
 
-                def lmdb_arm(shape: str = shape) -> tuple[float, float]:
+                def lmdb_arm(shape: str = shape) -> tuple[float | None, float | None]:
                     path = tempfile.mkdtemp(dir=root)
                     env, db = _raw_lmdb(path, capacity)
                     try:
                         save = _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=shape != "value"))
-                        load = _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"))
+                        load = None if shape == "value" else _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"))
                     finally:
                         env.close()
                         shutil.rmtree(path)
@@ -323,14 +361,15 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
 
                 arms.append((f"raw_{shape}", lmdb_arm))
         else:
-            for shape in ("each", "batch", "parallel", "syncfs", "sharded", "checked"):
+            for shape in FILE_SHAPES if job > 1 else FILE_SHAPES[1:]:
 
-                def file_arm(shape: str = shape) -> tuple[float, float]:
+                def file_arm(shape: str = shape) -> tuple[float | None, float | None]:
                     path = tempfile.mkdtemp(dir=root)
                     write = _raw_file_write(path, blocks, "batch" if shape == "checked" else shape)
                     try:
                         save = _run(parts, write)
-                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded", keys if shape == "checked" else None))
+                        loaded = shape in ("batch", "sharded", "checked")
+                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded", keys if shape == "checked" else None)) if loaded else None
                     finally:
                         write.close()  # type: ignore[attr-defined]
                         shutil.rmtree(path)
@@ -338,28 +377,34 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
 
                 arms.append((f"raw_{shape}", file_arm))
         for name, arm in arms if r % 2 == 0 else arms[::-1]:
+            if SETTLE:
+                _settle(root)
             save, load = arm()
             if r:  # round 0 warms up
-                saves.setdefault(name, []).append(save)
-                loads.setdefault(name, []).append(load)
+                if save is not None:
+                    saves.setdefault(name, []).append(save)
+                if load is not None:
+                    loads.setdefault(name, []).append(load)
     total = n * size
     cell: dict[str, Any] = {"tier": tier, "record_bytes": size, "job_blocks": job, "callers": callers, "blocks": n}
     for name in saves:
-        s, ld = _median(saves[name]), _median(loads[name])
+        s = _median(saves[name])
         cell[f"{name}_save_blocks_s"] = round(n / s, 1)
         cell[f"{name}_save_gbps"] = round(total / s / 1e9, 4)
-        cell[f"{name}_load_gbps"] = round(total / ld / 1e9, 3)
         cell[f"{name}_save_spread"] = round((max(saves[name]) - min(saves[name])) / s, 3)
-    counted = [k for k in saves if k.startswith("raw_") and k not in ("raw_syncfs", "raw_sharded", "raw_checked")]
-    best_save = max(counted, key=lambda k: cell[f"{k}_save_blocks_s"])
-    best_load = max(counted, key=lambda k: cell[f"{k}_load_gbps"])
+    for name in loads:
+        cell[f"{name}_load_gbps"] = round(total / _median(loads[name]) / 1e9, 3)
+    counted_saves = [k for k in saves if k.startswith("raw_") and k not in INFORMATIONAL]
+    counted_loads = [k for k in loads if k.startswith("raw_") and k not in INFORMATIONAL]
+    best_save = max(counted_saves, key=lambda k: cell[f"{k}_save_blocks_s"])
+    best_load = max(counted_loads, key=lambda k: cell[f"{k}_load_gbps"])
     cell["best_raw_save"] = best_save
     cell["best_raw_load"] = best_load
     cell["save_ratio"] = round(cell["tier_save_blocks_s"] / cell[f"{best_save}_save_blocks_s"], 3)
     cell["load_ratio"] = round(cell["tier_load_gbps"] / cell[f"{best_load}_load_gbps"], 3)
     # Round by round, against the best counted raw shape of the same round (drift in the
     # machine's load hits both terms alike): the median of those ratios.
-    for op, times in (("save", saves), ("load", loads)):
+    for op, times, counted in (("save", saves, counted_saves), ("load", loads, counted_loads)):
         best_raw = [min(times[k][r] for k in counted) for r in range(len(times["tier"]))]
         per_round = [b / t for b, t in zip(best_raw, times["tier"])]
         cell[f"{op}_ratio_paired"] = round(_median(per_round), 3)

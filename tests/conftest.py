@@ -20,6 +20,7 @@ from redis_servers import (  # noqa: F401  (fixtures and the hook that runs redi
 )
 from s3_servers import MISSING as S3_MISSING
 from s3_servers import own_seaweed, s3_available, seaweed  # noqa: F401  (fixtures)
+from server_ports import dead_port  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)

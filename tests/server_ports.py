@@ -11,17 +11,25 @@ taken port is read from the server itself: its error (which carries its log's ta
 bind failure (``RedisServer`` also says so when the server answering its port is not the process
 it started), or one of its ports has a listener now that its own process is gone, or its start
 raised :class:`PortTaken`. Any other failure is raised at once.
+
+A test that needs a port where nothing listens takes :func:`closed_port` (or the fixture
+:func:`dead_port`): held by the test, so
+nothing else can start listening there while it runs (a port merely probed free could be anyone's
+a moment later).
 """
 
 from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["TRIES", "PortTaken", "folder_of_try", "listening", "port_taken_in", "start_on_free_ports"]
+import pytest
+
+__all__ = ["TRIES", "PortTaken", "closed_port", "dead_port", "folder_of_try", "listening", "port_taken_in", "start_on_free_ports"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -99,3 +107,19 @@ def start_on_free_ports(
             seen.append(f"{exc}\n(ports held by something else: {taken})" if taken else str(exc))
     raise RuntimeError(f"a port was taken at each of {tries} starts; the last said:\n{seen[-1][-2000:]}")
 
+
+
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A localhost port where nothing listens for as long as the ``with`` block runs: a socket of
+    the test's binds it without listening, so a connection is refused and no server can bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
+
+
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A :func:`closed_port` for the whole test."""
+    with closed_port() as port:
+        yield port

@@ -11,7 +11,7 @@ from redis_servers import started_server
 
 from kvtier.tools.bench.advice import tier_line
 from kvtier.tools.cli import main
-from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER, free_port
+from kvtier.tools.servers import REDIS_CLI, REDIS_SERVER
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -88,7 +88,7 @@ def test_a_redis_tier_is_measured_on_its_server_and_leaves_no_keys(tmp_path: Pat
 
 
 def test_bad_input_names_the_problem_and_the_other_tiers_are_still_measured(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dead_port: int
 ) -> None:
     not_config = tmp_path / "notes.yaml"
     not_config.write_text("just a line of text\n")
@@ -96,7 +96,7 @@ def test_bad_input_names_the_problem_and_the_other_tiers_are_still_measured(
     err = capsys.readouterr().err
     assert f"--config: {not_config}: expected a mapping of settings" in err
 
-    dead = f"redis://127.0.0.1:{free_port()}/0"
+    dead = f"redis://127.0.0.1:{dead_port}/0"
     config = tmp_path / "kvtier.yaml"
     config.write_text(
         "tiers:\n"

@@ -44,3 +44,27 @@ def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: 
     # Against one shape, never above the best of every shape round by round.
     assert cell["save_ratio_paired_shape"] >= cell["save_ratio_paired"]
     assert cell["load_ratio_paired_shape"] >= cell["load_ratio_paired"]
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "file"])
+def test_each_operation_is_timed_by_one_arm_a_round_after_the_filesystem_settled(tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arms that make the same calls are not all timed (the luckier of two draws of one
+    operation was each round's baseline); every arm starts after one untimed settle."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_disk_sizes as bench
+    finally:
+        sys.path.pop(0)
+    settled: list[str] = []
+    monkeypatch.setattr(bench, "_settle", settled.append)
+    lmdb = tier == "lmdb"
+    same_save, loader = ("raw_value", "raw_job") if lmdb else ("raw_each", "raw_batch")
+    one = bench._cell(str(tmp_path), tier, 4096, 1, 1, 1, 4)  # jobs of one: the twin save does not run
+    arms = 1 + (len(bench.LMDB_SHAPES) if lmdb else len(bench.FILE_SHAPES)) - 1
+    assert len(settled) == 2 * arms  # a warm-up round and a counted one
+    assert f"{same_save}_save_blocks_s" not in one and f"{loader}_save_blocks_s" in one
+    loads = {k[: -len("_load_gbps")] for k in one if k.endswith("_load_gbps")}
+    assert loads == ({"tier", "raw_job", "raw_checked"} if lmdb else {"tier", "raw_batch", "raw_sharded", "raw_checked"})
+    assert one["best_raw_load"] == loader
+    several = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4)
+    assert f"{same_save}_save_blocks_s" in several and f"{same_save}_load_gbps" not in several

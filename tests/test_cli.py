@@ -96,13 +96,11 @@ def test_config_check_reports_every_typo_at_once(tmp_path: Path) -> None:
 
 
 def test_config_check_connects_to_a_redis_tier_and_sim_says_it_was_down(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, dead_port: int
 ) -> None:
-    from redis_servers import free_port
-
     from kvtier.tools.cli import main
 
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{dead_port}/0"  # nothing listens there
     path = tmp_path / "remote.yaml"
     path.write_text(f"tiers:\n  - {{backend: cpu, capacity: 8MiB}}\n  - {{backend: redis, capacity: 64MiB, url: '{url}'}}\n")
     proc = kvtier("config", "check", str(path), "--block-bytes", "64KiB")

@@ -130,10 +130,8 @@ def probed(tier: dict) -> list[str]:
     return [f"{f.severity} {f}" for f in check_deployment(cfg, probe_timeout_s=2.0) if f.field == "tiers[1]"]
 
 
-def test_an_unreachable_redis_server_is_an_error_naming_its_url() -> None:
-    from redis_servers import free_port
-
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+def test_an_unreachable_redis_server_is_an_error_naming_its_url(dead_port: int) -> None:
+    url = f"redis://127.0.0.1:{dead_port}/0"  # nothing listens there
     out = probed({"url": url})
     assert len(out) == 1 and out[0].startswith(f"error tiers[1]: the redis server does not answer: {url}: not reachable"), out
     cfg = load_config({"tiers": [{"backend": "redis", "capacity": "1MiB", "url": url}]})

@@ -18,6 +18,7 @@ from test_transfer import DictBackend, make_layout, record_of
 
 import kvtier
 from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import LayoutError
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.manager.plan import Demotion
 from kvtier.manager.policies import LRUPolicy
@@ -291,6 +292,44 @@ def test_take_gives_a_finished_jobs_result_once_and_leaves_a_running_job_alone(r
     rig.gate.set()
     (res,) = rig.engine.wait([third], timeout=HANG_GUARD)
     assert res.success and [r.job_id for r in rig.engine.poll_finished()] == [third]
+    # The last result reported is dropped from the end; any other is filtered out, in order.
+    a, b, c = (rig.store(K[i : i + 1], [i]) for i in (6, 7, 8))
+    taken = [rig.engine.take(b), rig.engine.take(c)]
+    assert [r.job_id for r in taken if r is not None] == [b, c]
+    assert [r.job_id for r in rig.engine.poll_finished()] == [a]
+
+
+async def test_the_store_checks_a_jobs_block_ids_once_and_a_bare_submit_still_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store facade checks its block ids before any change and submits its jobs
+    ``checked``: one check per save or load (a promotion's job included); a submit that is not
+    ``checked`` checks as before."""
+    layout = make_layout()
+    cfg = {"tiers": [{"backend": "cpu", "capacity": 2 * layout.block_bytes}, {"backend": "cpu", "capacity": 8 * layout.block_bytes, "name": "low"}]}
+    async with kvtier.open(cfg, kv_caches=layout.kv_caches) as store:
+        assert store.layout is not None and store.transfers is not None
+        calls: list[int] = []
+        inner = store.layout.check_block_ids
+
+        def counted(ids: Any, n: int, **kw: Any) -> list[int]:
+            calls.append(n)
+            return inner(ids, n, **kw)
+
+        monkeypatch.setattr(store.layout, "check_block_ids", counted)
+        assert await store.save(K[:2], [0, 1]) == 2
+        assert await store.save(K[2:4], [2, 3]) == 2  # K[0:2] demoted to the second tier
+        assert calls == [2, 2]
+        assert await store.load(K[:2], [8, 9]) == 2  # from the second tier: promoted after
+        assert calls == [2, 2, 2]
+        assert store.stats()["transfers"]["jobs"] == 4
+        for b, src in zip((8, 9), (0, 1)):
+            assert torch.equal(record_of(store.layout, b), record_of(store.layout, src))
+        plan = store.manager.prepare_store([K[9]])  # type: ignore[union-attr]
+        assert plan is not None
+        with pytest.raises(LayoutError, match="out of range"):
+            store.transfers.submit_store(plan, [10**6])
+        store.manager.complete_store(plan.keys, False)  # type: ignore[union-attr]
 
 
 def test_eligibility_with_every_tier_in_host_memory_matches_the_tier_by_tier_answer() -> None:

@@ -374,21 +374,19 @@ def test_mooncake_logs_errors_only_unless_the_operator_set_a_level(
     assert os.environ["MC_LOG_LEVEL"] == (given or "ERROR")
 
 
-def test_probe_says_whether_the_master_and_its_admin_port_answer(mooncake_store: MooncakeServers) -> None:
+def test_probe_says_whether_the_master_and_its_admin_port_answer(mooncake_store: MooncakeServers, dead_port: int) -> None:
     options = mooncake_store.tier_options()
     assert _tier_class()(capacity="1MiB", **options).probe(2.0) is None
-    from kvtier.tools.servers import free_port
-
-    dead = _tier_class()(capacity="1MiB", **{**options, "master": f"127.0.0.1:{free_port()}"})
+    dead = _tier_class()(capacity="1MiB", **{**options, "master": f"127.0.0.1:{dead_port}"})
     assert "does not accept connections" in str(dead.probe(0.5))
-    no_admin = _tier_class()(capacity="1MiB", **{**options, "admin_url": f"http://127.0.0.1:{free_port()}"})
+    no_admin = _tier_class()(capacity="1MiB", **{**options, "admin_url": f"http://127.0.0.1:{dead_port}"})
     assert "admin_url" in str(no_admin.probe(0.5))
 
 
-def test_a_dead_admin_port_skips_sweeps_and_the_tier_stays_up(mooncake_store: MooncakeServers, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from kvtier.tools.servers import free_port
-
-    backend = opened(mooncake_store, tmp_path, admin_url=f"http://127.0.0.1:{free_port()}")
+def test_a_dead_admin_port_skips_sweeps_and_the_tier_stays_up(
+    mooncake_store: MooncakeServers, tmp_path: Path, caplog: pytest.LogCaptureFixture, dead_port: int
+) -> None:
+    backend = opened(mooncake_store, tmp_path, admin_url=f"http://127.0.0.1:{dead_port}")
     try:
         assert backend.view.sweep_once() is None and backend.view.sweep_once() is None
         assert sum("admin_url" in r.getMessage() for r in caplog.records) == 1  # one warning, not one per sweep

@@ -202,10 +202,8 @@ def test_a_dead_server_fails_fast_is_counted_and_recovers(own_redis_server: Redi
         asyncio.run(tier.aclose())
 
 
-def test_a_server_down_at_open_is_an_outage_not_an_error(tmp_path: Path) -> None:
-    from redis_servers import free_port
-
-    tier = _opened(f"redis://127.0.0.1:{free_port()}/0", "nobody")
+def test_a_server_down_at_open_is_an_outage_not_an_error(tmp_path: Path, dead_port: int) -> None:
+    tier = _opened(f"redis://127.0.0.1:{dead_port}/0", "nobody")
     try:
         assert not tier.stats()["up"]
         assert list(tier.scan()) == []

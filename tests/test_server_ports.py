@@ -259,3 +259,11 @@ def test_a_mooncake_master_whose_port_was_taken_starts_on_new_ports(tmp_path: Pa
         assert len(servers.segments()) == 1  # its own client's segment, on its own master
     finally:
         servers.stop()
+
+
+def test_a_dead_port_refuses_connections_and_cannot_be_taken(dead_port: int) -> None:
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", dead_port), timeout=5).close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind (redis-server does)
+        other.bind(("127.0.0.1", dead_port))

@@ -143,7 +143,7 @@ class TierManager:
         # (calls, keys, hits) of batched lookups, packed by lookup_counts and replaced whole;
         # single-key lookups count in the closure below: lookups stay lock-free.
         self._lookups = 0
-        self._single = single_key_lookup(self._gets, self._lookup_any)
+        self._single = single_key_lookup(self._gets, self._lookup_run)
         self.lookup, self.lookup_key = self._single.lookup, self._single.lookup_key  # type: ignore[method-assign,assignment]
         self._admission = Admission(tiers)
         self._events = EventLog(max_events)
@@ -244,14 +244,10 @@ class TierManager:
         """``lookup((key,)) == 1`` for a caller that asks key by key, without the tuple."""
         return self._single.lookup_key(key)
 
-    def _lookup_any(self, keys: Sequence[bytes]) -> int:
-        """:meth:`lookup` of anything but one key."""
+    def _lookup_run(self, keys: Sequence[bytes]) -> int:
+        """:meth:`lookup` of any number of keys (the closure takes one key itself)."""
         if self._closed:
             raise _closed()
-        return self._lookup_run(keys)
-
-    def _lookup_run(self, keys: Sequence[bytes]) -> int:
-        """:meth:`lookup` of any number of keys."""
         try:
             hits = leading_run(self._gets, keys)
         except TypeError:  # an unhashable key: check_keys names it

@@ -191,20 +191,22 @@ class TransferEngine:
 
     # -- submission ------------------------------------------------------------------------
     def submit_store(
-        self, plan: StorePlan, block_ids: Sequence[int], *, durable: bool = False, inline: bool = False
+        self, plan: StorePlan, block_ids: Sequence[int], *, durable: bool = False, inline: bool = False, checked: bool = False
     ) -> int:
         """Queue ``plan``; ``block_ids`` are the engine ids of ``plan.keys`` (``n`` per key).
         ``durable``: the job's write-through copies are never deferred, however far behind the
         tier writes are. ``inline``: a small job in host memory runs on this thread, and has
-        ended when this returns (:mod:`kvtier.transfer.inline`); for a caller about to wait."""
-        ids = self.layout.check_block_ids(block_ids, len(plan.keys))
+        ended when this returns (:mod:`kvtier.transfer.inline`); for a caller about to wait.
+        ``checked``: ``block_ids`` is a list the caller took from ``layout.check_block_ids``
+        (the store facade's own jobs), so it is not checked again."""
+        ids = block_ids if checked else self.layout.check_block_ids(block_ids, len(plan.keys))
         rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s), durable=durable)
         return self._submit(rec, inline)
 
-    def submit_load(self, plan: LoadPlan, block_ids: Sequence[int], *, inline: bool = False) -> int:
+    def submit_load(self, plan: LoadPlan, block_ids: Sequence[int], *, inline: bool = False, checked: bool = False) -> int:
         """Queue ``plan``; ``block_ids`` are the engine ids to fill (``n`` per key); ``inline``
-        as for :meth:`submit_store`."""
-        ids = self.layout.check_block_ids(block_ids, len(plan.keys))
+        and ``checked`` as for :meth:`submit_store`."""
+        ids = block_ids if checked else self.layout.check_block_ids(block_ids, len(plan.keys))
         rec = LoadRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s))
         return self._submit(rec, inline)
 
@@ -310,7 +312,11 @@ class TransferEngine:
             if rec is None or rec.result is None:
                 return None
             del self._jobs[job_id]
-            self._finished = [r for r in self._finished if r is not rec.result]
+            done = self._finished
+            if done and done[-1] is rec.result:  # (the job just reported: an inline one)
+                done.pop()
+            else:
+                self._finished = [r for r in done if r is not rec.result]
             return rec.result
 
     def forget(self, job_ids: Sequence[int]) -> None:
@@ -468,23 +474,6 @@ class TransferEngine:
             done.record(torch.cuda.current_stream(self.layout.device))
             done.synchronize()
 
-    def _delete(self, tier: int, keys: Sequence[bytes], what: str) -> None:
-        if not keys:
-            return
-        backend = self.backends[tier]
-        if what in _LOCAL_CHOICES and getattr(backend, "shared", False):
-            # Other engines may serve these records: this engine's own LRU (or a demotion out
-            # of the tier) only forgets them; the server's policy evicts in a shared tier.
-            self.counters["shared_forgotten"] += len(keys)
-            forget = getattr(backend, "forget_blocks", None)
-            if forget is not None:
-                forget(keys)
-            return
-        try:
-            backend.delete_blocks(keys)
-        except Exception as exc:  # an orphan costs room, never correctness: go on
-            log.warning("%s: deleting %d blocks from tier %d failed: %s", what, len(keys), tier, exc)
-
     def _staging_rows(self, direction: str) -> torch.Tensor:
         buf = self._staging.get(direction)
         if buf is None:
@@ -493,11 +482,6 @@ class TransferEngine:
             )
             self._staging[direction] = buf
         return buf
-
-
-#: Reasons for a delete that are this engine's choice alone (never a bad record, never an
-#: operator's delete, never the cleanup of its own failed write): in a shared tier, a forget.
-_LOCAL_CHOICES = frozenset({"eviction", "demotion"})
 
 
 def _on_one_intra_op_thread(fn: Callable[[], None], last_out: LastOut | None) -> None:

@@ -14,7 +14,7 @@ from kvtier.backend import MemoryBackend
 from kvtier.errors import BackendError, LifecycleError
 from kvtier.transfer.jobs import JobResult, LoadRecord, Phase, result_of
 from kvtier.transfer.movers import MoverHost
-from kvtier.transfer.plan_writes import Failed
+from kvtier.transfer.plan_writes import Failed, delete_from
 
 __all__ = ["LoadMover"]
 
@@ -71,7 +71,7 @@ class LoadMover:
             reported = self.e._finish(rec, result, retire=clean)
             if not clean or not reported:
                 # Failed, or stopped while it ran: its promotions are released, free them.
-                self.e._delete(0, promoted, "cleanup of a stopped load's promotions")
+                delete_from(self.e, 0, promoted, "cleanup of a stopped load's promotions")
         except BaseException as exc:  # the thread must survive anything
             log.warning("load job %d: finishing failed: %s", rec.job_id, exc, exc_info=True)
             return False

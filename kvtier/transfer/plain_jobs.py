@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
 
 from kvtier.backend import MemoryBackend
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobResult, LoadRecord, Phase, StoreRecord, result_of
 from kvtier.transfer.movers import MoverHost, hand_to_tiers, reserve_slots
-from kvtier.transfer.plan_writes import PlanWrites, TierWork
+from kvtier.transfer.plan_writes import PlanWrites, TierWork, delete_from
 
 __all__ = ["PlainJobs"]
 
@@ -65,7 +64,7 @@ class PlainJobs:
         ):
             return False
         # (An inline job's tiers, its drops' too, are host memory tiers: InlineJobs.eligible.)
-        target = cast("MemoryBackend", e.backends[plan.tier])
+        target: MemoryBackend = e.backends[plan.tier]  # type: ignore[assignment]  # (no cast: a call)
         start = time.perf_counter()
         keys = plan.keys
         error: str | None = None
@@ -76,7 +75,7 @@ class PlainJobs:
                 slots = reserve_slots(target, plan, drops[0][1] if drops else ())  # its room in one call
             else:
                 for tier, dropped in drops:
-                    e._delete(tier, dropped, "eviction")  # (a plan with keys evicts to make room)
+                    delete_from(e, tier, dropped, "eviction")  # (a plan with keys evicts to make room)
                 slots = reserve_slots(target, plan)
             with rec.device_lock:
                 if rec.cancelled or rec.result is not None:
@@ -108,7 +107,7 @@ class PlainJobs:
         tiers = plan.tiers
         if not self.enabled or not tiers or plan.promote or rec.result is not None or tiers.count(tiers[0]) != len(tiers):
             return False
-        backend = cast("MemoryBackend", e.backends[tiers[0]])  # (a host memory tier: InlineJobs.eligible)
+        backend: MemoryBackend = e.backends[tiers[0]]  # type: ignore[assignment]  # (a host memory tier: InlineJobs.eligible)
         start = time.perf_counter()
         keys = plan.keys
         try:

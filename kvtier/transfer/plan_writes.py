@@ -26,7 +26,7 @@ from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, StoreRecord
 
-__all__ = ["Expired", "Failed", "PlanHost", "PlanWrites", "Sizes", "TierWork", "check_alive", "note_sizes", "rows_of"]
+__all__ = ["Expired", "Failed", "PlanHost", "PlanWrites", "Sizes", "TierWork", "check_alive", "delete_from", "note_sizes", "rows_of"]
 
 log = logging.getLogger("kvtier.transfer")
 
@@ -37,11 +37,35 @@ Sizes = dict[int, dict[bytes, int]]
 
 
 class PlanHost(Protocol):
-    """What :class:`PlanWrites` uses of the transfer engine."""
+    """What :class:`PlanWrites` and :func:`delete_from` use of the transfer engine."""
 
     backends: list[Backend]
+    counters: dict[str, int]
 
-    def _delete(self, tier: int, keys: Sequence[bytes], what: str) -> None: ...
+
+#: Reasons for a delete that are the engine's choice alone (never a bad record, never an
+#: operator's delete, never the cleanup of its own failed write): in a shared tier, a forget.
+_LOCAL_CHOICES = frozenset({"eviction", "demotion"})
+
+
+def delete_from(engine: PlanHost, tier: int, keys: Sequence[bytes], what: str) -> None:
+    """Delete ``keys`` from tier ``tier`` for a job (``what`` says why, for the log); a failed
+    delete is logged, never raised: an orphan costs room, never correctness."""
+    if not keys:
+        return
+    backend = engine.backends[tier]
+    if what in _LOCAL_CHOICES and getattr(backend, "shared", False):
+        # Other engines may serve these records: this engine's own LRU (or a demotion out
+        # of the tier) only forgets them; the server's policy evicts in a shared tier.
+        engine.counters["shared_forgotten"] += len(keys)
+        forget = getattr(backend, "forget_blocks", None)
+        if forget is not None:
+            forget(keys)
+        return
+    try:
+        backend.delete_blocks(keys)
+    except Exception as exc:  # an orphan costs room, never correctness: go on
+        log.warning("%s: deleting %d blocks from tier %d failed: %s", what, len(keys), tier, exc)
 
 
 @dataclass(slots=True, eq=False)
@@ -112,23 +136,23 @@ class PlanWrites:
     def delete_new(self, plan: StorePlan) -> None:
         """Release the plan's new blocks (the manager releases their reservations to match)."""
         for tier, keys in ((plan.tier, plan.keys), *plan.write_through):
-            self.e._delete(tier, keys, "cleanup of a failed store")
+            delete_from(self.e, tier, keys, "cleanup of a failed store")
 
     def cleanup(self, plan: StorePlan) -> None:
         """A job reported failed before it ended: run its evictions, and delete everything it
         may have written (the manager released all of it)."""
         for tier, keys in plan.drops:
-            self.e._delete(tier, keys, drop_reason(plan))
+            delete_from(self.e, tier, keys, drop_reason(plan))
         for d in plan.demotions:
-            self.e._delete(d.src, d.keys, "eviction")
-            self.e._delete(d.dst, d.keys, "cleanup of a stopped demotion")
+            delete_from(self.e, d.src, d.keys, "eviction")
+            delete_from(self.e, d.dst, d.keys, "cleanup of a stopped demotion")
         self.delete_new(plan)
 
     def drops_and_demotions(self, plan: StorePlan, staging: torch.Tensor, work: TierWork, *, check: bool) -> None:
         # 1. evicted keys that are not moving down from that very tier: their room is needed now.
         moving = {(d.src, k) for d in plan.demotions for k in d.keys} if plan.demotions else None
         for tier, keys in plan.drops:
-            self.e._delete(tier, [k for k in keys if (tier, k) not in moving] if moving else keys, drop_reason(plan))
+            delete_from(self.e, tier, [k for k in keys if (tier, k) not in moving] if moving else keys, drop_reason(plan))
         # 2. write-back, deepest first: copy down, then free the source.
         chunk = staging.shape[0]
         for d in plan.demotions:
@@ -152,7 +176,7 @@ class PlanWrites:
                 finally:
                     # The manager already counts these keys as gone from the source: free them
                     # whatever happened, or the source's slots would leak.
-                    self.e._delete(d.src, keys, "demotion")
+                    delete_from(self.e, d.src, keys, "demotion")
         # 3. tenant tags and pins: one write per tier per job (bookkeeping: a failure is logged).
         for tier, owners, pins in plan.tags:
             try:

@@ -75,8 +75,9 @@ class JobRuns:
     async def save(
         self, transfers: TransferEngine, keys: Sequence[bytes], ids: Sequence[int], *, durable: bool, tenant: str | None
     ) -> tuple[int, int]:
-        """``KVStore.save`` of checked ``keys`` and engine ``ids``: (blocks newly stored, those
-        of them on a persistent tier)."""
+        """``KVStore.save`` of checked ``keys`` and engine ``ids`` (a list from
+        ``layout.check_block_ids``: its jobs are submitted ``checked``): (blocks newly stored,
+        those of them on a persistent tier)."""
         self.settle_finished(transfers)
         n = self._n
         mgr = self._mgr()
@@ -98,7 +99,7 @@ class JobRuns:
                 break
             whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
             chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
-            job = transfers.submit_store(plan, chosen, durable=durable, inline=True)
+            job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
             result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
             if self._closed():  # closed while the job ran: nothing is left to apply it to
                 return stored, kept
@@ -142,8 +143,8 @@ class JobRuns:
 
     # -- load ------------------------------------------------------------------------------
     async def load(self, transfers: TransferEngine, keys: Sequence[bytes], ids: Sequence[int], *, promote: bool) -> int:
-        """``KVStore.load`` of checked ``keys`` into distinct engine ``ids``: the leading blocks
-        filled with the right bytes."""
+        """``KVStore.load`` of checked ``keys`` into distinct engine ``ids`` (as for
+        :meth:`save`): the leading blocks filled with the right bytes."""
         self.settle_finished(transfers)
         n = self._n
         mgr = self._mgr()
@@ -151,7 +152,7 @@ class JobRuns:
         if hits == 0:
             return 0
         plan = mgr.prepare_load(list(keys[:hits]), promote=False)
-        job = transfers.submit_load(plan, ids[: hits * n], inline=True)
+        job = transfers.submit_load(plan, ids[: hits * n], inline=True, checked=True)
         result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
         if self._closed():
             return 0
@@ -173,7 +174,7 @@ class JobRuns:
             return
         n = self._n
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
-        job = transfers.submit_store(plan, chosen, inline=True)
+        job = transfers.submit_store(plan, chosen, inline=True, checked=True)
         result = await self.run(transfers, job, plan)
         if not self._closed():
             self.finish_store(plan, result)
