@@ -246,18 +246,20 @@ def test_redis_feed_two_writers_one_reader_and_a_blocking_read_wakes_at_once(
             feed.close()
 
 
-def _blocked_xreads(urls: list[str]) -> int:
-    """Clients the servers hold blocked in an ``XREAD`` now."""
+def _clients(urls: list[str]) -> dict[str, bool]:
+    """Every client connection of the servers now: its address, and whether it is blocked in an
+    ``XREAD`` (a connection that existed before a test began is never the test's own)."""
     import redis
 
-    n = 0
+    found: dict[str, bool] = {}
     for url in urls:
         client = redis.Redis.from_url(url)
         try:
-            n += sum(1 for c in client.client_list() if "b" in c["flags"] and c["cmd"] == "xread")
+            for c in client.client_list():
+                found[c["addr"]] = "b" in c["flags"] and c["cmd"] == "xread"
         finally:
             client.close()
-    return n
+    return found
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
@@ -266,24 +268,24 @@ def test_redis_feed_wake_ends_a_blocked_read_at_once_and_the_next_read_goes_on(
 ) -> None:
     urls = [n.url for n in redis_cluster.nodes] if cluster else [redis_server.url]
     stream = f"feedtest-wake-{cluster}:feed".encode()
+    known = set(_clients(urls))  # before the feeds connect
     w, reader = _redis_feed(urls[0], stream, cluster=cluster), _redis_feed(urls[0], stream, cluster=cluster)
     try:
         w.publish(FeedOp.STORED, K[:1])
         _, cursor, _ = _read_all(reader)
-        before = _blocked_xreads(urls)
         got: list[Any] = []
         t = threading.Thread(target=lambda: got.append(reader.read(cursor, 30.0)))
         t.start()
         deadline = time.monotonic() + 10
-        while _blocked_xreads(urls) <= before:  # the read is blocked on the server
-            assert time.monotonic() < deadline and t.is_alive()
+        while not (ours := {a for a, blocked in _clients(urls).items() if blocked and a not in known}):
+            assert time.monotonic() < deadline and t.is_alive()  # until the read is blocked on the server
             time.sleep(0.01)
         reader.wake()
         t.join(10.0)  # a third of the block time: only a wake ends the read this early
         assert not t.is_alive()
         assert got[0].entries == () and got[0].cursor == cursor and not got[0].gap
         deadline = time.monotonic() + 10
-        while _blocked_xreads(urls) > before:  # its connection was dropped: the server let it go
+        while ours & set(_clients(urls)):  # its connection was dropped: the server let the read go
             assert time.monotonic() < deadline
             time.sleep(0.01)
         w.publish(FeedOp.STORED, K[1:2])  # the feed reads on, on a new connection
