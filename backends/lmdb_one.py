@@ -132,7 +132,7 @@ class StraightRead:
     alike: its head's 24 checked bytes compared with the store's, the payload copied into the
     row, and one XXH3 over the key and the row."""
 
-    __slots__ = ("counters", "forks", "guard", "parts", "shape", "temperature", "views")
+    __slots__ = ("counters", "forks", "guard", "one_parts", "parts", "shape", "temperature", "views")
 
     def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
         """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
@@ -141,6 +141,8 @@ class StraightRead:
         self.shape, self.views = torch.Size([plain.size]), views.views
         self.guard, self.temperature, self.counters = guard, temperature, counters
         self.forks = _FORKS[0]  # the environment is this process's: a child must not use it
+        #: What a job of one key uses besides, in one tuple too.
+        self.one_parts = (self.views, self.shape, guard, temperature, temperature.jobs, counters)
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
         """Each key's hit (``False``: absent), or ``None`` when the job is the general path's
@@ -152,24 +154,22 @@ class StraightRead:
             return self.job(env, keys, out)
         key = keys[0]
         row = out[0]
+        views, shape, guard, temperature, jobs, counters = self.one_parts
         if (
             type(key) is not bytes or len(key) != KEY_BYTES or type(row) is not _TENSOR or devices.locate is not None
-            or self.forks != _FORKS[0] or row.dtype is not _U8 or row.shape != self.shape or not row.is_cpu or not row.is_contiguous()
+            or self.forks != _FORKS[0] or row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous()
         ):
             return None
-        view = self.views.get(row.data_ptr())
+        view = views.get(row.data_ptr())
         if view is None:
             return None  # a row not seen yet: the general path makes its view
         blocks, index, unpack, joined, head, prefix, size = self.parts
-        guard = self.guard
         try:
             end = lseek(guard.fd, 0, SEEK_END)
         except OSError:
             end = -1
         if end != guard.seen:
             guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
-        temperature = self.temperature
-        jobs = temperature.jobs
         jobs.append(None)  # counted among the jobs being read (Temperature)
         try:
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
@@ -190,7 +190,7 @@ class StraightRead:
                     temperature.cold = True  # read from disk: the next job is read cold
                 if stored_head != head:
                     if value is None:
-                        self.counters.read_misses += 1
+                        counters.read_misses += 1
                         return [False]
                     return None
                 view[:] = payload
@@ -206,7 +206,6 @@ class StraightRead:
             return None
         finally:
             jobs.pop()
-        counters = self.counters
         counters.blocks_read += 1
         counters.bytes_read += size
         return [True]
