@@ -97,8 +97,13 @@ T = TypeVar("T")
 SLOTS = 16384
 #: Integers searched for the slots' tags (every slot's smallest is under 110,000).
 _TAG_SEARCH = 131072
+#: Integers whose CRCs are computed together while searching (columns of 32 KiB).
+_TAG_CHUNK = 8192
 #: Entries replayed into one list of keys at a store's open.
-REPLAY_ENTRIES = 32768
+REPLAY_ENTRIES = 4096
+#: ``GET`` commands joined into one buffer of the open's pipeline (about 30 KB): one buffer
+#: for a primary's 5,461 slots (330 KB) stayed resident at the top of the open's thread's heap.
+_GETS_PER_PIECE = 512
 #: All slot logs together this many entries over twice the listed keys are rewritten.
 REWRITE_SLACK = 1024
 #: Replace the log ``KEYS[1]`` by ``ARGV[4]`` (a header and entries) followed by what was appended
@@ -124,8 +129,8 @@ class SlotTags:
 
     __slots__ = ("_numbers",)
 
-    def __init__(self, numbers: Iterable[int]) -> None:
-        self._numbers = array("I", numbers)
+    def __init__(self, numbers: Iterable[int] | bytes) -> None:
+        self._numbers = array("I", numbers)  # bytes: the numbers' native 32-bit form
 
     def __len__(self) -> int:
         return len(self._numbers)
@@ -141,31 +146,32 @@ class SlotTags:
 def slot_tags() -> SlotTags:
     """The hash tag of each slot's log: the decimal form of the smallest integer whose CRC16 (the
     cluster's key hash) falls in that slot; every slot has one under :data:`_TAG_SEARCH`. The
-    CRCs are computed as columns, a digit count at a time: the numbers of ``d + 1`` digits are
-    those of ``d`` digits followed by each digit, so their CRCs are one step on from those
-    (``crc_hqx`` chains); the first of each slot comes from one stable sort of the 16-bit slots
-    (about 5 ms once per process, with the tags made; a digit-by-digit pass per digit count and
-    ``np.unique`` took 25 ms of a store's open, a loop of ``binascii.crc_hqx`` 0.14 s)."""
+    integers are taken in increasing order, :data:`_TAG_CHUNK` at a time (never across a digit
+    count), their CRCs computed as columns a digit position at a time, and each slot not yet
+    tagged takes the first of the chunk that falls in it. Small columns: the work arrays of
+    all 131,072 integers at once (about 2 MB, freed after) stayed resident at the top of the
+    heap of the thread of a store's open, 1.8 MB of its RSS."""
     table = np.array([binascii.crc_hqx(bytes([i]), 0) for i in range(256)], dtype=np.uint32)
-    digits = np.arange(ord("0"), ord("9") + 1, dtype=np.uint32)
-
-    def step(crc: np.ndarray, byte: np.ndarray) -> np.ndarray:
-        return ((crc << 8) & 0xFF00) ^ table[((crc >> 8) ^ byte) & 0xFF]
-
-    levels = [step(np.zeros(10, dtype=np.uint32), digits)]  # 0 to 9
-    prefixes, count = levels[0][1:], 10  # no leading zero
-    while count < _TAG_SEARCH:
-        prefixes = prefixes[: -(-(_TAG_SEARCH - count) // 10)]
-        level = step(np.repeat(prefixes, 10), np.tile(digits, len(prefixes)))  # in increasing order
-        levels.append(level)
-        prefixes, count = level, count + len(level)
-    slots = (np.concatenate(levels)[:_TAG_SEARCH] % SLOTS).astype(np.uint16)
-    order = np.argsort(slots, kind="stable")  # a radix sort of 16-bit values: each slot's smallest first
-    ordered = slots[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    if len(starts) != SLOTS:  # pragma: no cover - fixed by the CRC: checked by the tests
+    tags = np.zeros(SLOTS, dtype=np.uint32)
+    tagged = np.zeros(SLOTS, dtype=bool)
+    left, lo = SLOTS, 0
+    while left and lo < _TAG_SEARCH:
+        digits = len(str(lo))
+        hi = min(lo + _TAG_CHUNK, 10**digits, _TAG_SEARCH)
+        numbers = np.arange(lo, hi, dtype=np.uint32)
+        crc = np.zeros(hi - lo, dtype=np.uint32)
+        for power in range(digits - 1, -1, -1):
+            digit = (numbers // 10**power) % 10 + ord("0")
+            crc = ((crc << 8) & 0xFF00) ^ table[((crc >> 8) ^ digit) & 0xFF]
+        slots, first = np.unique(crc % SLOTS, return_index=True)  # each slot's first in the chunk
+        new = ~tagged[slots]
+        tags[slots[new]] = numbers[first[new]]
+        tagged[slots[new]] = True
+        left -= int(new.sum())
+        lo = hi
+    if left:  # pragma: no cover - fixed by the CRC: checked by the tests
         raise RuntimeError("a hash slot has no tag under the search bound")
-    return SlotTags(order[starts].tolist())
+    return SlotTags(tags.tobytes())
 
 
 def slot_log_name(prefix: bytes, slot: int) -> bytes:
@@ -367,7 +373,7 @@ class SlotLogs:
         ``entries`` in slot order as they are read (each header checked then, not kept); the
         first problem found (``None``: ``entries`` holds them all). The lengths are checked as
         a column: most logs hold a few entries, so the work per slot is all that counts."""
-        wire.send([self._gets(slots)])
+        wire.send(self._gets(slots))
         lengths, errors, unmarked = wire.bulk_bodies(len(slots), MAGIC, HEADER_BYTES, entries)
         lens = np.array(lengths, dtype=np.int64)
         bad = np.flatnonzero((lens < HEADER_BYTES) | ((lens - HEADER_BYTES) % self.book.entry_bytes != 0))
@@ -383,12 +389,17 @@ class SlotLogs:
             return f"slot {slots[first]}: the key log has no header (evicted and begun again, or not ours)"
         return f"slot {slots[first]}: the key log's length {n} is not a whole number of entries"
 
-    def _gets(self, slots: list[int]) -> bytes:
+    def _gets(self, slots: list[int]) -> list[bytes]:
         """``GET`` of each slot log of ``slots``, as one pipeline (made at each open, one format
-        a slot: 16,384 commands kept for the process took 1.5 MB)."""
+        a slot: 16,384 commands kept for the process took 1.5 MB), in pieces of
+        :data:`_GETS_PER_PIECE` commands."""
         prefix, tags = self.t._prefix_bytes, slot_tags()
         size = len(prefix) + 6  # the name: prefix, "keys{", the tag, "}"
-        return b"".join([b"*2\r\n$3\r\nGET\r\n$%d\r\n%bkeys{%b}\r\n" % (size + len(tag), prefix, tag) for tag in map(tags.__getitem__, slots)])
+        one = b"*2\r\n$3\r\nGET\r\n$%d\r\n%bkeys{%b}\r\n"
+        return [
+            b"".join([one % (size + len(tags[s]), prefix, tags[s]) for s in slots[i : i + _GETS_PER_PIECE]])
+            for i in range(0, len(slots), _GETS_PER_PIECE)
+        ]
 
     def _sample(self, wire: Wire, raw: memoryview) -> str | None:
         """Why a primary's logs are not to be read (``None``: read them): an entry of another
