@@ -11,7 +11,9 @@ counters, events, key states and order, call after call.
   (``PlanBook.prepare``); ``complete_store`` of a successful store of one plan that copies
   nothing below skips the general settlement (``PlanBook.complete_plain``);
 * ``complete_store`` takes its keys out of the book in one pass (``PlanBook.take``), and puts
-  back what it took when a key is not open, repeats, or cannot be hashed.
+  back what it took when a key is not open, repeats, or cannot be hashed;
+* the store's load, ``prepare_load_run`` (``kvtier/manager/load_calls.py``), against the two
+  calls it replaces: ``lookup`` and ``prepare_load`` of the leading run.
 
 A random sequence of calls runs on two managers alike, one of them with the fast paths turned
 off, and everything observable is compared after every call.
@@ -26,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.manager import StorePlan, TierManager, TierSpec
+from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.manager.plan import plain_plan
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.manager.tenants import TenantRules
@@ -47,6 +49,7 @@ CONFIGS: dict[str, Any] = {
     "roomy-back": lambda p: TierManager([_spec("cpu", 100, p), _spec("disk", 200, p, persistent=True)], clock=lambda: 5.0),
     "one-persistent": lambda p: TierManager([_spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
     "one-variable": lambda p: TierManager([_spec("zst", 8, p, variable_size=True)]),
+    "one-admit": lambda p: TierManager([_spec("cpu", 8, p, admit_after=2)]),
     "back": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
     "through": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p)], write="through"),
     "admit": lambda p: TierManager([_spec("cpu", 4, p), _spec("disk", 8, p, admit_after=2)]),
@@ -67,7 +70,17 @@ def _general(m: TierManager) -> TierManager:
     m.complete_store = MethodType(TierManager.complete_store, m)  # type: ignore[method-assign]
     m._plans._no_copies = False  # (the general path then adds no copies either: write-back or one tier)
     m._plans.complete_plain = lambda *args: False  # type: ignore[method-assign]
+
+    def load_run(keys: Any) -> LoadPlan | None:  # the two calls the store's load made before
+        hits = m.lookup(keys)
+        return m.prepare_load(list(keys[:hits]), promote=False) if hits else None
+
+    m.prepare_load_run = load_run
     return m
+
+
+class _Bytes(bytes):
+    """Equal to a stored key, hashed as one, and not exactly ``bytes``."""
 
 
 def _outcome(call: Any, *args: Any, **kw: Any) -> tuple[Any, ...]:
@@ -88,6 +101,7 @@ def _state(m: TierManager) -> tuple[Any, ...]:
         {pid: (p.remaining, p.demoted, p.through, p.sources) for pid, p in book._plans.items()},
         sorted(book._plan_of.items()),
         sorted(book._copying),
+        list(m._admission._seen.items()),
     )
 
 
@@ -101,6 +115,18 @@ def _call(
     if rng.random() < 0.1 and plans:  # pins: loads of stored keys (ready or not), and their end
         if pinned and rng.random() < 0.4:
             return "complete_load", ([pinned.pop(rng.randrange(len(pinned)))],), {}
+        if rng.random() < 0.5:  # the store's load: the leading run, pinned in one call
+            keys = [*rng.choice(plans)[: rng.randint(1, 4)], *rng.sample(K, rng.randint(0, 2))]
+            twist = rng.random()
+            if twist < 0.1:
+                keys[rng.randrange(len(keys))] = rng.choice([b"short", "x" * 32, bytearray(32), None])
+            elif twist < 0.2:
+                keys[0] = _Bytes(keys[0])
+            elif twist < 0.3:
+                keys = tuple(keys)
+            elif twist < 0.35:
+                keys = []
+            return "prepare_load_run", (keys,), {}
         return "prepare_load", (list(rng.choice(plans)[:2]),), {"promote": False}
     if roll < 0.4 or not open_keys:
         # Half the stores are of keys never named before (the common store), half of any keys.
@@ -170,6 +196,8 @@ def test_store_fast_paths_match_the_general_paths(config: str, policy: str, seed
         assert _state(fast) == _state(general), (step, name, args, kw)
         if name == "prepare_load" and got[0] == "value":
             pinned += args[0]
+        if name == "prepare_load_run" and got[0] == "value" and got[1] is not None:
+            pinned += got[1].keys
         open_keys = sorted(fast._plans._plan_of)
         if name == "prepare_store" and got[0] == "value" and got[1] is not None and got[1].keys:
             plans = [*plans[-5:], got[1].keys]
@@ -232,3 +260,36 @@ def test_complete_store_puts_back_what_it_took_before_an_unhashable_key() -> Non
     assert sorted(m._plans._plan_of.items()) == before
     m.complete_store(plan.keys)
     assert m.lookup(K[:3]) == 3 and len(m._plans) == 0
+
+
+def test_the_load_runs_one_step_is_taken_and_pins_what_the_lookup_finds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare_load_run`` pins the leading run itself in a manager of one tier (without
+    ``prepare_load``), counts it as a lookup and a load, and gives ``None`` when no key leads;
+    in a manager of several tiers it takes ``prepare_load`` (the comparisons above are not
+    vacuous)."""
+    general: list[list[bytes]] = []
+    inner = TierManager.prepare_load
+
+    def counted(self: TierManager, keys: Any, **kw: Any) -> LoadPlan:
+        general.append(list(keys))
+        return inner(self, keys, **kw)
+
+    monkeypatch.setattr(TierManager, "prepare_load", counted)  # (the managers below bind this one)
+    m = CONFIGS["one"]("lru")
+    for keys in (K[:3], K[3:5]):
+        m.complete_store(m.prepare_store(keys).keys)  # type: ignore[union-attr]
+    m.prepare_store(K[5:6])  # pending: it ends a run
+    before = m.counters
+    plan = m.prepare_load_run([K[0], K[1], K[5], K[2]])
+    assert plan == LoadPlan((K[0], K[1]), (0, 0))
+    assert m.prepare_load_run([K[9], K[0]]) is None and m.prepare_load_run([K[5]]) is None
+    after = m.counters
+    assert after["lookups"] - before["lookups"] == 3 and after["load_prepared"] - before["load_prepared"] == 2
+    assert m._tiers[0].pins == {K[0]: 1, K[1]: 1} and m.tier_keys(0)[-2:] == [K[0], K[1]]  # pinned and touched
+    assert general == []
+    m.complete_load(plan.keys)  # type: ignore[union-attr]
+    assert not m._tiers[0].pins
+    two = CONFIGS["back"]("lru")
+    two.complete_store(two.prepare_store(K[:2]).keys)  # type: ignore[union-attr]
+    assert two.prepare_load_run(K[:3]) == LoadPlan(tuple(K[:2]), (0, 0))
+    assert general == [K[:2]]

@@ -61,6 +61,7 @@ from kvtier.errors import LifecycleError
 from kvtier.keys import KEY_BYTES, check_keys, exact_bytes
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
+from kvtier.manager.load_calls import LoadRunFn, load_run
 from kvtier.manager.lookups import closed_error as _closed
 from kvtier.manager.lookups import leading_run, lookup_counts, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
@@ -156,6 +157,8 @@ class TierManager:
         self._closed = False
         self._stores = store_calls(self._plans, self._lock, self._counts, self._plan_ids, clock, self.prepare_store, self.complete_store)  # the methods below: their general path
         self.prepare_store, self.complete_store = self._stores.prepare, self._stores.complete  # type: ignore[method-assign]
+        #: ``lookup`` and ``prepare_load(run, promote=False)`` of the leading run, one call (kvtier.manager.load_calls)
+        self.prepare_load_run: LoadRunFn = load_run(self._tiers, self._lock, self._counts, self._admission, self._now, self._lookup_run, self.prepare_load)
         self._ready_status = tuple(KeyStatus(KeyState.READY, i) for i in range(len(tiers)))
         self._pending_status = tuple(KeyStatus(KeyState.PENDING, i) for i in range(len(tiers)))
         #: usage per tenant, quotas: from the first call that names a tenant (or ``tenants``)

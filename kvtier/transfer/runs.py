@@ -148,10 +148,10 @@ class JobRuns:
         self.settle_finished(transfers)
         n = self._n
         mgr = self._mgr()
-        hits = mgr.lookup(keys)
-        if hits == 0:
+        plan = mgr.prepare_load_run(keys)  # lookup, then prepare_load(keys[:hits], promote=False)
+        if plan is None:
             return 0
-        plan = mgr.prepare_load(list(keys[:hits]), promote=False)
+        hits = len(plan.keys)
         job = transfers.submit_load(plan, ids[: hits * n], inline=True, checked=True)
         result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
         if self._closed():
