@@ -69,7 +69,8 @@ async def write_world(tier: dict[str, Any], tp: int, full: list[torch.Tensor], *
         groups = HeadGroups.for_rank(HEADS, tp, rank, hg.get("group_size", 1))
         async with kvtier.open(config(tier, tp, rank, **hg), kv_caches=shard(full, groups)) as store:
             keys = block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace)
-            assert await store.save(keys, [0, 1, 2, 3]) == 4
+            saved = await store.save(keys, [0, 1, 2, 3])
+            assert saved == 4, f"rank {rank} of {tp} saved {saved}: {_tier_stats(store)}"
     return keys
 
 
@@ -83,10 +84,18 @@ async def read_world(tier: dict[str, Any], tp: int, full: list[torch.Tensor], ke
         async with kvtier.open(config(tier, tp, rank, **hg), kv_caches=caches) as store:
             assert block_keys(PROMPT, block_size=TOKENS, namespace=store.namespace) == keys  # TP-free keys
             n = await store.load(keys, [2, 3, 4, 5])
+            if n != len(keys):  # the tier's own account of a short load, for the assertion below
+                print(f"rank {rank} of {tp} loaded {n}: {_tier_stats(store)}")
         for have, exp in zip(caches, want):
             assert torch.equal(have[2 : 2 + n], exp[:n]), f"rank {rank} of {tp}: bytes differ"
         loaded.append(n)
     return loaded
+
+
+def _tier_stats(store: Any) -> dict[str, Any]:
+    """What a store's tiers say of their faults and counts (outages, fast failures, misses...),
+    for a failed assertion's message."""
+    return {b["backend"]: {k: v for k, v in b.items() if not isinstance(v, (dict, list))} for b in store.stats()["backends"]}
 
 
 def _prefix(path: Path) -> str:
