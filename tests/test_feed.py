@@ -368,10 +368,8 @@ def test_redis_feed_a_trimmed_stream_is_a_gap_a_reader_in_step_never_sees_one(re
         reader.close()
 
 
-def test_redis_feed_a_dead_server_raises_oserror_and_publish_fails_cleanly() -> None:
-    from kvtier.tools.servers import free_port
-
-    feed = _redis_feed(f"redis://127.0.0.1:{free_port()}/0", b"x:feed")
+def test_redis_feed_a_dead_server_raises_oserror_and_publish_fails_cleanly(dead_port: int) -> None:
+    feed = _redis_feed(f"redis://127.0.0.1:{dead_port}/0", b"x:feed")
     try:
         assert feed.publish(FeedOp.STORED, K[:1]) is False and feed.publish_failures == 1
         with pytest.raises(OSError):
