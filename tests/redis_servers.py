@@ -200,3 +200,19 @@ def open_redis_tier(namespace: bytes, block_bytes: int, **options: Any) -> Any:
     digest = hashlib.sha256(namespace).digest()
     asyncio.run(backend.open(BlockFormat(block_bytes=block_bytes, dtype="bfloat16", namespace_digest=digest)))
     return backend
+
+
+def redis_clients(urls: list[str]) -> dict[str, bool]:
+    """Every client connection of the servers now: its address, and whether it is blocked in an
+    ``XREAD`` (a connection that existed before a test began is never the test's own)."""
+    import redis
+
+    found: dict[str, bool] = {}
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            for c in client.client_list():
+                found[c["addr"]] = "b" in c["flags"] and c["cmd"] == "xread"
+        finally:
+            client.close()
+    return found

@@ -12,6 +12,7 @@ import pytest
 from kvtier.backends.change_feed import FeedCursor, FeedEntry, FeedOp, decode_entry, encode_entry, new_writer_id
 from kvtier.backends.feed_follower import TierChange, TierFollower
 from kvtier.backends.file_feed import FileFeed
+from redis_servers import redis_clients
 
 from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
@@ -246,29 +247,13 @@ def test_redis_feed_two_writers_one_reader_and_a_blocking_read_wakes_at_once(
             feed.close()
 
 
-def _clients(urls: list[str]) -> dict[str, bool]:
-    """Every client connection of the servers now: its address, and whether it is blocked in an
-    ``XREAD`` (a connection that existed before a test began is never the test's own)."""
-    import redis
-
-    found: dict[str, bool] = {}
-    for url in urls:
-        client = redis.Redis.from_url(url)
-        try:
-            for c in client.client_list():
-                found[c["addr"]] = "b" in c["flags"] and c["cmd"] == "xread"
-        finally:
-            client.close()
-    return found
-
-
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
 def test_redis_feed_wake_ends_a_blocked_read_at_once_and_the_next_read_goes_on(
     cluster: bool, redis_server: Any, redis_cluster: Any
 ) -> None:
     urls = [n.url for n in redis_cluster.nodes] if cluster else [redis_server.url]
     stream = f"feedtest-wake-{cluster}:feed".encode()
-    known = set(_clients(urls))  # before the feeds connect
+    known = set(redis_clients(urls))  # before the feeds connect
     w, reader = _redis_feed(urls[0], stream, cluster=cluster), _redis_feed(urls[0], stream, cluster=cluster)
     try:
         w.publish(FeedOp.STORED, K[:1])
@@ -277,7 +262,7 @@ def test_redis_feed_wake_ends_a_blocked_read_at_once_and_the_next_read_goes_on(
         t = threading.Thread(target=lambda: got.append(reader.read(cursor, 30.0)))
         t.start()
         deadline = time.monotonic() + 10
-        while not (ours := {a for a, blocked in _clients(urls).items() if blocked and a not in known}):
+        while not (ours := {a for a, blocked in redis_clients(urls).items() if blocked and a not in known}):
             assert time.monotonic() < deadline and t.is_alive()  # until the read is blocked on the server
             time.sleep(0.01)
         reader.wake()
@@ -285,7 +270,7 @@ def test_redis_feed_wake_ends_a_blocked_read_at_once_and_the_next_read_goes_on(
         assert not t.is_alive()
         assert got[0].entries == () and got[0].cursor == cursor and not got[0].gap
         deadline = time.monotonic() + 10
-        while ours & set(_clients(urls)):  # its connection was dropped: the server let the read go
+        while ours & set(redis_clients(urls)):  # its connection was dropped: the server let the read go
             assert time.monotonic() < deadline
             time.sleep(0.01)
         w.publish(FeedOp.STORED, K[1:2])  # the feed reads on, on a new connection

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from kvtier.backends.feed_follower import TierChange, TierFollower
+from redis_servers import redis_clients
 
 import kvtier
 from kvtier.store import KVStore
@@ -222,22 +223,6 @@ async def test_redis_a_dead_server_is_misses_without_waiting_and_following_resum
             assert b.stats()["backends"][0]["follow"]["feed_failures"] >= 1
 
 
-def _clients(urls: list[str]) -> dict[str, bool]:
-    """Every client connection of the servers now: its address, and whether it is blocked in an
-    ``XREAD`` (a connection that existed before a test began is never the test's own)."""
-    import redis
-
-    found: dict[str, bool] = {}
-    for url in urls:
-        client = redis.Redis.from_url(url)
-        try:
-            for c in client.client_list():
-                found[c["addr"]] = "b" in c["flags"] and c["cmd"] == "xread"
-        finally:
-            client.close()
-    return found
-
-
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
 async def test_redis_a_store_closes_without_waiting_out_its_feed_read(
     cluster: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -246,14 +231,14 @@ async def test_redis_a_store_closes_without_waiting_out_its_feed_read(
     server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     urls = [n.url for n in server.nodes] if cluster else [server.url]
     caches = make_caches(16)
-    known = set(await asyncio.to_thread(_clients, urls))  # before the store connects
+    known = set(await asyncio.to_thread(redis_clients, urls))  # before the store connects
     store = await kvtier.open(redis_config(server.url, f"feed-close-{cluster}", caches, cluster=cluster), kv_caches=caches)
     ours: set[str] = set()
     try:
         assert store.backends[0].follower.wait_s == 30.0
 
         async def blocked() -> bool:  # the follower's read waits on the server
-            found = await asyncio.to_thread(_clients, urls)
+            found = await asyncio.to_thread(redis_clients, urls)
             ours.update(a for a, blocked in found.items() if blocked and a not in known)
             return bool(ours)
 
@@ -264,7 +249,7 @@ async def test_redis_a_store_closes_without_waiting_out_its_feed_read(
     assert time.monotonic() - started < 10.0  # a third of the read's block time: it was woken
 
     async def let_go() -> bool:  # the read's connection closed: the server let the read go
-        return not ours & set(await asyncio.to_thread(_clients, urls))
+        return not ours & set(await asyncio.to_thread(redis_clients, urls))
 
     await until(let_go)
 
