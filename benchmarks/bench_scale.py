@@ -16,7 +16,15 @@ they are valid kvtier records), and then a fresh interpreter opens a store on it
   ``scan_s``: a second ``scan()`` of the open tier, to tell listing from adopting (for
   ``redis`` that is the server's ``SCAN``, which the open no longer runs);
 * ``rss_bytes_per_key``: the growth of the process's anonymous RSS (``RssAnon``: Python objects,
-  not the mapped file) across that open, per record;
+  not the mapped file) across that open, divided by N. It mixes what an open costs once
+  (threads, imports, an LMDB environment, redis-py's slot map, a listing thread's malloc arena)
+  with what each record costs, so at small N it is mostly the former;
+* ``rss_fixed_bytes``: that growth across the open of the same tier holding only
+  ``FIXED_RECORDS`` (16) records, filled and opened the same way in a fresh interpreter of the
+  same run (one such open per tier and run, before its N points): what an open costs once;
+* ``rss_bytes_per_key_marginal``: ``(growth at N - rss_fixed_bytes) / (N - FIXED_RECORDS)``,
+  what each further record costs (the figure the 150 B goal is about once N is large; at small
+  N it carries the noise of two RSS readings over few records);
 * ``server_scan_s`` (``redis``, ``redis-cluster``): the CPU time the server (all primaries
   together) spent in ``SCAN`` during that open (its ``INFO commandstats``): 0 when the open read
   the tier's key log (``open_listing``: ``key log``, see ``backends/redis_keylog.py``; a
@@ -34,7 +42,9 @@ they are valid kvtier records), and then a fresh interpreter opens a store on it
   the same keys, alternated batch by batch; ``evict_us_per_block_over_dict``: the difference.
 
 ``index`` does the same for the manager's index alone, up to 10^7 synthetic keys (no bytes):
-``adopt_s`` of N records and the same RSS, lookup and eviction figures.
+``adopt_s`` of N records and the same RSS (its fixed point: an adoption of ``FIXED_RECORDS``
+records into a manager made before the first reading, so close to 0), lookup and eviction
+figures.
 
 Each ``*_vs_smallest`` figure is that cost at N over the cost at the smallest N of the same run
 (1.0 is flat). Every figure comes from a fresh interpreter per point, so one point's memory does
@@ -64,6 +74,9 @@ FILL_JOB = 8192  # records per write_blocks call while filling
 LOOKUP_SAMPLE = 4096
 EVICT_ROUNDS = 400
 EVICT_BATCH = 16
+#: Records of the open that measures a tier's fixed cost (``rss_fixed_bytes``): a handful, so
+#: the open takes the same paths as a full one (a key log, a table saved at close).
+FIXED_RECORDS = 16
 TIERS = ("lmdb", "file", "redis", "redis-cluster")
 #: The tiers on private redis servers: a standalone server, and a cluster of three primaries.
 REDIS_TIERS = ("redis", "redis-cluster")
@@ -246,8 +259,9 @@ async def _fill(config: dict[str, Any], n: int) -> float:
     return time.perf_counter() - t
 
 
-async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
-    """In a fresh interpreter: open the filled tier and measure (see the module doc)."""
+async def _measure_tier(config: dict[str, Any], n: int, rss_only: bool = False) -> dict[str, Any]:
+    """In a fresh interpreter: open the filled tier and measure (see the module doc); with
+    ``rss_only``, the open's figures alone (the fixed point: no lookups or eviction)."""
     from kvtier.config import StoreConfig
     from kvtier.store import KVStore
 
@@ -281,7 +295,10 @@ async def _measure_tier(config: dict[str, Any], n: int) -> dict[str, Any]:
             "scan_s": round(scan_s, 4),
             "listed": listed,
             "rss_bytes_per_key": round(grown / n, 1),
+            "rss_bytes": grown,
         }
+        if rss_only:
+            return out
         if scan_usec is not None:
             out["server_scan_s"] = round(scan_usec / 1e6, 4)
             logs = store.backends[0].stats()["key_log"]
@@ -316,8 +333,9 @@ def _redis_nodes(url: str) -> list[Any]:
 
 
 # -- the index alone ---------------------------------------------------------------------------
-def _measure_index(n: int) -> dict[str, Any]:
-    """In a fresh interpreter: adopt ``n`` synthetic records into a one-tier manager."""
+def _measure_index(n: int, rss_only: bool = False) -> dict[str, Any]:
+    """In a fresh interpreter: adopt ``n`` synthetic records into a one-tier manager (with
+    ``rss_only``, the adoption's figures alone)."""
     from kvtier.manager import TierManager, TierSpec
     from kvtier.manager.policies import LRUPolicy
 
@@ -337,7 +355,7 @@ def _measure_index(n: int) -> dict[str, Any]:
     adopt_s = time.perf_counter() - t
     del records
     _settle_memory()
-    grown = _rss_anon() - rss - sys.getsizeof(held) - LOOKUP_SAMPLE * 8  # less the sample we keep
+    grown = _rss_anon() - rss - sys.getsizeof(held)  # less the sample's list (its keys are the index's)
     assert not excess and manager.stats()["tiers"][0]["ready"] == n
     absent = [b"\xab" * 8 + os.urandom(24) for _ in range(LOOKUP_SAMPLE)]  # distinct misses, as for the tiers
     out: dict[str, Any] = {
@@ -345,7 +363,10 @@ def _measure_index(n: int) -> dict[str, Any]:
         "adopt_s": round(adopt_s, 4),
         "adopt_s_per_million": round(adopt_s / n * 1e6, 3),
         "rss_bytes_per_key": round(grown / n, 1),
+        "rss_bytes": grown,
     }
+    if rss_only:
+        return out
     out.update(_lookup_figures(manager, held, absent))
     out.update(_evict_figure(manager))
     return out
@@ -360,6 +381,16 @@ def _child(args: list[str], timeout: float) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def _split_rss(points: list[dict[str, Any]], fixed: dict[str, Any]) -> None:
+    """Add ``rss_fixed_bytes`` (the growth across the open of ``fixed``, a tier of a handful of
+    records) and ``rss_bytes_per_key_marginal`` (the rest of the growth, per further record) to
+    every point measured (see the module doc)."""
+    for p in points:
+        if "rss_bytes" in p and "rss_bytes" in fixed and p["records"] > fixed["records"]:
+            p["rss_fixed_bytes"] = fixed["rss_bytes"]
+            p["rss_bytes_per_key_marginal"] = round((p["rss_bytes"] - fixed["rss_bytes"]) / (p["records"] - fixed["records"]), 1)
+
+
 def _flatness(points: list[dict[str, Any]], fields: Sequence[str]) -> None:
     """Add ``<field>_vs_smallest`` to every point: its cost over the smallest N's."""
     if not points:
@@ -371,13 +402,15 @@ def _flatness(points: list[dict[str, Any]], fields: Sequence[str]) -> None:
                 p[f"{f}_vs_smallest"] = round(p[f] / first[f], 3)
 
 
-FLAT_FIELDS = ("lookup_us", "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block", "rss_bytes_per_key",
+FLAT_FIELDS = ("lookup_us", "lookup_miss_us", "lookup64_us_per_key", "evict_us_per_block", "rss_bytes_per_key", "rss_bytes_per_key_marginal",
                "lookup_us_vs_dict", "lookup_miss_us_vs_dict", "lookup64_us_per_key_vs_dict", "evict_us_per_block_over_dict")
 
 
-def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeout: float) -> list[dict[str, Any]]:
+def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeout: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The points of ``tier`` at each of ``sizes``, and its fixed point (``FIXED_RECORDS``)."""
     points = []
-    for n in sizes:
+    fixed: dict[str, Any] = {}
+    for n in (FIXED_RECORDS, *sizes):
         where = tempfile.mkdtemp(prefix=f"scale-{tier}-", dir=root)
         try:
             # LMDB fills durably (one sync per 8192-record job); the file tier would sync each
@@ -386,6 +419,10 @@ def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeou
             if tier == "file":
                 os.sync()
             config = tier_config(tier, where, n, url)
+            if not fixed:
+                fixed = _child(["--measure-tier", json.dumps(config), str(n), "--rss-only"], timeout)
+                print(f"bench_scale: {tier} fixed point N={n}: {fixed}", file=sys.stderr, flush=True)
+                continue
             point = _child(["--measure-tier", json.dumps(config), str(n)], timeout)
             point["fill_s"] = round(fill_s, 2)
             points.append(point)
@@ -398,8 +435,9 @@ def run_tier(tier: str, sizes: Sequence[int], root: str, url: str | None, timeou
             shutil.rmtree(where, ignore_errors=True)
             if url is not None:
                 _flush_redis(url)
+    _split_rss(points, fixed)
     _flatness([p for p in points if "error" not in p], (*FLAT_FIELDS, "open_s_per_million", "open_cpu_s_per_million"))
-    return points
+    return points, fixed
 
 
 def _flush_redis(url: str) -> None:
@@ -409,7 +447,8 @@ def _flush_redis(url: str) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    cols = ("records", "open_s_per_million", "open_cpu_s_per_million", "adopt_s_per_million", "rss_bytes_per_key", "lookup_us", "lookup_us_vs_dict",
+    cols = ("records", "open_s_per_million", "open_cpu_s_per_million", "adopt_s_per_million", "rss_bytes_per_key",
+            "rss_fixed_bytes", "rss_bytes_per_key_marginal", "lookup_us", "lookup_us_vs_dict",
             "lookup_miss_us", "lookup_miss_us_vs_dict", "lookup64_us_per_key", "evict_us_per_block", "dict_evict_us_per_block")
     lines = ["tier     " + " ".join(f"{c[:18]:>18}" for c in cols)]
     for name, points in result["tiers"].items():
@@ -471,12 +510,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one point may take")
     ap.add_argument("--measure-tier", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--measure-index", type=int, metavar="N", help=argparse.SUPPRESS)
+    ap.add_argument("--rss-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure_tier:
-        print(json.dumps(asyncio.run(_measure_tier(json.loads(args.measure_tier[0]), int(args.measure_tier[1])))))
+        print(json.dumps(asyncio.run(_measure_tier(json.loads(args.measure_tier[0]), int(args.measure_tier[1]), args.rss_only))))
         return {}
     if args.measure_index:
-        print(json.dumps(_measure_index(args.measure_index)))
+        print(json.dumps(_measure_index(args.measure_index, args.rss_only)))
         return {}
     try:
         sizes = _sizes(args.sizes, "--sizes") if args.sizes else ([1000, 10_000] if args.quick else [10_000, 100_000, 1_000_000])
@@ -488,8 +528,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:
         ap.error(f"--tiers: unknown {unknown}; known: {list(TIERS)}")
-    result: dict[str, Any] = {"quick": args.quick, "block_bytes": BLOCK, "tiers": {}, "skipped": {}}
+    result: dict[str, Any] = {"quick": args.quick, "block_bytes": BLOCK, "fixed_records": FIXED_RECORDS, "tiers": {},
+                              "fixed": {}, "skipped": {}}
     index_points = [_child(["--measure-index", str(n)], args.timeout) for n in index_sizes]
+    if index_points:
+        result["fixed"]["index"] = _child(["--measure-index", str(FIXED_RECORDS), "--rss-only"], args.timeout)
+        _split_rss(index_points, result["fixed"]["index"])
     _flatness(index_points, (*FLAT_FIELDS, "adopt_s_per_million"))
     result["tiers"]["index"] = index_points
     print(f"bench_scale: index: {index_points}", file=sys.stderr, flush=True)
@@ -513,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     server.start()
                 url = server.url
             try:
-                result["tiers"][tier] = run_tier(tier, sizes, root, url, args.timeout)
+                result["tiers"][tier], result["fixed"][tier] = run_tier(tier, sizes, root, url, args.timeout) if sizes else ([], {})
             finally:
                 if server is not None:
                     server.stop()

@@ -53,6 +53,18 @@ def test_the_quick_scale_benchmark_reports_every_tier_and_size(tmp_path: Path) -
                 else:
                     assert "server_scan_s" not in p and "open_listing" not in p
         assert points[0]["lookup_us_vs_smallest"] == 1.0
+    # Each tier's fixed point (a handful of records, its open's RSS alone) and the split of
+    # every point's growth into that and a per-key rest.
+    assert set(result["fixed"]) == expected, result["fixed"]
+    for tier, fixed in result["fixed"].items():
+        assert fixed["records"] == result["fixed_records"] and isinstance(fixed["rss_bytes"], int), (tier, fixed)
+        assert "lookup_us" not in fixed, (tier, fixed)
+        for p in result["tiers"][tier]:
+            assert p["rss_fixed_bytes"] == fixed["rss_bytes"], (tier, p)
+            assert p["rss_bytes_per_key_marginal"] == pytest.approx(
+                (p["rss_bytes"] - fixed["rss_bytes"]) / (p["records"] - fixed["records"]), abs=0.1), (tier, p)
+        if tier != "index":  # an open of a tier holds something (threads, buffers) whatever it lists
+            assert fixed["rss_bytes"] > 0, (tier, fixed)
     assert "records" in proc.stderr and "lmdb" in proc.stderr  # the table
     assert result.get("png") != str(png) or png.stat().st_size > 0
     assert not list(tmp_path.glob("kvtier-scale-*")), "the filled tiers are removed afterwards"

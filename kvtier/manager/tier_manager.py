@@ -410,6 +410,9 @@ class TierManager:
             i = found.index(None)
             raise LifecycleError(f"prepare_load: keys[{i}] ({keys[i].hex()[:16]}…) is not ready in any tier")
         where: list[int] = found  # type: ignore[assignment]  # (no None in it: checked above)
+        # Found without the lock: a shared tier's follower may forget a key before the pin
+        # below. The pin and the plan stand; the read then finds the record or misses (a
+        # counted miss, settled by complete_load): docs/architecture.md, shared tiers.
         with self._lock:
             now = self._now()
             used = set(where)
