@@ -551,7 +551,7 @@ def test_a_slow_lookup_on_a_threads_first_job_is_a_disk_read_only_if_the_thread_
                 for row in rows:
                     row.zero_()
                 found: list[Any] = []
-                reader = threading.Thread(target=lambda: found.append(backend.read_blocks(keys, rows)))
+                reader = threading.Thread(target=lambda found=found: found.append(backend.read_blocks(keys, rows)))
                 reader.start()
                 reader.join()
                 assert found == [[True] * n]
