@@ -30,6 +30,18 @@ last arm left pending (its store's deletion: on a filesystem mounted with ``disc
 journal commit that the next arm's first sync forces issues the discards of every extent it
 freed, and whichever arm came next paid for them).
 
+LMDB saves are counted into a grown file, as in a store in use (whose evictions free the pages
+its saves reuse): each ``lmdb`` arm, tier and raw, first saves into a fresh store (its
+``<arm>_fresh_save_blocks_s``), then deletes those records and one spare record more, in two
+transactions, and flushes the filesystem (untimed, ``disk_common.raw_empty`` /
+``tier_empty``), then makes the counted save of the same records; ``<arm>_save_grew_bytes`` is
+the most ``data.mdb`` grew by during one (0 when the state is as meant). Saves into a new,
+growing file took 1.3-1.5x as long as into freed pages at 2 MiB (1.26-1.49x at 256 KiB), tier
+and raw alike, so arms that differed in whether they grew their files were not measured in one
+state. The fresh saves stay in the cell: ``<arm>_fresh_save_time_ratio`` (an arm's fresh save's
+seconds over its counted one's, median over rounds), ``fresh_save_ratio_paired`` and its
+``_spread`` (the tier against the best counted raw shape, fresh saves, round by round).
+
 Each cell reports blocks/s and GB/s of every arm and ``save_ratio`` / ``load_ratio``: the tier over
 the best counted raw shape (``*_ratio_paired``: the median, over the rounds, of the tier against
 the best counted raw shape of its own round; ``*_ratio_paired_spread``: the lowest and highest of
@@ -64,6 +76,7 @@ from typing import Any
 import lmdb
 import torch
 import xxhash
+from kvtier.tools.bench.scripts.disk_common import data_bytes, raw_empty, tier_empty
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -324,14 +337,24 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     capacity = max(64 << 20, 4 * n * (size + 8192))
     saves: dict[str, list[float]] = {}
     loads: dict[str, list[float]] = {}
+    fresh_saves: dict[str, list[float]] = {}  # lmdb: each arm's first save, into a new file
+    grew: dict[str, list[int]] = {}  # lmdb: bytes data.mdb grew by during the counted save
     for r in range(rounds + 1):
-        arms: list[tuple[str, Callable[[], tuple[float | None, float | None]]]] = []
+        arms: list[tuple[str, Callable[[], tuple[float | None, float | None, float | None]]]] = []
 
-        def tier_arm() -> tuple[float, float]:
+        def tier_arm() -> tuple[float, float, float | None]:
             path = tempfile.mkdtemp(dir=root)
             backend = _open(tier, size, path, capacity)
             try:
-                save = _run(parts, lambda j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j]))
+                save_all = lambda: _run(parts, lambda j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j]))  # noqa: E731
+                fresh = None
+                if tier == "lmdb":  # the counted save goes into a grown file (see the module doc)
+                    fresh = save_all()
+                    tier_empty(backend, keys, blocks[0], path)
+                    before = data_bytes(path)
+                save = save_all()
+                if tier == "lmdb":
+                    grew.setdefault("tier", []).append(data_bytes(path) - before)
                 for o in outs:  # by numpy: after Tensor.zero_ torch's OpenMP pool spins on the other core through the timed load
                     o.numpy().fill(0)
                 # Each job's key and row lists are built before the clock starts, as a raw arm
@@ -342,28 +365,33 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             finally:
                 asyncio.run(backend.aclose())
                 shutil.rmtree(path)
-            return save, load
+            return save, load, fresh
 
         arms.append(("tier", tier_arm))
         if tier == "lmdb":
             for shape in LMDB_SHAPES if job > 1 else LMDB_SHAPES[1:]:
 
-                def lmdb_arm(shape: str = shape) -> tuple[float | None, float | None]:
+                def lmdb_arm(shape: str = shape) -> tuple[float | None, float | None, float | None]:
                     path = tempfile.mkdtemp(dir=root)
                     env, db = _raw_lmdb(path, capacity)
                     try:
-                        save = _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=shape != "value"))
+                        put = _raw_lmdb_put(env, db, keys, blocks, per_job=shape != "value")
+                        fresh = _run(parts, put)
+                        raw_empty(env, db, keys, blocks[0], path)
+                        before = data_bytes(path)
+                        save = _run(parts, put)
+                        grew.setdefault(f"raw_{shape}", []).append(data_bytes(path) - before)
                         load = None if shape == "value" else _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"))
                     finally:
                         env.close()
                         shutil.rmtree(path)
-                    return save, load
+                    return save, load, fresh
 
                 arms.append((f"raw_{shape}", lmdb_arm))
         else:
             for shape in FILE_SHAPES if job > 1 else FILE_SHAPES[1:]:
 
-                def file_arm(shape: str = shape) -> tuple[float | None, float | None]:
+                def file_arm(shape: str = shape) -> tuple[float | None, float | None, float | None]:
                     path = tempfile.mkdtemp(dir=root)
                     write = _raw_file_write(path, blocks, "batch" if shape == "checked" else shape)
                     try:
@@ -373,16 +401,18 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                     finally:
                         write.close()  # type: ignore[attr-defined]
                         shutil.rmtree(path)
-                    return save, load
+                    return save, load, None
 
                 arms.append((f"raw_{shape}", file_arm))
         for name, arm in arms if r % 2 == 0 else arms[::-1]:
             if SETTLE:
                 _settle(root)
-            save, load = arm()
+            save, load, fresh = arm()
             if r:  # round 0 warms up
                 if save is not None:
                     saves.setdefault(name, []).append(save)
+                if fresh is not None:
+                    fresh_saves.setdefault(name, []).append(fresh)
                 if load is not None:
                     loads.setdefault(name, []).append(load)
     total = n * size
@@ -414,6 +444,20 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
         # make the same system calls), which holds a tier equal to them below 1.
         shape = best_save if op == "save" else best_load
         cell[f"{op}_ratio_paired_shape"] = round(_median(paired(times[shape], times["tier"])), 3)
+    if fresh_saves:
+        # The same saves into a new, growing data.mdb (each arm's first, before the store was
+        # emptied): reported beside the counted ones, which went into a grown file.
+        for name, times in fresh_saves.items():
+            cell[f"{name}_fresh_save_blocks_s"] = round(n / _median(times), 1)
+        for name, sizes in grew.items():
+            cell[f"{name}_save_grew_bytes"] = max(sizes)
+        best_fresh = [min(fresh_saves[k][r] for k in counted_saves) for r in range(len(fresh_saves["tier"]))]
+        per_round = [b / t for b, t in zip(best_fresh, fresh_saves["tier"])]
+        cell["fresh_save_ratio_paired"] = round(_median(per_round), 3)
+        cell["fresh_save_ratio_paired_spread"] = [round(min(per_round), 3), round(max(per_round), 3)]
+        # What growing the file costs each arm: its fresh save's time over its grown one's.
+        for name in fresh_saves:
+            cell[f"{name}_fresh_save_time_ratio"] = round(_median(paired(fresh_saves[name], saves[name])), 3)
     # A raw load with one check pass over each row, against the best raw load: a one-core ceiling.
     cell["load_ceiling_ratio_paired"] = round(_median(paired(loads[best_load], loads["raw_checked"])), 3)
     return cell

@@ -50,7 +50,7 @@ def load_run(
         run = keys[:hits]
         if first is None or not exact_bytes(run):  # several tiers, or a key to check: the general path
             return prepare_load(list(run), promote=False)
-        with lock:
+        with lock:  # (a key a follower forgot since the lookup is pinned too: as in prepare_load)
             first.pin(run, now())
             counts["load_prepared"] += hits
             admission.note(run)
