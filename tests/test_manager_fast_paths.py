@@ -3,7 +3,8 @@ counters, same order left behind.
 
 * ``lookup`` of one key is a closure made per manager (:mod:`kvtier.manager.lookups`), one
   form for a single tier and one for several; so is ``lookup_key`` (one key, no tuple);
-* ``touch`` of a single, non-persistent tier goes straight to the policy's ``touch_held``;
+* ``touch`` of a single, non-persistent tier is a closure made per manager
+  (:mod:`kvtier.manager.touch_calls`) that goes straight to the policy's ``touch_held``;
 * ``prepare_load`` of a single tier finds its keys with one ``map`` over the index, no call per key.
 """
 
@@ -251,6 +252,35 @@ def test_one_tier_touch_matches_the_general_path(policy: str, keys: Any) -> None
     else:
         assert runs[0] == runs[1]
     assert (m._one_policy is None) and (_tiers(policy, 1)._one_policy is not None)
+
+
+@pytest.mark.parametrize("keys", TOUCH_INPUTS, ids=repr)
+def test_one_tier_touch_closure_matches_the_method_of_the_class(policy: str, keys: Any) -> None:
+    """A one-tier manager's ``touch`` is a closure (``kvtier/manager/touch_calls.py``) over its
+    policy's ``touch_held``; the method of the class is its general path. Same outcome, order and
+    counters on twin managers, but for the LRU's one exception (a value equal to a stored key
+    touches that key, where the general path refuses it); a touch that raises changes nothing."""
+    fast, general = _tiers(policy, 1), _tiers(policy, 1)
+    assert fast.touch != TierManager.touch.__get__(fast)  # the closure, not the method
+    before = fast.tier_keys(0)
+    got, want = _outcome(fast.touch, keys), _outcome(lambda k: TierManager.touch(general, k), keys)
+    if policy == "lru" and isinstance(keys, list) and any(type(k) is _BytesLike for k in keys):
+        assert got == ("value", None) and want[0] == "error" and fast.tier_keys(0) == _touched(policy, keys)
+    else:
+        assert got == want and fast.tier_keys(0) == general.tier_keys(0)
+    if got[0] == "error":
+        assert fast.tier_keys(0) == before
+    assert fast.counters == general.counters
+
+
+def test_a_closed_one_tier_manager_refuses_touch_and_changes_nothing() -> None:
+    m = _tiers("lru", 1)
+    before = m.tier_keys(0)
+    m.close()
+    for keys in ([K[0]], (K[1], K[0]), [K[9]]):
+        with pytest.raises(ClosedError):
+            m.touch(keys)
+    assert m.tier_keys(0) == before
 
 
 def _touched(policy: str, keys: list[Any]) -> list[bytes]:

@@ -42,8 +42,9 @@ for one store or promotion plan), :class:`~kvtier.manager.admission.Admission` (
 :class:`~kvtier.manager.record_sync.RecordSync` (adoption of stored records, removal, stamps),
 :class:`~kvtier.manager.readout.Readout` (counters and stats) and
 :class:`~kvtier.manager.tenant_ops.TenantControl` (the ``tenants`` attribute). Each manager's
-``lookup``, ``prepare_store`` and ``complete_store`` are closures made for it
-(:mod:`~kvtier.manager.lookups`, :mod:`~kvtier.manager.store_calls`): the common case in one
+``lookup``, ``prepare_store``, ``complete_store`` and ``touch`` are closures made for it
+(:mod:`~kvtier.manager.lookups`, :mod:`~kvtier.manager.store_calls`,
+:mod:`~kvtier.manager.touch_calls`): the common case in one
 step, anything else by the methods of the class, which give the same answers (tests compare).
 """
 
@@ -72,6 +73,7 @@ from kvtier.manager.store_calls import store_calls
 from kvtier.manager.tenant_ops import TenantControl
 from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TenantRules, check_tenant
 from kvtier.manager.tiers import TierSpec, TierState, check_specs, tenant_book, unpin
+from kvtier.manager.touch_calls import touch_call
 
 __all__ = [
     "TierSpec",
@@ -158,6 +160,8 @@ class TierManager:
         self._stores = store_calls(self._plans, self._lock, self._counts, self._plan_ids, clock, self.prepare_store, self.complete_store)  # the methods below: their general path
         self.prepare_store, self.complete_store = self._stores.prepare, self._stores.complete  # type: ignore[method-assign]
         #: ``lookup`` and ``prepare_load(run, promote=False)`` of the leading run, one call (kvtier.manager.load_calls)
+        self._touch = touch_call(self._lock, self._one_policy, self.touch)  # the method below: its general path
+        self.touch = self._touch.touch  # type: ignore[method-assign,assignment]
         self.prepare_load_run: LoadRunFn = load_run(self._tiers, self._lock, self._counts, self._admission, self._now, self._lookup_run, self.prepare_load)
         self._ready_status = tuple(KeyStatus(KeyState.READY, i) for i in range(len(tiers)))
         self._pending_status = tuple(KeyStatus(KeyState.PENDING, i) for i in range(len(tiers)))
@@ -198,6 +202,7 @@ class TierManager:
         self._closed = True
         self._single.close()
         self._stores.close()
+        self._touch.close()
 
     def _ready_tier(self, key: bytes) -> int | None:
         """The fastest tier that holds ``key`` ready, or ``None``."""
@@ -437,21 +442,13 @@ class TierManager:
 
         Validated by finding, like ``complete_store``: a key ready in a tier was checked when it
         was stored, so only a call with a key that no one tier holds ready, or one that is not
-        exactly ``bytes`` where the call could keep it (stamps, several tiers), pays for
-        :func:`check_keys`. One tier without stamps keeps nothing of the caller's: its policy
-        reorders its own key objects, so a value found equal to a stored key touches that key
-        (tests compare both paths)."""
+        exactly ``bytes`` where the call could keep it, pays for :func:`check_keys`. This is the
+        general path: a manager of one tier without stamps asks its policy's ``touch_held``
+        first (:mod:`kvtier.manager.touch_calls`; its LRU reorders its own key objects, so a
+        value found equal to a stored key touches that key; tests compare both paths)."""
         if self._closed:
             raise _closed()
         with self._lock:
-            if self._one_policy is not None and type(keys) in (list, tuple):
-                # One tier, not persistent (no stamps): its policy orders exactly its ready
-                # keys, so finding them all there validates them (a test compares the two).
-                try:
-                    if self._one_policy.touch_held(keys):
-                        return
-                except TypeError:  # an unhashable key: the general path names it
-                    pass
             n = len(keys)
             every = False  # one tier holds every key ready
             found = []
