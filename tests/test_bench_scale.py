@@ -44,7 +44,7 @@ def test_the_quick_scale_benchmark_reports_every_tier_and_size(tmp_path: Path) -
                 if field != "rss_bytes_per_key" or tier != "index":
                     assert p[f"{field}_vs_smallest"] > 0, (tier, field, p)
             if tier == "index":
-                assert p["adopt_s"] > 0
+                assert p["adopt_s"] > 0 and p["feed"] == "columns"
             else:
                 assert p["open_s"] > 0 and p["open_s_per_million"] == pytest.approx(p["open_s"] / p["records"] * 1e6, rel=0.02)
                 assert p["listed"] == p["records"]  # every record written is listed and adopted
@@ -86,3 +86,19 @@ def test_record_counts_below_one_are_refused_and_none_skips_the_points(tmp_path:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["tiers"]["index"] == [] and result["tiers"].get("lmdb", []) == []
+
+
+def test_the_index_alone_takes_its_records_as_columns_or_as_tuples() -> None:
+    """``--index-feed``: the same adoption of the same records either way (the tiers' columns
+    by default; tuples, the general path the figures before the option measured)."""
+    for feed in ("columns", "tuples"):
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/bench_scale.py", "--measure-index", "2000", "--index-feed", feed],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        point = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert point["feed"] == feed and point["records"] == 2000 and point["lookup_us"] > 0, point
+    proc = subprocess.run([sys.executable, "benchmarks/bench_scale.py", "--index-feed", "dicts"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--index-feed" in proc.stderr, proc.stderr
