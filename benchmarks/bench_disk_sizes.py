@@ -35,7 +35,9 @@ its saves reuse): each ``lmdb`` arm, tier and raw, first saves into a fresh stor
 ``<arm>_fresh_save_blocks_s``), then deletes those records and one spare record more, in two
 transactions, and flushes the filesystem (untimed, ``disk_common.raw_empty`` /
 ``tier_empty``), then makes the counted save of the same records; ``<arm>_save_grew_bytes`` is
-the most ``data.mdb`` grew by during one (0 when the state is as meant). Saves into a new,
+the most ``data.mdb`` grew by during one (0 at 256 KiB and 2 MiB; at 4 and 64 KiB a little, as
+much for a raw shape making the same transactions: each copies tree pages whose old copies
+become free only two transactions later). Saves into a new,
 growing file took 1.3-1.5x as long as into freed pages at 2 MiB (1.26-1.49x at 256 KiB), tier
 and raw alike, so arms that differed in whether they grew their files were not measured in one
 state. The fresh saves stay in the cell: ``<arm>_fresh_save_time_ratio`` (an arm's fresh save's

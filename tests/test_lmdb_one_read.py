@@ -506,3 +506,60 @@ def test_on_a_machine_whose_every_lookup_is_slow_and_waits_for_the_disk_tests_re
         assert general == [3]  # the next job is read cold, by the job reader
     finally:
         asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_slow_lookup_on_a_threads_first_job_is_a_disk_read_only_if_the_thread_waited_for_the_disk_on_both_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """A thread's first job marks its major faults (``Temperature.begin``), on the straight line
+    as on the general path: a slow lookup of that job with no fault since is not a disk read,
+    and the reader stays warm; with one, it is, and the reader goes cold. Each job runs on a
+    thread of its own (the mark is per thread), after a job on this one saw its rows."""
+    import threading
+
+    keys = [make_key(i) for i in range(n)]
+    backend = _open(tmp_path / "store")
+    clock = [0.0]
+    faults = [0]
+    slow_lookups_read_the_disk(monkeypatch, thread=False)
+    monkeypatch.setattr(lmdb_layout, "major_faults", lambda: faults[0])
+    monkeypatch.setattr(lmdb_layout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(lmdb_one, "perf_counter", lambda: clock[0])
+    env = backend._env  # type: ignore[attr-defined]
+
+    def slow(key: bytes) -> None:
+        clock[0] += 2 * lmdb_layout.COLD_GET_S
+        faults[0] += fault[0]
+
+    general: list[int] = []
+    monkeypatch.setattr(lmdb_layout.JobReader, "read_job", lambda self, env, keys, *a: general.append(len(keys)) or _READ_JOB(self, env, keys, *a))
+    fault = [0]
+    try:
+        data = [random_block(FMT.block_bytes, 60 + i) for i in range(n)]
+        backend.write_blocks(keys, data)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * n  # the rows are seen (on this thread)
+        backend._env = HookedEnv(env, slow)  # type: ignore[attr-defined]
+        temperature = backend._reader.temperature  # type: ignore[attr-defined]
+        seen: dict[tuple[bool, int], tuple[bool, list[int]]] = {}
+        for fast in (True, False):
+            monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
+            for fault[0] in (0, 1):
+                temperature.cold = False
+                general.clear()
+                for row in rows:
+                    row.zero_()
+                found: list[Any] = []
+                reader = threading.Thread(target=lambda found=found: found.append(backend.read_blocks(keys, rows)))
+                reader.start()
+                reader.join()
+                assert found == [[True] * n]
+                assert all(torch.equal(r, d) for r, d in zip(rows, data))
+                seen[fast, fault[0]] = (temperature.cold, list(general))
+        print(seen)
+        assert seen[True, 0] == (False, []) and seen[False, 0] == (False, [n])  # no fault: warm, on both
+        assert seen[True, 1] == (True, []) and seen[False, 1] == (True, [n])  # a fault: cold, on both
+    finally:
+        backend._env = env  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())

@@ -22,12 +22,30 @@ rows no other share writes. :meth:`CopySplitter.run` returns only once every sha
 failed or not, so no copy of the job is still running when the caller reports it (or a
 cancellation waits for it). Jobs under :data:`MIN_SPLIT_BYTES` stay on the calling thread,
 where a hop would cost more than it saves.
+
+**A job run on its caller's team** (:meth:`CopySplitter.on_callers_team`, an inline job) copies
+with that thread's OpenMP team: on 2 CPUs a 4-block job of 2 MiB blocks in about 1.0-1.2 ms
+against 1.2-1.4 ms on the thread alone. But each piece of the copy is a parallel region that
+waits for every thread of the team, and where the CPUs are oversubscribed (other processes
+runnable) the helper waits its turn on a run queue at every region: measured here 5-480 ms for
+the same job, against 1.2-1.4 ms alone (at most 5-13 ms where the caller's own thread was
+preempted). :class:`TeamPace` tells when the thread alone is faster by the caller's thread
+itself: a job on the team whose thread ran for less than three quarters of the job's wall time
+(``thread_time`` against ``perf_counter``; undisturbed it runs or spins the whole time) has
+waited for CPUs, and if it also took longer per block than the jobs alone lately (or none has
+run alone yet), the jobs of the next :data:`SOLO_HOLD_S` seconds copy on the thread alone (and
+are timed: a moving average per block). The first job after that tries the team again; if it
+loses too, the hold doubles (up to :data:`SOLO_HOLD_MAX_S`), so a loaded host pays one slow
+job per hold. A job on the team that ran undisturbed, or waited and still beat the thread
+alone, resets the hold. A quiet host never leaves the team. Either way the same bytes are copied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -37,7 +55,17 @@ from kvtier.devices import one_intra_op_thread, usable_cpus
 from kvtier.errors import LayoutError
 from kvtier.shares import run_all
 
-__all__ = ["MIN_SPLIT_BYTES", "THREAD_PREFIX", "CopySplitter", "CopyThreads", "auto_copy_threads", "one_intra_op_thread"]
+__all__ = [
+    "MIN_SPLIT_BYTES",
+    "SOLO_HOLD_MAX_S",
+    "SOLO_HOLD_S",
+    "THREAD_PREFIX",
+    "CopySplitter",
+    "CopyThreads",
+    "TeamPace",
+    "auto_copy_threads",
+    "one_intra_op_thread",
+]
 
 #: Jobs with fewer bytes than this are copied on the calling thread alone.
 MIN_SPLIT_BYTES = 8 << 20
@@ -49,6 +77,11 @@ AUTO_MAX = 4
 #: ``auto`` uses at least this many threads where there are as many CPUs: torch's own copy on
 #: the calling thread uses every core with its intra-op threads.
 AUTO_MIN = 2
+
+#: After a job on the caller's team waited for CPUs, the jobs of this many seconds copy on the
+#: caller's thread alone (see the module doc); each later such job doubles it, up to the most.
+SOLO_HOLD_S = 1.0
+SOLO_HOLD_MAX_S = 32.0
 
 CopyThreads = int | Literal["auto"]
 
@@ -100,21 +133,69 @@ def _run_all(parts: Sequence[Callable[[], None]]) -> None:
             part()
 
 
+class TeamPace:
+    """Whether a job run on its caller's thread copies with the thread's OpenMP team or on the
+    thread alone (see the module doc). ``clock`` gives seconds (monotonic)."""
+
+    __slots__ = ("_clock", "alone", "hold", "until")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.hold = SOLO_HOLD_S  # the next hold, in seconds
+        self.until = 0.0  # jobs copy on their thread alone until then
+        self.alone = 0.0  # wall ns per block of the recent jobs alone (0: none yet)
+
+    def solo(self) -> bool:
+        """Whether the next job copies on its thread alone."""
+        return self.until != 0.0 and self._clock() < self.until
+
+    def note(self, solo: bool, wall_ns: int, cpu_ns: int, blocks: int) -> None:
+        """A job of ``blocks`` blocks ended that ran alone (``solo``) or on the team, taking
+        ``wall_ns`` of which its thread ran ``cpu_ns``."""
+        per = wall_ns / max(blocks, 1)
+        alone = self.alone
+        if solo:  # a moving average, a quarter to the newest
+            self.alone = per if alone == 0.0 else alone + (per - alone) / 4
+            return
+        if 4 * cpu_ns < 3 * wall_ns and (alone == 0.0 or per > alone):
+            # off its CPU for a quarter of the job, and slower than alone lately (or not known)
+            self.until = self._clock() + self.hold
+            self.hold = min(2 * self.hold, SOLO_HOLD_MAX_S)
+        else:
+            self.until = 0.0
+            self.hold = SOLO_HOLD_S
+
+
 class _CallersTeam:
-    """:meth:`CopySplitter.on_callers_team`'s context: sets the thread's flag, then restores it."""
+    """:meth:`CopySplitter.on_callers_team`'s context: sets the thread's flag, then restores it;
+    times the job for ``pace`` and, where it says so, confines the thread's copies to it."""
 
-    __slots__ = ("_before", "_callers")
+    __slots__ = ("_alone", "_before", "_blocks", "_callers", "_cpu", "_pace", "_wall")
 
-    def __init__(self, callers: threading.local) -> None:
+    def __init__(self, callers: threading.local, pace: TeamPace, blocks: int) -> None:
         self._callers = callers
+        self._pace = pace
+        self._blocks = blocks
         self._before = False
+        self._alone: contextlib.AbstractContextManager[None] | None = None
+        self._wall = self._cpu = 0
 
     def __enter__(self) -> None:
         self._before = getattr(self._callers, "on", False)
         self._callers.on = True
+        if self._pace.solo():
+            self._alone = one_intra_op_thread()
+            self._alone.__enter__()
+        self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
 
     def __exit__(self, *exc: object) -> None:
+        wall, cpu = time.perf_counter_ns() - self._wall, time.thread_time_ns() - self._cpu
+        alone = self._alone
+        if alone is not None:
+            self._alone = None
+            alone.__exit__(None, None, None)
         self._callers.on = self._before
+        self._pace.note(alone is not None, wall, cpu, self._blocks)
 
 
 class CopySplitter:
@@ -124,15 +205,17 @@ class CopySplitter:
         self.threads = resolve_copy_threads(threads)
         self.min_bytes = min_bytes
         self._callers = threading.local()
+        #: whether an inline job copies on its caller's team or on the thread alone
+        self.pace = TeamPace()
 
-    def on_callers_team(self) -> _CallersTeam:
+    def on_callers_team(self, blocks: int = 1) -> _CallersTeam:
         """Inside, this thread's jobs copy on this thread with its own OpenMP team, unsplit: for
         a job run on the engine's own thread (:mod:`kvtier.transfer.inline`), whose team is the
         engine's, so no second team is started. Measured here the fastest host copy (the raw
         ``index_select`` with torch's team of two in ``bench_core.py``). A plain class, not a
         generator: entered once per inline job, right after a copy has flushed the caches, where
         a ``contextlib`` manager cost 43 µs and this one 10."""
-        return _CallersTeam(self._callers)
+        return _CallersTeam(self._callers, self.pace, blocks)
 
     def on_this_thread(self) -> bool:
         """Whether this thread's copies run here, on its own team, unsplit (inside

@@ -103,7 +103,8 @@ class InlineJobs:
         """Run ``rec`` on this thread, as its transfer thread would (the caller counted it in
         the engine's active jobs; it is given back here, or by the tiers thread when a store
         failed and its clean-up goes there to keep its order)."""
-        with self.e.layout.copies.on_callers_team():  # the engine's own thread and OpenMP team
+        # the engine's own thread and OpenMP team (or the thread alone: copies.TeamPace)
+        with self.e.layout.copies.on_callers_team(len(rec.plan.keys)):
             if isinstance(rec, StoreRecord):
                 if not self.plain.store(rec):
                     self.stores.device_job(rec)

@@ -30,11 +30,13 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
 
 from kvtier.connector.ledger import DeleteLedger, Deletes
+from kvtier.errors import ClosedError, LifecycleError
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import SchedulerEngine
-from kvtier.manager import LoadPlan, StorePlan, TierManager
+from kvtier.manager import KeyState, LoadPlan, StorePlan, TierManager
 from kvtier.manager.plan import TagWrites
 from kvtier.transfer.jobs import JobResult, apply_result, combine_results
 
@@ -59,6 +61,7 @@ class SchedulerSide:
         self._store_plans: dict[int, StorePlan] = {}
         self._plan_of: dict[bytes, int] = {}
         self._loads: dict[int, LoadPlan] = {}
+        self._pinned: dict[int, LoadPlan] = {}  # load id -> what the manager pinned, where it is less than the plan
         self._load_ids = itertools.count(1)
         self._results: dict[PlanKey, dict[int, JobResult]] = {}
         self._finished_loads: OrderedDict[int, None] = OrderedDict()  # load ids every rank finished, in order
@@ -151,12 +154,41 @@ class SchedulerSide:
     def prepare_load(self, kkeys: list[bytes], request_id: str | None = None) -> tuple[int, LoadPlan]:
         """Pin ``kkeys`` for a load of vLLM request ``request_id`` (when known: its end settles
         the load, see :meth:`request_finished`)."""
-        plan = self._mgr.prepare_load(kkeys)
+        try:
+            plan = pinned = self._mgr.prepare_load(kkeys)
+        except ClosedError:
+            raise
+        except LifecycleError:  # a key a shared tier's follower forgot since vLLM's lookup
+            plan, pinned = self._vanished_load(kkeys)
         load_id = next(self._load_ids)
         self._loads[load_id] = plan
+        if pinned is not plan:
+            self._pinned[load_id] = pinned
         if request_id is not None:
             self.attach(load_id, request_id)
         return load_id, plan
+
+    def _vanished_load(self, kkeys: list[bytes]) -> tuple[LoadPlan, LoadPlan]:
+        """vLLM loads only what its lookup found, but a shared tier's follower may forget a key
+        in between (another engine deleted it, the server evicted it): never an error in vLLM's
+        step. The keys still ready are pinned; the ranks are asked for every key, a forgotten one
+        from the last tier, where the read finds its record (checked) or misses (a load error:
+        vLLM recomputes the block). Returns the ranks' plan and the one pinned."""
+        mgr, last = self._mgr, self._mgr.num_tiers - 1
+        for _ in range(3):  # (the follower may forget another key meanwhile)
+            held = [key for key in kkeys if mgr.status(key).state is KeyState.READY]  # (status: no lookup counted)
+            try:
+                pinned = mgr.prepare_load(held) if held else LoadPlan((), ())
+                break
+            except ClosedError:
+                raise
+            except LifecycleError:
+                continue
+        else:
+            pinned = LoadPlan((), ())
+        where = dict(zip(pinned.keys, pinned.tiers))
+        log.info("kvtier: load of %d blocks: %d forgotten since the lookup, read anyway", len(kkeys), len(kkeys) - len(pinned.keys))
+        return LoadPlan(tuple(kkeys), tuple(where.get(key, last) for key in kkeys), pinned.promote), pinned
 
     def attach(self, load_id: int, request_id: str) -> None:
         """Load ``load_id`` is for vLLM request ``request_id`` (once; an open load only)."""
@@ -204,6 +236,7 @@ class SchedulerSide:
             "store_plans": len(self._store_plans),
             "keys_in_plans": len(self._plan_of),
             "loads": len(self._loads),
+            "partly_pinned_loads": len(self._pinned),
             "results": len(self._results),
             "done_loads": len(self._finished_loads),
             "owed_loads": len(self._owed),
@@ -229,6 +262,10 @@ class SchedulerSide:
             result = self._combined(("load", load_id), plan.keys)
         else:
             self._results.pop(("load", load_id), None)
+        pinned = self._pinned.pop(load_id, None)
+        if pinned is not None:  # only what was pinned is settled; the forgotten keys stay forgotten
+            result = _restricted(result, pinned.keys)
+            plan = pinned
         applied = apply_result(self._mgr, plan, result)
         if self._world > 1:
             # A key one rank found missing or corrupt is forgotten; the other ranks' copies go.
@@ -271,3 +308,11 @@ class SchedulerSide:
             if applied.done:
                 stored.extend(k for k in plan.keys if self._mgr.status(k).tier is not None)
         return stored
+
+
+def _restricted(result: JobResult, keys: tuple[bytes, ...]) -> JobResult:
+    """``result`` of a load for only ``keys`` (those its manager pinned), in their order."""
+    mine = set(keys)
+    missed = [(key, tier) for key, tier in zip(result.missed, result.missed_tiers) if key in mine]
+    failed = {tier: tuple(k for k in ks if k in mine) for tier, ks in result.failed.items()}
+    return replace(result, keys=keys, missed=tuple(k for k, _ in missed), missed_tiers=tuple(t for _, t in missed), failed=failed)
