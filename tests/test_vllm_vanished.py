@@ -23,7 +23,9 @@ async def test_a_block_forgotten_between_vllms_lookup_and_its_load_is_a_load_err
         for store in w.stores:  # the record goes (another engine deleted it) ...
             store.backends[0].delete_blocks([K[2]])
         assert w.manager.remove([K[2]], 0) == [K[2]]  # ... and the tier's follower forgets it
+        lookups = w.manager.counters["lookups"]
         failed = w.load(K[:4], [8, 9, 10, 11])  # vLLM's prepare_load, the ranks' loads, complete_load
+        assert w.manager.counters["lookups"] == lookups  # preparing the load looked nothing up
         assert failed == {10}  # the forgotten block is a load error on the ranks: recomputed
         for r in range(w.world):
             for t in w.caches[r]:

@@ -36,7 +36,7 @@ from kvtier.connector.ledger import DeleteLedger, Deletes
 from kvtier.errors import ClosedError, LifecycleError
 from kvtier.integrations.vllm.deadlines import Abandoned, ResultDeadlines
 from kvtier.integrations.vllm.engines import SchedulerEngine
-from kvtier.manager import LoadPlan, StorePlan, TierManager
+from kvtier.manager import KeyState, LoadPlan, StorePlan, TierManager
 from kvtier.manager.plan import TagWrites
 from kvtier.transfer.jobs import JobResult, apply_result, combine_results
 
@@ -176,7 +176,7 @@ class SchedulerSide:
         vLLM recomputes the block). Returns the ranks' plan and the one pinned."""
         mgr, last = self._mgr, self._mgr.num_tiers - 1
         for _ in range(3):  # (the follower may forget another key meanwhile)
-            held = [key for key in kkeys if mgr.lookup_key(key)]
+            held = [key for key in kkeys if mgr.status(key).state is KeyState.READY]  # (status: no lookup counted)
             try:
                 pinned = mgr.prepare_load(held) if held else LoadPlan((), ())
                 break
