@@ -248,17 +248,22 @@ class _Clock:
 
 def test_team_pace_goes_alone_after_a_job_that_waited_and_backs_off_on_each_retry() -> None:
     """A job on the team whose thread ran less than three quarters of its wall time, and took
-    longer per block than the jobs alone lately (or none ran alone yet), sends the jobs of the
-    next hold to the thread alone; the first job after the hold retries the team, and the hold
-    doubles each time the retry loses too (up to the most), and starts over once a job on the
-    team runs undisturbed or beats the thread alone."""
+    longer per byte than the jobs alone lately (or none ran alone yet), lost; two in a row send
+    the jobs of the next hold to the thread alone; the first job after the hold retries the
+    team, and the hold doubles each time the retry loses too (up to the most), and starts over
+    once a job on the team runs undisturbed or beats the thread alone."""
     clock = _Clock()
     pace = copies.TeamPace(clock)
     assert not pace.solo()
     pace.note(False, 4000, 3990, 4)  # undisturbed: stays on the team
     pace.note(False, 4000, 3000, 4)  # exactly three quarters: still undisturbed
     assert not pace.solo()
-    pace.note(False, 4000, 1200, 4)  # waited for CPUs, nothing known of the thread alone
+    pace.note(False, 4000, 1200, 4)  # waited for CPUs, nothing known of the thread alone: lost
+    assert not pace.solo()  # once is a lone disturbance
+    pace.note(False, 4000, 4000, 4)  # undisturbed: the count starts over
+    pace.note(False, 4000, 1200, 4)
+    assert not pace.solo()
+    pace.note(False, 4000, 1200, 4)  # twice in a row
     assert pace.solo()
     pace.note(True, 2000, 2000, 2)  # alone: 1000 ns a byte
     pace.note(True, 2000, 2000, 1)  # a quarter of the way to 2000
@@ -270,8 +275,12 @@ def test_team_pace_goes_alone_after_a_job_that_waited_and_backs_off_on_each_retr
     pace.note(False, 4800, 1000, 4)  # waited, but 1200 ns a byte beats 1250 alone
     assert not pace.solo() and pace.hold == copies.SOLO_HOLD_S
     holds = []
-    for _ in range(8):
+    for i in range(8):
         pace.note(False, 8000, 1000, 4)  # waited and lost (2000 ns a byte)
+        if i == 0:
+            assert not pace.solo()  # the first loss after a win is a lone one
+            pace.note(False, 8000, 1000, 4)
+        assert pace.solo()  # later, a retry that loses goes alone at once
         start = clock.now
         while pace.solo():
             clock.now += 0.25
@@ -279,6 +288,7 @@ def test_team_pace_goes_alone_after_a_job_that_waited_and_backs_off_on_each_retr
     assert holds == [copies.SOLO_HOLD_S, 2.0, 4.0, 8.0, 16.0, copies.SOLO_HOLD_MAX_S, 32.0, 32.0]
     pace.note(False, 8000, 8000, 4)  # undisturbed (slow or not): back on the team, the hold starts over
     assert not pace.solo()
+    pace.note(False, 8000, 0, 4)
     pace.note(False, 8000, 0, 4)
     assert pace.solo() and pace.hold == 2 * copies.SOLO_HOLD_S
 

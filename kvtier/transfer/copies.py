@@ -33,9 +33,10 @@ preempted). :class:`TeamPace` tells when the thread alone is faster by the calle
 itself: a job on the team whose thread ran for less than three quarters of the job's wall time
 (``thread_time`` against ``perf_counter``; undisturbed it runs or spins the whole time) has
 waited for CPUs, and if it also took longer per byte than the jobs alone lately (or none has
-run alone yet), the jobs of the next :data:`SOLO_HOLD_S` seconds copy on the thread alone (and
-are timed: a moving average per byte). The first job after that tries the team again; if it
-loses too, the hold doubles (up to :data:`SOLO_HOLD_MAX_S`), so a loaded host pays one slow
+run alone yet), it lost. After :data:`SOLO_AFTER` such jobs in a row (one is a lone
+disturbance, not a loaded host), the jobs of the next :data:`SOLO_HOLD_S` seconds copy on the
+thread alone (and are timed: a moving average per byte). The first job after that tries the
+team again; if it loses too, the hold doubles (up to :data:`SOLO_HOLD_MAX_S`), so a loaded host pays one slow
 job per hold. A job on the team that ran undisturbed, or waited and still beat the thread
 alone, resets the hold. A quiet host never leaves the team. Jobs under :data:`PACE_MIN_BYTES`
 are neither timed nor moved off the team. Either way the same bytes are copied.
@@ -59,6 +60,7 @@ from kvtier.shares import run_all
 __all__ = [
     "MIN_SPLIT_BYTES",
     "PACE_MIN_BYTES",
+    "SOLO_AFTER",
     "SOLO_HOLD_MAX_S",
     "SOLO_HOLD_S",
     "THREAD_PREFIX",
@@ -84,6 +86,8 @@ AUTO_MIN = 2
 #: caller's thread alone (see the module doc); each later such job doubles it, up to the most.
 SOLO_HOLD_S = 1.0
 SOLO_HOLD_MAX_S = 32.0
+#: Team jobs that must lose in a row before the first hold (a lone disturbance is not a load).
+SOLO_AFTER = 2
 #: Smaller inline jobs are not timed and stay on the team: their copy is too short for a wait
 #: to matter, and too short to time (two ``thread_time`` calls cost 0.6 µs here).
 PACE_MIN_BYTES = 1 << 20
@@ -142,13 +146,14 @@ class TeamPace:
     """Whether a job run on its caller's thread copies with the thread's OpenMP team or on the
     thread alone (see the module doc). ``clock`` gives seconds (monotonic)."""
 
-    __slots__ = ("_clock", "alone", "hold", "until")
+    __slots__ = ("_clock", "alone", "hold", "lost", "until")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.hold = SOLO_HOLD_S  # the next hold, in seconds
         self.until = 0.0  # jobs copy on their thread alone until then
         self.alone = 0.0  # wall ns per byte of the recent jobs alone (0: none yet)
+        self.lost = 0  # team jobs lost in a row
 
     def solo(self) -> bool:
         """Whether the next job copies on its thread alone."""
@@ -164,9 +169,12 @@ class TeamPace:
             return
         if 4 * cpu_ns < 3 * wall_ns and (alone == 0.0 or per > alone):
             # off its CPU for a quarter of the job, and slower than alone lately (or not known)
-            self.until = self._clock() + self.hold
-            self.hold = min(2 * self.hold, SOLO_HOLD_MAX_S)
+            self.lost += 1
+            if self.lost >= SOLO_AFTER:
+                self.until = self._clock() + self.hold
+                self.hold = min(2 * self.hold, SOLO_HOLD_MAX_S)
         else:
+            self.lost = 0
             self.until = 0.0
             self.hold = SOLO_HOLD_S
 
