@@ -77,6 +77,10 @@ MAGIC = b"kvtier-keylog-1\n"
 HEADER_BYTES = 32
 #: Bytes of the log one ``GETRANGE`` returns at open (131072 keys).
 READ_CHUNK = 4 << 20
+#: Entries made into one list of keys at a store's open. The list of a whole piece's keys (1 MiB
+#: at 131,072 keys) would come from the heap of the open's thread, whose free top outlives the
+#: open (``malloc_trim`` leaves a thread's heap top; see ``docs/tiers.md``, "How many records").
+REPLAY_ENTRIES = 4096
 #: Entries whose records one ``EXISTS`` looks up at open.
 SAMPLE = 64
 #: A log this many entries over twice the listed keys is rewritten.
@@ -174,6 +178,16 @@ def replay(raw: bytes | bytearray | memoryview, key_bytes: int, where: int = 0) 
     cuts = [0, *(np.flatnonzero(stored[1:] != stored[:-1]) + 1).tolist(), rows]
     for a, b in pairwise(cuts):
         yield keys[a:b] if stored[a] else Dropped(keys[a:b])
+
+
+def replay_pieces(raw: bytes | bytearray | memoryview, key_bytes: int, where: int = 0) -> Iterator[list[bytes]]:
+    """:func:`replay` of ``raw`` :data:`REPLAY_ENTRIES` entries at a time: the same keys in the
+    same order, in lists of at most that many. An entry of another form raises before any key
+    of its piece."""
+    view = memoryview(raw)
+    step = REPLAY_ENTRIES * (key_bytes + 1)
+    for start in range(0, len(view), step):
+        yield from replay(view[start : start + step], key_bytes, where + start)
 
 
 class LogBook:
@@ -375,7 +389,7 @@ class KeyLog:
             raw = bytearray(n)
             wire.read_into(memoryview(raw))
             wire.skip(2)
-            yield from replay(raw, self.book.key_bytes, s)
+            yield from replay_pieces(raw, self.book.key_bytes, s)
 
     # -- sweeps ------------------------------------------------------------------------------------
     def sweep_state(self) -> LogState | None:

@@ -76,7 +76,7 @@ from kvtier.backends.redis_keylog import (
     command,
     entries_of,
     new_header,
-    replay,
+    replay_pieces,
 )
 from kvtier.backends.redis_scan import SCAN_COUNT, scan_block_keys
 from kvtier.backends.redis_wire import ErrorReply, Scratch, Wire
@@ -99,8 +99,6 @@ SLOTS = 16384
 _TAG_SEARCH = 131072
 #: Integers whose CRCs are computed together while searching (columns of 32 KiB).
 _TAG_CHUNK = 8192
-#: Entries replayed into one list of keys at a store's open.
-REPLAY_ENTRIES = 4096
 #: ``GET`` commands joined into one buffer of the open's pipeline (about 30 KB): one buffer
 #: for a primary's 5,461 slots (330 KB) stayed resident at the top of the open's thread's heap.
 _GETS_PER_PIECE = 512
@@ -333,9 +331,7 @@ class SlotLogs:
                             self.book.count("opens")
                             # In pieces: the lists of keys stay small (one of a primary's keys at
                             # once would be a large block on the heap of the open's thread).
-                            step = REPLAY_ENTRIES * self.book.entry_bytes
-                            for start in range(0, len(raw), step):
-                                yield from replay(raw[start : start + step], self.book.key_bytes, start)
+                            yield from replay_pieces(raw, self.book.key_bytes)
                             return
             finally:
                 entries.close()

@@ -358,3 +358,57 @@ def test_both_kinds_of_key_log_keep_one_book() -> None:
         assert book.foreign(bad) == "entries of another form in the key log"
     book.count("sampled_gone", 3)
     assert book.stats(True)["sampled_gone"] == 3
+
+
+def test_a_piece_of_the_log_is_replayed_in_small_lists_with_the_same_keys_and_deletions() -> None:
+    """``replay_pieces`` (what an open reads a piece with) gives the keys and deletions that one
+    ``replay`` of the piece gives, in the same order, in lists of at most ``REPLAY_ENTRIES``; a
+    bad entry raises, naming where it is in the log."""
+    from kvtier.backends.redis_keylog import REPLAY_ENTRIES, KeyLogChanged, entries_of, replay, replay_pieces
+    from kvtier.backends.remote_listing import Dropped
+
+    n = 2 * REPLAY_ENTRIES + 123
+    keys = [make_key(i) for i in range(n)]
+    cut = REPLAY_ENTRIES - 2  # a run of deletions across the first pieces' boundary
+    raw = entries_of(keys[:cut], STORED) + entries_of(keys[cut : cut + 5], DELETED) + entries_of(keys[cut + 5 :], STORED)
+
+    def flat(batches: list[list[bytes]]) -> list[tuple[bool, bytes]]:
+        return [(type(batch) is Dropped, key) for batch in batches for key in batch]
+
+    whole, pieces = list(replay(raw, 32)), list(replay_pieces(raw, 32))
+    assert flat(pieces) == flat(whole) and len(flat(whole)) == n
+    assert max(map(len, pieces)) <= REPLAY_ENTRIES < max(map(len, whole)), [len(b) for b in pieces]
+    # Where a piece starts in the log (for the message) counts from the offset given.
+    bad = bytearray(raw)
+    bad[(REPLAY_ENTRIES + 7) * 33] = ord("?")
+    with pytest.raises(KeyLogChanged, match=f"between bytes {1000 + REPLAY_ENTRIES * 33} and"):
+        list(replay_pieces(bytes(bad), 32, 1000))
+
+
+def test_an_open_makes_its_keys_from_the_log_a_few_thousand_at_a_time(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's open hands the listing lists of at most ``REPLAY_ENTRIES`` keys, not one list of
+    a whole 4 MiB piece (which stayed on the heap of the open's thread), and adopts every key."""
+    monkeypatch.setattr(redis_keylog, "REPLAY_ENTRIES", 8)
+    seen: list[int] = []
+    real = redis_keylog.replay
+
+    def spy(raw: Any, key_bytes: int, where: int = 0) -> Any:
+        for batch in real(raw, key_bytes, where):
+            seen.append(len(batch))
+            yield batch
+
+    writer = open_tier(b"keylog-pieces", redis_server.url)
+    try:
+        keys = [make_key(i) for i in range(100)]
+        write_keys(writer, keys)
+        monkeypatch.setattr(redis_keylog, "replay", spy)
+        reader, opened, counters = reopen_tier(b"keylog-pieces", redis_server.url)
+        try:
+            assert sorted(opened) == sorted(keys) and counters["opens"] == 1 and counters["fallbacks"] == 0
+            assert sum(seen) == 100 and max(seen) <= 8, seen
+        finally:
+            close_tier(reader)
+    finally:
+        close_tier(writer)
