@@ -248,30 +248,39 @@ class _Clock:
 
 def test_team_pace_goes_alone_after_a_job_that_waited_and_backs_off_on_each_retry() -> None:
     """A job on the team whose thread ran less than three quarters of its wall time, and took
-    longer per block than the jobs alone lately (or none ran alone yet), sends the jobs of the
-    next hold to the thread alone; the first job after the hold retries the team, and the hold
-    doubles each time the retry loses too (up to the most), and starts over once a job on the
-    team runs undisturbed or beats the thread alone."""
+    longer per byte than the jobs alone lately (or none ran alone yet), lost; two in a row send
+    the jobs of the next hold to the thread alone; the first job after the hold retries the
+    team, and the hold doubles each time the retry loses too (up to the most), and starts over
+    once a job on the team runs undisturbed or beats the thread alone."""
     clock = _Clock()
     pace = copies.TeamPace(clock)
     assert not pace.solo()
     pace.note(False, 4000, 3990, 4)  # undisturbed: stays on the team
     pace.note(False, 4000, 3000, 4)  # exactly three quarters: still undisturbed
     assert not pace.solo()
-    pace.note(False, 4000, 1200, 4)  # waited for CPUs, nothing known of the thread alone
+    pace.note(False, 4000, 1200, 4)  # waited for CPUs, nothing known of the thread alone: lost
+    assert not pace.solo()  # once is a lone disturbance
+    pace.note(False, 4000, 4000, 4)  # undisturbed: the count starts over
+    pace.note(False, 4000, 1200, 4)
+    assert not pace.solo()
+    pace.note(False, 4000, 1200, 4)  # twice in a row
     assert pace.solo()
-    pace.note(True, 2000, 2000, 2)  # alone: 1000 ns a block
+    pace.note(True, 2000, 2000, 2)  # alone: 1000 ns a byte
     pace.note(True, 2000, 2000, 1)  # a quarter of the way to 2000
     assert pace.alone == 1250.0
     clock.now += copies.SOLO_HOLD_S - 0.01
     assert pace.solo()
     clock.now += 0.02
     assert not pace.solo()  # the retry
-    pace.note(False, 4800, 1000, 4)  # waited, but 1200 ns a block beats 1250 alone
+    pace.note(False, 4800, 1000, 4)  # waited, but 1200 ns a byte beats 1250 alone
     assert not pace.solo() and pace.hold == copies.SOLO_HOLD_S
     holds = []
-    for _ in range(8):
-        pace.note(False, 8000, 1000, 4)  # waited and lost (2000 ns a block)
+    for i in range(8):
+        pace.note(False, 8000, 1000, 4)  # waited and lost (2000 ns a byte)
+        if i == 0:
+            assert not pace.solo()  # the first loss after a win is a lone one
+            pace.note(False, 8000, 1000, 4)
+        assert pace.solo()  # later, a retry that loses goes alone at once
         start = clock.now
         while pace.solo():
             clock.now += 0.25
@@ -280,37 +289,51 @@ def test_team_pace_goes_alone_after_a_job_that_waited_and_backs_off_on_each_retr
     pace.note(False, 8000, 8000, 4)  # undisturbed (slow or not): back on the team, the hold starts over
     assert not pace.solo()
     pace.note(False, 8000, 0, 4)
+    pace.note(False, 8000, 0, 4)
     assert pace.solo() and pace.hold == 2 * copies.SOLO_HOLD_S
 
 
 def test_a_job_on_the_callers_team_is_timed_and_copies_alone_while_the_pace_says_so() -> None:
     """Inside ``on_callers_team`` the thread copies unsplit either way; while the pace holds,
-    torch's ops on the thread run on it alone, and its count is back after the block."""
+    torch's ops on the thread run on it alone, and its count is back after the block. A job
+    under ``PACE_MIN_BYTES`` is not timed and stays on the team."""
     seen: list[tuple[bool, int, int, int]] = []
 
     class Noted(copies.TeamPace):
-        def note(self, solo: bool, wall_ns: int, cpu_ns: int, blocks: int) -> None:
-            seen.append((solo, wall_ns, cpu_ns, blocks))
-            super().note(solo, wall_ns, cpu_ns, blocks)
+        def note(self, solo: bool, wall_ns: int, cpu_ns: int, nbytes: int) -> None:
+            seen.append((solo, wall_ns, cpu_ns, nbytes))
+            super().note(solo, wall_ns, cpu_ns, nbytes)
 
     splitter = CopySplitter(2)
     clock = _Clock()
     splitter.pace = Noted(clock)
     before = torch.get_num_threads()
-    with splitter.on_callers_team():
+    big = copies.PACE_MIN_BYTES
+    with splitter.on_callers_team(big):
         assert splitter.on_this_thread() and torch.get_num_threads() == before
     splitter.pace.until, splitter.pace.hold = clock.now + 1.0, 2.0  # as after a job that waited
-    with splitter.on_callers_team(3):
+    with splitter.on_callers_team(3 * big):
         assert splitter.on_this_thread()
         assert torch.get_num_threads() == (1 if confines_intra_op() else before)
     assert torch.get_num_threads() == before and not splitter.on_this_thread()
-    assert [(s, n) for s, _, _, n in seen] == [(False, 1), (True, 3)]
+    for small in (0, big - 1):  # not timed, on the team, while the pace still holds
+        with splitter.on_callers_team(small):
+            assert splitter.on_this_thread() and torch.get_num_threads() == before
+    assert splitter.pace.solo() and not splitter.on_this_thread()
+    assert [(s, n) for s, _, _, n in seen] == [(False, big), (True, 3 * big)]
     assert all(wall > 0 and cpu >= 0 for _, wall, cpu, _ in seen)
 
 
-def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team() -> None:
+def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team(monkeypatch: pytest.MonkeyPatch) -> None:
     """The store's small jobs run inline; with the pace holding them alone they save and load
-    exactly what the jobs on the caller's team do."""
+    exactly what the jobs on the caller's team do (these blocks are small: every job is paced)."""
+    monkeypatch.setattr(copies, "PACE_MIN_BYTES", 0)
+    notes: list[bool] = []
+
+    class Held(copies.TeamPace):
+        def note(self, solo: bool, wall_ns: int, cpu_ns: int, nbytes: int) -> None:
+            notes.append(solo)
+
     got = []
     for alone in (False, True):
 
@@ -321,6 +344,7 @@ def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team() -> Non
             async with kvtier.open(cfg, kv_caches=caches) as store:
                 assert store.layout is not None
                 if alone:
+                    store.layout.copies.pace = Held()
                     store.layout.copies.pace.until = float("inf")
                 keys = [bytes([i]) * 32 for i in range(4)]
                 assert await store.save(keys, [3, 9, 0, 5]) == 4
@@ -330,6 +354,7 @@ def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team() -> Non
                 return [c[[1, 2, 4, 6]].view(torch.uint8) for c in caches] + [c[[3, 9, 0, 5]].view(torch.uint8) for c in caches]
 
         got.append(asyncio.run(run()))
+    assert notes == [True, True]  # the save and the load, alone
     for a, b in zip(*got):
         assert torch.equal(a, b)
     half = len(got[0]) // 2

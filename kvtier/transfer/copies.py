@@ -32,12 +32,14 @@ the same job, against 1.2-1.4 ms alone (at most 5-13 ms where the caller's own t
 preempted). :class:`TeamPace` tells when the thread alone is faster by the caller's thread
 itself: a job on the team whose thread ran for less than three quarters of the job's wall time
 (``thread_time`` against ``perf_counter``; undisturbed it runs or spins the whole time) has
-waited for CPUs, and if it also took longer per block than the jobs alone lately (or none has
-run alone yet), the jobs of the next :data:`SOLO_HOLD_S` seconds copy on the thread alone (and
-are timed: a moving average per block). The first job after that tries the team again; if it
-loses too, the hold doubles (up to :data:`SOLO_HOLD_MAX_S`), so a loaded host pays one slow
+waited for CPUs, and if it also took longer per byte than the jobs alone lately (or none has
+run alone yet), it lost. After :data:`SOLO_AFTER` such jobs in a row (one is a lone
+disturbance, not a loaded host), the jobs of the next :data:`SOLO_HOLD_S` seconds copy on the
+thread alone (and are timed: a moving average per byte). The first job after that tries the
+team again; if it loses too, the hold doubles (up to :data:`SOLO_HOLD_MAX_S`), so a loaded host pays one slow
 job per hold. A job on the team that ran undisturbed, or waited and still beat the thread
-alone, resets the hold. A quiet host never leaves the team. Either way the same bytes are copied.
+alone, resets the hold. A quiet host never leaves the team. Jobs under :data:`PACE_MIN_BYTES`
+are neither timed nor moved off the team. Either way the same bytes are copied.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ from kvtier.shares import run_all
 
 __all__ = [
     "MIN_SPLIT_BYTES",
+    "PACE_MIN_BYTES",
+    "SOLO_AFTER",
     "SOLO_HOLD_MAX_S",
     "SOLO_HOLD_S",
     "THREAD_PREFIX",
@@ -82,6 +86,11 @@ AUTO_MIN = 2
 #: caller's thread alone (see the module doc); each later such job doubles it, up to the most.
 SOLO_HOLD_S = 1.0
 SOLO_HOLD_MAX_S = 32.0
+#: Team jobs that must lose in a row before the first hold (a lone disturbance is not a load).
+SOLO_AFTER = 2
+#: Smaller inline jobs are not timed and stay on the team: their copy is too short for a wait
+#: to matter, and too short to time (two ``thread_time`` calls cost 0.6 µs here).
+PACE_MIN_BYTES = 1 << 20
 
 CopyThreads = int | Literal["auto"]
 
@@ -137,31 +146,35 @@ class TeamPace:
     """Whether a job run on its caller's thread copies with the thread's OpenMP team or on the
     thread alone (see the module doc). ``clock`` gives seconds (monotonic)."""
 
-    __slots__ = ("_clock", "alone", "hold", "until")
+    __slots__ = ("_clock", "alone", "hold", "lost", "until")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.hold = SOLO_HOLD_S  # the next hold, in seconds
         self.until = 0.0  # jobs copy on their thread alone until then
-        self.alone = 0.0  # wall ns per block of the recent jobs alone (0: none yet)
+        self.alone = 0.0  # wall ns per byte of the recent jobs alone (0: none yet)
+        self.lost = 0  # team jobs lost in a row
 
     def solo(self) -> bool:
         """Whether the next job copies on its thread alone."""
         return self.until != 0.0 and self._clock() < self.until
 
-    def note(self, solo: bool, wall_ns: int, cpu_ns: int, blocks: int) -> None:
-        """A job of ``blocks`` blocks ended that ran alone (``solo``) or on the team, taking
+    def note(self, solo: bool, wall_ns: int, cpu_ns: int, nbytes: int) -> None:
+        """A job moving ``nbytes`` ended that ran alone (``solo``) or on the team, taking
         ``wall_ns`` of which its thread ran ``cpu_ns``."""
-        per = wall_ns / max(blocks, 1)
+        per = wall_ns / max(nbytes, 1)
         alone = self.alone
         if solo:  # a moving average, a quarter to the newest
             self.alone = per if alone == 0.0 else alone + (per - alone) / 4
             return
         if 4 * cpu_ns < 3 * wall_ns and (alone == 0.0 or per > alone):
             # off its CPU for a quarter of the job, and slower than alone lately (or not known)
-            self.until = self._clock() + self.hold
-            self.hold = min(2 * self.hold, SOLO_HOLD_MAX_S)
+            self.lost += 1
+            if self.lost >= SOLO_AFTER:
+                self.until = self._clock() + self.hold
+                self.hold = min(2 * self.hold, SOLO_HOLD_MAX_S)
         else:
+            self.lost = 0
             self.until = 0.0
             self.hold = SOLO_HOLD_S
 
@@ -170,12 +183,12 @@ class _CallersTeam:
     """:meth:`CopySplitter.on_callers_team`'s context: sets the thread's flag, then restores it;
     times the job for ``pace`` and, where it says so, confines the thread's copies to it."""
 
-    __slots__ = ("_alone", "_before", "_blocks", "_callers", "_cpu", "_pace", "_wall")
+    __slots__ = ("_alone", "_before", "_callers", "_cpu", "_nbytes", "_pace", "_wall")
 
-    def __init__(self, callers: threading.local, pace: TeamPace, blocks: int) -> None:
+    def __init__(self, callers: threading.local, pace: TeamPace | None, nbytes: int) -> None:
         self._callers = callers
-        self._pace = pace
-        self._blocks = blocks
+        self._pace = pace  # None: not timed, on the team
+        self._nbytes = nbytes
         self._before = False
         self._alone: contextlib.AbstractContextManager[None] | None = None
         self._wall = self._cpu = 0
@@ -183,19 +196,25 @@ class _CallersTeam:
     def __enter__(self) -> None:
         self._before = getattr(self._callers, "on", False)
         self._callers.on = True
-        if self._pace.solo():
-            self._alone = one_intra_op_thread()
-            self._alone.__enter__()
-        self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
+        pace = self._pace
+        if pace is not None:
+            if pace.solo():
+                self._alone = one_intra_op_thread()
+                self._alone.__enter__()
+            self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
 
     def __exit__(self, *exc: object) -> None:
+        pace = self._pace
+        if pace is None:
+            self._callers.on = self._before
+            return
         wall, cpu = time.perf_counter_ns() - self._wall, time.thread_time_ns() - self._cpu
         alone = self._alone
         if alone is not None:
             self._alone = None
             alone.__exit__(None, None, None)
         self._callers.on = self._before
-        self._pace.note(alone is not None, wall, cpu, self._blocks)
+        pace.note(alone is not None, wall, cpu, self._nbytes)
 
 
 class CopySplitter:
@@ -208,14 +227,16 @@ class CopySplitter:
         #: whether an inline job copies on its caller's team or on the thread alone
         self.pace = TeamPace()
 
-    def on_callers_team(self, blocks: int = 1) -> _CallersTeam:
+    def on_callers_team(self, nbytes: int = 0) -> _CallersTeam:
         """Inside, this thread's jobs copy on this thread with its own OpenMP team, unsplit: for
         a job run on the engine's own thread (:mod:`kvtier.transfer.inline`), whose team is the
         engine's, so no second team is started. Measured here the fastest host copy (the raw
         ``index_select`` with torch's team of two in ``bench_core.py``). A plain class, not a
         generator: entered once per inline job, right after a copy has flushed the caches, where
-        a ``contextlib`` manager cost 43 µs and this one 10."""
-        return _CallersTeam(self._callers, self.pace, blocks)
+        a ``contextlib`` manager cost 43 µs and this one 10. ``nbytes``: what the job moves; from
+        :data:`PACE_MIN_BYTES` on it is timed, and copies on the thread alone while
+        :attr:`pace` says so."""
+        return _CallersTeam(self._callers, self.pace if nbytes >= PACE_MIN_BYTES else None, nbytes)
 
     def on_this_thread(self) -> bool:
         """Whether this thread's copies run here, on its own team, unsplit (inside

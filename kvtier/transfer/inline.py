@@ -104,7 +104,7 @@ class InlineJobs:
         the engine's active jobs; it is given back here, or by the tiers thread when a store
         failed and its clean-up goes there to keep its order)."""
         # the engine's own thread and OpenMP team (or the thread alone: copies.TeamPace)
-        with self.e.layout.copies.on_callers_team(len(rec.plan.keys)):
+        with self.e.layout.copies.on_callers_team(len(rec.plan.keys) * self.e.layout.block_bytes):
             if isinstance(rec, StoreRecord):
                 if not self.plain.store(rec):
                     self.stores.device_job(rec)
