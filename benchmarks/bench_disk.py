@@ -47,7 +47,9 @@ ratio of a tier against its raw baseline also comes round by round (``*_ratio_sp
 minimum, quartiles and maximum over the rounds of the per-round ratio, each against the raw side
 of its own round; ``mac_load_cost_spread`` likewise), so a run shows its own swing.
 
-Disk throughputs are the median of ``--repeat`` interleaved runs (warm LMDB loads: three times
+Disk throughputs are the median of ``--repeat`` interleaved rounds (5, ``--quick`` too: an odd
+count, so the median is one round's figure; a quick run counted 3, and its paired save medians
+swung half as much again as they do over 5: see ``QUICK_REPEAT``) (warm LMDB loads: seven times
 as many, as they are cheap and swing the most) (tier and raw alternate, so
 drift in the disk hits both alike), after one uncounted warm-up round. The order within a round
 reverses every round: whichever side ran first in a round was measured up to 4x slower here (the
@@ -98,8 +100,16 @@ from kvtier.backend import Backend, BlockFormat
 from kvtier.records.codec import resolve_codec
 from kvtier.testing import make_key
 
+#: Save rounds (``--repeat``): odd, so a median is one round's figure. ``--quick`` counts 5 (it
+#: counted 3): resampled from 9 rounds of one quick run (load 1.9), the median of 5 swung by
+#: 0.032 (one standard deviation) in ``file_save_ratio_paired`` against 0.049 for the median of 3,
+#: and 0.017 against 0.020 in ``lmdb_save_best_raw_ratio_paired``; a quick run took 19.6 s
+#: against 15.2 (1.3x; 7 rounds took 23 s, 1.5x).
+REPEAT = 5
+QUICK_REPEAT = 5
+
 #: Warm-load rounds per save round (loads are cheap and swing more; see bench_lmdb): 7, so a
-#: quick run's warm medians are taken over 21 rounds (a second more). Over 9, the keyed load's
+#: quick run's warm medians are taken over 35 rounds. Over 9, the keyed load's
 #: cost moved from 0.51 to 0.86 between adjacent runs at load 2-3, and the warm ratio by 0.07.
 LOAD_ROUNDS_PER_SAVE_ROUND = 7
 
@@ -452,7 +462,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
     parser.add_argument("--dir", default=None,
                         help="the filesystem to measure: temporary stores go in a folder under DIR (default: system temp)")
-    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=None, help=f"save rounds (default {REPEAT}, --quick {QUICK_REPEAT})")
     parser.add_argument(
         "--cold-rounds",
         type=int,
@@ -465,7 +475,7 @@ def main() -> None:
                         help="the lmdb and file tiers' sync_mode, and the raw baselines' syncs to match (default durable)")
     args = parser.parse_args()
     n = 16 if args.quick else 48
-    repeat = args.repeat or (3 if args.quick else 5)
+    repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
     cold_rounds = args.cold_rounds or (7 if args.quick else 21)
     scan_records = 20_000 if args.quick else 100_000
     blocks = kv_like_blocks(n)

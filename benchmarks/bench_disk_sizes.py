@@ -56,7 +56,15 @@ best raw load shape's, is the most a checked load reaches on one core. Arms alte
 figures are medians over ``--rounds`` rounds after one uncounted warm-up round. Every cell of
 one record size moves the same number of blocks, so its cells differ in their jobs alone. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
-at 64 KiB only) for a shared machine.
+at 64 KiB only) for a shared machine, 5 counted rounds a cell (3 without ``--quick``), and at
+most 256 blocks a cell (512 without): an odd count, so each paired median is one round's
+ratio. It counted 2, whose median is their mean, so one round slowed by a descheduling moved a
+cell's median by half its excess (a 64 KiB cell's rounds of 0.87 and 3.09 gave 1.98), and
+medians moved by 0.1 and more from run to run; over 5 rounds two such rounds are outvoted.
+Two quick runs each, alternated (load 1.3-2.9): the save medians of the 18 cells moved by 0.024
+from one run to the next (median over cells; at most 0.12) against 0.047 (at most 0.28) at 2
+rounds, the load medians by 0.022 against 0.061. Only the 4 KiB cells reach the block cap;
+halving them keeps a quick run at 1.45x the time of 2 rounds (70-75 s against 46-54 here).
 """
 
 from __future__ import annotations
@@ -87,6 +95,16 @@ from kvtier.testing import make_key
 SIZES = (4 << 10, 64 << 10, 256 << 10, 2 << 20)
 JOBS = (1, 16, 64)
 CONCURRENT = 4
+#: Counted rounds per cell (``--rounds``): odd, so a median is one round's figure. ``--quick``
+#: counts 5 (it counted 2, whose median is their mean: one round slowed by a descheduling moved
+#: it by half that round's excess, and paired medians moved by 0.1 and more between adjacent
+#: runs); see the module doc.
+ROUNDS = 3
+QUICK_ROUNDS = 5
+#: Blocks a cell moves at most (``--quick``: fewer, so that its 5 rounds take about 1.4x the
+#: time its 2 did: only 4 KiB cells reach the cap).
+MOST_BLOCKS = 512
+QUICK_MOST_BLOCKS = 256
 
 
 def _blocks(n: int, size: int) -> list[torch.Tensor]:
@@ -320,13 +338,14 @@ def plan(sizes: Sequence[int], *, quick: bool) -> list[tuple[int, int, int, int]
     16 MiB L3 cache here) and jobs of 16 read 32 (64 MiB), and jobs of 1 seemed to load 15 %
     nearer raw than jobs of 16; with 32 blocks each, the tier reads both at the same speed."""
     target = (8 << 20) if quick else (64 << 20)
+    most = QUICK_MOST_BLOCKS if quick else MOST_BLOCKS
     cells = []
     for size in sizes:
         shapes = [(job, 1) for job in ((1, 16) if quick else JOBS)]
         if not quick or size == 64 << 10:
             shapes.append((16, CONCURRENT))
         span = max(job * callers for job, callers in shapes)
-        n = max(2 * span, min(512, target // size) // span * span)
+        n = max(2 * span, min(most, target // size) // span * span)
         cells.extend((size, job, callers, n) for job, callers in shapes)
     return cells
 
@@ -469,11 +488,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid, for a shared machine")
     parser.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
-    parser.add_argument("--rounds", type=int, default=None, help="counted rounds per cell (default 3, --quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help=f"counted rounds per cell (default {ROUNDS}, --quick {QUICK_ROUNDS})")
     parser.add_argument("--tiers", nargs="+", default=["lmdb", "file"], choices=["lmdb", "file"])
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="record sizes in bytes")
     args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     grid = plan(tuple(args.sizes) if args.sizes else SIZES, quick=args.quick)
     root = tempfile.mkdtemp(prefix="kvtier-bench-sizes-", dir=args.dir)
     cells = []

@@ -68,3 +68,51 @@ def test_each_operation_is_timed_by_one_arm_a_round_after_the_filesystem_settled
     assert one["best_raw_load"] == loader
     several = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4)
     assert f"{same_save}_save_blocks_s" in several and f"{same_save}_load_gbps" not in several
+
+
+def test_quick_runs_count_an_odd_number_of_rounds_and_fewer_blocks(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--quick`` counts an odd number of rounds (more than the 2 it counted, whose median was
+    their mean), so each paired median is one round's ratio, and caps a cell's blocks lower."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_disk_sizes as bench
+    finally:
+        sys.path.pop(0)
+    counted: list[tuple[int, int]] = []
+
+    def cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int) -> dict[str, object]:
+        counted.append((rounds, n))
+        return {"tier": tier, "record_bytes": size, "save_ratio": 1.0, "load_ratio": 1.0}
+
+    monkeypatch.setattr(bench, "_cell", cell)
+    for quick, want in ((True, bench.QUICK_ROUNDS), (False, bench.ROUNDS)):
+        counted.clear()
+        monkeypatch.setattr(sys, "argv", ["bench_disk_sizes.py", *(["--quick"] if quick else []), "--tiers", "lmdb", "--sizes", "4096"])
+        bench.main()
+        assert json.loads(capsys.readouterr().out)["rounds"] == want
+        assert {r for r, _ in counted} == {want} and want % 2 == 1
+    assert bench.QUICK_ROUNDS > 2
+    quick_blocks = {n for size, _, _, n in bench.plan([4096], quick=True)}
+    assert quick_blocks == {bench.QUICK_MOST_BLOCKS} and bench.QUICK_MOST_BLOCKS < bench.MOST_BLOCKS
+
+
+def test_bench_disk_quick_counts_an_odd_number_of_save_rounds(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench_disk.py --quick`` hands its parts an odd round count (its medians are one round's)."""
+    import torch
+    from kvtier.tools.bench.scripts import bench_disk
+
+    handed: list[int] = []
+
+    def part(root: str, blocks: list[torch.Tensor], repeat: int, sync_mode: str = "durable") -> dict[str, int]:
+        handed.append(repeat)
+        return {}
+
+    monkeypatch.setattr(bench_disk, "kv_like_blocks", lambda n: [])
+    monkeypatch.setattr(bench_disk, "bench_lmdb", part)
+    monkeypatch.setattr(bench_disk, "bench_file", part)
+    monkeypatch.setattr(sys, "argv", ["bench_disk.py", "--quick", "--only", "lmdb", "file"])
+    bench_disk.main()
+    capsys.readouterr()
+    assert handed == [bench_disk.QUICK_REPEAT] * 2 and bench_disk.QUICK_REPEAT % 2 == 1 and bench_disk.QUICK_REPEAT > 3
