@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from kvtier.tools.bench.scripts import bench_core
 
 
