@@ -688,10 +688,15 @@ def main() -> None:
         **{k: round(v, 3) for k, v in cost.items()},
         "index_bytes_per_key": None if mem is None else round(mem, 1),
     }
+    def raw_range(name: str) -> str:
+        g = result["gbps_spread"][name]
+        return f"{g['min']}-{g['max']}"
+
     summary = (
         f"save {result['cpu_save_gbps']} GB/s ({result['cpu_save_ratio']}x raw), "
         f"load {result['cpu_load_gbps']} GB/s ({result['cpu_load_ratio']}x raw), "
-        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s, {bw['threads']} copy threads; "
+        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s (rounds {raw_range(raw_save_name)} / "
+        f"{raw_range(raw_load_name)}), {bw['threads']} copy threads; "
         f"quiet rounds {quiet_save[1]} / {quiet_load[1]} of {reps}: save {quiet_save[0]}x, load {quiet_load[0]}x"
     )
     if cost:
