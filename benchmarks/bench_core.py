@@ -15,8 +15,18 @@ rows (``save_direct``; ``index_copy_`` back, ``load_direct``), and the direct co
 layers split over as many threads as the store's ``copy_threads`` (``*_split``, when above 1).
 ``raw_save_gbps`` / ``raw_load_gbps`` are the fastest of them; ``cpu_save_ratio`` /
 ``cpu_load_ratio`` the tier over them. Everything runs interleaved: each of ``--rounds`` rounds
-runs every copy once, in an order reversed every round, after one uncounted warm-up round;
-figures are medians (``*_best_gbps``: the best round). ``cpu_*_ratio_paired`` is the median of
+(an odd count, default 25, ``--quick`` 9) runs every copy once, in an order reversed every
+round, after :data:`WARMUP_ROUNDS` uncounted warm-up rounds; figures are medians
+(``*_best_gbps``: the best round). Every arm copies in the same state: the raw pool is memory of
+the kind the tier's pool gets, touched before the first round as the tier's is at open
+(:func:`pool_like_tiers`; untouched, its page faults fell into counted rounds), and before each
+timed copy, the tier's and the engine's saves and loads included, a write over twice the
+last-level cache evicts the CPU caches (:class:`ColdCaches`, ``cold_caches_bytes``;
+``--warm-caches`` leaves them as the copy before left them). Without it a 4-block job (8 MiB
+each way, this host's L3 holds 16 MiB) ran up to a quarter faster when the copy before it had
+read the same blocks, which a raw copy after another raw copy had and the tier's never did: the
+paired ratio then alternated round by round with the order (save 0.60 in one order, 0.82 in the
+other) and the median of a few rounds fell on either side. ``cpu_*_ratio_paired`` is the median of
 the per-round ratios against that fastest raw copy (the steadier figure where the machine's
 speed drifts during a run), ``cpu_*_ratio_spread`` their minimum, quartiles and maximum over
 the rounds, ``gbps_spread`` the same for the tier's, the engine's and the fastest raw copies'
@@ -57,6 +67,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import glob
 import hashlib
 import itertools
 import json
@@ -83,6 +94,9 @@ LAYERS = 32
 LAYER_SHAPE = (16, 2, 8, 128)  # tokens, K/V, heads, dims
 #: a round is quiet for an arm that waited on a run queue at most this share of its time
 QUIET_WAIT_SHARE = 0.02
+#: uncounted rounds before the counted ones: after one, the tier's first counted save still ran
+#: at 5.0-5.9 GB/s against 6.2-7.9 in the rounds after it (4 blocks)
+WARMUP_ROUNDS = 2
 
 
 def keys_of(start: int, n: int) -> list[bytes]:
@@ -139,6 +153,62 @@ class Timed:
         self.gc = gc
 
 
+def pool_like_tiers(rows: int, row_bytes: int) -> torch.Tensor:
+    """A ``[rows, row_bytes]`` uint8 pool of the memory a CPU tier's pool gets
+    (``backends/memory.py``): pinned where CUDA is (``pin_memory: auto``), else advised huge
+    pages before the first touch, and touched whole now, as the tier fills its pool at open. A
+    pool of 4 KiB pages would make the raw copy slower than the best raw shape; an untouched one
+    put its page faults into the first raw copy of each region's first counted round (save
+    ``_foreach_copy_`` at 1.8 GB/s against 7.7 in its other rounds, 4 blocks)."""
+    pin = torch.cuda.is_available()
+    pool = torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+    if not pin:
+        advise_huge_pages(pool)
+        pool.fill_(0)
+    return pool
+
+
+def last_level_cache_bytes() -> int:
+    """The size of this host's largest CPU cache (sysfs), or 32 MiB where it is not found."""
+    sizes = [0]
+    for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(entry) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) or 32 << 20
+
+
+class ColdCaches:
+    """Before each timed copy, of every arm alike, a write over twice the last-level cache, so
+    that every copy starts with its source and destination out of the CPU caches. Without it
+    each arm started in the state the arm before it left: a raw save after another raw save of
+    the same blocks found up to 16 MiB of them in this host's 16 MiB L3, the tier's save after
+    the tier's load of another job found none, and a 4-block job (8 MiB each way) ran 8-20 %
+    faster or slower with its place in the round (``save_split`` 5.0 in forward rounds against
+    6.0-6.2 in reversed ones, ``load_foreach`` 7.6-8.2 against 7.0-7.1)."""
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        self.nbytes = nbytes or 2 * last_level_cache_bytes()
+        self.scratch: torch.Tensor | None = None
+        self.on = True
+
+    def __call__(self) -> None:
+        if not self.on:
+            return
+        if self.scratch is None:
+            self.scratch = torch.zeros(self.nbytes, dtype=torch.uint8)
+        self.scratch.add_(1)
+
+
+COLD = ColdCaches()
+
+
 class RawCopies:
     """Raw copies of a job of ``job`` scattered blocks between ``caches`` and a pool of
     records, done with torch alone on the calling thread (and, ``split``, over ``threads``
@@ -155,10 +225,7 @@ class RawCopies:
         # A pool of ``regions`` jobs, one region per round in turn (:meth:`next_round`), as the
         # tier's own pool of as many jobs is: a pool this host's cache could keep whole would
         # flatter the raw copy.
-        self.pool = torch.empty((regions * job, block_bytes), dtype=torch.uint8)
-        # Backed by huge pages as the tier's host pool is (advised before the first touch): a
-        # pool of 4 KiB pages would make the raw copy slower than the best raw shape.
-        advise_huge_pages(self.pool)
+        self.pool = pool_like_tiers(regions * job, block_bytes)
         self.src_ids = list(range(1, 2 * job, 2))[:job]  # every other block: a realistic scattered job
         self.dst_ids = [b - 1 for b in self.src_ids]
         self.words = [c.view(torch.uint8).view(c.shape[0], -1).view(torch.int64) for c in caches]
@@ -185,6 +252,7 @@ class RawCopies:
         self.pool_words, self.pieces = self.regions[self.round % len(self.regions)]
 
     def _timed(self, fn: Callable[[], Any]) -> Timed:
+        COLD()
         w0, g0 = run_queue_wait(), GC_PAUSES.total
         t0 = time.perf_counter()
         fn()
@@ -267,8 +335,9 @@ async def bandwidth(
 ) -> dict[str, Any]:
     """The tier's save and load of a ``job`` of scattered blocks (``kvtier.open(...)`` and the
     transfer engine alone), and the raw copies of the same bytes, interleaved: every round runs
-    each of them once, in an order that reverses every round, after one uncounted warm-up
-    round. Figures are medians over the rounds."""
+    each of them once, in an order that reverses every round, after :data:`WARMUP_ROUNDS`
+    uncounted warm-up rounds, each copy after :data:`COLD` evicted the CPU caches. Figures are
+    medians over the rounds."""
     per_layer = caches[0][0].numel() * caches[0].element_size()
     block_bytes = per_layer * len(caches)
     regions = 3  # the tier holds three jobs, and each round's save goes to the slots of the oldest
@@ -288,22 +357,26 @@ async def bandwidth(
 
         async def tier_round() -> tuple[Timed, Timed]:
             keys = keys_of(next(counter) * job, job)
+            COLD()
             w0, g0 = run_queue_wait(), GC_PAUSES.total
             t0 = time.perf_counter()
             saved = await store.save(keys, raw.src_ids)
             t1 = time.perf_counter()
             w1, g1 = run_queue_wait(), GC_PAUSES.total
+            COLD()
+            w2, g2 = run_queue_wait(), GC_PAUSES.total
             t2 = time.perf_counter()
             loaded = await store.load(keys, raw.dst_ids)
             t3 = time.perf_counter()
-            w2, g2 = run_queue_wait(), GC_PAUSES.total
+            w3, g3 = run_queue_wait(), GC_PAUSES.total
             assert saved == job and loaded == job, (saved, loaded)
-            return Timed(t1 - t0, w1 - w0, g1 - g0), Timed(t3 - t2, w2 - w1, g2 - g1)
+            return Timed(t1 - t0, w1 - w0, g1 - g0), Timed(t3 - t2, w3 - w2, g3 - g2)
 
         def engine_round() -> tuple[Timed, Timed]:  # the transfer engine alone: no asyncio hop, no manager
             keys = keys_of(next(counter) * job, job)
             plan = mgr.prepare_store(keys)
             assert plan is not None
+            COLD()
             w0, g0 = run_queue_wait(), GC_PAUSES.total
             t0 = time.perf_counter()
             (res,) = xfer.wait([xfer.submit_store(plan, raw.src_ids, inline=True)])
@@ -311,6 +384,7 @@ async def bandwidth(
             w1, g1 = run_queue_wait(), GC_PAUSES.total
             mgr.complete_store(plan.keys, res.success, sizes=res.sizes)
             load = mgr.prepare_load(keys)
+            COLD()
             w2, g2 = run_queue_wait(), GC_PAUSES.total
             t2 = time.perf_counter()
             (res2,) = xfer.wait([xfer.submit_load(load, raw.dst_ids, inline=True)])
@@ -322,14 +396,14 @@ async def bandwidth(
             return Timed(t1 - t0, w1 - w0, g1 - g0), Timed(t3 - t2, w3 - w2, g3 - g2)
 
         steps: list[tuple[str, Callable[[], Any]]] = [("tier", tier_round), ("engine", engine_round), *raw.variants().items()]
-        for r in range(reps + 1):
+        for r in range(-WARMUP_ROUNDS, reps):
             raw.next_round()
-            for name, fn in steps if r % 2 else steps[::-1]:
+            for name, fn in steps[::-1] if r % 2 else steps:
                 got = fn()
                 if asyncio.iscoroutine(got):
                     got = await got
-                if not r:
-                    continue  # the first round warms the pool pages and the threads
+                if r < 0:
+                    continue  # warm-up rounds: the threads, the pace, the allocator
                 for arm, timed in zip((f"{name}_save", f"{name}_load"), got) if isinstance(got, tuple) else ((name, got),):
                     times.setdefault(arm, []).append(timed.seconds)
                     waits.setdefault(arm, []).append(timed.wait)
@@ -514,14 +588,20 @@ def main() -> None:
     parser.add_argument("--manager-only", action="store_true", help="only the manager figures (no bandwidth)")
     parser.add_argument("--bandwidth-only", action="store_true", help="only the bandwidth figures (no manager)")
     parser.add_argument("--copy-threads", default="auto", help="the store's copy_threads (default auto); the raw split copy uses as many")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds (default 25, --quick 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved bandwidth rounds, an odd count (default 25, --quick 9)")
+    parser.add_argument(
+        "--warm-caches", action="store_true", help="no cache eviction before each timed copy (each starts as the one before left the caches)"
+    )
     parser.add_argument("--job-blocks", type=int, default=None, help="blocks per job (default 64, --quick 16)")
     parser.add_argument(
         "--inline-max-bytes", type=int, default=None, help="the store's inline_max_bytes (default: the store's default; 0: never inline)"
     )
     args = parser.parse_args()
     job = args.job_blocks or (16 if args.quick else 64)
-    reps = args.rounds or (5 if args.quick else 25)
+    reps = args.rounds if args.rounds is not None else (9 if args.quick else 25)
+    if reps < 1 or reps % 2 == 0:
+        parser.error(f"--rounds: expected an odd count of rounds (a median of its own rounds, and one more in one order than the other), got {reps}")
+    COLD.on = not args.warm_caches
     capacity = 50_000 if args.quick else 1_000_000
     rounds = 1000 if args.quick else 10_000
     batch = 32
@@ -559,6 +639,8 @@ def main() -> None:
         "block_bytes": block_bytes,
         "job_blocks": job,
         "rounds": reps,
+        "warmup_rounds": WARMUP_ROUNDS,
+        "cold_caches_bytes": COLD.nbytes if COLD.on else 0,
         "cpu_save_gbps": round(med["tier_save"], 3),
         "cpu_load_gbps": round(med["tier_load"], 3),
         "cpu_save_best_gbps": round(bw["best"]["tier_save"], 3),
@@ -606,10 +688,15 @@ def main() -> None:
         **{k: round(v, 3) for k, v in cost.items()},
         "index_bytes_per_key": None if mem is None else round(mem, 1),
     }
+    def raw_range(name: str) -> str:
+        g = result["gbps_spread"][name]
+        return f"{g['min']}-{g['max']}"
+
     summary = (
         f"save {result['cpu_save_gbps']} GB/s ({result['cpu_save_ratio']}x raw), "
         f"load {result['cpu_load_gbps']} GB/s ({result['cpu_load_ratio']}x raw), "
-        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s, {bw['threads']} copy threads; "
+        f"raw {result['raw_save_gbps']} / {result['raw_load_gbps']} GB/s (rounds {raw_range(raw_save_name)} / "
+        f"{raw_range(raw_load_name)}), {bw['threads']} copy threads; "
         f"quiet rounds {quiet_save[1]} / {quiet_load[1]} of {reps}: save {quiet_save[0]}x, load {quiet_load[0]}x"
     )
     if cost:
