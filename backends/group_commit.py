@@ -5,7 +5,9 @@ When no commit is running, the caller becomes the leader: it takes every batch w
 first, then those that arrived meanwhile, in arrival order) and commits them with one call of
 ``commit``. Callers that arrive while a commit runs queue up, and the first of them to wake
 leads the next commit with all of them. No thread of its own: the callers do the work, so a
-lone caller commits at once, with no hand-off.
+lone caller commits at once, with no hand-off. A caller that finds no commit running and no
+batch waiting leads a group of its own batch without queueing it (no ticket, one lock taken
+fewer): the same group the queue would have formed, at 2.8 µs a call here against 4.6.
 
 ``commit(batches)`` returns one result per batch, in order. An exception it raises is raised by
 every caller of that group (each batch is reported failed; nothing is acknowledged that was not
@@ -21,7 +23,7 @@ caller of that group, as one from ``commit`` is. Settles run one at a time, in c
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 __all__ = ["GroupCommit"]
@@ -49,7 +51,8 @@ class GroupCommit(Generic[B, R]):
         self._commit = commit
         self._settle = settle
         self._settling = threading.Lock()  # held from a group's commit to the end of its settle
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # (entered by its lock: Condition's own __enter__ is Python)
         self._waiting: list[_Ticket[B, R]] = []
         self._busy = False  # a leader is committing
         self._sleepers = 0  # callers waiting on the condition
@@ -58,8 +61,18 @@ class GroupCommit(Generic[B, R]):
 
     def submit(self, batch: B) -> R:
         """Commit ``batch`` (with whatever else waits) and return its result."""
+        with self._lock:
+            alone = not self._busy and not self._waiting
+            if alone:
+                self._busy = True
+        if alone:  # no commit runs and nothing waits: a group of this batch alone, no ticket
+            results, error = self._lead([batch])
+            self._done(1)
+            if error is not None:
+                raise error
+            return results[0]  # type: ignore[index]
         ticket: _Ticket[B, R] = _Ticket(batch)
-        with self._cond:
+        with self._lock:
             self._waiting.append(ticket)
             while not ticket.done and (self._busy or ticket.taken):
                 self._sleepers += 1
@@ -74,47 +87,50 @@ class GroupCommit(Generic[B, R]):
                 for t in group:
                     t.taken = True
         if lead:
-            self._lead(group)
+            results, error = self._lead([t.batch for t in group])
+            for i, t in enumerate(group):  # (under the lock in _done: a waiter reads them after)
+                if error is None:
+                    t.result = results[i]  # type: ignore[index]
+                else:
+                    t.error = error
+            self._done(len(group), group)
         if ticket.error is not None:
             raise ticket.error
         return ticket.result  # type: ignore[return-value]
 
-    def _lead(self, group: list[_Ticket[B, R]]) -> None:
+    def _lead(self, batches: list[B]) -> tuple[list[R] | None, BaseException | None]:
+        """Commit ``batches`` as one group and settle it: its results, or the error every batch
+        of it fails with. The next group may commit once this one's commit is done (``settle``)."""
         settle = self._settle
         results: list[R] | None = None
         error: BaseException | None = None
         try:
-            results = self._commit([t.batch for t in group])
-            if len(results) != len(group):
-                raise RuntimeError(f"group commit: {len(results)} results for {len(group)} batches")
+            results = self._commit(batches)
+            if len(results) != len(batches):
+                raise RuntimeError(f"group commit: {len(results)} results for {len(batches)} batches")
         except BaseException as exc:  # every batch of the group failed with it
             error = exc
         if settle is not None:
             with self._settling:  # (after the previous group's settle: in commit order)
-                self._release()  # the next group commits while this one settles
+                with self._lock:  # the next group commits while this one settles
+                    self._busy = False
+                    if self._sleepers:
+                        self._cond.notify_all()
                 try:
                     if error is None:
                         settle(results)  # type: ignore[arg-type]
                 except BaseException as exc:
                     error = exc
-        with self._cond:
-            for i, t in enumerate(group):
-                if error is None:
-                    t.result = results[i]  # type: ignore[index]
-                else:
-                    t.error = error
+        return results, error
+
+    def _done(self, batches: int, group: Sequence[_Ticket[B, R]] = ()) -> None:
+        """Count a group of ``batches`` led to its end, mark its tickets done, wake the waiters."""
+        with self._lock:
+            for t in group:
                 t.done = True
             self.groups += 1
-            self.batches += len(group)
-            if settle is None:
+            self.batches += batches
+            if self._settle is None:
                 self._busy = False
-            self._wake()
-
-    def _release(self) -> None:
-        with self._cond:
-            self._busy = False
-            self._wake()
-
-    def _wake(self) -> None:
-        if self._sleepers:  # (Condition.notify_all costs a lone caller more than its lock)
-            self._cond.notify_all()
+            if self._sleepers:  # (Condition.notify_all costs a lone caller more than its lock)
+                self._cond.notify_all()

@@ -110,9 +110,14 @@ class LmdbWrites(PersistentRecordBackend):
             with self._encoded(keys, blocks) as records:
                 job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
         sizes = self._commits.submit(job)
-        written = [len(h) + len(p) for (_, h, p), s in zip(job, sizes) if s is not None]
-        self.counters.blocks_written += len(written)
-        self.counters.bytes_written += sum(written)
+        count = stored = 0
+        for (_, head, payload), size in zip(job, sizes):
+            if size is not None:
+                count += 1
+                stored += len(head) + len(payload)
+        counters = self.counters
+        counters.blocks_written += count
+        counters.bytes_written += stored
         return sizes
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
@@ -127,7 +132,10 @@ class LmdbWrites(PersistentRecordBackend):
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
-            start = self._data_end()
+            # Only a store of large records maps what a commit appends: the others skip the
+            # two lseeks (see the module doc).
+            maps = self.format.block_bytes >= MAP_AFTER_BYTES
+            start = self._data_end() if maps else None
             try:
                 sizes = self._put_together(env, jobs)
             except _PUT_FAILED as exc:
@@ -135,7 +143,8 @@ class LmdbWrites(PersistentRecordBackend):
                 sizes = self._put_each(env, jobs)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
-            self._map_appended(start)
+            if maps:
+                self._map_appended(start)
             return sizes
 
     def _data_end(self) -> int | None:
@@ -172,10 +181,10 @@ class LmdbWrites(PersistentRecordBackend):
                 raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
 
     def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
-        stamp = time.time()
         sizes: list[list[int | None]] = []
         blocks, index, pages, join_max = self._blocks, self._index, self._pages, lmdb_entries.JOIN_MAX
         length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
+        stamp: float | None = None  # taken for the first split record (a joined one has no entry)
         with env.begin(write=True) as txn:
             put, delete = txn.put, txn.delete
             indexed = self._splits  # a joined save deletes the key's entry while it may be split
@@ -185,12 +194,16 @@ class LmdbWrites(PersistentRecordBackend):
                     if len(head) + len(payload) != length:  # (a job's records are mostly of one length)
                         length = len(head) + len(payload)
                         stored = pages(length)
-                        entry = index_entry(stamp, stored)
+                        entry = b""
                     if length <= join_max:
                         put(key, head + payload, db=blocks)
                         if indexed:
                             delete(key, db=index)
                     else:
+                        if not entry:
+                            if stamp is None:
+                                stamp = time.time()
+                            entry = index_entry(stamp, stored)
                         put(key, payload, db=blocks)
                         put(key, entry + head, db=index)
                         indexed = self._splits = True

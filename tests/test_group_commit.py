@@ -411,3 +411,74 @@ def test_an_lmdb_close_waits_for_a_sync_under_way_and_a_write_whose_sync_comes_a
     release.set()
     writer.join(30)
     assert len(errors) == 1 and isinstance(errors[0], BackendError) and "closed" in str(errors[0])
+
+
+def test_a_lone_caller_skips_the_queue_and_gets_what_a_queued_caller_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lone path (no commit running, nothing waiting: no ticket) against the queue's path
+    (callers that arrive while a commit runs): the same results, errors, groups and counts."""
+    from kvtier.backends import group_commit
+
+    tickets: list[object] = []
+
+    class Counted(group_commit._Ticket):  # type: ignore[type-arg]
+        __slots__ = ()
+
+        def __init__(self, batch: object) -> None:
+            tickets.append(batch)
+            super().__init__(batch)
+
+    monkeypatch.setattr(group_commit, "_Ticket", Counted)
+
+    def run(queued: bool) -> tuple[list[list[int]], dict[int, object], tuple[int, int]]:
+        calls: list[list[int]] = []
+        held = {0: threading.Event(), 5: threading.Event()}
+        go = {0: threading.Event(), 5: threading.Event()}
+
+        def commit(batches: list[int]) -> list[int]:
+            calls.append(list(batches))
+            if queued and batches[0] in held:  # the blockers 0 and 5 hold their commit
+                held[batches[0]].set()
+                assert go[batches[0]].wait(30)
+            if 3 in batches:
+                raise OSError("disk gone")
+            return [b * 10 for b in batches]
+
+        group: GroupCommit[int, int] = GroupCommit(commit, lambda results: None)
+        got: dict[int, object] = {}
+
+        def call(b: int) -> None:
+            try:
+                got[b] = group.submit(b)
+            except OSError as exc:
+                got[b] = str(exc)
+
+        for blocker, pair in ((0, (1, 2)), (5, (3, 4))):
+            if not queued:
+                for b in (blocker, *pair):
+                    call(b)
+                continue
+            threads = [threading.Thread(target=call, args=(blocker,))]
+            threads[0].start()
+            assert held[blocker].wait(30)
+            threads += [threading.Thread(target=call, args=(b,)) for b in pair]
+            for t in threads[1:]:
+                t.start()
+            for _ in range(3000):  # both queue behind the blocker's commit
+                if sum(1 for t in group._waiting if not t.taken) == len(pair):
+                    break
+                threading.Event().wait(0.01)
+            go[blocker].set()
+            for t in threads:
+                t.join(30)
+        return calls, got, (group.groups, group.batches)
+
+    tickets.clear()
+    lone_calls, lone_got, lone_counts = run(queued=False)
+    assert tickets == []  # every call took the lone path
+    assert lone_calls == [[0], [1], [2], [5], [3], [4]] and lone_counts == (6, 6)
+    queued_calls, queued_got, queued_counts = run(queued=True)
+    assert sorted(tickets) == [1, 2, 3, 4]  # these went through the queue
+    assert [sorted(c) for c in queued_calls] == [[0], [1, 2], [5], [3, 4]] and queued_counts == (4, 6)
+    # The same result per batch, except that a failed group fails every batch in it.
+    assert lone_got == {0: 0, 1: 10, 2: 20, 5: 50, 3: "disk gone", 4: 40}
+    assert queued_got == {**lone_got, 4: "disk gone"}
