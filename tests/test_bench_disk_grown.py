@@ -4,23 +4,16 @@ then makes its counted save, which must not grow the file."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 pytest.importorskip("lmdb")
 
 
 def _sizes_bench():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_disk_sizes as bench
-    finally:
-        sys.path.pop(0)
-    return bench
+    return bench_module("bench_disk_sizes")
 
 
 def _fill(env, db, keys, blocks) -> None:  # type: ignore[no-untyped-def]

@@ -7,17 +7,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 
 @pytest.mark.parametrize("quick", [True, False])
 def test_every_cell_of_a_size_moves_the_same_blocks(quick: bool) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_disk_sizes as bench
-    finally:
-        sys.path.pop(0)
+    bench = bench_module("bench_disk_sizes")
     cells = bench.plan(bench.SIZES, quick=quick)
     counts: dict[int, set[int]] = defaultdict(set)
     for size, job, callers, n in cells:
@@ -31,11 +26,7 @@ def test_every_cell_of_a_size_moves_the_same_blocks(quick: bool) -> None:
 
 @pytest.mark.parametrize("tier", ["lmdb", "file"])
 def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_disk_sizes as bench
-    finally:
-        sys.path.pop(0)
+    bench = bench_module("bench_disk_sizes")
     cell = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4)
     assert cell["blocks"] == 4 and "raw_checked_load_gbps" in cell
     assert cell["best_raw_save"] != "raw_checked" and cell["best_raw_load"] != "raw_checked"  # informational, never the baseline
@@ -50,11 +41,7 @@ def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: 
 def test_each_operation_is_timed_by_one_arm_a_round_after_the_filesystem_settled(tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Arms that make the same calls are not all timed (the luckier of two draws of one
     operation was each round's baseline); every arm starts after one untimed settle."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_disk_sizes as bench
-    finally:
-        sys.path.pop(0)
+    bench = bench_module("bench_disk_sizes")
     settled: list[str] = []
     monkeypatch.setattr(bench, "_settle", settled.append)
     lmdb = tier == "lmdb"
@@ -75,11 +62,7 @@ def test_quick_runs_count_an_odd_number_of_rounds_and_fewer_blocks(monkeypatch: 
     their mean), so each paired median is one round's ratio, and caps a cell's blocks lower."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_disk_sizes as bench
-    finally:
-        sys.path.pop(0)
+    bench = bench_module("bench_disk_sizes")
     counted: list[tuple[int, int]] = []
 
     def cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int) -> dict[str, object]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_modules import bench_module
 
 from kvtier.tools.mooncake_servers import mooncake_missing
 
@@ -34,9 +35,5 @@ def test_the_benchmark_moves_and_checks_both_shapes_and_reports_ratios() -> None
 def test_the_peer_side_is_importable_without_lmcache() -> None:
     """The LMCache side runs in the peer's Python; here it must at least parse and import (its
     LMCache imports are inside the functions that need them)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import lmcache_mooncake_side as side
-    finally:
-        sys.path.pop(0)
+    side = bench_module("lmcache_mooncake_side")
     assert side.UNIT == 64 << 10 and callable(side.run_case)

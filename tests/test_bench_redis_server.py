@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_modules import bench_module
 from redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,12 +21,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_redis_server.py"
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_redis_server
-    finally:
-        sys.path.pop(0)
-    return bench_redis_server
+    return bench_module("bench_redis_server")
 
 
 def test_the_kvtier_side_accounts_the_server_for_every_cell(redis_server: RedisServer) -> None:

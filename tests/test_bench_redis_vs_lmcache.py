@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_modules import bench_module
 from redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,11 +28,7 @@ def test_the_kvtier_side_moves_and_checks_every_case(redis_server: RedisServer) 
 
 
 def test_lmcache_cells_take_the_best_connector_and_get_call() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_redis_vs_lmcache as bench
-    finally:
-        sys.path.pop(0)
+    bench = bench_module("bench_redis_vs_lmcache")
     report = {"cases": [{"chunks": 256, "chunk_bytes": 2 << 20, "GBps_median": {
         "lmc_resp_put": 1.0, "lmc_redis_put": 1.2, "lmc_resp_batched_get": 2.0, "lmc_resp_get_non_blocking": 2.5,
         "lmc_redis_batched_get": 0.5, "raw_pipe_get": 9.0, "raw_serial_put": 9.0}}]}
