@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import shutil
@@ -86,7 +85,7 @@ from typing import Any
 import lmdb
 import torch
 import xxhash
-from kvtier.tools.bench.scripts.disk_common import data_bytes, raw_empty, tier_empty
+from kvtier.tools.bench.scripts.disk_common import data_bytes, raw_empty, syncfs, syncfs_fd, tier_empty
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -198,13 +197,7 @@ def _check(key: bytes, row: memoryview) -> int:
     return h.intdigest()  # type: ignore[no-any-return]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _pool = ThreadPoolExecutor(16, thread_name_prefix="raw-fsync")
-
-
-def _syncfs(fd: int) -> None:
-    if _libc.syncfs(fd) != 0:
-        raise OSError(ctypes.get_errno(), "syncfs failed")
 
 
 #: Before each arm, the filesystem's pending work (the last arm's deleted store) is committed
@@ -217,11 +210,7 @@ def _settle(root: str) -> None:
     just deleted, and on a filesystem mounted with ``discard`` (ext4 here) the journal commit
     that the next arm's first sync forces issues the discards of every extent it freed, so
     whichever arm came next paid for the last one's deletion within its own save."""
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        _syncfs(fd)
-    finally:
-        os.close(fd)
+    syncfs(root)
 
 
 def _shard(i: int) -> str:
@@ -262,13 +251,13 @@ def _raw_file_write(folder: str, blocks: list[torch.Tensor], shape: str) -> Call
         elif shape == "parallel":
             list(_pool.map(os.fdatasync, fds))
         elif shape == "syncfs":
-            _syncfs(dir_fd)
+            syncfs_fd(dir_fd)
         for fd in fds:
             os.close(fd)
         for tmp, name in names:
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         if shape == "syncfs":
-            _syncfs(dir_fd)
+            syncfs_fd(dir_fd)
         else:
             os.fsync(dir_fd)
 

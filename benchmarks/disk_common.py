@@ -189,12 +189,18 @@ def tier_empty(backend: Backend, keys: Sequence[bytes], spare: torch.Tensor, pat
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def syncfs_fd(fd: int, path: str | None = None) -> None:
+    """``syncfs`` of the filesystem that holds the open descriptor ``fd`` (of ``path``, named
+    in the error)."""
+    if _libc.syncfs(fd) != 0:
+        raise OSError(ctypes.get_errno(), "syncfs failed", path)
+
+
 def syncfs(path: str) -> None:
     """``syncfs`` of the filesystem that holds ``path``: what a deletion left pending (its
     meta page, freed extents) is written out before the next clock starts, not inside it."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        if _libc.syncfs(fd) != 0:
-            raise OSError(ctypes.get_errno(), f"syncfs of {path!r} failed")
+        syncfs_fd(fd, path)
     finally:
         os.close(fd)
