@@ -34,6 +34,7 @@ import xxhash
 
 from kvtier.devices import usable_cpus
 from kvtier.errors import CorruptBlockError
+from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
 from kvtier.records.record import CHECKED, HEADER, MAGIC, RECORD_VERSION
@@ -118,7 +119,11 @@ class RawPayload(NamedTuple):
 def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[CorruptBlockError | None]:
     """Decode every item into its row and check it; per item, the error (``None``: good).
 
-    For a job of at least :data:`SIDE_MIN_BYTES` of raw payloads, this thread copies them into
+    Unkeyed raw payloads are copied and checked here in one pass where the native
+    :func:`~kvtier.records.xxcopy.xxh3_copy` is built (:func:`~kvtier.records.xxcopy.fused`):
+    that pass runs at about a copy's speed (``benchmarks/bench_xxcopy.py``), which leaves a side
+    thread nothing to take. Otherwise, for a job of at least
+    :data:`SIDE_MIN_BYTES` of raw payloads, this thread copies them into
     their rows while a side thread checks them; once its copies are done this thread checks too,
     from the other end (a BLAKE3 or HMAC-SHA256 MAC is slower than a copy). What is checked:
 
@@ -136,7 +141,7 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
     errors: list[CorruptBlockError | None] = [None] * len(items)
     raw = [i for i, item in enumerate(items) if item.header.codec_id == NoneCodec.codec_id]
     shared = None
-    if sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
+    if (mac is not None or not xxcopy.fused()) and sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
         shared = _SharedChecks([items[i] for i in raw], mac, _copy_payload, rows=mac is not None)
         if not shared.start():
             shared = None
