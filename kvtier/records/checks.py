@@ -7,6 +7,8 @@ release the GIL (``numpy.copyto`` and XXH3 / HMAC over a buffer), so :func:`copy
 hands the checksums of a whole job to a side thread in one hop and copies meanwhile: an
 ``lmdb`` load then ran at 0.91-1.03 of a raw get and copy on 2 cores (``benchmarks/bench_disk.py``). A row whose check fails holds garbage and
 is reported as bad, which callers serve as a miss; nothing is reported good before its check.
+Where the native pass of :mod:`kvtier.records.xxcopy` is built, an unkeyed raw payload's copy
+and checksum are one pass instead (about a copy's cost), and stay on the calling thread.
 
 :func:`fill_and_check` is the same for rows filled by a read (the ``file`` tier's ``preadv``,
 which releases the GIL too): a side thread checks each row once it is filled, while the next one
