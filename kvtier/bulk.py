@@ -56,7 +56,9 @@ class RecordColumns:
     """Records a persistent tier lists at open, as columns: ``keys`` (``bytes``), ``stored``
     (stored bytes) and ``stamps`` (last access), one row per record, oldest stamp first when
     ``oldest_first``. Iterating gives the ``(key, stored_bytes, stamp)`` tuples of the general
-    listing; the manager's adoption takes the key column as it is (no tuple per record).
+    listing; the manager's adoption takes the key column as it is (no tuple per record), and
+    keeps it: ``keys`` is handed over to the tier's eviction order, which changes it as keys
+    are used (a lister builds it for the adoption and keeps no use of it).
 
     ``table``, where the lister built one anyway (the ``redis`` tier gathers its ``SCAN`` replies
     into a dict, which drops the keys a server lists twice): the same keys, distinct, in the same

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvtier.manager import TierManager, TierSpec
@@ -157,3 +158,34 @@ def test_a_managers_adopted_tier_uses_the_compact_list_and_matches_a_stored_one(
         m.complete_load([KEYS[1], KEYS[2]])
     assert adopted.tier_keys(0) == stored.tier_keys(0)
     assert KEYS[1] in adopted.tier_keys(0) and KEYS[0] not in adopted.tier_keys(0)
+
+
+@pytest.mark.parametrize("with_table", [False, True])
+def test_a_listing_adopted_as_columns_hands_its_key_list_over(with_table: bool) -> None:
+    """The key column of a listing adopted as columns becomes the cold list itself, not a copy
+    (a copy made on the adopting thread left the listing thread's list free, and resident, at
+    the top of that thread's heap); the index, order and evictions are those of the same
+    records adopted as tuples (the general path), before and after the keys are used."""
+    from kvtier.bulk import READY, RecordColumns
+
+    def manager() -> TierManager:
+        return TierManager([TierSpec("disk", capacity_bytes=100 * 10, block_reserve=10, policy=LRUPolicy(), persistent=True)])
+
+    rng = random.Random(7)
+    stamps = sorted(rng.uniform(0, 1e9) for _ in range(80))
+    keys = rng.sample(KEYS, 80)
+    listed = list(keys)  # the adoption's order (``keys`` is handed over, and changes as keys are used)
+    columns = RecordColumns(keys, np.full(80, 10, dtype=np.int64), np.array(stamps), oldest_first=True,
+                            table=dict.fromkeys(keys, READY) if with_table else None)
+    by_columns, by_tuples = manager(), manager()
+    assert by_columns.adopt(0, columns) == [] and by_tuples.adopt(0, list(zip(listed, [10] * 80, stamps))) == []
+    policy = by_columns.tier_spec(0).policy
+    assert isinstance(policy, LRUPolicy) and policy._cold is keys
+    assert by_columns.tier_keys(0) == by_tuples.tier_keys(0) == listed
+    for m in (by_columns, by_tuples):
+        m.touch([listed[3], listed[40]])
+        plan = m.prepare_store([make_key(5000 + i) for i in range(30)])  # 10 adopted records evicted
+        assert plan is not None
+        m.complete_store(plan.keys)
+    assert by_columns.tier_keys(0) == by_tuples.tier_keys(0)
+    assert by_columns.stats()["tiers"][0]["evictions"] == by_tuples.stats()["tiers"][0]["evictions"] == 10

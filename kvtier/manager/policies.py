@@ -73,8 +73,10 @@ class EvictionPolicy(ABC):
     def adopt(self, keys: Sequence[bytes], ready: Mapping[bytes, object]) -> None:
         """Keys of stored records made ready at a store's open, oldest first: distinct, none
         known to this policy yet. ``ready`` is the tier's index (a key is ready while its value
-        there is true; it stays the tier's, and the policy only reads it). The default inserts
-        them; :class:`LRUPolicy` keeps them compact (one list slot each) until they are used."""
+        there is true; it stays the tier's, and the policy only reads it). A ``list`` of
+        ``keys`` is handed over: the manager passes one that nothing else uses, so a policy may
+        keep it and change it. The default inserts them; :class:`LRUPolicy` keeps that list
+        itself (one slot each) until they are used."""
         self.insert_many(keys)
 
     def restore(self, victims: list[bytes]) -> None:
@@ -133,7 +135,10 @@ class LRUPolicy(EvictionPolicy):
         if self._at < len(self._cold):  # cold keys left: a later adoption (a shared tier's) is used now
             self.insert_many(keys)
             return
-        self._cold = list(keys)
+        # The list handed over is kept as it is: a copy made on the adopting thread while the
+        # listing thread's list is freed left that list's bytes free, and resident, at the top
+        # of the listing thread's heap (8 B a key; see docs/tiers.md, "How many records").
+        self._cold = keys if type(keys) is list else list(keys)
         self._at = 0
         self._ready = ready.get
         self._taken.clear()

@@ -1,0 +1,95 @@
+"""XXH3-64 of a prefix and a payload, optionally copying the payload in the same pass.
+
+A raw record's checksum is XXH3-64 over its 24 checked header bytes, its key and its payload
+(:func:`~kvtier.records.record.record_checksum`). Loading one copies the payload into its row
+and hashes it; saving one copies the block into the record and hashes it. Done as two passes
+(or as a Python loop over 64 KiB chunks, each copied then hashed while in cache) the payload is
+read twice. :func:`xxh3_copy` does both in one pass: the native extension
+(``kvtier/records/_xxcopy.c``, built at install where a C compiler exists) loads each 64-byte
+stripe once, stores it to the destination and feeds it to the XXH3 accumulators from the same
+registers, without the GIL, on an AVX2 path where the CPU has one.
+
+Without the extension (no compiler at install) the same function runs a pure-Python path
+(:func:`xxh3_copy_python`) with identical results and errors. :data:`NATIVE` says which one
+this process uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+__all__ = ["CHUNK", "NATIVE", "PATH", "fused", "xxh3_copy", "xxh3_copy_native", "xxh3_copy_python"]
+
+try:
+    from kvtier.records import _xxcopy  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the Python path below
+    _xxcopy = None
+
+#: The Python path copies and hashes this many bytes at a time (each piece hashed while in cache).
+CHUNK = 64 << 10
+
+#: Whether the native extension is loaded (else every call takes :func:`xxh3_copy_python`).
+NATIVE: bool = _xxcopy is not None
+#: The native path this CPU runs (``"avx2"``, ``"scalar"``), or ``"python"``.
+PATH: str = _xxcopy.path if _xxcopy is not None else "python"
+
+
+def _readable(obj: Any, what: str) -> memoryview:
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"{what}: expected a bytes-like object, got {type(obj).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError(f"{what}: expected a contiguous buffer ({type(obj).__name__} is not)")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def xxh3_copy_python(prefix: Any, src: Any, dst: Any = None) -> int:
+    """:func:`xxh3_copy` in Python: the same digest, the same copy, the same errors."""
+    pre = _readable(prefix, "prefix")
+    source = _readable(src, "src")
+    h = xxhash.xxh3_64(pre)
+    if dst is None:
+        h.update(source)
+        return h.intdigest()  # type: ignore[no-any-return]
+    try:
+        out = memoryview(dst)
+    except TypeError:
+        raise TypeError(f"dst: expected a writable bytes-like object, got {type(dst).__name__}") from None
+    if not out.c_contiguous:
+        raise ValueError(f"dst: expected a contiguous buffer ({type(dst).__name__} is not)")
+    if out.readonly:
+        raise TypeError(f"dst: expected a writable buffer (this {type(dst).__name__} is read-only)")
+    out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    n = len(source)
+    if len(out) != n:
+        raise ValueError(f"dst: holds {len(out)} bytes, src {n}: they must be the same size")
+    if n and np.shares_memory(np.frombuffer(out, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8)):
+        raise ValueError("dst: overlaps src")
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        out[a:b] = source[a:b]
+        h.update(out[a:b])
+    return h.intdigest()  # type: ignore[no-any-return]
+
+
+#: The native function (``None`` without the extension).
+xxh3_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_copy if _xxcopy is not None else None
+
+#: ``xxh3_copy(prefix, src, dst=None) -> int``: ``xxhash.xxh3_64(prefix + src).intdigest()``,
+#: copying ``src`` into ``dst`` on the way when given (writable, contiguous, the same size, not
+#: overlapping ``src``: a :class:`TypeError` or :class:`ValueError` naming the argument
+#: otherwise), for inputs of any length. The native function where built, else
+#: :func:`xxh3_copy_python`. Callers look it up here at each use (``xxcopy.xxh3_copy``), so a
+#: test can put either path in its place.
+xxh3_copy: Callable[..., int] = xxh3_copy_native if xxh3_copy_native is not None else xxh3_copy_python
+
+
+def fused() -> bool:
+    """Whether :data:`xxh3_copy` is the native one-pass function: a copy and its check then cost
+    about a copy, and splitting them over two threads no longer pays."""
+    return xxh3_copy is xxh3_copy_native

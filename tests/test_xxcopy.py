@@ -1,0 +1,133 @@
+"""The fused copy + XXH3 pass (kvtier.records.xxcopy): every path's digest equals xxhash's for
+every length class, the copy lands, bad arguments are refused by name, and the extension is
+built wherever a C compiler is."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sysconfig
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.records import xxcopy
+
+PATHS = ["python"]
+if xxcopy.NATIVE:
+    from kvtier.records import _xxcopy  # type: ignore[attr-defined]
+
+    PATHS += list(_xxcopy.paths())
+
+
+def _fn(path: str):
+    if path == "python":
+        return xxcopy.xxh3_copy_python
+    return lambda *args: _xxcopy.xxh3_64_copy_with(path, *args)
+
+
+DATA = np.random.default_rng(7).integers(0, 256, size=(6 << 20) + 300, dtype=np.uint8).tobytes()
+
+
+def _check(fn, prefix: bytes, src: bytes) -> None:
+    want = xxhash.xxh3_64(prefix + src).intdigest()
+    assert fn(prefix, src) == want, (len(prefix), len(src))
+    dst = bytearray(len(src))
+    assert fn(prefix, src, dst) == want, (len(prefix), len(src))
+    assert dst == src
+
+
+def test_a_compiler_means_the_extension_is_built():
+    """An install with a C compiler must build the native pass; a silent fallback would keep
+    every tier on the slower path unnoticed."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if shutil.which(cc) is None or not os.path.exists(header):
+        pytest.skip(f"NO C COMPILER ({cc}) OR NO Python.h: kvtier.records._xxcopy NOT BUILT, the Python path runs")
+    assert xxcopy.NATIVE, "kvtier.records._xxcopy did not build although a C compiler exists (reinstall: pip install -e .)"
+    assert xxcopy.PATH in _xxcopy.paths()
+    assert xxcopy.xxh3_copy_native is _xxcopy.xxh3_64_copy
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_length_to_2048_with_prefixes(path):
+    """Every input length class (0, 1-3, 4-8, 9-16, 17-128, 129-240, stripes, blocks), with
+    prefixes that end inside the first stripe, on a stripe edge and past it."""
+    fn = _fn(path)
+    for n in range(2049):
+        for p in (0, 1, 24, 56, 63, 64, 65, 100):
+            _check(fn, DATA[:p], DATA[1000 : 1000 + n])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_random_lengths_to_a_few_mib(path):
+    fn = _fn(path)
+    rnd = random.Random(31)
+    lengths = [rnd.randrange(2049, 6 << 20) for _ in range(40)] + [1 << k for k in range(11, 23)]
+    lengths += [(1 << 20) + d for d in (-65, -64, -63, -1, 1, 63, 64, 65)]
+    for n in lengths:
+        p = rnd.randrange(0, 101)
+        start = rnd.randrange(0, 300)  # unaligned sources too
+        _check(fn, DATA[:p], DATA[start : start + n])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_long_prefixes(path):
+    """A prefix longer than a stripe or a block (not what records use, but right all the same)."""
+    fn = _fn(path)
+    for p in (200, 240, 241, 1023, 1024, 1025, 3000):
+        for n in (0, 1, 16, 63, 64, 65, 1024, 5000):
+            _check(fn, DATA[:p], DATA[7 : 7 + n])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_buffers_of_any_kind(path):
+    """numpy arrays of wider dtypes, memoryviews and bytearrays are read as their bytes."""
+    fn = _fn(path)
+    src = np.frombuffer(DATA[: 1 << 16], dtype=np.float16)
+    dst = np.zeros_like(src)
+    assert fn(memoryview(DATA[:56]), src, dst) == xxhash.xxh3_64(DATA[:56] + DATA[: 1 << 16]).intdigest()
+    assert dst.tobytes() == DATA[: 1 << 16]
+    assert fn(bytearray(b"ab"), memoryview(DATA)[:4096]) == xxhash.xxh3_64(b"ab" + DATA[:4096]).intdigest()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_arguments_are_refused_by_name(path):
+    fn = _fn(path)
+    src = np.arange(4096, dtype=np.uint8)
+    with pytest.raises(ValueError, match="dst: holds 4095 bytes, src 4096"):
+        fn(b"", src, bytearray(4095))
+    with pytest.raises(TypeError, match="dst: expected a writable buffer"):
+        fn(b"", src, bytes(4096))
+    with pytest.raises(ValueError, match="dst: expected a contiguous buffer"):
+        fn(b"", src, np.zeros(8192, dtype=np.uint8)[::2])
+    with pytest.raises(ValueError, match="src: expected a contiguous buffer"):
+        fn(b"", np.zeros(8192, dtype=np.uint8)[::2])
+    with pytest.raises(TypeError, match="src: expected a bytes-like object"):
+        fn(b"", "text")
+    with pytest.raises(TypeError, match="prefix: expected a bytes-like object"):
+        fn(123, src)
+    with pytest.raises(TypeError, match="dst: expected a writable bytes-like object"):
+        fn(b"", src, 5)
+    both = np.zeros(8192, dtype=np.uint8)
+    with pytest.raises(ValueError, match="dst: overlaps src"):
+        fn(b"", both[:4096], both[100:4196])
+    assert fn(b"", both[:4096], both[4096:]) == xxhash.xxh3_64(bytes(4096)).intdigest()
+
+
+@pytest.mark.skipif(not xxcopy.NATIVE, reason="the native extension is not built")
+def test_native_names_its_paths():
+    with pytest.raises(ValueError, match="path: 'neon' is not one"):
+        _xxcopy.xxh3_64_copy_with("neon", b"", b"x")
+    with pytest.raises(TypeError, match="expected \\(prefix, src\\[, dst\\]\\), got 1"):
+        _xxcopy.xxh3_64_copy(b"")
+    assert "scalar" in _xxcopy.paths()
+
+
+def test_the_default_function_takes_the_best_path():
+    src = DATA[: 3 << 20]
+    dst = bytearray(len(src))
+    assert xxcopy.xxh3_copy(b"k" * 56, src, dst) == xxhash.xxh3_64(b"k" * 56 + src).intdigest()
+    assert dst == src
