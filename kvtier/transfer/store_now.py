@@ -24,31 +24,43 @@ The job has no deadline: it ends before the call returns, its copy bounded by
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.backend import MemoryBackend
 from kvtier.manager import StorePlan
-from kvtier.transfer.jobs import JobResult, result_of
-from kvtier.transfer.movers import reserve_slots
+from kvtier.transfer.jobs import JobResult, QuietCondition, result_of
+from kvtier.transfer.movers import MoverHost, reserve_slots
 from kvtier.transfer.plan_writes import PlanWrites
 
 if TYPE_CHECKING:
-    from kvtier.transfer.engine import TransferEngine
     from kvtier.transfer.inline import InlineJobs
 
-__all__ = ["StoreNow"]
+__all__ = ["NowHost", "StoreNow"]
 
 log = logging.getLogger("kvtier.transfer")
+
+
+class NowHost(MoverHost, Protocol):
+    """What :class:`StoreNow` uses of its engine (``TransferEngine``) beside the movers' share:
+    the engine's own claim on a job run inline."""
+
+    _closed: bool
+    _active: int
+    _inline_running: bool
+    _idle: QuietCondition
+    _inline_done: QuietCondition
+    _ids: itertools.count[int]
 
 
 class StoreNow:
     """Runs a plain store at once (see the module doc); ``enabled`` off sends every job to the
     usual submit (tests compare the two)."""
 
-    def __init__(self, engine: TransferEngine, inline: InlineJobs) -> None:
+    def __init__(self, engine: NowHost, inline: InlineJobs) -> None:
         self.e = engine
         self.inline = inline
         self._plans = PlanWrites(engine)
