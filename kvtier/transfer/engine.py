@@ -87,7 +87,7 @@ from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
 from kvtier.transfer.movers import StoreMover
 from kvtier.transfer.plan_writes import TierWork
-from kvtier.transfer.store_now import StoreNow
+from kvtier.transfer.jobs_now import JobsNow
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -170,7 +170,7 @@ class TransferEngine:
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)
         self._inline = InlineJobs(self, self._stores, self._loads, inline_max_bytes)
-        self._now = StoreNow(self, self._inline)
+        self._now = JobsNow(self, self._inline)
         self._deadlines = DeadlineWatch(self)
         targets = [
             (self._stores.run_device, "kvtier-store"),
@@ -207,10 +207,14 @@ class TransferEngine:
 
     def store_now(self, plan: StorePlan, block_ids: Sequence[int]) -> JobResult | None:
         """Run a plain store on this thread now and return its result, as ``submit_store(...,
-        inline=True)`` then ``take`` would, with no job record (:mod:`kvtier.transfer.store_now`);
+        inline=True)`` then ``take`` would, with no job record (:mod:`kvtier.transfer.jobs_now`);
         ``None``, having changed nothing, for any other job. ``block_ids``: checked, as for
         ``checked=True``."""
-        return self._now.run(plan, block_ids)
+        return self._now.store(plan, block_ids)
+
+    def load_now(self, plan: LoadPlan, block_ids: Sequence[int]) -> JobResult | None:
+        """:meth:`store_now` for a plain load (``submit_load(..., inline=True)`` then ``take``)."""
+        return self._now.load(plan, block_ids)
 
     def submit_load(self, plan: LoadPlan, block_ids: Sequence[int], *, inline: bool = False, checked: bool = False) -> int:
         """Queue ``plan``; ``block_ids`` are the engine ids to fill (``n`` per key); ``inline``
