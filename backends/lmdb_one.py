@@ -19,6 +19,7 @@ from kvtier.backends.lmdb_entries import COLD_GET_S, INDEX
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
 from kvtier.keys import KEY_BYTES
+from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import (
     HEAD_MAX,
@@ -28,7 +29,6 @@ from kvtier.records.format import (
     RECORD_VERSION,
     RecordMac,
     parse_header,
-    record_checksum,
     verify_payload,
 )
 from kvtier.records.record import CHECKED
@@ -85,10 +85,8 @@ def copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) 
         return False
     if devices.locate is not None or not row.is_cpu or not row.is_contiguous():
         return False
-    view = row.numpy().data
-    view[:] = payload
-    # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-    return record_checksum(head[:CHECKED], key, view) == checksum
+    # One pass: the payload copied into the row and hashed from the same loads.
+    return xxcopy.xxh3_copy(bytes(head[:CHECKED]) + key, payload, row.numpy().data) == checksum
 
 
 def copy_keyed(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int, mac: RecordMac) -> bool:
@@ -165,7 +163,7 @@ class StraightRead:
         view = views.get(row.data_ptr())
         if view is None:
             return None  # a row not seen yet: the general path makes its view
-        blocks, index, unpack, joined, head, prefix, size = self.parts
+        blocks, index, unpack, joined, head, _, size = self.parts
         try:
             end = lseek(guard.fd, 0, SEEK_END)
         except OSError:
@@ -196,12 +194,8 @@ class StraightRead:
                         counters.read_misses += 1
                         return [False]
                     return None
-                view[:] = payload
-                # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-                h = prefix.copy()
-                h.update(key)
-                h.update(view)
-                if h.intdigest() != stored_sum:
+                # One pass: the payload copied into the row and hashed from the same loads.
+                if xxcopy.xxh3_copy(head + key, payload, view) != stored_sum:
                     return None
             finally:
                 txn.abort()
@@ -242,8 +236,9 @@ class StraightRead:
             if view is None:
                 return None  # a row not seen yet: the general path makes its view
             rows.append(view)
-        blocks, index, unpack, joined, head, prefix, size = self.parts
+        blocks, index, unpack, joined, head, _, size = self.parts
         joined_size = _JOINED_PLAIN + size
+        xxh3_copy = xxcopy.xxh3_copy
         self.guard.check()
         jobs = temperature.jobs
         temperature.begin()  # the thread's first job marks its faults, as the job reader's
@@ -267,12 +262,7 @@ class StraightRead:
                         stored_head, stored_sum = unpack(get(key, None, index))
                     if stored_head != head:
                         return None
-                    row[:] = value
-                    # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-                    h = prefix.copy()
-                    h.update(key)
-                    h.update(row)
-                    if h.intdigest() != stored_sum:
+                    if xxh3_copy(head + key, value, row) != stored_sum:  # copied and hashed in one pass
                         return None
                     hit(True)
                 if perf_counter() - start >= COLD_GET_S and temperature.slow(start):

@@ -7,8 +7,8 @@ dtype, flags and both lengths) are the same for every such record of the store, 
 payload. Joined (:mod:`kvtier.backends.lmdb_layout`), both are the value in ``blocks``: per
 record the pass makes one lookup; split, the payload is the value and the header follows the
 stamp and size in ``index``: two lookups. Then one compare of those 24 bytes against the bytes
-the store writes, one copy into the row, and one XXH3 over the key and the row, continued from
-a state that already holds the 24 bytes (computed once per store). The rows' buffers are taken once per
+the store writes, and one pass that copies the payload into the row and takes the XXH3 of the
+head, the key and the payload from the same loads (:func:`kvtier.records.xxcopy.xxh3_copy`). The rows' buffers are taken once per
 job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a job), or from
 one view of the tensor they are all cut from when they are (a manager's staging rows), else
 one per row.
@@ -35,6 +35,7 @@ from kvtier.backends.lmdb_entries import JOINED
 from kvtier import devices
 from kvtier.errors import DiskError
 from kvtier.keys import KEY_BYTES
+from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.record import CHECKED, HEADER
 
@@ -177,7 +178,7 @@ class PlainReads:
         ``(i, error, None, None)`` when an LMDB error stopped the pass at key ``i`` (``txn``
         may be unusable)."""
         get, blocks, index, entry_size = txn.get, self.blocks, self.index, self.entry_size
-        head, prefix, unpack = self.head, self.prefix, self.entry.unpack
+        head, unpack, xxh3_copy = self.head, self.entry.unpack, xxcopy.xxh3_copy
         joined, joined_size, at = self.joined.unpack_from, self.joined_size, HEADER.size
         i = 0
         try:
@@ -201,17 +202,13 @@ class PlainReads:
                     if value is not None:
                         odd(i, entry, value)
                     continue
-                row = rows[i]
                 try:
-                    row[:] = payload
+                    # One pass: the payload copied into the row and hashed from the same loads.
+                    digest = xxh3_copy(head + key, payload, rows[i])
                 except ValueError:  # a value of another length
                     odd(i, entry, value)
                     continue
-                # The row just written, while it is in the CPU's cache: what the caller gets is checked.
-                h = prefix.copy()
-                h.update(key)
-                h.update(row)
-                if h.intdigest() == stored_sum:
+                if digest == stored_sum:
                     found[i] = True
                 else:
                     odd(i, entry, value)

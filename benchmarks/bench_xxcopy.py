@@ -14,7 +14,9 @@ from a core's own cache):
 * ``copy_then_hash``: ``numpy.copyto``, then ``xxhash.xxh3_64`` over the prefix and the copy:
   two passes;
 * ``hash_only``: ``xxh3_copy`` without a destination (what a save that already wrote the block
-  pays), and ``xxhash_only``: ``xxhash.xxh3_64`` over the prefix and the block.
+  pays), and ``xxhash_only``: ``xxhash.xxh3_64`` over the prefix and the block;
+* with ``--paths``, ``fused_<path>`` and ``hash_<path>`` for each native path the CPU runs
+  (``scalar``, ``avx2``, ``avx512``): what picks the default one.
 
 Arms alternate within a round and their order reverses every round; each reports GB/s (median
 over rounds) and ``<arm>_ratio``, its GB/s over ``raw_copy``'s, median of the per-round ratios.
@@ -40,7 +42,26 @@ SIZES = (4096, 65536, 262144, 2 << 20)
 PREFIX = bytes(range(56))
 
 
-def _arms(srcs: list[np.ndarray], dsts: list[np.ndarray]) -> dict[str, Callable[[], None]]:
+def _path_arms(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Callable[[], None]]:
+    """``fused_<path>`` and ``hash_<path>`` for each native path this CPU runs (``--paths``)."""
+    from kvtier.records import _xxcopy  # type: ignore[attr-defined]
+
+    arms: dict[str, Callable[[], None]] = {}
+    for path in _xxcopy.paths():
+
+        def fused(path: str = path) -> None:
+            for s, d in pairs:
+                _xxcopy.xxh3_64_copy_with(path, PREFIX, s, d)
+
+        def hashed(path: str = path) -> None:
+            for s, _ in pairs:
+                _xxcopy.xxh3_64_copy_with(path, PREFIX, s)
+
+        arms[f"fused_{path}"], arms[f"hash_{path}"] = fused, hashed
+    return arms
+
+
+def _arms(srcs: list[np.ndarray], dsts: list[np.ndarray], paths: bool = False) -> dict[str, Callable[[], None]]:
     pairs = list(zip(srcs, dsts))
 
     def raw_copy() -> None:
@@ -72,7 +93,7 @@ def _arms(srcs: list[np.ndarray], dsts: list[np.ndarray]) -> dict[str, Callable[
             h.update(s)
             h.intdigest()
 
-    return {
+    arms = {
         "raw_copy": raw_copy,
         "fused": fused,
         "python": python,
@@ -80,14 +101,15 @@ def _arms(srcs: list[np.ndarray], dsts: list[np.ndarray]) -> dict[str, Callable[
         "hash_only": hash_only,
         "xxhash_only": xxhash_only,
     }
+    return {**arms, **_path_arms(pairs)} if paths and xxcopy.NATIVE else arms
 
 
-def _cell(size: int, spread: int, rounds: int, reps: int) -> dict[str, Any]:
+def _cell(size: int, spread: int, rounds: int, reps: int, paths: bool) -> dict[str, Any]:
     count = max(1, spread // size)
     rng = np.random.default_rng(size)
     srcs = [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(count)]
     dsts = [np.zeros(size, dtype=np.uint8) for _ in range(count)]
-    arms = _arms(srcs, dsts)
+    arms = _arms(srcs, dsts, paths)
     for fn in arms.values():  # warm-up, uncounted
         fn()
     nbytes = size * count * reps
@@ -114,11 +136,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, for a shared machine")
     parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="payload sizes in bytes")
     parser.add_argument("--rounds", type=int, default=None, help="counted rounds per size (default 9, --quick 5)")
+    parser.add_argument("--paths", action="store_true", help="also each native path apart (fused_<path>, hash_<path>)")
     parser.add_argument("--spread", type=int, default=32 << 20, help="bytes of sources (and of destinations) a pass walks")
     args = parser.parse_args()
     rounds = args.rounds or (5 if args.quick else 9)
     reps = 2 if args.quick else 4
-    cells = [_cell(size, args.spread, rounds, reps) for size in args.sizes]
+    cells = [_cell(size, args.spread, rounds, reps, args.paths) for size in args.sizes]
     print(json.dumps({"path": xxcopy.PATH, "native": xxcopy.NATIVE, "spread_bytes": args.spread, "cells": cells}, indent=1))
 
 

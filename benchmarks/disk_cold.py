@@ -92,21 +92,27 @@ def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, dr
 @contextlib.contextmanager
 def unchecked_reads() -> Iterator[None]:
     """For a diagnostic side alone: the lmdb tier with every record check it makes on a read
-    replaced by nothing: the general path's (``verify_payload``), the one-record loop's and the
-    tight pass's XXH3 (whose results are compared with the record's, so they answer "equal").
-    The tight pass takes its hash state (``HeadChecksum``) at the store's open: open the store inside."""
-    from kvtier.backends import lmdb_one
+    replaced by nothing: the general path's (``verify_payload``), and the fused copy and XXH3
+    of raw records (``xxcopy.xxh3_copy``, by a plain copy whose "digest" answers "equal" to any
+    stored checksum). Hash states taken from ``HeadChecksum`` at a store's open hash nothing
+    either: open the store inside."""
+    from kvtier.records import checks, xxcopy
 
-    from kvtier.records import checks
-
-    saved = checks.verify_payload, lmdb_one.record_checksum, checks.xxhash
+    saved = checks.verify_payload, xxcopy.xxh3_copy, checks.xxhash
     checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
-    lmdb_one.record_checksum = lambda *args: _Matches()  # type: ignore[assignment]
+    xxcopy.xxh3_copy = _copy_only
     checks.xxhash = types.SimpleNamespace(xxh3_64=lambda *args: _NoHash())  # type: ignore[assignment]
     try:
         yield
     finally:
-        checks.verify_payload, lmdb_one.record_checksum, checks.xxhash = saved  # type: ignore[assignment]
+        checks.verify_payload, xxcopy.xxh3_copy, checks.xxhash = saved  # type: ignore[assignment]
+
+
+def _copy_only(prefix: Any, src: Any, dst: Any = None) -> Any:
+    """``xxcopy.xxh3_copy`` without the hash (see :func:`unchecked_reads`)."""
+    if dst is not None:
+        memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+    return _Matches()
 
 
 class _Matches:

@@ -298,7 +298,8 @@ def test_cold_lmdb_unchecked_side_makes_no_record_check(tmp_path: Path, monkeypa
     """The cold part's ``lmdb_cold_unchecked`` side says what the tier costs without its record
     checks: a store opened and read inside ``unchecked_reads`` hashes nothing (the tight pass's
     and the one-record loop's XXH3 had been left in: only the general path's check was patched
-    out), and still returns the stored bytes; the same reads outside hash every record."""
+    out), neither through xxhash nor through the fused copy and XXH3 (``xxcopy.xxh3_copy``), and
+    still returns the stored bytes; the same reads outside hash every record."""
     pytest.importorskip("lmdb")
     xxhash = pytest.importorskip("xxhash")
     import asyncio
@@ -330,6 +331,15 @@ def test_cold_lmdb_unchecked_side_makes_no_record_check(tmp_path: Path, monkeypa
             return self.state.intdigest()  # type: ignore[attr-defined,no-any-return]
 
     monkeypatch.setattr(xxhash, "xxh3_64", lambda *args: Counting(real(*args)))
+    from kvtier.records import xxcopy
+
+    fused = xxcopy.xxh3_copy
+
+    def counting_copy(prefix: object, src: object, dst: object = None) -> int:  # the one-pass copy and XXH3
+        hashed.append(memoryview(src).nbytes)  # type: ignore[arg-type]
+        return fused(prefix, src, dst)
+
+    monkeypatch.setattr(xxcopy, "xxh3_copy", counting_copy)
 
     def read_all() -> None:
         for out in outs:

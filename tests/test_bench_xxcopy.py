@@ -6,6 +6,7 @@ import json
 import sys
 
 import numpy as np
+import pytest
 from bench_modules import bench_module
 
 from kvtier.records import xxcopy
@@ -23,6 +24,20 @@ def test_prints_every_arm_against_the_raw_copy(monkeypatch, capsys):
         for arm in ("fused", "python", "copy_then_hash", "hash_only", "xxhash_only"):
             assert cell[f"{arm}_GBps"] > 0 and cell[f"{arm}_ratio"] > 0
         assert cell["raw_copy_GBps"] > 0 and "raw_copy_ratio" not in cell
+        assert not any(name.startswith(("fused_scalar", "hash_scalar")) for name in cell)
+
+
+def test_paths_adds_each_native_path(monkeypatch, capsys):
+    bench = bench_module("bench_xxcopy")
+    if not xxcopy.NATIVE:
+        pytest.skip("the native extension is not built: no paths to add")
+    from kvtier.records import _xxcopy
+
+    monkeypatch.setattr(sys, "argv", ["bench_xxcopy.py", "--paths", "--rounds", "1", "--sizes", "5000", "--spread", "5000"])
+    bench.main()
+    (cell,) = json.loads(capsys.readouterr().out)["cells"]
+    for path in _xxcopy.paths():
+        assert cell[f"fused_{path}_ratio"] > 0 and cell[f"hash_{path}_GBps"] > 0
 
 
 def test_every_copying_arm_lands_the_bytes():

@@ -17,6 +17,7 @@ from lmdb_lookups import hook_lookups, layouts, slow_lookups_read_the_disk
 from kvtier import record_jobs, registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ConfigError
+from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import HEADER, HEADER_SIZE, RECORD_VERSION, encode_record, parse_header
 from kvtier.testing import BackendTests, cached_pages, evict_from_page_cache, make_key, random_block
@@ -381,6 +382,9 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
 
     if not keyed:
         monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", False)
+        # The Python path of the copy's checksum: the native one checks in the copy's own pass,
+        # on the calling thread (tests/test_xxcopy_tiers.py).
+        monkeypatch.setattr(xxcopy, "xxh3_copy", xxcopy.xxh3_copy_python)
     backend = _open(lmdb_backend(tmp_path, 8 << 20, **options), BIG)
     assert backend.write_blocks(keys, data) == [backend.reserve_bytes()] * 4
     asyncio.run(backend.aclose())

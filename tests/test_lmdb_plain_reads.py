@@ -25,6 +25,7 @@ from lmdb_lookups import damaged_store, hook_lookups, layouts, slow_lookups_read
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.records import xxcopy
 from kvtier.records.checks import FasterWay
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import HEADER, HEADER_SIZE, MAGIC, RECORD_VERSION, encode_record
@@ -383,16 +384,21 @@ def test_a_way_judged_by_a_slow_first_job_is_taken_again_after_one_probe() -> No
     assert picks.count(1) <= 2  # and way 1 is only probed from then on
 
 
+@pytest.mark.parametrize("native", [False, *([True] if xxcopy.NATIVE else [])])
 @pytest.mark.parametrize("spare", [False, True])
 def test_a_large_plain_job_is_read_in_one_pass_as_the_general_read_reads_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool, native: bool
 ) -> None:
     """A warm unkeyed job of SIDE_MIN_BYTES or more is read in one pass on the calling thread,
     even while a core seems spare and ``FasterWay`` would pick the side thread (its probes cost
     a fresh reader its second job on a quiet machine): no side thread, and the same finds,
-    bytes, drops and counters as the general read (which checks it on the side thread), on a
-    damaged store."""
+    bytes, drops and counters as the general read, on a damaged store. The general read checks
+    the job on the side thread on the Python path of ``xxcopy``, and on the calling thread, in
+    the copy's pass, on the native one."""
     from kvtier.records import checks
+
+    if not native:
+        monkeypatch.setattr(xxcopy, "xxh3_copy", xxcopy.xxh3_copy_python)
 
     monkeypatch.setattr(lmdb_layout, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
     monkeypatch.setattr(checks, "SIDE_MIN_BYTES", FMT.block_bytes * 4)
@@ -404,9 +410,9 @@ def test_a_large_plain_job_is_read_in_one_pass_as_the_general_read_reads_it(
     keys, data = damaged_store(tmp_path / "store", FMT, head_at=0)
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     general = _read(tmp_path / "store", keys, False, monkeypatch)
-    assert len(sides) == 1  # the general read checked the job on the side thread
+    assert len(sides) == (0 if native else 1)  # the general read checked the job on the side thread (Python path)
     chosen = _read(tmp_path / "copy", keys, True, monkeypatch)
-    assert len(sides) == 1  # ... and the one pass took none
+    assert len(sides) == (0 if native else 1)  # ... and the one pass took none
     assert chosen[0] == general[0] == [True, False, False, False, True, True, True, True]
     for i, hit in enumerate(general[0]):
         if hit:

@@ -140,3 +140,132 @@ async def test_a_store_load_racing_a_followers_remove_serves_the_stored_bytes_or
         assert await store.lookup(K[:3]) == 3
         assert await store.load(K[:3], [4, 5, 6]) == 3
         assert all(torch.equal(a, b) for r, s in zip(_engine_rows(caches, range(4, 7)), stored) for a, b in zip(r, s))
+
+
+@pytest.mark.parametrize(("tiers", "call"), [(1, "prepare_load"), (1, "prepare_load_run"), (2, "prepare_load_run")])
+@pytest.mark.parametrize("again", ["stored", "adopted"])
+def test_a_key_stored_again_while_its_vanished_load_is_in_flight_stays_held_after_the_miss(
+    monkeypatch: pytest.MonkeyPatch, tiers: int, call: str, again: str
+) -> None:
+    """The follower forgets ``K[1]`` as the load pins it; while the load reads (and misses its
+    old record), this engine stores the key again (write-through, so the shared tier holds the
+    new copy too) or the follower adopts another engine's new record. The load's miss says
+    nothing about that new copy: it stays held, ready and loadable, with no removed event."""
+    m, shared = _manager(tiers)
+    if tiers == 2:  # write-through: the store puts the new copy in the shared tier as well
+        m = TierManager([m.tier_spec(0), m.tier_spec(1)], write="through", clock=lambda: 1.0)
+        m.adopt(shared, [(key, BLOCK, 0.0) for key in K[:3]])
+    _remove_before_pin(monkeypatch, m, lambda: m.remove([K[1]], shared))
+    plan = m.prepare_load(K[:3]) if call == "prepare_load" else m.prepare_load_run(K[:3])
+    assert plan is not None and plan.tiers == (shared,) * 3
+    m.take_events()
+    if again == "stored":
+        store = m.prepare_store([K[1]])
+        assert store is not None and store.keys == (K[1],)
+        m.complete_store([K[1]], True)
+    else:
+        assert m.adopt_live(shared, [(K[1], BLOCK, 2.0)]) == [K[1]]
+    assert m.lookup(K[:3]) == 3 and m.holds(K[1], shared)
+    before = m.counters
+    result = JobResult(1, "load", False, plan.keys, missed=(K[1],), missed_tiers=(shared,))
+    applied = apply_result(m, plan, result)
+    assert m.counters == before  # settling a load counts nothing: its miss is the tier's to count
+    assert (applied.done, applied.lost, applied.removed) == (1, 2, ())
+    assert all(not t.pins for t in m._tiers)
+    assert m.lookup(K[:3]) == 3 and m.holds(K[1], shared) and m.status(K[1]).state.value == "ready"
+    assert [e for e in m.take_events() if e.kind == "removed"] == []
+    assert m.stats()["tiers"][shared]["blocks"] == 3
+    assert plan.vanished == {K[1]}  # the plan named it: forgotten before its pin
+    again_plan = m.prepare_load(K[:3], promote=False)
+    assert again_plan.vanished == frozenset() and again_plan.keys == tuple(K[:3])
+    m.complete_load(again_plan.keys)
+
+
+async def test_a_save_while_a_vanished_load_is_in_flight_keeps_the_new_record_loadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a store on a shared ``file`` tier: the follower forgets ``K[1]`` and another
+    engine deletes its record as the load pins it; the read misses; before the load's result is
+    applied, this engine saves ``K[1]`` again (a real store job). The new copy stays indexed and
+    loads with exactly the stored bytes; the miss is counted once."""
+    caches = make_caches(6)
+    async with kvtier.open(file_config(tmp_path, caches), kv_caches=caches) as store:
+        assert await store.save(K[:3], [0, 1, 2]) == 3
+        stored = _engine_rows(caches, range(3))
+        mgr: Any = store.manager
+        backend: Any = store.backends[0]
+        runs: Any = store._runs
+        real_finish = runs.finish_load
+        saved: list[int] = []
+
+        def follower() -> None:
+            backend.delete_blocks([K[1]])
+            assert mgr.remove([K[1]], 0) == [K[1]]
+
+        def save_then_finish(plan: Any, result: JobResult) -> Any:
+            if not saved:  # the read has missed K[1]: this engine stores it again meanwhile
+                again = mgr.prepare_store([K[1]])
+                assert again is not None and again.keys == (K[1],)
+                transfers = store._xfer()
+                job = transfers.submit_store(again, [1], checked=True)
+                (done,) = transfers.wait([job])
+                transfers.forget([job])
+                assert done.error is None
+                saved.append(store.finish_store(again, done))
+            return real_finish(plan, result)
+
+        _remove_before_pin(monkeypatch, mgr, follower)
+        monkeypatch.setattr(runs, "finish_load", save_then_finish)
+        assert await store.load(K[:3], [4, 5, 6]) == 1
+        assert saved == [1]
+        assert store.metrics.snapshot()["tiers"][0]["misses"] == 1
+        assert store.stats()["tiers"][0]["pinned"] == 0
+        assert await store.lookup(K[:3]) == 3  # the new copy is held
+        assert await store.load(K[:3], [4, 5, 6]) == 3
+        assert all(torch.equal(a, b) for r, s in zip(_engine_rows(caches, range(4, 7)), stored) for a, b in zip(r, s))
+        assert store.metrics.snapshot()["tiers"][0]["misses"] == 1
+
+
+@pytest.mark.parametrize("call", ["prepare_load", "prepare_load_run"])
+@pytest.mark.parametrize("how", ["remove", "tenant_forget", "adopt_live_evicts", "store_evicts", "tenant_quota_evicts", "other_key", "nothing"])
+def test_a_plans_vanished_keys_are_exactly_those_gone_at_the_pin_whatever_made_them_leave(
+    monkeypatch: pytest.MonkeyPatch, call: str, how: str
+) -> None:
+    """A load looks again only when a ready key left a tier between its find and its pin (the
+    tiers' shared departure count moved): each way a ready key leaves moves it, and the plan's
+    ``vanished`` is then exactly the keys of the load no longer ready at the pin (none when
+    nothing left, or only a key outside the load)."""
+    m, shared = _manager(1)
+    m.adopt(shared, [(key, BLOCK, 0.0) for key in K[3:5]])  # K[:5] held; the load is K[:3]
+    m.touch(K[1:5])  # K[0] is the least recent: the one an eviction takes
+    if how == "tenant_quota_evicts":  # quotas on: the tier evicts through its tenants' path
+        m.tenants.set_quota("t", shared, 2 * BLOCK)
+        assert m._tiers[shared].quotas_apply()
+    before = m._departed[0]
+
+    def leave() -> None:
+        if how == "remove":
+            m.remove([K[1]], shared)
+        elif how == "tenant_forget":
+            m.tenants.forget([K[2]])
+        elif how == "adopt_live_evicts":  # a full tier: the follower's adoption forgets the least recent
+            m.adopt_live(shared, [(make_key(100 + i), BLOCK, 1.0) for i in range(4)])
+        elif how == "other_key":
+            m.remove([K[4]], shared)
+        elif how in ("store_evicts", "tenant_quota_evicts"):  # the tier full: a store evicts
+            plan = m.prepare_store([make_key(200 + i) for i in range(4)])
+            assert plan is not None and plan.drops
+            m.complete_store(plan.keys, True)
+
+    _remove_before_pin(monkeypatch, m, leave)
+    plan = m.prepare_load(K[:3]) if call == "prepare_load" else m.prepare_load_run(K[:3])
+    assert plan is not None and plan.keys == tuple(K[:3])
+    gone_now = [k for k in K[:3] if k not in m._tiers[shared].index]  # (pinned now: nothing else goes)
+    assert plan.vanished == frozenset(gone_now)
+    if how in ("remove", "tenant_forget", "adopt_live_evicts", "store_evicts", "tenant_quota_evicts"):
+        assert gone_now and m._departed[0] > before  # the case did make a key of the load leave
+    elif how == "other_key":
+        assert not gone_now and m._departed[0] == before + 1
+    elif how == "nothing":
+        assert not gone_now and m._departed[0] == before
+    m.complete_load(plan.keys)

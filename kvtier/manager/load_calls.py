@@ -23,9 +23,30 @@ from kvtier.manager.admission import Admission
 from kvtier.manager.plan import LoadPlan
 from kvtier.manager.tiers import TierState
 
-__all__ = ["LoadRunFn", "load_run"]
+__all__ = ["LoadRunFn", "departures", "load_run", "vanished"]
 
 LoadRunFn = Callable[[Sequence[bytes]], "LoadPlan | None"]
+_NONE: frozenset[bytes] = frozenset()
+
+
+def departures(tiers: Sequence[TierState]) -> list[int]:
+    """One cell, shared by ``tiers``, that counts the ready keys that left any of them."""
+    cell = [0]
+    for t in tiers:
+        t.departed = cell
+    return cell
+
+
+def vanished(gets: Sequence[Callable[[bytes], object]], keys: Sequence[bytes], where: Sequence[int]) -> frozenset[bytes]:
+    """Of ``keys``, found ready in tiers ``where`` without the manager's lock, those that tier
+    no longer holds ready: a shared tier's follower forgot them before the pin. Called under the
+    lock as they are pinned (once pinned, nothing forgets them), and only when the tiers'
+    :func:`departures` moved since the find; ``gets`` are the tiers' ``index.get``."""
+    if len(gets) == 1:
+        get = gets[0]
+        return _NONE if all(map(get, keys)) else frozenset(key for key in keys if not get(key))
+    gone = [key for key, ti in zip(keys, where) if not gets[ti](key)]
+    return frozenset(gone) if gone else _NONE
 
 
 def load_run(
@@ -42,8 +63,10 @@ def load_run(
     ``prepare_load`` its general method; ``lock``, ``counts``, ``admission`` and ``now`` what
     that method uses to pin."""
     first = tiers[0] if len(tiers) == 1 else None
+    get, departed = tiers[0].index.get, tiers[0].departed
 
     def prepare_load_run(keys: Sequence[bytes]) -> LoadPlan | None:
+        seen = departed[0]  # (before the find: see vanished)
         hits = lookup(keys)
         if not hits:
             return None
@@ -54,6 +77,7 @@ def load_run(
             first.pin(run, now())
             counts["load_prepared"] += hits
             admission.note(run)
-        return LoadPlan(tuple(run), (0,) * hits)
+            gone = _NONE if departed[0] == seen else vanished((get,), run, ())
+        return LoadPlan(tuple(run), (0,) * hits, (), gone)
 
     return prepare_load_run

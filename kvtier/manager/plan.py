@@ -98,11 +98,15 @@ class LoadPlan:
     """The tier each key is read from (``tiers[i]`` for ``keys[i]``); every key is pinned.
 
     ``promote`` lists keys read from a lower tier that the load job also copies into the first
-    tier (reserved, pending until ``complete_load``)."""
+    tier (reserved, pending until ``complete_load``). ``vanished`` lists keys a shared tier's
+    follower forgot between the load's find and its pin: a miss of one forgets nothing, since
+    what the tier holds under that key by then is a later store or adoption (``apply_result``).
+    It is the pinning side's to know; the workers' copy of the plan does not carry it."""
 
     keys: tuple[bytes, ...]
     tiers: tuple[int, ...]
     promote: tuple[bytes, ...] = ()
+    vanished: frozenset[bytes] = frozenset()
 
 
 class PlanBuilder:

@@ -62,7 +62,7 @@ from kvtier.errors import LifecycleError
 from kvtier.keys import KEY_BYTES, check_keys, exact_bytes
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import CacheEvent, EventLog
-from kvtier.manager.load_calls import LoadRunFn, load_run
+from kvtier.manager.load_calls import LoadRunFn, departures, load_run, vanished
 from kvtier.manager.lookups import closed_error as _closed
 from kvtier.manager.lookups import leading_run, lookup_counts, single_key_lookup
 from kvtier.manager.plan import Completion, Demotion, LoadPlan, PlanBook, StorePlan
@@ -134,6 +134,7 @@ class TierManager:
         check_specs(tiers, write)
         self.write_mode: WriteMode = write
         self._tiers = [TierState(spec) for spec in tiers]
+        self._departed = departures(self._tiers)  # ready keys that left a tier (kvtier.manager.load_calls)
         self._indexes = tuple(t.index for t in self._tiers)
         self._ready_gets = tuple(enumerate(t.index.get for t in self._tiers))
         self._gets = tuple(t.index.get for t in self._tiers)
@@ -396,6 +397,7 @@ class TierManager:
         engine's own offloading manager, engines without a step loop)."""
         if self._closed:
             raise _closed()
+        seen = self._departed[0]
         try:
             if len(self._gets) == 1:  # one tier: no call per key (a test compares the two)
                 ready = list(map(self._gets[0], keys))
@@ -411,8 +413,8 @@ class TierManager:
             raise LifecycleError(f"prepare_load: keys[{i}] ({keys[i].hex()[:16]}…) is not ready in any tier")
         where: list[int] = found  # type: ignore[assignment]  # (no None in it: checked above)
         # Found without the lock: a shared tier's follower may forget a key before the pin
-        # below. The pin and the plan stand; the read then finds the record or misses (a
-        # counted miss, settled by complete_load): docs/architecture.md, shared tiers.
+        # below. The pin and the plan stand (the key named ``vanished``); the read finds the
+        # record or misses (counted, forgetting nothing): docs/architecture.md, shared tiers.
         with self._lock:
             now = self._now()
             used = set(where)
@@ -422,7 +424,8 @@ class TierManager:
             self._counts["load_prepared"] += len(keys)
             self._admission.note(keys)
             promoted = self._promotions.reserve_in_load(keys, where) if promote and len(self._tiers) > 1 else []
-        return LoadPlan(tuple(keys), tuple(where), tuple(promoted))
+            gone = _NOTHING if self._departed[0] == seen else vanished(self._gets, keys, where)
+        return LoadPlan(tuple(keys), tuple(where), tuple(promoted), gone)
 
     def complete_load(self, keys: Sequence[bytes], *, failed_promotions: Iterable[bytes] = ()) -> None:
         """Unpin keys pinned by ``prepare_load`` (once per pin) and settle their promotions:

@@ -81,6 +81,7 @@ class TierState:
         "block",
         "capacity",
         "demotions_in",
+        "departed",
         "dropped",
         "evictions",
         "index",
@@ -118,6 +119,10 @@ class TierState:
         self.used = 0
         self.pending = 0  # entries of ``index`` that are PENDING
         self.evictions = 0
+        #: ready keys that left ``index`` (evicted or forgotten), in a cell that the tiers of one
+        #: manager share (``TierManager`` makes it): a load reads it before its unlocked find
+        #: and again at its pin, to know whether a key may have vanished in between
+        self.departed = [0]
         self.demotions_in = 0
         self.dropped = 0
         self.promotions_out = 0
@@ -229,6 +234,7 @@ class TierState:
         index = self.index
         for key in victims:
             del index[key]
+        self.departed[0] += len(victims)
         if self.tenancy is not None:
             self.tenancy.count(self.tenancy.evictions, victims)
         self._unaccount(victims)
@@ -254,6 +260,7 @@ class TierState:
         index = self.index
         for key in victims:
             del index[key]
+        self.departed[0] += len(victims)
         if self.tenancy is not None:
             self.tenancy.count(self.tenancy.evictions, victims)
         self._unaccount(victims)
@@ -362,6 +369,7 @@ class TierState:
         for key in keys:
             del index[key]
             remove(key)
+        self.departed[0] += len(keys)
         self._unaccount(keys)
 
     def _unaccount(self, keys: Collection[bytes]) -> None:

@@ -227,6 +227,11 @@ __attribute__((target("avx2"))) static inline __m256i scramble_avx2(__m256i acc,
     return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
 }
 
+/* An empty statement that takes and gives back acc in a vector register: it keeps the compiler
+   from reordering a whole unrolled block's sums (it computed every product first and spilled
+   them to the stack, at half the speed). */
+#define KEEP_IN_REGISTERS(acc) __asm__("" : "+x"(acc))
+
 /* Stripes [0, run) of one block, starting at the block's stripe k; copied to dst when copy. */
 #define AVX2_STRIPES(copy, run, k)                                                        \
     do {                                                                                  \
@@ -241,6 +246,8 @@ __attribute__((target("avx2"))) static inline __m256i scramble_avx2(__m256i acc,
             }                                                                             \
             a0 = accumulate_avx2(a0, d0, sec_);                                           \
             a1 = accumulate_avx2(a1, d1, sec_ + 32);                                      \
+            KEEP_IN_REGISTERS(a0);                                                        \
+            KEEP_IN_REGISTERS(a1);                                                        \
         }                                                                                 \
     } while (0)
 
@@ -277,6 +284,69 @@ __attribute__((target("avx2"))) static void stripes_avx2(u64 *acc, const u8 *src
         stripes_avx2_body(acc, src, dst, count, first, 1);
     else
         stripes_avx2_body(acc, src, dst, count, first, 0);
+}
+
+__attribute__((target("avx512f"))) static inline __m512i accumulate_avx512(__m512i acc, __m512i data, const u8 *sec)
+{
+    __m512i key = _mm512_xor_si512(data, _mm512_loadu_si512((const void *)sec));
+    __m512i key_hi = _mm512_shuffle_epi32(key, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1));
+    __m512i product = _mm512_mul_epu32(key, key_hi);
+    __m512i swapped = _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+    return _mm512_add_epi64(acc, _mm512_add_epi64(product, swapped));
+}
+
+__attribute__((target("avx512f"))) static inline __m512i scramble_avx512(__m512i acc)
+{
+    const __m512i prime = _mm512_set1_epi32((int)PRIME32_1);
+    __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+    a = _mm512_xor_si512(a, _mm512_loadu_si512((const void *)(SECRET + SCRAMBLE_AT)));
+    __m512i a_hi = _mm512_shuffle_epi32(a, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1));
+    return _mm512_add_epi64(_mm512_mul_epu32(a, prime), _mm512_slli_epi64(_mm512_mul_epu32(a_hi, prime), 32));
+}
+
+#define AVX512_STRIPES(copy, run, k)                                                      \
+    do {                                                                                  \
+        const u8 *sec_ = SECRET + 8 * (k);                                                \
+        for (size_t j_ = 0; j_ < (run); j_++, src += STRIPE, sec_ += 8) {                 \
+            __m512i d = _mm512_loadu_si512((const void *)src);                            \
+            if (copy) {                                                                   \
+                _mm512_storeu_si512((void *)dst, d);                                      \
+                dst += STRIPE;                                                            \
+            }                                                                             \
+            a = accumulate_avx512(a, d, sec_);                                            \
+            KEEP_IN_REGISTERS(a);                                                         \
+        }                                                                                 \
+    } while (0)
+
+__attribute__((target("avx512f"), always_inline)) static inline void
+stripes_avx512_body(u64 *acc, const u8 *src, u8 *dst, size_t count, size_t first, const int copy)
+{
+    __m512i a = _mm512_loadu_si512((const void *)acc);
+    size_t n = first, end = first + count;
+    while (n < end) {
+        size_t k = n % STRIPES_PER_BLOCK;
+        if (k == 0 && end - n >= STRIPES_PER_BLOCK) {
+            AVX512_STRIPES(copy, STRIPES_PER_BLOCK, 0);
+            n += STRIPES_PER_BLOCK;
+        } else {
+            size_t run = STRIPES_PER_BLOCK - k;
+            if (run > end - n)
+                run = end - n;
+            AVX512_STRIPES(copy, run, k);
+            n += run;
+        }
+        if (n % STRIPES_PER_BLOCK == 0)
+            a = scramble_avx512(a);
+    }
+    _mm512_storeu_si512((void *)acc, a);
+}
+
+__attribute__((target("avx512f"))) static void stripes_avx512(u64 *acc, const u8 *src, u8 *dst, size_t count, size_t first)
+{
+    if (dst)
+        stripes_avx512_body(acc, src, dst, count, first, 1);
+    else
+        stripes_avx512_body(acc, src, dst, count, first, 0);
 }
 #endif
 
@@ -352,6 +422,8 @@ static stripes_fn stripes_named(const char *name)
 #if XXC_HAVE_AVX2
     if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2"))
         return stripes_avx2;
+    if (strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f"))
+        return stripes_avx512;
 #endif
     return NULL;
 }
@@ -471,6 +543,8 @@ static PyObject *py_paths(PyObject *module, PyObject *unused)
     (void)module;
     (void)unused;
 #if XXC_HAVE_AVX2
+    if (__builtin_cpu_supports("avx512f"))
+        return Py_BuildValue("(sss)", "scalar", "avx2", "avx512");
     if (__builtin_cpu_supports("avx2"))
         return Py_BuildValue("(ss)", "scalar", "avx2");
 #endif

@@ -7,6 +7,8 @@ release the GIL (``numpy.copyto`` and XXH3 / HMAC over a buffer), so :func:`copy
 hands the checksums of a whole job to a side thread in one hop and copies meanwhile: an
 ``lmdb`` load then ran at 0.91-1.03 of a raw get and copy on 2 cores (``benchmarks/bench_disk.py``). A row whose check fails holds garbage and
 is reported as bad, which callers serve as a miss; nothing is reported good before its check.
+Where the native pass of :mod:`kvtier.records.xxcopy` is built, an unkeyed raw payload's copy
+and checksum are one pass instead (about a copy's cost), and stay on the calling thread.
 
 :func:`fill_and_check` is the same for rows filled by a read (the ``file`` tier's ``preadv``,
 which releases the GIL too): a side thread checks each row once it is filled, while the next one
@@ -34,6 +36,7 @@ import xxhash
 
 from kvtier.devices import usable_cpus
 from kvtier.errors import CorruptBlockError
+from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import RecordHeader, RecordMac, decode_payload, verify_payload
 from kvtier.records.record import CHECKED, HEADER, MAGIC, RECORD_VERSION
@@ -118,7 +121,11 @@ class RawPayload(NamedTuple):
 def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[CorruptBlockError | None]:
     """Decode every item into its row and check it; per item, the error (``None``: good).
 
-    For a job of at least :data:`SIDE_MIN_BYTES` of raw payloads, this thread copies them into
+    Unkeyed raw payloads are copied and checked here in one pass where the native
+    :func:`~kvtier.records.xxcopy.xxh3_copy` is built (:func:`~kvtier.records.xxcopy.fused`):
+    that pass runs at about a copy's speed (``benchmarks/bench_xxcopy.py``), which leaves a side
+    thread nothing to take. Otherwise, for a job of at least
+    :data:`SIDE_MIN_BYTES` of raw payloads, this thread copies them into
     their rows while a side thread checks them; once its copies are done this thread checks too,
     from the other end (a BLAKE3 or HMAC-SHA256 MAC is slower than a copy). What is checked:
 
@@ -136,7 +143,7 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
     errors: list[CorruptBlockError | None] = [None] * len(items)
     raw = [i for i, item in enumerate(items) if item.header.codec_id == NoneCodec.codec_id]
     shared = None
-    if sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
+    if (mac is not None or not xxcopy.fused()) and sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
         shared = _SharedChecks([items[i] for i in raw], mac, _copy_payload, rows=mac is not None)
         if not shared.start():
             shared = None

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["CHUNK", "NATIVE", "PATH", "xxh3_copy", "xxh3_copy_native", "xxh3_copy_python"]
+__all__ = ["CHUNK", "NATIVE", "PATH", "fused", "xxh3_copy", "xxh3_copy_native", "xxh3_copy_python"]
 
 try:
     from kvtier.records import _xxcopy  # type: ignore[attr-defined]
@@ -80,11 +80,16 @@ def xxh3_copy_python(prefix: Any, src: Any, dst: Any = None) -> int:
 #: The native function (``None`` without the extension).
 xxh3_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_copy if _xxcopy is not None else None
 
-_impl: Callable[..., int] = xxh3_copy_native if xxh3_copy_native is not None else xxh3_copy_python
+#: ``xxh3_copy(prefix, src, dst=None) -> int``: ``xxhash.xxh3_64(prefix + src).intdigest()``,
+#: copying ``src`` into ``dst`` on the way when given (writable, contiguous, the same size, not
+#: overlapping ``src``: a :class:`TypeError` or :class:`ValueError` naming the argument
+#: otherwise), for inputs of any length. The native function where built, else
+#: :func:`xxh3_copy_python`. Callers look it up here at each use (``xxcopy.xxh3_copy``), so a
+#: test can put either path in its place.
+xxh3_copy: Callable[..., int] = xxh3_copy_native if xxh3_copy_native is not None else xxh3_copy_python
 
 
-def xxh3_copy(prefix: Any, src: Any, dst: Any = None) -> int:
-    """``xxhash.xxh3_64(prefix + src).intdigest()``, copying ``src`` into ``dst`` on the way
-    when given (writable, contiguous, the same size, not overlapping ``src``: a
-    :class:`TypeError` or :class:`ValueError` naming the argument otherwise). Any length."""
-    return _impl(prefix, src, dst)
+def fused() -> bool:
+    """Whether :data:`xxh3_copy` is the native one-pass function: a copy and its check then cost
+    about a copy, and splitting them over two threads no longer pays."""
+    return xxh3_copy is xxh3_copy_native

@@ -306,7 +306,9 @@ def apply_result(manager: TierManager, plan: StorePlan | LoadPlan, result: JobRe
     Store: pending keys become ready, or are released when the job failed (``result.error``)
     or their write failed (``result.failed``); demoted and written-through copies named in
     ``result.failed`` are dropped. Load: the keys are unpinned, in-load promotions settled, and
-    keys the load found missing or corrupt are forgotten in the tier they were read from."""
+    keys the load found missing or corrupt are forgotten in the tier they were read from, but
+    for the plan's ``vanished`` keys (already forgotten before the pin: an entry held now is a
+    later store or adoption, which the miss says nothing about)."""
     ok = result.error is None
     if isinstance(plan, StorePlan):
         if not plan.keys:
@@ -327,8 +329,9 @@ def apply_result(manager: TierManager, plan: StorePlan | LoadPlan, result: JobRe
         valid = len(plan.keys)
         if not result.missed:  # (the usual load)
             return _applied("load", ok, valid, 0, bad, ())
+        gone = plan.vanished  # forgotten before the pin: what is held now is a later copy
         for key, tier in zip(result.missed, result.missed_tiers):
-            if manager.remove([key], tier):
+            if key not in gone and manager.remove([key], tier):
                 removed.append((key, tier))
         missed = set(result.missed)
         valid = next(i for i, key in enumerate(plan.keys) if key in missed)

@@ -1,0 +1,114 @@
+"""The fused copy + XXH3 pass (``kvtier.records.xxcopy.xxh3_copy``) through the tiers, native and
+Python alike: the same bytes, the same misses and the same counters, a flipped payload bit still
+a counted corrupt record, and every raw, unkeyed load read through the one pass."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from kvtier.backends import lmdb_layout, lmdb_one
+from lmdb_lookups import damaged_store, layouts
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import CorruptBlockError
+from kvtier.records import checks, xxcopy
+from kvtier.records.checks import RawPayload, copy_and_check
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import decode_record, encode_record, parse_header
+from kvtier.testing import make_key, random_block
+
+PATHS = ["python", *(["native"] if xxcopy.NATIVE else [])]
+FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+
+
+@pytest.fixture(params=PATHS)
+def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``xxcopy.xxh3_copy`` on one path, counting the payload bytes it is given."""
+    fn = xxcopy.xxh3_copy_python if request.param == "python" else xxcopy.xxh3_copy_native
+    seen: list[int] = []
+
+    def counting(prefix: Any, src: Any, dst: Any = None) -> int:
+        seen.append(memoryview(src).nbytes)
+        return fn(prefix, src, dst)  # type: ignore[misc]
+
+    monkeypatch.setattr(xxcopy, "xxh3_copy", counting)
+    if request.param == "native":  # fused() asks whether the native function is in place
+        monkeypatch.setattr(xxcopy, "xxh3_copy_native", counting)
+    return seen
+
+
+def test_decode_record_checks_and_copies_on_either_path(calls: list[int]) -> None:
+    key = make_key(3)
+    block = random_block(65536, 3)
+    head, payload = encode_record(key, memoryview(block.numpy()), NoneCodec(), 1)
+    record = bytearray(head + bytes(payload))
+    out = bytearray(65536)
+    decode_record(key, record, memoryview(out))
+    assert out == block.numpy().tobytes() and calls == [65536]
+    record[40000] ^= 0x10
+    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+        decode_record(key, record, memoryview(out))
+    record[40000] ^= 0x10
+    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+        decode_record(make_key(4), record, memoryview(out))  # the key is part of the sum
+
+
+def test_a_large_unkeyed_job_is_one_pass_on_this_thread_when_native(calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At least ``SIDE_MIN_BYTES``: the native pass copies and checks on the calling thread, no
+    side thread; the Python path still hands the checks to one. Same errors either way."""
+    size, n = 262144, 8
+    keys = [make_key(i) for i in range(n)]
+    blocks = [random_block(size, 40 + i) for i in range(n)]
+    records = [encode_record(k, memoryview(b.numpy()), NoneCodec(), 1) for k, b in zip(keys, blocks)]
+    payloads = [bytearray(p) for _, p in records]
+    payloads[5][1234] ^= 0x01
+    outs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+    items = [
+        RawPayload(k, h, parse_header(h, raw_length=size), p, memoryview(o)) for k, (h, _), p, o in zip(keys, records, payloads, outs)
+    ]
+    submitted: list[object] = []
+    real = checks._submit
+    monkeypatch.setattr(checks, "_submit", lambda fn, *args: submitted.append(fn) or real(fn, *args))
+    errors = copy_and_check(items, None)
+    assert [e is None for e in errors] == [i != 5 for i in range(n)]
+    assert all(np.array_equal(o, b.numpy()) for i, (o, b) in enumerate(zip(outs, blocks)) if i != 5)
+    assert (submitted == []) == xxcopy.fused()
+    assert sum(calls) == n * size if xxcopy.fused() else calls == []
+
+
+def _lmdb(path: Path, **options: Any) -> Backend:
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+@pytest.mark.parametrize("layout", ["joined", "split"])
+@pytest.mark.parametrize("way", ["straight", "one_pass", "general"])
+def test_lmdb_loads_give_the_same_outcome_on_either_path(
+    tmp_path: Path, calls: list[int], monkeypatch: pytest.MonkeyPatch, layout: str, way: str
+) -> None:
+    """Sound records read, a flipped payload bit a counted corrupt record (deleted), through the
+    straight read, the tight pass and the general read alike."""
+    layouts(monkeypatch, layout)
+    keys, data = damaged_store(tmp_path, FMT, head_at=12)
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", way == "straight")
+    monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", way != "general")
+    backend = _lmdb(tmp_path)
+    try:
+        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+        backend.read_blocks(keys, out)  # a first job makes the rows' views known
+        found = backend.read_blocks(keys, out)
+        stats = backend.stats()
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [True, False, False, False, True, True, True, True]
+    for i in (0, 4, 5, 6, 7):
+        assert torch.equal(out[i], data[i]), i
+    assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
+    assert sum(n == FMT.block_bytes for n in calls) >= 3  # 0, 4, 7: raw and sound, through the one pass
