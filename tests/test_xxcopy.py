@@ -131,3 +131,36 @@ def test_the_default_function_takes_the_best_path():
     dst = bytearray(len(src))
     assert xxcopy.xxh3_copy(b"k" * 56, src, dst) == xxhash.xxh3_64(b"k" * 56 + src).intdigest()
     assert dst == src
+
+
+def _joined(path: str):
+    if path == "python":
+        return xxcopy.xxh3_joined_python
+    assert path == "native"
+    return _xxcopy.xxh3_64_joined
+
+
+JOINED_PATHS = ["python", *(["native"] if xxcopy.NATIVE else [])]
+
+
+@pytest.mark.parametrize("path", JOINED_PATHS)
+def test_joined_is_head_checksum_then_payload(path):
+    """``xxh3_joined(head, key, src)``: a whole raw record, its checksum over head, key and
+    payload, for every length class (the checksum is xxhash's, little-endian)."""
+    fn = _joined(path)
+    for n in [*range(0, 300), 1023, 1024, 1025, 4096, 65536, 65537, (1 << 20) + 3]:
+        head, key, src = DATA[:24], DATA[100:132], memoryview(DATA)[500 : 500 + n]
+        got = fn(head, key, src)
+        assert type(got) is bytes
+        assert got == head + xxhash.xxh3_64(head + key + bytes(src)).intdigest().to_bytes(8, "little") + bytes(src), n
+
+
+@pytest.mark.parametrize("path", JOINED_PATHS)
+def test_joined_refuses_bad_arguments_by_name(path):
+    fn = _joined(path)
+    with pytest.raises(TypeError, match="src: expected a bytes-like object"):
+        fn(b"h", b"k", 7)
+    with pytest.raises(TypeError, match="key: expected a bytes-like object"):
+        fn(b"h", "k", b"s")
+    with pytest.raises(ValueError, match="src: expected a contiguous buffer"):
+        fn(b"h", b"k", np.zeros(64, dtype=np.uint8)[::2])

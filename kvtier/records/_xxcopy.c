@@ -538,6 +538,57 @@ static PyObject *py_xxh3_64_copy_with(PyObject *module, PyObject *const *args, P
     return run(stripes, args + 1, nargs - 1);
 }
 
+/* xxh3_64_joined(head, key, src) -> bytes: head + the little-endian 8-byte XXH3-64 of
+   head + key + src + src, in one new bytes object; src is copied into it in the hash's pass. */
+static PyObject *py_xxh3_64_joined(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "expected (head, key, src), got %zd arguments", nargs);
+        return NULL;
+    }
+    Py_buffer head, key, src;
+    if (get_readable(args[0], &head, "head") < 0)
+        return NULL;
+    if (get_readable(args[1], &key, "key") < 0) {
+        PyBuffer_Release(&head);
+        return NULL;
+    }
+    if (get_readable(args[2], &src, "src") < 0) {
+        PyBuffer_Release(&key);
+        PyBuffer_Release(&head);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    size_t hlen = (size_t)head.len, klen = (size_t)key.len, slen = (size_t)src.len;
+    u8 *prefix = PyMem_Malloc(hlen + klen + 1);
+    if (prefix == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(hlen + 8 + slen));
+    if (out == NULL) {
+        PyMem_Free(prefix);
+        goto done;
+    }
+    u8 *body = (u8 *)PyBytes_AS_STRING(out);
+    memcpy(prefix, head.buf, hlen);
+    memcpy(prefix + hlen, key.buf, klen);
+    memcpy(body, head.buf, hlen);
+    u64 digest;
+    Py_BEGIN_ALLOW_THREADS
+    digest = xxh3_copy(best_stripes, prefix, hlen + klen, src.buf, body + hlen + 8, slen);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 8; i++)
+        body[hlen + i] = (u8)(digest >> (8 * i));
+    PyMem_Free(prefix);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&head);
+    return out;
+}
+
 static PyObject *py_paths(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -560,6 +611,10 @@ static PyMethodDef methods[] = {
     {"xxh3_64_copy_with", (PyCFunction)(void (*)(void))py_xxh3_64_copy_with, METH_FASTCALL,
      "xxh3_64_copy_with(path, prefix, src, dst=None) -> int\n\n"
      "xxh3_64_copy on the named path (one of paths()), to compare them."},
+    {"xxh3_64_joined", (PyCFunction)(void (*)(void))py_xxh3_64_joined, METH_FASTCALL,
+     "xxh3_64_joined(head, key, src) -> bytes\n\n"
+     "head + the XXH3-64 of head + key + src (8 bytes, little-endian) + src, as one new bytes\n"
+     "object: src is copied into it in the hash's pass (a whole record, header then payload)."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {NULL, NULL, 0, NULL},
 };

@@ -16,13 +16,25 @@ this process uses.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import xxhash
 
-__all__ = ["CHUNK", "NATIVE", "PATH", "fused", "xxh3_copy", "xxh3_copy_native", "xxh3_copy_python"]
+__all__ = [
+    "CHUNK",
+    "NATIVE",
+    "PATH",
+    "fused",
+    "xxh3_copy",
+    "xxh3_copy_native",
+    "xxh3_copy_python",
+    "xxh3_joined",
+    "xxh3_joined_native",
+    "xxh3_joined_python",
+]
 
 try:
     from kvtier.records import _xxcopy  # type: ignore[attr-defined]
@@ -31,6 +43,7 @@ except ImportError:  # built without a C compiler: the Python path below
 
 #: The Python path copies and hashes this many bytes at a time (each piece hashed while in cache).
 CHUNK = 64 << 10
+_SUM = struct.Struct("<Q")
 
 #: Whether the native extension is loaded (else every call takes :func:`xxh3_copy_python`).
 NATIVE: bool = _xxcopy is not None
@@ -87,6 +100,25 @@ xxh3_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_copy if _xxcopy is
 #: :func:`xxh3_copy_python`. Callers look it up here at each use (``xxcopy.xxh3_copy``), so a
 #: test can put either path in its place.
 xxh3_copy: Callable[..., int] = xxh3_copy_native if xxh3_copy_native is not None else xxh3_copy_python
+
+
+def xxh3_joined_python(head: Any, key: Any, src: Any) -> bytes:
+    """:func:`xxh3_joined` in Python: the same bytes."""
+    h = xxhash.xxh3_64(_readable(head, "head"))
+    h.update(_readable(key, "key"))
+    source = _readable(src, "src")
+    h.update(source)
+    return bytes(head) + _SUM.pack(h.intdigest()) + source
+
+
+#: The native function (``None`` without the extension).
+xxh3_joined_native: Callable[..., bytes] | None = _xxcopy.xxh3_64_joined if _xxcopy is not None else None
+
+#: ``xxh3_joined(head, key, src) -> bytes``: ``head``, then the XXH3-64 of ``head + key + src``
+#: (8 bytes, little-endian), then ``src``, as one new ``bytes``: a whole raw record (its checked
+#: header bytes, its checksum, its payload) built with the payload copied in the checksum's pass.
+#: The native function where built, else :func:`xxh3_joined_python`; looked up here at each use.
+xxh3_joined: Callable[..., bytes] = xxh3_joined_native if xxh3_joined_native is not None else xxh3_joined_python
 
 
 def fused() -> bool:
