@@ -7,7 +7,7 @@ and hashes it; saving one copies the block into the record and hashes it. Done a
 read twice. :func:`xxh3_copy` does both in one pass: the native extension
 (``kvtier/records/_xxcopy.c``, built at install where a C compiler exists) loads each 64-byte
 stripe once, stores it to the destination and feeds it to the XXH3 accumulators from the same
-registers, without the GIL, on an AVX2 path where the CPU has one.
+registers, without the GIL (from 16 KiB), on an AVX2 path where the CPU has one.
 
 Without the extension (no compiler at install) the same function runs a pure-Python path
 (:func:`xxh3_copy_python`) with identical results and errors. :data:`NATIVE` says which one
