@@ -87,6 +87,7 @@ from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
 from kvtier.transfer.movers import StoreMover
 from kvtier.transfer.plan_writes import TierWork
+from kvtier.transfer.store_now import StoreNow
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -169,6 +170,7 @@ class TransferEngine:
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)
         self._inline = InlineJobs(self, self._stores, self._loads, inline_max_bytes)
+        self._now = StoreNow(self, self._inline)
         self._deadlines = DeadlineWatch(self)
         targets = [
             (self._stores.run_device, "kvtier-store"),
@@ -202,6 +204,13 @@ class TransferEngine:
         ids = block_ids if checked else self.layout.check_block_ids(block_ids, len(plan.keys))
         rec = StoreRecord(next(self._ids), plan, tuple(ids), deadline=deadline_at(self.deadline_s), durable=durable)
         return self._submit(rec, inline)
+
+    def store_now(self, plan: StorePlan, block_ids: Sequence[int]) -> JobResult | None:
+        """Run a plain store on this thread now and return its result, as ``submit_store(...,
+        inline=True)`` then ``take`` would, with no job record (:mod:`kvtier.transfer.store_now`);
+        ``None``, having changed nothing, for any other job. ``block_ids``: checked, as for
+        ``checked=True``."""
+        return self._now.run(plan, block_ids)
 
     def submit_load(self, plan: LoadPlan, block_ids: Sequence[int], *, inline: bool = False, checked: bool = False) -> int:
         """Queue ``plan``; ``block_ids`` are the engine ids to fill (``n`` per key); ``inline``

@@ -99,8 +99,10 @@ class JobRuns:
                 break
             whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
             chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
-            job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
-            result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
+            result = transfers.store_now(plan, chosen)  # a plain job: run here, no job record
+            if result is None:
+                job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
+                result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
             if self._closed():  # closed while the job ran: nothing is left to apply it to
                 return stored, kept
             done = self.finish_store(plan, result)
