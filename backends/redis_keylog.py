@@ -56,7 +56,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from kvtier.backends.redis_wire import ErrorReply, Wire
-from kvtier.backends.remote_listing import Dropped
+from kvtier.backends.remote_listing import Dropped, Listed
 
 __all__ = [
     "DELETED", "KEYLOG_SUFFIX", "MAGIC", "STORED", "KeyLog", "KeyLogChanged", "LogBook", "LogState", "TierKeyLog", "command", "entries_of",
@@ -101,7 +101,7 @@ class TierKeyLog(Protocol):
 
     def append_commands(self, keys: Iterable[bytes], op: bytes = b"") -> tuple[bytes, int]: ...
     def appended(self, wire: Wire, count: int = 1) -> None: ...
-    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None: ...
+    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Listed | None]) -> Listed | None: ...
     def sweep_state(self) -> Any: ...
     def after_sweep(self, state: Any, found: Table) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -284,7 +284,7 @@ class KeyLog:
         self.book.appended(wire, count)
 
     # -- reading (a store's open) --------------------------------------------------------------
-    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None:
+    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Listed | None]) -> Listed | None:
         """The open's table of keys: ``listing`` (the tier's, which gathers batches into a table
         and filters it) given the log's batches where the log is trusted, else ``listing(None)``
         (``SCAN``), after which the log is rewritten from that listing."""

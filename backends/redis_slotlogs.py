@@ -80,6 +80,7 @@ from kvtier.backends.redis_keylog import (
 )
 from kvtier.backends.redis_scan import SCAN_COUNT, scan_block_keys
 from kvtier.backends.redis_wire import ErrorReply, Scratch, Wire
+from kvtier.backends.remote_listing import Listed
 
 from kvtier.errors import MissingDependencyError
 
@@ -258,7 +259,7 @@ class SlotLogs:
         self.book.appended(wire, count)
 
     # -- reading (a store's open) --------------------------------------------------------------
-    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Table | None]) -> Table | None:
+    def open_table(self, listing: Callable[[Callable[[], Iterable[list[bytes]]] | None], Listed | None]) -> Listed | None:
         """The open's table: ``listing`` given each primary's batches, from its logs where they
         are trusted, else from its ``SCAN`` (after which its logs are written again)."""
         if not self.enabled:

@@ -80,6 +80,7 @@ from kvtier.backends.redis_wire import (
     unlink_command,
 )
 from kvtier.backends.remote_health import Down, Health
+from kvtier.backends.remote_listing import Listed
 from kvtier.backends.remote_tier import (
     FEED_MAXLEN,
     KEY_BYTES,
@@ -452,10 +453,11 @@ class RedisBackend(RemoteRecordBackend):
         pattern = self._prefix_bytes + b"*"
         return self._nodes.each(lambda node: node.scan_iter(match=pattern, count=SCAN_COUNT))
 
-    def _open_table(self) -> dict[bytes, int] | None:
-        """The open's table: read from the key log where it is trusted, else listed with ``SCAN``
-        (and the log written again): :mod:`kvtier.backends.redis_keylog`."""
-        return self._keylog.open_table(self._listing)
+    def _open_table(self) -> Listed | None:
+        """The open's keys: read from the key log where it is trusted, else listed with ``SCAN``
+        (and the log written again): :mod:`kvtier.backends.redis_keylog`; as a list, a key maybe
+        more than once (:meth:`RemoteListing._listing`)."""
+        return self._keylog.open_table(partial(self._listing, as_list=True))
 
     def _sweep(self) -> AbstractSet[bytes] | None:
         """A ``SCAN`` sweep of the index; the key log rewritten from it when it grew over twice

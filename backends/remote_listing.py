@@ -23,10 +23,13 @@ The listing is a set (a server may list a key twice while its table grows); keys
 that failed to load as ours are left out until this tier writes them again, and a server that
 holds another store's meta record lists nothing. A store's open takes the listing as columns
 (:class:`kvtier.bulk.RecordColumns`): one object per record, its key; every record at the
-reserve size and stamped now (the server keeps no access time we could read in bulk). The keys
-are gathered into a dict batch by batch as the server lists them (which drops a key listed
-twice), and that dict is the table the manager's index copies whole: no pass over the keys is
-left once the last reply is in but a list of them (the eviction order's).
+reserve size and stamped now (the server keeps no access time we could read in bulk). The
+sweeps gather the keys into a dict batch by batch as the server lists them (which drops a key
+listed twice). A store's open gathers them into one list instead (``repeats``: a key log names a
+key at each write) and builds no dict on its listing thread: the tables a growing dict outgrows
+stayed free at the top of that thread's heap. The adopting thread drops the repeats
+(:meth:`RecordColumns.distinct`, which builds the table the manager's index copies whole), and
+the list becomes the eviction order's.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 import numpy as np
 from kvtier.backends.feed_follower import TierFollower
@@ -46,11 +49,14 @@ from kvtier.backends.remote_health import Health
 from kvtier.backend import RecordInfo
 from kvtier.bulk import READY, RecordColumns
 
-__all__ = ["KEY_BYTES", "Dropped", "RemoteListing", "SweepSkipped"]
+__all__ = ["KEY_BYTES", "Dropped", "Listed", "RemoteListing", "SweepSkipped"]
 
 log = logging.getLogger("kvtier")
 
 KEY_BYTES = 32
+#: What a listing gives: a dict of the keys (each mapped to ``READY``), or, for a store's open, a
+#: list of them in listing order that may name a key more than once.
+Listed = dict[bytes, int] | list[bytes]
 
 
 class Dropped(list):  # type: ignore[type-arg]
@@ -105,22 +111,40 @@ class RemoteListing:
         found = self._listing()
         return None if found is None else found.keys()
 
-    def _listing(self, batches_of: Callable[[], Iterable[Sequence[bytes]]] | None = None) -> dict[bytes, int] | None:
+    @overload
+    def _listing(self, batches_of: Callable[[], Iterable[Sequence[bytes]]] | None = None) -> dict[bytes, int] | None: ...
+
+    @overload
+    def _listing(self, batches_of: Callable[[], Iterable[Sequence[bytes]]] | None, *, as_list: Literal[True]) -> Listed | None: ...
+
+    def _listing(self, batches_of: Callable[[], Iterable[Sequence[bytes]]] | None = None, *, as_list: bool = False) -> Listed | None:
         """:meth:`_sweep`'s keys as a dict, each mapped to :data:`kvtier.bulk.READY` (what a
         store's open hands the manager whole, see :class:`RecordColumns`). The keys of a batch
         go in as it comes, so the dict is built while the server lists the next one.
         ``batches_of``: where the keys come from instead of the server's listing (the open's
-        :meth:`_open_table`, from a log the tier keeps)."""
+        :meth:`_open_table`, from a log the tier keeps).
+
+        ``as_list`` (a store's open): the keys in one list as they come, a key maybe more than
+        once, and no dict, unless a batch drops keys (a log's deletions are replayed in the dict,
+        from there on) or keys are to be left out. A dict built here grows by outgrowing tables,
+        and those below glibc's mmap threshold stay free at the top of this thread's heap, which
+        ``malloc_trim`` leaves (about 3 B a key at 10^5); the adopting thread drops the repeats
+        (:meth:`RecordColumns.distinct`), and the list itself becomes the eviction order's."""
         if self._closed or not self._health.allow():
             return None
         found: dict[bytes, int] = {}
+        keys: list[bytes] | None = [] if as_list else None
         try:
             batches = self._list_block_keys() if batches_of is None else batches_of()
             if batches is not None:  # the tier lists block keys itself, in bulk
                 for batch in batches:
                     if type(batch) is Dropped:
+                        if keys is not None:  # replayed in a dict from here on, as the sweeps do
+                            found, keys = dict.fromkeys(keys, READY), None
                         for key in batch:
                             found.pop(key, None)
+                    elif keys is not None:
+                        keys += batch
                     else:
                         found.update(zip(batch, repeat(READY)))
             elif type(self).block_key is RemoteListing.block_key:  # the key follows the prefix: one pass in C
@@ -129,6 +153,8 @@ class RemoteListing:
                 found.update((rkey[plen:], READY) for rkey in self._list_keys() if len(rkey) == want and rkey.startswith(prefix))
             else:
                 found.update((key, READY) for key in map(self.block_key, self._list_keys()) if key is not None)
+            if batches is None:  # listed into the dict above
+                keys = None
         except SweepSkipped as exc:  # back-pressure: the index stays as it is until the next round
             log.debug("%s: index sweep skipped: %s", self.name, exc)
             return None
@@ -139,13 +165,17 @@ class RemoteListing:
         self._health.succeeded()
         if self._foreign:
             return {}
+        if keys is not None:
+            if not self._unreadable:
+                return keys
+            found = dict.fromkeys(keys, READY)  # keys to leave out: a dict after all
         if self._unreadable:
             with self._unreadable_lock:
                 for key in self._unreadable:
                     found.pop(key, None)
         return found
 
-    def _open_table(self) -> dict[bytes, int] | None:
+    def _open_table(self) -> Listed | None:
         """The table a store's open adopts (:meth:`scan_columns`): the server's listing, or what
         a tier lists faster at open (the ``redis`` tier's key log,
         :mod:`kvtier.backends.redis_keylog`)."""
@@ -158,18 +188,20 @@ class RemoteListing:
 
     def scan_columns(self) -> RecordColumns:
         """The keys a store's open adopts (:meth:`_open_table`; none while the server is down),
-        as columns: each stamped now, at the reserve size (no object per record but its key)."""
+        as columns: each stamped now, at the reserve size (no object per record but its key); a
+        key may come more than once (``repeats``: ``distinct()`` keeps each once)."""
         return self._columns(self._open_table)
 
-    def _columns(self, listing: Callable[[], dict[bytes, int] | None]) -> RecordColumns:
+    def _columns(self, listing: Callable[[], Listed | None]) -> RecordColumns:
         self._check_open()
         started = time.perf_counter()
-        table = listing() or {}
-        keys = list(table)
+        listed = listing() or {}
+        # A list (a store's open): the keys as listed, maybe repeated, the adopter drops repeats.
+        keys, table = (listed, None) if type(listed) is list else (list(listed), listed)
         n = len(keys)
         if self.follower is not None:
             self.follower.note_listed(n, time.perf_counter() - started)
         # One size and one stamp for all, as read-only columns of a single element each: no
         # memory per record (arrays made on this thread would outlive the open in its arena).
         stored = np.broadcast_to(np.int64(self.reserve_bytes()), (n,))
-        return RecordColumns(keys, stored, np.broadcast_to(np.float64(time.time()), (n,)), oldest_first=True, table=table)
+        return RecordColumns(keys, stored, np.broadcast_to(np.float64(time.time()), (n,)), oldest_first=True, table=table, repeats=table is None)

@@ -63,19 +63,27 @@ class RecordColumns:
     ``table``, where the lister built one anyway (the ``redis`` tier gathers its ``SCAN`` replies
     into a dict, which drops the keys a server lists twice): the same keys, distinct, in the same
     order, each mapped to :data:`READY`. The manager's index then takes it in one C-level copy
-    instead of hashing every key into a table of its own after the listing."""
+    instead of hashing every key into a table of its own after the listing.
+
+    ``repeats``: the listing may name a key more than once (the ``redis`` tier's key log names a
+    key at each write; its listing thread gathers the keys into one list and builds no table,
+    whose outgrown tables would stay free on that thread's heap). :meth:`distinct` keeps each
+    key's first row, on the thread that adopts; the manager's adoption calls it."""
 
     keys: list[bytes]
     stored: np.ndarray
     stamps: np.ndarray
     oldest_first: bool = False
     table: dict[bytes, int] | None = None
+    repeats: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.keys) == len(self.stored) == len(self.stamps):
             raise ValueError(f"record columns of {len(self.keys)} keys, {len(self.stored)} sizes and {len(self.stamps)} stamps")
         if self.table is not None and len(self.table) != len(self.keys):
             raise ValueError(f"record columns of {len(self.keys)} keys and a table of {len(self.table)}")
+        if self.table is not None and self.repeats:
+            raise ValueError("record columns with a table name each key once: repeats must be false")
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -90,7 +98,22 @@ class RecordColumns:
         order = np.argsort(self.stamps, kind="stable")
         keys = self.keys
         # The table's order is the listing's: dropped, the adopter builds its own.
-        return RecordColumns([keys[i] for i in order.tolist()], self.stored[order], self.stamps[order], oldest_first=True)
+        return RecordColumns([keys[i] for i in order.tolist()], self.stored[order], self.stamps[order], oldest_first=True, repeats=self.repeats)
+
+    def distinct(self) -> RecordColumns:
+        """The records with each key's first row only, and their ``table``; ``self`` unless
+        ``repeats``. Where no key repeats, the key column is the same list."""
+        if not self.repeats:
+            return self
+        keys = self.keys
+        table = dict.fromkeys(keys, READY)
+        if len(table) == len(keys):
+            return RecordColumns(keys, self.stored, self.stamps, self.oldest_first, table=table)
+        first: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        rows = np.fromiter(first.values(), dtype=np.intp, count=len(first))
+        return RecordColumns(list(first), self.stored[rows], self.stamps[rows], self.oldest_first, table=dict.fromkeys(first, READY))
 
 
 def unpooled(n: int, dtype: str | np.dtype) -> np.ndarray:

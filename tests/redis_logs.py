@@ -24,9 +24,9 @@ def open_tier(namespace: bytes, url: str, **options: Any) -> Any:
 
 
 def reopen_tier(namespace: bytes, url: str, **options: Any) -> tuple[Any, list[bytes], dict[str, Any]]:
-    """Another tier on the same namespace, the keys its open listed and its log's counters."""
+    """Another tier on the same namespace, the keys its open adopts (each once) and its log's counters."""
     backend = open_redis_tier(namespace, BLOCK, url=url, **options)
-    keys = backend.scan_columns().keys
+    keys = backend.scan_columns().distinct().keys
     return backend, keys, backend.stats()["key_log"]
 
 

@@ -1,13 +1,16 @@
-"""``kvtier.bulk.paused_gc``: the collector is off inside, back as it was after, nesting across threads."""
+"""``kvtier.bulk``: ``paused_gc`` (the collector is off inside, back as it was after, nesting across
+threads) and ``RecordColumns.distinct`` (each key's first row, as a dict of the rows keeps them)."""
 
 from __future__ import annotations
 
 import gc
 import threading
 
+import numpy as np
 import pytest
 
-from kvtier.bulk import paused_gc
+from kvtier.bulk import READY, RecordColumns, paused_gc
+from kvtier.testing import make_key
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +62,22 @@ def test_pauses_in_two_threads_end_when_the_last_one_ends() -> None:
     release.set()
     thread.join(10)
     assert gc.isenabled()
+
+
+def test_distinct_keeps_each_keys_first_row_as_a_dict_of_the_rows_would() -> None:
+    keys = [make_key(i % 7) for i in (0, 1, 2, 1, 3, 0, 4, 5, 6, 2)]
+    stored, stamps = np.arange(10, dtype=np.int64) + 100, np.arange(10.0) * 2
+    columns = RecordColumns(list(keys), stored, stamps, repeats=True)
+    first: dict[bytes, tuple[int, float]] = {}
+    for key, size, stamp in zip(keys, stored.tolist(), stamps.tolist()):
+        first.setdefault(key, (size, stamp))
+    kept = columns.distinct()
+    assert not kept.repeats and kept.table == dict.fromkeys(first, READY)
+    assert list(kept) == [(key, size, stamp) for key, (size, stamp) in first.items()]
+    three = keys[:3]
+    once = RecordColumns(three, stored[:3], stamps[:3], repeats=True).distinct()
+    assert once.keys is three and list(once.table or {}) == keys[:3]  # no repeat: the same list
+    plain = RecordColumns(keys, stored, stamps)
+    assert plain.distinct() is plain
+    with pytest.raises(ValueError, match="repeats must be false"):
+        RecordColumns(keys[:3], stored[:3], stamps[:3], table=dict.fromkeys(keys[:3], READY), repeats=True)

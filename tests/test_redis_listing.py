@@ -282,10 +282,14 @@ def test_a_clusters_primaries_are_listed_at_once(redis_cluster: RedisClusterServ
 
 # -- the open's table: the listing's dict is the index's ------------------------------------------
 
-def test_the_open_hands_the_manager_the_listings_table(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``scan_columns`` gathers the keys into a dict as the replies come (a key the server lists
-    twice is kept once, where first listed) and hands it over as the columns' ``table``: the same
-    keys, in the column's order, each mapped to ``READY``."""
+@pytest.mark.parametrize("source", ["key log", "scan"])
+def test_the_open_hands_the_manager_its_keys_as_listed(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """A store's open gathers the keys into one list as they come, and builds no dict on the
+    listing thread (a key written or listed twice comes twice); ``distinct()``, on the adopting
+    thread, keeps each key once, where first listed, with its table: the keys, order and table
+    of the dict the listing builds for the sweeps (and built for the open before)."""
+    from kvtier.backends.redis_keylog import KeyLog
+
     from kvtier.bulk import READY
 
     monkeypatch.setattr(redis_tier, "SCAN_COUNT", 7)
@@ -296,18 +300,55 @@ def test_the_open_hands_the_manager_the_listings_table(redis_server: RedisServer
             yield batch
             yield batch[::-1]
 
-    backend = _open(b"redis-listing-table", redis_server.url)
+    backend = _open(b"redis-listing-open-" + source.encode()[:4], redis_server.url)
     try:
         keys = [make_key(i) for i in range(120)] + ODD_KEYS
         _write(backend, keys)
-        plain = backend.scan_columns()
+        _write(backend, keys[:5])  # written again: the key log names them twice
         monkeypatch.setattr(redis_tier, "scan_block_keys", twice)
+        if source == "scan":
+            monkeypatch.setattr(KeyLog, "enabled", property(lambda self: False))
         columns = backend.scan_columns()
-        for listed in (plain, columns):
-            assert listed.table is not None and list(listed.table) == listed.keys
-            assert sorted(listed.keys) == sorted(keys) and set(listed.table.values()) == {READY}
-        assert columns.keys == plain.keys  # first listed, first kept
+        assert columns.table is None and columns.repeats and len(columns) > len(keys)
+        kept = columns.distinct()
+        assert kept.table is not None and list(kept.table) == kept.keys and set(kept.table.values()) == {READY}
+        assert sorted(kept.keys) == sorted(keys) and kept.keys == list(dict.fromkeys(columns.keys))
         assert backend._sweep() == set(keys)
+    finally:
+        _close(backend)
+
+
+def test_the_opens_list_equals_the_listings_dict(redis_server: RedisServer) -> None:
+    """The same batches gathered as the open's list (``as_list``) and as the sweeps' dict give
+    the same keys in the same order once the repeats are dropped; a batch of deletions (a key
+    log's) turns the list into the dict, replayed in order; keys to leave out (records that
+    failed to load as ours) are left out of both."""
+    from kvtier.backends.remote_listing import Dropped
+
+    from kvtier.bulk import RecordColumns
+
+    backend = _open(b"redis-listing-same", redis_server.url)
+    try:
+        k = [make_key(1000 + i) for i in range(40)]
+        plain = [k[:10], k[5:20], k[:3], k[20:40]]
+        dropping = [k[:10], Dropped(k[2:6]), k[4:12], k[30:40]]
+
+        def columns(listed: Any) -> Any:
+            keys = listed if type(listed) is list else list(listed)
+            one = torch.zeros(len(keys), dtype=torch.int64).numpy()
+            return RecordColumns(keys, one, one.astype("f8"), oldest_first=True, repeats=type(listed) is list).distinct()
+
+        for batches in (plain, dropping):
+            as_list = backend._listing(lambda b=batches: iter(b), as_list=True)
+            as_dict = backend._listing(lambda b=batches: iter(b))
+            assert as_dict is not None and as_list is not None
+            assert (type(as_list) is list) == (batches is plain)
+            assert columns(as_list).keys == list(as_dict)
+        assert list(backend._listing(lambda: iter(dropping))) == k[:2] + k[6:10] + k[4:6] + k[10:12] + k[30:40]
+        with backend._unreadable_lock:
+            backend._unreadable[k[7]] = None
+        as_list = backend._listing(lambda: iter(plain), as_list=True)
+        assert type(as_list) is dict and k[7] not in as_list and list(as_list) == [x for x in dict.fromkeys(k) if x != k[7]]
     finally:
         _close(backend)
 
@@ -326,15 +367,19 @@ def test_adopting_a_table_equals_adopting_the_keys(capacity: int) -> None:
         TierManager([TierSpec("r", capacity_bytes=capacity * BLOCK, block_reserve=BLOCK, policy=LRUPolicy(), persistent=True)])
         for _ in range(2)
     ]
+    managers.append(TierManager([TierSpec("r", capacity_bytes=capacity * BLOCK, block_reserve=BLOCK, policy=LRUPolicy(), persistent=True)]))
+    repeated = keys + keys[3:20:2]  # a listing that names some keys twice (a key log)
+    n = len(repeated)
     excess = [
         managers[0].adopt(0, RecordColumns(list(keys), stored, stamps, oldest_first=True)),
         managers[1].adopt(0, RecordColumns(list(keys), stored, stamps, oldest_first=True, table=dict.fromkeys(keys, READY))),
+        managers[2].adopt(0, RecordColumns(repeated, stored[:1].repeat(n), stamps[:1].repeat(n), oldest_first=True, repeats=True)),
     ]
-    assert excess[0] == excess[1] and len(excess[0]) == max(0, 120 - capacity)
+    assert excess[0] == excess[1] == excess[2] and len(excess[0]) == max(0, 120 - capacity)
     states = [m._tiers[0] for m in managers]
-    assert list(states[0].index.items()) == list(states[1].index.items())
-    assert managers[0].tier_keys(0) == managers[1].tier_keys(0)
-    assert managers[0].stats()["tiers"] == managers[1].stats()["tiers"]
+    assert list(states[0].index.items()) == list(states[1].index.items()) == list(states[2].index.items())
+    assert managers[0].tier_keys(0) == managers[1].tier_keys(0) == managers[2].tier_keys(0)
+    assert managers[0].stats()["tiers"] == managers[1].stats()["tiers"] == managers[2].stats()["tiers"]
     assert managers[1].lookup(keys[-5:]) == 5
     with pytest.raises(ValueError, match="120 keys and a table of 119"):
         RecordColumns(list(keys), stored, stamps, table=dict.fromkeys(keys[1:], READY))

@@ -120,7 +120,7 @@ def adopt_records(t: TierState, records: Iterable[Record]) -> list[bytes]:
     those beyond the capacity (the oldest) or already present are returned, not adopted."""
     ordered: Sequence[tuple[bytes, int, float]] | RecordColumns
     if isinstance(records, RecordColumns):  # a tier's listing as columns: no tuple per record
-        ordered = records.sorted()
+        ordered = records.sorted().distinct()
         bulk = _adopt_columns(t, ordered)
         if bulk is not None:
             return bulk
