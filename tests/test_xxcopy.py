@@ -47,8 +47,12 @@ def test_a_compiler_means_the_extension_is_built():
     if shutil.which(cc) is None or not os.path.exists(header):
         pytest.skip(f"NO C COMPILER ({cc}) OR NO Python.h: kvtier.records._xxcopy NOT BUILT, the Python path runs")
     assert xxcopy.NATIVE, "kvtier.records._xxcopy did not build although a C compiler exists (reinstall: pip install -e .)"
-    assert xxcopy.PATH in _xxcopy.paths()
     assert xxcopy.xxh3_copy_native is _xxcopy.xxh3_64_copy
+    # The default takes the native function where it has a vector path, else the Python one.
+    vector = _xxcopy.path != "scalar"
+    assert xxcopy.PATH == (_xxcopy.path if vector else "python")
+    assert (xxcopy.xxh3_copy is _xxcopy.xxh3_64_copy) == vector == xxcopy.fused()
+    assert (xxcopy.xxh3_joined is _xxcopy.xxh3_64_joined) == vector
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -164,3 +168,20 @@ def test_joined_refuses_bad_arguments_by_name(path):
         fn(b"h", "k", b"s")
     with pytest.raises(ValueError, match="src: expected a contiguous buffer"):
         fn(b"h", b"k", np.zeros(64, dtype=np.uint8)[::2])
+
+
+@pytest.mark.skipif(not xxcopy.NATIVE, reason="the native extension is not built")
+def test_a_cpu_without_a_vector_path_takes_the_python_path(monkeypatch):
+    """The portable scalar path ran slower than the Python one (xxhash's vector code): where it
+    is all the extension has, the default functions are the Python ones."""
+    import importlib
+
+    try:
+        monkeypatch.setattr(_xxcopy, "path", "scalar")
+        importlib.reload(xxcopy)
+        assert xxcopy.NATIVE and xxcopy.PATH == "python" and not xxcopy.fused()
+        assert xxcopy.xxh3_copy is xxcopy.xxh3_copy_python and xxcopy.xxh3_joined is xxcopy.xxh3_joined_python
+    finally:
+        monkeypatch.undo()
+        importlib.reload(xxcopy)
+    assert xxcopy.xxh3_copy is (_xxcopy.xxh3_64_copy if _xxcopy.path != "scalar" else xxcopy.xxh3_copy_python)
