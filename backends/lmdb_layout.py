@@ -316,9 +316,9 @@ class JobReader:
         rows: Sequence[memoryview] | None = None,
     ) -> ReadOutcome:
         """:meth:`read` for a warm job of raw records, in one pass on this thread: per key, a
-        lookup, the head compared with what a raw record of this store holds, the value copied
-        into the row, and the row's checksum (or, keyed, its MAC) while it is in the CPU's
-        cache. An unkeyed job whose rows are host memory goes through the tight pass of
+        lookup, the head compared with what a raw record of this store holds, then the value
+        copied into the row and its checksum taken in the same pass (:mod:`kvtier.records.xxcopy`),
+        or, keyed, the row's MAC while it is in the CPU's cache. An unkeyed job whose rows are host memory goes through the tight pass of
         :class:`~kvtier.backends.lmdb_plain.PlainReads` first (a 4 KiB record: 4-6 µs, against
         about 16 µs for the loop below and 3-5 µs for a raw get and copy into a tensor).
 

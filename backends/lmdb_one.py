@@ -129,8 +129,8 @@ class StraightRead:
     store used after a fork, a slow lookup with keys after it) returns ``None`` before a
     counter moved, and the caller reads the whole job by the general path, whose outcome,
     errors, deletions and counters are then the job's. A record read by either is checked
-    alike: its head's 24 checked bytes compared with the store's, the payload copied into the
-    row, and one XXH3 over the key and the row."""
+    alike: its head's 24 checked bytes compared with the store's, then the payload copied into
+    the row and its XXH3 (head, key, payload) taken in the same pass (:mod:`kvtier.records.xxcopy`)."""
 
     __slots__ = ("counters", "forks", "guard", "one_parts", "parts", "shape", "temperature", "views")
 

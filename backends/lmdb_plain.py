@@ -30,6 +30,7 @@ from typing import Any
 
 import lmdb
 import torch
+from kvtier.backends import lmdb_entries
 from kvtier.backends.lmdb_entries import JOINED
 
 from kvtier import devices
@@ -216,12 +217,20 @@ class PlainReads:
             return i, exc, None, None
         return None
 
-    def records(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[tuple[bytes, bytes, memoryview]]:
+    def records(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[tuple[bytes, bytes, Any]]:
         """``(key, head, payload)`` of each block (``views``: its bytes, as :func:`host_rows`
         gives them) as a plain record: the bytes ``encode_record`` makes for a block that is not
         compressed and not keyed, by the same state as :meth:`read` (one XXH3 over the key and
-        the block per record, continued from the store's 24 head bytes)."""
+        the block per record, continued from the store's 24 head bytes).
+
+        A record put joined (at most ``JOIN_MAX`` bytes) is ``(key, b"", record)``: the whole
+        record in one ``bytes``, the block copied into it in its checksum's pass
+        (:func:`kvtier.records.xxcopy.xxh3_joined`), where the put would else copy head and
+        block together after the hash had read the block."""
         head, prefix, pack = self.head, self.prefix, _SUM.pack
+        if HEADER.size + self.size <= lmdb_entries.JOIN_MAX:
+            joined = xxcopy.xxh3_joined
+            return [(key, b"", joined(head, key, view)) for key, view in zip(keys, views)]
         job = []
         for key, view in zip(keys, views):
             h = prefix.copy()

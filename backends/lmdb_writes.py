@@ -65,7 +65,9 @@ _EPOCH_KEY = b"kvtier-epoch"
 MAP_AFTER_BYTES = 256 << 10
 MAP_BELOW_BYTES = 4 << 20
 _PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
-Record = tuple[bytes, bytes, Any]  # key, head, payload
+#: key, head, payload; a joined record may come whole: head ``b""``, the record as its payload
+#: (``PlainReads.records``), put as it is.
+Record = tuple[bytes, bytes, Any]
 
 
 class LmdbWrites(PersistentRecordBackend):
@@ -196,7 +198,7 @@ class LmdbWrites(PersistentRecordBackend):
                         stored = pages(length)
                         entry = b""
                     if length <= join_max:
-                        put(key, head + payload, db=blocks)
+                        put(key, head + payload if head else payload, db=blocks)
                         if indexed:
                             delete(key, db=index)
                     else:
@@ -249,7 +251,7 @@ class LmdbWrites(PersistentRecordBackend):
     def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
         with env.begin(write=True) as txn:
             if len(head) + len(payload) <= lmdb_entries.JOIN_MAX:
-                txn.put(key, head + payload, db=self._blocks)
+                txn.put(key, head + payload if head else payload, db=self._blocks)
                 txn.delete(key, db=self._index)
             else:
                 txn.put(key, payload, db=self._blocks)

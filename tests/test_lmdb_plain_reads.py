@@ -384,7 +384,7 @@ def test_a_way_judged_by_a_slow_first_job_is_taken_again_after_one_probe() -> No
     assert picks.count(1) <= 2  # and way 1 is only probed from then on
 
 
-@pytest.mark.parametrize("native", [False, *([True] if xxcopy.NATIVE else [])])
+@pytest.mark.parametrize("native", [False, *([True] if xxcopy.fused() else [])])
 @pytest.mark.parametrize("spare", [False, True])
 def test_a_large_plain_job_is_read_in_one_pass_as_the_general_read_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool, native: bool

@@ -54,7 +54,7 @@ def side_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-NATIVE = [False, *([True] if xxcopy.NATIVE else [])]
+NATIVE = [False, *([True] if xxcopy.fused() else [])]
 
 
 @pytest.fixture(params=NATIVE, ids=lambda native: "native" if native else "python")

@@ -47,8 +47,12 @@ def test_a_compiler_means_the_extension_is_built():
     if shutil.which(cc) is None or not os.path.exists(header):
         pytest.skip(f"NO C COMPILER ({cc}) OR NO Python.h: kvtier.records._xxcopy NOT BUILT, the Python path runs")
     assert xxcopy.NATIVE, "kvtier.records._xxcopy did not build although a C compiler exists (reinstall: pip install -e .)"
-    assert xxcopy.PATH in _xxcopy.paths()
     assert xxcopy.xxh3_copy_native is _xxcopy.xxh3_64_copy
+    # The default takes the native function where it has a vector path, else the Python one.
+    vector = _xxcopy.path != "scalar"
+    assert xxcopy.PATH == (_xxcopy.path if vector else "python")
+    assert (xxcopy.xxh3_copy is _xxcopy.xxh3_64_copy) == vector == xxcopy.fused()
+    assert (xxcopy.xxh3_joined is _xxcopy.xxh3_64_joined) == vector
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -131,3 +135,53 @@ def test_the_default_function_takes_the_best_path():
     dst = bytearray(len(src))
     assert xxcopy.xxh3_copy(b"k" * 56, src, dst) == xxhash.xxh3_64(b"k" * 56 + src).intdigest()
     assert dst == src
+
+
+def _joined(path: str):
+    if path == "python":
+        return xxcopy.xxh3_joined_python
+    assert path == "native"
+    return _xxcopy.xxh3_64_joined
+
+
+JOINED_PATHS = ["python", *(["native"] if xxcopy.NATIVE else [])]
+
+
+@pytest.mark.parametrize("path", JOINED_PATHS)
+def test_joined_is_head_checksum_then_payload(path):
+    """``xxh3_joined(head, key, src)``: a whole raw record, its checksum over head, key and
+    payload, for every length class (the checksum is xxhash's, little-endian)."""
+    fn = _joined(path)
+    for n in [*range(0, 300), 1023, 1024, 1025, 4096, 65536, 65537, (1 << 20) + 3]:
+        head, key, src = DATA[:24], DATA[100:132], memoryview(DATA)[500 : 500 + n]
+        got = fn(head, key, src)
+        assert type(got) is bytes
+        assert got == head + xxhash.xxh3_64(head + key + bytes(src)).intdigest().to_bytes(8, "little") + bytes(src), n
+
+
+@pytest.mark.parametrize("path", JOINED_PATHS)
+def test_joined_refuses_bad_arguments_by_name(path):
+    fn = _joined(path)
+    with pytest.raises(TypeError, match="src: expected a bytes-like object"):
+        fn(b"h", b"k", 7)
+    with pytest.raises(TypeError, match="key: expected a bytes-like object"):
+        fn(b"h", "k", b"s")
+    with pytest.raises(ValueError, match="src: expected a contiguous buffer"):
+        fn(b"h", b"k", np.zeros(64, dtype=np.uint8)[::2])
+
+
+@pytest.mark.skipif(not xxcopy.NATIVE, reason="the native extension is not built")
+def test_a_cpu_without_a_vector_path_takes_the_python_path(monkeypatch):
+    """The portable scalar path ran slower than the Python one (xxhash's vector code): where it
+    is all the extension has, the default functions are the Python ones."""
+    import importlib
+
+    try:
+        monkeypatch.setattr(_xxcopy, "path", "scalar")
+        importlib.reload(xxcopy)
+        assert xxcopy.NATIVE and xxcopy.PATH == "python" and not xxcopy.fused()
+        assert xxcopy.xxh3_copy is xxcopy.xxh3_copy_python and xxcopy.xxh3_joined is xxcopy.xxh3_joined_python
+    finally:
+        monkeypatch.undo()
+        importlib.reload(xxcopy)
+    assert xxcopy.xxh3_copy is (_xxcopy.xxh3_64_copy if _xxcopy.path != "scalar" else xxcopy.xxh3_copy_python)

@@ -112,3 +112,55 @@ def test_lmdb_loads_give_the_same_outcome_on_either_path(
         assert torch.equal(out[i], data[i]), i
     assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
     assert sum(n == FMT.block_bytes for n in calls) >= 3  # 0, 4, 7: raw and sound, through the one pass
+
+
+@pytest.fixture(params=PATHS)
+def joined_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``xxcopy.xxh3_joined`` on one path, counting the payload bytes it is given."""
+    fn = xxcopy.xxh3_joined_python if request.param == "python" else xxcopy.xxh3_joined_native
+    seen: list[int] = []
+
+    def counting(head: Any, key: Any, src: Any) -> bytes:
+        seen.append(memoryview(src).nbytes)
+        return fn(head, key, src)  # type: ignore[misc]
+
+    monkeypatch.setattr(xxcopy, "xxh3_joined", counting)
+    return seen
+
+
+def test_lmdb_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, joined_calls: list[int]) -> None:
+    """A plain job of joined records is built whole, the block copied in its checksum's pass:
+    the stored values are byte for byte ``encode_record``'s head and payload, they read back,
+    and a flipped payload bit is a counted corrupt record."""
+    import lmdb
+
+    keys = [make_key(i) for i in range(5)]
+    data = [random_block(FMT.block_bytes, 60 + i) for i in range(5)]
+    backend = _lmdb(tmp_path)
+    try:
+        assert all(s is not None for s in backend.write_blocks(keys, data))
+    finally:
+        asyncio.run(backend.aclose())
+    assert joined_calls == [FMT.block_bytes] * 5
+    env = lmdb.open(str(tmp_path), max_dbs=8, readonly=False, lock=True)
+    try:
+        blocks = env.open_db(b"blocks")
+        with env.begin(write=True) as txn:
+            for key, block in zip(keys, data):
+                head, payload = encode_record(key, memoryview(block.numpy()), NoneCodec(), 1)
+                assert txn.get(key, db=blocks) == head + bytes(payload)
+            value = bytearray(txn.get(keys[3], db=blocks))
+            value[-7] ^= 0x02
+            txn.put(keys[3], bytes(value), db=blocks)
+    finally:
+        env.close()
+    backend = _lmdb(tmp_path)
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        stats = backend.stats()
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [True, True, True, False, True]
+    assert all(torch.equal(out[i], data[i]) for i in (0, 1, 2, 4))
+    assert stats["corrupt_records"] == 1

@@ -7,22 +7,37 @@ and hashes it; saving one copies the block into the record and hashes it. Done a
 read twice. :func:`xxh3_copy` does both in one pass: the native extension
 (``kvtier/records/_xxcopy.c``, built at install where a C compiler exists) loads each 64-byte
 stripe once, stores it to the destination and feeds it to the XXH3 accumulators from the same
-registers, without the GIL, on an AVX2 path where the CPU has one.
+registers, without the GIL (from 16 KiB), on an AVX2 path where the CPU has one.
 
 Without the extension (no compiler at install) the same function runs a pure-Python path
-(:func:`xxh3_copy_python`) with identical results and errors. :data:`NATIVE` says which one
-this process uses.
+(:func:`xxh3_copy_python`) with identical results and errors; so does a CPU without AVX2,
+where the extension's portable scalar path ran slower than the Python one (``xxhash``'s own
+vector code, 64 KiB pieces): 0.35-0.53 of a copy against 0.46-0.71 from 64 KiB to 2 MiB
+(``benchmarks/bench_xxcopy.py --paths``). :data:`NATIVE` says whether the extension is
+loaded, :data:`PATH` which path this process takes.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import xxhash
 
-__all__ = ["CHUNK", "NATIVE", "PATH", "fused", "xxh3_copy", "xxh3_copy_native", "xxh3_copy_python"]
+__all__ = [
+    "CHUNK",
+    "NATIVE",
+    "PATH",
+    "fused",
+    "xxh3_copy",
+    "xxh3_copy_native",
+    "xxh3_copy_python",
+    "xxh3_joined",
+    "xxh3_joined_native",
+    "xxh3_joined_python",
+]
 
 try:
     from kvtier.records import _xxcopy  # type: ignore[attr-defined]
@@ -31,11 +46,14 @@ except ImportError:  # built without a C compiler: the Python path below
 
 #: The Python path copies and hashes this many bytes at a time (each piece hashed while in cache).
 CHUNK = 64 << 10
+_SUM = struct.Struct("<Q")
 
-#: Whether the native extension is loaded (else every call takes :func:`xxh3_copy_python`).
+#: Whether the native extension is loaded.
 NATIVE: bool = _xxcopy is not None
-#: The native path this CPU runs (``"avx2"``, ``"scalar"``), or ``"python"``.
-PATH: str = _xxcopy.path if _xxcopy is not None else "python"
+#: Whether the default functions take the native one: built, and with a vector path here.
+_VECTOR = _xxcopy is not None and _xxcopy.path != "scalar"
+#: The path :data:`xxh3_copy` takes: the native one (``"avx2"``), or ``"python"``.
+PATH: str = _xxcopy.path if _VECTOR else "python"
 
 
 def _readable(obj: Any, what: str) -> memoryview:
@@ -83,10 +101,30 @@ xxh3_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_copy if _xxcopy is
 #: ``xxh3_copy(prefix, src, dst=None) -> int``: ``xxhash.xxh3_64(prefix + src).intdigest()``,
 #: copying ``src`` into ``dst`` on the way when given (writable, contiguous, the same size, not
 #: overlapping ``src``: a :class:`TypeError` or :class:`ValueError` naming the argument
-#: otherwise), for inputs of any length. The native function where built, else
-#: :func:`xxh3_copy_python`. Callers look it up here at each use (``xxcopy.xxh3_copy``), so a
+#: otherwise), for inputs of any length. The native function where built with a vector path
+#: (:data:`PATH`), else :func:`xxh3_copy_python`. Callers look it up here at each use (``xxcopy.xxh3_copy``), so a
 #: test can put either path in its place.
-xxh3_copy: Callable[..., int] = xxh3_copy_native if xxh3_copy_native is not None else xxh3_copy_python
+xxh3_copy: Callable[..., int] = xxh3_copy_native if _VECTOR and xxh3_copy_native is not None else xxh3_copy_python
+
+
+def xxh3_joined_python(head: Any, key: Any, src: Any) -> bytes:
+    """:func:`xxh3_joined` in Python: the same bytes."""
+    h = xxhash.xxh3_64(_readable(head, "head"))
+    h.update(_readable(key, "key"))
+    source = _readable(src, "src")
+    h.update(source)
+    return bytes(head) + _SUM.pack(h.intdigest()) + source
+
+
+#: The native function (``None`` without the extension).
+xxh3_joined_native: Callable[..., bytes] | None = _xxcopy.xxh3_64_joined if _xxcopy is not None else None
+
+#: ``xxh3_joined(head, key, src) -> bytes``: ``head``, then the XXH3-64 of ``head + key + src``
+#: (8 bytes, little-endian), then ``src``, as one new ``bytes``: a whole raw record (its checked
+#: header bytes, its checksum, its payload) built with the payload copied in the checksum's pass.
+#: The native function where :data:`xxh3_copy` is native, else :func:`xxh3_joined_python`;
+#: looked up here at each use.
+xxh3_joined: Callable[..., bytes] = xxh3_joined_native if _VECTOR and xxh3_joined_native is not None else xxh3_joined_python
 
 
 def fused() -> bool:

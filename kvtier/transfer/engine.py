@@ -83,11 +83,11 @@ from kvtier.transfer.jobs import (
     deadline_at,
     failed_result,
 )
+from kvtier.transfer.jobs_now import JobsNow
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.load_mover import LoadMover
 from kvtier.transfer.movers import StoreMover
 from kvtier.transfer.plan_writes import TierWork
-from kvtier.transfer.store_now import StoreNow
 
 __all__ = ["TransferEngine", "JobResult"]
 
@@ -170,7 +170,7 @@ class TransferEngine:
         self._stores = StoreMover(self)
         self._loads = LoadMover(self)
         self._inline = InlineJobs(self, self._stores, self._loads, inline_max_bytes)
-        self._now = StoreNow(self, self._inline)
+        self._now = JobsNow(self, self._inline)
         self._deadlines = DeadlineWatch(self)
         targets = [
             (self._stores.run_device, "kvtier-store"),
@@ -206,11 +206,14 @@ class TransferEngine:
         return self._submit(rec, inline)
 
     def store_now(self, plan: StorePlan, block_ids: Sequence[int]) -> JobResult | None:
-        """Run a plain store on this thread now and return its result, as ``submit_store(...,
-        inline=True)`` then ``take`` would, with no job record (:mod:`kvtier.transfer.store_now`);
-        ``None``, having changed nothing, for any other job. ``block_ids``: checked, as for
-        ``checked=True``."""
-        return self._now.run(plan, block_ids)
+        """A plain store run here and now, as ``submit_store(..., inline=True, checked=True)``
+        then ``take`` would, with no job record; ``None``, having changed nothing, for any other
+        job (:mod:`kvtier.transfer.jobs_now`)."""
+        return self._now.store(plan, block_ids)
+
+    def load_now(self, plan: LoadPlan, block_ids: Sequence[int]) -> JobResult | None:
+        """:meth:`store_now` for a plain load."""
+        return self._now.load(plan, block_ids)
 
     def submit_load(self, plan: LoadPlan, block_ids: Sequence[int], *, inline: bool = False, checked: bool = False) -> int:
         """Queue ``plan``; ``block_ids`` are the engine ids to fill (``n`` per key); ``inline``

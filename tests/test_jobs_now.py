@@ -1,7 +1,8 @@
-"""A plain store run at once with no job record (:mod:`kvtier.transfer.store_now`) against the
-usual inline submit and ``take``: the same results, counters, tier contents and engine state,
-for plain stores (with evictions), a failed copy, and the jobs it leaves to the usual path
-(having changed nothing); and ``KVStore.save`` / ``load`` with it on and off."""
+"""A plain store or load run at once with no job record (:mod:`kvtier.transfer.jobs_now`)
+against the usual inline submit and ``take``: the same results, counters, tier contents, engine
+blocks and engine state, for plain stores (with evictions) and loads, a failed copy, and the jobs
+it leaves to the usual path (having changed nothing); and ``KVStore.save`` / ``load`` with it on
+and off."""
 
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ class Rig:
         self.manager.complete_store(res.keys, res.error is None, sizes=res.sizes)
         return res
 
+    def load(self, keys: list[bytes], ids: list[int]) -> JobResult:
+        plan = self.manager.prepare_load(keys)
+        res = self.engine.load_now(plan, ids) if self.now else None
+        if res is None:
+            job = self.engine.submit_load(plan, ids, inline=True, checked=True)
+            res = self.engine.take(job)
+            assert res is not None  # it ran inline
+        else:
+            self.ran_now += 1
+        self.manager.complete_load(plan.keys)
+        return res
+
+    def blocks(self) -> list[torch.Tensor]:
+        return [record_of(self.layout, b) for b in range(self.layout.num_engine_blocks)]
+
     def tier(self) -> dict[bytes, torch.Tensor]:
         keys = self.backend.stored_keys()
         return {k: self.backend.pool[s].clone() for k, s in zip(keys, self.backend.slots(keys))}
@@ -79,7 +95,7 @@ def rigs() -> Iterator[tuple[Rig, Rig]]:
         rig.engine.close()
 
 
-def test_plain_stores_that_evict_match_the_inline_submit(rigs: tuple[Rig, Rig]) -> None:
+def test_plain_stores_that_evict_and_plain_loads_match_the_inline_submit(rigs: tuple[Rig, Rig]) -> None:
     now, usual = rigs
     for rig in rigs:
         rig.results = [  # type: ignore[attr-defined]
@@ -87,16 +103,20 @@ def test_plain_stores_that_evict_match_the_inline_submit(rigs: tuple[Rig, Rig]) 
             rig.store(K[4:8], [1, 2, 4, 6]),
             rig.store(K[8:12], [7, 8, 10, 11]),  # the tier is full: this one evicts K[0:4]
             rig.store(K[12:13], [12]),
+            rig.load(K[8:12], [12, 13, 14, 15]),
+            rig.load(K[5:7], [0, 3]),
         ]
     for a, b in zip(now.results, usual.results):  # type: ignore[attr-defined]
         assert a.error is None and same(a, b)  # the job ids too: one per job, in order
-    assert now.ran_now == 4 and usual.ran_now == 0
-    assert now.engine.counters == usual.engine.counters and now.engine.counters["inline_jobs"] == 4
+    assert now.ran_now == 6 and usual.ran_now == 0
+    assert now.engine.counters == usual.engine.counters and now.engine.counters["inline_jobs"] == 6
     tier_a, tier_b = now.tier(), usual.tier()
     assert list(tier_a) == list(tier_b) and set(tier_a) == set(K[5:13])  # K[0:4], then K[4] evicted
     assert all(torch.equal(tier_a[k], tier_b[k]) for k in tier_a)
-    for key, block in zip(K[8:13], (7, 8, 10, 11, 12)):  # the bytes of the blocks it read
-        assert torch.equal(tier_a[key], record_of(now.layout, block))
+    assert all(torch.equal(x, y) for x, y in zip(now.blocks(), usual.blocks()))
+    blocks = now.blocks()
+    for b, key in zip((12, 13, 14, 15, 0, 3), (*K[8:12], K[5], K[6])):  # the loads wrote the saved bytes
+        assert torch.equal(blocks[b], tier_a[key])
     assert now.idle() and usual.idle()
     assert now.manager.lookup(K[5:13]) == usual.manager.lookup(K[5:13]) == 8
 
@@ -105,12 +125,14 @@ def test_a_failed_copy_is_reported_and_undone_as_by_the_inline_submit(rigs: tupl
     for rig in rigs:
         rig.store(K[0:2], [0, 1])
         monkeypatch.setattr(rig.layout, "gather", _raises)
-        rig.failed = rig.store(K[2:4], [2, 3])  # type: ignore[attr-defined]
+        monkeypatch.setattr(rig.layout, "scatter", _raises)
+        rig.failed = [rig.store(K[2:4], [2, 3]), rig.load(K[0:2], [5, 6])]  # type: ignore[attr-defined]
     now, usual = rigs
-    assert now.ran_now == 2
-    assert now.failed.error is not None and "copy broke" in now.failed.error and same(now.failed, usual.failed)  # type: ignore[attr-defined]
+    assert now.ran_now == 3
+    for a, b in zip(now.failed, usual.failed):  # type: ignore[attr-defined]
+        assert a.error is not None and "copy broke" in a.error and same(a, b)
     assert list(now.tier()) == list(usual.tier()) == K[0:2]  # the failed store's rows were freed
-    assert now.engine.counters == usual.engine.counters and now.engine.counters["failed_jobs"] == 1
+    assert now.engine.counters == usual.engine.counters and now.engine.counters["failed_jobs"] == 2
     assert now.idle() and usual.idle()
     assert now.manager.lookup(K[2:4]) == usual.manager.lookup(K[2:4]) == 0
 
@@ -120,11 +142,13 @@ def _raises(*args: Any, **kwargs: Any) -> None:
 
 
 def _unchanged(rig: Rig, run: Any) -> None:
-    """``run()`` calls ``store_now``, which must answer ``None`` and change nothing."""
-    counters, tier, ids = dict(rig.engine.counters), rig.tier(), rig.engine._ids
+    """``run()`` calls ``store_now`` or ``load_now``, which must answer ``None`` and change nothing."""
+    e = rig.engine
+    counters, tier, blocks, active, ids = dict(e.counters), rig.tier(), rig.blocks(), e._active, e._ids
     nxt = next(ids)
     assert run() is None
-    assert rig.engine.counters == counters and list(rig.tier()) == list(tier) and next(ids) == nxt + 1
+    assert e.counters == counters and list(rig.tier()) == list(tier) and next(ids) == nxt + 1
+    assert all(torch.equal(x, y) for x, y in zip(rig.blocks(), blocks)) and e._active == active and not e._inline_running
 
 
 def test_jobs_it_does_not_take_are_left_unchanged_to_the_usual_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,9 +168,21 @@ def test_jobs_it_does_not_take_are_left_unchanged_to_the_usual_path(monkeypatch:
         monkeypatch.setattr(rig.engine._inline, "max_bytes", rig.layout.block_bytes)
         _unchanged(rig, lambda: rig.engine.store_now(plan, [8, 9]))
         monkeypatch.undo()
-        # a plan with a write-through copy (so not a plain store)
+        # a plan with a write-through copy (so not a plain store), a load with a promotion
         through = dataclasses.replace(plan, write_through=((0, ()),))
         _unchanged(rig, lambda: rig.engine.store_now(through, [8, 9]))
+        load = rig.manager.prepare_load(K[2:4])
+        promoting = dataclasses.replace(load, promote=(K[2],))
+        _unchanged(rig, lambda: rig.engine.load_now(promoting, [14, 15]))
+        # a key gone from the tier behind the manager's back: the usual path reports the miss
+        rig.backend.delete_blocks([K[3]])
+        _unchanged(rig, lambda: rig.engine.load_now(load, [14, 15]))
+        (missed,) = rig.engine.wait([rig.engine.submit_load(load, [14, 15], inline=True)], timeout=HANG_GUARD)
+        assert missed.missed == (K[3],)
+        rig.manager.complete_load(load.keys)
+        rig.manager.remove([K[3]], 0)
+        rig.engine.poll_finished()
+        load = rig.manager.prepare_load(K[4:6])
         # another job runs: a store on the transfer threads, held in its copy
         started, release = threading.Event(), threading.Event()
         inner = rig.layout.gather
@@ -163,6 +199,7 @@ def test_jobs_it_does_not_take_are_left_unchanged_to_the_usual_path(monkeypatch:
         assert started.wait(HANG_GUARD)
         monkeypatch.setattr(rig.layout, "gather", inner)
         _unchanged(rig, lambda: rig.engine.store_now(plan, [8, 9]))
+        _unchanged(rig, lambda: rig.engine.load_now(load, [14, 15]))
         release.set()
         (res,) = rig.engine.wait([job], timeout=HANG_GUARD)
         rig.manager.complete_store(res.keys, res.error is None)
@@ -173,11 +210,16 @@ def test_jobs_it_does_not_take_are_left_unchanged_to_the_usual_path(monkeypatch:
         assert res is not None and res.error is None and res.keys == tuple(K[8:10])
         rig.manager.complete_store(res.keys)
         assert torch.equal(rig.tier()[K[9]], record_of(rig.layout, 9)) and rig.idle()
+        res = rig.engine.load_now(load, [14, 15])
+        assert res is not None and res.error is None and res.keys == tuple(K[4:6])
+        rig.manager.complete_load(load.keys)
+        assert torch.equal(record_of(rig.layout, 15), rig.tier()[K[5]]) and rig.idle()
         # closed: nothing changes, and the usual submit says why
         rig.engine.close()
         last = rig.manager.prepare_store(K[30:31])
         assert last is not None
         assert rig.engine.store_now(last, [13]) is None
+        assert rig.engine.load_now(rig.manager.prepare_load(K[8:9]), [13]) is None
         with pytest.raises(ClosedError):
             rig.engine.submit_store(last, [13], inline=True)
     finally:

@@ -1,0 +1,180 @@
+"""A plain store or load run at once on the caller's thread, with no job record
+(``store_now`` / ``load_now``).
+
+The store facade's ``save`` and ``load`` submit a job inline and take its result at once: the
+job runs on the calling thread, and nobody else can learn its id before ``submit_*`` returns.
+For such a job the record's machinery is pure cost: the record itself (two signals, a lock, a
+list), the job table, the eligibility walk, the straight path's checks, the fence and the
+report that wake nobody, then ``take`` undoing the report. Right after an engine step has
+flushed the CPU caches, that was several tens of microseconds of a 4-block job's fixed cost.
+:class:`JobsNow` runs the same job without them: the same claim on the engine (nothing else
+queued or running; the transfer threads start nothing meanwhile), the same evictions, room,
+slots and copy (:meth:`KVLayout.gather <kvtier.transfer.layout.KVLayout.gather>` /
+``scatter``), in the same order, on the same OpenMP team (:meth:`CopySplitter.on_callers_team
+<kvtier.transfer.copies.CopySplitter.on_callers_team>`), the same result and counters, and a
+failed copy handled the same way (a store's new blocks deleted; the result failed).
+
+It takes only the jobs the straight path (:mod:`kvtier.transfer.plain_jobs`) would run inline:
+every tier a host memory tier, at most ``inline_max_bytes``, no device, the engine idle and
+open; a store of new keys into the first tier with no demotion, write-through copy or tags and
+evictions from the target tier alone (not a shared one); a load of keys all in one tier, all
+there, nothing to promote. Anything else returns ``None`` having changed nothing, and the
+caller submits the job as usual: tests compare the two (``tests/test_jobs_now.py``). Such a
+job has no deadline: it ends before the call returns, its copy bounded by ``inline_max_bytes``
+in host memory, where a deadline bounds tier work that may stall.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvtier.backend import MemoryBackend
+from kvtier.manager import LoadPlan, StorePlan
+from kvtier.transfer.jobs import JobResult, QuietCondition, result_of
+from kvtier.transfer.movers import MoverHost, reserve_slots
+from kvtier.transfer.plan_writes import PlanWrites
+
+if TYPE_CHECKING:
+    from kvtier.transfer.inline import InlineJobs
+
+__all__ = ["JobsNow", "NowHost"]
+
+log = logging.getLogger("kvtier.transfer")
+
+
+class NowHost(MoverHost, Protocol):
+    """What :class:`JobsNow` uses of its engine (``TransferEngine``) beside the movers' share:
+    the engine's own claim on a job run inline."""
+
+    _closed: bool
+    _active: int
+    _inline_running: bool
+    _idle: QuietCondition
+    _inline_done: QuietCondition
+    _ids: itertools.count[int]
+
+
+class JobsNow:
+    """Runs a plain store or load at once (see the module doc); ``enabled`` off sends every job
+    to the usual submit (tests compare the two)."""
+
+    def __init__(self, engine: NowHost, inline: InlineJobs) -> None:
+        self.e = engine
+        self.inline = inline
+        self._plans = PlanWrites(engine)
+        self.enabled = True
+
+    def _may(self, blocks: int) -> bool:
+        """Whether a job of ``blocks`` blocks may run now, by its size and the tiers."""
+        inline = self.inline
+        return (
+            self.enabled
+            and inline.plain.enabled
+            and not self.e._cuda
+            and 0 < blocks * self.e.layout.block_bytes <= inline.max_bytes
+            and bool(inline._all_host or (inline._all_host is None and inline._every_tier_host()))
+        )
+
+    def _claim(self) -> bool:
+        """Take the engine for a job on this thread, as an inline submit does; ``False`` when it
+        is closed or not idle."""
+        e = self.e
+        with e._lock:
+            if e._closed or e._active or e._inline_running or e._tier_jobs:
+                return False
+            e._inline_running = True  # the transfer threads start nothing until it ends
+            e._active += 1
+            return True
+
+    def _end(self, kind: str, ok: bool, nbytes: int) -> None:
+        """Count the job, ``nbytes`` moved, and give the engine back (``nbytes`` < 0: the job
+        did not run, nothing is counted)."""
+        e = self.e
+        with e._lock:
+            if nbytes >= 0:
+                counters = e.counters
+                counters["inline_jobs"] += 1
+                counters["jobs"] += 1
+                if not ok:
+                    counters["failed_jobs"] += 1
+                counters["bytes_stored" if kind == "store" else "bytes_loaded"] += nbytes
+            e._active -= 1
+            if e._active == 0:
+                e._idle.notify_all()
+            e._inline_running = False
+            e._inline_done.notify_all()
+
+    def store(self, plan: StorePlan, block_ids: Sequence[int]) -> JobResult | None:
+        """Store ``plan`` into its tier now, from engine ``block_ids`` (checked by the caller,
+        ``n`` per key), and return the job's result; ``None``, having changed nothing, for a job
+        that is not plain or an engine that is not idle (submit it as usual)."""
+        e = self.e
+        keys = plan.keys
+        target = e.backends[plan.tier]
+        drops = plan.drops
+        if (
+            plan.write_through
+            or plan.demotions
+            or plan.tags
+            or not isinstance(target, MemoryBackend)
+            or (drops and (len(drops) != 1 or drops[0][0] != plan.tier or getattr(target, "shared", False)))
+            or not self._may(len(keys))
+            or not self._claim()
+        ):
+            return None
+        job_id = next(e._ids)
+        layout = e.layout
+        nbytes = 0
+        error: str | None = None
+        start = time.perf_counter()
+        try:
+            with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
+                slots = reserve_slots(target, plan, drops[0][1] if drops else ())  # its room in one call
+                layout.gather(block_ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
+            nbytes = len(slots) * layout.block_bytes
+        except Exception as exc:  # reported, never raised into the engine
+            log.warning("store job %d failed: %s", job_id, exc, exc_info=True)
+            self._plans.delete_new(plan)
+            error = repr(exc)
+        seconds = time.perf_counter() - start
+        self._end("store", error is None, nbytes)
+        return result_of(job_id, "store", error is None, keys, nbytes, seconds, {}, (), (), {}, error)
+
+    def load(self, plan: LoadPlan, block_ids: Sequence[int]) -> JobResult | None:
+        """Load ``plan`` into engine ``block_ids`` now (as for :meth:`store`) and return the
+        job's result; ``None``, having changed nothing, for a job that is not plain (a key no
+        longer in its tier included: the usual path reports the miss) or an engine not idle."""
+        e = self.e
+        keys = plan.keys
+        tiers = plan.tiers
+        if not tiers or plan.promote or tiers.count(tiers[0]) != len(tiers) or not self._may(len(keys)):
+            return None
+        backend = e.backends[tiers[0]]
+        if not isinstance(backend, MemoryBackend) or not self._claim():
+            return None
+        try:
+            rows = backend.slots(keys)  # under the claim: no other job moves them meanwhile
+        except Exception:  # a key gone, or a closed tier: the usual path tells
+            self._end("load", False, -1)
+            return None
+        job_id = next(e._ids)
+        layout = e.layout
+        error: str | None = None
+        start = time.perf_counter()
+        try:
+            with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
+                layout.scatter(backend.pool, rows, block_ids, non_blocking=True, kept=True, checked=True)
+        except Exception as exc:  # a failed job is reported, never raised into the engine
+            log.warning("transfer job %d (load) failed: %s", job_id, exc, exc_info=True)
+            error = repr(exc)
+        seconds = time.perf_counter() - start
+        if error is not None:
+            self._end("load", False, 0)
+            return JobResult(job_id, "load", False, keys, seconds=seconds, error=error)
+        nbytes = len(rows) * layout.block_bytes
+        self._end("load", True, nbytes)
+        return result_of(job_id, "load", True, keys, nbytes, seconds, {}, (), (), {}, None)
