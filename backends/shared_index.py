@@ -157,7 +157,8 @@ class SharedIndexView:
                 self._written.pop(key, None)
 
     def note_listed(self, count: int, seconds: float = 0.0) -> None:
-        """The number of keys the store's listing at open found (for ``known_count``), and the
+        """The number of keys the store's listing at open found (for ``known_count``; from a
+        key log, its entries: a key written twice counts twice until the first sweep), and the
         seconds that listing took: it counts as the last sweep, so the first sweep comes no sooner
         than ten of its durations after it (a tier of 10^6 keys is not listed twice in a row)."""
         self._known_count = count

@@ -10,7 +10,7 @@ from a core's own cache):
 * ``raw_copy`` (the baseline): ``numpy.copyto`` of each block;
 * ``fused``: ``kvtier.records.xxcopy.xxh3_copy`` of a 56-byte prefix (checked header bytes and
   key) and the block into its destination, one pass (native where built);
-* ``python``: the same function's Python path (64 KiB pieces, each copied then hashed);
+* ``python``: the same function's Python path (a copy, then one XXH3 of it);
 * ``copy_then_hash``: ``numpy.copyto``, then ``xxhash.xxh3_64`` over the prefix and the copy:
   two passes;
 * ``hash_only``: ``xxh3_copy`` without a destination (what a save that already wrote the block

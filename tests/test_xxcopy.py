@@ -185,3 +185,13 @@ def test_a_cpu_without_a_vector_path_takes_the_python_path(monkeypatch):
         monkeypatch.undo()
         importlib.reload(xxcopy)
     assert xxcopy.xxh3_copy is (_xxcopy.xxh3_64_copy if _xxcopy.path != "scalar" else xxcopy.xxh3_copy_python)
+
+
+def test_the_python_path_copies_a_read_only_overlapping_source_right():
+    """Overlap is looked for only where the source is writable memory; a read-only view over
+    the destination's memory is copied as memmove copies it, and hashed as it was."""
+    buf = bytearray(DATA[:8192])
+    src = memoryview(buf)[:4096].toreadonly()
+    before = bytes(src)
+    assert xxcopy.xxh3_copy_python(b"k", src, memoryview(buf)[100:4196]) == xxhash.xxh3_64(b"k" + before).intdigest()
+    assert bytes(buf[100:4196]) == before

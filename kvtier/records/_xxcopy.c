@@ -386,11 +386,11 @@ static u64 hash_large(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *
         memcpy(dst, src, fused_from);
         memcpy(dst + fused_to, src + fused_to, slen - fused_to);
     }
-    const u8 *last = src + slen - STRIPE;
-    if (slen < STRIPE) {
+    const u8 *last = tmp;
+    if (slen >= STRIPE)
+        last = src + slen - STRIPE;
+    else
         gather(tmp, pre, plen, src, total - STRIPE, STRIPE);
-        last = tmp;
-    }
     accumulate_scalar(acc, last, SECRET + LAST_STRIPE_AT);
     u64 result = (u64)total * PRIME64_1;
     for (int i = 0; i < 4; i++)

@@ -12,7 +12,7 @@ registers, without the GIL (from 16 KiB), on an AVX2 path where the CPU has one.
 Without the extension (no compiler at install) the same function runs a pure-Python path
 (:func:`xxh3_copy_python`) with identical results and errors; so does a CPU without AVX2,
 where the extension's portable scalar path ran slower than the Python one (``xxhash``'s own
-vector code, 64 KiB pieces): 0.35-0.53 of a copy against 0.46-0.71 from 64 KiB to 2 MiB
+vector code after a whole copy): 0.35-0.53 of a copy against 0.46-0.71 from 64 KiB to 2 MiB
 (``benchmarks/bench_xxcopy.py --paths``). :data:`NATIVE` says whether the extension is
 loaded, :data:`PATH` which path this process takes.
 """
@@ -27,7 +27,6 @@ import numpy as np
 import xxhash
 
 __all__ = [
-    "CHUNK",
     "NATIVE",
     "PATH",
     "fused",
@@ -44,8 +43,6 @@ try:
 except ImportError:  # built without a C compiler: the Python path below
     _xxcopy = None
 
-#: The Python path copies and hashes this many bytes at a time (each piece hashed while in cache).
-CHUNK = 64 << 10
 _SUM = struct.Struct("<Q")
 
 #: Whether the native extension is loaded.
@@ -56,7 +53,10 @@ _VECTOR = _xxcopy is not None and _xxcopy.path != "scalar"
 PATH: str = _xxcopy.path if _VECTOR else "python"
 
 
-def _readable(obj: Any, what: str) -> memoryview:
+def _readable(obj: Any, what: str) -> Any:
+    """``obj`` as a flat run of bytes (``bytes`` as it is), or the error naming ``what``."""
+    if type(obj) is bytes:
+        return obj
     try:
         view = memoryview(obj)
     except TypeError:
@@ -67,10 +67,12 @@ def _readable(obj: Any, what: str) -> memoryview:
 
 
 def xxh3_copy_python(prefix: Any, src: Any, dst: Any = None) -> int:
-    """:func:`xxh3_copy` in Python: the same digest, the same copy, the same errors."""
-    pre = _readable(prefix, "prefix")
+    """:func:`xxh3_copy` in Python: the same digest, the same copy, the same errors (but for an
+    overlap with a read-only source, which is copied right rather than refused). The whole
+    copy (``memoryview`` assignment), then one XXH3 of it while it is in the cache: faster than
+    64 KiB pieces each copied then hashed, whose slicing and calls cost more than they save."""
     source = _readable(src, "src")
-    h = xxhash.xxh3_64(pre)
+    h = xxhash.xxh3_64(_readable(prefix, "prefix"))
     if dst is None:
         h.update(source)
         return h.intdigest()  # type: ignore[no-any-return]
@@ -82,16 +84,20 @@ def xxh3_copy_python(prefix: Any, src: Any, dst: Any = None) -> int:
         raise ValueError(f"dst: expected a contiguous buffer ({type(dst).__name__} is not)")
     if out.readonly:
         raise TypeError(f"dst: expected a writable buffer (this {type(dst).__name__} is read-only)")
-    out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    if out.format != "B" or out.ndim != 1:
+        out = out.cast("B")
     n = len(source)
     if len(out) != n:
         raise ValueError(f"dst: holds {len(out)} bytes, src {n}: they must be the same size")
-    if n and np.shares_memory(np.frombuffer(out, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8)):
+    # Overlap is refused where the source is writable memory (as the native pass refuses it);
+    # a read-only source (bytes, a store's mapped value) is not looked at, which saves a
+    # microsecond a call, and the copy below would be right even then (memoryview assignment
+    # copies overlapping buffers as memmove does, and the hash reads the copy).
+    writable_source = type(source) is memoryview and not source.readonly
+    if n and writable_source and np.may_share_memory(np.frombuffer(out, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8)):
         raise ValueError("dst: overlaps src")
-    for a in range(0, n, CHUNK):
-        b = min(n, a + CHUNK)
-        out[a:b] = source[a:b]
-        h.update(out[a:b])
+    out[:] = source
+    h.update(out)
     return h.intdigest()  # type: ignore[no-any-return]
 
 
