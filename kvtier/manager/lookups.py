@@ -45,7 +45,7 @@ from kvtier.errors import ClosedError, InvalidKeyError
 from kvtier.keys import KEY_BYTES, check_keys
 
 try:
-    from kvtier.manager import _probe  # type: ignore[attr-defined]
+    import kvtier.manager._probe as _probe  # type: ignore[import-not-found]
 except ImportError:  # built without a C compiler: the closures below
     _probe = None
 
@@ -60,7 +60,7 @@ _MASK = (1 << _FIELD) - 1
 _READS = 8  # a reader's tries for two equal readings (then it takes the last)
 _COUNTDOWN = sys.maxsize  # a single-key counter's start: calls counted = start - items left
 _ALL_READY = object()  # leading_run's "no key missing" (a key itself may be anything)
-_DICT_GET = type({}.get)  # a builtin method: a dict's bound ``get`` is one
+_DICT_GET: type = type({}.get)  # a builtin method: a dict's bound ``get`` is one
 
 #: Whether ``lookup_key`` runs in C (the extension ``kvtier.manager._probe`` is built).
 NATIVE: bool = _probe is not None
