@@ -1,5 +1,5 @@
-"""The single-key lookup in C (``kvtier.manager._probe.KeyProbe``) against the Python closure
-it stands in for: the same answers, counts and errors (type and message) over hits, misses,
+"""The single-key lookup in C (``kvtier.manager._probe.KeyProbe``: ``lookup_key(key)`` and
+``lookup`` of a tuple or list of one key) against the Python closures it stands in for: the same answers, counts and errors (type and message) over hits, misses,
 pending keys and malformed keys, on one tier and several, dict indexes and other getters, open
 and closed; no reference kept or lost; and the extension is built wherever a C compiler is."""
 
@@ -65,6 +65,11 @@ def _getters(indexes: list[dict[bytes, Any]], shape: str) -> list[Any]:
 KEYS: list[Any] = [*K[:9], _Odd(), "a" * 32, K[0][:31], K[0] + b"x", b"", bytearray(K[0]), bytearray(K[9]), memoryview(K[0]), [1], {K[0]}, None, 7, (K[0],)]
 
 
+def _is_c_lookup(call: Any) -> bool:
+    """Whether ``call`` is the C ``lookup`` (a KeyProbe's bound method)."""
+    return type(getattr(call, "__self__", None)).__name__ == "KeyProbe"
+
+
 def _outcome(call: Any, key: Any) -> tuple[Any, ...]:
     try:
         return ("value", call(key))
@@ -91,6 +96,48 @@ def test_c_and_python_answer_count_and_refuse_alike(tiers: int, shape: str) -> N
     py.close()
     for key in (K[0], K[9], "x", [1]):
         assert _outcome(c.lookup_key, key) == _outcome(py.lookup_key, key) == ("error", lookups.ClosedError, "the tier manager is closed")
+
+
+def _one_key_inputs() -> list[Any]:
+    """Inputs of ``lookup(keys)``, made fresh for each side (an iterator is used up)."""
+    many = [K[0], K[1]]
+    return [
+        *[(k,) for k in K[:9]], *[[k] for k in K[:9]], (), [], tuple(many), many, {K[0]}, {K[9]: 1}, iter([K[0]]), iter([K[9]]),
+        ("a" * 32,), (K[0][:31],), (bytearray(K[0]),), [bytearray(K[9])], ([1],), [{K[0]}], (_Odd(),), (None,),
+        "a", "ab", b"a", K[0], None, 7,
+    ]  # fmt: skip
+
+
+@native
+@pytest.mark.parametrize("tiers", [1, 2, 3])
+@pytest.mark.parametrize("shape", ["dict.get", "callable", "mixed"])
+def test_lookup_of_one_key_in_c_matches_the_closure(tiers: int, shape: str) -> None:
+    """``lookup(keys)``: a tuple or list of one key is answered in C, anything else by the closure
+    (and through it the general path); both sides answer, count, refuse and hand on alike."""
+    indexes = [*_indexes()[: min(tiers, 2)], {K[8]: _Odd()}][:tiers]
+    gets = _getters(indexes, shape)
+    handed: dict[str, list[str]] = {"c": [], "py": []}
+
+    def general(side: str) -> Any:
+        def run(keys: Any) -> int:
+            handed[side].append(type(keys).__name__)
+            return 7
+
+        return run
+
+    c = single_key_lookup(gets, general("c"), native=True)
+    py = single_key_lookup(gets, general("py"), native=False)
+    assert _is_c_lookup(c.lookup) and type(py.lookup).__name__ == "function"
+    for a, b in zip(_one_key_inputs(), _one_key_inputs(), strict=True):
+        got, want = _outcome(c.lookup, a), _outcome(py.lookup, b)
+        assert got == want and type(got[1]) is type(want[1]), a
+        assert c.counts() == py.counts(), a
+    assert handed["c"] == handed["py"] and handed["c"]
+    assert c.counts()[0] > 0 and c.counts()[1] > 0
+    c.close()
+    py.close()
+    for a, b in zip(_one_key_inputs()[:20], _one_key_inputs()[:20], strict=True):
+        assert _outcome(c.lookup, a) == _outcome(py.lookup, b)
 
 
 @native
@@ -144,7 +191,7 @@ def test_the_manager_takes_the_c_lookup_and_its_counts_are_exact() -> None:
     plan = m.prepare_store([K[0], K[1]])
     assert plan is not None
     m.complete_store(plan.keys)
-    assert type(m.lookup_key).__name__ == "KeyProbe"
+    assert type(m.lookup_key).__name__ == "KeyProbe" and _is_c_lookup(m.lookup)
     answers = [m.lookup_key(K[0]), m.lookup((K[9],)), m.lookup_key(K[4]), m.lookup_key(K[1]), m.lookup([K[0], K[1]])]
     assert answers == [True, 0, False, True, 2]
     c = m.counters
@@ -161,7 +208,8 @@ def test_no_reference_is_kept_or_lost(shape: str) -> None:
     value, obj = 10**30, _Truthy(True)  # values no other code shares: an int, and one asked for its truth
     index = {hit: value, hit_obj: obj}
     c = single_key_lookup(_getters([index], shape), _general, native=True)
-    watched = (hit, hit_obj, miss, bad, value, obj, index)
+    one, lst, bad_list = (hit,), [miss], [bad]  # lookup's tuple and list forms
+    watched = (hit, hit_obj, miss, bad, value, obj, index, one, lst, bad_list)
     for _ in range(10_000):  # warm (and any lazily made objects made)
         c.lookup_key(hit)
         c.lookup_key(miss)
@@ -173,8 +221,14 @@ def test_no_reference_is_kept_or_lost(shape: str) -> None:
             c.lookup_key(hit)
             c.lookup_key(hit_obj)
             c.lookup_key(miss)
+            c.lookup(one)
+            c.lookup(lst)
             try:
                 c.lookup_key(bad)
+            except InvalidKeyError:
+                pass
+            try:
+                c.lookup(bad_list)
             except InvalidKeyError:
                 pass
         after, _ = tracemalloc.get_traced_memory()
@@ -182,7 +236,7 @@ def test_no_reference_is_kept_or_lost(shape: str) -> None:
         tracemalloc.stop()
     assert after - first < 64 << 10, after - first
     assert [sys.getrefcount(x) for x in watched] == before
-    assert c.counts() == (210_000, 110_000)
+    assert c.counts() == (310_000, 210_000)
 
 
 def test_a_compiler_means_the_extension_is_built() -> None:

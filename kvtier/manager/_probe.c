@@ -8,7 +8,8 @@
  * must be exactly ``bytes`` of the key length, or ``bad_key(key)`` raises naming what is wrong,
  * and the miss is counted (misses + 1). A TypeError while probing (an unhashable key) also goes
  * to ``bad_key``; other errors propagate. After ``close()`` every call raises through
- * ``closed(key)``. Counts are C integers, read with ``counts()``; the GIL orders them.
+ * ``closed(key)``. Its ``lookup`` method is ``lookup(keys)`` for a tuple or list of one key, the
+ * rest handed to ``keys_fallback`` (the closure). Counts are C integers, read with ``counts()``; the GIL orders them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,6 +21,7 @@ typedef struct {
     PyObject *sources; /* tuple: an exact dict (probed) or a callable (called), fastest tier first */
     PyObject *bad_key; /* raises InvalidKeyError naming what is wrong with a key */
     PyObject *closed;  /* raises ClosedError */
+    PyObject *keys_fallback; /* lookup(keys) for what the C ``lookup`` leaves: the Python closure */
     Py_ssize_t key_bytes;
     int is_closed;
     unsigned long long hits;
@@ -68,13 +70,32 @@ probe_one(PyObject *source, PyObject *key)
     return truth;
 }
 
+/* 1 if ``key`` is ready in some tier, 0 if not, -1 on error (a TypeError: not a key). */
+static int
+probe_all(KeyProbe *self, PyObject *key)
+{
+    Py_ssize_t i, n = PyTuple_GET_SIZE(self->sources);
+    for (i = 0; i < n; i++) {
+        int found = probe_one(PyTuple_GET_ITEM(self->sources, i), key);
+        if (found != 0)
+            return found;
+    }
+    return 0;
+}
+
+static int
+is_key(KeyProbe *self, PyObject *key)
+{
+    return PyBytes_CheckExact(key) && PyBytes_GET_SIZE(key) == self->key_bytes;
+}
+
 static PyObject *
 probe_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     KeyProbe *self = (KeyProbe *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    Py_ssize_t i, n;
     PyObject *key;
+    int found;
     if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
         PyErr_Format(PyExc_TypeError, "lookup_key() takes exactly one positional argument, the key (%zd given)",
                      nargs + (kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0));
@@ -83,35 +104,72 @@ probe_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
     key = args[0];
     if (self->is_closed)
         return raise_through(self->closed, key);
-    n = PyTuple_GET_SIZE(self->sources);
-    for (i = 0; i < n; i++) {
-        int found = probe_one(PyTuple_GET_ITEM(self->sources, i), key);
-        if (found > 0) {
-            self->hits++;
-            Py_RETURN_TRUE;
-        }
-        if (found < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_TypeError))
-                return NULL;
-            PyErr_Clear(); /* an unhashable key: bad_key names it */
-            return raise_through(self->bad_key, key);
-        }
+    found = probe_all(self, key);
+    if (found > 0) {
+        self->hits++;
+        Py_RETURN_TRUE;
     }
-    if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != self->key_bytes)
+    if (found < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear(); /* an unhashable key: bad_key names it */
+        return raise_through(self->bad_key, key);
+    }
+    if (!is_key(self, key))
         return raise_through(self->bad_key, key);
     self->misses++;
     Py_RETURN_FALSE;
 }
 
+/* ``lookup(keys)``: a tuple or list of one key is answered here (1 or 0); anything else, and
+ * any key this would refuse, goes to ``keys_fallback``, which answers, counts and raises as
+ * the closure does (it probes again: nothing was counted here). */
+static PyObject *
+probe_lookup(KeyProbe *self, PyObject *keys)
+{
+    PyObject *key;
+    int found;
+    if (self->is_closed || self->keys_fallback == NULL)
+        goto fallback;
+    if (PyTuple_CheckExact(keys) && PyTuple_GET_SIZE(keys) == 1)
+        key = PyTuple_GET_ITEM(keys, 0);
+    else if (PyList_CheckExact(keys) && PyList_GET_SIZE(keys) == 1)
+        key = PyList_GET_ITEM(keys, 0);
+    else
+        goto fallback;
+    Py_INCREF(key); /* a list may change while a key's __eq__ runs */
+    found = probe_all(self, key);
+    if (found > 0) {
+        Py_DECREF(key);
+        self->hits++;
+        return PyLong_FromLong(1);
+    }
+    if (found == 0 && is_key(self, key)) {
+        Py_DECREF(key);
+        self->misses++;
+        return PyLong_FromLong(0);
+    }
+    Py_DECREF(key);
+    if (found < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear(); /* an unhashable key: the closure names it */
+    }
+fallback:
+    if (self->keys_fallback == NULL)
+        return raise_through(self->closed, keys);
+    return PyObject_CallOneArg(self->keys_fallback, keys);
+}
+
 static PyObject *
 probe_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"sources", "key_bytes", "bad_key", "closed", NULL};
-    PyObject *sources, *bad_key, *closed;
+    static char *names[] = {"sources", "key_bytes", "bad_key", "closed", "keys_fallback", NULL};
+    PyObject *sources, *bad_key, *closed, *keys_fallback;
     Py_ssize_t key_bytes, i;
     KeyProbe *self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!nOO:KeyProbe", names, &PyTuple_Type, &sources, &key_bytes, &bad_key,
-                                     &closed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!nOOO:KeyProbe", names, &PyTuple_Type, &sources, &key_bytes, &bad_key,
+                                     &closed, &keys_fallback))
         return NULL;
     if (PyTuple_GET_SIZE(sources) == 0) {
         PyErr_SetString(PyExc_ValueError, "sources: expected at least one tier's index or getter, got none");
@@ -128,8 +186,8 @@ probe_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "key_bytes: expected a length >= 0, got %zd", key_bytes);
         return NULL;
     }
-    if (!PyCallable_Check(bad_key) || !PyCallable_Check(closed)) {
-        PyErr_SetString(PyExc_TypeError, "bad_key, closed: expected callables");
+    if (!PyCallable_Check(bad_key) || !PyCallable_Check(closed) || !PyCallable_Check(keys_fallback)) {
+        PyErr_SetString(PyExc_TypeError, "bad_key, closed, keys_fallback: expected callables");
         return NULL;
     }
     self = (KeyProbe *)type->tp_alloc(type, 0);
@@ -142,6 +200,8 @@ probe_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->bad_key = bad_key;
     Py_INCREF(closed);
     self->closed = closed;
+    Py_INCREF(keys_fallback);
+    self->keys_fallback = keys_fallback;
     self->key_bytes = key_bytes;
     return (PyObject *)self;
 }
@@ -152,6 +212,7 @@ probe_traverse(KeyProbe *self, visitproc visit, void *arg)
     Py_VISIT(self->sources);
     Py_VISIT(self->bad_key);
     Py_VISIT(self->closed);
+    Py_VISIT(self->keys_fallback);
     return 0;
 }
 
@@ -161,6 +222,7 @@ probe_clear(KeyProbe *self)
     Py_CLEAR(self->sources);
     Py_CLEAR(self->bad_key);
     Py_CLEAR(self->closed);
+    Py_CLEAR(self->keys_fallback);
     self->is_closed = 1; /* a cleared probe has nothing to probe: it answers as a closed one */
     return 0;
 }
@@ -187,6 +249,7 @@ probe_close(KeyProbe *self, PyObject *unused)
 }
 
 static PyMethodDef probe_methods[] = {
+    {"lookup", (PyCFunction)probe_lookup, METH_O, "lookup(keys) -> int: the manager's lookup, one key in C."},
     {"counts", (PyCFunction)probe_counts, METH_NOARGS, "(hits, misses) counted so far."},
     {"close", (PyCFunction)probe_close, METH_NOARGS, "Every later call raises through ``closed``."},
     {NULL, NULL, 0, NULL},
@@ -200,7 +263,7 @@ static PyTypeObject KeyProbeType = {
     .tp_vectorcall_offset = offsetof(KeyProbe, vectorcall),
     .tp_call = PyVectorcall_Call,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "KeyProbe(sources, key_bytes, bad_key, closed): lookup_key(key) -> bool over the tiers' indexes.",
+    .tp_doc = "KeyProbe(sources, key_bytes, bad_key, closed, keys_fallback): lookup_key(key) -> bool over the tiers' indexes.",
     .tp_traverse = (traverseproc)probe_traverse,
     .tp_clear = (inquiry)probe_clear,
     .tp_methods = probe_methods,

@@ -24,7 +24,9 @@ old one, about 15 ns more per call. The countdown would run out after ``sys.maxs
 
 ``lookup_key`` in C: where the package's extension ``kvtier.manager._probe`` is built (at
 install, where a C compiler exists; :data:`NATIVE`), ``lookup_key`` is its ``KeyProbe``, which
-does what the closure does with no interpreter between the call and the dict: a getter that is
+does what the closure does with no interpreter between the call and the dict (and its
+``lookup`` method is ``lookup`` for a tuple or list of one key, handing anything else, and a key
+it would refuse, to the closure, which answers, counts and raises as without it): a getter that is
 the bound ``get`` of an exact ``dict`` (every tier's index) is probed directly
 (``PyDict_GetItemWithError``, then the value's truthiness), any other getter is called; hits
 and misses are C integers, added to the closures' counts by ``counts``; a malformed key raises
@@ -225,7 +227,7 @@ def single_key_lookup(gets: Sequence[Getter], general: LookupFn, *, native: bool
         return SingleKeyLookup(lookup, lookup_key, counts, close)
     if _probe is None:
         raise RuntimeError("native: kvtier.manager._probe is not built (no C compiler at install)")
-    probe = _probe.KeyProbe(tuple(map(probe_source, tiers)), KEY_BYTES, bad_key, _closed)
+    probe = _probe.KeyProbe(tuple(map(probe_source, tiers)), KEY_BYTES, bad_key, _closed, lookup)
     probe_counts = probe.counts
 
     def both_counts() -> tuple[int, int]:
@@ -236,7 +238,7 @@ def single_key_lookup(gets: Sequence[Getter], general: LookupFn, *, native: bool
         close()
         probe.close()
 
-    return SingleKeyLookup(lookup, probe, both_counts, close_both)
+    return SingleKeyLookup(probe.lookup, probe, both_counts, close_both)
 
 
 def read_counters(packed: Callable[[], int], single: Callable[[], tuple[int, int]]) -> tuple[int, int, int]:
