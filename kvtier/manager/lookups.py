@@ -21,6 +21,16 @@ count, read back with ``operator.length_hint``): ``next`` changes a C integer in
 ``hits += 1`` on a closure cell builds a new int object once the count passes 256 and frees the
 old one, about 15 ns more per call. The countdown would run out after ``sys.maxsize`` calls
 (2**63 - 1 on the 64-bit builds kvtier runs on: centuries at any lookup rate).
+
+``lookup_key`` in C: where the package's extension ``kvtier.manager._probe`` is built (at
+install, where a C compiler exists; :data:`NATIVE`), ``lookup_key`` is its ``KeyProbe``, which
+does what the closure does with no interpreter between the call and the dict: a getter that is
+the bound ``get`` of an exact ``dict`` (every tier's index) is probed directly
+(``PyDict_GetItemWithError``, then the value's truthiness), any other getter is called; hits
+and misses are C integers, added to the closures' counts by ``counts``; a malformed key raises
+through :func:`bad_key` and a closed manager through :func:`_closed`, so the errors are the
+same objects' errors. Without the extension the closure runs, with the same answers, counts
+and errors (a test compares the two).
 """
 
 from __future__ import annotations
@@ -29,12 +39,17 @@ import sys
 from collections.abc import Callable, Sequence
 from itertools import filterfalse, repeat
 from operator import length_hint
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvtier.errors import ClosedError, InvalidKeyError
 from kvtier.keys import KEY_BYTES, check_keys
 
-__all__ = ["KeyLookupFn", "LookupFn", "SingleKeyLookup", "leading_run", "lookup_counts", "read_counters", "single_key_lookup"]
+try:
+    import kvtier.manager._probe as _probe  # type: ignore[import-not-found]
+except ImportError:  # built without a C compiler: the closures below
+    _probe = None
+
+__all__ = ["NATIVE", "KeyLookupFn", "LookupFn", "SingleKeyLookup", "leading_run", "lookup_counts", "probe_source", "read_counters", "single_key_lookup"]
 
 LookupFn = Callable[[Sequence[bytes]], int]
 KeyLookupFn = Callable[[bytes], bool]
@@ -45,6 +60,10 @@ _MASK = (1 << _FIELD) - 1
 _READS = 8  # a reader's tries for two equal readings (then it takes the last)
 _COUNTDOWN = sys.maxsize  # a single-key counter's start: calls counted = start - items left
 _ALL_READY = object()  # leading_run's "no key missing" (a key itself may be anything)
+_DICT_GET: type = type({}.get)  # a builtin method: a dict's bound ``get`` is one
+
+#: Whether ``lookup_key`` runs in C (the extension ``kvtier.manager._probe`` is built).
+NATIVE: bool = _probe is not None
 
 
 def lookup_counts(calls: int, asked: int, found: int) -> int:
@@ -111,10 +130,20 @@ class SingleKeyLookup:
         self.close = close
 
 
-def single_key_lookup(gets: Sequence[Getter], general: LookupFn) -> SingleKeyLookup:
+def probe_source(get: Getter) -> Any:
+    """What the C lookup probes for the getter ``get``: the dict itself where ``get`` is the
+    bound ``get`` of an exact ``dict`` (the same answers, no call), else ``get``."""
+    owner = getattr(get, "__self__", None)
+    if type(get) is _DICT_GET and type(owner) is dict and get == owner.get:
+        return owner
+    return get
+
+
+def single_key_lookup(gets: Sequence[Getter], general: LookupFn, *, native: bool = NATIVE) -> SingleKeyLookup:
     """``lookup`` over the tiers whose index getters are ``gets`` (fastest first; a getter
     answers truthy for a ready key): one key is answered here, any other input by ``general``;
-    and ``lookup_key``, the same answer for one key passed as it is.
+    and ``lookup_key``, the same answer for one key passed as it is: in C where ``native``
+    (the default where the extension is built), else a closure.
 
     A miss checks its key's type and length (``check_keys`` names what is wrong); a hit does
     not need to: a key found was checked when it was stored."""
@@ -191,9 +220,23 @@ def single_key_lookup(gets: Sequence[Getter], general: LookupFn) -> SingleKeyLoo
         nonlocal first, tiers
         first, tiers = _closed, (_closed,)
 
-    if len(tiers) == 1:
-        return SingleKeyLookup(one_tier, one_tier_key, counts, close)
-    return SingleKeyLookup(any_tier, any_tier_key, counts, close)
+    lookup, lookup_key = (one_tier, one_tier_key) if len(tiers) == 1 else (any_tier, any_tier_key)
+    if not native:
+        return SingleKeyLookup(lookup, lookup_key, counts, close)
+    if _probe is None:
+        raise RuntimeError("native: kvtier.manager._probe is not built (no C compiler at install)")
+    probe = _probe.KeyProbe(tuple(map(probe_source, tiers)), KEY_BYTES, bad_key, _closed)
+    probe_counts = probe.counts
+
+    def both_counts() -> tuple[int, int]:
+        (h, m), (ph, pm) = counts(), probe_counts()
+        return h + ph, m + pm
+
+    def close_both() -> None:
+        close()
+        probe.close()
+
+    return SingleKeyLookup(lookup, probe, both_counts, close_both)
 
 
 def read_counters(packed: Callable[[], int], single: Callable[[], tuple[int, int]]) -> tuple[int, int, int]:
