@@ -27,7 +27,13 @@ Contract and choices:
   transaction, and jobs whose writers wait together (concurrent ``write_blocks`` calls) share
   it and its sync. Measured (``benchmarks/bench_disk_sizes.py``, ``docs/tiers.md``, raw
   python-lmdb, jobs of 16): at 4-256 KiB one durable commit per value ran 2-13x slower than one
-  per job; at 2 MiB the shapes tie, so there is no size threshold. A
+  per job (1.5-6x at 128-256 KiB on a second machine); at 1-2 MiB the lead flips from run to
+  run, and where one value per transaction led, the cause was the allocator, not the disk:
+  without ``writemap`` LMDB ``malloc``s each large value's pages and frees them at the commit,
+  and glibc hands the top of its heap back to the kernel after a commit of 16 such values, so
+  the next one faults 32 MiB in afresh, while one value per transaction reuses one chunk. With
+  glibc told to keep its heap (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``) one
+  transaction per job led at 2 MiB too. So there is no size threshold (``docs/tiers.md``). A
   transaction that hits a full map is aborted and its records are put one per transaction, so
   the failure stays confined to the keys that do not fit.
 * Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` on
