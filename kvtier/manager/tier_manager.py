@@ -145,7 +145,7 @@ class TierManager:
         self._plan_ids = itertools.count(1)
         self._counts = dict.fromkeys(COUNTERS, 0)
         # (calls, keys, hits) of batched lookups, packed by lookup_counts and replaced whole;
-        # single-key lookups count in the closure below: lookups stay lock-free.
+        # single-key lookups count in the call made below (C or closure): lookups stay lock-free.
         self._lookups = 0
         self._single = single_key_lookup(self._gets, self._lookup_run)
         self.lookup, self.lookup_key = self._single.lookup, self._single.lookup_key  # type: ignore[method-assign,assignment]
@@ -245,8 +245,9 @@ class TierManager:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` ready in some tier; a pending key ends it. One key
-        takes a closure made for this manager (:mod:`kvtier.manager.lookups`) that answers,
-        counts and validates as the general path does."""
+        takes a call made for this manager (:mod:`kvtier.manager.lookups`: in C where the
+        extension is built, else a closure) that answers, counts and validates as the general
+        path does."""
         return self._single.lookup(keys)
 
     def lookup_key(self, key: bytes) -> bool:
@@ -254,7 +255,7 @@ class TierManager:
         return self._single.lookup_key(key)
 
     def _lookup_run(self, keys: Sequence[bytes]) -> int:
-        """:meth:`lookup` of any number of keys (the closure takes one key itself)."""
+        """:meth:`lookup` of any number of keys (the single-key call takes one key itself)."""
         if self._closed:
             raise _closed()
         try:
