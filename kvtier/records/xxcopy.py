@@ -53,17 +53,21 @@ _VECTOR = _xxcopy is not None and _xxcopy.path != "scalar"
 PATH: str = _xxcopy.path if _VECTOR else "python"
 
 
-def _readable(obj: Any, what: str) -> Any:
-    """``obj`` as a flat run of bytes (``bytes`` as it is), or the error naming ``what``."""
-    if type(obj) is bytes:
-        return obj
+def _flat(obj: Any, what: str, expected: str) -> memoryview:
+    """``obj``'s buffer as a flat run of bytes, or the error naming ``what`` (``expected``: the
+    kind of object it should have been)."""
     try:
         view = memoryview(obj)
     except TypeError:
-        raise TypeError(f"{what}: expected a bytes-like object, got {type(obj).__name__}") from None
+        raise TypeError(f"{what}: expected {expected}, got {type(obj).__name__}") from None
     if not view.c_contiguous:
         raise ValueError(f"{what}: expected a contiguous buffer ({type(obj).__name__} is not)")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _readable(obj: Any, what: str) -> Any:
+    """``obj`` as a flat run of bytes (``bytes`` as it is), or the error naming ``what``."""
+    return obj if type(obj) is bytes else _flat(obj, what, "a bytes-like object")
 
 
 def xxh3_copy_python(prefix: Any, src: Any, dst: Any = None) -> int:
@@ -76,16 +80,9 @@ def xxh3_copy_python(prefix: Any, src: Any, dst: Any = None) -> int:
     if dst is None:
         h.update(source)
         return h.intdigest()  # type: ignore[no-any-return]
-    try:
-        out = memoryview(dst)
-    except TypeError:
-        raise TypeError(f"dst: expected a writable bytes-like object, got {type(dst).__name__}") from None
-    if not out.c_contiguous:
-        raise ValueError(f"dst: expected a contiguous buffer ({type(dst).__name__} is not)")
+    out = _flat(dst, "dst", "a writable bytes-like object")
     if out.readonly:
         raise TypeError(f"dst: expected a writable buffer (this {type(dst).__name__} is read-only)")
-    if out.format != "B" or out.ndim != 1:
-        out = out.cast("B")
     n = len(source)
     if len(out) != n:
         raise ValueError(f"dst: holds {len(out)} bytes, src {n}: they must be the same size")
