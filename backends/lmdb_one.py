@@ -137,7 +137,7 @@ class StraightRead:
     def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
         """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
         #: What a read uses, in one tuple (one attribute load, not six).
-        self.parts = (plain.blocks, plain.index, plain.entry.unpack, plain.joined.unpack_from, plain.head, plain.prefix, plain.size)
+        self.parts = (plain.blocks, plain.index, plain.entry.unpack, plain.joined.unpack_from, plain.head, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
         self.guard, self.temperature, self.counters = guard, temperature, counters
         self.forks = _FORKS[0]  # the environment is this process's: a child must not use it
@@ -163,7 +163,7 @@ class StraightRead:
         view = views.get(row.data_ptr())
         if view is None:
             return None  # a row not seen yet: the general path makes its view
-        blocks, index, unpack, joined, head, _, size = self.parts
+        blocks, index, unpack, joined, head, size = self.parts
         try:
             end = lseek(guard.fd, 0, SEEK_END)
         except OSError:
@@ -236,7 +236,7 @@ class StraightRead:
             if view is None:
                 return None  # a row not seen yet: the general path makes its view
             rows.append(view)
-        blocks, index, unpack, joined, head, _, size = self.parts
+        blocks, index, unpack, joined, head, size = self.parts
         joined_size = _JOINED_PLAIN + size
         xxh3_copy = xxcopy.xxh3_copy
         self.guard.check()
