@@ -14,34 +14,24 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier.backends.memory import CpuBackend
-from test_transfer import make_layout, record_of
+from test_plain_jobs import HostRig
+from test_transfer import record_of
 
 import kvtier
-from kvtier.backend import BlockFormat
 from kvtier.errors import ClosedError
-from kvtier.manager import TierManager, TierSpec
-from kvtier.manager.policies import LRUPolicy
 from kvtier.testing import make_key
-from kvtier.transfer import TransferEngine
 from kvtier.transfer.jobs import JobResult
 
 K = [make_key(9000 + i) for i in range(40)]
 HANG_GUARD = 30.0
-SLOTS = 8
 
 
-class Rig:
-    """A host cache, one ``cpu`` tier of :data:`SLOTS` blocks, a manager and an engine that
-    stores plain jobs at once (``now``) or through the usual inline submit."""
+class Rig(HostRig):
+    """:class:`~test_plain_jobs.HostRig` whose engine stores and loads plain jobs at once
+    (``now``) or through the usual inline submit."""
 
     def __init__(self, now: bool) -> None:
-        self.layout = make_layout()
-        fmt = BlockFormat(block_bytes=self.layout.block_bytes)
-        self.backend = CpuBackend(capacity=SLOTS * fmt.block_bytes)
-        asyncio.run(self.backend.open(fmt))
-        self.manager = TierManager([TierSpec("cpu", SLOTS * fmt.block_bytes, fmt.block_bytes, LRUPolicy(SLOTS))])
-        self.engine = TransferEngine(self.layout, [self.backend])
+        super().__init__()
         self.now = now
         self.ran_now = 0
 
@@ -69,13 +59,6 @@ class Rig:
             self.ran_now += 1
         self.manager.complete_load(plan.keys)
         return res
-
-    def blocks(self) -> list[torch.Tensor]:
-        return [record_of(self.layout, b) for b in range(self.layout.num_engine_blocks)]
-
-    def tier(self) -> dict[bytes, torch.Tensor]:
-        keys = self.backend.stored_keys()
-        return {k: self.backend.pool[s].clone() for k, s in zip(keys, self.backend.slots(keys))}
 
     def idle(self) -> bool:
         e = self.engine

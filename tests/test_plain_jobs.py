@@ -27,17 +27,31 @@ HANG_GUARD = 30.0
 SLOTS = 8
 
 
-class Rig:
-    """A host cache, one ``cpu`` tier of :data:`SLOTS` blocks, a manager and an engine whose
-    plain path is on or off."""
+class HostRig:
+    """A host cache, one ``cpu`` tier of :data:`SLOTS` blocks, a manager and an engine."""
 
-    def __init__(self, plain: bool) -> None:
+    def __init__(self) -> None:
         self.layout = make_layout()
         fmt = BlockFormat(block_bytes=self.layout.block_bytes)
         self.backend = CpuBackend(capacity=SLOTS * fmt.block_bytes)
         asyncio.run(self.backend.open(fmt))
         self.manager = TierManager([TierSpec("cpu", SLOTS * fmt.block_bytes, fmt.block_bytes, LRUPolicy(SLOTS))])
         self.engine = TransferEngine(self.layout, [self.backend])
+
+    def tier(self) -> dict[bytes, torch.Tensor]:
+        """The tier's records, by key (the bytes of each)."""
+        keys = self.backend.stored_keys()
+        return {k: self.backend.pool[s].clone() for k, s in zip(keys, self.backend.slots(keys))}
+
+    def blocks(self) -> list[torch.Tensor]:
+        return [record_of(self.layout, b) for b in range(self.layout.num_engine_blocks)]
+
+
+class Rig(HostRig):
+    """:class:`HostRig` with the engine's plain path on or off."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
         self.engine._inline.plain.enabled = plain
         self.plain = self.engine._inline.plain
         self.calls = {"store": 0, "load": 0}
@@ -66,14 +80,6 @@ class Rig:
         (res,) = self.engine.wait([job], timeout=HANG_GUARD)
         self.manager.complete_load(plan.keys)
         return res
-
-    def tier(self) -> dict[bytes, torch.Tensor]:
-        """The tier's records, by key (the bytes of each)."""
-        keys = self.backend.stored_keys()
-        return {k: self.backend.pool[s].clone() for k, s in zip(keys, self.backend.slots(keys))}
-
-    def blocks(self) -> list[torch.Tensor]:
-        return [record_of(self.layout, b) for b in range(self.layout.num_engine_blocks)]
 
 
 def same(a: JobResult, b: JobResult) -> bool:
