@@ -51,6 +51,7 @@ class MoverHost(Protocol):
     _load_q: queue.SimpleQueue[LoadRecord | None]
 
     def _retire(self) -> None: ...
+    def take(self, job_id: int) -> JobResult | None: ...
     def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None, *, retire: bool = False) -> bool: ...
     def _take(self, kind: str) -> None: ...
     def _after_inline(self) -> None: ...
@@ -97,15 +98,19 @@ class StoreMover:
             self.e._after_inline()
             self.device_job(rec)
 
-    def device_job(self, rec: StoreRecord) -> None:
-        """Run ``rec``'s device phase; hand the tier work left to the tiers thread."""
+    def device_job(self, rec: StoreRecord, *, inline: bool = False) -> None:
+        """Run ``rec``'s device phase; hand the tier work left to the tiers thread. ``inline``
+        (a job on its caller's thread): an interrupt goes up at once, nothing handed on, for
+        the caller to settle (:meth:`InlineJobs.run <kvtier.transfer.inline.InlineJobs.run>`)."""
         try:
             if self.e._cuda:
                 with self.e._on_stream("store"):
                     work = self._device_phase(rec)
             else:  # no stream on the host: no context manager made per job
                 work = self._device_phase(rec)
-        except BaseException as exc:  # never reached in practice; the thread must survive
+        except BaseException as exc:  # never reached in practice but by an interrupt; the thread must survive
+            if inline and not isinstance(exc, Exception):
+                raise
             log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
             rec.device_done.set()
             work = TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
