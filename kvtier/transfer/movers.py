@@ -20,7 +20,7 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
-from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, result_of
+from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, failed_result, result_of
 from kvtier.transfer.plan_writes import Expired, Failed, PlanWrites, TierWork, check_alive, note_sizes, rows_of
 from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
@@ -113,7 +113,10 @@ class StoreMover:
                 raise
             log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
             rec.device_done.set()
-            work = TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
+            # Stopped anywhere (a demotion done, a copy half written): reported failed with every
+            # write of its plan, and all of them deleted by the tiers thread, in order.
+            self.e._finish(rec, failed_result(rec, repr(exc)))
+            work = TierWork(rec, "cleanup", time.perf_counter())
         if work is None:
             pass  # reported and given back at once (_finish_store(retire=True))
         else:
@@ -300,8 +303,16 @@ class StoreMover:
                 work.staging = None
 
     def _failed_phase(self, work: TierWork, exc: BaseException) -> None:
-        log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
-        self.e._finish(work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc)))
+        """A tier phase that raised (an interrupt: it handles each ``Exception`` itself), stopped
+        anywhere: reported failed with every write of its plan, then all of them deleted (before
+        the group's end gives it back), unless it was reported already."""
+        rec = work.rec
+        log.warning("store job %d: tier phase failed: %s", rec.job_id, exc, exc_info=True)
+        if self.e._finish(rec, failed_result(rec, repr(exc))):
+            try:
+                self._plans.cleanup(rec.store_plan)
+            except BaseException as again:  # the thread must survive anything
+                log.warning("store job %d: its clean-up failed: %s", rec.job_id, again, exc_info=True)
 
     def _tier_phase(self, work: TierWork, copies: WriteGroup) -> bool:
         """The job's tier writes, its write-through copies collected into ``copies`` where their
