@@ -18,7 +18,8 @@ tier was closed: its size and stamp are then the table's (accounting and evictio
 its bytes: every read checks the record it reads. The unlink at open is not synced (a reopen
 syncs nothing): should a power loss bring the table back, every record added or removed since
 that open makes it differ from the directory, and a record rewritten or touched since is the
-case above.
+case above. Where every record has one stored size, the open keeps a descriptor of the
+unlinked table and leaves the listed keys and stamps there (:mod:`kvtier.backends.file_listed`).
 """
 
 from __future__ import annotations
