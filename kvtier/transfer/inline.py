@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 from kvtier.backend import MemoryBackend
 from kvtier.devices import tensor_device
 from kvtier.manager import LoadPlan, StorePlan
-from kvtier.transfer.jobs import JobRecord, LoadRecord, StoreRecord
+from kvtier.transfer.jobs import JobRecord, LoadRecord, StoreRecord, failed_result
 from kvtier.transfer.plain_jobs import PlainJobs
+from kvtier.transfer.plan_writes import PlanWrites, delete_from
 
 if TYPE_CHECKING:
     from kvtier.transfer.load_mover import LoadMover
@@ -53,6 +54,7 @@ class InlineJobs:
         self._all_host: bool | None = None  # once known: whether every tier's pool is in host memory
         #: the usual job's straight path (kvtier.transfer.plain_jobs)
         self.plain = PlainJobs(engine)
+        self.plans = PlanWrites(engine)  # the undo of an interrupted store
 
     def _host_memory(self, tier: int) -> bool:
         known = self._host.get(tier)
@@ -102,13 +104,45 @@ class InlineJobs:
     def run(self, rec: JobRecord) -> None:
         """Run ``rec`` on this thread, as its transfer thread would (the caller counted it in
         the engine's active jobs; it is given back here, or by the tiers thread when a store
-        failed and its clean-up goes there to keep its order)."""
-        # the engine's own thread and OpenMP team (or the thread alone: copies.TeamPace)
-        with self.e.layout.copies.on_callers_team(len(rec.plan.keys) * self.e.layout.block_bytes):
-            if isinstance(rec, StoreRecord):
-                if not self.plain.store(rec):
-                    self.stores.device_job(rec)
-            else:
-                assert isinstance(rec, LoadRecord)
-                if not self.plain.load(rec):
-                    self.loads.load_job(rec)
+        failed and its clean-up goes there to keep its order).
+
+        An interrupt (a ``BaseException`` that is not an ``Exception``: ``KeyboardInterrupt``,
+        ``SystemExit``, a cancellation raised into the thread) goes on up once the job is
+        settled (:meth:`_interrupted`): every ``Exception`` is the job's reported failure, but
+        an interrupt must stop the caller, and must not leave the engine counting a job that no
+        thread will end."""
+        ended = False  # the job was reported and given back, or handed on to the tiers thread
+        try:
+            # the engine's own thread and OpenMP team (or the thread alone: copies.TeamPace)
+            with self.e.layout.copies.on_callers_team(len(rec.plan.keys) * self.e.layout.block_bytes):
+                if isinstance(rec, StoreRecord):
+                    if not self.plain.store(rec):
+                        self.stores.device_job(rec, inline=True)
+                else:
+                    assert isinstance(rec, LoadRecord)
+                    if not self.plain.load(rec):
+                        self.loads.load_job(rec, inline=True)
+                ended = True
+        except BaseException:
+            self._interrupted(rec, ended)
+            raise
+
+    def _interrupted(self, rec: JobRecord, ended: bool) -> None:
+        """Settle ``rec``, stopped by an interrupt, in the order its thread would: what it may
+        have written undone (a store's evictions run, its new blocks, copies and demoted blocks
+        deleted; a load's promotions deleted), then reported failed (its fence and ``done``
+        set), then given back (unless it ``ended`` already), then forgotten: ``submit_*``
+        raises, so nobody learns its id. The caller releases the plan in the manager with
+        :func:`~kvtier.transfer.jobs.plan_failed`, which matches what is left in the tiers.
+        The transfer threads start nothing until the caller's claim ends, so this is in order."""
+        e = self.e
+        if ended and rec.result is None:
+            return  # handed on to the tiers thread, which ends it (an interrupt at the very end)
+        if isinstance(rec, StoreRecord):
+            self.plans.cleanup(rec.store_plan)
+        else:
+            assert isinstance(rec, LoadRecord)
+            delete_from(e, 0, rec.load_plan.promote, "cleanup of an interrupted load's promotions")
+        if not ended and not e._finish(rec, failed_result(rec, "interrupted"), retire=True):
+            e._retire()  # reported failed meanwhile (a close): given back all the same
+        e.take(rec.job_id)

@@ -23,7 +23,8 @@ API (stable; other modules build on it):
 * :func:`combine_results` - one :class:`JobResult` from the results of several ranks that ran
   the same plan (a key failed on any rank failed; sizes are the largest reported).
 * :func:`deadline_at` - the monotonic deadline of a job given a budget in seconds (or ``None``).
-* :func:`failed_result` - the result of a job reported failed before it ended.
+* :func:`failed_result` - the result of a job reported failed before it ended;
+  :func:`plan_failed` the same from a plan alone.
 
 The fence index and the delete ledger of the connector also belong here (see
 :mod:`kvtier.connector`).
@@ -54,6 +55,7 @@ __all__ = [
     "combine_results",
     "deadline_at",
     "failed_result",
+    "plan_failed",
     "result_of",
 ]
 
@@ -264,18 +266,25 @@ class LoadRecord(JobRecord):
 def failed_result(rec: JobRecord, reason: str) -> JobResult:
     """``rec`` reported failed before it ended (cancelled, expired, rejected, closed): every
     write of a store's plan counts as failed (its first tier, write-through and demotion
-    targets), a load loaded nothing."""
-    if isinstance(rec, StoreRecord):
-        plan = rec.store_plan
+    targets), a load loaded nothing (:func:`plan_failed`)."""
+    return plan_failed(rec.job_id, rec.plan, reason)
+
+
+def plan_failed(job_id: int, plan: StorePlan | LoadPlan, reason: str) -> JobResult:
+    """The result of job ``job_id`` of ``plan`` that failed as a whole: every write of a store
+    failed (its first tier, write-through and demotion targets), a load loaded nothing. For
+    a caller whose job went up as an interrupt, with no result to take (the engine undid its
+    writes): applied to the manager, it releases what the plan holds there."""
+    if isinstance(plan, StorePlan):
         failed: dict[int, list[bytes]] = {plan.tier: list(plan.keys)}
         for tier, keys in plan.write_through:
             failed.setdefault(tier, []).extend(keys)
         for d in plan.demotions:
             failed.setdefault(d.dst, []).extend(d.keys)
         return JobResult(
-            rec.job_id, "store", False, plan.keys, failed={t: tuple(ks) for t, ks in failed.items() if ks}, error=reason
+            job_id, "store", False, plan.keys, failed={t: tuple(ks) for t, ks in failed.items() if ks}, error=reason
         )
-    return JobResult(rec.job_id, rec.kind, False, tuple(rec.plan.keys), error=reason)
+    return JobResult(job_id, "load", False, tuple(plan.keys), error=reason)
 
 
 def deadline_at(seconds: float | None, now: float | None = None) -> float | None:

@@ -13,9 +13,12 @@ slots and copy (:meth:`KVLayout.gather <kvtier.transfer.layout.KVLayout.gather>`
 ``scatter``), in the same order, on the same OpenMP team (:meth:`CopySplitter.on_callers_team
 <kvtier.transfer.copies.CopySplitter.on_callers_team>`), the same result and counters, and a
 failed copy handled the same way (a store's new blocks deleted; the result failed). An
-interrupt (a ``BaseException``, ``KeyboardInterrupt`` say) goes on up to the caller once the
-engine is given back (and a store's new blocks deleted), uncounted: the transfer threads start
-nothing while a job runs here, so a claim never given back would stall them for good.
+interrupt (a ``BaseException``, ``KeyboardInterrupt`` say) goes on up to the caller once the job
+is settled as the usual inline submit settles one (:meth:`InlineJobs.run
+<kvtier.transfer.inline.InlineJobs.run>`): a store's evictions run and its new blocks deleted,
+the job counted failed, the engine given back (the transfer threads start nothing while a job
+runs here, so a claim never given back would stall them for good). The caller then releases
+the plan in the manager (:func:`~kvtier.transfer.jobs.plan_failed`).
 
 It takes only the jobs the straight path (:mod:`kvtier.transfer.plain_jobs`) would run inline:
 every tier a host memory tier, at most ``inline_max_bytes``, no device, the engine idle and
@@ -143,9 +146,9 @@ class JobsNow:
             log.warning("store job %d failed: %s", job_id, exc, exc_info=True)
             self._plans.delete_new(plan)
             error = repr(exc)
-        except BaseException:  # an interrupt: undone as a failed copy, the engine given back, raised
-            self._plans.delete_new(plan)
-            self._end("store", False, -1)
+        except BaseException:  # an interrupt: undone (its evictions too), counted failed, given back, raised
+            self._plans.cleanup(plan)
+            self._end("store", False, 0)
             raise
         seconds = time.perf_counter() - start
         self._end("store", error is None, nbytes)
@@ -166,9 +169,10 @@ class JobsNow:
         try:
             rows = backend.slots(keys)  # under the claim: no other job moves them meanwhile
         except BaseException as exc:  # a key gone, or a closed tier: the usual path tells
-            self._end("load", False, -1)
-            if not isinstance(exc, Exception):  # an interrupt: the engine given back, raised
+            if not isinstance(exc, Exception):  # an interrupt: counted failed, given back, raised
+                self._end("load", False, 0)
                 raise
+            self._end("load", False, -1)
             return None
         job_id = next(e._ids)
         layout = e.layout
@@ -180,8 +184,8 @@ class JobsNow:
         except Exception as exc:  # a failed job is reported, never raised into the engine
             log.warning("transfer job %d (load) failed: %s", job_id, exc, exc_info=True)
             error = repr(exc)
-        except BaseException:  # an interrupt: the engine given back, raised
-            self._end("load", False, -1)
+        except BaseException:  # an interrupt: counted failed, the engine given back, raised
+            self._end("load", False, 0)
             raise
         seconds = time.perf_counter() - start
         if error is not None:

@@ -37,19 +37,23 @@ class LoadMover:
             self.e._after_inline()
             self.load_job(rec)
 
-    def load_job(self, rec: LoadRecord) -> None:
-        """Run ``rec`` (unless it was stopped before it began) and give it back to the engine."""
+    def load_job(self, rec: LoadRecord, *, inline: bool = False) -> None:
+        """Run ``rec`` (unless it was stopped before it began) and give it back to the engine.
+        ``inline`` (a job on its caller's thread): an interrupt goes up at once, the job neither
+        reported nor given back, for the caller to settle (:meth:`InlineJobs.run
+        <kvtier.transfer.inline.InlineJobs.run>`); on a thread it is the job's failure."""
         retired = False
         try:
             if rec.result is None:  # else stopped before it began: it never touched anything
-                retired = self._load_one(rec)
+                retired = self._load_one(rec, inline)
         except BaseException as exc:  # the thread must survive anything
+            if inline and not isinstance(exc, Exception):
+                raise
             log.warning("load job %d: %s", rec.job_id, exc, exc_info=True)
-        finally:
-            if not retired:
-                self.e._retire()
+        if not retired:
+            self.e._retire()
 
-    def _load_one(self, rec: LoadRecord) -> bool:
+    def _load_one(self, rec: LoadRecord, inline: bool = False) -> bool:
         """Run ``rec``; ``True`` when it was given back to the engine with its result (nothing
         was left to clean up)."""
         start = time.perf_counter()
@@ -60,7 +64,10 @@ class LoadMover:
                     result = self._load(rec, start, promoted)
             else:  # no stream on the host: no context manager made per job
                 result = self._load(rec, start, promoted)
-        except Exception as exc:  # a failed job is reported, never raised into the engine
+        except BaseException as exc:  # a failed job is reported, never raised into the engine
+            if inline and not isinstance(exc, Exception):
+                raise  # an interrupt of a job on its caller's thread: the caller settles it
+            # (On a thread an interrupt fails the job too: reported, its promotions freed.)
             log.warning("transfer job %d (load) failed: %s", rec.job_id, exc, exc_info=True)
             result = JobResult(
                 rec.job_id, "load", False, rec.plan.keys, seconds=time.perf_counter() - start, error=repr(exc)

@@ -20,7 +20,7 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device, wait_for_copies
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
-from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, result_of
+from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, failed_result, result_of
 from kvtier.transfer.plan_writes import Expired, Failed, PlanWrites, TierWork, check_alive, note_sizes, rows_of
 from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
@@ -51,6 +51,7 @@ class MoverHost(Protocol):
     _load_q: queue.SimpleQueue[LoadRecord | None]
 
     def _retire(self) -> None: ...
+    def take(self, job_id: int) -> JobResult | None: ...
     def _finish(self, rec: JobRecord, result: JobResult, counter: str | None = None, *, retire: bool = False) -> bool: ...
     def _take(self, kind: str) -> None: ...
     def _after_inline(self) -> None: ...
@@ -97,18 +98,25 @@ class StoreMover:
             self.e._after_inline()
             self.device_job(rec)
 
-    def device_job(self, rec: StoreRecord) -> None:
-        """Run ``rec``'s device phase; hand the tier work left to the tiers thread."""
+    def device_job(self, rec: StoreRecord, *, inline: bool = False) -> None:
+        """Run ``rec``'s device phase; hand the tier work left to the tiers thread. ``inline``
+        (a job on its caller's thread): an interrupt goes up at once, nothing handed on, for
+        the caller to settle (:meth:`InlineJobs.run <kvtier.transfer.inline.InlineJobs.run>`)."""
         try:
             if self.e._cuda:
                 with self.e._on_stream("store"):
                     work = self._device_phase(rec)
             else:  # no stream on the host: no context manager made per job
                 work = self._device_phase(rec)
-        except BaseException as exc:  # never reached in practice; the thread must survive
+        except BaseException as exc:  # never reached in practice but by an interrupt; the thread must survive
+            if inline and not isinstance(exc, Exception):
+                raise
             log.warning("store job %d: device phase failed: %s", rec.job_id, exc, exc_info=True)
             rec.device_done.set()
-            work = TierWork(rec, "degraded", time.perf_counter(), error=repr(exc))
+            # Stopped anywhere (a demotion done, a copy half written): reported failed with every
+            # write of its plan, and all of them deleted by the tiers thread, in order.
+            self.e._finish(rec, failed_result(rec, repr(exc)))
+            work = TierWork(rec, "cleanup", time.perf_counter())
         if work is None:
             pass  # reported and given back at once (_finish_store(retire=True))
         else:
@@ -295,8 +303,16 @@ class StoreMover:
                 work.staging = None
 
     def _failed_phase(self, work: TierWork, exc: BaseException) -> None:
-        log.warning("store job %d: tier phase failed: %s", work.rec.job_id, exc, exc_info=True)
-        self.e._finish(work.rec, JobResult(work.rec.job_id, "store", False, work.rec.store_plan.keys, error=repr(exc)))
+        """A tier phase that raised (an interrupt: it handles each ``Exception`` itself), stopped
+        anywhere: reported failed with every write of its plan, then all of them deleted (before
+        the group's end gives it back), unless it was reported already."""
+        rec = work.rec
+        log.warning("store job %d: tier phase failed: %s", rec.job_id, exc, exc_info=True)
+        if self.e._finish(rec, failed_result(rec, repr(exc))):
+            try:
+                self._plans.cleanup(rec.store_plan)
+            except BaseException as again:  # the thread must survive anything
+                log.warning("store job %d: its clean-up failed: %s", rec.job_id, again, exc_info=True)
 
     def _tier_phase(self, work: TierWork, copies: WriteGroup) -> bool:
         """The job's tier writes, its write-through copies collected into ``copies`` where their

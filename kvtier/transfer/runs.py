@@ -6,7 +6,9 @@ want no connector, and the jobs of callers cancelled while they ran.
 runs in prefix order, a failed write releasing what was stored behind it, a load promoting what
 it served from a lower tier. Every job is awaited by :meth:`JobRuns.run`: when the caller is
 cancelled the job is stopped first (after that it never touches the caller's blocks) and its
-plan is applied to the manager whenever it ends, so no pin or reservation is left behind.
+plan is applied to the manager whenever it ends, so no pin or reservation is left behind; a
+job that goes up as an interrupt (``KeyboardInterrupt``, say), or that the engine refuses, has
+its plan released at once (:meth:`JobRuns.release`).
 The store checks its input and that it is open before it calls in, and saves the tenant tags.
 """
 
@@ -20,7 +22,7 @@ from kvtier.errors import ClosedError, ConfigError
 from kvtier.manager import KeyState, LoadPlan, StorePlan, TierManager
 from kvtier.metrics import StoreMetrics
 from kvtier.transfer.engine import TransferEngine
-from kvtier.transfer.jobs import Applied, JobResult, apply_result
+from kvtier.transfer.jobs import Applied, JobResult, apply_result, plan_failed
 
 __all__ = ["JobRuns"]
 
@@ -99,10 +101,16 @@ class JobRuns:
                 break
             whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
             chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
-            result = transfers.store_now(plan, chosen)  # a plain job: run here, no job record
+            try:
+                result = transfers.store_now(plan, chosen)  # a plain job: run here, no job record
+                if result is None:
+                    job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
+                    result = transfers.take(job)  # it ran inline, or None
+            except BaseException:
+                self.release(plan)
+                raise
             if result is None:
-                job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
-                result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
+                result = await self.run(transfers, job, plan)
             if self._closed():  # closed while the job ran: nothing is left to apply it to
                 return stored, kept
             done = self.finish_store(plan, result)
@@ -155,10 +163,16 @@ class JobRuns:
             return 0
         hits = len(plan.keys)
         chosen = ids[: hits * n]
-        result = transfers.load_now(plan, chosen)  # a plain job: run here, no job record
+        try:
+            result = transfers.load_now(plan, chosen)  # a plain job: run here, no job record
+            if result is None:
+                job = transfers.submit_load(plan, chosen, inline=True, checked=True)
+                result = transfers.take(job)  # it ran inline, or None
+        except BaseException:
+            self.release(plan)
+            raise
         if result is None:
-            job = transfers.submit_load(plan, chosen, inline=True, checked=True)
-            result = transfers.take(job) or await self.run(transfers, job, plan)  # take: it ran inline
+            result = await self.run(transfers, job, plan)
         if self._closed():
             return 0
         self.finish_load(plan, result)
@@ -179,12 +193,25 @@ class JobRuns:
             return
         n = self._n
         chosen = [b for p in plan.positions for b in ids[p * n : (p + 1) * n]]
-        job = transfers.submit_store(plan, chosen, inline=True, checked=True)
+        try:
+            job = transfers.submit_store(plan, chosen, inline=True, checked=True)
+        except BaseException:
+            self.release(plan)
+            raise
         result = await self.run(transfers, job, plan)
         if not self._closed():
             self.finish_store(plan, result)
 
     # -- jobs and cancelled callers --------------------------------------------------------
+    def release(self, plan: StorePlan | LoadPlan) -> None:
+        """Apply ``plan`` as failed as a whole, for a job that never ran or went up as an
+        interrupt, the engine having undone its writes (:func:`plan_failed`): no pin or
+        reservation of it is left behind in the manager."""
+        try:
+            apply_result(self._mgr(), plan, plan_failed(0, plan, "interrupted or refused"))
+        except Exception as exc:  # a closed manager: nothing is left to release
+            log.debug("kvtier: a plan of an interrupted call not released: %s", exc)
+
     async def run(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
         """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
         never touches the caller's blocks; a copy under way is waited for), and its plan is

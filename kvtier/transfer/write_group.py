@@ -100,7 +100,7 @@ class WriteGroup:
                 got = backends[tier].write_blocks(keys, [r for c in copies for r in c.rows])
                 if len(got) != len(keys):
                     raise RuntimeError(f"write_blocks answered {len(got)} sizes for {len(keys)} keys")
-            except Exception as exc:  # as a direct write that raised: each job of the group fails
+            except BaseException as exc:  # as a direct write that raised (an interrupt too): each job of the group fails
                 log.warning("write-through of %d blocks from %d jobs to tier %d failed: %s", len(keys), len(copies), tier, exc)
                 for c in copies:
                     c.fail_job(repr(exc))
