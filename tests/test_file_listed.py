@@ -188,3 +188,33 @@ def test_a_table_that_cannot_be_read_back_is_a_logged_miss_and_the_next_open_wal
         assert isinstance(again._sizes._listed, ListedInMemory)  # type: ignore[attr-defined]
     finally:
         asyncio.run(again.aclose())  # type: ignore[attr-defined]
+
+
+def test_a_table_that_fails_one_read_then_reads_again_never_lists_a_key_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of the table's file that fails once (a disk or NFS error that passes): the key
+    written and deleted meanwhile stays gone when the reads work again (its bytes counted once,
+    never given back twice), and no table is written back from a listing that failed."""
+    keys = [make_key(i) for i in range(40)]
+    known = KnownRecords()
+    known.adopt_listed(_on_disk(tmp_path, sorted(keys), np.zeros(len(keys))), 4096)
+    real = os.pread
+    failing = {"on": True}
+
+    def pread(fd: int, size: int, at: int) -> bytes:
+        if failing["on"]:
+            raise OSError(5, "Input/output error")
+        return real(fd, size, at)
+
+    monkeypatch.setattr(file_listed.os, "pread", pread)
+    try:
+        key = keys[7]
+        assert known.get(key, 0) == 0  # not listed while the table cannot be read
+        known.set(key, 4096)  # written meanwhile (grows the bytes in use by all of its size)
+        assert known.pop(key, 0) == 4096  # and deleted (gives all of it back)
+        failing["on"] = False
+        assert known.get(key, 0) == 0, "a key deleted since came back once the table read again"
+        assert known.pop(key, 0) == 0  # its bytes are not given back a second time
+        with pytest.raises(OSError):
+            known.columns(lambda k: None)  # a table from it could name keys no longer there
+    finally:
+        known.clear()
