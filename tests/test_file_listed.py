@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -218,3 +219,31 @@ def test_a_table_that_fails_one_read_then_reads_again_never_lists_a_key_back(tmp
             known.columns(lambda k: None)  # a table from it could name keys no longer there
     finally:
         known.clear()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_open_that_fails_after_taking_the_table_keeps_no_descriptor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """An open that fails after it took the table (its shard directories cannot be made: a
+    full or read-only disk) raises a clear error and holds no descriptor, neither the unlinked
+    table's nor the root's, and (shared) follows the directory no more: the store closes only
+    the tiers that opened."""
+    from kvtier.backends import file_tier
+    from kvtier.errors import DiskError
+
+    backend = _tier(tmp_path)
+    backend.write_blocks([make_key(i) for i in range(8)], [random_block(FMT.block_bytes, i) for i in range(8)])  # type: ignore[attr-defined]
+    asyncio.run(backend.aclose())  # type: ignore[attr-defined]
+    assert (tmp_path / TABLE_NAME).exists()
+
+    def refuse(self: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(file_tier.ShardDirs, "make_top", refuse)
+    fds = set(os.listdir("/proc/self/fd"))
+    threads = threading.active_count()
+    again = registry.backends.get("file")(capacity=16 << 20, path=str(tmp_path), sync_mode="fast", shared=shared)
+    with pytest.raises(DiskError, match="Read-only"):
+        asyncio.run(again.open(FMT))
+    assert again.follower is None and threading.active_count() == threads  # type: ignore[attr-defined]
+    left = {fd for fd in set(os.listdir("/proc/self/fd")) - fds if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not left, [os.readlink(f"/proc/self/fd/{fd}") for fd in left]
