@@ -2,13 +2,15 @@
 
 Capacity is enforced per instance over the blocks it knows: those listed at open and those
 written since. Where every listed record has the same stored size (a store without a codec),
-the listed keys are held as one sorted list of the listing's own ``bytes`` objects, the ones
-the manager's index holds too (8 bytes a key, searched by bisection), their common size once
-and their stamps in one array beside them (8 bytes a key); a listed key deleted, forgotten or
-rewritten since goes into a small set, and a key written since the open into a dict. Listed
-records of differing sizes (a compressing codec) go into that dict, their stamps into another.
-A dict of every listed key (about 52 bytes a key at 10^5, beside the manager's own index of the
-same keys) is what this replaces.
+the listed keys are held in key order with their stamps (:mod:`kvtier.backends.file_listed`):
+left in the table of records the open took (no memory of the process per key), or, after a
+``stat`` walk, as one sorted list of the listing's own ``bytes`` objects, the ones the
+manager's index holds too (8 bytes a key), and their stamps in one array (8 bytes a key); their
+common size once. A listed key deleted, forgotten or rewritten since is marked in a bitmap (one
+bit a key), and a key written since the open goes into a dict. Listed records of differing
+sizes (a compressing codec) go into that dict, their stamps into another. A dict of every
+listed key (about 52 bytes a key at 10^5, beside the manager's own index of the same keys) is
+what this replaces.
 
 The listed records' stamps (the listing's, then each :meth:`KnownRecords.touch`) are what the
 tier's table of records (:mod:`kvtier.backends.file_table`) saves at a clean close; a record
@@ -18,11 +20,11 @@ read at that close).
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from itertools import pairwise
 
 import numpy as np
+from kvtier.backends.file_listed import ListedInMemory, ListedOnDisk
 
 __all__ = ["KnownRecords"]
 
@@ -50,13 +52,13 @@ class KnownRecords:
     """``key -> stored bytes`` of the records an instance knows, with ``get``, ``set``, ``pop``;
     and each one's access stamp (``touch``, ``columns``)."""
 
-    __slots__ = ("_fresh", "_fresh_stamps", "_gone", "_listed", "_listed_size", "_listed_stamps")
+    __slots__ = ("_fresh", "_fresh_stamps", "_gone", "_gone_count", "_listed", "_listed_size")
 
     def __init__(self) -> None:
-        self._listed: list[bytes] = []  # sorted keys listed at open, all of _listed_size bytes
+        self._listed: ListedInMemory | ListedOnDisk = ListedInMemory([], np.empty(0))  # keys listed at open, all of _listed_size bytes
         self._listed_size = 0
-        self._listed_stamps = np.empty(0, dtype=np.float64)  # _listed[i]'s stamp
-        self._gone: set[bytes] = set()  # listed keys deleted, forgotten or rewritten since
+        self._gone = bytearray()  # a bit per listed key: deleted, forgotten or rewritten since
+        self._gone_count = 0
         self._fresh: dict[bytes, int] = {}  # the other known keys (none of them listed and not gone)
         self._fresh_stamps: dict[bytes, float] = {}  # the stamps of listed records of differing sizes
 
@@ -76,19 +78,25 @@ class KnownRecords:
             return
         order = None if in_order else _key_order(keys)
         if order is None:
-            self._listed = keys if own and type(keys) is list else list(keys)
-            self._listed_stamps = np.array(stamps, dtype=np.float64)
+            listed = keys if own and type(keys) is list else list(keys)
+            self._listed = ListedInMemory(listed, np.array(stamps, dtype=np.float64))
         else:
-            self._listed, self._listed_stamps = [keys[i] for i in order], stamps[order]
+            self._listed = ListedInMemory([keys[i] for i in order], stamps[order])
         self._listed_size = int(stored[0]) if len(stored) else 0
+
+    def adopt_listed(self, listed: ListedOnDisk, size: int) -> None:
+        """Take keys listed in key order, distinct, each of ``size`` stored bytes, as
+        ``listed`` holds them (handed over: closed by :meth:`clear`), replacing what was known."""
+        self.clear()
+        self._listed, self._listed_size = listed, size
 
     def _at(self, key: bytes) -> int:
         """``key``'s position among the listed keys still known, or -1."""
         listed = self._listed
-        if not listed or key in self._gone:
+        if not len(listed):
             return -1
-        i = bisect_left(listed, key)
-        return i if i < len(listed) and listed[i] == key else -1
+        i = listed.find(key)
+        return i if i >= 0 and not (self._gone and self._gone[i >> 3] >> (i & 7) & 1) else -1
 
     def get(self, key: bytes, default: int = 0) -> int:
         size = self._fresh.get(key)
@@ -98,8 +106,8 @@ class KnownRecords:
 
     def set(self, key: bytes, size: int) -> None:
         """``key`` is (being) written with ``size`` stored bytes (its stamp is its file's)."""
-        if key not in self._fresh and self._at(key) >= 0:
-            self._leave(key)  # from now on known as written since the open
+        if key not in self._fresh and (i := self._at(key)) >= 0:
+            self._leave(i)  # from now on known as written since the open
         self._fresh[key] = size
         self._fresh_stamps.pop(key, None)
 
@@ -109,57 +117,69 @@ class KnownRecords:
         if key in self._fresh_stamps:
             self._fresh_stamps[key] = stamp
         elif (i := self._at(key)) >= 0:
-            self._listed_stamps[i] = stamp
+            self._listed.touch(i, stamp)
 
     def pop(self, key: bytes, default: int = 0) -> int:
         size = self._fresh.pop(key, None)
         if size is not None:
             self._fresh_stamps.pop(key, None)
             return size
-        if self._at(key) < 0:
+        i = self._at(key)
+        if i < 0:
             return default
-        self._leave(key)
+        self._leave(i)
         return self._listed_size
 
-    def _leave(self, key: bytes) -> None:
-        """Mark a listed key as no longer listed; the list is rebuilt once half of it has left
-        (so keys the manager has dropped do not stay alive here)."""
-        gone = self._gone
-        gone.add(key)
-        if len(gone) * 2 > len(self._listed):
-            keep = [i for i, k in enumerate(self._listed) if k not in gone]
-            self._listed = [self._listed[i] for i in keep]
-            self._listed_stamps = self._listed_stamps[keep]
-            self._gone = set()
+    def _leave(self, i: int) -> None:
+        """Mark the listed key at ``i`` as no longer listed; a list of the keys' objects is
+        rebuilt once half of it has left (so keys the manager has dropped do not stay alive
+        here)."""
+        listed = self._listed
+        if not self._gone:
+            self._gone = bytearray((len(listed) + 7) // 8)
+        self._gone[i >> 3] |= 1 << (i & 7)
+        self._gone_count += 1
+        if listed.rebuilds and self._gone_count * 2 > len(listed):
+            rebuilt = listed.without(np.flatnonzero(~self._gone_mask()).tolist())  # type: ignore[union-attr]
+            self._listed, self._gone, self._gone_count = rebuilt, bytearray(), 0
 
-    def columns(self, stamp_of: Callable[[bytes], float | None]) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        """Every known key in key order, with its stored size and stamp; ``stamp_of(key)``
-        gives the stamp of a key written since the open (``None``: it has no record, and is
-        left out)."""
-        gone = self._gone
-        keep = [i for i, k in enumerate(self._listed) if k not in gone] if gone else None
-        listed = self._listed if keep is None else [self._listed[i] for i in keep]
-        fresh, fresh_stamps = [], []
+    def _gone_mask(self) -> np.ndarray:
+        n = len(self._listed)
+        if not self._gone:
+            return np.zeros(n, dtype=bool)
+        return np.unpackbits(np.frombuffer(self._gone, dtype=np.uint8), bitorder="little")[:n].astype(bool)
+
+    def columns(self, stamp_of: Callable[[bytes], float | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every known key in key order (one ``S32`` column), with its stored size and stamp;
+        ``stamp_of(key)`` gives the stamp of a key written since the open (``None``: it has no
+        record, and is left out). ``OSError`` if the listed keys cannot be read back."""
+        listed = self._listed
+        keys, stamps = listed.packed_keys(), listed.stamps_now()
+        if self._gone_count:
+            keep = ~self._gone_mask()
+            keys, stamps = keys[keep], stamps[keep]
+        fresh, fresh_stored, fresh_stamps = [], [], []
         for key in sorted(self._fresh):
             stamp = self._fresh_stamps.get(key)
             if stamp is None:
                 stamp = stamp_of(key)
             if stamp is not None:
                 fresh.append(key)
+                fresh_stored.append(self._fresh[key])
                 fresh_stamps.append(stamp)
-        keys = listed + fresh  # two sorted runs: one merge
-        stored = np.concatenate([np.full(len(listed), self._listed_size, dtype=np.int64), np.array([self._fresh[k] for k in fresh], dtype=np.int64)])
-        stamps = np.concatenate([self._listed_stamps if keep is None else self._listed_stamps[keep], np.array(fresh_stamps, dtype=np.float64)])
-        order = _key_order(keys)
-        if order is None:
-            return keys, stored, stamps
-        return [keys[i] for i in order], stored[order], stamps[order]
+        stored = np.full(len(keys), self._listed_size, dtype=np.int64)
+        if not fresh:
+            return keys, stored, np.asarray(stamps, dtype=np.float64)
+        added = np.array(fresh, dtype="S32")
+        at = np.searchsorted(keys, added)  # two sorted runs, no key in both: one merge
+        return np.insert(keys, at, added), np.insert(stored, at, fresh_stored), np.insert(np.asarray(stamps, dtype=np.float64), at, fresh_stamps)
 
     def __len__(self) -> int:
-        return len(self._listed) - len(self._gone) + len(self._fresh)
+        return len(self._listed) - self._gone_count + len(self._fresh)
 
     def clear(self) -> None:
-        self._listed, self._listed_size, self._listed_stamps = [], 0, np.empty(0, dtype=np.float64)
-        self._gone = set()
+        self._listed.close()
+        self._listed, self._listed_size = ListedInMemory([], np.empty(0)), 0
+        self._gone, self._gone_count = bytearray(), 0
         self._fresh = {}
         self._fresh_stamps = {}

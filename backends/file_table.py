@@ -18,7 +18,8 @@ tier was closed: its size and stamp are then the table's (accounting and evictio
 its bytes: every read checks the record it reads. The unlink at open is not synced (a reopen
 syncs nothing): should a power loss bring the table back, every record added or removed since
 that open makes it differ from the directory, and a record rewritten or touched since is the
-case above.
+case above. Where every record has one stored size, the open keeps a descriptor of the
+unlinked table and leaves the listed keys and stamps there (:mod:`kvtier.backends.file_listed`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from stat import S_ISREG
 import numpy as np
 import xxhash
 from kvtier.backends.file_known import KnownRecords
+from kvtier.backends.file_listed import RUN, ListedOnDisk
 from kvtier.backends.file_tree import FileTree, Layout
 
 from kvtier.bulk import RecordColumns
@@ -72,14 +74,18 @@ def listed_sums(batches: Iterable[bytes | bytearray | memoryview]) -> tuple[int,
     return count, sums.astype("<u8").tobytes()
 
 
-def write_table(root: str, keys: Sequence[bytes], stored: np.ndarray, stamps: np.ndarray, *, durable: bool, temp: str) -> None:
-    """Write the table of ``keys`` (in key order), their stored sizes and stamps under ``root``
-    (temp file ``temp``, synced in ``durable`` mode, renamed over the table's name). ``OSError``
-    if it cannot be written (the temp file is removed)."""
+def write_table(root: str, keys: Sequence[bytes] | np.ndarray, stored: np.ndarray, stamps: np.ndarray, *, durable: bool, temp: str) -> None:
+    """Write the table of ``keys`` (in key order: ``bytes``, or one ``S32`` column), their
+    stored sizes and stamps under ``root`` (temp file ``temp``, synced in ``durable`` mode,
+    renamed over the table's name). ``OSError`` if it cannot be written (the temp file is
+    removed)."""
     n = len(keys)
     order = np.argsort(stamps, kind="stable").astype("<u4")
+    packed = keys.tobytes() if isinstance(keys, np.ndarray) else b"".join(keys)
+    if len(packed) != 32 * n:
+        raise ValueError(f"keys: expected {n} keys of 32 bytes, got {len(packed)} bytes")
     body = b"".join((
-        _HEAD.pack(_MAGIC, n), b"".join(keys), np.asarray(stored, dtype="<i8").tobytes(),
+        _HEAD.pack(_MAGIC, n), packed, np.asarray(stored, dtype="<i8").tobytes(),
         np.asarray(stamps, dtype="<f8").tobytes(), order.tobytes(),
     ))
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -107,11 +113,12 @@ def write_table(root: str, keys: Sequence[bytes], stored: np.ndarray, stamps: np
             os.close(dir_fd)
 
 
-def _read(root: str) -> mmap.mmap | bytes | None:
+def _read(root: str) -> tuple[mmap.mmap | bytes, int] | None:
     """The table, mapped (a read into memory of its size, freed, raised glibc's threshold for
     mapping allocations, and the memory the open went on to allocate stayed resident: 50 B a
-    key at 10^5; its columns are read in place), the table unlinked; ``None`` when there is
-    none, or it cannot be read or unlinked (then it must not be trusted)."""
+    key at 10^5; its columns are read in place), and a descriptor of it (the listed keys stay
+    there: :class:`~kvtier.backends.file_listed.ListedOnDisk`), the table unlinked; ``None``
+    when there is none, or it cannot be read or unlinked (then it must not be trusted)."""
     path = os.path.join(root, TABLE_NAME)
     data: mmap.mmap | bytes | None = None
     try:
@@ -119,6 +126,7 @@ def _read(root: str) -> mmap.mmap | bytes | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
+        fd = -1
         log.warning("file: the table of records %s cannot be opened (%s); listing every record", path, exc)
     else:
         try:
@@ -126,15 +134,17 @@ def _read(root: str) -> mmap.mmap | bytes | None:
             data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
         except (OSError, ValueError) as exc:
             log.warning("file: the table of records %s cannot be read (%s); listing every record", path, exc)
-        finally:
-            os.close(fd)
     try:
         os.unlink(path)
     except OSError as exc:
         log.warning("file: the table of records %s cannot be removed (%s); listing every record", path, exc)
+        data = None
+    if data is None:
         _close(data)
+        if fd >= 0:
+            os.close(fd)
         return None
-    return data
+    return data, fd
 
 
 def _close(data: mmap.mmap | bytes | None) -> None:
@@ -146,18 +156,25 @@ def _close(data: mmap.mmap | bytes | None) -> None:
 
 
 _CHUNK = 8192  # records per step of the checks and copies below (their temporaries stay small)
+#: A sound table of records of one stored size leaves the listed keys in its file
+#: (:class:`ListedOnDisk`); ``False``: they are held in memory as after a walk (for tests and
+#: measurement).
+LISTED_ON_DISK = True
 
 
 class Table:
     """A sound table's records: their keys in key order, one after the other, at ``at`` in
     ``data`` (the table's bytes); each one's ``stored`` size and ``stamp``; ``order`` (the
     positions oldest stamp first) and ``sums`` (:func:`key_sums` of the keys). The columns are
-    views of ``data``."""
+    views of ``data``; ``fd``: a descriptor of the table's file (owned; -1: none)."""
 
-    __slots__ = ("at", "data", "order", "stamps", "stored", "sums")
+    __slots__ = ("at", "data", "fd", "order", "stamps", "stored", "sums")
 
-    def __init__(self, data: mmap.mmap | bytes, at: int, stored: np.ndarray, stamps: np.ndarray, order: np.ndarray, sums: bytes) -> None:
+    def __init__(
+        self, data: mmap.mmap | bytes, at: int, stored: np.ndarray, stamps: np.ndarray, order: np.ndarray, sums: bytes, fd: int = -1
+    ) -> None:
         self.data, self.at, self.stored, self.stamps, self.order, self.sums = data, at, stored, stamps, order, sums
+        self.fd = fd
 
     def __len__(self) -> int:
         return len(self.stored)
@@ -169,9 +186,21 @@ class Table:
         columns oldest first are gathered a chunk at a time into arrays of their own pages (see
         :func:`_unpooled`), with no temporary the size of a column; the list of the keys oldest
         first is allocated before the tier's, so that, freed after the manager's adoption, it
-        is not at the top of the open thread's arena (which ``malloc_trim`` leaves)."""
+        is not at the top of the open thread's arena (which ``malloc_trim`` leaves).
+
+        Where every record has the same stored size and the table's file is open, ``known``
+        keeps the keys and stamps in that file (:class:`ListedOnDisk`, which takes the
+        descriptor) and the key objects are made for the manager's columns only."""
         data, at, n = self.data, self.at, len(self)
-        by_age: list[bytes] = [b""] * n  # before the lists that stay: not at the top of the arena once freed
+        if LISTED_ON_DISK and n and self.fd >= 0 and self.stored.min() == self.stored.max():
+            by_age: list[bytes] = [b""] * n
+            packed = np.frombuffer(data, dtype="V32", count=n, offset=at)
+            firsts = packed[::RUN].tolist()
+            columns = _gather(by_age, packed, self.stored, self.stamps, self.order)
+            known.adopt_listed(ListedOnDisk(self.fd, n, at, at + 40 * n, firsts), int(self.stored[0]))
+            self.fd = -1
+            return columns
+        by_age = [b""] * n  # before the lists that stay: not at the top of the arena once freed
         keys = np.frombuffer(data, dtype="V32", count=n, offset=at).tolist()  # a bytes object each, in C
         known.adopt(keys, self.stored, self.stamps, own=True, in_order=True)  # the order checked by _parse
         return _gather(by_age, keys, self.stored, self.stamps, self.order)
@@ -179,18 +208,25 @@ class Table:
     def close(self) -> None:
         self.stored = self.stamps = self.order = np.empty(0)  # the views of data, before it closes
         _close(self.data)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
-def _gather(by_age: list[bytes], keys: list[bytes], stored: np.ndarray, stamps: np.ndarray, order: np.ndarray) -> RecordColumns:
-    """The records ``keys``, ``stored``, ``stamps`` in the ``order`` of their stamps (oldest
-    first), gathered a chunk at a time into ``by_age`` (a list of their length, allocated by
-    the caller before the lists that stay) and arrays of their own pages (:func:`_unpooled`)."""
+def _gather(by_age: list[bytes], keys: list[bytes] | np.ndarray, stored: np.ndarray, stamps: np.ndarray, order: np.ndarray) -> RecordColumns:
+    """The records ``keys`` (``bytes``, or a ``V32`` column: a ``bytes`` object is made of each
+    key here), ``stored``, ``stamps`` in the ``order`` of their stamps (oldest first), gathered
+    a chunk at a time into ``by_age`` (a list of their length, allocated by the caller before
+    the lists that stay) and arrays of their own pages (:func:`_unpooled`)."""
     n = len(keys)
     stored_by_age, stamps_by_age = _unpooled(n, "i8"), _unpooled(n, "f8")
     for start in range(0, n, _CHUNK):
         rows = order[start : start + _CHUNK].astype(np.intp)
         np.take(stored, rows, out=stored_by_age[start : start + _CHUNK])
         np.take(stamps, rows, out=stamps_by_age[start : start + _CHUNK])
+        if isinstance(keys, np.ndarray):
+            by_age[start : start + len(rows)] = keys[rows].tolist()
+            continue
         got = itemgetter(*rows.tolist())(keys)
         by_age[start : start + len(rows)] = got if len(rows) > 1 else (got,)
     return RecordColumns(by_age, stored_by_age, stamps_by_age, oldest_first=True)
@@ -208,9 +244,10 @@ def _walked(columns: RecordColumns, known: KnownRecords) -> RecordColumns:
     return _gather(by_age, columns.keys, columns.stored, columns.stamps, order)
 
 
-def _parse(data: mmap.mmap | bytes) -> Table | None:
-    """The table's records (their columns views of ``data``), or ``None`` if it is not sound.
-    Checked a chunk at a time: no temporary the size of a column."""
+def _parse(data: mmap.mmap | bytes, fd: int = -1) -> Table | None:
+    """The table's records (their columns views of ``data``; ``fd``: the table's file, handed
+    to the table), or ``None`` if it is not sound. Checked a chunk at a time: no temporary the
+    size of a column."""
     size = len(data)
     if size < _HEAD.size + _SUM_SIZE or data[-_SUM_SIZE:] != _digest(data, size - _SUM_SIZE):
         return None
@@ -226,7 +263,7 @@ def _parse(data: mmap.mmap | bytes) -> Table | None:
         return None
     with memoryview(data) as view:
         sums = key_sums(view[at : at + 32 * n])
-    return Table(data, at, stored, stamps, order, sums)
+    return Table(data, at, stored, stamps, order, sums, fd)
 
 
 def _sound(keys: np.ndarray, stored: np.ndarray, stamps: np.ndarray, order: np.ndarray) -> bool:
@@ -263,12 +300,15 @@ def take_table(root: str) -> Table | None:
     """Take the table under ``root`` (it is unlinked whatever it holds): its records, or
     ``None`` when there was none or it is not sound (logged; the caller closes a table it
     gets)."""
-    data = _read(root)
-    if data is None:
+    read = _read(root)
+    if read is None:
         return None
-    table = _parse(data)
+    data, fd = read
+    table = _parse(data, fd)
     if table is None:
         _close(data)
+        if fd >= 0:
+            os.close(fd)
         log.warning("file: the table of records under %s is damaged; listing every record", root)
     return table
 
@@ -296,9 +336,9 @@ def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, layout: 
     """Write the table of the records ``known`` holds (taken under ``lock``; a record written
     since the open has its file's stamp, and is left out if it is not there) for the next open;
     a table that cannot be written is logged (that open lists every record)."""
-    with lock:
-        keys, stored, stamps = known.columns(functools.partial(_stamp, root, layout))
     try:
+        with lock:
+            keys, stored, stamps = known.columns(functools.partial(_stamp, root, layout))
         write_table(root, keys, stored, stamps, durable=durable, temp=temp)
     except OSError as exc:
         log.warning("file: the table of records under %s cannot be written (%s); the next open lists every record", root, exc)

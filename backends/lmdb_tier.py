@@ -31,9 +31,11 @@ Contract and choices:
   run, and where one value per transaction led, the cause was the allocator, not the disk:
   without ``writemap`` LMDB ``malloc``s each large value's pages and frees them at the commit,
   and glibc hands the top of its heap back to the kernel after a commit of 16 such values, so
-  the next one faults 32 MiB in afresh, while one value per transaction reuses one chunk. With
-  glibc told to keep its heap (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``) one
-  transaction per job led at 2 MiB too. So there is no size threshold (``docs/tiers.md``). A
+  the next one faults 32 MiB in afresh, while one value per transaction reuses one chunk.
+  Before its first commit of a larger size the tier has glibc keep that much freed heap
+  (:mod:`kvtier.backends.lmdb_heap`: glibc's own dynamic threshold, raised as freeing any
+  large buffer raises it; never ``mallopt``, which stays the engine's), and one transaction per
+  job then leads at 2 MiB too. So there is no size threshold (``docs/tiers.md``). A
   transaction that hits a full map is aborted and its records are put one per transaction, so
   the failure stays confined to the keys that do not fit.
 * Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` on

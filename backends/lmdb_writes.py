@@ -6,7 +6,11 @@ A job's records go in one write transaction, and jobs whose writers wait togethe
 its sync (:mod:`kvtier.backends.group_commit`). Durable (``sync_mode="durable"``), a write
 returns only after its commit (``sync=True``: the data pages are synced before the meta page is
 written) and an ``env.sync()`` (the meta page) are done: a block counts as saved only once it is
-on stable storage, and a commit that fails fails every job that shared it.
+on stable storage, and a commit that fails fails every job that shared it. Before a group's
+transaction, glibc is made to keep as much freed heap as the group's records take
+(:func:`~kvtier.backends.lmdb_heap.keep_heap_for`, once per larger size): LMDB ``malloc``s each
+value's pages and frees them at the commit, and the next commit then reuses them instead of
+faulting them in again.
 
 A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
 payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index
@@ -45,6 +49,7 @@ from kvtier.backends import lmdb_entries
 from kvtier.backends.group_commit import GroupCommit
 from kvtier.backends.lmdb_entries import INDEX, index_entry, restamp
 from kvtier.backends.lmdb_files import map_pages
+from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_plain import host_rows
 
@@ -138,6 +143,9 @@ class LmdbWrites(PersistentRecordBackend):
             # two lseeks (see the module doc).
             maps = self.format.block_bytes >= MAP_AFTER_BYTES
             start = self._data_end() if maps else None
+            # The transaction mallocs each value's pages and frees them all at its commit:
+            # glibc is made to keep that much free heap for the next one (lmdb_heap).
+            keep_heap_for(sum(map(len, jobs)) * self._pages(self._head_bytes() + self.format.block_bytes))
             try:
                 sizes = self._put_together(env, jobs)
             except _PUT_FAILED as exc:

@@ -11,6 +11,11 @@ from kvtier.backends.file_known import KnownRecords
 from kvtier.testing import make_key
 
 
+def _unpacked(packed: np.ndarray) -> list[bytes]:
+    data = packed.tobytes()
+    return [data[i : i + 32] for i in range(0, len(data), 32)]
+
+
 @pytest.mark.parametrize("uniform", [True, False])
 def test_known_records_answer_as_a_dict_of_every_known_key(uniform: bool) -> None:
     rng = random.Random(7)
@@ -42,7 +47,7 @@ def test_a_uniform_listing_holds_no_per_key_size_and_drops_keys_that_left() -> N
     known = KnownRecords()
     known.adopt(keys, np.full(100, 4096, dtype=np.int64))
     assert known._fresh == {} and known._listed_size == 4096
-    assert all(listed is key for listed, key in zip(known._listed, sorted(keys)))  # the listing's objects
+    assert all(listed is key for listed, key in zip(known._listed.keys, sorted(keys)))  # the listing's objects
     for key in keys[:51]:
         assert known.pop(key) == 4096
     assert len(known._listed) == 49 and not known._gone  # rebuilt once half had left
@@ -95,7 +100,8 @@ def test_known_stamps_follow_adopt_writes_touches_and_pops_as_a_dict_does(unifor
             files.pop(key, None)
     lost = rng.choice(sorted(files))  # written, and its file gone since
     del files[lost]
-    keys, stored, stamped = known.columns(files.get)
+    packed, stored, stamped = known.columns(files.get)
+    keys = _unpacked(packed)
     expected = sorted(k for k in model if k != lost)
     assert keys == expected
     assert stored.tolist() == [model[k][0] for k in keys]

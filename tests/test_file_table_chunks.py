@@ -104,7 +104,7 @@ def test_the_records_oldest_first_are_the_whole_column_gather_in_pages_of_their_
     assert columns.keys == [keys[i] for i in order]
     assert columns.stored.tolist() == [stored[i] for i in order]
     assert columns.stamps.tolist() == [stamps[i] for i in order]
-    assert all(a is b for a, b in zip(sorted(columns.keys), sorted(known._listed or known._fresh)))  # the same objects
+    assert all(a is b for a, b in zip(sorted(columns.keys), sorted(known._listed.keys or known._fresh)))  # the same objects
     assert [known.get(k) for k in keys] == stored
     # The columns the manager drops after adopting them are not the allocator's: their own pages.
     assert all(isinstance(getattr(c.base, "obj", c.base), mmap.mmap) for c in (columns.stored, columns.stamps))
@@ -181,6 +181,6 @@ def test_the_walk_at_open_hands_its_records_oldest_first_as_the_managers_sort_or
         assert columns.oldest_first and columns.keys == general.keys
         assert columns.stored.tolist() == general.stored.tolist() and columns.stamps.tolist() == general.stamps.tolist()
         assert all(isinstance(getattr(c.base, "obj", c.base), mmap.mmap) for c in (columns.stored, columns.stamps))
-        assert reopened._sizes._listed == sorted(keys)  # type: ignore[attr-defined]
+        assert reopened._sizes._listed.keys == sorted(keys)  # type: ignore[attr-defined]
     finally:
         asyncio.run(reopened.aclose())

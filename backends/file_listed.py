@@ -1,0 +1,148 @@
+"""The keys a ``file`` tier listed at open, in key order, with their stamps: the part of its
+:class:`~kvtier.backends.file_known.KnownRecords` that grows with the store.
+
+Two forms answer the same calls (``find``, ``touch``, ``packed_keys``, ``stamps_now``):
+
+* :class:`ListedInMemory`: a list of the listing's own ``bytes`` objects (the ones the
+  manager's index holds: 8 bytes a key) and their stamps in one array (8 bytes a key). What a
+  ``stat`` walk lists.
+* :class:`ListedOnDisk`: what an open takes from a clean close's table of records
+  (:mod:`kvtier.backends.file_table`), left in that table's file. The open unlinks the table,
+  so it keeps one descriptor on it; the keys are found there by ``pread``: one read of a run
+  of :data:`RUN` keys (4 KiB), found by bisection over the first key of each run, held in
+  memory (under 1 byte a key). The stamps stay there too: a clean close reads them back once,
+  with the touches since the open (a dict of the keys touched) laid over them. Nothing of it
+  is anonymous memory of the process, as an ``lmdb`` store keeps its keys in its mapped file:
+  the table's pages are the page cache's, which the kernel may drop and read again. A read
+  that fails (a failing disk) answers "not listed", logged once: that key's bytes then leave
+  the tier's accounting, never its reads, which look the record up by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from bisect import bisect_left, bisect_right
+
+import numpy as np
+
+__all__ = ["RUN", "ListedInMemory", "ListedOnDisk"]
+
+log = logging.getLogger("kvtier.backends.file_tier")
+
+#: Keys a :class:`ListedOnDisk` reads at once (128 keys of 32 bytes: one 4 KiB read).
+RUN = 128
+_KEY = 32
+
+
+class ListedInMemory:
+    """The listed ``keys`` (a sorted list of distinct ``bytes``) and their ``stamps``."""
+
+    __slots__ = ("keys", "stamps")
+    #: :meth:`without` gives the keys still listed (the others' objects let go).
+    rebuilds = True
+
+    def __init__(self, keys: list[bytes], stamps: np.ndarray) -> None:
+        self.keys, self.stamps = keys, stamps
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def find(self, key: bytes) -> int:
+        """``key``'s position, or -1."""
+        keys = self.keys
+        i = bisect_left(keys, key)
+        return i if i < len(keys) and keys[i] == key else -1
+
+    def touch(self, i: int, stamp: float) -> None:
+        self.stamps[i] = stamp
+
+    def packed_keys(self) -> np.ndarray:
+        """Every listed key, in key order, as one ``S32`` column."""
+        return np.array(self.keys, dtype=f"S{_KEY}") if self.keys else np.empty(0, dtype=f"S{_KEY}")
+
+    def stamps_now(self) -> np.ndarray:
+        return self.stamps
+
+    def without(self, keep: list[int]) -> ListedInMemory:
+        """The keys at ``keep`` only (the others have left: their objects are let go)."""
+        return ListedInMemory([self.keys[i] for i in keep], self.stamps[keep])
+
+    def close(self) -> None:
+        pass
+
+
+class ListedOnDisk:
+    """``n`` keys in key order at offset ``keys_at`` of the open file ``fd`` (owned: closed by
+    :meth:`close`), their stamps (``<f8``) at ``stamps_at``; ``firsts``: the first key of each
+    run of :data:`RUN` keys."""
+
+    __slots__ = ("_failed", "_last", "fd", "firsts", "keys_at", "n", "stamps_at", "touched")
+    #: Never rebuilt: its keys hold no object of the process.
+    rebuilds = False
+
+    def __init__(self, fd: int, n: int, keys_at: int, stamps_at: int, firsts: list[bytes]) -> None:
+        if len(firsts) != -(-n // RUN):
+            raise ValueError(f"firsts: expected the first key of each of the {-(-n // RUN)} runs of {n} keys, got {len(firsts)}")
+        self.fd, self.n, self.keys_at, self.stamps_at, self.firsts = fd, n, keys_at, stamps_at, firsts
+        self.touched: dict[int, float] = {}  # stamps given since the open, by position
+        self._failed = False
+        self._last: tuple[bytes, int] = (b"", -1)  # the last key found and its answer (a write asks twice)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def find(self, key: bytes) -> int:
+        """``key``'s position, or -1 (also when the table cannot be read: logged once)."""
+        last = self._last
+        if key == last[0]:
+            return last[1]
+        run = bisect_right(self.firsts, key) - 1
+        if run < 0:
+            return -1
+        start = run * RUN
+        count = min(RUN, self.n - start)
+        try:
+            block = self._read(self.keys_at + start * _KEY, count * _KEY)
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                log.warning("file: the listed keys cannot be read back (%s); those keys leave the tier's accounting", exc)
+            return -1
+        at = block.find(key)  # a scan in C: faster here than a bisection in Python
+        while at > 0 and at % _KEY:  # found across two keys' bytes: look on
+            at = block.find(key, at + 1)
+        found = -1 if at < 0 else start + at // _KEY
+        self._last = (key, found)  # the keys and their places never change: always true
+        return found
+
+    def touch(self, i: int, stamp: float) -> None:
+        self.touched[i] = stamp
+
+    def packed_keys(self) -> np.ndarray:
+        return np.frombuffer(self._read(self.keys_at, self.n * _KEY), dtype=f"S{_KEY}")
+
+    def stamps_now(self) -> np.ndarray:
+        """The stamps, the touches since the open laid over the table's."""
+        stamps = np.frombuffer(self._read(self.stamps_at, self.n * 8), dtype="<f8").astype(np.float64)
+        if self.touched:
+            at = np.fromiter(self.touched, dtype=np.intp, count=len(self.touched))
+            stamps[at] = np.fromiter(self.touched.values(), dtype=np.float64, count=len(self.touched))
+        return stamps
+
+    def _read(self, at: int, size: int) -> bytes:
+        data = os.pread(self.fd, size, at)
+        if len(data) == size:
+            return data
+        parts = [data]
+        while size > (got := sum(map(len, parts))):
+            part = os.pread(self.fd, size - got, at + got)
+            if not part:
+                raise OSError(f"the table of records ends at {at + got}, {size - got} bytes short")
+            parts.append(part)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
