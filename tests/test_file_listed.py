@@ -228,6 +228,7 @@ def test_an_open_that_fails_after_taking_the_table_keeps_no_descriptor(tmp_path:
     table's nor the root's, and (shared) follows the directory no more: the store closes only
     the tiers that opened."""
     from kvtier.backends import file_tier
+
     from kvtier.errors import DiskError
 
     backend = _tier(tmp_path)
