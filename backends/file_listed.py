@@ -21,6 +21,7 @@ Two forms answer the same calls (``find``, ``touch``, ``packed_keys``, ``stamps_
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from bisect import bisect_left, bisect_right
@@ -174,6 +175,9 @@ def scratch_listing(root: str, keys: list[bytes], stamps: np.ndarray) -> ListedO
         return None
 
 
+_scratch_names = itertools.count()
+
+
 def _scratch_fd(root: str) -> int:
     flags = os.O_RDWR | os.O_CLOEXEC
     if hasattr(os, "O_TMPFILE"):
@@ -181,7 +185,7 @@ def _scratch_fd(root: str) -> int:
             return os.open(root, flags | os.O_TMPFILE, 0o600)
         except OSError:
             pass  # a filesystem without it: a name of its own, unlinked at once
-    path = os.path.join(root, f"kvtier-listed.{os.getpid()}.{id(root)}.tmp")
+    path = os.path.join(root, f"kvtier-listed.{os.getpid()}.{next(_scratch_names)}.tmp")
     fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.unlink(path)
