@@ -293,3 +293,41 @@ def test_an_interrupted_load_on_its_thread_is_reported_failed_and_its_promotions
     finally:
         engine.close(HANG_GUARD)
     assert engine.stopped
+
+
+@pytest.mark.parametrize("how", ["now", "plain", "general"])
+def test_an_interrupt_in_the_undo_of_an_interrupted_store_still_gives_the_engine_back(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The copy is interrupted, then so is the undo's first delete: the second interrupt goes
+    up, and the engine is idle all the same (the next job runs inline)."""
+    rig = HostRig()
+    engine, manager, backend = rig.engine, rig.manager, rig.backend
+    engine._inline.plain.enabled = how != "general"
+    try:
+        plan = manager.prepare_store(K[0:2])
+        assert plan is not None
+        interrupt_once(monkeypatch, rig.layout, "gather")
+        deletes = []
+        inner = backend.delete_blocks
+
+        def delete(keys: Any) -> None:
+            deletes.append(list(keys))
+            raise KeyboardInterrupt("in the undo")
+
+        monkeypatch.setattr(backend, "delete_blocks", delete)
+        with pytest.raises(KeyboardInterrupt, match="in the undo"):
+            if how == "now":
+                engine.store_now(plan, [0, 1])
+            else:
+                engine.submit_store(plan, [0, 1], inline=True)
+        assert deletes == [list(K[0:2])]  # the undo's delete of its new blocks, interrupted
+        assert engine._active == 0 and not engine._inline_running and not engine._jobs and not engine._finished
+        engine.wait_idle(HANG_GUARD)
+        monkeypatch.undo()
+        inner(K[0:2])  # (what the undo would have deleted)
+        apply_result(manager, plan, plan_failed(0, plan, "interrupted"))
+        plan = manager.prepare_store(K[2:4])
+        assert plan is not None
+        assert runs_inline(engine, lambda: engine.submit_store(plan, [2, 3], inline=True)).success
+    finally:
+        engine.close(HANG_GUARD)
+    assert engine.stopped

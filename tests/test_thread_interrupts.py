@@ -118,3 +118,22 @@ def test_an_interrupt_in_a_group_write_fails_its_jobs(monkeypatch: pytest.Monkey
     finally:
         rig.engine.close(HANG_GUARD)
     assert rig.engine.stopped
+
+
+def test_an_interrupt_in_a_staged_copy_gives_its_staging_budget_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that demotes into a byte tier copies its blocks into staging on the device
+    thread; that copy is interrupted: the job fails as above, and the staging it had counted
+    is given back (it stayed counted for good, and later jobs found the staging full)."""
+    rig = Rig("dict", "back")
+    try:
+        rig.fill()
+        interrupt_once(monkeypatch, rig.layout, "gather")  # the copy into the job's staging
+        res = rig.threaded_store(K[8:10], [8, 9])
+        assert not res.success and "KeyboardInterrupt" in (res.error or "")
+        assert rig.engine._staged_bytes == 0 and rig.engine.counters["staged_jobs"] == 1
+        assert [rig.manager.status(k).state for k in (K[0], K[1], K[8], K[9])] == [KeyState.MISS] * 4
+        monkeypatch.undo()
+        _goes_on(rig)
+    finally:
+        rig.engine.close(HANG_GUARD)
+    assert rig.engine.stopped

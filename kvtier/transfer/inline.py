@@ -138,11 +138,13 @@ class InlineJobs:
         e = self.e
         if ended and rec.result is None:
             return  # handed on to the tiers thread, which ends it (an interrupt at the very end)
-        if isinstance(rec, StoreRecord):
-            self.plans.cleanup(rec.store_plan)
-        else:
-            assert isinstance(rec, LoadRecord)
-            delete_from(e, 0, rec.load_plan.promote, "cleanup of an interrupted load's promotions")
-        if not ended and not e._finish(rec, failed_result(rec, "interrupted"), retire=True):
-            e._retire()  # reported failed meanwhile (a close): given back all the same
-        e.take(rec.job_id)
+        try:
+            if isinstance(rec, StoreRecord):
+                self.plans.cleanup(rec.store_plan)
+            else:
+                assert isinstance(rec, LoadRecord)
+                delete_from(e, 0, rec.load_plan.promote, "cleanup of an interrupted load's promotions")
+        finally:  # (a tier that raises an interrupt in the undo too: the engine is given back all the same)
+            if not ended and not e._finish(rec, failed_result(rec, "interrupted"), retire=True):
+                e._retire()  # reported failed meanwhile (a close): given back all the same
+            e.take(rec.job_id)

@@ -147,8 +147,10 @@ class JobsNow:
             self._plans.delete_new(plan)
             error = repr(exc)
         except BaseException:  # an interrupt: undone (its evictions too), counted failed, given back, raised
-            self._plans.cleanup(plan)
-            self._end("store", False, 0)
+            try:
+                self._plans.cleanup(plan)
+            finally:  # (an interrupt in the undo too: given back all the same)
+                self._end("store", False, 0)
             raise
         seconds = time.perf_counter() - start
         self._end("store", error is None, nbytes)

@@ -241,7 +241,11 @@ class StoreMover:
             )
         except Expired:
             work.mode, work.staging = "cleanup", None  # the tiers thread gives the staging budget back
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # an interrupt goes up: its staging budget given back first
+                with self.e._lock:
+                    self.e._staged_bytes -= need
+                raise
             log.warning("store job %d: reading its blocks failed: %s", rec.job_id, exc, exc_info=True)
             work.mode, work.error, work.staging = "degraded", repr(exc), None
         return work
