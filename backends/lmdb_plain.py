@@ -40,9 +40,14 @@ from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.record import CHECKED, HEADER
 
-__all__ = ["FileGuard", "PlainReads", "RowViews", "host_rows"]
+__all__ = ["UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows"]
 
 _SUM = struct.Struct("<Q")
+#: The head of a plain split record whose checksum the write transaction takes from the copy
+#: its put just made (:meth:`PlainReads.summed`): this very object (compared by identity), as
+#: long as a real head, so that sizes count alike. Written by mistake it would be a record
+#: whose check fails (a counted miss), never one served.
+UNSUMMED = bytes(HEADER.size)
 _U8 = torch.uint8
 
 
@@ -221,23 +226,30 @@ class PlainReads:
         """``(key, head, payload)`` of each block (``views``: its bytes, as :func:`host_rows`
         gives them) as a plain record: the bytes ``encode_record`` makes for a block that is not
         compressed and not keyed, by the same state as :meth:`read` (one XXH3 over the key and
-        the block per record, continued from the store's 24 head bytes).
+        the block per record, continued from the store's 24 head bytes); a split record's head
+        is :data:`UNSUMMED`, made by :meth:`summed` in the write transaction.
 
         A record put joined (at most ``JOIN_MAX`` bytes) is ``(key, b"", record)``: the whole
         record in one ``bytes``, the block copied into it in its checksum's pass
         (:func:`kvtier.records.xxcopy.xxh3_joined`), where the put would else copy head and
         block together after the hash had read the block."""
-        head, prefix, pack = self.head, self.prefix, _SUM.pack
         if HEADER.size + self.size <= lmdb_entries.JOIN_MAX:
-            joined = xxcopy.xxh3_joined
+            joined, head = xxcopy.xxh3_joined, self.head
             return [(key, b"", joined(head, key, view)) for key, view in zip(keys, views)]
-        job = []
-        for key, view in zip(keys, views):
-            h = prefix.copy()
-            h.update(key)
-            h.update(view)
-            job.append((key, head + pack(h.intdigest()), view))
-        return job
+        # A larger one is put as the block, and its head (:data:`UNSUMMED` until then) made in
+        # the same transaction from the copy that put made (:meth:`summed`).
+        return [(key, UNSUMMED, view) for key, view in zip(keys, views)]
+
+    def summed(self, key: bytes, stored: Any) -> bytes:
+        """The head of the plain record of ``key`` whose payload is ``stored``: the same bytes
+        as :meth:`records` made from the block before its put. Taken from the copy in the write
+        transaction (``stored``: its ``get`` just after the put), the block is read once, by
+        the put, and the checksum's pass reads a copy still in this core's cache: 3.3 ms
+        against 1.4 of a 2 MiB job of 16 here, beside a 9-10 ms commit with the syncs off."""
+        h = self.prefix.copy()
+        h.update(key)
+        h.update(stored)
+        return self.head + _SUM.pack(h.intdigest())
 
 
 class FileGuard:

@@ -49,7 +49,8 @@ Contract and choices:
   checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`);
   other jobs' checksums (keyed, cold, or large ones while a core is spare) run on a side thread
   while the job's copies run on the calling one (:mod:`kvtier.records.checks`). A job of plain
-  records is encoded in one loop on the calling thread (:mod:`kvtier.backends.lmdb_plain`).
+  records is encoded in one loop on the calling thread (:mod:`kvtier.backends.lmdb_plain`); a
+  split one's checksum is taken from the copy its put made, in the write transaction.
 * Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
   its meta pages are read with ``pread`` and checked against the file's size, and every branch
   and leaf page of its B-trees is checked as LMDB will walk it (LMDB aborts on a page it cannot

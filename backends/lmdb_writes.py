@@ -51,7 +51,7 @@ from kvtier.backends.lmdb_entries import INDEX, index_entry, restamp
 from kvtier.backends.lmdb_files import map_pages
 from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_layout import JobReader
-from kvtier.backends.lmdb_plain import host_rows
+from kvtier.backends.lmdb_plain import UNSUMMED, host_rows
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.keys import check_keys
@@ -195,8 +195,9 @@ class LmdbWrites(PersistentRecordBackend):
         blocks, index, pages, join_max = self._blocks, self._index, self._pages, lmdb_entries.JOIN_MAX
         length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
         stamp: float | None = None  # taken for the first split record (a joined one has no entry)
-        with env.begin(write=True) as txn:
-            put, delete = txn.put, txn.delete
+        summed = self._summed()
+        with env.begin(write=True, buffers=True) as txn:  # (buffers: a get gives the put's copy, not a bytes of it)
+            put, delete, get = txn.put, txn.delete, txn.get
             indexed = self._splits  # a joined save deletes the key's entry while it may be split
             for job in jobs:
                 job_sizes: list[int | None] = []
@@ -215,6 +216,8 @@ class LmdbWrites(PersistentRecordBackend):
                                 stamp = time.time()
                             entry = index_entry(stamp, stored)
                         put(key, payload, db=blocks)
+                        if head is UNSUMMED:  # a plain record: its checksum from the copy just put
+                            head = summed(key, get(key, db=blocks))
                         put(key, entry + head, db=index)
                         indexed = self._splits = True
                     job_sizes.append(stored)
@@ -257,14 +260,23 @@ class LmdbWrites(PersistentRecordBackend):
         return EncodedStream(lambda pair: self._encode_one(*pair), list(zip(keys, blocks)), sizes=[b.numel() for b in blocks])
 
     def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
-        with env.begin(write=True) as txn:
+        with env.begin(write=True, buffers=True) as txn:
             if len(head) + len(payload) <= lmdb_entries.JOIN_MAX:
                 txn.put(key, head + payload if head else payload, db=self._blocks)
                 txn.delete(key, db=self._index)
             else:
                 txn.put(key, payload, db=self._blocks)
+                if head is UNSUMMED:
+                    head = self._summed()(key, txn.get(key, db=self._blocks))
                 txn.put(key, index_entry(time.time(), stored, head), db=self._index)
                 self._splits = True
+
+    def _summed(self) -> Any:
+        """:meth:`PlainReads.summed` of this store (what makes an :data:`UNSUMMED` head)."""
+        reader = self._reader
+        if reader is None:
+            raise BackendError(f"lmdb: {self.path!r} is not open")
+        return reader.plain.summed
 
     def _bump_txnid(self, env: lmdb.Environment) -> None:
         try:

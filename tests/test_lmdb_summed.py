@@ -1,0 +1,115 @@
+"""A plain split record's checksum is taken in the write transaction from the copy its put made
+(``lmdb_plain.PlainReads.summed``), not from the block before the put: the stored head and
+payload are byte for byte what the general encoder (``encode_record``) makes, in one transaction
+per job and in the one-per-record path a full map falls back to, they read back, and a flipped
+payload bit is a counted corrupt record."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+from kvtier.backends import lmdb_plain
+from kvtier.backends.lmdb_entries import INDEX
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.records.codec import NoneCodec
+from kvtier.records.format import encode_record
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=128 << 10, dtype="bfloat16", namespace={"model_id": "m"})  # split: above JOIN_MAX
+N = 5
+
+
+def _lmdb(path: Path) -> Backend:
+    backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(path), sync_mode="fast")
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+@pytest.mark.parametrize("shape", ["one transaction", "one per record"])
+def test_split_saves_store_what_the_general_encoder_makes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
+    keys = [make_key(i) for i in range(N)]
+    data = [random_block(FMT.block_bytes, 80 + i) for i in range(N)]
+    summed: list[bytes] = []
+    real = lmdb_plain.PlainReads.summed
+
+    def counting(self: Any, key: bytes, stored: Any) -> bytes:
+        summed.append(key)
+        return real(self, key, stored)
+
+    monkeypatch.setattr(lmdb_plain.PlainReads, "summed", counting)
+    backend = _lmdb(tmp_path)
+    if shape == "one per record":  # what a transaction that hit a full map falls back to
+
+        def full(*args: Any) -> Any:
+            raise lmdb.MapFullError("full")
+
+        monkeypatch.setattr(backend, "_put_together", full)
+    try:
+        assert all(s is not None for s in backend.write_blocks(keys, data))
+    finally:
+        asyncio.run(backend.aclose())
+    assert summed == keys  # each head made from the stored copy, in the transaction
+    env = lmdb.open(str(tmp_path), max_dbs=8, lock=True)
+    try:
+        blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
+        with env.begin(write=True) as txn:
+            for key, block in zip(keys, data):
+                head, payload = encode_record(key, memoryview(block.numpy()), NoneCodec(), 1)
+                assert txn.get(key, db=blocks) == bytes(payload)
+                entry = txn.get(key, db=index)
+                assert entry[INDEX.size :] == head
+                assert entry[INDEX.size :] != lmdb_plain.UNSUMMED
+            value = bytearray(txn.get(keys[2], db=blocks))
+            value[1000] ^= 0x10
+            txn.put(keys[2], bytes(value), db=blocks)
+    finally:
+        env.close()
+    backend = _lmdb(tmp_path)
+    try:
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        found = backend.read_blocks(keys, out)
+        stats = backend.stats()
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [True, True, False, True, True]
+    assert all(torch.equal(out[i], data[i]) for i in (0, 1, 3, 4))
+    assert stats["corrupt_records"] == 1
+
+
+def test_concurrent_jobs_in_one_commit_each_get_their_own_heads(tmp_path: Path) -> None:
+    """Jobs that share one commit (group commit) each get the heads of their own blocks."""
+    import threading
+
+    backend = _lmdb(tmp_path)
+    jobs = [[make_key(100 * j + i) for i in range(3)] for j in range(4)]
+    data = {k: random_block(FMT.block_bytes, 200 + n) for n, k in enumerate(k for job in jobs for k in job)}
+    gate = threading.Barrier(len(jobs))
+
+    def save(job: list[bytes]) -> None:
+        gate.wait()
+        assert None not in backend.write_blocks(job, [data[k] for k in job])
+
+    try:
+        threads = [threading.Thread(target=save, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        keys = list(data)
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * len(keys)
+        assert all(torch.equal(o, data[k]) for o, k in zip(out, keys))
+        env = backend._env  # type: ignore[attr-defined]
+        with env.begin() as txn:
+            for key in keys:
+                head, _ = encode_record(key, memoryview(data[key].numpy()), NoneCodec(), 1)
+                assert txn.get(key, db=backend._index)[INDEX.size :] == head  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(backend.aclose())
