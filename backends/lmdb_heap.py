@@ -18,8 +18,9 @@ heap for the next one. It never lowers a threshold and does not switch the adapt
 ``mallopt`` or the ``MALLOC_*_`` variables would: those stay the engine's to set, and where an
 engine set them (glibc then no longer adapts) this changes nothing.
 
-Its cost: up to twice the largest commit (at most 64 MiB) of free heap kept by each thread's
-arena that commits, instead of handed back after each commit. Elsewhere than glibc (another C
+Its cost: up to twice the largest commit (at most 64 MiB) of free heap kept at the top of each
+arena of the process (the thresholds are the process's: every thread's arena, not only the
+committing one's), instead of handed back after each commit. Elsewhere than glibc (another C
 library, or glibc's ``malloc`` replaced by a preloaded one) it does nothing.
 """
 
