@@ -46,14 +46,17 @@ _kept = _START_BYTES  # the largest chunk freed here so far (process-wide, as gl
 def _glibc() -> Any:
     """The process's ``malloc`` and ``free`` when they are glibc's; else ``None``."""
     try:
-        libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "__libc_malloc"):
+        libc = ctypes.CDLL(None)  # the process's symbols: the ``malloc`` LMDB calls
+        if not hasattr(libc, "gnu_get_libc_version"):
             return None
-        # A malloc that replaced glibc's (jemalloc, tcmalloc preloaded) does not adapt so:
-        # glibc's is the process's exactly when ``malloc`` is ``__libc_malloc``.
-        malloc, libc_malloc = libc.malloc, libc.__libc_malloc
-        if ctypes.cast(malloc, ctypes.c_void_p).value != ctypes.cast(libc_malloc, ctypes.c_void_p).value:
-            return None
+        # A malloc that replaced glibc's (jemalloc, tcmalloc preloaded) does not adapt so, and
+        # some also take the name ``__libc_malloc``: glibc's is the process's exactly when
+        # ``malloc`` and ``free`` are ``__libc_malloc`` and ``__libc_free`` as glibc's own
+        # library defines them (looked up in it, not in the process).
+        own = ctypes.CDLL("libc.so.6")
+        for name in ("malloc", "free"):
+            if _address(getattr(libc, name)) != _address(getattr(own, f"__libc_{name}")):
+                return None
     except (OSError, AttributeError):
         return None
     libc.malloc.restype = ctypes.c_void_p
@@ -61,6 +64,10 @@ def _glibc() -> Any:
     libc.free.restype = None
     libc.free.argtypes = [ctypes.c_void_p]
     return libc
+
+
+def _address(function: Any) -> int | None:
+    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 _libc: Any = None
