@@ -4,8 +4,8 @@
 Two forms answer the same calls (``find``, ``touch``, ``packed_keys``, ``stamps_now``):
 
 * :class:`ListedInMemory`: a list of the listing's own ``bytes`` objects (the ones the
-  manager's index holds: 8 bytes a key) and their stamps in one array (8 bytes a key). What a
-  ``stat`` walk lists.
+  manager's index holds: 8 bytes a key) and their stamps in one array (8 bytes a key): where
+  nothing could be written to disk, or the records' sizes differ.
 * :class:`ListedOnDisk`: what an open takes from a clean close's table of records
   (:mod:`kvtier.backends.file_table`), left in that table's file. The open unlinks the table,
   so it keeps one descriptor on it; the keys are found there by ``pread``: one read of a run
@@ -14,19 +14,25 @@ Two forms answer the same calls (``find``, ``touch``, ``packed_keys``, ``stamps_
   with the touches since the open (a dict of the keys touched) laid over them. Nothing of it
   is anonymous memory of the process, as an ``lmdb`` store keeps its keys in its mapped file:
   the table's pages are the page cache's, which the kernel may drop and read again. A read
-  that fails (a failing disk) answers "not listed", logged once: that key's bytes then leave
-  the tier's accounting, never its reads, which look the record up by name.
+  that fails (a failing disk) answers "not listed", logged once, and so does every find after
+  it, even once the reads work again: a key written or deleted meanwhile was not marked as
+  left, and listed again it would be counted twice or come back after its delete. The listed
+  keys' bytes then leave the tier's accounting (never its reads, which look the record up by
+  name), and the clean close writes no table from them (the next open walks).
+  A ``stat`` walk's listing is kept the same way, in a scratch file of its own
+  (:func:`scratch_listing`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-__all__ = ["RUN", "ListedInMemory", "ListedOnDisk"]
+__all__ = ["RUN", "ListedInMemory", "ListedOnDisk", "scratch_listing"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
@@ -93,7 +99,9 @@ class ListedOnDisk:
         return self.n
 
     def find(self, key: bytes) -> int:
-        """``key``'s position, or -1 (also when the table cannot be read: logged once)."""
+        """``key``'s position, or -1 (also once a read of the table has failed: logged once)."""
+        if self._failed:
+            return -1
         last = self._last
         if key == last[0]:
             return last[1]
@@ -120,6 +128,9 @@ class ListedOnDisk:
         self.touched[i] = stamp
 
     def packed_keys(self) -> np.ndarray:
+        """Every listed key, in key order; ``OSError`` once a read has failed (see the module doc)."""
+        if self._failed:
+            raise OSError("the listed keys could not be read back once: no table is written from them")
         return np.frombuffer(self._read(self.keys_at, self.n * _KEY), dtype=f"S{_KEY}")
 
     def stamps_now(self) -> np.ndarray:
@@ -146,3 +157,54 @@ class ListedOnDisk:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def scratch_listing(root: str, keys: list[bytes], stamps: np.ndarray) -> ListedOnDisk | None:
+    """``keys`` (in key order, distinct, each 32 bytes) and their ``stamps`` written to a file
+    of their own under ``root`` that no name reaches (``O_TMPFILE``, else a temp name unlinked
+    at once), as a table's: where a ``stat`` walk's listing is kept. ``None`` (logged) where it
+    cannot be written: the caller keeps the keys in memory. Written a chunk at a time, so no
+    temporary grows with the keys."""
+    n = len(keys)
+    try:
+        fd = _scratch_fd(root)
+    except OSError as exc:
+        log.warning("file: no scratch file under %s for the listed keys (%s); they stay in memory", root, exc)
+        return None
+    try:
+        for start in range(0, n, 8192):
+            _write_all(fd, b"".join(keys[start : start + 8192]))
+        _write_all(fd, memoryview(np.ascontiguousarray(stamps, dtype="<f8")).cast("B"))
+        if os.fstat(fd).st_size != 40 * n:
+            raise OSError(f"the scratch file holds {os.fstat(fd).st_size} bytes, not {40 * n}")
+        return ListedOnDisk(fd, n, 0, 32 * n, keys[::RUN])
+    except (OSError, ValueError) as exc:
+        os.close(fd)
+        log.warning("file: the listed keys cannot be written under %s (%s); they stay in memory", root, exc)
+        return None
+
+
+_scratch_names = itertools.count()
+
+
+def _scratch_fd(root: str) -> int:
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(root, flags | os.O_TMPFILE, 0o600)
+        except OSError:
+            pass  # a filesystem without it: a name of its own, unlinked at once
+    path = os.path.join(root, f"kvtier-listed.{os.getpid()}.{next(_scratch_names)}.tmp")
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.unlink(path)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

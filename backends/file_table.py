@@ -30,14 +30,16 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
 from operator import itemgetter
 from stat import S_ISREG
 
 import numpy as np
 import xxhash
 from kvtier.backends.file_known import KnownRecords
-from kvtier.backends.file_listed import RUN, ListedOnDisk
+from kvtier.backends.file_listed import RUN, ListedOnDisk, scratch_listing
 from kvtier.backends.file_tree import FileTree, Layout
 
 from kvtier.bulk import RecordColumns
@@ -156,9 +158,9 @@ def _close(data: mmap.mmap | bytes | None) -> None:
 
 
 _CHUNK = 8192  # records per step of the checks and copies below (their temporaries stay small)
-#: A sound table of records of one stored size leaves the listed keys in its file
-#: (:class:`ListedOnDisk`); ``False``: they are held in memory as after a walk (for tests and
-#: measurement).
+#: A sound table of records of one stored size leaves the listed keys in its file, and a walk's
+#: records of one size go to a scratch file (:class:`ListedOnDisk`); ``False``: they are held
+#: in memory (for tests and measurement).
 LISTED_ON_DISK = True
 
 
@@ -232,16 +234,29 @@ def _gather(by_age: list[bytes], keys: list[bytes] | np.ndarray, stored: np.ndar
     return RecordColumns(by_age, stored_by_age, stamps_by_age, oldest_first=True)
 
 
-def _walked(columns: RecordColumns, known: KnownRecords) -> RecordColumns:
+def _walked(columns: RecordColumns, known: KnownRecords, root: str | None = None) -> RecordColumns:
     """The walk's ``columns`` adopted into ``known`` and returned oldest first (stable by
     stamp: the order the manager's sort gives), allocated as :meth:`Table.adopt` does: the
-    temporaries before the lists that stay."""
+    temporaries before the lists that stay. With ``root``, where the records have one stored
+    size and the walk listed them in key order, ``known`` keeps them in a scratch file there
+    (:func:`scratch_listing`), as an open from a table does in the table's file."""
     n = len(columns)
     order = _unpooled(n, "i8")
     order[:] = np.argsort(columns.stamps, kind="stable")
     by_age: list[bytes] = [b""] * n
-    known.adopt(columns.keys, columns.stored, columns.stamps)
-    return _gather(by_age, columns.keys, columns.stored, columns.stamps, order)
+    keys, stored = columns.keys, columns.stored
+    listed = None
+    if LISTED_ON_DISK and root is not None and n and stored.min() == stored.max() and _distinct_in_order(keys):
+        listed = scratch_listing(root, keys, columns.stamps)
+    if listed is not None:
+        known.adopt_listed(listed, int(stored[0]))
+    else:
+        known.adopt(keys, stored, columns.stamps)
+    return _gather(by_age, keys, stored, columns.stamps, order)
+
+
+def _distinct_in_order(keys: list[bytes]) -> bool:
+    return all(a < b for a, b in pairwise(keys))
 
 
 def _parse(data: mmap.mmap | bytes, fd: int = -1) -> Table | None:
@@ -321,6 +336,7 @@ def open_listing(
     ``stat``, in batches of packed 32-byte keys: :func:`listed_sums`), else ``walk()``'s (a
     ``stat`` per record). ``table=False`` (a shared tier, whose records others write): the
     walk's, and no table is taken."""
+    _sweep_root(root)
     found = take_table(root) if table else None
     if found is not None:
         try:
@@ -329,7 +345,26 @@ def open_listing(
         finally:
             found.close()
         log.warning("file: the table of records under %s does not name the records there; listing every record", root)
-    return _walked(walk(), known)
+    return _walked(walk(), known, root)
+
+
+def _sweep_root(root: str) -> None:
+    """Unlink the stale temp files in ``root`` itself: a table's cut short by a crash in a close,
+    a scratch file's by one in an open. A flat store's listing passes there too; a sharded
+    store's records, and the sweep of their temps, are below it."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        now = time.time()
+        for name in os.listdir(fd):
+            if name.endswith(".tmp"):
+                FileTree._sweep_at(fd, name, now)
+    except OSError as exc:
+        log.debug("file: temp files under %s not swept: %s", root, exc)
+    finally:
+        os.close(fd)
 
 
 def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, layout: Layout, durable: bool, temp: str) -> None:

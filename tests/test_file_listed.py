@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -145,10 +146,12 @@ def _history(root: Path, keys: list[bytes], form: type) -> list[tuple[bytes, int
         asyncio.run(again.aclose())  # type: ignore[attr-defined]
 
 
-def test_a_tier_reopened_from_its_table_keeps_the_keys_there_and_lists_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("walk", [False, True])
+def test_a_tier_reopened_keeps_the_listed_keys_on_disk_and_lists_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
     """Two copies of one closed store, reopened and used the same way: with the listed keys
-    left in the table's file (the tier keeps under one key object in 64 of its own) and with
-    them in memory (the general path): the same records, sizes, stamps and order, twice."""
+    left in the table's file (or, with no table, in a scratch file the walk's open wrote) and
+    with them in memory (the general path): the same records, sizes, stamps and order,
+    twice."""
     monkeypatch.setattr(file_table, "RUN", 16)
     monkeypatch.setattr(file_listed, "RUN", 16)
     keys = [make_key(i) for i in range(200)]
@@ -156,6 +159,8 @@ def test_a_tier_reopened_from_its_table_keeps_the_keys_there_and_lists_as_before
     backend.write_blocks(keys, [random_block(FMT.block_bytes, i) for i in range(len(keys))])  # type: ignore[attr-defined]
     backend.touch_stamps([(k, 1_000_000.0 + (i % 7)) for i, k in enumerate(keys)])  # ties: the order is the table's
     asyncio.run(backend.aclose())  # type: ignore[attr-defined]
+    if walk:
+        (tmp_path / "a" / TABLE_NAME).unlink()
     os.system(f"cp -a {tmp_path / 'a'} {tmp_path / 'b'}")
     on_disk = _history(tmp_path / "a", keys, ListedOnDisk)
     monkeypatch.setattr(file_table, "LISTED_ON_DISK", False)
@@ -181,10 +186,91 @@ def test_a_table_that_cannot_be_read_back_is_a_logged_miss_and_the_next_open_wal
         backend.delete_blocks(keys[:2])  # type: ignore[attr-defined]
         asyncio.run(backend.aclose())  # type: ignore[attr-defined]
     assert sum("cannot be read back" in r.message for r in caplog.records) == 1
-    assert any("cannot be written" in r.message for r in caplog.records) and not (tmp_path / "file" / TABLE_NAME).exists()
-    again = _tier(tmp_path)
+    assert any("cannot be written" in r.message for r in caplog.records) and not (tmp_path / TABLE_NAME).exists()
+    names = sorted(os.listdir(tmp_path))
+    again = _tier(tmp_path)  # the walk's listing goes to a file no name reaches
     try:
         assert sorted(again.scan_columns().keys) == sorted(keys[2:])  # type: ignore[attr-defined]
-        assert isinstance(again._sizes._listed, ListedInMemory)  # type: ignore[attr-defined]
+        assert isinstance(again._sizes._listed, ListedOnDisk) and sorted(os.listdir(tmp_path)) == names  # type: ignore[attr-defined]
+        assert again._sizes.get(keys[3]) == 8192 and again._sizes.get(keys[0], -1) == -1  # a record of 4096 and its head, in blocks of 4 KiB  # type: ignore[attr-defined]
     finally:
         asyncio.run(again.aclose())  # type: ignore[attr-defined]
+
+
+def test_a_walk_whose_keys_cannot_be_written_down_keeps_them_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    keys = [make_key(i) for i in range(40)]
+    backend = _tier(tmp_path)
+    backend.write_blocks(keys, [random_block(FMT.block_bytes, i) for i in range(len(keys))])  # type: ignore[attr-defined]
+    asyncio.run(backend.aclose())  # type: ignore[attr-defined]
+    (tmp_path / TABLE_NAME).unlink()
+
+    def full(root: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(file_listed, "_scratch_fd", full)
+    with caplog.at_level(logging.WARNING, logger="kvtier.backends.file_tier"):
+        again = _tier(tmp_path)
+    try:
+        assert isinstance(again._sizes._listed, ListedInMemory) and any("stay in memory" in r.message for r in caplog.records)  # type: ignore[attr-defined]
+        assert [again._sizes.get(k) for k in keys] == [8192] * len(keys) and len(again._sizes) == len(keys)  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(again.aclose())  # type: ignore[attr-defined]
+
+
+def test_a_table_that_fails_one_read_then_reads_again_never_lists_a_key_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of the table's file that fails once (a disk or NFS error that passes): the key
+    written and deleted meanwhile stays gone when the reads work again (its bytes counted once,
+    never given back twice), and no table is written back from a listing that failed."""
+    keys = [make_key(i) for i in range(40)]
+    known = KnownRecords()
+    known.adopt_listed(_on_disk(tmp_path, sorted(keys), np.zeros(len(keys))), 4096)
+    real = os.pread
+    failing = {"on": True}
+
+    def pread(fd: int, size: int, at: int) -> bytes:
+        if failing["on"]:
+            raise OSError(5, "Input/output error")
+        return real(fd, size, at)
+
+    monkeypatch.setattr(file_listed.os, "pread", pread)
+    try:
+        key = keys[7]
+        assert known.get(key, 0) == 0  # not listed while the table cannot be read
+        known.set(key, 4096)  # written meanwhile (grows the bytes in use by all of its size)
+        assert known.pop(key, 0) == 4096  # and deleted (gives all of it back)
+        failing["on"] = False
+        assert known.get(key, 0) == 0, "a key deleted since came back once the table read again"
+        assert known.pop(key, 0) == 0  # its bytes are not given back a second time
+        with pytest.raises(OSError):
+            known.columns(lambda k: None)  # a table from it could name keys no longer there
+    finally:
+        known.clear()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_open_that_fails_after_taking_the_table_keeps_no_descriptor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """An open that fails after it took the table (its shard directories cannot be made: a
+    full or read-only disk) raises a clear error and holds no descriptor, neither the unlinked
+    table's nor the root's, and (shared) follows the directory no more: the store closes only
+    the tiers that opened."""
+    from kvtier.backends import file_tier
+
+    from kvtier.errors import DiskError
+
+    backend = _tier(tmp_path)
+    backend.write_blocks([make_key(i) for i in range(8)], [random_block(FMT.block_bytes, i) for i in range(8)])  # type: ignore[attr-defined]
+    asyncio.run(backend.aclose())  # type: ignore[attr-defined]
+    assert (tmp_path / TABLE_NAME).exists()
+
+    def refuse(self: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(file_tier.ShardDirs, "make_top", refuse)
+    fds = set(os.listdir("/proc/self/fd"))
+    threads = threading.active_count()
+    again = registry.backends.get("file")(capacity=16 << 20, path=str(tmp_path), sync_mode="fast", shared=shared)
+    with pytest.raises(DiskError, match="Read-only"):
+        asyncio.run(again.open(FMT))
+    assert again.follower is None and threading.active_count() == threads  # type: ignore[attr-defined]
+    left = {fd for fd in set(os.listdir("/proc/self/fd")) - fds if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not left, [os.readlink(f"/proc/self/fd/{fd}") for fd in left]

@@ -181,6 +181,6 @@ def test_the_walk_at_open_hands_its_records_oldest_first_as_the_managers_sort_or
         assert columns.oldest_first and columns.keys == general.keys
         assert columns.stored.tolist() == general.stored.tolist() and columns.stamps.tolist() == general.stamps.tolist()
         assert all(isinstance(getattr(c.base, "obj", c.base), mmap.mmap) for c in (columns.stored, columns.stamps))
-        assert reopened._sizes._listed.keys == sorted(keys)  # type: ignore[attr-defined]
+        assert reopened._sizes._listed.packed_keys().tobytes() == b"".join(sorted(keys))  # type: ignore[attr-defined]
     finally:
         asyncio.run(reopened.aclose())

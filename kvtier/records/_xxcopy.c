@@ -233,11 +233,21 @@ __attribute__((target("avx2"))) static inline __m256i scramble_avx2(__m256i acc,
    them to the stack, at half the speed). */
 #define KEEP_IN_REGISTERS(acc) __asm__("" : "+x"(acc))
 
+/* Each stripe asks for the source line this many bytes ahead. A mapped value or a row read
+   from the page cache is usually not in the core's caches, and the pass's loads alone kept
+   too few misses in flight: on 2 MiB values read after another store's (not in the caches),
+   the pass took 1/0.85 of a plain copy's thread CPU time, and 1/0.99 with lines fetched 1-2
+   KiB ahead (512 bytes: 1/0.94). A prefetch never faults; its address is formed as an
+   integer, so no pointer past the source is formed either. */
+#define PREFETCH_AHEAD 1024
+#define PREFETCH(p) _mm_prefetch((const char *)((uintptr_t)(p) + PREFETCH_AHEAD), _MM_HINT_T0)
+
 /* Stripes [0, run) of one block, starting at the block's stripe k; copied to dst when copy. */
 #define AVX2_STRIPES(copy, run, k)                                                        \
     do {                                                                                  \
         const u8 *sec_ = SECRET + 8 * (k);                                                \
         for (size_t j_ = 0; j_ < (run); j_++, src += STRIPE, sec_ += 8) {                 \
+            PREFETCH(src);                                                                \
             __m256i d0 = _mm256_loadu_si256((const __m256i *)src);                        \
             __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + 32));                 \
             if (copy) {                                                                   \
@@ -309,6 +319,7 @@ __attribute__((target("avx512f"))) static inline __m512i scramble_avx512(__m512i
     do {                                                                                  \
         const u8 *sec_ = SECRET + 8 * (k);                                                \
         for (size_t j_ = 0; j_ < (run); j_++, src += STRIPE, sec_ += 8) {                 \
+            PREFETCH(src);                                                                \
             __m512i d = _mm512_loadu_si512((const void *)src);                            \
             if (copy) {                                                                   \
                 _mm512_storeu_si512((void *)dst, d);                                      \
