@@ -14,9 +14,13 @@ Two forms answer the same calls (``find``, ``touch``, ``packed_keys``, ``stamps_
   with the touches since the open (a dict of the keys touched) laid over them. Nothing of it
   is anonymous memory of the process, as an ``lmdb`` store keeps its keys in its mapped file:
   the table's pages are the page cache's, which the kernel may drop and read again. A read
-  that fails (a failing disk) answers "not listed", logged once: that key's bytes then leave
-  the tier's accounting, never its reads, which look the record up by name. A ``stat`` walk's
-  listing is kept the same way, in a scratch file of its own (:func:`scratch_listing`).
+  that fails (a failing disk) answers "not listed", logged once, and so does every find after
+  it, even once the reads work again: a key written or deleted meanwhile was not marked as
+  left, and listed again it would be counted twice or come back after its delete. The listed
+  keys' bytes then leave the tier's accounting (never its reads, which look the record up by
+  name), and the clean close writes no table from them (the next open walks).
+  A ``stat`` walk's listing is kept the same way, in a scratch file of its own
+  (:func:`scratch_listing`).
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ class ListedOnDisk:
         return self.n
 
     def find(self, key: bytes) -> int:
-        """``key``'s position, or -1 (also when the table cannot be read: logged once)."""
+        """``key``'s position, or -1 (also once a read of the table has failed: logged once)."""
+        if self._failed:
+            return -1
         last = self._last
         if key == last[0]:
             return last[1]
@@ -122,6 +128,9 @@ class ListedOnDisk:
         self.touched[i] = stamp
 
     def packed_keys(self) -> np.ndarray:
+        """Every listed key, in key order; ``OSError`` once a read has failed (see the module doc)."""
+        if self._failed:
+            raise OSError("the listed keys could not be read back once: no table is written from them")
         return np.frombuffer(self._read(self.keys_at, self.n * _KEY), dtype=f"S{_KEY}")
 
     def stamps_now(self) -> np.ndarray:

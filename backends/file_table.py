@@ -30,6 +30,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise
 from operator import itemgetter
@@ -335,6 +336,7 @@ def open_listing(
     ``stat``, in batches of packed 32-byte keys: :func:`listed_sums`), else ``walk()``'s (a
     ``stat`` per record). ``table=False`` (a shared tier, whose records others write): the
     walk's, and no table is taken."""
+    _sweep_root(root)
     found = take_table(root) if table else None
     if found is not None:
         try:
@@ -344,6 +346,25 @@ def open_listing(
             found.close()
         log.warning("file: the table of records under %s does not name the records there; listing every record", root)
     return _walked(walk(), known, root)
+
+
+def _sweep_root(root: str) -> None:
+    """Unlink the stale temp files in ``root`` itself: a table's cut short by a crash in a close,
+    a scratch file's by one in an open. A flat store's listing passes there too; a sharded
+    store's records, and the sweep of their temps, are below it."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        now = time.time()
+        for name in os.listdir(fd):
+            if name.endswith(".tmp"):
+                FileTree._sweep_at(fd, name, now)
+    except OSError as exc:
+        log.debug("file: temp files under %s not swept: %s", root, exc)
+    finally:
+        os.close(fd)
 
 
 def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, layout: Layout, durable: bool, temp: str) -> None:

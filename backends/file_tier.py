@@ -193,6 +193,13 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         await asyncio.to_thread(self._open_root, fmt)
 
     def _open_root(self, fmt: BlockFormat) -> None:
+        try:
+            self._open_steps(fmt)
+        except BaseException:  # the store closes only the tiers that opened: let go of all now
+            self._let_go()
+            raise
+
+    def _open_steps(self, fmt: BlockFormat) -> None:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ConfigError(f"path: {self.path!r} exists and is not a directory; a file tier needs a directory of its own")
         try:
@@ -241,6 +248,13 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         elif self._beneath is not None and not self.shared:  # opened: the table of records for the next open
             temp = self._temp_name(os.path.join(self._root, TABLE_NAME))
             await asyncio.to_thread(save_table, self._root, self._sizes, self._lock, layout=self.store_layout, durable=self.sync_mode == "durable", temp=temp)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Release what an open took: the following of a shared directory, the listed keys'
+        table (its descriptor), the root's descriptor."""
+        if self.follower is not None:
+            self._stop_following()
         with self._lock:
             self._sizes.clear()
             self._listed = None

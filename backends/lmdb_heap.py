@@ -18,8 +18,9 @@ heap for the next one. It never lowers a threshold and does not switch the adapt
 ``mallopt`` or the ``MALLOC_*_`` variables would: those stay the engine's to set, and where an
 engine set them (glibc then no longer adapts) this changes nothing.
 
-Its cost: up to twice the largest commit (at most 64 MiB) of free heap kept by each thread's
-arena that commits, instead of handed back after each commit. Elsewhere than glibc (another C
+Its cost: up to twice the largest commit (at most 64 MiB) of free heap kept at the top of each
+arena of the process (the thresholds are the process's: every thread's arena, not only the
+committing one's), instead of handed back after each commit. Elsewhere than glibc (another C
 library, or glibc's ``malloc`` replaced by a preloaded one) it does nothing.
 """
 
@@ -45,14 +46,17 @@ _kept = _START_BYTES  # the largest chunk freed here so far (process-wide, as gl
 def _glibc() -> Any:
     """The process's ``malloc`` and ``free`` when they are glibc's; else ``None``."""
     try:
-        libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "__libc_malloc"):
+        libc = ctypes.CDLL(None)  # the process's symbols: the ``malloc`` LMDB calls
+        if not hasattr(libc, "gnu_get_libc_version"):
             return None
-        # A malloc that replaced glibc's (jemalloc, tcmalloc preloaded) does not adapt so:
-        # glibc's is the process's exactly when ``malloc`` is ``__libc_malloc``.
-        malloc, libc_malloc = libc.malloc, libc.__libc_malloc
-        if ctypes.cast(malloc, ctypes.c_void_p).value != ctypes.cast(libc_malloc, ctypes.c_void_p).value:
-            return None
+        # A malloc that replaced glibc's (jemalloc, tcmalloc preloaded) does not adapt so, and
+        # some also take the name ``__libc_malloc``: glibc's is the process's exactly when
+        # ``malloc`` and ``free`` are ``__libc_malloc`` and ``__libc_free`` as glibc's own
+        # library defines them (looked up in it, not in the process).
+        own = ctypes.CDLL("libc.so.6")
+        for name in ("malloc", "free"):
+            if _address(getattr(libc, name)) != _address(getattr(own, f"__libc_{name}")):
+                return None
     except (OSError, AttributeError):
         return None
     libc.malloc.restype = ctypes.c_void_p
@@ -60,6 +64,10 @@ def _glibc() -> Any:
     libc.free.restype = None
     libc.free.argtypes = [ctypes.c_void_p]
     return libc
+
+
+def _address(function: Any) -> int | None:
+    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 _libc: Any = None

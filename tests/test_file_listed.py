@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,62 @@ def test_a_walk_whose_keys_cannot_be_written_down_keeps_them_in_memory(tmp_path:
         assert [again._sizes.get(k) for k in keys] == [8192] * len(keys) and len(again._sizes) == len(keys)  # type: ignore[attr-defined]
     finally:
         asyncio.run(again.aclose())  # type: ignore[attr-defined]
+
+
+def test_a_table_that_fails_one_read_then_reads_again_never_lists_a_key_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of the table's file that fails once (a disk or NFS error that passes): the key
+    written and deleted meanwhile stays gone when the reads work again (its bytes counted once,
+    never given back twice), and no table is written back from a listing that failed."""
+    keys = [make_key(i) for i in range(40)]
+    known = KnownRecords()
+    known.adopt_listed(_on_disk(tmp_path, sorted(keys), np.zeros(len(keys))), 4096)
+    real = os.pread
+    failing = {"on": True}
+
+    def pread(fd: int, size: int, at: int) -> bytes:
+        if failing["on"]:
+            raise OSError(5, "Input/output error")
+        return real(fd, size, at)
+
+    monkeypatch.setattr(file_listed.os, "pread", pread)
+    try:
+        key = keys[7]
+        assert known.get(key, 0) == 0  # not listed while the table cannot be read
+        known.set(key, 4096)  # written meanwhile (grows the bytes in use by all of its size)
+        assert known.pop(key, 0) == 4096  # and deleted (gives all of it back)
+        failing["on"] = False
+        assert known.get(key, 0) == 0, "a key deleted since came back once the table read again"
+        assert known.pop(key, 0) == 0  # its bytes are not given back a second time
+        with pytest.raises(OSError):
+            known.columns(lambda k: None)  # a table from it could name keys no longer there
+    finally:
+        known.clear()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_open_that_fails_after_taking_the_table_keeps_no_descriptor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """An open that fails after it took the table (its shard directories cannot be made: a
+    full or read-only disk) raises a clear error and holds no descriptor, neither the unlinked
+    table's nor the root's, and (shared) follows the directory no more: the store closes only
+    the tiers that opened."""
+    from kvtier.backends import file_tier
+
+    from kvtier.errors import DiskError
+
+    backend = _tier(tmp_path)
+    backend.write_blocks([make_key(i) for i in range(8)], [random_block(FMT.block_bytes, i) for i in range(8)])  # type: ignore[attr-defined]
+    asyncio.run(backend.aclose())  # type: ignore[attr-defined]
+    assert (tmp_path / TABLE_NAME).exists()
+
+    def refuse(self: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(file_tier.ShardDirs, "make_top", refuse)
+    fds = set(os.listdir("/proc/self/fd"))
+    threads = threading.active_count()
+    again = registry.backends.get("file")(capacity=16 << 20, path=str(tmp_path), sync_mode="fast", shared=shared)
+    with pytest.raises(DiskError, match="Read-only"):
+        asyncio.run(again.open(FMT))
+    assert again.follower is None and threading.active_count() == threads  # type: ignore[attr-defined]
+    left = {fd for fd in set(os.listdir("/proc/self/fd")) - fds if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not left, [os.readlink(f"/proc/self/fd/{fd}") for fd in left]

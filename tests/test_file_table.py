@@ -6,7 +6,9 @@ behind it, a crash after an open); in both layouts."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +217,25 @@ def test_the_key_sums_are_the_same_for_any_order_and_differ_for_another_set() ->
     assert key_sums(packed) == key_sums(b"".join(reversed(keys)))
     assert key_sums(packed) != key_sums(b"".join([*keys[:-1], make_key(50)]))
     assert len(key_sums(packed)) == 32 and key_sums(b"") == bytes(32)
+
+
+@LAYOUTS
+def test_a_table_temp_left_by_a_crash_mid_close_is_swept_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """A close that died while writing its table (or an open while writing its scratch file)
+    leaves a temp file in the root, beside no record in a sharded store: the next open sweeps
+    it once stale, as it does a record's, and keeps a young one (a live writer's)."""
+    root = tmp_path / "store"
+    backend = _open(root, monkeypatch, layout=layout)
+    backend.write_blocks([make_key(1)], [random_block(FMT.block_bytes, 1)])
+    asyncio.run(backend.aclose())
+    stale, young = root / f"{TABLE_NAME}.123.0.tmp", root / "kvtier-listed.124.0.tmp"
+    stale.write_bytes(b"a table cut short")
+    young.write_bytes(b"a listing being written")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    again = _open(root, monkeypatch, layout=layout)
+    try:
+        assert not stale.exists() and young.exists()
+        assert [c[0] for c in again.scan_columns()] == [make_key(1)]  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(again.aclose())

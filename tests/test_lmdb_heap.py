@@ -128,3 +128,33 @@ def test_a_refused_malloc_frees_nothing(monkeypatch: pytest.MonkeyPatch) -> None
     _fresh(monkeypatch, libc)
     assert lmdb_heap.keep_heap_for(4 << 20) is False
     assert [c for c, _ in libc.calls] == ["malloc"]
+
+
+# A ``malloc`` put in front of glibc's that also answers to ``__libc_malloc``, as gperftools'
+# tcmalloc and jemalloc built to override glibc's names do (this one hands each request on
+# to glibc, so the process runs as before; what matters is whose ``malloc`` it is).
+_FRONT = r"""
+#include <stddef.h>
+extern void *__libc_memalign(size_t alignment, size_t size);
+void *malloc(size_t size) { return __libc_memalign(16, size); }
+void *__libc_malloc(size_t size) __attribute__((alias("malloc")));
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_a_malloc_in_front_of_glibcs_that_also_takes_its_name_is_not_taken_for_glibcs(tmp_path: Path) -> None:
+    if lmdb_heap._glibc() is None:
+        pytest.skip("glibc's malloc is not this process's")
+    source, shim = tmp_path / "front.c", tmp_path / "front.so"
+    source.write_text(_FRONT)
+    try:
+        built = subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(source)], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no C compiler")
+    if built.returncode != 0:
+        pytest.skip(f"the shim does not build here: {built.stderr[-300:]}")
+    code = "from kvtier.backends import lmdb_heap; print(lmdb_heap._glibc() is None)"
+    env = {**__import__("os").environ, "LD_PRELOAD": str(shim)}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split()[-1] == "True", "a malloc that is not glibc's was taken for glibc's"
