@@ -182,6 +182,9 @@ def scratch_listing(root: str, keys: list[bytes], stamps: np.ndarray) -> ListedO
         os.close(fd)
         log.warning("file: the listed keys cannot be written under %s (%s); they stay in memory", root, exc)
         return None
+    except BaseException:  # refused memory, an interrupt: the descriptor goes before the error
+        os.close(fd)
+        raise
 
 
 _scratch_names = itertools.count()

@@ -274,3 +274,21 @@ def test_an_open_that_fails_after_taking_the_table_keeps_no_descriptor(tmp_path:
     assert again.follower is None and threading.active_count() == threads  # type: ignore[attr-defined]
     left = {fd for fd in set(os.listdir("/proc/self/fd")) - fds if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not left, [os.readlink(f"/proc/self/fd/{fd}") for fd in left]
+
+
+def test_a_scratch_listing_stopped_midway_closes_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk's listing whose scratch file is stopped while written (memory refused, an
+    interrupt) lets its descriptor go before the error goes up."""
+    keys = sorted(make_key(i) for i in range(20))
+    calls = []
+
+    def stop(fd: int, data: object) -> None:
+        calls.append(fd)
+        raise MemoryError("refused")
+
+    monkeypatch.setattr(file_listed, "_write_all", stop)
+    with pytest.raises(MemoryError):
+        file_listed.scratch_listing(str(tmp_path), keys, np.zeros(len(keys)))
+    assert calls
+    with pytest.raises(OSError):
+        os.fstat(calls[0])  # closed (nothing opened since could have taken its number)
