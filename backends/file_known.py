@@ -26,7 +26,7 @@ from itertools import pairwise
 import numpy as np
 from kvtier.backends.file_listed import ListedInMemory, ListedOnDisk
 
-__all__ = ["KnownRecords"]
+__all__ = ["KnownRecords", "in_key_order"]
 
 
 def _sorted_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -39,10 +39,15 @@ def _sorted_keys(keys: Sequence[bytes]) -> list[bytes]:
     return listed
 
 
+def in_key_order(keys: Sequence[bytes]) -> bool:
+    """Whether ``keys`` are strictly increasing: in key order and distinct (one pass)."""
+    return all(a < b for a, b in pairwise(keys))
+
+
 def _key_order(keys: Sequence[bytes]) -> list[int] | None:
     """The positions of ``keys`` in key order, the first of a repeated key only; ``None`` where
     they are in order already and distinct (a table's listing: one pass, no sort)."""
-    if all(a < b for a, b in pairwise(keys)):
+    if in_key_order(keys):
         return None
     order = sorted(range(len(keys)), key=keys.__getitem__)
     return [i for n, i in enumerate(order) if n == 0 or keys[order[n - 1]] != keys[i]]

@@ -30,15 +30,13 @@ import mmap
 import os
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
-from itertools import pairwise
 from operator import itemgetter
 from stat import S_ISREG
 
 import numpy as np
 import xxhash
-from kvtier.backends.file_known import KnownRecords
+from kvtier.backends.file_known import KnownRecords, in_key_order
 from kvtier.backends.file_listed import RUN, ListedOnDisk, scratch_listing
 from kvtier.backends.file_tree import FileTree, Layout
 
@@ -245,18 +243,13 @@ def _walked(columns: RecordColumns, known: KnownRecords, root: str | None = None
     order[:] = np.argsort(columns.stamps, kind="stable")
     by_age: list[bytes] = [b""] * n
     keys, stored = columns.keys, columns.stored
-    listed = None
-    if LISTED_ON_DISK and root is not None and n and stored.min() == stored.max() and _distinct_in_order(keys):
-        listed = scratch_listing(root, keys, columns.stamps)
+    in_order = bool(n) and stored.min() == stored.max() and in_key_order(keys)  # (checked once: adopt is told)
+    listed = scratch_listing(root, keys, columns.stamps) if LISTED_ON_DISK and root is not None and in_order else None
     if listed is not None:
         known.adopt_listed(listed, int(stored[0]))
     else:
-        known.adopt(keys, stored, columns.stamps)
+        known.adopt(keys, stored, columns.stamps, in_order=in_order)
     return _gather(by_age, keys, stored, columns.stamps, order)
-
-
-def _distinct_in_order(keys: list[bytes]) -> bool:
-    return all(a < b for a, b in pairwise(keys))
 
 
 def _parse(data: mmap.mmap | bytes, fd: int = -1) -> Table | None:
@@ -335,8 +328,8 @@ def open_listing(
     sound and names exactly the keys of ``names()`` (every record name's key, listed without a
     ``stat``, in batches of packed 32-byte keys: :func:`listed_sums`), else ``walk()``'s (a
     ``stat`` per record). ``table=False`` (a shared tier, whose records others write): the
-    walk's, and no table is taken."""
-    _sweep_root(root)
+    walk's, and no table is taken. Both listings sweep the stale temp files of ``root``'s
+    directories, its own included (:meth:`FileTree._leaf_fds`)."""
     found = take_table(root) if table else None
     if found is not None:
         try:
@@ -346,25 +339,6 @@ def open_listing(
             found.close()
         log.warning("file: the table of records under %s does not name the records there; listing every record", root)
     return _walked(walk(), known, root)
-
-
-def _sweep_root(root: str) -> None:
-    """Unlink the stale temp files in ``root`` itself: a table's cut short by a crash in a close,
-    a scratch file's by one in an open. A flat store's listing passes there too; a sharded
-    store's records, and the sweep of their temps, are below it."""
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        now = time.time()
-        for name in os.listdir(fd):
-            if name.endswith(".tmp"):
-                FileTree._sweep_at(fd, name, now)
-    except OSError as exc:
-        log.debug("file: temp files under %s not swept: %s", root, exc)
-    finally:
-        os.close(fd)
 
 
 def save_table(root: str, known: KnownRecords, lock: threading.Lock, *, layout: Layout, durable: bool, temp: str) -> None:

@@ -249,7 +249,7 @@ class FileTree:
         freed (see ``docs/tiers.md``)."""
         raw = bytearray()
         columns: tuple[bytearray, array[int], array[float]] = (raw, array("q"), array("d"))
-        for fd, prefix in cls._leaf_fds(root, layout):
+        for fd, prefix in cls._leaf_fds(root, layout, sweep_now):
             cls._list_leaf(fd, prefix, columns, sweep_now)
         keys = np.frombuffer(raw, dtype="V32").tolist()  # a bytes object each, in C; no copy of the buffer
         return keys, columns[1], columns[2]
@@ -269,7 +269,7 @@ class FileTree:
         than one of each per name)."""
         names: list[str] = []
         add = names.append
-        for fd, prefix in cls._leaf_fds(root, layout):
+        for fd, prefix in cls._leaf_fds(root, layout, sweep_now):
             with os.scandir(fd) as entries:
                 for entry in entries:
                     name = entry.name
@@ -284,17 +284,26 @@ class FileTree:
                 yield _packed_keys(names)
                 names.clear()
 
-    @staticmethod
-    def _leaf_fds(root: str, layout: Layout) -> Iterator[tuple[int, str]]:
+    @classmethod
+    def _leaf_fds(cls, root: str, layout: Layout, sweep_now: float | None = None) -> Iterator[tuple[int, str]]:
         """``(descriptor, hex prefix)`` of every directory that may hold records, each opened
         from its parent's with ``O_NOFOLLOW | O_DIRECTORY`` (a symlink or a file in a shard
-        directory's place is skipped); each is closed once the next is asked for."""
+        directory's place is skipped); each is closed once the next is asked for. With
+        ``sweep_now``, a sharded root's own stale temp files are unlinked as its shards are
+        listed (a table of records cut short by a crash in a close, a scratch listing's by one
+        in an open); a flat root is a leaf, which the caller's listing sweeps."""
         listdir = os.listdir
         with _DirFd(root, None) as top:
             if layout == FLAT:
                 yield top.fd, ""
                 return
-            for n1 in sorted(n for n in listdir(top.fd) if n in _HEX2):
+            shards = []
+            for n in listdir(top.fd):
+                if n in _HEX2:
+                    shards.append(n)
+                elif sweep_now is not None and n.endswith(".tmp"):
+                    cls._sweep_at(top.fd, n, sweep_now)
+            for n1 in sorted(shards):
                 with _DirFd(n1, top.fd) as mid:
                     if mid.fd < 0:
                         continue
