@@ -192,3 +192,21 @@ def flip_head_bit(txn: Any, key: bytes, blocks: Any, index: Any, at: int, bit: i
         value = bytearray(txn.get(key, db=blocks))
         value[at] ^= bit
         txn.put(key, bytes(value), db=blocks)
+
+
+def reads_all_but_one(backend: Any, keys: list[bytes], data: list[Any], bad: int) -> None:
+    """Read ``keys`` from the opened ``backend`` (closed after): every block but ``keys[bad]``
+    is found with its bytes ``data[i]``, and that one is the one counted corrupt record."""
+    import asyncio
+
+    import torch
+
+    try:
+        out = [torch.zeros_like(d) for d in data]
+        found = backend.read_blocks(keys, out)
+        stats = backend.stats()
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [i != bad for i in range(len(keys))]
+    assert all(torch.equal(out[i], data[i]) for i in range(len(keys)) if i != bad)
+    assert stats["corrupt_records"] == 1

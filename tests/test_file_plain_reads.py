@@ -93,6 +93,15 @@ def _read(root: Path, keys: list[bytes], plain: bool, monkeypatch: pytest.Monkey
     return found, out, stats, files
 
 
+def general_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The positions of the records each job hands to the file tier's general read, as a list
+    that grows as jobs run (the general read itself runs as before)."""
+    general: list[int] = []
+    real_each = file_tier.FileBackend._read_each
+    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    return general
+
+
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
 def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
@@ -117,9 +126,7 @@ def test_a_plain_read_takes_three_system_calls_a_record_and_checks_what_it_reads
     data = [random_block(FMT.block_bytes, 950 + i) for i in range(4)]
     backend = _open(tmp_path / "store")
     backend.write_blocks(keys, data)
-    general: list[int] = []
-    real_each = file_tier.FileBackend._read_each
-    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    general = general_reads(monkeypatch)
     real_preadv = os.preadv
     failed: list[int] = []
 
@@ -153,9 +160,7 @@ def test_without_openat2_a_sharded_store_takes_the_general_read_and_a_flat_one_n
     backend.write_blocks(keys, data)
     monkeypatch.setattr(file_reads, "_syscall", lambda *args: -1)
     monkeypatch.setattr(file_reads.ctypes, "get_errno", lambda: 38)  # ENOSYS
-    general: list[int] = []
-    real_each = file_tier.FileBackend._read_each
-    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    general = general_reads(monkeypatch)
     try:
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [True] * 3
@@ -183,9 +188,7 @@ def test_a_record_whose_head_differs_from_the_stores_goes_to_the_general_read(tm
     raw[24:32] = struct.pack("<Q", record_checksum(bytes(raw[:24]), keys[1], bytes(raw[32:])))
     path.write_bytes(bytes(raw))
     results = []
-    general: list[int] = []
-    real_each = file_tier.FileBackend._read_each
-    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    general = general_reads(monkeypatch)
     for plain in (False, True):
         general.clear()
         results.append(_read(tmp_path / "store", keys, plain, monkeypatch))

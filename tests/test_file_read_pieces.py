@@ -17,6 +17,7 @@ from kvtier.backends import file_reads, file_tier
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.testing import make_key, random_block
+from tests.test_file_plain_reads import general_reads
 
 BLOCK = 16384
 FMT = BlockFormat(block_bytes=BLOCK, dtype="bfloat16", namespace={"model_id": "m"})
@@ -123,9 +124,7 @@ def test_a_failed_piece_leaves_the_record_to_the_general_read(tmp_path: Path, mo
     data = [random_block(BLOCK, 800 + i) for i in range(3)]
     backend = _open(tmp_path / "store")
     backend.write_blocks(keys, data)
-    general: list[int] = []
-    real_each = file_tier.FileBackend._read_each
-    monkeypatch.setattr(file_tier.FileBackend, "_read_each", lambda self, k, o, which, f: general.extend(which) or real_each(self, k, o, which, f))
+    general = general_reads(monkeypatch)
     real_preadv = os.preadv
     failed: list[int] = []
 
