@@ -116,9 +116,7 @@ class JobRuns:
                 result = await self.run(transfers, job, plan)
             if self._closed():  # closed while the job ran: nothing is left to apply it to
                 return stored, kept
-            # finish_store, with the manager in hand (open: checked just above)
-            done = apply_result(mgr, plan, result).done
-            self._metrics.record_store(plan, result, self._block_bytes)
+            done = self.finish_store(plan, result)
             if done < len(plan.keys):  # a failed write: the rest would only fail behind it
                 done = await self._keep_the_leading_run(transfers, plan)
             stored += done
@@ -181,8 +179,7 @@ class JobRuns:
             result = await self.run(transfers, job, plan)
         if self._closed():
             return 0
-        apply_result(mgr, plan, result)  # finish_load, with the manager in hand
-        self._metrics.record_load(plan, result, self._block_bytes)
+        self.finish_load(plan, result)
         if result.error is not None:
             return 0
         filled = hits
