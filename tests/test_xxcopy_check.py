@@ -121,3 +121,23 @@ def test_bad_arguments_are_refused_by_name(path):
     with pytest.raises(ValueError, match="dst: overlaps the payload"):
         fn(HEAD, KEY, view[: len(value)], view[len(value) - 64 + 1 : len(value) + 1])
     assert fn(HEAD, KEY, view[: len(value)], view[len(value) :]) == CHECK_GOOD and bytes(view[len(value) :]) == payload
+
+
+@pytest.mark.parametrize("n", [0, 5, 216, 217, 4096, 65536])
+def test_without_a_row_the_record_is_checked_where_it_is(n):
+    """``dst`` ``None``: the same outcomes for a record checked in place (a row a read filled),
+    on both paths, joined or apart, and nothing is written anywhere."""
+    stored, payload = _record(n)
+    for fn in FNS.values():
+        value = bytearray(stored + payload)
+        assert fn(HEAD, KEY, value, None) == CHECK_GOOD
+        assert fn(HEAD, KEY, stored, None, payload) == CHECK_GOOD
+        assert fn(HEAD, KEY, bytes(value[:31]), None) == CHECK_SHAPE
+        assert fn(HEAD, KEY, stored + b"\0", None, payload) == CHECK_SHAPE
+        assert fn(HEAD[:-1] + b"\0", KEY, value, None) == CHECK_HEAD
+        assert fn(HEAD, bytes(32), stored, None, payload) == CHECK_SUM
+        if n:
+            value[-1] ^= 1
+            assert fn(HEAD, KEY, value, None) == CHECK_SUM
+            assert fn(HEAD, KEY, stored, None, bytes(value[32:])) == CHECK_SUM
+        assert bytes(value[:32]) == stored

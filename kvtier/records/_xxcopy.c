@@ -624,7 +624,7 @@ done:
 #define CHECK_PREFIX_MAX 256
 
 /* xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int: one raw record checked
-   and copied into dst. stored starts with the stored head (len(head) bytes) and its 8-byte
+   and copied into dst (dst None: checked only, the payload read where it is). stored starts with the stored head (len(head) bytes) and its 8-byte
    little-endian checksum; the payload follows them in stored (payload None: a joined record,
    stored is then exactly len(head) + 8 + len(dst) bytes) or is given apart (exactly len(dst)
    bytes; stored then exactly len(head) + 8). The stored head must equal head; the checksum,
@@ -636,7 +636,7 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
         PyErr_Format(PyExc_TypeError, "expected (head, key, stored, dst[, payload]), got %zd arguments", nargs);
         return NULL;
     }
-    int apart = nargs == 5 && args[4] != Py_None;
+    int apart = nargs == 5 && args[4] != Py_None, have_dst = args[3] != Py_None;
     PyObject *result = NULL;
     Py_buffer head, key, stored, dst, payload;
     if (get_readable(args[0], &head, "head") < 0)
@@ -645,21 +645,23 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
         goto release_head;
     if (get_readable(args[2], &stored, "stored") < 0)
         goto release_key;
-    if (get_writable(args[3], &dst) < 0)
+    if (have_dst && get_writable(args[3], &dst) < 0)
         goto release_stored;
     if (apart && get_readable(args[4], &payload, "payload") < 0)
         goto release_dst;
-    size_t hlen = (size_t)head.len, klen = (size_t)key.len, n = (size_t)dst.len;
+    size_t hlen = (size_t)head.len, klen = (size_t)key.len, slen = (size_t)stored.len;
+    /* the payload's length: the row's, else what the record holds after its head and checksum */
+    size_t n = have_dst ? (size_t)dst.len : apart ? (size_t)payload.len : slen >= hlen + 8 ? slen - hlen - 8 : 0;
     const u8 *rec = stored.buf;
     const u8 *src = apart ? (const u8 *)payload.buf : rec + hlen + 8;
     int status;
-    if (apart ? (size_t)stored.len != hlen + 8 || (size_t)payload.len != n : (size_t)stored.len != hlen + 8 + n) {
+    if (apart ? slen != hlen + 8 || (size_t)payload.len != n : slen != hlen + 8 + n) {
         status = CHECK_SHAPE;
     } else if (memcmp(rec, head.buf, hlen) != 0) {
         status = CHECK_HEAD;
     } else {
-        u8 *d = dst.buf;
-        if (n > 0 && d < src + n && src < d + n) {
+        u8 *d = have_dst ? dst.buf : NULL;
+        if (d != NULL && n > 0 && d < src + n && src < d + n) {
             PyErr_SetString(PyExc_ValueError, "dst: overlaps the payload");
             goto release_payload;
         }
@@ -688,7 +690,8 @@ release_payload:
     if (apart)
         PyBuffer_Release(&payload);
 release_dst:
-    PyBuffer_Release(&dst);
+    if (have_dst)
+        PyBuffer_Release(&dst);
 release_stored:
     PyBuffer_Release(&stored);
 release_key:
@@ -729,7 +732,8 @@ static PyMethodDef methods[] = {
      "One raw record checked and copied into dst: 0 good, 1 not a record of len(dst) bytes\n"
      "(dst untouched), 2 its stored head differs from head (dst untouched), 3 its checksum\n"
      "(XXH3-64 of head + key + payload, little-endian after the stored head) differs (dst\n"
-     "written). stored is the stored head and checksum, then the payload unless given apart."},
+     "written). stored is the stored head and checksum, then the payload unless given apart.\n"
+     "dst None: the record is checked, not copied (its payload's length is then its own)."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {NULL, NULL, 0, NULL},
 };

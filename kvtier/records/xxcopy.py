@@ -152,11 +152,12 @@ def xxh3_check_copy_python(head: Any, key: Any, stored: Any, dst: Any, payload: 
     expected = _readable(head, "head")
     prefix = bytes(expected) + bytes(_readable(key, "key"))
     record = _readable(stored, "stored")
-    out = _flat(dst, "dst", "a writable bytes-like object")
-    if out.readonly:
+    out = None if dst is None else _flat(dst, "dst", "a writable bytes-like object")
+    if out is not None and out.readonly:
         raise TypeError(f"dst: expected a writable buffer (this {type(dst).__name__} is read-only)")
     source = None if payload is None else _readable(payload, "payload")
-    hlen, n = len(expected), len(out)
+    hlen = len(expected)
+    n = len(out) if out is not None else len(source) if source is not None else max(0, len(record) - hlen - 8)
     if source is None:
         if len(record) != hlen + 8 + n:
             return CHECK_SHAPE
@@ -166,11 +167,16 @@ def xxh3_check_copy_python(head: Any, key: Any, stored: Any, dst: Any, payload: 
     if record[:hlen] != expected:
         return CHECK_HEAD
     source = memoryview(source)
-    if n and abs(_address(out) - _address(source)) < n:
-        raise ValueError("dst: overlaps the payload")
-    out[:] = source
-    good = xxhash.xxh3_64_intdigest(prefix + bytes(out)) == _SUM.unpack_from(record, hlen)[0]
-    return CHECK_GOOD if good else CHECK_SUM
+    if out is None:
+        checked: Any = source
+    else:
+        if n and abs(_address(out) - _address(source)) < n:
+            raise ValueError("dst: overlaps the payload")
+        out[:] = source
+        checked = out
+    h = xxhash.xxh3_64(prefix)
+    h.update(checked)
+    return CHECK_GOOD if h.intdigest() == _SUM.unpack_from(record, hlen)[0] else CHECK_SUM
 
 
 #: The native function (``None`` without the extension).
@@ -182,7 +188,8 @@ xxh3_check_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_check_copy i
 #: bytes, little-endian: the XXH3-64 of ``head + key + payload``); the payload follows in
 #: ``stored`` (a joined record: ``stored`` is then ``len(head) + 8 + len(dst)`` bytes) or is
 #: given apart (``len(dst)`` bytes, ``stored`` then exactly ``len(head) + 8``). The copy and
-#: the checksum are one pass, as in :data:`xxh3_copy`. The native function where
+#: the checksum are one pass, as in :data:`xxh3_copy`. ``dst`` ``None``: the record is only
+#: checked, its payload read where it is (a row a read just filled). The native function where
 #: :data:`xxh3_copy` is native, else :func:`xxh3_check_copy_python`; looked up here at each use.
 xxh3_check_copy: Callable[..., int] = (
     xxh3_check_copy_native if _VECTOR and xxh3_check_copy_native is not None else xxh3_check_copy_python
