@@ -18,9 +18,11 @@ record takes. :class:`PlainReads` does the common case in three:
   The row is viewed by address: the tier hands over the views its
   :class:`~kvtier.backends.lmdb_plain.RowViews` checked and kept, else a ``ctypes`` view of
   its memory is taken here (0.6 µs, where ``Tensor.numpy()`` took 1.8);
-* the head's first 24 bytes compared in one step with what every raw, unkeyed record of the
-  store's block size and dtype holds there, and the row's XXH3 going on from that head's,
-  hashed once (:class:`~kvtier.records.checks.HeadChecksum`).
+* the head's first 24 bytes compared with what every raw, unkeyed record of the store's
+  block size and dtype holds there, and the XXH3 of those bytes, the key and the row compared
+  with the head's checksum, in one native call (:func:`~kvtier.records.xxcopy.xxh3_check_copy`
+  with no row to copy into: the row is checked where the read put it). (Records read in
+  pieces go on from the head's hash state, :class:`~kvtier.records.checks.HeadChecksum`.)
 
 A job of one record (:meth:`PlainReads.read_one`) is the same read as one straight line from
 the call: the key's and row's checks in one expression (one dimension and ``nbytes`` for the
@@ -59,6 +61,7 @@ import torch
 
 from kvtier import devices
 from kvtier.backend import BackendCounters
+from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.format import HEADER_SIZE
 from kvtier.records.record import CHECKED
@@ -215,14 +218,8 @@ class PlainReads:
             if size > self.piece:
                 if not self.read_pieces(fd, key, head, view, _SPARE):
                     return None
-            elif os.preadv(fd, [head, view, _SPARE], 0) != HEADER_SIZE + size or not head.startswith(self.checksum.head):
-                return None
-            else:
-                h = self.checksum.prefix.copy()
-                h.update(key)
-                h.update(view)
-                if h.intdigest() != _SUM.unpack_from(head, CHECKED)[0]:
-                    return None
+            elif os.preadv(fd, [head, view, _SPARE], 0) != HEADER_SIZE + size or xxcopy.xxh3_check_copy(self.checksum.head, key, head, None, view):
+                return None  # (one call checks the head and the row's checksum: xxcopy.xxh3_check_copy)
         except OSError:
             return None
         finally:
@@ -248,7 +245,7 @@ class PlainReads:
         spare = bytearray(1)  # a record of the right length leaves the spare byte unread
         buffers: list[Any] = [head, None, spare]
         pieces = size > self.piece
-        expected, checksum, row_at = self.checksum.head, self.checksum, self._row.from_address
+        expected, check, row_at = self.checksum.head, xxcopy.xxh3_check_copy, self._row.from_address
         whole = HEADER_SIZE + size
         open_, preadv, close = os.open, os.preadv, os.close
         root_fd = root.fd
@@ -280,7 +277,8 @@ class PlainReads:
                 if pieces:
                     sound = self.read_pieces(fd, key, head, view, spare)
                 else:
-                    sound = preadv(fd, buffers, 0) == whole and head.startswith(expected) and checksum(key, view) == _SUM.unpack_from(head, CHECKED)[0]
+                    # the head, then the row's checksum, in one call (xxcopy.xxh3_check_copy)
+                    sound = preadv(fd, buffers, 0) == whole and not check(expected, key, head, None, view)
             except OSError:
                 sound = False
             finally:

@@ -7,7 +7,6 @@ warm jobs of plain records read in one straight line (:class:`StraightRead`)."""
 from __future__ import annotations
 
 import os
-import struct
 from os import SEEK_END, lseek
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,7 +42,6 @@ __all__ = ["STRAIGHT_READS", "StraightRead", "copy_keyed", "copy_plain"]
 #: Warm unkeyed jobs go through :class:`StraightRead` first; ``False``: through the job reader
 #: alone (the general path, which the tests compare it with).
 STRAIGHT_READS = True
-_SUM = struct.Struct("<Q")
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
 _FORKS = [0]  # forks of this process so far, counted in the child
@@ -67,6 +65,7 @@ class _Temperature(Protocol):
 _PLAIN_ENTRY = INDEX.size + HEADER_SIZE  # a split, unkeyed record's index entry
 _KEYED_ENTRY = INDEX.size + HEAD_MAX  # a split, keyed record's index entry
 _JOINED_PLAIN = HEADER_SIZE  # where a joined plain record's payload starts in its value
+_ENTRY_HEAD = INDEX.size  # where a split record's head (and checksum) starts in its entry
 
 
 def copy_plain(key: bytes, pair: tuple[Any, Any], row: torch.Tensor, size: int) -> bool:
@@ -137,7 +136,7 @@ class StraightRead:
     def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
         """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
         #: What a read uses, in one tuple (one attribute load, not six).
-        self.parts = (plain.blocks, plain.index, plain.entry.unpack, plain.joined.unpack_from, plain.head, plain.size)
+        self.parts = (plain.blocks, plain.index, plain.head, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
         self.guard, self.temperature, self.counters = guard, temperature, counters
         self.forks = _FORKS[0]  # the environment is this process's: a child must not use it
@@ -163,7 +162,7 @@ class StraightRead:
         view = views.get(row.data_ptr())
         if view is None:
             return None  # a row not seen yet: the general path makes its view
-        blocks, index, unpack, joined, head, size = self.parts
+        blocks, index, head, size = self.parts
         try:
             end = lseek(guard.fd, 0, SEEK_END)
         except OSError:
@@ -177,25 +176,20 @@ class StraightRead:
             try:
                 start = perf_counter()
                 value = txn.get(key, None, blocks)
-                if value is not None and len(value) == _JOINED_PLAIN + size:  # joined: no index lookup
-                    stored_head, stored_sum = joined(value)
-                    payload = value[_JOINED_PLAIN:]
-                else:
-                    entry = None if value is None else txn.get(key, None, index)
-                    if entry is None or len(entry) != _PLAIN_ENTRY or len(value) != size:
-                        stored_head = None
-                    else:
-                        stored_head, stored_sum = unpack(entry)
-                        payload = value
+                # joined (the whole record in the value): no index lookup
+                entry = None if value is None or len(value) == _JOINED_PLAIN + size else txn.get(key, None, index)
                 if perf_counter() - start >= COLD_GET_S and temperature.slow(start):
                     temperature.cold = True  # read from disk: the next job is read cold
-                if stored_head != head:
-                    if value is None:
-                        counters.read_misses += 1
-                        return [False]
-                    return None
-                # One pass: the payload copied into the row and hashed from the same loads.
-                if xxcopy.xxh3_copy(head + key, payload, view) != stored_sum:
+                if value is None:
+                    counters.read_misses += 1
+                    return [False]
+                # One call: the lengths, the stored head against the store's, then the payload
+                # copied into the row and hashed from the same loads (xxcopy.xxh3_check_copy).
+                if entry is None:  # joined (a value of another length is refused as not plain)
+                    status = xxcopy.xxh3_check_copy(head, key, value, view)
+                else:
+                    status = xxcopy.xxh3_check_copy(head, key, entry[_ENTRY_HEAD:], view, value)
+                if status:
                     return None
             finally:
                 txn.abort()
@@ -218,8 +212,9 @@ class StraightRead:
         as a whole, not lookup by lookup (a clock read a record cost 0.2 µs of a 4 KiB record's
         3): one that took :data:`COLD_GET_S` and read from disk makes the next job cold, and
         this one is read on here, as the job reader reads the rest of a cold job where no core
-        is spare. An entry of another length, a missing entry and a value of another length
-        are not plain: ``struct``, ``TypeError`` and ``ValueError`` hand the job over."""
+        is spare. An entry of another length and a value of another length are not plain
+        (:func:`~kvtier.records.xxcopy.xxh3_check_copy` says so), a missing entry is a
+        ``TypeError``: each hands the job over."""
         n = len(keys)
         temperature = self.temperature
         if n != len(out) or temperature.cold or devices.locate is not None or self.forks != _FORKS[0]:
@@ -236,9 +231,9 @@ class StraightRead:
             if view is None:
                 return None  # a row not seen yet: the general path makes its view
             rows.append(view)
-        blocks, index, unpack, joined, head, size = self.parts
+        blocks, index, head, size = self.parts
         joined_size = _JOINED_PLAIN + size
-        xxh3_copy = xxcopy.xxh3_copy
+        check_copy = xxcopy.xxh3_check_copy
         self.guard.check()
         jobs = temperature.jobs
         temperature.begin()  # the thread's first job marks its faults, as the job reader's
@@ -255,21 +250,20 @@ class StraightRead:
                     if value is None:
                         hit(False)
                         continue
+                    # The lengths, the stored head against the store's, then the payload copied
+                    # and hashed in one pass (xxcopy.xxh3_check_copy): anything but good hands over.
                     if len(value) == joined_size:  # joined: no index lookup
-                        stored_head, stored_sum = joined(value)
-                        value = value[_JOINED_PLAIN:]
+                        status = check_copy(head, key, value, row)
                     else:
-                        stored_head, stored_sum = unpack(get(key, None, index))
-                    if stored_head != head:
-                        return None
-                    if xxh3_copy(head + key, value, row) != stored_sum:  # copied and hashed in one pass
+                        status = check_copy(head, key, get(key, None, index)[_ENTRY_HEAD:], row, value)
+                    if status:
                         return None
                     hit(True)
                 if perf_counter() - start >= COLD_GET_S and temperature.slow(start):
                     temperature.cold = True  # read from disk: the next job is read cold
             finally:
                 txn.abort()
-        except (lmdb.Error, struct.error, TypeError, ValueError):
+        except (lmdb.Error, TypeError, ValueError):
             return None
         finally:
             jobs.pop()

@@ -164,9 +164,11 @@ class TensorPoolBackend(MemoryBackend):
 
     @property
     def pool(self) -> torch.Tensor:
-        self._check_open()
-        assert self._pool is not None
-        return self._pool
+        pool = self._pool
+        if pool is None or self._closed:  # (no call when open: every job asks)
+            self._check_open()  # raises: closed, or not open yet
+            assert pool is not None
+        return pool
 
     def reserve_bytes(self) -> int:
         return self.format.block_bytes
@@ -184,9 +186,8 @@ class TensorPoolBackend(MemoryBackend):
 
     def slots(self, keys: Sequence[bytes]) -> list[int]:
         self._check_open()
-        slot_of = self._slot_of
         try:
-            return [slot_of[k] for k in keys]
+            return list(map(self._slot_of.__getitem__, keys))
         except KeyError as exc:
             raise LifecycleError(f"{self.name}: key {exc.args[0].hex()[:16]}… is not stored") from None
 
@@ -197,12 +198,15 @@ class TensorPoolBackend(MemoryBackend):
 
     def _reserve(self, keys: Sequence[bytes]) -> list[int] | None:
         slot_of = self._slot_of
-        new = [k for k in dict.fromkeys(keys) if k not in slot_of]
+        # (In C where no key is held yet, a store's usual keys: no comprehension per job.)
+        unique = dict.fromkeys(keys)
+        new = unique if slot_of.keys().isdisjoint(unique) else [k for k in unique if k not in slot_of]
         if len(new) > len(self._free):
             return None
+        free = self._free
         for k in new:
-            slot_of[k] = self._free.pop()
-        return [slot_of[k] for k in keys]
+            slot_of[k] = free.pop()
+        return list(map(slot_of.__getitem__, keys))
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
@@ -212,8 +216,9 @@ class TensorPoolBackend(MemoryBackend):
 
     def _free_slots(self, keys: Sequence[bytes]) -> None:
         """Give the slots of the stored ones of ``keys`` back (under the lock)."""
-        pop = self._slot_of.pop
-        freed = [slot for slot in map(pop, keys, repeat(None)) if slot is not None]
+        freed = list(map(self._slot_of.pop, keys, repeat(-1)))  # -1: not stored (slots are >= 0)
+        if -1 in freed:  # (usually every key is stored: no comprehension then)
+            freed = [slot for slot in freed if slot >= 0]
         # Highest first: the next reserve of as many keys takes them lowest first, so the
         # slots of one evicted job come back as one ascending run (a job's copy then takes
         # its rows as one run at a glance, kvtier.transfer.layout).

@@ -140,7 +140,8 @@ class Backend(ABC):
     def _check_open(self) -> BlockFormat:
         if self._closed:
             raise ClosedError(f"backend {self.name!r} is closed")
-        return self.format
+        fmt = self._fmt  # (the property only where it raises: every job of a memory tier asks)
+        return fmt if fmt is not None else self.format
 
     async def open(self, fmt: BlockFormat) -> None:
         """Acquire resources for records of ``fmt``. Subclasses call ``super().open(fmt)`` first."""

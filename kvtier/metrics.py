@@ -66,10 +66,6 @@ class _Histogram:
         self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS, value)] += 1
-        self.sum += value
-
     def snapshot(self) -> dict[str, Any]:
         cumulative, running = [], 0
         for c in self.counts:
@@ -93,7 +89,11 @@ class StoreMetrics:
     def record_store(self, plan: Any, result: Any, block_bytes: int) -> None:
         """Account a finished store job (a ``StorePlan`` and its ``JobResult``)."""
         with self._lock:
-            self._latency["store"].observe(float(result.seconds))
+            # (a bucket and the sum, here and in record_load: no call of its own, once per job)
+            seconds = float(result.seconds)
+            latency = self._latency["store"]
+            latency.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            latency.sum += seconds
             if result.error is not None:
                 self._failures["job_error"] += 1
                 return
@@ -116,7 +116,10 @@ class StoreMetrics:
     def record_load(self, plan: Any, result: Any, block_bytes: int) -> None:
         """Account a finished load job (a ``LoadPlan`` and its ``JobResult``)."""
         with self._lock:
-            self._latency["load"].observe(float(result.seconds))
+            seconds = float(result.seconds)
+            latency = self._latency["load"]
+            latency.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            latency.sum += seconds
             if result.error is not None:
                 for tier in plan.tiers:
                     if 0 <= tier < len(self._tiers):

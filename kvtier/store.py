@@ -345,7 +345,9 @@ class KVStore(StoreTenancy):
     def _job_input(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[TransferEngine, list[int]]:
         """Validate ``keys`` and their engine ``block_ids`` (``n`` per key) before any change."""
         check_keys(keys)
-        transfers = self._xfer()
+        transfers = self.transfers
+        if transfers is None or self._closed or self.manager is None:  # (no calls when open)
+            transfers = self._xfer()  # raises, naming what is wrong
         ids = transfers.layout.check_block_ids(block_ids, len(keys))
         return transfers, ids
 

@@ -17,6 +17,7 @@ from kvtier.backends import file_reads, file_tier
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ClosedError, InvalidKeyError, LayoutError
+from kvtier.records import xxcopy
 from kvtier.records.format import record_checksum
 from kvtier.testing import make_key, random_block
 
@@ -102,13 +103,38 @@ def general_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return general
 
 
+@pytest.fixture(params=["python", *(["native"] if xxcopy.xxh3_check_copy_native is not None else [])])
+def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``xxcopy.xxh3_check_copy`` on one path (native or Python), recording each outcome."""
+    fn = xxcopy.xxh3_check_copy_python if request.param == "python" else xxcopy.xxh3_check_copy_native
+    seen: list[int] = []
+
+    def recording(*args: Any) -> int:
+        status = fn(*args)  # type: ignore[misc]
+        seen.append(status)
+        return status
+
+    monkeypatch.setattr(xxcopy, "xxh3_check_copy", recording)
+    return seen
+
+
+# What the plain read's one check call says of the damaged store's records it reads whole:
+# 0 and 8 good, 2 (a flipped payload bit) a checksum mismatch, 3 (a bad magic) another head;
+# 4 and 6 (a byte short, a byte too many) and 5 (compressed: shorter) never fill exactly.
+_PLAIN_CHECKS = [xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_GOOD]
+
+
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
-def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, checks: list[int]
+) -> None:
     keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
     _copy(tmp_path / "a", tmp_path / "b")
     general = _read(tmp_path / "a" / "store", keys, False, monkeypatch)
+    assert checks == []
     plain = _read(tmp_path / "b" / "store", keys, True, monkeypatch)
     print(f"general: found {general[0]}, stats {general[2]}; plain: found {plain[0]}, stats {plain[2]}")
+    assert checks == _PLAIN_CHECKS
     assert general[0] == [True, False, False, False, False, True, False, False, True, False]
     assert plain[0] == general[0]
     for i, hit in enumerate(general[0]):
@@ -230,7 +256,9 @@ def test_rows_viewed_by_address_read_what_checked_rows_do_and_bad_jobs_are_refus
 
 
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
-def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, checks: list[int]
+) -> None:
     """A job of one plain record takes the straight line (``PlainReads.read_one``) once its row's
     view is kept: read one key at a time, twice, the damaged store gives the general read's hits,
     bytes, misses, deletions and counters, and the sound records never reach the job's path."""
@@ -255,6 +283,13 @@ def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(
         if plain:  # the sound records in a straight line; the damaged ones (2, 3, 4, 6), the compressed one (5)
             # and the symlinks (7, 9) left to the general read, which deletes the damaged ones
             assert jobs == [-1] * len(keys) + [2, 3, 4, 5, 6, 7, 9] + [5, 7, 9], jobs
+            # one check call a record read whole: 2 and 3 each checked by the straight line, then
+            # by the job's plain read it hands them to, before the general read deletes them;
+            # the second pass reads only the sound ones whole
+            good, bad_sum, bad_head = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD
+            assert checks == [good, bad_sum, bad_sum, bad_head, bad_head, good, good, good], checks
+        else:
+            assert checks == []
         jobs.clear()
     general, straight = results
     assert general[0][0] == general[0][1] == [True, False, False, False, False, True, False, False, True, False]

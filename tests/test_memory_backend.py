@@ -8,7 +8,7 @@ import torch
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat, MemoryBackend
-from kvtier.errors import ConfigError, LifecycleError
+from kvtier.errors import ClosedError, ConfigError, LifecycleError
 from kvtier.testing import BackendTests, make_key, mapping_flags
 
 
@@ -87,6 +87,37 @@ class TestCpuBackend(BackendTests):
         backend = self.make_backend(tmp_path, self.block_bytes * 2)
         with pytest.raises(LifecycleError):
             backend.evict_and_reserve([make_key(1)], [make_key(2)])  # type: ignore[attr-defined]
+
+    @pytest.mark.parametrize("case", ["none_held", "one_held", "repeats", "held_and_repeated"])
+    def test_reserve_gives_new_keys_free_slots_in_order_and_held_keys_their_own(self, tmp_path: Path, case: str) -> None:
+        """``reserve`` where no key is held (the usual store: taken in C) and where some are or
+        repeat (the general path) against a plain model: each new key, in first-seen order,
+        takes the next free slot; a held key keeps its slot; a repeat gets its first's."""
+        held = [make_key(i) for i in range(3)]
+        ask = {
+            "none_held": [make_key(10), make_key(11), make_key(12)],
+            "one_held": [make_key(10), held[1], make_key(11)],
+            "repeats": [make_key(10), make_key(11), make_key(10)],
+            "held_and_repeated": [held[2], make_key(10), held[2], make_key(10), make_key(11)],
+        }[case]
+        with self.opened(tmp_path, capacity=self.block_bytes * 8) as backend:
+            assert backend.reserve(held) == [0, 1, 2]
+            free = list(backend._free)  # type: ignore[attr-defined]
+            model = dict(zip(held, [0, 1, 2]))
+            for key in ask:
+                if key not in model:
+                    model[key] = free.pop()
+            assert backend.reserve(ask) == [model[key] for key in ask]
+            assert backend._free == free  # type: ignore[attr-defined]
+            assert backend.stored_keys() == list(model)
+
+    def test_the_pool_of_a_closed_tier_raises(self, tmp_path: Path) -> None:
+        backend = self.make_backend(tmp_path, self.block_bytes * 2)
+        asyncio.run(backend.open(self.block_format()))
+        assert backend.pool.shape[0] == 2  # type: ignore[attr-defined]
+        asyncio.run(backend.aclose())
+        with pytest.raises(ClosedError):
+            _ = backend.pool  # type: ignore[attr-defined]
 
     def test_reserve_is_atomic_when_full(self, tmp_path: Path) -> None:
         with self.opened(tmp_path, capacity=self.block_bytes * 2) as backend:

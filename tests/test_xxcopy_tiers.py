@@ -155,3 +155,57 @@ def test_lmdb_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, 
     finally:
         env.close()
     reads_all_but_one(_lmdb(tmp_path), keys, data, bad=3)
+
+
+@pytest.fixture(params=PATHS)
+def check_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``xxcopy.xxh3_check_copy`` on one path, recording each outcome it gives."""
+    fn = xxcopy.xxh3_check_copy_python if request.param == "python" else xxcopy.xxh3_check_copy_native
+    seen: list[int] = []
+
+    def recording(*args: Any) -> int:
+        status = fn(*args)  # type: ignore[misc]
+        seen.append(status)
+        return status
+
+    monkeypatch.setattr(xxcopy, "xxh3_check_copy", recording)
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["joined", "split"])
+@pytest.mark.parametrize("jobs", ["one_by_one", "whole"])
+def test_the_straight_read_checks_each_record_in_one_call_on_either_path(
+    tmp_path: Path, check_calls: list[int], monkeypatch: pytest.MonkeyPatch, layout: str, jobs: str
+) -> None:
+    """The straight read's one call per record (head, lengths, copy and checksum), native or
+    Python: sound records read, absent ones missed, a flipped payload or head bit a counted
+    corrupt record (deleted) as the general path finds it, never bytes other than stored."""
+    layouts(monkeypatch, layout)
+    keys, data = damaged_store(tmp_path, FMT, head_at=12)
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", True)
+    backend = _lmdb(tmp_path)
+    try:
+        out = [torch.full((FMT.block_bytes,), 7, dtype=torch.uint8) for _ in keys]
+        for row in out:  # each row's first job (key 0, sound) makes its view known
+            assert backend.read_blocks([keys[0]], [row]) == [True]
+            row.fill_(7)
+        check_calls.clear()
+        if jobs == "whole":
+            found = backend.read_blocks(keys, out)
+        else:
+            found = [backend.read_blocks([key], [row])[0] for key, row in zip(keys, out)]
+        stats = backend.stats()
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [True, False, False, False, True, True, True, True]
+    for i in (0, 4, 5, 6, 7):
+        assert torch.equal(out[i], data[i]), i
+    assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
+    if jobs == "one_by_one":
+        # 0, 4, 5 (its head in an entry of the old whole layout) and 7 good in one call each;
+        # 2 (payload) and 3 (head) told apart in their calls, then read by the general path, as
+        # 6 (compressed: a value shorter than a raw record's); 1 (absent) makes no call
+        good, bad_sum, bad_head, shape = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_SHAPE
+        assert check_calls == [good, bad_sum, bad_head, good, good, shape, good]
+    else:  # the first record that is not good (2) hands the whole job over
+        assert check_calls == [xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM]

@@ -424,11 +424,12 @@ class PlanBook:
                 for key in keys:
                     plan_of[key] = plan_id
                 self._plans[plan_id] = OpenPlan(n, _NO_COPIES, _NO_COPIES)
+                positions = _RANGES[n] if n < len(_RANGES) else tuple(range(n))  # (_leading, inline)
                 if not victims:
-                    return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), _leading(n))
+                    return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), positions)
                 first.dropped += len(victims)  # dropped, as the builder does: counted, announced
                 self._events.add("removed", victims, first.name)
-                return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), _leading(n), ((0, tuple(victims)),))
+                return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), positions, ((0, tuple(victims)),))
         for key in keys:  # a bad or repeated key: none was held before, so each one reserved goes
             index.pop(key, None)
         return None

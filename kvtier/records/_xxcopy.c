@@ -614,6 +614,93 @@ done:
     return out;
 }
 
+/* Outcomes of xxh3_64_check_copy, in the order it checks (the Python wrapper names them). */
+#define CHECK_GOOD 0   /* copied into dst, and the checksum matches */
+#define CHECK_SHAPE 1  /* stored or payload is not the length a record for dst has: dst untouched */
+#define CHECK_HEAD 2   /* the stored head differs from the expected one: dst untouched */
+#define CHECK_SUM 3    /* copied, and the checksum differs: dst holds garbage */
+
+/* A record's head and key are hashed first; longer ones than this go through the heap. */
+#define CHECK_PREFIX_MAX 256
+
+/* xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int: one raw record checked
+   and copied into dst (dst None: checked only, the payload read where it is). stored starts with the stored head (len(head) bytes) and its 8-byte
+   little-endian checksum; the payload follows them in stored (payload None: a joined record,
+   stored is then exactly len(head) + 8 + len(dst) bytes) or is given apart (exactly len(dst)
+   bytes; stored then exactly len(head) + 8). The stored head must equal head; the checksum,
+   the XXH3-64 of head + key + payload, is taken in the pass that copies the payload into dst. */
+static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs < 4 || nargs > 5) {
+        PyErr_Format(PyExc_TypeError, "expected (head, key, stored, dst[, payload]), got %zd arguments", nargs);
+        return NULL;
+    }
+    int apart = nargs == 5 && args[4] != Py_None, have_dst = args[3] != Py_None;
+    PyObject *result = NULL;
+    Py_buffer head, key, stored, dst, payload;
+    if (get_readable(args[0], &head, "head") < 0)
+        return NULL;
+    if (get_readable(args[1], &key, "key") < 0)
+        goto release_head;
+    if (get_readable(args[2], &stored, "stored") < 0)
+        goto release_key;
+    if (have_dst && get_writable(args[3], &dst) < 0)
+        goto release_stored;
+    if (apart && get_readable(args[4], &payload, "payload") < 0)
+        goto release_dst;
+    size_t hlen = (size_t)head.len, klen = (size_t)key.len, slen = (size_t)stored.len;
+    /* the payload's length: the row's, else what the record holds after its head and checksum */
+    size_t n = have_dst ? (size_t)dst.len : apart ? (size_t)payload.len : slen >= hlen + 8 ? slen - hlen - 8 : 0;
+    const u8 *rec = stored.buf;
+    const u8 *src = apart ? (const u8 *)payload.buf : rec + hlen + 8;
+    int status;
+    if (apart ? slen != hlen + 8 || (size_t)payload.len != n : slen != hlen + 8 + n) {
+        status = CHECK_SHAPE;
+    } else if (memcmp(rec, head.buf, hlen) != 0) {
+        status = CHECK_HEAD;
+    } else {
+        u8 *d = have_dst ? dst.buf : NULL;
+        if (d != NULL && n > 0 && d < src + n && src < d + n) {
+            PyErr_SetString(PyExc_ValueError, "dst: overlaps the payload");
+            goto release_payload;
+        }
+        u8 small[CHECK_PREFIX_MAX];
+        u8 *prefix = hlen + klen <= CHECK_PREFIX_MAX ? small : PyMem_Malloc(hlen + klen);
+        if (prefix == NULL) {
+            PyErr_NoMemory();
+            goto release_payload;
+        }
+        memcpy(prefix, head.buf, hlen);
+        memcpy(prefix + hlen, key.buf, klen);
+        u64 digest;
+        if (n >= RELEASE_GIL_AT) {
+            Py_BEGIN_ALLOW_THREADS
+            digest = xxh3_copy(best_stripes, prefix, hlen + klen, src, d, n);
+            Py_END_ALLOW_THREADS
+        } else {
+            digest = xxh3_copy(best_stripes, prefix, hlen + klen, src, d, n);
+        }
+        if (prefix != small)
+            PyMem_Free(prefix);
+        status = digest == read64(rec + hlen) ? CHECK_GOOD : CHECK_SUM;
+    }
+    result = PyLong_FromLong(status);
+release_payload:
+    if (apart)
+        PyBuffer_Release(&payload);
+release_dst:
+    if (have_dst)
+        PyBuffer_Release(&dst);
+release_stored:
+    PyBuffer_Release(&stored);
+release_key:
+    PyBuffer_Release(&key);
+release_head:
+    PyBuffer_Release(&head);
+    return result;
+}
+
 static PyObject *py_paths(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -640,6 +727,13 @@ static PyMethodDef methods[] = {
      "xxh3_64_joined(head, key, src) -> bytes\n\n"
      "head + the XXH3-64 of head + key + src (8 bytes, little-endian) + src, as one new bytes\n"
      "object: src is copied into it in the hash's pass (a whole record, header then payload)."},
+    {"xxh3_64_check_copy", (PyCFunction)(void (*)(void))py_xxh3_64_check_copy, METH_FASTCALL,
+     "xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int\n\n"
+     "One raw record checked and copied into dst: 0 good, 1 not a record of len(dst) bytes\n"
+     "(dst untouched), 2 its stored head differs from head (dst untouched), 3 its checksum\n"
+     "(XXH3-64 of head + key + payload, little-endian after the stored head) differs (dst\n"
+     "written). stored is the stored head and checksum, then the payload unless given apart.\n"
+     "dst None: the record is checked, not copied (its payload's length is then its own)."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {NULL, NULL, 0, NULL},
 };

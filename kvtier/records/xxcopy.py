@@ -27,9 +27,16 @@ import numpy as np
 import xxhash
 
 __all__ = [
+    "CHECK_GOOD",
+    "CHECK_HEAD",
+    "CHECK_SHAPE",
+    "CHECK_SUM",
     "NATIVE",
     "PATH",
     "fused",
+    "xxh3_check_copy",
+    "xxh3_check_copy_native",
+    "xxh3_check_copy_python",
     "xxh3_copy",
     "xxh3_copy_native",
     "xxh3_copy_python",
@@ -128,6 +135,65 @@ xxh3_joined_native: Callable[..., bytes] | None = _xxcopy.xxh3_64_joined if _xxc
 #: The native function where :data:`xxh3_copy` is native, else :func:`xxh3_joined_python`;
 #: looked up here at each use.
 xxh3_joined: Callable[..., bytes] = xxh3_joined_native if _VECTOR and xxh3_joined_native is not None else xxh3_joined_python
+
+
+#: What :func:`xxh3_check_copy` found, in the order it looks: a good record (copied, its
+#: checksum matches); not a record for the row (a length is off: the row untouched); a stored
+#: head other than the expected one (the row untouched); a checksum mismatch (the row written).
+CHECK_GOOD, CHECK_SHAPE, CHECK_HEAD, CHECK_SUM = 0, 1, 2, 3
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def xxh3_check_copy_python(head: Any, key: Any, stored: Any, dst: Any, payload: Any = None) -> int:
+    """:func:`xxh3_check_copy` in Python: the same outcome, the same copy, the same errors."""
+    expected = _readable(head, "head")
+    prefix = bytes(expected) + bytes(_readable(key, "key"))
+    record = _readable(stored, "stored")
+    out = None if dst is None else _flat(dst, "dst", "a writable bytes-like object")
+    if out is not None and out.readonly:
+        raise TypeError(f"dst: expected a writable buffer (this {type(dst).__name__} is read-only)")
+    source = None if payload is None else _readable(payload, "payload")
+    hlen = len(expected)
+    n = len(out) if out is not None else len(source) if source is not None else max(0, len(record) - hlen - 8)
+    if source is None:
+        if len(record) != hlen + 8 + n:
+            return CHECK_SHAPE
+        source = memoryview(record)[hlen + 8 :]
+    elif len(record) != hlen + 8 or len(source) != n:
+        return CHECK_SHAPE
+    if record[:hlen] != expected:
+        return CHECK_HEAD
+    source = memoryview(source)
+    if out is None:
+        checked: Any = source
+    else:
+        if n and abs(_address(out) - _address(source)) < n:
+            raise ValueError("dst: overlaps the payload")
+        out[:] = source
+        checked = out
+    h = xxhash.xxh3_64(prefix)
+    h.update(checked)
+    return CHECK_GOOD if h.intdigest() == _SUM.unpack_from(record, hlen)[0] else CHECK_SUM
+
+
+#: The native function (``None`` without the extension).
+xxh3_check_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_check_copy if _xxcopy is not None else None
+
+#: ``xxh3_check_copy(head, key, stored, dst, payload=None) -> int``: one raw record checked
+#: and copied into ``dst`` in one call (one of the ``CHECK_*`` outcomes). ``stored`` begins
+#: with the stored head (``len(head)`` bytes, which must equal ``head``) and its checksum (8
+#: bytes, little-endian: the XXH3-64 of ``head + key + payload``); the payload follows in
+#: ``stored`` (a joined record: ``stored`` is then ``len(head) + 8 + len(dst)`` bytes) or is
+#: given apart (``len(dst)`` bytes, ``stored`` then exactly ``len(head) + 8``). The copy and
+#: the checksum are one pass, as in :data:`xxh3_copy`. ``dst`` ``None``: the record is only
+#: checked, its payload read where it is (a row a read just filled). The native function where
+#: :data:`xxh3_copy` is native, else :func:`xxh3_check_copy_python`; looked up here at each use.
+xxh3_check_copy: Callable[..., int] = (
+    xxh3_check_copy_native if _VECTOR and xxh3_check_copy_native is not None else xxh3_check_copy_python
+)
 
 
 def fused() -> bool:

@@ -198,7 +198,7 @@ class _CallersTeam:
         self._callers.on = True
         pace = self._pace
         if pace is not None:
-            if pace.solo():
+            if pace.until != 0.0 and pace._clock() < pace.until:  # (pace.solo(), inline)
                 self._alone = one_intra_op_thread()
                 self._alone.__enter__()
             self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()

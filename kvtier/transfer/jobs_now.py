@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvtier.backend import MemoryBackend
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobResult, QuietCondition, result_of
-from kvtier.transfer.movers import MoverHost, reserve_slots
+from kvtier.transfer.movers import MoverHost, no_free_slots
 from kvtier.transfer.plan_writes import PlanWrites
 
 if TYPE_CHECKING:
@@ -75,7 +75,10 @@ class JobsNow:
         self.enabled = True
 
     def _may(self, blocks: int) -> bool:
-        """Whether a job of ``blocks`` blocks may run now, by its size and the tiers."""
+        """Whether a job of ``blocks`` blocks may run now, by its size and the tiers: ``True``
+        only where every tier is a memory tier with its pool in host memory
+        (:meth:`InlineJobs._every_tier_host <kvtier.transfer.inline.InlineJobs._every_tier_host>`),
+        so the job's own tiers are not asked again."""
         inline = self.inline
         return (
             self.enabled
@@ -109,10 +112,12 @@ class JobsNow:
                     counters["failed_jobs"] += 1
                 counters["bytes_stored" if kind == "store" else "bytes_loaded"] += nbytes
             e._active -= 1
-            if e._active == 0:
+            # (QuietCondition.notify_all's own test, here: no call where nobody waits)
+            if e._active == 0 and e._idle.waiting:
                 e._idle.notify_all()
             e._inline_running = False
-            e._inline_done.notify_all()
+            if e._inline_done.waiting:
+                e._inline_done.notify_all()
 
     def store(self, plan: StorePlan, block_ids: Sequence[int]) -> JobResult | None:
         """Store ``plan`` into its tier now, from engine ``block_ids`` (checked by the caller,
@@ -126,12 +131,13 @@ class JobsNow:
             plan.write_through
             or plan.demotions
             or plan.tags
-            or not isinstance(target, MemoryBackend)
             or (drops and (len(drops) != 1 or drops[0][0] != plan.tier or getattr(target, "shared", False)))
             or not self._may(len(keys))
             or not self._claim()
         ):
             return None
+        if TYPE_CHECKING:  # _may: every tier is a host memory tier (no isinstance per job)
+            assert isinstance(target, MemoryBackend)
         job_id = next(e._ids)
         layout = e.layout
         nbytes = 0
@@ -139,7 +145,9 @@ class JobsNow:
         start = time.perf_counter()
         try:
             with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
-                slots = reserve_slots(target, plan, drops[0][1] if drops else ())  # its room in one call
+                slots = target.evict_and_reserve(drops[0][1] if drops else (), keys)  # (reserve_slots, inline)
+                if slots is None:
+                    raise no_free_slots(plan)
                 layout.gather(block_ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
             nbytes = len(slots) * layout.block_bytes
         except Exception as exc:  # reported, never raised into the engine
@@ -166,7 +174,9 @@ class JobsNow:
         if not tiers or plan.promote or tiers.count(tiers[0]) != len(tiers) or not self._may(len(keys)):
             return None
         backend = e.backends[tiers[0]]
-        if not isinstance(backend, MemoryBackend) or not self._claim():
+        if TYPE_CHECKING:  # _may: every tier is a host memory tier
+            assert isinstance(backend, MemoryBackend)
+        if not self._claim():
             return None
         try:
             rows = backend.slots(keys)  # under the claim: no other job moves them meanwhile

@@ -51,15 +51,14 @@ class JobRuns:
         # (manager, its persistent tiers, the blocks its tiers below the first hold at most)
         self._tiers: tuple[TierManager, list[int], int] | None = None
 
-    def _tier_facts(self, mgr: TierManager) -> tuple[list[int], int]:
-        """The persistent tiers and the blocks the tiers below the first hold, at most: fixed
-        for a manager's life, so worked out on its first save."""
-        facts = self._tiers
-        if facts is None or facts[0] is not mgr:
-            specs = [mgr.tier_spec(t) for t in range(mgr.num_tiers)]
-            below = sum(spec.capacity_bytes // spec.block_reserve for spec in specs[1:])
-            facts = self._tiers = (mgr, [t for t, spec in enumerate(specs) if spec.persistent], below)
-        return facts[1], facts[2]
+    def _tier_facts(self, mgr: TierManager) -> tuple[TierManager, list[int], int]:
+        """``mgr``, its persistent tiers and the blocks its tiers below the first hold, at
+        most: fixed for a manager's life, so worked out on its first save and kept
+        (``self._tiers``, which a save reads first)."""
+        specs = [mgr.tier_spec(t) for t in range(mgr.num_tiers)]
+        below = sum(spec.capacity_bytes // spec.block_reserve for spec in specs[1:])
+        facts = self._tiers = (mgr, [t for t, spec in enumerate(specs) if spec.persistent], below)
+        return facts
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
         """Apply a finished store job to the manager; return how many blocks became ready."""
@@ -80,10 +79,14 @@ class JobRuns:
         """``KVStore.save`` of checked ``keys`` and engine ``ids`` (a list from
         ``layout.check_block_ids``: its jobs are submitted ``checked``): (blocks newly stored,
         those of them on a persistent tier)."""
-        self.settle_finished(transfers)
+        if self.unsettled:  # (tested here: a call less per job, right after a cache flush)
+            self.settle_finished(transfers)
         n = self._n
         mgr = self._mgr()
-        persistent, below = self._tier_facts(mgr)
+        facts = self._tiers
+        if facts is None or facts[0] is not mgr:
+            facts = self._tier_facts(mgr)
+        _, persistent, below = facts
         if durable and not persistent:
             raise ConfigError("save(durable=True): the store has no persistent tier (tiers: an lmdb, file or redis tier)")
         kept = 0  # newly stored blocks on a persistent tier
@@ -97,7 +100,7 @@ class JobRuns:
             if offset and (offset > below or mgr.lookup(keys[:offset]) < offset):
                 break
             plan = mgr.prepare_store(rest, partial=True, keep_below=keys[:offset], tenant=tenant)
-            if plan is None or plan.empty:
+            if plan is None or (not plan.keys and plan.empty):  # (a plan with keys is not empty)
                 break
             whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
             chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
@@ -155,7 +158,8 @@ class JobRuns:
     async def load(self, transfers: TransferEngine, keys: Sequence[bytes], ids: Sequence[int], *, promote: bool) -> int:
         """``KVStore.load`` of checked ``keys`` into distinct engine ``ids`` (as for
         :meth:`save`): the leading blocks filled with the right bytes."""
-        self.settle_finished(transfers)
+        if self.unsettled:
+            self.settle_finished(transfers)
         n = self._n
         mgr = self._mgr()
         plan = mgr.prepare_load_run(keys)  # lookup, then prepare_load(keys[:hits], promote=False)
