@@ -339,3 +339,20 @@ def test_one_tier_prepare_load_matches_the_general_path(policy: str, keys: Any) 
         outcome = _outcome(lambda ks, m=m: (lambda p: (p.keys, p.tiers, p.promote))(m.prepare_load(ks)), keys)
         runs.append((outcome, dict(m._tiers[0].pins), m.tier_keys(0), m.counters["load_prepared"]))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_an_eviction_frees_its_victims_bytes_with_or_without_kept_keys(kept: bool) -> None:
+    """``evict``'s own accounting of a plain tier (fixed-size blocks, no kept key, no tenant)
+    against ``_unaccount`` (taken with a kept key): either way the tier's ``used`` is its held
+    blocks' bytes after every store that evicts."""
+    m = TierManager([TierSpec(name="t0", capacity_bytes=4 * BLOCK, block_reserve=BLOCK, policy=LRUPolicy(4))])
+    tier = m._tiers[0]
+    if kept:
+        tier.kept[K[15]] = 1  # (a kept key no store names: the general accounting is taken)
+    for i in range(0, 12, 2):
+        plan = m.prepare_store(K[i : i + 2])
+        assert plan is not None
+        m.complete_store(plan.keys, True)
+        assert tier.used == BLOCK * len(tier.index)
+    assert tier.evictions == 8 and len(tier.index) == 4

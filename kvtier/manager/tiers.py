@@ -263,7 +263,11 @@ class TierState:
         self.departed[0] += len(victims)
         if self.tenancy is not None:
             self.tenancy.count(self.tenancy.evictions, victims)
-        self._unaccount(victims)
+            self._unaccount(victims)
+        elif self.kept or self.variable:
+            self._unaccount(victims)
+        else:  # (_unaccount's own plain case: fixed-size blocks, no pins, no tenants)
+            self.used -= self.block * len(victims)
         self.evictions += len(victims)
         return victims
 

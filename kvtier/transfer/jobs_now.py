@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvtier.backend import MemoryBackend
 from kvtier.manager import LoadPlan, StorePlan
 from kvtier.transfer.jobs import JobResult, QuietCondition, result_of
-from kvtier.transfer.movers import MoverHost, reserve_slots
+from kvtier.transfer.movers import MoverHost, no_free_slots
 from kvtier.transfer.plan_writes import PlanWrites
 
 if TYPE_CHECKING:
@@ -145,7 +145,9 @@ class JobsNow:
         start = time.perf_counter()
         try:
             with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
-                slots = reserve_slots(target, plan, drops[0][1] if drops else ())  # its room in one call
+                slots = target.evict_and_reserve(drops[0][1] if drops else (), keys)  # (reserve_slots, inline)
+                if slots is None:
+                    raise no_free_slots(plan)
                 layout.gather(block_ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
             nbytes = len(slots) * layout.block_bytes
         except Exception as exc:  # reported, never raised into the engine

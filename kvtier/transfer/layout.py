@@ -75,6 +75,9 @@ def _run_cuts(runs: list[tuple[list[int], int, int]]) -> list[int]:
     return cuts
 
 
+_INT = frozenset({int})
+
+
 def _block_id_list(block_ids: Sequence[int], what: str) -> list[int]:
     """``block_ids`` as plain ints. A float (``1.5`` is not block 1) or a bool is an error
     naming its position; numpy and 0-d torch integers are accepted."""
@@ -208,7 +211,10 @@ class KVLayout:
     # -- validation ------------------------------------------------------------------------
     def check_block_ids(self, block_ids: Sequence[int], num_blocks: int, *, what: str = "block_ids") -> list[int]:
         """Validate engine block ids for ``num_blocks`` offloaded blocks (``n`` ids each)."""
-        ids = _block_id_list(block_ids, what)
+        if type(block_ids) is list and set(map(type, block_ids)) <= _INT:  # (a list of ints: no call)
+            ids = block_ids.copy()
+        else:
+            ids = _block_id_list(block_ids, what)
         want = num_blocks * self.engine_blocks_per_block
         if len(ids) != want:
             raise LayoutError(

@@ -67,8 +67,14 @@ def reserve_slots(target: MemoryBackend, plan: StorePlan, victims: Sequence[byte
     ``victims``: the plan's evictions from ``target``, deleted first in the same call."""
     slots = target.reserve(plan.keys) if victims is None else target.evict_and_reserve(victims, plan.keys)
     if slots is None:
-        raise LifecycleError(f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off")
+        raise no_free_slots(plan)
     return slots
+
+
+def no_free_slots(plan: StorePlan) -> LifecycleError:
+    """The error of a tier with no free slots for ``plan``'s new blocks, room the manager had
+    reserved: its accounting is off."""
+    return LifecycleError(f"tier {plan.tier}: no free slots for {len(plan.keys)} blocks; the manager's accounting is off")
 
 
 def hand_to_tiers(engine: MoverHost, work: TierWork) -> None:
