@@ -12,8 +12,8 @@ import pytest
 from kvtier.backends import lmdb_heap
 
 # A fresh interpreter (glibc's thresholds are the process's): three jobs of 16 records of
-# 256 KiB (4 MiB a commit) through the tier; prints the minor faults of the third. ``off``:
-# with the tier's call to ``keep_heap_for`` made a no-op.
+# ``argv[3]`` bytes (256 KiB: 4 MiB a commit) through the tier; prints the minor faults of the
+# third. ``off``: with the tier's call to ``keep_heap_for`` made a no-op.
 _JOBS = r"""
 import asyncio, resource, sys
 import torch
@@ -26,7 +26,7 @@ if sys.argv[2] == "off":
 elif lmdb_heap._glibc() is None:
     print("no-glibc")
     raise SystemExit(0)
-size, job = 256 << 10, 16
+size, job = int(sys.argv[3]), 16
 backend = registry.backends.get("lmdb")(capacity=256 << 20, path=sys.argv[1], sync_mode="fast")
 asyncio.run(backend.open(BlockFormat(block_bytes=size, dtype="uint8")))
 blocks = [torch.full((size,), i, dtype=torch.uint8) for i in range(job)]
@@ -46,8 +46,8 @@ print(faults[2])
 _PAGES = 16 * (256 + 4) // 4
 
 
-def _third_job_faults(tmp_path: Path, arm: str) -> int:
-    child = subprocess.run([sys.executable, "-c", _JOBS, str(tmp_path / arm), arm], capture_output=True, text=True, timeout=300)
+def _third_job_faults(tmp_path: Path, arm: str, size: int = 256 << 10) -> int:
+    child = subprocess.run([sys.executable, "-c", _JOBS, str(tmp_path / arm), arm, str(size)], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     if child.stdout.strip() == "no-glibc":
         pytest.skip("glibc's malloc is not this process's")
@@ -64,6 +64,17 @@ def test_a_later_job_of_large_records_faults_no_page_of_its_commit_in_again(tmp_
     if trimmed < _PAGES // 2:
         pytest.skip(f"glibc here kept the heap without the tier's call ({trimmed} faults): nothing to compare")
     assert kept < trimmed // 8
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_a_later_job_of_joined_records_faults_neither_its_commit_nor_its_records_in_again(tmp_path: Path) -> None:
+    """64 KiB records are put joined, each built whole (a new ``bytes``) before the commit and
+    freed after it: the heap kept must hold those too. Kept for the commit's pages alone, the
+    two frees together passed glibc's trim threshold, and each job faulted about 30 pages a
+    record in again (480 here)."""
+    pages = 16 * (64 + 4) // 4
+    kept = _third_job_faults(tmp_path, "on", 64 << 10)
+    assert kept < pages // 8, f"the third 1 MiB commit of joined records faulted {kept} pages in (of {pages})"
 
 
 class _Libc:
