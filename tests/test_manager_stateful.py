@@ -30,6 +30,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.load_promoting: dict[bytes, int] = {}
         self.pins: dict[bytes, list[int]] = {}  # key -> tier of each pin
         self.ready: list[set[bytes]] = []  # per tier, from stored / removed events
+        self.filters_built: set[int] = set()  # tiers whose index filter was built (KeyIndex)
 
     @initialize(
         tiers=st.lists(st.integers(1, 4), min_size=1, max_size=2),
@@ -250,6 +251,22 @@ class ManagerMachine(RuleBasedStateMachine):
         self._apply_events()
         for ti in range(self.m.num_tiers):
             assert set(self.m.tier_keys(ti)) == self.ready[ti]
+
+    @invariant()
+    def every_index_filter_covers_its_keys(self) -> None:
+        """Where the index is the C ``KeyIndex``: once built, every step keeps its filter's counts
+        matching the dict with no rebuild (no mutation went past them), and the filter says
+        absent only for keys the dict does not hold."""
+        for ti, t in enumerate(self.m._tiers if self.ready else []):
+            index = t.index
+            if not hasattr(index, "filter_state"):  # no extension: a plain dict
+                return
+            if ti in self.filters_built:
+                assert index.filter_state()["synced"]
+            for key in UNIVERSE:
+                if not index.maybe(key):  # (builds the filter the first time)
+                    assert key not in index
+            self.filters_built.add(ti)
 
     @invariant()
     def no_leaked_plans(self) -> None:

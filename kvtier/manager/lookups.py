@@ -33,6 +33,13 @@ and misses are C integers, added to the closures' counts by ``counts``; a malfor
 through :func:`bad_key` and a closed manager through :func:`_closed`, so the errors are the
 same objects' errors. Without the extension the closure runs, with the same answers, counts
 and errors (a test compares the two).
+
+The index: every tier's index is made by :func:`new_index`, the extension's ``KeyIndex`` where it
+is built (a ``dict`` subclass whose reads are dict's own, keeping a membership filter through
+every mutation, checked against the dict's version tag), else a plain ``dict``. ``KeyProbe``
+consults the filter while misses are common and answers most misses from it, with no hash and no
+dict probe; the filter never says absent for a key the dict holds, so the answers, counts and
+errors are the same either way (``tests/test_key_index.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +58,18 @@ try:
 except ImportError:  # built without a C compiler: the closures below
     _probe = None
 
-__all__ = ["NATIVE", "KeyLookupFn", "LookupFn", "SingleKeyLookup", "leading_run", "lookup_counts", "probe_source", "read_counters", "single_key_lookup"]
+__all__ = [
+    "NATIVE",
+    "KeyLookupFn",
+    "LookupFn",
+    "SingleKeyLookup",
+    "leading_run",
+    "lookup_counts",
+    "new_index",
+    "probe_source",
+    "read_counters",
+    "single_key_lookup",
+]
 
 LookupFn = Callable[[Sequence[bytes]], int]
 KeyLookupFn = Callable[[bytes], bool]
@@ -66,6 +84,16 @@ _DICT_GET: type = type({}.get)  # a builtin method: a dict's bound ``get`` is on
 
 #: Whether ``lookup_key`` runs in C (the extension ``kvtier.manager._probe`` is built).
 NATIVE: bool = _probe is not None
+#: The tiers' index type: the C ``KeyIndex`` (a dict that keeps a membership filter) where the
+#: extension is built, else ``dict``.
+_INDEX: type = _probe.KeyIndex if _probe is not None else dict
+
+
+def new_index() -> dict[bytes, int]:
+    """An empty index for one tier: a ``dict`` in every respect, and where the extension is built
+    one whose membership filter lets ``lookup_key`` answer most misses without a dict probe."""
+    index: dict[bytes, int] = _INDEX()
+    return index
 
 
 def lookup_counts(calls: int, asked: int, found: int) -> int:
@@ -134,9 +162,10 @@ class SingleKeyLookup:
 
 def probe_source(get: Getter) -> Any:
     """What the C lookup probes for the getter ``get``: the dict itself where ``get`` is the
-    bound ``get`` of an exact ``dict`` (the same answers, no call), else ``get``."""
+    bound ``get`` of an exact ``dict`` or of the index type (the same answers, no call), else
+    ``get``."""
     owner = getattr(get, "__self__", None)
-    if type(get) is _DICT_GET and type(owner) is dict and get == owner.get:
+    if type(get) is _DICT_GET and isinstance(owner, dict) and type(owner) in (dict, _INDEX) and get == owner.get:
         return owner
     return get
 

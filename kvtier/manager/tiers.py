@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier.bulk import READY
 from kvtier.errors import ConfigError, QuotaError
+from kvtier.manager.lookups import new_index
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TierTenancy
 
@@ -112,7 +113,7 @@ class TierState:
         self.block = spec.block_reserve
         self.variable = spec.variable_size
         self.persistent = spec.persistent
-        self.index: dict[bytes, int] = {}
+        self.index = new_index()  # a dict (with a membership filter where kvtier.manager._probe is built)
         self.pins: dict[bytes, int] = {}
         self.sizes: dict[bytes, int] = {}
         self.stamps: dict[bytes, float] = {}
