@@ -145,11 +145,13 @@ class LmdbWrites(PersistentRecordBackend):
             maps = self.format.block_bytes >= MAP_AFTER_BYTES
             start = self._data_end() if maps else None
             # The transaction mallocs each value's pages and frees them all at its commit, and
-            # the records built whole for it (a joined record's bytes) are freed just after:
-            # glibc is made to keep that much free heap for the next one (lmdb_heap). Counted
-            # without the built records, 16 joined 64 KiB records faulted 30 pages in a record.
-            built = sum(len(payload) for job in jobs for _, _, payload in job if type(payload) is bytes)
-            keep_heap_for(sum(map(len, jobs)) * self._pages(self._head_bytes() + self.format.block_bytes) + built)
+            # the records built whole for it (joined records: a bytes each) are freed just
+            # after: glibc is made to keep that much free heap for the next one (lmdb_heap).
+            # Counted without the built records, 16 joined 64 KiB records faulted 30 pages in
+            # a record at every job.
+            record = self._head_bytes() + self.format.block_bytes
+            built = record if record <= lmdb_entries.JOIN_MAX else 0
+            keep_heap_for(sum(map(len, jobs)) * (self._pages(record) + built))
             try:
                 sizes = self._put_together(env, jobs)
             except _PUT_FAILED as exc:
