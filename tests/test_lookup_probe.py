@@ -249,6 +249,7 @@ def test_a_compiler_means_the_extension_is_built() -> None:
     assert lookups.NATIVE, "kvtier.manager._probe did not build although a C compiler exists (reinstall: pip install -e .)"
     m = TierManager([TierSpec(name="t", capacity_bytes=400, block_reserve=100, policy=LRUPolicy(4))])
     assert type(m.lookup_key).__name__ == "KeyProbe"
+    assert type(m._tiers[0].index).__name__ == "KeyIndex", "a stale kvtier.manager._probe (reinstall: pip install -e .)"
 
 
 def test_without_the_extension_the_closure_runs(monkeypatch: pytest.MonkeyPatch) -> None:
