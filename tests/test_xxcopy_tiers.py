@@ -29,7 +29,8 @@ FMT = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m
 
 @pytest.fixture(params=PATHS)
 def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``xxcopy.xxh3_copy`` on one path, counting the payload bytes it is given."""
+    """``xxcopy.xxh3_copy`` (and ``xxh3_check_copy``) on one path, counting the payload bytes
+    each copies."""
     fn = xxcopy.xxh3_copy_python if request.param == "python" else xxcopy.xxh3_copy_native
     seen: list[int] = []
 
@@ -37,7 +38,15 @@ def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> li
         seen.append(memoryview(src).nbytes)
         return fn(prefix, src, dst)  # type: ignore[misc]
 
+    check = xxcopy.xxh3_check_copy_python if request.param == "python" else xxcopy.xxh3_check_copy_native
+
+    def counting_checks(head: Any, key: Any, stored: Any, dst: Any, payload: Any = None) -> int:
+        if dst is not None:
+            seen.append(memoryview(dst).nbytes)
+        return check(head, key, stored, dst, payload)  # type: ignore[misc]
+
     monkeypatch.setattr(xxcopy, "xxh3_copy", counting)
+    monkeypatch.setattr(xxcopy, "xxh3_check_copy", counting_checks)  # one record's check and copy, on the same path
     if request.param == "native":  # fused() asks whether the native function is in place
         monkeypatch.setattr(xxcopy, "xxh3_copy_native", counting)
     return seen
@@ -177,7 +186,7 @@ def check_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 def test_the_straight_read_checks_each_record_in_one_call_on_either_path(
     tmp_path: Path, check_calls: list[int], monkeypatch: pytest.MonkeyPatch, layout: str, jobs: str
 ) -> None:
-    """The straight read's one call per record (head, lengths, copy and checksum), native or
+    """The straight read's and the tight pass's one call per record (head, lengths, copy and checksum), native or
     Python: sound records read, absent ones missed, a flipped payload or head bit a counted
     corrupt record (deleted) as the general path finds it, never bytes other than stored."""
     layouts(monkeypatch, layout)
@@ -201,11 +210,15 @@ def test_the_straight_read_checks_each_record_in_one_call_on_either_path(
     for i in (0, 4, 5, 6, 7):
         assert torch.equal(out[i], data[i]), i
     assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
+    good, bad_sum, bad_head, shape = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_SHAPE
+    # 6 (compressed: a value shorter than a raw record's) is told not plain by the call where
+    # its layout has an entry with a head (split), else before it (joined: no entry)
+    not_plain = [shape] if layout == "split" else []
     if jobs == "one_by_one":
-        # 0, 4, 5 (its head in an entry of the old whole layout) and 7 good in one call each;
-        # 2 (payload) and 3 (head) told apart in their calls, then read by the general path, as
-        # 6 (compressed: a value shorter than a raw record's); 1 (absent) makes no call
-        good, bad_sum, bad_head, shape = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_SHAPE
-        assert check_calls == [good, bad_sum, bad_head, good, good, shape, good]
-    else:  # the first record that is not good (2) hands the whole job over
-        assert check_calls == [xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM]
+        # 0, 4, 5 (its head in an entry of the old whole layout) and 7 good in one call each; 2
+        # (payload) and 3 (head) told apart by the straight line's call, then by the job
+        # reader's tight pass it hands them to (the same call), then read by the general path,
+        # as 6 is; 1 (absent) makes no call
+        assert check_calls == [good, bad_sum, bad_sum, bad_head, bad_head, good, good, shape, *not_plain, good]
+    else:  # the first record that is not good (2) hands the whole job to the job reader's tight pass
+        assert check_calls == [good, bad_sum, good, bad_sum, bad_head, good, good, *not_plain, good]

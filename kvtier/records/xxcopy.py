@@ -9,6 +9,13 @@ read twice. :func:`xxh3_copy` does both in one pass: the native extension
 stripe once, stores it to the destination and feeds it to the XXH3 accumulators from the same
 registers, without the GIL (from 16 KiB), on an AVX2 path where the CPU has one.
 
+:func:`xxh3_check_copy` is one raw record's whole check in one call: the lengths, its stored
+head against the store's, then the copy and the checksum in the pass above (or, with no row,
+the checksum of the payload where it lies). A small record's load costs about as much in
+Python calls as in bytes moved, so the checks that were a struct unpack, slices, a
+concatenation and compares before the fused pass are one call here: the ``lmdb`` tier's
+straight reads and the ``file`` tier's plain reads take it.
+
 Without the extension (no compiler at install) the same function runs a pure-Python path
 (:func:`xxh3_copy_python`) with identical results and errors; so does a CPU without AVX2,
 where the extension's portable scalar path ran slower than the Python one (``xxhash``'s own
