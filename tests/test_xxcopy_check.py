@@ -141,3 +141,24 @@ def test_without_a_row_the_record_is_checked_where_it_is(n):
             assert fn(HEAD, KEY, value, None) == CHECK_SUM
             assert fn(HEAD, KEY, stored, None, bytes(value[32:])) == CHECK_SUM
         assert bytes(value[:32]) == stored
+
+
+@pytest.mark.parametrize("name", list(FNS))
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_row_over_the_stored_head_or_checksum_is_refused(name, apart):
+    """A ``dst`` that overlaps the stored head or checksum (not the payload) is refused as the
+    payload's overlap is, on both paths, and nothing is written: copying into it would overwrite
+    the checksum the copy is then compared with (a sound record read as damaged, the caller's
+    stored bytes changed)."""
+    fn = FNS[name]
+    stored, payload = _record(16)
+    record = bytearray(stored + payload) if not apart else bytearray(stored)
+    view = memoryview(record)
+    before = bytes(record)
+    for at in (0, len(HEAD) - 16, len(HEAD) - 8):  # over the head, then head and checksum, up to the payload
+        args = (HEAD, KEY, view, view[at : at + 16]) + ((payload,) if apart else ())
+        with pytest.raises(ValueError, match="dst: overlaps stored"):
+            fn(*args)
+        assert bytes(record) == before
+    # apart from the stored bytes the same record is sound
+    assert fn(HEAD, KEY, bytes(record), bytearray(16), *((payload,) if apart else ())) == CHECK_GOOD

@@ -250,6 +250,11 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
             PyErr_SetString(PyExc_ValueError, "dst: overlaps the payload");
             goto release_payload;
         }
+        /* nor the stored head and checksum: the copy would change what it is compared with */
+        if (d != NULL && n > 0 && d < rec + slen && rec < d + n) {
+            PyErr_SetString(PyExc_ValueError, "dst: overlaps stored");
+            goto release_payload;
+        }
         u8 small[CHECK_PREFIX_MAX];
         u8 *prefix = hlen + klen <= CHECK_PREFIX_MAX ? small : PyMem_Malloc(hlen + klen);
         if (prefix == NULL) {

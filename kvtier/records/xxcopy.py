@@ -179,6 +179,9 @@ def xxh3_check_copy_python(head: Any, key: Any, stored: Any, dst: Any, payload: 
     else:
         if n and abs(_address(out) - _address(source)) < n:
             raise ValueError("dst: overlaps the payload")
+        at, stored_at = _address(out), _address(memoryview(record))
+        if n and at < stored_at + len(record) and stored_at < at + n:
+            raise ValueError("dst: overlaps stored")
         out[:] = source
         checked = out
     h = xxhash.xxh3_64(prefix)
@@ -195,7 +198,8 @@ xxh3_check_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_check_copy i
 #: bytes, little-endian: the XXH3-64 of ``head + key + payload``); the payload follows in
 #: ``stored`` (a joined record: ``stored`` is then ``len(head) + 8 + len(dst)`` bytes) or is
 #: given apart (``len(dst)`` bytes, ``stored`` then exactly ``len(head) + 8``). The copy and
-#: the checksum are one pass, as in :data:`xxh3_copy`. ``dst`` ``None``: the record is only
+#: the checksum are one pass, as in :data:`xxh3_copy`; a ``dst`` over the payload or ``stored`` is
+#: refused (:class:`ValueError`). ``dst`` ``None``: the record is only
 #: checked, its payload read where it is (a row a read just filled). The native function where
 #: :data:`xxh3_copy` is native, else :func:`xxh3_check_copy_python`; looked up here at each use.
 xxh3_check_copy: Callable[..., int] = (
