@@ -257,3 +257,37 @@ def test_without_the_extension_the_index_is_a_plain_dict(monkeypatch: pytest.Mon
     assert plan is not None
     m.complete_store(plan.keys)
     assert m.lookup_key(UNIVERSE[0]) is True and m.lookup_key(UNIVERSE[1]) is False
+
+
+class _Planter:
+    """A value whose release puts ``key`` in ``index`` past the type (dict's own method)."""
+
+    def __init__(self, index: Any, key: bytes) -> None:
+        self.index, self.key = index, key
+
+    def __del__(self) -> None:
+        dict.__setitem__(self.index, self.key, 1)
+
+
+@native
+@pytest.mark.parametrize("how", ["set", "del", "update"])
+def test_a_value_released_mid_mutation_cannot_hide_a_key_from_the_filter(how: str) -> None:
+    """Replacing or deleting a value releases it inside the dict's mutation, and its release can
+    run Python code that mutates the index past the type (here: one more key, which keeps the
+    size the type expects). The filter must still never call that key absent."""
+    held, planted, other = UNIVERSE[0], UNIVERSE[1], UNIVERSE[2]
+    index = new_index()
+    index[held] = _Planter(index, planted)
+    index.maybe(UNIVERSE[3])  # the filter built and synced
+    assert index.filter_state()["synced"]
+    if how == "set":
+        index[held] = 1
+    elif how == "del":
+        del index[held]
+    else:
+        index.update({held: 1, other: 1})
+    assert planted in index
+    assert index.maybe(planted), "the filter calls a held key absent"
+    probe = single_key_lookup([index.get], _general, native=True)
+    assert probe.lookup_key(planted) is True
+    _covers(index, UNIVERSE[:50])

@@ -123,14 +123,50 @@ index_settle(KeyIndex *self, PyObject *key, int exact, Py_ssize_t before)
     self->synced = DICT_VERSION(self);
 }
 
+/* The value ``key`` holds now (a new reference, NULL if none), kept alive across a mutation
+ * that replaces or deletes it: released inside the dict's mutation it could run Python code
+ * (``__del__``) that mutates the dict past the type before the counts are settled. */
+static PyObject *
+index_hold(KeyIndex *self, PyObject *key)
+{
+    PyObject *old = PyDict_GetItemWithError((PyObject *)self, key); /* exact bytes: runs no Python code */
+    if (old == NULL)
+        PyErr_Clear();
+    return Py_XNewRef(old);
+}
+
 static int
 index_ass_sub(KeyIndex *self, PyObject *key, PyObject *value)
 {
     int exact = index_exact(self, key), r;
     Py_ssize_t before = PyDict_GET_SIZE(self);
+    PyObject *old = exact ? index_hold(self, key) : NULL;
     r = PyDict_Type.tp_as_mapping->mp_ass_subscript((PyObject *)self, key, value);
     index_settle(self, key, exact, before);
+    Py_XDECREF(old); /* its release, and whatever that does, after the counts are settled */
     return r;
+}
+
+/* Whether every key of the dict ``other`` is exact bytes that ``self`` (synced) does not hold:
+ * its update then adds them all, replacing (and releasing) no value, so no Python code runs. */
+static int
+index_all_new(KeyIndex *self, PyObject *other)
+{
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(other, &pos, &key, &value)) {
+        if (!PyBytes_CheckExact(key))
+            return 0;
+        if (cell_get(self->cells, slot_of(self, key)) != 0) { /* maybe held: the dict says */
+            int has = PyDict_Contains((PyObject *)self, key);
+            if (has != 0) {
+                if (has < 0)
+                    PyErr_Clear();
+                return 0;
+            }
+        }
+    }
+    return 1;
 }
 
 /* ``pop(key[, default])``, as dict's. */
@@ -170,7 +206,7 @@ index_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
     return value;
 }
 
-/* ``update(...)``, as dict's: a dict of keys all new is counted key by key, else rebuilt. */
+/* ``update(...)``, as dict's: a dict of bytes keys all new is counted key by key, else rebuilt. */
 static PyObject *
 index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
 {
@@ -188,6 +224,7 @@ index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
         other = PyTuple_GET_ITEM(args, 0);
     if (other != NULL && PyDict_CheckExact(other))
         other_version = DICT_VERSION(other);
+    exact = exact && other != NULL && PyDict_CheckExact(other) && index_all_new(self, other);
     {
         PyObject *full = PyTuple_New(PyTuple_GET_SIZE(args) + 1);
         Py_ssize_t i;
