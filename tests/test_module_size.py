@@ -1,5 +1,6 @@
 """Modules and classes stay small enough to read: no module under kvtier/ or backends/ is over
-600 lines, and no class there over 400.
+600 lines, and no class there over 400. The C sources of the native extensions (``*.c`` and
+``*.h`` under kvtier/) are held to the same 600 lines.
 
 A module that grows past it is split by concern (as ``kvtier/records/format.py`` and
 ``kvtier/sim/engine.py`` were), keeping its public names importable from where they were. A
@@ -22,10 +23,14 @@ MAX_CLASS_LINES = 400
 CLASS_EXCEPTIONS: dict[str, int] = {}
 
 
-def _too_long(folders: list[pathlib.Path]) -> list[str]:
+#: what the line limit reads under each folder: Python modules, and the extensions' C sources
+PATTERNS = ("*.py", "*.c", "*.h")
+
+
+def _too_long(folders: list[pathlib.Path], patterns: tuple[str, ...] = PATTERNS) -> list[str]:
     over = []
     for folder in folders:
-        for path in sorted(folder.rglob("*.py")):
+        for path in sorted(p for pattern in patterns for p in folder.rglob(pattern)):
             lines = len(path.read_text().splitlines())
             if lines > MAX_LINES:
                 over.append(f"{path.relative_to(folder.parent)}: {lines} lines")
@@ -56,8 +61,15 @@ def _classes_too_long(folders: list[pathlib.Path], exceptions: dict[str, int]) -
 
 def test_no_module_is_over_600_lines() -> None:
     assert sum(1 for f in FOLDERS for _ in f.rglob("*.py")) > 60  # the scan found the sources
-    over = _too_long(FOLDERS)
+    over = _too_long(FOLDERS, ("*.py",))
     assert not over, "split these by concern: " + "; ".join(over)
+
+
+def test_no_c_source_is_over_600_lines() -> None:
+    c_sources = [p.name for p in (ROOT / "kvtier").rglob("*.c")]
+    assert {"_xxcopy.c", "_probe.c"} <= set(c_sources)  # the scan found the extensions' sources
+    over = _too_long(FOLDERS, ("*.c", "*.h"))
+    assert not over, "split these by concern (one extension, several sources): " + "; ".join(over)
 
 
 def test_no_class_is_over_400_lines() -> None:
@@ -80,6 +92,16 @@ def test_the_check_catches_a_long_module(tmp_path: pathlib.Path) -> None:
     (pkg / "short.py").write_text("x = 1\n" * MAX_LINES)
     (pkg / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert _too_long([pkg]) == [f"pkg/long.py: {MAX_LINES + 1} lines"]
+
+
+def test_the_check_catches_a_long_c_source(tmp_path: pathlib.Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "short.c").write_text("int x;\n" * MAX_LINES)
+    (pkg / "long.c").write_text("int x;\n" * (MAX_LINES + 1))
+    (pkg / "long.h").write_text("int x;\n" * (MAX_LINES + 1))
+    (pkg / "other.txt").write_text("x\n" * (MAX_LINES + 1))
+    assert _too_long([pkg]) == [f"pkg/long.c: {MAX_LINES + 1} lines", f"pkg/long.h: {MAX_LINES + 1} lines"]
 
 
 def test_the_check_catches_a_long_class(tmp_path: pathlib.Path) -> None:

@@ -5,7 +5,7 @@ A raw record's checksum is XXH3-64 over its 24 checked header bytes, its key and
 and hashes it; saving one copies the block into the record and hashes it. Done as two passes
 (or as a Python loop over 64 KiB chunks, each copied then hashed while in cache) the payload is
 read twice. :func:`xxh3_copy` does both in one pass: the native extension
-(``kvtier/records/_xxcopy.c``, built at install where a C compiler exists) loads each 64-byte
+(``kvtier/records/_xxh3.c`` and its bindings ``_xxcopy.c``, built at install where a C compiler exists) loads each 64-byte
 stripe once, stores it to the destination and feeds it to the XXH3 accumulators from the same
 registers, without the GIL (from 16 KiB), on an AVX2 path where the CPU has one.
 

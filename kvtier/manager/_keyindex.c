@@ -1,0 +1,311 @@
+/* ``KeyIndex`` (kvtier.manager._probe.KeyIndex; KeyProbe in _probe.c reads it through
+ * _keyindex.h) is the tiers' index: a dict (a subclass, every read is dict's own) that also
+ * keeps a membership filter, so that a miss is mostly answered without hashing the key or
+ * touching the dict's table (which, at 10^5 keys and more, is a few cache misses). The filter
+ * is one 2-bit counter per slot, four slots a byte, at least two slots per key (0.5-1 byte a
+ * key), each key counted in the slot a cheap mix of all its bytes picks. A zero slot means no
+ * exact-bytes key with those bytes is in the dict: KeyProbe answers such a key's lookup as a
+ * miss with no dict probe (while misses are common: see MISS_WEIGHT). A counter that reaches 3
+ * stays there (never decremented: it can only say "maybe"); enough of them, or a dict past half
+ * the slots, and the filter is rebuilt from the dict. Every mutation through the type (item set and delete, ``pop``,
+ * ``update``, ``clear``) keeps the counts exact when every key is exact ``bytes``; anything
+ * else (another key type, a mutation through dict's own methods or C API, an error) leaves the
+ * filter marked stale, and the dict's version tag (changed by every mutation, whoever makes
+ * it) catches what bypassed the type: a stale filter is rebuilt before it is next consulted.
+ * So the filter never says absent for a key the dict holds; at worst it says "maybe" and the
+ * dict answers. Where the version tag is gone (CPython 3.14) the filter is never consulted.
+ */
+#define PY_SSIZE_T_CLEAN
+#include "_keyindex.h"
+
+#define MIN_SLOTS 256   /* 64 bytes */
+#define LOAD 2          /* slots per key, at least: a dict past slots / LOAD keys gets twice the slots */
+#define TOP 3u          /* a counter that reached it stays (it can only say "maybe") */
+
+/* Count one more key in slot i; 1 if that counter just reached TOP. */
+static inline int
+cell_add(uint8_t *cells, uint64_t i)
+{
+    unsigned c = cell_get(cells, i);
+    if (c == TOP)
+        return 0;
+    cells[i >> 2] = (uint8_t)(cells[i >> 2] + (1u << ((i & 3) * 2)));
+    return c + 1 == TOP;
+}
+
+static void
+mark_stale(KeyIndex *self)
+{
+    self->stale = 1;
+    self->foreign = 0; /* recounted by the rebuild that a stale filter gets before it is used */
+}
+
+int
+keyindex_rebuild(KeyIndex *self)
+{
+    Py_ssize_t n = PyDict_GET_SIZE(self), slots = MIN_SLOTS, pos = 0, foreign = 0, saturated = 0;
+    int shift = 64 - 8;
+    PyObject *key, *value;
+    uint8_t *cells;
+    while (slots / LOAD < n + 1) {
+        slots *= 2;
+        shift--;
+    }
+    cells = PyMem_Calloc((size_t)slots / 4, 1);
+    if (cells == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->shift = shift; /* slot_of reads it */
+    while (PyDict_Next((PyObject *)self, &pos, &key, &value)) {
+        if (PyBytes_CheckExact(key))
+            saturated += cell_add(cells, slot_of(self, key));
+        else
+            foreign++;
+    }
+    PyMem_Free(self->cells);
+    self->cells = cells;
+    self->slots = slots;
+    self->saturated = saturated;
+    self->foreign = foreign;
+    self->stale = 0;
+    self->synced = DICT_VERSION(self);
+    return 0;
+}
+
+/* Whether the counts match the dict now, as they are (no rebuild). */
+static inline int
+index_synced(KeyIndex *self)
+{
+    return KEYINDEX_GUARDED && !self->stale && self->foreign == 0 && self->cells != NULL && self->synced == DICT_VERSION(self);
+}
+
+/* Before a mutation by ``key``: whether its effect can be counted exactly. */
+static inline int
+index_exact(KeyIndex *self, PyObject *key)
+{
+    return PyBytes_CheckExact(key) && index_synced(self);
+}
+
+/* After a mutation by ``key`` that took the dict from ``before`` keys to its size now. */
+static void
+index_settle(KeyIndex *self, PyObject *key, int exact, Py_ssize_t before)
+{
+    Py_ssize_t after = PyDict_GET_SIZE(self);
+    if (!exact) {
+        mark_stale(self);
+        return;
+    }
+    if (after == before + 1) {
+        self->saturated += cell_add(self->cells, slot_of(self, key));
+        if (after > self->slots / LOAD || self->saturated > self->slots / 32) {
+            self->synced = DICT_VERSION(self);
+            if (keyindex_rebuild(self) < 0) {
+                PyErr_Clear(); /* the old slots still count every key: keep them */
+                return;
+            }
+        }
+    }
+    else if (after == before - 1) {
+        uint64_t i = slot_of(self, key);
+        unsigned c = cell_get(self->cells, i);
+        if (c == 0) { /* never: the counts were exact */
+            mark_stale(self);
+            return;
+        }
+        if (c != TOP)
+            self->cells[i >> 2] = (uint8_t)(self->cells[i >> 2] - (1u << ((i & 3) * 2)));
+    }
+    else if (after != before) {
+        mark_stale(self);
+        return;
+    }
+    self->synced = DICT_VERSION(self);
+}
+
+static int
+index_ass_sub(KeyIndex *self, PyObject *key, PyObject *value)
+{
+    int exact = index_exact(self, key), r;
+    Py_ssize_t before = PyDict_GET_SIZE(self);
+    r = PyDict_Type.tp_as_mapping->mp_ass_subscript((PyObject *)self, key, value);
+    index_settle(self, key, exact, before);
+    return r;
+}
+
+/* ``pop(key[, default])``, as dict's. */
+static PyObject *
+index_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *key, *value;
+    int exact;
+    Py_ssize_t before;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "pop expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    key = args[0];
+    exact = index_exact(self, key);
+    before = PyDict_GET_SIZE(self);
+    value = PyDict_GetItemWithError((PyObject *)self, key);
+    if (value == NULL) { /* nothing removed (what a foreign key's __eq__ did is the version tag's) */
+        if (PyErr_Occurred())
+            return NULL;
+        if (nargs == 2)
+            return Py_NewRef(args[1]);
+        value = PyTuple_Pack(1, key); /* as dict's: KeyError(key), a tuple key kept whole */
+        if (value != NULL) {
+            PyErr_SetObject(PyExc_KeyError, value);
+            Py_DECREF(value);
+        }
+        return NULL;
+    }
+    Py_INCREF(value);
+    if (PyDict_DelItem((PyObject *)self, key) < 0) {
+        mark_stale(self);
+        Py_DECREF(value);
+        return NULL;
+    }
+    index_settle(self, key, exact, before);
+    return value;
+}
+
+/* ``update(...)``, as dict's: a dict of keys all new is counted key by key, else rebuilt. */
+static PyObject *
+index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
+{
+    static PyObject *dict_update = NULL;
+    PyObject *other = NULL, *r, *key, *value;
+    Py_ssize_t before = PyDict_GET_SIZE(self), pos = 0;
+    int exact = index_synced(self);
+    uint64_t other_version = 0;
+    if (dict_update == NULL) {
+        dict_update = PyObject_GetAttrString((PyObject *)&PyDict_Type, "update");
+        if (dict_update == NULL)
+            return NULL;
+    }
+    if (PyTuple_GET_SIZE(args) == 1)
+        other = PyTuple_GET_ITEM(args, 0);
+    if (other != NULL && PyDict_CheckExact(other))
+        other_version = DICT_VERSION(other);
+    {
+        PyObject *full = PyTuple_New(PyTuple_GET_SIZE(args) + 1);
+        Py_ssize_t i;
+        if (full == NULL)
+            return NULL;
+        Py_INCREF(self);
+        PyTuple_SET_ITEM(full, 0, (PyObject *)self);
+        for (i = 0; i < PyTuple_GET_SIZE(args); i++)
+            PyTuple_SET_ITEM(full, i + 1, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+        r = PyObject_Call(dict_update, full, kwds);
+        Py_DECREF(full);
+    }
+    if (exact && r != NULL && (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) && other != NULL && PyDict_CheckExact(other) &&
+        PyDict_GET_SIZE(self) == before + PyDict_GET_SIZE(other) && DICT_VERSION(other) == other_version) {
+        /* every key of ``other`` (unchanged meanwhile) was new: count each (a foreign one makes the
+         * counts stale) */
+        while (PyDict_Next(other, &pos, &key, &value)) {
+            if (!PyBytes_CheckExact(key)) {
+                mark_stale(self);
+                return r;
+            }
+            self->saturated += cell_add(self->cells, slot_of(self, key));
+        }
+        self->synced = DICT_VERSION(self);
+        if ((PyDict_GET_SIZE(self) > self->slots / LOAD || self->saturated > self->slots / 32) && keyindex_rebuild(self) < 0) {
+            PyErr_Clear();
+            mark_stale(self);
+        }
+        return r;
+    }
+    mark_stale(self);
+    return r;
+}
+
+static PyObject *
+index_clear(KeyIndex *self, PyObject *unused)
+{
+    PyDict_Clear((PyObject *)self);
+    PyMem_Free(self->cells);
+    self->cells = NULL; /* an empty dict's filter is rebuilt small when next consulted */
+    mark_stale(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+index_maybe(KeyIndex *self, PyObject *key)
+{
+    return PyBool_FromLong(!index_surely_absent(self, key));
+}
+
+static PyObject *
+index_filter_state(KeyIndex *self, PyObject *unused)
+{
+    return Py_BuildValue("{s:O,s:n,s:n,s:n}", "synced", index_synced(self) ? Py_True : Py_False, "slots", self->slots,
+                         "saturated", self->saturated, "foreign", self->foreign);
+}
+
+static PyObject *
+index_sizeof(KeyIndex *self, PyObject *unused)
+{
+    static PyObject *dict_sizeof = NULL;
+    PyObject *base;
+    Py_ssize_t n;
+    if (dict_sizeof == NULL) {
+        dict_sizeof = PyObject_GetAttrString((PyObject *)&PyDict_Type, "__sizeof__");
+        if (dict_sizeof == NULL)
+            return NULL;
+    }
+    base = PyObject_CallOneArg(dict_sizeof, (PyObject *)self);
+    if (base == NULL)
+        return NULL;
+    n = PyLong_AsSsize_t(base);
+    Py_DECREF(base);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(n + (Py_ssize_t)(sizeof(KeyIndex) - sizeof(PyDictObject)) + (self->cells ? self->slots / 4 : 0));
+}
+
+static void
+index_dealloc(KeyIndex *self)
+{
+    PyMem_Free(self->cells);
+    self->cells = NULL;
+    PyDict_Type.tp_dealloc((PyObject *)self);
+}
+
+static PyMappingMethods index_as_mapping = {
+    .mp_ass_subscript = (objobjargproc)index_ass_sub, /* length and reads: dict's, inherited */
+};
+
+static PyMethodDef index_methods[] = {
+    {"pop", (PyCFunction)(void (*)(void))index_pop, METH_FASTCALL, "pop(key[, default]): as dict's."},
+    {"update", (PyCFunction)(void (*)(void))index_update, METH_VARARGS | METH_KEYWORDS, "update(...): as dict's."},
+    {"clear", (PyCFunction)index_clear, METH_NOARGS, "clear(): as dict's."},
+    {"maybe", (PyCFunction)index_maybe, METH_O,
+     "maybe(key) -> bool: False only where the filter says ``key`` is surely absent (never for a key held)."},
+    {"filter_state", (PyCFunction)index_filter_state, METH_NOARGS,
+     "The filter as it stands: synced (its counts match the dict, no rebuild due), slots, saturated, foreign."},
+    {"__sizeof__", (PyCFunction)index_sizeof, METH_NOARGS, "Size in memory, in bytes, the filter's included."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject KeyIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier.manager._probe.KeyIndex",
+    .tp_basicsize = sizeof(KeyIndex),
+    .tp_dealloc = (destructor)index_dealloc,
+    .tp_as_mapping = &index_as_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "KeyIndex(): a dict that keeps a membership filter of its bytes keys, which a KeyProbe consults on a miss.",
+    .tp_methods = index_methods,
+};
+
+int
+keyindex_type_ready(void)
+{
+    KeyIndexType.tp_base = &PyDict_Type;
+    KeyIndexType.tp_traverse = PyDict_Type.tp_traverse;
+    KeyIndexType.tp_clear = PyDict_Type.tp_clear; /* a mutation past the type: the version tag catches it */
+    return PyType_Ready(&KeyIndexType);
+}

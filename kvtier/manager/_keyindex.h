@@ -1,0 +1,109 @@
+/* KeyIndex as _probe.c and _keyindex.c see it: its layout, its type, and the filter's reads
+ * (inline: a probe's miss path runs them). Private to the extension kvtier.manager._probe. */
+#ifndef KVTIER_KEYINDEX_H
+#define KVTIER_KEYINDEX_H
+
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KEYINDEX_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define KEYINDEX_INTERNAL
+#endif
+
+#if PY_VERSION_HEX < 0x030E0000
+#define KEYINDEX_GUARDED 1
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations" /* ma_version_tag, deprecated since 3.12 */
+#endif
+#define DICT_VERSION(d) (((PyDictObject *)(d))->ma_version_tag)
+#else
+#define KEYINDEX_GUARDED 0
+#define DICT_VERSION(d) ((uint64_t)0)
+#endif
+
+typedef struct {
+    PyDictObject dict;
+    uint8_t *cells;        /* 2-bit counters, four a byte; NULL until first built */
+    Py_ssize_t slots;      /* counters: a power of two, >= 4 per key when built */
+    int shift;             /* 64 - log2(slots): the mix's top bits pick a slot */
+    int stale;             /* the counts may not match the dict: rebuild before use */
+    Py_ssize_t saturated;  /* counters at TOP */
+    Py_ssize_t foreign;    /* keys that are not exact bytes (while any, no filter) */
+    uint64_t synced;       /* the dict's version when the counts last matched it */
+} KeyIndex;
+
+KEYINDEX_INTERNAL extern PyTypeObject KeyIndexType;
+
+/* Ready KeyIndexType (a dict subclass); 0, or -1 with an error set. */
+KEYINDEX_INTERNAL int keyindex_type_ready(void);
+
+/* Count every key of the dict afresh into slots enough for it; 0, or -1 with MemoryError. */
+KEYINDEX_INTERNAL int keyindex_rebuild(KeyIndex *self);
+
+/* A cheap mix of every byte of a key (all four words of a 32-byte one: keys made elsewhere may
+ * share a prefix), not a defence against chosen keys: a collision only costs a dict probe. A
+ * 32-byte key takes four independent multiplies (a few cycles: a hit pays for it too). */
+static inline uint64_t
+key_mix(const char *p, Py_ssize_t n)
+{
+    uint64_t w[4], h;
+    if (n == 32) {
+        memcpy(w, p, 32);
+        return (w[0] * 0x9E3779B97F4A7C15ull + w[1] * 0xC2B2AE3D27D4EB4Full) ^
+               (w[2] * 0xFF51AFD7ED558CCDull + w[3] * 0xC4CEB9FE1A85EC53ull);
+    }
+    h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
+    for (; n >= 8; p += 8, n -= 8) {
+        memcpy(w, p, 8);
+        h = (h ^ w[0]) * 0xFF51AFD7ED558CCDull;
+        h ^= h >> 32;
+    }
+    if (n > 0) {
+        w[0] = 0;
+        memcpy(w, p, (size_t)n);
+        h = (h ^ w[0]) * 0xFF51AFD7ED558CCDull;
+    }
+    return h ^ (h >> 29);
+}
+
+static inline uint64_t
+slot_of(const KeyIndex *self, PyObject *key)
+{
+    return key_mix(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) >> self->shift;
+}
+
+static inline unsigned
+cell_get(const uint8_t *cells, uint64_t i)
+{
+    return (cells[i >> 2] >> ((i & 3) * 2)) & 3u;
+}
+
+/* Whether the counts match the dict now (rebuilding them if not); 0 when they cannot be used. */
+static inline int
+index_ready(KeyIndex *self)
+{
+    if (!KEYINDEX_GUARDED)
+        return 0;
+    if (self->stale || self->cells == NULL || self->synced != DICT_VERSION(self)) {
+        if (keyindex_rebuild(self) < 0) {
+            PyErr_Clear(); /* no memory for the filter: the dict answers */
+            return 0;
+        }
+    }
+    return self->foreign == 0;
+}
+
+/* 1 if ``key`` is surely not in the dict (no dict probe needed), else 0. Never an error. */
+static inline int
+index_surely_absent(KeyIndex *self, PyObject *key)
+{
+    if (!PyBytes_CheckExact(key) || self->foreign != 0 || !index_ready(self))
+        return 0;
+    return cell_get(self->cells, slot_of(self, key)) == 0;
+}
+
+#endif
