@@ -8,7 +8,8 @@ it served from a lower tier. Every job is awaited by :meth:`JobRuns.run`: when t
 cancelled the job is stopped first (after that it never touches the caller's blocks) and its
 plan is applied to the manager whenever it ends, so no pin or reservation is left behind; a
 job that goes up as an interrupt (``KeyboardInterrupt``, say), or that the engine refuses, has
-its plan released at once (:meth:`JobRuns.release`).
+its plan released at once (:meth:`JobRuns.release`); an interrupt once the job has ended (its
+result in hand, not yet applied) applies the result first (:meth:`JobRuns.abandon`).
 The store checks its input and that it is open before it calls in, and saves the tenant tags.
 """
 
@@ -104,17 +105,18 @@ class JobRuns:
                 break
             whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
             chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
+            result: JobResult | None = None
             try:
                 result = transfers.store_now(plan, chosen)  # a plain job: run here, no job record
                 if result is None:
                     job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
                     result = transfers.take(job)  # it ran inline, or None
             except BaseException:
-                self.release(plan)
+                self.abandon(plan, result)
                 raise
             if result is None:
                 result = await self.run(transfers, job, plan)
-            if self._closed():  # closed while the job ran: nothing is left to apply it to
+            if self._closing(plan, result):  # closed while the job ran: nothing is left to apply it to
                 return stored, kept
             done = self.finish_store(plan, result)
             if done < len(plan.keys):  # a failed write: the rest would only fail behind it
@@ -167,17 +169,18 @@ class JobRuns:
             return 0
         hits = len(plan.keys)
         chosen = ids[: hits * n]
+        result: JobResult | None = None
         try:
             result = transfers.load_now(plan, chosen)  # a plain job: run here, no job record
             if result is None:
                 job = transfers.submit_load(plan, chosen, inline=True, checked=True)
                 result = transfers.take(job)  # it ran inline, or None
         except BaseException:
-            self.release(plan)
+            self.abandon(plan, result)
             raise
         if result is None:
             result = await self.run(transfers, job, plan)
-        if self._closed():
+        if self._closing(plan, result):
             return 0
         self.finish_load(plan, result)
         if result.error is not None:
@@ -203,7 +206,7 @@ class JobRuns:
             self.release(plan)
             raise
         result = await self.run(transfers, job, plan)
-        if not self._closed():
+        if not self._closing(plan, result):
             self.finish_store(plan, result)
 
     # -- jobs and cancelled callers --------------------------------------------------------
@@ -215,6 +218,34 @@ class JobRuns:
             apply_result(self._mgr(), plan, plan_failed(0, plan, "interrupted or refused"))
         except Exception as exc:  # a closed manager: nothing is left to release
             log.debug("kvtier: a plan of an interrupted call not released: %s", exc)
+
+    def abandon(self, plan: StorePlan | LoadPlan, result: JobResult | None) -> None:
+        """For a call that goes up as an interrupt (or a refusal): a job that has run
+        (``result``) is applied to the manager as the call would have applied it (not once the
+        store is closing: nothing is left to apply it to), so the manager forgets no block its
+        tiers hold; the plan of one that never ran is released (:meth:`release`). An interrupt
+        inside :meth:`finish_store` / :meth:`finish_load` themselves is not covered."""
+        if result is None:
+            self.release(plan)
+            return
+        try:
+            if self._closed():
+                return
+            if isinstance(plan, StorePlan):
+                self.finish_store(plan, result)
+            else:
+                self.finish_load(plan, result)
+        except Exception as exc:  # a closed manager: nothing is left to apply it to
+            log.debug("kvtier: the job of an interrupted call not applied: %s", exc)
+
+    def _closing(self, plan: StorePlan | LoadPlan, result: JobResult) -> bool:
+        """Whether the store is closing, with ``result`` (of ``plan``'s job) still to apply: an
+        interrupt here applies it first (:meth:`abandon`), then goes on up."""
+        try:
+            return self._closed()
+        except BaseException:
+            self.abandon(plan, result)
+            raise
 
     async def run(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
         """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
@@ -229,7 +260,11 @@ class JobRuns:
             transfers.cancel(job)
             self._settle_later(transfers, job, plan)
             raise
-        transfers.forget([job])
+        try:
+            transfers.forget([job])
+        except BaseException:  # the job has ended: its result is applied, not lost
+            self.abandon(plan, result)
+            raise
         return result
 
     def _settle_later(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> None:
