@@ -195,3 +195,18 @@ def test_the_python_path_copies_a_read_only_overlapping_source_right():
     before = bytes(src)
     assert xxcopy.xxh3_copy_python(b"k", src, memoryview(buf)[100:4196]) == xxhash.xxh3_64(b"k" + before).intdigest()
     assert bytes(buf[100:4196]) == before
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("plen", "slen"), [(300, 1), (300, 10), (300, 63), (300, 64), (400, 100), (100, 10)])
+def test_a_row_over_the_prefix_gives_the_digest_of_the_prefix_as_it_was(path, plen, slen):
+    """``dst`` may overlap ``prefix`` (not ``src``): the digest is of the prefix as it was given,
+    on every path, whatever part of the pass reads it (the last stripe of a long input whose
+    ``src`` is under a stripe long is made of prefix bytes)."""
+    fn = _fn(path)
+    buf = bytearray(range(256)) * 2
+    view = memoryview(buf)
+    prefix, src = view[:plen], bytes(range(7, 7 + slen))
+    want = xxhash.xxh3_64(bytes(prefix) + src).intdigest()
+    assert fn(prefix, src, view[plen - slen : plen]) == want
+    assert bytes(view[plen - slen : plen]) == src

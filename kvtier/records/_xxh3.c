@@ -357,7 +357,12 @@ static u64 hash_large(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *
     u64 acc[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
     size_t total = plen + slen;
     size_t full = (total - 1) / STRIPE; /* stripes before the last one, which is handled apart */
-    u8 tmp[STRIPE];
+    u8 tmp[STRIPE], last_stripe[STRIPE];
+    const u8 *last = last_stripe;
+    if (slen >= STRIPE)
+        last = src + slen - STRIPE;
+    else /* prefix bytes in it: read before dst, which may overlap the prefix, is written */
+        gather(last_stripe, pre, plen, src, total - STRIPE, STRIPE);
     size_t n = 0;
     for (; n < full && STRIPE * n < plen; n++) { /* stripes that hold prefix bytes */
         gather(tmp, pre, plen, src, STRIPE * n, STRIPE);
@@ -373,11 +378,6 @@ static u64 hash_large(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *
         memcpy(dst, src, fused_from);
         memcpy(dst + fused_to, src + fused_to, slen - fused_to);
     }
-    const u8 *last = tmp;
-    if (slen >= STRIPE)
-        last = src + slen - STRIPE;
-    else
-        gather(tmp, pre, plen, src, total - STRIPE, STRIPE);
     accumulate_scalar(acc, last, SECRET + LAST_STRIPE_AT);
     u64 result = (u64)total * PRIME64_1;
     for (int i = 0; i < 4; i++)
