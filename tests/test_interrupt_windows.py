@@ -48,7 +48,7 @@ def line_of(func: Any, text: str, *, after: str) -> int:
 def interrupt_at_line(func: Any, lineno: int, name: str) -> Any:
     """A trace function that raises ``KeyboardInterrupt`` once, as ``func`` reaches line
     ``lineno`` with its local ``name`` set (as a signal arriving there would)."""
-    code = getattr(func, "__code__")
+    code = func.__code__
     fired: list[bool] = []
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
