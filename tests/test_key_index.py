@@ -291,3 +291,33 @@ def test_a_value_released_mid_mutation_cannot_hide_a_key_from_the_filter(how: st
     probe = single_key_lookup([index.get], _general, native=True)
     assert probe.lookup_key(planted) is True
     _covers(index, UNIVERSE[:50])
+
+
+@native
+def test_the_collector_walks_an_index_only_while_it_holds_objects_it_follows() -> None:
+    """As an exact dict: an index of bytes keys and int values is not tracked by the cycle
+    collector (else every full collection walks all of a tier's keys, a pause that grows with
+    the tier); one that holds a container is tracked, and a cycle through it is collected."""
+    import gc
+    import weakref
+
+    index = new_index()
+    assert not gc.is_tracked(index)
+    for key in UNIVERSE:
+        index[key] = 1
+    index.update({make_key(1000): 0})
+    assert not gc.is_tracked(index) and not gc.is_tracked(type(index)({make_key(1001): 1}))
+    _covers(index, UNIVERSE)
+
+    class Holder:
+        pass
+
+    cyclic = new_index()
+    holder = Holder()
+    holder.index = cyclic  # type: ignore[attr-defined]
+    cyclic[make_key(1)] = holder  # type: ignore[assignment]
+    assert gc.is_tracked(cyclic)
+    gone = weakref.ref(holder)
+    del holder, cyclic
+    gc.collect()
+    assert gone() is None

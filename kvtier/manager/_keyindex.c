@@ -311,6 +311,19 @@ index_dealloc(KeyIndex *self)
     PyDict_Type.tp_dealloc((PyObject *)self);
 }
 
+/* A new index is left to the collector as an exact dict is: untracked while it holds only
+ * objects the collector does not follow (bytes keys, int values), and tracked by dict's own
+ * insert once it holds one it does. Kept tracked, every full collection would walk all of a
+ * tier's keys: a pause in the engine's step loop that grows with the tier. */
+static PyObject *
+index_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *self = PyDict_Type.tp_new(type, args, kwds);
+    if (self != NULL)
+        PyObject_GC_UnTrack(self);
+    return self;
+}
+
 static PyMappingMethods index_as_mapping = {
     .mp_ass_subscript = (objobjargproc)index_ass_sub, /* length and reads: dict's, inherited */
 };
@@ -336,6 +349,7 @@ PyTypeObject KeyIndexType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "KeyIndex(): a dict that keeps a membership filter of its bytes keys, which a KeyProbe consults on a miss.",
     .tp_methods = index_methods,
+    .tp_new = index_new,
 };
 
 int
