@@ -210,3 +210,32 @@ def reads_all_but_one(backend: Any, keys: list[bytes], data: list[Any], bad: int
     assert found == [i != bad for i in range(len(keys))]
     assert all(torch.equal(out[i], data[i]) for i in range(len(keys)) if i != bad)
     assert stats["corrupt_records"] == 1
+
+
+def read_as_damaged(found: list[bool], out: list[Any], data: list[Any], stats: dict[str, Any]) -> None:
+    """What a read of all eight keys of :func:`damaged_store` must give, whichever path read
+    them: 0, 4, 5, 6 and 7 found with their bytes; 1 (absent), 2 and 3 (damaged) missed; the
+    two damaged ones counted corrupt and deleted."""
+    import torch
+
+    assert found == [True, False, False, False, True, True, True, True]
+    for i in (0, 4, 5, 6, 7):
+        assert torch.equal(out[i], data[i]), i
+    assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
+
+
+def record_check_calls(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``xxcopy.xxh3_check_copy`` on one path (``"python"`` or ``"native"``) for the rest of the
+    test, recording the outcome of each call in the list returned."""
+    from kvtier.records import xxcopy
+
+    fn = xxcopy.xxh3_check_copy_python if path == "python" else xxcopy.xxh3_check_copy_native
+    seen: list[int] = []
+
+    def recording(*args: Any) -> int:
+        status = fn(*args)  # type: ignore[misc]
+        seen.append(status)
+        return status
+
+    monkeypatch.setattr(xxcopy, "xxh3_check_copy", recording)
+    return seen

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from kvtier.backends import file_reads, file_tier
+from lmdb_lookups import record_check_calls
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -106,16 +107,7 @@ def general_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture(params=["python", *(["native"] if xxcopy.xxh3_check_copy_native is not None else [])])
 def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """``xxcopy.xxh3_check_copy`` on one path (native or Python), recording each outcome."""
-    fn = xxcopy.xxh3_check_copy_python if request.param == "python" else xxcopy.xxh3_check_copy_native
-    seen: list[int] = []
-
-    def recording(*args: Any) -> int:
-        status = fn(*args)  # type: ignore[misc]
-        seen.append(status)
-        return status
-
-    monkeypatch.setattr(xxcopy, "xxh3_check_copy", recording)
-    return seen
+    return record_check_calls(request.param, monkeypatch)
 
 
 # What the plain read's one check call says of the damaged store's records it reads whole:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from kvtier.backends import lmdb_layout, lmdb_one
-from lmdb_lookups import damaged_store, layouts, reads_all_but_one
+from lmdb_lookups import damaged_store, layouts, read_as_damaged, reads_all_but_one, record_check_calls
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -116,10 +116,7 @@ def test_lmdb_loads_give_the_same_outcome_on_either_path(
         stats = backend.stats()
     finally:
         asyncio.run(backend.aclose())
-    assert found == [True, False, False, False, True, True, True, True]
-    for i in (0, 4, 5, 6, 7):
-        assert torch.equal(out[i], data[i]), i
-    assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
+    read_as_damaged(found, out, data, stats)
     assert sum(n == FMT.block_bytes for n in calls) >= 3  # 0, 4, 7: raw and sound, through the one pass
 
 
@@ -169,16 +166,7 @@ def test_lmdb_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, 
 @pytest.fixture(params=PATHS)
 def check_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """``xxcopy.xxh3_check_copy`` on one path, recording each outcome it gives."""
-    fn = xxcopy.xxh3_check_copy_python if request.param == "python" else xxcopy.xxh3_check_copy_native
-    seen: list[int] = []
-
-    def recording(*args: Any) -> int:
-        status = fn(*args)  # type: ignore[misc]
-        seen.append(status)
-        return status
-
-    monkeypatch.setattr(xxcopy, "xxh3_check_copy", recording)
-    return seen
+    return record_check_calls(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize("layout", ["joined", "split"])
@@ -206,10 +194,7 @@ def test_the_straight_read_checks_each_record_in_one_call_on_either_path(
         stats = backend.stats()
     finally:
         asyncio.run(backend.aclose())
-    assert found == [True, False, False, False, True, True, True, True]
-    for i in (0, 4, 5, 6, 7):
-        assert torch.equal(out[i], data[i]), i
-    assert stats["corrupt_records"] == 2 and stats["deleted"] == 2  # the flipped payload and head bits
+    read_as_damaged(found, out, data, stats)
     good, bad_sum, bad_head, shape = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_SHAPE
     # 6 (compressed: a value shorter than a raw record's) is told not plain by the call where
     # its layout has an entry with a head (split), else before it (joined: no entry)
