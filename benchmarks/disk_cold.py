@@ -92,20 +92,22 @@ def bench_cold_contention(root: str, blocks: list[torch.Tensor], repeat: int, dr
 @contextlib.contextmanager
 def unchecked_reads() -> Iterator[None]:
     """For a diagnostic side alone: the lmdb tier with every record check it makes on a read
-    replaced by nothing: the general path's (``verify_payload``), and the fused copy and XXH3
+    replaced by nothing: the general path's (``verify_payload``), the fused copy and XXH3
     of raw records (``xxcopy.xxh3_copy``, by a plain copy whose "digest" answers "equal" to any
-    stored checksum). Hash states taken from ``HeadChecksum`` at a store's open hash nothing
+    stored checksum), and the one-call check of plain records (``xxcopy.xxh3_check_copy``, by
+    its length and head checks and a plain copy). Hash states taken from ``HeadChecksum`` at a store's open hash nothing
     either: open the store inside."""
     from kvtier.records import checks, xxcopy
 
-    saved = checks.verify_payload, xxcopy.xxh3_copy, checks.xxhash
+    saved = checks.verify_payload, xxcopy.xxh3_copy, xxcopy.xxh3_check_copy, checks.xxhash
     checks.verify_payload = lambda *args, **kwargs: None  # type: ignore[assignment]
     xxcopy.xxh3_copy = _copy_only
+    xxcopy.xxh3_check_copy = _check_copy_only
     checks.xxhash = types.SimpleNamespace(xxh3_64=lambda *args: _NoHash())  # type: ignore[assignment]
     try:
         yield
     finally:
-        checks.verify_payload, xxcopy.xxh3_copy, checks.xxhash = saved  # type: ignore[assignment]
+        checks.verify_payload, xxcopy.xxh3_copy, xxcopy.xxh3_check_copy, checks.xxhash = saved  # type: ignore[assignment]
 
 
 def _copy_only(prefix: Any, src: Any, dst: Any = None) -> Any:
@@ -113,6 +115,31 @@ def _copy_only(prefix: Any, src: Any, dst: Any = None) -> Any:
     if dst is not None:
         memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
     return _Matches()
+
+
+def _check_copy_only(head: Any, key: Any, stored: Any, dst: Any, payload: Any = None) -> int:
+    """``xxcopy.xxh3_check_copy`` without the hash (see :func:`unchecked_reads`): the lengths
+    and the head are still told apart (they route a record that is not plain to the general
+    read), the payload is copied, and its checksum is taken as good."""
+    from kvtier.records import xxcopy
+
+    hlen = len(head)
+    record = memoryview(stored).cast("B")
+    out = None if dst is None else memoryview(dst).cast("B")
+    n = len(out) if out is not None else memoryview(payload).nbytes if payload is not None else max(0, len(record) - hlen - 8)
+    if payload is None:
+        if len(record) != hlen + 8 + n:
+            return xxcopy.CHECK_SHAPE
+        source = record[hlen + 8 :]
+    elif len(record) != hlen + 8 or memoryview(payload).nbytes != n:
+        return xxcopy.CHECK_SHAPE
+    else:
+        source = memoryview(payload).cast("B")
+    if record[:hlen] != memoryview(head).cast("B"):
+        return xxcopy.CHECK_HEAD
+    if out is not None:
+        out[:] = source
+    return xxcopy.CHECK_GOOD
 
 
 class _Matches:

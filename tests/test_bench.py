@@ -340,6 +340,14 @@ def test_cold_lmdb_unchecked_side_makes_no_record_check(tmp_path: Path, monkeypa
         return fused(prefix, src, dst)
 
     monkeypatch.setattr(xxcopy, "xxh3_copy", counting_copy)
+    checked = xxcopy.xxh3_check_copy
+
+    def counting_check(head: object, key: object, stored: object, dst: object, payload: object = None) -> int:
+        given = dst if dst is not None else payload
+        hashed.append(0 if given is None else memoryview(given).nbytes)  # type: ignore[arg-type]
+        return checked(head, key, stored, dst, payload)
+
+    monkeypatch.setattr(xxcopy, "xxh3_check_copy", counting_check)
 
     def read_all() -> None:
         for out in outs:
