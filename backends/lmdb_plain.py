@@ -39,7 +39,7 @@ from kvtier.errors import DiskError
 from kvtier.keys import KEY_BYTES
 from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
-from kvtier.records.record import CHECKED, HEADER
+from kvtier.records.record import HEADER
 
 __all__ = ["UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows"]
 
@@ -145,18 +145,17 @@ class RowViews:
 class PlainReads:
     """The tight pass over a warm job of plain records of one store (see the module doc)."""
 
-    __slots__ = ("blocks", "entry_size", "head", "head_at", "index", "joined_size", "prefix", "size", "sum_at")
+    __slots__ = ("blocks", "entry_size", "head", "head_at", "index", "joined_size", "prefix", "size")
 
     def __init__(self, *, blocks: Any, index: Any, block_bytes: int, dtype_code: int, head_at: int) -> None:
         self.blocks = blocks
         self.index = index
         self.size = block_bytes
         #: The checked header bytes of every plain record of the store, and record_checksum's
-        #: state after them (the tight pass inlines the rest of the sum).
+        #: state after them (a save's sum goes on from it; reads check through xxh3_check_copy).
         sums = HeadChecksum.plain(block_bytes, dtype_code)
         self.head, self.prefix = sums.head, sums.prefix
         self.head_at = head_at  # where the head starts in an index entry
-        self.sum_at = head_at + CHECKED
         self.entry_size = head_at + HEADER.size
         self.joined_size = HEADER.size + block_bytes
 
