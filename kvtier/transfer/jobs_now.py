@@ -112,12 +112,18 @@ class JobsNow:
                     counters["failed_jobs"] += 1
                 counters["bytes_stored" if kind == "store" else "bytes_loaded"] += nbytes
             e._active -= 1
+            e._inline_running = False  # (with the count, no call between: see _give_back)
             # (QuietCondition.notify_all's own test, here: no call where nobody waits)
             if e._active == 0 and e._idle.waiting:
                 e._idle.notify_all()
-            e._inline_running = False
             if e._inline_done.waiting:
                 e._inline_done.notify_all()
+
+    def _give_back(self, kind: str) -> None:
+        """For a job an interrupt stops: give the engine back, counting the job failed, unless
+        :meth:`_end` already has (the claim is this thread's alone while ``_inline_running``)."""
+        if self.e._inline_running:
+            self._end(kind, False, 0)
 
     def store(self, plan: StorePlan, block_ids: Sequence[int]) -> JobResult | None:
         """Store ``plan`` into its tier now, from engine ``block_ids`` (checked by the caller,
@@ -144,25 +150,27 @@ class JobsNow:
         error: str | None = None
         start = time.perf_counter()
         try:
-            with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
-                slots = target.evict_and_reserve(drops[0][1] if drops else (), keys)  # (reserve_slots, inline)
-                if slots is None:
-                    raise no_free_slots(plan)
-                layout.gather(block_ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
-            nbytes = len(slots) * layout.block_bytes
-        except Exception as exc:  # reported, never raised into the engine
-            log.warning("store job %d failed: %s", job_id, exc, exc_info=True)
-            self._plans.delete_new(plan)
-            error = repr(exc)
-        except BaseException:  # an interrupt: undone (its evictions too), counted failed, given back, raised
             try:
-                self._plans.cleanup(plan)
+                with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
+                    slots = target.evict_and_reserve(drops[0][1] if drops else (), keys)  # (reserve_slots, inline)
+                    if slots is None:
+                        raise no_free_slots(plan)
+                    layout.gather(block_ids, target.pool, slots, non_blocking=True, kept=True, checked=True)
+                nbytes = len(slots) * layout.block_bytes
+            except Exception as exc:  # reported, never raised into the engine
+                log.warning("store job %d failed: %s", job_id, exc, exc_info=True)
+                self._plans.delete_new(plan)
+                error = repr(exc)
+            seconds = time.perf_counter() - start
+            result = result_of(job_id, "store", error is None, keys, nbytes, seconds, {}, (), (), {}, error)
+            self._end("store", error is None, nbytes)
+        except BaseException:  # an interrupt, in the copy or after it: undone, given back, raised
+            try:
+                self._plans.cleanup(plan)  # (after the copy too: the caller releases the plan)
             finally:  # (an interrupt in the undo too: given back all the same)
-                self._end("store", False, 0)
+                self._give_back("store")
             raise
-        seconds = time.perf_counter() - start
-        self._end("store", error is None, nbytes)
-        return result_of(job_id, "store", error is None, keys, nbytes, seconds, {}, (), (), {}, error)
+        return result
 
     def load(self, plan: LoadPlan, block_ids: Sequence[int]) -> JobResult | None:
         """Load ``plan`` into engine ``block_ids`` now (as for :meth:`store`) and return the
@@ -191,18 +199,21 @@ class JobsNow:
         error: str | None = None
         start = time.perf_counter()
         try:
-            with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
-                layout.scatter(backend.pool, rows, block_ids, non_blocking=True, kept=True, checked=True)
-        except Exception as exc:  # a failed job is reported, never raised into the engine
-            log.warning("transfer job %d (load) failed: %s", job_id, exc, exc_info=True)
-            error = repr(exc)
-        except BaseException:  # an interrupt: counted failed, the engine given back, raised
-            self._end("load", False, 0)
+            try:
+                with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
+                    layout.scatter(backend.pool, rows, block_ids, non_blocking=True, kept=True, checked=True)
+            except Exception as exc:  # a failed job is reported, never raised into the engine
+                log.warning("transfer job %d (load) failed: %s", job_id, exc, exc_info=True)
+                error = repr(exc)
+            seconds = time.perf_counter() - start
+            if error is not None:
+                result = JobResult(job_id, "load", False, keys, seconds=seconds, error=error)
+                self._end("load", False, 0)
+                return result
+            nbytes = len(rows) * layout.block_bytes
+            result = result_of(job_id, "load", True, keys, nbytes, seconds, {}, (), (), {}, None)
+            self._end("load", True, nbytes)
+        except BaseException:  # an interrupt, in the copy or after it: given back (counted failed), raised
+            self._give_back("load")
             raise
-        seconds = time.perf_counter() - start
-        if error is not None:
-            self._end("load", False, 0)
-            return JobResult(job_id, "load", False, keys, seconds=seconds, error=error)
-        nbytes = len(rows) * layout.block_bytes
-        self._end("load", True, nbytes)
-        return result_of(job_id, "load", True, keys, nbytes, seconds, {}, (), (), {}, None)
+        return result

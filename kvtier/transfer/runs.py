@@ -5,7 +5,7 @@ want no connector, and the jobs of callers cancelled while they ran.
 :meth:`~kvtier.store.KVStore.load` (their docstrings say what each promises): a save stored in
 runs in prefix order, a failed write releasing what was stored behind it, a load promoting what
 it served from a lower tier. Every job is awaited by :meth:`JobRuns.run`: when the caller is
-cancelled the job is stopped first (after that it never touches the caller's blocks) and its
+cancelled (or interrupted while it waits) the job is stopped first (after that it never touches the caller's blocks) and its
 plan is applied to the manager whenever it ends, so no pin or reservation is left behind; a
 job that goes up as an interrupt (``KeyboardInterrupt``, say), or that the engine refuses, has
 its plan released at once (:meth:`JobRuns.release`); an interrupt once the job has ended (its
@@ -248,7 +248,7 @@ class JobRuns:
             raise
 
     async def run(self, transfers: TransferEngine, job: int, plan: StorePlan | LoadPlan) -> JobResult:
-        """Await ``job``. When the caller is cancelled, the job is stopped first (after that it
+        """Await ``job``. When the caller is cancelled (or interrupted), the job is stopped first (after that it
         never touches the caller's blocks; a copy under way is waited for), and its plan is
         applied to the manager whenever it ends, so no pin or reservation is left behind."""
         result = transfers.take(job)  # a job run inline has ended: nothing to wait for
@@ -256,7 +256,7 @@ class JobRuns:
             return result
         try:
             result = await transfers.wait_async(job)
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled, or an interrupt: the job's plan is applied when it ends
             transfers.cancel(job)
             self._settle_later(transfers, job, plan)
             raise

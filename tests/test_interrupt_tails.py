@@ -1,0 +1,136 @@
+"""Interrupts (``KeyboardInterrupt``: a ``BaseException``, not an ``Exception``) that used to
+leave the manager and a tier disagreeing for good, each raised at exactly one point by
+replacing the call that follows it: a store facade call interrupted while it awaits a job on
+the transfer threads (the job ran on, its plan was never applied: keys pending for good), and
+the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
+was never given back, or a store's blocks stayed in its tier with the plan released). After
+each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
+nothing is pending or pinned, and fresh keys save and load the right bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from test_inline_interrupts import HANG_GUARD, K, interrupt_once, tiers_match
+
+import kvtier
+from kvtier.errors import LifecycleError
+from kvtier.manager import KeyState
+from kvtier.transfer import jobs_now
+
+
+def _caches() -> tuple[list[torch.Tensor], int]:
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn((16, 4, 2, 2, 16), generator=g) for _ in range(2)]
+    return caches, sum(c[0].numel() * c.element_size() for c in caches)
+
+
+def _block(caches: list[torch.Tensor], b: int) -> torch.Tensor:
+    return torch.cat([c[b].flatten() for c in caches])
+
+
+async def _goes_on(store: Any, caches: list[torch.Tensor], keys: list[bytes]) -> None:
+    """Nothing pending or pinned, the tier matches the manager, fresh keys save and load, and
+    those of ``keys`` still held load the bytes stored under them."""
+    engine, manager = store.transfers, store.manager
+    await asyncio.sleep(0)  # (a settling task, if any, runs)
+    engine.wait_idle(HANG_GUARD)
+    store._settle_finished()
+    assert engine._active == 0 and not engine._inline_running and not engine._jobs and not engine._finished
+    assert all(manager.status(k).state in (KeyState.READY, KeyState.MISS) for k in K[0:12])
+    stats = manager.stats()
+    assert stats["open_plans"] == 0 and stats["tiers"][0]["pending"] == stats["tiers"][0]["pinned"] == 0
+    tiers_match(manager, store.backends)
+    held = [k for k in keys if manager.status(k).state is KeyState.READY]
+    saved = [_block(caches, b).clone() for b in range(12)]
+    assert await store.save(K[20:22], [10, 11]) == 2
+    assert await store.load([*held, *K[20:22]], [12, 13, 14, 15][: len(held) + 2]) == len(held) + 2
+    for i, src in enumerate([*(K.index(k) for k in held), 10, 11]):
+        assert torch.equal(_block(caches, 12 + i), saved[src])
+    for k in [*held, *K[20:22]]:
+        with pytest.raises(LifecycleError, match="is not pinned"):
+            manager.complete_load([k])
+    tiers_match(manager, store.backends)
+
+
+@pytest.mark.parametrize("kind", ["save", "load"])
+def test_an_interrupt_while_awaiting_a_threaded_job_applies_the_job_when_it_ends(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The job runs on the transfer threads (nothing inline); the await itself goes up as an
+    interrupt. Before, only a cancellation was handled: the job ran on and its plan was never
+    applied, so its keys stayed pending (or pinned) for good and every later save skipped them."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        config = {"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}], "inline_max_bytes": 0}
+        async with kvtier.open(config, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            if kind == "load":
+                assert await store.save(K[0:2], [0, 1]) == 2
+            interrupt_once(monkeypatch, engine, "wait_async")
+            with pytest.raises(KeyboardInterrupt):
+                if kind == "save":
+                    await store.save(K[0:2], [0, 1])
+                else:
+                    await store.load(K[0:2], [2, 3])
+            monkeypatch.undo()
+            await _goes_on(store, caches, list(K[0:2]))
+            if kind == "load":
+                assert manager.lookup(K[0:2]) == 2
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+class _ClockThatStops:
+    """``time`` for :mod:`kvtier.transfer.jobs_now`: its ``at``-th ``perf_counter`` call from
+    now raises the interrupt (the second of a job: right after its copy)."""
+
+    def __init__(self, at: int) -> None:
+        self.calls = 0
+        self.at = at
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return 0.0
+
+
+@pytest.mark.parametrize("point", ["clock", "end", "result"])
+@pytest.mark.parametrize("kind", ["save", "load"])
+def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch: pytest.MonkeyPatch, kind: str, point: str) -> None:
+    """``store_now`` / ``load_now``: the copy is done, then the interrupt comes (the clock read
+    after it, the engine's give-back, the result built). The engine is given back, and a
+    store's blocks are deleted from the tier as its plan is released (they stayed: a record
+    the manager forgot, holding a slot for good)."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            now = engine._now
+            if kind == "load":
+                assert await store.save(K[0:2], [0, 1]) == 2
+            if point == "clock":
+                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(2))
+            elif point == "end":
+                interrupt_once(monkeypatch, now, "_end")
+            else:
+                interrupt_once(monkeypatch, jobs_now, "result_of")
+            before = engine.counters["inline_jobs"]
+            with pytest.raises(KeyboardInterrupt):
+                if kind == "save":
+                    await store.save(K[0:2], [0, 1])
+                else:
+                    await store.load(K[0:2], [2, 3])
+            monkeypatch.undo()
+            assert engine.counters["inline_jobs"] == before + 1 and engine.counters["failed_jobs"] == 1
+            if kind == "save":
+                assert manager.status(K[0]).state is KeyState.MISS and not store.backends[0].stored_keys()
+            await _goes_on(store, caches, list(K[0:2]) if kind == "load" else [])
+        assert engine.stopped
+
+    asyncio.run(run())
