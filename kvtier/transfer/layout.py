@@ -48,8 +48,9 @@ import torch
 
 from kvtier.errors import LayoutError
 from kvtier.transfer import staging as _staging
+from kvtier.transfer.block_copy import native_blocks
 from kvtier.transfer.copies import CopySplitter, CopyThreads
-from kvtier.transfer.pool_views import BlockViews, PoolViews, host_index
+from kvtier.transfer.pool_views import BlockViews, PoolViews, check_pool, host_index
 from kvtier.transfer.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
 __all__ = ["KVLayout", "Strategy"]
@@ -186,6 +187,8 @@ class KVLayout:
         self.pool_views = PoolViews([(i.offset // w, (i.offset + n * i.engine_block_bytes) // w) for i in infos], wide, self._span)
         # Per engine block, its words in every tensor: the cache side of a small job's pieces.
         self.block_views = BlockViews(self._src)
+        # The same pieces copied in one native call (kvtier.transfer.block_copy), where built.
+        self.native = native_blocks(self._src, [i.engine_block_bytes for i in infos], [i.offset for i in infos], offset) if self._host_blocks else None
 
     # -- description -----------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -225,16 +228,6 @@ class KVLayout:
             raise LayoutError(f"{what}[{i}]: engine block id {b} is out of range [0, {self.num_engine_blocks})")
         return ids
 
-    def _check_pool(self, pool: torch.Tensor, rows: Sequence[int]) -> None:
-        if pool.dim() != 2 or pool.shape[1] != self.block_bytes or pool.dtype != torch.uint8:
-            raise LayoutError(
-                f"pool: expected a [slots, {self.block_bytes}] uint8 tensor, got {tuple(pool.shape)} {pool.dtype}"
-            )
-        slots = pool.shape[0]
-        if rows and not (min(rows) >= 0 and max(rows) < slots):
-            i, r = next((i, r) for i, r in enumerate(rows) if not 0 <= r < slots)
-            raise LayoutError(f"rows[{i}]: pool row {r} is out of range [0, {slots})")
-
     def _pick(self, pool: torch.Tensor) -> Strategy:
         same = _staging.tensor_device(pool) == self.device
         if self.strategy == "staged" and same:
@@ -254,6 +247,8 @@ class KVLayout:
     def forget_views(self) -> None:
         """Drop the kept views (and with them the pools they hold): the tiers are closing."""
         self.pool_views.forget()
+        if self.native is not None:
+            self.native.forget()
 
     # -- movement --------------------------------------------------------------------------
     def gather(
@@ -278,7 +273,7 @@ class KVLayout:
             return
         ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
         if not checked:
-            self._check_pool(pool, rows)
+            check_pool(pool, rows, self.block_bytes)
         if not rows:
             return
         pick = self._pick(pool)
@@ -308,7 +303,7 @@ class KVLayout:
             return
         ids = block_ids if checked and isinstance(block_ids, list) else self.check_block_ids(block_ids, len(rows))
         if not checked:
-            self._check_pool(pool, rows)
+            check_pool(pool, rows, self.block_bytes)
         if not rows:
             return
         pick = self._pick(pool)
@@ -368,13 +363,16 @@ class KVLayout:
         one ascending run: the one ``_foreach_copy_`` of kept pieces that
         :meth:`_gather_index` / :meth:`_scatter_index` choose for it, without their dispatch
         (``_pick``, the run split, the thread check one call each); ``False``, having copied
-        nothing, for any other job (a test compares the two)."""
+        nothing, for any other job (a test compares the two). :attr:`native`, where built, copies
+        the same pieces in one call (:mod:`kvtier.transfer.block_copy`)."""
         k = len(rows)
         if not (0 < k <= _FOREACH_MAX_BLOCKS and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
             return False
         r0 = rows[0]
         if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
             return False
+        if self.native is not None and self.native.copy(save, ids, pool, rows):
+            return True
         pieces = self.pool_views.row_pieces(pool, True, r0, r0 + k)
         if save:
             torch._foreach_copy_(pieces, self.block_views.pieces(ids))

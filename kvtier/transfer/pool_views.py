@@ -35,8 +35,9 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.devices import device_index
+from kvtier.errors import LayoutError
 
-__all__ = ["MAX_KEPT_VIEWS", "BlockViews", "PoolViews", "host_index"]
+__all__ = ["MAX_KEPT_VIEWS", "BlockViews", "PoolViews", "check_pool", "host_index"]
 
 #: Views of runs of rows kept per layout (about 10 MB of them).
 MAX_KEPT_VIEWS = 16384
@@ -161,3 +162,14 @@ class BlockViews:
                     kept[b] = views
             out += views
         return out
+
+
+def check_pool(pool: torch.Tensor, rows: Sequence[int], block_bytes: int) -> None:
+    """That ``pool`` is a ``[slots, block_bytes]`` uint8 tensor and every one of ``rows`` a row
+    of it; a :class:`~kvtier.errors.LayoutError` naming what is wrong otherwise."""
+    if pool.dim() != 2 or pool.shape[1] != block_bytes or pool.dtype != torch.uint8:
+        raise LayoutError(f"pool: expected a [slots, {block_bytes}] uint8 tensor, got {tuple(pool.shape)} {pool.dtype}")
+    slots = pool.shape[0]
+    if rows and not (min(rows) >= 0 and max(rows) < slots):
+        i, r = next((i, r) for i, r in enumerate(rows) if not 0 <= r < slots)
+        raise LayoutError(f"rows[{i}]: pool row {r} is out of range [0, {slots})")

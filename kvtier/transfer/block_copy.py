@@ -1,0 +1,103 @@
+"""A small host job's whole copy in one native call (:class:`NativeBlocks`).
+
+A small inline job between a host KV cache and a ``cpu`` tier's pool (at most
+``_FOREACH_MAX_BLOCKS`` blocks, :meth:`KVLayout._small_run
+<kvtier.transfer.layout.KVLayout._small_run>`) is one copy per (block, tensor) piece. Torch does
+it as one ``_foreach_copy_`` of kept views: every piece a dispatch and an OpenMP region on the
+calling thread's team. Where the extension ``kvtier.transfer._blockcopy`` is built (at install,
+with a C compiler), :class:`NativeBlocks` copies the same pieces, in the same order, in one call
+that checks every block id and pool row first and then copies without the GIL; a job of 1 MiB or
+more writes with non-temporal stores (no read of the destination before it is overwritten).
+Measured here on a 4-block job of 2 MiB blocks (32 layers) after a flush of the CPU caches: 1.2-1.3
+ms against 1.3-1.7 ms for the ``_foreach_copy_`` on a team of two threads, and it does not
+depend on a second CPU being free.
+
+The bytes moved are the same either way (``tests/test_block_copy.py`` compares the two). Without
+the extension, or with :attr:`NativeBlocks.enabled` off, the layout copies with torch as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import kvtier.transfer._blockcopy as _blockcopy  # type: ignore[import-not-found]
+except ImportError:  # no C compiler at install: torch copies
+    _blockcopy = None
+
+__all__ = ["NATIVE", "NativeBlocks", "native_blocks"]
+
+#: Whether the extension is built here.
+NATIVE: bool = _blockcopy is not None
+#: Pools a copier keeps the address of at most (a store has one per memory tier).
+MAX_POOLS = 16
+
+
+class NativeBlocks:
+    """Blocks of host KV tensors ``sources`` (contiguous, block dimension first, ``blocks``
+    each) copied to and from pools of records of ``row_bytes``, tensor ``i``'s
+    ``piece_bytes[i]`` bytes of a block at ``offsets[i]`` in its record."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], piece_bytes: Sequence[int], offsets: Sequence[int], row_bytes: int) -> None:
+        if _blockcopy is None:
+            raise RuntimeError("native block copies: kvtier.transfer._blockcopy is not built (no C compiler at install)")
+        blocks = sources[0].shape[0]
+        for i, t in enumerate(sources):
+            if t.device.type != "cpu" or not t.is_contiguous() or t.shape[0] != blocks:
+                raise ValueError(f"sources[{i}]: expected a contiguous host tensor of {blocks} blocks, got {t.device} {tuple(t.shape)}")
+            if t[0].numel() * t.element_size() != piece_bytes[i]:
+                raise ValueError(f"piece_bytes[{i}]: {piece_bytes[i]}, but a block of sources[{i}] is {t[0].numel() * t.element_size()} bytes")
+        # The tensors are held by the copier (so are their storages): the addresses stay valid.
+        self._copier = _blockcopy.BlockCopier(
+            [t.data_ptr() for t in sources], blocks, list(piece_bytes), list(offsets), row_bytes, tuple(sources)
+        )
+        self.row_bytes = row_bytes
+        self._pools: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(pool) -> (pool, address, rows)
+        #: off: the layout copies with torch (tests compare the two)
+        self.enabled = True
+
+    def _pool(self, pool: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        got = self._pools.get(id(pool))
+        if got is None or got[0] is not pool:
+            if pool.device.type != "cpu" or pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
+                raise ValueError(f"pool: expected a contiguous [slots, {self.row_bytes}] uint8 host tensor, got {pool.dtype} {tuple(pool.shape)}")
+            if len(self._pools) >= MAX_POOLS:  # pools of tiers gone: not held for good
+                self._pools = {}
+            got = self._pools[id(pool)] = (pool, pool.data_ptr(), pool.shape[0])
+        return got
+
+    def copy(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> bool:
+        """:meth:`gather` (``save``) or :meth:`scatter`; ``False``, having copied nothing, while
+        not :attr:`enabled`."""
+        if not self.enabled:
+            return False
+        _, address, slots = self._pool(pool)
+        (self._copier.gather if save else self._copier.scatter)(address, slots, pool.shape[1], rows, ids)
+        return True
+
+    def gather(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
+        """Copy engine block ``ids[j]`` of every tensor into record ``rows[j]`` of ``pool``."""
+        _, address, slots = self._pool(pool)
+        self._copier.gather(address, slots, pool.shape[1], rows, ids)
+
+    def scatter(self, pool: torch.Tensor, rows: Sequence[int], ids: list[int]) -> None:
+        """Copy record ``rows[j]`` of ``pool`` into engine block ``ids[j]`` of every tensor."""
+        _, address, slots = self._pool(pool)
+        self._copier.scatter(address, slots, pool.shape[1], rows, ids)
+
+    def held(self) -> bool:
+        """Whether some pool is held (its address kept)."""
+        return bool(self._pools)
+
+    def forget(self) -> None:
+        """Drop the pools held (the tiers are closing)."""
+        self._pools = {}
+
+
+def native_blocks(sources: Sequence[torch.Tensor], piece_bytes: Sequence[int], offsets: Sequence[int], row_bytes: int) -> NativeBlocks | None:
+    """A :class:`NativeBlocks` where the extension is built and the tensors are host ones, else ``None``."""
+    if _blockcopy is None or any(t.device.type != "cpu" for t in sources):
+        return None
+    return NativeBlocks(sources, piece_bytes, offsets, row_bytes)
