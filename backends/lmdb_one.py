@@ -163,15 +163,17 @@ class StraightRead:
         if view is None:
             return None  # a row not seen yet: the general path makes its view
         blocks, index, head, size = self.parts
-        try:
-            end = lseek(guard.fd, 0, SEEK_END)
-        except OSError:
-            end = -1
-        if end != guard.seen:
-            guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
         begin()  # the thread's first job marks its faults, as the job reader's (Temperature.begin)
-        jobs.append(None)  # counted among the jobs being read (Temperature)
+        # Counted among the jobs being read (Temperature) before the guard is read: a close
+        # closes the guard first, then waits for the jobs counted (LmdbBackend._close_env).
+        jobs.append(None)
         try:
+            try:
+                end = lseek(guard.fd, 0, SEEK_END)
+            except OSError:
+                end = -1
+            if end != guard.seen:
+                guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             try:
                 start = perf_counter()
@@ -234,13 +236,13 @@ class StraightRead:
         blocks, index, head, size = self.parts
         joined_size = _JOINED_PLAIN + size
         check_copy = xxcopy.xxh3_check_copy
-        self.guard.check()
         jobs = temperature.jobs
         temperature.begin()  # the thread's first job marks its faults, as the job reader's
-        jobs.append(None)  # counted among the jobs being read (Temperature)
+        jobs.append(None)  # counted among the jobs being read (Temperature), then the guard (as read)
         found: list[bool] = []
         hit = found.append
         try:
+            self.guard.check()
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             get = txn.get
             try:

@@ -35,6 +35,12 @@ XXC_INTERNAL void stripes_avx2(u64 *acc, const u8 *src, u8 *dst, size_t count, s
 XXC_INTERNAL void stripes_avx512(u64 *acc, const u8 *src, u8 *dst, size_t count, size_t first);
 #endif
 
+/* Whether the copying AVX2 / AVX-512 passes prefetch destination lines for writing (PREFETCHW):
+   set at import where xxc_cpu_has_prefetchw() says the CPU has it; else they prefetch them for
+   reading. Either way the bytes and the digest are the same. */
+XXC_INTERNAL extern int xxc_prefetch_writes;
+XXC_INTERNAL int xxc_cpu_has_prefetchw(void);
+
 /* XXH3-64 (seed 0) of pre[0:plen] + src[0:slen], src copied into dst (unless NULL) in the same
    pass, on the given stripes path. */
 XXC_INTERNAL u64 xxh3_copy(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *src, u8 *dst, size_t slen);
