@@ -293,6 +293,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             reader = self._reader
             if self.mac is None and reader.views is not None and reader.guard is not None:
                 self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters)
+            self._ready_writes()
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
         self._listed = columns
