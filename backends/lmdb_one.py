@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from os import SEEK_END, lseek
+from threading import get_ident
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -57,6 +58,7 @@ os.register_at_fork(after_in_child=_forked)
 class _Temperature(Protocol):
     cold: bool
     jobs: list[None]
+    marks: dict[int, int | None]
 
     def begin(self) -> None: ...
 
@@ -141,7 +143,7 @@ class StraightRead:
         self.guard, self.temperature, self.counters = guard, temperature, counters
         self.forks = _FORKS[0]  # the environment is this process's: a child must not use it
         #: What a job of one key uses besides, in one tuple too.
-        self.one_parts = (self.views, self.shape, guard, temperature, temperature.jobs, temperature.begin, counters)
+        self.one_parts = (self.views, self.shape, guard, temperature, temperature.jobs, temperature.marks, counters)
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
         """Each key's hit (``False``: absent), or ``None`` when the job is the general path's
@@ -153,7 +155,7 @@ class StraightRead:
             return self.job(env, keys, out)
         key = keys[0]
         row = out[0]
-        views, shape, guard, temperature, jobs, begin, counters = self.one_parts
+        views, shape, guard, temperature, jobs, marks, counters = self.one_parts
         if (
             type(key) is not bytes or len(key) != KEY_BYTES or type(row) is not _TENSOR or devices.locate is not None
             or self.forks != _FORKS[0] or row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous()
@@ -163,15 +165,18 @@ class StraightRead:
         if view is None:
             return None  # a row not seen yet: the general path makes its view
         blocks, index, head, size = self.parts
+        if get_ident() not in marks:
+            temperature.begin()  # the thread's first job marks its faults, as the job reader's
+        # Counted among the jobs being read (Temperature) before the guard is read: a close
+        # closes the guard first, then waits for the jobs counted (LmdbBackend._close_env).
+        jobs.append(None)
         try:
-            end = lseek(guard.fd, 0, SEEK_END)
-        except OSError:
-            end = -1
-        if end != guard.seen:
-            guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
-        begin()  # the thread's first job marks its faults, as the job reader's (Temperature.begin)
-        jobs.append(None)  # counted among the jobs being read (Temperature)
-        try:
+            try:
+                end = lseek(guard.fd, 0, SEEK_END)
+            except OSError:
+                end = -1
+            if end != guard.seen:
+                guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             try:
                 start = perf_counter()
@@ -234,13 +239,13 @@ class StraightRead:
         blocks, index, head, size = self.parts
         joined_size = _JOINED_PLAIN + size
         check_copy = xxcopy.xxh3_check_copy
-        self.guard.check()
         jobs = temperature.jobs
         temperature.begin()  # the thread's first job marks its faults, as the job reader's
-        jobs.append(None)  # counted among the jobs being read (Temperature)
+        jobs.append(None)  # counted among the jobs being read (Temperature), then the guard (as read)
         found: list[bool] = []
         hit = found.append
         try:
+            self.guard.check()
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             get = txn.get
             try:

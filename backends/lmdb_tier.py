@@ -45,6 +45,8 @@ Contract and choices:
 * Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` (:mod:`kvtier.backends.lmdb_writes`)
   and the deletion of corrupt records found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
   straight from the map into the caller's tensor, and never hold a transaction across an await.
+  A close waits for the reads under way before it unmaps the file (a read that starts once
+  it began is refused with ``DiskError``), so a read never copies from an unmapped value.
   A warm job of plain records is read in one pass: lookup, copy into the row, the row's
   checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`);
   other jobs' checksums (keyed, cold, or large ones while a core is spare) run on a side thread
@@ -133,6 +135,8 @@ log = logging.getLogger(__name__)
 # LMDB errors that mean "this file is not a sound environment": move it aside and start afresh.
 _CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
 _PAGE_HEADER = 16  # bytes of an LMDB page header before overflow data
+#: How long a close waits for the reads under way (:meth:`LmdbBackend._close_env`).
+CLOSE_WAIT_S = 30.0
 
 
 def _fsync_dir(path: str) -> None:
@@ -289,6 +293,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             reader = self._reader
             if self.mac is None and reader.views is not None and reader.guard is not None:
                 self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters)
+            self._ready_writes()
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
         self._listed = columns
@@ -417,12 +422,28 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._try_open(fmt)
 
     def _close_env(self) -> None:
+        """Close the environment, never under a read: python-lmdb's ``close`` unmaps the file
+        at once, and a read copying from a mapped value with the GIL released (the native
+        check-copy) would fault the process. The guard is closed first, so a read that starts
+        now is refused (a read counts itself among the jobs being read before it reads the
+        guard); then the reads counted are waited for (:data:`CLOSE_WAIT_S` at most: one still
+        running then leaves the environment open, its map kept until the process ends)."""
         self._straight = None
+        reader = self._reader
+        if reader is not None and reader.guard is not None:
+            reader.guard.close()
         env, self._env = self._env, None
-        if env is not None:
-            env.close()
-        if self._reader is not None and self._reader.guard is not None:
-            self._reader.guard.close()
+        if env is None:
+            return
+        jobs = reader.temperature.jobs if reader is not None else None
+        if jobs:
+            end = time.monotonic() + CLOSE_WAIT_S
+            while jobs and time.monotonic() < end:
+                time.sleep(0.001)
+            if jobs:
+                log.warning("lmdb: %d reads of %r still run after %.3g s at close; its environment is left open", len(jobs), self.path, CLOSE_WAIT_S)
+                return
+        env.close()
 
     async def aclose(self) -> None:
         await super().aclose()

@@ -563,3 +563,31 @@ def test_a_slow_lookup_on_a_threads_first_job_is_a_disk_read_only_if_the_thread_
     finally:
         backend._env = env  # type: ignore[attr-defined]
         asyncio.run(backend.aclose())
+
+
+def test_a_threads_fault_mark_goes_with_the_thread() -> None:
+    """``Temperature.marks`` (thread ident -> the mark of :meth:`Temperature.begin`, which the
+    straight line looks up instead of calling it) holds the threads that began a job and are
+    alive: a thread's mark is dropped as the thread ends, before its ident can be another
+    thread's (which then begins afresh), and a slow lookup moves only its own thread's mark."""
+    import threading
+
+    temperature = lmdb_layout.Temperature()
+    seen: list[tuple[int, bool]] = []
+
+    def job() -> None:
+        temperature.begin()
+        seen.append((threading.get_ident(), threading.get_ident() in temperature.marks))
+
+    temperature.begin()
+    here = threading.get_ident()
+    for _ in range(3):
+        thread = threading.Thread(target=job)
+        thread.start()
+        thread.join()
+        ident, marked = seen[-1]
+        assert marked and ident != here and ident not in temperature.marks
+    assert list(temperature.marks) == [here]
+    mark = temperature.marks[here]
+    temperature.begin()  # begun already: the mark stays
+    assert temperature.marks == {here: mark}

@@ -178,15 +178,20 @@ def test_jobs_it_does_not_take_go_the_general_way_unchanged(rigs: tuple[Rig, Rig
     assert res.success and plain.calls["store"] == 1
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("rows", [[4, 5, 6, 7], [2], [7, 6, 5, 4], [0, 2, 3, 4], list(range(9))])
-def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``KVLayout._small_run`` (a job's own host copy of one ascending run of at most 8 rows,
-    on the caller's thread) against the general dispatch, save and load, and when it applies."""
+def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVLayout._small_run`` (a job's own host copy of at most 8 rows on the caller's thread:
+    one ascending run of them with torch, any rows with the native copy where built) against
+    the general dispatch, save and load, and when it applies."""
     ids = [3, 9, 0, 5, 1, 2, 4, 6, 7][: len(rows)]
     back = [15 - i for i in range(len(rows))]
     out = {}
+    natively = False
     for fast in (True, False):
         layout = make_layout()
+        if layout.native is not None:
+            layout.native.enabled = natively = native
         pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
         taken = []
         inner = layout._small_run
@@ -204,7 +209,7 @@ def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], monkeypatch
             one_run = len(rows) <= 8 and rows == list(range(rows[0], rows[0] + len(rows)))
             assert inner(ids, pool, rows, True) is False  # not on a thread that copies unsplit
             with layout.copies.on_callers_team():  # one ascending run only
-                assert inner(ids, pool, rows, True) is one_run
+                assert inner(ids, pool, rows, True) is (one_run or (natively and len(rows) <= 8))
     assert torch.equal(out[True][0], out[False][0])
     assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
 

@@ -3,8 +3,10 @@
 A small inline job between a host KV cache and a ``cpu`` tier's pool (at most
 ``_FOREACH_MAX_BLOCKS`` blocks, :meth:`KVLayout._small_run
 <kvtier.transfer.layout.KVLayout._small_run>`) is one copy per (block, tensor) piece. Torch does
-it as one ``_foreach_copy_`` of kept views: every piece a dispatch and an OpenMP region on the
-calling thread's team. Where the extension ``kvtier.transfer._blockcopy`` is built (at install,
+it as one ``_foreach_copy_`` of kept views when the pool rows are one ascending run (else one
+index op per tensor): every piece a dispatch and an OpenMP region on the calling thread's team.
+The native copy takes any rows, and the team's pace (:class:`~kvtier.transfer.copies.TeamPace`)
+does not count its jobs. Where the extension ``kvtier.transfer._blockcopy`` is built (at install,
 with a C compiler), :class:`NativeBlocks` copies the same pieces, in the same order, in one call
 that checks every block id and pool row first and then copies without the GIL; a job of 1 MiB or
 more writes with non-temporal stores (no read of the destination before it is overwritten).

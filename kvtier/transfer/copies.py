@@ -205,15 +205,19 @@ class _CallersTeam:
 
     def __exit__(self, *exc: object) -> None:
         pace = self._pace
+        callers = self._callers
         if pace is None:
-            self._callers.on = self._before
+            callers.on = self._before
             return
         wall, cpu = time.perf_counter_ns() - self._wall, time.thread_time_ns() - self._cpu
         alone = self._alone
         if alone is not None:
             self._alone = None
             alone.__exit__(None, None, None)
-        self._callers.on = self._before
+        callers.on = self._before
+        if getattr(callers, "native", False):  # copied without the team: says nothing of it
+            callers.native = False
+            return
         pace.note(alone is not None, wall, cpu, self._nbytes)
 
 
@@ -237,6 +241,12 @@ class CopySplitter:
         :data:`PACE_MIN_BYTES` on it is timed, and copies on the thread alone while
         :attr:`pace` says so."""
         return _CallersTeam(self._callers, self.pace if nbytes >= PACE_MIN_BYTES else None, nbytes)
+
+    def copied_natively(self) -> None:
+        """Inside :meth:`on_callers_team`: this job's copy ran in one native call on this
+        thread (:mod:`kvtier.transfer.block_copy`), not on the team, so :attr:`pace` does not
+        count its time for or against the team."""
+        self._callers.native = True
 
     def on_this_thread(self) -> bool:
         """Whether this thread's copies run here, on its own team, unsplit (inside

@@ -359,20 +359,22 @@ class KVLayout:
 
     def _small_run(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], save: bool) -> bool:
         """A job's own copy (``checked``, ``kept``) between host memory on a thread that copies
-        unsplit (an inline job), of at most ``_FOREACH_MAX_BLOCKS`` blocks whose pool rows are
-        one ascending run: the one ``_foreach_copy_`` of kept pieces that
-        :meth:`_gather_index` / :meth:`_scatter_index` choose for it, without their dispatch
-        (``_pick``, the run split, the thread check one call each); ``False``, having copied
-        nothing, for any other job (a test compares the two). :attr:`native`, where built, copies
-        the same pieces in one call (:mod:`kvtier.transfer.block_copy`)."""
+        unsplit (an inline job), of at most ``_FOREACH_MAX_BLOCKS`` blocks: :attr:`native`, where
+        built, copies them in one call whatever their rows (:mod:`kvtier.transfer.block_copy`);
+        else, rows in one ascending run, the one ``_foreach_copy_`` of kept pieces that
+        :meth:`_gather_index` / :meth:`_scatter_index` choose for it, without their dispatch;
+        ``False``, having copied nothing, for any other job (tests compare each with the rest)."""
         k = len(rows)
         if not (0 < k <= _FOREACH_MAX_BLOCKS and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
             return False
-        r0 = rows[0]
-        if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
+        if not self.copies.on_this_thread():
             return False
         if self.native is not None and self.native.copy(save, ids, pool, rows):
+            self.copies.copied_natively()
             return True
+        r0 = rows[0]
+        if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)):
+            return False
         pieces = self.pool_views.row_pieces(pool, True, r0, r0 + k)
         if save:
             torch._foreach_copy_(pieces, self.block_views.pieces(ids))
