@@ -1,7 +1,8 @@
-"""The copying vector passes prefetch the destination ahead of their stores, for writing
+"""The vector passes: a copying one prefetches the destination ahead of its stores, for writing
 (PREFETCHW) where the CPU has it, else for reading: either way the bytes copied and the digest
 are xxhash's, on every vector path, and a prefetch past the end of a row (or of a source) that
-ends at an inaccessible page never faults."""
+ends at an inaccessible page never faults; one that only hashes takes AVX-512 from 64 KiB where
+the CPU has it, with the same answers."""
 
 from __future__ import annotations
 
@@ -122,3 +123,23 @@ def test_the_setting_is_named_and_refused_with_bad_arguments():
     _xxcopy.prefetch_writes(was)
     with pytest.raises(TypeError, match=r"expected \(on=None\), got 2"):
         _xxcopy.prefetch_writes(True, False)
+
+
+def test_a_pass_that_only_hashes_takes_the_widest_path_from_64_kib():
+    """Without a row, a pass of 64 KiB or more runs on AVX-512 where the CPU has it (the
+    ``file`` tier checks its rows where the read put them): the digest and the one-call check's
+    answers are those of xxhash and of the Python path on either side of that size, for good
+    records and each kind of damage."""
+    assert _xxcopy.hash_path == ("avx512" if "avx512" in _xxcopy.paths() else _xxcopy.path)
+    head, key = DATA[:24], DATA[24:56]
+    for n in (4096, 65535, 65536, 65537, 262144, (2 << 20) + 1):
+        payload = DATA[700 : 700 + n]
+        assert _xxcopy.xxh3_64_copy(head + key, payload) == xxhash.xxh3_64(head + key + payload).intdigest(), n
+        stored = head + xxhash.xxh3_64(head + key + payload).intdigest().to_bytes(8, "little")
+        damaged = bytearray(payload)
+        damaged[-1] ^= 0x80
+        for stored_, payload_ in ((stored, payload), (stored, bytes(damaged)), (stored[:30] + b"\0\0", payload), (b"x" + stored[1:], payload)):
+            got = xxcopy.xxh3_check_copy_native(head, key, stored_, None, payload_)
+            assert got == xxcopy.xxh3_check_copy_python(head, key, stored_, None, payload_), n
+        assert xxcopy.xxh3_check_copy_native(head, key, stored, None, payload) == xxcopy.CHECK_GOOD
+        assert xxcopy.xxh3_check_copy_native(head, key, stored, None, bytes(damaged)) == xxcopy.CHECK_SUM
