@@ -102,11 +102,12 @@ class _ClockThatStops:
         return 0.0
 
 
-@pytest.mark.parametrize("point", ["clock", "end", "result"])
+@pytest.mark.parametrize("point", ["start", "clock", "end", "result"])
 @pytest.mark.parametrize("kind", ["save", "load"])
 def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch: pytest.MonkeyPatch, kind: str, point: str) -> None:
     """``store_now`` / ``load_now``: the copy is done, then the interrupt comes (the clock read
-    after it, the engine's give-back, the result built). The engine is given back, and a
+    after it, the engine's give-back, the result built), or it comes once the engine is
+    claimed, before the copy (the clock read there). The engine is given back, and a
     store's blocks are deleted from the tier as its plan is released (they stayed: a record
     the manager forgot, holding a slot for good)."""
     caches, block_bytes = _caches()
@@ -117,8 +118,8 @@ def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch
             now = engine._now
             if kind == "load":
                 assert await store.save(K[0:2], [0, 1]) == 2
-            if point == "clock":
-                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(2))
+            if point in ("start", "clock"):  # the clock read before the copy, or after it
+                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(1 if point == "start" else 2))
             elif point == "end":
                 interrupt_once(monkeypatch, now, "_end")
             else:
