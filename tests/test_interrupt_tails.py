@@ -5,7 +5,8 @@ the transfer threads (the job ran on, its plan was never applied: keys pending f
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
 was never given back, or a store's blocks stayed in its tier with the plan released), an
 inline job's ``take`` (released as never run though it stored), a save's applying before the
-manager completed it, and the settling of a cancelled caller's job (keys pending). After
+manager completed it, the settling of a cancelled caller's job (keys pending), and the
+release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
 nothing is pending or pinned, and fresh keys save and load the right bytes."""
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,11 +104,12 @@ class _ClockThatStops:
         return 0.0
 
 
-@pytest.mark.parametrize("point", ["clock", "end", "result"])
+@pytest.mark.parametrize("point", ["start", "clock", "end", "result"])
 @pytest.mark.parametrize("kind", ["save", "load"])
 def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch: pytest.MonkeyPatch, kind: str, point: str) -> None:
     """``store_now`` / ``load_now``: the copy is done, then the interrupt comes (the clock read
-    after it, the engine's give-back, the result built). The engine is given back, and a
+    after it, the engine's give-back, the result built), or it comes once the engine is
+    claimed, before the copy (the clock read there). The engine is given back, and a
     store's blocks are deleted from the tier as its plan is released (they stayed: a record
     the manager forgot, holding a slot for good)."""
     caches, block_bytes = _caches()
@@ -117,8 +120,8 @@ def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch
             now = engine._now
             if kind == "load":
                 assert await store.save(K[0:2], [0, 1]) == 2
-            if point == "clock":
-                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(2))
+            if point in ("start", "clock"):  # the clock read before the copy, or after it
+                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(1 if point == "start" else 2))
             elif point == "end":
                 interrupt_once(monkeypatch, now, "_end")
             else:
@@ -242,6 +245,44 @@ def test_an_interrupt_while_a_cancelled_callers_job_is_settled_applies_its_plan(
             assert engine.pending_jobs() == 0 and len(engine.poll_finished()) == 1 and not engine._jobs
             assert all(manager.status(k).state in (KeyState.READY, KeyState.MISS) for k in K[0:2])
             await _goes_on(store, caches, list(K[0:2]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_as_blocks_behind_a_failed_write_are_released_still_deletes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save of four blocks into a ``file`` tier whose write of the second fails: the two
+    behind it are released (the manager forgets them, a queued job deletes their records).
+    The interrupt comes as that job is submitted: it is queued all the same; before, the
+    tier kept two records the manager had forgotten."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        config = {"tiers": [{"backend": "file", "path": str(tmp_path / "file"), "capacity": 16 * block_bytes, "sync_mode": "fast"}]}
+        async with kvtier.open(config, kv_caches=caches) as store:
+            engine, manager, backend = store.transfers, store.manager, store.backends[0]
+            write = backend.write_blocks
+
+            def second_fails(keys: Any, blocks: Any) -> list[int | None]:
+                kept = [i for i, k in enumerate(keys) if k != K[1]]
+                sizes = write([keys[i] for i in kept], [blocks[i] for i in kept])
+                got: list[int | None] = [None] * len(keys)
+                for i, size in zip(kept, sizes):
+                    got[i] = size
+                return got
+
+            monkeypatch.setattr(backend, "write_blocks", second_fails)
+            interrupt_once(monkeypatch, engine, "submit_store", at=2)  # the save's job, then the release's
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:4], [0, 1, 2, 3])
+            monkeypatch.undo()
+            engine.wait_idle(HANG_GUARD)
+            engine.poll_finished()  # (the release's job, whose caller went up)
+            assert [manager.status(k).state for k in K[0:4]] == [KeyState.READY] + [KeyState.MISS] * 3
+            rows = [torch.zeros(block_bytes, dtype=torch.uint8) for _ in range(4)]
+            assert backend.read_blocks(K[0:4], rows) == [True, False, False, False]  # before: True at 2 and 3
+            assert await store.save(K[1:4], [1, 2, 3]) == 3 and await store.load(K[0:4], [8, 9, 10, 11]) == 4
+            assert all(torch.equal(_block(caches, 8 + i), _block(caches, i)) for i in range(4))
         assert engine.stopped
 
     asyncio.run(run())

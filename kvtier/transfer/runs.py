@@ -165,6 +165,12 @@ class JobRuns:
                     job = transfers.submit_store(release, [])
                 except ClosedError:  # closing: the records stay, as orphans the next open adopts
                     return hole
+                except BaseException:  # an interrupt: queued again (a second delete of them is none)
+                    try:
+                        transfers.submit_store(release, [])
+                    except Exception as exc:
+                        log.debug("kvtier: the release of blocks behind a failed one not queued: %s", exc)
+                    raise
                 await self.run(transfers, job, release)
         return hole
 
