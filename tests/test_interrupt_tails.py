@@ -23,8 +23,7 @@ from test_inline_interrupts import HANG_GUARD, K, interrupt_once, tiers_match
 
 import kvtier
 from kvtier.errors import LifecycleError
-from kvtier.manager import KeyState
-from kvtier.manager import tier_manager
+from kvtier.manager import KeyState, tier_manager
 from kvtier.transfer import jobs_now, runs
 
 
