@@ -145,3 +145,31 @@ def test_row_views_take_a_job_as_with_the_python_form(what: str, monkeypatch: py
     taken = ("a seen row", "a row not seen", "a row cut at an offset, seen", "a tensor subclass")
     expected = [True] * 3 if what in taken else AttributeError if what in ("bytes", "None") else None
     assert outcomes[0][0] == expected
+
+
+class _Key(bytes):
+    pass
+
+
+@native
+@pytest.mark.parametrize("what", list(_rows()))
+def test_one_row_answers_as_its_python_form(what: str, tmp_path: Path) -> None:
+    """``one_row``: the key's check, then ``host_view``, then ``same_size``, in one call, with
+    each kind of key, each kind of row and each state of the file, as the Python form."""
+    path = tmp_path / "data"
+    path.write_bytes(bytes(8192))
+    rows = _rows()
+    views = {rows[name].data_ptr(): memoryview(bytearray(SIZE)) for name in _SEEN}
+    keys = {"a key": bytes(32), "a short key": bytes(31), "a str key": "k" * 32, "a bytes subclass": _Key(bytes(32)), "a bytearray": bytearray(32)}
+    fd = os.open(path, os.O_RDONLY)
+    forms = (lmdb_plain._rowguard.one_row, lmdb_plain.one_row_python)  # type: ignore[union-attr]
+    try:
+        for key_name, key in keys.items():
+            for seen, fd_given in ((8192, fd), (4096, fd), (8192, -1)):
+                got = [form(key, 32, rows[what], torch.Tensor, torch.uint8, SHAPE, views, fd_given, seen) for form in forms]
+                assert got[0] is got[1], (key_name, seen, fd_given)
+                good = key_name == "a key" and what in ("a seen row", "a row cut at an offset, seen")
+                sound = seen == 8192 and fd_given >= 0
+                assert got[0] is (views[rows[what].data_ptr()] if good and sound else False if good else None)
+    finally:
+        os.close(fd)
