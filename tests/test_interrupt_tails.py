@@ -5,7 +5,7 @@ the transfer threads (the job ran on, its plan was never applied: keys pending f
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
 was never given back, or a store's blocks stayed in its tier with the plan released), an
 inline job's ``take`` (released as never run though it stored; a queued job's plan released
-while it ran on), a save's applying before the
+while it ran on; an evicting save stopped before its job ran, its victims left in the tier), a save's applying before the
 manager completed it (a load's before the manager's unpin began, never twice), the settling of a cancelled caller's job (keys pending), and the
 release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
@@ -396,6 +396,28 @@ def test_an_interrupt_as_a_queued_jobs_result_is_asked_for_settles_it_when_it_en
             apply_result(manager, first, res)
             monkeypatch.undo()
             await _goes_on(store, caches, list(K[0:2]) + list(K[4:6]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_before_an_evicting_save_submits_its_job_still_runs_its_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier is full; a save's plan evicts two blocks (the manager forgets them at once),
+    then the interrupt comes before its job runs (the call that would run it at once). The
+    plan is released and its evictions still reach the tier; before, the tier kept the two
+    victims the manager had forgotten."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 4 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            assert await store.save(K[0:4], [0, 1, 2, 3]) == 4  # full
+            interrupt_once(monkeypatch, engine, "store_now")
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[4:6], [4, 5])
+            monkeypatch.undo()
+            assert manager.lookup(K[4:6]) == 0 and manager.lookup(K[2:4]) == 2
+            await _goes_on(store, caches, list(K[0:4]))  # (the tier holds exactly what the manager does)
         assert engine.stopped
 
     asyncio.run(run())

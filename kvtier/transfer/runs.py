@@ -274,14 +274,30 @@ class JobRuns:
                     result = ended[0]
                     transfers.forget([job])
                 elif isinstance(plan, StorePlan) and plan.keys:
-                    written = plan_failed(job, plan, "interrupted").failed
-                    self.release(plan)
-                    drop = StorePlan(0, (), (), drops=tuple((t, tuple(ks)) for t, ks in written.items()))
-                    self._settle_later(transfers, transfers.submit_store(drop, []), drop)  # (forgotten once it ends)
+                    self._release_and_drop(transfers, plan)
                     return
             except Exception as exc:  # (an engine that cannot answer, or closed: released as never run)
                 log.debug("kvtier: the job of an interrupted call not settled: %s", exc)
+        elif result is None and isinstance(plan, StorePlan) and plan.drops:
+            # Stopped before its job was submitted, or as it was (its id not yet in hand): the
+            # evictions the manager made at prepare may never have reached the tier.
+            self._release_and_drop(transfers, plan)
+            return
         self.abandon(plan, result)
+
+    def _release_and_drop(self, transfers: TransferEngine, plan: StorePlan) -> None:
+        """Release ``plan`` and queue a job that runs its evictions and deletes what it may have
+        written, for a store whose outcome is unknown. Each delete is harmless where nothing
+        was written: the keys were this plan's (pending) or its victims (forgotten at
+        prepare), and any later store of them queues behind this job."""
+        written = plan_failed(0, plan, "interrupted").failed
+        self.release(plan)
+        drops = tuple(plan.drops) + tuple((t, tuple(ks)) for t, ks in written.items())
+        drop = StorePlan(0, (), (), drops=drops)
+        try:
+            self._settle_later(transfers, transfers.submit_store(drop, []), drop)  # (forgotten once it ends)
+        except Exception as exc:  # closing: the records stay, as orphans the next open adopts
+            log.debug("kvtier: the deletes of an interrupted store not queued: %s", exc)
 
     def abandon(self, plan: StorePlan | LoadPlan, result: JobResult | None) -> None:
         """For a call that goes up as an interrupt (or a refusal): a job that has run
