@@ -7,13 +7,13 @@ warm jobs of plain records read in one straight line (:class:`StraightRead`)."""
 from __future__ import annotations
 
 import os
-from os import SEEK_END, lseek
 from threading import get_ident
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import lmdb
 import torch
+from kvtier.backends import lmdb_plain
 from kvtier.backends.lmdb_entries import COLD_GET_S, INDEX
 
 from kvtier import devices
@@ -156,14 +156,14 @@ class StraightRead:
         key = keys[0]
         row = out[0]
         views, shape, guard, temperature, jobs, marks, counters = self.one_parts
-        if (
-            type(key) is not bytes or len(key) != KEY_BYTES or type(row) is not _TENSOR or devices.locate is not None
-            or self.forks != _FORKS[0] or row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous()
-        ):
+        if type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None or self.forks != _FORKS[0]:
             return None
-        view = views.get(row.data_ptr())
+        # The row's checks (a host uint8 tensor of the record's size, contiguous) and its view
+        # in one call (lmdb_plain.host_view); None: not such a row, or not seen yet (the
+        # general path makes its view).
+        view = lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
         if view is None:
-            return None  # a row not seen yet: the general path makes its view
+            return None
         blocks, index, head, size = self.parts
         if get_ident() not in marks:
             temperature.begin()  # the thread's first job marks its faults, as the job reader's
@@ -171,11 +171,7 @@ class StraightRead:
         # closes the guard first, then waits for the jobs counted (LmdbBackend._close_env).
         jobs.append(None)
         try:
-            try:
-                end = lseek(guard.fd, 0, SEEK_END)
-            except OSError:
-                end = -1
-            if end != guard.seen:
+            if not lmdb_plain.same_size(guard.fd, guard.seen):
                 guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             try:

@@ -129,3 +129,21 @@ def test_a_compiler_means_the_extension_is_built() -> None:
     if shutil.which(cc) is None or not os.path.exists(header):
         pytest.skip(f"NO C COMPILER ({cc}) OR NO Python.h: kvtier.transfer._blockcopy NOT BUILT, torch copies")
     assert block_copy.NATIVE, "kvtier.transfer._blockcopy did not build although a C compiler exists (reinstall: pip install -e .)"
+
+
+@native
+def test_a_pool_resized_in_place_is_copied_where_it_now_is() -> None:
+    """The copier checks a pool once but reads its address and rows at every call: a pool
+    whose storage moved (``resize_`` past its size) is written where it is now."""
+    layout = layouts()["pages"]
+    nb = layout.native
+    assert nb is not None
+    pool = torch.zeros((2, layout.block_bytes), dtype=torch.uint8)
+    nb.gather([3], pool, [1])
+    before = pool.data_ptr()
+    pool.resize_((64, layout.block_bytes))
+    assert pool.data_ptr() != before  # (the storage moved)
+    nb.gather([5, 7], pool, [63, 40])
+    nb.scatter(pool, [1], [0])
+    assert torch.equal(pool[63], record_of(layout, 5)) and torch.equal(pool[40], record_of(layout, 7))
+    assert torch.equal(record_of(layout, 0), record_of(layout, 3))

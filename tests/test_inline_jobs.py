@@ -249,11 +249,14 @@ def test_the_bound_is_checked(rigs: list[Rig]) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 def test_an_inline_job_copies_on_the_callers_own_team_and_a_threaded_one_splits(
-    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
+    native: bool, rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inline, the copy runs unsplit on the caller's thread with its own OpenMP team (the
-    engine's: no second team); on the mover it is dealt out to the copy threads as before."""
+    engine's: no second team); on the mover torch's copy is dealt out to the copy threads as
+    before. The native copy of a small job (kvtier.transfer.block_copy, where built) runs on
+    the job's own thread either way: no copy thread."""
     pools: list[int] = []
     inner = copies._pool
     monkeypatch.setattr(copies, "_pool", lambda workers: (pools.append(workers), inner(workers))[-1])
@@ -261,10 +264,14 @@ def test_an_inline_job_copies_on_the_callers_own_team_and_a_threaded_one_splits(
     rigs += [inline, threaded]
     for rig, flag in ((inline, True), (threaded, False)):
         rig.layout.copies = copies.CopySplitter(2, min_bytes=0)  # split even this small job
+        natively = rig.layout.native is not None and native
+        if rig.layout.native is not None:
+            rig.layout.native.enabled = native
         before = len(pools)
         (res,) = rig.engine.wait([rig.store(K[:4], [3, 9, 0, 5], inline=flag)], timeout=HANG_GUARD)
         assert res.success
-        assert (len(pools) > before) is not flag, "inline: no copy thread; threaded: split over them"
+        split = not flag and not natively
+        assert (len(pools) > before) is split, "inline or native: no copy thread; threaded torch: split over them"
         slots = rig.backends[0].slots(K[:4])  # type: ignore[attr-defined]
         pool = rig.backends[0].pool  # type: ignore[attr-defined]
         for slot, b in zip(slots, (3, 9, 0, 5)):

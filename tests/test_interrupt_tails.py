@@ -3,13 +3,18 @@ leave the manager and a tier disagreeing for good, each raised at exactly one po
 replacing the call that follows it: a store facade call interrupted while it awaits a job on
 the transfer threads (the job ran on, its plan was never applied: keys pending for good), and
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
-was never given back, or a store's blocks stayed in its tier with the plan released). After
+was never given back, or a store's blocks stayed in its tier with the plan released), an
+inline job's ``take`` (released as never run though it stored), a save's applying before the
+manager completed it, the settling of a cancelled caller's job (keys pending), and the
+release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
 nothing is pending or pinned, and fresh keys save and load the right bytes."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +24,7 @@ from test_inline_interrupts import HANG_GUARD, K, interrupt_once, tiers_match
 import kvtier
 from kvtier.errors import LifecycleError
 from kvtier.manager import KeyState
-from kvtier.transfer import jobs_now
+from kvtier.transfer import jobs_now, runs
 
 
 def _caches() -> tuple[list[torch.Tensor], int]:
@@ -99,11 +104,12 @@ class _ClockThatStops:
         return 0.0
 
 
-@pytest.mark.parametrize("point", ["clock", "end", "result"])
+@pytest.mark.parametrize("point", ["start", "clock", "end", "result"])
 @pytest.mark.parametrize("kind", ["save", "load"])
 def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch: pytest.MonkeyPatch, kind: str, point: str) -> None:
     """``store_now`` / ``load_now``: the copy is done, then the interrupt comes (the clock read
-    after it, the engine's give-back, the result built). The engine is given back, and a
+    after it, the engine's give-back, the result built), or it comes once the engine is
+    claimed, before the copy (the clock read there). The engine is given back, and a
     store's blocks are deleted from the tier as its plan is released (they stayed: a record
     the manager forgot, holding a slot for good)."""
     caches, block_bytes = _caches()
@@ -114,8 +120,8 @@ def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch
             now = engine._now
             if kind == "load":
                 assert await store.save(K[0:2], [0, 1]) == 2
-            if point == "clock":
-                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(2))
+            if point in ("start", "clock"):  # the clock read before the copy, or after it
+                monkeypatch.setattr(jobs_now, "time", _ClockThatStops(1 if point == "start" else 2))
             elif point == "end":
                 interrupt_once(monkeypatch, now, "_end")
             else:
@@ -131,6 +137,152 @@ def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch
             if kind == "save":
                 assert manager.status(K[0]).state is KeyState.MISS and not store.backends[0].stored_keys()
             await _goes_on(store, caches, list(K[0:2]) if kind == "load" else [])
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["save", "load"])
+def test_an_interrupt_as_an_inline_job_is_taken_applies_its_result(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The inline job ran (a store's blocks are in the tier), then ``take`` goes up as the
+    interrupt before it handed the result over. The result is taken in the handler and applied;
+    before, the plan was released as if the job never ran, so the manager forgot blocks its
+    tier held (and the job's record stayed in the engine)."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            engine._now.enabled = False  # the inline submit, then take
+            if kind == "load":
+                assert await store.save(K[0:2], [0, 1]) == 2
+            interrupt_once(monkeypatch, engine, "take")
+            with pytest.raises(KeyboardInterrupt):
+                if kind == "save":
+                    await store.save(K[0:2], [0, 1])
+                else:
+                    await store.load(K[0:2], [2, 3])
+            monkeypatch.undo()
+            assert manager.lookup(K[0:2]) == 2  # the save applied: its blocks ready (0 before)
+            await _goes_on(store, caches, list(K[0:2]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("where", ["apply_result", "complete_store"])
+def test_an_interrupt_before_the_manager_completes_a_save_applies_it(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The job ended and its result is in hand; the interrupt comes as ``finish_store`` applies
+    it, before the manager took it (its call to ``apply_result``, or the manager's
+    ``complete_store``). The store is applied, then the interrupt goes up; before, its keys
+    stayed pending for good (every later save skipped them, every lookup stopped there)."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            if where == "apply_result":
+                interrupt_once(monkeypatch, runs, "apply_result")
+            else:
+                interrupt_once(monkeypatch, manager, "complete_store")
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:2], [0, 1])
+            monkeypatch.undo()
+            assert manager.lookup(K[0:2]) == 2
+            await _goes_on(store, caches, list(K[0:2]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_while_a_cancelled_callers_job_is_settled_applies_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save cancelled while its job ran on a thread is settled by the next call; the
+    interrupt comes as that job is forgotten. Its plan is applied first; before, it was taken
+    off the list of unsettled jobs, then lost (its keys pending for good)."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        config = {"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}], "inline_max_bytes": 0}
+        async with kvtier.open(config, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            started = asyncio.Event()
+            inner = engine.wait_async
+
+            async def waited(job: int) -> Any:
+                started.set()
+                return await inner(job)
+
+            copying, go = threading.Event(), threading.Event()
+            gather = engine.layout.gather
+
+            def held(*args: Any, **kwargs: Any) -> Any:
+                copying.set()
+                go.wait(HANG_GUARD)  # the job runs on while its caller is cancelled
+                return gather(*args, **kwargs)
+
+            monkeypatch.setattr(engine, "wait_async", waited)
+            monkeypatch.setattr(engine.layout, "gather", held)
+            monkeypatch.setattr(engine, "cancel", lambda job: False)  # a store past its device read: left to end
+            task = asyncio.create_task(store.save(K[0:2], [0, 1]))
+            await started.wait()
+            assert copying.wait(HANG_GUARD)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for settler in list(store._runs.settlers):
+                settler.cancel()  # left to the next call, as with no loop to wait on
+            await asyncio.sleep(0)
+            go.set()
+            monkeypatch.undo()
+            engine.wait_idle(HANG_GUARD)
+            assert store._runs.unsettled
+            interrupt_once(monkeypatch, engine, "forget")
+            with pytest.raises(KeyboardInterrupt):
+                store._settle_finished()
+            monkeypatch.undo()
+            assert not store._runs.unsettled
+            # The job's record, ended, stays until someone polls it: nothing runs.
+            assert engine.pending_jobs() == 0 and len(engine.poll_finished()) == 1 and not engine._jobs
+            assert all(manager.status(k).state in (KeyState.READY, KeyState.MISS) for k in K[0:2])
+            await _goes_on(store, caches, list(K[0:2]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_as_blocks_behind_a_failed_write_are_released_still_deletes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save of four blocks into a ``file`` tier whose write of the second fails: the two
+    behind it are released (the manager forgets them, a queued job deletes their records).
+    The interrupt comes as that job is submitted: it is queued all the same; before, the
+    tier kept two records the manager had forgotten."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        config = {"tiers": [{"backend": "file", "path": str(tmp_path / "file"), "capacity": 16 * block_bytes, "sync_mode": "fast"}]}
+        async with kvtier.open(config, kv_caches=caches) as store:
+            engine, manager, backend = store.transfers, store.manager, store.backends[0]
+            write = backend.write_blocks
+
+            def second_fails(keys: Any, blocks: Any) -> list[int | None]:
+                kept = [i for i, k in enumerate(keys) if k != K[1]]
+                sizes = write([keys[i] for i in kept], [blocks[i] for i in kept])
+                got: list[int | None] = [None] * len(keys)
+                for i, size in zip(kept, sizes):
+                    got[i] = size
+                return got
+
+            monkeypatch.setattr(backend, "write_blocks", second_fails)
+            interrupt_once(monkeypatch, engine, "submit_store", at=2)  # the save's job, then the release's
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:4], [0, 1, 2, 3])
+            monkeypatch.undo()
+            engine.wait_idle(HANG_GUARD)
+            engine.poll_finished()  # (the release's job, whose caller went up)
+            assert [manager.status(k).state for k in K[0:4]] == [KeyState.READY] + [KeyState.MISS] * 3
+            rows = [torch.zeros(block_bytes, dtype=torch.uint8) for _ in range(4)]
+            assert backend.read_blocks(K[0:4], rows) == [True, False, False, False]  # before: True at 2 and 3
+            assert await store.save(K[1:4], [1, 2, 3]) == 3 and await store.load(K[0:4], [8, 9, 10, 11]) == 4
+            assert all(torch.equal(_block(caches, 8 + i), _block(caches, i)) for i in range(4))
         assert engine.stopped
 
     asyncio.run(run())

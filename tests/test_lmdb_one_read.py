@@ -14,7 +14,7 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_layout, lmdb_one
+from kvtier.backends import lmdb_layout, lmdb_one, lmdb_plain
 from lmdb_lookups import HookedEnv, damaged_store, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
@@ -30,6 +30,18 @@ FMT = BlockFormat(block_bytes=8192, dtype="uint8")
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test on stores saved joined, then split (the layouts of small and large records)."""
     return layouts(monkeypatch, request.param)
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with the straight line's row checks and file guard (``lmdb_plain.host_view``,
+    ``same_size``) in their native form, then in their Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
+        monkeypatch.setattr(lmdb_plain, "same_size", lmdb_plain.same_size_python)
+    elif not lmdb_plain.NATIVE_GUARD:
+        pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
+    return str(request.param)
 
 
 def _open(path: Path, **options: Any) -> Backend:

@@ -207,7 +207,7 @@ def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], native: boo
         out[fast] = (pool.clone(), [record_of(layout, b) for b in back])
         if fast:
             one_run = len(rows) <= 8 and rows == list(range(rows[0], rows[0] + len(rows)))
-            assert inner(ids, pool, rows, True) is False  # not on a thread that copies unsplit
+            assert inner(ids, pool, rows, True) is (natively and len(rows) <= 8)  # torch: not on a thread that copies unsplit
             with layout.copies.on_callers_team():  # one ascending run only
                 assert inner(ids, pool, rows, True) is (one_run or (natively and len(rows) <= 8))
     assert torch.equal(out[True][0], out[False][0])

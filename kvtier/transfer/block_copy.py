@@ -56,41 +56,42 @@ class NativeBlocks:
             [t.data_ptr() for t in sources], blocks, list(piece_bytes), list(offsets), row_bytes, tuple(sources)
         )
         self.row_bytes = row_bytes
-        self._pools: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(pool) -> (pool, address, rows)
+        self._pools: dict[int, torch.Tensor] = {}  # id(pool) -> pool, checked
         #: off: the layout copies with torch (tests compare the two)
         self.enabled = True
 
-    def _pool(self, pool: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        got = self._pools.get(id(pool))
-        if got is None or got[0] is not pool:
+    def _check(self, pool: torch.Tensor) -> None:
+        """``pool`` is a contiguous 2-D uint8 host tensor (checked once per pool; its address
+        and shape are read at every call, so a pool resized in place is copied to where it is)."""
+        if self._pools.get(id(pool)) is not pool:
             if pool.device.type != "cpu" or pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
                 raise ValueError(f"pool: expected a contiguous [slots, {self.row_bytes}] uint8 host tensor, got {pool.dtype} {tuple(pool.shape)}")
             if len(self._pools) >= MAX_POOLS:  # pools of tiers gone: not held for good
                 self._pools = {}
-            got = self._pools[id(pool)] = (pool, pool.data_ptr(), pool.shape[0])
-        return got
+            self._pools[id(pool)] = pool
 
     def copy(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> bool:
         """:meth:`gather` (``save``) or :meth:`scatter`; ``False``, having copied nothing, while
         not :attr:`enabled`."""
         if not self.enabled:
             return False
-        _, address, slots = self._pool(pool)
-        (self._copier.gather if save else self._copier.scatter)(address, slots, pool.shape[1], rows, ids)
+        self._check(pool)
+        slots, row_bytes = pool.shape
+        (self._copier.gather if save else self._copier.scatter)(pool.data_ptr(), slots, row_bytes, rows, ids)
         return True
 
     def gather(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy engine block ``ids[j]`` of every tensor into record ``rows[j]`` of ``pool``."""
-        _, address, slots = self._pool(pool)
-        self._copier.gather(address, slots, pool.shape[1], rows, ids)
+        self._check(pool)
+        self._copier.gather(pool.data_ptr(), pool.shape[0], pool.shape[1], rows, ids)
 
     def scatter(self, pool: torch.Tensor, rows: Sequence[int], ids: list[int]) -> None:
         """Copy record ``rows[j]`` of ``pool`` into engine block ``ids[j]`` of every tensor."""
-        _, address, slots = self._pool(pool)
-        self._copier.scatter(address, slots, pool.shape[1], rows, ids)
+        self._check(pool)
+        self._copier.scatter(pool.data_ptr(), pool.shape[0], pool.shape[1], rows, ids)
 
     def held(self) -> bool:
-        """Whether some pool is held (its address kept)."""
+        """Whether some pool is held (checked, kept)."""
         return bool(self._pools)
 
     def forget(self) -> None:

@@ -243,10 +243,12 @@ class CopySplitter:
         return _CallersTeam(self._callers, self.pace if nbytes >= PACE_MIN_BYTES else None, nbytes)
 
     def copied_natively(self) -> None:
-        """Inside :meth:`on_callers_team`: this job's copy ran in one native call on this
-        thread (:mod:`kvtier.transfer.block_copy`), not on the team, so :attr:`pace` does not
-        count its time for or against the team."""
-        self._callers.native = True
+        """This job's copy ran in one native call on this thread (:mod:`kvtier.transfer.block_copy`),
+        not on a team: inside :meth:`on_callers_team`, :attr:`pace` then does not count its time
+        for or against the team (elsewhere nothing is noted)."""
+        callers = self._callers
+        if getattr(callers, "on", False):
+            callers.native = True
 
     def on_this_thread(self) -> bool:
         """Whether this thread's copies run here, on its own team, unsplit (inside

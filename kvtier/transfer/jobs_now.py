@@ -144,12 +144,12 @@ class JobsNow:
             return None
         if TYPE_CHECKING:  # _may: every tier is a host memory tier (no isinstance per job)
             assert isinstance(target, MemoryBackend)
-        job_id = next(e._ids)
         layout = e.layout
         nbytes = 0
         error: str | None = None
-        start = time.perf_counter()
-        try:
+        try:  # (from the claim on: an interrupt anywhere gives the engine back)
+            job_id = next(e._ids)
+            start = time.perf_counter()
             try:
                 with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
                     slots = target.evict_and_reserve(drops[0][1] if drops else (), keys)  # (reserve_slots, inline)
@@ -194,11 +194,11 @@ class JobsNow:
                 raise
             self._end("load", False, -1)
             return None
-        job_id = next(e._ids)
         layout = e.layout
         error: str | None = None
-        start = time.perf_counter()
         try:
+            job_id = next(e._ids)
+            start = time.perf_counter()
             try:
                 with layout.copies.on_callers_team(len(keys) * layout.block_bytes):
                     layout.scatter(backend.pool, rows, block_ids, non_blocking=True, kept=True, checked=True)

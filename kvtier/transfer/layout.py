@@ -358,22 +358,21 @@ class KVLayout:
         return runs
 
     def _small_run(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], save: bool) -> bool:
-        """A job's own copy (``checked``, ``kept``) between host memory on a thread that copies
-        unsplit (an inline job), of at most ``_FOREACH_MAX_BLOCKS`` blocks: :attr:`native`, where
-        built, copies them in one call whatever their rows (:mod:`kvtier.transfer.block_copy`);
-        else, rows in one ascending run, the one ``_foreach_copy_`` of kept pieces that
-        :meth:`_gather_index` / :meth:`_scatter_index` choose for it, without their dispatch;
-        ``False``, having copied nothing, for any other job (tests compare each with the rest)."""
+        """A job's own copy (``checked``, ``kept``) between host memory of at most
+        ``_FOREACH_MAX_BLOCKS`` blocks: :attr:`native`, where built, copies them in one call on
+        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`); else, on a thread
+        that copies unsplit (an inline job) and rows in one ascending run, the one
+        ``_foreach_copy_`` of kept pieces that :meth:`_gather_index` / :meth:`_scatter_index`
+        choose for it, without their dispatch; ``False``, having copied nothing, for any other
+        job (tests compare each with the rest)."""
         k = len(rows)
         if not (0 < k <= _FOREACH_MAX_BLOCKS and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
-            return False
-        if not self.copies.on_this_thread():
             return False
         if self.native is not None and self.native.copy(save, ids, pool, rows):
             self.copies.copied_natively()
             return True
         r0 = rows[0]
-        if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)):
+        if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
             return False
         pieces = self.pool_views.row_pieces(pool, True, r0, r0 + k)
         if save:

@@ -62,8 +62,19 @@ class JobRuns:
         return facts
 
     def finish_store(self, plan: StorePlan, result: JobResult) -> int:
-        """Apply a finished store job to the manager; return how many blocks became ready."""
-        applied = apply_result(self._mgr(), plan, result)
+        """Apply a finished store job to the manager; return how many blocks became ready. An
+        interrupt before the manager completed the plan applies it again, then goes on up: a
+        plan the manager already completed is refused with no change (``complete_store``
+        checks every key first), so nothing is applied twice and no key stays pending."""
+        try:
+            applied = apply_result(self._mgr(), plan, result)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                try:
+                    apply_result(self._mgr(), plan, result)
+                except Exception as again:  # completed already, or a closed manager
+                    log.debug("kvtier: an interrupted store not applied again: %s", again)
+            raise
         self._metrics.record_store(plan, result, self._block_bytes)
         return applied.done
 
@@ -106,13 +117,14 @@ class JobRuns:
             whole = len(plan.keys) == len(rest)  # every key of the rest is new: positions 0, 1, ...
             chosen = ids if whole and not offset else [b for p in plan.positions for b in ids[(offset + p) * n : (offset + p + 1) * n]]
             result: JobResult | None = None
+            job = -1
             try:
                 result = transfers.store_now(plan, chosen)  # a plain job: run here, no job record
                 if result is None:
                     job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
                     result = transfers.take(job)  # it ran inline, or None
             except BaseException:
-                self.abandon(plan, result)
+                self.abandon(plan, self._ended(transfers, job, result))
                 raise
             if result is None:
                 result = await self.run(transfers, job, plan)
@@ -153,6 +165,12 @@ class JobRuns:
                     job = transfers.submit_store(release, [])
                 except ClosedError:  # closing: the records stay, as orphans the next open adopts
                     return hole
+                except BaseException:  # an interrupt: queued again (a second delete of them is none)
+                    try:
+                        transfers.submit_store(release, [])
+                    except Exception as exc:
+                        log.debug("kvtier: the release of blocks behind a failed one not queued: %s", exc)
+                    raise
                 await self.run(transfers, job, release)
         return hole
 
@@ -170,13 +188,14 @@ class JobRuns:
         hits = len(plan.keys)
         chosen = ids[: hits * n]
         result: JobResult | None = None
+        job = -1
         try:
             result = transfers.load_now(plan, chosen)  # a plain job: run here, no job record
             if result is None:
                 job = transfers.submit_load(plan, chosen, inline=True, checked=True)
                 result = transfers.take(job)  # it ran inline, or None
         except BaseException:
-            self.abandon(plan, result)
+            self.abandon(plan, self._ended(transfers, job, result))
             raise
         if result is None:
             result = await self.run(transfers, job, plan)
@@ -219,12 +238,25 @@ class JobRuns:
         except Exception as exc:  # a closed manager: nothing is left to release
             log.debug("kvtier: a plan of an interrupted call not released: %s", exc)
 
+    @staticmethod
+    def _ended(transfers: TransferEngine, job: int, result: JobResult | None) -> JobResult | None:
+        """``result``, or for a call an interrupt stopped once its job was submitted (``job``,
+        -1 before) but before it took the result: that job's result, taken now if it ended (it
+        ran inline), so it is applied rather than released as never run."""
+        if result is None and job >= 0:
+            try:
+                result = transfers.take(job)
+            except Exception as exc:  # (an engine that cannot answer: released as never run)
+                log.debug("kvtier: the result of interrupted job %d not taken: %s", job, exc)
+        return result
+
     def abandon(self, plan: StorePlan | LoadPlan, result: JobResult | None) -> None:
         """For a call that goes up as an interrupt (or a refusal): a job that has run
         (``result``) is applied to the manager as the call would have applied it (not once the
         store is closing: nothing is left to apply it to), so the manager forgets no block its
         tiers hold; the plan of one that never ran is released (:meth:`release`). An interrupt
-        inside :meth:`finish_store` / :meth:`finish_load` themselves is not covered."""
+        inside :meth:`finish_store` is covered there; one inside :meth:`finish_load` is not: no
+        record tells whether its unpin ran, and a second one could release another load's pin."""
         if result is None:
             self.release(plan)
             return
@@ -295,11 +327,12 @@ class JobRuns:
             if result is None:
                 continue
             del self.unsettled[job]
-            transfers.forget([job])
-            try:
+            try:  # applied before the job is forgotten: an interrupt in between loses no plan
                 if isinstance(plan, StorePlan):
                     self.finish_store(plan, result)
                 else:
                     self.finish_load(plan, result)
             except Exception as exc:  # a closed manager: nothing is left to release
                 log.debug("job %d of a cancelled call not applied: %s", job, exc)
+            finally:
+                transfers.forget([job])

@@ -1,0 +1,112 @@
+"""The checks an ``lmdb`` tier's one-key straight read makes before its lookup, in one call each
+(``lmdb_plain.host_view``, ``lmdb_plain.same_size``): the native form (``backends/_rowguard.c``)
+answers as the Python one, for every kind of row and every state of the file. Through the tier,
+``test_lmdb_one_read.py`` runs each of its cases with both forms."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvtier.backends import lmdb_plain
+
+SIZE = 4096
+SHAPE = torch.Size([SIZE])
+
+native = pytest.mark.skipif(not lmdb_plain.NATIVE_GUARD, reason="built without the native row guard")
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _rows() -> dict[str, Any]:
+    base = torch.zeros(SIZE + 64, dtype=torch.uint8)
+    return {
+        "a seen row": torch.zeros(SIZE, dtype=torch.uint8),
+        "a row not seen": torch.zeros(SIZE, dtype=torch.uint8),
+        "a row cut at an offset, seen": base[32 : 32 + SIZE],
+        "int8": torch.zeros(SIZE, dtype=torch.int8),
+        "float16 of the same bytes": torch.zeros(SIZE // 2, dtype=torch.float16),
+        "a short row": torch.zeros(SIZE - 1, dtype=torch.uint8),
+        "two-dimensional": torch.zeros((1, SIZE), dtype=torch.uint8),
+        "strided": torch.zeros((SIZE, 2), dtype=torch.uint8)[:, 1],
+        "on the meta device": torch.empty(SIZE, dtype=torch.uint8, device="meta"),
+        "a tensor subclass": torch.zeros(SIZE, dtype=torch.uint8).as_subclass(_Sub),
+        "a numpy array": torch.zeros(SIZE, dtype=torch.uint8).numpy(),
+        "bytes": bytes(SIZE),
+        "None": None,
+    }
+
+
+_SEEN = ("a seen row", "a row cut at an offset, seen", "int8", "strided", "a tensor subclass")
+
+
+@native
+@pytest.mark.parametrize("what", list(_rows()))
+def test_host_view_answers_as_its_python_form(what: str) -> None:
+    rows = _rows()
+    row = rows[what]
+    views: dict[int, memoryview] = {}
+    for name in _SEEN:  # addresses in the views (some of rows that are refused before the lookup)
+        seen = rows[name]
+        views[seen.data_ptr()] = memoryview(bytearray(SIZE))
+    if what in _SEEN:
+        row = rows[what]
+    native_view = lmdb_plain._rowguard.host_view(row, torch.Tensor, torch.uint8, SHAPE, views)  # type: ignore[union-attr]
+    python_view = lmdb_plain.host_view_python(row, torch.Tensor, torch.uint8, SHAPE, views)
+    assert native_view is python_view
+    expected = views[row.data_ptr()] if what in ("a seen row", "a row cut at an offset, seen") else None
+    assert native_view is expected, what
+
+
+@native
+def test_host_view_refuses_views_that_are_not_a_dict_by_name() -> None:
+    row = torch.zeros(SIZE, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="views: expected a dict"):
+        lmdb_plain._rowguard.host_view(row, torch.Tensor, torch.uint8, SHAPE, [])  # type: ignore[union-attr]
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        lmdb_plain._rowguard.host_view(row, torch.Tensor, torch.uint8, SHAPE)  # type: ignore[union-attr]
+
+
+@native
+def test_host_view_passes_on_an_error_a_row_raises_as_the_python_form_does() -> None:
+    class Broken(torch.Tensor):
+        @property
+        def shape(self) -> Any:  # type: ignore[override]
+            raise RuntimeError("no shape here")
+
+    row = torch.zeros(SIZE, dtype=torch.uint8).as_subclass(Broken)
+    for form in (lmdb_plain._rowguard.host_view, lmdb_plain.host_view_python):  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="no shape here"):
+            form(row, Broken, torch.uint8, SHAPE, {})
+
+
+@native
+def test_same_size_answers_as_its_python_form(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDONLY)
+    forms = (lmdb_plain._rowguard.same_size, lmdb_plain.same_size_python)  # type: ignore[union-attr]
+    try:
+        answers = {}
+        for state in ("as seen", "grown", "cut short"):
+            if state == "grown":
+                with open(path, "ab") as f:
+                    f.write(bytes(4096))
+            elif state == "cut short":
+                os.truncate(path, 4096)
+            answers[state] = [[form(fd, seen) for seen in (0, 4096, 8192, 12288)] for form in forms]
+        answers["no descriptor"] = [[form(-1, seen) for seen in (0, 8192)] for form in forms]
+    finally:
+        os.close(fd)
+    answers["a closed descriptor"] = [[form(fd, seen) for seen in (0, 4096)] for form in forms]
+    for state, (by_native, by_python) in answers.items():
+        assert by_native == by_python, state
+    assert answers["as seen"][0] == [False, False, True, False]
+    assert answers["grown"][0] == [False, False, False, True]
+    assert answers["cut short"][0] == [False, True, False, False]
+    assert answers["no descriptor"][0] == [False, False]
