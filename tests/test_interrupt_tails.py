@@ -5,7 +5,7 @@ the transfer threads (the job ran on, its plan was never applied: keys pending f
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
 was never given back, or a store's blocks stayed in its tier with the plan released), an
 inline job's ``take`` (released as never run though it stored), a save's applying before the
-manager completed it, the settling of a cancelled caller's job (keys pending), and the
+manager completed it (a load's before the manager's unpin began, never twice), the settling of a cancelled caller's job (keys pending), and the
 release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
 nothing is pending or pinned, and fresh keys save and load the right bytes."""
@@ -23,7 +23,7 @@ from test_inline_interrupts import HANG_GUARD, K, interrupt_once, tiers_match
 
 import kvtier
 from kvtier.errors import LifecycleError
-from kvtier.manager import KeyState
+from kvtier.manager import KeyState, tier_manager
 from kvtier.transfer import jobs_now, runs
 
 
@@ -283,6 +283,55 @@ def test_an_interrupt_as_blocks_behind_a_failed_write_are_released_still_deletes
             assert backend.read_blocks(K[0:4], rows) == [True, False, False, False]  # before: True at 2 and 3
             assert await store.save(K[1:4], [1, 2, 3]) == 3 and await store.load(K[0:4], [8, 9, 10, 11]) == 4
             assert all(torch.equal(_block(caches, 8 + i), _block(caches, i)) for i in range(4))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("where", ["apply_result", "complete_load"])
+def test_an_interrupt_before_the_manager_unpins_a_load_applies_it(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """As for a save: the load ended, the interrupt comes before the manager's unpin began.
+    The load is applied (its pins released), then the interrupt goes up; before, both blocks
+    stayed pinned for good (never evicted, the tier's room lost)."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            assert await store.save(K[0:2], [0, 1]) == 2
+            if where == "apply_result":
+                interrupt_once(monkeypatch, runs, "apply_result")
+            else:
+                interrupt_once(monkeypatch, manager, "complete_load")
+            with pytest.raises(KeyboardInterrupt):
+                await store.load(K[0:2], [2, 3])
+            monkeypatch.undo()
+            await _goes_on(store, caches, list(K[0:2]))  # (it checks no pin is left on them)
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_once_the_unpin_began_never_unpins_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another load holds its own pins on the same blocks. The interrupt comes inside the
+    manager's unpin, once it ran: the load is not applied again, so the other load keeps its
+    pin (a second unpin would have released it, leaving its blocks free to be evicted while
+    it reads them)."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            assert await store.save(K[0:2], [0, 1]) == 2
+            other = manager.prepare_load(K[0:2], promote=False)  # the other load's pins
+            interrupt_once(monkeypatch, tier_manager, "unpin", after=True)
+            with pytest.raises(KeyboardInterrupt):
+                await store.load(K[0:2], [2, 3])
+            monkeypatch.undo()
+            manager.complete_load(other.keys)  # the other load's pins are still there
+            with pytest.raises(LifecycleError, match="is not pinned"):
+                manager.complete_load(K[0:1])
+            await _goes_on(store, caches, list(K[0:2]))
         assert engine.stopped
 
     asyncio.run(run())

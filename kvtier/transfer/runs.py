@@ -79,8 +79,25 @@ class JobRuns:
         return applied.done
 
     def finish_load(self, plan: LoadPlan, result: JobResult) -> Applied:
-        """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt."""
-        applied = apply_result(self._mgr(), plan, result)
+        """Apply a finished load job: unpin, and forget keys that turned out missing or corrupt.
+        An interrupt before the manager's unpin began (``unpins_begun`` unmoved) applies it
+        again, then goes on up; once it may have begun, or where another thread's unpin moved
+        the count too, nothing is applied again (a second unpin could release another load's
+        pin: the pin stays instead)."""
+        began = -1
+        try:
+            mgr = self._mgr()
+            began = mgr.unpins_begun
+            applied = apply_result(mgr, plan, result)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                try:
+                    mgr = self._mgr()
+                    if began < 0 or mgr.unpins_begun == began:
+                        apply_result(mgr, plan, result)
+                except Exception as again:  # a closed manager
+                    log.debug("kvtier: an interrupted load not applied again: %s", again)
+            raise
         self._metrics.record_load(plan, result, self._block_bytes)
         return applied
 
@@ -255,8 +272,7 @@ class JobRuns:
         (``result``) is applied to the manager as the call would have applied it (not once the
         store is closing: nothing is left to apply it to), so the manager forgets no block its
         tiers hold; the plan of one that never ran is released (:meth:`release`). An interrupt
-        inside :meth:`finish_store` is covered there; one inside :meth:`finish_load` is not: no
-        record tells whether its unpin ran, and a second one could release another load's pin."""
+        inside :meth:`finish_store` or :meth:`finish_load` is covered there."""
         if result is None:
             self.release(plan)
             return
