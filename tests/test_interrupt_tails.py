@@ -4,7 +4,8 @@ replacing the call that follows it: a store facade call interrupted while it awa
 the transfer threads (the job ran on, its plan was never applied: keys pending for good), and
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
 was never given back, or a store's blocks stayed in its tier with the plan released), an
-inline job's ``take`` (released as never run though it stored), a save's applying before the
+inline job's ``take`` (released as never run though it stored; a queued job's plan released
+while it ran on), a save's applying before the
 manager completed it (a load's before the manager's unpin began, never twice), the settling of a cancelled caller's job (keys pending), and the
 release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
@@ -25,6 +26,7 @@ import kvtier
 from kvtier.errors import LifecycleError
 from kvtier.manager import KeyState, tier_manager
 from kvtier.transfer import jobs_now, runs
+from kvtier.transfer.jobs import apply_result
 
 
 def _caches() -> tuple[list[torch.Tensor], int]:
@@ -332,6 +334,68 @@ def test_an_interrupt_once_the_unpin_began_never_unpins_twice(monkeypatch: pytes
             with pytest.raises(LifecycleError, match="is not pinned"):
                 manager.complete_load(K[0:1])
             await _goes_on(store, caches, list(K[0:2]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_once_take_took_an_inline_result_deletes_what_the_store_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``take`` took the inline store's result, then the interrupt came before the caller held
+    it: the outcome is lost, so the plan is released and what the job wrote is deleted by a job
+    queued behind it; before, the tier kept two blocks the manager had released."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            engine._now.enabled = False  # the inline submit, then take
+            interrupt_once(monkeypatch, engine, "take", after=True)
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:2], [0, 1])
+            monkeypatch.undo()
+            assert manager.lookup(K[0:2]) == 0
+            await _goes_on(store, caches, [])  # (the tier holds neither: it matches the manager)
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_as_a_queued_jobs_result_is_asked_for_settles_it_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save's job could not run inline (another job runs on the threads), so it is queued;
+    the interrupt comes as the call asks for its result. The job is stopped (it is still
+    queued) and settled; before, its plan was released while it stayed queued, and it then
+    stored two blocks the manager had forgotten."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            engine._now.enabled = False
+            copying, go = threading.Event(), threading.Event()
+            gather = engine.layout.gather
+            held: list[bool] = []
+
+            def hold_first(*args: Any, **kwargs: Any) -> Any:
+                if not held:
+                    held.append(True)
+                    copying.set()
+                    go.wait(HANG_GUARD)
+                return gather(*args, **kwargs)
+
+            monkeypatch.setattr(engine.layout, "gather", hold_first)
+            first = manager.prepare_store(K[4:6])
+            assert first is not None
+            first_job = engine.submit_store(first, [4, 5])  # on the threads, held in its copy
+            assert copying.wait(HANG_GUARD)
+            interrupt_once(monkeypatch, engine, "take")
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:2], [0, 1])
+            go.set()
+            (res,) = engine.wait([first_job], HANG_GUARD)
+            engine.forget([first_job])
+            apply_result(manager, first, res)
+            monkeypatch.undo()
+            await _goes_on(store, caches, list(K[0:2]) + list(K[4:6]))
         assert engine.stopped
 
     asyncio.run(run())
