@@ -5,7 +5,7 @@ the transfer threads (the job ran on, its plan was never applied: keys pending f
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
 was never given back, or a store's blocks stayed in its tier with the plan released), an
 inline job's ``take`` (released as never run though it stored; a queued job's plan released
-while it ran on; an evicting save stopped before its job ran, its victims left in the tier), a save's applying before the
+while it ran on; an evicting save or promotion stopped before its job ran, its victims left in the tier), a save's applying before the
 manager completed it (a load's before the manager's unpin began, never twice), the settling of a cancelled caller's job (keys pending), and the
 release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
@@ -51,7 +51,7 @@ async def _goes_on(store: Any, caches: list[torch.Tensor], keys: list[bytes]) ->
     stats = manager.stats()
     assert stats["open_plans"] == 0 and stats["tiers"][0]["pending"] == stats["tiers"][0]["pinned"] == 0
     tiers_match(manager, store.backends)
-    held = [k for k in keys if manager.status(k).state is KeyState.READY]
+    held = [k for k in keys if manager.status(k).state is KeyState.READY][:2]  # (engine blocks 12-15)
     saved = [_block(caches, b).clone() for b in range(12)]
     assert await store.save(K[20:22], [10, 11]) == 2
     assert await store.load([*held, *K[20:22]], [12, 13, 14, 15][: len(held) + 2]) == len(held) + 2
@@ -418,6 +418,31 @@ def test_an_interrupt_before_an_evicting_save_submits_its_job_still_runs_its_evi
             monkeypatch.undo()
             assert manager.lookup(K[4:6]) == 0 and manager.lookup(K[2:4]) == 2
             await _goes_on(store, caches, list(K[0:4]))  # (the tier holds exactly what the manager does)
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_as_a_load_submits_its_promotion_still_runs_its_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load served from the second tier promotes into the full first one: the promotion's
+    plan evicts (demotes) a block of the first tier, then the interrupt comes as its job is
+    submitted. The plan is released and the eviction still reaches the first tier; before,
+    it kept a block the manager had moved out of it."""
+    caches, block_bytes = _caches()
+    tiers = [{"backend": "cpu", "capacity": 2 * block_bytes}, {"backend": "cpu", "capacity": 8 * block_bytes}]
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": tiers}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            assert await store.save(K[0:2], [0, 1]) == 2
+            assert await store.save(K[2:4], [2, 3]) == 2  # K[0:2] now in the second tier only
+            assert not manager.holds(K[0], 0)
+            interrupt_once(monkeypatch, engine, "submit_store")  # the promotion's (the load ran at once)
+            with pytest.raises(KeyboardInterrupt):
+                await store.load(K[0:1], [6], promote=True)
+            monkeypatch.undo()
+            assert torch.equal(_block(caches, 6), _block(caches, 0))
+            await _goes_on(store, caches, list(K[0:4]))
         assert engine.stopped
 
     asyncio.run(run())

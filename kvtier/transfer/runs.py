@@ -239,7 +239,7 @@ class JobRuns:
         try:
             job = transfers.submit_store(plan, chosen, inline=True, checked=True)
         except BaseException:
-            self.release(plan)
+            self._interrupted(transfers, plan, -1, None)  # released, its evictions still queued
             raise
         result = await self.run(transfers, job, plan)
         if not self._closing(plan, result):
