@@ -220,17 +220,14 @@ class StraightRead:
         temperature = self.temperature
         if n != len(out) or temperature.cold or devices.locate is not None or self.forks != _FORKS[0]:
             return None
-        views, shape = self.views, self.shape
+        views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
         rows = []
         for key, row in zip(keys, out):
-            if (
-                type(key) is not bytes or len(key) != KEY_BYTES or type(row) is not torch.Tensor
-                or row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous()
-            ):
+            if type(key) is not bytes or len(key) != KEY_BYTES:
                 return None
-            view = views.get(row.data_ptr())
+            view = host_view(row, _TENSOR, _U8, shape, views)  # the row's checks and view (as read's)
             if view is None:
-                return None  # a row not seen yet: the general path makes its view
+                return None  # not such a row, or one not seen yet: the general path makes its view
             rows.append(view)
         blocks, index, head, size = self.parts
         joined_size = _JOINED_PLAIN + size
@@ -240,8 +237,10 @@ class StraightRead:
         jobs.append(None)  # counted among the jobs being read (Temperature), then the guard (as read)
         found: list[bool] = []
         hit = found.append
+        guard = self.guard
         try:
-            self.guard.check()
+            if not lmdb_plain.same_size(guard.fd, guard.seen):
+                guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             get = txn.get
             try:

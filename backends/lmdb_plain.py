@@ -55,6 +55,7 @@ _SUM = struct.Struct("<Q")
 #: whose check fails (a counted miss), never one served.
 UNSUMMED = bytes(HEADER.size)
 _U8 = torch.uint8
+_TENSOR = torch.Tensor
 
 
 def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False) -> list[memoryview] | None:
@@ -132,17 +133,23 @@ class RowViews:
         checks then name what is wrong, or take rows that are not host memory)."""
         if devices.locate is not None or len(keys) != len(out):
             return None
-        views, shape = self.views, self.shape
+        views, shape, seen = self.views, self.shape, host_view
         rows = []
         for key, row in zip(keys, out):
-            if type(key) is not bytes or len(key) != KEY_BYTES or row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous():
+            if type(key) is not bytes or len(key) != KEY_BYTES:
                 return None
-            at = row.data_ptr()
-            view = views.get(at)
+            # A tensor's row seen before: its checks and view in one call (host_view); any
+            # other row (not seen yet, a subclass, or not such a row) by the checks here.
+            view = seen(row, _TENSOR, _U8, shape, views)
             if view is None:
-                if len(views) >= self.most:
-                    views.clear()
-                view = views[at] = _at(at, self.size)
+                if row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous():
+                    return None
+                at = row.data_ptr()
+                view = views.get(at)
+                if view is None:
+                    if len(views) >= self.most:
+                        views.clear()
+                    view = views[at] = _at(at, self.size)
             rows.append(view)
         return rows
 

@@ -110,3 +110,38 @@ def test_same_size_answers_as_its_python_form(tmp_path: Path) -> None:
     assert answers["grown"][0] == [False, False, False, True]
     assert answers["cut short"][0] == [False, True, False, False]
     assert answers["no descriptor"][0] == [False, False]
+
+
+@native
+@pytest.mark.parametrize("what", list(_rows()))
+def test_row_views_take_a_job_as_with_the_python_form(what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RowViews.of`` (a save's and a read's rows, checked and viewed in one loop) asks
+    ``host_view`` first for each row: with either form, a job of a seen row, a row to be seen,
+    and the row under test gives the same views (the same objects for rows seen before) or
+    ``None``, or raises the same error, and keeps the same rows."""
+    from kvtier.keys import KEY_BYTES
+
+    outcomes = []
+    for form in (lmdb_plain._rowguard.host_view, lmdb_plain.host_view_python):  # type: ignore[union-attr]
+        monkeypatch.setattr(lmdb_plain, "host_view", form)
+        lmdb_plain._VIEWS.pop(SIZE + 1, None)  # a row size of its own: no other test's views
+        rows = _rows()
+        views = lmdb_plain.RowViews(SIZE + 1)
+        views.size, views.shape = SIZE, SHAPE  # (the test's rows are SIZE bytes)
+        seen, fresh = rows["a seen row"], rows["a row not seen"]
+        first = views.of([bytes(KEY_BYTES)], [seen])
+        assert first is not None
+        job = [seen, fresh, rows[what]]
+        try:
+            got: Any = views.of([bytes(KEY_BYTES)] * 3, job)
+        except Exception as exc:  # (a row without tensor attributes)
+            got = type(exc)
+        if isinstance(got, list):
+            assert got[0] is first[0]
+            got = [bytes(v) == bytes(SIZE) and len(v) == SIZE for v in got]
+        outcomes.append((got, len(views.views), fresh.data_ptr() in views.views))
+        lmdb_plain._VIEWS.pop(SIZE + 1, None)
+    assert outcomes[0] == outcomes[1]
+    taken = ("a seen row", "a row not seen", "a row cut at an offset, seen", "a tensor subclass")
+    expected = [True] * 3 if what in taken else AttributeError if what in ("bytes", "None") else None
+    assert outcomes[0][0] == expected

@@ -144,6 +144,7 @@ class TierManager:
         self._one_policy = tiers[0].policy if len(tiers) == 1 and not self._persistent else None
         self._plan_ids = itertools.count(1)
         self._counts = dict.fromkeys(COUNTERS, 0)
+        self.unpins_begun = 0  # complete_load calls that reached the unpin: see JobRuns.finish_load
         # (calls, keys, hits) of batched lookups, packed by lookup_counts and replaced whole;
         # single-key lookups count in the call made below (C or closure): lookups stay lock-free.
         self._lookups = 0
@@ -434,6 +435,7 @@ class TierManager:
         if self._closed:
             raise _closed()
         with self._lock:
+            self.unpins_begun += 1  # (before the unpin: an interrupt between says it may have run)
             failed_at = unpin(self._pins, keys)
             if failed_at is not None:
                 _check(keys)
