@@ -147,3 +147,30 @@ def test_a_pool_resized_in_place_is_copied_where_it_now_is() -> None:
     nb.scatter(pool, [1], [0])
     assert torch.equal(pool[63], record_of(layout, 5)) and torch.equal(pool[40], record_of(layout, 7))
     assert torch.equal(record_of(layout, 0), record_of(layout, 3))
+
+
+@native
+def test_a_larger_job_is_copied_natively_while_the_pace_sends_it_alone() -> None:
+    """Past 8 blocks an inline job copies on the caller's team (torch), except while the pace
+    sends jobs to the thread alone: then it is one native call (faster than torch on one
+    thread), the same bytes, and the pace counts it as a job alone."""
+    layout = layouts()["pages"]
+    nb = layout.native
+    assert nb is not None
+    ids, rows = [11, 0, 9, 2, 7, 4, 5, 6, 3, 8], [9, 0, 1, 2, 3, 4, 5, 6, 7, 8]
+    calls: list[int] = []
+    inner = nb.copy
+    nb.copy = lambda save, i, pool, r: calls.append(len(i)) is None and inner(save, i, pool, r)  # type: ignore[method-assign]
+    pools = {}
+    for alone in (False, True):
+        pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
+        layout.copies.pace.until = float("inf") if alone else 0.0
+        with layout.copies.on_callers_team(len(ids) * layout.block_bytes):  # timed: the pace applies
+            assert layout.copies.alone_now() is alone
+            layout.gather(ids, pool, rows, kept=True, checked=True)
+        assert not layout.copies.alone_now()
+        pools[alone] = pool
+    assert calls == [len(ids)]  # the job sent alone only
+    assert layout.copies.pace.alone > 0  # noted as a job alone
+    assert torch.equal(pools[False], pools[True])
+    assert all(torch.equal(pools[True][r], record_of(layout, b)) for r, b in zip(rows, ids))

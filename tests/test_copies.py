@@ -331,7 +331,7 @@ def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team(native: 
     """The store's small jobs run inline; with the pace holding them alone they save and load
     exactly what the jobs on the caller's team do (these blocks are small: every job is paced).
     A job copied in one native call (kvtier.transfer.block_copy, where built) does not use the
-    team, and the pace does not count it."""
+    team: the pace counts it only as a job alone (the thread alone's pace), when it sent it so."""
     monkeypatch.setattr(copies, "PACE_MIN_BYTES", 0)
     notes: list[bool] = []
 
@@ -353,8 +353,8 @@ def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team(native: 
                 if store.layout.native is not None:
                     store.layout.native.enabled = native
                     natively = native
+                store.layout.copies.pace = Held()
                 if alone:
-                    store.layout.copies.pace = Held()
                     store.layout.copies.pace.until = float("inf")
                 keys = [bytes([i]) * 32 for i in range(4)]
                 assert await store.save(keys, [3, 9, 0, 5]) == 4
@@ -364,7 +364,8 @@ def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team(native: 
                 return [c[[1, 2, 4, 6]].view(torch.uint8) for c in caches] + [c[[3, 9, 0, 5]].view(torch.uint8) for c in caches]
 
         got.append(asyncio.run(run()))
-    assert notes == ([] if natively else [True, True])  # the save and the load, alone (natively: not counted)
+    # the save and the load on the team, then alone; natively, those on the team are not counted
+    assert notes == ([] if natively else [False, False]) + [True, True]
     for a, b in zip(*got):
         assert torch.equal(a, b)
     half = len(got[0]) // 2

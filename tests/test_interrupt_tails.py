@@ -4,7 +4,8 @@ replacing the call that follows it: a store facade call interrupted while it awa
 the transfer threads (the job ran on, its plan was never applied: keys pending for good), and
 the end of a job run at once (``store_now`` / ``load_now``) once its copy is done (the engine
 was never given back, or a store's blocks stayed in its tier with the plan released), an
-inline job's ``take`` (released as never run though it stored), a save's applying before the
+inline job's ``take`` (released as never run though it stored; a queued job's plan released
+while it ran on; an evicting save or promotion stopped before its job ran, its victims left in the tier), a save's applying before the
 manager completed it (a load's before the manager's unpin began, never twice), the settling of a cancelled caller's job (keys pending), and the
 release of blocks stored behind a failed write (records the manager forgot). After
 each: the engine is idle and closes, every tier holds exactly the keys the manager gives it,
@@ -25,6 +26,7 @@ import kvtier
 from kvtier.errors import LifecycleError
 from kvtier.manager import KeyState, tier_manager
 from kvtier.transfer import jobs_now, runs
+from kvtier.transfer.jobs import apply_result
 
 
 def _caches() -> tuple[list[torch.Tensor], int]:
@@ -49,7 +51,7 @@ async def _goes_on(store: Any, caches: list[torch.Tensor], keys: list[bytes]) ->
     stats = manager.stats()
     assert stats["open_plans"] == 0 and stats["tiers"][0]["pending"] == stats["tiers"][0]["pinned"] == 0
     tiers_match(manager, store.backends)
-    held = [k for k in keys if manager.status(k).state is KeyState.READY]
+    held = [k for k in keys if manager.status(k).state is KeyState.READY][:2]  # (engine blocks 12-15)
     saved = [_block(caches, b).clone() for b in range(12)]
     assert await store.save(K[20:22], [10, 11]) == 2
     assert await store.load([*held, *K[20:22]], [12, 13, 14, 15][: len(held) + 2]) == len(held) + 2
@@ -332,6 +334,115 @@ def test_an_interrupt_once_the_unpin_began_never_unpins_twice(monkeypatch: pytes
             with pytest.raises(LifecycleError, match="is not pinned"):
                 manager.complete_load(K[0:1])
             await _goes_on(store, caches, list(K[0:2]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_once_take_took_an_inline_result_deletes_what_the_store_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``take`` took the inline store's result, then the interrupt came before the caller held
+    it: the outcome is lost, so the plan is released and what the job wrote is deleted by a job
+    queued behind it; before, the tier kept two blocks the manager had released."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            engine._now.enabled = False  # the inline submit, then take
+            interrupt_once(monkeypatch, engine, "take", after=True)
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:2], [0, 1])
+            monkeypatch.undo()
+            assert manager.lookup(K[0:2]) == 0
+            await _goes_on(store, caches, [])  # (the tier holds neither: it matches the manager)
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_as_a_queued_jobs_result_is_asked_for_settles_it_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save's job could not run inline (another job runs on the threads), so it is queued;
+    the interrupt comes as the call asks for its result. The job is stopped (it is still
+    queued) and settled; before, its plan was released while it stayed queued, and it then
+    stored two blocks the manager had forgotten."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 8 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            engine._now.enabled = False
+            copying, go = threading.Event(), threading.Event()
+            gather = engine.layout.gather
+            held: list[bool] = []
+
+            def hold_first(*args: Any, **kwargs: Any) -> Any:
+                if not held:
+                    held.append(True)
+                    copying.set()
+                    go.wait(HANG_GUARD)
+                return gather(*args, **kwargs)
+
+            monkeypatch.setattr(engine.layout, "gather", hold_first)
+            first = manager.prepare_store(K[4:6])
+            assert first is not None
+            first_job = engine.submit_store(first, [4, 5])  # on the threads, held in its copy
+            assert copying.wait(HANG_GUARD)
+            interrupt_once(monkeypatch, engine, "take")
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[0:2], [0, 1])
+            go.set()
+            (res,) = engine.wait([first_job], HANG_GUARD)
+            engine.forget([first_job])
+            apply_result(manager, first, res)
+            monkeypatch.undo()
+            await _goes_on(store, caches, list(K[0:2]) + list(K[4:6]))
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_before_an_evicting_save_submits_its_job_still_runs_its_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier is full; a save's plan evicts two blocks (the manager forgets them at once),
+    then the interrupt comes before its job runs (the call that would run it at once). The
+    plan is released and its evictions still reach the tier; before, the tier kept the two
+    victims the manager had forgotten."""
+    caches, block_bytes = _caches()
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 4 * block_bytes}]}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            assert await store.save(K[0:4], [0, 1, 2, 3]) == 4  # full
+            interrupt_once(monkeypatch, engine, "store_now")
+            with pytest.raises(KeyboardInterrupt):
+                await store.save(K[4:6], [4, 5])
+            monkeypatch.undo()
+            assert manager.lookup(K[4:6]) == 0 and manager.lookup(K[2:4]) == 2
+            await _goes_on(store, caches, list(K[0:4]))  # (the tier holds exactly what the manager does)
+        assert engine.stopped
+
+    asyncio.run(run())
+
+
+def test_an_interrupt_as_a_load_submits_its_promotion_still_runs_its_evictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load served from the second tier promotes into the full first one: the promotion's
+    plan evicts (demotes) a block of the first tier, then the interrupt comes as its job is
+    submitted. The plan is released and the eviction still reaches the first tier; before,
+    it kept a block the manager had moved out of it."""
+    caches, block_bytes = _caches()
+    tiers = [{"backend": "cpu", "capacity": 2 * block_bytes}, {"backend": "cpu", "capacity": 8 * block_bytes}]
+
+    async def run() -> None:
+        async with kvtier.open({"tiers": tiers}, kv_caches=caches) as store:
+            engine, manager = store.transfers, store.manager
+            assert await store.save(K[0:2], [0, 1]) == 2
+            assert await store.save(K[2:4], [2, 3]) == 2  # K[0:2] now in the second tier only
+            assert not manager.holds(K[0], 0)
+            interrupt_once(monkeypatch, engine, "submit_store")  # the promotion's (the load ran at once)
+            with pytest.raises(KeyboardInterrupt):
+                await store.load(K[0:1], [6], promote=True)
+            monkeypatch.undo()
+            assert torch.equal(_block(caches, 6), _block(caches, 0))
+            await _goes_on(store, caches, list(K[0:4]))
         assert engine.stopped
 
     asyncio.run(run())

@@ -201,6 +201,7 @@ class _CallersTeam:
             if pace.until != 0.0 and pace._clock() < pace.until:  # (pace.solo(), inline)
                 self._alone = one_intra_op_thread()
                 self._alone.__enter__()
+                self._callers.alone = True
             self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
 
     def __exit__(self, *exc: object) -> None:
@@ -213,6 +214,7 @@ class _CallersTeam:
         alone = self._alone
         if alone is not None:
             self._alone = None
+            callers.alone = False
             alone.__exit__(None, None, None)
         callers.on = self._before
         if getattr(callers, "native", False):  # copied without the team: says nothing of it
@@ -245,10 +247,17 @@ class CopySplitter:
     def copied_natively(self) -> None:
         """This job's copy ran in one native call on this thread (:mod:`kvtier.transfer.block_copy`),
         not on a team: inside :meth:`on_callers_team`, :attr:`pace` then does not count its time
-        for or against the team (elsewhere nothing is noted)."""
+        for or against the team, unless the job was one the pace sent alone (:meth:`alone_now`):
+        that is the thread alone's pace (elsewhere nothing is noted)."""
         callers = self._callers
-        if getattr(callers, "on", False):
+        if getattr(callers, "on", False) and not getattr(callers, "alone", False):
             callers.native = True
+
+    def alone_now(self) -> bool:
+        """Whether this thread's job runs inside :meth:`on_callers_team` on the thread alone,
+        as :attr:`pace` says (not on the team): a native copy of any size is then faster than
+        torch's on one thread (:mod:`kvtier.transfer.block_copy`)."""
+        return getattr(self._callers, "alone", False)
 
     def on_this_thread(self) -> bool:
         """Whether this thread's copies run here, on its own team, unsplit (inside

@@ -366,13 +366,14 @@ class KVLayout:
         choose for it, without their dispatch; ``False``, having copied nothing, for any other
         job (tests compare each with the rest)."""
         k = len(rows)
-        if not (0 < k <= _FOREACH_MAX_BLOCKS and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
+        if not (0 < k and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
             return False
-        if self.native is not None and self.native.copy(save, ids, pool, rows):
+        small = k <= _FOREACH_MAX_BLOCKS  # (native, larger jobs too while the pace sends them alone)
+        if self.native is not None and (small or self.copies.alone_now()) and self.native.copy(save, ids, pool, rows):
             self.copies.copied_natively()
             return True
         r0 = rows[0]
-        if rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
+        if not small or rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
             return False
         pieces = self.pool_views.row_pieces(pool, True, r0, r0 + k)
         if save:

@@ -141,7 +141,7 @@ class JobRuns:
                     job = transfers.submit_store(plan, chosen, durable=durable, inline=True, checked=True)
                     result = transfers.take(job)  # it ran inline, or None
             except BaseException:
-                self.abandon(plan, self._ended(transfers, job, result))
+                self._interrupted(transfers, plan, job, result)
                 raise
             if result is None:
                 result = await self.run(transfers, job, plan)
@@ -212,7 +212,7 @@ class JobRuns:
                 job = transfers.submit_load(plan, chosen, inline=True, checked=True)
                 result = transfers.take(job)  # it ran inline, or None
         except BaseException:
-            self.abandon(plan, self._ended(transfers, job, result))
+            self._interrupted(transfers, plan, job, result)
             raise
         if result is None:
             result = await self.run(transfers, job, plan)
@@ -239,7 +239,7 @@ class JobRuns:
         try:
             job = transfers.submit_store(plan, chosen, inline=True, checked=True)
         except BaseException:
-            self.release(plan)
+            self._interrupted(transfers, plan, -1, None)  # released, its evictions still queued
             raise
         result = await self.run(transfers, job, plan)
         if not self._closing(plan, result):
@@ -255,17 +255,49 @@ class JobRuns:
         except Exception as exc:  # a closed manager: nothing is left to release
             log.debug("kvtier: a plan of an interrupted call not released: %s", exc)
 
-    @staticmethod
-    def _ended(transfers: TransferEngine, job: int, result: JobResult | None) -> JobResult | None:
-        """``result``, or for a call an interrupt stopped once its job was submitted (``job``,
-        -1 before) but before it took the result: that job's result, taken now if it ended (it
-        ran inline), so it is applied rather than released as never run."""
+    def _interrupted(self, transfers: TransferEngine, plan: StorePlan | LoadPlan, job: int, result: JobResult | None) -> None:
+        """For a call an interrupt stopped once its job was submitted (``job``; -1 before)
+        but before it held the result: a job that ended (it ran inline) is taken now and
+        applied (:meth:`abandon`); one still queued or running is stopped if it can be and
+        applied when it ends, as for a cancelled caller; one whose result the interrupted
+        ``take`` took with it is released, and what a store may have written is deleted by a
+        job queued behind it (its outcome is lost: a miss, never a block the manager forgot)."""
         if result is None and job >= 0:
             try:
-                result = transfers.take(job)
-            except Exception as exc:  # (an engine that cannot answer: released as never run)
-                log.debug("kvtier: the result of interrupted job %d not taken: %s", job, exc)
-        return result
+                try:
+                    ended = transfers.wait([job], 0)  # [] for a job no longer known
+                except TimeoutError:  # still queued or running
+                    transfers.cancel(job)
+                    self._settle_later(transfers, job, plan)
+                    return
+                if ended:
+                    result = ended[0]
+                    transfers.forget([job])
+                elif isinstance(plan, StorePlan) and plan.keys:
+                    self._release_and_drop(transfers, plan)
+                    return
+            except Exception as exc:  # (an engine that cannot answer, or closed: released as never run)
+                log.debug("kvtier: the job of an interrupted call not settled: %s", exc)
+        elif result is None and isinstance(plan, StorePlan) and plan.drops:
+            # Stopped before its job was submitted, or as it was (its id not yet in hand): the
+            # evictions the manager made at prepare may never have reached the tier.
+            self._release_and_drop(transfers, plan)
+            return
+        self.abandon(plan, result)
+
+    def _release_and_drop(self, transfers: TransferEngine, plan: StorePlan) -> None:
+        """Release ``plan`` and queue a job that runs its evictions and deletes what it may have
+        written, for a store whose outcome is unknown. Each delete is harmless where nothing
+        was written: the keys were this plan's (pending) or its victims (forgotten at
+        prepare), and any later store of them queues behind this job."""
+        written = plan_failed(0, plan, "interrupted").failed
+        self.release(plan)
+        drops = tuple(plan.drops) + tuple((t, tuple(ks)) for t, ks in written.items())
+        drop = StorePlan(0, (), (), drops=drops)
+        try:
+            self._settle_later(transfers, transfers.submit_store(drop, []), drop)  # (forgotten once it ends)
+        except Exception as exc:  # closing: the records stay, as orphans the next open adopts
+            log.debug("kvtier: the deletes of an interrupted store not queued: %s", exc)
 
     def abandon(self, plan: StorePlan | LoadPlan, result: JobResult | None) -> None:
         """For a call that goes up as an interrupt (or a refusal): a job that has run
