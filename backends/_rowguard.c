@@ -69,11 +69,12 @@ static PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *at = PyObject_CallMethodNoArgs(row, s_data_ptr);
     if (at == NULL)
         return NULL;
-    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed */
+    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
+    Py_XINCREF(view);
     Py_DECREF(at);
     if (view == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    return Py_NewRef(view);
+    return view;
 }
 
 /* same_size(fd, seen): whether the file open at fd ends at seen bytes now (lseek to its end,
