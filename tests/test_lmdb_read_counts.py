@@ -16,10 +16,10 @@ from typing import Any
 import lmdb
 import pytest
 import torch
+from kvtier.backends import lmdb_one, lmdb_tier
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
-from kvtier.backends import lmdb_one, lmdb_tier
 from kvtier.testing import make_key, random_block
 
 
