@@ -69,11 +69,12 @@ static PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *at = PyObject_CallMethodNoArgs(row, s_data_ptr);
     if (at == NULL)
         return NULL;
-    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed */
+    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
+    Py_XINCREF(view);
     Py_DECREF(at);
     if (view == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    return Py_NewRef(view);
+    return view;
 }
 
 /* same_size(fd, seen): whether the file open at fd ends at seen bytes now (lseek to its end,
@@ -97,7 +98,44 @@ static PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyBool_FromLong(end >= 0 && (long long)end == seen);
 }
 
+/* one_row(key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen): a one-key read's
+   checks before its lookup in one call. None when key is not bytes of key_bytes or the row is
+   not one host_view takes; False when the file at fd is not seen bytes long now (same_size);
+   else the row's view. The key first, then the row, then the file. */
+static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "one_row() takes 9 arguments (key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen), got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t key_bytes = PyLong_AsSsize_t(args[1]);
+    if (key_bytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_CheckExact(args[0]) || PyBytes_GET_SIZE(args[0]) != key_bytes)
+        Py_RETURN_NONE;
+    PyObject *view = py_host_view(self, args + 2, 5);
+    if (view == NULL || view == Py_None)
+        return view;
+    PyObject *same = py_same_size(self, args + 7, 2);
+    if (same == NULL) {
+        Py_DECREF(view);
+        return NULL;
+    }
+    if (same == Py_True) {
+        Py_DECREF(same);
+        return view;
+    }
+    Py_DECREF(same);
+    Py_DECREF(view);
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
+    {"one_row", (PyCFunction)(void (*)(void))py_one_row, METH_FASTCALL,
+     "one_row(key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen) -> view, None or False\n\n"
+     "None when key is not bytes of key_bytes or host_view(row, ...) is None; False when\n"
+     "same_size(fd, seen) is not; else the row's view."},
     {"host_view", (PyCFunction)(void (*)(void))py_host_view, METH_FASTCALL,
      "host_view(row, tensor_type, dtype, shape, views) -> the view or None\n\n"
      "views[row.data_ptr()] when type(row) is tensor_type, row.dtype is dtype, row.shape == shape,\n"

@@ -156,23 +156,26 @@ class StraightRead:
         key = keys[0]
         row = out[0]
         views, shape, guard, temperature, jobs, marks, counters = self.one_parts
-        if type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None or self.forks != _FORKS[0]:
+        if devices.locate is not None or self.forks != _FORKS[0]:
             return None
-        # The row's checks (a host uint8 tensor of the record's size, contiguous) and its view
-        # in one call (lmdb_plain.host_view); None: not such a row, or not seen yet (the
-        # general path makes its view).
-        view = lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
-        if view is None:
-            return None
-        blocks, index, head, size = self.parts
         if get_ident() not in marks:
             temperature.begin()  # the thread's first job marks its faults, as the job reader's
         # Counted among the jobs being read (Temperature) before the guard is read: a close
         # closes the guard first, then waits for the jobs counted (LmdbBackend._close_env).
         jobs.append(None)
         try:
-            if not lmdb_plain.same_size(guard.fd, guard.seen):
-                guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
+            # The key's check, the row's (a host uint8 tensor of the record's size, contiguous)
+            # and its view, then the file guard's test, in one call (lmdb_plain.one_row). None:
+            # not such a key or row, or a row not seen yet (the general path makes its view).
+            view = lmdb_plain.one_row(key, KEY_BYTES, row, _TENSOR, _U8, shape, views, guard.fd, guard.seen)
+            if view is None:
+                return None
+            if view is False:  # the size moved: grown (noted), or cut short (DiskError), or closed
+                guard.check()
+                view = lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
+                if view is None:
+                    return None
+            blocks, index, head, size = self.parts
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name
             try:
                 start = perf_counter()

@@ -41,7 +41,7 @@ from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.record import HEADER
 
-__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "same_size"]
+__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "one_row", "same_size"]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
@@ -171,7 +171,17 @@ def same_size_python(fd: int, seen: int) -> bool:
         return False
 
 
-#: Whether the native forms of :data:`host_view` and :data:`same_size` are loaded.
+def one_row_python(key: Any, key_bytes: int, row: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], fd: int, seen: int) -> memoryview | bool | None:
+    """:data:`one_row` in Python: the same answers, asked in the same order."""
+    if type(key) is not bytes or len(key) != key_bytes:
+        return None
+    view = host_view_python(row, tensor_type, dtype, shape, views)
+    if view is None:
+        return None
+    return view if same_size_python(fd, seen) else False
+
+
+#: Whether the native forms of :data:`host_view`, :data:`same_size` and :data:`one_row` are loaded.
 NATIVE_GUARD: bool = _rowguard is not None
 #: ``host_view(row, tensor_type, dtype, shape, views)``: ``views[row.data_ptr()]`` (a
 #: :class:`RowViews` row's view) when ``type(row) is tensor_type``, ``row.dtype is dtype``,
@@ -183,6 +193,12 @@ host_view: Callable[..., memoryview | None] = _rowguard.host_view if _rowguard i
 #: (``False`` also where ``fd`` cannot be asked: closed): :class:`FileGuard`'s test in one call,
 #: without handing the GIL over (native) around an ``lseek`` that never waits.
 same_size: Callable[[int, int], bool] = _rowguard.same_size if _rowguard is not None else same_size_python
+#: ``one_row(key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen)``: a one-key
+#: read's checks before its lookup in one call: ``None`` when ``key`` is not ``bytes`` of
+#: ``key_bytes`` or :data:`host_view` is ``None`` (not such a row, or not seen yet); ``False``
+#: when :data:`same_size` is (the file's size moved, or it is closed: the caller's
+#: :class:`FileGuard` tells which); else the row's view.
+one_row: Callable[..., memoryview | bool | None] = _rowguard.one_row if _rowguard is not None else one_row_python
 
 
 class PlainReads:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from kvtier.backends import lmdb_plain
+from refcheck import runs_without_leaks
 
 SIZE = 4096
 SHAPE = torch.Size([SIZE])
@@ -145,3 +146,66 @@ def test_row_views_take_a_job_as_with_the_python_form(what: str, monkeypatch: py
     taken = ("a seen row", "a row not seen", "a row cut at an offset, seen", "a tensor subclass")
     expected = [True] * 3 if what in taken else AttributeError if what in ("bytes", "None") else None
     assert outcomes[0][0] == expected
+
+
+class _Key(bytes):
+    pass
+
+
+@native
+@pytest.mark.parametrize("what", list(_rows()))
+def test_one_row_answers_as_its_python_form(what: str, tmp_path: Path) -> None:
+    """``one_row``: the key's check, then ``host_view``, then ``same_size``, in one call, with
+    each kind of key, each kind of row and each state of the file, as the Python form."""
+    path = tmp_path / "data"
+    path.write_bytes(bytes(8192))
+    rows = _rows()
+    views = {rows[name].data_ptr(): memoryview(bytearray(SIZE)) for name in _SEEN}
+    keys = {"a key": bytes(32), "a short key": bytes(31), "a str key": "k" * 32, "a bytes subclass": _Key(bytes(32)), "a bytearray": bytearray(32)}
+    fd = os.open(path, os.O_RDONLY)
+    forms = (lmdb_plain._rowguard.one_row, lmdb_plain.one_row_python)  # type: ignore[union-attr]
+    try:
+        for key_name, key in keys.items():
+            for seen, fd_given in ((8192, fd), (4096, fd), (8192, -1)):
+                got = [form(key, 32, rows[what], torch.Tensor, torch.uint8, SHAPE, views, fd_given, seen) for form in forms]
+                assert got[0] is got[1], (key_name, seen, fd_given)
+                good = key_name == "a key" and what in ("a seen row", "a row cut at an offset, seen")
+                sound = seen == 8192 and fd_given >= 0
+                assert got[0] is (views[rows[what].data_ptr()] if good and sound else False if good else None)
+    finally:
+        os.close(fd)
+
+
+@native
+def test_the_native_calls_keep_no_reference_and_no_memory(tmp_path: Path) -> None:
+    """Every outcome of the three calls (a view, None at each check, False, an error), many
+    times: the rows, the views and their dict, the key and the shape keep their references."""
+    path = tmp_path / "data"
+    path.write_bytes(bytes(8192))
+    rows = _rows()
+    seen, fresh, wrong = rows["a seen row"], rows["a row not seen"], rows["int8"]
+    view = memoryview(bytearray(SIZE))
+    views = {seen.data_ptr(): view}
+    key = bytes(32)
+    guard = lmdb_plain._rowguard  # type: ignore[union-attr]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def one_round() -> None:
+            assert guard.host_view(seen, torch.Tensor, torch.uint8, SHAPE, views) is view
+            assert guard.host_view(fresh, torch.Tensor, torch.uint8, SHAPE, views) is None
+            assert guard.host_view(wrong, torch.Tensor, torch.uint8, SHAPE, views) is None
+            assert guard.one_row(key, 32, seen, torch.Tensor, torch.uint8, SHAPE, views, fd, 8192) is view
+            assert guard.one_row(key, 32, seen, torch.Tensor, torch.uint8, SHAPE, views, fd, 4096) is False
+            assert guard.one_row(key, 31, seen, torch.Tensor, torch.uint8, SHAPE, views, fd, 8192) is None
+            assert guard.one_row(key, 32, fresh, torch.Tensor, torch.uint8, SHAPE, views, fd, 8192) is None
+            assert guard.same_size(fd, 8192) is True
+            try:
+                guard.host_view(seen, torch.Tensor, torch.uint8, SHAPE, [])
+            except TypeError:
+                pass
+
+        one_round()
+        runs_without_leaks((seen, fresh, wrong, view, views, key, SHAPE), one_round, 20_000)
+    finally:
+        os.close(fd)
