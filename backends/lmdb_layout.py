@@ -219,12 +219,17 @@ class JobReader:
     def read_job(
         self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None = None
     ) -> ReadOutcome:
-        """:meth:`read`, counted among the jobs being read (:class:`Temperature`)."""
-        self.temperature.enter()
+        """:meth:`read`, counted among the jobs being read (:class:`Temperature`). The count is
+        taken first in the ``try`` (not by :meth:`Temperature.enter`): an interrupt as a call
+        returns or begins, once counted, is inside it, and the close never waits for a read
+        that has ended."""
+        temperature = self.temperature
+        temperature.begin()
         try:
+            temperature.jobs.append(None)
             return self.read(env, keys, out, mac, rows)
         finally:
-            self.temperature.leave()
+            temperature.jobs.pop()
 
     def read(
         self, env: lmdb.Environment, keys: Sequence[bytes], out: Sequence[torch.Tensor], mac: RecordMac | None, rows: Sequence[memoryview] | None = None

@@ -160,10 +160,11 @@ class StraightRead:
             return None
         if get_ident() not in marks:
             temperature.begin()  # the thread's first job marks its faults, as the job reader's
-        # Counted among the jobs being read (Temperature) before the guard is read: a close
-        # closes the guard first, then waits for the jobs counted (LmdbBackend._close_env).
-        jobs.append(None)
         try:
+            # Counted among the jobs being read (Temperature) before the guard is read: a close
+            # closes the guard first, then waits for the jobs counted (LmdbBackend._close_env).
+            # First in the try: an interrupt once counted (as the call returns) is inside it.
+            jobs.append(None)
             # The key's check, the row's (a host uint8 tensor of the record's size, contiguous)
             # and its view, then the file guard's test, in one call (lmdb_plain.one_row). None:
             # not such a key or row, or a row not seen yet (the general path makes its view).
@@ -237,11 +238,11 @@ class StraightRead:
         check_copy = xxcopy.xxh3_check_copy
         jobs = temperature.jobs
         temperature.begin()  # the thread's first job marks its faults, as the job reader's
-        jobs.append(None)  # counted among the jobs being read (Temperature), then the guard (as read)
         found: list[bool] = []
         hit = found.append
         guard = self.guard
         try:
+            jobs.append(None)  # counted (Temperature), first in the try (as read), then the guard
             if not lmdb_plain.same_size(guard.fd, guard.seen):
                 guard.check()  # the size moved: grown (noted), or cut short (DiskError), or closed
             txn = env.begin(None, None, False, True)  # buffers=True: by position, 0.2 µs less than by name

@@ -1,0 +1,73 @@
+"""A read of an ``lmdb`` tier counts itself among the jobs being read (``Temperature.jobs``)
+and a close waits for that count to fall to nothing before it unmaps the file. An interrupt
+(``KeyboardInterrupt``, raised where the interpreter checks for signals: after a call returns,
+or as a called function starts) that lands just after the count was taken must still release
+it: a count left behind makes every later close wait its whole ``CLOSE_WAIT_S`` and then leave
+the environment open, and keeps the tier from ever reading cold. Each read path is interrupted
+at the first instruction its frame runs once it is counted (a trace function raising there)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+from kvtier.backends import lmdb_one, lmdb_tier
+
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+
+
+def _interrupt_once_counted(jobs: list[None]) -> Any:
+    """A trace function raising ``KeyboardInterrupt`` at the first instruction run once ``jobs``
+    is not empty (then never again)."""
+    fired: list[bool] = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode" and jobs and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        return local
+
+    tracer.fired = fired  # type: ignore[attr-defined]
+    return tracer
+
+
+@pytest.mark.parametrize("how", ["one", "job", "general"])
+def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", how != "general")
+    monkeypatch.setattr(lmdb_tier, "CLOSE_WAIT_S", 0.0)  # a count left behind: the close leaves the file open
+    fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "store"), sync_mode="fast")
+    asyncio.run(backend.open(fmt))
+    n = 1 if how == "one" else 3
+    keys = [make_key(i) for i in range(n)]
+    blocks = [random_block(fmt.block_bytes, i) for i in range(n)]
+    backend.write_blocks(keys, blocks)
+    rows = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in range(n)]
+    assert backend.read_blocks(keys, rows) == [True] * n  # the rows' views are made
+    jobs = backend._reader.temperature.jobs
+    assert not jobs
+    tracer = _interrupt_once_counted(jobs)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            backend.read_blocks(keys, rows)
+    finally:
+        sys.settrace(None)
+    assert tracer.fired, "the read was never counted"
+    assert not jobs, f"{how}: the interrupted read is still counted among the jobs being read"
+    assert backend.read_blocks(keys, rows) == [True] * n and all(torch.equal(r, b) for r, b in zip(rows, blocks))
+    env = backend._env
+    asyncio.run(backend.aclose())
+    with pytest.raises(lmdb.Error):  # closed (unmapped), not left open for a read never to end
+        env.info()
