@@ -14,7 +14,12 @@ jobs, a third of it each round, as the tier's saves go) with torch alone:
 rows (``save_direct``; ``index_copy_`` back, ``load_direct``), and the direct copy with its
 layers split over as many threads as the store's ``copy_threads`` (``*_split``, when above 1).
 ``raw_save_gbps`` / ``raw_load_gbps`` are the fastest of them; ``cpu_save_ratio`` /
-``cpu_load_ratio`` the tier over them. Everything runs interleaved: each of ``--rounds`` rounds
+``cpu_load_ratio`` the tier over them. Where ``kvtier.transfer._blockcopy`` is built, a small
+job of the tier copies with it (non-temporal stores from 1 MiB), which can beat every torch shape:
+the same native copy is then also called straight on the raw pool (``native_save`` /
+``native_load``, ``raw_native_*_gbps``), kept apart from the raw shapes above, and
+``cpu_*_vs_native_paired`` is the tier's paired ratio to it, what the job path costs above its
+own copy. Everything runs interleaved: each of ``--rounds`` rounds
 (an odd count, default 25, ``--quick`` 9) runs every copy once, in an order reversed every
 round, after :data:`WARMUP_ROUNDS` uncounted warm-up rounds; figures are medians
 (``*_best_gbps``: the best round). Every arm copies in the same state: the raw pool is memory of
@@ -89,6 +94,7 @@ from kvtier.manager import TierManager, TierSpec
 from kvtier.manager.policies import LRUPolicy
 from kvtier.tools.bench import paired, spread
 from kvtier.tools.bench.host import CpuSteal
+from kvtier.transfer.block_copy import native_blocks
 
 LAYERS = 32
 LAYER_SHAPE = (16, 2, 8, 128)  # tokens, K/V, heads, dims
@@ -245,6 +251,9 @@ class RawCopies:
         self.threads = threads
         self.executor = ThreadPoolExecutor(max_workers=threads - 1) if threads > 1 else None
         self.layers = list(range(len(caches)))
+        # kvtier's own native block copy called straight (no job path), where it is built: the
+        # floor of the tier's small jobs, which copy with it.
+        self.native = native_blocks(caches, [per_layer] * len(caches), [i * per_layer for i in self.layers], block_bytes)
 
     def next_round(self) -> None:
         """The next region of the pool: every copy of a round writes and reads the same rows."""
@@ -313,8 +322,18 @@ class RawCopies:
     def load_split(self) -> Timed:
         return self._timed(lambda: self._split(self._scatter_one))
 
-    def variants(self) -> dict[str, Callable[[], Timed]]:
-        out = {
+    def native_copy(self) -> tuple[Timed, Timed]:
+        """The job's save then load by :class:`~kvtier.transfer.block_copy.NativeBlocks` alone
+        (arms ``native_save`` / ``native_load``, not among the raw shapes the ratios take)."""
+        assert self.native is not None
+        start = (self.round % len(self.regions)) * self.job
+        rows = list(range(start, start + self.job))
+        native = self.native
+        saved = self._timed(lambda: native.gather(self.src_ids, self.pool, rows))
+        return saved, self._timed(lambda: native.scatter(self.pool, rows, self.dst_ids))
+
+    def variants(self) -> dict[str, Callable[[], Timed | tuple[Timed, Timed]]]:
+        out: dict[str, Callable[[], Timed | tuple[Timed, Timed]]] = {
             "save_foreach": self.save_foreach,
             "save_index": self.save_index,
             "save_direct": self.save_direct,
@@ -323,6 +342,8 @@ class RawCopies:
         }
         if self.executor is not None:
             out.update(save_split=self.save_split, load_split=self.load_split)
+        if self.native is not None:
+            out["native"] = self.native_copy
         return out
 
     def close(self) -> None:
@@ -681,6 +702,12 @@ def main() -> None:
         },
         "inline_jobs": bw["inline_jobs"],
         "cpu_steal_share": steal.share,
+        # kvtier's native block copy called straight: what the job path costs above its own copy
+        # (None where the extension is not built).
+        "raw_native_save_gbps": round(med["native_save"], 3) if "native_save" in med else None,
+        "raw_native_load_gbps": round(med["native_load"], 3) if "native_load" in med else None,
+        "cpu_save_vs_native_paired": round(paired_ratio(bw["times"], "tier_save", "native_save"), 3) if "native_save" in med else None,
+        "cpu_load_vs_native_paired": round(paired_ratio(bw["times"], "tier_load", "native_load"), 3) if "native_load" in med else None,
         "cpu_save_vs_foreach": round(med["tier_save"] / med["save_foreach"], 3),
         "cpu_load_vs_foreach": round(med["tier_load"] / med["load_foreach"], 3),
         "manager_keys": capacity,

@@ -93,3 +93,22 @@ def test_cold_caches_write_over_twice_the_last_level_cache() -> None:
     cold.on = False
     cold()
     assert int(cold.scratch[0]) == 1  # off: no write
+
+
+def test_the_native_arm_moves_the_jobs_bytes_and_stays_apart_from_the_raw_shapes() -> None:
+    """The straight native copy (the floor of the tier's small jobs) saves the job's blocks into
+    the round's rows and loads them into the other blocks, as the raw shapes do; its arms are not
+    ``save_*`` / ``load_*``, so the headline ratios never take it as the raw baseline."""
+    caches = [torch.randn((9, 2, 1 << 16)).to(torch.bfloat16) for _ in range(2)]
+    raw = bench_core.RawCopies(caches, 4, 1, regions=2)
+    if raw.native is None:
+        pytest.skip("kvtier.transfer._blockcopy is not built here")
+    raw.next_round()  # region 1: rows 4..7
+    saved, loaded = raw.native_copy()
+    assert saved.seconds > 0 and loaded.seconds > 0
+    for layer, c in enumerate(caches):
+        rows = raw.pool[4:8].view(4, 2, -1)[:, layer]
+        assert torch.equal(rows, c[raw.src_ids].view(torch.uint8).view(4, -1))
+        assert torch.equal(c[raw.dst_ids], c[raw.src_ids])
+    assert "native" in raw.variants() and not any(k.startswith(("save_", "load_")) and "native" in k for k in raw.variants())
+    raw.close()
