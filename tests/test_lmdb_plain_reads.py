@@ -449,6 +449,7 @@ def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(
     keys = [make_key(i) for i in range(6)]
     data = [random_block(FMT.block_bytes, 900 + i) for i in range(6)]
     stores = {}
+    written: dict[str, int] = {}
     from kvtier.backends import lmdb_plain
 
     calls = []
@@ -469,10 +470,12 @@ def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(
         try:
             assert backend.write_blocks(keys, blocks) == [backend._pages(HEADER_SIZE + FMT.block_bytes)] * 6  # type: ignore[attr-defined]
             assert backend.stats()["blocks_written"] == 6
+            written[way] = backend.stats()["bytes_written"]
         finally:
             asyncio.run(backend.aclose())
         stores[way] = _dump(tmp_path / way)
     assert calls == [1]  # ... and the general way did not
+    assert written["plain"] == written["general"] == 6 * (HEADER_SIZE + FMT.block_bytes)  # counted alike
     assert stores["plain"] == stores["general"] and len(stores["plain"]) == 6
     for key, d in zip(keys, data):
         head, payload = encode_record(key, d.numpy().data, NoneCodec(), 1, None)  # bfloat16: dtype code 1
