@@ -60,6 +60,7 @@ def read():
 reader = threading.Thread(target=read)
 reader.start()
 assert inside.wait(60), "the read never reached its copy"
+env = backend._env
 closer = threading.Thread(target=lambda: asyncio.run(backend.aclose()))
 closer.start()
 while backend._reader.guard.fd != -1:  # the close has begun: new reads are refused
@@ -74,7 +75,12 @@ closer.join()
 print("read", got["read"], flush=True)
 print("same", all(torch.equal(r, b) for r, b in zip(rows, blocks)), flush=True)
 print("late", late, flush=True)
-print("closed", backend._env is None, flush=True)
+try:  # unmapped, not left open (a close whose wait ran out sets _env to None too)
+    env.info()
+    unmapped = False
+except Exception:
+    unmapped = True
+print("closed", backend._env is None and unmapped, flush=True)
 """
 
 
