@@ -174,3 +174,28 @@ def test_a_larger_job_is_copied_natively_while_the_pace_sends_it_alone() -> None
     assert layout.copies.pace.alone > 0  # noted as a job alone
     assert torch.equal(pools[False], pools[True])
     assert all(torch.equal(pools[True][r], record_of(layout, b)) for r, b in zip(rows, ids))
+
+
+@native
+def test_a_cache_whose_storage_moved_is_never_copied_at_its_old_address() -> None:
+    """The copier takes the caches' addresses once; a cache whose storage moved since
+    (``resize_`` past its size) turns the native copy off, and the layout's torch copy (whose
+    views follow the storage) moves the right bytes; the native calls themselves refuse. Without
+    the check the native copy read and wrote the freed memory (a fault, or wrong bytes)."""
+    layout = layouts()["pages"]
+    nb = layout.native
+    assert nb is not None and nb.enabled
+    cache = layout.kv_caches[1]
+    before = cache.data_ptr()
+    cache.resize_((cache.shape[0] * 64, *cache.shape[1:]))  # same first blocks, new storage
+    assert cache.data_ptr() != before
+    cache[3].view(torch.uint8).fill_(0x5C)  # written where the cache is now
+    pool = torch.zeros((4, layout.block_bytes), dtype=torch.uint8)
+    with layout.copies.on_callers_team():
+        assert layout._small_run([3], pool, [2], True)
+    assert not nb.enabled
+    assert torch.equal(pool[2], record_of(layout, 3))
+    with pytest.raises(RuntimeError, match="storage moved"):
+        nb.gather([3], pool, [1])
+    with pytest.raises(RuntimeError, match="storage moved"):
+        nb.scatter(pool, [1], [0])

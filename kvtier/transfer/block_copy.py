@@ -33,6 +33,7 @@ __all__ = ["NATIVE", "NativeBlocks", "native_blocks"]
 
 #: Whether the extension is built here.
 NATIVE: bool = _blockcopy is not None
+_DATA_PTR = torch.Tensor.data_ptr
 #: Pools a copier keeps the address of at most (a store has one per memory tier).
 MAX_POOLS = 16
 
@@ -51,13 +52,14 @@ class NativeBlocks:
                 raise ValueError(f"sources[{i}]: expected a contiguous host tensor of {blocks} blocks, got {t.device} {tuple(t.shape)}")
             if t[0].numel() * t.element_size() != piece_bytes[i]:
                 raise ValueError(f"piece_bytes[{i}]: {piece_bytes[i]}, but a block of sources[{i}] is {t[0].numel() * t.element_size()} bytes")
-        # The tensors are held by the copier, but their addresses are read here, once: a cache
-        # whose storage moves later (resize_ past its size, set_) is copied at its old address
-        # (freed: a fault or wrong bytes), where torch's views follow it. Checking them at every
-        # call cost 7-16 us a job of 64 tensors here (load 3-4): engines do not move their caches.
-        self._copier = _blockcopy.BlockCopier(
-            [t.data_ptr() for t in sources], blocks, list(piece_bytes), list(offsets), row_bytes, tuple(sources)
-        )
+        # The tensors are held by the copier and their addresses read here; a cache whose storage
+        # moves later (resize_ past its size, set_) would be copied at its old address (freed: a
+        # fault or wrong bytes), where torch's views follow it. So every call first compares the
+        # addresses again (:meth:`_moved`, one C-level pass: 1-3 us a job of 32 tensors, against
+        # ~1 ms of copy), and a moved cache turns the native copy off for good: torch copies.
+        self._sources = tuple(sources)
+        self._ptrs = [t.data_ptr() for t in sources]
+        self._copier = _blockcopy.BlockCopier(list(self._ptrs), blocks, list(piece_bytes), list(offsets), row_bytes, self._sources)
         self.row_bytes = row_bytes
         self._pools: dict[int, torch.Tensor] = {}  # id(pool) -> pool, checked
         #: off: the layout copies with torch (tests compare the two)
@@ -76,20 +78,34 @@ class NativeBlocks:
     def copy(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> bool:
         """:meth:`gather` (``save``) or :meth:`scatter`; ``False``, having copied nothing, while
         not :attr:`enabled`."""
-        if not self.enabled:
+        if not self.enabled or self._moved():
             return False
         self._check(pool)
         slots, row_bytes = pool.shape
         (self._copier.gather if save else self._copier.scatter)(pool.data_ptr(), slots, row_bytes, rows, ids)
         return True
 
+    def _moved(self) -> bool:
+        """Whether some cache's storage moved since the copier took its address (then the copier
+        is off for good: :attr:`enabled` false, and :meth:`gather` / :meth:`scatter` refuse)."""
+        if list(map(_DATA_PTR, self._sources)) == self._ptrs:
+            return False
+        self.enabled = False
+        return True
+
+    def _usable(self) -> None:
+        if self._moved():
+            raise RuntimeError("native block copies: a KV cache's storage moved (resize_ or set_) since the copier took its address")
+
     def gather(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy engine block ``ids[j]`` of every tensor into record ``rows[j]`` of ``pool``."""
+        self._usable()
         self._check(pool)
         self._copier.gather(pool.data_ptr(), pool.shape[0], pool.shape[1], rows, ids)
 
     def scatter(self, pool: torch.Tensor, rows: Sequence[int], ids: list[int]) -> None:
         """Copy record ``rows[j]`` of ``pool`` into engine block ``ids[j]`` of every tensor."""
+        self._usable()
         self._check(pool)
         self._copier.scatter(pool.data_ptr(), pool.shape[0], pool.shape[1], rows, ids)
 
