@@ -421,34 +421,53 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         log.warning(message)
         self._try_open(fmt)
 
-    def _close_env(self) -> None:
+    def _close_guard(self) -> list[Any] | None:
+        """Refuse the reads that start from now on (the guard closed), and return the jobs being
+        read (``None`` without a reader)."""
+        self._straight = None
+        reader = self._reader
+        if reader is not None and reader.guard is not None:
+            reader.guard.close()
+        return reader.temperature.jobs if reader is not None else None
+
+    def _close_env(self) -> bool:
         """Close the environment, never under a read: python-lmdb's ``close`` unmaps the file
         at once, and a read copying from a mapped value with the GIL released (the native
         check-copy) would fault the process. The guard is closed first, so a read that starts
         now is refused (a read counts itself among the jobs being read before it reads the
         guard); then the reads counted are waited for (:data:`CLOSE_WAIT_S` at most: one still
-        running then leaves the environment open, its map kept until the process ends)."""
-        self._straight = None
-        reader = self._reader
-        if reader is not None and reader.guard is not None:
-            reader.guard.close()
+        running then leaves the environment open, its map kept until the process ends).
+        ``False`` where it was left open."""
+        jobs = self._close_guard()
         env, self._env = self._env, None
         if env is None:
-            return
-        jobs = reader.temperature.jobs if reader is not None else None
+            return True
         if jobs:
             end = time.monotonic() + CLOSE_WAIT_S
             while jobs and time.monotonic() < end:
                 time.sleep(0.001)
             if jobs:
                 log.warning("lmdb: %d reads of %r still run after %.3g s at close; its environment is left open", len(jobs), self.path, CLOSE_WAIT_S)
-                return
+                return False
         env.close()
+        return True
 
     async def aclose(self) -> None:
+        """Close the tier. The reads under way are waited for on the event loop (it keeps
+        running meanwhile), then the environment is closed under the write locks. Where a read
+        still runs after :data:`CLOSE_WAIT_S` the environment stays open and so does the holder
+        lock: the same path opened again in this process is then refused (naming this process),
+        never mapped a second time beside the first, which LMDB forbids."""
         await super().aclose()
+        jobs = self._close_guard()
+        if jobs:
+            end = time.monotonic() + CLOSE_WAIT_S
+            while jobs and time.monotonic() < end:
+                await asyncio.sleep(0.001)
         with self._write_lock, self._sync_lock:
-            self._close_env()
+            closed = self._close_env()
+            if not closed:
+                return
             holder, self._holder = self._holder, None
             if holder is not None:
                 holder.release()

@@ -9,6 +9,7 @@ at the first instruction its frame runs once it is counted (a trace function rai
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,3 +72,55 @@ def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, 
     asyncio.run(backend.aclose())
     with pytest.raises(lmdb.Error):  # closed (unmapped), not left open for a read never to end
         env.info()
+
+
+def _open_with_a_record(path: Path) -> Any:
+    fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), sync_mode="fast")
+    asyncio.run(backend.open(fmt))
+    backend.write_blocks([make_key(1)], [random_block(fmt.block_bytes, 1)])
+    return backend, fmt
+
+
+def test_a_close_waits_for_a_read_on_the_event_loop_not_by_blocking_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aclose`` waits for the reads under way with the event loop running: a read that ends
+    while the close waits (here a task of the same loop ends it) lets the close unmap the file.
+    Before, the wait slept on the loop's thread, the task could not run, and the close gave up
+    after ``CLOSE_WAIT_S`` and left the environment open."""
+    monkeypatch.setattr(lmdb_tier, "CLOSE_WAIT_S", 1.0)
+    backend, _ = _open_with_a_record(tmp_path / "store")
+    jobs = backend._reader.temperature.jobs
+    jobs.append(None)  # a read under way
+
+    async def main() -> None:
+        async def the_read_ends() -> None:
+            await asyncio.sleep(0.01)
+            jobs.clear()
+
+        ends = asyncio.create_task(the_read_ends())
+        await backend.aclose()
+        await ends
+
+    env = backend._env
+    asyncio.run(main())
+    with pytest.raises(lmdb.Error):  # unmapped
+        env.info()
+
+
+def test_a_close_that_leaves_the_environment_open_keeps_the_path_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a read still runs when the close gives up, the environment stays mapped, and so the
+    holder lock stays taken: the same path opened again in this process is refused with an error
+    naming this process, never mapped a second time beside the first (which LMDB forbids: its
+    locks are per process). Before, the close released the holder lock and the reopen succeeded."""
+    monkeypatch.setattr(lmdb_tier, "CLOSE_WAIT_S", 0.0)
+    path = tmp_path / "store"
+    backend, fmt = _open_with_a_record(path)
+    jobs = backend._reader.temperature.jobs
+    jobs.append(None)  # a read that never ends
+    env = backend._env
+    asyncio.run(backend.aclose())
+    env.info()  # left open: still mapped
+    again = registry.backends.get("lmdb")(capacity=8 << 20, path=str(path), sync_mode="fast")
+    with pytest.raises(Exception, match=f"in use by process {os.getpid()}"):
+        asyncio.run(again.open(fmt))
+    jobs.clear()
