@@ -135,8 +135,41 @@ log = logging.getLogger(__name__)
 # LMDB errors that mean "this file is not a sound environment": move it aside and start afresh.
 _CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
 _PAGE_HEADER = 16  # bytes of an LMDB page header before overflow data
-#: How long a close waits for the reads under way (:meth:`LmdbBackend._close_env`).
+#: How long a close waits for the reads under way (:func:`_close_after_reads`).
 CLOSE_WAIT_S = 30.0
+
+
+def _refuse_reads(reader: JobReader | None) -> list[Any] | None:
+    """Close ``reader``'s file guard, so that a read starting from now on is refused (a read
+    counts itself among the jobs being read before it reads the guard), and return those jobs
+    (``None`` without a reader)."""
+    if reader is None:
+        return None
+    if reader.guard is not None:
+        reader.guard.close()
+    return reader.temperature.jobs
+
+
+async def _reads_ended(jobs: list[Any] | None) -> None:
+    """Wait for ``jobs`` to end, :data:`CLOSE_WAIT_S` at most, with the event loop running."""
+    end = time.monotonic() + CLOSE_WAIT_S
+    while jobs and time.monotonic() < end:
+        await asyncio.sleep(0.001)
+
+
+def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str) -> bool:
+    """Close ``env`` once the reads ``jobs`` counted have ended: python-lmdb's ``close`` unmaps
+    the file at once, and a read copying from a mapped value with the GIL released (the native
+    check-copy) would fault the process. :data:`CLOSE_WAIT_S` at most: a read still running then
+    leaves the environment open, its map kept until the process ends (``False``)."""
+    end = time.monotonic() + CLOSE_WAIT_S
+    while jobs and time.monotonic() < end:
+        time.sleep(0.001)
+    if jobs:
+        log.warning("lmdb: %d reads of %r still run after %.3g s at close; its environment is left open", len(jobs), path, CLOSE_WAIT_S)
+        return False
+    env.close()
+    return True
 
 
 def _fsync_dir(path: str) -> None:
@@ -421,36 +454,13 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         log.warning(message)
         self._try_open(fmt)
 
-    def _close_guard(self) -> list[Any] | None:
-        """Refuse the reads that start from now on (the guard closed), and return the jobs being
-        read (``None`` without a reader)."""
-        self._straight = None
-        reader = self._reader
-        if reader is not None and reader.guard is not None:
-            reader.guard.close()
-        return reader.temperature.jobs if reader is not None else None
-
     def _close_env(self) -> bool:
-        """Close the environment, never under a read: python-lmdb's ``close`` unmaps the file
-        at once, and a read copying from a mapped value with the GIL released (the native
-        check-copy) would fault the process. The guard is closed first, so a read that starts
-        now is refused (a read counts itself among the jobs being read before it reads the
-        guard); then the reads counted are waited for (:data:`CLOSE_WAIT_S` at most: one still
-        running then leaves the environment open, its map kept until the process ends).
-        ``False`` where it was left open."""
-        jobs = self._close_guard()
+        """Close the environment, never under a read (:func:`_close_after_reads`); ``False``
+        where a read still ran and it was left open."""
+        self._straight = None
+        jobs = _refuse_reads(self._reader)
         env, self._env = self._env, None
-        if env is None:
-            return True
-        if jobs:
-            end = time.monotonic() + CLOSE_WAIT_S
-            while jobs and time.monotonic() < end:
-                time.sleep(0.001)
-            if jobs:
-                log.warning("lmdb: %d reads of %r still run after %.3g s at close; its environment is left open", len(jobs), self.path, CLOSE_WAIT_S)
-                return False
-        env.close()
-        return True
+        return env is None or _close_after_reads(env, jobs, self.path)
 
     async def aclose(self) -> None:
         """Close the tier. The reads under way are waited for on the event loop (it keeps
@@ -459,14 +469,10 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         lock: the same path opened again in this process is then refused (naming this process),
         never mapped a second time beside the first, which LMDB forbids."""
         await super().aclose()
-        jobs = self._close_guard()
-        if jobs:
-            end = time.monotonic() + CLOSE_WAIT_S
-            while jobs and time.monotonic() < end:
-                await asyncio.sleep(0.001)
+        self._straight = None
+        await _reads_ended(_refuse_reads(self._reader))
         with self._write_lock, self._sync_lock:
-            closed = self._close_env()
-            if not closed:
+            if not self._close_env():
                 return
             holder, self._holder = self._holder, None
             if holder is not None:
