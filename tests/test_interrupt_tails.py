@@ -39,6 +39,16 @@ def _block(caches: list[torch.Tensor], b: int) -> torch.Tensor:
     return torch.cat([c[b].flatten() for c in caches])
 
 
+async def _interrupted(store: Any, kind: str) -> None:
+    """A save of ``K[0:2]`` from blocks 0 and 1, or a load of them into blocks 2 and 3, that
+    raises the ``KeyboardInterrupt`` the test arranged."""
+    with pytest.raises(KeyboardInterrupt):
+        if kind == "save":
+            await store.save(K[0:2], [0, 1])
+        else:
+            await store.load(K[0:2], [2, 3])
+
+
 async def _goes_on(store: Any, caches: list[torch.Tensor], keys: list[bytes]) -> None:
     """Nothing pending or pinned, the tier matches the manager, fresh keys save and load, and
     those of ``keys`` still held load the bytes stored under them."""
@@ -77,11 +87,7 @@ def test_an_interrupt_while_awaiting_a_threaded_job_applies_the_job_when_it_ends
             if kind == "load":
                 assert await store.save(K[0:2], [0, 1]) == 2
             interrupt_once(monkeypatch, engine, "wait_async")
-            with pytest.raises(KeyboardInterrupt):
-                if kind == "save":
-                    await store.save(K[0:2], [0, 1])
-                else:
-                    await store.load(K[0:2], [2, 3])
+            await _interrupted(store, kind)
             monkeypatch.undo()
             await _goes_on(store, caches, list(K[0:2]))
             if kind == "load":
@@ -129,11 +135,7 @@ def test_an_interrupt_after_the_copy_of_a_job_run_at_once_is_settled(monkeypatch
             else:
                 interrupt_once(monkeypatch, jobs_now, "result_of")
             before = engine.counters["inline_jobs"]
-            with pytest.raises(KeyboardInterrupt):
-                if kind == "save":
-                    await store.save(K[0:2], [0, 1])
-                else:
-                    await store.load(K[0:2], [2, 3])
+            await _interrupted(store, kind)
             monkeypatch.undo()
             assert engine.counters["inline_jobs"] == before + 1 and engine.counters["failed_jobs"] == 1
             if kind == "save":
@@ -159,11 +161,7 @@ def test_an_interrupt_as_an_inline_job_is_taken_applies_its_result(monkeypatch: 
             if kind == "load":
                 assert await store.save(K[0:2], [0, 1]) == 2
             interrupt_once(monkeypatch, engine, "take")
-            with pytest.raises(KeyboardInterrupt):
-                if kind == "save":
-                    await store.save(K[0:2], [0, 1])
-                else:
-                    await store.load(K[0:2], [2, 3])
+            await _interrupted(store, kind)
             monkeypatch.undo()
             assert manager.lookup(K[0:2]) == 2  # the save applied: its blocks ready (0 before)
             await _goes_on(store, caches, list(K[0:2]))
