@@ -77,12 +77,10 @@ class NativeBlocks:
 
     def copy(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> bool:
         """:meth:`gather` (``save``) or :meth:`scatter`; ``False``, having copied nothing, while
-        not :attr:`enabled`."""
+        not :attr:`enabled` (or once a cache moved: :meth:`_moved`)."""
         if not self.enabled or self._moved():
             return False
-        self._check(pool)
-        slots, row_bytes = pool.shape
-        (self._copier.gather if save else self._copier.scatter)(pool.data_ptr(), slots, row_bytes, rows, ids)
+        self._run(save, ids, pool, rows)
         return True
 
     def _moved(self) -> bool:
@@ -93,21 +91,24 @@ class NativeBlocks:
         self.enabled = False
         return True
 
-    def _usable(self) -> None:
+    def _run(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
+        self._check(pool)
+        slots, row_bytes = pool.shape
+        (self._copier.gather if save else self._copier.scatter)(pool.data_ptr(), slots, row_bytes, rows, ids)
+
+    def _refuse_moved(self) -> None:
         if self._moved():
             raise RuntimeError("native block copies: a KV cache's storage moved (resize_ or set_) since the copier took its address")
 
     def gather(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy engine block ``ids[j]`` of every tensor into record ``rows[j]`` of ``pool``."""
-        self._usable()
-        self._check(pool)
-        self._copier.gather(pool.data_ptr(), pool.shape[0], pool.shape[1], rows, ids)
+        self._refuse_moved()
+        self._run(True, ids, pool, rows)
 
     def scatter(self, pool: torch.Tensor, rows: Sequence[int], ids: list[int]) -> None:
         """Copy record ``rows[j]`` of ``pool`` into engine block ``ids[j]`` of every tensor."""
-        self._usable()
-        self._check(pool)
-        self._copier.scatter(pool.data_ptr(), pool.shape[0], pool.shape[1], rows, ids)
+        self._refuse_moved()
+        self._run(False, ids, pool, rows)
 
     def held(self) -> bool:
         """Whether some pool is held (checked, kept)."""
