@@ -227,6 +227,7 @@ class LmdbWrites(PersistentRecordBackend):
         blocks, index, pages, join_max = self._blocks, self._index, self._pages, lmdb_entries.JOIN_MAX
         length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
         stamp: float | None = None  # taken for the first split record (a joined one has no entry)
+        summed: Any = None  # PlainReads.summed, looked up at the first UNSUMMED head
         with env.begin(write=True, buffers=True) as txn:  # (buffers: a get gives the put's copy, not a bytes of it)
             put, delete, get = txn.put, txn.delete, txn.get
             indexed = self._splits  # a joined save deletes the key's entry while it may be split
@@ -248,7 +249,9 @@ class LmdbWrites(PersistentRecordBackend):
                             entry = index_entry(stamp, stored)
                         put(key, payload, db=blocks)
                         if head is UNSUMMED:  # a plain record: its checksum from the copy just put
-                            head = self._summed()(key, get(key, db=blocks))
+                            if summed is None:
+                                summed = self._summed()
+                            head = summed(key, get(key, db=blocks))
                         put(key, entry + head, db=index)
                         indexed = self._splits = True
                     job_sizes.append(stored)

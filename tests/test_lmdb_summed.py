@@ -19,6 +19,7 @@ from lmdb_lookups import reads_all_but_one
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import encode_record
 from kvtier.testing import make_key, random_block
@@ -33,8 +34,14 @@ def _lmdb(path: Path) -> Backend:
     return backend
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
 @pytest.mark.parametrize("shape", ["one transaction", "one per record"])
-def test_split_saves_store_what_the_general_encoder_makes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
+def test_split_saves_store_what_the_general_encoder_makes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str, path: str) -> None:
+    """Also with the checksum's Python path (``xxcopy.xxh3_copy`` without the extension)."""
+    if path == "python":
+        monkeypatch.setattr(xxcopy, "xxh3_copy", xxcopy.xxh3_copy_python)
+    elif not xxcopy.fused():
+        pytest.skip("the native extension is not built here")
     keys = [make_key(i) for i in range(N)]
     data = [random_block(FMT.block_bytes, 80 + i) for i in range(N)]
     summed: list[bytes] = []
