@@ -2,13 +2,16 @@
  * kvtier.backends._rowguard: the two checks an lmdb tier's one-key straight read makes before
  * its lookup, each one call (kvtier.backends.lmdb_plain: host_view, same_size). In Python the
  * row's five checks and its view's lookup cost about 0.5 us of a 4 KiB job of 3, the file guard
- * 0.4 (os.lseek hands the GIL over and takes it back around a call that never blocks).
+ * 0.4 (os.lseek hands the GIL over and takes it back around a call that never blocks). And that
+ * whole read, one call (one_read): the count, the checks, the read transaction, the lookups,
+ * the cold rule, the record's check and copy, the counters, as lmdb_one.StraightRead.read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <limits.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
@@ -131,6 +134,229 @@ static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
+/* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
+enum {
+    P_VIEWS, P_SHAPE, P_TENSOR, P_DTYPE, P_KEY_BYTES, P_GUARD, P_TEMPERATURE, P_JOBS, P_MARKS, P_COUNTERS,
+    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_COUNT
+};
+
+static PyObject *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
+static PyObject *real_perf_counter; /* time.perf_counter: read here by clock_gettime, as it reads */
+
+/* counters.name += by */
+static int add_to(PyObject *counters, PyObject *name, PyObject *by)
+{
+    PyObject *v = PyObject_GetAttr(counters, name);
+    if (v == NULL)
+        return -1;
+    PyObject *sum = PyNumber_InPlaceAdd(v, by);
+    Py_DECREF(v);
+    if (sum == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(counters, name, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+/* clock(): time.perf_counter's reading (CLOCK_MONOTONIC in seconds, as it reads it) without a
+   call where clock is time.perf_counter itself; else clock is called (a test's clock).
+   -1.0 with an error set when it fails. */
+static double read_clock(PyObject *clock)
+{
+    if (clock == real_perf_counter) {
+        struct timespec ts;
+        if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+            return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    }
+    PyObject *v = PyObject_CallNoArgs(clock);
+    if (v == NULL)
+        return -1.0;
+    double at = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return at;
+}
+
+/* The read once the job is counted (temperature.jobs) and the row's view is known: the lookups
+   in one read transaction, the cold rule, then the record's check and copy. A new list [True] or
+   [False], None (the general path's job), or NULL with an error (an lmdb error is None: the
+   caller clears it). The transaction is aborted on every way out. */
+static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *key, PyObject *view, PyObject *clock,
+                              double cold_s, PyObject *check)
+{
+    PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
+    PyObject *txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (txn == NULL)
+        return NULL;
+    PyObject *result = NULL, *value = NULL, *entry = NULL, *stored = NULL;
+    double start = read_clock(clock);
+    if (start == -1.0 && PyErr_Occurred())
+        goto done;
+    PyObject *get_args[4] = {txn, key, Py_None, parts[P_BLOCKS]};
+    value = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (value == NULL)
+        goto done;
+    if (value != Py_None) {
+        Py_ssize_t n = PyObject_Length(value);
+        if (n < 0)
+            goto done;
+        Py_ssize_t joined = PyLong_AsSsize_t(parts[P_JOINED_SIZE]);
+        if (joined == -1 && PyErr_Occurred())
+            goto done;
+        if (n != joined) { /* split: the head is in the index entry */
+            get_args[3] = parts[P_INDEX];
+            entry = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (entry == NULL)
+                goto done;
+        }
+    }
+    double now = read_clock(clock);
+    if (now == -1.0 && PyErr_Occurred())
+        goto done;
+    if (now - start >= cold_s) {
+        PyObject *at = PyFloat_FromDouble(start);
+        if (at == NULL)
+            goto done;
+        PyObject *slow_args[2] = {parts[P_TEMPERATURE], at};
+        PyObject *slow = PyObject_VectorcallMethod(s_slow, slow_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(at);
+        if (slow == NULL)
+            goto done;
+        int is = PyObject_IsTrue(slow);
+        Py_DECREF(slow);
+        if (is < 0 || (is && PyObject_SetAttr(parts[P_TEMPERATURE], s_cold, Py_True) < 0))
+            goto done; /* read from disk: the next job is read cold */
+    }
+    if (value == Py_None) {
+        PyObject *one = PyLong_FromLong(1);
+        if (one == NULL)
+            goto done;
+        int rc = add_to(parts[P_COUNTERS], s_read_misses, one);
+        Py_DECREF(one);
+        if (rc == 0)
+            result = Py_BuildValue("[O]", Py_False);
+        goto done;
+    }
+    PyObject *status;
+    if (entry == NULL || entry == Py_None) { /* joined (or no entry: refused by its length as not plain) */
+        PyObject *check_args[4] = {parts[P_HEAD], key, value, view};
+        status = PyObject_Vectorcall(check, check_args, 4, NULL);
+    } else {
+        Py_ssize_t at = PyLong_AsSsize_t(parts[P_ENTRY_HEAD]);
+        if (at == -1 && PyErr_Occurred())
+            goto done;
+        stored = PySequence_GetSlice(entry, at, PY_SSIZE_T_MAX);
+        if (stored == NULL)
+            goto done;
+        PyObject *check_args[5] = {parts[P_HEAD], key, stored, view, value};
+        status = PyObject_Vectorcall(check, check_args, 5, NULL);
+    }
+    if (status == NULL)
+        goto done;
+    int bad = PyObject_IsTrue(status);
+    Py_DECREF(status);
+    if (bad < 0)
+        goto done;
+    result = bad ? Py_NewRef(Py_None) : Py_BuildValue("[O]", Py_True);
+done:
+    Py_XDECREF(stored);
+    Py_XDECREF(entry);
+    Py_XDECREF(value);
+    {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        PyObject *abort_args[1] = {txn};
+        PyObject *aborted = PyObject_VectorcallMethod(s_abort, abort_args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (aborted == NULL) { /* the abort's error replaces any other, as a finally's does */
+            Py_XDECREF(exc_type);
+            Py_XDECREF(exc_value);
+            Py_XDECREF(exc_tb);
+            Py_CLEAR(result);
+        } else {
+            Py_DECREF(aborted);
+            PyErr_Restore(exc_type, exc_value, exc_tb);
+        }
+    }
+    Py_DECREF(txn);
+    return result;
+}
+
+/* one_read(parts, env, key, row, clock, cold_s, check): lmdb_one.StraightRead.read's job of one
+   key, read in one call with the same outcome, counters and errors (see read_python there).
+   False, before anything moved: the Python form must read it (the thread's first job, whose
+   faults it marks; the data file's size moved). */
+static PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "one_read() takes 7 arguments (parts, env, key, row, clock, cold_s, check), got %zd", nargs);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
+        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *env = args[1], *key = args[2], *row = args[3], *clock = args[4], *check = args[6];
+    double cold_s = PyFloat_AsDouble(args[5]);
+    if (cold_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *jobs = parts[P_JOBS], *marks = parts[P_MARKS];
+    if (!PyList_CheckExact(jobs) || !PyDict_CheckExact(marks)) {
+        PyErr_SetString(PyExc_TypeError, "parts: jobs must be a list and marks a dict");
+        return NULL;
+    }
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (ident == NULL)
+        return NULL;
+    int marked = PyDict_Contains(marks, ident);
+    Py_DECREF(ident);
+    if (marked <= 0)
+        return marked < 0 ? NULL : Py_NewRef(Py_False); /* the thread's first job: the Python form marks it */
+    /* Counted among the jobs being read before the guard is read: a close closes the guard
+       first, then waits for the jobs counted. */
+    if (PyList_Append(jobs, Py_None) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    PyObject *fd = PyObject_GetAttr(parts[P_GUARD], s_fd);
+    PyObject *seen = fd == NULL ? NULL : PyObject_GetAttr(parts[P_GUARD], s_seen);
+    if (seen != NULL) {
+        PyObject *row_args[9] = {key, parts[P_KEY_BYTES], row, parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS], fd, seen};
+        PyObject *view = py_one_row(self, row_args, 9);
+        if (view == Py_False || view == Py_None)
+            result = view; /* the size moved: the Python form's; not such a key or row: the general path's */
+        else if (view != NULL) {
+            result = read_counted(parts, env, key, view, clock, cold_s, check);
+            Py_DECREF(view);
+        }
+    }
+    Py_XDECREF(fd);
+    Py_XDECREF(seen);
+    if (result == NULL && PyErr_ExceptionMatches(parts[P_ERROR])) {
+        PyErr_Clear(); /* an lmdb error: the general path's job */
+        result = Py_NewRef(Py_None);
+    }
+    /* jobs.pop(), whatever happened (an error raised stays set across it) */
+    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    if (n > 0) {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        if (PyList_SetSlice(jobs, n - 1, n, NULL) < 0)
+            PyErr_Clear();
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    if (result == NULL)
+        return NULL;
+    if (PyList_CheckExact(result) && PyList_GET_ITEM(result, 0) == Py_True) {
+        PyObject *one = PyLong_FromLong(1);
+        if (one == NULL || add_to(parts[P_COUNTERS], s_blocks_read, one) < 0 || add_to(parts[P_COUNTERS], s_bytes_read, parts[P_SIZE]) < 0) {
+            Py_XDECREF(one);
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(one);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"one_row", (PyCFunction)(void (*)(void))py_one_row, METH_FASTCALL,
      "one_row(key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen) -> view, None or False\n\n"
@@ -140,6 +366,9 @@ static PyMethodDef methods[] = {
      "host_view(row, tensor_type, dtype, shape, views) -> the view or None\n\n"
      "views[row.data_ptr()] when type(row) is tensor_type, row.dtype is dtype, row.shape == shape,\n"
      "row.is_cpu and row.is_contiguous(); else None (also for an address views does not hold)."},
+    {"one_read", (PyCFunction)(void (*)(void))py_one_read, METH_FASTCALL,
+     "one_read(parts, env, key, row, clock, cold_s, check) -> [found], None or False\n\n"
+     "A straight read of a job of one key (kvtier.backends.lmdb_one.StraightRead.read) in one call."},
     {"same_size", (PyCFunction)(void (*)(void))py_same_size, METH_FASTCALL,
      "same_size(fd, seen) -> bool\n\n"
      "Whether the file open at fd is seen bytes long now (False too where fd cannot be asked)."},
@@ -158,7 +387,24 @@ PyMODINIT_FUNC PyInit__rowguard(void)
         || (s_shape = PyUnicode_InternFromString("shape")) == NULL
         || (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL
         || (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL
-        || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
+        || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL
+        || (s_fd = PyUnicode_InternFromString("fd")) == NULL
+        || (s_seen = PyUnicode_InternFromString("seen")) == NULL
+        || (s_begin = PyUnicode_InternFromString("begin")) == NULL
+        || (s_get = PyUnicode_InternFromString("get")) == NULL
+        || (s_abort = PyUnicode_InternFromString("abort")) == NULL
+        || (s_slow = PyUnicode_InternFromString("slow")) == NULL
+        || (s_cold = PyUnicode_InternFromString("cold")) == NULL
+        || (s_read_misses = PyUnicode_InternFromString("read_misses")) == NULL
+        || (s_blocks_read = PyUnicode_InternFromString("blocks_read")) == NULL
+        || (s_bytes_read = PyUnicode_InternFromString("bytes_read")) == NULL)
+        return NULL;
+    PyObject *time_module = PyImport_ImportModule("time");
+    if (time_module == NULL)
+        return NULL;
+    real_perf_counter = PyObject_GetAttrString(time_module, "perf_counter");
+    Py_DECREF(time_module);
+    if (real_perf_counter == NULL)
         return NULL;
     return PyModule_Create(&module_def);
 }

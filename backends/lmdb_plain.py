@@ -41,13 +41,13 @@ from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.record import HEADER
 
-__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "one_row", "same_size"]
+__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "one_read", "one_row", "same_size"]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row")):
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read")):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
 _SUM = struct.Struct("<Q")
@@ -201,6 +201,10 @@ same_size: Callable[[int, int], bool] = _rowguard.same_size if _rowguard is not 
 #: when :data:`same_size` is (the file's size moved, or it is closed: the caller's
 #: :class:`FileGuard` tells which); else the row's view.
 one_row: Callable[..., memoryview | bool | None] = _rowguard.one_row if _rowguard is not None else one_row_python
+#: ``one_read(parts, env, key, row, clock, cold_s, check)``: a straight read of a job of one key
+#: in one native call (:meth:`kvtier.backends.lmdb_one.StraightRead.read`, whose Python form
+#: answers alike); ``None`` where the extension is not built.
+one_read: Callable[..., list[bool] | bool | None] | None = _rowguard.one_read if _rowguard is not None else None
 
 
 class PlainReads:

@@ -35,11 +35,13 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 @pytest.fixture(autouse=True, params=["native", "python"])
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the straight line's row checks and file guard (``lmdb_plain.host_view``,
-    ``same_size``, ``one_row``) in their native form, then in their Python one."""
+    ``same_size``, ``one_row``) and its whole job of one key (``one_read``) in their native
+    form, then in their Python one."""
     if request.param == "python":
         monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
         monkeypatch.setattr(lmdb_plain, "same_size", lmdb_plain.same_size_python)
         monkeypatch.setattr(lmdb_plain, "one_row", lmdb_plain.one_row_python)
+        monkeypatch.setattr(lmdb_plain, "one_read", None)
     elif not lmdb_plain.NATIVE_GUARD:
         pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
     return str(request.param)

@@ -17,7 +17,7 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_one, lmdb_tier
+from kvtier.backends import lmdb_one, lmdb_plain, lmdb_tier
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
@@ -43,14 +43,20 @@ def _interrupt_once_counted(jobs: list[None]) -> Any:
     return tracer
 
 
-@pytest.mark.parametrize("how", ["one", "job", "general"])
+@pytest.mark.parametrize("how", ["one", "one native", "job", "general"])
 def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """``one native``: the native job of one key (``lmdb_plain.one_read``) runs no Python while
+    it is counted, so no interrupt lands there: the read completes, its count released."""
     monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", how != "general")
+    if how == "one native" and lmdb_plain.one_read is None:
+        pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
+    if how != "one native":
+        monkeypatch.setattr(lmdb_plain, "one_read", None)
     monkeypatch.setattr(lmdb_tier, "CLOSE_WAIT_S", 0.0)  # a count left behind: the close leaves the file open
     fmt = BlockFormat(block_bytes=4096, dtype="uint8")
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "store"), sync_mode="fast")
     asyncio.run(backend.open(fmt))
-    n = 1 if how == "one" else 3
+    n = 1 if how.startswith("one") else 3
     keys = [make_key(i) for i in range(n)]
     blocks = [random_block(fmt.block_bytes, i) for i in range(n)]
     backend.write_blocks(keys, blocks)
@@ -61,11 +67,14 @@ def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, 
     tracer = _interrupt_once_counted(jobs)
     sys.settrace(tracer)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            backend.read_blocks(keys, rows)
+        if how == "one native":
+            assert backend.read_blocks(keys, rows) == [True]
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                backend.read_blocks(keys, rows)
     finally:
         sys.settrace(None)
-    assert tracer.fired, "the read was never counted"
+    assert bool(tracer.fired) is (how != "one native"), "the read was never counted" if how != "one native" else "Python ran while counted"
     assert not jobs, f"{how}: the interrupted read is still counted among the jobs being read"
     assert backend.read_blocks(keys, rows) == [True] * n and all(torch.equal(r, b) for r, b in zip(rows, blocks))
     env = backend._env

@@ -209,3 +209,57 @@ def test_the_native_calls_keep_no_reference_and_no_memory(tmp_path: Path) -> Non
         runs_without_leaks((seen, fresh, wrong, view, views, key, SHAPE), one_round, 20_000)
     finally:
         os.close(fd)
+
+
+@native
+@pytest.mark.parametrize("layout", ["joined", "split"])
+def test_the_native_one_key_read_keeps_no_reference_and_no_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """``one_read`` through the tier, many times, at each outcome: a hit, a miss, a damaged
+    record (handed to the general path), a row not seen (likewise): the key, the row, the
+    environment and the parts keep their references, and the counters move as the reads did."""
+    import asyncio
+
+    from kvtier.backends import lmdb_entries, lmdb_one
+
+    from kvtier import registry
+    from kvtier.backend import BlockFormat
+    from kvtier.records import xxcopy
+    from kvtier.testing import make_key, random_block
+
+    if layout == "split":
+        monkeypatch.setattr(lmdb_entries, "JOIN_MAX", 0)
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "store"), sync_mode="fast")
+    try:
+        asyncio.run(backend.open(BlockFormat(block_bytes=SIZE, dtype="uint8")))
+        good, bad, absent = make_key(1), make_key(2), make_key(3)
+        block = random_block(SIZE, 1)
+        backend.write_blocks([good, bad], [block, random_block(SIZE, 2)])
+        env = backend._env  # type: ignore[attr-defined]
+        with env.begin(write=True) as txn:  # one payload bit flipped: the check fails
+            value = bytearray(txn.get(bad, db=backend._blocks))  # type: ignore[attr-defined]
+            value[-1] ^= 1
+            txn.put(bad, bytes(value), db=backend._blocks)  # type: ignore[attr-defined]
+        row, fresh = torch.zeros(SIZE, dtype=torch.uint8), torch.zeros(SIZE, dtype=torch.uint8)
+        assert backend.read_blocks([good], [row]) == [True]  # the row's view made, the thread marked
+        straight = backend._straight  # type: ignore[attr-defined]
+        parts, clock = straight.native_parts, lmdb_one.perf_counter
+
+        def read(key: bytes, into: torch.Tensor) -> Any:
+            return lmdb_plain.one_read(parts, env, key, into, clock, lmdb_one.COLD_GET_S, xxcopy.xxh3_check_copy)  # type: ignore[misc]
+
+        def one_round() -> None:
+            row.zero_()
+            assert read(good, row) == [True] and torch.equal(row, block)
+            assert read(absent, row) == [False]
+            assert read(bad, row) is None
+            assert read(good, fresh) is None
+
+        one_round()
+        before = backend.stats()
+        view = straight.views[row.data_ptr()]
+        runs_without_leaks((good, bad, absent, row, fresh, env, parts, straight.views, view), one_round, 5_000)
+        after = backend.stats()
+        assert after["blocks_read"] - before["blocks_read"] == 5_000 and after["read_misses"] - before["read_misses"] == 5_000
+        assert after["bytes_read"] - before["bytes_read"] == 5_000 * SIZE and not backend._reader.temperature.jobs  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(backend.aclose())
