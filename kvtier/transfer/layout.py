@@ -360,18 +360,24 @@ class KVLayout:
     def _small_run(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], save: bool) -> bool:
         """A job's own copy (``checked``, ``kept``) between host memory of at most
         ``_FOREACH_MAX_BLOCKS`` blocks: :attr:`native`, where built, copies them in one call on
-        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`); else, on a thread
-        that copies unsplit (an inline job) and rows in one ascending run, the one
+        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`), and so a larger
+        inline job, on the caller's OpenMP team where the pace keeps it there
+        (:meth:`CopySplitter.team_now`), on the thread alone where the pace sends it alone; else,
+        on a thread that copies unsplit (an inline job) and rows in one ascending run, the one
         ``_foreach_copy_`` of kept pieces that :meth:`_gather_index` / :meth:`_scatter_index`
         choose for it, without their dispatch; ``False``, having copied nothing, for any other
         job (tests compare each with the rest)."""
         k = len(rows)
         if not (0 < k and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
             return False
-        small = k <= _FOREACH_MAX_BLOCKS  # (native, larger jobs too while the pace sends them alone)
-        if self.native is not None and (small or self.copies.alone_now()) and self.native.copy(save, ids, pool, rows):
-            self.copies.copied_natively()
-            return True
+        small = k <= _FOREACH_MAX_BLOCKS
+        native = self.native
+        if native is not None:
+            copies = self.copies
+            team = copies.team_now()
+            if (small or team or copies.alone_now()) and (used := native.copy(save, ids, pool, rows, team or 1)):
+                copies.copied_natively(used > 1)
+                return True
         r0 = rows[0]
         if not small or rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
             return False
