@@ -7,11 +7,14 @@ extension, the same bytes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
+import kvtier
 from kvtier.devices import openmp_team_runner
-from kvtier.transfer import block_copy
+from kvtier.transfer import block_copy, copies
 from kvtier.transfer.copies import PACE_MIN_BYTES
 from kvtier.transfer.layout import KVLayout
 
@@ -151,3 +154,36 @@ def test_only_a_timed_inline_job_on_the_team_may_take_it() -> None:
     copies.pace.until = float("inf")  # the pace sends jobs alone
     with copies.on_callers_team(PACE_MIN_BYTES):
         assert copies.alone_now() and copies.team_now() == 0
+
+
+@native
+@pytest.mark.parametrize("native_on", [False, True])
+def test_a_stores_larger_inline_jobs_save_and_load_the_bytes_of_the_general_path(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the store: inline jobs of 11 blocks (past the small jobs' 8) saved and loaded on
+    the caller's team, natively (threads > 1 where the team is reachable) and with the native
+    copy off (torch's index ops): the blocks loaded are the blocks saved."""
+    monkeypatch.setattr(copies, "PACE_MIN_BYTES", 0)  # these blocks are small: time every job
+
+    async def run() -> tuple[list[torch.Tensor], list[int]]:
+        g = torch.Generator().manual_seed(5)
+        caches = [torch.randint(0, 256, (24, 3, 5 + i), dtype=torch.uint8, generator=g) for i in range(7)]
+        block_bytes = sum(c[0].numel() for c in caches)
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 24 * block_bytes}]}, kv_caches=caches) as store:
+            layout = store.layout
+            assert layout is not None and layout.native is not None
+            layout.native.enabled = native_on
+            threads: list[int] = []
+            inner = layout.native.copy
+            layout.native.copy = lambda *a: threads.append(used := inner(*a)) or used  # type: ignore[method-assign]
+            keys = [bytes([i]) * 32 for i in range(11)]
+            saved = [3, 9, 0, 5, 21, 7, 12, 1, 18, 2, 15]
+            loaded = [4, 6, 8, 10, 11, 13, 14, 16, 17, 19, 20]
+            assert await store.save(keys, saved) == 11
+            assert await store.load(keys, loaded) == 11
+            assert store.transfers is not None and store.transfers.counters["inline_jobs"] == 2
+            return [torch.equal(c[s], c[d]) for c in caches for s, d in zip(saved, loaded)], threads
+
+    same, threads = asyncio.run(run())
+    assert all(same)
+    team = max(1, torch.get_num_threads()) if block_copy.TEAM else 1
+    assert threads == ([min(team, 11)] * 2 if native_on else [0, 0])

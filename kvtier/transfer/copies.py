@@ -271,6 +271,15 @@ class CopySplitter:
         second team)."""
         return max(1, torch.get_num_threads()) if getattr(self._callers, "timed", False) else 0
 
+    def native_threads(self, small: bool) -> int:
+        """The threads a native copy of this thread's job takes, where the layout has one: a
+        ``small`` job 1 (one thread, on or off the team); a larger one the team's
+        (:meth:`team_now`), or 1 while the pace sends it alone (:meth:`alone_now`); 0 otherwise
+        (torch copies it: on a transfer thread its per-tensor ops are split over the copy threads)."""
+        if small:
+            return 1
+        return self.team_now() or int(self.alone_now())
+
     def alone_now(self) -> bool:
         """Whether this thread's job runs inside :meth:`on_callers_team` on the thread alone,
         as :attr:`pace` says (not on the team): a native copy of any size is then faster than
