@@ -13,33 +13,31 @@ record takes. :class:`PlainReads` does the common case in three:
 * in the sharded layout, ``openat2`` of ``ab/cd/<name>.kvb`` from that descriptor, with
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
   path out of the root, the guarantee the level-by-level walk gives;
-* one ``preadv`` into the head's buffer, the caller's row and one spare byte: a record of the
-  right length fills the first two exactly and leaves the spare byte unread; then ``close``.
-  The row is viewed by address: the tier hands over the views its
-  :class:`~kvtier.backends.lmdb_plain.RowViews` checked and kept, else a ``ctypes`` view of
-  its memory is taken here (0.6 µs, where ``Tensor.numpy()`` took 1.8);
 * the head's first 24 bytes compared with what every raw, unkeyed record of the store's
-  block size and dtype holds there, and the XXH3 of those bytes, the key and the row compared
-  with the head's checksum, in one native call (:func:`~kvtier.records.xxcopy.xxh3_check_copy`
-  with no row to copy into: the row is checked where the read put it). (Records read in
-  pieces go on from the head's hash state, :class:`~kvtier.records.checks.HeadChecksum`.)
+  block size and dtype holds there, the row filled and its checksum (the XXH3 of those bytes,
+  the key and the row) compared with the head's, in one native call without the GIL
+  (:func:`~kvtier.records.xxcopy.xxh3_read_check`): one ``preadv`` into the head's buffer, the
+  row and one spare byte (a record of the right length fills the first two exactly and leaves
+  the spare byte unread), the row hashed where the read put it; then ``close``. The row is
+  viewed by address: the tier hands over the views its
+  :class:`~kvtier.backends.lmdb_plain.RowViews` checked and kept, else a ``ctypes`` view of
+  its memory is taken here (0.6 µs, where ``Tensor.numpy()`` took 1.8).
 
 A job of one record (:meth:`PlainReads.read_one`) is the same read as one straight line from
 the call: the key's and row's checks in one expression (one dimension and ``nbytes`` for the
-shape), the row's view kept by address from an earlier job, one spare byte shared by every
-read (its content is never looked at), the sum inlined and the counters bumped in place. A 4
+shape), the row's view kept by address from an earlier job, the counters bumped in place. A 4
 KiB record took 9.5 µs through the job's loop, against 8.4 for a raw ``open``/``preadv``/``close``
-by path; now 7.4.
+by path; then 7.4.
 
-A record larger than :data:`PIECE_BYTES` (2 MiB, say) is read in pieces of that size, the head
-with the first, each piece hashed just after its ``preadv`` while it is still in this core's
-cache (:meth:`PlainReads.read_pieces`). Hashed after one ``preadv`` of the whole record, the row
-was partly out of a 2 MiB L2 (the copy streamed the page cache's lines through it too), and its
-hash added 0.43 of the read's time, against about 0.2 a piece at a time (2 MiB records, 256
-KiB pieces, one thread: 0.84 of a raw ``preadv`` against 0.68 whole in jobs of 1, 0.79-0.83
-against 0.71 in jobs of 16; ``docs/tiers.md``). The pieces' lengths are checked as the whole
-read's is: the last one's ``preadv`` also offers the spare byte, so a record of another length
-is refused at its first short or long piece.
+A record larger than :data:`PIECE_BYTES` (2 MiB, say) is read in pieces of that size by the
+same call, the head with the first, each piece hashed just after its ``pread`` while it is still
+in this core's cache, with no Python between the pieces. Hashed after one ``preadv`` of the
+whole record, the row was partly out of a 2 MiB L2 (the copy streamed the page cache's lines
+through it too), and its hash added 0.43 of the read's time, against about 0.2 a piece at a
+time (2 MiB records, 256 KiB pieces, one thread: 0.84 of a raw ``preadv`` against 0.68 whole in
+jobs of 1, 0.79-0.83 against 0.71 in jobs of 16; ``docs/tiers.md``). The pieces' lengths are
+checked as the whole read's is: the last one's ``pread`` also offers the spare byte, so a record
+of another length is refused at its first short or long piece.
 
 Whatever is not that case (an ``openat2`` error other than an absent file, a length or a head
 that differs, a checksum that fails, a row that is not one run of host memory) is left to the general
@@ -53,7 +51,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +61,6 @@ from kvtier.backend import BackendCounters
 from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.format import HEADER_SIZE
-from kvtier.records.record import CHECKED
 
 __all__ = ["PIECE_BYTES", "BeneathRoot", "PlainReads"]
 
@@ -76,11 +72,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _FLAT_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW
-_SUM = struct.Struct("<Q")  # the checksum, the header's last field
 _U8 = torch.uint8
-#: The spare byte after a row: a record of the right length never reaches it, a longer one
-#: writes there and is refused by its length; its content is never read, so reads share it.
-_SPARE = bytearray(1)
 #: Records larger than this are read and hashed a piece of this size at a time (see the module
 #: doc): small enough that a piece and the page cache's lines it was copied from stay in a
 #: core's 1-2 MiB of L2 cache, large enough that the ``preadv`` calls cost little (8 for 2 MiB).
@@ -154,31 +146,8 @@ class PlainReads:
         self.block_bytes = block_bytes
         self.checksum = HeadChecksum.plain(block_bytes, dtype_code)
         self._row = ctypes.c_char * block_bytes
-        #: Records of more than this many bytes are read in pieces (:meth:`read_pieces`).
+        #: Records of more than this many bytes are read in pieces of it (see the module doc).
         self.piece = PIECE_BYTES
-
-    def read_pieces(self, fd: int, key: bytes, head: bytearray, row: Any, spare: bytearray) -> bool:
-        """Read a record of more than :attr:`piece` bytes from ``fd`` into ``head`` and ``row``
-        (a writable buffer of :attr:`block_bytes`), a piece at a time, each piece hashed just
-        after its read (see the module doc): whether it is all there, of the right length, with
-        the store's head and a good checksum. ``OSError`` as ``preadv`` raises it."""
-        size, piece, checksum = self.block_bytes, self.piece, self.checksum
-        view = memoryview(row)  # a ctypes array's slices would be copies
-        part = view[:piece]
-        if os.preadv(fd, [head, part], 0) != HEADER_SIZE + piece or not head.startswith(checksum.head):
-            return False
-        h = checksum.prefix.copy()
-        h.update(key)
-        h.update(part)
-        at = piece
-        while at < size:
-            end = min(at + piece, size)
-            part = view[at:end]
-            if os.preadv(fd, [part, spare] if end == size else [part], HEADER_SIZE + at) != end - at:
-                return False
-            h.update(part)
-            at = end
-        return h.intdigest() == _SUM.unpack_from(head, CHECKED)[0]  # type: ignore[no-any-return]
 
     def read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
         """A job of one record, in one straight line: ``True`` when the record was read into
@@ -213,13 +182,9 @@ class PlainReads:
             return False
         except OSError:
             return None
-        head = bytearray(HEADER_SIZE)
         try:
-            if size > self.piece:
-                if not self.read_pieces(fd, key, head, view, _SPARE):
-                    return None
-            elif os.preadv(fd, [head, view, _SPARE], 0) != HEADER_SIZE + size or xxcopy.xxh3_check_copy(self.checksum.head, key, head, None, view):
-                return None  # (one call checks the head and the row's checksum: xxcopy.xxh3_check_copy)
+            if xxcopy.xxh3_read_check(fd, self.checksum.head, key, bytearray(HEADER_SIZE), view, self.piece):
+                return None
         except OSError:
             return None
         finally:
@@ -242,12 +207,8 @@ class PlainReads:
         if devices.locate is not None:  # a test's stand-in device map: the general read asks it
             return list(range(len(keys)))
         head = bytearray(HEADER_SIZE)
-        spare = bytearray(1)  # a record of the right length leaves the spare byte unread
-        buffers: list[Any] = [head, None, spare]
-        pieces = size > self.piece
-        expected, check, row_at = self.checksum.head, xxcopy.xxh3_check_copy, self._row.from_address
-        whole = HEADER_SIZE + size
-        open_, preadv, close = os.open, os.preadv, os.close
+        expected, read_check, row_at, piece = self.checksum.head, xxcopy.xxh3_read_check, self._row.from_address, self.piece
+        open_, close = os.open, os.close
         root_fd = root.fd
         for i, key in enumerate(keys):
             if rows is not None:
@@ -272,13 +233,8 @@ class PlainReads:
             except OSError:
                 rest.append(i)
                 continue
-            buffers[1] = view
-            try:
-                if pieces:
-                    sound = self.read_pieces(fd, key, head, view, spare)
-                else:
-                    # the head, then the row's checksum, in one call (xxcopy.xxh3_check_copy)
-                    sound = preadv(fd, buffers, 0) == whole and not check(expected, key, head, None, view)
+            try:  # the head, the row and its checksum, in one call (xxcopy.xxh3_read_check)
+                sound = not read_check(fd, expected, key, head, view, piece)
             except OSError:
                 sound = False
             finally:

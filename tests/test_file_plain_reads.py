@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from kvtier.backends import file_reads, file_tier
-from lmdb_lookups import record_check_calls
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -104,16 +103,36 @@ def general_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return general
 
 
-@pytest.fixture(params=["python", *(["native"] if xxcopy.xxh3_check_copy_native is not None else [])])
+READ_PATHS = ["python", *(["native"] if xxcopy.xxh3_read_check_native is not None else [])]
+
+
+def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``xxcopy.xxh3_read_check`` on one path (``"python"`` or ``"native"``) for the rest of the
+    test, recording the outcome of each call in the list returned."""
+    fn = xxcopy.xxh3_read_check_python if path == "python" else xxcopy.xxh3_read_check_native
+    assert fn is not None
+    seen: list[int] = []
+
+    def recording(*args: Any) -> int:
+        status = fn(*args)
+        seen.append(status)
+        return status
+
+    monkeypatch.setattr(xxcopy, "xxh3_read_check", recording)
+    return seen
+
+
+@pytest.fixture(params=READ_PATHS)
 def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``xxcopy.xxh3_check_copy`` on one path (native or Python), recording each outcome."""
-    return record_check_calls(request.param, monkeypatch)
+    """``xxcopy.xxh3_read_check`` on one path (native or Python), recording each outcome."""
+    return record_read_calls(request.param, monkeypatch)
 
 
-# What the plain read's one check call says of the damaged store's records it reads whole:
-# 0 and 8 good, 2 (a flipped payload bit) a checksum mismatch, 3 (a bad magic) another head;
-# 4 and 6 (a byte short, a byte too many) and 5 (compressed: shorter) never fill exactly.
-_PLAIN_CHECKS = [xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_GOOD]
+# What the plain read's one call says of the damaged store's records it opens: 0 and 8 good,
+# 2 (a flipped payload bit) a checksum mismatch, 3 (a bad magic) another head; 4 and 6 (a byte
+# short, a byte too many) and 5 (compressed: shorter) never fill exactly.
+_GOOD, _SUM, _HEAD, _SHAPE = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_SHAPE
+_PLAIN_CHECKS = [_GOOD, _SUM, _HEAD, _SHAPE, _SHAPE, _SHAPE, _GOOD]
 
 
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
@@ -139,7 +158,8 @@ def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(
 
 def test_a_plain_read_takes_three_system_calls_a_record_and_checks_what_it_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sound records of a job never reach the general read; a record it cannot take (here
-    an injected read error) does, and is served there."""
+    an injected read error, on the Python path of its one call) does, and is served there."""
+    record_read_calls("python", monkeypatch)
     keys = [make_key(i) for i in range(4)]
     data = [random_block(FMT.block_bytes, 950 + i) for i in range(4)]
     backend = _open(tmp_path / "store")
@@ -275,11 +295,11 @@ def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(
         if plain:  # the sound records in a straight line; the damaged ones (2, 3, 4, 6), the compressed one (5)
             # and the symlinks (7, 9) left to the general read, which deletes the damaged ones
             assert jobs == [-1] * len(keys) + [2, 3, 4, 5, 6, 7, 9] + [5, 7, 9], jobs
-            # one check call a record read whole: 2 and 3 each checked by the straight line, then
-            # by the job's plain read it hands them to, before the general read deletes them;
-            # the second pass reads only the sound ones whole
-            good, bad_sum, bad_head = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD
-            assert checks == [good, bad_sum, bad_sum, bad_head, bad_head, good, good, good], checks
+            # one call a record opened: 2 to 6 each read by the straight line, then by the job's
+            # plain read it hands them to, before the general read deletes the damaged ones (2,
+            # 3, 4, 6); the second pass reads the sound ones and the compressed one (5) again
+            first = [_GOOD, _SUM, _SUM, _HEAD, _HEAD, *[_SHAPE] * 6, _GOOD]
+            assert checks == [*first, _GOOD, _SHAPE, _SHAPE, _GOOD], checks
         else:
             assert checks == []
         jobs.clear()

@@ -1,7 +1,7 @@
-"""Large plain records of the ``file`` tier read and hashed a piece at a time
-(:meth:`kvtier.backends.file_reads.PlainReads.read_pieces`) against the general read and the
-one-``preadv`` read: the same bytes, misses, deletions and counters, whatever piece holds the
-damage, in jobs of several records and of one."""
+"""Large plain records of the ``file`` tier read and hashed a piece at a time (the plain read's
+one call, :func:`kvtier.records.xxcopy.xxh3_read_check`, native and Python) against the general
+read and the one-``preadv`` read: the same bytes, misses, deletions and counters, whatever
+piece holds the damage, in jobs of several records and of one."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from kvtier.backends import file_reads, file_tier
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
-from tests.test_file_plain_reads import general_reads
+from tests.test_file_plain_reads import READ_PATHS, general_reads, record_read_calls
 
 BLOCK = 16384
 FMT = BlockFormat(block_bytes=BLOCK, dtype="bfloat16", namespace={"model_id": "m"})
@@ -83,11 +84,13 @@ def _read(root: Path, keys: list[bytes], *, plain: bool, one: bool, monkeypatch:
     return found, out, stats, sorted(p.name for p in root.iterdir())
 
 
+@pytest.mark.parametrize("path", READ_PATHS)
 @pytest.mark.parametrize("one", [False, True], ids=["job", "one"])
 @pytest.mark.parametrize("piece", [4096, 5000, BLOCK - 1])
 def test_records_read_in_pieces_serve_what_the_general_and_whole_reads_do(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int, one: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int, one: bool, path: str
 ) -> None:
+    outcomes = record_read_calls(path, monkeypatch)
     calls: list[int] = []
     real_preadv = os.preadv
 
@@ -102,9 +105,16 @@ def test_records_read_in_pieces_serve_what_the_general_and_whole_reads_do(
         keys, data = _store(tmp_path / name)
         calls.clear()
         results[name] = _read(tmp_path / name, keys, plain=plain, one=one, monkeypatch=monkeypatch)
-        if name == "pieces":  # each sound record took one preadv a piece, at the pieces' offsets
+        if name == "pieces" and path == "python":  # each sound record took one preadv a piece, at the pieces' offsets
             pieces = [HEAD + at for at in range(piece, BLOCK, piece)]
             assert calls[: 1 + len(pieces)] == [0, *pieces]
+        if name == "pieces":  # the damaged records, each told apart by the one call
+            good, bad_sum, bad_head, shape = xxcopy.CHECK_GOOD, xxcopy.CHECK_SUM, xxcopy.CHECK_HEAD, xxcopy.CHECK_SHAPE
+            expected = [good, bad_sum, bad_sum, bad_sum, bad_head, bad_sum, shape, shape, shape, good]
+            if one:  # each read by the straight line, then by the job's read it hands it to
+                expected = [expected[0], *[o for o in expected[1:-1] for _ in range(2)], expected[-1]]
+            assert outcomes[-len(expected) :] == expected, outcomes
+        outcomes.clear()
     general = results["general"]
     assert general[0] == [True] + [False] * 9 + [True]
     assert general[2]["corrupt_records"] == 8 and general[2]["read_misses"] == 1 + (len(DAMAGE) if one else 0)
@@ -117,8 +127,9 @@ def test_records_read_in_pieces_serve_what_the_general_and_whole_reads_do(
 
 
 def test_a_failed_piece_leaves_the_record_to_the_general_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An error on a later piece's ``preadv`` (here an injected EIO) hands the record to the
-    general read, which reads it again and serves it."""
+    """An error on a later piece's ``preadv`` (here an injected EIO, on the Python path of the
+    one call) hands the record to the general read, which reads it again and serves it."""
+    record_read_calls("python", monkeypatch)
     monkeypatch.setattr(file_reads, "PIECE_BYTES", 4096)
     keys = [make_key(i) for i in range(3)]
     data = [random_block(BLOCK, 800 + i) for i in range(3)]

@@ -7,6 +7,9 @@
 
 #include "_xxh3.h"
 
+#include <errno.h>
+#include <limits.h>
+
 /* ---- Python binding ---------------------------------------------------------------------- */
 
 /* Passes over this many bytes or more run without the GIL (a 16 KiB pass takes about 1 us;
@@ -57,7 +60,7 @@ static int get_readable(PyObject *obj, Py_buffer *view, const char *what)
     return -1;
 }
 
-static int get_writable(PyObject *obj, Py_buffer *view)
+static int get_writable(PyObject *obj, Py_buffer *view, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE | PyBUF_WRITABLE) == 0)
         return 0;
@@ -70,17 +73,17 @@ static int get_writable(PyObject *obj, Py_buffer *view)
         int readonly = probe.readonly;
         PyBuffer_Release(&probe);
         if (readonly) {
-            PyErr_Format(PyExc_TypeError, "dst: expected a writable buffer (this %.100s is read-only)", Py_TYPE(obj)->tp_name);
+            PyErr_Format(PyExc_TypeError, "%s: expected a writable buffer (this %.100s is read-only)", what, Py_TYPE(obj)->tp_name);
             return -1;
         }
     } else if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "dst: expected a contiguous buffer (%.100s is not)", Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_ValueError, "%s: expected a contiguous buffer (%.100s is not)", what, Py_TYPE(obj)->tp_name);
         return -1;
     } else {
         PyErr_Clear();
     }
-    PyErr_Format(PyExc_TypeError, "dst: expected a writable bytes-like object, got %.100s", Py_TYPE(obj)->tp_name);
+    PyErr_Format(PyExc_TypeError, "%s: expected a writable bytes-like object, got %.100s", what, Py_TYPE(obj)->tp_name);
     return -1;
 }
 
@@ -99,7 +102,7 @@ static PyObject *run(stripes_fn stripes, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     if (have_dst) {
-        if (get_writable(args[2], &dst) < 0)
+        if (get_writable(args[2], &dst, "dst") < 0)
             goto fail;
         if (dst.len != src.len) {
             PyErr_Format(PyExc_ValueError, "dst: holds %zd bytes, src %zd: they must be the same size", dst.len, src.len);
@@ -214,11 +217,10 @@ done:
     return out;
 }
 
-/* Outcomes of xxh3_64_check_copy, in the order it checks (the Python wrapper names them). */
-#define CHECK_GOOD 0   /* copied into dst, and the checksum matches */
-#define CHECK_SHAPE 1  /* stored or payload is not the length a record for dst has: dst untouched */
-#define CHECK_HEAD 2   /* the stored head differs from the expected one: dst untouched */
-#define CHECK_SUM 3    /* copied, and the checksum differs: dst holds garbage */
+/* Outcomes of xxh3_64_check_copy, in the order it checks (the Python wrapper names them):
+   XXC_CHECK_GOOD, copied into dst and the checksum matches; _SHAPE, stored or payload is not
+   the length a record for dst has (dst untouched); _HEAD, the stored head differs from the
+   expected one (dst untouched); _SUM, copied, and the checksum differs (dst holds garbage). */
 
 /* A record's head and key are hashed first; longer ones than this go through the heap. */
 #define CHECK_PREFIX_MAX 256
@@ -245,7 +247,7 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
         goto release_head;
     if (get_readable(args[2], &stored, "stored") < 0)
         goto release_key;
-    if (have_dst && get_writable(args[3], &dst) < 0)
+    if (have_dst && get_writable(args[3], &dst, "dst") < 0)
         goto release_stored;
     if (apart && get_readable(args[4], &payload, "payload") < 0)
         goto release_dst;
@@ -256,9 +258,9 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
     const u8 *src = apart ? (const u8 *)payload.buf : rec + hlen + 8;
     int status;
     if (apart ? slen != hlen + 8 || (size_t)payload.len != n : slen != hlen + 8 + n) {
-        status = CHECK_SHAPE;
+        status = XXC_CHECK_SHAPE;
     } else if (memcmp(rec, head.buf, hlen) != 0) {
-        status = CHECK_HEAD;
+        status = XXC_CHECK_HEAD;
     } else {
         u8 *d = have_dst ? dst.buf : NULL;
         if (d != NULL && n > 0 && d < src + n && src < d + n) {
@@ -288,7 +290,7 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
         }
         if (prefix != small)
             PyMem_Free(prefix);
-        status = digest == read64(rec + hlen) ? CHECK_GOOD : CHECK_SUM;
+        status = digest == read64(rec + hlen) ? XXC_CHECK_GOOD : XXC_CHECK_SUM;
     }
     result = PyLong_FromLong(status);
 release_payload:
@@ -297,6 +299,83 @@ release_payload:
 release_dst:
     if (have_dst)
         PyBuffer_Release(&dst);
+release_stored:
+    PyBuffer_Release(&stored);
+release_key:
+    PyBuffer_Release(&key);
+release_head:
+    PyBuffer_Release(&head);
+    return result;
+}
+
+/* xxh3_64_read_check(fd, head, key, stored, row, piece) -> int: one raw record read from fd
+   (from offset 0) and checked without the GIL (_xxread.c): its stored head and checksum into
+   stored (len(head) + 8 bytes), which must start with head, then its payload into row, piece
+   bytes a pread (0: one), each piece hashed as it lands; the record must be exactly that long.
+   An XXC_CHECK_ outcome (_SHAPE: a read came short or long), OSError where a pread failed. */
+static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "expected (fd, head, key, stored, row, piece), got %zd arguments", nargs);
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0 || fd > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "fd: expected an open file descriptor, got %ld", fd);
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[5]);
+    if (piece == -1 && PyErr_Occurred())
+        return NULL;
+    if (piece < 0) {
+        PyErr_Format(PyExc_ValueError, "piece: expected a count of bytes >= 0, got %zd", piece);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer head, key, stored, row;
+    if (get_readable(args[1], &head, "head") < 0)
+        return NULL;
+    if (get_readable(args[2], &key, "key") < 0)
+        goto release_head;
+    if (get_writable(args[3], &stored, "stored") < 0)
+        goto release_key;
+    if (get_writable(args[4], &row, "row") < 0)
+        goto release_stored;
+    size_t hlen = (size_t)head.len, klen = (size_t)key.len, n = (size_t)row.len;
+    u8 *s = stored.buf, *r = row.buf;
+    if ((size_t)stored.len != hlen + 8) {
+        PyErr_Format(PyExc_ValueError, "stored: holds %zd bytes, expected len(head) + 8 = %zu", stored.len, hlen + 8);
+        goto release_row;
+    }
+    if (n > 0 && r < s + hlen + 8 && s < r + n) {
+        PyErr_SetString(PyExc_ValueError, "row: overlaps stored");
+        goto release_row;
+    }
+    u8 small[CHECK_PREFIX_MAX];
+    u8 *prefix = hlen + klen <= CHECK_PREFIX_MAX ? small : PyMem_Malloc(hlen + klen);
+    if (prefix == NULL) {
+        PyErr_NoMemory();
+        goto release_row;
+    }
+    memcpy(prefix, head.buf, hlen);
+    memcpy(prefix + hlen, key.buf, klen);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = xxc_read_check(stripes_for(0, n), (int)fd, head.buf, hlen, prefix, hlen + klen, s, r, n, (size_t)piece);
+    Py_END_ALLOW_THREADS
+    if (prefix != small)
+        PyMem_Free(prefix);
+    if (status < 0) {
+        errno = -status;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromLong(status);
+    }
+release_row:
+    PyBuffer_Release(&row);
 release_stored:
     PyBuffer_Release(&stored);
 release_key:
@@ -360,6 +439,13 @@ static PyMethodDef methods[] = {
      "(XXH3-64 of head + key + payload, little-endian after the stored head) differs (dst\n"
      "written). stored is the stored head and checksum, then the payload unless given apart.\n"
      "dst None: the record is checked, not copied (its payload's length is then its own)."},
+    {"xxh3_64_read_check", (PyCFunction)(void (*)(void))py_xxh3_64_read_check, METH_FASTCALL,
+     "xxh3_64_read_check(fd, head, key, stored, row, piece) -> int\n\n"
+     "One raw record read from fd and checked, without the GIL: its stored head and checksum\n"
+     "into stored (len(head) + 8 bytes), then its payload into row, piece bytes a pread (0: one\n"
+     "pread), each piece hashed as it lands. 0 good, 1 a read came short or long (the file is not\n"
+     "a record of len(row) bytes), 2 the stored head differs from head, 3 the checksum (XXH3-64\n"
+     "of head + key + payload) differs. OSError where a pread failed."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\n"

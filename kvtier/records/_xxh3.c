@@ -388,9 +388,23 @@ static void gather(u8 *out, const u8 *pre, size_t plen, const u8 *src, size_t st
         memcpy(out, src + (start - plen), len);
 }
 
+/* The digest of a long input from its accumulators after every stripe but the last one, and
+   its last 64 bytes (last). */
+static u64 merge(u64 *acc, const u8 *last, size_t total)
+{
+    accumulate_scalar(acc, last, SECRET + LAST_STRIPE_AT);
+    u64 result = (u64)total * PRIME64_1;
+    for (int i = 0; i < 4; i++)
+        result += mul_fold(acc[2 * i] ^ read64(SECRET + MERGE_AT + 16 * i), acc[2 * i + 1] ^ read64(SECRET + MERGE_AT + 16 * i + 8));
+    return avalanche(result);
+}
+
+static const u64 ACC_INIT[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
+
 static u64 hash_large(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *src, u8 *dst, size_t slen)
 {
-    u64 acc[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
+    u64 acc[8];
+    memcpy(acc, ACC_INIT, sizeof acc);
     size_t total = plen + slen;
     size_t full = (total - 1) / STRIPE; /* stripes before the last one, which is handled apart */
     u8 tmp[STRIPE], last_stripe[STRIPE];
@@ -414,11 +428,7 @@ static u64 hash_large(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *
         memcpy(dst, src, fused_from);
         memcpy(dst + fused_to, src + fused_to, slen - fused_to);
     }
-    accumulate_scalar(acc, last, SECRET + LAST_STRIPE_AT);
-    u64 result = (u64)total * PRIME64_1;
-    for (int i = 0; i < 4; i++)
-        result += mul_fold(acc[2 * i] ^ read64(SECRET + MERGE_AT + 16 * i), acc[2 * i + 1] ^ read64(SECRET + MERGE_AT + 16 * i + 8));
-    return avalanche(result);
+    return merge(acc, last, total);
 }
 
 XXC_INTERNAL u64 xxh3_copy(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *src, u8 *dst, size_t slen)
@@ -432,4 +442,47 @@ XXC_INTERNAL u64 xxh3_copy(stripes_fn stripes, const u8 *pre, size_t plen, const
     if (dst)
         memcpy(dst, src, slen);
     return hash_small(buf, total);
+}
+
+/* ---- a long input hashed while its src fills in (a read's pieces) ------------------------- */
+
+XXC_INTERNAL void xxh3_run_begin(xxh3_run *run, stripes_fn stripes, const u8 *pre, size_t plen, const u8 *src, size_t slen)
+{
+    memcpy(run->acc, ACC_INIT, sizeof run->acc);
+    run->stripes = stripes;
+    run->pre = pre;
+    run->plen = plen;
+    run->src = src;
+    run->slen = slen;
+    run->next = 0;
+    run->full = (plen + slen - 1) / STRIPE; /* every stripe but the last, taken at the end */
+}
+
+XXC_INTERNAL void xxh3_run_feed(xxh3_run *run, size_t filled)
+{
+    size_t ready = (run->plen + filled) / STRIPE; /* stripes whose bytes are all there */
+    if (ready > run->full)
+        ready = run->full;
+    u8 tmp[STRIPE];
+    for (; run->next < ready && STRIPE * run->next < run->plen; run->next++) { /* with prefix bytes */
+        gather(tmp, run->pre, run->plen, run->src, STRIPE * run->next, STRIPE);
+        run->stripes(run->acc, tmp, NULL, 1, run->next);
+    }
+    if (run->next < ready) {
+        run->stripes(run->acc, run->src + STRIPE * run->next - run->plen, NULL, ready - run->next, run->next);
+        run->next = ready;
+    }
+}
+
+XXC_INTERNAL u64 xxh3_run_end(xxh3_run *run)
+{
+    xxh3_run_feed(run, run->slen);
+    size_t total = run->plen + run->slen;
+    u8 last_stripe[STRIPE];
+    const u8 *last = last_stripe;
+    if (run->slen >= STRIPE)
+        last = run->src + run->slen - STRIPE;
+    else
+        gather(last_stripe, run->pre, run->plen, run->src, total - STRIPE, STRIPE);
+    return merge(run->acc, last, total);
 }

@@ -45,6 +45,43 @@ XXC_INTERNAL int xxc_cpu_has_prefetchw(void);
    pass, on the given stripes path. */
 XXC_INTERNAL u64 xxh3_copy(stripes_fn stripes, const u8 *pre, size_t plen, const u8 *src, u8 *dst, size_t slen);
 
+/* The XXH3-64 of pre[0:plen] + src[0:slen] (plen + slen > 240) taken while src fills in, front
+   to back: begin, feed with the count of src bytes there so far (as often as wanted, never
+   fewer than before), end once all slen are there (it feeds the rest). Each stripe is hashed
+   once all its bytes are there: a read's piece is hashed just after it lands. The result
+   equals xxh3_copy's without dst. */
+typedef struct {
+    u64 acc[8];
+    stripes_fn stripes;
+    const u8 *pre;
+    const u8 *src;
+    size_t plen, slen;
+    size_t next; /* the next stripe to hash */
+    size_t full; /* stripes hashed before the last one */
+} xxh3_run;
+
+#define XXH3_RUN_MIN 241 /* plen + slen a run takes: longer than the short forms' 240 */
+
+XXC_INTERNAL void xxh3_run_begin(xxh3_run *run, stripes_fn stripes, const u8 *pre, size_t plen, const u8 *src, size_t slen);
+XXC_INTERNAL void xxh3_run_feed(xxh3_run *run, size_t filled);
+XXC_INTERNAL u64 xxh3_run_end(xxh3_run *run);
+
+/* What a record's check found (xxh3_64_check_copy, xxh3_64_read_check), in the order it looks:
+   good; not a record of the row's length; another head; a checksum mismatch. */
+#define XXC_CHECK_GOOD 0
+#define XXC_CHECK_SHAPE 1
+#define XXC_CHECK_HEAD 2
+#define XXC_CHECK_SUM 3
+
+/* A raw record read from fd at offset 0 and checked (_xxread.c): its stored head and checksum
+   (hlen + 8 bytes) into stored, which must equal head in its first hlen bytes, then its n-byte
+   payload into row, piece bytes a pread, each piece hashed as it lands (piece 0: one pread);
+   the checksum is the XXH3-64 of prefix (head and key, plen bytes) + payload. One of the
+   XXC_CHECK_ outcomes, or -errno where a pread failed. Takes no Python object: run it without
+   the GIL. */
+XXC_INTERNAL int xxc_read_check(stripes_fn stripes, int fd, const u8 *head, size_t hlen, const u8 *prefix, size_t plen,
+                                u8 *stored, u8 *row, size_t n, size_t piece);
+
 /* ---- little-endian reads ---------------------------------------------------------------- */
 
 static inline u64 read64(const u8 *p)

@@ -18,6 +18,10 @@ Python calls as in bytes moved, so the checks that were a struct unpack, slices,
 concatenation and compares before the fused pass are one call here: the ``lmdb`` tier's
 straight reads and the ``file`` tier's plain reads take it.
 
+:func:`xxh3_read_check` is the ``file`` tier's read of one such record in one call: its head
+and checksum, then its payload straight into the row, a piece at a time, each piece hashed just
+after its ``pread`` lands it (``kvtier/records/_xxread.c``), with no Python between the pieces.
+
 Without the extension (no compiler at install) the same function runs a pure-Python path
 (:func:`xxh3_copy_python`) with identical results and errors; so does a CPU without AVX2,
 where the extension's portable scalar path ran slower than the Python one (``xxhash``'s own
@@ -28,6 +32,7 @@ loaded, :data:`PATH` which path this process takes.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +57,9 @@ __all__ = [
     "xxh3_joined",
     "xxh3_joined_native",
     "xxh3_joined_python",
+    "xxh3_read_check",
+    "xxh3_read_check_native",
+    "xxh3_read_check_python",
 ]
 
 try:
@@ -60,6 +68,8 @@ except ImportError:  # built without a C compiler: the Python path below
     _xxcopy = None
 
 _SUM = struct.Struct("<Q")
+#: XXH3's short forms take inputs up to this many bytes whole: such a record is read in one piece.
+_SHORT_MAX = 240
 
 #: Whether the native extension is loaded.
 NATIVE: bool = _xxcopy is not None
@@ -207,6 +217,63 @@ xxh3_check_copy_native: Callable[..., int] | None = _xxcopy.xxh3_64_check_copy i
 xxh3_check_copy: Callable[..., int] = (
     xxh3_check_copy_native if _VECTOR and xxh3_check_copy_native is not None else xxh3_check_copy_python
 )
+
+
+def xxh3_read_check_python(fd: int, head: Any, key: Any, stored: Any, row: Any, piece: int) -> int:
+    """:func:`xxh3_read_check` in Python: the same reads (``os.preadv``), outcome and errors."""
+    expected = _readable(head, "head")
+    prefix = bytes(expected) + bytes(_readable(key, "key"))
+    into, out = _writable(stored, "stored"), _writable(row, "row")
+    hlen, n = len(expected), len(out)
+    if len(into) != hlen + 8:
+        raise ValueError(f"stored: holds {len(into)} bytes, expected len(head) + 8 = {hlen + 8}")
+    if n and _address(out) < _address(into) + hlen + 8 and _address(into) < _address(out) + n:
+        raise ValueError("row: overlaps stored")
+    if piece < 0:
+        raise ValueError(f"piece: expected a count of bytes >= 0, got {piece}")
+    if not piece or len(prefix) + n <= _SHORT_MAX:
+        piece = n  # (the native pass hashes inputs this short in one piece)
+    spare = bytearray(1)  # a record of the right length never reaches it
+    first = min(n, piece)
+    if os.preadv(fd, [into, out[:first], spare] if first == n else [into, out[:first]], 0) != hlen + 8 + first:
+        return CHECK_SHAPE
+    if into[:hlen] != expected:
+        return CHECK_HEAD
+    h = xxhash.xxh3_64(prefix)
+    h.update(out[:first])
+    at = first
+    while at < n:
+        end = min(at + piece, n)
+        if os.preadv(fd, [out[at:end], spare] if end == n else [out[at:end]], hlen + 8 + at) != end - at:
+            return CHECK_SHAPE
+        h.update(out[at:end])
+        at = end
+    return CHECK_GOOD if h.intdigest() == _SUM.unpack_from(into, hlen)[0] else CHECK_SUM
+
+
+#: The native function (``None`` without the extension).
+xxh3_read_check_native: Callable[..., int] | None = _xxcopy.xxh3_64_read_check if _xxcopy is not None else None
+
+#: ``xxh3_read_check(fd, head, key, stored, row, piece) -> int``: one raw record read from the
+#: file ``fd`` (from offset 0) and checked in one call, one of the ``CHECK_*`` outcomes. Its
+#: stored head and checksum go into ``stored`` (``len(head) + 8`` bytes, which must begin with
+#: ``head``), its payload into ``row``, ``piece`` bytes a ``preadv`` (``0``: one ``preadv``),
+#: each piece hashed just after it lands, while it is in this core's cache; the last read also
+#: offers a spare byte, so a longer file is refused as a shorter one is (``CHECK_SHAPE``). The
+#: checksum is the XXH3-64 of ``head + key + payload``. ``OSError`` where a read fails;
+#: :class:`ValueError` or :class:`TypeError` naming a bad argument. The native function reads
+#: and hashes without the GIL and with no Python between the pieces; it is taken where
+#: :data:`xxh3_copy` is native, else :func:`xxh3_read_check_python`; looked up here at each use.
+xxh3_read_check: Callable[..., int] = (
+    xxh3_read_check_native if _VECTOR and xxh3_read_check_native is not None else xxh3_read_check_python
+)
+
+
+def _writable(obj: Any, what: str) -> memoryview:
+    out = _flat(obj, what, "a writable bytes-like object")
+    if out.readonly:
+        raise TypeError(f"{what}: expected a writable buffer (this {type(obj).__name__} is read-only)")
+    return out
 
 
 def fused() -> bool:
