@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["accelerators", "confines_intra_op", "copy_rows", "device_index", "locate", "one_intra_op_thread", "tensor_device", "usable_cpus", "wait_for_copies"]
+__all__ = ["accelerators", "confines_intra_op", "copy_rows", "device_index", "locate", "one_intra_op_thread", "openmp_team_runner", "tensor_device", "usable_cpus", "wait_for_copies"]
 
 #: Replaced by a test stand-in for ``torch.cuda``; ``None`` asks the tensor itself.
 locate: Callable[[torch.Tensor], torch.device] | None = None
@@ -49,6 +49,7 @@ class _OpenMP:
     def __init__(self) -> None:
         self.get: Any = None
         self.set: Any = None
+        self.parallel = 0  # the address of GOMP_parallel (0: not found)
         if not torch.backends.openmp.is_available():
             return
         try:
@@ -59,6 +60,10 @@ class _OpenMP:
         get.restype, get.argtypes = ctypes.c_int, []
         put.restype, put.argtypes = None, [ctypes.c_int]
         self.get, self.set = get, put
+        try:  # the same runtime's entry that runs a C function on the calling thread's team
+            self.parallel = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
+        except AttributeError:
+            pass
 
 
 _omp = _OpenMP()
@@ -68,6 +73,13 @@ def confines_intra_op() -> bool:
     """Whether :func:`one_intra_op_thread` can set a thread's count here (torch runs with an
     OpenMP runtime whose per-thread setting this process can reach)."""
     return _omp.set is not None
+
+
+def openmp_team_runner() -> int:
+    """The address of the OpenMP runtime's ``GOMP_parallel`` (GCC's ABI, which libgomp and
+    LLVM's libomp both export) in the runtime torch's ops use, so native code can run on the
+    calling thread's own team (:mod:`kvtier.transfer.block_copy`); 0 where there is none."""
+    return _omp.parallel if _omp.set is not None else 0
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtier.transfer import block_copy
+from kvtier.transfer.copies import TeamPace
 from kvtier.transfer.layout import KVLayout
 
 native = pytest.mark.skipif(not block_copy.NATIVE, reason="kvtier.transfer._blockcopy not built (no C compiler)")
@@ -150,27 +151,34 @@ def test_a_pool_resized_in_place_is_copied_where_it_now_is() -> None:
 
 
 @native
-def test_a_larger_job_is_copied_natively_while_the_pace_sends_it_alone() -> None:
-    """Past 8 blocks an inline job copies on the caller's team (torch), except while the pace
-    sends jobs to the thread alone: then it is one native call (faster than torch on one
-    thread), the same bytes, and the pace counts it as a job alone."""
+def test_a_larger_job_is_copied_natively_on_the_team_or_alone_as_the_pace_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 8 blocks an inline job is one native call too: on the caller's OpenMP team (as many
+    threads as torch's ops there take) where the pace keeps jobs on the team, on the thread alone
+    while it sends them alone; the same bytes either way, and the pace counts the job as what it
+    was (a team job, a job alone)."""
     layout = layouts()["pages"]
     nb = layout.native
     assert nb is not None
     ids, rows = [11, 0, 9, 2, 7, 4, 5, 6, 3, 8], [9, 0, 1, 2, 3, 4, 5, 6, 7, 8]
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
     inner = nb.copy
-    nb.copy = lambda save, i, pool, r: calls.append(len(i)) is None and inner(save, i, pool, r)  # type: ignore[method-assign]
+    nb.copy = lambda save, i, pool, r, threads=1: calls.append((len(i), threads)) is None and inner(save, i, pool, r, threads)  # type: ignore[method-assign]
+    noted: list[bool] = []
+    note = TeamPace.note
+    monkeypatch.setattr(TeamPace, "note", lambda pace, solo, *a: noted.append(solo) or note(pace, solo, *a))
     pools = {}
     for alone in (False, True):
         pool = torch.zeros((12, layout.block_bytes), dtype=torch.uint8)
         layout.copies.pace.until = float("inf") if alone else 0.0
         with layout.copies.on_callers_team(len(ids) * layout.block_bytes):  # timed: the pace applies
             assert layout.copies.alone_now() is alone
+            assert layout.copies.team_now() == (0 if alone else max(1, torch.get_num_threads()))
             layout.gather(ids, pool, rows, kept=True, checked=True)
-        assert not layout.copies.alone_now()
+        assert not layout.copies.alone_now() and layout.copies.team_now() == 0
         pools[alone] = pool
-    assert calls == [len(ids)]  # the job sent alone only
+    assert calls == [(len(ids), max(1, torch.get_num_threads())), (len(ids), 1)]
+    team_noted = block_copy.TEAM and torch.get_num_threads() > 1  # (one thread: a native job alone, not noted)
+    assert noted == ([False, True] if team_noted else [True])
     assert layout.copies.pace.alone > 0  # noted as a job alone
     assert torch.equal(pools[False], pools[True])
     assert all(torch.equal(pools[True][r], record_of(layout, b)) for r, b in zip(rows, ids))

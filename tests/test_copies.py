@@ -330,8 +330,8 @@ def test_a_job_on_the_callers_team_is_timed_and_copies_alone_while_the_pace_says
 def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The store's small jobs run inline; with the pace holding them alone they save and load
     exactly what the jobs on the caller's team do (these blocks are small: every job is paced).
-    A job copied in one native call (kvtier.transfer.block_copy, where built) does not use the
-    team: the pace counts it only as a job alone (the thread alone's pace), when it sent it so."""
+    A small job copied in one native call (kvtier.transfer.block_copy, where built) does not use
+    the team: the pace counts it only as a job alone (the thread alone's pace), when it sent it so."""
     monkeypatch.setattr(copies, "PACE_MIN_BYTES", 0)
     notes: list[bool] = []
 
@@ -364,7 +364,7 @@ def test_an_inline_job_copied_alone_writes_the_bytes_of_one_on_the_team(native: 
                 return [c[[1, 2, 4, 6]].view(torch.uint8) for c in caches] + [c[[3, 9, 0, 5]].view(torch.uint8) for c in caches]
 
         got.append(asyncio.run(run()))
-    # the save and the load on the team, then alone; natively, those on the team are not counted
+    # the save and the load on the team, then alone; natively (small jobs: one thread), those on the team are not counted
     assert notes == ([] if natively else [False, False]) + [True, True]
     for a, b in zip(*got):
         assert torch.equal(a, b)

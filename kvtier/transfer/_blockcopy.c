@@ -17,6 +17,17 @@
  * destination costs a whole extra pass over memory. One thread copying so a 4-block job of
  * 2 MiB blocks here runs at 1.2-1.3 ms against 1.3-1.7 ms for torch's ``_foreach_copy_`` of the
  * same pieces on a team of two threads. Smaller jobs use memcpy, leaving the bytes in cache.
+ *
+ * ``threads > 1`` (a sixth argument) runs the job on the calling thread's OpenMP team, through
+ * the runtime's ``GOMP_parallel`` that ``set_team(address)`` gave (the one torch loaded): every
+ * thread of the team takes the job's next block until none is left, so a helper that starts late
+ * leaves its share to the others. Right after one of torch's ops the team's helpers are awake
+ * (OpenMP spins them between regions, on this 2-CPU host for milliseconds), where a thread of our
+ * own found no free CPU and ran after the caller's share, not beside it. Measured here, 16 blocks
+ * of 2 MiB after a flush of the caches: 2.0 ms on a team of two against 3.7 ms on one thread and
+ * 3.3 ms (save) / 4.3 ms (load) for torch's index ops on the same team. A job whose destinations
+ * repeat (two rows of a gather, two ids of a scatter are one) copies in order on the calling thread,
+ * so the last one still wins. Both calls return the number of threads that copied.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -233,16 +244,87 @@ static int read_indexes(PyObject *seq, Py_ssize_t n, Py_ssize_t limit, Py_ssize_
 
 #define SMALL_JOB 16
 
+/* The OpenMP runtime's entry that runs fn(data) on the calling thread's team (GCC's ABI, which
+ * libgomp and LLVM's libomp both export): set by set_team() to the runtime torch loaded, so a
+ * job split over "the team" runs on the same threads as torch's own ops on that thread, whose
+ * helpers are awake (spinning) right after one. NULL: no team, every job on the calling thread. */
+typedef void (*team_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+static team_parallel_fn team_parallel = NULL;
+
+typedef struct {
+    const BlockCopier *copier;
+    char *pool_base;
+    const Py_ssize_t *rows;
+    const Py_ssize_t *ids;
+    Py_ssize_t k;
+    int save;
+    stream_fn stream;
+    Py_ssize_t next; /* the next block to copy, taken atomically by every thread of the team */
+} TeamJob;
+
+/* Block j's pieces (every tensor), in _foreach_copy_'s order. */
+static void copy_block(const BlockCopier *self, char *pool_base, Py_ssize_t row, Py_ssize_t id, int save, stream_fn stream)
+{
+    char *record = pool_base + row * self->row_bytes;
+    for (Py_ssize_t t = 0; t < self->tensors; t++) {
+        Py_ssize_t len = self->piece[t];
+        char *block = self->base[t] + id * len;
+        char *in_record = record + self->offset[t];
+        if (save)
+            copy_piece(in_record, block, (size_t)len, stream);
+        else
+            copy_piece(block, in_record, (size_t)len, stream);
+    }
+}
+
+/* One thread's part of a team job: the next block not taken yet, until none is left (a helper
+ * that starts late finds less to do, and the caller does the rest). */
+static void team_share(void *arg)
+{
+    TeamJob *job = (TeamJob *)arg;
+    for (;;) {
+        Py_ssize_t j = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (j >= job->k)
+            break;
+        copy_block(job->copier, job->pool_base, job->rows[j], job->ids[j], job->save, job->stream);
+    }
+#if BC_X86
+    if (job->stream != NULL)
+        _mm_sfence(); /* this thread's streamed stores, before the team's closing barrier */
+#endif
+}
+
+/* Whether two of the k destinations (rows of a gather, ids of a scatter, all < limit) are one:
+ * copied in parallel their order would be lost (in order, the last one wins). 1, 0, or -1 with
+ * an error. */
+static int has_repeat(const Py_ssize_t *dst, Py_ssize_t k, Py_ssize_t limit)
+{
+    unsigned char *seen = PyMem_Calloc((size_t)(limit + 7) / 8, 1);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int repeat = 0;
+    for (Py_ssize_t j = 0; j < k && !repeat; j++) {
+        unsigned char bit = (unsigned char)(1u << (dst[j] & 7));
+        repeat = (seen[dst[j] >> 3] & bit) != 0;
+        seen[dst[j] >> 3] |= bit;
+    }
+    PyMem_Free(seen);
+    return repeat;
+}
+
 static PyObject *copier_run(BlockCopier *self, PyObject *const *args, Py_ssize_t nargs, int save)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "%s(pool, pool_rows, row_bytes, rows, ids): expected 5 arguments, got %zd",
+    if (nargs != 5 && nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "%s(pool, pool_rows, row_bytes, rows, ids, threads=1): expected 5 or 6 arguments, got %zd",
                      save ? "gather" : "scatter", nargs);
         return NULL;
     }
     Py_ssize_t pool = PyLong_AsSsize_t(args[0]);
     Py_ssize_t pool_rows = PyLong_AsSsize_t(args[1]);
     Py_ssize_t row_bytes = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t threads = nargs == 6 ? PyLong_AsSsize_t(args[5]) : 1;
     if (PyErr_Occurred())
         return NULL;
     PyObject *rows = args[3], *ids = args[4];
@@ -253,6 +335,10 @@ static PyObject *copier_run(BlockCopier *self, PyObject *const *args, Py_ssize_t
     if (row_bytes != self->row_bytes || pool <= 0 || pool_rows < 0) {
         PyErr_Format(PyExc_ValueError, "pool: expected records of %zd bytes at a valid address, got %zd bytes, %zd rows", self->row_bytes,
                      row_bytes, pool_rows);
+        return NULL;
+    }
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "threads: expected an integer >= 1, got %zd", threads);
         return NULL;
     }
     Py_ssize_t k = Py_SIZE(rows);
@@ -277,27 +363,35 @@ static PyObject *copier_run(BlockCopier *self, PyObject *const *args, Py_ssize_t
     size_t total = (size_t)k * (size_t)self->job_bytes_per_block;
     stream_fn stream = total >= COPY_STREAM_MIN ? best_stream : NULL;
     char *pool_base = (char *)(uintptr_t)pool;
-    PyThreadState *ts = total >= RELEASE_GIL_AT ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t j = 0; j < k; j++) {
-        char *record = pool_base + r[j] * self->row_bytes;
-        for (Py_ssize_t t = 0; t < self->tensors; t++) {
-            Py_ssize_t len = self->piece[t];
-            char *block = self->base[t] + b[j] * len;
-            char *in_record = record + self->offset[t];
-            if (save)
-                copy_piece(in_record, block, (size_t)len, stream);
-            else
-                copy_piece(block, in_record, (size_t)len, stream);
+    if (threads > k)
+        threads = k;
+    if (threads > 1 && team_parallel != NULL) {
+        int repeat = save ? has_repeat(r, k, pool_rows) : has_repeat(b, k, self->blocks);
+        if (repeat < 0) {
+            PyMem_Free(heap);
+            return NULL;
         }
+        if (repeat)
+            threads = 1;
+    } else {
+        threads = 1;
     }
+    PyThreadState *ts = total >= RELEASE_GIL_AT ? PyEval_SaveThread() : NULL;
+    if (threads > 1) {
+        TeamJob job = {self, pool_base, r, b, k, save, stream, 0};
+        team_parallel(team_share, &job, (unsigned)threads, 0);
+    } else {
+        for (Py_ssize_t j = 0; j < k; j++)
+            copy_block(self, pool_base, r[j], b[j], save, stream);
 #if BC_X86
-    if (stream != NULL)
-        _mm_sfence(); /* the streamed stores are ordered before whatever follows the job */
+        if (stream != NULL)
+            _mm_sfence(); /* the streamed stores are ordered before whatever follows the job */
 #endif
+    }
     if (ts != NULL)
         PyEval_RestoreThread(ts);
     PyMem_Free(heap);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(threads);
 }
 
 static PyObject *copier_gather(BlockCopier *self, PyObject *const *args, Py_ssize_t nargs)
@@ -312,11 +406,13 @@ static PyObject *copier_scatter(BlockCopier *self, PyObject *const *args, Py_ssi
 
 static PyMethodDef copier_methods[] = {
     {"gather", (PyCFunction)(void (*)(void))copier_gather, METH_FASTCALL,
-     "gather(pool, pool_rows, row_bytes, rows, ids) -> None\n\n"
-     "Copy engine block ids[j] of every tensor into record rows[j] of the pool at address pool."},
+     "gather(pool, pool_rows, row_bytes, rows, ids, threads=1) -> the threads that copied\n\n"
+     "Copy engine block ids[j] of every tensor into record rows[j] of the pool at address pool; threads > 1: on the "
+     "calling thread's OpenMP team of that many (set_team), unless two rows are one."},
     {"scatter", (PyCFunction)(void (*)(void))copier_scatter, METH_FASTCALL,
-     "scatter(pool, pool_rows, row_bytes, rows, ids) -> None\n\n"
-     "Copy record rows[j] of the pool at address pool into engine block ids[j] of every tensor."},
+     "scatter(pool, pool_rows, row_bytes, rows, ids, threads=1) -> the threads that copied\n\n"
+     "Copy record rows[j] of the pool at address pool into engine block ids[j] of every tensor; threads > 1: on the "
+     "calling thread's OpenMP team of that many (set_team), unless two ids are one."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -363,6 +459,27 @@ static PyObject *py_set_path(PyObject *module, PyObject *arg)
     return NULL;
 }
 
+static PyObject *py_set_team(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    Py_ssize_t address = PyLong_AsSsize_t(arg);
+    if (address == -1 && PyErr_Occurred())
+        return NULL;
+    if (address < 0) {
+        PyErr_Format(PyExc_ValueError, "set_team: expected the address of GOMP_parallel (or 0: none), got %zd", address);
+        return NULL;
+    }
+    team_parallel = (team_parallel_fn)(uintptr_t)address;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_team(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyBool_FromLong(team_parallel != NULL);
+}
+
 static PyObject *py_path(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -388,6 +505,10 @@ static PyObject *py_paths(PyObject *module, PyObject *unused)
 static PyMethodDef methods[] = {
     {"path", py_path, METH_NOARGS, "path() -> the name of the stores large jobs stream with (memcpy: none)."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
+    {"set_team", py_set_team, METH_O,
+     "set_team(address): the OpenMP runtime's GOMP_parallel, which runs a job of threads > 1 on the calling thread's team "
+     "(0: none, every job on the calling thread)."},
+    {"team", py_team, METH_NOARGS, "team() -> whether set_team gave a team runner."},
     {"set_path", py_set_path, METH_O, "set_path(name): stream large jobs' stores on the named path (one of paths()), to compare them."},
     {NULL, NULL, 0, NULL},
 };

@@ -53,6 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Literal
 
+import torch
+
 from kvtier.devices import one_intra_op_thread, usable_cpus
 from kvtier.errors import LayoutError
 from kvtier.shares import run_all
@@ -183,30 +185,36 @@ class _CallersTeam:
     """:meth:`CopySplitter.on_callers_team`'s context: sets the thread's flag, then restores it;
     times the job for ``pace`` and, where it says so, confines the thread's copies to it."""
 
-    __slots__ = ("_alone", "_before", "_callers", "_cpu", "_nbytes", "_pace", "_wall")
+    __slots__ = ("_alone", "_before", "_callers", "_cpu", "_nbytes", "_pace", "_timed", "_wall")
 
     def __init__(self, callers: threading.local, pace: TeamPace | None, nbytes: int) -> None:
         self._callers = callers
         self._pace = pace  # None: not timed, on the team
         self._nbytes = nbytes
-        self._before = False
+        self._before = self._timed = False
         self._alone: contextlib.AbstractContextManager[None] | None = None
         self._wall = self._cpu = 0
 
     def __enter__(self) -> None:
-        self._before = getattr(self._callers, "on", False)
-        self._callers.on = True
+        callers = self._callers
+        self._before = getattr(callers, "on", False)
+        self._timed = getattr(callers, "timed", False)
+        callers.on = True
+        callers.timed = False  # whether a native copy may take the team (the pace times it)
         pace = self._pace
         if pace is not None:
             if pace.until != 0.0 and pace._clock() < pace.until:  # (pace.solo(), inline)
                 self._alone = one_intra_op_thread()
                 self._alone.__enter__()
-                self._callers.alone = True
+                callers.alone = True
+            else:
+                callers.timed = True
             self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
 
     def __exit__(self, *exc: object) -> None:
         pace = self._pace
         callers = self._callers
+        callers.timed = self._timed
         if pace is None:
             callers.on = self._before
             return
@@ -244,14 +252,33 @@ class CopySplitter:
         :attr:`pace` says so."""
         return _CallersTeam(self._callers, self.pace if nbytes >= PACE_MIN_BYTES else None, nbytes)
 
-    def copied_natively(self) -> None:
-        """This job's copy ran in one native call on this thread (:mod:`kvtier.transfer.block_copy`),
-        not on a team: inside :meth:`on_callers_team`, :attr:`pace` then does not count its time
-        for or against the team, unless the job was one the pace sent alone (:meth:`alone_now`):
-        that is the thread alone's pace (elsewhere nothing is noted)."""
+    def copied_natively(self, on_team: bool = False) -> None:
+        """This job's copy ran in one native call (:mod:`kvtier.transfer.block_copy`), on this
+        thread's team (``on_team``: a job :meth:`team_now` gave more than one thread, timed by
+        :attr:`pace` as any job on the team) or on this thread alone: inside
+        :meth:`on_callers_team`, :attr:`pace` then does not count its time for or against the
+        team, unless the job was one the pace sent alone (:meth:`alone_now`): that is the
+        thread alone's pace (elsewhere nothing is noted)."""
         callers = self._callers
-        if getattr(callers, "on", False) and not getattr(callers, "alone", False):
+        if not on_team and getattr(callers, "on", False) and not getattr(callers, "alone", False):
             callers.native = True
+
+    def team_now(self) -> int:
+        """The threads a native copy of this thread's job may take on its OpenMP team: the
+        team's size (at least 1) for a job inside :meth:`on_callers_team` that :attr:`pace`
+        times and keeps on the team (from :data:`PACE_MIN_BYTES`), else 0 (a job alone, a
+        smaller one, or one not run inline: a thread other than the engine's would start a
+        second team)."""
+        return max(1, torch.get_num_threads()) if getattr(self._callers, "timed", False) else 0
+
+    def native_threads(self, small: bool) -> int:
+        """The threads a native copy of this thread's job takes, where the layout has one: a
+        ``small`` job 1 (one thread, on or off the team); a larger one the team's
+        (:meth:`team_now`), or 1 while the pace sends it alone (:meth:`alone_now`); 0 otherwise
+        (torch copies it: on a transfer thread its per-tensor ops are split over the copy threads)."""
+        if small:
+            return 1
+        return self.team_now() or int(self.alone_now())
 
     def alone_now(self) -> bool:
         """Whether this thread's job runs inside :meth:`on_callers_team` on the thread alone,

@@ -63,7 +63,9 @@ _MAX_RUNS = 4
 # ``_foreach_copy_`` over (block, tensor) pieces, their views kept on both sides
 # (:class:`~kvtier.transfer.pool_views.BlockViews`): at 4 blocks of 32 layers ``index_copy_``
 # per tensor ran at 0.4 of it (benchmarks/bench_core.py --job-blocks 4); at 16 blocks the
-# calling thread's team of OpenMP threads makes the per-tensor ops faster.
+# calling thread's team of OpenMP threads makes the per-tensor ops faster. Natively such a job
+# copies on one thread, never on the team: a ~1 ms copy there lost a quarter of its rounds to
+# the helper's waits on a loaded host (bench_core --job-blocks 4, load average 3).
 _FOREACH_MAX_BLOCKS = 8
 
 
@@ -360,17 +362,18 @@ class KVLayout:
     def _small_run(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], save: bool) -> bool:
         """A job's own copy (``checked``, ``kept``) between host memory of at most
         ``_FOREACH_MAX_BLOCKS`` blocks: :attr:`native`, where built, copies them in one call on
-        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`); else, on a thread
-        that copies unsplit (an inline job) and rows in one ascending run, the one
-        ``_foreach_copy_`` of kept pieces that :meth:`_gather_index` / :meth:`_scatter_index`
-        choose for it, without their dispatch; ``False``, having copied nothing, for any other
-        job (tests compare each with the rest)."""
+        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`), and so a larger
+        inline job, on the caller's team while the pace keeps it there (:meth:`CopySplitter.team_now`),
+        else alone; else, on a thread that copies unsplit (inline) and rows in one ascending run,
+        the ``_foreach_copy_`` of kept pieces :meth:`_gather_index` / :meth:`_scatter_index` choose
+        for it, without their dispatch; ``False``, having copied nothing, for any other job."""
         k = len(rows)
         if not (0 < k and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
             return False
-        small = k <= _FOREACH_MAX_BLOCKS  # (native, larger jobs too while the pace sends them alone)
-        if self.native is not None and (small or self.copies.alone_now()) and self.native.copy(save, ids, pool, rows):
-            self.copies.copied_natively()
+        small = k <= _FOREACH_MAX_BLOCKS
+        native, copies = self.native, self.copies
+        if native is not None and (threads := copies.native_threads(small)) and (used := native.copy(save, ids, pool, rows, threads)):
+            copies.copied_natively(used > 1)
             return True
         r0 = rows[0]
         if not small or rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
