@@ -14,6 +14,10 @@ job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a jo
 one view of the tensor they are all cut from when they are (a manager's staging rows), else
 one per row.
 
+A keyed store's raw records of its own MAC take the same pass where their MAC is taken in the
+copy's pass (``PlainReads(mac=...)``: the 32-byte head compared, then
+:meth:`kvtier.records.mac.RecordMac.check_copy`, one native copy and AES-GMAC per record).
+
 Whatever is not such a record (absent, another layout, compressed, a bad checksum) is handed
 back to the caller key by key, in order (``odd``), and read by the general code: its bytes,
 errors, deletions and counters are the general read's. A slow lookup or an LMDB error stops the
