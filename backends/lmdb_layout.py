@@ -76,11 +76,14 @@ __all__ = ["COLD_GET_S", "DAMAGE_ERRORS", "ENTRY_SIZES", "INDEX", "JOINED", "Col
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
 #: Warm jobs of raw records are read in one pass on the calling thread
-#: (:meth:`JobReader.read_in_one_pass`): every plain job, and keyed jobs of fewer than
-#: :data:`~kvtier.records.checks.SIDE_MIN_BYTES`; ``False``: every job by the general read,
-#: which checks jobs of ``SIDE_MIN_BYTES`` or more on a side thread. A keyed job that large
-#: keeps the side thread: AES-GMAC runs at 2.9 GB/s on one core here (38 µs more per record),
-#: 2.3 times a copy, and two threads sharing it gain more than the hand-offs cost. Measured
+#: (:meth:`JobReader.read_in_one_pass`): every plain job, keyed jobs of fewer than
+#: :data:`~kvtier.records.checks.SIDE_MIN_BYTES`, and keyed jobs whose MAC is taken in the
+#: copy's pass (:meth:`~kvtier.records.mac.RecordMac.one_pass`); ``False``: every job by the
+#: general read, which checks jobs of ``SIDE_MIN_BYTES`` or more on a side thread. Another keyed
+#: job that large keeps the side thread: AES-GMAC through ``cryptography`` runs at 2.9 GB/s on
+#: one core here (38 µs more per record), 2.3 times a copy, and two threads sharing it gain more
+#: than the hand-offs cost; with the native pass, 2 MiB records in jobs of 8 read at 0.87-0.88 of
+#: a plain load in one pass, against 0.48-0.68 on the side thread (load 3). Measured
 #: (``benchmarks/bench_disk.py --quick``, 2 MiB records in jobs of 8, load 2, adjacent runs): a
 #: warm load at 0.71-0.82 of a raw get and copy in one pass, 0.54-0.59 with the side thread,
 #: whose hand-offs and second pass over the map cost more than the overlap gains when the
@@ -284,9 +287,10 @@ class JobReader:
                 outcome = self.read_in_one_pass(env, keys, out, mac, threaded=False, rows=rows)
             self.cold_ways.record(way, time.perf_counter() - start, nbytes)
             return outcome
-        if ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES):
+        if ONE_PASS_READS and (mac is None or nbytes < SIDE_MIN_BYTES or mac.one_pass()):
             # Unkeyed jobs of any size too: their checks on a side thread lost here at every
-            # size, even with the other core nearly free (ONE_PASS_READS).
+            # size, even with the other core nearly free (ONE_PASS_READS); and keyed ones
+            # whose MAC is taken in the copy's pass (RecordMac.one_pass).
             return self.read_in_one_pass(env, keys, out, mac, rows=rows)
         return self._read_general(env, keys, out, mac, cold=False)
 

@@ -8,7 +8,9 @@ hands the checksums of a whole job to a side thread in one hop and copies meanwh
 ``lmdb`` load then ran at 0.91-1.03 of a raw get and copy on 2 cores (``benchmarks/bench_disk.py``). A row whose check fails holds garbage and
 is reported as bad, which callers serve as a miss; nothing is reported good before its check.
 Where the native pass of :mod:`kvtier.records.xxcopy` is built, an unkeyed raw payload's copy
-and checksum are one pass instead (about a copy's cost), and stay on the calling thread.
+and checksum are one pass instead (about a copy's cost), and stay on the calling thread; so do
+an AES-GMAC payload's copy and MAC where :data:`kvtier.records.mac.gmac_copy` is built
+(:meth:`~kvtier.records.mac.RecordMac.one_pass`).
 
 :func:`fill_and_check` is the same for rows filled by a read (the ``file`` tier's ``preadv``,
 which releases the GIL too): a side thread checks each row once it is filled, while the next one
@@ -122,7 +124,9 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
     """Decode every item into its row and check it; per item, the error (``None``: good).
 
     Unkeyed raw payloads are copied and checked here in one pass where the native
-    :func:`~kvtier.records.xxcopy.xxh3_copy` is built (:func:`~kvtier.records.xxcopy.fused`):
+    :func:`~kvtier.records.xxcopy.xxh3_copy` is built (:func:`~kvtier.records.xxcopy.fused`),
+    and a keyed job's where its MAC is taken in the copy's pass
+    (:meth:`~kvtier.records.mac.RecordMac.one_pass`):
     that pass runs at about a copy's speed (``benchmarks/bench_xxcopy.py``), which leaves a side
     thread nothing to take. Otherwise, for a job of at least
     :data:`SIDE_MIN_BYTES` of raw payloads, this thread copies them into
@@ -143,7 +147,8 @@ def copy_and_check(items: Sequence[RawPayload], mac: RecordMac | None) -> list[C
     errors: list[CorruptBlockError | None] = [None] * len(items)
     raw = [i for i, item in enumerate(items) if item.header.codec_id == NoneCodec.codec_id]
     shared = None
-    if (mac is not None or not xxcopy.fused()) and sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
+    one_pass = xxcopy.fused() if mac is None else mac.one_pass()
+    if not one_pass and sum(len(items[i].out) for i in raw) >= SIDE_MIN_BYTES:
         shared = _SharedChecks([items[i] for i in raw], mac, _copy_payload, rows=mac is not None)
         if not shared.start():
             shared = None

@@ -195,10 +195,12 @@ def decode_payload(
 
     A raw, unkeyed payload is copied and checksummed in one pass
     (:func:`kvtier.records.xxcopy.xxh3_copy`: each piece loaded once, stored to ``out`` and
-    hashed). A keyed one is copied in chunks of :data:`COPY_CHUNK` bytes, each MACed right after
-    it lands in ``out``, while it is still in the CPU cache. ``out`` then holds garbage if the
-    check fails. (:mod:`kvtier.records.checks` checks a large job on a side thread
-    instead, while this thread copies.)
+    hashed). So is an AES-GMAC one where the native pass is built
+    (:meth:`~kvtier.records.mac.RecordMac.check_native`: the tag checked over the bytes stored
+    to ``out``). Another keyed one is copied in chunks of :data:`COPY_CHUNK` bytes, each MACed
+    right after it lands in ``out``, while it is still in the CPU cache. ``out`` then holds
+    garbage if the check fails. (:mod:`kvtier.records.checks` checks a large job on a side
+    thread instead, while this thread copies, where the check is not in the copy's pass.)
     """
     head = memoryview(head)
     if header.codec_id == NoneCodec.codec_id and mac is None and not header.keyed:
@@ -207,6 +209,10 @@ def decode_payload(
             raise CorruptBlockError("record checksum mismatch")
         return
     if header.codec_id == NoneCodec.codec_id:
+        if mac is not None and header.keyed and mac.native(header.flags):
+            # One native pass: each piece loaded once, stored to out and hashed (mac.gmac_copy).
+            mac.check_native(head[:CHECKED], key, head[HEADER_SIZE : HEADER_SIZE + MAC_TAG_SIZE], payload, out)
+            return
         h = payload_hasher(key, head, header, mac)
         n = len(out)
         for a in range(0, n, COPY_CHUNK):
@@ -248,6 +254,9 @@ def verify_payload(key: bytes, header_bytes: Any, header: RecordHeader, payload:
 
     ``header_bytes`` holds the header and, for a keyed record, the tag that follows it."""
     head = memoryview(header_bytes)
+    if mac is not None and header.keyed and mac.native(header.flags):
+        mac.check_native(head[:CHECKED], key, head[HEADER_SIZE : HEADER_SIZE + MAC_TAG_SIZE], payload)
+        return
     h = payload_hasher(key, head, header, mac)
     h.update(payload)
     check_digest(h, head, header)
