@@ -107,18 +107,20 @@ READ_PATHS = ["python", *(["native"] if xxcopy.xxh3_read_check_native is not Non
 
 
 def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``xxcopy.xxh3_read_check`` on one path (``"python"`` or ``"native"``) for the rest of the
-    test, recording the outcome of each call in the list returned."""
-    fn = xxcopy.xxh3_read_check_python if path == "python" else xxcopy.xxh3_read_check_native
-    assert fn is not None
+    """``xxcopy.xxh3_read_check`` and ``xxh3_read_check_at`` (the flat layout's, which opens the
+    file too) on one path (``"python"`` or ``"native"``) for the rest of the test, recording the
+    outcome of each call in the list returned."""
     seen: list[int] = []
+    for name in ("xxh3_read_check", "xxh3_read_check_at"):
+        fn = getattr(xxcopy, f"{name}_{path}")
+        assert fn is not None
 
-    def recording(*args: Any) -> int:
-        status = fn(*args)
-        seen.append(status)
-        return status
+        def recording(*args: Any, fn: Any = fn) -> int:
+            status = fn(*args)
+            seen.append(status)
+            return status  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(xxcopy, "xxh3_read_check", recording)
+        monkeypatch.setattr(xxcopy, name, recording)
     return seen
 
 

@@ -5,6 +5,7 @@ holds the damage; and the native one is what the ``file`` tier calls wherever it
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from collections.abc import Callable
@@ -124,3 +125,47 @@ def test_bad_arguments_and_failed_reads_are_refused_by_name(tmp_path: Path, name
             fn(directory, HEAD, KEY, bytearray(32), bytearray(100), 0)
     finally:
         os.close(directory)
+
+
+AT_FNS: dict[str, Callable[..., int]] = {"python": xxcopy.xxh3_read_check_at_python}
+if xxcopy.xxh3_read_check_at_native is not None:
+    AT_FNS["native"] = xxcopy.xxh3_read_check_at_native
+
+
+@pytest.mark.parametrize("damage, outcome", [(None, CHECK_GOOD), ("flip_last", CHECK_SUM), ("flip_head", CHECK_HEAD), ("short", CHECK_SHAPE)])
+@pytest.mark.parametrize("piece", [0, 4096])
+def test_a_record_opened_by_name_reads_as_by_descriptor(tmp_path: Path, damage: str | None, outcome: int, piece: int):
+    """``xxh3_read_check_at`` (open, read, check, close in one call) gives what the call on an
+    open descriptor gives, on both paths, by ``str`` or ``bytes`` name."""
+    payload = _write(tmp_path / "r.kvb", 5000, damage=damage)
+    assert _read_both(tmp_path / "r.kvb", 5000, piece)[0] == outcome
+    root = os.open(tmp_path, os.O_RDONLY)
+    try:
+        for fn in AT_FNS.values():
+            for name in ("r.kvb", b"r.kvb"):
+                row = bytearray(5000)
+                assert fn(root, name, HEAD, KEY, bytearray(32), row, piece) == outcome
+                if outcome == CHECK_GOOD:
+                    assert bytes(row) == payload
+    finally:
+        os.close(root)
+
+
+@pytest.mark.parametrize("name", list(AT_FNS))
+def test_an_absent_record_or_a_symlink_is_refused_at_its_open_by_name(tmp_path: Path, name: str):
+    fn = AT_FNS[name]
+    _write(tmp_path / "r.kvb", 100)
+    (tmp_path / "link.kvb").symlink_to(tmp_path / "r.kvb")
+    root = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(FileNotFoundError) as absent:
+            fn(root, "gone.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0)
+        assert absent.value.filename == "gone.kvb"
+        with pytest.raises(OSError) as link:  # O_NOFOLLOW: ELOOP, never the file it points to
+            fn(root, "link.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0)
+        assert link.value.errno == errno.ELOOP and link.value.filename == "link.kvb"
+        with pytest.raises(ValueError, match=r"piece: expected a count of bytes >= 0, got -1"):
+            fn(root, "gone.kvb", HEAD, KEY, bytearray(32), bytearray(100), -1)  # checked before the open
+        assert fn(root, "r.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0) == CHECK_GOOD
+    finally:
+        os.close(root)

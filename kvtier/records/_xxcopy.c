@@ -8,7 +8,9 @@
 #include "_xxh3.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <unistd.h>
 
 /* ---- Python binding ---------------------------------------------------------------------- */
 
@@ -308,26 +310,12 @@ release_head:
     return result;
 }
 
-/* xxh3_64_read_check(fd, head, key, stored, row, piece) -> int: one raw record read from fd
-   (from offset 0) and checked without the GIL (_xxread.c): its stored head and checksum into
-   stored (len(head) + 8 bytes), which must start with head, then its payload into row, piece
-   bytes a pread (0: one), each piece hashed as it lands; the record must be exactly that long.
-   An XXC_CHECK_ outcome (_SHAPE: a read came short or long), OSError where a pread failed. */
-static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The checks and the call of xxh3_64_read_check and xxh3_64_read_check_at: args are (head, key,
+   stored, row, piece); the record is fd, or where fd < 0 the file name (bytes) opened beneath
+   dir_fd (O_NOFOLLOW) and closed here; shown: the name as the caller gave it, for an error. */
+static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject *name, PyObject *shown)
 {
-    (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "expected (fd, head, key, stored, row, piece), got %zd arguments", nargs);
-        return NULL;
-    }
-    long fd = PyLong_AsLong(args[0]);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
-    if (fd < 0 || fd > INT_MAX) {
-        PyErr_Format(PyExc_ValueError, "fd: expected an open file descriptor, got %ld", fd);
-        return NULL;
-    }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
     if (piece == -1 && PyErr_Occurred())
         return NULL;
     if (piece < 0) {
@@ -336,13 +324,13 @@ static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, 
     }
     PyObject *result = NULL;
     Py_buffer head, key, stored, row;
-    if (get_readable(args[1], &head, "head") < 0)
+    if (get_readable(args[0], &head, "head") < 0)
         return NULL;
-    if (get_readable(args[2], &key, "key") < 0)
+    if (get_readable(args[1], &key, "key") < 0)
         goto release_head;
-    if (get_writable(args[3], &stored, "stored") < 0)
+    if (get_writable(args[2], &stored, "stored") < 0)
         goto release_key;
-    if (get_writable(args[4], &row, "row") < 0)
+    if (get_writable(args[3], &row, "row") < 0)
         goto release_stored;
     size_t hlen = (size_t)head.len, klen = (size_t)key.len, n = (size_t)row.len;
     u8 *s = stored.buf, *r = row.buf;
@@ -362,15 +350,30 @@ static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, 
     }
     memcpy(prefix, head.buf, hlen);
     memcpy(prefix + hlen, key.buf, klen);
-    int status;
+    int status, opened = fd >= 0;
+    const char *path = name != NULL ? PyBytes_AS_STRING(name) : NULL;
     Py_BEGIN_ALLOW_THREADS
-    status = xxc_read_check(stripes_for(0, n), (int)fd, head.buf, hlen, prefix, hlen + klen, s, r, n, (size_t)piece);
+    if (!opened) {
+        do
+            fd = openat(dir_fd, path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        while (fd < 0 && errno == EINTR);
+    }
+    if (fd < 0) {
+        status = -errno;
+    } else {
+        status = xxc_read_check(stripes_for(0, n), fd, head.buf, hlen, prefix, hlen + klen, s, r, n, (size_t)piece);
+        if (!opened)
+            close(fd);
+    }
     Py_END_ALLOW_THREADS
     if (prefix != small)
         PyMem_Free(prefix);
     if (status < 0) {
         errno = -status;
-        PyErr_SetFromErrno(PyExc_OSError);
+        if (fd < 0) /* the open failed: named, as os.open names it (ENOENT: FileNotFoundError) */
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, shown);
+        else
+            PyErr_SetFromErrno(PyExc_OSError);
     } else {
         result = PyLong_FromLong(status);
     }
@@ -382,6 +385,55 @@ release_key:
     PyBuffer_Release(&key);
 release_head:
     PyBuffer_Release(&head);
+    return result;
+}
+
+static int get_fd(PyObject *obj, const char *what)
+{
+    long fd = PyLong_AsLong(obj);
+    if (fd == -1 && PyErr_Occurred())
+        return -1;
+    if (fd < 0 || fd > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: expected an open file descriptor, got %ld", what, fd);
+        return -1;
+    }
+    return (int)fd;
+}
+
+/* xxh3_64_read_check(fd, head, key, stored, row, piece) -> int: one raw record read from fd
+   (from offset 0) and checked without the GIL (_xxread.c): its stored head and checksum into
+   stored (len(head) + 8 bytes), which must start with head, then its payload into row, piece
+   bytes a pread (0: one), each piece hashed as it lands; the record must be exactly that long.
+   An XXC_CHECK_ outcome (_SHAPE: a read came short or long), OSError where a pread failed. */
+static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "expected (fd, head, key, stored, row, piece), got %zd arguments", nargs);
+        return NULL;
+    }
+    int fd = get_fd(args[0], "fd");
+    return fd < 0 ? NULL : read_check(args + 1, fd, -1, NULL, NULL);
+}
+
+/* xxh3_64_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int: the same, for the
+   file name (str or bytes) opened beneath dir_fd (O_NOFOLLOW | O_CLOEXEC) and closed in the
+   same call; OSError naming it where it cannot be opened. */
+static PyObject *py_xxh3_64_read_check_at(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "expected (dir_fd, name, head, key, stored, row, piece), got %zd arguments", nargs);
+        return NULL;
+    }
+    int dir_fd = get_fd(args[0], "dir_fd");
+    if (dir_fd < 0)
+        return NULL;
+    PyObject *name = NULL;
+    if (!PyUnicode_FSConverter(args[1], &name))
+        return NULL;
+    PyObject *result = read_check(args + 2, -1, dir_fd, name, args[1]);
+    Py_DECREF(name);
     return result;
 }
 
@@ -446,6 +498,10 @@ static PyMethodDef methods[] = {
      "pread), each piece hashed as it lands. 0 good, 1 a read came short or long (the file is not\n"
      "a record of len(row) bytes), 2 the stored head differs from head, 3 the checksum (XXH3-64\n"
      "of head + key + payload) differs. OSError where a pread failed."},
+    {"xxh3_64_read_check_at", (PyCFunction)(void (*)(void))py_xxh3_64_read_check_at, METH_FASTCALL,
+     "xxh3_64_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int\n\n"
+     "xxh3_64_read_check of the file name opened beneath dir_fd (O_NOFOLLOW) and closed in the\n"
+     "same call, without the GIL; OSError naming it where it cannot be opened."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\n"

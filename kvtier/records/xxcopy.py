@@ -58,6 +58,9 @@ __all__ = [
     "xxh3_joined_native",
     "xxh3_joined_python",
     "xxh3_read_check",
+    "xxh3_read_check_at",
+    "xxh3_read_check_at_native",
+    "xxh3_read_check_at_python",
     "xxh3_read_check_native",
     "xxh3_read_check_python",
 ]
@@ -70,6 +73,7 @@ except ImportError:  # built without a C compiler: the Python path below
 _SUM = struct.Struct("<Q")
 #: XXH3's short forms take inputs up to this many bytes whole: such a record is read in one piece.
 _SHORT_MAX = 240
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 #: Whether the native extension is loaded.
 NATIVE: bool = _xxcopy is not None
@@ -219,8 +223,11 @@ xxh3_check_copy: Callable[..., int] = (
 )
 
 
-def xxh3_read_check_python(fd: int, head: Any, key: Any, stored: Any, row: Any, piece: int) -> int:
-    """:func:`xxh3_read_check` in Python: the same reads (``os.preadv``), outcome and errors."""
+def _read_check_args(head: Any, key: Any, stored: Any, row: Any, piece: int) -> tuple[memoryview, bytes, memoryview, memoryview]:
+    """The checks of :func:`xxh3_read_check_python`'s arguments, in the native call's order:
+    the expected head, the prefix hashed (head and key), ``stored`` and ``row`` as views."""
+    if piece < 0:
+        raise ValueError(f"piece: expected a count of bytes >= 0, got {piece}")
     expected = _readable(head, "head")
     prefix = bytes(expected) + bytes(_readable(key, "key"))
     into, out = _writable(stored, "stored"), _writable(row, "row")
@@ -229,8 +236,13 @@ def xxh3_read_check_python(fd: int, head: Any, key: Any, stored: Any, row: Any, 
         raise ValueError(f"stored: holds {len(into)} bytes, expected len(head) + 8 = {hlen + 8}")
     if n and _address(out) < _address(into) + hlen + 8 and _address(into) < _address(out) + n:
         raise ValueError("row: overlaps stored")
-    if piece < 0:
-        raise ValueError(f"piece: expected a count of bytes >= 0, got {piece}")
+    return memoryview(expected), prefix, into, out
+
+
+def xxh3_read_check_python(fd: int, head: Any, key: Any, stored: Any, row: Any, piece: int) -> int:
+    """:func:`xxh3_read_check` in Python: the same reads (``os.preadv``), outcome and errors."""
+    expected, prefix, into, out = _read_check_args(head, key, stored, row, piece)
+    hlen, n = len(expected), len(out)
     if not piece or len(prefix) + n <= _SHORT_MAX:
         piece = n  # (the native pass hashes inputs this short in one piece)
     spare = bytearray(1)  # a record of the right length never reaches it
@@ -266,6 +278,30 @@ xxh3_read_check_native: Callable[..., int] | None = _xxcopy.xxh3_64_read_check i
 #: :data:`xxh3_copy` is native, else :func:`xxh3_read_check_python`; looked up here at each use.
 xxh3_read_check: Callable[..., int] = (
     xxh3_read_check_native if _VECTOR and xxh3_read_check_native is not None else xxh3_read_check_python
+)
+
+
+def xxh3_read_check_at_python(dir_fd: int, name: Any, head: Any, key: Any, stored: Any, row: Any, piece: int) -> int:
+    """:func:`xxh3_read_check_at` in Python: the same open, reads, outcome and errors."""
+    _read_check_args(head, key, stored, row, piece)
+    fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    try:
+        return xxh3_read_check_python(fd, head, key, stored, row, piece)
+    finally:
+        os.close(fd)
+
+
+#: The native function (``None`` without the extension).
+xxh3_read_check_at_native: Callable[..., int] | None = _xxcopy.xxh3_64_read_check_at if _xxcopy is not None else None
+
+#: ``xxh3_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int``:
+#: :func:`xxh3_read_check` of the file ``name`` opened beneath the directory ``dir_fd``
+#: (``O_NOFOLLOW``, ``O_CLOEXEC``) and closed in the same call: one call a record, open to
+#: close (``FileNotFoundError``, or the ``OSError`` naming it, where it cannot be opened). The
+#: native function where :data:`xxh3_copy` is native, else :func:`xxh3_read_check_at_python`;
+#: looked up here at each use.
+xxh3_read_check_at: Callable[..., int] = (
+    xxh3_read_check_at_native if _VECTOR and xxh3_read_check_at_native is not None else xxh3_read_check_at_python
 )
 
 
