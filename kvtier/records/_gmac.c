@@ -11,7 +11,7 @@
  * exactly the bytes the row holds. Bytes not folded from a stored register are hashed from the
  * row after they were written to it, never from the source a second time.
  *
- * Only on x86-64 with AVX-512 (F, BW) and VPCLMULQDQ: 16 blocks (256 bytes) a step, each lane
+ * Only on x86-64 with AVX-512 (F, BW), VPCLMULQDQ and AES-NI (each asked of the CPU): 16 blocks (256 bytes) a step, each lane
  * multiplied by its own power of H, the 256-bit products summed and reduced once a step.
  * Elsewhere path is "none" and the Python side keeps the general path (the cryptography
  * package), with the same tags.
@@ -422,8 +422,10 @@ PyMODINIT_FUNC PyInit__gmac(void)
 {
 #if GM_X86
     __builtin_cpu_init();
+    /* Every set TARGET names: AES-NI can be off where the rest is on (firmware, a VM). */
     have_vector = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                  && __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul");
+                  && __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")
+                  && __builtin_cpu_supports("aes") && __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("ssse3");
     unsigned int a, b, c, d;
     if (__get_cpuid(0x80000001U, &a, &b, &c, &d))
         prefetch_writes = (c >> 8) & 1; /* PRFCHW */
