@@ -211,6 +211,7 @@ class JobReader:
     path: str
     block_bytes: int
     plain: PlainReads  # the tight pass over warm jobs of plain records
+    keyed: PlainReads | None = None  # the same over raw records of the store's MAC (keyed stores)
     views: RowViews | None = None  # the rows' views of unkeyed jobs, checked and kept by address
     guard: FileGuard | None = None  # refuses reads of a data.mdb cut short under the store
     temperature: Temperature = field(default_factory=lambda: Temperature())
@@ -375,10 +376,15 @@ class JobReader:
         first, slow_at, slow_pair = 0, -1, None  # the first key the loop below reads; one found slow to look up
         txn = self._begin(env)
         try:
-            if rows is None and mac is None:
+            reads = self.plain
+            if mac is not None and self.keyed is not None and mac.one_pass():
+                reads = self.keyed  # raw records of the store's MAC: the same pass, MACed
+                if rows is None:
+                    rows = host_rows(out, size, borrowed=True)
+            elif rows is None and mac is None:
                 rows = host_rows(out, size, borrowed=True)  # out outlives the pass
             if rows is not None:
-                stop = self.plain.read(
+                stop = reads.read(
                     txn, keys, rows, outcome.found, time.perf_counter, self.temperature.slow,
                     lambda i, entry, value: self._read_odd(i, keys, out, self.checked_pair(keys[i], entry, value, bad), mac, outcome),
                     COLD_GET_S,

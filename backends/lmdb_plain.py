@@ -14,6 +14,10 @@ job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a jo
 one view of the tensor they are all cut from when they are (a manager's staging rows), else
 one per row.
 
+A keyed store's raw records of its own MAC take the same pass where their MAC is taken in the
+copy's pass (``PlainReads(mac=...)``: the 32-byte head compared, then
+:meth:`kvtier.records.mac.RecordMac.check_copy`, one native copy and AES-GMAC per record).
+
 Whatever is not such a record (absent, another layout, compressed, a bad checksum) is handed
 back to the caller key by key, in order (``odd``), and read by the general code: its bytes,
 errors, deletions and counters are the general read's. A slow lookup or an LMDB error stops the
@@ -39,7 +43,9 @@ from kvtier.errors import DiskError
 from kvtier.keys import KEY_BYTES
 from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
-from kvtier.records.record import HEADER
+from kvtier.records.codec import NoneCodec
+from kvtier.records.mac import RecordMac
+from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "one_row", "same_size"]
 
@@ -206,9 +212,12 @@ one_row: Callable[..., memoryview | bool | None] = _rowguard.one_row if _rowguar
 class PlainReads:
     """The tight pass over a warm job of plain records of one store (see the module doc)."""
 
-    __slots__ = ("blocks", "entry_size", "head", "head_at", "index", "joined_size", "prefix", "size")
+    __slots__ = ("blocks", "check", "entry_size", "head", "head_at", "index", "joined_size", "prefix", "size")
 
-    def __init__(self, *, blocks: Any, index: Any, block_bytes: int, dtype_code: int, head_at: int) -> None:
+    def __init__(self, *, blocks: Any, index: Any, block_bytes: int, dtype_code: int, head_at: int, mac: RecordMac | None = None) -> None:
+        """``mac``: the pass reads the raw records keyed with ``mac``'s own algorithm instead
+        (for reads only; :meth:`RecordMac.check_copy` checks them, as ``xxh3_check_copy`` checks
+        plain ones)."""
         self.blocks = blocks
         self.index = index
         self.size = block_bytes
@@ -219,6 +228,15 @@ class PlainReads:
         self.head_at = head_at  # where the head starts in an index entry
         self.entry_size = head_at + HEADER.size
         self.joined_size = HEADER.size + block_bytes
+        #: A record's check and copy (``None``: xxcopy.xxh3_check_copy, looked up at each job).
+        self.check: Callable[..., int] | None = None
+        if mac is not None:
+            # what encode_record writes for a raw record keyed with mac: the 24 bytes its tag
+            # covers, then the unused checksum field (zero)
+            self.head = HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, mac.flag, block_bytes, block_bytes, 0)
+            self.entry_size = head_at + HEAD_MAX
+            self.joined_size = HEAD_MAX + block_bytes
+            self.check = mac.check_copy
 
     def read(
         self,
@@ -240,7 +258,7 @@ class PlainReads:
         ``(i, error, None, None)`` when an LMDB error stopped the pass at key ``i`` (``txn``
         may be unusable)."""
         get, blocks, index, entry_size = txn.get, self.blocks, self.index, self.entry_size
-        head, head_at, check = self.head, self.head_at, xxcopy.xxh3_check_copy
+        head, head_at, check = self.head, self.head_at, self.check or xxcopy.xxh3_check_copy
         joined_size = self.joined_size
         i = 0
         try:

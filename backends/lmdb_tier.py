@@ -321,6 +321,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             self._reader = JobReader(
                 blocks=self._blocks, index=self._index, psize=self._psize, map_base=base, path=self.path, block_bytes=fmt.block_bytes,
                 plain=PlainReads(blocks=self._blocks, index=self._index, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), head_at=INDEX.size),
+                keyed=None if self.mac is None else PlainReads(
+                    blocks=self._blocks, index=self._index, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), head_at=INDEX.size, mac=self.mac
+                ),
                 guard=FileGuard(os.path.join(self.path, "data.mdb")), views=RowViews(fmt.block_bytes),
             )
             reader = self._reader

@@ -377,9 +377,13 @@ def test_a_large_job_is_checked_on_the_side_thread_and_a_bad_record_is_a_miss(
 
     monkeypatch.setattr(record_jobs, "_submit", counting)
     # The general read (what a cold job takes): a warm plain one is read in one pass on the
-    # calling thread (tests/test_lmdb_plain_reads.py); a warm keyed one this large is not.
+    # calling thread (tests/test_lmdb_plain_reads.py); a warm keyed one this large is not where
+    # its MAC is not taken in the copy's pass (tests/test_gmac_native.py for that pass).
     from kvtier.backends import lmdb_layout
 
+    from kvtier.records import mac as mac_module
+
+    monkeypatch.setattr(mac_module, "gmac_copy", None)
     if not keyed:
         monkeypatch.setattr(lmdb_layout, "ONE_PASS_READS", False)
         # The Python path of the copy's checksum: the native one checks in the copy's own pass,

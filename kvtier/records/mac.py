@@ -93,6 +93,10 @@ _GMAC_NONCE = bytes(12)
 #: ``cryptography`` alone (the general path), with the same tags. Looked up here at each use,
 #: so a test can take either path.
 gmac_copy: Callable[..., bytes] | None = _gmac.gmac_copy if _gmac is not None and _gmac.path != "none" else None
+#: The outcomes of :meth:`RecordMac.check_copy` (``kvtier.records.xxcopy``'s ``CHECK_*``).
+_CHECK_GOOD, _CHECK_SHAPE, _CHECK_HEAD, _CHECK_SUM = 0, 1, 2, 3
+#: Header bytes a tag covers (``kvtier.records.record.CHECKED``).
+_CHECKED = 24
 #: BLAKE3's key derivation context for the record MAC key (fixed: it is part of the format).
 _BLAKE3_CONTEXT = "kvtier record MAC key v1"
 #: Updates of at least this many bytes are hashed by BLAKE3 on several threads.
@@ -225,6 +229,30 @@ class RecordMac:
             raise RecordAuthError(f"record MAC tag: expected {MAC_TAG_SIZE} bytes, got {len(tag)}")
         if not hmac.compare_digest(fn(self._gmac_key(tag[:_GMAC_SALT]), bytes(head) + key, payload, out), tag[_GMAC_SALT:]):
             raise RecordAuthError("record MAC mismatch (forged, or written with another secret)")
+
+    def check_copy(self, head: Any, key: bytes, stored: Any, dst: Any, payload: Any = None) -> int:
+        """One raw AES-GMAC record checked and copied into ``dst`` in one call, with the
+        contract of :func:`~kvtier.records.xxcopy.xxh3_check_copy` (one of its ``CHECK_*``
+        outcomes): ``stored`` begins with ``head`` and the 32-byte tag, and
+        the payload follows in it (``len(head) + 32 + len(dst)`` bytes) or is given apart
+        (``stored`` then exactly ``len(head) + 32``). ``head`` is the 24 bytes the tag covers
+        and the unused checksum field (zero), as ``encode_record`` writes them. The copy and the MAC are one native pass
+        (:meth:`check_native`). ``CHECK_SHAPE`` (``dst`` untouched) where the pass is not built:
+        the caller's general path reads the record."""
+        fn = gmac_copy
+        n = len(dst)
+        at = len(head)
+        if payload is None:
+            if fn is None or len(stored) != at + MAC_TAG_SIZE + n:
+                return _CHECK_SHAPE
+            payload = memoryview(stored)[at + MAC_TAG_SIZE :]
+        elif fn is None or len(stored) != at + MAC_TAG_SIZE or len(payload) != n:
+            return _CHECK_SHAPE
+        if stored[:at] != head:
+            return _CHECK_HEAD
+        tag = bytes(stored[at : at + MAC_TAG_SIZE])
+        got = fn(self._gmac_key(tag[:_GMAC_SALT]), head[:_CHECKED] + key, payload, dst)
+        return _CHECK_GOOD if hmac.compare_digest(got, tag[_GMAC_SALT:]) else _CHECK_SUM
 
     def accepts(self, flags: int) -> bool:
         """Whether records with ``flags`` are checked with this MAC: those of its own algorithm,
