@@ -15,7 +15,7 @@ import torch
 import kvtier
 from kvtier.devices import openmp_team_runner
 from kvtier.transfer import block_copy, copies
-from kvtier.transfer.copies import PACE_MIN_BYTES
+from kvtier.transfer.copies import PACE_MIN_BYTES, CopySplitter
 from kvtier.transfer.layout import KVLayout
 
 native = pytest.mark.skipif(not block_copy.NATIVE, reason="kvtier.transfer._blockcopy not built (no C compiler)")
@@ -187,3 +187,82 @@ def test_a_stores_larger_inline_jobs_save_and_load_the_bytes_of_the_general_path
     assert all(same)
     team = max(1, torch.get_num_threads()) if block_copy.TEAM else 1
     assert threads == ([min(team, 11)] * 2 if native_on else [0, 0])
+
+
+def split_path(layout: KVLayout, ids: list[int], rows: list[int], back: list[int], threads: int) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
+    """The same as a transfer thread's job, split over ``threads`` copy threads (each share one
+    native call); also the shares each call used."""
+    nb = layout.native
+    assert nb is not None
+    split = CopySplitter(threads, min_bytes=0)
+    pool = torch.full((BLOCKS, layout.block_bytes), 0xA5, dtype=torch.uint8)
+    used = {nb.copy_split(True, ids, pool, rows, threads, split.run)}
+    pool[rows] ^= 0x5A
+    used.add(nb.copy_split(False, back, pool, rows, threads, split.run))
+    return pool, [record_of(layout, b).clone() for b in back], used
+
+
+@native
+@pytest.mark.parametrize("name", ["odd", "many", "pages"])
+@pytest.mark.parametrize("blocks", [1, 3, 5, 10])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_split_over_the_copy_threads_matches_the_general_path(name: str, blocks: int, threads: int) -> None:
+    ids = [9, 0, 5, 3, 11, 1, 7, 2, 10, 4][:blocks]
+    rows = [6, 2, 9, 0, 11, 3, 8, 1, 10, 4][:blocks]
+    back = [4, 6, 8, 10, 0, 2, 1, 3, 11, 5][:blocks]
+    want_pool, want_loaded = general_path(layout_of(name), ids, rows, back)
+    pool, loaded, used = split_path(layout_of(name), ids, rows, back, threads)
+    assert used == {min(threads, blocks)}
+    assert torch.equal(pool, want_pool)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, want_loaded))
+
+
+@native
+def test_a_split_refuses_a_bad_id_or_row_before_any_share_copies() -> None:
+    layout = layout_of("pages")
+    nb = layout.native
+    assert nb is not None
+    split = CopySplitter(2, min_bytes=0)
+    pool = torch.zeros((BLOCKS, layout.block_bytes), dtype=torch.uint8)
+    cache = record_of(layout, 0).clone()
+    with pytest.raises(IndexError, match=r"ids\[3\]: 12 is out of range"):
+        nb.copy_split(True, [0, 1, 2, 12], pool, [0, 1, 2, 3], 2, split.run)
+    with pytest.raises(IndexError, match=r"rows\[2\]: 12 is out of range"):
+        nb.copy_split(False, [0, 1, 2, 3], pool, [0, 1, 12, 3], 2, split.run)
+    with pytest.raises(TypeError, match=r"rows\[1\]: expected an int"):
+        nb.copy_split(True, [0, 1], pool, [0, 1.0], 2, split.run)  # type: ignore[list-item]
+    assert not pool.any() and torch.equal(record_of(layout, 0), cache)
+    assert nb.copy_split(True, [3, 5, 7], pool, [2, 4, 2], 2, split.run) == 1  # a repeated row: in order
+    assert torch.equal(pool[2], record_of(layout, 7))
+
+
+@native
+@pytest.mark.parametrize("native_on", [False, True])
+def test_a_stores_larger_threaded_jobs_save_and_load_the_bytes_of_the_general_path(native_on: bool) -> None:
+    """Through the store with every job on the transfer threads: jobs of 11 blocks of 1 MiB (past
+    the small jobs' 8 and the 8 MiB split) split over two copy threads natively, and with the
+    native copy off (torch's per-tensor shares): the blocks loaded are the blocks saved."""
+
+    async def run() -> tuple[list[bool], list[int]]:
+        g = torch.Generator().manual_seed(6)
+        caches = [torch.randint(0, 256, (24, 1 << 17), dtype=torch.uint8, generator=g) for _ in range(8)]
+        block_bytes = sum(c[0].numel() for c in caches)
+        cfg = {"tiers": [{"backend": "cpu", "capacity": 24 * block_bytes}], "inline_max_bytes": 0, "copy_threads": 2}
+        async with kvtier.open(cfg, kv_caches=caches) as store:
+            layout = store.layout
+            assert layout is not None and layout.native is not None
+            layout.native.enabled = native_on
+            shares: list[int] = []
+            inner = layout.native.copy_split
+            layout.native.copy_split = lambda *a: shares.append(used := inner(*a)) or used  # type: ignore[method-assign]
+            keys = [bytes([i]) * 32 for i in range(11)]
+            saved = [3, 9, 0, 5, 21, 7, 12, 1, 18, 2, 15]
+            loaded = [4, 6, 8, 10, 11, 13, 14, 16, 17, 19, 20]
+            assert await store.save(keys, saved) == 11
+            assert await store.load(keys, loaded) == 11
+            assert store.transfers is not None and store.transfers.counters["inline_jobs"] == 0
+            return [torch.equal(c[s], c[d]) for c in caches for s, d in zip(saved, loaded)], shares
+
+    same, shares = asyncio.run(run())
+    assert all(same)
+    assert shares == ([2, 2] if native_on else [0, 0])

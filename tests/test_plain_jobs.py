@@ -182,8 +182,9 @@ def test_jobs_it_does_not_take_go_the_general_way_unchanged(rigs: tuple[Rig, Rig
 @pytest.mark.parametrize("rows", [[4, 5, 6, 7], [2], [7, 6, 5, 4], [0, 2, 3, 4], list(range(9))])
 def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``KVLayout._small_run`` (a job's own host copy of at most 8 rows on the caller's thread:
-    one ascending run of them with torch, any rows with the native copy where built) against
-    the general dispatch, save and load, and when it applies."""
+    one ascending run of them with torch, any rows with the native copy where built; off the
+    caller's team, a larger job natively too) against the general dispatch, save and load, and
+    when it applies."""
     ids = [3, 9, 0, 5, 1, 2, 4, 6, 7][: len(rows)]
     back = [15 - i for i in range(len(rows))]
     out = {}
@@ -207,7 +208,9 @@ def test_a_small_runs_copy_matches_the_general_copy(rows: list[int], native: boo
         out[fast] = (pool.clone(), [record_of(layout, b) for b in back])
         if fast:
             one_run = len(rows) <= 8 and rows == list(range(rows[0], rows[0] + len(rows)))
-            assert inner(ids, pool, rows, True) is (natively and len(rows) <= 8)  # torch: not on a thread that copies unsplit
+            # off the caller's team (a transfer thread) the native copy takes any size (larger jobs split
+            # over the copy threads); torch's way: not on a thread that copies unsplit
+            assert inner(ids, pool, rows, True) is natively
             with layout.copies.on_callers_team():  # one ascending run only
                 assert inner(ids, pool, rows, True) is (one_run or (natively and len(rows) <= 8))
     assert torch.equal(out[True][0], out[False][0])

@@ -31,7 +31,9 @@ the extension, or with :attr:`NativeBlocks.enabled` off, the layout copies with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import pairwise
 
 import torch
 
@@ -53,6 +55,9 @@ TEAM: bool = _blockcopy is not None and _blockcopy.team()
 _DATA_PTR = torch.Tensor.data_ptr
 #: Pools a copier keeps the address of at most (a store has one per memory tier).
 MAX_POOLS = 16
+_INT = frozenset({int})
+#: Runs a job's parts, each a call writing rows no other writes (``CopySplitter.run``).
+SplitRun = Callable[[Sequence[Callable[[], None]], int], None]
 
 
 class NativeBlocks:
@@ -75,6 +80,7 @@ class NativeBlocks:
         # addresses again (:meth:`_moved`, one C-level pass: 1-3 us a job of 32 tensors, against
         # ~1 ms of copy), and a moved cache turns the native copy off for good: torch copies.
         self._sources = tuple(sources)
+        self.blocks = blocks
         self._ptrs = [t.data_ptr() for t in sources]
         self._copier = _blockcopy.BlockCopier(list(self._ptrs), blocks, list(piece_bytes), list(offsets), row_bytes, self._sources)
         self.row_bytes = row_bytes
@@ -100,6 +106,35 @@ class NativeBlocks:
         if not self.enabled or self._moved():
             return 0
         return self._run(save, ids, pool, rows, threads)
+
+    def copy_split(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int], shares: int, run: SplitRun) -> int:
+        """:meth:`copy` of a job on a transfer thread, its blocks cut into ``shares`` contiguous
+        shares that ``run(parts, nbytes)`` (:meth:`CopySplitter.run
+        <kvtier.transfer.copies.CopySplitter.run>`) runs on the copy threads, each share one native
+        call without the GIL: the number of shares (1: one call here, where ``shares`` is 1 or the
+        destinations repeat; 0: not copied, as :meth:`copy`). Every id and row is checked before
+        any share starts, so a bad one is refused (by the one call) before a byte moves."""
+        if not self.enabled or self._moved():
+            return 0
+        k = len(rows)
+        shares = min(shares, k)
+        dst = rows if save else ids
+        if shares < 2 or len(set(dst)) != k or not self._in_range(ids, pool, rows):
+            return self._run(save, ids, pool, rows)
+        self._check(pool)
+        cuts = [k * i // shares for i in range(shares + 1)]
+        rows = list(rows)
+        run([partial(self._share, save, ids[a:b], pool, rows[a:b]) for a, b in pairwise(cuts)], k * self.row_bytes)
+        return shares
+
+    def _share(self, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> None:
+        self._run(save, ids, pool, rows)
+
+    def _in_range(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int]) -> bool:
+        """Whether every id and row is an int in range (else one call refuses the job whole)."""
+        if not (set(map(type, ids)) <= _INT and set(map(type, rows)) <= _INT):
+            return False
+        return 0 <= min(ids) and max(ids) < self.blocks and 0 <= min(rows) and max(rows) < pool.shape[0]
 
     def _moved(self) -> bool:
         """Whether some cache's storage moved since the copier took its address (then the copier

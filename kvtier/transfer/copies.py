@@ -17,6 +17,10 @@ calling thread's own copies then fell to 9.7 as well. Two threads with one OpenM
 reached 12.7 and left the calling thread's copies at 13.2. So ``copy_threads`` is exactly the
 threads a job's copy uses.
 
+Where the native block copy is built (:mod:`kvtier.transfer.block_copy`), a job of more than 8
+blocks on a transfer thread is split by blocks instead (:meth:`CopySplitter.native_copy`): each
+share one native call without the GIL, run by :meth:`CopySplitter.run` all the same.
+
 The split never changes what is copied, only which thread copies it: every share writes
 rows no other share writes. :meth:`CopySplitter.run` returns only once every share has ended,
 failed or not, so no copy of the job is still running when the caller reports it (or a
@@ -51,13 +55,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from kvtier.devices import one_intra_op_thread, usable_cpus
 from kvtier.errors import LayoutError
 from kvtier.shares import run_all
+
+if TYPE_CHECKING:
+    from kvtier.transfer.block_copy import NativeBlocks
 
 __all__ = [
     "MIN_SPLIT_BYTES",
@@ -271,14 +278,24 @@ class CopySplitter:
         second team)."""
         return max(1, torch.get_num_threads()) if getattr(self._callers, "timed", False) else 0
 
-    def native_threads(self, small: bool) -> int:
-        """The threads a native copy of this thread's job takes, where the layout has one: a
-        ``small`` job 1 (one thread, on or off the team); a larger one the team's
-        (:meth:`team_now`), or 1 while the pace sends it alone (:meth:`alone_now`); 0 otherwise
-        (torch copies it: on a transfer thread its per-tensor ops are split over the copy threads)."""
+    def native_copy(self, native: NativeBlocks, save: bool, ids: list[int], pool: torch.Tensor, rows: Sequence[int], small: bool) -> bool:
+        """Copy this thread's job with ``native`` (:mod:`kvtier.transfer.block_copy`): a
+        ``small`` job in one call on this thread; a larger inline job on this thread's team
+        (:meth:`team_now`), or on the thread alone while the pace sends it alone; a larger job
+        on a transfer thread split over the copy threads as :meth:`run` splits torch's (each
+        share one call without the GIL). ``False``, having copied nothing, where torch copies
+        it: a larger inline job not timed (under :data:`PACE_MIN_BYTES`), or the native copy off."""
         if small:
-            return 1
-        return self.team_now() or int(self.alone_now())
+            threads = 1
+        elif getattr(self._callers, "on", False):
+            threads = self.team_now() or int(self.alone_now())
+        else:
+            nbytes = len(rows) * native.row_bytes
+            return native.copy_split(save, ids, pool, rows, self.threads if nbytes >= self.min_bytes else 1, self.run) > 0
+        used = native.copy(save, ids, pool, rows, threads) if threads else 0
+        if used:
+            self.copied_natively(used > 1)
+        return used > 0
 
     def alone_now(self) -> bool:
         """Whether this thread's job runs inside :meth:`on_callers_team` on the thread alone,

@@ -362,18 +362,16 @@ class KVLayout:
     def _small_run(self, ids: list[int], pool: torch.Tensor, rows: Sequence[int], save: bool) -> bool:
         """A job's own copy (``checked``, ``kept``) between host memory of at most
         ``_FOREACH_MAX_BLOCKS`` blocks: :attr:`native`, where built, copies them in one call on
-        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`), and so a larger
-        inline job, on the caller's team while the pace keeps it there (:meth:`CopySplitter.team_now`),
-        else alone; else, on a thread that copies unsplit (inline) and rows in one ascending run,
+        this thread whatever their rows (:mod:`kvtier.transfer.block_copy`), and so a larger job
+        (inline: on the caller's team, or alone as the pace says; on a transfer thread: split
+        over the copy threads; :meth:`CopySplitter.native_copy`); else, on a thread that copies unsplit (inline) and rows in one ascending run,
         the ``_foreach_copy_`` of kept pieces :meth:`_gather_index` / :meth:`_scatter_index` choose
         for it, without their dispatch; ``False``, having copied nothing, for any other job."""
         k = len(rows)
         if not (0 < k and self._host_blocks and pool.is_cpu and self.strategy != "foreach"):
             return False
         small = k <= _FOREACH_MAX_BLOCKS
-        native, copies = self.native, self.copies
-        if native is not None and (threads := copies.native_threads(small)) and (used := native.copy(save, ids, pool, rows, threads)):
-            copies.copied_natively(used > 1)
+        if self.native is not None and self.copies.native_copy(self.native, save, ids, pool, rows, small):
             return True
         r0 = rows[0]
         if not small or rows[k - 1] != r0 + k - 1 or list(rows) != list(range(r0, r0 + k)) or not self.copies.on_this_thread():
