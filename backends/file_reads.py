@@ -106,7 +106,7 @@ class BeneathRoot:
         self.fd = os.open(root, _DIR_FLAGS)
         self.usable = _syscall is not None
         resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
-        self._how = _OpenHow(os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, 0, resolve)
+        self._how = _OpenHow(os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | os.O_NONBLOCK, 0, resolve)  # (no wait on a FIFO)
         self._how_ref = ctypes.byref(self._how)
         self._dir_how = _OpenHow(_DIR_FLAGS, 0, resolve)
         self._dir_how_ref = ctypes.byref(self._dir_how)

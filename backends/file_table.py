@@ -122,7 +122,7 @@ def _read(root: str) -> tuple[mmap.mmap | bytes, int] | None:
     path = os.path.join(root, TABLE_NAME)
     data: mmap.mmap | bytes | None = None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # (no wait on a FIFO)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -77,7 +77,7 @@ from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
 from kvtier.backends.file_saves import FileSaves
 from kvtier.backends.file_table import TABLE_NAME, open_listing, save_table
-from kvtier.backends.file_tree import _O_CLOEXEC, _O_NOFOLLOW, FLAT, STALE_TEMP_SECONDS, FileTree
+from kvtier.backends.file_tree import _RECORD_READ, FLAT, STALE_TEMP_SECONDS, FileTree
 from kvtier.backends.lmdb_plain import RowViews
 from kvtier.backends.tag_log import DirectoryTags
 
@@ -370,7 +370,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
                 return None
             dir_fd, name = leaf
             try:
-                return dir_fd, name, os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
+                return dir_fd, name, os.open(name, _RECORD_READ, dir_fd=dir_fd)
             except BaseException:
                 os.close(dir_fd)
                 raise

@@ -44,6 +44,10 @@ _HEX = re.compile(r"[0-9a-f]*").fullmatch
 KEY_BATCH = 2048  # keys per buffer of :meth:`FileTree._record_key_batches`
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: A record is opened for reading with these: no symlink followed, and no wait for a writer
+#: where a FIFO stands in its place (anyone who can write the directory can plant one; its read
+#: then fails, a miss). ``O_NONBLOCK`` changes nothing for a regular file.
+_RECORD_READ = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 
 
@@ -397,7 +401,7 @@ class FileTree:
         try:
             for key, entry in cls._record_entries(root, layout=None):
                 try:
-                    fd = os.open(entry.path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+                    fd = os.open(entry.path, _RECORD_READ)
                 except FileNotFoundError:
                     continue
                 try:

@@ -355,7 +355,7 @@ static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject 
     Py_BEGIN_ALLOW_THREADS
     if (!opened) {
         do
-            fd = openat(dir_fd, path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+            fd = openat(dir_fd, path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); /* a FIFO: no wait */
         while (fd < 0 && errno == EINTR);
     }
     if (fd < 0) {

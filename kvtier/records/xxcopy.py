@@ -73,7 +73,8 @@ except ImportError:  # built without a C compiler: the Python path below
 _SUM = struct.Struct("<Q")
 #: XXH3's short forms take inputs up to this many bytes whole: such a record is read in one piece.
 _SHORT_MAX = 240
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+#: (``O_NONBLOCK``: a FIFO in a record's place is not waited on; its read fails.)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 #: Whether the native extension is loaded.
 NATIVE: bool = _xxcopy is not None
