@@ -243,6 +243,7 @@ def test_the_native_one_key_read_keeps_no_reference_and_no_memory(tmp_path: Path
         assert backend.read_blocks([good], [row]) == [True]  # the row's view made, the thread marked
         straight = backend._straight  # type: ignore[attr-defined]
         parts, clock = straight.native_parts, lmdb_one.perf_counter
+        straight.views.pop(fresh.data_ptr(), None)  # (the views are the process's: an earlier row's may sit at its address)
 
         def read(key: bytes, into: torch.Tensor) -> Any:
             return lmdb_plain.one_read(parts, env, key, into, clock, lmdb_one.COLD_GET_S, xxcopy.xxh3_check_copy)  # type: ignore[misc]
