@@ -51,9 +51,9 @@ def run_all(threads: Executor | None, calls: Sequence[Callable[[], T]]) -> list[
     pool refuses new work, and a close-time write-back from an exit hook must still write. Each
     call runs exactly once, whatever the pool did with it.
 
-    Returns only once every call has ended, whatever any of them raised or whichever hand-over
-    failed: a share still running would go on writing into the caller's rows after the call
-    returned. The calls are meant to catch their own errors; one that raises anyway has that
+    Returns only once every call has ended, whatever any of them raised, whichever hand-over
+    failed, or whatever interrupted this thread's waits (Ctrl-C: raised after): a share still
+    running would go on writing into the caller's rows after the call returned. The calls are meant to catch their own errors; one that raises anyway has that
     re-raised here (the first by position), after the wait."""
     if threads is None or len(calls) < 2:
         return [call() for call in calls]
@@ -65,15 +65,26 @@ def run_all(threads: Executor | None, calls: Sequence[Callable[[], T]]) -> list[
                 futures.append(threads.submit(share))
             except Exception:  # refused (interpreter exit, a closed pool) or no thread: runs here below
                 continue
-    except BaseException:
-        wait(futures)
-        raise
-    shares[0]()
-    wait(futures)  # a pooled share that never ran (cancelled) runs below rather than being waited for
-    for share in shares[1:]:
-        share()  # runs only what no thread claimed
-        share.done.wait()
+        shares[0]()
+        wait(futures)  # a pooled share that never ran (cancelled) runs below rather than being waited for
+    finally:  # an interrupt (Ctrl-C) in a submit or a wait above still waits for every share
+        _end_all(shares[1:])
     for share in shares:
         if share.error is not None:
             raise share.error
     return [cast(T, share.result) for share in shares]
+
+
+def _end_all(shares: Sequence[_Share[T]]) -> None:
+    """Run each share no thread claimed, and wait until every share has ended; an interrupt
+    that lands in these waits is raised once they have all ended."""
+    interrupted: BaseException | None = None
+    for share in shares:
+        share()  # runs only what no thread claimed
+        while not share.done.is_set():
+            try:
+                share.done.wait()
+            except BaseException as exc:  # (KeyboardInterrupt) a share still runs: wait on
+                interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
