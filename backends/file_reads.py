@@ -173,8 +173,10 @@ class PlainReads:
         name = key.hex()
         root = self.root
         if self.flat:  # opened, read, checked and closed in one call
+            if (root_fd := root.fd) < 0:  # the tier closed since its read took this pass: the general path's
+                return None
             try:
-                if xxcopy.xxh3_read_check_at(root.fd, f"{name}.kvb", self.checksum.head, key, bytearray(HEADER_SIZE), view, self.piece):
+                if xxcopy.xxh3_read_check_at(root_fd, f"{name}.kvb", self.checksum.head, key, bytearray(HEADER_SIZE), view, self.piece):
                     return None
             except FileNotFoundError:  # (only its open says so: a read never does)
                 counters.read_misses += 1
@@ -218,7 +220,6 @@ class PlainReads:
         head = bytearray(HEADER_SIZE)
         expected, row_at, piece = self.checksum.head, self._row.from_address, self.piece
         read_check, read_check_at, close = xxcopy.xxh3_read_check, xxcopy.xxh3_read_check_at, os.close
-        root_fd = root.fd
         for i, key in enumerate(keys):
             if rows is not None:
                 view = rows[i]
@@ -230,6 +231,9 @@ class PlainReads:
                 view = row_at(row.data_ptr())
             name = key.hex()
             if flat:  # opened, read, checked and closed in one call (xxcopy.xxh3_read_check_at)
+                if (root_fd := root.fd) < 0:  # the tier closed during the job: the general path's
+                    rest.append(i)
+                    continue
                 try:
                     sound = not read_check_at(root_fd, f"{name}.kvb", expected, key, head, view, piece)
                 except FileNotFoundError:  # (only its open says so: a read never does)
