@@ -131,8 +131,9 @@ class BeneathRoot:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            self._dir.value = -1  # a read still holding this root opens nothing (EBADF) beneath the number's next owner
+            os.close(fd)
 
 
 class PlainReads:
