@@ -54,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +114,8 @@ class BeneathRoot:
         self._how_size = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
         self._sys = ctypes.c_long(_SYS_OPENAT2)
         self._dir = ctypes.c_int(self.fd)
+        self._reads = 0  # reads under way (enter/leave), waited for by close
+        self._idle = threading.Condition()
 
     def open(self, relative: str, *, directory: bool = False) -> int:
         """A read-only descriptor of ``relative`` beneath the root (``directory``: of a
@@ -129,11 +132,32 @@ class BeneathRoot:
             self.usable = False  # no openat2 here (or not this form of it): general reads only
         raise OSError(err, os.strerror(err), relative)
 
+    def enter(self) -> bool:
+        """Count a read of records beneath the root, until :meth:`leave`; ``False``, counting
+        nothing, once the root is closed or closing."""
+        with self._idle:
+            if self.fd < 0:
+                return False
+            self._reads += 1
+            return True
+
+    def leave(self) -> None:
+        with self._idle:
+            self._reads -= 1
+            if not self._reads:
+                self._idle.notify_all()
+
     def close(self) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
+        """Close the root's descriptor once the reads counted (:meth:`enter`) have left: its
+        number, handed out again, must not be opened beneath by a read still under way."""
+        with self._idle:
+            if self.fd < 0:
+                return
+            fd, self.fd = self.fd, -1  # no new read from here; those under way leave the rest of their job to the general path
             self._dir.value = -1  # a read still holding this root opens nothing (EBADF) beneath the number's next owner
-            os.close(fd)
+            while self._reads:
+                self._idle.wait()
+        os.close(fd)
 
 
 class PlainReads:
@@ -153,6 +177,14 @@ class PlainReads:
         self.piece = PIECE_BYTES
 
     def read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
+        if not self.root.enter():  # closed: the general path's
+            return None
+        try:
+            return self._read_one(key, row, counters)
+        finally:
+            self.root.leave()
+
+    def _read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
         """A job of one record, in one straight line: ``True`` when the record was read into
         ``row`` and checked, ``False`` when it is absent (a miss), each counted in
         ``counters``; ``None`` for anything the job's general path is to take (a key or row it
@@ -206,6 +238,18 @@ class PlainReads:
         return True
 
     def read(
+        self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], rows: Sequence[memoryview] | None = None
+    ) -> list[int]:
+        """:meth:`_read`, counted among the root's reads (a close waits for it); every
+        position is the general path's once the root is closed."""
+        if not self.root.enter():
+            return list(range(len(keys)))
+        try:
+            return self._read(keys, out, found, rows)
+        finally:
+            self.root.leave()
+
+    def _read(
         self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], rows: Sequence[memoryview] | None = None
     ) -> list[int]:
         """Read the plain records of ``keys`` into their rows, setting ``found`` for each

@@ -7,6 +7,8 @@ read of whatever directory the number names next."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,56 @@ def test_a_read_that_outlives_the_tiers_close_reads_nothing_of_a_store_opened_si
         assert plain.read_one(keys[0], out[0], first.counters) is None
     finally:
         asyncio.run(second.aclose())
+
+
+_RACE = r"""
+import asyncio, sys, tempfile, threading, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.records import xxcopy
+from kvtier.testing import make_key, random_block
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+tmp = tempfile.mkdtemp()
+def opened(name):
+    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/{name}", sync_mode="fast", layout="flat")
+    asyncio.run(backend.open(fmt))
+    return backend
+first = opened("a")
+keys = [make_key(i) for i in range(2)]
+data = [random_block(fmt.block_bytes, 40 + i) for i in range(2)]
+first.write_blocks(keys, data)
+out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
+first.read_blocks(keys, out)
+real, entered, go = xxcopy.xxh3_read_check_at, threading.Event(), threading.Event()
+def held(dir_fd, *args):  # the read's native call, held between its descriptor's read and its open
+    if not entered.is_set():
+        entered.set()
+        go.wait()
+    return real(dir_fd, *args)
+xxcopy.xxh3_read_check_at = held
+got = []
+reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys, out)))
+reader.start()
+entered.wait()
+closed = threading.Event()
+closer = threading.Thread(target=lambda: (asyncio.run(first.aclose()), closed.set()))
+closer.start()
+if not closed.wait(0.5):  # the close waits for the read under way: let the read go on first
+    go.set()
+closer.join()
+second = opened("b")  # may take the closed root's descriptor number
+second.write_blocks(keys, [random_block(fmt.block_bytes, 50 + i) for i in range(2)])
+go.set()
+reader.join()
+print(got[0], all(torch.equal(o, d) for o, d, hit in zip(out, data, got[0]) if hit))
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused() -> None:
+    """A read whose native open comes after a close began: the close waits for it, so the
+    read opens the closed store's own records, never those of a store opened since under the
+    descriptor's number (child process: a close that never ends fails the test, not the run)."""
+    child = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["[True,", "True]", "True"], child.stdout
