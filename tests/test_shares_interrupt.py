@@ -15,6 +15,10 @@ import signal, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from kvtier.shares import run_all
 
+# Python's own Ctrl-C handler, whatever this process inherited: a test run started in the
+# background of a shell without job control (a CI job, nohup ... &) ignores SIGINT, and so
+# would this child, never raising the interrupt the test is about.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 main = threading.main_thread()
 release, ended = threading.Event(), threading.Event()
 
