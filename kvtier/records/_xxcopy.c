@@ -227,6 +227,22 @@ done:
 /* A record's head and key are hashed first; longer ones than this go through the heap. */
 #define CHECK_PREFIX_MAX 256
 
+/* head + key, the bytes a record's checksum covers before its payload: in small (of
+   CHECK_PREFIX_MAX bytes) when they fit, else in a PyMem buffer the caller frees (prefix !=
+   small); NULL, with MemoryError set, where none could be had. */
+static u8 *join_prefix(u8 *small, const Py_buffer *head, const Py_buffer *key)
+{
+    size_t hlen = (size_t)head->len, klen = (size_t)key->len;
+    u8 *prefix = hlen + klen <= CHECK_PREFIX_MAX ? small : PyMem_Malloc(hlen + klen);
+    if (prefix == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(prefix, head->buf, hlen);
+    memcpy(prefix + hlen, key->buf, klen);
+    return prefix;
+}
+
 /* xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int: one raw record checked
    and copied into dst (dst None: checked only, the payload read where it is). stored starts with the stored head (len(head) bytes) and its 8-byte
    little-endian checksum; the payload follows them in stored (payload None: a joined record,
@@ -275,13 +291,9 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
             goto release_payload;
         }
         u8 small[CHECK_PREFIX_MAX];
-        u8 *prefix = hlen + klen <= CHECK_PREFIX_MAX ? small : PyMem_Malloc(hlen + klen);
-        if (prefix == NULL) {
-            PyErr_NoMemory();
+        u8 *prefix = join_prefix(small, &head, &key);
+        if (prefix == NULL)
             goto release_payload;
-        }
-        memcpy(prefix, head.buf, hlen);
-        memcpy(prefix + hlen, key.buf, klen);
         u64 digest;
         if (n >= RELEASE_GIL_AT) {
             Py_BEGIN_ALLOW_THREADS
@@ -343,13 +355,9 @@ static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject 
         goto release_row;
     }
     u8 small[CHECK_PREFIX_MAX];
-    u8 *prefix = hlen + klen <= CHECK_PREFIX_MAX ? small : PyMem_Malloc(hlen + klen);
-    if (prefix == NULL) {
-        PyErr_NoMemory();
+    u8 *prefix = join_prefix(small, &head, &key);
+    if (prefix == NULL)
         goto release_row;
-    }
-    memcpy(prefix, head.buf, hlen);
-    memcpy(prefix + hlen, key.buf, klen);
     int status, opened = fd >= 0;
     const char *path = name != NULL ? PyBytes_AS_STRING(name) : NULL;
     Py_BEGIN_ALLOW_THREADS
