@@ -72,6 +72,10 @@ def _raw_cell(server: Any, label: str, size: int, n: int, concurrency: int) -> d
     return {"put_gbps": n * size / (t1 - t0) / 1e9, "get_gbps": n * size / (t2 - t1) / 1e9}
 
 
+class _Missed(RuntimeError):
+    """The tier failed writes or missed reads (a fault it counts, not wrong data)."""
+
+
 def _tier_cell(server: Any, label: str, size: int, n: int, concurrency: int) -> dict[str, float]:
     from kvtier.backends.s3_tier import S3Backend
 
@@ -81,7 +85,7 @@ def _tier_cell(server: Any, label: str, size: int, n: int, concurrency: int) -> 
     backend = S3Backend(
         capacity=4 * n * size, endpoint_url=server.endpoint_url, bucket=BUCKET, prefix=f"tier-{label}",
         access_key_id_env="KVTIER_BENCH_S3_ID", secret_access_key_env="KVTIER_BENCH_S3_SECRET", concurrency=concurrency,
-        sync_interval_s=3600,
+        sync_interval_s=3600, timeout_s=60.0, connect_timeout_s=10.0,  # a throughput bench: a busy host is no fault
     )
     fmt = BlockFormat(block_bytes=size, dtype="bfloat16", namespace_digest=hashlib.sha256(label.encode()).digest())
     asyncio.run(backend.open(fmt))
@@ -95,13 +99,28 @@ def _tier_cell(server: Any, label: str, size: int, n: int, concurrency: int) -> 
         t1 = time.perf_counter()
         found = backend.read_blocks(keys, out)
         t2 = time.perf_counter()
-        if None in sizes or not all(found):
-            raise RuntimeError(f"tier {label}: {sizes.count(None)} writes failed, {found.count(False)} reads missed")
-        if not all(torch.equal(o, b) for o, b in zip(out, blocks)):
+        if not all(torch.equal(o, b) for o, b, hit in zip(out, blocks, found) if hit):
             raise RuntimeError(f"tier {label}: a block read back differs from what was written")
+        if None in sizes or not all(found):
+            raise _Missed(f"tier {label}: {sizes.count(None)} writes failed, {found.count(False)} reads missed ({backend.stats()})")
     finally:
         asyncio.run(backend.aclose())
     return {"put_gbps": n * size / (t1 - t0) / 1e9, "get_gbps": n * size / (t2 - t1) / 1e9}
+
+
+def _measured(cell: Any, server: Any, label: str, size: int, n: int, concurrency: int, retried: list[str]) -> dict[str, float]:
+    """One cell; a cell whose tier failed a write or missed a read (the server shed a request
+    on a busy host: the tier marks itself down, as it should) is measured again under a new
+    label, at most twice, and named in the report's ``retried``. Wrong bytes are never retried."""
+    for attempt in range(3):
+        try:
+            return cell(server, label if attempt == 0 else f"{label}-again{attempt}", size, n, concurrency)
+        except _Missed as exc:
+            if attempt == 2:
+                raise
+            retried.append(str(exc))
+            print(f"bench_s3: {exc}; measuring the cell again", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, Any]:
@@ -109,17 +128,18 @@ def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, A
 
     server = SeaweedServer(directory).start()
     samples: dict[str, dict[str, list[float]]] = {"raw": {}, "tier": {}}
+    retried: list[str] = []
     try:
         server.create_bucket(BUCKET)
         sides = {"raw": _raw_cell, "tier": _tier_cell}
         for name, cell in sides.items():  # warm-up: connections, the server's volumes
-            cell(server, f"warm-{name}", 64 << 10, 8, concurrency)
+            _measured(cell, server, f"warm-{name}", 64 << 10, 8, concurrency, retried)
         for r in range(rounds):
             order = ["raw", "tier"] if r % 2 == 0 else ["tier", "raw"]
             for label, size in SIZES.items():
                 n = max(4, (mib << 20) // size)
                 for name in order:
-                    got = sides[name](server, f"{label}-r{r}-{name}", size, n, concurrency)
+                    got = _measured(sides[name], server, f"{label}-r{r}-{name}", size, n, concurrency, retried)
                     for metric, value in got.items():
                         samples[name].setdefault(f"{label}.{metric}", []).append(value)
     finally:
@@ -129,7 +149,7 @@ def run(mib: int, rounds: int, concurrency: int, directory: Path) -> dict[str, A
     return {
         "bench": "s3", "server": "seaweedfs (weed server, loopback)", "client": "obstore", "mib_per_cell": mib,
         "rounds": rounds, "concurrency": concurrency, "gbps": medians, "ratio": ratio,
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "retried": retried, "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
 
 
