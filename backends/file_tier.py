@@ -319,7 +319,18 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         corrupt. Each record's header is read and checked first; raw payloads are then read
         straight into their rows, a side thread checking each row while the next one is read
         (:func:`~kvtier.records.checks.fill_and_check`); compressed ones are read, checked and
-        decoded one by one."""
+        decoded one by one. Counted among the root's reads, so a close waits for it: its
+        records are opened by the root's path, which a store opened since may hold; once the
+        tier is closed, every record is a miss."""
+        beneath = self._beneath
+        if beneath is None or not beneath.enter():
+            return 0
+        try:
+            return self._read_counted(keys, out, which, found)
+        finally:
+            beneath.leave()
+
+    def _read_counted(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], which: Sequence[int], found: list[bool]) -> int:
         corrupt = 0
         handles: list[tuple[int, str, int]] = []
         raw: list[RawPayload] = []
