@@ -424,8 +424,20 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             self._used -= self._sizes.pop(key, 0)
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        """Counted among the root's jobs (a close waits for it): records are reached by the
+        root's path, where a store opened since may be."""
         self._check_open()
         check_keys(keys)  # every key before any is deleted
+        beneath = self._beneath
+        if beneath is None or not beneath.enter():
+            self._check_open()
+            return
+        try:
+            self._delete_counted(keys)
+        finally:
+            beneath.leave()
+
+    def _delete_counted(self, keys: Sequence[bytes]) -> None:
         gone = []
         for key in keys:
             removed = self._unlink_record(self._root, key, self.store_layout)

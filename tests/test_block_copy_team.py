@@ -8,6 +8,8 @@ extension, the same bytes."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -268,3 +270,41 @@ def test_a_stores_larger_threaded_jobs_save_and_load_the_bytes_of_the_general_pa
     same, shares, inline_jobs = store_round_trip(caches, {"inline_max_bytes": 0, "copy_threads": 2}, native_on, "copy_split")
     assert same and inline_jobs == 0
     assert shares == ([2, 2] if native_on else [0, 0])
+
+
+_FORKED = r"""
+import os, signal, numpy as np, torch
+from kvtier.transfer import block_copy
+from kvtier.transfer.layout import KVLayout
+caches = [torch.randint(0, 256, (24, 1 << 16), dtype=torch.uint8) for _ in range(2)]
+layout = KVLayout(caches)
+pool = torch.zeros((24, layout.block_bytes), dtype=torch.uint8)
+ids = list(range(20))
+print("parent", layout.native.copy(True, ids, pool, ids, 2), flush=True)  # this thread's team, used
+pool.zero_()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: the parent's team is inherited without its threads
+    signal.alarm(30)  # a copy waiting for ever on them: killed, and the parent says so
+    used = layout.native.copy(True, ids, pool, ids, 2)
+    rows, blocks = pool.numpy(), [c.numpy() for c in caches]  # (numpy: torch's ops would wait on the team too)
+    same = all((rows[i] == np.concatenate([b[i] for b in blocks])).all() for i in ids)
+    os.write(write, f"child {used} {same}".encode())
+    os._exit(0)
+os.close(write)
+_, status = os.waitpid(pid, 0)
+print(os.read(read, 100).decode() or f"child killed by signal {os.WTERMSIG(status)}", flush=True)
+"""
+
+
+@native
+def test_a_forked_child_copies_on_its_own_thread_not_on_the_parents_team() -> None:
+    """A child forked by a thread whose team copied inherits the OpenMP runtime's record of the
+    team without its threads: a team job there would wait for them for ever (as torch's own
+    parallel ops on that thread do). The child's jobs copy on the calling thread, the same
+    bytes (child process, fork in a fresh interpreter)."""
+    child = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = child.stdout.split("\n")
+    assert lines[0] == f"parent {2 if block_copy.TEAM else 1}", child.stdout
+    assert lines[1] == "child 1 True", child.stdout
