@@ -381,24 +381,22 @@ static struct PyModuleDef module_def = {
     NULL, NULL, NULL, NULL,
 };
 
+/* The attribute names the calls ask for, interned once at import. */
+static const struct {
+    PyObject **name;
+    const char *text;
+} NAMES[] = {
+    {&s_dtype, "dtype"}, {&s_shape, "shape"}, {&s_is_cpu, "is_cpu"}, {&s_is_contiguous, "is_contiguous"},
+    {&s_data_ptr, "data_ptr"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
+    {&s_abort, "abort"}, {&s_slow, "slow"}, {&s_cold, "cold"}, {&s_read_misses, "read_misses"},
+    {&s_blocks_read, "blocks_read"}, {&s_bytes_read, "bytes_read"},
+};
+
 PyMODINIT_FUNC PyInit__rowguard(void)
 {
-    if ((s_dtype = PyUnicode_InternFromString("dtype")) == NULL
-        || (s_shape = PyUnicode_InternFromString("shape")) == NULL
-        || (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL
-        || (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL
-        || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL
-        || (s_fd = PyUnicode_InternFromString("fd")) == NULL
-        || (s_seen = PyUnicode_InternFromString("seen")) == NULL
-        || (s_begin = PyUnicode_InternFromString("begin")) == NULL
-        || (s_get = PyUnicode_InternFromString("get")) == NULL
-        || (s_abort = PyUnicode_InternFromString("abort")) == NULL
-        || (s_slow = PyUnicode_InternFromString("slow")) == NULL
-        || (s_cold = PyUnicode_InternFromString("cold")) == NULL
-        || (s_read_misses = PyUnicode_InternFromString("read_misses")) == NULL
-        || (s_blocks_read = PyUnicode_InternFromString("blocks_read")) == NULL
-        || (s_bytes_read = PyUnicode_InternFromString("bytes_read")) == NULL)
-        return NULL;
+    for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++)
+        if ((*NAMES[i].name = PyUnicode_InternFromString(NAMES[i].text)) == NULL)
+            return NULL;
     PyObject *time_module = PyImport_ImportModule("time");
     if (time_module == NULL)
         return NULL;

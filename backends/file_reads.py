@@ -139,8 +139,9 @@ class BeneathRoot:
         raise OSError(err, os.strerror(err), relative)
 
     def enter(self) -> bool:
-        """Count a read of records beneath the root, until :meth:`leave`; ``False``, counting
-        nothing, once the root is closed or closing."""
+        """Count a job on records beneath the root (a read; the tier's writes and deletes, which
+        may reach them by the root's path), until :meth:`leave`; ``False``, counting nothing,
+        once the root is closed or closing."""
         under_way = self._under_way
         under_way.append(None)  # counted before the root is looked at: a close that has not yet
         if self.fd < 0:  # marked it closed waits for this read, one that has is seen here

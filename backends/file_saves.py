@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvtier.backends.file_commit import FileJob, commit_files, commit_one, plain_records
 from kvtier.backends.file_known import KnownRecords
-from kvtier.backends.file_reads import PlainReads
+from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs
 from kvtier.backends.file_tree import _SUFFIX, FLAT
 from kvtier.backends.lmdb_plain import RowViews
@@ -62,6 +62,7 @@ class FileSaves(PersistentRecordBackend):
     _plain: PlainReads | None
     _views: RowViews | None
     _shards: ShardDirs | None
+    _beneath: BeneathRoot | None
 
     if TYPE_CHECKING:
         follower: TierFollower | None
@@ -76,7 +77,19 @@ class FileSaves(PersistentRecordBackend):
         def _stored(record_bytes: Any) -> Any: ...
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`)."""
+        """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`).
+        Counted among the root's jobs, so a close waits for it: a record's directory may be
+        reached by the root's path, where a store opened since may be."""
+        beneath = self._beneath
+        if beneath is None or not beneath.enter():
+            self._check_open()  # closed: refused by name
+            return [None] * len(keys)
+        try:
+            return self._write_counted(keys, blocks)
+        finally:
+            beneath.leave()
+
+    def _write_counted(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         # Unkeyed, uncompressed jobs of host rows: the job's checks and its rows' views in one
         # loop, and each record's checksum from the store's one hash state (plain_records).
         plain = self._plain if self.codec.codec_id == NoneCodec.codec_id else None

@@ -319,7 +319,18 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         corrupt. Each record's header is read and checked first; raw payloads are then read
         straight into their rows, a side thread checking each row while the next one is read
         (:func:`~kvtier.records.checks.fill_and_check`); compressed ones are read, checked and
-        decoded one by one."""
+        decoded one by one. Counted among the root's reads, so a close waits for it: its
+        records are opened by the root's path, which a store opened since may hold; once the
+        tier is closed, every record is a miss."""
+        beneath = self._beneath
+        if beneath is None or not beneath.enter():
+            return 0
+        try:
+            return self._read_counted(keys, out, which, found)
+        finally:
+            beneath.leave()
+
+    def _read_counted(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], which: Sequence[int], found: list[bool]) -> int:
         corrupt = 0
         handles: list[tuple[int, str, int]] = []
         raw: list[RawPayload] = []
@@ -413,8 +424,20 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             self._used -= self._sizes.pop(key, 0)
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
+        """Counted among the root's jobs (a close waits for it): records are reached by the
+        root's path, where a store opened since may be."""
         self._check_open()
         check_keys(keys)  # every key before any is deleted
+        beneath = self._beneath
+        if beneath is None or not beneath.enter():
+            self._check_open()
+            return
+        try:
+            self._delete_counted(keys)
+        finally:
+            beneath.leave()
+
+    def _delete_counted(self, keys: Sequence[bytes]) -> None:
         gone = []
         for key in keys:
             removed = self._unlink_record(self._root, key, self.store_layout)

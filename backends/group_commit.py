@@ -59,6 +59,11 @@ class GroupCommit(Generic[B, R]):
         self.groups = 0
         self.batches = 0
 
+    def idle(self) -> bool:
+        """Whether no commit runs and no batch waits now: a hint, read without the lock (a
+        caller that finds it so would lead its own batch at once, were it to submit now)."""
+        return not self._busy and not self._waiting
+
     def submit(self, batch: B) -> R:
         """Commit ``batch`` (with whatever else waits) and return its result."""
         with self._lock:

@@ -8,6 +8,9 @@ extension, the same bytes."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,25 +54,42 @@ def general_path(layout: KVLayout, ids: list[int], rows: list[int], back: list[i
         layout.native.enabled = True
 
 
-def team_path(layout: KVLayout, ids: list[int], rows: list[int], back: list[int], threads: int) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
-    """The same with the native copy on a team of ``threads``; also the threads each call used."""
-    nb = layout.native
-    assert nb is not None
+def native_path(layout: KVLayout, ids: list[int], rows: list[int], back: list[int], copy: Callable[[bool, list[int], torch.Tensor, list[int]], int]) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
+    """The same with a native ``copy(gather, ids, pool, rows)``; also what each call returned."""
     pool = torch.full((BLOCKS, layout.block_bytes), 0xA5, dtype=torch.uint8)
-    used = {nb.copy(True, ids, pool, rows, threads)}
+    used = {copy(True, ids, pool, rows)}
     pool[rows] ^= 0x5A
-    used.add(nb.copy(False, back, pool, rows, threads))
+    used.add(copy(False, back, pool, rows))
     return pool, [record_of(layout, b).clone() for b in back], used
 
 
+def team_path(layout: KVLayout, ids: list[int], rows: list[int], back: list[int], threads: int) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
+    """The native copy on a team of ``threads``; also the threads each call used."""
+    nb = layout.native
+    assert nb is not None
+    return native_path(layout, ids, rows, back, lambda *a: nb.copy(*a, threads))
+
+
+def job_of(blocks: int) -> tuple[list[int], list[int], list[int]]:
+    """A job's first ``blocks`` ids, its rows (scattered, out of order) and the blocks loaded back."""
+    return [9, 0, 5, 3, 11, 1, 7, 2, 10, 4][:blocks], [6, 2, 9, 0, 11, 3, 8, 1, 10, 4][:blocks], [4, 6, 8, 10, 0, 2, 1, 3, 11, 5][:blocks]
+
+
+def odd_jobs(test: Callable[[str, int, int], None]) -> Callable[[str, int, int], None]:
+    """``test(name, blocks, threads)`` over every shape of ``layout_of``, 1-10 blocks, 2 and 3 threads."""
+    for mark in (
+        pytest.mark.parametrize("name", ["odd", "many", "pages"]),
+        pytest.mark.parametrize("blocks", [1, 3, 5, 10]),
+        pytest.mark.parametrize("threads", [2, 3]),
+    ):
+        test = mark(test)
+    return test
+
+
 @native
-@pytest.mark.parametrize("name", ["odd", "many", "pages"])
-@pytest.mark.parametrize("blocks", [1, 3, 5, 10])
-@pytest.mark.parametrize("threads", [2, 3])
+@odd_jobs
 def test_a_team_copy_matches_the_general_path(name: str, blocks: int, threads: int) -> None:
-    ids = [9, 0, 5, 3, 11, 1, 7, 2, 10, 4][:blocks]
-    rows = [6, 2, 9, 0, 11, 3, 8, 1, 10, 4][:blocks]  # scattered, out of order
-    back = [4, 6, 8, 10, 0, 2, 1, 3, 11, 5][:blocks]
+    ids, rows, back = job_of(blocks)
     before = block_copy._blockcopy.path()
     try:
         want_pool, want_loaded = general_path(layout_of(name), ids, rows, back)
@@ -156,6 +176,35 @@ def test_only_a_timed_inline_job_on_the_team_may_take_it() -> None:
         assert copies.alone_now() and copies.team_now() == 0
 
 
+SAVED = [3, 9, 0, 5, 21, 7, 12, 1, 18, 2, 15]
+LOADED = [4, 6, 8, 10, 11, 13, 14, 16, 17, 19, 20]
+
+
+def store_round_trip(caches: list[torch.Tensor], cfg: dict[str, object], native_on: bool, call: str) -> tuple[bool, list[int], int]:
+    """Blocks ``SAVED`` saved and loaded into ``LOADED`` through a store of ``caches`` (``cfg``
+    with a ``cpu`` tier of 24 blocks), the native copy on or off: whether every loaded block is
+    its saved one, what each call of the layout's native ``call`` returned, and the store's
+    count of inline jobs."""
+
+    async def run() -> tuple[bool, list[int], int]:
+        block_bytes = sum(c[0].numel() for c in caches)
+        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 24 * block_bytes}], **cfg}, kv_caches=caches) as store:
+            layout = store.layout
+            assert layout is not None and layout.native is not None
+            layout.native.enabled = native_on
+            used: list[int] = []
+            inner = getattr(layout.native, call)
+            setattr(layout.native, call, lambda *a: used.append(n := inner(*a)) or n)
+            keys = [bytes([i]) * 32 for i in range(len(SAVED))]
+            assert await store.save(keys, SAVED) == len(SAVED)
+            assert await store.load(keys, LOADED) == len(SAVED)
+            assert store.transfers is not None
+            same = all(torch.equal(c[s], c[d]) for c in caches for s, d in zip(SAVED, LOADED))
+            return same, used, store.transfers.counters["inline_jobs"]
+
+    return asyncio.run(run())
+
+
 @native
 @pytest.mark.parametrize("native_on", [False, True])
 def test_a_stores_larger_inline_jobs_save_and_load_the_bytes_of_the_general_path(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,28 +212,10 @@ def test_a_stores_larger_inline_jobs_save_and_load_the_bytes_of_the_general_path
     the caller's team, natively (threads > 1 where the team is reachable) and with the native
     copy off (torch's index ops): the blocks loaded are the blocks saved."""
     monkeypatch.setattr(copies, "PACE_MIN_BYTES", 0)  # these blocks are small: time every job
-
-    async def run() -> tuple[list[torch.Tensor], list[int]]:
-        g = torch.Generator().manual_seed(5)
-        caches = [torch.randint(0, 256, (24, 3, 5 + i), dtype=torch.uint8, generator=g) for i in range(7)]
-        block_bytes = sum(c[0].numel() for c in caches)
-        async with kvtier.open({"tiers": [{"backend": "cpu", "capacity": 24 * block_bytes}]}, kv_caches=caches) as store:
-            layout = store.layout
-            assert layout is not None and layout.native is not None
-            layout.native.enabled = native_on
-            threads: list[int] = []
-            inner = layout.native.copy
-            layout.native.copy = lambda *a: threads.append(used := inner(*a)) or used  # type: ignore[method-assign]
-            keys = [bytes([i]) * 32 for i in range(11)]
-            saved = [3, 9, 0, 5, 21, 7, 12, 1, 18, 2, 15]
-            loaded = [4, 6, 8, 10, 11, 13, 14, 16, 17, 19, 20]
-            assert await store.save(keys, saved) == 11
-            assert await store.load(keys, loaded) == 11
-            assert store.transfers is not None and store.transfers.counters["inline_jobs"] == 2
-            return [torch.equal(c[s], c[d]) for c in caches for s, d in zip(saved, loaded)], threads
-
-    same, threads = asyncio.run(run())
-    assert all(same)
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randint(0, 256, (24, 3, 5 + i), dtype=torch.uint8, generator=g) for i in range(7)]
+    same, threads, inline_jobs = store_round_trip(caches, {}, native_on, "copy")
+    assert same and inline_jobs == 2
     team = max(1, torch.get_num_threads()) if block_copy.TEAM else 1
     assert threads == ([min(team, 11)] * 2 if native_on else [0, 0])
 
@@ -195,21 +226,13 @@ def split_path(layout: KVLayout, ids: list[int], rows: list[int], back: list[int
     nb = layout.native
     assert nb is not None
     split = CopySplitter(threads, min_bytes=0)
-    pool = torch.full((BLOCKS, layout.block_bytes), 0xA5, dtype=torch.uint8)
-    used = {nb.copy_split(True, ids, pool, rows, threads, split.run)}
-    pool[rows] ^= 0x5A
-    used.add(nb.copy_split(False, back, pool, rows, threads, split.run))
-    return pool, [record_of(layout, b).clone() for b in back], used
+    return native_path(layout, ids, rows, back, lambda *a: nb.copy_split(*a, threads, split.run))
 
 
 @native
-@pytest.mark.parametrize("name", ["odd", "many", "pages"])
-@pytest.mark.parametrize("blocks", [1, 3, 5, 10])
-@pytest.mark.parametrize("threads", [2, 3])
+@odd_jobs
 def test_a_split_over_the_copy_threads_matches_the_general_path(name: str, blocks: int, threads: int) -> None:
-    ids = [9, 0, 5, 3, 11, 1, 7, 2, 10, 4][:blocks]
-    rows = [6, 2, 9, 0, 11, 3, 8, 1, 10, 4][:blocks]
-    back = [4, 6, 8, 10, 0, 2, 1, 3, 11, 5][:blocks]
+    ids, rows, back = job_of(blocks)
     want_pool, want_loaded = general_path(layout_of(name), ids, rows, back)
     pool, loaded, used = split_path(layout_of(name), ids, rows, back, threads)
     assert used == {min(threads, blocks)}
@@ -242,27 +265,46 @@ def test_a_stores_larger_threaded_jobs_save_and_load_the_bytes_of_the_general_pa
     """Through the store with every job on the transfer threads: jobs of 11 blocks of 1 MiB (past
     the small jobs' 8 and the 8 MiB split) split over two copy threads natively, and with the
     native copy off (torch's per-tensor shares): the blocks loaded are the blocks saved."""
-
-    async def run() -> tuple[list[bool], list[int]]:
-        g = torch.Generator().manual_seed(6)
-        caches = [torch.randint(0, 256, (24, 1 << 17), dtype=torch.uint8, generator=g) for _ in range(8)]
-        block_bytes = sum(c[0].numel() for c in caches)
-        cfg = {"tiers": [{"backend": "cpu", "capacity": 24 * block_bytes}], "inline_max_bytes": 0, "copy_threads": 2}
-        async with kvtier.open(cfg, kv_caches=caches) as store:
-            layout = store.layout
-            assert layout is not None and layout.native is not None
-            layout.native.enabled = native_on
-            shares: list[int] = []
-            inner = layout.native.copy_split
-            layout.native.copy_split = lambda *a: shares.append(used := inner(*a)) or used  # type: ignore[method-assign]
-            keys = [bytes([i]) * 32 for i in range(11)]
-            saved = [3, 9, 0, 5, 21, 7, 12, 1, 18, 2, 15]
-            loaded = [4, 6, 8, 10, 11, 13, 14, 16, 17, 19, 20]
-            assert await store.save(keys, saved) == 11
-            assert await store.load(keys, loaded) == 11
-            assert store.transfers is not None and store.transfers.counters["inline_jobs"] == 0
-            return [torch.equal(c[s], c[d]) for c in caches for s, d in zip(saved, loaded)], shares
-
-    same, shares = asyncio.run(run())
-    assert all(same)
+    g = torch.Generator().manual_seed(6)
+    caches = [torch.randint(0, 256, (24, 1 << 17), dtype=torch.uint8, generator=g) for _ in range(8)]
+    same, shares, inline_jobs = store_round_trip(caches, {"inline_max_bytes": 0, "copy_threads": 2}, native_on, "copy_split")
+    assert same and inline_jobs == 0
     assert shares == ([2, 2] if native_on else [0, 0])
+
+
+_FORKED = r"""
+import os, signal, numpy as np, torch
+from kvtier.transfer import block_copy
+from kvtier.transfer.layout import KVLayout
+caches = [torch.randint(0, 256, (24, 1 << 16), dtype=torch.uint8) for _ in range(2)]
+layout = KVLayout(caches)
+pool = torch.zeros((24, layout.block_bytes), dtype=torch.uint8)
+ids = list(range(20))
+print("parent", layout.native.copy(True, ids, pool, ids, 2), flush=True)  # this thread's team, used
+pool.zero_()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: the parent's team is inherited without its threads
+    signal.alarm(30)  # a copy waiting for ever on them: killed, and the parent says so
+    used = layout.native.copy(True, ids, pool, ids, 2)
+    rows, blocks = pool.numpy(), [c.numpy() for c in caches]  # (numpy: torch's ops would wait on the team too)
+    same = all((rows[i] == np.concatenate([b[i] for b in blocks])).all() for i in ids)
+    os.write(write, f"child {used} {same}".encode())
+    os._exit(0)
+os.close(write)
+_, status = os.waitpid(pid, 0)
+print(os.read(read, 100).decode() or f"child killed by signal {os.WTERMSIG(status)}", flush=True)
+"""
+
+
+@native
+def test_a_forked_child_copies_on_its_own_thread_not_on_the_parents_team() -> None:
+    """A child forked by a thread whose team copied inherits the OpenMP runtime's record of the
+    team without its threads: a team job there would wait for them for ever (as torch's own
+    parallel ops on that thread do). The child's jobs copy on the calling thread, the same
+    bytes (child process, fork in a fresh interpreter)."""
+    child = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = child.stdout.split("\n")
+    assert lines[0] == f"parent {2 if block_copy.TEAM else 1}", child.stdout
+    assert lines[1] == "child 1 True", child.stdout

@@ -126,6 +126,39 @@ def test_a_failed_group_commit_fails_every_job_of_the_group_and_the_next_group_c
     assert calls == [[1], [2]] and (group.groups, group.batches) == (2, 2)
 
 
+def test_group_commit_is_idle_only_while_no_commit_runs_and_no_batch_waits() -> None:
+    """``idle()`` (the hint a plain ``lmdb`` save takes to build its joined records in the
+    transaction or before it) is false from a leader's commit to its end, and while a batch
+    waits for it."""
+    entered, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def commit(batches: list[int]) -> list[int]:
+        seen.append(group.idle())
+        if batches == [1]:
+            entered.set()
+            release.wait(10)
+        return batches
+
+    group: GroupCommit[int, int] = GroupCommit(commit)
+    assert group.idle()
+    first = threading.Thread(target=group.submit, args=(1,))
+    first.start()
+    assert entered.wait(10)
+    assert not group.idle()  # a commit runs
+    second = threading.Thread(target=group.submit, args=(2,))
+    second.start()
+    for _ in range(10000):  # (until the second batch queued behind the first commit)
+        if group._waiting:
+            break
+        threading.Event().wait(0.001)
+    assert group._waiting and not group.idle()  # a batch waits
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert seen == [False, False] and group.idle()
+
+
 def test_a_job_of_files_syncs_each_changed_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file job writes all its records, then syncs them: every record file once (after all
     were written, so the device sees them together), and each directory it changed once,

@@ -454,7 +454,7 @@ def test_a_plain_job_is_saved_as_the_general_encoder_saves_it(
 
     calls = []
     real = lmdb_plain.PlainReads.records
-    monkeypatch.setattr(lmdb_plain.PlainReads, "records", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(lmdb_plain.PlainReads, "records", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     for way in ("plain", "general"):
         if way == "general":
             assert calls == [1]  # the plain way took the tight encoder

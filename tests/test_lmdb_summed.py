@@ -112,3 +112,62 @@ def test_concurrent_jobs_in_one_commit_each_get_their_own_heads(tmp_path: Path) 
                 assert txn.get(key, db=backend._index)[INDEX.size :] == head  # type: ignore[attr-defined]
     finally:
         asyncio.run(backend.aclose())
+
+
+JOINED_FMT = BlockFormat(block_bytes=16 << 10, dtype="bfloat16", namespace={"model_id": "m"})  # joined: under JOIN_MAX
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("shape", ["one transaction", "one per record"])
+@pytest.mark.parametrize("built", ["in the transaction", "before it"])
+@pytest.mark.parametrize("damage", ["payload", "checksum", "head"])
+def test_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str, path: str, built: str, damage: str) -> None:
+    """A plain joined record is built just before its put, in the write transaction (the
+    store's commits idle), or for the whole job before it (a commit of another job running:
+    ``GroupCommit.idle`` false); either way, and in the one-per-record path a full map falls
+    back to, with the extension's pass or the Python one, the store holds the bytes the general
+    encoder makes, which read back; a flipped bit of the payload, the checksum or the head is
+    a counted corrupt record, never served."""
+    from kvtier.backends.group_commit import GroupCommit
+
+    if path == "python":
+        monkeypatch.setattr(xxcopy, "xxh3_joined", xxcopy.xxh3_joined_python)
+    elif xxcopy.xxh3_joined is not xxcopy.xxh3_joined_native:
+        pytest.skip("the native extension is not built here")
+    monkeypatch.setattr(GroupCommit, "idle", lambda self: built == "in the transaction")
+    keys = [make_key(i) for i in range(N)]
+    data = [random_block(JOINED_FMT.block_bytes, 40 + i) for i in range(N)]
+    joined: list[bytes] = []
+    real = lmdb_plain.PlainReads.joined
+    monkeypatch.setattr(lmdb_plain.PlainReads, "joined", lambda self, key, view: joined.append(key) or real(self, key, view))
+    backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path), sync_mode="fast")
+    asyncio.run(backend.open(JOINED_FMT))
+    if shape == "one per record":
+
+        def full(*args: Any) -> Any:
+            raise lmdb.MapFullError("full")
+
+        monkeypatch.setattr(backend, "_put_together", full)
+    try:
+        assert backend.write_blocks(keys, data) == [backend._pages(32 + JOINED_FMT.block_bytes)] * N  # type: ignore[attr-defined]
+        assert backend.stats()["bytes_written"] == N * (32 + JOINED_FMT.block_bytes)
+    finally:
+        asyncio.run(backend.aclose())
+    assert joined == (keys if built == "in the transaction" else [])
+    at = {"payload": 32 + 5000, "checksum": 27, "head": 3}[damage]
+    env = lmdb.open(str(tmp_path), max_dbs=8, lock=True)
+    try:
+        blocks, index = env.open_db(b"blocks"), env.open_db(b"index")
+        with env.begin(write=True) as txn:
+            for key, block in zip(keys, data):
+                head, payload = encode_record(key, memoryview(block.numpy()), NoneCodec(), 1)
+                assert txn.get(key, db=blocks) == bytes(head) + bytes(payload)
+                assert txn.get(key, db=index) is None  # joined: no entry
+            value = bytearray(txn.get(keys[3], db=blocks))
+            value[at] ^= 0x10
+            txn.put(keys[3], bytes(value), db=blocks)
+    finally:
+        env.close()
+    reopened = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path), sync_mode="fast")
+    asyncio.run(reopened.open(JOINED_FMT))
+    reads_all_but_one(reopened, keys, data, bad=3)

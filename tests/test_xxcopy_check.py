@@ -9,23 +9,19 @@ import os
 import shutil
 import struct
 import sysconfig
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import xxhash
+from xxcopy_forms import forms_of, head_and_key
 
 from kvtier.records import xxcopy
 from kvtier.records.xxcopy import CHECK_GOOD, CHECK_HEAD, CHECK_SHAPE, CHECK_SUM
 
-FNS: dict[str, Callable[..., int]] = {"python": xxcopy.xxh3_check_copy_python}
-if xxcopy.xxh3_check_copy_native is not None:
-    FNS["native"] = xxcopy.xxh3_check_copy_native
-
+FNS = forms_of("xxh3_check_copy")
 RNG = np.random.default_rng(11)
-HEAD = RNG.integers(0, 256, 24, dtype=np.uint8).tobytes()
-KEY = RNG.integers(0, 256, 32, dtype=np.uint8).tobytes()
+HEAD, KEY = head_and_key(RNG)
 
 
 def _record(n: int, head: bytes = HEAD, key: bytes = KEY) -> tuple[bytes, bytes]:

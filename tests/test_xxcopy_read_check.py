@@ -14,17 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from xxcopy_forms import forms_of, head_and_key
 
 from kvtier.records import xxcopy
 from kvtier.records.xxcopy import CHECK_GOOD, CHECK_HEAD, CHECK_SHAPE, CHECK_SUM
 
-FNS: dict[str, Callable[..., int]] = {"python": xxcopy.xxh3_read_check_python}
-if xxcopy.xxh3_read_check_native is not None:
-    FNS["native"] = xxcopy.xxh3_read_check_native
-
+FNS = forms_of("xxh3_read_check")
 RNG = np.random.default_rng(12)
-HEAD = RNG.integers(0, 256, 24, dtype=np.uint8).tobytes()
-KEY = RNG.integers(0, 256, 32, dtype=np.uint8).tobytes()
+HEAD, KEY = head_and_key(RNG)
 #: Payload lengths around XXH3's forms (prefix 56 bytes: 184 is the last short input) and pieces.
 LENGTHS = [0, 1, 63, 64, 65, 184, 185, 186, 1000, 4096, 5000, 65536 + 3]
 PIECES = [0, 1, 7, 64, 100, 4096, 65536]

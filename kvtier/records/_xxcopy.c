@@ -89,6 +89,25 @@ static int get_writable(PyObject *obj, Py_buffer *view, const char *what)
     return -1;
 }
 
+/* A record's head and key (args[0], args[1]) as readable buffers: 0 with both held, or -1
+   with neither held and the error set. */
+static int get_head_key(PyObject *const *args, Py_buffer *head, Py_buffer *key)
+{
+    if (get_readable(args[0], head, "head") < 0)
+        return -1;
+    if (get_readable(args[1], key, "key") < 0) {
+        PyBuffer_Release(head);
+        return -1;
+    }
+    return 0;
+}
+
+static void release_head_key(Py_buffer *head, Py_buffer *key)
+{
+    PyBuffer_Release(key);
+    PyBuffer_Release(head);
+}
+
 static PyObject *run(stripes_fn stripes, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs < 2 || nargs > 3) {
@@ -174,15 +193,10 @@ static PyObject *py_xxh3_64_joined(PyObject *module, PyObject *const *args, Py_s
         return NULL;
     }
     Py_buffer head, key, src;
-    if (get_readable(args[0], &head, "head") < 0)
+    if (get_head_key(args, &head, &key) < 0)
         return NULL;
-    if (get_readable(args[1], &key, "key") < 0) {
-        PyBuffer_Release(&head);
-        return NULL;
-    }
     if (get_readable(args[2], &src, "src") < 0) {
-        PyBuffer_Release(&key);
-        PyBuffer_Release(&head);
+        release_head_key(&head, &key);
         return NULL;
     }
     PyObject *out = NULL;
@@ -214,8 +228,7 @@ static PyObject *py_xxh3_64_joined(PyObject *module, PyObject *const *args, Py_s
     PyMem_Free(prefix);
 done:
     PyBuffer_Release(&src);
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&head);
+    release_head_key(&head, &key);
     return out;
 }
 
@@ -226,6 +239,16 @@ done:
 
 /* A record's head and key are hashed first; longer ones than this go through the heap. */
 #define CHECK_PREFIX_MAX 256
+
+/* Whether the n bytes at d (none where d is NULL) overlap the len bytes at s, which the copy
+   reads or compares with: 1 with ValueError(what) set, else 0. */
+static int refuse_overlap(const u8 *d, size_t n, const u8 *s, size_t len, const char *what)
+{
+    if (d == NULL || n == 0 || !(d < s + len && s < d + n))
+        return 0;
+    PyErr_SetString(PyExc_ValueError, what);
+    return 1;
+}
 
 /* head + key, the bytes a record's checksum covers before its payload: in small (of
    CHECK_PREFIX_MAX bytes) when they fit, else in a PyMem buffer the caller frees (prefix !=
@@ -259,10 +282,8 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
     int apart = nargs == 5 && args[4] != Py_None, have_dst = args[3] != Py_None;
     PyObject *result = NULL;
     Py_buffer head, key, stored, dst, payload;
-    if (get_readable(args[0], &head, "head") < 0)
+    if (get_head_key(args, &head, &key) < 0)
         return NULL;
-    if (get_readable(args[1], &key, "key") < 0)
-        goto release_head;
     if (get_readable(args[2], &stored, "stored") < 0)
         goto release_key;
     if (have_dst && get_writable(args[3], &dst, "dst") < 0)
@@ -281,15 +302,9 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
         status = XXC_CHECK_HEAD;
     } else {
         u8 *d = have_dst ? dst.buf : NULL;
-        if (d != NULL && n > 0 && d < src + n && src < d + n) {
-            PyErr_SetString(PyExc_ValueError, "dst: overlaps the payload");
-            goto release_payload;
-        }
         /* nor the stored head and checksum: the copy would change what it is compared with */
-        if (d != NULL && n > 0 && d < rec + slen && rec < d + n) {
-            PyErr_SetString(PyExc_ValueError, "dst: overlaps stored");
+        if (refuse_overlap(d, n, src, n, "dst: overlaps the payload") || refuse_overlap(d, n, rec, slen, "dst: overlaps stored"))
             goto release_payload;
-        }
         u8 small[CHECK_PREFIX_MAX];
         u8 *prefix = join_prefix(small, &head, &key);
         if (prefix == NULL)
@@ -316,9 +331,7 @@ release_dst:
 release_stored:
     PyBuffer_Release(&stored);
 release_key:
-    PyBuffer_Release(&key);
-release_head:
-    PyBuffer_Release(&head);
+    release_head_key(&head, &key);
     return result;
 }
 
@@ -337,12 +350,10 @@ static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject 
     }
     PyObject *result = NULL;
     Py_buffer head, key, stored, row;
-    if (get_readable(args[0], &head, "head") < 0)
+    if (get_head_key(args, &head, &key) < 0)
         return NULL;
-    if (get_readable(args[1], &key, "key") < 0)
-        goto release_head;
     u8 own[CHECK_PREFIX_MAX + 8];
-    if (args[2] == NULL) { /* the stored head and checksum into own (PyBuffer_Release takes an empty view) */
+    if (args[2] == NULL) { /* the stored head and checksum into own (not released below) */
         if ((size_t)head.len > CHECK_PREFIX_MAX) {
             PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head.len, CHECK_PREFIX_MAX);
             goto release_key;
@@ -359,10 +370,8 @@ static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject 
         PyErr_Format(PyExc_ValueError, "stored: holds %zd bytes, expected len(head) + 8 = %zu", stored.len, hlen + 8);
         goto release_row;
     }
-    if (n > 0 && r < s + hlen + 8 && s < r + n) {
-        PyErr_SetString(PyExc_ValueError, "row: overlaps stored");
+    if (refuse_overlap(r, n, s, hlen + 8, "row: overlaps stored"))
         goto release_row;
-    }
     u8 small[CHECK_PREFIX_MAX];
     u8 *prefix = join_prefix(small, &head, &key);
     if (prefix == NULL)
@@ -400,9 +409,7 @@ release_stored:
     if (args[2] != NULL)
         PyBuffer_Release(&stored);
 release_key:
-    PyBuffer_Release(&key);
-release_head:
-    PyBuffer_Release(&head);
+    release_head_key(&head, &key);
     return result;
 }
 
@@ -418,6 +425,27 @@ static int get_fd(PyObject *obj, const char *what)
     return (int)fd;
 }
 
+/* The argument checks of xxh3_64_read_check (at 0: the record open at fd) and
+   xxh3_64_read_check_at (at 1: the record named beneath dir_fd), then the read. */
+static PyObject *read_check_entry(PyObject *const *args, Py_ssize_t nargs, int at)
+{
+    if (nargs != 6 + at) {
+        PyErr_Format(PyExc_TypeError, "expected (%s, head, key, stored, row, piece), got %zd arguments", at ? "dir_fd, name" : "fd", nargs);
+        return NULL;
+    }
+    int fd = get_fd(args[0], at ? "dir_fd" : "fd");
+    if (fd < 0)
+        return NULL;
+    if (!at)
+        return read_check(args + 1, fd, -1, NULL, NULL);
+    PyObject *name = NULL;
+    if (!PyUnicode_FSConverter(args[1], &name))
+        return NULL;
+    PyObject *result = read_check(args + 2, -1, fd, name, args[1]);
+    Py_DECREF(name);
+    return result;
+}
+
 /* xxh3_64_read_check(fd, head, key, stored, row, piece) -> int: one raw record read from fd
    (from offset 0) and checked without the GIL (_xxread.c): its stored head and checksum into
    stored (len(head) + 8 bytes), which must start with head, then its payload into row, piece
@@ -426,12 +454,7 @@ static int get_fd(PyObject *obj, const char *what)
 static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "expected (fd, head, key, stored, row, piece), got %zd arguments", nargs);
-        return NULL;
-    }
-    int fd = get_fd(args[0], "fd");
-    return fd < 0 ? NULL : read_check(args + 1, fd, -1, NULL, NULL);
+    return read_check_entry(args, nargs, 0);
 }
 
 /* xxh3_64_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int: the same, for the
@@ -440,19 +463,7 @@ static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, 
 static PyObject *py_xxh3_64_read_check_at(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "expected (dir_fd, name, head, key, stored, row, piece), got %zd arguments", nargs);
-        return NULL;
-    }
-    int dir_fd = get_fd(args[0], "dir_fd");
-    if (dir_fd < 0)
-        return NULL;
-    PyObject *name = NULL;
-    if (!PyUnicode_FSConverter(args[1], &name))
-        return NULL;
-    PyObject *result = read_check(args + 2, -1, dir_fd, name, args[1]);
-    Py_DECREF(name);
-    return result;
+    return read_check_entry(args, nargs, 1);
 }
 
 /* xxh3_64_read_check_key(dir_fd, head, key, row, piece) -> int: xxh3_64_read_check_at of the

@@ -27,10 +27,12 @@
  * of 2 MiB after a flush of the caches: 2.0 ms on a team of two against 3.7 ms on one thread and
  * 3.3 ms (save) / 4.3 ms (load) for torch's index ops on the same team. A job whose destinations
  * repeat (two rows of a gather, two ids of a scatter are one) copies in order on the calling thread,
- * so the last one still wins. Both calls return the number of threads that copied.
+ * so the last one still wins. Both calls return the number of threads that copied. In a child
+ * of fork every job copies on the calling thread (the parent's team has no threads there).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -250,6 +252,14 @@ static int read_indexes(PyObject *seq, Py_ssize_t n, Py_ssize_t limit, Py_ssize_
  * helpers are awake (spinning) right after one. NULL: no team, every job on the calling thread. */
 typedef void (*team_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 static team_parallel_fn team_parallel = NULL;
+
+/* In a child of fork the runtime still holds the forking thread's team, but not its threads:
+ * a team job there would wait for them for ever (libgomp; torch's own parallel ops on that
+ * thread do too). The child's jobs copy on the calling thread. */
+static void no_team_after_fork(void)
+{
+    team_parallel = NULL;
+}
 
 typedef struct {
     const BlockCopier *copier;
@@ -533,6 +543,10 @@ PyMODINIT_FUNC PyInit__blockcopy(void)
         best_name = "sse2";
     }
 #endif
+    if (pthread_atfork(NULL, NULL, no_team_after_fork) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockcopy: pthread_atfork failed");
+        return NULL;
+    }
     if (PyType_Ready(&BlockCopierType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
