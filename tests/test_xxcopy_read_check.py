@@ -232,6 +232,9 @@ def test_bad_arguments_of_a_read_by_key_are_refused_by_name(tmp_path: Path, name
             fn(root, HEAD, KEY, bytearray(100), -1)
         with pytest.raises(ValueError, match="dir_fd: expected an open file descriptor, got -1"):
             fn(-1, HEAD, KEY, bytearray(100), 0)
+        if name == "native":
+            with pytest.raises(TypeError, match=r"expected \(dir_fd, head, key, row, piece\), got 4 arguments"):
+                fn(root, HEAD, KEY, bytearray(100))
         assert fn(root, HEAD, KEY, bytearray(100), 0) == CHECK_GOOD
     finally:
         os.close(root)
