@@ -25,6 +25,16 @@ raw flat files synced one after the other (one directory) 116. The order that ma
 durable before its name is kept: no rename starts before every data sync has returned, and no
 directory sync before every rename.
 
+Where ``kvtier.backends._filesync`` is built (:data:`NATIVE_SYNCS`), the syncs of several
+descriptors are one native call without the GIL (``backends/_filesync.c``): its own threads
+take the syncs from a list under a mutex and count them back, and the calling thread syncs its
+share too. On Python's pool each sync was a task handed over and a result handed back, each
+hand-off taking the GIL against the other callers' threads. Measured (64 KiB records, jobs of
+16, 4 concurrent callers, one process, the tier with and without it alternated with the raw
+shapes, 21 rounds, load 3.3): the tier's CPU time 25.4 -> 21.9 ms a round of 128 records, its
+save against the best raw shape of the round 0.82 -> 0.91 (median). The same order holds: the
+call returns once every sync has returned, before any rename.
+
 In a durable job of several records, each file of :data:`EARLY_WRITEBACK_BYTES` or more has
 its writeback started as soon as it is written (:func:`start_writeback`), so the device writes
 it while the next files are written, and the syncs find less to do. It makes nothing durable
@@ -83,6 +93,15 @@ _SYNC_FILE_RANGE_WRITE = 2
 T = TypeVar("T")
 _threads = ProcessThreads(SYNC_THREADS, THREAD_PREFIX)
 
+try:
+    from kvtier.backends import _filesync  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: Python's pool (sync_pool) runs the syncs
+    _filesync = None
+#: A commit's syncs of several descriptors go to ``_filesync.sync_all`` (side by side on the
+#: extension's own threads, one call without the GIL) where it is built; ``False``: on
+#: :func:`sync_pool`, one ``os`` call each (which the tests that watch those calls need).
+NATIVE_SYNCS: bool = _filesync is not None
+
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if os.uname().sysname != "Linux":
@@ -127,6 +146,15 @@ def _side_by_side(sync: Callable[[T], None], items: Sequence[T]) -> list[OSError
         for f in futures:  # (a partial submit: wait for what started, then do it all here)
             f.result()
     return [_caught(sync, item) for item in items]
+
+
+def _sync_all(items: Sequence[int | str], *, data: bool) -> list[OSError | None]:
+    """``fdatasync`` (``data``) or ``fsync`` of every item, a descriptor or (a directory) a path,
+    side by side: natively where built (:data:`NATIVE_SYNCS`) and every item is a descriptor,
+    else by :func:`_side_by_side`; per item, the ``OSError`` of its sync or ``None``."""
+    if NATIVE_SYNCS and len(items) > 1 and all(type(i) is int for i in items):
+        return [None if e == 0 else OSError(e, os.strerror(e)) for e in _filesync.sync_all(items, data)]
+    return _side_by_side(_sync_data if data else _sync_dir, items)
 
 
 def _caught(sync: Callable[[T], None], item: T) -> OSError | None:
@@ -230,7 +258,7 @@ def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
     that cannot be synced is a ``DiskError`` (its renames may not survive a power loss)."""
     files = [f for job in jobs for f in job.files]
     failed: set[int] = set()
-    errors = _side_by_side(_sync_file, files) if durable else None
+    errors = _sync_all([f.fd for f in files], data=True) if durable else None
     for i, f in enumerate(files):
         if errors is not None and errors[i] is not None:
             log.warning("file: sync of %s failed: %s", f.tmp, errors[i])
@@ -256,7 +284,7 @@ def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
                     dirs.setdefault(shard, fd)
         for path in sorted({p for job in jobs for p in job.parents}):
             dirs[path] = path
-        for error in _side_by_side(_sync_dir, list(dirs.values())):
+        for error in _sync_all(list(dirs.values()), data=False):
             if error is not None:
                 raise DiskError(f"file: cannot sync directory entries: {error}") from error
     return [[id(f) not in failed for f in job.files] for job in jobs]
@@ -299,8 +327,9 @@ def commit_one(dir_fd: int, tmp: str, name: str, buffers: Sequence[Any], nbytes:
     return True
 
 
-def _sync_file(f: StagedFile) -> None:
-    os.fdatasync(f.fd)
+def _sync_data(fd: int | str) -> None:
+    assert isinstance(fd, int)
+    os.fdatasync(fd)
 
 
 def _sync_dir(where: int | str) -> None:

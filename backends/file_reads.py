@@ -58,6 +58,7 @@ import errno
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +101,17 @@ def _libc_syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _syscall = _libc_syscall() if os.uname().sysname == "Linux" else None
+#: The open roots, whose counts a child of fork starts again (:meth:`BeneathRoot._after_fork`).
+_ROOTS: weakref.WeakSet[BeneathRoot] = weakref.WeakSet()
+
+
+def _roots_after_fork() -> None:
+    for root in list(_ROOTS):
+        root._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_roots_after_fork)
 
 
 class BeneathRoot:
@@ -121,6 +133,13 @@ class BeneathRoot:
         # append and pop are single steps under the GIL, so a read job pays about 0.2 us for its
         # count, where a lock taken twice cost about 2 us (a tenth of a 4 KiB read).
         self._under_way: list[None] = []
+        self._closing = threading.Lock()
+        _ROOTS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a child of fork: the jobs counted, and a close under way, were the parent's other
+        threads', which the child has not; its close waits for none of them."""
+        self._under_way = []
         self._closing = threading.Lock()
 
     def open(self, relative: str, *, directory: bool = False) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvtier.backends import file_commit
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -807,6 +808,7 @@ def test_a_flat_store_syncs_each_record_then_the_root_once_per_job(tmp_path: Pat
     asyncio.run(backend.open(FMT))
     root = str((tmp_path / "root").resolve())
     assert [p.name for p in Path(root).iterdir()] == ["kvtier-meta.kvm"]  # no shard directories
+    monkeypatch.setattr(file_commit, "NATIVE_SYNCS", False)  # each sync an os call, watched here
     monkeypatch.setattr(os, "fsync", spy("fsync", real_fsync))
     monkeypatch.setattr(os, "fdatasync", spy("fdatasync", real_fdatasync))
     monkeypatch.setattr(os, "replace", replace)

@@ -258,3 +258,51 @@ def test_a_write_or_delete_that_outlives_the_tiers_close_leaves_a_store_opened_s
     on_disk, known = child.stdout.split()
     assert known == "True", child.stdout
     assert on_disk == "True" or change == "write", child.stdout  # the record written since stays
+
+
+_FORKED_CLOSE = r"""
+import asyncio, os, signal, tempfile, threading, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+backend = registry.backends.get("file")(capacity=8 << 20, path=tempfile.mkdtemp(), sync_mode="fast", layout="sharded")
+asyncio.run(backend.open(fmt))
+key = make_key(0)
+backend.write_blocks([key], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = backend._leaf
+def held(k):  # a read job under way on another thread when the process forks
+    entered.set()
+    go.wait()
+    return real(k)
+backend._leaf = held
+backend._plain = None
+reader = threading.Thread(target=lambda: backend.read_blocks([key], [torch.zeros(16384, dtype=torch.uint8)]))
+reader.start()
+entered.wait()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: the reading thread is not there, its count is
+    signal.alarm(60)
+    backend._leaf = real
+    out = torch.zeros(16384, dtype=torch.uint8)
+    hit = backend.read_blocks([key], [out])
+    asyncio.run(backend.aclose())
+    os.write(write, f"{hit[0]} closed".encode())
+    os._exit(0)
+os.close(write)
+_, status = os.waitpid(pid, 0)
+go.set()
+reader.join()
+print(os.read(read, 100).decode() or f"killed by signal {os.WTERMSIG(status)}")
+asyncio.run(backend.aclose())
+"""
+
+
+def test_a_child_forked_during_a_read_reads_and_closes_the_tier() -> None:
+    """The child of a fork inherits the count of a read under way on another thread of the
+    parent, but not the thread: its close must not wait for that read (child process)."""
+    child = subprocess.run([sys.executable, "-c", _FORKED_CLOSE], capture_output=True, text=True, timeout=180)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "closed"], child.stdout

@@ -169,6 +169,7 @@ def test_a_job_of_files_syncs_each_changed_directory_once(tmp_path: Path, monkey
     keys = [bytes([7, 7]) + make_key(i)[2:] for i in range(8)]  # one shard directory for all
     synced: list[str] = []
     real_fsync, real_fdatasync, real_pwritev = os.fsync, os.fdatasync, os.pwritev
+    monkeypatch.setattr(file_commit, "NATIVE_SYNCS", False)  # each sync an os call, counted here
     monkeypatch.setattr(os, "pwritev", lambda *a: (synced.append("write"), real_pwritev(*a))[1])
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("dir"), real_fsync(fd))[1])
     monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append("file"), real_fdatasync(fd))[1])
@@ -221,6 +222,7 @@ def test_a_job_of_files_syncs_side_by_side_and_names_a_record_only_once_its_data
         note("rename")
         real_replace(*args, **kwargs)  # type: ignore[arg-type]
 
+    monkeypatch.setattr(file_commit, "NATIVE_SYNCS", False)  # the syncs as os calls on Python's pool, watched here
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -261,6 +263,7 @@ def test_a_file_sync_that_fails_fails_its_record_alone_when_the_syncs_run_side_b
                 raise OSError(5, "injected EIO")
         real_fdatasync(fd)
 
+    monkeypatch.setattr(file_commit, "NATIVE_SYNCS", False)  # (natively: tests/test_file_syncs.py)
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     try:
         sizes = backend.write_blocks(keys, _blocks(4))
