@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 import time
@@ -70,7 +71,7 @@ from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.format import HEADER_SIZE
 
-__all__ = ["PIECE_BYTES", "BeneathRoot", "PlainReads"]
+__all__ = ["CLOSE_WAIT_S", "PIECE_BYTES", "BeneathRoot", "PlainReads"]
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (added in 5.6)
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -101,6 +102,11 @@ def _libc_syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _syscall = _libc_syscall() if os.uname().sysname == "Linux" else None
+log = logging.getLogger(__name__)
+#: How long a close waits for the jobs under way beneath its root (a read stuck on a hung
+#: filesystem): after it the root's descriptor is left open, so its number is never handed to
+#: another directory under such a job (as the ``lmdb`` tier leaves its environment open).
+CLOSE_WAIT_S = 30.0
 #: The open roots, whose counts a child of fork starts again (:meth:`BeneathRoot._after_fork`).
 _ROOTS: weakref.WeakSet[BeneathRoot] = weakref.WeakSet()
 
@@ -172,14 +178,19 @@ class BeneathRoot:
         self._under_way.pop()
 
     def close(self) -> None:
-        """Close the root's descriptor once the reads counted (:meth:`enter`) have left: its
-        number, handed out again, must not be opened beneath by a read still under way."""
+        """Close the root's descriptor once the jobs counted (:meth:`enter`) have left: its
+        number, handed out again, must not be opened beneath by a read still under way. After
+        :data:`CLOSE_WAIT_S` the descriptor is left open instead (logged)."""
         with self._closing:
             if self.fd < 0:
                 return
             fd, self.fd = self.fd, -1  # no new read from here; those under way leave the rest of their job to the general path
             self._dir.value = -1  # a read still holding this root opens nothing (EBADF) beneath the number's next owner
+            end = time.monotonic() + CLOSE_WAIT_S
             while self._under_way:  # a close is rare and a read short: wait in small sleeps
+                if time.monotonic() >= end:
+                    log.warning("file: %d jobs beneath the root still run after %.3g s at close; its descriptor is left open", len(self._under_way), CLOSE_WAIT_S)
+                    return
                 time.sleep(0.0002)
             os.close(fd)
 
