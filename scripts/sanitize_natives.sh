@@ -26,12 +26,13 @@ FLAGS=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fr
 "$CC" "${FLAGS[@]}" -Ikvtier/records kvtier/records/_xxcopy.c kvtier/records/_xxh3.c kvtier/records/_xxread.c -o "kvtier/records/_xxcopy$SUFFIX"
 "$CC" "${FLAGS[@]}" kvtier/records/_gmac.c -o "kvtier/records/_gmac$SUFFIX"
 "$CC" "${FLAGS[@]}" backends/_rowguard.c -o "kvtier/backends/_rowguard$SUFFIX"
+"$CC" "${FLAGS[@]}" backends/_filesync.c -o "kvtier/backends/_filesync$SUFFIX"
 "$CC" "${FLAGS[@]}" -Ikvtier/manager kvtier/manager/_probe.c kvtier/manager/_keyindex.c -o "kvtier/manager/_probe$SUFFIX"
 "$CC" "${FLAGS[@]}" kvtier/transfer/_blockcopy.c -o "kvtier/transfer/_blockcopy$SUFFIX"
 if [ $# -eq 0 ]; then
     set -- tests/test_gmac_native.py tests/test_block_copy.py tests/test_block_copy_team.py tests/test_lmdb_rowguard.py \
         tests/test_lmdb_one_read.py tests/test_lmdb_close_reads.py tests/test_file_closed_reads.py tests/test_xxcopy.py \
-        tests/test_xxcopy_check.py tests/test_xxcopy_read_check.py tests/test_native_bounds.py
+        tests/test_xxcopy_check.py tests/test_xxcopy_read_check.py tests/test_native_bounds.py tests/test_file_syncs.py
 fi
 # (leaks are not asked: the interpreter's own are not the extensions')
 LD_PRELOAD="$("$CC" -print-file-name=libasan.so) $("$CC" -print-file-name=libubsan.so)" \
