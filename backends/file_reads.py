@@ -9,8 +9,10 @@ record takes. :class:`PlainReads` does the common case in three:
 * in the flat layout, ``openat`` of ``<name>.kvb`` from a descriptor of the root held open,
   with ``O_NOFOLLOW``: the name is one component of hex digits, so no path leaves the root and
   a symlink in the record's place is refused (measured: 4.0 µs a record against 5.5 µs through
-  ``openat2`` by ``ctypes``; a read of 4 KiB takes about 12). The open, the read and check
-  below and the ``close`` are one native call (:func:`~kvtier.records.xxcopy.xxh3_read_check_at`):
+  ``openat2`` by ``ctypes``; a read of 4 KiB takes about 12). The name made from the key, the
+  open, the read and check below and the ``close`` are one native call
+  (:func:`~kvtier.records.xxcopy.xxh3_read_check_key`, whose buffer for the stored head is its
+  own: no ``key.hex()``, f-string or ``bytearray`` a record, 0.4 µs of Python):
   an absent record is its open's ``FileNotFoundError`` (a miss), any other error of the call
   leaves the record to the general read;
 * in the sharded layout, ``openat2`` of ``ab/cd/<name>.kvb`` from that descriptor, with
@@ -53,9 +55,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,7 +71,7 @@ from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.format import HEADER_SIZE
 
-__all__ = ["PIECE_BYTES", "BeneathRoot", "PlainReads"]
+__all__ = ["CLOSE_WAIT_S", "PIECE_BYTES", "BeneathRoot", "PlainReads"]
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (added in 5.6)
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -98,6 +102,22 @@ def _libc_syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _syscall = _libc_syscall() if os.uname().sysname == "Linux" else None
+log = logging.getLogger(__name__)
+#: How long a close waits for the jobs under way beneath its root (a read stuck on a hung
+#: filesystem): after it the root's descriptor is left open, so its number is never handed to
+#: another directory under such a job (as the ``lmdb`` tier leaves its environment open).
+CLOSE_WAIT_S = 30.0
+#: The open roots, whose counts a child of fork starts again (:meth:`BeneathRoot._after_fork`).
+_ROOTS: weakref.WeakSet[BeneathRoot] = weakref.WeakSet()
+
+
+def _roots_after_fork() -> None:
+    for root in list(_ROOTS):
+        root._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_roots_after_fork)
 
 
 class BeneathRoot:
@@ -119,6 +139,13 @@ class BeneathRoot:
         # append and pop are single steps under the GIL, so a read job pays about 0.2 us for its
         # count, where a lock taken twice cost about 2 us (a tenth of a 4 KiB read).
         self._under_way: list[None] = []
+        self._closing = threading.Lock()
+        _ROOTS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a child of fork: the jobs counted, and a close under way, were the parent's other
+        threads', which the child has not; its close waits for none of them."""
+        self._under_way = []
         self._closing = threading.Lock()
 
     def open(self, relative: str, *, directory: bool = False) -> int:
@@ -151,14 +178,19 @@ class BeneathRoot:
         self._under_way.pop()
 
     def close(self) -> None:
-        """Close the root's descriptor once the reads counted (:meth:`enter`) have left: its
-        number, handed out again, must not be opened beneath by a read still under way."""
+        """Close the root's descriptor once the jobs counted (:meth:`enter`) have left: its
+        number, handed out again, must not be opened beneath by a read still under way. After
+        :data:`CLOSE_WAIT_S` the descriptor is left open instead (logged)."""
         with self._closing:
             if self.fd < 0:
                 return
             fd, self.fd = self.fd, -1  # no new read from here; those under way leave the rest of their job to the general path
             self._dir.value = -1  # a read still holding this root opens nothing (EBADF) beneath the number's next owner
+            end = time.monotonic() + CLOSE_WAIT_S
             while self._under_way:  # a close is rare and a read short: wait in small sleeps
+                if time.monotonic() >= end:
+                    log.warning("file: %d jobs beneath the root still run after %.3g s at close; its descriptor is left open", len(self._under_way), CLOSE_WAIT_S)
+                    return
                 time.sleep(0.0002)
             os.close(fd)
 
@@ -206,13 +238,12 @@ class PlainReads:
         view = self.views.get(row.data_ptr())
         if view is None:
             return None
-        name = key.hex()
         root = self.root
-        if self.flat:  # opened, read, checked and closed in one call
+        if self.flat:  # named, opened, read, checked and closed in one call
             if (root_fd := root.fd) < 0:  # the tier closed since its read took this pass: the general path's
                 return None
             try:
-                if xxcopy.xxh3_read_check_at(root_fd, f"{name}.kvb", self.checksum.head, key, bytearray(HEADER_SIZE), view, self.piece):
+                if xxcopy.xxh3_read_check_key(root_fd, self.checksum.head, key, view, self.piece):
                     return None
             except FileNotFoundError:  # (only its open says so: a read never does)
                 counters.read_misses += 1
@@ -223,6 +254,7 @@ class PlainReads:
             try:
                 if not root.usable:
                     return None
+                name = key.hex()
                 fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
             except FileNotFoundError:
                 counters.read_misses += 1
@@ -267,7 +299,7 @@ class PlainReads:
             return list(range(len(keys)))
         head = bytearray(HEADER_SIZE)
         expected, row_at, piece = self.checksum.head, self._row.from_address, self.piece
-        read_check, read_check_at, close = xxcopy.xxh3_read_check, xxcopy.xxh3_read_check_at, os.close
+        read_check, read_check_key, close = xxcopy.xxh3_read_check, xxcopy.xxh3_read_check_key, os.close
         for i, key in enumerate(keys):
             if rows is not None:
                 view = rows[i]
@@ -277,13 +309,12 @@ class PlainReads:
                     rest.append(i)
                     continue
                 view = row_at(row.data_ptr())
-            name = key.hex()
-            if flat:  # opened, read, checked and closed in one call (xxcopy.xxh3_read_check_at)
+            if flat:  # named, opened, read, checked and closed in one call (xxcopy.xxh3_read_check_key)
                 if (root_fd := root.fd) < 0:  # the tier closed during the job: the general path's
                     rest.append(i)
                     continue
                 try:
-                    sound = not read_check_at(root_fd, f"{name}.kvb", expected, key, head, view, piece)
+                    sound = not read_check_key(root_fd, expected, key, view, piece)
                 except FileNotFoundError:  # (only its open says so: a read never does)
                     continue
                 except OSError:
@@ -293,6 +324,7 @@ class PlainReads:
                     if not root.usable:
                         rest.append(i)
                         continue
+                    name = key.hex()
                     fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
                 except FileNotFoundError:
                     continue

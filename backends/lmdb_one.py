@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from kvtier.backend import BackendCounters
 
-__all__ = ["STRAIGHT_READS", "StraightRead", "copy_keyed", "copy_plain"]
+__all__ = ["STRAIGHT_READS", "StraightRead", "copy_keyed", "copy_plain", "forks"]
 
 #: Warm unkeyed jobs go through :class:`StraightRead` first; ``False``: through the job reader
 #: alone (the general path, which the tests compare it with).
@@ -50,6 +50,13 @@ _FORKS = [0]  # forks of this process so far, counted in the child
 
 def _forked() -> None:
     _FORKS[0] += 1
+
+
+def forks() -> int:
+    """Forks of this process so far (counted in each child, by ``os.register_at_fork``): an
+    environment opened at one count is another process's at any other. A list's item, where
+    ``os.getpid()`` is a system call each time (glibc caches no pid)."""
+    return _FORKS[0]
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -113,7 +113,7 @@ from kvtier.backends.lmdb_files import (
 )
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
-from kvtier.backends.lmdb_one import StraightRead
+from kvtier.backends.lmdb_one import StraightRead, forks
 from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
 from kvtier.backends.lmdb_salvage import copy_into, meta_refusal, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
@@ -208,7 +208,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._index: Any = None
         self._meta: Any = None
         self._psize = 4096
-        self._pid = 0
+        self._forks = -1  # the fork count at the open (lmdb_one.forks)
         self._write_lock = threading.Lock()
         self._sync_lock = threading.Lock()  # a commit's sync (run outside the write lock) and the close
         self._holder: HolderLock | None = None
@@ -248,7 +248,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             holder.release()
             raise
         self._holder = holder
-        self._pid = os.getpid()
+        self._forks = forks()
 
     def _open_checked(self, fmt: BlockFormat) -> None:
         """Open, and on damage found before or while opening, move the environment aside and
@@ -486,7 +486,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         env = self._env
         if env is None:
             raise BackendError(f"lmdb: {self.path!r} is not open")
-        if self._pid != os.getpid():
+        if self._forks != forks():  # (a fork's count, not os.getpid(): a system call each save)
             raise BackendError("lmdb: the environment was opened in another process; open the backend after fork")
         return env
 

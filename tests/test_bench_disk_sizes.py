@@ -35,6 +35,10 @@ def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: 
     # Against one shape, never above the best of every shape round by round.
     assert cell["save_ratio_paired_shape"] >= cell["save_ratio_paired"]
     assert cell["load_ratio_paired_shape"] >= cell["load_ratio_paired"]
+    # One caller: the loads in thread CPU too; several: none (their threads are not this one).
+    low, high = cell["load_cpu_ratio_paired_spread"]
+    assert 0 < low <= cell["load_cpu_ratio_paired"] <= high and cell["load_cpu_ceiling_ratio_paired"] > 0
+    assert "load_cpu_ratio_paired" not in bench._cell(str(tmp_path), tier, 4096, 2, 2, 1, 8)
 
 
 @pytest.mark.parametrize("tier", ["lmdb", "file"])
@@ -55,6 +59,32 @@ def test_each_operation_is_timed_by_one_arm_a_round_after_the_filesystem_settled
     assert one["best_raw_load"] == loader
     several = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4)
     assert f"{same_save}_save_blocks_s" in several and f"{same_save}_load_gbps" not in several
+
+
+def test_a_tier_save_is_handed_lists_built_before_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier's timed saves are handed each job's key and block lists built before its clock
+    starts, as its loads are (a raw arm indexes its lists and builds none): an ``lmdb`` arm
+    saves each job twice a round (into a fresh store, then the counted save), and both get the
+    very same list objects."""
+    from kvtier import registry
+
+    bench = bench_module("bench_disk_sizes")
+    kind = registry.backends.get("lmdb")
+    handed: dict[bytes, list[tuple[list[bytes], list[object]]]] = defaultdict(list)
+    real = kind.write_blocks
+
+    def hand(self: object, keys: list[bytes], blocks: list[object]) -> object:
+        if len(keys) == 2:  # a job's (the spare record is saved alone)
+            handed[keys[0]].append((keys, blocks))
+        return real(self, keys, blocks)
+
+    monkeypatch.setattr(kind, "write_blocks", hand)
+    bench._cell(str(tmp_path), "lmdb", 4096, 2, 1, 1, 4)  # two rounds (one warm-up), two jobs of two
+    assert len(handed) == 2
+    for calls in handed.values():
+        assert len(calls) == 4  # two rounds of a fresh and a counted save
+        for fresh, counted in (calls[:2], calls[2:]):
+            assert fresh[0] is counted[0] and fresh[1] is counted[1]
 
 
 def test_quick_runs_count_an_odd_number_of_rounds_and_fewer_blocks(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ from kvtier.testing import make_key, random_block
 def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_path: Path, layout: str, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if way == "python":
         monkeypatch.setattr(xxcopy, "xxh3_read_check_at", xxcopy.xxh3_read_check_at_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)
@@ -89,13 +90,13 @@ data = [random_block(fmt.block_bytes, 40 + i) for i in range(2)]
 first.write_blocks(keys, data)
 out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
 first.read_blocks(keys, out)
-real, entered, go = xxcopy.xxh3_read_check_at, threading.Event(), threading.Event()
+real, entered, go = xxcopy.xxh3_read_check_key, threading.Event(), threading.Event()
 def held(dir_fd, *args):  # the read's native call, held between its descriptor's read and its open
     if not entered.is_set():
         entered.set()
         go.wait()
     return real(dir_fd, *args)
-xxcopy.xxh3_read_check_at = held
+xxcopy.xxh3_read_check_key = held
 got = []
 reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys, out)))
 reader.start()
@@ -257,3 +258,89 @@ def test_a_write_or_delete_that_outlives_the_tiers_close_leaves_a_store_opened_s
     on_disk, known = child.stdout.split()
     assert known == "True", child.stdout
     assert on_disk == "True" or change == "write", child.stdout  # the record written since stays
+
+
+_FORKED_CLOSE = r"""
+import asyncio, os, signal, tempfile, threading, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+backend = registry.backends.get("file")(capacity=8 << 20, path=tempfile.mkdtemp(), sync_mode="fast", layout="sharded")
+asyncio.run(backend.open(fmt))
+key = make_key(0)
+backend.write_blocks([key], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = backend._leaf
+def held(k):  # a read job under way on another thread when the process forks
+    entered.set()
+    go.wait()
+    return real(k)
+backend._leaf = held
+backend._plain = None
+reader = threading.Thread(target=lambda: backend.read_blocks([key], [torch.zeros(16384, dtype=torch.uint8)]))
+reader.start()
+entered.wait()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: the reading thread is not there, its count is
+    signal.alarm(60)
+    backend._leaf = real
+    out = torch.zeros(16384, dtype=torch.uint8)
+    hit = backend.read_blocks([key], [out])
+    asyncio.run(backend.aclose())
+    os.write(write, f"{hit[0]} closed".encode())
+    os._exit(0)
+os.close(write)
+_, status = os.waitpid(pid, 0)
+go.set()
+reader.join()
+print(os.read(read, 100).decode() or f"killed by signal {os.WTERMSIG(status)}")
+asyncio.run(backend.aclose())
+"""
+
+
+def test_a_child_forked_during_a_read_reads_and_closes_the_tier() -> None:
+    """The child of a fork inherits the count of a read under way on another thread of the
+    parent, but not the thread: its close must not wait for that read (child process)."""
+    child = subprocess.run([sys.executable, "-c", _FORKED_CLOSE], capture_output=True, text=True, timeout=180)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "closed"], child.stdout
+
+
+_STUCK = r"""
+import asyncio, os, tempfile, threading, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import file_reads
+from kvtier.testing import make_key, random_block
+file_reads.CLOSE_WAIT_S = 0.2
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+root = tempfile.mkdtemp()
+backend = registry.backends.get("file")(capacity=8 << 20, path=root, sync_mode="fast", layout="sharded")
+asyncio.run(backend.open(fmt))
+key = make_key(0)
+backend.write_blocks([key], [random_block(16384, 1)])
+entered = threading.Event()
+def stuck(k):  # a read that never returns (a hung filesystem)
+    entered.set()
+    threading.Event().wait()
+backend._leaf = stuck
+backend._plain = None
+threading.Thread(target=lambda: backend.read_blocks([key], [torch.zeros(16384, dtype=torch.uint8)]), daemon=True).start()
+entered.wait()
+fd = backend._beneath.fd
+asyncio.run(backend.aclose())
+kept = os.path.samestat(os.fstat(fd), os.stat(root))  # left open: its number is not handed out again
+print("closed", kept, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_close_waits_for_a_read_that_never_ends_a_bounded_time_and_keeps_the_root_open() -> None:
+    """A read stuck for good (a hung filesystem) holds the close for ``CLOSE_WAIT_S`` at most
+    (as the ``lmdb`` tier's close); the root's descriptor is then left open, so its number is
+    never handed to another directory under the read (child process)."""
+    child = subprocess.run([sys.executable, "-c", _STUCK], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["closed", "True"], child.stdout

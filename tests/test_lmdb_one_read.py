@@ -265,6 +265,36 @@ def test_a_one_record_job_of_a_closed_or_forked_store_is_refused(tmp_path: Path)
         backend.read_blocks([key], [row])
 
 
+def test_a_save_of_a_forked_store_is_refused_and_the_parent_saves_on(tmp_path: Path) -> None:
+    """A save in a child of the process that opened the store is refused (the environment is
+    the parent's), told by the count of forks, not by a pid asked at each save."""
+    keys = [make_key(7), make_key(8)]
+    backend = _open(tmp_path / "store")
+    blocks = [random_block(FMT.block_bytes, 7), random_block(FMT.block_bytes, 8)]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the environment is the parent's
+        try:
+            backend.write_blocks(keys[:1], blocks[:1])
+            os.write(write, b"saved")
+        except BackendError as exc:
+            os.write(write, b"refused" if "another process" in str(exc) else b"other")
+        except BaseException:
+            os.write(write, b"raised")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 100) == b"refused"
+    os.close(read)
+    try:
+        assert None not in backend.write_blocks(keys, blocks)  # the parent saves on
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True, True]
+        assert all(torch.equal(r, b) for r, b in zip(rows, blocks))
+    finally:
+        asyncio.run(backend.aclose())
+
+
 _CUT = """
 import asyncio, os, sys
 import torch

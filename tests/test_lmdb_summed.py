@@ -130,18 +130,17 @@ def test_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, monke
     a counted corrupt record, never served."""
     from kvtier.backends.group_commit import GroupCommit
 
-    if path == "python":
-        monkeypatch.setattr(xxcopy, "xxh3_joined", xxcopy.xxh3_joined_python)
-    elif xxcopy.xxh3_joined is not xxcopy.xxh3_joined_native:
+    if path == "native" and xxcopy.xxh3_joined is not xxcopy.xxh3_joined_native:
         pytest.skip("the native extension is not built here")
+    real = xxcopy.xxh3_joined_python if path == "python" else xxcopy.xxh3_joined
     monkeypatch.setattr(GroupCommit, "idle", lambda self: built == "in the transaction")
     keys = [make_key(i) for i in range(N)]
     data = [random_block(JOINED_FMT.block_bytes, 40 + i) for i in range(N)]
-    joined: list[bytes] = []
-    real = lmdb_plain.PlainReads.joined
-    monkeypatch.setattr(lmdb_plain.PlainReads, "joined", lambda self, key, view: joined.append(key) or real(self, key, view))
     backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path), sync_mode="fast")
     asyncio.run(backend.open(JOINED_FMT))
+    joined: list[tuple[bytes, bool]] = []  # each record built: its key, and whether in the transaction
+    lock = backend._write_lock  # type: ignore[attr-defined]  # (held through the write transaction)
+    monkeypatch.setattr(xxcopy, "xxh3_joined", lambda head, key, view: joined.append((key, lock.locked())) or real(head, key, view))
     if shape == "one per record":
 
         def full(*args: Any) -> Any:
@@ -153,7 +152,7 @@ def test_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, monke
         assert backend.stats()["bytes_written"] == N * (32 + JOINED_FMT.block_bytes)
     finally:
         asyncio.run(backend.aclose())
-    assert joined == (keys if built == "in the transaction" else [])
+    assert joined == [(key, built == "in the transaction") for key in keys]  # each built once, where it should be
     at = {"payload": 32 + 5000, "checksum": 27, "head": 3}[damage]
     env = lmdb.open(str(tmp_path), max_dbs=8, lock=True)
     try:
