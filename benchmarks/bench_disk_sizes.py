@@ -356,7 +356,10 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             path = tempfile.mkdtemp(dir=root)
             backend = _open(tier, size, path, capacity)
             try:
-                save_all = lambda: _run(parts, lambda j: backend.write_blocks([keys[i] for i in j], [blocks[i] for i in j]))  # noqa: E731
+                # Each job's key and block lists are built before the clock starts, as for its
+                # loads below: a raw arm indexes its lists without building any.
+                saved = {j.start: ([keys[i] for i in j], [blocks[i] for i in j]) for part in parts for j in part}
+                save_all = lambda: _run(parts, lambda j: backend.write_blocks(*saved[j.start]))  # noqa: E731
                 fresh = None
                 if tier == "lmdb":  # the counted save goes into a grown file (see the module doc)
                     fresh = save_all()

@@ -57,6 +57,32 @@ def test_each_operation_is_timed_by_one_arm_a_round_after_the_filesystem_settled
     assert f"{same_save}_save_blocks_s" in several and f"{same_save}_load_gbps" not in several
 
 
+def test_a_tier_save_is_handed_lists_built_before_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier's timed saves are handed each job's key and block lists built before its clock
+    starts, as its loads are (a raw arm indexes its lists and builds none): an ``lmdb`` arm
+    saves each job twice a round (into a fresh store, then the counted save), and both get the
+    very same list objects."""
+    from kvtier import registry
+
+    bench = bench_module("bench_disk_sizes")
+    kind = registry.backends.get("lmdb")
+    handed: dict[bytes, list[tuple[list[bytes], list[object]]]] = defaultdict(list)
+    real = kind.write_blocks
+
+    def hand(self: object, keys: list[bytes], blocks: list[object]) -> object:
+        if len(keys) == 2:  # a job's (the spare record is saved alone)
+            handed[keys[0]].append((keys, blocks))
+        return real(self, keys, blocks)
+
+    monkeypatch.setattr(kind, "write_blocks", hand)
+    bench._cell(str(tmp_path), "lmdb", 4096, 2, 1, 1, 4)  # two rounds (one warm-up), two jobs of two
+    assert len(handed) == 2
+    for calls in handed.values():
+        assert len(calls) == 4  # two rounds of a fresh and a counted save
+        for fresh, counted in (calls[:2], calls[2:]):
+            assert fresh[0] is counted[0] and fresh[1] is counted[1]
+
+
 def test_quick_runs_count_an_odd_number_of_rounds_and_fewer_blocks(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``--quick`` counts an odd number of rounds (more than the 2 it counted, whose median was
     their mean), so each paired median is one round's ratio, and caps a cell's blocks lower."""

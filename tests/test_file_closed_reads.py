@@ -26,6 +26,7 @@ from kvtier.testing import make_key, random_block
 def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_path: Path, layout: str, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if way == "python":
         monkeypatch.setattr(xxcopy, "xxh3_read_check_at", xxcopy.xxh3_read_check_at_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)
@@ -89,13 +90,13 @@ data = [random_block(fmt.block_bytes, 40 + i) for i in range(2)]
 first.write_blocks(keys, data)
 out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
 first.read_blocks(keys, out)
-real, entered, go = xxcopy.xxh3_read_check_at, threading.Event(), threading.Event()
+real, entered, go = xxcopy.xxh3_read_check_key, threading.Event(), threading.Event()
 def held(dir_fd, *args):  # the read's native call, held between its descriptor's read and its open
     if not entered.is_set():
         entered.set()
         go.wait()
     return real(dir_fd, *args)
-xxcopy.xxh3_read_check_at = held
+xxcopy.xxh3_read_check_key = held
 got = []
 reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys, out)))
 reader.start()

@@ -166,3 +166,75 @@ def test_an_absent_record_or_a_symlink_is_refused_at_its_open_by_name(tmp_path: 
         assert fn(root, "r.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0) == CHECK_GOOD
     finally:
         os.close(root)
+
+
+KEY_FNS: dict[str, Callable[..., int]] = {"python": xxcopy.xxh3_read_check_key_python}
+if xxcopy.xxh3_read_check_key_native is not None:
+    KEY_FNS["native"] = xxcopy.xxh3_read_check_key_native
+
+
+def test_the_native_read_by_key_is_the_one_called_where_the_fused_pass_is():
+    assert (xxcopy.xxh3_read_check_key is xxcopy.xxh3_read_check_key_native) == xxcopy.fused()
+    if xxcopy.fused():
+        assert KEY_FNS.keys() == {"python", "native"}
+
+
+@pytest.mark.parametrize("n", [0, 185, 5000, 65539, (256 << 10) + 5])
+@pytest.mark.parametrize("piece", [0, 4096, 256 << 10])
+@pytest.mark.parametrize(
+    "damage, outcome",
+    [(None, CHECK_GOOD), ("flip_head", CHECK_HEAD), ("flip_sum", CHECK_SUM), ("flip_first", CHECK_SUM), ("flip_last", CHECK_SUM), ("short", CHECK_SHAPE), ("long", CHECK_SHAPE)],
+)
+def test_a_record_read_by_its_key_reads_as_by_its_name(tmp_path: Path, n: int, piece: int, damage: str | None, outcome: int):
+    """``xxh3_read_check_key`` (the name made from the key, the stored head read into a buffer
+    of the call's own) gives the outcome and row that ``xxh3_read_check_at`` gives for the file
+    ``key.hex() + ".kvb"``, on both paths, for sound records and every kind of damage."""
+    if n == 0 and damage in ("flip_first", "flip_last"):
+        pytest.skip("no payload byte to flip")
+    payload = _write(tmp_path / f"{KEY.hex()}.kvb", n, damage=damage)
+    root = os.open(tmp_path, os.O_RDONLY)
+    try:
+        rows = {}
+        for name, fn in KEY_FNS.items():
+            row = bytearray(b"\x5a" * n)
+            assert fn(root, HEAD, KEY, row, piece) == outcome, name
+            rows[name] = bytes(row)
+        general = bytearray(b"\x5a" * n)
+        assert xxcopy.xxh3_read_check_at_python(root, f"{KEY.hex()}.kvb", HEAD, KEY, bytearray(32), general, piece) == outcome
+        if outcome in (CHECK_GOOD, CHECK_SUM):  # read whole: the same bytes on every path
+            assert set(rows.values()) == {bytes(general)}
+        if outcome == CHECK_GOOD:
+            assert bytes(general) == payload
+        # Another key names another file: absent here, whatever this one holds.
+        for fn in KEY_FNS.values():
+            with pytest.raises(FileNotFoundError) as absent:
+                fn(root, HEAD, bytes(32), bytearray(n), piece)
+            assert absent.value.filename == f"{bytes(32).hex()}.kvb".encode()
+    finally:
+        os.close(root)
+
+
+@pytest.mark.parametrize("name", list(KEY_FNS))
+def test_bad_arguments_of_a_read_by_key_are_refused_by_name(tmp_path: Path, name: str):
+    fn = KEY_FNS[name]
+    _write(tmp_path / f"{KEY.hex()}.kvb", 100)
+    (tmp_path / f"{bytes(32).hex()}.kvb").symlink_to(tmp_path / f"{KEY.hex()}.kvb")
+    root = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as link:  # O_NOFOLLOW: ELOOP, never the file it points to
+            fn(root, HEAD, bytes(32), bytearray(100), 0)
+        assert link.value.errno == errno.ELOOP
+        with pytest.raises(TypeError, match="key: expected a bytes-like object"):
+            fn(root, HEAD, "0" * 32, bytearray(100), 0)
+        with pytest.raises(TypeError, match=r"row: expected a writable buffer"):
+            fn(root, HEAD, KEY, bytes(100), 0)
+        with pytest.raises(ValueError, match=r"piece: expected a count of bytes >= 0, got -1"):
+            fn(root, HEAD, KEY, bytearray(100), -1)
+        with pytest.raises(ValueError, match="dir_fd: expected an open file descriptor, got -1"):
+            fn(-1, HEAD, KEY, bytearray(100), 0)
+        if name == "native":
+            with pytest.raises(TypeError, match=r"expected \(dir_fd, head, key, row, piece\), got 4 arguments"):
+                fn(root, HEAD, KEY, bytearray(100))
+        assert fn(root, HEAD, KEY, bytearray(100), 0) == CHECK_GOOD
+    finally:
+        os.close(root)

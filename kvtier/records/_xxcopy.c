@@ -335,9 +335,9 @@ release_key:
     return result;
 }
 
-/* The checks and the call of xxh3_64_read_check and xxh3_64_read_check_at: args are (head, key,
-   stored, row, piece); the record is fd, or where fd < 0 the file name (bytes) opened beneath
-   dir_fd (O_NOFOLLOW) and closed here; shown: the name as the caller gave it, for an error. */
+/* The checks and the call of the xxh3_64_read_check* functions: args are (head, key, stored, row,
+   piece), stored NULL for a buffer of the call's own; the record is fd, or where fd < 0 the file
+   name (bytes) opened beneath dir_fd (O_NOFOLLOW) and closed here; shown: it, for an error. */
 static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject *name, PyObject *shown)
 {
     Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
@@ -351,7 +351,13 @@ static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject 
     Py_buffer head, key, stored, row;
     if (get_head_key(args, &head, &key) < 0)
         return NULL;
-    if (get_writable(args[2], &stored, "stored") < 0)
+    u8 own[CHECK_PREFIX_MAX + 8]; /* stored NULL: the stored head and checksum go here (not released below) */
+    int mine = args[2] == NULL && (size_t)head.len <= CHECK_PREFIX_MAX;
+    if (mine)
+        stored = (Py_buffer){.buf = own, .len = head.len + 8};
+    else if (args[2] == NULL)
+        PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head.len, CHECK_PREFIX_MAX);
+    if (!mine && (args[2] == NULL || get_writable(args[2], &stored, "stored") < 0))
         goto release_key;
     if (get_writable(args[3], &row, "row") < 0)
         goto release_stored;
@@ -397,7 +403,8 @@ static PyObject *read_check(PyObject *const *args, int fd, int dir_fd, PyObject 
 release_row:
     PyBuffer_Release(&row);
 release_stored:
-    PyBuffer_Release(&stored);
+    if (args[2] != NULL)
+        PyBuffer_Release(&stored);
 release_key:
     release_head_key(&head, &key);
     return result;
@@ -454,6 +461,32 @@ static PyObject *py_xxh3_64_read_check_at(PyObject *module, PyObject *const *arg
 {
     (void)module;
     return read_check_entry(args, nargs, 1);
+}
+
+/* xxh3_64_read_check_key(dir_fd, head, key, row, piece) -> int: xxh3_64_read_check_at of the
+   file key.hex() + ".kvb" (the file tier's flat records), the name made here and the stored head
+   read into the call's own buffer: a record's read makes no Python object but the name. */
+static PyObject *py_xxh3_64_read_check_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    Py_buffer key;
+    int dir_fd = nargs == 5 ? get_fd(args[0], "dir_fd") : -1;
+    if (nargs != 5)
+        PyErr_Format(PyExc_TypeError, "expected (dir_fd, head, key, row, piece), got %zd arguments", nargs);
+    if (dir_fd < 0 || get_readable(args[2], &key, "key") < 0)
+        return NULL;
+    PyObject *name = PyBytes_FromStringAndSize(NULL, 2 * key.len + 4), *result = NULL;
+    char *at = name != NULL ? PyBytes_AS_STRING(name) : NULL;
+    for (const u8 *k = key.buf, *end = k + key.len; at != NULL && k < end; k++, at += 2)
+        at[0] = "0123456789abcdef"[*k >> 4], at[1] = "0123456789abcdef"[*k & 15];
+    PyBuffer_Release(&key);
+    if (at != NULL) {
+        memcpy(at, ".kvb", 4);
+        PyObject *const call[5] = {args[1], args[2], NULL, args[3], args[4]};
+        result = read_check(call, -1, dir_fd, name, name);
+    }
+    Py_XDECREF(name);
+    return result;
 }
 
 static PyObject *py_paths(PyObject *module, PyObject *unused)
@@ -521,6 +554,9 @@ static PyMethodDef methods[] = {
      "xxh3_64_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int\n\n"
      "xxh3_64_read_check of the file name opened beneath dir_fd (O_NOFOLLOW) and closed in the\n"
      "same call, without the GIL; OSError naming it where it cannot be opened."},
+    {"xxh3_64_read_check_key", (PyCFunction)(void (*)(void))py_xxh3_64_read_check_key, METH_FASTCALL,
+     "xxh3_64_read_check_key(dir_fd, head, key, row, piece) -> int\n\n"
+     "xxh3_64_read_check_at of the file key.hex() + '.kvb', its head read into a buffer of its own."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\n"
