@@ -52,7 +52,11 @@ against the one counted shape that is best by its median, which does not also pi
 noise of several shapes each round). ``raw_checked`` (informational, both tiers) saves as
 ``raw_job`` / ``raw_batch`` and loads as the raw loads plus one XXH3 pass over each row and its
 key just read (what a tier's check adds); ``load_ceiling_ratio_paired``, its loads against the
-best raw load shape's, is the most a checked load reaches on one core. Arms alternate within a round and their order reverses every round;
+best raw load shape's, is the most a checked load reaches on one core. A cell of one caller
+also reports its loads in thread CPU time (``load_cpu_ratio_paired``, its ``_spread`` and
+``load_cpu_ceiling_ratio_paired``, the same ratios of each arm's CPU seconds): what the tier's
+load costs the core beside raw's, which the turns other processes take on a shared core do not
+move (they move the wall-clock ratios by 0.1-0.7 a round at load 2-5). Arms alternate within a round and their order reverses every round;
 figures are medians over ``--rounds`` rounds after one uncounted warm-up round. Every cell of
 one record size moves the same number of blocks, so its cells differ in their jobs alone. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
@@ -123,12 +127,16 @@ def _split(n: int, job: int, callers: int) -> list[list[range]]:
     return [jobs[c::callers] for c in range(callers)]
 
 
-def _run(parts: list[list[range]], one: Callable[[range], None]) -> float:
-    """Run each caller's jobs on a thread of its own (inline for one caller); the seconds spent."""
+def _run(parts: list[list[range]], one: Callable[[range], None], cpu: list[float] | None = None) -> float:
+    """Run each caller's jobs on a thread of its own (inline for one caller); the seconds spent.
+    ``cpu``: for one caller, the thread's CPU seconds are appended to it as well."""
     start = time.perf_counter()
     if len(parts) == 1:
+        began = time.thread_time()
         for j in parts[0]:
             one(j)
+        if cpu is not None:
+            cpu.append(time.thread_time() - began)
     else:
         threads = [threading.Thread(target=lambda p=p: [one(j) for j in p]) for p in parts]
         for t in threads:
@@ -349,6 +357,8 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     loads: dict[str, list[float]] = {}
     fresh_saves: dict[str, list[float]] = {}  # lmdb: each arm's first save, into a new file
     grew: dict[str, list[int]] = {}  # lmdb: bytes data.mdb grew by during the counted save
+    load_cpus: dict[str, list[float]] = {}  # one caller: each arm's load in thread CPU seconds
+    cpu: list[float] = []  # the thread CPU of the arm's load that just ran (one caller)
     for r in range(rounds + 1):
         arms: list[tuple[str, Callable[[], tuple[float | None, float | None, float | None]]]] = []
 
@@ -373,7 +383,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                 # Each job's key and row lists are built before the clock starts, as a raw arm
                 # indexes its lists without building any.
                 jobs = {j.start: ([keys[i] for i in j], [outs[i] for i in j]) for part in parts for j in part}
-                load = _run(parts, lambda j: backend.read_blocks(*jobs[j.start]))
+                load = _run(parts, lambda j: backend.read_blocks(*jobs[j.start]), cpu)
                 assert all(torch.equal(o, b) for o, b in zip(outs, blocks)), f"{tier} read back other bytes"
             finally:
                 asyncio.run(backend.aclose())
@@ -394,7 +404,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                         before = data_bytes(path)
                         save = _run(parts, put)
                         grew.setdefault(f"raw_{shape}", []).append(data_bytes(path) - before)
-                        load = None if shape == "value" else _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"))
+                        load = None if shape == "value" else _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"), cpu)
                     finally:
                         env.close()
                         shutil.rmtree(path)
@@ -410,7 +420,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                     try:
                         save = _run(parts, write)
                         loaded = shape in ("batch", "sharded", "checked")
-                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded", keys if shape == "checked" else None)) if loaded else None
+                        load = _run(parts, _raw_file_read(path, outs, shape == "sharded", keys if shape == "checked" else None), cpu) if loaded else None
                     finally:
                         write.close()  # type: ignore[attr-defined]
                         shutil.rmtree(path)
@@ -420,7 +430,10 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
         for name, arm in arms if r % 2 == 0 else arms[::-1]:
             if SETTLE:
                 _settle(root)
+            cpu.clear()
             save, load, fresh = arm()
+            if r and cpu:
+                load_cpus.setdefault(name, []).append(cpu[-1])
             if r:  # round 0 warms up
                 if save is not None:
                     saves.setdefault(name, []).append(save)
@@ -473,6 +486,12 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             cell[f"{name}_fresh_save_time_ratio"] = round(_median(paired(fresh_saves[name], saves[name])), 3)
     # A raw load with one check pass over each row, against the best raw load: a one-core ceiling.
     cell["load_ceiling_ratio_paired"] = round(_median(paired(loads[best_load], loads["raw_checked"])), 3)
+    if load_cpus:  # one caller: the same ratios in thread CPU, which other processes' turns on the core do not move
+        best_cpu = [min(load_cpus[k][r] for k in counted_loads) for r in range(len(load_cpus["tier"]))]
+        per_round = [b / t for b, t in zip(best_cpu, load_cpus["tier"])]
+        cell["load_cpu_ratio_paired"] = round(_median(per_round), 3)
+        cell["load_cpu_ratio_paired_spread"] = [round(min(per_round), 3), round(max(per_round), 3)]
+        cell["load_cpu_ceiling_ratio_paired"] = round(_median(paired(load_cpus[best_load], load_cpus["raw_checked"])), 3)
     return cell
 
 

@@ -35,6 +35,10 @@ def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: 
     # Against one shape, never above the best of every shape round by round.
     assert cell["save_ratio_paired_shape"] >= cell["save_ratio_paired"]
     assert cell["load_ratio_paired_shape"] >= cell["load_ratio_paired"]
+    # One caller: the loads in thread CPU too; several: none (their threads are not this one).
+    low, high = cell["load_cpu_ratio_paired_spread"]
+    assert 0 < low <= cell["load_cpu_ratio_paired"] <= high and cell["load_cpu_ceiling_ratio_paired"] > 0
+    assert "load_cpu_ratio_paired" not in bench._cell(str(tmp_path), tier, 4096, 2, 2, 1, 8)
 
 
 @pytest.mark.parametrize("tier", ["lmdb", "file"])
