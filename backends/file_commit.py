@@ -35,7 +35,8 @@ run): with 4 concurrent callers, the tier's CPU time 25.4 -> 21.9 and 21.1 -> 16
 round of 128 records, its save against the best raw shape of the round 0.82 -> 0.91 and
 0.84 -> 1.01 (paired medians; load 3.3 and 2.9), ``futex`` calls 19,550 -> 10,041 over 640
 records; one caller, 0.90 -> 1.00 (load 3.0). The same order holds: the call returns once
-every sync has returned, before any rename.
+every sync has returned, before any rename. A signal that arrives meanwhile (Ctrl-C) is
+handled once it returns: no commit is left with syncs still running on its descriptors.
 
 In a durable job of several records, each file of :data:`EARLY_WRITEBACK_BYTES` or more has
 its writeback started as soon as it is written (:func:`start_writeback`), so the device writes
