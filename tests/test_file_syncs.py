@@ -101,6 +101,17 @@ def test_many_callers_at_once_each_get_their_own_outcomes(tmp_path: Path, pipe: 
 
 
 @native
+def test_a_call_of_more_descriptors_than_its_stack_holds_returns_each_outcome(tmp_path: Path, pipe: int) -> None:
+    """Past 64 descriptors the call's lists go to the heap: 150, every tenth a pipe."""
+    f = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        items = [pipe if i % 10 == 3 else f for i in range(150)]
+        assert file_commit._filesync.sync_all(items, True) == [22 if i % 10 == 3 else 0 for i in range(150)]
+    finally:
+        os.close(f)
+
+
+@native
 def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
     sync_all = file_commit._filesync.sync_all
     with pytest.raises(ValueError, match=r"fds\[1\]: expected an open file descriptor, got -1"):
