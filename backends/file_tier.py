@@ -321,16 +321,17 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         (:func:`~kvtier.records.checks.fill_and_check`); compressed ones are read, checked and
         decoded one by one. Counted among the root's reads, so a close waits for it: its
         records are opened by the root's path, which a store opened since may hold; once the
-        tier is closed, every record is a miss."""
+        tier is closed, every record is a miss, and so is every record after the close began
+        (one that outlived the close's wait would be opened where a store may be since)."""
         beneath = self._beneath
         if beneath is None or not beneath.enter():
             return 0
         try:
-            return self._read_counted(keys, out, which, found)
+            return self._read_counted(keys, out, which, found, beneath)
         finally:
             beneath.leave()
 
-    def _read_counted(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], which: Sequence[int], found: list[bool]) -> int:
+    def _read_counted(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], which: Sequence[int], found: list[bool], beneath: BeneathRoot) -> int:
         corrupt = 0
         handles: list[tuple[int, str, int]] = []
         raw: list[RawPayload] = []
@@ -338,6 +339,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         fds: dict[int, int] = {}
         try:
             for i in which:
+                if beneath.fd < 0:  # the close began
+                    break
                 key, dst = keys[i], out[i]
                 handle = self._open_record(key)
                 if handle is None:

@@ -344,3 +344,54 @@ def test_a_close_waits_for_a_read_that_never_ends_a_bounded_time_and_keeps_the_r
     child = subprocess.run([sys.executable, "-c", _STUCK], capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["closed", "True"], child.stdout
+
+
+_RESUMED = r"""
+import asyncio, os, shutil, tempfile, threading, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import file_reads
+from kvtier.testing import make_key, random_block
+file_reads.CLOSE_WAIT_S = 0.2
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+root = tempfile.mkdtemp() + "/root"
+def opened():
+    backend = registry.backends.get("file")(capacity=8 << 20, path=root, sync_mode="fast", layout="sharded")
+    asyncio.run(backend.open(fmt))
+    return backend
+first = opened()
+keys = [make_key(0), make_key(1)]
+first.write_blocks(keys[:1], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = first._leaf
+def held(k):  # the job's first record, held past the close's wait (a slow filesystem)
+    if not entered.is_set():
+        entered.set()
+        go.wait()
+    return real(k)
+first._leaf = held
+first._plain = None
+out = [torch.zeros(16384, dtype=torch.uint8) for _ in keys]
+got = []
+reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys, out)))
+reader.start()
+entered.wait()
+asyncio.run(first.aclose())  # gives up waiting for the read, the root's descriptor left open
+shutil.rmtree(root)
+second = opened()
+theirs = random_block(16384, 2)
+second.write_blocks(keys[1:], [theirs])
+go.set()
+reader.join()
+print(got[0][1], torch.equal(out[1], theirs))
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_read_that_outlives_the_closes_wait_reads_no_further_record() -> None:
+    """A read job still under way when the close gave up waiting for it (``CLOSE_WAIT_S``)
+    finishes the record it was on, and reads none of its others: they would be opened by the
+    root's path, where a store may have been opened since (child process)."""
+    child = subprocess.run([sys.executable, "-c", _RESUMED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["False", "False"], child.stdout
