@@ -170,9 +170,11 @@ class LmdbWrites(PersistentRecordBackend):
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
         """Put every record of ``jobs`` in one write transaction: a job of small records costs
         one durable commit instead of one per record, and jobs that waited together share it.
-        If the transaction fails on a full map (or another error confined to a put), it is
-        aborted and the records are put one per transaction instead, so the failure is confined
-        to the keys that do not fit. Durable, each commit syncs its data pages before it writes
+        If the transaction fails on a full map (or another error confined to a put), or a
+        record built in it fails to build (a plain joined one, :meth:`PlainReads.joined`), it
+        is aborted and the records are put one per transaction instead, so the failure is
+        confined to the keys that do not fit or build: the other jobs of the group are stored
+        and acknowledged, none for a record rolled back. Durable, each commit syncs its data pages before it writes
         its meta page; :meth:`_sync_jobs` then syncs that page."""
         with self._write_lock:
             env = self._env
@@ -198,6 +200,9 @@ class LmdbWrites(PersistentRecordBackend):
                 sizes = self._put_each(env, jobs)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+            except Exception as exc:  # a record built in the transaction (aborted) failed: its own failure alone
+                log.debug("lmdb: a record of a group of %d jobs failed to build (%r); putting each record alone", len(jobs), exc)
+                sizes = self._put_each(env, jobs)
             if maps:
                 self._map_appended(start)
             return sizes
@@ -306,6 +311,11 @@ class LmdbWrites(PersistentRecordBackend):
                     continue
                 except lmdb.Error as exc:
                     raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+                except Exception as exc:  # its record failed to build in the transaction (aborted)
+                    log.warning("lmdb: record of %s… not built: %r", key.hex()[:16], exc)
+                    self.counters.write_failures += 1
+                    job_sizes.append(None)
+                    continue
                 job_sizes.append(stored)
             sizes.append(job_sizes)
         return sizes
