@@ -170,3 +170,27 @@ def test_joined_saves_store_what_the_general_encoder_makes(tmp_path: Path, monke
     reopened = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path), sync_mode="fast")
     asyncio.run(reopened.open(JOINED_FMT))
     reads_all_but_one(reopened, keys, data, bad=3)
+
+
+def test_a_joined_job_of_one_record_is_built_before_its_transaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain joined job of one record is built before its write transaction (where it saved
+    faster than built in it), a job of two in it; both hold the general encoder's bytes."""
+    real = xxcopy.xxh3_joined
+    backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path), sync_mode="fast")
+    asyncio.run(backend.open(JOINED_FMT))
+    built: list[tuple[bytes, bool]] = []
+    lock = backend._write_lock  # type: ignore[attr-defined]
+    monkeypatch.setattr(xxcopy, "xxh3_joined", lambda head, key, view: built.append((key, lock.locked())) or real(head, key, view))
+    keys = [make_key(50 + i) for i in range(3)]
+    data = [random_block(JOINED_FMT.block_bytes, 50 + i) for i in range(3)]
+    try:
+        assert None not in backend.write_blocks(keys[:1], data[:1])
+        assert None not in backend.write_blocks(keys[1:], data[1:])
+        assert built == [(keys[0], False), (keys[1], True), (keys[2], True)]
+        env = backend._env  # type: ignore[attr-defined]
+        with env.begin() as txn:
+            for key, block in zip(keys, data):
+                head, payload = encode_record(key, memoryview(block.numpy()), NoneCodec(), 1)
+                assert txn.get(key, db=backend._blocks) == bytes(head) + bytes(payload)  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(backend.aclose())
