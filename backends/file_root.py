@@ -22,6 +22,7 @@ directories its records go in.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import warnings
@@ -171,7 +172,11 @@ class ShardDirs:
 
     def open_leaf(self, key: bytes, created: set[str]) -> int:
         """A descriptor of ``key``'s directory, made if missing (the parents that gained a
-        directory are added to ``created``, to be synced by the commit). The caller closes it."""
+        directory are added to ``created``, to be synced by the commit). The caller closes it.
+        ``EBADF`` once the root's close has begun: never the walk by the root's path, where a
+        store may be opened since by the time a write outlives the close's wait."""
+        if self._beneath.fd < 0:
+            raise OSError(errno.EBADF, "the store's root is closed", self.root)
         if self.layout == FLAT:
             return os.dup(self._beneath.fd)
         h = key.hex()

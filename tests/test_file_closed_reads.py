@@ -395,3 +395,50 @@ def test_a_read_that_outlives_the_closes_wait_reads_no_further_record() -> None:
     child = subprocess.run([sys.executable, "-c", _RESUMED], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["False", "False"], child.stdout
+
+
+_WRITE_RESUMED = r"""
+import asyncio, os, shutil, tempfile, threading, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import file_reads
+from kvtier.testing import make_key, random_block
+file_reads.CLOSE_WAIT_S = 0.2
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+root = tempfile.mkdtemp() + "/root"
+def opened():
+    backend = registry.backends.get("file")(capacity=8 << 20, path=root, sync_mode="fast", layout="sharded")
+    asyncio.run(backend.open(fmt))
+    return backend
+first = opened()
+keys = [make_key(0), make_key(1)]
+entered, go = threading.Event(), threading.Event()
+real = first._shards.open_leaf
+def held(*args):  # the job's first record's directory, held past the close's wait (a slow filesystem)
+    if not entered.is_set():
+        entered.set()
+        go.wait()
+    return real(*args)
+first._shards.open_leaf = held
+got = []
+writer = threading.Thread(target=lambda: got.append(first.write_blocks(keys, [random_block(16384, i) for i in range(2)])))
+writer.start()
+entered.wait()
+asyncio.run(first.aclose())  # gives up waiting for the write, the root's descriptor left open
+shutil.rmtree(root)
+second = opened()
+go.set()
+writer.join()
+planted = [os.path.exists(f"{root}/{k.hex()[0:2]}/{k.hex()[2:4]}/{k.hex()}.kvb") for k in keys]
+print(got[0] == [None, None], planted == [False, False])
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_write_that_outlives_the_closes_wait_plants_no_record() -> None:
+    """A write job still under way when the close gave up waiting for it (``CLOSE_WAIT_S``)
+    fails its records rather than reach their directories by the root's path, where a store
+    may have been opened since (child process)."""
+    child = subprocess.run([sys.executable, "-c", _WRITE_RESUMED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "True"], child.stdout
