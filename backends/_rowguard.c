@@ -10,6 +10,7 @@
 #include <Python.h>
 
 #include <limits.h>
+#include <pthread.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -357,7 +358,21 @@ static PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+/* Forks of this process so far, counted in each child by a pthread_atfork handler: it runs for
+   every fork() through libc, also one Python's os.fork hooks never see (a C library's, ctypes'). */
+static volatile unsigned long fork_count;
+
+static void count_fork(void) { fork_count++; }
+
+static PyObject *py_forks(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromUnsignedLong(fork_count);
+}
+
 static PyMethodDef methods[] = {
+    {"forks", py_forks, METH_NOARGS, "forks() -> the forks of this process so far (a pthread_atfork count)."},
     {"one_row", (PyCFunction)(void (*)(void))py_one_row, METH_FASTCALL,
      "one_row(key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen) -> view, None or False\n\n"
      "None when key is not bytes of key_bytes or host_view(row, ...) is None; False when\n"
@@ -404,5 +419,13 @@ PyMODINIT_FUNC PyInit__rowguard(void)
     Py_DECREF(time_module);
     if (real_perf_counter == NULL)
         return NULL;
+    static int counting;
+    if (!counting) {
+        if (pthread_atfork(NULL, NULL, count_fork) != 0) {
+            PyErr_SetString(PyExc_RuntimeError, "_rowguard: pthread_atfork failed");
+            return NULL;
+        }
+        counting = 1;
+    }
     return PyModule_Create(&module_def);
 }

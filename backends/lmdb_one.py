@@ -52,11 +52,20 @@ def _forked() -> None:
     _FORKS[0] += 1
 
 
+try:
+    from kvtier.backends._rowguard import forks as _native_forks  # type: ignore[import-not-found]
+except ImportError:  # not built, or a stale build
+    _native_forks = None
+
+
 def forks() -> int:
-    """Forks of this process so far (counted in each child, by ``os.register_at_fork``): an
-    environment opened at one count is another process's at any other. A list's item, where
-    ``os.getpid()`` is a system call each time (glibc caches no pid)."""
-    return _FORKS[0]
+    """Forks of this process so far: an environment opened at one count is another process's
+    at any other. Counted in each child by a ``pthread_atfork`` handler (``_rowguard.forks``),
+    which sees every fork through libc, also one that runs no ``os.register_at_fork`` hook (a C
+    library's, ctypes'): counted by those hooks alone, such a child saved into its parent's
+    environment. Without the extension, the pid (``os.getpid()``: a system call each time,
+    glibc caches no pid, where the native count is a read)."""
+    return os.getpid() if _native_forks is None else _native_forks()
 
 
 os.register_at_fork(after_in_child=_forked)
