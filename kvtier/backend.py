@@ -20,6 +20,11 @@ Rules every backend follows (the conformance suite ``kvtier.testing.BackendTests
 * The bulk calls (``write_blocks``, ``read_blocks``, ``delete_blocks``, ``scan``) are *blocking*
   and take a whole job at once; the transfer engine calls them from its worker threads, and the
   async forms (``write``, ``read``, ``delete``) run them in a thread, one hop per call.
+* ``write_blocks`` may read its blocks at any time until it returns (the ``lmdb`` tier builds
+  a record, or takes its checksum, inside the write transaction, which may wait for another
+  job's commit): the caller keeps them unchanged until then (the transfer engine's staging is
+  the job's own, and a job gathers straight into a memory tier only while no earlier job's tier
+  writes are under way).
 * A per-key failure is a result, not an exception: ``write_blocks`` returns ``None`` for a key
   it could not store (disk full, map full) and ``read_blocks`` returns ``False`` for a key that
   is absent or corrupt (a corrupt record is deleted and counted). Only a failure of the whole
