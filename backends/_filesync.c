@@ -172,6 +172,13 @@ static PyObject *py_sync_all(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *seq = PySequence_Fast(args[0], "fds: expected a sequence of file descriptors");
     if (seq == NULL)
         return NULL;
+    if (PyList_Check(seq)) { /* an item's __index__ may change the list: read a copy of it */
+        PyObject *copy = PyList_AsTuple(seq);
+        Py_DECREF(seq);
+        if (copy == NULL)
+            return NULL;
+        seq = copy;
+    }
     int data = PyObject_IsTrue(args[1]);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (data < 0 || n > INT_MAX / 2) {

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,3 +233,27 @@ def test_a_child_made_by_fork_makes_its_own_sync_threads(tmp_path: Path) -> None
     finally:
         for f in files:
             os.close(f)
+
+
+_SHRINKING_LIST = """
+import os
+import subprocess
+import sys
+from kvtier.backends import _filesync
+r, w = os.pipe()
+fds = []
+class Shrinks:
+    def __index__(self):
+        fds.clear()  # the list the call is reading from, emptied and its storage freed
+        return w
+fds.extend([Shrinks()] + [w] * 200)
+print(_filesync.sync_all(fds, True) == [22] * 201, len(fds))
+"""
+
+
+@native
+def test_a_descriptor_whose_conversion_empties_the_list_leaves_the_call_its_own_copy() -> None:
+    """An item's ``__index__`` may run any code, even empty the list being read: the call reads
+    the descriptors it was given (201 pipe ends, EINVAL each), never the freed storage (a crash)."""
+    run = subprocess.run([sys.executable, "-c", _SHRINKING_LIST], capture_output=True, text=True, timeout=None)
+    assert (run.returncode, run.stdout) == (0, "True 0\n"), run.stderr[-2000:]
