@@ -346,7 +346,8 @@ def test_a_close_waits_for_a_read_that_never_ends_a_bounded_time_and_keeps_the_r
     assert child.stdout.split() == ["closed", "True"], child.stdout
 
 
-_RESUMED = r"""
+#: The two children whose job outlives the close's wait: a sharded store whose close waits 0.2 s.
+_OUTLIVED = r"""
 import asyncio, os, shutil, tempfile, threading, torch
 from kvtier import registry
 from kvtier.backend import BlockFormat
@@ -361,6 +362,9 @@ def opened():
     return backend
 first = opened()
 keys = [make_key(0), make_key(1)]
+"""
+
+_RESUMED = _OUTLIVED + r"""
 first.write_blocks(keys[:1], [random_block(16384, 1)])
 entered, go = threading.Event(), threading.Event()
 real = first._leaf
@@ -397,21 +401,7 @@ def test_a_read_that_outlives_the_closes_wait_reads_no_further_record() -> None:
     assert child.stdout.split() == ["False", "False"], child.stdout
 
 
-_WRITE_RESUMED = r"""
-import asyncio, os, shutil, tempfile, threading, torch
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.backends import file_reads
-from kvtier.testing import make_key, random_block
-file_reads.CLOSE_WAIT_S = 0.2
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
-root = tempfile.mkdtemp() + "/root"
-def opened():
-    backend = registry.backends.get("file")(capacity=8 << 20, path=root, sync_mode="fast", layout="sharded")
-    asyncio.run(backend.open(fmt))
-    return backend
-first = opened()
-keys = [make_key(0), make_key(1)]
+_WRITE_RESUMED = _OUTLIVED + r"""
 entered, go = threading.Event(), threading.Event()
 real = first._shards.open_leaf
 def held(*args):  # the job's first record's directory, held past the close's wait (a slow filesystem)

@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,27 @@ def _read_one_by_one(path: Path, keys: list[bytes], monkeypatch: pytest.MonkeyPa
     finally:
         asyncio.run(backend.aclose())
     return found, rows, stats, listed, general
+
+
+def _in_forked_child(call: Callable[[], object], done: bytes) -> bytes:
+    """What ``call`` gave in a child of fork (whose environment is the parent's): ``done``,
+    ``refused`` (the ``BackendError`` that names another process), ``other`` or ``raised``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            call()
+            os.write(write, done)
+        except BackendError as exc:
+            os.write(write, b"refused" if "another process" in str(exc) else b"other")
+        except BaseException:
+            os.write(write, b"raised")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    got = os.read(read, 100)
+    os.close(read)
+    return got
 
 
 def test_a_one_record_job_finds_drops_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,21 +266,7 @@ def test_a_one_record_job_of_a_closed_or_forked_store_is_refused(tmp_path: Path)
     row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
     backend.write_blocks([key], [random_block(FMT.block_bytes, 6)])
     assert backend.read_blocks([key], [row]) == [True]
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: the environment is the parent's
-        try:
-            backend.read_blocks([key], [row])
-            os.write(write, b"read")
-        except BackendError as exc:
-            os.write(write, b"refused" if "another process" in str(exc) else b"other")
-        except BaseException:
-            os.write(write, b"raised")
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    assert os.read(read, 100) == b"refused"
-    os.close(read)
+    assert _in_forked_child(lambda: backend.read_blocks([key], [row]), b"read") == b"refused"
     assert backend.read_blocks([key], [row]) == [True]  # the parent reads on
     asyncio.run(backend.aclose())
     with pytest.raises(ClosedError):
@@ -271,21 +279,7 @@ def test_a_save_of_a_forked_store_is_refused_and_the_parent_saves_on(tmp_path: P
     keys = [make_key(7), make_key(8)]
     backend = _open(tmp_path / "store")
     blocks = [random_block(FMT.block_bytes, 7), random_block(FMT.block_bytes, 8)]
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: the environment is the parent's
-        try:
-            backend.write_blocks(keys[:1], blocks[:1])
-            os.write(write, b"saved")
-        except BackendError as exc:
-            os.write(write, b"refused" if "another process" in str(exc) else b"other")
-        except BaseException:
-            os.write(write, b"raised")
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    assert os.read(read, 100) == b"refused"
-    os.close(read)
+    assert _in_forked_child(lambda: backend.write_blocks(keys[:1], blocks[:1]), b"saved") == b"refused"
     try:
         assert None not in backend.write_blocks(keys, blocks)  # the parent saves on
         rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
