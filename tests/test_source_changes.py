@@ -123,21 +123,20 @@ def test_lmdb_split_record_is_checksummed_from_the_copy_put(tmp_path: Path, monk
     put = block.clone()
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "lmdb"))
     asyncio.run(backend.open(FMT))
-    real = backend._summed
+    from kvtier.backends.lmdb_plain import PlainReads
 
-    def changed_then_summed() -> Any:
-        summed = real()
+    real = PlainReads.summed
+    summed: list[bytes] = []
 
-        def call(*args: Any) -> Any:
-            _changed(block)  # after the put, before its checksum
-            return summed(*args)
+    def changed_then_summed(self: PlainReads, key: bytes, stored: Any) -> bytes:
+        _changed(block)  # after the put, before its checksum
+        summed.append(key)
+        return real(self, key, stored)
 
-        return call
-
-    monkeypatch.setattr(backend, "_summed", changed_then_summed)
+    monkeypatch.setattr(PlainReads, "summed", changed_then_summed)
     backend.write_blocks([key], [block])
     monkeypatch.undo()
-    assert not torch.equal(block, put)
+    assert summed == [key] and not torch.equal(block, put)
     row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
     try:
         assert backend.read_blocks([key], [row]) == [True] and backend.stats()["corrupt_records"] == 0
