@@ -14,7 +14,11 @@ record takes. :class:`PlainReads` does the common case in three:
   (:func:`~kvtier.records.xxcopy.xxh3_read_check_key`, whose buffer for the stored head is its
   own: no ``key.hex()``, f-string or ``bytearray`` a record, 0.4 µs of Python):
   an absent record is its open's ``FileNotFoundError`` (a miss), any other error of the call
-  leaves the record to the general read;
+  leaves the record to the general read. A job's records whose rows were viewed by the
+  caller are one native call together
+  (:func:`~kvtier.records.xxcopy.xxh3_read_check_keys`: the GIL handed over once a job, not
+  once a record), which reads the root's descriptor before each open from the C ``int`` that
+  :meth:`BeneathRoot.close` sets to -1 as it begins (:attr:`BeneathRoot.dir_at`);
 * in the sharded layout, ``openat2`` of ``ab/cd/<name>.kvb`` from that descriptor, with
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
   path out of the root, the guarantee the level-by-level walk gives;
