@@ -31,7 +31,8 @@ commits nothing, so the second try starts from what the first found.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from kvtier.backends import lmdb_entries, lmdb_plain
@@ -44,8 +45,10 @@ from kvtier.records import xxcopy
 from kvtier.records.record import HEADER
 
 if TYPE_CHECKING:
+    from kvtier.backends.group_commit import GroupCommit
     from kvtier.backends.lmdb_plain import PlainReads, RowViews
-    from kvtier.backends.lmdb_writes import LmdbWrites
+
+    from kvtier.backend import BackendCounters
 
 __all__ = ["LONE_SAVES", "LoneSave"]
 
@@ -56,12 +59,32 @@ _U8 = torch.uint8
 _TENSOR = torch.Tensor
 
 
+class _Store(Protocol):
+    """What a lone save uses of its store (an ``LmdbWrites``)."""
+
+    path: str
+    counters: BackendCounters
+    _env: Any
+    _blocks: Any
+    _index: Any
+    _splits: bool
+    _listed: Any
+    _write_lock: threading.Lock
+    _commits: GroupCommit[Any, Any]
+
+    def _env_or_raise(self) -> Any: ...
+
+    def _pages(self, record_bytes: int) -> int: ...
+
+    def _commit_jobs(self, jobs: list[Any]) -> list[list[int | None]]: ...
+
+
 class LoneSave:
     """Saves of jobs of one plain block of one store, put joined (see the module doc)."""
 
     __slots__ = ("commits", "head", "record", "shape", "stored", "tier", "views")
 
-    def __init__(self, tier: LmdbWrites, plain: PlainReads, views: RowViews) -> None:
+    def __init__(self, tier: _Store, plain: PlainReads, views: RowViews) -> None:
         """``plain`` and ``views``: the store's (its reader's), as the general path's saves use them."""
         self.tier = tier
         self.commits = tier._commits
