@@ -172,7 +172,7 @@ def test_native_touch_moves_keys_only_under_the_lock() -> None:
 @native
 def test_held_touch_refuses_what_is_not_an_ordered_dict_or_a_lock() -> None:
     make = lookups.native_module().HeldTouch
-    with pytest.raises(TypeError, match="order: expected a collections.OrderedDict, got dict"):
+    with pytest.raises(TypeError, match=r"order: expected a collections\.OrderedDict, got dict"):
         make({}, threading.Lock(), print)
     with pytest.raises(TypeError, match="fallback: expected a callable"):
         make(OrderedDict(), threading.Lock(), 7)
