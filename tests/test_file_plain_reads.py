@@ -107,11 +107,11 @@ READ_PATHS = ["python", *(["native"] if xxcopy.xxh3_read_check_native is not Non
 
 
 def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_at`` and ``xxh3_read_check_key`` (the flat
-    layout's, which names and opens the file too) on one path (``"python"`` or ``"native"``) for
+    """``xxcopy.xxh3_read_check`` and ``xxh3_read_check_key`` (the flat layout's, which names
+    and opens the file too) on one path (``"python"`` or ``"native"``) for
     the rest of the test, recording the outcome of each call in the list returned."""
     seen: list[int] = []
-    for name in ("xxh3_read_check", "xxh3_read_check_at", "xxh3_read_check_key"):
+    for name in ("xxh3_read_check", "xxh3_read_check_key"):
         fn = getattr(xxcopy, f"{name}_{path}")
         assert fn is not None
 
