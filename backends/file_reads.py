@@ -177,6 +177,11 @@ class BeneathRoot:
     def leave(self) -> None:
         self._under_way.pop()
 
+    def is_open(self) -> bool:
+        """``False`` once the close has begun: a job that reached a directory by the root's path
+        since may have reached another store's."""
+        return self.fd >= 0
+
     def close(self) -> None:
         """Close the root's descriptor once the jobs counted (:meth:`enter`) have left: its
         number, handed out again, must not be opened beneath by a read still under way. After

@@ -173,8 +173,8 @@ class ShardDirs:
     def open_leaf(self, key: bytes, created: set[str]) -> int:
         """A descriptor of ``key``'s directory, made if missing (the parents that gained a
         directory are added to ``created``, to be synced by the commit). The caller closes it.
-        ``EBADF`` once the root's close has begun: never the walk by the root's path, where a
-        store may be opened since by the time a write outlives the close's wait."""
+        ``EBADF`` once the root's close has begun, before the walk by the root's path or after it:
+        a store may be opened there since by the time a write outlives the close's wait."""
         if self._beneath.fd < 0:
             raise OSError(errno.EBADF, "the store's root is closed", self.root)
         if self.layout == FLAT:
@@ -188,5 +188,8 @@ class ShardDirs:
                 pass  # gone, a symlink, no openat2: the walk below decides
         leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=created)
         assert leaf is not None
+        if self._beneath.fd < 0:  # closed during the walk: the path may lead to a store opened since
+            os.close(leaf[0])
+            raise OSError(errno.EBADF, "the store's root was closed", self.root)
         self._known[index] = 1
         return leaf[0]

@@ -436,14 +436,16 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             self._check_open()
             return
         try:
-            self._delete_counted(keys)
+            self._delete_counted(keys, beneath)
         finally:
             beneath.leave()
 
-    def _delete_counted(self, keys: Sequence[bytes]) -> None:
+    def _delete_counted(self, keys: Sequence[bytes], beneath: BeneathRoot) -> None:
+        """Each record's directory is checked again once reached: a delete that outlived the
+        close's wait must not unlink a record of a store opened at the path since."""
         gone = []
         for key in keys:
-            removed = self._unlink_record(self._root, key, self.store_layout)
+            removed = self._unlink_record(self._root, key, self.store_layout, beneath.is_open)
             self._forget(key)
             if removed:
                 self.counters.deleted += 1

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISREG
 
 import numpy as np
@@ -148,13 +148,18 @@ class FileTree:
             os.close(fd)
 
     @classmethod
-    def _unlink_record(cls, root: str, key: bytes, layout: Layout = SHARDED) -> bool:
+    def _unlink_record(cls, root: str, key: bytes, layout: Layout = SHARDED, still_open: Callable[[], bool] | None = None) -> bool:
         """Unlink ``key``'s record under ``root`` in ``layout``, never through a symlink; ``False``
-        if there was none (or a symlink stood in its path, which is logged and left alone)."""
+        if there was none (or a symlink stood in its path, which is logged and left alone).
+        ``still_open``: asked once the record's directory is reached by the path; ``False`` (the
+        store was closed meanwhile, and another may be open at ``root`` since) unlinks nothing."""
         path = cls._record_path(root, key, layout)
         try:
             leaf = cls._leaf_at(root, key, layout=layout)
             if leaf is None:
+                return False
+            if still_open is not None and not still_open():
+                os.close(leaf[0])
                 return False
             try:
                 os.unlink(leaf[1], dir_fd=leaf[0])

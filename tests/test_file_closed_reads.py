@@ -432,3 +432,72 @@ def test_a_write_that_outlives_the_closes_wait_plants_no_record() -> None:
     child = subprocess.run([sys.executable, "-c", _WRITE_RESUMED], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["True", "True"], child.stdout
+
+
+_DELETE_RESUMED = _OUTLIVED + r"""
+first.write_blocks(keys, [random_block(16384, i) for i in range(2)])
+entered, go = threading.Event(), threading.Event()
+real = first._unlink_record
+def held(*args, **kwargs):  # the job's first record, held past the close's wait before its walk (a slow filesystem)
+    if not entered.is_set():
+        entered.set()
+        go.wait()
+    return real(*args, **kwargs)
+first._unlink_record = held
+deleter = threading.Thread(target=lambda: first.delete_blocks(keys))
+deleter.start()
+entered.wait()
+asyncio.run(first.aclose())  # gives up waiting for the delete, the root's descriptor left open
+shutil.rmtree(root)
+second = opened()
+second.write_blocks(keys, [random_block(16384, 5 + i) for i in range(2)])
+go.set()
+deleter.join()
+kept = [os.path.exists(f"{root}/{k.hex()[0:2]}/{k.hex()[2:4]}/{k.hex()}.kvb") for k in keys]
+print(*kept, second.read_blocks(keys, [torch.zeros(16384, dtype=torch.uint8) for _ in keys]) == [True, True])
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_delete_that_outlives_the_closes_wait_removes_no_record_of_a_store_opened_since() -> None:
+    """A delete job still under way when the close gave up waiting for it (``CLOSE_WAIT_S``)
+    reaches its records' directories by the root's path, where a store may have been opened
+    since: it must remove none of that store's records, neither the one it was on nor the
+    next (child process)."""
+    child = subprocess.run([sys.executable, "-c", _DELETE_RESUMED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "True", "True"], child.stdout
+
+
+_WALK_RESUMED = _OUTLIVED + r"""
+from kvtier.backends.file_tree import FileTree
+entered, go = threading.Event(), threading.Event()
+real = FileTree._leaf_at
+def held(*args, **kwargs):  # the walk to the job's first record's directory, held past the close's wait
+    if not entered.is_set():
+        entered.set()
+        go.wait()
+    return real(*args, **kwargs)
+FileTree._leaf_at = staticmethod(held)
+got = []
+writer = threading.Thread(target=lambda: got.append(first.write_blocks(keys, [random_block(16384, i) for i in range(2)])))
+writer.start()
+entered.wait()
+asyncio.run(first.aclose())  # gives up waiting for the write, the root's descriptor left open
+shutil.rmtree(root)
+second = opened()
+go.set()
+writer.join()
+planted = [os.path.exists(f"{root}/{k.hex()[0:2]}/{k.hex()[2:4]}/{k.hex()}.kvb") for k in keys]
+print(got[0] == [None, None], planted == [False, False])
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_write_whose_walk_outlives_the_closes_wait_plants_no_record() -> None:
+    """A write stuck in the walk to its record's directory (by the root's path) past the
+    close's wait is checked again once the directory is reached: the path may lead to a store
+    opened since, which must not get a record it does not know of (child process)."""
+    child = subprocess.run([sys.executable, "-c", _WALK_RESUMED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "True"], child.stdout

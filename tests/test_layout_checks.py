@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,3 +66,31 @@ def test_duplicate_block_ids_in_a_load_are_refused_and_nothing_changes() -> None
             assert await store.load(keys, [5, 6]) == 2 and torch.equal(caches[0][5:7], caches[0][0:2])
 
     asyncio.run(go())
+
+
+def test_overlapping_kv_tensors_are_refused_naming_both() -> None:
+    """Two layers whose bytes overlap would make a load's result depend on the order of its
+    copies (the native scatter and the per-tensor one wrote different bytes): refused."""
+    x = torch.arange(16 * 8, dtype=torch.float32).view(16, 8)
+    with pytest.raises(LayoutError, match=r"kv_caches\[1\] overlaps kv_caches\[0\]: bytes 128\.\.384 of one storage"):
+        kvtier.KVLayout([x[0:12], x[4:16]])
+    with pytest.raises(LayoutError, match=r"kv_caches\[2\] overlaps kv_caches\[0\]"):
+        kvtier.KVLayout([x[0:4], x[8:12], x[0:4]])  # one tensor given twice
+    with pytest.raises(LayoutError, match=r"kv_caches\[1\] overlaps kv_caches\[0\]: bytes 64\.\.128 "):
+        kvtier.KVLayout([x[2:6], x[0:4]])  # the later one starts first
+    a = np.zeros((16, 8), dtype=np.float32)  # two torch storages over one numpy array
+    with pytest.raises(LayoutError, match=r"kv_caches\[1\] overlaps kv_caches\[0\]: 256 bytes at "):
+        kvtier.KVLayout([torch.from_numpy(a[0:12]), torch.from_numpy(a[4:16])])
+    with pytest.raises(LayoutError, match=r"overlaps"):
+        _open([x[0:12], x[4:16]], kvtier.Namespace(model_id="m"))
+
+
+def test_views_of_one_buffer_that_do_not_overlap_are_accepted() -> None:
+    """vLLM's and SGLang's caches are such views (one allocation cut into layers, K and V)."""
+    buf = torch.zeros(3 * 12 * 8, dtype=torch.bfloat16)
+    layers = [buf[i * 96 : (i + 1) * 96].view(12, 8) for i in range(3)]  # touching, never overlapping
+    layout = kvtier.KVLayout(list(reversed(layers)))
+    assert layout.num_engine_blocks == 12 and layout.block_bytes == 3 * 16
+    kv = torch.zeros(2, 12, 16, dtype=torch.float16)
+    kvtier.KVLayout([kv[0], kv[1]])  # K and V of one (2, blocks, ...) tensor
+    _open(layers, kvtier.Namespace(model_id="m"))

@@ -50,6 +50,7 @@ from kvtier.errors import LayoutError
 from kvtier.transfer import staging as _staging
 from kvtier.transfer.block_copy import native_blocks
 from kvtier.transfer.copies import CopySplitter, CopyThreads
+from kvtier.transfer.layout_checks import check_distinct_memory
 from kvtier.transfer.pool_views import BlockViews, PoolViews, check_pool, host_index
 from kvtier.transfer.staging import DEFAULT_STAGING_BYTES, ChunkSink, ChunkSource, StagedCopier
 
@@ -156,6 +157,7 @@ class KVLayout:
             infos.append(_TensorInfo(offset, per))
             offset += n * per
         assert num is not None and device is not None
+        check_distinct_memory(caches)
         self.kv_caches = caches
         self.device = device
         self.engine_blocks_per_block = n

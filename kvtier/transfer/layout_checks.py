@@ -10,6 +10,10 @@ refuses such caches at open, naming the tensor, its shape and what was expected:
   such as vLLM's byte pages, carry no token dimension and are not checked);
 * **K/V first** (always checked): a tensor ``(2, num_blocks, block_size, ...)`` holds K and V in
   dimension 0, not blocks;
+* **distinct memory** (always checked, by :class:`~kvtier.transfer.layout.KVLayout`): no two
+  tensors share a byte. Views of one allocation that do not overlap (vLLM's and SGLang's layers,
+  K and V of one tensor) are fine; overlapping ones would make a load's bytes depend on the
+  order of its copies;
 * **dtype**: the namespace's ``dtype`` must be the caches' dtype (raw byte caches, ``uint8`` or
   ``int8``, are not checked: their dtype is not the KV's).
 
@@ -28,7 +32,7 @@ import torch
 from kvtier.errors import LayoutError
 from kvtier.keys import Namespace
 
-__all__ = ["check_caches_match_namespace", "check_distinct_block_ids", "given_fields"]
+__all__ = ["check_caches_match_namespace", "check_distinct_block_ids", "check_distinct_memory", "given_fields"]
 
 _RAW_BYTES = (torch.uint8, torch.int8)
 
@@ -67,6 +71,33 @@ def check_caches_match_namespace(caches: Sequence[torch.Tensor], namespace: Name
                     f"kv_caches[{i}]: dtype {have}, but the namespace says dtype {want!r}; set namespace.dtype to "
                     f"the KV cache's dtype"
                 )
+
+
+def check_distinct_memory(caches: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`LayoutError` naming two of ``caches`` whose bytes overlap.
+
+    The tensors are contiguous (the layout checks that first), so each one's bytes are exactly
+    ``[data_ptr, data_ptr + nbytes)``; the check is by address, so it also catches two storages
+    over the same memory. Tensors without memory (``meta``) are left out."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(caches) if t.data_ptr()
+    )
+    far_end, far = 0, -1  # the span reaching furthest so far, and its tensor
+    for start, end, i in spans:
+        if start < far_end:
+            lo, hi, a, b = start, min(end, far_end), caches[min(i, far)], caches[max(i, far)]
+            base = a.untyped_storage().data_ptr()
+            where = (
+                f"bytes {lo - base}..{hi - base} of one storage"
+                if base == b.untyped_storage().data_ptr()
+                else f"{hi - lo} bytes at {lo:#x}"
+            )
+            raise LayoutError(
+                f"kv_caches[{max(i, far)}] overlaps kv_caches[{min(i, far)}]: {where}; each tensor of the KV "
+                f"cache needs memory of its own (views of one buffer must not share bytes)"
+            )
+        if end > far_end:
+            far_end, far = end, i
 
 
 def check_distinct_block_ids(ids: Sequence[int], what: str = "block_ids") -> None:
