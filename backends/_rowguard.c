@@ -31,10 +31,47 @@ int attr_is_true(PyObject *obj, PyObject *name)
     return is;
 }
 
+/* row.name, asked of the descriptor that row's type holds for it where that is a C getter: the
+   getter called straight (no lookup of the row's own dict, as the generic lookup makes for a
+   method, and no bound method made). What a generic lookup answers for any other descriptor. */
+static PyObject *tensor_get(PyObject *row, PyObject *name)
+{
+    PyObject *described = _PyType_Lookup(Py_TYPE(row), name); /* borrowed; the type's method cache */
+    if (described != NULL && Py_IS_TYPE(described, &PyGetSetDescr_Type))
+        return Py_TYPE(described)->tp_descr_get(described, row, (PyObject *)Py_TYPE(row));
+    return PyObject_GetAttr(row, name);
+}
+
+/* row.name(), likewise: a C method of row's type called straight. */
+static PyObject *tensor_call(PyObject *row, PyObject *name)
+{
+    PyObject *described = _PyType_Lookup(Py_TYPE(row), name); /* borrowed; the type's method cache */
+    if (described != NULL && Py_IS_TYPE(described, &PyMethodDescr_Type)) {
+        Py_INCREF(described); /* held across the call */
+        PyObject *got = PyObject_Vectorcall(described, &row, 1, NULL);
+        Py_DECREF(described);
+        return got;
+    }
+    return PyObject_CallMethodNoArgs(row, name);
+}
+
+/* Whether tensor_get(row, name) is true (1), is not (0), or raised (-1). */
+static int tensor_is(PyObject *row, PyObject *name)
+{
+    PyObject *v = tensor_get(row, name);
+    if (v == NULL)
+        return -1;
+    int is = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return is;
+}
+
 /* host_view(row, tensor_type, dtype, shape, views): views[row.data_ptr()] when type(row) is
    tensor_type, row.dtype is dtype, row.shape == shape, row.is_cpu and row.is_contiguous();
    None when any of them is not so or the address is not in views. Asked in that order, as
-   the Python form asks them; an error raised by one of them propagates. */
+   the Python form asks them, each of the C getter or method tensor_type holds for it (a row's
+   own dict, which no tensor's C code reads, is not asked); an error raised by one of them
+   propagates. */
 PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -49,31 +86,31 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if ((PyObject *)Py_TYPE(row) != args[1])
         Py_RETURN_NONE;
-    PyObject *v = PyObject_GetAttr(row, s_dtype);
+    PyObject *v = tensor_get(row, s_dtype);
     if (v == NULL)
         return NULL;
     int ok = v == dtype;
     Py_DECREF(v);
     if (!ok)
         Py_RETURN_NONE;
-    v = PyObject_GetAttr(row, s_shape);
+    v = tensor_get(row, s_shape);
     if (v == NULL)
         return NULL;
     int differ = PyObject_RichCompareBool(v, shape, Py_NE);
     Py_DECREF(v);
     if (differ != 0)
         return differ < 0 ? NULL : Py_NewRef(Py_None);
-    ok = attr_is_true(row, s_is_cpu);
+    ok = tensor_is(row, s_is_cpu);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    v = PyObject_CallMethodNoArgs(row, s_is_contiguous);
+    v = tensor_call(row, s_is_contiguous);
     if (v == NULL)
         return NULL;
     ok = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *at = PyObject_CallMethodNoArgs(row, s_data_ptr);
+    PyObject *at = tensor_call(row, s_data_ptr);
     if (at == NULL)
         return NULL;
     PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
