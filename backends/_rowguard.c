@@ -176,7 +176,7 @@ static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 
-PyObject *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
+PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
 static PyObject *real_perf_counter; /* time.perf_counter: read here by clock_gettime, as it reads */
 
 /* counters.name += by */
@@ -320,7 +320,7 @@ done:
    key, read in one call with the same outcome, counters and errors (see read_python there).
    False, before anything moved: the Python form must read it (the thread's first job, whose
    faults it marks; the data file's size moved). */
-static PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 7) {
         PyErr_Format(PyExc_TypeError, "one_read() takes 7 arguments (parts, env, key, row, clock, cold_s, check), got %zd", nargs);
@@ -399,6 +399,8 @@ static volatile unsigned long fork_count;
 
 static void count_fork(void) { fork_count++; }
 
+unsigned long rowguard_forks(void) { return fork_count; }
+
 static PyObject *py_forks(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -416,6 +418,9 @@ static PyMethodDef methods[] = {
      "host_view(row, tensor_type, dtype, shape, views) -> the view or None\n\n"
      "views[row.data_ptr()] when type(row) is tensor_type, row.dtype is dtype, row.shape == shape,\n"
      "row.is_cpu and row.is_contiguous(); else None (also for an address views does not hold)."},
+    {"straight_read", (PyCFunction)(void (*)(void))py_straight_read, METH_FASTCALL,
+     "straight_read(parts, env, keys, out, clock, cold_s, check) -> [found, ...], None or False\n\n"
+     "lmdb_one.StraightRead.read in one call: one_read for a job of one key, job_read for others."},
     {"job_read", (PyCFunction)(void (*)(void))py_job_read, METH_FASTCALL,
      "job_read(parts, env, keys, out, clock, cold_s, check) -> [found, ...], None or False\n\n"
      "A straight read of a warm job of several keys (kvtier.backends.lmdb_one.StraightRead.job) in one call."},
@@ -440,7 +445,7 @@ static const struct {
     const char *text;
 } NAMES[] = {
     {&s_dtype, "dtype"}, {&s_shape, "shape"}, {&s_is_cpu, "is_cpu"}, {&s_is_contiguous, "is_contiguous"},
-    {&s_data_ptr, "data_ptr"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
+    {&s_data_ptr, "data_ptr"}, {&s_locate, "locate"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
     {&s_abort, "abort"}, {&s_slow, "slow"}, {&s_cold, "cold"}, {&s_read_misses, "read_misses"},
     {&s_blocks_read, "blocks_read"}, {&s_bytes_read, "bytes_read"},
 };

@@ -277,3 +277,52 @@ done:
     Py_DECREF(out);
     return result;
 }
+
+/* straight_read(parts, env, keys, out, clock, cold_s, check): lmdb_one.StraightRead.read in one
+   call, from the tier's read_blocks (no Python frame between): None where devices.locate is set
+   or the store was opened before a fork of this process (parts' count against the
+   pthread_atfork count); else one_read for a job of one key and one row, job_read for any
+   other, whose answers it gives (False: StraightRead.read's lines must read it). */
+PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "straight_read() takes 7 arguments (parts, env, keys, out, clock, cold_s, check), got %zd", nargs);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
+        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *locate = PyObject_GetAttr(parts[P_DEVICES], s_locate);
+    if (locate == NULL)
+        return NULL;
+    int hosted = locate == Py_None;
+    Py_DECREF(locate);
+    unsigned long opened = PyLong_AsUnsignedLong(parts[P_FORKS]);
+    if (opened == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!hosted || opened != rowguard_forks())
+        Py_RETURN_NONE; /* rows a device's stand-ins, or another process's environment: the general path's */
+    Py_ssize_t n = PyObject_Length(args[2]);
+    if (n < 0)
+        return NULL;
+    Py_ssize_t rows = PyObject_Length(args[3]);
+    if (rows < 0)
+        return NULL;
+    if (n != 1 || rows != 1)
+        return py_job_read(self, args, 7);
+    PyObject *key = PySequence_GetItem(args[2], 0);
+    if (key == NULL)
+        return NULL;
+    PyObject *row = PySequence_GetItem(args[3], 0);
+    if (row == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *one_args[7] = {args[0], args[1], key, row, args[4], args[5], args[6]};
+    PyObject *found = py_one_read(self, one_args, 7);
+    Py_DECREF(key);
+    Py_DECREF(row);
+    return found;
+}

@@ -161,6 +161,7 @@ class StraightRead:
         self.native_parts = (
             self.views, self.shape, _TENSOR, _U8, KEY_BYTES, guard, temperature, temperature.jobs, temperature.marks, counters,
             plain.blocks, plain.index, plain.head, plain.size, lmdb.Error, _JOINED_PLAIN + plain.size, _ENTRY_HEAD,
+            devices, self.forks,
         )
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:

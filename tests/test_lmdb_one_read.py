@@ -37,13 +37,15 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the straight line's row checks and file guard (``lmdb_plain.host_view``,
     ``same_size``, ``one_row``), its whole job of one key (``one_read``) and of several
-    (``job_read``) in their native form, then in their Python one."""
+    (``job_read``), and the call of either from the tier (``straight_read``), in their native
+    form, then in their Python one."""
     if request.param == "python":
         monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
         monkeypatch.setattr(lmdb_plain, "same_size", lmdb_plain.same_size_python)
         monkeypatch.setattr(lmdb_plain, "one_row", lmdb_plain.one_row_python)
         monkeypatch.setattr(lmdb_plain, "one_read", None)
         monkeypatch.setattr(lmdb_plain, "job_read", None)
+        monkeypatch.setattr(lmdb_plain, "straight_read", None)
     elif not lmdb_plain.NATIVE_GUARD:
         pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
     return str(request.param)

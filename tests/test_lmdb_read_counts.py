@@ -56,6 +56,8 @@ def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, 
         monkeypatch.setattr(lmdb_plain, "one_read", None)
     if how != "job native":
         monkeypatch.setattr(lmdb_plain, "job_read", None)
+    if not native:  # (the tier's call of either: straight_read)
+        monkeypatch.setattr(lmdb_plain, "straight_read", None)
     monkeypatch.setattr(lmdb_tier, "CLOSE_WAIT_S", 0.0)  # a count left behind: the close leaves the file open
     fmt = BlockFormat(block_bytes=4096, dtype="uint8")
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "store"), sync_mode="fast")
