@@ -71,11 +71,7 @@ class GroupCommit(Generic[B, R]):
             if alone:
                 self._busy = True
         if alone:  # no commit runs and nothing waits: a group of this batch alone, no ticket
-            results, error = self._lead([batch])
-            self._done(1)
-            if error is not None:
-                raise error
-            return results[0]  # type: ignore[index]
+            return self._lead_alone(batch, self._commit)
         ticket: _Ticket[B, R] = _Ticket(batch)
         with self._lock:
             self._waiting.append(ticket)
@@ -103,14 +99,35 @@ class GroupCommit(Generic[B, R]):
             raise ticket.error
         return ticket.result  # type: ignore[return-value]
 
-    def _lead(self, batches: list[B]) -> tuple[list[R] | None, BaseException | None]:
-        """Commit ``batches`` as one group and settle it: its results, or the error every batch
-        of it fails with. The next group may commit once this one's commit is done (``settle``)."""
+    def submit_alone(self, batch: B, commit: Callable[[list[B]], list[R]]) -> R | None:
+        """:meth:`submit` of ``batch`` when no commit runs and no batch waits, committed by
+        ``commit([batch])`` in place of the group's commit (a caller's straight line for a batch
+        it knows; the group's ``settle`` as ever), and counted as a group: its result. ``None``,
+        with nothing done, when a commit runs or a batch waits (the caller then submits it, to
+        join them). ``commit``'s results are never ``None``."""
+        with self._lock:
+            if self._busy or self._waiting:
+                return None
+            self._busy = True
+        return self._lead_alone(batch, commit)
+
+    def _lead_alone(self, batch: B, commit: Callable[[list[B]], list[R]]) -> R:
+        """Lead the group of ``batch`` alone (this caller set ``_busy``): its result, or its error raised."""
+        results, error = self._lead([batch], commit)
+        self._done(1)
+        if error is not None:
+            raise error
+        return results[0]  # type: ignore[index]
+
+    def _lead(self, batches: list[B], commit: Callable[[list[B]], list[R]] | None = None) -> tuple[list[R] | None, BaseException | None]:
+        """Commit ``batches`` as one group (by ``commit``, else by the group's) and settle it: its
+        results, or the error every batch of it fails with. The next group may commit once this
+        one's commit is done (``settle``)."""
         settle = self._settle
         results: list[R] | None = None
         error: BaseException | None = None
         try:
-            results = self._commit(batches)
+            results = (commit or self._commit)(batches)
             if len(results) != len(batches):
                 raise RuntimeError(f"group commit: {len(results)} results for {len(batches)} batches")
         except BaseException as exc:  # every batch of the group failed with it

@@ -21,6 +21,8 @@ against 27-33 built one by one). A job that waits for another's commit builds it
 records meanwhile, on its own thread (:meth:`GroupCommit.idle`); a job of one record builds it
 before its transaction too: built in it, durable 4 KiB saves of one record ran at 0.88-0.89 of
 raw against 0.89-0.91 built before (job by job alternated in one process, three pairs, load 2.7-2.8).
+A lone job of one such block, into a row whose view the store keeps, is saved in one straight
+line instead (:class:`~kvtier.backends.lmdb_lone.LoneSave`).
 
 A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
 payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index
@@ -61,6 +63,7 @@ from kvtier.backends.lmdb_entries import INDEX, index_entry, restamp
 from kvtier.backends.lmdb_files import map_pages
 from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_layout import JobReader
+from kvtier.backends.lmdb_lone import LoneSave
 from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows
 
 from kvtier.errors import BackendError, DiskError
@@ -115,6 +118,9 @@ class LmdbWrites(PersistentRecordBackend):
     _plain_records: PlainReads | None = None
     _record_pages = (0, 0)
     _maps_appended = False
+    #: Where records are plain and put joined, the straight line of a lone job of one block
+    #: (:class:`~kvtier.backends.lmdb_lone.LoneSave`; ``None`` otherwise, and before the open).
+    _lone: LoneSave | None = None
 
     def _ready_writes(self) -> None:
         """Work out at the open what every save of the store asks (a 4 KiB save costs about
@@ -127,8 +133,15 @@ class LmdbWrites(PersistentRecordBackend):
         record = self._head_bytes() + self.format.block_bytes
         self._record_pages = (record, self._pages(record))
         self._maps_appended = self.format.block_bytes >= MAP_AFTER_BYTES
+        joined = record <= lmdb_entries.JOIN_MAX and not self._maps_appended
+        self._lone = LoneSave(self, self._plain_records, self._plain_rows) if joined and self._plain_records is not None and self._plain_rows is not None else None
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        lone = self._lone
+        if lone is not None and len(keys) == 1 and len(blocks) == 1:
+            saved = lone.save(keys[0], blocks[0])  # a lone plain block in one straight line (lmdb_lone)
+            if saved is not None:
+                return saved
         records, rows = self._plain_records, self._plain_rows
         # Plain jobs of host rows: the job's checks and its rows' views in one loop (RowViews,
         # as reads do); other rows of plain jobs get views one by one (host_rows).

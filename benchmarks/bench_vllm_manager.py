@@ -8,7 +8,14 @@ Needs vLLM importable (a venv with ``vllm`` installed ``--no-deps`` is enough: o
 Each phase is run on both managers in alternating slices (vLLM slice, kvtier slice, ...), so
 both see the same moment of a shared machine, and is timed in CPU time of this thread with the
 garbage collector off. Per phase it prints the best slice of each side in microseconds per key
-and ``speedup`` = vLLM / kvtier (above 1: kvtier is faster). Phases, with the same keys and
+and the speedup vLLM / kvtier (above 1: kvtier is faster) of each rep (a fresh pair of managers
+and keys): ``speedup_range`` and ``speedup_spread`` ([min, median, max] of the reps' speedups,
+each the best vLLM slice over the best kvtier slice of its rep), and ``slice_speedup_spread``,
+[min, median, max] of vLLM / kvtier over every pair of adjacent slices of every rep. The phases
+are bound by cache misses on tables of 10^5 keys: when the machine makes them dearer (other
+processes, where the hypervisor runs this CPU), both sides' slices grow by about the same
+microseconds per key, and the ratio falls the more for it (kvtier's misses are a larger share
+of its cost). Phases, with the same keys and
 sizes for both: ``store`` (``prepare_store`` + ``complete_store`` of new keys, not full; vLLM's
 ``on_request_finished`` of those requests is timed apart as ``vllm_finish``), ``lookup_hit`` and
 ``lookup_miss`` (one key per call, as vLLM's scheduler asks), ``load`` (``prepare_load`` +
@@ -38,6 +45,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -85,14 +93,28 @@ def phase(
     v_op: Callable[[Any], Any],
     k_op: Callable[[Any], Any],
     per: int,
-) -> dict[str, float]:
-    """Best microseconds per key of each side over ``slices`` alternating slices."""
-    best_v = best_k = float("inf")
+) -> dict[str, Any]:
+    """Each side's microseconds per key in every one of ``slices`` alternating slices (see
+    :func:`summary`)."""
+    v_us: list[float] = []
+    k_us: list[float] = []
     size = max(1, len(v_items) // slices)
     for start in range(0, size * slices, size):
-        best_v = min(best_v, timed(v_items[start : start + size], v_op) / (size * per))
-        best_k = min(best_k, timed(k_items[start : start + size], k_op) / (size * per))
-    return {"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k}
+        v_us.append(timed(v_items[start : start + size], v_op) / (size * per) / 1e3)
+        k_us.append(timed(k_items[start : start + size], k_op) / (size * per) / 1e3)
+    return summary(v_us, k_us)
+
+
+def summary(v_us: list[float], k_us: list[float]) -> dict[str, Any]:
+    """One pass's slices: the best of each side, ``speedup`` (vLLM's best / kvtier's best), and
+    ``slice_speedups``, vLLM / kvtier of each pair of adjacent slices (the same moment of the
+    machine for both sides)."""
+    return {
+        "vllm_us": min(v_us),
+        "kvtier_us": min(k_us),
+        "speedup": min(v_us) / min(k_us),
+        "slice_speedups": [v / k for v, k in zip(v_us, k_us)],
+    }
 
 
 def timed_calls(keys: list[bytes], call: Callable[[bytes], Any]) -> float:
@@ -121,23 +143,25 @@ def lookup_phase(
     v_lookup: Callable[[bytes, Any], Any],
     ctx: Any,
     passes: list[tuple[str, Callable[[list[bytes]], float], list[bytes], list[bytes]]],
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """:func:`phase` for single-key lookups, one pass per kvtier side: ``(name, timer, vLLM's
     keys, kvtier's keys)``, each pass alternating vLLM and that side on keys no other pass
     probes. ``kvtier`` is the manager's call; the others are reported as ``<name>_us`` and
     ``<name>_speedup`` (over the vLLM of their own pass). Each side runs its slice on fresh
     copies of its keys made just before it (see the module's note)."""
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for name, timer, v_keys, k_keys in passes:
-        best_v = best_k = float("inf")
+        v_us: list[float] = []
+        k_us: list[float] = []
         size = max(1, len(v_keys) // slices)
         for start in range(0, size * slices, size):
-            best_v = min(best_v, timed_calls_with(twin(v_keys[start : start + size]), v_lookup, ctx) / size)
-            best_k = min(best_k, timer(twin(k_keys[start : start + size])) / size)
+            v_us.append(timed_calls_with(twin(v_keys[start : start + size]), v_lookup, ctx) / size / 1e3)
+            k_us.append(timer(twin(k_keys[start : start + size])) / size / 1e3)
+        got = summary(v_us, k_us)
         if name == "kvtier":
-            out.update({"vllm_us": best_v / 1e3, "kvtier_us": best_k / 1e3, "speedup": best_v / best_k})
+            out.update(got)
         else:
-            out.update({f"{name}_us": best_k / 1e3, f"{name}_speedup": best_v / best_k})
+            out.update({f"{name}_us": got["kvtier_us"], f"{name}_speedup": got["speedup"]})
     return out
 
 
@@ -171,7 +195,7 @@ def checked_lookup(index: dict[bytes, Any]) -> Callable[[bytes], bool]:
     return lookup
 
 
-def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dict[str, float]]:
+def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dict[str, Any]]:
     rng = random.Random(seed)
     if LOOKUP_SIDES * ops > cap:
         raise SystemExit(f"bench_vllm_manager: --ops {ops} needs a --capacity of at least {LOOKUP_SIDES * ops}")
@@ -181,7 +205,7 @@ def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dic
     k_res, k_fresh, k_absent = k_keys[:cap], k_keys[cap : cap + ops], k_keys[cap + ops :]
     vm = CPUOffloadingManager(num_chunks=cap, cache_policy="lru")
     km = TierManager([TierSpec(name="cpu", capacity_bytes=cap, block_reserve=1, policy=LRUPolicy(cap))])
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
 
     def v_store(item: tuple[list[bytes], ReqContext]) -> None:
         vm.prepare_store(item[0], item[1])
@@ -248,13 +272,18 @@ def run(cap: int, ops: int, batch: int, slices: int, seed: int) -> dict[str, dic
     return out
 
 
+def spread(values: list[float]) -> list[float]:
+    """[min, median, max] of ``values``, rounded."""
+    return [round(min(values), 2), round(statistics.median(values), 2), round(max(values), 2)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--capacity", type=int, default=200_000)
     parser.add_argument("--ops", type=int, default=50_000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--slices", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a small run (a few seconds)")
     args = parser.parse_args()
     if args.quick:
@@ -262,13 +291,16 @@ def main() -> None:
     gc.disable()  # both sides alike: a collection would land on whichever call triggers it
     reps = [run(args.capacity, args.ops, args.batch, args.slices, seed) for seed in range(args.reps)]
     gc.enable()
-    result: dict[str, Any] = {"capacity": args.capacity, "ops": args.ops, "batch": args.batch}
+    result: dict[str, Any] = {"capacity": args.capacity, "ops": args.ops, "batch": args.batch, "reps": args.reps}
     for name in PHASES:
-        ups = sorted(r[name]["speedup"] for r in reps)
+        ups = [r[name]["speedup"] for r in reps]
+        pairs = [u for r in reps for u in r[name]["slice_speedups"]]
         result[name] = {
             "vllm_us": round(min(r[name]["vllm_us"] for r in reps), 3),
             "kvtier_us": round(min(r[name]["kvtier_us"] for r in reps), 3),
-            "speedup_range": [round(ups[0], 2), round(ups[-1], 2)],
+            "speedup_range": [round(min(ups), 2), round(max(ups), 2)],
+            "speedup_spread": spread(ups),
+            "slice_speedup_spread": spread(pairs),
         }
         for floor in ("tuple_form", "floor", "checked_floor"):
             if f"{floor}_speedup" in reps[0][name]:

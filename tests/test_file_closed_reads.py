@@ -501,3 +501,39 @@ def test_a_write_whose_walk_outlives_the_closes_wait_plants_no_record() -> None:
     child = subprocess.run([sys.executable, "-c", _WALK_RESUMED], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["True", "True"], child.stdout
+
+
+_RECORD_RESUMED = _OUTLIVED + r"""
+first.write_blocks(keys[:1], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = first._leaf
+def held(k):  # the walk to the job's only record, held past the close's wait (a slow filesystem)
+    entered.set()
+    go.wait()
+    return real(k)
+first._leaf = held
+first._plain = None
+out = [torch.zeros(16384, dtype=torch.uint8)]
+got = []
+reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys[:1], out)))
+reader.start()
+entered.wait()
+asyncio.run(first.aclose())  # gives up waiting for the read, the root's descriptor left open
+shutil.rmtree(root)
+second = opened()
+theirs = random_block(16384, 2)
+second.write_blocks(keys[:1], [theirs])  # the same key, in the store opened since
+go.set()
+reader.join()
+print(got[0][0], torch.equal(out[0], theirs))
+asyncio.run(second.aclose())
+"""
+
+
+def test_the_record_a_read_was_on_when_the_close_gave_up_is_not_another_stores() -> None:
+    """A read stuck in the walk to its record (by the root's path) past the close's wait is
+    checked again once the record is open: the path may lead to a store opened since, whose
+    record must not come back as the closed store's hit (child process)."""
+    child = subprocess.run([sys.executable, "-c", _RECORD_RESUMED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["False", "False"], child.stdout

@@ -65,6 +65,7 @@ __all__ = [
     "SingleKeyLookup",
     "leading_run",
     "lookup_counts",
+    "native_module",
     "new_index",
     "probe_source",
     "read_counters",
@@ -88,6 +89,14 @@ NATIVE: bool = _probe is not None
 #: extension is built, else ``dict`` (also where an extension built before it is still installed:
 #: a test fails on that, the import does not).
 _INDEX: type = getattr(_probe, "KeyIndex", dict)
+
+
+def native_module() -> Any:
+    """The extension ``kvtier.manager._probe``; ``RuntimeError`` where it is not built (a caller
+    asked for a native path that :data:`NATIVE` says is absent)."""
+    if _probe is None:
+        raise RuntimeError("kvtier.manager._probe is not built: no native path")
+    return _probe
 
 
 def new_index() -> dict[bytes, int]:

@@ -1,0 +1,152 @@
+"""A lone save of one plain block, put joined, in one straight line (:class:`LoneSave`).
+
+Engines save mostly in jobs of one block, and a durable 4 KiB save is mostly its syncs: the
+CPU between them is what a busy core delays. The general path (``LmdbWrites.write_blocks``)
+spends it on the job's checks and views (``RowViews.of``), its record list
+(``PlainReads.records``), a group-commit ticket (``GroupCommit.submit``) and a transaction loop
+made for groups of jobs (``_commit_jobs``, ``_put_together``): measured with the syncs off, a
+4 KiB save of one record took 13-22 µs of thread CPU where a raw ``put`` in its own
+transaction took 6-9.
+
+:meth:`LoneSave.save` takes a job of one key of an unkeyed, uncompressed store whose record is
+put joined (at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes, head and block in one
+value): the key's and the row's checks and view in one call
+(:data:`~kvtier.backends.lmdb_plain.host_view`, a row whose view the store keeps), the record
+built whole (:func:`~kvtier.records.xxcopy.xxh3_joined`, the same bytes the general path builds
+for a job of one record, before its transaction as there); then, when no commit runs and no
+batch waits (:meth:`GroupCommit.submit_alone`), under the write lock, the put, the delete of the
+key's index entry while the index may hold a split one, and the commit (where a commit runs or
+batches wait, the job joins them, as the general path's would). Durable, the group commit's
+settle then syncs the meta page, as for every group: the save returns once the block is on
+stable storage.
+
+Anything else is the general path's, with nothing done: a key or row it does not take (the
+general checks name what is wrong), a row not seen yet, rows stood in for a device's
+(:data:`kvtier.devices.locate`). A failure in the
+transaction (a full map, a record that fails to build, an LMDB error) aborts it, and the same
+job is committed again by the general ``_commit_jobs``, whose handling (one transaction per
+record, a full map's retry, the counters, the errors) is then the save's: a failed transaction
+commits nothing, so the second try starts from what the first found.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from kvtier.backends import lmdb_entries, lmdb_plain
+from kvtier.backends.lmdb_heap import keep_heap_for
+
+from kvtier import devices
+from kvtier.errors import BackendError
+from kvtier.keys import KEY_BYTES
+from kvtier.records import xxcopy
+from kvtier.records.record import HEADER
+
+if TYPE_CHECKING:
+    from kvtier.backends.group_commit import GroupCommit
+    from kvtier.backends.lmdb_plain import PlainReads, RowViews
+
+    from kvtier.backend import BackendCounters
+
+__all__ = ["LONE_SAVES", "LoneSave"]
+
+#: Lone jobs of one plain block go through :class:`LoneSave` first; ``False``: through the
+#: general path alone (the path the tests compare it with).
+LONE_SAVES = True
+_U8 = torch.uint8
+_TENSOR = torch.Tensor
+
+
+class _Store(Protocol):
+    """What a lone save uses of its store (an ``LmdbWrites``)."""
+
+    path: str
+    counters: BackendCounters
+    _env: Any
+    _blocks: Any
+    _index: Any
+    _splits: bool
+    _listed: Any
+    _write_lock: threading.Lock
+    _commits: GroupCommit[Any, Any]
+
+    def _env_or_raise(self) -> Any: ...
+
+    def _pages(self, record_bytes: int) -> int: ...
+
+    def _commit_jobs(self, jobs: list[Any]) -> list[list[int | None]]: ...
+
+
+class LoneSave:
+    """Saves of jobs of one plain block of one store, put joined (see the module doc)."""
+
+    __slots__ = ("commits", "head", "record", "shape", "stored", "tier", "views")
+
+    def __init__(self, tier: _Store, plain: PlainReads, views: RowViews) -> None:
+        """``plain`` and ``views``: the store's (its reader's), as the general path's saves use them."""
+        self.tier = tier
+        self.commits = tier._commits
+        self.head = plain.head  # the 24 checked head bytes every plain record of the store starts with
+        self.shape, self.views = views.shape, views.views
+        #: A joined record's bytes (head and block), and the map bytes it takes.
+        self.record = HEADER.size + plain.size
+        self.stored = tier._pages(self.record)
+
+    def save(self, key: Any, row: Any) -> list[int | None] | None:
+        """The job ``[key]``, ``[row]`` saved as ``write_blocks`` saves it (its sizes, its
+        counters), or ``None`` with nothing done: the general path's job (see the module doc).
+        The errors of a closed store or one opened before a fork are the general path's."""
+        if not LONE_SAVES or type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None:
+            return None
+        if self.record > lmdb_entries.JOIN_MAX:
+            return None  # put split: the general path's
+        view = lmdb_plain.host_view(row, _TENSOR, _U8, self.shape, self.views)
+        if view is None:
+            return None  # not such a row, or one not seen yet: the general path makes its view
+        tier = self.tier
+        tier._env_or_raise()
+        # Built before its transaction, as the general path builds a job of one record (a
+        # build that fails raises here, as there); then committed alone, or, where a commit
+        # runs or batches wait, with them, as the general path's job would be.
+        job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
+        commits = self.commits
+        sizes = commits.submit_alone(job, self._commit)
+        if sizes is None:
+            sizes = commits.submit([job])
+        if sizes[0] is not None:
+            counters = tier.counters
+            counters.blocks_written += 1
+            counters.bytes_written += self.record
+        return sizes
+
+    def _commit(self, batches: list[tuple[bytes, bytes, bytes]]) -> list[list[int | None]]:
+        """``GroupCommit``'s commit of the lone job: its record put and committed in one write
+        transaction; on a failure in it, the general commit of the same job."""
+        (job,) = batches
+        tier = self.tier
+        with tier._write_lock:
+            env = tier._env
+            if env is None:
+                raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
+            tier._listed = None
+            keep_heap_for(self.stored)  # (lmdb_writes: the commit's freed pages kept)
+            txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
+            try:
+                key = job[0]
+                txn.put(key, job[2])
+                if tier._splits:  # the index may hold a split record's entry for the key
+                    txn.delete(key, b"", tier._index)
+                txn.commit()
+            except Exception:
+                txn.abort()
+                failed = True
+            except BaseException:
+                txn.abort()
+                raise
+            else:
+                failed = False
+        if failed:  # committed nothing: the general commit's try, and its handling
+            return tier._commit_jobs([[job]])
+        return [[self.stored]]

@@ -1,0 +1,367 @@
+"""The ``lmdb`` tier's straight line for a lone save of one plain block (``lmdb_lone.LoneSave``)
+against the general path (``LONE_SAVES = False``: ``PlainReads.records``, ``GroupCommit.submit``,
+``_commit_jobs``): the same records on disk, the same records read back, the same sizes,
+counters and errors, whatever fails; with the row checks native and in Python."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
+from kvtier.backends.group_commit import GroupCommit
+
+from kvtier import registry
+from kvtier.backend import Backend, BlockFormat
+from kvtier.errors import BackendError, ClosedError, DiskError
+from kvtier.records import xxcopy
+from kvtier.testing import make_key, random_block
+
+FMT = BlockFormat(block_bytes=4096, dtype="uint8")
+_STATS = ("blocks_written", "bytes_written", "write_failures")
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with the row's checks and view (``lmdb_plain.host_view``) native, then in Python."""
+    if request.param == "python":
+        monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
+    elif not lmdb_plain.NATIVE_GUARD:
+        pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
+    return str(request.param)
+
+
+def _open(path: Path, capacity: int = 8 << 20, **options: Any) -> Backend:
+    backend = registry.backends.get("lmdb")(capacity=capacity, path=str(path), sync_mode="fast", **options)
+    asyncio.run(backend.open(FMT))
+    return backend
+
+
+def _dump(backend: Backend) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]]]:
+    """Every record of the store's ``blocks`` and ``index`` databases, in key order (an index
+    entry without its access stamp, the time of its save)."""
+    env = backend._env  # type: ignore[attr-defined]
+    with env.begin() as txn:
+        return (
+            [(bytes(k), bytes(v)) for k, v in txn.cursor(db=backend._blocks)],  # type: ignore[attr-defined]
+            [(bytes(k), bytes(v[8:])) for k, v in txn.cursor(db=backend._index)],  # type: ignore[attr-defined]
+        )
+
+
+def _counted_general(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The jobs the general path commits from now on (their record counts)."""
+    general: list[int] = []
+    real = GroupCommit.submit
+
+    def submit(self: Any, batch: Any) -> Any:
+        general.append(len(batch))
+        return real(self, batch)
+
+    monkeypatch.setattr(GroupCommit, "submit", submit)
+    return general
+
+
+def _saves(path: Path, monkeypatch: pytest.MonkeyPatch, lone: bool, plan: Callable[[Backend, list[torch.Tensor]], list[Any]], *, capacity: int = 8 << 20) -> tuple[list[Any], dict[str, int], Any, list[int]]:
+    """Run ``plan(backend, rows)`` on a new store with the straight line on (``lone``) or off:
+    what it returned, the counters it moved, the dump of the store after it, and the jobs the
+    general path committed. ``rows``: eight host rows, each saved once first (so the store
+    keeps their views, as it keeps those of a pool saved from again and again)."""
+    monkeypatch.setattr(lmdb_lone, "LONE_SAVES", lone)
+    backend = _open(path, capacity)
+    rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(8)]
+    try:
+        for i, row in enumerate(rows):
+            backend.write_blocks([make_key(1000 + i)], [row])
+        backend.delete_blocks([make_key(1000 + i) for i in range(len(rows))])
+        general = _counted_general(monkeypatch)
+        before = {k: v for k, v in backend.stats().items() if k in _STATS}
+        got = plan(backend, rows)
+        after = {k: v - before[k] for k, v in backend.stats().items() if k in _STATS}
+        return got, after, _dump(backend), general
+    finally:
+        monkeypatch.undo()
+        asyncio.run(backend.aclose())
+
+
+def _compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: Callable[[Backend, list[torch.Tensor]], list[Any]], **options: Any) -> tuple[Any, Any]:
+    """``plan`` on the straight line and on the general path: the same outcome, counters and
+    store; the straight line committed none of its lone jobs through the general path."""
+    guard = lmdb_plain.host_view
+    fast = _saves(tmp_path / "lone", monkeypatch, True, plan, **options)
+    monkeypatch.setattr(lmdb_plain, "host_view", guard)  # (undone with the rest: the form under test)
+    slow = _saves(tmp_path / "general", monkeypatch, False, plan, **options)
+    assert fast[:3] == slow[:3]
+    return fast, slow
+
+
+def _read(backend: Backend, keys: list[bytes]) -> list[Any]:
+    out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+    found = backend.read_blocks(keys, out)
+    return [bytes(o.numpy()) if hit else None for o, hit in zip(out, found)]
+
+
+def test_a_lone_save_stores_reads_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [make_key(i) for i in range(12)]
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        sizes = []
+        for i, key in enumerate(keys):  # rows used again, a key saved over once
+            rows[i % len(rows)].copy_(random_block(FMT.block_bytes, i))
+            sizes.append(backend.write_blocks([key if i != 11 else keys[2]], [rows[i % len(rows)]]))
+        return [sizes, _read(backend, keys)]
+
+    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    assert fast[3] == [] and slow[3] == [1] * 12  # the straight line took every lone job
+    sizes, read = fast[0]
+    assert all(s == [sizes[0][0]] and s[0] > 0 for s in sizes)
+    assert read[2] == bytes(random_block(FMT.block_bytes, 11).numpy()) and read[11] is None
+    assert fast[1] == {"blocks_written": 12, "bytes_written": 12 * (32 + FMT.block_bytes), "write_failures": 0}
+
+
+def test_a_lone_save_over_a_split_record_drops_its_index_entry_as_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [make_key(i) for i in range(3)]
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        with pytest.MonkeyPatch.context() as split:
+            split.setattr(lmdb_entries, "JOIN_MAX", 0)  # saved split: an index entry each
+            rows[0].copy_(random_block(FMT.block_bytes, 1))
+            backend.write_blocks(keys, [rows[0]] * 3)
+        assert len(_dump(backend)[1]) == 3
+        rows[1].copy_(random_block(FMT.block_bytes, 2))
+        sizes = [backend.write_blocks([k], [rows[1]]) for k in keys[:2]]  # saved joined over them
+        return [sizes, len(_dump(backend)[1]), _read(backend, keys)]
+
+    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    assert fast[3] == [3] and slow[3] == [3, 1, 1]
+    assert fast[0][1] == 1  # the two saved joined have no entry left
+    assert fast[0][2] == [bytes(random_block(FMT.block_bytes, 2).numpy())] * 2 + [bytes(random_block(FMT.block_bytes, 1).numpy())]
+
+
+def test_a_lone_record_that_fails_to_build_fails_its_job_as_on_the_general_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [make_key(i) for i in range(4)]
+    real = xxcopy.xxh3_joined
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        def build(head: Any, key: bytes, view: Any) -> bytes:
+            if key == keys[1]:
+                raise MemoryError("no memory for the record")
+            return real(head, key, view)
+
+        sizes: list[Any] = []
+        with pytest.MonkeyPatch.context() as failing:
+            failing.setattr(xxcopy, "xxh3_joined", build)
+            for i, k in enumerate(keys):
+                try:
+                    sizes.append(backend.write_blocks([k], [rows[i]]))
+                except MemoryError as exc:
+                    sizes.append(repr(exc))
+        return [sizes, _read(backend, keys)]
+
+    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    sizes, read = fast[0]
+    # built before its transaction on both paths: the job raises, and nothing was stored
+    assert sizes[1] == "MemoryError('no memory for the record')" and None not in sizes[0] + sizes[2] + sizes[3]
+    assert read[1] is None and read[0] == bytes(FMT.block_bytes)
+    assert fast[1] == {"blocks_written": 3, "bytes_written": 3 * (32 + FMT.block_bytes), "write_failures": 0}
+    assert fast[3] == []
+
+
+def test_lone_saves_into_a_full_map_fail_and_recover_as_on_the_general_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same saves into a small map until it is full, then deletions: the same keys fail
+    and the same keys fit again (the general path's retry after a tiny commit included)."""
+    keys = [make_key(i) for i in range(200)]
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        sizes = [backend.write_blocks([k], [rows[i % len(rows)]])[0] for i, k in enumerate(keys)]
+        assert None in sizes and sizes[0] is not None
+        saved = [k for k, s in zip(keys, sizes) if s is not None]
+        backend.delete_blocks(saved[:20])
+        again = [backend.write_blocks([k], [rows[0]])[0] for k in keys[-10:]]
+        return [sizes, again]
+
+    fast, _ = _compare(tmp_path, monkeypatch, plan, capacity=512 << 10)
+    assert fast[0][1].count(None) < 10  # room again after the deletions
+    assert fast[1]["write_failures"] > 0
+
+
+class _FailingEnv:
+    """An environment whose write transactions' puts raise ``error`` (reads as ever)."""
+
+    def __init__(self, env: Any, error: type[lmdb.Error]) -> None:
+        self._env, self._error = env, error
+
+    def begin(self, *args: Any, **kwargs: Any) -> Any:
+        txn = self._env.begin(*args, **kwargs)
+        write = kwargs.get("write", args[2] if len(args) > 2 else False)
+        return _FailingTxn(txn, self._error) if write else txn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+class _FailingTxn:
+    def __init__(self, txn: Any, error: type[lmdb.Error]) -> None:
+        self._txn, self._error = txn, error
+
+    def put(self, *args: Any, **kwargs: Any) -> bool:
+        raise self._error("injected")
+
+    def __enter__(self) -> _FailingTxn:
+        return self
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        if kind is None:
+            self._txn.commit()
+        else:
+            self._txn.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+
+@pytest.mark.parametrize("error", [lmdb.DiskError, lmdb.CorruptedError])
+def test_an_lmdb_error_in_a_lone_save_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: type[lmdb.Error]) -> None:
+    """A put's disk error fails that key alone (counted); another LMDB error raises
+    ``DiskError``; nothing is stored either way."""
+    key = make_key(5)
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        env = backend._env  # type: ignore[attr-defined]
+        backend._env = _FailingEnv(env, error)  # type: ignore[attr-defined]
+        try:
+            got: Any = backend.write_blocks([key], [rows[0]])
+        except DiskError as exc:
+            got = f"DiskError: {exc}".replace(backend.path, "PATH")  # type: ignore[attr-defined]
+        finally:
+            backend._env = env  # type: ignore[attr-defined]
+        return [got, _read(backend, [key])]
+
+    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    got, read = fast[0]
+    assert read == [None]
+    if error is lmdb.DiskError:
+        assert got == [None] and fast[1]["write_failures"] == 1
+    else:
+        assert got == "DiskError: lmdb: write to 'PATH' failed: injected" and fast[1]["write_failures"] == 0
+
+
+def test_a_lone_save_while_a_commit_runs_joins_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone job that finds a commit running waits and commits with the group after it, as the
+    general path's job does."""
+    backend = _open(tmp_path / "store")
+    rows = [random_block(FMT.block_bytes, i) for i in range(2)]
+    keys = [make_key(i) for i in range(2)]
+    try:
+        backend.write_blocks(keys[1:], rows[1:])  # the row's view is kept from now on
+        entered, release = threading.Event(), threading.Event()
+        real = backend._commit_jobs  # type: ignore[attr-defined]
+        commits = backend._commits  # type: ignore[attr-defined]
+        committed: list[list[int]] = []
+
+        def held(jobs: list[Any]) -> Any:
+            committed.append([len(job) for job in jobs])
+            if len(committed) == 1:
+                entered.set()
+                assert release.wait(30)
+            return real(jobs)
+
+        monkeypatch.setattr(commits, "_commit", held)
+        first = threading.Thread(target=backend.write_blocks, args=(keys[:1], rows[:1]))
+        first.start()
+        assert entered.wait(30)
+        second = threading.Thread(target=backend.write_blocks, args=(keys[1:], rows[1:]))
+        second.start()
+        for _ in range(3000):
+            if commits._waiting:
+                break
+            threading.Event().wait(0.01)
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert committed == [[1], [1]]  # the second through the group's commit, after the first
+        assert _read(backend, keys) == [bytes(r.numpy()) for r in rows]
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_durable_lone_save_returns_after_its_sync(tmp_path: Path) -> None:
+    backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "store"))
+    asyncio.run(backend.open(FMT))
+    row = random_block(FMT.block_bytes, 3)
+    commits = backend._commits  # type: ignore[attr-defined]
+    settled: list[Any] = []
+    real = commits._settle
+
+    def settle(results: Any) -> None:
+        real(results)
+        settled.append(results)
+
+    commits._settle = settle
+    try:
+        backend.write_blocks([make_key(0)], [row])  # the row's view, by the general path
+        settled.clear()
+        sizes = backend._lone.save(make_key(1), row)  # type: ignore[attr-defined]
+        assert sizes is not None and settled == [[sizes]]
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_a_lone_save_of_a_closed_or_forked_store_is_refused(tmp_path: Path) -> None:
+    backend = _open(tmp_path / "store")
+    row = random_block(FMT.block_bytes, 3)
+    backend.write_blocks([make_key(0)], [row])  # the row's view is kept: the next saves are lone
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            backend._lone.save(make_key(1), row)  # type: ignore[attr-defined]
+            os.write(write, b"saved")
+        except BackendError:
+            os.write(write, b"refused")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 64) == b"refused"
+    os.close(read)
+    assert backend.write_blocks([make_key(1)], [row]) != [None]  # the parent saves on
+    asyncio.run(backend.aclose())
+    with pytest.raises(ClosedError):
+        backend._lone.save(make_key(2), row)  # type: ignore[attr-defined]
+
+
+def test_group_commit_submit_alone_commits_alone_or_does_nothing() -> None:
+    """``submit_alone``: the caller's commit for its lone batch, settled and counted as a group,
+    its error raised; ``None`` with nothing done while a commit runs."""
+    entered, release = threading.Event(), threading.Event()
+    settled: list[Any] = []
+
+    def commit(batches: list[int]) -> list[int]:
+        if batches == [1]:
+            entered.set()
+            assert release.wait(30)
+        return [b * 10 for b in batches]
+
+    def own(batches: list[int]) -> list[int]:
+        if batches == [3]:
+            raise OSError("disk gone")
+        return [b * 100 for b in batches]
+
+    group: GroupCommit[int, int] = GroupCommit(commit, settled.append)
+    assert group.submit_alone(2, own) == 200 and settled == [[200]]
+    with pytest.raises(OSError, match="disk gone"):
+        group.submit_alone(3, own)
+    first = threading.Thread(target=group.submit, args=(1,))
+    first.start()
+    assert entered.wait(30)
+    assert group.submit_alone(4, own) is None  # a commit runs: nothing done
+    release.set()
+    first.join(30)
+    assert (group.groups, group.batches) == (3, 3) and settled == [[200], [10]]
