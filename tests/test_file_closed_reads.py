@@ -27,6 +27,7 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
     if way == "python":
         monkeypatch.setattr(xxcopy, "xxh3_read_check_at", xxcopy.xxh3_read_check_at_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", xxcopy.xxh3_read_check_keys_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)
@@ -39,9 +40,10 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
     plain = backend._plain
     assert plain is not None
     asyncio.run(backend.aclose())
-    found = [False] * 3
-    assert plain.read(keys, out, found) == [0, 1, 2]
-    assert found == [False, False, False]
+    for rows in (None, [memoryview(o.numpy()) for o in out]):  # (rows given: the job's one call, in the flat layout)
+        found = [False] * 3
+        assert plain.read(keys, out, found, rows) == [0, 1, 2]
+        assert found == [False, False, False]
     assert plain.read_one(keys[0], out[0], backend.counters) is None
 
 
@@ -64,9 +66,10 @@ def test_a_read_that_outlives_the_tiers_close_reads_nothing_of_a_store_opened_si
     asyncio.run(second.open(fmt))
     try:
         second.write_blocks(keys, [random_block(fmt.block_bytes, 50 + i) for i in range(2)])
-        found = [False] * 2
-        assert plain.read(keys, out, found) == [0, 1]
-        assert found == [False, False]
+        for rows in (None, [memoryview(o.numpy()) for o in out]):
+            found = [False] * 2
+            assert plain.read(keys, out, found, rows) == [0, 1]
+            assert found == [False, False]
         assert plain.read_one(keys[0], out[0], first.counters) is None
     finally:
         asyncio.run(second.aclose())
@@ -90,15 +93,22 @@ data = [random_block(fmt.block_bytes, 40 + i) for i in range(2)]
 first.write_blocks(keys, data)
 out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
 first.read_blocks(keys, out)
-real, entered, go = xxcopy.xxh3_read_check_key, threading.Event(), threading.Event()
-def held(dir_fd, *args):  # the read's native call, held between its descriptor's read and its open
+real, entered, go = getattr(xxcopy, sys.argv[1]), threading.Event(), threading.Event()
+def held(dir_fd, *args):  # the read's native call, held before its descriptor is read (the job's) or opened
     if not entered.is_set():
         entered.set()
         go.wait()
     return real(dir_fd, *args)
-xxcopy.xxh3_read_check_key = held
+setattr(xxcopy, sys.argv[1], held)
+plain = first._plain
+def read():  # the tier's job (its one call); or its one-pass read a record at a time (no rows' views given)
+    if sys.argv[1] == "xxh3_read_check_keys":
+        return first.read_blocks(keys, out)
+    found = [False] * len(keys)
+    plain.read(keys, out, found)  # (what it leaves would go to the general read: a miss once closed)
+    return found
 got = []
-reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys, out)))
+reader = threading.Thread(target=lambda: got.append(read()))
 reader.start()
 entered.wait()
 closed = threading.Event()
@@ -116,15 +126,21 @@ asyncio.run(second.aclose())
 """
 
 
-def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused() -> None:
+@pytest.mark.parametrize("call", ["xxh3_read_check_key", "xxh3_read_check_keys"])
+def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused(call: str) -> None:
     """A read whose native open comes after a close began: the close waits for it, so the
     read opens the closed store's own records, never those of a store opened since under the
-    descriptor's number (child process: a close that never ends fails the test, not the run)."""
-    child = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=120)
+    descriptor's number (child process: a close that never ends fails the test, not the run).
+    ``xxh3_read_check_key``: the one-pass read a record at a time; ``xxh3_read_check_keys``:
+    the tier's job in one call, which reads the descriptor itself before each open."""
+    child = subprocess.run([sys.executable, "-c", _RACE, call], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
-    # The held record is read before the close ends; the next is a miss where the close got
-    # there first (the tier closed under the job), never another store's record.
-    assert child.stdout.split() in (["[True,", "True]", "True"], ["[True,", "False]", "True"]), child.stdout
+    if call == "xxh3_read_check_key":
+        # The held record is read before the close ends; the next is a miss where the close got
+        # there first (the tier closed under the job), never another store's record.
+        assert child.stdout.split() in (["[True,", "True]", "True"], ["[True,", "False]", "True"]), child.stdout
+    else:  # held before it read the descriptor: it opens nothing once the close has begun
+        assert child.stdout.split() in (["[True,", "True]", "True"], ["[False,", "False]", "True"]), child.stdout
 
 
 _BY_PATH = r"""
