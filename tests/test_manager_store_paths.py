@@ -46,9 +46,7 @@ def _spec(name: str, blocks: int, policy: str, **kw: Any) -> TierSpec:
 CONFIGS: dict[str, Any] = {
     "one": lambda p: TierManager([_spec("cpu", 8, p)]),
     "roomy": lambda p: TierManager([_spec("cpu", 200, p)]),  # room for most stores: the common store's path
-    "roomy-back": lambda p: TierManager(
-        [_spec("cpu", 100, p), _spec("disk", 200, p, persistent=True)], clock=lambda: 5.0
-    ),
+    "roomy-back": lambda p: TierManager([_spec("cpu", 100, p), _spec("disk", 200, p, persistent=True)], clock=lambda: 5.0),
     "one-persistent": lambda p: TierManager([_spec("disk", 8, p, persistent=True)], clock=lambda: 5.0),
     "one-variable": lambda p: TierManager([_spec("zst", 8, p, variable_size=True)]),
     "one-admit": lambda p: TierManager([_spec("cpu", 8, p, admit_after=2)]),
@@ -99,10 +97,7 @@ def _state(m: TierManager) -> tuple[Any, ...]:
         [m.tier_keys(i) for i in range(m.num_tiers)],
         m.lookup_detail(K),
         m.take_events(),
-        {
-            ti: (dict(t.index), dict(t.pins), dict(t.sizes), dict(t.stamps), t.used, t.pending)
-            for ti, t in enumerate(m._tiers)
-        },
+        {ti: (dict(t.index), dict(t.pins), dict(t.sizes), dict(t.stamps), t.used, t.pending) for ti, t in enumerate(m._tiers)},
         {pid: (p.remaining, p.demoted, p.through, p.sources) for pid, p in book._plans.items()},
         sorted(book._plan_of.items()),
         sorted(book._copying),

@@ -73,13 +73,7 @@ class _PlainPlan:
 
     __slots__ = StorePlan.__slots__
 
-    def __init__(
-        self,
-        plan_id: int,
-        keys: tuple[bytes, ...],
-        positions: tuple[int, ...],
-        drops: tuple[tuple[int, tuple[bytes, ...]], ...],
-    ) -> None:
+    def __init__(self, plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...], drops: tuple[tuple[int, tuple[bytes, ...]], ...]) -> None:
         self.plan_id = plan_id
         self.keys = keys
         self.positions = positions
@@ -91,12 +85,7 @@ class _PlainPlan:
         self.tags = ()
 
 
-def plain_plan(
-    plan_id: int,
-    keys: tuple[bytes, ...],
-    positions: tuple[int, ...],
-    drops: tuple[tuple[int, tuple[bytes, ...]], ...] = (),
-) -> StorePlan:
+def plain_plan(plan_id: int, keys: tuple[bytes, ...], positions: tuple[int, ...], drops: tuple[tuple[int, tuple[bytes, ...]], ...] = ()) -> StorePlan:
     """``StorePlan(plan_id, keys, positions, drops=drops)``, made as :class:`_PlainPlan` (a test
     compares the two, and checks the result is as frozen as the dataclass's own)."""
     plan = _PlainPlan(plan_id, keys, positions, drops)
@@ -130,17 +119,7 @@ class PlanBuilder:
     """
 
     __slots__ = (
-        "admission",
-        "demoted",
-        "demotions",
-        "drops",
-        "events",
-        "keys",
-        "protected",
-        "protected_below",
-        "through",
-        "tiers",
-        "write_back",
+        "admission", "demoted", "demotions", "drops", "events", "keys", "protected", "protected_below", "through", "tiers", "write_back"
     )
 
     def __init__(
@@ -260,9 +239,7 @@ class Completion:
     sizes: Mapping[int, Mapping[bytes, int]] | None
     now: float
 
-    def split(
-        self, tier: int, keys: Sequence[bytes], *, all_lost: bool = False
-    ) -> tuple[Sequence[bytes], Sequence[bytes]]:
+    def split(self, tier: int, keys: Sequence[bytes], *, all_lost: bool = False) -> tuple[Sequence[bytes], Sequence[bytes]]:
         """``keys`` written to ``tier``, and those that were not."""
         lost = self.failed.get(tier)
         if all_lost:
@@ -313,15 +290,7 @@ class PlanBook:
     """The open plans over ``tiers``: how a plan is made (``prepare``), the plan of each pending
     first-tier key, and what settles when a plan's last key completes (``complete``)."""
 
-    def __init__(
-        self,
-        tiers: Sequence[TierState],
-        *,
-        write_back: bool,
-        admission: Admission,
-        promotions: Promotions,
-        events: EventLog,
-    ) -> None:
+    def __init__(self, tiers: Sequence[TierState], *, write_back: bool, admission: Admission, promotions: Promotions, events: EventLog) -> None:
         self._tiers = tiers
         self._write_back = write_back
         #: no write-through copies below the first tier (write-back, or a single tier): a
@@ -435,9 +404,7 @@ class PlanBook:
             return None
         index = first.index
         try:  # (a pass in C each: none held is the common store)
-            if not index.keys().isdisjoint(keys) or (
-                self._below and any(not below.keys().isdisjoint(keys) for below in self._below)
-            ):
+            if not index.keys().isdisjoint(keys) or (self._below and any(not below.keys().isdisjoint(keys) for below in self._below)):
                 return None
         except TypeError:  # an unhashable key: prepare names it
             return None
@@ -458,9 +425,7 @@ class PlanBook:
                     return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), positions)
                 first.dropped += len(victims)  # dropped, as the builder does: counted, announced
                 self._events.add("removed", victims, first.name)
-                return plain_plan(
-                    plan_id, keys if type(keys) is tuple else tuple(keys), positions, ((0, tuple(victims)),)
-                )
+                return plain_plan(plan_id, keys if type(keys) is tuple else tuple(keys), positions, ((0, tuple(victims)),))
         for key in keys:  # a bad or repeated key: none was held before, so each one reserved goes
             index.pop(key, None)
         return None
