@@ -25,7 +25,6 @@ from kvtier.testing import make_key, random_block
 @pytest.mark.parametrize("way", ["native", "python"])
 def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_path: Path, layout: str, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if way == "python":
-        monkeypatch.setattr(xxcopy, "xxh3_read_check_at", xxcopy.xxh3_read_check_at_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", xxcopy.xxh3_read_check_keys_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
