@@ -162,6 +162,7 @@ class StraightRead:
         self.native_parts = (
             self.views, self.shape, _TENSOR, _U8, KEY_BYTES, guard, temperature, temperature.jobs, temperature.marks, counters,
             plain.blocks, plain.index, plain.head, plain.size, lmdb.Error, _JOINED_PLAIN + plain.size, _ENTRY_HEAD,
+            devices, self.forks,
         )
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
@@ -254,6 +255,13 @@ class StraightRead:
         temperature = self.temperature
         if n != len(out) or temperature.cold or devices.locate is not None or self.forks != forks():
             return None
+        native = lmdb_plain.job_read
+        if native is not None:
+            # All that follows in one native call, with the same outcome; False: read here (the
+            # thread's first job, or the data file's size moved), nothing counted yet.
+            found = native(self.native_parts, env, keys, out, perf_counter, COLD_GET_S, xxcopy.xxh3_check_copy)
+            if found is not False:
+                return found  # type: ignore[no-any-return]
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
         rows = []
         for key, row in zip(keys, out):
