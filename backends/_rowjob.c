@@ -172,7 +172,9 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t key_bytes = PyLong_AsSsize_t(parts[P_KEY_BYTES]);
     if (key_bytes == -1 && PyErr_Occurred())
         return NULL;
-    PyObject *keys = PySequence_Fast(args[2], "keys: expected a sequence");
+    /* A tuple of the keys as they are now (a list's own item array would be freed under the
+       lookups, which call Python and let the GIL go, were the list emptied or grown meanwhile). */
+    PyObject *keys = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
     if (keys == NULL)
         return NULL;
     PyObject *out = PySequence_Fast(args[3], "out: expected a sequence");

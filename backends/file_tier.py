@@ -499,13 +499,18 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         return RecordColumns(keys, self._stored(np.asarray(sizes, dtype=np.int64)), np.asarray(stamps, dtype=np.float64))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
+        """Each record's mtime set by the root's path; once the close has begun (checked after
+        each walk), no further one: the path may lead to a store opened there since."""
         self._check_open()
+        beneath = self._beneath
         for key, stamp in stamps:
             try:
                 leaf = self._leaf(key)
                 if leaf is None:
                     continue
                 try:
+                    if beneath is None or not beneath.is_open():
+                        return
                     os.utime(leaf[1], (float(stamp), float(stamp)), dir_fd=leaf[0], follow_symlinks=False)
                     with self._lock:
                         self._sizes.touch(key, float(stamp))

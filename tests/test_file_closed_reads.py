@@ -25,7 +25,6 @@ from kvtier.testing import make_key, random_block
 @pytest.mark.parametrize("way", ["native", "python"])
 def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_path: Path, layout: str, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if way == "python":
-        monkeypatch.setattr(xxcopy, "xxh3_read_check_at", xxcopy.xxh3_read_check_at_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", xxcopy.xxh3_read_check_keys_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
@@ -553,3 +552,46 @@ def test_the_record_a_read_was_on_when_the_close_gave_up_is_not_another_stores()
     child = subprocess.run([sys.executable, "-c", _RECORD_RESUMED], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["False", "False"], child.stdout
+
+
+_TOUCH_BY_PATH = r"""
+import asyncio, os, tempfile, threading
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+tmp = tempfile.mkdtemp()
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+def opened():
+    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/root", sync_mode="fast", layout="sharded")
+    asyncio.run(backend.open(fmt))
+    return backend
+first = opened()
+key = make_key(0)
+first.write_blocks([key], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = first._leaf
+def held(k):  # the walk to the record's directory, held until the close is done
+    entered.set()
+    go.wait()
+    return real(k)
+first._leaf = held
+toucher = threading.Thread(target=lambda: first.touch_stamps([(key, 1000.0)]))
+toucher.start()
+entered.wait()
+asyncio.run(first.aclose())
+second = opened()  # the same store, opened again at its path
+second.write_blocks([key], [random_block(16384, 2)])
+go.set()
+toucher.join()
+h = key.hex()
+print(os.stat(f"{tmp}/root/{h[0:2]}/{h[2:4]}/{h}.kvb").st_mtime != 1000.0)
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_stamp_under_way_across_the_close_is_not_set_on_a_store_opened_since() -> None:
+    """``touch_stamps`` reaches each record's directory by the root's path: once the close has
+    begun, the stamp is not set there, where a store opened since may be (child process)."""
+    child = subprocess.run([sys.executable, "-c", _TOUCH_BY_PATH], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True"], child.stdout

@@ -107,13 +107,13 @@ READ_PATHS = ["python", *(["native"] if xxcopy.xxh3_read_check_native is not Non
 
 
 def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs: bool = True) -> list[int]:
-    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_at``, ``xxh3_read_check_key`` (the flat
+    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_key`` (the flat
     layout's, which names and opens the file too) and ``xxh3_read_check_keys`` (the flat
     layout's job) on one path (``"python"`` or ``"native"``) for the rest of the test, recording
     the outcome of each record's read in the list returned (``check_jobs`` false: the job's
     call on that path as it is, its records' outcomes not recorded)."""
     seen: list[int] = []
-    for name in ("xxh3_read_check", "xxh3_read_check_at", "xxh3_read_check_key"):
+    for name in ("xxh3_read_check", "xxh3_read_check_key"):
         fn = getattr(xxcopy, f"{name}_{path}")
         assert fn is not None
 

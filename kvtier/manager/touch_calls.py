@@ -50,7 +50,9 @@ class TouchCall:
         self.close = close
 
 
-def touch_call(lock: threading.Lock, policy: EvictionPolicy | None, general: TouchFn, *, native: bool = NATIVE) -> TouchCall:
+def touch_call(
+    lock: threading.Lock, policy: EvictionPolicy | None, general: TouchFn, *, native: bool = NATIVE
+) -> TouchCall:
     """``touch`` of a manager whose only tier keeps no stamps and is ordered by ``policy`` (see the
     module doc); ``None`` (several tiers, or stamps) gives ``general`` itself. ``lock`` is the
     manager's lock, ``general`` its method; ``native`` (the default where the extension is

@@ -58,9 +58,6 @@ __all__ = [
     "xxh3_joined_native",
     "xxh3_joined_python",
     "xxh3_read_check",
-    "xxh3_read_check_at",
-    "xxh3_read_check_at_native",
-    "xxh3_read_check_at_python",
     "xxh3_read_check_key",
     "xxh3_read_check_key_native",
     "xxh3_read_check_key_python",
@@ -289,9 +286,13 @@ xxh3_read_check: Callable[..., int] = (
 )
 
 
-def xxh3_read_check_at_python(dir_fd: int, name: Any, head: Any, key: Any, stored: Any, row: Any, piece: int) -> int:
-    """:func:`xxh3_read_check_at` in Python: the same open, reads, outcome and errors."""
-    _read_check_args(head, key, stored, row, piece)
+def xxh3_read_check_key_python(dir_fd: int, head: Any, key: Any, row: Any, piece: int) -> int:
+    """:func:`xxh3_read_check_key` in Python: the same open, reads, outcome and errors."""
+    if dir_fd < 0:
+        raise ValueError(f"dir_fd: expected an open file descriptor, got {dir_fd}")
+    name = f"{bytes(_readable(key, 'key')).hex()}.kvb".encode()
+    stored = bytearray(len(_readable(head, "head")) + 8)
+    _read_check_args(head, key, stored, row, piece)  # (every argument checked before the open)
     fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     try:
         return xxh3_read_check_python(fd, head, key, stored, row, piece)
@@ -299,34 +300,14 @@ def xxh3_read_check_at_python(dir_fd: int, name: Any, head: Any, key: Any, store
         os.close(fd)
 
 
-#: The native function (``None`` without the extension).
-xxh3_read_check_at_native: Callable[..., int] | None = _xxcopy.xxh3_64_read_check_at if _xxcopy is not None else None
-
-#: ``xxh3_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int``:
-#: :func:`xxh3_read_check` of the file ``name`` opened beneath the directory ``dir_fd``
-#: (``O_NOFOLLOW``, ``O_CLOEXEC``) and closed in the same call: one call a record, open to
-#: close (``FileNotFoundError``, or the ``OSError`` naming it, where it cannot be opened). The
-#: native function where :data:`xxh3_copy` is native, else :func:`xxh3_read_check_at_python`;
-#: looked up here at each use.
-xxh3_read_check_at: Callable[..., int] = (
-    xxh3_read_check_at_native if _VECTOR and xxh3_read_check_at_native is not None else xxh3_read_check_at_python
-)
-
-
-def xxh3_read_check_key_python(dir_fd: int, head: Any, key: Any, row: Any, piece: int) -> int:
-    """:func:`xxh3_read_check_key` in Python: the same open, reads, outcome and errors."""
-    if dir_fd < 0:
-        raise ValueError(f"dir_fd: expected an open file descriptor, got {dir_fd}")
-    name = f"{bytes(_readable(key, 'key')).hex()}.kvb".encode()
-    return xxh3_read_check_at_python(dir_fd, name, head, key, bytearray(len(_readable(head, "head")) + 8), row, piece)
-
-
 #: The native function (``None`` without the extension, or one built before it).
 xxh3_read_check_key_native: Callable[..., int] | None = getattr(_xxcopy, "xxh3_64_read_check_key", None)
 
-#: ``xxh3_read_check_key(dir_fd, head, key, row, piece) -> int``: :func:`xxh3_read_check_at`
-#: of the file ``key.hex() + ".kvb"`` (the ``file`` tier's flat records) beneath ``dir_fd``,
-#: the stored head and checksum read into a buffer of the call's own. The name is made and the
+#: ``xxh3_read_check_key(dir_fd, head, key, row, piece) -> int``: :func:`xxh3_read_check` of
+#: the file ``key.hex() + ".kvb"`` (the ``file`` tier's flat records) opened beneath ``dir_fd``
+#: (``O_NOFOLLOW``, ``O_CLOEXEC``, ``O_NONBLOCK``: a FIFO is not waited on) and closed in the
+#: same call, one call a record from open to close, the stored head and checksum read into a
+#: buffer of the call's own. The name is made and the
 #: buffer found in the native call: 0.4 µs of a record's Python work (``key.hex()``, the
 #: f-string, ``bytearray``) where a 4 KiB record's read takes about 2. ``OSError`` naming the
 #: file (as bytes) where it cannot be opened. The native function where :data:`xxh3_copy` is
