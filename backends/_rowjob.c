@@ -177,7 +177,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
     if (keys == NULL)
         return NULL;
-    PyObject *out = PySequence_Fast(args[3], "out: expected a sequence");
+    /* The rows likewise: a row's checks may run Python (a torch function mode's handler). */
+    PyObject *out = PyTuple_CheckExact(args[3]) ? Py_NewRef(args[3]) : PySequence_Tuple(args[3]);
     if (out == NULL) {
         Py_DECREF(keys);
         return NULL;
