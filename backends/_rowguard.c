@@ -4,7 +4,8 @@
  * row's five checks and its view's lookup cost about 0.5 us of a 4 KiB job of 3, the file guard
  * 0.4 (os.lseek hands the GIL over and takes it back around a call that never blocks). And that
  * whole read, one call (one_read): the count, the checks, the read transaction, the lookups,
- * the cold rule, the record's check and copy, the counters, as lmdb_one.StraightRead.read.
+ * the cold rule, the record's check and copy, the counters, as lmdb_one.StraightRead.read. A warm
+ * job of several keys, likewise one call: _rowjob.c (job_read).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,12 +16,49 @@
 #include <time.h>
 #include <unistd.h>
 
-static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
+#include "_rowguard.h"
+
+PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
 
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
-static int attr_is_true(PyObject *obj, PyObject *name)
+int attr_is_true(PyObject *obj, PyObject *name)
 {
     PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int is = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return is;
+}
+
+/* row.name, asked of the descriptor that row's type holds for it where that is a C getter: the
+   getter called straight (no lookup of the row's own dict, as the generic lookup makes for a
+   method, and no bound method made). What a generic lookup answers for any other descriptor. */
+static PyObject *tensor_get(PyObject *row, PyObject *name)
+{
+    PyObject *described = _PyType_Lookup(Py_TYPE(row), name); /* borrowed; the type's method cache */
+    if (described != NULL && Py_IS_TYPE(described, &PyGetSetDescr_Type))
+        return Py_TYPE(described)->tp_descr_get(described, row, (PyObject *)Py_TYPE(row));
+    return PyObject_GetAttr(row, name);
+}
+
+/* row.name(), likewise: a C method of row's type called straight. */
+static PyObject *tensor_call(PyObject *row, PyObject *name)
+{
+    PyObject *described = _PyType_Lookup(Py_TYPE(row), name); /* borrowed; the type's method cache */
+    if (described != NULL && Py_IS_TYPE(described, &PyMethodDescr_Type)) {
+        Py_INCREF(described); /* held across the call */
+        PyObject *got = PyObject_Vectorcall(described, &row, 1, NULL);
+        Py_DECREF(described);
+        return got;
+    }
+    return PyObject_CallMethodNoArgs(row, name);
+}
+
+/* Whether tensor_get(row, name) is true (1), is not (0), or raised (-1). */
+static int tensor_is(PyObject *row, PyObject *name)
+{
+    PyObject *v = tensor_get(row, name);
     if (v == NULL)
         return -1;
     int is = PyObject_IsTrue(v);
@@ -31,8 +69,10 @@ static int attr_is_true(PyObject *obj, PyObject *name)
 /* host_view(row, tensor_type, dtype, shape, views): views[row.data_ptr()] when type(row) is
    tensor_type, row.dtype is dtype, row.shape == shape, row.is_cpu and row.is_contiguous();
    None when any of them is not so or the address is not in views. Asked in that order, as
-   the Python form asks them; an error raised by one of them propagates. */
-static PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+   the Python form asks them, each of the C getter or method tensor_type holds for it (a row's
+   own dict, which no tensor's C code reads, is not asked); an error raised by one of them
+   propagates. */
+PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 5) {
@@ -46,31 +86,31 @@ static PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     if ((PyObject *)Py_TYPE(row) != args[1])
         Py_RETURN_NONE;
-    PyObject *v = PyObject_GetAttr(row, s_dtype);
+    PyObject *v = tensor_get(row, s_dtype);
     if (v == NULL)
         return NULL;
     int ok = v == dtype;
     Py_DECREF(v);
     if (!ok)
         Py_RETURN_NONE;
-    v = PyObject_GetAttr(row, s_shape);
+    v = tensor_get(row, s_shape);
     if (v == NULL)
         return NULL;
     int differ = PyObject_RichCompareBool(v, shape, Py_NE);
     Py_DECREF(v);
     if (differ != 0)
         return differ < 0 ? NULL : Py_NewRef(Py_None);
-    ok = attr_is_true(row, s_is_cpu);
+    ok = tensor_is(row, s_is_cpu);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    v = PyObject_CallMethodNoArgs(row, s_is_contiguous);
+    v = tensor_call(row, s_is_contiguous);
     if (v == NULL)
         return NULL;
     ok = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *at = PyObject_CallMethodNoArgs(row, s_data_ptr);
+    PyObject *at = tensor_call(row, s_data_ptr);
     if (at == NULL)
         return NULL;
     PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
@@ -83,7 +123,7 @@ static PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* same_size(fd, seen): whether the file open at fd ends at seen bytes now (lseek to its end,
    with the GIL held: it never waits); False also when fd cannot be asked (closed). */
-static PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 2) {
@@ -135,17 +175,12 @@ static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
-/* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
-enum {
-    P_VIEWS, P_SHAPE, P_TENSOR, P_DTYPE, P_KEY_BYTES, P_GUARD, P_TEMPERATURE, P_JOBS, P_MARKS, P_COUNTERS,
-    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_COUNT
-};
 
-static PyObject *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
+PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
 static PyObject *real_perf_counter; /* time.perf_counter: read here by clock_gettime, as it reads */
 
 /* counters.name += by */
-static int add_to(PyObject *counters, PyObject *name, PyObject *by)
+int add_to(PyObject *counters, PyObject *name, PyObject *by)
 {
     PyObject *v = PyObject_GetAttr(counters, name);
     if (v == NULL)
@@ -162,7 +197,7 @@ static int add_to(PyObject *counters, PyObject *name, PyObject *by)
 /* clock(): time.perf_counter's reading (CLOCK_MONOTONIC in seconds, as it reads it) without a
    call where clock is time.perf_counter itself; else clock is called (a test's clock).
    -1.0 with an error set when it fails. */
-static double read_clock(PyObject *clock)
+double read_clock(PyObject *clock)
 {
     if (clock == real_perf_counter) {
         struct timespec ts;
@@ -285,7 +320,7 @@ done:
    key, read in one call with the same outcome, counters and errors (see read_python there).
    False, before anything moved: the Python form must read it (the thread's first job, whose
    faults it marks; the data file's size moved). */
-static PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 7) {
         PyErr_Format(PyExc_TypeError, "one_read() takes 7 arguments (parts, env, key, row, clock, cold_s, check), got %zd", nargs);
@@ -364,6 +399,8 @@ static volatile unsigned long fork_count;
 
 static void count_fork(void) { fork_count++; }
 
+unsigned long rowguard_forks(void) { return fork_count; }
+
 static PyObject *py_forks(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -381,6 +418,12 @@ static PyMethodDef methods[] = {
      "host_view(row, tensor_type, dtype, shape, views) -> the view or None\n\n"
      "views[row.data_ptr()] when type(row) is tensor_type, row.dtype is dtype, row.shape == shape,\n"
      "row.is_cpu and row.is_contiguous(); else None (also for an address views does not hold)."},
+    {"straight_read", (PyCFunction)(void (*)(void))py_straight_read, METH_FASTCALL,
+     "straight_read(parts, env, keys, out, clock, cold_s, check) -> [found, ...], None or False\n\n"
+     "lmdb_one.StraightRead.read in one call: one_read for a job of one key, job_read for others."},
+    {"job_read", (PyCFunction)(void (*)(void))py_job_read, METH_FASTCALL,
+     "job_read(parts, env, keys, out, clock, cold_s, check) -> [found, ...], None or False\n\n"
+     "A straight read of a warm job of several keys (kvtier.backends.lmdb_one.StraightRead.job) in one call."},
     {"one_read", (PyCFunction)(void (*)(void))py_one_read, METH_FASTCALL,
      "one_read(parts, env, key, row, clock, cold_s, check) -> [found], None or False\n\n"
      "A straight read of a job of one key (kvtier.backends.lmdb_one.StraightRead.read) in one call."},
@@ -402,7 +445,7 @@ static const struct {
     const char *text;
 } NAMES[] = {
     {&s_dtype, "dtype"}, {&s_shape, "shape"}, {&s_is_cpu, "is_cpu"}, {&s_is_contiguous, "is_contiguous"},
-    {&s_data_ptr, "data_ptr"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
+    {&s_data_ptr, "data_ptr"}, {&s_locate, "locate"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
     {&s_abort, "abort"}, {&s_slow, "slow"}, {&s_cold, "cold"}, {&s_read_misses, "read_misses"},
     {&s_blocks_read, "blocks_read"}, {&s_bytes_read, "bytes_read"},
 };

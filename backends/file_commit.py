@@ -75,7 +75,7 @@ from typing import Any, TypeVar
 from kvtier.errors import DiskError
 from kvtier.records.checks import HeadChecksum, ProcessThreads
 
-__all__ = ["EARLY_WRITEBACK_BYTES", "SYNC_THREADS", "FileJob", "StagedFile", "commit_files", "commit_one", "plain_records", "start_writeback", "sync_pool", "write_all"]
+__all__ = ["EARLY_WRITEBACK_BYTES", "SYNC_THREADS", "FileJob", "StagedFile", "close_logged", "commit_files", "commit_one", "plain_records", "start_writeback", "sync_pool", "write_all"]
 
 log = logging.getLogger("kvtier.backends.file_tier")
 
@@ -236,16 +236,29 @@ class FileJob:
 
     def close(self) -> None:
         """Close every descriptor, and remove the temporary files not renamed (a failed or
-        abandoned commit)."""
+        abandoned commit). A close that fails is logged and the rest are closed all the same:
+        the commit has decided every record's outcome by then."""
         for f in self.files:
             if f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+                fd, f.fd = f.fd, -1
+                close_logged(fd, f.tmp)
             if not f.renamed:
                 _unlink(f.tmp, f.dir_fd)
-        for fd in self.dirs.values():
-            os.close(fd)
+        for shard, fd in self.dirs.items():
+            close_logged(fd, shard or ".")
         self.dirs.clear()
+
+
+def close_logged(fd: int, name: str) -> bool:
+    """Close a staged file's (or a directory's) descriptor; ``False`` (logged) when the close
+    reports an error: on NFS a write error may first show there, after the sync, so a record
+    whose file's close fails is not committed."""
+    try:
+        os.close(fd)
+    except OSError as exc:
+        log.warning("file: close of %s failed: %s", name, exc)
+        return False
+    return True
 
 
 def _unlink(name: str, dir_fd: int) -> None:
@@ -257,7 +270,7 @@ def _unlink(name: str, dir_fd: int) -> None:
 
 def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
     """Make the staged records of ``jobs`` final (see the module doc); per job, per staged file,
-    whether it was committed. A file that cannot be synced or renamed fails alone; a directory
+    whether it was committed. A file that cannot be synced, closed or renamed fails alone; a directory
     that cannot be synced is a ``DiskError`` (its renames may not survive a power loss)."""
     files = [f for job in jobs for f in job.files]
     failed: set[int] = set()
@@ -266,8 +279,9 @@ def commit_files(jobs: list[FileJob], *, durable: bool) -> list[list[bool]]:
         if errors is not None and errors[i] is not None:
             log.warning("file: sync of %s failed: %s", f.tmp, errors[i])
             failed.add(id(f))
-        os.close(f.fd)
-        f.fd = -1
+        fd, f.fd = f.fd, -1  # released even when close fails: never closed again
+        if not close_logged(fd, f.tmp):
+            failed.add(id(f))
     renamed: set[str] = set()  # shards a record was renamed in
     for f in files:
         if id(f) in failed:
@@ -297,7 +311,7 @@ def commit_one(dir_fd: int, tmp: str, name: str, buffers: Sequence[Any], nbytes:
     """:meth:`FileJob.stage` and :func:`commit_files` for a job of one file in the directory
     ``dir_fd`` that no new directory leads to: the same calls in the same order, without the
     job's lists. ``OSError`` when the temporary file cannot be made or written; ``False`` when
-    it cannot be synced or renamed (logged); in both cases nothing is left behind. A
+    it cannot be synced, closed or renamed (logged); in both cases nothing is left behind. A
     ``DiskError`` when the directory cannot be synced (the record was renamed)."""
     fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
     renamed = False
@@ -309,8 +323,9 @@ def commit_one(dir_fd: int, tmp: str, name: str, buffers: Sequence[Any], nbytes:
             except OSError as exc:
                 log.warning("file: sync of %s failed: %s", tmp, exc)
                 return False
-        os.close(fd)
-        fd = -1
+        closing, fd = fd, -1  # released even when close fails: never closed again
+        if not close_logged(closing, tmp):
+            return False
         try:
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as exc:

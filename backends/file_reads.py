@@ -14,7 +14,11 @@ record takes. :class:`PlainReads` does the common case in three:
   (:func:`~kvtier.records.xxcopy.xxh3_read_check_key`, whose buffer for the stored head is its
   own: no ``key.hex()``, f-string or ``bytearray`` a record, 0.4 µs of Python):
   an absent record is its open's ``FileNotFoundError`` (a miss), any other error of the call
-  leaves the record to the general read;
+  leaves the record to the general read. A job's records whose rows were viewed by the
+  caller are one native call together
+  (:func:`~kvtier.records.xxcopy.xxh3_read_check_keys`: the GIL handed over once a job, not
+  once a record), which reads the root's descriptor before each open from the C ``int`` that
+  :meth:`BeneathRoot.close` sets to -1 as it begins (:attr:`BeneathRoot.dir_at`);
 * in the sharded layout, ``openat2`` of ``ab/cd/<name>.kvb`` from that descriptor, with
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: the kernel refuses any symlink on the way and any
   path out of the root, the guarantee the level-by-level walk gives;
@@ -135,6 +139,10 @@ class BeneathRoot:
         self._how_size = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
         self._sys = ctypes.c_long(_SYS_OPENAT2)
         self._dir = ctypes.c_int(self.fd)
+        #: The descriptor as a C int that :meth:`close` sets to -1 as it begins: a job's native
+        #: read (:func:`~kvtier.records.xxcopy.xxh3_read_check_keys`) reads it before each
+        #: record's open, as the job's loop in Python looks at :attr:`fd`.
+        self.dir_at = self._dir
         # Reads under way (enter/leave), waited for by close: one list entry each. A list's
         # append and pop are single steps under the GIL, so a read job pays about 0.2 us for its
         # count, where a lock taken twice cost about 2 us (a tenth of a 4 KiB read).
@@ -302,8 +310,11 @@ class PlainReads:
         root, flat, size = self.root, self.flat, self.block_bytes
         if devices.locate is not None:  # a test's stand-in device map: the general read asks it
             return list(range(len(keys)))
+        expected, piece = self.checksum.head, self.piece
+        if flat and rows is not None:  # the whole job in one call (xxcopy.xxh3_read_check_keys)
+            return xxcopy.xxh3_read_check_keys(root.dir_at, expected, keys, rows, piece, found)
         head = bytearray(HEADER_SIZE)
-        expected, row_at, piece = self.checksum.head, self._row.from_address, self.piece
+        row_at = self._row.from_address
         read_check, read_check_key, close = xxcopy.xxh3_read_check, xxcopy.xxh3_read_check_key, os.close
         for i, key in enumerate(keys):
             if rows is not None:

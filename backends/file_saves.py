@@ -20,14 +20,13 @@ general path, 136-173 in the straight line; a raw save of the same bytes (``raw_
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvtier.backends.file_commit import FileJob, commit_files, commit_one, plain_records
+from kvtier.backends.file_commit import FileJob, close_logged, commit_files, commit_one, plain_records
 from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs
@@ -166,7 +165,7 @@ class FileSaves(PersistentRecordBackend):
             ok = False
         finally:
             if dir_fd >= 0:
-                os.close(dir_fd)
+                close_logged(dir_fd, self._root)  # (its entry synced by now: the record stands)
         if not ok:
             self._unreserve(key, grow, stored)
             return [None]

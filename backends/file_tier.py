@@ -321,8 +321,9 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         (:func:`~kvtier.records.checks.fill_and_check`); compressed ones are read, checked and
         decoded one by one. Counted among the root's reads, so a close waits for it: its
         records are opened by the root's path, which a store opened since may hold; once the
-        tier is closed, every record is a miss, and so is every record after the close began
-        (one that outlived the close's wait would be opened where a store may be since)."""
+        tier is closed, every record is a miss, and so is every record after the close began,
+        the one whose walk it began during too (one that outlived the close's wait would be
+        opened where a store may be since)."""
         beneath = self._beneath
         if beneath is None or not beneath.enter():
             return 0
@@ -346,6 +347,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
                 if handle is None:
                     continue
                 handles.append(handle)
+                if beneath.fd < 0:  # the close began during the walk: the record may be a store's opened since
+                    break
                 view, staging = self._host_view(dst)
                 try:
                     head, header = _read_head(handle[2], view, self.mac)
@@ -496,13 +499,18 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         return RecordColumns(keys, self._stored(np.asarray(sizes, dtype=np.int64)), np.asarray(stamps, dtype=np.float64))
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
+        """Each record's mtime set by the root's path; once the close has begun (checked after
+        each walk), no further one: the path may lead to a store opened there since."""
         self._check_open()
+        beneath = self._beneath
         for key, stamp in stamps:
             try:
                 leaf = self._leaf(key)
                 if leaf is None:
                     continue
                 try:
+                    if beneath is None or not beneath.is_open():
+                        return
                     os.utime(leaf[1], (float(stamp), float(stamp)), dir_fd=leaf[0], follow_symlinks=False)
                     with self._lock:
                         self._sizes.touch(key, float(stamp))

@@ -7,6 +7,7 @@ warm jobs of plain records read in one straight line (:class:`StraightRead`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from threading import get_ident
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -45,30 +46,21 @@ __all__ = ["STRAIGHT_READS", "StraightRead", "copy_keyed", "copy_plain", "forks"
 STRAIGHT_READS = True
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
-_FORKS = [0]  # forks of this process so far, counted in the child
-
-
-def _forked() -> None:
-    _FORKS[0] += 1
-
-
 try:
     from kvtier.backends._rowguard import forks as _native_forks  # type: ignore[import-not-found]
 except ImportError:  # not built, or a stale build
     _native_forks = None
 
-
-def forks() -> int:
-    """Forks of this process so far: an environment opened at one count is another process's
-    at any other. Counted in each child by a ``pthread_atfork`` handler (``_rowguard.forks``),
-    which sees every fork through libc, also one that runs no ``os.register_at_fork`` hook (a C
-    library's, ctypes'): counted by those hooks alone, such a child saved into its parent's
-    environment. Without the extension, the pid (``os.getpid()``: a system call each time,
-    glibc caches no pid, where the native count is a read)."""
-    return os.getpid() if _native_forks is None else _native_forks()
-
-
-os.register_at_fork(after_in_child=_forked)
+#: ``forks()``: forks of this process so far: an environment opened at one count is another
+#: process's at any other. Counted in each child by a ``pthread_atfork`` handler
+#: (``_rowguard.forks``), which sees every fork through libc, also one that runs no
+#: ``os.register_at_fork`` hook (a C library's, ctypes'): counted by those hooks alone, such a
+#: child saved into its parent's environment, and read through it (a read transaction takes a
+#: reader slot of the parent's, in the parent's name). Without the extension, the pid
+#: (``os.getpid()``: a system call each time, glibc caches no pid, where the native count is a
+#: read). The function itself, not a call wrapping it: a straight read asks it every job
+#: (about 45 ns a call, where a wrapper doubled it).
+forks: Callable[[], int] = os.getpid if _native_forks is None else _native_forks
 
 
 class _Temperature(Protocol):
@@ -163,13 +155,14 @@ class StraightRead:
         self.parts = (plain.blocks, plain.index, plain.head, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
         self.guard, self.temperature, self.counters = guard, temperature, counters
-        self.forks = _FORKS[0]  # the environment is this process's: a child must not use it
+        self.forks = forks()  # the environment is this process's: a child must not use it
         #: What a job of one key uses besides, in one tuple too.
         self.one_parts = (self.views, self.shape, guard, temperature, temperature.jobs, temperature.marks, counters)
         #: What the native form of a job of one key takes (lmdb_plain.one_read), in its order.
         self.native_parts = (
             self.views, self.shape, _TENSOR, _U8, KEY_BYTES, guard, temperature, temperature.jobs, temperature.marks, counters,
             plain.blocks, plain.index, plain.head, plain.size, lmdb.Error, _JOINED_PLAIN + plain.size, _ENTRY_HEAD,
+            devices, self.forks,
         )
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
@@ -185,7 +178,7 @@ class StraightRead:
             return self.job(env, keys, out)
         key = keys[0]
         row = out[0]
-        if devices.locate is not None or self.forks != _FORKS[0]:
+        if devices.locate is not None or self.forks != forks():
             return None
         native = lmdb_plain.one_read
         if native is not None:
@@ -260,8 +253,15 @@ class StraightRead:
         ``TypeError``: each hands the job over."""
         n = len(keys)
         temperature = self.temperature
-        if n != len(out) or temperature.cold or devices.locate is not None or self.forks != _FORKS[0]:
+        if n != len(out) or temperature.cold or devices.locate is not None or self.forks != forks():
             return None
+        native = lmdb_plain.job_read
+        if native is not None:
+            # All that follows in one native call, with the same outcome; False: read here (the
+            # thread's first job, or the data file's size moved), nothing counted yet.
+            found = native(self.native_parts, env, keys, out, perf_counter, COLD_GET_S, xxcopy.xxh3_check_copy)
+            if found is not False:
+                return found  # type: ignore[no-any-return]
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
         rows = []
         for key, row in zip(keys, out):

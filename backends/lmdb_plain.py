@@ -47,13 +47,13 @@ from kvtier.records.codec import NoneCodec
 from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
-__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "one_read", "one_row", "same_size"]
+__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "job_read", "one_read", "one_row", "same_size", "straight_read"]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read")):
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read")):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
 _SUM = struct.Struct("<Q")
@@ -212,6 +212,16 @@ one_row: Callable[..., memoryview | bool | None] = _rowguard.one_row if _rowguar
 #: in one native call (:meth:`kvtier.backends.lmdb_one.StraightRead.read`, whose Python form
 #: answers alike); ``None`` where the extension is not built.
 one_read: Callable[..., list[bool] | bool | None] | None = _rowguard.one_read if _rowguard is not None else None
+#: ``job_read(parts, env, keys, out, clock, cold_s, check)``: a straight read of a warm job of
+#: several keys in one native call (:meth:`kvtier.backends.lmdb_one.StraightRead.job`, whose
+#: Python form answers alike); ``None`` where the extension is not built.
+job_read: Callable[..., list[bool] | bool | None] | None = _rowguard.job_read if _rowguard is not None else None
+#: ``straight_read(parts, env, keys, out, clock, cold_s, check)``: the whole of
+#: :meth:`kvtier.backends.lmdb_one.StraightRead.read` in one native call (:data:`one_read` for a
+#: job of one key, :data:`job_read` for others, after its checks of the fork count and of
+#: :data:`kvtier.devices.locate`), called by the tier's ``read_blocks`` with no Python frame
+#: between; ``None`` where the extension is not built.
+straight_read: Callable[..., list[bool] | bool | None] | None = _rowguard.straight_read if _rowguard is not None else None
 
 
 class PlainReads:

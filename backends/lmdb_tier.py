@@ -98,7 +98,7 @@ from typing import Any, ClassVar, Literal
 
 import lmdb
 import torch
-from kvtier.backends import lmdb_one
+from kvtier.backends import lmdb_one, lmdb_plain
 from kvtier.backends.group_commit import GroupCommit
 from kvtier.backends.lmdb_files import (
     META_KEY,
@@ -123,6 +123,7 @@ from kvtier.backends.tag_log import DirectoryTags
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
+from kvtier.records import xxcopy
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, check_meta, decode_meta, encode_meta
 from kvtier.records.meta import NewerMetaError
@@ -517,7 +518,11 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         them again."""
         straight = self._straight
         if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
-            found = straight.read(self._env, keys, out)
+            native = lmdb_plain.straight_read  # StraightRead.read in one call where built, no frame; False: its lines
+            one = lmdb_one
+            found = False if native is None else native(straight.native_parts, self._env, keys, out, one.perf_counter, one.COLD_GET_S, xxcopy.xxh3_check_copy)
+            if found is False:
+                found = straight.read(self._env, keys, out)
             if found is not None:
                 return found
         reader, mac = self._reader, self.mac

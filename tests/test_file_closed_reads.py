@@ -25,8 +25,8 @@ from kvtier.testing import make_key, random_block
 @pytest.mark.parametrize("way", ["native", "python"])
 def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_path: Path, layout: str, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if way == "python":
-        monkeypatch.setattr(xxcopy, "xxh3_read_check_at", xxcopy.xxh3_read_check_at_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", xxcopy.xxh3_read_check_keys_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)
@@ -39,9 +39,10 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
     plain = backend._plain
     assert plain is not None
     asyncio.run(backend.aclose())
-    found = [False] * 3
-    assert plain.read(keys, out, found) == [0, 1, 2]
-    assert found == [False, False, False]
+    for rows in (None, [memoryview(o.numpy()) for o in out]):  # (rows given: the job's one call, in the flat layout)
+        found = [False] * 3
+        assert plain.read(keys, out, found, rows) == [0, 1, 2]
+        assert found == [False, False, False]
     assert plain.read_one(keys[0], out[0], backend.counters) is None
 
 
@@ -64,9 +65,10 @@ def test_a_read_that_outlives_the_tiers_close_reads_nothing_of_a_store_opened_si
     asyncio.run(second.open(fmt))
     try:
         second.write_blocks(keys, [random_block(fmt.block_bytes, 50 + i) for i in range(2)])
-        found = [False] * 2
-        assert plain.read(keys, out, found) == [0, 1]
-        assert found == [False, False]
+        for rows in (None, [memoryview(o.numpy()) for o in out]):
+            found = [False] * 2
+            assert plain.read(keys, out, found, rows) == [0, 1]
+            assert found == [False, False]
         assert plain.read_one(keys[0], out[0], first.counters) is None
     finally:
         asyncio.run(second.aclose())
@@ -90,15 +92,22 @@ data = [random_block(fmt.block_bytes, 40 + i) for i in range(2)]
 first.write_blocks(keys, data)
 out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
 first.read_blocks(keys, out)
-real, entered, go = xxcopy.xxh3_read_check_key, threading.Event(), threading.Event()
-def held(dir_fd, *args):  # the read's native call, held between its descriptor's read and its open
+real, entered, go = getattr(xxcopy, sys.argv[1]), threading.Event(), threading.Event()
+def held(dir_fd, *args):  # the read's native call, held before its descriptor is read (the job's) or opened
     if not entered.is_set():
         entered.set()
         go.wait()
     return real(dir_fd, *args)
-xxcopy.xxh3_read_check_key = held
+setattr(xxcopy, sys.argv[1], held)
+plain = first._plain
+def read():  # the tier's job (its one call); or its one-pass read a record at a time (no rows' views given)
+    if sys.argv[1] == "xxh3_read_check_keys":
+        return first.read_blocks(keys, out)
+    found = [False] * len(keys)
+    plain.read(keys, out, found)  # (what it leaves would go to the general read: a miss once closed)
+    return found
 got = []
-reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys, out)))
+reader = threading.Thread(target=lambda: got.append(read()))
 reader.start()
 entered.wait()
 closed = threading.Event()
@@ -116,15 +125,21 @@ asyncio.run(second.aclose())
 """
 
 
-def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused() -> None:
+@pytest.mark.parametrize("call", ["xxh3_read_check_key", "xxh3_read_check_keys"])
+def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused(call: str) -> None:
     """A read whose native open comes after a close began: the close waits for it, so the
     read opens the closed store's own records, never those of a store opened since under the
-    descriptor's number (child process: a close that never ends fails the test, not the run)."""
-    child = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=120)
+    descriptor's number (child process: a close that never ends fails the test, not the run).
+    ``xxh3_read_check_key``: the one-pass read a record at a time; ``xxh3_read_check_keys``:
+    the tier's job in one call, which reads the descriptor itself before each open."""
+    child = subprocess.run([sys.executable, "-c", _RACE, call], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
-    # The held record is read before the close ends; the next is a miss where the close got
-    # there first (the tier closed under the job), never another store's record.
-    assert child.stdout.split() in (["[True,", "True]", "True"], ["[True,", "False]", "True"]), child.stdout
+    if call == "xxh3_read_check_key":
+        # The held record is read before the close ends; the next is a miss where the close got
+        # there first (the tier closed under the job), never another store's record.
+        assert child.stdout.split() in (["[True,", "True]", "True"], ["[True,", "False]", "True"]), child.stdout
+    else:  # held before it read the descriptor: it opens nothing once the close has begun
+        assert child.stdout.split() in (["[True,", "True]", "True"], ["[False,", "False]", "True"]), child.stdout
 
 
 _BY_PATH = r"""
@@ -501,3 +516,82 @@ def test_a_write_whose_walk_outlives_the_closes_wait_plants_no_record() -> None:
     child = subprocess.run([sys.executable, "-c", _WALK_RESUMED], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["True", "True"], child.stdout
+
+
+_RECORD_RESUMED = _OUTLIVED + r"""
+first.write_blocks(keys[:1], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = first._leaf
+def held(k):  # the walk to the job's only record, held past the close's wait (a slow filesystem)
+    entered.set()
+    go.wait()
+    return real(k)
+first._leaf = held
+first._plain = None
+out = [torch.zeros(16384, dtype=torch.uint8)]
+got = []
+reader = threading.Thread(target=lambda: got.append(first.read_blocks(keys[:1], out)))
+reader.start()
+entered.wait()
+asyncio.run(first.aclose())  # gives up waiting for the read, the root's descriptor left open
+shutil.rmtree(root)
+second = opened()
+theirs = random_block(16384, 2)
+second.write_blocks(keys[:1], [theirs])  # the same key, in the store opened since
+go.set()
+reader.join()
+print(got[0][0], torch.equal(out[0], theirs))
+asyncio.run(second.aclose())
+"""
+
+
+def test_the_record_a_read_was_on_when_the_close_gave_up_is_not_another_stores() -> None:
+    """A read stuck in the walk to its record (by the root's path) past the close's wait is
+    checked again once the record is open: the path may lead to a store opened since, whose
+    record must not come back as the closed store's hit (child process)."""
+    child = subprocess.run([sys.executable, "-c", _RECORD_RESUMED], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["False", "False"], child.stdout
+
+
+_TOUCH_BY_PATH = r"""
+import asyncio, os, tempfile, threading
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+tmp = tempfile.mkdtemp()
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+def opened():
+    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/root", sync_mode="fast", layout="sharded")
+    asyncio.run(backend.open(fmt))
+    return backend
+first = opened()
+key = make_key(0)
+first.write_blocks([key], [random_block(16384, 1)])
+entered, go = threading.Event(), threading.Event()
+real = first._leaf
+def held(k):  # the walk to the record's directory, held until the close is done
+    entered.set()
+    go.wait()
+    return real(k)
+first._leaf = held
+toucher = threading.Thread(target=lambda: first.touch_stamps([(key, 1000.0)]))
+toucher.start()
+entered.wait()
+asyncio.run(first.aclose())
+second = opened()  # the same store, opened again at its path
+second.write_blocks([key], [random_block(16384, 2)])
+go.set()
+toucher.join()
+h = key.hex()
+print(os.stat(f"{tmp}/root/{h[0:2]}/{h[2:4]}/{h}.kvb").st_mtime != 1000.0)
+asyncio.run(second.aclose())
+"""
+
+
+def test_a_stamp_under_way_across_the_close_is_not_set_on_a_store_opened_since() -> None:
+    """``touch_stamps`` reaches each record's directory by the root's path: once the close has
+    begun, the stamp is not set there, where a store opened since may be (child process)."""
+    child = subprocess.run([sys.executable, "-c", _TOUCH_BY_PATH], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True"], child.stdout

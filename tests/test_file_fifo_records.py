@@ -21,8 +21,8 @@ from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
 layout, way = sys.argv[1], sys.argv[2]
 if way == "python":
-    xxcopy.xxh3_read_check_at = xxcopy.xxh3_read_check_at_python
     xxcopy.xxh3_read_check_key = xxcopy.xxh3_read_check_key_python
+    xxcopy.xxh3_read_check_keys = xxcopy.xxh3_read_check_keys_python
     xxcopy.xxh3_read_check = xxcopy.xxh3_read_check_python
 if way == "general":
     file_tier.PLAIN_READS = False

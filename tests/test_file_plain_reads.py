@@ -106,12 +106,14 @@ def general_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 READ_PATHS = ["python", *(["native"] if xxcopy.xxh3_read_check_native is not None else [])]
 
 
-def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_at`` and ``xxh3_read_check_key`` (the flat
-    layout's, which names and opens the file too) on one path (``"python"`` or ``"native"``) for
-    the rest of the test, recording the outcome of each call in the list returned."""
+def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs: bool = True) -> list[int]:
+    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_key`` (the flat
+    layout's, which names and opens the file too) and ``xxh3_read_check_keys`` (the flat
+    layout's job) on one path (``"python"`` or ``"native"``) for the rest of the test, recording
+    the outcome of each record's read in the list returned (``check_jobs`` false: the job's
+    call on that path as it is, its records' outcomes not recorded)."""
     seen: list[int] = []
-    for name in ("xxh3_read_check", "xxh3_read_check_at", "xxh3_read_check_key"):
+    for name in ("xxh3_read_check", "xxh3_read_check_key"):
         fn = getattr(xxcopy, f"{name}_{path}")
         assert fn is not None
 
@@ -121,6 +123,31 @@ def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return status  # type: ignore[no-any-return]
 
         monkeypatch.setattr(xxcopy, name, recording)
+    job, one = getattr(xxcopy, f"xxh3_read_check_keys_{path}"), getattr(xxcopy, f"xxh3_read_check_key_{path}")
+    assert job is not None and one is not None
+    if not check_jobs:
+        monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", job)
+        return seen
+
+    def recording_job(dir_at: Any, head: Any, keys: Any, rows: Any, piece: int, found: list[bool]) -> list[int]:
+        """The job's call, checked against a call a record of the same path (into rows of its
+        own), whose outcomes are recorded as those of the records' one-by-one reads were."""
+        good, rest = [], []
+        for i, (key, row) in enumerate(zip(keys, rows)):
+            try:
+                status = one(dir_at.value, head, key, bytearray(len(row)), piece)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                rest.append(i)
+                continue
+            seen.append(status)
+            (good if status == xxcopy.CHECK_GOOD else rest).append(i)
+        got = job(dir_at, head, keys, rows, piece, found)
+        assert got == rest and [i for i, hit in enumerate(found) if hit] == good, (got, rest, found, good)
+        return got  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", recording_job)
     return seen
 
 
@@ -161,7 +188,7 @@ def test_a_plain_read_finds_drops_and_counts_what_the_general_read_does(
 def test_a_plain_read_takes_three_system_calls_a_record_and_checks_what_it_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sound records of a job never reach the general read; a record it cannot take (here
     an injected read error, on the Python path of its one call) does, and is served there."""
-    record_read_calls("python", monkeypatch)
+    record_read_calls("python", monkeypatch, check_jobs=False)
     keys = [make_key(i) for i in range(4)]
     data = [random_block(FMT.block_bytes, 950 + i) for i in range(4)]
     backend = _open(tmp_path / "store")

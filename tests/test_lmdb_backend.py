@@ -264,10 +264,13 @@ def test_use_after_fork_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     backend = _open(lmdb_backend(tmp_path, 1 << 20))
     try:
         monkeypatch.setattr("os.getpid", lambda: -1)
-        # What a fork also moves: the count of forks that one-record jobs check (lmdb_one), and
-        # the count a save and the general read check (lmdb_one.forks: native, else the pid).
-        monkeypatch.setattr("kvtier.backends.lmdb_one._FORKS", [-1])
+        # What a fork also moves: the count of forks that the straight reads, a save and the
+        # general read check (lmdb_one.forks: native, else the pid).
+        monkeypatch.setattr("kvtier.backends.lmdb_one.forks", lambda: -1)
         monkeypatch.setattr("kvtier.backends.lmdb_tier.forks", lambda: -1)
+        straight = backend._straight  # type: ignore[attr-defined]
+        if straight is not None:  # and the native read's: the count at the open, against the native count
+            monkeypatch.setattr(straight, "native_parts", (*straight.native_parts[:-1], straight.native_parts[-1] + 1))
         with pytest.raises(Exception, match="another process"):
             backend.read_blocks([make_key(1)], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)])
     finally:

@@ -36,13 +36,16 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 @pytest.fixture(autouse=True, params=["native", "python"])
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the straight line's row checks and file guard (``lmdb_plain.host_view``,
-    ``same_size``, ``one_row``) and its whole job of one key (``one_read``) in their native
+    ``same_size``, ``one_row``), its whole job of one key (``one_read``) and of several
+    (``job_read``), and the call of either from the tier (``straight_read``), in their native
     form, then in their Python one."""
     if request.param == "python":
         monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
         monkeypatch.setattr(lmdb_plain, "same_size", lmdb_plain.same_size_python)
         monkeypatch.setattr(lmdb_plain, "one_row", lmdb_plain.one_row_python)
         monkeypatch.setattr(lmdb_plain, "one_read", None)
+        monkeypatch.setattr(lmdb_plain, "job_read", None)
+        monkeypatch.setattr(lmdb_plain, "straight_read", None)
     elif not lmdb_plain.NATIVE_GUARD:
         pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
     return str(request.param)
@@ -268,9 +271,15 @@ def test_a_one_record_job_of_a_closed_or_forked_store_is_refused(tmp_path: Path)
     assert backend.read_blocks([key], [row]) == [True]
     assert _in_forked_child(lambda: backend.read_blocks([key], [row]), b"read") == b"refused"
     assert backend.read_blocks([key], [row]) == [True]  # the parent reads on
+    rows = [row, torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
+    assert backend.read_blocks([key, key], rows) == [True, True]  # a job of several: its rows seen
+    assert _in_forked_child(lambda: backend.read_blocks([key, key], rows), b"read") == b"refused"
+    assert backend.read_blocks([key, key], rows) == [True, True]
     asyncio.run(backend.aclose())
     with pytest.raises(ClosedError):
         backend.read_blocks([key], [row])
+    with pytest.raises(ClosedError):
+        backend.read_blocks([key, key], rows)
 
 
 def test_a_save_of_a_forked_store_is_refused_and_the_parent_saves_on(tmp_path: Path) -> None:
@@ -630,3 +639,62 @@ def test_a_threads_fault_mark_goes_with_the_thread() -> None:
     mark = temperature.marks[here]
     temperature.begin()  # begun already: the mark stays
     assert temperature.marks == {here: mark}
+
+
+def _changes(rows: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """What can happen to a row between two jobs, in place on the same tensor object."""
+    size = FMT.block_bytes
+    return {
+        "a new storage (set_)": lambda: rows[1].set_(torch.zeros(size, dtype=torch.uint8)),
+        "cut short (resize_)": lambda: rows[1].resize_(size // 2),
+        "grown (resize_)": lambda: rows[1].resize_(2 * size),
+        "another dtype (.data)": lambda: setattr(rows[1], "data", torch.zeros(size, dtype=torch.int8)),
+        "2-D (as_strided_)": lambda: rows[1].as_strided_((2, size // 2), (size // 2, 1)),
+        "strided (set_)": lambda: rows[1].set_(torch.zeros(2 * size, dtype=torch.uint8).untyped_storage(), 0, (size,), (2,)),
+        "moved in its storage (set_)": lambda: rows[1].set_(torch.zeros(2 * size, dtype=torch.uint8).untyped_storage(), size, (size,), (1,)),
+        "a freed row's place (new tensor)": lambda: rows.__setitem__(1, torch.zeros(size, dtype=torch.uint8)),
+        "written (fill_)": lambda: rows[1].fill_(3),
+    }
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_a_row_changed_since_its_last_job_is_checked_again_as_the_general_path_checks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jobs: int) -> None:
+    """A row whose views were made by a job, then changed in place (a new storage, resized,
+    another dtype or shape, strided, moved, or another tensor in its place): the next job,
+    of one key or of several, answers as the general path does (the same hits and bytes, or
+    the same error naming the row), never writing where the row no longer is."""
+    keys = [make_key(i) for i in range(3)]
+    data = [random_block(FMT.block_bytes, 120 + i) for i in range(3)]
+    backend = _open(tmp_path / "store")
+    backend.write_blocks(keys, data)
+    outcomes: dict[bool, dict[str, Any]] = {}
+    try:
+        for fast in (True, False):
+            monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", fast)
+            seen: dict[str, Any] = {}
+            for what in _changes([]):
+                rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+                job = keys[:jobs] if jobs > 1 else keys[1:2]
+                job_rows = rows[:jobs] if jobs > 1 else rows[1:2]
+                assert backend.read_blocks(job, job_rows) == [True] * jobs  # the rows' views are made
+                for row in rows:
+                    row.zero_()
+                before = rows[1].untyped_storage()  # kept alive: its old place is not reused
+                _changes(rows)[what]()
+                job_rows = rows[:jobs] if jobs > 1 else rows[1:2]
+                try:
+                    found: Any = backend.read_blocks(job, job_rows)
+                except Exception as exc:  # (the outcome compared)
+                    found = type(exc).__name__
+                target = rows[1]
+                got = target.contiguous().view(torch.uint8).reshape(-1)[: FMT.block_bytes].clone() if target.numel() else None
+                seen[what] = (found, None if got is None else bytes(got.numpy()) == bytes(data[1].numpy()), bytes(before)[:16] == bytes(16))
+            outcomes[fast] = seen
+    finally:
+        asyncio.run(backend.aclose())
+    for what in outcomes[True]:
+        print(what, "fast:", outcomes[True][what], "general:", outcomes[False][what])
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True]["a new storage (set_)"][:2] == ([True] * jobs, True)
+    assert outcomes[True]["cut short (resize_)"][0] == "LayoutError"
+    assert outcomes[True]["written (fill_)"][:2] == ([True] * jobs, True)

@@ -43,15 +43,21 @@ def _interrupt_once_counted(jobs: list[None]) -> Any:
     return tracer
 
 
-@pytest.mark.parametrize("how", ["one", "one native", "job", "general"])
+@pytest.mark.parametrize("how", ["one", "one native", "job", "job native", "general"])
 def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """``one native``: the native job of one key (``lmdb_plain.one_read``) runs no Python while
-    it is counted, so no interrupt lands there: the read completes, its count released."""
+    """``one native`` and ``job native``: the native job of one key (``lmdb_plain.one_read``) and
+    of several (``lmdb_plain.job_read``) run no Python while they are counted, so no interrupt
+    lands there: the read completes, its count released."""
     monkeypatch.setattr(lmdb_one, "STRAIGHT_READS", how != "general")
-    if how == "one native" and lmdb_plain.one_read is None:
+    native = how.endswith("native")
+    if native and (lmdb_plain.one_read is None or lmdb_plain.job_read is None):
         pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
     if how != "one native":
         monkeypatch.setattr(lmdb_plain, "one_read", None)
+    if how != "job native":
+        monkeypatch.setattr(lmdb_plain, "job_read", None)
+    if not native:  # (the tier's call of either: straight_read)
+        monkeypatch.setattr(lmdb_plain, "straight_read", None)
     monkeypatch.setattr(lmdb_tier, "CLOSE_WAIT_S", 0.0)  # a count left behind: the close leaves the file open
     fmt = BlockFormat(block_bytes=4096, dtype="uint8")
     backend = registry.backends.get("lmdb")(capacity=8 << 20, path=str(tmp_path / "store"), sync_mode="fast")
@@ -67,14 +73,14 @@ def test_an_interrupt_once_a_read_is_counted_releases_its_count(tmp_path: Path, 
     tracer = _interrupt_once_counted(jobs)
     sys.settrace(tracer)
     try:
-        if how == "one native":
-            assert backend.read_blocks(keys, rows) == [True]
+        if native:
+            assert backend.read_blocks(keys, rows) == [True] * n
         else:
             with pytest.raises(KeyboardInterrupt):
                 backend.read_blocks(keys, rows)
     finally:
         sys.settrace(None)
-    assert bool(tracer.fired) is (how != "one native"), "the read was never counted" if how != "one native" else "Python ran while counted"
+    assert bool(tracer.fired) is not native, "Python ran while counted" if native else "the read was never counted"
     assert not jobs, f"{how}: the interrupted read is still counted among the jobs being read"
     assert backend.read_blocks(keys, rows) == [True] * n and all(torch.equal(r, b) for r, b in zip(rows, blocks))
     env = backend._env

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec, lookups
 from kvtier.manager.plan import plain_plan
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.manager.tenants import TenantRules
@@ -293,3 +293,40 @@ def test_the_load_runs_one_step_is_taken_and_pins_what_the_lookup_finds(monkeypa
     two.complete_store(two.prepare_store(K[:2]).keys)  # type: ignore[union-attr]
     assert two.prepare_load_run(K[:3]) == LoadPlan(tuple(K[:2]), (0, 0))
     assert general == [K[:2]]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY))
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_store_paths_match_with_and_without_the_native_index_loops(
+    config: str, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's item sets on a tier's index (``reserve_keys``, ``assign_keys``): one C loop on
+    the native index, a Python loop with that turned off, and a Python loop on a plain dict
+    index give the same outcomes and states call after call, the index's order included."""
+    runs = []
+    for variant in ("native", "python", "dict"):
+        monkeypatch.setattr(lookups, "_SET_MANY", lookups._SET_MANY and variant == "native")
+        if variant == "dict":
+            monkeypatch.setattr(lookups, "_INDEX", dict)
+        m = CONFIGS[config](policy)
+        assert (type(m._tiers[0].index) is dict) == (variant == "dict" or not lookups.NATIVE)
+        rng = random.Random(f"{config}-{policy}")
+        open_keys: list[bytes] = []
+        plans: list[tuple[bytes, ...]] = []
+        pinned: list[bytes] = []
+        _FRESH[:] = K[::-1]
+        _TENANTS[:] = []
+        trace = []
+        for _ in range(120):
+            name, args, kw = _call(rng, open_keys, plans, pinned)
+            got = _outcome(getattr(m, name), *args, **kw)
+            trace.append((got, _state(m), [list(t.index.items()) for t in m._tiers]))
+            if name == "prepare_load" and got[0] == "value":
+                pinned += args[0]
+            if name == "prepare_load_run" and got[0] == "value" and got[1] is not None:
+                pinned += got[1].keys
+            open_keys = sorted(m._plans._plan_of)
+            if name == "prepare_store" and got[0] == "value" and got[1] is not None and got[1].keys:
+                plans = [*plans[-5:], got[1].keys]
+        runs.append(trace)
+    assert runs[0] == runs[1] == runs[2]

@@ -124,50 +124,6 @@ def test_bad_arguments_and_failed_reads_are_refused_by_name(tmp_path: Path, name
         os.close(directory)
 
 
-AT_FNS: dict[str, Callable[..., int]] = {"python": xxcopy.xxh3_read_check_at_python}
-if xxcopy.xxh3_read_check_at_native is not None:
-    AT_FNS["native"] = xxcopy.xxh3_read_check_at_native
-
-
-@pytest.mark.parametrize("damage, outcome", [(None, CHECK_GOOD), ("flip_last", CHECK_SUM), ("flip_head", CHECK_HEAD), ("short", CHECK_SHAPE)])
-@pytest.mark.parametrize("piece", [0, 4096])
-def test_a_record_opened_by_name_reads_as_by_descriptor(tmp_path: Path, damage: str | None, outcome: int, piece: int):
-    """``xxh3_read_check_at`` (open, read, check, close in one call) gives what the call on an
-    open descriptor gives, on both paths, by ``str`` or ``bytes`` name."""
-    payload = _write(tmp_path / "r.kvb", 5000, damage=damage)
-    assert _read_both(tmp_path / "r.kvb", 5000, piece)[0] == outcome
-    root = os.open(tmp_path, os.O_RDONLY)
-    try:
-        for fn in AT_FNS.values():
-            for name in ("r.kvb", b"r.kvb"):
-                row = bytearray(5000)
-                assert fn(root, name, HEAD, KEY, bytearray(32), row, piece) == outcome
-                if outcome == CHECK_GOOD:
-                    assert bytes(row) == payload
-    finally:
-        os.close(root)
-
-
-@pytest.mark.parametrize("name", list(AT_FNS))
-def test_an_absent_record_or_a_symlink_is_refused_at_its_open_by_name(tmp_path: Path, name: str):
-    fn = AT_FNS[name]
-    _write(tmp_path / "r.kvb", 100)
-    (tmp_path / "link.kvb").symlink_to(tmp_path / "r.kvb")
-    root = os.open(tmp_path, os.O_RDONLY)
-    try:
-        with pytest.raises(FileNotFoundError) as absent:
-            fn(root, "gone.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0)
-        assert absent.value.filename == "gone.kvb"
-        with pytest.raises(OSError) as link:  # O_NOFOLLOW: ELOOP, never the file it points to
-            fn(root, "link.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0)
-        assert link.value.errno == errno.ELOOP and link.value.filename == "link.kvb"
-        with pytest.raises(ValueError, match=r"piece: expected a count of bytes >= 0, got -1"):
-            fn(root, "gone.kvb", HEAD, KEY, bytearray(32), bytearray(100), -1)  # checked before the open
-        assert fn(root, "r.kvb", HEAD, KEY, bytearray(32), bytearray(100), 0) == CHECK_GOOD
-    finally:
-        os.close(root)
-
-
 KEY_FNS: dict[str, Callable[..., int]] = {"python": xxcopy.xxh3_read_check_key_python}
 if xxcopy.xxh3_read_check_key_native is not None:
     KEY_FNS["native"] = xxcopy.xxh3_read_check_key_native
@@ -186,9 +142,10 @@ def test_the_native_read_by_key_is_the_one_called_where_the_fused_pass_is():
     [(None, CHECK_GOOD), ("flip_head", CHECK_HEAD), ("flip_sum", CHECK_SUM), ("flip_first", CHECK_SUM), ("flip_last", CHECK_SUM), ("short", CHECK_SHAPE), ("long", CHECK_SHAPE)],
 )
 def test_a_record_read_by_its_key_reads_as_by_its_name(tmp_path: Path, n: int, piece: int, damage: str | None, outcome: int):
-    """``xxh3_read_check_key`` (the name made from the key, the stored head read into a buffer
-    of the call's own) gives the outcome and row that ``xxh3_read_check_at`` gives for the file
-    ``key.hex() + ".kvb"``, on both paths, for sound records and every kind of damage."""
+    """``xxh3_read_check_key`` (the name made from the key, opened, read, checked and closed
+    in one call, the stored head read into a buffer of the call's own) gives the outcome and row
+    that ``xxh3_read_check`` gives for the file ``key.hex() + ".kvb"`` opened apart, on both
+    paths, for sound records and every kind of damage."""
     if n == 0 and damage in ("flip_first", "flip_last"):
         pytest.skip("no payload byte to flip")
     payload = _write(tmp_path / f"{KEY.hex()}.kvb", n, damage=damage)
@@ -200,7 +157,11 @@ def test_a_record_read_by_its_key_reads_as_by_its_name(tmp_path: Path, n: int, p
             assert fn(root, HEAD, KEY, row, piece) == outcome, name
             rows[name] = bytes(row)
         general = bytearray(b"\x5a" * n)
-        assert xxcopy.xxh3_read_check_at_python(root, f"{KEY.hex()}.kvb", HEAD, KEY, bytearray(32), general, piece) == outcome
+        fd = os.open(f"{KEY.hex()}.kvb", os.O_RDONLY, dir_fd=root)
+        try:
+            assert xxcopy.xxh3_read_check_python(fd, HEAD, KEY, bytearray(32), general, piece) == outcome
+        finally:
+            os.close(fd)
         if outcome in (CHECK_GOOD, CHECK_SUM):  # read whole: the same bytes on every path
             assert set(rows.values()) == {bytes(general)}
         if outcome == CHECK_GOOD:
@@ -235,6 +196,27 @@ def test_bad_arguments_of_a_read_by_key_are_refused_by_name(tmp_path: Path, name
         if name == "native":
             with pytest.raises(TypeError, match=r"expected \(dir_fd, head, key, row, piece\), got 4 arguments"):
                 fn(root, HEAD, KEY, bytearray(100))
+        assert fn(root, HEAD, KEY, bytearray(100), 0) == CHECK_GOOD
+    finally:
+        os.close(root)
+
+
+@pytest.mark.parametrize("name", list(KEY_FNS))
+def test_an_absent_record_or_a_symlink_is_refused_at_its_open_by_key(tmp_path: Path, name: str):
+    fn = KEY_FNS[name]
+    _write(tmp_path / f"{KEY.hex()}.kvb", 100)
+    other = bytes(range(32))
+    (tmp_path / f"{other.hex()}.kvb").symlink_to(tmp_path / f"{KEY.hex()}.kvb")
+    root = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(FileNotFoundError) as absent:
+            fn(root, HEAD, bytes(32), bytearray(100), 0)
+        assert absent.value.filename == f"{bytes(32).hex()}.kvb".encode()
+        with pytest.raises(OSError) as link:  # O_NOFOLLOW: ELOOP, never the file it points to
+            fn(root, HEAD, other, bytearray(100), 0)
+        assert link.value.errno == errno.ELOOP and link.value.filename == f"{other.hex()}.kvb".encode()
+        with pytest.raises(ValueError, match=r"piece: expected a count of bytes >= 0, got -1"):
+            fn(root, HEAD, bytes(32), bytearray(100), -1)  # checked before the open
         assert fn(root, HEAD, KEY, bytearray(100), 0) == CHECK_GOOD
     finally:
         os.close(root)

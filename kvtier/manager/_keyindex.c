@@ -269,6 +269,76 @@ index_clear(KeyIndex *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* ``keys[i]`` of a list or tuple, borrowed; NULL past its end (a list is read again each time:
+ * a value released by a set may run code that changes it). */
+static PyObject *
+seq_item(PyObject *keys, Py_ssize_t i)
+{
+    if (PyTuple_CheckExact(keys))
+        return i < PyTuple_GET_SIZE(keys) ? PyTuple_GET_ITEM(keys, i) : NULL;
+    return i < PyList_GET_SIZE(keys) ? PyList_GET_ITEM(keys, i) : NULL;
+}
+
+/* ``self[key] = value`` for each key of a list or tuple, in order, as the item set does (the
+ * filter kept exact); with ``key_bytes`` >= 0 it first stops at a key that is not exactly bytes
+ * of that length. 1 if it set every key, 0 if it stopped at a bad one (those before it set),
+ * -1 on an error (raised by that key's set; those before it set). */
+static int
+index_set_all(KeyIndex *self, PyObject *keys, PyObject *value, Py_ssize_t key_bytes)
+{
+    Py_ssize_t i;
+    PyObject *key;
+    int r;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) {
+        PyErr_Format(PyExc_TypeError, "keys: expected a list or tuple, got %.100s", Py_TYPE(keys)->tp_name);
+        return -1;
+    }
+    for (i = 0; (key = seq_item(keys, i)) != NULL; i++) {
+        if (key_bytes >= 0 && (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != key_bytes))
+            return 0;
+        Py_INCREF(key);
+        r = index_ass_sub(self, key, value);
+        Py_DECREF(key);
+        if (r < 0)
+            return -1;
+    }
+    return 1;
+}
+
+static PyObject *
+index_reserve(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t key_bytes;
+    int r;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "reserve expected 3 arguments (keys, value, key_bytes), got %zd", nargs);
+        return NULL;
+    }
+    key_bytes = PyLong_AsSsize_t(args[2]);
+    if (key_bytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (key_bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "key_bytes: expected a length >= 0, got %zd", key_bytes);
+        return NULL;
+    }
+    r = index_set_all(self, args[0], args[1], key_bytes);
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(r);
+}
+
+static PyObject *
+index_assign(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "assign expected 2 arguments (keys, value), got %zd", nargs);
+        return NULL;
+    }
+    if (index_set_all(self, args[0], args[1], -1) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 index_maybe(KeyIndex *self, PyObject *key)
 {
@@ -332,6 +402,11 @@ static PyMethodDef index_methods[] = {
     {"pop", (PyCFunction)(void (*)(void))index_pop, METH_FASTCALL, "pop(key[, default]): as dict's."},
     {"update", (PyCFunction)(void (*)(void))index_update, METH_VARARGS | METH_KEYWORDS, "update(...): as dict's."},
     {"clear", (PyCFunction)index_clear, METH_NOARGS, "clear(): as dict's."},
+    {"reserve", (PyCFunction)(void (*)(void))index_reserve, METH_FASTCALL,
+     "reserve(keys, value, key_bytes) -> bool: self[key] = value for each key of a list or tuple, in order, "
+     "stopping at the first that is not exactly bytes of key_bytes (False; those before it set)."},
+    {"assign", (PyCFunction)(void (*)(void))index_assign, METH_FASTCALL,
+     "assign(keys, value): self[key] = value for each key of a list or tuple, in order."},
     {"maybe", (PyCFunction)index_maybe, METH_O,
      "maybe(key) -> bool: False only where the filter says ``key`` is surely absent (never for a key held)."},
     {"filter_state", (PyCFunction)index_filter_state, METH_NOARGS,

@@ -10,9 +10,11 @@
  * to ``bad_key``; other errors propagate. After ``close()`` every call raises through
  * ``closed(key)``. Its ``lookup`` method is ``lookup(keys)`` for a tuple or list of one key, the
  * rest handed to ``keys_fallback`` (the closure). Counts are C integers, read with ``counts()``; the GIL orders them.
- * ``KeyIndex`` (_keyindex.c) is the tiers' index that a probe consults on a miss.
+ * ``KeyIndex`` (_keyindex.c) is the tiers' index that a probe consults on a miss; ``HeldTouch``
+ * (_heldtouch.c), a one-tier LRU manager's ``touch``, is part of the same extension.
  */
 #define PY_SSIZE_T_CLEAN
+#include "_heldtouch.h"
 #include "_keyindex.h"
 
 typedef struct {
@@ -321,6 +323,10 @@ PyInit__probe(void)
     Py_INCREF(&KeyIndexType);
     if (PyModule_AddObject(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
         Py_DECREF(&KeyIndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (heldtouch_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -45,7 +45,7 @@ errors are the same either way (``tests/test_key_index.py``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, repeat
 from operator import length_hint
 from typing import Any, NoReturn
@@ -60,14 +60,17 @@ except ImportError:  # built without a C compiler: the closures below
 
 __all__ = [
     "NATIVE",
+    "assign_keys",
     "KeyLookupFn",
     "LookupFn",
     "SingleKeyLookup",
     "leading_run",
     "lookup_counts",
+    "native_module",
     "new_index",
     "probe_source",
     "read_counters",
+    "reserve_keys",
     "single_key_lookup",
 ]
 
@@ -90,11 +93,46 @@ NATIVE: bool = _probe is not None
 _INDEX: type = getattr(_probe, "KeyIndex", dict)
 
 
+def native_module() -> Any:
+    """The extension ``kvtier.manager._probe``; ``RuntimeError`` where it is not built (a caller
+    asked for a native path that :data:`NATIVE` says is absent)."""
+    if _probe is None:
+        raise RuntimeError("kvtier.manager._probe is not built: no native path")
+    return _probe
+
+
 def new_index() -> dict[bytes, int]:
     """An empty index for one tier: a ``dict`` in every respect, and where the extension is built
     one whose membership filter lets ``lookup_key`` answer most misses without a dict probe."""
     index: dict[bytes, int] = _INDEX()
     return index
+
+
+#: ``KeyIndex.reserve`` and ``assign`` (one C loop for a batch's item sets), absent from an
+#: extension built before them
+_SET_MANY: bool = hasattr(_INDEX, "reserve") and hasattr(_INDEX, "assign")
+
+
+def reserve_keys(index: dict[bytes, int], keys: Sequence[bytes], value: int) -> bool:
+    """``index[key] = value`` for each of ``keys`` in order, stopping at the first key that is
+    not exactly ``bytes`` of the key length: whether it set every key (those before a bad one
+    stay set). One C loop for a list or tuple on the native index, else a Python one."""
+    if _SET_MANY and type(index) is _INDEX and (type(keys) is list or type(keys) is tuple):
+        return bool(index.reserve(keys, value, KEY_BYTES))  # type: ignore[attr-defined]
+    for key in keys:
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            return False
+        index[key] = value
+    return True
+
+
+def assign_keys(index: dict[bytes, int], keys: Iterable[bytes], value: int) -> None:
+    """``index[key] = value`` for each of ``keys`` in order (as :func:`reserve_keys`, no check)."""
+    if _SET_MANY and type(index) is _INDEX and (type(keys) is list or type(keys) is tuple):
+        index.assign(keys, value)  # type: ignore[attr-defined]
+        return
+    for key in keys:
+        index[key] = value
 
 
 def lookup_counts(calls: int, asked: int, found: int) -> int:

@@ -17,9 +17,9 @@ from itertools import repeat
 from types import MappingProxyType
 from typing import cast
 
-from kvtier.keys import KEY_BYTES
 from kvtier.manager.admission import Admission
 from kvtier.manager.eventlog import EventBatch, EventLog
+from kvtier.manager.lookups import reserve_keys
 from kvtier.manager.promotion import Promotions
 from kvtier.manager.tiers import PENDING, TierState
 
@@ -409,11 +409,7 @@ class PlanBook:
         except TypeError:  # an unhashable key: prepare names it
             return None
         before = len(index)
-        for key in keys:  # the check of each key, in the loop that reserves it
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                break
-            index[key] = PENDING
-        else:
+        if reserve_keys(index, keys, PENDING):  # the check of each key, in the loop that reserves it
             # (The new keys are pending: not in the policy, so never victims of their own batch.)
             victims = first.evict(over, _NOTHING) if over > 0 and len(index) - before == n else []
             if victims is not None and len(index) - before + len(victims) == n:

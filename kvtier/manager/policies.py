@@ -184,6 +184,11 @@ class LRUPolicy(EvictionPolicy):
                 elif cold(key):
                     order[key] = None
 
+    def ordered(self) -> OrderedDict[bytes, None]:
+        """The ordered dict of the keys used since the open (see the class doc), oldest first:
+        the same object for the policy's life, which a native ``touch`` moves keys in."""
+        return self._order
+
     def touch_held(self, keys: Sequence[bytes]) -> bool:
         # ``move_to_end`` moves the stored key object: nothing of the caller's is kept, so a
         # value found equal to a stored key touches that key, with no check of its type. Plain

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.bulk import READY
 from kvtier.errors import ConfigError, QuotaError
-from kvtier.manager.lookups import new_index
+from kvtier.manager.lookups import assign_keys, new_index
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook, TierTenancy
 
@@ -141,9 +141,7 @@ class TierState:
     # -- pending entries -------------------------------------------------------------------
     def reserve(self, keys: Collection[bytes]) -> None:
         """New pending entries for ``keys`` (absent from this tier), one ``block_reserve`` each."""
-        index = self.index
-        for key in keys:  # a plain loop beats dict.update(dict.fromkeys(...)) at batch sizes
-            index[key] = PENDING
+        assign_keys(self.index, keys, PENDING)  # (beats dict.update(dict.fromkeys(...)) at batch sizes)
         self.used += self.block * len(keys)
         self.pending += len(keys)
         if self.tenancy is not None:
@@ -153,9 +151,7 @@ class TierState:
         """Pending -> ready. ``sizes`` holds the stored size of keys of a variable-size tier."""
         if not keys:
             return
-        index = self.index
-        for key in keys:
-            index[key] = READY
+        assign_keys(self.index, keys, READY)
         self.pending -= len(keys)
         if self.variable and sizes:
             own, block = self.sizes, self.block

@@ -12,6 +12,12 @@ accepted sequence types built per call. The closure binds the policy's ``touch_h
 lock's two methods once. Anything else (several tiers, stamps, a collection that is not a list
 or tuple, a key not held, an unhashable key, a closed manager) goes to the manager's method,
 which gives the same answer: tests compare the two (``tests/test_manager_fast_paths.py``).
+
+Where the extension ``kvtier.manager._probe`` is built and the policy is exactly
+:class:`~kvtier.manager.policies.LRUPolicy`, ``touch`` is its ``HeldTouch``: the same call in C
+for a list or tuple of exact ``bytes`` keys all held (the lock's two methods and the ordered
+dict's ``move_to_end`` called from C, no interpreter loop per key), anything else handed to the
+closure. Tests compare the three (``tests/test_touch_native.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from kvtier.manager.policies import EvictionPolicy
+from kvtier.manager.lookups import NATIVE, native_module
+from kvtier.manager.policies import EvictionPolicy, LRUPolicy
 
 __all__ = ["TouchCall", "touch_call"]
 
@@ -43,10 +50,13 @@ class TouchCall:
         self.close = close
 
 
-def touch_call(lock: threading.Lock, policy: EvictionPolicy | None, general: TouchFn) -> TouchCall:
+def touch_call(
+    lock: threading.Lock, policy: EvictionPolicy | None, general: TouchFn, *, native: bool = NATIVE
+) -> TouchCall:
     """``touch`` of a manager whose only tier keeps no stamps and is ordered by ``policy`` (see the
     module doc); ``None`` (several tiers, or stamps) gives ``general`` itself. ``lock`` is the
-    manager's lock, ``general`` its method."""
+    manager's lock, ``general`` its method; ``native`` (the default where the extension is
+    built): an exact ``LRUPolicy``'s common call in C."""
     if policy is None:
         return TouchCall(general, lambda: None)
     held = policy.touch_held
@@ -68,4 +78,13 @@ def touch_call(lock: threading.Lock, policy: EvictionPolicy | None, general: Tou
         nonlocal held
         held = _held_by_none
 
+    held_touch = getattr(native_module(), "HeldTouch", None) if native else None  # (None: built before it)
+    if held_touch is not None and type(policy) is LRUPolicy:
+        fast = held_touch(policy.ordered(), lock, touch)
+
+        def close_both() -> None:
+            fast.close()
+            close()
+
+        return TouchCall(fast, close_both)
     return TouchCall(touch, close)

@@ -30,7 +30,7 @@ static const char *best_name = "scalar";
 static stripes_fn hash_stripes = stripes_scalar;
 static const char *hash_name = "scalar";
 
-static stripes_fn stripes_for(int copies, size_t n)
+XXC_INTERNAL stripes_fn stripes_for(int copies, size_t n)
 {
     return copies || n < HASH_WIDE_AT ? best_stripes : hash_stripes;
 }
@@ -422,50 +422,28 @@ static int get_fd(PyObject *obj, const char *what)
     return (int)fd;
 }
 
-/* The argument checks of xxh3_64_read_check (at 0: the record open at fd) and
-   xxh3_64_read_check_at (at 1: the record named beneath dir_fd), then the read. */
-static PyObject *read_check_entry(PyObject *const *args, Py_ssize_t nargs, int at)
+/* The argument checks of xxh3_64_read_check (the record open at fd), then the read. */
+static PyObject *read_check_entry(PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6 + at) {
-        PyErr_Format(PyExc_TypeError, "expected (%s, head, key, stored, row, piece), got %zd arguments", at ? "dir_fd, name" : "fd", nargs);
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "expected (fd, head, key, stored, row, piece), got %zd arguments", nargs);
         return NULL;
     }
-    int fd = get_fd(args[0], at ? "dir_fd" : "fd");
+    int fd = get_fd(args[0], "fd");
     if (fd < 0)
         return NULL;
-    if (!at)
-        return read_check(args + 1, fd, -1, NULL, NULL);
-    PyObject *name = NULL;
-    if (!PyUnicode_FSConverter(args[1], &name))
-        return NULL;
-    PyObject *result = read_check(args + 2, -1, fd, name, args[1]);
-    Py_DECREF(name);
-    return result;
+    return read_check(args + 1, fd, -1, NULL, NULL);
 }
 
-/* xxh3_64_read_check(fd, head, key, stored, row, piece) -> int: one raw record read from fd
-   (from offset 0) and checked without the GIL (_xxread.c): its stored head and checksum into
-   stored (len(head) + 8 bytes), which must start with head, then its payload into row, piece
-   bytes a pread (0: one), each piece hashed as it lands; the record must be exactly that long.
-   An XXC_CHECK_ outcome (_SHAPE: a read came short or long), OSError where a pread failed. */
+/* xxh3_64_read_check(fd, head, key, stored, row, piece) -> int (see methods; _xxread.c reads). */
 static PyObject *py_xxh3_64_read_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    return read_check_entry(args, nargs, 0);
+    return read_check_entry(args, nargs);
 }
 
-/* xxh3_64_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int: the same, for the
-   file name (str or bytes) opened beneath dir_fd (O_NOFOLLOW | O_CLOEXEC) and closed in the
-   same call; OSError naming it where it cannot be opened. */
-static PyObject *py_xxh3_64_read_check_at(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    return read_check_entry(args, nargs, 1);
-}
-
-/* xxh3_64_read_check_key(dir_fd, head, key, row, piece) -> int: xxh3_64_read_check_at of the
-   file key.hex() + ".kvb" (the file tier's flat records), the name made here and the stored head
-   read into the call's own buffer: a record's read makes no Python object but the name. */
+/* xxh3_64_read_check_key(dir_fd, head, key, row, piece) -> int (see methods): the name made here
+   and the stored head read into the call's own buffer (no Python object a record but the name). */
 static PyObject *py_xxh3_64_read_check_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
@@ -523,6 +501,7 @@ static PyObject *py_prefetch_writes(PyObject *module, PyObject *const *args, Py_
     return PyBool_FromLong(was);
 }
 
+XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* _xxjob.c */
 static PyMethodDef methods[] = {
     {"xxh3_64_copy", (PyCFunction)(void (*)(void))py_xxh3_64_copy, METH_FASTCALL,
      "xxh3_64_copy(prefix, src, dst=None) -> int\n\n"
@@ -550,13 +529,17 @@ static PyMethodDef methods[] = {
      "pread), each piece hashed as it lands. 0 good, 1 a read came short or long (the file is not\n"
      "a record of len(row) bytes), 2 the stored head differs from head, 3 the checksum (XXH3-64\n"
      "of head + key + payload) differs. OSError where a pread failed."},
-    {"xxh3_64_read_check_at", (PyCFunction)(void (*)(void))py_xxh3_64_read_check_at, METH_FASTCALL,
-     "xxh3_64_read_check_at(dir_fd, name, head, key, stored, row, piece) -> int\n\n"
-     "xxh3_64_read_check of the file name opened beneath dir_fd (O_NOFOLLOW) and closed in the\n"
-     "same call, without the GIL; OSError naming it where it cannot be opened."},
     {"xxh3_64_read_check_key", (PyCFunction)(void (*)(void))py_xxh3_64_read_check_key, METH_FASTCALL,
      "xxh3_64_read_check_key(dir_fd, head, key, row, piece) -> int\n\n"
-     "xxh3_64_read_check_at of the file key.hex() + '.kvb', its head read into a buffer of its own."},
+     "xxh3_64_read_check of the file key.hex() + '.kvb' opened beneath dir_fd (O_NOFOLLOW) and\n"
+     "closed in the same call, its head read into a buffer of its own; OSError naming the file\n"
+     "where it cannot be opened."},
+    {"xxh3_64_read_check_keys", (PyCFunction)(void (*)(void))xxc_read_check_keys, METH_FASTCALL,
+     "xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list\n\n"
+     "xxh3_64_read_check_key of each key into its row, in one call without the GIL: dir_at is a C int\n"
+     "holding the directory's descriptor, read before each open (negative: no more opens). Sets\n"
+     "found[i] True for each record read and checked; returns the positions left to the general\n"
+     "read (all but those and the absent records)."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\n"

@@ -82,6 +82,9 @@ XXC_INTERNAL u64 xxh3_run_end(xxh3_run *run);
 XXC_INTERNAL int xxc_read_check(stripes_fn stripes, int fd, const u8 *head, size_t hlen, const u8 *prefix, size_t plen,
                                 u8 *stored, u8 *row, size_t n, size_t piece);
 
+/* The stripes path a pass over n bytes takes (_xxcopy.c): copies, one that copies as it hashes. */
+XXC_INTERNAL stripes_fn stripes_for(int copies, size_t n);
+
 /* ---- little-endian reads ---------------------------------------------------------------- */
 
 static inline u64 read64(const u8 *p)

@@ -1,0 +1,42 @@
+/*
+ * What the sources of kvtier.backends._rowguard share: the one-key read's checks and calls
+ * (_rowguard.c), which the read of a job of several keys (_rowjob.c) makes too.
+ */
+#ifndef KVTIER_ROWGUARD_H
+#define KVTIER_ROWGUARD_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#pragma GCC visibility push(hidden)
+
+/* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
+enum {
+    P_VIEWS, P_SHAPE, P_TENSOR, P_DTYPE, P_KEY_BYTES, P_GUARD, P_TEMPERATURE, P_JOBS, P_MARKS, P_COUNTERS,
+    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_FORKS, P_COUNT
+};
+
+/* Attribute names, interned at import (_rowguard.c). */
+extern PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
+extern PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
+
+/* Whether obj.name is true (1), is not (0), or raised (-1). */
+int attr_is_true(PyObject *obj, PyObject *name);
+/* counters.name += by */
+int add_to(PyObject *counters, PyObject *name, PyObject *by);
+/* clock()'s reading (-1.0 with an error set when it fails). */
+double read_clock(PyObject *clock);
+/* host_view(row, tensor_type, dtype, shape, views) and same_size(fd, seen): see _rowguard.c. */
+PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* one_read(parts, env, key, row, clock, cold_s, check) and the fork count: see _rowguard.c. */
+PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+unsigned long rowguard_forks(void);
+/* job_read(parts, env, keys, out, clock, cold_s, check) and straight_read (the same arguments):
+   see _rowjob.c. */
+PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+#pragma GCC visibility pop
+
+#endif

@@ -1,0 +1,330 @@
+/*
+ * kvtier.backends._rowguard, its second source: a warm job of several keys of an lmdb tier read in
+ * one call (job_read), as lmdb_one.StraightRead.job reads it: every row's checks and view, the
+ * count, the file guard, the lookups in one read transaction, each record's check and copy, the
+ * cold rule, and the counters once a job. In Python the calls around each record (a row's
+ * checks, a lookup, a check and copy, a list append) cost more than a 4 KiB record's copy.
+ */
+#include "_rowguard.h"
+
+#include <pythread.h>
+
+/* Whether the error set is one the straight read hands over on (an lmdb error, TypeError or
+   ValueError: StraightRead.job's except); if so it is cleared. */
+static int handed_over(PyObject *lmdb_error)
+{
+    if (PyErr_ExceptionMatches(lmdb_error) || PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+/* counters.name += n (a C count) */
+static int add_count(PyObject *counters, PyObject *name, Py_ssize_t n)
+{
+    PyObject *by = PyLong_FromSsize_t(n);
+    if (by == NULL)
+        return -1;
+    int rc = add_to(counters, name, by);
+    Py_DECREF(by);
+    return rc;
+}
+
+/* The lookups of a counted job in one read transaction, each record checked and copied into its
+   row's view: found[i] set for each key. 1: every key read; 0: the job is the general path's (a
+   record not raw and sound, a split record with no entry); -1: an error is set. The cold rule
+   after the last lookup, as StraightRead.job's. The transaction is aborted on every way out. */
+static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject **views, Py_ssize_t n,
+                       PyObject *clock, double cold_s, PyObject *check, PyObject *found)
+{
+    Py_ssize_t joined = PyLong_AsSsize_t(parts[P_JOINED_SIZE]);
+    if (joined == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t at = PyLong_AsSsize_t(parts[P_ENTRY_HEAD]);
+    if (at == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
+    PyObject *txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (txn == NULL)
+        return -1;
+    int rc = -1;
+    double start = read_clock(clock);
+    if (start == -1.0 && PyErr_Occurred())
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *get_args[4] = {txn, keys[i], Py_None, parts[P_BLOCKS]};
+        PyObject *value = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (value == NULL)
+            goto done;
+        if (value == Py_None) {
+            Py_DECREF(value);
+            PyList_SET_ITEM(found, i, Py_NewRef(Py_False));
+            continue;
+        }
+        PyObject *status;
+        Py_ssize_t length = PyObject_Length(value);
+        if (length < 0) {
+            Py_DECREF(value);
+            goto done;
+        }
+        if (length == joined) { /* joined: no index lookup */
+            PyObject *check_args[4] = {parts[P_HEAD], keys[i], value, views[i]};
+            status = PyObject_Vectorcall(check, check_args, 4, NULL);
+        } else {
+            get_args[3] = parts[P_INDEX];
+            PyObject *entry = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (entry == NULL || entry == Py_None) { /* no entry: not plain, the general path's */
+                Py_DECREF(value);
+                Py_XDECREF(entry);
+                rc = entry == NULL ? -1 : 0;
+                goto done;
+            }
+            PyObject *stored = PySequence_GetSlice(entry, at, PY_SSIZE_T_MAX);
+            Py_DECREF(entry);
+            if (stored == NULL) {
+                Py_DECREF(value);
+                goto done;
+            }
+            PyObject *check_args[5] = {parts[P_HEAD], keys[i], stored, views[i], value};
+            status = PyObject_Vectorcall(check, check_args, 5, NULL);
+            Py_DECREF(stored);
+        }
+        Py_DECREF(value);
+        if (status == NULL)
+            goto done;
+        int bad = PyObject_IsTrue(status);
+        Py_DECREF(status);
+        if (bad != 0) { /* anything but good: the general path's job */
+            rc = bad < 0 ? -1 : 0;
+            goto done;
+        }
+        PyList_SET_ITEM(found, i, Py_NewRef(Py_True));
+    }
+    double now = read_clock(clock);
+    if (now == -1.0 && PyErr_Occurred())
+        goto done;
+    if (now - start >= cold_s) {
+        PyObject *when = PyFloat_FromDouble(start);
+        if (when == NULL)
+            goto done;
+        PyObject *slow_args[2] = {parts[P_TEMPERATURE], when};
+        PyObject *slow = PyObject_VectorcallMethod(s_slow, slow_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(when);
+        if (slow == NULL)
+            goto done;
+        int is = PyObject_IsTrue(slow);
+        Py_DECREF(slow);
+        if (is < 0 || (is && PyObject_SetAttr(parts[P_TEMPERATURE], s_cold, Py_True) < 0))
+            goto done; /* read from disk: the next job is read cold */
+    }
+    rc = 1;
+done:
+    {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        PyObject *abort_args[1] = {txn};
+        PyObject *aborted = PyObject_VectorcallMethod(s_abort, abort_args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (aborted == NULL) { /* the abort's error replaces any other, as a finally's does */
+            Py_XDECREF(exc_type);
+            Py_XDECREF(exc_value);
+            Py_XDECREF(exc_tb);
+            rc = -1;
+        } else {
+            Py_DECREF(aborted);
+            PyErr_Restore(exc_type, exc_value, exc_tb);
+        }
+    }
+    Py_DECREF(txn);
+    return rc;
+}
+
+/* job_read(parts, env, keys, out, clock, cold_s, check): lmdb_one.StraightRead.job's read of a
+   warm job of several keys in one call, with the same outcome, counters and errors: each key's
+   hit; None (the general path's job, nothing counted); False, before anything moved, where the
+   Python form must read it (the thread's first job, whose faults it marks; the data file's size
+   moved, which its guard tells). Every row's checks and view (host_view) before the job is
+   counted, then the guard, the lookups in one read transaction and the counters once. */
+PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "job_read() takes 7 arguments (parts, env, keys, out, clock, cold_s, check), got %zd", nargs);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
+        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *env = args[1], *clock = args[4], *check = args[6];
+    double cold_s = PyFloat_AsDouble(args[5]);
+    if (cold_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *jobs = parts[P_JOBS], *marks = parts[P_MARKS];
+    if (!PyList_CheckExact(jobs) || !PyDict_CheckExact(marks)) {
+        PyErr_SetString(PyExc_TypeError, "parts: jobs must be a list and marks a dict");
+        return NULL;
+    }
+    Py_ssize_t key_bytes = PyLong_AsSsize_t(parts[P_KEY_BYTES]);
+    if (key_bytes == -1 && PyErr_Occurred())
+        return NULL;
+    /* A tuple of the keys as they are now (a list's own item array would be freed under the
+       lookups, which call Python and let the GIL go, were the list emptied or grown meanwhile). */
+    PyObject *keys = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
+    if (keys == NULL)
+        return NULL;
+    PyObject *out = PySequence_Fast(args[3], "out: expected a sequence");
+    if (out == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), got = 0, hits = 0;
+    PyObject **views = NULL, *found = NULL, *result = NULL;
+    if (n != PySequence_Fast_GET_SIZE(out)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    int cold = attr_is_true(parts[P_TEMPERATURE], s_cold);
+    if (cold != 0) {
+        if (cold > 0)
+            result = Py_NewRef(Py_None); /* read cold: the job reader's */
+        goto done;
+    }
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (ident == NULL)
+        goto done;
+    int marked = PyDict_Contains(marks, ident);
+    Py_DECREF(ident);
+    if (marked <= 0) {
+        if (marked == 0)
+            result = Py_NewRef(Py_False); /* the thread's first job: the Python form marks it */
+        goto done;
+    }
+    views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject *const *key = PySequence_Fast_ITEMS(keys), *const *row = PySequence_Fast_ITEMS(out);
+    for (; got < n; got++) {
+        if (!PyBytes_CheckExact(key[got]) || PyBytes_GET_SIZE(key[got]) != key_bytes) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyObject *view_args[5] = {row[got], parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
+        PyObject *view = py_host_view(self, view_args, 5);
+        if (view == NULL)
+            goto done;
+        if (view == Py_None) { /* not such a row, or one not seen yet: the general path makes its view */
+            result = view;
+            goto done;
+        }
+        views[got] = view;
+    }
+    found = PyList_New(n);
+    if (found == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(found, i, Py_NewRef(Py_False));
+    /* Counted among the jobs being read before the guard is read: a close closes the guard
+       first, then waits for the jobs counted. */
+    if (PyList_Append(jobs, Py_None) < 0)
+        goto done;
+    int read = -1;
+    PyObject *fd = PyObject_GetAttr(parts[P_GUARD], s_fd);
+    PyObject *seen = fd == NULL ? NULL : PyObject_GetAttr(parts[P_GUARD], s_seen);
+    if (seen != NULL) {
+        PyObject *size_args[2] = {fd, seen};
+        PyObject *same = py_same_size(self, size_args, 2);
+        if (same == Py_False)
+            result = Py_NewRef(Py_False); /* the size moved: grown, cut short or closed; the Python form's guard tells */
+        else if (same != NULL)
+            read = job_lookups(parts, env, key, views, n, clock, cold_s, check, found);
+        Py_XDECREF(same);
+    }
+    Py_XDECREF(fd);
+    Py_XDECREF(seen);
+    if (read == 0 || (read < 0 && result == NULL && handed_over(parts[P_ERROR])))
+        result = Py_NewRef(Py_None);
+    /* jobs.pop(), whatever happened (an error raised stays set across it) */
+    Py_ssize_t counted = PyList_GET_SIZE(jobs);
+    if (counted > 0) {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        if (PyList_SetSlice(jobs, counted - 1, counted, NULL) < 0)
+            PyErr_Clear();
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    if (read != 1)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        hits += PyList_GET_ITEM(found, i) == Py_True;
+    PyObject *counters = parts[P_COUNTERS];
+    PyObject *hit_count = PyLong_FromSsize_t(hits);
+    PyObject *hit_bytes = hit_count == NULL ? NULL : PyNumber_Multiply(hit_count, parts[P_SIZE]);
+    int counted_ok = hit_bytes != NULL && add_to(counters, s_blocks_read, hit_count) == 0 && add_to(counters, s_bytes_read, hit_bytes) == 0
+                     && add_count(counters, s_read_misses, n - hits) == 0;
+    Py_XDECREF(hit_count);
+    Py_XDECREF(hit_bytes);
+    if (counted_ok)
+        result = Py_NewRef(found);
+done:
+    if (views != NULL) {
+        for (Py_ssize_t i = 0; i < got; i++)
+            Py_DECREF(views[i]);
+        PyMem_Free(views);
+    }
+    Py_XDECREF(found);
+    Py_DECREF(keys);
+    Py_DECREF(out);
+    return result;
+}
+
+/* straight_read(parts, env, keys, out, clock, cold_s, check): lmdb_one.StraightRead.read in one
+   call, from the tier's read_blocks (no Python frame between): None where devices.locate is set
+   or the store was opened before a fork of this process (parts' count against the
+   pthread_atfork count); else one_read for a job of one key and one row, job_read for any
+   other, whose answers it gives (False: StraightRead.read's lines must read it). */
+PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "straight_read() takes 7 arguments (parts, env, keys, out, clock, cold_s, check), got %zd", nargs);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
+        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *locate = PyObject_GetAttr(parts[P_DEVICES], s_locate);
+    if (locate == NULL)
+        return NULL;
+    int hosted = locate == Py_None;
+    Py_DECREF(locate);
+    unsigned long opened = PyLong_AsUnsignedLong(parts[P_FORKS]);
+    if (opened == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!hosted || opened != rowguard_forks())
+        Py_RETURN_NONE; /* rows a device's stand-ins, or another process's environment: the general path's */
+    Py_ssize_t n = PyObject_Length(args[2]);
+    if (n < 0)
+        return NULL;
+    Py_ssize_t rows = PyObject_Length(args[3]);
+    if (rows < 0)
+        return NULL;
+    if (n != 1 || rows != 1)
+        return py_job_read(self, args, 7);
+    PyObject *key = PySequence_GetItem(args[2], 0);
+    if (key == NULL)
+        return NULL;
+    PyObject *row = PySequence_GetItem(args[3], 0);
+    if (row == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *one_args[7] = {args[0], args[1], key, row, args[4], args[5], args[6]};
+    PyObject *found = py_one_read(self, one_args, 7);
+    Py_DECREF(key);
+    Py_DECREF(row);
+    return found;
+}

@@ -1,0 +1,168 @@
+/*
+ * kvtier.records._xxcopy's xxh3_64_read_check_keys: a job of the file tier's flat records, each
+ * opened by its key's name beneath a directory, read and checked as xxh3_64_read_check_key
+ * reads one (_xxread.c), the whole job in one call and one hand-over of the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "_xxh3.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#define HEAD_MAX 64 /* a stored head this long at most (the file tier's is 24 bytes) */
+#define KEY_MAX 64  /* a key this long at most (the file tier's are 32) */
+
+/* What became of one record: read and checked; absent (its open's ENOENT, a miss); left to the
+   general read (any other outcome, and every record from the directory's close on). */
+enum { JOB_GOOD, JOB_MISS, JOB_REST };
+
+typedef struct {
+    u8 prefix[HEAD_MAX + KEY_MAX]; /* head + key: what the checksum begins with */
+    char name[2 * KEY_MAX + 5];    /* key.hex() + ".kvb" */
+    size_t klen;
+    Py_buffer row;
+    int status;
+} job_record;
+
+/* Each record's name, prefix and row, taken while the GIL is held; 0, or -1 with the error set
+   (rows[0..*held) are held either way, for the caller to release). */
+static int take_records(job_record *recs, PyObject *keys, PyObject *rows, const Py_buffer *head, Py_ssize_t n, Py_ssize_t *held)
+{
+    static const char hex[] = "0123456789abcdef";
+    for (Py_ssize_t i = 0; i < n; i++) {
+        job_record *r = &recs[i];
+        Py_buffer key;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(keys, i), &key, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "keys[%zd]: expected a bytes-like object", i);
+            return -1;
+        }
+        if (key.len > KEY_MAX) {
+            PyErr_Format(PyExc_ValueError, "keys[%zd]: holds %zd bytes, at most %d here", i, key.len, KEY_MAX);
+            PyBuffer_Release(&key);
+            return -1;
+        }
+        const u8 *k = key.buf;
+        r->klen = (size_t)key.len;
+        memcpy(r->prefix, head->buf, (size_t)head->len);
+        memcpy(r->prefix + head->len, k, r->klen);
+        for (size_t j = 0; j < r->klen; j++)
+            r->name[2 * j] = hex[k[j] >> 4], r->name[2 * j + 1] = hex[k[j] & 15];
+        memcpy(r->name + 2 * r->klen, ".kvb", 5);
+        PyBuffer_Release(&key);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rows, i), &r->row, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "rows[%zd]: expected a writable, contiguous bytes-like object", i);
+            return -1;
+        }
+        *held = i + 1;
+    }
+    return 0;
+}
+
+/* The job's reads, without the GIL: the directory's descriptor is read from *dir before each
+   open, and once it is negative (the root is closing) no record is opened any more. */
+static void read_records(job_record *recs, Py_ssize_t n, const int *dir, const u8 *head, size_t hlen, size_t piece)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        job_record *r = &recs[i];
+        int dir_fd = __atomic_load_n(dir, __ATOMIC_ACQUIRE), fd;
+        if (dir_fd < 0) {
+            for (; i < n; i++)
+                recs[i].status = JOB_REST;
+            return;
+        }
+        do
+            fd = openat(dir_fd, r->name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); /* a FIFO: no wait */
+        while (fd < 0 && errno == EINTR);
+        if (fd < 0) {
+            r->status = errno == ENOENT ? JOB_MISS : JOB_REST;
+            continue;
+        }
+        u8 stored[HEAD_MAX + 8];
+        size_t len = (size_t)r->row.len;
+        int got = xxc_read_check(stripes_for(0, len), fd, head, hlen, r->prefix, hlen + r->klen, stored, r->row.buf, len, piece);
+        close(fd);
+        r->status = got == XXC_CHECK_GOOD ? JOB_GOOD : JOB_REST;
+    }
+}
+
+/* xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list of int (see methods). */
+XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "expected (dir_at, head, keys, rows, piece, found), got %zd arguments", nargs);
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
+    if (piece == -1 && PyErr_Occurred())
+        return NULL;
+    if (piece < 0)
+        return PyErr_Format(PyExc_ValueError, "piece: expected a count of bytes >= 0, got %zd", piece);
+    if (!PyList_Check(args[5]))
+        return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(args[5])->tp_name);
+    PyObject *keys = PySequence_Fast(args[2], "keys: expected a sequence"), *rows = NULL, *rest = NULL;
+    if (keys == NULL || (rows = PySequence_Fast(args[3], "rows: expected a sequence")) == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), held = 0;
+    Py_buffer dir, head;
+    job_record *recs = NULL;
+    if (PySequence_Fast_GET_SIZE(rows) != n || PyList_GET_SIZE(args[5]) != n) {
+        PyErr_Format(PyExc_ValueError, "rows, found: expected %zd each (one per key), got %zd and %zd", n, PySequence_Fast_GET_SIZE(rows),
+                     PyList_GET_SIZE(args[5]));
+        goto release_seqs;
+    }
+    if (PyObject_GetBuffer(args[0], &dir, PyBUF_SIMPLE) < 0)
+        goto release_seqs;
+    if (dir.len != (Py_ssize_t)sizeof(int) || ((uintptr_t)dir.buf % _Alignof(int)) != 0) {
+        PyErr_Format(PyExc_ValueError, "dir_at: expected an aligned C int holding the directory's descriptor, got %zd bytes", dir.len);
+        goto release_dir;
+    }
+    if (PyObject_GetBuffer(args[1], &head, PyBUF_SIMPLE) < 0)
+        goto release_dir;
+    if (head.len > HEAD_MAX) {
+        PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head.len, HEAD_MAX);
+        goto release_head;
+    }
+    recs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *recs);
+    if (recs == NULL) {
+        PyErr_NoMemory();
+        goto release_head;
+    }
+    if (take_records(recs, keys, rows, &head, n, &held) < 0)
+        goto release_rows;
+    Py_BEGIN_ALLOW_THREADS
+    read_records(recs, n, dir.buf, head.buf, (size_t)head.len, (size_t)piece);
+    Py_END_ALLOW_THREADS
+    rest = PyList_New(0);
+    for (Py_ssize_t i = 0; rest != NULL && i < n; i++) {
+        int failed = 0;
+        if (recs[i].status == JOB_GOOD)
+            failed = PyList_SetItem(args[5], i, Py_NewRef(Py_True)) < 0; /* (IndexError if another thread cut it) */
+        else if (recs[i].status == JOB_REST) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            failed = at == NULL || PyList_Append(rest, at) < 0;
+            Py_XDECREF(at);
+        }
+        if (failed)
+            Py_CLEAR(rest);
+    }
+release_rows:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&recs[i].row);
+    PyMem_Free(recs);
+release_head:
+    PyBuffer_Release(&head);
+release_dir:
+    PyBuffer_Release(&dir);
+release_seqs:
+    Py_DECREF(rows);
+    Py_DECREF(keys);
+    return rest;
+}

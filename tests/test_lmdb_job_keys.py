@@ -1,0 +1,51 @@
+"""The native straight read of a job of several keys (``lmdb_plain.job_read``) reads the keys the
+job had when the call began: a keys list emptied or grown meanwhile (by another thread, while a
+lookup let the GIL go; here by the record check the call makes) must not be read through its
+old item array, which the list frees (before: the keys after the first were read from freed
+memory, misses or worse). Run in a child: a read of freed memory may crash it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kvtier.backends import lmdb_plain
+
+_CHILD = r"""
+import asyncio, tempfile, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import lmdb_one, lmdb_plain
+from kvtier.records import xxcopy
+from kvtier.testing import make_key, random_block
+fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+backend = registry.backends.get("lmdb")(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast")
+asyncio.run(backend.open(fmt))
+n = 8
+keys = [make_key(i) for i in range(n)]
+blocks = [random_block(4096, i) for i in range(n)]
+backend.write_blocks(keys, blocks)
+rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]
+assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept, the thread marked)
+job = [bytes(bytearray(k)) for k in keys]  # the job's own keys: the list holds their only references
+checked = []
+def check(*args):
+    if not checked:
+        job.clear()  # the caller's list emptied and grown while the job runs
+        job.extend(bytes(32) for _ in range(100))
+    checked.append(1)
+    return xxcopy.xxh3_check_copy(*args)
+for row in rows:
+    row.zero_()
+got = lmdb_plain.job_read(backend._straight.native_parts, backend._env, job, rows, lmdb_one.perf_counter, lmdb_one.COLD_GET_S, check)
+print(got == [True] * n, all(torch.equal(r, b.view(torch.uint8)) for r, b in zip(rows, blocks)))
+asyncio.run(backend.aclose())
+"""
+
+
+@pytest.mark.skipif(lmdb_plain.job_read is None, reason="kvtier.backends._rowguard not built")
+def test_a_job_read_reads_the_keys_it_was_given_when_the_list_changes_meanwhile() -> None:
+    child = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "True"], child.stdout
