@@ -30,20 +30,33 @@ class CacheEvent:
 
 
 class EventLog:
-    """At most ``limit`` events, oldest first; ``dropped`` counts those pushed out."""
+    """At most ``limit`` events, oldest first; ``dropped`` counts those pushed out.
+
+    A log at its bound (nobody takes the events) would trim at every add, about 0.2 µs of
+    Python a store; it keeps up to ``limit // 16`` events more and trims them all at once, and
+    every reader (``take``, ``len``, ``dropped``) trims to the bound first, so what it sees is
+    what a trim at every add would have left."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.dropped = 0
+        self._slack = limit // 16  # events past the bound that wait for one trim of them all
+        self._dropped = 0
         self._batches: deque[EventBatch] = deque()
         self._skip = 0  # keys of the head batch already dropped
         self._count = 0
+
+    @property
+    def dropped(self) -> int:
+        """Events pushed out past the bound so far."""
+        if self._count > self.limit:
+            self._trim()
+        return self._dropped
 
     def add(self, kind: Kind, keys: Sequence[bytes], tier: str) -> None:
         if keys:
             self._batches.append((kind, keys, tier))
             self._count += len(keys)
-            if self._count > self.limit:
+            if self._count > self.limit + self._slack:
                 self._trim()
 
     def extend(self, batches: Iterable[EventBatch]) -> None:
@@ -54,7 +67,7 @@ class EventLog:
         batches = self._batches
         over = self._count - self.limit
         self._count -= over
-        self.dropped += over
+        self._dropped += over
         while over:
             left = len(batches[0][1]) - self._skip
             if left > over:
@@ -69,6 +82,8 @@ class EventLog:
 
     def take(self) -> list[CacheEvent]:
         """The events since the last call, oldest first."""
+        if self._count > self.limit:
+            self._trim()
         batches, self._batches, self._count = self._batches, deque(), 0
         skip, self._skip = self._skip, 0
         if skip:
@@ -77,4 +92,6 @@ class EventLog:
         return [CacheEvent(kind, key, tier) for kind, keys, tier in batches for key in keys]
 
     def __len__(self) -> int:
+        if self._count > self.limit:
+            self._trim()
         return self._count
