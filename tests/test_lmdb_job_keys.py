@@ -59,9 +59,10 @@ def test_a_job_read_leaves_the_reference_counts_of_true_and_false_where_they_wer
     import asyncio
 
     import torch
+    from kvtier.backends import lmdb_one
+
     from kvtier import registry
     from kvtier.backend import BlockFormat
-    from kvtier.backends import lmdb_one
     from kvtier.records import xxcopy
     from kvtier.testing import make_key, random_block
 
