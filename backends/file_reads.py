@@ -33,10 +33,11 @@ record takes. :class:`PlainReads` does the common case in three:
   its memory is taken here (0.6 µs, where ``Tensor.numpy()`` took 1.8).
 
 A job of one record (:meth:`PlainReads.read_one`) is the same read as one straight line from
-the call: the key's and row's checks in one expression (one dimension and ``nbytes`` for the
-shape), the row's view kept by address from an earlier job, the counters bumped in place. A 4
-KiB record took 9.5 µs through the job's loop, against 8.4 for a raw ``open``/``preadv``/``close``
-by path; then 7.4.
+the call: the row's checks and its view kept by address from an earlier job in one native call
+(``lmdb_plain.host_view``), then, in the flat layout, the root's count of the job, the read
+and the count let go in one more (:func:`~kvtier.records.xxcopy.xxh3_read_one`), the counters
+bumped in place. A 4 KiB record took 9.5 µs through the job's loop, against 8.4 for a raw
+``open``/``preadv``/``close`` by path; then 7.4; 0.1 µs less again with the two calls.
 
 A record larger than :data:`PIECE_BYTES` (2 MiB, say) is read in pieces of that size by the
 same call, the head with the first, each piece hashed just after its ``pread`` while it is still
@@ -68,12 +69,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from kvtier.backends import lmdb_plain
 
 from kvtier import devices
 from kvtier.backend import BackendCounters
+from kvtier.keys import KEY_BYTES
 from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.format import HEADER_SIZE
+from kvtier.records.xxcopy import ONE_ABSENT, ONE_READ
 
 __all__ = ["CLOSE_WAIT_S", "PIECE_BYTES", "BeneathRoot", "PlainReads"]
 
@@ -85,6 +89,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _U8 = torch.uint8
+_TENSOR = torch.Tensor
 #: Records larger than this are read and hashed a piece of this size at a time (see the module
 #: doc): small enough that a piece and the page cache's lines it was copied from stay in a
 #: core's 1-2 MiB of L2 cache, large enough that the ``preadv`` calls cost little (8 for 2 MiB).
@@ -171,6 +176,12 @@ class BeneathRoot:
             self.usable = False  # no openat2 here (or not this form of it): general reads only
         raise OSError(err, os.strerror(err), relative)
 
+    @property
+    def under_way(self) -> list[None]:
+        """The jobs counted beneath the root (:meth:`enter`): one entry each, for a native
+        call that counts its own (:func:`~kvtier.records.xxcopy.xxh3_read_one`)."""
+        return self._under_way
+
     def enter(self) -> bool:
         """Count a job on records beneath the root (a read; the tier's writes and deletes, which
         may reach them by the root's path), until :meth:`leave`; ``False``, counting nothing,
@@ -221,68 +232,68 @@ class PlainReads:
         self.block_bytes = block_bytes
         self.checksum = HeadChecksum.plain(block_bytes, dtype_code)
         self._row = ctypes.c_char * block_bytes
+        self._shape = torch.Size([block_bytes])
         #: Records of more than this many bytes are read in pieces of it (see the module doc).
         self.piece = PIECE_BYTES
 
     def read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
-        if not self.root.enter():  # closed: the general path's
-            return None
-        try:
-            return self._read_one(key, row, counters)
-        finally:
-            self.root.leave()
-
-    def _read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
         """A job of one record, in one straight line: ``True`` when the record was read into
         ``row`` and checked, ``False`` when it is absent (a miss), each counted in
         ``counters``; ``None`` for anything the job's general path is to take (a key or row it
         must check and refuse by name, a row whose view is not kept in :attr:`views` yet, a
-        record this pass does not serve), counted there.
+        record this pass does not serve, a closed root), counted there.
 
-        The row is checked as :meth:`RowViews.of <kvtier.backends.lmdb_plain.RowViews.of>`
-        checks a job's, with the cheaper equivalents of its shape check (one dimension and
-        ``nbytes``: 0.2 µs where comparing ``shape`` took 0.5)."""
-        size = self.block_bytes
-        if (
-            type(key) is not bytes or len(key) != 32 or row.dtype is not _U8 or row.nbytes != size or row.dim() != 1
-            or not row.is_cpu or not row.is_contiguous() or devices.locate is not None
-        ):
+        The row is checked, and its kept view found, as :meth:`RowViews.of
+        <kvtier.backends.lmdb_plain.RowViews.of>` does for a job's rows, in one native call
+        (:data:`~kvtier.backends.lmdb_plain.host_view`; a row of a subclass of ``Tensor`` takes
+        the job's path). In the flat layout the record is then counted among the root's jobs
+        (a close waits for it), named, opened, read, checked, closed and let go in one more
+        (:func:`~kvtier.records.xxcopy.xxh3_read_one`)."""
+        if type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None:
             return None
-        view = self.views.get(row.data_ptr())
+        view = lmdb_plain.host_view(row, _TENSOR, _U8, self._shape, self.views)
         if view is None:
             return None
         root = self.root
-        if self.flat:  # named, opened, read, checked and closed in one call
-            if (root_fd := root.fd) < 0:  # the tier closed since its read took this pass: the general path's
-                return None
-            try:
-                if xxcopy.xxh3_read_check_key(root_fd, self.checksum.head, key, view, self.piece):
-                    return None
-            except FileNotFoundError:  # (only its open says so: a read never does)
+        if self.flat:
+            status = xxcopy.xxh3_read_one(root.under_way, root.dir_at, self.checksum.head, key, view, self.piece)
+            if status == ONE_READ:
+                counters.blocks_read += 1
+                counters.bytes_read += self.block_bytes
+                return True
+            if status == ONE_ABSENT:
                 counters.read_misses += 1
                 return False
-            except OSError:
+            return None  # (the root closing, or a record this pass does not serve)
+        if not root.enter():  # closed: the general path's
+            return None
+        try:
+            return self._read_sharded(key, view, counters)
+        finally:
+            root.leave()
+
+    def _read_sharded(self, key: bytes, view: memoryview, counters: BackendCounters) -> bool | None:
+        """:meth:`read_one`'s read of ``key`` in the sharded layout, into the row ``view``."""
+        root = self.root
+        try:
+            if not root.usable:
                 return None
-        else:
-            try:
-                if not root.usable:
-                    return None
-                name = key.hex()
-                fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
-            except FileNotFoundError:
-                counters.read_misses += 1
-                return False
-            except OSError:
+            name = key.hex()
+            fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
+        except FileNotFoundError:
+            counters.read_misses += 1
+            return False
+        except OSError:
+            return None
+        try:
+            if xxcopy.xxh3_read_check(fd, self.checksum.head, key, bytearray(HEADER_SIZE), view, self.piece):
                 return None
-            try:
-                if xxcopy.xxh3_read_check(fd, self.checksum.head, key, bytearray(HEADER_SIZE), view, self.piece):
-                    return None
-            except OSError:
-                return None
-            finally:
-                os.close(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         counters.blocks_read += 1
-        counters.bytes_read += size
+        counters.bytes_read += self.block_bytes
         return True
 
     def read(

@@ -27,6 +27,7 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
     if way == "python":
         monkeypatch.setattr(xxcopy, "xxh3_read_check_key", xxcopy.xxh3_read_check_key_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", xxcopy.xxh3_read_check_keys_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_one", xxcopy.xxh3_read_one_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)

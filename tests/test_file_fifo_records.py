@@ -23,6 +23,7 @@ layout, way = sys.argv[1], sys.argv[2]
 if way == "python":
     xxcopy.xxh3_read_check_key = xxcopy.xxh3_read_check_key_python
     xxcopy.xxh3_read_check_keys = xxcopy.xxh3_read_check_keys_python
+    xxcopy.xxh3_read_one = xxcopy.xxh3_read_one_python
     xxcopy.xxh3_read_check = xxcopy.xxh3_read_check_python
 if way == "general":
     file_tier.PLAIN_READS = False

@@ -107,9 +107,9 @@ READ_PATHS = ["python", *(["native"] if xxcopy.xxh3_read_check_native is not Non
 
 
 def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs: bool = True) -> list[int]:
-    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_key`` (the flat
-    layout's, which names and opens the file too) and ``xxh3_read_check_keys`` (the flat
-    layout's job) on one path (``"python"`` or ``"native"``) for the rest of the test, recording
+    """``xxcopy.xxh3_read_check``, ``xxh3_read_check_key`` (the flat layout's, which names
+    and opens the file too), ``xxh3_read_check_keys`` (the flat layout's job) and
+    ``xxh3_read_one`` (its job of one record) on one path (``"python"`` or ``"native"``) for the rest of the test, recording
     the outcome of each record's read in the list returned (``check_jobs`` false: the job's
     call on that path as it is, its records' outcomes not recorded)."""
     seen: list[int] = []
@@ -127,6 +127,7 @@ def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs:
     assert job is not None and one is not None
     if not check_jobs:
         monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", job)
+        monkeypatch.setattr(xxcopy, "xxh3_read_one", getattr(xxcopy, f"xxh3_read_one_{path}"))
         return seen
 
     def recording_job(dir_at: Any, head: Any, keys: Any, rows: Any, piece: int, found: list[bool]) -> list[int]:
@@ -148,6 +149,18 @@ def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs:
         return got  # type: ignore[no-any-return]
 
     monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", recording_job)
+    lone = getattr(xxcopy, f"xxh3_read_one_{path}")
+    assert lone is not None
+
+    def recording_one(under_way: list[None], dir_at: Any, head: Any, key: Any, row: Any, piece: int) -> int:
+        """A job of one record's call, checked as :func:`recording_job` checks a job's."""
+        found = [False]
+        rest = recording_job(dir_at, head, [key], [bytearray(len(row))], piece, found)
+        status = lone(under_way, dir_at, head, key, row, piece)
+        assert status == (xxcopy.ONE_READ if found[0] else xxcopy.ONE_ELSE if rest else xxcopy.ONE_ABSENT), (status, found, rest)
+        return status  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(xxcopy, "xxh3_read_one", recording_one)
     return seen
 
 

@@ -155,3 +155,41 @@ def test_bad_arguments_of_a_job_read_are_refused_by_name(tmp_path: Path, name: s
         assert fn(dir_at, HEAD, keys, rows, 0, found) == [] and found == [False, False]  # both absent: misses
     finally:
         os.close(dir_fd)
+
+
+ONE_FNS = forms_of("xxh3_read_one")
+
+
+def test_the_native_read_of_one_is_the_one_called_where_the_fused_pass_is() -> None:
+    assert (xxcopy.xxh3_read_one is xxcopy.xxh3_read_one_native) == xxcopy.fused()
+
+
+@pytest.mark.parametrize("name", list(ONE_FNS))
+@pytest.mark.parametrize("piece", [0, 4096])
+def test_a_read_of_one_says_what_a_job_of_it_says_and_leaves_the_count_as_it_was(tmp_path: Path, name: str, piece: int) -> None:
+    """Each kind of record read alone by ``xxh3_read_one``: read and checked where a job of it
+    finds it, absent where the job calls it a miss, else left to the general read; the row as the
+    job leaves it; ``under_way`` as it was after each call; nothing opened once the directory
+    reads negative; bad arguments refused by name before anything is counted."""
+    n = 5000
+    keys = _keys()
+    _store(tmp_path, keys, n)
+    dir_fd = os.open(tmp_path, os.O_RDONLY)
+    under_way: list[None] = [None]  # another job's entry, left as it is
+    try:
+        for i, key in enumerate(keys):
+            job_row, row = bytearray(b"\x5a" * n), bytearray(b"\x5a" * n)
+            found = [False]
+            rest = xxcopy.xxh3_read_check_keys_python(ctypes.c_int(dir_fd), HEAD, [key], [job_row], piece, found)
+            expected = xxcopy.ONE_READ if found[0] else xxcopy.ONE_ELSE if rest else xxcopy.ONE_ABSENT
+            assert ONE_FNS[name](under_way, ctypes.c_int(dir_fd), HEAD, key, row, piece) == expected, KINDS[i]
+            assert row == job_row and under_way == [None], KINDS[i]
+        assert ONE_FNS[name](under_way, ctypes.c_int(-1), HEAD, keys[0], bytearray(b"\x5a" * n), piece) == xxcopy.ONE_ELSE
+        assert under_way == [None]
+    finally:
+        os.close(dir_fd)
+    with pytest.raises(TypeError, match="under_way: expected a list, got tuple"):
+        ONE_FNS[name]((), ctypes.c_int(-1), HEAD, keys[0], bytearray(n), piece)
+    with pytest.raises(ValueError, match=r"piece: expected a count of bytes >= 0, got -1"):
+        ONE_FNS[name](under_way, ctypes.c_int(-1), HEAD, keys[0], bytearray(n), -1)
+    assert under_way == [None]

@@ -12,8 +12,6 @@
 #include <limits.h>
 #include <unistd.h>
 
-/* ---- Python binding ---------------------------------------------------------------------- */
-
 /* Passes over this many bytes or more run without the GIL (a 16 KiB pass takes about 1 us;
    below, handing the GIL over and taking it back, perhaps after another thread's turn, would
    cost more than the pass). */
@@ -501,7 +499,7 @@ static PyObject *py_prefetch_writes(PyObject *module, PyObject *const *args, Py_
     return PyBool_FromLong(was);
 }
 
-XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* _xxjob.c */
+XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs), *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* _xxjob.c */
 static PyMethodDef methods[] = {
     {"xxh3_64_copy", (PyCFunction)(void (*)(void))py_xxh3_64_copy, METH_FASTCALL,
      "xxh3_64_copy(prefix, src, dst=None) -> int\n\n"
@@ -516,12 +514,11 @@ static PyMethodDef methods[] = {
      "head + the XXH3-64 of head + key + src (8 bytes, little-endian) + src, as one new bytes\n"
      "object: src is copied into it in the hash's pass (a whole record, header then payload)."},
     {"xxh3_64_check_copy", (PyCFunction)(void (*)(void))py_xxh3_64_check_copy, METH_FASTCALL,
-     "xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int\n\n"
-     "One raw record checked and copied into dst: 0 good, 1 not a record of len(dst) bytes\n"
-     "(dst untouched), 2 its stored head differs from head (dst untouched), 3 its checksum\n"
-     "(XXH3-64 of head + key + payload, little-endian after the stored head) differs (dst\n"
-     "written). stored is the stored head and checksum, then the payload unless given apart.\n"
-     "dst None: the record is checked, not copied (its payload's length is then its own)."},
+     "xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int\n\nOne raw record checked and copied into\n"
+     "dst: 0 good, 1 not a record of len(dst) bytes (dst untouched), 2 its stored head differs from head (dst\n"
+     "untouched), 3 its checksum (XXH3-64 of head + key + payload, little-endian after the stored head) differs\n"
+     "(dst written). stored is the stored head and checksum, then the payload unless given apart. dst None:\n"
+     "the record is checked, not copied (its payload's length is then its own)."},
     {"xxh3_64_read_check", (PyCFunction)(void (*)(void))py_xxh3_64_read_check, METH_FASTCALL,
      "xxh3_64_read_check(fd, head, key, stored, row, piece) -> int\n\n"
      "One raw record read from fd and checked, without the GIL: its stored head and checksum\n"
@@ -540,13 +537,15 @@ static PyMethodDef methods[] = {
      "holding the directory's descriptor, read before each open (negative: no more opens). Sets\n"
      "found[i] True for each record read and checked; returns the positions left to the general\n"
      "read (all but those and the absent records)."},
+    {"xxh3_64_read_one", (PyCFunction)(void (*)(void))xxc_read_one, METH_FASTCALL,
+     "xxh3_64_read_one(under_way, dir_at, head, key, row, piece) -> int\n\nxxh3_64_read_check_keys of one key,\n"
+     "counted in the list under_way (an entry appended for the call): 0 read and checked, 1 absent, 2 else."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
-     "prefetch_writes(on=None) -> bool\n\n"
-     "Whether the copying AVX2 / AVX-512 passes prefetch the destination for writing (PREFETCHW,\n"
-     "on at import where the CPU has it) rather than for reading; with on given, sets it\n"
-     "(ValueError for True on a CPU without it). Returns the setting before the call. The bytes\n"
-     "copied and the digests are the same either way."},
+     "prefetch_writes(on=None) -> bool\n\nWhether the copying AVX2 / AVX-512 passes prefetch the\n"
+     "destination for writing (PREFETCHW, on at import where the CPU has it) rather than for reading;\n"
+     "with on given, sets it (ValueError for True on a CPU without it). Returns the setting before\n"
+     "the call. The bytes copied and the digests are the same either way."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,37 +27,48 @@ typedef struct {
     int status;
 } job_record;
 
-/* Each record's name, prefix and row, taken while the GIL is held; 0, or -1 with the error set
-   (rows[0..*held) are held either way, for the caller to release). */
-static int take_records(job_record *recs, PyObject *keys, PyObject *rows, const Py_buffer *head, Py_ssize_t n, Py_ssize_t *held)
+/* A record's name and prefix from key and its row from row, taken while the GIL is held; 0 with
+   the row held, or -1 with the error set, naming keys[i] / rows[i] (i < 0: key / row). */
+static int take_record(job_record *r, PyObject *key_obj, PyObject *row_obj, const Py_buffer *head, Py_ssize_t i)
 {
     static const char hex[] = "0123456789abcdef";
-    for (Py_ssize_t i = 0; i < n; i++) {
-        job_record *r = &recs[i];
-        Py_buffer key;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(keys, i), &key, PyBUF_SIMPLE) < 0) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "keys[%zd]: expected a bytes-like object", i);
-            return -1;
-        }
-        if (key.len > KEY_MAX) {
-            PyErr_Format(PyExc_ValueError, "keys[%zd]: holds %zd bytes, at most %d here", i, key.len, KEY_MAX);
-            PyBuffer_Release(&key);
-            return -1;
-        }
-        const u8 *k = key.buf;
-        r->klen = (size_t)key.len;
-        memcpy(r->prefix, head->buf, (size_t)head->len);
-        memcpy(r->prefix + head->len, k, r->klen);
-        for (size_t j = 0; j < r->klen; j++)
-            r->name[2 * j] = hex[k[j] >> 4], r->name[2 * j + 1] = hex[k[j] & 15];
-        memcpy(r->name + 2 * r->klen, ".kvb", 5);
+    char key_name[32] = "key", row_name[32] = "row";
+    if (i >= 0)
+        snprintf(key_name, sizeof key_name, "keys[%zd]", i), snprintf(row_name, sizeof row_name, "rows[%zd]", i);
+    Py_buffer key;
+    if (PyObject_GetBuffer(key_obj, &key, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a bytes-like object", key_name);
+        return -1;
+    }
+    if (key.len > KEY_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: holds %zd bytes, at most %d here", key_name, key.len, KEY_MAX);
         PyBuffer_Release(&key);
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rows, i), &r->row, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "rows[%zd]: expected a writable, contiguous bytes-like object", i);
+        return -1;
+    }
+    const u8 *k = key.buf;
+    r->klen = (size_t)key.len;
+    memcpy(r->prefix, head->buf, (size_t)head->len);
+    memcpy(r->prefix + head->len, k, r->klen);
+    for (size_t j = 0; j < r->klen; j++)
+        r->name[2 * j] = hex[k[j] >> 4], r->name[2 * j + 1] = hex[k[j] & 15];
+    memcpy(r->name + 2 * r->klen, ".kvb", 5);
+    PyBuffer_Release(&key);
+    if (PyObject_GetBuffer(row_obj, &r->row, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a writable, contiguous bytes-like object", row_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Each record's name, prefix and row (take_record); 0, or -1 with the error set (rows[0..*held)
+   are held either way, for the caller to release). */
+static int take_records(job_record *recs, PyObject *keys, PyObject *rows, const Py_buffer *head, Py_ssize_t n, Py_ssize_t *held)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (take_record(&recs[i], PySequence_Fast_GET_ITEM(keys, i), PySequence_Fast_GET_ITEM(rows, i), head, i) < 0)
             return -1;
-        }
         *held = i + 1;
     }
     return 0;
@@ -165,4 +176,55 @@ release_seqs:
     Py_DECREF(rows);
     Py_DECREF(keys);
     return rest;
+}
+
+/* xxh3_64_read_one(under_way, dir_at, head, key, row, piece) -> int (see methods): one record,
+   counted among under_way's jobs (a list: one entry appended for the call, one popped after),
+   as BeneathRoot.enter and leave count a job. 0 read and checked, 1 absent, 2 the general
+   read's (the directory closing, a check or a read that failed, an open that failed else). */
+XXC_INTERNAL PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "expected (under_way, dir_at, head, key, row, piece), got %zd arguments", nargs);
+        return NULL;
+    }
+    if (!PyList_CheckExact(args[0]))
+        return PyErr_Format(PyExc_TypeError, "under_way: expected a list, got %.100s", Py_TYPE(args[0])->tp_name);
+    Py_ssize_t piece = PyLong_AsSsize_t(args[5]);
+    if (piece == -1 && PyErr_Occurred())
+        return NULL;
+    if (piece < 0)
+        return PyErr_Format(PyExc_ValueError, "piece: expected a count of bytes >= 0, got %zd", piece);
+    PyObject *result = NULL;
+    Py_buffer dir, head;
+    job_record rec;
+    if (PyObject_GetBuffer(args[1], &dir, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (dir.len != (Py_ssize_t)sizeof(int) || ((uintptr_t)dir.buf % _Alignof(int)) != 0) {
+        PyErr_Format(PyExc_ValueError, "dir_at: expected an aligned C int holding the directory's descriptor, got %zd bytes", dir.len);
+        goto release_dir;
+    }
+    if (PyObject_GetBuffer(args[2], &head, PyBUF_SIMPLE) < 0)
+        goto release_dir;
+    if (head.len > HEAD_MAX) {
+        PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head.len, HEAD_MAX);
+        goto release_head;
+    }
+    if (take_record(&rec, args[3], args[4], &head, -1) < 0)
+        goto release_head;
+    if (PyList_Append(args[0], Py_None) == 0) { /* counted before the directory is looked at */
+        Py_BEGIN_ALLOW_THREADS
+        read_records(&rec, 1, dir.buf, head.buf, (size_t)head.len, (size_t)piece);
+        Py_END_ALLOW_THREADS
+        Py_ssize_t n = PyList_GET_SIZE(args[0]);
+        if (n == 0 || PyList_SetSlice(args[0], n - 1, n, NULL) == 0)
+            result = PyLong_FromLong(rec.status == JOB_GOOD ? 0 : rec.status == JOB_MISS ? 1 : 2);
+    }
+    PyBuffer_Release(&rec.row);
+release_head:
+    PyBuffer_Release(&head);
+release_dir:
+    PyBuffer_Release(&dir);
+    return result;
 }

@@ -46,6 +46,9 @@ __all__ = [
     "CHECK_SHAPE",
     "CHECK_SUM",
     "NATIVE",
+    "ONE_ABSENT",
+    "ONE_ELSE",
+    "ONE_READ",
     "PATH",
     "fused",
     "xxh3_check_copy",
@@ -66,6 +69,9 @@ __all__ = [
     "xxh3_read_check_keys_python",
     "xxh3_read_check_native",
     "xxh3_read_check_python",
+    "xxh3_read_one",
+    "xxh3_read_one_native",
+    "xxh3_read_one_python",
 ]
 
 try:
@@ -363,6 +369,39 @@ xxh3_read_check_keys_native: Callable[..., list[int]] | None = getattr(_xxcopy, 
 xxh3_read_check_keys: Callable[..., list[int]] = (
     xxh3_read_check_keys_native if _VECTOR and xxh3_read_check_keys_native is not None else xxh3_read_check_keys_python
 )
+
+
+#: What :func:`xxh3_read_one` says of its record: read and checked; absent (a miss); anything
+#: else (a failed check or read, another open error, the directory closing): a general read's.
+ONE_READ, ONE_ABSENT, ONE_ELSE = 0, 1, 2
+
+
+def xxh3_read_one_python(under_way: list[None], dir_at: Any, head: Any, key: Any, row: Any, piece: int) -> int:
+    """:func:`xxh3_read_one` in Python: :func:`xxh3_read_check_keys_python` of one key."""
+    if type(under_way) is not list:
+        raise TypeError(f"under_way: expected a list, got {type(under_way).__name__}")
+    if piece < 0:
+        raise ValueError(f"piece: expected a count of bytes >= 0, got {piece}")
+    found = [False]
+    under_way.append(None)  # counted before the directory is looked at
+    try:
+        rest = xxh3_read_check_keys_python(dir_at, head, [key], [row], piece, found)
+    finally:
+        under_way.pop()
+    return ONE_READ if found[0] else ONE_ELSE if rest else ONE_ABSENT
+
+
+#: The native function (``None`` without the extension, or one built before it).
+xxh3_read_one_native: Callable[..., int] | None = getattr(_xxcopy, "xxh3_64_read_one", None)
+
+#: ``xxh3_read_one(under_way, dir_at, head, key, row, piece) -> int``:
+#: :func:`xxh3_read_check_keys` of one key, counted among the jobs of ``under_way`` (a list:
+#: one entry appended for the call and one popped after it, as ``BeneathRoot.enter`` and
+#: ``leave`` count a job) in the same call: :data:`ONE_READ`, :data:`ONE_ABSENT` or
+#: :data:`ONE_ELSE`. A job of one record of the ``file`` tier is then one call from its count
+#: to its close. The native function where :data:`xxh3_copy` is native, else
+#: :func:`xxh3_read_one_python`; looked up here at each use.
+xxh3_read_one: Callable[..., int] = xxh3_read_one_native if _VECTOR and xxh3_read_one_native is not None else xxh3_read_one_python
 
 
 def _writable(obj: Any, what: str) -> memoryview:
