@@ -59,8 +59,7 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
             goto done;
         if (value == Py_None) {
             Py_DECREF(value);
-            PyList_SET_ITEM(found, i, Py_NewRef(Py_False));
-            continue;
+            continue; /* found[i] stays the False it was filled with */
         }
         PyObject *status;
         Py_ssize_t length = PyObject_Length(value);
@@ -99,7 +98,7 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
             rc = bad < 0 ? -1 : 0;
             goto done;
         }
-        PyList_SET_ITEM(found, i, Py_NewRef(Py_True));
+        Py_SETREF(((PyListObject *)found)->ob_item[i], Py_NewRef(Py_True)); /* the False filled in released */
     }
     double now = read_clock(clock);
     if (now == -1.0 && PyErr_Occurred())
