@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtier.backends import tag_log
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
-from kvtier.backends import tag_log
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=4096, dtype="uint8")
