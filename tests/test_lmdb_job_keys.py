@@ -2,7 +2,9 @@
 job had when the call began: a keys list emptied or grown meanwhile (by another thread, while a
 lookup let the GIL go; here by the record check the call makes) must not be read through its
 old item array, which the list frees (before: the keys after the first were read from freed
-memory, misses or worse). Run in a child: a read of freed memory may crash it."""
+memory, misses or worse). So must its rows list, which a row's checks may change (a torch
+function mode's handler runs Python in the tensor getters they call). Run in a child: a read of
+freed memory may crash it."""
 
 from __future__ import annotations
 
@@ -47,6 +49,29 @@ asyncio.run(backend.aclose())
 @pytest.mark.skipif(lmdb_plain.job_read is None, reason="kvtier.backends._rowguard not built")
 def test_a_job_read_reads_the_keys_it_was_given_when_the_list_changes_meanwhile() -> None:
     child = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True", "True"], child.stdout
+
+
+_ROWS_CHILD = _CHILD.replace(
+    "got = lmdb_plain.job_read(",
+    """from torch.overrides import TorchFunctionMode
+job = list(keys)
+given = list(rows)
+class Empties(TorchFunctionMode):  # the rows list emptied and grown at the first row's first check
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if len(given) == n:
+            given.clear()
+            given.extend(torch.zeros(1, dtype=torch.uint8) for _ in range(100))
+        return func(*args, **(kwargs or {}))
+with Empties():
+    got = lmdb_plain.job_read(""",
+).replace("backend._env, job, rows, lmdb_one.perf_counter", "backend._env, job, given, lmdb_one.perf_counter")
+
+
+@pytest.mark.skipif(lmdb_plain.job_read is None, reason="kvtier.backends._rowguard not built")
+def test_a_job_read_reads_into_the_rows_it_was_given_when_the_list_changes_meanwhile() -> None:
+    child = subprocess.run([sys.executable, "-c", _ROWS_CHILD], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["True", "True"], child.stdout
 
