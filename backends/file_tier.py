@@ -478,6 +478,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
                 listed = self._walk(sweep=False)
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
+            self._check_open()  # closed during the walk by the root's path: it may have listed a store opened since
             if self.follower is not None:
                 self.follower.note_listed(len(listed))
         return (RecordInfo(key, stored, stamp) for key, stored, stamp in listed)

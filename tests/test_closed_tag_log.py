@@ -14,6 +14,7 @@ from kvtier.backends import tag_log
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
+from kvtier.errors import ClosedError
 from kvtier.testing import make_key, random_block
 
 FMT = BlockFormat(block_bytes=4096, dtype="uint8")
@@ -82,5 +83,26 @@ def test_a_sweep_under_way_across_the_close_takes_no_record_of_a_store_opened_si
     closing._leaf_entries = close_meanwhile
     try:
         assert closing._sweep_keys() is None
+    finally:
+        asyncio.run(opened[0].aclose())
+
+
+def test_a_scan_whose_walk_the_close_began_during_lists_no_record_of_a_store_opened_since(tmp_path: Path) -> None:
+    closing = _opened("file", tmp_path)
+    closing.write_blocks([make_key(1)], [random_block(FMT.block_bytes, 1)])
+    closing.scan_columns()  # (the walk at open used: a scan walks again)
+    opened: list[Any] = []
+    columns = closing._record_columns
+
+    def close_meanwhile(*args: Any, **kwargs: Any) -> Any:  # the close and a new store's write as the walk begins
+        asyncio.run(closing.aclose())
+        opened.append(_opened("file", tmp_path))
+        opened[0].write_blocks([make_key(2)], [random_block(FMT.block_bytes, 2)])
+        return columns(*args, **kwargs)
+
+    closing._record_columns = close_meanwhile
+    try:
+        with pytest.raises(ClosedError):
+            list(closing.scan())
     finally:
         asyncio.run(opened[0].aclose())
