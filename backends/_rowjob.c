@@ -49,18 +49,20 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
     if (txn == NULL)
         return -1;
     int rc = -1;
+    PyObject *get = PyObject_GetAttr(txn, s_get); /* once a job, as StraightRead.job binds it */
+    if (get == NULL)
+        goto done;
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *get_args[4] = {txn, keys[i], Py_None, parts[P_BLOCKS]};
-        PyObject *value = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *get_args[4] = {NULL, keys[i], Py_None, parts[P_BLOCKS]}; /* [0]: room for the call's own use */
+        PyObject *value = PyObject_Vectorcall(get, get_args + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (value == NULL)
             goto done;
         if (value == Py_None) {
             Py_DECREF(value);
-            PyList_SET_ITEM(found, i, Py_NewRef(Py_False));
-            continue;
+            continue; /* found[i] stays the False it was filled with */
         }
         PyObject *status;
         Py_ssize_t length = PyObject_Length(value);
@@ -73,7 +75,7 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
             status = PyObject_Vectorcall(check, check_args, 4, NULL);
         } else {
             get_args[3] = parts[P_INDEX];
-            PyObject *entry = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            PyObject *entry = PyObject_Vectorcall(get, get_args + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
             if (entry == NULL || entry == Py_None) { /* no entry: not plain, the general path's */
                 Py_DECREF(value);
                 Py_XDECREF(entry);
@@ -99,7 +101,7 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
             rc = bad < 0 ? -1 : 0;
             goto done;
         }
-        PyList_SET_ITEM(found, i, Py_NewRef(Py_True));
+        Py_SETREF(((PyListObject *)found)->ob_item[i], Py_NewRef(Py_True)); /* the False filled in released */
     }
     double now = read_clock(clock);
     if (now == -1.0 && PyErr_Occurred())
@@ -120,6 +122,7 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
     }
     rc = 1;
 done:
+    Py_XDECREF(get);
     {
         PyObject *exc_type, *exc_value, *exc_tb;
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
@@ -173,7 +176,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
     if (keys == NULL)
         return NULL;
-    PyObject *out = PySequence_Fast(args[3], "out: expected a sequence");
+    /* The rows likewise: a row's checks may run Python (a torch function mode's handler). */
+    PyObject *out = PyTuple_CheckExact(args[3]) ? Py_NewRef(args[3]) : PySequence_Tuple(args[3]);
     if (out == NULL) {
         Py_DECREF(keys);
         return NULL;

@@ -478,20 +478,22 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
                 listed = self._walk(sweep=False)
             except OSError as exc:
                 raise DiskError(f"file: cannot list {self._root!r}: {exc}") from exc
+            self._check_open()  # closed during the walk by the root's path: it may have listed a store opened since
             if self.follower is not None:
                 self.follower.note_listed(len(listed))
         return (RecordInfo(key, stored, stamp) for key, stored, stamp in listed)
 
     def _sweep_keys(self) -> set[bytes] | None:
         """Every record's key in the directory now (the shared index's sweep); ``None`` when it
-        cannot be listed."""
+        cannot be listed, or once the close has begun (checked again after the walk)."""
         if self._closed:
             return None
         try:
-            return {bytes.fromhex(e.name[:64]) for _, entries in self._leaf_entries(self._root, ordered=False, layout=self.store_layout) for e in entries}
+            found = {bytes.fromhex(e.name[:64]) for _, entries in self._leaf_entries(self._root, ordered=False, layout=self.store_layout) for e in entries}
         except OSError as exc:
             log.warning("file: cannot list %s for the shared index: %s", self._root, exc)
             return None
+        return None if self._closed else found  # closed during the walk: the path may lead to a store opened since
 
     def _walk(self, *, sweep: bool) -> RecordColumns:
         """Every record's key, stored size and stamp (a ``stat`` per record, no open)."""

@@ -13,6 +13,10 @@ fewer): the same group the queue would have formed, at 2.8 µs a call here again
 every caller of that group (each batch is reported failed; nothing is acknowledged that was not
 committed). Durability is the committer's: a result means the batch is on stable storage.
 
+A caller with a straight line of its own for a lone batch passes it to
+:meth:`GroupCommit.submit_alone`: it commits only when no commit runs and no batch waits, and
+hands the batch back (``None``) otherwise.
+
 A committer whose durability takes a last step that may overlap the next commit (LMDB's meta
 page sync: the next transaction never overwrites what the last durable one points at) passes
 it as ``settle(results)``: the leader runs it after the next group may start its ``commit``, and
@@ -22,6 +26,7 @@ caller of that group, as one from ``commit`` is. Settles run one at a time, in c
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -30,6 +35,7 @@ __all__ = ["GroupCommit"]
 
 B = TypeVar("B")
 R = TypeVar("R")
+_NO_LOCK = contextlib.nullcontext()  # (submit_alone's settle lock where there is no settle)
 
 
 class _Ticket(Generic[B, R]):
@@ -71,7 +77,11 @@ class GroupCommit(Generic[B, R]):
             if alone:
                 self._busy = True
         if alone:  # no commit runs and nothing waits: a group of this batch alone, no ticket
-            return self._lead_alone(batch, self._commit)
+            results, error = self._lead([batch])
+            self._done(1)
+            if error is not None:
+                raise error
+            return results[0]  # type: ignore[index]
         ticket: _Ticket[B, R] = _Ticket(batch)
         with self._lock:
             self._waiting.append(ticket)
@@ -102,32 +112,51 @@ class GroupCommit(Generic[B, R]):
     def submit_alone(self, batch: B, commit: Callable[[list[B]], list[R]]) -> R | None:
         """:meth:`submit` of ``batch`` when no commit runs and no batch waits, committed by
         ``commit([batch])`` in place of the group's commit (a caller's straight line for a batch
-        it knows; the group's ``settle`` as ever), and counted as a group: its result. ``None``,
-        with nothing done, when a commit runs or a batch waits (the caller then submits it, to
-        join them). ``commit``'s results are never ``None``."""
-        with self._lock:
+        it knows; the group's ``settle`` as ever), and counted as a group (once the next group may
+        commit, not after the settle: the lone path's lock taken once fewer, 1.0 µs a call here
+        against 1.5 for :meth:`submit`): its result. ``None``, with nothing done, when a commit
+        runs or a batch waits (the caller then submits it, to join them). ``commit``'s results
+        are never ``None``."""
+        lock = self._lock
+        with lock:
             if self._busy or self._waiting:
                 return None
             self._busy = True
-        return self._lead_alone(batch, commit)
-
-    def _lead_alone(self, batch: B, commit: Callable[[list[B]], list[R]]) -> R:
-        """Lead the group of ``batch`` alone (this caller set ``_busy``): its result, or its error raised."""
-        results, error = self._lead([batch], commit)
-        self._done(1)
+        # _lead and _done in one line: counted when the next group may start (not after the
+        # settle), one lock taken fewer
+        error: BaseException | None = None
+        try:
+            results = commit([batch])
+            if len(results) != 1:
+                raise RuntimeError(f"group commit: {len(results)} results for 1 batch")
+        except BaseException as exc:
+            error = exc
+        settle = self._settle
+        settling = self._settling if settle is not None else _NO_LOCK
+        with settling:
+            with lock:
+                self._busy = False
+                self.groups += 1
+                self.batches += 1
+                if self._sleepers:
+                    self._cond.notify_all()
+            if error is None and settle is not None:
+                try:
+                    settle(results)
+                except BaseException as exc:
+                    error = exc
         if error is not None:
             raise error
-        return results[0]  # type: ignore[index]
+        return results[0]
 
-    def _lead(self, batches: list[B], commit: Callable[[list[B]], list[R]] | None = None) -> tuple[list[R] | None, BaseException | None]:
-        """Commit ``batches`` as one group (by ``commit``, else by the group's) and settle it: its
-        results, or the error every batch of it fails with. The next group may commit once this
-        one's commit is done (``settle``)."""
+    def _lead(self, batches: list[B]) -> tuple[list[R] | None, BaseException | None]:
+        """Commit ``batches`` as one group and settle it: its results, or the error every batch
+        of it fails with. The next group may commit once this one's commit is done (``settle``)."""
         settle = self._settle
         results: list[R] | None = None
         error: BaseException | None = None
         try:
-            results = (commit or self._commit)(batches)
+            results = self._commit(batches)
             if len(results) != len(batches):
                 raise RuntimeError(f"group commit: {len(results)} results for {len(batches)} batches")
         except BaseException as exc:  # every batch of the group failed with it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["TAG_LOG_NAME", "DirectoryTags", "read_tag_log", "write_tag_log"]
 
@@ -65,16 +65,26 @@ def _lines(tenants: Iterable[tuple[bytes, str]], pins: Iterable[tuple[bytes, boo
 
 
 def write_tag_log(
-    path: str, tenants: Iterable[tuple[bytes, str]], pins: Iterable[tuple[bytes, bool]], *, whole: bool = False, sync: bool = True
-) -> None:
-    """Append the changes to ``path`` or, with ``whole``, replace it (atomically) by them."""
+    path: str,
+    tenants: Iterable[tuple[bytes, str]],
+    pins: Iterable[tuple[bytes, bool]],
+    *,
+    whole: bool = False,
+    sync: bool = True,
+    still_open: Callable[[], bool] | None = None,
+) -> bool:
+    """Append the changes to ``path`` or, with ``whole``, replace it (atomically) by them. With
+    ``still_open``, asked once the file is opened and again before the replace: ``False`` writes
+    nothing further (the path may lead to a store opened there since). ``True`` when written."""
     data = _lines(tenants, pins)
     if not data and not whole:
-        return
+        return True
     target = path + ".tmp" if whole else path
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if whole else os.O_APPEND)
     fd = os.open(target, flags, 0o600)
     try:
+        if still_open is not None and not still_open():
+            return False
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -83,7 +93,10 @@ def write_tag_log(
     finally:
         os.close(fd)
     if whole:
+        if still_open is not None and not still_open():
+            return False  # (the temporary file is left: a store's open rewrites its log whole over its own)
         os.replace(target, path)
+    return True
 
 
 class DirectoryTags:
@@ -92,6 +105,7 @@ class DirectoryTags:
 
     path: str
     sync_mode: str
+    _closed: bool
 
     def _tag_log(self) -> str:
         return os.path.join(self.path, TAG_LOG_NAME)
@@ -102,7 +116,14 @@ class DirectoryTags:
     def write_tags(
         self, tenants: Sequence[tuple[bytes, str]], pins: Sequence[tuple[bytes, bool]], *, whole: bool = False, sync: bool = True
     ) -> None:
+        """Once the tier's close has begun (asked before, once the log is opened and before a
+        replace), nothing is written: the path may lead to a store opened there since."""
+        if self._closed:
+            return
         try:
-            write_tag_log(self._tag_log(), tenants, pins, whole=whole, sync=sync and self.sync_mode == "durable")
+            if not write_tag_log(
+                self._tag_log(), tenants, pins, whole=whole, sync=sync and self.sync_mode == "durable", still_open=lambda: not self._closed
+            ):
+                log.warning("kvtier: tenant tags of %s not saved: the tier was closed meanwhile", self.path)
         except OSError as exc:  # tags are bookkeeping: a tier that cannot keep them still serves blocks
             log.warning("kvtier: tenant tags of %s not saved: %s", self.path, exc)

@@ -11,11 +11,9 @@ garbage collector off. Per phase it prints the best slice of each side in micros
 and the speedup vLLM / kvtier (above 1: kvtier is faster) of each rep (a fresh pair of managers
 and keys): ``speedup_range`` and ``speedup_spread`` ([min, median, max] of the reps' speedups,
 each the best vLLM slice over the best kvtier slice of its rep), and ``slice_speedup_spread``,
-[min, median, max] of vLLM / kvtier over every pair of adjacent slices of every rep. The phases
-are bound by cache misses on tables of 10^5 keys: when the machine makes them dearer (other
-processes, where the hypervisor runs this CPU), both sides' slices grow by about the same
-microseconds per key, and the ratio falls the more for it (kvtier's misses are a larger share
-of its cost). Phases, with the same keys and
+[min, median, max] of vLLM / kvtier over every pair of adjacent slices of every rep. A run
+that dips is mostly a rep whose slices all read slower (docs/architecture.md, "Against vLLM,
+run after run"): compare the medians. Phases, with the same keys and
 sizes for both: ``store`` (``prepare_store`` + ``complete_store`` of new keys, not full; vLLM's
 ``on_request_finished`` of those requests is timed apart as ``vllm_finish``), ``lookup_hit`` and
 ``lookup_miss`` (one key per call, as vLLM's scheduler asks), ``load`` (``prepare_load`` +

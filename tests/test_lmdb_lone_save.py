@@ -358,6 +358,7 @@ def test_group_commit_submit_alone_commits_alone_or_does_nothing() -> None:
     assert group.submit_alone(2, own) == 200 and settled == [[200]]
     with pytest.raises(OSError, match="disk gone"):
         group.submit_alone(3, own)
+    assert group.idle() and settled == [[200]]  # (a failed commit is not settled)
     first = threading.Thread(target=group.submit, args=(1,))
     first.start()
     assert entered.wait(30)
@@ -365,3 +366,8 @@ def test_group_commit_submit_alone_commits_alone_or_does_nothing() -> None:
     release.set()
     first.join(30)
     assert (group.groups, group.batches) == (3, 3) and settled == [[200], [10]]
+    bare: GroupCommit[int, int] = GroupCommit(commit)  # no settle
+    assert bare.submit_alone(5, own) == 500 and bare.submit(6) == 60 and bare.idle()
+    with pytest.raises(OSError, match="disk gone"):
+        bare.submit_alone(3, own)
+    assert bare.idle() and (bare.groups, bare.batches) == (3, 3)
