@@ -212,6 +212,79 @@ double read_clock(PyObject *clock)
     return at;
 }
 
+/* The arguments of a straight read (one_read, job_read, straight_read; call: its name and
+   arguments, for the errors): seven, the first a tuple of P_COUNT parts; where cold_s is given,
+   the sixth as a float into it, and parts' jobs a list and marks a dict. 0, or -1 with a
+   TypeError naming what is wrong. */
+int read_args(PyObject *const *args, Py_ssize_t nargs, const char *call, double *cold_s)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "%s takes 7 arguments, got %zd", call, nargs);
+        return -1;
+    }
+    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
+        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
+        return -1;
+    }
+    if (cold_s == NULL)
+        return 0;
+    *cold_s = PyFloat_AsDouble(args[5]);
+    if (*cold_s == -1.0 && PyErr_Occurred())
+        return -1;
+    PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
+    if (!PyList_CheckExact(parts[P_JOBS]) || !PyDict_CheckExact(parts[P_MARKS])) {
+        PyErr_SetString(PyExc_TypeError, "parts: jobs must be a list and marks a dict");
+        return -1;
+    }
+    return 0;
+}
+
+/* The cold rule after a read's lookups, begun at start: where they took cold_s or more,
+   temperature.slow(start) says whether they read from disk, and if so temperature.cold is set
+   (the next job is read cold). 0, or -1 with an error set. */
+int cold_rule(PyObject *temperature, PyObject *clock, double start, double cold_s)
+{
+    double now = read_clock(clock);
+    if (now == -1.0 && PyErr_Occurred())
+        return -1;
+    if (now - start < cold_s)
+        return 0;
+    PyObject *at = PyFloat_FromDouble(start);
+    if (at == NULL)
+        return -1;
+    PyObject *slow_args[2] = {temperature, at};
+    PyObject *slow = PyObject_VectorcallMethod(s_slow, slow_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(at);
+    if (slow == NULL)
+        return -1;
+    int is = PyObject_IsTrue(slow);
+    Py_DECREF(slow);
+    if (is < 0 || (is && PyObject_SetAttr(temperature, s_cold, Py_True) < 0))
+        return -1;
+    return 0;
+}
+
+/* txn.abort(), whatever happened before (an error set stays set across it), and the reference
+   to txn let go. 0, or -1 where the abort raised: its error replaces any other, as a finally's
+   does. */
+int abort_read(PyObject *txn)
+{
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    PyObject *abort_args[1] = {txn};
+    PyObject *aborted = PyObject_VectorcallMethod(s_abort, abort_args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(txn);
+    if (aborted == NULL) {
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc_value);
+        Py_XDECREF(exc_tb);
+        return -1;
+    }
+    Py_DECREF(aborted);
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+    return 0;
+}
+
 /* The read once the job is counted (temperature.jobs) and the row's view is known: the lookups
    in one read transaction, the cold rule, then the record's check and copy. A new list [True] or
    [False], None (the general path's job), or NULL with an error (an lmdb error is None: the
@@ -245,23 +318,8 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
                 goto done;
         }
     }
-    double now = read_clock(clock);
-    if (now == -1.0 && PyErr_Occurred())
+    if (cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
         goto done;
-    if (now - start >= cold_s) {
-        PyObject *at = PyFloat_FromDouble(start);
-        if (at == NULL)
-            goto done;
-        PyObject *slow_args[2] = {parts[P_TEMPERATURE], at};
-        PyObject *slow = PyObject_VectorcallMethod(s_slow, slow_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        Py_DECREF(at);
-        if (slow == NULL)
-            goto done;
-        int is = PyObject_IsTrue(slow);
-        Py_DECREF(slow);
-        if (is < 0 || (is && PyObject_SetAttr(parts[P_TEMPERATURE], s_cold, Py_True) < 0))
-            goto done; /* read from disk: the next job is read cold */
-    }
     if (value == Py_None) {
         PyObject *one = PyLong_FromLong(1);
         if (one == NULL)
@@ -297,22 +355,8 @@ done:
     Py_XDECREF(stored);
     Py_XDECREF(entry);
     Py_XDECREF(value);
-    {
-        PyObject *exc_type, *exc_value, *exc_tb;
-        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        PyObject *abort_args[1] = {txn};
-        PyObject *aborted = PyObject_VectorcallMethod(s_abort, abort_args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        if (aborted == NULL) { /* the abort's error replaces any other, as a finally's does */
-            Py_XDECREF(exc_type);
-            Py_XDECREF(exc_value);
-            Py_XDECREF(exc_tb);
-            Py_CLEAR(result);
-        } else {
-            Py_DECREF(aborted);
-            PyErr_Restore(exc_type, exc_value, exc_tb);
-        }
-    }
-    Py_DECREF(txn);
+    if (abort_read(txn) < 0)
+        Py_CLEAR(result);
     return result;
 }
 
@@ -322,24 +366,12 @@ done:
    faults it marks; the data file's size moved). */
 PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "one_read() takes 7 arguments (parts, env, key, row, clock, cold_s, check), got %zd", nargs);
+    double cold_s;
+    if (read_args(args, nargs, "one_read(parts, env, key, row, clock, cold_s, check)", &cold_s) < 0)
         return NULL;
-    }
-    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
-        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
-        return NULL;
-    }
     PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
-    PyObject *env = args[1], *key = args[2], *row = args[3], *clock = args[4], *check = args[6];
-    double cold_s = PyFloat_AsDouble(args[5]);
-    if (cold_s == -1.0 && PyErr_Occurred())
-        return NULL;
     PyObject *jobs = parts[P_JOBS], *marks = parts[P_MARKS];
-    if (!PyList_CheckExact(jobs) || !PyDict_CheckExact(marks)) {
-        PyErr_SetString(PyExc_TypeError, "parts: jobs must be a list and marks a dict");
-        return NULL;
-    }
+    PyObject *env = args[1], *key = args[2], *row = args[3], *clock = args[4], *check = args[6];
     PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     if (ident == NULL)
         return NULL;

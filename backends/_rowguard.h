@@ -26,6 +26,11 @@ int attr_is_true(PyObject *obj, PyObject *name);
 int add_to(PyObject *counters, PyObject *name, PyObject *by);
 /* clock()'s reading (-1.0 with an error set when it fails). */
 double read_clock(PyObject *clock);
+/* The cold rule after a read's lookups, and a read transaction's abort: see _rowguard.c. */
+int cold_rule(PyObject *temperature, PyObject *clock, double start, double cold_s);
+int abort_read(PyObject *txn);
+/* The arguments every straight read takes, checked: see _rowguard.c. */
+int read_args(PyObject *const *args, Py_ssize_t nargs, const char *call, double *cold_s);
 /* host_view(row, tensor_type, dtype, shape, views) and same_size(fd, seen): see _rowguard.c. */
 PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -103,42 +103,13 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
         }
         Py_SETREF(((PyListObject *)found)->ob_item[i], Py_NewRef(Py_True)); /* the False filled in released */
     }
-    double now = read_clock(clock);
-    if (now == -1.0 && PyErr_Occurred())
+    if (cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
         goto done;
-    if (now - start >= cold_s) {
-        PyObject *when = PyFloat_FromDouble(start);
-        if (when == NULL)
-            goto done;
-        PyObject *slow_args[2] = {parts[P_TEMPERATURE], when};
-        PyObject *slow = PyObject_VectorcallMethod(s_slow, slow_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        Py_DECREF(when);
-        if (slow == NULL)
-            goto done;
-        int is = PyObject_IsTrue(slow);
-        Py_DECREF(slow);
-        if (is < 0 || (is && PyObject_SetAttr(parts[P_TEMPERATURE], s_cold, Py_True) < 0))
-            goto done; /* read from disk: the next job is read cold */
-    }
     rc = 1;
 done:
     Py_XDECREF(get);
-    {
-        PyObject *exc_type, *exc_value, *exc_tb;
-        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        PyObject *abort_args[1] = {txn};
-        PyObject *aborted = PyObject_VectorcallMethod(s_abort, abort_args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        if (aborted == NULL) { /* the abort's error replaces any other, as a finally's does */
-            Py_XDECREF(exc_type);
-            Py_XDECREF(exc_value);
-            Py_XDECREF(exc_tb);
-            rc = -1;
-        } else {
-            Py_DECREF(aborted);
-            PyErr_Restore(exc_type, exc_value, exc_tb);
-        }
-    }
-    Py_DECREF(txn);
+    if (abort_read(txn) < 0)
+        rc = -1;
     return rc;
 }
 
@@ -150,24 +121,12 @@ done:
    counted, then the guard, the lookups in one read transaction and the counters once. */
 PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "job_read() takes 7 arguments (parts, env, keys, out, clock, cold_s, check), got %zd", nargs);
+    double cold_s;
+    if (read_args(args, nargs, "job_read(parts, env, keys, out, clock, cold_s, check)", &cold_s) < 0)
         return NULL;
-    }
-    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
-        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
-        return NULL;
-    }
     PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
-    PyObject *env = args[1], *clock = args[4], *check = args[6];
-    double cold_s = PyFloat_AsDouble(args[5]);
-    if (cold_s == -1.0 && PyErr_Occurred())
-        return NULL;
     PyObject *jobs = parts[P_JOBS], *marks = parts[P_MARKS];
-    if (!PyList_CheckExact(jobs) || !PyDict_CheckExact(marks)) {
-        PyErr_SetString(PyExc_TypeError, "parts: jobs must be a list and marks a dict");
-        return NULL;
-    }
+    PyObject *env = args[1], *clock = args[4], *check = args[6];
     Py_ssize_t key_bytes = PyLong_AsSsize_t(parts[P_KEY_BYTES]);
     if (key_bytes == -1 && PyErr_Occurred())
         return NULL;
@@ -291,14 +250,8 @@ done:
    other, whose answers it gives (False: StraightRead.read's lines must read it). */
 PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "straight_read() takes 7 arguments (parts, env, keys, out, clock, cold_s, check), got %zd", nargs);
+    if (read_args(args, nargs, "straight_read(parts, env, keys, out, clock, cold_s, check)", NULL) < 0)
         return NULL;
-    }
-    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != P_COUNT) {
-        PyErr_Format(PyExc_TypeError, "parts: expected a tuple of %d, got %.100s", P_COUNT, Py_TYPE(args[0])->tp_name);
-        return NULL;
-    }
     PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
     PyObject *locate = PyObject_GetAttr(parts[P_DEVICES], s_locate);
     if (locate == NULL)

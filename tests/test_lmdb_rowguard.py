@@ -74,6 +74,21 @@ def test_host_view_refuses_views_that_are_not_a_dict_by_name() -> None:
 
 
 @native
+@pytest.mark.parametrize("call", ["one_read", "job_read", "straight_read"])
+def test_the_straight_reads_refuse_bad_arguments_by_name(call: str) -> None:
+    read = getattr(lmdb_plain._rowguard, call)
+    with pytest.raises(TypeError, match=rf"^{call}\(parts, .* takes 7 arguments, got 3$"):
+        read(1, 2, 3)
+    with pytest.raises(TypeError, match="parts: expected a tuple of"):
+        read(*(1,) * 7)
+    if call != "straight_read":  # (straight_read hands its arguments on to these two)
+        with pytest.raises(TypeError, match="must be real number"):
+            read(*((None,) * 19, None, None, None, None, "warm", None))
+        with pytest.raises(TypeError, match="jobs must be a list and marks a dict"):
+            read(*((None,) * 19, None, None, None, None, 1.0, None))
+
+
+@native
 def test_host_view_passes_on_an_error_a_row_raises_as_the_python_form_does() -> None:
     class Broken(torch.Tensor):
         @property
