@@ -18,6 +18,7 @@ from kvtier.manager import TierManager, TierSpec, lookups
 from kvtier.manager.policies import ARCPolicy, LRUPolicy
 from kvtier.manager.touch_calls import touch_call
 from kvtier.testing import make_key
+from tests.test_manager_fast_paths import _outcome  # (a call's value, or its error's type and message)
 
 native = pytest.mark.skipif(not lookups.NATIVE, reason="kvtier.manager._probe not built (no C compiler)")
 
@@ -41,13 +42,6 @@ def _manager(touch_native: bool, policy: type = LRUPolicy) -> TierManager:
         m.complete_store(plan.keys)
     assert m.prepare_store([K[8]]) is not None
     return m
-
-
-def _outcome(call: Any, keys: Any) -> tuple[Any, ...]:
-    try:
-        return ("value", call(keys))
-    except Exception as exc:  # the error must match too: type and message
-        return ("error", type(exc), str(exc))
 
 
 INPUTS: list[Any] = [
