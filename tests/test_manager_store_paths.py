@@ -305,7 +305,7 @@ def test_store_paths_match_with_and_without_the_native_index_loops(
     index give the same outcomes and states call after call, the index's order included."""
     runs = []
     for variant in ("native", "python", "dict"):
-        monkeypatch.setattr(lookups, "_SET_MANY", lookups._SET_MANY and variant == "native")
+        monkeypatch.setattr(lookups, "_SET_MANY", lookups._SET_MANY if variant == "native" else None)
         if variant == "dict":
             monkeypatch.setattr(lookups, "_INDEX", dict)
         m = CONFIGS[config](policy)

@@ -108,16 +108,17 @@ def new_index() -> dict[bytes, int]:
     return index
 
 
-#: ``KeyIndex.reserve`` and ``assign`` (one C loop for a batch's item sets), absent from an
-#: extension built before them
-_SET_MANY: bool = hasattr(_INDEX, "reserve") and hasattr(_INDEX, "assign")
+#: The native index type, whose ``reserve`` and ``assign`` set a batch's items in one C loop;
+#: ``None`` where the extension is not built or was built before them. Its own name, not
+#: :data:`_INDEX`: an index of any other type (a plain ``dict``) takes the Python loops.
+_SET_MANY: type | None = _INDEX if hasattr(_INDEX, "reserve") and hasattr(_INDEX, "assign") else None
 
 
 def reserve_keys(index: dict[bytes, int], keys: Sequence[bytes], value: int) -> bool:
     """``index[key] = value`` for each of ``keys`` in order, stopping at the first key that is
     not exactly ``bytes`` of the key length: whether it set every key (those before a bad one
     stay set). One C loop for a list or tuple on the native index, else a Python one."""
-    if _SET_MANY and type(index) is _INDEX and (type(keys) is list or type(keys) is tuple):
+    if type(index) is _SET_MANY and (type(keys) is list or type(keys) is tuple):
         return bool(index.reserve(keys, value, KEY_BYTES))  # type: ignore[attr-defined]
     for key in keys:
         if type(key) is not bytes or len(key) != KEY_BYTES:
@@ -128,7 +129,7 @@ def reserve_keys(index: dict[bytes, int], keys: Sequence[bytes], value: int) -> 
 
 def assign_keys(index: dict[bytes, int], keys: Iterable[bytes], value: int) -> None:
     """``index[key] = value`` for each of ``keys`` in order (as :func:`reserve_keys`, no check)."""
-    if _SET_MANY and type(index) is _INDEX and (type(keys) is list or type(keys) is tuple):
+    if type(index) is _SET_MANY and (type(keys) is list or type(keys) is tuple):
         index.assign(keys, value)  # type: ignore[attr-defined]
         return
     for key in keys:

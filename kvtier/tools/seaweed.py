@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvtier.tools.servers import free_port
+from kvtier.tools.servers import free_ports
 
 __all__ = ["WEED", "SeaweedServer", "find_weed"]
 
@@ -67,7 +67,8 @@ class SeaweedServer:
         self.access_key = access_key
         self.secret_key = secret_key
         self.volumes = volumes
-        self.ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+        names = ("master", "volume", "filer", "s3")
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 __all__ = [
-    "REDIS_CLI", "REDIS_SERVER", "SERVER_KINDS", "VALKEY_SERVER", "RedisClusterServers", "RedisServer", "free_port",
+    "REDIS_CLI", "REDIS_SERVER", "SERVER_KINDS", "VALKEY_SERVER", "RedisClusterServers", "RedisServer", "free_port", "free_ports",
     "server_binary", "server_version",
 ]
 
@@ -89,6 +89,25 @@ def free_port() -> int:
         if _port_free(port) and _port_free(port + 10000):
             return port
     raise RuntimeError("no free localhost port for a redis server")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` ports as :func:`free_port` picks them, none of them or their +10000 ports the
+    same as another's (a server that opens several, each with its gRPC port at +10000, would
+    otherwise fail to start when two picks met)."""
+    taken: set[int] = set()
+    ports: list[int] = []
+    for _ in range(200 * count):
+        if len(ports) == count:
+            break
+        port = free_port()
+        if port in taken or port + 10000 in taken:
+            continue
+        taken.update((port, port + 10000))
+        ports.append(port)
+    if len(ports) < count:
+        raise RuntimeError(f"no {count} distinct free localhost ports")
+    return ports
 
 
 def _ping(port: int) -> bool:
