@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "_heldtouch.h"
+#include "_keyindex.h"
 
 typedef struct {
     PyObject_HEAD
@@ -45,15 +46,6 @@ release_lock(HeldTouch *self)
     return 0;
 }
 
-/* ``keys[i]`` (a list or tuple), borrowed; NULL past its end (a list read again each time). */
-static PyObject *
-item_at(PyObject *keys, Py_ssize_t i)
-{
-    if (PyTuple_CheckExact(keys))
-        return i < PyTuple_GET_SIZE(keys) ? PyTuple_GET_ITEM(keys, i) : NULL;
-    return i < PyList_GET_SIZE(keys) ? PyList_GET_ITEM(keys, i) : NULL;
-}
-
 /* 1 if every key of ``keys`` is exact bytes held in ``order`` (moved, in order), 0 if not (no
  * change), -1 on an error. Each key is held while it is probed or moved. */
 static int
@@ -63,7 +55,7 @@ touch_held(HeldTouch *self, PyObject *keys)
     PyObject *key;
     for (i = 0; i < n; i++) { /* finding every key first also brings its entry into the cache */
         int held;
-        key = item_at(keys, i);
+        key = seq_item(keys, i);
         if (key == NULL || !PyBytes_CheckExact(key))
             return 0;
         Py_INCREF(key);
@@ -79,7 +71,7 @@ touch_held(HeldTouch *self, PyObject *keys)
         return 0;
     for (i = 0; i < n; i++) {
         PyObject *r;
-        key = item_at(keys, i);
+        key = seq_item(keys, i);
         if (key == NULL) {
             PyErr_SetString(PyExc_RuntimeError, "touch: the keys changed while they were moved");
             return -1;

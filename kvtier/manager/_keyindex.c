@@ -269,16 +269,6 @@ index_clear(KeyIndex *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* ``keys[i]`` of a list or tuple, borrowed; NULL past its end (a list is read again each time:
- * a value released by a set may run code that changes it). */
-static PyObject *
-seq_item(PyObject *keys, Py_ssize_t i)
-{
-    if (PyTuple_CheckExact(keys))
-        return i < PyTuple_GET_SIZE(keys) ? PyTuple_GET_ITEM(keys, i) : NULL;
-    return i < PyList_GET_SIZE(keys) ? PyList_GET_ITEM(keys, i) : NULL;
-}
-
 /* ``self[key] = value`` for each key of a list or tuple, in order, as the item set does (the
  * filter kept exact); with ``key_bytes`` >= 0 it first stops at a key that is not exactly bytes
  * of that length. 1 if it set every key, 0 if it stopped at a bad one (those before it set),

@@ -106,4 +106,14 @@ index_surely_absent(KeyIndex *self, PyObject *key)
     return cell_get(self->cells, slot_of(self, key)) == 0;
 }
 
+/* ``keys[i]`` of a list or tuple, borrowed; NULL past its end (a list is read again each time:
+ * code run between two reads, a value released or a key probed, may change it). */
+static inline PyObject *
+seq_item(PyObject *keys, Py_ssize_t i)
+{
+    if (PyTuple_CheckExact(keys))
+        return i < PyTuple_GET_SIZE(keys) ? PyTuple_GET_ITEM(keys, i) : NULL;
+    return i < PyList_GET_SIZE(keys) ? PyList_GET_ITEM(keys, i) : NULL;
+}
+
 #endif
