@@ -13,7 +13,7 @@
 /* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
 enum {
     P_VIEWS, P_SHAPE, P_TENSOR, P_DTYPE, P_KEY_BYTES, P_GUARD, P_TEMPERATURE, P_JOBS, P_MARKS, P_COUNTERS,
-    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_FORKS, P_COUNT
+    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_MODES, P_FORKS, P_COUNT
 };
 
 /* Attribute names, interned at import (_rowguard.c). */

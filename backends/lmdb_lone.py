@@ -142,6 +142,8 @@ class LoneSave:
         row it does not take, a row not seen yet; see the module doc)."""
         if not LONE_SAVES or devices.locate is not None or self.record > lmdb_entries.JOIN_MAX:
             return None
+        if lmdb_plain.function_mode() or lmdb_plain._dispatch_modes():
+            return None  # a mode's handler may free a row whose view is taken (lmdb_plain.python_in_torch)
         views = lmdb_plain.job_views(keys, rows, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)
         if views is None:
             return None

@@ -16,6 +16,8 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends import lmdb_entries, lmdb_plain
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier import registry
 from kvtier.backend import Backend
@@ -294,3 +296,30 @@ def test_job_views_and_put_joined_answer_alike_native_and_in_python() -> None:
         assert [c[0] for c in calls] == ["put", "delete", "put", "delete", "put"] and calls[1] == ("delete", keys[0], b"", "index")
         with pytest.raises(ValueError, match="3 keys but 2 views"):
             form(put, None, "index", head, keys, got_views[:2], xxcopy.xxh3_joined)
+
+
+class _Passing(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _Dispatching(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [_Passing, _Dispatching])
+def test_a_job_saved_while_a_torch_mode_is_on_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: type) -> None:
+    """A mode's handler runs in the row checks and may free a row whose view is taken already
+    (tests/test_lmdb_row_storage.py): such a job is the general path's."""
+    keys = [make_key(i) for i in range(3)]
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        rows[1].copy_(random_block(FMT.block_bytes, 1))
+        with mode():
+            sizes = backend.write_blocks(keys, rows[:3])
+        return [sizes, _read(backend, keys)]
+
+    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    assert fast[3] == slow[3] == [3]
+    assert fast[0][1] == [bytes(FMT.block_bytes), _block(1), bytes(FMT.block_bytes)]
