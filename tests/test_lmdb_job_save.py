@@ -24,7 +24,6 @@ from kvtier.backend import Backend
 from kvtier.errors import BackendError, ClosedError, DiskError
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
-
 from tests.test_lmdb_lone_save import FMT, _compare, _dump, _FailingEnv, _open, _read
 
 _FORMS = ("host_view", "job_views", "put_joined")
@@ -261,10 +260,11 @@ def test_job_views_and_put_joined_answer_alike_native_and_in_python() -> None:
     keys = [make_key(i) for i in range(3)]
     assert views.of(keys, rows) is not None  # seen: views kept
     unseen = torch.zeros(64, dtype=torch.uint8)
+    first, head_rows = keys[:2], rows[:2]
     cases = [
-        (keys, rows), (tuple(keys), tuple(rows)), (keys, rows[:2]), (keys[:2] + [b"x" * 31], rows), (keys[:2] + [bytearray(32)], rows),
-        (keys, rows[:2] + [unseen]), (keys, rows[:2] + [rows[0].view(torch.int8)]), (keys, rows[:2] + [torch.zeros(2, 32, dtype=torch.uint8)]),
-        (keys, rows[:2] + [None]), ([], []),
+        (keys, rows), (tuple(keys), tuple(rows)), (keys, head_rows), ([*first, b"x" * 31], rows), ([*first, bytearray(32)], rows),
+        (keys, [*head_rows, unseen]), (keys, [*head_rows, rows[0].view(torch.int8)]), (keys, [*head_rows, torch.zeros(2, 32, dtype=torch.uint8)]),
+        (keys, [*head_rows, None]), ([], []),
     ]
     for ks, rs in cases:
         args = (ks, rs, torch.Tensor, torch.uint8, views.shape, views.views, 32)
@@ -275,18 +275,20 @@ def test_job_views_and_put_joined_answer_alike_native_and_in_python() -> None:
 
     head = b"h" * 24
     got_views = native.job_views(keys, rows, torch.Tensor, torch.uint8, views.shape, views.views, 32)
+    calls: list[Any] = []
+
+    def put(key: bytes, value: bytes) -> bool:
+        calls.append(("put", key, bytes(value)))
+        if len(calls) > 4:
+            raise lmdb.MapFullError("full")
+        return True
+
+    def delete(key: bytes, value: bytes, db: Any) -> bool:
+        calls.append(("delete", key, value, db))
+        return True
+
     for form in (native.put_joined, lmdb_plain.put_joined_python):
-        calls: list[Any] = []
-
-        def put(key: bytes, value: bytes) -> bool:
-            calls.append(("put", key, bytes(value)))
-            if len(calls) > 4:
-                raise lmdb.MapFullError("full")
-            return True
-
-        def delete(key: bytes, value: bytes, db: Any) -> bool:
-            calls.append(("delete", key, value, db))
-            return True
+        calls.clear()
 
         form(put, None, "index", head, keys, got_views, xxcopy.xxh3_joined)
         assert calls == [("put", k, xxcopy.xxh3_joined(head, k, v)) for k, v in zip(keys, got_views)]
