@@ -180,22 +180,15 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_NoMemory();
         goto done;
     }
-    PyObject *const *key = PySequence_Fast_ITEMS(keys), *const *row = PySequence_Fast_ITEMS(out);
-    for (; got < n; got++) {
-        if (!PyBytes_CheckExact(key[got]) || PyBytes_GET_SIZE(key[got]) != key_bytes) {
+    PyObject *const *key = PySequence_Fast_ITEMS(keys);
+    PyObject *view_args[4] = {parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
+    int viewed = row_views(key, PySequence_Fast_ITEMS(out), n, view_args, key_bytes, views);
+    if (viewed <= 0) { /* a key or row not such, or one not seen yet: the general path makes its view */
+        if (viewed == 0)
             result = Py_NewRef(Py_None);
-            goto done;
-        }
-        PyObject *view_args[5] = {row[got], parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
-        PyObject *view = py_host_view(self, view_args, 5);
-        if (view == NULL)
-            goto done;
-        if (view == Py_None) { /* not such a row, or one not seen yet: the general path makes its view */
-            result = view;
-            goto done;
-        }
-        views[got] = view;
+        goto done;
     }
+    got = n;
     found = PyList_New(n);
     if (found == NULL)
         goto done;

@@ -48,15 +48,15 @@ from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
-    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "function_mode", "host_rows", "host_view", "job_read", "one_read", "one_row",
-    "python_in_torch", "same_size", "straight_read",
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "function_mode", "host_rows", "host_view", "job_read", "job_views", "one_read",
+    "one_row", "put_joined", "python_in_torch", "same_size", "straight_read",
 ]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read")):
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "put_joined")):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
 _SUM = struct.Struct("<Q")
@@ -220,6 +220,32 @@ def one_row_python(key: Any, key_bytes: int, row: Any, tensor_type: type, dtype:
     return view if same_size_python(fd, seen) else False
 
 
+def job_views_python(keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int) -> list[memoryview] | None:
+    """:data:`job_views` in Python: the same answers, asked in the same order."""
+    if len(keys) != len(rows):
+        return None
+    seen = host_view
+    got = []
+    for key, row in zip(keys, rows):
+        if type(key) is not bytes or len(key) != key_bytes:
+            return None
+        view = seen(row, tensor_type, dtype, shape, views)
+        if view is None:
+            return None
+        got.append(view)
+    return got
+
+
+def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes]) -> None:
+    """:data:`put_joined` in Python: the same calls, in the same order."""
+    if len(keys) != len(views):
+        raise ValueError(f"put_joined: {len(keys)} keys but {len(views)} views")
+    for key, view in zip(keys, views):
+        put(key, joined(head, key, view))
+        if delete is not None:
+            delete(key, b"", index)
+
+
 #: Whether the native forms of :data:`host_view`, :data:`same_size` and :data:`one_row` are loaded.
 NATIVE_GUARD: bool = _rowguard is not None
 #: ``host_view(row, tensor_type, dtype, shape, views)``: ``views[row.data_ptr()]`` (a
@@ -252,6 +278,18 @@ job_read: Callable[..., list[bool] | bool | None] | None = _rowguard.job_read if
 #: :data:`kvtier.devices.locate`), called by the tier's ``read_blocks`` with no Python frame
 #: between; ``None`` where the extension is not built.
 straight_read: Callable[..., list[bool] | bool | None] | None = _rowguard.straight_read if _rowguard is not None else None
+#: ``job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes)``: each row's
+#: :data:`host_view`, when every key is ``bytes`` of ``key_bytes`` and every row's view is one;
+#: else ``None`` (also when the counts differ): a job's checks and views in one call (the loop
+#: ``job_read`` makes; native: ``backends/_rowsave.c``). Its caller makes sure no torch function
+#: or dispatch mode is on (:func:`python_in_torch`): a handler run in a later row's checks could
+#: free a row whose view is taken already.
+job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowguard is not None else job_views_python
+#: ``put_joined(put, delete, index, head, keys, views, joined)``: for each key, in order,
+#: ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless ``delete`` is
+#: ``None``: a job's records each built just before its put, in one call (native:
+#: ``backends/_rowsave.c``).
+put_joined: Callable[..., None] = _rowguard.put_joined if _rowguard is not None else put_joined_python
 
 
 class PlainReads:
