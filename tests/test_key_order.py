@@ -138,7 +138,15 @@ def test_key_order_looks_up_other_key_types_as_an_ordered_dict_does() -> None:
     fast, slow = new_order(), OrderedDict[bytes, None]()
     for key in POOL[:8]:
         fast[key] = slow[key] = None
-    probes: list[Any] = [_BytesLike(POOL[3]), _BytesLike(POOL[20]), POOL[3].hex(), 3, None, _Odd(POOL[4], True), _Odd(POOL[4], False)]
+    probes: list[Any] = [
+        _BytesLike(POOL[3]),
+        _BytesLike(POOL[20]),
+        POOL[3].hex(),
+        3,
+        None,
+        _Odd(POOL[4], True),
+        _Odd(POOL[4], False),
+    ]
     for probe in probes:
         assert _outcome(fast.__contains__, probe) == _outcome(slow.__contains__, probe), probe
         assert _outcome(fast.move_to_end, probe) == _outcome(slow.move_to_end, probe), probe
@@ -211,19 +219,25 @@ def _policy_step(rng: random.Random, pool: list[bytes], policies: list[LRUPolicy
     keys = rng.sample(pool, rng.randint(1, 5))
     protected = set(rng.sample(pool, rng.randint(0, 4)))
     n = rng.randint(0, 4)
-    outs = []
-    for policy in policies:
-        call: Callable[[], Any] = {
-            "insert": lambda: policy.insert(keys[0]),
-            "insert_many": lambda: policy.insert_many(keys),
-            "touch": lambda: policy.touch(keys[0]),
-            "touch_many": lambda: policy.touch_many(keys),
-            "touch_held": lambda: policy.touch_held(keys),
-            "remove": lambda: policy.remove(keys[0]),
-            "evict": lambda: policy.evict(n, protected),
-            "restore": lambda: policy.restore(taken[-1]) if taken else None,
-        }[op]
-        outs.append(_outcome(call))
+
+    def call(policy: LRUPolicy) -> Any:
+        if op == "insert":
+            return policy.insert(keys[0])
+        if op == "insert_many":
+            return policy.insert_many(keys)
+        if op == "touch":
+            return policy.touch(keys[0])
+        if op == "touch_many":
+            return policy.touch_many(keys)
+        if op == "touch_held":
+            return policy.touch_held(keys)
+        if op == "remove":
+            return policy.remove(keys[0])
+        if op == "evict":
+            return policy.evict(n, protected)
+        return policy.restore(taken[-1]) if taken else None
+
+    outs = [_outcome(call, policy) for policy in policies]
     assert outs[0] == outs[1], op
     if op == "evict" and outs[0][1]:
         taken.append(outs[0][1])
@@ -299,7 +313,9 @@ def test_manager_on_key_order_matches_it_on_an_ordered_dict(seed: int, monkeypat
     tenants = seed % 2 == 1
     managers = [_manager(True, monkeypatch, tenants), _manager(False, monkeypatch, tenants)]
     pool = [make_key(i) for i in range(30)]
-    ops = ["store", "store", "store", "load", "touch", "touch", "lookup", "remove"] + (["pin", "unpin", "forget"] if tenants else [])
+    ops = ["store", "store", "store", "load", "touch", "touch", "lookup", "remove"] + (
+        ["pin", "unpin", "forget"] if tenants else []
+    )
     for step in range(600):
         op = rng.choice(ops)
         keys = rng.sample(pool, rng.randint(1, 4))
@@ -310,7 +326,7 @@ def test_manager_on_key_order_matches_it_on_an_ordered_dict(seed: int, monkeypat
         if step == 550:
             for m in managers:
                 m.close()
-        outs = [_outcome(lambda m=m: _manager_step(rng, m, op, keys, arg)) for m in managers]
+        outs = [_outcome(_manager_step, rng, m, op, keys, arg) for m in managers]
         assert outs[0] == outs[1], (step, op)
         assert managers[0].tier_keys(0) == managers[1].tier_keys(0), (step, op)
         assert managers[0].take_events() == managers[1].take_events(), (step, op)

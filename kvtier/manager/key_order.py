@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Protocol, overload
 
 from kvtier.manager.lookups import NATIVE, native_module
 
@@ -29,7 +29,10 @@ class KeyOrder(Protocol):
     def __setitem__(self, key: bytes, value: None) -> None: ...
     def __delitem__(self, key: bytes) -> None: ...
     def move_to_end(self, key: bytes, last: bool = True) -> None: ...
-    def pop(self, key: bytes, default: None = None) -> None: ...
+    @overload
+    def pop(self, key: bytes, /) -> None: ...
+    @overload
+    def pop(self, key: bytes, default: None, /) -> None: ...
 
 
 def new_order(native: bool = NATIVE) -> KeyOrder:
@@ -37,6 +40,7 @@ def new_order(native: bool = NATIVE) -> KeyOrder:
     built, and where the built extension has it), else an ``OrderedDict``."""
     make = getattr(native_module(), "KeyOrder", None) if native else None  # (None: built before it)
     if make is None:
-        return OrderedDict()
+        fallback: OrderedDict[bytes, None] = OrderedDict()
+        return fallback
     order: KeyOrder = make()
     return order
