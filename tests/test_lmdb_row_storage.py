@@ -21,6 +21,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SIZE = 4096
 
+#: What both children run their job under (rows: the job's rows): at the second row's first
+#: check, the first row's memory is freed and handed to a new tensor of sevens (freed[1]).
+_FREES = r"""
+freed = []
+class Frees(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not freed and args and args[0] is rows[1]:
+            freed.append(rows[0].data_ptr())
+            rows[0].set_(torch.empty(0, dtype=torch.uint8))
+            freed.append(torch.full((4096,), 7, dtype=torch.uint8))
+        return func(*args, **(kwargs or {}))
+"""
+
 _CHILD = r"""
 import asyncio, sys, tempfile, torch
 from torch.overrides import TorchFunctionMode
@@ -41,20 +54,12 @@ keys = [make_key(i) for i in range(n)]
 backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
 rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
 assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept, the thread marked)
-freed, victim = [], []
-class Frees(TorchFunctionMode):  # at the second row's first check: the first row's memory freed and reused
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not freed and args and args[0] is rows[1]:
-            freed.append(rows[0].data_ptr())
-            rows[0].set_(torch.empty(0, dtype=torch.uint8))
-            victim.append(torch.zeros(4096, dtype=torch.uint8))
-        return func(*args, **(kwargs or {}))
-with Frees():
+""" + _FREES + r"""with Frees():
     try:
         backend.read_blocks(keys, rows)
     except (ValueError, TypeError):
         pass  # the first row is now empty: the general path may refuse it by name
-print(bool(freed), bool(victim) and bool(victim[0].any()))
+print(bool(freed), bool(freed) and bool((freed[1] != 7).any()))
 asyncio.run(backend.aclose())
 """
 
@@ -163,15 +168,7 @@ first = rows[0].clone()
 warm = [make_key(100 + i) for i in range(n)]
 backend.write_blocks(warm, rows)  # (the rows' views kept)
 keys = [make_key(i) for i in range(n)]
-freed = []
-class Frees(TorchFunctionMode):  # at the second row's first check: the first row's memory freed and reused
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not freed and args and args[0] is rows[1]:
-            freed.append(rows[0].data_ptr())
-            rows[0].set_(torch.empty(0, dtype=torch.uint8))
-            freed.append(torch.full((4096,), 7, dtype=torch.uint8))
-        return func(*args, **(kwargs or {}))
-with Frees():
+""" + _FREES + r"""with Frees():
     try:
         backend.write_blocks(keys, rows)
     except (ValueError, TypeError):
