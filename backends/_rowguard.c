@@ -121,6 +121,36 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return view;
 }
 
+int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *view = NULL;
+        if (PyBytes_CheckExact(keys[i]) && PyBytes_GET_SIZE(keys[i]) == key_bytes) {
+            PyObject *args[5] = {rows[i], view_args[0], view_args[1], view_args[2], view_args[3]};
+            view = py_host_view(NULL, args, 5);
+            if (view == NULL) {
+                n = i;
+                goto failed;
+            }
+        }
+        if (view == NULL || view == Py_None) { /* not such a key or row, or a row not seen yet */
+            Py_XDECREF(view);
+            n = i;
+            goto refused;
+        }
+        views[i] = view;
+    }
+    return 1;
+refused:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_CLEAR(views[i]);
+    return 0;
+failed:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_CLEAR(views[i]);
+    return -1;
+}
+
 /* same_size(fd, seen): whether the file open at fd ends at seen bytes now (lseek to its end,
    with the GIL held: it never waits); False also when fd cannot be asked (closed). */
 PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -486,6 +516,12 @@ static PyMethodDef methods[] = {
      "objects (see kvtier.backends.lmdb_direct): the capsule they take, or RuntimeError naming\n"
      "what does not hold."},
     {"direct_jobs", py_direct_jobs, METH_NOARGS, "direct_jobs() -> the straight reads' jobs looked up by LMDB's own get so far."},
+    {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
+     "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"
+     "Each row's view (host_view) when every key is bytes of key_bytes and every row's host_view is one; else None."},
+    {"put_joined", (PyCFunction)(void (*)(void))py_put_joined, METH_FASTCALL,
+     "put_joined(put, delete, index, head, keys, views, joined) -> None\n\n"
+     "For each key in order: put(key, joined(head, key, view)), then delete(key, b'', index) unless delete is None."},
     {"same_size", (PyCFunction)(void (*)(void))py_same_size, METH_FASTCALL,
      "same_size(fd, seen) -> bool\n\n"
      "Whether the file open at fd is seen bytes long now (False too where fd cannot be asked)."},

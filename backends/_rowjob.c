@@ -124,8 +124,9 @@ done:
    warm job of several keys in one call, with the same outcome, counters and errors: each key's
    hit; None (the general path's job, nothing counted); False, before anything moved, where the
    Python form must read it (the thread's first job, whose faults it marks; the data file's size
-   moved, which its guard tells). Every row's checks and view (host_view) before the job is
-   counted, then the guard, the lookups in one read transaction and the counters once. */
+   moved, which its guard tells); None while a torch function mode is on. Every row's checks and
+   view (host_view) before the job is counted, then the guard, the lookups in one read
+   transaction and the counters once. */
 PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double cold_s;
@@ -170,27 +171,31 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             result = Py_NewRef(Py_False); /* the thread's first job: the Python form marks it */
         goto done;
     }
+    /* A torch function mode on: its handler runs Python in each row's checks, which may free the
+       memory of a row whose view is taken already. The general path's job: its copies take each
+       row's memory as they write it. */
+    PyObject *moded = PyObject_CallNoArgs(parts[P_MODES]);
+    int hooked = moded == NULL ? -1 : PyObject_IsTrue(moded);
+    Py_XDECREF(moded);
+    if (hooked != 0) {
+        if (hooked > 0)
+            result = Py_NewRef(Py_None);
+        goto done;
+    }
     views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
     if (views == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    PyObject *const *key = PySequence_Fast_ITEMS(keys), *const *row = PySequence_Fast_ITEMS(out);
-    for (; got < n; got++) {
-        if (!PyBytes_CheckExact(key[got]) || PyBytes_GET_SIZE(key[got]) != key_bytes) {
+    PyObject *const *key = PySequence_Fast_ITEMS(keys);
+    PyObject *view_args[4] = {parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
+    int viewed = row_views(key, PySequence_Fast_ITEMS(out), n, view_args, key_bytes, views);
+    if (viewed <= 0) { /* a key or row not such, or one not seen yet: the general path makes its view */
+        if (viewed == 0)
             result = Py_NewRef(Py_None);
-            goto done;
-        }
-        PyObject *view_args[5] = {row[got], parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
-        PyObject *view = py_host_view(self, view_args, 5);
-        if (view == NULL)
-            goto done;
-        if (view == Py_None) { /* not such a row, or one not seen yet: the general path makes its view */
-            result = view;
-            goto done;
-        }
-        views[got] = view;
+        goto done;
     }
+    got = n;
     found = PyList_New(n);
     if (found == NULL)
         goto done;

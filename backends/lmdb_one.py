@@ -166,7 +166,7 @@ class StraightRead:
         self.native_parts = (
             self.views, self.shape, _TENSOR, _U8, KEY_BYTES, guard, temperature, temperature.jobs, temperature.marks, counters,
             plain.blocks, plain.index, plain.head, plain.size, lmdb.Error, _JOINED_PLAIN + plain.size, _ENTRY_HEAD,
-            devices, self.forks, direct,
+            devices, lmdb_plain.function_mode, self.forks, direct,
         )
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
@@ -258,6 +258,10 @@ class StraightRead:
         n = len(keys)
         temperature = self.temperature
         if n != len(out) or temperature.cold or devices.locate is not None or self.forks != forks():
+            return None
+        if lmdb_plain.function_mode():
+            # Its handler runs Python in each row's checks below, which may free a row whose view
+            # is taken already: the general path's job, whose copies take each row's memory.
             return None
         native = lmdb_plain.job_read
         if native is not None:

@@ -105,6 +105,13 @@ held_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     if (r == NULL)
         return NULL;
     Py_DECREF(r);
+    /* read again under the lock: a close made while the acquire waited (or ran Python code) is
+     * seen, and a closed touch moves nothing */
+    if (self->is_closed || self->fallback == NULL) {
+        if (release_lock(self) < 0)
+            return NULL;
+        goto fallback;
+    }
     Py_INCREF(keys);
     done = touch_held(self, keys);
     Py_DECREF(keys);
