@@ -149,8 +149,12 @@ class StraightRead:
 
     __slots__ = ("counters", "forks", "guard", "native_parts", "one_parts", "parts", "shape", "temperature", "views")
 
-    def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
-        """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
+    def __init__(
+        self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters, direct: object | None = None
+    ) -> None:
+        """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's. ``direct``: what
+        :func:`~kvtier.backends.lmdb_direct.direct_gets` gave for the environment (the native
+        reads then look keys up by LMDB's own ``get``), or ``None``."""
         #: What a read uses, in one tuple (one attribute load, not six).
         self.parts = (plain.blocks, plain.index, plain.head, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
@@ -162,7 +166,7 @@ class StraightRead:
         self.native_parts = (
             self.views, self.shape, _TENSOR, _U8, KEY_BYTES, guard, temperature, temperature.jobs, temperature.marks, counters,
             plain.blocks, plain.index, plain.head, plain.size, lmdb.Error, _JOINED_PLAIN + plain.size, _ENTRY_HEAD,
-            devices, lmdb_plain.function_mode, self.forks,
+            devices, lmdb_plain.function_mode, self.forks, direct,
         )
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
