@@ -13,7 +13,7 @@
 /* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
 enum {
     P_VIEWS, P_SHAPE, P_TENSOR, P_DTYPE, P_KEY_BYTES, P_GUARD, P_TEMPERATURE, P_JOBS, P_MARKS, P_COUNTERS,
-    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_MODES, P_FORKS, P_COUNT
+    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_MODES, P_FORKS, P_DIRECT, P_COUNT
 };
 
 /* Attribute names, interned at import (_rowguard.c). */
@@ -29,6 +29,8 @@ double read_clock(PyObject *clock);
 /* The cold rule after a read's lookups, and a read transaction's abort: see _rowguard.c. */
 int cold_rule(PyObject *temperature, PyObject *clock, double start, double cold_s);
 int abort_read(PyObject *txn);
+/* parts' joined record size and a split record's head's place in its entry: see _rowguard.c. */
+int record_sizes(PyObject *const *parts, Py_ssize_t *joined, Py_ssize_t *at);
 /* The arguments every straight read takes, checked: see _rowguard.c. */
 int read_args(PyObject *const *args, Py_ssize_t nargs, const char *call, double *cold_s);
 /* host_view(row, tensor_type, dtype, shape, views) and same_size(fd, seen): see _rowguard.c. */
@@ -49,6 +51,12 @@ unsigned long rowguard_forks(void);
    see _rowjob.c. */
 PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* The lookups by LMDB's own get, and its check at a store's open: see _lmdbdirect.c. */
+int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
+                   PyObject *check, PyObject *found);
+PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_direct_jobs(PyObject *self, PyObject *unused);
 
 #pragma GCC visibility pop
 

@@ -34,26 +34,33 @@ static int add_count(PyObject *counters, PyObject *name, Py_ssize_t n)
 /* The lookups of a counted job in one read transaction, each record checked and copied into its
    row's view: found[i] set for each key. 1: every key read; 0: the job is the general path's (a
    record not raw and sound, a split record with no entry); -1: an error is set. The cold rule
-   after the last lookup, as StraightRead.job's. The transaction is aborted on every way out. */
-static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject **views, Py_ssize_t n,
+   after the last lookup, as StraightRead.job's. The lookups are LMDB's own get where the store
+   was probed for it (direct_lookups), else python-lmdb's. The transaction is aborted on every
+   way out. */
+static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
                        PyObject *clock, double cold_s, PyObject *check, PyObject *found)
 {
-    Py_ssize_t joined = PyLong_AsSsize_t(parts[P_JOINED_SIZE]);
-    if (joined == -1 && PyErr_Occurred())
-        return -1;
-    Py_ssize_t at = PyLong_AsSsize_t(parts[P_ENTRY_HEAD]);
-    if (at == -1 && PyErr_Occurred())
+    Py_ssize_t joined, at;
+    if (record_sizes(parts, &joined, &at) < 0)
         return -1;
     PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
     PyObject *txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (txn == NULL)
         return -1;
     int rc = -1;
-    PyObject *get = PyObject_GetAttr(txn, s_get); /* once a job, as StraightRead.job binds it */
-    if (get == NULL)
-        goto done;
+    PyObject *get = NULL;
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
+        goto done;
+    int direct = direct_lookups(parts, env, txn, keys, views, n, check, found); /* by LMDB's own get where probed */
+    if (direct != 2) {
+        rc = direct;
+        if (rc == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
+            rc = -1;
+        goto done;
+    }
+    get = PyObject_GetAttr(txn, s_get); /* once a job, as StraightRead.job binds it */
+    if (get == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *get_args[4] = {NULL, keys[i], Py_None, parts[P_BLOCKS]}; /* [0]: room for the call's own use */
