@@ -49,6 +49,36 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return host_row_view(row, args[1], dtype, shape, views, &row_names);
 }
 
+int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *view = NULL;
+        if (PyBytes_CheckExact(keys[i]) && PyBytes_GET_SIZE(keys[i]) == key_bytes) {
+            PyObject *args[5] = {rows[i], view_args[0], view_args[1], view_args[2], view_args[3]};
+            view = py_host_view(NULL, args, 5);
+            if (view == NULL) {
+                n = i;
+                goto failed;
+            }
+        }
+        if (view == NULL || view == Py_None) { /* not such a key or row, or a row not seen yet */
+            Py_XDECREF(view);
+            n = i;
+            goto refused;
+        }
+        views[i] = view;
+    }
+    return 1;
+refused:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_CLEAR(views[i]);
+    return 0;
+failed:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_CLEAR(views[i]);
+    return -1;
+}
+
 /* same_size(fd, seen): whether the file open at fd ends at seen bytes now (lseek to its end,
    with the GIL held: it never waits); False also when fd cannot be asked (closed). */
 PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -106,6 +136,7 @@ static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
 static PyObject *real_perf_counter; /* time.perf_counter: read here by clock_gettime, as it reads */
+static PyObject *one_count;         /* 1, a counter's step */
 
 /* counters.name += by */
 int add_to(PyObject *counters, PyObject *name, PyObject *by)
@@ -165,6 +196,17 @@ int read_args(PyObject *const *args, Py_ssize_t nargs, const char *call, double 
         return -1;
     }
     return 0;
+}
+
+/* parts' joined record size (a joined value's length) and where a split record's head starts
+   in its entry: 0, or -1 with an error set. */
+int record_sizes(PyObject *const *parts, Py_ssize_t *joined, Py_ssize_t *at)
+{
+    *joined = PyLong_AsSsize_t(parts[P_JOINED_SIZE]);
+    if (*joined == -1 && PyErr_Occurred())
+        return -1;
+    *at = PyLong_AsSsize_t(parts[P_ENTRY_HEAD]);
+    return *at == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* The cold rule after a read's lookups, begun at start: where they took cold_s or more,
@@ -228,6 +270,20 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
         goto done;
+    result = Py_BuildValue("[O]", Py_False);
+    if (result == NULL)
+        goto done;
+    int direct = direct_lookups(parts, env, txn, &key, &view, 1, check, result); /* by LMDB's own get where probed */
+    if (direct != 2) {
+        if (direct == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
+            direct = -1;
+        if (direct == 1 && PyList_GET_ITEM(result, 0) == Py_False && add_to(parts[P_COUNTERS], s_read_misses, one_count) < 0)
+            direct = -1;
+        if (direct != 1)
+            Py_SETREF(result, direct == 0 ? Py_NewRef(Py_None) : NULL);
+        goto done;
+    }
+    Py_CLEAR(result);
     PyObject *get_args[4] = {txn, key, Py_None, parts[P_BLOCKS]};
     value = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (value == NULL)
@@ -249,12 +305,7 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
     if (cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
         goto done;
     if (value == Py_None) {
-        PyObject *one = PyLong_FromLong(1);
-        if (one == NULL)
-            goto done;
-        int rc = add_to(parts[P_COUNTERS], s_read_misses, one);
-        Py_DECREF(one);
-        if (rc == 0)
+        if (add_to(parts[P_COUNTERS], s_read_misses, one_count) == 0)
             result = Py_BuildValue("[O]", Py_False);
         goto done;
     }
@@ -387,6 +438,18 @@ static PyMethodDef methods[] = {
     {"one_read", (PyCFunction)(void (*)(void))py_one_read, METH_FASTCALL,
      "one_read(parts, env, key, row, clock, cold_s, check) -> [found], None or False\n\n"
      "A straight read of a job of one key (kvtier.backends.lmdb_one.StraightRead.read) in one call."},
+    {"direct_probe", (PyCFunction)(void (*)(void))py_direct_probe, METH_FASTCALL,
+     "direct_probe(env, txn, meta, key, value, txn_id, blocks, index, so_path, check, check_c) -> capsule\n\n"
+     "Whether the straight reads of env may look keys up by LMDB's own get on python-lmdb 3.0's\n"
+     "objects (see kvtier.backends.lmdb_direct): the capsule they take, or RuntimeError naming\n"
+     "what does not hold."},
+    {"direct_jobs", py_direct_jobs, METH_NOARGS, "direct_jobs() -> the straight reads' jobs looked up by LMDB's own get so far."},
+    {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
+     "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"
+     "Each row's view (host_view) when every key is bytes of key_bytes and every row's host_view is one; else None."},
+    {"put_joined", (PyCFunction)(void (*)(void))py_put_joined, METH_FASTCALL,
+     "put_joined(put, delete, index, head, keys, views, joined) -> None\n\n"
+     "For each key in order: put(key, joined(head, key, view)), then delete(key, b'', index) unless delete is None."},
     {"same_size", (PyCFunction)(void (*)(void))py_same_size, METH_FASTCALL,
      "same_size(fd, seen) -> bool\n\n"
      "Whether the file open at fd is seen bytes long now (False too where fd cannot be asked)."},
@@ -416,6 +479,9 @@ PyMODINIT_FUNC PyInit__rowguard(void)
     for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++)
         if ((*NAMES[i].name = PyUnicode_InternFromString(NAMES[i].text)) == NULL)
             return NULL;
+    one_count = PyLong_FromLong(1);
+    if (one_count == NULL)
+        return NULL;
     PyObject *time_module = PyImport_ImportModule("time");
     if (time_module == NULL)
         return NULL;

@@ -13,7 +13,7 @@
 /* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
 enum {
     P_VIEWS, P_SHAPE, P_TENSOR, P_DTYPE, P_KEY_BYTES, P_GUARD, P_TEMPERATURE, P_JOBS, P_MARKS, P_COUNTERS,
-    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_FORKS, P_COUNT
+    P_BLOCKS, P_INDEX, P_HEAD, P_SIZE, P_ERROR, P_JOINED_SIZE, P_ENTRY_HEAD, P_DEVICES, P_MODES, P_FORKS, P_DIRECT, P_COUNT
 };
 
 /* Attribute names, interned at import (_rowguard.c). */
@@ -28,11 +28,21 @@ double read_clock(PyObject *clock);
 /* The cold rule after a read's lookups, and a read transaction's abort: see _rowguard.c. */
 int cold_rule(PyObject *temperature, PyObject *clock, double start, double cold_s);
 int abort_read(PyObject *txn);
+/* parts' joined record size and a split record's head's place in its entry: see _rowguard.c. */
+int record_sizes(PyObject *const *parts, Py_ssize_t *joined, Py_ssize_t *at);
 /* The arguments every straight read takes, checked: see _rowguard.c. */
 int read_args(PyObject *const *args, Py_ssize_t nargs, const char *call, double *cold_s);
 /* host_view(row, tensor_type, dtype, shape, views) and same_size(fd, seen): see _rowguard.c. */
 PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* Every key's and row's checks and view for a job of n keys: 1 with views[0..n) set (new
+   references); 0 where a key is not bytes of key_bytes or host_view(row, *view_args) is None
+   (view_args: tensor_type, dtype, shape, views), -1 with an error set: then none is kept. */
+int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views);
+/* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) and
+   put_joined(put, delete, index, head, keys, views, joined): see _rowsave.c. */
+PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* one_read(parts, env, key, row, clock, cold_s, check) and the fork count: see _rowguard.c. */
 PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 unsigned long rowguard_forks(void);
@@ -40,6 +50,12 @@ unsigned long rowguard_forks(void);
    see _rowjob.c. */
 PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* The lookups by LMDB's own get, and its check at a store's open: see _lmdbdirect.c. */
+int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
+                   PyObject *check, PyObject *found);
+PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_direct_jobs(PyObject *self, PyObject *unused);
 
 #pragma GCC visibility pop
 

@@ -34,26 +34,33 @@ static int add_count(PyObject *counters, PyObject *name, Py_ssize_t n)
 /* The lookups of a counted job in one read transaction, each record checked and copied into its
    row's view: found[i] set for each key. 1: every key read; 0: the job is the general path's (a
    record not raw and sound, a split record with no entry); -1: an error is set. The cold rule
-   after the last lookup, as StraightRead.job's. The transaction is aborted on every way out. */
-static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject **views, Py_ssize_t n,
+   after the last lookup, as StraightRead.job's. The lookups are LMDB's own get where the store
+   was probed for it (direct_lookups), else python-lmdb's. The transaction is aborted on every
+   way out. */
+static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
                        PyObject *clock, double cold_s, PyObject *check, PyObject *found)
 {
-    Py_ssize_t joined = PyLong_AsSsize_t(parts[P_JOINED_SIZE]);
-    if (joined == -1 && PyErr_Occurred())
-        return -1;
-    Py_ssize_t at = PyLong_AsSsize_t(parts[P_ENTRY_HEAD]);
-    if (at == -1 && PyErr_Occurred())
+    Py_ssize_t joined, at;
+    if (record_sizes(parts, &joined, &at) < 0)
         return -1;
     PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
     PyObject *txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (txn == NULL)
         return -1;
     int rc = -1;
-    PyObject *get = PyObject_GetAttr(txn, s_get); /* once a job, as StraightRead.job binds it */
-    if (get == NULL)
-        goto done;
+    PyObject *get = NULL;
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
+        goto done;
+    int direct = direct_lookups(parts, env, txn, keys, views, n, check, found); /* by LMDB's own get where probed */
+    if (direct != 2) {
+        rc = direct;
+        if (rc == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
+            rc = -1;
+        goto done;
+    }
+    get = PyObject_GetAttr(txn, s_get); /* once a job, as StraightRead.job binds it */
+    if (get == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *get_args[4] = {NULL, keys[i], Py_None, parts[P_BLOCKS]}; /* [0]: room for the call's own use */
@@ -117,8 +124,9 @@ done:
    warm job of several keys in one call, with the same outcome, counters and errors: each key's
    hit; None (the general path's job, nothing counted); False, before anything moved, where the
    Python form must read it (the thread's first job, whose faults it marks; the data file's size
-   moved, which its guard tells). Every row's checks and view (host_view) before the job is
-   counted, then the guard, the lookups in one read transaction and the counters once. */
+   moved, which its guard tells); None while a torch function mode is on. Every row's checks and
+   view (host_view) before the job is counted, then the guard, the lookups in one read
+   transaction and the counters once. */
 PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     double cold_s;
@@ -163,27 +171,31 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             result = Py_NewRef(Py_False); /* the thread's first job: the Python form marks it */
         goto done;
     }
+    /* A torch function mode on: its handler runs Python in each row's checks, which may free the
+       memory of a row whose view is taken already. The general path's job: its copies take each
+       row's memory as they write it. */
+    PyObject *moded = PyObject_CallNoArgs(parts[P_MODES]);
+    int hooked = moded == NULL ? -1 : PyObject_IsTrue(moded);
+    Py_XDECREF(moded);
+    if (hooked != 0) {
+        if (hooked > 0)
+            result = Py_NewRef(Py_None);
+        goto done;
+    }
     views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
     if (views == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    PyObject *const *key = PySequence_Fast_ITEMS(keys), *const *row = PySequence_Fast_ITEMS(out);
-    for (; got < n; got++) {
-        if (!PyBytes_CheckExact(key[got]) || PyBytes_GET_SIZE(key[got]) != key_bytes) {
+    PyObject *const *key = PySequence_Fast_ITEMS(keys);
+    PyObject *view_args[4] = {parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
+    int viewed = row_views(key, PySequence_Fast_ITEMS(out), n, view_args, key_bytes, views);
+    if (viewed <= 0) { /* a key or row not such, or one not seen yet: the general path makes its view */
+        if (viewed == 0)
             result = Py_NewRef(Py_None);
-            goto done;
-        }
-        PyObject *view_args[5] = {row[got], parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
-        PyObject *view = py_host_view(self, view_args, 5);
-        if (view == NULL)
-            goto done;
-        if (view == Py_None) { /* not such a row, or one not seen yet: the general path makes its view */
-            result = view;
-            goto done;
-        }
-        views[got] = view;
+        goto done;
     }
+    got = n;
     found = PyList_New(n);
     if (found == NULL)
         goto done;

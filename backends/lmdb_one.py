@@ -149,8 +149,12 @@ class StraightRead:
 
     __slots__ = ("counters", "forks", "guard", "native_parts", "one_parts", "parts", "shape", "temperature", "views")
 
-    def __init__(self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters) -> None:
-        """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's."""
+    def __init__(
+        self, plain: PlainReads, views: RowViews, guard: FileGuard, temperature: _Temperature, counters: BackendCounters, direct: object | None = None
+    ) -> None:
+        """``plain``, ``views``, ``guard`` and ``temperature``: the job reader's. ``direct``: what
+        :func:`~kvtier.backends.lmdb_direct.direct_gets` gave for the environment (the native
+        reads then look keys up by LMDB's own ``get``), or ``None``."""
         #: What a read uses, in one tuple (one attribute load, not six).
         self.parts = (plain.blocks, plain.index, plain.head, plain.size)
         self.shape, self.views = torch.Size([plain.size]), views.views
@@ -162,7 +166,7 @@ class StraightRead:
         self.native_parts = (
             self.views, self.shape, _TENSOR, _U8, KEY_BYTES, guard, temperature, temperature.jobs, temperature.marks, counters,
             plain.blocks, plain.index, plain.head, plain.size, lmdb.Error, _JOINED_PLAIN + plain.size, _ENTRY_HEAD,
-            devices, self.forks,
+            devices, lmdb_plain.function_mode, self.forks, direct,
         )
 
     def read(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
@@ -262,6 +266,10 @@ class StraightRead:
             found = native(self.native_parts, env, keys, out, perf_counter, COLD_GET_S, xxcopy.xxh3_check_copy)
             if found is not False:
                 return found  # type: ignore[no-any-return]
+        if lmdb_plain.python_in_torch(out):
+            # A handler run in a later row's checks below may free a row whose view is taken
+            # already: the general path's job, whose copies take each row's memory.
+            return None
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
         rows = []
         for key, row in zip(keys, out):

@@ -47,13 +47,16 @@ from kvtier.records.codec import NoneCodec
 from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
-__all__ = ["NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "host_rows", "host_view", "job_read", "one_read", "one_row", "same_size", "straight_read"]
+__all__ = [
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "function_mode", "host_rows", "host_view", "job_read", "job_views", "one_read",
+    "one_row", "put_joined", "python_in_torch", "same_size", "straight_read",
+]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read")):
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "put_joined")):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
 _SUM = struct.Struct("<Q")
@@ -65,6 +68,31 @@ _SUM = struct.Struct("<Q")
 UNSUMMED = bytes(HEADER.size)
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
+#: Whether a torch function mode is on in this thread: its handler then runs Python in every
+#: tensor getter and method a row's checks call.
+function_mode: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
+_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
+_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+
+
+def _overridden(row: Any) -> bool:
+    """Whether ``type(row)`` (a subclass of ``torch.Tensor``) has a ``__torch_function__`` of its own."""
+    handler = getattr(type(row), "__torch_function__", None)
+    return getattr(handler, "__func__", handler) not in (_TORCH_FUNCTION, torch._C._disabled_torch_function_impl)
+
+
+def python_in_torch(out: Sequence[Any]) -> bool:
+    """Whether code other than torch's own may run in torch while a job over the rows ``out``
+    is checked and copied: a torch function or dispatch mode is on, or a row's type has a
+    ``__torch_function__`` of its own. Views of a job's rows are taken before its copies, and
+    such code may free a row whose view is taken (``row.set_(...)``): such jobs take each row's
+    memory as they write it."""
+    if function_mode() or _dispatch_modes():
+        return True
+    for row in out:
+        if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
+            return True
+    return False
 
 
 def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False) -> list[memoryview] | None:
@@ -78,15 +106,17 @@ def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False)
     holds the rows for as long as it uses the views, which do not hold them), are views of
     their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()``
     each."""
-    if devices.locate is not None or not out:
-        return None
+    if devices.locate is not None or not out or function_mode() or _dispatch_modes():
+        return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
     base = out[0]._base
-    if base is not None and len(out) > 1 and base.is_cpu and base.is_contiguous():
+    if base is not None and len(out) > 1 and type(base) is _TENSOR and base.is_cpu and base.is_contiguous():
         flat = base.detach().reshape(-1).view(torch.uint8)
         whole = flat.numpy().data
         start, length = flat.data_ptr(), len(whole)
         views = []
         for row in out:
+            if type(row) is not _TENSOR:
+                break
             at = row.data_ptr() - start
             if row._base is not base or not row.is_contiguous() or at < 0 or at + size > length:
                 break
@@ -95,6 +125,8 @@ def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False)
             return views
     views = []
     for row in out:
+        if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
+            return None  # its checks would run its own code (python_in_torch)
         if not row.is_cpu or not row.is_contiguous():
             return None
         views.append(_at(row.data_ptr(), size) if borrowed else row.numpy().data)
@@ -140,8 +172,8 @@ class RowViews:
         """A view of each row when every key is ``bytes`` of 32 and every row a contiguous
         host ``uint8`` tensor of :attr:`size` elements; else ``None`` (the caller's general
         checks then name what is wrong, or take rows that are not host memory)."""
-        if devices.locate is not None or len(keys) != len(out):
-            return None
+        if devices.locate is not None or len(keys) != len(out) or function_mode() or _dispatch_modes():
+            return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
         views, shape, seen = self.views, self.shape, host_view
         rows = []
         for key, row in zip(keys, out):
@@ -151,6 +183,8 @@ class RowViews:
             # other row (not seen yet, a subclass, or not such a row) by the checks here.
             view = seen(row, _TENSOR, _U8, shape, views)
             if view is None:
+                if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
+                    return None  # its checks would run its own code (python_in_torch)
                 if row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous():
                     return None
                 at = row.data_ptr()
@@ -190,6 +224,32 @@ def one_row_python(key: Any, key_bytes: int, row: Any, tensor_type: type, dtype:
     return view if same_size_python(fd, seen) else False
 
 
+def job_views_python(keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int) -> list[memoryview] | None:
+    """:data:`job_views` in Python: the same answers, asked in the same order."""
+    if len(keys) != len(rows):
+        return None
+    seen = host_view
+    got = []
+    for key, row in zip(keys, rows):
+        if type(key) is not bytes or len(key) != key_bytes:
+            return None
+        view = seen(row, tensor_type, dtype, shape, views)
+        if view is None:
+            return None
+        got.append(view)
+    return got
+
+
+def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes]) -> None:
+    """:data:`put_joined` in Python: the same calls, in the same order."""
+    if len(keys) != len(views):
+        raise ValueError(f"put_joined: {len(keys)} keys but {len(views)} views")
+    for key, view in zip(keys, views):
+        put(key, joined(head, key, view))
+        if delete is not None:
+            delete(key, b"", index)
+
+
 #: Whether the native forms of :data:`host_view`, :data:`same_size` and :data:`one_row` are loaded.
 NATIVE_GUARD: bool = _rowguard is not None
 #: ``host_view(row, tensor_type, dtype, shape, views)``: ``views[row.data_ptr()]`` (a
@@ -222,6 +282,18 @@ job_read: Callable[..., list[bool] | bool | None] | None = _rowguard.job_read if
 #: :data:`kvtier.devices.locate`), called by the tier's ``read_blocks`` with no Python frame
 #: between; ``None`` where the extension is not built.
 straight_read: Callable[..., list[bool] | bool | None] | None = _rowguard.straight_read if _rowguard is not None else None
+#: ``job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes)``: each row's
+#: :data:`host_view`, when every key is ``bytes`` of ``key_bytes`` and every row's view is one;
+#: else ``None`` (also when the counts differ): a job's checks and views in one call (the loop
+#: ``job_read`` makes; native: ``backends/_rowsave.c``). Its caller makes sure no torch function
+#: or dispatch mode is on (:func:`python_in_torch`): a handler run in a later row's checks could
+#: free a row whose view is taken already.
+job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowguard is not None else job_views_python
+#: ``put_joined(put, delete, index, head, keys, views, joined)``: for each key, in order,
+#: ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless ``delete`` is
+#: ``None``: a job's records each built just before its put, in one call (native:
+#: ``backends/_rowsave.c``).
+put_joined: Callable[..., None] = _rowguard.put_joined if _rowguard is not None else put_joined_python
 
 
 class PlainReads:

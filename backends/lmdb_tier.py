@@ -100,6 +100,7 @@ import lmdb
 import torch
 from kvtier.backends import lmdb_one, lmdb_plain
 from kvtier.backends.group_commit import GroupCommit
+from kvtier.backends.lmdb_direct import direct_gets
 from kvtier.backends.lmdb_files import (
     META_KEY,
     DamagedEnvironment,
@@ -329,7 +330,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             )
             reader = self._reader
             if self.mac is None and reader.views is not None and reader.guard is not None:
-                self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters)
+                direct = direct_gets(env, meta_db, META_KEY, self._blocks, self._index)  # LMDB's own get, where probed sound
+                self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters, direct)
             self._ready_writes()
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)

@@ -22,7 +22,9 @@ records meanwhile, on its own thread (:meth:`GroupCommit.idle`); a job of one re
 before its transaction too: built in it, durable 4 KiB saves of one record ran at 0.88-0.89 of
 raw against 0.89-0.91 built before (job by job alternated in one process, three pairs, load 2.7-2.8).
 A lone job of one such block, into a row whose view the store keeps, is saved in one straight
-line instead (:class:`~kvtier.backends.lmdb_lone.LoneSave`).
+line instead (:class:`~kvtier.backends.lmdb_lone.LoneSave`), and so is a job of several such
+blocks, its checks and views in one call and its builds and puts in another
+(:meth:`~kvtier.backends.lmdb_lone.LoneSave.save_job`).
 
 A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
 payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index
@@ -138,8 +140,11 @@ class LmdbWrites(PersistentRecordBackend):
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         lone = self._lone
-        if lone is not None and len(keys) == 1 and len(blocks) == 1:
-            saved = lone.save(keys[0], blocks[0])  # a lone plain block in one straight line (lmdb_lone)
+        if lone is not None:
+            if len(keys) == 1 and len(blocks) == 1:
+                saved = lone.save(keys[0], blocks[0])  # a lone plain block in one straight line (lmdb_lone)
+            else:
+                saved = lone.save_job(keys, blocks)
             if saved is not None:
                 return saved
         records, rows = self._plain_records, self._plain_rows

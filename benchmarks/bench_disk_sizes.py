@@ -59,7 +59,12 @@ best raw load shape's, is the most a checked load reaches on one core. A cell of
 also reports its loads in thread CPU time (``load_cpu_ratio_paired``, its ``_spread`` and
 ``load_cpu_ceiling_ratio_paired``, the same ratios of each arm's CPU seconds): what the tier's
 load costs the core beside raw's, which the turns other processes take on a shared core do not
-move (they move the wall-clock ratios by 0.1-0.7 a round at load 2-5). Arms alternate within a round and their order reverses every round;
+move (they move the wall-clock ratios by 0.1-0.7 a round at load 2-5), and its counted saves
+likewise (``save_cpu_ratio_paired`` and its ``_spread``: the best counted raw shape's thread CPU
+over the tier's, round by round, the system time of each sync included, a pool's threads not
+counted: the ``file`` tier's syncs and ``raw_parallel``'s alike; a durable save's wall
+time is mostly its syncs, whose waits on this disk swing a round's wall-clock ratio from 0.13
+to 6.6 in 64 KiB jobs of 16). Arms alternate within a round and their order reverses every round;
 figures are medians over ``--rounds`` rounds after one uncounted warm-up round. Every cell of
 one record size moves the same number of blocks, so its cells differ in their jobs alone. ``summary`` holds
 the lowest ratio per tier and size. ``--quick`` runs a small grid (jobs of 1 and 16, 4 concurrent
@@ -383,7 +388,9 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     fresh_saves: dict[str, list[float]] = {}  # lmdb: each arm's first save, into a new file
     grew: dict[str, list[int]] = {}  # lmdb: bytes data.mdb grew by during the counted save
     load_cpus: dict[str, list[float]] = {}  # one caller: each arm's load in thread CPU seconds
+    save_cpus: dict[str, list[float]] = {}  # one caller: each arm's counted save in thread CPU seconds
     cpu: list[float] = []  # the thread CPU of the arm's load that just ran (one caller)
+    save_cpu: list[float] = []  # the thread CPU of the arm's counted save that just ran (one caller)
     for r in range(rounds + 1):
         arms: list[tuple[str, Callable[[], tuple[float | None, float | None, float | None]]]] = []
 
@@ -394,13 +401,13 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                 # Each job's key and block lists are built before the clock starts, as for its
                 # loads below: a raw arm indexes its lists without building any.
                 saved = {j.start: ([keys[i] for i in j], [blocks[i] for i in j]) for part in parts for j in part}
-                save_all = lambda: _run(parts, lambda j: backend.write_blocks(*saved[j.start]))  # noqa: E731
+                save_all = lambda spent=None: _run(parts, lambda j: backend.write_blocks(*saved[j.start]), spent)  # noqa: E731
                 fresh = None
                 if tier == "lmdb":  # the counted save goes into a grown file (see the module doc)
                     fresh = save_all()
                     tier_empty(backend, keys, blocks[0], path)
                     before = data_bytes(path)
-                save = save_all()
+                save = save_all(save_cpu)
                 if tier == "lmdb":
                     grew.setdefault("tier", []).append(data_bytes(path) - before)
                 for o in outs:  # by numpy: after Tensor.zero_ torch's OpenMP pool spins on the other core through the timed load
@@ -427,7 +434,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                         fresh = _run(parts, put)
                         raw_empty(env, db, keys, blocks[0], path)
                         before = data_bytes(path)
-                        save = _run(parts, put)
+                        save = _run(parts, put, save_cpu)
                         grew.setdefault(f"raw_{shape}", []).append(data_bytes(path) - before)
                         load = None if shape == "value" else _run(parts, _raw_lmdb_get(env, db, keys, outs, checked=shape == "checked"), cpu)
                     finally:
@@ -443,7 +450,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                     path = tempfile.mkdtemp(dir=root)
                     write = _raw_file_write(path, blocks, "batch" if shape == "checked" else shape)
                     try:
-                        save = _run(parts, write)
+                        save = _run(parts, write, save_cpu)
                         loaded = shape in ("batch", "sharded", "checked")
                         load = None
                         if loaded:
@@ -462,9 +469,12 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             if SETTLE:
                 _settle(root)
             cpu.clear()
+            save_cpu.clear()
             save, load, fresh = arm()
             if r and cpu:
                 load_cpus.setdefault(name, []).append(cpu[-1])
+            if r and save_cpu and save is not None:
+                save_cpus.setdefault(name, []).append(save_cpu[-1])
             if r:  # round 0 warms up
                 if save is not None:
                     saves.setdefault(name, []).append(save)
@@ -517,6 +527,11 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             cell[f"{name}_fresh_save_time_ratio"] = round(_median(paired(fresh_saves[name], saves[name])), 3)
     # A raw load with one check pass over each row, against the best raw load: a one-core ceiling.
     cell["load_ceiling_ratio_paired"] = round(_median(paired(loads[best_load], loads["raw_checked"])), 3)
+    if save_cpus:  # one caller: the save ratio in thread CPU too (syncs' own system time included)
+        best_cpu = [min(save_cpus[k][r] for k in counted_saves) for r in range(len(save_cpus["tier"]))]
+        per_round = [b / t for b, t in zip(best_cpu, save_cpus["tier"])]
+        cell["save_cpu_ratio_paired"] = round(_median(per_round), 3)
+        cell["save_cpu_ratio_paired_spread"] = [round(min(per_round), 3), round(max(per_round), 3)]
     if load_cpus:  # one caller: the same ratios in thread CPU, which other processes' turns on the core do not move
         best_cpu = [min(load_cpus[k][r] for k in counted_loads) for r in range(len(load_cpus["tier"]))]
         per_round = [b / t for b, t in zip(best_cpu, load_cpus["tier"])]

@@ -38,7 +38,10 @@ def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: 
     # One caller: the loads in thread CPU too; several: none (their threads are not this one).
     low, high = cell["load_cpu_ratio_paired_spread"]
     assert 0 < low <= cell["load_cpu_ratio_paired"] <= high and cell["load_cpu_ceiling_ratio_paired"] > 0
-    assert "load_cpu_ratio_paired" not in bench._cell(str(tmp_path), tier, 4096, 2, 2, 1, 8)
+    low, high = cell["save_cpu_ratio_paired_spread"]  # the counted saves likewise
+    assert 0 < low <= cell["save_cpu_ratio_paired"] <= high
+    several = bench._cell(str(tmp_path), tier, 4096, 2, 2, 1, 8)
+    assert "load_cpu_ratio_paired" not in several and "save_cpu_ratio_paired" not in several
 
 
 @pytest.mark.parametrize("tier", ["lmdb", "file"])

@@ -67,6 +67,14 @@ def test_tags_under_way_across_the_close_leave_the_tag_log_of_a_store_opened_sin
         asyncio.run(opened[0].aclose())
 
 
+def _close_and_open_another(closing: Any, path: Path, opened: list[Any]) -> None:
+    """As a walk of ``closing`` begins: its close, then a ``file`` store opened at ``path``
+    (appended to ``opened``) and its own record written."""
+    asyncio.run(closing.aclose())
+    opened.append(_opened("file", path))
+    opened[0].write_blocks([make_key(2)], [random_block(FMT.block_bytes, 2)])
+
+
 def test_a_sweep_under_way_across_the_close_takes_no_record_of_a_store_opened_since(tmp_path: Path) -> None:
     closing = _opened("file", tmp_path)
     closing.write_blocks([make_key(1)], [random_block(FMT.block_bytes, 1)])
@@ -74,10 +82,8 @@ def test_a_sweep_under_way_across_the_close_takes_no_record_of_a_store_opened_si
     opened: list[Any] = []
     walk = closing._leaf_entries
 
-    def close_meanwhile(*args: Any, **kwargs: Any) -> Any:  # the close and a new store's write as the walk begins
-        asyncio.run(closing.aclose())
-        opened.append(_opened("file", tmp_path))
-        opened[0].write_blocks([make_key(2)], [random_block(FMT.block_bytes, 2)])
+    def close_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        _close_and_open_another(closing, tmp_path, opened)
         yield from walk(*args, **kwargs)
 
     closing._leaf_entries = close_meanwhile
@@ -94,10 +100,8 @@ def test_a_scan_whose_walk_the_close_began_during_lists_no_record_of_a_store_ope
     opened: list[Any] = []
     columns = closing._record_columns
 
-    def close_meanwhile(*args: Any, **kwargs: Any) -> Any:  # the close and a new store's write as the walk begins
-        asyncio.run(closing.aclose())
-        opened.append(_opened("file", tmp_path))
-        opened[0].write_blocks([make_key(2)], [random_block(FMT.block_bytes, 2)])
+    def close_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        _close_and_open_another(closing, tmp_path, opened)
         return columns(*args, **kwargs)
 
     closing._record_columns = close_meanwhile

@@ -83,19 +83,27 @@ def test_a_read_that_outlives_the_tiers_close_reads_nothing_of_a_store_opened_si
         asyncio.run(second.aclose())
 
 
-_RACE = r"""
-import asyncio, sys, tempfile, threading, torch
+#: What every child script below begins with: the imports they share, a scratch directory
+#: ``tmp`` with ``root`` in it (a store's path), the block format ``fmt``, and ``opened``: a
+#: ``file`` tier opened at ``path`` (``model``: its namespace's model id; ``extra``: options).
+_PRELUDE = r"""
+import asyncio, os, shutil, signal, sys, tempfile, threading, torch
 from kvtier import registry
 from kvtier.backend import BlockFormat
+from kvtier.backends import file_reads
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
 tmp = tempfile.mkdtemp()
-def opened(name):
-    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/{name}", sync_mode="fast", layout="flat")
-    asyncio.run(backend.open(fmt))
+root = f"{tmp}/root"
+fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
+def opened(path=root, *, layout="sharded", model="m", **extra):
+    backend = registry.backends.get("file")(capacity=8 << 20, path=path, sync_mode="fast", layout=layout, **extra)
+    asyncio.run(backend.open(BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": model})))
     return backend
-first = opened("a")
+"""
+
+_RACE = _PRELUDE + r"""
+first = opened(f"{tmp}/a", layout="flat")
 keys = [make_key(i) for i in range(2)]
 data = [random_block(fmt.block_bytes, 40 + i) for i in range(2)]
 first.write_blocks(keys, data)
@@ -127,7 +135,7 @@ closer.start()
 if not closed.wait(0.5):  # the close waits for the read under way: let the read go on first
     go.set()
 closer.join()
-second = opened("b")  # may take the closed root's descriptor number
+second = opened(f"{tmp}/b", layout="flat")  # may take the closed root's descriptor number
 second.write_blocks(keys, [random_block(fmt.block_bytes, 50 + i) for i in range(2)])
 go.set()
 reader.join()
@@ -156,19 +164,9 @@ def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused
         assert child.stdout.split() in (["[True,", "True]", "True"], ["[False,", "False]", "True"]), child.stdout
 
 
-_BY_PATH = r"""
-import asyncio, shutil, sys, tempfile, threading, torch
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.testing import make_key, random_block
-tmp = tempfile.mkdtemp()
-def opened(model):
-    fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": model})
-    extra = {"mac_key": "a-test-secret-of-32-bytes-012345"} if sys.argv[1] == "keyed" else {}
-    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/root", sync_mode="fast", layout="flat", **extra)
-    asyncio.run(backend.open(fmt))
-    return backend
-first = opened("m1")
+_BY_PATH = _PRELUDE + r"""
+extra = {"mac_key": "a-test-secret-of-32-bytes-012345"} if sys.argv[1] == "keyed" else {}
+first = opened(layout="flat", model="m1", **extra)
 key = make_key(0)
 ours = random_block(16384, 1)
 first.write_blocks([key], [ours])
@@ -195,7 +193,7 @@ if not closed.wait(0.5):  # a close that waits for the read under way: let the r
     go.set()
 closer.join()
 shutil.rmtree(f"{tmp}/root")  # the root cleared, and a store of another model opened there
-second = opened("m2")
+second = opened(layout="flat", model="m2", **extra)
 theirs = random_block(16384, 2)
 second.write_blocks([key], [theirs])
 go.set()
@@ -217,19 +215,9 @@ def test_a_read_that_outlives_the_tiers_close_reads_no_record_of_a_store_opened_
     assert hit == "False" or ours == "True", child.stdout  # a hit is the closed store's own record
 
 
-_CHANGE_BY_PATH = r"""
-import asyncio, os, shutil, sys, tempfile, threading, torch
-from kvtier import registry
-from kvtier.backend import BlockFormat
+_CHANGE_BY_PATH = _PRELUDE + r"""
 from kvtier.backends.file_tree import FileTree
 from kvtier.errors import ClosedError
-from kvtier.testing import make_key, random_block
-tmp = tempfile.mkdtemp()
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
-def opened():
-    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/root", sync_mode="fast", layout="sharded")
-    asyncio.run(backend.open(fmt))
-    return backend
 first = opened()
 key = make_key(0)
 entered, go = threading.Event(), threading.Event()
@@ -289,14 +277,8 @@ def test_a_write_or_delete_that_outlives_the_tiers_close_leaves_a_store_opened_s
     assert on_disk == "True" or change == "write", child.stdout  # the record written since stays
 
 
-_FORKED_CLOSE = r"""
-import asyncio, os, signal, tempfile, threading, torch
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.testing import make_key, random_block
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
-backend = registry.backends.get("file")(capacity=8 << 20, path=tempfile.mkdtemp(), sync_mode="fast", layout="sharded")
-asyncio.run(backend.open(fmt))
+_FORKED_CLOSE = _PRELUDE + r"""
+backend = opened()
 key = make_key(0)
 backend.write_blocks([key], [random_block(16384, 1)])
 entered, go = threading.Event(), threading.Event()
@@ -337,17 +319,9 @@ def test_a_child_forked_during_a_read_reads_and_closes_the_tier() -> None:
     assert child.stdout.split() == ["True", "closed"], child.stdout
 
 
-_STUCK = r"""
-import asyncio, os, tempfile, threading, torch
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.backends import file_reads
-from kvtier.testing import make_key, random_block
+_STUCK = _PRELUDE + r"""
 file_reads.CLOSE_WAIT_S = 0.2
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
-root = tempfile.mkdtemp()
-backend = registry.backends.get("file")(capacity=8 << 20, path=root, sync_mode="fast", layout="sharded")
-asyncio.run(backend.open(fmt))
+backend = opened()
 key = make_key(0)
 backend.write_blocks([key], [random_block(16384, 1)])
 entered = threading.Event()
@@ -376,19 +350,8 @@ def test_a_close_waits_for_a_read_that_never_ends_a_bounded_time_and_keeps_the_r
 
 
 #: The two children whose job outlives the close's wait: a sharded store whose close waits 0.2 s.
-_OUTLIVED = r"""
-import asyncio, os, shutil, tempfile, threading, torch
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.backends import file_reads
-from kvtier.testing import make_key, random_block
+_OUTLIVED = _PRELUDE + r"""
 file_reads.CLOSE_WAIT_S = 0.2
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
-root = tempfile.mkdtemp() + "/root"
-def opened():
-    backend = registry.backends.get("file")(capacity=8 << 20, path=root, sync_mode="fast", layout="sharded")
-    asyncio.run(backend.open(fmt))
-    return backend
 first = opened()
 keys = [make_key(0), make_key(1)]
 """
@@ -561,17 +524,7 @@ def test_the_record_a_read_was_on_when_the_close_gave_up_is_not_another_stores()
     assert child.stdout.split() == ["False", "False"], child.stdout
 
 
-_TOUCH_BY_PATH = r"""
-import asyncio, os, tempfile, threading
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.testing import make_key, random_block
-tmp = tempfile.mkdtemp()
-fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
-def opened():
-    backend = registry.backends.get("file")(capacity=8 << 20, path=f"{tmp}/root", sync_mode="fast", layout="sharded")
-    asyncio.run(backend.open(fmt))
-    return backend
+_TOUCH_BY_PATH = _PRELUDE + r"""
 first = opened()
 key = make_key(0)
 first.write_blocks([key], [random_block(16384, 1)])

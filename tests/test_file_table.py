@@ -239,3 +239,58 @@ def test_a_table_temp_left_by_a_crash_mid_close_is_swept_at_open(tmp_path: Path,
         assert [c[0] for c in again.scan_columns()] == [make_key(1)]  # type: ignore[attr-defined]
     finally:
         asyncio.run(again.aclose())
+
+
+@LAYOUTS
+def test_a_write_and_a_delete_that_end_after_the_close_saved_its_table_are_what_the_next_open_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """A close saves its table before its root waits for the jobs under way (``FileBackend.aclose``):
+    a write and a delete that end in between make the table differ from the directory, so the
+    next open lists every record by a ``stat``: what it lists is what the directory holds (none
+    lost, none stale), and it serves the record written."""
+    import threading
+
+    from kvtier.backends import file_saves
+
+    root = tmp_path / "store"
+    keys = _filled(root, monkeypatch, layout)
+    backend = _open(root, monkeypatch, layout=layout)
+    saved, inside = threading.Event(), threading.Semaphore(0)
+
+    def held(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            inside.release()
+            assert saved.wait(60)  # until the close has saved its table
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("commit_files", "commit_one"):
+        monkeypatch.setattr(file_saves, name, held(getattr(file_saves, name)))
+    monkeypatch.setattr(backend, "_unlink_record", held(backend._unlink_record))  # type: ignore[attr-defined]
+    real_save = file_tier.save_table
+    monkeypatch.setattr(file_tier, "save_table", lambda *a, **k: (real_save(*a, **k), saved.set()))
+    added = make_key(40)
+    jobs = [
+        threading.Thread(target=backend.write_blocks, args=([added], [random_block(FMT.block_bytes, 40)])),
+        threading.Thread(target=backend.delete_blocks, args=([keys[0]],)),
+    ]
+    for job in jobs:
+        job.start()
+    for _ in jobs:
+        assert inside.acquire(timeout=60)  # both under way, counted beneath the root
+    asyncio.run(backend.aclose())
+    for job in jobs:
+        job.join(60)
+    assert saved.is_set() and not any(job.is_alive() for job in jobs)
+    assert _place(root, added, layout).exists()
+    backend = _open(root, monkeypatch)
+    try:
+        columns = backend.scan_columns()  # type: ignore[attr-defined]
+        assert columns is not None and sorted(columns.keys) == sorted(_stat_listing(backend))
+        assert added in columns.keys
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
+        assert backend.read_blocks([added], out) == [True] and torch.equal(out[0], random_block(FMT.block_bytes, 40))
+    finally:
+        asyncio.run(backend.aclose())

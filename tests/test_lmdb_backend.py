@@ -270,7 +270,8 @@ def test_use_after_fork_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr("kvtier.backends.lmdb_tier.forks", lambda: -1)
         straight = backend._straight  # type: ignore[attr-defined]
         if straight is not None:  # and the native read's: the count at the open, against the native count
-            monkeypatch.setattr(straight, "native_parts", (*straight.native_parts[:-1], straight.native_parts[-1] + 1))
+            parts = straight.native_parts  # (..., the fork count, what the direct lookups take)
+            monkeypatch.setattr(straight, "native_parts", (*parts[:-2], parts[-2] + 1, parts[-1]))
         with pytest.raises(Exception, match="another process"):
             backend.read_blocks([make_key(1)], [torch.zeros(FMT.block_bytes, dtype=torch.uint8)])
     finally:

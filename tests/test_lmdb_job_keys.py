@@ -2,9 +2,10 @@
 job had when the call began: a keys list emptied or grown meanwhile (by another thread, while a
 lookup let the GIL go; here by the record check the call makes) must not be read through its
 old item array, which the list frees (before: the keys after the first were read from freed
-memory, misses or worse). So must its rows list, which a row's checks may change (a torch
-function mode's handler runs Python in the tensor getters they call). Run in a child: a read of
-freed memory may crash it."""
+memory, misses or worse). So must its rows list, which Python run mid-call may change likewise
+(a job read while a torch function mode is on, whose handler runs in the rows' checks, is the
+general path's: ``test_lmdb_row_storage.py``). Run in a child: a read of freed memory may crash
+it."""
 
 from __future__ import annotations
 
@@ -53,19 +54,11 @@ def test_a_job_read_reads_the_keys_it_was_given_when_the_list_changes_meanwhile(
     assert child.stdout.split() == ["True", "True"], child.stdout
 
 
-_ROWS_CHILD = _CHILD.replace(
-    "got = lmdb_plain.job_read(",
-    """from torch.overrides import TorchFunctionMode
-job = list(keys)
-given = list(rows)
-class Empties(TorchFunctionMode):  # the rows list emptied and grown at the first row's first check
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if len(given) == n:
-            given.clear()
-            given.extend(torch.zeros(1, dtype=torch.uint8) for _ in range(100))
-        return func(*args, **(kwargs or {}))
-with Empties():
-    got = lmdb_plain.job_read(""",
+_ROWS_CHILD = _CHILD.replace("job = [bytes(bytearray(k)) for k in keys]", "job = list(keys)\ngiven = list(rows)").replace(
+    """        job.clear()  # the caller's list emptied and grown while the job runs
+        job.extend(bytes(32) for _ in range(100))""",
+    """        given.clear()  # the caller's rows list emptied and grown while the job runs
+        given.extend(torch.zeros(1, dtype=torch.uint8) for _ in range(100))""",
 ).replace("backend._env, job, rows, lmdb_one.perf_counter", "backend._env, job, given, lmdb_one.perf_counter")
 
 

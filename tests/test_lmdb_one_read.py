@@ -15,7 +15,7 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_layout, lmdb_one, lmdb_plain
+from kvtier.backends import lmdb_direct, lmdb_layout, lmdb_one, lmdb_plain
 from lmdb_lookups import HookedEnv, damaged_store, layouts, slow_lookups_read_the_disk
 
 from kvtier import registry
@@ -33,12 +33,16 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return layouts(monkeypatch, request.param)
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=["native", "native-pyget", "python"])
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the straight line's row checks and file guard (``lmdb_plain.host_view``,
     ``same_size``, ``one_row``), its whole job of one key (``one_read``) and of several
     (``job_read``), and the call of either from the tier (``straight_read``), in their native
-    form, then in their Python one."""
+    form (its lookups by LMDB's own get where python-lmdb is the one probed for it, then
+    ``native-pyget``: by python-lmdb's get, ``lmdb_direct.DIRECT_GETS`` off), then in their
+    Python one."""
+    if request.param == "native-pyget":
+        monkeypatch.setattr(lmdb_direct, "DIRECT_GETS", False)
     if request.param == "python":
         monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
         monkeypatch.setattr(lmdb_plain, "same_size", lmdb_plain.same_size_python)

@@ -83,9 +83,9 @@ def test_the_straight_reads_refuse_bad_arguments_by_name(call: str) -> None:
         read(*(1,) * 7)
     if call != "straight_read":  # (straight_read hands its arguments on to these two)
         with pytest.raises(TypeError, match="must be real number"):
-            read(*((None,) * 19, None, None, None, None, "warm", None))
+            read(*((None,) * 21, None, None, None, None, "warm", None))
         with pytest.raises(TypeError, match="jobs must be a list and marks a dict"):
-            read(*((None,) * 19, None, None, None, None, 1.0, None))
+            read(*((None,) * 21, None, None, None, None, 1.0, None))
 
 
 @native

@@ -164,10 +164,41 @@ def test_native_touch_moves_keys_only_under_the_lock() -> None:
     assert len(lock.seen) == 2 and handed[-1] == {K[1]}
 
 
+class _ClosingLock:
+    """A lock whose acquire first closes ``call``: a close that lands between the native
+    touch's entry and its taking of the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.call: Any = None
+
+    def acquire(self) -> bool:
+        self.call.close()
+        return self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+@native
+def test_native_touch_closed_while_it_waits_for_the_lock_moves_nothing() -> None:
+    """The closed flag is read under the lock: a close made before the touch holds the lock
+    hands the call to the fallback (which refuses it) and leaves the order as it was."""
+    policy = LRUPolicy(8)
+    policy.insert_many(K[:4])
+    lock = _ClosingLock()
+    handed: list[Any] = []
+    call = lookups.native_module().HeldTouch(policy.ordered(), lock, handed.append)
+    lock.call = call
+    call([K[2], K[0]])
+    assert list(policy.ordered()) == K[:4]
+    assert handed == [[K[2], K[0]]]
+
+
 @native
 def test_held_touch_refuses_what_is_not_an_ordered_dict_or_a_lock() -> None:
     make = lookups.native_module().HeldTouch
-    with pytest.raises(TypeError, match=r"order: expected a collections\.OrderedDict, got dict"):
+    with pytest.raises(TypeError, match=r"order: expected a collections\.OrderedDict or a KeyOrder, got dict"):
         make({}, threading.Lock(), print)
     with pytest.raises(TypeError, match="fallback: expected a callable"):
         make(OrderedDict(), threading.Lock(), 7)

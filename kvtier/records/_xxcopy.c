@@ -264,12 +264,46 @@ static u8 *join_prefix(u8 *small, const Py_buffer *head, const Py_buffer *key)
     return prefix;
 }
 
+/* xxh3_64_check_copy's work on plain buffers (payload NULL: joined, in stored; dst NULL: checked
+   only): an XXC_CHECK_ outcome, or -1 with an error set (dst overlapping, no memory). GIL held;
+   a pass of RELEASE_GIL_AT bytes or more lets it go. Also the capsule check_copy_c. */
+static int check_copy_raw(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *rec, size_t slen, u8 *d, size_t n,
+                          const u8 *payload, size_t plen)
+{
+    int apart = payload != NULL;
+    const u8 *src = apart ? payload : rec + hlen + 8;
+    if (apart ? slen != hlen + 8 || plen != n : slen != hlen + 8 + n)
+        return XXC_CHECK_SHAPE;
+    if (memcmp(rec, head, hlen) != 0)
+        return XXC_CHECK_HEAD;
+    /* nor the stored head and checksum: the copy would change what it is compared with */
+    if (refuse_overlap(d, n, src, n, "dst: overlaps the payload") || refuse_overlap(d, n, rec, slen, "dst: overlaps stored"))
+        return -1;
+    u8 small[CHECK_PREFIX_MAX];
+    Py_buffer head_buf = {.buf = (void *)head, .len = (Py_ssize_t)hlen}, key_buf = {.buf = (void *)key, .len = (Py_ssize_t)klen};
+    u8 *prefix = join_prefix(small, &head_buf, &key_buf);
+    if (prefix == NULL)
+        return -1;
+    u64 digest;
+    if (n >= RELEASE_GIL_AT) {
+        Py_BEGIN_ALLOW_THREADS
+        digest = xxh3_copy(stripes_for(d != NULL, n), prefix, hlen + klen, src, d, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        digest = xxh3_copy(stripes_for(d != NULL, n), prefix, hlen + klen, src, d, n);
+    }
+    if (prefix != small)
+        PyMem_Free(prefix);
+    return digest == read64(rec + hlen) ? XXC_CHECK_GOOD : XXC_CHECK_SUM;
+}
+
 /* xxh3_64_check_copy(head, key, stored, dst, payload=None) -> int: one raw record checked
    and copied into dst (dst None: checked only, the payload read where it is). stored starts with the stored head (len(head) bytes) and its 8-byte
    little-endian checksum; the payload follows them in stored (payload None: a joined record,
    stored is then exactly len(head) + 8 + len(dst) bytes) or is given apart (exactly len(dst)
    bytes; stored then exactly len(head) + 8). The stored head must equal head; the checksum,
-   the XXH3-64 of head + key + payload, is taken in the pass that copies the payload into dst. */
+   the XXH3-64 of head + key + payload, is taken in the pass that copies the payload into dst
+   (check_copy_raw). */
 static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
@@ -288,39 +322,13 @@ static PyObject *py_xxh3_64_check_copy(PyObject *module, PyObject *const *args, 
         goto release_stored;
     if (apart && get_readable(args[4], &payload, "payload") < 0)
         goto release_dst;
-    size_t hlen = (size_t)head.len, klen = (size_t)key.len, slen = (size_t)stored.len;
+    size_t hlen = (size_t)head.len, slen = (size_t)stored.len;
     /* the payload's length: the row's, else what the record holds after its head and checksum */
     size_t n = have_dst ? (size_t)dst.len : apart ? (size_t)payload.len : slen >= hlen + 8 ? slen - hlen - 8 : 0;
-    const u8 *rec = stored.buf;
-    const u8 *src = apart ? (const u8 *)payload.buf : rec + hlen + 8;
-    int status;
-    if (apart ? slen != hlen + 8 || (size_t)payload.len != n : slen != hlen + 8 + n) {
-        status = XXC_CHECK_SHAPE;
-    } else if (memcmp(rec, head.buf, hlen) != 0) {
-        status = XXC_CHECK_HEAD;
-    } else {
-        u8 *d = have_dst ? dst.buf : NULL;
-        /* nor the stored head and checksum: the copy would change what it is compared with */
-        if (refuse_overlap(d, n, src, n, "dst: overlaps the payload") || refuse_overlap(d, n, rec, slen, "dst: overlaps stored"))
-            goto release_payload;
-        u8 small[CHECK_PREFIX_MAX];
-        u8 *prefix = join_prefix(small, &head, &key);
-        if (prefix == NULL)
-            goto release_payload;
-        u64 digest;
-        if (n >= RELEASE_GIL_AT) {
-            Py_BEGIN_ALLOW_THREADS
-            digest = xxh3_copy(stripes_for(d != NULL, n), prefix, hlen + klen, src, d, n);
-            Py_END_ALLOW_THREADS
-        } else {
-            digest = xxh3_copy(stripes_for(d != NULL, n), prefix, hlen + klen, src, d, n);
-        }
-        if (prefix != small)
-            PyMem_Free(prefix);
-        status = digest == read64(rec + hlen) ? XXC_CHECK_GOOD : XXC_CHECK_SUM;
-    }
-    result = PyLong_FromLong(status);
-release_payload:
+    int status = check_copy_raw(head.buf, hlen, key.buf, (size_t)key.len, stored.buf, slen, have_dst ? dst.buf : NULL, n,
+                                apart ? payload.buf : NULL, apart ? (size_t)payload.len : 0);
+    if (status >= 0)
+        result = PyLong_FromLong(status);
     if (apart)
         PyBuffer_Release(&payload);
 release_dst:
@@ -582,6 +590,14 @@ PyMODINIT_FUNC PyInit__xxcopy(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddStringConstant(m, "path", best_name) < 0 || PyModule_AddStringConstant(m, "hash_path", hash_name) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* check_copy_raw for C callers (the lmdb tier's native job read), as a capsule. */
+    PyObject *capsule = PyCapsule_New((void *)check_copy_raw, XXC_CHECK_COPY_CAPSULE, NULL);
+    int added = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "check_copy_c", capsule);
+    Py_XDECREF(capsule);
+    if (added < 0) {
         Py_DECREF(m);
         return NULL;
     }

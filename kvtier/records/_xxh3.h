@@ -73,6 +73,13 @@ XXC_INTERNAL u64 xxh3_run_end(xxh3_run *run);
 #define XXC_CHECK_HEAD 2
 #define XXC_CHECK_SUM 3
 
+/* The capsule kvtier.records._xxcopy.check_copy_c holds: one raw record's check and copy on
+   plain buffers (xxh3_64_check_copy's whole work; see _xxcopy.c check_copy_raw), called with
+   the GIL held. One of the outcomes above, or -1 with an error set. */
+#define XXC_CHECK_COPY_CAPSULE "kvtier.records._xxcopy.check_copy_c"
+typedef int (*xxc_check_copy_fn)(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *rec, size_t slen, u8 *dst,
+                                 size_t n, const u8 *payload, size_t plen);
+
 /* A raw record read from fd at offset 0 and checked (_xxread.c): its stored head and checksum
    (hlen + 8 bytes) into stored, which must equal head in its first hlen bytes, then its n-byte
    payload into row, piece bytes a pread, each piece hashed as it lands (piece 0: one pread);

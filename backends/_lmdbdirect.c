@@ -1,0 +1,383 @@
+/*
+ * kvtier.backends._rowguard, its third source: an lmdb tier's straight reads look their keys up
+ * by the LMDB engine's own get, called on the transaction python-lmdb began, with no Python
+ * object a key (python-lmdb's Transaction.get parses its arguments, makes a buffer object and
+ * hands the GIL over and back for each: about 20 % of a 4 KiB record's read).
+ *
+ * python-lmdb exposes no C interface; this reads its objects' C structs. It is sound only for
+ * the python-lmdb whose source was read (3.0.0, lmdb/cpython.c: EnvObject, TransObject,
+ * DbObject, and lmdb/mdb_api.h: MdbApi), so it is taken only after direct_probe has checked,
+ * at the store's open, everything it relies on (lmdb_direct.direct_gets): the objects' sizes,
+ * the engine's entry points against the symbols python-lmdb's extension exports (mdb09_get or
+ * mdb10_get: it bundles two engines and picks one per environment), the transaction's id as
+ * python-lmdb reads it, and one record read both ways (the same address and length). Anything
+ * else, and any job whose transaction, environment or databases are not python-lmdb's own
+ * objects, valid, of this environment, reads by python-lmdb's get as before.
+ *
+ * Around the lookups the job does what python-lmdb does around its get: it refuses to start
+ * while the environment is invalid or being resized, and is counted in the environment's
+ * in-flight operations (active_ops, which a close and a resize wait for) until its last copy
+ * out of the map is done; the lookups run with the GIL handed over once a job, each value's
+ * pages touched there as python-lmdb's preload touches them.
+ */
+#include "_rowguard.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include "../kvtier/records/_xxh3.h"
+
+/* python-lmdb 3.0.0's structs, field for field (lmdb/cpython.c without HAVE_MEMSINK, which its
+   builds leave undefined; lmdb/mdb_api.h). Only the fields up to the last one read matter, and
+   direct_probe checks each type's size against them. */
+typedef struct {
+    size_t mv_size;
+    void *mv_data;
+} pl_val;
+
+typedef struct {
+    int major, minor, patch;
+    unsigned int data_version;
+    void *env_create, *env_open, *env_close, *env_copy2, *env_copyfd2, *env_copy3, *env_copyfd3, *env_sync, *env_stat, *env_info;
+    void *env_get_flags, *env_set_flags, *env_get_maxkeysize, *env_get_maxreaders, *env_get_path, *env_set_mapsize,
+        *env_set_maxdbs, *env_set_maxreaders, *reader_check, *reader_list;
+    void *txn_begin, *txn_commit, *txn_abort, *txn_reset, *txn_renew;
+    size_t (*txn_id)(void *txn);
+    void *dbi_open, *dbi_flags, *dbi_close, *drop;
+    int (*get)(void *txn, unsigned int dbi, pl_val *key, pl_val *data);
+} pl_api;
+
+struct pl_list_head {
+    void *prev, *next;
+};
+
+#define PL_HEAD                                                                                                                    \
+    PyObject_HEAD struct pl_list_head siblings;                                                                                    \
+    struct pl_list_head children;                                                                                                  \
+    int valid;
+
+struct pl_env;
+
+typedef struct {
+    PL_HEAD
+    struct pl_env *env;
+    unsigned int dbi;
+    unsigned int flags;
+} pl_db;
+
+typedef struct pl_env {
+    PL_HEAD
+    PyObject *weaklist;
+    void *env;
+    const pl_api *libv;
+    pl_db *main_db;
+    int readonly;
+    void *spare_txn;
+    int max_spare_txns;
+    pid_t pid;
+    unsigned long write_txn_tid;
+    PyObject *open_keys;
+    int active_ops;
+    int ops_waiters;
+    int write_begins;
+    int resizing;
+    unsigned long resize_tid;
+    int ops_sync_ready;
+    pthread_mutex_t ops_mutex;
+    pthread_cond_t ops_cond;
+} pl_env;
+
+typedef struct {
+    PL_HEAD
+    PyObject *weaklist;
+    pl_env *env;
+    void *parent;
+    const pl_api *libv;
+    void *txn;
+    int flags;
+    pl_db *db;
+    int mutations;
+} pl_txn;
+
+#define PL_NOTFOUND (-30798) /* MDB_NOTFOUND, the same in both engines */
+#define PL_PAGE 4096         /* python-lmdb's preload stride */
+#define CAPSULE_NAME "kvtier.backends._rowguard.direct"
+
+/* What direct_probe found sound, kept in the capsule a store's parts hold. */
+typedef struct {
+    PyTypeObject *env_type, *txn_type, *db_type; /* python-lmdb's types, held */
+    const pl_api *libv;                          /* the engine checked */
+    PyObject *check;                             /* xxcopy's native check-copy, held: the one check_c is */
+    xxc_check_copy_fn check_c;
+} direct_t;
+
+static void direct_free(PyObject *capsule)
+{
+    direct_t *d = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+    if (d == NULL)
+        return;
+    Py_XDECREF(d->env_type);
+    Py_XDECREF(d->txn_type);
+    Py_XDECREF(d->db_type);
+    Py_XDECREF(d->check);
+    PyMem_Free(d);
+}
+
+/* Whether python-lmdb's own get would start now: the environment valid, open, not being resized
+   by another thread (python-lmdb's ENV_RESIZE_BLOCKED). */
+static int env_usable(const pl_env *e)
+{
+    return e->valid && e->env != NULL && !(e->resizing && e->resize_tid != (unsigned long)PyThread_get_thread_ident());
+}
+
+/* One engine's symbols, as python-lmdb's extension exports them, against libv's. */
+static int engine_is(void *so, const char *prefix, const pl_api *libv)
+{
+    static const char *const names[] = {"get", "txn_id", "txn_abort", "env_create"};
+    void *const have[] = {(void *)libv->get, (void *)libv->txn_id, libv->txn_abort, libv->env_create};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char symbol[64];
+        snprintf(symbol, sizeof symbol, "%s_%s", prefix, names[i]);
+        void *at = dlsym(so, symbol);
+        if (at == NULL || at != have[i])
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *refuse(const char *what)
+{
+    PyErr_Format(PyExc_RuntimeError, "direct_probe: %s", what);
+    return NULL;
+}
+
+/* direct_probe(env, txn, meta, key, value, txn_id, blocks, index, so_path, check, check_c): the
+   capsule the straight reads take (parts' P_DIRECT), or RuntimeError naming what does not hold.
+   txn: a read transaction of env begun with buffers=True; value: txn.get(key, db=meta), a
+   record known to be there; txn_id: txn.id(); so_path: python-lmdb's extension's file;
+   check, check_c: xxcopy's native check-copy and its capsule. */
+PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError,
+                     "direct_probe() takes 11 arguments (env, txn, meta, key, value, txn_id, blocks, index, so_path, check, check_c), got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyObject *env = args[0], *txn = args[1], *key = args[3], *value = args[4];
+    PyObject *dbs[3] = {args[2], args[6], args[7]};
+    PyTypeObject *env_type = Py_TYPE(env), *txn_type = Py_TYPE(txn), *db_type = Py_TYPE(dbs[0]);
+    if (strcmp(env_type->tp_name, "Environment") != 0 || env_type->tp_basicsize != (Py_ssize_t)sizeof(pl_env))
+        return refuse("env: not python-lmdb 3.0's Environment (another name or size)");
+    if (strcmp(txn_type->tp_name, "Transaction") != 0 || txn_type->tp_basicsize != (Py_ssize_t)sizeof(pl_txn))
+        return refuse("txn: not python-lmdb 3.0's Transaction (another name or size)");
+    if (strcmp(db_type->tp_name, "_Database") != 0 || db_type->tp_basicsize != (Py_ssize_t)sizeof(pl_db))
+        return refuse("meta: not python-lmdb 3.0's _Database (another name or size)");
+    const pl_env *e = (const pl_env *)env;
+    const pl_txn *t = (const pl_txn *)txn;
+    if (!env_usable(e) || e->libv == NULL)
+        return refuse("env: not open");
+    if (t->env != e || !t->valid || t->txn == NULL || t->libv != e->libv)
+        return refuse("txn: not a live transaction of env");
+    for (int i = 0; i < 3; i++)
+        if (Py_TYPE(dbs[i]) != db_type || ((const pl_db *)dbs[i])->env != e || !((const pl_db *)dbs[i])->valid)
+            return refuse("meta, blocks, index: not databases of env");
+    PyObject *so_path = PyUnicode_EncodeFSDefault(args[8]);
+    if (so_path == NULL)
+        return NULL;
+    void *so = dlopen(PyBytes_AS_STRING(so_path), RTLD_NOW | RTLD_NOLOAD);
+    Py_DECREF(so_path);
+    if (so == NULL)
+        return refuse("so_path: not a library this process has loaded");
+    int known = engine_is(so, "mdb09", e->libv) || engine_is(so, "mdb10", e->libv);
+    dlclose(so);
+    if (!known)
+        return refuse("env's engine: not one of python-lmdb's exported engines (mdb09_*, mdb10_*)");
+    size_t id = PyLong_AsSize_t(args[5]);
+    if (id == (size_t)-1 && PyErr_Occurred())
+        return NULL;
+    if (e->libv->txn_id(t->txn) != id)
+        return refuse("txn: its engine's id is not txn.id()");
+    Py_buffer key_buf, value_buf;
+    if (PyObject_GetBuffer(key, &key_buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(value, &value_buf, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&key_buf);
+        return NULL;
+    }
+    pl_val k = {(size_t)key_buf.len, key_buf.buf}, v = {0, NULL}, absent = {0, NULL};
+    int rc = e->libv->get(t->txn, ((const pl_db *)dbs[0])->dbi, &k, &v);
+    int same = rc == 0 && v.mv_data == value_buf.buf && v.mv_size == (size_t)value_buf.len;
+    /* a key one byte longer than the record's: not there */
+    unsigned char longer[512];
+    int missing = 0;
+    if (k.mv_size < sizeof longer) {
+        memcpy(longer, k.mv_data, k.mv_size);
+        longer[k.mv_size] = 0xff;
+        pl_val other = {k.mv_size + 1, longer};
+        missing = e->libv->get(t->txn, ((const pl_db *)dbs[0])->dbi, &other, &absent) == PL_NOTFOUND;
+    }
+    PyBuffer_Release(&value_buf);
+    PyBuffer_Release(&key_buf);
+    if (!same)
+        return refuse("a record read by the engine's get is not where python-lmdb's get found it");
+    if (!missing)
+        return refuse("a key that is not there was found by the engine's get");
+    xxc_check_copy_fn check_c = (xxc_check_copy_fn)PyCapsule_GetPointer(args[10], XXC_CHECK_COPY_CAPSULE);
+    if (check_c == NULL)
+        return NULL;
+    direct_t *d = PyMem_Calloc(1, sizeof *d);
+    if (d == NULL)
+        return PyErr_NoMemory();
+    d->env_type = (PyTypeObject *)Py_NewRef(env_type);
+    d->txn_type = (PyTypeObject *)Py_NewRef(txn_type);
+    d->db_type = (PyTypeObject *)Py_NewRef(db_type);
+    d->libv = e->libv;
+    d->check = Py_NewRef(args[9]);
+    d->check_c = check_c;
+    PyObject *capsule = PyCapsule_New(d, CAPSULE_NAME, direct_free);
+    if (capsule == NULL) {
+        d->check_c = NULL;
+        Py_DECREF(d->env_type);
+        Py_DECREF(d->txn_type);
+        Py_DECREF(d->db_type);
+        Py_DECREF(d->check);
+        PyMem_Free(d);
+    }
+    return capsule;
+}
+
+/* The database's handle where db is a valid database of e, of the checked type: 0, else -1. */
+static int db_handle(const direct_t *d, const pl_env *e, PyObject *db, unsigned int *dbi)
+{
+    if (Py_TYPE(db) != d->db_type || ((const pl_db *)db)->env != e || !((const pl_db *)db)->valid)
+        return -1;
+    *dbi = ((const pl_db *)db)->dbi;
+    return 0;
+}
+
+/* python-lmdb's ACTIVE_OPS_DEC: the in-flight count down, and whoever waits for it woken. */
+static void ops_done(pl_env *e)
+{
+    __atomic_sub_fetch(&e->active_ops, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&e->ops_waiters, __ATOMIC_SEQ_CST) != 0) {
+        pthread_mutex_lock(&e->ops_mutex);
+        pthread_cond_broadcast(&e->ops_cond);
+        pthread_mutex_unlock(&e->ops_mutex);
+    }
+}
+
+/* Jobs looked up here so far (direct_jobs(): what the tests read to know this path ran). */
+static unsigned long direct_jobs;
+
+PyObject *py_direct_jobs(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromUnsignedLong(direct_jobs);
+}
+
+/* A key's lookups: its value in blocks and, for a split record, its entry in index. */
+typedef struct {
+    pl_val key, value, entry;
+    int rc, entry_rc;
+} lookup_t;
+
+#define ON_STACK 16
+
+/* The lookups of a counted job by the engine's get (see the file's doc), each record checked and
+   copied into its row's view (views: memoryviews) by check_c: found[i] set True for each key
+   read. 1: every key read or absent; 0: the job is the general path's (an engine error, a split
+   record with no entry, a record not raw and sound); -1: an error is set; 2: not taken (no
+   probed capsule in parts, another check, a stand-in transaction, anything not as probed, a row
+   view not a writable memoryview): python-lmdb's get reads the job, nothing done. */
+int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
+                   PyObject *check, PyObject *found)
+{
+    PyObject *direct = parts[P_DIRECT];
+    if (direct == Py_None)
+        return 2;
+    direct_t *d = PyCapsule_GetPointer(direct, CAPSULE_NAME);
+    if (d == NULL)
+        return -1;
+    if (check != d->check || Py_TYPE(env) != d->env_type || Py_TYPE(txn) != d->txn_type)
+        return 2; /* another check, or a stand-in environment or transaction: python-lmdb's get */
+    pl_env *e = (pl_env *)env;
+    const pl_txn *t = (const pl_txn *)txn;
+    unsigned int blocks, index;
+    if (!env_usable(e) || e->libv != d->libv || t->env != e || !t->valid || t->txn == NULL || t->libv != d->libv
+        || db_handle(d, e, parts[P_BLOCKS], &blocks) < 0 || db_handle(d, e, parts[P_INDEX], &index) < 0)
+        return 2;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyMemoryView_Check(views[i]) || PyMemoryView_GET_BUFFER(views[i])->readonly || !PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(views[i]), 'C'))
+            return 2;
+    Py_ssize_t joined, at;
+    if (record_sizes(parts, &joined, &at) < 0)
+        return -1;
+    Py_buffer head;
+    if (PyObject_GetBuffer(parts[P_HEAD], &head, PyBUF_SIMPLE) < 0)
+        return -1;
+    lookup_t small[ON_STACK], *look = n <= ON_STACK ? small : PyMem_Calloc((size_t)n, sizeof *look);
+    if (look == NULL) {
+        PyBuffer_Release(&head);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        look[i].key.mv_size = (size_t)PyBytes_GET_SIZE(keys[i]); /* bytes of KEY_BYTES: the caller checked */
+        look[i].key.mv_data = PyBytes_AS_STRING(keys[i]);
+    }
+    int (*get)(void *, unsigned int, pl_val *, pl_val *) = d->libv->get;
+    void *mdb_txn = t->txn;
+    /* Counted in flight (python-lmdb's ACTIVE_OPS_INC) from the lookups to the last copy out of
+       the map: a close or a resize waits for it. The GIL is held here, as python-lmdb holds it
+       for its increment, so no close has begun since the checks above. */
+    __atomic_add_fetch(&e->active_ops, 1, __ATOMIC_SEQ_CST);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        lookup_t *l = &look[i];
+        l->rc = get(mdb_txn, blocks, &l->key, &l->value);
+        l->entry_rc = 0;
+        if (l->rc != 0)
+            continue;
+        for (size_t p = 0; p < l->value.mv_size; p += PL_PAGE) /* faulted in here, without the GIL */
+            (void)((volatile const char *)l->value.mv_data)[p];
+        if ((Py_ssize_t)l->value.mv_size != joined)
+            l->entry_rc = get(mdb_txn, index, &l->key, &l->entry);
+    }
+    Py_END_ALLOW_THREADS
+    int rc = 1;
+    for (Py_ssize_t i = 0; i < n && rc == 1; i++) {
+        const lookup_t *l = &look[i];
+        if (l->rc == PL_NOTFOUND)
+            continue; /* found[i] stays the False it was filled with */
+        if (l->rc != 0 || l->entry_rc != 0) {
+            rc = 0; /* an engine error, or a split record with no entry: the general path's */
+            break;
+        }
+        const Py_buffer *row = PyMemoryView_GET_BUFFER(views[i]);
+        int status;
+        if ((Py_ssize_t)l->value.mv_size == joined) {
+            status = d->check_c(head.buf, (size_t)head.len, l->key.mv_data, l->key.mv_size, l->value.mv_data, l->value.mv_size, row->buf,
+                                (size_t)row->len, NULL, 0);
+        } else {
+            size_t from = (size_t)at < l->entry.mv_size ? (size_t)at : l->entry.mv_size;
+            status = d->check_c(head.buf, (size_t)head.len, l->key.mv_data, l->key.mv_size, (const u8 *)l->entry.mv_data + from,
+                                l->entry.mv_size - from, row->buf, (size_t)row->len, l->value.mv_data, l->value.mv_size);
+        }
+        if (status != XXC_CHECK_GOOD) {
+            rc = status < 0 ? -1 : 0; /* anything but good: the general path's job */
+            break;
+        }
+        Py_SETREF(((PyListObject *)found)->ob_item[i], Py_NewRef(Py_True)); /* the False filled in released */
+    }
+    ops_done(e);
+    direct_jobs++;
+    if (look != small)
+        PyMem_Free(look);
+    PyBuffer_Release(&head);
+    return rc;
+}
