@@ -507,8 +507,6 @@ static PyObject *py_prefetch_writes(PyObject *module, PyObject *const *args, Py_
     return PyBool_FromLong(was);
 }
 
-XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs), *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs),
-    *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* _xxjob.c */
 static PyMethodDef methods[] = {
     {"xxh3_64_copy", (PyCFunction)(void (*)(void))py_xxh3_64_copy, METH_FASTCALL,
      "xxh3_64_copy(prefix, src, dst=None) -> int\n\n"
@@ -550,11 +548,8 @@ static PyMethodDef methods[] = {
      "xxh3_64_read_one(under_way, dir_at, head, key, row, piece) -> int\n\nxxh3_64_read_check_keys of one key,\n"
      "counted in the list under_way (an entry appended for the call): 0 read and checked, 1 absent, 2 else."},
     {"xxh3_64_read_rows", (PyCFunction)(void (*)(void))xxc_read_rows, METH_FASTCALL,
-     "xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list or None\n\n"
-     "xxh3_64_read_check_keys into the kept views of the tensors out, counted in under_way as xxh3_64_read_one\n"
-     "counts its key. kind is (tensor_type, dtype, shape, views, key_bytes): each row's view is views[row.data_ptr()]\n"
-     "where type(row) is tensor_type, row.dtype is dtype, row.shape == shape, row.is_cpu and row.is_contiguous().\n"
-     "None, with nothing read or counted, where a key is not bytes of key_bytes or a row has no such view."},
+     "xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list or None\n\nxxh3_64_read_check_keys into the\n"
+     "views host_view keeps of out's rows (kind: tensor_type, dtype, shape, views, key_bytes), counted as xxh3_64_read_one counts."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\nWhether the copying AVX2 / AVX-512 passes prefetch the\n"
