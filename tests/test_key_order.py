@@ -99,6 +99,31 @@ def test_key_order_keeps_every_key_through_growth_and_deletions() -> None:
 
 
 @native
+def test_move_to_end_takes_its_arguments_as_an_ordered_dict_does() -> None:
+    fast, slow = new_order(), OrderedDict[bytes, None]()
+    for key in POOL[:5]:
+        fast[key] = slow[key] = None
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((POOL[3],), {}),
+        ((POOL[3], False), {}),
+        ((POOL[1],), {"last": False}),
+        ((POOL[0],), {"last": 0}),
+        ((POOL[2],), {"last": "yes"}),
+        ((POOL[4], True), {}),
+        ((POOL[9],), {"last": False}),  # not held: KeyError
+        ((), {}),
+        ((POOL[1], True, True), {}),
+        ((POOL[1],), {"first": True}),
+        ((POOL[1], True), {"last": True}),
+    ]
+    for args, kwargs in calls:
+        got = _outcome(lambda: fast.move_to_end(*args, **kwargs))  # noqa: B023 (called at once)
+        want = _outcome(lambda: slow.move_to_end(*args, **kwargs))  # noqa: B023
+        assert got[:2] == want[:2], (args, kwargs)
+        assert list(fast) == list(slow), (args, kwargs)
+
+
+@native
 def test_key_order_refuses_what_it_cannot_hold_by_name() -> None:
     order = new_order()
     with pytest.raises(TypeError, match="KeyOrder key: expected bytes, got str"):
@@ -186,6 +211,22 @@ def test_iteration_over_a_changed_order_raises_as_an_ordered_dict_does() -> None
     assert list(it) == [POOL[0]] and list(it) == []
     fast.move_to_end(POOL[0])  # already the newest: no change, as in an ordered dict
     assert list(fast) == [POOL[0]]
+
+
+@native
+def test_an_iteration_past_its_last_key_ends_after_a_change_as_an_ordered_dict_does() -> None:
+    # An ordered dict's iterator whose next node is none ends (StopIteration) before it looks
+    # for a change: a loop whose last body changes the order ends, it does not raise.
+    for change in (lambda o: o.__setitem__(POOL[9], None), lambda o: o.move_to_end(POOL[0]), lambda o: o.pop(POOL[3])):
+        outcomes = []
+        for order in (new_order(), OrderedDict[bytes, None]()):
+            for key in POOL[:4]:
+                order[key] = None
+            it = iter(order)
+            assert [next(it) for _ in range(4)] == POOL[:4]
+            change(order)
+            outcomes.append((_outcome(next, it), _outcome(next, it)))
+        assert outcomes[0] == outcomes[1] and outcomes[1][0][1] is StopIteration
 
 
 @native
