@@ -17,8 +17,9 @@
 #include <unistd.h>
 
 #include "_rowguard.h"
+#include "../kvtier/records/_hostrow.h"
 
-PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
+static host_row_names row_names; /* interned at import */
 
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
 int attr_is_true(PyObject *obj, PyObject *name)
@@ -31,47 +32,8 @@ int attr_is_true(PyObject *obj, PyObject *name)
     return is;
 }
 
-/* row.name, asked of the descriptor that row's type holds for it where that is a C getter: the
-   getter called straight (no lookup of the row's own dict, as the generic lookup makes for a
-   method, and no bound method made). What a generic lookup answers for any other descriptor. */
-static PyObject *tensor_get(PyObject *row, PyObject *name)
-{
-    PyObject *described = _PyType_Lookup(Py_TYPE(row), name); /* borrowed; the type's method cache */
-    if (described != NULL && Py_IS_TYPE(described, &PyGetSetDescr_Type))
-        return Py_TYPE(described)->tp_descr_get(described, row, (PyObject *)Py_TYPE(row));
-    return PyObject_GetAttr(row, name);
-}
-
-/* row.name(), likewise: a C method of row's type called straight. */
-static PyObject *tensor_call(PyObject *row, PyObject *name)
-{
-    PyObject *described = _PyType_Lookup(Py_TYPE(row), name); /* borrowed; the type's method cache */
-    if (described != NULL && Py_IS_TYPE(described, &PyMethodDescr_Type)) {
-        Py_INCREF(described); /* held across the call */
-        PyObject *got = PyObject_Vectorcall(described, &row, 1, NULL);
-        Py_DECREF(described);
-        return got;
-    }
-    return PyObject_CallMethodNoArgs(row, name);
-}
-
-/* Whether tensor_get(row, name) is true (1), is not (0), or raised (-1). */
-static int tensor_is(PyObject *row, PyObject *name)
-{
-    PyObject *v = tensor_get(row, name);
-    if (v == NULL)
-        return -1;
-    int is = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return is;
-}
-
-/* host_view(row, tensor_type, dtype, shape, views): views[row.data_ptr()] when type(row) is
-   tensor_type, row.dtype is dtype, row.shape == shape, row.is_cpu and row.is_contiguous();
-   None when any of them is not so or the address is not in views. Asked in that order, as
-   the Python form asks them, each of the C getter or method tensor_type holds for it (a row's
-   own dict, which no tensor's C code reads, is not asked); an error raised by one of them
-   propagates. */
+/* host_view(row, tensor_type, dtype, shape, views): host_row_view (../kvtier/records/_hostrow.h),
+   the one form of a row's checks that the file tier's job read (_xxjob.c) makes too. */
 PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -84,41 +46,7 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "views: expected a dict, got %.100s", Py_TYPE(views)->tp_name);
         return NULL;
     }
-    if ((PyObject *)Py_TYPE(row) != args[1])
-        Py_RETURN_NONE;
-    PyObject *v = tensor_get(row, s_dtype);
-    if (v == NULL)
-        return NULL;
-    int ok = v == dtype;
-    Py_DECREF(v);
-    if (!ok)
-        Py_RETURN_NONE;
-    v = tensor_get(row, s_shape);
-    if (v == NULL)
-        return NULL;
-    int differ = PyObject_RichCompareBool(v, shape, Py_NE);
-    Py_DECREF(v);
-    if (differ != 0)
-        return differ < 0 ? NULL : Py_NewRef(Py_None);
-    ok = tensor_is(row, s_is_cpu);
-    if (ok <= 0)
-        return ok < 0 ? NULL : Py_NewRef(Py_None);
-    v = tensor_call(row, s_is_contiguous);
-    if (v == NULL)
-        return NULL;
-    ok = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    if (ok <= 0)
-        return ok < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *at = tensor_call(row, s_data_ptr);
-    if (at == NULL)
-        return NULL;
-    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
-    Py_XINCREF(view);
-    Py_DECREF(at);
-    if (view == NULL)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    return view;
+    return host_row_view(row, args[1], dtype, shape, views, &row_names);
 }
 
 int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views)
@@ -542,14 +470,15 @@ static const struct {
     PyObject **name;
     const char *text;
 } NAMES[] = {
-    {&s_dtype, "dtype"}, {&s_shape, "shape"}, {&s_is_cpu, "is_cpu"}, {&s_is_contiguous, "is_contiguous"},
-    {&s_data_ptr, "data_ptr"}, {&s_locate, "locate"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
+    {&s_locate, "locate"}, {&s_fd, "fd"}, {&s_seen, "seen"}, {&s_begin, "begin"}, {&s_get, "get"},
     {&s_abort, "abort"}, {&s_slow, "slow"}, {&s_cold, "cold"}, {&s_read_misses, "read_misses"},
     {&s_blocks_read, "blocks_read"}, {&s_bytes_read, "bytes_read"},
 };
 
 PyMODINIT_FUNC PyInit__rowguard(void)
 {
+    if (host_row_names_init(&row_names) < 0)
+        return NULL;
     for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++)
         if ((*NAMES[i].name = PyUnicode_InternFromString(NAMES[i].text)) == NULL)
             return NULL;

@@ -17,7 +17,6 @@ enum {
 };
 
 /* Attribute names, interned at import (_rowguard.c). */
-extern PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
 extern PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
 
 /* Whether obj.name is true (1), is not (0), or raised (-1). */

@@ -233,6 +233,7 @@ class PlainReads:
         self.checksum = HeadChecksum.plain(block_bytes, dtype_code)
         self._row = ctypes.c_char * block_bytes
         self._shape = torch.Size([block_bytes])
+        self._kind = (_TENSOR, _U8, self._shape, views, KEY_BYTES)  # what xxcopy.xxh3_read_rows takes of a row and a key
         #: Records of more than this many bytes are read in pieces of it (see the module doc).
         self.piece = PIECE_BYTES
 
@@ -295,6 +296,22 @@ class PlainReads:
         counters.blocks_read += 1
         counters.bytes_read += self.block_bytes
         return True
+
+    def read_rows(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> tuple[list[bool], list[int]] | None:
+        """A flat job whose rows' views are kept in :attr:`views`, from its rows' checks to its
+        reads in one native call (:func:`~kvtier.records.xxcopy.xxh3_read_rows`): each row
+        checked as :meth:`RowViews.of <kvtier.backends.lmdb_plain.RowViews.of>` checks it, the
+        job counted among the root's (a close waits for it), each record read as :meth:`read`
+        reads it. ``(found, the positions left to the general read)``; ``None``, with nothing
+        read, where the job's own checks and :meth:`read` are to take it (no native call, the
+        sharded layout, a key or a row that call does not take)."""
+        read = xxcopy.xxh3_read_rows
+        if read is None or not self.flat or devices.locate is not None:
+            return None
+        found = [False] * len(keys)
+        root = self.root
+        rest = read(root.under_way, root.dir_at, self.checksum.head, keys, out, self._kind, self.piece, found)
+        return None if rest is None else (found, rest)
 
     def read(
         self, keys: Sequence[bytes], out: Sequence[torch.Tensor], found: list[bool], rows: Sequence[memoryview] | None = None

@@ -300,14 +300,19 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
                 if self.follower is not None:
                     self._followed_reads(keys, [hit])
                 return [hit]
-        # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
-        rows = views.of(keys, out) if (views := self._views) is not None else None
-        size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes
-        found = [False] * len(keys)
-        if (plain := self._plain) is not None and PLAIN_READS and (plain.flat or plain.root.usable):
-            rest: Sequence[int] = plain.read(keys, out, found, rows)
-        else:
-            rest = range(len(keys))
+        # Unkeyed jobs into host rows seen before, flat: the rows' checks and the reads in one call.
+        plain = self._plain
+        if plain is not None and PLAIN_READS and not self._closed and (got := plain.read_rows(keys, out)) is not None:
+            found, rest = got
+            size = plain.block_bytes
+        else:  # the job's checks and its rows' views in one loop, then the plain reads
+            rows = views.of(keys, out) if (views := self._views) is not None else None
+            size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes
+            found = [False] * len(keys)
+            if plain is not None and PLAIN_READS and (plain.flat or plain.root.usable):
+                rest = plain.read(keys, out, found, rows)
+            else:
+                rest = list(range(len(keys)))
         corrupt = self._read_each(keys, out, rest, found) if rest else 0
         self._count_reads(found, size, corrupt=corrupt)
         if self.follower is not None:

@@ -144,12 +144,13 @@ class LoneSave:
             return None
         if lmdb_plain.function_mode() or lmdb_plain._dispatch_modes():
             return None  # a mode's handler may free a row whose view is taken (lmdb_plain.python_in_torch)
+        # The rows held until the save returns: the views are by address and hold nothing.
+        keys, rows = tuple(keys), tuple(rows)
         views = lmdb_plain.job_views(keys, rows, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)
         if views is None:
             return None
         tier = self.tier
         tier._env_or_raise()
-        keys = tuple(keys)
         commits = self.commits
         sizes = commits.submit_alone((keys, views), self._commit_job)
         if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's

@@ -259,10 +259,6 @@ class StraightRead:
         temperature = self.temperature
         if n != len(out) or temperature.cold or devices.locate is not None or self.forks != forks():
             return None
-        if lmdb_plain.function_mode():
-            # Its handler runs Python in each row's checks below, which may free a row whose view
-            # is taken already: the general path's job, whose copies take each row's memory.
-            return None
         native = lmdb_plain.job_read
         if native is not None:
             # All that follows in one native call, with the same outcome; False: read here (the
@@ -270,6 +266,10 @@ class StraightRead:
             found = native(self.native_parts, env, keys, out, perf_counter, COLD_GET_S, xxcopy.xxh3_check_copy)
             if found is not False:
                 return found  # type: ignore[no-any-return]
+        if lmdb_plain.python_in_torch(out):
+            # A handler run in a later row's checks below may free a row whose view is taken
+            # already: the general path's job, whose copies take each row's memory.
+            return None
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
         rows = []
         for key, row in zip(keys, out):

@@ -106,15 +106,17 @@ def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False)
     holds the rows for as long as it uses the views, which do not hold them), are views of
     their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()``
     each."""
-    if devices.locate is not None or not out or python_in_torch(out):
-        return None
+    if devices.locate is not None or not out or function_mode() or _dispatch_modes():
+        return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
     base = out[0]._base
-    if base is not None and len(out) > 1 and base.is_cpu and base.is_contiguous():
+    if base is not None and len(out) > 1 and type(base) is _TENSOR and base.is_cpu and base.is_contiguous():
         flat = base.detach().reshape(-1).view(torch.uint8)
         whole = flat.numpy().data
         start, length = flat.data_ptr(), len(whole)
         views = []
         for row in out:
+            if type(row) is not _TENSOR:
+                break
             at = row.data_ptr() - start
             if row._base is not base or not row.is_contiguous() or at < 0 or at + size > length:
                 break
@@ -123,6 +125,8 @@ def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False)
             return views
     views = []
     for row in out:
+        if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
+            return None  # its checks would run its own code (python_in_torch)
         if not row.is_cpu or not row.is_contiguous():
             return None
         views.append(_at(row.data_ptr(), size) if borrowed else row.numpy().data)

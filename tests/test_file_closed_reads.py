@@ -17,6 +17,7 @@ import torch
 
 from kvtier import registry
 from kvtier.backend import BlockFormat
+from kvtier.errors import ClosedError
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
 
@@ -29,6 +30,7 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
         monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", xxcopy.xxh3_read_check_keys_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_one", xxcopy.xxh3_read_one_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_rows", None)  # (a build without it: the rows checked in Python)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)
     asyncio.run(backend.open(fmt))
@@ -45,6 +47,12 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
         assert plain.read(keys, out, found, rows) == [0, 1, 2]
         assert found == [False, False, False]
     assert plain.read_one(keys[0], out[0], backend.counters) is None
+    # The native job from its rows' checks (flat): counted, then every record the general path's.
+    rows_job = plain.read_rows(keys, out)
+    assert rows_job == (([False] * 3, [0, 1, 2]) if xxcopy.xxh3_read_rows is not None and layout == "flat" else None)
+    assert plain.root.under_way == []
+    with pytest.raises(ClosedError):
+        backend.read_blocks(keys, out)
 
 
 @pytest.mark.parametrize("layout", ["flat", "sharded"])
@@ -102,15 +110,17 @@ first.write_blocks(keys, data)
 out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in keys]
 first.read_blocks(keys, out)
 real, entered, go = getattr(xxcopy, sys.argv[1]), threading.Event(), threading.Event()
-def held(dir_fd, *args):  # the read's native call, held before its descriptor is read (the job's) or opened
+def held(*args):  # the read's native call, held before its descriptor is read (the job's) or opened
     if not entered.is_set():
         entered.set()
         go.wait()
-    return real(dir_fd, *args)
+    return real(*args)
 setattr(xxcopy, sys.argv[1], held)
+if sys.argv[1] == "xxh3_read_check_keys":  # the job's rows checked in Python, then its one call
+    xxcopy.xxh3_read_rows = None
 plain = first._plain
 def read():  # the tier's job (its one call); or its one-pass read a record at a time (no rows' views given)
-    if sys.argv[1] == "xxh3_read_check_keys":
+    if sys.argv[1] != "xxh3_read_check_key":
         return first.read_blocks(keys, out)
     found = [False] * len(keys)
     plain.read(keys, out, found)  # (what it leaves would go to the general read: a miss once closed)
@@ -134,13 +144,16 @@ asyncio.run(second.aclose())
 """
 
 
-@pytest.mark.parametrize("call", ["xxh3_read_check_key", "xxh3_read_check_keys"])
+@pytest.mark.parametrize("call", ["xxh3_read_check_key", "xxh3_read_check_keys", *(["xxh3_read_rows"] if xxcopy.xxh3_read_rows else [])])
 def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused(call: str) -> None:
     """A read whose native open comes after a close began: the close waits for it, so the
     read opens the closed store's own records, never those of a store opened since under the
     descriptor's number (child process: a close that never ends fails the test, not the run).
     ``xxh3_read_check_key``: the one-pass read a record at a time; ``xxh3_read_check_keys``:
-    the tier's job in one call, which reads the descriptor itself before each open."""
+    the tier's job in one call, which reads the descriptor itself before each open (its rows
+    checked in Python); ``xxh3_read_rows``: the job from its rows' checks in one call, held
+    before it counts itself (the close then need not wait: the descriptor, read before each
+    open, says closed)."""
     child = subprocess.run([sys.executable, "-c", _RACE, call], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     if call == "xxh3_read_check_key":

@@ -125,18 +125,20 @@ def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs:
         monkeypatch.setattr(xxcopy, name, recording)
     job, one = getattr(xxcopy, f"xxh3_read_check_keys_{path}"), getattr(xxcopy, f"xxh3_read_check_key_{path}")
     assert job is not None and one is not None
+    rows_read = xxcopy.xxh3_read_rows if path == "native" else None  # (none in Python: the rows' checks, then the job's call)
     if not check_jobs:
         monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", job)
         monkeypatch.setattr(xxcopy, "xxh3_read_one", getattr(xxcopy, f"xxh3_read_one_{path}"))
+        monkeypatch.setattr(xxcopy, "xxh3_read_rows", rows_read)
         return seen
 
-    def recording_job(dir_at: Any, head: Any, keys: Any, rows: Any, piece: int, found: list[bool]) -> list[int]:
-        """The job's call, checked against a call a record of the same path (into rows of its
-        own), whose outcomes are recorded as those of the records' one-by-one reads were."""
+    def expected(dir_at: Any, head: Any, keys: Any, sizes: list[int], piece: int) -> tuple[list[int], list[int]]:
+        """The records read and checked and those left to the general read, by a call a record
+        of the same path (into rows of its own), whose outcomes are recorded."""
         good, rest = [], []
-        for i, (key, row) in enumerate(zip(keys, rows)):
+        for i, (key, size) in enumerate(zip(keys, sizes)):
             try:
-                status = one(dir_at.value, head, key, bytearray(len(row)), piece)
+                status = one(dir_at.value, head, key, bytearray(size), piece)
             except FileNotFoundError:
                 continue
             except OSError:
@@ -144,11 +146,28 @@ def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs:
                 continue
             seen.append(status)
             (good if status == xxcopy.CHECK_GOOD else rest).append(i)
+        return good, rest
+
+    def recording_job(dir_at: Any, head: Any, keys: Any, rows: Any, piece: int, found: list[bool]) -> list[int]:
+        """The job's call, checked against :func:`expected`."""
+        good, rest = expected(dir_at, head, keys, [len(row) for row in rows], piece)
         got = job(dir_at, head, keys, rows, piece, found)
         assert got == rest and [i for i, hit in enumerate(found) if hit] == good, (got, rest, found, good)
         return got  # type: ignore[no-any-return]
 
+    def recording_rows(under_way: list[None], dir_at: Any, head: Any, keys: Any, out: Any, kind: Any, piece: int, found: list[bool]) -> list[int] | None:
+        """The native job from its rows' checks, checked against :func:`expected` where it read."""
+        assert rows_read is not None
+        counted = len(under_way)
+        got = rows_read(under_way, dir_at, head, keys, out, kind, piece, found)
+        assert len(under_way) == counted  # its count let go
+        if got is not None:
+            good, rest = expected(dir_at, head, keys, [row.nbytes for row in out], piece)
+            assert got == rest and [i for i, hit in enumerate(found) if hit] == good, (got, rest, found, good)
+        return got
+
     monkeypatch.setattr(xxcopy, "xxh3_read_check_keys", recording_job)
+    monkeypatch.setattr(xxcopy, "xxh3_read_rows", recording_rows if rows_read is not None else None)
     lone = getattr(xxcopy, f"xxh3_read_one_{path}")
     assert lone is not None
 
@@ -318,9 +337,17 @@ def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(
     bytes, misses, deletions and counters, and the sound records never reach the job's path."""
     keys, data = _damaged_store(tmp_path / "a" / "store", tmp_path / "a" / "outside", layout)
     _copy(tmp_path / "a", tmp_path / "b")
-    jobs: list[int] = []  # the keys that took the job's path (the views' loop), -1 for others
-    real_of = file_tier.RowViews.of
+    jobs: list[int] = []  # the keys that took the job's path (the views' loop, or the native job that checks its rows), -1 for others
+    real_of, real_rows = file_tier.RowViews.of, file_reads.PlainReads.read_rows
     monkeypatch.setattr(file_tier.RowViews, "of", lambda self, k, o: jobs.extend(keys.index(x) if x in keys else -1 for x in k) or real_of(self, k, o))
+
+    def read_rows(self: file_reads.PlainReads, k: list[bytes], o: list[torch.Tensor]) -> Any:
+        got = real_rows(self, k, o)
+        if got is not None:
+            jobs.extend(keys.index(x) if x in keys else -1 for x in k)
+        return got
+
+    monkeypatch.setattr(file_reads.PlainReads, "read_rows", read_rows)
     results = []
     for root, plain in ((tmp_path / "a" / "store", False), (tmp_path / "b" / "store", True)):
         monkeypatch.setattr(file_tier, "PLAIN_READS", plain)

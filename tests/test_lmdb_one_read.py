@@ -661,6 +661,36 @@ def _changes(rows: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
     }
 
 
+def outcome_after_change(
+    backend: Backend, keys: list[bytes], rows: list[torch.Tensor], what: str, block: torch.Tensor, pick: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+) -> tuple[Any, bool | None, bool]:
+    """``rows`` zeroed, then ``rows[1]`` changed as :func:`_changes` says of ``what``, then a job
+    of ``keys`` read into ``pick(rows)``: the job's answer (or its error's name), whether
+    ``rows[1]`` then holds ``block``, and whether the storage it had before was left zeroed."""
+    for row in rows:
+        row.zero_()
+    before = rows[1].untyped_storage()  # kept alive: its old place is not reused
+    _changes(rows)[what]()
+    try:
+        found: Any = backend.read_blocks(keys, pick(rows))
+    except Exception as exc:  # (the outcome compared)
+        found = type(exc).__name__
+    target = rows[1]
+    got = target.contiguous().view(torch.uint8).reshape(-1)[: block.numel()].clone() if target.numel() else None
+    return found, None if got is None else bytes(got.numpy()) == bytes(block.numpy()), bytes(before)[:16] == bytes(16)
+
+
+def changed_alike(outcomes: dict[bool, dict[str, Any]], jobs: int) -> None:
+    """The outcomes of :func:`outcome_after_change` for each change, on the fast path (``True``)
+    and the general one (``False``): the same, and those that must read, read, or refuse."""
+    for what in outcomes[True]:
+        print(what, "fast:", outcomes[True][what], "general:", outcomes[False][what])
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True]["a new storage (set_)"][:2] == ([True] * jobs, True)
+    assert outcomes[True]["cut short (resize_)"][0] == "LayoutError"
+    assert outcomes[True]["written (fill_)"][:2] == ([True] * jobs, True)
+
+
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_a_row_changed_since_its_last_job_is_checked_again_as_the_general_path_checks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jobs: int) -> None:
     """A row whose views were made by a job, then changed in place (a new storage, resized,
@@ -681,24 +711,8 @@ def test_a_row_changed_since_its_last_job_is_checked_again_as_the_general_path_c
                 job = keys[:jobs] if jobs > 1 else keys[1:2]
                 job_rows = rows[:jobs] if jobs > 1 else rows[1:2]
                 assert backend.read_blocks(job, job_rows) == [True] * jobs  # the rows' views are made
-                for row in rows:
-                    row.zero_()
-                before = rows[1].untyped_storage()  # kept alive: its old place is not reused
-                _changes(rows)[what]()
-                job_rows = rows[:jobs] if jobs > 1 else rows[1:2]
-                try:
-                    found: Any = backend.read_blocks(job, job_rows)
-                except Exception as exc:  # (the outcome compared)
-                    found = type(exc).__name__
-                target = rows[1]
-                got = target.contiguous().view(torch.uint8).reshape(-1)[: FMT.block_bytes].clone() if target.numel() else None
-                seen[what] = (found, None if got is None else bytes(got.numpy()) == bytes(data[1].numpy()), bytes(before)[:16] == bytes(16))
+                seen[what] = outcome_after_change(backend, job, rows, what, data[1], lambda rows: rows[:jobs] if jobs > 1 else rows[1:2])
             outcomes[fast] = seen
     finally:
         asyncio.run(backend.aclose())
-    for what in outcomes[True]:
-        print(what, "fast:", outcomes[True][what], "general:", outcomes[False][what])
-    assert outcomes[True] == outcomes[False]
-    assert outcomes[True]["a new storage (set_)"][:2] == ([True] * jobs, True)
-    assert outcomes[True]["cut short (resize_)"][0] == "LayoutError"
-    assert outcomes[True]["written (fill_)"][:2] == ([True] * jobs, True)
+    changed_alike(outcomes, jobs)

@@ -21,6 +21,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SIZE = 4096
 
+#: What both children run their job under (rows: the job's rows): at the second row's first
+#: check, the first row's memory is freed and handed to a new tensor of sevens (freed[1]).
+_FREES = r"""
+freed = []
+class Frees(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not freed and args and args[0] is rows[1]:
+            freed.append(rows[0].data_ptr())
+            rows[0].set_(torch.empty(0, dtype=torch.uint8))
+            freed.append(torch.full((4096,), 7, dtype=torch.uint8))
+        return func(*args, **(kwargs or {}))
+"""
+
 _CHILD = r"""
 import asyncio, sys, tempfile, torch
 from torch.overrides import TorchFunctionMode
@@ -41,20 +54,12 @@ keys = [make_key(i) for i in range(n)]
 backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
 rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
 assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept, the thread marked)
-freed, victim = [], []
-class Frees(TorchFunctionMode):  # at the second row's first check: the first row's memory freed and reused
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not freed and args and args[0] is rows[1]:
-            freed.append(rows[0].data_ptr())
-            rows[0].set_(torch.empty(0, dtype=torch.uint8))
-            victim.append(torch.zeros(4096, dtype=torch.uint8))
-        return func(*args, **(kwargs or {}))
-with Frees():
+""" + _FREES + r"""with Frees():
     try:
         backend.read_blocks(keys, rows)
     except (ValueError, TypeError):
         pass  # the first row is now empty: the general path may refuse it by name
-print(bool(freed), bool(victim) and bool(victim[0].any()))
+print(bool(freed), bool(freed) and bool((freed[1] != 7).any()))
 asyncio.run(backend.aclose())
 """
 
@@ -109,6 +114,11 @@ def test_row_views_refuse_a_job_whose_checks_would_run_code_of_its_own() -> None
     assert views.of(keys, own) is None and lmdb_plain.host_rows(own, SIZE) is None
     plain = [rows[0], rows[1].as_subclass(_Plain), rows[2]]
     assert views.of(keys, plain) is not None and lmdb_plain.host_rows(plain, SIZE) is not None
+    cut = list(torch.zeros((3, SIZE), dtype=torch.uint8).unbind(0))  # rows of one tensor: one view of it
+    assert lmdb_plain.host_rows(cut, SIZE) is not None
+    assert lmdb_plain.host_rows([cut[0], cut[1].as_subclass(_Own), cut[2]], SIZE) is None
+    with _PassThrough():
+        assert lmdb_plain.host_rows(cut, SIZE) is None
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -140,3 +150,42 @@ def test_a_job_read_while_a_mode_is_on_reads_as_without(native: bool, tmp_path: 
         asyncio.run(backend.aclose())
     assert fast == general == [True] * 4 + [False]
     assert all(torch.equal(r, f) and torch.equal(r, b.view(torch.uint8)) for r, f, b in zip(rows, fast_rows, blocks))
+
+
+_SAVE_CHILD = r"""
+import asyncio, sys, tempfile, torch
+from torch.overrides import TorchFunctionMode
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+kind = sys.argv[1]
+fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+backend = registry.backends.get(kind)(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast")
+asyncio.run(backend.open(fmt))
+n = 4
+rows = [random_block(4096, i).view(torch.uint8).clone() for i in range(n)]  # each its own memory
+first = rows[0].clone()
+warm = [make_key(100 + i) for i in range(n)]
+backend.write_blocks(warm, rows)  # (the rows' views kept)
+keys = [make_key(i) for i in range(n)]
+""" + _FREES + r"""with Frees():
+    try:
+        backend.write_blocks(keys, rows)
+    except (ValueError, TypeError):
+        pass  # the first row is now empty: the general path may refuse it by name
+out = [torch.zeros(4096, dtype=torch.uint8)]
+hit = backend.read_blocks(keys[:1], out) == [True]
+print(bool(freed), hit and not torch.equal(out[0], first))
+asyncio.run(backend.aclose())
+"""
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "file"])
+def test_a_job_save_never_stores_the_bytes_of_a_row_freed_by_python_run_during_its_checks(kind: str) -> None:
+    """A record saved from a row's view taken before a mode's handler freed that row's memory
+    would hold whatever is there now, under a sound checksum: wrong data served later."""
+    child = subprocess.run([sys.executable, "-c", _SAVE_CHILD, kind], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    freed, wrong = child.stdout.split()
+    assert freed == "True", child.stdout  # the handler ran mid-job
+    assert wrong == "False", "the job stored other bytes than its first row's under its first key"

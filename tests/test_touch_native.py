@@ -198,7 +198,7 @@ def test_native_touch_closed_while_it_waits_for_the_lock_moves_nothing() -> None
 @native
 def test_held_touch_refuses_what_is_not_an_ordered_dict_or_a_lock() -> None:
     make = lookups.native_module().HeldTouch
-    with pytest.raises(TypeError, match=r"order: expected a collections\.OrderedDict, got dict"):
+    with pytest.raises(TypeError, match=r"order: expected a collections\.OrderedDict or a KeyOrder, got dict"):
         make({}, threading.Lock(), print)
     with pytest.raises(TypeError, match="fallback: expected a callable"):
         make(OrderedDict(), threading.Lock(), 7)

@@ -2,8 +2,9 @@
  * where the tier's policy is exactly ``LRUPolicy`` (kvtier.manager.touch_calls makes it).
  *
  * It does what the Python closure does with ``LRUPolicy.touch_held`` for the common call: a
- * list or tuple of keys, each exactly ``bytes`` and held in the policy's ordered dict, is moved
- * to its end in order, under the manager's lock, the whole batch checked before the first move.
+ * list or tuple of keys, each exactly ``bytes`` and held in the policy's order (its ``KeyOrder``,
+ * moved by direct calls, or an ordered dict, by its ``move_to_end``), is moved to its end in
+ * order, under the manager's lock, the whole batch checked before the first move.
  * Every other call (another sequence type, a key that is not exact bytes, a key not held, an
  * unhashable key, a closed call) is handed, untouched, to ``fallback`` (the Python closure),
  * which answers, refuses or raises as it does without the extension. With exact bytes keys no
@@ -16,12 +17,13 @@
 
 #include "_heldtouch.h"
 #include "_keyindex.h"
+#include "_keyorder.h"
 
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *order;    /* the policy's OrderedDict */
-    PyObject *move;     /* its bound move_to_end */
+    PyObject *order;    /* the policy's order: an OrderedDict or a KeyOrder */
+    PyObject *move;     /* an OrderedDict's bound move_to_end; NULL for a KeyOrder (moved in C) */
     PyObject *acquire;  /* the manager's lock's bound acquire and release */
     PyObject *release;
     PyObject *fallback; /* touch(keys) for everything this leaves: the Python closure */
@@ -59,7 +61,7 @@ touch_held(HeldTouch *self, PyObject *keys)
         if (key == NULL || !PyBytes_CheckExact(key))
             return 0;
         Py_INCREF(key);
-        held = PyDict_Contains(self->order, key);
+        held = self->move == NULL ? keyorder_holds(self->order, key) : PyDict_Contains(self->order, key);
         Py_DECREF(key);
         if (held <= 0) {
             if (held < 0)
@@ -77,6 +79,13 @@ touch_held(HeldTouch *self, PyObject *keys)
             return -1;
         }
         Py_INCREF(key);
+        if (self->move == NULL) {
+            int moved = keyorder_move_last(self->order, key);
+            Py_DECREF(key);
+            if (moved < 0)
+                return -1;
+            continue;
+        }
         r = PyObject_Vectorcall(self->move, &key, 1, NULL);
         Py_DECREF(key);
         if (r == NULL)
@@ -135,8 +144,9 @@ held_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     HeldTouch *self;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:HeldTouch", names, &order, &lock, &fallback))
         return NULL;
-    if (!PyODict_CheckExact(order)) {
-        PyErr_Format(PyExc_TypeError, "order: expected a collections.OrderedDict, got %.100s", Py_TYPE(order)->tp_name);
+    if (!PyODict_CheckExact(order) && !keyorder_check(order)) {
+        PyErr_Format(PyExc_TypeError, "order: expected a collections.OrderedDict or a KeyOrder, got %.100s",
+                     Py_TYPE(order)->tp_name);
         return NULL;
     }
     if (!PyCallable_Check(fallback)) {
@@ -149,8 +159,8 @@ held_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->vectorcall = held_vectorcall;
     self->order = Py_NewRef(order);
     self->fallback = Py_NewRef(fallback);
-    self->move = PyObject_GetAttrString(order, "move_to_end");
-    self->acquire = self->move ? PyObject_GetAttrString(lock, "acquire") : NULL;
+    self->move = keyorder_check(order) ? NULL : PyObject_GetAttrString(order, "move_to_end");
+    self->acquire = self->move || keyorder_check(order) ? PyObject_GetAttrString(lock, "acquire") : NULL;
     self->release = self->acquire ? PyObject_GetAttrString(lock, "release") : NULL;
     if (self->release == NULL) { /* a lock without acquire and release: named by the AttributeError */
         Py_DECREF(self);

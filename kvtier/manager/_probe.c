@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include "_heldtouch.h"
+#include "_keyorder.h"
 #include "_keyindex.h"
 
 typedef struct {
@@ -326,7 +327,7 @@ PyInit__probe(void)
         Py_DECREF(m);
         return NULL;
     }
-    if (heldtouch_add(m) < 0) {
+    if (heldtouch_add(m) < 0 || keyorder_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

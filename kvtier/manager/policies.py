@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import exact_bytes
+from kvtier.manager.key_order import KeyOrder, new_order
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy"]
 
@@ -107,8 +108,9 @@ class EvictionPolicy(ABC):
 class LRUPolicy(EvictionPolicy):
     """Least recently used first.
 
-    The keys used since the store opened (stored, loaded, touched) are in an ``OrderedDict``,
-    oldest first. The records adopted at open and not used since (``adopt``) are older than all
+    The keys used since the store opened (stored, loaded, touched) are in an ordered dict,
+    oldest first (:mod:`kvtier.manager.key_order`: the C ``KeyOrder`` where the extension is
+    built, which holds exact ``bytes`` keys only). The records adopted at open and not used since (``adopt``) are older than all
     of them: they stay in a plain list, oldest first, behind a cursor, so a tier of millions of
     records costs one list slot per key rather than an ordered-dict node (about 100 bytes;
     ``benchmarks/bench_scale.py``). Such a *cold* key's slot is live while the tier's index holds
@@ -125,7 +127,7 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int = 0) -> None:
         super().__init__(capacity)
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._order: KeyOrder = new_order()
         self._cold: list[bytes | None] = []
         self._at = 0  # the cold list's cursor: slots before it are free
         self._ready: Callable[[bytes], object] | None = None
@@ -184,9 +186,9 @@ class LRUPolicy(EvictionPolicy):
                 elif cold(key):
                     order[key] = None
 
-    def ordered(self) -> OrderedDict[bytes, None]:
-        """The ordered dict of the keys used since the open (see the class doc), oldest first:
-        the same object for the policy's life, which a native ``touch`` moves keys in."""
+    def ordered(self) -> KeyOrder:
+        """The order of the keys used since the open (see the class doc), oldest first: the
+        same object for the policy's life, which a native ``touch`` moves keys in."""
         return self._order
 
     def touch_held(self, keys: Sequence[bytes]) -> bool:

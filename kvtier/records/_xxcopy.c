@@ -507,7 +507,6 @@ static PyObject *py_prefetch_writes(PyObject *module, PyObject *const *args, Py_
     return PyBool_FromLong(was);
 }
 
-XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs), *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* _xxjob.c */
 static PyMethodDef methods[] = {
     {"xxh3_64_copy", (PyCFunction)(void (*)(void))py_xxh3_64_copy, METH_FASTCALL,
      "xxh3_64_copy(prefix, src, dst=None) -> int\n\n"
@@ -548,6 +547,9 @@ static PyMethodDef methods[] = {
     {"xxh3_64_read_one", (PyCFunction)(void (*)(void))xxc_read_one, METH_FASTCALL,
      "xxh3_64_read_one(under_way, dir_at, head, key, row, piece) -> int\n\nxxh3_64_read_check_keys of one key,\n"
      "counted in the list under_way (an entry appended for the call): 0 read and checked, 1 absent, 2 else."},
+    {"xxh3_64_read_rows", (PyCFunction)(void (*)(void))xxc_read_rows, METH_FASTCALL,
+     "xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list or None\n\nxxh3_64_read_check_keys into the\n"
+     "views host_view keeps of out's rows (kind: tensor_type, dtype, shape, views, key_bytes), counted as xxh3_64_read_one counts."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\nWhether the copying AVX2 / AVX-512 passes prefetch the\n"

@@ -104,4 +104,11 @@ static inline u64 read64(const u8 *p)
     return v;
 }
 
+/* The job reads of the file tier's records (_xxjob.c), bound in _xxcopy.c. */
+#ifdef Py_PYTHON_H
+XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+XXC_INTERNAL PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+XXC_INTERNAL PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+#endif
+
 #endif

@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_hostrow.h"
 #include "_xxh3.h"
 
 #include <errno.h>
@@ -64,10 +65,10 @@ static int take_record(job_record *r, PyObject *key_obj, PyObject *row_obj, cons
 
 /* Each record's name, prefix and row (take_record); 0, or -1 with the error set (rows[0..*held)
    are held either way, for the caller to release). */
-static int take_records(job_record *recs, PyObject *keys, PyObject *rows, const Py_buffer *head, Py_ssize_t n, Py_ssize_t *held)
+static int take_records(job_record *recs, PyObject *const *keys, PyObject *const *rows, const Py_buffer *head, Py_ssize_t n, Py_ssize_t *held)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (take_record(&recs[i], PySequence_Fast_GET_ITEM(keys, i), PySequence_Fast_GET_ITEM(rows, i), head, i) < 0)
+        if (take_record(&recs[i], keys[i], rows[i], head, i) < 0)
             return -1;
         *held = i + 1;
     }
@@ -101,61 +102,64 @@ static void read_records(job_record *recs, Py_ssize_t n, const int *dir, const u
     }
 }
 
-/* xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list of int (see methods). */
-XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* piece as a count of bytes >= 0, or -1 with the error set. */
+static Py_ssize_t take_piece(PyObject *obj)
 {
-    (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "expected (dir_at, head, keys, rows, piece, found), got %zd arguments", nargs);
-        return NULL;
+    Py_ssize_t piece = PyLong_AsSsize_t(obj);
+    if (piece < 0 && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "piece: expected a count of bytes >= 0, got %zd", piece);
+    return piece < 0 ? -1 : piece;
+}
+
+/* The directory's C int (dir_obj) and the stored head (head_obj), each checked: 0 with both
+   held, or -1 with the error set and neither held. */
+static int take_dir_head(PyObject *dir_obj, PyObject *head_obj, Py_buffer *dir, Py_buffer *head)
+{
+    if (PyObject_GetBuffer(dir_obj, dir, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (dir->len != (Py_ssize_t)sizeof(int) || ((uintptr_t)dir->buf % _Alignof(int)) != 0) {
+        PyErr_Format(PyExc_ValueError, "dir_at: expected an aligned C int holding the directory's descriptor, got %zd bytes", dir->len);
+        PyBuffer_Release(dir);
+        return -1;
     }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
-    if (piece == -1 && PyErr_Occurred())
-        return NULL;
-    if (piece < 0)
-        return PyErr_Format(PyExc_ValueError, "piece: expected a count of bytes >= 0, got %zd", piece);
-    if (!PyList_Check(args[5]))
-        return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(args[5])->tp_name);
-    PyObject *keys = PySequence_Fast(args[2], "keys: expected a sequence"), *rows = NULL, *rest = NULL;
-    if (keys == NULL || (rows = PySequence_Fast(args[3], "rows: expected a sequence")) == NULL) {
-        Py_XDECREF(keys);
-        return NULL;
+    if (PyObject_GetBuffer(head_obj, head, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(dir);
+        return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), held = 0;
-    Py_buffer dir, head;
-    job_record *recs = NULL;
-    if (PySequence_Fast_GET_SIZE(rows) != n || PyList_GET_SIZE(args[5]) != n) {
-        PyErr_Format(PyExc_ValueError, "rows, found: expected %zd each (one per key), got %zd and %zd", n, PySequence_Fast_GET_SIZE(rows),
-                     PyList_GET_SIZE(args[5]));
-        goto release_seqs;
+    if (head->len > HEAD_MAX) {
+        PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head->len, HEAD_MAX);
+        PyBuffer_Release(head);
+        PyBuffer_Release(dir);
+        return -1;
     }
-    if (PyObject_GetBuffer(args[0], &dir, PyBUF_SIMPLE) < 0)
-        goto release_seqs;
-    if (dir.len != (Py_ssize_t)sizeof(int) || ((uintptr_t)dir.buf % _Alignof(int)) != 0) {
-        PyErr_Format(PyExc_ValueError, "dir_at: expected an aligned C int holding the directory's descriptor, got %zd bytes", dir.len);
-        goto release_dir;
-    }
-    if (PyObject_GetBuffer(args[1], &head, PyBUF_SIMPLE) < 0)
-        goto release_dir;
-    if (head.len > HEAD_MAX) {
-        PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head.len, HEAD_MAX);
-        goto release_head;
-    }
-    recs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *recs);
-    if (recs == NULL) {
-        PyErr_NoMemory();
-        goto release_head;
-    }
-    if (take_records(recs, keys, rows, &head, n, &held) < 0)
-        goto release_rows;
+    return 0;
+}
+
+/* read_records of a job counted among under_way's (a list: one entry appended before the
+   directory is looked at, as BeneathRoot.enter counts a job, and one popped after, as leave
+   does; NULL: not counted): 0, or -1 with the error set (nothing read when the count failed). */
+static int read_counted(PyObject *under_way, job_record *recs, Py_ssize_t n, const Py_buffer *dir, const Py_buffer *head, Py_ssize_t piece)
+{
+    if (under_way != NULL && PyList_Append(under_way, Py_None) < 0)
+        return -1;
     Py_BEGIN_ALLOW_THREADS
-    read_records(recs, n, dir.buf, head.buf, (size_t)head.len, (size_t)piece);
+    read_records(recs, n, dir->buf, head->buf, (size_t)head->len, (size_t)piece);
     Py_END_ALLOW_THREADS
-    rest = PyList_New(0);
+    if (under_way == NULL)
+        return 0;
+    Py_ssize_t counted = PyList_GET_SIZE(under_way);
+    return counted == 0 ? 0 : PyList_SetSlice(under_way, counted - 1, counted, NULL);
+}
+
+/* found[i] set True for each record read and checked, and the list of the positions left to the
+   general read (NULL with the error set). */
+static PyObject *job_outcome(const job_record *recs, Py_ssize_t n, PyObject *found)
+{
+    PyObject *rest = PyList_New(0);
     for (Py_ssize_t i = 0; rest != NULL && i < n; i++) {
         int failed = 0;
         if (recs[i].status == JOB_GOOD)
-            failed = PyList_SetItem(args[5], i, Py_NewRef(Py_True)) < 0; /* (IndexError if another thread cut it) */
+            failed = PyList_SetItem(found, i, Py_NewRef(Py_True)) < 0; /* (IndexError if another thread cut it) */
         else if (recs[i].status == JOB_REST) {
             PyObject *at = PyLong_FromSsize_t(i);
             failed = at == NULL || PyList_Append(rest, at) < 0;
@@ -164,13 +168,57 @@ XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *ar
         if (failed)
             Py_CLEAR(rest);
     }
-release_rows:
+    return rest;
+}
+
+/* The records of keys[0..n) read into rows[0..n) (read_counted): found[i] set for each record
+   read and checked, and the positions left to the general read returned (job_outcome); NULL
+   with the error set. */
+static PyObject *read_job(PyObject *under_way, PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, const Py_buffer *dir,
+                          const Py_buffer *head, Py_ssize_t piece, PyObject *found)
+{
+    PyObject *rest = NULL;
+    Py_ssize_t held = 0;
+    job_record *recs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *recs);
+    if (recs == NULL)
+        return PyErr_NoMemory();
+    if (take_records(recs, keys, rows, head, n, &held) == 0 && read_counted(under_way, recs, n, dir, head, piece) == 0)
+        rest = job_outcome(recs, n, found);
     for (Py_ssize_t i = 0; i < held; i++)
         PyBuffer_Release(&recs[i].row);
     PyMem_Free(recs);
-release_head:
+    return rest;
+}
+
+/* xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list of int (see methods). */
+XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "expected (dir_at, head, keys, rows, piece, found), got %zd arguments", nargs);
+        return NULL;
+    }
+    Py_ssize_t piece = take_piece(args[4]);
+    if (piece < 0)
+        return NULL;
+    if (!PyList_Check(args[5]))
+        return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(args[5])->tp_name);
+    PyObject *keys = PySequence_Fast(args[2], "keys: expected a sequence"), *rows = NULL, *rest = NULL;
+    if (keys == NULL || (rows = PySequence_Fast(args[3], "rows: expected a sequence")) == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    Py_buffer dir, head;
+    if (PySequence_Fast_GET_SIZE(rows) != n || PyList_GET_SIZE(args[5]) != n) {
+        PyErr_Format(PyExc_ValueError, "rows, found: expected %zd each (one per key), got %zd and %zd", n, PySequence_Fast_GET_SIZE(rows),
+                     PyList_GET_SIZE(args[5]));
+        goto release_seqs;
+    }
+    if (take_dir_head(args[0], args[1], &dir, &head) < 0)
+        goto release_seqs;
+    rest = read_job(NULL, PySequence_Fast_ITEMS(keys), PySequence_Fast_ITEMS(rows), n, &dir, &head, piece, args[5]);
     PyBuffer_Release(&head);
-release_dir:
     PyBuffer_Release(&dir);
 release_seqs:
     Py_DECREF(rows);
@@ -191,40 +239,102 @@ XXC_INTERNAL PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_
     }
     if (!PyList_CheckExact(args[0]))
         return PyErr_Format(PyExc_TypeError, "under_way: expected a list, got %.100s", Py_TYPE(args[0])->tp_name);
-    Py_ssize_t piece = PyLong_AsSsize_t(args[5]);
-    if (piece == -1 && PyErr_Occurred())
-        return NULL;
+    Py_ssize_t piece = take_piece(args[5]);
     if (piece < 0)
-        return PyErr_Format(PyExc_ValueError, "piece: expected a count of bytes >= 0, got %zd", piece);
+        return NULL;
     PyObject *result = NULL;
     Py_buffer dir, head;
     job_record rec;
-    if (PyObject_GetBuffer(args[1], &dir, PyBUF_SIMPLE) < 0)
+    if (take_dir_head(args[1], args[2], &dir, &head) < 0)
         return NULL;
-    if (dir.len != (Py_ssize_t)sizeof(int) || ((uintptr_t)dir.buf % _Alignof(int)) != 0) {
-        PyErr_Format(PyExc_ValueError, "dir_at: expected an aligned C int holding the directory's descriptor, got %zd bytes", dir.len);
-        goto release_dir;
-    }
-    if (PyObject_GetBuffer(args[2], &head, PyBUF_SIMPLE) < 0)
-        goto release_dir;
-    if (head.len > HEAD_MAX) {
-        PyErr_Format(PyExc_ValueError, "head: holds %zd bytes, at most %d here", head.len, HEAD_MAX);
-        goto release_head;
-    }
-    if (take_record(&rec, args[3], args[4], &head, -1) < 0)
-        goto release_head;
-    if (PyList_Append(args[0], Py_None) == 0) { /* counted before the directory is looked at */
-        Py_BEGIN_ALLOW_THREADS
-        read_records(&rec, 1, dir.buf, head.buf, (size_t)head.len, (size_t)piece);
-        Py_END_ALLOW_THREADS
-        Py_ssize_t n = PyList_GET_SIZE(args[0]);
-        if (n == 0 || PyList_SetSlice(args[0], n - 1, n, NULL) == 0)
+    if (take_record(&rec, args[3], args[4], &head, -1) == 0) {
+        if (read_counted(args[0], &rec, 1, &dir, &head, piece) == 0)
             result = PyLong_FromLong(rec.status == JOB_GOOD ? 0 : rec.status == JOB_MISS ? 1 : 2);
+        PyBuffer_Release(&rec.row);
     }
-    PyBuffer_Release(&rec.row);
-release_head:
     PyBuffer_Release(&head);
-release_dir:
     PyBuffer_Release(&dir);
+    return result;
+}
+
+/* The rows' kind, xxh3_64_read_rows's kind tuple: what host_row_view asks of each row, and each
+   key's length. */
+enum { KIND_TENSOR, KIND_DTYPE, KIND_SHAPE, KIND_VIEWS, KIND_KEY_BYTES, KIND_COUNT };
+
+static host_row_names row_names;
+
+/* The kept view of each row (host_row_view of kind), each key bytes of the kind's length: 1 with
+   views[0..n) held; 0 at the first key or row that is not so (views[0..*got) held); -1 with the
+   error set (likewise). */
+static int rows_viewed(PyObject *const *key, PyObject *const *row, Py_ssize_t n, PyObject *const *kind, Py_ssize_t key_bytes,
+                       PyObject **views, Py_ssize_t *got)
+{
+    for (; *got < n; (*got)++) {
+        if (!PyBytes_CheckExact(key[*got]) || PyBytes_GET_SIZE(key[*got]) != key_bytes)
+            return 0;
+        PyObject *view = host_row_view(row[*got], kind[KIND_TENSOR], kind[KIND_DTYPE], kind[KIND_SHAPE], kind[KIND_VIEWS], &row_names);
+        if (view == NULL || view == Py_None) {
+            Py_XDECREF(view);
+            return view == NULL ? -1 : 0;
+        }
+        views[*got] = view;
+    }
+    return 1;
+}
+
+/* xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list of int or
+   None (see methods): the file tier's flat job from its rows' checks to its records' reads. */
+XXC_INTERNAL PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "expected (under_way, dir_at, head, keys, out, kind, piece, found), got %zd arguments", nargs);
+        return NULL;
+    }
+    PyObject *under_way = args[0], *kind_obj = args[5], *found = args[7];
+    if (!PyList_CheckExact(under_way))
+        return PyErr_Format(PyExc_TypeError, "under_way: expected a list, got %.100s", Py_TYPE(under_way)->tp_name);
+    if (!PyTuple_CheckExact(kind_obj) || PyTuple_GET_SIZE(kind_obj) != KIND_COUNT || !PyDict_Check(PyTuple_GET_ITEM(kind_obj, KIND_VIEWS)))
+        return PyErr_Format(PyExc_TypeError, "kind: expected a tuple (tensor_type, dtype, shape, views: dict, key_bytes)");
+    PyObject *const *kind = &PyTuple_GET_ITEM(kind_obj, 0);
+    Py_ssize_t key_bytes = PyLong_AsSsize_t(kind[KIND_KEY_BYTES]), piece = take_piece(args[6]);
+    if ((key_bytes == -1 && PyErr_Occurred()) || piece < 0)
+        return NULL;
+    if (!PyList_Check(found))
+        return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(found)->tp_name);
+    if (host_row_names_init(&row_names) < 0)
+        return NULL;
+    /* Tuples of the keys and rows as they are now: a row's checks may run Python (a torch
+       function mode's handler) that changes the caller's lists. */
+    PyObject *keys = PySequence_Tuple(args[3]), *out = keys == NULL ? NULL : PySequence_Tuple(args[4]), *result = NULL;
+    if (out == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(keys), got = 0;
+    PyObject **views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *views);
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto release;
+    }
+    int viewed = 0;
+    if (PyTuple_GET_SIZE(out) == n && PyList_GET_SIZE(found) == n)
+        viewed = rows_viewed(&PyTuple_GET_ITEM(keys, 0), &PyTuple_GET_ITEM(out, 0), n, kind, key_bytes, views, &got);
+    if (viewed == 0)
+        result = Py_NewRef(Py_None); /* a key or a row the job's general checks take */
+    else if (viewed > 0) {
+        Py_buffer dir, head;
+        if (take_dir_head(args[1], args[2], &dir, &head) == 0) {
+            result = read_job(under_way, &PyTuple_GET_ITEM(keys, 0), views, n, &dir, &head, piece, found);
+            PyBuffer_Release(&head);
+            PyBuffer_Release(&dir);
+        }
+    }
+release:
+    for (Py_ssize_t i = 0; i < got; i++)
+        Py_DECREF(views[i]);
+    PyMem_Free(views);
+    Py_DECREF(keys);
+    Py_DECREF(out);
     return result;
 }

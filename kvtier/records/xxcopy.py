@@ -72,6 +72,7 @@ __all__ = [
     "xxh3_read_one",
     "xxh3_read_one_native",
     "xxh3_read_one_python",
+    "xxh3_read_rows",
 ]
 
 try:
@@ -402,6 +403,19 @@ xxh3_read_one_native: Callable[..., int] | None = getattr(_xxcopy, "xxh3_64_read
 #: to its close. The native function where :data:`xxh3_copy` is native, else
 #: :func:`xxh3_read_one_python`; looked up here at each use.
 xxh3_read_one: Callable[..., int] = xxh3_read_one_native if _VECTOR and xxh3_read_one_native is not None else xxh3_read_one_python
+
+
+#: ``xxh3_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list[int] | None``:
+#: a job from its rows' checks to its records' reads in one native call. ``kind`` is
+#: ``(tensor_type, dtype, shape, views, key_bytes)``; each row of ``out`` is taken where
+#: ``lmdb_plain.host_view(row, tensor_type, dtype, shape, views)`` would take it (the same C
+#: lines, ``_hostrow.h``) and each key is ``bytes`` of ``key_bytes``; then
+#: :func:`xxh3_read_check_keys` into those views, counted in ``under_way`` as
+#: :func:`xxh3_read_one` counts its key. ``None``, with nothing read or counted, at the first key
+#: or row that is not so (the caller's general checks take the job). ``None`` where the native
+#: function is not loaded or :data:`xxh3_copy` is not native: the caller then checks its rows
+#: and calls :func:`xxh3_read_check_keys` (the same outcome); looked up here at each use.
+xxh3_read_rows: Callable[..., list[int] | None] | None = getattr(_xxcopy, "xxh3_64_read_rows", None) if _VECTOR else None
 
 
 def _writable(obj: Any, what: str) -> memoryview:
