@@ -304,10 +304,11 @@ class PlainReads:
         job counted among the root's (a close waits for it), each record read as :meth:`read`
         reads it. ``(found, the positions left to the general read)``; ``None``, with nothing
         read, where the job's own checks and :meth:`read` are to take it (no native call, the
-        sharded layout, a key or a row that call does not take)."""
+        sharded layout, a key or a row that call does not take, a torch function or dispatch mode
+        on: :func:`~kvtier.backends.lmdb_plain.python_in_torch`)."""
         read = xxcopy.xxh3_read_rows
-        if read is None or not self.flat or devices.locate is not None:
-            return None
+        if read is None or not self.flat or devices.locate is not None or lmdb_plain.python_in_torch(out):
+            return None  # (a mode's handler, run in a later row's checks, may free a row whose view is taken)
         found = [False] * len(keys)
         root = self.root
         rest = read(root.under_way, root.dir_at, self.checksum.head, keys, out, self._kind, self.piece, found)
