@@ -358,6 +358,13 @@ PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(ident);
     if (marked <= 0)
         return marked < 0 ? NULL : Py_NewRef(Py_False); /* the thread's first job: the Python form marks it */
+    /* A torch function mode on: its handler runs Python in the row's checks, which may free the
+       row's memory once its address is read (its view then taken). The general path's job. */
+    PyObject *moded = PyObject_CallNoArgs(parts[P_MODES]);
+    int hooked = moded == NULL ? -1 : PyObject_IsTrue(moded);
+    Py_XDECREF(moded);
+    if (hooked != 0)
+        return hooked > 0 ? Py_NewRef(Py_None) : NULL;
     /* Counted among the jobs being read before the guard is read: a close closes the guard
        first, then waits for the jobs counted. */
     if (PyList_Append(jobs, Py_None) < 0)

@@ -182,8 +182,8 @@ class StraightRead:
             return self.job(env, keys, out)
         key = keys[0]
         row = out[0]
-        if devices.locate is not None or self.forks != forks():
-            return None
+        if devices.locate is not None or self.forks != forks() or lmdb_plain.function_mode():
+            return None  # (a mode's handler may free the row once its view is found: python_in_torch)
         native = lmdb_plain.one_read
         if native is not None:
             # All that follows in one native call (about 1 µs less of a 4 KiB record's 2.6 here),

@@ -189,3 +189,50 @@ def test_a_job_save_never_stores_the_bytes_of_a_row_freed_by_python_run_during_i
     freed, wrong = child.stdout.split()
     assert freed == "True", child.stdout  # the handler ran mid-job
     assert wrong == "False", "the job stored other bytes than its first row's under its first key"
+
+
+_ONE_CHILD = r"""
+import asyncio, sys, tempfile, torch
+from torch.overrides import TorchFunctionMode
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import lmdb_plain
+from kvtier.testing import make_key, random_block
+tier, way = sys.argv[1], sys.argv[2]
+if way != "native":
+    lmdb_plain.straight_read = lmdb_plain.one_read = None
+fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+more = {"layout": "flat"} if tier == "file" else {}
+backend = registry.backends.get(tier)(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast", **more)
+asyncio.run(backend.open(fmt))
+keys = [make_key(0)]
+backend.write_blocks(keys, [random_block(4096, 0)])
+rows = [torch.zeros(4096, dtype=torch.uint8)]
+for _ in range(3):  # (the row's view kept, the thread marked)
+    assert backend.read_blocks(keys, rows) == [True]
+freed = []
+class FreesAfter(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        got = func(*args, **(kwargs or {}))
+        if not freed and getattr(func, "__name__", "") == "data_ptr":
+            rows[0].set_(torch.empty(0, dtype=torch.uint8))
+            freed.append(torch.full((4096,), 7, dtype=torch.uint8))
+        return got
+with FreesAfter():
+    try:
+        backend.read_blocks(keys, rows)
+    except (ValueError, TypeError):
+        pass
+print(bool(freed) and bool((freed[0] != 7).any()))
+asyncio.run(backend.aclose())
+"""
+
+
+@pytest.mark.parametrize(("tier", "way"), [("lmdb", "native"), ("lmdb", "python"), ("file", "native")])
+def test_a_job_of_one_never_writes_its_row_freed_once_its_address_was_read(tier: str, way: str) -> None:
+    """A torch function mode's handler frees the row just after its ``data_ptr()`` answered (and
+    hands the memory to a tensor of sevens): a job of one record, read by its straight line or
+    the plain reads, must not write the record there (a child: it may crash)."""
+    child = subprocess.run([sys.executable, "-c", _ONE_CHILD, tier, way], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["False"], "the job wrote its record into memory freed during its row's checks"
