@@ -99,6 +99,31 @@ def test_key_order_keeps_every_key_through_growth_and_deletions() -> None:
 
 
 @native
+def test_move_to_end_takes_its_arguments_as_an_ordered_dict_does() -> None:
+    fast, slow = new_order(), OrderedDict[bytes, None]()
+    for key in POOL[:5]:
+        fast[key] = slow[key] = None
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((POOL[3],), {}),
+        ((POOL[3], False), {}),
+        ((POOL[1],), {"last": False}),
+        ((POOL[0],), {"last": 0}),
+        ((POOL[2],), {"last": "yes"}),
+        ((POOL[4], True), {}),
+        ((POOL[9],), {"last": False}),  # not held: KeyError
+        ((), {}),
+        ((POOL[1], True, True), {}),
+        ((POOL[1],), {"first": True}),
+        ((POOL[1], True), {"last": True}),
+    ]
+    for args, kwargs in calls:
+        got = _outcome(lambda: fast.move_to_end(*args, **kwargs))  # noqa: B023 (called at once)
+        want = _outcome(lambda: slow.move_to_end(*args, **kwargs))  # noqa: B023
+        assert got[:2] == want[:2], (args, kwargs)
+        assert list(fast) == list(slow), (args, kwargs)
+
+
+@native
 def test_key_order_refuses_what_it_cannot_hold_by_name() -> None:
     order = new_order()
     with pytest.raises(TypeError, match="KeyOrder key: expected bytes, got str"):

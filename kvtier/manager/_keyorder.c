@@ -388,24 +388,33 @@ order_pop(KeyOrder *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE; /* the value every key holds */
 }
 
+/* ``move_to_end(key, last=True)``, as an ordered dict's; the common call (one positional
+ * argument) parses nothing. */
 static PyObject *
-order_move_to_end(KeyOrder *self, PyObject *args, PyObject *kwds)
+order_move_to_end(KeyOrder *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"key", "last", NULL};
-    PyObject *key;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *last_arg = NULL;
     int last = 1;
     int32_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:move_to_end", names, &key, &last))
+    if (nargs < 1 || nargs + nkw > 2 || (nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "last") != 0)) {
+        PyErr_Format(PyExc_TypeError, "move_to_end expected (key, last=True), got %zd positional and %zd keyword arguments",
+                     nargs, nkw);
+        return NULL;
+    }
+    if (nargs + nkw == 2)
+        last_arg = args[1];
+    if (last_arg != NULL && (last = PyObject_IsTrue(last_arg)) < 0)
         return NULL;
     if (last) {
-        if (keyorder_move_last((PyObject *)self, key) < 0)
+        if (keyorder_move_last((PyObject *)self, args[0]) < 0)
             return NULL;
         Py_RETURN_NONE;
     }
-    n = find(self, key, NULL);
+    n = find(self, args[0], NULL);
     if (n < 0) {
         if (n == NONE)
-            PyErr_SetObject(PyExc_KeyError, key);
+            PyErr_SetObject(PyExc_KeyError, args[0]);
         return NULL;
     }
     if (self->head != n) {
@@ -541,7 +550,7 @@ static PyMappingMethods order_as_mapping = {
 
 static PyMethodDef order_methods[] = {
     {"pop", (PyCFunction)(void (*)(void))order_pop, METH_FASTCALL, "pop(key[, default]): as an ordered dict's (a key held gives None)."},
-    {"move_to_end", (PyCFunction)(void (*)(void))order_move_to_end, METH_VARARGS | METH_KEYWORDS,
+    {"move_to_end", (PyCFunction)(void (*)(void))order_move_to_end, METH_FASTCALL | METH_KEYWORDS,
      "move_to_end(key, last=True): as an ordered dict's."},
     {"clear", (PyCFunction)order_clear, METH_NOARGS, "clear(): forget every key."},
     {"__sizeof__", (PyCFunction)order_sizeof, METH_NOARGS, "Size in memory, in bytes, the nodes and table included."},
