@@ -214,6 +214,22 @@ def test_iteration_over_a_changed_order_raises_as_an_ordered_dict_does() -> None
 
 
 @native
+def test_an_iteration_past_its_last_key_ends_after_a_change_as_an_ordered_dict_does() -> None:
+    # An ordered dict's iterator whose next node is none ends (StopIteration) before it looks
+    # for a change: a loop whose last body changes the order ends, it does not raise.
+    for change in (lambda o: o.__setitem__(POOL[9], None), lambda o: o.move_to_end(POOL[0]), lambda o: o.pop(POOL[3])):
+        outcomes = []
+        for order in (new_order(), OrderedDict[bytes, None]()):
+            for key in POOL[:4]:
+                order[key] = None
+            it = iter(order)
+            assert [next(it) for _ in range(4)] == POOL[:4]
+            change(order)
+            outcomes.append((_outcome(next, it), _outcome(next, it)))
+        assert outcomes[0] == outcomes[1] and outcomes[1][0][1] is StopIteration
+
+
+@native
 def test_key_order_keeps_no_reference_it_should_not() -> None:
     keys = [make_key(1000 + i) for i in range(50)]
     probe = make_key(1000)

@@ -507,13 +507,13 @@ iter_next(KeyOrderIter *it)
     PyObject *key;
     if (order == NULL)
         return NULL;
-    if (order->version != it->version) {
-        PyErr_SetString(PyExc_RuntimeError, "KeyOrder mutated during iteration");
-        return NULL;
-    }
-    if (it->at == NONE) {
+    if (it->at == NONE) { /* past the last key: the end, changed since or not, as an ordered dict's */
         it->order = NULL;
         Py_DECREF(order);
+        return NULL;
+    }
+    if (order->version != it->version) {
+        PyErr_SetString(PyExc_RuntimeError, "KeyOrder mutated during iteration");
         return NULL;
     }
     key = Py_NewRef(order->nodes[it->at].key);
