@@ -381,3 +381,45 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
     PyBuffer_Release(&head);
     return rc;
 }
+
+/* direct_copy(direct, env, txn, db, keys, rows): each key's value in db copied into its row
+   (a writable buffer at least as long) by LMDB's get and memcpy, nothing else: no check, no
+   count, the GIL held; the number found. What a load by LMDB's own get costs at the least:
+   the benchmarks' reference arm (bench_disk_sizes, raw_cget), not a read of the tier. */
+PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6 || !PyList_CheckExact(args[4]) || !PyList_CheckExact(args[5]) || PyList_GET_SIZE(args[4]) != PyList_GET_SIZE(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "direct_copy() takes (direct, env, txn, db, keys, rows): keys and rows lists of one length");
+        return NULL;
+    }
+    direct_t *d = PyCapsule_GetPointer(args[0], CAPSULE_NAME);
+    if (d == NULL)
+        return NULL;
+    pl_env *e = (pl_env *)args[1];
+    const pl_txn *t = (const pl_txn *)args[2];
+    unsigned int dbi;
+    if (Py_TYPE(args[1]) != d->env_type || Py_TYPE(args[2]) != d->txn_type || !env_usable(e) || t->env != e || !t->valid || t->txn == NULL
+        || db_handle(d, e, args[3], &dbi) < 0) {
+        PyErr_SetString(PyExc_ValueError, "direct_copy: env, txn and db must be the probed python-lmdb's, valid, of one environment");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[4]), found = 0;
+    __atomic_add_fetch(&e->active_ops, 1, __ATOMIC_SEQ_CST);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(args[4], i), *row = PyList_GET_ITEM(args[5], i);
+        if (!PyBytes_CheckExact(key) || !PyMemoryView_Check(row) || PyMemoryView_GET_BUFFER(row)->readonly) {
+            PyErr_Format(PyExc_TypeError, "direct_copy: keys[%zd] must be bytes and rows[%zd] a writable memoryview", i, i);
+            found = -1;
+            break;
+        }
+        pl_val k = {(size_t)PyBytes_GET_SIZE(key), PyBytes_AS_STRING(key)}, v;
+        if (d->libv->get(t->txn, dbi, &k, &v) != 0)
+            continue;
+        const Py_buffer *out = PyMemoryView_GET_BUFFER(row);
+        memcpy(out->buf, v.mv_data, v.mv_size < (size_t)out->len ? v.mv_size : (size_t)out->len);
+        found++;
+    }
+    ops_done(e);
+    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}

@@ -443,6 +443,9 @@ static PyMethodDef methods[] = {
      "Whether the straight reads of env may look keys up by LMDB's own get on python-lmdb 3.0's\n"
      "objects (see kvtier.backends.lmdb_direct): the capsule they take, or RuntimeError naming\n"
      "what does not hold."},
+    {"direct_copy", (PyCFunction)(void (*)(void))py_direct_copy, METH_FASTCALL,
+     "direct_copy(direct, env, txn, db, keys, rows) -> found\n\n"
+     "Each key's value copied into its row by LMDB's get and memcpy, nothing else (the benchmarks' reference arm)."},
     {"direct_jobs", py_direct_jobs, METH_NOARGS, "direct_jobs() -> the straight reads' jobs looked up by LMDB's own get so far."},
     {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
      "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"

@@ -56,6 +56,7 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
                    PyObject *check, PyObject *found);
 PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_direct_jobs(PyObject *self, PyObject *unused);
+PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #pragma GCC visibility pop
 

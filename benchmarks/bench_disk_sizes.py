@@ -55,7 +55,11 @@ against the one counted shape that is best by its median, which does not also pi
 noise of several shapes each round). ``raw_checked`` (informational, both tiers) saves as
 ``raw_job`` / ``raw_batch`` and loads as the raw loads plus one XXH3 pass over each row and its
 key just read (what a tier's check adds); ``load_ceiling_ratio_paired``, its loads against the
-best raw load shape's, is the most a checked load reaches on one core. A cell of one caller
+best raw load shape's, is the most a checked load reaches on one core. ``raw_cget``
+(informational, ``lmdb``, where kvtier's direct lookups are built) loads each job by LMDB's own C
+``get`` and ``memcpy`` in one native call and nothing else: ``load_ratio_cget_paired`` (and
+``load_cpu_ratio_cget_paired``) is the tier against it, ``cget_over_best_raw_load_paired`` it
+against the baseline; the JSON's ``raw_arms`` says what each ``lmdb`` load arm is. A cell of one caller
 also reports its loads in thread CPU time (``load_cpu_ratio_paired``, its ``_spread`` and
 ``load_cpu_ceiling_ratio_paired``, the same ratios of each arm's CPU seconds): what the tier's
 load costs the core beside raw's, which the turns other processes take on a shared core do not
@@ -166,7 +170,14 @@ def _run(parts: list[list[range]], one: Callable[[range], None], cpu: list[float
 LMDB_SHAPES = ("value", "job", "checked")
 FILE_SHAPES = ("each", "batch", "parallel", "syncfs", "sharded", "checked")
 #: Raw arms reported but never the baseline (see the module doc).
-INFORMATIONAL = ("raw_syncfs", "raw_sharded", "raw_checked")
+INFORMATIONAL = ("raw_syncfs", "raw_sharded", "raw_checked", "raw_cget")
+#: What each ``lmdb`` load arm is, as the JSON says (``raw_arms``).
+LMDB_LOAD_ARMS = {
+    "raw_job": "python-lmdb's Transaction.get and a copy into the row, a read transaction a job: the goal's baseline",
+    "raw_checked": "raw_job plus one XXH3 pass over each row and its key: informational (a one-core ceiling)",
+    "raw_cget": "LMDB's own C get and memcpy, a read transaction and one native call a job, nothing else: "
+    "informational (a reference, never the baseline; only where kvtier's direct lookups are built)",
+}
 
 
 def _raw_lmdb(path: str, capacity: int) -> tuple[lmdb.Environment, Any]:
@@ -209,6 +220,30 @@ def _raw_lmdb_get(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[
                 row[:] = txn.get(keys[i])
                 if checked:
                     _check(keys[i], row)
+
+    return one
+
+
+def _raw_lmdb_cget(env: lmdb.Environment, db: Any, keys: list[bytes], outs: list[torch.Tensor], parts: list[list[range]]) -> Callable[[range], None] | None:
+    """The reference load (``raw_cget``): each job's values copied into their rows by LMDB's own
+    C ``get`` and ``memcpy`` in one native call (``_rowguard.direct_copy``, on the engine
+    ``lmdb_direct.direct_gets`` probed for ``env``), nothing else; ``None`` where that is not
+    built or not probed sound (and in a tree without it)."""
+    try:
+        from kvtier.backends import _rowguard, lmdb_direct  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    copy = getattr(_rowguard, "direct_copy", None)
+    direct = None if copy is None else lmdb_direct.direct_gets(env, db, keys[0], db, db)
+    if direct is None:
+        return None
+    rows = _arrays(outs)
+    jobs = {j.start: ([keys[i] for i in j], [rows[i] for i in j]) for part in parts for j in part}  # before the clock
+
+    def one(j: range) -> None:
+        job_keys, job_rows = jobs[j.start]
+        with env.begin(buffers=True, db=db) as txn:
+            copy(direct, env, txn, db, job_keys, job_rows)
 
     return one
 
@@ -443,6 +478,20 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                     return save, load, fresh
 
                 arms.append((f"raw_{shape}", lmdb_arm))
+
+            def cget_arm() -> tuple[float | None, float | None, float | None]:
+                path = tempfile.mkdtemp(dir=root)
+                env, db = _raw_lmdb(path, capacity)
+                try:
+                    _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=True))  # (its saves are raw_job's: not timed)
+                    read = _raw_lmdb_cget(env, db, keys, outs, parts)
+                    load = None if read is None else _run(parts, read, cpu)
+                finally:
+                    env.close()
+                    shutil.rmtree(path)
+                return None, load, None
+
+            arms.append(("raw_cget", cget_arm))
         else:
             for shape in FILE_SHAPES if job > 1 else FILE_SHAPES[1:]:
 
@@ -527,6 +576,9 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             cell[f"{name}_fresh_save_time_ratio"] = round(_median(paired(fresh_saves[name], saves[name])), 3)
     # A raw load with one check pass over each row, against the best raw load: a one-core ceiling.
     cell["load_ceiling_ratio_paired"] = round(_median(paired(loads[best_load], loads["raw_checked"])), 3)
+    if "raw_cget" in loads:  # the tier against the reference load, and that against the baseline
+        cell["load_ratio_cget_paired"] = round(_median(paired(loads["raw_cget"], loads["tier"])), 3)
+        cell["cget_over_best_raw_load_paired"] = round(_median(paired(loads["raw_cget"], loads[best_load])), 3)
     if save_cpus:  # one caller: the save ratio in thread CPU too (syncs' own system time included)
         best_cpu = [min(save_cpus[k][r] for k in counted_saves) for r in range(len(save_cpus["tier"]))]
         per_round = [b / t for b, t in zip(best_cpu, save_cpus["tier"])]
@@ -538,6 +590,8 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
         cell["load_cpu_ratio_paired"] = round(_median(per_round), 3)
         cell["load_cpu_ratio_paired_spread"] = [round(min(per_round), 3), round(max(per_round), 3)]
         cell["load_cpu_ceiling_ratio_paired"] = round(_median(paired(load_cpus[best_load], load_cpus["raw_checked"])), 3)
+        if "raw_cget" in load_cpus:
+            cell["load_cpu_ratio_cget_paired"] = round(_median(paired(load_cpus["raw_cget"], load_cpus["tier"])), 3)
     return cell
 
 
@@ -564,7 +618,8 @@ def main() -> None:
         for op in ("save", "load"):
             name = f"{c['tier']}_{c['record_bytes'] >> 10}k_min_{op}_ratio"
             summary[name] = min(summary.get(name, 9e9), c[f"{op}_ratio"])
-    print(json.dumps({"rounds": rounds, "quick": args.quick, "summary": summary, "cells": cells}, indent=1))
+    arms = {"raw_arms": LMDB_LOAD_ARMS} if "lmdb" in args.tiers else {}
+    print(json.dumps({"rounds": rounds, "quick": args.quick, **arms, "summary": summary, "cells": cells}, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ def test_a_cell_reports_its_ratios_and_the_checked_ceiling(tier: str, tmp_path: 
     cell = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4)
     assert cell["blocks"] == 4 and "raw_checked_load_gbps" in cell
     assert cell["best_raw_save"] != "raw_checked" and cell["best_raw_load"] != "raw_checked"  # informational, never the baseline
+    if "raw_cget_load_gbps" in cell:  # lmdb, where the direct lookups are built: the reference load, never the baseline
+        assert cell["best_raw_load"] != "raw_cget" and cell["load_ratio_cget_paired"] > 0 and cell["cget_over_best_raw_load_paired"] > 0
+        assert cell["load_cpu_ratio_cget_paired"] > 0
     for name in ("save_ratio_paired", "save_ratio_paired_shape", "load_ratio_paired", "load_ratio_paired_shape", "load_ceiling_ratio_paired"):
         assert cell[name] > 0, name
     # Against one shape, never above the best of every shape round by round.
@@ -54,11 +57,12 @@ def test_each_operation_is_timed_by_one_arm_a_round_after_the_filesystem_settled
     lmdb = tier == "lmdb"
     same_save, loader = ("raw_value", "raw_job") if lmdb else ("raw_each", "raw_batch")
     one = bench._cell(str(tmp_path), tier, 4096, 1, 1, 1, 4)  # jobs of one: the twin save does not run
-    arms = 1 + (len(bench.LMDB_SHAPES) if lmdb else len(bench.FILE_SHAPES)) - 1
+    arms = 1 + (len(bench.LMDB_SHAPES) + 1 if lmdb else len(bench.FILE_SHAPES)) - 1  # lmdb: raw_cget too
     assert len(settled) == 2 * arms  # a warm-up round and a counted one
     assert f"{same_save}_save_blocks_s" not in one and f"{loader}_save_blocks_s" in one
     loads = {k[: -len("_load_gbps")] for k in one if k.endswith("_load_gbps")}
-    assert loads == ({"tier", "raw_job", "raw_checked"} if lmdb else {"tier", "raw_batch", "raw_sharded", "raw_checked"})
+    cget = {"raw_cget"} if lmdb and "raw_cget_load_gbps" in one else set()  # where the direct lookups are built
+    assert loads == ({"tier", "raw_job", "raw_checked"} | cget if lmdb else {"tier", "raw_batch", "raw_sharded", "raw_checked"})
     assert one["best_raw_load"] == loader
     several = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4)
     assert f"{same_save}_save_blocks_s" in several and f"{same_save}_load_gbps" not in several

@@ -222,3 +222,32 @@ def test_the_reads_are_right_with_the_direct_lookups_off(tmp_path: Path, monkeyp
     finally:
         asyncio.run(backend.aclose())
 
+
+
+@native
+def test_the_reference_copy_copies_what_pythons_get_finds_and_refuses_what_it_cannot_vouch_for(tmp_path: Path) -> None:
+    """``direct_copy``, the benchmark's reference load (LMDB's get and memcpy, nothing else)."""
+    env = lmdb.open(str(tmp_path / "raw"), max_dbs=3)
+    try:
+        db = env.open_db(b"blocks")
+        keys = [make_key(i) for i in range(4)]
+        values = [bytes(random_block(512, i).numpy()) for i in range(3)]
+        with env.begin(write=True, db=db) as txn:
+            for key, value in zip(keys, values):
+                txn.put(key, value)
+        direct = lmdb_direct.direct_gets(env, db, keys[0], db, db)
+        assert direct is not None
+        copy = lmdb_plain._rowguard.direct_copy  # type: ignore[union-attr]
+        rows = [memoryview(bytearray(512)) for _ in keys]
+        with env.begin(buffers=True, db=db) as txn:
+            assert copy(direct, env, txn, db, keys, rows) == 3
+            assert [bytes(r) for r in rows[:3]] == [bytes(txn.get(k)) for k in keys[:3]] == values
+            assert bytes(rows[3]) == bytes(512)  # absent: untouched
+            with pytest.raises(TypeError, match=r"keys\[1\] must be bytes"):
+                copy(direct, env, txn, db, [keys[0], "k"], rows[:2])
+            with pytest.raises(TypeError, match="lists of one length"):
+                copy(direct, env, txn, db, keys, rows[:2])
+        with pytest.raises(ValueError, match="valid, of one environment"):
+            copy(direct, env, txn, db, keys, rows)  # the transaction is over
+    finally:
+        env.close()
