@@ -304,12 +304,11 @@ class PlainReads:
         job counted among the root's (a close waits for it), each record read as :meth:`read`
         reads it. ``(found, the positions left to the general read)``; ``None``, with nothing
         read, where the job's own checks and :meth:`read` are to take it (no native call, the
-        sharded layout, a key or a row that call does not take, a torch mode on)."""
+        sharded layout, a key or a row that call does not take, a torch function or dispatch mode
+        on: :func:`~kvtier.backends.lmdb_plain.python_in_torch`)."""
         read = xxcopy.xxh3_read_rows
         if read is None or not self.flat or devices.locate is not None or lmdb_plain.modes_on():
-            # (a mode's handler, run in a later row's checks, may free a row already taken:
-            # lmdb_plain.python_in_torch)
-            return None
+            return None  # (a mode's handler, run in a later row's checks, may free a row whose view is taken)
         found = [False] * len(keys)
         root = self.root
         rest = read(root.under_way, root.dir_at, self.checksum.head, keys, out, self._kind, self.piece, found)

@@ -6,6 +6,7 @@ the same hits, bytes, misses, deletions and counters, whatever the records and t
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from kvtier.backends import file_reads, file_tier
 from test_file_plain_reads import _copy, _damaged_store
 from test_lmdb_one_read import FMT as ROW_FMT
 from test_lmdb_one_read import _changes, changed_alike, outcome_after_change
+from test_lmdb_row_storage import _FREES
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -149,3 +151,42 @@ def test_the_native_job_from_rows_refuses_bad_arguments_by_name_and_holds_no_ref
         assert [sys.getrefcount(x) for x in (True, False, *keys, *rows, *views)] == counts
     finally:
         asyncio.run(backend.aclose())
+
+
+_FREED_CHILD = r"""
+import asyncio, sys, tempfile, torch
+from torch.overrides import TorchFunctionMode
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.records import xxcopy
+from kvtier.testing import make_key, random_block
+if sys.argv[1] != "native":
+    xxcopy.xxh3_read_rows = None
+fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+backend = registry.backends.get("file")(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast", layout="flat")
+asyncio.run(backend.open(fmt))
+n = 4
+keys = [make_key(i) for i in range(n)]
+backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
+rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
+assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept)
+""" + _FREES + r"""with Frees():
+    try:
+        backend.read_blocks(keys, rows)
+    except (ValueError, TypeError):
+        pass  # the first row is now empty: the general path may refuse it by name
+print(bool(freed), bool(freed) and bool((freed[1] != 7).any()))
+asyncio.run(backend.aclose())
+"""
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_job_never_writes_a_row_freed_by_a_mode_run_during_its_rows_checks(form: str) -> None:
+    """A torch function mode's handler, run in the second row's checks, frees the first row's
+    memory (its view taken) and hands it to a tensor of sevens: the job, the native call's or
+    the Python checks', must not write the first record there (a child: it may crash)."""
+    child = subprocess.run([sys.executable, "-c", _FREED_CHILD, form], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    freed, written = child.stdout.split()
+    assert freed == "True", child.stdout  # the handler ran mid-job
+    assert written == "False", "the job wrote its first record into memory freed during its rows' checks"
