@@ -199,25 +199,3 @@ def test_a_job_save_never_stores_the_bytes_of_a_row_freed_by_python_run_during_i
     freed, wrong = child.stdout.split()
     assert freed == "True", child.stdout  # the handler ran mid-job
     assert wrong == "False", "the job stored other bytes than its first row's under its first key"
-
-
-_FILE_CHILD = r"""
-import asyncio, sys, tempfile, torch
-from torch.overrides import TorchFunctionMode
-from kvtier import registry
-from kvtier.backend import BlockFormat
-from kvtier.testing import make_key, random_block
-fmt = BlockFormat(block_bytes=4096, dtype="uint8")
-backend = registry.backends.get("file")(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast", layout=sys.argv[1])
-asyncio.run(backend.open(fmt))
-n = 4
-keys = [make_key(i) for i in range(n)]
-backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
-rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
-assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept)
-""" + _READ_UNDER_FREES
-
-
-@pytest.mark.parametrize("layout", ["flat", "sharded"])
-def test_a_file_job_read_never_writes_a_row_freed_by_python_run_during_its_checks(layout: str) -> None:
-    _never_written(_FILE_CHILD, layout)
