@@ -16,6 +16,8 @@ from kvtier.backends import file_reads, file_tier
 from test_file_plain_reads import _copy, _damaged_store
 from test_lmdb_one_read import FMT as ROW_FMT
 from test_lmdb_one_read import _changes, changed_alike, outcome_after_change
+from test_lmdb_row_storage import _FREES, _READ_UNDER_FREES, _PassThrough, freeing_child
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -143,9 +145,68 @@ def test_the_native_job_from_rows_refuses_bad_arguments_by_name_and_holds_no_ref
             assert read(root.under_way, root.dir_at, head, bad_keys, bad_rows, kind, plain.piece, [False] * 4) is None
         assert root.under_way == []
         views = list(kind[3].values())
-        counts = [sys.getrefcount(x) for x in (True, False, *keys, *rows, *views)]
+        counts, shared = [sys.getrefcount(x) for x in (*keys, *rows, *views)], [sys.getrefcount(x) for x in (True, False)]
         for _ in range(2000):
             read(root.under_way, root.dir_at, head, keys, rows, kind, plain.piece, [False] * 4)
-        assert [sys.getrefcount(x) for x in (True, False, *keys, *rows, *views)] == counts
+        assert [sys.getrefcount(x) for x in (*keys, *rows, *views)] == counts
+        # (True and False are shared with any other thread still running: a leak a call would be 2000)
+        assert all(abs(sys.getrefcount(x) - was) < 1000 for x, was in zip((True, False), shared))
     finally:
         asyncio.run(backend.aclose())
+
+
+_FREED_CHILD = r"""
+import asyncio, sys, tempfile, torch
+from torch.overrides import TorchFunctionMode
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.records import xxcopy
+from kvtier.testing import make_key, random_block
+if sys.argv[1] != "native":
+    xxcopy.xxh3_read_rows = None
+fmt = BlockFormat(block_bytes=4096, dtype="uint8")
+backend = registry.backends.get("file")(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast", layout="flat")
+asyncio.run(backend.open(fmt))
+n = 4
+keys = [make_key(i) for i in range(n)]
+backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
+rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
+assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept)
+""" + _FREES + _READ_UNDER_FREES
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_job_never_reads_into_a_row_freed_by_python_run_during_its_checks(form: str) -> None:
+    """A torch function mode's handler, run by a later row's checks, frees an earlier row whose
+    view was taken: the job is then the general path's (each row's memory taken as it is
+    written), never a read into the freed memory (run in a child: such a write may crash it)."""
+    freeing_child(_FREED_CHILD, form, "the job read its first record into memory freed during its checks")
+
+
+class _Dispatched(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [_PassThrough, _Dispatched])
+def test_a_job_while_a_mode_is_on_is_left_to_the_rows_checks_and_reads_as_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: type) -> None:
+    """Under a torch function or dispatch mode the native job from its rows' checks is not taken;
+    the job reads the same bytes, hits and misses as without the mode."""
+    taken = _rows_jobs("native" if xxcopy.xxh3_read_rows is not None else "python", monkeypatch)
+    backend = _open(tmp_path / "store")
+    try:
+        keys = [make_key(i) for i in range(5)]
+        blocks = [random_block(FMT.block_bytes, 60 + i) for i in range(4)]
+        backend.write_blocks(keys[:4], blocks)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 4 + [False]  # (the rows' views kept)
+        for row in rows:
+            row.zero_()
+        before = len(taken)
+        with mode():
+            found = backend.read_blocks(keys, rows)
+        assert len(taken) == before  # not the native job's
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [True] * 4 + [False]
+    assert all(torch.equal(r, b) for r, b in zip(rows, blocks))
