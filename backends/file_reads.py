@@ -90,7 +90,6 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
-_dispatch_modes = torch._C._len_torch_dispatch_stack  # (as lmdb_plain.RowViews.of asks it)
 #: Records larger than this are read and hashed a piece of this size at a time (see the module
 #: doc): small enough that a piece and the page cache's lines it was copied from stay in a
 #: core's 1-2 MiB of L2 cache, large enough that the ``preadv`` calls cost little (8 for 2 MiB).
@@ -305,13 +304,11 @@ class PlainReads:
         job counted among the root's (a close waits for it), each record read as :meth:`read`
         reads it. ``(found, the positions left to the general read)``; ``None``, with nothing
         read, where the job's own checks and :meth:`read` are to take it (no native call, the
-        sharded layout, a key or a row that call does not take, a torch function or dispatch
-        mode on: its handler, run by a later row's checks, could free a row whose view is
-        taken; :func:`~kvtier.backends.lmdb_plain.python_in_torch`; a tensor subclass is not
-        taken by the call)."""
+        sharded layout, a key or a row that call does not take, a torch function or dispatch mode
+        on: :func:`~kvtier.backends.lmdb_plain.python_in_torch`)."""
         read = xxcopy.xxh3_read_rows
-        if read is None or not self.flat or devices.locate is not None or lmdb_plain.function_mode() or _dispatch_modes():
-            return None  # (a mode's handler, run by a row's checks, may free a row whose view is taken)
+        if read is None or not self.flat or devices.locate is not None or lmdb_plain.python_in_torch(out):
+            return None  # (a mode's handler, run in a later row's checks, may free a row whose view is taken)
         found = [False] * len(keys)
         root = self.root
         rest = read(root.under_way, root.dir_at, self.checksum.head, keys, out, self._kind, self.piece, found)

@@ -483,7 +483,10 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                 path = tempfile.mkdtemp(dir=root)
                 env, db = _raw_lmdb(path, capacity)
                 try:
-                    _run(parts, _raw_lmdb_put(env, db, keys, blocks, per_job=True))  # (its saves are raw_job's: not timed)
+                    put = _raw_lmdb_put(env, db, keys, blocks, per_job=True)  # raw_job's saves, not timed: the file as raw_job's is at its load
+                    _run(parts, put)
+                    raw_empty(env, db, keys, blocks[0], path)
+                    _run(parts, put)
                     read = _raw_lmdb_cget(env, db, keys, outs, parts)
                     load = None if read is None else _run(parts, read, cpu)
                 finally:
@@ -578,7 +581,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
     cell["load_ceiling_ratio_paired"] = round(_median(paired(loads[best_load], loads["raw_checked"])), 3)
     if "raw_cget" in loads:  # the tier against the reference load, and that against the baseline
         cell["load_ratio_cget_paired"] = round(_median(paired(loads["raw_cget"], loads["tier"])), 3)
-        cell["cget_over_best_raw_load_paired"] = round(_median(paired(loads["raw_cget"], loads[best_load])), 3)
+        cell["cget_over_best_raw_load_paired"] = round(_median(paired(loads[best_load], loads["raw_cget"])), 3)
     if save_cpus:  # one caller: the save ratio in thread CPU too (syncs' own system time included)
         best_cpu = [min(save_cpus[k][r] for k in counted_saves) for r in range(len(save_cpus["tier"]))]
         per_round = [b / t for b, t in zip(best_cpu, save_cpus["tier"])]

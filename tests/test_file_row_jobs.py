@@ -176,11 +176,11 @@ assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept)
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_a_job_never_reads_into_a_row_freed_by_python_run_during_its_checks(form: str) -> None:
-    """A torch function mode's handler, run by a later row's checks, frees an earlier row whose
-    view was taken: the job is then the general path's (each row's memory taken as it is
-    written), never a read into the freed memory (run in a child: such a write may crash it)."""
-    freeing_child(_FREED_CHILD, form, "the job read its first record into memory freed during its checks")
+def test_a_job_never_writes_a_row_freed_by_a_mode_run_during_its_rows_checks(form: str) -> None:
+    """A torch function mode's handler, run in the second row's checks, frees the first row's
+    memory (its view taken) and hands it to a tensor of sevens: the job, the native call's or
+    the Python checks', must not write the first record there (a child: it may crash)."""
+    freeing_child(_FREED_CHILD, form, "the job wrote its first record into memory freed during its rows' checks")
 
 
 class _Dispatched(TorchDispatchMode):
