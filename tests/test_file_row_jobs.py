@@ -6,6 +6,7 @@ the same hits, bytes, misses, deletions and counters, whatever the records and t
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from kvtier.backends import file_reads, file_tier
 from test_file_plain_reads import _copy, _damaged_store
 from test_lmdb_one_read import FMT as ROW_FMT
 from test_lmdb_one_read import _changes, changed_alike, outcome_after_change
-from test_lmdb_row_storage import _FREES, _READ_UNDER_FREES, _PassThrough, freeing_child
+from test_lmdb_row_storage import _READ_UNDER_FREES, _PassThrough
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier import registry
@@ -172,7 +173,7 @@ keys = [make_key(i) for i in range(n)]
 backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
 rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
 assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept)
-""" + _FREES + _READ_UNDER_FREES
+""" + _READ_UNDER_FREES
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -180,7 +181,11 @@ def test_a_job_never_writes_a_row_freed_by_a_mode_run_during_its_rows_checks(for
     """A torch function mode's handler, run in the second row's checks, frees the first row's
     memory (its view taken) and hands it to a tensor of sevens: the job, the native call's or
     the Python checks', must not write the first record there (a child: it may crash)."""
-    freeing_child(_FREED_CHILD, form, "the job wrote its first record into memory freed during its rows' checks")
+    child = subprocess.run([sys.executable, "-c", _FREED_CHILD, form], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    freed, written = child.stdout.split()
+    assert freed == "True", child.stdout  # the handler ran mid-job
+    assert written == "False", "the job wrote its first record into memory freed during its rows' checks"
 
 
 class _Dispatched(TorchDispatchMode):

@@ -34,9 +34,10 @@ class Frees(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 """
 
-#: The job both children's read runs under _FREES (after the child's backend, keys and rows):
-#: whether the handler ran, and whether the freed memory's new tensor was written.
-_READ_UNDER_FREES = r"""with Frees():
+#: How both read children end: their job read again under the freeing mode, then whether the
+#: mode ran and whether the tensor handed the freed memory was written.
+_READ_UNDER_FREES = _FREES + r"""
+with Frees():
     try:
         backend.read_blocks(keys, rows)
     except (ValueError, TypeError):
@@ -65,22 +66,21 @@ keys = [make_key(i) for i in range(n)]
 backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
 rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
 assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept, the thread marked)
-""" + _FREES + _READ_UNDER_FREES
-
-
-def freeing_child(script: str, arg: str, wrong: str) -> None:
-    """``script`` run in a child with ``arg`` (a write to freed memory may crash it): the
-    handler of ``_FREES`` ran mid-job, and the job did not do ``wrong`` (its second word false)."""
-    child = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, timeout=120)
-    assert child.returncode == 0, child.stderr[-2000:]
-    freed, done = child.stdout.split()
-    assert freed == "True", child.stdout  # the handler ran mid-job
-    assert done == "False", wrong
+""" + _READ_UNDER_FREES
 
 
 @pytest.mark.parametrize("way", ["native", "python", "views"])
 def test_a_job_read_never_writes_a_row_freed_by_python_run_during_its_checks(way: str) -> None:
-    freeing_child(_CHILD, way, "the job wrote its first record into memory freed during its checks")
+    _never_written(_CHILD, way)
+
+
+def _never_written(script: str, arg: str) -> None:
+    """Run a read child: the freeing mode ran mid-job, and the memory it freed was not written."""
+    child = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    freed, written = child.stdout.split()
+    assert freed == "True", child.stdout  # the handler ran mid-job
+    assert written == "False", "the job wrote its first record into memory freed during its checks"
 
 
 class _PassThrough(TorchFunctionMode):
@@ -194,4 +194,8 @@ asyncio.run(backend.aclose())
 def test_a_job_save_never_stores_the_bytes_of_a_row_freed_by_python_run_during_its_checks(kind: str) -> None:
     """A record saved from a row's view taken before a mode's handler freed that row's memory
     would hold whatever is there now, under a sound checksum: wrong data served later."""
-    freeing_child(_SAVE_CHILD, kind, "the job stored other bytes than its first row's under its first key")
+    child = subprocess.run([sys.executable, "-c", _SAVE_CHILD, kind], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    freed, wrong = child.stdout.split()
+    assert freed == "True", child.stdout  # the handler ran mid-job
+    assert wrong == "False", "the job stored other bytes than its first row's under its first key"
