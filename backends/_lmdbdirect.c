@@ -470,9 +470,10 @@ PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     pl_env *e = (pl_env *)args[1];
     const pl_txn *t = (const pl_txn *)args[2];
     unsigned int dbi;
-    if (Py_TYPE(args[1]) != d->env_type || Py_TYPE(args[2]) != d->txn_type || !env_usable(e) || t->env != e || !t->valid || t->txn == NULL
-        || db_handle(d, e, args[3], &dbi) < 0) {
-        PyErr_SetString(PyExc_ValueError, "direct_copy: env, txn and db must be the probed python-lmdb's, valid, of one environment");
+    if (Py_TYPE(args[1]) != d->env_type || Py_TYPE(args[2]) != d->txn_type || !env_usable(e) || e->libv != d->libv || t->env != e || !t->valid
+        || t->txn == NULL || t->libv != d->libv || db_handle(d, e, args[3], &dbi) < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "direct_copy: env, txn and db must be the probed python-lmdb's, valid, of one environment of the probed engine");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(args[4]), found = 0;

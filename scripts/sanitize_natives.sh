@@ -39,7 +39,9 @@ BUILD
 if [ $# -eq 0 ]; then
     set -- tests/test_gmac_native.py tests/test_block_copy.py tests/test_block_copy_team.py tests/test_lmdb_rowguard.py \
         tests/test_lmdb_one_read.py tests/test_lmdb_close_reads.py tests/test_file_closed_reads.py tests/test_xxcopy.py \
-        tests/test_xxcopy_check.py tests/test_xxcopy_read_check.py tests/test_native_bounds.py tests/test_file_syncs.py
+        tests/test_xxcopy_check.py tests/test_xxcopy_read_check.py tests/test_native_bounds.py tests/test_file_syncs.py \
+        tests/test_lmdb_direct.py tests/test_key_order.py tests/test_file_row_jobs.py tests/test_lmdb_job_save.py \
+        tests/test_lmdb_row_storage.py
 fi
 # (leaks are not asked: the interpreter's own are not the extensions'; SIGBUS is left to the
 # process: tests that show a mapped file cut short kills it expect the signal itself)

@@ -251,3 +251,32 @@ def test_the_reference_copy_copies_what_pythons_get_finds_and_refuses_what_it_ca
             copy(direct, env, txn, db, keys, rows)  # the transaction is over
     finally:
         env.close()
+
+
+@native
+def test_the_reference_copy_refuses_an_environment_of_the_other_engine(tmp_path: Path) -> None:
+    """python-lmdb picks its LMDB 0.9 or 1.0 engine per environment: a capsule probed on one
+    engine's environment must not call that engine's get on the other's transaction (whose
+    structs it does not know), it refuses the job by name."""
+    opened = []
+    for version in (0, 1):
+        env = lmdb.open(str(tmp_path / f"v{version}"), max_dbs=3, lib_version=version)
+        db = env.open_db(b"blocks")
+        with env.begin(write=True, db=db) as txn:
+            txn.put(make_key(0), bytes([version + 1]) * 512)
+        opened.append((env, db))
+    copy = lmdb_plain._rowguard.direct_copy  # type: ignore[union-attr]
+    try:
+        for (probed, probed_db), (other, other_db) in (opened, opened[::-1]):
+            direct = lmdb_direct.direct_gets(probed, probed_db, make_key(0), probed_db, probed_db)
+            assert direct is not None
+            row = memoryview(bytearray(512))
+            with other.begin(buffers=True, db=other_db) as txn:
+                with pytest.raises(ValueError, match="of the probed engine"):
+                    copy(direct, other, txn, other_db, [make_key(0)], [row])
+            assert bytes(row) == bytes(512)
+            with probed.begin(buffers=True, db=probed_db) as txn:  # its own engine's: copied
+                assert copy(direct, probed, txn, probed_db, [make_key(0)], [row]) == 1 and bytes(row) == bytes(txn.get(make_key(0)))
+    finally:
+        for env, _ in opened:
+            env.close()
