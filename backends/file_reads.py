@@ -307,7 +307,7 @@ class PlainReads:
         sharded layout, a key or a row that call does not take, a torch function or dispatch mode
         on: :func:`~kvtier.backends.lmdb_plain.python_in_torch`)."""
         read = xxcopy.xxh3_read_rows
-        if read is None or not self.flat or devices.locate is not None or lmdb_plain.python_in_torch(out):
+        if read is None or not self.flat or devices.locate is not None or lmdb_plain.modes_on():
             return None  # (a mode's handler, run in a later row's checks, may free a row whose view is taken)
         found = [False] * len(keys)
         root = self.root

@@ -48,7 +48,7 @@ from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
-    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "function_mode", "host_rows", "host_view", "job_read", "job_views", "one_read",
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "function_mode", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
     "one_row", "put_joined", "python_in_torch", "same_size", "straight_read",
 ]
 
@@ -81,13 +81,18 @@ def _overridden(row: Any) -> bool:
     return getattr(handler, "__func__", handler) not in (_TORCH_FUNCTION, torch._C._disabled_torch_function_impl)
 
 
+def modes_on() -> bool:
+    """Whether a torch function or dispatch mode is on in this thread (see :func:`python_in_torch`)."""
+    return bool(function_mode() or _dispatch_modes())
+
+
 def python_in_torch(out: Sequence[Any]) -> bool:
     """Whether code other than torch's own may run in torch while a job over the rows ``out``
     is checked and copied: a torch function or dispatch mode is on, or a row's type has a
     ``__torch_function__`` of its own. Views of a job's rows are taken before its copies, and
     such code may free a row whose view is taken (``row.set_(...)``): such jobs take each row's
     memory as they write it."""
-    if function_mode() or _dispatch_modes():
+    if modes_on():
         return True
     for row in out:
         if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):

@@ -17,7 +17,7 @@ from kvtier.backends import file_reads, file_tier
 from test_file_plain_reads import _copy, _damaged_store
 from test_lmdb_one_read import FMT as ROW_FMT
 from test_lmdb_one_read import _changes, changed_alike, outcome_after_change
-from test_lmdb_row_storage import _FREES
+from test_lmdb_row_storage import _READ_UNDER_FREES
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -170,14 +170,7 @@ keys = [make_key(i) for i in range(n)]
 backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
 rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
 assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept)
-""" + _FREES + r"""with Frees():
-    try:
-        backend.read_blocks(keys, rows)
-    except (ValueError, TypeError):
-        pass  # the first row is now empty: the general path may refuse it by name
-print(bool(freed), bool(freed) and bool((freed[1] != 7).any()))
-asyncio.run(backend.aclose())
-"""
+""" + _READ_UNDER_FREES
 
 
 @pytest.mark.parametrize("form", FORMS)

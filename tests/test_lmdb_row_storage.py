@@ -34,6 +34,18 @@ class Frees(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 """
 
+#: How both read children end: their job read again under the freeing mode, then whether the
+#: mode ran and whether the tensor handed the freed memory was written.
+_READ_UNDER_FREES = _FREES + r"""
+with Frees():
+    try:
+        backend.read_blocks(keys, rows)
+    except (ValueError, TypeError):
+        pass  # the first row is now empty: the general path may refuse it by name
+print(bool(freed), bool(freed) and bool((freed[1] != 7).any()))
+asyncio.run(backend.aclose())
+"""
+
 _CHILD = r"""
 import asyncio, sys, tempfile, torch
 from torch.overrides import TorchFunctionMode
@@ -54,19 +66,17 @@ keys = [make_key(i) for i in range(n)]
 backend.write_blocks(keys, [random_block(4096, i) for i in range(n)])
 rows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(n)]  # each its own memory
 assert backend.read_blocks(keys, rows) == [True] * n  # (the rows' views kept, the thread marked)
-""" + _FREES + r"""with Frees():
-    try:
-        backend.read_blocks(keys, rows)
-    except (ValueError, TypeError):
-        pass  # the first row is now empty: the general path may refuse it by name
-print(bool(freed), bool(freed) and bool((freed[1] != 7).any()))
-asyncio.run(backend.aclose())
-"""
+""" + _READ_UNDER_FREES
 
 
 @pytest.mark.parametrize("way", ["native", "python", "views"])
 def test_a_job_read_never_writes_a_row_freed_by_python_run_during_its_checks(way: str) -> None:
-    child = subprocess.run([sys.executable, "-c", _CHILD, way], capture_output=True, text=True, timeout=120)
+    _never_written(_CHILD, way)
+
+
+def _never_written(script: str, arg: str) -> None:
+    """Run a read child: the freeing mode ran mid-job, and the memory it freed was not written."""
+    child = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     freed, written = child.stdout.split()
     assert freed == "True", child.stdout  # the handler ran mid-job
