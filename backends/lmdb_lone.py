@@ -38,7 +38,8 @@ about 0.6 µs a record); the transaction costs what raw puts of records built by
 Anything else is the general path's, with nothing done: a key or row it does not take (the
 general checks name what is wrong), a row not seen yet, rows stood in for a device's
 (:data:`kvtier.devices.locate`). A failure in the
-transaction (a full map, a record that fails to build, an LMDB error) aborts it, and the same
+transaction (a full map, a record that fails to build, an LMDB error, LMDB refusing to begin
+it) aborts it, and the same
 job is committed again by the general ``_commit_jobs``, whose handling (one transaction per
 record, a full map's retry, the counters, the errors) is then the save's: a failed transaction
 commits nothing, so the second try starts from what the first found.
@@ -177,15 +178,18 @@ class LoneSave:
                 raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
             tier._listed = None
             keep_heap_for(len(keys) * (self.stored + self.record))  # (lmdb_writes: the commit's freed pages and built records kept)
-            txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
+            txn = None  # (a transaction LMDB will not begin is the general commit's to fail)
             try:
+                txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
                 lmdb_plain.put_joined(txn.put, txn.delete if tier._splits else None, tier._index, self.head, keys, views, xxcopy.xxh3_joined)
                 txn.commit()
             except Exception:
-                txn.abort()
+                if txn is not None:
+                    txn.abort()
                 failed = True
             except BaseException:
-                txn.abort()
+                if txn is not None:
+                    txn.abort()
                 raise
             else:
                 failed = False
@@ -204,18 +208,21 @@ class LoneSave:
                 raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
             tier._listed = None
             keep_heap_for(self.stored)  # (lmdb_writes: the commit's freed pages kept)
-            txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
+            txn = None  # (a transaction LMDB will not begin is the general commit's to fail)
             try:
+                txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
                 key = job[0]
                 txn.put(key, job[2])
                 if tier._splits:  # the index may hold a split record's entry for the key
                     txn.delete(key, b"", tier._index)
                 txn.commit()
             except Exception:
-                txn.abort()
+                if txn is not None:
+                    txn.abort()
                 failed = True
             except BaseException:
-                txn.abort()
+                if txn is not None:
+                    txn.abort()
                 raise
             else:
                 failed = False

@@ -325,3 +325,41 @@ def test_a_job_saved_while_a_torch_mode_is_on_is_the_general_paths(tmp_path: Pat
     fast, slow = _compare(tmp_path, monkeypatch, plan)
     assert fast[3] == slow[3] == [3]
     assert fast[0][1] == [bytes(FMT.block_bytes), _block(1), bytes(FMT.block_bytes)]
+
+
+class _RefusingEnv:
+    """An environment whose write transactions cannot begin (``error``; reads as ever), as one
+    in LMDB's fatal state after a failed meta page write refuses them."""
+
+    def __init__(self, env: Any, error: type[lmdb.Error]) -> None:
+        self._env, self._error = env, error
+
+    def begin(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("write", args[2] if len(args) > 2 else False):
+            raise self._error("injected")
+        return self._env.begin(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_a_write_transaction_that_cannot_begin_fails_as_on_the_general_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jobs: int) -> None:
+    """Its error is the general path's ``DiskError`` naming the store (not LMDB's own), for a
+    lone save and a job's, and nothing is stored."""
+    keys = [make_key(i) for i in range(jobs)]
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        env = backend._env  # type: ignore[attr-defined]
+        backend._env = _RefusingEnv(env, lmdb.PanicError)  # type: ignore[attr-defined]
+        try:
+            got: Any = backend.write_blocks(keys, rows[:jobs])
+        except Exception as exc:
+            got = f"{type(exc).__name__}: {exc}".replace(backend.path, "PATH")  # type: ignore[attr-defined]
+        finally:
+            backend._env = env  # type: ignore[attr-defined]
+        return [got, _read(backend, keys)]
+
+    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    got, read = fast[0]
+    assert got == "DiskError: lmdb: write to 'PATH' failed: injected" and read == [None] * jobs
