@@ -480,17 +480,19 @@ PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     __atomic_add_fetch(&e->active_ops, 1, __ATOMIC_SEQ_CST);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(args[4], i), *row = PyList_GET_ITEM(args[5], i);
-        if (!PyBytes_CheckExact(key) || !PyMemoryView_Check(row) || PyMemoryView_GET_BUFFER(row)->readonly) {
-            PyErr_Format(PyExc_TypeError, "direct_copy: keys[%zd] must be bytes and rows[%zd] a writable memoryview", i, i);
+        Py_buffer out; /* a row's own buffer, asked of it: a released view or one whose bytes are not one run refuses */
+        if (!PyBytes_CheckExact(key) || !PyMemoryView_Check(row) || PyObject_GetBuffer(row, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "direct_copy: keys[%zd] must be bytes and rows[%zd] a writable, contiguous, unreleased memoryview", i, i);
             found = -1;
             break;
         }
         pl_val k = {(size_t)PyBytes_GET_SIZE(key), PyBytes_AS_STRING(key)}, v;
-        if (d->libv->get(t->txn, dbi, &k, &v) != 0)
-            continue;
-        const Py_buffer *out = PyMemoryView_GET_BUFFER(row);
-        memcpy(out->buf, v.mv_data, v.mv_size < (size_t)out->len ? v.mv_size : (size_t)out->len);
-        found++;
+        if (d->libv->get(t->txn, dbi, &k, &v) == 0) {
+            memcpy(out.buf, v.mv_data, v.mv_size < (size_t)out.len ? v.mv_size : (size_t)out.len);
+            found++;
+        }
+        PyBuffer_Release(&out);
     }
     ops_done(e);
     return found < 0 ? NULL : PyLong_FromSsize_t(found);

@@ -280,3 +280,30 @@ def test_the_reference_copy_refuses_an_environment_of_the_other_engine(tmp_path:
     finally:
         for env, _ in opened:
             env.close()
+
+
+@native
+def test_the_reference_copy_writes_only_inside_a_contiguous_live_row(tmp_path: Path) -> None:
+    """``direct_copy`` writes a row's bytes from its buffer's start: a strided or reversed
+    memoryview (whose start is not its lowest byte) or a released one is refused by name, never
+    written past (before: a reversed row's copy wrote the bytes after it, here the rest of its
+    bytearray; a released one's, freed memory)."""
+    env = lmdb.open(str(tmp_path / "raw"), max_dbs=3)
+    try:
+        db = env.open_db(b"blocks")
+        key = make_key(0)
+        with env.begin(write=True, db=db) as txn:
+            txn.put(key, bytes(random_block(512, 0).numpy()))
+        direct = lmdb_direct.direct_gets(env, db, key, db, db)
+        assert direct is not None
+        copy = lmdb_plain._rowguard.direct_copy  # type: ignore[union-attr]
+        whole = bytearray(1024)
+        released = memoryview(bytearray(512))
+        released.release()
+        with env.begin(buffers=True, db=db) as txn:
+            for row in (memoryview(whole)[:512][::-1], memoryview(whole)[::2], released):
+                with pytest.raises((TypeError, ValueError), match=r"rows\[0\]|released"):
+                    copy(direct, env, txn, db, [key], [row])
+                assert whole == bytearray(1024)
+    finally:
+        env.close()
