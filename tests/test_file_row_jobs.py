@@ -17,7 +17,8 @@ from kvtier.backends import file_reads, file_tier
 from test_file_plain_reads import _copy, _damaged_store
 from test_lmdb_one_read import FMT as ROW_FMT
 from test_lmdb_one_read import _changes, changed_alike, outcome_after_change
-from test_lmdb_row_storage import _READ_UNDER_FREES
+from test_lmdb_row_storage import _READ_UNDER_FREES, _PassThrough
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -145,10 +146,12 @@ def test_the_native_job_from_rows_refuses_bad_arguments_by_name_and_holds_no_ref
             assert read(root.under_way, root.dir_at, head, bad_keys, bad_rows, kind, plain.piece, [False] * 4) is None
         assert root.under_way == []
         views = list(kind[3].values())
-        counts = [sys.getrefcount(x) for x in (True, False, *keys, *rows, *views)]
+        counts, shared = [sys.getrefcount(x) for x in (*keys, *rows, *views)], [sys.getrefcount(x) for x in (True, False)]
         for _ in range(2000):
             read(root.under_way, root.dir_at, head, keys, rows, kind, plain.piece, [False] * 4)
-        assert [sys.getrefcount(x) for x in (True, False, *keys, *rows, *views)] == counts
+        assert [sys.getrefcount(x) for x in (*keys, *rows, *views)] == counts
+        # (True and False are shared with any other thread still running: a leak a call would be 2000)
+        assert all(abs(sys.getrefcount(x) - was) < 1000 for x, was in zip((True, False), shared))
     finally:
         asyncio.run(backend.aclose())
 
@@ -183,3 +186,32 @@ def test_a_job_never_writes_a_row_freed_by_a_mode_run_during_its_rows_checks(for
     freed, written = child.stdout.split()
     assert freed == "True", child.stdout  # the handler ran mid-job
     assert written == "False", "the job wrote its first record into memory freed during its rows' checks"
+
+
+class _Dispatched(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [_PassThrough, _Dispatched])
+def test_a_job_while_a_mode_is_on_is_left_to_the_rows_checks_and_reads_as_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: type) -> None:
+    """Under a torch function or dispatch mode the native job from its rows' checks is not taken;
+    the job reads the same bytes, hits and misses as without the mode."""
+    taken = _rows_jobs("native" if xxcopy.xxh3_read_rows is not None else "python", monkeypatch)
+    backend = _open(tmp_path / "store")
+    try:
+        keys = [make_key(i) for i in range(5)]
+        blocks = [random_block(FMT.block_bytes, 60 + i) for i in range(4)]
+        backend.write_blocks(keys[:4], blocks)
+        rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, rows) == [True] * 4 + [False]  # (the rows' views kept)
+        for row in rows:
+            row.zero_()
+        before = len(taken)
+        with mode():
+            found = backend.read_blocks(keys, rows)
+        assert len(taken) == before  # not the native job's
+    finally:
+        asyncio.run(backend.aclose())
+    assert found == [True] * 4 + [False]
+    assert all(torch.equal(r, b) for r, b in zip(rows, blocks))
