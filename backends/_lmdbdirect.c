@@ -270,6 +270,75 @@ static void ops_done(pl_env *e)
     }
 }
 
+/* The tests' park point: with parking switched on (direct_park(True)), each job waits, counted in
+   flight and without the GIL, between its lookups and its copies out of the map, until
+   direct_release(); what proves that python-lmdb's close and resize wait for it. Off, a job
+   reads one flag. */
+static int park_on, parked, released;
+static pthread_mutex_t park_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t park_cond = PTHREAD_COND_INITIALIZER;
+
+static void park(void)
+{
+    pthread_mutex_lock(&park_mutex);
+    parked++;
+    pthread_cond_broadcast(&park_cond);
+    while (!released)
+        pthread_cond_wait(&park_cond, &park_mutex);
+    parked--;
+    pthread_mutex_unlock(&park_mutex);
+}
+
+/* direct_park(on): jobs park (see park) from now on, or not; switching it on or off clears a
+   release. direct_parked(): how many jobs are parked now. direct_release(): every parked job,
+   and any that parks later while parking is on, goes on. */
+PyObject *py_direct_park(PyObject *self, PyObject *on)
+{
+    (void)self;
+    int truth = PyObject_IsTrue(on);
+    if (truth < 0)
+        return NULL;
+    pthread_mutex_lock(&park_mutex);
+    released = 0;
+    __atomic_store_n(&park_on, truth, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&park_mutex);
+    Py_RETURN_NONE;
+}
+
+PyObject *py_direct_parked(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    pthread_mutex_lock(&park_mutex);
+    int n = parked;
+    pthread_mutex_unlock(&park_mutex);
+    return PyLong_FromLong(n);
+}
+
+PyObject *py_direct_release(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    pthread_mutex_lock(&park_mutex);
+    released = 1;
+    pthread_cond_broadcast(&park_cond);
+    pthread_mutex_unlock(&park_mutex);
+    Py_RETURN_NONE;
+}
+
+/* direct_ops(env): python-lmdb's (active_ops, ops_waiters) of env, a python-lmdb 3.0
+   Environment: its in-flight operations, and how many threads wait for them to end. */
+PyObject *py_direct_ops(PyObject *self, PyObject *env)
+{
+    (void)self;
+    if (strcmp(Py_TYPE(env)->tp_name, "Environment") != 0 || Py_TYPE(env)->tp_basicsize != (Py_ssize_t)sizeof(pl_env)) {
+        PyErr_SetString(PyExc_TypeError, "direct_ops: env must be python-lmdb 3.0's Environment");
+        return NULL;
+    }
+    pl_env *e = (pl_env *)env;
+    return Py_BuildValue("(ii)", __atomic_load_n(&e->active_ops, __ATOMIC_SEQ_CST), __atomic_load_n(&e->ops_waiters, __ATOMIC_SEQ_CST));
+}
+
 /* Jobs looked up here so far (direct_jobs(): what the tests read to know this path ran). */
 static unsigned long direct_jobs;
 
@@ -348,6 +417,8 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
         if ((Py_ssize_t)l->value.mv_size != joined)
             l->entry_rc = get(mdb_txn, index, &l->key, &l->entry);
     }
+    if (__atomic_load_n(&park_on, __ATOMIC_RELAXED))
+        park();
     Py_END_ALLOW_THREADS
     int rc = 1;
     for (Py_ssize_t i = 0; i < n && rc == 1; i++) {

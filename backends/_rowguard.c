@@ -453,6 +453,10 @@ static PyMethodDef methods[] = {
     {"direct_copy", (PyCFunction)(void (*)(void))py_direct_copy, METH_FASTCALL,
      "direct_copy(direct, env, txn, db, keys, rows) -> found\n\n"
      "Each key's value copied into its row by LMDB's get and memcpy, nothing else (the benchmarks' reference arm)."},
+    {"direct_park", py_direct_park, METH_O, "direct_park(on): the tests' park point in each direct job, switched on or off (see _lmdbdirect.c)."},
+    {"direct_parked", py_direct_parked, METH_NOARGS, "direct_parked() -> how many direct jobs are parked now."},
+    {"direct_release", py_direct_release, METH_NOARGS, "direct_release(): the parked direct jobs go on."},
+    {"direct_ops", py_direct_ops, METH_O, "direct_ops(env) -> python-lmdb's (active_ops, ops_waiters) of env."},
     {"direct_jobs", py_direct_jobs, METH_NOARGS, "direct_jobs() -> the straight reads' jobs looked up by LMDB's own get so far."},
     {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
      "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"

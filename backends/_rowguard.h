@@ -57,6 +57,10 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
 PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_direct_jobs(PyObject *self, PyObject *unused);
 PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_direct_park(PyObject *self, PyObject *on);
+PyObject *py_direct_parked(PyObject *self, PyObject *unused);
+PyObject *py_direct_release(PyObject *self, PyObject *unused);
+PyObject *py_direct_ops(PyObject *self, PyObject *env);
 
 #pragma GCC visibility pop
 
