@@ -48,6 +48,7 @@ commits nothing, so the second try starts from what the first found.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -172,28 +173,8 @@ class LoneSave:
         put, in one write transaction; on a failure in it, the general commit of the same job."""
         ((keys, views),) = batches
         tier = self.tier
-        with tier._write_lock:
-            env = tier._env
-            if env is None:
-                raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
-            tier._listed = None
-            keep_heap_for(len(keys) * (self.stored + self.record))  # (lmdb_writes: the commit's freed pages and built records kept)
-            txn = None  # (a transaction LMDB will not begin is the general commit's to fail)
-            try:
-                txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
-                lmdb_plain.put_joined(txn.put, txn.delete if tier._splits else None, tier._index, self.head, keys, views, xxcopy.xxh3_joined)
-                txn.commit()
-            except Exception:
-                if txn is not None:
-                    txn.abort()
-                failed = True
-            except BaseException:
-                if txn is not None:
-                    txn.abort()
-                raise
-            else:
-                failed = False
-        if failed:  # committed nothing: the general commit's try, and its handling
+        # (lmdb_writes: the commit's freed pages and built records kept)
+        if self._transact(len(keys) * (self.stored + self.record), _put_job, (keys, views)):
             return tier._commit_jobs([[(key, lmdb_plain.UNSUMMED, view) for key, view in zip(keys, views)]])
         return [[self.stored] * len(keys)]
 
@@ -201,31 +182,51 @@ class LoneSave:
         """``GroupCommit``'s commit of the lone job: its record put and committed in one write
         transaction; on a failure in it, the general commit of the same job."""
         (job,) = batches
+        if self._transact(self.stored, _put_record, job):  # (lmdb_writes: the commit's freed pages kept)
+            return self.tier._commit_jobs([[job]])
+        return [[self.stored]]
+
+    def _transact(self, keep: int, put: Callable[[LoneSave, Any, Any], None], job: Any) -> bool:
+        """Under the store's write lock, ``put(self, txn, job)`` in one write transaction, then
+        its commit: whether an ``Exception`` failed it (it is aborted, nothing committed: the
+        caller hands the same job to the general commit, whose try and handling are then the
+        save's; a transaction LMDB will not begin is that commit's to fail too). ``keep``: the
+        heap bytes the commit may need kept (``keep_heap_for``)."""
         tier = self.tier
         with tier._write_lock:
             env = tier._env
             if env is None:
                 raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
             tier._listed = None
-            keep_heap_for(self.stored)  # (lmdb_writes: the commit's freed pages kept)
-            txn = None  # (a transaction LMDB will not begin is the general commit's to fail)
+            keep_heap_for(keep)
+            txn = None
             try:
                 txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
-                key = job[0]
-                txn.put(key, job[2])
-                if tier._splits:  # the index may hold a split record's entry for the key
-                    txn.delete(key, b"", tier._index)
+                put(self, txn, job)
                 txn.commit()
             except Exception:
                 if txn is not None:
                     txn.abort()
-                failed = True
+                return True
             except BaseException:
                 if txn is not None:
                     txn.abort()
                 raise
-            else:
-                failed = False
-        if failed:  # committed nothing: the general commit's try, and its handling
-            return tier._commit_jobs([[job]])
-        return [[self.stored]]
+        return False
+
+
+def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> None:
+    """The lone job's record put, and the key's index entry deleted where the index may hold a
+    split record's entry for it."""
+    key, tier = job[0], lone.tier
+    txn.put(key, job[2])
+    if tier._splits:
+        txn.delete(key, b"", tier._index)
+
+
+def _put_job(lone: LoneSave, txn: Any, job: tuple[Any, Any]) -> None:
+    """A job's records, each built just before its put (``lmdb_plain.put_joined``), and their
+    keys' split entries deleted where the index may hold them."""
+    keys, views = job
+    tier = lone.tier
+    lmdb_plain.put_joined(txn.put, txn.delete if tier._splits else None, tier._index, lone.head, keys, views, xxcopy.xxh3_joined)
