@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from kvtier.backend import Backend
 from kvtier.errors import BackendError, ClosedError, DiskError
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
-from tests.test_lmdb_lone_save import FMT, _compare, _dump, _FailingEnv, _open, _read
+from tests.test_lmdb_lone_save import FMT, _compare, _dump, _FailingEnv, _open, _read, while_a_commit_runs
 
 _FORMS = ("host_view", "job_views", "put_joined")
 
@@ -172,31 +171,7 @@ def test_a_job_save_while_a_commit_runs_joins_the_group_built(tmp_path: Path, mo
     keys = [make_key(i) for i in range(4)]
     try:
         backend.write_blocks(keys[2:], rows[2:])  # the rows' views are kept from now on
-        entered, release = threading.Event(), threading.Event()
-        real = backend._commit_jobs  # type: ignore[attr-defined]
-        commits = backend._commits  # type: ignore[attr-defined]
-        committed: list[Any] = []
-
-        def held(jobs: list[Any]) -> Any:
-            committed.append([[head for _, head, _ in job] for job in jobs])
-            if len(committed) == 1:
-                entered.set()
-                assert release.wait(30)
-            return real(jobs)
-
-        monkeypatch.setattr(commits, "_commit", held)
-        first = threading.Thread(target=backend.write_blocks, args=(keys[:1], rows[:1]))
-        first.start()
-        assert entered.wait(30)
-        second = threading.Thread(target=backend.write_blocks, args=(keys[2:], rows[2:]))
-        second.start()
-        for _ in range(3000):
-            if commits._waiting:
-                break
-            threading.Event().wait(0.01)
-        release.set()
-        first.join(30)
-        second.join(30)
+        committed = while_a_commit_runs(backend, monkeypatch, (keys[:1], rows[:1]), (keys[2:], rows[2:]), lambda job: [head for _, head, _ in job])
         assert committed[1] == [[b"", b""]]  # through the group's commit, its records built whole while it waited
         assert _read(backend, keys) == [bytes(rows[0].numpy()), None, bytes(rows[2].numpy()), bytes(rows[3].numpy())]
     finally:

@@ -68,6 +68,38 @@ def _counted_general(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return general
 
 
+def while_a_commit_runs(backend: Backend, monkeypatch: pytest.MonkeyPatch, first: tuple[list[Any], list[Any]], second: tuple[list[Any], list[Any]], describe: Callable[[Any], Any]) -> list[list[Any]]:
+    """Save the job ``first`` (keys, rows) in a thread, hold its group commit, save ``second``
+    in another thread once the first commits, and let both finish once ``second`` waits for the
+    group: ``describe(job)`` of each job of each group commit, in order."""
+    entered, release = threading.Event(), threading.Event()
+    real = backend._commit_jobs  # type: ignore[attr-defined]
+    commits = backend._commits  # type: ignore[attr-defined]
+    committed: list[list[Any]] = []
+
+    def held(jobs: list[Any]) -> Any:
+        committed.append([describe(job) for job in jobs])
+        if len(committed) == 1:
+            entered.set()
+            assert release.wait(30)
+        return real(jobs)
+
+    monkeypatch.setattr(commits, "_commit", held)
+    one = threading.Thread(target=backend.write_blocks, args=first)
+    one.start()
+    assert entered.wait(30)
+    two = threading.Thread(target=backend.write_blocks, args=second)
+    two.start()
+    for _ in range(3000):
+        if commits._waiting:
+            break
+        threading.Event().wait(0.01)
+    release.set()
+    one.join(30)
+    two.join(30)
+    return committed
+
+
 def _saves(path: Path, monkeypatch: pytest.MonkeyPatch, lone: bool, plan: Callable[[Backend, list[torch.Tensor]], list[Any]], *, capacity: int = 8 << 20) -> tuple[list[Any], dict[str, int], Any, list[int]]:
     """Run ``plan(backend, rows)`` on a new store with the straight line on (``lone``) or off:
     what it returned, the counters it moved, the dump of the store after it, and the jobs the
@@ -260,31 +292,7 @@ def test_a_lone_save_while_a_commit_runs_joins_the_group(tmp_path: Path, monkeyp
     keys = [make_key(i) for i in range(2)]
     try:
         backend.write_blocks(keys[1:], rows[1:])  # the row's view is kept from now on
-        entered, release = threading.Event(), threading.Event()
-        real = backend._commit_jobs  # type: ignore[attr-defined]
-        commits = backend._commits  # type: ignore[attr-defined]
-        committed: list[list[int]] = []
-
-        def held(jobs: list[Any]) -> Any:
-            committed.append([len(job) for job in jobs])
-            if len(committed) == 1:
-                entered.set()
-                assert release.wait(30)
-            return real(jobs)
-
-        monkeypatch.setattr(commits, "_commit", held)
-        first = threading.Thread(target=backend.write_blocks, args=(keys[:1], rows[:1]))
-        first.start()
-        assert entered.wait(30)
-        second = threading.Thread(target=backend.write_blocks, args=(keys[1:], rows[1:]))
-        second.start()
-        for _ in range(3000):
-            if commits._waiting:
-                break
-            threading.Event().wait(0.01)
-        release.set()
-        first.join(30)
-        second.join(30)
+        committed = while_a_commit_runs(backend, monkeypatch, (keys[:1], rows[:1]), (keys[1:], rows[1:]), lambda job: len(job))
         assert committed == [[1], [1]]  # the second through the group's commit, after the first
         assert _read(backend, keys) == [bytes(r.numpy()) for r in rows]
     finally:
