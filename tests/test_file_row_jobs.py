@@ -115,6 +115,19 @@ def test_a_row_changed_since_its_last_job_is_checked_again_as_the_general_read_c
 
 
 @pytest.mark.skipif(xxcopy.xxh3_read_rows is None, reason="no native job read from rows in this build")
+def _unseen_row(views: dict[int, memoryview]) -> torch.Tensor:
+    """A new row at an address whose view the store does not keep. A new tensor may land where a
+    freed one whose view is kept was (the views are by address, so the store would take it, and
+    rightly: its view is that memory): the tensors tried meanwhile are held, so each try is a new
+    address."""
+    tried = []
+    while True:
+        row = torch.zeros(FMT.block_bytes, dtype=torch.uint8)
+        if row.data_ptr() not in views:
+            return row
+        tried.append(row)
+
+
 def test_the_native_job_from_rows_refuses_bad_arguments_by_name_and_holds_no_reference(tmp_path: Path) -> None:
     """Its arguments are refused by name; a key or a row it does not take is ``None`` with
     nothing counted; thousands of jobs leave every reference count where it was."""
@@ -142,7 +155,8 @@ def test_the_native_job_from_rows_refuses_bad_arguments_by_name_and_holds_no_ref
             read(args[0], bytearray(8), *args[2:])
         with pytest.raises(TypeError, match="found: expected a list"):
             read(*args[:7], (False,) * 4)
-        for bad_keys, bad_rows in (([*keys[:3], keys[3][:31]], rows), (keys, [*rows[:3], torch.zeros(FMT.block_bytes, dtype=torch.uint8)]), (keys, rows[:3])):
+        unseen = _unseen_row(kind[3])
+        for bad_keys, bad_rows in (([*keys[:3], keys[3][:31]], rows), (keys, [*rows[:3], unseen]), (keys, rows[:3])):
             assert read(root.under_way, root.dir_at, head, bad_keys, bad_rows, kind, plain.piece, [False] * 4) is None
         assert root.under_way == []
         views = list(kind[3].values())
