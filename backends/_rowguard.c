@@ -21,6 +21,27 @@
 
 static host_row_names row_names; /* interned at import */
 
+/* The rows' hold: kvtier.records._xxcopy's (taken at import), else this count. */
+static const host_rows_hold_api *held_api;
+static Py_ssize_t own_holds;
+static int own_collecting_before;
+
+void rows_hold(void)
+{
+    if (held_api != NULL)
+        held_api->hold();
+    else if (own_holds++ == 0)
+        own_collecting_before = PyGC_Disable();
+}
+
+void rows_let_go(void)
+{
+    if (held_api != NULL)
+        held_api->let_go();
+    else if (own_holds > 0 && --own_holds == 0 && own_collecting_before)
+        PyGC_Enable();
+}
+
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
 int attr_is_true(PyObject *obj, PyObject *name)
 {
@@ -374,6 +395,7 @@ PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *seen = fd == NULL ? NULL : PyObject_GetAttr(parts[P_GUARD], s_seen);
     if (seen != NULL) {
         PyObject *row_args[9] = {key, parts[P_KEY_BYTES], row, parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS], fd, seen};
+        rows_hold(); /* no collection from the row's checks to its copy (_hostrow.h) */
         PyObject *view = py_one_row(self, row_args, 9);
         if (view == Py_False || view == Py_None)
             result = view; /* the size moved: the Python form's; not such a key or row: the general path's */
@@ -381,6 +403,7 @@ PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             result = read_counted(parts, env, key, view, clock, cold_s, check);
             Py_DECREF(view);
         }
+        rows_let_go();
     }
     Py_XDECREF(fd);
     Py_XDECREF(seen);
@@ -503,6 +526,9 @@ PyMODINIT_FUNC PyInit__rowguard(void)
     Py_DECREF(time_module);
     if (real_perf_counter == NULL)
         return NULL;
+    held_api = PyCapsule_Import(HOST_ROWS_HOLD_CAPSULE, 0);
+    if (held_api == NULL)
+        PyErr_Clear(); /* _xxcopy not built: this module's own count */
     static int counting;
     if (!counting) {
         if (pthread_atfork(NULL, NULL, count_fork) != 0) {

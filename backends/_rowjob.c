@@ -151,6 +151,7 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), got = 0, hits = 0;
     PyObject **views = NULL, *found = NULL, *result = NULL;
+    int held = 0;
     if (n != PySequence_Fast_GET_SIZE(out)) {
         result = Py_NewRef(Py_None);
         goto done;
@@ -189,6 +190,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *const *key = PySequence_Fast_ITEMS(keys);
     PyObject *view_args[4] = {parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
+    rows_hold(); /* no collection from the first row's checks to the last copy (_hostrow.h) */
+    held = 1;
     int viewed = row_views(key, PySequence_Fast_ITEMS(out), n, view_args, key_bytes, views);
     if (viewed <= 0) { /* a key or row not such, or one not seen yet: the general path makes its view */
         if (viewed == 0)
@@ -219,6 +222,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_XDECREF(fd);
     Py_XDECREF(seen);
+    rows_let_go(); /* the copies are done */
+    held = 0;
     if (read == 0 || (read < 0 && result == NULL && handed_over(parts[P_ERROR])))
         result = Py_NewRef(Py_None);
     /* jobs.pop(), whatever happened (an error raised stays set across it) */
@@ -244,6 +249,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (counted_ok)
         result = Py_NewRef(found);
 done:
+    if (held)
+        rows_let_go();
     if (views != NULL) {
         for (Py_ssize_t i = 0; i < got; i++)
             Py_DECREF(views[i]);

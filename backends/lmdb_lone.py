@@ -119,15 +119,21 @@ class LoneSave:
             return None
         if self.record > lmdb_entries.JOIN_MAX:
             return None  # put split: the general path's
-        view = lmdb_plain.host_view(row, _TENSOR, _U8, self.shape, self.views)
-        if view is None:
-            return None  # not such a row, or one not seen yet: the general path makes its view
         tier = self.tier
-        tier._env_or_raise()
         # Built before its transaction, as the general path builds a job of one record (a
         # build that fails raises here, as there); then committed alone, or, where a commit
-        # runs or batches wait, with them, as the general path's job would be.
-        job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
+        # runs or batches wait, with them, as the general path's job would be. No collection
+        # from the row's checks to its copy (xxcopy.rows_hold: a finalizer run between may free
+        # the row whose view is taken).
+        xxcopy.rows_hold()
+        try:
+            view = lmdb_plain.host_view(row, _TENSOR, _U8, self.shape, self.views)
+            if view is None:
+                return None  # not such a row, or one not seen yet: the general path makes its view
+            tier._env_or_raise()
+            job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
+        finally:
+            xxcopy.rows_let_go()
         commits = self.commits
         sizes = commits.submit_alone(job, self._commit)
         if sizes is None:
@@ -144,20 +150,30 @@ class LoneSave:
         row it does not take, a row not seen yet; see the module doc)."""
         if not LONE_SAVES or devices.locate is not None or self.record > lmdb_entries.JOIN_MAX:
             return None
-        if lmdb_plain.function_mode() or lmdb_plain._dispatch_modes():
+        if lmdb_plain.modes_on():
             return None  # a mode's handler may free a row whose view is taken (lmdb_plain.python_in_torch)
         # The rows held until the save returns: the views are by address and hold nothing.
         keys, rows = tuple(keys), tuple(rows)
-        views = lmdb_plain.job_views(keys, rows, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)
-        if views is None:
-            return None
         tier = self.tier
-        tier._env_or_raise()
-        commits = self.commits
-        sizes = commits.submit_alone((keys, views), self._commit_job)
-        if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
-            head, joined = self.head, xxcopy.xxh3_joined
-            sizes = commits.submit([(key, b"", joined(head, key, view)) for key, view in zip(keys, views)])
+        # No collection from the first row's checks to the last copy (xxcopy.rows_hold: a
+        # finalizer run between may free a row whose view is taken): let go once the records
+        # are built, by the job's commit or here, not across the group's sync.
+        held = [True]
+        xxcopy.rows_hold()
+        try:
+            views = lmdb_plain.job_views(keys, rows, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)
+            if views is None:
+                return None
+            tier._env_or_raise()
+            commits = self.commits
+            sizes = commits.submit_alone((keys, views, held), self._commit_job)
+            if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
+                head, joined = self.head, xxcopy.xxh3_joined
+                records = [(key, b"", joined(head, key, view)) for key, view in zip(keys, views)]
+                _let_go(held)
+                sizes = commits.submit(records)
+        finally:
+            _let_go(held)
         counters = tier.counters
         if None not in sizes:
             counters.blocks_written += len(sizes)
@@ -168,14 +184,18 @@ class LoneSave:
             counters.bytes_written += stored * self.record
         return sizes
 
-    def _commit_job(self, batches: list[tuple[Any, Any]]) -> list[list[int | None]]:
+    def _commit_job(self, batches: list[tuple[Any, Any, list[bool]]]) -> list[list[int | None]]:
         """``GroupCommit``'s commit of a job of several keys: each record built just before its
-        put, in one write transaction; on a failure in it, the general commit of the same job."""
-        ((keys, views),) = batches
+        put, in one write transaction; on a failure in it, the general commit of the same job.
+        Then the job's rows' hold let go (before the group's settle)."""
+        ((keys, views, held),) = batches
         tier = self.tier
-        # (lmdb_writes: the commit's freed pages and built records kept)
-        if self._transact(len(keys) * (self.stored + self.record), _put_job, (keys, views)):
-            return tier._commit_jobs([[(key, lmdb_plain.UNSUMMED, view) for key, view in zip(keys, views)]])
+        try:
+            # (lmdb_writes: the commit's freed pages and built records kept)
+            if self._transact(len(keys) * (self.stored + self.record), _put_job, (keys, views)):
+                return tier._commit_jobs([[(key, lmdb_plain.UNSUMMED, view) for key, view in zip(keys, views)]])
+        finally:
+            _let_go(held)
         return [[self.stored] * len(keys)]
 
     def _commit(self, batches: list[tuple[bytes, bytes, bytes]]) -> list[list[int | None]]:
@@ -213,6 +233,13 @@ class LoneSave:
                     txn.abort()
                 raise
         return False
+
+
+def _let_go(held: list[bool]) -> None:
+    """A job's rows' hold let go, once (``held``: whether the job holds it still)."""
+    if held[0]:
+        held[0] = False
+        xxcopy.rows_let_go()
 
 
 def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> None:

@@ -192,6 +192,16 @@ class StraightRead:
             found = native(self.native_parts, env, key, row, perf_counter, COLD_GET_S, xxcopy.xxh3_check_copy)
             if found is not False:
                 return found  # type: ignore[no-any-return]
+        # No collection from the row's checks to its copy (xxcopy.rows_hold: a finalizer run
+        # between may free the row whose view is taken).
+        xxcopy.rows_hold()
+        try:
+            return self._read_held(env, key, row)
+        finally:
+            xxcopy.rows_let_go()
+
+    def _read_held(self, env: lmdb.Environment, key: Any, row: Any) -> list[bool] | None:
+        """The lines of :meth:`read` for a job of one key, under the rows' hold."""
         views, shape, guard, temperature, jobs, marks, counters = self.one_parts
         if get_ident() not in marks:
             temperature.begin()  # the thread's first job marks its faults, as the job reader's
@@ -270,6 +280,16 @@ class StraightRead:
             # A handler run in a later row's checks below may free a row whose view is taken
             # already: the general path's job, whose copies take each row's memory.
             return None
+        xxcopy.rows_hold()  # no collection from the first row's checks to the last copy, likewise
+        try:
+            return self._job_held(env, keys, out)
+        finally:
+            xxcopy.rows_let_go()
+
+    def _job_held(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
+        """The lines of :meth:`job` from its rows' checks on, under the rows' hold."""
+        n = len(keys)
+        temperature = self.temperature
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
         rows = []
         for key, row in zip(keys, out):

@@ -530,14 +530,19 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None
-        rows = views.of(keys, out) if views is not None else None
-        size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
-        env = self._env_or_raise()
-        assert reader is not None
+        # No collection from the first row's view to the last copy (xxcopy.rows_hold: a
+        # finalizer run between may free a row whose view is taken).
+        xxcopy.rows_hold()
         try:
+            rows = views.of(keys, out) if views is not None else None
+            size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
+            env = self._env_or_raise()
+            assert reader is not None
             outcome = reader.read_job(env, keys, out, mac, rows)
         except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
             raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
+        finally:
+            xxcopy.rows_let_go()
         if outcome.bad:
             try:
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader

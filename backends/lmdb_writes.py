@@ -148,27 +148,42 @@ class LmdbWrites(PersistentRecordBackend):
             if saved is not None:
                 return saved
         records, rows = self._plain_records, self._plain_rows
-        # Plain jobs of host rows: the job's checks and its rows' views in one loop (RowViews,
-        # as reads do); other rows of plain jobs get views one by one (host_rows).
-        views = rows.of(keys, blocks) if rows is not None else None
-        if views is None:
-            size = self._check_io(keys, blocks)
-            views = host_rows(blocks, size) if records is not None else None
-        self._env_or_raise()
-        if views is not None and records is not None:
-            # Plain records: their heads made in the write transaction, record by record (see
-            # the module doc); while another job's commit runs, this job's joined records are
-            # built here meanwhile, and so is a job of one record (lmdb_plain). (The general
-            # encoder's side thread gains nothing here: the whole job is encoded before its
-            # commit.)
-            job = records.records(keys, views, built=len(keys) == 1 or not self._commits.idle())
-        else:
-            # Checksums (and compression, MACs) run on a side thread for jobs of SIDE_MIN_BYTES
-            # or more, outside the lock; then the job joins whatever other jobs wait for a
-            # commit (see _commit_jobs).
-            with self._encoded(keys, blocks) as records:
-                job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
-        sizes = self._commits.submit(job)
+        # No collection from the first row's view to the last copy out of the views
+        # (xxcopy.rows_hold: a finalizer run between may free a row whose view is taken): let
+        # go once the records are built, or, where the commit copies the rows, once it returns.
+        held = rows is not None or records is not None
+        if held:
+            xxcopy.rows_hold()
+        try:
+            # Plain jobs of host rows: the job's checks and its rows' views in one loop
+            # (RowViews, as reads do); other rows of plain jobs get views one by one (host_rows).
+            views = rows.of(keys, blocks) if rows is not None else None
+            if views is None:
+                size = self._check_io(keys, blocks)
+                views = host_rows(blocks, size) if records is not None else None
+            self._env_or_raise()
+            if views is not None and records is not None:
+                # Plain records: their heads made in the write transaction, record by record
+                # (see the module doc); while another job's commit runs, this job's joined
+                # records are built here meanwhile, and so is a job of one record (lmdb_plain).
+                # (The general encoder's side thread gains nothing here: the whole job is
+                # encoded before its commit.)
+                job = records.records(keys, views, built=len(keys) == 1 or not self._commits.idle())
+                built = not job or job[0][1] is not UNSUMMED  # (UNSUMMED: a view the commit copies)
+            else:
+                built = True  # no views
+                # Checksums (and compression, MACs) run on a side thread for jobs of
+                # SIDE_MIN_BYTES or more, outside the lock; then the job joins whatever other
+                # jobs wait for a commit (see _commit_jobs).
+                with self._encoded(keys, blocks) as records:
+                    job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
+            if held and built:
+                held = False
+                xxcopy.rows_let_go()
+            sizes = self._commits.submit(job)
+        finally:
+            if held:
+                xxcopy.rows_let_go()
         counters = self.counters
         if views is not None and records is not None and None not in sizes:
             # A plain job stored whole: its records are all of one length (the head, then the

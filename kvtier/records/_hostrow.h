@@ -102,4 +102,19 @@ static inline PyObject *host_row_view(PyObject *row, PyObject *tensor_type, PyOb
     return view;
 }
 
+/* Automatic garbage collection held off while a job's rows' views are in use: from the first
+   row's checks to the last copy into (or out of) a view. A view is a row's address, taken once
+   its checks passed, and holds nothing; a collection run meanwhile (a later row's checks or the
+   job's own objects allocate) runs finalizers and weakref callbacks, Python that may free or
+   move a row whose view is taken (row.set_(...)), and the copy then writes or reads memory the
+   row no longer owns. Counted for the whole process (kvtier.records._xxcopy keeps the count,
+   under the GIL; the lmdb tier's extension takes it through this capsule): the last of the
+   jobs held lets collection go again where it was on before the first. A collection asked for
+   explicitly (gc.collect()) still runs. */
+typedef struct {
+    void (*hold)(void);
+    void (*let_go)(void);
+} host_rows_hold_api;
+#define HOST_ROWS_HOLD_CAPSULE "kvtier.records._xxcopy.rows_hold_c"
+
 #endif

@@ -588,11 +588,8 @@ PyMODINIT_FUNC PyInit__xxcopy(void)
         Py_DECREF(m);
         return NULL;
     }
-    /* check_copy_raw for C callers (the lmdb tier's native job read), as a capsule. */
-    PyObject *capsule = PyCapsule_New((void *)check_copy_raw, XXC_CHECK_COPY_CAPSULE, NULL);
-    int added = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "check_copy_c", capsule);
-    Py_XDECREF(capsule);
-    if (added < 0) {
+    /* check_copy_raw and the rows' hold for C callers (the lmdb tier's native job read). */
+    if (xxc_add_exports(m, (void *)check_copy_raw) < 0) {
         Py_DECREF(m);
         return NULL;
     }

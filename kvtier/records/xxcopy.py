@@ -32,8 +32,10 @@ loaded, :data:`PATH` which path this process takes.
 
 from __future__ import annotations
 
+import gc
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +53,10 @@ __all__ = [
     "ONE_READ",
     "PATH",
     "fused",
+    "rows_hold",
+    "rows_hold_python",
+    "rows_let_go",
+    "rows_let_go_python",
     "xxh3_check_copy",
     "xxh3_check_copy_native",
     "xxh3_check_copy_python",
@@ -429,3 +435,38 @@ def fused() -> bool:
     """Whether :data:`xxh3_copy` is the native one-pass function: a copy and its check then cost
     about a copy, and splitting them over two threads no longer pays."""
     return xxh3_copy is xxh3_copy_native
+
+
+_held = [0, False]  # the Python forms' count of holds, and whether collection was on before the first
+_held_lock = threading.Lock()
+
+
+def rows_hold_python() -> None:
+    """:data:`rows_hold` in Python: the same count, under a lock."""
+    with _held_lock:
+        if _held[0] == 0:
+            _held[1] = gc.isenabled()
+            gc.disable()
+        _held[0] += 1
+
+
+def rows_let_go_python() -> None:
+    """:data:`rows_let_go` in Python."""
+    with _held_lock:
+        if _held[0] > 0:
+            _held[0] -= 1
+            if _held[0] == 0 and _held[1]:
+                gc.enable()
+
+
+_NATIVE_HOLD = _xxcopy is not None and hasattr(_xxcopy, "rows_hold")
+#: ``rows_hold()``: automatic garbage collection held off until the matching
+#: :data:`rows_let_go` (counted for the whole process, with the native jobs' holds: the last one
+#: lets collection go again where it was on before the first). A job holds it from its first
+#: row's view to its last copy: a view is a row's address and holds nothing, and a collection
+#: run between (any allocation may start one) runs finalizers and weakref callbacks, Python that
+#: may free or move a row whose view is taken (``row.set_(...)``); the copy would then write or
+#: read memory the row no longer owns (``kvtier/records/_hostrow.h``).
+rows_hold: Callable[[], None] = _xxcopy.rows_hold if _NATIVE_HOLD else rows_hold_python
+#: ``rows_let_go()``: one :data:`rows_hold` ended.
+rows_let_go: Callable[[], None] = _xxcopy.rows_let_go if _NATIVE_HOLD else rows_let_go_python
