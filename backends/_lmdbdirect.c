@@ -1,8 +1,9 @@
 /*
  * kvtier.backends._rowguard, its third source: an lmdb tier's straight reads look their keys up
- * by the LMDB engine's own get, called on the transaction python-lmdb began, with no Python
- * object a key (python-lmdb's Transaction.get parses its arguments, makes a buffer object and
- * hands the GIL over and back for each: about 20 % of a 4 KiB record's read).
+ * by the LMDB engine's own get, in a read transaction of the engine's own that the store keeps
+ * between jobs (_lmdbkeep.c), with no Python object a key or a job (python-lmdb's
+ * Transaction.get parses its arguments, makes a buffer object and hands the GIL over and back
+ * for each: about 20 % of a 4 KiB record's read; its begin and abort, a fifth of a job of one).
  *
  * python-lmdb exposes no C interface; this reads its objects' C structs. It is sound only for
  * the python-lmdb whose source was read (3.0.0, lmdb/cpython.c: EnvObject, TransObject,
@@ -20,98 +21,10 @@
  * out of the map is done; the lookups run with the GIL handed over once a job, each value's
  * pages touched there as python-lmdb's preload touches them.
  */
-#include "_rowguard.h"
-
 #include <dlfcn.h>
-#include <pthread.h>
 #include <string.h>
-#include <sys/types.h>
 
-#include "../kvtier/records/_xxh3.h"
-
-/* python-lmdb 3.0.0's structs, field for field (lmdb/cpython.c without HAVE_MEMSINK, which its
-   builds leave undefined; lmdb/mdb_api.h). Only the fields up to the last one read matter, and
-   direct_probe checks each type's size against them. */
-typedef struct {
-    size_t mv_size;
-    void *mv_data;
-} pl_val;
-
-typedef struct {
-    int major, minor, patch;
-    unsigned int data_version;
-    void *env_create, *env_open, *env_close, *env_copy2, *env_copyfd2, *env_copy3, *env_copyfd3, *env_sync, *env_stat, *env_info;
-    void *env_get_flags, *env_set_flags, *env_get_maxkeysize, *env_get_maxreaders, *env_get_path, *env_set_mapsize,
-        *env_set_maxdbs, *env_set_maxreaders, *reader_check, *reader_list;
-    void *txn_begin, *txn_commit, *txn_abort, *txn_reset, *txn_renew;
-    size_t (*txn_id)(void *txn);
-    void *dbi_open, *dbi_flags, *dbi_close, *drop;
-    int (*get)(void *txn, unsigned int dbi, pl_val *key, pl_val *data);
-} pl_api;
-
-struct pl_list_head {
-    void *prev, *next;
-};
-
-#define PL_HEAD                                                                                                                    \
-    PyObject_HEAD struct pl_list_head siblings;                                                                                    \
-    struct pl_list_head children;                                                                                                  \
-    int valid;
-
-struct pl_env;
-
-typedef struct {
-    PL_HEAD
-    struct pl_env *env;
-    unsigned int dbi;
-    unsigned int flags;
-} pl_db;
-
-typedef struct pl_env {
-    PL_HEAD
-    PyObject *weaklist;
-    void *env;
-    const pl_api *libv;
-    pl_db *main_db;
-    int readonly;
-    void *spare_txn;
-    int max_spare_txns;
-    pid_t pid;
-    unsigned long write_txn_tid;
-    PyObject *open_keys;
-    int active_ops;
-    int ops_waiters;
-    int write_begins;
-    int resizing;
-    unsigned long resize_tid;
-    int ops_sync_ready;
-    pthread_mutex_t ops_mutex;
-    pthread_cond_t ops_cond;
-} pl_env;
-
-typedef struct {
-    PL_HEAD
-    PyObject *weaklist;
-    pl_env *env;
-    void *parent;
-    const pl_api *libv;
-    void *txn;
-    int flags;
-    pl_db *db;
-    int mutations;
-} pl_txn;
-
-#define PL_NOTFOUND (-30798) /* MDB_NOTFOUND, the same in both engines */
-#define PL_PAGE 4096         /* python-lmdb's preload stride */
-#define CAPSULE_NAME "kvtier.backends._rowguard.direct"
-
-/* What direct_probe found sound, kept in the capsule a store's parts hold. */
-typedef struct {
-    PyTypeObject *env_type, *txn_type, *db_type; /* python-lmdb's types, held */
-    const pl_api *libv;                          /* the engine checked */
-    PyObject *check;                             /* xxcopy's native check-copy, held: the one check_c is */
-    xxc_check_copy_fn check_c;
-} direct_t;
+#include "_lmdbdirect.h"
 
 static void direct_free(PyObject *capsule)
 {
@@ -122,12 +35,14 @@ static void direct_free(PyObject *capsule)
     Py_XDECREF(d->txn_type);
     Py_XDECREF(d->db_type);
     Py_XDECREF(d->check);
+    keep_drop(d);
+    Py_XDECREF(d->env);
     PyMem_Free(d);
 }
 
 /* Whether python-lmdb's own get would start now: the environment valid, open, not being resized
    by another thread (python-lmdb's ENV_RESIZE_BLOCKED). */
-static int env_usable(const pl_env *e)
+int env_usable(const pl_env *e)
 {
     return e->valid && e->env != NULL && !(e->resizing && e->resize_tid != (unsigned long)PyThread_get_thread_ident());
 }
@@ -135,8 +50,9 @@ static int env_usable(const pl_env *e)
 /* One engine's symbols, as python-lmdb's extension exports them, against libv's. */
 static int engine_is(void *so, const char *prefix, const pl_api *libv)
 {
-    static const char *const names[] = {"get", "txn_id", "txn_abort", "env_create"};
-    void *const have[] = {(void *)libv->get, (void *)libv->txn_id, libv->txn_abort, libv->env_create};
+    static const char *const names[] = {"get", "txn_id", "txn_abort", "env_create", "txn_begin", "txn_reset", "txn_renew", "env_get_flags"};
+    void *const have[] = {(void *)libv->get, (void *)libv->txn_id, libv->txn_abort, libv->env_create,
+                          libv->txn_begin, libv->txn_reset, libv->txn_renew, libv->env_get_flags};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         char symbol[64];
         snprintf(symbol, sizeof symbol, "%s_%s", prefix, names[i]);
@@ -238,6 +154,14 @@ PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t narg
     d->libv = e->libv;
     d->check = Py_NewRef(args[9]);
     d->check_c = check_c;
+    if (keep_init(d, (pl_env *)env, key, ((const pl_db *)dbs[0])->dbi, value) < 0) {
+        Py_DECREF(d->env_type);
+        Py_DECREF(d->txn_type);
+        Py_DECREF(d->db_type);
+        Py_DECREF(d->check);
+        PyMem_Free(d);
+        return NULL;
+    }
     PyObject *capsule = PyCapsule_New(d, CAPSULE_NAME, direct_free);
     if (capsule == NULL) {
         d->check_c = NULL;
@@ -245,6 +169,8 @@ PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(d->txn_type);
         Py_DECREF(d->db_type);
         Py_DECREF(d->check);
+        keep_drop(d);
+        Py_XDECREF(d->env);
         PyMem_Free(d);
     }
     return capsule;
@@ -357,14 +283,16 @@ typedef struct {
 
 #define ON_STACK 16
 
-/* The lookups of a counted job by the engine's get (see the file's doc), each record checked and
+/* The lookups of a counted job by the engine's get (see the file's doc), in the read transaction
+   the store keeps (_lmdbkeep.c: renewed, so it reads the last commit), each record checked and
    copied into its row's view (views: memoryviews) by check_c: found[i] set True for each key
    read. 1: every key read or absent; 0: the job is the general path's (an engine error, a split
    record with no entry, a record not raw and sound); -1: an error is set; 2: not taken (no
-   probed capsule in parts, another check, a stand-in transaction, anything not as probed, a row
-   view not a writable memoryview): python-lmdb's get reads the job, nothing done. */
-int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
-                   PyObject *check, PyObject *found)
+   probed capsule in parts, another check, a stand-in environment, anything not as probed, a row
+   view not a writable memoryview, no read transaction to be had): python-lmdb's transaction and
+   get read the job, nothing done. */
+int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n, PyObject *check,
+                   PyObject *found)
 {
     PyObject *direct = parts[P_DIRECT];
     if (direct == Py_None)
@@ -372,13 +300,12 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
     direct_t *d = PyCapsule_GetPointer(direct, CAPSULE_NAME);
     if (d == NULL)
         return -1;
-    if (check != d->check || Py_TYPE(env) != d->env_type || Py_TYPE(txn) != d->txn_type)
-        return 2; /* another check, or a stand-in environment or transaction: python-lmdb's get */
+    if (check != d->check || env != d->env || d->forks != rowguard_forks())
+        return 2; /* another check, a stand-in or another environment, another process: python-lmdb's get */
     pl_env *e = (pl_env *)env;
-    const pl_txn *t = (const pl_txn *)txn;
     unsigned int blocks, index;
-    if (!env_usable(e) || e->libv != d->libv || t->env != e || !t->valid || t->txn == NULL || t->libv != d->libv
-        || db_handle(d, e, parts[P_BLOCKS], &blocks) < 0 || db_handle(d, e, parts[P_INDEX], &index) < 0)
+    if (!env_usable(e) || e->libv != d->libv || e->env != d->mdb_env || db_handle(d, e, parts[P_BLOCKS], &blocks) < 0
+        || db_handle(d, e, parts[P_INDEX], &index) < 0)
         return 2;
     for (Py_ssize_t i = 0; i < n; i++)
         if (!PyMemoryView_Check(views[i]) || PyMemoryView_GET_BUFFER(views[i])->readonly || !PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(views[i]), 'C'))
@@ -400,11 +327,19 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
         look[i].key.mv_data = PyBytes_AS_STRING(keys[i]);
     }
     int (*get)(void *, unsigned int, pl_val *, pl_val *) = d->libv->get;
-    void *mdb_txn = t->txn;
-    /* Counted in flight (python-lmdb's ACTIVE_OPS_INC) from the lookups to the last copy out of
-       the map: a close or a resize waits for it. The GIL is held here, as python-lmdb holds it
-       for its increment, so no close has begun since the checks above. */
+    /* Counted in flight (python-lmdb's ACTIVE_OPS_INC) from the transaction's renewal to its
+       reset after the last copy out of the map: a close or a resize waits for it. The GIL is
+       held here, as python-lmdb holds it for its increment, so no close has begun since the
+       checks above. */
     __atomic_add_fetch(&e->active_ops, 1, __ATOMIC_SEQ_CST);
+    void *mdb_txn = keep_take(d);
+    if (mdb_txn == NULL) { /* (readers full, say): python-lmdb's begin tells */
+        ops_done(e);
+        if (look != small)
+            PyMem_Free(look);
+        PyBuffer_Release(&head);
+        return 2;
+    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         lookup_t *l = &look[i];
@@ -445,6 +380,7 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObjec
         }
         Py_SETREF(((PyListObject *)found)->ob_item[i], Py_NewRef(Py_True)); /* the False filled in released */
     }
+    keep_give(d, mdb_txn);
     ops_done(e);
     direct_jobs++;
     if (look != small)

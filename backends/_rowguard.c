@@ -283,18 +283,14 @@ int abort_read(PyObject *txn)
 static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *key, PyObject *view, PyObject *clock,
                               double cold_s, PyObject *check)
 {
-    PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
-    PyObject *txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    if (txn == NULL)
-        return NULL;
-    PyObject *result = NULL, *value = NULL, *entry = NULL, *stored = NULL;
+    PyObject *txn = NULL, *result = NULL, *value = NULL, *entry = NULL, *stored = NULL;
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
-        goto done;
+        return NULL;
     result = Py_BuildValue("[O]", Py_False);
     if (result == NULL)
-        goto done;
-    int direct = direct_lookups(parts, env, txn, &key, &view, 1, check, result); /* by LMDB's own get where probed */
+        return NULL;
+    int direct = direct_lookups(parts, env, &key, &view, 1, check, result); /* by LMDB's own get, in its own transaction, where probed */
     if (direct != 2) {
         if (direct == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
             direct = -1;
@@ -302,9 +298,13 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
             direct = -1;
         if (direct != 1)
             Py_SETREF(result, direct == 0 ? Py_NewRef(Py_None) : NULL);
-        goto done;
+        return result;
     }
     Py_CLEAR(result);
+    PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
+    txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (txn == NULL)
+        return NULL;
     PyObject *get_args[4] = {txn, key, Py_None, parts[P_BLOCKS]};
     value = PyObject_VectorcallMethod(s_get, get_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (value == NULL)
@@ -480,6 +480,8 @@ static PyMethodDef methods[] = {
     {"direct_parked", py_direct_parked, METH_NOARGS, "direct_parked() -> how many direct jobs are parked now."},
     {"direct_release", py_direct_release, METH_NOARGS, "direct_release(): the parked direct jobs go on."},
     {"direct_ops", py_direct_ops, METH_O, "direct_ops(env) -> python-lmdb's (active_ops, ops_waiters) of env."},
+    {"direct_drop", py_direct_drop, METH_O, "direct_drop(direct): the store closes: the read transaction its direct lookups keep is aborted, none kept after."},
+    {"direct_kept", py_direct_kept, METH_O, "direct_kept(direct) -> whether the direct lookups keep a reset read transaction now."},
     {"direct_jobs", py_direct_jobs, METH_NOARGS, "direct_jobs() -> the straight reads' jobs looked up by LMDB's own get so far."},
     {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
      "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"

@@ -56,8 +56,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* The lookups by LMDB's own get, and its check at a store's open: see _lmdbdirect.c. */
-int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *txn, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
-                   PyObject *check, PyObject *found);
+int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n, PyObject *check,
+                   PyObject *found);
 PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_direct_jobs(PyObject *self, PyObject *unused);
 PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -65,6 +65,9 @@ PyObject *py_direct_park(PyObject *self, PyObject *on);
 PyObject *py_direct_parked(PyObject *self, PyObject *unused);
 PyObject *py_direct_release(PyObject *self, PyObject *unused);
 PyObject *py_direct_ops(PyObject *self, PyObject *env);
+/* The read transaction the direct lookups keep: see _lmdbkeep.c. */
+PyObject *py_direct_drop(PyObject *self, PyObject *capsule);
+PyObject *py_direct_kept(PyObject *self, PyObject *capsule);
 
 #pragma GCC visibility pop
 

@@ -43,22 +43,21 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
     Py_ssize_t joined, at;
     if (record_sizes(parts, &joined, &at) < 0)
         return -1;
+    double start = read_clock(clock);
+    if (start == -1.0 && PyErr_Occurred())
+        return -1;
+    int direct = direct_lookups(parts, env, keys, views, n, check, found); /* by LMDB's own get, in its own transaction, where probed */
+    if (direct != 2) {
+        if (direct == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
+            direct = -1;
+        return direct;
+    }
     PyObject *begin_args[5] = {env, Py_None, Py_None, Py_False, Py_True}; /* buffers=True, by position */
     PyObject *txn = PyObject_VectorcallMethod(s_begin, begin_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (txn == NULL)
         return -1;
     int rc = -1;
     PyObject *get = NULL;
-    double start = read_clock(clock);
-    if (start == -1.0 && PyErr_Occurred())
-        goto done;
-    int direct = direct_lookups(parts, env, txn, keys, views, n, check, found); /* by LMDB's own get where probed */
-    if (direct != 2) {
-        rc = direct;
-        if (rc == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
-            rc = -1;
-        goto done;
-    }
     get = PyObject_GetAttr(txn, s_get); /* once a job, as StraightRead.job binds it */
     if (get == NULL)
         goto done;

@@ -20,12 +20,21 @@ on was checked, at the store's open (:func:`direct_gets`):
   that is not there is not found.
 
 Anything else leaves :func:`direct_gets` ``None`` and the reads use python-lmdb's ``get`` as
-before. Each job checks again, under the GIL, that its transaction and databases are
-python-lmdb's own live objects of this environment (a test's stand-in transaction is read by
-python-lmdb's ``get``). The job is counted in the environment's in-flight operations, as
-python-lmdb counts its own ``get``, until its last copy out of the map: a close or a resize
-waits for it. Every check of a record, the file guard, the fork rule, the cold rule and the
-counters are the straight read's, unchanged.
+before. Each job checks again, under the GIL, that its environment is the one probed, still
+open, in the process that probed it, and its databases python-lmdb's own live objects of it (a
+test's stand-in environment is read by python-lmdb's transactions and ``get``). The job is
+counted in the environment's in-flight operations, as python-lmdb counts its own ``get``,
+until its last copy out of the map: a close or a resize waits for it. Every check of a record,
+the file guard, the fork rule, the cold rule and the counters are the straight read's,
+unchanged.
+
+The jobs read in a read transaction of the engine's own that the store keeps between jobs
+(``backends/_lmdbkeep.c``; python-lmdb's ``begin`` and ``abort`` made a Python object and two
+calls a job): reset after each job, so it holds no snapshot, and renewed by the next, so it
+reads the last commit, as a new one would. The probe checks the environment is ``MDB_NOTLS``
+(a reset transaction is then renewed on any thread) and reads the meta record through one,
+begun, reset and renewed. The store's close aborts it (:func:`drop_kept`) before the
+environment closes; a fork's child never touches it.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import lmdb
 
 from kvtier.records import xxcopy
 
-__all__ = ["DIRECT_GETS", "LAYOUT_VERSION", "direct_gets"]
+__all__ = ["DIRECT_GETS", "LAYOUT_VERSION", "direct_gets", "drop_kept"]
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +102,11 @@ def direct_gets(env: lmdb.Environment, meta: Any, key: bytes, blocks: Any, index
     except (RuntimeError, lmdb.Error) as exc:
         log.warning("lmdb: keys are looked up by python-lmdb's get: %s", exc)
         return None
+
+
+def drop_kept(direct: object | None) -> None:
+    """The store closes: the read transaction the direct lookups of ``direct`` (what
+    :func:`direct_gets` gave, or ``None``) keep is aborted, and none is kept after. Called with
+    no job of the store in flight, just before its environment closes."""
+    if direct is not None and _rowguard is not None:
+        _rowguard.direct_drop(direct)

@@ -100,7 +100,7 @@ import lmdb
 import torch
 from kvtier.backends import lmdb_one, lmdb_plain
 from kvtier.backends.group_commit import GroupCommit
-from kvtier.backends.lmdb_direct import direct_gets
+from kvtier.backends.lmdb_direct import direct_gets, drop_kept
 from kvtier.backends.lmdb_files import (
     META_KEY,
     DamagedEnvironment,
@@ -159,17 +159,20 @@ async def _reads_ended(jobs: list[Any] | None) -> None:
         await asyncio.sleep(0.001)
 
 
-def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str) -> bool:
+def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str, direct: object | None = None) -> bool:
     """Close ``env`` once the reads ``jobs`` counted have ended: python-lmdb's ``close`` unmaps
     the file at once, and a read copying from a mapped value with the GIL released (the native
     check-copy) would fault the process. :data:`CLOSE_WAIT_S` at most: a read still running then
-    leaves the environment open, its map kept until the process ends (``False``)."""
+    leaves the environment open, its map kept until the process ends (``False``). ``direct``:
+    what the direct lookups took (:func:`~kvtier.backends.lmdb_direct.direct_gets`): the read
+    transaction they keep is aborted just before the close, none kept after."""
     end = time.monotonic() + CLOSE_WAIT_S
     while jobs and time.monotonic() < end:
         time.sleep(0.001)
     if jobs:
         log.warning("lmdb: %d reads of %r still run after %.3g s at close; its environment is left open", len(jobs), path, CLOSE_WAIT_S)
         return False
+    drop_kept(direct)
     env.close()
     return True
 
@@ -216,6 +219,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._holder: HolderLock | None = None
         self._reader: JobReader | None = None
         self._straight: StraightRead | None = None  # warm jobs of an unkeyed store (read_blocks)
+        self._direct: object | None = None  # what the straight reads' direct lookups took (lmdb_direct)
         self._listed: list[RecordInfo] | RecordColumns | None = None
         #: Whether the index may hold a split record's entry: a joined save then deletes the
         #: key's entry (lmdb_writes). Set at open from the listing, and by a split save.
@@ -330,7 +334,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             )
             reader = self._reader
             if self.mac is None and reader.views is not None and reader.guard is not None:
-                direct = direct_gets(env, meta_db, META_KEY, self._blocks, self._index)  # LMDB's own get, where probed sound
+                direct = self._direct = direct_gets(env, meta_db, META_KEY, self._blocks, self._index)  # LMDB's own get, where probed sound
                 self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters, direct)
             self._ready_writes()
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
@@ -466,7 +470,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._straight = None
         jobs = _refuse_reads(self._reader)
         env, self._env = self._env, None
-        return env is None or _close_after_reads(env, jobs, self.path)
+        direct, self._direct = self._direct, None
+        return env is None or _close_after_reads(env, jobs, self.path, direct)
 
     async def aclose(self) -> None:
         """Close the tier. The reads under way are waited for on the event loop (it keeps
