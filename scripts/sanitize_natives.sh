@@ -41,7 +41,7 @@ if [ $# -eq 0 ]; then
         tests/test_lmdb_one_read.py tests/test_lmdb_close_reads.py tests/test_file_closed_reads.py tests/test_xxcopy.py \
         tests/test_xxcopy_check.py tests/test_xxcopy_read_check.py tests/test_native_bounds.py tests/test_file_syncs.py \
         tests/test_lmdb_direct.py tests/test_key_order.py tests/test_file_row_jobs.py tests/test_lmdb_job_save.py \
-        tests/test_lmdb_row_storage.py
+        tests/test_lmdb_row_storage.py tests/test_key_index.py tests/test_key_index_ready.py tests/test_lookup_probe.py
 fi
 # (leaks are not asked: the interpreter's own are not the extensions'; SIGBUS is left to the
 # process: tests that show a mapped file cut short kills it expect the signal itself)

@@ -25,6 +25,14 @@
 #define DICT_VERSION(d) ((uint64_t)0)
 #endif
 
+/* One slot of the ready-key table (_keymirror.c): a key of the dict whose value is READY, held
+ * by a strong reference (so its address is never reused while the slot names it), and its
+ * hash. An empty slot has ``key`` NULL. */
+typedef struct {
+    Py_hash_t hash;
+    PyObject *key;
+} ReadySlot;
+
 typedef struct {
     PyDictObject dict;
     uint8_t *cells;        /* 2-bit counters, four a byte; NULL until first built */
@@ -34,6 +42,11 @@ typedef struct {
     Py_ssize_t saturated;  /* counters at TOP */
     Py_ssize_t foreign;    /* keys that are not exact bytes (while any, no filter) */
     uint64_t synced;       /* the dict's version when the counts last matched it */
+    ReadySlot *ready;      /* the ready keys, open addressing (NULL: none, or dropped) */
+    size_t ready_mask;     /* slots - 1 (a power of two) */
+    Py_ssize_t ready_count;
+    uint64_t ready_synced; /* the dict's version when the table last matched it */
+    int wants_ready;       /* keep_ready() was called: counts rebuilt from the dict rebuild the table too */
 } KeyIndex;
 
 KEYINDEX_INTERNAL extern PyTypeObject KeyIndexType;
@@ -41,8 +54,28 @@ KEYINDEX_INTERNAL extern PyTypeObject KeyIndexType;
 /* Ready KeyIndexType (a dict subclass); 0, or -1 with an error set. */
 KEYINDEX_INTERNAL int keyindex_type_ready(void);
 
-/* Count every key of the dict afresh into slots enough for it; 0, or -1 with MemoryError. */
+/* Count every key of the dict afresh into slots enough for it (and rebuild the ready-key
+ * table); 0, or -1 with MemoryError. */
 KEYINDEX_INTERNAL int keyindex_rebuild(KeyIndex *self);
+
+/* The ready-key table (_keymirror.c), kept up to date by the mutations through the type and
+ * consulted only while it matches the dict (ready_synced). READY is the int 1 (kvtier.bulk). */
+KEYINDEX_INTERNAL extern PyObject *keyindex_ready_value;
+/* Drop the table (its references released). */
+KEYINDEX_INTERNAL void ready_free(KeyIndex *self);
+/* Build the table afresh from the dict (synced with it); on no memory the index is left without
+ * one (no error). */
+KEYINDEX_INTERNAL void ready_rebuild(KeyIndex *self);
+/* After a mutation by exact-bytes ``key`` (``was_ready``: the dict mapped it to READY before,
+ * so the table, exact until then, holds it): hold it when the dict maps it to READY now, else
+ * not. ``known``: ``is_ready`` says what the dict maps it to now (else the dict is asked). On
+ * no memory the table is dropped (no error); an error already set is kept. */
+KEYINDEX_INTERNAL void ready_note(KeyIndex *self, PyObject *key, int was_ready, int is_ready, int known);
+/* Fetch the table lines of a list or tuple of keys into the cache, ahead of their notes. */
+KEYINDEX_INTERNAL void ready_prefetch(KeyIndex *self, PyObject *keys);
+/* ``key`` (exact bytes, its ``value`` just stored by an update that added it): hold it if READY
+ * (the caller marks the table synced once every key is noted). */
+KEYINDEX_INTERNAL void ready_added(KeyIndex *self, PyObject *key, PyObject *value);
 
 /* A cheap mix of every byte of a key (all four words of a 32-byte one: keys made elsewhere may
  * share a prefix), not a defence against chosen keys: a collision only costs a dict probe. A
@@ -95,6 +128,49 @@ index_ready(KeyIndex *self)
         }
     }
     return self->foreign == 0;
+}
+
+/* Whether the counts match the dict now, as they are (no rebuild). */
+static inline int
+index_synced(KeyIndex *self)
+{
+    return KEYINDEX_GUARDED && !self->stale && self->foreign == 0 && self->cells != NULL && self->synced == DICT_VERSION(self);
+}
+
+/* Whether the ready-key table matches the dict now: no mutation since it was last brought up
+ * to date (a mutation it did not follow, whoever made it, changed the dict's version). */
+static inline int
+ready_synced(KeyIndex *self)
+{
+    return KEYINDEX_GUARDED && self->ready != NULL && self->ready_synced == DICT_VERSION(self);
+}
+
+/* Whether ``slot`` (not empty) holds ``key``'s bytes: the same object, or equal bytes. */
+static inline int
+ready_same(const ReadySlot *slot, PyObject *key, Py_hash_t hash)
+{
+    PyObject *held = slot->key;
+    return held == key || (slot->hash == hash && PyBytes_GET_SIZE(held) == PyBytes_GET_SIZE(key) &&
+                           memcmp(PyBytes_AS_STRING(held), PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key)) == 0);
+}
+
+/* 1 if the dict surely maps ``key`` to READY (the ready-key table says so, and it matches the
+ * dict), else 0 (the dict answers). One cache line of the table for a key stored as this very
+ * object, where the dict's own probe reads its index and then its entries. Never an error. */
+static inline int
+index_surely_ready(KeyIndex *self, PyObject *key)
+{
+    const ReadySlot *slots = self->ready;
+    Py_hash_t hash;
+    size_t i;
+    if (slots == NULL || !PyBytes_CheckExact(key) || !ready_synced(self))
+        return 0;
+    hash = PyObject_Hash(key); /* bytes: cached after the first, never fails */
+    for (i = (size_t)hash & self->ready_mask; slots[i].key != NULL; i = (i + 1) & self->ready_mask) {
+        if (ready_same(&slots[i], key, hash))
+            return 1;
+    }
+    return 0;
 }
 
 /* 1 if ``key`` is surely not in the dict (no dict probe needed), else 0. Never an error. */

@@ -66,9 +66,13 @@ probe_one(KeyProbe *self, PyObject *source, PyObject *key, int filter)
     PyObject *value;
     int truth;
     if (PyDict_CheckExact(source) || Py_IS_TYPE(source, &KeyIndexType)) {
-        if (filter && Py_IS_TYPE(source, &KeyIndexType) && index_surely_absent((KeyIndex *)source, key)) {
-            self->filtered++;
-            return 0;
+        if (Py_IS_TYPE(source, &KeyIndexType)) {
+            if (filter && index_surely_absent((KeyIndex *)source, key)) {
+                self->filtered++;
+                return 0;
+            }
+            if (index_surely_ready((KeyIndex *)source, key))
+                return 1; /* READY is truthy: what the dict probe below would answer */
         }
         value = PyDict_GetItemWithError(source, key); /* borrowed */
         if (value == NULL)

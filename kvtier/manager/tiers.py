@@ -113,7 +113,9 @@ class TierState:
         self.block = spec.block_reserve
         self.variable = spec.variable_size
         self.persistent = spec.persistent
-        self.index = new_index()  # a dict (with a membership filter where kvtier.manager._probe is built)
+        # a dict (with a membership filter where kvtier.manager._probe is built, and a table of
+        # its ready keys for a tier whose blocks are in memory: see lookups.new_index)
+        self.index = new_index(ready_table=not spec.persistent)
         self.pins: dict[bytes, int] = {}
         self.sizes: dict[bytes, int] = {}
         self.stamps: dict[bytes, float] = {}
