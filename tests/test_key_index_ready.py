@@ -332,3 +332,23 @@ def test_a_key_of_another_type_whose_compare_mutates_midway_cannot_leave_a_wrong
     c.lookup_key(make_key(9999))  # a miss: rebuilt, now that every key is bytes
     assert index.filter_state()["ready"] == 50 and all(index.held_ready(k) for k in UNIVERSE[:50])
     assert not index.held_ready(key) and c.lookup_key(key) is False
+
+
+@native
+def test_a_ready_key_set_through_another_object_which_is_then_freed_is_never_a_wrong_hit() -> None:
+    """``index[copy] = READY`` where the dict already holds the key as another object keeps the
+    dict's object, not ``copy``; the table notes ``copy``. When the caller frees ``copy``, new
+    bytes objects of other keys are made where it lived: the table's reference keeps ``copy``
+    alive, so its slot can never name one of them (without it, identity would call them hits)."""
+    index = new_index(ready_table=True)
+    c = single_key_lookup([index.get], _general, native=True)
+    stored = [make_key(i) for i in range(2000)]
+    for k in stored:
+        index[k] = 0
+    for k in stored:
+        index[bytes(bytearray(k))] = READY  # the copy is dropped at once
+    assert index.filter_state()["ready"] == len(stored)
+    made = [bytes(bytearray(make_key(10**6 + i))) for i in range(20_000)]  # fill the freed memory
+    assert not any(index.held_ready(k) for k in made)
+    assert not any(c.lookup_key(k) for k in made)
+    assert all(c.lookup_key(k) for k in stored)
