@@ -6,7 +6,7 @@
  * maps to READY:
  *
  * - it is kept only where asked for (``KeyIndex.keep_ready()``: a tier whose blocks live in
- *   memory, where 10-40 bytes a key are nothing beside the block; not a disk tier's index of
+ *   memory, where 27-53 bytes a key are nothing beside the block; not a disk tier's index of
  *   millions of records); it is built then, and every mutation through the type of an exact
  *   bytes key notes its key here; any other mutation (another key type, dict's own methods or
  *   C API, an ``update`` it cannot follow) drops it, and the dict's version tag, changed by

@@ -105,7 +105,7 @@ def new_index(ready_table: bool = False) -> dict[bytes, int]:
     """An empty index for one tier: a ``dict`` in every respect, and where the extension is built
     one whose membership filter lets ``lookup_key`` answer most misses without a dict probe.
     ``ready_table``: it also keeps a table of its ready keys, which a hit reads in one cache line
-    where the dict takes two (10-40 bytes a key: for a tier whose blocks are in memory, not for
+    where the dict takes two (27-53 bytes a key: for a tier whose blocks are in memory, not for
     a disk tier's index of millions of records)."""
     index: dict[bytes, int] = _INDEX()
     if ready_table and hasattr(index, "keep_ready"):
