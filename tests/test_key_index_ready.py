@@ -352,3 +352,39 @@ def test_a_ready_key_set_through_another_object_which_is_then_freed_is_never_a_w
     assert not any(index.held_ready(k) for k in made)
     assert not any(c.lookup_key(k) for k in made)
     assert all(c.lookup_key(k) for k in stored)
+
+
+@native
+@pytest.mark.parametrize("seed", range(3))
+def test_a_miss_the_table_answers_as_absent_is_the_dict_s_answer(seed: int) -> None:
+    """While the table holds every key of the dict (all READY), a key it misses is answered absent
+    without the dict; once a key maps to something else (PENDING, or a truthy value that is not
+    READY) the dict answers again. Either way the C lookup answers, counts and refuses as the
+    Python closure over a plain dict: absent keys, wrong lengths, other objects of held bytes."""
+    rng = random.Random(seed)
+    index, model = new_index(ready_table=True), {}
+    c = single_key_lookup([index.get], _general, native=True)
+    py = single_key_lookup([model.get], _general, native=False)
+    asked = [*UNIVERSE, b"short", make_key(99_999)[:-1] + b"\x00\x00"]
+    whole = 0
+    for step in range(1500):
+        key = rng.choice(UNIVERSE)
+        if rng.random() < 0.6:
+            value = READY if rng.random() < 0.9 else rng.choice([0, 2, True])
+            index[key] = value
+            model[key] = value
+        elif key in model:
+            del index[key]
+            del model[key]
+        if rng.random() < 0.3:  # everything made ready: the table covers the dict
+            for k, v in list(model.items()):
+                if v is not READY:
+                    index[k] = model[k] = READY
+        whole += index.filter_state()["ready"] == len(index) > 0
+        for k in rng.sample(asked, 12):
+            if rng.random() < 0.3:
+                k = bytes(bytearray(k))
+            assert _outcome(c.lookup_key, k) == _outcome(py.lookup_key, k), step
+            assert _outcome(c.lookup, (k,)) == _outcome(py.lookup, (k,)), step
+    assert c.counts() == py.counts() and c.counts()[0] > 0 and c.counts()[1] > 0
+    assert whole > 100  # the table's own misses were exercised

@@ -154,11 +154,13 @@ ready_same(const ReadySlot *slot, PyObject *key, Py_hash_t hash)
                            memcmp(PyBytes_AS_STRING(held), PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key)) == 0);
 }
 
-/* 1 if the dict surely maps ``key`` to READY (the ready-key table says so, and it matches the
- * dict), else 0 (the dict answers). One cache line of the table for a key stored as this very
- * object, where the dict's own probe reads its index and then its entries. Never an error. */
+/* What the ready-key table says of ``key``, while it matches the dict: 1, the dict surely maps
+ * it to READY (one cache line of the table for a key stored as this very object, where the
+ * dict's own probe reads its index and then its entries); -1, the dict surely does not hold it
+ * (the table misses it and holds every key of the dict, so a miss the filter let through ends
+ * here, without the dict's two lines); 0, ask the dict. Never an error. */
 static inline int
-index_surely_ready(KeyIndex *self, PyObject *key)
+index_ready_answer(KeyIndex *self, PyObject *key)
 {
     const ReadySlot *slots = self->ready;
     Py_hash_t hash;
@@ -170,7 +172,14 @@ index_surely_ready(KeyIndex *self, PyObject *key)
         if (ready_same(&slots[i], key, hash))
             return 1;
     }
-    return 0;
+    return self->ready_count == PyDict_GET_SIZE(self) ? -1 : 0;
+}
+
+/* 1 if the dict surely maps ``key`` to READY (the ready-key table says so), else 0. */
+static inline int
+index_surely_ready(KeyIndex *self, PyObject *key)
+{
+    return index_ready_answer(self, key) > 0;
 }
 
 /* 1 if ``key`` is surely not in the dict (no dict probe needed), else 0. Never an error. */

@@ -1,9 +1,9 @@
 /* The ready-key table of a ``KeyIndex``: the keys the dict maps to READY, in one open-addressing
  * table of (hash, key) slots, so that a lookup hit reads one cache line of it where the dict's
  * own probe reads its index array and then its entry array (two dependent misses at 10^5 keys
- * and more). KeyProbe (_probe.c) consults it through ``index_surely_ready`` (_keyindex.h); a
- * key it does not hold goes to the dict, so it only ever answers "ready" for a key the dict
- * maps to READY:
+ * and more). KeyProbe (_probe.c) consults it through ``index_ready_answer`` (_keyindex.h); a
+ * key it does not hold goes to the dict, unless it holds every key of the dict (then the key is
+ * surely absent), so it only ever answers "ready" for a key the dict maps to READY:
  *
  * - it is kept only where asked for (``KeyIndex.keep_ready()``: a tier whose blocks live in
  *   memory, where 27-53 bytes a key are nothing beside the block; not a disk tier's index of

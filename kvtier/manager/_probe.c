@@ -71,8 +71,9 @@ probe_one(KeyProbe *self, PyObject *source, PyObject *key, int filter)
                 self->filtered++;
                 return 0;
             }
-            if (index_surely_ready((KeyIndex *)source, key))
-                return 1; /* READY is truthy: what the dict probe below would answer */
+            truth = index_ready_answer((KeyIndex *)source, key);
+            if (truth != 0)
+                return truth > 0; /* READY is truthy, an absent key a miss: what the dict probe below would answer */
         }
         value = PyDict_GetItemWithError(source, key); /* borrowed */
         if (value == NULL)
