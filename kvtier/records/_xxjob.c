@@ -290,11 +290,26 @@ static PyObject *py_rows_let_go(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* rows_forked(): in a child just forked, the holds of the parent's other threads (jobs that do not
+   go on here) dropped, and collection on again where it was before the first. */
+static PyObject *py_rows_forked(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (rows_held > 0) {
+        rows_held = 0;
+        if (collecting_before)
+            PyGC_Enable();
+    }
+    Py_RETURN_NONE;
+}
+
 static const host_rows_hold_api hold_api = {rows_hold, rows_let_go};
 
 static PyMethodDef hold_methods[] = {
     {"rows_hold", py_rows_hold, METH_NOARGS, "rows_hold(): automatic garbage collection held off, counted (see _hostrow.h)."},
     {"rows_let_go", py_rows_let_go, METH_NOARGS, "rows_let_go(): one rows_hold() ended; the last lets collection go again."},
+    {"rows_forked", py_rows_forked, METH_NOARGS, "rows_forked(): in a child just forked, every hold dropped (collection as before the first)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -459,7 +459,23 @@ def rows_let_go_python() -> None:
                 gc.enable()
 
 
-_NATIVE_HOLD = _xxcopy is not None and hasattr(_xxcopy, "rows_hold")
+def _rows_forked() -> None:
+    """In a child just forked: the holds of the parent's other threads dropped (their jobs do
+    not go on here), and collection on again where it was before the first; else a fork taken
+    while another thread's job held it would leave the child without automatic collection."""
+    global _held_lock
+    _held_lock = threading.Lock()  # (another thread may have held it at the fork)
+    if _held[0] > 0:
+        _held[0] = 0
+        if _held[1]:
+            gc.enable()
+    if _NATIVE_HOLD:
+        _xxcopy.rows_forked()
+
+
+_NATIVE_HOLD = _xxcopy is not None and hasattr(_xxcopy, "rows_forked")
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_rows_forked)
 #: ``rows_hold()``: automatic garbage collection held off until the matching
 #: :data:`rows_let_go` (counted for the whole process, with the native jobs' holds: the last one
 #: lets collection go again where it was on before the first). A job holds it from its first
