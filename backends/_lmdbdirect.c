@@ -63,6 +63,41 @@ static int engine_is(void *so, const char *prefix, const pl_api *libv)
     return 1;
 }
 
+#define PL_MAIN_DBI 1 /* LMDB's main database's handle (0 is its free list's) */
+#define PL_TXN_READ 3 /* python-lmdb's TRANS_BUFFERS | TRANS_RDONLY: a read transaction begun with buffers=True */
+
+/* Where a field the direct path reads, or its neighbour, does not hold the value it must hold at
+   the probe (a store just opened, in this process, by this thread, no operation in flight, txn
+   a top-level read transaction begun with buffers=True on the main database): its name, or NULL
+   when every one does. The sizes tell the struct's length only; a build of python-lmdb with
+   other options or patches could move a field within the same size, and these values tell each
+   offset: the count of operations in flight and its neighbours (what a close waits on), the
+   resize flag and thread, the mutex's ready flag, the process id in between, the main
+   database's handle, and the transaction's fields around its handle. */
+static const char *fields_known(const pl_env *e, const pl_txn *t, PyTypeObject *db_type)
+{
+    const pl_db *main_db = e->main_db;
+    if (e->valid != 1 || t->valid != 1)
+        return "env, txn: valid is not 1";
+    if (main_db == NULL || Py_TYPE(main_db) != db_type || main_db->env != e || main_db->dbi != PL_MAIN_DBI)
+        return "env: main_db is not env's main database";
+    if ((e->readonly != 0 && e->readonly != 1) || (e->max_spare_txns != 0 && e->max_spare_txns != 1))
+        return "env: readonly or max_spare_txns is not 0 or 1";
+    if (e->pid != getpid())
+        return "env: pid is not this process's";
+    if (e->open_keys != NULL && !PyTuple_Check(e->open_keys))
+        return "env: open_keys is not a tuple";
+    if (e->write_txn_tid != 0 || e->active_ops != 0 || e->ops_waiters != 0 || e->write_begins != 0)
+        return "env: write_txn_tid, active_ops, ops_waiters or write_begins is not 0";
+    if (e->resizing != 0 || e->resize_tid != 0)
+        return "env: resizing or resize_tid is not 0";
+    if (e->ops_sync_ready != 1)
+        return "env: ops_sync_ready is not 1";
+    if (t->parent != NULL || t->flags != PL_TXN_READ || t->db != main_db || t->mutations != 0)
+        return "txn: parent, flags, db or mutations is not a top-level read transaction's";
+    return NULL;
+}
+
 static PyObject *refuse(const char *what)
 {
     PyErr_Format(PyExc_RuntimeError, "direct_probe: %s", what);
@@ -101,6 +136,9 @@ PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t narg
     for (int i = 0; i < 3; i++)
         if (Py_TYPE(dbs[i]) != db_type || ((const pl_db *)dbs[i])->env != e || !((const pl_db *)dbs[i])->valid)
             return refuse("meta, blocks, index: not databases of env");
+    const char *field = fields_known(e, t, db_type);
+    if (field != NULL)
+        return refuse(field);
     PyObject *so_path = PyUnicode_EncodeFSDefault(args[8]);
     if (so_path == NULL)
         return NULL;
@@ -136,12 +174,20 @@ PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t narg
         pl_val other = {k.mv_size + 1, longer};
         missing = e->libv->get(t->txn, ((const pl_db *)dbs[0])->dbi, &other, &absent) == PL_NOTFOUND;
     }
+    int handles = missing; /* blocks' and index's: handles of databases the engine takes (that key: not found there) */
+    for (int i = 1; i < 3 && handles; i++) {
+        unsigned int dbi = ((const pl_db *)dbs[i])->dbi;
+        pl_val other = {k.mv_size + 1, longer}, none = {0, NULL};
+        handles = e->libv->get(t->txn, dbi, &other, &none) == PL_NOTFOUND; /* (a handle the engine does not take: EINVAL) */
+    }
     PyBuffer_Release(&value_buf);
     PyBuffer_Release(&key_buf);
     if (!same)
         return refuse("a record read by the engine's get is not where python-lmdb's get found it");
     if (!missing)
         return refuse("a key that is not there was found by the engine's get");
+    if (!handles)
+        return refuse("blocks, index: their handles are not databases the engine looks keys up in");
     xxc_check_copy_fn check_c = (xxc_check_copy_fn)PyCapsule_GetPointer(args[10], XXC_CHECK_COPY_CAPSULE);
     if (check_c == NULL)
         return NULL;
