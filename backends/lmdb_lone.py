@@ -119,6 +119,8 @@ class LoneSave:
             return None
         if self.record > lmdb_entries.JOIN_MAX:
             return None  # put split: the general path's
+        if lmdb_plain.modes_on():
+            return None  # a mode's handler may move the row once its address is read (lmdb_plain.python_in_torch)
         tier = self.tier
         # Built before its transaction, as the general path builds a job of one record (a
         # build that fails raises here, as there); then committed alone, or, where a commit

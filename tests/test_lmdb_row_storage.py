@@ -246,3 +246,48 @@ def test_a_job_of_one_never_writes_its_row_freed_once_its_address_was_read(tier:
     child = subprocess.run([sys.executable, "-c", _ONE_CHILD, tier, way], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["False"], "the job wrote its record into memory freed during its row's checks"
+
+
+_ONE_SAVE_CHILD = r"""
+import asyncio, sys, tempfile, torch
+from torch.overrides import TorchFunctionMode
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+tier = sys.argv[1]
+more = {"layout": "flat"} if tier == "file" else {}
+backend = registry.backends.get(tier)(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast", **more)
+asyncio.run(backend.open(BlockFormat(block_bytes=4096, dtype="uint8")))
+keys = [make_key(0)]
+shadow = torch.zeros(4096, dtype=torch.uint8)
+row = shadow.view(-1)  # its memory also held by shadow
+for i in range(3):  # (the row's view kept)
+    row.copy_(random_block(4096, i))
+    backend.write_blocks(keys, [row])
+first = random_block(4096, 9)
+row.copy_(first)
+moved = []
+class MovesAfter(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        got = func(*args, **(kwargs or {}))
+        if not moved and getattr(func, "__name__", "") == "data_ptr":
+            row.set_(first.clone())  # the row moves, its bytes the same; its old memory gets sevens
+            shadow.fill_(7)
+            moved.append(True)
+        return got
+with MovesAfter():
+    backend.write_blocks(keys, [row])
+out = [torch.zeros(4096, dtype=torch.uint8)]
+print(backend.read_blocks(keys, out) == [True] and not torch.equal(out[0], first))
+asyncio.run(backend.aclose())
+"""
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "file"])
+def test_a_save_of_one_block_never_stores_the_memory_its_row_moved_from_under_a_mode(tier: str) -> None:
+    """A torch function mode's handler moves the row just after its ``data_ptr()`` answered. The
+    ``lmdb`` tier's lone save built its record from that address: the sevens now there, stored
+    under a sound checksum (a child: the memory could as well have been freed)."""
+    child = subprocess.run([sys.executable, "-c", _ONE_SAVE_CHILD, tier], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["False"], "the save stored other bytes than its row's"
