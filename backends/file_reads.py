@@ -39,6 +39,15 @@ and the count let go in one more (:func:`~kvtier.records.xxcopy.xxh3_read_one`),
 bumped in place. A 4 KiB record took 9.5 µs through the job's loop, against 8.4 for a raw
 ``open``/``preadv``/``close`` by path; then 7.4; 0.1 µs less again with the two calls.
 
+Where the native extension is built, a flat store's job (of one record or several) is one call
+from the tier's ``read_blocks`` (:func:`~kvtier.records.xxcopy.xxh3_read_job`, taking
+:attr:`PlainReads.job_parts`): the checks that no Python can run in a row's getters (no stand-in
+device map, no torch function or dispatch mode), each key's and row's checks and its kept view,
+the job's count among the root's, the reads, and the counters where every record was read or
+absent; records it leaves go to the general read, uncounted, and a job it does not take (a row
+not seen yet, a mode on) to :meth:`PlainReads.read_one` and :meth:`PlainReads.read_rows`, which
+ask the same questions (a torch function or dispatch mode: :func:`~kvtier.backends.lmdb_plain.modes_on`).
+
 A record larger than :data:`PIECE_BYTES` (2 MiB, say) is read in pieces of that size by the
 same call, the head with the first, each piece hashed just after its ``pread`` while it is still
 in this core's cache, with no Python between the pieces. Hashed after one ``preadv`` of the
@@ -158,7 +167,7 @@ class BeneathRoot:
     def _after_fork(self) -> None:
         """In a child of fork: the jobs counted, and a close under way, were the parent's other
         threads', which the child has not; its close waits for none of them."""
-        self._under_way = []
+        self._under_way.clear()  # (in place: a tier's job_parts hold this list)
         self._closing = threading.Lock()
 
     def open(self, relative: str, *, directory: bool = False) -> int:
@@ -225,7 +234,9 @@ class PlainReads:
     checksum, known here once. ``flat``: the records are in the root itself, not in ``ab/cd/``
     shard directories."""
 
-    def __init__(self, root: BeneathRoot, *, flat: bool, block_bytes: int, dtype_code: int, views: dict[int, memoryview]) -> None:
+    def __init__(
+        self, root: BeneathRoot, *, flat: bool, block_bytes: int, dtype_code: int, views: dict[int, memoryview], counters: BackendCounters | None = None
+    ) -> None:
         self.root = root
         self.views = views  # the rows' views by address (RowViews.views), for jobs of one record
         self.flat = flat
@@ -236,6 +247,16 @@ class PlainReads:
         self._kind = (_TENSOR, _U8, self._shape, views, KEY_BYTES)  # what xxcopy.xxh3_read_rows takes of a row and a key
         #: Records of more than this many bytes are read in pieces of it (see the module doc).
         self.piece = PIECE_BYTES
+        #: What :func:`~kvtier.records.xxcopy.xxh3_read_job` takes of this store, in its order: a
+        #: flat job read, checked and counted in ``counters`` (the tier's) in one call from the
+        #: tier's ``read_blocks``. ``None`` where that call is not built, the layout is sharded or
+        #: no ``counters`` are given (the tier then takes :meth:`read_one` and :meth:`read_rows`).
+        self.job_parts: tuple[Any, ...] | None = None
+        if xxcopy.xxh3_read_job is not None and flat and counters is not None:
+            self.job_parts = (
+                root.under_way, root.dir_at, self.checksum.head, self._kind, self.piece, counters, block_bytes,
+                devices, lmdb_plain.function_mode, lmdb_plain.dispatch_modes,
+            )
 
     def read_one(self, key: Any, row: torch.Tensor, counters: BackendCounters) -> bool | None:
         """A job of one record, in one straight line: ``True`` when the record was read into
@@ -250,7 +271,7 @@ class PlainReads:
         the job's path). In the flat layout the record is then counted among the root's jobs
         (a close waits for it), named, opened, read, checked, closed and let go in one more
         (:func:`~kvtier.records.xxcopy.xxh3_read_one`)."""
-        if type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None or lmdb_plain.function_mode():
+        if type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None or lmdb_plain.modes_on():
             return None  # (a mode's handler may free the row once its view is found: python_in_torch)
         view = lmdb_plain.host_view(row, _TENSOR, _U8, self._shape, self.views)
         if view is None:
@@ -339,7 +360,7 @@ class PlainReads:
         root, flat, size = self.root, self.flat, self.block_bytes
         if devices.locate is not None:  # a test's stand-in device map: the general read asks it
             return list(range(len(keys)))
-        if rows is None and lmdb_plain.function_mode():  # a mode's handler may free a row once its address is read
+        if rows is None and lmdb_plain.modes_on():  # a mode's handler may free a row once its address is read
             return list(range(len(keys)))
         expected, piece = self.checksum.head, self.piece
         if flat and rows is not None:  # the whole job in one call (xxcopy.xxh3_read_check_keys)

@@ -85,6 +85,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.keys import check_keys
+from kvtier.records import xxcopy
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
 from kvtier.records.format import (
@@ -225,7 +226,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             if self.mac is None:
                 self._views = RowViews(fmt.block_bytes)
                 self._plain = PlainReads(
-                    self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), views=self._views.views
+                    self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), views=self._views.views,
+                    counters=self.counters,
                 )
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable", layout=self.store_layout)
             self._shards.make_top()
@@ -292,19 +294,26 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Plain records (no MAC) are read in one pass, three system calls each (``PlainReads``;
-        a job of one, ``read_one``); the rest by :meth:`_read_each`. Every failure is a miss for
-        its key alone; a bad record is deleted."""
-        if len(keys) == 1 and (plain := self._plain) is not None and PLAIN_READS and len(out) == 1:
-            if (hit := plain.read_one(keys[0], out[0], self.counters)) is not None:
-                if self.follower is not None:
-                    self._followed_reads(keys, [hit])
-                return [hit]
-        # Unkeyed jobs into host rows seen before, flat: the rows' checks and the reads in one call.
-        plain = self._plain
-        if plain is not None and PLAIN_READS and not self._closed and (got := plain.read_rows(keys, out)) is not None:
+        """Plain records (no MAC) are read in one pass, three system calls each (``PlainReads``),
+        a flat store's job into rows seen before in one native call from its checks to its
+        counters (``xxcopy.xxh3_read_job``); the rest by :meth:`_read_each`. Every failure is a
+        miss for its key alone; a bad record is deleted."""
+        got: Any = None  # (found, the positions left to the general read) from a plain read
+        if (plain := self._plain) is not None and PLAIN_READS:
+            if (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
+                if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
+                    if self.follower is not None:
+                        self._followed_reads(keys, got)
+                    return got  # type: ignore[no-any-return]
+            else:  # a job of one in a straight line, else the rows' checks and the reads in one call (flat)
+                if len(keys) == 1 and len(out) == 1 and (hit := plain.read_one(keys[0], out[0], self.counters)) is not None:
+                    if self.follower is not None:
+                        self._followed_reads(keys, [hit])
+                    return [hit]
+                got = None if self._closed else plain.read_rows(keys, out)
+        if got is not None:
             found, rest = got
-            size = plain.block_bytes
+            size = self.format.block_bytes
         else:  # the job's checks and its rows' views in one loop, then the plain reads
             rows = views.of(keys, out) if (views := self._views) is not None else None
             size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes

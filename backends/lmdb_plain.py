@@ -48,7 +48,7 @@ from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
-    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "function_mode", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "dispatch_modes", "function_mode", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
     "one_row", "put_joined", "python_in_torch", "same_size", "straight_read",
 ]
 
@@ -71,7 +71,8 @@ _TENSOR = torch.Tensor
 #: Whether a torch function mode is on in this thread: its handler then runs Python in every
 #: tensor getter and method a row's checks call.
 function_mode: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
-_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
+#: How many torch dispatch modes are on in this thread (their handlers run Python too).
+dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 _TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
 
 
@@ -83,7 +84,7 @@ def _overridden(row: Any) -> bool:
 
 def modes_on() -> bool:
     """Whether a torch function or dispatch mode is on in this thread (see :func:`python_in_torch`)."""
-    return bool(function_mode() or _dispatch_modes())
+    return bool(function_mode() or dispatch_modes())
 
 
 def python_in_torch(out: Sequence[Any]) -> bool:
@@ -111,7 +112,7 @@ def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False)
     holds the rows for as long as it uses the views, which do not hold them), are views of
     their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()``
     each."""
-    if devices.locate is not None or not out or function_mode() or _dispatch_modes():
+    if devices.locate is not None or not out or function_mode() or dispatch_modes():
         return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
     base = out[0]._base
     if base is not None and len(out) > 1 and type(base) is _TENSOR and base.is_cpu and base.is_contiguous():
@@ -177,7 +178,7 @@ class RowViews:
         """A view of each row when every key is ``bytes`` of 32 and every row a contiguous
         host ``uint8`` tensor of :attr:`size` elements; else ``None`` (the caller's general
         checks then name what is wrong, or take rows that are not host memory)."""
-        if devices.locate is not None or len(keys) != len(out) or function_mode() or _dispatch_modes():
+        if devices.locate is not None or len(keys) != len(out) or function_mode() or dispatch_modes():
             return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
         views, shape, seen = self.views, self.shape, host_view
         rows = []

@@ -31,6 +31,7 @@ def test_a_read_that_outlives_the_tiers_close_is_left_to_the_general_path(tmp_pa
         monkeypatch.setattr(xxcopy, "xxh3_read_one", xxcopy.xxh3_read_one_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_check", xxcopy.xxh3_read_check_python)
         monkeypatch.setattr(xxcopy, "xxh3_read_rows", None)  # (a build without it: the rows checked in Python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_job", None)
     fmt = BlockFormat(block_bytes=16384, dtype="bfloat16", namespace={"model_id": "m"})
     backend = registry.backends.get("file")(capacity=8 << 20, path=str(tmp_path), sync_mode="fast", layout=layout)
     asyncio.run(backend.open(fmt))
@@ -116,6 +117,8 @@ def held(*args):  # the read's native call, held before its descriptor is read (
         go.wait()
     return real(*args)
 setattr(xxcopy, sys.argv[1], held)
+if sys.argv[1] != "xxh3_read_job":  # (the job's one call from its checks to its counters set aside)
+    xxcopy.xxh3_read_job = None
 if sys.argv[1] == "xxh3_read_check_keys":  # the job's rows checked in Python, then its one call
     xxcopy.xxh3_read_rows = None
 plain = first._plain
@@ -144,7 +147,9 @@ asyncio.run(second.aclose())
 """
 
 
-@pytest.mark.parametrize("call", ["xxh3_read_check_key", "xxh3_read_check_keys", *(["xxh3_read_rows"] if xxcopy.xxh3_read_rows else [])])
+@pytest.mark.parametrize(
+    "call", ["xxh3_read_check_key", "xxh3_read_check_keys", *(["xxh3_read_rows"] if xxcopy.xxh3_read_rows else []), *(["xxh3_read_job"] if xxcopy.xxh3_read_job else [])]
+)
 def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused(call: str) -> None:
     """A read whose native open comes after a close began: the close waits for it, so the
     read opens the closed store's own records, never those of a store opened since under the
@@ -153,7 +158,7 @@ def test_a_close_waits_for_a_read_under_way_before_its_root_descriptor_is_reused
     the tier's job in one call, which reads the descriptor itself before each open (its rows
     checked in Python); ``xxh3_read_rows``: the job from its rows' checks in one call, held
     before it counts itself (the close then need not wait: the descriptor, read before each
-    open, says closed)."""
+    open, says closed); ``xxh3_read_job``: the same from the job's mode checks to its counters."""
     child = subprocess.run([sys.executable, "-c", _RACE, call], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     if call == "xxh3_read_check_key":

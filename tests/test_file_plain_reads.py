@@ -111,7 +111,10 @@ def record_read_calls(path: str, monkeypatch: pytest.MonkeyPatch, *, check_jobs:
     and opens the file too), ``xxh3_read_check_keys`` (the flat layout's job) and
     ``xxh3_read_one`` (its job of one record) on one path (``"python"`` or ``"native"``) for the rest of the test, recording
     the outcome of each record's read in the list returned (``check_jobs`` false: the job's
-    call on that path as it is, its records' outcomes not recorded)."""
+    call on that path as it is, its records' outcomes not recorded). A flat job's one call from
+    its checks to its counters (``xxh3_read_job``) is set aside: ``tests/test_file_read_job.py``
+    compares it with these paths."""
+    monkeypatch.setattr(xxcopy, "xxh3_read_job", None)
     seen: list[int] = []
     for name in ("xxh3_read_check", "xxh3_read_check_key"):
         fn = getattr(xxcopy, f"{name}_{path}")
@@ -382,9 +385,14 @@ def test_jobs_of_one_record_read_find_drop_and_count_what_the_general_read_does(
     assert straight[3] == general[3]
 
 
-def test_a_job_of_one_record_refuses_what_a_job_refuses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("job", [True, False])
+def test_a_job_of_one_record_refuses_what_a_job_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: bool) -> None:
     """Bad input to a one-record job is refused by name, as the job's checks refuse it, also with
-    the row's view kept; a strided row is served by the job's path; a closed tier refuses."""
+    the row's view kept; a strided row is served by the job's path; a closed tier refuses. The
+    same with the flat job's one call from its checks to its counters (``job``: where built)
+    and without it (the straight line, ``PlainReads.read_one``)."""
+    if not job:
+        monkeypatch.setattr(xxcopy, "xxh3_read_job", None)
     keys = [make_key(i) for i in range(2)]
     data = [random_block(FMT.block_bytes, 995 + i) for i in range(2)]
     backend = _open(tmp_path / "store")
@@ -397,9 +405,13 @@ def test_a_job_of_one_record_refuses_what_a_job_refuses(tmp_path: Path) -> None:
             backend.read_blocks([b"\x00" * 31], [row])
         with pytest.raises(InvalidKeyError):
             backend.read_blocks([keys[0].hex()], [row])  # type: ignore[list-item]
+        with pytest.raises(InvalidKeyError, match=r"keys\[1\]: expected 32 bytes, got 31"):
+            backend.read_blocks([keys[0], b"\x00" * 31], [row, torch.zeros_like(row)])
         for bad in (row[: FMT.block_bytes // 2], row.view(torch.int16), row.view(2, -1)):
             with pytest.raises(LayoutError, match=r"blocks\[0\] must be a 1-D uint8 tensor of 16384 bytes"):
                 backend.read_blocks(keys[:1], [bad])
+        with pytest.raises(LayoutError):
+            backend.read_blocks(keys, [row])  # (a row short)
         strided = torch.zeros(2 * FMT.block_bytes, dtype=torch.uint8)[::2]
         assert backend.read_blocks(keys[1:], [strided]) == [True] and torch.equal(strided, data[1])
         assert backend.stats()["blocks_read"] == 3

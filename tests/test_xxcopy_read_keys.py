@@ -149,6 +149,10 @@ def test_bad_arguments_of_a_job_read_are_refused_by_name(tmp_path: Path, name: s
         if name == "native":
             with pytest.raises(ValueError, match=r"keys\[1\]: holds 65 bytes, at most 64 here"):
                 fn(dir_at, HEAD, [keys[0], bytes(65)], rows, 0, [False, False])
+            with pytest.raises(TypeError, match=r"keys\[1\]: expected a bytes-like object"):  # (named only once raised)
+                fn(dir_at, HEAD, [keys[0], "0" * 32], rows, 0, [False, False])
+            with pytest.raises(TypeError, match=r"rows\[1\]: expected a writable, contiguous bytes-like object"):
+                fn(dir_at, HEAD, keys, [rows[0], bytes(10)], 0, [False, False])
             with pytest.raises(TypeError, match=r"expected \(dir_at, head, keys, rows, piece, found\), got 5 arguments"):
                 fn(dir_at, HEAD, keys, rows, 0)
         found = [False, False]

@@ -538,18 +538,6 @@ static PyMethodDef methods[] = {
      "xxh3_64_read_check of the file key.hex() + '.kvb' opened beneath dir_fd (O_NOFOLLOW) and\n"
      "closed in the same call, its head read into a buffer of its own; OSError naming the file\n"
      "where it cannot be opened."},
-    {"xxh3_64_read_check_keys", (PyCFunction)(void (*)(void))xxc_read_check_keys, METH_FASTCALL,
-     "xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list\n\n"
-     "xxh3_64_read_check_key of each key into its row, in one call without the GIL: dir_at is a C int\n"
-     "holding the directory's descriptor, read before each open (negative: no more opens). Sets\n"
-     "found[i] True for each record read and checked; returns the positions left to the general\n"
-     "read (all but those and the absent records)."},
-    {"xxh3_64_read_one", (PyCFunction)(void (*)(void))xxc_read_one, METH_FASTCALL,
-     "xxh3_64_read_one(under_way, dir_at, head, key, row, piece) -> int\n\nxxh3_64_read_check_keys of one key,\n"
-     "counted in the list under_way (an entry appended for the call): 0 read and checked, 1 absent, 2 else."},
-    {"xxh3_64_read_rows", (PyCFunction)(void (*)(void))xxc_read_rows, METH_FASTCALL,
-     "xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list or None\n\nxxh3_64_read_check_keys into the\n"
-     "views host_view keeps of out's rows (kind: tensor_type, dtype, shape, views, key_bytes), counted as xxh3_64_read_one counts."},
     {"paths", py_paths, METH_NOARGS, "paths() -> tuple of the path names this build and CPU run."},
     {"prefetch_writes", (PyCFunction)(void (*)(void))py_prefetch_writes, METH_FASTCALL,
      "prefetch_writes(on=None) -> bool\n\nWhether the copying AVX2 / AVX-512 passes prefetch the\n"
@@ -582,8 +570,10 @@ PyMODINIT_FUNC PyInit__xxcopy(void)
     xxc_prefetch_writes = xxc_cpu_has_prefetchw();
 #endif
     PyObject *m = PyModule_Create(&module_def);
-    if (m == NULL)
+    if (m == NULL || PyModule_AddFunctions(m, xxc_job_methods) < 0) {
+        Py_XDECREF(m);
         return NULL;
+    }
     if (PyModule_AddStringConstant(m, "path", best_name) < 0 || PyModule_AddStringConstant(m, "hash_path", hash_name) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -104,15 +104,13 @@ static inline u64 read64(const u8 *p)
     return v;
 }
 
-/* The job reads of the file tier's records (_xxjob.c), bound in _xxcopy.c. */
+/* The job reads of the file tier's records (_xxjob.c), added to the module in _xxcopy.c. */
 #ifdef Py_PYTHON_H
-XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-XXC_INTERNAL PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-XXC_INTERNAL PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 /* Adds the module's C exports (_xxjob.c): check_copy (check_copy_raw) as the capsule check_copy_c, the
    rows' hold (host_rows_hold_api, _hostrow.h) as the capsule rows_hold_c and as rows_hold() and
    rows_let_go(). 0, or -1 with an error set. */
 XXC_INTERNAL int xxc_add_exports(PyObject *module, void *check_copy);
+XXC_INTERNAL extern PyMethodDef xxc_job_methods[];
 #endif
 
 #endif

@@ -28,22 +28,30 @@ typedef struct {
     int status;
 } job_record;
 
+/* The name of keys[i] or rows[i] in an error (what: "key" or "row"; i < 0: what alone), made only
+   when one is raised: a snprintf a record cost 0.2 us of a 4 KiB read's 2. */
+static const char *taken_name(char *name, size_t size, const char *what, Py_ssize_t i)
+{
+    if (i < 0)
+        return what;
+    snprintf(name, size, "%ss[%zd]", what, i);
+    return name;
+}
+
 /* A record's name and prefix from key and its row from row, taken while the GIL is held; 0 with
    the row held, or -1 with the error set, naming keys[i] / rows[i] (i < 0: key / row). */
 static int take_record(job_record *r, PyObject *key_obj, PyObject *row_obj, const Py_buffer *head, Py_ssize_t i)
 {
     static const char hex[] = "0123456789abcdef";
-    char key_name[32] = "key", row_name[32] = "row";
-    if (i >= 0)
-        snprintf(key_name, sizeof key_name, "keys[%zd]", i), snprintf(row_name, sizeof row_name, "rows[%zd]", i);
+    char name[32];
     Py_buffer key;
     if (PyObject_GetBuffer(key_obj, &key, PyBUF_SIMPLE) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: expected a bytes-like object", key_name);
+        PyErr_Format(PyExc_TypeError, "%s: expected a bytes-like object", taken_name(name, sizeof name, "key", i));
         return -1;
     }
     if (key.len > KEY_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s: holds %zd bytes, at most %d here", key_name, key.len, KEY_MAX);
+        PyErr_Format(PyExc_ValueError, "%s: holds %zd bytes, at most %d here", taken_name(name, sizeof name, "key", i), key.len, KEY_MAX);
         PyBuffer_Release(&key);
         return -1;
     }
@@ -57,7 +65,7 @@ static int take_record(job_record *r, PyObject *key_obj, PyObject *row_obj, cons
     PyBuffer_Release(&key);
     if (PyObject_GetBuffer(row_obj, &r->row, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: expected a writable, contiguous bytes-like object", row_name);
+        PyErr_Format(PyExc_TypeError, "%s: expected a writable, contiguous bytes-like object", taken_name(name, sizeof name, "row", i));
         return -1;
     }
     return 0;
@@ -191,7 +199,7 @@ static PyObject *read_job(PyObject *under_way, PyObject *const *keys, PyObject *
 }
 
 /* xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list of int (see methods). */
-XXC_INTERNAL PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
     if (nargs != 6) {
@@ -230,7 +238,7 @@ release_seqs:
    counted among under_way's jobs (a list: one entry appended for the call, one popped after),
    as BeneathRoot.enter and leave count a job. 0 read and checked, 1 absent, 2 the general
    read's (the directory closing, a check or a read that failed, an open that failed else). */
-XXC_INTERNAL PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
     if (nargs != 6) {
@@ -351,31 +359,18 @@ static int rows_viewed(PyObject *const *key, PyObject *const *row, Py_ssize_t n,
     return 1;
 }
 
-/* xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list of int or
-   None (see methods): the file tier's flat job from its rows' checks to its records' reads. */
-XXC_INTERNAL PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The job from its rows' checks to its reads: keys and out (sequences, taken as tuples as they
+   are now: a row's checks may run Python that changes the caller's lists), each row viewed as
+   host_row_view of kind views it and each key bytes of kind's length (rows_viewed), then read
+   (read_job) into found. The positions left to the general read; None, with nothing read or
+   counted, at the first key or row that is not so; NULL with the error set. */
+static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head_obj, PyObject *keys_obj, PyObject *out_obj,
+                          PyObject *const *kind, Py_ssize_t piece, PyObject *found)
 {
-    (void)module;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "expected (under_way, dir_at, head, keys, out, kind, piece, found), got %zd arguments", nargs);
+    Py_ssize_t key_bytes = PyLong_AsSsize_t(kind[KIND_KEY_BYTES]);
+    if ((key_bytes == -1 && PyErr_Occurred()) || host_row_names_init(&row_names) < 0)
         return NULL;
-    }
-    PyObject *under_way = args[0], *kind_obj = args[5], *found = args[7];
-    if (!PyList_CheckExact(under_way))
-        return PyErr_Format(PyExc_TypeError, "under_way: expected a list, got %.100s", Py_TYPE(under_way)->tp_name);
-    if (!PyTuple_CheckExact(kind_obj) || PyTuple_GET_SIZE(kind_obj) != KIND_COUNT || !PyDict_Check(PyTuple_GET_ITEM(kind_obj, KIND_VIEWS)))
-        return PyErr_Format(PyExc_TypeError, "kind: expected a tuple (tensor_type, dtype, shape, views: dict, key_bytes)");
-    PyObject *const *kind = &PyTuple_GET_ITEM(kind_obj, 0);
-    Py_ssize_t key_bytes = PyLong_AsSsize_t(kind[KIND_KEY_BYTES]), piece = take_piece(args[6]);
-    if ((key_bytes == -1 && PyErr_Occurred()) || piece < 0)
-        return NULL;
-    if (!PyList_Check(found))
-        return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(found)->tp_name);
-    if (host_row_names_init(&row_names) < 0)
-        return NULL;
-    /* Tuples of the keys and rows as they are now: a row's checks may run Python (a torch
-       function mode's handler) that changes the caller's lists. */
-    PyObject *keys = PySequence_Tuple(args[3]), *out = keys == NULL ? NULL : PySequence_Tuple(args[4]), *result = NULL;
+    PyObject *keys = PySequence_Tuple(keys_obj), *out = keys == NULL ? NULL : PySequence_Tuple(out_obj), *result = NULL;
     if (out == NULL) {
         Py_XDECREF(keys);
         return NULL;
@@ -394,7 +389,7 @@ XXC_INTERNAL PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py
         result = Py_NewRef(Py_None); /* a key or a row the job's general checks take */
     else if (viewed > 0) {
         Py_buffer dir, head;
-        if (take_dir_head(args[1], args[2], &dir, &head) == 0) {
+        if (take_dir_head(dir_obj, head_obj, &dir, &head) == 0) {
             result = read_job(under_way, &PyTuple_GET_ITEM(keys, 0), views, n, &dir, &head, piece, found);
             PyBuffer_Release(&head);
             PyBuffer_Release(&dir);
@@ -409,3 +404,168 @@ release:
     Py_DECREF(out);
     return result;
 }
+
+/* Whether kind is xxh3_64_read_rows's kind tuple; 0 with a TypeError set if not. */
+static int kind_ok(PyObject *kind)
+{
+    if (PyTuple_CheckExact(kind) && PyTuple_GET_SIZE(kind) == KIND_COUNT && PyDict_Check(PyTuple_GET_ITEM(kind, KIND_VIEWS)))
+        return 1;
+    PyErr_Format(PyExc_TypeError, "kind: expected a tuple (tensor_type, dtype, shape, views: dict, key_bytes)");
+    return 0;
+}
+
+/* xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list of int or
+   None (see methods): the file tier's flat job from its rows' checks to its records' reads. */
+static PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "expected (under_way, dir_at, head, keys, out, kind, piece, found), got %zd arguments", nargs);
+        return NULL;
+    }
+    PyObject *under_way = args[0], *found = args[7];
+    if (!PyList_CheckExact(under_way))
+        return PyErr_Format(PyExc_TypeError, "under_way: expected a list, got %.100s", Py_TYPE(under_way)->tp_name);
+    if (!kind_ok(args[5]))
+        return NULL;
+    Py_ssize_t piece = take_piece(args[6]);
+    if (piece < 0)
+        return NULL;
+    if (!PyList_Check(found))
+        return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(found)->tp_name);
+    return rows_job(under_way, args[1], args[2], args[3], args[4], &PyTuple_GET_ITEM(args[5], 0), piece, found);
+}
+
+/* xxh3_64_read_job's parts: a flat store's, in the order PlainReads.job_parts makes them. */
+enum { PART_UNDER_WAY, PART_DIR_AT, PART_HEAD, PART_KIND, PART_PIECE, PART_COUNTERS, PART_SIZE, PART_DEVICES, PART_FUNCTION_MODE,
+       PART_DISPATCH_MODES, PART_COUNT };
+
+static PyObject *s_locate, *s_blocks_read, *s_bytes_read, *s_read_misses;
+
+/* 0 with the names above interned (again a no-op), or -1 with the error set. */
+static int job_names_init(void)
+{
+    PyObject **slots[] = {&s_locate, &s_blocks_read, &s_bytes_read, &s_read_misses};
+    const char *texts[] = {"locate", "blocks_read", "bytes_read", "read_misses"};
+    for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
+        if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(texts[i])) == NULL)
+            return -1;
+    return 0;
+}
+
+/* counters.name += by (a C count); 0, or -1 with the error set. */
+static int count_in(PyObject *counters, PyObject *name, Py_ssize_t by)
+{
+    PyObject *was = PyObject_GetAttr(counters, name), *add = was == NULL ? NULL : PyLong_FromSsize_t(by);
+    PyObject *sum = add == NULL ? NULL : PyNumber_Add(was, add);
+    int rc = sum == NULL ? -1 : PyObject_SetAttr(counters, name, sum);
+    Py_XDECREF(was);
+    Py_XDECREF(add);
+    Py_XDECREF(sum);
+    return rc;
+}
+
+/* 1 where nothing but torch's own code runs in a row's getters: devices.locate is None (no
+   stand-in device map) and no torch function or dispatch mode is on in this thread (a mode's
+   handler, run in a later row's checks, may free a row whose view is taken); 0 if not; -1 with
+   the error set. */
+static int torch_plain(PyObject *const *parts)
+{
+    PyObject *locate = PyObject_GetAttr(parts[PART_DEVICES], s_locate);
+    if (locate == NULL)
+        return -1;
+    int plain = locate == Py_None;
+    Py_DECREF(locate);
+    for (int p = PART_FUNCTION_MODE; plain && p <= PART_DISPATCH_MODES; p++)
+        plain = host_row_truth(PyObject_CallNoArgs(parts[p])) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
+    return plain;
+}
+
+/* The job's counters once, where every record was read or absent (rest empty): blocks_read and
+   bytes_read by the hits, read_misses by the rest. 0, or -1 with the error set. */
+static int count_job(PyObject *const *parts, PyObject *found)
+{
+    Py_ssize_t n = PyList_GET_SIZE(found), hits = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        hits += PyList_GET_ITEM(found, i) == Py_True;
+    Py_ssize_t size = PyLong_AsSsize_t(parts[PART_SIZE]);
+    if (size == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *counters = parts[PART_COUNTERS];
+    if (hits && (count_in(counters, s_blocks_read, hits) < 0 || count_in(counters, s_bytes_read, hits * size) < 0))
+        return -1;
+    return n > hits ? count_in(counters, s_read_misses, n - hits) : 0;
+}
+
+/* xxh3_64_read_job(parts, keys, out) -> list, (found, rest) or None (see methods): the file tier's
+   flat job, its modes' checks, its rows' checks, its reads and its counters in one call. */
+static PyObject *xxc_read_job(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "expected (parts, keys, out), got %zd arguments", nargs);
+    PyObject *parts_obj = args[0];
+    if (!PyTuple_CheckExact(parts_obj) || PyTuple_GET_SIZE(parts_obj) != PART_COUNT || !PyList_CheckExact(PyTuple_GET_ITEM(parts_obj, PART_UNDER_WAY)))
+        return PyErr_Format(PyExc_TypeError, "parts: expected the tuple PlainReads.job_parts makes (%d items)", PART_COUNT);
+    PyObject *const *parts = &PyTuple_GET_ITEM(parts_obj, 0);
+    if (!kind_ok(parts[PART_KIND]))
+        return NULL;
+    Py_ssize_t piece = take_piece(parts[PART_PIECE]);
+    if (piece < 0)
+        return NULL;
+    if (job_names_init() < 0)
+        return NULL;
+    int plain = torch_plain(parts);
+    if (plain <= 0)
+        return plain < 0 ? NULL : Py_NewRef(Py_None);
+    Py_ssize_t n = PyObject_Length(args[1]);
+    if (n < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE; /* keys of no length: the general checks refuse them by name */
+    }
+    PyObject *found = PyList_New(n);
+    if (found == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(found, i, Py_NewRef(Py_False));
+    PyObject *rest = rows_job(parts[PART_UNDER_WAY], parts[PART_DIR_AT], parts[PART_HEAD], args[1], args[2], &PyTuple_GET_ITEM(parts[PART_KIND], 0),
+                              piece, found);
+    if (rest == NULL || rest == Py_None) {
+        Py_DECREF(found);
+        return rest;
+    }
+    if (PyList_GET_SIZE(rest) == 0) {
+        Py_DECREF(rest);
+        if (count_job(parts, found) == 0)
+            return found;
+        Py_DECREF(found);
+        return NULL;
+    }
+    PyObject *pair = PyTuple_Pack(2, found, rest);
+    Py_DECREF(found);
+    Py_DECREF(rest);
+    return pair;
+}
+
+XXC_INTERNAL PyMethodDef xxc_job_methods[] = {
+    {"xxh3_64_read_check_keys", (PyCFunction)(void (*)(void))xxc_read_check_keys, METH_FASTCALL,
+     "xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list\n\n"
+     "xxh3_64_read_check_key of each key into its row, in one call without the GIL: dir_at is a C int\n"
+     "holding the directory's descriptor, read before each open (negative: no more opens). Sets\n"
+     "found[i] True for each record read and checked; returns the positions left to the general\n"
+     "read (all but those and the absent records)."},
+    {"xxh3_64_read_one", (PyCFunction)(void (*)(void))xxc_read_one, METH_FASTCALL,
+     "xxh3_64_read_one(under_way, dir_at, head, key, row, piece) -> int\n\nxxh3_64_read_check_keys of one key,\n"
+     "counted in the list under_way (an entry appended for the call): 0 read and checked, 1 absent, 2 else."},
+    {"xxh3_64_read_rows", (PyCFunction)(void (*)(void))xxc_read_rows, METH_FASTCALL,
+     "xxh3_64_read_rows(under_way, dir_at, head, keys, out, kind, piece, found) -> list or None\n\nxxh3_64_read_check_keys into the\n"
+     "views host_view keeps of out's rows (kind: tensor_type, dtype, shape, views, key_bytes), counted as xxh3_64_read_one counts."},
+    {"xxh3_64_read_job", (PyCFunction)(void (*)(void))xxc_read_job, METH_FASTCALL,
+     "xxh3_64_read_job(parts, keys, out) -> list, tuple or None\n\nA flat store's job in one call: None where\n"
+     "devices.locate is set, a torch function or dispatch mode is on, or a key or row is not one xxh3_64_read_rows\n"
+     "takes (nothing read or counted); else xxh3_64_read_rows into a new found list: found, its hits and misses\n"
+     "counted in parts' counters, where every record was read or absent; else (found, rest), uncounted."},
+    {NULL, NULL, 0, NULL},
+};

@@ -75,6 +75,7 @@ __all__ = [
     "xxh3_read_check_keys_python",
     "xxh3_read_check_native",
     "xxh3_read_check_python",
+    "xxh3_read_job",
     "xxh3_read_one",
     "xxh3_read_one_native",
     "xxh3_read_one_python",
@@ -422,6 +423,21 @@ xxh3_read_one: Callable[..., int] = xxh3_read_one_native if _VECTOR and xxh3_rea
 #: function is not loaded or :data:`xxh3_copy` is not native: the caller then checks its rows
 #: and calls :func:`xxh3_read_check_keys` (the same outcome); looked up here at each use.
 xxh3_read_rows: Callable[..., list[int] | None] | None = getattr(_xxcopy, "xxh3_64_read_rows", None) if _VECTOR else None
+
+
+#: ``xxh3_read_job(parts, keys, out) -> list[bool] | tuple[list[bool], list[int]] | None``: a flat
+#: ``file`` store's job in one native call, from the checks that keep Python out of the rows'
+#: getters to the counters. ``parts`` is what ``PlainReads.job_parts`` makes (the root's count
+#: and descriptor, the store's head, the rows' ``kind``, the piece, the tier's counters, the
+#: record size, the ``devices`` module and torch's two mode checks). ``None``, with nothing read
+#: or counted, where ``devices.locate`` is set, a torch function or dispatch mode is on in this
+#: thread, or :func:`xxh3_read_rows` would answer ``None``; else :func:`xxh3_read_rows` into a
+#: new ``found`` list: ``found`` itself once every record was read or absent, its hits
+#: (``blocks_read``, ``bytes_read``) and misses (``read_misses``) counted; ``(found, rest)``,
+#: nothing counted, where records are left to the general read. ``None`` where the native
+#: function is not loaded or :data:`xxh3_copy` is not native (the tier then takes
+#: ``PlainReads.read_one`` and ``read_rows``, the same outcome); looked up here at each use.
+xxh3_read_job: Callable[..., Any] | None = getattr(_xxcopy, "xxh3_64_read_job", None) if _VECTOR else None
 
 
 def _writable(obj: Any, what: str) -> memoryview:
