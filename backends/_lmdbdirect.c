@@ -50,9 +50,9 @@ int env_usable(const pl_env *e)
 /* One engine's symbols, as python-lmdb's extension exports them, against libv's. */
 static int engine_is(void *so, const char *prefix, const pl_api *libv)
 {
-    static const char *const names[] = {"get", "txn_id", "txn_abort", "env_create", "txn_begin", "txn_reset", "txn_renew", "env_get_flags"};
-    void *const have[] = {(void *)libv->get, (void *)libv->txn_id, libv->txn_abort, libv->env_create,
-                          libv->txn_begin, libv->txn_reset, libv->txn_renew, libv->env_get_flags};
+    static const char *const names[] = {"get", "txn_id", "txn_abort", "env_create", "txn_begin", "txn_reset", "txn_renew", "env_get_flags", "put", "del"};
+    void *const have[] = {(void *)libv->get, (void *)libv->txn_id, libv->txn_abort, libv->env_create, libv->txn_begin,
+                          libv->txn_reset, libv->txn_renew, libv->env_get_flags, (void *)libv->put, (void *)libv->del};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         char symbol[64];
         snprintf(symbol, sizeof symbol, "%s_%s", prefix, names[i]);
@@ -478,4 +478,57 @@ PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     ops_done(e);
     return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}
+
+/* The job saves' writes by the engine's own put (_lmdbput.c). direct_writer: 1 where direct is a
+   probed capsule and txn python-lmdb's own live transaction of env (the job then counted in
+   flight, as python-lmdb counts its put, until direct_writer_end), with blocks and index
+   databases of env; 0 where not (nothing done: python-lmdb's put writes the job); -1 with an
+   error set. LMDB itself refuses a put into a read-only transaction (EACCES). */
+int direct_writer(PyObject *direct, PyObject *env, PyObject *txn, PyObject *blocks, PyObject *index, direct_writer_t *w)
+{
+    if (direct == Py_None)
+        return 0;
+    direct_t *d = PyCapsule_GetPointer(direct, CAPSULE_NAME);
+    if (d == NULL)
+        return -1;
+    if (Py_TYPE(env) != d->env_type || Py_TYPE(txn) != d->txn_type)
+        return 0;
+    pl_env *e = (pl_env *)env;
+    pl_txn *t = (pl_txn *)txn;
+    if (!env_usable(e) || e->libv != d->libv || t->env != e || !t->valid || t->txn == NULL || t->libv != d->libv
+        || db_handle(d, e, blocks, &w->blocks) < 0 || db_handle(d, e, index, &w->index) < 0)
+        return 0;
+    w->env = e;
+    w->txn = t;
+    __atomic_add_fetch(&e->active_ops, 1, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* key's value in blocks put with room for size bytes, reserved (MDB_RESERVE): the engine's code
+   (0 with *space set), as python-lmdb's put counts it among the transaction's changes. */
+int direct_reserve(direct_writer_t *w, void *key, size_t klen, size_t size, unsigned char **space)
+{
+    pl_txn *t = w->txn;
+    pl_val k = {klen, key}, v = {size, NULL};
+    t->mutations++;
+    int rc = t->libv->put(t->txn, w->blocks, &k, &v, PL_RESERVE);
+    *space = v.mv_data;
+    return rc;
+}
+
+/* key's entry in index deleted, as python-lmdb's delete(key, b"", index): the engine's code, 0
+   also where there was none. */
+int direct_unindex(direct_writer_t *w, void *key, size_t klen)
+{
+    pl_txn *t = w->txn;
+    pl_val k = {klen, key};
+    t->mutations++;
+    int rc = t->libv->del(t->txn, w->index, &k, NULL);
+    return rc == PL_NOTFOUND ? 0 : rc;
+}
+
+void direct_writer_end(direct_writer_t *w)
+{
+    ops_done(w->env);
 }

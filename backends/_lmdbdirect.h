@@ -1,7 +1,7 @@
 /*
  * What the sources of kvtier.backends._rowguard that read python-lmdb's objects share
- * (_lmdbdirect.c, the lookups; _lmdbkeep.c, the read transaction they keep): python-lmdb
- * 3.0.0's structs and what direct_probe found sound.
+ * (_lmdbdirect.c, the lookups and the job saves' writer; _lmdbkeep.c, the read transaction the
+ * lookups keep): python-lmdb 3.0.0's structs and what direct_probe found sound.
  */
 #ifndef KVTIER_LMDBDIRECT_H
 #define KVTIER_LMDBDIRECT_H
@@ -33,6 +33,8 @@ typedef struct {
     size_t (*txn_id)(void *txn);
     void *dbi_open, *dbi_flags, *dbi_close, *drop;
     int (*get)(void *txn, unsigned int dbi, pl_val *key, pl_val *data);
+    int (*put)(void *txn, unsigned int dbi, pl_val *key, pl_val *data, unsigned int flags);
+    int (*del)(void *txn, unsigned int dbi, pl_val *key, pl_val *data);
 } pl_api;
 
 struct pl_list_head {
@@ -88,6 +90,7 @@ typedef struct {
 } pl_txn;
 
 #define PL_NOTFOUND (-30798) /* MDB_NOTFOUND, the same in both engines */
+#define PL_RESERVE 0x10000   /* MDB_RESERVE, the same in both engines */
 #define PL_PAGE 4096         /* python-lmdb's preload stride */
 #define CAPSULE_NAME "kvtier.backends._rowguard.direct"
 

@@ -486,6 +486,10 @@ static PyMethodDef methods[] = {
     {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
      "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"
      "Each row's view (host_view) when every key is bytes of key_bytes and every row's host_view is one; else None."},
+    {"put_reserved", (PyCFunction)(void (*)(void))py_put_reserved, METH_FASTCALL,
+     "put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views) -> bool\n\n"
+     "Each key's joined record written into the room LMDB's own put reserves for it (see _lmdbput.c)."},
+    {"reserved_jobs", py_reserved_jobs, METH_NOARGS, "reserved_jobs() -> the jobs put_reserved wrote so far."},
     {"put_joined", (PyCFunction)(void (*)(void))py_put_joined, METH_FASTCALL,
      "put_joined(put, delete, index, head, keys, views, joined) -> None\n\n"
      "For each key in order: put(key, joined(head, key, view)), then delete(key, b'', index) unless delete is None."},

@@ -43,6 +43,8 @@ PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
    references); 0 where a key is not bytes of key_bytes or host_view(row, *view_args) is None
    (view_args: tensor_type, dtype, shape, views), -1 with an error set: then none is kept. */
 int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views);
+/* A tuple of seq's items as they are now: seq itself where a tuple, new reference (_rowsave.c). */
+PyObject *held(PyObject *seq);
 /* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) and
    put_joined(put, delete, index, head, keys, views, joined): see _rowsave.c. */
 PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -68,6 +70,19 @@ PyObject *py_direct_ops(PyObject *self, PyObject *env);
 /* The read transaction the direct lookups keep: see _lmdbkeep.c. */
 PyObject *py_direct_drop(PyObject *self, PyObject *capsule);
 PyObject *py_direct_kept(PyObject *self, PyObject *capsule);
+
+/* A job save's writes by LMDB's own put, on the transaction python-lmdb began: see
+   _lmdbdirect.c (the writer) and _lmdbput.c (put_reserved). */
+typedef struct {
+    void *env, *txn; /* python-lmdb's objects, as probed */
+    unsigned int blocks, index;
+} direct_writer_t;
+int direct_writer(PyObject *direct, PyObject *env, PyObject *txn, PyObject *blocks, PyObject *index, direct_writer_t *w);
+int direct_reserve(direct_writer_t *w, void *key, size_t klen, size_t size, unsigned char **space);
+int direct_unindex(direct_writer_t *w, void *key, size_t klen);
+void direct_writer_end(direct_writer_t *w);
+PyObject *py_put_reserved(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_reserved_jobs(PyObject *self, PyObject *unused);
 
 #pragma GCC visibility pop
 

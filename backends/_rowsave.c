@@ -10,7 +10,7 @@
 
 /* A tuple of seq's items as they are now (a list's own item array would be freed under calls
    that run Python, were the list emptied or grown meanwhile). */
-static PyObject *held(PyObject *seq)
+PyObject *held(PyObject *seq)
 {
     return PyTuple_CheckExact(seq) ? Py_NewRef(seq) : PySequence_Tuple(seq);
 }

@@ -67,11 +67,19 @@ if TYPE_CHECKING:
 
     from kvtier.backend import BackendCounters
 
-__all__ = ["LONE_SAVES", "LoneSave"]
+__all__ = ["LONE_SAVES", "RESERVED_PUTS", "LoneSave"]
 
 #: Lone jobs of one plain block go through :class:`LoneSave` first; ``False``: through the
 #: general path alone (the path the tests compare it with).
 LONE_SAVES = True
+#: A job's records written straight into the room LMDB's own put reserves, where the store's open
+#: probed that sound; ``False``: built and put through python-lmdb (``put_joined``, the path the
+#: tests compare it with).
+RESERVED_PUTS = True
+try:
+    from kvtier.backends._rowguard import put_reserved  # type: ignore[import-not-found]
+except ImportError:  # not built
+    put_reserved = None
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
 
@@ -99,11 +107,15 @@ class _Store(Protocol):
 class LoneSave:
     """Saves of jobs of plain blocks of one store, put joined (see the module doc)."""
 
-    __slots__ = ("commits", "head", "record", "shape", "stored", "tier", "views")
+    __slots__ = ("commits", "direct", "head", "record", "shape", "stored", "tier", "views")
 
-    def __init__(self, tier: _Store, plain: PlainReads, views: RowViews) -> None:
-        """``plain`` and ``views``: the store's (its reader's), as the general path's saves use them."""
+    def __init__(self, tier: _Store, plain: PlainReads, views: RowViews, direct: object | None = None) -> None:
+        """``plain`` and ``views``: the store's (its reader's), as the general path's saves use
+        them. ``direct``: what :func:`~kvtier.backends.lmdb_direct.direct_gets` gave for the
+        environment (a job's records are then written into the room LMDB's own put reserves),
+        or ``None``."""
         self.tier = tier
+        self.direct = direct
         self.commits = tier._commits
         self.head = plain.head  # the 24 checked head bytes every plain record of the store starts with
         self.shape, self.views = views.shape, views.views
@@ -258,4 +270,10 @@ def _put_job(lone: LoneSave, txn: Any, job: tuple[Any, Any]) -> None:
     keys' split entries deleted where the index may hold them."""
     keys, views = job
     tier = lone.tier
+    direct = lone.direct
+    if direct is not None and RESERVED_PUTS and put_reserved is not None and xxcopy.xxh3_joined is xxcopy.xxh3_joined_native:
+        # Each record written where LMDB's own put reserved its room, in the pass that copies
+        # and hashes its block: one copy a block, not two (backends/_lmdbput.c); the same bytes.
+        if put_reserved(direct, tier._env, txn, tier._blocks, tier._index, tier._splits, lone.head, keys, views):
+            return
     lmdb_plain.put_joined(txn.put, txn.delete if tier._splits else None, tier._index, lone.head, keys, views, xxcopy.xxh3_joined)

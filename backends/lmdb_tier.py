@@ -332,11 +332,11 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
                 ),
                 guard=FileGuard(os.path.join(self.path, "data.mdb")), views=RowViews(fmt.block_bytes),
             )
-            reader = self._reader
+            reader, direct = self._reader, None
             if self.mac is None and reader.views is not None and reader.guard is not None:
-                direct = self._direct = direct_gets(env, meta_db, META_KEY, self._blocks, self._index)  # LMDB's own get, where probed sound
+                direct = self._direct = direct_gets(env, meta_db, META_KEY, self._blocks, self._index)  # LMDB's own get (and put), where probed sound
                 self._straight = StraightRead(reader.plain, reader.views, reader.guard, reader.temperature, self.counters, direct)
-            self._ready_writes()
+            self._ready_writes(direct)
         if columns is None or shrinking:  # (a lowered capacity drops records: from a cursor read)
             columns = self._read_index(env, block_keys if columns is None else None)
         self._listed = columns

@@ -124,10 +124,11 @@ class LmdbWrites(PersistentRecordBackend):
     #: (:class:`~kvtier.backends.lmdb_lone.LoneSave`; ``None`` otherwise, and before the open).
     _lone: LoneSave | None = None
 
-    def _ready_writes(self) -> None:
+    def _ready_writes(self, direct: object | None = None) -> None:
         """Work out at the open what every save of the store asks (a 4 KiB save costs about
         160 µs durable, of which the tier's own Python was 12-15: these answers were a fifth
-        of it)."""
+        of it). ``direct``: what :func:`~kvtier.backends.lmdb_direct.direct_gets` gave for the
+        environment (a job save then puts by LMDB's own put, reserved), or ``None``."""
         reader = self._reader
         plain = reader is not None and self.mac is None and self.codec.codec_id == NoneCodec.codec_id
         self._plain_records = reader.plain if plain and reader is not None else None
@@ -136,7 +137,7 @@ class LmdbWrites(PersistentRecordBackend):
         self._record_pages = (record, self._pages(record))
         self._maps_appended = self.format.block_bytes >= MAP_AFTER_BYTES
         joined = record <= lmdb_entries.JOIN_MAX and not self._maps_appended
-        self._lone = LoneSave(self, self._plain_records, self._plain_rows) if joined and self._plain_records is not None and self._plain_rows is not None else None
+        self._lone = LoneSave(self, self._plain_records, self._plain_rows, direct) if joined and self._plain_records is not None and self._plain_rows is not None else None
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         lone = self._lone

@@ -1,6 +1,7 @@
 """The ``lmdb`` tier's straight line for a job of several plain blocks
 (``lmdb_lone.LoneSave.save_job``: the job's checks and views in one call, ``lmdb_plain.job_views``;
-its records each built just before its put, ``lmdb_plain.put_joined``) against the general path
+its records each built just before its put, ``lmdb_plain.put_joined``, or written into the room
+LMDB's own put reserves, ``lmdb_lone.RESERVED_PUTS``) against the general path
 (``LONE_SAVES = False``): the same records on disk, the same records read back, the same sizes,
 counters and errors, whatever fails; with those calls native and in Python."""
 
@@ -14,7 +15,7 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_entries, lmdb_plain
+from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,9 +29,13 @@ from tests.test_lmdb_lone_save import FMT, _compare, _dump, _FailingEnv, _open, 
 _FORMS = ("host_view", "job_views", "put_joined")
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=["reserved", "native", "python"])
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test with the row checks, the job's views and its puts native, then in Python."""
+    """Every test with the row checks, the job's views and its puts native, its records written
+    into the room LMDB's own put reserves (``lmdb_lone.RESERVED_PUTS``); then built and put
+    through python-lmdb, native, then in Python."""
+    if request.param != "reserved":
+        monkeypatch.setattr(lmdb_lone, "RESERVED_PUTS", False)
     if request.param == "python":
         for name in _FORMS:
             monkeypatch.setattr(lmdb_plain, name, getattr(lmdb_plain, f"{name}_python"))

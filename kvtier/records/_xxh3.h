@@ -104,6 +104,14 @@ static inline u64 read64(const u8 *p)
     return v;
 }
 
+/* The capsule kvtier.records._xxcopy.joined_into_c holds: a joined record built into dst
+   (hlen + 8 + slen bytes): head, the little-endian XXH3-64 of head + key + src, then src, copied
+   in the hash's pass: the bytes xxh3_64_joined returns. 0, or -1 (nothing written) where head
+   and key are over 256 bytes together. Takes no Python object (_xxput.c). */
+#define XXC_JOINED_INTO_CAPSULE "kvtier.records._xxcopy.joined_into_c"
+typedef int (*xxc_joined_into_fn)(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *src, size_t slen, u8 *dst);
+XXC_INTERNAL int xxc_joined_into(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *src, size_t slen, u8 *dst);
+
 /* The job reads of the file tier's records (_xxjob.c), added to the module in _xxcopy.c. */
 #ifdef Py_PYTHON_H
 /* Adds the module's C exports (_xxjob.c): check_copy (check_copy_raw) as the capsule check_copy_c, the
@@ -111,6 +119,8 @@ static inline u64 read64(const u8 *p)
    rows_let_go(). 0, or -1 with an error set. */
 XXC_INTERNAL int xxc_add_exports(PyObject *module, void *check_copy);
 XXC_INTERNAL extern PyMethodDef xxc_job_methods[];
+/* fn in a capsule of that name, as the module's attribute attr: 0, or -1 with an error set (_xxput.c). */
+XXC_INTERNAL int xxc_add_capsule(PyObject *module, const char *attr, void *fn, const char *name);
 #endif
 
 #endif
