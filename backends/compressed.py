@@ -26,6 +26,7 @@ import torch
 from kvtier.backend import BlockFormat
 from kvtier.errors import CorruptBlockError
 from kvtier.keys import check_keys
+from kvtier.records import xxcopy
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import HEADER_SIZE, RecordBackend, decode_record
 
@@ -73,6 +74,7 @@ class CompressedBackend(RecordBackend):
         with self._lock:
             return list(self._records)
 
+    @xxcopy.holding_rows  # no collection from a row's view to its copy
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         self._check_io(keys, blocks)
         records = [b"".join(parts) for parts in self._encode(keys, blocks)]  # one copy per record
@@ -95,6 +97,7 @@ class CompressedBackend(RecordBackend):
         self.counters.bytes_written += sum(stored_sizes)
         return sizes
 
+    @xxcopy.holding_rows  # no collection from a row's view to its copy
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         size = self._check_io(keys, out)
         found: list[bool] = []

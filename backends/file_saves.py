@@ -34,6 +34,7 @@ from kvtier.backends.file_tree import _SUFFIX, FLAT
 from kvtier.backends.lmdb_plain import RowViews
 
 from kvtier.errors import DiskError
+from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
 
@@ -83,9 +84,12 @@ class FileSaves(PersistentRecordBackend):
         if beneath is None or not beneath.enter():
             self._check_open()  # closed: refused by name
             return [None] * len(keys)
+        # No collection from the rows' views to the records' writes (xxcopy.rows_hold).
+        xxcopy.rows_hold()
         try:
             return self._write_counted(keys, blocks)
         finally:
+            xxcopy.rows_let_go()
             beneath.leave()
 
     def _write_counted(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:

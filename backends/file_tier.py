@@ -292,7 +292,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
 
-    # -- bulk I/O --------------------------------------------------------------------------------
+    @xxcopy.holding_rows  # bulk I/O; no collection from the first row's view to the last read
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Plain records (no MAC) are read in one pass, three system calls each (``PlainReads``),
         a flat store's job into rows seen before in one native call from its checks to its

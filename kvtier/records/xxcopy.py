@@ -32,6 +32,7 @@ loaded, :data:`PATH` which path this process takes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import struct
@@ -53,6 +54,7 @@ __all__ = [
     "ONE_READ",
     "PATH",
     "fused",
+    "holding_rows",
     "rows_hold",
     "rows_hold_python",
     "rows_let_go",
@@ -502,3 +504,18 @@ if hasattr(os, "register_at_fork"):
 rows_hold: Callable[[], None] = _xxcopy.rows_hold if _NATIVE_HOLD else rows_hold_python
 #: ``rows_let_go()``: one :data:`rows_hold` ended.
 rows_let_go: Callable[[], None] = _xxcopy.rows_let_go if _NATIVE_HOLD else rows_let_go_python
+
+
+def holding_rows(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a tier's whole read or save of rows) run under :data:`rows_hold`, let go however
+    it ends: for the paths that take their rows' views in Python, between calls that allocate."""
+
+    @functools.wraps(method)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        rows_hold()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            rows_let_go()
+
+    return held
