@@ -108,6 +108,17 @@ static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *v
         result = taken < 0 ? NULL : Py_NewRef(Py_False);
         goto release;
     }
+    /* Every record's build known to take its key before the first put: a build refused after its
+       put would leave the room reserved unwritten (whatever the page held) in the transaction. */
+    for (Py_ssize_t j = 0; j < count; j++) {
+        size_t prefix = hlen + (size_t)PyBytes_GET_SIZE(keys[j]);
+        if (prefix > XXC_JOIN_PREFIX_MAX) {
+            direct_writer_end(&w);
+            PyErr_Format(PyExc_ValueError, "put_reserved: keys[%zd]: head and key are %zu bytes, over the %d a build takes", j, prefix,
+                         XXC_JOIN_PREFIX_MAX);
+            goto release;
+        }
+    }
     int rc = 0, built = 0;
     Py_ssize_t i = 0;
     PyThreadState *state = slen >= RELEASE_GIL_AT ? PyEval_SaveThread() : NULL;
@@ -129,9 +140,8 @@ static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *v
     reserved_jobs++;
     if (rc != 0)
         PyErr_Format(PyExc_RuntimeError, "put_reserved: LMDB's put of keys[%zd] failed (code %d)", i, rc);
-    else if (built != 0)
-        PyErr_Format(PyExc_ValueError, "put_reserved: keys[%zd]: head and key are %zu bytes, over the 256 a build takes", i,
-                     hlen + (size_t)PyBytes_GET_SIZE(keys[i]));
+    else if (built != 0) /* (never: the lengths were checked before the first put) */
+        PyErr_Format(PyExc_RuntimeError, "put_reserved: keys[%zd]: the record's build failed after its put", i);
     else
         result = Py_NewRef(Py_True);
 release:

@@ -184,14 +184,17 @@ def test_put_reserved_fails_where_lmdb_refuses_the_put(tmp_path: Path) -> None:
 
 
 def test_a_key_too_long_for_the_build_fails_before_its_bytes_are_written(tmp_path: Path) -> None:
+    """The job is refused before its first put: a transaction committed after the error holds
+    nothing of it (no room reserved and left unwritten, holding whatever the page held)."""
     backend, direct, head, keys, views = _env(tmp_path)
     env = backend._env  # type: ignore[attr-defined]
     try:
         txn = env.begin(write=True)
         with pytest.raises(ValueError, match=r"keys\[1\]: head and key are 324 bytes"):
             _put(backend, direct, txn, head, [keys[0], bytes(300)], views[:2])
-        txn.abort()
+        txn.commit()
         assert _dump(backend)[0] == [] and len(keys[0]) == KEY_BYTES
+        assert _rowguard.direct_ops(env) == (0, 0)  # the refused job is not left counted in flight
     finally:
         asyncio.run(backend.aclose())
 

@@ -107,7 +107,8 @@ static inline u64 read64(const u8 *p)
 /* The capsule kvtier.records._xxcopy.joined_into_c holds: a joined record built into dst
    (hlen + 8 + slen bytes): head, the little-endian XXH3-64 of head + key + src, then src, copied
    in the hash's pass: the bytes xxh3_64_joined returns. 0, or -1 (nothing written) where head
-   and key are over 256 bytes together. Takes no Python object (_xxput.c). */
+   and key are over XXC_JOIN_PREFIX_MAX bytes together. Takes no Python object (_xxput.c). */
+#define XXC_JOIN_PREFIX_MAX 256
 #define XXC_JOINED_INTO_CAPSULE "kvtier.records._xxcopy.joined_into_c"
 typedef int (*xxc_joined_into_fn)(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *src, size_t slen, u8 *dst);
 XXC_INTERNAL int xxc_joined_into(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *src, size_t slen, u8 *dst);

@@ -9,12 +9,9 @@
 
 #include "_xxh3.h"
 
-/* A record's head and key longer than this together: not built here (a store's are 24 + 32). */
-#define JOIN_PREFIX_MAX 256
-
 XXC_INTERNAL int xxc_joined_into(const u8 *head, size_t hlen, const u8 *key, size_t klen, const u8 *src, size_t slen, u8 *dst)
 {
-    u8 prefix[JOIN_PREFIX_MAX];
+    u8 prefix[XXC_JOIN_PREFIX_MAX]; /* a store's head and key: 24 + 32 */
     if (hlen + klen > sizeof prefix)
         return -1;
     memcpy(prefix, head, hlen);
