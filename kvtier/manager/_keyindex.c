@@ -3,11 +3,12 @@
  * keeps a membership filter, so that a miss is mostly answered without hashing the key or
  * touching the dict's table (which, at 10^5 keys and more, is a few cache misses). The filter
  * is one 2-bit counter per slot, four slots a byte, at least two slots per key (0.5-1 byte a
- * key), each key counted in the slot a cheap mix of all its bytes picks. A zero slot means no
+ * key; eight, 2-4 bytes, in an index that keeps a ready-key table: see slots_per_key), each key
+ * counted in the slot a cheap mix of all its bytes picks. A zero slot means no
  * exact-bytes key with those bytes is in the dict: KeyProbe answers such a key's lookup as a
  * miss with no dict probe (while misses are common: see MISS_WEIGHT). A counter that reaches 3
- * stays there (never decremented: it can only say "maybe"); enough of them, or a dict past half
- * the slots, and the filter is rebuilt from the dict. Every mutation through the type (item set and delete, ``pop``,
+ * stays there (never decremented: it can only say "maybe"); enough of them, or more keys than
+ * the slots allow, and the filter is rebuilt from the dict. Every mutation through the type (item set and delete, ``pop``,
  * ``update``, ``clear``) keeps the counts exact when every key is exact ``bytes``; anything
  * else (another key type, a mutation through dict's own methods or C API, an error) leaves the
  * filter marked stale, and the dict's version tag (changed by every mutation, whoever makes
@@ -20,6 +21,7 @@
 
 #define MIN_SLOTS 256   /* 64 bytes */
 #define LOAD 2          /* slots per key, at least: a dict past slots / LOAD keys gets twice the slots */
+#define READY_LOAD 8    /* LOAD of an index that keeps a ready-key table (a memory tier's) */
 #define TOP 3u          /* a counter that reached it stays (it can only say "maybe") */
 
 /* Count one more key in slot i; 1 if that counter just reached TOP. */
@@ -40,6 +42,17 @@ mark_stale(KeyIndex *self)
     self->foreign = 0; /* recounted by the rebuild that a stale filter gets before it is used */
 }
 
+/* Slots per key, at least, for this index. A memory tier's index (``keep_ready``) gets four
+ * times more: a filter at 2-4 slots a key lets about a third of the misses through to the
+ * table's probe (a hash and a cache miss each), one at 8-16 about a tenth, for 1.5-3 bytes a
+ * key more, which its ready-key table (27-53 bytes a key) dwarfs. A disk tier's index of
+ * millions of records keeps the smaller filter. */
+static inline Py_ssize_t
+slots_per_key(const KeyIndex *self)
+{
+    return self->wants_ready ? READY_LOAD : LOAD;
+}
+
 /* Count every key afresh; ``table``: rebuild the ready-key table too (it may not match the
  * dict), else keep it (it does: only the counts outgrew their slots). */
 static int
@@ -49,7 +62,7 @@ counts_rebuild(KeyIndex *self, int table)
     int shift = 64 - 8;
     PyObject *key, *value;
     uint8_t *cells;
-    while (slots / LOAD < n + 1) {
+    while (slots / slots_per_key(self) < n + 1) {
         slots *= 2;
         shift--;
     }
@@ -101,7 +114,7 @@ index_settle(KeyIndex *self, PyObject *key, int exact, Py_ssize_t before)
     }
     if (after == before + 1) {
         self->saturated += cell_add(self->cells, slot_of(self, key));
-        if (after > self->slots / LOAD || self->saturated > self->slots / 32) {
+        if (after > self->slots / slots_per_key(self) || self->saturated > self->slots / 32) {
             self->synced = DICT_VERSION(self);
             if (counts_rebuild(self, 0) < 0) {
                 PyErr_Clear(); /* the old slots still count every key: keep them */
@@ -281,7 +294,7 @@ index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
         else
             ready_settle(self, NULL, 0, NULL, NULL, 0);
         self->synced = DICT_VERSION(self);
-        if ((PyDict_GET_SIZE(self) > self->slots / LOAD || self->saturated > self->slots / 32) && counts_rebuild(self, 0) < 0) {
+        if ((PyDict_GET_SIZE(self) > self->slots / slots_per_key(self) || self->saturated > self->slots / 32) && counts_rebuild(self, 0) < 0) {
             PyErr_Clear();
             mark_stale(self);
         }
@@ -375,6 +388,8 @@ static PyObject *
 index_keep_ready(KeyIndex *self, PyObject *unused)
 {
     self->wants_ready = 1;
+    if (self->cells != NULL && self->slots / READY_LOAD < PyDict_GET_SIZE(self) + 1)
+        mark_stale(self); /* counted in fewer slots than it now wants: recounted before next consulted */
     if (!ready_synced(self))
         ready_rebuild(self);
     Py_RETURN_NONE;
