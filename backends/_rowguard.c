@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <limits.h>
+#include <structmember.h>
 #include <pthread.h>
 #include <sys/types.h>
 #include <time.h>
@@ -159,9 +160,43 @@ PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold
 static PyObject *real_perf_counter; /* time.perf_counter: read here by clock_gettime, as it reads */
 static PyObject *one_count;         /* 1, a counter's step */
 
-/* counters.name += by */
+/* The slot of obj that obj's type's descriptor for name reads and writes, where that is a
+   writable object member (a __slots__ entry: what getattr and setattr of name then use too, a
+   data descriptor coming before any instance dict); NULL where it is anything else. */
+PyObject **member_slot(PyObject *obj, PyObject *name)
+{
+    PyObject *described = _PyType_Lookup(Py_TYPE(obj), name); /* borrowed; the type's method cache */
+    if (described == NULL || !Py_IS_TYPE(described, &PyMemberDescr_Type))
+        return NULL;
+    const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY) || ((PyDescrObject *)described)->d_type != Py_TYPE(obj))
+        return NULL;
+    return (PyObject **)((char *)obj + member->offset);
+}
+
+/* obj.name, a new reference: the slot read straight where member_slot finds it (and it is
+   set), else getattr. */
+PyObject *slot_or_attr(PyObject *obj, PyObject *name)
+{
+    PyObject **slot = member_slot(obj, name);
+    if (slot != NULL && *slot != NULL)
+        return Py_NewRef(*slot);
+    return PyObject_GetAttr(obj, name);
+}
+
+/* counters.name += by. Where name is a slot of counters' own type holding an int and by is an
+   int, the sum is stored in the slot straight (what setattr does through the member, without
+   the two generic lookups and their attribute calls); else getattr, += and setattr. */
 int add_to(PyObject *counters, PyObject *name, PyObject *by)
 {
+    PyObject **slot = PyLong_CheckExact(by) ? member_slot(counters, name) : NULL;
+    if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
+        PyObject *sum = PyNumber_Add(*slot, by);
+        if (sum == NULL)
+            return -1;
+        Py_SETREF(*slot, sum);
+        return 0;
+    }
     PyObject *v = PyObject_GetAttr(counters, name);
     if (v == NULL)
         return -1;
@@ -287,9 +322,10 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
         return NULL;
-    result = Py_BuildValue("[O]", Py_False);
+    result = PyList_New(1);
     if (result == NULL)
         return NULL;
+    PyList_SET_ITEM(result, 0, Py_NewRef(Py_False));
     int direct = direct_lookups(parts, env, &key, &view, 1, check, result); /* by LMDB's own get, in its own transaction, where probed */
     if (direct != 2) {
         if (direct == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
@@ -391,8 +427,8 @@ PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_Append(jobs, Py_None) < 0)
         return NULL;
     PyObject *result = NULL;
-    PyObject *fd = PyObject_GetAttr(parts[P_GUARD], s_fd);
-    PyObject *seen = fd == NULL ? NULL : PyObject_GetAttr(parts[P_GUARD], s_seen);
+    PyObject *fd = slot_or_attr(parts[P_GUARD], s_fd);
+    PyObject *seen = fd == NULL ? NULL : slot_or_attr(parts[P_GUARD], s_seen);
     if (seen != NULL) {
         PyObject *row_args[9] = {key, parts[P_KEY_BYTES], row, parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS], fd, seen};
         rows_hold(); /* no collection from the row's checks to its copy (_hostrow.h) */
@@ -423,13 +459,10 @@ PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (result == NULL)
         return NULL;
     if (PyList_CheckExact(result) && PyList_GET_ITEM(result, 0) == Py_True) {
-        PyObject *one = PyLong_FromLong(1);
-        if (one == NULL || add_to(parts[P_COUNTERS], s_blocks_read, one) < 0 || add_to(parts[P_COUNTERS], s_bytes_read, parts[P_SIZE]) < 0) {
-            Py_XDECREF(one);
+        if (add_to(parts[P_COUNTERS], s_blocks_read, one_count) < 0 || add_to(parts[P_COUNTERS], s_bytes_read, parts[P_SIZE]) < 0) {
             Py_DECREF(result);
             return NULL;
         }
-        Py_DECREF(one);
     }
     return result;
 }

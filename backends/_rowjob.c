@@ -208,8 +208,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_Append(jobs, Py_None) < 0)
         goto done;
     int read = -1;
-    PyObject *fd = PyObject_GetAttr(parts[P_GUARD], s_fd);
-    PyObject *seen = fd == NULL ? NULL : PyObject_GetAttr(parts[P_GUARD], s_seen);
+    PyObject *fd = slot_or_attr(parts[P_GUARD], s_fd);
+    PyObject *seen = fd == NULL ? NULL : slot_or_attr(parts[P_GUARD], s_seen);
     if (seen != NULL) {
         PyObject *size_args[2] = {fd, seen};
         PyObject *same = py_same_size(self, size_args, 2);
@@ -271,8 +271,12 @@ PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (read_args(args, nargs, "straight_read(parts, env, keys, out, clock, cold_s, check)", NULL) < 0)
         return NULL;
     PyObject *const *parts = &PyTuple_GET_ITEM(args[0], 0);
-    PyObject *locate = PyObject_GetAttr(parts[P_DEVICES], s_locate);
-    if (locate == NULL)
+    /* devices.locate: read from the module's dict where it is there (what getattr reads first) */
+    PyObject *devices = parts[P_DEVICES];
+    PyObject *locate = PyModule_CheckExact(devices) ? PyDict_GetItemWithError(PyModule_GetDict(devices), s_locate) : NULL;
+    if (locate != NULL)
+        Py_INCREF(locate);
+    else if (PyErr_Occurred() || (locate = PyObject_GetAttr(devices, s_locate)) == NULL)
         return NULL;
     int hosted = locate == Py_None;
     Py_DECREF(locate);
