@@ -12,14 +12,18 @@ transaction took 6-9.
 :meth:`LoneSave.save` takes a job of one key of an unkeyed, uncompressed store whose record is
 put joined (at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes, head and block in one
 value): the key's and the row's checks and view in one call
-(:data:`~kvtier.backends.lmdb_plain.host_view`, a row whose view the store keeps), the record
-built whole (:func:`~kvtier.records.xxcopy.xxh3_joined`, the same bytes the general path builds
-for a job of one record, before its transaction as there); then, when no commit runs and no
-batch waits (:meth:`GroupCommit.submit_alone`), under the write lock, the put, the delete of the
-key's index entry while the index may hold a split one, and the commit (where a commit runs or
-batches wait, the job joins them, as the general path's would). Durable, the group commit's
-settle then syncs the meta page, as for every group: the save returns once the block is on
-stable storage.
+(:data:`~kvtier.backends.lmdb_plain.host_view`, a row whose view the store keeps); then, when no
+commit runs and no batch waits (:meth:`GroupCommit.submit_alone`), under the write lock, one
+write transaction in which, where the store's open probed LMDB's own put sound, the record is
+written straight into the room that put reserves, as a job's records are (below: no ``bytes``
+built and copied again by python-lmdb's put), and the commit. Where it is not so probed (or
+``xxh3_joined`` is not the native build), the record is built whole first
+(:func:`~kvtier.records.xxcopy.xxh3_joined`, the same bytes, before its transaction as the
+general path builds a job of one record: a build that fails raises there) and put, with the
+delete of the key's index entry while the index may hold a split one; where a commit runs or
+batches wait, it is built so and the job joins them, as the general path's would. Durable, the
+group commit's settle then syncs the meta page, as for every group: the save returns once the
+block is on stable storage.
 
 :meth:`LoneSave.save_job` takes a job of several keys of such a store the same way: every
 key's and row's checks and view in one call (:data:`~kvtier.backends.lmdb_plain.job_views`,
@@ -134,29 +138,39 @@ class LoneSave:
         if lmdb_plain.modes_on():
             return None  # a mode's handler may move the row once its address is read (lmdb_plain.python_in_torch)
         tier = self.tier
-        # Built before its transaction, as the general path builds a job of one record (a
-        # build that fails raises here, as there); then committed alone, or, where a commit
-        # runs or batches wait, with them, as the general path's job would be. No collection
-        # from the row's checks to its copy (xxcopy.rows_hold: a finalizer run between may free
-        # the row whose view is taken).
+        # No collection from the row's checks to its copy (xxcopy.rows_hold: a finalizer run
+        # between may free the row whose view is taken). Where LMDB's own put is probed sound,
+        # the record is written into the room its put reserves, in the transaction, as a job's
+        # records are (_commit_job: the hold let go there, before the group's settle); else, or
+        # where a commit runs or batches wait, it is built here, before its transaction, as the
+        # general path builds a job of one record (a build that fails raises here, as there),
+        # and committed alone or with them, as the general path's job would be.
+        held = [True]
         xxcopy.rows_hold()
         try:
             view = lmdb_plain.host_view(row, _TENSOR, _U8, self.shape, self.views)
             if view is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
             tier._env_or_raise()
-            job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
+            commits = self.commits
+            sizes = commits.submit_alone(((key,), (view,), held), self._commit_job) if self._reserving() else None
+            if sizes is None:
+                job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
+                _let_go(held)
+                sizes = commits.submit_alone(job, self._commit)
+                if sizes is None:
+                    sizes = commits.submit([job])
         finally:
-            xxcopy.rows_let_go()
-        commits = self.commits
-        sizes = commits.submit_alone(job, self._commit)
-        if sizes is None:
-            sizes = commits.submit([job])
+            _let_go(held)
         if sizes[0] is not None:
             counters = tier.counters
             counters.blocks_written += 1
             counters.bytes_written += self.record
         return sizes
+
+    def _reserving(self) -> bool:
+        """Whether records are written into the room LMDB's own put reserves (``put_reserved``)."""
+        return self.direct is not None and RESERVED_PUTS and put_reserved is not None and xxcopy.xxh3_joined is xxcopy.xxh3_joined_native
 
     def save_job(self, keys: Any, rows: Any) -> list[int | None] | None:
         """The job ``keys``, ``rows`` (several keys) saved as ``write_blocks`` saves it (its
@@ -199,18 +213,45 @@ class LoneSave:
         return sizes
 
     def _commit_job(self, batches: list[tuple[Any, Any, list[bool]]]) -> list[list[int | None]]:
-        """``GroupCommit``'s commit of a job of several keys: each record built just before its
-        put, in one write transaction; on a failure in it, the general commit of the same job.
-        Then the job's rows' hold let go (before the group's settle)."""
+        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold): under the
+        store's write lock, one write transaction in which each record is written into the room
+        LMDB's own put reserves (``put_reserved``, where the open probed that sound) or built
+        just before its put (``put_joined``), and the split entries its keys may have deleted,
+        then its commit; in one frame (a job of 16 records of 4 KiB costs about 25 µs: each
+        call a frame fewer). On a failure in it (aborted, nothing committed), the general
+        commit of the same job, whose try and handling are then the save's (a transaction LMDB
+        will not begin is that commit's to fail too). Then the job's rows' hold let go (before
+        the group's settle)."""
         ((keys, views, held),) = batches
         tier = self.tier
         try:
-            # (lmdb_writes: the commit's freed pages and built records kept)
-            if self._transact(len(keys) * (self.stored + self.record), _put_job, (keys, views)):
-                return tier._commit_jobs([[(key, lmdb_plain.UNSUMMED, view) for key, view in zip(keys, views)]])
+            with tier._write_lock:
+                env = tier._env
+                if env is None:
+                    raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
+                tier._listed = None
+                keep_heap_for(len(keys) * (self.stored + self.record))  # (lmdb_writes: the commit's freed pages and built records kept)
+                blocks, index, unindex, txn = tier._blocks, tier._index, tier._splits, None
+                try:
+                    txn = env.begin(blocks, None, True, True)  # write, buffers: by position
+                    # Each record written where LMDB's own put reserved its room, in the pass
+                    # that copies and hashes its block: one copy a block, not two
+                    # (backends/_lmdbput.c); the same bytes as put_joined's.
+                    direct = self.direct
+                    if direct is None or not RESERVED_PUTS or put_reserved is None or xxcopy.xxh3_joined is not xxcopy.xxh3_joined_native or not put_reserved(direct, env, txn, blocks, index, unindex, self.head, keys, views):
+                        lmdb_plain.put_joined(txn.put, txn.delete if unindex else None, index, self.head, keys, views, xxcopy.xxh3_joined)
+                    txn.commit()
+                    return [[self.stored] * len(keys)]
+                except Exception:
+                    if txn is not None:
+                        txn.abort()
+                except BaseException:
+                    if txn is not None:
+                        txn.abort()
+                    raise
+            return tier._commit_jobs([[(key, lmdb_plain.UNSUMMED, view) for key, view in zip(keys, views)]])
         finally:
             _let_go(held)
-        return [[self.stored] * len(keys)]
 
     def _commit(self, batches: list[tuple[bytes, bytes, bytes]]) -> list[list[int | None]]:
         """``GroupCommit``'s commit of the lone job: its record put and committed in one write
@@ -263,17 +304,3 @@ def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> No
     txn.put(key, job[2])
     if tier._splits:
         txn.delete(key, b"", tier._index)
-
-
-def _put_job(lone: LoneSave, txn: Any, job: tuple[Any, Any]) -> None:
-    """A job's records, each built just before its put (``lmdb_plain.put_joined``), and their
-    keys' split entries deleted where the index may hold them."""
-    keys, views = job
-    tier = lone.tier
-    direct = lone.direct
-    if direct is not None and RESERVED_PUTS and put_reserved is not None and xxcopy.xxh3_joined is xxcopy.xxh3_joined_native:
-        # Each record written where LMDB's own put reserved its room, in the pass that copies
-        # and hashes its block: one copy a block, not two (backends/_lmdbput.c); the same bytes.
-        if put_reserved(direct, tier._env, txn, tier._blocks, tier._index, tier._splits, lone.head, keys, views):
-            return
-    lmdb_plain.put_joined(txn.put, txn.delete if tier._splits else None, tier._index, lone.head, keys, views, xxcopy.xxh3_joined)

@@ -16,15 +16,23 @@ import lmdb
 import pytest
 import torch
 from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier import registry
 from kvtier.backend import Backend
 from kvtier.errors import BackendError, ClosedError, DiskError
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
-from tests.test_lmdb_lone_save import FMT, _compare, _dump, _FailingEnv, _open, _read, while_a_commit_runs
+from tests.test_lmdb_lone_save import (
+    FMT,
+    _compare,
+    _Dispatching,
+    _dump,
+    _FailingEnv,
+    _open,
+    _Passing,
+    _read,
+    while_a_commit_runs,
+)
 
 _FORMS = ("host_view", "job_views", "put_joined")
 
@@ -278,16 +286,6 @@ def test_job_views_and_put_joined_answer_alike_native_and_in_python() -> None:
         assert [c[0] for c in calls] == ["put", "delete", "put", "delete", "put"] and calls[1] == ("delete", keys[0], b"", "index")
         with pytest.raises(ValueError, match="3 keys but 2 views"):
             form(put, None, "index", head, keys, got_views[:2], xxcopy.xxh3_joined)
-
-
-class _Passing(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class _Dispatching(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("mode", [_Passing, _Dispatching])
