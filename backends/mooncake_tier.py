@@ -51,6 +51,7 @@ from kvtier.backends.mooncake_session import (
     master_unreachable,
 )
 from kvtier.backends.remote_health import Down
+from kvtier.backends.remote_rows import RowLease
 from kvtier.backends.remote_tier import KEY_BYTES, ReadJob, RemoteRecordBackend, SweepSkipped, WriteJob, check_seconds
 
 from kvtier.errors import ConfigError
@@ -63,6 +64,7 @@ from kvtier.records.format import (
     parse_header,
     verify_payload,
 )
+from kvtier.records.xxcopy import rows_hold, rows_let_go
 from kvtier.units import parse_size
 
 __all__ = ["MooncakeBackend"]
@@ -300,13 +302,20 @@ class MooncakeBackend(RemoteRecordBackend):
             if host and not sliced:
                 # A small block is copied next to its head (one slice), then checksummed there
                 # while it is still in the CPU cache.
-                region[:] = block.numpy().data
+                rows_hold()  # no collection from the row's view to its copy (remote_rows)
+                try:
+                    region[:] = block.numpy().data
+                finally:
+                    rows_let_go()
                 head, payload = encode_record(job.keys[i], region, self.codec, dtype, self.mac)
+            elif host:  # its memory kept until the check after the put (RemoteRecordBackend._drop_moved)
+                lease = job.leases[i] = RowLease(block)
+                head, payload = self._encode_one(job.keys[i], lease.kept)
             else:
                 head, payload = self._encode_one(job.keys[i], block)
             bytes_[offset : offset + hb] = head
             if sliced and host and len(payload) == bb:
-                ptrs.append([base + offset, block.data_ptr()])  # the payload straight from the row
+                ptrs.append([base + offset, lease.ptr])  # the payload straight from the row's kept memory
                 sizes.append([hb, bb])
                 stored.append(hb + bb)
                 offset += hb
@@ -342,17 +351,19 @@ class MooncakeBackend(RemoteRecordBackend):
                 direct.append(i)
             else:
                 whole.append(i)
+        leases = {i: RowLease(job.out[i]) for i in direct}  # each row's memory kept until its read is checked
         session.register_rows([job.out[i] for i in direct])
         with staging.lock:
             for chunk in _chunks(direct, staging.nbytes // hb):
                 keys = [job.rkeys[i].decode() for i in chunk]
-                ptrs = [[staging.base + j * hb, job.out[i].data_ptr()] for j, i in enumerate(chunk)]
+                ptrs = [[staging.base + j * hb, leases[i].ptr] for j, i in enumerate(chunk)]
                 codes = session.get_parts(keys, ptrs, [[hb, block_bytes]] * len(chunk))
                 if master_unreachable(codes):
                     raise Down(f"the master {self.master} did not answer")
                 for j, (i, code) in enumerate(zip(chunk, codes)):
                     if code == hb + block_bytes:
-                        job.found[i] = self._accept(job, i, self._check_in_place(job.keys[i], staging.view(j * hb, hb), code))
+                        fill = self._check_in_place(job.keys[i], staging.view(j * hb, hb), code)
+                        job.found[i] = self._accept(job, i, fill, lease=leases[i])
                     elif code != NOT_FOUND:
                         whole.append(i)  # another length (compressed, or junk), or a failed transfer: read it whole
             for chunk in _chunks(whole, staging.nbytes // (hb + block_bytes)):

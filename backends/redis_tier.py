@@ -355,7 +355,7 @@ class RedisBackend(RemoteRecordBackend):
 
     # -- one share's exchange --------------------------------------------------------------------
     def _write_share(self, pool: Any, positions: list[int], *, job: WriteJob) -> None:
-        keys, blocks, rkeys, sizes = job.keys, job.blocks, job.rkeys, job.sizes
+        keys, rkeys, sizes = job.keys, job.rkeys, job.sizes
         ttl = self._ttl_ms
         stored: dict[int, int] = {}
 
@@ -364,7 +364,7 @@ class RedisBackend(RemoteRecordBackend):
             # out while its bytes are still in the CPU cache, and the server stores the
             # ones in flight while the next is hashed (see redis_wire.send_one_each).
             for i in positions:
-                head, payload = self._encode_one(keys[i], blocks[i])
+                head, payload = self._encode_row(job, i)
                 size = stored[i] = len(head) + len(payload)
                 before, after = set_command(rkeys[i], head, size, ttl)
                 yield i, (before, payload, after)
@@ -422,7 +422,7 @@ class RedisBackend(RemoteRecordBackend):
                     wire.send([b"".join(commands[k][sent[k] : upto])])
                     sent[k] = upto
                 if length >= 0:
-                    job.found[i] = self._accept(job, i, partial(_receive, wire, keys[i], length, self.mac))
+                    job.found[i] = self._accept(job, i, partial(_receive, wire, keys[i], length, self.mac), landing=True)
 
         self._exchange_many(pool, min(len(positions), stripes), body)
 

@@ -78,6 +78,7 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
 from kvtier.backends.remote_listing import KEY_BYTES, RemoteListing, SweepSkipped
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
+from kvtier.backends.remote_rows import RowLease
 from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -86,6 +87,8 @@ from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordBackend, decode_record
+from kvtier.records.record_backend import _in_host_memory
+from kvtier.records.xxcopy import rows_hold, rows_let_go
 from kvtier.shares import run_all
 
 __all__ = ["KEY_BYTES", "ReadJob", "RemoteRecordBackend", "Route", "SweepSkipped", "WriteJob"]
@@ -107,13 +110,15 @@ Route = tuple[Health, Any, list[int]]
 
 
 class WriteJob:
-    """One ``write_blocks`` call, as its shares see it: fill ``sizes[i]`` for each record stored."""
+    """One ``write_blocks`` call, as its shares see it: fill ``sizes[i]`` for each record stored,
+    and ``leases[i]`` for each record sent straight from its row (:meth:`RemoteRecordBackend._encode_row`)."""
 
-    __slots__ = ("blocks", "keys", "rkeys", "sizes")
+    __slots__ = ("blocks", "keys", "leases", "rkeys", "sizes")
 
     def __init__(self, keys: Sequence[bytes], rkeys: list[bytes], blocks: Sequence[torch.Tensor]) -> None:
         self.keys, self.rkeys, self.blocks = keys, rkeys, blocks
         self.sizes: list[int | None] = [None] * len(keys)
+        self.leases: list[RowLease | None] = [None] * len(keys)
 
 
 class ReadJob:
@@ -197,6 +202,9 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         #: sweeps do not adopt them again until this tier writes them (bounded, oldest dropped).
         self._unreadable: dict[bytes, None] = {}
         self._unreadable_lock = threading.Lock()
+        #: records not served or not stored because their row was pointed at other memory
+        #: during the transfer (:mod:`kvtier.backends.remote_rows`)
+        self.rows_moved = 0
         #: a server unreachable, and either kind of failure (see the class attributes)
         self._down_errors: tuple[type[BaseException], ...] = (Down, *self.down_errors)
         self._failure_errors: tuple[type[BaseException], ...] = (*self._down_errors, *self.refused_errors)
@@ -402,6 +410,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             return [None] * n
         job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks)
         self._run_io(partial(self._write_share, job=job), job.rkeys, self.reserve_bytes())
+        self._drop_moved(job)
         sizes = job.sizes
         done = [keys[i] for i in range(n) if sizes[i] is not None]
         self.counters.blocks_written += len(done)
@@ -415,9 +424,30 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
                     self._unreadable.pop(key, None)
         return sizes
 
+    def _encode_row(self, job: WriteJob, i: int) -> tuple[bytes, Any]:
+        """Record ``i``'s ``(head, payload)``; a raw payload is a view of the block's memory, kept
+        for the transfer (``job.leases[i]``, checked by :meth:`_drop_moved` once it is over)."""
+        block = job.blocks[i]
+        if _in_host_memory(block):
+            lease = job.leases[i] = RowLease(block)
+            block = lease.kept
+        return self._encode_one(job.keys[i], block)
+
+    def _drop_moved(self, job: WriteJob) -> None:
+        """Records whose row was pointed at other memory while they were sent are not stored:
+        they may hold bytes the row no longer has, so they are removed (and counted)."""
+        moved = [i for i, lease in enumerate(job.leases) if lease is not None and not lease.held()]
+        if not moved:
+            return
+        for i in moved:
+            job.sizes[i] = None
+        self.rows_moved += len(moved)
+        log.debug("%s: %d rows moved while their records were sent; removing those records", self.name, len(moved))
+        self._delete([job.keys[i] for i in moved])
+
     def _write_share(self, handle: Any, positions: list[int], *, job: WriteJob) -> None:
         """Store the share's records (the default: encode them all, one ``_put_records`` batch)."""
-        records = [self._encode_one(job.keys[i], job.blocks[i]) for i in positions]
+        records = [self._encode_row(job, i) for i in positions]
         stored = self._put_records(handle, [job.rkeys[i] for i in positions], records)
         for i, (head, payload), ok in zip(positions, records, stored):
             if ok:
@@ -454,13 +484,23 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
     def _decode_into(self, key: bytes, raw: Any, view: memoryview) -> None:
         decode_record(key, raw, view, mac=self.mac)
 
-    def _accept(self, job: ReadJob, i: int, fill: Callable[[memoryview], Any]) -> bool:
+    def _accept(self, job: ReadJob, i: int, fill: Callable[[memoryview], Any], *, lease: RowLease | None = None, landing: bool = False) -> bool:
         """Let ``fill`` land record ``i`` in its block (checked); ``False`` for a miss. A bad
         record is logged and queued in ``job.bad`` for deletion; one of another format or
-        secret in ``job.unreadable``, so the sweeps stop offering it."""
+        secret in ``job.unreadable``, so the sweeps stop offering it.
+
+        ``fill`` copies a record already received: collection is held off from the row's view
+        to its copy (:data:`~kvtier.records.xxcopy.rows_hold`). Where the record lands in the
+        row as it is received (``landing``), or has landed already at ``lease.ptr``, a network
+        wait is inside the window: the row's memory is kept instead (:class:`RowLease`), and
+        the read is a miss if the row no longer points at it afterwards."""
         key, dst = job.keys[i], job.out[i]
-        view, staging = self._host_view(dst)
+        if lease is None and landing and _in_host_memory(dst):
+            lease = RowLease(dst)
+        if lease is None:
+            rows_hold()
         try:
+            view, staging = (lease.view(), None) if lease is not None else self._host_view(dst)
             fill(view)
         except UnsupportedRecordError as exc:
             # Another writer's format or secret: a miss here, theirs to keep.
@@ -472,8 +512,14 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             self._count_auth(exc)
             job.bad.append(key)
             return False
+        finally:
+            if lease is None:
+                rows_let_go()
         if staging is not None:
             dst.copy_(staging)
+        elif lease is not None and not lease.held():
+            self.rows_moved += 1  # its bytes landed where the row used to be
+            return False
         return True
 
     def _remember_unreadable(self, keys: list[bytes]) -> None:
@@ -518,6 +564,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             outages=sum(h.outages for h in every),
             connection_errors=sum(h.connection_errors for h in every),
             fast_failures=sum(h.fast_failures for h in every),
+            rows_moved=self.rows_moved,
         )
         if self.follower is not None:
             data["follow"] = self.follower.stats()
