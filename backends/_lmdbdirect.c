@@ -481,7 +481,7 @@ PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* The job saves' writes by the engine's own put (_lmdbput.c). direct_writer: 1 where direct is a
-   probed capsule and txn python-lmdb's own live transaction of env (the job then counted in
+   probed capsule, env the environment it probed (in this process) and txn python-lmdb's own live transaction of env (the job then counted in
    flight, as python-lmdb counts its put, until direct_writer_end), with blocks and index
    databases of env; 0 where not (nothing done: python-lmdb's put writes the job); -1 with an
    error set. LMDB itself refuses a put into a read-only transaction (EACCES). */
@@ -492,11 +492,11 @@ int direct_writer(PyObject *direct, PyObject *env, PyObject *txn, PyObject *bloc
     direct_t *d = PyCapsule_GetPointer(direct, CAPSULE_NAME);
     if (d == NULL)
         return -1;
-    if (Py_TYPE(env) != d->env_type || Py_TYPE(txn) != d->txn_type)
-        return 0;
+    if (env != d->env || d->forks != rowguard_forks() || Py_TYPE(txn) != d->txn_type)
+        return 0; /* another environment than the one probed (as the lookups ask), another process */
     pl_env *e = (pl_env *)env;
     pl_txn *t = (pl_txn *)txn;
-    if (!env_usable(e) || e->libv != d->libv || t->env != e || !t->valid || t->txn == NULL || t->libv != d->libv
+    if (!env_usable(e) || e->libv != d->libv || e->env != d->mdb_env || t->env != e || !t->valid || t->txn == NULL || t->libv != d->libv
         || db_handle(d, e, blocks, &w->blocks) < 0 || db_handle(d, e, index, &w->index) < 0)
         return 0;
     w->env = e;

@@ -165,6 +165,23 @@ def test_put_reserved_takes_nothing_it_cannot_write_as_probed(tmp_path: Path) ->
         asyncio.run(backend.aclose())
 
 
+def test_put_reserved_writes_only_into_the_environment_it_probed(tmp_path: Path) -> None:
+    """A capsule probed on one store's environment, given another's (of the same type, with a
+    live write transaction and its own databases): ``False``, nothing put, as the lookups refuse
+    an environment other than the probed one. Before, the other store was written through the
+    probe of the first."""
+    backend, direct, head, keys, views = _env(tmp_path / "a")
+    other, _, _, _, _ = _env(tmp_path / "b")
+    env = other._env  # type: ignore[attr-defined]
+    try:
+        with env.begin(write=True) as txn:
+            assert _rowguard.put_reserved(direct, env, txn, other._blocks, other._index, False, head, keys, views) is False  # type: ignore[attr-defined]
+        assert _dump(other)[0] == []
+    finally:
+        asyncio.run(backend.aclose())
+        asyncio.run(other.aclose())
+
+
 def test_put_reserved_fails_where_lmdb_refuses_the_put(tmp_path: Path) -> None:
     """A read-only transaction (LMDB answers EACCES), a full map: an error, the transaction's to
     abort; nothing stored."""
