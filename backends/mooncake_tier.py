@@ -352,7 +352,7 @@ class MooncakeBackend(RemoteRecordBackend):
             else:
                 whole.append(i)
         leases = {i: RowLease(job.out[i]) for i in direct}  # each row's memory kept until its read is checked
-        session.register_rows([job.out[i] for i in direct])
+        session.register_rows([leases[i].kept for i in direct])  # the memory the transfers go to
         with staging.lock:
             for chunk in _chunks(direct, staging.nbytes // hb):
                 keys = [job.rkeys[i].decode() for i in chunk]
