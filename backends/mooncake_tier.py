@@ -308,7 +308,7 @@ class MooncakeBackend(RemoteRecordBackend):
                 finally:
                     rows_let_go()
                 head, payload = encode_record(job.keys[i], region, self.codec, dtype, self.mac)
-            elif host:  # its memory kept until the check after the put (RemoteRecordBackend._drop_moved)
+            elif host:  # its memory kept until the check after the put (WriteJob.moved)
                 lease = job.leases[i] = RowLease(block)
                 head, payload = self._encode_one(job.keys[i], lease.kept)
             else:

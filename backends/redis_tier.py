@@ -364,7 +364,7 @@ class RedisBackend(RemoteRecordBackend):
             # out while its bytes are still in the CPU cache, and the server stores the
             # ones in flight while the next is hashed (see redis_wire.send_one_each).
             for i in positions:
-                head, payload = self._encode_row(job, i)
+                head, payload = self._encode_one(keys[i], job.sent_from(i))
                 size = stored[i] = len(head) + len(payload)
                 before, after = set_command(rkeys[i], head, size, ttl)
                 yield i, (before, payload, after)

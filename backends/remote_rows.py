@@ -22,9 +22,15 @@ memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-__all__ = ["RowLease"]
+from kvtier.records.record_backend import RecordBackend, _in_host_memory
+from kvtier.records.xxcopy import rows_hold, rows_let_go
+
+__all__ = ["RowLease", "fill_row"]
 
 
 class RowLease:
@@ -49,3 +55,27 @@ class RowLease:
         address says so: the kept memory cannot be freed, so no other memory can be at that
         address, and a storage resized in place moves its bytes (the row's address changes)."""
         return self.row.data_ptr() == self.ptr
+
+
+def fill_row(row: torch.Tensor, fill: Callable[[memoryview], Any], lease: RowLease | None = None, landing: bool = False) -> bool:
+    """Let ``fill`` land a record in ``row`` (its errors raised); whether it landed there.
+
+    ``fill`` copies a record already received: collection is held off from the row's view to
+    its copy (:data:`~kvtier.records.xxcopy.rows_hold`). Where the record lands in the row as it
+    is received (``landing``), or has landed already at ``lease.ptr``, a network wait is inside
+    the window: the row's memory is kept instead, and ``False`` (a miss) if the row no longer
+    points at it afterwards."""
+    if lease is None and landing and _in_host_memory(row):
+        lease = RowLease(row)
+    if lease is not None:
+        fill(lease.view())
+        return lease.held()
+    rows_hold()
+    try:
+        view, staging = RecordBackend._host_view(row)
+        fill(view)
+    finally:
+        rows_let_go()
+    if staging is not None:
+        row.copy_(staging)
+    return True

@@ -78,7 +78,7 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
 from kvtier.backends.remote_listing import KEY_BYTES, RemoteListing, SweepSkipped
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
-from kvtier.backends.remote_rows import RowLease
+from kvtier.backends.remote_rows import RowLease, fill_row
 from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -88,7 +88,6 @@ from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordBackend, decode_record
 from kvtier.records.record_backend import _in_host_memory
-from kvtier.records.xxcopy import rows_hold, rows_let_go
 from kvtier.shares import run_all
 
 __all__ = ["KEY_BYTES", "ReadJob", "RemoteRecordBackend", "Route", "SweepSkipped", "WriteJob"]
@@ -111,7 +110,7 @@ Route = tuple[Health, Any, list[int]]
 
 class WriteJob:
     """One ``write_blocks`` call, as its shares see it: fill ``sizes[i]`` for each record stored,
-    and ``leases[i]`` for each record sent straight from its row (:meth:`RemoteRecordBackend._encode_row`)."""
+    and ``leases[i]`` for each record sent straight from its row (:meth:`sent_from`)."""
 
     __slots__ = ("blocks", "keys", "leases", "rkeys", "sizes")
 
@@ -119,6 +118,22 @@ class WriteJob:
         self.keys, self.rkeys, self.blocks = keys, rkeys, blocks
         self.sizes: list[int | None] = [None] * len(keys)
         self.leases: list[RowLease | None] = [None] * len(keys)
+
+    def sent_from(self, i: int) -> torch.Tensor:
+        """Block ``i`` as a save sends it: a host row's memory is kept (``leases[i]``) for the transfer."""
+        block = self.blocks[i]
+        if _in_host_memory(block):
+            lease = self.leases[i] = RowLease(block)
+            return lease.kept
+        return block
+
+    def moved(self) -> list[int]:
+        """The records whose row was pointed at other memory while they were sent (once every
+        share is over): they may hold bytes the row no longer has, so they count as not stored."""
+        moved = [i for i, lease in enumerate(self.leases) if lease is not None and not lease.held()]
+        for i in moved:
+            self.sizes[i] = None
+        return moved
 
 
 class ReadJob:
@@ -202,9 +217,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         #: sweeps do not adopt them again until this tier writes them (bounded, oldest dropped).
         self._unreadable: dict[bytes, None] = {}
         self._unreadable_lock = threading.Lock()
-        #: records not served or not stored because their row was pointed at other memory
-        #: during the transfer (:mod:`kvtier.backends.remote_rows`)
-        self.rows_moved = 0
+        self.rows_moved = 0  # records not served or stored: their row moved in the transfer (remote_rows)
         #: a server unreachable, and either kind of failure (see the class attributes)
         self._down_errors: tuple[type[BaseException], ...] = (Down, *self.down_errors)
         self._failure_errors: tuple[type[BaseException], ...] = (*self._down_errors, *self.refused_errors)
@@ -410,7 +423,10 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             return [None] * n
         job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks)
         self._run_io(partial(self._write_share, job=job), job.rkeys, self.reserve_bytes())
-        self._drop_moved(job)
+        moved = job.moved()
+        if moved:  # removed: never a record of other bytes than the row's (kvtier.backends.remote_rows)
+            self.rows_moved += len(moved)
+            self._delete([keys[i] for i in moved])
         sizes = job.sizes
         done = [keys[i] for i in range(n) if sizes[i] is not None]
         self.counters.blocks_written += len(done)
@@ -424,30 +440,9 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
                     self._unreadable.pop(key, None)
         return sizes
 
-    def _encode_row(self, job: WriteJob, i: int) -> tuple[bytes, Any]:
-        """Record ``i``'s ``(head, payload)``; a raw payload is a view of the block's memory, kept
-        for the transfer (``job.leases[i]``, checked by :meth:`_drop_moved` once it is over)."""
-        block = job.blocks[i]
-        if _in_host_memory(block):
-            lease = job.leases[i] = RowLease(block)
-            block = lease.kept
-        return self._encode_one(job.keys[i], block)
-
-    def _drop_moved(self, job: WriteJob) -> None:
-        """Records whose row was pointed at other memory while they were sent are not stored:
-        they may hold bytes the row no longer has, so they are removed (and counted)."""
-        moved = [i for i, lease in enumerate(job.leases) if lease is not None and not lease.held()]
-        if not moved:
-            return
-        for i in moved:
-            job.sizes[i] = None
-        self.rows_moved += len(moved)
-        log.debug("%s: %d rows moved while their records were sent; removing those records", self.name, len(moved))
-        self._delete([job.keys[i] for i in moved])
-
     def _write_share(self, handle: Any, positions: list[int], *, job: WriteJob) -> None:
         """Store the share's records (the default: encode them all, one ``_put_records`` batch)."""
-        records = [self._encode_row(job, i) for i in positions]
+        records = [self._encode_one(job.keys[i], job.sent_from(i)) for i in positions]
         stored = self._put_records(handle, [job.rkeys[i] for i in positions], records)
         for i, (head, payload), ok in zip(positions, records, stored):
             if ok:
@@ -485,23 +480,12 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         decode_record(key, raw, view, mac=self.mac)
 
     def _accept(self, job: ReadJob, i: int, fill: Callable[[memoryview], Any], *, lease: RowLease | None = None, landing: bool = False) -> bool:
-        """Let ``fill`` land record ``i`` in its block (checked); ``False`` for a miss. A bad
-        record is logged and queued in ``job.bad`` for deletion; one of another format or
-        secret in ``job.unreadable``, so the sweeps stop offering it.
-
-        ``fill`` copies a record already received: collection is held off from the row's view
-        to its copy (:data:`~kvtier.records.xxcopy.rows_hold`). Where the record lands in the
-        row as it is received (``landing``), or has landed already at ``lease.ptr``, a network
-        wait is inside the window: the row's memory is kept instead (:class:`RowLease`), and
-        the read is a miss if the row no longer points at it afterwards."""
-        key, dst = job.keys[i], job.out[i]
-        if lease is None and landing and _in_host_memory(dst):
-            lease = RowLease(dst)
-        if lease is None:
-            rows_hold()
+        """Let ``fill`` land record ``i`` in its block (checked; :func:`fill_row` says how a row
+        that moves meanwhile is a miss); ``False`` for a miss. A bad record is logged and queued
+        in ``job.bad`` for deletion; one of another format or secret in ``job.unreadable``."""
+        key = job.keys[i]
         try:
-            view, staging = (lease.view(), None) if lease is not None else self._host_view(dst)
-            fill(view)
+            landed = fill_row(job.out[i], fill, lease, landing)
         except UnsupportedRecordError as exc:
             # Another writer's format or secret: a miss here, theirs to keep.
             log.debug("%s: record %s… not readable here (%s)", self.name, key.hex()[:16], exc)
@@ -512,15 +496,9 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             self._count_auth(exc)
             job.bad.append(key)
             return False
-        finally:
-            if lease is None:
-                rows_let_go()
-        if staging is not None:
-            dst.copy_(staging)
-        elif lease is not None and not lease.held():
+        if not landed:
             self.rows_moved += 1  # its bytes landed where the row used to be
-            return False
-        return True
+        return landed
 
     def _remember_unreadable(self, keys: list[bytes]) -> None:
         with self._unreadable_lock:
