@@ -292,25 +292,25 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
 
-    @xxcopy.holding_rows  # bulk I/O; no collection from the first row's view to the last read
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Plain records (no MAC) are read in one pass, three system calls each (``PlainReads``),
-        a flat store's job into rows seen before in one native call from its checks to its
-        counters (``xxcopy.xxh3_read_job``); the rest by :meth:`_read_each`. Every failure is a
-        miss for its key alone; a bad record is deleted."""
-        got: Any = None  # (found, the positions left to the general read) from a plain read
-        if (plain := self._plain) is not None and PLAIN_READS:
-            if (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
-                if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
-                    if self.follower is not None:
-                        self._followed_reads(keys, got)
-                    return got  # type: ignore[no-any-return]
-            else:  # a job of one in a straight line, else the rows' checks and the reads in one call (flat)
-                if len(keys) == 1 and len(out) == 1 and (hit := plain.read_one(keys[0], out[0], self.counters)) is not None:
-                    if self.follower is not None:
-                        self._followed_reads(keys, [hit])
-                    return [hit]
-                got = None if self._closed else plain.read_rows(keys, out)
+        """A flat job into rows seen before in one native call (``xxcopy.xxh3_read_job``, which holds collection off itself); else :meth:`_read_held`."""
+        if (plain := self._plain) is not None and PLAIN_READS and (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
+            if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
+                if self.follower is not None:
+                    self._followed_reads(keys, got)
+                return got  # type: ignore[no-any-return]
+            return self._read_held(keys, out, plain, got, False)  # (None: the job not taken)
+        return self._read_held(keys, out, plain, None, plain is not None and PLAIN_READS)
+
+    @xxcopy.holding_rows  # no collection from the first row's view taken in Python to the last read
+    def _read_held(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], plain: PlainReads | None, got: Any, straight: bool) -> list[bool]:
+        """Plain records (no MAC) in one pass (``PlainReads``: first, where ``straight``, a job of one in a straight line, else the flat rows' one call),
+        the rest by :meth:`_read_each`, after what the native job left (``got``); a failure is a miss for its key alone, a bad record deleted."""
+        if straight and plain is not None and len(keys) == 1 and len(out) == 1 and (hit := plain.read_one(keys[0], out[0], self.counters)) is not None:
+            if self.follower is not None:
+                self._followed_reads(keys, [hit])
+            return [hit]
+        got = plain.read_rows(keys, out) if straight and plain is not None and not self._closed else got  # (found, the positions left to the general read)
         if got is not None:
             found, rest = got
             size = self.format.block_bytes
