@@ -84,14 +84,12 @@ class FileSaves(PersistentRecordBackend):
         if beneath is None or not beneath.enter():
             self._check_open()  # closed: refused by name
             return [None] * len(keys)
-        # No collection from the rows' views to the records' writes (xxcopy.rows_hold).
-        xxcopy.rows_hold()
         try:
             return self._write_counted(keys, blocks)
         finally:
-            xxcopy.rows_let_go()
             beneath.leave()
 
+    @xxcopy.holding_rows  # no collection from the rows' views to the records' writes
     def _write_counted(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         # Unkeyed, uncompressed jobs of host rows: the job's checks and its rows' views in one
         # loop, and each record's checksum from the store's one hash state (plain_records).
