@@ -178,29 +178,47 @@ class RowViews:
         """A view of each row when every key is ``bytes`` of 32 and every row a contiguous
         host ``uint8`` tensor of :attr:`size` elements; else ``None`` (the caller's general
         checks then name what is wrong, or take rows that are not host memory)."""
-        if devices.locate is not None or len(keys) != len(out) or function_mode() or dispatch_modes():
+        if devices.locate is not None or function_mode() or dispatch_modes():
             return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
-        views, shape, seen = self.views, self.shape, host_view
-        rows = []
-        for key, row in zip(keys, out):
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                return None
-            # A tensor's row seen before: its checks and view in one call (host_view); any
-            # other row (not seen yet, a subclass, or not such a row) by the checks here.
-            view = seen(row, _TENSOR, _U8, shape, views)
-            if view is None:
-                if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
-                    return None  # its checks would run its own code (python_in_torch)
-                if row.dtype is not _U8 or row.shape != shape or not row.is_cpu or not row.is_contiguous():
-                    return None
-                at = row.data_ptr()
-                view = views.get(at)
-                if view is None:
-                    if len(views) >= self.most:
-                        views.clear()
-                    view = views[at] = _at(at, self.size)
-            rows.append(view)
-        return rows
+        return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
+
+    def _unseen(self, row: Any) -> memoryview | None:
+        """The view of a row :data:`host_view` does not answer for (not seen yet, a subclass, or
+        not such a row), after the checks here; ``None`` when it is not such a row."""
+        if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
+            return None  # its checks would run its own code (python_in_torch)
+        if row.dtype is not _U8 or row.shape != self.shape or not row.is_cpu or not row.is_contiguous():
+            return None
+        views = self.views
+        at = row.data_ptr()
+        view = views.get(at)
+        if view is None:
+            if len(views) >= self.most:
+                views.clear()
+            view = views[at] = _at(at, self.size)
+        return view
+
+
+def _rows_viewed(
+    keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int,
+    unseen: Callable[[Any], memoryview | None] | None,
+) -> list[memoryview] | None:
+    """Each row's :data:`host_view`, else its ``unseen(row)``, when every key is ``bytes`` of
+    ``key_bytes`` and every row has a view; else ``None`` (also when the counts differ): the
+    loop of :meth:`RowViews.of` (``unseen``: its checks of a row not seen yet) and of
+    :func:`job_views_python` (``None``: only rows seen before)."""
+    if len(keys) != len(rows):
+        return None
+    seen = host_view
+    got = []
+    for key, row in zip(keys, rows):
+        if type(key) is not bytes or len(key) != key_bytes:
+            return None
+        view = seen(row, tensor_type, dtype, shape, views)
+        if view is None and (unseen is None or (view := unseen(row)) is None):
+            return None
+        got.append(view)
+    return got
 
 
 def host_view_python(row: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview]) -> memoryview | None:
@@ -232,18 +250,7 @@ def one_row_python(key: Any, key_bytes: int, row: Any, tensor_type: type, dtype:
 
 def job_views_python(keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int) -> list[memoryview] | None:
     """:data:`job_views` in Python: the same answers, asked in the same order."""
-    if len(keys) != len(rows):
-        return None
-    seen = host_view
-    got = []
-    for key, row in zip(keys, rows):
-        if type(key) is not bytes or len(key) != key_bytes:
-            return None
-        view = seen(row, tensor_type, dtype, shape, views)
-        if view is None:
-            return None
-        got.append(view)
-    return got
+    return _rows_viewed(keys, rows, tensor_type, dtype, shape, views, key_bytes, None)
 
 
 def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes]) -> None:
