@@ -162,9 +162,14 @@ static PyObject *one_count;         /* 1, a counter's step */
 
 /* The slot of obj that obj's type's descriptor for name reads and writes, where that is a
    writable object member (a __slots__ entry: what getattr and setattr of name then use too, a
-   data descriptor coming before any instance dict); NULL where it is anything else. */
+   data descriptor coming before any instance dict); NULL where it is anything else, or where
+   obj's type reads or writes its attributes by code of its own (__getattribute__, __getattr__,
+   __setattr__: what getattr and setattr would then run). */
 PyObject **member_slot(PyObject *obj, PyObject *name)
 {
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
+        return NULL;
     PyObject *described = _PyType_Lookup(Py_TYPE(obj), name); /* borrowed; the type's method cache */
     if (described == NULL || !Py_IS_TYPE(described, &PyMemberDescr_Type))
         return NULL;

@@ -1,8 +1,8 @@
 """The native straight read of an ``lmdb`` tier (``lmdb_plain.straight_read``) reads the file
 guard's ``fd`` and ``seen`` and adds to the counters through the slots of their own classes
 (``backends/_rowguard.c``: ``member_slot``), and reads ``devices.locate`` from the module's
-dict. Whatever else those objects are (a subclass, a property, a plain object, a counter that
-is not an int), it asks them by ``getattr`` and ``setattr`` as before: the job's outcome, bytes
+dict. Whatever else those objects are (a subclass, a property, a plain object, a slotted class
+with a ``__setattr__`` of its own, a counter that is not an int), it asks them by ``getattr`` and ``setattr`` as before: the job's outcome, bytes
 and counts are the same either way, and the same as the general path's."""
 
 from __future__ import annotations
@@ -130,6 +130,22 @@ class _PropertyCounters(BackendCounters):
         self._blocks = value
 
 
+class _Hooked:
+    """Counters of a slotted class of their own that writes them by code of its own (its
+    ``__setattr__``): setattr runs that code, so the native read must too."""
+
+    __slots__ = (*COUNTED, "log")
+
+    def __init__(self) -> None:
+        for name in COUNTED:
+            object.__setattr__(self, name, 0)
+        object.__setattr__(self, "log", [])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.log.append(name)
+        object.__setattr__(self, name, value)
+
+
 def _counters(kind: str, own: BackendCounters) -> Any:
     if kind == "own":
         return own
@@ -137,6 +153,8 @@ def _counters(kind: str, own: BackendCounters) -> Any:
         return _Sub()
     if kind == "property":
         return _PropertyCounters()
+    if kind == "hooked":
+        return _Hooked()
     if kind == "float":
         made = BackendCounters()
         made.blocks_read = 0.0  # type: ignore[assignment]
@@ -146,7 +164,7 @@ def _counters(kind: str, own: BackendCounters) -> Any:
 
 
 @native
-@pytest.mark.parametrize("kind", ["own", "subclass", "property", "float", "plain object"])
+@pytest.mark.parametrize("kind", ["own", "subclass", "property", "float", "hooked", "plain object"])
 def test_counts_through_any_counters_are_the_general_paths(store: Any, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     found, data, counted = _general(store, monkeypatch)
     assert found == [[True], [False], [True, True, False, True], [True, True]]
@@ -159,6 +177,8 @@ def test_counts_through_any_counters_are_the_general_paths(store: Any, monkeypat
     assert got == (found, data, counted)
     if kind == "plain object":
         assert ("set", "blocks_read") in counters._log and ("set", "read_misses") in counters._log
+    if kind == "hooked":
+        assert {"blocks_read", "bytes_read", "read_misses"} <= set(counters.log)
     if kind == "property":
         assert counters._blocks == counted["blocks_read"] == N
     if kind == "float":
