@@ -237,8 +237,7 @@ class LoneSave:
                     # Each record written where LMDB's own put reserved its room, in the pass
                     # that copies and hashes its block: one copy a block, not two
                     # (backends/_lmdbput.c); the same bytes as put_joined's.
-                    direct = self.direct
-                    if direct is None or not RESERVED_PUTS or put_reserved is None or xxcopy.xxh3_joined is not xxcopy.xxh3_joined_native or not put_reserved(direct, env, txn, blocks, index, unindex, self.head, keys, views):
+                    if not self._reserving() or not put_reserved(self.direct, env, txn, blocks, index, unindex, self.head, keys, views):
                         lmdb_plain.put_joined(txn.put, txn.delete if unindex else None, index, self.head, keys, views, xxcopy.xxh3_joined)
                     txn.commit()
                     return [[self.stored] * len(keys)]
