@@ -1,0 +1,67 @@
+"""PoolRows: a pool's rows as a sequence, the same rows a list of views names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.errors import LayoutError
+from kvtier.pool_rows import PoolRows, pool_rows
+
+
+def _pool(rows: int = 6, size: int = 16) -> torch.Tensor:
+    return torch.arange(rows * size, dtype=torch.int64).to(torch.uint8).reshape(rows, size)
+
+
+@pytest.mark.parametrize("index", [range(6), range(1, 5), range(5, -1, -2), [4, 0, 2], (3,), []])
+def test_rows_are_the_pools_rows(index: object) -> None:
+    pool = _pool()
+    rows = PoolRows(pool, index)  # type: ignore[arg-type]
+    want = [pool[i] for i in index]  # type: ignore[attr-defined]
+    assert len(rows) == len(want)
+    for got, row in zip(rows, want, strict=True):
+        assert got.data_ptr() == row.data_ptr() and got.shape == row.shape and torch.equal(got, row)
+    for k in range(len(want)):
+        assert rows[k].data_ptr() == want[k].data_ptr()
+        assert rows[-1 - k].data_ptr() == want[-1 - k].data_ptr()
+
+
+def test_rows_write_into_the_pool() -> None:
+    pool = _pool()
+    rows = pool_rows(pool, 3)
+    rows[2].fill_(7)
+    assert bool((pool[2] == 7).all()) and not bool((pool[3] == 7).all())
+
+
+def test_slice_is_pool_rows_of_the_same_pool() -> None:
+    pool = _pool()
+    rows = PoolRows(pool, [5, 1, 3, 0])
+    part = rows[1:3]
+    assert isinstance(part, PoolRows) and part.pool is pool and list(part.numbers) == [1, 3]
+    back = PoolRows(pool, range(6))[::-1]
+    assert [r.data_ptr() for r in back] == [pool[i].data_ptr() for i in range(5, -1, -1)]
+
+
+def test_index_past_the_pool_is_refused() -> None:
+    with pytest.raises(LayoutError, match=r"\[0, 6\), got 0\.\.6"):
+        PoolRows(_pool(), range(7))
+    with pytest.raises(LayoutError, match=r"got -1\.\.2"):
+        PoolRows(_pool(), [2, -1])
+    with pytest.raises(IndexError):
+        PoolRows(_pool(), range(2))[2]
+
+
+def test_bad_pool_or_index_is_refused() -> None:
+    with pytest.raises(LayoutError, match="2-D tensor of rows, got a 1-D tensor"):
+        PoolRows(torch.zeros(8, dtype=torch.uint8), range(1))
+    with pytest.raises(LayoutError, match="got list"):
+        PoolRows([[0]], range(1))  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="must be ints, got \\['float'\\]"):
+        PoolRows(_pool(), [1.0])  # type: ignore[list-item]
+
+
+def test_a_sequence_to_code_that_knows_nothing_of_it() -> None:
+    pool = _pool()
+    rows = pool_rows(pool, 4)
+    assert [r.data_ptr() for r in list(rows)] == [pool[i].data_ptr() for i in range(4)]
+    assert "4 rows of a pool of shape (6, 16)" in repr(rows)
