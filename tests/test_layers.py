@@ -20,7 +20,7 @@ SOURCES = [("kvtier", "kvtier"), ("backends", "kvtier.backends"), ("benchmarks",
 #: backend, a backend never imports the manager).
 LAYERS: list[tuple[str, list[str]]] = [
     ("errors, the source-tree finder, lazy exports", ["kvtier.errors", "kvtier._source_tree", "kvtier._lazy"]),
-    ("keys, units, devices, plugin registry", ["kvtier.keys", "kvtier.units", "kvtier.devices", "kvtier.registry", "kvtier._moved", "kvtier.bulk", "kvtier.shares"]),
+    ("keys, units, devices, plugin registry", ["kvtier.keys", "kvtier.units", "kvtier.devices", "kvtier.registry", "kvtier._moved", "kvtier.bulk", "kvtier.shares", "kvtier.pool_rows"]),
     ("backend protocol, metrics", ["kvtier.backend", "kvtier.metrics"]),
     ("records | conformance suite", ["kvtier.records", "kvtier.testing"]),
     ("manager | backends", ["kvtier.manager", "kvtier.backends"]),
@@ -94,7 +94,7 @@ def test_every_module_has_a_layer() -> None:
 def test_the_top_of_kvtier_holds_only_the_foundation_the_protocol_and_the_facade() -> None:
     flat = sorted(p.stem for p in (ROOT / "kvtier").glob("*.py"))
     assert flat == [
-        "__init__", "_lazy", "_moved", "_source_tree", "backend", "bulk", "devices", "errors", "keys", "metrics", "registry", "shares", "store",
+        "__init__", "_lazy", "_moved", "_source_tree", "backend", "bulk", "devices", "errors", "keys", "metrics", "pool_rows", "registry", "shares", "store",
         "tenancy", "testing", "units",
     ]
 
