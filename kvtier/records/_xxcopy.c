@@ -579,7 +579,8 @@ PyMODINIT_FUNC PyInit__xxcopy(void)
         return NULL;
     }
     /* check_copy_raw, the rows' hold and xxc_joined_into for C callers (the lmdb tier's native job read and save). */
-    if (xxc_add_exports(m, (void *)check_copy_raw) < 0 || xxc_add_capsule(m, "joined_into_c", (void *)xxc_joined_into, XXC_JOINED_INTO_CAPSULE) < 0) {
+    if (xxc_add_capsule(m, "check_copy_c", (void *)check_copy_raw, XXC_CHECK_COPY_CAPSULE) < 0 || xxc_add_rows_hold(m) < 0
+        || xxc_add_capsule(m, "joined_into_c", (void *)xxc_joined_into, XXC_JOINED_INTO_CAPSULE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -115,10 +115,12 @@ XXC_INTERNAL int xxc_joined_into(const u8 *head, size_t hlen, const u8 *key, siz
 
 /* The job reads of the file tier's records (_xxjob.c), added to the module in _xxcopy.c. */
 #ifdef Py_PYTHON_H
-/* Adds the module's C exports (_xxjob.c): check_copy (check_copy_raw) as the capsule check_copy_c, the
-   rows' hold (host_rows_hold_api, _hostrow.h) as the capsule rows_hold_c and as rows_hold() and
-   rows_let_go(). 0, or -1 with an error set. */
-XXC_INTERNAL int xxc_add_exports(PyObject *module, void *check_copy);
+/* The rows' hold (_xxhold.c): added to the module as the capsule rows_hold_c (host_rows_hold_api,
+   _hostrow.h) and as rows_hold(), rows_let_go() and rows_forked(); 0, or -1 with an error set.
+   xxc_rows_hold and xxc_rows_let_go are the hold for this extension's own jobs (GIL held). */
+XXC_INTERNAL int xxc_add_rows_hold(PyObject *module);
+XXC_INTERNAL void xxc_rows_hold(void);
+XXC_INTERNAL void xxc_rows_let_go(void);
 XXC_INTERNAL extern PyMethodDef xxc_job_methods[];
 /* fn in a capsule of that name, as the module's attribute attr: 0, or -1 with an error set (_xxput.c). */
 XXC_INTERNAL int xxc_add_capsule(PyObject *module, const char *attr, void *fn, const char *name);

@@ -265,75 +265,6 @@ static PyObject *xxc_read_one(PyObject *module, PyObject *const *args, Py_ssize_
     return result;
 }
 
-/* The rows' hold (host_rows_hold_api, _hostrow.h): the jobs held now, and whether automatic
-   collection was on before the first of them. Changed only with the GIL held. */
-static Py_ssize_t rows_held;
-static int collecting_before;
-
-static void rows_hold(void)
-{
-    if (rows_held++ == 0)
-        collecting_before = PyGC_Disable();
-}
-
-static void rows_let_go(void)
-{
-    if (rows_held > 0 && --rows_held == 0 && collecting_before)
-        PyGC_Enable();
-}
-
-static PyObject *py_rows_hold(PyObject *module, PyObject *unused)
-{
-    (void)module;
-    (void)unused;
-    rows_hold();
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_rows_let_go(PyObject *module, PyObject *unused)
-{
-    (void)module;
-    (void)unused;
-    rows_let_go();
-    Py_RETURN_NONE;
-}
-
-/* rows_forked(): in a child just forked, the holds of the parent's other threads (jobs that do not
-   go on here) dropped, and collection on again where it was before the first. */
-static PyObject *py_rows_forked(PyObject *module, PyObject *unused)
-{
-    (void)module;
-    (void)unused;
-    if (rows_held > 0) {
-        rows_held = 0;
-        if (collecting_before)
-            PyGC_Enable();
-    }
-    Py_RETURN_NONE;
-}
-
-static const host_rows_hold_api hold_api = {rows_hold, rows_let_go};
-
-static PyMethodDef hold_methods[] = {
-    {"rows_hold", py_rows_hold, METH_NOARGS, "rows_hold(): automatic garbage collection held off, counted (see _hostrow.h)."},
-    {"rows_let_go", py_rows_let_go, METH_NOARGS, "rows_let_go(): one rows_hold() ended; the last lets collection go again."},
-    {"rows_forked", py_rows_forked, METH_NOARGS, "rows_forked(): in a child just forked, every hold dropped (collection as before the first)."},
-    {NULL, NULL, 0, NULL},
-};
-
-XXC_INTERNAL int xxc_add_exports(PyObject *module, void *check_copy)
-{
-    PyObject *capsules[2] = {PyCapsule_New(check_copy, XXC_CHECK_COPY_CAPSULE, NULL), PyCapsule_New((void *)&hold_api, HOST_ROWS_HOLD_CAPSULE, NULL)};
-    int added = capsules[0] == NULL || capsules[1] == NULL ? -1 : 0;
-    if (added == 0)
-        added = PyModule_AddObjectRef(module, "check_copy_c", capsules[0]) < 0 || PyModule_AddObjectRef(module, "rows_hold_c", capsules[1]) < 0
-                    ? -1
-                    : PyModule_AddFunctions(module, hold_methods);
-    Py_XDECREF(capsules[0]);
-    Py_XDECREF(capsules[1]);
-    return added;
-}
-
 /* The rows' kind, xxh3_64_read_rows's kind tuple: what host_row_view asks of each row, and each
    key's length. */
 enum { KIND_TENSOR, KIND_DTYPE, KIND_SHAPE, KIND_VIEWS, KIND_KEY_BYTES, KIND_COUNT };
@@ -382,7 +313,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
         goto release;
     }
     int viewed = 0;
-    rows_hold(); /* no collection from the first row's checks to the last copy (_hostrow.h) */
+    xxc_rows_hold(); /* no collection from the first row's checks to the last copy (_xxhold.c) */
     if (PyTuple_GET_SIZE(out) == n && PyList_GET_SIZE(found) == n)
         viewed = rows_viewed(&PyTuple_GET_ITEM(keys, 0), &PyTuple_GET_ITEM(out, 0), n, kind, key_bytes, views, &got);
     if (viewed == 0)
@@ -395,7 +326,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
             PyBuffer_Release(&dir);
         }
     }
-    rows_let_go();
+    xxc_rows_let_go();
 release:
     for (Py_ssize_t i = 0; i < got; i++)
         Py_DECREF(views[i]);
