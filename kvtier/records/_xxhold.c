@@ -11,21 +11,141 @@
 #include "_hostrow.h"
 #include "_xxh3.h"
 
-/* The jobs held now, and whether automatic collection was on before the first of them. Changed
-   only with the GIL held. */
+#include <time.h>
+
+/* Holds overlapping without a break (jobs on several threads, each starting before the last
+   ends) keep the count above zero, and automatic collection would never run: cyclic garbage
+   would grow without bound. So once the count has stayed above zero for HOLD_RUN_LIMIT_NS, a
+   hold from a thread that holds none waits, GIL released, up to DRAIN_WAIT_NS for the count
+   to drain (the other jobs end; new holds from threads holding none wait likewise), then runs
+   the collection that was due, the oldest generation whose count passed its threshold, as the
+   automatic one would, before it holds. A thread already holding (a nested hold) never waits,
+   and no collection runs while any job holds. A wait that times out (a job longer than
+   DRAIN_WAIT_NS, or a holder waiting on something the waiter has) holds as before, and the
+   next wait comes a limit later: at worst DRAIN_WAIT_NS of waiting a thread per
+   HOLD_RUN_LIMIT_NS of holds. */
+#define HOLD_RUN_LIMIT_NS 100000000LL /* 100 ms */
+#define DRAIN_WAIT_NS 5000000LL       /* 5 ms */
+#define DRAIN_POLL_NS 50000L          /* 50 us between looks at the count */
+
+/* The jobs held now, and whether automatic collection was on before the first of them; changed
+   only with the GIL held, read without it by a waiting hold (relaxed loads and stores: the GIL
+   orders the writers). held_runs counts the runs of holds (the count leaving zero); run_seen and
+   run_seen_at, the run a hold from a thread holding none last saw and when (a monotonic coarse
+   clock, read only by such holds). draining: the holds waiting for the count to drain; while
+   any does, holds from threads holding none wait too, else one ending its job and holding again
+   at once would start a new run before a waiter sees the count at zero. collecting: a waiter's
+   due collection runs (its finalizers may let other threads run); waiters wait for it too. */
 static Py_ssize_t rows_held;
 static int collecting_before;
+static unsigned long held_runs, run_seen;
+static long long run_seen_at;
+static int collecting, draining;
+/* This thread's holds (nested ones never wait). Initial-exec: a plain load; the default model
+   calls __tls_get_addr at each hold and let-go, ~3 ns of a pair's ~37 (measured alternated). */
+static _Thread_local Py_ssize_t thread_holds __attribute__((tls_model("initial-exec")));
+static PyObject *gc_get_count, *gc_get_threshold, *gc_collect;
+
+#ifndef CLOCK_MONOTONIC_COARSE
+#define CLOCK_MONOTONIC_COARSE CLOCK_MONOTONIC
+#endif
+
+/* clock's time in ns: CLOCK_MONOTONIC_COARSE (a tick's resolution, a few ns a read) for the
+   run's limit, CLOCK_MONOTONIC for the wait's. */
+static long long clock_ns(clockid_t clock)
+{
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Whether a hold from a thread holding none should wait: another's collection runs, or the
+   holds have run without a break for HOLD_RUN_LIMIT_NS with collection on before them. */
+static int hold_should_wait(void)
+{
+    if (draining)
+        return 1;
+    if (!collecting_before)
+        return 0; /* the engine keeps collection off itself: nothing is due */
+    long long now = clock_ns(CLOCK_MONOTONIC_COARSE);
+    if (run_seen != held_runs) {
+        run_seen = held_runs;
+        run_seen_at = now;
+        return 0;
+    }
+    return now - run_seen_at > HOLD_RUN_LIMIT_NS;
+}
+
+/* The collection automatic collection would run now (the oldest generation whose count passed
+   its threshold), if any. Its errors are reported as unraisable: a hold never raises. */
+static void collect_due(void)
+{
+    PyObject *count = PyObject_CallNoArgs(gc_get_count), *threshold = count == NULL ? NULL : PyObject_CallNoArgs(gc_get_threshold);
+    Py_ssize_t due = -1;
+    if (threshold != NULL && PyTuple_Check(count) && PyTuple_Check(threshold)) {
+        Py_ssize_t n = Py_MIN(PyTuple_GET_SIZE(count), PyTuple_GET_SIZE(threshold));
+        for (Py_ssize_t g = n - 1; g >= 0 && due < 0; g--) {
+            long c = PyLong_AsLong(PyTuple_GET_ITEM(count, g)), t = PyLong_AsLong(PyTuple_GET_ITEM(threshold, g));
+            if (t > 0 && c > t)
+                due = g;
+        }
+    }
+    Py_XDECREF(count);
+    Py_XDECREF(threshold);
+    if (due >= 0 && !PyErr_Occurred()) {
+        __atomic_store_n(&collecting, 1, __ATOMIC_RELAXED);
+        PyObject *r = PyObject_CallFunction(gc_collect, "n", due);
+        __atomic_store_n(&collecting, 0, __ATOMIC_RELAXED);
+        Py_XDECREF(r);
+    }
+    if (PyErr_Occurred())
+        PyErr_WriteUnraisable(gc_collect);
+}
+
+/* The wait of a hold from a thread holding none (GIL held on entry and on return): GIL released,
+   until no job holds and no collection runs, DRAIN_WAIT_NS at most; then the due collection. */
+static void drain_and_collect(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* a hold is taken on error paths too */
+    long long until = clock_ns(CLOCK_MONOTONIC) + DRAIN_WAIT_NS;
+    draining++;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec poll = {0, DRAIN_POLL_NS};
+    while ((__atomic_load_n(&rows_held, __ATOMIC_RELAXED) > 0 || __atomic_load_n(&collecting, __ATOMIC_RELAXED))
+           && clock_ns(CLOCK_MONOTONIC) < until)
+        nanosleep(&poll, NULL);
+    Py_END_ALLOW_THREADS
+    if (rows_held == 0 && !collecting)
+        collect_due();
+    else
+        run_seen_at = clock_ns(CLOCK_MONOTONIC_COARSE); /* not drained: the next wait a limit later */
+    draining--;
+    PyErr_Restore(type, value, traceback);
+}
 
 XXC_INTERNAL void xxc_rows_hold(void)
 {
-    if (rows_held++ == 0)
+    if (thread_holds++ == 0 && (rows_held > 0 || draining) && hold_should_wait())
+        drain_and_collect();
+    Py_ssize_t held = rows_held;
+    __atomic_store_n(&rows_held, held + 1, __ATOMIC_RELAXED);
+    if (held == 0) {
         collecting_before = PyGC_Disable();
+        held_runs++;
+    }
 }
 
 XXC_INTERNAL void xxc_rows_let_go(void)
 {
-    if (rows_held > 0 && --rows_held == 0 && collecting_before)
-        PyGC_Enable();
+    if (thread_holds > 0)
+        thread_holds--;
+    Py_ssize_t held = rows_held;
+    if (held > 0) {
+        __atomic_store_n(&rows_held, held - 1, __ATOMIC_RELAXED);
+        if (held == 1 && collecting_before)
+            PyGC_Enable();
+    }
 }
 
 static PyObject *py_rows_hold(PyObject *module, PyObject *unused)
@@ -50,6 +170,8 @@ static PyObject *py_rows_forked(PyObject *module, PyObject *unused)
 {
     (void)module;
     (void)unused;
+    thread_holds = 0;
+    collecting = draining = 0;
     if (rows_held > 0) {
         rows_held = 0;
         if (collecting_before)
@@ -69,6 +191,15 @@ static PyMethodDef hold_methods[] = {
 
 XXC_INTERNAL int xxc_add_rows_hold(PyObject *module)
 {
+    PyObject *gc = PyImport_ImportModule("gc");
+    if (gc == NULL)
+        return -1;
+    gc_get_count = PyObject_GetAttrString(gc, "get_count");
+    gc_get_threshold = gc_get_count == NULL ? NULL : PyObject_GetAttrString(gc, "get_threshold");
+    gc_collect = gc_get_threshold == NULL ? NULL : PyObject_GetAttrString(gc, "collect");
+    Py_DECREF(gc);
+    if (gc_collect == NULL)
+        return -1;
     PyObject *capsule = PyCapsule_New((void *)&hold_api, HOST_ROWS_HOLD_CAPSULE, NULL);
     int added = capsule == NULL ? -1 : PyModule_AddObjectRef(module, "rows_hold_c", capsule);
     Py_XDECREF(capsule);
