@@ -22,27 +22,6 @@
 
 static host_row_names row_names; /* interned at import */
 
-/* The rows' hold: kvtier.records._xxcopy's (taken at import), else this count. */
-static const host_rows_hold_api *held_api;
-static Py_ssize_t own_holds;
-static int own_collecting_before;
-
-void rows_hold(void)
-{
-    if (held_api != NULL)
-        held_api->hold();
-    else if (own_holds++ == 0)
-        own_collecting_before = PyGC_Disable();
-}
-
-void rows_let_go(void)
-{
-    if (held_api != NULL)
-        held_api->let_go();
-    else if (own_holds > 0 && --own_holds == 0 && own_collecting_before)
-        PyGC_Enable();
-}
-
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
 int attr_is_true(PyObject *obj, PyObject *name)
 {
@@ -570,9 +549,7 @@ PyMODINIT_FUNC PyInit__rowguard(void)
     Py_DECREF(time_module);
     if (real_perf_counter == NULL)
         return NULL;
-    held_api = PyCapsule_Import(HOST_ROWS_HOLD_CAPSULE, 0);
-    if (held_api == NULL)
-        PyErr_Clear(); /* _xxcopy not built: this module's own count */
+    take_rows_hold(); /* _rowhold.c */
     static int counting;
     if (!counting) {
         if (pthread_atfork(NULL, NULL, count_fork) != 0) {

@@ -20,9 +20,11 @@ enum {
 extern PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
 
 /* The rows' hold (../kvtier/records/_hostrow.h): kvtier.records._xxcopy's, shared by the whole
-   process, taken at import (a count of this module's own where that extension is not built). */
+   process, taken at import by take_rows_hold (_rowhold.c; where that extension is not built,
+   kvtier.records.xxcopy's Python count). */
 void rows_hold(void);
 void rows_let_go(void);
+void take_rows_hold(void);
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
 int attr_is_true(PyObject *obj, PyObject *name);
 /* counters.name += by; obj.name (a new reference); the object slot obj's type's member for name

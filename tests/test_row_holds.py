@@ -160,3 +160,52 @@ def test_rows_hold_is_counted_and_restores_what_was_on(native: bool) -> None:
             assert gc.isenabled() is on
     finally:
         (gc.enable if was else gc.disable)()
+
+
+#: A build with ``backends/_rowguard.c`` but without ``kvtier/records/_xxcopy``: the native lmdb
+#: reads hold the rows through the Python count (``xxcopy.rows_hold_python``), the one the Python
+#: paths keep. Before, they kept a count of their own: a Python hold let go while a native one was
+#: held (another thread's job) turned collection on again under it.
+_PARTIAL = r"""
+import sys
+sys.modules["kvtier.records._xxcopy"] = None  # not built
+import gc
+from kvtier.records import xxcopy
+calls = []
+hold, let_go = xxcopy.rows_hold_python, xxcopy.rows_let_go_python
+def counted_hold():
+    calls.append(1); hold()
+def counted_let_go():
+    calls.append(-1); let_go()
+xxcopy.rows_hold_python, xxcopy.rows_let_go_python = counted_hold, counted_let_go
+import asyncio, tempfile, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import lmdb_plain
+from kvtier.testing import make_key, random_block
+assert lmdb_plain.NATIVE_GUARD and not xxcopy.NATIVE
+backend = registry.backends.get("lmdb")(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast")
+asyncio.run(backend.open(BlockFormat(block_bytes=4096, dtype="uint8")))
+keys = [make_key(i) for i in range(4)]
+blocks = [random_block(4096, i) for i in range(4)]
+backend.write_blocks(keys, blocks)
+rows = [torch.zeros(4096, dtype=torch.uint8) for _ in keys]
+found = []
+for _ in range(3):
+    found += backend.read_blocks(keys, rows) + backend.read_blocks(keys[:1], rows[:1])
+assert all(found) and all(torch.equal(r, b) for r, b in zip(rows, blocks))
+asyncio.run(backend.aclose())
+print(len(calls), sum(calls), int(gc.isenabled()))
+"""
+
+
+def test_a_build_without_xxcopy_keeps_one_count_of_holds() -> None:
+    from kvtier.backends import lmdb_plain
+
+    if not lmdb_plain.NATIVE_GUARD:
+        pytest.skip("built without backends/_rowguard.c")
+    child = subprocess.run([sys.executable, "-c", _PARTIAL], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    calls, balance, enabled = map(int, child.stdout.split())
+    assert calls > 0, "the native reads kept a count of their own"
+    assert balance == 0 and enabled == 1
