@@ -144,7 +144,10 @@ class LoneSave:
         # records are (_commit_job: the hold let go there, before the group's settle); else, or
         # where a commit runs or batches wait, it is built here, before its transaction, as the
         # general path builds a job of one record (a build that fails raises here, as there),
-        # and committed alone or with them, as the general path's job would be.
+        # and committed alone or with them, as the general path's job would be. The hold is
+        # written out, not a ``with xxcopy.rows_held:``: the commit lets it go early (``held``,
+        # _let_go), and a hold object of its own for that flag cost ~210 ns a save more than
+        # this list (benchmarks/bench_row_hold.py, flagged_object against flagged: 310 to 99 ns).
         held = [True]
         xxcopy.rows_hold()
         try:
@@ -185,7 +188,8 @@ class LoneSave:
         tier = self.tier
         # No collection from the first row's checks to the last copy (xxcopy.rows_hold: a
         # finalizer run between may free a row whose view is taken): let go once the records
-        # are built, by the job's commit or here, not across the group's sync.
+        # are built, by the job's commit or here, not across the group's sync. Written out as
+        # the lone save's is, for the same reason (an early let-go, cheapest with this flag).
         held = [True]
         xxcopy.rows_hold()
         try:

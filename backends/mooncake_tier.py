@@ -64,7 +64,7 @@ from kvtier.records.format import (
     parse_header,
     verify_payload,
 )
-from kvtier.records.xxcopy import rows_hold, rows_let_go
+from kvtier.records.xxcopy import rows_held
 from kvtier.units import parse_size
 
 __all__ = ["MooncakeBackend"]
@@ -302,11 +302,8 @@ class MooncakeBackend(RemoteRecordBackend):
             if host and not sliced:
                 # A small block is copied next to its head (one slice), then checksummed there
                 # while it is still in the CPU cache.
-                rows_hold()  # no collection from the row's view to its copy (remote_rows)
-                try:
+                with rows_held:  # no collection from the row's view to its copy (remote_rows)
                     region[:] = block.numpy().data
-                finally:
-                    rows_let_go()
                 head, payload = encode_record(job.keys[i], region, self.codec, dtype, self.mac)
             elif host:  # its memory kept until the check after the put (WriteJob.moved)
                 lease = job.leases[i] = RowLease(block)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvtier.records.record_backend import RecordBackend, _in_host_memory
-from kvtier.records.xxcopy import rows_hold, rows_let_go
+from kvtier.records.xxcopy import rows_held
 
 __all__ = ["RowLease", "fill_row"]
 
@@ -70,12 +70,9 @@ def fill_row(row: torch.Tensor, fill: Callable[[memoryview], Any], lease: RowLea
     if lease is not None:
         fill(lease.view())
         return lease.held()
-    rows_hold()
-    try:
+    with rows_held:
         view, staging = RecordBackend._host_view(row)
         fill(view)
-    finally:
-        rows_let_go()
     if staging is not None:
         row.copy_(staging)
     return True

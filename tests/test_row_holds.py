@@ -209,3 +209,52 @@ def test_a_build_without_xxcopy_keeps_one_count_of_holds() -> None:
     calls, balance, enabled = map(int, child.stdout.split())
     assert calls > 0, "the native reads kept a count of their own"
     assert balance == 0 and enabled == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_rows_held_holds_the_block_on_the_same_count(native: bool) -> None:
+    from kvtier.records import rowhold
+
+    if native and not xxcopy.NATIVE:
+        pytest.skip("built without the extension")
+    held, hold, let_go = (
+        (xxcopy.rows_held, xxcopy.rows_hold, xxcopy.rows_let_go)
+        if native
+        else (_PythonHeld(), xxcopy.rows_hold_python, xxcopy.rows_let_go_python)
+    )
+    assert (type(xxcopy.rows_held).__exit__ is rowhold._xxcopy.rows_exit) is xxcopy.NATIVE
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with held:
+            assert not gc.isenabled()
+            with held:
+                pass
+            assert not gc.isenabled()  # the outer block still holds
+            hold()
+            let_go()  # the functions' holds are on the same count
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(KeyError, match="raised in the block"):
+            with held:
+                raise KeyError("raised in the block")
+        assert gc.isenabled()  # let go on the way out, the exception propagated
+        hold()
+        with held:
+            pass
+        assert not gc.isenabled()  # a block inside a hold of the functions' does not end it
+        let_go()
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+class _PythonHeld:
+    """``rows_held`` with the Python count's functions (a build without the extension)."""
+
+    __enter__ = staticmethod(xxcopy.rows_hold_python)
+
+    def __exit__(self, *exc: object) -> None:
+        from kvtier.records import rowhold
+
+        rowhold._rows_exit_python(*exc)

@@ -11,10 +11,10 @@ import pytest
 
 _CHILD = r"""
 import gc, os, sys, threading
-from kvtier.records import xxcopy
+from kvtier.records import rowhold, xxcopy
 native = sys.argv[1] == "native"
 if not native:
-    xxcopy._NATIVE_HOLD = False
+    rowhold._NATIVE_HOLD = False
 hold, let_go = (xxcopy.rows_hold, xxcopy.rows_let_go) if native else (xxcopy.rows_hold_python, xxcopy.rows_let_go_python)
 held, done = threading.Event(), threading.Event()
 def job():

@@ -164,6 +164,17 @@ static PyObject *py_rows_let_go(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* rows_exit(*exc_info): rows_let_go() as a context manager's __exit__ (kvtier.records.rowhold's
+   rows_held): its arguments are not read, and None lets the block's exception propagate. */
+static PyObject *py_rows_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    (void)nargs;
+    xxc_rows_let_go();
+    Py_RETURN_NONE;
+}
+
 /* rows_forked(): in a child just forked, the holds of the parent's other threads (jobs that do not
    go on here) dropped, and collection on again where it was before the first. */
 static PyObject *py_rows_forked(PyObject *module, PyObject *unused)
@@ -185,6 +196,8 @@ static const host_rows_hold_api hold_api = {xxc_rows_hold, xxc_rows_let_go};
 static PyMethodDef hold_methods[] = {
     {"rows_hold", py_rows_hold, METH_NOARGS, "rows_hold(): automatic garbage collection held off, counted (see _hostrow.h)."},
     {"rows_let_go", py_rows_let_go, METH_NOARGS, "rows_let_go(): one rows_hold() ended; the last lets collection go again."},
+    {"rows_exit", (PyCFunction)(void (*)(void))py_rows_exit, METH_FASTCALL,
+     "rows_exit(*exc_info): rows_let_go() as a context manager's __exit__; returns None (an exception propagates)."},
     {"rows_forked", py_rows_forked, METH_NOARGS, "rows_forked(): in a child just forked, every hold dropped (collection as before the first)."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,0 +1,174 @@
+"""The rows' hold: automatic garbage collection held off from a job's first row view to its
+last copy, counted for the whole process (``kvtier/records/_xxhold.c`` keeps the native count,
+``kvtier/records/_hostrow.h`` says why). The forms here: :data:`rows_hold` and
+:data:`rows_let_go`, the decorator :func:`holding_rows` for a tier's whole read or save, and the
+context manager :data:`rows_held` for a hold around a few lines. :mod:`kvtier.records.xxcopy`
+exports them all."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from kvtier.records import _xxcopy  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the Python count below
+    _xxcopy = None
+
+#: Holds overlapping without a break (jobs on several threads) would keep automatic collection
+#: off for good. Once the count has stayed above zero this long (seconds), a hold from a thread
+#: holding none waits, the GIL released, at most :data:`DRAIN_WAIT` for the count to drain, then
+#: runs the collection that was due before it holds (``kvtier/records/_xxhold.c``, the same
+#: rule and numbers for the native count). A thread already holding never waits.
+HOLD_RUN_LIMIT = 0.1
+#: The longest a hold waits for the count to drain; past it, it holds as before, and the next
+#: wait comes :data:`HOLD_RUN_LIMIT` later.
+DRAIN_WAIT = 0.005
+_DRAIN_POLL = 0.00005
+
+_held = [0, False]  # the Python forms' count of holds, and whether collection was on before the first
+_held_lock = threading.Lock()
+_runs = [0, 0, 0.0]  # runs of holds (the count leaving zero), the run last seen by a new holder, and when
+_drain = [0, False]  # holds waiting for the count to drain, and whether one's due collection runs
+_mine = threading.local()  # .holds: this thread's
+
+
+def rows_hold_python() -> None:
+    """:data:`rows_hold` in Python: the same count, under a lock, and the same bound on a run."""
+    depth = getattr(_mine, "holds", 0)
+    _mine.holds = depth + 1
+    if depth == 0 and (_held[0] > 0 or _drain[0]) and _hold_should_wait():
+        _drain_and_collect()
+    with _held_lock:
+        if _held[0] == 0:
+            _held[1] = gc.isenabled()
+            gc.disable()
+            _runs[0] += 1
+        _held[0] += 1
+
+
+def rows_let_go_python() -> None:
+    """:data:`rows_let_go` in Python."""
+    depth = getattr(_mine, "holds", 0)
+    if depth > 0:
+        _mine.holds = depth - 1
+    with _held_lock:
+        if _held[0] > 0:
+            _held[0] -= 1
+            if _held[0] == 0 and _held[1]:
+                gc.enable()
+
+
+def _hold_should_wait() -> bool:
+    """Whether a hold from a thread holding none waits: others wait already, or the run of holds
+    has lasted :data:`HOLD_RUN_LIMIT` with collection on before it."""
+    if _drain[0]:
+        return True
+    if not _held[1]:
+        return False  # the engine keeps collection off itself: nothing is due
+    now = time.monotonic()
+    with _held_lock:
+        if _runs[1] != _runs[0]:
+            _runs[1], _runs[2] = _runs[0], now
+            return False
+        return now - _runs[2] > HOLD_RUN_LIMIT
+
+
+def _drain_and_collect() -> None:
+    """Wait (sleeping: the GIL released) for no job to hold and no collection of a waiter to run,
+    :data:`DRAIN_WAIT` at most; then run the collection that was due, else hold as before."""
+    with _held_lock:
+        _drain[0] += 1
+    try:
+        until = time.monotonic() + DRAIN_WAIT
+        while (_held[0] > 0 or _drain[1]) and time.monotonic() < until:
+            time.sleep(_DRAIN_POLL)
+        if _held[0] == 0 and not _drain[1]:
+            _collect_due()
+        else:
+            _runs[2] = time.monotonic()  # not drained: the next wait a limit later
+    finally:
+        with _held_lock:
+            _drain[0] -= 1
+
+
+def _collect_due() -> None:
+    """The collection automatic collection would run now: the oldest generation whose count
+    passed its threshold, if any."""
+    due = [g for g, (count, threshold) in enumerate(zip(gc.get_count(), gc.get_threshold())) if threshold > 0 and count > threshold]
+    if due:
+        _drain[1] = True
+        try:
+            gc.collect(due[-1])
+        finally:
+            _drain[1] = False
+
+
+def _rows_forked() -> None:
+    """In a child just forked: the holds of the parent's other threads dropped (their jobs do
+    not go on here), and collection on again where it was before the first; else a fork taken
+    while another thread's job held it would leave the child without automatic collection."""
+    global _held_lock, _mine
+    _held_lock = threading.Lock()  # (another thread may have held it at the fork)
+    _mine = threading.local()
+    _drain[:] = [0, False]
+    if _held[0] > 0:
+        _held[0] = 0
+        if _held[1]:
+            gc.enable()
+    if _NATIVE_HOLD:
+        _xxcopy.rows_forked()
+
+
+_NATIVE_HOLD = _xxcopy is not None and hasattr(_xxcopy, "rows_forked")
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_rows_forked)
+#: ``rows_hold()``: automatic garbage collection held off until the matching
+#: :data:`rows_let_go` (counted for the whole process, with the native jobs' holds: the last one
+#: lets collection go again where it was on before the first). A job holds it from its first
+#: row's view to its last copy: a view is a row's address and holds nothing, and a collection
+#: run between (any allocation may start one) runs finalizers and weakref callbacks, Python that
+#: may free or move a row whose view is taken (``row.set_(...)``); the copy would then write or
+#: read memory the row no longer owns (``kvtier/records/_hostrow.h``).
+rows_hold: Callable[[], None] = _xxcopy.rows_hold if _NATIVE_HOLD else rows_hold_python
+#: ``rows_let_go()``: one :data:`rows_hold` ended.
+rows_let_go: Callable[[], None] = _xxcopy.rows_let_go if _NATIVE_HOLD else rows_let_go_python
+
+
+def holding_rows(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a tier's whole read or save of rows) run under :data:`rows_hold`, let go however
+    it ends: for the paths that take their rows' views in Python, between calls that allocate."""
+
+    @functools.wraps(method)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        rows_hold()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            rows_let_go()
+
+    return held
+
+
+def _rows_exit_python(*exc: object) -> None:
+    rows_let_go_python()
+
+
+class _RowsHeld:
+    """``with rows_held:``, :data:`rows_hold` on entry and :data:`rows_let_go` on exit, however
+    the block ends (its exception propagates). Both are the count's own functions (no Python
+    frame between), so the ``with`` costs what a ``try``/``finally`` around the two calls costs."""
+
+    __slots__ = ()
+    __enter__ = staticmethod(rows_hold)
+    __exit__ = staticmethod(_xxcopy.rows_exit if _NATIVE_HOLD else _rows_exit_python)
+
+
+#: ``with rows_held:``: the rows held from the block's start to its end (one object, no state:
+#: holds nest, each ``with`` its own).
+rows_held = _RowsHeld()
