@@ -147,6 +147,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
     """One record file per block under ``path``, at most ``capacity`` bytes (this instance's view)."""
 
     name: ClassVar[str] = "file"
+    takes_pool_rows: ClassVar[bool] = True  # every path reads rows by len, iteration and indexing (tests/test_tier_rows.py)
     path_meaning: ClassVar[str] = "a root directory"
 
     def __init__(

@@ -189,6 +189,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
     name: ClassVar[str] = "lmdb"
+    takes_pool_rows: ClassVar[bool] = True  # every path reads rows by len, iteration and indexing (tests/test_tier_rows.py)
     path_meaning: ClassVar[str] = "a directory for its environment"
 
     def __init__(

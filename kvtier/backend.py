@@ -37,6 +37,17 @@ Rules every backend follows (the conformance suite ``kvtier.testing.BackendTests
   manager replaces each reservation with the size ``write_blocks`` reports.
 * Access stamps (``RecordInfo.stamp``, ``touch_stamps``) are wall-clock seconds
   (``time.time()``), so they order records across processes and restarts.
+* ``blocks`` and ``out`` are sequences of rows. A backend gets a ``list`` of views unless its
+  class sets ``takes_pool_rows = True``: then the transfer engine may hand it a
+  :class:`~kvtier.pool_rows.PoolRows` instead (a job's rows of one host pool, made once a job
+  rather than a view per row). A backend that sets the flag must accept any
+  ``Sequence[torch.Tensor]``, ``PoolRows`` included: it reads rows only by ``len``, iteration,
+  indexing and slicing (a slice of a ``PoolRows`` is a ``PoolRows``), never by what only a
+  ``list`` or ``tuple`` allows (``isinstance(blocks, list)``, ``blocks + other``,
+  ``torch.stack(blocks)``, C code that takes a list's items without converting the sequence).
+  A tier that wraps another sets the flag only where it passes the rows on unchanged and its
+  inner tier sets it too. ``kvtier.testing.BackendTests`` runs its cases with ``PoolRows`` too for
+  a backend that sets it.
 """
 
 from __future__ import annotations
@@ -118,6 +129,10 @@ class Backend(ABC):
     name: ClassVar[str] = ""
     is_memory: ClassVar[bool] = False
     persistent: ClassVar[bool] = False
+    #: ``True``: ``write_blocks``/``read_blocks`` take any ``Sequence[torch.Tensor]``, a
+    #: :class:`~kvtier.pool_rows.PoolRows` included, and the transfer engine hands it one per job
+    #: instead of a list of views (see the module doc); ``False``: the engine hands it a ``list``.
+    takes_pool_rows: ClassVar[bool] = False
 
     def __init__(self, *, capacity: int | str, **options: Any) -> None:
         if options:

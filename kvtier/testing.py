@@ -34,6 +34,7 @@ import torch
 
 from kvtier.backend import Backend, BlockFormat
 from kvtier.errors import ClosedError, ConfigError, LayoutError
+from kvtier.pool_rows import PoolRows
 
 __all__ = ["BackendTests", "cached_pages", "evict_from_page_cache", "make_key", "mapping_flags", "random_block"]
 
@@ -323,6 +324,62 @@ class BackendTests:
             for i in range(4):
                 _assert_same_bytes(out[i], data[i], f"block {i} after reopening")
 
+
+    def test_pool_rows_if_the_backend_takes_them(self, tmp_path: Path) -> None:
+        """A backend that sets ``takes_pool_rows`` gets its rows as a :class:`PoolRows` of a pool:
+        it must store and serve the same bytes as from a list of views, for jobs of one and
+        of several rows, rows in any order of the pool, rows that do not start a pool's
+        allocation (a pool cut from a wider tensor), a slice of a ``PoolRows``, and a miss."""
+        flag = getattr(type(self.make_backend(tmp_path / "flag", self.block_bytes * self.capacity_blocks)), "takes_pool_rows", False)
+        assert isinstance(flag, bool), f"takes_pool_rows is {flag!r}; it must be a bool (a class attribute)"
+        if not flag:
+            _skip("backend does not set takes_pool_rows: it gets lists")
+        size = self.block_bytes
+        with self.opened(tmp_path) as backend:
+            keys = [make_key(300 + i) for i in range(8)]
+            data = self.blocks(8, seed=23)
+            wide = torch.zeros(10, size + 24, dtype=torch.uint8)
+            pool = wide[:, 8 : 8 + size]  # rows a pool's stride apart, none at the tensor's start
+            numbers = [9, 2, 5, 0, 7, 1, 3, 8]
+            for i, n in enumerate(numbers):
+                pool[n].copy_(data[i])
+            listed = _checked_sizes(backend.write_blocks([make_key(400), make_key(401)], data[:2]), 2)
+            backend.delete_blocks([make_key(400), make_key(401)])  # (room for the rest in a small tier)
+            written = (
+                _checked_sizes(backend.write_blocks(keys[:6], PoolRows(pool, numbers[:6])), 6)
+                + _checked_sizes(backend.write_blocks(keys[6:7], PoolRows(pool, numbers[6:7])), 1)
+                + _checked_sizes(backend.write_blocks(keys[7:], PoolRows(pool, numbers)[7:]), 1)
+            )
+            assert all(s is not None for s in written), f"write_blocks from a PoolRows into an empty backend returned {written}"
+            assert written[:2] == listed, f"write_blocks stored sizes {written} from a PoolRows, {listed} from a list of the same blocks"
+            out = torch.full((12, size + 16), 0xA5, dtype=torch.uint8)
+            rows = out[:, 16:]
+            want = [4, 0, None, 7, 6]  # None: a key never written
+            targets = [11, 3, 5, 0, 8]
+            asked = [keys[i] if i is not None else make_key(499) for i in want]
+            found = _checked_found(backend.read_blocks(asked, PoolRows(rows, targets)), 5)
+            assert found == [i is not None for i in want], (
+                f"read_blocks(4 written keys and a never-written one) into a PoolRows returned {found}"
+            )
+            for w, t in zip(want, targets):
+                if w is not None:
+                    _assert_same_bytes(rows[t], data[w], f"block {w} read into a PoolRows row {t}")
+            untouched = [r for r in range(12) if r not in targets or want[targets.index(r)] is None]
+            for r in untouched:
+                assert bool((out[r] == 0xA5).all()), f"read_blocks into a PoolRows wrote into pool row {r}, which holds no hit"
+            assert bool((out[:, :16] == 0xA5).all()), "read_blocks into a PoolRows wrote outside its rows (before the pool's columns)"
+            one = torch.zeros(3, size, dtype=torch.uint8)
+            assert _checked_found(backend.read_blocks([keys[5]], PoolRows(one, [2])), 1) == [True], "a read of one key into a PoolRows missed"
+            _assert_same_bytes(one[2], data[5], "block 5 read alone into a PoolRows")
+            listed_out = self.empty(5)
+            again = _checked_found(backend.read_blocks(asked, listed_out), 5)
+            assert again == found, f"read_blocks answered {found} into a PoolRows and {again} into a list, for the same keys"
+            bad = torch.zeros(2, size + 1, dtype=torch.uint8)
+            with _must_raise(LayoutError, f"write_blocks from a PoolRows of rows of {size + 1} bytes (one too many)"):
+                backend.write_blocks([make_key(480), make_key(481)], PoolRows(bad, range(2)))
+            assert backend.read_blocks([make_key(480)], self.empty(1)) == [False], (
+                "a block of a rejected write_blocks call from a PoolRows was stored; check every block before writing any"
+            )
 
 def _checked_sizes(sizes: Any, n: int) -> list[int | None]:
     assert isinstance(sizes, list) and len(sizes) == n, (

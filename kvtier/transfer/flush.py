@@ -38,6 +38,7 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device
 from kvtier.manager import KeyState, TierManager
 from kvtier.transfer.offloop import off_loop
+from kvtier.transfer.tier_rows import rows_for
 
 __all__ = ["FlushReport", "first_persistent", "flush_listed_groups", "flush_listed_to_persistent", "flush_to_persistent"]
 
@@ -353,7 +354,7 @@ def _copy_out(backends: Sequence[Backend], keys: Sequence[bytes], tiers: Sequenc
                 ok.extend(tier_keys)
             else:
                 out = torch.empty(len(tier_keys), backend.format.block_bytes, dtype=torch.uint8)
-                found = backend.read_blocks(tier_keys, list(out.unbind(0)))
+                found = backend.read_blocks(tier_keys, rows_for(backend, out, len(tier_keys)))
                 for key, hit, row in zip(tier_keys, found, out.unbind(0)):
                     if hit:
                         rows.append(row)

@@ -15,6 +15,7 @@ from kvtier.errors import BackendError, LifecycleError
 from kvtier.transfer.jobs import JobResult, LoadRecord, Phase, result_of
 from kvtier.transfer.movers import MoverHost
 from kvtier.transfer.plan_writes import Failed, delete_from
+from kvtier.transfer.tier_rows import rows_at, rows_for
 
 __all__ = ["LoadMover"]
 
@@ -147,13 +148,13 @@ class LoadMover:
                 nbytes += len(good) * self.e.layout.block_bytes
                 up = [j for j, i in enumerate(good) if keys[i] in promote] if promote else None
                 if up:
-                    self._promote([keys[good[j]] for j in up], [backend.pool[rows[j]] for j in up], failed, promoted)
+                    self._promote([keys[good[j]] for j in up], rows_at(self.e.backends[0], backend.pool, [rows[j] for j in up]), failed, promoted)
                 continue
             staging = self.e._staging_rows("load")  # (a byte tier's: read into host rows first)
             chunk = staging.shape[0]
             for c in range(0, len(positions), chunk):
                 part = positions[c : c + chunk]
-                out = [staging[j] for j in range(len(part))]
+                out = rows_for(backend, staging, len(part))  # one PoolRows where the tier takes it
                 found = self._read(tier, [plan.keys[i] for i in part], out)
                 rows = [j for j, ok in enumerate(found) if ok]
                 missed.extend(i for i, ok in zip(part, found) if not ok)
@@ -163,7 +164,7 @@ class LoadMover:
                     break
                 up = [j for j in rows if plan.keys[part[j]] in promote]
                 if up:
-                    self._promote([plan.keys[part[j]] for j in up], [staging[j] for j in up], failed, promoted)
+                    self._promote([plan.keys[part[j]] for j in up], rows_at(self.e.backends[0], staging, up), failed, promoted)
                 nbytes += len(rows) * self.e.layout.block_bytes
             if stopped:
                 break
@@ -184,7 +185,7 @@ class LoadMover:
             failed={0: tuple(set(failed.get(0, ())) | {plan.keys[i] for i in missed} & promote)} if promote else {},
         )
 
-    def _read(self, tier: int, keys: list[bytes], out: list[torch.Tensor]) -> list[bool]:
+    def _read(self, tier: int, keys: list[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """``read_blocks`` of tier ``tier``, where a failure of the whole call (any exception,
         whatever the backend) is a miss of each of its keys: the job goes on, the manager then
         forgets the keys in that tier (so they are not offered again), the engine recomputes."""
@@ -199,7 +200,7 @@ class LoadMover:
             return [False] * len(keys)
         return found
 
-    def _promote(self, keys: list[bytes], rows: list[torch.Tensor], failed: Failed, promoted: list[bytes]) -> None:
+    def _promote(self, keys: list[bytes], rows: Sequence[torch.Tensor], failed: Failed, promoted: list[bytes]) -> None:
         """Copy blocks just read from a lower tier into the first tier."""
         try:
             got = self.e.backends[0].write_blocks(keys, rows)

@@ -22,6 +22,7 @@ from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
 from kvtier.transfer.jobs import JobRecord, JobResult, LoadRecord, Phase, StoreRecord, failed_result, result_of
 from kvtier.transfer.plan_writes import Expired, Failed, PlanWrites, TierWork, check_alive, note_sizes, rows_of
+from kvtier.transfer.tier_rows import rows_at, rows_for
 from kvtier.transfer.write_group import MAX_GROUP_JOBS, WriteGroup, host_rows
 
 if TYPE_CHECKING:
@@ -345,7 +346,7 @@ class StoreMover:
                     if not self.e._is_memory(tier) and not self._deferred(rec, tier, keys, work.failed):
                         check_alive(rec)
                         if tensor_device(source.pool).type == "cpu":  # pool rows stay put: write with the group
-                            rows, found = rows_of(source, keys, staging)
+                            rows, found = rows_of(source, keys, staging, self.e.backends[tier])
                             copies.add(rec.job_id, tier, keys, rows, found, work.failed, work.sizes, self._failer(work))
                         else:
                             self._plans.write_from(source, tier, keys, staging, work.failed, work.sizes)
@@ -381,7 +382,7 @@ class StoreMover:
     def _write_staged(self, work: TierWork, copies: WriteGroup) -> None:
         rec, plan = work.rec, work.rec.store_plan
         assert work.staging is not None
-        rows = [work.staging[i] for i in range(len(plan.keys))]
+        staging = work.staging
         target = self.e.backends[plan.tier]
         if isinstance(target, MemoryBackend):
             slots = reserve_slots(target, plan)
@@ -390,7 +391,7 @@ class StoreMover:
             wait_for_copies((pool, work.staging))
             work.nbytes = len(slots) * self.e.layout.block_bytes
         else:
-            got = target.write_blocks(list(plan.keys), rows)
+            got = target.write_blocks(list(plan.keys), rows_for(target, staging, len(plan.keys)))
             note_sizes(plan.tier, plan.keys, got, work.failed, work.sizes)
             work.nbytes = sum(self.e.layout.block_bytes for s in got if s is not None)
         writes = []
@@ -403,7 +404,10 @@ class StoreMover:
         if tensor_device(work.staging).type != "cpu":  # byte tiers read host rows: one DMA per job
             host = host_rows(work.staging, [pos[k] for _, memory, keys in writes if not memory for k in keys])
         for tier, memory, keys in writes:
-            src = [host[pos[k]] if host and not memory else rows[pos[k]] for k in keys]
+            if host and not memory:
+                src: Sequence[torch.Tensor] = [host[pos[k]] for k in keys]
+            else:  # rows of the job's staging: one PoolRows where the tier takes it
+                src = rows_at(self.e.backends[tier], staging, [pos[k] for k in keys])
             copies.add(rec.job_id, tier, keys, src, [True] * len(keys), work.failed, work.sizes, self._failer(work))
 
     def _deferred(self, rec: StoreRecord, tier: int, keys: Sequence[bytes], failed: Failed) -> bool:

@@ -24,7 +24,9 @@ from kvtier.backend import Backend, MemoryBackend
 from kvtier.devices import tensor_device
 from kvtier.errors import LifecycleError
 from kvtier.manager import StorePlan
+from kvtier.pool_rows import PoolRows
 from kvtier.transfer.jobs import JobRecord, StoreRecord
+from kvtier.transfer.tier_rows import gives_pool_rows, kept_rows, rows_at, rows_for
 
 __all__ = ["Expired", "Failed", "PlanHost", "PlanWrites", "Sizes", "TierWork", "check_alive", "delete_from", "note_sizes", "rows_of"]
 
@@ -101,12 +103,18 @@ def note_sizes(tier: int, keys: Sequence[bytes], got: Sequence[int | None], fail
             sizes.setdefault(tier, {})[k] = size
 
 
-def rows_of(backend: Backend, keys: Sequence[bytes], staging: torch.Tensor) -> tuple[list[torch.Tensor], list[bool]]:
-    """Blocks of ``keys`` as CPU-readable rows: pool rows of a host pool, else read into staging."""
+def rows_of(backend: Backend, keys: Sequence[bytes], staging: torch.Tensor, target: Backend) -> tuple[Sequence[torch.Tensor], list[bool]]:
+    """Blocks of ``keys`` as CPU-readable rows for ``target``'s ``write_blocks``: pool rows of a
+    host pool, else read into staging; one :class:`~kvtier.pool_rows.PoolRows` where the tier
+    that takes them says it takes one (:mod:`kvtier.transfer.tier_rows`)."""
     if isinstance(backend, MemoryBackend) and tensor_device(backend.pool).type == "cpu":
+        pool = backend.pool
+        try:  # every key there (the usual copy): one call, the rows as one sequence
+            return rows_at(target, pool, backend.slots(keys)), [True] * len(keys)
+        except LifecycleError:  # one by one, to tell the missing ones
+            pass
         found = []
         rows = []
-        pool = backend.pool
         for key in keys:
             try:
                 rows.append(pool[backend.slots([key])[0]])
@@ -115,8 +123,10 @@ def rows_of(backend: Backend, keys: Sequence[bytes], staging: torch.Tensor) -> t
                 rows.append(staging[0])
                 found.append(False)
         return rows, found
-    out = [staging[i] for i in range(len(keys))]
-    return out, backend.read_blocks(keys, out)
+    out = rows_for(backend, staging, len(keys))
+    found = backend.read_blocks(keys, out)
+    # The rows read are the rows written: the same sequence where both tiers take one form.
+    return (out if isinstance(out, PoolRows) is gives_pool_rows(target, staging) else rows_for(target, staging, len(keys))), found
 
 
 def drop_reason(plan: StorePlan) -> str:
@@ -162,12 +172,14 @@ class PlanWrites:
                 try:
                     if check:
                         check_alive(work.rec)
-                    rows, found = rows_of(src, keys, staging)
-                    move = [(k, r) for k, r, ok in zip(keys, rows, found) if ok]
+                    rows, found = rows_of(src, keys, staging, dst)
+                    keep = [i for i, ok in enumerate(found) if ok]
                     work.failed.setdefault(d.dst, []).extend(k for k, ok in zip(keys, found) if not ok)
-                    if move:
-                        got = dst.write_blocks([k for k, _ in move], [r for _, r in move])
-                        note_sizes(d.dst, [k for k, _ in move], got, work.failed, work.sizes)
+                    if keep:
+                        whole = len(keep) == len(keys)
+                        move = list(keys) if whole else [keys[i] for i in keep]
+                        got = dst.write_blocks(move, rows if whole else kept_rows(rows, keep))
+                        note_sizes(d.dst, move, got, work.failed, work.sizes)
                 except Expired:
                     raise
                 except Exception as exc:  # the victims are lost (a miss later), the job goes on
@@ -198,7 +210,8 @@ class PlanWrites:
         chunk = staging.shape[0]
         for c in range(0, len(keys), chunk):
             part = keys[c : c + chunk]
-            rows, found = rows_of(source, part, staging)
-            got = self.e.backends[tier].write_blocks(list(part), rows)
+            target = self.e.backends[tier]
+            rows, found = rows_of(source, part, staging, target)
+            got = target.write_blocks(list(part), rows)
             # A key the source no longer held was written from a placeholder row: failed.
             note_sizes(tier, part, [s if ok else None for s, ok in zip(got, found)], failed, sizes)

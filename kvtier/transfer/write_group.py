@@ -29,6 +29,7 @@ import torch
 
 from kvtier.backend import Backend
 from kvtier.devices import copy_rows, wait_for_copies
+from kvtier.pool_rows import PoolRows
 
 __all__ = ["MAX_GROUP_JOBS", "WriteGroup", "host_rows"]
 
@@ -55,7 +56,7 @@ class _Copy:
     job: int
     tier: int
     keys: list[bytes]
-    rows: list[torch.Tensor]
+    rows: Sequence[torch.Tensor]  # a PoolRows where the tier takes one (kvtier.transfer.tier_rows)
     ok: list[bool]  # False: the source no longer held the key (its row is a placeholder)
     failed: dict[int, list[bytes]]
     sizes: dict[int, dict[bytes, int]]
@@ -82,7 +83,7 @@ class WriteGroup:
         """Collect job ``job``'s copy of ``keys`` (from ``rows``) into ``tier``; its outcome goes
         into ``failed``/``sizes`` as a direct write's would, and ``fail_job`` is called with the
         error if the tier's write raises."""
-        self._copies.append(_Copy(job, tier, list(keys), list(rows), list(ok), failed, sizes, fail_job))
+        self._copies.append(_Copy(job, tier, list(keys), rows if isinstance(rows, PoolRows) else list(rows), list(ok), failed, sizes, fail_job))
 
     def discard(self, job: int) -> None:
         """Drop job ``job``'s copies (it failed or was stopped before the group's write)."""
@@ -97,7 +98,7 @@ class WriteGroup:
         for tier, copies in by_tier.items():
             keys = [k for c in copies for k in c.keys]
             try:
-                got = backends[tier].write_blocks(keys, [r for c in copies for r in c.rows])
+                got = backends[tier].write_blocks(keys, _joined([c.rows for c in copies]))
                 if len(got) != len(keys):
                     raise RuntimeError(f"write_blocks answered {len(got)} sizes for {len(keys)} keys")
             except BaseException as exc:  # as a direct write that raised (an interrupt too): each job of the group fails
@@ -113,3 +114,15 @@ class WriteGroup:
                     else:
                         c.sizes.setdefault(tier, {})[key] = size
                 at += len(c.keys)
+
+
+def _joined(parts: list[Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
+    """The rows of ``parts`` in order, as one sequence: one part as it is; parts that are all
+    :class:`PoolRows` of one pool as one :class:`PoolRows` of it (a tier takes a :class:`PoolRows`
+    only where it said so: ``add`` got one only then); else a list."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, PoolRows) and all(isinstance(p, PoolRows) and p.pool is first.pool for p in parts):
+        return PoolRows(first.pool, [i for p in parts for i in p.numbers])  # type: ignore[attr-defined]
+    return [r for p in parts for r in p]
