@@ -407,3 +407,28 @@ def test_tiers_that_wrap_or_are_not_checked_keep_lists() -> None:
     # The head-group tier splits or passes its rows to its inner tier as a list; the others were not checked.
     assert HeadGroupTier.takes_pool_rows is False and CompressedBackend.takes_pool_rows is False
     assert CpuBackend.takes_pool_rows is False and Backend.takes_pool_rows is False
+
+
+def test_a_copy_out_of_a_host_pool_hands_its_pool_rows_and_a_missing_key_fails_alone(layout: KVLayout) -> None:
+    from kvtier.backends.memory import CpuBackend
+
+    from kvtier.transfer.plan_writes import rows_of
+
+    bb = layout.block_bytes
+    source = CpuBackend(capacity=8 * bb)
+    asyncio.run(source.open(BlockFormat(block_bytes=bb)))
+    slots = source.reserve(K[:3])
+    assert slots is not None
+    for i, slot in enumerate(slots):
+        source.pool[slot].copy_(record_of(layout, i))
+    staging = torch.zeros(4, bb, dtype=torch.uint8)
+    with_flag, without = _opened(PoolDict, bb), _opened(ListDict, bb)
+    rows, found = rows_of(source, [K[2], K[0]], staging, with_flag)
+    assert found == [True, True] and isinstance(rows, PoolRows) and rows.pool is source.pool and list(rows.numbers) == [slots[2], slots[0]]
+    listed, found = rows_of(source, [K[2], K[0]], staging, without)
+    assert found == [True, True] and type(listed) is list
+    assert [r.data_ptr() for r in listed] == [r.data_ptr() for r in rows] == [source.pool[slots[2]].data_ptr(), source.pool[slots[0]].data_ptr()]
+    for target in (with_flag, without):  # a key the source no longer holds: a placeholder row, not found
+        rows, found = rows_of(source, [K[1], K[9]], staging, target)
+        assert found == [True, False] and type(rows) is list
+        assert rows[0].data_ptr() == source.pool[slots[1]].data_ptr() and rows[1].data_ptr() == staging[0].data_ptr()
