@@ -11,7 +11,8 @@ Subclass :class:`BackendTests` in a pytest module and implement ``make_backend``
 Every test opens the backend with a small :class:`~kvtier.backend.BlockFormat`, drives it through
 the protocol and asserts the contract in :mod:`kvtier.backend`. Set ``persistent = True`` (taken
 from the backend class by default) to also check that a reopened backend serves what an earlier
-instance stored. A failure says which call broke which promise, with what it returned (for
+instance stored. A backend whose class sets ``takes_pool_rows`` is also written and read through
+:class:`~kvtier.pool_rows.PoolRows` (``test_pool_rows_if_the_backend_takes_them``). A failure says which call broke which promise, with what it returned (for
 example ``read_blocks([written key, never-written key]) returned [True, True]; a missing key is
 False, not an exception``), never a bare ``AssertionError``.
 """
