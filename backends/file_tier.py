@@ -164,8 +164,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         sweep_interval_s: float = 60.0,
         layout: Literal["flat", "sharded"] | None = None,
     ) -> None:
-        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
-                         mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
+        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key, mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
         if not isinstance(shared, bool):
             raise ConfigError(f"shared: expected true or false, got {shared!r}")
         if isinstance(sweep_interval_s, bool) or not isinstance(sweep_interval_s, (int, float)) or sweep_interval_s <= 0:

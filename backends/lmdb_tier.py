@@ -204,8 +204,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         mac_key_env: str | None = None,
         mac_algorithm: str = DEFAULT_MAC_ALGORITHM,
     ) -> None:
-        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key,
-                         mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
+        super().__init__(capacity=capacity, path=path, codec=codec, sync_mode=sync_mode, mac_key=mac_key, mac_key_env=mac_key_env, mac_algorithm=mac_algorithm)
         if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 1:
             raise ConfigError(f"max_readers: expected a positive integer, got {max_readers!r}")
         self.max_readers = max_readers
