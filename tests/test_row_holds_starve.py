@@ -20,7 +20,8 @@ from kvtier.records import xxcopy
 #: job's hold overlaps another's. Prints the
 #: collections seen while the jobs went on (not those after, once the threads end), the cyclic
 #: objects made and those still alive near the end, whether collection is on after, and the
-#: collections that started while a job held (its outer or a nested hold).
+#: collections that started while a job held (its outer or a nested hold). A finalizer that
+#: sleeps now and then makes a collection long, as a large one is.
 _OVERLAP = r"""
 import gc, sys, threading, time
 from kvtier.records import xxcopy
@@ -31,7 +32,7 @@ seen, inside, during = [], [0], [0]
 def counted(phase, info):
     if phase == "start" and time.monotonic() < stop:
         seen.append(info["generation"])
-        during[0] += inside[0] > 0  # a collection while a job's views are in use
+        during[0] += inside[0] > 0  # a collection begun while a job's views are in use
 gc.collect()
 stop = time.monotonic() + seconds
 gc.callbacks.append(counted)
@@ -42,6 +43,8 @@ class Node:
         self.other = None
     def __del__(self):
         alive[1] -= 1
+        if alive[1] % 200 == 0:
+            time.sleep(0.0001)  # a finalizer that lets other threads run: the collection is long
 def job():
     while time.monotonic() < stop:
         hold()

@@ -20,13 +20,19 @@
    to drain (the other jobs end; new holds from threads holding none wait likewise), then runs
    the collection that was due, the oldest generation whose count passed its threshold, as the
    automatic one would, before it holds. A thread already holding (a nested hold) never waits,
-   and no collection runs while any job holds. A wait that times out (a job longer than
+   and no collection runs while any job holds; a hold waiting while such a collection runs waits
+   for its end (COLLECT_WAIT_NS at most). A wait that times out (a job longer than
    DRAIN_WAIT_NS, or a holder waiting on something the waiter has) holds as before, and the
    next wait comes a limit later: at worst DRAIN_WAIT_NS of waiting a thread per
    HOLD_RUN_LIMIT_NS of holds. */
 #define HOLD_RUN_LIMIT_NS 100000000LL /* 100 ms */
 #define DRAIN_WAIT_NS 5000000LL       /* 5 ms */
 #define DRAIN_POLL_NS 50000L          /* 50 us between looks at the count */
+/* A waiter's collection running (its finalizers let other threads run): the holds waiting wait
+   for it to end, else they would take views while its finalizers may still move rows. Longer
+   than DRAIN_WAIT_NS, since it ends without any job's help; bounded all the same, against a
+   finalizer waiting on something a waiting thread has. */
+#define COLLECT_WAIT_NS 200000000LL /* 200 ms */
 
 /* The jobs held now, and whether automatic collection was on before the first of them; changed
    only with the GIL held, read without it by a waiting hold (relaxed loads and stores: the GIL
@@ -80,6 +86,7 @@ static int hold_should_wait(void)
    its threshold), if any. Its errors are reported as unraisable: a hold never raises. */
 static void collect_due(void)
 {
+    __atomic_store_n(&collecting, 1, __ATOMIC_RELAXED); /* from the counts' look to the collection's end */
     PyObject *count = PyObject_CallNoArgs(gc_get_count), *threshold = count == NULL ? NULL : PyObject_CallNoArgs(gc_get_threshold);
     Py_ssize_t due = -1;
     if (threshold != NULL && PyTuple_Check(count) && PyTuple_Check(threshold)) {
@@ -92,34 +99,45 @@ static void collect_due(void)
     }
     Py_XDECREF(count);
     Py_XDECREF(threshold);
-    if (due >= 0 && !PyErr_Occurred()) {
-        __atomic_store_n(&collecting, 1, __ATOMIC_RELAXED);
-        PyObject *r = PyObject_CallFunction(gc_collect, "n", due);
-        __atomic_store_n(&collecting, 0, __ATOMIC_RELAXED);
-        Py_XDECREF(r);
-    }
+    if (due >= 0 && !PyErr_Occurred())
+        Py_XDECREF(PyObject_CallFunction(gc_collect, "n", due));
+    __atomic_store_n(&collecting, 0, __ATOMIC_RELAXED);
     if (PyErr_Occurred())
         PyErr_WriteUnraisable(gc_collect);
 }
 
 /* The wait of a hold from a thread holding none (GIL held on entry and on return): GIL released,
-   until no job holds and no collection runs, DRAIN_WAIT_NS at most; then the due collection. */
+   until no job holds (DRAIN_WAIT_NS at most) and no waiter's collection runs (COLLECT_WAIT_NS at
+   most); then the due collection. */
 static void drain_and_collect(void)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback); /* a hold is taken on error paths too */
-    long long until = clock_ns(CLOCK_MONOTONIC) + DRAIN_WAIT_NS;
+    long long start = clock_ns(CLOCK_MONOTONIC);
     draining++;
-    Py_BEGIN_ALLOW_THREADS
-    struct timespec poll = {0, DRAIN_POLL_NS};
-    while ((__atomic_load_n(&rows_held, __ATOMIC_RELAXED) > 0 || __atomic_load_n(&collecting, __ATOMIC_RELAXED))
-           && clock_ns(CLOCK_MONOTONIC) < until)
-        nanosleep(&poll, NULL);
-    Py_END_ALLOW_THREADS
-    if (rows_held == 0 && !collecting)
-        collect_due();
-    else
-        run_seen_at = clock_ns(CLOCK_MONOTONIC_COARSE); /* not drained: the next wait a limit later */
+    for (;;) {
+        int timed_out = 0;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec poll = {0, DRAIN_POLL_NS};
+        for (;;) {
+            int held = __atomic_load_n(&rows_held, __ATOMIC_RELAXED) > 0, running = __atomic_load_n(&collecting, __ATOMIC_RELAXED);
+            if (!held && !running)
+                break;
+            if ((timed_out = clock_ns(CLOCK_MONOTONIC) - start >= (running ? COLLECT_WAIT_NS : DRAIN_WAIT_NS)))
+                break;
+            nanosleep(&poll, NULL);
+        }
+        Py_END_ALLOW_THREADS
+        if (rows_held == 0 && !collecting) {
+            collect_due();
+            break;
+        }
+        if (timed_out || !collecting) {
+            run_seen_at = clock_ns(CLOCK_MONOTONIC_COARSE); /* not drained: the next wait a limit later */
+            break;
+        }
+        /* another waiter's collection began while this one took the GIL back: wait for its end */
+    }
     draining--;
     PyErr_Restore(type, value, traceback);
 }

@@ -29,6 +29,10 @@ HOLD_RUN_LIMIT = 0.1
 #: The longest a hold waits for the count to drain; past it, it holds as before, and the next
 #: wait comes :data:`HOLD_RUN_LIMIT` later.
 DRAIN_WAIT = 0.005
+#: The longest a hold waits while a waiter's due collection runs (its finalizers may let other
+#: threads run, and a view taken meanwhile could be moved by one): its end, not any job's, ends
+#: the wait; bounded against a finalizer waiting on something a waiting thread has.
+COLLECT_WAIT = 0.2
 _DRAIN_POLL = 0.00005
 
 _held = [0, False]  # the Python forms' count of holds, and whether collection was on before the first
@@ -85,13 +89,21 @@ def _drain_and_collect() -> None:
     with _held_lock:
         _drain[0] += 1
     try:
-        until = time.monotonic() + DRAIN_WAIT
-        while (_held[0] > 0 or _drain[1]) and time.monotonic() < until:
+        start = time.monotonic()
+        while True:
+            with _held_lock:  # (the check and the collection's start in one step)
+                running = _drain[1]
+                if _held[0] == 0 and not running:
+                    _drain[1] = True
+                    break
+            if time.monotonic() - start >= (COLLECT_WAIT if running else DRAIN_WAIT):
+                _runs[2] = time.monotonic()  # not drained: the next wait a limit later
+                return
             time.sleep(_DRAIN_POLL)
-        if _held[0] == 0 and not _drain[1]:
+        try:
             _collect_due()
-        else:
-            _runs[2] = time.monotonic()  # not drained: the next wait a limit later
+        finally:
+            _drain[1] = False
     finally:
         with _held_lock:
             _drain[0] -= 1
@@ -99,14 +111,10 @@ def _drain_and_collect() -> None:
 
 def _collect_due() -> None:
     """The collection automatic collection would run now: the oldest generation whose count
-    passed its threshold, if any."""
+    passed its threshold, if any (``_drain[1]`` set by the caller meanwhile)."""
     due = [g for g, (count, threshold) in enumerate(zip(gc.get_count(), gc.get_threshold())) if threshold > 0 and count > threshold]
     if due:
-        _drain[1] = True
-        try:
-            gc.collect(due[-1])
-        finally:
-            _drain[1] = False
+        gc.collect(due[-1])
 
 
 def _rows_forked() -> None:
