@@ -51,7 +51,7 @@ from kvtier.backends.mooncake_session import (
     master_unreachable,
 )
 from kvtier.backends.remote_health import Down
-from kvtier.backends.remote_rows import RowLease
+from kvtier.backends.remote_rows import RowLease, is_block
 from kvtier.backends.remote_tier import KEY_BYTES, ReadJob, RemoteRecordBackend, SweepSkipped, WriteJob, check_seconds
 
 from kvtier.errors import ConfigError
@@ -289,24 +289,34 @@ class MooncakeBackend(RemoteRecordBackend):
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         stored: list[int] = []
+        sent: list[int] = []
         room, offset, base, bytes_ = staging.nbytes, 0, staging.base, staging.bytes
         hb, bb, dtype = self._head_bytes(), self.format.block_bytes, self._dtype_code()
         sliced = bb >= ZERO_COPY_MIN_BYTES
         raw_codec = self.codec.codec_id == NoneCodec.codec_id
+        taken = 0
         for i in pending:
             block = job.blocks[i]
             host = block.is_cpu and block.is_contiguous()
             if keys and offset + (hb if sliced and host and raw_codec else hb + bb) > room:
                 break  # the next chunk's
+            taken += 1
             region = bytes_[offset + hb : offset + hb + bb]
             if host and not sliced:
                 # A small block is copied next to its head (one slice), then checksummed there
                 # while it is still in the CPU cache.
                 with rows_held:  # no collection from the row's view to its copy (remote_rows)
-                    region[:] = block.numpy().data
+                    copied = is_block(block, bb)
+                    if copied:
+                        region[:] = block.numpy().data
+                if not copied:  # pointed at other memory since the job's checks: not sent
+                    job.refused.append(i)
+                    continue
                 head, payload = encode_record(job.keys[i], region, self.codec, dtype, self.mac)
             elif host:  # its memory kept until the check after the put (WriteJob.moved)
-                lease = job.leases[i] = RowLease(block)
+                lease = job.lease(i)
+                if lease is None:
+                    continue  # no longer a block: not sent (WriteJob.refused)
                 head, payload = self._encode_one(job.keys[i], lease.kept)
             else:
                 head, payload = self._encode_one(job.keys[i], block)
@@ -324,15 +334,17 @@ class MooncakeBackend(RemoteRecordBackend):
                 stored.append(hb + len(payload))
                 offset += hb + len(payload)
             keys.append(job.rkeys[i].decode())
-        codes = session.put_parts(keys, ptrs, sizes)
-        if master_unreachable(codes):
-            raise Down(f"the master {self.master} did not answer")
-        for i, code, size in zip(pending, codes, stored):
-            if code == 0:
-                job.sizes[i] = size
-            elif code == NO_SPACE:
-                self.full_refusals += 1
-        return len(keys)
+            sent.append(i)
+        if keys:
+            codes = session.put_parts(keys, ptrs, sizes)
+            if master_unreachable(codes):
+                raise Down(f"the master {self.master} did not answer")
+            for i, code, size in zip(sent, codes, stored):
+                if code == 0:
+                    job.sizes[i] = size
+                elif code == NO_SPACE:
+                    self.full_refusals += 1
+        return taken
 
     # -- reads ----------------------------------------------------------------------------------------------
     def _read_share(self, handle: Any, positions: list[int], *, job: ReadJob) -> None:
@@ -348,7 +360,7 @@ class MooncakeBackend(RemoteRecordBackend):
                 direct.append(i)
             else:
                 whole.append(i)
-        leases = {i: RowLease(job.out[i]) for i in direct}  # each row's memory kept until its read is checked
+        leases = {i: RowLease(job.out[i], block_bytes) for i in direct}  # each row's memory kept until its read is checked
         session.register_rows([leases[i].kept for i in direct])  # the memory the transfers go to
         with staging.lock:
             for chunk in _chunks(direct, staging.nbytes // hb):

@@ -364,7 +364,10 @@ class RedisBackend(RemoteRecordBackend):
             # out while its bytes are still in the CPU cache, and the server stores the
             # ones in flight while the next is hashed (see redis_wire.send_one_each).
             for i in positions:
-                head, payload = self._encode_one(keys[i], job.sent_from(i))
+                block = job.sent_from(i)
+                if block is None:
+                    continue  # no longer a block (WriteJob.refused)
+                head, payload = self._encode_one(keys[i], block)
                 size = stored[i] = len(head) + len(payload)
                 before, after = set_command(rkeys[i], head, size, ttl)
                 yield i, (before, payload, after)

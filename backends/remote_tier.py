@@ -109,22 +109,34 @@ Route = tuple[Health, Any, list[int]]
 
 
 class WriteJob:
-    """One ``write_blocks`` call, as its shares see it: fill ``sizes[i]`` for each record stored,
-    and ``leases[i]`` for each record sent straight from its row (:meth:`sent_from`)."""
+    """One ``write_blocks`` call of ``size``-byte blocks, as its shares see it: fill ``sizes[i]``
+    for each record stored, and ``leases[i]`` for each record sent straight from its row
+    (:meth:`sent_from`); ``refused`` lists the rows found no longer to be blocks (nothing sent)."""
 
-    __slots__ = ("blocks", "keys", "leases", "rkeys", "sizes")
+    __slots__ = ("blocks", "keys", "leases", "refused", "rkeys", "size", "sizes")
 
-    def __init__(self, keys: Sequence[bytes], rkeys: list[bytes], blocks: Sequence[torch.Tensor]) -> None:
-        self.keys, self.rkeys, self.blocks = keys, rkeys, blocks
+    def __init__(self, keys: Sequence[bytes], rkeys: list[bytes], blocks: Sequence[torch.Tensor], size: int) -> None:
+        self.keys, self.rkeys, self.blocks, self.size = keys, rkeys, blocks, size
         self.sizes: list[int | None] = [None] * len(keys)
         self.leases: list[RowLease | None] = [None] * len(keys)
+        self.refused: list[int] = []
 
-    def sent_from(self, i: int) -> torch.Tensor:
-        """Block ``i`` as a save sends it: a host row's memory is kept (``leases[i]``) for the transfer."""
+    def lease(self, i: int) -> RowLease | None:
+        """Host row ``i``'s memory kept for its transfer (``leases[i]``), or ``None`` (listed in
+        ``refused``) where the row was pointed at memory that is no longer a block since the checks."""
+        lease = RowLease(self.blocks[i], self.size)
+        if not lease.sound:
+            self.refused.append(i)
+            return None
+        self.leases[i] = lease
+        return lease
+
+    def sent_from(self, i: int) -> torch.Tensor | None:
+        """Block ``i`` as a save sends it (a host row's memory kept, :meth:`lease`), or ``None``: not sent."""
         block = self.blocks[i]
         if _in_host_memory(block):
-            lease = self.leases[i] = RowLease(block)
-            return lease.kept
+            lease = self.lease(i)
+            return None if lease is None else lease.kept
         return block
 
     def moved(self) -> list[int]:
@@ -421,12 +433,13 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             self._health.fast_failures += n
             self.counters.write_failures += n
             return [None] * n
-        job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks)
+        job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks, self.format.block_bytes)
         self._run_io(partial(self._write_share, job=job), job.rkeys, self.reserve_bytes())
         moved = job.moved()
         if moved:  # removed: never a record of other bytes than the row's (kvtier.backends.remote_rows)
             self.rows_moved += len(moved)
             self._delete([keys[i] for i in moved])
+        self.rows_moved += len(job.refused)
         sizes = job.sizes
         done = [keys[i] for i in range(n) if sizes[i] is not None]
         self.counters.blocks_written += len(done)
@@ -442,7 +455,11 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
 
     def _write_share(self, handle: Any, positions: list[int], *, job: WriteJob) -> None:
         """Store the share's records (the default: encode them all, one ``_put_records`` batch)."""
-        records = [self._encode_one(job.keys[i], job.sent_from(i)) for i in positions]
+        sent = [(i, job.sent_from(i)) for i in positions]
+        positions = [i for i, block in sent if block is not None]
+        if not positions:
+            return
+        records = [self._encode_one(job.keys[i], block) for i, block in sent if block is not None]
         stored = self._put_records(handle, [job.rkeys[i] for i in positions], records)
         for i, (head, payload), ok in zip(positions, records, stored):
             if ok:
@@ -485,7 +502,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         in ``job.bad`` for deletion; one of another format or secret in ``job.unreadable``."""
         key = job.keys[i]
         try:
-            landed = fill_row(job.out[i], fill, lease, landing)
+            landed = fill_row(job.out[i], self.format.block_bytes, fill, lease, landing)
         except UnsupportedRecordError as exc:
             # Another writer's format or secret: a miss here, theirs to keep.
             log.debug("%s: record %s… not readable here (%s)", self.name, key.hex()[:16], exc)
