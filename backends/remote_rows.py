@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvtier.records.record_backend import RecordBackend, _in_host_memory
+from kvtier.records.record_backend import _in_host_memory
 from kvtier.records.xxcopy import rows_held
 
 __all__ = ["RowLease", "fill_row", "is_block"]
@@ -80,28 +80,30 @@ class RowLease:
 def fill_row(row: torch.Tensor, size: int, fill: Callable[[memoryview], Any], lease: RowLease | None = None, landing: bool = False) -> bool:
     """Let ``fill`` land a ``size``-byte record in ``row`` (its errors raised); whether it landed there.
 
-    ``fill`` copies a record already received: collection is held off from the row's view to
+    ``fill`` copies a record already received: collection is held off from a host row's view to
     its copy (:data:`~kvtier.records.xxcopy.rows_hold`). Where the record lands in the row as it
     is received (``landing``), or has landed already at ``lease.ptr``, a network wait is inside
     the window: the row's memory is kept instead, and ``False`` (a miss) if the row no longer
-    points at it afterwards. A row that no longer is a ``size``-byte row is a miss: the record is
-    still read (and checked) into memory of its own, never past the row's end."""
+    points at it afterwards. A row off the host gets the record through staging of its own
+    (no view of the row in use, no hold), then one copy. A row that no longer is a ``size``-byte
+    row is a miss: the record is still read (and checked) into memory of its own, never past
+    the row's end."""
     if lease is None and landing and _in_host_memory(row):
         lease = RowLease(row, size)
     if lease is not None:
         fill(lease.view())
         return lease.held()
     with rows_held:
-        if row.dtype == torch.uint8 and row.dim() == 1 and row.numel() == size:
-            view, staging = RecordBackend._host_view(row)
-        else:  # pointed at other memory since the job's checks: the record still read (and checked), not kept
-            view, staging = memoryview(bytearray(size)), None
-            fill(view)
-            return False
-        fill(view)
-    if staging is not None:
-        try:
-            row.copy_(staging)
-        except RuntimeError:  # (a device row resized meanwhile)
-            return False
+        block = row.dtype == torch.uint8 and row.dim() == 1 and row.numel() == size
+        if block and _in_host_memory(row):
+            fill(row.numpy().data)
+            return True
+    staging = torch.empty(size, dtype=torch.uint8)  # (pointed at other memory since the job's checks, or off the host)
+    fill(staging.numpy().data)
+    if not block:
+        return False
+    try:
+        row.copy_(staging)
+    except RuntimeError:  # (resized meanwhile)
+        return False
     return True

@@ -143,3 +143,36 @@ def test_a_row_pointed_at_part_of_its_memory_during_the_transfer_is_a_miss(tier:
     assert found[1] and torch.equal(rows[1], records[1])
     assert backend.stats()["rows_moved"] == 1
     asyncio.run(backend.aclose())
+
+
+def test_a_redis_reply_for_a_device_row_is_received_with_collection_on(redis_server: Any, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row off the host gets its record through staging of the tier's own: no view of the row
+    is in use while the reply comes in, so collection is not held off across that network wait."""
+    import gc
+
+    from kvtier.backends.redis_wire import Wire
+
+    from kvtier import devices
+
+    size = 4096
+    backend = _open("redis", tmp_path, size, request, monkeypatch)
+    keys = _keys(tmp_path, 2)
+    records = [random_block(size, i) for i in range(2)]
+    assert None not in backend.write_blocks(keys, records)
+    rows = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+    device_row = rows[0]
+    collecting: list[bool] = []
+    read_into = Wire.read_into
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        collecting.append(gc.isenabled())
+        return read_into(*args, **kwargs)
+
+    assert gc.isenabled()
+    with monkeypatch.context() as m:
+        m.setattr(devices, "locate", lambda t: torch.device("cuda", 0) if t is device_row else torch.device("cpu"))
+        m.setattr(Wire, "read_into", recorded)
+        found = backend.read_blocks(keys, rows)
+    assert found == [True, True] and all(torch.equal(r, b) for r, b in zip(rows, records))
+    assert collecting and all(collecting), "a reply was received with collection held off"
+    asyncio.run(backend.aclose())
