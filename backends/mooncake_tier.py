@@ -318,6 +318,8 @@ class MooncakeBackend(RemoteRecordBackend):
                 if lease is None:
                     continue  # no longer a block: not sent (WriteJob.refused)
                 head, payload = self._encode_one(job.keys[i], lease.kept)
+                if not lease.held():
+                    continue  # its row left the memory encoded: not sent (WriteJob.left)
             else:
                 head, payload = self._encode_one(job.keys[i], block)
             bytes_[offset : offset + hb] = head

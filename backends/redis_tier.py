@@ -368,6 +368,8 @@ class RedisBackend(RemoteRecordBackend):
                 if block is None:
                     continue  # no longer a block (WriteJob.refused)
                 head, payload = self._encode_one(keys[i], block)
+                if job.left(i):
+                    continue  # its row left the memory encoded: not sent (WriteJob.left)
                 size = stored[i] = len(head) + len(payload)
                 before, after = set_command(rkeys[i], head, size, ttl)
                 yield i, (before, payload, after)

@@ -12,7 +12,10 @@ transfer may wait on the network for seconds, so these tiers keep the memory ins
   the transfer goes to or from that tensor's memory (:meth:`RowLease.view`, :attr:`RowLease.ptr`);
 - once the transfer is over, :meth:`RowLease.held` says whether the row still points at that
   memory. Where it does not, a read is a miss (its bytes landed where the row used to be) and a
-  save is not stored: its record, which may hold bytes the row no longer has, is removed.
+  save is not stored: its record, which may hold bytes the row no longer has, is removed. A save
+  asks first once its record is encoded (its checksum taken over the kept memory), and does not
+  send it where the row left: the kept memory may have been reused by then, and a record of it
+  would be consistent, so any reader would take it until its removal.
 
 The job's checks (a 1-D ``uint8`` row of the block's size) ran before the transfer, and the row
 may be pointed at memory of another size or layout in between. A lease therefore checks the

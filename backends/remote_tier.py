@@ -139,6 +139,22 @@ class WriteJob:
             return None if lease is None else lease.kept
         return block
 
+    def taken(self, positions: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """Each of ``positions`` with its block as a save sends it (:meth:`sent_from`), rows no longer blocks left out."""
+        sent = [(i, self.sent_from(i)) for i in positions]
+        return [(i, block) for i, block in sent if block is not None]
+
+    def unmoved(self, sent: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """The ``(position, record)`` pairs of ``sent`` whose row has not left its kept memory
+        (:meth:`left`, asked once a record, kept with its key): the others are not sent."""
+        return [(i, record) for i, record in sent if not self.left(i)]
+
+    def left(self, i: int) -> bool:
+        """Whether row ``i`` was sent from kept memory it no longer points at: asked once its record
+        is encoded (checksummed), such a record may be of bytes the row never had, and is not sent."""
+        lease = self.leases[i]
+        return lease is not None and not lease.held()
+
     def moved(self) -> list[int]:
         """The records whose row was pointed at other memory while they were sent (once every
         share is over): they may hold bytes the row no longer has, so they count as not stored."""
@@ -436,10 +452,9 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks, self.format.block_bytes)
         self._run_io(partial(self._write_share, job=job), job.rkeys, self.reserve_bytes())
         moved = job.moved()
+        self.rows_moved += len(moved) + len(job.refused)
         if moved:  # removed: never a record of other bytes than the row's (kvtier.backends.remote_rows)
-            self.rows_moved += len(moved)
             self._delete([keys[i] for i in moved])
-        self.rows_moved += len(job.refused)
         sizes = job.sizes
         done = [keys[i] for i in range(n) if sizes[i] is not None]
         self.counters.blocks_written += len(done)
@@ -455,13 +470,9 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
 
     def _write_share(self, handle: Any, positions: list[int], *, job: WriteJob) -> None:
         """Store the share's records (the default: encode them all, one ``_put_records`` batch)."""
-        sent = [(i, job.sent_from(i)) for i in positions]
-        positions = [i for i, block in sent if block is not None]
-        if not positions:
-            return
-        records = [self._encode_one(job.keys[i], block) for i, block in sent if block is not None]
-        stored = self._put_records(handle, [job.rkeys[i] for i in positions], records)
-        for i, (head, payload), ok in zip(positions, records, stored):
+        sent = job.unmoved([(i, self._encode_one(job.keys[i], block)) for i, block in job.taken(positions)])
+        stored = self._put_records(handle, [job.rkeys[i] for i, _ in sent], [record for _, record in sent]) if sent else []
+        for (i, (head, payload)), ok in zip(sent, stored):
             if ok:
                 job.sizes[i] = len(head) + len(payload)
 

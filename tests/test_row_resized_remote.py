@@ -176,3 +176,71 @@ def test_a_redis_reply_for_a_device_row_is_received_with_collection_on(redis_ser
     assert found == [True, True] and all(torch.equal(r, b) for r, b in zip(rows, records))
     assert collecting and all(collecting), "a reply was received with collection held off"
     asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize(("tier", "size"), [("redis", 4096), ("redis", 256 << 10), ("s3", 4096), ("mooncake", 256 << 10)])
+def test_a_record_of_memory_the_row_left_before_its_checksum_is_never_sent(tier: str, size: int, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row is moved (its bytes with it) and its old memory reused before the record's
+    checksum is taken over that memory: such a record is consistent, so a reader that finds it
+    before the save's own removal gets bytes the row never had. It must not be sent at all."""
+    backend = _open(tier, tmp_path, size, request, monkeypatch)
+    keys = _keys(tmp_path, 2)
+    first = random_block(size, 99)
+    old = [first.clone(), random_block(size, 1)]
+    rows = [o.view(-1) for o in old]
+    encode = type(backend)._encode_one
+    seen: list[Any] = []
+
+    def encoded(self: Any, key: bytes, block: torch.Tensor) -> Any:
+        if key == keys[0] and not seen:
+            seen.append("moved")
+            rows[0].set_(first.clone())  # the row's bytes, elsewhere; its old memory then reused
+            old[0].fill_(7)
+        return encode(self, key, block)
+
+    delete = type(backend)._delete
+
+    def deleted(self: Any, doomed: list[bytes]) -> Any:
+        out = [torch.zeros(size, dtype=torch.uint8)]
+        if keys[0] in doomed:  # what a reader finds before the removal
+            seen.append((self.read_blocks(keys[:1], out)[0], torch.equal(out[0], first)))
+        return delete(self, doomed)
+
+    with monkeypatch.context() as m:
+        m.setattr(type(backend), "_encode_one", encoded)
+        m.setattr(type(backend), "_delete", deleted)
+        sizes = backend.write_blocks(keys, rows)
+    assert seen and seen[0] == "moved"
+    assert sizes[0] is None and sizes[1] is not None
+    assert all(found is False or same for found, same in seen[1:]), "a reader was served bytes the row never had"
+    asyncio.run(backend.aclose())
+
+
+def test_each_record_is_sent_under_its_own_key_whatever_the_leases_answer_later(seaweed: Any, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row that leaves its kept memory and comes back (its lease answers "not held", then
+    "held"): the records a share sends stay paired with their keys."""
+    from kvtier.backends.remote_rows import RowLease
+
+    size = 4096
+    backend = _open("s3", tmp_path, size, request, monkeypatch)
+    keys = _keys(tmp_path, 3)
+    rows = [random_block(size, i) for i in range(3)]
+    held = RowLease.held
+    answers: list[bool] = []
+
+    def flickers(self: RowLease) -> bool:
+        if self.row is rows[0] and not answers:
+            answers.append(False)
+            return False
+        return held(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(RowLease, "held", flickers)
+        sizes = backend.write_blocks(keys, rows)
+    assert answers and sizes[0] is None and None not in sizes[1:]
+    out = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+    found = backend.read_blocks(keys, out)
+    for k in range(3):
+        assert not found[k] or torch.equal(out[k], rows[k]), f"key {k} holds another row's bytes"
+    assert found[1:] == [True, True]
+    asyncio.run(backend.aclose())
