@@ -11,7 +11,6 @@
 #include <Python.h>
 
 #include <limits.h>
-#include <structmember.h>
 #include <pthread.h>
 #include <sys/types.h>
 #include <time.h>
@@ -50,34 +49,56 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return host_row_view(row, args[1], dtype, shape, views, &row_names);
 }
 
-int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views)
+int row_views(PyObject *const *keys, PyObject *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views,
+              PyObject **kept)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *view = NULL;
-        if (PyBytes_CheckExact(keys[i]) && PyBytes_GET_SIZE(keys[i]) == key_bytes) {
-            PyObject *args[5] = {rows[i], view_args[0], view_args[1], view_args[2], view_args[3]};
-            view = py_host_view(NULL, args, 5);
-            if (view == NULL) {
-                n = i;
-                goto failed;
-            }
-        }
-        if (view == NULL || view == Py_None) { /* not such a key or row, or a row not seen yet */
-            Py_XDECREF(view);
-            n = i;
-            goto refused;
-        }
-        views[i] = view;
+    return host_job_views(keys, n, rows, view_args[0], view_args[1], view_args[2], view_args[3], key_bytes, &row_names, views, kept);
+}
+
+int host_pool_rows_type(PyObject *rows)
+{
+    return host_pool_rows(rows, &row_names);
+}
+
+PyObject *job_rows(PyObject *rows, Py_ssize_t *n)
+{
+    if (!host_pool_rows(rows, &row_names)) {
+        PyObject *items = held(rows);
+        *n = items == NULL ? -1 : PyTuple_GET_SIZE(items);
+        return items;
     }
-    return 1;
-refused:
-    for (Py_ssize_t i = 0; i < n; i++)
-        Py_CLEAR(views[i]);
-    return 0;
-failed:
-    for (Py_ssize_t i = 0; i < n; i++)
-        Py_CLEAR(views[i]);
-    return -1;
+    return job_rows_count(rows, n);
+}
+
+PyObject *job_rows_count(PyObject *rows, Py_ssize_t *n)
+{
+    if (!host_pool_rows(rows, &row_names)) {
+        *n = PyObject_Length(rows);
+        return *n < 0 ? NULL : Py_NewRef(rows);
+    }
+    PyObject *numbers = PyObject_GetAttr(rows, row_names.numbers);
+    *n = numbers == NULL ? -1 : PyObject_Length(numbers);
+    Py_XDECREF(numbers);
+    return *n < 0 ? NULL : Py_NewRef(rows);
+}
+
+/* The view of a job's one row: host_view(row, ...) (args: row, tensor_type, dtype, shape,
+   views); where pooled, row is the job's rows, a PoolRows of one (host_job_views, without a key),
+   and *kept what holds its pool's memory (see row_views). */
+static PyObject *one_view(PyObject *const *args, int pooled, PyObject **kept)
+{
+    if (!pooled)
+        return py_host_view(NULL, args, 5);
+    if (!PyDict_Check(args[4])) {
+        PyErr_Format(PyExc_TypeError, "views: expected a dict, got %.100s", Py_TYPE(args[4])->tp_name);
+        return NULL;
+    }
+    PyObject *view = NULL, *key = PyBytes_FromStringAndSize(NULL, 0);
+    if (key == NULL)
+        return NULL;
+    int rc = host_job_views(&key, 1, args[0], args[1], args[2], args[3], args[4], 0, &row_names, &view, kept);
+    Py_DECREF(key);
+    return rc <= 0 ? (rc < 0 ? NULL : Py_NewRef(Py_None)) : view;
 }
 
 /* same_size(fd, seen): whether the file open at fd ends at seen bytes now (lseek to its end,
@@ -105,19 +126,14 @@ PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
    checks before its lookup in one call. None when key is not bytes of key_bytes or the row is
    not one host_view takes; False when the file at fd is not seen bytes long now (same_size);
    else the row's view. The key first, then the row, then the file. */
-static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *one_row_in(PyObject *self, PyObject *const *args, int pooled, PyObject **kept)
 {
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError,
-                     "one_row() takes 9 arguments (key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen), got %zd", nargs);
-        return NULL;
-    }
     Py_ssize_t key_bytes = PyLong_AsSsize_t(args[1]);
     if (key_bytes == -1 && PyErr_Occurred())
         return NULL;
     if (!PyBytes_CheckExact(args[0]) || PyBytes_GET_SIZE(args[0]) != key_bytes)
         Py_RETURN_NONE;
-    PyObject *view = py_host_view(self, args + 2, 5);
+    PyObject *view = one_view(args + 2, pooled, kept);
     if (view == NULL || view == Py_None)
         return view;
     PyObject *same = py_same_size(self, args + 7, 2);
@@ -134,64 +150,20 @@ static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
+static PyObject *py_one_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "one_row() takes 9 arguments (key, key_bytes, row, tensor_type, dtype, shape, views, fd, seen), got %zd", nargs);
+        return NULL;
+    }
+    return one_row_in(self, args, 0, NULL);
+}
+
 
 PyObject *s_locate, *s_fd, *s_seen, *s_begin, *s_get, *s_abort, *s_slow, *s_cold, *s_read_misses, *s_blocks_read, *s_bytes_read;
 static PyObject *real_perf_counter; /* time.perf_counter: read here by clock_gettime, as it reads */
 static PyObject *one_count;         /* 1, a counter's step */
-
-/* The slot of obj that obj's type's descriptor for name reads and writes, where that is a
-   writable object member (a __slots__ entry: what getattr and setattr of name then use too, a
-   data descriptor coming before any instance dict); NULL where it is anything else, or where
-   obj's type reads or writes its attributes by code of its own (__getattribute__, __getattr__,
-   __setattr__: what getattr and setattr would then run). */
-PyObject **member_slot(PyObject *obj, PyObject *name)
-{
-    PyTypeObject *type = Py_TYPE(obj);
-    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
-        return NULL;
-    PyObject *described = _PyType_Lookup(Py_TYPE(obj), name); /* borrowed; the type's method cache */
-    if (described == NULL || !Py_IS_TYPE(described, &PyMemberDescr_Type))
-        return NULL;
-    const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
-    if (member->type != T_OBJECT_EX || (member->flags & READONLY) || ((PyDescrObject *)described)->d_type != Py_TYPE(obj))
-        return NULL;
-    return (PyObject **)((char *)obj + member->offset);
-}
-
-/* obj.name, a new reference: the slot read straight where member_slot finds it (and it is
-   set), else getattr. */
-PyObject *slot_or_attr(PyObject *obj, PyObject *name)
-{
-    PyObject **slot = member_slot(obj, name);
-    if (slot != NULL && *slot != NULL)
-        return Py_NewRef(*slot);
-    return PyObject_GetAttr(obj, name);
-}
-
-/* counters.name += by. Where name is a slot of counters' own type holding an int and by is an
-   int, the sum is stored in the slot straight (what setattr does through the member, without
-   the two generic lookups and their attribute calls); else getattr, += and setattr. */
-int add_to(PyObject *counters, PyObject *name, PyObject *by)
-{
-    PyObject **slot = PyLong_CheckExact(by) ? member_slot(counters, name) : NULL;
-    if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
-        PyObject *sum = PyNumber_Add(*slot, by);
-        if (sum == NULL)
-            return -1;
-        Py_SETREF(*slot, sum);
-        return 0;
-    }
-    PyObject *v = PyObject_GetAttr(counters, name);
-    if (v == NULL)
-        return -1;
-    PyObject *sum = PyNumber_InPlaceAdd(v, by);
-    Py_DECREF(v);
-    if (sum == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(counters, name, sum);
-    Py_DECREF(sum);
-    return rc;
-}
 
 /* clock(): time.perf_counter's reading (CLOCK_MONOTONIC in seconds, as it reads it) without a
    call where clock is time.perf_counter itself; else clock is called (a test's clock).
@@ -386,6 +358,11 @@ done:
    faults it marks; the data file's size moved). */
 PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    return one_read_in(self, args, nargs, 0);
+}
+
+PyObject *one_read_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs, int pooled)
+{
     double cold_s;
     if (read_args(args, nargs, "one_read(parts, env, key, row, clock, cold_s, check)", &cold_s) < 0)
         return NULL;
@@ -416,13 +393,15 @@ PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (seen != NULL) {
         PyObject *row_args[9] = {key, parts[P_KEY_BYTES], row, parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS], fd, seen};
         rows_hold(); /* no collection from the row's checks to its copy (_hostrow.h) */
-        PyObject *view = py_one_row(self, row_args, 9);
+        PyObject *kept = NULL; /* the pool's memory, where pooled, held to the copy */
+        PyObject *view = one_row_in(self, row_args, pooled, &kept);
         if (view == Py_False || view == Py_None)
             result = view; /* the size moved: the Python form's; not such a key or row: the general path's */
         else if (view != NULL) {
             result = read_counted(parts, env, key, view, clock, cold_s, check);
             Py_DECREF(view);
         }
+        Py_XDECREF(kept);
         rows_let_go();
     }
     Py_XDECREF(fd);

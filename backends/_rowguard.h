@@ -28,7 +28,7 @@ void take_rows_hold(void);
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
 int attr_is_true(PyObject *obj, PyObject *name);
 /* counters.name += by; obj.name (a new reference); the object slot obj's type's member for name
-   reads and writes, or NULL: see _rowguard.c. */
+   reads and writes, or NULL: see _rowjob.c. */
 int add_to(PyObject *counters, PyObject *name, PyObject *by);
 PyObject *slot_or_attr(PyObject *obj, PyObject *name);
 PyObject **member_slot(PyObject *obj, PyObject *name);
@@ -46,8 +46,21 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* Every key's and row's checks and view for a job of n keys: 1 with views[0..n) set (new
    references); 0 where a key is not bytes of key_bytes or host_view(row, *view_args) is None
-   (view_args: tensor_type, dtype, shape, views), -1 with an error set: then none is kept. */
-int row_views(PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views);
+   (view_args: tensor_type, dtype, shape, views), -1 with an error set: then none is kept.
+   rows: what job_rows made of the job's rows (a tuple, or rows of one pool whose pool is
+   checked once: host_job_views, ../kvtier/records/_hostrow.h); kept (or NULL) as there: what
+   holds the pool's memory, to be released after the last copy. */
+int row_views(PyObject *const *keys, PyObject *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views,
+              PyObject **kept);
+/* A job's rows as row_views takes them, a new reference: a kvtier.pool_rows.PoolRows (exact
+   type) itself, anything else a tuple of its items as they are now (held); *n their count. NULL
+   with the error set. */
+PyObject *job_rows(PyObject *rows, Py_ssize_t *n);
+/* rows itself (a new reference) and *n its count, len(rows) (a PoolRows: its numbers' count,
+   no Python call); NULL with the error set. */
+PyObject *job_rows_count(PyObject *rows, Py_ssize_t *n);
+/* Whether type(rows) is kvtier.pool_rows.PoolRows (exactly). */
+int host_pool_rows_type(PyObject *rows);
 /* A tuple of seq's items as they are now: seq itself where a tuple, new reference (_rowsave.c). */
 PyObject *held(PyObject *seq);
 /* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) and
@@ -56,6 +69,8 @@ PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* one_read(parts, env, key, row, clock, cold_s, check) and the fork count: see _rowguard.c. */
 PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* one_read, its row given as the job's rows where pooled (a PoolRows of one row). */
+PyObject *one_read_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs, int pooled);
 unsigned long rowguard_forks(void);
 /* job_read(parts, env, keys, out, clock, cold_s, check) and straight_read (the same arguments):
    see _rowjob.c. */

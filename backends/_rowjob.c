@@ -4,10 +4,67 @@
  * count, the file guard, the lookups in one read transaction, each record's check and copy, the
  * cold rule, and the counters once a job. In Python the calls around each record (a row's
  * checks, a lookup, a check and copy, a list append) cost more than a 4 KiB record's copy.
+ * And the attribute access both straight reads make of their counters and file guard
+ * (member_slot, slot_or_attr, add_to).
  */
 #include "_rowguard.h"
 
 #include <pythread.h>
+#include <structmember.h>
+
+/* The slot of obj that obj's type's descriptor for name reads and writes, where that is a
+   writable object member (a __slots__ entry: what getattr and setattr of name then use too, a
+   data descriptor coming before any instance dict); NULL where it is anything else, or where
+   obj's type reads or writes its attributes by code of its own (__getattribute__, __getattr__,
+   __setattr__: what getattr and setattr would then run). */
+PyObject **member_slot(PyObject *obj, PyObject *name)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
+        return NULL;
+    PyObject *described = _PyType_Lookup(Py_TYPE(obj), name); /* borrowed; the type's method cache */
+    if (described == NULL || !Py_IS_TYPE(described, &PyMemberDescr_Type))
+        return NULL;
+    const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY) || ((PyDescrObject *)described)->d_type != Py_TYPE(obj))
+        return NULL;
+    return (PyObject **)((char *)obj + member->offset);
+}
+
+/* obj.name, a new reference: the slot read straight where member_slot finds it (and it is
+   set), else getattr. */
+PyObject *slot_or_attr(PyObject *obj, PyObject *name)
+{
+    PyObject **slot = member_slot(obj, name);
+    if (slot != NULL && *slot != NULL)
+        return Py_NewRef(*slot);
+    return PyObject_GetAttr(obj, name);
+}
+
+/* counters.name += by. Where name is a slot of counters' own type holding an int and by is an
+   int, the sum is stored in the slot straight (what setattr does through the member, without
+   the two generic lookups and their attribute calls); else getattr, += and setattr. */
+int add_to(PyObject *counters, PyObject *name, PyObject *by)
+{
+    PyObject **slot = PyLong_CheckExact(by) ? member_slot(counters, name) : NULL;
+    if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
+        PyObject *sum = PyNumber_Add(*slot, by);
+        if (sum == NULL)
+            return -1;
+        Py_SETREF(*slot, sum);
+        return 0;
+    }
+    PyObject *v = PyObject_GetAttr(counters, name);
+    if (v == NULL)
+        return -1;
+    PyObject *sum = PyNumber_InPlaceAdd(v, by);
+    Py_DECREF(v);
+    if (sum == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(counters, name, sum);
+    Py_DECREF(sum);
+    return rc;
+}
 
 /* Whether the error set is one the straight read hands over on (an lmdb error, TypeError or
    ValueError: StraightRead.job's except); if so it is cleared. */
@@ -142,16 +199,18 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PyTuple_CheckExact(args[2]) ? Py_NewRef(args[2]) : PySequence_Tuple(args[2]);
     if (keys == NULL)
         return NULL;
-    /* The rows likewise: a row's checks may run Python (a torch function mode's handler). */
-    PyObject *out = PyTuple_CheckExact(args[3]) ? Py_NewRef(args[3]) : PySequence_Tuple(args[3]);
+    /* The rows likewise: a row's checks may run Python (a torch function mode's handler). Rows
+       of one pool (a PoolRows) are kept as they are: its pool is checked once (row_views). */
+    Py_ssize_t rows;
+    PyObject *out = job_rows(args[3], &rows);
     if (out == NULL) {
         Py_DECREF(keys);
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), got = 0, hits = 0;
-    PyObject **views = NULL, *found = NULL, *result = NULL;
+    PyObject **views = NULL, *found = NULL, *result = NULL, *kept = NULL; /* kept: the pool's memory, held to the last copy */
     int held = 0;
-    if (n != PySequence_Fast_GET_SIZE(out)) {
+    if (n != rows) {
         result = Py_NewRef(Py_None);
         goto done;
     }
@@ -191,7 +250,7 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *view_args[4] = {parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS]};
     rows_hold(); /* no collection from the first row's checks to the last copy (_hostrow.h) */
     held = 1;
-    int viewed = row_views(key, PySequence_Fast_ITEMS(out), n, view_args, key_bytes, views);
+    int viewed = row_views(key, out, n, view_args, key_bytes, views, &kept);
     if (viewed <= 0) { /* a key or row not such, or one not seen yet: the general path makes its view */
         if (viewed == 0)
             result = Py_NewRef(Py_None);
@@ -256,6 +315,7 @@ done:
         PyMem_Free(views);
     }
     Py_XDECREF(found);
+    Py_XDECREF(kept);
     Py_DECREF(keys);
     Py_DECREF(out);
     return result;
@@ -288,21 +348,25 @@ PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t n = PyObject_Length(args[2]);
     if (n < 0)
         return NULL;
-    Py_ssize_t rows = PyObject_Length(args[3]);
-    if (rows < 0)
+    Py_ssize_t rows;
+    PyObject *taken = job_rows_count(args[3], &rows); /* (a PoolRows: its numbers' count, no Python call) */
+    if (taken == NULL)
         return NULL;
+    Py_DECREF(taken);
     if (n != 1 || rows != 1)
         return py_job_read(self, args, 7);
     PyObject *key = PySequence_GetItem(args[2], 0);
     if (key == NULL)
         return NULL;
-    PyObject *row = PySequence_GetItem(args[3], 0);
+    /* Rows of one pool (a PoolRows): its pool checked, no view of a row made (one_read_in) */
+    int pooled = host_pool_rows_type(args[3]);
+    PyObject *row = pooled ? Py_NewRef(args[3]) : PySequence_GetItem(args[3], 0);
     if (row == NULL) {
         Py_DECREF(key);
         return NULL;
     }
     PyObject *one_args[7] = {args[0], args[1], key, row, args[4], args[5], args[6]};
-    PyObject *found = py_one_read(self, one_args, 7);
+    PyObject *found = one_read_in(self, one_args, 7, pooled);
     Py_DECREF(key);
     Py_DECREF(row);
     return found;

@@ -31,18 +31,19 @@ PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = held(args[0]);
     if (keys == NULL)
         return NULL;
-    PyObject *rows = held(args[1]), *got = NULL;
+    Py_ssize_t count;
+    PyObject *rows = job_rows(args[1], &count), *got = NULL; /* (a PoolRows kept: its pool checked once) */
     if (rows == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
-    if (n != PyTuple_GET_SIZE(rows)) {
+    if (n != count) {
         got = Py_NewRef(Py_None);
         goto done;
     }
     got = PyList_New(n);
     if (got == NULL)
         goto done;
-    int rc = row_views(&PyTuple_GET_ITEM(keys, 0), &PyTuple_GET_ITEM(rows, 0), n, args + 2, key_bytes, ((PyListObject *)got)->ob_item);
+    int rc = row_views(&PyTuple_GET_ITEM(keys, 0), rows, n, args + 2, key_bytes, ((PyListObject *)got)->ob_item, NULL);
     if (rc <= 0) /* (row_views left no view in the list) */
         Py_SETREF(got, rc < 0 ? NULL : Py_NewRef(Py_None));
 done:

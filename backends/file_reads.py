@@ -47,6 +47,9 @@ the job's count among the root's, the reads, and the counters where every record
 absent; records it leaves go to the general read, uncounted, and a job it does not take (a row
 not seen yet, a mode on) to :meth:`PlainReads.read_one` and :meth:`PlainReads.read_rows`, which
 ask the same questions (a torch function or dispatch mode: :func:`~kvtier.backends.lmdb_plain.modes_on`).
+A job's rows given as one pool (a :class:`~kvtier.pool_rows.PoolRows`) are checked once a job,
+the pool's checks, each row's kept view then found by its address (``host_job_views``,
+``kvtier/records/_hostrow.h``; :func:`~kvtier.backends.lmdb_plain.pool_addresses` in Python).
 
 A record larger than :data:`PIECE_BYTES` (2 MiB, say) is read in pieces of that size by the
 same call, the head with the first, each piece hashed just after its ``pread`` while it is still

@@ -62,6 +62,7 @@ from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier import devices
 from kvtier.errors import BackendError
 from kvtier.keys import KEY_BYTES
+from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
 from kvtier.records.record import HEADER
 
@@ -130,6 +131,7 @@ class LoneSave:
     def save(self, key: Any, row: Any) -> list[int | None] | None:
         """The job ``[key]``, ``[row]`` saved as ``write_blocks`` saves it (its sizes, its
         counters), or ``None`` with nothing done: the general path's job (see the module doc).
+        ``row`` may be the job's rows given as one pool (a :class:`PoolRows` of one row).
         The errors of a closed store or one opened before a fork are the general path's."""
         if not LONE_SAVES or type(key) is not bytes or len(key) != KEY_BYTES or devices.locate is not None:
             return None
@@ -150,8 +152,9 @@ class LoneSave:
         # this list (benchmarks/bench_row_hold.py, flagged_object against flagged: 310 to 99 ns).
         held = [True]
         xxcopy.rows_hold()
+        _held_memory = lmdb_plain.pool_memory(row)  # (rows of one pool: its memory held to the copy)
         try:
-            view = lmdb_plain.host_view(row, _TENSOR, _U8, self.shape, self.views)
+            view = _one_view(row, self.shape, self.views)
             if view is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
             tier._env_or_raise()
@@ -183,8 +186,9 @@ class LoneSave:
             return None
         if lmdb_plain.modes_on():
             return None  # a mode's handler may free a row whose view is taken (lmdb_plain.python_in_torch)
-        # The rows held until the save returns: the views are by address and hold nothing.
-        keys, rows = tuple(keys), tuple(rows)
+        # The rows held until the save returns: the views are by address and hold nothing (rows
+        # of one pool as they are: lmdb_plain.job_views checks their pool once).
+        keys, rows = tuple(keys), rows if type(rows) is PoolRows else tuple(rows)
         tier = self.tier
         # No collection from the first row's checks to the last copy (xxcopy.rows_hold: a
         # finalizer run between may free a row whose view is taken): let go once the records
@@ -192,6 +196,7 @@ class LoneSave:
         # the lone save's is, for the same reason (an early let-go, cheapest with this flag).
         held = [True]
         xxcopy.rows_hold()
+        _held_memory = lmdb_plain.pool_memory(rows)  # (rows of one pool: its memory held to the last copy)
         try:
             views = lmdb_plain.job_views(keys, rows, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)
             if views is None:
@@ -307,3 +312,13 @@ def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> No
     txn.put(key, job[2])
     if tier._splits:
         txn.delete(key, b"", tier._index)
+
+
+def _one_view(row: Any, shape: Any, views: dict[int, memoryview]) -> memoryview | None:
+    """The kept view of a lone save's row (``lmdb_plain.host_view``); ``row`` may be the job's
+    rows given as one pool (a :class:`PoolRows` of one), whose pool is checked once
+    (``lmdb_plain.job_views``), no view of the row made."""
+    if type(row) is not PoolRows:
+        return lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
+    got = lmdb_plain.job_views((bytes(KEY_BYTES),), row, _TENSOR, _U8, shape, views, KEY_BYTES)
+    return None if got is None else got[0]

@@ -12,7 +12,10 @@ the store writes, and one pass that copies the payload into the row and takes th
 head, the key and the payload from the same loads. The rows' buffers are taken once per
 job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a job), or from
 one view of the tensor they are all cut from when they are (a manager's staging rows), else
-one per row.
+one per row. A job's rows given as one pool (a :class:`~kvtier.pool_rows.PoolRows`, the
+engine's staging rows) are checked once a job, the pool's checks (:func:`pool_addresses`;
+natively ``host_job_views`` of ``kvtier/records/_hostrow.h``), each row's kept view then found
+by its address; a pool those checks do not take has its rows checked one by one.
 
 A keyed store's raw records of its own MAC take the same pass where their MAC is taken in the
 copy's pass (``PlainReads(mac=...)``: the 32-byte head compared, then
@@ -41,6 +44,7 @@ from kvtier.backends.lmdb_entries import JOINED
 from kvtier import devices
 from kvtier.errors import DiskError
 from kvtier.keys import KEY_BYTES
+from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
 from kvtier.records.codec import NoneCodec
@@ -49,7 +53,7 @@ from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
     "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "dispatch_modes", "function_mode", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
-    "one_row", "put_joined", "python_in_torch", "same_size", "straight_read",
+    "one_row", "pool_addresses", "pool_memory", "put_joined", "python_in_torch", "same_size", "straight_read",
 ]
 
 try:
@@ -180,7 +184,9 @@ class RowViews:
         checks then name what is wrong, or take rows that are not host memory)."""
         if devices.locate is not None or function_mode() or dispatch_modes():
             return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
-        return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
+        if type(out) is PoolRows and job_views is not job_views_python and (got := job_views(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)) is not None:
+            return got  # rows of one pool, each seen before: the pool checked once, in one native call
+        return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
 
     def _unseen(self, row: Any) -> memoryview | None:
         """The view of a row :data:`host_view` does not answer for (not seen yet, a subclass, or
@@ -189,8 +195,12 @@ class RowViews:
             return None  # its checks would run its own code (python_in_torch)
         if row.dtype is not _U8 or row.shape != self.shape or not row.is_cpu or not row.is_contiguous():
             return None
+        return self._view_at(row.data_ptr())
+
+    def _view_at(self, at: int) -> memoryview:
+        """The kept view of the row of :attr:`size` bytes at ``at`` (a row that was just found to
+        be a live, contiguous host ``uint8`` tensor of that many bytes there), made if not kept."""
         views = self.views
-        at = row.data_ptr()
         view = views.get(at)
         if view is None:
             if len(views) >= self.most:
@@ -199,14 +209,41 @@ class RowViews:
         return view
 
 
+def pool_addresses(rows: PoolRows, tensor_type: type, dtype: Any, shape: Any) -> list[int | None] | None:
+    """The address of each row of a job's rows given as one pool (a :class:`PoolRows`), the
+    pool's checks asked once, of the pool as it is now (as a row's: ``type(pool) is
+    tensor_type``, ``pool.dtype is dtype``, 2-D with ``pool.shape[1:] == shape``, ``pool.is_cpu``,
+    ``pool.is_contiguous()``); ``None`` for a row whose number is not one of the pool's rows now
+    (a pool cut short since), never an address past the pool. ``None`` where the pool or its
+    numbers are not such (its rows are then checked one by one, as a list of ``pool[n]`` each)."""
+    pool = rows.pool
+    if type(pool) is not tensor_type or pool.dtype is not dtype:
+        return None
+    whole = pool.shape
+    if len(whole) != 2 or len(shape) != 1 or whole[1] != shape[0] or not pool.is_cpu or not pool.is_contiguous():
+        return None
+    size = whole[1] * dtype.itemsize
+    base, count, numbers = pool.data_ptr(), whole[0], rows.numbers
+    if type(numbers) is not range and (type(numbers) is not tuple or any(type(n) is not int for n in numbers)):
+        return None
+    return [base + n * size if 0 <= n < count else None for n in numbers]
+
+
 def _rows_viewed(
     keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int,
-    unseen: Callable[[Any], memoryview | None] | None,
+    unseen: Callable[[Any], memoryview | None] | None, unseen_at: Callable[[int], memoryview] | None = None,
 ) -> list[memoryview] | None:
     """Each row's :data:`host_view`, else its ``unseen(row)``, when every key is ``bytes`` of
     ``key_bytes`` and every row has a view; else ``None`` (also when the counts differ): the
     loop of :meth:`RowViews.of` (``unseen``: its checks of a row not seen yet) and of
-    :func:`job_views_python` (``None``: only rows seen before)."""
+    :func:`job_views_python` (``None``: only rows seen before). Rows of one pool (a
+    :class:`PoolRows`) whose pool :func:`pool_addresses` takes: each row's view by its address
+    in ``views``, else ``unseen_at(address)``; a row not in the pool now has none."""
+    if type(rows) is PoolRows:
+        addresses = pool_addresses(rows, tensor_type, dtype, shape)
+        if addresses is not None:
+            return _pool_viewed(keys, addresses, views, key_bytes, unseen_at if unseen is not None else None)
+        rows = tuple(rows)  # its rows one by one, as a list of pool[n] each
     if len(keys) != len(rows):
         return None
     seen = host_view
@@ -217,6 +254,35 @@ def _rows_viewed(
         view = seen(row, tensor_type, dtype, shape, views)
         if view is None and (unseen is None or (view := unseen(row)) is None):
             return None
+        got.append(view)
+    return got
+
+
+def pool_memory(rows: Any) -> Any:
+    """What holds the memory of a job's rows given as one pool (a :class:`PoolRows`: its pool's
+    storage as it is now), for the caller to hold until the job's last copy: a pool moved
+    meanwhile (``pool.set_(...)`` from another thread while a copy lets the GIL go) then leaves
+    that memory to the job, not to the allocator, as a list of views of its rows holds it.
+    ``None`` for any other rows (their views hold their memory)."""
+    pool = rows.pool if type(rows) is PoolRows else None
+    return pool.untyped_storage() if isinstance(pool, torch.Tensor) else None
+
+
+def _pool_viewed(
+    keys: Any, addresses: list[int | None], views: dict[int, memoryview], key_bytes: int, unseen_at: Callable[[int], memoryview] | None
+) -> list[memoryview] | None:
+    """:func:`_rows_viewed`'s loop over rows of one pool, by their addresses."""
+    if len(keys) != len(addresses):
+        return None
+    got = []
+    for key, at in zip(keys, addresses):
+        if type(key) is not bytes or len(key) != key_bytes or at is None:
+            return None
+        view = views.get(at)
+        if view is None:
+            if unseen_at is None:
+                return None
+            view = unseen_at(at)
         got.append(view)
     return got
 

@@ -538,6 +538,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         # No collection from the first row's view to the last copy (xxcopy.rows_hold: a
         # finalizer run between may free a row whose view is taken).
         xxcopy.rows_hold()
+        _held_memory = lmdb_plain.pool_memory(out)  # (rows of one pool: its memory held to the last copy)
         try:
             rows = views.of(keys, out) if views is not None else None
             size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]

@@ -66,10 +66,11 @@ from kvtier.backends.lmdb_files import map_pages
 from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_lone import LoneSave
-from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows
+from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows, pool_memory
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.keys import check_keys
+from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
@@ -143,7 +144,7 @@ class LmdbWrites(PersistentRecordBackend):
         lone = self._lone
         if lone is not None:
             if len(keys) == 1 and len(blocks) == 1:
-                saved = lone.save(keys[0], blocks[0])  # a lone plain block in one straight line (lmdb_lone)
+                saved = lone.save(keys[0], blocks if type(blocks) is PoolRows else blocks[0])  # a lone plain block in one straight line (lmdb_lone)
             else:
                 saved = lone.save_job(keys, blocks)
             if saved is not None:
@@ -155,6 +156,7 @@ class LmdbWrites(PersistentRecordBackend):
         held = rows is not None or records is not None
         if held:
             xxcopy.rows_hold()
+        _held_memory = pool_memory(blocks)  # (rows of one pool: its memory held to the last copy)
         try:
             # Plain jobs of host rows: the job's checks and its rows' views in one loop
             # (RowViews, as reads do); other rows of plain jobs get views one by one (host_rows).

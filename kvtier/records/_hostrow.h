@@ -2,7 +2,9 @@
  * A destination row's checks and its kept view, as kvtier.backends.lmdb_plain.host_view makes
  * them: shared by the two extensions that check rows natively, kvtier.backends._rowguard (the
  * lmdb tier's straight reads) and kvtier.records._xxcopy (the file tier's job read, _xxjob.c).
- * Each includes this header once; its functions are static to that source.
+ * Each includes this header once; its functions are static to that source. A job's rows given
+ * as one pool (kvtier.pool_rows.PoolRows) are checked once a job, the pool's checks, each row
+ * found by its address (host_job_views).
  */
 #ifndef KVTIER_HOSTROW_H
 #define KVTIER_HOSTROW_H
@@ -10,21 +12,33 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* The attribute names a row's checks ask for, interned once (host_row_names_init). */
+/* The attribute names a row's checks ask for, interned once (host_row_names_init), and the
+   class of a job's rows given as one pool (kvtier.pool_rows.PoolRows; None where it cannot be
+   imported: then no job's rows are taken as one). */
 typedef struct {
-    PyObject *dtype, *shape, *is_cpu, *is_contiguous, *data_ptr;
+    PyObject *dtype, *shape, *is_cpu, *is_contiguous, *data_ptr, *pool, *numbers, *itemsize, *start, *step, *untyped_storage, *pool_rows;
 } host_row_names;
 
-/* 0 with every name interned (again a no-op), or -1 with the error set. */
+/* 0 with every name interned and the class imported (again a no-op), or -1 with the error set. */
 static inline int host_row_names_init(host_row_names *names)
 {
-    if (names->data_ptr != NULL)
+    if (names->pool_rows != NULL)
         return 0;
-    PyObject **slots[] = {&names->dtype, &names->shape, &names->is_cpu, &names->is_contiguous, &names->data_ptr};
-    const char *texts[] = {"dtype", "shape", "is_cpu", "is_contiguous", "data_ptr"};
+    PyObject **slots[] = {&names->dtype, &names->shape, &names->is_cpu, &names->is_contiguous, &names->data_ptr,
+                          &names->pool, &names->numbers, &names->itemsize, &names->start, &names->step, &names->untyped_storage};
+    const char *texts[] = {"dtype", "shape", "is_cpu", "is_contiguous", "data_ptr", "pool", "numbers", "itemsize", "start", "step", "untyped_storage"};
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
         if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return -1;
+    PyObject *module = PyImport_ImportModule("kvtier.pool_rows");
+    PyObject *type = module == NULL ? NULL : PyObject_GetAttrString(module, "PoolRows");
+    Py_XDECREF(module);
+    if (type == NULL || !PyType_Check(type)) {
+        Py_XDECREF(type);
+        PyErr_Clear(); /* no such class: every job's rows are checked one by one */
+        type = Py_NewRef(Py_None);
+    }
+    names->pool_rows = type;
     return 0;
 }
 
@@ -62,6 +76,20 @@ static inline int host_row_truth(PyObject *v)
     return is;
 }
 
+/* views[at] (at: a new reference, released; NULL: an error set), a new reference: the kept view,
+   None where views holds none at that address, or NULL with the error set. */
+static inline PyObject *host_view_at(PyObject *views, PyObject *at)
+{
+    if (at == NULL)
+        return NULL;
+    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
+    Py_XINCREF(view);
+    Py_DECREF(at);
+    if (view == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    return view;
+}
+
 /* views[row.data_ptr()] when type(row) is tensor_type, row.dtype is dtype, row.shape == shape,
    row.is_cpu and row.is_contiguous(); None when any of them is not so or the address is not in
    views (a dict). Asked in that order, as the Python form asks them, each of the C getter or
@@ -91,15 +119,256 @@ static inline PyObject *host_row_view(PyObject *row, PyObject *tensor_type, PyOb
         ok = host_row_truth(host_row_call(row, names->is_contiguous));
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *at = host_row_call(row, names->data_ptr);
-    if (at == NULL)
-        return NULL;
-    PyObject *view = PyDict_GetItemWithError(views, at); /* borrowed: owned before anything else runs */
-    Py_XINCREF(view);
-    Py_DECREF(at);
-    if (view == NULL)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    return view;
+    return host_view_at(views, host_row_call(row, names->data_ptr));
+}
+
+/* A job's rows given as one pool (kvtier.pool_rows.PoolRows: rows[i] is pool[numbers[i]]),
+   the pool's checks asked once: what host_pool_take found, held until host_pool_drop. */
+typedef struct {
+    PyObject *pool, *numbers, *storage; /* held (storage: pool.untyped_storage(), its memory as checked) */
+    unsigned long long base;  /* pool.data_ptr() */
+    Py_ssize_t rows, row_bytes, count, start, step;
+    int ranged; /* numbers a range (start, step), else a tuple of ints */
+} host_pool;
+
+static inline void host_pool_drop(host_pool *p)
+{
+    Py_CLEAR(p->pool);
+    Py_CLEAR(p->numbers);
+    Py_CLEAR(p->storage);
+}
+
+/* Whether type(rows) is the PoolRows class (exactly: a subclass may answer its rows otherwise). */
+static inline int host_pool_rows(PyObject *rows, const host_row_names *names)
+{
+    return (PyObject *)Py_TYPE(rows) == names->pool_rows;
+}
+
+/* v (a new reference, or NULL with an error set) as a Py_ssize_t into *to: 1, 0 where it is not
+   an int or does not fit (no error kept), -1 with an error set; v released. */
+static inline int host_pool_size(PyObject *v, Py_ssize_t *to)
+{
+    if (v == NULL)
+        return -1;
+    int ok = PyLong_CheckExact(v);
+    *to = ok ? PyLong_AsSsize_t(v) : -1;
+    Py_DECREF(v);
+    if (ok && *to == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        ok = 0;
+    }
+    return ok;
+}
+
+/* The last dtype asked for its itemsize (held: its identity stays its own) and the answer. */
+static PyObject *host_sized_dtype;
+static Py_ssize_t host_sized_itemsize;
+
+/* dtype.itemsize into *itemsize, asked once for the dtype asked last: 1, 0 where it is not an
+   int (or does not fit), -1 with an error set. */
+static inline int host_dtype_itemsize(PyObject *dtype, const host_row_names *names, Py_ssize_t *itemsize)
+{
+    if (dtype == host_sized_dtype) {
+        *itemsize = host_sized_itemsize;
+        return 1;
+    }
+    int ok = host_pool_size(PyObject_GetAttr(dtype, names->itemsize), itemsize);
+    if (ok > 0) {
+        Py_XSETREF(host_sized_dtype, Py_NewRef(dtype));
+        host_sized_itemsize = *itemsize;
+    }
+    return ok;
+}
+
+/* The checks of a job's rows given as one pool (host_pool_rows(rows)), asked once of the pool
+   as it is now, each of the C getter or method tensor_type holds for it: type(pool) is
+   tensor_type, pool.dtype is dtype, pool.shape is 2-D and pool.shape[1:] == shape (a row's
+   shape), pool.is_cpu, pool.is_contiguous(); then pool.data_ptr() and the row count
+   pool.shape[0]. numbers a range or a tuple of ints. 1 with *p filled (pool and numbers held:
+   host_pool_drop); 0 where any of these is not so (nothing held: the caller checks the rows one
+   by one, as a list of pool[n] each); -1 with the error set (nothing held). */
+static inline int host_pool_take(PyObject *rows, PyObject *tensor_type, PyObject *dtype, PyObject *shape, const host_row_names *names,
+                                 host_pool *p)
+{
+    p->pool = p->numbers = p->storage = NULL;
+    PyObject *pool = PyObject_GetAttr(rows, names->pool), *v = NULL;
+    if (pool == NULL)
+        return -1;
+    p->pool = pool;
+    int ok = (PyObject *)Py_TYPE(pool) == tensor_type && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 1;
+    if (ok) {
+        v = host_row_get(pool, names->dtype);
+        if (v == NULL)
+            goto failed;
+        ok = v == dtype;
+        Py_DECREF(v);
+    }
+    if (ok) {
+        v = host_row_get(pool, names->shape);
+        if (v == NULL)
+            goto failed;
+        ok = PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 2;
+        int same = ok ? PyObject_RichCompareBool(PyTuple_GET_ITEM(v, 1), PyTuple_GET_ITEM(shape, 0), Py_EQ) : 0;
+        if (same > 0)
+            ok = host_pool_size(Py_NewRef(PyTuple_GET_ITEM(v, 0)), &p->rows) > 0 && host_pool_size(Py_NewRef(PyTuple_GET_ITEM(v, 1)), &p->row_bytes) > 0;
+        Py_DECREF(v);
+        if (same < 0 || PyErr_Occurred())
+            goto failed;
+        ok = ok && same;
+    }
+    if (ok && (ok = host_row_truth(host_row_get(pool, names->is_cpu))) > 0)
+        ok = host_row_truth(host_row_call(pool, names->is_contiguous));
+    if (ok < 0)
+        goto failed;
+    Py_ssize_t itemsize = 0;
+    if (ok && (ok = host_dtype_itemsize(dtype, names, &itemsize)) > 0) {
+        v = host_row_call(pool, names->data_ptr);
+        if (v == NULL)
+            goto failed;
+        ok = PyLong_CheckExact(v);
+        p->base = ok ? PyLong_AsUnsignedLongLong(v) : 0;
+        Py_DECREF(v);
+        if (PyErr_Occurred())
+            goto failed;
+        /* The memory at that address held for the job: a pool moved meanwhile (pool.set_(...)
+           from another thread while the job's copies let the GIL go) leaves it to this job, not
+           to the allocator (as a list of views of the pool's rows holds it). */
+        if (ok && (p->storage = host_row_call(pool, names->untyped_storage)) == NULL)
+            goto failed;
+    }
+    if (ok < 0)
+        goto failed;
+    if (!ok || p->rows < 0 || itemsize <= 0 || p->row_bytes < 0 || p->row_bytes > PY_SSIZE_T_MAX / itemsize)
+        goto other;
+    p->row_bytes *= itemsize;
+    /* The row numbers: a range (start and step) or a tuple of ints, as they are now. */
+    PyObject *numbers = PyObject_GetAttr(rows, names->numbers);
+    if (numbers == NULL)
+        goto failed;
+    p->numbers = numbers;
+    p->ranged = PyRange_Check(numbers);
+    if (p->ranged) {
+        if ((ok = host_pool_size(PyObject_GetAttr(numbers, names->start), &p->start)) > 0)
+            ok = host_pool_size(PyObject_GetAttr(numbers, names->step), &p->step);
+        if (ok < 0)
+            goto failed;
+        p->count = ok ? PyObject_Length(numbers) : 0;
+        if (p->count < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                goto failed;
+            PyErr_Clear();
+            ok = 0;
+        }
+    } else if ((ok = PyTuple_CheckExact(numbers))) {
+        p->count = PyTuple_GET_SIZE(numbers);
+        for (Py_ssize_t i = 0; ok && i < p->count; i++)
+            ok = PyLong_CheckExact(PyTuple_GET_ITEM(numbers, i));
+    }
+    if (ok)
+        return 1;
+other:
+    host_pool_drop(p);
+    return 0;
+failed:
+    host_pool_drop(p);
+    return -1;
+}
+
+/* The address of row i of the job (pool's row numbers[i]) into *at: 1, or 0 where that number is
+   not one of the pool's rows now (not in [0, rows)). */
+static inline int host_pool_at(const host_pool *p, Py_ssize_t i, unsigned long long *at)
+{
+    Py_ssize_t row;
+    if (p->ranged) {
+        /* start + i * step, overflow checked: a number outside [0, rows) is not a row */
+        long long lo = (long long)p->start, by = (long long)p->step, n = (long long)i, got;
+        if (__builtin_mul_overflow(n, by, &got) || __builtin_add_overflow(lo, got, &got))
+            return 0;
+        row = got < 0 || got >= (long long)p->rows ? -1 : (Py_ssize_t)got;
+    } else {
+        PyObject *number = PyTuple_GET_ITEM(p->numbers, i);
+        row = PyLong_AsSsize_t(number);
+        if (row == -1 && PyErr_Occurred())
+            PyErr_Clear(); /* too large either way: not a row */
+        if (row >= p->rows)
+            row = -1;
+    }
+    if (row < 0)
+        return 0;
+    *at = p->base + (unsigned long long)row * (unsigned long long)p->row_bytes;
+    return 1;
+}
+
+/* views[address of row i] of a job's rows as one pool (host_pool_take): a new reference to the
+   kept view, or None where row i is not one of the pool's rows now or views holds no view at
+   its address (not seen yet); NULL with the error set. */
+static inline PyObject *host_pool_view(const host_pool *p, Py_ssize_t i, PyObject *views)
+{
+    unsigned long long at;
+    if (!host_pool_at(p, i, &at))
+        Py_RETURN_NONE;
+    return host_view_at(views, PyLong_FromUnsignedLongLong(at));
+}
+
+/* Each row's kept view for a job of n keys, each key bytes of key_bytes: 1 with views[0..n)
+   set (new references); 0 where a key is not so, or a row's view is None; -1 with the error
+   set; on 0 and -1 no view is kept. rows: the job's rows, a tuple, or a PoolRows (exact type)
+   whose pool's checks are asked once (host_pool_take) and each row's view found by its address
+   (host_pool_view); where its pool is not one those checks take, its rows one by one (a tuple
+   of iter(rows)), as a list of pool[n] each. Each row one by one: host_row_view of it, each
+   key's check before its row's. kept (NULL: not asked): on 1, a new reference to what holds
+   the memory of the pool's rows (its storage) for the caller to hold until its last copy, or
+   NULL where the rows were not taken as one pool. */
+static inline int host_job_views(PyObject *const *keys, Py_ssize_t n, PyObject *rows, PyObject *tensor_type, PyObject *dtype, PyObject *shape,
+                                 PyObject *views_dict, Py_ssize_t key_bytes, const host_row_names *names, PyObject **views, PyObject **kept)
+{
+    if (kept != NULL)
+        *kept = NULL;
+    Py_ssize_t got = 0;
+    int rc = 0;
+    PyObject *items = NULL;
+    host_pool p = {0};
+    int pooled = 0;
+    if (host_pool_rows(rows, names)) {
+        pooled = host_pool_take(rows, tensor_type, dtype, shape, names, &p);
+        if (pooled < 0)
+            return -1;
+        if (pooled && p.count != n) {
+            host_pool_drop(&p);
+            return 0;
+        }
+        if (!pooled && (items = PySequence_Tuple(rows)) == NULL)
+            return -1;
+    } else
+        items = Py_NewRef(rows);
+    if (!pooled && (!PyTuple_CheckExact(items) || PyTuple_GET_SIZE(items) != n))
+        goto done; /* (rows changed meanwhile: not such a job) */
+    for (; got < n; got++) {
+        if (!PyBytes_CheckExact(keys[got]) || PyBytes_GET_SIZE(keys[got]) != key_bytes)
+            goto done;
+        PyObject *view = pooled ? host_pool_view(&p, got, views_dict)
+                                : host_row_view(PyTuple_GET_ITEM(items, got), tensor_type, dtype, shape, views_dict, names);
+        if (view == NULL || view == Py_None) {
+            rc = view == NULL ? -1 : 0;
+            Py_XDECREF(view);
+            goto done;
+        }
+        views[got] = view;
+    }
+    rc = 1;
+    if (pooled && kept != NULL) {
+        *kept = p.storage;
+        p.storage = NULL;
+    }
+done:
+    if (rc != 1)
+        for (Py_ssize_t i = 0; i < got; i++)
+            Py_CLEAR(views[i]);
+    host_pool_drop(&p);
+    Py_XDECREF(items);
+    return rc;
 }
 
 /* Automatic garbage collection held off while a job's rows' views are in use: from the first

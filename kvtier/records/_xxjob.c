@@ -271,37 +271,27 @@ enum { KIND_TENSOR, KIND_DTYPE, KIND_SHAPE, KIND_VIEWS, KIND_KEY_BYTES, KIND_COU
 
 static host_row_names row_names;
 
-/* The kept view of each row (host_row_view of kind), each key bytes of the kind's length: 1 with
-   views[0..n) held; 0 at the first key or row that is not so (views[0..*got) held); -1 with the
-   error set (likewise). */
-static int rows_viewed(PyObject *const *key, PyObject *const *row, Py_ssize_t n, PyObject *const *kind, Py_ssize_t key_bytes,
-                       PyObject **views, Py_ssize_t *got)
-{
-    for (; *got < n; (*got)++) {
-        if (!PyBytes_CheckExact(key[*got]) || PyBytes_GET_SIZE(key[*got]) != key_bytes)
-            return 0;
-        PyObject *view = host_row_view(row[*got], kind[KIND_TENSOR], kind[KIND_DTYPE], kind[KIND_SHAPE], kind[KIND_VIEWS], &row_names);
-        if (view == NULL || view == Py_None) {
-            Py_XDECREF(view);
-            return view == NULL ? -1 : 0;
-        }
-        views[*got] = view;
-    }
-    return 1;
-}
-
 /* The job from its rows' checks to its reads: keys and out (sequences, taken as tuples as they
-   are now: a row's checks may run Python that changes the caller's lists), each row viewed as
-   host_row_view of kind views it and each key bytes of kind's length (rows_viewed), then read
-   (read_job) into found. The positions left to the general read; None, with nothing read or
-   counted, at the first key or row that is not so; NULL with the error set. */
+   are now: a row's checks may run Python that changes the caller's lists; rows of one pool, a
+   kvtier.pool_rows.PoolRows, kept as they are: its pool is checked once), each row viewed as
+   host_row_view of kind views it and each key bytes of kind's length (host_job_views), then
+   read (read_job) into found. The positions left to the general read; None, with nothing read
+   or counted, at the first key or row that is not so; NULL with the error set. */
 static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head_obj, PyObject *keys_obj, PyObject *out_obj,
                           PyObject *const *kind, Py_ssize_t piece, PyObject *found)
 {
     Py_ssize_t key_bytes = PyLong_AsSsize_t(kind[KIND_KEY_BYTES]);
     if ((key_bytes == -1 && PyErr_Occurred()) || host_row_names_init(&row_names) < 0)
         return NULL;
-    PyObject *keys = PySequence_Tuple(keys_obj), *out = keys == NULL ? NULL : PySequence_Tuple(out_obj), *result = NULL;
+    PyObject *keys = PySequence_Tuple(keys_obj), *out = NULL, *result = NULL, *kept = NULL; /* kept: the pool's memory, held to the last read */
+    Py_ssize_t rows = -1;
+    if (keys != NULL && host_pool_rows(out_obj, &row_names)) {
+        PyObject *numbers = PyObject_GetAttr(out_obj, row_names.numbers);
+        rows = numbers == NULL ? -1 : PyObject_Length(numbers);
+        Py_XDECREF(numbers);
+        out = rows < 0 ? NULL : Py_NewRef(out_obj);
+    } else if (keys != NULL && (out = PySequence_Tuple(out_obj)) != NULL)
+        rows = PyTuple_GET_SIZE(out);
     if (out == NULL) {
         Py_XDECREF(keys);
         return NULL;
@@ -314,8 +304,11 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
     }
     int viewed = 0;
     xxc_rows_hold(); /* no collection from the first row's checks to the last copy (_xxhold.c) */
-    if (PyTuple_GET_SIZE(out) == n && PyList_GET_SIZE(found) == n)
-        viewed = rows_viewed(&PyTuple_GET_ITEM(keys, 0), &PyTuple_GET_ITEM(out, 0), n, kind, key_bytes, views, &got);
+    if (rows == n && PyList_GET_SIZE(found) == n) {
+        viewed = host_job_views(&PyTuple_GET_ITEM(keys, 0), n, out, kind[KIND_TENSOR], kind[KIND_DTYPE], kind[KIND_SHAPE], kind[KIND_VIEWS],
+                                key_bytes, &row_names, views, &kept);
+        got = viewed > 0 ? n : 0; /* (none kept otherwise) */
+    }
     if (viewed == 0)
         result = Py_NewRef(Py_None); /* a key or a row the job's general checks take */
     else if (viewed > 0) {
@@ -327,6 +320,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
         }
     }
     xxc_rows_let_go();
+    Py_XDECREF(kept);
 release:
     for (Py_ssize_t i = 0; i < got; i++)
         Py_DECREF(views[i]);
