@@ -1,6 +1,6 @@
 """Durable disk tiers at every record size: prints one JSON object.
 
-    python benchmarks/bench_disk_sizes.py [--quick] [--dir /tmp] [--rounds N]
+    python benchmarks/bench_disk_sizes.py [--quick] [--dir /tmp] [--rounds N] [--rows pool|views]
 
 For the ``lmdb`` and ``file`` tiers (durable), at 4 KiB, 64 KiB, 256 KiB and 2 MiB records, in
 jobs of 1, 16 and 64 blocks, written by one caller or by 4 concurrent callers (threads, each with
@@ -23,6 +23,13 @@ same durable work done in the same process on the same bytes:
   opened as the tier opens a record: beneath a descriptor of the folder held open, with the tier's flags,
   the names made before the clock, one head buffer reused (they opened each file by its whole path,
   made in the timed loop, with a new head buffer a file: 64 KiB loads 1.09-1.17x as long as these).
+
+The blocks saved and the rows loaded into are the rows of one pool each (an engine's staging
+rows). The tier arms take a job's rows as the engine hands them, a
+:class:`~kvtier.pool_rows.PoolRows` of the pool (``--rows pool``, the default: the tier checks
+the pool once a job and finds each row by its address), or, with ``--rows views``, as a list of
+views of those rows (each row checked on its own); the JSON's ``rows`` (and each cell's) says
+which. The raw arms read and write the same rows through views made before the clock.
 
 Each operation is timed once a round, by one arm: ``raw_value`` and ``raw_job`` load alike
 (``raw_job`` times it), and so do the flat file arms (``raw_batch``); in jobs of one,
@@ -105,6 +112,7 @@ from kvtier.tools.bench.scripts.disk_common import data_bytes, raw_empty, syncfs
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
+from kvtier.pool_rows import PoolRows
 from kvtier.testing import make_key
 
 SIZES = (4 << 10, 64 << 10, 256 << 10, 2 << 20)
@@ -412,10 +420,17 @@ def plan(sizes: Sequence[int], *, quick: bool) -> list[tuple[int, int, int, int]
     return cells
 
 
-def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int) -> dict[str, Any]:
-    blocks = _blocks(n, size)
+def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int, rows: str = "pool") -> dict[str, Any]:
+    # The blocks and the rows loaded into are rows of one pool each (an engine's staging rows):
+    # the tier arms take a job's rows as PoolRows of its pool (rows="pool", the engine's path) or
+    # as a list of views of them ("views"); the raw arms use views of the same rows, made before
+    # the clock.
+    source = torch.stack(_blocks(n, size))
+    blocks = list(source)
     keys = [make_key(i) for i in range(n)]
-    outs = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+    staging = torch.empty((n, size), dtype=torch.uint8)
+    outs = list(staging)
+    pooled = rows == "pool"
     parts = _split(n, job, callers)
     capacity = max(64 << 20, 4 * n * (size + 8192))
     saves: dict[str, list[float]] = {}
@@ -435,7 +450,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
             try:
                 # Each job's key and block lists are built before the clock starts, as for its
                 # loads below: a raw arm indexes its lists without building any.
-                saved = {j.start: ([keys[i] for i in j], [blocks[i] for i in j]) for part in parts for j in part}
+                saved = {j.start: ([keys[i] for i in j], PoolRows(source, j) if pooled else [blocks[i] for i in j]) for part in parts for j in part}
                 save_all = lambda spent=None: _run(parts, lambda j: backend.write_blocks(*saved[j.start]), spent)  # noqa: E731
                 fresh = None
                 if tier == "lmdb":  # the counted save goes into a grown file (see the module doc)
@@ -449,7 +464,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                     o.numpy().fill(0)
                 # Each job's key and row lists are built before the clock starts, as a raw arm
                 # indexes its lists without building any.
-                jobs = {j.start: ([keys[i] for i in j], [outs[i] for i in j]) for part in parts for j in part}
+                jobs = {j.start: ([keys[i] for i in j], PoolRows(staging, j) if pooled else [outs[i] for i in j]) for part in parts for j in part}
                 load = _run(parts, lambda j: backend.read_blocks(*jobs[j.start]), cpu)
                 assert all(torch.equal(o, b) for o, b in zip(outs, blocks)), f"{tier} read back other bytes"
             finally:
@@ -535,7 +550,7 @@ def _cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, 
                 if load is not None:
                     loads.setdefault(name, []).append(load)
     total = n * size
-    cell: dict[str, Any] = {"tier": tier, "record_bytes": size, "job_blocks": job, "callers": callers, "blocks": n}
+    cell: dict[str, Any] = {"tier": tier, "record_bytes": size, "job_blocks": job, "callers": callers, "blocks": n, "rows": rows}
     for name in saves:
         s = _median(saves[name])
         cell[f"{name}_save_blocks_s"] = round(n / s, 1)
@@ -605,6 +620,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help=f"counted rounds per cell (default {ROUNDS}, --quick {QUICK_ROUNDS})")
     parser.add_argument("--tiers", nargs="+", default=["lmdb", "file"], choices=["lmdb", "file"])
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="record sizes in bytes")
+    parser.add_argument(
+        "--rows", default="pool", choices=["pool", "views"],
+        help="how the tier arms get a job's rows: PoolRows of one pool (default, the engine's path) or a list of views of its rows",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     grid = plan(tuple(args.sizes) if args.sizes else SIZES, quick=args.quick)
@@ -613,7 +632,7 @@ def main() -> None:
     try:
         for tier in args.tiers:
             for size, job, callers, n in grid:
-                cells.append(_cell(root, tier, size, job, callers, rounds, n))
+                cells.append(_cell(root, tier, size, job, callers, rounds, n, rows=args.rows))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict[str, float] = {}
@@ -622,7 +641,7 @@ def main() -> None:
             name = f"{c['tier']}_{c['record_bytes'] >> 10}k_min_{op}_ratio"
             summary[name] = min(summary.get(name, 9e9), c[f"{op}_ratio"])
     arms = {"raw_arms": LMDB_LOAD_ARMS} if "lmdb" in args.tiers else {}
-    print(json.dumps({"rounds": rounds, "quick": args.quick, **arms, "summary": summary, "cells": cells}, indent=1))
+    print(json.dumps({"rounds": rounds, "quick": args.quick, "rows": args.rows, **arms, "summary": summary, "cells": cells}, indent=1))
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_quick_runs_count_an_odd_number_of_rounds_and_fewer_blocks(monkeypatch: 
     bench = bench_module("bench_disk_sizes")
     counted: list[tuple[int, int]] = []
 
-    def cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int) -> dict[str, object]:
+    def cell(root: str, tier: str, size: int, job: int, callers: int, rounds: int, n: int, rows: str = "pool") -> dict[str, object]:
         counted.append((rounds, n))
         return {"tier": tier, "record_bytes": size, "save_ratio": 1.0, "load_ratio": 1.0}
 
@@ -169,3 +169,23 @@ def test_a_raw_arm_converts_no_tensor_in_its_timed_call(tmp_path: Path, monkeypa
         read(range(3))
     arms[2].close()
     env.close()
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "file"])
+def test_the_tier_arms_take_pool_rows_by_default_and_lists_of_views_when_asked(tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rows="pool"`` (the default): each job's blocks and rows are PoolRows of one pool (the
+    engine's path), ``"views"``: lists of views of the same rows; the cell says which."""
+    from kvtier import registry
+    from kvtier.pool_rows import PoolRows
+
+    bench = bench_module("bench_disk_sizes")
+    kind = registry.backends.get(tier)
+    handed: list[type] = []
+    real_write, real_read = kind.write_blocks, kind.read_blocks
+    monkeypatch.setattr(kind, "write_blocks", lambda self, keys, blocks: (len(keys) == 2 and handed.append(type(blocks))) or real_write(self, keys, blocks))
+    monkeypatch.setattr(kind, "read_blocks", lambda self, keys, out: (len(keys) == 2 and handed.append(type(out))) or real_read(self, keys, out))
+    for rows, want in (("pool", PoolRows), ("views", list)):
+        handed.clear()
+        cell = bench._cell(str(tmp_path), tier, 4096, 2, 1, 1, 4, rows)
+        assert cell["rows"] == rows
+        assert handed and all(t is want for t in handed)  # (jobs of two: the lmdb arm's emptying saves a spare record alone)
