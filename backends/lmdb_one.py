@@ -288,6 +288,7 @@ class StraightRead:
 
     def _job_held(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
         """The lines of :meth:`job` from its rows' checks on, under the rows' hold."""
+        _held_memory = lmdb_plain.pool_memory(out)  # (rows of one pool: its memory held to the last copy)
         n = len(keys)
         temperature = self.temperature
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
