@@ -20,6 +20,7 @@ from kvtier.backends.lmdb_entries import COLD_GET_S, INDEX
 from kvtier import devices
 from kvtier.errors import CorruptBlockError
 from kvtier.keys import KEY_BYTES
+from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import (
@@ -292,14 +293,19 @@ class StraightRead:
         n = len(keys)
         temperature = self.temperature
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
-        rows = []
-        for key, row in zip(keys, out):
-            if type(key) is not bytes or len(key) != KEY_BYTES:
+        if type(out) is PoolRows:  # rows of one pool: its checks once, each row's view by its address
+            rows = lmdb_plain.job_views(keys, out, _TENSOR, _U8, shape, views, KEY_BYTES)
+            if rows is None:
                 return None
-            view = host_view(row, _TENSOR, _U8, shape, views)  # the row's checks and view (as read's)
-            if view is None:
-                return None  # not such a row, or one not seen yet: the general path makes its view
-            rows.append(view)
+        else:
+            rows = []
+            for key, row in zip(keys, out):
+                if type(key) is not bytes or len(key) != KEY_BYTES:
+                    return None
+                view = host_view(row, _TENSOR, _U8, shape, views)  # the row's checks and view (as read's)
+                if view is None:
+                    return None  # not such a row, or one not seen yet: the general path makes its view
+                rows.append(view)
         blocks, index, head, size = self.parts
         joined_size = _JOINED_PLAIN + size
         check_copy = xxcopy.xxh3_check_copy

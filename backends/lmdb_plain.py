@@ -99,7 +99,7 @@ def python_in_torch(out: Sequence[Any]) -> bool:
     memory as they write it."""
     if modes_on():
         return True
-    for row in out:
+    for row in (out.pool,) if type(out) is PoolRows else out:  # (rows of one pool: of its type)
         if type(row) is not _TENSOR and isinstance(row, _TENSOR) and _overridden(row):
             return True
     return False

@@ -269,13 +269,21 @@ def test_a_pool_moved_by_set_is_read_and_saved_where_it_is_now(tmp_path: Path, t
         assert all(torch.equal(o, f) for o, f in zip(out, fresh, strict=True))
 
 
-@pytest.mark.skipif(not _NATIVE, reason="built without the native row checks")
 @pytest.mark.parametrize("tier", ["lmdb", "file"])
-@pytest.mark.parametrize("job", [1, 16])
-def test_warm_jobs_of_pool_rows_make_no_view_of_a_row(tmp_path: Path, tier: str, job: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("job", "way"), [(1, "native"), (16, "native"), (16, "python")])
+def test_warm_jobs_of_pool_rows_make_no_view_of_a_row(tmp_path: Path, tier: str, job: int, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the rows' views are kept, a job of pool rows is read and saved without a view of a
-    row made (the pool's checks once, each row by its address), natively: PoolRows is never
-    iterated nor indexed."""
+    row made (the pool's checks once, each row by its address), natively, and by the Python
+    forms of a job of several (a build without the extensions; the lmdb tier's read of a job
+    after its data file grew): PoolRows is never iterated nor indexed."""
+    if way == "native" and not _NATIVE:
+        pytest.skip("built without the native row checks")
+    if way == "python":
+        for name in ("one_read", "job_read", "straight_read"):
+            monkeypatch.setattr(lmdb_plain, name, None)
+        monkeypatch.setattr(lmdb_plain, "job_views", lmdb_plain.job_views_python)
+        monkeypatch.setattr(xxcopy, "xxh3_read_job", None)
+        monkeypatch.setattr(xxcopy, "xxh3_read_rows", None)
     backend = _open(tmp_path / "t", tier)
     try:
         keys = [make_key(i) for i in range(job)]
@@ -325,6 +333,23 @@ def _job_views_cases() -> dict[str, Callable[[torch.Tensor], Any]]:
         "a subclass": lambda pool: PoolRows(pool.as_subclass(_Sub), range(3)),
         "count differs": lambda pool: PoolRows(pool, range(2)),
     }
+
+
+@pytest.mark.parametrize("pool_type", ["Tensor", "a subclass", "a subclass with a __torch_function__ of its own"])
+def test_python_in_torch_asks_a_pools_type_once_as_of_each_of_its_rows(pool_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = torch.zeros(4, SIZE, dtype=torch.uint8)
+    if pool_type != "Tensor":
+        pool = pool.as_subclass(_Sub if pool_type == "a subclass" else _Hooked)
+    rows = PoolRows(pool, range(4))
+    one_by_one = lmdb_plain.python_in_torch(list(rows))
+    monkeypatch.setattr(PoolRows, "__iter__", lambda self: pytest.fail("iterated"))
+    assert lmdb_plain.python_in_torch(rows) is one_by_one is (pool_type == "a subclass with a __torch_function__ of its own")
+
+
+class _Hooked(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 @pytest.mark.parametrize("which", list(_job_views_cases()))
