@@ -314,9 +314,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
         if got is not None:
             found, rest = got
             size = self.format.block_bytes
-        else:  # the job's checks and its rows' views in one loop, then the plain reads
-            _held_memory = pool_memory(out)  # (rows of one pool: its memory held to the last read)
-            rows = views.of(keys, out) if (views := self._views) is not None else None
+        else:  # the job's checks and its rows' views in one loop (a pool's memory held), then the plain reads
+            _held_memory, rows = pool_memory(out), (views.of(keys, out) if (views := self._views) is not None else None)
             size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes
             found = [False] * len(keys)
             if plain is not None and PLAIN_READS and (plain.flat or plain.root.usable):

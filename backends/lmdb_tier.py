@@ -535,10 +535,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None
-        # No collection from the first row's view to the last copy (xxcopy.rows_hold: a
-        # finalizer run between may free a row whose view is taken).
+        # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory held.
         xxcopy.rows_hold()
-        _held_memory = lmdb_plain.pool_memory(out)  # (rows of one pool: its memory held to the last copy)
+        _held_memory = lmdb_plain.pool_memory(out)
         try:
             rows = views.of(keys, out) if views is not None else None
             size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
