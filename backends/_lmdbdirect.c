@@ -332,13 +332,14 @@ typedef struct {
 /* The lookups of a counted job by the engine's get (see the file's doc), in the read transaction
    the store keeps (_lmdbkeep.c: renewed, so it reads the last commit), each record checked and
    copied into its row's view (views: memoryviews) by check_c: found[i] set True for each key
-   read. 1: every key read or absent; 0: the job is the general path's (an engine error, a split
-   record with no entry, a record not raw and sound); -1: an error is set; 2: not taken (no
+   read. kept and rows: where the views were taken (rows_stayed), asked again after the lookups.
+   1: every key read or absent; 0: the job is the general path's (an engine error, a split
+   record with no entry, a record not raw and sound, a row moved); -1: an error is set; 2: not taken (no
    probed capsule in parts, another check, a stand-in environment, anything not as probed, a row
    view not a writable memoryview, no read transaction to be had): python-lmdb's transaction and
    get read the job, nothing done. */
 int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n, PyObject *check,
-                   PyObject *found)
+                   PyObject *found, const host_kept *kept, PyObject *const *rows)
 {
     PyObject *direct = parts[P_DIRECT];
     if (direct == Py_None)
@@ -401,7 +402,10 @@ int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys,
     if (__atomic_load_n(&park_on, __ATOMIC_RELAXED))
         park();
     Py_END_ALLOW_THREADS
-    int rc = 1;
+    /* The rows' addresses asked again now the GIL is back, and it held from here to the last
+       copy (but for a copy of RELEASE_GIL_AT bytes or more): a pool grown meanwhile by another
+       thread (pool.resize_) has its memory moved and the old freed. Moved: the general path's. */
+    int rc = rows_stayed(kept, rows, views, 0, n);
     for (Py_ssize_t i = 0; i < n && rc == 1; i++) {
         const lookup_t *l = &look[i];
         if (l->rc == PL_NOTFOUND)

@@ -50,9 +50,14 @@ PyObject *py_host_view(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 int row_views(PyObject *const *keys, PyObject *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views,
-              PyObject **kept)
+              host_kept *kept)
 {
     return host_job_views(keys, n, rows, view_args[0], view_args[1], view_args[2], view_args[3], key_bytes, &row_names, views, kept);
+}
+
+int rows_stayed(const host_kept *kept, PyObject *const *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end)
+{
+    return host_rows_stayed(kept, rows, views, first, end, &row_names);
 }
 
 int host_pool_rows_type(PyObject *rows)
@@ -84,8 +89,8 @@ PyObject *job_rows_count(PyObject *rows, Py_ssize_t *n)
 
 /* The view of a job's one row: host_view(row, ...) (args: row, tensor_type, dtype, shape,
    views); where pooled, row is the job's rows, a PoolRows of one (host_job_views, without a key),
-   and *kept what holds its pool's memory (see row_views). */
-static PyObject *one_view(PyObject *const *args, int pooled, PyObject **kept)
+   and *kept what holds its pool's memory and where it was (see row_views). */
+static PyObject *one_view(PyObject *const *args, int pooled, host_kept *kept)
 {
     if (!pooled)
         return py_host_view(NULL, args, 5);
@@ -126,7 +131,7 @@ PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
    checks before its lookup in one call. None when key is not bytes of key_bytes or the row is
    not one host_view takes; False when the file at fd is not seen bytes long now (same_size);
    else the row's view. The key first, then the row, then the file. */
-static PyObject *one_row_in(PyObject *self, PyObject *const *args, int pooled, PyObject **kept)
+static PyObject *one_row_in(PyObject *self, PyObject *const *args, int pooled, host_kept *kept)
 {
     Py_ssize_t key_bytes = PyLong_AsSsize_t(args[1]);
     if (key_bytes == -1 && PyErr_Occurred())
@@ -272,7 +277,7 @@ int abort_read(PyObject *txn)
    [False], None (the general path's job), or NULL with an error (an lmdb error is None: the
    caller clears it). The transaction is aborted on every way out. */
 static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *key, PyObject *view, PyObject *clock,
-                              double cold_s, PyObject *check)
+                              double cold_s, PyObject *check, const host_kept *kept, PyObject *row)
 {
     PyObject *txn = NULL, *result = NULL, *value = NULL, *entry = NULL, *stored = NULL;
     double start = read_clock(clock);
@@ -282,7 +287,7 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
     if (result == NULL)
         return NULL;
     PyList_SET_ITEM(result, 0, Py_NewRef(Py_False));
-    int direct = direct_lookups(parts, env, &key, &view, 1, check, result); /* by LMDB's own get, in its own transaction, where probed */
+    int direct = direct_lookups(parts, env, &key, &view, 1, check, result, kept, &row); /* by LMDB's own get, in its own transaction, where probed */
     if (direct != 2) {
         if (direct == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
             direct = -1;
@@ -320,6 +325,14 @@ static PyObject *read_counted(PyObject *const *parts, PyObject *env, PyObject *k
     if (value == Py_None) {
         if (add_to(parts[P_COUNTERS], s_read_misses, one_count) == 0)
             result = Py_BuildValue("[O]", Py_False);
+        goto done;
+    }
+    /* python-lmdb's get let the GIL go: the row's address asked again, the GIL held from here
+       to the copy (a row moved meanwhile: the general path's job) */
+    int stayed = rows_stayed(kept, &row, &view, 0, 1);
+    if (stayed <= 0) {
+        if (stayed == 0)
+            result = Py_NewRef(Py_None);
         goto done;
     }
     PyObject *status;
@@ -393,15 +406,15 @@ PyObject *one_read_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs, i
     if (seen != NULL) {
         PyObject *row_args[9] = {key, parts[P_KEY_BYTES], row, parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS], fd, seen};
         rows_hold(); /* no collection from the row's checks to its copy (_hostrow.h) */
-        PyObject *kept = NULL; /* the pool's memory, where pooled, held to the copy */
+        host_kept kept = HOST_KEPT_NONE; /* the pool's memory, where pooled, held to the copy */
         PyObject *view = one_row_in(self, row_args, pooled, &kept);
         if (view == Py_False || view == Py_None)
             result = view; /* the size moved: the Python form's; not such a key or row: the general path's */
         else if (view != NULL) {
-            result = read_counted(parts, env, key, view, clock, cold_s, check);
+            result = read_counted(parts, env, key, view, clock, cold_s, check, &kept, row);
             Py_DECREF(view);
         }
-        Py_XDECREF(kept);
+        host_kept_drop(&kept);
         rows_let_go();
     }
     Py_XDECREF(fd);

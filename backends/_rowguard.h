@@ -8,6 +8,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "../kvtier/records/_hostkept.h"
+
 #pragma GCC visibility push(hidden)
 
 /* What one_read takes from its parts tuple (built once per store by lmdb_one.StraightRead). */
@@ -49,9 +51,13 @@ PyObject *py_same_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
    (view_args: tensor_type, dtype, shape, views), -1 with an error set: then none is kept.
    rows: what job_rows made of the job's rows (a tuple, or rows of one pool whose pool is
    checked once: host_job_views, ../kvtier/records/_hostrow.h); kept (or NULL) as there: what
-   holds the pool's memory, to be released after the last copy. */
+   holds the pool's memory and where it was, to be dropped after the last copy. */
 int row_views(PyObject *const *keys, PyObject *rows, Py_ssize_t n, PyObject *const *view_args, Py_ssize_t key_bytes, PyObject **views,
-              PyObject **kept);
+              host_kept *kept);
+/* Whether rows [first, end) of a job are still where row_views took their views
+   (host_rows_stayed, asked after a step that let the GIL go): 1, 0 where any moved, -1 with an
+   error set. rows: the job's rows as row_views took them (tensors) where kept holds no pool. */
+int rows_stayed(const host_kept *kept, PyObject *const *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end);
 /* A job's rows as row_views takes them, a new reference: a kvtier.pool_rows.PoolRows (exact
    type) itself, anything else a tuple of its items as they are now (held); *n their count. NULL
    with the error set. */
@@ -79,7 +85,7 @@ PyObject *py_straight_read(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* The lookups by LMDB's own get, and its check at a store's open: see _lmdbdirect.c. */
 int direct_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n, PyObject *check,
-                   PyObject *found);
+                   PyObject *found, const host_kept *kept, PyObject *const *rows);
 PyObject *py_direct_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_direct_jobs(PyObject *self, PyObject *unused);
 PyObject *py_direct_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

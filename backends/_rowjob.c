@@ -95,7 +95,7 @@ static int add_count(PyObject *counters, PyObject *name, Py_ssize_t n)
    was probed for it (direct_lookups), else python-lmdb's. The transaction is aborted on every
    way out. */
 static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *keys, PyObject *const *views, Py_ssize_t n,
-                       PyObject *clock, double cold_s, PyObject *check, PyObject *found)
+                       PyObject *clock, double cold_s, PyObject *check, PyObject *found, const host_kept *kept, PyObject *const *rows)
 {
     Py_ssize_t joined, at;
     if (record_sizes(parts, &joined, &at) < 0)
@@ -103,7 +103,7 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
     double start = read_clock(clock);
     if (start == -1.0 && PyErr_Occurred())
         return -1;
-    int direct = direct_lookups(parts, env, keys, views, n, check, found); /* by LMDB's own get, in its own transaction, where probed */
+    int direct = direct_lookups(parts, env, keys, views, n, check, found, kept, rows); /* by LMDB's own get, in its own transaction, where probed */
     if (direct != 2) {
         if (direct == 1 && cold_rule(parts[P_TEMPERATURE], clock, start, cold_s) < 0)
             direct = -1;
@@ -129,8 +129,12 @@ static int job_lookups(PyObject *const *parts, PyObject *env, PyObject *const *k
         }
         PyObject *status;
         Py_ssize_t length = PyObject_Length(value);
-        if (length < 0) {
+        /* python-lmdb's get let the GIL go: the row's address asked again (rows_stayed), the
+           GIL held from here to its copy; a row moved meanwhile: the general path's job */
+        int stayed = length < 0 ? -1 : rows_stayed(kept, rows, views, i, i + 1);
+        if (stayed <= 0) {
             Py_DECREF(value);
+            rc = stayed;
             goto done;
         }
         if (length == joined) { /* joined: no index lookup */
@@ -208,7 +212,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), got = 0, hits = 0;
-    PyObject **views = NULL, *found = NULL, *result = NULL, *kept = NULL; /* kept: the pool's memory, held to the last copy */
+    PyObject **views = NULL, *found = NULL, *result = NULL;
+    host_kept kept = HOST_KEPT_NONE; /* the pool's memory and where it was, held to the last copy */
     int held = 0;
     if (n != rows) {
         result = Py_NewRef(Py_None);
@@ -275,7 +280,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (same == Py_False)
             result = Py_NewRef(Py_False); /* the size moved: grown, cut short or closed; the Python form's guard tells */
         else if (same != NULL)
-            read = job_lookups(parts, env, key, views, n, clock, cold_s, check, found);
+            read = job_lookups(parts, env, key, views, n, clock, cold_s, check, found, &kept,
+                               PyTuple_CheckExact(out) ? &PyTuple_GET_ITEM(out, 0) : NULL);
         Py_XDECREF(same);
     }
     Py_XDECREF(fd);
@@ -315,7 +321,7 @@ done:
         PyMem_Free(views);
     }
     Py_XDECREF(found);
-    Py_XDECREF(kept);
+    host_kept_drop(&kept);
     Py_DECREF(keys);
     Py_DECREF(out);
     return result;

@@ -12,6 +12,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_hostkept.h"
+
 /* The attribute names a row's checks ask for, interned once (host_row_names_init), and the
    class of a job's rows given as one pool (kvtier.pool_rows.PoolRows; None where it cannot be
    imported: then no job's rows are taken as one). */
@@ -318,14 +320,14 @@ static inline PyObject *host_pool_view(const host_pool *p, Py_ssize_t i, PyObjec
    whose pool's checks are asked once (host_pool_take) and each row's view found by its address
    (host_pool_view); where its pool is not one those checks take, its rows one by one (a tuple
    of iter(rows)), as a list of pool[n] each. Each row one by one: host_row_view of it, each
-   key's check before its row's. kept (NULL: not asked): on 1, a new reference to what holds
-   the memory of the pool's rows (its storage) for the caller to hold until its last copy, or
-   NULL where the rows were not taken as one pool. */
+   key's check before its row's. kept (NULL: not asked): on 1, where the rows were taken as one
+   pool, the pool's storage, the pool and its address (_hostkept.h; the caller holds them until
+   its last copy: host_kept_drop); else left empty. */
 static inline int host_job_views(PyObject *const *keys, Py_ssize_t n, PyObject *rows, PyObject *tensor_type, PyObject *dtype, PyObject *shape,
-                                 PyObject *views_dict, Py_ssize_t key_bytes, const host_row_names *names, PyObject **views, PyObject **kept)
+                                 PyObject *views_dict, Py_ssize_t key_bytes, const host_row_names *names, PyObject **views, host_kept *kept)
 {
     if (kept != NULL)
-        *kept = NULL;
+        *kept = HOST_KEPT_NONE;
     Py_ssize_t got = 0;
     int rc = 0;
     PyObject *items = NULL;
@@ -359,9 +361,10 @@ static inline int host_job_views(PyObject *const *keys, Py_ssize_t n, PyObject *
     }
     rc = 1;
     if (pooled && kept != NULL) {
-        *kept = p.storage;
-        p.storage = NULL;
-    }
+        *kept = (host_kept){p.storage, p.pool, NULL, p.base};
+        p.storage = p.pool = NULL;
+    } else if (items != rows && kept != NULL)
+        kept->items = Py_NewRef(items); /* (a PoolRows' rows, checked one by one) */
 done:
     if (rc != 1)
         for (Py_ssize_t i = 0; i < got; i++)
@@ -369,6 +372,43 @@ done:
     host_pool_drop(&p);
     Py_XDECREF(items);
     return rc;
+}
+
+/* Whether v (a new reference, or NULL with an error set) is the address at: 1, 0 (also where
+   v is not an int that fits), -1; v released. */
+static inline int host_address_is(PyObject *v, unsigned long long at)
+{
+    if (v == NULL)
+        return -1;
+    unsigned long long got = PyLong_CheckExact(v) ? PyLong_AsUnsignedLongLong(v) : 0;
+    Py_DECREF(v);
+    if (got == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* not an address: not where it was */
+        return 0;
+    }
+    return got == at;
+}
+
+/* Whether a job's rows are still where host_job_views took their views, asked again after a
+   step that let the GIL go: another thread may have moved them meanwhile (pool.resize_ to more
+   rows reallocates the pool's memory and frees the old, which no hold keeps). 1 where they are,
+   0 where any moved, -1 with an error set. Rows taken as one pool (kept->pool): the pool's
+   address against kept->base, one call; else each of rows[first..end) (the rows the views were
+   taken of, each a tensor whose checks passed; kept->items' where set) by its address against
+   its view's (views: the memoryviews host_job_views gave). */
+static inline int host_rows_stayed(const host_kept *kept, PyObject *const *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end,
+                                   const host_row_names *names)
+{
+    if (kept != NULL && kept->pool != NULL)
+        return host_address_is(host_row_call(kept->pool, names->data_ptr), kept->base);
+    if (kept != NULL && kept->items != NULL)
+        rows = &PyTuple_GET_ITEM(kept->items, 0);
+    for (Py_ssize_t i = first; i < end; i++) {
+        int is = host_address_is(host_row_call(rows[i], names->data_ptr), (unsigned long long)(uintptr_t)PyMemoryView_GET_BUFFER(views[i])->buf);
+        if (is <= 0)
+            return is;
+    }
+    return 1;
 }
 
 /* Automatic garbage collection held off while a job's rows' views are in use: from the first

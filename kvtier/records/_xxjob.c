@@ -283,7 +283,8 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
     Py_ssize_t key_bytes = PyLong_AsSsize_t(kind[KIND_KEY_BYTES]);
     if ((key_bytes == -1 && PyErr_Occurred()) || host_row_names_init(&row_names) < 0)
         return NULL;
-    PyObject *keys = PySequence_Tuple(keys_obj), *out = NULL, *result = NULL, *kept = NULL; /* kept: the pool's memory, held to the last read */
+    PyObject *keys = PySequence_Tuple(keys_obj), *out = NULL, *result = NULL;
+    host_kept kept = HOST_KEPT_NONE; /* the pool's memory, held to the last read */
     Py_ssize_t rows = -1;
     if (keys != NULL && host_pool_rows(out_obj, &row_names)) {
         PyObject *numbers = PyObject_GetAttr(out_obj, row_names.numbers);
@@ -320,7 +321,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
         }
     }
     xxc_rows_let_go();
-    Py_XDECREF(kept);
+    host_kept_drop(&kept);
 release:
     for (Py_ssize_t i = 0; i < got; i++)
         Py_DECREF(views[i]);
