@@ -81,7 +81,7 @@ PyObject *job_rows_count(PyObject *rows, Py_ssize_t *n)
         *n = PyObject_Length(rows);
         return *n < 0 ? NULL : Py_NewRef(rows);
     }
-    PyObject *numbers = PyObject_GetAttr(rows, row_names.numbers);
+    PyObject *numbers = host_slot(rows, row_names.numbers);
     *n = numbers == NULL ? -1 : PyObject_Length(numbers);
     Py_XDECREF(numbers);
     return *n < 0 ? NULL : Py_NewRef(rows);

@@ -33,6 +33,9 @@ def _rows() -> dict[str, Any]:
         "int8": torch.zeros(SIZE, dtype=torch.int8),
         "float16 of the same bytes": torch.zeros(SIZE // 2, dtype=torch.float16),
         "a short row": torch.zeros(SIZE - 1, dtype=torch.uint8),
+        "a long row": torch.zeros(SIZE + 1, dtype=torch.uint8),
+        "empty": torch.zeros(0, dtype=torch.uint8),
+        "zero-dimensional": torch.zeros((), dtype=torch.uint8),
         "two-dimensional": torch.zeros((1, SIZE), dtype=torch.uint8),
         "strided": torch.zeros((SIZE, 2), dtype=torch.uint8)[:, 1],
         "on the meta device": torch.empty(SIZE, dtype=torch.uint8, device="meta"),
@@ -99,6 +102,23 @@ def test_host_view_passes_on_an_error_a_row_raises_as_the_python_form_does() -> 
     for form in (lmdb_plain._rowguard.host_view, lmdb_plain.host_view_python):  # type: ignore[union-attr]
         with pytest.raises(RuntimeError, match="no shape here"):
             form(row, Broken, torch.uint8, SHAPE, {})
+
+
+@native
+def test_host_view_asks_a_subclass_of_its_own_ndim_its_shape_as_the_python_form_does() -> None:
+    class Flat(torch.Tensor):
+        @property
+        def ndim(self) -> int:  # type: ignore[override]
+            return 1
+
+    row = torch.zeros((1, SIZE), dtype=torch.uint8).as_subclass(Flat)
+    views = {row.data_ptr(): memoryview(bytearray(SIZE))}
+    for form in (lmdb_plain._rowguard.host_view, lmdb_plain.host_view_python):  # type: ignore[union-attr]
+        assert form(row, Flat, torch.uint8, SHAPE, views) is None  # its shape, (1, SIZE), is not a row's
+    flat = torch.zeros(SIZE, dtype=torch.uint8).as_subclass(Flat)
+    views = {flat.data_ptr(): memoryview(bytearray(SIZE))}
+    for form in (lmdb_plain._rowguard.host_view, lmdb_plain.host_view_python):  # type: ignore[union-attr]
+        assert form(flat, Flat, torch.uint8, SHAPE, views) is views[flat.data_ptr()]
 
 
 @native

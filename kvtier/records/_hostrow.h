@@ -11,6 +11,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include "_hostkept.h"
 
@@ -18,7 +19,8 @@
    class of a job's rows given as one pool (kvtier.pool_rows.PoolRows; None where it cannot be
    imported: then no job's rows are taken as one). */
 typedef struct {
-    PyObject *dtype, *shape, *is_cpu, *is_contiguous, *data_ptr, *pool, *numbers, *itemsize, *start, *step, *untyped_storage, *pool_rows;
+    PyObject *dtype, *shape, *is_cpu, *is_contiguous, *data_ptr, *pool, *numbers, *itemsize, *start, *step, *untyped_storage, *ndim, *nbytes,
+        *pool_rows;
 } host_row_names;
 
 /* 0 with every name interned and the class imported (again a no-op), or -1 with the error set. */
@@ -26,9 +28,10 @@ static inline int host_row_names_init(host_row_names *names)
 {
     if (names->pool_rows != NULL)
         return 0;
-    PyObject **slots[] = {&names->dtype, &names->shape, &names->is_cpu, &names->is_contiguous, &names->data_ptr,
-                          &names->pool, &names->numbers, &names->itemsize, &names->start, &names->step, &names->untyped_storage};
-    const char *texts[] = {"dtype", "shape", "is_cpu", "is_contiguous", "data_ptr", "pool", "numbers", "itemsize", "start", "step", "untyped_storage"};
+    PyObject **slots[] = {&names->dtype, &names->shape, &names->is_cpu, &names->is_contiguous, &names->data_ptr, &names->pool, &names->numbers,
+                          &names->itemsize, &names->start, &names->step, &names->untyped_storage, &names->ndim, &names->nbytes};
+    const char *texts[] = {"dtype", "shape", "is_cpu", "is_contiguous", "data_ptr", "pool", "numbers", "itemsize", "start", "step", "untyped_storage",
+                           "ndim", "nbytes"};
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
         if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return -1;
@@ -92,6 +95,8 @@ static inline PyObject *host_view_at(PyObject *views, PyObject *at)
     return view;
 }
 
+static inline int host_shape_is(PyObject *t, PyObject *shape, PyObject *dtype, const host_row_names *names);
+
 /* views[row.data_ptr()] when type(row) is tensor_type, row.dtype is dtype, row.shape == shape,
    row.is_cpu and row.is_contiguous(); None when any of them is not so or the address is not in
    views (a dict). Asked in that order, as the Python form asks them, each of the C getter or
@@ -109,13 +114,9 @@ static inline PyObject *host_row_view(PyObject *row, PyObject *tensor_type, PyOb
     Py_DECREF(v);
     if (!ok)
         Py_RETURN_NONE;
-    v = host_row_get(row, names->shape);
-    if (v == NULL)
-        return NULL;
-    int differ = PyObject_RichCompareBool(v, shape, Py_NE);
-    Py_DECREF(v);
-    if (differ != 0)
-        return differ < 0 ? NULL : Py_NewRef(Py_None);
+    ok = host_shape_is(row, shape, dtype, names);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
     ok = host_row_truth(host_row_get(row, names->is_cpu));
     if (ok > 0)
         ok = host_row_truth(host_row_call(row, names->is_contiguous));
@@ -184,6 +185,75 @@ static inline int host_dtype_itemsize(PyObject *dtype, const host_row_names *nam
     return ok;
 }
 
+/* Where shape is a tuple of one int (a row's shape, as the tiers give it) and dtype's itemsize
+   is known: 1 with *width (that int) and *itemsize set; else 0 (no error kept). */
+static inline int host_row_width(PyObject *shape, PyObject *dtype, const host_row_names *names, Py_ssize_t *width, Py_ssize_t *itemsize)
+{
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != 1 || host_pool_size(Py_NewRef(PyTuple_GET_ITEM(shape, 0)), width) <= 0 || *width < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (host_dtype_itemsize(dtype, names, itemsize) <= 0 || *itemsize <= 0 || *width > PY_SSIZE_T_MAX / *itemsize) {
+        PyErr_Clear(); /* (dtype.itemsize not an int: the shape getter answers) */
+        return 0;
+    }
+    return 1;
+}
+
+/* Whether t's type holds a C getter for name (what host_row_get then calls straight). */
+static inline int host_c_getter(PyObject *t, PyObject *name)
+{
+    PyObject *described = _PyType_Lookup(Py_TYPE(t), name); /* borrowed; the type's method cache */
+    return described != NULL && Py_IS_TYPE(described, &PyGetSetDescr_Type);
+}
+
+/* Whether t.shape == shape (t a tensor of dtype, its type's C getters asked): 1, 0, or -1 with
+   the error set. Where shape is a row's (host_row_width) and t's type holds C getters for shape,
+   ndim and nbytes, asked as t.ndim == 1 and t.nbytes == width * itemsize, the same answer
+   (nbytes is numel times dtype's itemsize) without the shape getter, which builds a torch.Size;
+   else the shapes compared (a shape of a subclass's own is asked as before). */
+static inline int host_shape_is(PyObject *t, PyObject *shape, PyObject *dtype, const host_row_names *names)
+{
+    Py_ssize_t width, itemsize, ndim, nbytes;
+    if (host_c_getter(t, names->shape) && host_c_getter(t, names->ndim) && host_c_getter(t, names->nbytes)
+        && host_row_width(shape, dtype, names, &width, &itemsize)) {
+        int ok = host_pool_size(host_row_get(t, names->ndim), &ndim);
+        if (ok > 0 && ndim != 1)
+            return 0;
+        if (ok > 0)
+            ok = host_pool_size(host_row_get(t, names->nbytes), &nbytes);
+        if (ok != 0)
+            return ok < 0 ? -1 : nbytes == width * itemsize;
+    }
+    PyObject *v = host_row_get(t, names->shape);
+    if (v == NULL)
+        return -1;
+    int same = PyObject_RichCompareBool(v, shape, Py_EQ);
+    Py_DECREF(v);
+    return same;
+}
+
+/* obj.name where obj's type reads it generically and holds it in a slot (a __slots__ member, set):
+   that slot read straight; else getattr. A new reference, or NULL with the error set. */
+static inline PyObject *host_slot(PyObject *obj, PyObject *name)
+{
+    PyObject *described = Py_TYPE(obj)->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(Py_TYPE(obj), name) : NULL;
+    if (described != NULL && Py_IS_TYPE(described, &PyMemberDescr_Type)) {
+        const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
+        PyObject *v = member->type == T_OBJECT_EX ? *(PyObject **)((char *)obj + member->offset) : NULL;
+        if (v != NULL)
+            return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
+/* CPython's range object as Objects/rangeobject.c lays it out (the same since 3.2), read straight
+   where the type's size is this struct's: start, step and length without three attribute calls. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *start, *stop, *step, *length;
+} host_range;
+
 /* The checks of a job's rows given as one pool (host_pool_rows(rows)), asked once of the pool
    as it is now, each of the C getter or method tensor_type holds for it: type(pool) is
    tensor_type, pool.dtype is dtype, pool.shape is 2-D and pool.shape[1:] == shape (a row's
@@ -195,7 +265,7 @@ static inline int host_pool_take(PyObject *rows, PyObject *tensor_type, PyObject
                                  host_pool *p)
 {
     p->pool = p->numbers = p->storage = NULL;
-    PyObject *pool = PyObject_GetAttr(rows, names->pool), *v = NULL;
+    PyObject *pool = host_slot(rows, names->pool), *v = NULL;
     if (pool == NULL)
         return -1;
     p->pool = pool;
@@ -246,12 +316,20 @@ static inline int host_pool_take(PyObject *rows, PyObject *tensor_type, PyObject
         goto other;
     p->row_bytes *= itemsize;
     /* The row numbers: a range (start and step) or a tuple of ints, as they are now. */
-    PyObject *numbers = PyObject_GetAttr(rows, names->numbers);
+    PyObject *numbers = host_slot(rows, names->numbers);
     if (numbers == NULL)
         goto failed;
     p->numbers = numbers;
     p->ranged = PyRange_Check(numbers);
-    if (p->ranged) {
+    if (p->ranged && PyRange_Type.tp_basicsize == (Py_ssize_t)sizeof(host_range)) {
+        const host_range *range = (const host_range *)numbers; /* (its fields exact ints) */
+        if ((ok = host_pool_size(Py_NewRef(range->start), &p->start)) > 0)
+            ok = host_pool_size(Py_NewRef(range->step), &p->step);
+        if (ok > 0 && (ok = host_pool_size(Py_NewRef(range->length), &p->count)) == 0)
+            p->count = 0; /* (more than a Py_ssize_t holds: not such a job) */
+        if (ok < 0)
+            goto failed;
+    } else if (p->ranged) {
         if ((ok = host_pool_size(PyObject_GetAttr(numbers, names->start), &p->start)) > 0)
             ok = host_pool_size(PyObject_GetAttr(numbers, names->step), &p->step);
         if (ok < 0)

@@ -287,7 +287,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
     host_kept kept = HOST_KEPT_NONE; /* the pool's memory, held to the last read */
     Py_ssize_t rows = -1;
     if (keys != NULL && host_pool_rows(out_obj, &row_names)) {
-        PyObject *numbers = PyObject_GetAttr(out_obj, row_names.numbers);
+        PyObject *numbers = host_slot(out_obj, row_names.numbers);
         rows = numbers == NULL ? -1 : PyObject_Length(numbers);
         Py_XDECREF(numbers);
         out = rows < 0 ? NULL : Py_NewRef(out_obj);
