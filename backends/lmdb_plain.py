@@ -197,9 +197,12 @@ class RowViews:
             return None
         return self._view_at(row.data_ptr())
 
-    def _view_at(self, at: int) -> memoryview:
+    def _view_at(self, at: int | None) -> memoryview | None:
         """The kept view of the row of :attr:`size` bytes at ``at`` (a row that was just found to
-        be a live, contiguous host ``uint8`` tensor of that many bytes there), made if not kept."""
+        be a live, contiguous host ``uint8`` tensor of that many bytes there), made if not kept;
+        ``None`` for no address (a pool's row not in the pool now: :func:`pool_addresses`)."""
+        if at is None:
+            return None
         views = self.views
         view = views.get(at)
         if view is None:
@@ -231,19 +234,22 @@ def pool_addresses(rows: PoolRows, tensor_type: type, dtype: Any, shape: Any) ->
 
 def _rows_viewed(
     keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int,
-    unseen: Callable[[Any], memoryview | None] | None, unseen_at: Callable[[int], memoryview] | None = None,
+    unseen: Callable[[Any], memoryview | None] | None, unseen_at: Callable[[int | None], memoryview | None] | None = None,
 ) -> list[memoryview] | None:
     """Each row's :data:`host_view`, else its ``unseen(row)``, when every key is ``bytes`` of
     ``key_bytes`` and every row has a view; else ``None`` (also when the counts differ): the
     loop of :meth:`RowViews.of` (``unseen``: its checks of a row not seen yet) and of
     :func:`job_views_python` (``None``: only rows seen before). Rows of one pool (a
     :class:`PoolRows`) whose pool :func:`pool_addresses` takes: each row's view by its address
-    in ``views``, else ``unseen_at(address)``; a row not in the pool now has none."""
+    in ``views``, else ``unseen_at(address)``; a row not in the pool now (its address ``None``)
+    has none."""
+    look = None  # (rows of one pool: each row's view by its address, views.get)
     if type(rows) is PoolRows:
         addresses = pool_addresses(rows, tensor_type, dtype, shape)
-        if addresses is not None:
-            return _pool_viewed(keys, addresses, views, key_bytes, unseen_at if unseen is not None else None)
-        rows = tuple(rows)  # its rows one by one, as a list of pool[n] each
+        if addresses is not None:  # the same loop, each row's view looked up by its address
+            rows, look, unseen = addresses, views.get, unseen_at if unseen is not None else None
+        else:
+            rows = tuple(rows)  # its rows one by one, as a list of pool[n] each
     if len(keys) != len(rows):
         return None
     seen = host_view
@@ -251,7 +257,7 @@ def _rows_viewed(
     for key, row in zip(keys, rows):
         if type(key) is not bytes or len(key) != key_bytes:
             return None
-        view = seen(row, tensor_type, dtype, shape, views)
+        view = seen(row, tensor_type, dtype, shape, views) if look is None else look(row)
         if view is None and (unseen is None or (view := unseen(row)) is None):
             return None
         got.append(view)
@@ -266,25 +272,6 @@ def pool_memory(rows: Any) -> Any:
     ``None`` for any other rows (their views hold their memory)."""
     pool = rows.pool if type(rows) is PoolRows else None
     return pool.untyped_storage() if isinstance(pool, torch.Tensor) else None
-
-
-def _pool_viewed(
-    keys: Any, addresses: list[int | None], views: dict[int, memoryview], key_bytes: int, unseen_at: Callable[[int], memoryview] | None
-) -> list[memoryview] | None:
-    """:func:`_rows_viewed`'s loop over rows of one pool, by their addresses."""
-    if len(keys) != len(addresses):
-        return None
-    got = []
-    for key, at in zip(keys, addresses):
-        if type(key) is not bytes or len(key) != key_bytes or at is None:
-            return None
-        view = views.get(at)
-        if view is None:
-            if unseen_at is None:
-                return None
-            view = unseen_at(at)
-        got.append(view)
-    return got
 
 
 def host_view_python(row: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview]) -> memoryview | None:
