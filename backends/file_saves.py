@@ -31,7 +31,7 @@ from kvtier.backends.file_known import KnownRecords
 from kvtier.backends.file_reads import BeneathRoot, PlainReads
 from kvtier.backends.file_root import ShardDirs
 from kvtier.backends.file_tree import _SUFFIX, FLAT
-from kvtier.backends.lmdb_plain import RowViews, pool_memory
+from kvtier.backends.lmdb_plain import RowViews
 
 from kvtier.errors import DiskError
 from kvtier.records import xxcopy
@@ -94,7 +94,6 @@ class FileSaves(PersistentRecordBackend):
         # Unkeyed, uncompressed jobs of host rows: the job's checks and its rows' views in one
         # loop, and each record's checksum from the store's one hash state (plain_records).
         plain = self._plain if self.codec.codec_id == NoneCodec.codec_id else None
-        _held_memory = pool_memory(blocks)  # (rows of one pool: its memory held to the last write)
         rows = self._views.of(keys, blocks) if plain is not None and self._views is not None else None
         self._check_io(keys, blocks) if rows is None else self._check_open()
         if rows is not None and plain is not None and len(rows) == 1 and self.store_layout == FLAT and SAVE_ONE:

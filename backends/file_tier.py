@@ -78,7 +78,7 @@ from kvtier.backends.file_root import ShardDirs, asked_layout, establish_meta
 from kvtier.backends.file_saves import FileSaves
 from kvtier.backends.file_table import TABLE_NAME, open_listing, save_table
 from kvtier.backends.file_tree import _RECORD_READ, FLAT, STALE_TEMP_SECONDS, FileTree
-from kvtier.backends.lmdb_plain import RowViews, pool_memory
+from kvtier.backends.lmdb_plain import RowViews
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
@@ -315,7 +315,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             found, rest = got
             size = self.format.block_bytes
         else:  # the job's checks and its rows' views in one loop (a pool's memory held), then the plain reads
-            _held_memory, rows = pool_memory(out), (views.of(keys, out) if (views := self._views) is not None else None)
+            rows = views.of(keys, out) if (views := self._views) is not None else None  # (rows of one pool: they hold its memory)
             size = self._check_io(keys, out) if rows is None else self._check_open().block_bytes
             found = [False] * len(keys)
             if plain is not None and PLAIN_READS and (plain.flat or plain.root.usable):

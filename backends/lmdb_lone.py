@@ -87,6 +87,7 @@ except ImportError:  # not built
     put_reserved = None
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
+_NO_KEY = (bytes(KEY_BYTES),)  # (a lone save's key is checked before its row's views)
 
 
 class _Store(Protocol):
@@ -152,11 +153,11 @@ class LoneSave:
         # this list (benchmarks/bench_row_hold.py, flagged_object against flagged: 310 to 99 ns).
         held = [True]
         xxcopy.rows_hold()
-        _held_memory = lmdb_plain.pool_memory(row)  # (rows of one pool: its memory held to the copy)
         try:
-            view = _one_view(row, self.shape, self.views)
-            if view is None:
+            viewed = _one_view(row, self.shape, self.views)  # (rows of one pool: its views hold its memory to the copy)
+            if viewed is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
+            view = viewed[0] if type(row) is PoolRows else viewed
             tier._env_or_raise()
             commits = self.commits
             sizes = commits.submit_alone(((key,), (view,), held), self._commit_job) if self._reserving() else None
@@ -196,9 +197,8 @@ class LoneSave:
         # the lone save's is, for the same reason (an early let-go, cheapest with this flag).
         held = [True]
         xxcopy.rows_hold()
-        _held_memory = lmdb_plain.pool_memory(rows)  # (rows of one pool: its memory held to the last copy)
         try:
-            views = lmdb_plain.job_views(keys, rows, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)
+            views = lmdb_plain.held_views(keys, rows, self.shape, self.views)  # (rows of one pool: they hold its memory)
             if views is None:
                 return None
             tier._env_or_raise()
@@ -314,11 +314,11 @@ def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> No
         txn.delete(key, b"", tier._index)
 
 
-def _one_view(row: Any, shape: Any, views: dict[int, memoryview]) -> memoryview | None:
-    """The kept view of a lone save's row (``lmdb_plain.host_view``); ``row`` may be the job's
-    rows given as one pool (a :class:`PoolRows` of one), whose pool is checked once
-    (``lmdb_plain.job_views``), no view of the row made."""
+def _one_view(row: Any, shape: Any, views: dict[int, memoryview]) -> Any:
+    """The kept view of a lone save's row (``lmdb_plain.host_view``), or ``None``; ``row`` may
+    be the job's rows given as one pool (a :class:`PoolRows` of one), whose pool is checked once,
+    no view of the row made: then the row's views (``lmdb_plain.held_views``: they hold the
+    pool's memory), or ``None``."""
     if type(row) is not PoolRows:
         return lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
-    got = lmdb_plain.job_views((bytes(KEY_BYTES),), row, _TENSOR, _U8, shape, views, KEY_BYTES)
-    return None if got is None else got[0]
+    return lmdb_plain.held_views(_NO_KEY, row, shape, views)

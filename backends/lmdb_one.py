@@ -289,12 +289,11 @@ class StraightRead:
 
     def _job_held(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
         """The lines of :meth:`job` from its rows' checks on, under the rows' hold."""
-        _held_memory = lmdb_plain.pool_memory(out)  # (rows of one pool: its memory held to the last copy)
         n = len(keys)
         temperature = self.temperature
         views, shape, host_view = self.views, self.shape, lmdb_plain.host_view
-        if type(out) is PoolRows:  # rows of one pool: its checks once, each row's view by its address
-            rows = lmdb_plain.job_views(keys, out, _TENSOR, _U8, shape, views, KEY_BYTES)
+        if type(out) is PoolRows:  # rows of one pool: its checks once, each row's view by its address (they hold its memory)
+            rows = lmdb_plain.held_views(keys, out, shape, views)
             if rows is None:
                 return None
         else:

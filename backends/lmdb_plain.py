@@ -52,7 +52,7 @@ from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
-    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "PlainReads", "RowViews", "dispatch_modes", "function_mode", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "HeldViews", "PlainReads", "RowViews", "dispatch_modes", "function_mode", "held_views", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
     "one_row", "pool_addresses", "pool_memory", "put_joined", "python_in_torch", "same_size", "straight_read",
 ]
 
@@ -115,7 +115,16 @@ def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False)
     lookup and the copy of a 4 KiB record together. Other rows, when ``borrowed`` (the caller
     holds the rows for as long as it uses the views, which do not hold them), are views of
     their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()``
-    each."""
+    each. Borrowed rows of one pool (a :class:`PoolRows`, whose rows are made as asked): the
+    views as :class:`HeldViews`, which hold the pool's memory."""
+    if borrowed and type(out) is PoolRows:
+        memory = pool_memory(out)
+        return HeldViews.of(_host_rows(out, size, borrowed), memory)
+    return _host_rows(out, size, borrowed)
+
+
+def _host_rows(out: Sequence[torch.Tensor], size: int, borrowed: bool) -> list[memoryview] | None:
+    """:func:`host_rows`' views."""
     if devices.locate is not None or not out or function_mode() or dispatch_modes():
         return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
     base = out[0]._base
@@ -181,12 +190,22 @@ class RowViews:
     def of(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[memoryview] | None:
         """A view of each row when every key is ``bytes`` of 32 and every row a contiguous
         host ``uint8`` tensor of :attr:`size` elements; else ``None`` (the caller's general
-        checks then name what is wrong, or take rows that are not host memory)."""
+        checks then name what is wrong, or take rows that are not host memory). Rows of one
+        pool (a :class:`PoolRows`): the views as :class:`HeldViews`, which hold the pool's
+        memory for as long as the caller holds them."""
         if devices.locate is not None or function_mode() or dispatch_modes():
             return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
-        if type(out) is PoolRows and job_views is not job_views_python and (got := job_views(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES)) is not None:
-            return got  # rows of one pool, each seen before: the pool checked once, in one native call
-        return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
+        if type(out) is not PoolRows:
+            return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
+        pool = out.pool
+        memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+        # rows of one pool, each seen before: the pool checked once, in one native call
+        got = job_views(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES) if job_views is not job_views_python else None
+        if got is None and (got := _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)) is None:
+            return None
+        held = HeldViews(got)  # (HeldViews.of, written out: 60 ns a job less)
+        held.memory = memory
+        return held
 
     def _unseen(self, row: Any) -> memoryview | None:
         """The view of a row :data:`host_view` does not answer for (not seen yet, a subclass, or
@@ -210,6 +229,42 @@ class RowViews:
                 views.clear()
             view = views[at] = _at(at, self.size)
         return view
+
+
+class HeldViews(list):  # type: ignore[type-arg]
+    """A job's views of rows of one pool (a :class:`PoolRows`), with what holds the memory they
+    point at (:attr:`memory`: the pool's storage as it was when the pool was checked), for as
+    long as the views are held: a pool moved meanwhile (``pool.set_(...)`` from another thread
+    while a copy lets the GIL go) leaves that memory to the job, not to the allocator, as a list
+    of views of its rows holds it. Views by address hold nothing; handing back the hold with
+    them leaves no caller to remember it (its views used, its memory held)."""
+
+    __slots__ = ("memory",)
+
+    @classmethod
+    def of(cls, views: list[memoryview] | None, memory: Any) -> HeldViews | None:
+        """``views`` holding ``memory`` (``None`` for ``None``)."""
+        if views is None:
+            return None
+        held = cls(views)
+        held.memory = memory
+        return held
+
+
+def held_views(keys: Any, rows: Any, shape: Any, views: dict[int, memoryview]) -> list[memoryview] | None:
+    """:data:`job_views` of a job of host ``uint8`` rows of ``shape`` and keys of
+    :data:`~kvtier.keys.KEY_BYTES`; rows of one pool (a :class:`PoolRows`): the views as
+    :class:`HeldViews`, the pool's memory taken before its checks."""
+    if type(rows) is not PoolRows:
+        return job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES)
+    pool = rows.pool
+    memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+    got = job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES)
+    if got is None:
+        return None
+    held = HeldViews(got)  # (HeldViews.of, written out: 60 ns a job less)
+    held.memory = memory
+    return held
 
 
 def pool_addresses(rows: PoolRows, tensor_type: type, dtype: Any, shape: Any) -> list[int | None] | None:

@@ -535,9 +535,9 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         reader, mac = self._reader, self.mac
         # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
         views = reader.views if reader is not None and mac is None else None
-        # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory held.
+        # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory is held by
+        # the views of its rows (lmdb_plain.HeldViews: RowViews.of, or host_rows in read_job).
         xxcopy.rows_hold()
-        _held_memory = lmdb_plain.pool_memory(out)
         try:
             rows = views.of(keys, out) if views is not None else None
             size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]

@@ -66,7 +66,7 @@ from kvtier.backends.lmdb_files import map_pages
 from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_lone import LoneSave
-from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows, pool_memory
+from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.keys import check_keys
@@ -156,10 +156,10 @@ class LmdbWrites(PersistentRecordBackend):
         held = rows is not None or records is not None
         if held:
             xxcopy.rows_hold()
-        _held_memory = pool_memory(blocks)  # (rows of one pool: its memory held to the last copy)
         try:
             # Plain jobs of host rows: the job's checks and its rows' views in one loop
-            # (RowViews, as reads do); other rows of plain jobs get views one by one (host_rows).
+            # (RowViews, as reads do; rows of one pool: the views hold its memory to the last
+            # copy); other rows of plain jobs get views one by one (host_rows).
             views = rows.of(keys, blocks) if rows is not None else None
             if views is None:
                 size = self._check_io(keys, blocks)
