@@ -32,6 +32,7 @@ memory.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 from kvtier.records.record_backend import _in_host_memory
 from kvtier.records.xxcopy import rows_held
 
-__all__ = ["RowLease", "fill_row", "is_block"]
+__all__ = ["Count", "RowLease", "fill_row", "is_block"]
 
 
 def is_block(t: torch.Tensor, size: int) -> bool:
@@ -110,3 +111,21 @@ def fill_row(row: torch.Tensor, size: int, fill: Callable[[memoryview], Any], le
     except RuntimeError:  # (resized meanwhile)
         return False
     return True
+
+
+class Count:
+    """A count added to from several threads at once (``rows_moved``: engine threads' jobs, and
+    a job's shares, each on a thread of its own): each add under a lock, so that none is lost
+    (``+=`` on an attribute reads, adds and stores in steps another thread may come between).
+    An add of nothing takes no lock: the count moves only when a row did."""
+
+    __slots__ = ("_lock", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.value += n

@@ -78,7 +78,7 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
 from kvtier.backends.remote_listing import KEY_BYTES, RemoteListing, SweepSkipped
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
-from kvtier.backends.remote_rows import RowLease, fill_row
+from kvtier.backends.remote_rows import Count, RowLease, fill_row
 from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -245,7 +245,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         #: sweeps do not adopt them again until this tier writes them (bounded, oldest dropped).
         self._unreadable: dict[bytes, None] = {}
         self._unreadable_lock = threading.Lock()
-        self.rows_moved = 0  # records not served or stored: their row moved in the transfer (remote_rows)
+        self.rows_moved = Count()  # records not served or stored: their row moved in the transfer (remote_rows), from any thread
         #: a server unreachable, and either kind of failure (see the class attributes)
         self._down_errors: tuple[type[BaseException], ...] = (Down, *self.down_errors)
         self._failure_errors: tuple[type[BaseException], ...] = (*self._down_errors, *self.refused_errors)
@@ -452,7 +452,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks, self.format.block_bytes)
         self._run_io(partial(self._write_share, job=job), job.rkeys, self.reserve_bytes())
         moved = job.moved()
-        self.rows_moved += len(moved) + len(job.refused)
+        self.rows_moved.add(len(moved) + len(job.refused))
         if moved:  # removed: never a record of other bytes than the row's (kvtier.backends.remote_rows)
             self._delete([keys[i] for i in moved])
         sizes = job.sizes
@@ -525,7 +525,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             job.bad.append(key)
             return False
         if not landed:
-            self.rows_moved += 1  # its bytes landed where the row used to be
+            self.rows_moved.add(1)  # its bytes landed where the row used to be (on a share's thread)
         return landed
 
     def _remember_unreadable(self, keys: list[bytes]) -> None:
@@ -570,7 +570,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             outages=sum(h.outages for h in every),
             connection_errors=sum(h.connection_errors for h in every),
             fast_failures=sum(h.fast_failures for h in every),
-            rows_moved=self.rows_moved,
+            rows_moved=self.rows_moved.value,
         )
         if self.follower is not None:
             data["follow"] = self.follower.stats()
