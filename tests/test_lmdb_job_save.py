@@ -15,41 +15,37 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
+from kvtier.backends import lmdb_entries, lmdb_plain
 
 from kvtier import registry
 from kvtier.backend import Backend
 from kvtier.errors import BackendError, ClosedError, DiskError
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
-from tests.test_lmdb_lone_save import (
+from tests import lmdb_saves
+from tests.lmdb_saves import (
     FMT,
-    _compare,
-    _Dispatching,
-    _dump,
-    _FailingEnv,
-    _open,
-    _Passing,
-    _read,
+    FORMS,
+    Dispatching,
+    FailingEnv,
+    Passing,
+    RefusingEnv,
+    compare,
+    dump,
+    open_store,
+    read_back,
     while_a_commit_runs,
 )
 
 _FORMS = ("host_view", "job_views", "put_joined")
 
 
-@pytest.fixture(autouse=True, params=["reserved", "native", "python"])
+@pytest.fixture(autouse=True, params=FORMS)
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the row checks, the job's views and its puts native, its records written
     into the room LMDB's own put reserves (``lmdb_lone.RESERVED_PUTS``); then built and put
     through python-lmdb, native, then in Python."""
-    if request.param != "reserved":
-        monkeypatch.setattr(lmdb_lone, "RESERVED_PUTS", False)
-    if request.param == "python":
-        for name in _FORMS:
-            monkeypatch.setattr(lmdb_plain, name, getattr(lmdb_plain, f"{name}_python"))
-    elif not lmdb_plain.NATIVE_GUARD:
-        pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
-    return str(request.param)
+    return lmdb_saves.guard_form(request, monkeypatch, _FORMS)
 
 
 def _block(i: int) -> bytes:
@@ -67,9 +63,9 @@ def test_job_saves_store_read_and_count_what_the_general_path_does(tmp_path: Pat
         sizes.append(backend.write_blocks(keys[4:12], rows))  # eight rows, one job
         rows[0].copy_(random_block(FMT.block_bytes, 50))
         sizes.append(backend.write_blocks([keys[2], keys[3], keys[2]], [rows[1], rows[0], rows[0]]))  # saved over, a key twice
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3] == [] and slow[3] == [4, 8, 3]  # the straight line took every job
     sizes, read = fast[0]
     assert [len(s) for s in sizes] == [4, 8, 3] and len({s for job in sizes for s in job}) == 1 and sizes[0][0] > 0
@@ -87,9 +83,9 @@ def test_a_job_with_a_row_not_seen_yet_or_not_such_is_the_general_paths(tmp_path
             backend.write_blocks(keys, [rows[0], rows[1]])  # one row short: the general checks name it
         with pytest.raises(ValueError):
             backend.write_blocks([keys[0], b"short", keys[2]], rows[:3])
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3][0] == 3 and slow[3][:2] == [3, 3]  # the unseen row's job was the general path's; the next one straight
     assert fast[0][1] == [bytes(FMT.block_bytes), _block(9), bytes(FMT.block_bytes)]
 
@@ -102,12 +98,12 @@ def test_a_job_save_over_split_records_drops_their_index_entries_as_the_general_
             split.setattr(lmdb_entries, "JOIN_MAX", 0)  # saved split: an index entry each
             rows[0].copy_(random_block(FMT.block_bytes, 1))
             backend.write_blocks(keys, [rows[0]] * 3)
-        assert len(_dump(backend)[1]) == 3
+        assert len(dump(backend)[1]) == 3
         rows[1].copy_(random_block(FMT.block_bytes, 2))
         sizes = backend.write_blocks(keys[:2], rows[1:3])  # saved joined over them
-        return [sizes, len(_dump(backend)[1]), _read(backend, keys)]
+        return [sizes, len(dump(backend)[1]), read_back(backend, keys)]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3] == [3] and slow[3] == [3, 2]
     assert fast[0][1] == 1  # the two saved joined have no entry left
     assert fast[0][2] == [_block(2), bytes(FMT.block_bytes), _block(1)]
@@ -128,9 +124,9 @@ def test_a_record_that_fails_to_build_in_the_transaction_fails_alone_as_on_the_g
         with pytest.MonkeyPatch.context() as failing:
             failing.setattr(xxcopy, "xxh3_joined", build)
             sizes = backend.write_blocks(keys, rows[:4])
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    fast, _ = compare(tmp_path, monkeypatch, plan)
     sizes, read = fast[0]
     # built in the transaction on both paths: aborted, then each record in its own; that key alone fails
     assert sizes[1] is None and None not in sizes[:1] + sizes[2:]
@@ -149,7 +145,7 @@ def test_job_saves_into_a_full_map_fail_and_recover_as_on_the_general_path(tmp_p
         again = backend.write_blocks(keys[-4:], rows[4:8])
         return [sizes, again]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan, capacity=512 << 10)
+    fast, _ = compare(tmp_path, monkeypatch, plan, capacity=512 << 10)
     assert fast[0][1].count(None) < 4  # room again after the deletions
     assert fast[1]["write_failures"] > 0
 
@@ -160,16 +156,16 @@ def test_an_lmdb_error_in_a_job_save_is_the_general_paths(tmp_path: Path, monkey
 
     def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
         env = backend._env  # type: ignore[attr-defined]
-        backend._env = _FailingEnv(env, error)  # type: ignore[attr-defined]
+        backend._env = FailingEnv(env, error)  # type: ignore[attr-defined]
         try:
             got: Any = backend.write_blocks(keys, rows[:3])
         except DiskError as exc:
             got = f"DiskError: {exc}".replace(backend.path, "PATH")  # type: ignore[attr-defined]
         finally:
             backend._env = env  # type: ignore[attr-defined]
-        return [got, _read(backend, keys)]
+        return [got, read_back(backend, keys)]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    fast, _ = compare(tmp_path, monkeypatch, plan)
     got, read = fast[0]
     assert read == [None] * 3
     if error is lmdb.DiskError:
@@ -179,14 +175,14 @@ def test_an_lmdb_error_in_a_job_save_is_the_general_paths(tmp_path: Path, monkey
 
 
 def test_a_job_save_while_a_commit_runs_joins_the_group_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    backend = _open(tmp_path / "store")
+    backend = open_store(tmp_path / "store")
     rows = [random_block(FMT.block_bytes, i) for i in range(4)]
     keys = [make_key(i) for i in range(4)]
     try:
         backend.write_blocks(keys[2:], rows[2:])  # the rows' views are kept from now on
         committed = while_a_commit_runs(backend, monkeypatch, (keys[:1], rows[:1]), (keys[2:], rows[2:]), lambda job: [head for _, head, _ in job])
         assert committed[1] == [[b"", b""]]  # through the group's commit, its records built whole while it waited
-        assert _read(backend, keys) == [bytes(rows[0].numpy()), None, bytes(rows[2].numpy()), bytes(rows[3].numpy())]
+        assert read_back(backend, keys) == [bytes(rows[0].numpy()), None, bytes(rows[2].numpy()), bytes(rows[3].numpy())]
     finally:
         asyncio.run(backend.aclose())
 
@@ -215,7 +211,7 @@ def test_a_durable_job_save_returns_after_its_sync(tmp_path: Path) -> None:
 
 
 def test_a_job_save_of_a_closed_or_forked_store_is_refused(tmp_path: Path) -> None:
-    backend = _open(tmp_path / "store")
+    backend = open_store(tmp_path / "store")
     rows = [random_block(FMT.block_bytes, i) for i in range(2)]
     keys = [make_key(i) for i in range(2)]
     backend.write_blocks(keys, rows)  # the rows' views are kept: the next saves are straight
@@ -288,7 +284,7 @@ def test_job_views_and_put_joined_answer_alike_native_and_in_python() -> None:
             form(put, None, "index", head, keys, got_views[:2], xxcopy.xxh3_joined)
 
 
-@pytest.mark.parametrize("mode", [_Passing, _Dispatching])
+@pytest.mark.parametrize("mode", [Passing, Dispatching])
 def test_a_job_saved_while_a_torch_mode_is_on_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: type) -> None:
     """A mode's handler runs in the row checks and may free a row whose view is taken already
     (tests/test_lmdb_row_storage.py): such a job is the general path's."""
@@ -298,27 +294,11 @@ def test_a_job_saved_while_a_torch_mode_is_on_is_the_general_paths(tmp_path: Pat
         rows[1].copy_(random_block(FMT.block_bytes, 1))
         with mode():
             sizes = backend.write_blocks(keys, rows[:3])
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3] == slow[3] == [3]
     assert fast[0][1] == [bytes(FMT.block_bytes), _block(1), bytes(FMT.block_bytes)]
-
-
-class _RefusingEnv:
-    """An environment whose write transactions cannot begin (``error``; reads as ever), as one
-    in LMDB's fatal state after a failed meta page write refuses them."""
-
-    def __init__(self, env: Any, error: type[lmdb.Error]) -> None:
-        self._env, self._error = env, error
-
-    def begin(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("write", args[2] if len(args) > 2 else False):
-            raise self._error("injected")
-        return self._env.begin(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
 
 
 @pytest.mark.parametrize("jobs", [1, 3])
@@ -329,15 +309,15 @@ def test_a_write_transaction_that_cannot_begin_fails_as_on_the_general_path(tmp_
 
     def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
         env = backend._env  # type: ignore[attr-defined]
-        backend._env = _RefusingEnv(env, lmdb.PanicError)  # type: ignore[attr-defined]
+        backend._env = RefusingEnv(env, lmdb.PanicError)  # type: ignore[attr-defined]
         try:
             got: Any = backend.write_blocks(keys, rows[:jobs])
         except Exception as exc:
             got = f"{type(exc).__name__}: {exc}".replace(backend.path, "PATH")  # type: ignore[attr-defined]
         finally:
             backend._env = env  # type: ignore[attr-defined]
-        return [got, _read(backend, keys)]
+        return [got, read_back(backend, keys)]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    fast, _ = compare(tmp_path, monkeypatch, plan)
     got, read = fast[0]
     assert got == "DiskError: lmdb: write to 'PATH' failed: injected" and read == [None] * jobs

@@ -9,141 +9,41 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
+from kvtier.backends import lmdb_entries
 from kvtier.backends.group_commit import GroupCommit
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier import registry
-from kvtier.backend import Backend, BlockFormat
+from kvtier.backend import Backend
 from kvtier.errors import BackendError, ClosedError, DiskError
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
+from tests import lmdb_saves
+from tests.lmdb_saves import (
+    FMT,
+    FORMS,
+    Dispatching,
+    FailingEnv,
+    Passing,
+    compare,
+    dump,
+    open_store,
+    read_back,
+    while_a_commit_runs,
+)
 
-FMT = BlockFormat(block_bytes=4096, dtype="uint8")
-_STATS = ("blocks_written", "bytes_written", "write_failures")
 
-
-@pytest.fixture(autouse=True, params=["reserved", "native", "python"])
+@pytest.fixture(autouse=True, params=FORMS)
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the row's checks and view (``lmdb_plain.host_view``) native and the
     record written into the room LMDB's own put reserves (``lmdb_lone.RESERVED_PUTS``); then
     built before its transaction and put through python-lmdb, the checks native, then in Python."""
-    if request.param != "reserved":
-        monkeypatch.setattr(lmdb_lone, "RESERVED_PUTS", False)
-    if request.param == "python":
-        monkeypatch.setattr(lmdb_plain, "host_view", lmdb_plain.host_view_python)
-    elif not lmdb_plain.NATIVE_GUARD:
-        pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
-    return str(request.param)
-
-
-def _open(path: Path, capacity: int = 8 << 20, **options: Any) -> Backend:
-    backend = registry.backends.get("lmdb")(capacity=capacity, path=str(path), sync_mode="fast", **options)
-    asyncio.run(backend.open(FMT))
-    return backend
-
-
-def _dump(backend: Backend) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]]]:
-    """Every record of the store's ``blocks`` and ``index`` databases, in key order (an index
-    entry without its access stamp, the time of its save)."""
-    env = backend._env  # type: ignore[attr-defined]
-    with env.begin() as txn:
-        return (
-            [(bytes(k), bytes(v)) for k, v in txn.cursor(db=backend._blocks)],  # type: ignore[attr-defined]
-            [(bytes(k), bytes(v[8:])) for k, v in txn.cursor(db=backend._index)],  # type: ignore[attr-defined]
-        )
-
-
-def _counted_general(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The jobs the general path commits from now on (their record counts)."""
-    general: list[int] = []
-    real = GroupCommit.submit
-
-    def submit(self: Any, batch: Any) -> Any:
-        general.append(len(batch))
-        return real(self, batch)
-
-    monkeypatch.setattr(GroupCommit, "submit", submit)
-    return general
-
-
-def while_a_commit_runs(backend: Backend, monkeypatch: pytest.MonkeyPatch, first: tuple[list[Any], list[Any]], second: tuple[list[Any], list[Any]], describe: Callable[[Any], Any]) -> list[list[Any]]:
-    """Save the job ``first`` (keys, rows) in a thread, hold its group commit, save ``second``
-    in another thread once the first commits, and let both finish once ``second`` waits for the
-    group: ``describe(job)`` of each job of each group commit, in order."""
-    entered, release = threading.Event(), threading.Event()
-    real = backend._commit_jobs  # type: ignore[attr-defined]
-    commits = backend._commits  # type: ignore[attr-defined]
-    committed: list[list[Any]] = []
-
-    def held(jobs: list[Any]) -> Any:
-        committed.append([describe(job) for job in jobs])
-        if len(committed) == 1:
-            entered.set()
-            assert release.wait(30)
-        return real(jobs)
-
-    monkeypatch.setattr(commits, "_commit", held)
-    one = threading.Thread(target=backend.write_blocks, args=first)
-    one.start()
-    assert entered.wait(30)
-    two = threading.Thread(target=backend.write_blocks, args=second)
-    two.start()
-    for _ in range(3000):
-        if commits._waiting:
-            break
-        threading.Event().wait(0.01)
-    release.set()
-    one.join(30)
-    two.join(30)
-    return committed
-
-
-def _saves(path: Path, monkeypatch: pytest.MonkeyPatch, lone: bool, plan: Callable[[Backend, list[torch.Tensor]], list[Any]], *, capacity: int = 8 << 20) -> tuple[list[Any], dict[str, int], Any, list[int]]:
-    """Run ``plan(backend, rows)`` on a new store with the straight line on (``lone``) or off:
-    what it returned, the counters it moved, the dump of the store after it, and the jobs the
-    general path committed. ``rows``: eight host rows, each saved once first (so the store
-    keeps their views, as it keeps those of a pool saved from again and again)."""
-    monkeypatch.setattr(lmdb_lone, "LONE_SAVES", lone)
-    backend = _open(path, capacity)
-    rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(8)]
-    try:
-        for i, row in enumerate(rows):
-            backend.write_blocks([make_key(1000 + i)], [row])
-        backend.delete_blocks([make_key(1000 + i) for i in range(len(rows))])
-        general = _counted_general(monkeypatch)
-        before = {k: v for k, v in backend.stats().items() if k in _STATS}
-        got = plan(backend, rows)
-        after = {k: v - before[k] for k, v in backend.stats().items() if k in _STATS}
-        return got, after, _dump(backend), general
-    finally:
-        monkeypatch.undo()
-        asyncio.run(backend.aclose())
-
-
-def _compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: Callable[[Backend, list[torch.Tensor]], list[Any]], **options: Any) -> tuple[Any, Any]:
-    """``plan`` on the straight line and on the general path: the same outcome, counters and
-    store; the straight line committed none of its lone jobs through the general path."""
-    guard = lmdb_plain.host_view
-    fast = _saves(tmp_path / "lone", monkeypatch, True, plan, **options)
-    monkeypatch.setattr(lmdb_plain, "host_view", guard)  # (undone with the rest: the form under test)
-    slow = _saves(tmp_path / "general", monkeypatch, False, plan, **options)
-    assert fast[:3] == slow[:3]
-    return fast, slow
-
-
-def _read(backend: Backend, keys: list[bytes]) -> list[Any]:
-    out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
-    found = backend.read_blocks(keys, out)
-    return [bytes(o.numpy()) if hit else None for o, hit in zip(out, found)]
+    return lmdb_saves.guard_form(request, monkeypatch, ("host_view",))
 
 
 def test_a_lone_save_stores_reads_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,9 +54,9 @@ def test_a_lone_save_stores_reads_and_counts_what_the_general_path_does(tmp_path
         for i, key in enumerate(keys):  # rows used again, a key saved over once
             rows[i % len(rows)].copy_(random_block(FMT.block_bytes, i))
             sizes.append(backend.write_blocks([key if i != 11 else keys[2]], [rows[i % len(rows)]]))
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3] == [] and slow[3] == [1] * 12  # the straight line took every lone job
     sizes, read = fast[0]
     assert all(s == [sizes[0][0]] and s[0] > 0 for s in sizes)
@@ -179,23 +79,13 @@ def test_lone_saves_are_written_reserved_in_that_form_alone(tmp_path: Path, monk
             rows[i].copy_(random_block(FMT.block_bytes, i))
         sizes = [backend.write_blocks([key], [rows[i]]) for i, key in enumerate(keys)]
         written.append(rowguard.reserved_jobs() - before if direct else -1)
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    fast, _ = compare(tmp_path, monkeypatch, plan)
     if written[0] == -1:
         pytest.skip("LMDB's own put is not probed sound here (lmdb_direct.direct_gets)")
     assert written == ([5] if guard_form == "reserved" else [0]) + [0]  # the general path's arm: none
     assert fast[0][1] == [bytes(random_block(FMT.block_bytes, i).numpy()) for i in range(5)]
-
-
-class _Passing(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class _Dispatching(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_lone_row_or_key_it_does_not_take_is_the_general_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,12 +109,12 @@ def test_a_lone_row_or_key_it_does_not_take_is_the_general_paths(tmp_path: Path,
                 got.append(backend.write_blocks([key], [row]))
             except Exception as exc:
                 got.append(f"{type(exc).__name__}: {exc}")
-        for mode in (_Passing, _Dispatching):
+        for mode in (Passing, Dispatching):
             with mode():
                 got.append(backend.write_blocks([make_key(6)], [rows[0]]))
-        return [got, _read(backend, [make_key(i) for i in range(1, 7)])]
+        return [got, read_back(backend, [make_key(i) for i in range(1, 7)])]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3] == slow[3] and len(fast[3]) >= 2  # the modes' saves were the general path's on both arms
     assert fast[0][1][5] == bytes(random_block(n, 7).numpy())
 
@@ -237,12 +127,12 @@ def test_a_lone_save_over_a_split_record_drops_its_index_entry_as_the_general_pa
             split.setattr(lmdb_entries, "JOIN_MAX", 0)  # saved split: an index entry each
             rows[0].copy_(random_block(FMT.block_bytes, 1))
             backend.write_blocks(keys, [rows[0]] * 3)
-        assert len(_dump(backend)[1]) == 3
+        assert len(dump(backend)[1]) == 3
         rows[1].copy_(random_block(FMT.block_bytes, 2))
         sizes = [backend.write_blocks([k], [rows[1]]) for k in keys[:2]]  # saved joined over them
-        return [sizes, len(_dump(backend)[1]), _read(backend, keys)]
+        return [sizes, len(dump(backend)[1]), read_back(backend, keys)]
 
-    fast, slow = _compare(tmp_path, monkeypatch, plan)
+    fast, slow = compare(tmp_path, monkeypatch, plan)
     assert fast[3] == [3] and slow[3] == [3, 1, 1]
     assert fast[0][1] == 1  # the two saved joined have no entry left
     assert fast[0][2] == [bytes(random_block(FMT.block_bytes, 2).numpy())] * 2 + [bytes(random_block(FMT.block_bytes, 1).numpy())]
@@ -266,9 +156,9 @@ def test_a_lone_record_that_fails_to_build_fails_its_job_as_on_the_general_path(
                     sizes.append(backend.write_blocks([k], [rows[i]]))
                 except MemoryError as exc:
                     sizes.append(repr(exc))
-        return [sizes, _read(backend, keys)]
+        return [sizes, read_back(backend, keys)]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    fast, _ = compare(tmp_path, monkeypatch, plan)
     sizes, read = fast[0]
     # built before its transaction on both paths: the job raises, and nothing was stored
     assert sizes[1] == "MemoryError('no memory for the record')" and None not in sizes[0] + sizes[2] + sizes[3]
@@ -290,44 +180,9 @@ def test_lone_saves_into_a_full_map_fail_and_recover_as_on_the_general_path(tmp_
         again = [backend.write_blocks([k], [rows[0]])[0] for k in keys[-10:]]
         return [sizes, again]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan, capacity=512 << 10)
+    fast, _ = compare(tmp_path, monkeypatch, plan, capacity=512 << 10)
     assert fast[0][1].count(None) < 10  # room again after the deletions
     assert fast[1]["write_failures"] > 0
-
-
-class _FailingEnv:
-    """An environment whose write transactions' puts raise ``error`` (reads as ever)."""
-
-    def __init__(self, env: Any, error: type[lmdb.Error]) -> None:
-        self._env, self._error = env, error
-
-    def begin(self, *args: Any, **kwargs: Any) -> Any:
-        txn = self._env.begin(*args, **kwargs)
-        write = kwargs.get("write", args[2] if len(args) > 2 else False)
-        return _FailingTxn(txn, self._error) if write else txn
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
-
-
-class _FailingTxn:
-    def __init__(self, txn: Any, error: type[lmdb.Error]) -> None:
-        self._txn, self._error = txn, error
-
-    def put(self, *args: Any, **kwargs: Any) -> bool:
-        raise self._error("injected")
-
-    def __enter__(self) -> _FailingTxn:
-        return self
-
-    def __exit__(self, kind: Any, *rest: Any) -> None:
-        if kind is None:
-            self._txn.commit()
-        else:
-            self._txn.abort()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._txn, name)
 
 
 @pytest.mark.parametrize("error", [lmdb.DiskError, lmdb.CorruptedError])
@@ -338,16 +193,16 @@ def test_an_lmdb_error_in_a_lone_save_is_the_general_paths(tmp_path: Path, monke
 
     def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
         env = backend._env  # type: ignore[attr-defined]
-        backend._env = _FailingEnv(env, error)  # type: ignore[attr-defined]
+        backend._env = FailingEnv(env, error)  # type: ignore[attr-defined]
         try:
             got: Any = backend.write_blocks([key], [rows[0]])
         except DiskError as exc:
             got = f"DiskError: {exc}".replace(backend.path, "PATH")  # type: ignore[attr-defined]
         finally:
             backend._env = env  # type: ignore[attr-defined]
-        return [got, _read(backend, [key])]
+        return [got, read_back(backend, [key])]
 
-    fast, _ = _compare(tmp_path, monkeypatch, plan)
+    fast, _ = compare(tmp_path, monkeypatch, plan)
     got, read = fast[0]
     assert read == [None]
     if error is lmdb.DiskError:
@@ -359,14 +214,14 @@ def test_an_lmdb_error_in_a_lone_save_is_the_general_paths(tmp_path: Path, monke
 def test_a_lone_save_while_a_commit_runs_joins_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lone job that finds a commit running waits and commits with the group after it, as the
     general path's job does."""
-    backend = _open(tmp_path / "store")
+    backend = open_store(tmp_path / "store")
     rows = [random_block(FMT.block_bytes, i) for i in range(2)]
     keys = [make_key(i) for i in range(2)]
     try:
         backend.write_blocks(keys[1:], rows[1:])  # the row's view is kept from now on
         committed = while_a_commit_runs(backend, monkeypatch, (keys[:1], rows[:1]), (keys[1:], rows[1:]), lambda job: len(job))
         assert committed == [[1], [1]]  # the second through the group's commit, after the first
-        assert _read(backend, keys) == [bytes(r.numpy()) for r in rows]
+        assert read_back(backend, keys) == [bytes(r.numpy()) for r in rows]
     finally:
         asyncio.run(backend.aclose())
 
@@ -394,7 +249,7 @@ def test_a_durable_lone_save_returns_after_its_sync(tmp_path: Path) -> None:
 
 
 def test_a_lone_save_of_a_closed_or_forked_store_is_refused(tmp_path: Path) -> None:
-    backend = _open(tmp_path / "store")
+    backend = open_store(tmp_path / "store")
     row = random_block(FMT.block_bytes, 3)
     backend.write_blocks([make_key(0)], [row])  # the row's view is kept: the next saves are lone
     read, write = os.pipe()
