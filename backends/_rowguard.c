@@ -451,6 +451,13 @@ static void count_fork(void) { fork_count++; }
 
 unsigned long rowguard_forks(void) { return fork_count; }
 
+/* host_pool_take (../kvtier/records/_hostrow.h) of rows with the row names interned here
+   (view_args: tensor_type, dtype, shape): pool_views' pool checks (_rowsave.c). */
+int pool_take(PyObject *rows, PyObject *const *view_args, void *pool)
+{
+    return host_pool_take(rows, view_args[0], view_args[1], view_args[2], &row_names, (host_pool *)pool);
+}
+
 static PyObject *py_forks(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -502,6 +509,9 @@ static PyMethodDef methods[] = {
     {"put_joined", (PyCFunction)(void (*)(void))py_put_joined, METH_FASTCALL,
      "put_joined(put, delete, index, head, keys, views, joined) -> None\n\n"
      "For each key in order: put(key, joined(head, key, view)), then delete(key, b'', index) unless delete is None."},
+    {"pool_views", (PyCFunction)(void (*)(void))py_pool_views, METH_FASTCALL,
+     "pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at) -> [view, ...], None or NotImplemented\n\n"
+     "The views of a job's rows of one pool, its checks once: each row's kept view, else unseen_at(address)."},
     {"same_size", (PyCFunction)(void (*)(void))py_same_size, METH_FASTCALL,
      "same_size(fd, seen) -> bool\n\n"
      "Whether the file open at fd is seen bytes long now (False too where fd cannot be asked)."},

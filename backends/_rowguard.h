@@ -73,6 +73,10 @@ PyObject *held(PyObject *seq);
    put_joined(put, delete, index, head, keys, views, joined): see _rowsave.c. */
 PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at): see _rowsave.c;
+   its pool checks: host_pool_take with the row names interned in _rowguard.c. */
+PyObject *py_pool_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+int pool_take(PyObject *rows, PyObject *const *view_args, void *pool); /* pool: a host_pool (_hostrow.h) */
 /* one_read(parts, env, key, row, clock, cold_s, check) and the fork count: see _rowguard.c. */
 PyObject *py_one_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* one_read, its row given as the job's rows where pooled (a PoolRows of one row). */

@@ -4,9 +4,11 @@
  * job_views, every key's and row's checks and view (the loop job_read makes: row_views in
  * _rowguard.c); put_joined, each record built just before its put, in the write transaction.
  * In Python the calls around each record (the row's checks, the build, the put, a list append)
- * cost 0.2-0.3 us a record beside a 4 KiB record's 1.7 us put.
+ * cost 0.2-0.3 us a record beside a 4 KiB record's 1.7 us put. And pool_views, the views of a
+ * job's rows of one pool (lmdb_plain.RowViews.of), seen before or not, its pool checked once.
  */
 #include "_rowguard.h"
+#include "../kvtier/records/_hostrow.h"
 
 /* A tuple of seq's items as they are now (a list's own item array would be freed under calls
    that run Python, were the list emptied or grown meanwhile). */
@@ -49,6 +51,74 @@ PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_DECREF(keys);
     Py_XDECREF(rows);
+    return got;
+}
+
+/* pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at): the views of a
+   job's rows given as one pool (a PoolRows), its pool's checks asked once (host_pool_take), as
+   lmdb_plain.pool_views_python answers: for each key (bytes of key_bytes, checked before its
+   row), its row's kept view views[address], else unseen_at(address) (a row not seen yet: its
+   view made there), in one pass, the pool checked no second time for rows not seen yet. None
+   where the counts differ, a key is not such, a number is not one of the pool's rows now, or
+   unseen_at gives None; NotImplemented where rows is not a PoolRows or its pool is not one those
+   checks take (its rows are then checked one by one). */
+PyObject *py_pool_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "pool_views() takes 8 arguments (keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at), got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyObject *views = args[5], *unseen_at = args[7];
+    if (!PyDict_Check(views)) {
+        PyErr_Format(PyExc_TypeError, "views: expected a dict, got %.100s", Py_TYPE(views)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t key_bytes = PyLong_AsSsize_t(args[6]);
+    if (key_bytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (!host_pool_rows_type(args[1]))
+        return Py_NewRef(Py_NotImplemented);
+    PyObject *keys = held(args[0]);
+    if (keys == NULL)
+        return NULL;
+    host_pool p;
+    PyObject *got = NULL;
+    int pooled = pool_take(args[1], args + 2, &p);
+    if (pooled <= 0) {
+        got = pooled < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    if (n != p.count) {
+        got = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((got = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
+        unsigned long long at;
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != key_bytes || !host_pool_at(&p, i, &at)) {
+            Py_SETREF(got, Py_NewRef(Py_None));
+            goto done;
+        }
+        PyObject *address = PyLong_FromUnsignedLongLong(at), *view = NULL;
+        if (address != NULL && (view = PyDict_GetItemWithError(views, address)) != NULL)
+            Py_INCREF(view); /* (borrowed: owned before anything else runs) */
+        else if (address != NULL && !PyErr_Occurred())
+            view = PyObject_CallOneArg(unseen_at, address); /* not seen yet: made there */
+        Py_XDECREF(address);
+        if (view == NULL || view == Py_None) {
+            Py_SETREF(got, view == NULL ? NULL : view); /* (the list's items set so far released with it) */
+            goto done;
+        }
+        PyList_SET_ITEM(got, i, view);
+    }
+done:
+    host_pool_drop(&p);
+    Py_DECREF(keys);
     return got;
 }
 

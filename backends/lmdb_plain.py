@@ -60,7 +60,7 @@ try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "put_joined")):
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "pool_views", "put_joined")):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
 _SUM = struct.Struct("<Q")
@@ -199,9 +199,14 @@ class RowViews:
             return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
         pool = out.pool
         memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
-        # rows of one pool, each seen before: the pool checked once, in one native call
-        got = job_views(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES) if job_views is not job_views_python else None
-        if got is None and (got := _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)) is None:
+        if pool_views is not None and job_views is not job_views_python:  # (the native forms on)
+            # the pool checked once, in one native call, each row's view kept or made (not seen yet)
+            got = pool_views(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._view_at)
+            if got is NotImplemented:  # a pool those checks do not take: its rows one by one
+                got = _rows_viewed(keys, tuple(out), _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
+        else:
+            got = _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
+        if got is None:
             return None
         held = HeldViews(got)  # (HeldViews.of, written out: 60 ns a job less)
         held.memory = memory
@@ -298,13 +303,21 @@ def _rows_viewed(
     :class:`PoolRows`) whose pool :func:`pool_addresses` takes: each row's view by its address
     in ``views``, else ``unseen_at(address)``; a row not in the pool now (its address ``None``)
     has none."""
-    look = None  # (rows of one pool: each row's view by its address, views.get)
     if type(rows) is PoolRows:
         addresses = pool_addresses(rows, tensor_type, dtype, shape)
         if addresses is not None:  # the same loop, each row's view looked up by its address
-            rows, look, unseen = addresses, views.get, unseen_at if unseen is not None else None
-        else:
-            rows = tuple(rows)  # its rows one by one, as a list of pool[n] each
+            return _viewed(keys, addresses, views.get, tensor_type, dtype, shape, views, key_bytes, unseen_at if unseen is not None else None)
+        rows = tuple(rows)  # its rows one by one, as a list of pool[n] each
+    return _viewed(keys, rows, None, tensor_type, dtype, shape, views, key_bytes, unseen)
+
+
+def _viewed(
+    keys: Any, rows: Any, look: Callable[[Any], memoryview | None] | None, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int,
+    unseen: Callable[[Any], memoryview | None] | None,
+) -> list[memoryview] | None:
+    """:func:`_rows_viewed`'s loop: each row's view, ``look(row)`` (``None``: the row's
+    :data:`host_view`), else ``unseen(row)``; rows of one pool are given as their addresses
+    (:func:`pool_addresses`) with ``look`` their kept views' lookup."""
     if len(keys) != len(rows):
         return None
     seen = host_view
@@ -317,6 +330,17 @@ def _rows_viewed(
             return None
         got.append(view)
     return got
+
+
+def pool_views_python(
+    keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int, unseen_at: Callable[[int], memoryview | None]
+) -> Any:
+    """:data:`pool_views` in Python: the same answers (``NotImplemented`` where ``rows`` is not a
+    :class:`PoolRows` whose pool :func:`pool_addresses` takes)."""
+    addresses = pool_addresses(rows, tensor_type, dtype, shape) if type(rows) is PoolRows else None
+    if addresses is None:
+        return NotImplemented
+    return _viewed(keys, addresses, views.get, tensor_type, dtype, shape, views, key_bytes, lambda at: None if at is None else unseen_at(at))
 
 
 def pool_memory(rows: Any) -> Any:
@@ -410,6 +434,15 @@ straight_read: Callable[..., list[bool] | bool | None] | None = _rowguard.straig
 #: or dispatch mode is on (:func:`python_in_torch`): a handler run in a later row's checks could
 #: free a row whose view is taken already.
 job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowguard is not None else job_views_python
+#: ``pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at)``: the views
+#: of a job's rows given as one pool (a :class:`PoolRows`), its pool's checks asked once: each
+#: row's kept view by its address, else ``unseen_at(address)`` (a row not seen yet: its view
+#: made), when every key is ``bytes`` of ``key_bytes``; ``None`` where the counts differ, a key
+#: is not such, a number is not one of the pool's rows now, or ``unseen_at`` gives ``None``;
+#: ``NotImplemented`` where the pool is not one those checks take (native:
+#: ``backends/_rowsave.c``; ``None`` where the extension is not built: :func:`pool_views_python`
+#: answers alike). :meth:`RowViews.of`'s one native call for such a job, seen before or not.
+pool_views: Callable[..., Any] | None = _rowguard.pool_views if _rowguard is not None else None
 #: ``put_joined(put, delete, index, head, keys, views, joined)``: for each key, in order,
 #: ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless ``delete`` is
 #: ``None``: a job's records each built just before its put, in one call (native:

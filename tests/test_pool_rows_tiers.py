@@ -377,6 +377,51 @@ def test_job_views_of_pool_rows_answer_as_of_their_rows_one_by_one(which: str) -
     assert (forms[-1](keys, rows, *args) is not None) == expect_views
 
 
+_POOL_VIEWS = {  # what pool_views answers for each case: its rows' views, None, or NotImplemented (their rows one by one)
+    "range": "views", "reversed": "views", "tuple": "views", "moved": "views", "shrunk": None, "numbers changed": NotImplemented,
+    "non-contiguous": NotImplemented, "int8": NotImplemented, "a subclass": NotImplemented, "count differs": None,
+    "a bad key": None, "not made": "views if seen", "not a pool": NotImplemented,
+}
+
+
+@pytest.mark.skipif(not lmdb_plain.NATIVE_GUARD, reason="built without the native row checks")
+@pytest.mark.parametrize("seen", [True, False])
+@pytest.mark.parametrize("which", list(_POOL_VIEWS))
+def test_pool_views_answer_alike_native_and_in_python(which: str, seen: bool) -> None:
+    """``pool_views`` (``RowViews.of``'s one native call for rows of one pool, seen before or
+    not) and its Python form: the same views (by the rows they view) or answer (``None``,
+    ``NotImplemented``), the views of rows not seen yet made alike (``unseen_at``, asked with
+    the same addresses in the same order), the same views kept."""
+    outcomes = []
+    for pool_views in (lmdb_plain._rowguard.pool_views, lmdb_plain.pool_views_python):  # type: ignore[union-attr]
+        pool = torch.zeros(8, SIZE, dtype=torch.uint8)
+        kept: dict[int, memoryview] = {}
+        rows: Any = list(pool) if which == "not a pool" else _job_views_cases()["range" if which in ("a bad key", "not made") else which](pool)
+        base = pool.data_ptr()
+        if seen:  # its rows' views kept before
+            kept.update((base + n * SIZE, memoryview(bytearray(SIZE))) for n in range(8))
+        keys: list[Any] = [bytes(KEY_BYTES), b"short" if which == "a bad key" else bytes(KEY_BYTES), bytes(KEY_BYTES)]
+        asked: list[int] = []
+
+        def made(at: int, asked: list[int] = asked, base: int = base, kept: dict[int, memoryview] = kept) -> memoryview | None:
+            asked.append((at - base) // SIZE)
+            return None if which == "not made" else kept.setdefault(at, memoryview(bytearray(SIZE)))
+
+        got = pool_views(keys, rows, torch.Tensor, torch.uint8, torch.Size([SIZE]), kept, KEY_BYTES, made)
+        rows_viewed = {id(view): (at - base) // SIZE for at, view in kept.items()}
+        answer = got if got is None or got is NotImplemented else [rows_viewed[id(view)] for view in got]
+        outcomes.append((answer, asked, sorted(rows_viewed.values())))
+    assert outcomes[0] == outcomes[1]
+    expected = _POOL_VIEWS[which]
+    if expected == "views if seen":
+        expected = "views" if seen else None
+    answer = outcomes[0][0]
+    assert answer == expected if expected != "views" else isinstance(answer, list) and len(answer) == 3
+    # the rows not seen yet whose views were made, up to the first refused key or row
+    made_for = {"range": [0, 1, 2], "reversed": [7, 6, 5], "tuple": [6, 0], "moved": [0, 1, 2], "not made": [0], "shrunk": [1, 5], "a bad key": [0]}
+    assert outcomes[0][1] == ([] if seen else made_for.get(which, []))
+
+
 @pytest.mark.parametrize("which", list(_job_views_cases()))
 def test_row_views_of_pool_rows_answer_as_of_their_rows_one_by_one(which: str) -> None:
     """``RowViews.of`` (a job's checks and views, the rows not seen yet viewed) given rows of one
