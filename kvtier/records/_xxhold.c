@@ -21,7 +21,9 @@
    the collection that was due, the oldest generation whose count passed its threshold, as the
    automatic one would, before it holds. A thread already holding (a nested hold) never waits,
    and no collection runs while any job holds; a hold waiting while such a collection runs waits
-   for its end (COLLECT_WAIT_NS at most). A wait that times out (a job longer than
+   for its end (COLLECT_WAIT_NS at most), and so does one from a thread holding none while any
+   collection runs in another thread (gc_running: an automatic one begun before any hold). A
+   wait that times out (a job longer than
    DRAIN_WAIT_NS, or a holder waiting on something the waiter has) holds as before, and the
    next wait comes a limit later: at worst DRAIN_WAIT_NS of waiting a thread per
    HOLD_RUN_LIMIT_NS of holds. */
@@ -51,6 +53,13 @@ static int collecting, draining;
    calls __tls_get_addr at each hold and let-go, ~3 ns of a pair's ~37 (measured alternated). */
 static _Thread_local Py_ssize_t thread_holds __attribute__((tls_model("initial-exec")));
 static PyObject *gc_get_count, *gc_get_threshold, *gc_collect;
+/* A collection running (gc.callbacks' start to its stop: an automatic one, or one asked for),
+   and the thread it runs in. Its finalizers may let the GIL go, and one may move a row while
+   another thread's job has its view: so a hold from a thread holding none, in any other thread,
+   first waits for its end (COLLECT_WAIT_NS at most). Set and cleared with the GIL held; read
+   without it by that wait. */
+static int gc_running;
+static unsigned long gc_thread;
 
 #ifndef CLOCK_MONOTONIC_COARSE
 #define CLOCK_MONOTONIC_COARSE CLOCK_MONOTONIC
@@ -142,10 +151,26 @@ static void drain_and_collect(void)
     PyErr_Restore(type, value, traceback);
 }
 
+/* The wait of a hold from a thread holding none while a collection runs in another thread
+   (GIL held on entry and on return): GIL released, until it ends (COLLECT_WAIT_NS at most). */
+static void wait_collection_end(void)
+{
+    long long start = clock_ns(CLOCK_MONOTONIC);
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec poll = {0, DRAIN_POLL_NS};
+    while (__atomic_load_n(&gc_running, __ATOMIC_RELAXED) && clock_ns(CLOCK_MONOTONIC) - start < COLLECT_WAIT_NS)
+        nanosleep(&poll, NULL);
+    Py_END_ALLOW_THREADS
+}
+
 XXC_INTERNAL void xxc_rows_hold(void)
 {
-    if (thread_holds++ == 0 && (rows_held > 0 || draining) && hold_should_wait())
-        drain_and_collect();
+    if (thread_holds++ == 0) {
+        if (gc_running && gc_thread != PyThread_get_thread_ident())
+            wait_collection_end();
+        if ((rows_held > 0 || draining) && hold_should_wait())
+            drain_and_collect();
+    }
     Py_ssize_t held = rows_held;
     __atomic_store_n(&rows_held, held + 1, __ATOMIC_RELAXED);
     if (held == 0) {
@@ -200,7 +225,7 @@ static PyObject *py_rows_forked(PyObject *module, PyObject *unused)
     (void)module;
     (void)unused;
     thread_holds = 0;
-    collecting = draining = 0;
+    collecting = draining = gc_running = 0;
     if (rows_held > 0) {
         rows_held = 0;
         if (collecting_before)
@@ -208,6 +233,22 @@ static PyObject *py_rows_forked(PyObject *module, PyObject *unused)
     }
     Py_RETURN_NONE;
 }
+
+/* gc.callbacks' entry: a collection's start and stop (gc_running, gc_thread). */
+static PyObject *py_gc_phase(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs >= 1 && PyUnicode_Check(args[0])) {
+        int start = PyUnicode_CompareWithASCIIString(args[0], "start") == 0;
+        if (start)
+            gc_thread = PyThread_get_thread_ident();
+        __atomic_store_n(&gc_running, start, __ATOMIC_RELAXED);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef gc_phase_def = {"rows_gc_phase", (PyCFunction)(void (*)(void))py_gc_phase, METH_FASTCALL,
+                                   "rows_gc_phase(phase, info): gc.callbacks' entry of the rows' hold (a collection's start and stop)."};
 
 static const host_rows_hold_api hold_api = {xxc_rows_hold, xxc_rows_let_go};
 
@@ -228,8 +269,13 @@ XXC_INTERNAL int xxc_add_rows_hold(PyObject *module)
     gc_get_count = PyObject_GetAttrString(gc, "get_count");
     gc_get_threshold = gc_get_count == NULL ? NULL : PyObject_GetAttrString(gc, "get_threshold");
     gc_collect = gc_get_threshold == NULL ? NULL : PyObject_GetAttrString(gc, "collect");
+    PyObject *callbacks = gc_collect == NULL ? NULL : PyObject_GetAttrString(gc, "callbacks");
     Py_DECREF(gc);
-    if (gc_collect == NULL)
+    PyObject *phase = callbacks == NULL ? NULL : PyCFunction_NewEx(&gc_phase_def, NULL, NULL);
+    int added_phase = phase == NULL ? -1 : PyList_Append(callbacks, phase); /* (gc.callbacks: a list) */
+    Py_XDECREF(phase);
+    Py_XDECREF(callbacks);
+    if (added_phase < 0)
         return -1;
     PyObject *capsule = PyCapsule_New((void *)&hold_api, HOST_ROWS_HOLD_CAPSULE, NULL);
     int added = capsule == NULL ? -1 : PyModule_AddObjectRef(module, "rows_hold_c", capsule);

@@ -40,14 +40,37 @@ _held_lock = threading.Lock()
 _runs = [0, 0, 0.0]  # runs of holds (the count leaving zero), the run last seen by a new holder, and when
 _drain = [0, False]  # holds waiting for the count to drain, and whether one's due collection runs
 _mine = threading.local()  # .holds: this thread's
+#: A collection running (``gc.callbacks``' start to its stop), its thread, and whether the Python
+#: form's callback is on (added at its first hold): a hold from a thread holding none, in any
+#: other thread, waits for its end first (:data:`COLLECT_WAIT` at most), as the native form does.
+_collection: list[Any] = [False, 0, False]
+
+
+def _gc_phase(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _collection[1] = threading.get_ident()
+    _collection[0] = phase == "start"
+
+
+def _wait_collection_end() -> None:
+    """Wait (sleeping: the GIL released) for a collection running in another thread to end, :data:`COLLECT_WAIT` at most."""
+    start = time.monotonic()
+    while _collection[0] and time.monotonic() - start < COLLECT_WAIT:
+        time.sleep(_DRAIN_POLL)
 
 
 def rows_hold_python() -> None:
     """:data:`rows_hold` in Python: the same count, under a lock, and the same bound on a run."""
     depth = getattr(_mine, "holds", 0)
     _mine.holds = depth + 1
-    if depth == 0 and (_held[0] > 0 or _drain[0]) and _hold_should_wait():
-        _drain_and_collect()
+    if depth == 0:
+        if not _collection[2]:
+            _collection[2] = True
+            gc.callbacks.append(_gc_phase)
+        elif _collection[0] and _collection[1] != threading.get_ident():
+            _wait_collection_end()
+        if (_held[0] > 0 or _drain[0]) and _hold_should_wait():
+            _drain_and_collect()
     with _held_lock:
         if _held[0] == 0:
             _held[1] = gc.isenabled()
@@ -125,6 +148,7 @@ def _rows_forked() -> None:
     _held_lock = threading.Lock()  # (another thread may have held it at the fork)
     _mine = threading.local()
     _drain[:] = [0, False]
+    _collection[0] = False
     if _held[0] > 0:
         _held[0] = 0
         if _held[1]:

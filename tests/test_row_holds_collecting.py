@@ -1,0 +1,81 @@
+"""A job begun while a collection runs in another thread: that collection's finalizers may let
+the GIL go and move a row (``row.set_``) after the job took the row's view, and the copy would
+then write memory the row no longer owns (freed: a crash). A hold from a thread holding none
+waits for a collection running in another thread to end (``gc.callbacks``' start to its stop,
+``rowhold.COLLECT_WAIT`` at most) before it holds. Run in a child: the test owns the process's
+collector and threads, and the row's memory, freed, is unmapped under the copy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.records import xxcopy
+
+_DURING = r"""
+import asyncio, gc, sys, tempfile, threading, time, torch
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.backends import lmdb_plain
+from kvtier.records import rowhold, xxcopy
+from kvtier.testing import make_key, random_block
+if sys.argv[1] == "python":  # the Python form of the hold, and the reads that take it
+    lmdb_plain.straight_read = lmdb_plain.job_read = lmdb_plain.one_read = None
+    xxcopy.rows_hold, xxcopy.rows_let_go = rowhold.rows_hold_python, rowhold.rows_let_go_python
+b = registry.backends.get("lmdb")(capacity=64 << 20, path=tempfile.mkdtemp(), sync_mode="fast")
+asyncio.run(b.open(BlockFormat(block_bytes=4096, dtype="uint8")))
+keys, record = [make_key(0)], random_block(4096, 0, torch.uint8)
+b.write_blocks(keys, [record])
+whole = 64 << 20  # the row alone holds 64 MiB (mapped alone, unmapped once freed)
+row = torch.empty(0, dtype=torch.uint8).set_(torch.zeros(whole, dtype=torch.uint8).untyped_storage(), whole - 4096, (4096,), (1,))
+for _ in range(3):  # (the row's view kept: the straight reads take the next job)
+    assert b.read_blocks(keys, [row]) == [True]
+row.zero_()
+started, entered, where, moved, at_copy = threading.Event(), threading.Event(), [], [], []
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):  # run by an automatic collection in the other thread
+        where.append(threading.current_thread().name)
+        started.set()
+        entered.wait(30)  # the job has begun
+        time.sleep(0.02)  # (the GIL let go: the job takes its views meanwhile, unless its hold waits)
+        moved.append(row.set_(torch.zeros(4096, dtype=torch.uint8)))
+
+real = xxcopy.xxh3_check_copy
+def check(*args):
+    if not at_copy:
+        at_copy.append(len(moved))
+        time.sleep(0.3)  # a long copy: it lets the GIL go
+    return real(*args)
+
+def collector():
+    Cycle()
+    junk = []
+    while not started.is_set():
+        junk.append([])  # allocations until an automatic collection runs here
+
+t = threading.Thread(target=collector, name="collector")
+t.start()
+started.wait(30)
+xxcopy.xxh3_check_copy = check
+entered.set()
+got = b.read_blocks(keys, [row])
+t.join()
+print(where[0], len(moved), at_copy[0], got, int(torch.equal(row, record)))
+"""
+
+
+@pytest.mark.parametrize("way", ["native", "python"])
+def test_a_job_begun_while_another_threads_collection_runs_waits_for_its_end(way: str) -> None:
+    if way == "native" and not xxcopy.NATIVE:
+        pytest.skip("built without the extension")
+    child = subprocess.run([sys.executable, "-c", _DURING, way], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])  # (-11: the copy wrote freed memory)
+    thread, moved, at_copy, got, landed = child.stdout.split(maxsplit=3)[0:3] + child.stdout.rsplit(maxsplit=2)[1:]
+    assert thread == "collector" and moved == "1"
+    assert at_copy == "1", "the job's copy began before the collection's finalizer moved the row"
+    assert got == "[True]" and landed == "1"  # read into the row where it is now
