@@ -490,6 +490,9 @@ asyncio.run(b.open(BlockFormat(block_bytes=4096, dtype="uint8")))
 keys = [make_key(i) for i in range(job)]
 b.write_blocks(keys, [random_block(4096, i, torch.uint8) for i in range(job)])
 pool = torch.zeros(16384, 4096, dtype=torch.uint8)  # 64 MiB: its memory mapped alone, unmapped when freed
+if sys.argv[3] == "every other row":  # rows contiguous, the pool not: its rows checked one by one
+    pool = torch.empty(0, dtype=torch.uint8).set_(torch.zeros(2 * 16384 * 4096, dtype=torch.uint8).untyped_storage(), 0, (16384, 4096), (8192, 1))
+    assert not pool.is_contiguous() and pool._base is None  # (nothing else holds its memory)
 rows = PoolRows(pool, range(16384 - job, 16384))
 for _ in range(3):
     assert b.read_blocks(keys, rows) == [True] * job
@@ -505,18 +508,20 @@ print(len(moved), got)
 """
 
 
+@pytest.mark.parametrize("pool", ["contiguous", "every other row"])
 @pytest.mark.parametrize("way", ["native", "python"])
 @pytest.mark.parametrize("job", [1, 4])
-def test_a_pool_moved_while_its_job_copies_leaves_its_memory_to_the_job(job: int, way: str) -> None:
-    """The straight read holds the pool's memory (its storage) from the pool's checks to the
-    last copy: a pool moved in between (here by the record check's caller, where another thread
-    could while a copy lets the GIL go) leaves its old memory to the job, which then copies into
-    memory still its own (freed, it was unmapped under the copy: a crash)."""
+def test_a_pool_moved_while_its_job_copies_leaves_its_memory_to_the_job(job: int, way: str, pool: str) -> None:
+    """The straight read holds the pool's memory (its storage, or the views of its rows where
+    they are checked one by one) from the pool's checks to the last copy: a pool moved in
+    between (here by the record check's caller, where another thread could while a copy lets
+    the GIL go) leaves its old memory to the job, which then copies into memory still its own
+    (freed, it was unmapped under the copy: a crash)."""
     if way == "native" and not _NATIVE:
         pytest.skip("built without the native row checks")
     import subprocess
     import sys
 
-    child = subprocess.run([sys.executable, "-c", _MOVED, str(job), way], capture_output=True, text=True, timeout=300)
+    child = subprocess.run([sys.executable, "-c", _MOVED, str(job), way, pool], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split()[0] == "1"  # the pool moved during the job
