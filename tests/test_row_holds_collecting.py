@@ -79,3 +79,60 @@ def test_a_job_begun_while_another_threads_collection_runs_waits_for_its_end(way
     assert thread == "collector" and moved == "1"
     assert at_copy == "1", "the job's copy began before the collection's finalizer moved the row"
     assert got == "[True]" and landed == "1"  # read into the row where it is now
+
+
+_AFTER_DRAIN = r"""
+import gc, sys, threading, time
+from kvtier.records import rowhold, xxcopy
+if sys.argv[1] == "python":
+    hold, let_go = rowhold.rows_hold_python, rowhold.rows_let_go_python
+else:
+    hold, let_go = xxcopy.rows_hold, xxcopy.rows_let_go
+sys.setswitchinterval(1.0)  # the GIL changes hands only where a thread lets it go
+gc.enable()
+held, waiting, state = threading.Event(), threading.Event(), {"started": 0, "done": 0}
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        state["started"] += 1
+        time.sleep(0.1)  # a finalizer that lets the GIL go (it could move a row meanwhile)
+        state["done"] += 1
+
+def first():  # holds a run past the limit, lets go while the other thread's hold drains, then collects
+    hold()
+    held.set()
+    waiting.wait(30)
+    time.sleep(0.002)  # (the other thread is in its drain's wait by now)
+    let_go()
+    Cycle()
+    gc.collect()
+
+t = threading.Thread(target=first)
+t.start()
+held.wait(30)
+hold(); let_go()  # this thread has seen the run
+time.sleep(3 * rowhold.HOLD_RUN_LIMIT)
+waiting.set()
+hold()  # waits for the count to drain; the first thread's collection begins meanwhile
+seen = dict(state)
+let_go()
+t.join()
+print(seen["started"], seen["done"])
+"""
+
+
+@pytest.mark.parametrize("way", ["native", "python"])
+def test_a_hold_whose_drain_saw_a_collection_begin_waits_for_its_end(way: str) -> None:
+    """A hold that waited for the count to drain (a run of holds past its limit) lets the GIL go
+    in that wait: another thread's collection may begin meanwhile (its hold let go, collection on
+    again). The hold looks for a running collection after the drain, not only before it, so it
+    never returns while that collection's finalizers run."""
+    if way == "native" and not xxcopy.NATIVE:
+        pytest.skip("built without the extension")
+    child = subprocess.run([sys.executable, "-c", _AFTER_DRAIN, way], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    started, done = child.stdout.split()
+    assert started == "1", "the collection did not begin during the drain: the case was not made"
+    assert done == "1", "the hold returned while another thread's collection ran its finalizers"

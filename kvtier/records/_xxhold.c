@@ -152,24 +152,29 @@ static void drain_and_collect(void)
 }
 
 /* The wait of a hold from a thread holding none while a collection runs in another thread
-   (GIL held on entry and on return): GIL released, until it ends (COLLECT_WAIT_NS at most). */
+   (GIL held on entry and on return): GIL released between looks, until it ends
+   (COLLECT_WAIT_NS at most). Each look is taken with the GIL held, so a collection that starts
+   between the last look and the GIL's return (another thread's allocation) is seen, and one
+   cannot start between the last look and the hold (its count and PyGC_Disable, GIL held). */
 static void wait_collection_end(void)
 {
     long long start = clock_ns(CLOCK_MONOTONIC);
-    Py_BEGIN_ALLOW_THREADS
+    unsigned long me = PyThread_get_thread_ident();
     struct timespec poll = {0, DRAIN_POLL_NS};
-    while (__atomic_load_n(&gc_running, __ATOMIC_RELAXED) && clock_ns(CLOCK_MONOTONIC) - start < COLLECT_WAIT_NS)
+    while (gc_running && gc_thread != me && clock_ns(CLOCK_MONOTONIC) - start < COLLECT_WAIT_NS) {
+        Py_BEGIN_ALLOW_THREADS
         nanosleep(&poll, NULL);
-    Py_END_ALLOW_THREADS
+        Py_END_ALLOW_THREADS
+    }
 }
 
 XXC_INTERNAL void xxc_rows_hold(void)
 {
     if (thread_holds++ == 0) {
-        if (gc_running && gc_thread != PyThread_get_thread_ident())
-            wait_collection_end();
         if ((rows_held > 0 || draining) && hold_should_wait())
             drain_and_collect();
+        if (gc_running) /* (after the drain, which lets the GIL go: a collection begun meanwhile) */
+            wait_collection_end();
     }
     Py_ssize_t held = rows_held;
     __atomic_store_n(&rows_held, held + 1, __ATOMIC_RELAXED);

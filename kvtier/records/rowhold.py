@@ -67,10 +67,10 @@ def rows_hold_python() -> None:
         if not _collection[2]:
             _collection[2] = True
             gc.callbacks.append(_gc_phase)
-        elif _collection[0] and _collection[1] != threading.get_ident():
-            _wait_collection_end()
         if (_held[0] > 0 or _drain[0]) and _hold_should_wait():
             _drain_and_collect()
+        if _collection[0] and _collection[1] != threading.get_ident():  # (after the drain's wait: one begun meanwhile)
+            _wait_collection_end()
     with _held_lock:
         if _held[0] == 0:
             _held[1] = gc.isenabled()
