@@ -196,16 +196,14 @@ class RowViews:
         if devices.locate is not None or function_mode() or dispatch_modes():
             return None  # (a mode's handler may free a row whose view is taken: python_in_torch)
         if type(out) is not PoolRows:
-            return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
+            return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
         pool = out.pool
         memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
-        if pool_views is not None and job_views is not job_views_python:  # (the native forms on)
-            # the pool checked once, in one native call, each row's view kept or made (not seen yet)
-            got = pool_views(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._view_at)
-            if got is NotImplemented:  # a pool those checks do not take: its rows one by one
-                got = _rows_viewed(keys, tuple(out), _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
-        else:
-            got = _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen, self._view_at)
+        # the pool checked once (in one native call where the native forms are on), each row's view kept or made (not seen yet)
+        of_pool = pool_views if job_views is not job_views_python else pool_views_python
+        got = of_pool(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._view_at)
+        if got is NotImplemented:  # a pool those checks do not take: its rows one by one
+            got = _rows_viewed(keys, tuple(out), _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
         if got is None:
             return None
         held = HeldViews(got)  # (HeldViews.of, written out: 60 ns a job less)
@@ -294,19 +292,19 @@ def pool_addresses(rows: PoolRows, tensor_type: type, dtype: Any, shape: Any) ->
 
 def _rows_viewed(
     keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int,
-    unseen: Callable[[Any], memoryview | None] | None, unseen_at: Callable[[int | None], memoryview | None] | None = None,
+    unseen: Callable[[Any], memoryview | None] | None,
 ) -> list[memoryview] | None:
     """Each row's :data:`host_view`, else its ``unseen(row)``, when every key is ``bytes`` of
     ``key_bytes`` and every row has a view; else ``None`` (also when the counts differ): the
-    loop of :meth:`RowViews.of` (``unseen``: its checks of a row not seen yet) and of
-    :func:`job_views_python` (``None``: only rows seen before). Rows of one pool (a
-    :class:`PoolRows`) whose pool :func:`pool_addresses` takes: each row's view by its address
-    in ``views``, else ``unseen_at(address)``; a row not in the pool now (its address ``None``)
-    has none."""
+    loop of :meth:`RowViews.of` (``unseen``: its checks of a row not seen yet; its rows of one
+    pool go to :data:`pool_views` first) and of :func:`job_views_python` (``None``: only rows
+    seen before). Rows of one pool (a :class:`PoolRows`) whose pool :func:`pool_addresses`
+    takes: each row's kept view by its address in ``views``; a row not in the pool now (its
+    address ``None``) has none."""
     if type(rows) is PoolRows:
         addresses = pool_addresses(rows, tensor_type, dtype, shape)
         if addresses is not None:  # the same loop, each row's view looked up by its address
-            return _viewed(keys, addresses, views.get, tensor_type, dtype, shape, views, key_bytes, unseen_at if unseen is not None else None)
+            return _viewed(keys, addresses, views.get, tensor_type, dtype, shape, views, key_bytes, None)
         rows = tuple(rows)  # its rows one by one, as a list of pool[n] each
     return _viewed(keys, rows, None, tensor_type, dtype, shape, views, key_bytes, unseen)
 
@@ -440,9 +438,9 @@ job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowg
 #: made), when every key is ``bytes`` of ``key_bytes``; ``None`` where the counts differ, a key
 #: is not such, a number is not one of the pool's rows now, or ``unseen_at`` gives ``None``;
 #: ``NotImplemented`` where the pool is not one those checks take (native:
-#: ``backends/_rowsave.c``; ``None`` where the extension is not built: :func:`pool_views_python`
-#: answers alike). :meth:`RowViews.of`'s one native call for such a job, seen before or not.
-pool_views: Callable[..., Any] | None = _rowguard.pool_views if _rowguard is not None else None
+#: ``backends/_rowsave.c``; :func:`pool_views_python` where the extension is not built, with
+#: the same answers). :meth:`RowViews.of`'s one native call for such a job, seen before or not.
+pool_views: Callable[..., Any] = _rowguard.pool_views if _rowguard is not None else pool_views_python
 #: ``put_joined(put, delete, index, head, keys, views, joined)``: for each key, in order,
 #: ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless ``delete`` is
 #: ``None``: a job's records each built just before its put, in one call (native:
