@@ -401,8 +401,8 @@ PyObject *one_read_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs, i
     if (PyList_Append(jobs, Py_None) < 0)
         return NULL;
     PyObject *result = NULL;
-    PyObject *fd = slot_or_attr(parts[P_GUARD], s_fd);
-    PyObject *seen = fd == NULL ? NULL : slot_or_attr(parts[P_GUARD], s_seen);
+    PyObject *fd = host_slot(parts[P_GUARD], s_fd);
+    PyObject *seen = fd == NULL ? NULL : host_slot(parts[P_GUARD], s_seen);
     if (seen != NULL) {
         PyObject *row_args[9] = {key, parts[P_KEY_BYTES], row, parts[P_TENSOR], parts[P_DTYPE], parts[P_SHAPE], parts[P_VIEWS], fd, seen};
         rows_hold(); /* no collection from the row's checks to its copy (_hostrow.h) */

@@ -32,8 +32,6 @@ int attr_is_true(PyObject *obj, PyObject *name);
 /* counters.name += by; obj.name (a new reference); the object slot obj's type's member for name
    reads and writes, or NULL: see _rowjob.c. */
 int add_to(PyObject *counters, PyObject *name, PyObject *by);
-PyObject *slot_or_attr(PyObject *obj, PyObject *name);
-PyObject **member_slot(PyObject *obj, PyObject *name);
 /* clock()'s reading (-1.0 with an error set when it fails). */
 double read_clock(PyObject *clock);
 /* The cold rule after a read's lookups, and a read transaction's abort: see _rowguard.c. */

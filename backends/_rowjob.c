@@ -4,49 +4,20 @@
  * count, the file guard, the lookups in one read transaction, each record's check and copy, the
  * cold rule, and the counters once a job. In Python the calls around each record (a row's
  * checks, a lookup, a check and copy, a list append) cost more than a 4 KiB record's copy.
- * And the attribute access both straight reads make of their counters and file guard
- * (member_slot, slot_or_attr, add_to).
+ * And the counters' adds both straight reads make (add_to, by the slots host_member_slot finds).
  */
 #include "_rowguard.h"
+#include "../kvtier/records/_hostrow.h"
 
 #include <pythread.h>
 #include <structmember.h>
-
-/* The slot of obj that obj's type's descriptor for name reads and writes, where that is a
-   writable object member (a __slots__ entry: what getattr and setattr of name then use too, a
-   data descriptor coming before any instance dict); NULL where it is anything else, or where
-   obj's type reads or writes its attributes by code of its own (__getattribute__, __getattr__,
-   __setattr__: what getattr and setattr would then run). */
-PyObject **member_slot(PyObject *obj, PyObject *name)
-{
-    PyTypeObject *type = Py_TYPE(obj);
-    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
-        return NULL;
-    PyObject *described = _PyType_Lookup(Py_TYPE(obj), name); /* borrowed; the type's method cache */
-    if (described == NULL || !Py_IS_TYPE(described, &PyMemberDescr_Type))
-        return NULL;
-    const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
-    if (member->type != T_OBJECT_EX || (member->flags & READONLY) || ((PyDescrObject *)described)->d_type != Py_TYPE(obj))
-        return NULL;
-    return (PyObject **)((char *)obj + member->offset);
-}
-
-/* obj.name, a new reference: the slot read straight where member_slot finds it (and it is
-   set), else getattr. */
-PyObject *slot_or_attr(PyObject *obj, PyObject *name)
-{
-    PyObject **slot = member_slot(obj, name);
-    if (slot != NULL && *slot != NULL)
-        return Py_NewRef(*slot);
-    return PyObject_GetAttr(obj, name);
-}
 
 /* counters.name += by. Where name is a slot of counters' own type holding an int and by is an
    int, the sum is stored in the slot straight (what setattr does through the member, without
    the two generic lookups and their attribute calls); else getattr, += and setattr. */
 int add_to(PyObject *counters, PyObject *name, PyObject *by)
 {
-    PyObject **slot = PyLong_CheckExact(by) ? member_slot(counters, name) : NULL;
+    PyObject **slot = PyLong_CheckExact(by) ? host_member_slot(counters, name) : NULL;
     if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
         PyObject *sum = PyNumber_Add(*slot, by);
         if (sum == NULL)
@@ -272,8 +243,8 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_Append(jobs, Py_None) < 0)
         goto done;
     int read = -1;
-    PyObject *fd = slot_or_attr(parts[P_GUARD], s_fd);
-    PyObject *seen = fd == NULL ? NULL : slot_or_attr(parts[P_GUARD], s_seen);
+    PyObject *fd = host_slot(parts[P_GUARD], s_fd);
+    PyObject *seen = fd == NULL ? NULL : host_slot(parts[P_GUARD], s_seen);
     if (seen != NULL) {
         PyObject *size_args[2] = {fd, seen};
         PyObject *same = py_same_size(self, size_args, 2);

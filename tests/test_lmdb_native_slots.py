@@ -1,6 +1,6 @@
 """The native straight read of an ``lmdb`` tier (``lmdb_plain.straight_read``) reads the file
 guard's ``fd`` and ``seen`` and adds to the counters through the slots of their own classes
-(``backends/_rowguard.c``: ``member_slot``), and reads ``devices.locate`` from the module's
+(``kvtier/records/_hostrow.h``: ``host_member_slot``), and reads ``devices.locate`` from the module's
 dict. Whatever else those objects are (a subclass, a property, a plain object, a slotted class
 with a ``__setattr__`` of its own, a counter that is not an int), it asks them by ``getattr`` and ``setattr`` as before: the job's outcome, bytes
 and counts are the same either way, and the same as the general path's."""

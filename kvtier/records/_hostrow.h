@@ -233,17 +233,33 @@ static inline int host_shape_is(PyObject *t, PyObject *shape, PyObject *dtype, c
     return same;
 }
 
-/* obj.name where obj's type reads it generically and holds it in a slot (a __slots__ member, set):
-   that slot read straight; else getattr. A new reference, or NULL with the error set. */
+/* The slot of obj that obj's type's descriptor for name reads and writes, where that is a
+   writable object member (a __slots__ entry: what getattr and setattr of name then use too, a
+   data descriptor coming before any instance dict) of obj's own type; NULL where it is anything
+   else (a descriptor of another class set on it, whose offset is another layout's), or where
+   obj's type reads or writes its attributes by code of its own (__getattribute__, __getattr__,
+   __setattr__: what getattr and setattr would then run). */
+static inline PyObject **host_member_slot(PyObject *obj, PyObject *name)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
+        return NULL;
+    PyObject *described = _PyType_Lookup(type, name); /* borrowed; the type's method cache */
+    if (described == NULL || !Py_IS_TYPE(described, &PyMemberDescr_Type))
+        return NULL;
+    const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY) || ((PyDescrObject *)described)->d_type != type)
+        return NULL;
+    return (PyObject **)((char *)obj + member->offset);
+}
+
+/* obj.name, a new reference (NULL with the error set): the slot read straight where
+   host_member_slot finds it (and it is set), else getattr. */
 static inline PyObject *host_slot(PyObject *obj, PyObject *name)
 {
-    PyObject *described = Py_TYPE(obj)->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(Py_TYPE(obj), name) : NULL;
-    if (described != NULL && Py_IS_TYPE(described, &PyMemberDescr_Type)) {
-        const PyMemberDef *member = ((PyMemberDescrObject *)described)->d_member;
-        PyObject *v = member->type == T_OBJECT_EX ? *(PyObject **)((char *)obj + member->offset) : NULL;
-        if (v != NULL)
-            return Py_NewRef(v);
-    }
+    PyObject **slot = host_member_slot(obj, name);
+    if (slot != NULL && *slot != NULL)
+        return Py_NewRef(*slot);
     return PyObject_GetAttr(obj, name);
 }
 
