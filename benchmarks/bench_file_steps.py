@@ -39,7 +39,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,23 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
     fn()
     return time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
+
+
+def job_arms(
+    backend: Any, pooled: list[tuple[Any, Any]], viewed: list[tuple[Any, Any]]
+) -> dict[str, Callable[[], None]]:
+    """The tier's arms: ``read_blocks`` of each job of ``pooled`` (rows as a ``PoolRows``:
+    ``tier``) and of ``viewed`` (a list of one view: ``tier_views``)."""
+
+    def tier() -> None:
+        for job in pooled:
+            backend.read_blocks(*job)
+
+    def tier_views() -> None:
+        for job in viewed:
+            backend.read_blocks(*job)
+
+    return {"tier": tier, "tier_views": tier_views}
 
 
 def _arms(backend: Any, size: int, keys: list[bytes], staging: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -94,14 +111,6 @@ def _arms(backend: Any, size: int, keys: list[bytes], staging: torch.Tensor) -> 
             if check(dir_fd, head, keys[i], rows[i], piece) != 0:
                 raise AssertionError(f"record {i}: the tier's read refused it")
 
-    def tier() -> None:
-        for job in pooled:
-            backend.read_blocks(*job)
-
-    def tier_views() -> None:
-        for job in viewed:
-            backend.read_blocks(*job)
-
     def hash_() -> None:
         for _ in range(n):
             hash_path(prefix, row0)
@@ -127,13 +136,55 @@ def _arms(backend: Any, size: int, keys: list[bytes], staging: torch.Tensor) -> 
     return {
         "raw": raw,
         "read_check": read_check,
-        "tier": tier,
-        "tier_views": tier_views,
+        **job_arms(backend, pooled, viewed),
         "hash": hash_,
         "copy": copy,
         "pread": pread,
         "open_close": open_close,
     }
+
+
+def alternated(
+    arms: dict[str, Callable[[], None]], reads: Sequence[str], staging: torch.Tensor, source: torch.Tensor, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each arm's thread CPU and wall clock, µs a record, over ``rounds`` rounds (after one that
+    warms up), the order of the arms reversed every round; ``staging`` zeroed before each arm
+    and, after each of ``reads``, checked to hold ``source``."""
+    blocks = len(staging)
+    cpu: dict[str, list[float]] = {name: [] for name in arms}
+    wall: dict[str, list[float]] = {name: [] for name in arms}
+    order = list(arms)
+    for r in range(rounds + 1):  # round 0 warms up (the tier keeps its rows' views from it)
+        for name in order if r % 2 else order[::-1]:
+            staging.numpy().fill(0)
+            spent_cpu, spent_wall = _timed(arms[name])
+            if r:
+                cpu[name].append(spent_cpu / blocks / 1e3)
+                wall[name].append(spent_wall / blocks / 1e3)
+            if name in reads and not torch.equal(staging, source):
+                raise AssertionError(f"{name} read back other bytes")
+    return cpu, wall
+
+
+def figures(
+    arms: Sequence[str],
+    against_raw: Sequence[str],
+    cpu: dict[str, list[float]],
+    wall: dict[str, list[float]],
+    size: int,
+    blocks: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """The JSON of one record size: each arm's spreads and GB/s, and each of ``against_raw``'s
+    ratio to the ``raw`` arm, round by round."""
+    out: dict[str, Any] = {"block_bytes": size, "blocks": blocks, "rounds": rounds}
+    for name in arms:
+        out[f"{name}_cpu_us"] = _spread(cpu[name])
+        out[f"{name}_wall_us"] = _spread(wall[name])
+        out[f"{name}_gb_s"] = round(size / statistics.median(wall[name]) / 1e3, 2)
+    for name in against_raw:
+        out[f"{name}_raw_ratio"] = _spread([b / t for b, t in zip(cpu["raw"], cpu[name])])
+    return out
 
 
 def run_size(root: str, size: int, blocks: int, rounds: int) -> dict[str, Any]:
@@ -147,25 +198,8 @@ def run_size(root: str, size: int, blocks: int, rounds: int) -> dict[str, Any]:
         backend.write_blocks(keys, PoolRows(source, range(blocks)))
         staging = torch.zeros((blocks, size), dtype=torch.uint8)
         arms = _arms(backend, size, keys, staging)
-        cpu: dict[str, list[float]] = {name: [] for name in arms}
-        wall: dict[str, list[float]] = {name: [] for name in arms}
-        order = list(arms)
-        for r in range(rounds + 1):  # round 0 warms up (the tier keeps its rows' views from it)
-            for name in order if r % 2 else order[::-1]:
-                staging.numpy().fill(0)
-                spent_cpu, spent_wall = _timed(arms[name])
-                if r:
-                    cpu[name].append(spent_cpu / blocks / 1e3)
-                    wall[name].append(spent_wall / blocks / 1e3)
-                if name in ARMS[1:] and not torch.equal(staging, source):
-                    raise AssertionError(f"{name} read back other bytes")
-        out: dict[str, Any] = {"block_bytes": size, "blocks": blocks, "rounds": rounds}
-        for name in arms:
-            out[f"{name}_cpu_us"] = _spread(cpu[name])
-            out[f"{name}_wall_us"] = _spread(wall[name])
-            out[f"{name}_gb_s"] = round(size / statistics.median(wall[name]) / 1e3, 2)
-        for name in ARMS[1:]:
-            out[f"{name}_raw_ratio"] = _spread([b / t for b, t in zip(cpu["raw"], cpu[name])])
+        cpu, wall = alternated(arms, ARMS[1:], staging, source, rounds)
+        out = figures(list(arms), ARMS[1:], cpu, wall, size, blocks, rounds)
         med = {name: statistics.median(cpu[name]) for name in arms}
         out["gap_us"] = {
             "read_and_hash": round(med["read_check"] - med["raw"], 3),
@@ -177,10 +211,12 @@ def run_size(root: str, size: int, blocks: int, rounds: int) -> dict[str, Any]:
         asyncio.run(backend.aclose())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def steps_main(bench: str, doc: str, run: Callable[[str, int, int, int], dict[str, Any]], sizes: list[int]) -> None:
+    """A steps bench's command line (``--quick``, ``--sizes``, ``--rounds``, ``--blocks``): each
+    size's ``run(root, size, blocks, rounds)`` under one temporary root, printed as one JSON object."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and records")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 65536, 262144])
+    parser.add_argument("--sizes", type=int, nargs="+", default=sizes)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--blocks", type=int, default=None)
     args = parser.parse_args()
@@ -188,12 +224,16 @@ def main() -> None:
     blocks = args.blocks or (64 if args.quick else 128)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as root:
-        sizes = [run_size(root, size, blocks, rounds) for size in args.sizes]
+        figures = [run(root, size, blocks, rounds) for size in args.sizes]
     print(
         json.dumps(
-            {"bench": "file_steps", "native": xxcopy.NATIVE, "load_at_start": round(load, 2), "sizes": sizes}, indent=1
+            {"bench": bench, "native": xxcopy.NATIVE, "load_at_start": round(load, 2), "sizes": figures}, indent=1
         )
     )
+
+
+def main() -> None:
+    steps_main("file_steps", __doc__, run_size, [4096, 65536, 262144])
 
 
 if __name__ == "__main__":

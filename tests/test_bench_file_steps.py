@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
-from bench_modules import bench_module
+from bench_modules import assert_spent, bench_module, steps_printed
 
 from kvtier.records import xxcopy
 
@@ -14,21 +13,9 @@ pytestmark = pytest.mark.skipif(not xxcopy.NATIVE, reason="built without the nat
 
 
 def test_prints_each_arm_and_step_per_size(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = bench_module("bench_file_steps")
-    monkeypatch.setattr(
-        sys, "argv", ["bench_file_steps.py", "--rounds", "2", "--blocks", "4", "--sizes", "4096", "65536"]
-    )
-    bench.main()
-    out = json.loads(capsys.readouterr().out)
-    assert out["bench"] == "file_steps" and out["native"] is True and out["load_at_start"] >= 0
-    assert [s["block_bytes"] for s in out["sizes"]] == [4096, 65536]
-    for size in out["sizes"]:
-        assert size["blocks"] == 4 and size["rounds"] == 2
-        for name in (*bench.ARMS, *bench.STEPS):
-            for clock in ("cpu", "wall"):
-                spent = size[f"{name}_{clock}_us"]
-                assert 0 < spent["min"] <= spent["median"] <= spent["max"]
-            assert size[f"{name}_gb_s"] > 0
+    bench, sizes = steps_printed(monkeypatch, capsys, "file_steps", [4096, 65536])
+    for size in sizes:
+        assert_spent(size, (*bench.ARMS, *bench.STEPS))
         for name in bench.ARMS[1:]:
             assert size[f"{name}_raw_ratio"]["median"] > 0
         assert set(size["gap_us"]) == {"read_and_hash", "job", "hash_alone"} and size["gap_us"]["hash_alone"] > 0
