@@ -41,15 +41,19 @@ static int row_buffers(PyObject *const *views, Py_ssize_t count, Py_buffer *rows
     return 1;
 }
 
-static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *view_tuple, int unindex);
+static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *view_tuple, int unindex, PyObject *taken_of);
 
-/* put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views) -> bool: see
-   lmdb_plain.put_reserved. */
+/* put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views[, rows]) -> True,
+   False or None: see lmdb_lone.LoneSave._commit_job. rows (None: not asked): the rows the views were
+   taken of, asked again once the transaction is begun (views_stayed): the write lock's wait and
+   the begin let the GIL go, in which another thread may have moved them (pool.resize_ frees the
+   old memory); from that check to the last copy the GIL is held (records under RELEASE_GIL_AT).
+   None where they moved: nothing put. */
 PyObject *py_put_reserved(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 9 || !PyBytes_CheckExact(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "put_reserved() takes (direct, env, txn, blocks, index, unindex, head, keys, views), head a bytes");
+    if ((nargs != 9 && nargs != 10) || !PyBytes_CheckExact(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "put_reserved() takes (direct, env, txn, blocks, index, unindex, head, keys, views[, rows]), head a bytes");
         return NULL;
     }
     int unindex = PyObject_IsTrue(args[5]);
@@ -64,13 +68,13 @@ PyObject *py_put_reserved(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(key_tuple);
         return NULL;
     }
-    PyObject *result = job_put(args, key_tuple, view_tuple, unindex);
+    PyObject *result = job_put(args, key_tuple, view_tuple, unindex, nargs > 9 ? args[9] : Py_None);
     Py_DECREF(key_tuple);
     Py_DECREF(view_tuple);
     return result;
 }
 
-static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *view_tuple, int unindex)
+static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *view_tuple, int unindex, PyObject *taken_of)
 {
     PyObject *head = args[6], *const *keys = &PyTuple_GET_ITEM(key_tuple, 0), *const *views = &PyTuple_GET_ITEM(view_tuple, 0);
     Py_ssize_t count = PyTuple_GET_SIZE(key_tuple);
@@ -106,6 +110,11 @@ static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *v
     taken = direct_writer(args[0], args[1], args[2], args[3], args[4], &w);
     if (taken <= 0) {
         result = taken < 0 ? NULL : Py_NewRef(Py_False);
+        goto release;
+    }
+    if (taken_of != Py_None && !views_stayed(taken_of, views, 0, count)) {
+        direct_writer_end(&w);
+        result = Py_NewRef(Py_None); /* (moved: nothing put) */
         goto release;
     }
     /* Every record's build known to take its key before the first put: a build refused after its

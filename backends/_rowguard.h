@@ -110,6 +110,13 @@ int direct_reserve(direct_writer_t *w, void *key, size_t klen, size_t size, unsi
 int direct_unindex(direct_writer_t *w, void *key, size_t klen);
 void direct_writer_end(direct_writer_t *w);
 PyObject *py_put_reserved(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* Whether views[first..end) still point at the rows they were taken of (rows: a PoolRows, a
+   tuple or list of tensors, or the one row of a job of one), asked again after a step that let
+   the GIL go (a pool grown in place, pool.resize_, frees the old memory): a PoolRows' pool by
+   one data_ptr(), other rows each by theirs. 1, or 0 (also where a row cannot be asked: no error
+   kept). views_stayed(rows, views) is its Python form (_rowsave.c). */
+int views_stayed(PyObject *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end);
+PyObject *py_views_stayed(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_reserved_jobs(PyObject *self, PyObject *unused);
 
 #pragma GCC visibility pop

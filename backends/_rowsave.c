@@ -122,18 +122,21 @@ done:
     return got;
 }
 
-/* put_joined(put, delete, index, head, keys, views, joined): for each key, in order,
+/* put_joined(put, delete, index, head, keys, views, joined[, rows]): for each key, in order,
    put(key, joined(head, key, view)) and, where delete is not None, delete(key, b"", index): as
-   lmdb_plain.put_joined_python. ValueError when the counts differ, before any call; an error
-   raised by a call propagates, with the keys before it put. */
+   lmdb_plain.put_joined_python; True. ValueError when the counts differ, before any call; an
+   error raised by a call propagates, with the keys before it put. rows (None: not asked): the
+   rows the views were taken of, asked again before each build (views_stayed: the put before it,
+   and the transaction's begin before the first, let the GIL go, in which another thread may
+   move them); None where a row moved, its record not built, the keys before it put. */
 PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "put_joined() takes 7 arguments (put, delete, index, head, keys, views, joined), got %zd", nargs);
+    if (nargs != 7 && nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "put_joined() takes 7 or 8 arguments (put, delete, index, head, keys, views, joined[, rows]), got %zd", nargs);
         return NULL;
     }
-    PyObject *put = args[0], *delete = args[1], *index = args[2], *head = args[3], *joined = args[6];
+    PyObject *put = args[0], *delete = args[1], *index = args[2], *head = args[3], *joined = args[6], *rows = nargs > 7 ? args[7] : Py_None;
     PyObject *keys = held(args[4]);
     if (keys == NULL)
         return NULL;
@@ -150,6 +153,10 @@ PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyTuple_GET_ITEM(keys, i);
+        if (rows != Py_None && !views_stayed(rows, &PyTuple_GET_ITEM(views, 0), i, i + 1)) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
         PyObject *build_args[3] = {head, key, PyTuple_GET_ITEM(views, i)};
         PyObject *record = PyObject_Vectorcall(joined, build_args, 3, NULL);
         if (record == NULL)
@@ -168,10 +175,108 @@ PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(deleted);
         }
     }
-    result = Py_NewRef(Py_None);
+    result = Py_NewRef(Py_True);
 done:
     Py_DECREF(keys);
     Py_XDECREF(views);
     Py_XDECREF(empty);
     return result;
+}
+
+/* The row names interned for views_stayed (host_row_names_init: once). */
+static host_row_names stay_names;
+
+/* Whether view (a memoryview) starts where row (a new reference, or NULL) is now: 1 or 0 (no
+   error kept: a row that cannot be asked is not where its view was). */
+static int row_at_view(PyObject *row, PyObject *view)
+{
+    if (row == NULL || !PyMemoryView_Check(view)) {
+        Py_XDECREF(row);
+        PyErr_Clear();
+        return 0;
+    }
+    int is = host_address_is(host_row_call(row, stay_names.data_ptr), (unsigned long long)(uintptr_t)PyMemoryView_GET_BUFFER(view)->buf);
+    Py_DECREF(row);
+    if (is < 0)
+        PyErr_Clear();
+    return is > 0;
+}
+
+/* The number of a pool's row i of a job (numbers: a range or a tuple of ints) into *n: 1, or 0
+   where not known (no error kept). */
+static int pool_number(PyObject *numbers, Py_ssize_t i, Py_ssize_t *n)
+{
+    if (PyTuple_CheckExact(numbers))
+        return i < PyTuple_GET_SIZE(numbers) && host_pool_size(Py_NewRef(PyTuple_GET_ITEM(numbers, i)), n) > 0;
+    int is = host_pool_size(PySequence_GetItem(numbers, i), n) > 0;
+    PyErr_Clear();
+    return is;
+}
+
+/* Whether views[first..end) of rows of one pool (a PoolRows) start where the pool's rows are now,
+   the pool asked once (pool.data_ptr()), each row's place by its number (views taken as one
+   pool, host_pool_view: a contiguous pool of rows of a view's length): 1; 0 where any is not so
+   or not known (its rows are then asked one by one). */
+static int pool_stayed(PyObject *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end)
+{
+    PyObject *numbers = host_slot(rows, stay_names.numbers), *pool = numbers != NULL ? host_slot(rows, stay_names.pool) : NULL;
+    unsigned long long base = 0;
+    int is = pool != NULL;
+    if (is) {
+        PyObject *at = host_row_call(pool, stay_names.data_ptr);
+        is = at != NULL && PyLong_CheckExact(at);
+        base = is ? PyLong_AsUnsignedLongLong(at) : 0;
+        Py_XDECREF(at);
+        is = is && !PyErr_Occurred();
+    }
+    for (Py_ssize_t i = first; is && i < end; i++) {
+        Py_ssize_t number;
+        is = PyMemoryView_Check(views[i]) && pool_number(numbers, i, &number) && number >= 0;
+        const Py_buffer *b = is ? PyMemoryView_GET_BUFFER(views[i]) : NULL;
+        is = is && (unsigned long long)(uintptr_t)b->buf == base + (unsigned long long)number * (unsigned long long)b->len;
+    }
+    Py_XDECREF(numbers);
+    Py_XDECREF(pool);
+    PyErr_Clear();
+    return is;
+}
+
+int views_stayed(PyObject *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end)
+{
+    if (first >= end)
+        return 1;
+    if (host_row_names_init(&stay_names) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int pooled = host_pool_rows(rows, &stay_names);
+    if (pooled && pool_stayed(rows, views, first, end))
+        return 1;
+    int listed = PyTuple_CheckExact(rows) || PyList_CheckExact(rows);
+    if (!pooled && !listed && (first != 0 || end != 1))
+        return 0; /* one row: a job of one */
+    for (Py_ssize_t i = first; i < end; i++) {
+        PyObject *row = pooled ? PySequence_GetItem(rows, i) /* (a pool the one-pool checks do not take) */
+                        : listed ? (i < PySequence_Fast_GET_SIZE(rows) ? Py_NewRef(PySequence_Fast_GET_ITEM(rows, i)) : NULL)
+                                 : Py_NewRef(rows);
+        if (!row_at_view(row, views[i]))
+            return 0;
+    }
+    return 1;
+}
+
+/* views_stayed(rows, views) -> bool: see _rowguard.h (the general path's and the tests' form). */
+PyObject *py_views_stayed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "views_stayed() takes 2 arguments (rows, views), got %zd", nargs);
+        return NULL;
+    }
+    PyObject *views = held(args[1]);
+    if (views == NULL)
+        return NULL;
+    int is = views_stayed(args[0], &PyTuple_GET_ITEM(views, 0), 0, PyTuple_GET_SIZE(views));
+    Py_DECREF(views);
+    return PyBool_FromLong(is);
 }

@@ -51,8 +51,10 @@ commits nothing, so the second try starts from what the first found.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -72,7 +74,9 @@ if TYPE_CHECKING:
 
     from kvtier.backend import BackendCounters
 
-__all__ = ["LONE_SAVES", "RESERVED_PUTS", "LoneSave"]
+__all__ = ["LONE_SAVES", "RESERVED_PUTS", "ROWS_ASKED", "LoneSave", "put_joined", "views_stayed"]
+
+log = logging.getLogger("kvtier.backends.lmdb_tier")
 
 #: Lone jobs of one plain block go through :class:`LoneSave` first; ``False``: through the
 #: general path alone (the path the tests compare it with).
@@ -81,10 +85,11 @@ LONE_SAVES = True
 #: probed that sound; ``False``: built and put through python-lmdb (``put_joined``, the path the
 #: tests compare it with).
 RESERVED_PUTS = True
-try:
-    from kvtier.backends._rowguard import put_reserved  # type: ignore[import-not-found]
-except ImportError:  # not built
-    put_reserved = None
+#: A job's rows asked again in the call that copies (:meth:`LoneSave._commit_job`); ``False``:
+#: not asked (what ``benchmarks/bench_save_recheck.py`` compares the cost of that question with).
+ROWS_ASKED = True
+_native = lmdb_plain._rowguard  # (None: not built, or a stale build)
+put_reserved = _native.put_reserved if _native is not None else None
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
 _NO_KEY = (bytes(KEY_BYTES),)  # (a lone save's key is checked before its row's views)
@@ -160,7 +165,7 @@ class LoneSave:
             view = viewed[0] if type(row) is PoolRows else viewed
             tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone(((key,), (view,), held), self._commit_job) if self._reserving() else None
+            sizes = commits.submit_alone(((key,), (view,), held, row), self._commit_job) if self._reserving() else None
             if sizes is None:
                 job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
                 _let_go(held)
@@ -203,7 +208,7 @@ class LoneSave:
                 return None
             tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone((keys, views, held), self._commit_job)
+            sizes = commits.submit_alone((keys, views, held, rows), self._commit_job)
             if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
                 head, joined = self.head, xxcopy.xxh3_joined
                 records = [(key, b"", joined(head, key, view)) for key, view in zip(keys, views)]
@@ -221,18 +226,31 @@ class LoneSave:
             counters.bytes_written += stored * self.record
         return sizes
 
-    def _commit_job(self, batches: list[tuple[Any, Any, list[bool]]]) -> list[list[int | None]]:
-        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold): under the
-        store's write lock, one write transaction in which each record is written into the room
-        LMDB's own put reserves (``put_reserved``, where the open probed that sound) or built
-        just before its put (``put_joined``), and the split entries its keys may have deleted,
-        then its commit; in one frame (a job of 16 records of 4 KiB costs about 25 µs: each
-        call a frame fewer). On a failure in it (aborted, nothing committed), the general
-        commit of the same job, whose try and handling are then the save's (a transaction LMDB
-        will not begin is that commit's to fail too). Then the job's rows' hold let go (before
-        the group's settle)."""
-        ((keys, views, held),) = batches
-        tier = self.tier
+    def _commit_job(self, batches: list[tuple[Any, Any, list[bool], Any]]) -> list[list[int | None]]:
+        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold, its rows):
+        under the store's write lock, one write transaction in which each record is written into
+        the room LMDB's own put reserves (``put_reserved``, where the open probed that sound) or
+        built just before its put (``put_joined``), and the split entries its keys may have
+        deleted, then its commit; in one frame (a job of 16 records of 4 KiB costs about 25 µs:
+        each call a frame fewer). On a failure in it (aborted, nothing committed), the general
+        commit of the same job, its records built first (one that fails to build is built in
+        that commit's transaction, its failure its own), whose try and handling are then the
+        save's (a transaction LMDB will not begin is that commit's to fail too). Then the job's
+        rows' hold let go (before the group's settle).
+
+        The wait for the write lock and ``env.begin`` let the GIL go, and so does each put of
+        python-lmdb's: another thread may move the rows meanwhile (``pool.resize_`` to more rows
+        frees the memory their views point at, which no hold keeps). So the rows' addresses are
+        asked again (:data:`views_stayed`: one ``data_ptr()`` for a :class:`PoolRows`' pool, one
+        a row for others) in the call that copies, the GIL held from the check to the copy: by
+        ``put_reserved`` once begun, by ``put_joined`` before each build. Where they moved, the
+        job is not saved (a miss, never freed memory stored under a good checksum): its
+        transaction aborted, each key's size ``None``, counted in ``write_failures``. Taking the
+        views again where the rows are now, as a read goes on into them, would run the rows'
+        checks again inside the write transaction, under the lock every writer waits for, for a
+        save the engine may simply make again."""
+        ((keys, views, held, rows),) = batches
+        tier, asked = self.tier, rows if ROWS_ASKED else None
         try:
             with tier._write_lock:
                 env = tier._env
@@ -246,8 +264,12 @@ class LoneSave:
                     # Each record written where LMDB's own put reserved its room, in the pass
                     # that copies and hashes its block: one copy a block, not two
                     # (backends/_lmdbput.c); the same bytes as put_joined's.
-                    if not self._reserving() or not put_reserved(self.direct, env, txn, blocks, index, unindex, self.head, keys, views):
-                        lmdb_plain.put_joined(txn.put, txn.delete if unindex else None, index, self.head, keys, views, xxcopy.xxh3_joined)
+                    done = put_reserved(self.direct, env, txn, blocks, index, unindex, self.head, keys, views, asked) if self._reserving() else False
+                    if done is False:
+                        done = put_joined(txn.put, txn.delete if unindex else None, index, self.head, keys, views, xxcopy.xxh3_joined, asked)
+                    if done is None:  # a row moved since its view was taken: nothing of the job put
+                        txn.abort()
+                        return [self._moved(len(keys))]
                     txn.commit()
                     return [[self.stored] * len(keys)]
                 except Exception:
@@ -257,9 +279,20 @@ class LoneSave:
                     if txn is not None:
                         txn.abort()
                     raise
-            return tier._commit_jobs([[(key, lmdb_plain.UNSUMMED, view) for key, view in zip(keys, views)]])
+            # (built here, the rows asked again first: the general commit waits for the lock again)
+            if asked is not None and not views_stayed(asked, views):
+                return [self._moved(len(keys))]
+            head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
+            return tier._commit_jobs([[build(joined, head, key, view) for key, view in zip(keys, views)]])
         finally:
             _let_go(held)
+
+    def _moved(self, count: int) -> list[int | None]:
+        """The sizes of a job of ``count`` keys not saved because its rows moved (see
+        :meth:`_commit_job`), counted."""
+        self.tier.counters.write_failures += count
+        log.debug("lmdb: a job of %d blocks not saved: its rows moved during the save", count)
+        return [None] * count
 
     def _commit(self, batches: list[tuple[bytes, bytes, bytes]]) -> list[list[int | None]]:
         """``GroupCommit``'s commit of the lone job: its record put and committed in one write
@@ -322,3 +355,42 @@ def _one_view(row: Any, shape: Any, views: dict[int, memoryview]) -> Any:
     if type(row) is not PoolRows:
         return lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
     return lmdb_plain.held_views(_NO_KEY, row, shape, views)
+
+
+def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes], rows: Any = None) -> bool | None:
+    """:data:`put_joined` in Python: the same calls, in the same order, and answers."""
+    if len(keys) != len(views):
+        raise ValueError(f"put_joined: {len(keys)} keys but {len(views)} views")
+    for i, (key, view) in enumerate(zip(keys, views)):
+        if rows is not None and not views_stayed_python(rows, views, i, i + 1):
+            return None
+        put(key, joined(head, key, view))
+        if delete is not None:
+            delete(key, b"", index)
+    return True
+
+
+def views_stayed_python(rows: Any, views: Sequence[Any], first: int = 0, end: int | None = None) -> bool:
+    """:data:`views_stayed` in Python, of ``views[first:end]`` (each row asked, a pool's too)."""
+    for i in range(first, len(views) if end is None else end):
+        try:
+            row = rows[i] if type(rows) in (PoolRows, tuple, list) else rows if i == 0 else None
+            if row.data_ptr() != ctypes.addressof(ctypes.c_char.from_buffer(views[i])):
+                return False
+        except Exception:  # (a row that cannot be asked is not where its view was)
+            return False
+    return True
+
+
+#: ``put_joined(put, delete, index, head, keys, views, joined, rows=None)``: for each key, in
+#: order, ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless
+#: ``delete`` is ``None``: a job's records each built just before its put, in one call (native:
+#: ``backends/_rowsave.c``). ``True``; ``None`` where ``rows`` (the rows the views were taken
+#: of; ``None``: not asked) moved before a record's build (:data:`views_stayed`, asked before
+#: each: the put before it let the GIL go), that record and those after it not put.
+put_joined: Callable[..., bool | None] = _native.put_joined if _native is not None else put_joined_python
+#: ``views_stayed(rows, views)``: whether each view still starts where its row is now (``rows``:
+#: a :class:`PoolRows`, whose pool is asked once, a tuple or list of tensors, or the one row of a
+#: job of one), asked after a step that let the GIL go, in which a pool grown in place
+#: (``pool.resize_``) frees the memory the views point at (native: ``backends/_rowsave.c``).
+views_stayed: Callable[..., bool] = _native.views_stayed if _native is not None else views_stayed_python

@@ -52,15 +52,15 @@ from kvtier.records.mac import RecordMac
 from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
-    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "HeldViews", "PlainReads", "RowViews", "dispatch_modes", "function_mode", "held_views", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
-    "one_row", "pool_addresses", "pool_memory", "put_joined", "python_in_torch", "same_size", "straight_read",
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "HeldViews", "PlainReads", "RowViews", "build_joined", "dispatch_modes", "function_mode", "held_views", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
+    "one_row", "pool_addresses", "pool_memory", "python_in_torch", "same_size", "straight_read",
 ]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "pool_views", "put_joined")):
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "pool_views", "put_joined", "views_stayed")):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
 _SUM = struct.Struct("<Q")
@@ -341,6 +341,15 @@ def pool_views_python(
     return _viewed(keys, addresses, views.get, tensor_type, dtype, shape, views, key_bytes, lambda at: None if at is None else unseen_at(at))
 
 
+def build_joined(joined: Callable[..., bytes], head: bytes, key: bytes, view: Any) -> tuple[bytes, bytes, Any]:
+    """``(key, b"", joined(head, key, view))``, or where that build raises an ``Exception``,
+    ``(key, UNSUMMED, view)``: built in the write transaction, where it fails alone (counted)."""
+    try:
+        return (key, b"", joined(head, key, view))
+    except Exception:
+        return (key, UNSUMMED, view)
+
+
 def pool_memory(rows: Any) -> Any:
     """What holds the memory of a job's rows given as one pool (a :class:`PoolRows`: its pool's
     storage as it is now), for the caller to hold until the job's last copy: a pool moved
@@ -381,16 +390,6 @@ def one_row_python(key: Any, key_bytes: int, row: Any, tensor_type: type, dtype:
 def job_views_python(keys: Any, rows: Any, tensor_type: type, dtype: Any, shape: Any, views: dict[int, memoryview], key_bytes: int) -> list[memoryview] | None:
     """:data:`job_views` in Python: the same answers, asked in the same order."""
     return _rows_viewed(keys, rows, tensor_type, dtype, shape, views, key_bytes, None)
-
-
-def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes]) -> None:
-    """:data:`put_joined` in Python: the same calls, in the same order."""
-    if len(keys) != len(views):
-        raise ValueError(f"put_joined: {len(keys)} keys but {len(views)} views")
-    for key, view in zip(keys, views):
-        put(key, joined(head, key, view))
-        if delete is not None:
-            delete(key, b"", index)
 
 
 #: Whether the native forms of :data:`host_view`, :data:`same_size` and :data:`one_row` are loaded.
@@ -441,11 +440,6 @@ job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowg
 #: ``backends/_rowsave.c``; :func:`pool_views_python` where the extension is not built, with
 #: the same answers). :meth:`RowViews.of`'s one native call for such a job, seen before or not.
 pool_views: Callable[..., Any] = _rowguard.pool_views if _rowguard is not None else pool_views_python
-#: ``put_joined(put, delete, index, head, keys, views, joined)``: for each key, in order,
-#: ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless ``delete`` is
-#: ``None``: a job's records each built just before its put, in one call (native:
-#: ``backends/_rowsave.c``).
-put_joined: Callable[..., None] = _rowguard.put_joined if _rowguard is not None else put_joined_python
 
 
 class PlainReads:
@@ -535,11 +529,13 @@ class PlainReads:
         joined one's (at most ``JOIN_MAX`` bytes) by :meth:`joined`, just before its put.
 
         ``built``: a record put joined is built here instead, ``(key, b"", record)``, the whole
-        record in one ``bytes``: what a caller whose job waits for another's commit does, so
-        that its records are built while that commit runs."""
+        record in one ``bytes`` (:func:`build_joined`: in a job of several, one that fails to
+        build is left to the transaction, where its failure is its own; a job of one raises)."""
         if built and HEADER.size + self.size <= lmdb_entries.JOIN_MAX:
             joined, head = xxcopy.xxh3_joined, self.head
-            return [(key, b"", joined(head, key, view)) for key, view in zip(keys, views)]
+            if len(keys) == 1:
+                return [(keys[0], b"", joined(head, keys[0], views[0]))]
+            return [build_joined(joined, head, key, view) for key, view in zip(keys, views)]
         return [(key, UNSUMMED, view) for key, view in zip(keys, views)]
 
     def joined(self, key: bytes, view: Any) -> bytes:

@@ -13,17 +13,17 @@ value's pages and frees them at the commit, and the records built whole for the 
 records' ``bytes``) are freed with the job; the next commit then reuses both instead of
 faulting them in again.
 
-A plain record's head is made in the write transaction (:data:`~kvtier.backends.lmdb_plain.UNSUMMED`):
-a split one's checksum from the copy its put made, a joined one built whole just before its put,
-so the put copies it while it is in the core's cache (built for a whole job before its
-transaction, 16 records of 64 KiB cost 110-124 µs more than raw puts with the syncs off,
-against 27-33 built one by one). A job that waits for another's commit builds its joined
-records meanwhile, on its own thread (:meth:`GroupCommit.idle`); a job of one record builds it
-before its transaction too: built in it, durable 4 KiB saves of one record ran at 0.88-0.89 of
-raw against 0.89-0.91 built before (job by job alternated in one process, three pairs, load 2.7-2.8).
-A lone job of one such block, into a row whose view the store keeps, is saved in one straight
-line instead (:class:`~kvtier.backends.lmdb_lone.LoneSave`), and so is a job of several such
-blocks, its checks and views in one call and its builds and puts in another
+A plain split record's head is made in the write transaction (:data:`~kvtier.backends.lmdb_plain.UNSUMMED`),
+its checksum from the copy its put made. A plain joined record is built whole here, from the
+rows' views just taken, before the job waits for the write lock and LMDB's begin: both let the
+GIL go, in which another thread may move the rows (``pool.resize_`` frees the memory a view
+points at), and no step of this path asks the rows again. (Built just before each put in the
+transaction instead, 16 records of 64 KiB cost 27-33 µs more than raw puts with the syncs off,
+against 110-124 built for the whole job before it; this path saves only rows not seen yet and
+jobs the straight lines do not take.) A lone job of one such block, into a row whose view the
+store keeps, is saved in one straight line instead (:class:`~kvtier.backends.lmdb_lone.LoneSave`),
+and so is a job of several such blocks, its checks and views in one call and its builds and
+puts in another, the rows asked again in the call that copies
 (:meth:`~kvtier.backends.lmdb_lone.LoneSave.save_job`).
 
 A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
@@ -166,12 +166,12 @@ class LmdbWrites(PersistentRecordBackend):
                 views = host_rows(blocks, size) if records is not None else None
             self._env_or_raise()
             if views is not None and records is not None:
-                # Plain records: their heads made in the write transaction, record by record
-                # (see the module doc); while another job's commit runs, this job's joined
-                # records are built here meanwhile, and so is a job of one record (lmdb_plain).
-                # (The general encoder's side thread gains nothing here: the whole job is
-                # encoded before its commit.)
-                job = records.records(keys, views, built=len(keys) == 1 or not self._commits.idle())
+                # Plain records: joined ones built here, from the views just taken (see the
+                # module doc: the commit's wait for the lock and its begin let the GIL go, in
+                # which another thread may move the rows); split ones' heads made in the write
+                # transaction (lmdb_plain). (The general encoder's side thread gains nothing
+                # here: the whole job is encoded before its commit.)
+                job = records.records(keys, views, built=True)
                 built = not job or job[0][1] is not UNSUMMED  # (UNSUMMED: a view the commit copies)
             else:
                 built = True  # no views

@@ -33,14 +33,15 @@ FORMS = ["reserved", "native", "python"]
 def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, python: Sequence[str]) -> str:
     """The form ``request.param`` of :data:`FORMS` set up: the row checks native and each record
     written into the room LMDB's own put reserves (``lmdb_lone.RESERVED_PUTS``); then built and
-    put through python-lmdb, native; then the same with the ``lmdb_plain`` functions named in
-    ``python`` in their Python forms (``NAME_python``). Native forms are skipped in a build
+    put through python-lmdb, native; then the same with the ``lmdb_plain`` and ``lmdb_lone``
+    functions named in ``python`` in their Python forms (``NAME_python``). Native forms are skipped in a build
     without them."""
     if request.param != "reserved":
         monkeypatch.setattr(lmdb_lone, "RESERVED_PUTS", False)
     if request.param == "python":
         for name in python:
-            monkeypatch.setattr(lmdb_plain, name, getattr(lmdb_plain, f"{name}_python"))
+            module = lmdb_plain if hasattr(lmdb_plain, f"{name}_python") else lmdb_lone
+            monkeypatch.setattr(module, name, getattr(module, f"{name}_python"))
     elif not lmdb_plain.NATIVE_GUARD:
         pytest.skip("built without the native row guard (kvtier.backends._rowguard)")
     return str(request.param)

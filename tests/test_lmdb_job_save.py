@@ -1,6 +1,6 @@
 """The ``lmdb`` tier's straight line for a job of several plain blocks
 (``lmdb_lone.LoneSave.save_job``: the job's checks and views in one call, ``lmdb_plain.job_views``;
-its records each built just before its put, ``lmdb_plain.put_joined``, or written into the room
+its records each built just before its put, ``lmdb_lone.put_joined``, or written into the room
 LMDB's own put reserves, ``lmdb_lone.RESERVED_PUTS``) against the general path
 (``LONE_SAVES = False``): the same records on disk, the same records read back, the same sizes,
 counters and errors, whatever fails; with those calls native and in Python."""
@@ -15,7 +15,7 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvtier.backends import lmdb_entries, lmdb_plain
+from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
 
 from kvtier import registry
 from kvtier.backend import Backend
@@ -37,7 +37,7 @@ from tests.lmdb_saves import (
     while_a_commit_runs,
 )
 
-_FORMS = ("host_view", "job_views", "put_joined")
+_FORMS = ("host_view", "job_views", "put_joined", "views_stayed")
 
 
 @pytest.fixture(autouse=True, params=FORMS)
@@ -271,7 +271,7 @@ def test_job_views_and_put_joined_answer_alike_native_and_in_python() -> None:
         calls.append(("delete", key, value, db))
         return True
 
-    for form in (native.put_joined, lmdb_plain.put_joined_python):
+    for form in (native.put_joined, lmdb_lone.put_joined_python):
         calls.clear()
 
         form(put, None, "index", head, keys, got_views, xxcopy.xxh3_joined)

@@ -43,7 +43,7 @@ def guard_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Every test with the row's checks and view (``lmdb_plain.host_view``) native and the
     record written into the room LMDB's own put reserves (``lmdb_lone.RESERVED_PUTS``); then
     built before its transaction and put through python-lmdb, the checks native, then in Python."""
-    return lmdb_saves.guard_form(request, monkeypatch, ("host_view",))
+    return lmdb_saves.guard_form(request, monkeypatch, ("host_view", "put_joined", "views_stayed"))
 
 
 def test_a_lone_save_stores_reads_and_counts_what_the_general_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier.backends import lmdb_entries, lmdb_lone, lmdb_plain
+from kvtier.backends import lmdb_entries, lmdb_lone
 from kvtier.backends.lmdb_salvage import SalvagedRecord, salvage_records
 
 from kvtier import registry
@@ -230,7 +230,7 @@ def test_a_job_saved_while_xxh3_joined_is_not_the_native_build_is_put_joined(tmp
         backend.write_blocks(keys, rows)  # the rows' views are kept from now on
         jobs = _rowguard.reserved_jobs()
         monkeypatch.setattr(xxcopy, "xxh3_joined", joined)
-        monkeypatch.setattr(lmdb_plain, "put_joined", lmdb_plain.put_joined_python)
+        monkeypatch.setattr(lmdb_lone, "put_joined", lmdb_lone.put_joined_python)
         assert None not in backend.write_blocks(keys, rows)
         assert built == keys and _rowguard.reserved_jobs() == jobs
     finally:
