@@ -531,6 +531,17 @@ def test_a_failed_group_write_fails_the_block_and_leaves_no_group(tmp_path: Path
 
 
 
+async def _fed(follower: Any) -> None:
+    """Wait until ``follower`` has applied every entry of its feed written so far (its cursor,
+    moved once a read's entries are applied, at the feed's head); 60 s at most."""
+    head = await asyncio.to_thread(follower.feed.head)
+    for _ in range(1200):
+        if follower._cursor is not None and follower._cursor >= head:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the follower's feed stayed behind {head} (at {follower._cursor})")
+
+
 def test_a_shared_tier_index_follows_other_tp_sizes_in_block_keys(redis_server: Any, tmp_path: Path) -> None:
     """A TP 1 store on a Redis tier, open while a TP 2 engine stores: its index view sweeps the
     server's record keys and the manager adopts the blocks (once every group is there); a group
@@ -543,13 +554,19 @@ def test_a_shared_tier_index_follows_other_tp_sizes_in_block_keys(redis_server: 
         caches = [torch.zeros_like(c) for c in shard(full, reader_groups)]
         async with kvtier.open(config(tier, 1, 0), kv_caches=caches) as reader:
             keys = block_keys(PROMPT, block_size=TOKENS, namespace=reader.namespace)
-            view = reader.backends[0].inner.view  # type: ignore[attr-defined]
+            follower = reader.backends[0].inner.follower  # type: ignore[attr-defined]
+            view = follower.view
             async with kvtier.open(config(tier, 2, 0), kv_caches=shard(full, HeadGroups.for_rank(HEADS, 2, 0, 1))) as w0:
                 await w0.save(keys, [0, 1, 2, 3])
+            await _fed(follower)
             await asyncio.to_thread(view.sweep_once)
             assert await reader.lookup(keys) == 0, "half the groups: not adopted"
             async with kvtier.open(config(tier, 2, 1), kv_caches=shard(full, HeadGroups.for_rank(HEADS, 2, 1, 1))) as w1:
                 await w1.save(keys, [0, 1, 2, 3])
+            # The feed's entries of these saves applied first: one applied while the sweep after
+            # the deletion below runs counts as just written, and keeps the deleted group's block
+            # held until the next sweep (the staleness the view allows, one sweep).
+            await _fed(follower)
             await asyncio.to_thread(view.sweep_once)
             assert await reader.lookup(keys) == 4
             assert await reader.load(keys, [0, 1, 2, 3]) == 4
