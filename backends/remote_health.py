@@ -78,6 +78,11 @@ class Health:
                 self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
             self._retry_at = now + self._backoff
 
+    def failed_fast(self, n: int) -> None:
+        """Count ``n`` records failed with no network wait (from any thread: under the lock)."""
+        with self._lock:
+            self.fast_failures += n
+
     def succeeded(self) -> bool:
         """Mark up; ``True`` if this ended an outage."""
         if self.down_since is None:

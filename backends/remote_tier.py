@@ -78,7 +78,7 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
 from kvtier.backends.remote_listing import KEY_BYTES, RemoteListing, SweepSkipped
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
-from kvtier.backends.remote_rows import Count, RowLease, fill_row
+from kvtier.backends.remote_rows import Count, LockedCounts, RowLease, fill_row
 from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -86,7 +86,7 @@ from kvtier.backend import BlockFormat
 from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError
-from kvtier.records.format import DEFAULT_MAC_ALGORITHM, RecordBackend, decode_record
+from kvtier.records.format import DEFAULT_MAC_ALGORITHM, decode_record
 from kvtier.records.record_backend import _in_host_memory
 from kvtier.shares import run_all
 
@@ -187,7 +187,7 @@ def check_seconds(**values: Any) -> None:
             raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
 
 
-class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
+class RemoteRecordBackend(RemoteListing, FollowedTier, LockedCounts):
     """Records on a server shared by every host; see the module doc for the hooks."""
 
     #: Records outlive the process; at open the store adopts what the server holds.
@@ -246,6 +246,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         self._unreadable: dict[bytes, None] = {}
         self._unreadable_lock = threading.Lock()
         self.rows_moved = Count()  # records not served or stored: their row moved in the transfer (remote_rows), from any thread
+        self._counting = threading.Lock()  # (LockedCounts: jobs on several threads at once, and their shares)
         #: a server unreachable, and either kind of failure (see the class attributes)
         self._down_errors: tuple[type[BaseException], ...] = (Down, *self.down_errors)
         self._failure_errors: tuple[type[BaseException], ...] = (*self._down_errors, *self.refused_errors)
@@ -407,7 +408,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             if health.allow():
                 runnable += ((health, handle, share) for share in split_shares(positions, record_bytes, self.job_connections))
             else:
-                health.fast_failures += len(positions)
+                health.failed_fast(len(positions))
                 failed.extend(positions)
         errors = run_all(self._pool_threads, [partial(self._run_share, fn, handle, share) for _, handle, share in runnable])
         verdict: dict[int, tuple[Health, BaseException | None]] = {}
@@ -446,8 +447,8 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         self._check_io(keys, blocks)
         n = len(keys)
         if self._foreign or not self._health.allow():
-            self._health.fast_failures += n
-            self.counters.write_failures += n
+            self._health.failed_fast(n)
+            self._count_writes(0, 0, n)
             return [None] * n
         job = WriteJob(keys, [self.remote_key(k) for k in keys], blocks, self.format.block_bytes)
         self._run_io(partial(self._write_share, job=job), job.rkeys, self.reserve_bytes())
@@ -457,9 +458,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
             self._delete([keys[i] for i in moved])
         sizes = job.sizes
         done = [keys[i] for i in range(n) if sizes[i] is not None]
-        self.counters.blocks_written += len(done)
-        self.counters.bytes_written += sum(s for s in sizes if s is not None)
-        self.counters.write_failures += n - len(done)
+        self._count_writes(len(done), sum(s for s in sizes if s is not None), n - len(done))
         if done and self.follower is not None:
             self._followed_writes(done)
         if done and self._unreadable:
@@ -480,7 +479,7 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         size = self._check_io(keys, out)
         n = len(keys)
         if self._foreign or not self._health.allow():
-            self._health.fast_failures += n
+            self._health.failed_fast(n)
             found = [False] * n
             self._count_reads(found, size, corrupt=0)
             return found
@@ -546,19 +545,14 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
         if not keys:
             return
         if not self._health.allow():
-            self._health.fast_failures += len(keys)
+            self._health.failed_fast(len(keys))
             if self.follower is not None:
                 self.follower.note_deleted(keys)
             return  # the server is gone; its own eviction (or TTL) reclaims the records later
         rkeys = [self.remote_key(k) for k in keys]
-        deleted = 0
-
-        def delete_share(handle: Any, positions: list[int]) -> None:
-            nonlocal deleted
-            deleted += self._delete_records(handle, [rkeys[i] for i in positions])
-
-        self._run_io(delete_share, rkeys)
-        self.counters.deleted += deleted
+        deleted = Count()  # (added to by each share, on a thread of its own)
+        self._run_io(lambda handle, positions: deleted.add(self._delete_records(handle, [rkeys[i] for i in positions])), rkeys)
+        self._count_deleted(deleted.value)
         if self.follower is not None:
             self._followed_deletes(keys)
 
