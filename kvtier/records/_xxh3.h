@@ -89,19 +89,6 @@ typedef int (*xxc_check_copy_fn)(const u8 *head, size_t hlen, const u8 *key, siz
 XXC_INTERNAL int xxc_read_check(stripes_fn stripes, int fd, const u8 *head, size_t hlen, const u8 *prefix, size_t plen,
                                 u8 *stored, u8 *row, size_t n, size_t piece);
 
-/* A job's items shared with a second core (_xxpair.c): one(ctx, i) for each i in [0, n), run
-   by the caller and a persistent worker thread taking items from one counter, so two run at
-   once; returns once every item has run and the worker is out of the job. Called without the
-   GIL; one must take no Python object. A job finds the worker busy with another caller's job
-   runs alone. xxc_pair_wanted: whether a job of n items of row_bytes each is worth sharing
-   (n >= 2, row_bytes at least the length xxc_pair_set_min set, 64 KiB unless changed; 0: never),
-   which returns the length it replaces. xxc_pair_worker_items: the items the worker has run. */
-typedef void (*xxc_item_fn)(void *ctx, size_t i);
-XXC_INTERNAL void xxc_pair_run(xxc_item_fn one, void *ctx, size_t n);
-XXC_INTERNAL int xxc_pair_wanted(size_t n, size_t row_bytes);
-XXC_INTERNAL size_t xxc_pair_set_min(size_t bytes);
-XXC_INTERNAL size_t xxc_pair_worker_items(void);
-
 /* The stripes path a pass over n bytes takes (_xxcopy.c): copies, one that copies as it hashes. */
 XXC_INTERNAL stripes_fn stripes_for(int copies, size_t n);
 

@@ -83,56 +83,31 @@ static int take_records(job_record *recs, PyObject *const *keys, PyObject *const
     return 0;
 }
 
-/* One record's read and check (status set), without the GIL: the directory's descriptor is read
-   from dir before its open, and once it is negative (the root is closing) no record is opened
-   any more: the record is left to the general read. */
-static void read_record(job_record *r, const int *dir, const u8 *head, size_t hlen, size_t piece)
-{
-    int dir_fd = __atomic_load_n(dir, __ATOMIC_ACQUIRE), fd;
-    if (dir_fd < 0) {
-        r->status = JOB_REST;
-        return;
-    }
-    do
-        fd = openat(dir_fd, r->name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); /* a FIFO: no wait */
-    while (fd < 0 && errno == EINTR);
-    if (fd < 0) {
-        r->status = errno == ENOENT ? JOB_MISS : JOB_REST;
-        return;
-    }
-    u8 stored[HEAD_MAX + 8];
-    size_t len = (size_t)r->row.len;
-    int got = xxc_read_check(stripes_for(0, len), fd, head, hlen, r->prefix, hlen + r->klen, stored, r->row.buf, len, piece);
-    close(fd);
-    r->status = got == XXC_CHECK_GOOD ? JOB_GOOD : JOB_REST;
-}
-
-/* What read_record takes besides the record, for a job shared with the second core. */
-typedef struct {
-    job_record *recs;
-    const int *dir;
-    const u8 *head;
-    size_t hlen, piece;
-} job_reads;
-
-static void read_item(void *ctx, size_t i)
-{
-    const job_reads *job = ctx;
-    read_record(&job->recs[i], job->dir, job->head, job->hlen, job->piece);
-}
-
-/* The job's reads (read_record each), without the GIL: records of the length xxc_pair_wanted
-   shares are read two at a time, by this thread and the second core's (xxc_pair_run); each
-   record's outcome is its own either way. */
+/* The job's reads, without the GIL: the directory's descriptor is read from *dir before each
+   open, and once it is negative (the root is closing) no record is opened any more. */
 static void read_records(job_record *recs, Py_ssize_t n, const int *dir, const u8 *head, size_t hlen, size_t piece)
 {
-    if (n >= 2 && xxc_pair_wanted((size_t)n, (size_t)recs[0].row.len)) {
-        job_reads job = {recs, dir, head, hlen, piece};
-        xxc_pair_run(read_item, &job, (size_t)n);
-        return;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        job_record *r = &recs[i];
+        int dir_fd = __atomic_load_n(dir, __ATOMIC_ACQUIRE), fd;
+        if (dir_fd < 0) {
+            for (; i < n; i++)
+                recs[i].status = JOB_REST;
+            return;
+        }
+        do
+            fd = openat(dir_fd, r->name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); /* a FIFO: no wait */
+        while (fd < 0 && errno == EINTR);
+        if (fd < 0) {
+            r->status = errno == ENOENT ? JOB_MISS : JOB_REST;
+            continue;
+        }
+        u8 stored[HEAD_MAX + 8];
+        size_t len = (size_t)r->row.len;
+        int got = xxc_read_check(stripes_for(0, len), fd, head, hlen, r->prefix, hlen + r->klen, stored, r->row.buf, len, piece);
+        close(fd);
+        r->status = got == XXC_CHECK_GOOD ? JOB_GOOD : JOB_REST;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        read_record(&recs[i], dir, head, hlen, piece);
 }
 
 /* piece as a count of bytes >= 0, or -1 with the error set. */
@@ -500,32 +475,7 @@ static PyObject *xxc_read_job(PyObject *module, PyObject *const *args, Py_ssize_
     return pair;
 }
 
-/* xxh3_64_pair_reads(min_bytes) -> int (see methods). */
-static PyObject *xxc_pair_reads(PyObject *module, PyObject *arg)
-{
-    (void)module;
-    Py_ssize_t bytes = PyLong_AsSsize_t(arg);
-    if (bytes < 0) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "min_bytes: expected a count of bytes >= 0, got %zd", bytes);
-        return NULL;
-    }
-    return PyLong_FromSize_t(xxc_pair_set_min((size_t)bytes));
-}
-
-/* xxh3_64_pair_count() -> int (see methods). */
-static PyObject *xxc_pair_count(PyObject *module, PyObject *unused)
-{
-    (void)module, (void)unused;
-    return PyLong_FromSize_t(xxc_pair_worker_items());
-}
-
 XXC_INTERNAL PyMethodDef xxc_job_methods[] = {
-    {"xxh3_64_pair_count", (PyCFunction)xxc_pair_count, METH_NOARGS,
-     "xxh3_64_pair_count() -> int\n\nThe records the second core has read in this process (see xxh3_64_pair_reads)."},
-    {"xxh3_64_pair_reads", (PyCFunction)xxc_pair_reads, METH_O,
-     "xxh3_64_pair_reads(min_bytes) -> int\n\nThe row length from which the job reads above share a job of two or more\n"
-     "records with a second core (0: never; 65536 at import); returns the length it replaces."},
     {"xxh3_64_read_check_keys", (PyCFunction)(void (*)(void))xxc_read_check_keys, METH_FASTCALL,
      "xxh3_64_read_check_keys(dir_at, head, keys, rows, piece, found) -> list\n\n"
      "xxh3_64_read_check_key of each key into its row, in one call without the GIL: dir_at is a C int\n"

@@ -453,17 +453,6 @@ xxh3_read_rows: Callable[..., list[int] | None] | None = getattr(_xxcopy, "xxh3_
 xxh3_read_job: Callable[..., Any] | None = getattr(_xxcopy, "xxh3_64_read_job", None) if _VECTOR else None
 
 
-#: ``xxh3_pair_reads(min_bytes) -> int``: the row length from which the native job reads
-#: (:func:`xxh3_read_check_keys`, :func:`xxh3_read_rows`, :func:`xxh3_read_job`) share a job of
-#: two or more records with a second core: one persistent worker thread, woken once a job, reads
-#: and checks records taken from the same counter as the caller, so two records are read and
-#: hashed at once (each record's outcome is its own either way). ``0``: never; 65536 at import.
-#: Returns the length it replaces. ``xxh3_pair_count() -> int``: the records that worker has
-#: read in this process. Both ``None`` without the native functions.
-xxh3_pair_reads: Callable[[int], int] | None = getattr(_xxcopy, "xxh3_64_pair_reads", None) if _VECTOR else None
-xxh3_pair_count: Callable[[], int] | None = getattr(_xxcopy, "xxh3_64_pair_count", None) if _VECTOR else None
-
-
 def _writable(obj: Any, what: str) -> memoryview:
     out = _flat(obj, what, "a writable bytes-like object")
     if out.readonly:
