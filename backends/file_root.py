@@ -15,15 +15,21 @@ directories its records go in.
   directories once per store.
 * A shard directory that exists is opened in one ``openat2`` beneath the root with symlinks
   refused (:meth:`ShardDirs.open_leaf`), where reaching it one level at a time takes five
-  system calls; a directory is known to exist once a write of this instance reached it. Anything
-  unusual (a directory gone, a symlink, no ``openat2``) takes the level-by-level walk, which
-  makes missing directories and refuses symlinks.
+  system calls; a directory is known to exist once a write of this instance reached it and
+  (durable) its entry in its parent is synced. Anything unusual (a directory gone, a symlink, no
+  ``openat2``) takes the level-by-level walk, which makes missing directories and refuses
+  symlinks.
+* Durable, a job syncs the parents of the directories its walk made, and also those of
+  directories another job made whose commit has not synced them yet (the walks take turns):
+  a record is acknowledged only once every entry on its path is on stable storage, whichever
+  job made its directory.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -148,6 +154,12 @@ class ShardDirs:
         self._beneath = beneath
         self._durable = durable
         self._known = bytearray(1 << 16)  # 1 where ``ab/cd`` is known to exist, by ``0xabcd``
+        # Durable: each directory a walk made whose entry no commit has synced yet -> its parent.
+        # A job that reaches such a directory (made by another job still committing) syncs that
+        # parent too, else it could return before its record's path is durable; and ``ab/cd``
+        # is known (opened in one call, unsynced entries unseen) only once its path is synced.
+        self._unsynced: dict[str, str] = {}
+        self._walks = threading.Lock()  # a walk that makes a directory, and another's that finds it
 
     def shard(self, key_hex: str) -> str:
         """The name of the directory a record goes in, relative to the root (``""``: the root)."""
@@ -186,10 +198,34 @@ class ShardDirs:
                 return self._beneath.open(f"{h[0:2]}/{h[2:4]}", directory=True)
             except OSError:
                 pass  # gone, a symlink, no openat2: the walk below decides
-        leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=created)
-        assert leaf is not None
+        made: set[str] = set()
+        with self._walks:
+            leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=made)
+            assert leaf is not None
+            created |= made
+            if self._durable:
+                top = os.path.join(self.root, h[0:2])
+                unsynced = self._unsynced
+                if self.root in made:
+                    unsynced[top] = self.root
+                if top in made:
+                    unsynced[os.path.join(top, h[2:4])] = top
+                for path in (top, os.path.join(top, h[2:4])):
+                    if path in unsynced:
+                        created.add(unsynced[path])
+                        index = -1
         if self._beneath.fd < 0:  # closed during the walk: the path may lead to a store opened since
             os.close(leaf[0])
             raise OSError(errno.EBADF, "the store's root was closed", self.root)
-        self._known[index] = 1
+        if index >= 0:
+            self._known[index] = 1
         return leaf[0]
+
+    def synced(self, parents: set[str]) -> None:
+        """A durable commit synced the directories ``parents``: the entries made in them are
+        durable (the walk after this one knows their shard directory)."""
+        if parents and self._unsynced:
+            with self._walks:
+                for path, parent in list(self._unsynced.items()):
+                    if parent in parents:
+                        del self._unsynced[path]

@@ -126,6 +126,8 @@ class FileSaves(PersistentRecordBackend):
                 staged.append((len(sizes), key, grow, n))
                 sizes.append(stored)
             committed = commit_files([job], durable=self.sync_mode == "durable")[0]
+            if self.sync_mode == "durable":
+                shards.synced(job.parents)
         except BaseException:
             for (pos, key, grow, _), f in zip(staged, job.files):
                 if not f.renamed:  # (a renamed record is there, synced or not: it keeps its room)
