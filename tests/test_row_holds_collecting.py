@@ -136,3 +136,56 @@ def test_a_hold_whose_drain_saw_a_collection_begin_waits_for_its_end(way: str) -
     started, done = child.stdout.split()
     assert started == "1", "the collection did not begin during the drain: the case was not made"
     assert done == "1", "the hold returned while another thread's collection ran its finalizers"
+
+
+_BEFORE_OFF = r"""
+import gc, sys, threading, time, weakref
+from kvtier.records import rowhold
+sys.setswitchinterval(1.0)  # the GIL changes hands only where a thread lets it go
+gc.enable()
+go, began, state = threading.Event(), threading.Event(), {"started": 0, "done": 0}
+
+class Garbage:
+    pass
+
+def finalizer():  # run by the collection: lets the GIL go (it could move a row meanwhile)
+    state["started"] += 1
+    began.set()
+    time.sleep(0.1)
+    state["done"] += 1
+
+def collector():
+    go.wait(30)
+    garbage = Garbage()
+    garbage.me = garbage
+    weakref.finalize(garbage, finalizer)
+    del garbage
+    gc.collect()
+
+t = threading.Thread(target=collector)
+t.start()
+real = gc.isenabled
+def isenabled():  # asked by the hold between its looks and gc.disable(): the other thread runs here
+    if not go.is_set():
+        go.set()
+        began.wait(30)
+    return real()
+gc.isenabled = isenabled
+rowhold.rows_hold_python()
+seen = dict(state)
+rowhold.rows_let_go_python()
+gc.isenabled = real
+t.join()
+print(seen["started"], seen["done"])
+"""
+
+
+def test_the_python_hold_sees_a_collection_begun_just_before_it_turned_collection_off() -> None:
+    """In Python another thread may run between any two lines of the hold, also between its
+    look for a running collection and ``gc.disable()``, and begin a collection there. The hold
+    looks once collection is off, so it never returns while that collection's finalizers run."""
+    child = subprocess.run([sys.executable, "-c", _BEFORE_OFF], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    started, done = child.stdout.split()
+    assert started == "1", "the collection did not begin inside the hold: the case was not made"
+    assert done == "1", "the hold returned while another thread's collection ran its finalizers"

@@ -42,7 +42,7 @@ _drain = [0, False]  # holds waiting for the count to drain, and whether one's d
 _mine = threading.local()  # .holds: this thread's
 #: A collection running (``gc.callbacks``' start to its stop), its thread, and whether the Python
 #: form's callback is on (added at its first hold): a hold from a thread holding none, in any
-#: other thread, waits for its end first (:data:`COLLECT_WAIT` at most), as the native form does.
+#: other thread, waits for its end (:data:`COLLECT_WAIT` at most) once collection is off, as the native form does.
 _collection: list[Any] = [False, 0, False]
 
 
@@ -69,14 +69,17 @@ def rows_hold_python() -> None:
             gc.callbacks.append(_gc_phase)
         if (_held[0] > 0 or _drain[0]) and _hold_should_wait():
             _drain_and_collect()
-        if _collection[0] and _collection[1] != threading.get_ident():  # (after the drain's wait: one begun meanwhile)
-            _wait_collection_end()
     with _held_lock:
         if _held[0] == 0:
             _held[1] = gc.isenabled()
             gc.disable()
             _runs[0] += 1
         _held[0] += 1
+    # The look for a running collection comes once collection is off (held), not before: in
+    # Python another thread may run between any two lines, and a collection it begins before
+    # gc.disable() (after the drain's wait too) is seen here; none begins after it.
+    if depth == 0 and _collection[0] and _collection[1] != threading.get_ident():
+        _wait_collection_end()
 
 
 def rows_let_go_python() -> None:
