@@ -177,7 +177,16 @@ def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str,
     return True
 
 
-def _fsync_dir(path: str) -> None:
+def _synced_copy(env: lmdb.Environment, directory: str) -> None:
+    """A compacted copy of ``env`` in ``directory``, its data synced (LMDB's copy does not sync
+    it): on disk before its name replaces the old file's, so a power loss leaves the old file or
+    the whole copy, never a name over data not yet written."""
+    env.copy(directory, compact=True)
+    _fsync_path(os.path.join(directory, "data.mdb"))
+
+
+def _fsync_path(path: str) -> None:
+    """``fsync`` of a file or a directory, by its path."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
@@ -447,10 +456,10 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         shutil.rmtree(compacted, ignore_errors=True)
         os.makedirs(compacted, mode=0o700)
         try:
-            env.copy(compacted, compact=True)
+            _synced_copy(env, compacted)
             self._close_env()
             os.replace(os.path.join(compacted, "data.mdb"), os.path.join(self.path, "data.mdb"))
-            _fsync_dir(self.path)
+            _fsync_path(self.path)
         except (OSError, lmdb.Error) as exc:
             log.warning("lmdb: cannot compact %r after lowering its capacity (%s); it keeps its larger file", self.path, exc)
             return
