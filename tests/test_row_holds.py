@@ -19,10 +19,11 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from kvtier.records import xxcopy
+from kvtier.records import rowhold, xxcopy
 
 _PRELUDE = r"""
 import asyncio, gc, sys, tempfile, torch
@@ -170,7 +171,7 @@ _PARTIAL = r"""
 import sys
 sys.modules["kvtier.records._xxcopy"] = None  # not built
 import gc
-from kvtier.records import xxcopy
+from kvtier.records import rowhold, xxcopy
 calls = []
 hold, let_go = xxcopy.rows_hold_python, xxcopy.rows_let_go_python
 def counted_hold():
@@ -258,3 +259,69 @@ class _PythonHeld:
         from kvtier.records import rowhold
 
         rowhold._rows_exit_python(*exc)
+
+
+def test_a_python_hold_interrupted_in_its_wait_leaves_the_thread_holding_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt raised in the wait of a hold (the Python form, waiting for another
+    thread's holds to drain) ends the hold untaken: the thread is not left counted as holding one,
+    so its next hold waits as a first one does, and the count is the other thread's alone. Before,
+    the thread stayed counted as holding, and none of its holds waited again."""
+    was = gc.isenabled()
+    other_holds, other_done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        rowhold.rows_hold_python()
+        other_holds.set()
+        other_done.wait(60)
+        rowhold.rows_let_go_python()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert other_holds.wait(60)
+        asked: list[int] = []
+        monkeypatch.setattr(rowhold, "_hold_should_wait", lambda: asked.append(1) or True)
+
+        def interrupted(seconds: float) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(rowhold.time, "sleep", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            rowhold.rows_hold_python()
+        assert getattr(rowhold._mine, "holds", 0) == 0
+        assert rowhold._held[0] == 1  # the other thread's hold alone
+        with pytest.raises(KeyboardInterrupt):
+            rowhold.rows_hold_python()  # a first hold again: it waits (and is interrupted again)
+        assert len(asked) == 2
+    finally:
+        monkeypatch.undo()
+        other_done.set()
+        thread.join()
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_python_hold_interrupted_waiting_for_a_collection_lets_its_hold_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt raised while a hold (the Python form) waits for another thread's running
+    collection to end, a wait that comes once the hold is taken: the hold is let go before the
+    interrupt goes on, so collection is back on and neither the thread nor the count holds one.
+    Before, the hold stayed taken with no caller to let it go: collection stayed off."""
+    assert getattr(rowhold._mine, "holds", 0) == 0 and rowhold._held[0] == 0
+    was = gc.isenabled()
+    gc.enable()
+    saved = list(rowhold._collection)
+    try:
+        rowhold._collection[:2] = [True, threading.get_ident() + 1]  # a collection running in another thread
+
+        def interrupted(seconds: float) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(rowhold.time, "sleep", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            rowhold.rows_hold_python()
+        assert getattr(rowhold._mine, "holds", 0) == 0
+        assert rowhold._held[0] == 0
+        assert gc.isenabled()
+    finally:
+        monkeypatch.undo()
+        rowhold._collection[:] = saved
+        (gc.enable if was else gc.disable)()

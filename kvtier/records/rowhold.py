@@ -64,11 +64,15 @@ def rows_hold_python() -> None:
     depth = getattr(_mine, "holds", 0)
     _mine.holds = depth + 1
     if depth == 0:
-        if not _collection[2]:
-            _collection[2] = True
-            gc.callbacks.append(_gc_phase)
-        if (_held[0] > 0 or _drain[0]) and _hold_should_wait():
-            _drain_and_collect()
+        try:
+            if not _collection[2]:
+                _collection[2] = True
+                gc.callbacks.append(_gc_phase)
+            if (_held[0] > 0 or _drain[0]) and _hold_should_wait():
+                _drain_and_collect()
+        except BaseException:  # (a KeyboardInterrupt in a wait's sleep): no hold taken, none counted as this thread's
+            _mine.holds = depth
+            raise
     with _held_lock:
         if _held[0] == 0:
             _held[1] = gc.isenabled()
@@ -79,7 +83,11 @@ def rows_hold_python() -> None:
     # Python another thread may run between any two lines, and a collection it begins before
     # gc.disable() (after the drain's wait too) is seen here; none begins after it.
     if depth == 0 and _collection[0] and _collection[1] != threading.get_ident():
-        _wait_collection_end()
+        try:
+            _wait_collection_end()
+        except BaseException:  # (interrupted, likewise): the hold just taken is let go, not left to the caller
+            rows_let_go_python()
+            raise
 
 
 def rows_let_go_python() -> None:
@@ -181,11 +189,8 @@ def holding_rows(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def held(*args: Any, **kwargs: Any) -> Any:
-        rows_hold()
-        try:
+        with rows_held:  # (not a call then a ``try``: an exception raised between would leave the hold)
             return method(*args, **kwargs)
-        finally:
-            rows_let_go()
 
     return held
 
