@@ -195,11 +195,8 @@ class StraightRead:
                 return found  # type: ignore[no-any-return]
         # No collection from the row's checks to its copy (xxcopy.rows_hold: a finalizer run
         # between may free the row whose view is taken).
-        xxcopy.rows_hold()
-        try:
+        with xxcopy.rows_held:
             return self._read_held(env, key, row)
-        finally:
-            xxcopy.rows_let_go()
 
     def _read_held(self, env: lmdb.Environment, key: Any, row: Any) -> list[bool] | None:
         """The lines of :meth:`read` for a job of one key, under the rows' hold."""
@@ -281,11 +278,8 @@ class StraightRead:
             # A handler run in a later row's checks below may free a row whose view is taken
             # already: the general path's job, whose copies take each row's memory.
             return None
-        xxcopy.rows_hold()  # no collection from the first row's checks to the last copy, likewise
-        try:
+        with xxcopy.rows_held:  # no collection from the first row's checks to the last copy, likewise
             return self._job_held(env, keys, out)
-        finally:
-            xxcopy.rows_let_go()
 
     def _job_held(self, env: lmdb.Environment, keys: Any, out: Any) -> list[bool] | None:
         """The lines of :meth:`job` from its rows' checks on, under the rows' hold."""

@@ -546,17 +546,15 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         views = reader.views if reader is not None and mac is None else None
         # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory is held by
         # the views of its rows (lmdb_plain.HeldViews: RowViews.of, or host_rows in read_job).
-        xxcopy.rows_hold()
-        try:
-            rows = views.of(keys, out) if views is not None else None
-            size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
-            env = self._env_or_raise()
-            assert reader is not None
-            outcome = reader.read_job(env, keys, out, mac, rows)
-        except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
-            raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
-        finally:
-            xxcopy.rows_let_go()
+        with xxcopy.rows_held:  # (not rows_hold() then a try: an exception raised between would leave the hold)
+            try:
+                rows = views.of(keys, out) if views is not None else None
+                size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
+                env = self._env_or_raise()
+                assert reader is not None
+                outcome = reader.read_job(env, keys, out, mac, rows)
+            except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
+                raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
         if outcome.bad:
             try:
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
