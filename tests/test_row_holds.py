@@ -261,6 +261,19 @@ class _PythonHeld:
         rowhold._rows_exit_python(*exc)
 
 
+def _hold_interrupted_in_its_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python-form hold whose wait's sleep raises KeyboardInterrupt: the interrupt goes on to
+    the caller, and the thread is left counted as holding none."""
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rowhold.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rowhold.rows_hold_python()
+    assert getattr(rowhold._mine, "holds", 0) == 0
+
+
 def test_a_python_hold_interrupted_in_its_wait_leaves_the_thread_holding_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """A KeyboardInterrupt raised in the wait of a hold (the Python form, waiting for another
     thread's holds to drain) ends the hold untaken: the thread is not left counted as holding one,
@@ -281,14 +294,7 @@ def test_a_python_hold_interrupted_in_its_wait_leaves_the_thread_holding_none(mo
         assert other_holds.wait(60)
         asked: list[int] = []
         monkeypatch.setattr(rowhold, "_hold_should_wait", lambda: asked.append(1) or True)
-
-        def interrupted(seconds: float) -> None:
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(rowhold.time, "sleep", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            rowhold.rows_hold_python()
-        assert getattr(rowhold._mine, "holds", 0) == 0
+        _hold_interrupted_in_its_sleep(monkeypatch)
         assert rowhold._held[0] == 1  # the other thread's hold alone
         with pytest.raises(KeyboardInterrupt):
             rowhold.rows_hold_python()  # a first hold again: it waits (and is interrupted again)
@@ -311,14 +317,7 @@ def test_a_python_hold_interrupted_waiting_for_a_collection_lets_its_hold_go(mon
     saved = list(rowhold._collection)
     try:
         rowhold._collection[:2] = [True, threading.get_ident() + 1]  # a collection running in another thread
-
-        def interrupted(seconds: float) -> None:
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(rowhold.time, "sleep", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            rowhold.rows_hold_python()
-        assert getattr(rowhold._mine, "holds", 0) == 0
+        _hold_interrupted_in_its_sleep(monkeypatch)
         assert rowhold._held[0] == 0
         assert gc.isenabled()
     finally:
