@@ -199,17 +199,19 @@ class ShardDirs:
             except OSError:
                 pass  # gone, a symlink, no openat2: the walk below decides
         made: set[str] = set()
+        top = os.path.join(self.root, h[0:2])
+        unsynced = self._unsynced
         with self._walks:
-            leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=made)
+            try:
+                leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=made)
+            finally:  # (also where the walk fails below a directory it made: the next job through it syncs its entry)
+                if self._durable and self.root in made:
+                    unsynced[top] = self.root
+                if self._durable and top in made:
+                    unsynced[os.path.join(top, h[2:4])] = top
             assert leaf is not None
             created |= made
             if self._durable:
-                top = os.path.join(self.root, h[0:2])
-                unsynced = self._unsynced
-                if self.root in made:
-                    unsynced[top] = self.root
-                if top in made:
-                    unsynced[os.path.join(top, h[2:4])] = top
                 for path in (top, os.path.join(top, h[2:4])):
                     if path in unsynced:
                         created.add(unsynced[path])

@@ -114,3 +114,37 @@ def test_a_shard_directory_synced_into_its_parent_is_not_synced_again(tmp_path: 
     assert None not in backend.write_blocks([_key(leaf, 1), _key(leaf, 2)], blocks[1:])
     assert syncs.dirs == [str(root / "11" / "22")]
     asyncio.run(backend.aclose())
+
+
+def test_a_directory_made_by_a_walk_that_failed_below_it_is_synced_by_the_next_save_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk that makes a shard's first-level directory (the open made them all; this one went
+    missing since), then fails to make the shard directory below it (a full disk, say), fails its save; the first-level directory stays, its entry in the
+    root never synced. The next save through it makes the shard directory and syncs its entry,
+    and also the first-level directory's entry in the root: else it is acknowledged with a path a
+    power loss can take away."""
+    root = (tmp_path / "store").resolve()
+    backend = _open(root)
+    syncs = _Syncs(monkeypatch)
+    leaf = b"\x6b\xd4"
+    blocks = [random_block(FMT.block_bytes, i) for i in range(2)]
+    real_mkdir = os.mkdir
+    os.rmdir(root / "6b")  # (made empty by the open)
+
+    def full(path: Any, *args: Any, **kwargs: Any) -> None:
+        if path == "d4":
+            raise OSError(28, "No space left on device", path)
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", full)
+    assert backend.write_blocks([_key(leaf, 0)], blocks[:1]) == [None]
+    monkeypatch.setattr(os, "mkdir", real_mkdir)
+    assert (root / "6b").is_dir() and not (root / "6b" / "d4").exists()
+    syncs.dirs.clear()
+    assert None not in backend.write_blocks([_key(leaf, 1)], blocks[1:])
+    assert str(root / "6b") in syncs.dirs and str(root / "6b" / "d4") in syncs.dirs
+    assert str(root) in syncs.dirs, "acknowledged before the first-level directory's entry in the root was synced"
+    out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
+    assert backend.read_blocks([_key(leaf, 1)], out) == [True] and torch.equal(out[0], blocks[1])
+    asyncio.run(backend.aclose())
