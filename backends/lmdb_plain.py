@@ -520,18 +520,16 @@ class PlainReads:
             return i, exc, None, None
         return None
 
-    def records(self, keys: Sequence[bytes], views: Sequence[memoryview], *, built: bool = False) -> list[tuple[bytes, bytes, Any]]:
+    def records(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[tuple[bytes, bytes, Any]]:
         """``(key, head, payload)`` of each block (``views``: its bytes, as :func:`host_rows`
         gives them) as a plain record: the bytes ``encode_record`` makes for a block that is not
         compressed and not keyed, by the same state as :meth:`read` (one XXH3 over the key and
-        the block per record, continued from the store's 24 head bytes). The head is
-        :data:`UNSUMMED`, made in the write transaction: a split record's by :meth:`summed`, a
-        joined one's (at most ``JOIN_MAX`` bytes) by :meth:`joined`, just before its put.
-
-        ``built``: a record put joined is built here instead, ``(key, b"", record)``, the whole
-        record in one ``bytes`` (:func:`build_joined`: in a job of several, one that fails to
-        build is left to the transaction, where its failure is its own; a job of one raises)."""
-        if built and HEADER.size + self.size <= lmdb_entries.JOIN_MAX:
+        the block per record, continued from the store's 24 head bytes). A record put joined (at
+        most ``JOIN_MAX`` bytes) is built here, ``(key, b"", record)``, the whole record in one
+        ``bytes`` (:func:`build_joined`: in a job of several, one that fails to build is left to
+        the transaction, :data:`UNSUMMED`, where its failure is its own; a job of one raises). A
+        split record's head is :data:`UNSUMMED`, made in the write transaction by :meth:`summed`."""
+        if HEADER.size + self.size <= lmdb_entries.JOIN_MAX:
             joined, head = xxcopy.xxh3_joined, self.head
             if len(keys) == 1:
                 return [(keys[0], b"", joined(head, keys[0], views[0]))]

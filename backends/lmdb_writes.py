@@ -171,7 +171,7 @@ class LmdbWrites(PersistentRecordBackend):
                 # which another thread may move the rows); split ones' heads made in the write
                 # transaction (lmdb_plain). (The general encoder's side thread gains nothing
                 # here: the whole job is encoded before its commit.)
-                job = records.records(keys, views, built=True)
+                job = records.records(keys, views)
                 built = not job or job[0][1] is not UNSUMMED  # (UNSUMMED: a view the commit copies)
             else:
                 built = True  # no views
