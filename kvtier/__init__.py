@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvtier.store import KVStore, open
     from kvtier.transfer.layout import KVLayout
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # A library prints nothing unless the application configures logging: every kvtier.* logger
 # propagates here, whichever module logs first (not only once the store module is imported).

@@ -35,6 +35,17 @@ def test_help_lists_every_command() -> None:
     assert kvtier().returncode == 2
 
 
+def test_version_is_the_installed_distributions() -> None:
+    from importlib.metadata import version
+
+    import kvtier as package
+
+    proc = kvtier("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"kvtier {package.__version__}"
+    assert package.__version__ == version("kvtier") == "0.2.0"  # pyproject.toml and kvtier/__init__.py agree
+
+
 def test_config_check_prints_tiers_and_slots(tmp_path: Path) -> None:
     path = tmp_path / "store.yaml"
     path.write_text("tiers:\n  - {backend: cpu, capacity: 8MiB, name: host}\n  - {backend: cpu, capacity: 64MiB}\n")
