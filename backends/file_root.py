@@ -158,7 +158,10 @@ class ShardDirs:
         # A job that reaches such a directory (made by another job still committing) syncs that
         # parent too, else it could return before its record's path is durable; and ``ab/cd``
         # is known (opened in one call, unsynced entries unseen) only once its path is synced.
-        self._unsynced: dict[str, str] = {}
+        # Each entry is numbered (``_made``): a commit marks synced only those made before its
+        # syncs began (:meth:`mark`), not one another walk made in the parent after them.
+        self._unsynced: dict[str, tuple[str, int]] = {}
+        self._made = 0
         self._walks = threading.Lock()  # a walk that makes a directory, and another's that finds it
 
     def shard(self, key_hex: str) -> str:
@@ -206,15 +209,16 @@ class ShardDirs:
                 leaf = FileTree._leaf_at(self.root, key, create=True, durable=self._durable, created=made)
             finally:  # (also where the walk fails below a directory it made: the next job through it syncs its entry)
                 if self._durable and self.root in made:
-                    unsynced[top] = self.root
+                    unsynced[top] = (self.root, self._made)
                 if self._durable and top in made:
-                    unsynced[os.path.join(top, h[2:4])] = top
+                    unsynced[os.path.join(top, h[2:4])] = (top, self._made)
+                self._made += 1
             assert leaf is not None
             created |= made
             if self._durable:
                 for path in (top, os.path.join(top, h[2:4])):
                     if path in unsynced:
-                        created.add(unsynced[path])
+                        created.add(unsynced[path][0])
                         index = -1
         if self._beneath.fd < 0:  # closed during the walk: the path may lead to a store opened since
             os.close(leaf[0])
@@ -223,11 +227,18 @@ class ShardDirs:
             self._known[index] = 1
         return leaf[0]
 
-    def synced(self, parents: set[str]) -> None:
-        """A durable commit synced the directories ``parents``: the entries made in them are
-        durable (the walk after this one knows their shard directory)."""
+    def mark(self) -> int:
+        """Where the walks stand, taken by a durable commit before its syncs begin (see :meth:`synced`)."""
+        return self._made
+
+    def synced(self, parents: set[str], mark: int) -> None:
+        """A durable commit synced the directories ``parents``, its syncs begun after ``mark``
+        (:meth:`mark`): the entries made in them before the mark are durable (the walk after
+        this one knows their shard directory). One made after it, by a walk of another job
+        while these syncs ran, may have missed them: it stays for its own maker, or the next
+        job through it, to sync."""
         if parents and self._unsynced:
             with self._walks:
-                for path, parent in list(self._unsynced.items()):
-                    if parent in parents:
+                for path, (parent, made) in list(self._unsynced.items()):
+                    if parent in parents and made < mark:
                         del self._unsynced[path]

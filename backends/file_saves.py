@@ -125,9 +125,10 @@ class FileSaves(PersistentRecordBackend):
                     continue
                 staged.append((len(sizes), key, grow, n))
                 sizes.append(stored)
+            mark = shards.mark()  # (before the syncs: what a walk makes during them is not theirs)
             committed = commit_files([job], durable=self.sync_mode == "durable")[0]
             if self.sync_mode == "durable":
-                shards.synced(job.parents)
+                shards.synced(job.parents, mark)
         except BaseException:
             for (pos, key, grow, _), f in zip(staged, job.files):
                 if not f.renamed:  # (a renamed record is there, synced or not: it keeps its room)

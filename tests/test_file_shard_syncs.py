@@ -148,3 +148,67 @@ def test_a_directory_made_by_a_walk_that_failed_below_it_is_synced_by_the_next_s
     out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8)]
     assert backend.read_blocks([_key(leaf, 1)], out) == [True] and torch.equal(out[0], blocks[1])
     asyncio.run(backend.aclose())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_commit_leaves_unsynced_a_shard_directory_made_after_its_parent_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's commit syncs the parent of the shard directory it made, then marks that parent's
+    new entries synced. Another job may make a second shard directory in the same parent after
+    that sync and before the mark: its entry is not covered by the sync, so the mark must not
+    take it off the list. Else a third save into that second directory, made while its own
+    maker still commits, syncs only below it and is acknowledged with a path a power loss can
+    take away."""
+    from kvtier.backends.file_root import ShardDirs
+
+    root = (tmp_path / "store").resolve()
+    backend = _open(root)
+    syncs = _Syncs(monkeypatch)
+    parent = str(root / "3c")
+    first_key, second_key, third_key = _key(b"\x3c\x01", 0), _key(b"\x3c\x02", 0), _key(b"\x3c\x02", 1)
+    blocks = [random_block(FMT.block_bytes, i) for i in range(3)]
+    marking, mark = threading.Event(), threading.Event()
+    first_thread: list[int] = []
+    real_synced = ShardDirs.synced
+
+    def synced(self: ShardDirs, *args: Any) -> None:
+        if first_thread and threading.get_ident() == first_thread[0]:
+            marking.set()  # its directory syncs returned, its mark not made yet
+            assert mark.wait(30)
+        real_synced(self, *args)
+
+    monkeypatch.setattr(ShardDirs, "synced", synced)
+    done: dict[str, Any] = {}
+
+    def first() -> None:
+        first_thread.append(threading.get_ident())
+        done["first"] = backend.write_blocks([first_key], blocks[:1])
+
+    def second() -> None:
+        syncs.holder = threading.get_ident()
+        done["second"] = backend.write_blocks([second_key], blocks[1:2])
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    try:
+        assert marking.wait(30) and parent in syncs.dirs  # the first job's parent synced
+        threads[1].start()
+        assert syncs.held.wait(30)  # the second shard directory made, its entry in the parent not synced
+        assert (root / "3c" / "02").is_dir()
+        mark.set()
+        threads[0].join(30)
+        assert "first" in done
+        syncs.dirs.clear()
+        assert backend.write_blocks([third_key], blocks[2:]) != [None]
+        assert str(root / "3c" / "02") in syncs.dirs
+        assert parent in syncs.dirs, "acknowledged before the shard directory's entry in its parent was synced"
+    finally:
+        mark.set()
+        syncs.release.set()
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(30)
+    assert None not in done["first"] and None not in done["second"]
+    out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in range(3)]
+    assert backend.read_blocks([first_key, second_key, third_key], out) == [True] * 3
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks))
+    asyncio.run(backend.aclose())
