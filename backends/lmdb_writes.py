@@ -172,7 +172,9 @@ class LmdbWrites(PersistentRecordBackend):
                 # transaction (lmdb_plain). (The general encoder's side thread gains nothing
                 # here: the whole job is encoded before its commit.)
                 job = records.records(keys, views)
-                built = not job or job[0][1] is not UNSUMMED  # (UNSUMMED: a view the commit copies)
+                # (UNSUMMED: a view the commit copies; every record of a split job, and any joined
+                # one whose build failed here, which the transaction builds again)
+                built = not any(record[1] is UNSUMMED for record in job)
             else:
                 built = True  # no views
                 # Checksums (and compression, MACs) run on a side thread for jobs of

@@ -6,6 +6,7 @@ rolled back is acknowledged."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -51,5 +52,43 @@ def test_a_record_that_fails_to_build_fails_alone(tmp_path: Path, monkeypatch: p
         out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
         assert backend.read_blocks(keys, out) == [k != bad for k in keys]
         assert all(torch.equal(o, data[k]) for o, k in zip(out, keys) if k != bad)
+    finally:
+        asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_a_record_left_to_the_transaction_is_built_with_collection_held_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: int) -> None:
+    """The general save builds a job's joined records before it waits for the write lock; one
+    whose build fails there (its memory) is built again in the write transaction, from its row's
+    view. Collection stays held off until that copy, whichever record of the job it is: a
+    finalizer run during the wait may free the row the view points at."""
+    from kvtier.backends import lmdb_lone
+
+    monkeypatch.setattr(lmdb_lone, "LONE_SAVES", False)
+    backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path), sync_mode="fast")
+    asyncio.run(backend.open(FMT))
+    keys = [make_key(i) for i in range(3)]
+    rows = [random_block(FMT.block_bytes, i) for i in range(3)]
+    real = xxcopy.xxh3_joined
+    failed: list[bool] = []
+    collecting: list[bool] = []
+
+    def build(head: Any, key: bytes, view: Any) -> bytes:
+        if key == keys[bad]:
+            if not failed:
+                failed.append(True)
+                raise MemoryError("no memory for the record")
+            collecting.append(gc.isenabled())
+        return real(head, key, view)
+
+    monkeypatch.setattr(xxcopy, "xxh3_joined", build)
+    try:
+        assert gc.isenabled()
+        assert None not in backend.write_blocks(keys, rows)
+        assert failed and collecting == [False], "the record was built from its row's view with collection on"
+        assert gc.isenabled()
+        out = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+        assert backend.read_blocks(keys, out) == [True] * 3
+        assert all(torch.equal(o, r) for o, r in zip(out, rows))
     finally:
         asyncio.run(backend.aclose())
