@@ -91,6 +91,7 @@ ROWS_ASKED = True
 _native = lmdb_plain._rowguard  # (None: not built, or a stale build)
 put_reserved = _native.put_reserved if _native is not None else None
 _U8 = torch.uint8
+_UNSUMMED = lmdb_plain.UNSUMMED
 _TENSOR = torch.Tensor
 _NO_KEY = (bytes(KEY_BYTES),)  # (a lone save's key is checked before its row's views)
 
@@ -210,9 +211,10 @@ class LoneSave:
             commits = self.commits
             sizes = commits.submit_alone((keys, views, held, rows), self._commit_job)
             if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
-                head, joined = self.head, xxcopy.xxh3_joined
-                records = [(key, b"", joined(head, key, view)) for key, view in zip(keys, views)]
-                _let_go(held)
+                head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
+                records = [build(joined, head, key, view) for key, view in zip(keys, views)]
+                if not any(record[1] is _UNSUMMED for record in records):  # (one whose build failed: built from its view in the commit)
+                    _let_go(held)
                 sizes = commits.submit(records)
         finally:
             _let_go(held)

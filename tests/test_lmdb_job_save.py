@@ -8,7 +8,9 @@ counters and errors, whatever fails; with those calls native and in Python."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +323,63 @@ def test_a_write_transaction_that_cannot_begin_fails_as_on_the_general_path(tmp_
     fast, _ = compare(tmp_path, monkeypatch, plan)
     got, read = fast[0]
     assert got == "DiskError: lmdb: write to 'PATH' failed: injected" and read == [None] * jobs
+
+
+def _wait_until(done: Any, polls: int) -> None:
+    """Poll ``done()`` every 10 ms, ``polls`` times at most."""
+    pause = threading.Event()
+    while polls > 0 and not done():
+        pause.wait(0.01)
+        polls -= 1
+
+
+def test_a_record_that_fails_to_build_while_a_commit_runs_is_built_in_the_transaction_as_on_the_general_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that waits for another's commit builds its records meanwhile; one whose build fails
+    then (its memory) is left to the write transaction, which builds it from its row's view, as
+    the general path does: the job is stored, not failed with the build's error, and collection
+    stays held off until that copy (a finalizer run during the wait may free the row)."""
+    keys = [make_key(i) for i in range(4)]
+    real = xxcopy.xxh3_joined
+
+    def plan(backend: Backend, rows: list[torch.Tensor]) -> list[Any]:
+        for i, row in enumerate(rows):
+            row.copy_(random_block(FMT.block_bytes, i))
+        failed: list[bool] = []
+        collecting: list[bool] = []
+
+        def build(head: Any, key: bytes, view: Any) -> bytes:
+            if key == keys[1]:
+                if not failed:
+                    failed.append(True)
+                    raise MemoryError("no memory for the record")
+                collecting.append(gc.isenabled())
+            return real(head, key, view)
+
+        commits = backend._commits  # type: ignore[attr-defined]
+        got: list[Any] = []
+
+        def second() -> None:
+            try:
+                got.append(backend.write_blocks(keys, rows[:4]))
+            except Exception as exc:
+                got.append(repr(exc))
+
+        one = threading.Thread(target=backend.write_blocks, args=([make_key(10)], [rows[7]]))
+        two = threading.Thread(target=second)
+        with pytest.MonkeyPatch.context() as failing:
+            failing.setattr(xxcopy, "xxh3_joined", build)
+            with backend._write_lock:  # type: ignore[attr-defined]  # the first job's commit held in it
+                one.start()
+                _wait_until(lambda: commits._busy, 3000)
+                two.start()
+                _wait_until(lambda: commits._waiting or got, 3000)  # (the second job waits for the group, or gave up)
+            one.join(30)
+            two.join(30)
+        return [got, read_back(backend, keys), collecting]
+
+    assert gc.isenabled()
+    fast, _ = compare(tmp_path, monkeypatch, plan)
+    got, read, collecting = fast[0]
+    assert len(got) == 1 and isinstance(got[0], list) and None not in got[0], f"the job failed: {got}"
+    assert read == [_block(i) for i in range(4)]
+    assert collecting == [False], "the record was built from its row's view with collection on"
