@@ -43,9 +43,9 @@ static int row_buffers(PyObject *const *views, Py_ssize_t count, Py_buffer *rows
 
 static PyObject *job_put(PyObject *const *args, PyObject *key_tuple, PyObject *view_tuple, int unindex, PyObject *taken_of);
 
-/* put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views[, rows]) -> True,
-   False or None: see lmdb_lone.LoneSave._commit_job. rows (None: not asked): the rows the views were
-   taken of, asked again once the transaction is begun (views_stayed): the write lock's wait and
+/* put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views[, taken]) -> True,
+   False or None: see lmdb_lone.LoneSave._commit_job. taken (None: not asked): what the views
+   were taken of, asked again once the transaction is begun (views_stayed): the write lock's wait and
    the begin let the GIL go, in which another thread may have moved them (pool.resize_ frees the
    old memory); from that check to the last copy the GIL is held (records under RELEASE_GIL_AT).
    None where they moved: nothing put. */
@@ -53,7 +53,7 @@ PyObject *py_put_reserved(PyObject *self, PyObject *const *args, Py_ssize_t narg
 {
     (void)self;
     if ((nargs != 9 && nargs != 10) || !PyBytes_CheckExact(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "put_reserved() takes (direct, env, txn, blocks, index, unindex, head, keys, views[, rows]), head a bytes");
+        PyErr_SetString(PyExc_TypeError, "put_reserved() takes (direct, env, txn, blocks, index, unindex, head, keys, views[, taken]), head a bytes");
         return NULL;
     }
     int unindex = PyObject_IsTrue(args[5]);

@@ -500,20 +500,21 @@ static PyMethodDef methods[] = {
     {"direct_kept", py_direct_kept, METH_O, "direct_kept(direct) -> whether the direct lookups keep a reset read transaction now."},
     {"direct_jobs", py_direct_jobs, METH_NOARGS, "direct_jobs() -> the straight reads' jobs looked up by LMDB's own get so far."},
     {"job_views", (PyCFunction)(void (*)(void))py_job_views, METH_FASTCALL,
-     "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) -> [view, ...] or None\n\n"
-     "Each row's view (host_view) when every key is bytes of key_bytes and every row's host_view is one; else None."},
+     "job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes[, held]) -> [view, ...] or None\n\n"
+     "Each row's view (host_view) when every key is bytes of key_bytes and every row's host_view is one; else None.\n"
+     "held (a PoolRows' rows): the views as held(views), its memory and taken slots what the pool's checks kept."},
     {"put_reserved", (PyCFunction)(void (*)(void))py_put_reserved, METH_FASTCALL,
-     "put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views[, rows]) -> True, False or None\n\n"
+     "put_reserved(direct, env, txn, blocks, index, unindex, head, keys, views[, taken]) -> True, False or None\n\n"
      "Each key's joined record written into the room LMDB's own put reserves for it (see _lmdbput.c);\n"
-     "None, nothing put, where rows moved since the views were taken."},
+     "None, nothing put, where the rows taken moved since the views were taken."},
     {"views_stayed", (PyCFunction)(void (*)(void))py_views_stayed, METH_FASTCALL,
-     "views_stayed(rows, views) -> bool\n\n"
-     "Whether each view still points at its row (a PoolRows' pool asked once, other rows each)."},
+     "views_stayed(taken, views) -> bool\n\n"
+     "Whether each view still points at its row (what job_views' held form kept: its pool asked once; other rows each)."},
     {"reserved_jobs", py_reserved_jobs, METH_NOARGS, "reserved_jobs() -> the jobs put_reserved wrote so far."},
     {"put_joined", (PyCFunction)(void (*)(void))py_put_joined, METH_FASTCALL,
-     "put_joined(put, delete, index, head, keys, views, joined[, rows]) -> True or None\n\n"
+     "put_joined(put, delete, index, head, keys, views, joined[, taken]) -> True or None\n\n"
      "For each key in order: put(key, joined(head, key, view)), then delete(key, b'', index) unless delete is None;\n"
-     "None where rows (unless None) moved before a build (views_stayed)."},
+     "None where the rows taken (unless None) moved before a build (views_stayed)."},
     {"pool_views", (PyCFunction)(void (*)(void))py_pool_views, METH_FASTCALL,
      "pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at) -> [view, ...], None or NotImplemented\n\n"
      "The views of a job's rows of one pool, its checks once: each row's kept view, else unseen_at(address)."},

@@ -67,8 +67,8 @@ PyObject *job_rows_count(PyObject *rows, Py_ssize_t *n);
 int host_pool_rows_type(PyObject *rows);
 /* A tuple of seq's items as they are now: seq itself where a tuple, new reference (_rowsave.c). */
 PyObject *held(PyObject *seq);
-/* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes) and
-   put_joined(put, delete, index, head, keys, views, joined): see _rowsave.c. */
+/* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes[, held]) and
+   put_joined(put, delete, index, head, keys, views, joined[, taken]): see _rowsave.c. */
 PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at): see _rowsave.c;
@@ -110,12 +110,13 @@ int direct_reserve(direct_writer_t *w, void *key, size_t klen, size_t size, unsi
 int direct_unindex(direct_writer_t *w, void *key, size_t klen);
 void direct_writer_end(direct_writer_t *w);
 PyObject *py_put_reserved(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-/* Whether views[first..end) still point at the rows they were taken of (rows: a PoolRows, a
-   tuple or list of tensors, or the one row of a job of one), asked again after a step that let
-   the GIL go (a pool grown in place, pool.resize_, frees the old memory): a PoolRows' pool by
-   one data_ptr(), other rows each by theirs. 1, or 0 (also where a row cannot be asked: no error
-   kept). views_stayed(rows, views) is its Python form (_rowsave.c). */
-int views_stayed(PyObject *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end);
+/* Whether views[first..end) still point at the rows they were taken of, asked again after a
+   step that let the GIL go (a pool grown in place, pool.resize_, frees the old memory): by
+   rows_stayed, of what they were taken of (taken: the capsule job_views' held form keeps, whose
+   pool is asked once; a tuple or list of tensors; a PoolRows, its rows one by one; or the one
+   row of a job of one). 1, or 0 (also where a row cannot be asked: no error kept).
+   views_stayed(taken, views) is its Python form (_rowsave.c). */
+int views_stayed(PyObject *taken, PyObject *const *views, Py_ssize_t first, Py_ssize_t end);
 PyObject *py_views_stayed(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_reserved_jobs(PyObject *self, PyObject *unused);
 

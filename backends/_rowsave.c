@@ -17,14 +17,66 @@ PyObject *held(PyObject *seq)
     return PyTuple_CheckExact(seq) ? Py_NewRef(seq) : PySequence_Tuple(seq);
 }
 
-/* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes): each row's view, as
+/* The host_kept of a job's views taken as one pool, held by a capsule (what the copies ask the
+   rows by again: views_stayed); its destructor lets the pool and its memory go. */
+#define KEPT_CAPSULE "kvtier.backends._rowguard.kept"
+
+static void kept_free(PyObject *capsule)
+{
+    host_kept *kept = PyCapsule_GetPointer(capsule, KEPT_CAPSULE);
+    if (kept != NULL) {
+        host_kept_drop(kept);
+        PyMem_Free(kept);
+    }
+}
+
+/* A capsule holding *kept (moved into it: *kept left empty), or NULL with the error set (*kept
+   dropped). */
+static PyObject *kept_capsule(host_kept *kept)
+{
+    host_kept *own = PyMem_Malloc(sizeof *own);
+    PyObject *capsule = own == NULL ? NULL : PyCapsule_New(own, KEPT_CAPSULE, kept_free);
+    if (capsule == NULL) {
+        PyMem_Free(own);
+        host_kept_drop(kept);
+        return own == NULL ? PyErr_NoMemory() : NULL;
+    }
+    *own = *kept;
+    *kept = HOST_KEPT_NONE;
+    return capsule;
+}
+
+static PyObject *s_memory, *s_taken; /* HeldViews' slots, interned at the first held job_views */
+
+/* held(views) with its memory and taken slots set to the capsule of kept (a new reference), or
+   NULL with the error set; views and kept released. */
+static PyObject *held_of(PyObject *held_type, PyObject *views, host_kept *kept)
+{
+    if (s_memory == NULL && ((s_memory = PyUnicode_InternFromString("memory")) == NULL || (s_taken = PyUnicode_InternFromString("taken")) == NULL)) {
+        Py_DECREF(views);
+        host_kept_drop(kept);
+        return NULL;
+    }
+    PyObject *capsule = kept_capsule(kept), *got = capsule == NULL ? NULL : PyObject_CallOneArg(held_type, views);
+    Py_DECREF(views);
+    if (got != NULL && (PyObject_SetAttr(got, s_memory, capsule) < 0 || PyObject_SetAttr(got, s_taken, capsule) < 0))
+        Py_CLEAR(got);
+    Py_XDECREF(capsule);
+    return got;
+}
+
+/* job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes[, held]): each row's view, as
    lmdb_plain.job_views_python answers: None when the counts differ, a key is not bytes of
-   key_bytes, or host_view(row, ...) is None (not such a row, or one not seen yet). */
+   key_bytes, or host_view(row, ...) is None (not such a row, or one not seen yet). held (a list
+   subclass with memory and taken slots, lmdb_plain.HeldViews), where given and rows is a
+   PoolRows: the views as held(views), both slots the capsule of what the pool's checks kept
+   (host_kept: its memory held, the rows asked again by it: views_stayed). */
 PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "job_views() takes 7 arguments (keys, rows, tensor_type, dtype, shape, views, key_bytes), got %zd", nargs);
+    if (nargs != 7 && nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "job_views() takes 7 or 8 arguments (keys, rows, tensor_type, dtype, shape, views, key_bytes[, held]), got %zd",
+                     nargs);
         return NULL;
     }
     Py_ssize_t key_bytes = PyLong_AsSsize_t(args[6]);
@@ -35,6 +87,8 @@ PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     Py_ssize_t count;
     PyObject *rows = job_rows(args[1], &count), *got = NULL; /* (a PoolRows kept: its pool checked once) */
+    host_kept kept = HOST_KEPT_NONE;
+    int keeping = nargs > 7 && host_pool_rows_type(args[1]);
     if (rows == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
@@ -45,10 +99,13 @@ PyObject *py_job_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     got = PyList_New(n);
     if (got == NULL)
         goto done;
-    int rc = row_views(&PyTuple_GET_ITEM(keys, 0), rows, n, args + 2, key_bytes, ((PyListObject *)got)->ob_item, NULL);
+    int rc = row_views(&PyTuple_GET_ITEM(keys, 0), rows, n, args + 2, key_bytes, ((PyListObject *)got)->ob_item, keeping ? &kept : NULL);
     if (rc <= 0) /* (row_views left no view in the list) */
         Py_SETREF(got, rc < 0 ? NULL : Py_NewRef(Py_None));
+    else if (keeping)
+        got = held_of(args[7], got, &kept);
 done:
+    host_kept_drop(&kept);
     Py_DECREF(keys);
     Py_XDECREF(rows);
     return got;
@@ -122,21 +179,21 @@ done:
     return got;
 }
 
-/* put_joined(put, delete, index, head, keys, views, joined[, rows]): for each key, in order,
+/* put_joined(put, delete, index, head, keys, views, joined[, taken]): for each key, in order,
    put(key, joined(head, key, view)) and, where delete is not None, delete(key, b"", index): as
    lmdb_plain.put_joined_python; True. ValueError when the counts differ, before any call; an
-   error raised by a call propagates, with the keys before it put. rows (None: not asked): the
-   rows the views were taken of, asked again before each build (views_stayed: the put before it,
-   and the transaction's begin before the first, let the GIL go, in which another thread may
-   move them); None where a row moved, its record not built, the keys before it put. */
+   error raised by a call propagates, with the keys before it put. taken (None: not asked): what
+   the views were taken of, asked again before each build (views_stayed: the put before it, and
+   the transaction's begin before the first, let the GIL go, in which another thread may move
+   the rows); None where a row moved, its record not built, the keys before it put. */
 PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 7 && nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "put_joined() takes 7 or 8 arguments (put, delete, index, head, keys, views, joined[, rows]), got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "put_joined() takes 7 or 8 arguments (put, delete, index, head, keys, views, joined[, taken]), got %zd", nargs);
         return NULL;
     }
-    PyObject *put = args[0], *delete = args[1], *index = args[2], *head = args[3], *joined = args[6], *rows = nargs > 7 ? args[7] : Py_None;
+    PyObject *put = args[0], *delete = args[1], *index = args[2], *head = args[3], *joined = args[6], *taken = nargs > 7 ? args[7] : Py_None;
     PyObject *keys = held(args[4]);
     if (keys == NULL)
         return NULL;
@@ -153,7 +210,7 @@ PyObject *py_put_joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyTuple_GET_ITEM(keys, i);
-        if (rows != Py_None && !views_stayed(rows, &PyTuple_GET_ITEM(views, 0), i, i + 1)) {
+        if (taken != Py_None && !views_stayed(taken, &PyTuple_GET_ITEM(views, 0), i, i + 1)) {
             result = Py_NewRef(Py_None);
             goto done;
         }
@@ -183,94 +240,44 @@ done:
     return result;
 }
 
-/* The row names interned for views_stayed (host_row_names_init: once). */
-static host_row_names stay_names;
-
-/* Whether view (a memoryview) starts where row (a new reference, or NULL) is now: 1 or 0 (no
-   error kept: a row that cannot be asked is not where its view was). */
-static int row_at_view(PyObject *row, PyObject *view)
-{
-    if (row == NULL || !PyMemoryView_Check(view)) {
-        Py_XDECREF(row);
-        PyErr_Clear();
-        return 0;
-    }
-    int is = host_address_is(host_row_call(row, stay_names.data_ptr), (unsigned long long)(uintptr_t)PyMemoryView_GET_BUFFER(view)->buf);
-    Py_DECREF(row);
-    if (is < 0)
-        PyErr_Clear();
-    return is > 0;
-}
-
-/* The number of a pool's row i of a job (numbers: a range or a tuple of ints) into *n: 1, or 0
-   where not known (no error kept). */
-static int pool_number(PyObject *numbers, Py_ssize_t i, Py_ssize_t *n)
-{
-    if (PyTuple_CheckExact(numbers))
-        return i < PyTuple_GET_SIZE(numbers) && host_pool_size(Py_NewRef(PyTuple_GET_ITEM(numbers, i)), n) > 0;
-    int is = host_pool_size(PySequence_GetItem(numbers, i), n) > 0;
-    PyErr_Clear();
-    return is;
-}
-
-/* Whether views[first..end) of rows of one pool (a PoolRows) start where the pool's rows are now,
-   the pool asked once (pool.data_ptr()), each row's place by its number (views taken as one
-   pool, host_pool_view: a contiguous pool of rows of a view's length): 1; 0 where any is not so
-   or not known (its rows are then asked one by one). */
-static int pool_stayed(PyObject *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end)
-{
-    PyObject *numbers = host_slot(rows, stay_names.numbers), *pool = numbers != NULL ? host_slot(rows, stay_names.pool) : NULL;
-    unsigned long long base = 0;
-    int is = pool != NULL;
-    if (is) {
-        PyObject *at = host_row_call(pool, stay_names.data_ptr);
-        is = at != NULL && PyLong_CheckExact(at);
-        base = is ? PyLong_AsUnsignedLongLong(at) : 0;
-        Py_XDECREF(at);
-        is = is && !PyErr_Occurred();
-    }
-    for (Py_ssize_t i = first; is && i < end; i++) {
-        Py_ssize_t number;
-        is = PyMemoryView_Check(views[i]) && pool_number(numbers, i, &number) && number >= 0;
-        const Py_buffer *b = is ? PyMemoryView_GET_BUFFER(views[i]) : NULL;
-        is = is && (unsigned long long)(uintptr_t)b->buf == base + (unsigned long long)number * (unsigned long long)b->len;
-    }
-    Py_XDECREF(numbers);
-    Py_XDECREF(pool);
-    PyErr_Clear();
-    return is;
-}
-
-int views_stayed(PyObject *rows, PyObject *const *views, Py_ssize_t first, Py_ssize_t end)
+/* What a job's views were taken of, asked again (host_rows_stayed, through rows_stayed):
+   taken a capsule of host_kept (job_views' held form: the pool's address against where it was,
+   one call) or the tuple (pool, address) its Python form keeps, a tuple or list of the rows, a
+   PoolRows (its rows one by one, pool[n] each), or else the one row of a job of one. 1, or 0 (also where a row cannot be
+   asked, or a view is not a memoryview: no error kept). */
+int views_stayed(PyObject *taken, PyObject *const *views, Py_ssize_t first, Py_ssize_t end)
 {
     if (first >= end)
         return 1;
-    if (host_row_names_init(&stay_names) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    int pooled = host_pool_rows(rows, &stay_names);
-    if (pooled && pool_stayed(rows, views, first, end))
-        return 1;
-    int listed = PyTuple_CheckExact(rows) || PyList_CheckExact(rows);
-    if (!pooled && !listed && (first != 0 || end != 1))
-        return 0; /* one row: a job of one */
-    for (Py_ssize_t i = first; i < end; i++) {
-        PyObject *row = pooled ? PySequence_GetItem(rows, i) /* (a pool the one-pool checks do not take) */
-                        : listed ? (i < PySequence_Fast_GET_SIZE(rows) ? Py_NewRef(PySequence_Fast_GET_ITEM(rows, i)) : NULL)
-                                 : Py_NewRef(rows);
-        if (!row_at_view(row, views[i]))
+    for (Py_ssize_t i = first; i < end; i++)
+        if (!PyMemoryView_Check(views[i]))
             return 0;
+    int is;
+    if (PyCapsule_IsValid(taken, KEPT_CAPSULE)) {
+        const host_kept *kept = PyCapsule_GetPointer(taken, KEPT_CAPSULE);
+        is = kept->pool == NULL && (kept->items == NULL || PyTuple_GET_SIZE(kept->items) < end) ? 0 : rows_stayed(kept, NULL, views, first, end);
     }
-    return 1;
+    else if (PyTuple_CheckExact(taken) && PyTuple_GET_SIZE(taken) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(taken, 1))) {
+        /* (pool, address): what the checks' Python form kept (lmdb_plain.held_views) */
+        host_kept kept = {NULL, PyTuple_GET_ITEM(taken, 0), NULL, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(taken, 1))};
+        is = kept.base == (unsigned long long)-1 && PyErr_Occurred() ? -1 : rows_stayed(&kept, NULL, views, first, end);
+    } else if (PyTuple_CheckExact(taken) || PyList_CheckExact(taken) || host_pool_rows_type(taken)) {
+        PyObject *rows = held(taken); /* (a list's items as they are now; a PoolRows' rows made) */
+        is = rows == NULL ? -1 : PyTuple_GET_SIZE(rows) >= end ? rows_stayed(NULL, &PyTuple_GET_ITEM(rows, 0), views, first, end) : 0;
+        Py_XDECREF(rows);
+    } else
+        is = first == 0 && end == 1 ? rows_stayed(NULL, &taken, views, 0, 1) : 0;
+    if (is < 0)
+        PyErr_Clear(); /* a row that cannot be asked is not where its view was */
+    return is > 0;
 }
 
-/* views_stayed(rows, views) -> bool: see _rowguard.h (the general path's and the tests' form). */
+/* views_stayed(taken, views) -> bool: see _rowguard.h (the general path's and the tests' form). */
 PyObject *py_views_stayed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "views_stayed() takes 2 arguments (rows, views), got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "views_stayed() takes 2 arguments (taken, views), got %zd", nargs);
         return NULL;
     }
     PyObject *views = held(args[1]);

@@ -51,7 +51,6 @@ commits nothing, so the second try starts from what the first found.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -163,10 +162,10 @@ class LoneSave:
             viewed = _one_view(row, self.shape, self.views)  # (rows of one pool: its views hold its memory to the copy)
             if viewed is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
-            view = viewed[0] if type(row) is PoolRows else viewed
+            view, taken = (viewed[0], viewed.taken) if type(row) is PoolRows else (viewed, row)
             tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone(((key,), (view,), held, row), self._commit_job) if self._reserving() else None
+            sizes = commits.submit_alone(((key,), (view,), held, taken), self._commit_job) if self._reserving() else None
             if sizes is None:
                 job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
                 _let_go(held)
@@ -209,7 +208,7 @@ class LoneSave:
                 return None
             tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone((keys, views, held, rows), self._commit_job)
+            sizes = commits.submit_alone((keys, views, held, views.taken if type(rows) is PoolRows else rows), self._commit_job)
             if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
                 head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
                 records = [build(joined, head, key, view) for key, view in zip(keys, views)]
@@ -229,7 +228,8 @@ class LoneSave:
         return sizes
 
     def _commit_job(self, batches: list[tuple[Any, Any, list[bool], Any]]) -> list[list[int | None]]:
-        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold, its rows):
+        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold, what the
+        views were taken of: the rows, or what a pool's checks kept, :attr:`HeldViews.taken`):
         under the store's write lock, one write transaction in which each record is written into
         the room LMDB's own put reserves (``put_reserved``, where the open probed that sound) or
         built just before its put (``put_joined``), and the split entries its keys may have
@@ -243,16 +243,16 @@ class LoneSave:
         The wait for the write lock and ``env.begin`` let the GIL go, and so does each put of
         python-lmdb's: another thread may move the rows meanwhile (``pool.resize_`` to more rows
         frees the memory their views point at, which no hold keeps). So the rows' addresses are
-        asked again (:data:`views_stayed`: one ``data_ptr()`` for a :class:`PoolRows`' pool, one
-        a row for others) in the call that copies, the GIL held from the check to the copy: by
+        asked again (:data:`views_stayed`: one ``data_ptr()`` for a :class:`PoolRows`' pool,
+        against its address when its checks took the views, one a row for others) in the call that copies, the GIL held from the check to the copy: by
         ``put_reserved`` once begun, by ``put_joined`` before each build. Where they moved, the
         job is not saved (a miss, never freed memory stored under a good checksum): its
         transaction aborted, each key's size ``None``, counted in ``write_failures``. Taking the
         views again where the rows are now, as a read goes on into them, would run the rows'
         checks again inside the write transaction, under the lock every writer waits for, for a
         save the engine may simply make again."""
-        ((keys, views, held, rows),) = batches
-        tier, asked = self.tier, rows if ROWS_ASKED else None
+        ((keys, views, held, taken),) = batches
+        tier, asked = self.tier, taken if ROWS_ASKED else None
         try:
             with tier._write_lock:
                 env = tier._env
@@ -359,12 +359,12 @@ def _one_view(row: Any, shape: Any, views: dict[int, memoryview]) -> Any:
     return lmdb_plain.held_views(_NO_KEY, row, shape, views)
 
 
-def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes], rows: Any = None) -> bool | None:
+def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes], taken: Any = None) -> bool | None:
     """:data:`put_joined` in Python: the same calls, in the same order, and answers."""
     if len(keys) != len(views):
         raise ValueError(f"put_joined: {len(keys)} keys but {len(views)} views")
     for i, (key, view) in enumerate(zip(keys, views)):
-        if rows is not None and not views_stayed_python(rows, views, i, i + 1):
+        if taken is not None and not views_stayed_python(taken, views, i, i + 1):
             return None
         put(key, joined(head, key, view))
         if delete is not None:
@@ -372,27 +372,40 @@ def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequ
     return True
 
 
-def views_stayed_python(rows: Any, views: Sequence[Any], first: int = 0, end: int | None = None) -> bool:
-    """:data:`views_stayed` in Python, of ``views[first:end]`` (each row asked, a pool's too)."""
-    for i in range(first, len(views) if end is None else end):
+def views_stayed_python(taken: Any, views: Sequence[Any], first: int = 0, end: int | None = None) -> bool:
+    """:data:`views_stayed` in Python, of ``views[first:end]``: ``taken`` a pool and its address
+    when its rows' views were taken (``(pool, address)``: the pool asked once), else each row
+    asked (the rows, a :class:`PoolRows` among them, or the one row of a job of one; what a
+    pool's native checks kept cannot be asked here: ``False``)."""
+    stop = len(views) if end is None else end
+    if any(type(views[i]) is not memoryview for i in range(first, stop)):
+        return False
+    if type(taken) is tuple and len(taken) == 2 and type(taken[1]) is int:
         try:
-            row = rows[i] if type(rows) in (PoolRows, tuple, list) else rows if i == 0 else None
-            if row.data_ptr() != ctypes.addressof(ctypes.c_char.from_buffer(views[i])):
+            return bool(taken[0].data_ptr() == taken[1])
+        except Exception:  # (a pool that cannot be asked is not where it was)
+            return False
+    for i in range(first, stop):
+        try:
+            row = taken[i] if type(taken) in (PoolRows, tuple, list) else taken if i == 0 else None
+            if row.data_ptr() != xxcopy._address(views[i]):
                 return False
         except Exception:  # (a row that cannot be asked is not where its view was)
             return False
     return True
 
 
-#: ``put_joined(put, delete, index, head, keys, views, joined, rows=None)``: for each key, in
+#: ``put_joined(put, delete, index, head, keys, views, joined, taken=None)``: for each key, in
 #: order, ``put(key, joined(head, key, view))``, then ``delete(key, b"", index)`` unless
 #: ``delete`` is ``None``: a job's records each built just before its put, in one call (native:
-#: ``backends/_rowsave.c``). ``True``; ``None`` where ``rows`` (the rows the views were taken
-#: of; ``None``: not asked) moved before a record's build (:data:`views_stayed`, asked before
-#: each: the put before it let the GIL go), that record and those after it not put.
+#: ``backends/_rowsave.c``). ``True``; ``None`` where the rows ``taken`` (what the views were
+#: taken of; ``None``: not asked) moved before a record's build (:data:`views_stayed`, asked
+#: before each: the put before it let the GIL go), that record and those after it not put.
 put_joined: Callable[..., bool | None] = _native.put_joined if _native is not None else put_joined_python
-#: ``views_stayed(rows, views)``: whether each view still starts where its row is now (``rows``:
-#: a :class:`PoolRows`, whose pool is asked once, a tuple or list of tensors, or the one row of a
-#: job of one), asked after a step that let the GIL go, in which a pool grown in place
-#: (``pool.resize_``) frees the memory the views point at (native: ``backends/_rowsave.c``).
+#: ``views_stayed(taken, views)``: whether each view still starts where its row is now, asked
+#: after a step that let the GIL go, in which a pool grown in place (``pool.resize_``) frees the
+#: memory the views point at. ``taken``: what the views were taken of: what a pool's checks kept
+#: (:attr:`~kvtier.backends.lmdb_plain.HeldViews.taken`, native: the pool asked once, against
+#: its address then), a tuple or list of tensors or a :class:`PoolRows` (each row asked), or the
+#: one row of a job of one (native: ``backends/_rowsave.c``, the reads' ``host_rows_stayed``).
 views_stayed: Callable[..., bool] = _native.views_stayed if _native is not None else views_stayed_python

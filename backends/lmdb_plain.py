@@ -240,9 +240,13 @@ class HeldViews(list):  # type: ignore[type-arg]
     long as the views are held: a pool moved meanwhile (``pool.set_(...)`` from another thread
     while a copy lets the GIL go) leaves that memory to the job, not to the allocator, as a list
     of views of its rows holds it. Views by address hold nothing; handing back the hold with
-    them leaves no caller to remember it (its views used, its memory held)."""
+    them leaves no caller to remember it (its views used, its memory held). :attr:`taken`
+    (:func:`held_views`' only): what a save asks the rows by again before it copies
+    (``lmdb_lone.views_stayed``): what the pool's checks kept (native: its pool and its address
+    then, which also hold its memory), in Python the tuple ``(pool, address)``, or the
+    :class:`PoolRows` itself (a pool that is not a tensor: asked row by row)."""
 
-    __slots__ = ("memory",)
+    __slots__ = ("memory", "taken")
 
     @classmethod
     def of(cls, views: list[memoryview] | None, memory: Any) -> HeldViews | None:
@@ -257,16 +261,20 @@ class HeldViews(list):  # type: ignore[type-arg]
 def held_views(keys: Any, rows: Any, shape: Any, views: dict[int, memoryview]) -> list[memoryview] | None:
     """:data:`job_views` of a job of host ``uint8`` rows of ``shape`` and keys of
     :data:`~kvtier.keys.KEY_BYTES`; rows of one pool (a :class:`PoolRows`): the views as
-    :class:`HeldViews`, the pool's memory taken before its checks."""
+    :class:`HeldViews`, the pool's memory taken with its checks (native: in the same call, which
+    keeps the pool and its address then as :attr:`HeldViews.taken`), or before them."""
     if type(rows) is not PoolRows:
         return job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES)
+    if job_views is not job_views_python:
+        return job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES, HeldViews)
     pool = rows.pool
     memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+    at = pool.data_ptr() if memory is not None else None  # (where its rows' views are taken: asked again by a save)
     got = job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES)
     if got is None:
         return None
     held = HeldViews(got)  # (HeldViews.of, written out: 60 ns a job less)
-    held.memory = memory
+    held.memory, held.taken = memory, (pool, at) if at is not None else rows
     return held
 
 
@@ -427,7 +435,8 @@ straight_read: Callable[..., list[bool] | bool | None] | None = _rowguard.straig
 #: ``job_views(keys, rows, tensor_type, dtype, shape, views, key_bytes)``: each row's
 #: :data:`host_view`, when every key is ``bytes`` of ``key_bytes`` and every row's view is one;
 #: else ``None`` (also when the counts differ): a job's checks and views in one call (the loop
-#: ``job_read`` makes; native: ``backends/_rowsave.c``). Its caller makes sure no torch function
+#: ``job_read`` makes; native: ``backends/_rowsave.c``, whose ``held`` argument, for rows of one
+#: pool, gives them as ``held(views)`` with what the pool's checks kept: :func:`held_views`). Its caller makes sure no torch function
 #: or dispatch mode is on (:func:`python_in_torch`): a handler run in a later row's checks could
 #: free a row whose view is taken already.
 job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowguard is not None else job_views_python

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 import torch
-from kvtier.backends import lmdb_lone
+from kvtier.backends import lmdb_lone, lmdb_plain
 
+from kvtier.keys import KEY_BYTES
 from kvtier.pool_rows import PoolRows
 from tests import grown_saves
 
@@ -27,7 +28,7 @@ _GROWN = r"""
 import asyncio, sys, tempfile, threading
 from kvtier import registry
 from kvtier.backend import BlockFormat
-from kvtier.backends import lmdb_lone
+from kvtier.backends import lmdb_lone, lmdb_plain
 job, form, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 lmdb_lone.RESERVED_PUTS = path == "reserved"
 lmdb_lone.LONE_SAVES = path != "general"
@@ -85,19 +86,58 @@ def _views(rows: list[torch.Tensor], size: int) -> list[memoryview]:
 
 @pytest.mark.parametrize("shape", ["pool", "every_other", "list", "one"])
 def test_views_stayed_answers_alike_native_and_in_python(shape: str) -> None:
+    """Each form of what a save's views were taken of (the rows, a list or tuple of them, or a
+    :class:`PoolRows`; the one row of a job of one; ``(pool, address)``, what the pool's checks
+    keep in Python) is asked alike by both forms of ``views_stayed``."""
     native = lmdb_lone._native
     forms = [lmdb_lone.views_stayed_python] + ([native.views_stayed] if native is not None else [])
     pool = torch.zeros(64, 256, dtype=torch.uint8)
     cut = pool[::2] if shape == "every_other" else pool
     tensors = [cut[i] for i in range(3, 7)] if shape != "one" else [cut[5]]
-    rows: object = PoolRows(cut, range(3, 7)) if shape in ("pool", "every_other") else tensors if shape == "list" else cut[5]
+    takens: list[object] = (
+        [PoolRows(cut, range(3, 7)), tuple(tensors), (cut, cut.data_ptr())] if shape in ("pool", "every_other") else [tensors, tuple(tensors)] if shape == "list" else [cut[5]]
+    )
     views = _views(tensors, 256)
     for form in forms:
-        assert form(rows, views) is True
-        assert form(rows, views[:0]) is True
-        assert form(rows, [*views[:-1], object()]) is False  # (not a view: not where its row is)
-        if shape != "one":
-            assert form(rows, list(reversed(views))) is False  # each view against its own row
+        for taken in takens:
+            assert form(taken, views) is True
+            assert form(taken, views[:0]) is True
+            assert form(taken, [*views[:-1], object()]) is False  # (not a view: not where its row is)
+            if shape != "one" and not (type(taken) is tuple and type(taken[1]) is int):  # (a pool and its address: by the pool)
+                assert form(taken, list(reversed(views))) is False  # each view against its own row
     pool.resize_(4096, 256)  # moved: every view's row elsewhere now
     for form in forms:
-        assert form(rows, views) is False
+        for taken in takens:
+            assert form(taken, views) is False
+
+
+@pytest.mark.parametrize("shape", ["pool", "every_other"])
+@pytest.mark.parametrize("how", ["native", "python"])
+def test_what_a_pools_checks_keep_asks_its_rows_again(shape: str, how: str) -> None:
+    """``held_views`` of rows of one pool keeps what their checks took (:attr:`HeldViews.taken`:
+    natively the pool and its address then, or its rows one by one where the one-pool checks do
+    not take the pool; in Python ``(pool, address)``): ``views_stayed`` of it answers ``True``
+    until the pool moves, then ``False``; natively it asks the pool once, not each row."""
+    native = lmdb_lone._native
+    if how == "native" and native is None:
+        pytest.skip("built without the native row guard")
+    pool = torch.zeros(64, 256, dtype=torch.uint8)
+    cut = pool[::2] if shape == "every_other" else pool
+    rows = PoolRows(cut, range(3, 7))
+    keys = [bytes(KEY_BYTES)] * 4
+    seen = lmdb_plain.RowViews(256)
+    seen.of(keys, list(rows))  # (every row seen: its view kept)
+    job_views = lmdb_plain.job_views if how == "native" else lmdb_plain.job_views_python
+    lmdb_plain.job_views, kept = job_views, lmdb_plain.job_views
+    try:
+        held = lmdb_plain.held_views(keys, rows, seen.shape, seen.views)
+    finally:
+        lmdb_plain.job_views = kept
+    assert isinstance(held, lmdb_plain.HeldViews) and len(held) == 4
+    stayed = native.views_stayed if how == "native" else lmdb_lone.views_stayed_python
+    assert stayed(held.taken, held) is True
+    if how == "python":
+        assert held.taken == (cut, cut.data_ptr())
+    pool.resize_(4096, 256)
+    assert stayed(held.taken, held) is False
+    assert lmdb_lone.views_stayed_python(object(), held) is False  # (nothing it can ask)
