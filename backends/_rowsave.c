@@ -48,8 +48,24 @@ static PyObject *kept_capsule(host_kept *kept)
 
 static PyObject *s_memory, *s_taken; /* HeldViews' slots, interned at the first held job_views */
 
+/* obj.name = value (a new reference taken): the slot written straight where host_member_slot
+   finds it, else setattr. 0, or -1 with the error set. */
+static int slot_set(PyObject *obj, PyObject *name, PyObject *value)
+{
+    PyObject **slot = host_member_slot(obj, name);
+    if (slot == NULL) {
+        int rc = PyObject_SetAttr(obj, name, value);
+        Py_DECREF(value);
+        return rc;
+    }
+    Py_XSETREF(*slot, value);
+    return 0;
+}
+
 /* held(views) with its memory and taken slots set to the capsule of kept (a new reference), or
-   NULL with the error set; views and kept released. */
+   NULL with the error set; views (a list just made, no other reference) and kept released. A
+   list subclass is made empty by its type's own allocation (no __init__ of its own runs for
+   one: a list's items are given, not iterated) and given views' item array, views left empty. */
 static PyObject *held_of(PyObject *held_type, PyObject *views, host_kept *kept)
 {
     if (s_memory == NULL && ((s_memory = PyUnicode_InternFromString("memory")) == NULL || (s_taken = PyUnicode_InternFromString("taken")) == NULL)) {
@@ -57,11 +73,28 @@ static PyObject *held_of(PyObject *held_type, PyObject *views, host_kept *kept)
         host_kept_drop(kept);
         return NULL;
     }
-    PyObject *capsule = kept_capsule(kept), *got = capsule == NULL ? NULL : PyObject_CallOneArg(held_type, views);
+    PyObject *capsule = kept_capsule(kept), *got = NULL;
+    if (capsule == NULL) {
+        Py_DECREF(views);
+        return NULL;
+    }
+    PyTypeObject *type = PyType_Check(held_type) ? (PyTypeObject *)held_type : NULL;
+    if (type != NULL && PyType_IsSubtype(type, &PyList_Type) && type->tp_init == PyList_Type.tp_init && PyList_CheckExact(views)) {
+        if ((got = type->tp_alloc(type, 0)) != NULL) {
+            PyListObject *to = (PyListObject *)got, *from = (PyListObject *)views;
+            to->ob_item = from->ob_item;
+            to->allocated = from->allocated;
+            Py_SET_SIZE(to, Py_SIZE(from));
+            from->ob_item = NULL;
+            from->allocated = 0;
+            Py_SET_SIZE(from, 0);
+        }
+    } else
+        got = PyObject_CallOneArg(held_type, views);
     Py_DECREF(views);
-    if (got != NULL && (PyObject_SetAttr(got, s_memory, capsule) < 0 || PyObject_SetAttr(got, s_taken, capsule) < 0))
+    if (got != NULL && (slot_set(got, s_memory, Py_NewRef(capsule)) < 0 || slot_set(got, s_taken, Py_NewRef(capsule)) < 0))
         Py_CLEAR(got);
-    Py_XDECREF(capsule);
+    Py_DECREF(capsule);
     return got;
 }
 

@@ -159,10 +159,16 @@ class LoneSave:
         held = [True]
         xxcopy.rows_hold()
         try:
-            viewed = _one_view(row, self.shape, self.views)  # (rows of one pool: its views hold its memory to the copy)
-            if viewed is None:
+            # The row's kept view (lmdb_plain.host_view); rows of one pool (a PoolRows of one):
+            # the pool checked once, no view of the row made, its views holding its memory to the
+            # copy (lmdb_plain.held_views)
+            if type(row) is not PoolRows:
+                view, taken = lmdb_plain.host_view(row, _TENSOR, _U8, self.shape, self.views), row
+            else:
+                viewed = lmdb_plain.held_views(_NO_KEY, row, self.shape, self.views)
+                view, taken = (viewed[0], viewed.taken) if viewed is not None else (None, None)
+            if view is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
-            view, taken = (viewed[0], viewed.taken) if type(row) is PoolRows else (viewed, row)
             tier._env_or_raise()
             commits = self.commits
             sizes = commits.submit_alone(((key,), (view,), held, taken), self._commit_job) if self._reserving() else None
@@ -173,7 +179,8 @@ class LoneSave:
                 if sizes is None:
                     sizes = commits.submit([job])
         finally:
-            _let_go(held)
+            if held[0]:
+                _let_go(held)
         if sizes[0] is not None:
             counters = tier.counters
             counters.blocks_written += 1
@@ -216,7 +223,8 @@ class LoneSave:
                     _let_go(held)
                 sizes = commits.submit(records)
         finally:
-            _let_go(held)
+            if held[0]:
+                _let_go(held)
         counters = tier.counters
         if None not in sizes:
             counters.blocks_written += len(sizes)
@@ -347,16 +355,6 @@ def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> No
     txn.put(key, job[2])
     if tier._splits:
         txn.delete(key, b"", tier._index)
-
-
-def _one_view(row: Any, shape: Any, views: dict[int, memoryview]) -> Any:
-    """The kept view of a lone save's row (``lmdb_plain.host_view``), or ``None``; ``row`` may
-    be the job's rows given as one pool (a :class:`PoolRows` of one), whose pool is checked once,
-    no view of the row made: then the row's views (``lmdb_plain.held_views``: they hold the
-    pool's memory), or ``None``."""
-    if type(row) is not PoolRows:
-        return lmdb_plain.host_view(row, _TENSOR, _U8, shape, views)
-    return lmdb_plain.held_views(_NO_KEY, row, shape, views)
 
 
 def put_joined_python(put: Any, delete: Any, index: Any, head: bytes, keys: Sequence[bytes], views: Sequence[Any], joined: Callable[..., bytes], taken: Any = None) -> bool | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -141,3 +142,37 @@ def test_what_a_pools_checks_keep_asks_its_rows_again(shape: str, how: str) -> N
     pool.resize_(4096, 256)
     assert stayed(held.taken, held) is False
     assert lmdb_lone.views_stayed_python(object(), held) is False  # (nothing it can ask)
+
+
+def test_job_views_held_form_gives_the_views_of_its_plain_form() -> None:
+    """``job_views``' held form (rows of one pool) gives the views its plain form gives, as the
+    held type: made by that type's own allocation where it adds no ``__init__``, else by calling
+    it (the general path); both slots what the checks kept. Rows that are not one pool, or a job
+    it does not take, are answered as by the plain form."""
+    native = lmdb_plain._rowguard
+    if native is None:
+        pytest.skip("built without the native row guard")
+
+    class Inited(list):  # type: ignore[type-arg]
+        __slots__ = ("made", "memory", "taken")
+
+        def __init__(self, items: Any) -> None:
+            super().__init__(items)
+            self.made = True
+
+    pool = torch.zeros(64, 256, dtype=torch.uint8)
+    rows = PoolRows(pool, range(3, 7))
+    keys = [bytes(KEY_BYTES)] * 4
+    seen = lmdb_plain.RowViews(256)
+    seen.of(keys, list(rows))
+    args = (torch.Tensor, torch.uint8, seen.shape, seen.views, KEY_BYTES)
+    plain = native.job_views(keys, rows, *args)
+    assert plain is not None and len(plain) == 4
+    for held_type in (lmdb_plain.HeldViews, Inited):
+        got = native.job_views(keys, rows, *args, held_type)
+        assert type(got) is held_type and all(a is b for a, b in zip(got, plain, strict=True))
+        assert got.memory is got.taken and lmdb_lone.views_stayed(got.taken, got) is True
+        assert getattr(got, "made", False) is (held_type is Inited)
+    listed = native.job_views(keys, list(rows), *args, lmdb_plain.HeldViews)
+    assert type(listed) is list and all(a is b for a, b in zip(listed, plain, strict=True))
+    assert native.job_views(keys[:3], rows, *args, lmdb_plain.HeldViews) is None
