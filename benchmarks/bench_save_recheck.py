@@ -4,7 +4,17 @@ alternated round by round in one process, against raw puts of the same rows in o
 (the baseline, in the same rounds). Rows given as one pool (``PoolRows``) and as a list of views,
 jobs of 1 and 16, 4 KiB and 64 KiB; syncs off. Prints one JSON object: per cell, the median
 thread CPU (µs a job) of each arm, the paired ratio asked over not asked (median, min, max), and
-each arm's ratio to raw. Loads run no new code (the question is the saves')."""
+each arm's ratio to raw. Loads run no new code (the question is the saves').
+
+``--steps``: instead, where a job's thread CPU goes, step by step, each step timed alone on the
+same rows (alternated, the order reversed every round; µs a job, median over the rounds):
+``raw`` (a write transaction, python-lmdb's put of each row's view, the commit), ``tier``
+(``write_blocks``), ``views`` (the key's and rows' checks and views: ``host_view`` for a lone
+row, ``held_views`` else), ``stayed`` (the rows asked again: ``views_stayed`` of what the views
+were taken of), ``hold`` (the rows' collection hold and its let-go), ``modes`` (the torch mode
+test), ``submit`` (``GroupCommit.submit_alone`` of a commit that does nothing), ``txn`` (the
+write lock, an empty write transaction begun and committed) and ``put`` (the same with the
+job's records written by ``put_reserved``, the rows asked again)."""
 
 from __future__ import annotations
 
@@ -14,6 +24,7 @@ import json
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 from kvtier.backends import lmdb_lone
@@ -69,18 +80,83 @@ def cell(size: int, job: int, form: str, rounds: int, reps: int) -> dict[str, ob
     }
 
 
+def steps(size: int, job: int, form: str, rounds: int, reps: int) -> dict[str, float]:
+    """Thread CPU (µs a job) of each step of a save of ``job`` rows of ``size`` bytes (``--steps``)."""
+    from kvtier.backends import lmdb_plain
+
+    from kvtier.records import xxcopy
+
+    backend: Any = registry.backends.get("lmdb")(capacity=1 << 30, path=tempfile.mkdtemp(), sync_mode="fast")
+    asyncio.run(backend.open(BlockFormat(block_bytes=size, dtype="uint8")))
+    pool = torch.stack([random_block(size, i, torch.uint8) for i in range(job)])
+    rows: Any = PoolRows(pool, range(job)) if form == "pool" else [pool[i] for i in range(job)]
+    keys = tuple(make_key(i) for i in range(job))
+    arrays = [memoryview(pool[i].numpy()) for i in range(job)]
+    env, db, lone = backend._env, backend._blocks, backend._lone
+    if lone is None or lone.direct is None or not lone._reserving():
+        raise SystemExit("bench_save_recheck --steps: needs the lmdb tier's native lone saves")
+    for _ in range(3):
+        backend.write_blocks(keys, rows)
+    one = job == 1 and form != "pool"
+    taken: Any = rows[0] if one else tuple(rows) if form != "pool" else None
+    if one:
+        viewed: Any = (lmdb_plain.host_view(rows[0], torch.Tensor, torch.uint8, lone.shape, lone.views),)
+        views = lambda: lmdb_plain.host_view(rows[0], torch.Tensor, torch.uint8, lone.shape, lone.views)  # noqa: E731
+    else:
+        viewed = lmdb_plain.held_views(keys, rows, lone.shape, lone.views)
+        views = lambda: lmdb_plain.held_views(keys, rows, lone.shape, lone.views)  # noqa: E731
+        taken = viewed.taken if form == "pool" else taken
+    lock, commits = backend._write_lock, backend._commits
+
+    def raw() -> None:
+        with env.begin(write=True, db=db) as txn:
+            for key, array in zip(keys, arrays):
+                txn.put(key, array)
+
+    def txn(put: bool) -> None:
+        with lock:
+            t = env.begin(db, None, True, True)
+            if put:
+                lmdb_lone.put_reserved(lone.direct, env, t, db, backend._index, False, lone.head, keys, viewed, taken)  # type: ignore[misc]
+            t.commit()
+
+    arms = {
+        "raw": raw,
+        "tier": lambda: backend.write_blocks(keys, rows),
+        "views": views,
+        "stayed": lambda: lmdb_lone.views_stayed(taken, viewed),
+        "hold": lambda: (xxcopy.rows_hold(), xxcopy.rows_let_go()),
+        "modes": lmdb_plain.modes_on,
+        "submit": lambda: commits.submit_alone(None, lambda batches: [None]),
+        "txn": lambda: txn(False),
+        "put": lambda: txn(True),
+    }
+    got: dict[str, list[float]] = {name: [] for name in arms}
+    try:
+        for r in range(rounds):
+            for name in list(arms) if r % 2 == 0 else list(reversed(arms)):
+                got[name].append(_cpu(arms[name], reps))
+    finally:
+        asyncio.run(backend.aclose())
+    out = {f"{name}_us": round(statistics.median(times), 3) for name, times in got.items()}
+    out["raw_over_tier"] = round(statistics.median(a / b for a, b in zip(got["raw"], got["tier"])), 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", action="store_true", help="where a save's thread CPU goes, step by step (see the module doc)")
     args = parser.parse_args()
     out = {}
     for size in args.sizes:
         for job in args.jobs:
             for form in ("pool", "list"):
-                out[f"{size // 1024}KiB_j{job}_{form}"] = cell(size, job, form, args.rounds, args.reps)
+                measure = steps if args.steps else cell
+                out[f"{size // 1024}KiB_j{job}_{form}"] = measure(size, job, form, args.rounds, args.reps)
     print(json.dumps(out, indent=1))
 
 
