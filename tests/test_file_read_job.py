@@ -18,7 +18,7 @@ from test_file_row_jobs import _Dispatched
 from test_lmdb_row_storage import _PassThrough
 
 from kvtier import devices, registry
-from kvtier.backend import Backend
+from kvtier.backend import Backend, BackendCounters
 from kvtier.records import xxcopy
 from kvtier.testing import make_key, random_block
 
@@ -189,3 +189,69 @@ def test_a_child_of_fork_counts_its_jobs_in_the_list_the_one_call_holds(tmp_path
         assert root.under_way == [] and plain.job_parts[0] is root.under_way
     finally:
         asyncio.run(backend.aclose())
+
+
+class _SubCounters(BackendCounters):
+    """Counters whose slots are their base's: the one call adds to them by getattr and setattr."""
+
+    __slots__ = ()
+
+
+class _WatchedCounters(BackendCounters):
+    """Counters that see each set: the one call's straight slot adds would go past them."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "sets", [])
+        super().__init__()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.sets.append(name)
+        object.__setattr__(self, name, value)
+
+
+def _jobs_read(root: Path, counters: BackendCounters | None, *, job: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """17 keys (every third absent, key 4 with a flipped payload bit) read as jobs of 1, 2 and
+    17, the one call on or off, into rows whose views are kept; (hits, rows, counters, answers)."""
+    answers = _job_calls(monkeypatch, on=job)
+    keys = [make_key(i) for i in range(17)]
+    data = [random_block(FMT.block_bytes, 300 + i) for i in range(17)]
+    backend = registry.backends.get("file")(capacity=8 << 20, path=str(root), sync_mode="fast", layout="flat")
+    if counters is not None:
+        backend.counters = counters
+    asyncio.run(backend.open(FMT))
+    rows = [torch.zeros(FMT.block_bytes, dtype=torch.uint8) for _ in keys]
+    try:
+        backend.write_blocks([k for i, k in enumerate(keys) if i % 3], [d for i, d in enumerate(data) if i % 3])
+        raw = bytearray((root / (keys[4].hex() + ".kvb")).read_bytes())
+        raw[-7] ^= 0x10
+        (root / (keys[4].hex() + ".kvb")).write_bytes(bytes(raw))
+        assert backend.read_blocks([make_key(100 + i) for i in range(17)], rows) == [False] * 17  # (the rows' views kept)
+        found = [backend.read_blocks(keys[:1], rows[:1]), backend.read_blocks(keys[1:3], rows[1:3]), backend.read_blocks(keys, rows)]
+        stats = {k: getattr(backend.counters, k) for k in _STATS}  # (a subclass's as_dict names its own slots alone)
+    finally:
+        asyncio.run(backend.aclose())
+    return found, rows, stats, answers[1:], data
+
+
+@pytest.mark.parametrize("counters", [None, _SubCounters, _WatchedCounters])
+def test_the_jobs_one_call_counts_into_the_tiers_counters_as_the_general_read_does_whatever_their_type(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counters: type[BackendCounters] | None
+) -> None:
+    """Jobs of 1, 2 and 17 records (sound, absent, damaged): the one call's counts, added
+    straight into the counters' own slots or (a subclass's, one that sees its sets) by getattr
+    and setattr, are the general read's, with the same hits and bytes; a job of only hits and
+    misses answers its found list, one with a damaged record leaves it to the general read."""
+    general = _jobs_read(tmp_path / "a", None, job=False, monkeypatch=monkeypatch)
+    mine = counters() if counters is not None else None
+    job = _jobs_read(tmp_path / "b", mine, job=True, monkeypatch=monkeypatch)
+    hits = [bool(i % 3) and i != 4 for i in range(17)]
+    assert general[0] == job[0] == [hits[:1], hits[1:3], hits]
+    assert job[2] == general[2] and job[2]["blocks_read"] == 2 + 10 and job[2]["corrupt_records"] == 1
+    for i, hit in enumerate(hits):
+        if hit or i % 3 == 0:  # read, or absent: the row as it was
+            assert torch.equal(job[1][i], general[1][i]) and torch.equal(job[1][i], job[4][i] if hit else torch.zeros(FMT.block_bytes, dtype=torch.uint8))
+    assert job[3] == [[False], [True, True], (hits, [4])]
+    if isinstance(mine, _WatchedCounters):
+        assert mine.sets.count("blocks_read") >= 3 and mine.sets.count("read_misses") >= 2

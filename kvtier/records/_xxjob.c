@@ -15,6 +15,7 @@
 
 #define HEAD_MAX 64 /* a stored head this long at most (the file tier's is 24 bytes) */
 #define KEY_MAX 64  /* a key this long at most (the file tier's are 32) */
+#define LOCAL_RECORDS 2 /* a job of this many records at most keeps them (and its rows' views) on the stack */
 
 /* What became of one record: read and checked; absent (its open's ENOENT, a miss); left to the
    general read (any other outcome, and every record from the directory's close on). */
@@ -160,12 +161,16 @@ static int read_counted(PyObject *under_way, job_record *recs, Py_ssize_t n, con
 }
 
 /* found[i] set True for each record read and checked, and the list of the positions left to the
-   general read (NULL with the error set). */
-static PyObject *job_outcome(const job_record *recs, Py_ssize_t n, PyObject *found)
+   general read (NULL with the error set); where none is left and as_list is 0, the empty tuple
+   instead (no new list for the collector to count: a job of all hits or misses makes none). */
+static PyObject *job_outcome(const job_record *recs, Py_ssize_t n, PyObject *found, int as_list)
 {
-    PyObject *rest = PyList_New(0);
+    Py_ssize_t left = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        left += recs[i].status == JOB_REST;
+    PyObject *rest = left == 0 && !as_list ? PyTuple_New(0) : PyList_New(0);
     for (Py_ssize_t i = 0; rest != NULL && i < n; i++) {
-        int failed = 0;
+        int failed = 0; /* (the empty tuple: no record is JOB_REST) */
         if (recs[i].status == JOB_GOOD)
             failed = PyList_SetItem(found, i, Py_NewRef(Py_True)) < 0; /* (IndexError if another thread cut it) */
         else if (recs[i].status == JOB_REST) {
@@ -180,21 +185,23 @@ static PyObject *job_outcome(const job_record *recs, Py_ssize_t n, PyObject *fou
 }
 
 /* The records of keys[0..n) read into rows[0..n) (read_counted): found[i] set for each record
-   read and checked, and the positions left to the general read returned (job_outcome); NULL
-   with the error set. */
+   read and checked, and the positions left to the general read returned (job_outcome, as_list);
+   NULL with the error set. */
 static PyObject *read_job(PyObject *under_way, PyObject *const *keys, PyObject *const *rows, Py_ssize_t n, const Py_buffer *dir,
-                          const Py_buffer *head, Py_ssize_t piece, PyObject *found)
+                          const Py_buffer *head, Py_ssize_t piece, PyObject *found, int as_list)
 {
     PyObject *rest = NULL;
     Py_ssize_t held = 0;
-    job_record *recs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *recs);
+    job_record local[LOCAL_RECORDS]; /* a small job's records on the stack: no allocation a job */
+    job_record *recs = n <= LOCAL_RECORDS ? memset(local, 0, sizeof local) : PyMem_Calloc((size_t)n, sizeof *recs);
     if (recs == NULL)
         return PyErr_NoMemory();
     if (take_records(recs, keys, rows, head, n, &held) == 0 && read_counted(under_way, recs, n, dir, head, piece) == 0)
-        rest = job_outcome(recs, n, found);
+        rest = job_outcome(recs, n, found, as_list);
     for (Py_ssize_t i = 0; i < held; i++)
         PyBuffer_Release(&recs[i].row);
-    PyMem_Free(recs);
+    if (recs != local)
+        PyMem_Free(recs);
     return rest;
 }
 
@@ -225,7 +232,7 @@ static PyObject *xxc_read_check_keys(PyObject *module, PyObject *const *args, Py
     }
     if (take_dir_head(args[0], args[1], &dir, &head) < 0)
         goto release_seqs;
-    rest = read_job(NULL, PySequence_Fast_ITEMS(keys), PySequence_Fast_ITEMS(rows), n, &dir, &head, piece, args[5]);
+    rest = read_job(NULL, PySequence_Fast_ITEMS(keys), PySequence_Fast_ITEMS(rows), n, &dir, &head, piece, args[5], 1);
     PyBuffer_Release(&head);
     PyBuffer_Release(&dir);
 release_seqs:
@@ -275,10 +282,10 @@ static host_row_names row_names;
    are now: a row's checks may run Python that changes the caller's lists; rows of one pool, a
    kvtier.pool_rows.PoolRows, kept as they are: its pool is checked once), each row viewed as
    host_row_view of kind views it and each key bytes of kind's length (host_job_views), then
-   read (read_job) into found. The positions left to the general read; None, with nothing read
-   or counted, at the first key or row that is not so; NULL with the error set. */
+   read (read_job, as_list) into found. The positions left to the general read; None, with nothing
+   read or counted, at the first key or row that is not so; NULL with the error set. */
 static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head_obj, PyObject *keys_obj, PyObject *out_obj,
-                          PyObject *const *kind, Py_ssize_t piece, PyObject *found)
+                          PyObject *const *kind, Py_ssize_t piece, PyObject *found, int as_list)
 {
     Py_ssize_t key_bytes = PyLong_AsSsize_t(kind[KIND_KEY_BYTES]);
     if ((key_bytes == -1 && PyErr_Occurred()) || host_row_names_init(&row_names) < 0)
@@ -298,7 +305,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(keys), got = 0;
-    PyObject **views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *views);
+    PyObject *local[LOCAL_RECORDS] = {NULL}, **views = n <= LOCAL_RECORDS ? local : PyMem_Calloc((size_t)n, sizeof *views);
     if (views == NULL) {
         PyErr_NoMemory();
         goto release;
@@ -315,7 +322,7 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
     else if (viewed > 0) {
         Py_buffer dir, head;
         if (take_dir_head(dir_obj, head_obj, &dir, &head) == 0) {
-            result = read_job(under_way, &PyTuple_GET_ITEM(keys, 0), views, n, &dir, &head, piece, found);
+            result = read_job(under_way, &PyTuple_GET_ITEM(keys, 0), views, n, &dir, &head, piece, found, as_list);
             PyBuffer_Release(&head);
             PyBuffer_Release(&dir);
         }
@@ -325,7 +332,8 @@ static PyObject *rows_job(PyObject *under_way, PyObject *dir_obj, PyObject *head
 release:
     for (Py_ssize_t i = 0; i < got; i++)
         Py_DECREF(views[i]);
-    PyMem_Free(views);
+    if (views != local)
+        PyMem_Free(views);
     Py_DECREF(keys);
     Py_DECREF(out);
     return result;
@@ -359,7 +367,7 @@ static PyObject *xxc_read_rows(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     if (!PyList_Check(found))
         return PyErr_Format(PyExc_TypeError, "found: expected a list, got %.100s", Py_TYPE(found)->tp_name);
-    return rows_job(under_way, args[1], args[2], args[3], args[4], &PyTuple_GET_ITEM(args[5], 0), piece, found);
+    return rows_job(under_way, args[1], args[2], args[3], args[4], &PyTuple_GET_ITEM(args[5], 0), piece, found, 1);
 }
 
 /* xxh3_64_read_job's parts: a flat store's, in the order PlainReads.job_parts makes them. */
@@ -379,9 +387,20 @@ static int job_names_init(void)
     return 0;
 }
 
-/* counters.name += by (a C count); 0, or -1 with the error set. */
+/* counters.name += by (a C count); 0, or -1 with the error set. Where name is a writable slot of
+   counters' own type holding an int (host_member_slot: what getattr and setattr reach too), the
+   sum goes into it straight, without the two generic attribute walks; else getattr, + and setattr. */
 static int count_in(PyObject *counters, PyObject *name, Py_ssize_t by)
 {
+    PyObject **slot = host_member_slot(counters, name);
+    if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
+        PyObject *add = PyLong_FromSsize_t(by), *sum = add == NULL ? NULL : PyNumber_Add(*slot, add);
+        Py_XDECREF(add);
+        if (sum == NULL)
+            return -1;
+        Py_SETREF(*slot, sum);
+        return 0;
+    }
     PyObject *was = PyObject_GetAttr(counters, name), *add = was == NULL ? NULL : PyLong_FromSsize_t(by);
     PyObject *sum = add == NULL ? NULL : PyNumber_Add(was, add);
     int rc = sum == NULL ? -1 : PyObject_SetAttr(counters, name, sum);
@@ -457,12 +476,12 @@ static PyObject *xxc_read_job(PyObject *module, PyObject *const *args, Py_ssize_
     for (Py_ssize_t i = 0; i < n; i++)
         PyList_SET_ITEM(found, i, Py_NewRef(Py_False));
     PyObject *rest = rows_job(parts[PART_UNDER_WAY], parts[PART_DIR_AT], parts[PART_HEAD], args[1], args[2], &PyTuple_GET_ITEM(parts[PART_KIND], 0),
-                              piece, found);
+                              piece, found, 0);
     if (rest == NULL || rest == Py_None) {
         Py_DECREF(found);
         return rest;
     }
-    if (PyList_GET_SIZE(rest) == 0) {
+    if (!PyList_CheckExact(rest)) { /* the empty tuple: every record read or absent */
         Py_DECREF(rest);
         if (count_job(parts, found) == 0)
             return found;
