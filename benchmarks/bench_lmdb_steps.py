@@ -18,7 +18,10 @@ and the wall clock (the ratios and the gaps are of CPU time):
   (the engine's path);
 * ``tier_views``: the same job given a list of one view;
 * ``native``: the native call ``read_blocks`` makes for such a job, called straight (so
-  ``tier`` - ``native`` is the Python frame of ``read_blocks`` and its attribute loads).
+  ``tier`` - ``native`` is the Python frame of ``read_blocks`` and its attribute loads);
+* ``native_framed``: the same call from a method of two arguments whose other arguments are
+  bound before the clock (so ``native_framed`` - ``native`` is a frame alone, and ``tier`` -
+  ``native_framed`` the loads of the tier's state, switches and arguments ``read_blocks`` makes).
 
 And the steps inside ``native`` alone, each on one row kept in this core's cache:
 ``modes`` (the torch function mode's test, a call), ``checks`` (the key's and the pool's
@@ -29,8 +32,9 @@ lookups replace by LMDB's own ``get`` in a kept transaction), ``check_copy`` (th
 check, copy and XXH3 in one pass, ``xxh3_check_copy``), ``copy`` (``memmove`` of a row).
 Reported per size: µs a record (median and spread over the rounds) and GB/s (wall clock) of
 each, ``<arm>_raw_ratio`` (the median of the per-round ratios raw over arm: 1 is raw speed),
-and ``gap_us``: the tier's time over raw split into the frame (``tier`` - ``native``) and the
-native call over raw (``native`` - ``raw``), with the steps' sum beside them.
+and ``gap_us``: the tier's time over raw split into the frame (``tier`` - ``native``; of it,
+``frame_alone`` and ``frame_loads`` as above) and the native call over raw (``native`` -
+``raw``), with the steps' sum beside them.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
 from kvtier.testing import make_key
 
-ARMS = ("raw", "raw_cget", "tier", "tier_views", "native")
+ARMS = ("raw", "raw_cget", "tier", "tier_views", "native", "native_framed")
 STEPS = ("modes", "checks", "guard", "hold", "lookup", "check_copy", "copy")
 
 
@@ -117,6 +121,21 @@ def _arms(
             if straight_read(parts, env, job_keys, job_rows, clock, cold_s, check) != [True]:
                 raise AssertionError("the native read handed the job over")
 
+    class _Framed:
+        """A method of two arguments around the native call, its other arguments bound."""
+
+        __slots__ = ()
+
+        def read(self, job_keys: Any, job_rows: Any) -> Any:
+            return straight_read(parts, env, job_keys, job_rows, clock, cold_s, check)
+
+    framed = _Framed()
+
+    def native_framed() -> None:
+        for job_keys, job_rows in pooled:
+            if framed.read(job_keys, job_rows) != [True]:
+                raise AssertionError("the native read handed the job over")
+
     def modes() -> None:
         for _ in range(n):
             function_mode()
@@ -159,7 +178,7 @@ def _arms(
             ctypes.memmove(to0, at0, size)
         del into
 
-    arms: dict[str, Callable[[], None]] = {"raw": raw, **job_arms(backend, pooled, viewed), "native": native}
+    arms: dict[str, Callable[[], None]] = {"raw": raw, **job_arms(backend, pooled, viewed), "native": native, "native_framed": native_framed}
     if direct is not None:
         arms["raw_cget"] = raw_cget
     arms.update(modes=modes, checks=checks, guard=guard_, hold=hold, lookup=lookup, check_copy=check_copy, copy=copy)
@@ -195,6 +214,8 @@ def run_size(root: str, size: int, blocks: int, rounds: int) -> dict[str, Any]:
         med = {name: statistics.median(cpu[name]) for name in arms}
         out["gap_us"] = {
             "frame": round(med["tier"] - med["native"], 3),
+            "frame_alone": round(med["native_framed"] - med["native"], 3),
+            "frame_loads": round(med["tier"] - med["native_framed"], 3),
             "native_over_raw": round(med["native"] - med["raw"], 3),
             "steps": {name: round(med[name], 3) for name in STEPS},
             "checks_sum": round(med["modes"] + med["checks"] + med["guard"] + med["hold"], 3),

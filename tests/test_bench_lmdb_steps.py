@@ -24,11 +24,11 @@ def test_prints_each_arm_and_step_per_size(monkeypatch: pytest.MonkeyPatch, caps
         for name in arms[1:]:
             assert size[f"{name}_raw_ratio"]["median"] > 0
         gap = size["gap_us"]
-        assert set(gap) == {"frame", "native_over_raw", "steps", "checks_sum"}
+        assert set(gap) == {"frame", "frame_alone", "frame_loads", "native_over_raw", "steps", "checks_sum"}
         assert set(gap["steps"]) == set(bench.STEPS) and gap["checks_sum"] > 0
 
 
-@pytest.mark.parametrize("arm", ["tier", "native"])
+@pytest.mark.parametrize("arm", ["tier", "native", "native_framed"])
 def test_refuses_a_read_of_other_bytes(monkeypatch: pytest.MonkeyPatch, arm: str) -> None:
     """An arm that reads back other bytes than were saved stops the run (the check is not a no-op)."""
     bench = bench_module("bench_lmdb_steps")
@@ -51,9 +51,17 @@ def test_refuses_a_read_of_other_bytes(monkeypatch: pytest.MonkeyPatch, arm: str
         bench.main()
 
 
-def test_refuses_a_native_read_that_hands_the_job_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The native arm times the native read itself: a job it hands to the general path stops the run."""
+@pytest.mark.parametrize("arm", ["native", "native_framed"])
+def test_refuses_a_native_read_that_hands_the_job_over(monkeypatch: pytest.MonkeyPatch, arm: str) -> None:
+    """The native arms time the native read itself: a job it hands to the general path stops the run."""
     bench = bench_module("bench_lmdb_steps")
+    real = bench._arms
+
+    def only(backend, raw_env, raw_db, size, keys, staging):  # type: ignore[no-untyped-def]
+        arms = real(backend, raw_env, raw_db, size, keys, staging)
+        return {name: read for name, read in arms.items() if name not in ("native", "native_framed") or name == arm}
+
+    monkeypatch.setattr(bench, "_arms", only)
     monkeypatch.setattr(lmdb_plain, "straight_read", lambda *args: None)
     monkeypatch.setattr(sys, "argv", ["bench_lmdb_steps.py", "--rounds", "1", "--blocks", "2", "--sizes", "4096"])
     with pytest.raises(AssertionError, match="handed the job over"):
