@@ -194,9 +194,15 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+#: What every job of an LmdbBackend reads, in slots: 31 in its dict, past the 30 keys CPython 3.11
+#: shares, made it a plain dict, no lookup on it specialized (tests/test_lmdb_instance_dict.py).
+_JOB_SLOTS = ("_closed", "_env", "_reader", "_straight", "counters", "mac")
+
+
 class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
+    __slots__ = _JOB_SLOTS
     name: ClassVar[str] = "lmdb"
     takes_pool_rows: ClassVar[bool] = True  # every path reads rows by len, iteration and indexing (tests/test_tier_rows.py)
     path_meaning: ClassVar[str] = "a directory for its environment"
