@@ -457,10 +457,16 @@ def test_the_file_tiers_native_rows_read_takes_pool_rows_as_their_rows_one_by_on
         read = xxcopy.xxh3_read_rows
         assert read is not None
         outcomes = []
+        # Every pool's memory, before and after its case changed it, lives to the end: rows seen
+        # in the first round stay where no tensor of the second (a moved pool's new memory) can
+        # land, so neither round finds its rows seen by chance of where a fresh tensor lands.
+        held: list[torch.Tensor] = []
         for as_list in (False, True):
             pool = torch.zeros(8, SIZE, dtype=torch.uint8)
             lmdb_plain.RowViews(SIZE).of([bytes(KEY_BYTES)] * 8, list(pool))  # every row seen
+            held.append(pool.view(-1))
             rows = _job_views_cases()[which](pool)
+            held.append(pool)
             job: Any = list(rows) if as_list and which != "shrunk" else rows
             found = [False] * 3
             root = plain.root
