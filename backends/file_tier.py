@@ -85,6 +85,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.keys import check_keys
+from kvtier.pool_rows import rows_refused
 from kvtier.records import xxcopy
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
@@ -225,10 +226,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             self._beneath = BeneathRoot(self._root)
             if self.mac is None:
                 self._views = RowViews(fmt.block_bytes)
-                self._plain = PlainReads(
-                    self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), views=self._views.views,
-                    counters=self.counters,
-                )
+                self._plain = PlainReads(self._beneath, flat=self.store_layout == FLAT, block_bytes=fmt.block_bytes, dtype_code=self._dtype_code(), views=self._views.views, counters=self.counters)
             self._shards = ShardDirs(self._root, self._beneath, durable=self.sync_mode == "durable", layout=self.store_layout)
             self._shards.make_top()
         except OSError as exc:
@@ -294,13 +292,16 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """A flat job into rows seen before in one native call (``xxcopy.xxh3_read_job``, which holds collection off itself); else :meth:`_read_held`."""
-        if (plain := self._plain) is not None and PLAIN_READS and (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
-            if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
-                if self.follower is not None:
-                    self._followed_reads(keys, got)
-                return got  # type: ignore[no-any-return]
-            return self._read_held(keys, out, plain, got, False)  # (None: the job not taken)
-        return self._read_held(keys, out, plain, None, plain is not None and PLAIN_READS)
+        try:
+            if (plain := self._plain) is not None and PLAIN_READS and (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
+                if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
+                    if self.follower is not None:
+                        self._followed_reads(keys, got)
+                    return got  # type: ignore[no-any-return]
+                return self._read_held(keys, out, plain, got, False)  # (None: the job not taken)
+            return self._read_held(keys, out, plain, None, plain is not None and PLAIN_READS)
+        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
+            raise rows_refused(self.name, out, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
 
     @xxcopy.holding_rows  # no collection from the first row's view taken in Python to the last read
     def _read_held(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], plain: PlainReads | None, got: Any, straight: bool) -> list[bool]:

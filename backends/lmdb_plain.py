@@ -106,19 +106,17 @@ def python_in_torch(out: Sequence[Any]) -> bool:
 
 
 def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False) -> list[memoryview] | None:
-    """A writable view of each row (1-D ``uint8`` tensors of ``size`` bytes, as
-    ``_check_io`` checked them), or ``None`` when one is not contiguous host memory (or when
-    :data:`kvtier.devices.locate` makes host tensors stand in for a device's).
-
-    Rows cut from one host tensor (``staging[i]``, ``t.unbind(0)``) are views into one buffer
-    of it, sliced at each row's offset: ``Tensor.numpy()`` costs 1-3 µs a row, more than the
-    lookup and the copy of a 4 KiB record together. Other rows, when ``borrowed`` (the caller
-    holds the rows for as long as it uses the views, which do not hold them), are views of
-    their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()``
-    each. Borrowed rows of one pool (a :class:`PoolRows`, whose rows are made as asked): the
-    views as :class:`HeldViews`, which hold the pool's memory."""
+    """A writable view of each row (1-D ``uint8`` tensors of ``size`` bytes, as ``_check_io`` checked them), or ``None`` when one is not contiguous
+    host memory (or when :data:`kvtier.devices.locate` makes host tensors stand in for a device's).  Rows cut from one host tensor (``staging[i]``,
+    ``t.unbind(0)``) are views into one buffer of it, sliced at each row's offset: ``Tensor.numpy()`` costs 1-3 µs a row, more than the lookup and
+    the copy of a 4 KiB record together. Other rows, when ``borrowed`` (the caller holds the rows for as long as it uses the views, which do not
+    hold them), are views of their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()`` each. Borrowed rows of one pool
+    (a :class:`PoolRows`, whose rows are made as asked): the views as :class:`HeldViews`, which hold the pool's memory."""
     if borrowed and type(out) is PoolRows:
-        memory = pool_memory(out)
+        try:
+            memory = pool_memory(out)
+        except Exception:  # a pool whose storage cannot be had (sparse, or its own code refuses): not held, no views
+            return None
         return HeldViews.of(_host_rows(out, size, borrowed), memory)
     return _host_rows(out, size, borrowed)
 
@@ -167,15 +165,11 @@ _VIEWS: dict[int, dict[int, memoryview]] = {}  # row size -> address -> view (se
 
 
 class RowViews:
-    """Writable views of rows of :attr:`size` bytes, kept by address (at most :attr:`most` of
-    each size, for the whole process), for rows that callers read into again and again (a
-    staging pool, or tensors of their own that the allocator hands back at the same addresses).
-
-    :meth:`of` also checks the job as ``_check_io`` does, in the same loop: per row, the
-    checks cost about 1.2 µs (five tensor attributes), a view from the cache 0.06 µs, one by
-    address 1.1 µs and ``Tensor.numpy()`` 2.1 µs; a 4 KiB record's lookup, copy and check take
-    about 2. A view outlives nothing it points at: it is used only for a row that was just
-    found to be a live, contiguous host tensor of exactly :attr:`size` bytes at that address."""
+    """Writable views of rows of :attr:`size` bytes, kept by address (at most :attr:`most` of each size, for the whole process), for rows that callers
+    read into again and again (a staging pool, or tensors of their own that the allocator hands back at the same addresses).  :meth:`of` also
+    checks the job as ``_check_io`` does, in the same loop: per row, the checks cost about 1.2 µs (five tensor attributes), a view from the cache
+    0.06 µs, one by address 1.1 µs and ``Tensor.numpy()`` 2.1 µs; a 4 KiB record's lookup, copy and check take about 2. A view outlives nothing it
+    points at: it is used only for a row that was just found to be a live, contiguous host tensor of exactly :attr:`size` bytes at that address."""
 
     __slots__ = ("most", "shape", "size", "views")
 
@@ -198,7 +192,10 @@ class RowViews:
         if type(out) is not PoolRows:
             return _rows_viewed(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._unseen)
         pool = out.pool
-        memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+        try:
+            memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+        except Exception:  # a pool whose storage cannot be had: not held, its rows go to the general checks
+            return None
         # the pool checked once (in one native call where the native forms are on), each row's view kept or made (not seen yet)
         of_pool = pool_views if job_views is not job_views_python else pool_views_python
         got = of_pool(keys, out, _TENSOR, _U8, self.shape, self.views, KEY_BYTES, self._view_at)
@@ -235,16 +232,13 @@ class RowViews:
 
 
 class HeldViews(list):  # type: ignore[type-arg]
-    """A job's views of rows of one pool (a :class:`PoolRows`), with what holds the memory they
-    point at (:attr:`memory`: the pool's storage as it was when the pool was checked), for as
-    long as the views are held: a pool moved meanwhile (``pool.set_(...)`` from another thread
-    while a copy lets the GIL go) leaves that memory to the job, not to the allocator, as a list
-    of views of its rows holds it. Views by address hold nothing; handing back the hold with
-    them leaves no caller to remember it (its views used, its memory held). :attr:`taken`
-    (:func:`held_views`' only): what a save asks the rows by again before it copies
-    (``lmdb_lone.views_stayed``): what the pool's checks kept (native: its pool and its address
-    then, which also hold its memory), in Python the tuple ``(pool, address)``, or the
-    :class:`PoolRows` itself (a pool that is not a tensor: asked row by row)."""
+    """A job's views of rows of one pool (a :class:`PoolRows`), with what holds the memory they point at (:attr:`memory`: the pool's storage as it was
+    when the pool was checked), for as long as the views are held: a pool moved meanwhile (``pool.set_(...)`` from another thread while a copy lets
+    the GIL go) leaves that memory to the job, not to the allocator, as a list of views of its rows holds it. Views by address hold nothing;
+    handing back the hold with them leaves no caller to remember it (its views used, its memory held). :attr:`taken` (:func:`held_views`' only):
+    what a save asks the rows by again before it copies (``lmdb_lone.views_stayed``): what the pool's checks kept (native: its pool and its address
+    then, which also hold its memory), in Python the tuple ``(pool, address)``, or the :class:`PoolRows` itself (a pool that is not a tensor: asked
+    row by row)."""
 
     __slots__ = ("memory", "taken")
 
@@ -268,7 +262,10 @@ def held_views(keys: Any, rows: Any, shape: Any, views: dict[int, memoryview]) -
     if job_views is not job_views_python:
         return job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES, HeldViews)
     pool = rows.pool
-    memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+    try:
+        memory = pool.untyped_storage() if isinstance(pool, _TENSOR) else None  # (pool_memory, taken before the pool's checks)
+    except Exception:  # a pool whose storage cannot be had: not held, its rows go to the general checks
+        return None
     at = pool.data_ptr() if memory is not None else None  # (where its rows' views are taken: asked again by a save)
     got = job_views(keys, rows, _TENSOR, _U8, shape, views, KEY_BYTES)
     if got is None:

@@ -124,6 +124,7 @@ from kvtier.backends.tag_log import DirectoryTags
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
+from kvtier.pool_rows import rows_refused
 from kvtier.records import xxcopy
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, check_meta, decode_meta, encode_meta
@@ -160,12 +161,10 @@ async def _reads_ended(jobs: list[Any] | None) -> None:
 
 
 def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str, direct: object | None = None) -> bool:
-    """Close ``env`` once the reads ``jobs`` counted have ended: python-lmdb's ``close`` unmaps
-    the file at once, and a read copying from a mapped value with the GIL released (the native
-    check-copy) would fault the process. :data:`CLOSE_WAIT_S` at most: a read still running then
-    leaves the environment open, its map kept until the process ends (``False``). ``direct``:
-    what the direct lookups took (:func:`~kvtier.backends.lmdb_direct.direct_gets`): the read
-    transaction they keep is aborted just before the close, none kept after."""
+    """Close ``env`` once the reads ``jobs`` counted have ended: python-lmdb's ``close`` unmaps the file at once, and a read copying from a mapped
+    value with the GIL released (the native check-copy) would fault the process. :data:`CLOSE_WAIT_S` at most: a read still running then leaves the
+    environment open, its map kept until the process ends (``False``). ``direct``: what the direct lookups took
+    (:func:`~kvtier.backends.lmdb_direct.direct_gets`): the read transaction they keep is aborted just before the close, none kept after."""
     end = time.monotonic() + CLOSE_WAIT_S
     while jobs and time.monotonic() < end:
         time.sleep(0.001)
@@ -523,53 +522,53 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         return self._pages(self._head_bytes() + self.format.block_bytes)
 
     def usable_bytes(self) -> int:
-        """The map less LMDB's own needs: B-tree and index pages, and freed pages that stay
-        unusable until two transactions later. Measured under churn (a job deletes its victims,
-        then puts its blocks): with a tenth of the map plus 32 pages held back, no put failed for
-        16 KiB to 2 MiB blocks; with a twentieth, up to 17 % of puts hit a full map. Tiny maps are
-        dominated by the fixed pages: below about 40 pages nothing is usable and the store refuses
-        the tier at open (``tiers[i].capacity``)."""
+        """The map less LMDB's own needs: B-tree and index pages, and freed pages that stay unusable until two transactions later. Measured under
+        churn (a job deletes its victims, then puts its blocks): with a tenth of the map plus 32 pages held back, no put failed for 16 KiB to 2 MiB
+        blocks; with a twentieth, up to 17 % of puts hit a full map. Tiny maps are dominated by the fixed pages: below about 40 pages nothing is
+        usable and the store refuses the tier at open (``tiers[i].capacity``)."""
         slack = self.capacity_bytes // 10 + 32 * self._psize
         return max(0, self.capacity_bytes - slack)
 
     # -- bulk I/O --------------------------------------------------------------------------------
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy each record straight from the map into its ``out`` row, checking it meanwhile
-        (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key
-        and is a miss; bad records are deleted, so the manager drops them and nobody is offered
-        them again."""
-        straight = self._straight
-        if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
-            native = lmdb_plain.straight_read  # StraightRead.read in one call where built, no frame; False: its lines
-            one = lmdb_one
-            found = False if native is None else native(straight.native_parts, self._env, keys, out, one.perf_counter, one.COLD_GET_S, xxcopy.xxh3_check_copy)
-            if found is False:
-                found = straight.read(self._env, keys, out)
-            if found is not None:
-                return found
-        reader, mac = self._reader, self.mac
-        # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
-        views = reader.views if reader is not None and mac is None else None
-        # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory is held by
-        # the views of its rows (lmdb_plain.HeldViews: RowViews.of, or host_rows in read_job).
-        with xxcopy.rows_held:  # (not rows_hold() then a try: an exception raised between would leave the hold)
-            try:
-                rows = views.of(keys, out) if views is not None else None
-                size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
-                env = self._env_or_raise()
-                assert reader is not None
-                outcome = reader.read_job(env, keys, out, mac, rows)
-            except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
-                raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
-        if outcome.bad:
-            try:
-                self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
-            except DiskError as exc:
-                log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
-        if outcome.auth:
-            self.counters.auth_failures += outcome.auth
-        self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
-        return outcome.found
+        """Copy each record straight from the map into its ``out`` row, checking it meanwhile (:class:`~kvtier.backends.lmdb_layout.JobReader`).
+        Every failure is confined to its key and is a miss; bad records are deleted, so the manager drops them and nobody is offered them again;
+        rows a tier cannot hold (:func:`~kvtier.pool_rows.rows_refused`) fail the job by name."""
+        try:
+            straight = self._straight
+            if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
+                native = lmdb_plain.straight_read  # StraightRead.read in one call where built, no frame; False: its lines
+                one = lmdb_one
+                found = False if native is None else native(straight.native_parts, self._env, keys, out, one.perf_counter, one.COLD_GET_S, xxcopy.xxh3_check_copy)
+                if found is False:
+                    found = straight.read(self._env, keys, out)
+                if found is not None:
+                    return found
+            reader, mac = self._reader, self.mac
+            # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
+            views = reader.views if reader is not None and mac is None else None
+            # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory is held by
+            # the views of its rows (lmdb_plain.HeldViews: RowViews.of, or host_rows in read_job).
+            with xxcopy.rows_held:  # (not rows_hold() then a try: an exception raised between would leave the hold)
+                try:
+                    rows = views.of(keys, out) if views is not None else None
+                    size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
+                    env = self._env_or_raise()
+                    assert reader is not None
+                    outcome = reader.read_job(env, keys, out, mac, rows)
+                except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
+                    raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
+            if outcome.bad:
+                try:
+                    self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
+                except DiskError as exc:
+                    log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
+            if outcome.auth:
+                self.counters.auth_failures += outcome.auth
+            self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
+            return outcome.found
+        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
+            raise rows_refused(self.name, out, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
 
     def scan(self) -> Iterator[RecordInfo]:
         env = self._env_or_raise()

@@ -70,7 +70,7 @@ from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.keys import check_keys
-from kvtier.pool_rows import PoolRows
+from kvtier.pool_rows import PoolRows, rows_refused
 from kvtier.records import xxcopy
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
@@ -141,69 +141,72 @@ class LmdbWrites(PersistentRecordBackend):
         self._lone = LoneSave(self, self._plain_records, self._plain_rows, direct) if joined and self._plain_records is not None and self._plain_rows is not None else None
 
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
-        lone = self._lone
-        if lone is not None:
-            if len(keys) == 1 and len(blocks) == 1:
-                saved = lone.save(keys[0], blocks if type(blocks) is PoolRows else blocks[0])  # a lone plain block in one straight line (lmdb_lone)
-            else:
-                saved = lone.save_job(keys, blocks)
-            if saved is not None:
-                return saved
-        records, rows = self._plain_records, self._plain_rows
-        # No collection from the first row's view to the last copy out of the views
-        # (xxcopy.rows_hold: a finalizer run between may free a row whose view is taken): let
-        # go once the records are built, or, where the commit copies the rows, once it returns.
-        held = rows is not None or records is not None
-        if held:
-            xxcopy.rows_hold()
         try:
-            # Plain jobs of host rows: the job's checks and its rows' views in one loop
-            # (RowViews, as reads do; rows of one pool: the views hold its memory to the last
-            # copy); other rows of plain jobs get views one by one (host_rows).
-            views = rows.of(keys, blocks) if rows is not None else None
-            if views is None:
-                size = self._check_io(keys, blocks)
-                views = host_rows(blocks, size) if records is not None else None
-            self._env_or_raise()
-            if views is not None and records is not None:
-                # Plain records: joined ones built here, from the views just taken (see the
-                # module doc: the commit's wait for the lock and its begin let the GIL go, in
-                # which another thread may move the rows); split ones' heads made in the write
-                # transaction (lmdb_plain). (The general encoder's side thread gains nothing
-                # here: the whole job is encoded before its commit.)
-                job = records.records(keys, views)
-                # (UNSUMMED: a view the commit copies; every record of a split job, and any joined
-                # one whose build failed here, which the transaction builds again)
-                built = not any(record[1] is UNSUMMED for record in job)
-            else:
-                built = True  # no views
-                # Checksums (and compression, MACs) run on a side thread for jobs of
-                # SIDE_MIN_BYTES or more, outside the lock; then the job joins whatever other
-                # jobs wait for a commit (see _commit_jobs).
-                with self._encoded(keys, blocks) as records:
-                    job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
-            if held and built:
-                held = False
-                xxcopy.rows_let_go()
-            sizes = self._commits.submit(job)
-        finally:
+            lone = self._lone
+            if lone is not None:
+                if len(keys) == 1 and len(blocks) == 1:
+                    saved = lone.save(keys[0], blocks if type(blocks) is PoolRows else blocks[0])  # a lone plain block in one straight line (lmdb_lone)
+                else:
+                    saved = lone.save_job(keys, blocks)
+                if saved is not None:
+                    return saved
+            records, rows = self._plain_records, self._plain_rows
+            # No collection from the first row's view to the last copy out of the views
+            # (xxcopy.rows_hold: a finalizer run between may free a row whose view is taken): let
+            # go once the records are built, or, where the commit copies the rows, once it returns.
+            held = rows is not None or records is not None
             if held:
-                xxcopy.rows_let_go()
-        counters = self.counters
-        if views is not None and records is not None and None not in sizes:
-            # A plain job stored whole: its records are all of one length (the head, then the
-            # block; joined, one bytes of both), so it is counted with no pass over them.
-            counters.blocks_written += len(sizes)
-            counters.bytes_written += len(sizes) * self._record_pages[0]
+                xxcopy.rows_hold()
+            try:
+                # Plain jobs of host rows: the job's checks and its rows' views in one loop
+                # (RowViews, as reads do; rows of one pool: the views hold its memory to the last
+                # copy); other rows of plain jobs get views one by one (host_rows).
+                views = rows.of(keys, blocks) if rows is not None else None
+                if views is None:
+                    size = self._check_io(keys, blocks)
+                    views = host_rows(blocks, size) if records is not None else None
+                self._env_or_raise()
+                if views is not None and records is not None:
+                    # Plain records: joined ones built here, from the views just taken (see the
+                    # module doc: the commit's wait for the lock and its begin let the GIL go, in
+                    # which another thread may move the rows); split ones' heads made in the write
+                    # transaction (lmdb_plain). (The general encoder's side thread gains nothing
+                    # here: the whole job is encoded before its commit.)
+                    job = records.records(keys, views)
+                    # (UNSUMMED: a view the commit copies; every record of a split job, and any joined
+                    # one whose build failed here, which the transaction builds again)
+                    built = not any(record[1] is UNSUMMED for record in job)
+                else:
+                    built = True  # no views
+                    # Checksums (and compression, MACs) run on a side thread for jobs of
+                    # SIDE_MIN_BYTES or more, outside the lock; then the job joins whatever other
+                    # jobs wait for a commit (see _commit_jobs).
+                    with self._encoded(keys, blocks) as records:
+                        job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
+                if held and built:
+                    held = False
+                    xxcopy.rows_let_go()
+                sizes = self._commits.submit(job)
+            finally:
+                if held:
+                    xxcopy.rows_let_go()
+            counters = self.counters
+            if views is not None and records is not None and None not in sizes:
+                # A plain job stored whole: its records are all of one length (the head, then the
+                # block; joined, one bytes of both), so it is counted with no pass over them.
+                counters.blocks_written += len(sizes)
+                counters.bytes_written += len(sizes) * self._record_pages[0]
+                return sizes
+            count = stored = 0
+            for (_, head, payload), size in zip(job, sizes):
+                if size is not None:
+                    count += 1
+                    stored += len(head) + len(payload)
+            counters.blocks_written += count
+            counters.bytes_written += stored
             return sizes
-        count = stored = 0
-        for (_, head, payload), size in zip(job, sizes):
-            if size is not None:
-                count += 1
-                stored += len(head) + len(payload)
-        counters.blocks_written += count
-        counters.bytes_written += stored
-        return sizes
+        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
+            raise rows_refused(self.name, blocks, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
         """Put every record of ``jobs`` in one write transaction: a job of small records costs

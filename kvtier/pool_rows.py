@@ -24,7 +24,7 @@ import torch
 
 from kvtier.errors import LayoutError
 
-__all__ = ["PoolRows", "pool_rows"]
+__all__ = ["PoolRows", "pool_rows", "rows_refused"]
 
 
 class PoolRows(Sequence[torch.Tensor]):
@@ -77,3 +77,24 @@ class PoolRows(Sequence[torch.Tensor]):
 def pool_rows(pool: torch.Tensor, count: int) -> PoolRows:
     """The first ``count`` rows of ``pool`` (a job's staging rows)."""
     return PoolRows(pool, range(count))
+
+
+def rows_refused(tier: str, rows: Sequence[torch.Tensor], error: BaseException) -> BaseException:
+    """The error to raise for a job its rows failed with ``error`` (asked only once the job
+    raised, so it costs the hot path nothing): a :class:`LayoutError` naming the first row that
+    is not strided (dense) memory, such as a row of a sparse pool, worded the same whether the
+    rows came as a :class:`PoolRows` or as a list of its rows, with ``error`` as its cause;
+    ``error`` itself where every row is strided."""
+    try:
+        for i in range(len(rows)):
+            row = rows[i]
+            if isinstance(row, torch.Tensor) and row.layout is not torch.strided:
+                refused = LayoutError(
+                    f"{tier}: rows[{i}] is a {str(row.layout).removeprefix('torch.')} tensor; "
+                    "a tier reads and writes rows of strided (dense) memory only"
+                )
+                refused.__cause__ = error
+                return refused
+    except Exception:  # (rows whose own code raises here: the job's own error stands)
+        return error
+    return error
