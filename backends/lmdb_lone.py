@@ -154,11 +154,11 @@ class LoneSave:
         # general path builds a job of one record (a build that fails raises here, as there),
         # and committed alone or with them, as the general path's job would be. The hold is
         # written out, not a ``with xxcopy.rows_held:``: the commit lets it go early (``held``,
-        # _let_go), and a hold object of its own for that flag cost ~210 ns a save more than
+        # xxcopy.rows_let_go_flag), and a hold object of its own for that flag cost ~210 ns a save more than
         # this list (benchmarks/bench_row_hold.py, flagged_object against flagged: 310 to 99 ns).
-        held = [True]
-        xxcopy.rows_hold()
+        held = [False]
         try:
+            xxcopy.rows_hold_flag(held)  # (the hold and its flag in one call: an interrupt lands before both or after both)
             # The row's kept view (lmdb_plain.host_view); rows of one pool (a PoolRows of one):
             # the pool checked once, no view of the row made, its views holding its memory to the
             # copy (lmdb_plain.held_views)
@@ -174,13 +174,12 @@ class LoneSave:
             sizes = commits.submit_alone(((key,), (view,), held, taken), self._commit_job) if self._reserving() else None
             if sizes is None:
                 job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
-                _let_go(held)
+                xxcopy.rows_let_go_flag(held)
                 sizes = commits.submit_alone(job, self._commit)
                 if sizes is None:
                     sizes = commits.submit([job])
         finally:
-            if held[0]:
-                _let_go(held)
+            xxcopy.rows_let_go_flag(held)
         if sizes[0] is not None:
             counters = tier.counters
             counters.blocks_written += 1
@@ -207,9 +206,9 @@ class LoneSave:
         # finalizer run between may free a row whose view is taken): let go once the records
         # are built, by the job's commit or here, not across the group's sync. Written out as
         # the lone save's is, for the same reason (an early let-go, cheapest with this flag).
-        held = [True]
-        xxcopy.rows_hold()
+        held = [False]
         try:
+            xxcopy.rows_hold_flag(held)  # (the hold and its flag in one call: an interrupt lands before both or after both)
             views = lmdb_plain.held_views(keys, rows, self.shape, self.views)  # (rows of one pool: they hold its memory)
             if views is None:
                 return None
@@ -220,11 +219,10 @@ class LoneSave:
                 head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
                 records = [build(joined, head, key, view) for key, view in zip(keys, views)]
                 if not any(record[1] is _UNSUMMED for record in records):  # (one whose build failed: built from its view in the commit)
-                    _let_go(held)
+                    xxcopy.rows_let_go_flag(held)
                 sizes = commits.submit(records)
         finally:
-            if held[0]:
-                _let_go(held)
+            xxcopy.rows_let_go_flag(held)
         counters = tier.counters
         if None not in sizes:
             counters.blocks_written += len(sizes)
@@ -295,7 +293,7 @@ class LoneSave:
             head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
             return tier._commit_jobs([[build(joined, head, key, view) for key, view in zip(keys, views)]])
         finally:
-            _let_go(held)
+            xxcopy.rows_let_go_flag(held)
 
     def _moved(self, count: int) -> list[int | None]:
         """The sizes of a job of ``count`` keys not saved because its rows moved (see
@@ -339,13 +337,6 @@ class LoneSave:
                     txn.abort()
                 raise
         return False
-
-
-def _let_go(held: list[bool]) -> None:
-    """A job's rows' hold let go, once (``held``: whether the job holds it still)."""
-    if held[0]:
-        held[0] = False
-        xxcopy.rows_let_go()
 
 
 def _put_record(lone: LoneSave, txn: Any, job: tuple[bytes, bytes, bytes]) -> None:

@@ -154,10 +154,10 @@ class LmdbWrites(PersistentRecordBackend):
             # No collection from the first row's view to the last copy out of the views
             # (xxcopy.rows_hold: a finalizer run between may free a row whose view is taken): let
             # go once the records are built, or, where the commit copies the rows, once it returns.
-            held = rows is not None or records is not None
-            if held:
-                xxcopy.rows_hold()
+            held = [False]
             try:
+                if rows is not None or records is not None:
+                    xxcopy.rows_hold_flag(held)  # (the hold and its flag in one call: an interrupt lands before both or after both)
                 # Plain jobs of host rows: the job's checks and its rows' views in one loop
                 # (RowViews, as reads do; rows of one pool: the views hold its memory to the last
                 # copy); other rows of plain jobs get views one by one (host_rows).
@@ -183,13 +183,11 @@ class LmdbWrites(PersistentRecordBackend):
                     # jobs wait for a commit (see _commit_jobs).
                     with self._encoded(keys, blocks) as records:
                         job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
-                if held and built:
-                    held = False
-                    xxcopy.rows_let_go()
+                if built:
+                    xxcopy.rows_let_go_flag(held)
                 sizes = self._commits.submit(job)
             finally:
-                if held:
-                    xxcopy.rows_let_go()
+                xxcopy.rows_let_go_flag(held)
             counters = self.counters
             if views is not None and records is not None and None not in sizes:
                 # A plain job stored whole: its records are all of one length (the head, then the

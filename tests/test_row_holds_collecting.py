@@ -189,3 +189,67 @@ def test_the_python_hold_sees_a_collection_begun_just_before_it_turned_collectio
     started, done = child.stdout.split()
     assert started == "1", "the collection did not begin inside the hold: the case was not made"
     assert done == "1", "the hold returned while another thread's collection ran its finalizers"
+
+
+_CLEARED = r"""
+import gc, sys, threading
+from kvtier.records import rowhold, xxcopy
+if sys.argv[1] == "python":
+    hold, let_go = rowhold.rows_hold_python, rowhold.rows_let_go_python
+    hold(); let_go()  # (the Python form's callback is added at its first hold)
+    ours = lambda: rowhold._gc_phase in gc.callbacks
+else:
+    hold, let_go = xxcopy.rows_hold, xxcopy.rows_let_go
+    ours = lambda: any(getattr(c, "__name__", "") == "rows_gc_phase" for c in gc.callbacks)
+assert ours()
+sys.setswitchinterval(1.0)  # the GIL changes hands only where a thread lets it go
+gc.enable()
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):  # run by the collection: someone clears gc.callbacks in its middle
+        gc.callbacks.clear()
+
+def collector():
+    Cycle()
+    gc.collect()
+
+t = threading.Thread(target=collector)
+t.start()
+t.join()
+assert not ours()
+count, stop = [0], []
+def spin():  # runs only while the main thread lets the GIL go (a hold's wait sleeps without it)
+    while not stop:
+        count[0] += 1
+s = threading.Thread(target=spin)
+s.start()
+waits = []
+for _ in range(3):
+    before = count[0]
+    hold()
+    let_go()
+    waits.append(int(count[0] != before))
+stop.append(1)
+s.join()
+print(" ".join(map(str, waits)), int(ours()), int(gc.isenabled()))
+"""
+
+
+@pytest.mark.parametrize("way", ["native", "python"])
+def test_callbacks_cleared_mid_collection_cost_one_bounded_wait_not_one_each_hold(way: str) -> None:
+    """The flag that a collection runs is set by its start and cleared by its stop, both seen
+    through ``gc.callbacks``. Cleared by someone in the middle of a collection, the stop never
+    came and the flag stayed set: every later hold from another thread waited its full bound
+    (``COLLECT_WAIT``) for an end that never comes. Now a wait that times out with the hold's
+    callback gone clears the flag and adds the callback again."""
+    if way == "native" and not xxcopy.NATIVE:
+        pytest.skip("built without the extension")
+    child = subprocess.run([sys.executable, "-c", _CLEARED, way], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    first, second, third, ours, enabled = child.stdout.split()
+    assert first == "1", "the first hold did not wait: the case was not made"
+    assert (second, third) == ("0", "0"), "later holds still waited for a collection that had ended"
+    assert ours == "1", "the hold's callback was not added again: later collections would go unseen"
+    assert enabled == "1"

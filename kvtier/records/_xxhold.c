@@ -60,6 +60,12 @@ static PyObject *gc_get_count, *gc_get_threshold, *gc_collect;
    without it by that wait. */
 static int gc_running;
 static unsigned long gc_thread;
+/* gc.callbacks (the list the interpreter calls) and this module's entry in it: a wait that times
+   out with gc_running still set looks for the entry there. Taken out by someone (the list
+   cleared mid-collection), the collection's stop never reaches gc_running: it is cleared then,
+   and the entry added again, else every later hold would wait COLLECT_WAIT_NS for an end that
+   never comes. */
+static PyObject *gc_callbacks, *gc_phase_entry;
 
 #ifndef CLOCK_MONOTONIC_COARSE
 #define CLOCK_MONOTONIC_COARSE CLOCK_MONOTONIC
@@ -151,6 +157,25 @@ static void drain_and_collect(void)
     PyErr_Restore(type, value, traceback);
 }
 
+/* After a wait for a collection's end that timed out: where this module's entry is no longer in
+   gc.callbacks, the stop it waited for can never come, so gc_running is cleared and the entry
+   added again (the next collection's start and stop are seen). Never raises. */
+static void phase_entry_kept(void)
+{
+    if (gc_callbacks == NULL || !PyList_Check(gc_callbacks))
+        return;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int present = PySequence_Contains(gc_callbacks, gc_phase_entry);
+    if (present == 0) {
+        __atomic_store_n(&gc_running, 0, __ATOMIC_RELAXED);
+        present = PyList_Append(gc_callbacks, gc_phase_entry);
+    }
+    if (present < 0)
+        PyErr_WriteUnraisable(gc_callbacks);
+    PyErr_Restore(type, value, traceback);
+}
+
 /* The wait of a hold from a thread holding none while a collection runs in another thread
    (GIL held on entry and on return): GIL released between looks, until it ends
    (COLLECT_WAIT_NS at most). Each look is taken with the GIL held, so a collection that starts
@@ -166,6 +191,8 @@ static void wait_collection_end(void)
         nanosleep(&poll, NULL);
         Py_END_ALLOW_THREADS
     }
+    if (gc_running && gc_thread != me)
+        phase_entry_kept();
 }
 
 XXC_INTERNAL void xxc_rows_hold(void)
@@ -209,6 +236,47 @@ static PyObject *py_rows_let_go(PyObject *module, PyObject *unused)
     (void)module;
     (void)unused;
     xxc_rows_let_go();
+    Py_RETURN_NONE;
+}
+
+/* rows_hold_flag(held) and rows_let_go_flag(held): the hold taken, and let go, together with
+   its flag held[0] (a list of one bool) in one call, for a hold let go early by whichever of the
+   job's steps gets there first. Taken as the first line of a ``try`` whose ``finally`` lets it go
+   by the flag, no instruction runs between the hold and its flag: an asynchronous exception
+   (KeyboardInterrupt) lands either before both or after both, never leaving the hold taken
+   with no flag to let it go. A flag already set takes no second hold; one unset lets none go. */
+static int hold_flag_checked(PyObject *held)
+{
+    if (PyList_CheckExact(held) && PyList_GET_SIZE(held) == 1)
+        return 1;
+    PyErr_SetString(PyExc_TypeError, "rows' hold flag: expected a list of one bool");
+    return 0;
+}
+
+static PyObject *py_rows_hold_flag(PyObject *module, PyObject *held)
+{
+    (void)module;
+    if (!hold_flag_checked(held))
+        return NULL;
+    if (PyList_GET_ITEM(held, 0) != Py_True) {
+        xxc_rows_hold();
+        PyObject *was = PyList_GET_ITEM(held, 0);
+        PyList_SET_ITEM(held, 0, Py_NewRef(Py_True));
+        Py_XDECREF(was);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rows_let_go_flag(PyObject *module, PyObject *held)
+{
+    (void)module;
+    if (!hold_flag_checked(held))
+        return NULL;
+    if (PyList_GET_ITEM(held, 0) == Py_True) {
+        PyList_SET_ITEM(held, 0, Py_NewRef(Py_False));
+        Py_DECREF(Py_True);
+        xxc_rows_let_go();
+    }
     Py_RETURN_NONE;
 }
 
@@ -262,6 +330,8 @@ static PyMethodDef hold_methods[] = {
     {"rows_let_go", py_rows_let_go, METH_NOARGS, "rows_let_go(): one rows_hold() ended; the last lets collection go again."},
     {"rows_exit", (PyCFunction)(void (*)(void))py_rows_exit, METH_FASTCALL,
      "rows_exit(*exc_info): rows_let_go() as a context manager's __exit__; returns None (an exception propagates)."},
+    {"rows_hold_flag", py_rows_hold_flag, METH_O, "rows_hold_flag(held): rows_hold() and held[0] = True in one call (none if already set)."},
+    {"rows_let_go_flag", py_rows_let_go_flag, METH_O, "rows_let_go_flag(held): where held[0], held[0] = False and rows_let_go() in one call."},
     {"rows_forked", py_rows_forked, METH_NOARGS, "rows_forked(): in a child just forked, every hold dropped (collection as before the first)."},
     {NULL, NULL, 0, NULL},
 };
@@ -278,10 +348,13 @@ XXC_INTERNAL int xxc_add_rows_hold(PyObject *module)
     Py_DECREF(gc);
     PyObject *phase = callbacks == NULL ? NULL : PyCFunction_NewEx(&gc_phase_def, NULL, NULL);
     int added_phase = phase == NULL ? -1 : PyList_Append(callbacks, phase); /* (gc.callbacks: a list) */
-    Py_XDECREF(phase);
-    Py_XDECREF(callbacks);
-    if (added_phase < 0)
+    if (added_phase < 0) {
+        Py_XDECREF(phase);
+        Py_XDECREF(callbacks);
         return -1;
+    }
+    gc_callbacks = callbacks; /* (both kept for the process: phase_entry_kept) */
+    gc_phase_entry = phase;
     PyObject *capsule = PyCapsule_New((void *)&hold_api, HOST_ROWS_HOLD_CAPSULE, NULL);
     int added = capsule == NULL ? -1 : PyModule_AddObjectRef(module, "rows_hold_c", capsule);
     Py_XDECREF(capsule);

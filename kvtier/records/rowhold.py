@@ -53,10 +53,15 @@ def _gc_phase(phase: str, info: dict[str, Any]) -> None:
 
 
 def _wait_collection_end() -> None:
-    """Wait (sleeping: the GIL released) for a collection running in another thread to end, :data:`COLLECT_WAIT` at most."""
+    """Wait (sleeping: the GIL released) for a collection running in another thread to end, :data:`COLLECT_WAIT` at most.
+    Timed out with :func:`_gc_phase` no longer in ``gc.callbacks`` (the list cleared mid-collection), the end can never be
+    seen: the flag is cleared and the callback added again, else every later hold would wait that long."""
     start = time.monotonic()
     while _collection[0] and time.monotonic() - start < COLLECT_WAIT:
         time.sleep(_DRAIN_POLL)
+    if _collection[0] and _gc_phase not in gc.callbacks:
+        _collection[0] = False
+        gc.callbacks.append(_gc_phase)
 
 
 def rows_hold_python() -> None:
@@ -100,6 +105,20 @@ def rows_let_go_python() -> None:
             _held[0] -= 1
             if _held[0] == 0 and _held[1]:
                 gc.enable()
+
+
+def rows_hold_flag_python(held: list[bool]) -> None:
+    """:data:`rows_hold_flag` in Python (where an asynchronous exception may land between any two lines)."""
+    if held[0] is not True:
+        rows_hold_python()
+        held[0] = True
+
+
+def rows_let_go_flag_python(held: list[bool]) -> None:
+    """:data:`rows_let_go_flag` in Python."""
+    if held[0] is True:
+        held[0] = False
+        rows_let_go_python()
 
 
 def _hold_should_wait() -> bool:
@@ -181,6 +200,13 @@ if hasattr(os, "register_at_fork"):
 rows_hold: Callable[[], None] = _xxcopy.rows_hold if _NATIVE_HOLD else rows_hold_python
 #: ``rows_let_go()``: one :data:`rows_hold` ended.
 rows_let_go: Callable[[], None] = _xxcopy.rows_let_go if _NATIVE_HOLD else rows_let_go_python
+#: ``rows_hold_flag(held)``: :data:`rows_hold` and ``held[0] = True`` in one call (no hold taken
+#: where ``held[0]`` is set already), for a hold that the job lets go early by the flag: taken as
+#: the first line of a ``try`` whose ``finally`` lets it go by the flag, an asynchronous exception
+#: lands before both or after both, never between (``rows_hold()`` then ``try:`` would leak it).
+rows_hold_flag: Callable[[list[bool]], None] = _xxcopy.rows_hold_flag if _NATIVE_HOLD else rows_hold_flag_python
+#: ``rows_let_go_flag(held)``: where ``held[0]``, ``held[0] = False`` and :data:`rows_let_go` in one call.
+rows_let_go_flag: Callable[[list[bool]], None] = _xxcopy.rows_let_go_flag if _NATIVE_HOLD else rows_let_go_flag_python
 
 
 def holding_rows(method: Callable[..., Any]) -> Callable[..., Any]:
