@@ -7,8 +7,11 @@ Each arm holds ``--holds`` times around the same small body, timed by the thread
 * ``raw`` (the baseline): ``rows_hold()``, ``try``, the body, ``finally: rows_let_go()``;
 * ``with``: ``with rows_held:`` around the body;
 * ``decorated``: the body as a function under ``holding_rows``, called;
-* ``flagged``: the ``lmdb`` lone save's form, a hold a callee may let go early: a one-item list
-  as the flag, ``rows_hold()``, ``try``, ``finally`` a function that lets go once;
+* ``flagged``: the ``lmdb`` saves' form, a hold a callee may let go early: a one-item list as
+  the flag, ``try``, the hold and its flag in one call (``rows_hold_flag``), ``finally``
+  ``rows_let_go_flag``;
+* ``flagged_split``: their form before, ``rows_hold()`` then ``try`` (an asynchronous exception
+  between the two leaves the hold), ``finally`` a Python function that lets go once;
 * ``flagged_object``: the same with an object of its own (``with``, ``let_go()``) for the flag.
 
 Arms alternate within a round and their order reverses every round; each reports ns a hold
@@ -26,7 +29,7 @@ import time
 from typing import Any
 
 from kvtier.records import xxcopy
-from kvtier.records.xxcopy import holding_rows, rows_held, rows_hold, rows_let_go
+from kvtier.records.xxcopy import holding_rows, rows_held, rows_hold, rows_hold_flag, rows_let_go, rows_let_go_flag
 
 
 def _let_go(held: list[bool]) -> None:
@@ -81,6 +84,15 @@ def _arms(holds: int) -> dict[str, Any]:
 
     def flagged() -> None:
         for _ in range(holds):
+            held = [False]
+            try:
+                rows_hold_flag(held)
+                box[0] += 1
+            finally:
+                rows_let_go_flag(held)
+
+    def flagged_split() -> None:
+        for _ in range(holds):
             held = [True]
             rows_hold()
             try:
@@ -94,7 +106,7 @@ def _arms(holds: int) -> dict[str, Any]:
                 box[0] += 1
                 hold.let_go()
 
-    return {"raw": raw, "with": with_, "decorated": decorated, "flagged": flagged, "flagged_object": flagged_object}
+    return {"raw": raw, "with": with_, "decorated": decorated, "flagged": flagged, "flagged_split": flagged_split, "flagged_object": flagged_object}
 
 
 def main() -> None:
