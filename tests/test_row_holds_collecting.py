@@ -257,3 +257,52 @@ def test_callbacks_cleared_mid_collection_cost_one_bounded_wait_not_one_each_hol
     assert (second, third) == ("0", "0"), "later holds still waited for a collection that had ended"
     assert ours == "1", "the hold's callback was not added again: later collections would go unseen"
     assert enabled == "1"
+
+
+_RESTORED = r"""
+import gc, sys, threading, time
+from kvtier.records import rowhold, xxcopy
+if sys.argv[1] == "python":
+    hold, let_go = rowhold.rows_hold_python, rowhold.rows_let_go_python
+else:
+    hold, let_go = xxcopy.rows_hold, xxcopy.rows_let_go
+hold(); let_go()  # (the Python form's callback is added at its first hold)
+gc.callbacks[:] = []  # someone puts back what gc.callbacks held before (no collection runs)
+hold(); let_go()  # a job between: nothing runs
+gc.enable()
+started, done = threading.Event(), []
+
+class Slow:
+    def __init__(self):
+        self.me = self
+    def __del__(self):  # run by the other thread's collection; it lets the GIL go
+        started.set()
+        time.sleep(0.05)
+        done.append(1)
+
+def collector():
+    Slow()
+    gc.collect()
+
+t = threading.Thread(target=collector)
+t.start()
+started.wait(30)
+hold()
+inside = len(done)  # the collection's finalizer had ended by the time the hold returned
+let_go()
+t.join()
+print(inside)
+"""
+
+
+@pytest.mark.parametrize("way", ["native", "python"])
+def test_a_hold_sees_collections_after_callbacks_were_put_back_between_them(way: str) -> None:
+    """``gc.callbacks`` put back to an earlier copy (or cleared) while no collection runs took
+    the hold's callback away for good: every later collection went unseen, and a hold from
+    another thread no longer waited for one that runs its finalizers. A hold now finds its
+    callback gone and adds it again, so the collections after it are seen."""
+    if way == "native" and not xxcopy.NATIVE:
+        pytest.skip("built without the extension")
+    child = subprocess.run([sys.executable, "-c", _RESTORED, way], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["1"], "the hold returned while another thread's collection ran its finalizers"

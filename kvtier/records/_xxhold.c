@@ -66,6 +66,8 @@ static unsigned long gc_thread;
    and the entry added again, else every later hold would wait COLLECT_WAIT_NS for an end that
    never comes. */
 static PyObject *gc_callbacks, *gc_phase_entry;
+/* Where the entry was last found in gc.callbacks (phase_entry_listed looks there first). */
+static Py_ssize_t gc_phase_at;
 
 #ifndef CLOCK_MONOTONIC_COARSE
 #define CLOCK_MONOTONIC_COARSE CLOCK_MONOTONIC
@@ -176,6 +178,37 @@ static void phase_entry_kept(void)
     PyErr_Restore(type, value, traceback);
 }
 
+/* Where no collection is known to run: this module's entry found in gc.callbacks (by identity,
+   at its last place first: no Python runs), and added again where it is gone (the list put back
+   to an earlier copy, or cleared, between collections), else no later collection would be seen.
+   A collection begun before the entry is back is not seen. With gc_running set, the entry is
+   left to wait_collection_end (phase_entry_kept: the flag cleared with it). Never raises. */
+static void phase_entry_readded(void)
+{
+    Py_ssize_t n = PyList_GET_SIZE(gc_callbacks);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyList_GET_ITEM(gc_callbacks, i) == gc_phase_entry) {
+            gc_phase_at = i;
+            return;
+        }
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyList_Append(gc_callbacks, gc_phase_entry) < 0)
+        PyErr_WriteUnraisable(gc_callbacks);
+    else
+        gc_phase_at = n;
+    PyErr_Restore(type, value, traceback);
+}
+
+static inline void phase_entry_listed(void)
+{
+    if (gc_callbacks == NULL || gc_running)
+        return;
+    Py_ssize_t at = gc_phase_at;
+    if (at >= PyList_GET_SIZE(gc_callbacks) || PyList_GET_ITEM(gc_callbacks, at) != gc_phase_entry)
+        phase_entry_readded();
+}
+
 /* The wait of a hold from a thread holding none while a collection runs in another thread
    (GIL held on entry and on return): GIL released between looks, until it ends
    (COLLECT_WAIT_NS at most). Each look is taken with the GIL held, so a collection that starts
@@ -198,6 +231,7 @@ static void wait_collection_end(void)
 XXC_INTERNAL void xxc_rows_hold(void)
 {
     if (thread_holds++ == 0) {
+        phase_entry_listed();
         if ((rows_held > 0 || draining) && hold_should_wait())
             drain_and_collect();
         if (gc_running) /* (after the drain, which lets the GIL go: a collection begun meanwhile) */
@@ -353,8 +387,9 @@ XXC_INTERNAL int xxc_add_rows_hold(PyObject *module)
         Py_XDECREF(callbacks);
         return -1;
     }
-    gc_callbacks = callbacks; /* (both kept for the process: phase_entry_kept) */
+    gc_callbacks = callbacks; /* (both kept for the process: phase_entry_kept, phase_entry_listed) */
     gc_phase_entry = phase;
+    gc_phase_at = PyList_GET_SIZE(callbacks) - 1;
     PyObject *capsule = PyCapsule_New((void *)&hold_api, HOST_ROWS_HOLD_CAPSULE, NULL);
     int added = capsule == NULL ? -1 : PyModule_AddObjectRef(module, "rows_hold_c", capsule);
     Py_XDECREF(capsule);

@@ -40,16 +40,34 @@ _held_lock = threading.Lock()
 _runs = [0, 0, 0.0]  # runs of holds (the count leaving zero), the run last seen by a new holder, and when
 _drain = [0, False]  # holds waiting for the count to drain, and whether one's due collection runs
 _mine = threading.local()  # .holds: this thread's
-#: A collection running (``gc.callbacks``' start to its stop), its thread, and whether the Python
-#: form's callback is on (added at its first hold): a hold from a thread holding none, in any
-#: other thread, waits for its end (:data:`COLLECT_WAIT` at most) once collection is off, as the native form does.
-_collection: list[Any] = [False, 0, False]
+#: A collection running (``gc.callbacks``' start to its stop), and its thread: a hold from a
+#: thread holding none, in any other thread, waits for its end (:data:`COLLECT_WAIT` at most)
+#: once collection is off, as the native form does.
+_collection: list[Any] = [False, 0]
+_phase_at = [0]  # where the Python form's callback was last found in gc.callbacks
 
 
 def _gc_phase(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _collection[1] = threading.get_ident()
     _collection[0] = phase == "start"
+
+
+def _phase_listed() -> None:
+    """:func:`_gc_phase` found in ``gc.callbacks`` (by identity, at its last place first), and added
+    where it is not: at the first hold, and where the list was put back to an earlier copy, or
+    cleared, between collections (else no later collection would be seen). Asked where no
+    collection is known to run; with one, :func:`_wait_collection_end` sees to it."""
+    callbacks = gc.callbacks
+    at = _phase_at[0]
+    if at < len(callbacks) and callbacks[at] is _gc_phase:
+        return
+    for i, callback in enumerate(callbacks):
+        if callback is _gc_phase:
+            _phase_at[0] = i
+            return
+    _phase_at[0] = len(callbacks)
+    callbacks.append(_gc_phase)
 
 
 def _wait_collection_end() -> None:
@@ -70,9 +88,8 @@ def rows_hold_python() -> None:
     _mine.holds = depth + 1
     if depth == 0:
         try:
-            if not _collection[2]:
-                _collection[2] = True
-                gc.callbacks.append(_gc_phase)
+            if not _collection[0]:
+                _phase_listed()
             if (_held[0] > 0 or _drain[0]) and _hold_should_wait():
                 _drain_and_collect()
         except BaseException:  # (a KeyboardInterrupt in a wait's sleep): no hold taken, none counted as this thread's
