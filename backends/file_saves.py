@@ -34,7 +34,7 @@ from kvtier.backends.file_tree import _SUFFIX, FLAT
 from kvtier.backends.lmdb_plain import RowViews
 
 from kvtier.errors import DiskError
-from kvtier.pool_rows import rows_refused
+from kvtier.pool_rows import refusing_rows
 from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
@@ -77,21 +77,19 @@ class FileSaves(PersistentRecordBackend):
         @staticmethod
         def _stored(record_bytes: Any) -> Any: ...
 
+    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`).
         Counted among the root's jobs, so a close waits for it: a record's directory may be
         reached by the root's path, where a store opened since may be."""
+        beneath = self._beneath
+        if beneath is None or not beneath.enter():
+            self._check_open()  # closed: refused by name
+            return [None] * len(keys)
         try:
-            beneath = self._beneath
-            if beneath is None or not beneath.enter():
-                self._check_open()  # closed: refused by name
-                return [None] * len(keys)
-            try:
-                return self._write_counted(keys, blocks)
-            finally:
-                beneath.leave()
-        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
-            raise rows_refused(self.name, blocks, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+            return self._write_counted(keys, blocks)
+        finally:
+            beneath.leave()
 
     @xxcopy.holding_rows  # no collection from the rows' views to the records' writes
     def _write_counted(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:

@@ -85,7 +85,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.keys import check_keys
-from kvtier.pool_rows import rows_refused
+from kvtier.pool_rows import refusing_rows
 from kvtier.records import xxcopy
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
@@ -290,18 +290,16 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
 
+    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """A flat job into rows seen before in one native call (``xxcopy.xxh3_read_job``, which holds collection off itself); else :meth:`_read_held`."""
-        try:
-            if (plain := self._plain) is not None and PLAIN_READS and (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
-                if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
-                    if self.follower is not None:
-                        self._followed_reads(keys, got)
-                    return got  # type: ignore[no-any-return]
-                return self._read_held(keys, out, plain, got, False)  # (None: the job not taken)
-            return self._read_held(keys, out, plain, None, plain is not None and PLAIN_READS)
-        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
-            raise rows_refused(self.name, out, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+        if (plain := self._plain) is not None and PLAIN_READS and (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:
+            if type(got := read(parts, keys, out)) is list:  # every record read or absent, and counted
+                if self.follower is not None:
+                    self._followed_reads(keys, got)
+                return got  # type: ignore[no-any-return]
+            return self._read_held(keys, out, plain, got, False)  # (None: the job not taken)
+        return self._read_held(keys, out, plain, None, plain is not None and PLAIN_READS)
 
     @xxcopy.holding_rows  # no collection from the first row's view taken in Python to the last read
     def _read_held(self, keys: Sequence[bytes], out: Sequence[torch.Tensor], plain: PlainReads | None, got: Any, straight: bool) -> list[bool]:

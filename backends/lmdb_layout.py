@@ -59,7 +59,8 @@ from kvtier.backends.lmdb_entries import (
     restamp,
 )
 from kvtier.backends.lmdb_one import copy_keyed, copy_plain
-from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews, host_rows
+from kvtier.backends.lmdb_plain import RowViews, host_rows
+from kvtier.backends.lmdb_records import FileGuard, PlainReads
 
 from kvtier.errors import CorruptBlockError
 from kvtier.records.checks import SIDE_MIN_BYTES, FasterWay, RawPayload, copy_and_check, spare_core
@@ -359,7 +360,7 @@ class JobReader:
         lookup, the head compared with what a raw record of this store holds, then the value
         copied into the row and its checksum taken in the same pass (:mod:`kvtier.records.xxcopy`),
         or, keyed, the row's MAC while it is in the CPU's cache. An unkeyed job whose rows are host memory goes through the tight pass of
-        :class:`~kvtier.backends.lmdb_plain.PlainReads` first (a 4 KiB record: 4-6 µs, against
+        :class:`~kvtier.backends.lmdb_records.PlainReads` first (a 4 KiB record: 4-6 µs, against
         about 16 µs for the loop below and 3-5 µs for a raw get and copy into a tensor).
 
         Whatever is not that case goes through the general code, so its outcome and errors are
@@ -547,7 +548,7 @@ class JobReader:
 
     def _begin(self, env: lmdb.Environment) -> lmdb.Transaction:
         """A read transaction, once the file is known not to have been cut short
-        (:class:`~kvtier.backends.lmdb_plain.FileGuard`: ``DiskError``)."""
+        (:class:`~kvtier.backends.lmdb_records.FileGuard`: ``DiskError``)."""
         if self.guard is not None:
             self.guard.check()
         return env.begin(None, None, False, True)  # (db, parent, write, buffers): by position, 0.2 µs less than by name

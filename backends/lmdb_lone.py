@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from kvtier.backends import lmdb_entries, lmdb_plain
+from kvtier.backends import lmdb_entries, lmdb_plain, lmdb_records
 from kvtier.backends.lmdb_heap import keep_heap_for
 
 from kvtier import devices
@@ -69,7 +69,8 @@ from kvtier.records.record import HEADER
 
 if TYPE_CHECKING:
     from kvtier.backends.group_commit import GroupCommit
-    from kvtier.backends.lmdb_plain import PlainReads, RowViews
+    from kvtier.backends.lmdb_plain import RowViews
+    from kvtier.backends.lmdb_records import PlainReads
 
     from kvtier.backend import BackendCounters
 
@@ -90,7 +91,6 @@ ROWS_ASKED = True
 _native = lmdb_plain._rowguard  # (None: not built, or a stale build)
 put_reserved = _native.put_reserved if _native is not None else None
 _U8 = torch.uint8
-_UNSUMMED = lmdb_plain.UNSUMMED
 _TENSOR = torch.Tensor
 _NO_KEY = (bytes(KEY_BYTES),)  # (a lone save's key is checked before its row's views)
 
@@ -216,9 +216,9 @@ class LoneSave:
             commits = self.commits
             sizes = commits.submit_alone((keys, views, held, views.taken if type(rows) is PoolRows else rows), self._commit_job)
             if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
-                head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
+                head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_records.build_joined
                 records = [build(joined, head, key, view) for key, view in zip(keys, views)]
-                if not any(record[1] is _UNSUMMED for record in records):  # (one whose build failed: built from its view in the commit)
+                if lmdb_records.all_built(records):  # (else one whose build failed: built from its view in the commit)
                     xxcopy.rows_let_go_flag(held)
                 sizes = commits.submit(records)
         finally:
@@ -234,29 +234,29 @@ class LoneSave:
         return sizes
 
     def _commit_job(self, batches: list[tuple[Any, Any, list[bool], Any]]) -> list[list[int | None]]:
-        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold, what the
-        views were taken of: the rows, or what a pool's checks kept, :attr:`HeldViews.taken`):
-        under the store's write lock, one write transaction in which each record is written into
-        the room LMDB's own put reserves (``put_reserved``, where the open probed that sound) or
-        built just before its put (``put_joined``), and the split entries its keys may have
-        deleted, then its commit; in one frame (a job of 16 records of 4 KiB costs about 25 µs:
-        each call a frame fewer). On a failure in it (aborted, nothing committed), the general
-        commit of the same job, its records built first (one that fails to build is built in
-        that commit's transaction, its failure its own), whose try and handling are then the
-        save's (a transaction LMDB will not begin is that commit's to fail too). Then the job's
-        rows' hold let go (before the group's settle).
+        """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold, what the views
+        were taken of: the rows, or what a pool's checks kept, :attr:`HeldViews.taken`): under the
+        store's write lock, one write transaction in which each record is written into the room
+        LMDB's own put reserves (``put_reserved``, where the open probed that sound) or built just
+        before its put (``put_joined``), and the split entries its keys may have deleted, then its
+        commit; in one frame (a job of 16 records of 4 KiB costs about 25 µs: each call a frame
+        fewer). On a failure in it (aborted, nothing committed), the general commit of the same job,
+        its records built first (one that fails to build is built in that commit's transaction, its
+        failure its own), whose try and handling are then the save's (a transaction LMDB will not
+        begin is that commit's to fail too). Then the job's rows' hold let go (before the group's
+        settle).
 
         The wait for the write lock and ``env.begin`` let the GIL go, and so does each put of
         python-lmdb's: another thread may move the rows meanwhile (``pool.resize_`` to more rows
         frees the memory their views point at, which no hold keeps). So the rows' addresses are
-        asked again (:data:`views_stayed`: one ``data_ptr()`` for a :class:`PoolRows`' pool,
-        against its address when its checks took the views, one a row for others) in the call that copies, the GIL held from the check to the copy: by
-        ``put_reserved`` once begun, by ``put_joined`` before each build. Where they moved, the
-        job is not saved (a miss, never freed memory stored under a good checksum): its
-        transaction aborted, each key's size ``None``, counted in ``write_failures``. Taking the
-        views again where the rows are now, as a read goes on into them, would run the rows'
-        checks again inside the write transaction, under the lock every writer waits for, for a
-        save the engine may simply make again."""
+        asked again (:data:`views_stayed`: one ``data_ptr()`` for a :class:`PoolRows`' pool, against
+        its address when its checks took the views, one a row for others) in the call that copies,
+        the GIL held from the check to the copy: by ``put_reserved`` once begun, by ``put_joined``
+        before each build. Where they moved, the job is not saved (a miss, never freed memory stored
+        under a good checksum): its transaction aborted, each key's size ``None``, counted in
+        ``write_failures``. Taking the views again where the rows are now, as a read goes on into
+        them, would run the rows' checks again inside the write transaction, under the lock every
+        writer waits for, for a save the engine may simply make again."""
         ((keys, views, held, taken),) = batches
         tier, asked = self.tier, taken if ROWS_ASKED else None
         try:
@@ -290,7 +290,7 @@ class LoneSave:
             # (built here, the rows asked again first: the general commit waits for the lock again)
             if asked is not None and not views_stayed(asked, views):
                 return [self._moved(len(keys))]
-            head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_plain.build_joined
+            head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_records.build_joined
             return tier._commit_jobs([[build(joined, head, key, view) for key, view in zip(keys, views)]])
         finally:
             xxcopy.rows_let_go_flag(held)

@@ -36,7 +36,8 @@ from kvtier.records.format import (
 from kvtier.records.record import CHECKED
 
 if TYPE_CHECKING:
-    from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
+    from kvtier.backends.lmdb_plain import RowViews
+    from kvtier.backends.lmdb_records import FileGuard, PlainReads
 
     from kvtier.backend import BackendCounters
 

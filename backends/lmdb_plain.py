@@ -1,30 +1,17 @@
-"""Warm jobs of plain records, read in one tight pass (:class:`PlainReads`), and the guard
-that keeps reads off a ``data.mdb`` cut short under an open store (:class:`FileGuard`).
+"""The rows of a job of an ``lmdb`` tier, checked and viewed: each row's checks and its view
+in one call (:data:`host_view`, :data:`job_views`; native in ``backends/_rowguard.c`` and
+``backends/_rowsave.c``), the views kept by address (:class:`RowViews`), and rows of one pool
+held with their views (:class:`HeldViews`). The plain records these views are read into and
+saved from, their one pass and the file guard, are :mod:`kvtier.backends.lmdb_records`' (its
+names are importable from here too).
 
-A plain record is what an unkeyed ``lmdb`` tier writes for a block that did not compress: a
-32-byte header whose first 24 bytes (the part the checksum covers: magic, version, codec,
-dtype, flags and both lengths) are the same for every such record of the store, and the
-payload. Joined (:mod:`kvtier.backends.lmdb_layout`), both are the value in ``blocks``: per
-record the pass makes one lookup; split, the payload is the value and the header follows the
-stamp and size in ``index``: two lookups. Then one native call
-(:func:`kvtier.records.xxcopy.xxh3_check_copy`): the lengths, those 24 bytes against the bytes
-the store writes, and one pass that copies the payload into the row and takes the XXH3 of the
-head, the key and the payload from the same loads. The rows' buffers are taken once per
-job: by :class:`RowViews` (kept by address, checked as ``_check_io`` checks a job), or from
-one view of the tensor they are all cut from when they are (a manager's staging rows), else
-one per row. A job's rows given as one pool (a :class:`~kvtier.pool_rows.PoolRows`, the
-engine's staging rows) are checked once a job, the pool's checks (:func:`pool_addresses`;
-natively ``host_job_views`` of ``kvtier/records/_hostrow.h``), each row's kept view then found
-by its address; a pool those checks do not take has its rows checked one by one.
-
-A keyed store's raw records of its own MAC take the same pass where their MAC is taken in the
-copy's pass (``PlainReads(mac=...)``: the 32-byte head compared, then
-:meth:`kvtier.records.mac.RecordMac.check_copy`, one native copy and AES-GMAC per record).
-
-Whatever is not such a record (absent, another layout, compressed, a bad checksum) is handed
-back to the caller key by key, in order (``odd``), and read by the general code: its bytes,
-errors, deletions and counters are the general read's. A slow lookup or an LMDB error stops the
-pass and is handed back too (:meth:`PlainReads.read`).
+The rows' buffers are taken once per job: by :class:`RowViews` (kept by address, checked as
+``_check_io`` checks a job), or from one view of the tensor they are all cut from when they are
+(a manager's staging rows), else one per row. A job's rows given as one pool (a
+:class:`~kvtier.pool_rows.PoolRows`, the engine's staging rows) are checked once a job, the
+pool's checks (:func:`pool_addresses`; natively ``host_job_views`` of
+``kvtier/records/_hostrow.h``), each row's kept view then found by its address; a pool those
+checks do not take has its rows checked one by one.
 """
 
 from __future__ import annotations
@@ -32,44 +19,30 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lmdb
 import torch
-from kvtier.backends import lmdb_entries
-from kvtier.backends.lmdb_entries import JOINED
+from kvtier.backends.lmdb_records import UNSUMMED, FileGuard, PlainReads, all_built, build_joined
 
 from kvtier import devices
-from kvtier.errors import DiskError
 from kvtier.keys import KEY_BYTES
 from kvtier.pool_rows import PoolRows
-from kvtier.records import xxcopy
-from kvtier.records.checks import HeadChecksum
-from kvtier.records.codec import NoneCodec
-from kvtier.records.mac import RecordMac
-from kvtier.records.record import HEAD_MAX, HEADER, MAGIC, RECORD_VERSION
 
 __all__ = [
-    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "HeldViews", "PlainReads", "RowViews", "build_joined", "dispatch_modes", "function_mode", "held_views", "host_rows", "host_view", "job_read", "job_views", "modes_on", "one_read",
-    "one_row", "pool_addresses", "pool_memory", "python_in_torch", "same_size", "straight_read",
+    "NATIVE_GUARD", "UNSUMMED", "FileGuard", "HeldViews", "PlainReads", "RowViews", "all_built", "build_joined",
+    "dispatch_modes", "function_mode", "held_views", "host_rows", "host_view", "job_read", "job_views", "modes_on",
+    "one_read", "one_row", "pool_addresses", "pool_memory", "python_in_torch", "same_size", "straight_read",
 ]
 
 try:
     from kvtier.backends import _rowguard  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the Python forms below
     _rowguard = None
-if _rowguard is not None and not all(hasattr(_rowguard, n) for n in ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "pool_views", "put_joined", "views_stayed")):
+_NATIVE_NAMES = ("host_view", "same_size", "one_row", "one_read", "job_read", "straight_read", "job_views", "pool_views", "put_joined", "views_stayed")
+if _rowguard is not None and not all(hasattr(_rowguard, n) for n in _NATIVE_NAMES):
     _rowguard = None  # a stale build (sources newer than it; tests/test_native_builds.py says so): the Python forms
 
-_SUM = struct.Struct("<Q")
-#: The head of a plain record that the write transaction makes: split, its checksum taken from
-#: the copy its put just made (:meth:`PlainReads.summed`); joined, the whole record built just
-#: before its put (:meth:`PlainReads.joined`). This very object (compared by identity), as long
-#: as a real head, so that sizes count alike. Written by mistake it would be a record whose
-#: check fails (a counted miss), never one served.
-UNSUMMED = bytes(HEADER.size)
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
 #: Whether a torch function mode is on in this thread: its handler then runs Python in every
@@ -81,7 +54,8 @@ _TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-
 
 
 def _overridden(row: Any) -> bool:
-    """Whether ``type(row)`` (a subclass of ``torch.Tensor``) has a ``__torch_function__`` of its own."""
+    """Whether ``type(row)`` (a subclass of ``torch.Tensor``) has a ``__torch_function__`` of its
+    own."""
     handler = getattr(type(row), "__torch_function__", None)
     return getattr(handler, "__func__", handler) not in (_TORCH_FUNCTION, torch._C._disabled_torch_function_impl)
 
@@ -106,12 +80,16 @@ def python_in_torch(out: Sequence[Any]) -> bool:
 
 
 def host_rows(out: Sequence[torch.Tensor], size: int, *, borrowed: bool = False) -> list[memoryview] | None:
-    """A writable view of each row (1-D ``uint8`` tensors of ``size`` bytes, as ``_check_io`` checked them), or ``None`` when one is not contiguous
-    host memory (or when :data:`kvtier.devices.locate` makes host tensors stand in for a device's).  Rows cut from one host tensor (``staging[i]``,
-    ``t.unbind(0)``) are views into one buffer of it, sliced at each row's offset: ``Tensor.numpy()`` costs 1-3 µs a row, more than the lookup and
-    the copy of a 4 KiB record together. Other rows, when ``borrowed`` (the caller holds the rows for as long as it uses the views, which do not
-    hold them), are views of their memory by address (:func:`_at`, half a ``numpy()``'s cost); else one ``numpy()`` each. Borrowed rows of one pool
-    (a :class:`PoolRows`, whose rows are made as asked): the views as :class:`HeldViews`, which hold the pool's memory."""
+    """A writable view of each row (1-D ``uint8`` tensors of ``size`` bytes, as ``_check_io``
+    checked them), or ``None`` when one is not contiguous host memory (or when
+    :data:`kvtier.devices.locate` makes host tensors stand in for a device's).  Rows cut from one
+    host tensor (``staging[i]``, ``t.unbind(0)``) are views into one buffer of it, sliced at each
+    row's offset: ``Tensor.numpy()`` costs 1-3 µs a row, more than the lookup and the copy of a 4
+    KiB record together. Other rows, when ``borrowed`` (the caller holds the rows for as long as it
+    uses the views, which do not hold them), are views of their memory by address (:func:`_at`, half
+    a ``numpy()``'s cost); else one ``numpy()`` each. Borrowed rows of one pool (a
+    :class:`PoolRows`, whose rows are made as asked): the views as :class:`HeldViews`, which hold
+    the pool's memory."""
     if borrowed and type(out) is PoolRows:
         try:
             memory = pool_memory(out)
@@ -165,11 +143,14 @@ _VIEWS: dict[int, dict[int, memoryview]] = {}  # row size -> address -> view (se
 
 
 class RowViews:
-    """Writable views of rows of :attr:`size` bytes, kept by address (at most :attr:`most` of each size, for the whole process), for rows that callers
-    read into again and again (a staging pool, or tensors of their own that the allocator hands back at the same addresses).  :meth:`of` also
-    checks the job as ``_check_io`` does, in the same loop: per row, the checks cost about 1.2 µs (five tensor attributes), a view from the cache
-    0.06 µs, one by address 1.1 µs and ``Tensor.numpy()`` 2.1 µs; a 4 KiB record's lookup, copy and check take about 2. A view outlives nothing it
-    points at: it is used only for a row that was just found to be a live, contiguous host tensor of exactly :attr:`size` bytes at that address."""
+    """Writable views of rows of :attr:`size` bytes, kept by address (at most :attr:`most` of each
+    size, for the whole process), for rows that callers read into again and again (a staging pool,
+    or tensors of their own that the allocator hands back at the same addresses).  :meth:`of` also
+    checks the job as ``_check_io`` does, in the same loop: per row, the checks cost about 1.2 µs
+    (five tensor attributes), a view from the cache 0.06 µs, one by address 1.1 µs and
+    ``Tensor.numpy()`` 2.1 µs; a 4 KiB record's lookup, copy and check take about 2. A view outlives
+    nothing it points at: it is used only for a row that was just found to be a live, contiguous
+    host tensor of exactly :attr:`size` bytes at that address."""
 
     __slots__ = ("most", "shape", "size", "views")
 
@@ -232,13 +213,16 @@ class RowViews:
 
 
 class HeldViews(list):  # type: ignore[type-arg]
-    """A job's views of rows of one pool (a :class:`PoolRows`), with what holds the memory they point at (:attr:`memory`: the pool's storage as it was
-    when the pool was checked), for as long as the views are held: a pool moved meanwhile (``pool.set_(...)`` from another thread while a copy lets
-    the GIL go) leaves that memory to the job, not to the allocator, as a list of views of its rows holds it. Views by address hold nothing;
-    handing back the hold with them leaves no caller to remember it (its views used, its memory held). :attr:`taken` (:func:`held_views`' only):
-    what a save asks the rows by again before it copies (``lmdb_lone.views_stayed``): what the pool's checks kept (native: its pool and its address
-    then, which also hold its memory), in Python the tuple ``(pool, address)``, or the :class:`PoolRows` itself (a pool that is not a tensor: asked
-    row by row)."""
+    """A job's views of rows of one pool (a :class:`PoolRows`), with what holds the memory they
+    point at (:attr:`memory`: the pool's storage as it was when the pool was checked), for as long
+    as the views are held: a pool moved meanwhile (``pool.set_(...)`` from another thread while a
+    copy lets the GIL go) leaves that memory to the job, not to the allocator, as a list of views of
+    its rows holds it. Views by address hold nothing; handing back the hold with them leaves no
+    caller to remember it (its views used, its memory held). :attr:`taken` (:func:`held_views`'
+    only): what a save asks the rows by again before it copies (``lmdb_lone.views_stayed``): what
+    the pool's checks kept (native: its pool and its address then, which also hold its memory), in
+    Python the tuple ``(pool, address)``, or the :class:`PoolRows` itself (a pool that is not a
+    tensor: asked row by row)."""
 
     __slots__ = ("memory", "taken")
 
@@ -346,15 +330,6 @@ def pool_views_python(
     return _viewed(keys, addresses, views.get, tensor_type, dtype, shape, views, key_bytes, lambda at: None if at is None else unseen_at(at))
 
 
-def build_joined(joined: Callable[..., bytes], head: bytes, key: bytes, view: Any) -> tuple[bytes, bytes, Any]:
-    """``(key, b"", joined(head, key, view))``, or where that build raises an ``Exception``,
-    ``(key, UNSUMMED, view)``: built in the write transaction, where it fails alone (counted)."""
-    try:
-        return (key, b"", joined(head, key, view))
-    except Exception:
-        return (key, UNSUMMED, view)
-
-
 def pool_memory(rows: Any) -> Any:
     """What holds the memory of a job's rows given as one pool (a :class:`PoolRows`: its pool's
     storage as it is now), for the caller to hold until the job's last copy: a pool moved
@@ -433,9 +408,9 @@ straight_read: Callable[..., list[bool] | bool | None] | None = _rowguard.straig
 #: :data:`host_view`, when every key is ``bytes`` of ``key_bytes`` and every row's view is one;
 #: else ``None`` (also when the counts differ): a job's checks and views in one call (the loop
 #: ``job_read`` makes; native: ``backends/_rowsave.c``, whose ``held`` argument, for rows of one
-#: pool, gives them as ``held(views)`` with what the pool's checks kept: :func:`held_views`). Its caller makes sure no torch function
-#: or dispatch mode is on (:func:`python_in_torch`): a handler run in a later row's checks could
-#: free a row whose view is taken already.
+#: pool, gives them as ``held(views)`` with what the pool's checks kept: :func:`held_views`). Its
+#: caller makes sure no torch function or dispatch mode is on (:func:`python_in_torch`): a handler
+#: run in a later row's checks could free a row whose view is taken already.
 job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowguard is not None else job_views_python
 #: ``pool_views(keys, rows, tensor_type, dtype, shape, views, key_bytes, unseen_at)``: the views
 #: of a job's rows given as one pool (a :class:`PoolRows`), its pool's checks asked once: each
@@ -447,151 +422,3 @@ job_views: Callable[..., list[memoryview] | None] = _rowguard.job_views if _rowg
 #: the same answers). :meth:`RowViews.of`'s one native call for such a job, seen before or not.
 pool_views: Callable[..., Any] = _rowguard.pool_views if _rowguard is not None else pool_views_python
 
-
-class PlainReads:
-    """The tight pass over a warm job of plain records of one store (see the module doc)."""
-
-    __slots__ = ("blocks", "check", "entry_size", "head", "head_at", "index", "joined_size", "prefix", "size")
-
-    def __init__(self, *, blocks: Any, index: Any, block_bytes: int, dtype_code: int, head_at: int, mac: RecordMac | None = None) -> None:
-        """``mac``: the pass reads the raw records keyed with ``mac``'s own algorithm instead
-        (for reads only; :meth:`RecordMac.check_copy` checks them, as ``xxh3_check_copy`` checks
-        plain ones)."""
-        self.blocks = blocks
-        self.index = index
-        self.size = block_bytes
-        #: The checked header bytes of every plain record of the store, and record_checksum's
-        #: state after them (a save's sum goes on from it; reads check through xxh3_check_copy).
-        sums = HeadChecksum.plain(block_bytes, dtype_code)
-        self.head, self.prefix = sums.head, sums.prefix
-        self.head_at = head_at  # where the head starts in an index entry
-        self.entry_size = head_at + HEADER.size
-        self.joined_size = HEADER.size + block_bytes
-        #: A record's check and copy (``None``: xxcopy.xxh3_check_copy, looked up at each job).
-        self.check: Callable[..., int] | None = None
-        if mac is not None:
-            # what encode_record writes for a raw record keyed with mac: the 24 bytes its tag
-            # covers, then the unused checksum field (zero)
-            self.head = HEADER.pack(MAGIC, RECORD_VERSION, NoneCodec.codec_id, dtype_code, mac.flag, block_bytes, block_bytes, 0)
-            self.entry_size = head_at + HEAD_MAX
-            self.joined_size = HEAD_MAX + block_bytes
-            self.check = mac.check_copy
-
-    def read(
-        self,
-        txn: lmdb.Transaction,
-        keys: Sequence[bytes],
-        rows: Sequence[memoryview],
-        found: list[bool],
-        clock: Callable[[], float],
-        slow: Callable[[float], bool],
-        odd: Callable[[int, Any, Any], None],
-        slow_after: float,
-    ) -> tuple[int, lmdb.Error | None, Any, Any] | None:
-        """Read ``keys`` into ``rows`` in ``txn`` (``buffers=True``), setting ``found``; every
-        record that is present but not plain and sound is handed to ``odd(i, entry, value)``
-        (``entry`` may be ``None``) before the next key is looked up. ``None`` when every key
-        was read; ``(i, None, entry, value)`` when the lookup of key ``i`` was slow (it took
-        ``slow_after`` seconds or more of ``clock()`` and ``slow(start)`` says so): key ``i``
-        was looked up (``value`` is ``None`` when absent) but not read, nor any key after it;
-        ``(i, error, None, None)`` when an LMDB error stopped the pass at key ``i`` (``txn``
-        may be unusable)."""
-        get, blocks, index, entry_size = txn.get, self.blocks, self.index, self.entry_size
-        head, head_at, check = self.head, self.head_at, self.check or xxcopy.xxh3_check_copy
-        joined_size = self.joined_size
-        i = 0
-        try:
-            for i, key in enumerate(keys):
-                start = clock()
-                value = get(key, None, blocks)
-                # joined: no index lookup
-                entry = JOINED if value is not None and len(value) == joined_size else None if value is None else get(key, None, index)
-                if clock() - start >= slow_after and slow(start):
-                    return i, None, entry, value
-                if value is None:  # absent
-                    continue
-                # The lengths, the stored head against the store's, then the payload copied into
-                # the row and hashed from the same loads: one call (xxcopy.xxh3_check_copy).
-                if entry is JOINED:
-                    status = check(head, key, value, rows[i])
-                elif entry is not None and len(entry) == entry_size:
-                    status = check(head, key, entry[head_at:], rows[i], value)
-                else:
-                    status = xxcopy.CHECK_SHAPE  # not plain: no entry, or one of another kind
-                if status:
-                    odd(i, entry, value)
-                else:
-                    found[i] = True
-        except lmdb.Error as exc:
-            return i, exc, None, None
-        return None
-
-    def records(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[tuple[bytes, bytes, Any]]:
-        """``(key, head, payload)`` of each block (``views``: its bytes, as :func:`host_rows`
-        gives them) as a plain record: the bytes ``encode_record`` makes for a block that is not
-        compressed and not keyed, by the same state as :meth:`read` (one XXH3 over the key and
-        the block per record, continued from the store's 24 head bytes). A record put joined (at
-        most ``JOIN_MAX`` bytes) is built here, ``(key, b"", record)``, the whole record in one
-        ``bytes`` (:func:`build_joined`: in a job of several, one that fails to build is left to
-        the transaction, :data:`UNSUMMED`, where its failure is its own; a job of one raises). A
-        split record's head is :data:`UNSUMMED`, made in the write transaction by :meth:`summed`."""
-        if HEADER.size + self.size <= lmdb_entries.JOIN_MAX:
-            joined, head = xxcopy.xxh3_joined, self.head
-            if len(keys) == 1:
-                return [(keys[0], b"", joined(head, keys[0], views[0]))]
-            return [build_joined(joined, head, key, view) for key, view in zip(keys, views)]
-        return [(key, UNSUMMED, view) for key, view in zip(keys, views)]
-
-    def joined(self, key: bytes, view: Any) -> bytes:
-        """The whole plain record (head, checksum, block) of ``key`` whose block is ``view``, in
-        one new ``bytes``, the block copied into it in its checksum's pass
-        (:func:`kvtier.records.xxcopy.xxh3_joined`), where the put would else copy head and
-        block together after the hash had read the block. Built just before its put, in the
-        write transaction: the put then copies it while it is in this core's cache, and the
-        next record's is built in the memory it leaves free. Built for a whole job before its
-        transaction, 16 records of 64 KiB took 110-124 µs more than raw puts, with the syncs
-        off, against 27-33 built one by one (thread CPU, 9 alternated rounds, load 3.7-4.1)."""
-        return xxcopy.xxh3_joined(self.head, key, view)
-
-    def summed(self, key: bytes, stored: Any) -> bytes:
-        """The head of the plain record of ``key`` whose payload is ``stored``: the same bytes
-        as :meth:`records` made from the block before its put. Taken from the copy in the write
-        transaction (``stored``: its ``get`` just after the put), the block is read once, by
-        the put, and the checksum's pass reads a copy still in this core's cache: 3.3 ms
-        against 1.4 of a 2 MiB job of 16 here, beside a 9-10 ms commit with the syncs off.
-        One call of :data:`~kvtier.records.xxcopy.xxh3_copy` (its hash-only pass, native where
-        built): in cache, 5.2-5.3 µs a 256 KiB copy and 43-44 a 2 MiB one, against 5.5 and
-        49-51 for the ``xxhash`` state's copy and two updates (the Python path's)."""
-        head = self.head
-        return head + _SUM.pack(xxcopy.xxh3_copy(head + key, stored))
-
-
-class FileGuard:
-    """Refuses reads once ``data.mdb`` is shorter than it was: LMDB never shrinks its file
-    while it is open, so a shorter one was cut under the store, and a value past its end would
-    fault the process (python-lmdb touches every page of a value inside ``get``, so no check
-    after a lookup can prevent that; the open's page check covers files damaged while closed).
-    One ``lseek`` to the end per job, on a descriptor of its own: it gives the size as
-    ``fstat`` does at a quarter of the cost (0.6 µs against 2.2 here: no stat object built)."""
-
-    __slots__ = ("fd", "path", "seen")
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.seen = os.lseek(self.fd, 0, os.SEEK_END)
-
-    def check(self) -> None:
-        """``DiskError`` if the file is shorter than at the last check."""
-        try:
-            size = os.lseek(self.fd, 0, os.SEEK_END)
-        except OSError as exc:  # closed meanwhile (the store is closing)
-            raise DiskError(f"lmdb: {self.path!r} is closed: {exc}") from exc
-        if size < self.seen:
-            raise DiskError(f"lmdb: {self.path!r} is {size} bytes, shorter than the {self.seen} it held: cut under the open store; not read")
-        self.seen = size
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)

@@ -2,94 +2,90 @@
 
 Layout: three named databases in the environment at ``path``:
 
-* ``blocks``: key -> the record (joined: records of up to 64 KiB, head and payload in one
-  value, one B-tree put per save and one lookup per load) or its payload (split: larger ones),
+* ``blocks``: key -> the record (joined: records of up to 64 KiB, head and payload in one value, one
+  B-tree put per save and one lookup per load) or its payload (split: larger ones),
 * ``index``:  key -> ``<d Q`` (last-access stamp, stored bytes) + the record's head
-  (:mod:`kvtier.records.format` header [+ tag]) of a split record, written in the same
-  transaction as the payload, so a large save puts the caller's block as it is, with no
-  staging copy; a joined record has an entry (stamp and size: then it is a whole record) only
-  once ``touch_stamps`` gave it one. ``scan()`` rebuilds the manager's index from both without
-  touching any value's page (:mod:`kvtier.backends.lmdb_layout`, which also reads stores
-  written by earlier code),
+  (:mod:`kvtier.records.format` header [+ tag]) of a split record, written in the same transaction
+  as the payload, so a large save puts the caller's block as it is, with no staging copy; a joined
+  record has an entry (stamp and size: then it is a whole record) only once ``touch_stamps`` gave it
+  one. ``scan()`` rebuilds the manager's index from both without touching any value's page
+  (:mod:`kvtier.backends.lmdb_layout`, which also reads stores written by earlier code),
 * ``meta``:   the store's meta record (format version, namespace); a store written for another
   namespace is refused at open with a ``ConfigError``.
 
 Contract and choices:
 
-* ``map_size`` is the tier's capacity and is never grown. A put that does not fit
-  (``MapFullError``) makes that key's write return ``None`` and counts a write failure; nothing
-  stored earlier is touched. The manager owns eviction and retries.
-* ``sync_mode="durable"`` (default): ``sync=True, metasync=False`` and an ``env.sync()`` after
-  every commit, so a block is on stable storage before its write returns.
-  ``sync_mode="fast"``: no syncs; a power loss may lose recently written blocks (a process crash
-  loses nothing), and the record checksum still keeps a torn record from being served.
-* Group commit (:mod:`kvtier.backends.group_commit`): a job's records go in one write
-  transaction, and jobs whose writers wait together (concurrent ``write_blocks`` calls) share
-  it and its sync. Measured (``benchmarks/bench_disk_sizes.py``, ``docs/tiers.md``, raw
-  python-lmdb, jobs of 16): at 4-256 KiB one durable commit per value ran 2-13x slower than one
-  per job (1.5-6x at 128-256 KiB on a second machine); at 1-2 MiB the lead flips from run to
-  run, and where one value per transaction led, the cause was the allocator, not the disk:
-  without ``writemap`` LMDB ``malloc``s each large value's pages and frees them at the commit,
-  and glibc hands the top of its heap back to the kernel after a commit of 16 such values, so
-  the next one faults 32 MiB in afresh, while one value per transaction reuses one chunk.
-  Before its first commit of a larger size the tier has glibc keep that much freed heap
-  (:mod:`kvtier.backends.lmdb_heap`: glibc's own dynamic threshold, raised as freeing any
-  large buffer raises it; never ``mallopt``, which stays the engine's), and one transaction per
-  job then leads at 2 MiB too. So there is no size threshold (``docs/tiers.md``). A
-  transaction that hits a full map is aborted and its records are put one per transaction, so
-  the failure stays confined to the keys that do not fit.
+* ``map_size`` is the tier's capacity and is never grown. A put that does not fit (``MapFullError``)
+  makes that key's write return ``None`` and counts a write failure; nothing stored earlier is
+  touched. The manager owns eviction and retries.
+* ``sync_mode="durable"`` (default): ``sync=True, metasync=False`` and an ``env.sync()`` after every
+  commit, so a block is on stable storage before its write returns. ``sync_mode="fast"``: no syncs;
+  a power loss may lose recently written blocks (a process crash loses nothing), and the record
+  checksum still keeps a torn record from being served.
+* Group commit (:mod:`kvtier.backends.group_commit`): a job's records go in one write transaction,
+  and jobs whose writers wait together (concurrent ``write_blocks`` calls) share it and its sync.
+  Measured (``benchmarks/bench_disk_sizes.py``, ``docs/tiers.md``, raw python-lmdb, jobs of 16): at
+  4-256 KiB one durable commit per value ran 2-13x slower than one per job (1.5-6x at 128-256 KiB on
+  a second machine); at 1-2 MiB the lead flips from run to run, and where one value per transaction
+  led, the cause was the allocator, not the disk: without ``writemap`` LMDB ``malloc``s each large
+  value's pages and frees them at the commit, and glibc hands the top of its heap back to the kernel
+  after a commit of 16 such values, so the next one faults 32 MiB in afresh, while one value per
+  transaction reuses one chunk. Before its first commit of a larger size the tier has glibc keep
+  that much freed heap (:mod:`kvtier.backends.lmdb_heap`: glibc's own dynamic threshold, raised as
+  freeing any large buffer raises it; never ``mallopt``, which stays the engine's), and one
+  transaction per job then leads at 2 MiB too. So there is no size threshold (``docs/tiers.md``). A
+  transaction that hits a full map is aborted and its records are put one per transaction, so the
+  failure stays confined to the keys that do not fit.
 * Never ``writemap`` (a stray write through the map would corrupt the file); ``readahead`` on
   (values are read whole: with it off a cold map faults in one page at a time, 20x slower);
   ``reader_check()`` at open clears slots of dead readers.
 * The environment is opened in ``open()``, in the process that uses it, never across ``fork``.
 * Threads: ``write_blocks``/``delete_blocks``/``touch_stamps`` (:mod:`kvtier.backends.lmdb_writes`)
-  and the deletion of corrupt records found by ``read_blocks`` serialise on one lock; reads use their own read transaction, copy
-  straight from the map into the caller's tensor, and never hold a transaction across an await.
-  A close waits for the reads under way before it unmaps the file (a read that starts once
-  it began is refused with ``DiskError``), so a read never copies from an unmapped value.
-  A warm job of plain records is read in one pass: lookup, copy into the row, the row's
-  checksum, record after record (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`);
-  other jobs' checksums (keyed, cold, or large ones while a core is spare) run on a side thread
-  while the job's copies run on the calling one (:mod:`kvtier.records.checks`). A job of plain
-  records is encoded in one loop on the calling thread (:mod:`kvtier.backends.lmdb_plain`); a
-  split one's checksum is taken from the copy its put made, in the write transaction.
-* Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``,
-  its meta pages are read with ``pread`` and checked against the file's size, and every branch
-  and leaf page of its B-trees is checked as LMDB will walk it (LMDB aborts on a page it cannot
-  walk), a level at a time (:mod:`kvtier.backends.lmdb_scan`, which also lists the records; a
-  refused page is named by :mod:`kvtier.backends.lmdb_pages`). Any damage found (a truncated
-  file, a bad page, an unreadable meta record) moves the environment to
-  ``<path>/damaged-<UTC time>/`` (kept for ``kvtier verify``, with a ``REASON`` file) and starts
-  a fresh one, into which the records that still pass their check are salvaged
-  (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A meta record of a newer version is
-  no damage: a newer kvtier's store, refused at open (``ConfigError``) and left as it is. A
-  damaged store whose meta record refuses this tier (another namespace, keyed where the tier
-  has no secret, a newer kvtier's) is refused the same and left where it is, for a tier that
-  can read and salvage it. A job
-  is not read from a file cut short under the open store (:mod:`kvtier.backends.lmdb_plain`),
-  and any LMDB error on one key is a miss for that key.
-  Only a failed check deletes: a bad record, or a lookup that met a damaged page
-  (``CorruptedError``, ``PageNotFoundError``); any other error (``MapResizedError``, reader-slot
-  errors) keeps the record for the next read. A record this build cannot read (another record
-  format, a codec not installed, keyed where the tier has no secret) is a miss and stays.
+  and the deletion of corrupt records found by ``read_blocks`` serialise on one lock; reads use
+  their own read transaction, copy straight from the map into the caller's tensor, and never hold a
+  transaction across an await. A close waits for the reads under way before it unmaps the file (a
+  read that starts once it began is refused with ``DiskError``), so a read never copies from an
+  unmapped value. A warm job of plain records is read in one pass: lookup, copy into the row, the
+  row's checksum, record after record
+  (:meth:`~kvtier.backends.lmdb_layout.JobReader.read_in_one_pass`); other jobs' checksums (keyed,
+  cold, or large ones while a core is spare) run on a side thread while the job's copies run on the
+  calling one (:mod:`kvtier.records.checks`). A job of plain records is encoded in one loop on the
+  calling thread (:mod:`kvtier.backends.lmdb_plain`); a split one's checksum is taken from the copy
+  its put made, in the write transaction.
+* Damage is never a crash (:mod:`kvtier.backends.lmdb_files`). Before LMDB maps ``data.mdb``, its
+  meta pages are read with ``pread`` and checked against the file's size, and every branch and leaf
+  page of its B-trees is checked as LMDB will walk it (LMDB aborts on a page it cannot walk), a
+  level at a time (:mod:`kvtier.backends.lmdb_scan`, which also lists the records; a refused page is
+  named by :mod:`kvtier.backends.lmdb_pages`). Any damage found (a truncated file, a bad page, an
+  unreadable meta record) moves the environment to ``<path>/damaged-<UTC time>/`` (kept for ``kvtier
+  verify``, with a ``REASON`` file) and starts a fresh one, into which the records that still pass
+  their check are salvaged (:mod:`kvtier.backends.lmdb_salvage`), with a warning. A meta record of a
+  newer version is no damage: a newer kvtier's store, refused at open (``ConfigError``) and left as
+  it is. A damaged store whose meta record refuses this tier (another namespace, keyed where the
+  tier has no secret, a newer kvtier's) is refused the same and left where it is, for a tier that
+  can read and salvage it. A job is not read from a file cut short under the open store
+  (:mod:`kvtier.backends.lmdb_records`), and any LMDB error on one key is a miss for that key. Only a
+  failed check deletes: a bad record, or a lookup that met a damaged page (``CorruptedError``,
+  ``PageNotFoundError``); any other error (``MapResizedError``, reader-slot errors) keeps the record
+  for the next read. A record this build cannot read (another record format, a codec not installed,
+  keyed where the tier has no secret) is a miss and stays.
 * One process per environment: ``open()`` takes an exclusive ``flock`` on ``kvtier.lock`` and a
-  second opener (another process, or another instance in this one) gets a ``BackendError``
-  naming the holder's pid. A full filesystem is a ``DiskError`` at open, never a SIGBUS
-  (``lock.mdb`` is preallocated). A capacity lowered below what the file holds drops the oldest
-  records, compacts the file and logs the counts.
+  second opener (another process, or another instance in this one) gets a ``BackendError`` naming
+  the holder's pid. A full filesystem is a ``DiskError`` at open, never a SIGBUS (``lock.mdb`` is
+  preallocated). A capacity lowered below what the file holds drops the oldest records, compacts the
+  file and logs the counts.
 
 Offline access (``kvtier inspect`` / ``kvtier verify``, see :mod:`kvtier.tools`) goes through the
-classmethods (:mod:`kvtier.backends.lmdb_offline`) ``is_store_dir``, ``read_store_meta``, ``count_raw_records``, ``iter_raw_records`` and
-``delete_raw_records``: they need no ``BlockFormat`` or capacity, open the environment read-only
-(only the deletion writes), and never create a file in a directory that holds no ``data.mdb``.
-"""
+classmethods (:mod:`kvtier.backends.lmdb_offline`) ``is_store_dir``, ``read_store_meta``,
+``count_raw_records``, ``iter_raw_records`` and ``delete_raw_records``: they need no ``BlockFormat``
+or capacity, open the environment read-only (only the deletion writes), and never create a file in a
+directory that holds no ``data.mdb``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import shutil
 import threading
 import time
 import warnings
@@ -115,16 +111,18 @@ from kvtier.backends.lmdb_files import (
 from kvtier.backends.lmdb_layout import ENTRY_SIZES, INDEX, JobReader
 from kvtier.backends.lmdb_offline import OfflineLmdb
 from kvtier.backends.lmdb_one import StraightRead, forks
-from kvtier.backends.lmdb_plain import FileGuard, PlainReads, RowViews
+from kvtier.backends.lmdb_plain import RowViews
+from kvtier.backends.lmdb_records import FileGuard, PlainReads
 from kvtier.backends.lmdb_salvage import copy_into, meta_refusal, salvage_records
 from kvtier.backends.lmdb_scan import open_listing
+from kvtier.backends.lmdb_shrink import LmdbShrink
 from kvtier.backends.lmdb_writes import LmdbWrites, Record
 from kvtier.backends.tag_log import DirectoryTags
 
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
-from kvtier.pool_rows import rows_refused
+from kvtier.pool_rows import refusing_rows
 from kvtier.records import xxcopy
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, check_meta, decode_meta, encode_meta
@@ -161,10 +159,12 @@ async def _reads_ended(jobs: list[Any] | None) -> None:
 
 
 def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str, direct: object | None = None) -> bool:
-    """Close ``env`` once the reads ``jobs`` counted have ended: python-lmdb's ``close`` unmaps the file at once, and a read copying from a mapped
-    value with the GIL released (the native check-copy) would fault the process. :data:`CLOSE_WAIT_S` at most: a read still running then leaves the
-    environment open, its map kept until the process ends (``False``). ``direct``: what the direct lookups took
-    (:func:`~kvtier.backends.lmdb_direct.direct_gets`): the read transaction they keep is aborted just before the close, none kept after."""
+    """Close ``env`` once the reads ``jobs`` counted have ended: python-lmdb's ``close`` unmaps the
+    file at once, and a read copying from a mapped value with the GIL released (the native
+    check-copy) would fault the process. :data:`CLOSE_WAIT_S` at most: a read still running then
+    leaves the environment open, its map kept until the process ends (``False``). ``direct``: what
+    the direct lookups took (:func:`~kvtier.backends.lmdb_direct.direct_gets`): the read transaction
+    they keep is aborted just before the close, none kept after."""
     end = time.monotonic() + CLOSE_WAIT_S
     while jobs and time.monotonic() < end:
         time.sleep(0.001)
@@ -176,29 +176,12 @@ def _close_after_reads(env: lmdb.Environment, jobs: list[Any] | None, path: str,
     return True
 
 
-def _synced_copy(env: lmdb.Environment, directory: str) -> None:
-    """A compacted copy of ``env`` in ``directory``, its data synced (LMDB's copy does not sync
-    it): on disk before its name replaces the old file's, so a power loss leaves the old file or
-    the whole copy, never a name over data not yet written."""
-    env.copy(directory, compact=True)
-    _fsync_path(os.path.join(directory, "data.mdb"))
-
-
-def _fsync_path(path: str) -> None:
-    """``fsync`` of a file or a directory, by its path."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 #: What every job of an LmdbBackend reads, in slots: 31 in its dict, past the 30 keys CPython 3.11
 #: shares, made it a plain dict, no lookup on it specialized (tests/test_lmdb_instance_dict.py).
 _JOB_SLOTS = ("_closed", "_env", "_reader", "_straight", "counters", "mac")
 
 
-class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
+class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbShrink, LmdbWrites):
     """Records in an LMDB environment at ``path``, at most ``capacity`` bytes of map."""
 
     __slots__ = _JOB_SLOTS
@@ -440,44 +423,6 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         self._splits = splits or self._splits
         return records
 
-    def _shrink(self, fmt: BlockFormat, used: int) -> None:
-        """The map holds more than the (lowered) capacity: drop the oldest records until the rest
-        fits, compact the file, and reopen at the capacity. Logged with the counts."""
-        env = self._env
-        assert env is not None
-        records = sorted(self._listed if isinstance(self._listed, list) else [], key=lambda r: r.stamp)
-        total = sum(r.stored_bytes for r in records)
-        room = self.usable_bytes()
-        dropped: list[RecordInfo] = []
-        while records and total > room:
-            victim = records.pop(0)
-            dropped.append(victim)
-            total -= victim.stored_bytes
-        with env.begin(write=True) as txn:
-            for r in dropped:
-                txn.delete(r.key, db=self._blocks)
-                txn.delete(r.key, db=self._index)
-        compacted = os.path.join(self.path, "compact.tmp")
-        shutil.rmtree(compacted, ignore_errors=True)
-        os.makedirs(compacted, mode=0o700)
-        try:
-            _synced_copy(env, compacted)
-            self._close_env()
-            os.replace(os.path.join(compacted, "data.mdb"), os.path.join(self.path, "data.mdb"))
-            _fsync_path(self.path)
-        except (OSError, lmdb.Error) as exc:
-            log.warning("lmdb: cannot compact %r after lowering its capacity (%s); it keeps its larger file", self.path, exc)
-            return
-        finally:
-            shutil.rmtree(compacted, ignore_errors=True)
-        message = (
-            f"lmdb: {self.path!r} held {used} bytes, more than its capacity of {self.capacity_bytes}: dropped the "
-            f"{len(dropped)} oldest records ({sum(r.stored_bytes for r in dropped)} bytes), kept {len(records)}, "
-            f"compacted the file to {check_data_file(self.path)} bytes"
-        )
-        log.warning(message)
-        self._try_open(fmt)
-
     def _close_env(self) -> bool:
         """Close the environment, never under a read (:func:`_close_after_reads`); ``False``
         where a read still ran and it was left open."""
@@ -522,53 +467,55 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
         return self._pages(self._head_bytes() + self.format.block_bytes)
 
     def usable_bytes(self) -> int:
-        """The map less LMDB's own needs: B-tree and index pages, and freed pages that stay unusable until two transactions later. Measured under
-        churn (a job deletes its victims, then puts its blocks): with a tenth of the map plus 32 pages held back, no put failed for 16 KiB to 2 MiB
-        blocks; with a twentieth, up to 17 % of puts hit a full map. Tiny maps are dominated by the fixed pages: below about 40 pages nothing is
-        usable and the store refuses the tier at open (``tiers[i].capacity``)."""
+        """The map less LMDB's own needs: B-tree and index pages, and freed pages that stay unusable
+        until two transactions later. Measured under churn (a job deletes its victims, then puts its
+        blocks): with a tenth of the map plus 32 pages held back, no put failed for 16 KiB to 2 MiB
+        blocks; with a twentieth, up to 17 % of puts hit a full map. Tiny maps are dominated by the
+        fixed pages: below about 40 pages nothing is usable and the store refuses the tier at open
+        (``tiers[i].capacity``)."""
         slack = self.capacity_bytes // 10 + 32 * self._psize
         return max(0, self.capacity_bytes - slack)
 
     # -- bulk I/O --------------------------------------------------------------------------------
+    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy each record straight from the map into its ``out`` row, checking it meanwhile (:class:`~kvtier.backends.lmdb_layout.JobReader`).
-        Every failure is confined to its key and is a miss; bad records are deleted, so the manager drops them and nobody is offered them again;
-        rows a tier cannot hold (:func:`~kvtier.pool_rows.rows_refused`) fail the job by name."""
-        try:
-            straight = self._straight
-            if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
-                native = lmdb_plain.straight_read  # StraightRead.read in one call where built, no frame; False: its lines
-                one = lmdb_one
-                found = False if native is None else native(straight.native_parts, self._env, keys, out, one.perf_counter, one.COLD_GET_S, xxcopy.xxh3_check_copy)
-                if found is False:
-                    found = straight.read(self._env, keys, out)
-                if found is not None:
-                    return found
-            reader, mac = self._reader, self.mac
-            # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
-            views = reader.views if reader is not None and mac is None else None
-            # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory is held by
-            # the views of its rows (lmdb_plain.HeldViews: RowViews.of, or host_rows in read_job).
-            with xxcopy.rows_held:  # (not rows_hold() then a try: an exception raised between would leave the hold)
-                try:
-                    rows = views.of(keys, out) if views is not None else None
-                    size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
-                    env = self._env_or_raise()
-                    assert reader is not None
-                    outcome = reader.read_job(env, keys, out, mac, rows)
-                except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
-                    raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
-            if outcome.bad:
-                try:
-                    self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
-                except DiskError as exc:
-                    log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
-            if outcome.auth:
-                self.counters.auth_failures += outcome.auth
-            self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
-            return outcome.found
-        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
-            raise rows_refused(self.name, out, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+        """Copy each record straight from the map into its ``out`` row, checking it meanwhile
+        (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key and
+        is a miss; bad records are deleted, so the manager drops them and nobody is offered them
+        again; rows a tier cannot hold (:func:`~kvtier.pool_rows.rows_refused`) fail the job by
+        name."""
+        straight = self._straight
+        if straight is not None and lmdb_one.STRAIGHT_READS and not self._closed:  # (StraightRead; None: the general path's)
+            native = lmdb_plain.straight_read  # StraightRead.read in one call where built, no frame; False: its lines
+            one = lmdb_one
+            found = False if native is None else native(straight.native_parts, self._env, keys, out, one.perf_counter, one.COLD_GET_S, xxcopy.xxh3_check_copy)
+            if found is False:
+                found = straight.read(self._env, keys, out)
+            if found is not None:
+                return found
+        reader, mac = self._reader, self.mac
+        # Unkeyed jobs into host rows: the job's checks and its rows' views in one loop.
+        views = reader.views if reader is not None and mac is None else None
+        # No collection from the first view to the last copy (rows_hold: a finalizer may free a row); a pool's memory is held by
+        # the views of its rows (lmdb_plain.HeldViews: RowViews.of, or host_rows in read_job).
+        with xxcopy.rows_held:  # (not rows_hold() then a try: an exception raised between would leave the hold)
+            try:
+                rows = views.of(keys, out) if views is not None else None
+                size = self._check_io(keys, out) if rows is None else views.size  # type: ignore[union-attr]
+                env = self._env_or_raise()
+                assert reader is not None
+                outcome = reader.read_job(env, keys, out, mac, rows)
+            except lmdb.Error as exc:  # beginning a read transaction failed: nothing can be read
+                raise DiskError(f"lmdb: read from {self.path!r} failed: {exc}") from exc
+        if outcome.bad:
+            try:
+                self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
+            except DiskError as exc:
+                log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
+        if outcome.auth:
+            self.counters.auth_failures += outcome.auth
+        self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
+        return outcome.found
 
     def scan(self) -> Iterator[RecordInfo]:
         env = self._env_or_raise()
@@ -583,7 +530,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbWrites):
             raise DiskError(f"lmdb: scan of {self.path!r} failed: {exc}") from exc
 
     def scan_columns(self) -> RecordColumns | None:
-        """The open's listing as columns (``kvtier.bulk``) if read so and not used yet; else ``None``."""
+        """The open's listing as columns (``kvtier.bulk``) if read so and not used yet; else
+        ``None``."""
         listed = self._listed
         if isinstance(listed, RecordColumns):
             self._listed = None

@@ -2,50 +2,49 @@
 :class:`~kvtier.backends.lmdb_tier.LmdbBackend`): saves by group commit, deletions and access
 stamps. All of them serialise on the tier's one write lock (LMDB has one writer anyway).
 
-A job's records go in one write transaction, and jobs whose writers wait together share it and
-its sync (:mod:`kvtier.backends.group_commit`). Durable (``sync_mode="durable"``), a write
-returns only after its commit (``sync=True``: the data pages are synced before the meta page is
-written) and an ``env.sync()`` (the meta page) are done: a block counts as saved only once it is
-on stable storage, and a commit that fails fails every job that shared it. Before a group's
-transaction, glibc is made to keep as much freed heap as the group's records take
+A job's records go in one write transaction, and jobs whose writers wait together share it and its
+sync (:mod:`kvtier.backends.group_commit`). Durable (``sync_mode="durable"``), a write returns only
+after its commit (``sync=True``: the data pages are synced before the meta page is written) and an
+``env.sync()`` (the meta page) are done: a block counts as saved only once it is on stable storage,
+and a commit that fails fails every job that shared it. Before a group's transaction, glibc is made
+to keep as much freed heap as the group's records take
 (:func:`~kvtier.backends.lmdb_heap.keep_heap_for`, once per larger size): LMDB ``malloc``s each
 value's pages and frees them at the commit, and the records built whole for the puts (joined
-records' ``bytes``) are freed with the job; the next commit then reuses both instead of
-faulting them in again.
+records' ``bytes``) are freed with the job; the next commit then reuses both instead of faulting
+them in again.
 
-A plain split record's head is made in the write transaction (:data:`~kvtier.backends.lmdb_plain.UNSUMMED`),
-its checksum from the copy its put made. A plain joined record is built whole here, from the
-rows' views just taken, before the job waits for the write lock and LMDB's begin: both let the
-GIL go, in which another thread may move the rows (``pool.resize_`` frees the memory a view
-points at), and no step of this path asks the rows again. (Built just before each put in the
-transaction instead, 16 records of 64 KiB cost 27-33 µs more than raw puts with the syncs off,
-against 110-124 built for the whole job before it; this path saves only rows not seen yet and
-jobs the straight lines do not take.) A lone job of one such block, into a row whose view the
-store keeps, is saved in one straight line instead (:class:`~kvtier.backends.lmdb_lone.LoneSave`),
-and so is a job of several such blocks, its checks and views in one call and its builds and
-puts in another, the rows asked again in the call that copies
-(:meth:`~kvtier.backends.lmdb_lone.LoneSave.save_job`).
+A plain split record's head is made in the write transaction
+(:data:`~kvtier.backends.lmdb_records.UNSUMMED`), its checksum from the copy its put made. A plain
+joined record is built whole here, from the rows' views just taken, before the job waits for the
+write lock and LMDB's begin: both let the GIL go, in which another thread may move the rows
+(``pool.resize_`` frees the memory a view points at), and no step of this path asks the rows again.
+(Built just before each put in the transaction instead, 16 records of 64 KiB cost 27-33 µs more than
+raw puts with the syncs off, against 110-124 built for the whole job before it; this path saves only
+rows not seen yet and jobs the straight lines do not take.) A lone job of one such block, into a row
+whose view the store keeps, is saved in one straight line instead
+(:class:`~kvtier.backends.lmdb_lone.LoneSave`), and so is a job of several such blocks, its checks
+and views in one call and its builds and puts in another, the rows asked again in the call that
+copies (:meth:`~kvtier.backends.lmdb_lone.LoneSave.save_job`).
 
 A record of at most :data:`~kvtier.backends.lmdb_entries.JOIN_MAX` bytes is put joined (head and
-payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index
-may hold a split record's entry (``_splits``: the open found one, or a split save wrote one), a
-delete of the key's entry. Access stamps (:meth:`LmdbWrites.touch_stamps`) give a joined record
-a 16-byte entry: it is a whole record from then on, and that entry its stamp (its size is its
-value's), also once the record was saved joined again.
+payload in one value, :mod:`kvtier.backends.lmdb_layout`): one B-tree put, and, while the index may
+hold a split record's entry (``_splits``: the open found one, or a split save wrote one), a delete
+of the key's entry. Access stamps (:meth:`LmdbWrites.touch_stamps`) give a joined record a 16-byte
+entry: it is a whole record from then on, and that entry its stamp (its size is its value's), also
+once the record was saved joined again.
 
 In a store of records of :data:`MAP_AFTER_BYTES` or more, a commit that appends less than
-:data:`MAP_BELOW_BYTES` to ``data.mdb`` enters those pages into the process's page tables before the write returns
-(:func:`~kvtier.backends.lmdb_files.map_pages`, about 100 µs for 2 MiB here), so the first load
-of its records does not fault them in: python-lmdb touches each page of a value inside ``get``,
-and on pages not mapped yet that took 180 µs per 2 MiB value against 37 once mapped. Measured
-(fresh stores, tier against itself with and without, 6 alternated rounds, load 1.8-4.2): saved
-in jobs of one, 2 MiB records loaded 1.07-1.08x as fast and 256 KiB 1.15x, their saves
-0.94-0.98x; saved in jobs of 16 (4 and 32 MiB a commit), loads gained nothing (their pages
-faulted in cheaply already) and saves lost up to 0.84x: not mapped. Records of 64 KiB in jobs
-of 16 (1 MiB a commit) loaded 1.05x as fast and saved 0.97x: not mapped. A load waits, a save is
-the engine's second phase. Pages a commit reuses (freed by evictions) are not mapped ahead:
-they stay mapped from their last read while the page cache holds them.
-"""
+:data:`MAP_BELOW_BYTES` to ``data.mdb`` enters those pages into the process's page tables before the
+write returns (:func:`~kvtier.backends.lmdb_files.map_pages`, about 100 µs for 2 MiB here), so the
+first load of its records does not fault them in: python-lmdb touches each page of a value inside
+``get``, and on pages not mapped yet that took 180 µs per 2 MiB value against 37 once mapped.
+Measured (fresh stores, tier against itself with and without, 6 alternated rounds, load 1.8-4.2):
+saved in jobs of one, 2 MiB records loaded 1.07-1.08x as fast and 256 KiB 1.15x, their saves
+0.94-0.98x; saved in jobs of 16 (4 and 32 MiB a commit), loads gained nothing (their pages faulted
+in cheaply already) and saves lost up to 0.84x: not mapped. Records of 64 KiB in jobs of 16 (1 MiB a
+commit) loaded 1.05x as fast and saved 0.97x: not mapped. A load waits, a save is the engine's
+second phase. Pages a commit reuses (freed by evictions) are not mapped ahead: they stay mapped from
+their last read while the page cache holds them."""
 
 from __future__ import annotations
 
@@ -66,11 +65,12 @@ from kvtier.backends.lmdb_files import map_pages
 from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_layout import JobReader
 from kvtier.backends.lmdb_lone import LoneSave
-from kvtier.backends.lmdb_plain import UNSUMMED, PlainReads, RowViews, host_rows
+from kvtier.backends.lmdb_plain import RowViews, host_rows
+from kvtier.backends.lmdb_records import UNSUMMED, PlainReads, all_built
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.keys import check_keys
-from kvtier.pool_rows import PoolRows, rows_refused
+from kvtier.pool_rows import PoolRows, refusing_rows
 from kvtier.records import xxcopy
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
@@ -140,81 +140,79 @@ class LmdbWrites(PersistentRecordBackend):
         joined = record <= lmdb_entries.JOIN_MAX and not self._maps_appended
         self._lone = LoneSave(self, self._plain_records, self._plain_rows, direct) if joined and self._plain_records is not None and self._plain_rows is not None else None
 
+    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
+        lone = self._lone
+        if lone is not None:
+            if len(keys) == 1 and len(blocks) == 1:
+                saved = lone.save(keys[0], blocks if type(blocks) is PoolRows else blocks[0])  # a lone plain block in one straight line (lmdb_lone)
+            else:
+                saved = lone.save_job(keys, blocks)
+            if saved is not None:
+                return saved
+        records, rows = self._plain_records, self._plain_rows
+        # No collection from the first row's view to the last copy out of the views
+        # (xxcopy.rows_hold: a finalizer run between may free a row whose view is taken): let
+        # go once the records are built, or, where the commit copies the rows, once it returns.
+        held = [False]
         try:
-            lone = self._lone
-            if lone is not None:
-                if len(keys) == 1 and len(blocks) == 1:
-                    saved = lone.save(keys[0], blocks if type(blocks) is PoolRows else blocks[0])  # a lone plain block in one straight line (lmdb_lone)
-                else:
-                    saved = lone.save_job(keys, blocks)
-                if saved is not None:
-                    return saved
-            records, rows = self._plain_records, self._plain_rows
-            # No collection from the first row's view to the last copy out of the views
-            # (xxcopy.rows_hold: a finalizer run between may free a row whose view is taken): let
-            # go once the records are built, or, where the commit copies the rows, once it returns.
-            held = [False]
-            try:
-                if rows is not None or records is not None:
-                    xxcopy.rows_hold_flag(held)  # (the hold and its flag in one call: an interrupt lands before both or after both)
-                # Plain jobs of host rows: the job's checks and its rows' views in one loop
-                # (RowViews, as reads do; rows of one pool: the views hold its memory to the last
-                # copy); other rows of plain jobs get views one by one (host_rows).
-                views = rows.of(keys, blocks) if rows is not None else None
-                if views is None:
-                    size = self._check_io(keys, blocks)
-                    views = host_rows(blocks, size) if records is not None else None
-                self._env_or_raise()
-                if views is not None and records is not None:
-                    # Plain records: joined ones built here, from the views just taken (see the
-                    # module doc: the commit's wait for the lock and its begin let the GIL go, in
-                    # which another thread may move the rows); split ones' heads made in the write
-                    # transaction (lmdb_plain). (The general encoder's side thread gains nothing
-                    # here: the whole job is encoded before its commit.)
-                    job = records.records(keys, views)
-                    # (UNSUMMED: a view the commit copies; every record of a split job, and any joined
-                    # one whose build failed here, which the transaction builds again)
-                    built = not any(record[1] is UNSUMMED for record in job)
-                else:
-                    built = True  # no views
-                    # Checksums (and compression, MACs) run on a side thread for jobs of
-                    # SIDE_MIN_BYTES or more, outside the lock; then the job joins whatever other
-                    # jobs wait for a commit (see _commit_jobs).
-                    with self._encoded(keys, blocks) as records:
-                        job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
-                if built:
-                    xxcopy.rows_let_go_flag(held)
-                sizes = self._commits.submit(job)
-            finally:
+            if rows is not None or records is not None:
+                xxcopy.rows_hold_flag(held)  # (the hold and its flag in one call: an interrupt lands before both or after both)
+            # Plain jobs of host rows: the job's checks and its rows' views in one loop
+            # (RowViews, as reads do; rows of one pool: the views hold its memory to the last
+            # copy); other rows of plain jobs get views one by one (host_rows).
+            views = rows.of(keys, blocks) if rows is not None else None
+            if views is None:
+                size = self._check_io(keys, blocks)
+                views = host_rows(blocks, size) if records is not None else None
+            self._env_or_raise()
+            if views is not None and records is not None:
+                # Plain records: joined ones built here, from the views just taken (see the
+                # module doc: the commit's wait for the lock and its begin let the GIL go, in
+                # which another thread may move the rows); split ones' heads made in the write
+                # transaction (lmdb_plain). (The general encoder's side thread gains nothing
+                # here: the whole job is encoded before its commit.)
+                job = records.records(keys, views)
+                # (not all built: a view the commit copies; every record of a split job, and any
+                # joined one whose build failed here, which the transaction builds again)
+                built = all_built(job)
+            else:
+                built = True  # no views
+                # Checksums (and compression, MACs) run on a side thread for jobs of
+                # SIDE_MIN_BYTES or more, outside the lock; then the job joins whatever other
+                # jobs wait for a commit (see _commit_jobs).
+                with self._encoded(keys, blocks) as records:
+                    job = [(key, head, payload) for key, (head, payload) in zip(keys, records)]
+            if built:
                 xxcopy.rows_let_go_flag(held)
-            counters = self.counters
-            if views is not None and records is not None and None not in sizes:
-                # A plain job stored whole: its records are all of one length (the head, then the
-                # block; joined, one bytes of both), so it is counted with no pass over them.
-                counters.blocks_written += len(sizes)
-                counters.bytes_written += len(sizes) * self._record_pages[0]
-                return sizes
-            count = stored = 0
-            for (_, head, payload), size in zip(job, sizes):
-                if size is not None:
-                    count += 1
-                    stored += len(head) + len(payload)
-            counters.blocks_written += count
-            counters.bytes_written += stored
+            sizes = self._commits.submit(job)
+        finally:
+            xxcopy.rows_let_go_flag(held)
+        counters = self.counters
+        if views is not None and records is not None and None not in sizes:
+            # A plain job stored whole: its records are all of one length (the head, then the
+            # block; joined, one bytes of both), so it is counted with no pass over them.
+            counters.blocks_written += len(sizes)
+            counters.bytes_written += len(sizes) * self._record_pages[0]
             return sizes
-        except Exception as exc:  # (rows a tier cannot hold, such as a sparse pool's, fail it by name)
-            raise rows_refused(self.name, blocks, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+        count = stored = 0
+        for (_, head, payload), size in zip(job, sizes):
+            if size is not None:
+                count += 1
+                stored += len(head) + len(payload)
+        counters.blocks_written += count
+        counters.bytes_written += stored
+        return sizes
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
-        """Put every record of ``jobs`` in one write transaction: a job of small records costs
-        one durable commit instead of one per record, and jobs that waited together share it.
-        If the transaction fails on a full map (or another error confined to a put), or a
-        record built in it fails to build (a plain joined one, :meth:`PlainReads.joined`), it
-        is aborted and the records are put one per transaction instead, so the failure is
-        confined to the keys that do not fit or build: the other jobs of the group are stored
-        and acknowledged, none for a record rolled back. Durable, each commit syncs its data pages before it writes
-        its meta page; :meth:`_sync_jobs` then syncs that page."""
+        """Put every record of ``jobs`` in one write transaction: a job of small records costs one
+        durable commit instead of one per record, and jobs that waited together share it. If the
+        transaction fails on a full map (or another error confined to a put), or a record built in
+        it fails to build (a plain joined one, :meth:`PlainReads.joined`), it is aborted and the
+        records are put one per transaction instead, so the failure is confined to the keys that do
+        not fit or build: the other jobs of the group are stored and acknowledged, none for a record
+        rolled back. Durable, each commit syncs its data pages before it writes its meta page;
+        :meth:`_sync_jobs` then syncs that page."""
         with self._write_lock:
             env = self._env
             if env is None:

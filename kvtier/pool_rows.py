@@ -17,14 +17,17 @@ then), never from what this object saw when it was made.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, overload
 
 import torch
 
 from kvtier.errors import LayoutError
 
-__all__ = ["PoolRows", "pool_rows", "rows_refused"]
+__all__ = ["PoolRows", "pool_rows", "refusing_rows", "rows_refused"]
+
+_R = TypeVar("_R")
 
 
 class PoolRows(Sequence[torch.Tensor]):
@@ -98,3 +101,19 @@ def rows_refused(tier: str, rows: Sequence[torch.Tensor], error: BaseException) 
     except Exception:  # (rows whose own code raises here: the job's own error stands)
         return error
     return error
+
+
+def refusing_rows(method: Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]) -> Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]:
+    """``method`` (a tier's ``read_blocks(keys, rows)`` or ``write_blocks(keys, rows)``) with
+    every ``Exception`` it raises mapped by :func:`rows_refused`: rows a tier cannot hold (such
+    as a sparse pool's) fail the job by name, any other error is raised as it was. The tier's
+    ``name`` names it."""
+
+    @functools.wraps(method)
+    def refusing(tier: Any, keys: Sequence[bytes], rows: Sequence[torch.Tensor]) -> _R:
+        try:
+            return method(tier, keys, rows)
+        except Exception as exc:
+            raise rows_refused(tier.name, rows, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+
+    return refusing

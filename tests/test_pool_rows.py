@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.errors import LayoutError
-from kvtier.pool_rows import PoolRows, pool_rows
+from kvtier.pool_rows import PoolRows, pool_rows, refusing_rows
 
 
 def _pool(rows: int = 6, size: int = 16) -> torch.Tensor:
@@ -65,3 +65,37 @@ def test_a_sequence_to_code_that_knows_nothing_of_it() -> None:
     rows = pool_rows(pool, 4)
     assert [r.data_ptr() for r in list(rows)] == [pool[i].data_ptr() for i in range(4)]
     assert "4 rows of a pool of shape (6, 16)" in repr(rows)
+
+
+class _Tier:
+    """A tier whose job raises what it is given, through :func:`refusing_rows`."""
+
+    name = "sketch"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    @refusing_rows
+    def write_blocks(self, keys: list[bytes], rows: list[torch.Tensor]) -> list[int | None]:
+        """The job's own doc."""
+        raise self.error
+
+
+def test_refusing_rows_names_a_row_a_tier_cannot_hold() -> None:
+    cause = RuntimeError("no storage")
+    rows = [torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8).to_sparse()]
+    with pytest.raises(LayoutError, match=r"sketch: rows\[1\] is a sparse_coo tensor") as caught:
+        _Tier(cause).write_blocks([b"k", b"l"], rows)
+    assert caught.value.__cause__ is cause
+
+
+def test_refusing_rows_raises_other_errors_as_they_were() -> None:
+    cause = ValueError("bad key")
+    with pytest.raises(ValueError) as caught:
+        _Tier(cause).write_blocks([b"k"], [torch.zeros(4, dtype=torch.uint8)])
+    assert caught.value is cause
+    interrupt = KeyboardInterrupt()  # (not an Exception: never mapped)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        _Tier(interrupt).write_blocks([b"k"], [torch.zeros(4, dtype=torch.uint8).to_sparse()])
+    assert stopped.value is interrupt
+    assert _Tier.write_blocks.__doc__ == "The job's own doc." and _Tier.write_blocks.__name__ == "write_blocks"

@@ -98,7 +98,7 @@ def test_a_general_lmdb_read_lets_the_hold_go(tmp_path: Path, monkeypatch: pytes
     with _opened(tmp_path / "t", "lmdb") as backend:
         keys, _ = _saved(backend, 3)
         rows = [torch.zeros(SIZE, dtype=torch.uint8) for _ in range(3)]
-        assert _raised_once_held(lambda: backend.read_blocks(keys, rows), lmdb_tier.LmdbBackend.read_blocks.__code__)
+        assert _raised_once_held(lambda: backend.read_blocks(keys, rows), lmdb_tier.LmdbBackend.read_blocks.__wrapped__.__code__)
         assert gc.isenabled(), "the hold was left taken"
         assert backend.read_blocks(keys, rows) == [True] * 3
 
@@ -128,7 +128,7 @@ def test_a_general_lmdb_save_lets_the_hold_go(tmp_path: Path, monkeypatch: pytes
     with _opened(tmp_path / "t", "lmdb") as backend:
         keys, _ = _saved(backend, 3)
         rows = [torch.full((SIZE,), 9, dtype=torch.uint8) for _ in range(3)]
-        assert _raised_once_held(lambda: backend.write_blocks(keys, rows), lmdb_writes.LmdbWrites.write_blocks.__code__)
+        assert _raised_once_held(lambda: backend.write_blocks(keys, rows), lmdb_writes.LmdbWrites.write_blocks.__wrapped__.__code__)
         assert gc.isenabled(), "the hold was left taken"
         assert None not in backend.write_blocks(keys, rows)
 
