@@ -57,8 +57,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from kvtier.backends import lmdb_entries, lmdb_plain, lmdb_records
+from kvtier.backends import lmdb_entries, lmdb_heap, lmdb_plain, lmdb_records
 from kvtier.backends.lmdb_heap import keep_heap_for
+from kvtier.backends.lmdb_one import forks as _forks
 
 from kvtier import devices
 from kvtier.errors import BackendError
@@ -92,6 +93,7 @@ _native = lmdb_plain._rowguard  # (None: not built, or a stale build)
 put_reserved = _native.put_reserved if _native is not None else None
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
+_function_mode, _dispatch_modes = lmdb_plain.function_mode, lmdb_plain.dispatch_modes  # (modes_on, asked inline)
 _NO_KEY = (bytes(KEY_BYTES),)  # (a lone save's key is checked before its row's views)
 
 
@@ -100,6 +102,8 @@ class _Store(Protocol):
 
     path: str
     counters: BackendCounters
+    _closed: bool
+    _forks: int
     _env: Any
     _blocks: Any
     _index: Any
@@ -143,7 +147,7 @@ class LoneSave:
             return None
         if self.record > lmdb_entries.JOIN_MAX:
             return None  # put split: the general path's
-        if lmdb_plain.modes_on():
+        if _function_mode() or _dispatch_modes():  # (lmdb_plain.modes_on, written out: a frame fewer)
             return None  # a mode's handler may move the row once its address is read (lmdb_plain.python_in_torch)
         tier = self.tier
         # No collection from the row's checks to its copy (xxcopy.rows_hold: a finalizer run
@@ -169,9 +173,13 @@ class LoneSave:
                 view, taken = (viewed[0], viewed.taken) if viewed is not None else (None, None)
             if view is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
-            tier._env_or_raise()
+            # The store open in this process (LmdbBackend._env_or_raise asked inline, its errors
+            # its own where it is not), then LMDB's own put where probed (_reserving, inline)
+            if tier._closed or tier._env is None or tier._forks != _forks():
+                tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone(((key,), (view,), held, taken), self._commit_job) if self._reserving() else None
+            reserving = self.direct is not None and RESERVED_PUTS and put_reserved is not None and xxcopy.xxh3_joined is xxcopy.xxh3_joined_native
+            sizes = commits.submit_alone(((key,), (view,), held, taken, True), self._commit_job) if reserving else None
             if sizes is None:
                 job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
                 xxcopy.rows_let_go_flag(held)
@@ -214,7 +222,7 @@ class LoneSave:
                 return None
             tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone((keys, views, held, views.taken if type(rows) is PoolRows else rows), self._commit_job)
+            sizes = commits.submit_alone((keys, views, held, views.taken if type(rows) is PoolRows else rows, self._reserving()), self._commit_job)
             if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
                 head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_records.build_joined
                 records = [build(joined, head, key, view) for key, view in zip(keys, views)]
@@ -233,7 +241,7 @@ class LoneSave:
             counters.bytes_written += stored * self.record
         return sizes
 
-    def _commit_job(self, batches: list[tuple[Any, Any, list[bool], Any]]) -> list[list[int | None]]:
+    def _commit_job(self, batches: list[tuple[Any, Any, list[bool], Any, bool]]) -> list[list[int | None]]:
         """``GroupCommit``'s commit of a job (its keys, their rows' views, its hold, what the views
         were taken of: the rows, or what a pool's checks kept, :attr:`HeldViews.taken`): under the
         store's write lock, one write transaction in which each record is written into the room
@@ -257,7 +265,7 @@ class LoneSave:
         ``write_failures``. Taking the views again where the rows are now, as a read goes on into
         them, would run the rows' checks again inside the write transaction, under the lock every
         writer waits for, for a save the engine may simply make again."""
-        ((keys, views, held, taken),) = batches
+        ((keys, views, held, taken, reserving),) = batches
         tier, asked = self.tier, taken if ROWS_ASKED else None
         try:
             with tier._write_lock:
@@ -265,14 +273,16 @@ class LoneSave:
                 if env is None:
                     raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
                 tier._listed = None
-                keep_heap_for(len(keys) * (self.stored + self.record))  # (lmdb_writes: the commit's freed pages and built records kept)
+                keep = len(keys) * (self.stored + self.record)
+                if keep > lmdb_heap._kept:  # (lmdb_writes: the commit's freed pages and built records kept; asked inline, a frame fewer once kept)
+                    keep_heap_for(keep)
                 blocks, index, unindex, txn = tier._blocks, tier._index, tier._splits, None
                 try:
                     txn = env.begin(blocks, None, True, True)  # write, buffers: by position
                     # Each record written where LMDB's own put reserved its room, in the pass
                     # that copies and hashes its block: one copy a block, not two
                     # (backends/_lmdbput.c); the same bytes as put_joined's.
-                    done = put_reserved(self.direct, env, txn, blocks, index, unindex, self.head, keys, views, asked) if self._reserving() else False
+                    done = put_reserved(self.direct, env, txn, blocks, index, unindex, self.head, keys, views, asked) if reserving else False
                     if done is False:
                         done = put_joined(txn.put, txn.delete if unindex else None, index, self.head, keys, views, xxcopy.xxh3_joined, asked)
                     if done is None:  # a row moved since its view was taken: nothing of the job put
