@@ -14,8 +14,9 @@ tier hands to it:
   from and into the caller's rows (``batch_put_from_multi_buffers`` /
   ``batch_get_into_multi_buffers``: a record is two slices, its head in staging and its payload
   in the row), so no Python ``bytes`` is made per block. With ``protocol: rdma`` the rows'
-  memory is registered too, once per buffer (the NIC may only touch registered memory); over
-  TCP the client reads and writes any address of this process.
+  memory is registered too (the NIC may only touch registered memory), and unregistered once
+  the engine freed it (:mod:`~kvtier.backends.mooncake_regions`); over TCP the client reads and
+  writes any address of this process.
 * **outcomes** of Mooncake's calls, which return a status per key (:data:`RPC_FAIL` and kin:
   the master is unreachable, see :func:`master_unreachable`), never exceptions.
 * **its log level**: Mooncake's client logs every step to stderr; unless ``MC_LOG_LEVEL`` is set
@@ -41,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from kvtier.backends.mooncake_regions import Regions
 
 from kvtier.errors import MissingDependencyError
 
@@ -95,7 +97,7 @@ class Staging:
         self.nbytes = nbytes
         self.bytes = memoryview(self.buffer.numpy()).cast("B")
         self.lock = threading.Lock()
-        session.register(self.base, nbytes)
+        session.register_storages([self.buffer.untyped_storage()])
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return self.bytes[offset : offset + nbytes]
@@ -132,8 +134,11 @@ class MooncakeSession:
         self._config: Any = None
         self.put_staging: Staging | None = None
         self.get_staging: Staging | None = None
-        #: Buffers registered with the client (rdma): base address -> length.
-        self._registered: dict[int, int] = {}
+        #: Whether the memory transfers touch must be registered with the client (rdma).
+        self.registers = protocol == "rdma"
+        #: The memory registered with the client while it is open (where ``registers``).
+        self.regions: Regions | None = None
+        self._counts_closed: dict[str, int] = {}  # of the clients closed so far
         self._lock = threading.Lock()
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -163,6 +168,8 @@ class MooncakeSession:
                 config.soft_pin_action = pin_action.ENABLE
                 config.soft_pin_ttl_ms = self.soft_pin_ttl_ms
             self.store, self._config = store, config
+            if self.registers:
+                self.regions = Regions(store.register_buffer, store.unregister_buffer)
             half = self.local_buffer_size // 2
             self.put_staging = Staging(self, half)
             self.get_staging = Staging(self, self.local_buffer_size - half)
@@ -171,28 +178,37 @@ class MooncakeSession:
     def close(self) -> None:
         with self._lock:
             store, self.store = self.store, None
+            regions, self.regions = self.regions, None
             self.put_staging = self.get_staging = None
-            self._registered.clear()
+        if regions is not None:
+            regions.close()  # every region let go while the client still knows them
+            for name, n in regions.counts.items():
+                self._counts_closed[name] = self._counts_closed.get(name, 0) + n
         if store is not None:
             store.close()
 
-    def register(self, base: int, nbytes: int) -> None:
-        """Register a buffer with the client once (only rdma needs it; TCP reads any address)."""
-        if self.protocol != "rdma" or self.store is None or base in self._registered:
-            return
-        rc = self.store.register_buffer(base, nbytes)
-        if rc != 0:
-            log.warning("mooncake: registering %d bytes for rdma failed (%s); transfers from it will fail", nbytes, rc)
-            return
-        self._registered[base] = nbytes
+    def register_storages(self, storages: Sequence[Any]) -> None:
+        """Have the memory of ``storages`` registered with the client (only rdma needs it: TCP
+        reads and writes any address); see :class:`~kvtier.backends.mooncake_regions.Regions`."""
+        regions = self.regions
+        if regions is not None:
+            regions.storages(storages)
 
     def register_rows(self, rows: Sequence[torch.Tensor]) -> None:
-        """Register the buffers ``rows`` live in (each once: a staging buffer or a tier's pool)."""
-        if self.protocol != "rdma":
-            return
-        for row in rows:
-            storage = row.untyped_storage()
-            self.register(storage.data_ptr(), storage.nbytes())
+        """Have the memory ``rows`` live in registered (their storages: a staging buffer or a pool)."""
+        if self.regions is not None:
+            self.register_storages([row.untyped_storage() for row in rows])
+
+    def registration_counts(self) -> dict[str, int]:
+        """Registrations made, let go and failed so far, and the regions held (empty over TCP)."""
+        regions = self.regions
+        counts = dict(self._counts_closed)
+        if regions is not None:
+            for name, n in regions.counts.items():
+                counts[name] = counts.get(name, 0) + n
+        if counts or regions is not None:
+            counts["regions"] = 0 if regions is None else len(regions)
+        return counts
 
     # -- batched calls (each returns one status per key: 0 / a length, or a negative code) ----------
     def put_parts(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:

@@ -432,6 +432,8 @@ class MooncakeBackend(RemoteRecordBackend):
     def stats(self) -> dict[str, Any]:
         data = super().stats()
         data.update(master=self.master, protocol=self.protocol, odd_lengths=self.odd_lengths, full_refusals=self.full_refusals)
+        if self.session.registers:
+            data["registrations"] = self.session.registration_counts()
         return data
 
 

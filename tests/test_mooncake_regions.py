@@ -1,0 +1,234 @@
+"""The memory a ``mooncake`` tier registers for RDMA follows the pools that live.
+
+Against a real private Mooncake Store (tests/mooncake_servers.py). The client runs over TCP, whose
+``register_buffer`` / ``unregister_buffer`` keep the same table as over RDMA (it refuses a region
+that overlaps one it holds, and a base it does not hold), with the session told to register as it
+does for ``protocol: rdma``. The client's own calls are recorded by wrapping its real methods, and
+what it holds is asked of it: a one-byte region it accepts was not covered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mooncake_servers import MooncakeServers
+
+from kvtier.backend import BlockFormat
+from kvtier.testing import make_key, random_block
+
+BLOCK = 256 << 10  # the size that goes straight from and into the rows
+
+
+class Recorded:
+    """A real Mooncake client whose registrations are recorded (every other call passes)."""
+
+    real_class: Any = None
+
+    def __init__(self) -> None:
+        self._real = self.real_class()
+        self.calls: list[tuple[str, int, int, int]] = []
+
+    def register_buffer(self, base: int, nbytes: int) -> int:
+        rc = self._real.register_buffer(base, nbytes)
+        self.calls.append(("register", base, nbytes, rc))
+        return int(rc)
+
+    def unregister_buffer(self, base: int) -> int:
+        rc = self._real.unregister_buffer(base)
+        self.calls.append(("unregister", base, 0, rc))
+        return int(rc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def held(self) -> dict[int, int]:
+        """What the recorded calls leave registered: base -> length."""
+        out: dict[int, int] = {}
+        for what, base, nbytes, rc in self.calls:
+            if rc == 0:
+                if what == "register":
+                    out[base] = nbytes
+                else:
+                    out.pop(base, None)
+        return out
+
+    def covers(self, address: int) -> bool:
+        """Whether the client holds a region over ``address`` (it refuses one overlapping it)."""
+        if self._real.register_buffer(address, 1) == 0:
+            assert self._real.unregister_buffer(address) == 0
+            return False
+        return True
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> type[Recorded]:
+    from kvtier.backends import mooncake_session
+
+    real = mooncake_session._load_store_class
+
+    def load() -> Any:
+        store_class, config_class, pin = real()
+        Recorded.real_class = store_class
+        return Recorded, config_class, pin
+
+    monkeypatch.setattr(mooncake_session, "_load_store_class", load)
+    return Recorded
+
+
+def opened(servers: MooncakeServers, path: Path) -> Any:
+    """A tier that registers the memory it moves, as with ``protocol: rdma`` (its client runs TCP)."""
+    from kvtier.backends.mooncake_tier import MooncakeBackend
+
+    prefix = "r" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    backend = MooncakeBackend(capacity=1 << 30, sync_interval_s=3600, prefix=prefix, **servers.tier_options())
+    backend.session.registers = True
+    fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16", namespace_digest=hashlib.sha256(b"regions").digest())
+    asyncio.run(backend.open(fmt))
+    return backend
+
+
+@pytest.fixture
+def backend(mooncake_store: MooncakeServers, tmp_path: Path, recorded: Any) -> Iterator[Any]:
+    backend = opened(mooncake_store, tmp_path)
+    try:
+        yield backend
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def pool_over(arena: bytearray, rows: int, offset_rows: int = 0) -> torch.Tensor:
+    """``rows`` rows of a pool whose memory is ``arena``'s from row ``offset_rows`` (its own storage)."""
+    pool = torch.frombuffer(arena, dtype=torch.uint8, count=rows * BLOCK, offset=offset_rows * BLOCK).view(rows, BLOCK)
+    for i in range(rows):
+        pool[i] = random_block(BLOCK, seed=offset_rows + i)
+    return pool
+
+
+def stored_and_read(backend: Any, pool: torch.Tensor, rows: list[int], seed: int) -> None:
+    """Store ``rows`` of ``pool``, then read them back into the same rows (no other memory)."""
+    keys = [make_key(seed * 100 + i) for i in rows]
+    assert None not in backend.write_blocks(keys, [pool[i] for i in rows])
+    want = pool[rows].clone()
+    pool[rows] = 0
+    assert backend.read_blocks(keys, [pool[i] for i in rows]) == [True] * len(rows)
+    assert torch.equal(pool[rows], want)
+
+
+def client(backend: Any) -> Recorded:
+    store = backend.session.store
+    assert isinstance(store, Recorded)
+    return store
+
+
+def test_a_pool_grown_at_its_old_base_is_registered_again_whole(backend: Any) -> None:
+    store = client(backend)
+    arena = bytearray(8 * BLOCK)
+    small = pool_over(arena, 2)
+    base = small.data_ptr()
+    stored_and_read(backend, small, [0, 1], seed=1)
+    assert store.held()[base] == 2 * BLOCK
+    del small
+    gc.collect()
+    grown = pool_over(arena, 6)  # the engine's new pool, at the old one's base, larger
+    assert grown.data_ptr() == base
+    stored_and_read(backend, grown, [4, 5], seed=2)
+    assert store.held()[base] == 6 * BLOCK
+    assert store.covers(base + 5 * BLOCK)
+    assert ("unregister", base, 0, 0) in store.calls
+    assert backend.stats()["registrations"]["register_failures"] == 0
+
+
+def test_a_pool_the_engine_freed_is_unregistered(backend: Any) -> None:
+    store = client(backend)
+    kept, freed = bytearray(2 * BLOCK), bytearray(2 * BLOCK)
+    pool, gone = pool_over(kept, 2), pool_over(freed, 2)
+    gone_base = gone.data_ptr()
+    stored_and_read(backend, pool, [0, 1], seed=3)
+    stored_and_read(backend, gone, [0, 1], seed=4)
+    assert store.covers(gone_base)
+    del gone
+    gc.collect()
+    backend.session.regions.sweep_interval_s = 0.0  # the next job looks at once
+    stored_and_read(backend, pool, [1], seed=5)  # nothing new to register
+    assert gone_base not in store.held()
+    assert not store.covers(gone_base)  # the NIC no longer has it pinned
+    assert store.held().get(pool.data_ptr()) == 2 * BLOCK
+    counts = backend.stats()["registrations"]
+    assert counts["unregister_failures"] == 0 and counts["unregistered"] >= 1
+
+
+def test_a_freed_pool_is_let_go_when_new_memory_is_registered(backend: Any) -> None:
+    store = client(backend)
+    first = pool_over(bytearray(2 * BLOCK), 2)
+    first_base = first.data_ptr()
+    stored_and_read(backend, first, [0], seed=6)
+    del first
+    gc.collect()
+    second = pool_over(bytearray(3 * BLOCK), 3)
+    stored_and_read(backend, second, [2], seed=7)
+    assert ("unregister", first_base, 0, 0) in store.calls
+    held = store.held()
+    assert held.get(second.data_ptr()) == 3 * BLOCK and len(held) == 3
+
+
+def test_live_pools_over_one_memory_share_one_region(backend: Any) -> None:
+    store = client(backend)
+    arena = bytearray(4 * BLOCK)
+    low, high = pool_over(arena, 2), pool_over(arena, 2, offset_rows=1)  # rows 0-1 and 1-2 of one memory
+    stored_and_read(backend, low, [0], seed=8)
+    stored_and_read(backend, high, [1], seed=9)
+    assert store.held()[low.data_ptr()] == 3 * BLOCK
+    assert store.covers(high.data_ptr() + 2 * BLOCK - 1)
+    del low
+    gc.collect()
+    assert backend.session.regions.sweep() == 0  # kept while one of them lives
+    stored_and_read(backend, high, [0, 1], seed=10)
+    assert backend.stats()["registrations"]["register_failures"] == 0
+
+
+def test_close_unregisters_every_region(mooncake_store: MooncakeServers, tmp_path: Path, recorded: Any) -> None:
+    backend = opened(mooncake_store, tmp_path)
+    store = client(backend)
+    pools = [pool_over(bytearray(2 * BLOCK), 2) for _ in range(2)]
+    for n, pool in enumerate(pools):
+        stored_and_read(backend, pool, [0, 1], seed=11 + n)
+    assert len(store.held()) == 4
+    asyncio.run(backend.aclose())
+    assert store.held() == {}
+    counts = backend.stats()["registrations"]
+    assert counts["registered"] == counts["unregistered"] == 4 and counts["regions"] == 0
+
+
+def test_a_refused_registration_is_counted_and_logged(backend: Any, caplog: pytest.LogCaptureFixture) -> None:
+    store = client(backend)
+    pool = pool_over(bytearray(2 * BLOCK), 2)
+    assert store._real.register_buffer(pool.data_ptr() + BLOCK, 16) == 0  # someone else's region over the pool
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        keys = [make_key(900)]
+        backend.write_blocks(keys, [pool[0]])  # over TCP the transfer itself still runs
+    assert backend.stats()["registrations"]["register_failures"] == 1
+    assert any("register_failures" in r.getMessage() for r in caplog.records)
+    assert pool.data_ptr() not in store.held()
+    assert store._real.unregister_buffer(pool.data_ptr() + BLOCK) == 0
+
+
+def test_a_tcp_tier_registers_nothing(mooncake_store: MooncakeServers, tmp_path: Path, recorded: Any) -> None:
+    from kvtier.backends.mooncake_tier import MooncakeBackend
+
+    backend = MooncakeBackend(capacity=1 << 30, sync_interval_s=3600, prefix="tcp-regions", **mooncake_store.tier_options())
+    fmt = BlockFormat(block_bytes=BLOCK, dtype="bfloat16", namespace_digest=hashlib.sha256(b"regions").digest())
+    asyncio.run(backend.open(fmt))
+    try:
+        stored_and_read(backend, pool_over(bytearray(2 * BLOCK), 2), [0, 1], seed=20)
+        assert client(backend).calls == []
+        assert "registrations" not in backend.stats()
+    finally:
+        asyncio.run(backend.aclose())
