@@ -232,6 +232,43 @@ def test_turn_batches_do_not_depend_on_client_timing(runs: dict[str, Any], monke
     assert slow["turns"][0] == runs["engine"]["turns"][0]
 
 
+def test_turn_batches_do_not_depend_on_store_timing(runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores that read the engine's blocks late (their thread starved on a loaded host) keep
+    those blocks fenced while the engine schedules its next steps. Fenced blocks count as used,
+    so they could shrink a batch (the engine's safety margin, or a request that no longer fits)
+    and change the last bits of the logprobs. This chat never comes near the margin: with every
+    store late, the batches and so the bits must be those of the reference."""
+    from kvtier.transfer.movers import StoreMover
+
+    read = StoreMover._read_engine_blocks
+    steps = threading.Condition()
+    scheduled = [0]  # steps scheduled so far
+    fenced: list[int] = []  # blocks held for stores at the start of each step
+
+    def late(self: Any, rec: Any, copy: Any) -> None:
+        # Read only once the engine has begun another step (or after 1 s: the chat's last stores).
+        with steps:
+            seen = scheduled[0]
+            steps.wait_for(lambda: scheduled[0] > seen, timeout=1.0)
+        read(self, rec, copy)
+
+    schedule = TransformersKVTier._schedule_batch
+
+    def watched(self: TransformersKVTier, token_budget: int, cache_budget: int) -> Any:
+        fenced.append(len(self._pinned))
+        with steps:
+            scheduled[0] += 1
+            steps.notify_all()
+        return schedule(self, token_budget, cache_budget)
+
+    monkeypatch.setattr(StoreMover, "_read_engine_blocks", late)
+    monkeypatch.setattr(TransformersKVTier, "_schedule_batch", watched)
+    slow = chat(cpu_config())
+    assert max(fenced) > 0, "no step was scheduled while a store held engine blocks"
+    assert slow["stats"]["fence_waits"] == 0
+    assert slow["turns"] == runs["engine"]["turns"]
+
+
 def test_greedy_tokens_match_full_recompute(runs: dict[str, Any]) -> None:
     assert_close(runs["cpu"]["turns"][-1], runs["recompute"])
     assert_close(runs["engine"]["turns"][-1], runs["recompute"])
