@@ -34,7 +34,7 @@ from kvtier.backends.file_tree import _SUFFIX, FLAT
 from kvtier.backends.lmdb_plain import RowViews
 
 from kvtier.errors import DiskError
-from kvtier.pool_rows import refusing_rows
+from kvtier.pool_rows import refusing_writes
 from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
 from kvtier.records.format import PersistentRecordBackend
@@ -77,7 +77,7 @@ class FileSaves(PersistentRecordBackend):
         @staticmethod
         def _stored(record_bytes: Any) -> Any: ...
 
-    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
+    @refusing_writes  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         """Stage every record of the job, then commit them together (:mod:`kvtier.backends.file_commit`).
         Counted among the root's jobs, so a close waits for it: a record's directory may be

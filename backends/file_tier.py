@@ -85,7 +85,7 @@ from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.keys import check_keys
-from kvtier.pool_rows import refusing_rows
+from kvtier.pool_rows import refusing_reads
 from kvtier.records import xxcopy
 from kvtier.records.checks import RawPayload, fill_and_check
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError, codec_for_id
@@ -290,7 +290,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
     def reserve_bytes(self) -> int:
         return self._stored(self._head_bytes() + self.format.block_bytes)
 
-    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
+    @refusing_reads  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """A flat job into rows seen before in one native call (``xxcopy.xxh3_read_job``, which holds collection off itself); else :meth:`_read_held`."""
         if (plain := self._plain) is not None and PLAIN_READS and (parts := plain.job_parts) is not None and not self._closed and (read := xxcopy.xxh3_read_job) is not None:

@@ -122,7 +122,7 @@ from kvtier.backends.tag_log import DirectoryTags
 from kvtier.backend import BlockFormat, RecordInfo
 from kvtier.bulk import RecordColumns, paused_gc
 from kvtier.errors import BackendError, ConfigError, CorruptBlockError, DiskError
-from kvtier.pool_rows import refusing_rows
+from kvtier.pool_rows import refusing_reads
 from kvtier.records import xxcopy
 from kvtier.records.codec import Codec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, check_meta, decode_meta, encode_meta
@@ -477,7 +477,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbShrink, LmdbWrites):
         return max(0, self.capacity_bytes - slack)
 
     # -- bulk I/O --------------------------------------------------------------------------------
-    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
+    @refusing_reads  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy each record straight from the map into its ``out`` row, checking it meanwhile
         (:class:`~kvtier.backends.lmdb_layout.JobReader`). Every failure is confined to its key and

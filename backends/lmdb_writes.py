@@ -70,7 +70,7 @@ from kvtier.backends.lmdb_records import UNSUMMED, PlainReads, all_built
 
 from kvtier.errors import BackendError, DiskError
 from kvtier.keys import check_keys
-from kvtier.pool_rows import PoolRows, refusing_rows
+from kvtier.pool_rows import PoolRows, refusing_writes
 from kvtier.records import xxcopy
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
@@ -140,7 +140,7 @@ class LmdbWrites(PersistentRecordBackend):
         joined = record <= lmdb_entries.JOIN_MAX and not self._maps_appended
         self._lone = LoneSave(self, self._plain_records, self._plain_rows, direct) if joined and self._plain_records is not None and self._plain_rows is not None else None
 
-    @refusing_rows  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
+    @refusing_writes  # (rows a tier cannot hold, such as a sparse pool's, fail the job by name)
     def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> list[int | None]:
         lone = self._lone
         if lone is not None:

@@ -25,7 +25,7 @@ import torch
 
 from kvtier.errors import LayoutError
 
-__all__ = ["PoolRows", "pool_rows", "refusing_rows", "rows_refused"]
+__all__ = ["PoolRows", "pool_rows", "refusing_reads", "refusing_writes", "rows_refused"]
 
 _R = TypeVar("_R")
 
@@ -103,17 +103,32 @@ def rows_refused(tier: str, rows: Sequence[torch.Tensor], error: BaseException) 
     return error
 
 
-def refusing_rows(method: Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]) -> Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]:
-    """``method`` (a tier's ``read_blocks(keys, rows)`` or ``write_blocks(keys, rows)``) with
-    every ``Exception`` it raises mapped by :func:`rows_refused`: rows a tier cannot hold (such
-    as a sparse pool's) fail the job by name, any other error is raised as it was. The tier's
-    ``name`` names it."""
+def refusing_reads(method: Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]) -> Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]:
+    """``method`` (a tier's ``read_blocks(keys, out)``) with every ``Exception`` it raises mapped
+    by :func:`rows_refused`: rows a tier cannot hold (such as a sparse pool's) fail the job by
+    name, any other error is raised as it was. The tier's ``name`` names it. The wrapper takes
+    the arguments by the names :class:`kvtier.backend.Backend` gives them, so a caller may pass
+    ``out=`` by keyword."""
 
     @functools.wraps(method)
-    def refusing(tier: Any, keys: Sequence[bytes], rows: Sequence[torch.Tensor]) -> _R:
+    def refusing(tier: Any, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> _R:
         try:
-            return method(tier, keys, rows)
+            return method(tier, keys, out)
         except Exception as exc:
-            raise rows_refused(tier.name, rows, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+            raise rows_refused(tier.name, out, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
+
+    return refusing
+
+
+def refusing_writes(method: Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]) -> Callable[[Any, Sequence[bytes], Sequence[torch.Tensor]], _R]:
+    """:func:`refusing_reads` for a tier's ``write_blocks(keys, blocks)``: ``blocks=`` may be
+    passed by keyword."""
+
+    @functools.wraps(method)
+    def refusing(tier: Any, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> _R:
+        try:
+            return method(tier, keys, blocks)
+        except Exception as exc:
+            raise rows_refused(tier.name, blocks, exc)  # noqa: B904  (exc itself where the rows can be held; else its cause)
 
     return refusing

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.errors import LayoutError
-from kvtier.pool_rows import PoolRows, pool_rows, refusing_rows
+from kvtier.pool_rows import PoolRows, pool_rows, refusing_reads, refusing_writes
 
 
 def _pool(rows: int = 6, size: int = 16) -> torch.Tensor:
@@ -68,20 +68,24 @@ def test_a_sequence_to_code_that_knows_nothing_of_it() -> None:
 
 
 class _Tier:
-    """A tier whose job raises what it is given, through :func:`refusing_rows`."""
+    """A tier whose jobs raise what it is given, through :func:`refusing_writes` and :func:`refusing_reads`."""
 
     name = "sketch"
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
-    @refusing_rows
-    def write_blocks(self, keys: list[bytes], rows: list[torch.Tensor]) -> list[int | None]:
+    @refusing_writes
+    def write_blocks(self, keys: list[bytes], blocks: list[torch.Tensor]) -> list[int | None]:
         """The job's own doc."""
         raise self.error
 
+    @refusing_reads
+    def read_blocks(self, keys: list[bytes], out: list[torch.Tensor]) -> list[bool]:
+        raise self.error
 
-def test_refusing_rows_names_a_row_a_tier_cannot_hold() -> None:
+
+def test_refusing_names_a_row_a_tier_cannot_hold() -> None:
     cause = RuntimeError("no storage")
     rows = [torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8).to_sparse()]
     with pytest.raises(LayoutError, match=r"sketch: rows\[1\] is a sparse_coo tensor") as caught:
@@ -89,7 +93,7 @@ def test_refusing_rows_names_a_row_a_tier_cannot_hold() -> None:
     assert caught.value.__cause__ is cause
 
 
-def test_refusing_rows_raises_other_errors_as_they_were() -> None:
+def test_refusing_raises_other_errors_as_they_were() -> None:
     cause = ValueError("bad key")
     with pytest.raises(ValueError) as caught:
         _Tier(cause).write_blocks([b"k"], [torch.zeros(4, dtype=torch.uint8)])

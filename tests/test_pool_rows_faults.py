@@ -18,6 +18,7 @@ from test_pool_rows_tiers import SIZE, _opened, _outcome, _saved, form  # noqa: 
 from kvtier.backend import Backend
 from kvtier.errors import LayoutError
 from kvtier.pool_rows import PoolRows
+from kvtier.testing import make_key
 
 
 class _NoStorage(torch.Tensor):
@@ -98,3 +99,18 @@ def test_a_pool_refusing_its_storage_is_taken_as_its_rows_are(backend: Backend, 
             else:
                 assert None not in got and len(set(got)) == 1, got
                 _intact(backend, keys, fresh)
+
+
+def test_the_jobs_take_their_rows_by_the_backend_apis_names(backend: Backend) -> None:
+    """``write_blocks(keys, blocks=...)`` and ``read_blocks(keys, out=...)`` by keyword, as
+    :class:`kvtier.backend.Backend` names them: the jobs' wrapper that names refused rows took
+    them by position only (a ``TypeError`` before), and a sparse pool is refused by name so too."""
+    src = torch.arange(2 * SIZE, dtype=torch.int64).to(torch.uint8).view(2, SIZE)
+    keys = [make_key(700), make_key(701)]
+    assert all(backend.write_blocks(keys=keys, blocks=list(src)))
+    back = torch.zeros_like(src)
+    assert backend.read_blocks(keys=keys, out=list(back)) == [True, True]
+    assert torch.equal(back, src)
+    with pytest.raises(LayoutError, match=r"rows\[0\] is a sparse_coo tensor"):
+        backend.read_blocks(keys=keys, out=[torch.zeros(SIZE, dtype=torch.uint8).to_sparse()] * 2)
+    assert gc.isenabled()
