@@ -218,7 +218,8 @@ def test_a_seaweed_server_whose_s3_port_was_taken_starts_on_new_ports(tmp_path: 
         patch.setattr(SeaweedServer, "start", start)
         server = started(tmp_path / "s3")
     try:
-        assert len(made) == 2 and server is made[1] and made[0].proc is None
+        # (a port another program on the machine took meanwhile may cost one more try: never fewer than two)
+        assert len(made) >= 2 and server is made[-1] and all(failed.proc is None for failed in made[:-1])
         assert "address already in use" in (tmp_path / "s3" / "weed.log").read_text()
         server.create_bucket(BUCKET)  # there already: the started server is the one the helper made
         assert server.proc is not None and server.proc.poll() is None
@@ -254,7 +255,8 @@ def test_a_mooncake_master_whose_port_was_taken_starts_on_new_ports(tmp_path: Pa
         patch.setattr(MooncakeServers, "start", start)
         servers = started(tmp_path / "mc", segment_size="64MB")
     try:
-        assert len(made) == 2 and servers is made[1]
+        # (a port another program on the machine took meanwhile may cost one more try: never fewer than two)
+        assert len(made) >= 2 and servers is made[-1]
         assert "Failed to start HTTP metadata server" in (tmp_path / "mc" / "master.log").read_text()
         assert len(servers.segments()) == 1  # its own client's segment, on its own master
     finally:
