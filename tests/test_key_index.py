@@ -239,6 +239,38 @@ def test_every_index_mutation_of_the_manager_keeps_the_filter_exact() -> None:
     assert m.lookup_key.filtered() >= 0  # type: ignore[attr-defined]
 
 
+@native
+def test_an_index_counts_its_keys_from_the_first_so_no_miss_pays_a_rebuild() -> None:
+    """A new index, and a cleared one, is counted at once (no lookup consulted it yet): the
+    stores that fill a manager keep the counts exact, so the first misses after a run of hits
+    find the filter synced instead of counting the whole tier inside one lookup. The ready-key
+    table of a memory tier is kept from the first key too. Answers are the closure's."""
+    specs = [TierSpec("a", 300 * 10, 10, LRUPolicy(300)), TierSpec("b", 300 * 10, 10, LRUPolicy(300), persistent=True)]
+    m = TierManager(specs)
+    indexes = [t.index for t in m._tiers]
+    for index in indexes:
+        assert index.filter_state()["synced"]
+    for i in range(0, 300, 12):
+        keys = UNIVERSE[i : i + 12]
+        m.complete_store(m.prepare_store(keys).keys, success=True)  # type: ignore[union-attr]
+    state = indexes[0].filter_state()
+    assert state["synced"] and state["slots"] >= 8 * 300 and state["ready"] == 300
+    assert all(m.lookup_key(k) for k in UNIVERSE[:300])
+    assert indexes[0].filter_state()["synced"] and indexes[1].filter_state()["synced"]
+    closure = single_key_lookup([t.index.get for t in m._tiers], _general, native=False)
+    for key in UNIVERSE[300:]:
+        assert m.lookup_key(key) is closure.lookup_key(key) is False
+    assert m.lookup_key.filtered() > 0  # type: ignore[attr-defined]
+    index = new_index(ready_table=True)
+    index.update(dict.fromkeys(UNIVERSE[:100], 1))
+    index.clear()
+    state = index.filter_state()
+    assert state["synced"] and state["slots"] == 256 and state["ready"] == 0
+    index.assign(UNIVERSE[:50], 1)
+    assert index.filter_state()["synced"] and index.filter_state()["ready"] == 50
+    _covers(index, UNIVERSE)
+
+
 def test_without_the_extension_the_index_is_a_plain_dict(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lookups, "_INDEX", dict)
     assert type(new_index()) is dict

@@ -35,7 +35,7 @@ typedef struct {
 
 typedef struct {
     PyDictObject dict;
-    uint8_t *cells;        /* 2-bit counters, four a byte; NULL until first built */
+    uint8_t *cells;        /* 2-bit counters, four a byte; made with the index (NULL: no memory then) */
     Py_ssize_t slots;      /* counters: a power of two, >= 4 per key when built */
     int shift;             /* 64 - log2(slots): the mix's top bits pick a slot */
     int stale;             /* the counts may not match the dict: rebuild before use */
