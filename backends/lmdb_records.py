@@ -202,13 +202,15 @@ class FileGuard:
 
     def check(self) -> None:
         """``DiskError`` if the file is shorter than at the last check."""
+        seen = self.seen  # (read before the measure: another thread's check may record it grown in between)
         try:
             size = os.lseek(self.fd, 0, os.SEEK_END)
         except OSError as exc:  # closed meanwhile (the store is closing)
             raise DiskError(f"lmdb: {self.path!r} is closed: {exc}") from exc
-        if size < self.seen:
-            raise DiskError(f"lmdb: {self.path!r} is {size} bytes, shorter than the {self.seen} it held: cut under the open store; not read")
-        self.seen = size
+        if size < seen:
+            raise DiskError(f"lmdb: {self.path!r} is {size} bytes, shorter than the {seen} it held: cut under the open store; not read")
+        if size > seen:
+            self.seen = size
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

@@ -1,0 +1,56 @@
+"""The ``lmdb`` tier's file guard (``lmdb_plain.FileGuard``) refuses reads once ``data.mdb`` is
+shorter than it was, and only then: reads run on several threads while saves grow the file, so
+a check may measure the file just before another thread's check records it larger. That check
+compares with what was recorded before it measured, and so never takes a file that grew for one
+that was cut (it refused such reads with a DiskError, "shorter than the ... it held", in about
+one run of five of 8 threads reading and saving at once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtier.backends import lmdb_plain
+
+from kvtier.errors import DiskError
+
+
+def _guarded(tmp_path: Path, size: int) -> tuple[str, lmdb_plain.FileGuard]:
+    path = str(tmp_path / "data.mdb")
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path, lmdb_plain.FileGuard(path)
+
+
+def test_a_file_that_grew_while_another_thread_checked_it_is_not_taken_for_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, guard = _guarded(tmp_path, 4096)
+    lseek = os.lseek
+
+    def measured_then_overtaken(fd: int, pos: int, how: int) -> Any:
+        size = lseek(fd, pos, how)  # this thread's measure; then, before it compares, another
+        os.truncate(path, 8192)  # thread's save grows the file and its check records that
+        guard.seen = lseek(fd, 0, os.SEEK_END)
+        return size
+
+    monkeypatch.setattr(os, "lseek", measured_then_overtaken)
+    try:
+        guard.check()
+    finally:
+        monkeypatch.undo()
+    assert guard.seen == 8192
+    guard.check()
+    assert guard.seen == 8192
+    guard.close()
+
+
+def test_a_cut_file_is_refused_and_a_grown_one_recorded(tmp_path: Path) -> None:
+    path, guard = _guarded(tmp_path, 8192)
+    os.truncate(path, 12288)
+    guard.check()
+    assert guard.seen == 12288
+    os.truncate(path, 4096)
+    with pytest.raises(DiskError, match="4096 bytes, shorter than the 12288 it held"):
+        guard.check()
+    guard.close()
