@@ -435,7 +435,8 @@ PyObject *one_read_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs, i
     if (result == NULL)
         return NULL;
     if (PyList_CheckExact(result) && PyList_GET_ITEM(result, 0) == Py_True) {
-        if (add_to(parts[P_COUNTERS], s_blocks_read, one_count) < 0 || add_to(parts[P_COUNTERS], s_bytes_read, parts[P_SIZE]) < 0) {
+        PyObject *pairs[4] = {s_blocks_read, one_count, s_bytes_read, parts[P_SIZE]};
+        if (add_counts(parts[P_COUNTERS], pairs, 2) < 0) {
             Py_DECREF(result);
             return NULL;
         }

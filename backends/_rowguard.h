@@ -29,9 +29,9 @@ void rows_let_go(void);
 void take_rows_hold(void);
 /* Whether obj.name is true (1), is not (0), or raised (-1). */
 int attr_is_true(PyObject *obj, PyObject *name);
-/* counters.name += by; obj.name (a new reference); the object slot obj's type's member for name
-   reads and writes, or NULL: see _rowjob.c. */
+/* counters.name += by, and n such adds (names and values in pairs) as one step: see _rowjob.c. */
 int add_to(PyObject *counters, PyObject *name, PyObject *by);
+int add_counts(PyObject *counters, PyObject *const *pairs, Py_ssize_t n);
 /* clock()'s reading (-1.0 with an error set when it fails). */
 double read_clock(PyObject *clock);
 /* The cold rule after a read's lookups, and a read transaction's abort: see _rowguard.c. */

@@ -4,37 +4,26 @@
  * count, the file guard, the lookups in one read transaction, each record's check and copy, the
  * cold rule, and the counters once a job. In Python the calls around each record (a row's
  * checks, a lookup, a check and copy, a list append) cost more than a 4 KiB record's copy.
- * And the counters' adds both straight reads make (add_to, by the slots host_member_slot finds).
+ * And the counters' adds both straight reads make (add_to, add_counts: _hostcounts.h).
  */
 #include "_rowguard.h"
+#include "../kvtier/records/_hostcounts.h"
 #include "../kvtier/records/_hostrow.h"
 
 #include <pythread.h>
 #include <structmember.h>
 
-/* counters.name += by. Where name is a slot of counters' own type holding an int and by is an
-   int, the sum is stored in the slot straight (what setattr does through the member, without
-   the two generic lookups and their attribute calls); else getattr, += and setattr. */
+/* counters.name += by, and a job's several adds in one step (pairs: n names and values): no add
+   lost to another thread's (../kvtier/records/_hostcounts.h). */
 int add_to(PyObject *counters, PyObject *name, PyObject *by)
 {
-    PyObject **slot = PyLong_CheckExact(by) ? host_member_slot(counters, name) : NULL;
-    if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
-        PyObject *sum = PyNumber_Add(*slot, by);
-        if (sum == NULL)
-            return -1;
-        Py_SETREF(*slot, sum);
-        return 0;
-    }
-    PyObject *v = PyObject_GetAttr(counters, name);
-    if (v == NULL)
-        return -1;
-    PyObject *sum = PyNumber_InPlaceAdd(v, by);
-    Py_DECREF(v);
-    if (sum == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(counters, name, sum);
-    Py_DECREF(sum);
-    return rc;
+    PyObject *pair[2] = {name, by};
+    return host_counts_add(counters, pair, 1);
+}
+
+int add_counts(PyObject *counters, PyObject *const *pairs, Py_ssize_t n)
+{
+    return host_counts_add(counters, pairs, n);
 }
 
 /* Whether the error set is one the straight read hands over on (an lmdb error, TypeError or
@@ -46,17 +35,6 @@ static int handed_over(PyObject *lmdb_error)
         return 1;
     }
     return 0;
-}
-
-/* counters.name += n (a C count) */
-static int add_count(PyObject *counters, PyObject *name, Py_ssize_t n)
-{
-    PyObject *by = PyLong_FromSsize_t(n);
-    if (by == NULL)
-        return -1;
-    int rc = add_to(counters, name, by);
-    Py_DECREF(by);
-    return rc;
 }
 
 /* The lookups of a counted job in one read transaction, each record checked and copied into its
@@ -277,10 +255,12 @@ PyObject *py_job_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *counters = parts[P_COUNTERS];
     PyObject *hit_count = PyLong_FromSsize_t(hits);
     PyObject *hit_bytes = hit_count == NULL ? NULL : PyNumber_Multiply(hit_count, parts[P_SIZE]);
-    int counted_ok = hit_bytes != NULL && add_to(counters, s_blocks_read, hit_count) == 0 && add_to(counters, s_bytes_read, hit_bytes) == 0
-                     && add_count(counters, s_read_misses, n - hits) == 0;
+    PyObject *misses = hit_bytes == NULL ? NULL : PyLong_FromSsize_t(n - hits);
+    PyObject *pairs[6] = {s_blocks_read, hit_count, s_bytes_read, hit_bytes, s_read_misses, misses}; /* the job's adds in one step */
+    int counted_ok = misses != NULL && add_counts(counters, pairs, 3) == 0;
     Py_XDECREF(hit_count);
     Py_XDECREF(hit_bytes);
+    Py_XDECREF(misses);
     if (counted_ok)
         result = Py_NewRef(found);
 done:

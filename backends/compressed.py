@@ -85,7 +85,6 @@ class CompressedBackend(RecordBackend):
                 old = self._records.get(key)
                 grow = stored - (len(old) if old is not None else 0)
                 if self._used + grow > self.capacity_bytes:
-                    self.counters.write_failures += 1
                     sizes.append(None)
                     continue
                 self._records[key] = record
@@ -93,8 +92,7 @@ class CompressedBackend(RecordBackend):
                 self._average += _SMOOTHING * (stored - self._average)
                 sizes.append(stored)
         stored_sizes = [s for s in sizes if s is not None]
-        self.counters.blocks_written += len(stored_sizes)
-        self.counters.bytes_written += sum(stored_sizes)
+        self._count_writes(len(stored_sizes), sum(stored_sizes), len(sizes) - len(stored_sizes))
         return sizes
 
     @xxcopy.holding_rows  # no collection from a row's view to its copy
@@ -127,17 +125,19 @@ class CompressedBackend(RecordBackend):
             if self._records.get(key) is record:
                 del self._records[key]
                 self._used -= len(record)
-                self.counters.deleted += 1
+                self._count_deleted(1)
 
     def delete_blocks(self, keys: Sequence[bytes]) -> None:
         self._check_open()
         check_keys(keys)  # every key before any is deleted
+        deleted = 0
         with self._lock:
             for key in keys:
                 record = self._records.pop(key, None)
                 if record is not None:
                     self._used -= len(record)
-                    self.counters.deleted += 1
+                    deleted += 1
+        self._count_deleted(deleted)
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()

@@ -88,6 +88,7 @@ from kvtier.backend import BackendCounters
 from kvtier.keys import KEY_BYTES
 from kvtier.records import xxcopy
 from kvtier.records.checks import HeadChecksum
+from kvtier.records.counts import counts_add
 from kvtier.records.format import HEADER_SIZE
 from kvtier.records.xxcopy import ONE_ABSENT, ONE_READ
 
@@ -283,11 +284,10 @@ class PlainReads:
         if self.flat:
             status = xxcopy.xxh3_read_one(root.under_way, root.dir_at, self.checksum.head, key, view, self.piece)
             if status == ONE_READ:
-                counters.blocks_read += 1
-                counters.bytes_read += self.block_bytes
+                counts_add(counters, "blocks_read", 1, "bytes_read", self.block_bytes)
                 return True
             if status == ONE_ABSENT:
-                counters.read_misses += 1
+                counts_add(counters, "read_misses", 1)
                 return False
             return None  # (the root closing, or a record this pass does not serve)
         if not root.enter():  # closed: the general path's
@@ -306,7 +306,7 @@ class PlainReads:
             name = key.hex()
             fd = root.open(f"{name[0:2]}/{name[2:4]}/{name}.kvb")
         except FileNotFoundError:
-            counters.read_misses += 1
+            counts_add(counters, "read_misses", 1)
             return False
         except OSError:
             return None
@@ -317,8 +317,7 @@ class PlainReads:
             return None
         finally:
             os.close(fd)
-        counters.blocks_read += 1
-        counters.bytes_read += self.block_bytes
+        counts_add(counters, "blocks_read", 1, "bytes_read", self.block_bytes)
         return True
 
     def read_rows(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> tuple[list[bool], list[int]] | None:

@@ -37,6 +37,7 @@ from kvtier.errors import DiskError
 from kvtier.pool_rows import refusing_writes
 from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
+from kvtier.records.counts import counts_add
 from kvtier.records.format import PersistentRecordBackend
 
 if TYPE_CHECKING:
@@ -142,8 +143,8 @@ class FileSaves(PersistentRecordBackend):
             if not ok:
                 self._unreserve(key, grow, sizes[pos] or 0)
                 sizes[pos] = None
-        self.counters.blocks_written += sum(1 for s in sizes if s is not None)
-        self.counters.bytes_written += sum(n for pos, _, _, n in staged if sizes[pos] is not None)
+        written = sum(n for pos, _, _, n in staged if sizes[pos] is not None)
+        counts_add(self.counters, "blocks_written", sum(1 for s in sizes if s is not None), "bytes_written", written)
         if self.follower is not None:
             self._followed_writes([key for key, size in zip(keys, sizes) if size is not None])
         return sizes
@@ -176,9 +177,7 @@ class FileSaves(PersistentRecordBackend):
         if not ok:
             self._unreserve(key, grow, stored)
             return [None]
-        counters = self.counters
-        counters.blocks_written += 1
-        counters.bytes_written += n
+        counts_add(self.counters, "blocks_written", 1, "bytes_written", n)
         if self.follower is not None:
             self._followed_writes([key])
         return [stored]
@@ -190,7 +189,7 @@ class FileSaves(PersistentRecordBackend):
         with self._lock:
             grow = stored - self._sizes.get(key, 0)
             if self._used + grow > self.capacity_bytes:
-                self.counters.write_failures += 1
+                counts_add(self.counters, "write_failures", 1)
                 return None
             self._used += grow
             self._sizes.set(key, stored)
@@ -203,4 +202,4 @@ class FileSaves(PersistentRecordBackend):
             if grow == stored:
                 self._sizes.pop(key)
         if count:
-            self.counters.write_failures += 1
+            counts_add(self.counters, "write_failures", 1)

@@ -432,7 +432,7 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                 os.unlink(name, dir_fd=dir_fd)
                 self._forget(key)
-                self.counters.deleted += 1
+                self._count_deleted(1)
                 if self.follower is not None:
                     self._followed_deletes([key])
         except OSError:
@@ -464,8 +464,8 @@ class FileBackend(FollowedTier, FileTree, DirectoryTags, FileSaves):
             removed = self._unlink_record(self._root, key, self.store_layout, beneath.is_open)
             self._forget(key)
             if removed:
-                self.counters.deleted += 1
                 gone.append(key)
+        self._count_deleted(len(gone))
         if self.follower is not None:
             self._followed_deletes(gone)
 

@@ -66,6 +66,7 @@ from kvtier.errors import BackendError
 from kvtier.keys import KEY_BYTES
 from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
+from kvtier.records.counts import counts_add
 from kvtier.records.record import HEADER
 
 if TYPE_CHECKING:
@@ -189,9 +190,7 @@ class LoneSave:
         finally:
             xxcopy.rows_let_go_flag(held)
         if sizes[0] is not None:
-            counters = tier.counters
-            counters.blocks_written += 1
-            counters.bytes_written += self.record
+            counts_add(tier.counters, "blocks_written", 1, "bytes_written", self.record)
         return sizes
 
     def _reserving(self) -> bool:
@@ -231,14 +230,8 @@ class LoneSave:
                 sizes = commits.submit(records)
         finally:
             xxcopy.rows_let_go_flag(held)
-        counters = tier.counters
-        if None not in sizes:
-            counters.blocks_written += len(sizes)
-            counters.bytes_written += len(sizes) * self.record
-        else:
-            stored = sum(size is not None for size in sizes)
-            counters.blocks_written += stored
-            counters.bytes_written += stored * self.record
+        stored = len(sizes) if None not in sizes else sum(size is not None for size in sizes)
+        counts_add(tier.counters, "blocks_written", stored, "bytes_written", stored * self.record)
         return sizes
 
     def _commit_job(self, batches: list[tuple[Any, Any, list[bool], Any, bool]]) -> list[list[int | None]]:
@@ -308,7 +301,7 @@ class LoneSave:
     def _moved(self, count: int) -> list[int | None]:
         """The sizes of a job of ``count`` keys not saved because its rows moved (see
         :meth:`_commit_job`), counted."""
-        self.tier.counters.write_failures += count
+        counts_add(self.tier.counters, "write_failures", count)
         log.debug("lmdb: a job of %d blocks not saved: its rows moved during the save", count)
         return [None] * count
 

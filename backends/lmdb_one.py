@@ -23,6 +23,7 @@ from kvtier.keys import KEY_BYTES
 from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
 from kvtier.records.codec import NoneCodec
+from kvtier.records.counts import counts_add
 from kvtier.records.format import (
     HEAD_MAX,
     HEADER,
@@ -230,7 +231,7 @@ class StraightRead:
                 if perf_counter() - start >= COLD_GET_S and temperature.slow(start):
                     temperature.cold = True  # read from disk: the next job is read cold
                 if value is None:
-                    counters.read_misses += 1
+                    counts_add(counters, "read_misses", 1)
                     return [False]
                 # One call: the lengths, the stored head against the store's, then the payload
                 # copied into the row and hashed from the same loads (xxcopy.xxh3_check_copy).
@@ -246,8 +247,7 @@ class StraightRead:
             return None
         finally:
             jobs.pop()
-        counters.blocks_read += 1
-        counters.bytes_read += size
+        counts_add(counters, "blocks_read", 1, "bytes_read", size)
         return [True]
 
     def one(self, env: lmdb.Environment, key: Any, row: Any) -> bool | None:
@@ -339,8 +339,5 @@ class StraightRead:
         finally:
             jobs.pop()
         hits = found.count(True)
-        counters = self.counters
-        counters.blocks_read += hits
-        counters.bytes_read += hits * size
-        counters.read_misses += n - hits
+        counts_add(self.counters, "blocks_read", hits, "bytes_read", hits * size, "read_misses", n - hits)
         return found

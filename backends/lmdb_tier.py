@@ -512,9 +512,7 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbShrink, LmdbWrites):
                 self._delete(list(outcome.bad))  # after the read transaction: one writer, never nested in a reader
             except DiskError as exc:
                 log.warning("lmdb: cannot delete %d bad records from %s: %s", len(outcome.bad), self.path, exc)
-        if outcome.auth:
-            self.counters.auth_failures += outcome.auth
-        self._count_reads(outcome.found, size, corrupt=outcome.corrupt)
+        self._count_reads(outcome.found, size, corrupt=outcome.corrupt, auth=outcome.auth)
         return outcome.found
 
     def scan(self) -> Iterator[RecordInfo]:

@@ -74,6 +74,7 @@ from kvtier.pool_rows import PoolRows, refusing_writes
 from kvtier.records import xxcopy
 from kvtier.records.checks import EncodedStream
 from kvtier.records.codec import NoneCodec
+from kvtier.records.counts import counts_add
 from kvtier.records.format import PersistentRecordBackend
 
 __all__ = ["LmdbWrites", "Record"]
@@ -188,20 +189,17 @@ class LmdbWrites(PersistentRecordBackend):
             sizes = self._commits.submit(job)
         finally:
             xxcopy.rows_let_go_flag(held)
-        counters = self.counters
         if views is not None and records is not None and None not in sizes:
             # A plain job stored whole: its records are all of one length (the head, then the
             # block; joined, one bytes of both), so it is counted with no pass over them.
-            counters.blocks_written += len(sizes)
-            counters.bytes_written += len(sizes) * self._record_pages[0]
+            counts_add(self.counters, "blocks_written", len(sizes), "bytes_written", len(sizes) * self._record_pages[0])
             return sizes
         count = stored = 0
         for (_, head, payload), size in zip(job, sizes):
             if size is not None:
                 count += 1
                 stored += len(head) + len(payload)
-        counters.blocks_written += count
-        counters.bytes_written += stored
+        counts_add(self.counters, "blocks_written", count, "bytes_written", stored)
         return sizes
 
     def _commit_jobs(self, jobs: list[list[Record]]) -> list[list[int | None]]:
@@ -343,14 +341,14 @@ class LmdbWrites(PersistentRecordBackend):
                         self._put(env, key, head, payload, stored)
                 except _PUT_FAILED as exc:
                     log.debug("lmdb: write of %s… failed: %s", key.hex()[:16], exc)
-                    self.counters.write_failures += 1
+                    counts_add(self.counters, "write_failures", 1)
                     job_sizes.append(None)
                     continue
                 except lmdb.Error as exc:
                     raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
                 except Exception as exc:  # its record failed to build in the transaction (aborted)
                     log.warning("lmdb: record of %s… not built: %r", key.hex()[:16], exc)
-                    self.counters.write_failures += 1
+                    counts_add(self.counters, "write_failures", 1)
                     job_sizes.append(None)
                     continue
                 job_sizes.append(stored)
@@ -399,14 +397,15 @@ class LmdbWrites(PersistentRecordBackend):
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} is closed")
             self._listed = None  # the listing read at open is stale from now on
+            deleted = 0
             try:
                 with env.begin(write=True) as txn:
                     for key in keys:
-                        if txn.delete(key, db=self._blocks):
-                            self.counters.deleted += 1
+                        deleted += txn.delete(key, db=self._blocks)
                         txn.delete(key, db=self._index)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: delete in {self.path!r} failed: {exc}") from exc
+            self._count_deleted(deleted)
 
     def touch_stamps(self, stamps: Sequence[tuple[bytes, float]]) -> None:
         if not stamps:

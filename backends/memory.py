@@ -23,6 +23,7 @@ from kvtier.backend import BlockFormat, MemoryBackend
 from kvtier.devices import copy_rows, one_intra_op_thread, tensor_device, usable_cpus, wait_for_copies
 from kvtier.errors import BackendError, ConfigError, LayoutError, LifecycleError
 from kvtier.keys import check_keys
+from kvtier.records.counts import counts_add
 from kvtier.units import format_size
 
 __all__ = ["TensorPoolBackend", "CpuBackend", "GpuBackend", "advise_huge_pages"]
@@ -224,7 +225,7 @@ class TensorPoolBackend(MemoryBackend):
         # its rows as one run at a glance, kvtier.transfer.layout).
         freed.sort(reverse=True)
         self._free += freed
-        self.counters.deleted += len(freed)
+        counts_add(self.counters, "deleted", len(freed))
 
     def evict_and_reserve(self, victims: Sequence[bytes], keys: Sequence[bytes]) -> list[int] | None:
         """``delete_blocks(victims)`` and ``reserve(keys)`` under one lock: a store job's own
@@ -257,7 +258,6 @@ class TensorPoolBackend(MemoryBackend):
         for key, block in zip(keys, blocks):
             got = self.reserve([key])
             if got is None:
-                self.counters.write_failures += 1
                 sizes.append(None)
                 continue
             pool[got[0]].copy_(block, non_blocking=True)
@@ -267,8 +267,7 @@ class TensorPoolBackend(MemoryBackend):
         # reusable only once they have landed.
         wait_for_copies((pool, *blocks))
         done = sum(1 for s in sizes if s is not None)
-        self.counters.blocks_written += done
-        self.counters.bytes_written += done * self.format.block_bytes
+        counts_add(self.counters, "blocks_written", done, "bytes_written", done * self.format.block_bytes, "write_failures", len(sizes) - done)
         return sizes
 
     def read_blocks(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
@@ -287,13 +286,12 @@ class TensorPoolBackend(MemoryBackend):
         else:
             for dst, slot in hits:
                 dst.copy_(pool[slot], non_blocking=True)
-        self.counters.read_misses += len(keys) - len(hits)
         # Only the current streams of the devices these copies ran on: a device-wide
         # synchronize waits on the current device (the wrong one for a pool on another GPU)
         # and on the engine's compute stream.
         wait_for_copies((pool, *out))
-        self.counters.blocks_read += len(hits)
-        self.counters.bytes_read += len(hits) * self.format.block_bytes
+        hit = len(hits)
+        counts_add(self.counters, "blocks_read", hit, "bytes_read", hit * self.format.block_bytes, "read_misses", len(keys) - hit)
         return found
 
     def _read_run(self, pool: torch.Tensor, slots: list[int], run: torch.Tensor) -> None:

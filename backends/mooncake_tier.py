@@ -56,6 +56,7 @@ from kvtier.backends.remote_tier import KEY_BYTES, ReadJob, RemoteRecordBackend,
 
 from kvtier.errors import ConfigError
 from kvtier.records.codec import Codec, NoneCodec
+from kvtier.records.counts import counts_add
 from kvtier.records.format import (
     DEFAULT_MAC_ALGORITHM,
     decode_payload,
@@ -344,8 +345,9 @@ class MooncakeBackend(RemoteRecordBackend):
             for i, code, size in zip(sent, codes, stored):
                 if code == 0:
                     job.sizes[i] = size
-                elif code == NO_SPACE:
-                    self.full_refusals += 1
+            refused = codes.count(NO_SPACE)
+            if refused:  # (one add: shares run on threads of their own)
+                counts_add(self, "full_refusals", refused)
         return taken
 
     # -- reads ----------------------------------------------------------------------------------------------
@@ -392,8 +394,10 @@ class MooncakeBackend(RemoteRecordBackend):
                 key = job.keys[i]
                 job.found[i] = self._accept(job, i, lambda view, key=key, record=record: decode_record(key, record, view, mac=self.mac))
             elif code == BUFFER_TOO_SMALL:  # larger than any record of this format: not ours to judge
-                self.odd_lengths += 1
                 job.unreadable.append(job.keys[i])
+        odd = codes.count(BUFFER_TOO_SMALL)
+        if odd:
+            counts_add(self, "odd_lengths", odd)
 
     def _check_in_place(self, key: bytes, head: memoryview, length: int) -> Any:
         """What ``_accept`` runs for a record whose payload landed in the caller's row: check

@@ -22,6 +22,7 @@ from kvtier.backends.remote_health import Down, Health
 from kvtier.backends.remote_tier import Route, SweepSkipped
 
 from kvtier.errors import MissingDependencyError
+from kvtier.records.counts import counts_add
 
 try:
     from redis.exceptions import AskError, ClusterDownError, MaxConnectionsError, MovedError, TryAgainError
@@ -120,7 +121,7 @@ class RedisNodes:
                 for health, node in nodes:
                     yield from self._one(health, node, listing)
         except MaxConnectionsError as exc:  # back-pressure: the index stays as it is until the next round
-            self.t._gate.busy += 1
+            counts_add(self.t._gate, "busy", 1)
             raise SweepSkipped(f"no connection to spare: {exc}") from exc
 
     def _one(self, health: Health | None, node: Any, listing: Callable[[Any], Iterable[T]]) -> Iterator[T]:

@@ -41,6 +41,7 @@ from kvtier.backends.remote_shares import auto_job_connections
 from redis.exceptions import MaxConnectionsError
 
 from kvtier.errors import ConfigError
+from kvtier.records.counts import counts_add
 
 __all__ = ["JOBS_IN_FLIGHT", "SWEEP_CONNECTIONS", "ConnectionBudget", "PoolBusy", "PoolGate"]
 
@@ -131,12 +132,12 @@ class PoolGate:
             return pool.get_connection()
         except MaxConnectionsError:
             pass
-        self.waits += 1
+        counts_add(self, "waits", 1)  # (shares on threads of their own: no add lost)
         deadline = time.monotonic() + self.wait_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.busy += 1
+                counts_add(self, "busy", 1)
                 raise PoolBusy(f"no connection came back to the pool within {self.wait_s:g} s")
             with self._returned:
                 self._returned.wait(min(left, _POLL_S))

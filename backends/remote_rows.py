@@ -32,17 +32,16 @@ memory.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvtier.errors import CorruptBlockError
-from kvtier.records.record_backend import RecordBackend, _in_host_memory
+from kvtier.records.counts import counts_add
+from kvtier.records.record_backend import _in_host_memory
 from kvtier.records.xxcopy import rows_held
 
-__all__ = ["Count", "LockedCounts", "RowLease", "fill_row", "is_block"]
+__all__ = ["Count", "RowLease", "fill_row", "is_block"]
 
 
 def is_block(t: torch.Tensor, size: int) -> bool:
@@ -116,44 +115,15 @@ def fill_row(row: torch.Tensor, size: int, fill: Callable[[memoryview], Any], le
 
 class Count:
     """A count added to from several threads at once (``rows_moved``: engine threads' jobs, and
-    a job's shares, each on a thread of its own): each add under a lock, so that none is lost
-    (``+=`` on an attribute reads, adds and stores in steps another thread may come between).
-    An add of nothing takes no lock: the count moves only when a row did."""
+    a job's shares, each on a thread of its own): each add one :func:`~kvtier.records.counts.counts_add`,
+    so that none is lost (``+=`` on an attribute reads, adds and stores in steps another thread
+    may come between). An add of nothing is not made: the count moves only when a row did."""
 
-    __slots__ = ("_lock", "value")
+    __slots__ = ("value",)
 
     def __init__(self) -> None:
         self.value = 0
-        self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
         if n:
-            with self._lock:
-                self.value += n
-
-
-class LockedCounts(RecordBackend):
-    """A record backend whose ``counters`` are added to from several threads at once (jobs on
-    engine threads, and their shares, each on a thread of its own): every add is made holding
-    ``_counting``, which the backend makes at its construction, so that none is lost."""
-
-    _counting: threading.Lock
-
-    def _count_reads(self, found: list[bool], size: int, *, corrupt: int) -> None:
-        with self._counting:
-            super()._count_reads(found, size, corrupt=corrupt)
-
-    def _count_auth(self, exc: CorruptBlockError) -> None:
-        with self._counting:  # (on a share's thread)
-            super()._count_auth(exc)
-
-    def _count_writes(self, stored: int, nbytes: int, failed: int) -> None:
-        with self._counting:
-            counters = self.counters
-            counters.blocks_written += stored
-            counters.bytes_written += nbytes
-            counters.write_failures += failed
-
-    def _count_deleted(self, n: int) -> None:
-        with self._counting:
-            self.counters.deleted += n
+            counts_add(self, "value", n)

@@ -78,7 +78,7 @@ from kvtier.backends.feed_follower import FollowedTier
 from kvtier.backends.remote_health import Busy, Down, Health
 from kvtier.backends.remote_listing import KEY_BYTES, RemoteListing, SweepSkipped
 from kvtier.backends.remote_meta import MetaVerdict, judge_meta, meta_value
-from kvtier.backends.remote_rows import Count, LockedCounts, RowLease, fill_row
+from kvtier.backends.remote_rows import Count, RowLease, fill_row
 from kvtier.backends.remote_shares import split_shares
 from kvtier.backends.shared_index import SharedIndexView
 
@@ -87,7 +87,7 @@ from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, NoneCodec, UnsupportedRecordError
 from kvtier.records.format import DEFAULT_MAC_ALGORITHM, decode_record
-from kvtier.records.record_backend import _in_host_memory
+from kvtier.records.record_backend import RecordBackend, _in_host_memory
 from kvtier.shares import run_all
 
 __all__ = ["KEY_BYTES", "ReadJob", "RemoteRecordBackend", "Route", "SweepSkipped", "WriteJob"]
@@ -187,7 +187,7 @@ def check_seconds(**values: Any) -> None:
             raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
 
 
-class RemoteRecordBackend(RemoteListing, FollowedTier, LockedCounts):
+class RemoteRecordBackend(RemoteListing, FollowedTier, RecordBackend):
     """Records on a server shared by every host; see the module doc for the hooks."""
 
     #: Records outlive the process; at open the store adopts what the server holds.
@@ -246,7 +246,6 @@ class RemoteRecordBackend(RemoteListing, FollowedTier, LockedCounts):
         self._unreadable: dict[bytes, None] = {}
         self._unreadable_lock = threading.Lock()
         self.rows_moved = Count()  # records not served or stored: their row moved in the transfer (remote_rows), from any thread
-        self._counting = threading.Lock()  # (LockedCounts: jobs on several threads at once, and their shares)
         #: a server unreachable, and either kind of failure (see the class attributes)
         self._down_errors: tuple[type[BaseException], ...] = (Down, *self.down_errors)
         self._failure_errors: tuple[type[BaseException], ...] = (*self._down_errors, *self.refused_errors)

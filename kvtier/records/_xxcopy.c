@@ -570,7 +570,7 @@ PyMODINIT_FUNC PyInit__xxcopy(void)
     xxc_prefetch_writes = xxc_cpu_has_prefetchw();
 #endif
     PyObject *m = PyModule_Create(&module_def);
-    if (m == NULL || PyModule_AddFunctions(m, xxc_job_methods) < 0) {
+    if (m == NULL || PyModule_AddFunctions(m, xxc_job_methods) < 0 || PyModule_AddFunctions(m, xxc_counts_methods) < 0) {
         Py_XDECREF(m);
         return NULL;
     }

@@ -122,6 +122,8 @@ XXC_INTERNAL int xxc_add_rows_hold(PyObject *module);
 XXC_INTERNAL void xxc_rows_hold(void);
 XXC_INTERNAL void xxc_rows_let_go(void);
 XXC_INTERNAL extern PyMethodDef xxc_job_methods[];
+/* counts_add (_xxcounts.c), added to the module in _xxcopy.c. */
+XXC_INTERNAL extern PyMethodDef xxc_counts_methods[];
 /* fn in a capsule of that name, as the module's attribute attr: 0, or -1 with an error set (_xxput.c). */
 XXC_INTERNAL int xxc_add_capsule(PyObject *module, const char *attr, void *fn, const char *name);
 #endif

@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_hostcounts.h"
 #include "_hostrow.h"
 #include "_xxh3.h"
 
@@ -387,29 +388,6 @@ static int job_names_init(void)
     return 0;
 }
 
-/* counters.name += by (a C count); 0, or -1 with the error set. Where name is a writable slot of
-   counters' own type holding an int (host_member_slot: what getattr and setattr reach too), the
-   sum goes into it straight, without the two generic attribute walks; else getattr, + and setattr. */
-static int count_in(PyObject *counters, PyObject *name, Py_ssize_t by)
-{
-    PyObject **slot = host_member_slot(counters, name);
-    if (slot != NULL && *slot != NULL && PyLong_CheckExact(*slot)) {
-        PyObject *add = PyLong_FromSsize_t(by), *sum = add == NULL ? NULL : PyNumber_Add(*slot, add);
-        Py_XDECREF(add);
-        if (sum == NULL)
-            return -1;
-        Py_SETREF(*slot, sum);
-        return 0;
-    }
-    PyObject *was = PyObject_GetAttr(counters, name), *add = was == NULL ? NULL : PyLong_FromSsize_t(by);
-    PyObject *sum = add == NULL ? NULL : PyNumber_Add(was, add);
-    int rc = sum == NULL ? -1 : PyObject_SetAttr(counters, name, sum);
-    Py_XDECREF(was);
-    Py_XDECREF(add);
-    Py_XDECREF(sum);
-    return rc;
-}
-
 /* 1 where nothing but torch's own code runs in a row's getters: devices.locate is None (no
    stand-in device map) and no torch function or dispatch mode is on in this thread (a mode's
    handler, run in a later row's checks, may free a row whose view is taken); 0 if not; -1 with
@@ -436,10 +414,9 @@ static int count_job(PyObject *const *parts, PyObject *found)
     Py_ssize_t size = PyLong_AsSsize_t(parts[PART_SIZE]);
     if (size == -1 && PyErr_Occurred())
         return -1;
-    PyObject *counters = parts[PART_COUNTERS];
-    if (hits && (count_in(counters, s_blocks_read, hits) < 0 || count_in(counters, s_bytes_read, hits * size) < 0))
-        return -1;
-    return n > hits ? count_in(counters, s_read_misses, n - hits) : 0;
+    PyObject *names[3] = {s_blocks_read, s_bytes_read, s_read_misses};
+    Py_ssize_t counts[3] = {hits, hits * size, n - hits};
+    return host_counts_add_n(parts[PART_COUNTERS], names, counts, 3); /* the job's adds in one step */
 }
 
 /* xxh3_64_read_job(parts, keys, out) -> list, (found, rest) or None (see methods): the file tier's

@@ -31,6 +31,7 @@ from kvtier import registry
 from kvtier.backend import Backend, BlockFormat, RecordInfo
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import Namespace, check_keys
+from kvtier.records.counts import counts_add
 from kvtier.records.head_groups import HeadAxis, HeadGroupLayout, HeadGroups, block_key_of
 
 __all__ = ["MAX_SCRATCH_BYTES", "GroupIndex", "HeadGroupTier", "group_tiers"]
@@ -240,7 +241,7 @@ class HeadGroupTier(Backend):
         check_keys(keys)  # a longer key would name the records of the key it starts with
         if keys and self._written:
             self.inner.delete_blocks(self.layout.record_keys(keys, self._written))
-            self.counters.deleted += len(keys)
+            counts_add(self.counters, "deleted", len(keys))
 
     def scan(self) -> Iterator[RecordInfo]:
         listed = {r.key: r for r in self.inner.scan()}
@@ -315,14 +316,10 @@ class HeadGroupTier(Backend):
         c, size = self.counters, self.format.block_bytes
         if written is not None:
             ok = sum(s is not None for s in written)
-            c.blocks_written += ok
-            c.bytes_written += ok * size
-            c.write_failures += len(written) - ok
+            counts_add(c, "blocks_written", ok, "bytes_written", ok * size, "write_failures", len(written) - ok)
         if found is not None:
             hits = sum(found)
-            c.blocks_read += hits
-            c.bytes_read += hits * size
-            c.read_misses += len(found) - hits
+            counts_add(c, "blocks_read", hits, "bytes_read", hits * size, "read_misses", len(found) - hits)
 
     def stats(self) -> dict[str, Any]:
         """The inner tier's stats with this rank's block counters; the inner tier's record

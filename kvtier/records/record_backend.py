@@ -15,6 +15,7 @@ from kvtier.devices import tensor_device
 from kvtier.errors import ConfigError, CorruptBlockError, LayoutError
 from kvtier.keys import check_keys
 from kvtier.records.codec import Codec, resolve_codec
+from kvtier.records.counts import counts_add
 from kvtier.records.mac import DEFAULT_MAC_ALGORITHM, HIDDEN_SECRET, MAC_TAG_SIZE, RecordAuthError, RecordMac
 from kvtier.records.record import HEADER_SIZE, dtype_code, encode_record
 
@@ -100,17 +101,23 @@ class RecordBackend(Backend):
         staging = torch.empty(out.numel(), dtype=torch.uint8)
         return staging.numpy().data, staging
 
+    # A job's counts, each one add (kvtier.records.counts: jobs run on several threads at once).
     def _count_auth(self, exc: CorruptBlockError) -> None:
         """Count a record refused by the keyed MAC (it is also counted as corrupt)."""
         if isinstance(exc, RecordAuthError):
-            self.counters.auth_failures += 1
+            counts_add(self.counters, "auth_failures", 1)
 
-    def _count_reads(self, found: list[bool], size: int, *, corrupt: int) -> None:
+    def _count_reads(self, found: list[bool], size: int, *, corrupt: int, auth: int = 0) -> None:
+        """A read job's counts: ``corrupt`` of its records bad, ``auth`` of those refused by the MAC."""
         hits = sum(found)
-        self.counters.blocks_read += hits
-        self.counters.bytes_read += hits * size
-        self.counters.read_misses += len(found) - hits - corrupt
-        self.counters.corrupt_records += corrupt
+        misses = len(found) - hits - corrupt
+        counts_add(self.counters, "blocks_read", hits, "bytes_read", hits * size, "read_misses", misses, "corrupt_records", corrupt, "auth_failures", auth)
+
+    def _count_writes(self, stored: int, nbytes: int, failed: int) -> None:
+        counts_add(self.counters, "blocks_written", stored, "bytes_written", nbytes, "write_failures", failed)
+
+    def _count_deleted(self, n: int) -> None:
+        counts_add(self.counters, "deleted", n)
 
 
 class PersistentRecordBackend(RecordBackend):
