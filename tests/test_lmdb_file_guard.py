@@ -54,3 +54,29 @@ def test_a_cut_file_is_refused_and_a_grown_one_recorded(tmp_path: Path) -> None:
     with pytest.raises(DiskError, match="4096 bytes, shorter than the 12288 it held"):
         guard.check()
     guard.close()
+
+
+def test_a_check_that_measured_less_does_not_store_over_a_larger_size_another_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check measures 8192 (grown from 4096); before it stores, another thread's check records
+    12288. Storing 8192 then stepped the guard back, and a later cut from 12288 to 8192 went
+    unrefused: the reads past the cut would fault on the map's pages."""
+    path, guard = _guarded(tmp_path, 4096)
+    os.truncate(path, 8192)
+    lseek = os.lseek
+
+    def measured_then_overtaken(fd: int, pos: int, how: int) -> Any:
+        size = lseek(fd, pos, how)  # this thread's measure: 8192; then another thread's save
+        os.truncate(path, 12288)  # grows the file and its check records that
+        guard.seen = 12288
+        return size
+
+    monkeypatch.setattr(os, "lseek", measured_then_overtaken)
+    try:
+        guard.check()
+    finally:
+        monkeypatch.undo()
+    assert guard.seen == 12288
+    os.truncate(path, 8192)
+    with pytest.raises(DiskError, match="8192 bytes, shorter than the 12288 it held"):
+        guard.check()
+    guard.close()
