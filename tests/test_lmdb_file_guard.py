@@ -24,14 +24,15 @@ def _guarded(tmp_path: Path, size: int) -> tuple[str, lmdb_plain.FileGuard]:
     return path, lmdb_plain.FileGuard(path)
 
 
-def test_a_file_that_grew_while_another_thread_checked_it_is_not_taken_for_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, guard = _guarded(tmp_path, 4096)
+def _checked_while_another_grows(guard: lmdb_plain.FileGuard, path: str, monkeypatch: pytest.MonkeyPatch, grown: int) -> None:
+    """``guard.check()`` where, between this check's measure and its compare, another thread's
+    save grows the file to ``grown`` bytes and that thread's check records it."""
     lseek = os.lseek
 
     def measured_then_overtaken(fd: int, pos: int, how: int) -> Any:
-        size = lseek(fd, pos, how)  # this thread's measure; then, before it compares, another
-        os.truncate(path, 8192)  # thread's save grows the file and its check records that
-        guard.seen = lseek(fd, 0, os.SEEK_END)
+        size = lseek(fd, pos, how)  # this thread's measure
+        os.truncate(path, grown)
+        guard.seen = grown
         return size
 
     monkeypatch.setattr(os, "lseek", measured_then_overtaken)
@@ -39,6 +40,11 @@ def test_a_file_that_grew_while_another_thread_checked_it_is_not_taken_for_cut(t
         guard.check()
     finally:
         monkeypatch.undo()
+
+
+def test_a_file_that_grew_while_another_thread_checked_it_is_not_taken_for_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, guard = _guarded(tmp_path, 4096)
+    _checked_while_another_grows(guard, path, monkeypatch, 8192)  # measured 4096, then 8192 recorded
     assert guard.seen == 8192
     guard.check()
     assert guard.seen == 8192
@@ -62,19 +68,7 @@ def test_a_check_that_measured_less_does_not_store_over_a_larger_size_another_st
     unrefused: the reads past the cut would fault on the map's pages."""
     path, guard = _guarded(tmp_path, 4096)
     os.truncate(path, 8192)
-    lseek = os.lseek
-
-    def measured_then_overtaken(fd: int, pos: int, how: int) -> Any:
-        size = lseek(fd, pos, how)  # this thread's measure: 8192; then another thread's save
-        os.truncate(path, 12288)  # grows the file and its check records that
-        guard.seen = 12288
-        return size
-
-    monkeypatch.setattr(os, "lseek", measured_then_overtaken)
-    try:
-        guard.check()
-    finally:
-        monkeypatch.undo()
+    _checked_while_another_grows(guard, path, monkeypatch, 12288)  # measured 8192, then 12288 recorded
     assert guard.seen == 12288
     os.truncate(path, 8192)
     with pytest.raises(DiskError, match="8192 bytes, shorter than the 12288 it held"):
