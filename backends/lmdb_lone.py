@@ -39,6 +39,11 @@ of 16 0.475, 0.539, 0.490 before, 0.660, 0.642, 0.638 after; 64 KiB 0.760, 0.761
 about 0.6 µs a record); the transaction costs what raw puts of records built by
 ``xxh3_joined`` cost.
 
+Whether a job is written into the reserved room is decided once per store, at its open and
+again whenever ``RESERVED_PUTS`` or ``put_reserved`` is set (``LoneSave.reserve_with``: the
+builder whose bytes ``put_reserved`` writes, or ``None``), and both saves read that one answer,
+against ``xxh3_joined`` as it is when the save runs (a test's builder builds its own records).
+
 Anything else is the general path's, with nothing done: a key or row it does not take (the
 general checks name what is wrong), a row not seen yet, rows stood in for a device's
 (:data:`kvtier.devices.locate`). A failure in the
@@ -52,7 +57,10 @@ commits nothing, so the second try starts from what the first found.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -92,6 +100,22 @@ RESERVED_PUTS = True
 ROWS_ASKED = True
 _native = lmdb_plain._rowguard  # (None: not built, or a stale build)
 put_reserved = _native.put_reserved if _native is not None else None
+#: What each live :class:`LoneSave` decided at its open (``reserve_with``), decided again when a
+#: flag it was decided from is set (:class:`_Flags`).
+_LIVE: weakref.WeakSet[LoneSave] = weakref.WeakSet()
+_DECIDED_FROM = frozenset({"RESERVED_PUTS", "put_reserved"})
+
+
+def reserve_with(direct: object | None) -> Callable[..., bytes] | None:
+    """The builder whose records a store with ``direct`` (what ``direct_gets`` gave at its open,
+    or ``None``) writes into the room LMDB's own put reserves: the native ``xxh3_joined``, where
+    the open probed that put sound, ``RESERVED_PUTS`` is on and ``put_reserved`` is built; else
+    ``None`` (built and put through python-lmdb). A save is reserved only where
+    ``xxcopy.xxh3_joined`` is that builder when it runs (``put_reserved`` writes the native
+    build's bytes; another builder, a test's or the Python form, builds its records itself)."""
+    if direct is None or not RESERVED_PUTS or put_reserved is None:
+        return None
+    return xxcopy.xxh3_joined_native
 _U8 = torch.uint8
 _TENSOR = torch.Tensor
 _function_mode, _dispatch_modes = lmdb_plain.function_mode, lmdb_plain.dispatch_modes  # (modes_on, asked inline)
@@ -123,7 +147,7 @@ class _Store(Protocol):
 class LoneSave:
     """Saves of jobs of plain blocks of one store, put joined (see the module doc)."""
 
-    __slots__ = ("commits", "direct", "head", "record", "shape", "stored", "tier", "views")
+    __slots__ = ("__weakref__", "commits", "direct", "head", "record", "reserve_with", "shape", "stored", "tier", "views")
 
     def __init__(self, tier: _Store, plain: PlainReads, views: RowViews, direct: object | None = None) -> None:
         """``plain`` and ``views``: the store's (its reader's), as the general path's saves use
@@ -138,6 +162,13 @@ class LoneSave:
         #: A joined record's bytes (head and block), and the map bytes it takes.
         self.record = HEADER.size + plain.size
         self.stored = tier._pages(self.record)
+        #: The builder a job's records are written into the room LMDB's own put reserves with
+        #: (:func:`reserve_with`), or ``None``: a job is reserved where ``xxcopy.xxh3_joined`` is
+        #: this builder when it is saved (decided here and again whenever ``RESERVED_PUTS`` or
+        #: ``put_reserved`` is set; the builder is asked at each save, as the general path builds
+        #: with whatever ``xxh3_joined`` is then). Read by :meth:`save` and :meth:`save_job` alike.
+        self.reserve_with = reserve_with(direct)
+        _LIVE.add(self)
 
     def save(self, key: Any, row: Any) -> list[int | None] | None:
         """The job ``[key]``, ``[row]`` saved as ``write_blocks`` saves it (its sizes, its
@@ -175,12 +206,11 @@ class LoneSave:
             if view is None:
                 return None  # not such a row, or one not seen yet: the general path makes its view
             # The store open in this process (LmdbBackend._env_or_raise asked inline, its errors
-            # its own where it is not), then LMDB's own put where probed (_reserving, inline)
+            # its own where it is not), then LMDB's own put where decided (reserve_with)
             if tier._closed or tier._env is None or tier._forks != _forks():
                 tier._env_or_raise()
             commits = self.commits
-            reserving = self.direct is not None and RESERVED_PUTS and put_reserved is not None and xxcopy.xxh3_joined is xxcopy.xxh3_joined_native
-            sizes = commits.submit_alone(((key,), (view,), held, taken, True), self._commit_job) if reserving else None
+            sizes = commits.submit_alone(((key,), (view,), held, taken, True), self._commit_job) if xxcopy.xxh3_joined is self.reserve_with else None
             if sizes is None:
                 job = (key, b"", xxcopy.xxh3_joined(self.head, key, view))
                 xxcopy.rows_let_go_flag(held)
@@ -192,10 +222,6 @@ class LoneSave:
         if sizes[0] is not None:
             counts_add(tier.counters, "blocks_written", 1, "bytes_written", self.record)
         return sizes
-
-    def _reserving(self) -> bool:
-        """Whether records are written into the room LMDB's own put reserves (``put_reserved``)."""
-        return self.direct is not None and RESERVED_PUTS and put_reserved is not None and xxcopy.xxh3_joined is xxcopy.xxh3_joined_native
 
     def save_job(self, keys: Any, rows: Any) -> list[int | None] | None:
         """The job ``keys``, ``rows`` (several keys) saved as ``write_blocks`` saves it (its
@@ -221,7 +247,8 @@ class LoneSave:
                 return None
             tier._env_or_raise()
             commits = self.commits
-            sizes = commits.submit_alone((keys, views, held, views.taken if type(rows) is PoolRows else rows, self._reserving()), self._commit_job)
+            reserving = xxcopy.xxh3_joined is self.reserve_with  # (the lone save's test)
+            sizes = commits.submit_alone((keys, views, held, views.taken if type(rows) is PoolRows else rows, reserving), self._commit_job)
             if sizes is None:  # a commit runs or batches wait: built now, meanwhile, as the general path's
                 head, joined, build = self.head, xxcopy.xxh3_joined, lmdb_records.build_joined
                 records = [build(joined, head, key, view) for key, view in zip(keys, views)]
@@ -401,3 +428,19 @@ put_joined: Callable[..., bool | None] = _native.put_joined if _native is not No
 #: its address then), a tuple or list of tensors or a :class:`PoolRows` (each row asked), or the
 #: one row of a job of one (native: ``backends/_rowsave.c``, the reads' ``host_rows_stayed``).
 views_stayed: Callable[..., bool] = _native.views_stayed if _native is not None else views_stayed_python
+
+
+class _Flags(types.ModuleType):
+    """This module, whose ``RESERVED_PUTS`` and ``put_reserved``, set by whoever sets them (a
+    test's ``monkeypatch`` and its undo among them), make every live :class:`LoneSave` decide its
+    ``reserve_with`` again, so that no save reads a decision made from flags since changed.
+    (Reads of the module's names are the plain module's: its own code reads them as globals.)"""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _DECIDED_FROM:
+            for lone in list(_LIVE):
+                lone.reserve_with = reserve_with(lone.direct)
+
+
+sys.modules[__name__].__class__ = _Flags

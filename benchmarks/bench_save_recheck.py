@@ -93,7 +93,7 @@ def steps(size: int, job: int, form: str, rounds: int, reps: int) -> dict[str, f
     keys = tuple(make_key(i) for i in range(job))
     arrays = [memoryview(pool[i].numpy()) for i in range(job)]
     env, db, lone = backend._env, backend._blocks, backend._lone
-    if lone is None or lone.direct is None or not lone._reserving():
+    if lone is None or lone.direct is None or lone.reserve_with is not xxcopy.xxh3_joined:
         raise SystemExit("bench_save_recheck --steps: needs the lmdb tier's native lone saves")
     for _ in range(3):
         backend.write_blocks(keys, rows)
