@@ -139,6 +139,8 @@ class _Store(Protocol):
 
     def _env_or_raise(self) -> Any: ...
 
+    def _file_whole(self) -> None: ...
+
     def _pages(self, record_bytes: int) -> int: ...
 
     def _commit_jobs(self, jobs: list[Any]) -> list[list[int | None]]: ...
@@ -293,6 +295,7 @@ class LoneSave:
                 if env is None:
                     raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
                 tier._listed = None
+                tier._file_whole()
                 keep = len(keys) * (self.stored + self.record)
                 if keep > lmdb_heap._kept:  # (lmdb_writes: the commit's freed pages and built records kept; asked inline, a frame fewer once kept)
                     keep_heap_for(keep)
@@ -352,6 +355,7 @@ class LoneSave:
             if env is None:
                 raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
             tier._listed = None
+            tier._file_whole()
             keep_heap_for(keep)
             txn = None
             try:

@@ -216,6 +216,7 @@ class LmdbWrites(PersistentRecordBackend):
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
+            self._file_whole()
             # Only a store of large records maps what a commit appends: the others skip the
             # two lseeks (see the module doc).
             maps = self._maps_appended
@@ -372,6 +373,16 @@ class LmdbWrites(PersistentRecordBackend):
                 txn.put(key, index_entry(time.time(), stored, head), db=self._index)
                 self._splits = True
 
+    def _file_whole(self) -> None:
+        """``DiskError`` where ``data.mdb`` is shorter than the file guard last saw: a write
+        transaction walks the map's pages as a read does, and one past the file's end faults the
+        process (:class:`~kvtier.backends.lmdb_records.FileGuard`). Asked under the write lock,
+        before each write transaction begins (one ``lseek`` a commit)."""
+        reader = self._reader
+        guard = reader.guard if reader is not None else None
+        if guard is not None:
+            guard.check()
+
     def _plain(self) -> PlainReads:
         """The :class:`PlainReads` of this store (what makes an :data:`UNSUMMED` head)."""
         reader = self._reader
@@ -397,6 +408,7 @@ class LmdbWrites(PersistentRecordBackend):
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} is closed")
             self._listed = None  # the listing read at open is stale from now on
+            self._file_whole()
             deleted = 0
             try:
                 with env.begin(write=True) as txn:
@@ -415,6 +427,7 @@ class LmdbWrites(PersistentRecordBackend):
             env = self._env
             if env is None:
                 raise BackendError(f"lmdb: {self.path!r} is closed")
+            self._file_whole()
             try:
                 with env.begin(write=True, db=self._index, buffers=True) as txn:
                     for key, stamp in stamps:

@@ -74,3 +74,49 @@ def test_a_check_that_measured_less_does_not_store_over_a_larger_size_another_st
     with pytest.raises(DiskError, match="8192 bytes, shorter than the 12288 it held"):
         guard.check()
     guard.close()
+
+
+_WRITES_AFTER_A_CUT = """
+import asyncio, os, sys
+from kvtier import registry
+from kvtier.backend import BlockFormat
+from kvtier.errors import DiskError
+from kvtier.testing import make_key, random_block
+
+fmt = BlockFormat(block_bytes=65536, dtype="uint8")
+backend = registry.backends.get("lmdb")(capacity=32 << 20, path=sys.argv[1], sync_mode="fast")
+asyncio.run(backend.open(fmt))
+keys = [make_key(i) for i in range(64)]
+assert None not in backend.write_blocks(keys, [random_block(fmt.block_bytes, i) for i in range(64)])
+import torch
+assert backend.read_blocks(keys[:1], [torch.zeros(fmt.block_bytes, dtype=torch.uint8)]) == [True]  # (the guard sees the grown file)
+data = os.path.join(sys.argv[1], "data.mdb")
+os.truncate(data, os.path.getsize(data) // 4)
+for name, write in [
+    ("save of one", lambda: backend.write_blocks([make_key(1000)], [random_block(fmt.block_bytes, 1000)])),
+    ("save of a job", lambda: backend.write_blocks([make_key(1001 + i) for i in range(16)], [random_block(fmt.block_bytes, i) for i in range(16)])),
+    ("delete", lambda: backend.delete_blocks(keys[:8])),
+    ("stamps", lambda: backend.touch_stamps([(keys[9], 1.0)])),
+]:
+    try:
+        print(name, "went on", write(), flush=True)
+    except DiskError as exc:
+        print(name, "refused:", exc, flush=True)
+"""
+
+
+@pytest.mark.parametrize("lone", [True, False])
+def test_writes_to_a_data_file_cut_short_are_refused(tmp_path: Path, lone: bool) -> None:
+    """A save, a delete or a stamp update of a store whose data.mdb was cut short under it fails
+    with the guard's DiskError, as a read does: its write transaction would touch the lost
+    pages and fault the process (SIGBUS, rc 135, before the writers asked the guard). In a child
+    process, so a fault is observed, not suffered; with and without the lone saves' path."""
+    import subprocess
+    import sys
+
+    script = _WRITES_AFTER_A_CUT if lone else "from kvtier.backends import lmdb_lone\nlmdb_lone.LONE_SAVES = False\n" + _WRITES_AFTER_A_CUT
+    child = subprocess.run([sys.executable, "-c", script, str(tmp_path / "store")], capture_output=True, text=True, timeout=300)
+    print(child.stdout, child.stderr[-2000:])
+    assert child.returncode == 0
+    for name in ("save of one", "save of a job", "delete", "stamps"):
+        assert f"{name} refused:" in child.stdout and "shorter than" in child.stdout
