@@ -76,6 +76,9 @@ CASES = [
     (YieldingSlots, ("deleted", "1")),
     (Loose, ("waits", 1, "busy", 2)),
     (Loose, ("gone", 1)),
+    (BackendCounters, ("blocks_read", 1) * 17),  # more pairs than the native call keeps on its stack
+    (BackendCounters, ("blocks_read", 1) * 16 + ("bytes_read", 2.0)),
+    (Loose, ("waits", 1, "busy", 2) * 9),
 ]
 
 
@@ -136,6 +139,21 @@ def test_plain_counters_take_no_lock_and_others_take_the_python_forms() -> None:
     assert all(type(v) is int for v in BackendCounters().as_dict().values())
     assert _finishes_while_the_lock_is_held(BackendCounters(), 60)
     assert not _finishes_while_the_lock_is_held(YieldingSlots(), 0.2)
+
+
+@native
+def test_a_call_of_many_pairs_adds_plain_counters_as_a_short_one() -> None:
+    """However many pairs a call gives, plain counters are added without the lock (the way every
+    other add to them is made, so none is lost between the two ways) and the sums are all there."""
+    counters = BackendCounters()
+    pairs = ("deleted", 1) * 40
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (counts.counts_add(counters, *pairs), done.set()))
+    with counts._ADDING:
+        thread.start()
+        finished = done.wait(timeout=60)
+    thread.join()
+    assert finished and counters.deleted == 40
 
 
 def test_no_tier_adds_to_its_counters_but_by_counts_add() -> None:

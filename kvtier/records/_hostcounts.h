@@ -21,11 +21,13 @@
 
 #include "_hostrow.h"
 
-/* The most pairs one call adds straight (the counters of one backend are fewer). */
+/* The pairs one call keeps on its stack (the counters of one backend are fewer); a call of more
+   takes room for them from the heap and is added the same way. */
 #define HOST_COUNTS_MAX 16
 
-/* counts_add_python(counters, *pairs): the locked form, imported at its first use. */
-static inline int host_counts_locked(PyObject *counters, PyObject *const *pairs, Py_ssize_t n)
+/* counts_add_python(counters, *pairs): the locked form, imported at its first use. ``call`` is
+   its arguments: call[0] free for counters, then the n pairs. */
+static inline int host_counts_locked(PyObject *counters, PyObject **call, Py_ssize_t n)
 {
     static PyObject *locked;
     if (locked == NULL) {
@@ -39,11 +41,8 @@ static inline int host_counts_locked(PyObject *counters, PyObject *const *pairs,
         else
             Py_DECREF(found);
     }
-    PyObject *args[1 + 2 * HOST_COUNTS_MAX];
-    args[0] = counters;
-    for (Py_ssize_t i = 0; i < 2 * n; i++)
-        args[1 + i] = pairs[i];
-    PyObject *done = PyObject_Vectorcall(locked, args, 1 + 2 * n, NULL);
+    call[0] = counters;
+    PyObject *done = PyObject_Vectorcall(locked, call, (size_t)(1 + 2 * n), NULL);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
 }
@@ -54,11 +53,19 @@ static inline int host_counts_locked(PyObject *counters, PyObject *const *pairs,
    for a name counters has not. */
 static inline int host_counts_add(PyObject *counters, PyObject *const *pairs, Py_ssize_t n)
 {
-    if (n > HOST_COUNTS_MAX) {
-        PyErr_Format(PyExc_TypeError, "counts_add: at most %d counters in one call, got %zd", HOST_COUNTS_MAX, n);
-        return -1;
+    PyObject *call_kept[1 + 2 * HOST_COUNTS_MAX], **call = call_kept, **items, ***slots, **slots_kept[HOST_COUNTS_MAX];
+    if (n > HOST_COUNTS_MAX) { /* (a count past any counters' own: no overflow in the sizes) */
+        call = n < PY_SSIZE_T_MAX / (Py_ssize_t)(4 * sizeof(PyObject *)) ? PyMem_Malloc((size_t)(1 + 2 * n) * sizeof(PyObject *)) : NULL;
+        slots = call == NULL ? NULL : PyMem_Malloc((size_t)n * sizeof(PyObject **));
+        if (slots == NULL) {
+            PyMem_Free(call);
+            PyErr_NoMemory();
+            return -1;
+        }
     }
-    PyObject *items[2 * HOST_COUNTS_MAX], **slots[HOST_COUNTS_MAX];
+    else
+        slots = slots_kept;
+    items = call + 1; /* the pairs, their values made ints; call[0]: the locked form's counters */
     Py_ssize_t got = 0;
     int rc = 0, straight = 1;
     for (; got < n; got++) { /* the values made ints first: __index__ may run Python code */
@@ -78,7 +85,7 @@ static inline int host_counts_add(PyObject *counters, PyObject *const *pairs, Py
         straight = slots[i] != NULL && *slots[i] != NULL && PyLong_CheckExact(*slots[i]);
     }
     if (!straight) {
-        rc = host_counts_locked(counters, items, n);
+        rc = host_counts_locked(counters, call, n);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) { /* no Python code from here to the last store */
@@ -92,6 +99,10 @@ static inline int host_counts_add(PyObject *counters, PyObject *const *pairs, Py
 done:
     for (Py_ssize_t i = 0; i < got; i++)
         Py_DECREF(items[2 * i + 1]);
+    if (call != call_kept) {
+        PyMem_Free(call);
+        PyMem_Free(slots);
+    }
     return rc;
 }
 
