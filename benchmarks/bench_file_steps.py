@@ -181,7 +181,7 @@ def figures(
     for name in arms:
         out[f"{name}_cpu_us"] = _spread(cpu[name])
         out[f"{name}_wall_us"] = _spread(wall[name])
-        out[f"{name}_gb_s"] = round(size / statistics.median(wall[name]) / 1e3, 2)
+        out[f"{name}_gb_s"] = float(f"{size / statistics.median(wall[name]) / 1e3:.3g}")  # (3 figures: a slow arm's rate is not rounded to 0)
     for name in against_raw:
         out[f"{name}_raw_ratio"] = _spread([b / t for b, t in zip(cpu["raw"], cpu[name])])
     return out

@@ -41,3 +41,12 @@ def test_refuses_a_read_of_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["bench_file_steps.py", "--rounds", "1", "--blocks", "2", "--sizes", "4096"])
     with pytest.raises(AssertionError, match="tier read back other bytes"):
         bench.main()
+
+
+def test_a_slow_arm_still_prints_a_rate() -> None:
+    """An arm slowed to a millisecond a 4 KiB record (a loaded machine) prints its GB/s as a
+    positive figure, not one rounded to nothing."""
+    bench = bench_module("bench_file_steps")
+    out = bench.figures(["raw"], [], {"raw": [900.0, 1100.0]}, {"raw": [900.0, 1100.0]}, 4096, 4, 2)
+    assert 0 < out["raw_gb_s"] < 0.005
+    assert abs(out["raw_gb_s"] / (4096 / 1000.0 / 1e3) - 1) < 0.01  # (three figures)
