@@ -2,13 +2,14 @@
  * _keyindex.h) is the tiers' index: a dict (a subclass, every read is dict's own) that also
  * keeps a membership filter, so that a miss is mostly answered without hashing the key or
  * touching the dict's table (which, at 10^5 keys and more, is a few cache misses). The filter
- * is one 2-bit counter per slot, four slots a byte, at least two slots per key (0.5-1 byte a
- * key; eight, 2-4 bytes, in an index that keeps a ready-key table: see slots_per_key), each key
+ * is one 2-bit counter per slot, four slots a byte, at least two slots per key (0.5-1.3 bytes a
+ * key; eight, 2-5.3 bytes, in an index that keeps a ready-key table: see slots_per_key), each key
  * counted in the slot a cheap mix of all its bytes picks. A zero slot means no
  * exact-bytes key with those bytes is in the dict: KeyProbe answers such a key's lookup as a
  * miss with no dict probe (while misses are common: see MISS_WEIGHT). A counter that reaches 3
- * stays there (never decremented: it can only say "maybe"); enough of them, or more keys than
- * the slots allow, and the filter is rebuilt from the dict. Every mutation through the type (item set and delete, ``pop``,
+ * stays there (never decremented: it can only say "maybe"); enough of them, or keys nearing what
+ * the slots allow, and a new filter is counted from the dict a few entries a mutation
+ * (_keygrow.c), so that no one call recounts the whole dict. Every mutation through the type (item set and delete, ``pop``,
  * ``update``, ``clear``) keeps the counts exact when every key is exact ``bytes``; anything
  * else (another key type, a mutation through dict's own methods or C API, an error) leaves the
  * filter marked stale, and the dict's version tag (changed by every mutation, whoever makes
@@ -19,38 +20,14 @@
 #define PY_SSIZE_T_CLEAN
 #include "_keyindex.h"
 
-#define MIN_SLOTS 256   /* 64 bytes */
-#define LOAD 2          /* slots per key, at least: a dict past slots / LOAD keys gets twice the slots */
-#define READY_LOAD 8    /* LOAD of an index that keeps a ready-key table (a memory tier's) */
-#define TOP 3u          /* a counter that reached it stays (it can only say "maybe") */
-
-/* Count one more key in slot i; 1 if that counter just reached TOP. */
-static inline int
-cell_add(uint8_t *cells, uint64_t i)
-{
-    unsigned c = cell_get(cells, i);
-    if (c == TOP)
-        return 0;
-    cells[i >> 2] = (uint8_t)(cells[i >> 2] + (1u << ((i & 3) * 2)));
-    return c + 1 == TOP;
-}
+#define MIN_SLOTS 256 /* 64 bytes */
 
 static void
 mark_stale(KeyIndex *self)
 {
     self->stale = 1;
     self->foreign = 0; /* recounted by the rebuild that a stale filter gets before it is used */
-}
-
-/* Slots per key, at least, for this index. A memory tier's index (``keep_ready``) gets four
- * times more: a filter at 2-4 slots a key lets about a third of the misses through to the
- * table's probe (a hash and a cache miss each), one at 8-16 about a tenth, for 1.5-3 bytes a
- * key more, which its ready-key table (27-53 bytes a key) dwarfs. A disk tier's index of
- * millions of records keeps the smaller filter. */
-static inline Py_ssize_t
-slots_per_key(const KeyIndex *self)
-{
-    return self->wants_ready ? READY_LOAD : LOAD;
+    keyindex_grow_drop(self);
 }
 
 /* Count every key afresh; ``table``: rebuild the ready-key table too (it may not match the
@@ -78,6 +55,8 @@ counts_rebuild(KeyIndex *self, int table)
         else
             foreign++;
     }
+    keyindex_grow_drop(self);
+    self->recounted += (unsigned long long)n;
     PyMem_Free(self->cells);
     self->cells = cells;
     self->slots = slots;
@@ -113,14 +92,8 @@ index_settle(KeyIndex *self, PyObject *key, int exact, Py_ssize_t before)
         return;
     }
     if (after == before + 1) {
-        self->saturated += cell_add(self->cells, slot_of(self, key));
-        if (after > self->slots / slots_per_key(self) || self->saturated > self->slots / 32) {
-            self->synced = DICT_VERSION(self);
-            if (counts_rebuild(self, 0) < 0) {
-                PyErr_Clear(); /* the old slots still count every key: keep them */
-                return;
-            }
-        }
+        index_count_key(self, key);
+        keyindex_grow(self, 1);
     }
     else if (after == before - 1) {
         uint64_t i = slot_of(self, key);
@@ -131,6 +104,7 @@ index_settle(KeyIndex *self, PyObject *key, int exact, Py_ssize_t before)
         }
         if (c != TOP)
             self->cells[i >> 2] = (uint8_t)(self->cells[i >> 2] - (1u << ((i & 3) * 2)));
+        keyindex_grow(self, 1); /* the growing counts keep it: a "maybe" until they are made again */
     }
     else if (after != before) {
         mark_stale(self);
@@ -285,7 +259,7 @@ index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
                 ready_settle(self, key, 0, NULL, NULL, 0);
                 return r;
             }
-            self->saturated += cell_add(self->cells, slot_of(self, key));
+            index_count_key(self, key);
             if (followed)
                 ready_added(self, key, value);
         }
@@ -294,10 +268,8 @@ index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
         else
             ready_settle(self, NULL, 0, NULL, NULL, 0);
         self->synced = DICT_VERSION(self);
-        if ((PyDict_GET_SIZE(self) > self->slots / slots_per_key(self) || self->saturated > self->slots / 32) && counts_rebuild(self, 0) < 0) {
-            PyErr_Clear();
-            mark_stale(self);
-        }
+        self->next_keys = NULL; /* the dict may have resized more than once (a table's address reused): a walk starts over */
+        keyindex_grow(self, PyDict_GET_SIZE(other));
         return r;
     }
     mark_stale(self);
@@ -323,7 +295,7 @@ index_clear(KeyIndex *self, PyObject *unused)
     PyMem_Free(self->cells);
     self->cells = NULL;
     ready_free(self);
-    mark_stale(self);
+    mark_stale(self); /* and the growth dropped */
     index_count_now(self); /* small again, and counted from the next key on */
     Py_RETURN_NONE;
 }
@@ -416,8 +388,9 @@ index_held_ready(KeyIndex *self, PyObject *key)
 static PyObject *
 index_filter_state(KeyIndex *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n}", "synced", index_synced(self) ? Py_True : Py_False, "slots", self->slots,
-                         "saturated", self->saturated, "foreign", self->foreign, "ready", ready_synced(self) ? self->ready_count : -1);
+    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:O,s:K}", "synced", index_synced(self) ? Py_True : Py_False, "slots", self->slots,
+                         "saturated", self->saturated, "foreign", self->foreign, "ready", ready_synced(self) ? self->ready_count : -1,
+                         "growing", self->next_cells != NULL ? Py_True : Py_False, "recounted", self->recounted);
 }
 
 static PyObject *
@@ -438,7 +411,7 @@ index_sizeof(KeyIndex *self, PyObject *unused)
     Py_DECREF(base);
     if (n == -1 && PyErr_Occurred())
         return NULL;
-    return PyLong_FromSsize_t(n + (Py_ssize_t)(sizeof(KeyIndex) - sizeof(PyDictObject)) + (self->cells ? self->slots / 4 : 0) +
+    return PyLong_FromSsize_t(n + (Py_ssize_t)(sizeof(KeyIndex) - sizeof(PyDictObject)) + (self->cells ? self->slots / 4 : 0) + (self->next_cells ? self->next_slots / 4 : 0) +
                               (self->ready ? (Py_ssize_t)((self->ready_mask + 1) * sizeof(ReadySlot)) : 0));
 }
 
@@ -447,6 +420,7 @@ index_dealloc(KeyIndex *self)
 {
     PyMem_Free(self->cells);
     self->cells = NULL;
+    keyindex_grow_drop(self);
     ready_free(self);
     PyDict_Type.tp_dealloc((PyObject *)self);
 }
@@ -489,7 +463,8 @@ static PyMethodDef index_methods[] = {
      "another key; False also while the table is stale or not built)."},
     {"filter_state", (PyCFunction)index_filter_state, METH_NOARGS,
      "The filter as it stands: synced (its counts match the dict, no rebuild due), slots, saturated, foreign, "
-     "ready (keys in the ready-key table; -1 when there is none)."},
+     "ready (keys in the ready-key table; -1 when there is none), growing (a larger filter is being counted), "
+     "recounted (dict entries counted from the dict so far, by rebuilds and growth)."},
     {"__sizeof__", (PyCFunction)index_sizeof, METH_NOARGS, "Size in memory, in bytes, the filter's included."},
     {NULL, NULL, 0, NULL},
 };

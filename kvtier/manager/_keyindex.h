@@ -47,7 +47,20 @@ typedef struct {
     Py_ssize_t ready_count;
     uint64_t ready_synced; /* the dict's version when the table last matched it */
     int wants_ready;       /* keep_ready() was called: counts rebuilt from the dict rebuild the table too */
+    uint8_t *next_cells;   /* the counts the index grows into, made a few entries a mutation (_keygrow.c); NULL: none */
+    Py_ssize_t next_slots;
+    int next_shift;
+    Py_ssize_t next_saturated;
+    Py_ssize_t next_zeroed; /* bytes of ``next_cells`` zeroed so far: keys are counted into it once all are */
+    Py_ssize_t next_pos;   /* the dict's entries before this position are counted into ``next_cells`` (-1: all) */
+    const void *next_keys; /* the dict's entry table that position is in (another: its entries moved, start over) */
+    Py_ssize_t next_after; /* it takes over once every entry is counted and the dict holds more keys than this */
+    unsigned long long recounted; /* dict entries counted from the dict (rebuilds and growth), in all */
 } KeyIndex;
+
+#define LOAD 2       /* slots per key, at least: the counts grow to twice the slots before the keys pass slots / LOAD */
+#define READY_LOAD 8 /* LOAD of an index that keeps a ready-key table (a memory tier's) */
+#define TOP 3u       /* a counter that reached it stays (it can only say "maybe") */
 
 KEYINDEX_INTERNAL extern PyTypeObject KeyIndexType;
 
@@ -113,6 +126,50 @@ static inline unsigned
 cell_get(const uint8_t *cells, uint64_t i)
 {
     return (cells[i >> 2] >> ((i & 3) * 2)) & 3u;
+}
+
+/* Count one more key in slot i; 1 if that counter just reached TOP. */
+static inline int
+cell_add(uint8_t *cells, uint64_t i)
+{
+    unsigned c = cell_get(cells, i);
+    if (c == TOP)
+        return 0;
+    cells[i >> 2] = (uint8_t)(cells[i >> 2] + (1u << ((i & 3) * 2)));
+    return c + 1 == TOP;
+}
+
+/* Slots per key, at least, for this index. A memory tier's index (``keep_ready``) gets four
+ * times more: a filter at 2-4 slots a key lets about a third of the misses through to the
+ * table's probe (a hash and a cache miss each), one at 8-16 about a tenth, for 1.5-3 bytes a
+ * key more, which its ready-key table (27-53 bytes a key) dwarfs. A disk tier's index of
+ * millions of records keeps the smaller filter. */
+static inline Py_ssize_t
+slots_per_key(const KeyIndex *self)
+{
+    return self->wants_ready ? READY_LOAD : LOAD;
+}
+
+/* The growth of the counts (_keygrow.c). Where the keys near the slots' limit (three quarters
+ * of it) or too many counters stuck at TOP, a larger (or fresh) table is counted a few dict
+ * entries per mutation and takes over once every entry is counted, so that no one call
+ * recounts the whole dict. Its counts are never below the keys it holds: every key added
+ * meanwhile is counted into it too, a key removed meanwhile is left counted (a "maybe", not a
+ * wrong answer), and where the dict's own table is rebuilt (its entries move) the count
+ * starts over. ``keyindex_grow``: after a mutation counted in ``cells`` that added or removed
+ * ``mutations`` keys, start or go on with that count. ``keyindex_grow_drop``: forget it (the
+ * counts are stale or recounted whole). */
+KEYINDEX_INTERNAL void keyindex_grow(KeyIndex *self, Py_ssize_t mutations);
+KEYINDEX_INTERNAL void keyindex_grow_drop(KeyIndex *self);
+
+/* Count exact-bytes ``key`` (just added to the dict) in the counts, and in those it grows into. */
+static inline void
+index_count_key(KeyIndex *self, PyObject *key)
+{
+    uint64_t mix = key_mix(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    self->saturated += cell_add(self->cells, mix >> self->shift);
+    if (self->next_cells != NULL && self->next_zeroed == self->next_slots / 4)
+        self->next_saturated += cell_add(self->next_cells, mix >> self->next_shift);
 }
 
 /* Whether the counts match the dict now (rebuilding them if not); 0 when they cannot be used. */
