@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kvtier.keys import KEY_BYTES
+from kvtier.records.counts import counts_add
 
 __all__ = [
     "ChangeFeed",
@@ -166,10 +167,10 @@ class ChangeFeed(ABC):
         # the followers at their next sweep.
         ok = time.monotonic() >= self._retry_at and self.append(values)
         if ok:
-            self.published += len(values)
+            counts_add(self, "published", len(values))
             self._backoff = 0.0
         else:
-            self.publish_failures += len(values)
+            counts_add(self, "publish_failures", len(values))
             if time.monotonic() >= self._retry_at:
                 self._backoff = min(max(0.5, self._backoff * 2), 5.0)
                 self._retry_at = time.monotonic() + self._backoff

@@ -231,7 +231,8 @@ class TierFollower:
         foreign = self._foreign
         n = sum(1 for k in keys if k in foreign) if foreign else 0
         if n:
-            self.counters["shared_hits"] += n
+            with self._lock:  # (the loads of several threads count at once)
+                self.counters["shared_hits"] += n
         return n
 
     # -- following -----------------------------------------------------------------------------
@@ -336,8 +337,9 @@ class TierFollower:
         self._tell(TierChange(self._tier, tuple(adopted), tuple(forgotten), "sweep"))
 
     def _tell(self, change: TierChange) -> None:
-        self.counters["adopted"] += len(change.adopted)
-        self.counters["removed"] += len(change.removed)
+        with self._lock:  # (the feed's thread and the sweep's both tell)
+            self.counters["adopted"] += len(change.adopted)
+            self.counters["removed"] += len(change.removed)
         self._listeners.tell(change)
 
     # -- figures -------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ from typing import Any
 
 from kvtier.backends.change_feed import ChangeFeed, FeedCursor, FeedEntry, FeedRead, decode_entry
 
+from kvtier.records.counts import counts_add
+
 try:
     from redis.exceptions import AskError, ClusterDownError, RedisError
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -112,7 +114,7 @@ class RedisFeed(ChangeFeed):
                 for value in values:
                     pipe.xadd(self.stream, {_FIELD: value}, maxlen=self.maxlen, approximate=True)
                 pipe.execute()
-            self.commands += len(values)
+            counts_add(self, "commands", len(values))
         except (RedisError, OSError) as exc:
             log.debug("redis feed %r: XADD failed: %s", self.stream, exc)
             self._failed(exc)
@@ -121,7 +123,7 @@ class RedisFeed(ChangeFeed):
 
     def _info(self) -> dict[Any, Any] | None:
         """``XINFO STREAM``, or ``None`` when there is no stream."""
-        self.commands += 1
+        counts_add(self, "commands", 1)
         try:
             return dict(self._conn().xinfo_stream(self.stream))
         except RedisError as exc:
@@ -195,7 +197,7 @@ class RedisFeed(ChangeFeed):
         conn = pool.get_connection()
         answered = False
         try:
-            self.commands += 1
+            counts_add(self, "commands", 1)
             # No wait: no BLOCK (a server times blocked commands out at its ``hz``, 100 ms by
             # default, so even ``BLOCK 1`` would take that long on a stream with nothing new).
             block_ms = max(1, int(wait_s * 1000)) if wait_s > 0 else 0

@@ -14,6 +14,7 @@ A job reported failed while this runs raises :class:`Expired` at the next check
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,6 +44,7 @@ class PlanHost(Protocol):
 
     backends: list[Backend]
     counters: dict[str, int]
+    _lock: threading.Lock
 
 
 #: Reasons for a delete that are the engine's choice alone (never a bad record, never an
@@ -59,7 +61,8 @@ def delete_from(engine: PlanHost, tier: int, keys: Sequence[bytes], what: str) -
     if what in _LOCAL_CHOICES and getattr(backend, "shared", False):
         # Other engines may serve these records: this engine's own LRU (or a demotion out
         # of the tier) only forgets them; the server's policy evicts in a shared tier.
-        engine.counters["shared_forgotten"] += len(keys)
+        with engine._lock:  # (the jobs of several threads evict at once)
+            engine.counters["shared_forgotten"] += len(keys)
         forget = getattr(backend, "forget_blocks", None)
         if forget is not None:
             forget(keys)
