@@ -13,9 +13,10 @@ bookkeeping, never its memory):
   then new memory at its base, or a larger storage over it) is unregistered first; one whose
   storages all still live is merged into one region with the new storage (the client takes no
   overlapping regions);
-* a region whose storages are all freed is unregistered: when a new region is registered, and
+* a region whose storages are all freed, or resized in place (``resize_`` moves a storage's
+  bytes to new memory and frees the old), is unregistered: when a new region is registered, and
   at most every ``sweep_interval_s`` when a job asks (its memory is then no longer pinned for
-  the NIC);
+  the NIC); a storage seen at its new memory is registered there;
 * everything is unregistered when the client closes.
 
 A transfer never targets freed memory (a job keeps its rows' memory until it is checked), so
@@ -33,30 +34,48 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["Regions"]
 
 log = logging.getLogger("kvtier")
 
+#: The storage a weak reference's id names while it lives, else ``None``.
+_storage_of: Callable[[int], Any] = torch.UntypedStorage._new_with_weak_ptr
+
 
 class _Region:
-    __slots__ = ("base", "cdatas", "end", "refs")
+    __slots__ = ("base", "end", "served")
 
     def __init__(self, base: int, end: int) -> None:
         self.base, self.end = base, end
-        self.refs: list[StorageWeakRef] = []
-        self.cdatas: set[int] = set()
+        #: each storage it serves (by ``_cdata``: a weak reference keeps that id from being
+        #: reused) -> the weak reference and the address the storage had when it was taken
+        self.served: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def serve(self, storage: Any) -> None:
-        """Keep the region while ``storage`` lives."""
+    def serve(self, storage: Any, at: int) -> None:
+        """Keep the region while ``storage`` lives at ``at`` (its address now)."""
         cdata = storage._cdata
-        if cdata not in self.cdatas:
-            self.cdatas.add(cdata)
-            self.refs.append(StorageWeakRef(storage))
+        kept = self.served.get(cdata)
+        if kept is None:
+            self.served[cdata] = (StorageWeakRef(storage), at)
+        elif kept[1] != at:
+            self.served[cdata] = (kept[0], at)
+
+    def serves(self, cdata: int, at: int) -> bool:
+        """Whether it took the storage ``cdata`` at the address ``at``."""
+        kept = self.served.get(cdata)
+        return kept is not None and kept[1] == at
 
     def freed(self) -> bool:
-        return all(ref.expired() for ref in self.refs)
+        """Whether no storage it serves is still at the memory it was taken at: each freed, or
+        resized in place (``resize_`` moves a storage's bytes to new memory and frees the old)."""
+        for ref, at in self.served.values():
+            storage = _storage_of(ref.cdata)
+            if storage is not None and storage.data_ptr() == at:
+                return False
+        return True
 
 
 class Regions:
@@ -98,12 +117,12 @@ class Regions:
         end = base + nbytes
         with self._lock:
             held = self._regions.get(base)
-            if held is not None and end <= held.end and not held.freed():
-                held.serve(storage)
+            if held is not None and end <= held.end and (held.serves(storage._cdata, base) or not held.freed()):
+                held.serve(storage, base)
                 return True
             for region in self._regions.values():  # a region of memory given back: inside one, or holding it
                 if region.base <= base and end <= region.end and not region.freed():
-                    region.serve(storage)
+                    region.serve(storage, base)
                     return True
             merged = _Region(base, end)
             live: list[_Region] = []
@@ -112,9 +131,8 @@ class Regions:
                 if not region.freed():  # both live over the same memory: one region for both
                     live.append(region)
                     merged.base, merged.end = min(merged.base, region.base), max(merged.end, region.end)
-                    merged.refs += region.refs
-                    merged.cdatas |= region.cdatas
-            merged.serve(storage)
+                    merged.served.update(region.served)
+            merged.serve(storage, base)
             ok = self._add(merged)
             if not ok:
                 for region in live:  # as they were, so their own transfers go on

@@ -232,3 +232,61 @@ def test_a_tcp_tier_registers_nothing(mooncake_store: MooncakeServers, tmp_path:
         assert "registrations" not in backend.stats()
     finally:
         asyncio.run(backend.aclose())
+
+
+def resizable_pool(rows: int, seed: int) -> torch.Tensor:
+    """A pool of ``rows`` rows over memory of its own (a storage ``resize_`` may move: a device
+    pool's; a host pool's stops being resizable once its bytes were lent to numpy, as a CPU job's
+    copies do, so here its rows are registered as a job's, then moved after the resize)."""
+    pool = torch.empty(rows * BLOCK, dtype=torch.uint8).view(rows, BLOCK)
+    for i in range(rows):
+        pool[i] = random_block(BLOCK, seed=seed + i)
+    return pool
+
+
+def resized(pool: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """``pool``'s storage resized in place to ``rows`` rows (its bytes moved to new memory, the
+    old freed); the pool over it, the new rows filled."""
+    storage = pool.untyped_storage()
+    kept = pool.shape[0]
+    storage.resize_(rows * BLOCK)
+    pool.set_(storage, 0, (rows, BLOCK), (BLOCK, 1))
+    for i in range(kept, rows):
+        pool[i] = random_block(BLOCK, seed=seed + i)
+    return pool
+
+
+def test_a_pool_resized_in_place_lets_its_old_memory_go_and_is_registered_where_it_moved(backend: Any) -> None:
+    store = client(backend)
+    pool = resizable_pool(2, seed=40)
+    old = pool.data_ptr()
+    backend.session.register_rows([pool[0], pool[1]])  # as a job's rows (a CPU job's copies leave it not resizable)
+    assert store.held()[old] == 2 * BLOCK
+    resized(pool, 4, seed=42)
+    new = pool.data_ptr()
+    assert new != old  # (resize_ moved it: the old memory is freed, the storage lives)
+    stored_and_read(backend, pool, [1, 3], seed=43)
+    held = store.held()
+    assert old not in held and not store.covers(old)  # the freed memory is no longer pinned
+    assert held[new] == 4 * BLOCK and store.covers(new + 4 * BLOCK - 1)
+    spans = backend.session.regions.spans()
+    assert (new, 4 * BLOCK) in spans and not any(base <= old < base + n for base, n in spans)
+    counts = backend.stats()["registrations"]
+    assert counts["unregister_failures"] == 0 and counts["register_failures"] == 0
+
+
+def test_a_pool_resized_in_place_and_not_used_again_is_let_go_at_the_next_sweep(backend: Any) -> None:
+    store = client(backend)
+    pool, other = resizable_pool(2, seed=50), pool_over(bytearray(2 * BLOCK), 2)
+    old = pool.data_ptr()
+    backend.session.register_rows([pool[0], pool[1]])
+    stored_and_read(backend, other, [0], seed=52)
+    assert store.held()[old] == 2 * BLOCK
+    resized(pool, 3, seed=53)
+    backend.session.regions.sweep_interval_s = 0.0  # the next job looks at once
+    stored_and_read(backend, other, [1], seed=54)  # another pool's job: nothing new to register
+    assert old not in store.held() and not store.covers(old)
+    assert store.held()[other.data_ptr()] == 2 * BLOCK
+    assert pool.data_ptr() not in store.held()  # registered again the first time a job moves it
+    stored_and_read(backend, pool, [2], seed=55)
+    assert store.held()[pool.data_ptr()] == 3 * BLOCK
