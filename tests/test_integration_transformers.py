@@ -105,24 +105,65 @@ def conversations() -> tuple[list[list[int]], list[list[list[int]]]]:
 NEW_TOKENS = 8  # 40 + 8 - 1 = 47, 59 + 7 = 66, 78 + 7 = 85 computed at finish: never a full page
 
 
+def record_steps(manager: Any, steps: list[tuple[Any, ...]]) -> Any:
+    """Append to ``steps``, for every forward pass of the engine's model, what could change the
+    last bits of its output: the batch's token ids and positions, and the intra-op thread count
+    of the thread that runs it. Returns the hook's handle."""
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
+        steps.append((
+            None if ids is None else ids.flatten().tolist(),
+            None if pos is None else pos.flatten().tolist(),
+            torch.get_num_threads(),
+        ))
+
+    return manager.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def assert_same_turns(name: str, got: dict[str, Any], reference: dict[str, Any]) -> None:
+    """``got``'s turns equal the reference's first turns bit for bit; a difference names its turn,
+    the largest logprob change, and whether the two runs' forward passes differed (see
+    ``record_steps``)."""
+    assert len(got["turns"]) <= len(reference["turns"]), (len(got["turns"]), len(reference["turns"]))
+    for t, (mine, theirs) in enumerate(zip(got["turns"], reference["turns"])):
+        if mine == theirs:
+            continue
+        diffs = [max((abs(x - y) for x, y in zip(a[1], b[1], strict=True)), default=0.0) for a, b in zip(mine, theirs, strict=True)]
+        steps, ref_steps = got["steps"][t], reference["steps"][t]
+        first = next((i for i, (a, b) in enumerate(zip(steps, ref_steps)) if a != b), None)
+        raise AssertionError(
+            f"{name} turn {t} differs from the reference: tokens equal "
+            f"{[a[0] == b[0] for a, b in zip(mine, theirs)]}, largest logprob change per conversation {diffs}; "
+            f"forward passes {len(steps)} against {len(ref_steps)}, first differing pass {first} "
+            f"(token ids, positions, threads): {steps[first] if first is not None else None} "
+            f"against {ref_steps[first] if first is not None else None}"
+        )
+
+
 def chat(config: dict[str, Any] | None, *, turns: int = 3, engine_prefix_cache: bool = False) -> dict[str, Any]:
-    """Run the chat; return per turn the (tokens, logprobs) of each conversation, the adapter's
-    prefix matches, and the prompts of every turn."""
+    """Run the chat; return per turn the (tokens, logprobs) of each conversation and the engine's
+    forward passes (``record_steps``), the adapter's prefix matches, and the prompts of every turn."""
     manager = start_manager()
     kv = attach(manager, config, model_id=MODEL_ID, engine_prefix_cache=engine_prefix_cache) if config else None
     openings, users = conversations()
     history = [o[:] for o in openings]
-    out: dict[str, Any] = {"turns": [], "matches": [], "prompts": []}
+    out: dict[str, Any] = {"turns": [], "matches": [], "prompts": [], "steps": []}
+    steps: list[tuple[Any, ...]] = []
+    hook = record_steps(manager, steps)
     manager.start()
     try:
         for t in range(turns):
             out["prompts"].append([h[:] for h in history])
+            steps.clear()
             results = run_turn(manager, history, NEW_TOKENS)
+            out["steps"].append(list(steps))
             out["turns"].append([(r.generated_tokens, r.logprobs) for r in results])
             for i, r in enumerate(results):
                 history[i] = history[i] + r.generated_tokens + users[t][i]
     finally:
         manager.stop(block=True)
+        hook.remove()
         if kv is not None:
             out["matches"] = list(kv.matches.values())
             out["stats"] = kv.stats()
@@ -207,8 +248,8 @@ def test_prefixes_come_from_kvtier(runs: dict[str, Any]) -> None:
 
 def test_chat_bit_identical_to_engine_prefix_cache(runs: dict[str, Any]) -> None:
     reference = runs["engine"]["turns"]
-    assert runs["cpu"]["turns"] == reference
-    assert runs["lmdb"]["turns"] == reference
+    assert_same_turns("cpu", runs["cpu"], runs["engine"])
+    assert_same_turns("lmdb", runs["lmdb"], runs["engine"])
     fresh = [(list(t), list(lp)) for t, lp in runs["fresh"]["turn"]]
     assert fresh == [(list(t), list(lp)) for t, lp in reference[-1]]
 
@@ -229,7 +270,7 @@ def test_turn_batches_do_not_depend_on_client_timing(runs: dict[str, Any], monke
 
     monkeypatch.setattr(ContinuousBatchingManager, "add_request", slow_add)
     slow = chat(None, turns=1, engine_prefix_cache=True)
-    assert slow["turns"][0] == runs["engine"]["turns"][0]
+    assert_same_turns("slow adds", slow, runs["engine"])
 
 
 def test_turn_batches_do_not_depend_on_store_timing(runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,7 +307,16 @@ def test_turn_batches_do_not_depend_on_store_timing(runs: dict[str, Any], monkey
     slow = chat(cpu_config())
     assert max(fenced) > 0, "no step was scheduled while a store held engine blocks"
     assert slow["stats"]["fence_waits"] == 0
-    assert slow["turns"] == runs["engine"]["turns"]
+    assert_same_turns("late stores", slow, runs["engine"])
+
+
+def test_a_turn_that_differs_is_named_with_its_forward_passes() -> None:
+    steps = [[([1, 2], [0, 1], 2), ([3], [2], 2)]]
+    reference = {"turns": [[([5], [-0.5])]], "steps": steps}
+    assert_same_turns("same", {"turns": [[([5], [-0.5])]], "steps": steps}, reference)
+    other = {"turns": [[([5], [-0.5000001])]], "steps": [[([1, 2], [0, 1], 2), ([3], [2], 1)]]}
+    with pytest.raises(AssertionError, match=r"other turn 0 differs .*first differing pass 1 .*\(\[3\], \[2\], 1\)"):
+        assert_same_turns("other", other, reference)
 
 
 def test_greedy_tokens_match_full_recompute(runs: dict[str, Any]) -> None:
