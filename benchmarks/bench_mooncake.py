@@ -173,6 +173,18 @@ def against_lmcache(
     return figures
 
 
+def _report_servers(servers: MooncakeServers, exc: BaseException) -> None:
+    """On stderr, before the temporary directory and its logs go: the failure, then whether each
+    server still runs and the end of its log (a server that died is the usual reason)."""
+    print(f"bench_mooncake: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for name, process in servers.processes().items():
+        if process.alive:
+            state = "running"
+        else:
+            state = f"exited {process.proc.returncode}" if process.proc is not None else "stopped"
+        print(f"--- {name} ({state}), end of {process.log}:\n{process.tail()[-1500:]}", file=sys.stderr)
+
+
 def measure(
     repeat: int, shapes: dict[str, tuple[int, int, int]], peer_python: str | None = None, rounds: int = 2
 ) -> dict[str, Any]:
@@ -189,6 +201,9 @@ def measure(
                         result[name] = against_lmcache(peer_python, servers, raw, (block, n, job), repeat, rounds)
             finally:
                 raw.close()
+        except BaseException as exc:
+            _report_servers(servers, exc)
+            raise
         finally:
             servers.stop()
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]

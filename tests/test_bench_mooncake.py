@@ -19,17 +19,40 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_benchmark_moves_and_checks_both_shapes_and_reports_ratios() -> None:
     if mooncake_missing() is not None:
         pytest.skip(str(mooncake_missing()))
-    out = subprocess.run(
+    proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_mooncake.py"), "--quick"],
-        check=True, capture_output=True, text=True, timeout=600,
-    ).stdout
-    report = json.loads(out)
+        check=False, capture_output=True, text=True, timeout=600,
+    )
+    # check=True would raise CalledProcessError, whose message carries neither stream: a failure
+    # read as "exit 1, nothing on stderr". Show both.
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-6000:]}\nstdout:\n{proc.stdout[-2000:]}"
+    report = json.loads(proc.stdout)
     for shape in ("2MiB", "64KiB"):
         cell = report[shape]
         for name in ("raw_put_gbps", "raw_get_gbps", "kvtier_put_gbps", "kvtier_get_gbps", "put_ratio", "get_ratio"):
             assert cell[name] > 0, (shape, name, cell)
         assert len(cell["put_ratios"]) == len(cell["get_ratios"]) == 2
     assert len(report["load_average_before"]) == 3
+
+
+def test_a_failed_run_says_why_and_how_each_server_is_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The servers' logs live in the run's temporary directory, gone once the bench exits: a run
+    that fails prints the error and each server's state and log tail first."""
+    if mooncake_missing() is not None:
+        pytest.skip(str(mooncake_missing()))
+    from kvtier.tools.mooncake_servers import MooncakeServers
+
+    bench = bench_module("bench_mooncake")
+    servers = MooncakeServers(tmp_path, segment_size="64MB").start()
+    try:
+        servers.kill_client()
+        bench._report_servers(servers, RuntimeError("the raw put was refused"))
+    finally:
+        servers.stop()
+    err = capsys.readouterr().err
+    assert "bench_mooncake: failed: RuntimeError: the raw put was refused" in err
+    assert "--- mooncake_master (running)" in err
+    assert "--- mooncake_client (stopped)" in err and "client.log" in err
 
 
 def test_the_peer_side_is_importable_without_lmcache() -> None:

@@ -217,6 +217,10 @@ class MooncakeServers:
                 raise RuntimeError(f"{name} did not start (log {process.log}):\n{tail}")
             time.sleep(0.05)
 
+    def processes(self) -> dict[str, _Process]:
+        """The two server processes by binary name (their ``alive``, ``log`` and ``tail()``)."""
+        return {"mooncake_master": self._master, "mooncake_client": self._client}
+
     def kill_master(self) -> None:
         """SIGKILL the master, as a crash would (it keeps its metadata in memory: all lost)."""
         self._master.kill()
