@@ -77,7 +77,7 @@ from kvtier.records.codec import NoneCodec
 from kvtier.records.counts import counts_add
 from kvtier.records.format import PersistentRecordBackend
 
-__all__ = ["LmdbWrites", "Record"]
+__all__ = ["TXN_MOST_BYTES", "LmdbWrites", "Record", "transactions"]
 
 log = logging.getLogger("kvtier.backends.lmdb_tier")
 
@@ -88,9 +88,46 @@ _EPOCH_KEY = b"kvtier-epoch"
 MAP_AFTER_BYTES = 256 << 10
 MAP_BELOW_BYTES = 4 << 20
 _PUT_FAILED = (lmdb.MapFullError, lmdb.DiskError, lmdb.TxnFullError)
+#: The most heap one write transaction's values take (see :func:`transactions`): a group of
+#: jobs of more is put in several transactions, each durable, acknowledged once all are. glibc
+#: keeps at most twice its mapping threshold's cap (:data:`~kvtier.backends.lmdb_heap.MOST_BYTES`,
+#: so 64 MiB) of freed heap; a commit that frees more hands it back and the next faults it all in
+#: again (64 records of 2 MiB: 0.51 of the best raw shape in one transaction).
+TXN_MOST_BYTES = 48 << 20
 #: key, head, payload; a joined record may come whole: head ``b""``, the record as its payload
 #: (``PlainReads.records``), put as it is.
 Record = tuple[bytes, bytes, Any]
+
+
+def transactions(jobs: list[list[Record]], each: int, most: int | None = None) -> list[tuple[list[list[Record]], list[int]]] | None:
+    """The write transactions a group of ``jobs`` is put in, each of at most ``most`` bytes of
+    the heap LMDB takes for its values (``each`` bytes a record; :data:`TXN_MOST_BYTES` by
+    default), as equal as the records allow: ``None`` where the group fits one. Each part is
+    its slices of the jobs and, for each slice, the index of the job it comes from (in order)."""
+    most = TXN_MOST_BYTES if most is None else most
+    count = sum(map(len, jobs))
+    if count * each <= most or count < 2:
+        return None
+    per = max(1, most // max(1, each))
+    per = -(-count // -(-count // per))  # as many parts as needed, the records dealt evenly
+    parts: list[tuple[list[list[Record]], list[int]]] = []
+    part: list[list[Record]] = []
+    owners: list[int] = []
+    room = per
+    for owner, job in enumerate(jobs):
+        start = 0
+        while start < len(job):
+            take = min(room, len(job) - start)
+            part.append(job[start : start + take])
+            owners.append(owner)
+            start += take
+            room -= take
+            if room == 0:
+                parts.append((part, owners))
+                part, owners, room = [], [], per
+    if part:
+        parts.append((part, owners))
+    return parts
 
 
 class LmdbWrites(PersistentRecordBackend):
@@ -228,20 +265,32 @@ class LmdbWrites(PersistentRecordBackend):
             # a record at every job.
             record, pages = self._record_pages
             built = record if record <= lmdb_entries.JOIN_MAX else 0
-            keep_heap_for(sum(map(len, jobs)) * (pages + built))
-            try:
-                sizes = self._put_together(env, jobs)
-            except _PUT_FAILED as exc:
-                log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
-                sizes = self._put_each(env, jobs)
-            except lmdb.Error as exc:
-                raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
-            except Exception as exc:  # a record built in the transaction (aborted) failed: its own failure alone
-                log.debug("lmdb: a record of a group of %d jobs failed to build (%r); putting each record alone", len(jobs), exc)
-                sizes = self._put_each(env, jobs)
+            parts = transactions(jobs, pages + built)
+            if parts is None:  # (the group fits one transaction: the common case)
+                keep_heap_for(sum(map(len, jobs)) * (pages + built))
+                sizes = self._put_group(env, jobs)
+            else:
+                keep_heap_for(max(sum(map(len, part)) for part, _ in parts) * (pages + built))
+                sizes = [[] for _ in jobs]
+                for part, owners in parts:
+                    for owner, part_sizes in zip(owners, self._put_group(env, part)):
+                        sizes[owner] += part_sizes
             if maps:
                 self._map_appended(start)
             return sizes
+
+    def _put_group(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
+        """``jobs`` in one write transaction; where it fails on a put or a build, each record in its own."""
+        try:
+            return self._put_together(env, jobs)
+        except _PUT_FAILED as exc:
+            log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
+            return self._put_each(env, jobs)
+        except lmdb.Error as exc:
+            raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+        except Exception as exc:  # a record built in the transaction (aborted) failed: its own failure alone
+            log.debug("lmdb: a record of a group of %d jobs failed to build (%r); putting each record alone", len(jobs), exc)
+            return self._put_each(env, jobs)
 
     def _data_end(self) -> int | None:
         """Where ``data.mdb`` ends now, where its map is known (``None``: not known)."""
