@@ -70,7 +70,6 @@ from kvtier.backends.lmdb_heap import keep_heap_for
 from kvtier.backends.lmdb_one import forks as _forks
 
 from kvtier import devices
-from kvtier.errors import BackendError
 from kvtier.keys import KEY_BYTES
 from kvtier.pool_rows import PoolRows
 from kvtier.records import xxcopy
@@ -139,7 +138,9 @@ class _Store(Protocol):
 
     def _env_or_raise(self) -> Any: ...
 
-    def _file_whole(self) -> None: ...
+    def _begin_write(self, db: Any = None, buffers: bool = False) -> Any: ...
+
+    def _wrote(self) -> int | None: ...
 
     def _pages(self, record_bytes: int) -> int: ...
 
@@ -291,27 +292,24 @@ class LoneSave:
         tier, asked = self.tier, taken if ROWS_ASKED else None
         try:
             with tier._write_lock:
-                env = tier._env
-                if env is None:
-                    raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
                 tier._listed = None
-                tier._file_whole()
                 keep = len(keys) * (self.stored + self.record)
                 if keep > lmdb_heap._kept:  # (lmdb_writes: the commit's freed pages and built records kept; asked inline, a frame fewer once kept)
                     keep_heap_for(keep)
                 blocks, index, unindex, txn = tier._blocks, tier._index, tier._splits, None
                 try:
-                    txn = env.begin(blocks, None, True, True)  # write, buffers: by position
+                    txn = tier._begin_write(blocks, True)  # (closed: BackendError, data.mdb cut short: DiskError; the general commit's again)
                     # Each record written where LMDB's own put reserved its room, in the pass
                     # that copies and hashes its block: one copy a block, not two
                     # (backends/_lmdbput.c); the same bytes as put_joined's.
-                    done = put_reserved(self.direct, env, txn, blocks, index, unindex, self.head, keys, views, asked) if reserving else False
+                    done = put_reserved(self.direct, tier._env, txn, blocks, index, unindex, self.head, keys, views, asked) if reserving else False
                     if done is False:
                         done = put_joined(txn.put, txn.delete if unindex else None, index, self.head, keys, views, xxcopy.xxh3_joined, asked)
                     if done is None:  # a row moved since its view was taken: nothing of the job put
                         txn.abort()
                         return [self._moved(len(keys))]
                     txn.commit()
+                    tier._wrote()
                     return [[self.stored] * len(keys)]
                 except Exception:
                     if txn is not None:
@@ -351,17 +349,14 @@ class LoneSave:
         heap bytes the commit may need kept (``keep_heap_for``)."""
         tier = self.tier
         with tier._write_lock:
-            env = tier._env
-            if env is None:
-                raise BackendError(f"lmdb: {tier.path!r} was closed during the write")
             tier._listed = None
-            tier._file_whole()
             keep_heap_for(keep)
             txn = None
             try:
-                txn = env.begin(tier._blocks, None, True, True)  # write, buffers: by position
+                txn = tier._begin_write(tier._blocks, True)  # (closed: BackendError, data.mdb cut short: DiskError; the general commit's again)
                 put(self, txn, job)
                 txn.commit()
+                tier._wrote()
             except Exception:
                 if txn is not None:
                     txn.abort()

@@ -1,6 +1,7 @@
 """Plain records of an ``lmdb`` store: the tight pass that reads a warm job of them
 (:class:`PlainReads`), how a save builds them (:func:`build_joined`, :data:`UNSUMMED`), and the
-guard that keeps reads off a ``data.mdb`` cut short under an open store (:class:`FileGuard`).
+guard that keeps reads and write transactions off a ``data.mdb`` cut short under an open store
+(:class:`FileGuard`).
 
 A plain record is what an unkeyed ``lmdb`` tier writes for a block that did not compress: a
 32-byte header whose first 24 bytes (the part the checksum covers: magic, version, codec,
@@ -187,12 +188,17 @@ class PlainReads:
 
 
 class FileGuard:
-    """Refuses reads once ``data.mdb`` is shorter than it was: LMDB never shrinks its file
-    while it is open, so a shorter one was cut under the store, and a value past its end would
-    fault the process (python-lmdb touches every page of a value inside ``get``, so no check
-    after a lookup can prevent that; the open's page check covers files damaged while closed).
-    One ``lseek`` to the end per job, on a descriptor of its own: it gives the size as
-    ``fstat`` does at a quarter of the cost (0.6 µs against 2.2 here: no stat object built)."""
+    """Refuses reads and write transactions once ``data.mdb`` is shorter than it was: LMDB never
+    shrinks its file while it is open, so a shorter one was cut under the store, and a page past
+    its end would fault the process (python-lmdb touches every page of a value inside ``get``,
+    and a write transaction walks the map's pages as a lookup does, so no check after a lookup
+    can prevent that; the open's page check covers files damaged while closed). One ``lseek`` to
+    the end per job, on a descriptor of its own: it gives the size as ``fstat`` does at a quarter
+    of the cost (0.6 µs against 2.2 here: no stat object built).
+
+    The size it holds (``seen``) is the largest the file was measured at: by a check, and after
+    every commit of the store (:meth:`wrote`), so that a cut below what a commit appended is seen
+    by the next check even where the file stays longer than at the check before that commit."""
 
     __slots__ = ("fd", "growing", "path", "seen")
 
@@ -203,7 +209,7 @@ class FileGuard:
         self.growing = threading.Lock()  # taken only where the file grew: never on a job's common path
 
     def check(self) -> None:
-        """``DiskError`` if the file is shorter than at the last check."""
+        """``DiskError`` if the file is shorter than at the last check or commit."""
         seen = self.seen  # (read before the measure: another thread's check may record it grown in between)
         try:
             size = os.lseek(self.fd, 0, os.SEEK_END)
@@ -212,9 +218,25 @@ class FileGuard:
         if size < seen:
             raise DiskError(f"lmdb: {self.path!r} is {size} bytes, shorter than the {seen} it held: cut under the open store; not read")
         if size > seen:
-            with self.growing:  # (a check that measured less must not store over a larger size another stored meanwhile)
-                if size > self.seen:
-                    self.seen = size
+            self._grew(size)
+
+    def wrote(self) -> int | None:
+        """After a commit (under the store's write lock): the file's size now, taken as the least
+        it holds from now on (the pages the commit appended are the map's), and returned; ``None``
+        where it cannot be measured (closed meanwhile: the next check says so). Never raises: the
+        commit is done, and a cut it missed is the next check's to refuse."""
+        try:
+            size = os.lseek(self.fd, 0, os.SEEK_END)
+        except OSError:
+            return None
+        if size > self.seen:
+            self._grew(size)
+        return size
+
+    def _grew(self, size: int) -> None:
+        with self.growing:  # (a measure of less must not store over a larger size another stored meanwhile)
+            if size > self.seen:
+                self.seen = size
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

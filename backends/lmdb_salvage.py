@@ -39,7 +39,7 @@ from kvtier.backends.lmdb_layout import INDEX, entry_stamp
 from kvtier.backends.lmdb_pages import _DB, _HEADER, _IGNORED_FLAGS, _MAIN_DB_AT, _MAX_DEPTH, _NODE, _P_BRANCH, _P_LEAF
 
 from kvtier.backend import BlockFormat
-from kvtier.errors import ConfigError, CorruptBlockError
+from kvtier.errors import ConfigError, CorruptBlockError, DiskError
 from kvtier.records.codec import UnsupportedRecordError
 from kvtier.records.format import RecordMac, check_meta, decode_meta, parse_header, verify_payload
 from kvtier.records.meta import NewerMetaError
@@ -315,18 +315,20 @@ def _verify(key: bytes, entry: bytes | None, value: bytes, fmt: BlockFormat, mac
     return True
 
 
-def copy_into(env: lmdb.Environment, blocks: Any, index: Any) -> Callable[[list[SalvagedRecord]], bool]:
-    """A ``put`` for :func:`salvage_records`: each batch in one write transaction of ``env``;
-    ``False`` (stop) on an LMDB error, such as a full map under a lowered capacity."""
+def copy_into(begin: Callable[[], lmdb.Transaction], blocks: Any, index: Any) -> Callable[[list[SalvagedRecord]], bool]:
+    """A ``put`` for :func:`salvage_records`: each batch in one write transaction that
+    ``begin()`` begins (the store's ``_begin_write``: its file guard asked first); ``False``
+    (stop) on an LMDB error, such as a full map under a lowered capacity, or on the guard's
+    refusal (``DiskError``: the fresh file was cut short meanwhile)."""
 
     def put(batch: list[SalvagedRecord]) -> bool:
         try:
-            with env.begin(write=True) as txn:
+            with begin() as txn:
                 for r in batch:
                     txn.put(r.key, r.value, db=blocks)
                     if r.entry is not None:
                         txn.put(r.key, r.entry, db=index)
-        except lmdb.Error as exc:
+        except (lmdb.Error, DiskError) as exc:
             log.warning("lmdb: salvage stopped: %s", exc)
             return False
         return True

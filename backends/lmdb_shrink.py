@@ -59,6 +59,10 @@ class LmdbShrink:
 
         def _try_open(self, fmt: BlockFormat) -> None: ...
 
+        def _begin_write(self, db: Any = None, buffers: bool = False) -> lmdb.Transaction: ...
+
+        def _wrote(self) -> int | None: ...
+
     def _shrink(self, fmt: BlockFormat, used: int) -> None:
         """The map holds more than the (lowered) capacity: drop the oldest records until the rest
         fits, compact the file, and reopen at the capacity. Logged with the counts."""
@@ -72,10 +76,11 @@ class LmdbShrink:
             victim = records.pop(0)
             dropped.append(victim)
             total -= victim.stored_bytes
-        with env.begin(write=True) as txn:
+        with self._begin_write() as txn:
             for r in dropped:
                 txn.delete(r.key, db=self._blocks)
                 txn.delete(r.key, db=self._index)
+        self._wrote()
         compacted = os.path.join(self.path, "compact.tmp")
         shutil.rmtree(compacted, ignore_errors=True)
         os.makedirs(compacted, mode=0o700)

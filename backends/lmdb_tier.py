@@ -345,7 +345,8 @@ class LmdbBackend(OfflineLmdb, DirectoryTags, LmdbShrink, LmdbWrites):
         one (:mod:`kvtier.backends.lmdb_salvage`: checksums decide); say what it did."""
         env = self._env
         assert env is not None
-        kept, refused, why, unchecked = salvage_records(moved, fmt, self.mac, copy_into(env, self._blocks, self._index))
+        kept, refused, why, unchecked = salvage_records(moved, fmt, self.mac, copy_into(self._begin_write, self._blocks, self._index))
+        self._wrote()  # (the file guard takes the salvaged file's size)
         if why is not None:
             return f"salvaged no record: {why}"
         if kept and self.sync_mode == "durable":

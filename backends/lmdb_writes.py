@@ -249,13 +249,9 @@ class LmdbWrites(PersistentRecordBackend):
         rolled back. Durable, each commit syncs its data pages before it writes its meta page;
         :meth:`_sync_jobs` then syncs that page."""
         with self._write_lock:
-            env = self._env
-            if env is None:
-                raise BackendError(f"lmdb: {self.path!r} was closed during the write")
             self._listed = None
-            self._file_whole()
             # Only a store of large records maps what a commit appends: the others skip the
-            # two lseeks (see the module doc).
+            # lseek before (see the module doc; the one after is the file guard's, _wrote).
             maps = self._maps_appended
             start = self._data_end() if maps else None
             # The transaction mallocs each value's pages and frees them all at its commit, and
@@ -268,29 +264,33 @@ class LmdbWrites(PersistentRecordBackend):
             parts = transactions(jobs, pages + built)
             if parts is None:  # (the group fits one transaction: the common case)
                 keep_heap_for(sum(map(len, jobs)) * (pages + built))
-                sizes = self._put_group(env, jobs)
+                sizes = self._put_group(jobs)
+                end = self._wrote()
             else:
                 keep_heap_for(max(sum(map(len, part)) for part, _ in parts) * (pages + built))
                 sizes = [[] for _ in jobs]
                 for part, owners in parts:
-                    for owner, part_sizes in zip(owners, self._put_group(env, part)):
+                    for owner, part_sizes in zip(owners, self._put_group(part)):
                         sizes[owner] += part_sizes
+                    end = self._wrote()  # (each part's commit tells the guard the size it left)
             if maps:
-                self._map_appended(start)
+                self._map_appended(start, end)
             return sizes
 
-    def _put_group(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
+    def _put_group(self, jobs: list[list[Record]]) -> list[list[int | None]]:
         """``jobs`` in one write transaction; where it fails on a put or a build, each record in its own."""
         try:
-            return self._put_together(env, jobs)
+            return self._put_together(jobs)
         except _PUT_FAILED as exc:
             log.debug("lmdb: a group of %d jobs did not fit one transaction (%s); putting each record alone", len(jobs), exc)
-            return self._put_each(env, jobs)
+            return self._put_each(jobs)
         except lmdb.Error as exc:
             raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+        except BackendError:  # closed, or the file cut short (_begin_write's DiskError): nothing begun
+            raise
         except Exception as exc:  # a record built in the transaction (aborted) failed: its own failure alone
             log.debug("lmdb: a record of a group of %d jobs failed to build (%r); putting each record alone", len(jobs), exc)
-            return self._put_each(env, jobs)
+            return self._put_each(jobs)
 
     def _data_end(self) -> int | None:
         """Where ``data.mdb`` ends now, where its map is known (``None``: not known)."""
@@ -301,9 +301,9 @@ class LmdbWrites(PersistentRecordBackend):
         except OSError:
             return None
 
-    def _map_appended(self, start: int | None) -> None:
-        """Map the pages a commit appended to ``data.mdb`` since ``start`` (see the module doc)."""
-        end = self._data_end()
+    def _map_appended(self, start: int | None, end: int | None) -> None:
+        """Map the pages a commit appended to ``data.mdb`` from ``start`` to ``end`` (see the
+        module doc)."""
         base = self._reader.map_base if self._reader is not None else None
         if start is not None and end is not None and base is not None and 0 < end - start < MAP_BELOW_BYTES and self.format.block_bytes >= MAP_AFTER_BYTES:
             map_pages(base + start, end - start)
@@ -325,7 +325,7 @@ class LmdbWrites(PersistentRecordBackend):
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: sync of {self.path!r} failed: {exc}") from exc
 
-    def _put_together(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
+    def _put_together(self, jobs: list[list[Record]]) -> list[list[int | None]]:
         sizes: list[list[int | None]] = []
         blocks, index, pages, join_max = self._blocks, self._index, self._pages, lmdb_entries.JOIN_MAX
         length, stored, entry = -1, 0, b""  # the last record length, its stored bytes and entry's start
@@ -336,7 +336,7 @@ class LmdbWrites(PersistentRecordBackend):
         plain_head = plain.head if plain is not None else b""
         # (blocks the transaction's default database: a put names none; buffers: a get gives the
         # put's copy, not a bytes of it)
-        with env.begin(write=True, buffers=True, db=blocks) as txn:
+        with self._begin_write(blocks, True) as txn:
             put, delete, get = txn.put, txn.delete, txn.get
             indexed = self._splits  # a joined save deletes the key's entry while it may be split
             for job in jobs:
@@ -369,7 +369,7 @@ class LmdbWrites(PersistentRecordBackend):
                 sizes.append(job_sizes)
         return sizes
 
-    def _put_each(self, env: lmdb.Environment, jobs: list[list[Record]]) -> list[list[int | None]]:
+    def _put_each(self, jobs: list[list[Record]]) -> list[list[int | None]]:
         """One transaction per record; a put that fails is that key's failure alone."""
         bumped = False
         sizes: list[list[int | None]] = []
@@ -379,7 +379,7 @@ class LmdbWrites(PersistentRecordBackend):
                 stored = self._pages(len(head) + len(payload))
                 try:
                     try:
-                        self._put(env, key, head, payload, stored)
+                        self._put(key, head, payload, stored)
                     except lmdb.MapFullError:
                         if bumped:
                             raise
@@ -387,8 +387,8 @@ class LmdbWrites(PersistentRecordBackend):
                         # reusable only to a transaction after the next one: commit a tiny one,
                         # then retry this key once.
                         bumped = True
-                        self._bump_txnid(env)
-                        self._put(env, key, head, payload, stored)
+                        self._bump_txnid()
+                        self._put(key, head, payload, stored)
                 except _PUT_FAILED as exc:
                     log.debug("lmdb: write of %s… failed: %s", key.hex()[:16], exc)
                     counts_add(self.counters, "write_failures", 1)
@@ -396,6 +396,8 @@ class LmdbWrites(PersistentRecordBackend):
                     continue
                 except lmdb.Error as exc:
                     raise DiskError(f"lmdb: write to {self.path!r} failed: {exc}") from exc
+                except BackendError:  # closed, or the file cut short (_begin_write's DiskError)
+                    raise
                 except Exception as exc:  # its record failed to build in the transaction (aborted)
                     log.warning("lmdb: record of %s… not built: %r", key.hex()[:16], exc)
                     counts_add(self.counters, "write_failures", 1)
@@ -409,8 +411,8 @@ class LmdbWrites(PersistentRecordBackend):
         """Each block's ``(head, payload)``, encoded on a side thread ahead of the puts."""
         return EncodedStream(lambda pair: self._encode_one(*pair), list(zip(keys, blocks)), sizes=[b.numel() for b in blocks])
 
-    def _put(self, env: lmdb.Environment, key: bytes, head: bytes, payload: Any, stored: int) -> None:
-        with env.begin(write=True, buffers=True) as txn:
+    def _put(self, key: bytes, head: bytes, payload: Any, stored: int) -> None:
+        with self._begin_write(None, True) as txn:
             if len(head) + len(payload) <= lmdb_entries.JOIN_MAX:
                 value = self._plain().joined(key, payload) if head is UNSUMMED else head + payload if head else payload
                 txn.put(key, value, db=self._blocks)
@@ -422,15 +424,31 @@ class LmdbWrites(PersistentRecordBackend):
                 txn.put(key, index_entry(time.time(), stored, head), db=self._index)
                 self._splits = True
 
-    def _file_whole(self) -> None:
-        """``DiskError`` where ``data.mdb`` is shorter than the file guard last saw: a write
-        transaction walks the map's pages as a read does, and one past the file's end faults the
-        process (:class:`~kvtier.backends.lmdb_records.FileGuard`). Asked under the write lock,
-        before each write transaction begins (one ``lseek`` a commit)."""
+    def _begin_write(self, db: Any = None, buffers: bool = False) -> lmdb.Transaction:
+        """The one way a write transaction of the open store begins (under the write lock, taken
+        by the caller, or while the store opens): ``BackendError`` where it was closed meanwhile;
+        ``DiskError`` where ``data.mdb`` is shorter than the file guard holds (a write transaction
+        walks the map's pages as a read does, and one past the file's end faults the process:
+        :class:`~kvtier.backends.lmdb_records.FileGuard`, one ``lseek``); then LMDB's begin
+        (``db``: its default database; ``buffers``: python-lmdb's). After its commit, before the
+        lock is let go, the caller calls :meth:`_wrote` (once for several transactions under one
+        hold of the lock)."""
+        env = self._env
+        if env is None:
+            raise BackendError(f"lmdb: {self.path!r} was closed during the write")
+        reader = self._reader
+        if reader is not None and reader.guard is not None:
+            reader.guard.check()
+        return env.begin(db, None, True, buffers)  # type: ignore[call-overload]  # (db, parent, write, buffers): by position
+
+    def _wrote(self) -> int | None:
+        """After a commit (under the write lock): the file guard takes the file's size now as
+        the least it may hold (:meth:`FileGuard.wrote`: one ``lseek``), so that a cut below what
+        the commit appended is refused by the next read or write, also where the file stays
+        longer than the guard's check before it saw. The size, or ``None`` (not known)."""
         reader = self._reader
         guard = reader.guard if reader is not None else None
-        if guard is not None:
-            guard.check()
+        return None if guard is None else guard.wrote()
 
     def _plain(self) -> PlainReads:
         """The :class:`PlainReads` of this store (what makes an :data:`UNSUMMED` head)."""
@@ -439,9 +457,9 @@ class LmdbWrites(PersistentRecordBackend):
             raise BackendError(f"lmdb: {self.path!r} is not open")
         return reader.plain
 
-    def _bump_txnid(self, env: lmdb.Environment) -> None:
+    def _bump_txnid(self) -> None:
         try:
-            with env.begin(write=True, db=self._meta) as txn:
+            with self._begin_write(self._meta) as txn:
                 txn.put(_EPOCH_KEY, struct.pack("<d", time.time()))
         except _PUT_FAILED:
             pass  # even this did not fit; the retry will report the key as failed
@@ -453,17 +471,14 @@ class LmdbWrites(PersistentRecordBackend):
 
     def _delete(self, keys: list[bytes]) -> None:
         with self._write_lock:
-            env = self._env
-            if env is None:
-                raise BackendError(f"lmdb: {self.path!r} is closed")
             self._listed = None  # the listing read at open is stale from now on
-            self._file_whole()
             deleted = 0
             try:
-                with env.begin(write=True) as txn:
+                with self._begin_write() as txn:
                     for key in keys:
                         deleted += txn.delete(key, db=self._blocks)
                         txn.delete(key, db=self._index)
+                self._wrote()  # (a delete's commit appends pages too: the B-trees' copied pages, the freelist's)
             except lmdb.Error as exc:
                 raise DiskError(f"lmdb: delete in {self.path!r} failed: {exc}") from exc
             self._count_deleted(deleted)
@@ -473,12 +488,8 @@ class LmdbWrites(PersistentRecordBackend):
             return
         self._env_or_raise()
         with self._write_lock:
-            env = self._env
-            if env is None:
-                raise BackendError(f"lmdb: {self.path!r} is closed")
-            self._file_whole()
             try:
-                with env.begin(write=True, db=self._index, buffers=True) as txn:
+                with self._begin_write(self._index, True) as txn:
                     for key, stamp in stamps:
                         value = txn.get(key)
                         if value is not None:
@@ -488,6 +499,7 @@ class LmdbWrites(PersistentRecordBackend):
                         record = txn.get(key, db=self._blocks)
                         if record is not None:
                             txn.put(key, INDEX.pack(float(stamp), self._pages(len(record))))
+                self._wrote()
             except (lmdb.Error, ValueError) as exc:
                 # Advisory (eviction order only): never fail a close over them.
                 log.warning("lmdb: access stamps of %r not persisted: %s", self.path, exc)

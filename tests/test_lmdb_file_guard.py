@@ -1,5 +1,5 @@
-"""The ``lmdb`` tier's file guard (``lmdb_plain.FileGuard``) refuses reads once ``data.mdb`` is
-shorter than it was, and only then: reads run on several threads while saves grow the file, so
+"""The ``lmdb`` tier's file guard (``lmdb_plain.FileGuard``) refuses reads and write transactions
+once ``data.mdb`` is shorter than it was, and only then: reads run on several threads while saves grow the file, so
 a check may measure the file just before another thread's check records it larger. That check
 compares with what was recorded before it measured, and so never takes a file that grew for one
 that was cut (it refused such reads with a DiskError, "shorter than the ... it held", in about
@@ -7,14 +7,24 @@ one run of five of 8 threads reading and saving at once)."""
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
-from kvtier.backends import lmdb_plain
+import torch
+from kvtier.backends import lmdb_lone, lmdb_plain
+from kvtier.backends.group_commit import GroupCommit
 
+from kvtier import registry
+from kvtier.backend import BlockFormat
 from kvtier.errors import DiskError
+from kvtier.testing import make_key, random_block
 
 
 def _guarded(tmp_path: Path, size: int) -> tuple[str, lmdb_plain.FileGuard]:
@@ -76,47 +86,178 @@ def test_a_check_that_measured_less_does_not_store_over_a_larger_size_another_st
     guard.close()
 
 
-_WRITES_AFTER_A_CUT = """
+#: A store grown by saves in one form (argv[2]: "lone", saves of one on the straight line; "job",
+#: jobs of 16 on it; "general", both on the general path), then its data.mdb cut (argv[3]: "below",
+#: to a quarter of what the last read's check saw; "above", into what the last save appended, above
+#: what the check at that save's begin saw); then a read and every write entry point, each said
+#: refused or went on.
+_AFTER_A_CUT = """
 import asyncio, os, sys
+import lmdb, torch
 from kvtier import registry
 from kvtier.backend import BlockFormat
+from kvtier.backends import lmdb_lone
+from kvtier.backends.group_commit import GroupCommit
 from kvtier.errors import DiskError
 from kvtier.testing import make_key, random_block
 
-fmt = BlockFormat(block_bytes=65536, dtype="uint8")
-backend = registry.backends.get("lmdb")(capacity=32 << 20, path=sys.argv[1], sync_mode="fast")
+path, form, cut = sys.argv[1:4]
+lmdb_lone.LONE_SAVES = form != "general"
+fmt = BlockFormat(block_bytes=16384, dtype="uint8")  # (put joined: the straight line's records)
+backend = registry.backends.get("lmdb")(capacity=64 << 20, path=path, sync_mode="fast")
 asyncio.run(backend.open(fmt))
-keys = [make_key(i) for i in range(64)]
-assert None not in backend.write_blocks(keys, [random_block(fmt.block_bytes, i) for i in range(64)])
-import torch
-assert backend.read_blocks(keys[:1], [torch.zeros(fmt.block_bytes, dtype=torch.uint8)]) == [True]  # (the guard sees the grown file)
-data = os.path.join(sys.argv[1], "data.mdb")
-os.truncate(data, os.path.getsize(data) // 4)
-for name, write in [
-    ("save of one", lambda: backend.write_blocks([make_key(1000)], [random_block(fmt.block_bytes, 1000)])),
-    ("save of a job", lambda: backend.write_blocks([make_key(1001 + i) for i in range(16)], [random_block(fmt.block_bytes, i) for i in range(16)])),
+rows = [random_block(fmt.block_bytes, i) for i in range(16)]
+for i, row in enumerate(rows):  # each row saved once: the store keeps its view (the straight line takes it)
+    assert backend.write_blocks([make_key(1000 + i)], [row]) != [None]
+general = []
+submit = GroupCommit.submit
+GroupCommit.submit = lambda self, batch: general.append(len(batch)) or submit(self, batch)
+
+def grow(first, count):
+    keys = [make_key(first + i) for i in range(count)]
+    for n in range(0, count, 16 if form == "job" else 1):
+        part = keys[n : n + (16 if form == "job" else 1)]
+        assert None not in backend.write_blocks(part, rows[: len(part)])
+    return keys
+
+keys = grow(0, 32)
+out = [torch.zeros(fmt.block_bytes, dtype=torch.uint8) for _ in range(8)]
+assert backend.read_blocks(keys[:1], out[:1]) == [True]  # a check: the guard sees the file as it is
+data = os.path.join(path, "data.mdb")
+checked = os.path.getsize(data)
+if cut == "above":
+    keys += grow(100, 48)
+    for n in range(100):  # then a last save that appends two pages or more
+        checked = os.path.getsize(data)  # what the last check saw: the one at that save's begin
+        keys += grow(200 + 16 * n, 16 if form == "job" else 1)
+        if os.path.getsize(data) - checked >= 8192:
+            break
+grown = os.path.getsize(data)
+print("general commits while growing:", len(general), flush=True)
+to = checked // 4 if cut == "below" else (checked + grown) // 2 // 4096 * 4096
+assert to < checked if cut == "below" else checked < to < grown, (checked, to, grown)
+os.truncate(data, to)
+print("cut", checked, to, grown, flush=True)
+
+def one_per_record():  # the general commit's fallback: each record in a transaction of its own
+    def full(*args):
+        raise lmdb.MapFullError("full")
+    backend._put_together = full
+    try:
+        return backend.write_blocks([make_key(2000 + i) for i in range(4)], rows[:4])
+    finally:
+        del backend._put_together
+
+for name, call in [
+    ("read", lambda: backend.read_blocks(keys[-8:], out)),
+    ("save of one", lambda: backend.write_blocks([make_key(3000)], rows[:1])),
+    ("save of a job", lambda: backend.write_blocks([make_key(3001 + i) for i in range(16)], rows)),
+    ("save one per record", one_per_record),
     ("delete", lambda: backend.delete_blocks(keys[:8])),
     ("stamps", lambda: backend.touch_stamps([(keys[9], 1.0)])),
 ]:
     try:
-        print(name, "went on", write(), flush=True)
+        print(name, "went on", call(), flush=True)
     except DiskError as exc:
         print(name, "refused:", exc, flush=True)
 """
 
+_CALLS = ("read", "save of one", "save of a job", "save one per record", "delete", "stamps")
 
-@pytest.mark.parametrize("lone", [True, False])
-def test_writes_to_a_data_file_cut_short_are_refused(tmp_path: Path, lone: bool) -> None:
-    """A save, a delete or a stamp update of a store whose data.mdb was cut short under it fails
-    with the guard's DiskError, as a read does: its write transaction would touch the lost
-    pages and fault the process (SIGBUS, rc 135, before the writers asked the guard). In a child
-    process, so a fault is observed, not suffered; with and without the lone saves' path."""
-    import subprocess
-    import sys
 
-    script = _WRITES_AFTER_A_CUT if lone else "from kvtier.backends import lmdb_lone\nlmdb_lone.LONE_SAVES = False\n" + _WRITES_AFTER_A_CUT
-    child = subprocess.run([sys.executable, "-c", script, str(tmp_path / "store")], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("cut", ["below", "above"])
+@pytest.mark.parametrize("form", ["lone", "job", "general"])
+def test_reads_and_writes_of_a_data_file_cut_short_are_refused(tmp_path: Path, form: str, cut: str) -> None:
+    """A read, a save (of one, of a job, one record a transaction), a delete or a stamp update
+    of a store whose data.mdb was cut short under it fails with the guard's DiskError: its
+    transaction would touch the lost pages and fault the process. ``below``: cut below what the
+    last check saw (a write died of SIGBUS, rc -7, before the writers asked the guard). ``above``:
+    cut into what the last save appended, above what the check at its begin saw, which the guard
+    learned only from its checks: the read of the last key died of SIGBUS before each commit told
+    it the file's size. Grown by saves of one or jobs on the straight line, or on the general path. In a child
+    process, so a fault is observed, not suffered."""
+    child = subprocess.run([sys.executable, "-c", _AFTER_A_CUT, str(tmp_path / "store"), form, cut], capture_output=True, text=True, timeout=300)
     print(child.stdout, child.stderr[-2000:])
     assert child.returncode == 0
-    for name in ("save of one", "save of a job", "delete", "stamps"):
-        assert f"{name} refused:" in child.stdout and "shorter than" in child.stdout
+    assert ("general commits while growing: 0" in child.stdout) == (form != "general")  # (the form grew it)
+    for name in _CALLS:
+        assert f"{name} refused:" in child.stdout
+    assert child.stdout.count("shorter than") == len(_CALLS)
+
+
+def _sizes(backend: Any) -> tuple[int, int]:
+    """The file guard's size, and data.mdb's."""
+    guard = backend._reader.guard
+    return guard.seen, os.path.getsize(guard.path)
+
+
+def test_every_commit_tells_the_guard_the_size_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each write entry point's commit the guard holds the file's size, with no read or
+    check between: a cut below it is then refused (the test above, ``above``). The saves grow
+    the file; the guard held the size its last check saw until every commit told it."""
+    fmt = BlockFormat(block_bytes=16384, dtype="uint8")
+    backend = registry.backends.get("lmdb")(capacity=64 << 20, path=str(tmp_path / "store"), sync_mode="fast")
+    asyncio.run(backend.open(fmt))
+    rows = [random_block(fmt.block_bytes, i) for i in range(16)]
+    counter = iter(range(10**6))
+
+    def keys(n: int) -> list[bytes]:
+        return [make_key(next(counter)) for _ in range(n)]
+
+    def full(*args: Any) -> Any:
+        raise lmdb.MapFullError("full")
+
+    try:
+        for row in rows:  # the rows' views kept: the straight line takes them
+            backend.write_blocks(keys(1), [row])
+        general: list[int] = []
+        submit = GroupCommit.submit
+        monkeypatch.setattr(GroupCommit, "submit", lambda self, batch: general.append(len(batch)) or submit(self, batch))
+        for lone, reserved, count in [(True, True, 1), (True, True, 16), (True, False, 1), (True, False, 16), (False, True, 1), (False, True, 16)]:
+            # the straight line (records written into LMDB's reserved room, or built first), the general path
+            monkeypatch.setattr(lmdb_lone, "LONE_SAVES", lone)
+            monkeypatch.setattr(lmdb_lone, "RESERVED_PUTS", reserved)
+            before = _sizes(backend)
+            for _ in range(3):
+                general.clear()
+                assert None not in backend.write_blocks(keys(count), rows[:count])
+                assert (general == []) == lone  # (the path named)
+                seen, size = _sizes(backend)
+                assert seen == size, (lone, reserved, count, seen, size)
+            assert size > before[1]  # (the saves grew it)
+        monkeypatch.setattr(backend, "_put_together", full)  # one record a transaction
+        before = _sizes(backend)
+        assert None not in backend.write_blocks(keys(4), rows[:4])
+        assert _sizes(backend)[0] == _sizes(backend)[1] > before[1]
+        monkeypatch.undo()
+        stamped = keys(64)
+        assert None not in backend.write_blocks(stamped, [rows[i % 16] for i in range(64)])
+        backend.touch_stamps([(key, 1.0) for key in stamped])  # joined records gain index entries
+        assert _sizes(backend)[0] == _sizes(backend)[1]
+        backend.delete_blocks(stamped[:32])
+        assert _sizes(backend)[0] == _sizes(backend)[1]
+        assert backend.read_blocks(stamped[32:33], [torch.zeros(fmt.block_bytes, dtype=torch.uint8)]) == [True]
+    finally:
+        asyncio.run(backend.aclose())
+
+
+def test_every_write_transaction_of_the_tier_begins_through_the_guard() -> None:
+    """No module of the backends begins a write transaction but the store's ``_begin_write``
+    (the store open, the file guard asked): a new write path cannot forget the guard. The
+    exceptions write where no guard is yet: the open's meta record (``_try_open``, just after
+    the open's check of the file) and the offline tools' own environments."""
+    root = Path(__file__).resolve().parents[1] / "backends"
+    found: set[tuple[str, str]] = set()
+    for source in sorted(root.glob("*.py")):
+        tree = ast.parse(source.read_text(), str(source))
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(function):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "begin"):
+                    continue
+                write = [k.value for k in call.keywords if k.arg == "write"] + call.args[2:3]
+                if any(not (isinstance(w, ast.Constant) and w.value in (False, None)) for w in write):
+                    found.add((source.stem, function.name))
+    offline = {(module, name) for module, name in found if module == "lmdb_offline"}
+    assert found - offline == {("lmdb_writes", "_begin_write"), ("lmdb_tier", "_try_open")}
