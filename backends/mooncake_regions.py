@@ -19,11 +19,15 @@ bookkeeping, never its memory):
   the NIC); a storage seen at its new memory is registered there;
 * everything is unregistered when the client closes.
 
-A transfer never targets freed memory (a job keeps its rows' memory until it is checked), so
-unregistering a freed region cannot fail a transfer. Merging two live regions unregisters one
-for a moment: a transfer of another job into it in that moment fails, a failed store or a miss,
-never wrong data (every record is checked where it lands). Failed registrations and
-unregistrations are counted and logged once each kind.
+Whether a storage still lives at its address is asked through torch's private
+``UntypedStorage._new_with_weak_ptr`` (the storage a weak reference names, as torch's own
+``storage_from_cache`` asks it). A torch without it is met safely, logged once at import: a
+region then counts as freed once every storage it serves has expired (``StorageWeakRef.expired``),
+so a storage resized in place keeps its old region until it is freed (its new memory is
+registered beside it when a job moves it; nothing is read from the old); and where even that
+cannot be asked, a region counts as freed: let go at the next sweep, registered again by the next
+job that moves its memory (a transfer into it meanwhile fails, and so does one through the
+staging, registered once: a failed store or a miss, never a read of the wrong memory).
 """
 
 from __future__ import annotations
@@ -41,8 +45,14 @@ __all__ = ["Regions"]
 
 log = logging.getLogger("kvtier")
 
-#: The storage a weak reference's id names while it lives, else ``None``.
-_storage_of: Callable[[int], Any] = torch.UntypedStorage._new_with_weak_ptr
+#: The storage a weak reference's id names while it lives, else ``None``: torch's own call for it
+#: (private); ``None`` where a torch lacks it (see the module doc and :meth:`_Region.freed`).
+_storage_of: Callable[[int], Any] | None = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
+if _storage_of is None:
+    log.warning(
+        "mooncake: this torch has no UntypedStorage._new_with_weak_ptr; a region registered for rdma is let go "
+        "only once its storages are freed (a storage resized in place keeps its old memory registered until then)"
+    )
 
 
 class _Region:
@@ -70,9 +80,20 @@ class _Region:
 
     def freed(self) -> bool:
         """Whether no storage it serves is still at the memory it was taken at: each freed, or
-        resized in place (``resize_`` moves a storage's bytes to new memory and frees the old)."""
+        resized in place (``resize_`` moves a storage's bytes to new memory and frees the old).
+        Without torch's call (:data:`_storage_of`): whether each has expired. Where neither can
+        be asked (the call fails), ``True``: the region is let go and registered again when a
+        job next moves its memory, which costs registrations, never a read of the wrong memory."""
+        storage_of = _storage_of
         for ref, at in self.served.values():
-            storage = _storage_of(ref.cdata)
+            try:
+                if storage_of is None:
+                    if not ref.expired():
+                        return False
+                    continue
+                storage = storage_of(ref.cdata)
+            except Exception:  # (another torch's calls of these names: not known to be live)
+                return True
             if storage is not None and storage.data_ptr() == at:
                 return False
         return True
@@ -137,7 +158,7 @@ class Regions:
             if not ok:
                 for region in live:  # as they were, so their own transfers go on
                     self._add(region)
-            self._sweep_locked()
+            self._sweep_locked(merged)
             return ok
 
     def sweep(self) -> int:
@@ -152,9 +173,12 @@ class Regions:
                 self._drop(region)
 
     # -- under the lock ----------------------------------------------------------------------
-    def _sweep_locked(self) -> int:
+    def _sweep_locked(self, kept: _Region | None = None) -> int:
+        """Unregister the regions whose storages are all freed, but ``kept`` (one just
+        registered for a job's storage, kept at least to the next sweep: where its storages
+        cannot be asked it counts as freed, and the job's own transfer needs it)."""
         self._last_sweep = time.monotonic()
-        gone = [r for r in self._regions.values() if r.freed()]
+        gone = [r for r in self._regions.values() if r is not kept and r.freed()]
         return sum(1 for r in gone if self._drop(r))
 
     def _add(self, region: _Region) -> bool:

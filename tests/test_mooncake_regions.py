@@ -146,16 +146,22 @@ def test_a_pool_grown_at_its_old_base_is_registered_again_whole(backend: Any) ->
     assert backend.stats()["registrations"]["register_failures"] == 0
 
 
-def test_a_pool_the_engine_freed_is_unregistered(backend: Any) -> None:
+def kept_and_freed(backend: Any, seed: int) -> tuple[Recorded, torch.Tensor, int]:
+    """Two pools stored and read back, then the second freed: the client, the pool kept, and
+    where the freed one was."""
     store = client(backend)
-    kept, freed = bytearray(2 * BLOCK), bytearray(2 * BLOCK)
-    pool, gone = pool_over(kept, 2), pool_over(freed, 2)
+    pool, gone = pool_over(bytearray(2 * BLOCK), 2), pool_over(bytearray(2 * BLOCK), 2)
     gone_base = gone.data_ptr()
-    stored_and_read(backend, pool, [0, 1], seed=3)
-    stored_and_read(backend, gone, [0, 1], seed=4)
+    stored_and_read(backend, pool, [0, 1], seed=seed)
+    stored_and_read(backend, gone, [0, 1], seed=seed + 1)
     assert store.covers(gone_base)
     del gone
     gc.collect()
+    return store, pool, gone_base
+
+
+def test_a_pool_the_engine_freed_is_unregistered(backend: Any) -> None:
+    store, pool, gone_base = kept_and_freed(backend, seed=3)
     backend.session.regions.sweep_interval_s = 0.0  # the next job looks at once
     stored_and_read(backend, pool, [1], seed=5)  # nothing new to register
     assert gone_base not in store.held()
@@ -290,3 +296,73 @@ def test_a_pool_resized_in_place_and_not_used_again_is_let_go_at_the_next_sweep(
     assert pool.data_ptr() not in store.held()  # registered again the first time a job moves it
     stored_and_read(backend, pool, [2], seed=55)
     assert store.held()[pool.data_ptr()] == 3 * BLOCK
+
+
+class _Missing:
+    """A class attribute that is not there: its lookup raises ``AttributeError`` (torch's own is
+    defined on its immutable C base, which cannot lose it; this one, set on the subclass, is
+    found first)."""
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        raise AttributeError(f"type object {owner.__name__!r} has no attribute '_new_with_weak_ptr'")
+
+
+@pytest.fixture
+def without_weak_storage_call() -> Iterator[Any]:
+    """``mooncake_regions`` as imported under a torch without the private
+    ``UntypedStorage._new_with_weak_ptr`` (reloaded with the attribute hidden; reloaded again with
+    it after the test). The open tier's regions run the reloaded module's code."""
+    import importlib
+
+    from kvtier.backends import mooncake_regions
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.UntypedStorage, "_new_with_weak_ptr", _Missing())
+            assert not hasattr(torch.UntypedStorage, "_new_with_weak_ptr")
+            yield importlib.reload(mooncake_regions)  # (the module's import raised AttributeError before)
+    finally:
+        importlib.reload(mooncake_regions)
+
+
+def test_a_torch_without_its_weak_storage_call_keeps_live_regions_and_lets_freed_ones_go(backend: Any, without_weak_storage_call: Any) -> None:
+    """Without the call the regions ask whether their storages expired: a freed pool is let go
+    at the sweep; a live pool and the staging stay registered, and jobs go on."""
+    assert without_weak_storage_call._storage_of is None
+    regions = backend.session.regions
+    regions.sweep_interval_s = 3600.0  # (sweeps only where the test asks)
+    store, kept, freed_base = kept_and_freed(backend, seed=60)
+    assert regions.sweep() == 1  # the freed pool alone
+    assert freed_base not in store.held() and not store.covers(freed_base)
+    assert store.held().get(kept.data_ptr()) == 2 * BLOCK
+    assert backend.session.put_staging.base in store.held()
+    stored_and_read(backend, kept, [1], seed=62)
+    counts = backend.stats()["registrations"]
+    assert counts["register_failures"] == 0 and counts["unregister_failures"] == 0
+
+
+def test_a_region_whose_storages_cannot_be_asked_counts_as_freed_and_is_registered_again(
+    backend: Any, without_weak_storage_call: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where neither torch's call nor the weak reference's ``expired`` answers, a region counts
+    as freed: kept for the job that registered it, let go at the sweep, registered again by the
+    next job that moves its memory, whose bytes are read back right."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def cannot(self: Any) -> bool:
+        raise RuntimeError("not in this torch")
+
+    monkeypatch.setattr(StorageWeakRef, "expired", cannot)
+    store = client(backend)
+    regions = backend.session.regions
+    regions.sweep_interval_s = 3600.0
+    pool = pool_over(bytearray(2 * BLOCK), 2)
+    base = pool.data_ptr()
+    stored_and_read(backend, pool, [0, 1], seed=63)
+    assert store.held().get(base) == 2 * BLOCK  # kept for its job
+    assert regions.sweep() >= 1
+    assert base not in store.held() and not store.covers(base)
+    stored_and_read(backend, pool, [0, 1], seed=64)
+    assert store.held().get(base) == 2 * BLOCK
+    counts = backend.stats()["registrations"]
+    assert counts["register_failures"] == 0 and counts["unregister_failures"] == 0
