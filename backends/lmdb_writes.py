@@ -426,20 +426,26 @@ class LmdbWrites(PersistentRecordBackend):
 
     def _begin_write(self, db: Any = None, buffers: bool = False) -> lmdb.Transaction:
         """The one way a write transaction of the open store begins (under the write lock, taken
-        by the caller, or while the store opens): ``BackendError`` where it was closed meanwhile;
-        ``DiskError`` where ``data.mdb`` is shorter than the file guard holds (a write transaction
-        walks the map's pages as a read does, and one past the file's end faults the process:
-        :class:`~kvtier.backends.lmdb_records.FileGuard`, one ``lseek``); then LMDB's begin
-        (``db``: its default database; ``buffers``: python-lmdb's). After its commit, before the
-        lock is let go, the caller calls :meth:`_wrote` (once for several transactions under one
-        hold of the lock)."""
+        by the caller, or while the store opens): :meth:`_guarded_env`'s checks, then LMDB's
+        begin (``db``: its default database; ``buffers``: python-lmdb's). After its commit, before
+        the lock is let go, the caller calls :meth:`_wrote` (once for several transactions under
+        one hold of the lock)."""
+        return self._guarded_env().begin(db, None, True, buffers)  # type: ignore[call-overload]  # (db, parent, write, buffers): by position
+
+    def _guarded_env(self) -> lmdb.Environment:
+        """The environment, for a write transaction about to begin (by :meth:`_begin_write`, or
+        by native code that begins its own: it asks this first, and calls :meth:`_wrote` after
+        its commit): ``BackendError`` where the store was closed meanwhile; ``DiskError`` where
+        ``data.mdb`` is shorter than the file guard holds (a write transaction walks the map's
+        pages as a read does, and one past the file's end faults the process:
+        :class:`~kvtier.backends.lmdb_records.FileGuard`, one ``lseek``)."""
         env = self._env
         if env is None:
             raise BackendError(f"lmdb: {self.path!r} was closed during the write")
         reader = self._reader
         if reader is not None and reader.guard is not None:
             reader.guard.check()
-        return env.begin(db, None, True, buffers)  # type: ignore[call-overload]  # (db, parent, write, buffers): by position
+        return env
 
     def _wrote(self) -> int | None:
         """After a commit (under the write lock): the file guard takes the file's size now as

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,3 +262,27 @@ def test_every_write_transaction_of_the_tier_begins_through_the_guard() -> None:
                     found.add((source.stem, function.name))
     offline = {(module, name) for module, name in found if module == "lmdb_offline"}
     assert found - offline == {("lmdb_writes", "_begin_write"), ("lmdb_tier", "_try_open")}
+
+
+#: Native sources of ``backends/`` that begin a write transaction themselves, each only after its
+#: Python caller asked the store's ``_guarded_env()`` (the file guard), and followed by ``_wrote()``
+#: after its commit, under the write lock, as ``_begin_write``'s callers do.
+GUARDED_BY_THEIR_CALLERS: set[str] = set()
+
+
+def test_a_native_write_transaction_is_one_its_caller_guards() -> None:
+    """The test above reads Python: a write transaction begun in C (LMDB's ``txn_begin`` without
+    ``MDB_RDONLY``) is a write path it cannot see. Each such source must be listed in
+    :data:`GUARDED_BY_THEIR_CALLERS` once its caller asks the guard before it and tells the guard
+    the size after it; the cut-file tests above then run through it."""
+    root = Path(__file__).resolve().parents[1] / "backends"
+    found = set()
+    for source in sorted(root.glob("*.c")):
+        text = source.read_text()
+        for call in re.finditer(r"txn_begin\)?\s*\(", text):  # a call, also through a cast pointer
+            if "RDONLY" not in text[call.start() : text.find(";", call.start())]:
+                found.add(source.name)
+    assert found <= GUARDED_BY_THEIR_CALLERS, (
+        f"{sorted(found - GUARDED_BY_THEIR_CALLERS)} begin write transactions in C: their caller must ask "
+        "tier._guarded_env() before and call tier._wrote() after the commit; then list them here"
+    )
