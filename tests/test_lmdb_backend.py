@@ -909,6 +909,7 @@ def test_a_zeroed_page_costs_its_records_not_the_store(tmp_path: Path, block_byt
         _open(backend, fmt)
     try:
         assert len(list((tmp_path / "env").glob("damaged-*/data.mdb"))) == 1
+        assert backend._reader.guard.seen == data_file.stat().st_size  # type: ignore[attr-defined]  # (the file guard told what the salvage wrote)
         kept = {r.key for r in backend.scan()}
         assert keys[n - 1] not in kept  # its checksum failed: not salvaged
         assert n // 2 < len(kept) < n - 1  # one page's records lost, not the store
