@@ -26,11 +26,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch_numerics import default_numerics, numerics
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "kvtier[hf]" to run these tests)'
@@ -74,7 +76,12 @@ def start_manager(num_blocks: int = 64) -> Any:
     cb = ContinuousBatchingConfig(
         page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=256, return_logprobs=True, use_async_batching=False
     )
-    return model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    # The batch processor (the paged cache and the engine's input tensors) is built here, on the
+    # calling thread, for every run: attach() builds it so, and a manager without kvtier would
+    # otherwise build it in its loop thread, so the compared runs would not be set up alike.
+    manager.warmup()
+    return manager
 
 
 def run_turn(manager: Any, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
@@ -137,7 +144,8 @@ def assert_same_turns(name: str, got: dict[str, Any], reference: dict[str, Any])
             f"{[a[0] == b[0] for a, b in zip(mine, theirs)]}, largest logprob change per conversation {diffs}; "
             f"forward passes {len(steps)} against {len(ref_steps)}, first differing pass {first} "
             f"(token ids, positions, threads): {steps[first] if first is not None else None} "
-            f"against {ref_steps[first] if first is not None else None}"
+            f"against {ref_steps[first] if first is not None else None}; torch settings at the start "
+            f"{got.get('numerics')} against {reference.get('numerics')}"
         )
 
 
@@ -148,7 +156,7 @@ def chat(config: dict[str, Any] | None, *, turns: int = 3, engine_prefix_cache: 
     kv = attach(manager, config, model_id=MODEL_ID, engine_prefix_cache=engine_prefix_cache) if config else None
     openings, users = conversations()
     history = [o[:] for o in openings]
-    out: dict[str, Any] = {"turns": [], "matches": [], "prompts": [], "steps": []}
+    out: dict[str, Any] = {"turns": [], "matches": [], "prompts": [], "steps": [], "numerics": numerics()}
     steps: list[tuple[Any, ...]] = []
     hook = record_steps(manager, steps)
     manager.start()
@@ -202,10 +210,22 @@ def assert_close(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int]
 
 
 # -- the chat runs, shared by the comparisons ----------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def torch_defaults() -> Iterator[dict[str, Any]]:
+    """Every test of this module runs with torch's numeric settings at their defaults, whatever an
+    earlier test in the same process left behind (:mod:`torch_numerics`); set back after."""
+    with default_numerics() as found:
+        yield found
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf")
     lmdb_path = str(root / "lmdb")
+    # No compared run is the process's first: the first forward passes of a process also start
+    # torch's thread pools and pick its kernels, and in long pytest processes the first run (the
+    # reference, then) was the one whose bits differed. One turn, not compared.
+    chat(None, turns=1, engine_prefix_cache=True)
     data: dict[str, Any] = {"engine": chat(None, engine_prefix_cache=True)}
     data["cpu"] = chat(cpu_config())
     data["lmdb"] = chat(lmdb_config(lmdb_path))
@@ -317,6 +337,49 @@ def test_a_turn_that_differs_is_named_with_its_forward_passes() -> None:
     other = {"turns": [[([5], [-0.5000001])]], "steps": [[([1, 2], [0, 1], 2), ([3], [2], 1)]]}
     with pytest.raises(AssertionError, match=r"other turn 0 differs .*first differing pass 1 .*\(\[3\], \[2\], 1\)"):
         assert_same_turns("other", other, reference)
+
+
+#: Settings an earlier test could leave behind, each with its undo.
+LEAKS: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+    "matmul precision medium": (
+        lambda: torch.set_float32_matmul_precision("medium"),
+        lambda: torch.set_float32_matmul_precision("highest"),
+    ),
+    "fused attention off": (
+        lambda: torch.backends.cuda.enable_flash_sdp(False),
+        lambda: torch.backends.cuda.enable_flash_sdp(True),
+    ),
+}
+
+
+@pytest.mark.parametrize("leak", list(LEAKS))
+def test_chat_bits_do_not_depend_on_torch_settings_left_behind(runs: dict[str, Any], leak: str) -> None:
+    """A setting left changed by an earlier test in the same process changes the chat's bits (the
+    control), and this module's runs take torch's defaults whatever was left: the first turn
+    under ``default_numerics`` is the reference's bit for bit, and the leak is set back after."""
+    leave, undo = LEAKS[leak]
+    leave()
+    try:
+        left = chat(None, turns=1, engine_prefix_cache=True)
+        with default_numerics() as found:
+            pinned = chat(None, turns=1, engine_prefix_cache=True)
+        after = numerics()
+    finally:
+        undo()
+    assert left["turns"][0] != runs["engine"]["turns"][0], f"{leak} did not change the bits: the test sees nothing"
+    assert_same_turns(leak, pinned, runs["engine"])
+    assert found != numerics() and after == found  # it was on inside, and set back as found
+
+
+def test_a_mode_left_on_fails_with_its_name() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    with Passing(), pytest.raises(AssertionError, match="function_modes"), default_numerics():
+        pass
 
 
 def test_greedy_tokens_match_full_recompute(runs: dict[str, Any]) -> None:
