@@ -55,6 +55,23 @@ def test_a_failed_run_says_why_and_how_each_server_is_on_stderr(tmp_path: Path, 
     assert "--- mooncake_client (stopped)" in err and "client.log" in err
 
 
+def test_the_servers_take_four_distinct_ports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each port is probed free on its own, so two probes can return the same port; the master
+    (or the client) would then fail to bind its second listener and the run exit 1. Here every
+    probe returns each free port twice in a row: the four ports must still be distinct."""
+    from kvtier.tools import servers as server_tools
+    from kvtier.tools.mooncake_servers import MooncakeServers, mooncake_binaries
+
+    if mooncake_binaries() is None:
+        pytest.skip(str(mooncake_missing()))
+    free = [server_tools.free_port() for _ in range(6)]
+    picks = iter([p for p in free for _ in range(2)])
+    monkeypatch.setattr(server_tools.random, "randint", lambda low, high: next(picks))
+    store = MooncakeServers(tmp_path)
+    ports = [store.rpc_port, store.metadata_port, store.admin_port, store.client_port]
+    assert len(set(ports)) == 4, ports
+
+
 def test_the_peer_side_is_importable_without_lmcache() -> None:
     """The LMCache side runs in the peer's Python; here it must at least parse and import (its
     LMCache imports are inside the functions that need them)."""

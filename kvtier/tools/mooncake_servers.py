@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvtier.tools.servers import free_port
+from kvtier.tools.servers import free_ports
 
 __all__ = ["MISSING", "MooncakeServers", "mooncake_binaries", "mooncake_missing"]
 
@@ -121,7 +121,9 @@ class MooncakeServers:
             raise RuntimeError(MISSING)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.rpc_port, self.metadata_port, self.admin_port, self.client_port = (free_port() for _ in range(4))
+        # Four distinct picks: two probes of free_port() can return the same free port, and the
+        # master or the client then fails to bind its second listener.
+        self.rpc_port, self.metadata_port, self.admin_port, self.client_port = free_ports(4)
         self.segment_size = segment_size
         master_bin, client_bin = found
         self._master = _Process(
