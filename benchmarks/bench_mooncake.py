@@ -43,6 +43,7 @@ import torch
 from kvtier.backend import BlockFormat
 from kvtier.testing import make_key
 from kvtier.tools.mooncake_servers import MooncakeServers, mooncake_missing
+from kvtier.tools.ports import start_on_free_ports
 
 SHAPES = {"2MiB": (2 << 20, 48, 16), "64KiB": (64 << 10, 768, 128)}  # block bytes, blocks, blocks per job
 
@@ -185,12 +186,21 @@ def _report_servers(servers: MooncakeServers, exc: BaseException) -> None:
         print(f"--- {name} ({state}), end of {process.log}:\n{process.tail()[-1500:]}", file=sys.stderr)
 
 
+def start_servers(folder: Path, segment_size: str = "1GB") -> MooncakeServers:
+    """A started master and client in ``folder``, started again on new ports (each try in a
+    folder of its own) when one was taken between its probe and the server's bind: anything on
+    the host can take a free port in that moment."""
+    return start_on_free_ports(
+        lambda n: MooncakeServers(folder / f"servers-{n}", segment_size=segment_size), ports=lambda m: m.ports
+    )
+
+
 def measure(
     repeat: int, shapes: dict[str, tuple[int, int, int]], peer_python: str | None = None, rounds: int = 2
 ) -> dict[str, Any]:
     result: dict[str, Any] = {"load_average_before": [round(x, 2) for x in os.getloadavg()]}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-mooncake-") as tmp:
-        servers = MooncakeServers(Path(tmp), segment_size="1GB").start()
+        servers = start_servers(Path(tmp))
         try:
             raw = _raw_client(servers)
             try:

@@ -33,7 +33,7 @@ def started(directory: Path, **options: Any) -> MooncakeServers:
     after the master is gone counts)."""
     return start_on_free_ports(
         lambda n: MooncakeServers(folder_of_try(directory, n), **options),
-        ports=lambda m: (m.rpc_port, m.metadata_port, m.admin_port, m.client_port),
+        ports=lambda m: m.ports,
     )
 
 

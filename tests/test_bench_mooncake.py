@@ -4,9 +4,11 @@ each shape with their ratios (no timing asserts); without Mooncake it says so an
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bench_modules import bench_module
@@ -70,6 +72,40 @@ def test_the_servers_take_four_distinct_ports(tmp_path: Path, monkeypatch: pytes
     store = MooncakeServers(tmp_path)
     ports = [store.rpc_port, store.metadata_port, store.admin_port, store.client_port]
     assert len(set(ports)) == 4, ports
+
+
+def test_the_bench_starts_its_servers_again_when_a_port_was_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Something else listens on the first try's metadata port (taken between the probe and the
+    master's bind): the bench starts a second master and client on new ports and runs on them."""
+    if mooncake_missing() is not None:
+        pytest.skip(str(mooncake_missing()))
+    from kvtier.tools.mooncake_servers import MooncakeServers
+
+    bench = bench_module("bench_mooncake")
+    made: list[MooncakeServers] = []
+    held: list[socket.socket] = []
+    init = MooncakeServers.__init__
+
+    def taken_first(self: MooncakeServers, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+        if len(made) == 1:
+            other = socket.socket()
+            other.bind(("127.0.0.1", self.metadata_port))
+            other.listen()
+            held.append(other)
+
+    monkeypatch.setattr(MooncakeServers, "__init__", taken_first)
+    try:
+        servers = bench.start_servers(tmp_path, segment_size="64MB")
+        try:
+            assert len(made) == 2 and servers is made[1]
+            assert servers.segments(), "the second try's client did not register"
+        finally:
+            servers.stop()
+    finally:
+        for other in held:
+            other.close()
 
 
 def test_the_peer_side_is_importable_without_lmcache() -> None:

@@ -163,6 +163,11 @@ class MooncakeServers:
         return f"http://127.0.0.1:{self.metadata_port}/metadata"
 
     @property
+    def ports(self) -> tuple[int, int, int, int]:
+        """The ports handed to the master (RPC, metadata, admin) and to the client."""
+        return self.rpc_port, self.metadata_port, self.admin_port, self.client_port
+
+    @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
