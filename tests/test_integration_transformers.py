@@ -145,7 +145,8 @@ def assert_same_turns(name: str, got: dict[str, Any], reference: dict[str, Any])
             f"forward passes {len(steps)} against {len(ref_steps)}, first differing pass {first} "
             f"(token ids, positions, threads): {steps[first] if first is not None else None} "
             f"against {ref_steps[first] if first is not None else None}; torch settings at the start "
-            f"{got.get('numerics')} against {reference.get('numerics')}"
+            f"{got.get('numerics')} against {reference.get('numerics')}; found at the module's start "
+            f"(before torch_defaults): {reference.get('found')}"
         )
 
 
@@ -219,14 +220,14 @@ def torch_defaults() -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory, torch_defaults: dict[str, Any]) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf")
     lmdb_path = str(root / "lmdb")
     # No compared run is the process's first: the first forward passes of a process also start
     # torch's thread pools and pick its kernels, and in long pytest processes the first run (the
     # reference, then) was the one whose bits differed. One turn, not compared.
     chat(None, turns=1, engine_prefix_cache=True)
-    data: dict[str, Any] = {"engine": chat(None, engine_prefix_cache=True)}
+    data: dict[str, Any] = {"engine": {**chat(None, engine_prefix_cache=True), "found": torch_defaults}}
     data["cpu"] = chat(cpu_config())
     data["lmdb"] = chat(lmdb_config(lmdb_path))
     last = data["lmdb"]["prompts"][-1]
@@ -341,9 +342,9 @@ def test_a_turn_that_differs_is_named_with_its_forward_passes() -> None:
 
 #: Settings an earlier test could leave behind, each with its undo.
 LEAKS: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
-    "matmul precision medium": (
-        lambda: torch.set_float32_matmul_precision("medium"),
-        lambda: torch.set_float32_matmul_precision("highest"),
+    "default dtype float64": (
+        lambda: torch.set_default_dtype(torch.float64),
+        lambda: torch.set_default_dtype(torch.float32),
     ),
     "fused attention off": (
         lambda: torch.backends.cuda.enable_flash_sdp(False),
