@@ -218,15 +218,44 @@ index_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
     return value;
 }
 
+/* ``update(other)`` of a dict ``other`` of exact bytes keys none of which ``self`` (synced)
+ * holds: added and counted key by key, as item sets are (no Python code runs: bytes compare
+ * in C, no value is replaced), so the growth of the counts and of the ready-key table goes on
+ * as for item sets. Added by one ``dict.update``, the dict's table could move more than once
+ * in the call (after the first move, a later table may take the address of the first), which
+ * the growth's walk cannot tell from no move: it had to start over after every update, and at
+ * one update in a hundred mutations it never finished. */
+static PyObject *
+index_add_new(KeyIndex *self, PyObject *other, int followed)
+{
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(other, &pos, &key, &value)) {
+        if (PyDict_SetItem((PyObject *)self, key, value) < 0) { /* no memory: those before it added */
+            mark_stale(self);
+            ready_settle(self, NULL, 0, NULL, NULL, 0);
+            return NULL;
+        }
+        index_count_key(self, key);
+        if (followed)
+            ready_added(self, key, value);
+        keyindex_grow(self, 1); /* one move of the dict's table at most since the last */
+    }
+    if (followed && self->ready != NULL)
+        self->ready_synced = DICT_VERSION(self);
+    else
+        ready_settle(self, NULL, 0, NULL, NULL, 0);
+    self->synced = DICT_VERSION(self);
+    Py_RETURN_NONE;
+}
+
 /* ``update(...)``, as dict's: a dict of bytes keys all new is counted key by key, else rebuilt. */
 static PyObject *
 index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
 {
     static PyObject *dict_update = NULL;
-    PyObject *other = NULL, *r, *key, *value;
-    Py_ssize_t before = PyDict_GET_SIZE(self), pos = 0;
+    PyObject *other = NULL, *r;
     int exact = index_synced(self), followed = ready_synced(self);
-    uint64_t other_version = 0;
     if (dict_update == NULL) {
         dict_update = PyObject_GetAttrString((PyObject *)&PyDict_Type, "update");
         if (dict_update == NULL)
@@ -234,9 +263,8 @@ index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
     }
     if (PyTuple_GET_SIZE(args) == 1)
         other = PyTuple_GET_ITEM(args, 0);
-    if (other != NULL && PyDict_CheckExact(other))
-        other_version = DICT_VERSION(other);
-    exact = exact && other != NULL && PyDict_CheckExact(other) && index_all_new(self, other);
+    if (exact && (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) && other != NULL && PyDict_CheckExact(other) && index_all_new(self, other))
+        return index_add_new(self, other, followed);
     {
         PyObject *full = PyTuple_New(PyTuple_GET_SIZE(args) + 1);
         Py_ssize_t i;
@@ -248,29 +276,6 @@ index_update(KeyIndex *self, PyObject *args, PyObject *kwds)
             PyTuple_SET_ITEM(full, i + 1, Py_NewRef(PyTuple_GET_ITEM(args, i)));
         r = PyObject_Call(dict_update, full, kwds);
         Py_DECREF(full);
-    }
-    if (exact && r != NULL && (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) && other != NULL && PyDict_CheckExact(other) &&
-        PyDict_GET_SIZE(self) == before + PyDict_GET_SIZE(other) && DICT_VERSION(other) == other_version) {
-        /* every key of ``other`` (unchanged meanwhile) was new: count each (a foreign one makes the
-         * counts stale) */
-        while (PyDict_Next(other, &pos, &key, &value)) {
-            if (!PyBytes_CheckExact(key)) {
-                mark_stale(self);
-                ready_settle(self, key, 0, NULL, NULL, 0);
-                return r;
-            }
-            index_count_key(self, key);
-            if (followed)
-                ready_added(self, key, value);
-        }
-        if (followed && self->ready != NULL)
-            self->ready_synced = DICT_VERSION(self);
-        else
-            ready_settle(self, NULL, 0, NULL, NULL, 0);
-        self->synced = DICT_VERSION(self);
-        self->next_keys = NULL; /* the dict may have resized more than once (a table's address reused): a walk starts over */
-        keyindex_grow(self, PyDict_GET_SIZE(other));
-        return r;
     }
     mark_stale(self);
     ready_settle(self, NULL, 0, NULL, NULL, 0);
@@ -388,9 +393,11 @@ index_held_ready(KeyIndex *self, PyObject *key)
 static PyObject *
 index_filter_state(KeyIndex *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:O,s:K}", "synced", index_synced(self) ? Py_True : Py_False, "slots", self->slots,
+    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:O,s:K,s:n,s:O,s:K}", "synced", index_synced(self) ? Py_True : Py_False, "slots", self->slots,
                          "saturated", self->saturated, "foreign", self->foreign, "ready", ready_synced(self) ? self->ready_count : -1,
-                         "growing", self->next_cells != NULL ? Py_True : Py_False, "recounted", self->recounted);
+                         "growing", self->next_cells != NULL ? Py_True : Py_False, "recounted", self->recounted,
+                         "ready_slots", self->ready != NULL ? (Py_ssize_t)(self->ready_mask + 1) : -1, "ready_moving",
+                         self->ready_old != NULL ? Py_True : Py_False, "ready_moved", self->ready_moved);
 }
 
 static PyObject *
@@ -412,7 +419,9 @@ index_sizeof(KeyIndex *self, PyObject *unused)
     if (n == -1 && PyErr_Occurred())
         return NULL;
     return PyLong_FromSsize_t(n + (Py_ssize_t)(sizeof(KeyIndex) - sizeof(PyDictObject)) + (self->cells ? self->slots / 4 : 0) + (self->next_cells ? self->next_slots / 4 : 0) +
-                              (self->ready ? (Py_ssize_t)((self->ready_mask + 1) * sizeof(ReadySlot)) : 0));
+                              (self->ready ? (Py_ssize_t)((self->ready_mask + 1) * sizeof(ReadySlot)) : 0) +
+                              (self->ready_old ? (Py_ssize_t)((self->ready_old_mask + 1) * sizeof(ReadySlot)) : 0) +
+                              (self->ready_next ? (Py_ssize_t)(self->ready_next_slots * sizeof(ReadySlot)) : 0));
 }
 
 static void
@@ -464,7 +473,9 @@ static PyMethodDef index_methods[] = {
     {"filter_state", (PyCFunction)index_filter_state, METH_NOARGS,
      "The filter as it stands: synced (its counts match the dict, no rebuild due), slots, saturated, foreign, "
      "ready (keys in the ready-key table; -1 when there is none), growing (a larger filter is being counted), "
-     "recounted (dict entries counted from the dict so far, by rebuilds and growth)."},
+     "recounted (dict entries counted from the dict so far, by rebuilds and growth), ready_slots (the ready-key "
+     "table's; -1: none), ready_moving (an old ready-key table is being moved into a larger one), ready_moved "
+     "(keys moved so far)."},
     {"__sizeof__", (PyCFunction)index_sizeof, METH_NOARGS, "Size in memory, in bytes, the filter's included."},
     {NULL, NULL, 0, NULL},
 };

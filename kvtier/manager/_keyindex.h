@@ -44,7 +44,14 @@ typedef struct {
     uint64_t synced;       /* the dict's version when the counts last matched it */
     ReadySlot *ready;      /* the ready keys, open addressing (NULL: none, or dropped) */
     size_t ready_mask;     /* slots - 1 (a power of two) */
-    Py_ssize_t ready_count;
+    Py_ssize_t ready_count; /* keys held, in ``ready`` and ``ready_old`` together */
+    ReadySlot *ready_old;  /* the table ``ready`` grew out of, moved a few slots a mutation (NULL: none) */
+    size_t ready_old_mask;
+    size_t ready_walk;     /* ``ready_old``'s slots before this one are moved: each key there is in ``ready`` too */
+    ReadySlot *ready_next; /* the larger table being zeroed, a few KiB a mutation, before the move (NULL: none) */
+    size_t ready_next_slots;
+    size_t ready_next_zeroed; /* bytes of ``ready_next`` zeroed so far */
+    unsigned long long ready_moved; /* keys moved from an old table into a larger one, in all */
     uint64_t ready_synced; /* the dict's version when the table last matched it */
     int wants_ready;       /* keep_ready() was called: counts rebuilt from the dict rebuild the table too */
     uint8_t *next_cells;   /* the counts the index grows into, made a few entries a mutation (_keygrow.c); NULL: none */
@@ -211,6 +218,18 @@ ready_same(const ReadySlot *slot, PyObject *key, Py_hash_t hash)
                            memcmp(PyBytes_AS_STRING(held), PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key)) == 0);
 }
 
+/* Whether ``slots`` (a table of ``mask`` + 1 slots) holds ``key``'s bytes. */
+static inline int
+ready_in(const ReadySlot *slots, size_t mask, PyObject *key, Py_hash_t hash)
+{
+    size_t i;
+    for (i = (size_t)hash & mask; slots[i].key != NULL; i = (i + 1) & mask) {
+        if (ready_same(&slots[i], key, hash))
+            return 1;
+    }
+    return 0;
+}
+
 /* What the ready-key table says of ``key``, while it matches the dict: 1, the dict surely maps
  * it to READY (one cache line of the table for a key stored as this very object, where the
  * dict's own probe reads its index and then its entries); -1, the dict surely does not hold it
@@ -219,16 +238,13 @@ ready_same(const ReadySlot *slot, PyObject *key, Py_hash_t hash)
 static inline int
 index_ready_answer(KeyIndex *self, PyObject *key)
 {
-    const ReadySlot *slots = self->ready;
     Py_hash_t hash;
-    size_t i;
-    if (slots == NULL || !PyBytes_CheckExact(key) || !ready_synced(self))
+    if (self->ready == NULL || !PyBytes_CheckExact(key) || !ready_synced(self))
         return 0;
     hash = PyObject_Hash(key); /* bytes: cached after the first, never fails */
-    for (i = (size_t)hash & self->ready_mask; slots[i].key != NULL; i = (i + 1) & self->ready_mask) {
-        if (ready_same(&slots[i], key, hash))
-            return 1;
-    }
+    if (ready_in(self->ready, self->ready_mask, key, hash) ||
+        (self->ready_old != NULL && ready_in(self->ready_old, self->ready_old_mask, key, hash)))
+        return 1; /* while the table grows, a key not moved yet is in the old one */
     return self->ready_count == PyDict_GET_SIZE(self) ? -1 : 0;
 }
 
