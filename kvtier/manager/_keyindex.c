@@ -421,7 +421,7 @@ index_sizeof(KeyIndex *self, PyObject *unused)
     return PyLong_FromSsize_t(n + (Py_ssize_t)(sizeof(KeyIndex) - sizeof(PyDictObject)) + (self->cells ? self->slots / 4 : 0) + (self->next_cells ? self->next_slots / 4 : 0) +
                               (self->ready ? (Py_ssize_t)((self->ready_mask + 1) * sizeof(ReadySlot)) : 0) +
                               (self->ready_old ? (Py_ssize_t)((self->ready_old_mask + 1) * sizeof(ReadySlot)) : 0) +
-                              (self->ready_next ? (Py_ssize_t)(self->ready_next_slots * sizeof(ReadySlot)) : 0));
+                              (Py_ssize_t)self->ready_spent_bytes);
 }
 
 static void

@@ -48,9 +48,9 @@ typedef struct {
     ReadySlot *ready_old;  /* the table ``ready`` grew out of, moved a few slots a mutation (NULL: none) */
     size_t ready_old_mask;
     size_t ready_walk;     /* ``ready_old``'s slots before this one are moved: each key there is in ``ready`` too */
-    ReadySlot *ready_next; /* the larger table being zeroed, a few KiB a mutation, before the move (NULL: none) */
-    size_t ready_next_slots;
-    size_t ready_next_zeroed; /* bytes of ``ready_next`` zeroed so far */
+    char *ready_spent;     /* a moved old table's mapping, given back a part a mutation (NULL: none) */
+    size_t ready_spent_bytes; /* what is left of it */
+    size_t ready_credit;   /* slots to move, or bytes to give back, that the mutations since the last part earned */
     unsigned long long ready_moved; /* keys moved from an old table into a larger one, in all */
     uint64_t ready_synced; /* the dict's version when the table last matched it */
     int wants_ready;       /* keep_ready() was called: counts rebuilt from the dict rebuild the table too */

@@ -27,10 +27,11 @@
  *
  * It grows without a pause (``ready_step``). Moved whole in the mutation that crossed 3/5, it
  * cost that one store call a walk of the table and a cache miss a key in the new one: up to
- * about 99 ms at 629,146 keys here. Now, past half full, a table of twice the slots is made and
- * zeroed a part a mutation; once zeroed it takes every new key, and the old table is walked
- * MOVE_STEP slots a mutation, each key met put into the new one. Until the walk ends, a key is
- * in one table or both, and a lookup, a hold and a drop ask both:
+ * about 99 ms at 629,146 keys here. Now, past half full, a table of twice the slots is made (a
+ * mapping of its own when large: zero pages, no memset) and takes every new key, and the old
+ * table is walked MOVE_STEP slots a mutation, each key met put into the new one; the old
+ * table's mapping is then given back a part at a time. Until the walk ends, a key is in one
+ * table or both, and a lookup and a drop ask both:
  * - every key in the old table's slots behind the walk is in the new one too (the walk put it
  *   there, or the backward shift of a drop that moved it behind the walk, ``ready_cut``); so
  *   once the walk has passed the last slot the old table holds nothing the new one lacks;
@@ -45,11 +46,71 @@
 #include "_keyindex.h"
 
 #define READY_MIN_SLOTS 64
-#define READY_FILL 3  /* fifths of the slots that may be taken */
-#define MOVE_STEP 4   /* slots of an old table moved per mutation */
-#define ZERO_STEP 4096 /* bytes of a larger table zeroed per mutation, at least */
+#define READY_FILL 3              /* fifths of the slots that may be taken */
+#define MOVE_STEP 4               /* slots of an old table moved per mutation */
+#define MOVE_PART 32              /* moved in parts of this many slots (their lines fetched together) */
+#define MAP_BYTES (1u << 20)      /* a table this large or larger is a mapping of its own */
+#define GIVE_STEP 4096            /* bytes of a moved old table's mapping given back per mutation */
+#define GIVE_PART (64u << 10)     /* given back in parts of this many bytes */
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#define READY_MAPPED 1
+#else
+#define READY_MAPPED 0
+#endif
 
 PyObject *keyindex_ready_value;
+
+/* A zeroed table of ``slots`` slots (NULL: no memory). A large one is a mapping of its own: its
+ * pages are zero until written (no memset of megabytes in one call: calloc out of a heap that
+ * malloc keeps memsets it), and it can be given back a part at a time (``ready_give``), where a
+ * free of the whole cost one call 68 us a MiB here (17 ms at 2^24 slots). */
+static ReadySlot *
+ready_alloc(size_t slots)
+{
+    size_t bytes = slots * sizeof(ReadySlot);
+#if READY_MAPPED
+    if (bytes >= MAP_BYTES) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+#endif
+    return PyMem_Calloc(slots, sizeof(ReadySlot));
+}
+
+/* Let go of a table of ``slots`` slots made by ``ready_alloc`` (its keys released or moved). */
+static void
+ready_dealloc(ReadySlot *table, size_t slots)
+{
+#if READY_MAPPED
+    if (slots * sizeof(ReadySlot) >= MAP_BYTES) {
+        munmap(table, slots * sizeof(ReadySlot));
+        return;
+    }
+#endif
+    PyMem_Free(table);
+}
+
+/* Give back ``bytes`` more of a moved old table's mapping, from its end (all that is left, at
+ * most), rounded down to whole parts unless it is the rest. */
+static void
+ready_give(KeyIndex *self, size_t bytes)
+{
+#if READY_MAPPED
+    size_t left = self->ready_spent_bytes;
+    if (bytes >= left)
+        bytes = left;
+    else
+        bytes -= bytes % GIVE_PART;
+    if (bytes == 0)
+        return;
+    munmap(self->ready_spent + left - bytes, bytes);
+    self->ready_spent_bytes = left - bytes;
+    if (self->ready_spent_bytes == 0)
+        self->ready_spent = NULL;
+#endif
+}
 
 /* Release the references a table of ``mask`` + 1 slots holds, and the table. */
 static void
@@ -58,7 +119,7 @@ ready_release(ReadySlot *slots, size_t mask)
     size_t i;
     for (i = 0; i <= mask; i++)
         Py_XDECREF(slots[i].key); /* exact bytes: releasing one runs no Python code */
-    PyMem_Free(slots);
+    ready_dealloc(slots, mask + 1);
 }
 
 void
@@ -70,15 +131,15 @@ ready_free(KeyIndex *self)
         return;
     self->ready = NULL; /* first: nothing consults a table being released */
     self->ready_old = NULL;
-    PyMem_Free(self->ready_next);
-    self->ready_next = NULL;
+    ready_give(self, (size_t)-1);
     /* an old table's key not moved yet is its own reference, unless a shift put it past the walk
      * after it was moved (then the larger table holds it, by the same object) */
     for (i = self->ready_walk; old != NULL && i <= self->ready_old_mask; i++) {
         if (old[i].key != NULL && !ready_in(slots, self->ready_mask, old[i].key, old[i].hash))
             Py_DECREF(old[i].key);
     }
-    PyMem_Free(old);
+    if (old != NULL)
+        ready_dealloc(old, self->ready_old_mask + 1);
     ready_release(slots, self->ready_mask);
     self->ready_mask = 0;
     self->ready_count = 0;
@@ -140,79 +201,77 @@ static void
 ready_move(KeyIndex *self, size_t budget)
 {
     ReadySlot *old = self->ready_old;
+#if defined(__GNUC__) || defined(__clang__)
+    size_t i;
+    for (i = self->ready_walk; budget <= 2 * MOVE_PART && i < self->ready_walk + budget && i <= self->ready_old_mask; i++) {
+        if (old[i].key != NULL) /* their lines in the new table, fetched together rather than one by one */
+            __builtin_prefetch(&self->ready[(size_t)old[i].hash & self->ready_mask], 1);
+    }
+#endif
     for (; budget > 0 && self->ready_walk <= self->ready_old_mask; budget--, self->ready_walk++) {
         if (old[self->ready_walk].key != NULL)
             ready_adopt(self, old[self->ready_walk].key, old[self->ready_walk].hash);
     }
     if (self->ready_walk > self->ready_old_mask) {
+        size_t bytes = (self->ready_old_mask + 1) * sizeof(ReadySlot);
         self->ready_old = NULL;
-        PyMem_Free(old);
+        if (!READY_MAPPED || bytes < MAP_BYTES) {
+            ready_dealloc(old, self->ready_old_mask + 1);
+            return;
+        }
+        self->ready_spent = (char *)old; /* given back a part a mutation from now on */
+        self->ready_spent_bytes = bytes;
+        self->ready_credit = 0;
     }
 }
 
-/* The zeroed larger table takes the new keys from now on; the old one is moved into it. */
-static void
-ready_switch(KeyIndex *self)
-{
-    self->ready_old = self->ready;
-    self->ready_old_mask = self->ready_mask;
-    self->ready = self->ready_next;
-    self->ready_mask = self->ready_next_slots - 1;
-    self->ready_next = NULL;
-    self->ready_walk = 0;
-}
-
-/* Make the larger table (twice the slots), to be zeroed a part a mutation (not by calloc: out of
- * a heap that malloc keeps, that is a memset of megabytes in one call); -1 where no memory. */
+/* Start the move into a table of twice the slots, which takes the new keys from now on; -1
+ * where no memory (nothing changed). */
 static int
-ready_next_start(KeyIndex *self)
+ready_grow(KeyIndex *self)
 {
     size_t slots = (self->ready_mask + 1) * 2;
-    self->ready_next = PyMem_Malloc(slots * sizeof(ReadySlot));
-    if (self->ready_next == NULL)
+    ReadySlot *fresh = ready_alloc(slots);
+    if (fresh == NULL)
         return -1;
-    self->ready_next_slots = slots;
-    self->ready_next_zeroed = 0;
+    self->ready_old = self->ready;
+    self->ready_old_mask = self->ready_mask;
+    self->ready = fresh;
+    self->ready_mask = slots - 1;
+    self->ready_walk = 0;
+    self->ready_credit = 0;
     return 0;
 }
 
-/* Zero ``part`` more bytes of the larger table (at most what is left); once all are, switch. */
-static void
-ready_zero(KeyIndex *self, size_t part)
-{
-    size_t bytes = self->ready_next_slots * sizeof(ReadySlot), left = bytes - self->ready_next_zeroed;
-    if (part > left)
-        part = left;
-    memset((char *)self->ready_next + self->ready_next_zeroed, 0, part);
-    self->ready_next_zeroed += part;
-    if (self->ready_next_zeroed == bytes)
-        ready_switch(self);
-}
-
-/* The growth's share of one or more mutations: past half full a table twice the size is made
- * and zeroed, then the old table is moved into it MOVE_STEP slots a mutation. Zeroed a part
- * sized to finish before the keys reach the limit (3/5), and moved in fewer mutations than the
- * keys take to reach the larger table's: so no mutation but a rare one (an update of more keys
- * than that) pays for a whole table. While it is moved, the keys are in one table or the other
- * (a lookup asks both), the new ones in the larger. */
+/* The growth's share of one or more mutations: past half full a table of twice the slots
+ * takes the new keys, and the old table is moved into it MOVE_STEP slots a mutation, in fewer
+ * mutations than the keys take to reach the larger table's limit; then the old table's
+ * mapping is given back GIVE_STEP bytes a mutation (in parts of GIVE_PART). So no mutation
+ * but a rare one (an update of more keys than that) pays for a whole table. While it is moved,
+ * the keys are in one table or both (a lookup asks both), the new ones in the larger. */
 static void
 ready_step(KeyIndex *self, size_t mutations)
 {
-    size_t limit, room;
     if (self->ready == NULL)
         return;
     if (self->ready_old != NULL) {
-        ready_move(self, mutations * MOVE_STEP);
+        self->ready_credit += mutations * MOVE_STEP;
+        if (self->ready_credit >= MOVE_PART) {
+            ready_move(self, self->ready_credit);
+            self->ready_credit = 0;
+        }
         return;
     }
-    if (self->ready_next == NULL) {
-        if ((size_t)self->ready_count * 2 <= self->ready_mask + 1 || ready_next_start(self) < 0)
-            return; /* no memory: the table in use takes keys up to its limit, and is asked again */
+    if (self->ready_spent != NULL) {
+        self->ready_credit += mutations * GIVE_STEP;
+        if (self->ready_credit >= GIVE_PART) {
+            ready_give(self, self->ready_credit);
+            self->ready_credit = 0;
+        }
+        return;
     }
-    limit = (self->ready_mask + 1) * READY_FILL / 5;
-    room = limit > (size_t)self->ready_count ? limit - (size_t)self->ready_count : 1;
-    room = (self->ready_next_slots * sizeof(ReadySlot) - self->ready_next_zeroed) / room * 2 + 1;
-    ready_zero(self, mutations * ZERO_STEP > room ? mutations * ZERO_STEP : room);
+    if ((size_t)self->ready_count * 2 > self->ready_mask + 1)
+        (void)ready_grow(self); /* no memory: the table in use takes keys up to its limit, and is asked again */
 }
 
 /* Room in the table in use for one more key: where it is at its limit (the growth behind,
@@ -224,15 +283,17 @@ ready_room(KeyIndex *self)
         return 0;
     if (self->ready_old != NULL)
         ready_move(self, (size_t)-1);
-    if (self->ready_next == NULL && ready_next_start(self) < 0)
+    ready_give(self, (size_t)-1);
+    if (ready_grow(self) < 0)
         return -1;
-    ready_zero(self, (size_t)-1);
     ready_move(self, (size_t)-1);
     return 0;
 }
 
-/* Hold ``key`` (exact bytes, mapped to READY by the dict), unless its bytes are held already:
- * one walk of its probe run, which ends at the slot it takes. */
+/* Hold ``key`` (exact bytes, mapped to READY by the dict; not held: the dict mapped it to
+ * another value, or did not hold it, and the table was exact), unless its bytes are in the
+ * table in use already (a check for free: one walk of its probe run, which ends at the slot it
+ * takes). The old table of a move is not asked: a key not yet moved is a key held. */
 static void
 ready_hold(KeyIndex *self, PyObject *key, Py_hash_t hash)
 {
@@ -244,8 +305,6 @@ ready_hold(KeyIndex *self, PyObject *key, Py_hash_t hash)
         ready_free(self); /* no memory: the dict answers until the next rebuild */
         return;
     }
-    if (self->ready_old != NULL && ready_in(self->ready_old, self->ready_old_mask, key, hash))
-        return; /* not moved yet */
     slots = self->ready;
     mask = self->ready_mask;
     for (i = (size_t)hash & mask; slots[i].key != NULL; i = (i + 1) & mask) {
@@ -314,7 +373,7 @@ ready_rebuild(KeyIndex *self)
             return; /* no table while the dict holds a key of another type (see the top) */
     }
     pos = 0;
-    self->ready = PyMem_Calloc(slots, sizeof(ReadySlot));
+    self->ready = ready_alloc(slots);
     if (self->ready == NULL)
         return; /* no table: the dict answers */
     self->ready_mask = slots - 1;
