@@ -218,6 +218,14 @@ index_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
     return value;
 }
 
+#if PY_VERSION_HEX < 0x030D0000 /* the hash ``other`` keeps, not asked of the key again (no longer exported since 3.13) */
+#define DICT_NEXT_HASH(d, pos, key, value, hash) _PyDict_Next((d), (pos), (key), (value), (hash))
+#define DICT_SET_HASH(d, key, value, hash) _PyDict_SetItem_KnownHash((d), (key), (value), (hash))
+#else
+#define DICT_NEXT_HASH(d, pos, key, value, hash) ((void)(hash), PyDict_Next((d), (pos), (key), (value)))
+#define DICT_SET_HASH(d, key, value, hash) PyDict_SetItem((d), (key), (value))
+#endif
+
 /* ``update(other)`` of a dict ``other`` of exact bytes keys none of which ``self`` (synced)
  * holds: added and counted key by key, as item sets are (no Python code runs: bytes compare
  * in C, no value is replaced), so the growth of the counts and of the ready-key table goes on
@@ -228,10 +236,12 @@ index_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 index_add_new(KeyIndex *self, PyObject *other, int followed)
 {
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0, owed = 0;
+    Py_hash_t hash;
     PyObject *key, *value;
-    while (PyDict_Next(other, &pos, &key, &value)) {
-        if (PyDict_SetItem((PyObject *)self, key, value) < 0) { /* no memory: those before it added */
+    const void *table = ((PyDictObject *)self)->ma_keys;
+    while (DICT_NEXT_HASH(other, &pos, &key, &value, &hash)) {
+        if (DICT_SET_HASH((PyObject *)self, key, value, hash) < 0) { /* no memory: those before it added */
             mark_stale(self);
             ready_settle(self, NULL, 0, NULL, NULL, 0);
             return NULL;
@@ -239,8 +249,16 @@ index_add_new(KeyIndex *self, PyObject *other, int followed)
         index_count_key(self, key);
         if (followed)
             ready_added(self, key, value);
-        keyindex_grow(self, 1); /* one move of the dict's table at most since the last */
+        /* the growth's share, a part at a time, and at once where the dict's table moved (so
+         * that it sees every move: one at most since its last call) */
+        if (++owed == 64 || ((PyDictObject *)self)->ma_keys != table) {
+            keyindex_grow(self, owed);
+            owed = 0;
+            table = ((PyDictObject *)self)->ma_keys;
+        }
     }
+    if (owed > 0)
+        keyindex_grow(self, owed);
     if (followed && self->ready != NULL)
         self->ready_synced = DICT_VERSION(self);
     else
