@@ -258,3 +258,19 @@ def test_updates_at_a_steady_rate_let_the_filter_grow(ready: bool) -> None:
     absent = [make_key(2 * 10**6 + i) for i in range(4000)]
     assert sum(not index.maybe(k) for k in absent) > 0.5 * len(absent)
     assert all(index.maybe(k) for k in keys[::11])
+
+
+@native
+def test_one_update_of_many_ready_keys_grows_the_table_as_it_adds_them() -> None:
+    """One update() of 20,000 ready keys into a table of 64 slots: it steps the growth once a key,
+    as item sets do, so the table doubles ten times inside the call, each move keeping pace
+    with the keys (none done whole at the limit), and ends exact."""
+    index = new_index(ready_table=True)
+    keys = [make_key(i) for i in range(20_000)]
+    index.update(dict.fromkeys(keys[:10], READY))
+    index.update(dict.fromkeys(keys[10:], READY))
+    state = index.filter_state()
+    assert state["ready"] == len(keys) and state["ready_slots"] == 65_536
+    assert state["ready_moving"]  # the last doubling (at 16,385 keys) still moving: not done whole
+    assert state["ready_moved"] <= 33_000  # each doubling moves at most the keys of its half-full table
+    _exact(index, [*keys[::3], *(make_key(i) for i in range(10**6, 10**6 + 3000))])

@@ -247,8 +247,8 @@ ready_grow(KeyIndex *self)
  * takes the new keys, and the old table is moved into it MOVE_STEP slots a mutation, in fewer
  * mutations than the keys take to reach the larger table's limit; then the old table's
  * mapping is given back GIVE_STEP bytes a mutation (in parts of GIVE_PART). So no mutation
- * but a rare one (an update of more keys than that) pays for a whole table. While it is moved,
- * the keys are in one table or both (a lookup asks both), the new ones in the larger. */
+ * pays for a whole table (an update steps once a key it adds). While it is moved, the keys are
+ * in one table or both (a lookup asks both), the new ones in the larger. */
 static void
 ready_step(KeyIndex *self, size_t mutations)
 {
@@ -274,8 +274,9 @@ ready_step(KeyIndex *self, size_t mutations)
         (void)ready_grow(self); /* no memory: the table in use takes keys up to its limit, and is asked again */
 }
 
-/* Room in the table in use for one more key: where it is at its limit (the growth behind,
- * after an update of many keys), the growth is finished in this call; -1 where no memory. */
+/* Room in the table in use for one more key: where it is at its limit (only where the larger
+ * table could not be made when due: no memory then), the growth is done whole in this call;
+ * -1 where there is still no memory. */
 static int
 ready_room(KeyIndex *self)
 {
