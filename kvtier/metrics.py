@@ -323,7 +323,8 @@ class _Collector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stores: dict[str, weakref.ref[Any]] = {}
-        #: Scrapes that could not read a store's stats, by label (a closed store excepted).
+        #: Scrapes that could not read a store's stats, by label (a closed store excepted);
+        #: added to under ``_lock``, as scrapes may run on several threads at once.
         self.errors: dict[str, int] = {}
 
     def add(self, store: Any, label: str) -> str:
@@ -352,7 +353,10 @@ class _Collector:
                 log.debug("metrics: store %s not scraped: %s", label, exc)
                 continue
             except Exception as exc:  # a scrape never fails, but it is never dropped silently
-                failures = self.errors[label] = self.errors.get(label, 0) + 1
+                # (under the lock: scrapes run at once on the HTTP server's threads, and an add
+                # made between another's read and store would be lost)
+                with self._lock:
+                    failures = self.errors[label] = self.errors.get(label, 0) + 1
                 log.log(logging.WARNING if failures == 1 else logging.DEBUG, "metrics: store %s not scraped: %r", label, exc)
                 continue
             for fam in collect_families(stats, label):
@@ -360,11 +364,13 @@ class _Collector:
                     merged[fam.name].samples.extend(fam.samples)
                 else:
                     merged[fam.name] = fam
-        if self.errors:
+        with self._lock:
+            failed = dict(self.errors)  # (a copy: another scrape may add a store's first failure)
+        if failed:
             from prometheus_client.core import CounterMetricFamily
 
             errors = CounterMetricFamily("kvtier_scrape_errors", "scrapes that could not read a store's stats", labels=["store"])
-            for label, count in self.errors.items():
+            for label, count in failed.items():
                 errors.add_metric([label], count)
             merged[errors.name] = errors
         yield from merged.values()

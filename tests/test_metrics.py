@@ -7,9 +7,12 @@ import logging
 import subprocess
 import sys
 import threading
+import time
+from typing import Any
 
 import pytest
 import torch
+from test_rows_moved_count import JOBS, THREADS, _race, busy_switches  # noqa: F401  (busy_switches: a fixture)
 
 import kvtier
 from kvtier.metrics import StoreMetrics, export
@@ -239,6 +242,47 @@ def test_a_store_that_cannot_be_scraped_is_counted_and_logged(caplog: pytest.Log
     assert registry.get_sample_value("kvtier_scrape_errors_total", {"store": "broken"}) == 2
     warnings = [r for r in caplog.records if "broken" in r.getMessage() and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "dictionary changed size" in warnings[0].getMessage()
+
+
+class _YieldingCounts(dict):  # type: ignore[type-arg]
+    """Counts whose every read lets other threads run before the reader goes on (as a loaded
+    host may)."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = super().get(key, default)
+        time.sleep(0)
+        return value
+
+
+@pytest.mark.usefixtures("busy_switches")
+def test_scrapes_on_many_threads_count_every_store_they_could_not_read() -> None:
+    """prometheus_client's HTTP server answers each scrape on a thread of its own, so scrapes
+    run at once: each failed read of a store is counted, none lost to another scrape's add."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+
+    class Broken:
+        def stats(self) -> dict:
+            raise RuntimeError("unreadable")
+
+    stores = [Broken(), Broken()]
+    handles = [export(store, registry=registry, store_label=f"broken{i}") for i, store in enumerate(stores)]
+    collector = handles[0]._collector
+    assert collector is not None
+    collector.errors = _YieldingCounts()
+    problems: list[str] = []
+
+    def scrape() -> None:
+        try:
+            list(registry.collect())
+        except Exception as exc:  # a scrape that raises is one the server answers with an error
+            problems.append(repr(exc))
+
+    _race(scrape)
+    for handle in handles:
+        handle.close()
+    assert problems == []
+    assert dict(collector.errors) == {"broken0": THREADS * JOBS, "broken1": THREADS * JOBS}
 
 
 def test_a_metrics_port_in_use_is_a_warning_and_the_store_runs_on(caplog: pytest.LogCaptureFixture) -> None:
