@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -375,6 +376,41 @@ def test_bad_calls_and_calls_after_close_answer_in_full(sgl: types.SimpleNamespa
     assert backend.batch_exists(keys) == 0
     assert backend.clear() is False
     backend.close()  # idempotent
+
+
+class _YieldingCounts(dict):  # type: ignore[type-arg]
+    """Counts whose every read lets other threads run first (as a loaded host may)."""
+
+    def __getitem__(self, name: Any) -> Any:
+        time.sleep(0)
+        return super().__getitem__(name)
+
+
+def _legacy_call(store: SglangStore, start: threading.Barrier) -> None:
+    start.wait()
+    store.note_legacy_call("get")
+
+
+def test_the_first_copying_call_is_logged_once_when_both_threads_make_one_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang's prefetch and backup threads call at once: each copying call is counted, and the
+    warning that kvtier answers them as misses is logged once, whichever thread came first."""
+    for _ in range(20):
+        store = SglangStore(ident(), lmdb(tmp_path))
+        store.counters = _YieldingCounts(store.counters)
+        start = threading.Barrier(8)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.sglang"):
+            threads = [threading.Thread(target=_legacy_call, args=(store, start)) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert store.stats()["legacy_calls"] == 8
+        assert [r.getMessage() for r in caplog.records].count(
+            "kvtier: SGLang called get; kvtier serves the zero-copy calls only (interface_v1)"
+        ) == 1
 
 
 def test_clear_forgets_and_deletes_every_record(sgl: types.SimpleNamespace, tmp_path: Path) -> None:

@@ -215,8 +215,10 @@ class SglangStore:
 
     def note_legacy_call(self, name: str) -> None:
         """A copying call (``get``/``set``/``batch_get``/``batch_set``): answered as a miss."""
-        self._count(legacy_calls=1)
-        if self.counters["legacy_calls"] == 1:
+        with self._counter_lock:  # (SGLang's two threads may make the first such call at once)
+            self.counters["legacy_calls"] += 1
+            first = self.counters["legacy_calls"] == 1
+        if first:
             log.warning("kvtier: SGLang called %s; kvtier serves the zero-copy calls only (interface_v1)", name)
 
     def stats(self) -> dict[str, Any]:
