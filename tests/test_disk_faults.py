@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier.backends import file_commit
+from kvtier.backends import file_commit, lmdb_lone
 
 from kvtier import registry
 from kvtier.backend import Backend, BlockFormat
@@ -44,15 +44,41 @@ def _backend(name: str, path: Path, **options: object) -> Backend:
     return registry.backends.get(name)(capacity=256 << 20, path=str(path), **options)
 
 
+def _straight_lines() -> list[int]:
+    """Count, in this (the writer's) process, the saves the ``lmdb`` tier's straight lines
+    (:class:`~kvtier.backends.lmdb_lone.LoneSave`) stored."""
+    took = [0]
+    for attr in ("save", "save_job"):
+        real = getattr(lmdb_lone.LoneSave, attr)
+
+        def counted(self: Any, *args: Any, _real: Any = real) -> Any:
+            out = _real(self, *args)
+            if out is not None:
+                took[0] += 1
+            return out
+
+        setattr(lmdb_lone.LoneSave, attr, counted)
+    return took
+
+
 def _writer(name: str, path: Path, round_: int, fd: int) -> None:
-    backend = _backend(name, path)
+    """Saves of 1-3 blocks. ``lmdb-kept``: from three rows saved from again and again, each block
+    copied in before its save: the store keeps their views, so the saves take the lone save's and
+    the job save's straight lines (fresh rows never do)."""
+    backend = _backend(name.removesuffix("-kept"), path)
     asyncio.run(backend.open(FMT))
     i = 0
     rng = random.Random(round_)
+    kept = [torch.zeros_like(_block(0)) for _ in range(3)] if name.endswith("-kept") else None
+    took = _straight_lines() if kept is not None else None
     while i < PER_ROUND - 4:
         n = rng.randint(1, 3)
         seeds = [_seed(round_, i + j) for j in range(n)]
-        sizes = backend.write_blocks([make_key(s) for s in seeds], [_block(s) for s in seeds])
+        if kept is not None:
+            for row, s in zip(kept, seeds):
+                row.copy_(_block(s))
+        assert took is None or i < 8 or took[0] > 0, "the kept rows' saves never took the straight lines"
+        sizes = backend.write_blocks([make_key(s) for s in seeds], kept[:n] if kept is not None else [_block(s) for s in seeds])
         done = [s for s, size in zip(seeds, sizes) if size is not None]
         if done:
             os.write(fd, b"".join(b"%d\n" % s for s in done))
@@ -90,7 +116,7 @@ def _run_round(name: str, path: Path, round_: int, rng: random.Random) -> list[i
 
 
 def _check_store(name: str, path: Path, reported: set[int], all_seeds: dict[bytes, int]) -> None:
-    backend = _backend(name, path)
+    backend = _backend(name.removesuffix("-kept"), path)
     asyncio.run(backend.open(FMT))  # must never fail after a crash
     try:
         listed = {r.key for r in backend.scan()}
@@ -109,7 +135,7 @@ def _check_store(name: str, path: Path, reported: set[int], all_seeds: dict[byte
         asyncio.run(backend.aclose())
 
 
-@pytest.mark.parametrize(("name", "rounds"), [("lmdb", 50), ("file", 20)])
+@pytest.mark.parametrize(("name", "rounds"), [("lmdb", 50), ("lmdb-kept", 30), ("file", 20)])
 def test_kill_9_never_loses_reported_blocks_or_serves_bad_ones(name: str, rounds: int, tmp_path: Path) -> None:
     rng = random.Random(1234)
     path = tmp_path / name
