@@ -133,18 +133,23 @@ class GroupCommit(Generic[B, R]):
             error = exc
         settle = self._settle
         settling = self._settling if settle is not None else _NO_LOCK
-        with settling:
-            with lock:
-                self._busy = False
-                self.groups += 1
-                self.batches += 1
-                if self._sleepers:
-                    self._cond.notify_all()
-            if error is None and settle is not None:
-                try:
-                    settle(results)
-                except BaseException as exc:
-                    error = exc
+        freed = False
+        try:
+            with settling:
+                with lock:
+                    self._busy = False
+                    freed = True
+                    self.groups += 1
+                    self.batches += 1
+                    if self._sleepers:
+                        self._cond.notify_all()
+                if error is None and settle is not None:
+                    try:
+                        settle(results)
+                    except BaseException as exc:
+                        error = exc
+        except BaseException as exc:  # a wait for a lock raised (a signal's handler): not settled
+            error = self._unsettled(freed, 1, error, exc)
         if error is not None:
             raise error
         return results[0]
@@ -162,17 +167,38 @@ class GroupCommit(Generic[B, R]):
         except BaseException as exc:  # every batch of the group failed with it
             error = exc
         if settle is not None:
-            with self._settling:  # (after the previous group's settle: in commit order)
-                with self._lock:  # the next group commits while this one settles
-                    self._busy = False
-                    if self._sleepers:
-                        self._cond.notify_all()
-                try:
-                    if error is None:
-                        settle(results)  # type: ignore[arg-type]
-                except BaseException as exc:
-                    error = exc
+            freed = False
+            try:
+                with self._settling:  # (after the previous group's settle: in commit order)
+                    with self._lock:  # the next group commits while this one settles
+                        self._busy = False
+                        freed = True
+                        if self._sleepers:
+                            self._cond.notify_all()
+                    try:
+                        if error is None:
+                            settle(results)  # type: ignore[arg-type]
+                    except BaseException as exc:
+                        error = exc
+            except BaseException as exc:  # a wait for a lock raised (a signal's handler): not settled
+                error = self._unsettled(freed, 0, error, exc)
         return results, error
+
+    def _unsettled(self, freed: bool, batches: int, error: BaseException | None, exc: BaseException) -> BaseException:
+        """A wait for a lock of the group's end raised ``exc`` (a signal's handler raises there:
+        Ctrl-C during a save): unless ``freed`` already, the group marked as no longer committing
+        (counted as ``batches`` batches where not 0), so that the next group may commit (left
+        marked, every later batch would wait for it for ever). The group is not settled: the
+        error its batches fail with (``error``, the commit's, where it failed first)."""
+        if not freed:
+            with self._lock:
+                self._busy = False
+                if batches:
+                    self.groups += 1
+                    self.batches += batches
+                if self._sleepers:
+                    self._cond.notify_all()
+        return error if error is not None else exc
 
     def _done(self, batches: int, group: Sequence[_Ticket[B, R]] = ()) -> None:
         """Count a group of ``batches`` led to its end, mark its tickets done, wake the waiters."""
