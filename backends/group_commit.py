@@ -22,6 +22,9 @@ page sync: the next transaction never overwrites what the last durable one point
 it as ``settle(results)``: the leader runs it after the next group may start its ``commit``, and
 the group's callers return only once it has returned; an exception it raises is raised by every
 caller of that group, as one from ``commit`` is. Settles run one at a time, in commit order.
+Where a wait for the settle's turn raises (a signal's handler raises in a lock's wait: Ctrl-C
+during a save), the group is not settled, its callers raise that error, and the next group may
+commit all the same: a group left marked as committing would keep every later caller waiting.
 """
 
 from __future__ import annotations
