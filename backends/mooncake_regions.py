@@ -28,6 +28,13 @@ registered beside it when a job moves it; nothing is read from the old); and whe
 cannot be asked, a region counts as freed: let go at the next sweep, registered again by the next
 job that moves its memory (a transfer into it meanwhile fails, and so does one through the
 staging, registered once: a failed store or a miss, never a read of the wrong memory).
+
+Where its storages can be asked, a region let go is one whose memory is freed, and a transfer
+never targets freed memory (a job keeps its rows' memory until it is checked), so unregistering
+it cannot fail a transfer. Merging two live regions unregisters one
+for a moment: a transfer of another job into it in that moment fails, a failed store or a miss,
+never wrong data (every record is checked where it lands). Failed registrations and
+unregistrations are counted and logged once each kind.
 """
 
 from __future__ import annotations
