@@ -3,7 +3,9 @@
 stamps. All of them serialise on the tier's one write lock (LMDB has one writer anyway).
 
 A job's records go in one write transaction, and jobs whose writers wait together share it and its
-sync (:mod:`kvtier.backends.group_commit`). Durable (``sync_mode="durable"``), a write returns only
+sync (:mod:`kvtier.backends.group_commit`); a group whose values take more than
+:data:`TXN_MOST_BYTES` of heap goes in several, each durable, the group acknowledged after the last
+(:func:`transactions`). Durable (``sync_mode="durable"``), a write returns only
 after its commit (``sync=True``: the data pages are synced before the meta page is written) and an
 ``env.sync()`` (the meta page) are done: a block counts as saved only once it is on stable storage,
 and a commit that fails fails every job that shared it. Before a group's transaction, glibc is made
